@@ -1,0 +1,7 @@
+//! # yatt-engine
+//!
+//! The compute under every role, built on tch (libtorch). What belongs here: the
+//! Llama-family decoder and its heads, loading HF directories and importing GGUF files,
+//! tokenizers and chat templates, batched generation with a KV cache and continuous
+//! batching, log-probs and entropy, training steps, weight buckets and checkpoints.
+//! It knows nothing of actors: roles wrap it.

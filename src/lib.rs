@@ -1,0 +1,16 @@
+//! # yatt
+//!
+//! The facade over yatt's crates. Each concern has its own crate; this one re-exports
+//! them and holds the `yatt` CLI and the `yatt-node` daemon.
+//!
+//! | crate | concern |
+//! |---|---|
+//! | [`runtime`] | actors, addressing, QUIC transport, membership, supervision (no ML) |
+//! | [`engine`] | tch models, generation, log-probs, training, checkpoints (no actors) |
+//! | [`roles`] | the `Role` trait, built-in roles, algorithms, controllers |
+//! | [`placement`] | inventory, plans, placement policy, simulator (no tch) |
+
+pub use yatt_engine as engine;
+pub use yatt_placement as placement;
+pub use yatt_roles as roles;
+pub use yatt_runtime as runtime;
