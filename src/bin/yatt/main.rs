@@ -1,0 +1,40 @@
+//! `yatt`: the command-line front end. Each subcommand is a thin shell over a library
+//! crate; the logic lives there.
+
+mod engine_cmds;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "yatt", version, about = "RLHF training with addressable actors over QUIC")]
+struct Cli {
+    /// Log as JSON lines instead of human-readable text.
+    #[arg(long, global = true, env = "YATT_LOG_JSON")]
+    log_json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Import a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1) as an HF model directory.
+    ImportGguf(engine_cmds::ImportGgufArgs),
+    /// Benchmarks; figures go to stdout as a markdown table.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Generation, scoring and training throughput of the engine.
+    Engine(engine_cmds::BenchEngineArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    yatt::logging::init(cli.log_json)?;
+    match cli.command {
+        Command::ImportGguf(args) => engine_cmds::import_gguf(args),
+        Command::Bench(BenchCommand::Engine(args)) => engine_cmds::bench_engine(args),
+    }
+}
