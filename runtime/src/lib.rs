@@ -5,3 +5,23 @@
 //! addressing (`node/role/replica` plus an incarnation), the directory of live actors
 //! with its epoch, the QUIC transport with mutual TLS (frames, bulk payloads), cluster
 //! membership with heartbeats, and remote spawn through a factory registry.
+//!
+//! | module | concern |
+//! |---|---|
+//! | [`addr`] | names and incarnations |
+//! | [`actor`] | local actors, references, tell/ask |
+//! | [`supervisor`] | restart policies |
+//! | [`directory`] | who is alive, under an epoch |
+//! | [`membership`] | node inventory, failure detection |
+//! | [`message`] | what crosses the wire |
+//! | [`codec`] | frames and bulk payloads |
+//! | [`tls`] | cluster CA, node certificates, mutual TLS |
+
+pub mod actor;
+pub mod addr;
+pub mod codec;
+pub mod directory;
+pub mod membership;
+pub mod message;
+pub mod supervisor;
+pub mod tls;

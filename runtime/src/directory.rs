@@ -1,0 +1,450 @@
+//! The directory: which nodes and actors exist, which are alive, under an epoch.
+//!
+//! One node (the seed, the directory's leader) orders every change and gives it the next
+//! epoch; the others hold replicas that apply the leader's updates in epoch order and
+//! ask for a snapshot when they see a gap. [`Directory`] is the pure state machine;
+//! [`DirectoryHandle`] shares it inside a process and lets anyone subscribe.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::broadcast;
+
+use crate::actor::ExitReason;
+use crate::addr::{ActorId, ActorName};
+use crate::membership::NodeInfo;
+
+/// Whether a node or actor is alive.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Liveness {
+    /// Serving.
+    Alive,
+    /// Gone, and why.
+    Dead(ExitReason),
+}
+
+/// A node as the directory knows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeEntry {
+    /// What the node reported when it joined.
+    pub info: NodeInfo,
+    /// Alive or dead.
+    pub liveness: Liveness,
+}
+
+/// An actor as the directory knows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActorEntry {
+    /// Its current (or last) incarnation.
+    pub id: ActorId,
+    /// Alive or dead.
+    pub liveness: Liveness,
+}
+
+/// One change to the directory.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Change {
+    /// A node joined (or rejoined with a new incarnation).
+    NodeUp(NodeInfo),
+    /// A node died or left; all its actors are marked dead with it.
+    NodeDown {
+        /// The node's name.
+        node: String,
+        /// Why (missed heartbeats, graceful leave).
+        reason: ExitReason,
+    },
+    /// An actor incarnation started.
+    ActorUp(ActorId),
+    /// An actor incarnation exited.
+    ActorDown {
+        /// Which incarnation.
+        id: ActorId,
+        /// Why.
+        reason: ExitReason,
+    },
+}
+
+/// A change with the epoch it produced.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Update {
+    /// The epoch after this change.
+    pub epoch: u64,
+    /// The change.
+    pub change: Change,
+}
+
+/// Errors applying changes or updates.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DirectoryError {
+    /// An update skipped epochs: this replica must fetch a snapshot.
+    #[error("directory update for epoch {got} but this replica is at {have}: snapshot needed")]
+    Gap {
+        /// The replica's epoch.
+        have: u64,
+        /// The update's epoch.
+        got: u64,
+    },
+    /// An actor was registered on a node the directory does not know or holds dead.
+    #[error("actor {actor} registered on node {node:?}, which is not alive in the directory")]
+    UnknownNode {
+        /// The actor.
+        actor: ActorId,
+        /// Its node.
+        node: String,
+    },
+}
+
+/// The directory state. Pure: no I/O, no clocks.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Directory {
+    epoch: u64,
+    nodes: BTreeMap<String, NodeEntry>,
+    actors: BTreeMap<ActorName, ActorEntry>,
+}
+
+impl Directory {
+    /// The current epoch: the number of effective changes applied so far.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The entry for a node.
+    pub fn node(&self, name: &str) -> Option<&NodeEntry> {
+        self.nodes.get(name)
+    }
+
+    /// All nodes, alive and dead.
+    pub fn nodes(&self) -> impl Iterator<Item = &NodeEntry> {
+        self.nodes.values()
+    }
+
+    /// The alive nodes.
+    pub fn alive_nodes(&self) -> impl Iterator<Item = &NodeInfo> {
+        self.nodes
+            .values()
+            .filter(|n| n.liveness == Liveness::Alive)
+            .map(|n| &n.info)
+    }
+
+    /// The entry for an actor name.
+    pub fn actor(&self, name: &ActorName) -> Option<&ActorEntry> {
+        self.actors.get(name)
+    }
+
+    /// All actor entries.
+    pub fn actors(&self) -> impl Iterator<Item = &ActorEntry> {
+        self.actors.values()
+    }
+
+    /// The alive incarnation registered under `name`.
+    pub fn resolve(&self, name: &ActorName) -> Option<&ActorId> {
+        self.actors
+            .get(name)
+            .filter(|e| e.liveness == Liveness::Alive)
+            .map(|e| &e.id)
+    }
+
+    /// The alive actors of a role, in name order.
+    pub fn group(&self, role: &str) -> Vec<ActorId> {
+        self.actors
+            .values()
+            .filter(|e| e.id.name.role == role && e.liveness == Liveness::Alive)
+            .map(|e| e.id.clone())
+            .collect()
+    }
+
+    /// Applies a change as the leader. Returns the update to broadcast, or `None` when
+    /// the change altered nothing (duplicates and stale reports are absorbed).
+    pub fn apply(&mut self, change: Change) -> Result<Option<Update>, DirectoryError> {
+        let changed = match &change {
+            Change::NodeUp(info) => {
+                let entry = NodeEntry {
+                    info: info.clone(),
+                    liveness: Liveness::Alive,
+                };
+                match self.nodes.get(&info.name) {
+                    Some(old) if *old == entry => false,
+                    Some(old) if old.info.incarnation > info.incarnation => false,
+                    _ => {
+                        // A rejoin with a new incarnation: the old life's actors are gone.
+                        self.mark_node_actors_dead(&info.name, &ExitReason::NodeDown("node restarted".into()));
+                        self.nodes.insert(info.name.clone(), entry);
+                        true
+                    }
+                }
+            }
+            Change::NodeDown { node, reason } => match self.nodes.get_mut(node) {
+                Some(entry) if entry.liveness == Liveness::Alive => {
+                    entry.liveness = Liveness::Dead(reason.clone());
+                    let reason = ExitReason::NodeDown(format!("node {node} is down"));
+                    self.mark_node_actors_dead(node, &reason);
+                    true
+                }
+                _ => false,
+            },
+            Change::ActorUp(id) => {
+                let node_alive = self
+                    .nodes
+                    .get(&id.name.node)
+                    .is_some_and(|n| n.liveness == Liveness::Alive);
+                if !node_alive {
+                    return Err(DirectoryError::UnknownNode {
+                        actor: id.clone(),
+                        node: id.name.node.clone(),
+                    });
+                }
+                match self.actors.get(&id.name) {
+                    Some(old) if old.id.incarnation >= id.incarnation => false,
+                    _ => {
+                        self.actors.insert(
+                            id.name.clone(),
+                            ActorEntry {
+                                id: id.clone(),
+                                liveness: Liveness::Alive,
+                            },
+                        );
+                        true
+                    }
+                }
+            }
+            Change::ActorDown { id, reason } => match self.actors.get_mut(&id.name) {
+                Some(entry) if entry.id == *id && entry.liveness == Liveness::Alive => {
+                    entry.liveness = Liveness::Dead(reason.clone());
+                    true
+                }
+                _ => false,
+            },
+        };
+        if !changed {
+            return Ok(None);
+        }
+        self.epoch += 1;
+        Ok(Some(Update {
+            epoch: self.epoch,
+            change,
+        }))
+    }
+
+    /// Applies a leader's update on a replica, in epoch order.
+    /// Returns whether it was new (old and duplicate updates are ignored).
+    pub fn apply_update(&mut self, update: &Update) -> Result<bool, DirectoryError> {
+        if update.epoch <= self.epoch {
+            return Ok(false);
+        }
+        if update.epoch != self.epoch + 1 {
+            return Err(DirectoryError::Gap {
+                have: self.epoch,
+                got: update.epoch,
+            });
+        }
+        // The leader already accepted it; apply the same rule and take the leader's epoch.
+        self.apply(update.change.clone())?;
+        self.epoch = update.epoch;
+        Ok(true)
+    }
+
+    fn mark_node_actors_dead(&mut self, node: &str, reason: &ExitReason) {
+        for entry in self.actors.values_mut() {
+            if entry.id.name.node == node && entry.liveness == Liveness::Alive {
+                entry.liveness = Liveness::Dead(reason.clone());
+            }
+        }
+    }
+}
+
+/// What a subscriber receives.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// An update was applied.
+    Update(Update),
+    /// The replica was replaced by a snapshot at this epoch; re-read the whole directory.
+    Reset(u64),
+}
+
+/// A process's shared view of the directory, with change notifications.
+#[derive(Clone)]
+pub struct DirectoryHandle {
+    state: Arc<RwLock<Directory>>,
+    events: broadcast::Sender<Event>,
+}
+
+impl Default for DirectoryHandle {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl DirectoryHandle {
+    /// An empty directory at epoch 0.
+    pub fn new() -> Self {
+        DirectoryHandle {
+            state: Arc::new(RwLock::new(Directory::default())),
+            events: broadcast::channel(1024).0,
+        }
+    }
+
+    /// A copy of the current state.
+    pub fn snapshot(&self) -> Directory {
+        self.read(|d| d.clone())
+    }
+
+    /// Reads the state under the lock.
+    pub fn read<T>(&self, f: impl FnOnce(&Directory) -> T) -> T {
+        f(&self.state.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// The current epoch.
+    pub fn epoch(&self) -> u64 {
+        self.read(|d| d.epoch())
+    }
+
+    /// A snapshot and a receiver for every event after it, taken atomically. A receiver
+    /// that lags behind gets `RecvError::Lagged`: take a new snapshot then.
+    pub fn subscribe(&self) -> (Directory, broadcast::Receiver<Event>) {
+        let guard = self.state.read().unwrap_or_else(|p| p.into_inner());
+        (guard.clone(), self.events.subscribe())
+    }
+
+    /// Applies a change as the leader and notifies subscribers.
+    pub fn apply(&self, change: Change) -> Result<Option<Update>, DirectoryError> {
+        let mut guard = self.state.write().unwrap_or_else(|p| p.into_inner());
+        let update = guard.apply(change)?;
+        if let Some(u) = &update {
+            let _ = self.events.send(Event::Update(u.clone()));
+        }
+        Ok(update)
+    }
+
+    /// Applies a leader's update on a replica and notifies subscribers.
+    pub fn apply_update(&self, update: &Update) -> Result<bool, DirectoryError> {
+        let mut guard = self.state.write().unwrap_or_else(|p| p.into_inner());
+        let fresh = guard.apply_update(update)?;
+        if fresh {
+            let _ = self.events.send(Event::Update(update.clone()));
+        }
+        Ok(fresh)
+    }
+
+    /// Replaces the replica with a leader's snapshot when it is newer.
+    pub fn reset(&self, snapshot: Directory) {
+        let mut guard = self.state.write().unwrap_or_else(|p| p.into_inner());
+        if snapshot.epoch() >= guard.epoch() {
+            let epoch = snapshot.epoch();
+            *guard = snapshot;
+            let _ = self.events.send(Event::Reset(epoch));
+        }
+    }
+
+    /// Waits until `pred` holds, at most `timeout`. Returns whether it held.
+    pub async fn wait_until(&self, timeout: Duration, mut pred: impl FnMut(&Directory) -> bool) -> bool {
+        let (snap, mut rx) = self.subscribe();
+        if pred(&snap) {
+            return true;
+        }
+        let wait = async {
+            loop {
+                match rx.recv().await {
+                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {
+                        if self.read(&mut pred) {
+                            return true;
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return false,
+                }
+            }
+        };
+        tokio::time::timeout(timeout, wait).await.unwrap_or(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(name: &str, incarnation: u64) -> NodeInfo {
+        NodeInfo::for_tests(name, incarnation)
+    }
+
+    fn id(s: &str) -> ActorId {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn epochs_count_effective_changes_only() {
+        let mut d = Directory::default();
+        assert_eq!(d.apply(Change::NodeUp(node("a", 1))).unwrap().unwrap().epoch, 1);
+        assert_eq!(d.apply(Change::NodeUp(node("a", 1))).unwrap(), None, "duplicate join");
+        d.apply(Change::ActorUp(id("a/rollout/0#5"))).unwrap().unwrap();
+        assert_eq!(d.apply(Change::ActorUp(id("a/rollout/0#4"))).unwrap(), None, "older incarnation");
+        assert_eq!(d.epoch(), 2);
+        assert_eq!(d.resolve(&"a/rollout/0".parse().unwrap()), Some(&id("a/rollout/0#5")));
+        // A down report for an old incarnation changes nothing.
+        let stale = Change::ActorDown {
+            id: id("a/rollout/0#4"),
+            reason: ExitReason::Normal,
+        };
+        assert_eq!(d.apply(stale).unwrap(), None);
+        assert_eq!(d.group("rollout").len(), 1);
+    }
+
+    #[test]
+    fn node_down_kills_its_actors_and_rejects_new_ones() {
+        let mut d = Directory::default();
+        d.apply(Change::NodeUp(node("a", 1))).unwrap();
+        d.apply(Change::NodeUp(node("b", 1))).unwrap();
+        d.apply(Change::ActorUp(id("a/policy/0#1"))).unwrap();
+        d.apply(Change::ActorUp(id("b/policy/0#1"))).unwrap();
+        d.apply(Change::NodeDown {
+            node: "a".into(),
+            reason: ExitReason::NodeDown("missed heartbeats".into()),
+        })
+        .unwrap()
+        .unwrap();
+        assert_eq!(d.group("policy"), vec![id("b/policy/0#1")]);
+        assert!(matches!(
+            d.actor(&"a/policy/0".parse().unwrap()).unwrap().liveness,
+            Liveness::Dead(ExitReason::NodeDown(_))
+        ));
+        assert!(matches!(
+            d.apply(Change::ActorUp(id("a/policy/1#2"))),
+            Err(DirectoryError::UnknownNode { .. })
+        ));
+        // The node comes back with a new incarnation.
+        d.apply(Change::NodeUp(node("a", 2))).unwrap().unwrap();
+        d.apply(Change::ActorUp(id("a/policy/1#3"))).unwrap().unwrap();
+        assert_eq!(d.group("policy").len(), 2);
+    }
+
+    #[test]
+    fn replica_follows_leader_and_detects_gaps() {
+        let mut leader = Directory::default();
+        let mut replica = Directory::default();
+        let u1 = leader.apply(Change::NodeUp(node("a", 1))).unwrap().unwrap();
+        let u2 = leader.apply(Change::ActorUp(id("a/r/0#1"))).unwrap().unwrap();
+        let u3 = leader.apply(Change::ActorUp(id("a/r/1#2"))).unwrap().unwrap();
+        assert!(replica.apply_update(&u1).unwrap());
+        assert!(!replica.apply_update(&u1).unwrap(), "duplicate ignored");
+        assert_eq!(replica.apply_update(&u3), Err(DirectoryError::Gap { have: 1, got: 3 }));
+        assert!(replica.apply_update(&u2).unwrap());
+        assert!(replica.apply_update(&u3).unwrap());
+        assert_eq!(replica, leader);
+    }
+
+    #[tokio::test]
+    async fn subscribers_see_updates_and_wait_until_works() {
+        let h = DirectoryHandle::new();
+        let (snap, mut rx) = h.subscribe();
+        assert_eq!(snap.epoch(), 0);
+        let h2 = h.clone();
+        let waiter = tokio::spawn(async move {
+            h2.wait_until(Duration::from_secs(5), |d| d.group("r").len() == 1).await
+        });
+        h.apply(Change::NodeUp(node("a", 1))).unwrap();
+        h.apply(Change::ActorUp(id("a/r/0#1"))).unwrap();
+        assert!(matches!(rx.recv().await.unwrap(), Event::Update(Update { epoch: 1, .. })));
+        assert!(waiter.await.unwrap());
+        assert!(!h.wait_until(Duration::from_millis(20), |d| d.epoch() == 99).await);
+    }
+}
