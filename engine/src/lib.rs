@@ -5,3 +5,17 @@
 //! tokenizers and chat templates, batched generation with a KV cache and continuous
 //! batching, log-probs and entropy, training steps, weight buckets and checkpoints.
 //! It knows nothing of actors: roles wrap it.
+
+pub mod error;
+pub mod gguf;
+
+pub use error::{EngineError, Result};
+pub mod config;
+pub mod device;
+pub mod model;
+pub mod tokenizer;
+
+pub use config::ModelConfig;
+pub use model::{KvCache, Llama};
+pub use tokenizer::{ChatMessage, Tokenizer};
+pub use tch;

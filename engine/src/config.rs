@@ -1,0 +1,217 @@
+//! The model configuration, read from an HF `config.json`.
+
+use crate::error::{EngineError, Result};
+use serde_json::Value;
+use std::path::Path;
+
+/// Rotary-embedding frequency scaling.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// Positions divided by `factor` (HF "linear").
+    Linear {
+        /// The divisor.
+        factor: f64,
+    },
+    /// Llama 3.x frequency-band scaling (HF "llama3").
+    Llama3 {
+        /// Scale of the low-frequency band.
+        factor: f64,
+        /// Lower band edge factor.
+        low_freq_factor: f64,
+        /// Upper band edge factor.
+        high_freq_factor: f64,
+        /// Pre-training context length.
+        original_max_position_embeddings: f64,
+    },
+    /// NTK-aware scaling (HF "dynamic" applied at a fixed factor): the base is raised.
+    Dynamic {
+        /// The context scale factor.
+        factor: f64,
+    },
+}
+
+/// A Llama-family decoder configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// HF `model_type` (llama, qwen2, mistral, ...).
+    pub model_type: String,
+    /// Width of the residual stream.
+    pub hidden_size: i64,
+    /// Width of the SwiGLU MLP.
+    pub intermediate_size: i64,
+    /// Number of decoder layers.
+    pub num_hidden_layers: i64,
+    /// Query heads.
+    pub num_attention_heads: i64,
+    /// Key/value heads (grouped-query attention when fewer than query heads).
+    pub num_key_value_heads: i64,
+    /// Per-head width.
+    pub head_dim: i64,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// RoPE scaling, if any.
+    pub rope_scaling: Option<RopeScaling>,
+    /// Vocabulary size (rows of the embedding).
+    pub vocab_size: i64,
+    /// Longest supported context.
+    pub max_position_embeddings: i64,
+    /// Whether the LM head shares the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// Whether q/k/v projections have biases (Qwen2).
+    pub attention_bias: bool,
+    /// Beginning-of-sequence token.
+    pub bos_token_id: Option<i64>,
+    /// End-of-sequence tokens (several allowed).
+    pub eos_token_ids: Vec<i64>,
+}
+
+fn ids(v: Option<&Value>) -> Vec<i64> {
+    match v {
+        Some(Value::Number(n)) => n.as_i64().into_iter().collect(),
+        Some(Value::Array(a)) => a.iter().filter_map(Value::as_i64).collect(),
+        _ => vec![],
+    }
+}
+
+impl ModelConfig {
+    /// Reads `config.json` from a model directory.
+    pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self> {
+        let path = dir.as_ref().join("config.json");
+        if !path.exists() {
+            return Err(EngineError::Missing {
+                what: "config.json",
+                path,
+                hint: "a model directory needs an HF config.json; `yatt import-gguf FILE DIR` writes one",
+            });
+        }
+        let s = std::fs::read_to_string(&path).map_err(|e| EngineError::io("reading", &path, e))?;
+        let v: Value = serde_json::from_str(&s).map_err(|e| EngineError::Json { path: path.clone(), source: e })?;
+        Self::from_json(&v).map_err(|msg| EngineError::Config { path, msg })
+    }
+
+    /// Parses a config from its JSON value.
+    pub fn from_json(v: &Value) -> std::result::Result<Self, String> {
+        let int = |k: &str| v.get(k).and_then(Value::as_i64).ok_or_else(|| format!("`{k}` is missing or not an integer"));
+        let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("llama").to_string();
+        let supported = ["llama", "mistral", "qwen2", "smollm", "smollm2"];
+        if !supported.contains(&model_type.as_str()) {
+            return Err(format!("model_type {model_type:?} is not a Llama-family decoder yatt runs (supported: {supported:?})"));
+        }
+        let act = v.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
+        if act != "silu" {
+            return Err(format!("hidden_act {act:?}: only \"silu\" (SwiGLU) is supported"));
+        }
+        let hidden_size = int("hidden_size")?;
+        let num_attention_heads = int("num_attention_heads")?;
+        let num_key_value_heads = v.get("num_key_value_heads").and_then(Value::as_i64).unwrap_or(num_attention_heads);
+        if num_attention_heads % num_key_value_heads != 0 {
+            return Err(format!("num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads {num_key_value_heads}"));
+        }
+        let head_dim = v.get("head_dim").and_then(Value::as_i64).unwrap_or(hidden_size / num_attention_heads);
+        let rope_scaling = match v.get("rope_scaling") {
+            None | Some(Value::Null) => None,
+            Some(rs) => {
+                let ty = rs.get("rope_type").or_else(|| rs.get("type")).and_then(Value::as_str).unwrap_or("default");
+                let f = |k: &str, d: f64| rs.get(k).and_then(Value::as_f64).unwrap_or(d);
+                match ty {
+                    "default" => None,
+                    "linear" => Some(RopeScaling::Linear { factor: f("factor", 1.0) }),
+                    "dynamic" => Some(RopeScaling::Dynamic { factor: f("factor", 1.0) }),
+                    "llama3" => Some(RopeScaling::Llama3 {
+                        factor: f("factor", 8.0),
+                        low_freq_factor: f("low_freq_factor", 1.0),
+                        high_freq_factor: f("high_freq_factor", 4.0),
+                        original_max_position_embeddings: f("original_max_position_embeddings", 8192.0),
+                    }),
+                    other => return Err(format!("rope_scaling type {other:?} is not supported (linear, dynamic, llama3 are)")),
+                }
+            }
+        };
+        let mut eos_token_ids = ids(v.get("eos_token_id"));
+        eos_token_ids.dedup();
+        Ok(ModelConfig {
+            model_type: model_type.clone(),
+            hidden_size,
+            intermediate_size: int("intermediate_size")?,
+            num_hidden_layers: int("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps: v.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6),
+            rope_theta: v.get("rope_theta").and_then(Value::as_f64).unwrap_or(10000.0),
+            rope_scaling,
+            vocab_size: int("vocab_size")?,
+            max_position_embeddings: v.get("max_position_embeddings").and_then(Value::as_i64).unwrap_or(4096),
+            tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
+            attention_bias: v.get("attention_bias").and_then(Value::as_bool).unwrap_or(model_type == "qwen2"),
+            bos_token_id: v.get("bos_token_id").and_then(Value::as_i64),
+            eos_token_ids,
+        })
+    }
+
+    /// The inverse frequencies of the rotary embedding (length `head_dim / 2`).
+    pub fn rope_inv_freq(&self) -> Vec<f64> {
+        let d = self.head_dim as f64;
+        let mut base = self.rope_theta;
+        if let Some(RopeScaling::Dynamic { factor }) = self.rope_scaling {
+            base *= factor.powf(d / (d - 2.0));
+        }
+        let mut inv: Vec<f64> = (0..self.head_dim / 2).map(|i| 1.0 / base.powf(2.0 * i as f64 / d)).collect();
+        match self.rope_scaling {
+            Some(RopeScaling::Linear { factor }) => inv.iter_mut().for_each(|f| *f /= factor),
+            Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings: old }) => {
+                let low_wl = old / low_freq_factor;
+                let high_wl = old / high_freq_factor;
+                for f in inv.iter_mut() {
+                    let wl = 2.0 * std::f64::consts::PI / *f;
+                    if wl > low_wl {
+                        *f /= factor;
+                    } else if wl >= high_wl {
+                        let smooth = (old / wl - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        *f = (1.0 - smooth) * *f / factor + smooth * *f;
+                    }
+                }
+            }
+            _ => {}
+        }
+        inv
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn parses_smollm_like() {
+        let c = ModelConfig::from_json(&json!({"model_type":"llama","hidden_size":576,"intermediate_size":1536,
+            "num_hidden_layers":30,"num_attention_heads":9,"num_key_value_heads":3,"vocab_size":49152,
+            "rope_theta":100000.0,"tie_word_embeddings":true,"eos_token_id":[2, 2]}))
+        .unwrap();
+        assert_eq!(c.head_dim, 64);
+        assert_eq!(c.eos_token_ids, vec![2]);
+        assert_eq!(c.rope_inv_freq().len(), 32);
+        assert_eq!(c.rope_inv_freq()[0], 1.0);
+    }
+
+    #[test]
+    fn rejects_bad() {
+        let e = ModelConfig::from_json(&json!({"model_type":"gpt2"})).unwrap_err();
+        assert!(e.contains("gpt2"));
+        let e = ModelConfig::from_json(&json!({"hidden_size":8,"num_attention_heads":3,"num_key_value_heads":2})).unwrap_err();
+        assert!(e.contains("multiple"), "{e}");
+    }
+
+    #[test]
+    fn linear_scaling_divides() {
+        let mut c = ModelConfig::from_json(&json!({"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,
+            "num_attention_heads":2,"vocab_size":4})).unwrap();
+        let base = c.rope_inv_freq();
+        c.rope_scaling = Some(RopeScaling::Linear { factor: 4.0 });
+        let s = c.rope_inv_freq();
+        assert!((s[1] - base[1] / 4.0).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,50 @@
+//! Device and dtype selection.
+
+use tch::{Device, Kind};
+
+/// CUDA device 0 when libtorch sees a GPU, else the CPU.
+pub fn default_device() -> Device {
+    if tch::Cuda::is_available() {
+        Device::Cuda(0)
+    } else {
+        Device::Cpu
+    }
+}
+
+/// The devices a test body should run on: the CPU always, CUDA 0 when available.
+pub fn test_devices() -> Vec<Device> {
+    let mut v = vec![Device::Cpu];
+    if tch::Cuda::is_available() {
+        v.push(Device::Cuda(0));
+    }
+    v
+}
+
+/// Sets libtorch's intra-op thread count (0 leaves it unchanged).
+pub fn set_threads(n: usize) {
+    if n > 0 {
+        tch::set_num_threads(n as i32);
+    }
+}
+
+/// Parses a dtype name: `f32`/`float32`, `bf16`/`bfloat16`, `f16`/`float16`.
+pub fn parse_kind(s: &str) -> Option<Kind> {
+    match s.to_ascii_lowercase().as_str() {
+        "f32" | "float32" | "float" => Some(Kind::Float),
+        "bf16" | "bfloat16" => Some(Kind::BFloat16),
+        "f16" | "float16" | "half" => Some(Kind::Half),
+        _ => None,
+    }
+}
+
+/// Runs one test body on every device of [`test_devices`]:
+/// `test_device!(|dev| { ... })` binds `dev: tch::Device` in the body.
+#[macro_export]
+macro_rules! test_device {
+    (|$dev:ident| $body:block) => {
+        for $dev in $crate::device::test_devices() {
+            eprintln!("test on {:?}", $dev);
+            $body
+        }
+    };
+}

@@ -1,0 +1,509 @@
+//! The Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU, tied or
+//! untied embeddings), its KV cache and its scalar heads.
+//!
+//! The canonical parameters fuse q/k/v into one matrix and gate/up into another (fewer,
+//! larger GEMMs); the HF names are exposed as views into them
+//! ([`Llama::hf_named_tensors`]) for checkpoints and weight sync.
+
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use std::collections::HashMap;
+use std::path::Path;
+use tch::{Device, Kind, Tensor};
+
+/// One decoder layer's parameters.
+#[derive(Debug)]
+pub struct Layer {
+    /// RMSNorm before attention.
+    pub ln1: Tensor,
+    /// Fused q/k/v projection `[(H + 2·KV)·hd, hidden]`.
+    pub wqkv: Tensor,
+    /// Fused q/k/v bias (Qwen2).
+    pub bqkv: Option<Tensor>,
+    /// Output projection.
+    pub wo: Tensor,
+    /// RMSNorm before the MLP.
+    pub ln2: Tensor,
+    /// Fused gate/up projection `[2·ffn, hidden]`.
+    pub w_gate_up: Tensor,
+    /// Down projection.
+    pub w_down: Tensor,
+}
+
+/// A scalar head on the final hidden state (value head or reward head).
+#[derive(Debug)]
+pub struct ScalarHead {
+    /// HF name prefix (`score` for reward models, `v_head` for critics).
+    pub prefix: String,
+    /// `[1, hidden]`.
+    pub weight: Tensor,
+    /// `[1]`, if any.
+    pub bias: Option<Tensor>,
+}
+
+impl ScalarHead {
+    /// A zero-initialised head (`bias` included for value heads).
+    pub fn new(prefix: &str, hidden: i64, with_bias: bool, device: Device, kind: Kind) -> Self {
+        let weight = Tensor::zeros([1, hidden], (kind, device));
+        let bias = with_bias.then(|| Tensor::zeros([1], (kind, device)));
+        ScalarHead { prefix: prefix.to_string(), weight, bias }
+    }
+    /// Applies the head: `[.., hidden] → [..]`.
+    pub fn forward(&self, h: &Tensor) -> Tensor {
+        h.linear(&self.weight, self.bias.as_ref()).squeeze_dim(-1)
+    }
+}
+
+/// A preallocated key/value cache: per layer `[slots, kv_heads, max_len, head_dim]`.
+#[derive(Debug)]
+pub struct KvCache {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    /// Number of sequence slots.
+    pub slots: i64,
+    /// Positions per slot.
+    pub max_len: i64,
+}
+
+impl KvCache {
+    /// Allocates a cache for `model`.
+    pub fn new(model: &Llama, slots: i64, max_len: i64) -> Self {
+        let c = &model.config;
+        let opts = (model.kind, model.device);
+        let shape = [slots, c.num_key_value_heads, max_len, c.head_dim];
+        let k = (0..c.num_hidden_layers).map(|_| Tensor::zeros(shape, opts)).collect();
+        let v = (0..c.num_hidden_layers).map(|_| Tensor::zeros(shape, opts)).collect();
+        KvCache { k, v, slots, max_len }
+    }
+
+    /// Copies the first `len` positions of slot `from` into slot `to`.
+    pub fn move_slot(&mut self, from: i64, to: i64, len: i64) {
+        if from == to || len == 0 {
+            return;
+        }
+        tch::no_grad(|| {
+            for t in self.k.iter_mut().chain(self.v.iter_mut()) {
+                let src = t.narrow(0, from, 1).narrow(2, 0, len);
+                t.narrow(0, to, 1).narrow(2, 0, len).copy_(&src);
+            }
+        });
+    }
+
+    /// Bytes held by the cache.
+    pub fn bytes(&self) -> usize {
+        self.k.iter().chain(self.v.iter()).map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum()
+    }
+}
+
+/// How attention sees the past in one forward call.
+pub enum Attn<'a> {
+    /// No cache: causal attention over the given tokens, with an optional key mask
+    /// `[B, T]` (1 = real token).
+    Full {
+        /// The padding mask, if any.
+        mask: Option<&'a Tensor>,
+    },
+    /// Prefill slots `start..start+B` of a cache from position 0 (right-padded input).
+    Prefill {
+        /// The cache.
+        cache: &'a mut KvCache,
+        /// The first slot.
+        start: i64,
+    },
+    /// One new token per slot `0..B`, at the per-slot positions given to the forward.
+    Decode {
+        /// The cache.
+        cache: &'a mut KvCache,
+        /// Number of cache positions to attend over (max position + 1).
+        span: i64,
+    },
+}
+
+/// A Llama-family causal LM.
+#[derive(Debug)]
+pub struct Llama {
+    /// The configuration.
+    pub config: ModelConfig,
+    /// Token embedding `[vocab, hidden]`.
+    pub embed: Tensor,
+    /// The decoder layers.
+    pub layers: Vec<Layer>,
+    /// The final RMSNorm.
+    pub norm: Tensor,
+    /// The untied LM head, or `None` when tied to `embed`.
+    pub lm_head: Option<Tensor>,
+    /// A scalar head (critic / reward), if attached.
+    pub head: Option<ScalarHead>,
+    device: Device,
+    kind: Kind,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+fn take(map: &mut HashMap<String, Tensor>, name: &str) -> Result<Tensor> {
+    map.remove(name).ok_or_else(|| EngineError::Weights(format!("tensor `{name}` is missing from the checkpoint")))
+}
+
+fn check_shape(name: &str, t: &Tensor, want: &[i64]) -> Result<()> {
+    if t.size() != want {
+        return Err(EngineError::Weights(format!("tensor `{name}` has shape {:?}, the config implies {want:?}", t.size())));
+    }
+    Ok(())
+}
+
+/// Reads every tensor of an HF model directory (`model.safetensors` or a sharded
+/// `model.safetensors.index.json`), on the CPU in their stored dtype.
+pub fn read_safetensors_dir(dir: &Path) -> Result<HashMap<String, Tensor>> {
+    let single = dir.join("model.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    let files: Vec<std::path::PathBuf> = if single.exists() {
+        vec![single]
+    } else if index.exists() {
+        let s = std::fs::read_to_string(&index).map_err(|e| EngineError::io("reading", &index, e))?;
+        let v: serde_json::Value = serde_json::from_str(&s).map_err(|e| EngineError::Json { path: index.clone(), source: e })?;
+        let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| EngineError::Safetensors {
+            path: index.clone(),
+            msg: "no `weight_map` object".into(),
+        })?;
+        let mut fs: Vec<String> = map.values().filter_map(|f| f.as_str().map(String::from)).collect();
+        fs.sort();
+        fs.dedup();
+        fs.into_iter().map(|f| dir.join(f)).collect()
+    } else {
+        return Err(EngineError::Missing {
+            what: "model weights",
+            path: single,
+            hint: "expected model.safetensors or model.safetensors.index.json in the model directory",
+        });
+    };
+    let mut out = HashMap::new();
+    for f in files {
+        let ts = Tensor::read_safetensors(&f).map_err(|e| EngineError::Safetensors { path: f.clone(), msg: e.to_string() })?;
+        out.extend(ts);
+    }
+    Ok(out)
+}
+
+impl Llama {
+    /// Loads an HF model directory onto `device` as `kind`.
+    pub fn load(dir: impl AsRef<Path>, device: Device, kind: Kind) -> Result<Self> {
+        let dir = dir.as_ref();
+        let config = ModelConfig::from_dir(dir)?;
+        let tensors = read_safetensors_dir(dir)?;
+        Self::from_tensors(config, tensors, device, kind)
+    }
+
+    /// Builds the model from HF-named tensors (any dtype/device; they are converted).
+    pub fn from_tensors(config: ModelConfig, mut t: HashMap<String, Tensor>, device: Device, kind: Kind) -> Result<Self> {
+        let c = &config;
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (nq, nkv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        let conv = |x: Tensor| x.to_device(device).to_kind(kind).contiguous();
+        let embed = take(&mut t, "model.embed_tokens.weight")?;
+        check_shape("model.embed_tokens.weight", &embed, &[c.vocab_size, h])?;
+        let mut layers = Vec::new();
+        for i in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let g = |t: &mut HashMap<String, Tensor>, n: &str, shape: &[i64]| -> Result<Tensor> {
+                let name = format!("{p}.{n}");
+                let x = take(t, &name)?;
+                check_shape(&name, &x, shape)?;
+                Ok(x)
+            };
+            let q = g(&mut t, "self_attn.q_proj.weight", &[nq, h])?;
+            let k = g(&mut t, "self_attn.k_proj.weight", &[nkv, h])?;
+            let v = g(&mut t, "self_attn.v_proj.weight", &[nkv, h])?;
+            let bqkv = if c.attention_bias {
+                let qb = g(&mut t, "self_attn.q_proj.bias", &[nq])?;
+                let kb = g(&mut t, "self_attn.k_proj.bias", &[nkv])?;
+                let vb = g(&mut t, "self_attn.v_proj.bias", &[nkv])?;
+                Some(conv(Tensor::cat(&[qb.to_kind(Kind::Float), kb.to_kind(Kind::Float), vb.to_kind(Kind::Float)], 0)))
+            } else {
+                None
+            };
+            let f = c.intermediate_size;
+            let gate = g(&mut t, "mlp.gate_proj.weight", &[f, h])?;
+            let up = g(&mut t, "mlp.up_proj.weight", &[f, h])?;
+            layers.push(Layer {
+                ln1: conv(g(&mut t, "input_layernorm.weight", &[h])?),
+                wqkv: conv(Tensor::cat(&[q.to_kind(Kind::Float), k.to_kind(Kind::Float), v.to_kind(Kind::Float)], 0)),
+                bqkv,
+                wo: conv(g(&mut t, "self_attn.o_proj.weight", &[h, nq])?),
+                ln2: conv(g(&mut t, "post_attention_layernorm.weight", &[h])?),
+                w_gate_up: conv(Tensor::cat(&[gate.to_kind(Kind::Float), up.to_kind(Kind::Float)], 0)),
+                w_down: conv(g(&mut t, "mlp.down_proj.weight", &[h, f])?),
+            });
+        }
+        let norm = conv(take(&mut t, "model.norm.weight")?);
+        let lm_head = if c.tie_word_embeddings {
+            t.remove("lm_head.weight");
+            None
+        } else {
+            let w = take(&mut t, "lm_head.weight")?;
+            check_shape("lm_head.weight", &w, &[c.vocab_size, h])?;
+            Some(conv(w))
+        };
+        let mut head = None;
+        for prefix in ["score", "v_head"] {
+            if let Some(w) = t.remove(&format!("{prefix}.weight")) {
+                check_shape(&format!("{prefix}.weight"), &w, &[1, h])?;
+                let b = t.remove(&format!("{prefix}.bias")).map(conv);
+                head = Some(ScalarHead { prefix: prefix.into(), weight: conv(w), bias: b });
+            }
+        }
+        let (cos, sin) = rope_tables(&config, device);
+        Ok(Llama { embed: conv(embed), layers, norm, lm_head, head, device, kind, cos, sin, config })
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The weights' dtype.
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// Attaches a zero-initialised scalar head: `"v_head"` (value, with bias) or `"score"`
+    /// (reward, HF `LlamaForSequenceClassification` layout, no bias).
+    pub fn attach_head(&mut self, prefix: &str) {
+        let bias = prefix != "score";
+        self.head = Some(ScalarHead::new(prefix, self.config.hidden_size, bias, self.device, self.kind));
+    }
+
+    /// The canonical (trainable) parameters with stable names, for optimizers.
+    pub fn parameters_mut(&mut self) -> Vec<(String, &mut Tensor)> {
+        let mut v: Vec<(String, &mut Tensor)> = vec![("embed".into(), &mut self.embed)];
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            v.push((format!("layers.{i}.ln1"), &mut l.ln1));
+            v.push((format!("layers.{i}.wqkv"), &mut l.wqkv));
+            if let Some(b) = l.bqkv.as_mut() {
+                v.push((format!("layers.{i}.bqkv"), b));
+            }
+            v.push((format!("layers.{i}.wo"), &mut l.wo));
+            v.push((format!("layers.{i}.ln2"), &mut l.ln2));
+            v.push((format!("layers.{i}.w_gate_up"), &mut l.w_gate_up));
+            v.push((format!("layers.{i}.w_down"), &mut l.w_down));
+        }
+        v.push(("norm".into(), &mut self.norm));
+        if let Some(w) = self.lm_head.as_mut() {
+            v.push(("lm_head".into(), w));
+        }
+        if let Some(hd) = self.head.as_mut() {
+            v.push((format!("{}.weight", hd.prefix), &mut hd.weight));
+            if let Some(b) = hd.bias.as_mut() {
+                v.push((format!("{}.bias", hd.prefix), b));
+            }
+        }
+        v
+    }
+
+    /// The canonical parameters (shallow clones sharing storage).
+    pub fn parameters(&mut self) -> Vec<(String, Tensor)> {
+        self.parameters_mut().into_iter().map(|(n, t)| (n, t.shallow_clone())).collect()
+    }
+
+    /// Total number of parameters.
+    pub fn num_parameters(&mut self) -> i64 {
+        self.parameters_mut().iter().map(|(_, t)| t.numel() as i64).sum()
+    }
+
+    /// Sets `requires_grad` on every parameter.
+    pub fn set_requires_grad(&mut self, on: bool) {
+        for (_, t) in self.parameters_mut() {
+            let _ = t.requires_grad_(on);
+        }
+    }
+
+    /// HF-named tensors, as views into the canonical parameters (writes through).
+    pub fn hf_named_tensors(&self) -> Vec<(String, Tensor)> {
+        let c = &self.config;
+        let hd = c.head_dim;
+        let (nq, nkv, f) = (c.num_attention_heads * hd, c.num_key_value_heads * hd, c.intermediate_size);
+        let mut v = vec![("model.embed_tokens.weight".to_string(), self.embed.shallow_clone())];
+        for (i, l) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            v.push((format!("{p}.input_layernorm.weight"), l.ln1.shallow_clone()));
+            v.push((format!("{p}.self_attn.q_proj.weight"), l.wqkv.narrow(0, 0, nq)));
+            v.push((format!("{p}.self_attn.k_proj.weight"), l.wqkv.narrow(0, nq, nkv)));
+            v.push((format!("{p}.self_attn.v_proj.weight"), l.wqkv.narrow(0, nq + nkv, nkv)));
+            if let Some(b) = &l.bqkv {
+                v.push((format!("{p}.self_attn.q_proj.bias"), b.narrow(0, 0, nq)));
+                v.push((format!("{p}.self_attn.k_proj.bias"), b.narrow(0, nq, nkv)));
+                v.push((format!("{p}.self_attn.v_proj.bias"), b.narrow(0, nq + nkv, nkv)));
+            }
+            v.push((format!("{p}.self_attn.o_proj.weight"), l.wo.shallow_clone()));
+            v.push((format!("{p}.post_attention_layernorm.weight"), l.ln2.shallow_clone()));
+            v.push((format!("{p}.mlp.gate_proj.weight"), l.w_gate_up.narrow(0, 0, f)));
+            v.push((format!("{p}.mlp.up_proj.weight"), l.w_gate_up.narrow(0, f, f)));
+            v.push((format!("{p}.mlp.down_proj.weight"), l.w_down.shallow_clone()));
+        }
+        v.push(("model.norm.weight".into(), self.norm.shallow_clone()));
+        if let Some(w) = &self.lm_head {
+            v.push(("lm_head.weight".into(), w.shallow_clone()));
+        }
+        if let Some(hd) = &self.head {
+            v.push((format!("{}.weight", hd.prefix), hd.weight.shallow_clone()));
+            if let Some(b) = &hd.bias {
+                v.push((format!("{}.bias", hd.prefix), b.shallow_clone()));
+            }
+        }
+        v
+    }
+
+    /// Copies HF-named tensors into the weights in place (no reallocation): every name
+    /// must exist and match in shape; dtype/device are converted. Names absent from
+    /// `src` are left as they are.
+    pub fn copy_weights_from<'a>(&self, src: impl IntoIterator<Item = (&'a str, &'a Tensor)>) -> Result<usize> {
+        let dst: HashMap<String, Tensor> = self.hf_named_tensors().into_iter().collect();
+        let mut n = 0;
+        tch::no_grad(|| -> Result<()> {
+            for (name, t) in src {
+                let mut d = dst.get(name).ok_or_else(|| EngineError::Weights(format!("no parameter named `{name}` in this model")))?.shallow_clone();
+                if d.size() != t.size() {
+                    return Err(EngineError::Weights(format!("`{name}`: shape {:?} does not match the model's {:?}", t.size(), d.size())));
+                }
+                d.f_copy_(t)?;
+                n += 1;
+            }
+            Ok(())
+        })?;
+        Ok(n)
+    }
+
+    /// A deep copy on `device` as `kind` (e.g. a frozen reference policy). The copy does
+    /// not require gradients.
+    pub fn deep_copy(&self, device: Device, kind: Kind) -> Result<Llama> {
+        let tensors: HashMap<String, Tensor> =
+            tch::no_grad(|| self.hf_named_tensors().into_iter().map(|(n, t)| (n, t.detach().to_device(device).to_kind(kind).copy())).collect());
+        let mut m = Llama::from_tensors(self.config.clone(), tensors, device, kind)?;
+        m.set_requires_grad(false);
+        Ok(m)
+    }
+
+    /// Moves every parameter to `device` (e.g. CPU for offload, back to CUDA for reload);
+    /// the old storage is released once nothing else references it.
+    pub fn to_device(&mut self, device: Device) {
+        tch::no_grad(|| {
+            for (_, t) in self.parameters_mut() {
+                let rg = t.requires_grad();
+                let moved = t.detach().to_device(device);
+                *t = if rg { moved.set_requires_grad(true) } else { moved };
+            }
+        });
+        self.cos = self.cos.to_device(device);
+        self.sin = self.sin.to_device(device);
+        self.device = device;
+    }
+
+    fn rms(&self, x: &Tensor, w: &Tensor) -> Tensor {
+        let eps = self.config.rms_norm_eps;
+        if self.kind == Kind::Float {
+            x.rms_norm([self.config.hidden_size], Some(w), eps)
+        } else {
+            let xf = x.to_kind(Kind::Float);
+            let var = xf.square().mean_dim(-1, true, Kind::Float);
+            (xf * (var + eps).rsqrt()).to_kind(self.kind) * w
+        }
+    }
+
+    fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        // x [B, heads, T, hd]; cos/sin [B, 1, T, hd/2]
+        let half = self.config.head_dim / 2;
+        let x1 = x.narrow(-1, 0, half);
+        let x2 = x.narrow(-1, half, half);
+        Tensor::cat(&[&x1 * cos - &x2 * sin, &x2 * cos + &x1 * sin], -1)
+    }
+
+    /// Embeds tokens and runs the decoder stack; returns the final-normed hidden states
+    /// `[B, T, hidden]`. `positions` `[B, T]` are the rotary positions.
+    pub fn hidden(&self, ids: &Tensor, positions: &Tensor, mut attn: Attn<'_>) -> Tensor {
+        let c = &self.config;
+        let (b, t) = ids.size2().expect("ids must be [B, T]");
+        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let mut x = Tensor::embedding(&self.embed, ids, -1, false, false);
+        let cos = self.cos.index_select(0, &positions.reshape([-1])).reshape([b, 1, t, hd / 2]).to_kind(self.kind);
+        let sin = self.sin.index_select(0, &positions.reshape([-1])).reshape([b, 1, t, hd / 2]).to_kind(self.kind);
+        // Attention masks, built once for all layers.
+        let full_mask = match &attn {
+            Attn::Full { mask: Some(m) } => {
+                let causal = Tensor::ones([t, t], (Kind::Bool, self.device)).tril(0);
+                let keys = m.to_kind(Kind::Bool).reshape([b, 1, 1, t]);
+                let eye = Tensor::eye(t, (Kind::Bool, self.device));
+                Some(causal.logical_and(&keys).logical_or(&eye))
+            }
+            Attn::Decode { span, .. } => {
+                let ar = Tensor::arange(*span, (Kind::Int64, self.device)).reshape([1, 1, 1, *span]);
+                Some(ar.le_tensor(&positions.reshape([b, 1, 1, 1])))
+            }
+            _ => None,
+        };
+        let rows = Tensor::arange(b, (Kind::Int64, self.device));
+        let pos_flat = positions.reshape([b]);
+        for (li, l) in self.layers.iter().enumerate() {
+            let hn = self.rms(&x, &l.ln1);
+            let qkv = hn.linear(&l.wqkv, l.bqkv.as_ref());
+            let q = qkv.narrow(-1, 0, nh * hd).view([b, t, nh, hd]).transpose(1, 2);
+            let k = qkv.narrow(-1, nh * hd, nkv * hd).view([b, t, nkv, hd]).transpose(1, 2);
+            let v = qkv.narrow(-1, (nh + nkv) * hd, nkv * hd).view([b, t, nkv, hd]).transpose(1, 2);
+            let q = self.rope(&q, &cos, &sin);
+            let k = self.rope(&k, &cos, &sin);
+            let o = match &mut attn {
+                Attn::Full { .. } => Tensor::scaled_dot_product_attention(&q, &k, &v, full_mask.as_ref(), 0.0, full_mask.is_none(), None, true),
+                Attn::Prefill { cache, start } => {
+                    let _ = cache.k[li].narrow(0, *start, b).narrow(2, 0, t).copy_(&k);
+                    let _ = cache.v[li].narrow(0, *start, b).narrow(2, 0, t).copy_(&v);
+                    Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, true)
+                }
+                Attn::Decode { cache, span } => {
+                    let idx = [Some(&rows), None, Some(&pos_flat)];
+                    let _ = cache.k[li].index_put_(&idx, &k.squeeze_dim(2), false);
+                    let _ = cache.v[li].index_put_(&idx, &v.squeeze_dim(2), false);
+                    let kk = cache.k[li].narrow(0, 0, b).narrow(2, 0, *span);
+                    let vv = cache.v[li].narrow(0, 0, b).narrow(2, 0, *span);
+                    Tensor::scaled_dot_product_attention(&q, &kk, &vv, full_mask.as_ref(), 0.0, false, None, true)
+                }
+            };
+            let o = o.transpose(1, 2).reshape([b, t, nh * hd]);
+            x = x + o.linear(&l.wo, None::<Tensor>);
+            let hn = self.rms(&x, &l.ln2);
+            let gu = hn.linear(&l.w_gate_up, None::<Tensor>);
+            let f = c.intermediate_size;
+            let act = gu.narrow(-1, 0, f).silu() * gu.narrow(-1, f, f);
+            x = x + act.linear(&l.w_down, None::<Tensor>);
+        }
+        self.rms(&x, &self.norm)
+    }
+
+    /// LM logits for hidden states `[.., hidden] → [.., vocab]`.
+    pub fn logits(&self, h: &Tensor) -> Tensor {
+        h.linear(self.lm_head.as_ref().unwrap_or(&self.embed), None::<Tensor>)
+    }
+
+    /// Full forward: logits `[B, T, vocab]` for token ids `[B, T]` with an optional
+    /// padding mask `[B, T]` (1 = token). Positions count real tokens (left padding works).
+    pub fn forward(&self, ids: &Tensor, mask: Option<&Tensor>) -> Tensor {
+        let positions = positions_from_mask(ids, mask);
+        let h = self.hidden(ids, &positions, Attn::Full { mask });
+        self.logits(&h)
+    }
+}
+
+/// Rotary positions for a batch: `cumsum(mask) - 1` (clamped at 0), or `0..T`.
+pub fn positions_from_mask(ids: &Tensor, mask: Option<&Tensor>) -> Tensor {
+    let (b, t) = ids.size2().expect("ids must be [B, T]");
+    match mask {
+        Some(m) => (m.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0),
+        None => Tensor::arange(t, (Kind::Int64, ids.device())).unsqueeze(0).expand([b, t], false),
+    }
+}
+
+fn rope_tables(c: &ModelConfig, device: Device) -> (Tensor, Tensor) {
+    let inv: Vec<f32> = c.rope_inv_freq().into_iter().map(|x| x as f32).collect();
+    let inv = Tensor::from_slice(&inv);
+    let n = c.max_position_embeddings.max(1);
+    let pos = Tensor::arange(n, (Kind::Float, Device::Cpu));
+    let freqs = pos.unsqueeze(1) * inv.unsqueeze(0); // [n, hd/2] in f32, like HF
+    (freqs.cos().to_device(device), freqs.sin().to_device(device))
+}
