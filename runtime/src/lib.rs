@@ -23,5 +23,11 @@ pub mod codec;
 pub mod directory;
 pub mod membership;
 pub mod message;
+pub mod node;
 pub mod supervisor;
 pub mod tls;
+pub mod transport;
+
+pub use actor::{Actor, ActorError, ActorRef, CallError, Context, TellError};
+pub use addr::{ActorId, ActorName};
+pub use node::{Node, NodeBuilder, NodeConfig, NodeError};
