@@ -96,6 +96,10 @@ enum BulkRef {
 #[derive(Debug, Serialize, Deserialize)]
 struct RequestHead {
     target: Target,
+    /// Ordered tells this sender had written on the connection before this request;
+    /// the receiver queues the request only after as many tells, so a tell followed by
+    /// an ask from one node reaches the mailbox in that order.
+    after_tells: u64,
     timeout_ms: u64,
     #[serde(with = "serde_bytes")]
     body: Vec<u8>,
@@ -184,6 +188,8 @@ pub struct TransportStats {
 
 struct Peer {
     conn: quinn::Connection,
+    /// Ordered tells written on this connection.
+    tells_sent: AtomicU64,
     tells: tokio::sync::Mutex<Option<quinn::SendStream>>,
     system: tokio::sync::Mutex<Option<quinn::SendStream>>,
 }
@@ -330,6 +336,7 @@ impl Transport {
                 _ => {
                     let p = Arc::new(Peer {
                         conn: conn.clone(),
+                        tells_sent: AtomicU64::new(0),
                         tells: tokio::sync::Mutex::new(None),
                         system: tokio::sync::Mutex::new(None),
                     });
@@ -344,13 +351,14 @@ impl Transport {
     }
 
     async fn serve_connection(self: Arc<Self>, peer: String, conn: quinn::Connection) {
+        let progress = Arc::new(TellProgress::default());
         let bi = {
-            let (this, conn, peer) = (self.clone(), conn.clone(), peer.clone());
+            let (this, conn, peer, progress) = (self.clone(), conn.clone(), peer.clone(), progress.clone());
             async move {
                 while let Ok((send, recv)) = conn.accept_bi().await {
-                    let (this, peer) = (this.clone(), peer.clone());
+                    let (this, peer, progress) = (this.clone(), peer.clone(), progress.clone());
                     tokio::spawn(async move {
-                        if let Err(e) = this.serve_ask(&peer, send, recv).await {
+                        if let Err(e) = this.serve_ask(&peer, send, recv, &progress).await {
                             this.note_bad_stream(&peer, &e);
                         }
                     });
@@ -359,11 +367,12 @@ impl Transport {
         };
         let uni = {
             let (this, conn, peer) = (self.clone(), conn.clone(), peer.clone());
+            let progress = progress.clone();
             async move {
                 while let Ok(recv) = conn.accept_uni().await {
-                    let (this, peer) = (this.clone(), peer.clone());
+                    let (this, peer, progress) = (this.clone(), peer.clone(), progress.clone());
                     tokio::spawn(async move {
-                        if let Err(e) = this.serve_uni(&peer, recv).await {
+                        if let Err(e) = this.serve_uni(&peer, recv, &progress).await {
                             this.note_bad_stream(&peer, &e);
                         }
                     });
@@ -391,7 +400,13 @@ impl Transport {
             .ok_or_else(|| RemoteError::Unavailable("node is starting".into()))
     }
 
-    async fn serve_ask(&self, peer: &str, mut send: quinn::SendStream, mut recv: quinn::RecvStream) -> Result<(), CodecError> {
+    async fn serve_ask(
+        &self,
+        peer: &str,
+        mut send: quinn::SendStream,
+        mut recv: quinn::RecvStream,
+        progress: &TellProgress,
+    ) -> Result<(), CodecError> {
         let mut tag = [0u8; 1];
         recv.read_exact(&mut tag).await.map_err(read_exact_err)?;
         if tag[0] != ASK {
@@ -401,15 +416,15 @@ impl Transport {
         let head = self.read_request(&mut recv).await?;
         let wire = self.read_request_bulk(&mut recv, head.bulk, head.body).await;
         self.stats.received.fetch_add(1, Ordering::Relaxed);
+        let timeout = Duration::from_millis(head.timeout_ms);
+        let ordered = progress.wait_for(head.after_tells, timeout).await;
         let result = match wire {
+            Err(e) => Err(RemoteError::Codec(e.to_string())),
+            Ok(_) if !ordered => Err(RemoteError::Timeout),
             Ok(wire) => match self.dispatch() {
-                Ok(d) => {
-                    d.ask(peer, head.target, wire, Duration::from_millis(head.timeout_ms))
-                        .await
-                }
+                Ok(d) => d.ask(peer, head.target, wire, timeout).await,
                 Err(e) => Err(e),
             },
-            Err(e) => Err(RemoteError::Codec(e.to_string())),
         };
         let (reply, bulk) = match result {
             Ok(wire) => {
@@ -433,9 +448,10 @@ impl Transport {
         Ok(())
     }
 
-    async fn serve_uni(&self, peer: &str, mut recv: quinn::RecvStream) -> Result<(), CodecError> {
+    async fn serve_uni(&self, peer: &str, mut recv: quinn::RecvStream, progress: &TellProgress) -> Result<(), CodecError> {
         let mut tag = [0u8; 1];
         recv.read_exact(&mut tag).await.map_err(read_exact_err)?;
+        let ordered = tag[0] == TELLS;
         match tag[0] {
             TELLS | SYSTEM => loop {
                 let Some(frame) = codec::read_frame(&mut recv, &self.config.frame_limits).await? else {
@@ -455,6 +471,9 @@ impl Transport {
                     // Awaiting here is the backpressure: the peer's writes stall on flow
                     // control while the mailbox is full.
                     d.tell(peer, head.target, wire).await;
+                }
+                if ordered {
+                    progress.delivered();
                 }
             },
             BULK_TELL => {
@@ -646,6 +665,7 @@ impl Transport {
             let (bulk_ref, bulk) = self.place_bulk(node, wire.bulk).await;
             let head = RequestHead {
                 target: target.clone(),
+                after_tells: peer.tells_sent.load(Ordering::Acquire),
                 timeout_ms: timeout.as_millis() as u64,
                 body: wire.body.to_vec(),
                 bulk: bulk_ref,
@@ -723,6 +743,7 @@ impl Transport {
                 let (bulk_ref, bulk) = self.place_bulk(node, wire.bulk).await;
                 let head = RequestHead {
                     target,
+                    after_tells: 0,
                     timeout_ms: 0,
                     body: wire.body.to_vec(),
                     bulk: bulk_ref,
@@ -739,6 +760,7 @@ impl Transport {
             }
             let head = RequestHead {
                 target,
+                after_tells: 0,
                 timeout_ms: 0,
                 body: wire.body.to_vec(),
                 bulk: BulkRef::None,
@@ -762,11 +784,42 @@ impl Transport {
                 *stream = None;
                 return Err(lost(e.to_string()));
             }
+            if !system {
+                peer.tells_sent.fetch_add(1, Ordering::AcqRel);
+            }
             Ok(())
         };
         tokio::time::timeout(self.config.tell_timeout, work)
             .await
             .map_err(|_| lost(format!("send stalled for {:?}", self.config.tell_timeout)))?
+    }
+}
+
+/// How many ordered tells of one connection have been queued into mailboxes.
+#[derive(Default)]
+struct TellProgress {
+    delivered: AtomicU64,
+    changed: tokio::sync::Notify,
+}
+
+impl TellProgress {
+    fn delivered(&self) {
+        self.delivered.fetch_add(1, Ordering::AcqRel);
+        self.changed.notify_waiters();
+    }
+
+    /// Waits until `count` tells were queued; false if the deadline passed first.
+    async fn wait_for(&self, count: u64, timeout: Duration) -> bool {
+        let wait = async {
+            loop {
+                let notified = self.changed.notified();
+                if self.delivered.load(Ordering::Acquire) >= count {
+                    return;
+                }
+                notified.await;
+            }
+        };
+        tokio::time::timeout(timeout, wait).await.is_ok()
     }
 }
 

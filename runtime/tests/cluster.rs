@@ -1,0 +1,197 @@
+//! Three nodes in one process, talking real QUIC with mutual TLS over loopback.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use yatt_runtime::actor::{Actor, ActorError, CallError, Context};
+use yatt_runtime::codec::{Bulk, DType};
+use yatt_runtime::message::WithBulk;
+use yatt_runtime::node::{Node, NodeError};
+use yatt_runtime::transport::TransportConfig;
+use yatt_runtime::NodeConfig;
+
+const T: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+enum Req {
+    Add(u64),
+    Log(u64),
+    Read,
+    Checksum,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+enum Resp {
+    Sum(u64),
+    Log(Vec<u64>),
+    Ok,
+}
+
+struct Summer {
+    sum: u64,
+    log: Vec<u64>,
+}
+
+impl Actor for Summer {
+    type Request = Req;
+    type Response = Resp;
+    async fn handle(&mut self, r: Req, _: &mut Context) -> Result<Resp, ActorError> {
+        Ok(match r {
+            Req::Add(x) => {
+                self.sum = self.sum.checked_add(x).ok_or_else(|| ActorError::BadRequest("overflow".into()))?;
+                Resp::Sum(self.sum)
+            }
+            Req::Log(x) => {
+                self.log.push(x);
+                Resp::Ok
+            }
+            Req::Read => Resp::Log(self.log.clone()),
+            Req::Checksum => Resp::Ok,
+        })
+    }
+}
+
+/// Receives a batch and answers its crc32 and the tensor count.
+struct Sink;
+impl Actor for Sink {
+    type Request = WithBulk<String>;
+    type Response = (String, u32, usize);
+    async fn handle(&mut self, r: WithBulk<String>, _: &mut Context) -> Result<(String, u32, usize), ActorError> {
+        Ok((r.meta, r.bulk.checksum(), r.bulk.header.tensors.len()))
+    }
+}
+
+async fn cluster(tag: &str, shm: bool) -> (tempfile::TempDir, Node, Node, Node) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = || NodeConfig {
+        transport: TransportConfig {
+            shm_fast_path: shm,
+            ..TransportConfig::default()
+        },
+        ..NodeConfig::default()
+    };
+    let seed = Node::builder(&format!("{tag}-a"))
+        .config(config())
+        .dev_certs(dir.path())
+        .start()
+        .await
+        .unwrap();
+    let mut others = Vec::new();
+    for n in ["b", "c"] {
+        let node = Node::builder(&format!("{tag}-{n}"))
+            .config(config())
+            .dev_certs(dir.path())
+            .seed(seed.addr())
+            .factory("summer", |start: u64| Ok(Summer { sum: start, log: vec![] }))
+            .factory("sink", |_: ()| Ok(Sink))
+            .start()
+            .await
+            .unwrap();
+        others.push(node);
+    }
+    let c = others.pop().unwrap();
+    let b = others.pop().unwrap();
+    assert!(seed.directory().wait_until(T, |d| d.alive_nodes().count() == 3).await);
+    assert!(b.directory().wait_until(T, |d| d.alive_nodes().count() == 3).await);
+    assert!(c.directory().wait_until(T, |d| d.alive_nodes().count() == 3).await);
+    (dir, seed, b, c)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_spawn_ask_and_ordered_tells() {
+    let (_dir, a, b, c) = cluster("t1", true).await;
+    let summer = a.spawn_remote::<Req, Resp, _>(b.name(), "summer", &10u64, T).await.unwrap();
+    assert!(!summer.is_local());
+    assert_eq!(summer.ask(Req::Add(5), T).await.unwrap(), Resp::Sum(15));
+    // Handler errors come back as such, and the actor keeps serving.
+    let err = summer.ask(Req::Add(u64::MAX), T).await.unwrap_err();
+    assert!(matches!(err, CallError::Handler { error: ActorError::BadRequest(_), .. }), "{err:?}");
+    // Tells from one node keep their order.
+    for i in 0..200 {
+        summer.tell(Req::Log(i)).await.unwrap();
+    }
+    let log = summer.ask(Req::Read, T).await.unwrap();
+    assert_eq!(log, Resp::Log((0..200).collect()));
+    // Every node can resolve it by name through its directory replica.
+    assert!(c.directory().wait_until(T, |d| d.resolve(&summer.id().name).is_some()).await);
+    let via_c = c.resolve::<Req, Resp>(&summer.id().name).unwrap();
+    assert_eq!(via_c.ask(Req::Add(1), T).await.unwrap(), Resp::Sum(16));
+    // On its own node the reference is in-process.
+    let local = b.actor_ref::<Req, Resp>(summer.id()).unwrap();
+    assert!(local.is_local());
+    assert_eq!(local.ask(Req::Add(1), T).await.unwrap(), Resp::Sum(17));
+    // Wrong types are refused locally.
+    assert!(matches!(b.actor_ref::<String, String>(summer.id()), Err(NodeError::WrongType { .. })));
+    // Unknown factory names what is there.
+    match a.spawn_remote::<Req, Resp, _>(b.name(), "nope", &(), T).await {
+        Err(NodeError::NoFactory { known, .. }) => assert_eq!(known, vec!["sink", "summer"]),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_incarnation_is_refused() {
+    let (_dir, a, b, _c) = cluster("t2", true).await;
+    let first = a.spawn_remote::<Req, Resp, _>(b.name(), "summer", &0u64, T).await.unwrap();
+    let mut stale_id = first.id().clone();
+    stale_id.incarnation -= 1;
+    let stale = a.actor_ref::<Req, Resp>(&stale_id).unwrap();
+    let err = stale.ask(Req::Add(1), T).await.unwrap_err();
+    assert!(matches!(err, CallError::Stale { current: Some(_), .. }), "{err:?}");
+}
+
+async fn bulk_round_trip(shm: bool) {
+    let tag = if shm { "t3" } else { "t4" };
+    let (_dir, a, b, _c) = cluster(tag, shm).await;
+    let sink = a
+        .spawn_remote::<WithBulk<String>, (String, u32, usize), _>(b.name(), "sink", &(), T)
+        .await
+        .unwrap();
+    let n = 64 << 20;
+    let data: Vec<u8> = (0..n).map(|i| (i * 7 + i / 4096) as u8).collect();
+    let ids: Vec<u8> = (0..64u64).flat_map(|i| i.to_le_bytes()).collect();
+    let bulk = Bulk::from_tensors([
+        ("tokens", DType::U8, vec![n as u64], Bytes::from(data)),
+        ("ids", DType::I64, vec![64], Bytes::from(ids)),
+    ])
+    .unwrap();
+    let want = bulk.checksum();
+    let (meta, got, count) = sink
+        .ask(WithBulk { meta: "batch-1".into(), bulk }, T)
+        .await
+        .unwrap();
+    assert_eq!((meta.as_str(), got, count), ("batch-1", want, 2));
+    if shm {
+        // The receiver removed the shared-memory file after mapping it.
+        let left: Vec<_> = std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().starts_with(&format!("yatt-{tag}-")))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bulk_64mib_intact_through_shared_memory() {
+    bulk_round_trip(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bulk_64mib_intact_inline_over_quic() {
+    bulk_round_trip(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_leave_marks_actors_dead() {
+    let (_dir, a, b, c) = cluster("t5", true).await;
+    let summer = a.spawn_remote::<Req, Resp, _>(c.name(), "summer", &0u64, T).await.unwrap();
+    let name = summer.id().name.clone();
+    c.shutdown().await;
+    for n in [&a, &b] {
+        assert!(n.directory().wait_until(T, |d| d.resolve(&name).is_none() && d.alive_nodes().count() == 2).await);
+    }
+    let err = summer.ask(Req::Read, Duration::from_secs(2)).await.unwrap_err();
+    assert!(matches!(err, CallError::NodeDown { .. } | CallError::Transport { .. }), "{err:?}");
+}
