@@ -1,6 +1,7 @@
 //! `yatt`: the command-line front end. Each subcommand is a thin shell over a library
 //! crate; the logic lives there.
 
+mod bench_runtime;
 mod engine_cmds;
 
 use clap::{Parser, Subcommand};
@@ -28,6 +29,8 @@ enum Command {
 enum BenchCommand {
     /// Generation, scoring and training throughput of the engine.
     Engine(engine_cmds::BenchEngineArgs),
+    /// Actor-runtime latency and throughput: two processes, and in-process.
+    Runtime(bench_runtime::BenchRuntimeArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -36,5 +39,6 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::ImportGguf(args) => engine_cmds::import_gguf(args),
         Command::Bench(BenchCommand::Engine(args)) => engine_cmds::bench_engine(args),
+        Command::Bench(BenchCommand::Runtime(args)) => bench_runtime::run(args),
     }
 }
