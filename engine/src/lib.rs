@@ -12,6 +12,7 @@ pub mod gguf;
 pub use error::{EngineError, Result};
 pub mod config;
 pub mod device;
+pub mod fixtures;
 pub mod model;
 pub mod tokenizer;
 

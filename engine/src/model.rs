@@ -440,7 +440,7 @@ impl Llama {
             _ => None,
         };
         let rows = Tensor::arange(b, (Kind::Int64, self.device));
-        let pos_flat = positions.reshape([b]);
+        let pos_flat = if matches!(attn, Attn::Decode { .. }) { Some(positions.reshape([b])) } else { None };
         for (li, l) in self.layers.iter().enumerate() {
             let hn = self.rms(&x, &l.ln1);
             let qkv = hn.linear(&l.wqkv, l.bqkv.as_ref());
@@ -457,7 +457,7 @@ impl Llama {
                     Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, true)
                 }
                 Attn::Decode { cache, span } => {
-                    let idx = [Some(&rows), None, Some(&pos_flat)];
+                    let idx = [Some(&rows), None, pos_flat.as_ref()];
                     let _ = cache.k[li].index_put_(&idx, &k.squeeze_dim(2), false);
                     let _ = cache.v[li].index_put_(&idx, &v.squeeze_dim(2), false);
                     let kk = cache.k[li].narrow(0, 0, b).narrow(2, 0, *span);
