@@ -1055,6 +1055,24 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn reloaded_ca_issues_compatible_certs() {
+        let dir = tmpdir("reload");
+        let ca = ClusterCa::generate("test").expect("ca");
+        ca.save(&dir).expect("save");
+        let reloaded = ClusterCa::load(&dir).expect("load");
+        let a = ca.issue("node-a").expect("a");
+        let b = reloaded.issue("node-b").expect("b");
+        b.save(&dir).expect("save b");
+        let b = NodeIdentity::load(&dir, "node-b").expect("load b");
+        // The server side of `attempt` returns Ok only after a completed mTLS handshake.
+        let (_, s) = attempt(&a, b.client_config().expect("cfg")).await;
+        assert_eq!(s, Ok(()));
+        let (_, s) = attempt(&b, a.client_config().expect("cfg")).await;
+        assert_eq!(s, Ok(()));
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
     async fn connected_pair_works() {
         let (c, s, _eps) = connected_pair().await;
         assert_eq!(peer_node_name(&c).expect("c"), "node-a");
