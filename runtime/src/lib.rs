@@ -19,6 +19,7 @@
 
 pub mod actor;
 pub mod addr;
+pub mod builtin;
 pub mod codec;
 pub mod directory;
 pub mod membership;

@@ -555,6 +555,23 @@ impl Node {
         v
     }
 
+    /// The actors this node hosts now, in name order.
+    pub fn hosted(&self) -> Vec<ActorId> {
+        let mut v: Vec<ActorId> = self.lock_hosted().values().map(|h| h.id.clone()).collect();
+        v.sort();
+        v
+    }
+
+    /// Whether shutdown has begun.
+    pub fn is_stopping(&self) -> bool {
+        self.inner.stopping.load(Ordering::Acquire)
+    }
+
+    /// The configuration the node runs with.
+    pub fn config(&self) -> &NodeConfig {
+        &self.inner.config
+    }
+
     /// Requests being handled for peers right now.
     pub fn in_flight(&self) -> u64 {
         self.inner.in_flight.load(Ordering::Acquire)
