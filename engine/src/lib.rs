@@ -20,3 +20,5 @@ pub use config::ModelConfig;
 pub use model::{KvCache, Llama};
 pub use tokenizer::{ChatMessage, Tokenizer};
 pub use tch;
+pub mod generate;
+pub use generate::{BatchingMode, Completion, FinishReason, GenerateStats, Generator, GeneratorConfig, Request, SamplingParams};

@@ -89,6 +89,16 @@ impl KvCache {
         });
     }
 
+    /// Data pointer of the first layer's key tensor (identity check for reuse).
+    pub fn k_ptr(&self) -> usize {
+        self.k.first().map(|t| t.data_ptr() as usize).unwrap_or(0)
+    }
+
+    /// The device the cache lives on.
+    pub fn device(&self) -> Device {
+        self.k.first().map(|t| t.device()).unwrap_or(Device::Cpu)
+    }
+
     /// Bytes held by the cache.
     pub fn bytes(&self) -> usize {
         self.k.iter().chain(self.v.iter()).map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum()

@@ -1,0 +1,665 @@
+//! Batched generation: sampling (temperature, top-k, top-p, greedy), stop conditions,
+//! per-request seeds, per-token log-probs, and continuous batching over a preallocated
+//! KV cache.
+//!
+//! The slot bookkeeping is a deterministic core ([`Scheduler`]) with no model in it.
+//! Active sequences always occupy cache slots `0..n`: when one finishes its slot is
+//! refilled from the waiting queue at once (continuous batching) or, when the queue is
+//! empty, the last active sequence is moved into it, so every decode step runs on a
+//! dense prefix of the cache.
+//!
+//! Reported log-probs are those of the sampled token under the temperature-scaled
+//! distribution `log_softmax(logits / T)` (T = 1 for greedy), before top-k/top-p
+//! filtering — the quantity a policy-gradient loss recomputes at training time.
+
+use crate::error::{EngineError, Result};
+use crate::model::{Attn, KvCache, Llama};
+use crate::tokenizer::Tokenizer;
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+
+/// How one request is sampled and when it stops.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// Softmax temperature; `0` means greedy.
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens (`0` = no limit).
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches `top_p` (`1` = all).
+    pub top_p: f32,
+    /// Most tokens to generate.
+    pub max_new_tokens: usize,
+    /// Extra token ids that end the sequence (the model's EOS ids are added unless
+    /// `ignore_eos`).
+    pub stop_token_ids: Vec<i64>,
+    /// Strings that end the sequence once the decoded response contains them (needs a
+    /// tokenizer on the generator).
+    pub stop_strings: Vec<String>,
+    /// Do not stop at the model's EOS tokens.
+    pub ignore_eos: bool,
+    /// Seed of this request's sampling stream: the same seed, prompt and weights give the
+    /// same tokens whatever else is in the batch (up to batched-GEMM rounding).
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            max_new_tokens: 64,
+            stop_token_ids: vec![],
+            stop_strings: vec![],
+            ignore_eos: false,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding for `max_new_tokens`.
+    pub fn greedy(max_new_tokens: usize) -> Self {
+        SamplingParams { temperature: 0.0, max_new_tokens, ..Default::default() }
+    }
+}
+
+/// A generation request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// Caller's id, returned in the [`Completion`].
+    pub id: u64,
+    /// Prompt token ids (non-empty).
+    pub prompt: Vec<i64>,
+    /// Sampling parameters.
+    pub params: SamplingParams,
+}
+
+/// Why a sequence stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// It produced a stop token (EOS or one of `stop_token_ids`); the token is included.
+    StopToken(i64),
+    /// Its decoded text contains this stop string (tokens up to and including the one
+    /// completing it are included).
+    StopString(String),
+    /// It reached `max_new_tokens` (or the cache capacity).
+    Length,
+}
+
+/// A finished sample.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    /// The request id.
+    pub id: u64,
+    /// Prompt length in tokens.
+    pub prompt_len: usize,
+    /// Generated tokens.
+    pub tokens: Vec<i64>,
+    /// Log-prob of each generated token (see the module docs).
+    pub logprobs: Vec<f32>,
+    /// Why it stopped.
+    pub finish: FinishReason,
+}
+
+/// Continuous or static batching.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchingMode {
+    /// Refill a slot as soon as its sequence finishes.
+    Continuous,
+    /// Admit a new batch only when every sequence of the previous one has finished.
+    Static,
+}
+
+/// Generator settings.
+#[derive(Debug, Clone)]
+pub struct GeneratorConfig {
+    /// Sequences decoded together (cache slots).
+    pub max_batch: usize,
+    /// Cache positions per slot (prompt + response).
+    pub max_seq_len: usize,
+    /// Batching policy.
+    pub mode: BatchingMode,
+    /// Most prompts prefilled in one forward call.
+    pub max_prefill_batch: usize,
+}
+
+impl Default for GeneratorConfig {
+    fn default() -> Self {
+        GeneratorConfig { max_batch: 16, max_seq_len: 1024, mode: BatchingMode::Continuous, max_prefill_batch: 16 }
+    }
+}
+
+/// Counters for one `generate` call.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GenerateStats {
+    /// Decode steps run.
+    pub decode_steps: usize,
+    /// Prefill forward calls.
+    pub prefill_calls: usize,
+    /// Tokens generated.
+    pub generated_tokens: usize,
+    /// Sum over decode steps of the active batch size (utilisation = this / steps / max_batch).
+    pub slot_steps: usize,
+    /// Wall time in seconds.
+    pub seconds: f64,
+}
+
+/// The deterministic slot bookkeeping of continuous batching.
+#[derive(Debug, Clone)]
+pub struct Scheduler {
+    mode: BatchingMode,
+    max_batch: usize,
+    waiting: VecDeque<usize>,
+    active: Vec<usize>,
+}
+
+impl Scheduler {
+    /// A scheduler for requests `0..n`.
+    pub fn new(n: usize, max_batch: usize, mode: BatchingMode) -> Self {
+        Scheduler { mode, max_batch: max_batch.max(1), waiting: (0..n).collect(), active: Vec::new() }
+    }
+    /// Moves waiting requests into free slots; returns them. They occupy slots
+    /// `active_len() - k .. active_len()`, in order.
+    pub fn admit(&mut self) -> Vec<usize> {
+        if self.mode == BatchingMode::Static && !self.active.is_empty() {
+            return vec![];
+        }
+        let mut out = Vec::new();
+        while self.active.len() < self.max_batch {
+            match self.waiting.pop_front() {
+                Some(r) => {
+                    self.active.push(r);
+                    out.push(r);
+                }
+                None => break,
+            }
+        }
+        out
+    }
+    /// Finishes the sequence in `slot`. If another sequence was moved into that slot to
+    /// keep the active slots dense, returns the slot it came from.
+    /// Finish several slots of one step in descending slot order.
+    pub fn finish(&mut self, slot: usize) -> Option<usize> {
+        let last = self.active.len() - 1;
+        self.active.swap_remove(slot);
+        (slot != last).then_some(last)
+    }
+    /// Request in each active slot.
+    pub fn active(&self) -> &[usize] {
+        &self.active
+    }
+    /// Number of active slots.
+    pub fn active_len(&self) -> usize {
+        self.active.len()
+    }
+    /// Requests not yet admitted.
+    pub fn waiting_len(&self) -> usize {
+        self.waiting.len()
+    }
+    /// Whether all requests have finished.
+    pub fn is_done(&self) -> bool {
+        self.active.is_empty() && self.waiting.is_empty()
+    }
+}
+
+/// A request's private random stream (SplitMix64), one uniform per sampled token.
+#[derive(Debug, Clone)]
+pub struct RequestRng(u64);
+
+impl RequestRng {
+    /// A stream for `seed`.
+    pub fn new(seed: u64) -> Self {
+        RequestRng(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// A uniform in `[0, 1)` (24 bits, exact in f32).
+    pub fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+/// Per-row sampling settings for [`sample`].
+#[derive(Debug, Clone, Default)]
+pub struct RowParams {
+    /// Temperatures (0 = greedy).
+    pub temperature: Vec<f32>,
+    /// top-k (0 = off).
+    pub top_k: Vec<usize>,
+    /// top-p (1 = off).
+    pub top_p: Vec<f32>,
+    /// One uniform in `[0, 1)` per row.
+    pub uniform: Vec<f32>,
+}
+
+/// Samples one token per row of `logits` `[n, vocab]`. Returns the tokens and their
+/// log-probs under `log_softmax(logits / T)`. One host transfer of `2n` numbers.
+pub fn sample(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
+    let (n, v) = logits.size2().expect("logits must be [n, vocab]");
+    let dev = logits.device();
+    let logits = logits.to_kind(Kind::Float);
+    let greedy: Vec<bool> = p.temperature.iter().map(|&t| t <= 0.0).collect();
+    let temps: Vec<f32> = p.temperature.iter().map(|&t| if t <= 0.0 { 1.0 } else { t }).collect();
+    let all_temp_one = temps.iter().all(|&t| t == 1.0);
+    let scaled = if all_temp_one { logits } else { logits / Tensor::from_slice(&temps).to_device(dev).unsqueeze(1) };
+    let lse = scaled.logsumexp([1], true);
+    let ks: Vec<i64> = p.top_k.iter().map(|&k| if k == 0 || k as i64 >= v { v } else { k as i64 }).collect();
+    let any_top_p = p.top_p.iter().any(|&x| x < 1.0);
+    let all_greedy = greedy.iter().all(|&g| g);
+    let kmax = ks.iter().copied().max().unwrap_or(v);
+    let tok = if all_greedy {
+        scaled.argmax(1, true)
+    } else if kmax == v && !any_top_p {
+        // Plain sampling over the whole vocabulary: inverse CDF, no sort.
+        let probs = (&scaled - &lse).exp();
+        let cum = probs.cumsum(1, Kind::Float);
+        let u = Tensor::from_slice(&p.uniform).to_device(dev).unsqueeze(1);
+        let total = cum.narrow(1, v - 1, 1);
+        let choice = cum.lt_tensor(&(u * total)).sum_dim_intlist(1, true, Kind::Int64).clamp_max(v - 1);
+        if greedy.iter().any(|&g| g) {
+            let g = Tensor::from_slice(&greedy).to_device(dev).unsqueeze(1);
+            scaled.argmax(1, true).where_self(&g, &choice)
+        } else {
+            choice
+        }
+    } else {
+        let (vals, idx) = scaled.topk(kmax, 1, true, true);
+        let col = Tensor::arange(kmax, (Kind::Int64, dev)).unsqueeze(0);
+        let kb = Tensor::from_slice(&ks).to_device(dev).unsqueeze(1);
+        let mut vals = vals.masked_fill(&col.ge_tensor(&kb), f64::NEG_INFINITY);
+        if any_top_p {
+            let probs = vals.softmax(1, Kind::Float);
+            let cum = probs.cumsum(1, Kind::Float);
+            let tp = Tensor::from_slice(&p.top_p).to_device(dev).unsqueeze(1);
+            let remove = (cum - &probs).gt_tensor(&tp);
+            vals = vals.masked_fill(&remove, f64::NEG_INFINITY);
+        }
+        let probs = vals.softmax(1, Kind::Float);
+        let cum = probs.cumsum(1, Kind::Float);
+        let u = Tensor::from_slice(&p.uniform).to_device(dev).unsqueeze(1);
+        let total = cum.narrow(1, kmax - 1, 1);
+        let mut choice = cum.lt_tensor(&(u * total)).sum_dim_intlist(1, true, Kind::Int64).clamp_max(kmax - 1);
+        if greedy.iter().any(|&g| g) {
+            let g = Tensor::from_slice(&greedy).to_device(dev).unsqueeze(1);
+            choice = choice.zeros_like().where_self(&g, &choice);
+        }
+        idx.gather(1, &choice, false)
+    };
+    let lp = scaled.gather(1, &tok, false) - lse;
+    let both = Tensor::cat(&[tok.to_kind(Kind::Double), lp.to_kind(Kind::Double)], 1).to_device(Device::Cpu);
+    let flat: Vec<f64> = Vec::<f64>::try_from(both.reshape([-1])).expect("cpu f64");
+    let toks = (0..n as usize).map(|i| flat[2 * i] as i64).collect();
+    let lps = (0..n as usize).map(|i| flat[2 * i + 1] as f32).collect();
+    (toks, lps)
+}
+
+struct SlotState {
+    req: usize,
+    tokens: Vec<i64>,
+    logprobs: Vec<f32>,
+    /// Positions written to the cache (prompt + tokens fed back so far).
+    len: i64,
+    rng: RequestRng,
+    stops: Vec<i64>,
+}
+
+/// The generation engine: a model, its KV cache and the batching loop.
+pub struct Generator {
+    model: Llama,
+    cache: Option<KvCache>,
+    config: GeneratorConfig,
+    tokenizer: Option<Arc<Tokenizer>>,
+}
+
+impl Generator {
+    /// A generator over `model` (the cache is allocated on first use and then reused).
+    pub fn new(model: Llama, config: GeneratorConfig) -> Self {
+        Generator { model, cache: None, config, tokenizer: None }
+    }
+
+    /// Attaches a tokenizer (needed for stop strings).
+    pub fn with_tokenizer(mut self, tok: Arc<Tokenizer>) -> Self {
+        self.tokenizer = Some(tok);
+        self
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Llama {
+        &self.model
+    }
+
+    /// The model, mutably (e.g. to offload it).
+    pub fn model_mut(&mut self) -> &mut Llama {
+        &mut self.model
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &GeneratorConfig {
+        &self.config
+    }
+
+    /// Changes the batching mode (the cache is kept).
+    pub fn set_mode(&mut self, mode: BatchingMode) {
+        self.config.mode = mode;
+    }
+
+    /// Replaces weights in place from HF-named tensors (weight sync between batches);
+    /// neither the weights nor the KV cache are reallocated. Returns how many were copied.
+    pub fn update_weights<'a>(&mut self, named: impl IntoIterator<Item = (&'a str, &'a Tensor)>) -> Result<usize> {
+        self.model.copy_weights_from(named)
+    }
+
+    /// Data pointer of the first cache tensor (to check the cache is not reallocated).
+    pub fn cache_ptr(&self) -> Option<usize> {
+        self.cache.as_ref().map(|c| c.k_ptr())
+    }
+
+    fn ensure_cache(&mut self) {
+        let ok = self.cache.as_ref().is_some_and(|c| {
+            c.slots == self.config.max_batch as i64 && c.max_len == self.config.max_seq_len as i64 && c.device() == self.model.device()
+        });
+        if !ok {
+            self.cache = None; // free first
+            self.cache = Some(KvCache::new(&self.model, self.config.max_batch as i64, self.config.max_seq_len as i64));
+        }
+    }
+
+    /// Frees the KV cache (e.g. before offloading).
+    pub fn free_cache(&mut self) {
+        self.cache = None;
+    }
+
+    /// Generates for all `requests`, calling `on_done` with each sample as soon as it
+    /// finishes (in finishing order).
+    pub fn generate_with(&mut self, requests: &[Request], mut on_done: impl FnMut(Completion)) -> Result<GenerateStats> {
+        let t0 = Instant::now();
+        let cap = self.config.max_seq_len;
+        for r in requests {
+            if r.prompt.is_empty() {
+                return Err(EngineError::InvalidArgument(format!("request {} has an empty prompt", r.id)));
+            }
+            if r.prompt.len() + r.params.max_new_tokens > cap {
+                return Err(EngineError::InvalidArgument(format!(
+                    "request {}: prompt ({}) + max_new_tokens ({}) exceeds the generator's max_seq_len {cap}; raise GeneratorConfig::max_seq_len",
+                    r.id,
+                    r.prompt.len(),
+                    r.params.max_new_tokens
+                )));
+            }
+            if !r.params.stop_strings.is_empty() && self.tokenizer.is_none() {
+                return Err(EngineError::InvalidArgument(format!("request {} has stop strings but the generator has no tokenizer (use with_tokenizer)", r.id)));
+            }
+            let v = self.model.config.vocab_size;
+            if let Some(bad) = r.prompt.iter().find(|&&t| t < 0 || t >= v) {
+                return Err(EngineError::InvalidArgument(format!("request {}: token id {bad} is outside the vocabulary (0..{v})", r.id)));
+            }
+        }
+        self.ensure_cache();
+        let mut stats = GenerateStats::default();
+        let mut sched = Scheduler::new(requests.len(), self.config.max_batch, self.config.mode);
+        let mut slots: Vec<SlotState> = Vec::new();
+        let eos = self.model.config.eos_token_ids.clone();
+        let device = self.model.device();
+        tch::no_grad(|| -> Result<()> {
+            loop {
+                // 1. Admit and prefill.
+                let admitted = sched.admit();
+                for chunk in admitted.chunks(self.config.max_prefill_batch.max(1)) {
+                    let start = slots.len() as i64;
+                    let n = chunk.len() as i64;
+                    let plen = chunk.iter().map(|&r| requests[r].prompt.len()).max().unwrap_or(1) as i64;
+                    let mut ids = vec![0i64; (n * plen) as usize];
+                    let mut lens = Vec::with_capacity(chunk.len());
+                    for (i, &r) in chunk.iter().enumerate() {
+                        let p = &requests[r].prompt;
+                        ids[i * plen as usize..i * plen as usize + p.len()].copy_from_slice(p);
+                        lens.push(p.len() as i64 - 1);
+                    }
+                    let ids = Tensor::from_slice(&ids).view([n, plen]).to_device(device);
+                    let pos = Tensor::arange(plen, (Kind::Int64, device)).unsqueeze(0).expand([n, plen], true);
+                    let cache = self.cache.as_mut().expect("cache allocated");
+                    let h = self.model.hidden(&ids, &pos, Attn::Prefill { cache, start });
+                    let last = Tensor::from_slice(&lens).to_device(device);
+                    let hl = h.index(&[Some(Tensor::arange(n, (Kind::Int64, device))), Some(last)]);
+                    let logits = self.model.logits(&hl);
+                    stats.prefill_calls += 1;
+                    for &r in chunk {
+                        let rq = &requests[r];
+                        let mut stops = rq.params.stop_token_ids.clone();
+                        if !rq.params.ignore_eos {
+                            stops.extend(&eos);
+                        }
+                        slots.push(SlotState {
+                            req: r,
+                            tokens: Vec::new(),
+                            logprobs: Vec::new(),
+                            len: rq.prompt.len() as i64,
+                            rng: RequestRng::new(rq.params.seed),
+                            stops,
+                        });
+                    }
+                    let range = start as usize..slots.len();
+                    self.sample_into(&logits, requests, &mut slots, range, &mut stats);
+                    self.retire(requests, &mut slots, &mut sched, &mut on_done);
+                }
+                if sched.is_done() {
+                    break;
+                }
+                if sched.active_len() == 0 {
+                    continue;
+                }
+                // 2. One decode step over the dense active prefix.
+                let n = slots.len() as i64;
+                let last: Vec<i64> = slots.iter().map(|s| *s.tokens.last().expect("every active slot has a token")).collect();
+                let pos: Vec<i64> = slots.iter().map(|s| s.len).collect();
+                let span = pos.iter().copied().max().unwrap_or(0) + 1;
+                let ids = Tensor::from_slice(&last).view([n, 1]).to_device(device);
+                let post = Tensor::from_slice(&pos).view([n, 1]).to_device(device);
+                let cache = self.cache.as_mut().expect("cache allocated");
+                let h = self.model.hidden(&ids, &post, Attn::Decode { cache, span });
+                let logits = self.model.logits(&h.squeeze_dim(1));
+                for s in slots.iter_mut() {
+                    s.len += 1;
+                }
+                stats.decode_steps += 1;
+                stats.slot_steps += n as usize;
+                self.sample_into(&logits, requests, &mut slots, 0..n as usize, &mut stats);
+                self.retire(requests, &mut slots, &mut sched, &mut on_done);
+            }
+            Ok(())
+        })?;
+        stats.seconds = t0.elapsed().as_secs_f64();
+        Ok(stats)
+    }
+
+    fn sample_into(&self, logits: &Tensor, requests: &[Request], slots: &mut [SlotState], range: std::ops::Range<usize>, stats: &mut GenerateStats) {
+        let mut rp = RowParams::default();
+        for s in &mut slots[range.clone()] {
+            let p = &requests[s.req].params;
+            rp.temperature.push(p.temperature);
+            rp.top_k.push(p.top_k);
+            rp.top_p.push(p.top_p);
+            rp.uniform.push(s.rng.uniform());
+        }
+        let (toks, lps) = sample(logits, &rp);
+        for (s, (t, lp)) in slots[range].iter_mut().zip(toks.into_iter().zip(lps)) {
+            s.tokens.push(t);
+            s.logprobs.push(lp);
+            stats.generated_tokens += 1;
+        }
+    }
+
+    fn finish_reason(&self, requests: &[Request], s: &SlotState) -> Option<FinishReason> {
+        let p = &requests[s.req].params;
+        let t = *s.tokens.last()?;
+        if s.stops.contains(&t) {
+            return Some(FinishReason::StopToken(t));
+        }
+        if !p.stop_strings.is_empty() {
+            if let Some(tok) = &self.tokenizer {
+                let longest = p.stop_strings.iter().map(|x| x.len()).max().unwrap_or(0);
+                let w = (longest + 4).min(s.tokens.len());
+                if let Ok(text) = tok.decode(&s.tokens[s.tokens.len() - w..], false) {
+                    if let Some(hit) = p.stop_strings.iter().find(|x| text.contains(x.as_str())) {
+                        return Some(FinishReason::StopString(hit.clone()));
+                    }
+                }
+            }
+        }
+        if s.tokens.len() >= p.max_new_tokens || s.len + 1 >= self.config.max_seq_len as i64 {
+            return Some(FinishReason::Length);
+        }
+        None
+    }
+
+    fn retire(&mut self, requests: &[Request], slots: &mut Vec<SlotState>, sched: &mut Scheduler, on_done: &mut impl FnMut(Completion)) {
+        let mut done: Vec<(usize, FinishReason)> =
+            slots.iter().enumerate().filter_map(|(i, s)| self.finish_reason(requests, s).map(|f| (i, f))).collect();
+        done.sort_by(|a, b| b.0.cmp(&a.0));
+        for (slot, finish) in done {
+            let moved_from = sched.finish(slot);
+            let s = slots.swap_remove(slot);
+            if let Some(from) = moved_from {
+                let len = slots[slot].len;
+                self.cache.as_mut().expect("cache").move_slot(from as i64, slot as i64, len);
+            }
+            let rq = &requests[s.req];
+            on_done(Completion { id: rq.id, prompt_len: rq.prompt.len(), tokens: s.tokens, logprobs: s.logprobs, finish });
+        }
+    }
+
+    /// Generates for all requests and returns the completions in request order.
+    pub fn generate(&mut self, requests: &[Request]) -> Result<(Vec<Completion>, GenerateStats)> {
+        let mut out: Vec<Option<Completion>> = vec![None; requests.len()];
+        let index: std::collections::HashMap<u64, Vec<usize>> = requests.iter().enumerate().fold(Default::default(), |mut m, (i, r)| {
+            m.entry(r.id).or_insert_with(Vec::new).push(i);
+            m
+        });
+        let mut taken: std::collections::HashMap<u64, usize> = Default::default();
+        let stats = self.generate_with(requests, |c| {
+            let k = taken.entry(c.id).or_insert(0);
+            let i = index[&c.id][*k];
+            *k += 1;
+            out[i] = Some(c);
+        })?;
+        Ok((out.into_iter().map(|c| c.expect("every request completes")).collect(), stats))
+    }
+
+    /// Generates, sending each completion on `tx` as it finishes (stops early without
+    /// error if the receiver is dropped).
+    pub fn generate_to_channel(&mut self, requests: &[Request], tx: &std::sync::mpsc::Sender<Completion>) -> Result<GenerateStats> {
+        self.generate_with(requests, |c| {
+            let _ = tx.send(c);
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scheduler_refills_at_once_in_continuous_mode() {
+        let mut s = Scheduler::new(5, 2, BatchingMode::Continuous);
+        assert_eq!(s.admit(), vec![0, 1]);
+        assert_eq!(s.admit(), Vec::<usize>::new());
+        assert_eq!(s.finish(0), Some(1)); // request 1 moves into slot 0
+        assert_eq!(s.active(), &[1]);
+        assert_eq!(s.admit(), vec![2]);
+        assert_eq!(s.active(), &[1, 2]);
+        // finishing both in descending order keeps indices valid
+        assert_eq!(s.finish(1), None);
+        assert_eq!(s.finish(0), None);
+        assert_eq!(s.admit(), vec![3, 4]);
+        s.finish(1);
+        s.finish(0);
+        assert!(s.is_done());
+    }
+
+    #[test]
+    fn scheduler_static_waits_for_whole_batch() {
+        let mut s = Scheduler::new(4, 2, BatchingMode::Static);
+        assert_eq!(s.admit(), vec![0, 1]);
+        s.finish(1);
+        assert_eq!(s.admit(), Vec::<usize>::new());
+        s.finish(0);
+        assert_eq!(s.admit(), vec![2, 3]);
+    }
+
+    #[test]
+    fn rng_is_deterministic_and_in_range() {
+        let mut a = RequestRng::new(7);
+        let mut b = RequestRng::new(7);
+        let mut c = RequestRng::new(8);
+        let xs: Vec<f32> = (0..1000).map(|_| a.uniform()).collect();
+        let ys: Vec<f32> = (0..1000).map(|_| b.uniform()).collect();
+        assert_eq!(xs, ys);
+        assert_ne!(xs[0], c.uniform());
+        assert!(xs.iter().all(|&x| (0.0..1.0).contains(&x)));
+        let mean = xs.iter().sum::<f32>() / 1000.0;
+        assert!((mean - 0.5).abs() < 0.05);
+    }
+
+    fn params(n: usize, t: f32, k: usize, p: f32, u: f32) -> RowParams {
+        RowParams { temperature: vec![t; n], top_k: vec![k; n], top_p: vec![p; n], uniform: vec![u; n] }
+    }
+
+    #[test]
+    fn sampler_greedy_topk_topp() {
+        // probs ∝ [0.5, 0.25, 0.15, 0.1]
+        let probs = [0.5f64, 0.25, 0.15, 0.1];
+        let logits = Tensor::from_slice(&probs.map(|p| p.ln() as f32)).unsqueeze(0);
+        // greedy
+        let (t, lp) = sample(&logits, &params(1, 0.0, 0, 1.0, 0.99));
+        assert_eq!(t, vec![0]);
+        assert!((lp[0] - 0.5f32.ln()).abs() < 1e-5);
+        // full sampling: inverse CDF picks by uniform
+        assert_eq!(sample(&logits, &params(1, 1.0, 0, 1.0, 0.1)).0, vec![0]);
+        assert_eq!(sample(&logits, &params(1, 1.0, 0, 1.0, 0.6)).0, vec![1]);
+        assert_eq!(sample(&logits, &params(1, 1.0, 0, 1.0, 0.95)).0, vec![3]);
+        // top-k 2: renormalised over {0, 1}: u = 0.95 → token 1
+        assert_eq!(sample(&logits, &params(1, 1.0, 2, 1.0, 0.95)).0, vec![1]);
+        // top-k 1 is greedy
+        assert_eq!(sample(&logits, &params(1, 1.0, 1, 1.0, 0.99)).0, vec![0]);
+        // top-p 0.7: nucleus {0, 1} (0.5 < 0.7, 0.75 ≥ 0.7)
+        let (t, lp) = sample(&logits, &params(1, 1.0, 0, 0.7, 0.99));
+        assert_eq!(t, vec![1]);
+        assert!((lp[0] - 0.25f32.ln()).abs() < 1e-5, "log-prob is before filtering");
+        // top-p 0.4 keeps only the top token
+        assert_eq!(sample(&logits, &params(1, 1.0, 0, 0.4, 0.99)).0, vec![0]);
+        // temperature: log-prob under logits / T
+        let (_, lp) = sample(&logits, &params(1, 2.0, 0, 1.0, 0.0));
+        let z: f64 = probs.iter().map(|p| p.sqrt()).sum();
+        assert!((lp[0] as f64 - (0.5f64.sqrt() / z).ln()).abs() < 1e-5);
+    }
+
+    #[test]
+    fn sampler_mixed_rows() {
+        let logits = Tensor::from_slice(&[0.0f32, 1.0, 2.0, 3.0, 3.0, 2.0, 1.0, 0.0]).view([2, 4]);
+        let rp = RowParams { temperature: vec![0.0, 1.0], top_k: vec![0, 1], top_p: vec![1.0, 1.0], uniform: vec![0.5, 0.5] };
+        assert_eq!(sample(&logits, &rp).0, vec![3, 0]);
+    }
+
+    #[test]
+    fn sampler_frequencies_follow_probabilities() {
+        let probs = [0.6f64, 0.3, 0.1];
+        let logits = Tensor::from_slice(&probs.map(|p| p.ln() as f32)).unsqueeze(0).repeat([2000, 1]);
+        let mut rng = RequestRng::new(1);
+        let mut rp = params(2000, 1.0, 0, 1.0, 0.0);
+        rp.uniform = (0..2000).map(|_| rng.uniform()).collect();
+        let (t, _) = sample(&logits, &rp);
+        let f0 = t.iter().filter(|&&x| x == 0).count() as f64 / 2000.0;
+        let f2 = t.iter().filter(|&&x| x == 2).count() as f64 / 2000.0;
+        assert!((f0 - 0.6).abs() < 0.04, "{f0}");
+        assert!((f2 - 0.1).abs() < 0.03, "{f2}");
+    }
+}
