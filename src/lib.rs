@@ -15,4 +15,12 @@ pub use yatt_placement as placement;
 pub use yatt_roles as roles;
 pub use yatt_runtime as runtime;
 
+pub mod http;
 pub mod logging;
+pub mod node_config;
+
+/// Registers every role this build of yatt can spawn on request: the runtime's
+/// diagnostic actors now, the RLHF roles as they land.
+pub fn register_roles(builder: runtime::NodeBuilder) -> runtime::NodeBuilder {
+    runtime::builtin::register(builder)
+}

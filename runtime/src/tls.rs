@@ -539,7 +539,7 @@ impl NodeIdentity {
     pub fn load(dir: &Path, node: &str) -> Result<Self, TlsError> {
         validate_node_name(node)?;
         let hint = format!(
-            "issue it with the cluster CA (`yatt-node init --dir {}` creates the CA and this node's certificate)",
+            "issue it with the cluster CA: `yatt-node cert --ca-dir CA_DIR --name {node} --out {}` (create a CA first with `yatt-node init --dir CA_DIR`), or run with --dev for a local dev cluster",
             dir.display()
         );
         let cert_path = dir.join(format!("{node}.pem"));

@@ -33,7 +33,18 @@ enum BenchCommand {
     Runtime(bench_runtime::BenchRuntimeArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    // Errors are for people: the chain of causes, no backtrace.
+    match real_main() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn real_main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     yatt::logging::init(cli.log_json)?;
     match cli.command {
