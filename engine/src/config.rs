@@ -65,6 +65,8 @@ pub struct ModelConfig {
     pub bos_token_id: Option<i64>,
     /// End-of-sequence tokens (several allowed).
     pub eos_token_ids: Vec<i64>,
+    /// The original `config.json` value (written back by checkpoints).
+    pub raw: Value,
 }
 
 fn ids(v: Option<&Value>) -> Vec<i64> {
@@ -148,6 +150,7 @@ impl ModelConfig {
             attention_bias: v.get("attention_bias").and_then(Value::as_bool).unwrap_or(model_type == "qwen2"),
             bos_token_id: v.get("bos_token_id").and_then(Value::as_i64),
             eos_token_ids,
+            raw: v.clone(),
         })
     }
 

@@ -92,3 +92,14 @@ pub fn run_reference(cmd: &str, args: &Value, threads: Option<usize>) -> Result<
     let last = stdout.lines().last().unwrap_or("");
     serde_json::from_str(last).map_err(|e| EngineError::External { cmd: format!("hf_ref.py {cmd}"), msg: format!("bad JSON answer ({e}): {last}") })
 }
+
+/// A tiny Llama config (GQA, untied head) for fast tests.
+pub fn tiny_config() -> crate::config::ModelConfig {
+    crate::config::ModelConfig::from_json(&serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 97,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false,
+        "eos_token_id": 1, "bos_token_id": 0, "hidden_act": "silu"
+    }))
+    .expect("valid tiny config")
+}

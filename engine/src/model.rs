@@ -265,6 +265,39 @@ impl Llama {
         Ok(Llama { embed: conv(embed), layers, norm, lm_head, head, device, kind, cos, sin, config })
     }
 
+    /// A randomly initialised model (normal(0, 0.02) matrices, unit norms), for tests.
+    pub fn random(config: ModelConfig, device: Device, kind: Kind, seed: i64) -> Result<Self> {
+        tch::manual_seed(seed);
+        let c = &config;
+        let (h, hd, f) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (nq, nkv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        let r = |shape: &[i64]| Tensor::randn(shape, (Kind::Float, Device::Cpu)) * 0.02;
+        let mut t = HashMap::new();
+        t.insert("model.embed_tokens.weight".to_string(), r(&[c.vocab_size, h]));
+        for i in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            t.insert(format!("{p}.input_layernorm.weight"), Tensor::ones([h], (Kind::Float, Device::Cpu)));
+            t.insert(format!("{p}.post_attention_layernorm.weight"), Tensor::ones([h], (Kind::Float, Device::Cpu)));
+            t.insert(format!("{p}.self_attn.q_proj.weight"), r(&[nq, h]));
+            t.insert(format!("{p}.self_attn.k_proj.weight"), r(&[nkv, h]));
+            t.insert(format!("{p}.self_attn.v_proj.weight"), r(&[nkv, h]));
+            if c.attention_bias {
+                t.insert(format!("{p}.self_attn.q_proj.bias"), r(&[nq]));
+                t.insert(format!("{p}.self_attn.k_proj.bias"), r(&[nkv]));
+                t.insert(format!("{p}.self_attn.v_proj.bias"), r(&[nkv]));
+            }
+            t.insert(format!("{p}.self_attn.o_proj.weight"), r(&[h, nq]));
+            t.insert(format!("{p}.mlp.gate_proj.weight"), r(&[f, h]));
+            t.insert(format!("{p}.mlp.up_proj.weight"), r(&[f, h]));
+            t.insert(format!("{p}.mlp.down_proj.weight"), r(&[h, f]));
+        }
+        t.insert("model.norm.weight".to_string(), Tensor::ones([h], (Kind::Float, Device::Cpu)));
+        if !c.tie_word_embeddings {
+            t.insert("lm_head.weight".to_string(), r(&[c.vocab_size, h]));
+        }
+        Self::from_tensors(config, t, device, kind)
+    }
+
     /// The device the weights live on.
     pub fn device(&self) -> Device {
         self.device

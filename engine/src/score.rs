@@ -1,0 +1,129 @@
+//! Scoring: per-token log-probs and entropy of given sequences, values from a value
+//! head, scores from a reward head. Works with and without gradients (training losses
+//! call the same functions).
+
+use crate::error::{EngineError, Result};
+use crate::model::{positions_from_mask, Attn, Llama};
+use tch::{Device, Kind, Tensor};
+
+/// A right-padded batch of prompt+response sequences.
+#[derive(Debug)]
+pub struct SeqBatch {
+    /// Token ids `[B, T]`.
+    pub ids: Tensor,
+    /// 1 for real tokens, 0 for padding `[B, T]`.
+    pub attention_mask: Tensor,
+    /// 1 for response tokens (the ones a loss looks at) `[B, T]`.
+    pub response_mask: Tensor,
+    /// Prompt length of each row.
+    pub prompt_lens: Vec<usize>,
+    /// Total (prompt + response) length of each row.
+    pub lens: Vec<usize>,
+}
+
+impl SeqBatch {
+    /// Builds a batch from `(prompt, response)` pairs, right-padded with `pad_id`.
+    pub fn from_pairs(pairs: &[(&[i64], &[i64])], pad_id: i64, device: Device) -> Result<Self> {
+        if pairs.is_empty() {
+            return Err(EngineError::InvalidArgument("empty batch".into()));
+        }
+        let t = pairs.iter().map(|(p, r)| p.len() + r.len()).max().unwrap_or(0);
+        if t == 0 {
+            return Err(EngineError::InvalidArgument("every sequence in the batch is empty".into()));
+        }
+        let b = pairs.len();
+        let mut ids = vec![pad_id; b * t];
+        let mut am = vec![0i64; b * t];
+        let mut rm = vec![0i64; b * t];
+        for (i, (p, r)) in pairs.iter().enumerate() {
+            for (j, &x) in p.iter().chain(r.iter()).enumerate() {
+                ids[i * t + j] = x;
+                am[i * t + j] = 1;
+                if j >= p.len() {
+                    rm[i * t + j] = 1;
+                }
+            }
+        }
+        let mk = |v: Vec<i64>| Tensor::from_slice(&v).view([b as i64, t as i64]).to_device(device);
+        Ok(SeqBatch {
+            ids: mk(ids),
+            attention_mask: mk(am),
+            response_mask: mk(rm),
+            prompt_lens: pairs.iter().map(|(p, _)| p.len()).collect(),
+            lens: pairs.iter().map(|(p, r)| p.len() + r.len()).collect(),
+        })
+    }
+
+    /// Number of rows.
+    pub fn len(&self) -> usize {
+        self.lens.len()
+    }
+
+    /// Whether the batch has no rows.
+    pub fn is_empty(&self) -> bool {
+        self.lens.is_empty()
+    }
+}
+
+/// Per-token log-probs and entropies.
+#[derive(Debug)]
+pub struct TokenScores {
+    /// `[B, T]`: entry `t` is `log p(ids[t] | ids[<t])` under `logits / temperature`; 0 at
+    /// `t = 0` and at padding.
+    pub logprobs: Tensor,
+    /// `[B, T]`: entropy of the distribution that predicted `ids[t]` (same masking).
+    pub entropy: Tensor,
+}
+
+/// Log-probs (and entropy, when `with_entropy`) of every token of `batch` given its
+/// prefix. Differentiable when called with gradients enabled.
+pub fn token_logprobs(model: &Llama, batch: &SeqBatch, temperature: f64, with_entropy: bool) -> TokenScores {
+    let ids = &batch.ids;
+    let mask = &batch.attention_mask;
+    let (b, t) = ids.size2().expect("[B, T]");
+    let positions = positions_from_mask(ids, Some(mask));
+    let h = model.hidden(ids, &positions, Attn::Full { mask: None });
+    // Predict tokens 1..T from hidden 0..T-1.
+    let h = h.narrow(1, 0, t - 1);
+    let mut logits = model.logits(&h).to_kind(Kind::Float);
+    if temperature != 1.0 {
+        logits = logits / temperature;
+    }
+    let logp = logits.log_softmax(-1, Kind::Float);
+    let target = ids.narrow(1, 1, t - 1).unsqueeze(-1);
+    let lp = logp.gather(-1, &target, false).squeeze_dim(-1);
+    let m = mask.narrow(1, 1, t - 1).to_kind(Kind::Float);
+    let zeros = Tensor::zeros([b, 1], (Kind::Float, ids.device()));
+    let logprobs = Tensor::cat(&[&zeros, &(lp * &m)], 1);
+    let entropy = if with_entropy {
+        let ent = -(logp.exp() * &logp).sum_dim_intlist(-1, false, Kind::Float);
+        Tensor::cat(&[&zeros, &(ent * &m)], 1)
+    } else {
+        Tensor::zeros([b, t], (Kind::Float, ids.device()))
+    };
+    TokenScores { logprobs, entropy }
+}
+
+fn head<'a>(model: &'a Llama, what: &str) -> Result<&'a crate::model::ScalarHead> {
+    model.head.as_ref().ok_or_else(|| EngineError::InvalidArgument(format!("{what} needs a scalar head: call Llama::attach_head or load a model that has one")))
+}
+
+/// Values `[B, T]` from the value head at every position (padding zeroed).
+pub fn values(model: &Llama, batch: &SeqBatch) -> Result<Tensor> {
+    let hd = head(model, "values")?;
+    let positions = positions_from_mask(&batch.ids, Some(&batch.attention_mask));
+    let h = model.hidden(&batch.ids, &positions, Attn::Full { mask: None });
+    Ok(hd.forward(&h).to_kind(Kind::Float) * batch.attention_mask.to_kind(Kind::Float))
+}
+
+/// Rewards `[B]`: the reward head at each row's last real token.
+pub fn rewards(model: &Llama, batch: &SeqBatch) -> Result<Tensor> {
+    let hd = head(model, "rewards")?;
+    let positions = positions_from_mask(&batch.ids, Some(&batch.attention_mask));
+    let h = model.hidden(&batch.ids, &positions, Attn::Full { mask: None });
+    let dev = batch.ids.device();
+    let last: Vec<i64> = batch.lens.iter().map(|&l| l as i64 - 1).collect();
+    let rows = Tensor::arange(batch.len() as i64, (Kind::Int64, dev));
+    let hl = h.index(&[Some(rows), Some(Tensor::from_slice(&last).to_device(dev))]);
+    Ok(hd.forward(&hl).to_kind(Kind::Float))
+}

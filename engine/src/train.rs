@@ -1,0 +1,403 @@
+//! Training steps for caller-defined losses: micro-batches with gradient accumulation,
+//! AdamW with weight-decay groups, gradient clipping, warm-up + constant/cosine LR,
+//! f32 master weights when the model runs in bf16/f16 (bf16 on CUDA), gradient buckets
+//! for all-reduce, offload/reload, and exact-resume checkpoints.
+
+use crate::checkpoint;
+use crate::error::{EngineError, Result};
+use crate::model::Llama;
+use crate::weights::{to_buckets, WeightBucket};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use tch::{Device, Kind, Tensor};
+
+/// Learning-rate schedule (a multiplier of the base LR per optimizer step).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum LrSchedule {
+    /// Linear warm-up from 0, then constant.
+    Constant {
+        /// Warm-up steps.
+        warmup_steps: u64,
+    },
+    /// Linear warm-up, then cosine decay to `min_ratio · lr` at `total_steps`.
+    Cosine {
+        /// Warm-up steps.
+        warmup_steps: u64,
+        /// Step at which the decay ends.
+        total_steps: u64,
+        /// Final LR as a fraction of the base LR.
+        min_ratio: f64,
+    },
+}
+
+impl LrSchedule {
+    /// The multiplier for optimizer step `step` (0-based).
+    pub fn factor(&self, step: u64) -> f64 {
+        let warm = |w: u64| if w > 0 && step < w { (step + 1) as f64 / w as f64 } else { 1.0 };
+        match *self {
+            LrSchedule::Constant { warmup_steps } => warm(warmup_steps),
+            LrSchedule::Cosine { warmup_steps, total_steps, min_ratio } => {
+                if warmup_steps > 0 && step < warmup_steps {
+                    return warm(warmup_steps);
+                }
+                let span = total_steps.saturating_sub(warmup_steps).max(1) as f64;
+                let t = ((step - warmup_steps) as f64 / span).min(1.0);
+                min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + (std::f64::consts::PI * t).cos())
+            }
+        }
+    }
+}
+
+/// Optimizer and step settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainConfig {
+    /// Base learning rate.
+    pub lr: f64,
+    /// Adam betas.
+    pub betas: (f64, f64),
+    /// Adam epsilon.
+    pub eps: f64,
+    /// Decoupled weight decay for the decay group.
+    pub weight_decay: f64,
+    /// Parameters whose (canonical) name contains one of these get no weight decay.
+    pub no_decay: Vec<String>,
+    /// Clip the global gradient norm to this (None = no clipping).
+    pub max_grad_norm: Option<f64>,
+    /// LR schedule.
+    pub schedule: LrSchedule,
+    /// Seeds libtorch's RNG at every step (`seed + step`), so runs and resumes repeat.
+    pub seed: u64,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            lr: 1e-5,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.01,
+            no_decay: vec!["ln1".into(), "ln2".into(), "norm".into(), "bias".into(), "bqkv".into()],
+            max_grad_norm: Some(1.0),
+            schedule: LrSchedule::Constant { warmup_steps: 0 },
+            seed: 0,
+        }
+    }
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepStats {
+    /// Optimizer steps taken so far (after this one).
+    pub step: u64,
+    /// Mean of the micro-batch losses.
+    pub loss: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// LR used.
+    pub lr: f64,
+}
+
+pub(crate) struct ParamState {
+    pub(crate) name: String,
+    pub(crate) decay: bool,
+    pub(crate) m: Tensor,
+    pub(crate) v: Tensor,
+    /// f32 master copy when the parameter is not f32.
+    pub(crate) master: Option<Tensor>,
+}
+
+/// A model plus its AdamW state.
+pub struct Trainer {
+    /// The model being trained (its parameters require grad).
+    pub model: Llama,
+    /// Settings.
+    pub config: TrainConfig,
+    pub(crate) state: Vec<ParamState>,
+    pub(crate) step: u64,
+    offloaded: Option<(Device, Vec<WeightBucket>)>,
+    pending_losses: Vec<f64>,
+}
+
+impl Trainer {
+    /// Wraps `model` for training (fresh optimizer state).
+    pub fn new(mut model: Llama, config: TrainConfig) -> Self {
+        model.set_requires_grad(true);
+        let state = model
+            .parameters_mut()
+            .into_iter()
+            .map(|(name, p)| {
+                let decay = !config.no_decay.iter().any(|s| name.contains(s.as_str()));
+                let z = || Tensor::zeros(p.size(), (Kind::Float, p.device()));
+                let master = (p.kind() != Kind::Float).then(|| p.detach().to_kind(Kind::Float));
+                ParamState { name, decay, m: z(), v: z(), master }
+            })
+            .collect();
+        Trainer { model, config, state, step: 0, offloaded: None, pending_losses: vec![] }
+    }
+
+    /// Optimizer steps taken.
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// The parameter names in the decay group and in the no-decay group.
+    pub fn decay_groups(&self) -> (Vec<String>, Vec<String>) {
+        let (d, n): (Vec<_>, Vec<_>) = self.state.iter().partition(|s| s.decay);
+        (d.into_iter().map(|s| s.name.clone()).collect(), n.into_iter().map(|s| s.name.clone()).collect())
+    }
+
+    fn check_resident(&self) -> Result<()> {
+        if self.offloaded.is_some() {
+            return Err(EngineError::InvalidArgument("the trainer is offloaded; call reload() first".into()));
+        }
+        Ok(())
+    }
+
+    /// Runs forward+backward for one micro-batch, accumulating gradients. The loss is
+    /// scaled by `scale` (e.g. `1 / number_of_micro_batches`) before backward.
+    pub fn backward_micro(&mut self, loss: Tensor, scale: f64) -> Result<f64> {
+        self.check_resident()?;
+        if loss.numel() != 1 {
+            return Err(EngineError::InvalidArgument(format!("the loss must be a scalar, got shape {:?}", loss.size())));
+        }
+        let v = loss.double_value(&[]);
+        if !v.is_finite() {
+            return Err(EngineError::InvalidArgument(format!("the loss is {v}; refusing to backpropagate")));
+        }
+        (loss * scale).f_backward()?;
+        self.pending_losses.push(v);
+        Ok(v)
+    }
+
+    /// One optimizer step over `micro_batches`: for each, `loss_fn` computes a scalar loss
+    /// with gradients; gradients accumulate (each loss scaled by 1/n); then clip, AdamW,
+    /// zero gradients.
+    pub fn step<M>(&mut self, micro_batches: &[M], mut loss_fn: impl FnMut(&Llama, &M) -> Result<Tensor>) -> Result<StepStats> {
+        self.check_resident()?;
+        if micro_batches.is_empty() {
+            return Err(EngineError::InvalidArgument("step needs at least one micro-batch".into()));
+        }
+        tch::manual_seed(self.config.seed.wrapping_add(self.step) as i64);
+        let scale = 1.0 / micro_batches.len() as f64;
+        for mb in micro_batches {
+            let loss = loss_fn(&self.model, mb)?;
+            self.backward_micro(loss, scale)?;
+        }
+        self.apply_gradients()
+    }
+
+    /// Gradients as buckets (canonical names, f32), for all-reduce.
+    pub fn grad_buckets(&mut self, max_bytes: usize) -> Result<Vec<WeightBucket>> {
+        self.check_resident()?;
+        let named: Vec<(String, Tensor)> = self
+            .model
+            .parameters_mut()
+            .into_iter()
+            .map(|(n, p)| {
+                let g = p.grad();
+                (n, if g.defined() { g.to_kind(Kind::Float) } else { Tensor::zeros(p.size(), (Kind::Float, p.device())) })
+            })
+            .collect();
+        to_buckets(&named, max_bytes)
+    }
+
+    /// Replaces gradients with the (e.g. all-reduced) ones in `buckets`.
+    pub fn set_grads(&mut self, buckets: &[WeightBucket]) -> Result<()> {
+        self.check_resident()?;
+        let dev = self.model.device();
+        let mut incoming = std::collections::HashMap::new();
+        for b in buckets {
+            incoming.extend(b.tensors(dev)?);
+        }
+        tch::no_grad(|| -> Result<()> {
+            for (n, p) in self.model.parameters_mut() {
+                if let Some(g) = incoming.remove(&n) {
+                    if g.size() != p.size() {
+                        return Err(EngineError::Bucket(format!("gradient `{n}` has shape {:?}, parameter has {:?}", g.size(), p.size())));
+                    }
+                    let mut cur = p.grad();
+                    if cur.defined() {
+                        cur.copy_(&g);
+                    } else {
+                        // Materialise a grad via a zero backward, then copy.
+                        (p.sum(p.kind()) * 0.0).backward();
+                        p.grad().copy_(&g);
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        if let Some(n) = incoming.keys().next() {
+            return Err(EngineError::Bucket(format!("gradient `{n}` matches no parameter")));
+        }
+        Ok(())
+    }
+
+    /// Clips, applies AdamW with the scheduled LR and zeroes gradients.
+    pub fn apply_gradients(&mut self) -> Result<StepStats> {
+        self.check_resident()?;
+        let c = self.config.clone();
+        let lr = c.lr * c.schedule.factor(self.step);
+        let t = (self.step + 1) as f64;
+        let (b1, b2) = c.betas;
+        let bc1 = 1.0 - b1.powf(t);
+        let bc2 = 1.0 - b2.powf(t);
+        let params = self.model.parameters_mut();
+        let grad_norm = tch::no_grad(|| {
+            let norms: Vec<Tensor> = params.iter().map(|(_, p)| p.grad()).filter(|g| g.defined()).map(|g| g.to_kind(Kind::Float).norm()).collect();
+            if norms.is_empty() {
+                return 0.0;
+            }
+            let total = Tensor::stack(&norms, 0).norm().double_value(&[]);
+            if let Some(maxn) = c.max_grad_norm {
+                let coef = maxn / (total + 1e-6);
+                if coef < 1.0 {
+                    for (_, p) in params.iter() {
+                        let mut g = p.grad();
+                        if g.defined() {
+                            let _ = g.g_mul_scalar_(coef);
+                        }
+                    }
+                }
+            }
+            total
+        });
+        tch::no_grad(|| {
+            for ((_, p), s) in params.into_iter().zip(self.state.iter_mut()) {
+                let mut g = p.grad();
+                if !g.defined() {
+                    continue;
+                }
+                let gf = g.to_kind(Kind::Float);
+                let _ = s.m.g_mul_scalar_(b1);
+                let _ = s.m.g_add_(&(&gf * (1.0 - b1)));
+                let _ = s.v.g_mul_scalar_(b2);
+                let _ = s.v.g_add_(&(gf.square() * (1.0 - b2)));
+                let denom = (&s.v / bc2).sqrt() + c.eps;
+                let upd = &s.m / denom * (-lr / bc1);
+                match s.master.as_mut() {
+                    Some(w) => {
+                        if s.decay && c.weight_decay > 0.0 {
+                            let _ = w.g_mul_scalar_(1.0 - lr * c.weight_decay);
+                        }
+                        let _ = w.g_add_(&upd);
+                        p.copy_(w);
+                    }
+                    None => {
+                        if s.decay && c.weight_decay > 0.0 {
+                            let _ = p.g_mul_scalar_(1.0 - lr * c.weight_decay);
+                        }
+                        let _ = p.g_add_(&upd);
+                    }
+                }
+                let _ = g.zero_();
+            }
+        });
+        self.step += 1;
+        let loss = if self.pending_losses.is_empty() { f64::NAN } else { self.pending_losses.iter().sum::<f64>() / self.pending_losses.len() as f64 };
+        self.pending_losses.clear();
+        Ok(StepStats { step: self.step, loss, grad_norm, lr })
+    }
+
+    /// Bytes of parameters, gradients and optimizer state currently held in tensors.
+    pub fn resident_bytes(&mut self) -> usize {
+        let sz = |t: &Tensor| if t.defined() { t.numel() * t.kind().elt_size_in_bytes() } else { 0 };
+        let mut n: usize = self.model.parameters_mut().iter().map(|(_, p)| sz(p) + sz(&p.grad())).sum();
+        for s in &self.state {
+            n += sz(&s.m) + sz(&s.v) + s.master.as_ref().map(sz).unwrap_or(0);
+        }
+        n
+    }
+
+    /// Moves parameters and optimizer state to host byte buffers and drops the tensors
+    /// (device memory is released once nothing else holds them). Gradients are dropped.
+    pub fn offload(&mut self) -> Result<()> {
+        if self.offloaded.is_some() {
+            return Ok(());
+        }
+        let device = self.model.device();
+        let mut named: Vec<(String, Tensor)> = Vec::new();
+        for (n, p) in self.model.parameters_mut() {
+            named.push((format!("p.{n}"), p.detach()));
+        }
+        for s in &self.state {
+            named.push((format!("m.{}", s.name), s.m.shallow_clone()));
+            named.push((format!("v.{}", s.name), s.v.shallow_clone()));
+            if let Some(w) = &s.master {
+                named.push((format!("w.{}", s.name), w.shallow_clone()));
+            }
+        }
+        let buckets = to_buckets(&named, 256 << 20)?;
+        drop(named);
+        let empty = |k: Kind| Tensor::empty([0], (k, device));
+        for (_, p) in self.model.parameters_mut() {
+            *p = empty(p.kind());
+        }
+        for s in &mut self.state {
+            s.m = empty(Kind::Float);
+            s.v = empty(Kind::Float);
+            if s.master.is_some() {
+                s.master = Some(empty(Kind::Float));
+            }
+        }
+        self.offloaded = Some((device, buckets));
+        Ok(())
+    }
+
+    /// Restores what [`Trainer::offload`] moved out, on the original device.
+    pub fn reload(&mut self) -> Result<()> {
+        let Some((device, buckets)) = self.offloaded.take() else { return Ok(()) };
+        let mut map = std::collections::HashMap::new();
+        for b in &buckets {
+            map.extend(b.tensors(device)?);
+        }
+        drop(buckets);
+        let mut get = |k: &str| map.remove(k).ok_or_else(|| EngineError::Bucket(format!("offloaded state lacks `{k}`")));
+        for (n, p) in self.model.parameters_mut() {
+            *p = get(&format!("p.{n}"))?.set_requires_grad(true);
+        }
+        for s in &mut self.state {
+            s.m = get(&format!("m.{}", s.name))?;
+            s.v = get(&format!("v.{}", s.name))?;
+            if s.master.is_some() {
+                s.master = Some(get(&format!("w.{}", s.name))?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the state is offloaded.
+    pub fn is_offloaded(&self) -> bool {
+        self.offloaded.is_some()
+    }
+
+    /// Saves an HF-loadable model plus optimizer and step state (see [`checkpoint`]).
+    pub fn save_checkpoint(&self, dir: impl AsRef<Path>, tokenizer_from: Option<&Path>) -> Result<()> {
+        self.check_resident()?;
+        checkpoint::save_trainer(self, dir.as_ref(), tokenizer_from)
+    }
+
+    /// Loads a checkpoint written by [`Trainer::save_checkpoint`] and resumes exactly.
+    pub fn load_checkpoint(dir: impl AsRef<Path>, device: Device, kind: Kind) -> Result<Trainer> {
+        checkpoint::load_trainer(dir.as_ref(), device, kind)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedules() {
+        let c = LrSchedule::Constant { warmup_steps: 4 };
+        assert_eq!(c.factor(0), 0.25);
+        assert_eq!(c.factor(3), 1.0);
+        assert_eq!(c.factor(100), 1.0);
+        let s = LrSchedule::Cosine { warmup_steps: 2, total_steps: 12, min_ratio: 0.1 };
+        assert_eq!(s.factor(0), 0.5);
+        assert!((s.factor(2) - 1.0).abs() < 1e-12);
+        assert!((s.factor(7) - (0.1 + 0.9 * 0.5)).abs() < 1e-12);
+        assert!((s.factor(12) - 0.1).abs() < 1e-12);
+        assert!((s.factor(50) - 0.1).abs() < 1e-12);
+    }
+}

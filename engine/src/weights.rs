@@ -1,0 +1,211 @@
+//! Named tensors as buckets of raw bytes with a small header — what the runtime carries
+//! for weight sync and gradient all-reduce. The header is a plain struct (and has a
+//! compact binary encoding of its own); the payload is the tensors' little-endian bytes
+//! back to back.
+
+use crate::error::{EngineError, Result};
+use tch::{Device, Kind, Tensor};
+
+/// Element type of a bucket entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum BucketDtype {
+    /// 32-bit float.
+    F32 = 0,
+    /// bfloat16.
+    Bf16 = 1,
+    /// IEEE half.
+    F16 = 2,
+    /// 64-bit integer.
+    I64 = 3,
+}
+
+impl BucketDtype {
+    /// From a libtorch kind.
+    pub fn from_kind(k: Kind) -> Result<Self> {
+        Ok(match k {
+            Kind::Float => BucketDtype::F32,
+            Kind::BFloat16 => BucketDtype::Bf16,
+            Kind::Half => BucketDtype::F16,
+            Kind::Int64 => BucketDtype::I64,
+            other => return Err(EngineError::Bucket(format!("dtype {other:?} cannot go in a bucket (f32, bf16, f16, i64 can)"))),
+        })
+    }
+    /// The libtorch kind.
+    pub fn kind(self) -> Kind {
+        match self {
+            BucketDtype::F32 => Kind::Float,
+            BucketDtype::Bf16 => Kind::BFloat16,
+            BucketDtype::F16 => Kind::Half,
+            BucketDtype::I64 => Kind::Int64,
+        }
+    }
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            BucketDtype::F32 => 4,
+            BucketDtype::Bf16 | BucketDtype::F16 => 2,
+            BucketDtype::I64 => 8,
+        }
+    }
+    fn from_u8(b: u8) -> Result<Self> {
+        Ok(match b {
+            0 => BucketDtype::F32,
+            1 => BucketDtype::Bf16,
+            2 => BucketDtype::F16,
+            3 => BucketDtype::I64,
+            other => return Err(EngineError::Bucket(format!("unknown dtype code {other}"))),
+        })
+    }
+}
+
+/// One tensor's place in a bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BucketEntry {
+    /// Parameter name.
+    pub name: String,
+    /// Element type.
+    pub dtype: BucketDtype,
+    /// Shape.
+    pub shape: Vec<i64>,
+    /// Byte offset in the payload.
+    pub offset: u64,
+    /// Byte length.
+    pub len: u64,
+}
+
+/// A bucket: header entries and the payload bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct WeightBucket {
+    /// The tensors in the payload.
+    pub entries: Vec<BucketEntry>,
+    /// Raw little-endian bytes.
+    pub data: Vec<u8>,
+}
+
+fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    let t = t.detach().to_device(Device::Cpu).contiguous();
+    let n = t.numel() * t.kind().elt_size_in_bytes();
+    let mut buf = vec![0u8; n];
+    t.f_copy_data_u8(&mut buf, t.numel())?;
+    Ok(buf)
+}
+
+impl WeightBucket {
+    /// Appends a tensor (copied to host bytes).
+    pub fn push(&mut self, name: &str, t: &Tensor) -> Result<()> {
+        let dtype = BucketDtype::from_kind(t.kind())?;
+        let bytes = tensor_bytes(t)?;
+        self.entries.push(BucketEntry { name: name.into(), dtype, shape: t.size(), offset: self.data.len() as u64, len: bytes.len() as u64 });
+        self.data.extend_from_slice(&bytes);
+        Ok(())
+    }
+
+    /// The tensors, on `device` (each is a fresh copy).
+    pub fn tensors(&self, device: Device) -> Result<Vec<(String, Tensor)>> {
+        self.entries
+            .iter()
+            .map(|e| {
+                let end = e.offset.checked_add(e.len).filter(|&x| x <= self.data.len() as u64).ok_or_else(|| {
+                    EngineError::Bucket(format!("entry `{}` spans bytes {}..{} of a {}-byte payload", e.name, e.offset, e.offset + e.len, self.data.len()))
+                })?;
+                let numel: i64 = e.shape.iter().product();
+                if numel as u64 * e.dtype.size() as u64 != e.len {
+                    return Err(EngineError::Bucket(format!("entry `{}`: shape {:?} of {:?} needs {} bytes, header says {}", e.name, e.shape, e.dtype, numel as usize * e.dtype.size(), e.len)));
+                }
+                let t = Tensor::f_from_data_size(&self.data[e.offset as usize..end as usize], &e.shape, e.dtype.kind())?;
+                Ok((e.name.clone(), t.to_device(device)))
+            })
+            .collect()
+    }
+
+    /// Encodes the header: `u32 count`, then per entry `u16 name_len, name, u8 dtype,
+    /// u8 ndim, i64 dims…, u64 offset, u64 len` (little-endian).
+    pub fn encode_header(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend((self.entries.len() as u32).to_le_bytes());
+        for e in &self.entries {
+            out.extend((e.name.len() as u16).to_le_bytes());
+            out.extend(e.name.as_bytes());
+            out.push(e.dtype as u8);
+            out.push(e.shape.len() as u8);
+            for d in &e.shape {
+                out.extend(d.to_le_bytes());
+            }
+            out.extend(e.offset.to_le_bytes());
+            out.extend(e.len.to_le_bytes());
+        }
+        out
+    }
+
+    /// Decodes a header written by [`WeightBucket::encode_header`].
+    pub fn decode_header(b: &[u8]) -> Result<Vec<BucketEntry>> {
+        let mut pos = 0usize;
+        let mut take = |n: usize| -> Result<&[u8]> {
+            let s = b.get(pos..pos + n).ok_or_else(|| EngineError::Bucket(format!("header truncated at byte {pos}")))?;
+            pos += n;
+            Ok(s)
+        };
+        let count = u32::from_le_bytes(take(4)?.try_into().expect("4")) as usize;
+        let mut out = Vec::with_capacity(count.min(1 << 16));
+        for _ in 0..count {
+            let nl = u16::from_le_bytes(take(2)?.try_into().expect("2")) as usize;
+            let name = String::from_utf8(take(nl)?.to_vec()).map_err(|_| EngineError::Bucket("entry name is not UTF-8".into()))?;
+            let dtype = BucketDtype::from_u8(take(1)?[0])?;
+            let nd = take(1)?[0] as usize;
+            let mut shape = Vec::with_capacity(nd);
+            for _ in 0..nd {
+                shape.push(i64::from_le_bytes(take(8)?.try_into().expect("8")));
+            }
+            let offset = u64::from_le_bytes(take(8)?.try_into().expect("8"));
+            let len = u64::from_le_bytes(take(8)?.try_into().expect("8"));
+            out.push(BucketEntry { name, dtype, shape, offset, len });
+        }
+        Ok(out)
+    }
+}
+
+/// Packs named tensors into buckets of at most `max_bytes` payload each (a tensor larger
+/// than that gets a bucket of its own).
+pub fn to_buckets(named: &[(String, Tensor)], max_bytes: usize) -> Result<Vec<WeightBucket>> {
+    let mut out = Vec::new();
+    let mut cur = WeightBucket::default();
+    for (name, t) in named {
+        let sz = t.numel() * t.kind().elt_size_in_bytes();
+        if !cur.entries.is_empty() && cur.data.len() + sz > max_bytes {
+            out.push(std::mem::take(&mut cur));
+        }
+        cur.push(name, t)?;
+    }
+    if !cur.entries.is_empty() {
+        out.push(cur);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_header() {
+        let a = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]).view([2, 2]);
+        let b = Tensor::from_slice(&[5.0f32, 6.0]).to_kind(Kind::BFloat16);
+        let named = vec![("a".to_string(), a.shallow_clone()), ("b".to_string(), b.shallow_clone())];
+        let bs = to_buckets(&named, 1 << 20).unwrap();
+        assert_eq!(bs.len(), 1);
+        let hdr = bs[0].encode_header();
+        assert_eq!(WeightBucket::decode_header(&hdr).unwrap(), bs[0].entries);
+        let ts = bs[0].tensors(Device::Cpu).unwrap();
+        assert_eq!(ts[0].1, a);
+        assert_eq!(ts[1].1.kind(), Kind::BFloat16);
+        assert_eq!(ts[1].1.to_kind(Kind::Float), Tensor::from_slice(&[5.0f32, 6.0]));
+        // Small limit: one tensor per bucket.
+        assert_eq!(to_buckets(&named, 4).unwrap().len(), 2);
+        // Corrupt headers are errors, not panics.
+        assert!(WeightBucket::decode_header(&hdr[..hdr.len() - 3]).is_err());
+        let mut bad = bs[0].clone();
+        bad.entries[0].len = 999;
+        assert!(bad.tensors(Device::Cpu).is_err());
+    }
+}
