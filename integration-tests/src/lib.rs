@@ -1,2 +1,190 @@
 //! Helpers for the multi-process integration tests: start real `yatt-node` processes on
-//! loopback, wait for conditions by polling with a deadline, and clean up.
+//! loopback, wait for conditions by polling with a deadline, and clean up (every child
+//! is killed when its [`Cluster`] drops, also when a test fails).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Where the `yatt-node` binary is: `$YATT_NODE_BIN`, or next to the test binary's
+/// `deps/` folder (cargo puts both under `target/<profile>/`).
+pub fn yatt_node_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("YATT_NODE_BIN") {
+        return p.into();
+    }
+    let exe = std::env::current_exe().expect("test binary path");
+    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>");
+    let bin = profile_dir.join("yatt-node");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it first with `cargo build --bins` in the same profile (scripts/test.sh does)",
+        bin.display()
+    );
+    bin
+}
+
+/// Polls `f` every 20 ms until it returns `Some`, at most `timeout`.
+pub fn poll<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let end = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if Instant::now() >= end {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// One `yatt-node` process.
+pub struct NodeProc {
+    /// The node's name.
+    pub name: String,
+    /// Its QUIC address.
+    pub addr: SocketAddr,
+    /// Its HTTP address.
+    pub http: SocketAddr,
+    /// Its process id.
+    pub pid: u32,
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl NodeProc {
+    /// Sends SIGKILL and reaps the process.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Sends SIGTERM and waits (bounded) for a clean exit; returns the exit code.
+    pub fn terminate(&mut self, timeout: Duration) -> Option<i32> {
+        let mut c = self.child.take()?;
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(c.id() as i32, libc::SIGTERM);
+        }
+        let status = poll(timeout, || c.try_wait().ok().flatten());
+        match status {
+            Some(s) => s.code(),
+            None => {
+                let _ = c.kill();
+                let _ = c.wait();
+                None
+            }
+        }
+    }
+
+    /// The node's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// GET a path from the node's HTTP server; returns the body.
+    pub fn http_get(&self, path: &str) -> Option<String> {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect_timeout(&self.http, Duration::from_secs(2)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).ok()?;
+        out.split_once("\r\n\r\n").map(|(_, body)| body.to_string())
+    }
+
+    /// `/health` as JSON.
+    pub fn health(&self) -> Option<serde_json::Value> {
+        serde_json::from_str(&self.http_get("/health")?).ok()
+    }
+
+    /// Whether `/health` reports `node` alive.
+    pub fn sees_alive(&self, node: &str) -> Option<bool> {
+        let h = self.health()?;
+        h["nodes"]
+            .as_array()?
+            .iter()
+            .find(|n| n["name"] == node)
+            .and_then(|n| n["alive"].as_bool())
+    }
+}
+
+impl Drop for NodeProc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// A set of `yatt-node` processes sharing a dev CA in a temporary directory.
+pub struct Cluster {
+    /// The temporary directory (CA, ready files, logs).
+    pub dir: tempfile::TempDir,
+    /// The nodes; the first is the seed and directory leader.
+    pub nodes: Vec<NodeProc>,
+}
+
+impl Cluster {
+    /// Starts `n` nodes named `prefix-0`, `prefix-1`, ... and waits until all have joined.
+    pub fn start(prefix: &str, n: usize) -> Cluster {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut cluster = Cluster { dir, nodes: Vec::new() };
+        for i in 0..n {
+            let seed = cluster.nodes.first().map(|s| s.addr);
+            let node = cluster.spawn(&format!("{prefix}-{i}"), seed);
+            cluster.nodes.push(node);
+        }
+        let names: Vec<String> = cluster.nodes.iter().map(|n| n.name.clone()).collect();
+        let leader = &cluster.nodes[0];
+        let joined = poll(Duration::from_secs(20), || {
+            names
+                .iter()
+                .all(|n| leader.sees_alive(n) == Some(true))
+                .then_some(())
+        });
+        assert!(joined.is_some(), "nodes did not all join; leader log:\n{}", leader.log());
+        cluster
+    }
+
+    /// The dev CA directory, for in-test client nodes.
+    pub fn ca_dir(&self) -> PathBuf {
+        self.dir.path().join("ca")
+    }
+
+    fn spawn(&self, name: &str, seed: Option<SocketAddr>) -> NodeProc {
+        let ready = self.dir.path().join(format!("{name}.ready"));
+        let log = self.dir.path().join(format!("{name}.log"));
+        let mut cmd = Command::new(yatt_node_bin());
+        cmd.args(["run", "--dev", "--name", name, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"])
+            .arg("--certs")
+            .arg(self.ca_dir())
+            .arg("--ready-file")
+            .arg(&ready)
+            .env("RUST_LOG", "info")
+            .env_remove("RUST_BACKTRACE")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"));
+        if let Some(seed) = seed {
+            cmd.arg("--seed").arg(seed.to_string());
+        }
+        let child = cmd.spawn().expect("start yatt-node");
+        let pid = child.id();
+        let mut proc = NodeProc {
+            name: name.to_string(),
+            addr: "0.0.0.0:0".parse().expect("literal"),
+            http: "0.0.0.0:0".parse().expect("literal"),
+            pid,
+            child: Some(child),
+            log,
+        };
+        let info: serde_json::Value = poll(Duration::from_secs(20), || {
+            serde_json::from_str(&std::fs::read_to_string(&ready).ok()?).ok()
+        })
+        .unwrap_or_else(|| panic!("{name} did not become ready; log:\n{}", proc.log()));
+        proc.addr = info["addr"].as_str().and_then(|a| a.parse().ok()).expect("addr");
+        proc.http = info["http"].as_str().and_then(|a| a.parse().ok()).expect("http");
+        proc
+    }
+}

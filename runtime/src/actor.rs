@@ -183,7 +183,10 @@ pub trait Actor: Send + 'static {
     type Response: Send + 'static;
 
     /// Runs once before the first request. An error ends the actor as a failure.
-    fn started(&mut self, _ctx: &mut Context) -> impl Future<Output = Result<(), ActorError>> + Send {
+    fn started(
+        &mut self,
+        _ctx: &mut Context,
+    ) -> impl Future<Output = Result<(), ActorError>> + Send {
         async { Ok(()) }
     }
 
@@ -373,7 +376,11 @@ pub struct Running<Req, Resp> {
 }
 
 /// Spawns `actor` under `name` with a fresh incarnation and a mailbox of `capacity`.
-pub fn spawn<A: Actor>(name: ActorName, actor: A, capacity: usize) -> Running<A::Request, A::Response> {
+pub fn spawn<A: Actor>(
+    name: ActorName,
+    actor: A,
+    capacity: usize,
+) -> Running<A::Request, A::Response> {
     spawn_with_id(
         ActorId {
             name,
@@ -385,7 +392,11 @@ pub fn spawn<A: Actor>(name: ActorName, actor: A, capacity: usize) -> Running<A:
 }
 
 /// Spawns with a given identity (used by the node and supervisors).
-pub fn spawn_with_id<A: Actor>(id: ActorId, actor: A, capacity: usize) -> Running<A::Request, A::Response> {
+pub fn spawn_with_id<A: Actor>(
+    id: ActorId,
+    actor: A,
+    capacity: usize,
+) -> Running<A::Request, A::Response> {
     let (tx, rx) = mpsc::channel(capacity.max(1));
     let actor_ref = ActorRef {
         id: id.clone(),
@@ -395,9 +406,16 @@ pub fn spawn_with_id<A: Actor>(id: ActorId, actor: A, capacity: usize) -> Runnin
     Running { actor_ref, exit }
 }
 
-async fn run<A: Actor>(id: ActorId, mut actor: A, mut rx: mpsc::Receiver<Envelope<A::Request, A::Response>>) -> ExitReason {
+async fn run<A: Actor>(
+    id: ActorId,
+    mut actor: A,
+    mut rx: mpsc::Receiver<Envelope<A::Request, A::Response>>,
+) -> ExitReason {
     let mut ctx = Context { id, stop: false };
-    match std::panic::AssertUnwindSafe(actor.started(&mut ctx)).catch_unwind().await {
+    match std::panic::AssertUnwindSafe(actor.started(&mut ctx))
+        .catch_unwind()
+        .await
+    {
         Ok(Ok(())) => {}
         Ok(Err(e)) => return ExitReason::StartFailed(e.to_string()),
         Err(panic) => return ExitReason::Panicked(panic_text(&panic)),
@@ -470,34 +488,57 @@ mod tests {
     async fn ask_tell_and_errors() {
         let r = spawn(name(), Echo, 4);
         let a = r.actor_ref;
-        assert_eq!(a.ask("hi".into(), Duration::from_secs(5)).await.unwrap(), "hi");
+        assert_eq!(
+            a.ask("hi".into(), Duration::from_secs(5)).await.unwrap(),
+            "hi"
+        );
         assert!(matches!(
             a.ask("bad".into(), Duration::from_secs(5)).await,
-            Err(CallError::Handler { error: ActorError::BadRequest(_), .. })
+            Err(CallError::Handler {
+                error: ActorError::BadRequest(_),
+                ..
+            })
         ));
         // The actor survives a handler error.
-        assert_eq!(a.ask("x".into(), Duration::from_secs(5)).await.unwrap(), "x");
+        assert_eq!(
+            a.ask("x".into(), Duration::from_secs(5)).await.unwrap(),
+            "x"
+        );
         a.tell("stop".into()).await.unwrap();
         assert_eq!(r.exit.await.unwrap(), ExitReason::Normal);
         match a.tell("late".into()).await {
             Err(TellError::Closed(m)) => assert_eq!(m, "late"),
             other => panic!("{other:?}"),
         }
-        assert!(matches!(a.ask("x".into(), Duration::from_secs(1)).await, Err(CallError::Closed { .. })));
+        assert!(matches!(
+            a.ask("x".into(), Duration::from_secs(1)).await,
+            Err(CallError::Closed { .. })
+        ));
     }
 
     #[tokio::test]
     async fn panic_is_reported_and_pending_ask_fails() {
         let r = spawn(name(), Echo, 4);
-        let err = r.actor_ref.ask("panic".into(), Duration::from_secs(5)).await.unwrap_err();
+        let err = r
+            .actor_ref
+            .ask("panic".into(), Duration::from_secs(5))
+            .await
+            .unwrap_err();
         assert!(matches!(err, CallError::Died { .. }), "{err:?}");
-        assert_eq!(r.exit.await.unwrap(), ExitReason::Panicked("asked to panic".into()));
+        assert_eq!(
+            r.exit.await.unwrap(),
+            ExitReason::Panicked("asked to panic".into())
+        );
     }
 
     #[tokio::test(start_paused = true)]
     async fn ask_has_a_deadline() {
         let r = spawn(name(), Echo, 4);
-        let err = r.actor_ref.ask("slow".into(), Duration::from_millis(50)).await.unwrap_err();
+        let err = r
+            .actor_ref
+            .ask("slow".into(), Duration::from_millis(50))
+            .await
+            .unwrap_err();
         assert!(matches!(err, CallError::Timeout { .. }), "{err:?}");
     }
 

@@ -114,7 +114,9 @@ impl fmt::Display for ActorId {
 impl FromStr for ActorId {
     type Err = AddrError;
     fn from_str(s: &str) -> Result<Self, AddrError> {
-        let (name, inc) = s.split_once('#').ok_or_else(|| AddrError::Shape(s.to_string()))?;
+        let (name, inc) = s
+            .split_once('#')
+            .ok_or_else(|| AddrError::Shape(s.to_string()))?;
         let incarnation = inc
             .parse::<u64>()
             .ok()
@@ -162,9 +164,18 @@ mod tests {
 
     #[test]
     fn bad_names_name_the_problem() {
-        assert!(matches!("a/b".parse::<ActorName>(), Err(AddrError::Shape(_))));
-        assert!(matches!("a/b/c/d".parse::<ActorName>(), Err(AddrError::Shape(_))));
-        assert!(matches!("a/b/x".parse::<ActorName>(), Err(AddrError::Replica(_))));
+        assert!(matches!(
+            "a/b".parse::<ActorName>(),
+            Err(AddrError::Shape(_))
+        ));
+        assert!(matches!(
+            "a/b/c/d".parse::<ActorName>(),
+            Err(AddrError::Shape(_))
+        ));
+        assert!(matches!(
+            "a/b/x".parse::<ActorName>(),
+            Err(AddrError::Replica(_))
+        ));
         assert!(matches!(
             "a b/r/0".parse::<ActorName>(),
             Err(AddrError::Segment { what: "node", .. })
@@ -173,8 +184,14 @@ mod tests {
             "n//0".parse::<ActorName>(),
             Err(AddrError::Segment { what: "role", .. })
         ));
-        assert!(matches!("n/r/0#0".parse::<ActorId>(), Err(AddrError::Incarnation(_))));
-        assert!(matches!("n/r/0".parse::<ActorId>(), Err(AddrError::Shape(_))));
+        assert!(matches!(
+            "n/r/0#0".parse::<ActorId>(),
+            Err(AddrError::Incarnation(_))
+        ));
+        assert!(matches!(
+            "n/r/0".parse::<ActorId>(),
+            Err(AddrError::Shape(_))
+        ));
         let long = "x".repeat(64);
         assert!(ActorName::new(&long, "r", 0).is_err());
     }

@@ -37,7 +37,11 @@ pub struct BulkSink;
 impl Actor for BulkSink {
     type Request = WithBulk<String>;
     type Response = BulkReceipt;
-    async fn handle(&mut self, r: WithBulk<String>, _: &mut Context) -> Result<BulkReceipt, ActorError> {
+    async fn handle(
+        &mut self,
+        r: WithBulk<String>,
+        _: &mut Context,
+    ) -> Result<BulkReceipt, ActorError> {
         Ok(BulkReceipt {
             label: r.meta,
             crc32: r.bulk.checksum(),

@@ -169,7 +169,10 @@ impl Directory {
                     Some(old) if old.info.incarnation > info.incarnation => false,
                     _ => {
                         // A rejoin with a new incarnation: the old life's actors are gone.
-                        self.mark_node_actors_dead(&info.name, &ExitReason::NodeDown("node restarted".into()));
+                        self.mark_node_actors_dead(
+                            &info.name,
+                            &ExitReason::NodeDown("node restarted".into()),
+                        );
                         self.nodes.insert(info.name.clone(), entry);
                         true
                     }
@@ -338,7 +341,11 @@ impl DirectoryHandle {
     }
 
     /// Waits until `pred` holds, at most `timeout`. Returns whether it held.
-    pub async fn wait_until(&self, timeout: Duration, mut pred: impl FnMut(&Directory) -> bool) -> bool {
+    pub async fn wait_until(
+        &self,
+        timeout: Duration,
+        mut pred: impl FnMut(&Directory) -> bool,
+    ) -> bool {
         let (snap, mut rx) = self.subscribe();
         if pred(&snap) {
             return true;
@@ -374,12 +381,31 @@ mod tests {
     #[test]
     fn epochs_count_effective_changes_only() {
         let mut d = Directory::default();
-        assert_eq!(d.apply(Change::NodeUp(node("a", 1))).unwrap().unwrap().epoch, 1);
-        assert_eq!(d.apply(Change::NodeUp(node("a", 1))).unwrap(), None, "duplicate join");
-        d.apply(Change::ActorUp(id("a/rollout/0#5"))).unwrap().unwrap();
-        assert_eq!(d.apply(Change::ActorUp(id("a/rollout/0#4"))).unwrap(), None, "older incarnation");
+        assert_eq!(
+            d.apply(Change::NodeUp(node("a", 1)))
+                .unwrap()
+                .unwrap()
+                .epoch,
+            1
+        );
+        assert_eq!(
+            d.apply(Change::NodeUp(node("a", 1))).unwrap(),
+            None,
+            "duplicate join"
+        );
+        d.apply(Change::ActorUp(id("a/rollout/0#5")))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            d.apply(Change::ActorUp(id("a/rollout/0#4"))).unwrap(),
+            None,
+            "older incarnation"
+        );
         assert_eq!(d.epoch(), 2);
-        assert_eq!(d.resolve(&"a/rollout/0".parse().unwrap()), Some(&id("a/rollout/0#5")));
+        assert_eq!(
+            d.resolve(&"a/rollout/0".parse().unwrap()),
+            Some(&id("a/rollout/0#5"))
+        );
         // A down report for an old incarnation changes nothing.
         let stale = Change::ActorDown {
             id: id("a/rollout/0#4"),
@@ -413,7 +439,9 @@ mod tests {
         ));
         // The node comes back with a new incarnation.
         d.apply(Change::NodeUp(node("a", 2))).unwrap().unwrap();
-        d.apply(Change::ActorUp(id("a/policy/1#3"))).unwrap().unwrap();
+        d.apply(Change::ActorUp(id("a/policy/1#3")))
+            .unwrap()
+            .unwrap();
         assert_eq!(d.group("policy").len(), 2);
     }
 
@@ -422,11 +450,20 @@ mod tests {
         let mut leader = Directory::default();
         let mut replica = Directory::default();
         let u1 = leader.apply(Change::NodeUp(node("a", 1))).unwrap().unwrap();
-        let u2 = leader.apply(Change::ActorUp(id("a/r/0#1"))).unwrap().unwrap();
-        let u3 = leader.apply(Change::ActorUp(id("a/r/1#2"))).unwrap().unwrap();
+        let u2 = leader
+            .apply(Change::ActorUp(id("a/r/0#1")))
+            .unwrap()
+            .unwrap();
+        let u3 = leader
+            .apply(Change::ActorUp(id("a/r/1#2")))
+            .unwrap()
+            .unwrap();
         assert!(replica.apply_update(&u1).unwrap());
         assert!(!replica.apply_update(&u1).unwrap(), "duplicate ignored");
-        assert_eq!(replica.apply_update(&u3), Err(DirectoryError::Gap { have: 1, got: 3 }));
+        assert_eq!(
+            replica.apply_update(&u3),
+            Err(DirectoryError::Gap { have: 1, got: 3 })
+        );
         assert!(replica.apply_update(&u2).unwrap());
         assert!(replica.apply_update(&u3).unwrap());
         assert_eq!(replica, leader);
@@ -439,12 +476,19 @@ mod tests {
         assert_eq!(snap.epoch(), 0);
         let h2 = h.clone();
         let waiter = tokio::spawn(async move {
-            h2.wait_until(Duration::from_secs(5), |d| d.group("r").len() == 1).await
+            h2.wait_until(Duration::from_secs(5), |d| d.group("r").len() == 1)
+                .await
         });
         h.apply(Change::NodeUp(node("a", 1))).unwrap();
         h.apply(Change::ActorUp(id("a/r/0#1"))).unwrap();
-        assert!(matches!(rx.recv().await.unwrap(), Event::Update(Update { epoch: 1, .. })));
+        assert!(matches!(
+            rx.recv().await.unwrap(),
+            Event::Update(Update { epoch: 1, .. })
+        ));
         assert!(waiter.await.unwrap());
-        assert!(!h.wait_until(Duration::from_millis(20), |d| d.epoch() == 99).await);
+        assert!(
+            !h.wait_until(Duration::from_millis(20), |d| d.epoch() == 99)
+                .await
+        );
     }
 }

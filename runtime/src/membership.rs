@@ -81,13 +81,19 @@ pub fn local_inventory(virtual_devices: u32) -> (String, String, u32, u64, Vec<D
         .map(|s| s.trim().to_string())
         .unwrap_or_default();
     let host_id = format!("{hostname}/{boot_id}");
-    let cpu_cores = std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1);
+    let cpu_cores = std::thread::available_parallelism()
+        .map(|n| n.get() as u32)
+        .unwrap_or(1);
     let memory_bytes = std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|s| {
             s.lines()
                 .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
+                .and_then(|l| {
+                    l.split_whitespace()
+                        .nth(1)
+                        .and_then(|kb| kb.parse::<u64>().ok())
+                })
         })
         .map(|kb| kb * 1024)
         .unwrap_or(0);
@@ -108,7 +114,10 @@ pub fn local_inventory(virtual_devices: u32) -> (String, String, u32, u64, Vec<D
 
 fn cuda_devices() -> Vec<DeviceInfo> {
     let Ok(out) = std::process::Command::new("nvidia-smi")
-        .args(["--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"])
+        .args([
+            "--query-gpu=index,name,memory.total",
+            "--format=csv,noheader,nounits",
+        ])
         .output()
     else {
         return Vec::new();
@@ -192,9 +201,18 @@ mod tests {
         fd.heard("b", t0);
         fd.heard("a", t0 + Duration::from_millis(1500));
         assert!(fd.expired(t0 + Duration::from_millis(2000)).is_empty());
-        assert_eq!(fd.expired(t0 + Duration::from_millis(2001)), vec!["b".to_string()]);
-        assert!(fd.expired(t0 + Duration::from_millis(2100)).is_empty(), "reported once");
-        assert_eq!(fd.expired(t0 + Duration::from_millis(3600)), vec!["a".to_string()]);
+        assert_eq!(
+            fd.expired(t0 + Duration::from_millis(2001)),
+            vec!["b".to_string()]
+        );
+        assert!(
+            fd.expired(t0 + Duration::from_millis(2100)).is_empty(),
+            "reported once"
+        );
+        assert_eq!(
+            fd.expired(t0 + Duration::from_millis(3600)),
+            vec!["a".to_string()]
+        );
     }
 
     #[test]

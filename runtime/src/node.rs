@@ -48,14 +48,19 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::actor::{spawn_with_id, Actor, ActorError, ActorRef, BoxFuture, CallError, ExitReason, RemoteRoute, TellError};
+use crate::actor::{
+    spawn_with_id, Actor, ActorError, ActorRef, BoxFuture, CallError, ExitReason, RemoteRoute,
+    TellError,
+};
 use crate::addr::{next_incarnation, validate_segment, ActorId, ActorName, AddrError};
 use crate::directory::{Change, Directory, DirectoryError, DirectoryHandle, Liveness, Update};
 use crate::membership::{local_inventory, FailureDetector, NodeInfo};
 use crate::message::{Message, Wire};
 use crate::supervisor::{supervise, Lifecycle, RestartPolicy, Supervised};
 use crate::tls::{ClusterCa, NodeIdentity, TlsError};
-use crate::transport::{Dispatch, PeerBook, RemoteError, Target, Transport, TransportConfig, TransportError};
+use crate::transport::{
+    Dispatch, PeerBook, RemoteError, Target, Transport, TransportConfig, TransportError,
+};
 
 /// Settings of a node.
 #[derive(Debug, Clone)]
@@ -168,12 +173,21 @@ pub enum NodeError {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 enum SysRequest {
     Join(NodeInfo),
-    Heartbeat { node: String, incarnation: u64 },
+    Heartbeat {
+        node: String,
+        incarnation: u64,
+    },
     Update(Update),
     Propose(Change),
     Snapshot,
-    Spawn { role: String, replica: Option<u32>, args: Vec<u8> },
-    Leave { node: String },
+    Spawn {
+        role: String,
+        replica: Option<u32>,
+        args: Vec<u8>,
+    },
+    Leave {
+        node: String,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -209,10 +223,14 @@ impl<Req: Message, Resp: Message> Inbox for TypedInbox<Req, Resp> {
         Box::pin(async move {
             let req = Req::from_wire(wire).map_err(|e| RemoteError::Codec(e.to_string()))?;
             match r.ask(req, timeout).await {
-                Ok(resp) => resp.into_wire().map_err(|e| RemoteError::Codec(e.to_string())),
+                Ok(resp) => resp
+                    .into_wire()
+                    .map_err(|e| RemoteError::Codec(e.to_string())),
                 Err(CallError::Handler { error, .. }) => Err(RemoteError::Handler(error)),
                 Err(CallError::Timeout { .. }) => Err(RemoteError::Timeout),
-                Err(CallError::Closed { target } | CallError::Died { target }) => Err(RemoteError::Died(target)),
+                Err(CallError::Closed { target } | CallError::Died { target }) => {
+                    Err(RemoteError::Died(target))
+                }
                 Err(e) => Err(RemoteError::Unavailable(e.to_string())),
             }
         })
@@ -226,7 +244,9 @@ impl<Req: Message, Resp: Message> Inbox for TypedInbox<Req, Resp> {
                         tracing::debug!(actor = %r.id(), error = %e, "dropped a tell for a stopped actor");
                     }
                 }
-                Err(e) => tracing::warn!(actor = %r.id(), error = %e, "dropped an undecodable tell"),
+                Err(e) => {
+                    tracing::warn!(actor = %r.id(), error = %e, "dropped an undecodable tell")
+                }
             }
         })
     }
@@ -324,9 +344,18 @@ impl NodeBuilder {
                 cert: identity.node.clone(),
             });
         }
-        let (hostname, host_id, cpu_cores, memory_bytes, devices) = local_inventory(self.config.virtual_devices);
-        let transport = Transport::bind(&identity, self.config.listen, host_id.clone(), self.config.transport.clone())?;
-        let mut addr = self.config.advertise.unwrap_or_else(|| transport.local_addr());
+        let (hostname, host_id, cpu_cores, memory_bytes, devices) =
+            local_inventory(self.config.virtual_devices);
+        let transport = Transport::bind(
+            &identity,
+            self.config.listen,
+            host_id.clone(),
+            self.config.transport.clone(),
+        )?;
+        let mut addr = self
+            .config
+            .advertise
+            .unwrap_or_else(|| transport.local_addr());
         if addr.ip().is_unspecified() {
             addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
         }
@@ -358,7 +387,10 @@ impl NodeBuilder {
             }),
         };
         let weak = Arc::downgrade(&node.inner);
-        transport.set_dispatch(Arc::new(NodeDispatch(weak.clone())), Arc::new(NodeBook(weak)));
+        transport.set_dispatch(
+            Arc::new(NodeDispatch(weak.clone())),
+            Arc::new(NodeBook(weak)),
+        );
         tokio::spawn(transport.clone().serve());
         match node.inner.config.seed {
             None => {
@@ -397,7 +429,10 @@ struct NodeBook(std::sync::Weak<NodeInner>);
 
 impl PeerBook for NodeBook {
     fn lookup(&self, node: &str) -> Result<(SocketAddr, String), CallError> {
-        let inner = self.0.upgrade().ok_or_else(|| CallError::NodeDown { node: node.into() })?;
+        let inner = self
+            .0
+            .upgrade()
+            .ok_or_else(|| CallError::NodeDown { node: node.into() })?;
         inner.directory.read(|d| match d.node(node) {
             Some(e) if e.liveness == Liveness::Alive => Ok((e.info.addr, e.info.host_id.clone())),
             Some(_) => Err(CallError::NodeDown { node: node.into() }),
@@ -410,7 +445,13 @@ impl PeerBook for NodeBook {
 }
 
 impl Dispatch for NodeDispatch {
-    fn ask(&self, from: &str, target: Target, wire: Wire, timeout: Duration) -> BoxFuture<'static, Result<Wire, RemoteError>> {
+    fn ask(
+        &self,
+        from: &str,
+        target: Target,
+        wire: Wire,
+        timeout: Duration,
+    ) -> BoxFuture<'static, Result<Wire, RemoteError>> {
         let Some(inner) = self.0.upgrade() else {
             return Box::pin(async { Err(RemoteError::Unavailable("node stopped".into())) });
         };
@@ -463,9 +504,13 @@ impl<Req: Message, Resp: Message> RemoteRoute<Req, Resp> for RemoteActor<Req, Re
     fn ask(&self, request: Req, timeout: Duration) -> BoxFuture<'static, Result<Resp, CallError>> {
         let (node, id) = (self.node.clone(), self.id.clone());
         Box::pin(async move {
-            let wire = request.into_wire().map_err(|e| CallError::Codec(e.to_string()))?;
+            let wire = request
+                .into_wire()
+                .map_err(|e| CallError::Codec(e.to_string()))?;
             let t = &node.inner.transport;
-            let reply = t.ask(&id.name.node, Target::Actor(id.clone()), wire, timeout).await?;
+            let reply = t
+                .ask(&id.name.node, Target::Actor(id.clone()), wire, timeout)
+                .await?;
             Resp::from_wire(reply).map_err(|e| CallError::Codec(e.to_string()))
         })
     }
@@ -535,7 +580,11 @@ impl Node {
 
     /// The node that leads the directory.
     pub fn leader(&self) -> String {
-        self.inner.leader.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.inner
+            .leader
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Whether this node leads the directory.
@@ -578,7 +627,12 @@ impl Node {
     }
 
     /// Spawns an actor reachable from other nodes, as `this-node/role/replica`.
-    pub fn spawn<A>(&self, role: &str, replica: u32, actor: A) -> Result<ActorRef<A::Request, A::Response>, NodeError>
+    pub fn spawn<A>(
+        &self,
+        role: &str,
+        replica: u32,
+        actor: A,
+    ) -> Result<ActorRef<A::Request, A::Response>, NodeError>
     where
         A: Actor,
         A::Request: Message,
@@ -587,7 +641,11 @@ impl Node {
         self.spawn_named(ActorName::new(self.name(), role, replica)?, actor)
     }
 
-    fn spawn_named<A>(&self, name: ActorName, actor: A) -> Result<ActorRef<A::Request, A::Response>, NodeError>
+    fn spawn_named<A>(
+        &self,
+        name: ActorName,
+        actor: A,
+    ) -> Result<ActorRef<A::Request, A::Response>, NodeError>
     where
         A: Actor,
         A::Request: Message,
@@ -603,7 +661,9 @@ impl Node {
         let (node, id) = (self.clone(), running.actor_ref.id().clone());
         let exit = running.exit;
         tokio::spawn(async move {
-            let reason = exit.await.unwrap_or_else(|e| ExitReason::Panicked(e.to_string()));
+            let reason = exit
+                .await
+                .unwrap_or_else(|e| ExitReason::Panicked(e.to_string()));
             node.unregister(&id, reason);
         });
         Ok(running.actor_ref)
@@ -611,7 +671,12 @@ impl Node {
 
     /// Spawns an actor only this process can reach. Its messages need not be
     /// serializable: tensors and channels can move through its mailbox as they are.
-    pub fn spawn_local<A: Actor>(&self, role: &str, replica: u32, actor: A) -> Result<ActorRef<A::Request, A::Response>, NodeError> {
+    pub fn spawn_local<A: Actor>(
+        &self,
+        role: &str,
+        replica: u32,
+        actor: A,
+    ) -> Result<ActorRef<A::Request, A::Response>, NodeError> {
         let name = ActorName::new(self.name(), role, replica)?;
         self.check_free(&name)?;
         let running = crate::actor::spawn(name.clone(), actor, self.inner.config.mailbox_capacity);
@@ -626,7 +691,9 @@ impl Node {
         );
         let (node, id, exit) = (self.clone(), r.id().clone(), running.exit);
         tokio::spawn(async move {
-            let reason = exit.await.unwrap_or_else(|e| ExitReason::Panicked(e.to_string()));
+            let reason = exit
+                .await
+                .unwrap_or_else(|e| ExitReason::Panicked(e.to_string()));
             node.unregister(&id, reason);
         });
         Ok(r)
@@ -634,7 +701,13 @@ impl Node {
 
     /// Runs `make()` under a supervisor as `this-node/role/replica`; each restart is a
     /// new incarnation, registered in the directory.
-    pub fn supervise<A, F>(&self, role: &str, replica: u32, policy: RestartPolicy, make: F) -> Result<Supervised<A::Request, A::Response>, NodeError>
+    pub fn supervise<A, F>(
+        &self,
+        role: &str,
+        replica: u32,
+        policy: RestartPolicy,
+        make: F,
+    ) -> Result<Supervised<A::Request, A::Response>, NodeError>
     where
         A: Actor,
         A::Request: Message,
@@ -643,7 +716,13 @@ impl Node {
     {
         let name = ActorName::new(self.name(), role, replica)?;
         self.check_free(&name)?;
-        Ok(supervise(name, self.inner.config.mailbox_capacity, policy, NodeHooks(self.clone()), make))
+        Ok(supervise(
+            name,
+            self.inner.config.mailbox_capacity,
+            policy,
+            NodeHooks(self.clone()),
+            make,
+        ))
     }
 
     fn check_free(&self, name: &ActorName) -> Result<(), NodeError> {
@@ -657,7 +736,10 @@ impl Node {
         self.inner.hosted.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn register<Req: Message, Resp: Message>(&self, r: ActorRef<Req, Resp>) -> Result<(), NodeError> {
+    fn register<Req: Message, Resp: Message>(
+        &self,
+        r: ActorRef<Req, Resp>,
+    ) -> Result<(), NodeError> {
         let id = r.id().clone();
         self.lock_hosted().insert(
             id.name.clone(),
@@ -703,7 +785,10 @@ impl Node {
             return Ok(());
         }
         let leader = self.leader();
-        match self.system_call(&leader, SysRequest::Propose(change)).await? {
+        match self
+            .system_call(&leader, SysRequest::Propose(change))
+            .await?
+        {
             SysResponse::Ack => Ok(()),
             other => Err(NodeError::Join {
                 seed: self.addr(),
@@ -715,7 +800,10 @@ impl Node {
     /// A typed reference to an actor by identity: in-process when it lives here, over
     /// QUIC otherwise. Types are checked for local actors; for remote ones a mismatch
     /// surfaces as a codec error on the first call.
-    pub fn actor_ref<Req: Message, Resp: Message>(&self, id: &ActorId) -> Result<ActorRef<Req, Resp>, NodeError> {
+    pub fn actor_ref<Req: Message, Resp: Message>(
+        &self,
+        id: &ActorId,
+    ) -> Result<ActorRef<Req, Resp>, NodeError> {
         if id.name.node == self.name() {
             let hosted = self.lock_hosted();
             let h = hosted
@@ -746,7 +834,10 @@ impl Node {
     }
 
     /// Resolves a name through the directory to a typed reference of its live incarnation.
-    pub fn resolve<Req: Message, Resp: Message>(&self, name: &ActorName) -> Result<ActorRef<Req, Resp>, NodeError> {
+    pub fn resolve<Req: Message, Resp: Message>(
+        &self,
+        name: &ActorName,
+    ) -> Result<ActorRef<Req, Resp>, NodeError> {
         let id = self
             .inner
             .directory
@@ -784,8 +875,14 @@ impl Node {
                 other => return Err(self.spawn_error(node, role, format!("{other:?}"))),
             }
         } else {
-            let wire = req.into_wire().map_err(|e| CallError::Codec(e.to_string()))?;
-            let reply = self.inner.transport.ask(node, Target::System, wire, timeout).await?;
+            let wire = req
+                .into_wire()
+                .map_err(|e| CallError::Codec(e.to_string()))?;
+            let reply = self
+                .inner
+                .transport
+                .ask(node, Target::System, wire, timeout)
+                .await?;
             match SysResponse::from_wire(reply).map_err(|e| CallError::Codec(e.to_string()))? {
                 SysResponse::Spawned(id) => id,
                 SysResponse::Error(e) => return Err(self.spawn_error(node, role, e)),
@@ -806,7 +903,11 @@ impl Node {
             return NodeError::NoFactory {
                 node: node.to_string(),
                 role: role.to_string(),
-                known: known.split(',').filter(|s| !s.is_empty()).map(String::from).collect(),
+                known: known
+                    .split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(String::from)
+                    .collect(),
             };
         }
         NodeError::Call(CallError::Handler {
@@ -841,7 +942,9 @@ impl Node {
     }
 
     async fn system_call(&self, node: &str, req: SysRequest) -> Result<SysResponse, NodeError> {
-        let wire = req.into_wire().map_err(|e| CallError::Codec(e.to_string()))?;
+        let wire = req
+            .into_wire()
+            .map_err(|e| CallError::Codec(e.to_string()))?;
         let reply = self
             .inner
             .transport
@@ -852,7 +955,12 @@ impl Node {
 
     async fn system_tell(&self, node: &str, req: SysRequest) {
         let Ok(wire) = req.into_wire() else { return };
-        if let Err(e) = self.inner.transport.tell(node, Target::System, wire, true).await {
+        if let Err(e) = self
+            .inner
+            .transport
+            .tell(node, Target::System, wire, true)
+            .await
+        {
             tracing::debug!(%node, error = %e, "system message not sent");
         }
     }
@@ -870,12 +978,19 @@ impl Node {
         match req {
             SysRequest::Join(info) => {
                 if !self.is_leader() {
-                    return SysResponse::Error(format!("not the leader; join through {}", self.leader()));
+                    return SysResponse::Error(format!(
+                        "not the leader; join through {}",
+                        self.leader()
+                    ));
                 }
                 if info.name != from {
-                    return SysResponse::Error(format!("certificate says {from:?} but join says {:?}", info.name));
+                    return SysResponse::Error(format!(
+                        "certificate says {from:?} but join says {:?}",
+                        info.name
+                    ));
                 }
-                self.lock_detector().heard(&info.name, tokio::time::Instant::now());
+                self.lock_detector()
+                    .heard(&info.name, tokio::time::Instant::now());
                 match dir.apply(Change::NodeUp(info)) {
                     Ok(Some(update)) => self.broadcast(update).await,
                     Ok(None) => {}
@@ -885,11 +1000,13 @@ impl Node {
             }
             SysRequest::Heartbeat { node, incarnation } => {
                 let known = dir.read(|d| {
-                    d.node(&node)
-                        .is_some_and(|e| e.liveness == Liveness::Alive && e.info.incarnation == incarnation)
+                    d.node(&node).is_some_and(|e| {
+                        e.liveness == Liveness::Alive && e.info.incarnation == incarnation
+                    })
                 });
                 if known || node == self.leader() {
-                    self.lock_detector().heard(&node, tokio::time::Instant::now());
+                    self.lock_detector()
+                        .heard(&node, tokio::time::Instant::now());
                 }
                 SysResponse::Ack
             }
@@ -915,12 +1032,19 @@ impl Node {
                 }
             }
             SysRequest::Snapshot => SysResponse::Directory(dir.snapshot()),
-            SysRequest::Spawn { role, replica, args } => {
+            SysRequest::Spawn {
+                role,
+                replica,
+                args,
+            } => {
                 if self.inner.stopping.load(Ordering::Acquire) {
                     return SysResponse::Error("node is shutting down".into());
                 }
                 let Some(factory) = self.inner.factories.get(&role).cloned() else {
-                    return SysResponse::Error(format!("no factory:{}", self.factory_roles().join(",")));
+                    return SysResponse::Error(format!(
+                        "no factory:{}",
+                        self.factory_roles().join(",")
+                    ));
                 };
                 let replica = replica.unwrap_or_else(|| self.next_free_replica(&role));
                 let name = match ActorName::new(self.name(), &role, replica) {
@@ -932,8 +1056,10 @@ impl Node {
                         // Answer once the leader has the registration, so the caller
                         // can resolve it right away.
                         let want = id.clone();
-                        dir.wait_until(self.inner.config.system_timeout, |d| d.resolve(&want.name) == Some(&want))
-                            .await;
+                        dir.wait_until(self.inner.config.system_timeout, |d| {
+                            d.resolve(&want.name) == Some(&want)
+                        })
+                        .await;
                         SysResponse::Spawned(id)
                     }
                     Err(e) => SysResponse::Error(e),
@@ -968,7 +1094,10 @@ impl Node {
     }
 
     fn lock_detector(&self) -> std::sync::MutexGuard<'_, FailureDetector> {
-        self.inner.detector.lock().unwrap_or_else(|p| p.into_inner())
+        self.inner
+            .detector
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     /// Side effects of a directory change on this node: forget dead peers.
@@ -999,7 +1128,12 @@ impl Node {
 
     async fn join(&self, seed: SocketAddr) -> Result<(), NodeError> {
         let join_err = |reason: String| NodeError::Join { seed, reason };
-        let leader = self.inner.transport.connect_seed(seed).await.map_err(|e| join_err(e.to_string()))?;
+        let leader = self
+            .inner
+            .transport
+            .connect_seed(seed)
+            .await
+            .map_err(|e| join_err(e.to_string()))?;
         *self.inner.leader.lock().unwrap_or_else(|p| p.into_inner()) = leader.clone();
         // The seed is the leader; it is reachable by name once we know its address.
         self.inner.directory.reset(seed_directory(&leader, seed));
@@ -1010,7 +1144,8 @@ impl Node {
         match reply {
             SysResponse::Directory(d) => {
                 self.inner.directory.reset(d);
-                self.lock_detector().heard(&leader, tokio::time::Instant::now());
+                self.lock_detector()
+                    .heard(&leader, tokio::time::Instant::now());
                 Ok(())
             }
             SysResponse::Error(e) => Err(join_err(e)),
@@ -1020,7 +1155,8 @@ impl Node {
 
     async fn resync(&self) {
         let leader = self.leader();
-        if let Ok(SysResponse::Directory(d)) = self.system_call(&leader, SysRequest::Snapshot).await {
+        if let Ok(SysResponse::Directory(d)) = self.system_call(&leader, SysRequest::Snapshot).await
+        {
             self.inner.directory.reset(d);
         }
     }
@@ -1029,46 +1165,65 @@ impl Node {
         let mut shutdown = self.inner.shutdown.subscribe();
         let mut tick = tokio::time::interval(self.inner.config.heartbeat_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Silence is checked more often than heartbeats are sent, so detection takes
+        // at most failure_timeout plus this, not plus a whole heartbeat period.
+        let mut check = tokio::time::interval(
+            self.inner
+                .config
+                .heartbeat_interval
+                .min(Duration::from_millis(100)),
+        );
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
-                _ = tick.tick() => {}
+                _ = tick.tick() => self.send_heartbeats(),
+                _ = check.tick() => self.declare_silent_peers_dead().await,
                 _ = shutdown.changed() => return,
             }
-            let me = SysRequest::Heartbeat {
-                node: self.name().to_string(),
-                incarnation: self.inner.info.incarnation,
+        }
+    }
+
+    fn send_heartbeats(&self) {
+        let me = SysRequest::Heartbeat {
+            node: self.name().to_string(),
+            incarnation: self.inner.info.incarnation,
+        };
+        let targets: Vec<String> = if self.is_leader() {
+            self.inner.directory.read(|d| {
+                d.alive_nodes()
+                    .filter(|n| n.name != self.name())
+                    .map(|n| n.name.clone())
+                    .collect()
+            })
+        } else {
+            vec![self.leader()]
+        };
+        for t in targets {
+            let (node, me) = (self.clone(), me.clone());
+            tokio::spawn(async move { node.system_tell(&t, me).await });
+        }
+    }
+
+    async fn declare_silent_peers_dead(&self) {
+        let dead = self.lock_detector().expired(tokio::time::Instant::now());
+        for node in dead {
+            tracing::warn!(%node, timeout = ?self.inner.config.failure_timeout, "peer silent: declaring it dead");
+            let change = Change::NodeDown {
+                node: node.clone(),
+                reason: ExitReason::NodeDown(format!(
+                    "no heartbeat for {:?}",
+                    self.inner.config.failure_timeout
+                )),
             };
-            let targets: Vec<String> = if self.is_leader() {
-                self.inner.directory.read(|d| {
-                    d.alive_nodes()
-                        .filter(|n| n.name != self.name())
-                        .map(|n| n.name.clone())
-                        .collect()
-                })
-            } else {
-                vec![self.leader()]
-            };
-            for t in targets {
-                let (node, me) = (self.clone(), me.clone());
-                tokio::spawn(async move { node.system_tell(&t, me).await });
-            }
-            let dead = self.lock_detector().expired(tokio::time::Instant::now());
-            for node in dead {
-                tracing::warn!(%node, timeout = ?self.inner.config.failure_timeout, "peer silent: declaring it dead");
-                let change = Change::NodeDown {
-                    node: node.clone(),
-                    reason: ExitReason::NodeDown(format!("no heartbeat for {:?}", self.inner.config.failure_timeout)),
-                };
-                if self.is_leader() {
-                    if let Ok(Some(update)) = self.inner.directory.apply(change) {
-                        self.broadcast(update).await;
-                    }
-                } else {
-                    // The leader itself went silent. There is no fail-over yet: mark it
-                    // dead locally so callers fail fast instead of hanging.
-                    let _ = self.inner.directory.apply(change);
-                    self.inner.transport.forget(&node);
+            if self.is_leader() {
+                if let Ok(Some(update)) = self.inner.directory.apply(change) {
+                    self.broadcast(update).await;
                 }
+            } else {
+                // The leader itself went silent. There is no fail-over yet: mark it
+                // dead locally so callers fail fast instead of hanging.
+                let _ = self.inner.directory.apply(change);
+                self.inner.transport.forget(&node);
             }
         }
     }
@@ -1088,14 +1243,22 @@ impl Node {
         })
         .await;
         if drained.is_err() {
-            tracing::warn!(in_flight = self.in_flight(), "drain timed out; closing anyway");
+            tracing::warn!(
+                in_flight = self.in_flight(),
+                "drain timed out; closing anyway"
+            );
         }
         let _ = self.inner.shutdown.send(true);
         if !self.is_leader() {
             let leader = self.leader();
             let _ = tokio::time::timeout(
                 self.inner.config.system_timeout,
-                self.system_call(&leader, SysRequest::Leave { node: self.name().to_string() }),
+                self.system_call(
+                    &leader,
+                    SysRequest::Leave {
+                        node: self.name().to_string(),
+                    },
+                ),
             )
             .await;
         } else if let Ok(Some(update)) = self.inner.directory.apply(Change::NodeDown {

@@ -238,7 +238,9 @@ mod tests {
         let t0 = Instant::now();
         let mut tr = RestartTracker::new(policy(4));
         let fail = ExitReason::Panicked("x".into());
-        let ms = |d| Decision::Restart { after: Duration::from_millis(d) };
+        let ms = |d| Decision::Restart {
+            after: Duration::from_millis(d),
+        };
         assert_eq!(tr.on_exit(t0, &fail), ms(100));
         assert_eq!(tr.on_exit(t0, &fail), ms(200));
         assert_eq!(tr.on_exit(t0, &fail), ms(350));
@@ -251,9 +253,13 @@ mod tests {
     #[test]
     fn normal_exit_and_never_policy_stop() {
         let t0 = Instant::now();
-        assert_eq!(RestartTracker::new(policy(3)).on_exit(t0, &ExitReason::Normal), Decision::Stop);
         assert_eq!(
-            RestartTracker::new(RestartPolicy::Never).on_exit(t0, &ExitReason::Panicked("p".into())),
+            RestartTracker::new(policy(3)).on_exit(t0, &ExitReason::Normal),
+            Decision::Stop
+        );
+        assert_eq!(
+            RestartTracker::new(RestartPolicy::Never)
+                .on_exit(t0, &ExitReason::Panicked("p".into())),
             Decision::Stop
         );
     }
@@ -276,9 +282,17 @@ mod tests {
         let sup = supervise(name, 8, policy(3), NoHooks, || Fragile);
         let mut events = sup.events();
         let mut watch = sup.watch();
-        let first = watch.wait_for(|r| r.is_some()).await.unwrap().clone().unwrap();
+        let first = watch
+            .wait_for(|r| r.is_some())
+            .await
+            .unwrap()
+            .clone()
+            .unwrap();
         assert_eq!(first.ask(false, Duration::from_secs(1)).await.unwrap(), 1);
-        assert!(matches!(first.ask(true, Duration::from_secs(1)).await, Err(CallError::Died { .. })));
+        assert!(matches!(
+            first.ask(true, Duration::from_secs(1)).await,
+            Err(CallError::Died { .. })
+        ));
         let second = watch
             .wait_for(|r| r.as_ref().is_some_and(|r| r.id() != first.id()))
             .await
@@ -287,9 +301,21 @@ mod tests {
             .unwrap();
         assert!(second.id().incarnation > first.id().incarnation);
         // The old incarnation's reference does not reach the successor.
-        assert!(matches!(first.ask(false, Duration::from_secs(1)).await, Err(CallError::Closed { .. })));
+        assert!(matches!(
+            first.ask(false, Duration::from_secs(1)).await,
+            Err(CallError::Closed { .. })
+        ));
         assert_eq!(second.ask(false, Duration::from_secs(1)).await.unwrap(), 1);
-        assert_eq!(events.recv().await.unwrap(), ChildEvent::Started(first.id().clone()));
-        assert!(matches!(events.recv().await.unwrap(), ChildEvent::Exited { reason: ExitReason::Panicked(_), .. }));
+        assert_eq!(
+            events.recv().await.unwrap(),
+            ChildEvent::Started(first.id().clone())
+        );
+        assert!(matches!(
+            events.recv().await.unwrap(),
+            ChildEvent::Exited {
+                reason: ExitReason::Panicked(_),
+                ..
+            }
+        ));
     }
 }

@@ -90,7 +90,10 @@ enum BulkRef {
     /// Follows the head on the same stream.
     Inline,
     /// In a shared-memory file on the receiver's host.
-    Shm { path: String, header: BulkHeader },
+    Shm {
+        path: String,
+        header: BulkHeader,
+    },
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -150,10 +153,16 @@ impl RemoteError {
         };
         match (self, actor) {
             (RemoteError::Stale { target, current }, _) => CallError::Stale { target, current },
-            (RemoteError::NoSuchActor(target), _) => CallError::Stale { target, current: None },
+            (RemoteError::NoSuchActor(target), _) => CallError::Stale {
+                target,
+                current: None,
+            },
             (RemoteError::Handler(error), Some(target)) => CallError::Handler { target, error },
             (RemoteError::Died(target), _) => CallError::Died { target },
-            (RemoteError::Timeout, Some(target)) => CallError::Timeout { target, after: timeout },
+            (RemoteError::Timeout, Some(target)) => CallError::Timeout {
+                target,
+                after: timeout,
+            },
             (RemoteError::Codec(c), _) => CallError::Codec(c),
             (e, _) => CallError::Transport {
                 node: node.to_string(),
@@ -166,7 +175,13 @@ impl RemoteError {
 /// What the node does with what arrives. The transport only moves bytes.
 pub(crate) trait Dispatch: Send + Sync + 'static {
     /// A request that wants an answer.
-    fn ask(&self, from: &str, target: Target, wire: Wire, timeout: Duration) -> BoxFuture<'static, Result<Wire, RemoteError>>;
+    fn ask(
+        &self,
+        from: &str,
+        target: Target,
+        wire: Wire,
+        timeout: Duration,
+    ) -> BoxFuture<'static, Result<Wire, RemoteError>>;
     /// A fire-and-forget message; resolves once it is queued (the mailbox had room).
     fn tell(&self, from: &str, target: Target, wire: Wire) -> BoxFuture<'static, ()>;
 }
@@ -249,11 +264,16 @@ impl Transport {
             addr: listen,
             reason: "no async runtime".into(),
         })?;
-        let mut endpoint = quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(server), socket, runtime)
-            .map_err(|e| TransportError::Bind {
-                addr: listen,
-                reason: e.to_string(),
-            })?;
+        let mut endpoint = quinn::Endpoint::new(
+            quinn::EndpointConfig::default(),
+            Some(server),
+            socket,
+            runtime,
+        )
+        .map_err(|e| TransportError::Bind {
+            addr: listen,
+            reason: e.to_string(),
+        })?;
         endpoint.set_default_client_config(client);
         Ok(Arc::new(Transport {
             me: identity.node.clone(),
@@ -271,7 +291,9 @@ impl Transport {
 
     /// The bound address.
     pub fn local_addr(&self) -> SocketAddr {
-        self.endpoint.local_addr().unwrap_or_else(|_| "0.0.0.0:0".parse().expect("literal"))
+        self.endpoint
+            .local_addr()
+            .unwrap_or_else(|_| "0.0.0.0:0".parse().expect("literal"))
     }
 
     pub(crate) fn set_dispatch(&self, d: Arc<dyn Dispatch>, book: Arc<dyn PeerBook>) {
@@ -353,7 +375,8 @@ impl Transport {
     async fn serve_connection(self: Arc<Self>, peer: String, conn: quinn::Connection) {
         let progress = Arc::new(TellProgress::default());
         let bi = {
-            let (this, conn, peer, progress) = (self.clone(), conn.clone(), peer.clone(), progress.clone());
+            let (this, conn, peer, progress) =
+                (self.clone(), conn.clone(), peer.clone(), progress.clone());
             async move {
                 while let Ok((send, recv)) = conn.accept_bi().await {
                     let (this, peer, progress) = (this.clone(), peer.clone(), progress.clone());
@@ -381,7 +404,10 @@ impl Transport {
         };
         tokio::join!(bi, uni);
         let mut peers = self.lock_peers();
-        if peers.get(&peer).is_some_and(|p| p.conn.stable_id() == conn.stable_id()) {
+        if peers
+            .get(&peer)
+            .is_some_and(|p| p.conn.stable_id() == conn.stable_id())
+        {
             peers.remove(&peer);
         }
     }
@@ -411,10 +437,15 @@ impl Transport {
         recv.read_exact(&mut tag).await.map_err(read_exact_err)?;
         if tag[0] != ASK {
             let _ = recv.stop(3u32.into());
-            return Err(CodecError::BadHeader(format!("bidirectional stream with tag {}", tag[0])));
+            return Err(CodecError::BadHeader(format!(
+                "bidirectional stream with tag {}",
+                tag[0]
+            )));
         }
         let head = self.read_request(&mut recv).await?;
-        let wire = self.read_request_bulk(&mut recv, head.bulk, head.body).await;
+        let wire = self
+            .read_request_bulk(&mut recv, head.bulk, head.body)
+            .await;
         self.stats.received.fetch_add(1, Ordering::Relaxed);
         let timeout = Duration::from_millis(head.timeout_ms);
         let ordered = progress.wait_for(head.after_tells, timeout).await;
@@ -448,19 +479,27 @@ impl Transport {
         Ok(())
     }
 
-    async fn serve_uni(&self, peer: &str, mut recv: quinn::RecvStream, progress: &TellProgress) -> Result<(), CodecError> {
+    async fn serve_uni(
+        &self,
+        peer: &str,
+        mut recv: quinn::RecvStream,
+        progress: &TellProgress,
+    ) -> Result<(), CodecError> {
         let mut tag = [0u8; 1];
         recv.read_exact(&mut tag).await.map_err(read_exact_err)?;
         let ordered = tag[0] == TELLS;
         match tag[0] {
             TELLS | SYSTEM => loop {
-                let Some(frame) = codec::read_frame(&mut recv, &self.config.frame_limits).await? else {
+                let Some(frame) = codec::read_frame(&mut recv, &self.config.frame_limits).await?
+                else {
                     return Ok(());
                 };
-                let head: RequestHead =
-                    postcard::from_bytes(&frame).map_err(|e| CodecError::BadHeader(e.to_string()))?;
+                let head: RequestHead = postcard::from_bytes(&frame)
+                    .map_err(|e| CodecError::BadHeader(e.to_string()))?;
                 if !matches!(head.bulk, BulkRef::None) {
-                    return Err(CodecError::BadHeader("bulk reference on an ordered stream".into()));
+                    return Err(CodecError::BadHeader(
+                        "bulk reference on an ordered stream".into(),
+                    ));
                 }
                 self.stats.received.fetch_add(1, Ordering::Relaxed);
                 let wire = Wire {
@@ -478,7 +517,9 @@ impl Transport {
             },
             BULK_TELL => {
                 let head = self.read_request(&mut recv).await?;
-                let wire = self.read_request_bulk(&mut recv, head.bulk, head.body).await?;
+                let wire = self
+                    .read_request_bulk(&mut recv, head.bulk, head.body)
+                    .await?;
                 self.stats.received.fetch_add(1, Ordering::Relaxed);
                 if let Ok(d) = self.dispatch() {
                     d.tell(peer, head.target, wire).await;
@@ -487,7 +528,9 @@ impl Transport {
             }
             other => {
                 let _ = recv.stop(3u32.into());
-                Err(CodecError::BadHeader(format!("unidirectional stream with tag {other}")))
+                Err(CodecError::BadHeader(format!(
+                    "unidirectional stream with tag {other}"
+                )))
             }
         }
     }
@@ -499,7 +542,12 @@ impl Transport {
         postcard::from_bytes(&frame).map_err(|e| CodecError::BadHeader(e.to_string()))
     }
 
-    async fn read_request_bulk(&self, recv: &mut quinn::RecvStream, bulk: BulkRef, body: Vec<u8>) -> Result<Wire, CodecError> {
+    async fn read_request_bulk(
+        &self,
+        recv: &mut quinn::RecvStream,
+        bulk: BulkRef,
+        body: Vec<u8>,
+    ) -> Result<Wire, CodecError> {
         let bulk = match bulk {
             BulkRef::None => None,
             BulkRef::Inline => Some(codec::read_bulk(recv, &self.config.bulk_limits).await?),
@@ -536,7 +584,9 @@ impl Transport {
                         None,
                     )
                 }
-                Err(e) => tracing::warn!(error = %e, "shared-memory fast path failed; sending inline"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "shared-memory fast path failed; sending inline")
+                }
             }
         }
         (BulkRef::Inline, Some(bulk))
@@ -544,10 +594,10 @@ impl Transport {
 
     async fn write_shm(&self, bulk: &Bulk) -> std::io::Result<String> {
         let seq = self.shm_seq.fetch_add(1, Ordering::Relaxed);
-        let path = self
-            .config
-            .shm_dir
-            .join(format!("yatt-{}-{}-{seq}", self.me, std::process::id()));
+        let path =
+            self.config
+                .shm_dir
+                .join(format!("yatt-{}-{}-{seq}", self.me, std::process::id()));
         let data = bulk.data.clone();
         let p = path.clone();
         tokio::task::spawn_blocking(move || {
@@ -574,7 +624,10 @@ impl Transport {
                 .is_some_and(|f| f.to_string_lossy().starts_with("yatt-"));
         if !allowed {
             return Err(CodecError::InvalidBulk {
-                reason: format!("shared-memory path {path:?} is outside {}", self.config.shm_dir.display()),
+                reason: format!(
+                    "shared-memory path {path:?} is outside {}",
+                    self.config.shm_dir.display()
+                ),
             });
         }
         header.validate(&self.config.bulk_limits)?;
@@ -628,7 +681,10 @@ impl Transport {
     }
 
     /// Connects to an address and returns the peer's node name from its certificate.
-    pub(crate) async fn dial(self: &Arc<Self>, addr: SocketAddr) -> Result<(String, quinn::Connection), CallError> {
+    pub(crate) async fn dial(
+        self: &Arc<Self>,
+        addr: SocketAddr,
+    ) -> Result<(String, quinn::Connection), CallError> {
         let fail = |reason: String| CallError::Transport {
             node: addr.to_string(),
             reason,
@@ -639,28 +695,43 @@ impl Transport {
             .map_err(|e| fail(e.to_string()))?;
         let conn = tokio::time::timeout(self.config.connect_timeout, connecting)
             .await
-            .map_err(|_| fail(format!("handshake timed out after {:?}", self.config.connect_timeout)))?
+            .map_err(|_| {
+                fail(format!(
+                    "handshake timed out after {:?}",
+                    self.config.connect_timeout
+                ))
+            })?
             .map_err(|e| fail(e.to_string()))?;
         let name = tls::peer_node_name(&conn).map_err(|e| fail(e.to_string()))?;
         Ok((name, conn))
     }
 
     /// Dials a seed by address and keeps the connection as that peer's.
-    pub(crate) async fn connect_seed(self: &Arc<Self>, addr: SocketAddr) -> Result<String, CallError> {
+    pub(crate) async fn connect_seed(
+        self: &Arc<Self>,
+        addr: SocketAddr,
+    ) -> Result<String, CallError> {
         let (name, conn) = self.dial(addr).await?;
         self.adopt(name.clone(), conn);
         Ok(name)
     }
 
     /// Sends a request and waits for the reply, all within `timeout`.
-    pub(crate) async fn ask(self: &Arc<Self>, node: &str, target: Target, wire: Wire, timeout: Duration) -> Result<Wire, CallError> {
+    pub(crate) async fn ask(
+        self: &Arc<Self>,
+        node: &str,
+        target: Target,
+        wire: Wire,
+        timeout: Duration,
+    ) -> Result<Wire, CallError> {
         let work = async {
             let peer = self.peer(node).await?;
             let lost = |e: String| CallError::Transport {
                 node: node.to_string(),
                 reason: e,
             };
-            let (mut send, mut recv) = peer.conn.open_bi().await.map_err(|e| lost(e.to_string()))?;
+            let (mut send, mut recv) =
+                peer.conn.open_bi().await.map_err(|e| lost(e.to_string()))?;
             send.set_priority(CONTROL_PRIORITY).ok();
             let (bulk_ref, bulk) = self.place_bulk(node, wire.bulk).await;
             let head = RequestHead {
@@ -672,7 +743,9 @@ impl Transport {
             };
             let frame = self.tagged_frame(ASK, &head)?;
             self.stats.sent.fetch_add(1, Ordering::Relaxed);
-            send.write_all_chunks(&mut [frame]).await.map_err(|e| lost(e.to_string()))?;
+            send.write_all_chunks(&mut [frame])
+                .await
+                .map_err(|e| lost(e.to_string()))?;
             if let Some(bulk) = &bulk {
                 send.set_priority(BULK_PRIORITY).ok();
                 codec::write_bulk(&mut send, bulk, &self.config.bulk_limits)
@@ -684,7 +757,8 @@ impl Transport {
                 .await
                 .map_err(|e| lost(e.to_string()))?
                 .ok_or_else(|| lost("stream closed before the reply".into()))?;
-            let reply: ReplyHead = postcard::from_bytes(&frame).map_err(|e| CallError::Codec(e.to_string()))?;
+            let reply: ReplyHead =
+                postcard::from_bytes(&frame).map_err(|e| CallError::Codec(e.to_string()))?;
             match reply.result {
                 Ok((body, bulk_ref)) => self
                     .read_request_bulk(&mut recv, bulk_ref, body.into_vec())
@@ -696,7 +770,10 @@ impl Transport {
         match tokio::time::timeout(timeout, work).await {
             Ok(r) => r,
             Err(_) => Err(match target {
-                Target::Actor(target) => CallError::Timeout { target, after: timeout },
+                Target::Actor(target) => CallError::Timeout {
+                    target,
+                    after: timeout,
+                },
                 Target::System => CallError::Transport {
                     node: node.to_string(),
                     reason: format!("no reply within {timeout:?}"),
@@ -707,7 +784,8 @@ impl Transport {
 
     fn tagged_frame(&self, tag: u8, head: &RequestHead) -> Result<Bytes, CallError> {
         let body = postcard::to_stdvec(head).map_err(|e| CallError::Codec(e.to_string()))?;
-        let frame = codec::encode_frame(&body, &self.config.frame_limits).map_err(|e| CallError::Codec(e.to_string()))?;
+        let frame = codec::encode_frame(&body, &self.config.frame_limits)
+            .map_err(|e| CallError::Codec(e.to_string()))?;
         let mut out = Vec::with_capacity(1 + frame.len());
         out.push(tag);
         out.extend_from_slice(&frame);
@@ -729,7 +807,13 @@ impl Transport {
     /// Sends a fire-and-forget message. Messages without bulk keep their order per peer
     /// (one long-lived stream); `system` ones use a stream of their own that actor
     /// mailboxes never block.
-    pub(crate) async fn tell(self: &Arc<Self>, node: &str, target: Target, wire: Wire, system: bool) -> Result<(), CallError> {
+    pub(crate) async fn tell(
+        self: &Arc<Self>,
+        node: &str,
+        target: Target,
+        wire: Wire,
+        system: bool,
+    ) -> Result<(), CallError> {
         let lost = |reason: String| CallError::Transport {
             node: node.to_string(),
             reason,
@@ -738,7 +822,11 @@ impl Transport {
             let peer = self.peer(node).await?;
             self.stats.sent.fetch_add(1, Ordering::Relaxed);
             if wire.bulk.is_some() {
-                let mut send = peer.conn.open_uni().await.map_err(|e| lost(e.to_string()))?;
+                let mut send = peer
+                    .conn
+                    .open_uni()
+                    .await
+                    .map_err(|e| lost(e.to_string()))?;
                 send.set_priority(BULK_PRIORITY).ok();
                 let (bulk_ref, bulk) = self.place_bulk(node, wire.bulk).await;
                 let head = RequestHead {
@@ -749,7 +837,9 @@ impl Transport {
                     bulk: bulk_ref,
                 };
                 let frame = self.tagged_frame(BULK_TELL, &head)?;
-                send.write_all_chunks(&mut [frame]).await.map_err(|e| lost(e.to_string()))?;
+                send.write_all_chunks(&mut [frame])
+                    .await
+                    .map_err(|e| lost(e.to_string()))?;
                 if let Some(bulk) = &bulk {
                     codec::write_bulk(&mut send, bulk, &self.config.bulk_limits)
                         .await
@@ -773,7 +863,11 @@ impl Transport {
             let mut stream = slot.lock().await;
             let mut frame = self.tagged_frame(tag, &head)?;
             if stream.is_none() {
-                let s = peer.conn.open_uni().await.map_err(|e| lost(e.to_string()))?;
+                let s = peer
+                    .conn
+                    .open_uni()
+                    .await
+                    .map_err(|e| lost(e.to_string()))?;
                 s.set_priority(priority).ok();
                 *stream = Some(s);
             } else {

@@ -39,7 +39,10 @@ impl Actor for Summer {
     async fn handle(&mut self, r: Req, _: &mut Context) -> Result<Resp, ActorError> {
         Ok(match r {
             Req::Add(x) => {
-                self.sum = self.sum.checked_add(x).ok_or_else(|| ActorError::BadRequest("overflow".into()))?;
+                self.sum = self
+                    .sum
+                    .checked_add(x)
+                    .ok_or_else(|| ActorError::BadRequest("overflow".into()))?;
                 Resp::Sum(self.sum)
             }
             Req::Log(x) => {
@@ -57,7 +60,11 @@ struct Sink;
 impl Actor for Sink {
     type Request = WithBulk<String>;
     type Response = (String, u32, usize);
-    async fn handle(&mut self, r: WithBulk<String>, _: &mut Context) -> Result<(String, u32, usize), ActorError> {
+    async fn handle(
+        &mut self,
+        r: WithBulk<String>,
+        _: &mut Context,
+    ) -> Result<(String, u32, usize), ActorError> {
         Ok((r.meta, r.bulk.checksum(), r.bulk.header.tensors.len()))
     }
 }
@@ -83,7 +90,12 @@ async fn cluster(tag: &str, shm: bool) -> (tempfile::TempDir, Node, Node, Node) 
             .config(config())
             .dev_certs(dir.path())
             .seed(seed.addr())
-            .factory("summer", |start: u64| Ok(Summer { sum: start, log: vec![] }))
+            .factory("summer", |start: u64| {
+                Ok(Summer {
+                    sum: start,
+                    log: vec![],
+                })
+            })
             .factory("sink", |_: ()| Ok(Sink))
             .start()
             .await
@@ -92,21 +104,45 @@ async fn cluster(tag: &str, shm: bool) -> (tempfile::TempDir, Node, Node, Node) 
     }
     let c = others.pop().unwrap();
     let b = others.pop().unwrap();
-    assert!(seed.directory().wait_until(T, |d| d.alive_nodes().count() == 3).await);
-    assert!(b.directory().wait_until(T, |d| d.alive_nodes().count() == 3).await);
-    assert!(c.directory().wait_until(T, |d| d.alive_nodes().count() == 3).await);
+    assert!(
+        seed.directory()
+            .wait_until(T, |d| d.alive_nodes().count() == 3)
+            .await
+    );
+    assert!(
+        b.directory()
+            .wait_until(T, |d| d.alive_nodes().count() == 3)
+            .await
+    );
+    assert!(
+        c.directory()
+            .wait_until(T, |d| d.alive_nodes().count() == 3)
+            .await
+    );
     (dir, seed, b, c)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_spawn_ask_and_ordered_tells() {
     let (_dir, a, b, c) = cluster("t1", true).await;
-    let summer = a.spawn_remote::<Req, Resp, _>(b.name(), "summer", &10u64, T).await.unwrap();
+    let summer = a
+        .spawn_remote::<Req, Resp, _>(b.name(), "summer", &10u64, T)
+        .await
+        .unwrap();
     assert!(!summer.is_local());
     assert_eq!(summer.ask(Req::Add(5), T).await.unwrap(), Resp::Sum(15));
     // Handler errors come back as such, and the actor keeps serving.
     let err = summer.ask(Req::Add(u64::MAX), T).await.unwrap_err();
-    assert!(matches!(err, CallError::Handler { error: ActorError::BadRequest(_), .. }), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            CallError::Handler {
+                error: ActorError::BadRequest(_),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     // Tells from one node keep their order.
     for i in 0..200 {
         summer.tell(Req::Log(i)).await.unwrap();
@@ -114,7 +150,11 @@ async fn remote_spawn_ask_and_ordered_tells() {
     let log = summer.ask(Req::Read, T).await.unwrap();
     assert_eq!(log, Resp::Log((0..200).collect()));
     // Every node can resolve it by name through its directory replica.
-    assert!(c.directory().wait_until(T, |d| d.resolve(&summer.id().name).is_some()).await);
+    assert!(
+        c.directory()
+            .wait_until(T, |d| d.resolve(&summer.id().name).is_some())
+            .await
+    );
     let via_c = c.resolve::<Req, Resp>(&summer.id().name).unwrap();
     assert_eq!(via_c.ask(Req::Add(1), T).await.unwrap(), Resp::Sum(16));
     // On its own node the reference is in-process.
@@ -122,9 +162,15 @@ async fn remote_spawn_ask_and_ordered_tells() {
     assert!(local.is_local());
     assert_eq!(local.ask(Req::Add(1), T).await.unwrap(), Resp::Sum(17));
     // Wrong types are refused locally.
-    assert!(matches!(b.actor_ref::<String, String>(summer.id()), Err(NodeError::WrongType { .. })));
+    assert!(matches!(
+        b.actor_ref::<String, String>(summer.id()),
+        Err(NodeError::WrongType { .. })
+    ));
     // Unknown factory names what is there.
-    match a.spawn_remote::<Req, Resp, _>(b.name(), "nope", &(), T).await {
+    match a
+        .spawn_remote::<Req, Resp, _>(b.name(), "nope", &(), T)
+        .await
+    {
         Err(NodeError::NoFactory { known, .. }) => assert_eq!(known, vec!["sink", "summer"]),
         other => panic!("{other:?}"),
     }
@@ -133,12 +179,24 @@ async fn remote_spawn_ask_and_ordered_tells() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_incarnation_is_refused() {
     let (_dir, a, b, _c) = cluster("t2", true).await;
-    let first = a.spawn_remote::<Req, Resp, _>(b.name(), "summer", &0u64, T).await.unwrap();
+    let first = a
+        .spawn_remote::<Req, Resp, _>(b.name(), "summer", &0u64, T)
+        .await
+        .unwrap();
     let mut stale_id = first.id().clone();
     stale_id.incarnation -= 1;
     let stale = a.actor_ref::<Req, Resp>(&stale_id).unwrap();
     let err = stale.ask(Req::Add(1), T).await.unwrap_err();
-    assert!(matches!(err, CallError::Stale { current: Some(_), .. }), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            CallError::Stale {
+                current: Some(_),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
 }
 
 async fn bulk_round_trip(shm: bool) {
@@ -158,7 +216,13 @@ async fn bulk_round_trip(shm: bool) {
     .unwrap();
     let want = bulk.checksum();
     let (meta, got, count) = sink
-        .ask(WithBulk { meta: "batch-1".into(), bulk }, T)
+        .ask(
+            WithBulk {
+                meta: "batch-1".into(),
+                bulk,
+            },
+            T,
+        )
         .await
         .unwrap();
     assert_eq!((meta.as_str(), got, count), ("batch-1", want, 2));
@@ -167,7 +231,11 @@ async fn bulk_round_trip(shm: bool) {
         let left: Vec<_> = std::fs::read_dir("/dev/shm")
             .unwrap()
             .filter_map(|e| e.ok())
-            .filter(|e| e.file_name().to_string_lossy().starts_with(&format!("yatt-{tag}-")))
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(&format!("yatt-{tag}-"))
+            })
             .collect();
         assert!(left.is_empty(), "{left:?}");
     }
@@ -186,12 +254,29 @@ async fn bulk_64mib_intact_inline_over_quic() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_leave_marks_actors_dead() {
     let (_dir, a, b, c) = cluster("t5", true).await;
-    let summer = a.spawn_remote::<Req, Resp, _>(c.name(), "summer", &0u64, T).await.unwrap();
+    let summer = a
+        .spawn_remote::<Req, Resp, _>(c.name(), "summer", &0u64, T)
+        .await
+        .unwrap();
     let name = summer.id().name.clone();
     c.shutdown().await;
     for n in [&a, &b] {
-        assert!(n.directory().wait_until(T, |d| d.resolve(&name).is_none() && d.alive_nodes().count() == 2).await);
+        assert!(
+            n.directory()
+                .wait_until(T, |d| d.resolve(&name).is_none()
+                    && d.alive_nodes().count() == 2)
+                .await
+        );
     }
-    let err = summer.ask(Req::Read, Duration::from_secs(2)).await.unwrap_err();
-    assert!(matches!(err, CallError::NodeDown { .. } | CallError::Transport { .. }), "{err:?}");
+    let err = summer
+        .ask(Req::Read, Duration::from_secs(2))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            CallError::NodeDown { .. } | CallError::Transport { .. }
+        ),
+        "{err:?}"
+    );
 }

@@ -1,0 +1,193 @@
+//! Three real `yatt-node` processes on loopback; the test process joins as a fourth
+//! node (a client) over the same QUIC + mutual TLS as everyone else.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use yatt_integration_tests::{poll, Cluster};
+use yatt_runtime::builtin::BulkReceipt;
+use yatt_runtime::codec::{Bulk, DType};
+use yatt_runtime::directory::Liveness;
+use yatt_runtime::message::WithBulk;
+use yatt_runtime::tls::ClusterCa;
+use yatt_runtime::transport::TransportConfig;
+use yatt_runtime::{CallError, Node, NodeConfig};
+
+const T: Duration = Duration::from_secs(20);
+
+async fn client(cluster: &Cluster, name: &str, shm: bool) -> Node {
+    Node::builder(name)
+        .config(NodeConfig {
+            transport: TransportConfig {
+                shm_fast_path: shm,
+                ..TransportConfig::default()
+            },
+            ..NodeConfig::default()
+        })
+        .dev_certs(cluster.ca_dir())
+        .seed(cluster.nodes[0].addr)
+        .start()
+        .await
+        .expect("client joins")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_spawn_request_response_and_64mib_bulk() {
+    let cluster = Cluster::start("rs", 3);
+    let c = client(&cluster, "rs-client", true).await;
+    for n in &cluster.nodes {
+        let echo = c
+            .spawn_remote::<Vec<u8>, Vec<u8>, _>(&n.name, "echo", &(), T)
+            .await
+            .expect("spawn echo");
+        assert_eq!(echo.id().name.node, n.name);
+        assert_eq!(echo.ask(b"ping".to_vec(), T).await.unwrap(), b"ping");
+    }
+    // A 64 MiB batch arrives intact, through shared memory and over plain QUIC.
+    let sink = c
+        .spawn_remote::<WithBulk<String>, BulkReceipt, _>(&cluster.nodes[2].name, "bulk-sink", &(), T)
+        .await
+        .unwrap();
+    let n = 64usize << 20;
+    let data: Vec<u8> = (0..n).map(|i| (i ^ (i >> 13)) as u8).collect();
+    let bulk = Bulk::from_tensors([("tokens", DType::U8, vec![n as u64], Bytes::from(data))]).unwrap();
+    let want = bulk.checksum();
+    let r = sink.ask(WithBulk { meta: "shm".into(), bulk: bulk.clone() }, T).await.unwrap();
+    assert_eq!((r.crc32, r.bytes, r.label.as_str()), (want, n as u64, "shm"));
+    let plain = client(&cluster, "rs-client2", false).await;
+    let sink2 = plain.actor_ref::<WithBulk<String>, BulkReceipt>(sink.id()).unwrap();
+    let r = sink2.ask(WithBulk { meta: "quic".into(), bulk }, T).await.unwrap();
+    assert_eq!((r.crc32, r.bytes, r.label.as_str()), (want, n as u64, "quic"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_is_detected_within_the_bound() {
+    let mut cluster = Cluster::start("kd", 3);
+    let c = client(&cluster, "kd-client", true).await;
+    let victim = cluster.nodes[2].name.clone();
+    let echo = c.spawn_remote::<Vec<u8>, Vec<u8>, _>(&victim, "echo", &(), T).await.unwrap();
+    assert_eq!(echo.ask(vec![1], T).await.unwrap(), vec![1]);
+
+    let killed = Instant::now();
+    cluster.nodes[2].kill9();
+    // Default failure_timeout is 2 s; the bound the runtime promises is 3 s.
+    let bound = Duration::from_secs(3);
+    let name = echo.id().name.clone();
+    let seen = c
+        .directory()
+        .wait_until(bound + Duration::from_millis(500), |d| {
+            d.node(&victim).is_some_and(|n| n.liveness != Liveness::Alive)
+                && d.actor(&name).is_some_and(|a| a.liveness != Liveness::Alive)
+        })
+        .await;
+    let detected = killed.elapsed();
+    assert!(seen, "client never saw {victim} dead");
+    eprintln!("kill -9 detected after {detected:?}");
+    assert!(detected <= bound + Duration::from_millis(500), "detected after {detected:?}");
+    // Both surviving daemons agree.
+    for n in &cluster.nodes[..2] {
+        let dead = poll(Duration::from_secs(2), || (n.sees_alive(&victim) == Some(false)).then_some(()));
+        assert!(dead.is_some(), "{} still sees {victim} alive", n.name);
+    }
+    // Calls to its actors fail fast instead of hanging.
+    let started = Instant::now();
+    let err = echo.ask(vec![2], T).await.unwrap_err();
+    assert!(matches!(err, CallError::NodeDown { .. }), "{err:?}");
+    assert!(started.elapsed() < Duration::from_secs(1));
+}
+
+async fn handshake_fails(addr: std::net::SocketAddr, config: quinn::ClientConfig) -> bool {
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(config);
+    let conn = match ep.connect(addr, yatt_runtime::tls::SERVER_NAME).unwrap().await {
+        Err(_) => return true,
+        Ok(conn) => conn,
+    };
+    // With TLS 1.3 the server checks the client certificate after the client finishes;
+    // a refused client sees the connection closed on its first use.
+    let used = async {
+        let (mut s, mut r) = conn.open_bi().await?;
+        s.write_all(&[1]).await?;
+        let _ = s.finish();
+        let mut b = [0u8; 1];
+        r.read_exact(&mut b).await?;
+        Ok::<(), Box<dyn std::error::Error>>(())
+    };
+    tokio::time::timeout(Duration::from_secs(5), used)
+        .await
+        .map(|r| r.is_err())
+        .unwrap_or(false)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_without_a_cluster_certificate_are_refused() {
+    let cluster = Cluster::start("tl", 3);
+    let target = cluster.nodes[1].addr;
+    let self_signed = yatt_runtime::tls::insecure_client_config("intruder").unwrap();
+    assert!(handshake_fails(target, self_signed).await, "self-signed client got in");
+    let other_ca = ClusterCa::generate("elsewhere").unwrap().issue("intruder").unwrap();
+    assert!(handshake_fails(target, other_ca.client_config().unwrap()).await, "foreign CA got in");
+    // The node keeps serving members.
+    let c = client(&cluster, "tl-client", true).await;
+    let echo = c.spawn_remote::<Vec<u8>, Vec<u8>, _>(&cluster.nodes[1].name, "echo", &(), T).await.unwrap();
+    assert_eq!(echo.ask(vec![7], T).await.unwrap(), vec![7]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_oversized_frames_close_only_their_stream() {
+    let cluster = Cluster::start("mf", 3);
+    let victim = &cluster.nodes[1];
+    let c = client(&cluster, "mf-client", true).await;
+    let echo = c.spawn_remote::<Vec<u8>, Vec<u8>, _>(&victim.name, "echo", &(), T).await.unwrap();
+
+    // An authenticated peer (certificate from the cluster CA) misbehaves by hand.
+    let ca = ClusterCa::load(&cluster.ca_dir()).unwrap();
+    let rogue = ca.issue("mf-rogue").unwrap();
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(rogue.client_config().unwrap());
+    let conn = ep.connect(victim.addr, yatt_runtime::tls::SERVER_NAME).unwrap().await.unwrap();
+    let ask = yatt_runtime::transport::testing::TAG_ASK;
+
+    async fn expect_closed(conn: &quinn::Connection, bytes: &[u8]) {
+        let (mut s, mut r) = conn.open_bi().await.unwrap();
+        s.write_all(bytes).await.unwrap();
+        let _ = s.finish();
+        let got = tokio::time::timeout(Duration::from_secs(5), r.read_to_end(1 << 20)).await.expect("stream not closed");
+        // Closed without a reply: either an empty finish or a reset/stop.
+        assert!(got.map(|b| b.is_empty()).unwrap_or(true), "got a reply to garbage");
+    }
+    // Oversized: a header announcing 4 GiB.
+    expect_closed(&conn, &[ask, 0xff, 0xff, 0xff, 0xff]).await;
+    // Malformed: a well-sized frame of garbage.
+    expect_closed(&conn, &[ask, 4, 0, 0, 0, 0xde, 0xad, 0xbe, 0xef]).await;
+    // Truncated: a frame cut short.
+    expect_closed(&conn, &[ask, 100, 0, 0, 0, 1, 2, 3]).await;
+    // Unknown stream kind.
+    expect_closed(&conn, &[0x7f, 1, 2, 3]).await;
+    // The rogue's connection is still up, and everyone else is served.
+    assert!(conn.close_reason().is_none(), "connection was closed: {:?}", conn.close_reason());
+    assert_eq!(echo.ask(vec![9], T).await.unwrap(), vec![9]);
+    let bad = poll(Duration::from_secs(5), || {
+        victim
+            .http_get("/metrics")?
+            .lines()
+            .find(|l| l.starts_with("yatt_bad_frames_total"))?
+            .rsplit(' ')
+            .next()?
+            .parse::<u64>()
+            .ok()
+            .filter(|n| *n >= 4)
+    });
+    assert!(bad.is_some(), "bad frames not counted:\n{}", victim.http_get("/metrics").unwrap_or_default());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_leaves_and_exits_cleanly() {
+    let mut cluster = Cluster::start("st", 2);
+    let leaver = cluster.nodes[1].name.clone();
+    let code = cluster.nodes[1].terminate(Duration::from_secs(15));
+    assert_eq!(code, Some(0), "log:\n{}", cluster.nodes[1].log());
+    assert!(cluster.nodes[1].log().contains("left the cluster"));
+    let gone = poll(Duration::from_secs(5), || (cluster.nodes[0].sees_alive(&leaver) == Some(false)).then_some(()));
+    assert!(gone.is_some(), "leader still lists {leaver} alive");
+}
