@@ -2,6 +2,7 @@
 //! crate; the logic lives there.
 
 mod bench_runtime;
+mod demo;
 mod engine_cmds;
 
 use clap::{Parser, Subcommand};
@@ -18,6 +19,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// The embedded single-machine default: a local cluster in this process, shown working.
+    Demo(demo::DemoArgs),
     /// Import a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1) as an HF model directory.
     ImportGguf(engine_cmds::ImportGgufArgs),
     /// Benchmarks; figures go to stdout as a markdown table.
@@ -48,6 +51,7 @@ fn real_main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     yatt::logging::init(cli.log_json)?;
     match cli.command {
+        Command::Demo(args) => demo::run(args),
         Command::ImportGguf(args) => engine_cmds::import_gguf(args),
         Command::Bench(BenchCommand::Engine(args)) => engine_cmds::bench_engine(args),
         Command::Bench(BenchCommand::Runtime(args)) => bench_runtime::run(args),
