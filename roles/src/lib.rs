@@ -3,5 +3,15 @@
 //! Where RLHF meets the runtime. What belongs here: the `Role` trait users implement to
 //! add a role, the built-in roles (rollout, policy, critic, reference, reward) as
 //! actors, the algorithms (PPO, GRPO, DAPO, REINFORCE++, RLOO), the parallel
-//! controllers and the sample ledger. Models and maths live in `yatt-engine`; transport
-//! and actors in `yatt-runtime`.
+//! controllers and the sample ledger. Models and maths kernels live in `yatt-engine`;
+//! transport and actors in `yatt-runtime`.
+//!
+//! | module | concern |
+//! |---|---|
+//! | [`algo`] | advantages, policy/value losses, KL estimators (pure tensor maths) |
+//! | [`reward`] | reward functions: rule-based verifiers, HTTP endpoint |
+//! | [`data`] | prompt datasets: JSONL and synthetic tasks |
+
+pub mod algo;
+pub mod data;
+pub mod reward;

@@ -1,0 +1,1 @@
+//! Advantage estimators, policy and value losses, KL estimators.
