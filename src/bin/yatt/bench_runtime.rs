@@ -43,7 +43,7 @@ const GOAL_CALLS_S: f64 = 41_000.0;
 const GOAL_HANDOFF_GBS: f64 = 3.1;
 const GOAL_FANOUT_MS: f64 = 4.0;
 
-#[derive(clap::Args)]
+#[derive(clap::Args, Clone)]
 pub struct BenchRuntimeArgs {
     /// Short run (a few seconds; noisier figures).
     #[arg(long)]
@@ -54,8 +54,8 @@ pub struct BenchRuntimeArgs {
     /// Tokio worker threads in each process (default: one per core).
     #[arg(long)]
     workers: Option<usize>,
-    /// Profiling aid: set up the two-process cluster, then only loop `rtt` or `pipe`
-    /// against the remote echo actor for --profile-secs.
+    /// Profiling aid: set up the two-process cluster, then only loop one figure for
+    /// --profile-secs: rtt, pipe, handoff, handoff-inline, fanout, quinn-rtt, quinn-pipe.
     #[arg(long, hide = true)]
     profile: Option<String>,
     #[arg(long, hide = true, default_value_t = 15)]
@@ -81,16 +81,29 @@ pub fn run(args: BenchRuntimeArgs) -> Result<()> {
     }
     let plan = Plan::new(&args);
     if let Some(what) = &args.profile {
-        return rt.block_on(profile(&args, what));
+        let (a, w) = (args.clone(), what.clone());
+        return on_runtime(&rt, async move { profile(&a, &w).await });
     }
     eprintln!("bench runtime: ceilings (memcpy, TCP, UDP)");
     let ceil = ceilings(&plan)?;
     eprintln!("bench runtime: in-process actors");
-    let local = rt.block_on(in_process(&plan))?;
+    let plan = Arc::new(plan);
+    let p = plan.clone();
+    let local = on_runtime(&rt, async move { in_process(&p).await })?;
     eprintln!("bench runtime: two processes");
-    let (two, quinn) = rt.block_on(two_process(&args, &plan))?;
+    let (a, p) = (args.clone(), plan.clone());
+    let (two, quinn) = on_runtime(&rt, async move { two_process(&a, &p).await })?;
     print_report(&args, &plan, &ceil, &local, &two, &quinn);
     Ok(())
+}
+
+/// Runs `fut` as a task on the runtime's workers, as an actor calling actors would,
+/// not on the thread that blocks on the runtime (every wake-up would cross threads).
+fn on_runtime<T: Send + 'static>(
+    rt: &tokio::runtime::Runtime,
+    fut: impl std::future::Future<Output = Result<T>> + Send + 'static,
+) -> Result<T> {
+    rt.block_on(async move { tokio::spawn(fut).await? })
 }
 
 /// How long each figure runs.
@@ -675,7 +688,10 @@ async fn start_cluster(workers: Option<usize>) -> Result<Cluster> {
         .dev_certs(&dir.0)
         .start()
         .await?;
-    let peer = PeerProcess::start(lead.addr(), &dir.0, workers)?;
+    // Blocking wait for the child's READY line, off the runtime's workers: the child
+    // joins through this process's node, which must keep serving meanwhile.
+    let (seed, ca) = (lead.addr(), dir.0.clone());
+    let peer = tokio::task::spawn_blocking(move || PeerProcess::start(seed, &ca, workers)).await??;
     ensure!(
         lead.directory()
             .wait_until(T, |d| d.node(PEER).is_some() && d.alive_nodes().count() == 2)
@@ -797,6 +813,29 @@ async fn profile(args: &BenchRuntimeArgs, what: &str) -> Result<()> {
                 .await?;
                 println!("pipelined: {r:.0} calls/s");
             }
+            "handoff" | "handoff-inline" | "fanout" => {
+                let b = batches()?;
+                let via = if what == "handoff-inline" { &cluster.plain } else { &cluster.lead };
+                let sink: SinkRef = cluster.lead.spawn_remote(PEER, "sink", &(), T).await?;
+                let sink: SinkRef = via.actor_ref(sink.id())?;
+                let mut workers: Vec<SinkRef> = Vec::new();
+                if what == "fanout" {
+                    for _ in 0..WORKERS {
+                        workers.push(cluster.lead.spawn_remote(PEER, "sink", &(), T).await?);
+                    }
+                }
+                let mut all = Vec::new();
+                while Instant::now() < until {
+                    let d = if what == "fanout" {
+                        measure_fanout(&workers, &b.fanout, &b.fanout_crcs, 1).await?
+                    } else {
+                        measure_handoff(&sink, &b.handoff, b.handoff_crc, 1).await?
+                    };
+                    all.push(d.median);
+                }
+                let d = Dist::of(all);
+                println!("{what}: {} rounds, median {:?}, p99 {:?}", d.n, d.median, d.p99);
+            }
             "quinn-rtt" | "quinn-pipe" => {
                 let (_ep, conn) = quinn_client(&cluster._dir.0, cluster.peer.quinn_addr).await?;
                 if what == "quinn-rtt" {
@@ -819,7 +858,7 @@ async fn profile(args: &BenchRuntimeArgs, what: &str) -> Result<()> {
                     println!("quinn pipelined: {r:.0} calls/s");
                 }
             }
-            other => bail!("--profile takes rtt, pipe, quinn-rtt or quinn-pipe, not {other:?}"),
+            other => bail!("--profile takes rtt, pipe, handoff, handoff-inline, fanout, quinn-rtt or quinn-pipe, not {other:?}"),
         }
         Ok::<(), anyhow::Error>(())
     };
