@@ -8,6 +8,7 @@
 //!
 //! | module | concern |
 //! |---|---|
+//! | [`role`] | the `Role` trait and the actor that runs a role on its own thread |
 //! | [`algo`] | advantages, policy/value losses, KL estimators (pure tensor maths) |
 //! | [`reward`] | reward functions: rule-based verifiers, HTTP endpoint |
 //! | [`data`] | prompt datasets: JSONL and synthetic tasks |
@@ -15,3 +16,4 @@
 pub mod algo;
 pub mod data;
 pub mod reward;
+pub mod role;

@@ -1,0 +1,356 @@
+//! The `Role` trait: what a user implements to add an RLHF role.
+//!
+//! A role is plain synchronous code: tch calls block, so every role runs on a dedicated
+//! OS thread (one per role instance, i.e. per device group), and [`RoleActor`] is the
+//! thin actor around it that queues requests to that thread and awaits the answers, so
+//! the async executor never blocks. The trait itself carries no actor-framework types:
+//! the runtime can change without breaking roles.
+//!
+//! ```
+//! use yatt_roles::role::{DeviceGroup, ResourceProfile, Role, RoleError};
+//!
+//! /// Scores a response by its length (a toy reward role).
+//! struct LengthReward;
+//!
+//! impl Role for LengthReward {
+//!     type Request = String;
+//!     type Response = f32;
+//!     fn name(&self) -> &str { "length-reward" }
+//!     fn profile(&self) -> ResourceProfile { ResourceProfile::cpu_only() }
+//!     fn start(&mut self, _group: &DeviceGroup) -> Result<(), RoleError> { Ok(()) }
+//!     fn serve(&mut self, response: String) -> Result<f32, RoleError> {
+//!         Ok(response.len() as f32)
+//!     }
+//! }
+//! ```
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+use yatt_runtime::actor::{Actor, ActorError, Context};
+
+/// Why a role could not do something.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum RoleError {
+    /// The request was not acceptable; the text says how to fix it.
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    /// The role failed doing the work (model error, I/O, ...).
+    #[error("{0}")]
+    Failed(String),
+    /// The role cannot serve in its current state (offloaded, draining, not started).
+    #[error("not ready: {0}")]
+    NotReady(String),
+    /// The role does not support this lifecycle operation.
+    #[error("{role} does not support {operation}")]
+    Unsupported {
+        /// The role's name.
+        role: String,
+        /// The operation asked for.
+        operation: &'static str,
+    },
+}
+
+impl From<RoleError> for ActorError {
+    fn from(e: RoleError) -> Self {
+        match e {
+            RoleError::BadRequest(s) => ActorError::BadRequest(s),
+            RoleError::NotReady(s) => ActorError::Unavailable(s),
+            other => ActorError::Failed(other.to_string()),
+        }
+    }
+}
+
+/// The devices a role instance runs on: devices of one node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceGroup {
+    /// The node hosting the devices.
+    pub node: String,
+    /// Device indices on that node (CUDA ordinals, or virtual device numbers).
+    pub devices: Vec<u32>,
+    /// Whether the devices are CUDA GPUs (false: CPU with virtual devices).
+    pub cuda: bool,
+}
+
+impl DeviceGroup {
+    /// A group of one CPU (virtual) device on `node`.
+    pub fn cpu(node: &str) -> Self {
+        DeviceGroup {
+            node: node.to_string(),
+            devices: vec![0],
+            cuda: false,
+        }
+    }
+}
+
+/// What a role needs, for the placement planner.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResourceProfile {
+    /// Device memory the role holds while loaded (weights, optimizer, caches), bytes.
+    pub resident_bytes: u64,
+    /// Extra device memory at peak (activations, KV cache growth), bytes.
+    pub peak_extra_bytes: u64,
+    /// Whether the role can release its device memory between phases.
+    pub offloadable: bool,
+    /// Whether it needs a GPU to be useful.
+    pub needs_gpu: bool,
+}
+
+impl ResourceProfile {
+    /// A role that uses no device memory (e.g. a rule-based reward).
+    pub fn cpu_only() -> Self {
+        ResourceProfile {
+            resident_bytes: 0,
+            peak_extra_bytes: 0,
+            offloadable: false,
+            needs_gpu: false,
+        }
+    }
+}
+
+/// Named weights pushed into a role (weight sync), as buckets of raw bytes.
+#[derive(Debug, Clone)]
+pub struct WeightsUpdate {
+    /// Policy version these weights belong to.
+    pub version: u64,
+    /// The buckets, each a header plus raw bytes.
+    pub buckets: Vec<yatt_engine::WeightBucket>,
+}
+
+/// An RLHF role. Implement it to add one; register it with a node by name.
+///
+/// All methods run on the role's own OS thread and may block.
+pub trait Role: Send + 'static {
+    /// What the role is asked.
+    type Request: Send + 'static;
+    /// What it answers.
+    type Response: Send + 'static;
+
+    /// The role's name, e.g. `rollout` (the role part of its actors' names).
+    fn name(&self) -> &str;
+
+    /// What it needs from a device group, for placement.
+    fn profile(&self) -> ResourceProfile;
+
+    /// Loads onto a device group. Called once before any request.
+    fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError>;
+
+    /// Serves one request.
+    fn serve(&mut self, request: Self::Request) -> Result<Self::Response, RoleError>;
+
+    /// Frees device memory while another role uses the group (full colocation).
+    fn offload(&mut self) -> Result<(), RoleError> {
+        Ok(())
+    }
+
+    /// Takes back device memory after [`Role::offload`].
+    fn reload(&mut self) -> Result<(), RoleError> {
+        Ok(())
+    }
+
+    /// Replaces weights in place (weight sync from the policy).
+    fn load_weights(&mut self, _update: WeightsUpdate) -> Result<(), RoleError> {
+        Err(RoleError::Unsupported {
+            role: self.name().to_string(),
+            operation: "load_weights",
+        })
+    }
+
+    /// Finishes or aborts in-flight work before a migration; returns the ids of work
+    /// items it gave up, so the controller can requeue them through the ledger.
+    fn drain(&mut self) -> Result<Vec<u64>, RoleError> {
+        Ok(Vec::new())
+    }
+
+    /// Releases everything; the instance is not used again.
+    fn stop(&mut self) {}
+}
+
+/// What a [`RoleActor`] is asked: a request for the role, or a lifecycle step.
+#[derive(Debug)]
+pub enum RoleRequest<Req> {
+    /// Serve a request.
+    Serve(Req),
+    /// Offload device memory.
+    Offload,
+    /// Reload after an offload.
+    Reload,
+    /// Replace weights.
+    LoadWeights(WeightsUpdate),
+    /// Drain in-flight work.
+    Drain,
+    /// Report the resource profile.
+    Profile,
+}
+
+/// What a [`RoleActor`] answers.
+#[derive(Debug)]
+pub enum RoleResponse<Resp> {
+    /// The role's answer to `Serve`.
+    Served(Resp),
+    /// A lifecycle step completed.
+    Done,
+    /// Work given up by `Drain`.
+    Drained(Vec<u64>),
+    /// The resource profile.
+    Profile(ResourceProfile),
+}
+
+type Job<R> = (
+    RoleRequest<<R as Role>::Request>,
+    oneshot::Sender<Result<RoleResponse<<R as Role>::Response>, RoleError>>,
+);
+
+/// The actor around a role: it owns the role's OS thread.
+pub struct RoleActor<R: Role> {
+    jobs: Option<mpsc::Sender<Job<R>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl<R: Role> RoleActor<R> {
+    /// Starts `role` on its own thread and calls [`Role::start`] there; returns once it
+    /// is started (or failed to).
+    pub async fn start(mut role: R, group: DeviceGroup, queue: usize) -> Result<Self, RoleError> {
+        let (jobs, mut rx) = mpsc::channel::<Job<R>>(queue.max(1));
+        let (started_tx, started_rx) = oneshot::channel();
+        let name = role.name().to_string();
+        let thread = std::thread::Builder::new()
+            .name(format!("yatt-role-{name}"))
+            .spawn(move || {
+                let started = role.start(&group);
+                let ok = started.is_ok();
+                let _ = started_tx.send(started);
+                if !ok {
+                    return;
+                }
+                while let Some((req, reply)) = rx.blocking_recv() {
+                    let result = match req {
+                        RoleRequest::Serve(r) => role.serve(r).map(RoleResponse::Served),
+                        RoleRequest::Offload => role.offload().map(|_| RoleResponse::Done),
+                        RoleRequest::Reload => role.reload().map(|_| RoleResponse::Done),
+                        RoleRequest::LoadWeights(u) => role.load_weights(u).map(|_| RoleResponse::Done),
+                        RoleRequest::Drain => role.drain().map(RoleResponse::Drained),
+                        RoleRequest::Profile => Ok(RoleResponse::Profile(role.profile())),
+                    };
+                    let _ = reply.send(result);
+                }
+                role.stop();
+            })
+            .map_err(|e| RoleError::Failed(format!("cannot start the {name} thread: {e}")))?;
+        started_rx
+            .await
+            .map_err(|_| RoleError::Failed(format!("{name} panicked while starting")))??;
+        Ok(RoleActor {
+            jobs: Some(jobs),
+            thread: Some(thread),
+        })
+    }
+}
+
+impl<R: Role> Actor for RoleActor<R> {
+    type Request = RoleRequest<R::Request>;
+    type Response = RoleResponse<R::Response>;
+
+    async fn handle(&mut self, request: Self::Request, _ctx: &mut Context) -> Result<Self::Response, ActorError> {
+        let jobs = self
+            .jobs
+            .as_ref()
+            .ok_or_else(|| ActorError::Unavailable("role stopped".into()))?;
+        let (tx, rx) = oneshot::channel();
+        jobs.send((request, tx))
+            .await
+            .map_err(|_| ActorError::Failed("role thread ended".into()))?;
+        match rx.await {
+            Ok(result) => result.map_err(ActorError::from),
+            // The role panicked on its thread: this actor cannot serve any more.
+            Err(_) => panic!("role thread died while serving"),
+        }
+    }
+
+    async fn stopped(&mut self) {
+        // Closing the queue ends the thread's loop, which then calls Role::stop.
+        self.jobs.take();
+        if let Some(t) = self.thread.take() {
+            let _ = tokio::task::spawn_blocking(move || t.join()).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+    use yatt_runtime::actor::{spawn, CallError};
+    use yatt_runtime::addr::ActorName;
+
+    struct Probe {
+        log: Arc<Mutex<Vec<String>>>,
+        offloaded: bool,
+    }
+
+    impl Role for Probe {
+        type Request = u32;
+        type Response = u32;
+        fn name(&self) -> &str {
+            "probe"
+        }
+        fn profile(&self) -> ResourceProfile {
+            ResourceProfile::cpu_only()
+        }
+        fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
+            self.log.lock().unwrap().push(format!("start {}", group.node));
+            Ok(())
+        }
+        fn serve(&mut self, x: u32) -> Result<u32, RoleError> {
+            if self.offloaded {
+                return Err(RoleError::NotReady("offloaded".into()));
+            }
+            // Record which thread serves, to show it is not a runtime worker.
+            let t = std::thread::current().name().unwrap_or("").to_string();
+            self.log.lock().unwrap().push(t);
+            Ok(x * 2)
+        }
+        fn offload(&mut self) -> Result<(), RoleError> {
+            self.offloaded = true;
+            Ok(())
+        }
+        fn reload(&mut self) -> Result<(), RoleError> {
+            self.offloaded = false;
+            Ok(())
+        }
+        fn stop(&mut self) {
+            self.log.lock().unwrap().push("stop".into());
+        }
+    }
+
+    #[tokio::test]
+    async fn role_runs_on_its_own_thread_with_lifecycle() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let role = Probe {
+            log: log.clone(),
+            offloaded: false,
+        };
+        let actor = RoleActor::start(role, DeviceGroup::cpu("n0"), 4).await.unwrap();
+        let running = spawn(ActorName::new("n0", "probe", 0).unwrap(), actor, 8);
+        let a = running.actor_ref;
+        let t = Duration::from_secs(5);
+        assert!(matches!(a.ask(RoleRequest::Serve(21), t).await.unwrap(), RoleResponse::Served(42)));
+        assert!(matches!(a.ask(RoleRequest::Offload, t).await.unwrap(), RoleResponse::Done));
+        let err = a.ask(RoleRequest::Serve(1), t).await.unwrap_err();
+        assert!(matches!(err, CallError::Handler { error: ActorError::Unavailable(_), .. }), "{err:?}");
+        a.ask(RoleRequest::Reload, t).await.unwrap();
+        assert!(matches!(a.ask(RoleRequest::Serve(1), t).await.unwrap(), RoleResponse::Served(2)));
+        // Unsupported lifecycle steps say so.
+        let err = a
+            .ask(RoleRequest::LoadWeights(WeightsUpdate { version: 1, buckets: vec![] }), t)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("does not support load_weights"), "{err}");
+        drop(a);
+        running.exit.await.unwrap();
+        let log = log.lock().unwrap().clone();
+        assert_eq!(log.first().map(String::as_str), Some("start n0"));
+        assert!(log.iter().any(|l| l == "yatt-role-probe"), "{log:?}");
+        assert_eq!(log.last().map(String::as_str), Some("stop"));
+    }
+}
