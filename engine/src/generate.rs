@@ -347,6 +347,12 @@ impl Generator {
         &self.config
     }
 
+    /// The settings, mutably. Changing `max_batch` or `max_seq_len` reallocates the cache
+    /// on the next call; the other fields take effect at once.
+    pub fn config_mut(&mut self) -> &mut GeneratorConfig {
+        &mut self.config
+    }
+
     /// Changes the batching mode (the cache is kept).
     pub fn set_mode(&mut self, mode: BatchingMode) {
         self.config.mode = mode;

@@ -29,3 +29,4 @@ pub mod weights;
 pub use score::{SeqBatch, TokenScores};
 pub use train::{LrSchedule, StepStats, TrainConfig, Trainer};
 pub use weights::{to_buckets, BucketDtype, BucketEntry, WeightBucket};
+pub mod bench;

@@ -1,0 +1,255 @@
+//! `yatt bench engine`: generation throughput side by side with HF transformers
+//! `generate`, continuous vs static batching on a long-tail workload, and training-step
+//! throughput against PyTorch eager — all in one run, same weights, same thread count.
+
+use crate::error::Result;
+use crate::fixtures::run_reference;
+use crate::generate::{BatchingMode, Generator, GeneratorConfig, Request, SamplingParams};
+use crate::model::Llama;
+use crate::score::{token_logprobs, SeqBatch};
+use crate::tokenizer::{ChatMessage, Tokenizer};
+use crate::train::{TrainConfig, Trainer};
+use serde_json::json;
+use std::path::PathBuf;
+use tch::{Device, Kind, Tensor};
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// HF model directory.
+    pub model_dir: PathBuf,
+    /// libtorch threads (and the reference's).
+    pub threads: usize,
+    /// Generation batch sizes.
+    pub batches: Vec<usize>,
+    /// New tokens per sample.
+    pub new_tokens: usize,
+    /// Run the HF transformers side (needs the virtualenv).
+    pub with_reference: bool,
+    /// Run the long-tail case.
+    pub long_tail: bool,
+    /// Run the training case.
+    pub train: bool,
+    /// Requests in the long-tail case.
+    pub long_tail_requests: usize,
+    /// Training batch and sequence length.
+    pub train_batch: usize,
+    /// Training sequence length.
+    pub train_seq: usize,
+}
+
+/// One measured figure.
+#[derive(Debug, Clone)]
+pub struct BenchRow {
+    /// What was measured.
+    pub case: String,
+    /// yatt's figure.
+    pub yatt: f64,
+    /// The reference figure, when there is one.
+    pub reference: Option<f64>,
+    /// Unit of both figures.
+    pub unit: String,
+    /// Notes.
+    pub note: String,
+}
+
+impl BenchRow {
+    /// yatt / reference.
+    pub fn ratio(&self) -> Option<f64> {
+        self.reference.map(|r| self.yatt / r)
+    }
+}
+
+const QUESTIONS: &[&str] = &[
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain photosynthesis in simple terms.",
+    "Give me three tips for learning a new language.",
+    "What is 17 times 23?",
+    "Describe a cat to someone who has never seen one.",
+    "Why is the sky blue?",
+    "Suggest a name for a bakery.",
+];
+
+fn prompts(tok: &Tokenizer) -> Result<Vec<Vec<i64>>> {
+    QUESTIONS.iter().map(|q| tok.encode_chat(&[ChatMessage::new("user", q)], true)).collect()
+}
+
+/// Generation throughput (response tokens/s) at batch `b`.
+fn gen_throughput(g: &mut Generator, prompts: &[Vec<i64>], b: usize, new_tokens: usize, top_k: usize) -> Result<(f64, usize)> {
+    let reqs: Vec<Request> = (0..b)
+        .map(|i| Request {
+            id: i as u64,
+            prompt: prompts[i % prompts.len()].clone(),
+            params: SamplingParams { temperature: 1.0, top_k, max_new_tokens: new_tokens, ignore_eos: true, seed: i as u64, ..Default::default() },
+        })
+        .collect();
+    // Warm-up on a couple of short requests.
+    let warm: Vec<Request> = reqs.iter().take(2).cloned().map(|mut r| {
+        r.params.max_new_tokens = 4;
+        r
+    }).collect();
+    g.generate(&warm)?;
+    let (outs, st) = g.generate(&reqs)?;
+    let n: usize = outs.iter().map(|c| c.tokens.len()).sum();
+    Ok((n as f64 / st.seconds, n))
+}
+
+/// Runs the benchmark, printing progress to stderr.
+pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
+    crate::device::set_threads(opts.threads);
+    let device = Device::Cpu;
+    let tok = Tokenizer::from_dir(&opts.model_dir)?;
+    let ps = prompts(&tok)?;
+    let mut rows = Vec::new();
+    let max_prompt = ps.iter().map(|p| p.len()).max().unwrap_or(1);
+    let top_k = 50;
+
+    // 1. Generation throughput, side by side.
+    let maxb = opts.batches.iter().copied().max().unwrap_or(16);
+    let model = Llama::load(&opts.model_dir, device, Kind::Float)?;
+    let mut g = Generator::new(model, GeneratorConfig { max_batch: maxb, max_seq_len: max_prompt + opts.new_tokens.max(300) + 8, mode: BatchingMode::Continuous, max_prefill_batch: 64 });
+    let mut ours = Vec::new();
+    for &b in &opts.batches {
+        g.config_mut().max_batch = b;
+        let (tps, n) = gen_throughput(&mut g, &ps, b, opts.new_tokens, top_k)?;
+        eprintln!("yatt generate batch {b}: {tps:.1} tokens/s ({n} tokens)");
+        ours.push(tps);
+    }
+    let reference = if opts.with_reference {
+        let r = run_reference(
+            "generate",
+            &json!({"model": opts.model_dir, "threads": opts.threads, "batches": opts.batches, "new_tokens": opts.new_tokens, "prompts": ps, "top_k": top_k, "temperature": 1.0}),
+            Some(opts.threads),
+        )?;
+        Some(r)
+    } else {
+        None
+    };
+    for (i, &b) in opts.batches.iter().enumerate() {
+        let rf = reference.as_ref().and_then(|r| r[b.to_string()]["tokens_per_s"].as_f64());
+        if let Some(x) = rf {
+            eprintln!("HF transformers generate batch {b}: {x:.1} tokens/s");
+        }
+        rows.push(BenchRow {
+            case: format!("generate, batch {b}, {} new tokens, sampling (T=1, top-k {top_k})", opts.new_tokens),
+            yatt: ours[i],
+            reference: rf,
+            unit: "response tokens/s".into(),
+            note: "reference: HF transformers generate".into(),
+        });
+    }
+
+    // 2. Long tail: continuous vs static batching.
+    if opts.long_tail {
+        let n = opts.long_tail_requests;
+        let mut rng = crate::generate::RequestRng::new(42);
+        // Skewed lengths: most responses short, a few long (Pareto-like).
+        let lens: Vec<usize> = (0..n)
+            .map(|_| {
+                let u = rng.uniform().max(1e-3) as f64;
+                ((16.0 / u.powf(0.8)) as usize).clamp(8, 256)
+            })
+            .collect();
+        let reqs: Vec<Request> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| Request {
+                id: i as u64,
+                prompt: ps[i % ps.len()].clone(),
+                params: SamplingParams { temperature: 1.0, top_k, max_new_tokens: l, ignore_eos: true, seed: i as u64, ..Default::default() },
+            })
+            .collect();
+        let b = 16.min(maxb);
+        g.config_mut().max_batch = b;
+        let total: usize = lens.iter().sum();
+        let mut res = Vec::new();
+        for mode in [BatchingMode::Static, BatchingMode::Continuous] {
+            g.set_mode(mode);
+            let (_, st) = g.generate(&reqs)?;
+            let util = st.slot_steps as f64 / (st.decode_steps.max(1) * b) as f64;
+            eprintln!("long tail {mode:?}: {:.1}s, {:.1} tokens/s, slot utilisation {:.0}%", st.seconds, total as f64 / st.seconds, util * 100.0);
+            res.push((total as f64 / st.seconds, st.seconds, util));
+        }
+        g.set_mode(BatchingMode::Continuous);
+        let max_len = lens.iter().max().copied().unwrap_or(0);
+        let median = {
+            let mut l = lens.clone();
+            l.sort();
+            l[l.len() / 2]
+        };
+        rows.push(BenchRow {
+            case: format!("long tail: {n} requests, batch {b}, lengths 8..{max_len} (median {median}), continuous vs static batching"),
+            yatt: res[1].0,
+            reference: Some(res[0].0),
+            unit: "response tokens/s".into(),
+            note: format!(
+                "reference: yatt static batching; wall {:.1}s vs {:.1}s; slot utilisation {:.0}% vs {:.0}%",
+                res[1].1,
+                res[0].1,
+                res[1].2 * 100.0,
+                res[0].2 * 100.0
+            ),
+        });
+    }
+    drop(g);
+
+    // 3. Training step.
+    if opts.train {
+        let (bsz, t) = (opts.train_batch, opts.train_seq);
+        let model = Llama::load(&opts.model_dir, device, Kind::Float)?;
+        let v = model.config.vocab_size;
+        let mut tr = Trainer::new(model, TrainConfig { lr: 1e-5, weight_decay: 0.0, max_grad_norm: Some(1.0), ..Default::default() });
+        tch::manual_seed(0);
+        let ids = Tensor::randint(v, [bsz as i64, t as i64], (Kind::Int64, device));
+        let batch = SeqBatch { attention_mask: ids.ones_like(), response_mask: ids.ones_like(), prompt_lens: vec![0; bsz], lens: vec![t; bsz], ids };
+        let loss = |m: &Llama, b: &SeqBatch| -> Result<Tensor> {
+            let s = token_logprobs(m, b, 1.0, false);
+            Ok(-s.logprobs.sum(Kind::Float) / (b.len() * (t - 1)) as f64)
+        };
+        tr.step(std::slice::from_ref(&batch), loss)?; // warm-up
+        let steps = 3;
+        let t0 = std::time::Instant::now();
+        for _ in 0..steps {
+            tr.step(std::slice::from_ref(&batch), loss)?;
+        }
+        let sec = t0.elapsed().as_secs_f64() / steps as f64;
+        let tps = (bsz * t) as f64 / sec;
+        eprintln!("yatt train step B={bsz} T={t}: {sec:.2}s/step, {tps:.0} tokens/s");
+        drop(tr);
+        let rf = if opts.with_reference {
+            let r = run_reference("train", &json!({"model": opts.model_dir, "threads": opts.threads, "batch": bsz, "seq": t, "steps": steps}), Some(opts.threads))?;
+            r["tokens_per_s"].as_f64()
+        } else {
+            None
+        };
+        if let Some(x) = rf {
+            eprintln!("PyTorch eager train step: {x:.0} tokens/s");
+        }
+        rows.push(BenchRow {
+            case: format!("training step (fwd+bwd+AdamW+clip), batch {bsz} × {t} tokens"),
+            yatt: tps,
+            reference: rf,
+            unit: "tokens/s".into(),
+            note: "reference: PyTorch eager (transformers model, torch.optim.AdamW)".into(),
+        });
+    }
+    Ok(rows)
+}
+
+/// Renders rows as a markdown table.
+pub fn markdown_table(rows: &[BenchRow]) -> String {
+    let mut s = String::from("| case | yatt | reference | ratio | unit | notes |\n|---|---:|---:|---:|---|---|\n");
+    for r in rows {
+        s += &format!(
+            "| {} | {:.1} | {} | {} | {} | {} |\n",
+            r.case,
+            r.yatt,
+            r.reference.map(|x| format!("{x:.1}")).unwrap_or_else(|| "–".into()),
+            r.ratio().map(|x| format!("{x:.2}×")).unwrap_or_else(|| "–".into()),
+            r.unit,
+            r.note
+        );
+    }
+    s
+}

@@ -1,0 +1,152 @@
+//! GGUF parsing and import on small hand-written files, plus the real SmolLM2 file.
+
+use std::io::Write;
+use yatt_engine::gguf::{import_gguf, GgmlType, GgufFile, GgufValue};
+
+/// A minimal GGUF v3 writer for tests.
+struct W(Vec<u8>);
+impl W {
+    fn s(&mut self, s: &str) {
+        self.0.extend((s.len() as u64).to_le_bytes());
+        self.0.extend(s.as_bytes());
+    }
+    fn kv_str(&mut self, k: &str, v: &str) {
+        self.s(k);
+        self.0.extend(8u32.to_le_bytes());
+        self.s(v);
+    }
+    fn kv_u32(&mut self, k: &str, v: u32) {
+        self.s(k);
+        self.0.extend(4u32.to_le_bytes());
+        self.0.extend(v.to_le_bytes());
+    }
+    fn kv_f32(&mut self, k: &str, v: f32) {
+        self.s(k);
+        self.0.extend(6u32.to_le_bytes());
+        self.0.extend(v.to_le_bytes());
+    }
+    fn kv_strs(&mut self, k: &str, v: &[&str]) {
+        self.s(k);
+        self.0.extend(9u32.to_le_bytes());
+        self.0.extend(8u32.to_le_bytes());
+        self.0.extend((v.len() as u64).to_le_bytes());
+        for x in v {
+            self.s(x);
+        }
+    }
+}
+
+/// Tensors: (name, dims (ggml order), type, bytes).
+fn gguf_bytes(kvs: impl FnOnce(&mut W) -> u64, tensors: &[(&str, Vec<u64>, u32, Vec<u8>)]) -> Vec<u8> {
+    let mut w = W(Vec::new());
+    w.0.extend(b"GGUF");
+    w.0.extend(3u32.to_le_bytes());
+    w.0.extend((tensors.len() as u64).to_le_bytes());
+    let count_pos = w.0.len();
+    w.0.extend(0u64.to_le_bytes());
+    let n = kvs(&mut w);
+    w.0[count_pos..count_pos + 8].copy_from_slice(&n.to_le_bytes());
+    let mut off = 0u64;
+    for (name, dims, ty, data) in tensors {
+        w.s(name);
+        w.0.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            w.0.extend(d.to_le_bytes());
+        }
+        w.0.extend(ty.to_le_bytes());
+        w.0.extend(off.to_le_bytes());
+        off += (data.len() as u64).div_ceil(32) * 32;
+    }
+    while w.0.len() % 32 != 0 {
+        w.0.push(0);
+    }
+    for (_, _, _, data) in tensors {
+        w.0.extend(data);
+        while w.0.len() % 32 != 0 {
+            w.0.push(0);
+        }
+    }
+    w.0
+}
+
+fn write(name: &str, bytes: &[u8]) -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("yatt-gguf-{}-{name}.gguf", std::process::id()));
+    std::fs::File::create(&p).unwrap().write_all(bytes).unwrap();
+    p
+}
+
+fn f32s(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn tiny_llama_kvs(w: &mut W) -> u64 {
+    w.kv_str("general.architecture", "llama");
+    w.kv_u32("llama.embedding_length", 4);
+    w.kv_u32("llama.block_count", 1);
+    w.kv_u32("llama.feed_forward_length", 8);
+    w.kv_u32("llama.attention.head_count", 2);
+    w.kv_u32("llama.attention.head_count_kv", 1);
+    w.kv_f32("llama.attention.layer_norm_rms_epsilon", 1e-5);
+    w.kv_str("tokenizer.ggml.model", "gpt2");
+    w.kv_str("tokenizer.ggml.pre", "smollm");
+    w.kv_strs("tokenizer.ggml.tokens", &["<|endoftext|>", "a", "b", "ab", "Ġ"]);
+    w.kv_strs("tokenizer.ggml.merges", &["a b"]);
+    11
+}
+
+#[test]
+fn parses_metadata_and_tensors() {
+    let p = write("parse", &gguf_bytes(tiny_llama_kvs, &[("token_embd.weight", vec![4, 5], 0, f32s(&[0.5; 20]))]));
+    let g = GgufFile::open(&p).unwrap();
+    assert_eq!(g.version, 3);
+    assert_eq!(g.get("llama.block_count"), Some(&GgufValue::U32(1)));
+    assert_eq!(g.get("tokenizer.ggml.tokens").unwrap().as_array().unwrap().len(), 5);
+    let t = g.tensor("token_embd.weight").unwrap();
+    assert_eq!(t.shape(), vec![5, 4]);
+    assert_eq!(t.ty, GgmlType::F32);
+    assert_eq!(g.dequantize(t).unwrap(), vec![0.5; 20]);
+    let _ = std::fs::remove_file(p);
+}
+
+#[test]
+fn unsupported_type_names_type_and_tensor() {
+    let p = write("q4k", &gguf_bytes(tiny_llama_kvs, &[("blk.0.attn_q.weight", vec![256, 1], 12, vec![0u8; 144])]));
+    let out = std::env::temp_dir().join(format!("yatt-gguf-out-{}", std::process::id()));
+    let e = import_gguf(&p, &out, &Default::default()).unwrap_err().to_string();
+    assert!(e.contains("Q4_K") && e.contains("blk.0.attn_q.weight"), "{e}");
+    let _ = std::fs::remove_file(p);
+}
+
+#[test]
+fn malformed_files_are_clear_errors() {
+    let p = write("bad", b"NOTAGGUF");
+    let e = GgufFile::open(&p).err().unwrap().to_string();
+    assert!(e.contains("magic"), "{e}");
+    let mut trunc = gguf_bytes(tiny_llama_kvs, &[("token_embd.weight", vec![4, 5], 0, f32s(&[0.5; 20]))]);
+    trunc.truncate(trunc.len() - 40);
+    let p2 = write("trunc", &trunc);
+    let e = GgufFile::open(&p2).err().unwrap().to_string();
+    assert!(e.contains("token_embd.weight") && e.contains("past the end"), "{e}");
+    let e = GgufFile::open("/nonexistent/x.gguf").err().unwrap().to_string();
+    assert!(e.contains("/nonexistent/x.gguf"), "{e}");
+    let e = yatt_engine::Llama::load("/nonexistent-model-dir", yatt_engine::tch::Device::Cpu, yatt_engine::tch::Kind::Float).unwrap_err().to_string();
+    assert!(e.contains("config.json") && e.contains("/nonexistent-model-dir"), "{e}");
+    for p in [p, p2] {
+        let _ = std::fs::remove_file(p);
+    }
+}
+
+#[test]
+fn smollm2_import_has_expected_layout() {
+    let dir = yatt_engine::fixtures::smollm2_hf_dir().unwrap();
+    let g = GgufFile::open(yatt_engine::fixtures::smollm2_gguf().unwrap()).unwrap();
+    assert_eq!(g.get("general.architecture").and_then(|v| v.as_str()), Some("llama"));
+    let cfg = yatt_engine::ModelConfig::from_dir(&dir).unwrap();
+    assert_eq!((cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads), (576, 30, 9, 3));
+    assert!(cfg.tie_word_embeddings);
+    let tok = yatt_engine::Tokenizer::from_dir(&dir).unwrap();
+    assert_eq!(tok.vocab_size(), 49152);
+    assert_eq!(tok.token_id("<|im_end|>"), Some(2));
+    assert!(tok.eos_ids.contains(&2));
+    assert!(tok.chat_template().unwrap().contains("<|im_start|>"));
+}
