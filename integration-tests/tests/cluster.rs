@@ -164,6 +164,13 @@ async fn malformed_and_oversized_frames_close_only_their_stream() {
     expect_closed(&conn, &[ask, 100, 0, 0, 0, 1, 2, 3]).await;
     // Unknown stream kind.
     expect_closed(&conn, &[0x7f, 1, 2, 3]).await;
+    // Oversized and malformed frames on the long-lived request stream.
+    let asks = yatt_runtime::transport::testing::TAG_ASKS;
+    for bytes in [&[asks, 0xff, 0xff, 0xff, 0x7f][..], &[asks, 3, 0, 0, 0, 0xff, 0xff, 0xff][..]] {
+        let mut s = conn.open_uni().await.unwrap();
+        s.write_all(bytes).await.unwrap();
+        let _ = s.finish();
+    }
     // The rogue's connection is still up, and everyone else is served.
     assert!(conn.close_reason().is_none(), "connection was closed: {:?}", conn.close_reason());
     assert_eq!(echo.ask(vec![9], T).await.unwrap(), vec![9]);
@@ -176,7 +183,7 @@ async fn malformed_and_oversized_frames_close_only_their_stream() {
             .next()?
             .parse::<u64>()
             .ok()
-            .filter(|n| *n >= 4)
+            .filter(|n| *n >= 6)
     });
     assert!(bad.is_some(), "bad frames not counted:\n{}", victim.http_get("/metrics").unwrap_or_default());
 }

@@ -25,6 +25,7 @@ pub mod directory;
 pub mod membership;
 pub mod message;
 pub mod node;
+pub(crate) mod shm;
 pub mod supervisor;
 pub mod tls;
 pub mod transport;

@@ -226,8 +226,11 @@ impl<Req: Message, Resp: Message> Inbox for TypedInbox<Req, Resp> {
                 Ok(resp) => resp
                     .into_wire()
                     .map_err(|e| RemoteError::Codec(e.to_string())),
-                Err(CallError::Handler { error, .. }) => Err(RemoteError::Handler(error)),
-                Err(CallError::Timeout { .. }) => Err(RemoteError::Timeout),
+                Err(CallError::Handler { target, error }) => Err(RemoteError::Handler { target, error }),
+                Err(CallError::Timeout { target, after }) => Err(RemoteError::Timeout {
+                    target: Some(target),
+                    after_ms: after.as_millis() as u64,
+                }),
                 Err(CallError::Closed { target } | CallError::Died { target }) => {
                     Err(RemoteError::Died(target))
                 }
@@ -468,6 +471,8 @@ impl Dispatch for NodeDispatch {
                     Ok(inbox) => inbox.ask(wire, timeout).await,
                     Err(e) => Err(e),
                 },
+                // The transport handles its own messages; none should reach here.
+                Target::Transport => Err(RemoteError::Codec("transport message dispatched to the node".into())),
             };
             node.inner.in_flight.fetch_sub(1, Ordering::AcqRel);
             result
@@ -489,6 +494,7 @@ impl Dispatch for NodeDispatch {
                     Ok(inbox) => inbox.tell(wire).await,
                     Err(e) => tracing::debug!(%id, error = %e, "dropped a tell"),
                 },
+                Target::Transport => {}
             }
         })
     }

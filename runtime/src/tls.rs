@@ -154,6 +154,9 @@ impl TransportTuning {
         t.stream_receive_window(quinn::VarInt::from_u32(self.stream_receive_window));
         t.receive_window(quinn::VarInt::from_u32(self.connection_receive_window));
         t.send_window(self.send_window);
+        // Many asks in flight at once must not queue behind quinn's default of 100.
+        t.max_concurrent_bidi_streams(quinn::VarInt::from_u32(4096));
+        t.max_concurrent_uni_streams(quinn::VarInt::from_u32(4096));
         Ok(t)
     }
 }

@@ -215,30 +215,41 @@ async fn bulk_round_trip(shm: bool) {
     ])
     .unwrap();
     let want = bulk.checksum();
-    let (meta, got, count) = sink
-        .ask(
-            WithBulk {
-                meta: "batch-1".into(),
-                bulk,
-            },
-            T,
-        )
-        .await
-        .unwrap();
-    assert_eq!((meta.as_str(), got, count), ("batch-1", want, 2));
-    if shm {
-        // The receiver removed the shared-memory file after mapping it.
-        let left: Vec<_> = std::fs::read_dir("/dev/shm")
+    let segments = || -> usize {
+        std::fs::read_dir("/dev/shm")
             .unwrap()
             .filter_map(|e| e.ok())
-            .filter(|e| {
-                e.file_name()
-                    .to_string_lossy()
-                    .starts_with(&format!("yatt-{tag}-"))
-            })
-            .collect();
-        assert!(left.is_empty(), "{left:?}");
+            .filter(|e| e.file_name().to_string_lossy().starts_with(&format!("yatt-{tag}-a-")))
+            .count()
+    };
+    for round in 0..3 {
+        let (meta, got, count) = sink
+            .ask(WithBulk { meta: format!("batch-{round}"), bulk: bulk.clone() }, T)
+            .await
+            .unwrap();
+        assert_eq!((meta, got, count), (format!("batch-{round}"), want, 2));
+        if shm {
+            // The receiver released the segment, so every round reuses the same one.
+            let reused = wait(|| segments() == 1).await;
+            assert!(reused, "{} segments after round {round}", segments());
+        }
     }
+    if shm {
+        a.shutdown().await;
+        drop(a);
+        assert!(wait(|| segments() == 0).await, "segments left behind: {}", segments());
+    }
+}
+
+/// Polls a condition for up to 5 s.
+async fn wait(mut f: impl FnMut() -> bool) -> bool {
+    for _ in 0..250 {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
