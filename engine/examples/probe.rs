@@ -11,7 +11,7 @@ fn time<F: FnMut()>(name: &str, n: usize, mut f: F) {
     eprintln!("{name}: {:.2} ms", t.elapsed().as_secs_f64() * 1000.0 / n as f64);
 }
 fn main() {
-    tch::set_num_threads(2);
+    tch::set_num_threads(std::env::args().nth(2).map(|s| s.parse().unwrap()).unwrap_or(2));
     let dir = yatt_engine::fixtures::smollm2_hf_dir().unwrap();
     let model = Llama::load(&dir, Device::Cpu, Kind::Float).unwrap();
     let b: i64 = std::env::args().nth(1).map(|s| s.parse().unwrap()).unwrap_or(16);
@@ -37,8 +37,8 @@ fn main() {
         time("sdpa gqa nomask", 20, || { let _ = Tensor::scaled_dot_product_attention(&q, &k, &k, None::<Tensor>, 0.0, false, None, true); });
         let x = Tensor::randn([b, 1, 576], (Kind::Float, Device::Cpu));
         let l = &model.layers[0];
-        time("qkv linear", 20, || { let _ = x.linear(&l.wqkv, None::<Tensor>); });
-        time("gate_up linear", 20, || { let _ = x.linear(&l.w_gate_up, None::<Tensor>); });
+        time("qkv linear", 20, || { let _ = x.matmul(&l.wqkv); });
+        time("gate_up linear", 20, || { let _ = x.matmul(&l.w_gate_up); });
         let rows = Tensor::arange(b, (Kind::Int64, Device::Cpu));
         let pf = pos.reshape([b]);
         let kc = Tensor::zeros([b, 3, 160, 64], (Kind::Float, Device::Cpu));
@@ -50,10 +50,10 @@ fn main() {
         let cosf = Tensor::randn([8192, 32], (Kind::Float, Device::Cpu));
         time("index_select rope", 20, || { let _ = cosf.index_select(0, &pf); });
         let xx = Tensor::randn([b, 1, 1536], (Kind::Float, Device::Cpu));
-        time("down linear", 20, || { let _ = xx.linear(&l.w_down, None::<Tensor>); });
+        time("down linear", 20, || { let _ = xx.matmul(&l.w_down); });
         let oo = Tensor::randn([b, 1, 576], (Kind::Float, Device::Cpu));
-        time("o linear", 20, || { let _ = oo.linear(&l.wo, None::<Tensor>); });
-        time("all layer linears x30", 1, || { for l in &model.layers { let _ = oo.linear(&l.wqkv, None::<Tensor>); let _ = oo.linear(&l.wo, None::<Tensor>); let _ = oo.linear(&l.w_gate_up, None::<Tensor>); let _ = xx.linear(&l.w_down, None::<Tensor>);} });
+        time("o linear", 20, || { let _ = oo.matmul(&l.wo); });
+        time("all layer linears x30", 1, || { for l in &model.layers { let _ = oo.linear(&l.wqkv, None::<Tensor>); let _ = oo.matmul(&l.wo); let _ = oo.linear(&l.w_gate_up, None::<Tensor>); let _ = xx.matmul(&l.w_down);} });
         time("rms", 20, || { let _ = x.rms_norm([576], Some(&l.ln1), 1e-5); });
     });
 }

@@ -16,17 +16,18 @@ use tch::{Device, Kind, Tensor};
 pub struct Layer {
     /// RMSNorm before attention.
     pub ln1: Tensor,
-    /// Fused q/k/v projection `[(H + 2·KV)·hd, hidden]`.
+    /// Fused q/k/v projection, stored input-major `[hidden, (H + 2·KV)·hd]` (the transpose
+    /// of HF's layout: `x @ W` runs MKL's fast NN GEMM without repacking the weights).
     pub wqkv: Tensor,
     /// Fused q/k/v bias (Qwen2).
     pub bqkv: Option<Tensor>,
-    /// Output projection.
+    /// Output projection, input-major `[H·hd, hidden]`.
     pub wo: Tensor,
     /// RMSNorm before the MLP.
     pub ln2: Tensor,
-    /// Fused gate/up projection `[2·ffn, hidden]`.
+    /// Fused gate/up projection, input-major `[hidden, 2·ffn]`.
     pub w_gate_up: Tensor,
-    /// Down projection.
+    /// Down projection, input-major `[ffn, hidden]`.
     pub w_down: Tensor,
 }
 
@@ -134,13 +135,13 @@ pub enum Attn<'a> {
 pub struct Llama {
     /// The configuration.
     pub config: ModelConfig,
-    /// Token embedding `[vocab, hidden]`.
+    /// Token embedding, stored transposed `[hidden, vocab]` (input-major for the tied LM head).
     pub embed: Tensor,
     /// The decoder layers.
     pub layers: Vec<Layer>,
     /// The final RMSNorm.
     pub norm: Tensor,
-    /// The untied LM head, or `None` when tied to `embed`.
+    /// The untied LM head, input-major `[hidden, vocab]`, or `None` when tied to `embed`.
     pub lm_head: Option<Tensor>,
     /// A scalar head (critic / reward), if attached.
     pub head: Option<ScalarHead>,
@@ -209,6 +210,8 @@ impl Llama {
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (nq, nkv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
         let conv = |x: Tensor| x.to_device(device).to_kind(kind).contiguous();
+        // Matrices are stored input-major (transposed).
+        let conv_t = |x: Tensor| x.to_device(device).to_kind(kind).tr().contiguous();
         let embed = take(&mut t, "model.embed_tokens.weight")?;
         check_shape("model.embed_tokens.weight", &embed, &[c.vocab_size, h])?;
         let mut layers = Vec::new();
@@ -236,12 +239,12 @@ impl Llama {
             let up = g(&mut t, "mlp.up_proj.weight", &[f, h])?;
             layers.push(Layer {
                 ln1: conv(g(&mut t, "input_layernorm.weight", &[h])?),
-                wqkv: conv(Tensor::cat(&[q.to_kind(Kind::Float), k.to_kind(Kind::Float), v.to_kind(Kind::Float)], 0)),
+                wqkv: conv_t(Tensor::cat(&[q.to_kind(Kind::Float), k.to_kind(Kind::Float), v.to_kind(Kind::Float)], 0)),
                 bqkv,
-                wo: conv(g(&mut t, "self_attn.o_proj.weight", &[h, nq])?),
+                wo: conv_t(g(&mut t, "self_attn.o_proj.weight", &[h, nq])?),
                 ln2: conv(g(&mut t, "post_attention_layernorm.weight", &[h])?),
-                w_gate_up: conv(Tensor::cat(&[gate.to_kind(Kind::Float), up.to_kind(Kind::Float)], 0)),
-                w_down: conv(g(&mut t, "mlp.down_proj.weight", &[h, f])?),
+                w_gate_up: conv_t(Tensor::cat(&[gate.to_kind(Kind::Float), up.to_kind(Kind::Float)], 0)),
+                w_down: conv_t(g(&mut t, "mlp.down_proj.weight", &[h, f])?),
             });
         }
         let norm = conv(take(&mut t, "model.norm.weight")?);
@@ -251,7 +254,7 @@ impl Llama {
         } else {
             let w = take(&mut t, "lm_head.weight")?;
             check_shape("lm_head.weight", &w, &[c.vocab_size, h])?;
-            Some(conv(w))
+            Some(conv_t(w))
         };
         let mut head = None;
         for prefix in ["score", "v_head"] {
@@ -262,7 +265,7 @@ impl Llama {
             }
         }
         let (cos, sin) = rope_tables(&config, device);
-        Ok(Llama { embed: conv(embed), layers, norm, lm_head, head, device, kind, cos, sin, config })
+        Ok(Llama { embed: conv_t(embed), layers, norm, lm_head, head, device, kind, cos, sin, config })
     }
 
     /// A randomly initialised model (normal(0, 0.02) matrices, unit norms), for tests.
@@ -364,27 +367,27 @@ impl Llama {
         let c = &self.config;
         let hd = c.head_dim;
         let (nq, nkv, f) = (c.num_attention_heads * hd, c.num_key_value_heads * hd, c.intermediate_size);
-        let mut v = vec![("model.embed_tokens.weight".to_string(), self.embed.shallow_clone())];
+        let mut v = vec![("model.embed_tokens.weight".to_string(), self.embed.tr())];
         for (i, l) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
             v.push((format!("{p}.input_layernorm.weight"), l.ln1.shallow_clone()));
-            v.push((format!("{p}.self_attn.q_proj.weight"), l.wqkv.narrow(0, 0, nq)));
-            v.push((format!("{p}.self_attn.k_proj.weight"), l.wqkv.narrow(0, nq, nkv)));
-            v.push((format!("{p}.self_attn.v_proj.weight"), l.wqkv.narrow(0, nq + nkv, nkv)));
+            v.push((format!("{p}.self_attn.q_proj.weight"), l.wqkv.narrow(1, 0, nq).tr()));
+            v.push((format!("{p}.self_attn.k_proj.weight"), l.wqkv.narrow(1, nq, nkv).tr()));
+            v.push((format!("{p}.self_attn.v_proj.weight"), l.wqkv.narrow(1, nq + nkv, nkv).tr()));
             if let Some(b) = &l.bqkv {
                 v.push((format!("{p}.self_attn.q_proj.bias"), b.narrow(0, 0, nq)));
                 v.push((format!("{p}.self_attn.k_proj.bias"), b.narrow(0, nq, nkv)));
                 v.push((format!("{p}.self_attn.v_proj.bias"), b.narrow(0, nq + nkv, nkv)));
             }
-            v.push((format!("{p}.self_attn.o_proj.weight"), l.wo.shallow_clone()));
+            v.push((format!("{p}.self_attn.o_proj.weight"), l.wo.tr()));
             v.push((format!("{p}.post_attention_layernorm.weight"), l.ln2.shallow_clone()));
-            v.push((format!("{p}.mlp.gate_proj.weight"), l.w_gate_up.narrow(0, 0, f)));
-            v.push((format!("{p}.mlp.up_proj.weight"), l.w_gate_up.narrow(0, f, f)));
-            v.push((format!("{p}.mlp.down_proj.weight"), l.w_down.shallow_clone()));
+            v.push((format!("{p}.mlp.gate_proj.weight"), l.w_gate_up.narrow(1, 0, f).tr()));
+            v.push((format!("{p}.mlp.up_proj.weight"), l.w_gate_up.narrow(1, f, f).tr()));
+            v.push((format!("{p}.mlp.down_proj.weight"), l.w_down.tr()));
         }
         v.push(("model.norm.weight".into(), self.norm.shallow_clone()));
         if let Some(w) = &self.lm_head {
-            v.push(("lm_head.weight".into(), w.shallow_clone()));
+            v.push(("lm_head.weight".into(), w.tr()));
         }
         if let Some(hd) = &self.head {
             v.push((format!("{}.weight", hd.prefix), hd.weight.shallow_clone()));
@@ -465,7 +468,7 @@ impl Llama {
         let c = &self.config;
         let (b, t) = ids.size2().expect("ids must be [B, T]");
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let mut x = Tensor::embedding(&self.embed, ids, -1, false, false);
+        let mut x = Tensor::embedding(&self.embed.tr(), ids, -1, false, false);
         let cos = self.cos.index_select(0, &positions.reshape([-1])).reshape([b, 1, t, hd / 2]).to_kind(self.kind);
         let sin = self.sin.index_select(0, &positions.reshape([-1])).reshape([b, 1, t, hd / 2]).to_kind(self.kind);
         // Attention masks, built once for all layers.
@@ -486,7 +489,10 @@ impl Llama {
         let pos_flat = if matches!(attn, Attn::Decode { .. }) { Some(positions.reshape([b])) } else { None };
         for (li, l) in self.layers.iter().enumerate() {
             let hn = self.rms(&x, &l.ln1);
-            let qkv = hn.linear(&l.wqkv, l.bqkv.as_ref());
+            let qkv = match &l.bqkv {
+                Some(bias) => hn.matmul(&l.wqkv) + bias,
+                None => hn.matmul(&l.wqkv),
+            };
             let q = qkv.narrow(-1, 0, nh * hd).view([b, t, nh, hd]).transpose(1, 2);
             let k = qkv.narrow(-1, nh * hd, nkv * hd).view([b, t, nkv, hd]).transpose(1, 2);
             let v = qkv.narrow(-1, (nh + nkv) * hd, nkv * hd).view([b, t, nkv, hd]).transpose(1, 2);
@@ -509,19 +515,19 @@ impl Llama {
                 }
             };
             let o = o.transpose(1, 2).reshape([b, t, nh * hd]);
-            x = x + o.linear(&l.wo, None::<Tensor>);
+            x = x + o.matmul(&l.wo);
             let hn = self.rms(&x, &l.ln2);
-            let gu = hn.linear(&l.w_gate_up, None::<Tensor>);
+            let gu = hn.matmul(&l.w_gate_up);
             let f = c.intermediate_size;
             let act = gu.narrow(-1, 0, f).silu() * gu.narrow(-1, f, f);
-            x = x + act.linear(&l.w_down, None::<Tensor>);
+            x = x + act.matmul(&l.w_down);
         }
         self.rms(&x, &self.norm)
     }
 
     /// LM logits for hidden states `[.., hidden] → [.., vocab]`.
     pub fn logits(&self, h: &Tensor) -> Tensor {
-        h.linear(self.lm_head.as_ref().unwrap_or(&self.embed), None::<Tensor>)
+        h.matmul(self.lm_head.as_ref().unwrap_or(&self.embed))
     }
 
     /// Full forward: logits `[B, T, vocab]` for token ids `[B, T]` with an optional
