@@ -34,7 +34,9 @@ async fn health(State(node): State<Node>) -> impl IntoResponse {
         .collect();
     let actors: Vec<serde_json::Value> = dir
         .actors()
-        .map(|a| serde_json::json!({"id": a.id.to_string(), "alive": a.liveness == Liveness::Alive}))
+        .map(
+            |a| serde_json::json!({"id": a.id.to_string(), "alive": a.liveness == Liveness::Alive}),
+        )
         .collect();
     let status = if node.is_stopping() { "draining" } else { "ok" };
     let code = if node.is_stopping() {
@@ -62,18 +64,77 @@ async fn metrics(State(node): State<Node>) -> impl IntoResponse {
     let dead = dir.nodes().count() - alive;
     let mut out = String::new();
     let mut metric = |name: &str, kind: &str, help: &str, value: u64| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{node=\"{}\"}} {value}", node.name());
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{node=\"{}\"}} {value}",
+            node.name()
+        );
     };
-    metric("yatt_up", "gauge", "1 while the node serves, 0 while it drains.", u64::from(!node.is_stopping()));
-    metric("yatt_directory_epoch", "gauge", "Epoch of this node's directory replica.", dir.epoch());
-    metric("yatt_nodes_alive", "gauge", "Alive nodes in the directory.", alive as u64);
-    metric("yatt_nodes_dead", "gauge", "Dead or departed nodes in the directory.", dead as u64);
-    metric("yatt_actors_hosted", "gauge", "Actors hosted by this node.", node.hosted().len() as u64);
-    metric("yatt_requests_in_flight", "gauge", "Requests from peers being handled.", node.in_flight());
-    metric("yatt_requests_sent_total", "counter", "Requests sent to peers.", s.sent.load(Ordering::Relaxed));
-    metric("yatt_requests_received_total", "counter", "Requests received from peers.", s.received.load(Ordering::Relaxed));
-    metric("yatt_bulk_bytes_sent_total", "counter", "Bulk payload bytes sent.", s.bulk_bytes_sent.load(Ordering::Relaxed));
-    metric("yatt_bad_frames_total", "counter", "Streams closed for a malformed or oversized frame.", s.bad_frames.load(Ordering::Relaxed));
-    metric("yatt_connections_total", "counter", "QUIC connections dialled or accepted.", s.connections.load(Ordering::Relaxed));
+    metric(
+        "yatt_up",
+        "gauge",
+        "1 while the node serves, 0 while it drains.",
+        u64::from(!node.is_stopping()),
+    );
+    metric(
+        "yatt_directory_epoch",
+        "gauge",
+        "Epoch of this node's directory replica.",
+        dir.epoch(),
+    );
+    metric(
+        "yatt_nodes_alive",
+        "gauge",
+        "Alive nodes in the directory.",
+        alive as u64,
+    );
+    metric(
+        "yatt_nodes_dead",
+        "gauge",
+        "Dead or departed nodes in the directory.",
+        dead as u64,
+    );
+    metric(
+        "yatt_actors_hosted",
+        "gauge",
+        "Actors hosted by this node.",
+        node.hosted().len() as u64,
+    );
+    metric(
+        "yatt_requests_in_flight",
+        "gauge",
+        "Requests from peers being handled.",
+        node.in_flight(),
+    );
+    metric(
+        "yatt_requests_sent_total",
+        "counter",
+        "Requests sent to peers.",
+        s.sent.load(Ordering::Relaxed),
+    );
+    metric(
+        "yatt_requests_received_total",
+        "counter",
+        "Requests received from peers.",
+        s.received.load(Ordering::Relaxed),
+    );
+    metric(
+        "yatt_bulk_bytes_sent_total",
+        "counter",
+        "Bulk payload bytes sent.",
+        s.bulk_bytes_sent.load(Ordering::Relaxed),
+    );
+    metric(
+        "yatt_bad_frames_total",
+        "counter",
+        "Streams closed for a malformed or oversized frame.",
+        s.bad_frames.load(Ordering::Relaxed),
+    );
+    metric(
+        "yatt_connections_total",
+        "counter",
+        "QUIC connections dialled or accepted.",
+        s.connections.load(Ordering::Relaxed),
+    );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
 }

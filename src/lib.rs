@@ -15,6 +15,18 @@ pub use yatt_placement as placement;
 pub use yatt_roles as roles;
 pub use yatt_runtime as runtime;
 
+/// A binary's exit code for `result`; an error is printed with its chain of causes and
+/// no backtrace (errors are for people; `RUST_BACKTRACE` is for panics).
+pub fn exit_code<E: std::fmt::Display>(result: Result<(), E>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 pub mod http;
 pub mod logging;
 pub mod node_config;

@@ -208,10 +208,12 @@ pub fn load(file: Option<&Path>, flags: &[(&str, String)]) -> Result<ResolvedNod
             .try_parsing(true),
     );
     for (key, value) in flags {
-        b = b.set_override(*key, value.as_str()).map_err(|e| ConfigError::Load {
-            source_name: "flags".into(),
-            message: e.to_string(),
-        })?;
+        b = b
+            .set_override(*key, value.as_str())
+            .map_err(|e| ConfigError::Load {
+                source_name: "flags".into(),
+                message: e.to_string(),
+            })?;
     }
     let source_name = file_name.clone().unwrap_or_else(|| "configuration".into());
     let built = b.build().map_err(|e| ConfigError::Load {
@@ -243,13 +245,28 @@ fn validate(f: NodeFile, origin: &dyn Fn(&str) -> String) -> Result<ResolvedNode
         found,
     };
     let addr = |key: &str, v: &str| -> Result<SocketAddr, ConfigError> {
-        v.parse()
-            .map_err(|_| invalid(key, "a socket address such as 127.0.0.1:7400 or [::1]:7400", v.into()))
+        v.parse().map_err(|_| {
+            invalid(
+                key,
+                "a socket address such as 127.0.0.1:7400 or [::1]:7400",
+                v.into(),
+            )
+        })
     };
-    yatt_runtime::tls::validate_node_name(&f.node.name)
-        .map_err(|_| invalid("node.name", "1-63 characters of a-z 0-9 - _ . starting with a letter or digit", f.node.name.clone()))?;
+    yatt_runtime::tls::validate_node_name(&f.node.name).map_err(|_| {
+        invalid(
+            "node.name",
+            "1-63 characters of a-z 0-9 - _ . starting with a letter or digit",
+            f.node.name.clone(),
+        )
+    })?;
     let listen = addr("node.listen", &f.node.listen)?;
-    let advertise = f.node.advertise.as_deref().map(|v| addr("node.advertise", v)).transpose()?;
+    let advertise = f
+        .node
+        .advertise
+        .as_deref()
+        .map(|v| addr("node.advertise", v))
+        .transpose()?;
     let seed = f
         .node
         .seed
@@ -261,9 +278,15 @@ fn validate(f: NodeFile, origin: &dyn Fn(&str) -> String) -> Result<ResolvedNode
         .then(|| addr("http.listen", &f.http.listen))
         .transpose()?;
     if f.membership.heartbeat_ms == 0 || f.membership.heartbeat_ms > 10_000 {
-        return Err(invalid("membership.heartbeat_ms", "1 to 10000", f.membership.heartbeat_ms.to_string()));
+        return Err(invalid(
+            "membership.heartbeat_ms",
+            "1 to 10000",
+            f.membership.heartbeat_ms.to_string(),
+        ));
     }
-    if f.membership.failure_timeout_ms < 2 * f.membership.heartbeat_ms || f.membership.failure_timeout_ms > 120_000 {
+    if f.membership.failure_timeout_ms < 2 * f.membership.heartbeat_ms
+        || f.membership.failure_timeout_ms > 120_000
+    {
         return Err(invalid(
             "membership.failure_timeout_ms",
             "at least twice membership.heartbeat_ms and at most 120000",
@@ -271,10 +294,18 @@ fn validate(f: NodeFile, origin: &dyn Fn(&str) -> String) -> Result<ResolvedNode
         ));
     }
     if f.node.mailbox_capacity == 0 {
-        return Err(invalid("node.mailbox_capacity", "a positive number", "0".into()));
+        return Err(invalid(
+            "node.mailbox_capacity",
+            "a positive number",
+            "0".into(),
+        ));
     }
     if f.transport.max_frame_bytes < 1024 || f.transport.max_frame_bytes > u32::MAX as usize {
-        return Err(invalid("transport.max_frame_bytes", "1024 to 4294967295", f.transport.max_frame_bytes.to_string()));
+        return Err(invalid(
+            "transport.max_frame_bytes",
+            "1024 to 4294967295",
+            f.transport.max_frame_bytes.to_string(),
+        ));
     }
     let mut transport = TransportConfig {
         frame_limits: FrameLimits {
@@ -340,14 +371,23 @@ mod tests {
     fn bad_address_names_file_key_expected_and_found() {
         let (_d, p) = write("[node]\nlisten = \"not-an-address\"\n");
         let e = load(Some(&p), &[]).unwrap_err().to_string();
-        assert!(e.contains("node.toml") && e.contains("node.listen") && e.contains("not-an-address") && e.contains("expected"), "{e}");
+        assert!(
+            e.contains("node.toml")
+                && e.contains("node.listen")
+                && e.contains("not-an-address")
+                && e.contains("expected"),
+            "{e}"
+        );
     }
 
     #[test]
     fn wrong_type_names_the_key() {
         let (_d, p) = write("[membership]\nheartbeat_ms = \"often\"\n");
         let e = load(Some(&p), &[]).unwrap_err().to_string();
-        assert!(e.contains("node.toml") && e.contains("heartbeat_ms") && e.contains("often"), "{e}");
+        assert!(
+            e.contains("node.toml") && e.contains("heartbeat_ms") && e.contains("often"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -361,12 +401,20 @@ mod tests {
     fn failure_timeout_must_exceed_heartbeats() {
         let (_d, p) = write("[membership]\nheartbeat_ms = 500\nfailure_timeout_ms = 600\n");
         let e = load(Some(&p), &[]).unwrap_err().to_string();
-        assert!(e.contains("membership.failure_timeout_ms") && e.contains("600"), "{e}");
+        assert!(
+            e.contains("membership.failure_timeout_ms") && e.contains("600"),
+            "{e}"
+        );
     }
 
     #[test]
     fn missing_file_is_clear() {
-        let e = load(Some(Path::new("/nonexistent/node.toml")), &[]).unwrap_err().to_string();
-        assert!(e.contains("/nonexistent/node.toml") && e.contains("not found"), "{e}");
+        let e = load(Some(Path::new("/nonexistent/node.toml")), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("/nonexistent/node.toml") && e.contains("not found"),
+            "{e}"
+        );
     }
 }

@@ -14,7 +14,10 @@ pub fn yatt_node_bin() -> PathBuf {
         return p.into();
     }
     let exe = std::env::current_exe().expect("test binary path");
-    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/<test>");
     let bin = profile_dir.join("yatt-node");
     assert!(
         bin.exists(),
@@ -87,9 +90,14 @@ impl NodeProc {
     /// GET a path from the node's HTTP server; returns the body.
     pub fn http_get(&self, path: &str) -> Option<String> {
         use std::io::{Read, Write};
-        let mut s = std::net::TcpStream::connect_timeout(&self.http, Duration::from_secs(2)).ok()?;
+        let mut s =
+            std::net::TcpStream::connect_timeout(&self.http, Duration::from_secs(2)).ok()?;
         s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-        write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").ok()?;
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+        )
+        .ok()?;
         let mut out = String::new();
         s.read_to_string(&mut out).ok()?;
         out.split_once("\r\n\r\n").map(|(_, body)| body.to_string())
@@ -129,7 +137,10 @@ impl Cluster {
     /// Starts `n` nodes named `prefix-0`, `prefix-1`, ... and waits until all have joined.
     pub fn start(prefix: &str, n: usize) -> Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut cluster = Cluster { dir, nodes: Vec::new() };
+        let mut cluster = Cluster {
+            dir,
+            nodes: Vec::new(),
+        };
         for i in 0..n {
             let seed = cluster.nodes.first().map(|s| s.addr);
             let node = cluster.spawn(&format!("{prefix}-{i}"), seed);
@@ -143,7 +154,11 @@ impl Cluster {
                 .all(|n| leader.sees_alive(n) == Some(true))
                 .then_some(())
         });
-        assert!(joined.is_some(), "nodes did not all join; leader log:\n{}", leader.log());
+        assert!(
+            joined.is_some(),
+            "nodes did not all join; leader log:\n{}",
+            leader.log()
+        );
         cluster
     }
 
@@ -156,16 +171,25 @@ impl Cluster {
         let ready = self.dir.path().join(format!("{name}.ready"));
         let log = self.dir.path().join(format!("{name}.log"));
         let mut cmd = Command::new(yatt_node_bin());
-        cmd.args(["run", "--dev", "--name", name, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0"])
-            .arg("--certs")
-            .arg(self.ca_dir())
-            .arg("--ready-file")
-            .arg(&ready)
-            .env("RUST_LOG", "info")
-            .env_remove("RUST_BACKTRACE")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("log file"));
+        cmd.args([
+            "run",
+            "--dev",
+            "--name",
+            name,
+            "--listen",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+        ])
+        .arg("--certs")
+        .arg(self.ca_dir())
+        .arg("--ready-file")
+        .arg(&ready)
+        .env("RUST_LOG", "info")
+        .env_remove("RUST_BACKTRACE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log file"));
         if let Some(seed) = seed {
             cmd.arg("--seed").arg(seed.to_string());
         }
@@ -183,8 +207,14 @@ impl Cluster {
             serde_json::from_str(&std::fs::read_to_string(&ready).ok()?).ok()
         })
         .unwrap_or_else(|| panic!("{name} did not become ready; log:\n{}", proc.log()));
-        proc.addr = info["addr"].as_str().and_then(|a| a.parse().ok()).expect("addr");
-        proc.http = info["http"].as_str().and_then(|a| a.parse().ok()).expect("http");
+        proc.addr = info["addr"]
+            .as_str()
+            .and_then(|a| a.parse().ok())
+            .expect("addr");
+        proc.http = info["http"]
+            .as_str()
+            .and_then(|a| a.parse().ok())
+            .expect("http");
         proc
     }
 }

@@ -45,19 +45,51 @@ async fn remote_spawn_request_response_and_64mib_bulk() {
     }
     // A 64 MiB batch arrives intact, through shared memory and over plain QUIC.
     let sink = c
-        .spawn_remote::<WithBulk<String>, BulkReceipt, _>(&cluster.nodes[2].name, "bulk-sink", &(), T)
+        .spawn_remote::<WithBulk<String>, BulkReceipt, _>(
+            &cluster.nodes[2].name,
+            "bulk-sink",
+            &(),
+            T,
+        )
         .await
         .unwrap();
     let n = 64usize << 20;
     let data: Vec<u8> = (0..n).map(|i| (i ^ (i >> 13)) as u8).collect();
-    let bulk = Bulk::from_tensors([("tokens", DType::U8, vec![n as u64], Bytes::from(data))]).unwrap();
+    let bulk =
+        Bulk::from_tensors([("tokens", DType::U8, vec![n as u64], Bytes::from(data))]).unwrap();
     let want = bulk.checksum();
-    let r = sink.ask(WithBulk { meta: "shm".into(), bulk: bulk.clone() }, T).await.unwrap();
-    assert_eq!((r.crc32, r.bytes, r.label.as_str()), (want, n as u64, "shm"));
+    let r = sink
+        .ask(
+            WithBulk {
+                meta: "shm".into(),
+                bulk: bulk.clone(),
+            },
+            T,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.crc32, r.bytes, r.label.as_str()),
+        (want, n as u64, "shm")
+    );
     let plain = client(&cluster, "rs-client2", false).await;
-    let sink2 = plain.actor_ref::<WithBulk<String>, BulkReceipt>(sink.id()).unwrap();
-    let r = sink2.ask(WithBulk { meta: "quic".into(), bulk }, T).await.unwrap();
-    assert_eq!((r.crc32, r.bytes, r.label.as_str()), (want, n as u64, "quic"));
+    let sink2 = plain
+        .actor_ref::<WithBulk<String>, BulkReceipt>(sink.id())
+        .unwrap();
+    let r = sink2
+        .ask(
+            WithBulk {
+                meta: "quic".into(),
+                bulk,
+            },
+            T,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.crc32, r.bytes, r.label.as_str()),
+        (want, n as u64, "quic")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -65,7 +97,10 @@ async fn kill_9_is_detected_within_the_bound() {
     let mut cluster = Cluster::start("kd", 3);
     let c = client(&cluster, "kd-client", true).await;
     let victim = cluster.nodes[2].name.clone();
-    let echo = c.spawn_remote::<Vec<u8>, Vec<u8>, _>(&victim, "echo", &(), T).await.unwrap();
+    let echo = c
+        .spawn_remote::<Vec<u8>, Vec<u8>, _>(&victim, "echo", &(), T)
+        .await
+        .unwrap();
     assert_eq!(echo.ask(vec![1], T).await.unwrap(), vec![1]);
 
     let killed = Instant::now();
@@ -76,17 +111,24 @@ async fn kill_9_is_detected_within_the_bound() {
     let seen = c
         .directory()
         .wait_until(bound + Duration::from_millis(500), |d| {
-            d.node(&victim).is_some_and(|n| n.liveness != Liveness::Alive)
-                && d.actor(&name).is_some_and(|a| a.liveness != Liveness::Alive)
+            d.node(&victim)
+                .is_some_and(|n| n.liveness != Liveness::Alive)
+                && d.actor(&name)
+                    .is_some_and(|a| a.liveness != Liveness::Alive)
         })
         .await;
     let detected = killed.elapsed();
     assert!(seen, "client never saw {victim} dead");
     eprintln!("kill -9 detected after {detected:?}");
-    assert!(detected <= bound + Duration::from_millis(500), "detected after {detected:?}");
+    assert!(
+        detected <= bound + Duration::from_millis(500),
+        "detected after {detected:?}"
+    );
     // Both surviving daemons agree.
     for n in &cluster.nodes[..2] {
-        let dead = poll(Duration::from_secs(2), || (n.sees_alive(&victim) == Some(false)).then_some(()));
+        let dead = poll(Duration::from_secs(2), || {
+            (n.sees_alive(&victim) == Some(false)).then_some(())
+        });
         assert!(dead.is_some(), "{} still sees {victim} alive", n.name);
     }
     // Calls to its actors fail fast instead of hanging.
@@ -99,7 +141,11 @@ async fn kill_9_is_detected_within_the_bound() {
 async fn handshake_fails(addr: std::net::SocketAddr, config: quinn::ClientConfig) -> bool {
     let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
     ep.set_default_client_config(config);
-    let conn = match ep.connect(addr, yatt_runtime::tls::SERVER_NAME).unwrap().await {
+    let conn = match ep
+        .connect(addr, yatt_runtime::tls::SERVER_NAME)
+        .unwrap()
+        .await
+    {
         Err(_) => return true,
         Ok(conn) => conn,
     };
@@ -124,12 +170,24 @@ async fn peers_without_a_cluster_certificate_are_refused() {
     let cluster = Cluster::start("tl", 3);
     let target = cluster.nodes[1].addr;
     let self_signed = yatt_runtime::tls::insecure_client_config("intruder").unwrap();
-    assert!(handshake_fails(target, self_signed).await, "self-signed client got in");
-    let other_ca = ClusterCa::generate("elsewhere").unwrap().issue("intruder").unwrap();
-    assert!(handshake_fails(target, other_ca.client_config().unwrap()).await, "foreign CA got in");
+    assert!(
+        handshake_fails(target, self_signed).await,
+        "self-signed client got in"
+    );
+    let other_ca = ClusterCa::generate("elsewhere")
+        .unwrap()
+        .issue("intruder")
+        .unwrap();
+    assert!(
+        handshake_fails(target, other_ca.client_config().unwrap()).await,
+        "foreign CA got in"
+    );
     // The node keeps serving members.
     let c = client(&cluster, "tl-client", true).await;
-    let echo = c.spawn_remote::<Vec<u8>, Vec<u8>, _>(&cluster.nodes[1].name, "echo", &(), T).await.unwrap();
+    let echo = c
+        .spawn_remote::<Vec<u8>, Vec<u8>, _>(&cluster.nodes[1].name, "echo", &(), T)
+        .await
+        .unwrap();
     assert_eq!(echo.ask(vec![7], T).await.unwrap(), vec![7]);
 }
 
@@ -138,23 +196,35 @@ async fn malformed_and_oversized_frames_close_only_their_stream() {
     let cluster = Cluster::start("mf", 3);
     let victim = &cluster.nodes[1];
     let c = client(&cluster, "mf-client", true).await;
-    let echo = c.spawn_remote::<Vec<u8>, Vec<u8>, _>(&victim.name, "echo", &(), T).await.unwrap();
+    let echo = c
+        .spawn_remote::<Vec<u8>, Vec<u8>, _>(&victim.name, "echo", &(), T)
+        .await
+        .unwrap();
 
     // An authenticated peer (certificate from the cluster CA) misbehaves by hand.
     let ca = ClusterCa::load(&cluster.ca_dir()).unwrap();
     let rogue = ca.issue("mf-rogue").unwrap();
     let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
     ep.set_default_client_config(rogue.client_config().unwrap());
-    let conn = ep.connect(victim.addr, yatt_runtime::tls::SERVER_NAME).unwrap().await.unwrap();
+    let conn = ep
+        .connect(victim.addr, yatt_runtime::tls::SERVER_NAME)
+        .unwrap()
+        .await
+        .unwrap();
     let ask = yatt_runtime::transport::testing::TAG_ASK;
 
     async fn expect_closed(conn: &quinn::Connection, bytes: &[u8]) {
         let (mut s, mut r) = conn.open_bi().await.unwrap();
         s.write_all(bytes).await.unwrap();
         let _ = s.finish();
-        let got = tokio::time::timeout(Duration::from_secs(5), r.read_to_end(1 << 20)).await.expect("stream not closed");
+        let got = tokio::time::timeout(Duration::from_secs(5), r.read_to_end(1 << 20))
+            .await
+            .expect("stream not closed");
         // Closed without a reply: either an empty finish or a reset/stop.
-        assert!(got.map(|b| b.is_empty()).unwrap_or(true), "got a reply to garbage");
+        assert!(
+            got.map(|b| b.is_empty()).unwrap_or(true),
+            "got a reply to garbage"
+        );
     }
     // Oversized: a header announcing 4 GiB.
     expect_closed(&conn, &[ask, 0xff, 0xff, 0xff, 0xff]).await;
@@ -166,13 +236,20 @@ async fn malformed_and_oversized_frames_close_only_their_stream() {
     expect_closed(&conn, &[0x7f, 1, 2, 3]).await;
     // Oversized and malformed frames on the long-lived request stream.
     let asks = yatt_runtime::transport::testing::TAG_ASKS;
-    for bytes in [&[asks, 0xff, 0xff, 0xff, 0x7f][..], &[asks, 3, 0, 0, 0, 0xff, 0xff, 0xff][..]] {
+    for bytes in [
+        &[asks, 0xff, 0xff, 0xff, 0x7f][..],
+        &[asks, 3, 0, 0, 0, 0xff, 0xff, 0xff][..],
+    ] {
         let mut s = conn.open_uni().await.unwrap();
         s.write_all(bytes).await.unwrap();
         let _ = s.finish();
     }
     // The rogue's connection is still up, and everyone else is served.
-    assert!(conn.close_reason().is_none(), "connection was closed: {:?}", conn.close_reason());
+    assert!(
+        conn.close_reason().is_none(),
+        "connection was closed: {:?}",
+        conn.close_reason()
+    );
     assert_eq!(echo.ask(vec![9], T).await.unwrap(), vec![9]);
     let bad = poll(Duration::from_secs(5), || {
         victim
@@ -185,7 +262,11 @@ async fn malformed_and_oversized_frames_close_only_their_stream() {
             .ok()
             .filter(|n| *n >= 6)
     });
-    assert!(bad.is_some(), "bad frames not counted:\n{}", victim.http_get("/metrics").unwrap_or_default());
+    assert!(
+        bad.is_some(),
+        "bad frames not counted:\n{}",
+        victim.http_get("/metrics").unwrap_or_default()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -195,6 +276,8 @@ async fn sigterm_drains_leaves_and_exits_cleanly() {
     let code = cluster.nodes[1].terminate(Duration::from_secs(15));
     assert_eq!(code, Some(0), "log:\n{}", cluster.nodes[1].log());
     assert!(cluster.nodes[1].log().contains("left the cluster"));
-    let gone = poll(Duration::from_secs(5), || (cluster.nodes[0].sees_alive(&leaver) == Some(false)).then_some(()));
+    let gone = poll(Duration::from_secs(5), || {
+        (cluster.nodes[0].sees_alive(&leaver) == Some(false)).then_some(())
+    });
     assert!(gone.is_some(), "leader still lists {leaver} alive");
 }

@@ -62,8 +62,9 @@ pub enum ActorError {
     Unavailable(String),
 }
 
-/// Why an [`ActorRef::ask`] failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Why an [`ActorRef::ask`] failed. It also travels back from a remote node, so a
+/// caller sees the same error whether the actor is in-process or not.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 pub enum CallError {
     /// No answer came before the deadline; the request may or may not have been handled.
     #[error("no reply from {target} within {after:?}")]
@@ -101,6 +102,14 @@ pub enum CallError {
         target: ActorId,
         /// What the handler said.
         error: ActorError,
+    },
+    /// The node is shutting down or not ready yet; retry elsewhere or later.
+    #[error("node {node} is unavailable: {reason}")]
+    Unavailable {
+        /// The node.
+        node: String,
+        /// Why.
+        reason: String,
     },
     /// The target's node is known to be dead.
     #[error("node {node} is down")]

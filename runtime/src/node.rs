@@ -58,9 +58,7 @@ use crate::membership::{local_inventory, FailureDetector, NodeInfo};
 use crate::message::{Message, Wire};
 use crate::supervisor::{supervise, Lifecycle, RestartPolicy, Supervised};
 use crate::tls::{ClusterCa, NodeIdentity, TlsError};
-use crate::transport::{
-    Dispatch, PeerBook, RemoteError, Target, Transport, TransportConfig, TransportError,
-};
+use crate::transport::{Dispatch, PeerBook, Target, Transport, TransportConfig, TransportError};
 
 /// Settings of a node.
 #[derive(Debug, Clone)]
@@ -211,31 +209,20 @@ struct Hosted {
 }
 
 trait Inbox: Send + Sync {
-    fn ask(&self, wire: Wire, timeout: Duration) -> BoxFuture<'static, Result<Wire, RemoteError>>;
+    fn ask(&self, wire: Wire, timeout: Duration) -> BoxFuture<'static, Result<Wire, CallError>>;
     fn tell(&self, wire: Wire) -> BoxFuture<'static, ()>;
 }
 
 struct TypedInbox<Req, Resp>(ActorRef<Req, Resp>);
 
 impl<Req: Message, Resp: Message> Inbox for TypedInbox<Req, Resp> {
-    fn ask(&self, wire: Wire, timeout: Duration) -> BoxFuture<'static, Result<Wire, RemoteError>> {
+    fn ask(&self, wire: Wire, timeout: Duration) -> BoxFuture<'static, Result<Wire, CallError>> {
         let r = self.0.clone();
         Box::pin(async move {
-            let req = Req::from_wire(wire).map_err(|e| RemoteError::Codec(e.to_string()))?;
-            match r.ask(req, timeout).await {
-                Ok(resp) => resp
-                    .into_wire()
-                    .map_err(|e| RemoteError::Codec(e.to_string())),
-                Err(CallError::Handler { target, error }) => Err(RemoteError::Handler { target, error }),
-                Err(CallError::Timeout { target, after }) => Err(RemoteError::Timeout {
-                    target: Some(target),
-                    after_ms: after.as_millis() as u64,
-                }),
-                Err(CallError::Closed { target } | CallError::Died { target }) => {
-                    Err(RemoteError::Died(target))
-                }
-                Err(e) => Err(RemoteError::Unavailable(e.to_string())),
-            }
+            let req = Req::from_wire(wire).map_err(|e| CallError::Codec(e.to_string()))?;
+            let resp = r.ask(req, timeout).await?;
+            resp.into_wire()
+                .map_err(|e| CallError::Codec(e.to_string()))
         })
     }
     fn tell(&self, wire: Wire) -> BoxFuture<'static, ()> {
@@ -454,15 +441,23 @@ impl Dispatch for NodeDispatch {
         target: Target,
         wire: Wire,
         timeout: Duration,
-    ) -> BoxFuture<'static, Result<Wire, RemoteError>> {
+    ) -> BoxFuture<'static, Result<Wire, CallError>> {
         let Some(inner) = self.0.upgrade() else {
-            return Box::pin(async { Err(RemoteError::Unavailable("node stopped".into())) });
+            return Box::pin(async {
+                Err(CallError::Unavailable {
+                    node: String::new(),
+                    reason: "node stopped".into(),
+                })
+            });
         };
         let node = Node { inner };
         let from = from.to_string();
         Box::pin(async move {
             if node.inner.stopping.load(Ordering::Acquire) {
-                return Err(RemoteError::Unavailable("node is shutting down".into()));
+                return Err(CallError::Unavailable {
+                    node: node.name().to_string(),
+                    reason: "node is shutting down".into(),
+                });
             }
             node.inner.in_flight.fetch_add(1, Ordering::AcqRel);
             let result = match target {
@@ -472,7 +467,9 @@ impl Dispatch for NodeDispatch {
                     Err(e) => Err(e),
                 },
                 // The transport handles its own messages; none should reach here.
-                Target::Transport => Err(RemoteError::Codec("transport message dispatched to the node".into())),
+                Target::Transport => Err(CallError::Codec(
+                    "transport message dispatched to the node".into(),
+                )),
             };
             node.inner.in_flight.fetch_sub(1, Ordering::AcqRel);
             result
@@ -929,18 +926,18 @@ impl Node {
         })
     }
 
-    fn inbox(&self, id: &ActorId) -> Result<Arc<dyn Inbox>, RemoteError> {
+    fn inbox(&self, id: &ActorId) -> Result<Arc<dyn Inbox>, CallError> {
         let hosted = self.lock_hosted();
         match hosted.get(&id.name) {
-            Some(h) if h.id == *id => h
-                .inbox
-                .clone()
-                .ok_or_else(|| RemoteError::NoSuchActor(id.clone())),
-            Some(h) => Err(RemoteError::Stale {
+            Some(h) if h.id == *id => h.inbox.clone().ok_or_else(|| CallError::Stale {
+                target: id.clone(),
+                current: None,
+            }),
+            Some(h) => Err(CallError::Stale {
                 target: id.clone(),
                 current: Some(h.id.incarnation),
             }),
-            None => Err(RemoteError::Stale {
+            None => Err(CallError::Stale {
                 target: id.clone(),
                 current: None,
             }),
@@ -971,12 +968,12 @@ impl Node {
         }
     }
 
-    async fn system_ask(&self, from: &str, wire: Wire) -> Result<Wire, RemoteError> {
-        let req = SysRequest::from_wire(wire).map_err(|e| RemoteError::Codec(e.to_string()))?;
+    async fn system_ask(&self, from: &str, wire: Wire) -> Result<Wire, CallError> {
+        let req = SysRequest::from_wire(wire).map_err(|e| CallError::Codec(e.to_string()))?;
         self.handle_system(from, req)
             .await
             .into_wire()
-            .map_err(|e| RemoteError::Codec(e.to_string()))
+            .map_err(|e| CallError::Codec(e.to_string()))
     }
 
     async fn handle_system(&self, from: &str, req: SysRequest) -> SysResponse {

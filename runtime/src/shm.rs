@@ -115,7 +115,12 @@ impl SegmentPool {
                 let size = len.max(MIN_SEGMENT).next_power_of_two();
                 if st.bytes + size > self.max_bytes {
                     // Make room by dropping idle segments that are too small.
-                    let idle: usize = st.segments.iter().filter(|s| !s.busy).map(|s| s.map.len()).sum();
+                    let idle: usize = st
+                        .segments
+                        .iter()
+                        .filter(|s| !s.busy)
+                        .map(|s| s.map.len())
+                        .sum();
                     if st.bytes - idle + size > self.max_bytes {
                         return Ok(None);
                     }
@@ -193,12 +198,18 @@ impl Drop for SegmentPool {
 
 /// Removes segment files left by processes of `node` that no longer run (killed).
 pub(crate) fn remove_stale(dir: &Path, node: &str) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
     let prefix = format!("yatt-{node}-");
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some(rest) = name.strip_prefix(&prefix) else { continue };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let Some(rest) = name.strip_prefix(&prefix) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
         if !Path::new(&format!("/proc/{pid}")).exists() {
             let _ = std::fs::remove_file(e.path());
         }
@@ -260,7 +271,12 @@ impl MappingCache {
         if len > map.len() {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
-                format!("segment {} holds {} bytes, {} announced", path.display(), map.len(), len),
+                format!(
+                    "segment {} holds {} bytes, {} announced",
+                    path.display(),
+                    map.len(),
+                    len
+                ),
             ));
         }
         Ok(Bytes::from_owner(Slice {
@@ -279,7 +295,11 @@ mod tests {
     #[test]
     fn segments_are_reused_only_after_release() {
         let dir = tempfile::tempdir().unwrap();
-        let pool = SegmentPool::new(dir.path(), format!("yatt-test-{}", std::process::id()), 8 << 20);
+        let pool = SegmentPool::new(
+            dir.path(),
+            format!("yatt-test-{}", std::process::id()),
+            8 << 20,
+        );
         let (tx, mut rx) = mpsc::unbounded_channel();
         let cache = MappingCache::new(tx);
 

@@ -34,7 +34,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::actor::{ActorError, BoxFuture, CallError};
+use crate::actor::{BoxFuture, CallError};
 use crate::addr::ActorId;
 use crate::codec::{self, Bulk, BulkHeader, BulkLimits, CodecError, FrameLimits};
 use crate::message::Wire;
@@ -118,7 +118,11 @@ enum BulkRef {
     /// Follows the head on the same stream.
     Inline,
     /// In a shared-memory segment of the sender's.
-    Shm { path: String, id: u64, header: BulkHeader },
+    Shm {
+        path: String,
+        id: u64,
+        header: BulkHeader,
+    },
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -135,7 +139,7 @@ struct RequestHead {
 
 #[derive(Debug, Serialize, Deserialize)]
 struct ReplyHead {
-    result: Result<(Bytes, BulkRef), RemoteError>,
+    result: Result<(Bytes, BulkRef), CallError>,
 }
 
 /// A request on the long-lived `ASKS` stream.
@@ -152,47 +156,6 @@ struct ReplyFrame {
     head: ReplyHead,
 }
 
-/// Why a remote node refused or failed a request; travels back in the reply.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
-pub enum RemoteError {
-    /// No actor of that name runs on the node.
-    #[error("no actor {0} on that node")]
-    NoSuchActor(ActorId),
-    /// The name belongs to another incarnation now.
-    #[error("{target} was replaced (current incarnation {current:?})")]
-    Stale {
-        /// The incarnation asked for.
-        target: ActorId,
-        /// The one registered now, if any.
-        current: Option<u64>,
-    },
-    /// The actor's handler returned an error.
-    #[error("{target}: {error}")]
-    Handler {
-        /// The actor asked.
-        target: ActorId,
-        /// What its handler said.
-        error: ActorError,
-    },
-    /// The actor stopped before or while handling the request.
-    #[error("{0} stopped before replying")]
-    Died(ActorId),
-    /// No answer within the request's deadline on the remote node.
-    #[error("deadline of {after_ms} ms passed on the remote node")]
-    Timeout {
-        /// The actor asked, if the request was for one.
-        target: Option<ActorId>,
-        /// The deadline.
-        after_ms: u64,
-    },
-    /// The request or its bulk payload could not be decoded.
-    #[error("codec: {0}")]
-    Codec(String),
-    /// The node is shutting down or not ready.
-    #[error("unavailable: {0}")]
-    Unavailable(String),
-}
-
 /// What the node does with what arrives. The transport only moves bytes.
 pub(crate) trait Dispatch: Send + Sync + 'static {
     /// A request that wants an answer.
@@ -202,7 +165,7 @@ pub(crate) trait Dispatch: Send + Sync + 'static {
         target: Target,
         wire: Wire,
         timeout: Duration,
-    ) -> BoxFuture<'static, Result<Wire, RemoteError>>;
+    ) -> BoxFuture<'static, Result<Wire, CallError>>;
     /// A fire-and-forget message; resolves once it is queued (the mailbox had room).
     fn tell(&self, from: &str, target: Target, wire: Wire) -> BoxFuture<'static, ()>;
 }
@@ -254,11 +217,18 @@ impl StreamWriter {
                 }
             }
         };
-        tx.send(frame).await.map_err(|_| "stream writer stopped".to_string())
+        tx.send(frame)
+            .await
+            .map_err(|_| "stream writer stopped".to_string())
     }
 }
 
-async fn write_loop(conn: quinn::Connection, tag: u8, priority: i32, mut rx: mpsc::Receiver<Bytes>) {
+async fn write_loop(
+    conn: quinn::Connection,
+    tag: u8,
+    priority: i32,
+    mut rx: mpsc::Receiver<Bytes>,
+) {
     let mut stream = match conn.open_uni().await {
         Ok(s) => s,
         Err(e) => {
@@ -340,6 +310,7 @@ pub(crate) trait PeerBook: Send + Sync + 'static {
 
 /// One process's QUIC endpoint and its connections.
 pub struct Transport {
+    name: String,
     host_id: String,
     endpoint: quinn::Endpoint,
     config: TransportConfig,
@@ -370,7 +341,11 @@ pub enum TransportError {
 
 fn bind_socket(listen: SocketAddr, buffer: usize) -> std::io::Result<std::net::UdpSocket> {
     use socket2::{Domain, Protocol, Socket, Type};
-    let socket = Socket::new(Domain::for_address(listen), Type::DGRAM, Some(Protocol::UDP))?;
+    let socket = Socket::new(
+        Domain::for_address(listen),
+        Type::DGRAM,
+        Some(Protocol::UDP),
+    )?;
     // Larger buffers keep bursts of bulk datagrams from being dropped (and retransmitted).
     let _ = socket.set_recv_buffer_size(buffer);
     let _ = socket.set_send_buffer_size(buffer);
@@ -388,12 +363,21 @@ impl Transport {
     ) -> Result<Arc<Self>, TransportError> {
         let server = identity.server_config()?;
         let client = identity.client_config()?;
-        let bind_err = |reason: String| TransportError::Bind { addr: listen, reason };
-        let socket = bind_socket(listen, config.socket_buffer).map_err(|e| bind_err(e.to_string()))?;
-        let runtime = quinn::default_runtime().ok_or_else(|| bind_err("no async runtime".into()))?;
-        let mut endpoint =
-            quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(server), socket, runtime)
-                .map_err(|e| bind_err(e.to_string()))?;
+        let bind_err = |reason: String| TransportError::Bind {
+            addr: listen,
+            reason,
+        };
+        let socket =
+            bind_socket(listen, config.socket_buffer).map_err(|e| bind_err(e.to_string()))?;
+        let runtime =
+            quinn::default_runtime().ok_or_else(|| bind_err("no async runtime".into()))?;
+        let mut endpoint = quinn::Endpoint::new(
+            quinn::EndpointConfig::default(),
+            Some(server),
+            socket,
+            runtime,
+        )
+        .map_err(|e| bind_err(e.to_string()))?;
         endpoint.set_default_client_config(client);
         crate::shm::remove_stale(&config.shm_dir, &identity.node);
         let segments = SegmentPool::new(
@@ -402,6 +386,7 @@ impl Transport {
             config.shm_pool_bytes,
         );
         Ok(Arc::new(Transport {
+            name: identity.node.clone(),
             host_id,
             endpoint,
             config,
@@ -515,12 +500,18 @@ impl Transport {
             while let Ok(id) = rx.try_recv() {
                 ids.push(id);
             }
-            let Ok(body) = postcard::to_stdvec(&Control::Release(ids)) else { continue };
+            let Ok(body) = postcard::to_stdvec(&Control::Release(ids)) else {
+                continue;
+            };
             let wire = Wire {
                 body: Bytes::from(body),
                 bulk: None,
             };
-            if self.tell_on(&peer, Target::Transport, wire, true).await.is_err() {
+            if self
+                .tell_on(&peer, Target::Transport, wire, true)
+                .await
+                .is_err()
+            {
                 return;
             }
         }
@@ -573,27 +564,36 @@ impl Transport {
         }
     }
 
-    fn dispatch(&self) -> Result<&Arc<dyn Dispatch>, RemoteError> {
-        self.dispatch
-            .get()
-            .ok_or_else(|| RemoteError::Unavailable("node is starting".into()))
+    fn dispatch(&self) -> Result<&Arc<dyn Dispatch>, CallError> {
+        self.dispatch.get().ok_or_else(|| CallError::Unavailable {
+            node: self.name.clone(),
+            reason: "node is starting".into(),
+        })
     }
 
     /// Runs a request for a peer: waits for earlier tells, dispatches, and returns the
     /// reply head plus a bulk payload still to be sent inline, if any.
-    async fn run_request(&self, peer: &Peer, head: RequestHead, wire: Result<Wire, CodecError>) -> (ReplyHead, Option<Bulk>) {
+    async fn run_request(
+        &self,
+        peer: &Peer,
+        head: RequestHead,
+        wire: Result<Wire, CodecError>,
+    ) -> (ReplyHead, Option<Bulk>) {
         self.stats.received.fetch_add(1, Ordering::Relaxed);
         let timeout = Duration::from_millis(head.timeout_ms);
         let result = match wire {
-            Err(e) => Err(RemoteError::Codec(e.to_string())),
+            Err(e) => Err(CallError::Codec(e.to_string())),
             Ok(wire) => {
                 if !peer.progress.wait_for(head.after_tells, timeout).await {
-                    Err(RemoteError::Timeout {
-                        target: match &head.target {
-                            Target::Actor(id) => Some(id.clone()),
-                            _ => None,
+                    Err(match &head.target {
+                        Target::Actor(id) => CallError::Timeout {
+                            target: id.clone(),
+                            after: timeout,
                         },
-                        after_ms: head.timeout_ms,
+                        _ => CallError::Unavailable {
+                            node: self.name.clone(),
+                            reason: format!("earlier messages did not arrive within {timeout:?}"),
+                        },
                     })
                 } else {
                     match self.dispatch() {
@@ -617,17 +617,28 @@ impl Transport {
         }
     }
 
-    async fn serve_ask(&self, peer: &Arc<Peer>, mut send: quinn::SendStream, mut recv: quinn::RecvStream) -> Result<(), CodecError> {
+    async fn serve_ask(
+        &self,
+        peer: &Arc<Peer>,
+        mut send: quinn::SendStream,
+        mut recv: quinn::RecvStream,
+    ) -> Result<(), CodecError> {
         let mut tag = [0u8; 1];
         recv.read_exact(&mut tag).await.map_err(read_exact_err)?;
         if tag[0] != ASK {
             let _ = recv.stop(3u32.into());
-            return Err(CodecError::BadHeader(format!("bidirectional stream with tag {}", tag[0])));
+            return Err(CodecError::BadHeader(format!(
+                "bidirectional stream with tag {}",
+                tag[0]
+            )));
         }
         let head: RequestHead = self.read_head(&mut recv).await?;
-        let wire = self.read_bulk(peer, &mut recv, head.bulk.clone(), head.body.clone()).await;
+        let wire = self
+            .read_bulk(peer, &mut recv, head.bulk.clone(), head.body.clone())
+            .await;
         let (reply, bulk) = self.run_request(peer, head, wire).await;
-        let frame = encode_tagged(None, &reply, &self.config.frame_limits).map_err(|e| CodecError::BadHeader(e.to_string()))?;
+        let frame = encode_tagged(None, &reply, &self.config.frame_limits)
+            .map_err(|e| CodecError::BadHeader(e.to_string()))?;
         send.write_all_chunks(&mut [frame]).await?;
         if let Some(bulk) = bulk {
             send.set_priority(BULK_PRIORITY).ok();
@@ -637,16 +648,24 @@ impl Transport {
         Ok(())
     }
 
-    async fn serve_uni(self: &Arc<Self>, peer: &Arc<Peer>, mut recv: quinn::RecvStream) -> Result<(), CodecError> {
+    async fn serve_uni(
+        self: &Arc<Self>,
+        peer: &Arc<Peer>,
+        mut recv: quinn::RecvStream,
+    ) -> Result<(), CodecError> {
         let mut tag = [0u8; 1];
         recv.read_exact(&mut tag).await.map_err(read_exact_err)?;
         match tag[0] {
             TELLS | SYSTEM => {
                 let ordered = tag[0] == TELLS;
-                while let Some(frame) = codec::read_frame(&mut recv, &self.config.frame_limits).await? {
+                while let Some(frame) =
+                    codec::read_frame(&mut recv, &self.config.frame_limits).await?
+                {
                     let head: RequestHead = decode(&frame)?;
                     if !matches!(head.bulk, BulkRef::None) {
-                        return Err(CodecError::BadHeader("bulk reference on an ordered stream".into()));
+                        return Err(CodecError::BadHeader(
+                            "bulk reference on an ordered stream".into(),
+                        ));
                     }
                     self.stats.received.fetch_add(1, Ordering::Relaxed);
                     let wire = Wire {
@@ -670,11 +689,15 @@ impl Transport {
                 Ok(())
             }
             ASKS => {
-                while let Some(frame) = codec::read_frame(&mut recv, &self.config.frame_limits).await? {
+                while let Some(frame) =
+                    codec::read_frame(&mut recv, &self.config.frame_limits).await?
+                {
                     let AskFrame { id, head } = decode(&frame)?;
                     let wire = match &head.bulk {
                         BulkRef::Inline => {
-                            return Err(CodecError::BadHeader("inline bulk on the shared request stream".into()))
+                            return Err(CodecError::BadHeader(
+                                "inline bulk on the shared request stream".into(),
+                            ))
                         }
                         BulkRef::None => Ok(Wire {
                             body: head.body.clone(),
@@ -698,7 +721,9 @@ impl Transport {
                 Ok(())
             }
             REPLIES => {
-                while let Some(frame) = codec::read_frame(&mut recv, &self.config.frame_limits).await? {
+                while let Some(frame) =
+                    codec::read_frame(&mut recv, &self.config.frame_limits).await?
+                {
                     let ReplyFrame { id, head } = decode(&frame)?;
                     let result = self.reply_wire(peer, head, None).await;
                     if let Some(tx) = peer.lock_pending().remove(&id) {
@@ -717,7 +742,9 @@ impl Transport {
             }
             BULK_TELL => {
                 let head: RequestHead = self.read_head(&mut recv).await?;
-                let wire = self.read_bulk(peer, &mut recv, head.bulk.clone(), head.body.clone()).await?;
+                let wire = self
+                    .read_bulk(peer, &mut recv, head.bulk.clone(), head.body.clone())
+                    .await?;
                 self.stats.received.fetch_add(1, Ordering::Relaxed);
                 if let Ok(d) = self.dispatch() {
                     d.tell(&peer.name, head.target, wire).await;
@@ -726,7 +753,9 @@ impl Transport {
             }
             other => {
                 let _ = recv.stop(3u32.into());
-                Err(CodecError::BadHeader(format!("unidirectional stream with tag {other}")))
+                Err(CodecError::BadHeader(format!(
+                    "unidirectional stream with tag {other}"
+                )))
             }
         }
     }
@@ -744,18 +773,28 @@ impl Transport {
 
     /// Sends a reply to an `ASKS` request: on the shared reply stream, or on a stream
     /// of its own when it carries an inline bulk payload.
-    async fn send_reply(&self, peer: &Peer, id: u64, head: ReplyHead, bulk: Option<Bulk>) -> Result<(), String> {
+    async fn send_reply(
+        &self,
+        peer: &Peer,
+        id: u64,
+        head: ReplyHead,
+        bulk: Option<Bulk>,
+    ) -> Result<(), String> {
         let frame = ReplyFrame { id, head };
         match bulk {
             None => {
-                let bytes = encode_tagged(None, &frame, &self.config.frame_limits).map_err(|e| e.to_string())?;
+                let bytes = encode_tagged(None, &frame, &self.config.frame_limits)
+                    .map_err(|e| e.to_string())?;
                 peer.replies.send(&peer.conn, bytes).await
             }
             Some(bulk) => {
-                let bytes = encode_tagged(Some(BULK_REPLY), &frame, &self.config.frame_limits).map_err(|e| e.to_string())?;
+                let bytes = encode_tagged(Some(BULK_REPLY), &frame, &self.config.frame_limits)
+                    .map_err(|e| e.to_string())?;
                 let mut s = peer.conn.open_uni().await.map_err(|e| e.to_string())?;
                 s.set_priority(BULK_PRIORITY).ok();
-                s.write_all_chunks(&mut [bytes]).await.map_err(|e| e.to_string())?;
+                s.write_all_chunks(&mut [bytes])
+                    .await
+                    .map_err(|e| e.to_string())?;
                 codec::write_bulk(&mut s, &bulk, &self.config.bulk_limits)
                     .await
                     .map_err(|e| e.to_string())?;
@@ -766,38 +805,60 @@ impl Transport {
     }
 
     /// Turns a reply head (and its bulk, inline on `recv` or in a segment) into a wire.
-    async fn reply_wire(&self, peer: &Peer, head: ReplyHead, recv: Option<&mut quinn::RecvStream>) -> Result<Wire, CallError> {
+    async fn reply_wire(
+        &self,
+        peer: &Peer,
+        head: ReplyHead,
+        recv: Option<&mut quinn::RecvStream>,
+    ) -> Result<Wire, CallError> {
         let lost = |reason: String| CallError::Transport {
             node: peer.name.clone(),
             reason,
         };
         match head.result {
-            Err(e) => Err(remote_to_call(e, &peer.name)),
+            Err(e) => Err(e),
             Ok((body, BulkRef::None)) => Ok(Wire { body, bulk: None }),
             Ok((body, BulkRef::Shm { path, id, header })) => {
-                let bulk = self.map_segment(peer, &path, id, header).map_err(|e| lost(e.to_string()))?;
-                Ok(Wire { body, bulk: Some(bulk) })
+                let bulk = self
+                    .map_segment(peer, &path, id, header)
+                    .map_err(|e| lost(e.to_string()))?;
+                Ok(Wire {
+                    body,
+                    bulk: Some(bulk),
+                })
             }
             Ok((body, BulkRef::Inline)) => match recv {
                 Some(recv) => {
                     let bulk = codec::read_bulk(recv, &self.config.bulk_limits)
                         .await
                         .map_err(|e| lost(e.to_string()))?;
-                    Ok(Wire { body, bulk: Some(bulk) })
+                    Ok(Wire {
+                        body,
+                        bulk: Some(bulk),
+                    })
                 }
                 None => Err(lost("inline bulk on the shared reply stream".into())),
             },
         }
     }
 
-    async fn read_head<T: serde::de::DeserializeOwned>(&self, recv: &mut quinn::RecvStream) -> Result<T, CodecError> {
+    async fn read_head<T: serde::de::DeserializeOwned>(
+        &self,
+        recv: &mut quinn::RecvStream,
+    ) -> Result<T, CodecError> {
         let frame = codec::read_frame(recv, &self.config.frame_limits)
             .await?
             .ok_or(CodecError::Truncated { needed: 4, have: 0 })?;
         decode(&frame)
     }
 
-    async fn read_bulk(&self, peer: &Peer, recv: &mut quinn::RecvStream, bulk: BulkRef, body: Bytes) -> Result<Wire, CodecError> {
+    async fn read_bulk(
+        &self,
+        peer: &Peer,
+        recv: &mut quinn::RecvStream,
+        bulk: BulkRef,
+        body: Bytes,
+    ) -> Result<Wire, CodecError> {
         let bulk = match bulk {
             BulkRef::None => None,
             BulkRef::Inline => Some(codec::read_bulk(recv, &self.config.bulk_limits).await?),
@@ -806,11 +867,19 @@ impl Transport {
         Ok(Wire { body, bulk })
     }
 
-    fn map_segment(&self, peer: &Peer, path: &str, id: u64, header: BulkHeader) -> Result<Bulk, CodecError> {
+    fn map_segment(
+        &self,
+        peer: &Peer,
+        path: &str,
+        id: u64,
+        header: BulkHeader,
+    ) -> Result<Bulk, CodecError> {
         let p = std::path::Path::new(path);
         let allowed = p.parent().is_some_and(|d| d == self.config.shm_dir)
-            && p.file_name()
-                .is_some_and(|f| f.to_string_lossy().starts_with(&format!("yatt-{}-", peer.name)));
+            && p.file_name().is_some_and(|f| {
+                f.to_string_lossy()
+                    .starts_with(&format!("yatt-{}-", peer.name))
+            });
         if !allowed {
             return Err(CodecError::InvalidBulk {
                 reason: format!(
@@ -866,7 +935,9 @@ impl Transport {
                     }
                 }
                 Ok(None) => tracing::debug!("shared-memory pool full; sending inline"),
-                Err(e) => tracing::warn!(error = %e, "shared-memory fast path failed; sending inline"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "shared-memory fast path failed; sending inline")
+                }
             }
         }
         (BulkRef::Inline, Some(bulk))
@@ -881,7 +952,9 @@ impl Transport {
         let (addr, _) = self
             .book
             .get()
-            .ok_or_else(|| CallError::NodeDown { node: node.to_string() })?
+            .ok_or_else(|| CallError::NodeDown {
+                node: node.to_string(),
+            })?
             .lookup(node)?;
         let _dialing = self.dial_lock.lock().await;
         if let Some(p) = self.lock_peers().get(node) {
@@ -901,7 +974,10 @@ impl Transport {
     }
 
     /// Connects to an address and returns the peer's node name from its certificate.
-    pub(crate) async fn dial(self: &Arc<Self>, addr: SocketAddr) -> Result<(String, quinn::Connection), CallError> {
+    pub(crate) async fn dial(
+        self: &Arc<Self>,
+        addr: SocketAddr,
+    ) -> Result<(String, quinn::Connection), CallError> {
         let fail = |reason: String| CallError::Transport {
             node: addr.to_string(),
             reason,
@@ -912,25 +988,42 @@ impl Transport {
             .map_err(|e| fail(e.to_string()))?;
         let conn = tokio::time::timeout(self.config.connect_timeout, connecting)
             .await
-            .map_err(|_| fail(format!("handshake timed out after {:?}", self.config.connect_timeout)))?
+            .map_err(|_| {
+                fail(format!(
+                    "handshake timed out after {:?}",
+                    self.config.connect_timeout
+                ))
+            })?
             .map_err(|e| fail(e.to_string()))?;
         let name = tls::peer_node_name(&conn).map_err(|e| fail(e.to_string()))?;
         Ok((name, conn))
     }
 
     /// Dials a seed by address and keeps the connection as that peer's.
-    pub(crate) async fn connect_seed(self: &Arc<Self>, addr: SocketAddr) -> Result<String, CallError> {
+    pub(crate) async fn connect_seed(
+        self: &Arc<Self>,
+        addr: SocketAddr,
+    ) -> Result<String, CallError> {
         let (name, conn) = self.dial(addr).await?;
         self.adopt(name.clone(), conn);
         Ok(name)
     }
 
     /// Sends a request and waits for the reply, all within `timeout`.
-    pub(crate) async fn ask(self: &Arc<Self>, node: &str, target: Target, wire: Wire, timeout: Duration) -> Result<Wire, CallError> {
+    pub(crate) async fn ask(
+        self: &Arc<Self>,
+        node: &str,
+        target: Target,
+        wire: Wire,
+        timeout: Duration,
+    ) -> Result<Wire, CallError> {
         let timed_out = {
             let target = target.clone();
             move || match target {
-                Target::Actor(target) => CallError::Timeout { target, after: timeout },
+                Target::Actor(target) => CallError::Timeout {
+                    target,
+                    after: timeout,
+                },
                 _ => CallError::Transport {
                     node: node.to_string(),
                     reason: format!("no reply within {timeout:?}"),
@@ -966,10 +1059,13 @@ impl Transport {
         peer.lock_pending().insert(id, tx);
         let _guard = PendingGuard { peer, id };
         let frame = encode_tagged(None, &AskFrame { id, head }, &self.config.frame_limits)?;
-        peer.asks.send(&peer.conn, frame).await.map_err(|reason| CallError::Transport {
-            node: peer.name.clone(),
-            reason,
-        })?;
+        peer.asks
+            .send(&peer.conn, frame)
+            .await
+            .map_err(|reason| CallError::Transport {
+                node: peer.name.clone(),
+                reason,
+            })?;
         rx.await.unwrap_or_else(|_| {
             Err(CallError::Transport {
                 node: peer.name.clone(),
@@ -979,7 +1075,12 @@ impl Transport {
     }
 
     /// An ask with an inline bulk payload, on a bidirectional stream of its own.
-    async fn ask_own_stream(&self, peer: &Peer, head: RequestHead, bulk: Bulk) -> Result<Wire, CallError> {
+    async fn ask_own_stream(
+        &self,
+        peer: &Peer,
+        head: RequestHead,
+        bulk: Bulk,
+    ) -> Result<Wire, CallError> {
         let lost = |e: String| CallError::Transport {
             node: peer.name.clone(),
             reason: e,
@@ -987,12 +1088,17 @@ impl Transport {
         let (mut send, mut recv) = peer.conn.open_bi().await.map_err(|e| lost(e.to_string()))?;
         send.set_priority(BULK_PRIORITY).ok();
         let frame = encode_tagged(Some(ASK), &head, &self.config.frame_limits)?;
-        send.write_all_chunks(&mut [frame]).await.map_err(|e| lost(e.to_string()))?;
+        send.write_all_chunks(&mut [frame])
+            .await
+            .map_err(|e| lost(e.to_string()))?;
         codec::write_bulk(&mut send, &bulk, &self.config.bulk_limits)
             .await
             .map_err(|e| lost(e.to_string()))?;
         let _ = send.finish();
-        let reply: ReplyHead = self.read_head(&mut recv).await.map_err(|e| lost(e.to_string()))?;
+        let reply: ReplyHead = self
+            .read_head(&mut recv)
+            .await
+            .map_err(|e| lost(e.to_string()))?;
         self.reply_wire(peer, reply, Some(&mut recv)).await
     }
 
@@ -1011,7 +1117,13 @@ impl Transport {
     /// Sends a fire-and-forget message. Messages without bulk keep their order per peer
     /// (one long-lived stream); `system` ones use a stream of their own that actor
     /// mailboxes never block.
-    pub(crate) async fn tell(self: &Arc<Self>, node: &str, target: Target, wire: Wire, system: bool) -> Result<(), CallError> {
+    pub(crate) async fn tell(
+        self: &Arc<Self>,
+        node: &str,
+        target: Target,
+        wire: Wire,
+        system: bool,
+    ) -> Result<(), CallError> {
         let lost = |reason: String| CallError::Transport {
             node: node.to_string(),
             reason,
@@ -1025,7 +1137,13 @@ impl Transport {
             .map_err(|_| lost(format!("send stalled for {:?}", self.config.tell_timeout)))?
     }
 
-    async fn tell_on(&self, peer: &Peer, target: Target, wire: Wire, system: bool) -> Result<(), CallError> {
+    async fn tell_on(
+        &self,
+        peer: &Peer,
+        target: Target,
+        wire: Wire,
+        system: bool,
+    ) -> Result<(), CallError> {
         let lost = |reason: String| CallError::Transport {
             node: peer.name.clone(),
             reason,
@@ -1040,10 +1158,16 @@ impl Transport {
             bulk: bulk_ref,
         };
         if let Some(bulk) = bulk {
-            let mut send = peer.conn.open_uni().await.map_err(|e| lost(e.to_string()))?;
+            let mut send = peer
+                .conn
+                .open_uni()
+                .await
+                .map_err(|e| lost(e.to_string()))?;
             send.set_priority(BULK_PRIORITY).ok();
             let frame = encode_tagged(Some(BULK_TELL), &head, &self.config.frame_limits)?;
-            send.write_all_chunks(&mut [frame]).await.map_err(|e| lost(e.to_string()))?;
+            send.write_all_chunks(&mut [frame])
+                .await
+                .map_err(|e| lost(e.to_string()))?;
             codec::write_bulk(&mut send, &bulk, &self.config.bulk_limits)
                 .await
                 .map_err(|e| lost(e.to_string()))?;
@@ -1052,9 +1176,15 @@ impl Transport {
         }
         if matches!(head.bulk, BulkRef::Shm { .. }) {
             // A segment reference is small, but ordered streams carry no bulk at all.
-            let mut send = peer.conn.open_uni().await.map_err(|e| lost(e.to_string()))?;
+            let mut send = peer
+                .conn
+                .open_uni()
+                .await
+                .map_err(|e| lost(e.to_string()))?;
             let frame = encode_tagged(Some(BULK_TELL), &head, &self.config.frame_limits)?;
-            send.write_all_chunks(&mut [frame]).await.map_err(|e| lost(e.to_string()))?;
+            send.write_all_chunks(&mut [frame])
+                .await
+                .map_err(|e| lost(e.to_string()))?;
             let _ = send.finish();
             return Ok(());
         }
@@ -1067,7 +1197,11 @@ impl Transport {
         let tagged = stream.is_none();
         let frame = encode_tagged(tagged.then_some(tag), &head, &self.config.frame_limits)?;
         if stream.is_none() {
-            let s = peer.conn.open_uni().await.map_err(|e| lost(e.to_string()))?;
+            let s = peer
+                .conn
+                .open_uni()
+                .await
+                .map_err(|e| lost(e.to_string()))?;
             s.set_priority(priority).ok();
             *stream = Some(s);
         }
@@ -1088,7 +1222,11 @@ fn decode<T: serde::de::DeserializeOwned>(frame: &[u8]) -> Result<T, CodecError>
 }
 
 /// Encodes `[tag][u32 length][postcard]` in one buffer.
-fn encode_tagged<T: Serialize>(tag: Option<u8>, value: &T, limits: &FrameLimits) -> Result<Bytes, CallError> {
+fn encode_tagged<T: Serialize>(
+    tag: Option<u8>,
+    value: &T,
+    limits: &FrameLimits,
+) -> Result<Bytes, CallError> {
     let mut buf = Vec::with_capacity(128);
     if let Some(t) = tag {
         buf.push(t);
@@ -1105,27 +1243,6 @@ fn encode_tagged<T: Serialize>(tag: Option<u8>, value: &T, limits: &FrameLimits)
     }
     buf[at..at + codec::FRAME_HEADER_LEN].copy_from_slice(&(len as u32).to_le_bytes());
     Ok(Bytes::from(buf))
-}
-
-fn remote_to_call(e: RemoteError, node: &str) -> CallError {
-    match e {
-        RemoteError::Stale { target, current } => CallError::Stale { target, current },
-        RemoteError::NoSuchActor(target) => CallError::Stale { target, current: None },
-        RemoteError::Handler { target, error } => CallError::Handler { target, error },
-        RemoteError::Died(target) => CallError::Died { target },
-        RemoteError::Timeout {
-            target: Some(target),
-            after_ms,
-        } => CallError::Timeout {
-            target,
-            after: Duration::from_millis(after_ms),
-        },
-        RemoteError::Codec(c) => CallError::Codec(c),
-        e => CallError::Transport {
-            node: node.to_string(),
-            reason: e.to_string(),
-        },
-    }
 }
 
 /// How many ordered tells of one connection have been queued into mailboxes.

@@ -219,12 +219,22 @@ async fn bulk_round_trip(shm: bool) {
         std::fs::read_dir("/dev/shm")
             .unwrap()
             .filter_map(|e| e.ok())
-            .filter(|e| e.file_name().to_string_lossy().starts_with(&format!("yatt-{tag}-a-")))
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(&format!("yatt-{tag}-a-"))
+            })
             .count()
     };
     for round in 0..3 {
         let (meta, got, count) = sink
-            .ask(WithBulk { meta: format!("batch-{round}"), bulk: bulk.clone() }, T)
+            .ask(
+                WithBulk {
+                    meta: format!("batch-{round}"),
+                    bulk: bulk.clone(),
+                },
+                T,
+            )
             .await
             .unwrap();
         assert_eq!((meta, got, count), (format!("batch-{round}"), want, 2));
@@ -237,7 +247,11 @@ async fn bulk_round_trip(shm: bool) {
     if shm {
         a.shutdown().await;
         drop(a);
-        assert!(wait(|| segments() == 0).await, "segments left behind: {}", segments());
+        assert!(
+            wait(|| segments() == 0).await,
+            "segments left behind: {}",
+            segments()
+        );
     }
 }
 

@@ -13,7 +13,11 @@ use yatt_runtime::tls::{ClusterCa, NodeIdentity};
 use yatt_runtime::Node;
 
 #[derive(Parser)]
-#[command(name = "yatt-node", version, about = "Host yatt actors on this machine")]
+#[command(
+    name = "yatt-node",
+    version,
+    about = "Host yatt actors on this machine"
+)]
 struct Cli {
     /// Log as JSON lines.
     #[arg(long, global = true, env = "YATT_LOG_JSON")]
@@ -81,14 +85,7 @@ struct RunArgs {
 }
 
 fn main() -> std::process::ExitCode {
-    // Errors are for people: the chain of causes, no backtrace.
-    match real_main() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    yatt::exit_code(real_main())
 }
 
 fn real_main() -> anyhow::Result<()> {
@@ -96,7 +93,9 @@ fn real_main() -> anyhow::Result<()> {
     yatt::logging::init(cli.log_json)?;
     match cli.command {
         Command::Init { dir, cluster } => init(&dir, &cluster),
-        Command::Cert { ca_dir, name, out } => cert(&ca_dir, &name, out.as_deref().unwrap_or(&ca_dir)),
+        Command::Cert { ca_dir, name, out } => {
+            cert(&ca_dir, &name, out.as_deref().unwrap_or(&ca_dir))
+        }
         Command::Run(args) => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()?
@@ -138,17 +137,21 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     flag("http.listen", args.http);
     flag("tls.dir", args.certs.map(|p| p.display().to_string()));
     flag("tls.dev", args.dev.then(|| "true".to_string()));
-    flag("node.virtual_devices", args.virtual_devices.map(|n| n.to_string()));
-    flag("node.ready_file", args.ready_file.map(|p| p.display().to_string()));
+    flag(
+        "node.virtual_devices",
+        args.virtual_devices.map(|n| n.to_string()),
+    );
+    flag(
+        "node.ready_file",
+        args.ready_file.map(|p| p.display().to_string()),
+    );
     let cfg = yatt::node_config::load(args.config.as_deref(), &flags)?;
 
     // Bind HTTP first: a port in use should fail before we join the cluster.
     let http = match cfg.http {
-        Some(addr) => Some(
-            tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen for HTTP on {addr} (http.listen; is the port in use?)"))?,
-        ),
+        Some(addr) => Some(tokio::net::TcpListener::bind(addr).await.with_context(|| {
+            format!("cannot listen for HTTP on {addr} (http.listen; is the port in use?)")
+        })?),
         None => None,
     };
     let mut builder = Node::builder(&cfg.name).config(cfg.runtime.clone());
@@ -180,7 +183,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             "pid": std::process::id(),
         });
         let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, ready.to_string()).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::write(&tmp, ready.to_string())
+            .with_context(|| format!("writing {}", tmp.display()))?;
         std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
     }
     tracing::info!(node = %node.name(), addr = %node.addr(), http = ?http_addr, "serving");

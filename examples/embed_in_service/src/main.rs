@@ -28,7 +28,9 @@ impl Actor for Shouter {
     type Response = String;
     async fn handle(&mut self, text: String, _: &mut Context) -> Result<String, ActorError> {
         if text.is_empty() {
-            return Err(ActorError::BadRequest("text is empty; pass ?text=...".into()));
+            return Err(ActorError::BadRequest(
+                "text is empty; pass ?text=...".into(),
+            ));
         }
         Ok(format!("{}!", text.to_uppercase()))
     }
@@ -64,7 +66,9 @@ struct ShoutAnswer {
 
 /// The service's routes; `shouter` may live on any node.
 pub fn app(shouter: ActorRef<String, String>) -> Router {
-    Router::new().route("/shout", get(shout)).with_state(shouter)
+    Router::new()
+        .route("/shout", get(shout))
+        .with_state(shouter)
 }
 
 async fn shout(
@@ -77,17 +81,26 @@ async fn shout(
             answer,
             served_by: shouter.id().to_string(),
         })),
-        Err(yatt_runtime::CallError::Handler { error, .. }) => Err((StatusCode::BAD_REQUEST, error.to_string())),
+        Err(yatt_runtime::CallError::Handler { error, .. }) => {
+            Err((StatusCode::BAD_REQUEST, error.to_string()))
+        }
         Err(e) => Err((StatusCode::GATEWAY_TIMEOUT, e.to_string())),
     }
 }
 
 /// Starts the service's node, and in self-contained mode a worker node beside it.
 /// Returns the nodes (keep them alive) and a reference to the remote shouter.
-pub async fn start(args_seed: Option<SocketAddr>, on: Option<String>, ca: PathBuf) -> anyhow::Result<(Vec<Node>, ActorRef<String, String>)> {
+pub async fn start(
+    args_seed: Option<SocketAddr>,
+    on: Option<String>,
+    ca: PathBuf,
+) -> anyhow::Result<(Vec<Node>, ActorRef<String, String>)> {
     let mut nodes = Vec::new();
     let (seed, target) = match args_seed {
-        Some(seed) => (seed, on.ok_or_else(|| anyhow::anyhow!("--seed needs --on NODE"))?),
+        Some(seed) => (
+            seed,
+            on.ok_or_else(|| anyhow::anyhow!("--seed needs --on NODE"))?,
+        ),
         None => {
             let worker = Node::builder("worker")
                 .dev_certs(&ca)
@@ -99,7 +112,11 @@ pub async fn start(args_seed: Option<SocketAddr>, on: Option<String>, ca: PathBu
             (addr, "worker".to_string())
         }
     };
-    let me = Node::builder("web").dev_certs(&ca).seed(seed).start().await?;
+    let me = Node::builder("web")
+        .dev_certs(&ca)
+        .seed(seed)
+        .start()
+        .await?;
     let shouter = me
         .spawn_remote::<String, String, _>(&target, "shouter", &(), Duration::from_secs(10))
         .await?;
@@ -113,7 +130,10 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let (_nodes, shouter) = start(args.seed, args.on, args.ca).await?;
     let listener = tokio::net::TcpListener::bind(args.http).await?;
-    println!("serving on http://{}/shout?text=hello", listener.local_addr()?);
+    println!(
+        "serving on http://{}/shout?text=hello",
+        listener.local_addr()?
+    );
     axum::serve(listener, app(shouter)).await?;
     Ok(())
 }
@@ -133,17 +153,27 @@ mod tests {
         let get = |path: String| async move {
             use tokio::io::{AsyncReadExt, AsyncWriteExt};
             let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-            s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
-                .await
-                .unwrap();
+            s.write_all(
+                format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+            )
+            .await
+            .unwrap();
             let mut out = String::new();
             s.read_to_string(&mut out).await.unwrap();
             out
         };
         let ok = get("/shout?text=hello".into()).await;
-        assert!(ok.starts_with("HTTP/1.1 200") && ok.contains("\"answer\":\"HELLO!\"") && ok.contains("worker/shouter/"), "{ok}");
+        assert!(
+            ok.starts_with("HTTP/1.1 200")
+                && ok.contains("\"answer\":\"HELLO!\"")
+                && ok.contains("worker/shouter/"),
+            "{ok}"
+        );
         let bad = get("/shout?text=".into()).await;
-        assert!(bad.starts_with("HTTP/1.1 400") && bad.contains("text is empty"), "{bad}");
+        assert!(
+            bad.starts_with("HTTP/1.1 400") && bad.contains("text is empty"),
+            "{bad}"
+        );
         let _ = std::fs::remove_dir_all(ca);
     }
 }

@@ -30,19 +30,38 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let t = Duration::from_secs(10);
     let ca = tempfile::tempdir()?;
     let start = Instant::now();
-    let seed = yatt::register_roles(Node::builder("node-0").dev_certs(ca.path())).start().await?;
+    let seed = yatt::register_roles(Node::builder("node-0").dev_certs(ca.path()))
+        .start()
+        .await?;
     let mut nodes = vec![seed.clone()];
     for i in 1..3 {
-        let n = yatt::register_roles(Node::builder(&format!("node-{i}")).dev_certs(ca.path()).seed(seed.addr()))
-            .start()
-            .await?;
+        let n = yatt::register_roles(
+            Node::builder(&format!("node-{i}"))
+                .dev_certs(ca.path())
+                .seed(seed.addr()),
+        )
+        .start()
+        .await?;
         nodes.push(n);
     }
-    let joined = seed.directory().wait_until(t, |d| d.alive_nodes().count() == 3).await;
+    let joined = seed
+        .directory()
+        .wait_until(t, |d| d.alive_nodes().count() == 3)
+        .await;
     anyhow::ensure!(joined, "nodes did not join within {t:?}");
-    println!("3 nodes joined in {:?} (leader: {}, directory epoch {})", start.elapsed(), seed.leader(), seed.directory().epoch());
+    println!(
+        "3 nodes joined in {:?} (leader: {}, directory epoch {})",
+        start.elapsed(),
+        seed.leader(),
+        seed.directory().epoch()
+    );
     for n in &nodes {
-        println!("  {} at {} ({} device(s))", n.name(), n.addr(), n.info().devices.len());
+        println!(
+            "  {} at {} ({} device(s))",
+            n.name(),
+            n.addr(),
+            n.info().devices.len()
+        );
     }
 
     for target in ["node-1", "node-2"] {
@@ -52,7 +71,12 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
             .with_context(|| format!("spawning echo on {target}"))?;
         let asked = Instant::now();
         let answer = echo.ask(b"hello".to_vec(), t).await?;
-        println!("{} answered {:?} in {:?}", echo.id(), String::from_utf8_lossy(&answer), asked.elapsed());
+        println!(
+            "{} answered {:?} in {:?}",
+            echo.id(),
+            String::from_utf8_lossy(&answer),
+            asked.elapsed()
+        );
     }
 
     let sink = seed
@@ -63,9 +87,22 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let bulk = Bulk::from_tensors([("tokens", DType::U8, vec![n as u64], Bytes::from(data))])?;
     let want = bulk.checksum();
     let sent = Instant::now();
-    let receipt = sink.ask(WithBulk { meta: "batch-0".into(), bulk }, t).await?;
+    let receipt = sink
+        .ask(
+            WithBulk {
+                meta: "batch-0".into(),
+                bulk,
+            },
+            t,
+        )
+        .await?;
     let secs = sent.elapsed().as_secs_f64();
-    anyhow::ensure!(receipt.crc32 == want, "batch corrupted: crc {} != {}", receipt.crc32, want);
+    anyhow::ensure!(
+        receipt.crc32 == want,
+        "batch corrupted: crc {} != {}",
+        receipt.crc32,
+        want
+    );
     println!(
         "moved a {} MiB batch node-0 -> node-2 intact (crc32 {:08x}) in {:.1} ms, {:.2} GB/s",
         args.batch_mib,
@@ -78,10 +115,15 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     leaving.shutdown().await;
     let noticed = seed
         .directory()
-        .wait_until(t, |d| d.alive_nodes().count() == 2 && d.resolve(&sink.id().name).is_none())
+        .wait_until(t, |d| {
+            d.alive_nodes().count() == 2 && d.resolve(&sink.id().name).is_none()
+        })
         .await;
     anyhow::ensure!(noticed, "the leader did not notice node-2 leaving");
-    println!("node-2 left; the directory marked it and its actors dead (epoch {})", seed.directory().epoch());
+    println!(
+        "node-2 left; the directory marked it and its actors dead (epoch {})",
+        seed.directory().epoch()
+    );
     for n in nodes.iter().rev() {
         n.shutdown().await;
     }

@@ -8,7 +8,11 @@ mod engine_cmds;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "yatt", version, about = "RLHF training with addressable actors over QUIC")]
+#[command(
+    name = "yatt",
+    version,
+    about = "RLHF training with addressable actors over QUIC"
+)]
 struct Cli {
     /// Log as JSON lines instead of human-readable text.
     #[arg(long, global = true, env = "YATT_LOG_JSON")]
@@ -37,14 +41,7 @@ enum BenchCommand {
 }
 
 fn main() -> std::process::ExitCode {
-    // Errors are for people: the chain of causes, no backtrace.
-    match real_main() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    yatt::exit_code(real_main())
 }
 
 fn real_main() -> anyhow::Result<()> {
