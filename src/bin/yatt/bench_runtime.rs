@@ -169,7 +169,11 @@ struct Sink;
 impl Actor for Sink {
     type Request = WithBulk<u64>;
     type Response = (u64, u64, u32);
-    async fn handle(&mut self, r: WithBulk<u64>, _: &mut Context) -> Result<(u64, u64, u32), ActorError> {
+    async fn handle(
+        &mut self,
+        r: WithBulk<u64>,
+        _: &mut Context,
+    ) -> Result<(u64, u64, u32), ActorError> {
         Ok((r.meta, r.bulk.data.len() as u64, r.bulk.checksum()))
     }
 }
@@ -331,7 +335,12 @@ async fn measure_handoff(sink: &SinkRef, batch: &Bulk, want_crc: u32, reps: usiz
 
 /// A controller splits 16 MiB into 8 zero-copy 2 MiB slices, asks the 8 workers at
 /// once and gathers their (tag, length, crc) answers; time per round.
-async fn measure_fanout(workers: &[SinkRef], data: &Bulk, want: &[u32], rounds: usize) -> Result<Dist> {
+async fn measure_fanout(
+    workers: &[SinkRef],
+    data: &Bulk,
+    want: &[u32],
+    rounds: usize,
+) -> Result<Dist> {
     let part = data.data.len() / workers.len();
     let mut v = Vec::with_capacity(rounds);
     for round in 0..=rounds {
@@ -340,7 +349,16 @@ async fn measure_fanout(workers: &[SinkRef], data: &Bulk, want: &[u32], rounds: 
         for (k, w) in workers.iter().enumerate() {
             let bulk = bulk_of(data, k * part..(k + 1) * part)?;
             let w = w.clone();
-            set.spawn(async move { w.ask(WithBulk { meta: k as u64, bulk }, T).await });
+            set.spawn(async move {
+                w.ask(
+                    WithBulk {
+                        meta: k as u64,
+                        bulk,
+                    },
+                    T,
+                )
+                .await
+            });
         }
         let mut got = vec![None; workers.len()];
         while let Some(r) = set.join_next().await {
@@ -350,7 +368,11 @@ async fn measure_fanout(workers: &[SinkRef], data: &Bulk, want: &[u32], rounds: 
         }
         let dt = t0.elapsed();
         for (k, g) in got.iter().enumerate() {
-            ensure!(*g == Some(want[k]), "worker {k} answered crc {g:?}, want {:#x}", want[k]);
+            ensure!(
+                *g == Some(want[k]),
+                "worker {k} answered crc {g:?}, want {:#x}",
+                want[k]
+            );
         }
         if round > 0 {
             v.push(dt);
@@ -438,7 +460,8 @@ impl TempDir {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.subsec_nanos())
             .unwrap_or(0);
-        let p = std::env::temp_dir().join(format!("yatt-bench-runtime-{}-{nanos}", std::process::id()));
+        let p =
+            std::env::temp_dir().join(format!("yatt-bench-runtime-{}-{nanos}", std::process::id()));
         std::fs::create_dir_all(&p).with_context(|| format!("creating {}", p.display()))?;
         Ok(TempDir(p))
     }
@@ -545,7 +568,10 @@ impl Drop for PeerProcess {
 /// The child: a node hosting the actors' factories, plus a bare quinn echo endpoint.
 async fn serve(args: BenchRuntimeArgs) -> Result<()> {
     let seed = args.seed.ok_or_else(|| anyhow!("--serve needs --seed"))?;
-    let ca_dir = args.ca_dir.clone().ok_or_else(|| anyhow!("--serve needs --ca-dir"))?;
+    let ca_dir = args
+        .ca_dir
+        .clone()
+        .ok_or_else(|| anyhow!("--serve needs --ca-dir"))?;
     let node = Node::builder(PEER)
         .config(node_config(true))
         .dev_certs(&ca_dir)
@@ -613,7 +639,10 @@ struct QuinnFigures {
     calls_per_s: f64,
 }
 
-async fn quinn_client(ca_dir: &Path, server: SocketAddr) -> Result<(quinn::Endpoint, quinn::Connection)> {
+async fn quinn_client(
+    ca_dir: &Path,
+    server: SocketAddr,
+) -> Result<(quinn::Endpoint, quinn::Connection)> {
     let id = ClusterCa::load(ca_dir)?.issue("bench-quinn-client")?;
     let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse()?)?;
     ep.set_default_client_config(id.client_config()?);
@@ -691,10 +720,12 @@ async fn start_cluster(workers: Option<usize>) -> Result<Cluster> {
     // Blocking wait for the child's READY line, off the runtime's workers: the child
     // joins through this process's node, which must keep serving meanwhile.
     let (seed, ca) = (lead.addr(), dir.0.clone());
-    let peer = tokio::task::spawn_blocking(move || PeerProcess::start(seed, &ca, workers)).await??;
+    let peer =
+        tokio::task::spawn_blocking(move || PeerProcess::start(seed, &ca, workers)).await??;
     ensure!(
         lead.directory()
-            .wait_until(T, |d| d.node(PEER).is_some() && d.alive_nodes().count() == 2)
+            .wait_until(T, |d| d.node(PEER).is_some()
+                && d.alive_nodes().count() == 2)
             .await,
         "the peer did not join within {T:?}"
     );
@@ -705,7 +736,10 @@ async fn start_cluster(workers: Option<usize>) -> Result<Cluster> {
         .start()
         .await?;
     ensure!(
-        plain.directory().wait_until(T, |d| d.alive_nodes().count() == 3).await,
+        plain
+            .directory()
+            .wait_until(T, |d| d.alive_nodes().count() == 3)
+            .await,
         "the directory did not settle within {T:?}"
     );
     Ok(Cluster {
@@ -718,9 +752,15 @@ async fn start_cluster(workers: Option<usize>) -> Result<Cluster> {
 
 impl Cluster {
     async fn stop(self) -> Result<()> {
-        let Cluster { _dir, lead, plain, peer } = self;
+        let Cluster {
+            _dir,
+            lead,
+            plain,
+            peer,
+        } = self;
         plain.shutdown().await;
-        let finished = tokio::task::spawn_blocking(move || peer.finish(Duration::from_secs(15))).await?;
+        let finished =
+            tokio::task::spawn_blocking(move || peer.finish(Duration::from_secs(15))).await?;
         lead.shutdown().await;
         finished
     }
@@ -767,10 +807,17 @@ async fn two_process_figures(c: &Cluster, plan: &Plan, b: &Batches) -> Result<Fi
     .await?;
     eprintln!("  64 MiB handoff");
     let handoff = measure_handoff(&sink, &b.handoff, b.handoff_crc, plan.handoff_reps).await?;
-    let handoff_inline = measure_handoff(&sink_plain, &b.handoff, b.handoff_crc, plan.handoff_reps).await?;
+    let handoff_inline =
+        measure_handoff(&sink_plain, &b.handoff, b.handoff_crc, plan.handoff_reps).await?;
     eprintln!("  fan-out");
     let fanout = measure_fanout(&workers, &b.fanout, &b.fanout_crcs, plan.fanout_rounds).await?;
-    let fanout_inline = measure_fanout(&workers_plain, &b.fanout, &b.fanout_crcs, plan.fanout_rounds).await?;
+    let fanout_inline = measure_fanout(
+        &workers_plain,
+        &b.fanout,
+        &b.fanout_crcs,
+        plan.fanout_rounds,
+    )
+    .await?;
     eprintln!("  bare quinn");
     Ok(Figures {
         rtt,
@@ -862,11 +909,17 @@ async fn profile(args: &BenchRuntimeArgs, what: &str) -> Result<()> {
         }
         Ok::<(), anyhow::Error>(())
     };
-    let cpu0 = (cpu_times(std::process::id()), cpu_times(cluster.peer.child.id()));
+    let cpu0 = (
+        cpu_times(std::process::id()),
+        cpu_times(cluster.peer.child.id()),
+    );
     let t0 = Instant::now();
     let r = run.await;
     let wall = t0.elapsed().as_secs_f64();
-    let cpu1 = (cpu_times(std::process::id()), cpu_times(cluster.peer.child.id()));
+    let cpu1 = (
+        cpu_times(std::process::id()),
+        cpu_times(cluster.peer.child.id()),
+    );
     if let ((Some(a0), Some(b0)), (Some(a1), Some(b1))) = (cpu0, cpu1) {
         // CPU seconds over the run (includes the set-up of the echo actor and the quinn client).
         println!(
@@ -888,7 +941,10 @@ fn cpu_times(pid: u32) -> Option<(f64, f64)> {
     let rest = &stat[stat.rfind(')')? + 2..];
     let f: Vec<&str> = rest.split_whitespace().collect();
     let tick = 100.0; // USER_HZ on Linux
-    Some((f.get(11)?.parse::<f64>().ok()? / tick, f.get(12)?.parse::<f64>().ok()? / tick))
+    Some((
+        f.get(11)?.parse::<f64>().ok()? / tick,
+        f.get(12)?.parse::<f64>().ok()? / tick,
+    ))
 }
 
 // ---------------------------------------------------------------------------------
@@ -996,7 +1052,9 @@ fn tcp_ceiling(src: &Bulk, plan: &Plan) -> Result<(f64, Dist)> {
             v.push(t0.elapsed());
         }
     }
-    server.join().map_err(|_| anyhow!("tcp server thread panicked"))??;
+    server
+        .join()
+        .map_err(|_| anyhow!("tcp server thread panicked"))??;
     Ok((tcp_gbs, Dist::of(v)))
 }
 
@@ -1044,11 +1102,22 @@ fn ms(d: Duration) -> f64 {
 
 /// "1.23× ✓" where above 1 is better than the goal.
 fn vs_goal(better_ratio: f64) -> String {
-    let mark = if better_ratio >= 1.0 { "meets" } else { "misses" };
+    let mark = if better_ratio >= 1.0 {
+        "meets"
+    } else {
+        "misses"
+    };
     format!("{better_ratio:.2}× ({mark})")
 }
 
-fn print_report(args: &BenchRuntimeArgs, plan: &Plan, c: &Ceilings, local: &Figures, two: &Figures, q: &QuinnFigures) {
+fn print_report(
+    args: &BenchRuntimeArgs,
+    plan: &Plan,
+    c: &Ceilings,
+    local: &Figures,
+    two: &Figures,
+    q: &QuinnFigures,
+) {
     let handoff_gbs = |d: &Dist| gbs(HANDOFF_BYTES, d.median);
     let inline = two.handoff_inline.unwrap_or_default();
     let fan_inline = two.fanout_inline.unwrap_or_default();
