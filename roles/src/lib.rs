@@ -12,8 +12,16 @@
 //! | [`algo`] | advantages, policy/value losses, KL estimators (pure tensor maths) |
 //! | [`reward`] | reward functions: rule-based verifiers, HTTP endpoint |
 //! | [`data`] | prompt datasets: JSONL and synthetic tasks |
+//! | [`sample`] | samples flowing between roles, keyed by id |
+//! | [`ledger`] | the sample ledger |
+//! | [`builtin`] | built-in roles: rollout, reference, policy, reward |
+//! | [`controller`] | parallel controllers |
 
 pub mod algo;
+pub mod builtin;
+pub mod controller;
 pub mod data;
+pub mod ledger;
 pub mod reward;
 pub mod role;
+pub mod sample;

@@ -1,0 +1,1 @@
+//! The built-in roles: rollout, reference, policy, reward.

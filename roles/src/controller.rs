@@ -1,0 +1,1 @@
+//! Parallel controllers: one per data-parallel head.

@@ -1,0 +1,1 @@
+//! The sample ledger: every prompt of a step accounted for exactly once.

@@ -1,0 +1,1 @@
+//! Samples: what flows between roles, keyed by sample id.
