@@ -50,7 +50,7 @@ pub fn grpo_advantage(
 ) -> Result<Advantages, AlgoError> {
     let (b, _) = check_bt(mask, "mask")?;
     check_b(rewards, "rewards", b)?;
-    if !(cfg.eps >= 0.0) {
+    if cfg.eps.is_nan() || cfg.eps < 0.0 {
         return Err(AlgoError::Param { name: "eps", value: cfg.eps, reason: "must be >= 0" });
     }
     let rewards = rewards.to_kind(mask.kind());
@@ -113,7 +113,7 @@ pub fn token_level_rewards(
     let mut r = last_token_one_hot(mask) * seq_rewards.to_kind(mask.kind()).unsqueeze(1);
     if let Some(kl) = kl {
         check_same_bt(kl, "kl", b, t)?;
-        r = r - kl.to_kind(mask.kind()) * mask * kl_coef;
+        r -= kl.to_kind(mask.kind()) * mask * kl_coef;
     }
     Ok(r)
 }

@@ -38,7 +38,7 @@ pub fn dynamic_sampling_filter(
     if rewards.len() != group_ids.len() {
         return Err(AlgoError::Length { what: "rewards vs group_ids", a: rewards.len(), b: group_ids.len() });
     }
-    if !(tolerance >= 0.0) {
+    if tolerance.is_nan() || tolerance < 0.0 {
         return Err(AlgoError::Param { name: "tolerance", value: tolerance, reason: "must be >= 0" });
     }
     if let Some(r) = rewards.iter().find(|r| !r.is_finite()) {

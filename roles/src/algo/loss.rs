@@ -47,7 +47,7 @@ pub fn aggregate_loss(loss: &Tensor, mask: &Tensor, agg: LossAgg) -> Result<Tens
             (seq * &has).sum(k) / has.sum(k).clamp_min(1.0)
         }
         LossAgg::SeqMeanTokenSumNorm { max_len } => {
-            if !(max_len > 0.0) {
+            if max_len.is_nan() || max_len <= 0.0 {
                 return Err(AlgoError::Param {
                     name: "max_len",
                     value: max_len,
@@ -110,11 +110,11 @@ pub fn ppo_policy_loss(
     if !(0.0..1.0).contains(&cfg.clip_low) {
         return Err(AlgoError::Param { name: "clip_low", value: cfg.clip_low, reason: "must be in [0, 1)" });
     }
-    if !(cfg.clip_high >= 0.0) {
+    if cfg.clip_high.is_nan() || cfg.clip_high < 0.0 {
         return Err(AlgoError::Param { name: "clip_high", value: cfg.clip_high, reason: "must be >= 0" });
     }
     if let Some(c) = cfg.dual_clip {
-        if !(c > 1.0) {
+        if c.is_nan() || c <= 1.0 {
             return Err(AlgoError::Param { name: "dual_clip", value: c, reason: "the dual-clip constant must be > 1 (verl uses 3.0)" });
         }
     }
@@ -188,7 +188,7 @@ pub fn value_loss(
     let l1 = (&v - &r).square();
     let (per_token, clip_frac) = match cfg.clip {
         Some(eps) => {
-            if !(eps >= 0.0) {
+            if eps.is_nan() || eps < 0.0 {
                 return Err(AlgoError::Param { name: "clip", value: eps, reason: "value clip range must be >= 0" });
             }
             let old = old_values.to_kind(k);

@@ -341,17 +341,17 @@ fn value_loss_clipping() {
 
 #[test]
 fn entropy_and_kl_loss() {
-    // token 0: uniform over 2 → ln 2 = 0.6931472
+    // token 0: uniform over 2 → ln 2 = std::f64::consts::LN_2
     // token 1: p = [0.25, 0.75] → 0.25 ln 4 + 0.75 ln(4/3) = 0.5623351
     // token 2: padding
     let logits = Tensor::from_slice(&[0.0f64, 0.0, 0.0, 3f64.ln(), 5.0, -5.0]).reshape([1, 3, 2]);
     let h = entropy_from_logits(&logits).unwrap();
-    close(&vals(&h.narrow(1, 0, 2)), &[0.6931472, 0.5623351]);
+    close(&vals(&h.narrow(1, 0, 2)), &[std::f64::consts::LN_2, 0.5623351]);
     let mask = t2(&[&[1.0, 1.0, 0.0]]);
     let (loss, st) = entropy_loss(&h, &mask, 0.01, LossAgg::TokenMean).unwrap();
-    // −0.01 · (0.6931472 + 0.5623351)/2
-    close1(scalar(&loss), -0.01 * (0.6931472 + 0.5623351) / 2.0);
-    close1(st.entropy_mean, (0.6931472 + 0.5623351) / 2.0);
+    // −0.01 · (std::f64::consts::LN_2 + 0.5623351)/2
+    close1(scalar(&loss), -0.01 * (std::f64::consts::LN_2 + 0.5623351) / 2.0);
+    close1(st.entropy_mean, (std::f64::consts::LN_2 + 0.5623351) / 2.0);
     assert!(entropy_from_logits(&t2(&[&[1.0]])).is_err());
 
     // k3 per token [0.1065307, 0.7182818] (see kl_estimators) × β = 0.1, token-mean

@@ -78,7 +78,7 @@ impl LengthSchedule {
                 (start as f64 + (end as f64 - start as f64) * frac).floor() as usize
             }
             Self::Staircase { start, increment, every, max } => {
-                let stairs = if every == 0 { 0 } else { step / every };
+                let stairs = step.checked_div(every).unwrap_or(0);
                 let grown = start as u64 + stairs.saturating_mul(increment as u64);
                 grown.min(max as u64) as usize
             }

@@ -138,7 +138,7 @@ pub fn parse_judge_output(text: &str, default_out_of: f64) -> Result<JudgeVerdic
     }
     let (raw_score, denom) = found.ok_or_else(no_score)?;
     let out_of = denom.unwrap_or(default_out_of);
-    if !raw_score.is_finite() || !(out_of > 0.0) || !out_of.is_finite() {
+    if !raw_score.is_finite() || out_of.is_nan() || out_of <= 0.0 || !out_of.is_finite() {
         return Err(no_score());
     }
     let mut steps: BTreeMap<u64, f32> = BTreeMap::new();
