@@ -103,6 +103,11 @@ async fn kill_9_is_detected_within_the_bound() {
         .unwrap();
     assert_eq!(echo.ask(vec![1], T).await.unwrap(), vec![1]);
 
+    // A supervisor elsewhere monitors the actor.
+    let monitor = {
+        let (c, id) = (c.clone(), echo.id().clone());
+        tokio::spawn(async move { c.monitor(&id).await })
+    };
     let killed = Instant::now();
     cluster.nodes[2].kill9();
     // Default failure_timeout is 2 s; the bound the runtime promises is 3 s.
@@ -123,6 +128,14 @@ async fn kill_9_is_detected_within_the_bound() {
     assert!(
         detected <= bound + Duration::from_millis(500),
         "detected after {detected:?}"
+    );
+    let reason = tokio::time::timeout(Duration::from_secs(2), monitor)
+        .await
+        .expect("monitor fired")
+        .unwrap();
+    assert!(
+        matches!(reason, yatt_runtime::actor::ExitReason::NodeDown(_)),
+        "{reason:?}"
     );
     // Both surviving daemons agree.
     for n in &cluster.nodes[..2] {

@@ -836,6 +836,47 @@ impl Node {
         ))
     }
 
+    /// Waits until the directory marks `id` dead and returns why: its own exit, or
+    /// [`ExitReason::NodeDown`] when its node died (missed heartbeats) or left. This is
+    /// how a supervisor hears about children on other nodes. Resolves at once if `id`
+    /// is already dead or was replaced.
+    pub async fn monitor(&self, id: &ActorId) -> ExitReason {
+        let (snapshot, mut events) = self.inner.directory.subscribe();
+        let check = |d: &Directory| -> Option<ExitReason> {
+            match d.actor(&id.name) {
+                Some(e) if e.id == *id => match &e.liveness {
+                    Liveness::Alive => None,
+                    Liveness::Dead(reason) => Some(reason.clone()),
+                },
+                Some(e) if e.id.incarnation > id.incarnation => Some(ExitReason::NodeDown(
+                    format!("replaced by incarnation {}", e.id.incarnation),
+                )),
+                // Not registered yet (or unknown): wait for news.
+                _ => match d.node(&id.name.node) {
+                    Some(n) if n.liveness != Liveness::Alive => Some(ExitReason::NodeDown(
+                        format!("node {} is down", id.name.node),
+                    )),
+                    _ => None,
+                },
+            }
+        };
+        if let Some(r) = check(&snapshot) {
+            return r;
+        }
+        loop {
+            match events.recv().await {
+                Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                    if let Some(r) = self.inner.directory.read(check) {
+                        return r;
+                    }
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                    return ExitReason::NodeDown("this node stopped".into());
+                }
+            }
+        }
+    }
+
     /// Resolves a name through the directory to a typed reference of its live incarnation.
     pub fn resolve<Req: Message, Resp: Message>(
         &self,
