@@ -13,8 +13,9 @@ fn time<F: FnMut()>(name: &str, n: usize, mut f: F) {
 fn main() {
     tch::set_num_threads(std::env::args().nth(2).map(|s| s.parse().unwrap()).unwrap_or(2));
     let dir = yatt_engine::fixtures::smollm2_hf_dir().unwrap();
-    let model = Llama::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    let mut model = Llama::load(&dir, Device::Cpu, Kind::Float).unwrap();
     let b: i64 = std::env::args().nth(1).map(|s| s.parse().unwrap()).unwrap_or(16);
+    if std::env::var("PACK").is_ok() { eprintln!("packed {}", model.pack_for_inference(b)); }
     let mut cache = KvCache::new(&model, b, 160);
     let ids = Tensor::randint(1000, [b, 1], (Kind::Int64, Device::Cpu));
     let pos = Tensor::full([b, 1], 100, (Kind::Int64, Device::Cpu));

@@ -48,3 +48,20 @@ macro_rules! test_device {
         }
     };
 }
+
+/// Tells glibc's malloc to keep large freed blocks instead of returning them to the OS
+/// (raises the mmap and trim thresholds to 1 GiB). libtorch's CPU allocator goes through
+/// malloc, and a decode step allocates and frees many multi-megabyte activations; without
+/// this every one of them is a fresh mmap with page faults. Process-wide; idempotent.
+pub fn tune_host_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        const M_TRIM_THRESHOLD: i32 = -1;
+        const M_MMAP_THRESHOLD: i32 = -3;
+        // SAFETY: mallopt only adjusts allocator tunables.
+        unsafe {
+            libc::mallopt(M_MMAP_THRESHOLD, 1 << 30);
+            libc::mallopt(M_TRIM_THRESHOLD, 1 << 30);
+        }
+    }
+}

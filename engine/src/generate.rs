@@ -318,12 +318,15 @@ pub struct Generator {
     cache: Option<KvCache>,
     config: GeneratorConfig,
     tokenizer: Option<Arc<Tokenizer>>,
+    repack: bool,
 }
 
 impl Generator {
     /// A generator over `model` (the cache is allocated on first use and then reused).
-    pub fn new(model: Llama, config: GeneratorConfig) -> Self {
-        Generator { model, cache: None, config, tokenizer: None }
+    pub fn new(mut model: Llama, config: GeneratorConfig) -> Self {
+        crate::device::tune_host_allocator();
+        model.pack_for_inference(config.max_batch as i64);
+        Generator { model, cache: None, config, tokenizer: None, repack: false }
     }
 
     /// Attaches a tokenizer (needed for stop strings).
@@ -337,8 +340,10 @@ impl Generator {
         &self.model
     }
 
-    /// The model, mutably (e.g. to offload it).
+    /// The model, mutably (e.g. to offload it). Inference packing is redone before the
+    /// next generation.
     pub fn model_mut(&mut self) -> &mut Llama {
+        self.repack = true;
         &mut self.model
     }
 
@@ -410,6 +415,10 @@ impl Generator {
             }
         }
         self.ensure_cache();
+        if self.repack {
+            self.model.pack_for_inference(self.config.max_batch as i64);
+            self.repack = false;
+        }
         let mut stats = GenerateStats::default();
         let mut sched = Scheduler::new(requests.len(), self.config.max_batch, self.config.mode);
         let mut slots: Vec<SlotState> = Vec::new();

@@ -30,3 +30,4 @@ pub use score::{SeqBatch, TokenScores};
 pub use train::{LrSchedule, StepStats, TrainConfig, Trainer};
 pub use weights::{to_buckets, BucketDtype, BucketEntry, WeightBucket};
 pub mod bench;
+pub mod onednn;

@@ -149,6 +149,16 @@ pub struct Llama {
     kind: Kind,
     cos: Tensor,
     sin: Tensor,
+    packed: Option<Packed>,
+}
+
+/// oneDNN-prepacked copies of the matrices, for inference on CPU.
+#[derive(Debug)]
+struct Packed {
+    batch: i64,
+    /// Per layer: wqkv, wo, w_gate_up, w_down.
+    layers: Vec<[Tensor; 4]>,
+    lm_head: Tensor,
 }
 
 fn take(map: &mut HashMap<String, Tensor>, name: &str) -> Result<Tensor> {
@@ -265,7 +275,7 @@ impl Llama {
             }
         }
         let (cos, sin) = rope_tables(&config, device);
-        Ok(Llama { embed: conv_t(embed), layers, norm, lm_head, head, device, kind, cos, sin, config })
+        Ok(Llama { embed: conv_t(embed), layers, norm, lm_head, head, device, kind, cos, sin, config, packed: None })
     }
 
     /// A randomly initialised model (normal(0, 0.02) matrices, unit norms), for tests.
@@ -320,6 +330,8 @@ impl Llama {
 
     /// The canonical (trainable) parameters with stable names, for optimizers.
     pub fn parameters_mut(&mut self) -> Vec<(String, &mut Tensor)> {
+        // The caller may change the weights: drop packed inference copies.
+        self.packed = None;
         let mut v: Vec<(String, &mut Tensor)> = vec![("embed".into(), &mut self.embed)];
         for (i, l) in self.layers.iter_mut().enumerate() {
             v.push((format!("layers.{i}.ln1"), &mut l.ln1));
@@ -401,7 +413,7 @@ impl Llama {
     /// Copies HF-named tensors into the weights in place (no reallocation): every name
     /// must exist and match in shape; dtype/device are converted. Names absent from
     /// `src` are left as they are.
-    pub fn copy_weights_from<'a>(&self, src: impl IntoIterator<Item = (&'a str, &'a Tensor)>) -> Result<usize> {
+    pub fn copy_weights_from<'a>(&mut self, src: impl IntoIterator<Item = (&'a str, &'a Tensor)>) -> Result<usize> {
         let dst: HashMap<String, Tensor> = self.hf_named_tensors().into_iter().collect();
         let mut n = 0;
         tch::no_grad(|| -> Result<()> {
@@ -415,6 +427,9 @@ impl Llama {
             }
             Ok(())
         })?;
+        if let Some(b) = self.packed.as_ref().map(|p| p.batch) {
+            self.pack_for_inference(b);
+        }
         Ok(n)
     }
 
@@ -438,9 +453,51 @@ impl Llama {
                 *t = if rg { moved.set_requires_grad(true) } else { moved };
             }
         });
+        self.packed = None;
         self.cos = self.cos.to_device(device);
         self.sin = self.sin.to_device(device);
         self.device = device;
+    }
+
+    /// Prepacks the matrices with oneDNN for batches of about `batch` rows (f32 on CPU
+    /// only; a no-op elsewhere). Inference calls then use the packed copies (extra memory
+    /// the size of the weights); any mutable access to the parameters drops them, and
+    /// [`Llama::copy_weights_from`] repacks. Returns whether packing is active.
+    pub fn pack_for_inference(&mut self, batch: i64) -> bool {
+        self.packed = None;
+        if self.device != Device::Cpu || self.kind != Kind::Float || !crate::onednn::available() {
+            return false;
+        }
+        let b = batch.max(1);
+        let pk = |w: &Tensor| crate::onednn::pack(&w.tr(), b);
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            match (pk(&l.wqkv), pk(&l.wo), pk(&l.w_gate_up), pk(&l.w_down)) {
+                (Ok(a), Ok(o), Ok(g), Ok(d)) => layers.push([a, o, g, d]),
+                _ => return false,
+            }
+        }
+        let Ok(lm_head) = pk(self.lm_head.as_ref().unwrap_or(&self.embed)) else { return false };
+        self.packed = Some(Packed { batch: b, layers, lm_head });
+        true
+    }
+
+    /// Whether oneDNN-packed inference weights are active.
+    pub fn is_packed(&self) -> bool {
+        self.packed.is_some()
+    }
+
+    /// `x @ w (+ bias)`, through the packed copy when there is one.
+    fn mm(&self, x: &Tensor, w: &Tensor, packed: Option<&Tensor>, bias: Option<&Tensor>) -> Tensor {
+        if let Some(p) = packed {
+            if let Ok(y) = crate::onednn::linear(x, p, bias, w.size()[1]) {
+                return y;
+            }
+        }
+        match bias {
+            Some(b) => x.matmul(w) + b,
+            None => x.matmul(w),
+        }
     }
 
     fn rms(&self, x: &Tensor, w: &Tensor) -> Tensor {
@@ -487,12 +544,12 @@ impl Llama {
         };
         let rows = Tensor::arange(b, (Kind::Int64, self.device));
         let pos_flat = if matches!(attn, Attn::Decode { .. }) { Some(positions.reshape([b])) } else { None };
+        // Packed weights only serve inference: with autograd on, use the parameters.
+        let packed = if self.packed.is_some() && !self.embed.requires_grad() { self.packed.as_ref() } else { None };
         for (li, l) in self.layers.iter().enumerate() {
+            let pl = packed.map(|p| &p.layers[li]);
             let hn = self.rms(&x, &l.ln1);
-            let qkv = match &l.bqkv {
-                Some(bias) => hn.matmul(&l.wqkv) + bias,
-                None => hn.matmul(&l.wqkv),
-            };
+            let qkv = self.mm(&hn, &l.wqkv, pl.map(|p| &p[0]), l.bqkv.as_ref());
             let q = qkv.narrow(-1, 0, nh * hd).view([b, t, nh, hd]).transpose(1, 2);
             let k = qkv.narrow(-1, nh * hd, nkv * hd).view([b, t, nkv, hd]).transpose(1, 2);
             let v = qkv.narrow(-1, (nh + nkv) * hd, nkv * hd).view([b, t, nkv, hd]).transpose(1, 2);
@@ -515,19 +572,21 @@ impl Llama {
                 }
             };
             let o = o.transpose(1, 2).reshape([b, t, nh * hd]);
-            x = x + o.matmul(&l.wo);
+            x = x + self.mm(&o, &l.wo, pl.map(|p| &p[1]), None);
             let hn = self.rms(&x, &l.ln2);
-            let gu = hn.matmul(&l.w_gate_up);
+            let gu = self.mm(&hn, &l.w_gate_up, pl.map(|p| &p[2]), None);
             let f = c.intermediate_size;
             let act = gu.narrow(-1, 0, f).silu() * gu.narrow(-1, f, f);
-            x = x + act.matmul(&l.w_down);
+            x = x + self.mm(&act, &l.w_down, pl.map(|p| &p[3]), None);
         }
         self.rms(&x, &self.norm)
     }
 
     /// LM logits for hidden states `[.., hidden] → [.., vocab]`.
     pub fn logits(&self, h: &Tensor) -> Tensor {
-        h.matmul(self.lm_head.as_ref().unwrap_or(&self.embed))
+        let w = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let packed = self.packed.as_ref().filter(|_| !self.embed.requires_grad()).map(|p| &p.lm_head);
+        self.mm(h, w, packed, None)
     }
 
     /// Full forward: logits `[B, T, vocab]` for token ids `[B, T]` with an optional
