@@ -1,1 +1,551 @@
 //! Parallel controllers: one per data-parallel head.
+//!
+//! What belongs here: [`Controller`], which owns its prompt shard ([`Dataloader`]) and
+//! drives one RLHF step through the roles, the step's [`StepMetrics`] (verl-style
+//! names), the checkpointable [`ControllerState`], and [`spawn_role`] for the embedded,
+//! single-process mode. The controller talks to roles only through `ActorRef`s to their
+//! [`RoleActor`]s, each ask with a deadline, so the same code drives roles in this
+//! process or (once their messages are serializable) on other nodes.
+//!
+//! One step:
+//! 1. take `prompts_per_step` prompts from the shard and expect `n` samples of each in
+//!    the [`SampleLedger`];
+//! 2. rollout → reward → reference (optional) → policy old log-probs, each stage's
+//!    answer recorded and verified in the ledger before the next stage starts, so a
+//!    dropped or duplicated sample fails the step before the optimizer sees the batch;
+//! 3. advantages here (GRPO by default; RLOO, REINFORCE++; optional KL-in-reward);
+//! 4. policy update, then weight sync: the policy exports its weights as buckets and
+//!    the rollout loads them in place (in-process the buckets are moved, not copied);
+//! 5. close the ledger and report metrics.
+//!
+//! Not here yet: several controllers meeting at the policy's training step (gradient
+//! averaging), critic/GAE, dynamic sampling, remote roles.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+use yatt_engine::SamplingParams;
+use yatt_runtime::actor::{ActorRef, CallError};
+use yatt_runtime::node::Node;
+
+use crate::algo::{
+    grpo_advantage, kl_estimate, masked_mean, reinforce_pp_advantage, rloo_advantage, token_level_rewards, AlgoError,
+    GrpoConfig, KlEstimator, ReinforcePpConfig,
+};
+use crate::builtin::{GenerateRequest, PolicyRequest, PolicyResponse, RolloutRequest, RolloutResponse, TrainReport};
+use crate::data::{DataError, Dataloader, LoaderState};
+use crate::ledger::{LedgerError, LedgerReport, SampleLedger, Stage};
+use crate::role::{DeviceGroup, Role, RoleActor, RoleError, RoleRequest, RoleResponse};
+use crate::sample::{group_indices, response_mask, split_rows, token_matrix, Sample, SampleError, SampleId, TokenField};
+
+/// A reference to a rollout role's actor.
+pub type RolloutRef = ActorRef<RoleRequest<RolloutRequest>, RoleResponse<RolloutResponse>>;
+/// A reference to a role that takes samples and gives them back with a field filled in
+/// (reward, reference).
+pub type SamplesRef = ActorRef<RoleRequest<Vec<Sample>>, RoleResponse<Vec<Sample>>>;
+/// A reference to the policy role's actor.
+pub type PolicyRef = ActorRef<RoleRequest<PolicyRequest>, RoleResponse<PolicyResponse>>;
+
+/// The roles one controller drives.
+#[derive(Debug, Clone)]
+pub struct RoleRefs {
+    /// Generation.
+    pub rollout: RolloutRef,
+    /// Rewards.
+    pub reward: SamplesRef,
+    /// Reference log-probs (needed for a KL penalty, a KL loss and the `actor/kl` metric).
+    pub reference: Option<SamplesRef>,
+    /// The trainer.
+    pub policy: PolicyRef,
+}
+
+/// Which advantage estimator.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum AdvantageEstimator {
+    /// Group-normalised outcome rewards.
+    Grpo(GrpoConfig),
+    /// Leave-one-out baseline within the prompt group.
+    Rloo,
+    /// Token returns normalised over the batch.
+    ReinforcePp(ReinforcePpConfig),
+}
+
+/// A KL penalty folded into the rewards (KL-in-reward).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KlPenalty {
+    /// Estimator of KL(old policy ‖ reference) per token.
+    pub estimator: KlEstimator,
+    /// Coefficient.
+    pub coef: f64,
+}
+
+/// Deadlines of the controller's asks.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timeouts {
+    /// Generation.
+    pub generate: Duration,
+    /// Reward, reference and old-log-prob scoring.
+    pub score: Duration,
+    /// The policy update.
+    pub train: Duration,
+    /// Weight export and load.
+    pub sync: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        let m = Duration::from_secs(600);
+        Timeouts { generate: m, score: m, train: m, sync: m }
+    }
+}
+
+/// How a controller runs its steps.
+#[derive(Debug, Clone)]
+pub struct ControllerConfig {
+    /// Prompts per step (from this controller's shard).
+    pub prompts_per_step: usize,
+    /// Samples per prompt.
+    pub n: u32,
+    /// Sampling parameters (the seed is replaced per sample).
+    pub sampling: SamplingParams,
+    /// Seed of the per-sample sampling seeds.
+    pub seed: u64,
+    /// Advantage estimator.
+    pub advantage: AdvantageEstimator,
+    /// Optional KL penalty in the reward (needs a reference role).
+    pub kl_in_reward: Option<KlPenalty>,
+    /// Estimator of the `actor/kl` metric (old policy vs reference).
+    pub kl_metric: KlEstimator,
+    /// Devices this controller's roles use (the divisor of `perf/throughput`).
+    pub devices: usize,
+    /// Deadlines.
+    pub timeouts: Timeouts,
+}
+
+impl Default for ControllerConfig {
+    fn default() -> Self {
+        ControllerConfig {
+            prompts_per_step: 8,
+            n: 4,
+            sampling: SamplingParams::default(),
+            seed: 0,
+            advantage: AdvantageEstimator::Grpo(GrpoConfig::default()),
+            kl_in_reward: None,
+            kl_metric: KlEstimator::K3,
+            devices: 1,
+            timeouts: Timeouts::default(),
+        }
+    }
+}
+
+/// Why a step (or setting up a controller) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    /// A role did not answer, or answered with an error.
+    #[error("step {step}, {stage}: asking {role}: {source}")]
+    Call {
+        /// The step.
+        step: u64,
+        /// What the controller was doing.
+        stage: &'static str,
+        /// The role asked.
+        role: &'static str,
+        /// The runtime's error (timeout, handler error, ...).
+        #[source]
+        source: CallError,
+    },
+    /// A role answered with the wrong kind of response.
+    #[error("step {step}: {role} answered {got} to a {asked} request")]
+    Protocol {
+        /// The step.
+        step: u64,
+        /// The role.
+        role: &'static str,
+        /// What was asked.
+        asked: &'static str,
+        /// What came back.
+        got: String,
+    },
+    /// The sample ledger does not balance: a sample is missing, doubled or unexpected.
+    #[error("step {step}: sample ledger: {source}")]
+    Ledger {
+        /// The step.
+        step: u64,
+        /// Which sample and stage.
+        #[source]
+        source: LedgerError,
+    },
+    /// A sample lacks what a stage needs.
+    #[error("step {step}: {source}")]
+    Sample {
+        /// The step.
+        step: u64,
+        /// What is missing.
+        #[source]
+        source: SampleError,
+    },
+    /// The advantage or KL maths rejected the batch.
+    #[error("step {step}: advantages: {source}")]
+    Algo {
+        /// The step.
+        step: u64,
+        /// The algorithm's error.
+        #[source]
+        source: AlgoError,
+    },
+    /// The rollout generated with weights other than the policy's latest.
+    #[error("step {step}: {id} was generated with weights v{got}, but the policy is at v{want}; weight sync did not reach the rollout")]
+    StaleWeights {
+        /// The step.
+        step: u64,
+        /// The first stale sample.
+        id: SampleId,
+        /// Its weights version.
+        got: u64,
+        /// The policy's version.
+        want: u64,
+    },
+    /// The configuration cannot work.
+    #[error("controller config: {0}")]
+    Config(String),
+    /// The dataloader state could not be restored.
+    #[error("restoring the controller: {0}")]
+    Restore(#[source] DataError),
+    /// A role could not be started or spawned.
+    #[error("starting role {role}: {reason}")]
+    Spawn {
+        /// The role.
+        role: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// One step's metrics, by verl-style name (`timing_s/gen`, `critic/rewards/mean`, ...).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    /// The step.
+    pub step: u64,
+    /// Metric name → value.
+    pub values: BTreeMap<String, f64>,
+}
+
+impl StepMetrics {
+    /// A metric's value.
+    pub fn get(&self, name: &str) -> Option<f64> {
+        self.values.get(name).copied()
+    }
+
+    fn set(&mut self, name: &str, v: f64) {
+        self.values.insert(name.to_string(), v);
+    }
+}
+
+/// What one step produced.
+#[derive(Debug, Clone)]
+pub struct StepReport {
+    /// Metrics.
+    pub metrics: StepMetrics,
+    /// The closed ledger.
+    pub ledger: LedgerReport,
+    /// The step's samples with every stage's fields (as sent to training).
+    pub samples: Vec<Sample>,
+    /// The policy update's report.
+    pub train: TrainReport,
+}
+
+/// A controller's position, to checkpoint next to the policy's weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ControllerState {
+    /// Steps completed.
+    pub step: u64,
+    /// Policy weights version the rollout holds.
+    pub weights_version: u64,
+    /// The dataloader's position.
+    pub loader: LoaderState,
+}
+
+/// One data-parallel head: its shard and the roles it drives.
+pub struct Controller {
+    config: ControllerConfig,
+    loader: Dataloader,
+    roles: RoleRefs,
+    step: u64,
+    weights_version: u64,
+}
+
+/// Starts `role` on its own thread on `group` and spawns its actor on `node` as
+/// `node/name/replica` (local only: the messages carry tensors-backed samples and
+/// weight buckets that are moved, not serialized).
+pub async fn spawn_role<R: Role>(
+    node: &Node,
+    role: R,
+    replica: u32,
+    group: DeviceGroup,
+) -> Result<ActorRef<RoleRequest<R::Request>, RoleResponse<R::Response>>, ControllerError> {
+    let name = role.name().to_string();
+    let actor = RoleActor::start(role, group, 4)
+        .await
+        .map_err(|e: RoleError| ControllerError::Spawn { role: name.clone(), reason: e.to_string() })?;
+    node.spawn_local(&name, replica, actor).map_err(|e| ControllerError::Spawn { role: name, reason: e.to_string() })
+}
+
+fn variant<T>(r: &RoleResponse<T>) -> String {
+    match r {
+        RoleResponse::Served(_) => "a served answer".into(),
+        RoleResponse::Done => "Done".into(),
+        RoleResponse::Drained(_) => "Drained".into(),
+        RoleResponse::Profile(_) => "Profile".into(),
+    }
+}
+
+impl Controller {
+    /// A controller over its shard `loader`, driving `roles`.
+    pub fn new(config: ControllerConfig, loader: Dataloader, roles: RoleRefs) -> Result<Self, ControllerError> {
+        if config.prompts_per_step == 0 || config.n == 0 {
+            return Err(ControllerError::Config("prompts_per_step and n must be >= 1".into()));
+        }
+        if config.prompts_per_step > loader.shard_len() {
+            return Err(ControllerError::Config(format!(
+                "prompts_per_step {} exceeds the shard's {} prompts: a step would take a prompt twice",
+                config.prompts_per_step,
+                loader.shard_len()
+            )));
+        }
+        if config.kl_in_reward.is_some() && roles.reference.is_none() {
+            return Err(ControllerError::Config("kl_in_reward needs a reference role".into()));
+        }
+        if config.devices == 0 {
+            return Err(ControllerError::Config("devices must be >= 1".into()));
+        }
+        Ok(Controller { config, loader, roles, step: 0, weights_version: 0 })
+    }
+
+    /// Steps completed.
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// The position to checkpoint (with the policy's checkpoint).
+    pub fn state(&self) -> ControllerState {
+        ControllerState { step: self.step, weights_version: self.weights_version, loader: self.loader.state() }
+    }
+
+    /// Resumes from a checkpointed position (the policy and rollout must be restored to
+    /// the same weights by whoever restores the controller).
+    pub fn restore(&mut self, state: ControllerState) -> Result<(), ControllerError> {
+        self.loader.restore(state.loader).map_err(ControllerError::Restore)?;
+        self.step = state.step;
+        self.weights_version = state.weights_version;
+        Ok(())
+    }
+
+    /// Asks the policy to save a checkpoint to `dir`.
+    pub async fn save_policy(&self, dir: std::path::PathBuf) -> Result<(), ControllerError> {
+        match self.serve_policy(PolicyRequest::SaveCheckpoint(dir), "checkpoint", self.config.timeouts.sync).await? {
+            PolicyResponse::Saved => Ok(()),
+            other => Err(self.protocol("policy", "SaveCheckpoint", format!("{other:?}"))),
+        }
+    }
+
+    fn protocol(&self, role: &'static str, asked: &'static str, got: String) -> ControllerError {
+        let got: String = got.chars().take(80).collect();
+        ControllerError::Protocol { step: self.step, role, asked, got }
+    }
+
+    fn call(&self, stage: &'static str, role: &'static str) -> impl FnOnce(CallError) -> ControllerError {
+        let step = self.step;
+        move |source| ControllerError::Call { step, stage, role, source }
+    }
+
+    async fn serve<Req: Send + 'static, Resp: Send + 'static>(
+        &self,
+        r: &ActorRef<RoleRequest<Req>, RoleResponse<Resp>>,
+        req: Req,
+        stage: &'static str,
+        role: &'static str,
+        timeout: Duration,
+    ) -> Result<Resp, ControllerError> {
+        match r.ask(RoleRequest::Serve(req), timeout).await.map_err(self.call(stage, role))? {
+            RoleResponse::Served(x) => Ok(x),
+            other => Err(self.protocol(role, stage, variant(&other))),
+        }
+    }
+
+    async fn serve_policy(&self, req: PolicyRequest, stage: &'static str, t: Duration) -> Result<PolicyResponse, ControllerError> {
+        self.serve(&self.roles.policy, req, stage, "policy", t).await
+    }
+
+    fn ledger_err(&self) -> impl Fn(LedgerError) -> ControllerError {
+        let step = self.step;
+        move |source| ControllerError::Ledger { step, source }
+    }
+
+    fn stage_done(&self, ledger: &mut SampleLedger, samples: &[Sample], stage: Stage) -> Result<(), ControllerError> {
+        ledger.record_all(samples.iter().map(|s| &s.id), stage);
+        ledger.verify_stage(stage).map_err(self.ledger_err())
+    }
+
+    /// Runs one step. On error the step's prompts are consumed; restore a
+    /// [`ControllerState`] taken before the step to retry it.
+    pub async fn step(&mut self) -> Result<StepReport, ControllerError> {
+        let t_step = Instant::now();
+        let step = self.step;
+        let cfg = self.config.clone();
+        let mut m = StepMetrics { step, values: BTreeMap::new() };
+        let prompts = self.loader.next_batch(cfg.prompts_per_step);
+        let mut stages = vec![Stage::Generated, Stage::Rewarded, Stage::OldLogProbs, Stage::Advantaged, Stage::Trained];
+        if self.roles.reference.is_some() {
+            stages.push(Stage::Referenced);
+        }
+        let mut ledger = SampleLedger::new(step, &stages);
+        let ids = prompts.iter().flat_map(|p| (0..cfg.n).map(move |k| SampleId { step, prompt: p.id, k }));
+        ledger.expect(ids).map_err(self.ledger_err())?;
+
+        // 1. Generation.
+        let t = Instant::now();
+        let req = RolloutRequest::Generate(GenerateRequest { step, prompts, n: cfg.n, params: cfg.sampling.clone(), seed: cfg.seed });
+        let (samples, gen) = match self.serve(&self.roles.rollout, req, "gen", "rollout", cfg.timeouts.generate).await? {
+            RolloutResponse::Generated { samples, stats } => (samples, stats),
+            RolloutResponse::Logits(_) => return Err(self.protocol("rollout", "Generate", "Logits".into())),
+        };
+        m.set("timing_s/gen", t.elapsed().as_secs_f64());
+        self.stage_done(&mut ledger, &samples, Stage::Generated)?;
+        if let Some(s) = samples.iter().find(|s| s.weights_version != self.weights_version) {
+            return Err(ControllerError::StaleWeights { step, id: s.id, got: s.weights_version, want: self.weights_version });
+        }
+
+        // 2. Reward.
+        let t = Instant::now();
+        let samples = self.serve(&self.roles.reward, samples, "reward", "reward", cfg.timeouts.score).await?;
+        m.set("timing_s/reward", t.elapsed().as_secs_f64());
+        self.stage_done(&mut ledger, &samples, Stage::Rewarded)?;
+
+        // 3. Reference.
+        let samples = match &self.roles.reference {
+            Some(r) => {
+                let t = Instant::now();
+                let s = self.serve(r, samples, "ref", "reference", cfg.timeouts.score).await?;
+                m.set("timing_s/ref", t.elapsed().as_secs_f64());
+                self.stage_done(&mut ledger, &s, Stage::Referenced)?;
+                s
+            }
+            None => samples,
+        };
+
+        // 4. Old log-probs.
+        let t = Instant::now();
+        let mut samples = match self.serve_policy(PolicyRequest::OldLogProbs(samples), "old_log_prob", cfg.timeouts.score).await? {
+            PolicyResponse::Scored(s) => s,
+            other => return Err(self.protocol("policy", "OldLogProbs", format!("{other:?}"))),
+        };
+        m.set("timing_s/old_log_prob", t.elapsed().as_secs_f64());
+        self.stage_done(&mut ledger, &samples, Stage::OldLogProbs)?;
+
+        // 5. Advantages.
+        let t = Instant::now();
+        self.advantages(&mut samples, &mut m)?;
+        m.set("timing_s/adv", t.elapsed().as_secs_f64());
+        self.stage_done(&mut ledger, &samples, Stage::Advantaged)?;
+
+        // 6. Update.
+        let t = Instant::now();
+        let kept = samples.clone();
+        let train = match self.serve_policy(PolicyRequest::Train(samples), "update_actor", cfg.timeouts.train).await? {
+            PolicyResponse::Trained(r) => r,
+            other => return Err(self.protocol("policy", "Train", format!("{other:?}"))),
+        };
+        m.set("timing_s/update_actor", t.elapsed().as_secs_f64());
+        ledger.record_all(&train.trained, Stage::Trained);
+        ledger.verify_stage(Stage::Trained).map_err(self.ledger_err())?;
+
+        // 7. Weight sync.
+        let t = Instant::now();
+        let update = match self.serve_policy(PolicyRequest::ExportWeights, "weight_sync", cfg.timeouts.sync).await? {
+            PolicyResponse::Weights(u) => u,
+            other => return Err(self.protocol("policy", "ExportWeights", format!("{other:?}"))),
+        };
+        let version = update.version;
+        match self.roles.rollout.ask(RoleRequest::LoadWeights(update), cfg.timeouts.sync).await.map_err(self.call("weight_sync", "rollout"))? {
+            RoleResponse::Done => {}
+            other => return Err(self.protocol("rollout", "LoadWeights", variant(&other))),
+        }
+        self.weights_version = version;
+        m.set("timing_s/weight_sync", t.elapsed().as_secs_f64());
+
+        let ledger = ledger.close().map_err(self.ledger_err())?;
+        let wall = t_step.elapsed().as_secs_f64();
+        m.set("timing_s/step", wall);
+        let b = kept.len().max(1) as f64;
+        let resp: usize = kept.iter().map(Sample::response_len).sum();
+        let prompt: usize = kept.iter().map(|s| s.prompt_tokens.len()).sum();
+        m.set("response_length/mean", resp as f64 / b);
+        m.set("prompt_length/mean", prompt as f64 / b);
+        m.set("perf/total_num_tokens", (resp + prompt) as f64);
+        m.set("perf/throughput", (resp + prompt) as f64 / wall.max(1e-9) / cfg.devices as f64);
+        m.set("perf/gen_tokens_per_s", gen.response_tokens as f64 / gen.seconds.max(1e-9));
+        m.set("actor/entropy", train.entropy);
+        m.set("actor/pg_clipfrac", train.pg_clipfrac);
+        m.set("actor/grad_norm", train.grad_norm);
+        m.set("actor/pg_loss", train.loss);
+        m.set("actor/ppo_kl", train.approx_kl);
+        m.set("actor/lr", train.lr);
+        if self.config.kl_in_reward.is_none() && train.kl_loss != 0.0 {
+            m.set("actor/kl_loss", train.kl_loss);
+        }
+        m.set("training/weights_version", version as f64);
+        self.step += 1;
+        Ok(StepReport { metrics: m, ledger, samples: kept, train })
+    }
+
+    /// Fills in `advantages` (and the reward/KL metrics).
+    fn advantages(&self, samples: &mut [Sample], m: &mut StepMetrics) -> Result<(), ControllerError> {
+        let step = self.step;
+        let se = |source| ControllerError::Sample { step, source };
+        let ae = |source| ControllerError::Algo { step, source };
+        let dev = Device::Cpu;
+        let mask = response_mask(samples, dev).map_err(se)?;
+        let scores: Vec<f32> = samples.iter().map(|s| s.require_reward().map(|r| r as f32)).collect::<Result<_, _>>().map_err(se)?;
+        let scores = Tensor::from_slice(&scores);
+        let groups = group_indices(samples);
+        // Per-token KL(old ‖ ref), when a reference is there.
+        let kl = if self.roles.reference.is_some() {
+            let old = token_matrix(samples, TokenField::OldLogprobs, dev).map_err(se)?;
+            let rf = token_matrix(samples, TokenField::RefLogprobs, dev).map_err(se)?;
+            let metric = kl_estimate(&old, &rf, &mask, self.config.kl_metric).map_err(ae)?;
+            m.set("actor/kl", masked_mean(&metric, &mask).double_value(&[]));
+            match self.config.kl_in_reward {
+                Some(p) => Some((kl_estimate(&old, &rf, &mask, p.estimator).map_err(ae)?, p.coef)),
+                None => None,
+            }
+        } else {
+            None
+        };
+        // Sequence rewards after the KL penalty (the outcome estimators' input).
+        let rewards = match &kl {
+            Some((k, coef)) => &scores - k.sum_dim_intlist(1, false, Kind::Float) * *coef,
+            None => scores.shallow_clone(),
+        };
+        let adv = match self.config.advantage {
+            AdvantageEstimator::Grpo(c) => grpo_advantage(&rewards, &mask, &groups, &c),
+            AdvantageEstimator::Rloo => rloo_advantage(&rewards, &mask, &groups),
+            AdvantageEstimator::ReinforcePp(c) => {
+                let tr = token_level_rewards(&scores, &mask, kl.as_ref().map(|(k, _)| k), kl.as_ref().map_or(0.0, |(_, c)| *c))
+                    .map_err(ae)?;
+                reinforce_pp_advantage(&tr, &mask, &c)
+            }
+        }
+        .map_err(ae)?;
+        let rows = split_rows(&adv.advantages, samples);
+        for (s, a) in samples.iter_mut().zip(rows) {
+            s.advantages = Some(a);
+        }
+        let n = samples.len().max(1) as f64;
+        m.set("critic/score/mean", scores.sum(Kind::Float).double_value(&[]) / n);
+        m.set("critic/rewards/mean", rewards.sum(Kind::Float).double_value(&[]) / n);
+        m.set("critic/advantages/mean", masked_mean(&adv.advantages, &mask).double_value(&[]));
+        Ok(())
+    }
+}

@@ -1,0 +1,303 @@
+//! The policy role: the trainer.
+//!
+//! It owns a [`Trainer`] (model + AdamW state) and serves:
+//! - [`PolicyRequest::OldLogProbs`]: each sample's `old_logprobs` under the current
+//!   weights (before the update), without gradients;
+//! - [`PolicyRequest::Train`]: one PPO-style update on samples with `old_logprobs` and
+//!   `advantages` (and `ref_logprobs` when a KL loss is configured): the batch is split
+//!   into `mini_batches` optimizer steps, each over micro-batches of
+//!   `micro_batch_size` with gradient accumulation. The loss is
+//!   [`ppo_policy_loss`] (clip range and aggregation from the config), plus
+//!   [`kl_loss`] against the reference (k1/k2/k3) and minus an entropy bonus;
+//! - [`PolicyRequest::ExportWeights`]: the weights as buckets for weight sync;
+//! - [`PolicyRequest::SaveCheckpoint`]: an exact-resume checkpoint.
+//!
+//! With micro-batching each micro-batch's loss is aggregated on its own and the
+//! micro-batch losses are averaged (as verl does), so `token-mean` is exact only when a
+//! mini-batch is one micro-batch.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use tch::Tensor;
+use yatt_engine::{to_buckets, EngineError, Trainer};
+
+use super::{check_device, response_scores, score_samples};
+use crate::algo::{entropy_loss, kl_loss, masked_mean, ppo_policy_loss, KlEstimator, PolicyLossConfig};
+use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
+use crate::sample::{response_mask, token_matrix, Sample, SampleId, TokenField};
+
+/// KL loss against the reference policy (GRPO: k3, coefficient 0.001).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KlLossConfig {
+    /// Which estimator.
+    pub estimator: KlEstimator,
+    /// Its coefficient β.
+    pub coef: f64,
+}
+
+/// How the policy trains.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyConfig {
+    /// PPO clipped loss: clip range (clip-higher, dual clip) and aggregation.
+    pub loss: PolicyLossConfig,
+    /// Optional KL loss against the reference log-probs.
+    pub kl_loss: Option<KlLossConfig>,
+    /// Entropy bonus coefficient (0 = none; entropy is still reported).
+    pub entropy_coef: f64,
+    /// Samples per forward/backward pass.
+    pub micro_batch_size: usize,
+    /// Optimizer steps per train request (the batch is split evenly).
+    pub mini_batches: usize,
+    /// Sampling temperature of the rollout (log-probs are taken at it).
+    pub temperature: f64,
+    /// Padding token id.
+    pub pad_id: i64,
+    /// Largest weight bucket for weight export, bytes.
+    pub bucket_bytes: usize,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            loss: PolicyLossConfig::default(),
+            kl_loss: None,
+            entropy_coef: 0.0,
+            micro_batch_size: 8,
+            mini_batches: 1,
+            temperature: 1.0,
+            pad_id: 0,
+            bucket_bytes: 64 << 20,
+        }
+    }
+}
+
+/// What the policy role is asked.
+#[derive(Debug)]
+pub enum PolicyRequest {
+    /// Fill in `old_logprobs`.
+    OldLogProbs(Vec<Sample>),
+    /// Train on the samples.
+    Train(Vec<Sample>),
+    /// Export the weights for weight sync.
+    ExportWeights,
+    /// Save a checkpoint to this directory.
+    SaveCheckpoint(PathBuf),
+}
+
+/// What one train request did (means over micro-batches, sums where noted).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TrainReport {
+    /// The samples trained on (for the ledger).
+    pub trained: Vec<SampleId>,
+    /// Optimizer steps taken by this request.
+    pub optimizer_steps: u64,
+    /// Optimizer steps taken so far: the weights version after the update.
+    pub version: u64,
+    /// Mean total loss.
+    pub loss: f64,
+    /// Mean gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Fraction of tokens where the clipped surrogate was active.
+    pub pg_clipfrac: f64,
+    /// k1 estimate of KL(old ‖ new).
+    pub approx_kl: f64,
+    /// Mean KL-loss estimate against the reference (0 without a KL loss).
+    pub kl_loss: f64,
+    /// Mean per-token entropy.
+    pub entropy: f64,
+    /// Learning rate of the last optimizer step.
+    pub lr: f64,
+    /// Seconds spent.
+    pub seconds: f64,
+}
+
+/// What the policy role answers.
+#[derive(Debug)]
+pub enum PolicyResponse {
+    /// Samples with `old_logprobs` set.
+    Scored(Vec<Sample>),
+    /// The update's report.
+    Trained(TrainReport),
+    /// The weights.
+    Weights(WeightsUpdate),
+    /// The checkpoint was written.
+    Saved,
+}
+
+/// The trainer role.
+pub struct PolicyRole {
+    trainer: Trainer,
+    config: PolicyConfig,
+}
+
+struct Micro {
+    range: std::ops::Range<usize>,
+    old: Tensor,
+    adv: Tensor,
+    reference: Option<Tensor>,
+    mask: Tensor,
+}
+
+#[derive(Default)]
+struct MicroStats {
+    clip: f64,
+    approx_kl: f64,
+    kl: f64,
+    entropy: f64,
+}
+
+fn algo(e: crate::algo::AlgoError) -> EngineError {
+    EngineError::InvalidArgument(e.to_string())
+}
+
+impl PolicyRole {
+    /// A policy over `trainer`. Fails on an unusable config.
+    pub fn new(trainer: Trainer, config: PolicyConfig) -> Result<Self, RoleError> {
+        if config.micro_batch_size == 0 || config.mini_batches == 0 {
+            return Err(RoleError::BadRequest("micro_batch_size and mini_batches must be >= 1".into()));
+        }
+        if !(config.temperature > 0.0) {
+            return Err(RoleError::BadRequest(format!("temperature {} must be > 0 (greedy rollouts cannot be trained on)", config.temperature)));
+        }
+        Ok(PolicyRole { trainer, config })
+    }
+
+    fn train(&mut self, samples: Vec<Sample>) -> Result<TrainReport, RoleError> {
+        let t0 = Instant::now();
+        if samples.is_empty() {
+            return Err(RoleError::BadRequest("train needs at least one sample".into()));
+        }
+        let cfg = self.config.clone();
+        let dev = self.trainer.model.device();
+        let bad = |e: crate::sample::SampleError| RoleError::BadRequest(e.to_string());
+        for s in &samples {
+            s.token_field(TokenField::OldLogprobs).map_err(bad)?;
+            s.token_field(TokenField::Advantages).map_err(bad)?;
+            if cfg.kl_loss.is_some() {
+                s.token_field(TokenField::RefLogprobs).map_err(bad)?;
+            }
+        }
+        let per_mini = samples.len().div_ceil(cfg.mini_batches);
+        let mut report = TrainReport { trained: samples.iter().map(|s| s.id).collect(), ..Default::default() };
+        let (mut n_micro, mut grad_norm, mut loss) = (0usize, 0.0, 0.0);
+        let mut stats = MicroStats::default();
+        for mini_start in (0..samples.len()).step_by(per_mini) {
+            let mini_end = (mini_start + per_mini).min(samples.len());
+            let mut micros = Vec::new();
+            for start in (mini_start..mini_end).step_by(cfg.micro_batch_size) {
+                let range = start..(start + cfg.micro_batch_size).min(mini_end);
+                let chunk = &samples[range.clone()];
+                micros.push(Micro {
+                    old: token_matrix(chunk, TokenField::OldLogprobs, dev).map_err(bad)?,
+                    adv: token_matrix(chunk, TokenField::Advantages, dev).map_err(bad)?,
+                    reference: match cfg.kl_loss {
+                        Some(_) => Some(token_matrix(chunk, TokenField::RefLogprobs, dev).map_err(bad)?),
+                        None => None,
+                    },
+                    mask: response_mask(chunk, dev).map_err(bad)?,
+                    range,
+                });
+            }
+            let step = self.trainer.step(&micros, |model, mb| {
+                let chunk = &samples[mb.range.clone()];
+                let (lp, ent) = response_scores(model, chunk, cfg.pad_id, cfg.temperature, true)?;
+                let (mut total, pg) = ppo_policy_loss(&lp, &mb.old, &mb.adv, &mb.mask, &cfg.loss).map_err(algo)?;
+                stats.clip += pg.clip_frac;
+                stats.approx_kl += pg.approx_kl;
+                if let (Some(kc), Some(r)) = (cfg.kl_loss, mb.reference.as_ref()) {
+                    let (kl, ks) = kl_loss(&lp, r, &mb.mask, kc.estimator, kc.coef, cfg.loss.agg).map_err(algo)?;
+                    total = total + kl;
+                    stats.kl += ks.kl_mean;
+                }
+                if cfg.entropy_coef != 0.0 {
+                    let (el, es) = entropy_loss(&ent, &mb.mask, cfg.entropy_coef, cfg.loss.agg).map_err(algo)?;
+                    total = total + el;
+                    stats.entropy += es.entropy_mean;
+                } else {
+                    stats.entropy += masked_mean(&ent.detach(), &mb.mask).double_value(&[]);
+                }
+                Ok(total)
+            });
+            let step = step.map_err(|e| RoleError::Failed(format!("policy update: {e}")))?;
+            n_micro += micros.len();
+            grad_norm += step.grad_norm;
+            loss += step.loss;
+            report.lr = step.lr;
+            report.optimizer_steps += 1;
+        }
+        let steps = report.optimizer_steps.max(1) as f64;
+        let n = n_micro.max(1) as f64;
+        report.grad_norm = grad_norm / steps;
+        report.loss = loss / steps;
+        report.pg_clipfrac = stats.clip / n;
+        report.approx_kl = stats.approx_kl / n;
+        report.kl_loss = stats.kl / n;
+        report.entropy = stats.entropy / n;
+        report.version = self.trainer.step_count();
+        report.seconds = t0.elapsed().as_secs_f64();
+        Ok(report)
+    }
+
+    fn export(&mut self) -> Result<WeightsUpdate, RoleError> {
+        let named = self.trainer.model.hf_named_tensors();
+        let buckets = tch::no_grad(|| to_buckets(&named, self.config.bucket_bytes))
+            .map_err(|e| RoleError::Failed(format!("exporting weights: {e}")))?;
+        Ok(WeightsUpdate { version: self.trainer.step_count(), buckets })
+    }
+}
+
+impl Role for PolicyRole {
+    type Request = PolicyRequest;
+    type Response = PolicyResponse;
+
+    fn name(&self) -> &str {
+        "policy"
+    }
+
+    fn profile(&self) -> ResourceProfile {
+        let w = super::model_bytes(&self.trainer.model);
+        // Weights + gradients + two f32 Adam moments (+ f32 master weights when the
+        // model is not f32, ignored here).
+        ResourceProfile { resident_bytes: w * 4, peak_extra_bytes: w, offloadable: true, needs_gpu: false }
+    }
+
+    fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
+        check_device("policy", self.trainer.model.device(), group)
+    }
+
+    fn serve(&mut self, request: PolicyRequest) -> Result<PolicyResponse, RoleError> {
+        if self.trainer.is_offloaded() {
+            return Err(RoleError::NotReady("policy is offloaded; reload it first".into()));
+        }
+        match request {
+            PolicyRequest::OldLogProbs(mut samples) => {
+                if samples.is_empty() {
+                    return Ok(PolicyResponse::Scored(samples));
+                }
+                let c = &self.config;
+                let rows = score_samples(&self.trainer.model, &samples, c.pad_id, c.temperature, c.micro_batch_size)?;
+                for (s, r) in samples.iter_mut().zip(rows) {
+                    s.old_logprobs = Some(r);
+                }
+                Ok(PolicyResponse::Scored(samples))
+            }
+            PolicyRequest::Train(samples) => self.train(samples).map(PolicyResponse::Trained),
+            PolicyRequest::ExportWeights => self.export().map(PolicyResponse::Weights),
+            PolicyRequest::SaveCheckpoint(dir) => {
+                self.trainer
+                    .save_checkpoint(&dir, None)
+                    .map_err(|e| RoleError::Failed(format!("saving a checkpoint to {}: {e}", dir.display())))?;
+                Ok(PolicyResponse::Saved)
+            }
+        }
+    }
+
+    fn offload(&mut self) -> Result<(), RoleError> {
+        self.trainer.offload().map_err(|e| RoleError::Failed(format!("offloading the policy: {e}")))
+    }
+
+    fn reload(&mut self) -> Result<(), RoleError> {
+        self.trainer.reload().map_err(|e| RoleError::Failed(format!("reloading the policy: {e}")))
+    }
+}

@@ -1,0 +1,75 @@
+//! The reference role: a frozen copy of the initial policy that scores samples.
+//!
+//! It answers a batch of samples with each sample's `ref_logprobs` filled in (log-probs
+//! of the response tokens at the policy's sampling temperature), scored in
+//! micro-batches without gradients. Its weights never change.
+
+use yatt_engine::Llama;
+
+use super::{check_device, model_bytes, score_samples};
+use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError};
+use crate::sample::Sample;
+
+/// A frozen reference policy.
+pub struct ReferenceRole {
+    model: Llama,
+    pad_id: i64,
+    temperature: f64,
+    micro_batch_size: usize,
+    offloaded_from: Option<tch::Device>,
+}
+
+impl ReferenceRole {
+    /// A reference over `model` (gradients are switched off), scoring at `temperature`
+    /// (the rollout's) in micro-batches of `micro_batch_size`, padding with `pad_id`.
+    pub fn new(mut model: Llama, pad_id: i64, temperature: f64, micro_batch_size: usize) -> Self {
+        model.set_requires_grad(false);
+        ReferenceRole { model, pad_id, temperature, micro_batch_size: micro_batch_size.max(1), offloaded_from: None }
+    }
+}
+
+impl Role for ReferenceRole {
+    type Request = Vec<Sample>;
+    type Response = Vec<Sample>;
+
+    fn name(&self) -> &str {
+        "reference"
+    }
+
+    fn profile(&self) -> ResourceProfile {
+        ResourceProfile { resident_bytes: model_bytes(&self.model), peak_extra_bytes: 0, offloadable: true, needs_gpu: false }
+    }
+
+    fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
+        check_device("reference", self.model.device(), group)
+    }
+
+    fn serve(&mut self, mut samples: Vec<Sample>) -> Result<Vec<Sample>, RoleError> {
+        if self.offloaded_from.is_some() {
+            return Err(RoleError::NotReady("reference is offloaded; reload it first".into()));
+        }
+        if samples.is_empty() {
+            return Ok(samples);
+        }
+        let rows = score_samples(&self.model, &samples, self.pad_id, self.temperature, self.micro_batch_size)?;
+        for (s, r) in samples.iter_mut().zip(rows) {
+            s.ref_logprobs = Some(r);
+        }
+        Ok(samples)
+    }
+
+    fn offload(&mut self) -> Result<(), RoleError> {
+        if self.offloaded_from.is_none() {
+            self.offloaded_from = Some(self.model.device());
+            self.model.to_device(tch::Device::Cpu);
+        }
+        Ok(())
+    }
+
+    fn reload(&mut self) -> Result<(), RoleError> {
+        if let Some(dev) = self.offloaded_from.take() {
+            self.model.to_device(dev);
+        }
+        Ok(())
+    }
+}

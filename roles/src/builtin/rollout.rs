@@ -1,0 +1,311 @@
+//! The rollout role: a generation engine replica that turns prompts into samples.
+//!
+//! It owns a [`Generator`] and a [`TextCodec`] (prompt text → token ids, response ids →
+//! text). A [`GenerateRequest`] carries the step's prompts, `n` samples per prompt,
+//! sampling parameters and a seed; each sample gets its own sampling seed derived from
+//! `(seed, step, prompt id, k)`, so a step's samples repeat whatever the batching.
+//! Weight sync replaces the generator's weights in place from the policy's buckets and
+//! bumps the weights version stamped on every sample.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tch::Kind;
+use yatt_engine::{Generator, Request, SamplingParams, Tokenizer};
+
+use super::{check_device, model_bytes};
+use crate::data::Prompt;
+use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
+use crate::sample::{Finish, Sample, SampleId};
+
+/// Turns prompt text into token ids and response ids into text.
+pub trait TextCodec: Send + Sync {
+    /// Token ids of a prompt as the policy sees it (chat template, BOS included).
+    fn encode_prompt(&self, text: &str) -> Result<Vec<i64>, String>;
+    /// Text of response tokens (special tokens dropped).
+    fn decode(&self, ids: &[i64]) -> Result<String, String>;
+}
+
+/// A Hugging Face tokenizer, optionally with its chat template (prompt = one user turn).
+pub struct TokenizerCodec {
+    /// The tokenizer.
+    pub tokenizer: Arc<Tokenizer>,
+    /// Wrap prompts in the chat template (with the generation prompt).
+    pub chat: bool,
+}
+
+impl TextCodec for TokenizerCodec {
+    fn encode_prompt(&self, text: &str) -> Result<Vec<i64>, String> {
+        let r = if self.chat {
+            self.tokenizer.encode_chat(&[yatt_engine::ChatMessage::new("user", text)], true)
+        } else {
+            self.tokenizer.encode(text, true)
+        };
+        r.map_err(|e| e.to_string())
+    }
+
+    fn decode(&self, ids: &[i64]) -> Result<String, String> {
+        self.tokenizer.decode(ids, true).map_err(|e| e.to_string())
+    }
+}
+
+/// A character-level codec over printable ASCII for tiny test models: `' '..='~'` (95
+/// characters) map to ids `first_id..first_id + 95`; other characters become `'?'`;
+/// other ids decode to nothing. With `bos`, prompts start with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AsciiCodec {
+    /// Id of `' '`.
+    pub first_id: i64,
+    /// BOS id prepended to prompts.
+    pub bos: Option<i64>,
+}
+
+impl AsciiCodec {
+    /// Printable ASCII characters the codec knows.
+    pub const CHARS: i64 = 95;
+
+    /// The id of a printable ASCII character.
+    pub fn id_of(&self, c: char) -> Option<i64> {
+        (' '..='~').contains(&c).then(|| self.first_id + (c as i64 - ' ' as i64))
+    }
+}
+
+impl TextCodec for AsciiCodec {
+    fn encode_prompt(&self, text: &str) -> Result<Vec<i64>, String> {
+        let q = self.id_of('?').ok_or("unreachable")?;
+        Ok(self.bos.into_iter().chain(text.chars().map(|c| self.id_of(c).unwrap_or(q))).collect())
+    }
+
+    fn decode(&self, ids: &[i64]) -> Result<String, String> {
+        Ok(ids
+            .iter()
+            .filter_map(|&i| {
+                let off = i - self.first_id;
+                (0..Self::CHARS).contains(&off).then(|| (b' ' + off as u8) as char)
+            })
+            .collect())
+    }
+}
+
+/// Generate `n` samples for each prompt.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    /// The training step (part of every sample id).
+    pub step: u64,
+    /// The prompts.
+    pub prompts: Vec<Prompt>,
+    /// Samples per prompt (≥ 1).
+    pub n: u32,
+    /// Sampling parameters; `seed` is replaced by a per-sample seed.
+    pub params: SamplingParams,
+    /// Seed the per-sample seeds derive from.
+    pub seed: u64,
+}
+
+/// What a rollout role is asked.
+#[derive(Debug, Clone)]
+pub enum RolloutRequest {
+    /// Generate samples.
+    Generate(GenerateRequest),
+    /// The next-token logits after `tokens` (a probe: e.g. to check weight sync).
+    NextTokenLogits(Vec<i64>),
+}
+
+/// Counters of one generation call.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RolloutStats {
+    /// Seconds spent generating.
+    pub seconds: f64,
+    /// Prompt tokens over all samples.
+    pub prompt_tokens: usize,
+    /// Response tokens over all samples.
+    pub response_tokens: usize,
+    /// Weights version the samples were generated with.
+    pub weights_version: u64,
+}
+
+/// What a rollout role answers.
+#[derive(Debug, Clone)]
+pub enum RolloutResponse {
+    /// The samples, in (prompt, k) order, and counters.
+    Generated {
+        /// The samples.
+        samples: Vec<Sample>,
+        /// Counters.
+        stats: RolloutStats,
+    },
+    /// Next-token logits (f32, one per vocabulary entry).
+    Logits(Vec<f32>),
+}
+
+/// A generation engine replica.
+pub struct RolloutRole {
+    generator: Generator,
+    codec: Arc<dyn TextCodec>,
+    version: u64,
+    offloaded_from: Option<tch::Device>,
+}
+
+impl RolloutRole {
+    /// A rollout replica over `generator` (its model on the device the role will be
+    /// started on), with `codec` for prompts and responses.
+    pub fn new(generator: Generator, codec: Arc<dyn TextCodec>) -> Self {
+        RolloutRole { generator, codec, version: 0, offloaded_from: None }
+    }
+
+    fn generate(&mut self, req: GenerateRequest) -> Result<RolloutResponse, RoleError> {
+        if req.n == 0 {
+            return Err(RoleError::BadRequest("n (samples per prompt) must be >= 1".into()));
+        }
+        let mut requests = Vec::with_capacity(req.prompts.len() * req.n as usize);
+        let mut ids = Vec::with_capacity(requests.capacity());
+        let mut encoded = Vec::with_capacity(req.prompts.len());
+        for (pi, p) in req.prompts.iter().enumerate() {
+            let tokens = self
+                .codec
+                .encode_prompt(&p.text)
+                .map_err(|e| RoleError::BadRequest(format!("prompt {:#x}: cannot encode: {e}", p.id)))?;
+            if tokens.is_empty() {
+                return Err(RoleError::BadRequest(format!("prompt {:#x} encodes to no tokens", p.id)));
+            }
+            for k in 0..req.n {
+                let id = SampleId { step: req.step, prompt: p.id, k };
+                let params = SamplingParams { seed: sample_seed(req.seed, &id), ..req.params.clone() };
+                requests.push(Request { id: requests.len() as u64, prompt: tokens.clone(), params });
+                ids.push((id, pi));
+            }
+            encoded.push(tokens);
+        }
+        let t0 = Instant::now();
+        let (completions, _) = self
+            .generator
+            .generate(&requests)
+            .map_err(|e| RoleError::Failed(format!("generation of step {}: {e}", req.step)))?;
+        let seconds = t0.elapsed().as_secs_f64();
+        // Completions come in finishing order; slots put them back in (prompt, k) order.
+        let mut slots: Vec<Option<Sample>> = vec![None; ids.len()];
+        let mut stats = RolloutStats { seconds, weights_version: self.version, ..Default::default() };
+        for c in completions {
+            let &(id, pi) = ids
+                .get(c.id as usize)
+                .ok_or_else(|| RoleError::Failed(format!("the generator answered unknown request {}", c.id)))?;
+            let prompt = &req.prompts[pi];
+            let response_text = self
+                .codec
+                .decode(&c.tokens)
+                .map_err(|e| RoleError::Failed(format!("{id}: cannot decode the response: {e}")))?;
+            stats.prompt_tokens += encoded[pi].len();
+            stats.response_tokens += c.tokens.len();
+            slots[c.id as usize] = Some(Sample {
+                id,
+                group: prompt.id,
+                prompt_tokens: encoded[pi].clone(),
+                response_tokens: c.tokens,
+                rollout_logprobs: c.logprobs,
+                finish: Finish::from(c.finish),
+                prompt_text: prompt.text.clone(),
+                response_text,
+                reference: prompt.reference.clone(),
+                metadata: prompt.metadata.clone(),
+                weights_version: self.version,
+                reward: None,
+                ref_logprobs: None,
+                old_logprobs: None,
+                values: None,
+                advantages: None,
+            });
+        }
+        let samples: Vec<Sample> = slots.into_iter().flatten().collect();
+        Ok(RolloutResponse::Generated { samples, stats })
+    }
+
+    fn logits(&self, tokens: Vec<i64>) -> Result<RolloutResponse, RoleError> {
+        if tokens.is_empty() {
+            return Err(RoleError::BadRequest("NextTokenLogits needs at least one token".into()));
+        }
+        let model = self.generator.model();
+        let ids = tch::Tensor::from_slice(&tokens).view([1, -1]).to_device(model.device());
+        let logits = tch::no_grad(|| model.forward(&ids, None));
+        let last = logits.get(0).get(tokens.len() as i64 - 1).to_kind(Kind::Float).to_device(tch::Device::Cpu);
+        let v = Vec::<f32>::try_from(last).map_err(|e| RoleError::Failed(format!("reading logits: {e}")))?;
+        Ok(RolloutResponse::Logits(v))
+    }
+}
+
+/// The sampling seed of one sample: a SplitMix64 mix of the request seed and the id.
+fn sample_seed(seed: u64, id: &SampleId) -> u64 {
+    let mut x = seed;
+    for v in [id.step, id.prompt, id.k as u64] {
+        x = x.wrapping_add(v).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        x ^= x >> 31;
+    }
+    x
+}
+
+impl Role for RolloutRole {
+    type Request = RolloutRequest;
+    type Response = RolloutResponse;
+
+    fn name(&self) -> &str {
+        "rollout"
+    }
+
+    fn profile(&self) -> ResourceProfile {
+        let cfg = self.generator.config();
+        let m = self.generator.model();
+        let c = &m.config;
+        // KV cache: 2 (K, V) × layers × slots × positions × kv heads × head dim.
+        let kv = 2 * c.num_hidden_layers * cfg.max_batch as i64 * cfg.max_seq_len as i64 * c.num_key_value_heads * c.head_dim;
+        ResourceProfile {
+            resident_bytes: model_bytes(m),
+            peak_extra_bytes: kv.max(0) as u64 * m.kind().elt_size_in_bytes() as u64,
+            offloadable: true,
+            needs_gpu: false,
+        }
+    }
+
+    fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
+        check_device("rollout", self.generator.model().device(), group)
+    }
+
+    fn serve(&mut self, request: RolloutRequest) -> Result<RolloutResponse, RoleError> {
+        if self.offloaded_from.is_some() {
+            return Err(RoleError::NotReady("rollout is offloaded; reload it first".into()));
+        }
+        match request {
+            RolloutRequest::Generate(r) => self.generate(r),
+            RolloutRequest::NextTokenLogits(t) => self.logits(t),
+        }
+    }
+
+    fn offload(&mut self) -> Result<(), RoleError> {
+        if self.offloaded_from.is_none() {
+            let dev = self.generator.model().device();
+            self.generator.free_cache();
+            self.generator.model_mut().to_device(tch::Device::Cpu);
+            self.offloaded_from = Some(dev);
+        }
+        Ok(())
+    }
+
+    fn reload(&mut self) -> Result<(), RoleError> {
+        if let Some(dev) = self.offloaded_from.take() {
+            self.generator.model_mut().to_device(dev);
+        }
+        Ok(())
+    }
+
+    fn load_weights(&mut self, update: WeightsUpdate) -> Result<(), RoleError> {
+        let dev = self.generator.model().device();
+        for b in &update.buckets {
+            let named = b.tensors(dev).map_err(|e| RoleError::BadRequest(format!("weights v{}: {e}", update.version)))?;
+            self.generator
+                .update_weights(named.iter().map(|(n, t)| (n.as_str(), t)))
+                .map_err(|e| RoleError::BadRequest(format!("weights v{}: {e}", update.version)))?;
+        }
+        self.version = update.version;
+        Ok(())
+    }
+}
