@@ -18,8 +18,12 @@
 //!    the rollout loads them in place (in-process the buckets are moved, not copied);
 //! 5. close the ledger and report metrics.
 //!
-//! Not here yet: several controllers meeting at the policy's training step (gradient
-//! averaging), critic/GAE, dynamic sampling, remote roles.
+//! Several controllers in one process, each with its own shard and rollout, meet only
+//! at the policy's update: [`step_data_parallel`] has the policy compute each one's
+//! gradients on its own samples and average them before one optimizer step.
+//!
+//! Not here yet: critic/GAE, dynamic sampling, remote roles (their messages are not
+//! serializable yet), controllers in different processes.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -267,6 +271,61 @@ pub struct ControllerState {
     pub loader: LoaderState,
 }
 
+/// A step between its advantages and its update.
+struct Prepared {
+    t_step: Instant,
+    metrics: StepMetrics,
+    ledger: SampleLedger,
+    samples: Vec<Sample>,
+    gen: crate::builtin::RolloutStats,
+}
+
+/// Runs one step of several controllers (data-parallel heads, each with its own shard
+/// and rollout) that share one policy role: each prepares its samples, the policy
+/// computes each controller's gradients on its own samples, averages them and takes
+/// one optimizer step; then every controller syncs its rollout and closes its ledger.
+/// The controllers meet only at the update. Their steps must be at the same count.
+pub async fn step_data_parallel(controllers: &mut [Controller]) -> Result<Vec<StepReport>, ControllerError> {
+    let Some(first) = controllers.first() else {
+        return Err(ControllerError::Config("step_data_parallel needs at least one controller".into()));
+    };
+    let policy = first.roles.policy.clone();
+    let step = first.step;
+    if let Some(c) = controllers.iter().find(|c| c.roles.policy.id() != policy.id() || c.step != step) {
+        return Err(ControllerError::Config(format!(
+            "data-parallel controllers must share one policy and be at the same step (found {} at step {}, expected {} at step {step})",
+            c.roles.policy.id(),
+            c.step,
+            policy.id()
+        )));
+    }
+    let mut prepared = Vec::with_capacity(controllers.len());
+    for c in controllers.iter_mut() {
+        prepared.push(c.prepare().await?);
+    }
+    let t = Instant::now();
+    let mut shards = Vec::with_capacity(prepared.len());
+    for (c, p) in controllers.iter().zip(&prepared) {
+        match c.serve_policy(PolicyRequest::Gradients(p.samples.clone()), "update_actor", c.config.timeouts.train).await? {
+            PolicyResponse::Gradients(g) => shards.push(g),
+            other => return Err(c.protocol("policy", "Gradients", format!("{other:?}"))),
+        }
+    }
+    let train = match controllers[0].serve_policy(PolicyRequest::ApplyGradients(shards), "update_actor", controllers[0].config.timeouts.train).await? {
+        PolicyResponse::Trained(r) => r,
+        other => return Err(controllers[0].protocol("policy", "ApplyGradients", format!("{other:?}"))),
+    };
+    let secs = t.elapsed().as_secs_f64();
+    let mut reports = Vec::with_capacity(prepared.len());
+    for (c, p) in controllers.iter_mut().zip(prepared) {
+        // Each ledger records the trained ids of its own samples only.
+        let mine: std::collections::BTreeSet<SampleId> = p.samples.iter().map(|s| s.id).collect();
+        let own = TrainReport { trained: train.trained.iter().copied().filter(|id| mine.contains(id)).collect(), ..train.clone() };
+        reports.push(c.finish(p, own, secs).await?);
+    }
+    Ok(reports)
+}
+
 /// One data-parallel head: its shard and the roles it drives.
 pub struct Controller {
     config: ControllerConfig,
@@ -321,6 +380,11 @@ impl Controller {
             return Err(ControllerError::Config("devices must be >= 1".into()));
         }
         Ok(Controller { config, loader, roles, step: 0, weights_version: 0 })
+    }
+
+    /// The roles this controller drives.
+    pub fn roles(&self) -> &RoleRefs {
+        &self.roles
     }
 
     /// Steps completed.
@@ -391,6 +455,18 @@ impl Controller {
     /// Runs one step. On error the step's prompts are consumed; restore a
     /// [`ControllerState`] taken before the step to retry it.
     pub async fn step(&mut self) -> Result<StepReport, ControllerError> {
+        let p = self.prepare().await?;
+        let t = Instant::now();
+        let train = match self.serve_policy(PolicyRequest::Train(p.samples.clone()), "update_actor", self.config.timeouts.train).await? {
+            PolicyResponse::Trained(r) => r,
+            other => return Err(self.protocol("policy", "Train", format!("{other:?}"))),
+        };
+        let secs = t.elapsed().as_secs_f64();
+        self.finish(p, train, secs).await
+    }
+
+    /// Stages up to the update: generation, reward, reference, old log-probs, advantages.
+    async fn prepare(&mut self) -> Result<Prepared, ControllerError> {
         let t_step = Instant::now();
         let step = self.step;
         let cfg = self.config.clone();
@@ -450,14 +526,14 @@ impl Controller {
         m.set("timing_s/adv", t.elapsed().as_secs_f64());
         self.stage_done(&mut ledger, &samples, Stage::Advantaged)?;
 
-        // 6. Update.
-        let t = Instant::now();
-        let kept = samples.clone();
-        let train = match self.serve_policy(PolicyRequest::Train(samples), "update_actor", cfg.timeouts.train).await? {
-            PolicyResponse::Trained(r) => r,
-            other => return Err(self.protocol("policy", "Train", format!("{other:?}"))),
-        };
-        m.set("timing_s/update_actor", t.elapsed().as_secs_f64());
+        Ok(Prepared { t_step, metrics: m, ledger, samples, gen })
+    }
+
+    /// The update's accounting, weight sync, the ledger's close and the metrics.
+    async fn finish(&mut self, p: Prepared, train: TrainReport, update_s: f64) -> Result<StepReport, ControllerError> {
+        let Prepared { t_step, metrics: mut m, mut ledger, samples: kept, gen } = p;
+        let cfg = self.config.clone();
+        m.set("timing_s/update_actor", update_s);
         ledger.record_all(&train.trained, Stage::Trained);
         ledger.verify_stage(Stage::Trained).map_err(self.ledger_err())?;
 

@@ -209,3 +209,48 @@ async fn a_dropped_sample_fails_the_step_naming_it() {
     // The step stopped before the update: the rollout still has the initial weights.
     assert_eq!(probe_logits(&c.rollout).await, before);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_controllers_average_gradients_at_the_update() {
+    use yatt_roles::controller::step_data_parallel;
+    let one = cluster(reward_role()).await;
+    // A second head on the same node: its own shard and rollout, the same reward,
+    // reference and policy.
+    let node = &one._node;
+    let model = {
+        static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
+        Llama::random(tiny_config(), Device::Cpu, Kind::Float, 1).unwrap()
+    };
+    let gen = Generator::new(model, GeneratorConfig { max_batch: 64, max_seq_len: 32, ..Default::default() });
+    let rollout2 = spawn_role(node, RolloutRole::new(gen, Arc::new(CODEC)), 1, DeviceGroup::cpu("n0")).await.unwrap();
+    let shared = one.controller.roles().clone();
+    let roles2 = RoleRefs { rollout: rollout2.clone(), ..shared };
+    let cfg = ControllerConfig { prompts_per_step: 4, ..controller_config() };
+    let a = Controller::new(cfg.clone(), Dataloader::new(prompts(), 0, 2, 3).unwrap(), one.controller.roles().clone()).unwrap();
+    let b = Controller::new(cfg, Dataloader::new(prompts(), 1, 2, 3).unwrap(), roles2).unwrap();
+    let mut heads = [a, b];
+    let mut rewards = Vec::new();
+    for step in 0..20 {
+        let reports = step_data_parallel(&mut heads).await.unwrap_or_else(|e| panic!("step {step}: {e}"));
+        assert_eq!(reports.len(), 2);
+        // Disjoint shards; each ledger holds its own 32 samples; one optimizer step.
+        let pa: std::collections::BTreeSet<u64> = reports[0].samples.iter().map(|s| s.group).collect();
+        assert!(reports[1].samples.iter().all(|s| !pa.contains(&s.group)));
+        for r in &reports {
+            assert_eq!(r.ledger.samples, 32);
+            assert_eq!(r.metrics.get("training/weights_version"), Some((step + 1) as f64));
+            // Both rollouts generated with the policy's weights of the previous step.
+            let worst = r.samples.iter().flat_map(|s| s.rollout_logprobs.iter().zip(s.old_logprobs.as_ref().unwrap()).map(|(a, b)| (a - b).abs())).fold(0f32, f32::max);
+            assert!(worst < 1e-3, "step {step}: rollout and policy log-probs differ by {worst}");
+        }
+        rewards.push((reports[0].metrics.get("critic/rewards/mean").unwrap() + reports[1].metrics.get("critic/rewards/mean").unwrap()) / 2.0);
+    }
+    let (early, late) = (mean(&rewards[..5]), mean(&rewards[15..]));
+    eprintln!("data-parallel: reward first 5 {early:.3}, last 5 {late:.3}");
+    assert!(late > early + 0.2, "reward did not rise: {rewards:.2?}");
+    // The head that was never stepped on its own holds the same synced weights.
+    let (x, y) = (probe_logits(&rollout2).await, probe_logits(&one.rollout).await);
+    let d = x.iter().zip(&y).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(d < 1e-5, "the two rollouts hold different weights (max logit diff {d})");
+}

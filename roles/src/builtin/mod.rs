@@ -19,7 +19,7 @@ pub mod reference;
 pub mod reward;
 pub mod rollout;
 
-pub use policy::{KlLossConfig, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole, TrainReport};
+pub use policy::{GradShard, KlLossConfig, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole, TrainReport};
 pub use reference::ReferenceRole;
 pub use reward::RewardRole;
 pub use rollout::{AsciiCodec, GenerateRequest, RolloutRequest, RolloutResponse, RolloutRole, RolloutStats, TextCodec, TokenizerCodec};

@@ -79,6 +79,11 @@ pub enum PolicyRequest {
     OldLogProbs(Vec<Sample>),
     /// Train on the samples.
     Train(Vec<Sample>),
+    /// Data parallelism: the gradients of the loss on this controller's samples (one
+    /// optimizer step's worth), without updating; the role's gradients are zeroed after.
+    Gradients(Vec<Sample>),
+    /// Data parallelism: average the controllers' gradients and take one optimizer step.
+    ApplyGradients(Vec<GradShard>),
     /// Export the weights for weight sync.
     ExportWeights,
     /// Save a checkpoint to this directory.
@@ -119,10 +124,21 @@ pub enum PolicyResponse {
     Scored(Vec<Sample>),
     /// The update's report.
     Trained(TrainReport),
+    /// One controller's gradients.
+    Gradients(GradShard),
     /// The weights.
     Weights(WeightsUpdate),
     /// The checkpoint was written.
     Saved,
+}
+
+/// One controller's gradients for a data-parallel step.
+#[derive(Debug)]
+pub struct GradShard {
+    /// Gradients (canonical parameter names, f32).
+    pub buckets: Vec<yatt_engine::WeightBucket>,
+    /// Loss statistics of the shard (no optimizer fields yet).
+    pub report: TrainReport,
 }
 
 /// The trainer role.
@@ -147,6 +163,28 @@ struct MicroStats {
     entropy: f64,
 }
 
+/// The loss of one micro-batch (PPO clipped + KL loss − entropy bonus), with gradients.
+fn micro_loss(model: &yatt_engine::Llama, samples: &[Sample], mb: &Micro, cfg: &PolicyConfig, stats: &mut MicroStats) -> yatt_engine::Result<Tensor> {
+    let chunk = &samples[mb.range.clone()];
+    let (lp, ent) = response_scores(model, chunk, cfg.pad_id, cfg.temperature, true)?;
+    let (mut total, pg) = ppo_policy_loss(&lp, &mb.old, &mb.adv, &mb.mask, &cfg.loss).map_err(algo)?;
+    stats.clip += pg.clip_frac;
+    stats.approx_kl += pg.approx_kl;
+    if let (Some(kc), Some(r)) = (cfg.kl_loss, mb.reference.as_ref()) {
+        let (kl, ks) = kl_loss(&lp, r, &mb.mask, kc.estimator, kc.coef, cfg.loss.agg).map_err(algo)?;
+        total = total + kl;
+        stats.kl += ks.kl_mean;
+    }
+    if cfg.entropy_coef != 0.0 {
+        let (el, es) = entropy_loss(&ent, &mb.mask, cfg.entropy_coef, cfg.loss.agg).map_err(algo)?;
+        total = total + el;
+        stats.entropy += es.entropy_mean;
+    } else {
+        stats.entropy += masked_mean(&ent.detach(), &mb.mask).double_value(&[]);
+    }
+    Ok(total)
+}
+
 fn algo(e: crate::algo::AlgoError) -> EngineError {
     EngineError::InvalidArgument(e.to_string())
 }
@@ -169,7 +207,6 @@ impl PolicyRole {
             return Err(RoleError::BadRequest("train needs at least one sample".into()));
         }
         let cfg = self.config.clone();
-        let dev = self.trainer.model.device();
         let bad = |e: crate::sample::SampleError| RoleError::BadRequest(e.to_string());
         for s in &samples {
             s.token_field(TokenField::OldLogprobs).map_err(bad)?;
@@ -184,41 +221,8 @@ impl PolicyRole {
         let mut stats = MicroStats::default();
         for mini_start in (0..samples.len()).step_by(per_mini) {
             let mini_end = (mini_start + per_mini).min(samples.len());
-            let mut micros = Vec::new();
-            for start in (mini_start..mini_end).step_by(cfg.micro_batch_size) {
-                let range = start..(start + cfg.micro_batch_size).min(mini_end);
-                let chunk = &samples[range.clone()];
-                micros.push(Micro {
-                    old: token_matrix(chunk, TokenField::OldLogprobs, dev).map_err(bad)?,
-                    adv: token_matrix(chunk, TokenField::Advantages, dev).map_err(bad)?,
-                    reference: match cfg.kl_loss {
-                        Some(_) => Some(token_matrix(chunk, TokenField::RefLogprobs, dev).map_err(bad)?),
-                        None => None,
-                    },
-                    mask: response_mask(chunk, dev).map_err(bad)?,
-                    range,
-                });
-            }
-            let step = self.trainer.step(&micros, |model, mb| {
-                let chunk = &samples[mb.range.clone()];
-                let (lp, ent) = response_scores(model, chunk, cfg.pad_id, cfg.temperature, true)?;
-                let (mut total, pg) = ppo_policy_loss(&lp, &mb.old, &mb.adv, &mb.mask, &cfg.loss).map_err(algo)?;
-                stats.clip += pg.clip_frac;
-                stats.approx_kl += pg.approx_kl;
-                if let (Some(kc), Some(r)) = (cfg.kl_loss, mb.reference.as_ref()) {
-                    let (kl, ks) = kl_loss(&lp, r, &mb.mask, kc.estimator, kc.coef, cfg.loss.agg).map_err(algo)?;
-                    total = total + kl;
-                    stats.kl += ks.kl_mean;
-                }
-                if cfg.entropy_coef != 0.0 {
-                    let (el, es) = entropy_loss(&ent, &mb.mask, cfg.entropy_coef, cfg.loss.agg).map_err(algo)?;
-                    total = total + el;
-                    stats.entropy += es.entropy_mean;
-                } else {
-                    stats.entropy += masked_mean(&ent.detach(), &mb.mask).double_value(&[]);
-                }
-                Ok(total)
-            });
+            let micros = self.micros(&samples, mini_start..mini_end)?;
+            let step = self.trainer.step(&micros, |model, mb| micro_loss(model, &samples, mb, &cfg, &mut stats));
             let step = step.map_err(|e| RoleError::Failed(format!("policy update: {e}")))?;
             n_micro += micros.len();
             grad_norm += step.grad_norm;
@@ -237,6 +241,114 @@ impl PolicyRole {
         report.version = self.trainer.step_count();
         report.seconds = t0.elapsed().as_secs_f64();
         Ok(report)
+    }
+
+    fn micros(&self, samples: &[Sample], range: std::ops::Range<usize>) -> Result<Vec<Micro>, RoleError> {
+        let cfg = &self.config;
+        let dev = self.trainer.model.device();
+        let bad = |e: crate::sample::SampleError| RoleError::BadRequest(e.to_string());
+        let mut micros = Vec::new();
+        for start in range.clone().step_by(cfg.micro_batch_size) {
+            let r = start..(start + cfg.micro_batch_size).min(range.end);
+            let chunk = &samples[r.clone()];
+            micros.push(Micro {
+                old: token_matrix(chunk, TokenField::OldLogprobs, dev).map_err(bad)?,
+                adv: token_matrix(chunk, TokenField::Advantages, dev).map_err(bad)?,
+                reference: match cfg.kl_loss {
+                    Some(_) => Some(token_matrix(chunk, TokenField::RefLogprobs, dev).map_err(bad)?),
+                    None => None,
+                },
+                mask: response_mask(chunk, dev).map_err(bad)?,
+                range: r,
+            });
+        }
+        Ok(micros)
+    }
+
+    fn gradients(&mut self, samples: Vec<Sample>) -> Result<GradShard, RoleError> {
+        let t0 = Instant::now();
+        if samples.is_empty() {
+            return Err(RoleError::BadRequest("gradients need at least one sample".into()));
+        }
+        let cfg = self.config.clone();
+        let micros = self.micros(&samples, 0..samples.len())?;
+        let mut stats = MicroStats::default();
+        let scale = 1.0 / micros.len() as f64;
+        let fail = |e: EngineError| RoleError::Failed(format!("policy gradients: {e}"));
+        let mut loss = 0.0;
+        for mb in &micros {
+            let l = micro_loss(&self.trainer.model, &samples, mb, &cfg, &mut stats).map_err(fail)?;
+            loss += self.trainer.backward_micro(l, scale).map_err(fail)? * scale;
+        }
+        let buckets = self.trainer.grad_buckets(cfg.bucket_bytes).map_err(fail)?;
+        // The next shard's gradients must not accumulate onto these.
+        tch::no_grad(|| {
+            for (_, p) in self.trainer.model.parameters_mut() {
+                let mut g = p.grad();
+                if g.defined() {
+                    let _ = g.zero_();
+                }
+            }
+        });
+        let n = micros.len() as f64;
+        let report = TrainReport {
+            trained: samples.iter().map(|s| s.id).collect(),
+            loss,
+            pg_clipfrac: stats.clip / n,
+            approx_kl: stats.approx_kl / n,
+            kl_loss: stats.kl / n,
+            entropy: stats.entropy / n,
+            version: self.trainer.step_count(),
+            seconds: t0.elapsed().as_secs_f64(),
+            ..Default::default()
+        };
+        Ok(GradShard { buckets, report })
+    }
+
+    fn apply(&mut self, shards: Vec<GradShard>) -> Result<TrainReport, RoleError> {
+        let t0 = Instant::now();
+        let n = shards.len();
+        if n == 0 {
+            return Err(RoleError::BadRequest("apply_gradients needs at least one shard".into()));
+        }
+        let fail = |e: EngineError| RoleError::Failed(format!("averaging gradients: {e}"));
+        let mut sum: Vec<(String, Tensor)> = Vec::new();
+        let mut index = std::collections::HashMap::new();
+        for shard in &shards {
+            for b in &shard.buckets {
+                for (name, t) in b.tensors(tch::Device::Cpu).map_err(fail)? {
+                    match index.get(&name) {
+                        Some(&i) => {
+                            let (_, acc): &mut (String, Tensor) = &mut sum[i];
+                            *acc = &*acc + t;
+                        }
+                        None => {
+                            index.insert(name.clone(), sum.len());
+                            sum.push((name, t));
+                        }
+                    }
+                }
+            }
+        }
+        let avg: Vec<(String, Tensor)> = sum.into_iter().map(|(n_, t)| (n_, t / n as f64)).collect();
+        let buckets = to_buckets(&avg, self.config.bucket_bytes).map_err(fail)?;
+        self.trainer.set_grads(&buckets).map_err(fail)?;
+        let step = self.trainer.apply_gradients().map_err(fail)?;
+        let k = n as f64;
+        let mean = |f: fn(&TrainReport) -> f64| shards.iter().map(|s| f(&s.report)).sum::<f64>() / k;
+        Ok(TrainReport {
+            trained: shards.iter().flat_map(|s| s.report.trained.iter().copied()).collect(),
+            optimizer_steps: 1,
+            version: self.trainer.step_count(),
+            loss: mean(|r| r.loss),
+            grad_norm: step.grad_norm,
+            pg_clipfrac: mean(|r| r.pg_clipfrac),
+            approx_kl: mean(|r| r.approx_kl),
+            kl_loss: mean(|r| r.kl_loss),
+            entropy: mean(|r| r.entropy),
+            lr: step.lr,
+            seconds: t0.elapsed().as_secs_f64() + mean(|r| r.seconds) * k,
+        })
     }
 
     fn export(&mut self) -> Result<WeightsUpdate, RoleError> {
@@ -283,6 +395,8 @@ impl Role for PolicyRole {
                 Ok(PolicyResponse::Scored(samples))
             }
             PolicyRequest::Train(samples) => self.train(samples).map(PolicyResponse::Trained),
+            PolicyRequest::Gradients(samples) => self.gradients(samples).map(PolicyResponse::Gradients),
+            PolicyRequest::ApplyGradients(shards) => self.apply(shards).map(PolicyResponse::Trained),
             PolicyRequest::ExportWeights => self.export().map(PolicyResponse::Weights),
             PolicyRequest::SaveCheckpoint(dir) => {
                 self.trainer
