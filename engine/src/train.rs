@@ -269,12 +269,19 @@ impl Trainer {
                     continue;
                 }
                 let gf = g.to_kind(Kind::Float);
-                let _ = s.m.g_mul_scalar_(b1);
-                let _ = s.m.g_add_(&(&gf * (1.0 - b1)));
+                // Few passes over memory: m ← lerp(m, g, 1-β1); v ← β2·v + (1-β2)·g².
+                let _ = s.m.lerp_(&gf, 1.0 - b1);
+                let gs = &gf * (1.0 - b2).sqrt();
                 let _ = s.v.g_mul_scalar_(b2);
-                let _ = s.v.g_add_(&(gf.square() * (1.0 - b2)));
-                let denom = (&s.v / bc2).sqrt() + c.eps;
-                let upd = &s.m / denom * (-lr / bc1);
+                let _ = s.v.addcmul_(&gs, &gs);
+                drop(gs);
+                // upd = -lr/bc1 · m / (sqrt(v)/sqrt(bc2) + eps), built in one temporary.
+                let mut upd = s.v.sqrt();
+                let _ = upd.g_mul_scalar_(1.0 / bc2.sqrt());
+                let _ = upd.g_add_scalar_(c.eps);
+                let _ = upd.reciprocal_();
+                let _ = upd.g_mul_(&s.m);
+                let _ = upd.g_mul_scalar_(-lr / bc1);
                 match s.master.as_mut() {
                     Some(w) => {
                         if s.decay && c.weight_decay > 0.0 {
