@@ -16,11 +16,13 @@
 //! | [`ledger`] | the sample ledger |
 //! | [`builtin`] | built-in roles: rollout, reference, policy, reward |
 //! | [`controller`] | parallel controllers |
+//! | [`job`] | training jobs: the TOML job config, embedded build and run loop |
 
 pub mod algo;
 pub mod builtin;
 pub mod controller;
 pub mod data;
+pub mod job;
 pub mod ledger;
 pub mod reward;
 pub mod role;
