@@ -45,6 +45,9 @@ pub struct BenchEngineArgs {
     /// Training sequence length.
     #[arg(long, default_value_t = 128)]
     pub train_seq: usize,
+    /// Rounds of the generation comparison (alternating yatt / reference; best of each).
+    #[arg(long, default_value_t = 2)]
+    pub rounds: usize,
     /// Replace the `## Engine` section of this markdown file with the results.
     #[arg(long)]
     pub write_docs: Option<std::path::PathBuf>,
@@ -52,7 +55,11 @@ pub struct BenchEngineArgs {
 
 pub fn import_gguf(args: ImportGgufArgs) -> anyhow::Result<()> {
     let opts = yatt_engine::gguf::ImportOptions {
-        dtype: if args.bf16 { yatt_engine::gguf::ImportDtype::Bf16 } else { yatt_engine::gguf::ImportDtype::F32 },
+        dtype: if args.bf16 {
+            yatt_engine::gguf::ImportDtype::Bf16
+        } else {
+            yatt_engine::gguf::ImportDtype::F32
+        },
     };
     let t = std::time::Instant::now();
     let r = yatt_engine::gguf::import_gguf(&args.file, &args.out_dir, &opts)
@@ -73,7 +80,8 @@ pub fn import_gguf(args: ImportGgufArgs) -> anyhow::Result<()> {
 pub fn bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
     let model_dir = match args.model_dir {
         Some(d) => d,
-        None => yatt_engine::fixtures::smollm2_hf_dir().context("importing the SmolLM2 GGUF for the benchmark")?,
+        None => yatt_engine::fixtures::smollm2_hf_dir()
+            .context("importing the SmolLM2 GGUF for the benchmark")?,
     };
     let opts = yatt_engine::bench::BenchOptions {
         model_dir: model_dir.clone(),
@@ -86,6 +94,7 @@ pub fn bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
         long_tail_requests: args.long_tail_requests,
         train_batch: args.train_batch,
         train_seq: args.train_seq,
+        rounds: args.rounds,
     };
     let rows = yatt_engine::bench::run(&opts)?;
     let table = yatt_engine::bench::markdown_table(&rows);
@@ -101,7 +110,8 @@ pub fn bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
             table
         );
         let old = std::fs::read_to_string(&path).unwrap_or_default();
-        std::fs::write(&path, replace_section(&old, &section)).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(&path, replace_section(&old, &section))
+            .with_context(|| format!("writing {}", path.display()))?;
         eprintln!("wrote the Engine section of {}", path.display());
     }
     Ok(())
@@ -120,7 +130,11 @@ fn replace_section(doc: &str, section: &str) -> String {
         s.push_str(section);
         return s;
     };
-    let end = lines[start + 1..].iter().position(|l| l.starts_with("## ")).map(|i| start + 1 + i).unwrap_or(lines.len());
+    let end = lines[start + 1..]
+        .iter()
+        .position(|l| l.starts_with("## "))
+        .map(|i| start + 1 + i)
+        .unwrap_or(lines.len());
     let mut out: Vec<String> = lines[..start].iter().map(|s| s.to_string()).collect();
     out.push(section.trim_end().to_string());
     out.push(String::new());
