@@ -104,7 +104,7 @@ pub enum JobError {
     Reward(#[from] RewardError),
     /// A controller or role failed (setting up or during a step).
     #[error("{0}")]
-    Controller(#[from] ControllerError),
+    Controller(Box<ControllerError>),
     /// Writing metrics or the checkpoint directory failed.
     #[error("{path}: {source}")]
     Write {
@@ -113,6 +113,12 @@ pub enum JobError {
         /// The OS error.
         source: std::io::Error,
     },
+}
+
+impl From<ControllerError> for JobError {
+    fn from(e: ControllerError) -> Self {
+        JobError::Controller(Box::new(e))
+    }
 }
 
 /// A training job, as read from TOML.
