@@ -539,7 +539,7 @@ impl Generator {
     fn retire(&mut self, requests: &[Request], slots: &mut Vec<SlotState>, sched: &mut Scheduler, on_done: &mut impl FnMut(Completion)) {
         let mut done: Vec<(usize, FinishReason)> =
             slots.iter().enumerate().filter_map(|(i, s)| self.finish_reason(requests, s).map(|f| (i, f))).collect();
-        done.sort_by(|a, b| b.0.cmp(&a.0));
+        done.sort_by_key(|d| std::cmp::Reverse(d.0));
         for (slot, finish) in done {
             let moved_from = sched.finish(slot);
             let s = slots.swap_remove(slot);

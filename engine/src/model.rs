@@ -519,6 +519,8 @@ impl Llama {
         Tensor::cat(&[&x1 * cos - &x2 * sin, &x2 * cos + &x1 * sin], -1)
     }
 
+    // `x = x + f(x)` on purpose: an in-place `+=` would modify a tensor autograd saved.
+    #[allow(clippy::assign_op_pattern)]
     /// Embeds tokens and runs the decoder stack; returns the final-normed hidden states
     /// `[B, T, hidden]`. `positions` `[B, T]` are the rotary positions.
     pub fn hidden(&self, ids: &Tensor, positions: &Tensor, mut attn: Attn<'_>) -> Tensor {
@@ -558,8 +560,8 @@ impl Llama {
             let o = match &mut attn {
                 Attn::Full { .. } => Tensor::scaled_dot_product_attention(&q, &k, &v, full_mask.as_ref(), 0.0, full_mask.is_none(), None, true),
                 Attn::Prefill { cache, start } => {
-                    let _ = cache.k[li].narrow(0, *start, b).narrow(2, 0, t).copy_(&k);
-                    let _ = cache.v[li].narrow(0, *start, b).narrow(2, 0, t).copy_(&v);
+                    cache.k[li].narrow(0, *start, b).narrow(2, 0, t).copy_(&k);
+                    cache.v[li].narrow(0, *start, b).narrow(2, 0, t).copy_(&v);
                     Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, true)
                 }
                 Attn::Decode { cache, span } => {

@@ -87,7 +87,7 @@ pub fn token_logprobs(model: &Llama, batch: &SeqBatch, temperature: f64, with_en
     let h = h.narrow(1, 0, t - 1);
     let mut logits = model.logits(&h).to_kind(Kind::Float);
     if temperature != 1.0 {
-        logits = logits / temperature;
+        logits = &logits / temperature;
     }
     let logp = logits.log_softmax(-1, Kind::Float);
     let target = ids.narrow(1, 1, t - 1).unsqueeze(-1);
