@@ -792,16 +792,29 @@ impl Transport {
                     .map_err(|e| e.to_string())?;
                 let mut s = peer.conn.open_uni().await.map_err(|e| e.to_string())?;
                 s.set_priority(BULK_PRIORITY).ok();
-                s.write_all_chunks(&mut [bytes])
-                    .await
-                    .map_err(|e| e.to_string())?;
-                codec::write_bulk(&mut s, &bulk, &self.config.bulk_limits)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let _ = s.finish();
-                Ok(())
+                self.write_message(&mut s, bytes, Some(&bulk)).await
             }
         }
+    }
+
+    /// Writes an encoded head frame, then the bulk payload if any, and finishes the
+    /// stream.
+    async fn write_message(
+        &self,
+        send: &mut quinn::SendStream,
+        frame: Bytes,
+        bulk: Option<&Bulk>,
+    ) -> Result<(), String> {
+        send.write_all_chunks(&mut [frame])
+            .await
+            .map_err(|e| e.to_string())?;
+        if let Some(bulk) = bulk {
+            codec::write_bulk(send, bulk, &self.config.bulk_limits)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        let _ = send.finish();
+        Ok(())
     }
 
     /// Turns a reply head (and its bulk, inline on `recv` or in a segment) into a wire.
@@ -1085,16 +1098,12 @@ impl Transport {
             node: peer.name.clone(),
             reason: e,
         };
+        let frame = encode_tagged(Some(ASK), &head, &self.config.frame_limits)?;
         let (mut send, mut recv) = peer.conn.open_bi().await.map_err(|e| lost(e.to_string()))?;
         send.set_priority(BULK_PRIORITY).ok();
-        let frame = encode_tagged(Some(ASK), &head, &self.config.frame_limits)?;
-        send.write_all_chunks(&mut [frame])
+        self.write_message(&mut send, frame, Some(&bulk))
             .await
-            .map_err(|e| lost(e.to_string()))?;
-        codec::write_bulk(&mut send, &bulk, &self.config.bulk_limits)
-            .await
-            .map_err(|e| lost(e.to_string()))?;
-        let _ = send.finish();
+            .map_err(lost)?;
         let reply: ReplyHead = self
             .read_head(&mut recv)
             .await
@@ -1157,36 +1166,20 @@ impl Transport {
             body: wire.body,
             bulk: bulk_ref,
         };
-        if let Some(bulk) = bulk {
+        if bulk.is_some() || matches!(head.bulk, BulkRef::Shm { .. }) {
+            // Ordered streams carry no bulk, not even a segment reference: such a message
+            // gets a stream of its own.
+            let frame = encode_tagged(Some(BULK_TELL), &head, &self.config.frame_limits)?;
             let mut send = peer
                 .conn
                 .open_uni()
                 .await
                 .map_err(|e| lost(e.to_string()))?;
             send.set_priority(BULK_PRIORITY).ok();
-            let frame = encode_tagged(Some(BULK_TELL), &head, &self.config.frame_limits)?;
-            send.write_all_chunks(&mut [frame])
+            return self
+                .write_message(&mut send, frame, bulk.as_ref())
                 .await
-                .map_err(|e| lost(e.to_string()))?;
-            codec::write_bulk(&mut send, &bulk, &self.config.bulk_limits)
-                .await
-                .map_err(|e| lost(e.to_string()))?;
-            let _ = send.finish();
-            return Ok(());
-        }
-        if matches!(head.bulk, BulkRef::Shm { .. }) {
-            // A segment reference is small, but ordered streams carry no bulk at all.
-            let mut send = peer
-                .conn
-                .open_uni()
-                .await
-                .map_err(|e| lost(e.to_string()))?;
-            let frame = encode_tagged(Some(BULK_TELL), &head, &self.config.frame_limits)?;
-            send.write_all_chunks(&mut [frame])
-                .await
-                .map_err(|e| lost(e.to_string()))?;
-            let _ = send.finish();
-            return Ok(());
+                .map_err(lost);
         }
         let (slot, tag, priority) = if system {
             (&peer.system, SYSTEM, CONTROL_PRIORITY + 10)
