@@ -2,6 +2,8 @@
 //! loopback, wait for conditions by polling with a deadline, and clean up (every child
 //! is killed when its [`Cluster`] drops, also when a test fails).
 
+pub mod insecure;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -182,7 +182,7 @@ async fn handshake_fails(addr: std::net::SocketAddr, config: quinn::ClientConfig
 async fn peers_without_a_cluster_certificate_are_refused() {
     let cluster = Cluster::start("tl", 3);
     let target = cluster.nodes[1].addr;
-    let self_signed = yatt_runtime::tls::insecure_client_config("intruder").unwrap();
+    let self_signed = yatt_integration_tests::insecure::self_signed_client_config("intruder");
     assert!(
         handshake_fails(target, self_signed).await,
         "self-signed client got in"

@@ -686,7 +686,7 @@ pub fn peer_node_name(conn: &quinn::Connection) -> Result<String, TlsError> {
     Ok(name)
 }
 
-#[cfg(any(test, feature = "insecure-test-tls"))]
+#[cfg(test)]
 mod insecure {
     use super::*;
     use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -763,7 +763,7 @@ mod insecure {
     }
 }
 
-#[cfg(any(test, feature = "insecure-test-tls"))]
+#[cfg(test)]
 pub use insecure::insecure_client_config;
 
 /// Loopback helpers shared by the unit tests of this crate.
