@@ -9,10 +9,15 @@ include!("../scripts/rpath.rs");
 fn onednn_shim() {
     println!("cargo:rerun-if-changed=csrc/onednn_linear.cpp");
     let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
-        println!("cargo:warning=DEP_TCH_LIBTORCH_LIB unset: building without the oneDNN linear shim");
+        println!(
+            "cargo:warning=DEP_TCH_LIBTORCH_LIB unset: building without the oneDNN linear shim"
+        );
         return;
     };
-    let root = std::path::Path::new(&lib).parent().expect("libtorch lib dir has a parent").to_path_buf();
+    let root = std::path::Path::new(&lib)
+        .parent()
+        .expect("libtorch lib dir has a parent")
+        .to_path_buf();
     cc::Build::new()
         .cpp(true)
         .file("csrc/onednn_linear.cpp")

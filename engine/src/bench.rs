@@ -75,23 +75,44 @@ const QUESTIONS: &[&str] = &[
 ];
 
 fn prompts(tok: &Tokenizer) -> Result<Vec<Vec<i64>>> {
-    QUESTIONS.iter().map(|q| tok.encode_chat(&[ChatMessage::new("user", q)], true)).collect()
+    QUESTIONS
+        .iter()
+        .map(|q| tok.encode_chat(&[ChatMessage::new("user", q)], true))
+        .collect()
 }
 
 /// Generation throughput (response tokens/s) at batch `b`.
-fn gen_throughput(g: &mut Generator, prompts: &[Vec<i64>], b: usize, new_tokens: usize, top_k: usize) -> Result<(f64, usize)> {
+fn gen_throughput(
+    g: &mut Generator,
+    prompts: &[Vec<i64>],
+    b: usize,
+    new_tokens: usize,
+    top_k: usize,
+) -> Result<(f64, usize)> {
     let reqs: Vec<Request> = (0..b)
         .map(|i| Request {
             id: i as u64,
             prompt: prompts[i % prompts.len()].clone(),
-            params: SamplingParams { temperature: 1.0, top_k, max_new_tokens: new_tokens, ignore_eos: true, seed: i as u64, ..Default::default() },
+            params: SamplingParams {
+                temperature: 1.0,
+                top_k,
+                max_new_tokens: new_tokens,
+                ignore_eos: true,
+                seed: i as u64,
+                ..Default::default()
+            },
         })
         .collect();
     // Warm-up on a couple of short requests.
-    let warm: Vec<Request> = reqs.iter().take(2).cloned().map(|mut r| {
-        r.params.max_new_tokens = 4;
-        r
-    }).collect();
+    let warm: Vec<Request> = reqs
+        .iter()
+        .take(2)
+        .cloned()
+        .map(|mut r| {
+            r.params.max_new_tokens = 4;
+            r
+        })
+        .collect();
     g.generate(&warm)?;
     let (outs, st) = g.generate(&reqs)?;
     let n: usize = outs.iter().map(|c| c.tokens.len()).sum();
@@ -111,7 +132,15 @@ pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
     // 1. Generation throughput, side by side.
     let maxb = opts.batches.iter().copied().max().unwrap_or(16);
     let model = Llama::load(&opts.model_dir, device, Kind::Float)?;
-    let mut g = Generator::new(model, GeneratorConfig { max_batch: maxb, max_seq_len: max_prompt + opts.new_tokens.max(300) + 8, mode: BatchingMode::Continuous, max_prefill_batch: 64 });
+    let mut g = Generator::new(
+        model,
+        GeneratorConfig {
+            max_batch: maxb,
+            max_seq_len: max_prompt + opts.new_tokens.max(300) + 8,
+            mode: BatchingMode::Continuous,
+            max_prefill_batch: 64,
+        },
+    );
     let mut ours = vec![0.0f64; opts.batches.len()];
     let mut theirs: Vec<Option<f64>> = vec![None; opts.batches.len()];
     for round in 0..opts.rounds.max(1) {
@@ -137,11 +166,17 @@ pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
     }
     for (i, &b) in opts.batches.iter().enumerate() {
         rows.push(BenchRow {
-            case: format!("generate, batch {b}, {} new tokens, sampling (T=1, top-k {top_k})", opts.new_tokens),
+            case: format!(
+                "generate, batch {b}, {} new tokens, sampling (T=1, top-k {top_k})",
+                opts.new_tokens
+            ),
             yatt: ours[i],
             reference: theirs[i],
             unit: "response tokens/s".into(),
-            note: format!("reference: HF transformers generate; best of {} alternating rounds each", opts.rounds.max(1)),
+            note: format!(
+                "reference: HF transformers generate; best of {} alternating rounds each",
+                opts.rounds.max(1)
+            ),
         });
     }
 
@@ -162,7 +197,14 @@ pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
             .map(|(i, &l)| Request {
                 id: i as u64,
                 prompt: ps[i % ps.len()].clone(),
-                params: SamplingParams { temperature: 1.0, top_k, max_new_tokens: l, ignore_eos: true, seed: i as u64, ..Default::default() },
+                params: SamplingParams {
+                    temperature: 1.0,
+                    top_k,
+                    max_new_tokens: l,
+                    ignore_eos: true,
+                    seed: i as u64,
+                    ..Default::default()
+                },
             })
             .collect();
         let b = 16.min(maxb);
@@ -173,7 +215,12 @@ pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
             g.set_mode(mode);
             let (_, st) = g.generate(&reqs)?;
             let util = st.slot_steps as f64 / (st.decode_steps.max(1) * b) as f64;
-            eprintln!("long tail {mode:?}: {:.1}s, {:.1} tokens/s, slot utilisation {:.0}%", st.seconds, total as f64 / st.seconds, util * 100.0);
+            eprintln!(
+                "long tail {mode:?}: {:.1}s, {:.1} tokens/s, slot utilisation {:.0}%",
+                st.seconds,
+                total as f64 / st.seconds,
+                util * 100.0
+            );
             res.push((total as f64 / st.seconds, st.seconds, util));
         }
         g.set_mode(BatchingMode::Continuous);
@@ -204,10 +251,24 @@ pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
         let (bsz, t) = (opts.train_batch, opts.train_seq);
         let model = Llama::load(&opts.model_dir, device, Kind::Float)?;
         let v = model.config.vocab_size;
-        let mut tr = Trainer::new(model, TrainConfig { lr: 1e-5, weight_decay: 0.0, max_grad_norm: Some(1.0), ..Default::default() });
+        let mut tr = Trainer::new(
+            model,
+            TrainConfig {
+                lr: 1e-5,
+                weight_decay: 0.0,
+                max_grad_norm: Some(1.0),
+                ..Default::default()
+            },
+        );
         tch::manual_seed(0);
         let ids = Tensor::randint(v, [bsz as i64, t as i64], (Kind::Int64, device));
-        let batch = SeqBatch { attention_mask: ids.ones_like(), response_mask: ids.ones_like(), prompt_lens: vec![0; bsz], lens: vec![t; bsz], ids };
+        let batch = SeqBatch {
+            attention_mask: ids.ones_like(),
+            response_mask: ids.ones_like(),
+            prompt_lens: vec![0; bsz],
+            lens: vec![t; bsz],
+            ids,
+        };
         let loss = |m: &Llama, b: &SeqBatch| -> Result<Tensor> {
             let s = token_logprobs(m, b, 1.0, false);
             Ok(-s.logprobs.sum(Kind::Float) / (b.len() * (t - 1)) as f64)
@@ -223,7 +284,11 @@ pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
         eprintln!("yatt train step B={bsz} T={t}: {sec:.2}s/step, {tps:.0} tokens/s");
         drop(tr);
         let rf = if opts.with_reference {
-            let r = run_reference("train", &json!({"model": opts.model_dir, "threads": opts.threads, "batch": bsz, "seq": t, "steps": steps}), Some(opts.threads))?;
+            let r = run_reference(
+                "train",
+                &json!({"model": opts.model_dir, "threads": opts.threads, "batch": bsz, "seq": t, "steps": steps}),
+                Some(opts.threads),
+            )?;
             r["tokens_per_s"].as_f64()
         } else {
             None
@@ -244,14 +309,20 @@ pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
 
 /// Renders rows as a markdown table.
 pub fn markdown_table(rows: &[BenchRow]) -> String {
-    let mut s = String::from("| case | yatt | reference | ratio | unit | notes |\n|---|---:|---:|---:|---|---|\n");
+    let mut s = String::from(
+        "| case | yatt | reference | ratio | unit | notes |\n|---|---:|---:|---:|---|---|\n",
+    );
     for r in rows {
         s += &format!(
             "| {} | {:.1} | {} | {} | {} | {} |\n",
             r.case,
             r.yatt,
-            r.reference.map(|x| format!("{x:.1}")).unwrap_or_else(|| "–".into()),
-            r.ratio().map(|x| format!("{x:.2}×")).unwrap_or_else(|| "–".into()),
+            r.reference
+                .map(|x| format!("{x:.1}"))
+                .unwrap_or_else(|| "–".into()),
+            r.ratio()
+                .map(|x| format!("{x:.2}×"))
+                .unwrap_or_else(|| "–".into()),
             r.unit,
             r.note
         );

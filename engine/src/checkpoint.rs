@@ -17,7 +17,11 @@ fn st_dtype(k: Kind) -> Result<safetensors::Dtype> {
         Kind::BFloat16 => safetensors::Dtype::BF16,
         Kind::Half => safetensors::Dtype::F16,
         Kind::Int64 => safetensors::Dtype::I64,
-        other => return Err(EngineError::Weights(format!("cannot store dtype {other:?} in safetensors"))),
+        other => {
+            return Err(EngineError::Weights(format!(
+                "cannot store dtype {other:?} in safetensors"
+            )))
+        }
     })
 }
 
@@ -29,16 +33,31 @@ pub fn write_safetensors(path: &Path, named: &[(String, Tensor)]) -> Result<()> 
         let len = t.numel() * t.kind().elt_size_in_bytes();
         let mut buf = vec![0u8; len];
         t.f_copy_data_u8(&mut buf, t.numel())?;
-        blobs.push((n.clone(), st_dtype(t.kind())?, t.size().iter().map(|&d| d as usize).collect::<Vec<_>>(), buf));
+        blobs.push((
+            n.clone(),
+            st_dtype(t.kind())?,
+            t.size().iter().map(|&d| d as usize).collect::<Vec<_>>(),
+            buf,
+        ));
     }
     let views = blobs
         .iter()
         .map(|(n, d, s, b)| {
-            safetensors::tensor::TensorView::new(*d, s.clone(), b).map(|v| (n.clone(), v)).map_err(|e| EngineError::Safetensors { path: path.into(), msg: e.to_string() })
+            safetensors::tensor::TensorView::new(*d, s.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| EngineError::Safetensors {
+                    path: path.into(),
+                    msg: e.to_string(),
+                })
         })
         .collect::<Result<Vec<_>>>()?;
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::tensor::serialize_to_file(views, Some(meta), path).map_err(|e| EngineError::Safetensors { path: path.into(), msg: e.to_string() })
+    safetensors::tensor::serialize_to_file(views, Some(meta), path).map_err(|e| {
+        EngineError::Safetensors {
+            path: path.into(),
+            msg: e.to_string(),
+        }
+    })
 }
 
 fn kind_name(k: Kind) -> &'static str {
@@ -61,11 +80,18 @@ pub fn save_pretrained(model: &Llama, dir: &Path, tokenizer_from: Option<&Path>)
         }
     }
     let p = dir.join("config.json");
-    std::fs::write(&p, serde_json::to_string_pretty(&cfg).expect("json")).map_err(|e| EngineError::io("writing", &p, e))?;
+    std::fs::write(&p, serde_json::to_string_pretty(&cfg).expect("json"))
+        .map_err(|e| EngineError::io("writing", &p, e))?;
     let named: Vec<(String, Tensor)> = model.hf_named_tensors();
     write_safetensors(&dir.join("model.safetensors"), &named)?;
     if let Some(src) = tokenizer_from {
-        for f in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja"] {
+        for f in [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "generation_config.json",
+            "chat_template.jinja",
+        ] {
             let s = src.join(f);
             if s.exists() {
                 std::fs::copy(&s, dir.join(f)).map_err(|e| EngineError::io("copying", &s, e))?;
@@ -91,7 +117,8 @@ pub(crate) fn save_trainer(tr: &Trainer, dir: &Path, tokenizer_from: Option<&Pat
     write_safetensors(&tmp.join("optimizer.safetensors"), &opt)?;
     let state = json!({"step": tr.step, "config": tr.config, "format": "yatt-trainer-v1", "head": tr.model.head.as_ref().map(|h| h.prefix.clone())});
     let p = tmp.join("trainer_state.json");
-    std::fs::write(&p, serde_json::to_string_pretty(&state).expect("json")).map_err(|e| EngineError::io("writing", &p, e))?;
+    std::fs::write(&p, serde_json::to_string_pretty(&state).expect("json"))
+        .map_err(|e| EngineError::io("writing", &p, e))?;
     let _ = std::fs::remove_dir_all(dir);
     std::fs::rename(&tmp, dir).map_err(|e| EngineError::io("renaming into", dir, e))
 }
@@ -99,19 +126,47 @@ pub(crate) fn save_trainer(tr: &Trainer, dir: &Path, tokenizer_from: Option<&Pat
 pub(crate) fn load_trainer(dir: &Path, device: Device, kind: Kind) -> Result<Trainer> {
     let sp = dir.join("trainer_state.json");
     if !sp.exists() {
-        return Err(EngineError::Missing { what: "trainer_state.json", path: sp, hint: "not a yatt training checkpoint (HF model dirs load with Llama::load)" });
+        return Err(EngineError::Missing {
+            what: "trainer_state.json",
+            path: sp,
+            hint: "not a yatt training checkpoint (HF model dirs load with Llama::load)",
+        });
     }
     let s = std::fs::read_to_string(&sp).map_err(|e| EngineError::io("reading", &sp, e))?;
-    let v: serde_json::Value = serde_json::from_str(&s).map_err(|e| EngineError::Json { path: sp.clone(), source: e })?;
-    let config: TrainConfig = serde_json::from_value(v["config"].clone()).map_err(|e| EngineError::Json { path: sp.clone(), source: e })?;
-    let step = v["step"].as_u64().ok_or_else(|| EngineError::Checkpoint { path: dir.into(), msg: "trainer_state.json has no step".into() })?;
+    let v: serde_json::Value = serde_json::from_str(&s).map_err(|e| EngineError::Json {
+        path: sp.clone(),
+        source: e,
+    })?;
+    let config: TrainConfig =
+        serde_json::from_value(v["config"].clone()).map_err(|e| EngineError::Json {
+            path: sp.clone(),
+            source: e,
+        })?;
+    let step = v["step"].as_u64().ok_or_else(|| EngineError::Checkpoint {
+        path: dir.into(),
+        msg: "trainer_state.json has no step".into(),
+    })?;
     let model = Llama::load(dir, device, kind)?;
     let mut tr = Trainer::new(model, config);
     tr.step = step;
     let op = dir.join("optimizer.safetensors");
-    let mut opt: HashMap<String, Tensor> = Tensor::read_safetensors(&op).map_err(|e| EngineError::Safetensors { path: op.clone(), msg: e.to_string() })?.into_iter().collect();
-    let mut take = |k: String| opt.remove(&k).ok_or_else(|| EngineError::Checkpoint { path: dir.into(), msg: format!("optimizer.safetensors lacks `{k}`") });
-    for ParamState { name, m, v, master, .. } in tr.state.iter_mut() {
+    let mut opt: HashMap<String, Tensor> = Tensor::read_safetensors(&op)
+        .map_err(|e| EngineError::Safetensors {
+            path: op.clone(),
+            msg: e.to_string(),
+        })?
+        .into_iter()
+        .collect();
+    let mut take = |k: String| {
+        opt.remove(&k).ok_or_else(|| EngineError::Checkpoint {
+            path: dir.into(),
+            msg: format!("optimizer.safetensors lacks `{k}`"),
+        })
+    };
+    for ParamState {
+        name, m, v, master, ..
+    } in tr.state.iter_mut()
+    {
         *m = take(format!("m.{name}"))?.to_device(device);
         *v = take(format!("v.{name}"))?.to_device(device);
         if master.is_some() {

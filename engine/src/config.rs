@@ -89,33 +89,59 @@ impl ModelConfig {
             });
         }
         let s = std::fs::read_to_string(&path).map_err(|e| EngineError::io("reading", &path, e))?;
-        let v: Value = serde_json::from_str(&s).map_err(|e| EngineError::Json { path: path.clone(), source: e })?;
+        let v: Value = serde_json::from_str(&s).map_err(|e| EngineError::Json {
+            path: path.clone(),
+            source: e,
+        })?;
         Self::from_json(&v).map_err(|msg| EngineError::Config { path, msg })
     }
 
     /// Parses a config from its JSON value.
     pub fn from_json(v: &Value) -> std::result::Result<Self, String> {
-        let int = |k: &str| v.get(k).and_then(Value::as_i64).ok_or_else(|| format!("`{k}` is missing or not an integer"));
-        let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("llama").to_string();
+        let int = |k: &str| {
+            v.get(k)
+                .and_then(Value::as_i64)
+                .ok_or_else(|| format!("`{k}` is missing or not an integer"))
+        };
+        let model_type = v
+            .get("model_type")
+            .and_then(Value::as_str)
+            .unwrap_or("llama")
+            .to_string();
         let supported = ["llama", "mistral", "qwen2", "smollm", "smollm2"];
         if !supported.contains(&model_type.as_str()) {
             return Err(format!("model_type {model_type:?} is not a Llama-family decoder yatt runs (supported: {supported:?})"));
         }
-        let act = v.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
+        let act = v
+            .get("hidden_act")
+            .and_then(Value::as_str)
+            .unwrap_or("silu");
         if act != "silu" {
-            return Err(format!("hidden_act {act:?}: only \"silu\" (SwiGLU) is supported"));
+            return Err(format!(
+                "hidden_act {act:?}: only \"silu\" (SwiGLU) is supported"
+            ));
         }
         let hidden_size = int("hidden_size")?;
         let num_attention_heads = int("num_attention_heads")?;
-        let num_key_value_heads = v.get("num_key_value_heads").and_then(Value::as_i64).unwrap_or(num_attention_heads);
+        let num_key_value_heads = v
+            .get("num_key_value_heads")
+            .and_then(Value::as_i64)
+            .unwrap_or(num_attention_heads);
         if num_attention_heads % num_key_value_heads != 0 {
             return Err(format!("num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads {num_key_value_heads}"));
         }
-        let head_dim = v.get("head_dim").and_then(Value::as_i64).unwrap_or(hidden_size / num_attention_heads);
+        let head_dim = v
+            .get("head_dim")
+            .and_then(Value::as_i64)
+            .unwrap_or(hidden_size / num_attention_heads);
         let rope_scaling = match v.get("rope_scaling") {
             None | Some(Value::Null) => None,
             Some(rs) => {
-                let ty = rs.get("rope_type").or_else(|| rs.get("type")).and_then(Value::as_str).unwrap_or("default");
+                let ty = rs
+                    .get("rope_type")
+                    .or_else(|| rs.get("type"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("default");
                 let f = |k: &str, d: f64| rs.get(k).and_then(Value::as_f64).unwrap_or(d);
                 match ty {
                     "default" => None,
@@ -141,13 +167,28 @@ impl ModelConfig {
             num_attention_heads,
             num_key_value_heads,
             head_dim,
-            rms_norm_eps: v.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6),
-            rope_theta: v.get("rope_theta").and_then(Value::as_f64).unwrap_or(10000.0),
+            rms_norm_eps: v
+                .get("rms_norm_eps")
+                .and_then(Value::as_f64)
+                .unwrap_or(1e-6),
+            rope_theta: v
+                .get("rope_theta")
+                .and_then(Value::as_f64)
+                .unwrap_or(10000.0),
             rope_scaling,
             vocab_size: int("vocab_size")?,
-            max_position_embeddings: v.get("max_position_embeddings").and_then(Value::as_i64).unwrap_or(4096),
-            tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
-            attention_bias: v.get("attention_bias").and_then(Value::as_bool).unwrap_or(model_type == "qwen2"),
+            max_position_embeddings: v
+                .get("max_position_embeddings")
+                .and_then(Value::as_i64)
+                .unwrap_or(4096),
+            tie_word_embeddings: v
+                .get("tie_word_embeddings")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            attention_bias: v
+                .get("attention_bias")
+                .and_then(Value::as_bool)
+                .unwrap_or(model_type == "qwen2"),
             bos_token_id: v.get("bos_token_id").and_then(Value::as_i64),
             eos_token_ids,
             raw: v.clone(),
@@ -161,10 +202,17 @@ impl ModelConfig {
         if let Some(RopeScaling::Dynamic { factor }) = self.rope_scaling {
             base *= factor.powf(d / (d - 2.0));
         }
-        let mut inv: Vec<f64> = (0..self.head_dim / 2).map(|i| 1.0 / base.powf(2.0 * i as f64 / d)).collect();
+        let mut inv: Vec<f64> = (0..self.head_dim / 2)
+            .map(|i| 1.0 / base.powf(2.0 * i as f64 / d))
+            .collect();
         match self.rope_scaling {
             Some(RopeScaling::Linear { factor }) => inv.iter_mut().for_each(|f| *f /= factor),
-            Some(RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings: old }) => {
+            Some(RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old,
+            }) => {
                 let low_wl = old / low_freq_factor;
                 let high_wl = old / high_freq_factor;
                 for f in inv.iter_mut() {
@@ -172,7 +220,8 @@ impl ModelConfig {
                     if wl > low_wl {
                         *f /= factor;
                     } else if wl >= high_wl {
-                        let smooth = (old / wl - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        let smooth =
+                            (old / wl - low_freq_factor) / (high_freq_factor - low_freq_factor);
                         *f = (1.0 - smooth) * *f / factor + smooth * *f;
                     }
                 }
@@ -204,14 +253,20 @@ mod tests {
     fn rejects_bad() {
         let e = ModelConfig::from_json(&json!({"model_type":"gpt2"})).unwrap_err();
         assert!(e.contains("gpt2"));
-        let e = ModelConfig::from_json(&json!({"hidden_size":8,"num_attention_heads":3,"num_key_value_heads":2})).unwrap_err();
+        let e = ModelConfig::from_json(
+            &json!({"hidden_size":8,"num_attention_heads":3,"num_key_value_heads":2}),
+        )
+        .unwrap_err();
         assert!(e.contains("multiple"), "{e}");
     }
 
     #[test]
     fn linear_scaling_divides() {
-        let mut c = ModelConfig::from_json(&json!({"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,
-            "num_attention_heads":2,"vocab_size":4})).unwrap();
+        let mut c = ModelConfig::from_json(
+            &json!({"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,
+            "num_attention_heads":2,"vocab_size":4}),
+        )
+        .unwrap();
         let base = c.rope_inv_freq();
         c.rope_scaling = Some(RopeScaling::Linear { factor: 4.0 });
         let s = c.rope_inv_freq();

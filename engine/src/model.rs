@@ -47,7 +47,11 @@ impl ScalarHead {
     pub fn new(prefix: &str, hidden: i64, with_bias: bool, device: Device, kind: Kind) -> Self {
         let weight = Tensor::zeros([1, hidden], (kind, device));
         let bias = with_bias.then(|| Tensor::zeros([1], (kind, device)));
-        ScalarHead { prefix: prefix.to_string(), weight, bias }
+        ScalarHead {
+            prefix: prefix.to_string(),
+            weight,
+            bias,
+        }
     }
     /// Applies the head: `[.., hidden] → [..]`.
     pub fn forward(&self, h: &Tensor) -> Tensor {
@@ -72,9 +76,18 @@ impl KvCache {
         let c = &model.config;
         let opts = (model.kind, model.device);
         let shape = [slots, c.num_key_value_heads, max_len, c.head_dim];
-        let k = (0..c.num_hidden_layers).map(|_| Tensor::zeros(shape, opts)).collect();
-        let v = (0..c.num_hidden_layers).map(|_| Tensor::zeros(shape, opts)).collect();
-        KvCache { k, v, slots, max_len }
+        let k = (0..c.num_hidden_layers)
+            .map(|_| Tensor::zeros(shape, opts))
+            .collect();
+        let v = (0..c.num_hidden_layers)
+            .map(|_| Tensor::zeros(shape, opts))
+            .collect();
+        KvCache {
+            k,
+            v,
+            slots,
+            max_len,
+        }
     }
 
     /// Copies the first `len` positions of slot `from` into slot `to`.
@@ -102,7 +115,11 @@ impl KvCache {
 
     /// Bytes held by the cache.
     pub fn bytes(&self) -> usize {
-        self.k.iter().chain(self.v.iter()).map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum()
+        self.k
+            .iter()
+            .chain(self.v.iter())
+            .map(|t| t.numel() * t.kind().elt_size_in_bytes())
+            .sum()
     }
 }
 
@@ -162,12 +179,17 @@ struct Packed {
 }
 
 fn take(map: &mut HashMap<String, Tensor>, name: &str) -> Result<Tensor> {
-    map.remove(name).ok_or_else(|| EngineError::Weights(format!("tensor `{name}` is missing from the checkpoint")))
+    map.remove(name).ok_or_else(|| {
+        EngineError::Weights(format!("tensor `{name}` is missing from the checkpoint"))
+    })
 }
 
 fn check_shape(name: &str, t: &Tensor, want: &[i64]) -> Result<()> {
     if t.size() != want {
-        return Err(EngineError::Weights(format!("tensor `{name}` has shape {:?}, the config implies {want:?}", t.size())));
+        return Err(EngineError::Weights(format!(
+            "tensor `{name}` has shape {:?}, the config implies {want:?}",
+            t.size()
+        )));
     }
     Ok(())
 }
@@ -180,13 +202,23 @@ pub fn read_safetensors_dir(dir: &Path) -> Result<HashMap<String, Tensor>> {
     let files: Vec<std::path::PathBuf> = if single.exists() {
         vec![single]
     } else if index.exists() {
-        let s = std::fs::read_to_string(&index).map_err(|e| EngineError::io("reading", &index, e))?;
-        let v: serde_json::Value = serde_json::from_str(&s).map_err(|e| EngineError::Json { path: index.clone(), source: e })?;
-        let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| EngineError::Safetensors {
+        let s =
+            std::fs::read_to_string(&index).map_err(|e| EngineError::io("reading", &index, e))?;
+        let v: serde_json::Value = serde_json::from_str(&s).map_err(|e| EngineError::Json {
             path: index.clone(),
-            msg: "no `weight_map` object".into(),
+            source: e,
         })?;
-        let mut fs: Vec<String> = map.values().filter_map(|f| f.as_str().map(String::from)).collect();
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| EngineError::Safetensors {
+                path: index.clone(),
+                msg: "no `weight_map` object".into(),
+            })?;
+        let mut fs: Vec<String> = map
+            .values()
+            .filter_map(|f| f.as_str().map(String::from))
+            .collect();
         fs.sort();
         fs.dedup();
         fs.into_iter().map(|f| dir.join(f)).collect()
@@ -194,12 +226,16 @@ pub fn read_safetensors_dir(dir: &Path) -> Result<HashMap<String, Tensor>> {
         return Err(EngineError::Missing {
             what: "model weights",
             path: single,
-            hint: "expected model.safetensors or model.safetensors.index.json in the model directory",
+            hint:
+                "expected model.safetensors or model.safetensors.index.json in the model directory",
         });
     };
     let mut out = HashMap::new();
     for f in files {
-        let ts = Tensor::read_safetensors(&f).map_err(|e| EngineError::Safetensors { path: f.clone(), msg: e.to_string() })?;
+        let ts = Tensor::read_safetensors(&f).map_err(|e| EngineError::Safetensors {
+            path: f.clone(),
+            msg: e.to_string(),
+        })?;
         out.extend(ts);
     }
     Ok(out)
@@ -215,7 +251,12 @@ impl Llama {
     }
 
     /// Builds the model from HF-named tensors (any dtype/device; they are converted).
-    pub fn from_tensors(config: ModelConfig, mut t: HashMap<String, Tensor>, device: Device, kind: Kind) -> Result<Self> {
+    pub fn from_tensors(
+        config: ModelConfig,
+        mut t: HashMap<String, Tensor>,
+        device: Device,
+        kind: Kind,
+    ) -> Result<Self> {
         let c = &config;
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (nq, nkv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
@@ -240,7 +281,14 @@ impl Llama {
                 let qb = g(&mut t, "self_attn.q_proj.bias", &[nq])?;
                 let kb = g(&mut t, "self_attn.k_proj.bias", &[nkv])?;
                 let vb = g(&mut t, "self_attn.v_proj.bias", &[nkv])?;
-                Some(conv(Tensor::cat(&[qb.to_kind(Kind::Float), kb.to_kind(Kind::Float), vb.to_kind(Kind::Float)], 0)))
+                Some(conv(Tensor::cat(
+                    &[
+                        qb.to_kind(Kind::Float),
+                        kb.to_kind(Kind::Float),
+                        vb.to_kind(Kind::Float),
+                    ],
+                    0,
+                )))
             } else {
                 None
             };
@@ -249,11 +297,21 @@ impl Llama {
             let up = g(&mut t, "mlp.up_proj.weight", &[f, h])?;
             layers.push(Layer {
                 ln1: conv(g(&mut t, "input_layernorm.weight", &[h])?),
-                wqkv: conv_t(Tensor::cat(&[q.to_kind(Kind::Float), k.to_kind(Kind::Float), v.to_kind(Kind::Float)], 0)),
+                wqkv: conv_t(Tensor::cat(
+                    &[
+                        q.to_kind(Kind::Float),
+                        k.to_kind(Kind::Float),
+                        v.to_kind(Kind::Float),
+                    ],
+                    0,
+                )),
                 bqkv,
                 wo: conv_t(g(&mut t, "self_attn.o_proj.weight", &[h, nq])?),
                 ln2: conv(g(&mut t, "post_attention_layernorm.weight", &[h])?),
-                w_gate_up: conv_t(Tensor::cat(&[gate.to_kind(Kind::Float), up.to_kind(Kind::Float)], 0)),
+                w_gate_up: conv_t(Tensor::cat(
+                    &[gate.to_kind(Kind::Float), up.to_kind(Kind::Float)],
+                    0,
+                )),
                 w_down: conv_t(g(&mut t, "mlp.down_proj.weight", &[h, f])?),
             });
         }
@@ -271,11 +329,27 @@ impl Llama {
             if let Some(w) = t.remove(&format!("{prefix}.weight")) {
                 check_shape(&format!("{prefix}.weight"), &w, &[1, h])?;
                 let b = t.remove(&format!("{prefix}.bias")).map(conv);
-                head = Some(ScalarHead { prefix: prefix.into(), weight: conv(w), bias: b });
+                head = Some(ScalarHead {
+                    prefix: prefix.into(),
+                    weight: conv(w),
+                    bias: b,
+                });
             }
         }
         let (cos, sin) = rope_tables(&config, device);
-        Ok(Llama { embed: conv_t(embed), layers, norm, lm_head, head, device, kind, cos, sin, config, packed: None })
+        Ok(Llama {
+            embed: conv_t(embed),
+            layers,
+            norm,
+            lm_head,
+            head,
+            device,
+            kind,
+            cos,
+            sin,
+            config,
+            packed: None,
+        })
     }
 
     /// A randomly initialised model (normal(0, 0.02) matrices, unit norms), for tests.
@@ -286,11 +360,20 @@ impl Llama {
         let (nq, nkv) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
         let r = |shape: &[i64]| Tensor::randn(shape, (Kind::Float, Device::Cpu)) * 0.02;
         let mut t = HashMap::new();
-        t.insert("model.embed_tokens.weight".to_string(), r(&[c.vocab_size, h]));
+        t.insert(
+            "model.embed_tokens.weight".to_string(),
+            r(&[c.vocab_size, h]),
+        );
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            t.insert(format!("{p}.input_layernorm.weight"), Tensor::ones([h], (Kind::Float, Device::Cpu)));
-            t.insert(format!("{p}.post_attention_layernorm.weight"), Tensor::ones([h], (Kind::Float, Device::Cpu)));
+            t.insert(
+                format!("{p}.input_layernorm.weight"),
+                Tensor::ones([h], (Kind::Float, Device::Cpu)),
+            );
+            t.insert(
+                format!("{p}.post_attention_layernorm.weight"),
+                Tensor::ones([h], (Kind::Float, Device::Cpu)),
+            );
             t.insert(format!("{p}.self_attn.q_proj.weight"), r(&[nq, h]));
             t.insert(format!("{p}.self_attn.k_proj.weight"), r(&[nkv, h]));
             t.insert(format!("{p}.self_attn.v_proj.weight"), r(&[nkv, h]));
@@ -304,7 +387,10 @@ impl Llama {
             t.insert(format!("{p}.mlp.up_proj.weight"), r(&[f, h]));
             t.insert(format!("{p}.mlp.down_proj.weight"), r(&[h, f]));
         }
-        t.insert("model.norm.weight".to_string(), Tensor::ones([h], (Kind::Float, Device::Cpu)));
+        t.insert(
+            "model.norm.weight".to_string(),
+            Tensor::ones([h], (Kind::Float, Device::Cpu)),
+        );
         if !c.tie_word_embeddings {
             t.insert("lm_head.weight".to_string(), r(&[c.vocab_size, h]));
         }
@@ -325,7 +411,13 @@ impl Llama {
     /// (reward, HF `LlamaForSequenceClassification` layout, no bias).
     pub fn attach_head(&mut self, prefix: &str) {
         let bias = prefix != "score";
-        self.head = Some(ScalarHead::new(prefix, self.config.hidden_size, bias, self.device, self.kind));
+        self.head = Some(ScalarHead::new(
+            prefix,
+            self.config.hidden_size,
+            bias,
+            self.device,
+            self.kind,
+        ));
     }
 
     /// The canonical (trainable) parameters with stable names, for optimizers.
@@ -359,12 +451,18 @@ impl Llama {
 
     /// The canonical parameters (shallow clones sharing storage).
     pub fn parameters(&mut self) -> Vec<(String, Tensor)> {
-        self.parameters_mut().into_iter().map(|(n, t)| (n, t.shallow_clone())).collect()
+        self.parameters_mut()
+            .into_iter()
+            .map(|(n, t)| (n, t.shallow_clone()))
+            .collect()
     }
 
     /// Total number of parameters.
     pub fn num_parameters(&mut self) -> i64 {
-        self.parameters_mut().iter().map(|(_, t)| t.numel() as i64).sum()
+        self.parameters_mut()
+            .iter()
+            .map(|(_, t)| t.numel() as i64)
+            .sum()
     }
 
     /// Sets `requires_grad` on every parameter.
@@ -378,23 +476,48 @@ impl Llama {
     pub fn hf_named_tensors(&self) -> Vec<(String, Tensor)> {
         let c = &self.config;
         let hd = c.head_dim;
-        let (nq, nkv, f) = (c.num_attention_heads * hd, c.num_key_value_heads * hd, c.intermediate_size);
+        let (nq, nkv, f) = (
+            c.num_attention_heads * hd,
+            c.num_key_value_heads * hd,
+            c.intermediate_size,
+        );
         let mut v = vec![("model.embed_tokens.weight".to_string(), self.embed.tr())];
         for (i, l) in self.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
             v.push((format!("{p}.input_layernorm.weight"), l.ln1.shallow_clone()));
-            v.push((format!("{p}.self_attn.q_proj.weight"), l.wqkv.narrow(1, 0, nq).tr()));
-            v.push((format!("{p}.self_attn.k_proj.weight"), l.wqkv.narrow(1, nq, nkv).tr()));
-            v.push((format!("{p}.self_attn.v_proj.weight"), l.wqkv.narrow(1, nq + nkv, nkv).tr()));
+            v.push((
+                format!("{p}.self_attn.q_proj.weight"),
+                l.wqkv.narrow(1, 0, nq).tr(),
+            ));
+            v.push((
+                format!("{p}.self_attn.k_proj.weight"),
+                l.wqkv.narrow(1, nq, nkv).tr(),
+            ));
+            v.push((
+                format!("{p}.self_attn.v_proj.weight"),
+                l.wqkv.narrow(1, nq + nkv, nkv).tr(),
+            ));
             if let Some(b) = &l.bqkv {
                 v.push((format!("{p}.self_attn.q_proj.bias"), b.narrow(0, 0, nq)));
                 v.push((format!("{p}.self_attn.k_proj.bias"), b.narrow(0, nq, nkv)));
-                v.push((format!("{p}.self_attn.v_proj.bias"), b.narrow(0, nq + nkv, nkv)));
+                v.push((
+                    format!("{p}.self_attn.v_proj.bias"),
+                    b.narrow(0, nq + nkv, nkv),
+                ));
             }
             v.push((format!("{p}.self_attn.o_proj.weight"), l.wo.tr()));
-            v.push((format!("{p}.post_attention_layernorm.weight"), l.ln2.shallow_clone()));
-            v.push((format!("{p}.mlp.gate_proj.weight"), l.w_gate_up.narrow(1, 0, f).tr()));
-            v.push((format!("{p}.mlp.up_proj.weight"), l.w_gate_up.narrow(1, f, f).tr()));
+            v.push((
+                format!("{p}.post_attention_layernorm.weight"),
+                l.ln2.shallow_clone(),
+            ));
+            v.push((
+                format!("{p}.mlp.gate_proj.weight"),
+                l.w_gate_up.narrow(1, 0, f).tr(),
+            ));
+            v.push((
+                format!("{p}.mlp.up_proj.weight"),
+                l.w_gate_up.narrow(1, f, f).tr(),
+            ));
             v.push((format!("{p}.mlp.down_proj.weight"), l.w_down.tr()));
         }
         v.push(("model.norm.weight".into(), self.norm.shallow_clone()));
@@ -413,14 +536,26 @@ impl Llama {
     /// Copies HF-named tensors into the weights in place (no reallocation): every name
     /// must exist and match in shape; dtype/device are converted. Names absent from
     /// `src` are left as they are.
-    pub fn copy_weights_from<'a>(&mut self, src: impl IntoIterator<Item = (&'a str, &'a Tensor)>) -> Result<usize> {
+    pub fn copy_weights_from<'a>(
+        &mut self,
+        src: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
+    ) -> Result<usize> {
         let dst: HashMap<String, Tensor> = self.hf_named_tensors().into_iter().collect();
         let mut n = 0;
         tch::no_grad(|| -> Result<()> {
             for (name, t) in src {
-                let mut d = dst.get(name).ok_or_else(|| EngineError::Weights(format!("no parameter named `{name}` in this model")))?.shallow_clone();
+                let mut d = dst
+                    .get(name)
+                    .ok_or_else(|| {
+                        EngineError::Weights(format!("no parameter named `{name}` in this model"))
+                    })?
+                    .shallow_clone();
                 if d.size() != t.size() {
-                    return Err(EngineError::Weights(format!("`{name}`: shape {:?} does not match the model's {:?}", t.size(), d.size())));
+                    return Err(EngineError::Weights(format!(
+                        "`{name}`: shape {:?} does not match the model's {:?}",
+                        t.size(),
+                        d.size()
+                    )));
                 }
                 d.f_copy_(t)?;
                 n += 1;
@@ -436,8 +571,12 @@ impl Llama {
     /// A deep copy on `device` as `kind` (e.g. a frozen reference policy). The copy does
     /// not require gradients.
     pub fn deep_copy(&self, device: Device, kind: Kind) -> Result<Llama> {
-        let tensors: HashMap<String, Tensor> =
-            tch::no_grad(|| self.hf_named_tensors().into_iter().map(|(n, t)| (n, t.detach().to_device(device).to_kind(kind).copy())).collect());
+        let tensors: HashMap<String, Tensor> = tch::no_grad(|| {
+            self.hf_named_tensors()
+                .into_iter()
+                .map(|(n, t)| (n, t.detach().to_device(device).to_kind(kind).copy()))
+                .collect()
+        });
         let mut m = Llama::from_tensors(self.config.clone(), tensors, device, kind)?;
         m.set_requires_grad(false);
         Ok(m)
@@ -450,7 +589,11 @@ impl Llama {
             for (_, t) in self.parameters_mut() {
                 let rg = t.requires_grad();
                 let moved = t.detach().to_device(device);
-                *t = if rg { moved.set_requires_grad(true) } else { moved };
+                *t = if rg {
+                    moved.set_requires_grad(true)
+                } else {
+                    moved
+                };
             }
         });
         self.packed = None;
@@ -477,8 +620,14 @@ impl Llama {
                 _ => return false,
             }
         }
-        let Ok(lm_head) = pk(self.lm_head.as_ref().unwrap_or(&self.embed)) else { return false };
-        self.packed = Some(Packed { batch: b, layers, lm_head });
+        let Ok(lm_head) = pk(self.lm_head.as_ref().unwrap_or(&self.embed)) else {
+            return false;
+        };
+        self.packed = Some(Packed {
+            batch: b,
+            layers,
+            lm_head,
+        });
         true
     }
 
@@ -528,8 +677,16 @@ impl Llama {
         let (b, t) = ids.size2().expect("ids must be [B, T]");
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let mut x = Tensor::embedding(&self.embed.tr(), ids, -1, false, false);
-        let cos = self.cos.index_select(0, &positions.reshape([-1])).reshape([b, 1, t, hd / 2]).to_kind(self.kind);
-        let sin = self.sin.index_select(0, &positions.reshape([-1])).reshape([b, 1, t, hd / 2]).to_kind(self.kind);
+        let cos = self
+            .cos
+            .index_select(0, &positions.reshape([-1]))
+            .reshape([b, 1, t, hd / 2])
+            .to_kind(self.kind);
+        let sin = self
+            .sin
+            .index_select(0, &positions.reshape([-1]))
+            .reshape([b, 1, t, hd / 2])
+            .to_kind(self.kind);
         // Attention masks, built once for all layers.
         let full_mask = match &attn {
             Attn::Full { mask: Some(m) } => {
@@ -539,30 +696,66 @@ impl Llama {
                 Some(causal.logical_and(&keys).logical_or(&eye))
             }
             Attn::Decode { span, .. } => {
-                let ar = Tensor::arange(*span, (Kind::Int64, self.device)).reshape([1, 1, 1, *span]);
+                let ar =
+                    Tensor::arange(*span, (Kind::Int64, self.device)).reshape([1, 1, 1, *span]);
                 Some(ar.le_tensor(&positions.reshape([b, 1, 1, 1])))
             }
             _ => None,
         };
         let rows = Tensor::arange(b, (Kind::Int64, self.device));
-        let pos_flat = if matches!(attn, Attn::Decode { .. }) { Some(positions.reshape([b])) } else { None };
+        let pos_flat = if matches!(attn, Attn::Decode { .. }) {
+            Some(positions.reshape([b]))
+        } else {
+            None
+        };
         // Packed weights only serve inference: with autograd on, use the parameters.
-        let packed = if self.packed.is_some() && !self.embed.requires_grad() { self.packed.as_ref() } else { None };
+        let packed = if self.packed.is_some() && !self.embed.requires_grad() {
+            self.packed.as_ref()
+        } else {
+            None
+        };
         for (li, l) in self.layers.iter().enumerate() {
             let pl = packed.map(|p| &p.layers[li]);
             let hn = self.rms(&x, &l.ln1);
             let qkv = self.mm(&hn, &l.wqkv, pl.map(|p| &p[0]), l.bqkv.as_ref());
-            let q = qkv.narrow(-1, 0, nh * hd).view([b, t, nh, hd]).transpose(1, 2);
-            let k = qkv.narrow(-1, nh * hd, nkv * hd).view([b, t, nkv, hd]).transpose(1, 2);
-            let v = qkv.narrow(-1, (nh + nkv) * hd, nkv * hd).view([b, t, nkv, hd]).transpose(1, 2);
+            let q = qkv
+                .narrow(-1, 0, nh * hd)
+                .view([b, t, nh, hd])
+                .transpose(1, 2);
+            let k = qkv
+                .narrow(-1, nh * hd, nkv * hd)
+                .view([b, t, nkv, hd])
+                .transpose(1, 2);
+            let v = qkv
+                .narrow(-1, (nh + nkv) * hd, nkv * hd)
+                .view([b, t, nkv, hd])
+                .transpose(1, 2);
             let q = self.rope(&q, &cos, &sin);
             let k = self.rope(&k, &cos, &sin);
             let o = match &mut attn {
-                Attn::Full { .. } => Tensor::scaled_dot_product_attention(&q, &k, &v, full_mask.as_ref(), 0.0, full_mask.is_none(), None, true),
+                Attn::Full { .. } => Tensor::scaled_dot_product_attention(
+                    &q,
+                    &k,
+                    &v,
+                    full_mask.as_ref(),
+                    0.0,
+                    full_mask.is_none(),
+                    None,
+                    true,
+                ),
                 Attn::Prefill { cache, start } => {
                     cache.k[li].narrow(0, *start, b).narrow(2, 0, t).copy_(&k);
                     cache.v[li].narrow(0, *start, b).narrow(2, 0, t).copy_(&v);
-                    Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, true)
+                    Tensor::scaled_dot_product_attention(
+                        &q,
+                        &k,
+                        &v,
+                        None::<Tensor>,
+                        0.0,
+                        true,
+                        None,
+                        true,
+                    )
                 }
                 Attn::Decode { cache, span } => {
                     let idx = [Some(&rows), None, pos_flat.as_ref()];
@@ -570,7 +763,16 @@ impl Llama {
                     let _ = cache.v[li].index_put_(&idx, &v.squeeze_dim(2), false);
                     let kk = cache.k[li].narrow(0, 0, b).narrow(2, 0, *span);
                     let vv = cache.v[li].narrow(0, 0, b).narrow(2, 0, *span);
-                    Tensor::scaled_dot_product_attention(&q, &kk, &vv, full_mask.as_ref(), 0.0, false, None, true)
+                    Tensor::scaled_dot_product_attention(
+                        &q,
+                        &kk,
+                        &vv,
+                        full_mask.as_ref(),
+                        0.0,
+                        false,
+                        None,
+                        true,
+                    )
                 }
             };
             let o = o.transpose(1, 2).reshape([b, t, nh * hd]);
@@ -587,7 +789,11 @@ impl Llama {
     /// LM logits for hidden states `[.., hidden] → [.., vocab]`.
     pub fn logits(&self, h: &Tensor) -> Tensor {
         let w = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let packed = self.packed.as_ref().filter(|_| !self.embed.requires_grad()).map(|p| &p.lm_head);
+        let packed = self
+            .packed
+            .as_ref()
+            .filter(|_| !self.embed.requires_grad())
+            .map(|p| &p.lm_head);
         self.mm(h, w, packed, None)
     }
 
@@ -605,7 +811,9 @@ pub fn positions_from_mask(ids: &Tensor, mask: Option<&Tensor>) -> Tensor {
     let (b, t) = ids.size2().expect("ids must be [B, T]");
     match mask {
         Some(m) => (m.to_kind(Kind::Int64).cumsum(1, Kind::Int64) - 1).clamp_min(0),
-        None => Tensor::arange(t, (Kind::Int64, ids.device())).unsqueeze(0).expand([b, t], false),
+        None => Tensor::arange(t, (Kind::Int64, ids.device()))
+            .unsqueeze(0)
+            .expand([b, t], false),
     }
 }
 

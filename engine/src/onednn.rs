@@ -11,8 +11,19 @@ mod ffi {
     use std::os::raw::c_char;
     use torch_sys::C_tensor;
     extern "C" {
-        pub fn yatt_onednn_pack(w: *mut C_tensor, batch: i64, err: *mut c_char, len: usize) -> *mut C_tensor;
-        pub fn yatt_onednn_linear(x: *mut C_tensor, packed: *mut C_tensor, bias: *mut C_tensor, err: *mut c_char, len: usize) -> *mut C_tensor;
+        pub fn yatt_onednn_pack(
+            w: *mut C_tensor,
+            batch: i64,
+            err: *mut c_char,
+            len: usize,
+        ) -> *mut C_tensor;
+        pub fn yatt_onednn_linear(
+            x: *mut C_tensor,
+            packed: *mut C_tensor,
+            bias: *mut C_tensor,
+            err: *mut c_char,
+            len: usize,
+        ) -> *mut C_tensor;
     }
 }
 
@@ -35,7 +46,14 @@ pub fn pack(weight_out_in: &Tensor, batch: i64) -> Result<Tensor, String> {
         let mut err = vec![0u8; 512];
         // SAFETY: `w` outlives the call; the shim copies what it keeps and returns a new
         // heap-allocated tensor (owned by the returned `Tensor`) or null with a message.
-        let p = unsafe { ffi::yatt_onednn_pack(w.as_ptr() as *mut _, batch, err.as_mut_ptr() as *mut _, err.len()) };
+        let p = unsafe {
+            ffi::yatt_onednn_pack(
+                w.as_ptr() as *mut _,
+                batch,
+                err.as_mut_ptr() as *mut _,
+                err.len(),
+            )
+        };
         if p.is_null() {
             return Err(err_string(&err));
         }
@@ -50,16 +68,31 @@ pub fn pack(weight_out_in: &Tensor, batch: i64) -> Result<Tensor, String> {
 }
 
 /// `x @ W^T (+ bias)` for `x` `[.., in]` and a packed weight with `out` outputs.
-pub fn linear(x: &Tensor, packed: &Tensor, bias: Option<&Tensor>, out: i64) -> Result<Tensor, String> {
+pub fn linear(
+    x: &Tensor,
+    packed: &Tensor,
+    bias: Option<&Tensor>,
+    out: i64,
+) -> Result<Tensor, String> {
     #[cfg(yatt_onednn)]
     {
         let mut shape = x.size();
         let inner = *shape.last().ok_or("linear input has no dims")?;
         let x2 = x.reshape([-1, inner]).contiguous();
         let mut err = vec![0u8; 512];
-        let b = bias.map(|b| b.as_ptr() as *mut _).unwrap_or(std::ptr::null_mut());
+        let b = bias
+            .map(|b| b.as_ptr() as *mut _)
+            .unwrap_or(std::ptr::null_mut());
         // SAFETY: all tensors outlive the call; the result is a fresh `at::Tensor*` or null.
-        let p = unsafe { ffi::yatt_onednn_linear(x2.as_ptr() as *mut _, packed.as_ptr() as *mut _, b, err.as_mut_ptr() as *mut _, err.len()) };
+        let p = unsafe {
+            ffi::yatt_onednn_linear(
+                x2.as_ptr() as *mut _,
+                packed.as_ptr() as *mut _,
+                b,
+                err.as_mut_ptr() as *mut _,
+                err.len(),
+            )
+        };
         if p.is_null() {
             return Err(err_string(&err));
         }

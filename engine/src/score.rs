@@ -27,9 +27,15 @@ impl SeqBatch {
         if pairs.is_empty() {
             return Err(EngineError::InvalidArgument("empty batch".into()));
         }
-        let t = pairs.iter().map(|(p, r)| p.len() + r.len()).max().unwrap_or(0);
+        let t = pairs
+            .iter()
+            .map(|(p, r)| p.len() + r.len())
+            .max()
+            .unwrap_or(0);
         if t == 0 {
-            return Err(EngineError::InvalidArgument("every sequence in the batch is empty".into()));
+            return Err(EngineError::InvalidArgument(
+                "every sequence in the batch is empty".into(),
+            ));
         }
         let b = pairs.len();
         let mut ids = vec![pad_id; b * t];
@@ -44,7 +50,11 @@ impl SeqBatch {
                 }
             }
         }
-        let mk = |v: Vec<i64>| Tensor::from_slice(&v).view([b as i64, t as i64]).to_device(device);
+        let mk = |v: Vec<i64>| {
+            Tensor::from_slice(&v)
+                .view([b as i64, t as i64])
+                .to_device(device)
+        };
         Ok(SeqBatch {
             ids: mk(ids),
             attention_mask: mk(am),
@@ -77,7 +87,12 @@ pub struct TokenScores {
 
 /// Log-probs (and entropy, when `with_entropy`) of every token of `batch` given its
 /// prefix. Differentiable when called with gradients enabled.
-pub fn token_logprobs(model: &Llama, batch: &SeqBatch, temperature: f64, with_entropy: bool) -> TokenScores {
+pub fn token_logprobs(
+    model: &Llama,
+    batch: &SeqBatch,
+    temperature: f64,
+    with_entropy: bool,
+) -> TokenScores {
     let ids = &batch.ids;
     let mask = &batch.attention_mask;
     let (b, t) = ids.size2().expect("[B, T]");
@@ -105,7 +120,11 @@ pub fn token_logprobs(model: &Llama, batch: &SeqBatch, temperature: f64, with_en
 }
 
 fn head<'a>(model: &'a Llama, what: &str) -> Result<&'a crate::model::ScalarHead> {
-    model.head.as_ref().ok_or_else(|| EngineError::InvalidArgument(format!("{what} needs a scalar head: call Llama::attach_head or load a model that has one")))
+    model.head.as_ref().ok_or_else(|| {
+        EngineError::InvalidArgument(format!(
+            "{what} needs a scalar head: call Llama::attach_head or load a model that has one"
+        ))
+    })
 }
 
 /// Values `[B, T]` from the value head at every position (padding zeroed).

@@ -19,7 +19,10 @@ pub struct ChatMessage {
 impl ChatMessage {
     /// A message with the given role.
     pub fn new(role: &str, content: &str) -> Self {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -37,7 +40,10 @@ pub struct Tokenizer {
 
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tokenizer").field("vocab", &self.inner.get_vocab_size(true)).field("eos_ids", &self.eos_ids).finish()
+        f.debug_struct("Tokenizer")
+            .field("vocab", &self.inner.get_vocab_size(true))
+            .field("eos_ids", &self.eos_ids)
+            .finish()
     }
 }
 
@@ -46,7 +52,12 @@ fn read_json(path: &Path) -> Result<Option<Value>> {
         return Ok(None);
     }
     let s = std::fs::read_to_string(path).map_err(|e| EngineError::io("reading", path, e))?;
-    serde_json::from_str(&s).map(Some).map_err(|e| EngineError::Json { path: path.into(), source: e })
+    serde_json::from_str(&s)
+        .map(Some)
+        .map_err(|e| EngineError::Json {
+            path: path.into(),
+            source: e,
+        })
 }
 
 fn token_str(v: Option<&Value>) -> Option<String> {
@@ -64,9 +75,14 @@ impl Tokenizer {
         let dir = dir.as_ref();
         let tj = dir.join("tokenizer.json");
         if !tj.exists() {
-            return Err(EngineError::Missing { what: "tokenizer.json", path: tj, hint: "the model directory needs an HF fast-tokenizer file" });
+            return Err(EngineError::Missing {
+                what: "tokenizer.json",
+                path: tj,
+                hint: "the model directory needs an HF fast-tokenizer file",
+            });
         }
-        let inner = tokenizers::Tokenizer::from_file(&tj).map_err(|e| EngineError::Tokenizer(format!("loading {}: {e}", tj.display())))?;
+        let inner = tokenizers::Tokenizer::from_file(&tj)
+            .map_err(|e| EngineError::Tokenizer(format!("loading {}: {e}", tj.display())))?;
         let cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
         let mut chat_template = match cfg.get("chat_template") {
             Some(Value::String(s)) => Some(s.clone()),
@@ -79,12 +95,20 @@ impl Tokenizer {
         };
         let jinja = dir.join("chat_template.jinja");
         if chat_template.is_none() && jinja.exists() {
-            chat_template = Some(std::fs::read_to_string(&jinja).map_err(|e| EngineError::io("reading", &jinja, e))?);
+            chat_template = Some(
+                std::fs::read_to_string(&jinja)
+                    .map_err(|e| EngineError::io("reading", &jinja, e))?,
+            );
         }
         let bos_token = token_str(cfg.get("bos_token"));
         let eos_token = token_str(cfg.get("eos_token"));
         let pad_token = token_str(cfg.get("pad_token"));
-        let mut eos_ids: Vec<i64> = eos_token.as_deref().and_then(|t| inner.token_to_id(t)).map(|i| i as i64).into_iter().collect();
+        let mut eos_ids: Vec<i64> = eos_token
+            .as_deref()
+            .and_then(|t| inner.token_to_id(t))
+            .map(|i| i as i64)
+            .into_iter()
+            .collect();
         if let Some(g) = read_json(&dir.join("generation_config.json"))? {
             match g.get("eos_token_id") {
                 Some(Value::Number(n)) => eos_ids.extend(n.as_i64()),
@@ -100,7 +124,14 @@ impl Tokenizer {
             .map(|i| i as i64)
             .or_else(|| eos_ids.first().copied())
             .unwrap_or(0);
-        Ok(Tokenizer { inner, chat_template, bos_token, eos_token, eos_ids, pad_id })
+        Ok(Tokenizer {
+            inner,
+            chat_template,
+            bos_token,
+            eos_token,
+            eos_ids,
+            pad_id,
+        })
     }
 
     /// The underlying `tokenizers` tokenizer.
@@ -115,14 +146,19 @@ impl Tokenizer {
 
     /// Encodes text (`add_special_tokens` as HF's `tokenizer(text)` does by default).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<i64>> {
-        let enc = self.inner.encode(text, add_special_tokens).map_err(|e| EngineError::Tokenizer(format!("encoding {text:?}: {e}")))?;
+        let enc = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| EngineError::Tokenizer(format!("encoding {text:?}: {e}")))?;
         Ok(enc.get_ids().iter().map(|&i| i as i64).collect())
     }
 
     /// Decodes ids to text.
     pub fn decode(&self, ids: &[i64], skip_special_tokens: bool) -> Result<String> {
         let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
-        self.inner.decode(&ids, skip_special_tokens).map_err(|e| EngineError::Tokenizer(format!("decoding: {e}")))
+        self.inner
+            .decode(&ids, skip_special_tokens)
+            .map_err(|e| EngineError::Tokenizer(format!("decoding: {e}")))
     }
 
     /// The id of a token string.
@@ -136,15 +172,29 @@ impl Tokenizer {
     }
 
     /// Renders the chat template for `messages`.
-    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let tpl = self.chat_template.as_deref().ok_or_else(|| {
             EngineError::ChatTemplate("this model has no chat template (no `chat_template` in tokenizer_config.json and no chat_template.jinja)".into())
         })?;
-        render_chat_template(tpl, messages, add_generation_prompt, self.bos_token.as_deref(), self.eos_token.as_deref())
+        render_chat_template(
+            tpl,
+            messages,
+            add_generation_prompt,
+            self.bos_token.as_deref(),
+            self.eos_token.as_deref(),
+        )
     }
 
     /// Renders the chat template and encodes it (no extra special tokens, as HF does).
-    pub fn encode_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<Vec<i64>> {
+    pub fn encode_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<i64>> {
         let s = self.apply_chat_template(messages, add_generation_prompt)?;
         self.encode(&s, false)
     }
@@ -162,11 +212,20 @@ pub fn render_chat_template(
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-        Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-    });
-    env.add_template("chat", template).map_err(|e| EngineError::ChatTemplate(format!("parsing: {e}")))?;
-    let t = env.get_template("chat").map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    env.add_template("chat", template)
+        .map_err(|e| EngineError::ChatTemplate(format!("parsing: {e}")))?;
+    let t = env
+        .get_template("chat")
+        .map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
     t.render(minijinja::context! {
         messages => messages,
         add_generation_prompt => add_generation_prompt,
@@ -183,14 +242,19 @@ mod tests {
     #[test]
     fn chatml_template_trims_blocks() {
         let tpl = "{% for m in messages %}\n{{ '<|im_start|>' + m['role'] + '\\n' + m.content.strip() + '<|im_end|>\\n' }}\n{% endfor %}\n{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
-        let s = render_chat_template(tpl, &[ChatMessage::new("user", " hi ")], true, None, None).unwrap();
+        let s = render_chat_template(tpl, &[ChatMessage::new("user", " hi ")], true, None, None)
+            .unwrap();
         // Same as jinja2 with trim_blocks + lstrip_blocks (checked against Python).
-        assert_eq!(s, "<|im_start|>user\nhi<|im_end|>\n\n<|im_start|>assistant\n");
+        assert_eq!(
+            s,
+            "<|im_start|>user\nhi<|im_end|>\n\n<|im_start|>assistant\n"
+        );
     }
 
     #[test]
     fn raise_exception_is_an_error() {
-        let e = render_chat_template("{{ raise_exception('bad role') }}", &[], false, None, None).unwrap_err();
+        let e = render_chat_template("{{ raise_exception('bad role') }}", &[], false, None, None)
+            .unwrap_err();
         assert!(e.to_string().contains("bad role"), "{e}");
     }
 }

@@ -33,10 +33,20 @@ pub enum LrSchedule {
 impl LrSchedule {
     /// The multiplier for optimizer step `step` (0-based).
     pub fn factor(&self, step: u64) -> f64 {
-        let warm = |w: u64| if w > 0 && step < w { (step + 1) as f64 / w as f64 } else { 1.0 };
+        let warm = |w: u64| {
+            if w > 0 && step < w {
+                (step + 1) as f64 / w as f64
+            } else {
+                1.0
+            }
+        };
         match *self {
             LrSchedule::Constant { warmup_steps } => warm(warmup_steps),
-            LrSchedule::Cosine { warmup_steps, total_steps, min_ratio } => {
+            LrSchedule::Cosine {
+                warmup_steps,
+                total_steps,
+                min_ratio,
+            } => {
                 if warmup_steps > 0 && step < warmup_steps {
                     return warm(warmup_steps);
                 }
@@ -76,7 +86,13 @@ impl Default for TrainConfig {
             betas: (0.9, 0.999),
             eps: 1e-8,
             weight_decay: 0.01,
-            no_decay: vec!["ln1".into(), "ln2".into(), "norm".into(), "bias".into(), "bqkv".into()],
+            no_decay: vec![
+                "ln1".into(),
+                "ln2".into(),
+                "norm".into(),
+                "bias".into(),
+                "bqkv".into(),
+            ],
             max_grad_norm: Some(1.0),
             schedule: LrSchedule::Constant { warmup_steps: 0 },
             seed: 0,
@@ -129,10 +145,23 @@ impl Trainer {
                 let decay = !config.no_decay.iter().any(|s| name.contains(s.as_str()));
                 let z = || Tensor::zeros(p.size(), (Kind::Float, p.device()));
                 let master = (p.kind() != Kind::Float).then(|| p.detach().to_kind(Kind::Float));
-                ParamState { name, decay, m: z(), v: z(), master }
+                ParamState {
+                    name,
+                    decay,
+                    m: z(),
+                    v: z(),
+                    master,
+                }
             })
             .collect();
-        Trainer { model, config, state, step: 0, offloaded: None, pending_losses: vec![] }
+        Trainer {
+            model,
+            config,
+            state,
+            step: 0,
+            offloaded: None,
+            pending_losses: vec![],
+        }
     }
 
     /// Optimizer steps taken.
@@ -143,12 +172,17 @@ impl Trainer {
     /// The parameter names in the decay group and in the no-decay group.
     pub fn decay_groups(&self) -> (Vec<String>, Vec<String>) {
         let (d, n): (Vec<_>, Vec<_>) = self.state.iter().partition(|s| s.decay);
-        (d.into_iter().map(|s| s.name.clone()).collect(), n.into_iter().map(|s| s.name.clone()).collect())
+        (
+            d.into_iter().map(|s| s.name.clone()).collect(),
+            n.into_iter().map(|s| s.name.clone()).collect(),
+        )
     }
 
     fn check_resident(&self) -> Result<()> {
         if self.offloaded.is_some() {
-            return Err(EngineError::InvalidArgument("the trainer is offloaded; call reload() first".into()));
+            return Err(EngineError::InvalidArgument(
+                "the trainer is offloaded; call reload() first".into(),
+            ));
         }
         Ok(())
     }
@@ -158,11 +192,16 @@ impl Trainer {
     pub fn backward_micro(&mut self, loss: Tensor, scale: f64) -> Result<f64> {
         self.check_resident()?;
         if loss.numel() != 1 {
-            return Err(EngineError::InvalidArgument(format!("the loss must be a scalar, got shape {:?}", loss.size())));
+            return Err(EngineError::InvalidArgument(format!(
+                "the loss must be a scalar, got shape {:?}",
+                loss.size()
+            )));
         }
         let v = loss.double_value(&[]);
         if !v.is_finite() {
-            return Err(EngineError::InvalidArgument(format!("the loss is {v}; refusing to backpropagate")));
+            return Err(EngineError::InvalidArgument(format!(
+                "the loss is {v}; refusing to backpropagate"
+            )));
         }
         (loss * scale).f_backward()?;
         self.pending_losses.push(v);
@@ -172,10 +211,16 @@ impl Trainer {
     /// One optimizer step over `micro_batches`: for each, `loss_fn` computes a scalar loss
     /// with gradients; gradients accumulate (each loss scaled by 1/n); then clip, AdamW,
     /// zero gradients.
-    pub fn step<M>(&mut self, micro_batches: &[M], mut loss_fn: impl FnMut(&Llama, &M) -> Result<Tensor>) -> Result<StepStats> {
+    pub fn step<M>(
+        &mut self,
+        micro_batches: &[M],
+        mut loss_fn: impl FnMut(&Llama, &M) -> Result<Tensor>,
+    ) -> Result<StepStats> {
         self.check_resident()?;
         if micro_batches.is_empty() {
-            return Err(EngineError::InvalidArgument("step needs at least one micro-batch".into()));
+            return Err(EngineError::InvalidArgument(
+                "step needs at least one micro-batch".into(),
+            ));
         }
         tch::manual_seed(self.config.seed.wrapping_add(self.step) as i64);
         let scale = 1.0 / micro_batches.len() as f64;
@@ -195,7 +240,14 @@ impl Trainer {
             .into_iter()
             .map(|(n, p)| {
                 let g = p.grad();
-                (n, if g.defined() { g.to_kind(Kind::Float) } else { Tensor::zeros(p.size(), (Kind::Float, p.device())) })
+                (
+                    n,
+                    if g.defined() {
+                        g.to_kind(Kind::Float)
+                    } else {
+                        Tensor::zeros(p.size(), (Kind::Float, p.device()))
+                    },
+                )
             })
             .collect();
         to_buckets(&named, max_bytes)
@@ -213,7 +265,11 @@ impl Trainer {
             for (n, p) in self.model.parameters_mut() {
                 if let Some(g) = incoming.remove(&n) {
                     if g.size() != p.size() {
-                        return Err(EngineError::Bucket(format!("gradient `{n}` has shape {:?}, parameter has {:?}", g.size(), p.size())));
+                        return Err(EngineError::Bucket(format!(
+                            "gradient `{n}` has shape {:?}, parameter has {:?}",
+                            g.size(),
+                            p.size()
+                        )));
                     }
                     let mut cur = p.grad();
                     if cur.defined() {
@@ -228,7 +284,9 @@ impl Trainer {
             Ok(())
         })?;
         if let Some(n) = incoming.keys().next() {
-            return Err(EngineError::Bucket(format!("gradient `{n}` matches no parameter")));
+            return Err(EngineError::Bucket(format!(
+                "gradient `{n}` matches no parameter"
+            )));
         }
         Ok(())
     }
@@ -244,7 +302,12 @@ impl Trainer {
         let bc2 = 1.0 - b2.powf(t);
         let params = self.model.parameters_mut();
         let grad_norm = tch::no_grad(|| {
-            let norms: Vec<Tensor> = params.iter().map(|(_, p)| p.grad()).filter(|g| g.defined()).map(|g| g.to_kind(Kind::Float).norm()).collect();
+            let norms: Vec<Tensor> = params
+                .iter()
+                .map(|(_, p)| p.grad())
+                .filter(|g| g.defined())
+                .map(|g| g.to_kind(Kind::Float).norm())
+                .collect();
             if norms.is_empty() {
                 return 0.0;
             }
@@ -301,15 +364,35 @@ impl Trainer {
             }
         });
         self.step += 1;
-        let loss = if self.pending_losses.is_empty() { f64::NAN } else { self.pending_losses.iter().sum::<f64>() / self.pending_losses.len() as f64 };
+        let loss = if self.pending_losses.is_empty() {
+            f64::NAN
+        } else {
+            self.pending_losses.iter().sum::<f64>() / self.pending_losses.len() as f64
+        };
         self.pending_losses.clear();
-        Ok(StepStats { step: self.step, loss, grad_norm, lr })
+        Ok(StepStats {
+            step: self.step,
+            loss,
+            grad_norm,
+            lr,
+        })
     }
 
     /// Bytes of parameters, gradients and optimizer state currently held in tensors.
     pub fn resident_bytes(&mut self) -> usize {
-        let sz = |t: &Tensor| if t.defined() { t.numel() * t.kind().elt_size_in_bytes() } else { 0 };
-        let mut n: usize = self.model.parameters_mut().iter().map(|(_, p)| sz(p) + sz(&p.grad())).sum();
+        let sz = |t: &Tensor| {
+            if t.defined() {
+                t.numel() * t.kind().elt_size_in_bytes()
+            } else {
+                0
+            }
+        };
+        let mut n: usize = self
+            .model
+            .parameters_mut()
+            .iter()
+            .map(|(_, p)| sz(p) + sz(&p.grad()))
+            .sum();
         for s in &self.state {
             n += sz(&s.m) + sz(&s.v) + s.master.as_ref().map(sz).unwrap_or(0);
         }
@@ -353,13 +436,18 @@ impl Trainer {
 
     /// Restores what [`Trainer::offload`] moved out, on the original device.
     pub fn reload(&mut self) -> Result<()> {
-        let Some((device, buckets)) = self.offloaded.take() else { return Ok(()) };
+        let Some((device, buckets)) = self.offloaded.take() else {
+            return Ok(());
+        };
         let mut map = std::collections::HashMap::new();
         for b in &buckets {
             map.extend(b.tensors(device)?);
         }
         drop(buckets);
-        let mut get = |k: &str| map.remove(k).ok_or_else(|| EngineError::Bucket(format!("offloaded state lacks `{k}`")));
+        let mut get = |k: &str| {
+            map.remove(k)
+                .ok_or_else(|| EngineError::Bucket(format!("offloaded state lacks `{k}`")))
+        };
         for (n, p) in self.model.parameters_mut() {
             *p = get(&format!("p.{n}"))?.set_requires_grad(true);
         }
@@ -379,7 +467,11 @@ impl Trainer {
     }
 
     /// Saves an HF-loadable model plus optimizer and step state (see [`checkpoint`]).
-    pub fn save_checkpoint(&self, dir: impl AsRef<Path>, tokenizer_from: Option<&Path>) -> Result<()> {
+    pub fn save_checkpoint(
+        &self,
+        dir: impl AsRef<Path>,
+        tokenizer_from: Option<&Path>,
+    ) -> Result<()> {
         self.check_resident()?;
         checkpoint::save_trainer(self, dir.as_ref(), tokenizer_from)
     }
@@ -400,7 +492,11 @@ mod tests {
         assert_eq!(c.factor(0), 0.25);
         assert_eq!(c.factor(3), 1.0);
         assert_eq!(c.factor(100), 1.0);
-        let s = LrSchedule::Cosine { warmup_steps: 2, total_steps: 12, min_ratio: 0.1 };
+        let s = LrSchedule::Cosine {
+            warmup_steps: 2,
+            total_steps: 12,
+            min_ratio: 0.1,
+        };
         assert_eq!(s.factor(0), 0.5);
         assert!((s.factor(2) - 1.0).abs() < 1e-12);
         assert!((s.factor(7) - (0.1 + 0.9 * 0.5)).abs() < 1e-12);

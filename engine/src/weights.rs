@@ -28,7 +28,11 @@ impl BucketDtype {
             Kind::BFloat16 => BucketDtype::Bf16,
             Kind::Half => BucketDtype::F16,
             Kind::Int64 => BucketDtype::I64,
-            other => return Err(EngineError::Bucket(format!("dtype {other:?} cannot go in a bucket (f32, bf16, f16, i64 can)"))),
+            other => {
+                return Err(EngineError::Bucket(format!(
+                    "dtype {other:?} cannot go in a bucket (f32, bf16, f16, i64 can)"
+                )))
+            }
         })
     }
     /// The libtorch kind.
@@ -96,7 +100,13 @@ impl WeightBucket {
     pub fn push(&mut self, name: &str, t: &Tensor) -> Result<()> {
         let dtype = BucketDtype::from_kind(t.kind())?;
         let bytes = tensor_bytes(t)?;
-        self.entries.push(BucketEntry { name: name.into(), dtype, shape: t.size(), offset: self.data.len() as u64, len: bytes.len() as u64 });
+        self.entries.push(BucketEntry {
+            name: name.into(),
+            dtype,
+            shape: t.size(),
+            offset: self.data.len() as u64,
+            len: bytes.len() as u64,
+        });
         self.data.extend_from_slice(&bytes);
         Ok(())
     }
@@ -106,14 +116,35 @@ impl WeightBucket {
         self.entries
             .iter()
             .map(|e| {
-                let end = e.offset.checked_add(e.len).filter(|&x| x <= self.data.len() as u64).ok_or_else(|| {
-                    EngineError::Bucket(format!("entry `{}` spans bytes {}..{} of a {}-byte payload", e.name, e.offset, e.offset + e.len, self.data.len()))
-                })?;
+                let end = e
+                    .offset
+                    .checked_add(e.len)
+                    .filter(|&x| x <= self.data.len() as u64)
+                    .ok_or_else(|| {
+                        EngineError::Bucket(format!(
+                            "entry `{}` spans bytes {}..{} of a {}-byte payload",
+                            e.name,
+                            e.offset,
+                            e.offset + e.len,
+                            self.data.len()
+                        ))
+                    })?;
                 let numel: i64 = e.shape.iter().product();
                 if numel as u64 * e.dtype.size() as u64 != e.len {
-                    return Err(EngineError::Bucket(format!("entry `{}`: shape {:?} of {:?} needs {} bytes, header says {}", e.name, e.shape, e.dtype, numel as usize * e.dtype.size(), e.len)));
+                    return Err(EngineError::Bucket(format!(
+                        "entry `{}`: shape {:?} of {:?} needs {} bytes, header says {}",
+                        e.name,
+                        e.shape,
+                        e.dtype,
+                        numel as usize * e.dtype.size(),
+                        e.len
+                    )));
                 }
-                let t = Tensor::f_from_data_size(&self.data[e.offset as usize..end as usize], &e.shape, e.dtype.kind())?;
+                let t = Tensor::f_from_data_size(
+                    &self.data[e.offset as usize..end as usize],
+                    &e.shape,
+                    e.dtype.kind(),
+                )?;
                 Ok((e.name.clone(), t.to_device(device)))
             })
             .collect()
@@ -142,7 +173,9 @@ impl WeightBucket {
     pub fn decode_header(b: &[u8]) -> Result<Vec<BucketEntry>> {
         let mut pos = 0usize;
         let mut take = |n: usize| -> Result<&[u8]> {
-            let s = b.get(pos..pos + n).ok_or_else(|| EngineError::Bucket(format!("header truncated at byte {pos}")))?;
+            let s = b
+                .get(pos..pos + n)
+                .ok_or_else(|| EngineError::Bucket(format!("header truncated at byte {pos}")))?;
             pos += n;
             Ok(s)
         };
@@ -150,7 +183,8 @@ impl WeightBucket {
         let mut out = Vec::with_capacity(count.min(1 << 16));
         for _ in 0..count {
             let nl = u16::from_le_bytes(take(2)?.try_into().expect("2")) as usize;
-            let name = String::from_utf8(take(nl)?.to_vec()).map_err(|_| EngineError::Bucket("entry name is not UTF-8".into()))?;
+            let name = String::from_utf8(take(nl)?.to_vec())
+                .map_err(|_| EngineError::Bucket("entry name is not UTF-8".into()))?;
             let dtype = BucketDtype::from_u8(take(1)?[0])?;
             let nd = take(1)?[0] as usize;
             let mut shape = Vec::with_capacity(nd);
@@ -159,7 +193,13 @@ impl WeightBucket {
             }
             let offset = u64::from_le_bytes(take(8)?.try_into().expect("8"));
             let len = u64::from_le_bytes(take(8)?.try_into().expect("8"));
-            out.push(BucketEntry { name, dtype, shape, offset, len });
+            out.push(BucketEntry {
+                name,
+                dtype,
+                shape,
+                offset,
+                len,
+            });
         }
         Ok(out)
     }
@@ -191,7 +231,10 @@ mod tests {
     fn round_trip_and_header() {
         let a = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]).view([2, 2]);
         let b = Tensor::from_slice(&[5.0f32, 6.0]).to_kind(Kind::BFloat16);
-        let named = vec![("a".to_string(), a.shallow_clone()), ("b".to_string(), b.shallow_clone())];
+        let named = vec![
+            ("a".to_string(), a.shallow_clone()),
+            ("b".to_string(), b.shallow_clone()),
+        ];
         let bs = to_buckets(&named, 1 << 20).unwrap();
         assert_eq!(bs.len(), 1);
         let hdr = bs[0].encode_header();
@@ -199,7 +242,10 @@ mod tests {
         let ts = bs[0].tensors(Device::Cpu).unwrap();
         assert_eq!(ts[0].1, a);
         assert_eq!(ts[1].1.kind(), Kind::BFloat16);
-        assert_eq!(ts[1].1.to_kind(Kind::Float), Tensor::from_slice(&[5.0f32, 6.0]));
+        assert_eq!(
+            ts[1].1.to_kind(Kind::Float),
+            Tensor::from_slice(&[5.0f32, 6.0])
+        );
         // Small limit: one tensor per bucket.
         assert_eq!(to_buckets(&named, 4).unwrap().len(), 2);
         // Corrupt headers are errors, not panics.

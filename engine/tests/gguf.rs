@@ -37,7 +37,10 @@ impl W {
 }
 
 /// Tensors: (name, dims (ggml order), type, bytes).
-fn gguf_bytes(kvs: impl FnOnce(&mut W) -> u64, tensors: &[(&str, Vec<u64>, u32, Vec<u8>)]) -> Vec<u8> {
+fn gguf_bytes(
+    kvs: impl FnOnce(&mut W) -> u64,
+    tensors: &[(&str, Vec<u64>, u32, Vec<u8>)],
+) -> Vec<u8> {
     let mut w = W(Vec::new());
     w.0.extend(b"GGUF");
     w.0.extend(3u32.to_le_bytes());
@@ -89,18 +92,34 @@ fn tiny_llama_kvs(w: &mut W) -> u64 {
     w.kv_f32("llama.attention.layer_norm_rms_epsilon", 1e-5);
     w.kv_str("tokenizer.ggml.model", "gpt2");
     w.kv_str("tokenizer.ggml.pre", "smollm");
-    w.kv_strs("tokenizer.ggml.tokens", &["<|endoftext|>", "a", "b", "ab", "Ġ"]);
+    w.kv_strs(
+        "tokenizer.ggml.tokens",
+        &["<|endoftext|>", "a", "b", "ab", "Ġ"],
+    );
     w.kv_strs("tokenizer.ggml.merges", &["a b"]);
     11
 }
 
 #[test]
 fn parses_metadata_and_tensors() {
-    let p = write("parse", &gguf_bytes(tiny_llama_kvs, &[("token_embd.weight", vec![4, 5], 0, f32s(&[0.5; 20]))]));
+    let p = write(
+        "parse",
+        &gguf_bytes(
+            tiny_llama_kvs,
+            &[("token_embd.weight", vec![4, 5], 0, f32s(&[0.5; 20]))],
+        ),
+    );
     let g = GgufFile::open(&p).unwrap();
     assert_eq!(g.version, 3);
     assert_eq!(g.get("llama.block_count"), Some(&GgufValue::U32(1)));
-    assert_eq!(g.get("tokenizer.ggml.tokens").unwrap().as_array().unwrap().len(), 5);
+    assert_eq!(
+        g.get("tokenizer.ggml.tokens")
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .len(),
+        5
+    );
     let t = g.tensor("token_embd.weight").unwrap();
     assert_eq!(t.shape(), vec![5, 4]);
     assert_eq!(t.ty, GgmlType::F32);
@@ -110,10 +129,21 @@ fn parses_metadata_and_tensors() {
 
 #[test]
 fn unsupported_type_names_type_and_tensor() {
-    let p = write("q4k", &gguf_bytes(tiny_llama_kvs, &[("blk.0.attn_q.weight", vec![256, 1], 12, vec![0u8; 144])]));
+    let p = write(
+        "q4k",
+        &gguf_bytes(
+            tiny_llama_kvs,
+            &[("blk.0.attn_q.weight", vec![256, 1], 12, vec![0u8; 144])],
+        ),
+    );
     let out = std::env::temp_dir().join(format!("yatt-gguf-out-{}", std::process::id()));
-    let e = import_gguf(&p, &out, &Default::default()).unwrap_err().to_string();
-    assert!(e.contains("Q4_K") && e.contains("blk.0.attn_q.weight"), "{e}");
+    let e = import_gguf(&p, &out, &Default::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("Q4_K") && e.contains("blk.0.attn_q.weight"),
+        "{e}"
+    );
     let _ = std::fs::remove_file(p);
 }
 
@@ -122,15 +152,33 @@ fn malformed_files_are_clear_errors() {
     let p = write("bad", b"NOTAGGUF");
     let e = GgufFile::open(&p).err().unwrap().to_string();
     assert!(e.contains("magic"), "{e}");
-    let mut trunc = gguf_bytes(tiny_llama_kvs, &[("token_embd.weight", vec![4, 5], 0, f32s(&[0.5; 20]))]);
+    let mut trunc = gguf_bytes(
+        tiny_llama_kvs,
+        &[("token_embd.weight", vec![4, 5], 0, f32s(&[0.5; 20]))],
+    );
     trunc.truncate(trunc.len() - 40);
     let p2 = write("trunc", &trunc);
     let e = GgufFile::open(&p2).err().unwrap().to_string();
-    assert!(e.contains("token_embd.weight") && e.contains("past the end"), "{e}");
-    let e = GgufFile::open("/nonexistent/x.gguf").err().unwrap().to_string();
+    assert!(
+        e.contains("token_embd.weight") && e.contains("past the end"),
+        "{e}"
+    );
+    let e = GgufFile::open("/nonexistent/x.gguf")
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("/nonexistent/x.gguf"), "{e}");
-    let e = yatt_engine::Llama::load("/nonexistent-model-dir", yatt_engine::tch::Device::Cpu, yatt_engine::tch::Kind::Float).unwrap_err().to_string();
-    assert!(e.contains("config.json") && e.contains("/nonexistent-model-dir"), "{e}");
+    let e = yatt_engine::Llama::load(
+        "/nonexistent-model-dir",
+        yatt_engine::tch::Device::Cpu,
+        yatt_engine::tch::Kind::Float,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("config.json") && e.contains("/nonexistent-model-dir"),
+        "{e}"
+    );
     for p in [p, p2] {
         let _ = std::fs::remove_file(p);
     }
@@ -140,9 +188,20 @@ fn malformed_files_are_clear_errors() {
 fn smollm2_import_has_expected_layout() {
     let dir = yatt_engine::fixtures::smollm2_hf_dir().unwrap();
     let g = GgufFile::open(yatt_engine::fixtures::smollm2_gguf().unwrap()).unwrap();
-    assert_eq!(g.get("general.architecture").and_then(|v| v.as_str()), Some("llama"));
+    assert_eq!(
+        g.get("general.architecture").and_then(|v| v.as_str()),
+        Some("llama")
+    );
     let cfg = yatt_engine::ModelConfig::from_dir(&dir).unwrap();
-    assert_eq!((cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads), (576, 30, 9, 3));
+    assert_eq!(
+        (
+            cfg.hidden_size,
+            cfg.num_hidden_layers,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads
+        ),
+        (576, 30, 9, 3)
+    );
     assert!(cfg.tie_word_embeddings);
     let tok = yatt_engine::Tokenizer::from_dir(&dir).unwrap();
     assert_eq!(tok.vocab_size(), 49152);

@@ -22,7 +22,10 @@ fn pairs() -> Vec<(Vec<i64>, Vec<i64>)> {
 }
 
 fn batch(p: &[(Vec<i64>, Vec<i64>)]) -> SeqBatch {
-    let refs: Vec<(&[i64], &[i64])> = p.iter().map(|(a, b)| (a.as_slice(), b.as_slice())).collect();
+    let refs: Vec<(&[i64], &[i64])> = p
+        .iter()
+        .map(|(a, b)| (a.as_slice(), b.as_slice()))
+        .collect();
     SeqBatch::from_pairs(&refs, 1, Device::Cpu).unwrap()
 }
 
@@ -34,34 +37,75 @@ fn nll(model: &Llama, b: &SeqBatch) -> Result<Tensor> {
 }
 
 fn params_equal(a: &mut Llama, b: &mut Llama) -> bool {
-    a.parameters().iter().zip(b.parameters().iter()).all(|((n1, x), (n2, y))| n1 == n2 && x.equal(y))
+    a.parameters()
+        .iter()
+        .zip(b.parameters().iter())
+        .all(|((n1, x), (n2, y))| n1 == n2 && x.equal(y))
 }
 
 #[test]
 fn scores_match_generation_logprobs_and_padding() {
     let model = tiny(1);
-    let mut g = Generator::new(model, GeneratorConfig { max_batch: 2, max_seq_len: 64, ..Default::default() });
+    let mut g = Generator::new(
+        model,
+        GeneratorConfig {
+            max_batch: 2,
+            max_seq_len: 64,
+            ..Default::default()
+        },
+    );
     let reqs: Vec<Request> = (0..3)
-        .map(|i| Request { id: i, prompt: vec![0, 3 + i as i64, 4, 5], params: SamplingParams { temperature: 0.8, max_new_tokens: 10, ignore_eos: true, seed: i, ..Default::default() } })
+        .map(|i| Request {
+            id: i,
+            prompt: vec![0, 3 + i as i64, 4, 5],
+            params: SamplingParams {
+                temperature: 0.8,
+                max_new_tokens: 10,
+                ignore_eos: true,
+                seed: i,
+                ..Default::default()
+            },
+        })
         .collect();
     let (outs, _) = g.generate(&reqs).unwrap();
     let model = tiny(1);
-    let p: Vec<(Vec<i64>, Vec<i64>)> = reqs.iter().zip(&outs).map(|(r, c)| (r.prompt.clone(), c.tokens.clone())).collect();
+    let p: Vec<(Vec<i64>, Vec<i64>)> = reqs
+        .iter()
+        .zip(&outs)
+        .map(|(r, c)| (r.prompt.clone(), c.tokens.clone()))
+        .collect();
     let b = batch(&p);
     let s = tch::no_grad(|| token_logprobs(&model, &b, 0.8, true));
     for (i, c) in outs.iter().enumerate() {
         let pl = reqs[i].prompt.len() as i64;
-        let ours = s.logprobs.get(i as i64).narrow(0, pl, c.tokens.len() as i64);
+        let ours = s
+            .logprobs
+            .get(i as i64)
+            .narrow(0, pl, c.tokens.len() as i64);
         let gen = Tensor::from_slice(&c.logprobs);
         let d = (ours - gen).abs().max().double_value(&[]);
-        assert!(d < 1e-4, "row {i}: generation and scoring log-probs differ by {d}");
+        assert!(
+            d < 1e-4,
+            "row {i}: generation and scoring log-probs differ by {d}"
+        );
     }
     // Padding does not change a row's scores; masked positions are zero.
     let alone = tch::no_grad(|| token_logprobs(&model, &batch(&p[1..2]), 0.8, true));
     let n = (p[1].0.len() + p[1].1.len()) as i64;
-    let d = (alone.logprobs.get(0) - s.logprobs.get(1).narrow(0, 0, n)).abs().max().double_value(&[]);
+    let d = (alone.logprobs.get(0) - s.logprobs.get(1).narrow(0, 0, n))
+        .abs()
+        .max()
+        .double_value(&[]);
     assert!(d < 1e-5, "{d}");
-    assert_eq!(s.logprobs.get(1).narrow(0, n, s.logprobs.size()[1] - n).abs().sum(Kind::Float).double_value(&[]), 0.0);
+    assert_eq!(
+        s.logprobs
+            .get(1)
+            .narrow(0, n, s.logprobs.size()[1] - n)
+            .abs()
+            .sum(Kind::Float)
+            .double_value(&[]),
+        0.0
+    );
     let ent = s.entropy.get(0).get(3).double_value(&[]);
     assert!(ent > 0.0 && ent <= (97f64).ln() + 1e-4, "entropy {ent}");
 }
@@ -70,19 +114,26 @@ fn scores_match_generation_logprobs_and_padding() {
 fn training_reduces_loss_and_accumulation_matches_full_batch() {
     let p = pairs();
     let full = batch(&p);
-    let cfg = TrainConfig { lr: 3e-3, weight_decay: 0.0, max_grad_norm: None, ..Default::default() };
+    let cfg = TrainConfig {
+        lr: 3e-3,
+        weight_decay: 0.0,
+        max_grad_norm: None,
+        ..Default::default()
+    };
     // Full batch vs two micro-batches of two (equal token counts are not needed: rows 0+1 and 2+3
     // both hold 7 response tokens... use per-row-mean loss to make them comparable).
     let row_mean = |model: &Llama, b: &SeqBatch| -> Result<Tensor> {
         let s = token_logprobs(model, b, 1.0, false);
         let m = b.response_mask.to_kind(Kind::Float);
-        let per_row = (s.logprobs * &m).sum_dim_intlist(1, false, Kind::Float) / m.sum_dim_intlist(1, false, Kind::Float);
+        let per_row = (s.logprobs * &m).sum_dim_intlist(1, false, Kind::Float)
+            / m.sum_dim_intlist(1, false, Kind::Float);
         Ok(-per_row.mean(Kind::Float))
     };
     let mut a = Trainer::new(tiny(2), cfg.clone());
     let mut b = Trainer::new(tiny(2), cfg.clone());
     a.step(&[full], row_mean).unwrap();
-    b.step(&[batch(&p[0..2]), batch(&p[2..4])], row_mean).unwrap();
+    b.step(&[batch(&p[0..2]), batch(&p[2..4])], row_mean)
+        .unwrap();
     for ((n, x), (_, y)) in a.model.parameters().iter().zip(b.model.parameters().iter()) {
         let d = (x - y).abs().max().double_value(&[]);
         assert!(d < 1e-6, "{n}: accumulation differs by {d}");
@@ -91,7 +142,10 @@ fn training_reduces_loss_and_accumulation_matches_full_batch() {
     for _ in 0..8 {
         losses.push(a.step(&[batch(&p)], nll).unwrap().loss);
     }
-    assert!(losses[7] < losses[0] * 0.9, "loss did not go down: {losses:?}");
+    assert!(
+        losses[7] < losses[0] * 0.9,
+        "loss did not go down: {losses:?}"
+    );
 }
 
 #[test]
@@ -100,14 +154,23 @@ fn decay_groups_clipping_and_schedule() {
         lr: 1e-2,
         weight_decay: 0.5,
         max_grad_norm: Some(0.01),
-        schedule: LrSchedule::Cosine { warmup_steps: 2, total_steps: 10, min_ratio: 0.0 },
+        schedule: LrSchedule::Cosine {
+            warmup_steps: 2,
+            total_steps: 10,
+            min_ratio: 0.0,
+        },
         ..Default::default()
     };
     let mut t = Trainer::new(tiny(3), cfg);
     let (decay, no_decay) = t.decay_groups();
     assert!(decay.iter().any(|n| n.ends_with("wqkv")) && decay.contains(&"embed".to_string()));
     assert!(no_decay.contains(&"norm".to_string()) && no_decay.iter().any(|n| n.ends_with("ln1")));
-    let before: Vec<(String, Tensor)> = t.model.parameters().into_iter().map(|(n, x)| (n, x.detach().copy())).collect();
+    let before: Vec<(String, Tensor)> = t
+        .model
+        .parameters()
+        .into_iter()
+        .map(|(n, x)| (n, x.detach().copy()))
+        .collect();
     // A zero loss (zero gradients everywhere): only weight decay moves the parameters.
     let p = pairs();
     let s = t.step(&[batch(&p)], |m, b| Ok(nll(m, b)? * 0.0)).unwrap();
@@ -117,46 +180,84 @@ fn decay_groups_clipping_and_schedule() {
             assert!(old.equal(new), "{n} must not decay");
         } else {
             let want = old * (1.0 - 0.5e-2 * 0.5);
-            assert!((new - want).abs().max().double_value(&[]) < 1e-7, "{n} decays");
+            assert!(
+                (new - want).abs().max().double_value(&[]) < 1e-7,
+                "{n} decays"
+            );
         }
     }
     let s = t.step(&[batch(&p)], nll).unwrap();
-    assert!(s.grad_norm > 0.01, "the test wants clipping to engage: {}", s.grad_norm);
+    assert!(
+        s.grad_norm > 0.01,
+        "the test wants clipping to engage: {}",
+        s.grad_norm
+    );
 }
 
 #[test]
 fn exact_resume_from_checkpoint() {
     let p = pairs();
-    let cfg = TrainConfig { lr: 1e-3, schedule: LrSchedule::Cosine { warmup_steps: 1, total_steps: 4, min_ratio: 0.1 }, ..Default::default() };
+    let cfg = TrainConfig {
+        lr: 1e-3,
+        schedule: LrSchedule::Cosine {
+            warmup_steps: 1,
+            total_steps: 4,
+            min_ratio: 0.1,
+        },
+        ..Default::default()
+    };
     let mut straight = Trainer::new(tiny(4), cfg.clone());
     for _ in 0..4 {
-        straight.step(&[batch(&p[0..2]), batch(&p[2..4])], nll).unwrap();
+        straight
+            .step(&[batch(&p[0..2]), batch(&p[2..4])], nll)
+            .unwrap();
     }
     let dir = std::env::temp_dir().join(format!("yatt-ckpt-{}", std::process::id()));
     let mut first = Trainer::new(tiny(4), cfg);
     for _ in 0..2 {
-        first.step(&[batch(&p[0..2]), batch(&p[2..4])], nll).unwrap();
+        first
+            .step(&[batch(&p[0..2]), batch(&p[2..4])], nll)
+            .unwrap();
     }
     first.save_checkpoint(&dir, None).unwrap();
     drop(first);
     let mut resumed = Trainer::load_checkpoint(&dir, Device::Cpu, Kind::Float).unwrap();
     assert_eq!(resumed.step_count(), 2);
     for _ in 0..2 {
-        resumed.step(&[batch(&p[0..2]), batch(&p[2..4])], nll).unwrap();
+        resumed
+            .step(&[batch(&p[0..2]), batch(&p[2..4])], nll)
+            .unwrap();
     }
-    assert!(params_equal(&mut straight.model, &mut resumed.model), "resumed training must be bit-identical");
+    assert!(
+        params_equal(&mut straight.model, &mut resumed.model),
+        "resumed training must be bit-identical"
+    );
     // transformers loads the checkpoint and agrees on logits.
     let prompt: Vec<i64> = vec![0, 5, 6, 7, 8, 9];
     let r = run_reference("load", &json!({"model": dir, "prompt": prompt}), Some(2)).unwrap();
-    let ours = tch::no_grad(|| Trainer::load_checkpoint(&dir, Device::Cpu, Kind::Float).unwrap().model.forward(&Tensor::from_slice(&prompt).unsqueeze(0), None));
+    let ours = tch::no_grad(|| {
+        Trainer::load_checkpoint(&dir, Device::Cpu, Kind::Float)
+            .unwrap()
+            .model
+            .forward(&Tensor::from_slice(&prompt).unsqueeze(0), None)
+    });
     let last = ours.get(0).get(5);
     for (i, v) in r["last_logits_head"].as_array().unwrap().iter().enumerate() {
         let d = (last.get(i as i64).double_value(&[]) - v.as_f64().unwrap()).abs();
         assert!(d < 1e-4, "logit {i} differs by {d}");
     }
-    assert_eq!(r["argmax"].as_i64().unwrap(), last.argmax(0, false).int64_value(&[]));
+    assert_eq!(
+        r["argmax"].as_i64().unwrap(),
+        last.argmax(0, false).int64_value(&[])
+    );
     let _ = std::fs::remove_dir_all(&dir);
-    let e = Trainer::load_checkpoint(std::env::temp_dir().join("yatt-no-such-ckpt"), Device::Cpu, Kind::Float).err().unwrap();
+    let e = Trainer::load_checkpoint(
+        std::env::temp_dir().join("yatt-no-such-ckpt"),
+        Device::Cpu,
+        Kind::Float,
+    )
+    .err()
+    .unwrap();
     assert!(e.to_string().contains("trainer_state.json"), "{e}");
 }
 
@@ -166,14 +267,26 @@ fn offload_reload_buckets_reference_and_heads() {
     let mut t = Trainer::new(tiny(5), TrainConfig::default());
     t.step(&[batch(&p)], nll).unwrap();
     let reference = t.model.deep_copy(Device::Cpu, Kind::Float).unwrap();
-    let snapshot: Vec<Tensor> = t.model.parameters().into_iter().map(|(_, x)| x.detach().copy()).collect();
+    let snapshot: Vec<Tensor> = t
+        .model
+        .parameters()
+        .into_iter()
+        .map(|(_, x)| x.detach().copy())
+        .collect();
     let full = t.resident_bytes();
     t.offload().unwrap();
     assert!(t.is_offloaded());
-    assert_eq!(t.resident_bytes(), 0, "offload must drop every parameter and optimizer tensor");
+    assert_eq!(
+        t.resident_bytes(),
+        0,
+        "offload must drop every parameter and optimizer tensor"
+    );
     assert!(t.step(&[batch(&p)], nll).is_err());
     t.reload().unwrap();
-    assert!(t.resident_bytes() >= full - t.model.num_parameters() as usize * 4, "reload restores the state (grads dropped)");
+    assert!(
+        t.resident_bytes() >= full - t.model.num_parameters() as usize * 4,
+        "reload restores the state (grads dropped)"
+    );
     for (x, y) in t.model.parameters().iter().zip(&snapshot) {
         assert!(x.1.equal(y));
     }
@@ -187,12 +300,23 @@ fn offload_reload_buckets_reference_and_heads() {
     // Weight sync: trainer → buckets → a generator's model, in place.
     let buckets = to_buckets(&t.model.hf_named_tensors(), 64 << 10).unwrap();
     assert!(buckets.len() > 1);
-    let mut gen = Generator::new(tiny(99), GeneratorConfig { max_batch: 2, max_seq_len: 32, ..Default::default() });
+    let mut gen = Generator::new(
+        tiny(99),
+        GeneratorConfig {
+            max_batch: 2,
+            max_seq_len: 32,
+            ..Default::default()
+        },
+    );
     for b in &buckets {
         let header = b.encode_header();
-        let wire = WeightBucket { entries: WeightBucket::decode_header(&header).unwrap(), data: b.data.clone() };
+        let wire = WeightBucket {
+            entries: WeightBucket::decode_header(&header).unwrap(),
+            data: b.data.clone(),
+        };
         let ts = wire.tensors(Device::Cpu).unwrap();
-        gen.update_weights(ts.iter().map(|(n, x)| (n.as_str(), x))).unwrap();
+        gen.update_weights(ts.iter().map(|(n, x)| (n.as_str(), x)))
+            .unwrap();
     }
     let ids = Tensor::from_slice(&[0i64, 5, 6, 7]).unsqueeze(0);
     let a = tch::no_grad(|| t.model.forward(&ids, None));
@@ -212,10 +336,31 @@ fn offload_reload_buckets_reference_and_heads() {
     rm.attach_head("score");
     let r = rewards(&rm, &b).unwrap();
     assert_eq!(r.size(), vec![4]);
-    let mut tr = Trainer::new(critic, TrainConfig { lr: 1e-2, ..Default::default() });
-    let s = tr.step(&[b], |m, b| Ok((values(m, b)? - 1.0).square().mean(Kind::Float))).unwrap();
+    let mut tr = Trainer::new(
+        critic,
+        TrainConfig {
+            lr: 1e-2,
+            ..Default::default()
+        },
+    );
+    let s = tr
+        .step(&[b], |m, b| {
+            Ok((values(m, b)? - 1.0).square().mean(Kind::Float))
+        })
+        .unwrap();
     assert!(s.grad_norm > 0.0);
-    assert!(tr.model.head.as_ref().unwrap().weight.abs().sum(Kind::Float).double_value(&[]) > 0.0, "the value head trains");
+    assert!(
+        tr.model
+            .head
+            .as_ref()
+            .unwrap()
+            .weight
+            .abs()
+            .sum(Kind::Float)
+            .double_value(&[])
+            > 0.0,
+        "the value head trains"
+    );
     let e = values(&tiny(8), &batch(&p)).unwrap_err();
     assert!(e.to_string().contains("attach_head"));
 }

@@ -35,14 +35,19 @@ use yatt_runtime::actor::{ActorRef, CallError};
 use yatt_runtime::node::Node;
 
 use crate::algo::{
-    grpo_advantage, kl_estimate, masked_mean, reinforce_pp_advantage, rloo_advantage, token_level_rewards, AlgoError,
-    GrpoConfig, KlEstimator, ReinforcePpConfig,
+    grpo_advantage, kl_estimate, masked_mean, reinforce_pp_advantage, rloo_advantage,
+    token_level_rewards, AlgoError, GrpoConfig, KlEstimator, ReinforcePpConfig,
 };
-use crate::builtin::{GenerateRequest, PolicyRequest, PolicyResponse, RolloutRequest, RolloutResponse, TrainReport};
+use crate::builtin::{
+    GenerateRequest, PolicyRequest, PolicyResponse, RolloutRequest, RolloutResponse, TrainReport,
+};
 use crate::data::{DataError, Dataloader, LoaderState};
 use crate::ledger::{LedgerError, LedgerReport, SampleLedger, Stage};
 use crate::role::{DeviceGroup, Role, RoleActor, RoleError, RoleRequest, RoleResponse};
-use crate::sample::{group_indices, response_mask, split_rows, token_matrix, Sample, SampleError, SampleId, TokenField};
+use crate::sample::{
+    group_indices, response_mask, split_rows, token_matrix, Sample, SampleError, SampleId,
+    TokenField,
+};
 
 /// A reference to a rollout role's actor.
 pub type RolloutRef = ActorRef<RoleRequest<RolloutRequest>, RoleResponse<RolloutResponse>>;
@@ -101,7 +106,12 @@ pub struct Timeouts {
 impl Default for Timeouts {
     fn default() -> Self {
         let m = Duration::from_secs(600);
-        Timeouts { generate: m, score: m, train: m, sync: m }
+        Timeouts {
+            generate: m,
+            score: m,
+            train: m,
+            sync: m,
+        }
     }
 }
 
@@ -285,13 +295,20 @@ struct Prepared {
 /// computes each controller's gradients on its own samples, averages them and takes
 /// one optimizer step; then every controller syncs its rollout and closes its ledger.
 /// The controllers meet only at the update. Their steps must be at the same count.
-pub async fn step_data_parallel(controllers: &mut [Controller]) -> Result<Vec<StepReport>, ControllerError> {
+pub async fn step_data_parallel(
+    controllers: &mut [Controller],
+) -> Result<Vec<StepReport>, ControllerError> {
     let Some(first) = controllers.first() else {
-        return Err(ControllerError::Config("step_data_parallel needs at least one controller".into()));
+        return Err(ControllerError::Config(
+            "step_data_parallel needs at least one controller".into(),
+        ));
     };
     let policy = first.roles.policy.clone();
     let step = first.step;
-    if let Some(c) = controllers.iter().find(|c| c.roles.policy.id() != policy.id() || c.step != step) {
+    if let Some(c) = controllers
+        .iter()
+        .find(|c| c.roles.policy.id() != policy.id() || c.step != step)
+    {
         return Err(ControllerError::Config(format!(
             "data-parallel controllers must share one policy and be at the same step (found {} at step {}, expected {} at step {step})",
             c.roles.policy.id(),
@@ -306,21 +323,45 @@ pub async fn step_data_parallel(controllers: &mut [Controller]) -> Result<Vec<St
     let t = Instant::now();
     let mut shards = Vec::with_capacity(prepared.len());
     for (c, p) in controllers.iter().zip(&prepared) {
-        match c.serve_policy(PolicyRequest::Gradients(p.samples.clone()), "update_actor", c.config.timeouts.train).await? {
+        match c
+            .serve_policy(
+                PolicyRequest::Gradients(p.samples.clone()),
+                "update_actor",
+                c.config.timeouts.train,
+            )
+            .await?
+        {
             PolicyResponse::Gradients(g) => shards.push(g),
             other => return Err(c.protocol("policy", "Gradients", format!("{other:?}"))),
         }
     }
-    let train = match controllers[0].serve_policy(PolicyRequest::ApplyGradients(shards), "update_actor", controllers[0].config.timeouts.train).await? {
+    let train = match controllers[0]
+        .serve_policy(
+            PolicyRequest::ApplyGradients(shards),
+            "update_actor",
+            controllers[0].config.timeouts.train,
+        )
+        .await?
+    {
         PolicyResponse::Trained(r) => r,
-        other => return Err(controllers[0].protocol("policy", "ApplyGradients", format!("{other:?}"))),
+        other => {
+            return Err(controllers[0].protocol("policy", "ApplyGradients", format!("{other:?}")))
+        }
     };
     let secs = t.elapsed().as_secs_f64();
     let mut reports = Vec::with_capacity(prepared.len());
     for (c, p) in controllers.iter_mut().zip(prepared) {
         // Each ledger records the trained ids of its own samples only.
         let mine: std::collections::BTreeSet<SampleId> = p.samples.iter().map(|s| s.id).collect();
-        let own = TrainReport { trained: train.trained.iter().copied().filter(|id| mine.contains(id)).collect(), ..train.clone() };
+        let own = TrainReport {
+            trained: train
+                .trained
+                .iter()
+                .copied()
+                .filter(|id| mine.contains(id))
+                .collect(),
+            ..train.clone()
+        };
         reports.push(c.finish(p, own, secs).await?);
     }
     Ok(reports)
@@ -347,8 +388,15 @@ pub async fn spawn_role<R: Role>(
     let name = role.name().to_string();
     let actor = RoleActor::start(role, group, 4)
         .await
-        .map_err(|e: RoleError| ControllerError::Spawn { role: name.clone(), reason: e.to_string() })?;
-    node.spawn_local(&name, replica, actor).map_err(|e| ControllerError::Spawn { role: name, reason: e.to_string() })
+        .map_err(|e: RoleError| ControllerError::Spawn {
+            role: name.clone(),
+            reason: e.to_string(),
+        })?;
+    node.spawn_local(&name, replica, actor)
+        .map_err(|e| ControllerError::Spawn {
+            role: name,
+            reason: e.to_string(),
+        })
 }
 
 fn variant<T>(r: &RoleResponse<T>) -> String {
@@ -362,9 +410,15 @@ fn variant<T>(r: &RoleResponse<T>) -> String {
 
 impl Controller {
     /// A controller over its shard `loader`, driving `roles`.
-    pub fn new(config: ControllerConfig, loader: Dataloader, roles: RoleRefs) -> Result<Self, ControllerError> {
+    pub fn new(
+        config: ControllerConfig,
+        loader: Dataloader,
+        roles: RoleRefs,
+    ) -> Result<Self, ControllerError> {
         if config.prompts_per_step == 0 || config.n == 0 {
-            return Err(ControllerError::Config("prompts_per_step and n must be >= 1".into()));
+            return Err(ControllerError::Config(
+                "prompts_per_step and n must be >= 1".into(),
+            ));
         }
         if config.prompts_per_step > loader.shard_len() {
             return Err(ControllerError::Config(format!(
@@ -374,12 +428,20 @@ impl Controller {
             )));
         }
         if config.kl_in_reward.is_some() && roles.reference.is_none() {
-            return Err(ControllerError::Config("kl_in_reward needs a reference role".into()));
+            return Err(ControllerError::Config(
+                "kl_in_reward needs a reference role".into(),
+            ));
         }
         if config.devices == 0 {
             return Err(ControllerError::Config("devices must be >= 1".into()));
         }
-        Ok(Controller { config, loader, roles, step: 0, weights_version: 0 })
+        Ok(Controller {
+            config,
+            loader,
+            roles,
+            step: 0,
+            weights_version: 0,
+        })
     }
 
     /// The roles this controller drives.
@@ -394,13 +456,19 @@ impl Controller {
 
     /// The position to checkpoint (with the policy's checkpoint).
     pub fn state(&self) -> ControllerState {
-        ControllerState { step: self.step, weights_version: self.weights_version, loader: self.loader.state() }
+        ControllerState {
+            step: self.step,
+            weights_version: self.weights_version,
+            loader: self.loader.state(),
+        }
     }
 
     /// Resumes from a checkpointed position (the policy and rollout must be restored to
     /// the same weights by whoever restores the controller).
     pub fn restore(&mut self, state: ControllerState) -> Result<(), ControllerError> {
-        self.loader.restore(state.loader).map_err(ControllerError::Restore)?;
+        self.loader
+            .restore(state.loader)
+            .map_err(ControllerError::Restore)?;
         self.step = state.step;
         self.weights_version = state.weights_version;
         Ok(())
@@ -408,7 +476,14 @@ impl Controller {
 
     /// Asks the policy to save a checkpoint to `dir`.
     pub async fn save_policy(&self, dir: std::path::PathBuf) -> Result<(), ControllerError> {
-        match self.serve_policy(PolicyRequest::SaveCheckpoint(dir), "checkpoint", self.config.timeouts.sync).await? {
+        match self
+            .serve_policy(
+                PolicyRequest::SaveCheckpoint(dir),
+                "checkpoint",
+                self.config.timeouts.sync,
+            )
+            .await?
+        {
             PolicyResponse::Saved => Ok(()),
             other => Err(self.protocol("policy", "SaveCheckpoint", format!("{other:?}"))),
         }
@@ -416,12 +491,26 @@ impl Controller {
 
     fn protocol(&self, role: &'static str, asked: &'static str, got: String) -> ControllerError {
         let got: String = got.chars().take(80).collect();
-        ControllerError::Protocol { step: self.step, role, asked, got }
+        ControllerError::Protocol {
+            step: self.step,
+            role,
+            asked,
+            got,
+        }
     }
 
-    fn call(&self, stage: &'static str, role: &'static str) -> impl FnOnce(CallError) -> ControllerError {
+    fn call(
+        &self,
+        stage: &'static str,
+        role: &'static str,
+    ) -> impl FnOnce(CallError) -> ControllerError {
         let step = self.step;
-        move |source| ControllerError::Call { step, stage, role, source }
+        move |source| ControllerError::Call {
+            step,
+            stage,
+            role,
+            source,
+        }
     }
 
     async fn serve<Req: Send + 'static, Resp: Send + 'static>(
@@ -432,14 +521,24 @@ impl Controller {
         role: &'static str,
         timeout: Duration,
     ) -> Result<Resp, ControllerError> {
-        match r.ask(RoleRequest::Serve(req), timeout).await.map_err(self.call(stage, role))? {
+        match r
+            .ask(RoleRequest::Serve(req), timeout)
+            .await
+            .map_err(self.call(stage, role))?
+        {
             RoleResponse::Served(x) => Ok(x),
             other => Err(self.protocol(role, stage, variant(&other))),
         }
     }
 
-    async fn serve_policy(&self, req: PolicyRequest, stage: &'static str, t: Duration) -> Result<PolicyResponse, ControllerError> {
-        self.serve(&self.roles.policy, req, stage, "policy", t).await
+    async fn serve_policy(
+        &self,
+        req: PolicyRequest,
+        stage: &'static str,
+        t: Duration,
+    ) -> Result<PolicyResponse, ControllerError> {
+        self.serve(&self.roles.policy, req, stage, "policy", t)
+            .await
     }
 
     fn ledger_err(&self) -> impl Fn(LedgerError) -> ControllerError {
@@ -447,7 +546,12 @@ impl Controller {
         move |source| ControllerError::Ledger { step, source }
     }
 
-    fn stage_done(&self, ledger: &mut SampleLedger, samples: &[Sample], stage: Stage) -> Result<(), ControllerError> {
+    fn stage_done(
+        &self,
+        ledger: &mut SampleLedger,
+        samples: &[Sample],
+        stage: Stage,
+    ) -> Result<(), ControllerError> {
         ledger.record_all(samples.iter().map(|s| &s.id), stage);
         ledger.verify_stage(stage).map_err(self.ledger_err())
     }
@@ -457,7 +561,14 @@ impl Controller {
     pub async fn step(&mut self) -> Result<StepReport, ControllerError> {
         let p = self.prepare().await?;
         let t = Instant::now();
-        let train = match self.serve_policy(PolicyRequest::Train(p.samples.clone()), "update_actor", self.config.timeouts.train).await? {
+        let train = match self
+            .serve_policy(
+                PolicyRequest::Train(p.samples.clone()),
+                "update_actor",
+                self.config.timeouts.train,
+            )
+            .await?
+        {
             PolicyResponse::Trained(r) => r,
             other => return Err(self.protocol("policy", "Train", format!("{other:?}"))),
         };
@@ -470,32 +581,80 @@ impl Controller {
         let t_step = Instant::now();
         let step = self.step;
         let cfg = self.config.clone();
-        let mut m = StepMetrics { step, values: BTreeMap::new() };
+        let mut m = StepMetrics {
+            step,
+            values: BTreeMap::new(),
+        };
         let prompts = self.loader.next_batch(cfg.prompts_per_step);
-        let mut stages = vec![Stage::Generated, Stage::Rewarded, Stage::OldLogProbs, Stage::Advantaged, Stage::Trained];
+        let mut stages = vec![
+            Stage::Generated,
+            Stage::Rewarded,
+            Stage::OldLogProbs,
+            Stage::Advantaged,
+            Stage::Trained,
+        ];
         if self.roles.reference.is_some() {
             stages.push(Stage::Referenced);
         }
         let mut ledger = SampleLedger::new(step, &stages);
-        let ids = prompts.iter().flat_map(|p| (0..cfg.n).map(move |k| SampleId { step, prompt: p.id, k }));
+        let ids = prompts.iter().flat_map(|p| {
+            (0..cfg.n).map(move |k| SampleId {
+                step,
+                prompt: p.id,
+                k,
+            })
+        });
         ledger.expect(ids).map_err(self.ledger_err())?;
 
         // 1. Generation.
         let t = Instant::now();
-        let req = RolloutRequest::Generate(GenerateRequest { step, prompts, n: cfg.n, params: cfg.sampling.clone(), seed: cfg.seed });
-        let (samples, gen) = match self.serve(&self.roles.rollout, req, "gen", "rollout", cfg.timeouts.generate).await? {
+        let req = RolloutRequest::Generate(GenerateRequest {
+            step,
+            prompts,
+            n: cfg.n,
+            params: cfg.sampling.clone(),
+            seed: cfg.seed,
+        });
+        let (samples, gen) = match self
+            .serve(
+                &self.roles.rollout,
+                req,
+                "gen",
+                "rollout",
+                cfg.timeouts.generate,
+            )
+            .await?
+        {
             RolloutResponse::Generated { samples, stats } => (samples, stats),
-            RolloutResponse::Logits(_) => return Err(self.protocol("rollout", "Generate", "Logits".into())),
+            RolloutResponse::Logits(_) => {
+                return Err(self.protocol("rollout", "Generate", "Logits".into()))
+            }
         };
         m.set("timing_s/gen", t.elapsed().as_secs_f64());
         self.stage_done(&mut ledger, &samples, Stage::Generated)?;
-        if let Some(s) = samples.iter().find(|s| s.weights_version != self.weights_version) {
-            return Err(ControllerError::StaleWeights { step, id: s.id, got: s.weights_version, want: self.weights_version });
+        if let Some(s) = samples
+            .iter()
+            .find(|s| s.weights_version != self.weights_version)
+        {
+            return Err(ControllerError::StaleWeights {
+                step,
+                id: s.id,
+                got: s.weights_version,
+                want: self.weights_version,
+            });
         }
 
         // 2. Reward.
         let t = Instant::now();
-        let samples = self.serve(&self.roles.reward, samples, "reward", "reward", cfg.timeouts.score).await?;
+        let samples = self
+            .serve(
+                &self.roles.reward,
+                samples,
+                "reward",
+                "reward",
+                cfg.timeouts.score,
+            )
+            .await?;
         m.set("timing_s/reward", t.elapsed().as_secs_f64());
         self.stage_done(&mut ledger, &samples, Stage::Rewarded)?;
 
@@ -503,7 +662,9 @@ impl Controller {
         let samples = match &self.roles.reference {
             Some(r) => {
                 let t = Instant::now();
-                let s = self.serve(r, samples, "ref", "reference", cfg.timeouts.score).await?;
+                let s = self
+                    .serve(r, samples, "ref", "reference", cfg.timeouts.score)
+                    .await?;
                 m.set("timing_s/ref", t.elapsed().as_secs_f64());
                 self.stage_done(&mut ledger, &s, Stage::Referenced)?;
                 s
@@ -513,7 +674,14 @@ impl Controller {
 
         // 4. Old log-probs.
         let t = Instant::now();
-        let mut samples = match self.serve_policy(PolicyRequest::OldLogProbs(samples), "old_log_prob", cfg.timeouts.score).await? {
+        let mut samples = match self
+            .serve_policy(
+                PolicyRequest::OldLogProbs(samples),
+                "old_log_prob",
+                cfg.timeouts.score,
+            )
+            .await?
+        {
             PolicyResponse::Scored(s) => s,
             other => return Err(self.protocol("policy", "OldLogProbs", format!("{other:?}"))),
         };
@@ -526,25 +694,57 @@ impl Controller {
         m.set("timing_s/adv", t.elapsed().as_secs_f64());
         self.stage_done(&mut ledger, &samples, Stage::Advantaged)?;
 
-        Ok(Prepared { t_step, metrics: m, ledger, samples, gen })
+        Ok(Prepared {
+            t_step,
+            metrics: m,
+            ledger,
+            samples,
+            gen,
+        })
     }
 
     /// The update's accounting, weight sync, the ledger's close and the metrics.
-    async fn finish(&mut self, p: Prepared, train: TrainReport, update_s: f64) -> Result<StepReport, ControllerError> {
-        let Prepared { t_step, metrics: mut m, mut ledger, samples: kept, gen } = p;
+    async fn finish(
+        &mut self,
+        p: Prepared,
+        train: TrainReport,
+        update_s: f64,
+    ) -> Result<StepReport, ControllerError> {
+        let Prepared {
+            t_step,
+            metrics: mut m,
+            mut ledger,
+            samples: kept,
+            gen,
+        } = p;
         let cfg = self.config.clone();
         m.set("timing_s/update_actor", update_s);
         ledger.record_all(&train.trained, Stage::Trained);
-        ledger.verify_stage(Stage::Trained).map_err(self.ledger_err())?;
+        ledger
+            .verify_stage(Stage::Trained)
+            .map_err(self.ledger_err())?;
 
         // 7. Weight sync.
         let t = Instant::now();
-        let update = match self.serve_policy(PolicyRequest::ExportWeights, "weight_sync", cfg.timeouts.sync).await? {
+        let update = match self
+            .serve_policy(
+                PolicyRequest::ExportWeights,
+                "weight_sync",
+                cfg.timeouts.sync,
+            )
+            .await?
+        {
             PolicyResponse::Weights(u) => u,
             other => return Err(self.protocol("policy", "ExportWeights", format!("{other:?}"))),
         };
         let version = update.version;
-        match self.roles.rollout.ask(RoleRequest::LoadWeights(update), cfg.timeouts.sync).await.map_err(self.call("weight_sync", "rollout"))? {
+        match self
+            .roles
+            .rollout
+            .ask(RoleRequest::LoadWeights(update), cfg.timeouts.sync)
+            .await
+            .map_err(self.call("weight_sync", "rollout"))?
+        {
             RoleResponse::Done => {}
             other => return Err(self.protocol("rollout", "LoadWeights", variant(&other))),
         }
@@ -560,8 +760,14 @@ impl Controller {
         m.set("response_length/mean", resp as f64 / b);
         m.set("prompt_length/mean", prompt as f64 / b);
         m.set("perf/total_num_tokens", (resp + prompt) as f64);
-        m.set("perf/throughput", (resp + prompt) as f64 / wall.max(1e-9) / cfg.devices as f64);
-        m.set("perf/gen_tokens_per_s", gen.response_tokens as f64 / gen.seconds.max(1e-9));
+        m.set(
+            "perf/throughput",
+            (resp + prompt) as f64 / wall.max(1e-9) / cfg.devices as f64,
+        );
+        m.set(
+            "perf/gen_tokens_per_s",
+            gen.response_tokens as f64 / gen.seconds.max(1e-9),
+        );
         m.set("actor/entropy", train.entropy);
         m.set("actor/pg_clipfrac", train.pg_clipfrac);
         m.set("actor/grad_norm", train.grad_norm);
@@ -573,17 +779,30 @@ impl Controller {
         }
         m.set("training/weights_version", version as f64);
         self.step += 1;
-        Ok(StepReport { metrics: m, ledger, samples: kept, train })
+        Ok(StepReport {
+            metrics: m,
+            ledger,
+            samples: kept,
+            train,
+        })
     }
 
     /// Fills in `advantages` (and the reward/KL metrics).
-    fn advantages(&self, samples: &mut [Sample], m: &mut StepMetrics) -> Result<(), ControllerError> {
+    fn advantages(
+        &self,
+        samples: &mut [Sample],
+        m: &mut StepMetrics,
+    ) -> Result<(), ControllerError> {
         let step = self.step;
         let se = |source| ControllerError::Sample { step, source };
         let ae = |source| ControllerError::Algo { step, source };
         let dev = Device::Cpu;
         let mask = response_mask(samples, dev).map_err(se)?;
-        let scores: Vec<f32> = samples.iter().map(|s| s.require_reward().map(|r| r as f32)).collect::<Result<_, _>>().map_err(se)?;
+        let scores: Vec<f32> = samples
+            .iter()
+            .map(|s| s.require_reward().map(|r| r as f32))
+            .collect::<Result<_, _>>()
+            .map_err(se)?;
         let scores = Tensor::from_slice(&scores);
         let groups = group_indices(samples);
         // Per-token KL(old ‖ ref), when a reference is there.
@@ -593,7 +812,10 @@ impl Controller {
             let metric = kl_estimate(&old, &rf, &mask, self.config.kl_metric).map_err(ae)?;
             m.set("actor/kl", masked_mean(&metric, &mask).double_value(&[]));
             match self.config.kl_in_reward {
-                Some(p) => Some((kl_estimate(&old, &rf, &mask, p.estimator).map_err(ae)?, p.coef)),
+                Some(p) => Some((
+                    kl_estimate(&old, &rf, &mask, p.estimator).map_err(ae)?,
+                    p.coef,
+                )),
                 None => None,
             }
         } else {
@@ -608,8 +830,13 @@ impl Controller {
             AdvantageEstimator::Grpo(c) => grpo_advantage(&rewards, &mask, &groups, &c),
             AdvantageEstimator::Rloo => rloo_advantage(&rewards, &mask, &groups),
             AdvantageEstimator::ReinforcePp(c) => {
-                let tr = token_level_rewards(&scores, &mask, kl.as_ref().map(|(k, _)| k), kl.as_ref().map_or(0.0, |(_, c)| *c))
-                    .map_err(ae)?;
+                let tr = token_level_rewards(
+                    &scores,
+                    &mask,
+                    kl.as_ref().map(|(k, _)| k),
+                    kl.as_ref().map_or(0.0, |(_, c)| *c),
+                )
+                .map_err(ae)?;
                 reinforce_pp_advantage(&tr, &mask, &c)
             }
         }
@@ -619,9 +846,18 @@ impl Controller {
             s.advantages = Some(a);
         }
         let n = samples.len().max(1) as f64;
-        m.set("critic/score/mean", scores.sum(Kind::Float).double_value(&[]) / n);
-        m.set("critic/rewards/mean", rewards.sum(Kind::Float).double_value(&[]) / n);
-        m.set("critic/advantages/mean", masked_mean(&adv.advantages, &mask).double_value(&[]));
+        m.set(
+            "critic/score/mean",
+            scores.sum(Kind::Float).double_value(&[]) / n,
+        );
+        m.set(
+            "critic/rewards/mean",
+            rewards.sum(Kind::Float).double_value(&[]) / n,
+        );
+        m.set(
+            "critic/advantages/mean",
+            masked_mean(&adv.advantages, &mask).double_value(&[]),
+        );
         Ok(())
     }
 }

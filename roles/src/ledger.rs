@@ -35,8 +35,14 @@ pub enum Stage {
 
 impl Stage {
     /// Every stage, in order.
-    pub const ALL: [Stage; 6] =
-        [Stage::Generated, Stage::Rewarded, Stage::Referenced, Stage::OldLogProbs, Stage::Advantaged, Stage::Trained];
+    pub const ALL: [Stage; 6] = [
+        Stage::Generated,
+        Stage::Rewarded,
+        Stage::Referenced,
+        Stage::OldLogProbs,
+        Stage::Advantaged,
+        Stage::Trained,
+    ];
 
     fn index(self) -> usize {
         self as usize
@@ -148,7 +154,12 @@ impl SampleLedger {
         let mut stages = stages.to_vec();
         stages.sort();
         stages.dedup();
-        SampleLedger { step, stages, entries: BTreeMap::new(), unexpected: Vec::new() }
+        SampleLedger {
+            step,
+            stages,
+            entries: BTreeMap::new(),
+            unexpected: Vec::new(),
+        }
     }
 
     /// The step.
@@ -178,10 +189,18 @@ impl SampleLedger {
         let mut fresh = std::collections::BTreeSet::new();
         for id in &ids {
             if id.step != self.step {
-                return Err(LedgerError::BadExpect { id: *id, step: self.step, reason: "it belongs to another step" });
+                return Err(LedgerError::BadExpect {
+                    id: *id,
+                    step: self.step,
+                    reason: "it belongs to another step",
+                });
             }
             if self.entries.contains_key(id) || !fresh.insert(*id) {
-                return Err(LedgerError::BadExpect { id: *id, step: self.step, reason: "it is already expected" });
+                return Err(LedgerError::BadExpect {
+                    id: *id,
+                    step: self.step,
+                    reason: "it is already expected",
+                });
             }
         }
         for id in ids {
@@ -210,12 +229,18 @@ impl SampleLedger {
     /// required stage it has not passed, which is returned.
     pub fn requeue(&mut self, id: SampleId) -> Result<Stage, LedgerError> {
         let stages = self.stages.clone();
-        let e = self.entries.get_mut(&id).ok_or(LedgerError::BadRequeue { id, reason: "it is not expected in this step" })?;
+        let e = self.entries.get_mut(&id).ok_or(LedgerError::BadRequeue {
+            id,
+            reason: "it is not expected in this step",
+        })?;
         let next = stages
             .iter()
             .copied()
             .find(|s| e.counts[s.index()] == 0)
-            .ok_or(LedgerError::BadRequeue { id, reason: "it has already passed every stage" })?;
+            .ok_or(LedgerError::BadRequeue {
+                id,
+                reason: "it has already passed every stage",
+            })?;
         e.requeued += 1;
         Ok(next)
     }
@@ -228,7 +253,11 @@ impl SampleLedger {
 
     fn check(&self, stages: &[Stage]) -> Result<(), LedgerError> {
         if let Some((id, stage)) = self.unexpected.iter().find(|(_, s)| stages.contains(s)) {
-            return Err(LedgerError::Unexpected { id: *id, stage: *stage, step: self.step });
+            return Err(LedgerError::Unexpected {
+                id: *id,
+                stage: *stage,
+                step: self.step,
+            });
         }
         let mut missing: Vec<(SampleId, Stage)> = Vec::new();
         for (id, e) in &self.entries {
@@ -236,12 +265,22 @@ impl SampleLedger {
                 match e.counts[stage.index()] {
                     0 => missing.push((*id, stage)),
                     1 => {}
-                    count => return Err(LedgerError::Duplicate { id: *id, stage, count }),
+                    count => {
+                        return Err(LedgerError::Duplicate {
+                            id: *id,
+                            stage,
+                            count,
+                        })
+                    }
                 }
             }
         }
         match missing.first() {
-            Some(&(id, stage)) => Err(LedgerError::Missing { id, stage, others: missing.len() - 1 }),
+            Some(&(id, stage)) => Err(LedgerError::Missing {
+                id,
+                stage,
+                others: missing.len() - 1,
+            }),
             None => Ok(()),
         }
     }
@@ -250,7 +289,11 @@ impl SampleLedger {
     pub fn close(self) -> Result<LedgerReport, LedgerError> {
         self.check(&self.stages)?;
         if let Some((id, stage)) = self.unexpected.first() {
-            return Err(LedgerError::Unexpected { id: *id, stage: *stage, step: self.step });
+            return Err(LedgerError::Unexpected {
+                id: *id,
+                stage: *stage,
+                step: self.step,
+            });
         }
         Ok(LedgerReport {
             step: self.step,
@@ -292,9 +335,20 @@ mod tests {
         l.record_all(&[id(1, 0), id(1, 1), id(2, 0)], Stage::Generated);
         l.record_all(&[id(1, 0), id(2, 0)], Stage::Rewarded);
         let e = l.verify_stage(Stage::Rewarded).unwrap_err();
-        assert_eq!(e, LedgerError::Missing { id: id(1, 1), stage: Stage::Rewarded, others: 0 });
+        assert_eq!(
+            e,
+            LedgerError::Missing {
+                id: id(1, 1),
+                stage: Stage::Rewarded,
+                others: 0
+            }
+        );
         let e = l.close().unwrap_err();
-        assert!(e.to_string().contains("prompt 0x1 sample 1 is missing at stage rewarded"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("prompt 0x1 sample 1 is missing at stage rewarded"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -303,18 +357,42 @@ mod tests {
         l.record_all(&[id(1, 0), id(1, 1), id(2, 0), id(2, 0)], Stage::Generated);
         l.record_all(&[id(1, 0), id(1, 1), id(2, 0)], Stage::Rewarded);
         let e = l.close().unwrap_err();
-        assert_eq!(e, LedgerError::Duplicate { id: id(2, 0), stage: Stage::Generated, count: 2 });
+        assert_eq!(
+            e,
+            LedgerError::Duplicate {
+                id: id(2, 0),
+                stage: Stage::Generated,
+                count: 2
+            }
+        );
     }
 
     #[test]
     fn unexpected_and_bad_expect_are_refused() {
         let mut l = ledger();
-        assert!(matches!(l.expect([id(1, 0)]), Err(LedgerError::BadExpect { .. })));
-        let other_step = SampleId { step: 4, prompt: 1, k: 0 };
-        assert!(matches!(l.expect([other_step]), Err(LedgerError::BadExpect { .. })));
+        assert!(matches!(
+            l.expect([id(1, 0)]),
+            Err(LedgerError::BadExpect { .. })
+        ));
+        let other_step = SampleId {
+            step: 4,
+            prompt: 1,
+            k: 0,
+        };
+        assert!(matches!(
+            l.expect([other_step]),
+            Err(LedgerError::BadExpect { .. })
+        ));
         l.record_all(&[id(1, 0), id(1, 1), id(2, 0), id(9, 0)], Stage::Generated);
         let e = l.verify_stage(Stage::Generated).unwrap_err();
-        assert_eq!(e, LedgerError::Unexpected { id: id(9, 0), stage: Stage::Generated, step: 3 });
+        assert_eq!(
+            e,
+            LedgerError::Unexpected {
+                id: id(9, 0),
+                stage: Stage::Generated,
+                step: 3
+            }
+        );
     }
 
     #[test]
@@ -325,8 +403,14 @@ mod tests {
         // The reward replica holding (1, 1) was drained: it gives the sample back.
         assert_eq!(l.requeue(id(1, 1)).unwrap(), Stage::Rewarded);
         l.record(id(1, 1), Stage::Rewarded);
-        assert!(matches!(l.requeue(id(1, 1)), Err(LedgerError::BadRequeue { .. })));
-        assert!(matches!(l.requeue(id(7, 0)), Err(LedgerError::BadRequeue { .. })));
+        assert!(matches!(
+            l.requeue(id(1, 1)),
+            Err(LedgerError::BadRequeue { .. })
+        ));
+        assert!(matches!(
+            l.requeue(id(7, 0)),
+            Err(LedgerError::BadRequeue { .. })
+        ));
         assert_eq!(l.close().unwrap().requeued, 1);
     }
 }

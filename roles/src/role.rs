@@ -227,7 +227,9 @@ impl<R: Role> RoleActor<R> {
                         RoleRequest::Serve(r) => role.serve(r).map(RoleResponse::Served),
                         RoleRequest::Offload => role.offload().map(|_| RoleResponse::Done),
                         RoleRequest::Reload => role.reload().map(|_| RoleResponse::Done),
-                        RoleRequest::LoadWeights(u) => role.load_weights(u).map(|_| RoleResponse::Done),
+                        RoleRequest::LoadWeights(u) => {
+                            role.load_weights(u).map(|_| RoleResponse::Done)
+                        }
                         RoleRequest::Drain => role.drain().map(RoleResponse::Drained),
                         RoleRequest::Profile => Ok(RoleResponse::Profile(role.profile())),
                     };
@@ -250,7 +252,11 @@ impl<R: Role> Actor for RoleActor<R> {
     type Request = RoleRequest<R::Request>;
     type Response = RoleResponse<R::Response>;
 
-    async fn handle(&mut self, request: Self::Request, _ctx: &mut Context) -> Result<Self::Response, ActorError> {
+    async fn handle(
+        &mut self,
+        request: Self::Request,
+        _ctx: &mut Context,
+    ) -> Result<Self::Response, ActorError> {
         let jobs = self
             .jobs
             .as_ref()
@@ -298,7 +304,10 @@ mod tests {
             ResourceProfile::cpu_only()
         }
         fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
-            self.log.lock().unwrap().push(format!("start {}", group.node));
+            self.log
+                .lock()
+                .unwrap()
+                .push(format!("start {}", group.node));
             Ok(())
         }
         fn serve(&mut self, x: u32) -> Result<u32, RoleError> {
@@ -330,22 +339,51 @@ mod tests {
             log: log.clone(),
             offloaded: false,
         };
-        let actor = RoleActor::start(role, DeviceGroup::cpu("n0"), 4).await.unwrap();
+        let actor = RoleActor::start(role, DeviceGroup::cpu("n0"), 4)
+            .await
+            .unwrap();
         let running = spawn(ActorName::new("n0", "probe", 0).unwrap(), actor, 8);
         let a = running.actor_ref;
         let t = Duration::from_secs(5);
-        assert!(matches!(a.ask(RoleRequest::Serve(21), t).await.unwrap(), RoleResponse::Served(42)));
-        assert!(matches!(a.ask(RoleRequest::Offload, t).await.unwrap(), RoleResponse::Done));
+        assert!(matches!(
+            a.ask(RoleRequest::Serve(21), t).await.unwrap(),
+            RoleResponse::Served(42)
+        ));
+        assert!(matches!(
+            a.ask(RoleRequest::Offload, t).await.unwrap(),
+            RoleResponse::Done
+        ));
         let err = a.ask(RoleRequest::Serve(1), t).await.unwrap_err();
-        assert!(matches!(err, CallError::Handler { error: ActorError::Unavailable(_), .. }), "{err:?}");
+        assert!(
+            matches!(
+                err,
+                CallError::Handler {
+                    error: ActorError::Unavailable(_),
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
         a.ask(RoleRequest::Reload, t).await.unwrap();
-        assert!(matches!(a.ask(RoleRequest::Serve(1), t).await.unwrap(), RoleResponse::Served(2)));
+        assert!(matches!(
+            a.ask(RoleRequest::Serve(1), t).await.unwrap(),
+            RoleResponse::Served(2)
+        ));
         // Unsupported lifecycle steps say so.
         let err = a
-            .ask(RoleRequest::LoadWeights(WeightsUpdate { version: 1, buckets: vec![] }), t)
+            .ask(
+                RoleRequest::LoadWeights(WeightsUpdate {
+                    version: 1,
+                    buckets: vec![],
+                }),
+                t,
+            )
             .await
             .unwrap_err();
-        assert!(err.to_string().contains("does not support load_weights"), "{err}");
+        assert!(
+            err.to_string().contains("does not support load_weights"),
+            "{err}"
+        );
         drop(a);
         running.exit.await.unwrap();
         let log = log.lock().unwrap().clone();

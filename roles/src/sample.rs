@@ -28,7 +28,11 @@ pub struct SampleId {
 
 impl fmt::Display for SampleId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "step {} prompt {:#x} sample {}", self.step, self.prompt, self.k)
+        write!(
+            f,
+            "step {} prompt {:#x} sample {}",
+            self.step, self.prompt, self.k
+        )
     }
 }
 
@@ -168,50 +172,82 @@ impl Sample {
             TokenField::Values => self.values.as_ref(),
             TokenField::Advantages => self.advantages.as_ref(),
         }
-        .ok_or(SampleError::MissingField { id: self.id, field: field.name() })?;
+        .ok_or(SampleError::MissingField {
+            id: self.id,
+            field: field.name(),
+        })?;
         if v.len() != self.response_len() {
-            return Err(SampleError::Length { id: self.id, field: field.name(), got: v.len(), want: self.response_len() });
+            return Err(SampleError::Length {
+                id: self.id,
+                field: field.name(),
+                got: v.len(),
+                want: self.response_len(),
+            });
         }
         Ok(v)
     }
 
     /// The reward, checked to be present.
     pub fn require_reward(&self) -> Result<f64, SampleError> {
-        self.reward.ok_or(SampleError::MissingReward { id: self.id })
+        self.reward
+            .ok_or(SampleError::MissingReward { id: self.id })
     }
 }
 
 /// The response mask `[B, T]` (f32, `T` = longest response) of a batch.
 pub fn response_mask(samples: &[Sample], device: Device) -> Result<Tensor, SampleError> {
-    let t = samples.iter().map(Sample::response_len).max().ok_or(SampleError::Empty)?;
+    let t = samples
+        .iter()
+        .map(Sample::response_len)
+        .max()
+        .ok_or(SampleError::Empty)?;
     let mut m = vec![0f32; samples.len() * t];
     for (i, s) in samples.iter().enumerate() {
         m[i * t..i * t + s.response_len()].fill(1.0);
     }
-    Ok(Tensor::from_slice(&m).view([samples.len() as i64, t as i64]).to_device(device))
+    Ok(Tensor::from_slice(&m)
+        .view([samples.len() as i64, t as i64])
+        .to_device(device))
 }
 
 /// A per-token field of a batch as a right-padded `[B, T]` f32 tensor (zero padding,
 /// same `T` as [`response_mask`]).
-pub fn token_matrix(samples: &[Sample], field: TokenField, device: Device) -> Result<Tensor, SampleError> {
-    let t = samples.iter().map(Sample::response_len).max().ok_or(SampleError::Empty)?;
+pub fn token_matrix(
+    samples: &[Sample],
+    field: TokenField,
+    device: Device,
+) -> Result<Tensor, SampleError> {
+    let t = samples
+        .iter()
+        .map(Sample::response_len)
+        .max()
+        .ok_or(SampleError::Empty)?;
     let mut m = vec![0f32; samples.len() * t];
     for (i, s) in samples.iter().enumerate() {
         let v = s.token_field(field)?;
         m[i * t..i * t + v.len()].copy_from_slice(v);
     }
-    Ok(Tensor::from_slice(&m).view([samples.len() as i64, t as i64]).to_device(device))
+    Ok(Tensor::from_slice(&m)
+        .view([samples.len() as i64, t as i64])
+        .to_device(device))
 }
 
 /// Rows of a `[B, T]` tensor cut back to each sample's response length.
 pub fn split_rows(matrix: &Tensor, samples: &[Sample]) -> Vec<Vec<f32>> {
-    let m = matrix.to_device(Device::Cpu).to_kind(Kind::Float).contiguous();
+    let m = matrix
+        .to_device(Device::Cpu)
+        .to_kind(Kind::Float)
+        .contiguous();
     let t = m.size().get(1).copied().unwrap_or(0) as usize;
     let flat: Vec<f32> = Vec::<f32>::try_from(m.view([-1])).unwrap_or_default();
     samples
         .iter()
         .enumerate()
-        .map(|(i, s)| flat.get(i * t..i * t + s.response_len()).map(<[f32]>::to_vec).unwrap_or_default())
+        .map(|(i, s)| {
+            flat.get(i * t..i * t + s.response_len())
+                .map(<[f32]>::to_vec)
+                .unwrap_or_default()
+        })
         .collect()
 }
 

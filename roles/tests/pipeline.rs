@@ -8,8 +8,13 @@ use std::time::{Duration, Instant};
 use yatt_engine::fixtures::tiny_config;
 use yatt_engine::tch::{self, Device, Kind};
 use yatt_engine::{Generator, GeneratorConfig, Llama, SamplingParams, TrainConfig, Trainer};
-use yatt_roles::builtin::{AsciiCodec, PolicyConfig, PolicyRole, ReferenceRole, RewardRole, RolloutRequest, RolloutResponse, RolloutRole};
-use yatt_roles::controller::{spawn_role, Controller, ControllerConfig, ControllerError, RoleRefs, RolloutRef, StepReport};
+use yatt_roles::builtin::{
+    AsciiCodec, PolicyConfig, PolicyRole, ReferenceRole, RewardRole, RolloutRequest,
+    RolloutResponse, RolloutRole,
+};
+use yatt_roles::controller::{
+    spawn_role, Controller, ControllerConfig, ControllerError, RoleRefs, RolloutRef, StepReport,
+};
 use yatt_roles::data::{Dataloader, Prompt};
 use yatt_roles::ledger::{LedgerError, Stage};
 use yatt_roles::reward::{RewardError, RewardFn, RewardInput, RewardOutput};
@@ -17,7 +22,10 @@ use yatt_roles::role::{DeviceGroup, ResourceProfile, Role, RoleError, RoleReques
 use yatt_roles::sample::Sample;
 use yatt_runtime::node::Node;
 
-const CODEC: AsciiCodec = AsciiCodec { first_id: 2, bos: Some(0) };
+const CODEC: AsciiCodec = AsciiCodec {
+    first_id: 2,
+    bos: Some(0),
+};
 /// Characters the reward likes: 10 of the 95 printable ones (≈ 10 % at random).
 const LIKED: &str = "abcdefghij";
 
@@ -31,13 +39,21 @@ impl RewardFn for LikedChars {
     fn score(&self, s: &RewardInput) -> Result<RewardOutput, RewardError> {
         let n = s.response.chars().count().max(1) as f64;
         let hits = s.response.chars().filter(|c| LIKED.contains(*c)).count() as f64;
-        Ok(RewardOutput { score: hits / n, ..Default::default() })
+        Ok(RewardOutput {
+            score: hits / n,
+            ..Default::default()
+        })
     }
 }
 
 fn prompts() -> Vec<Prompt> {
     (0..16u64)
-        .map(|i| Prompt { id: 1000 + i, text: format!("q{i}:"), reference: None, metadata: serde_json::Value::Null })
+        .map(|i| Prompt {
+            id: 1000 + i,
+            text: format!("q{i}:"),
+            reference: None,
+            metadata: serde_json::Value::Null,
+        })
         .collect()
 }
 
@@ -45,7 +61,12 @@ fn controller_config() -> ControllerConfig {
     ControllerConfig {
         prompts_per_step: 8,
         n: 8,
-        sampling: SamplingParams { temperature: 1.0, max_new_tokens: 6, ignore_eos: true, ..Default::default() },
+        sampling: SamplingParams {
+            temperature: 1.0,
+            max_new_tokens: 6,
+            ignore_eos: true,
+            ..Default::default()
+        },
         seed: 7,
         ..Default::default()
     }
@@ -63,7 +84,11 @@ struct Cluster {
 async fn cluster<R: Role<Request = Vec<Sample>, Response = Vec<Sample>>>(reward: R) -> Cluster {
     tch::set_num_threads(1);
     let certs = tempfile::tempdir().unwrap();
-    let node = Node::builder("n0").dev_certs(certs.path()).start().await.unwrap();
+    let node = Node::builder("n0")
+        .dev_certs(certs.path())
+        .start()
+        .await
+        .unwrap();
     let model = {
         // Llama::random seeds libtorch's global RNG: tests running in parallel must not
         // interleave their draws, or "the same seed" gives different models.
@@ -71,12 +96,42 @@ async fn cluster<R: Role<Request = Vec<Sample>, Response = Vec<Sample>>>(reward:
         let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
         Llama::random(tiny_config(), Device::Cpu, Kind::Float, 1).unwrap()
     };
-    let gen = Generator::new(model.deep_copy(Device::Cpu, Kind::Float).unwrap(), GeneratorConfig { max_batch: 64, max_seq_len: 32, ..Default::default() });
-    let reference = ReferenceRole::new(model.deep_copy(Device::Cpu, Kind::Float).unwrap(), 1, 1.0, 64);
-    let trainer = Trainer::new(model, TrainConfig { lr: 3e-3, weight_decay: 0.0, ..Default::default() });
-    let policy = PolicyRole::new(trainer, PolicyConfig { micro_batch_size: 32, mini_batches: 2, pad_id: 1, ..Default::default() }).unwrap();
+    let gen = Generator::new(
+        model.deep_copy(Device::Cpu, Kind::Float).unwrap(),
+        GeneratorConfig {
+            max_batch: 64,
+            max_seq_len: 32,
+            ..Default::default()
+        },
+    );
+    let reference = ReferenceRole::new(
+        model.deep_copy(Device::Cpu, Kind::Float).unwrap(),
+        1,
+        1.0,
+        64,
+    );
+    let trainer = Trainer::new(
+        model,
+        TrainConfig {
+            lr: 3e-3,
+            weight_decay: 0.0,
+            ..Default::default()
+        },
+    );
+    let policy = PolicyRole::new(
+        trainer,
+        PolicyConfig {
+            micro_batch_size: 32,
+            mini_batches: 2,
+            pad_id: 1,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let g = || DeviceGroup::cpu("n0");
-    let rollout = spawn_role(&node, RolloutRole::new(gen, Arc::new(CODEC)), 0, g()).await.unwrap();
+    let rollout = spawn_role(&node, RolloutRole::new(gen, Arc::new(CODEC)), 0, g())
+        .await
+        .unwrap();
     let roles = RoleRefs {
         rollout: rollout.clone(),
         reward: spawn_role(&node, reward, 0, g()).await.unwrap(),
@@ -85,7 +140,12 @@ async fn cluster<R: Role<Request = Vec<Sample>, Response = Vec<Sample>>>(reward:
     };
     let loader = Dataloader::new(prompts(), 0, 1, 3).unwrap();
     let controller = Controller::new(controller_config(), loader, roles).unwrap();
-    Cluster { _node: node, _certs: certs, controller, rollout }
+    Cluster {
+        _node: node,
+        _certs: certs,
+        controller,
+        rollout,
+    }
 }
 
 fn reward_role() -> RewardRole {
@@ -93,8 +153,16 @@ fn reward_role() -> RewardRole {
 }
 
 async fn probe_logits(rollout: &RolloutRef) -> Vec<f32> {
-    let req = RolloutRequest::NextTokenLogits(vec![0, CODEC.id_of('q').unwrap(), CODEC.id_of('1').unwrap()]);
-    match rollout.ask(RoleRequest::Serve(req), Duration::from_secs(10)).await.unwrap() {
+    let req = RolloutRequest::NextTokenLogits(vec![
+        0,
+        CODEC.id_of('q').unwrap(),
+        CODEC.id_of('1').unwrap(),
+    ]);
+    match rollout
+        .ask(RoleRequest::Serve(req), Duration::from_secs(10))
+        .await
+        .unwrap()
+    {
         RoleResponse::Served(RolloutResponse::Logits(v)) => v,
         other => panic!("unexpected answer {other:?}"),
     }
@@ -105,7 +173,10 @@ fn mean(xs: &[f64]) -> f64 {
 }
 
 fn fingerprint(r: &StepReport) -> Vec<(u64, u32, Vec<i64>)> {
-    r.samples.iter().map(|s| (s.id.prompt, s.id.k, s.response_tokens.clone())).collect()
+    r.samples
+        .iter()
+        .map(|s| (s.id.prompt, s.id.k, s.response_tokens.clone()))
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -117,21 +188,43 @@ async fn grpo_learns_a_trivial_reward_with_synced_weights() {
     let mut first_steps = Vec::new();
     let mut last = None;
     for step in 0..30u64 {
-        let r = c.controller.step().await.unwrap_or_else(|e| panic!("step {step}: {e}"));
+        let r = c
+            .controller
+            .step()
+            .await
+            .unwrap_or_else(|e| panic!("step {step}: {e}"));
         // The ledger closed: every one of the 64 samples passed every stage once.
         assert_eq!(r.ledger.samples, 64);
         assert_eq!(r.ledger.stages.len(), 6);
         let m = &r.metrics;
         for name in [
-            "timing_s/gen", "timing_s/reward", "timing_s/ref", "timing_s/old_log_prob", "timing_s/adv", "timing_s/update_actor",
-            "timing_s/weight_sync", "timing_s/step", "critic/rewards/mean", "actor/kl", "actor/entropy", "actor/pg_clipfrac",
-            "actor/grad_norm", "response_length/mean", "perf/throughput", "perf/gen_tokens_per_s",
+            "timing_s/gen",
+            "timing_s/reward",
+            "timing_s/ref",
+            "timing_s/old_log_prob",
+            "timing_s/adv",
+            "timing_s/update_actor",
+            "timing_s/weight_sync",
+            "timing_s/step",
+            "critic/rewards/mean",
+            "actor/kl",
+            "actor/entropy",
+            "actor/pg_clipfrac",
+            "actor/grad_norm",
+            "response_length/mean",
+            "perf/throughput",
+            "perf/gen_tokens_per_s",
         ] {
-            let v = m.get(name).unwrap_or_else(|| panic!("metric {name} missing"));
+            let v = m
+                .get(name)
+                .unwrap_or_else(|| panic!("metric {name} missing"));
             assert!(v.is_finite(), "{name} = {v}");
         }
         assert_eq!(m.get("response_length/mean"), Some(6.0));
-        assert_eq!(m.get("training/weights_version"), Some(2.0 * (step + 1) as f64));
+        assert_eq!(
+            m.get("training/weights_version"),
+            Some(2.0 * (step + 1) as f64)
+        );
         rewards.push(m.get("critic/rewards/mean").unwrap());
         if step < 3 {
             first_steps.push(fingerprint(&r));
@@ -143,31 +236,59 @@ async fn grpo_learns_a_trivial_reward_with_synced_weights() {
     let (early, late) = (mean(&rewards[..5]), mean(&rewards[25..]));
     eprintln!("30 steps in {elapsed:?}; reward first 5 {early:.3}, last 5 {late:.3}; per step {rewards:.2?}");
     eprintln!("last step metrics: {:?}", last.metrics.values);
-    assert!(late > early + 0.25, "reward did not rise: first 5 steps {early:.3}, last 5 {late:.3}");
+    assert!(
+        late > early + 0.25,
+        "reward did not rise: first 5 steps {early:.3}, last 5 {late:.3}"
+    );
     // Two mini-batches per step: the second one runs off-policy and clips sometimes.
-    assert!(last.metrics.get("actor/kl").unwrap() > 0.0, "the policy should have moved away from the reference");
+    assert!(
+        last.metrics.get("actor/kl").unwrap() > 0.0,
+        "the policy should have moved away from the reference"
+    );
 
     // Weight sync: the rollout's logits changed, and the last step's rollout log-probs
     // (weights v58) equal the policy's old log-probs computed on the same weights.
     let after = probe_logits(&c.rollout).await;
-    let moved = before.iter().zip(&after).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-    assert!(moved > 1e-2, "rollout logits did not change after sync (max diff {moved})");
+    let moved = before
+        .iter()
+        .zip(&after)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        moved > 1e-2,
+        "rollout logits did not change after sync (max diff {moved})"
+    );
     let mut worst = 0f32;
     for s in &last.samples {
         assert_eq!(s.weights_version, 58);
-        for (a, b) in s.rollout_logprobs.iter().zip(s.old_logprobs.as_ref().unwrap()) {
+        for (a, b) in s
+            .rollout_logprobs
+            .iter()
+            .zip(s.old_logprobs.as_ref().unwrap())
+        {
             worst = worst.max((a - b).abs());
         }
     }
-    assert!(worst < 1e-3, "rollout and policy disagree on log-probs by {worst}: weights not synced");
+    assert!(
+        worst < 1e-3,
+        "rollout and policy disagree on log-probs by {worst}: weights not synced"
+    );
 
     // Determinism: a fresh cluster with the same seeds repeats the first steps exactly.
     let mut again = cluster(reward_role()).await;
     for (step, want) in first_steps.iter().enumerate() {
         let r = again.controller.step().await.unwrap();
         let got = fingerprint(&r);
-        let diff: Vec<_> = got.iter().zip(want).filter(|(a, b)| a != b).take(3).collect();
-        assert!(diff.is_empty(), "step {step} differs between identical runs: {diff:?}");
+        let diff: Vec<_> = got
+            .iter()
+            .zip(want)
+            .filter(|(a, b)| a != b)
+            .take(3)
+            .collect();
+        assert!(
+            diff.is_empty(),
+            "step {step} differs between identical runs: {diff:?}"
+        );
     }
     let st = again.controller.state();
     assert_eq!((st.step, st.weights_version), (3, 6));
@@ -200,12 +321,24 @@ async fn a_dropped_sample_fails_the_step_naming_it() {
     let mut c = cluster(DroppingReward(reward_role())).await;
     let before = probe_logits(&c.rollout).await;
     let err = c.controller.step().await.unwrap_err();
-    let ControllerError::Ledger { step: 0, source: LedgerError::Missing { id, stage: Stage::Rewarded, others: 0 } } = &err else {
+    let ControllerError::Ledger {
+        step: 0,
+        source:
+            LedgerError::Missing {
+                id,
+                stage: Stage::Rewarded,
+                others: 0,
+            },
+    } = &err
+    else {
         panic!("expected a missing-sample ledger error, got {err}");
     };
     assert_eq!(id.k, 7, "the last sample of the last prompt was dropped");
     let msg = err.to_string();
-    assert!(msg.contains(&id.to_string()) && msg.contains("missing at stage rewarded"), "{msg}");
+    assert!(
+        msg.contains(&id.to_string()) && msg.contains("missing at stage rewarded"),
+        "{msg}"
+    );
     // The step stopped before the update: the rollout still has the initial weights.
     assert_eq!(probe_logits(&c.rollout).await, before);
 }
@@ -222,35 +355,92 @@ async fn two_controllers_average_gradients_at_the_update() {
         let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
         Llama::random(tiny_config(), Device::Cpu, Kind::Float, 1).unwrap()
     };
-    let gen = Generator::new(model, GeneratorConfig { max_batch: 64, max_seq_len: 32, ..Default::default() });
-    let rollout2 = spawn_role(node, RolloutRole::new(gen, Arc::new(CODEC)), 1, DeviceGroup::cpu("n0")).await.unwrap();
+    let gen = Generator::new(
+        model,
+        GeneratorConfig {
+            max_batch: 64,
+            max_seq_len: 32,
+            ..Default::default()
+        },
+    );
+    let rollout2 = spawn_role(
+        node,
+        RolloutRole::new(gen, Arc::new(CODEC)),
+        1,
+        DeviceGroup::cpu("n0"),
+    )
+    .await
+    .unwrap();
     let shared = one.controller.roles().clone();
-    let roles2 = RoleRefs { rollout: rollout2.clone(), ..shared };
-    let cfg = ControllerConfig { prompts_per_step: 4, ..controller_config() };
-    let a = Controller::new(cfg.clone(), Dataloader::new(prompts(), 0, 2, 3).unwrap(), one.controller.roles().clone()).unwrap();
+    let roles2 = RoleRefs {
+        rollout: rollout2.clone(),
+        ..shared
+    };
+    let cfg = ControllerConfig {
+        prompts_per_step: 4,
+        ..controller_config()
+    };
+    let a = Controller::new(
+        cfg.clone(),
+        Dataloader::new(prompts(), 0, 2, 3).unwrap(),
+        one.controller.roles().clone(),
+    )
+    .unwrap();
     let b = Controller::new(cfg, Dataloader::new(prompts(), 1, 2, 3).unwrap(), roles2).unwrap();
     let mut heads = [a, b];
     let mut rewards = Vec::new();
     for step in 0..20 {
-        let reports = step_data_parallel(&mut heads).await.unwrap_or_else(|e| panic!("step {step}: {e}"));
+        let reports = step_data_parallel(&mut heads)
+            .await
+            .unwrap_or_else(|e| panic!("step {step}: {e}"));
         assert_eq!(reports.len(), 2);
         // Disjoint shards; each ledger holds its own 32 samples; one optimizer step.
-        let pa: std::collections::BTreeSet<u64> = reports[0].samples.iter().map(|s| s.group).collect();
+        let pa: std::collections::BTreeSet<u64> =
+            reports[0].samples.iter().map(|s| s.group).collect();
         assert!(reports[1].samples.iter().all(|s| !pa.contains(&s.group)));
         for r in &reports {
             assert_eq!(r.ledger.samples, 32);
-            assert_eq!(r.metrics.get("training/weights_version"), Some((step + 1) as f64));
+            assert_eq!(
+                r.metrics.get("training/weights_version"),
+                Some((step + 1) as f64)
+            );
             // Both rollouts generated with the policy's weights of the previous step.
-            let worst = r.samples.iter().flat_map(|s| s.rollout_logprobs.iter().zip(s.old_logprobs.as_ref().unwrap()).map(|(a, b)| (a - b).abs())).fold(0f32, f32::max);
-            assert!(worst < 1e-3, "step {step}: rollout and policy log-probs differ by {worst}");
+            let worst = r
+                .samples
+                .iter()
+                .flat_map(|s| {
+                    s.rollout_logprobs
+                        .iter()
+                        .zip(s.old_logprobs.as_ref().unwrap())
+                        .map(|(a, b)| (a - b).abs())
+                })
+                .fold(0f32, f32::max);
+            assert!(
+                worst < 1e-3,
+                "step {step}: rollout and policy log-probs differ by {worst}"
+            );
         }
-        rewards.push((reports[0].metrics.get("critic/rewards/mean").unwrap() + reports[1].metrics.get("critic/rewards/mean").unwrap()) / 2.0);
+        rewards.push(
+            (reports[0].metrics.get("critic/rewards/mean").unwrap()
+                + reports[1].metrics.get("critic/rewards/mean").unwrap())
+                / 2.0,
+        );
     }
     let (early, late) = (mean(&rewards[..5]), mean(&rewards[15..]));
     eprintln!("data-parallel: reward first 5 {early:.3}, last 5 {late:.3}");
     assert!(late > early + 0.2, "reward did not rise: {rewards:.2?}");
     // The head that was never stepped on its own holds the same synced weights.
-    let (x, y) = (probe_logits(&rollout2).await, probe_logits(&one.rollout).await);
-    let d = x.iter().zip(&y).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-    assert!(d < 1e-5, "the two rollouts hold different weights (max logit diff {d})");
+    let (x, y) = (
+        probe_logits(&rollout2).await,
+        probe_logits(&one.rollout).await,
+    );
+    let d = x
+        .iter()
+        .zip(&y)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        d < 1e-5,
+        "the two rollouts hold different weights (max logit diff {d})"
+    );
 }

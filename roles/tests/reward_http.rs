@@ -31,7 +31,9 @@ async fn serve(script: Vec<Reply>) -> Server {
     let (h, b) = (hits.clone(), bodies.clone());
     tokio::spawn(async move {
         loop {
-            let Ok((sock, _)) = listener.accept().await else { return };
+            let Ok((sock, _)) = listener.accept().await else {
+                return;
+            };
             let i = h.fetch_add(1, Ordering::SeqCst);
             let reply = script[i.min(script.len() - 1)].clone();
             let b = b.clone();
@@ -67,7 +69,10 @@ async fn handle(mut sock: TcpStream, reply: Reply, bodies: Arc<Mutex<Vec<String>
         }
         buf.extend_from_slice(&chunk[..n]);
     }
-    bodies.lock().unwrap().push(String::from_utf8_lossy(&buf[body_start..]).into_owned());
+    bodies
+        .lock()
+        .unwrap()
+        .push(String::from_utf8_lossy(&buf[body_start..]).into_owned());
     match reply {
         Reply::Hang => tokio::time::sleep(Duration::from_secs(60)).await,
         Reply::Http(status, body) => {
@@ -89,7 +94,12 @@ fn inputs() -> Vec<RewardInput> {
             reference: Some("5".into()),
             metadata: serde_json::json!({"task": "addition"}),
         },
-        RewardInput { prompt: "Say hi".into(), response: "hi".into(), reference: None, metadata: serde_json::Value::Null },
+        RewardInput {
+            prompt: "Say hi".into(),
+            response: "hi".into(),
+            reference: None,
+            metadata: serde_json::Value::Null,
+        },
     ]
 }
 
@@ -104,8 +114,15 @@ fn client(url: &str, timeout_ms: u64, retries: u32) -> HttpRewardClient {
 
 #[tokio::test]
 async fn success_with_step_scores() {
-    let s = serve(vec![Reply::Http(200, r#"{"scores": [1.0, 0.25], "step_scores": [[0.5, 1.0], null]}"#)]).await;
-    let out = client(&s.url, 2000, 0).score_batch(&inputs()).await.unwrap();
+    let s = serve(vec![Reply::Http(
+        200,
+        r#"{"scores": [1.0, 0.25], "step_scores": [[0.5, 1.0], null]}"#,
+    )])
+    .await;
+    let out = client(&s.url, 2000, 0)
+        .score_batch(&inputs())
+        .await
+        .unwrap();
     assert_eq!(out.len(), 2);
     assert_eq!((out[0].score, out[1].score), (1.0, 0.25));
     assert_eq!(out[0].step_scores, Some(vec![0.5, 1.0]));
@@ -117,14 +134,25 @@ async fn success_with_step_scores() {
     assert_eq!(sent[0]["metadata"]["task"], "addition");
     assert!(sent[1]["reference"].is_null());
     // an empty batch sends nothing
-    assert!(client(&s.url, 2000, 0).score_batch(&[]).await.unwrap().is_empty());
+    assert!(client(&s.url, 2000, 0)
+        .score_batch(&[])
+        .await
+        .unwrap()
+        .is_empty());
     assert_eq!(s.hits.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]
 async fn retries_after_500() {
-    let s = serve(vec![Reply::Http(500, "boom"), Reply::Http(200, r#"{"scores": [0, 1]}"#)]).await;
-    let out = client(&s.url, 2000, 2).score_batch(&inputs()).await.unwrap();
+    let s = serve(vec![
+        Reply::Http(500, "boom"),
+        Reply::Http(200, r#"{"scores": [0, 1]}"#),
+    ])
+    .await;
+    let out = client(&s.url, 2000, 2)
+        .score_batch(&inputs())
+        .await
+        .unwrap();
     assert_eq!((out[0].score, out[1].score), (0.0, 1.0));
     assert_eq!(s.hits.load(Ordering::SeqCst), 2);
 }
@@ -132,18 +160,47 @@ async fn retries_after_500() {
 #[tokio::test]
 async fn persistent_5xx_names_url_status_and_body() {
     let s = serve(vec![Reply::Http(503, "model is loading, try later")]).await;
-    let e = client(&s.url, 2000, 2).score_batch(&inputs()).await.unwrap_err();
-    assert!(matches!(e, RewardError::HttpStatus { status: 503, attempts: 3, .. }), "{e}");
+    let e = client(&s.url, 2000, 2)
+        .score_batch(&inputs())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            RewardError::HttpStatus {
+                status: 503,
+                attempts: 3,
+                ..
+            }
+        ),
+        "{e}"
+    );
     let msg = e.to_string();
-    assert!(msg.contains(&s.url) && msg.contains("503") && msg.contains("model is loading"), "{msg}");
+    assert!(
+        msg.contains(&s.url) && msg.contains("503") && msg.contains("model is loading"),
+        "{msg}"
+    );
     assert_eq!(s.hits.load(Ordering::SeqCst), 3);
 }
 
 #[tokio::test]
 async fn client_errors_are_not_retried() {
     let s = serve(vec![Reply::Http(400, "bad field")]).await;
-    let e = client(&s.url, 2000, 3).score_batch(&inputs()).await.unwrap_err();
-    assert!(matches!(e, RewardError::HttpStatus { status: 400, attempts: 1, .. }), "{e}");
+    let e = client(&s.url, 2000, 3)
+        .score_batch(&inputs())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            RewardError::HttpStatus {
+                status: 400,
+                attempts: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert_eq!(s.hits.load(Ordering::SeqCst), 1);
 }
 
@@ -151,8 +208,21 @@ async fn client_errors_are_not_retried() {
 async fn timeout_then_error() {
     let s = serve(vec![Reply::Hang]).await;
     let t0 = std::time::Instant::now();
-    let e = client(&s.url, 150, 1).score_batch(&inputs()).await.unwrap_err();
-    assert!(matches!(e, RewardError::Timeout { timeout_ms: 150, attempts: 2, .. }), "{e}");
+    let e = client(&s.url, 150, 1)
+        .score_batch(&inputs())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            RewardError::Timeout {
+                timeout_ms: 150,
+                attempts: 2,
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert!(e.to_string().contains(&s.url));
     assert!(t0.elapsed() < Duration::from_secs(5));
     assert_eq!(s.hits.load(Ordering::SeqCst), 2);
@@ -168,22 +238,58 @@ async fn timeout_then_success() {
 #[tokio::test]
 async fn bad_json_is_an_error() {
     let s = serve(vec![Reply::Http(200, "<html>oops</html>")]).await;
-    let e = client(&s.url, 2000, 2).score_batch(&inputs()).await.unwrap_err();
+    let e = client(&s.url, 2000, 2)
+        .score_batch(&inputs())
+        .await
+        .unwrap_err();
     assert!(matches!(e, RewardError::BadResponse { .. }), "{e}");
     assert!(e.to_string().contains("<html>oops</html>"), "{e}");
     // null scores are not silently zero
     let s = serve(vec![Reply::Http(200, r#"{"scores": [1, null]}"#)]).await;
-    assert!(matches!(client(&s.url, 2000, 0).score_batch(&inputs()).await, Err(RewardError::BadResponse { .. })));
+    assert!(matches!(
+        client(&s.url, 2000, 0).score_batch(&inputs()).await,
+        Err(RewardError::BadResponse { .. })
+    ));
 }
 
 #[tokio::test]
 async fn wrong_count_is_an_error() {
     let s = serve(vec![Reply::Http(200, r#"{"scores": [1]}"#)]).await;
-    let e = client(&s.url, 2000, 2).score_batch(&inputs()).await.unwrap_err();
-    assert!(matches!(e, RewardError::CountMismatch { what: "scores", expected: 2, got: 1, .. }), "{e}");
-    let s = serve(vec![Reply::Http(200, r#"{"scores": [1, 2], "step_scores": [[1]]}"#)]).await;
-    let e = client(&s.url, 2000, 2).score_batch(&inputs()).await.unwrap_err();
-    assert!(matches!(e, RewardError::CountMismatch { what: "step_scores", .. }), "{e}");
+    let e = client(&s.url, 2000, 2)
+        .score_batch(&inputs())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            RewardError::CountMismatch {
+                what: "scores",
+                expected: 2,
+                got: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let s = serve(vec![Reply::Http(
+        200,
+        r#"{"scores": [1, 2], "step_scores": [[1]]}"#,
+    )])
+    .await;
+    let e = client(&s.url, 2000, 2)
+        .score_batch(&inputs())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            RewardError::CountMismatch {
+                what: "step_scores",
+                ..
+            }
+        ),
+        "{e}"
+    );
 }
 
 #[tokio::test]
@@ -193,14 +299,25 @@ async fn unreachable_endpoint() {
         l.local_addr().unwrap().port()
     };
     let url = format!("http://127.0.0.1:{port}/score");
-    let e = client(&url, 1000, 1).score_batch(&inputs()).await.unwrap_err();
-    assert!(matches!(e, RewardError::Transport { attempts: 2, .. }), "{e}");
+    let e = client(&url, 1000, 1)
+        .score_batch(&inputs())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, RewardError::Transport { attempts: 2, .. }),
+        "{e}"
+    );
     assert!(e.to_string().contains(&url));
 }
 
 #[test]
 fn url_validation() {
-    for bad in ["https://x/score", "ftp://x", "http://", "http://host:notaport/x"] {
+    for bad in [
+        "https://x/score",
+        "ftp://x",
+        "http://",
+        "http://host:notaport/x",
+    ] {
         let e = HttpRewardClient::new(HttpRewardConfig::new(bad)).unwrap_err();
         assert!(matches!(e, RewardError::InvalidUrl { .. }), "{bad}: {e}");
     }

@@ -102,20 +102,37 @@ fn h(b: &[u8]) -> f32 {
 /// Dequantizes `n` elements of type `ty` from `bytes`. Errors (as a message) for an
 /// unsupported type or a byte length that does not match.
 pub fn dequantize(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>, String> {
-    let want = ty.byte_len(n as u64).ok_or_else(|| format!("unknown type {}", ty.name()))? as usize;
+    let want = ty
+        .byte_len(n as u64)
+        .ok_or_else(|| format!("unknown type {}", ty.name()))? as usize;
     if bytes.len() != want {
-        return Err(format!("{} bytes for {n} elements of {}, expected {want}", bytes.len(), ty.name()));
+        return Err(format!(
+            "{} bytes for {n} elements of {}, expected {want}",
+            bytes.len(),
+            ty.name()
+        ));
     }
     if let Some((be, _)) = ty.block() {
         if n % be as usize != 0 {
-            return Err(format!("{n} elements is not a multiple of the {} block size {be}", ty.name()));
+            return Err(format!(
+                "{n} elements is not a multiple of the {} block size {be}",
+                ty.name()
+            ));
         }
     }
     let mut out = Vec::with_capacity(n);
     match ty {
-        GgmlType::F32 => out.extend(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
+        GgmlType::F32 => out.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        ),
         GgmlType::F16 => out.extend(bytes.chunks_exact(2).map(h)),
-        GgmlType::BF16 => out.extend(bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())),
+        GgmlType::BF16 => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+        ),
         GgmlType::Q8_0 => {
             for blk in bytes.chunks_exact(34) {
                 let d = h(&blk[0..2]);
@@ -154,11 +171,17 @@ mod tests {
 
     #[test]
     fn f32_f16_bf16() {
-        let b: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|x| x.to_le_bytes()).collect();
+        let b: Vec<u8> = [1.5f32, -2.0]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
         assert_eq!(dequantize(GgmlType::F32, &b, 2).unwrap(), vec![1.5, -2.0]);
         let b: Vec<u8> = [0.25f32, -3.0].iter().flat_map(|&x| f16b(x)).collect();
         assert_eq!(dequantize(GgmlType::F16, &b, 2).unwrap(), vec![0.25, -3.0]);
-        let b: Vec<u8> = [0.5f32, 7.0].iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes()).collect();
+        let b: Vec<u8> = [0.5f32, 7.0]
+            .iter()
+            .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
+            .collect();
         assert_eq!(dequantize(GgmlType::BF16, &b, 2).unwrap(), vec![0.5, 7.0]);
     }
 

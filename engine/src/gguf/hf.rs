@@ -39,14 +39,19 @@ pub struct ImportReport {
 }
 
 fn meta_u64(g: &GgufFile, key: &str) -> Result<u64> {
-    g.get(key).and_then(GgufValue::as_u64).ok_or_else(|| EngineError::Config {
-        path: g.path().into(),
-        msg: format!("metadata key `{key}` is missing or not an integer"),
-    })
+    g.get(key)
+        .and_then(GgufValue::as_u64)
+        .ok_or_else(|| EngineError::Config {
+            path: g.path().into(),
+            msg: format!("metadata key `{key}` is missing or not an integer"),
+        })
 }
 
 fn write_json(path: &Path, v: &Value) -> Result<()> {
-    let s = serde_json::to_string_pretty(v).map_err(|e| EngineError::Json { path: path.into(), source: e })?;
+    let s = serde_json::to_string_pretty(v).map_err(|e| EngineError::Json {
+        path: path.into(),
+        source: e,
+    })?;
     std::fs::write(path, s).map_err(|e| EngineError::io("writing", path, e))
 }
 
@@ -91,7 +96,8 @@ pub(crate) fn unpermute_rows(data: &[f32], n_heads: usize, rows: usize, cols: us
             for j in 0..half {
                 let dst = h * hd + i * half + j;
                 let src = h * hd + 2 * j + i;
-                out[dst * cols..(dst + 1) * cols].copy_from_slice(&data[src * cols..(src + 1) * cols]);
+                out[dst * cols..(dst + 1) * cols]
+                    .copy_from_slice(&data[src * cols..(src + 1) * cols]);
             }
         }
     }
@@ -101,10 +107,18 @@ pub(crate) fn unpermute_rows(data: &[f32], n_heads: usize, rows: usize, cols: us
 /// Imports a GGUF file into an HF-format directory: `config.json`, `model.safetensors`,
 /// `tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json`,
 /// `generation_config.json` (and `chat_template.jinja` when the file has one).
-pub fn import_gguf(file: impl AsRef<Path>, out_dir: impl AsRef<Path>, opts: &ImportOptions) -> Result<ImportReport> {
+pub fn import_gguf(
+    file: impl AsRef<Path>,
+    out_dir: impl AsRef<Path>,
+    opts: &ImportOptions,
+) -> Result<ImportReport> {
     let g = GgufFile::open(file.as_ref())?;
     let out_dir = out_dir.as_ref();
-    let arch = g.get("general.architecture").and_then(GgufValue::as_str).unwrap_or("").to_string();
+    let arch = g
+        .get("general.architecture")
+        .and_then(GgufValue::as_str)
+        .unwrap_or("")
+        .to_string();
     let (model_type, hf_arch, permute) = match arch.as_str() {
         "llama" => ("llama", "LlamaForCausalLM", true),
         "qwen2" => ("qwen2", "Qwen2ForCausalLM", false),
@@ -119,21 +133,48 @@ pub fn import_gguf(file: impl AsRef<Path>, out_dir: impl AsRef<Path>, opts: &Imp
     let layers = meta_u64(&g, &k("block_count"))?;
     let ffn = meta_u64(&g, &k("feed_forward_length"))?;
     let n_heads = meta_u64(&g, &k("attention.head_count"))?;
-    let n_kv = g.get(&k("attention.head_count_kv")).and_then(GgufValue::as_u64).unwrap_or(n_heads);
-    let ctx = g.get(&k("context_length")).and_then(GgufValue::as_u64).unwrap_or(2048);
-    let eps = g.get(&k("attention.layer_norm_rms_epsilon")).and_then(GgufValue::as_f64).unwrap_or(1e-5);
-    let theta = g.get(&k("rope.freq_base")).and_then(GgufValue::as_f64).unwrap_or(10000.0);
-    let head_dim = g.get(&k("attention.key_length")).and_then(GgufValue::as_u64).unwrap_or(hidden / n_heads);
-    let rope_dim = g.get(&k("rope.dimension_count")).and_then(GgufValue::as_u64).unwrap_or(head_dim);
+    let n_kv = g
+        .get(&k("attention.head_count_kv"))
+        .and_then(GgufValue::as_u64)
+        .unwrap_or(n_heads);
+    let ctx = g
+        .get(&k("context_length"))
+        .and_then(GgufValue::as_u64)
+        .unwrap_or(2048);
+    let eps = g
+        .get(&k("attention.layer_norm_rms_epsilon"))
+        .and_then(GgufValue::as_f64)
+        .unwrap_or(1e-5);
+    let theta = g
+        .get(&k("rope.freq_base"))
+        .and_then(GgufValue::as_f64)
+        .unwrap_or(10000.0);
+    let head_dim = g
+        .get(&k("attention.key_length"))
+        .and_then(GgufValue::as_u64)
+        .unwrap_or(hidden / n_heads);
+    let rope_dim = g
+        .get(&k("rope.dimension_count"))
+        .and_then(GgufValue::as_u64)
+        .unwrap_or(head_dim);
     if rope_dim != head_dim {
-        return Err(EngineError::UnsupportedGguf(format!("partial rotary embeddings (rope.dimension_count {rope_dim} != head dim {head_dim})")));
+        return Err(EngineError::UnsupportedGguf(format!(
+            "partial rotary embeddings (rope.dimension_count {rope_dim} != head dim {head_dim})"
+        )));
     }
     if g.tensor("rope_freqs.weight").is_some() {
         return Err(EngineError::UnsupportedGguf("rope_freqs.weight (Llama-3.1-style rope scaling baked as a tensor) is not imported yet".into()));
     }
     let tok_json = build_tokenizer_json(&g)?;
-    let tokens = g.get("tokenizer.ggml.tokens").and_then(GgufValue::as_array).map(|a| a.len()).unwrap_or(0);
-    let vocab = g.get(&k("vocab_size")).and_then(GgufValue::as_u64).unwrap_or(tokens as u64);
+    let tokens = g
+        .get("tokenizer.ggml.tokens")
+        .and_then(GgufValue::as_array)
+        .map(|a| a.len())
+        .unwrap_or(0);
+    let vocab = g
+        .get(&k("vocab_size"))
+        .and_then(GgufValue::as_u64)
+        .unwrap_or(tokens as u64);
     let tok_id = |key: &str| g.get(key).and_then(GgufValue::as_u64);
     let bos = tok_id("tokenizer.ggml.bos_token_id");
     let eos = tok_id("tokenizer.ggml.eos_token_id");
@@ -143,11 +184,18 @@ pub fn import_gguf(file: impl AsRef<Path>, out_dir: impl AsRef<Path>, opts: &Imp
 
     let mut rope_scaling = Value::Null;
     if let Some(ty) = g.get(&k("rope.scaling.type")).and_then(GgufValue::as_str) {
-        let factor = g.get(&k("rope.scaling.factor")).and_then(GgufValue::as_f64).unwrap_or(1.0);
+        let factor = g
+            .get(&k("rope.scaling.factor"))
+            .and_then(GgufValue::as_f64)
+            .unwrap_or(1.0);
         match ty {
             "none" => {}
             "linear" => rope_scaling = json!({"rope_type": "linear", "factor": factor}),
-            other => return Err(EngineError::UnsupportedGguf(format!("rope scaling type {other:?} (yatt imports \"linear\")"))),
+            other => {
+                return Err(EngineError::UnsupportedGguf(format!(
+                    "rope scaling type {other:?} (yatt imports \"linear\")"
+                )))
+            }
         }
     }
 
@@ -183,9 +231,17 @@ pub fn import_gguf(file: impl AsRef<Path>, out_dir: impl AsRef<Path>, opts: &Imp
     let mut names: Vec<(String, &super::GgufTensorInfo)> = Vec::new();
     let mut source_types = BTreeMap::new();
     for t in &g.tensors {
-        let name = hf_name(&t.name).ok_or_else(|| EngineError::UnsupportedGguf(format!("tensor `{}` has no HF counterpart known to yatt", t.name)))?;
+        let name = hf_name(&t.name).ok_or_else(|| {
+            EngineError::UnsupportedGguf(format!(
+                "tensor `{}` has no HF counterpart known to yatt",
+                t.name
+            ))
+        })?;
         if !t.ty.is_supported() {
-            return Err(EngineError::UnsupportedGgufType { tensor: t.name.clone(), ty: t.ty.name() });
+            return Err(EngineError::UnsupportedGgufType {
+                tensor: t.name.clone(),
+                ty: t.ty.name(),
+            });
         }
         *source_types.entry(t.ty.name()).or_insert(0) += 1;
         names.push((name, t));
@@ -206,7 +262,10 @@ pub fn import_gguf(file: impl AsRef<Path>, out_dir: impl AsRef<Path>, opts: &Imp
         parameters += data.len() as u64;
         let bytes: Vec<u8> = match opts.dtype {
             ImportDtype::F32 => data.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            ImportDtype::Bf16 => data.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
+            ImportDtype::Bf16 => data
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
         };
         blobs.push((name.clone(), shape, bytes));
     }
@@ -217,21 +276,32 @@ pub fn import_gguf(file: impl AsRef<Path>, out_dir: impl AsRef<Path>, opts: &Imp
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = blobs
         .iter()
         .map(|(n, s, b)| {
-            let v = safetensors::tensor::TensorView::new(st_dtype, s.clone(), b).map_err(|e| EngineError::Weights(format!("{n}: {e}")))?;
+            let v = safetensors::tensor::TensorView::new(st_dtype, s.clone(), b)
+                .map_err(|e| EngineError::Weights(format!("{n}: {e}")))?;
             Ok((n.clone(), v))
         })
         .collect::<Result<_>>()?;
     let st_path = out_dir.join("model.safetensors");
     let mut meta = std::collections::HashMap::new();
     meta.insert("format".to_string(), "pt".to_string());
-    safetensors::tensor::serialize_to_file(views, Some(meta), &st_path)
-        .map_err(|e| EngineError::Safetensors { path: st_path.clone(), msg: e.to_string() })?;
+    safetensors::tensor::serialize_to_file(views, Some(meta), &st_path).map_err(|e| {
+        EngineError::Safetensors {
+            path: st_path.clone(),
+            msg: e.to_string(),
+        }
+    })?;
 
     // Tokenizer files.
     write_json(&out_dir.join("tokenizer.json"), &tok_json)?;
     let tokens_arr = g.get("tokenizer.ggml.tokens").and_then(GgufValue::as_array);
     let tok_str = |id: Option<u64>| -> Value {
-        id.and_then(|i| tokens_arr.and_then(|a| a.get(i as usize)).and_then(GgufValue::as_str)).map(|s| json!(s)).unwrap_or(Value::Null)
+        id.and_then(|i| {
+            tokens_arr
+                .and_then(|a| a.get(i as usize))
+                .and_then(GgufValue::as_str)
+        })
+        .map(|s| json!(s))
+        .unwrap_or(Value::Null)
     };
     let template = g.get("tokenizer.chat_template").and_then(GgufValue::as_str);
     let mut tcfg = json!({
@@ -247,19 +317,37 @@ pub fn import_gguf(file: impl AsRef<Path>, out_dir: impl AsRef<Path>, opts: &Imp
     });
     if let Some(t) = template {
         tcfg["chat_template"] = json!(t);
-        std::fs::write(out_dir.join("chat_template.jinja"), t).map_err(|e| EngineError::io("writing", out_dir.join("chat_template.jinja"), e))?;
+        std::fs::write(out_dir.join("chat_template.jinja"), t)
+            .map_err(|e| EngineError::io("writing", out_dir.join("chat_template.jinja"), e))?;
     }
     write_json(&out_dir.join("tokenizer_config.json"), &tcfg)?;
     let mut stm = serde_json::Map::new();
-    for (k, id) in [("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)] {
+    for (k, id) in [
+        ("bos_token", bos),
+        ("eos_token", eos),
+        ("unk_token", unk),
+        ("pad_token", pad),
+    ] {
         if id.is_some() {
             stm.insert(k.into(), tok_str(id));
         }
     }
-    write_json(&out_dir.join("special_tokens_map.json"), &Value::Object(stm))?;
-    write_json(&out_dir.join("generation_config.json"), &json!({"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}))?;
+    write_json(
+        &out_dir.join("special_tokens_map.json"),
+        &Value::Object(stm),
+    )?;
+    write_json(
+        &out_dir.join("generation_config.json"),
+        &json!({"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}),
+    )?;
 
-    Ok(ImportReport { out_dir: out_dir.into(), architecture: arch, tensors: blobs.len(), parameters, source_types })
+    Ok(ImportReport {
+        out_dir: out_dir.into(),
+        architecture: arch,
+        tensors: blobs.len(),
+        parameters,
+        source_types,
+    })
 }
 
 #[cfg(test)]
@@ -278,7 +366,8 @@ mod tests {
                 for j in 0..hd / 2 {
                     let src = h * hd + i * (hd / 2) + j; // (h, i, j)
                     let dst = h * hd + j * 2 + i; // (h, j, i)
-                    gguf[dst * cols..(dst + 1) * cols].copy_from_slice(&hf[src * cols..(src + 1) * cols]);
+                    gguf[dst * cols..(dst + 1) * cols]
+                        .copy_from_slice(&hf[src * cols..(src + 1) * cols]);
                 }
             }
         }
@@ -287,8 +376,14 @@ mod tests {
 
     #[test]
     fn names() {
-        assert_eq!(hf_name("blk.12.attn_q.weight").unwrap(), "model.layers.12.self_attn.q_proj.weight");
-        assert_eq!(hf_name("blk.0.ffn_down.weight").unwrap(), "model.layers.0.mlp.down_proj.weight");
+        assert_eq!(
+            hf_name("blk.12.attn_q.weight").unwrap(),
+            "model.layers.12.self_attn.q_proj.weight"
+        );
+        assert_eq!(
+            hf_name("blk.0.ffn_down.weight").unwrap(),
+            "model.layers.0.mlp.down_proj.weight"
+        );
         assert_eq!(hf_name("output_norm.weight").unwrap(), "model.norm.weight");
         assert!(hf_name("blk.0.weird.weight").is_none());
     }

@@ -137,11 +137,17 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn err(&self, msg: impl Into<String>) -> EngineError {
-        EngineError::GgufFormat { path: self.path.to_path_buf(), msg: format!("{} (at byte {})", msg.into(), self.pos) }
+        EngineError::GgufFormat {
+            path: self.path.to_path_buf(),
+            msg: format!("{} (at byte {})", msg.into(), self.pos),
+        }
     }
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {
         if self.pos.checked_add(n).is_none_or(|e| e > self.buf.len()) {
-            return Err(self.err(format!("truncated: wanted {n} more bytes, file has {}", self.buf.len())));
+            return Err(self.err(format!(
+                "truncated: wanted {n} more bytes, file has {}",
+                self.buf.len()
+            )));
         }
         let s = &self.buf[self.pos..self.pos + n];
         self.pos += n;
@@ -204,19 +210,32 @@ impl GgufFile {
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         if !path.exists() {
-            return Err(EngineError::Missing { what: "GGUF file", path: path.into(), hint: "check the path" });
+            return Err(EngineError::Missing {
+                what: "GGUF file",
+                path: path.into(),
+                hint: "check the path",
+            });
         }
         let f = std::fs::File::open(path).map_err(|e| EngineError::io("opening", path, e))?;
         // SAFETY: the file is opened read-only; yatt does not modify it while mapped.
-        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| EngineError::io("mapping", path, e))?;
-        let mut r = Reader { buf: &map, pos: 0, path };
+        let map =
+            unsafe { memmap2::Mmap::map(&f) }.map_err(|e| EngineError::io("mapping", path, e))?;
+        let mut r = Reader {
+            buf: &map,
+            pos: 0,
+            path,
+        };
         let magic = r.arr::<4>()?;
         if &magic != b"GGUF" {
-            return Err(r.err(format!("bad magic {magic:?}, expected \"GGUF\" (is this a GGUF file?)")));
+            return Err(r.err(format!(
+                "bad magic {magic:?}, expected \"GGUF\" (is this a GGUF file?)"
+            )));
         }
         let version = r.u32()?;
         if !(2..=3).contains(&version) {
-            return Err(r.err(format!("GGUF version {version} is not supported (2 and 3 are)")));
+            return Err(r.err(format!(
+                "GGUF version {version} is not supported (2 and 3 are)"
+            )));
         }
         let n_tensors = r.u64()?;
         let n_kv = r.u64()?;
@@ -240,14 +259,29 @@ impl GgufFile {
             }
             let ty = GgmlType(r.u32()?);
             let offset = r.u64()?;
-            tensors.push(GgufTensorInfo { name, dims, ty, offset });
+            tensors.push(GgufTensorInfo {
+                name,
+                dims,
+                ty,
+                offset,
+            });
         }
-        let align = metadata.get("general.alignment").and_then(|v| v.as_u64()).unwrap_or(32) as usize;
+        let align = metadata
+            .get("general.alignment")
+            .and_then(|v| v.as_u64())
+            .unwrap_or(32) as usize;
         if align == 0 || !align.is_power_of_two() {
             return Err(r.err(format!("general.alignment {align} is not a power of two")));
         }
         let data_offset = r.pos.div_ceil(align) * align;
-        let out = GgufFile { path: path.into(), map, version, metadata, tensors, data_offset };
+        let out = GgufFile {
+            path: path.into(),
+            map,
+            version,
+            metadata,
+            tensors,
+            data_offset,
+        };
         for t in &out.tensors {
             out.tensor_bytes(t)?; // bounds-check every tensor up front
         }
@@ -272,13 +306,22 @@ impl GgufFile {
     /// The raw bytes of a tensor. Errors for types whose block size is unknown.
     pub fn tensor_bytes(&self, t: &GgufTensorInfo) -> Result<&[u8]> {
         let n = t.numel();
-        let len = t.ty.byte_len(n).ok_or_else(|| EngineError::UnsupportedGgufType { tensor: t.name.clone(), ty: t.ty.name() })?;
+        let len =
+            t.ty.byte_len(n)
+                .ok_or_else(|| EngineError::UnsupportedGgufType {
+                    tensor: t.name.clone(),
+                    ty: t.ty.name(),
+                })?;
         let start = self.data_offset as u64 + t.offset;
         let end = start + len;
         if end > self.map.len() as u64 {
             return Err(EngineError::GgufFormat {
                 path: self.path.clone(),
-                msg: format!("tensor {} ends at byte {end}, past the end of the file ({} bytes)", t.name, self.map.len()),
+                msg: format!(
+                    "tensor {} ends at byte {end}, past the end of the file ({} bytes)",
+                    t.name,
+                    self.map.len()
+                ),
             });
         }
         Ok(&self.map[start as usize..end as usize])
@@ -287,7 +330,10 @@ impl GgufFile {
     /// Dequantizes a tensor to f32 (row-major, PyTorch shape [`GgufTensorInfo::shape`]).
     pub fn dequantize(&self, t: &GgufTensorInfo) -> Result<Vec<f32>> {
         if !t.ty.is_supported() {
-            return Err(EngineError::UnsupportedGgufType { tensor: t.name.clone(), ty: t.ty.name() });
+            return Err(EngineError::UnsupportedGgufType {
+                tensor: t.name.clone(),
+                ty: t.ty.name(),
+            });
         }
         let bytes = self.tensor_bytes(t)?;
         dequantize(t.ty, bytes, t.numel() as usize).map_err(|msg| EngineError::GgufFormat {

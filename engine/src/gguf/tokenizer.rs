@@ -29,25 +29,36 @@ fn pre_tokenizer(pre: &str) -> Option<Value> {
 }
 
 fn strings<'a>(g: &'a GgufFile, key: &str) -> Result<Vec<&'a str>> {
-    let arr = g
-        .get(key)
-        .and_then(GgufValue::as_array)
-        .ok_or_else(|| EngineError::UnsupportedGguf(format!("{} has no `{key}` array; cannot build a tokenizer", g.path().display())))?;
+    let arr = g.get(key).and_then(GgufValue::as_array).ok_or_else(|| {
+        EngineError::UnsupportedGguf(format!(
+            "{} has no `{key}` array; cannot build a tokenizer",
+            g.path().display()
+        ))
+    })?;
     arr.iter()
-        .map(|v| v.as_str().ok_or_else(|| EngineError::UnsupportedGguf(format!("`{key}` holds a non-string"))))
+        .map(|v| {
+            v.as_str()
+                .ok_or_else(|| EngineError::UnsupportedGguf(format!("`{key}` holds a non-string")))
+        })
         .collect()
 }
 
 /// Builds the `tokenizer.json` value for a GGUF file's tokenizer.
 pub fn build_tokenizer_json(g: &GgufFile) -> Result<Value> {
-    let model = g.get("tokenizer.ggml.model").and_then(GgufValue::as_str).unwrap_or("");
+    let model = g
+        .get("tokenizer.ggml.model")
+        .and_then(GgufValue::as_str)
+        .unwrap_or("");
     if model != "gpt2" {
         return Err(EngineError::UnsupportedGguf(format!(
             "tokenizer.ggml.model = {model:?}: only byte-level BPE (\"gpt2\") tokenizers can be rebuilt; \
              for other models import the weights and supply the original tokenizer.json"
         )));
     }
-    let pre = g.get("tokenizer.ggml.pre").and_then(GgufValue::as_str).unwrap_or("default");
+    let pre = g
+        .get("tokenizer.ggml.pre")
+        .and_then(GgufValue::as_str)
+        .unwrap_or("default");
     let pre_tok = pre_tokenizer(pre).ok_or_else(|| {
         EngineError::UnsupportedGguf(format!(
             "tokenizer.ggml.pre = {pre:?} is not known to yatt (known: smollm, gpt2, default, llama-bpe, qwen2)"
@@ -55,7 +66,10 @@ pub fn build_tokenizer_json(g: &GgufFile) -> Result<Value> {
     })?;
     let tokens = strings(g, "tokenizer.ggml.tokens")?;
     let merges = strings(g, "tokenizer.ggml.merges")?;
-    let types: Vec<i64> = match g.get("tokenizer.ggml.token_type").and_then(GgufValue::as_array) {
+    let types: Vec<i64> = match g
+        .get("tokenizer.ggml.token_type")
+        .and_then(GgufValue::as_array)
+    {
         Some(a) => a.iter().map(|v| v.as_i64().unwrap_or(1)).collect(),
         None => vec![1; tokens.len()],
     };

@@ -32,7 +32,11 @@ pub struct GrpoConfig {
 
 impl Default for GrpoConfig {
     fn default() -> Self {
-        Self { norm_by_std: true, unbiased_std: true, eps: 1e-6 }
+        Self {
+            norm_by_std: true,
+            unbiased_std: true,
+            eps: 1e-6,
+        }
     }
 }
 
@@ -51,7 +55,11 @@ pub fn grpo_advantage(
     let (b, _) = check_bt(mask, "mask")?;
     check_b(rewards, "rewards", b)?;
     if cfg.eps.is_nan() || cfg.eps < 0.0 {
-        return Err(AlgoError::Param { name: "eps", value: cfg.eps, reason: "must be >= 0" });
+        return Err(AlgoError::Param {
+            name: "eps",
+            value: cfg.eps,
+            reason: "must be >= 0",
+        });
     }
     let rewards = rewards.to_kind(mask.kind());
     let g = Groups::new(group_ids, &rewards)?;
@@ -69,7 +77,10 @@ pub fn grpo_advantage(
         centered
     };
     let adv = adv.unsqueeze(1) * mask;
-    Ok(Advantages { returns: adv.shallow_clone(), advantages: adv })
+    Ok(Advantages {
+        returns: adv.shallow_clone(),
+        advantages: adv,
+    })
 }
 
 /// RLOO leave-one-out advantages, broadcast over tokens: `A_i = r_i − mean_{j≠i} r_j`
@@ -87,7 +98,10 @@ pub fn rloo_advantage(
     let baseline = (g.group_sum(&rewards) - &rewards) / others;
     let has_others = g.size_of_sample.gt(1.0).to_kind(rewards.kind());
     let adv = ((&rewards - baseline) * has_others).unsqueeze(1) * mask;
-    Ok(Advantages { returns: adv.shallow_clone(), advantages: adv })
+    Ok(Advantages {
+        returns: adv.shallow_clone(),
+        advantages: adv,
+    })
 }
 
 /// `[B, T]` one-hot of each row's last valid token (all zero for an empty row).
@@ -138,7 +152,10 @@ pub struct ReinforcePpConfig {
 
 impl Default for ReinforcePpConfig {
     fn default() -> Self {
-        Self { gamma: 1.0, eps: 1e-8 }
+        Self {
+            gamma: 1.0,
+            eps: 1e-8,
+        }
     }
 }
 
@@ -161,9 +178,16 @@ pub fn reinforce_pp_advantage(
         cols.push(running.shallow_clone());
     }
     cols.reverse();
-    let returns = if t == 0 { r.zeros_like() } else { Tensor::stack(&cols, 1) };
+    let returns = if t == 0 {
+        r.zeros_like()
+    } else {
+        Tensor::stack(&cols, 1)
+    };
     let advantages = masked_whiten(&returns, mask, cfg.eps);
-    Ok(Advantages { advantages, returns })
+    Ok(Advantages {
+        advantages,
+        returns,
+    })
 }
 
 /// GAE options.
@@ -181,7 +205,12 @@ pub struct GaeConfig {
 
 impl Default for GaeConfig {
     fn default() -> Self {
-        Self { gamma: 1.0, lam: 0.95, whiten: true, eps: 1e-8 }
+        Self {
+            gamma: 1.0,
+            lam: 0.95,
+            whiten: true,
+            eps: 1e-8,
+        }
     }
 }
 
@@ -189,7 +218,11 @@ fn check_discount(v: f64, name: &'static str) -> Result<(), AlgoError> {
     if (0.0..=1.0).contains(&v) {
         Ok(())
     } else {
-        Err(AlgoError::Param { name, value: v, reason: "must be in [0, 1]" })
+        Err(AlgoError::Param {
+            name,
+            value: v,
+            reason: "must be in [0, 1]",
+        })
     }
 }
 
@@ -223,8 +256,19 @@ pub fn gae_advantage(
         (next_adv, next_v, next_valid) = (adv, vi, mi);
     }
     cols.reverse();
-    let adv = if t == 0 { r.zeros_like() } else { Tensor::stack(&cols, 1) };
+    let adv = if t == 0 {
+        r.zeros_like()
+    } else {
+        Tensor::stack(&cols, 1)
+    };
     let returns = (&adv + &v) * mask;
-    let advantages = if cfg.whiten { masked_whiten(&adv, mask, cfg.eps) } else { adv };
-    Ok(Advantages { advantages, returns })
+    let advantages = if cfg.whiten {
+        masked_whiten(&adv, mask, cfg.eps)
+    } else {
+        adv
+    };
+    Ok(Advantages {
+        advantages,
+        returns,
+    })
 }

@@ -36,13 +36,25 @@ pub fn dynamic_sampling_filter(
     tolerance: f64,
 ) -> Result<DynamicSampling, AlgoError> {
     if rewards.len() != group_ids.len() {
-        return Err(AlgoError::Length { what: "rewards vs group_ids", a: rewards.len(), b: group_ids.len() });
+        return Err(AlgoError::Length {
+            what: "rewards vs group_ids",
+            a: rewards.len(),
+            b: group_ids.len(),
+        });
     }
     if tolerance.is_nan() || tolerance < 0.0 {
-        return Err(AlgoError::Param { name: "tolerance", value: tolerance, reason: "must be >= 0" });
+        return Err(AlgoError::Param {
+            name: "tolerance",
+            value: tolerance,
+            reason: "must be >= 0",
+        });
     }
     if let Some(r) = rewards.iter().find(|r| !r.is_finite()) {
-        return Err(AlgoError::Param { name: "rewards", value: *r, reason: "rewards must be finite; check the reward function" });
+        return Err(AlgoError::Param {
+            name: "rewards",
+            value: *r,
+            reason: "rewards must be finite; check the reward function",
+        });
     }
     // (group id, min, max) in first-seen order.
     let mut groups: Vec<(usize, f64, f64)> = Vec::new();
@@ -70,7 +82,11 @@ pub fn dynamic_sampling_filter(
         .map(|(i, _)| i)
         .collect();
     let prompts_needed = target_groups.saturating_sub(keep_groups.len());
-    let keep_rate = if groups.is_empty() { 0.0 } else { keep_groups.len() as f64 / groups.len() as f64 };
+    let keep_rate = if groups.is_empty() {
+        0.0
+    } else {
+        keep_groups.len() as f64 / groups.len() as f64
+    };
     let suggested_prompts = if prompts_needed == 0 {
         Some(0)
     } else if keep_rate > 0.0 {
@@ -78,7 +94,14 @@ pub fn dynamic_sampling_filter(
     } else {
         None
     };
-    Ok(DynamicSampling { keep_groups, dropped_groups, keep_samples, prompts_needed, keep_rate, suggested_prompts })
+    Ok(DynamicSampling {
+        keep_groups,
+        dropped_groups,
+        keep_samples,
+        prompts_needed,
+        keep_rate,
+        suggested_prompts,
+    })
 }
 
 fn check_overlong(max_len: usize, cache_len: usize) -> Result<(), AlgoError> {
@@ -109,7 +132,11 @@ pub fn overlong_penalty(len: usize, max_len: usize, cache_len: usize) -> Result<
 
 /// [`overlong_penalty`] on a `[B]` tensor of response lengths (any numeric kind);
 /// returns `[B]` float penalties on the same device.
-pub fn overlong_penalty_tensor(lengths: &Tensor, max_len: usize, cache_len: usize) -> Result<Tensor, AlgoError> {
+pub fn overlong_penalty_tensor(
+    lengths: &Tensor,
+    max_len: usize,
+    cache_len: usize,
+) -> Result<Tensor, AlgoError> {
     check_overlong(max_len, cache_len)?;
     if lengths.dim() != 1 {
         return Err(AlgoError::Shape {

@@ -75,7 +75,12 @@ pub struct PolicyLossConfig {
 
 impl Default for PolicyLossConfig {
     fn default() -> Self {
-        Self { clip_low: 0.2, clip_high: 0.2, dual_clip: None, agg: LossAgg::TokenMean }
+        Self {
+            clip_low: 0.2,
+            clip_high: 0.2,
+            dual_clip: None,
+            agg: LossAgg::TokenMean,
+        }
     }
 }
 
@@ -108,14 +113,26 @@ pub fn ppo_policy_loss(
     check_same_bt(old_logp, "old_logp", b, t)?;
     check_same_bt(advantages, "advantages", b, t)?;
     if !(0.0..1.0).contains(&cfg.clip_low) {
-        return Err(AlgoError::Param { name: "clip_low", value: cfg.clip_low, reason: "must be in [0, 1)" });
+        return Err(AlgoError::Param {
+            name: "clip_low",
+            value: cfg.clip_low,
+            reason: "must be in [0, 1)",
+        });
     }
     if cfg.clip_high.is_nan() || cfg.clip_high < 0.0 {
-        return Err(AlgoError::Param { name: "clip_high", value: cfg.clip_high, reason: "must be >= 0" });
+        return Err(AlgoError::Param {
+            name: "clip_high",
+            value: cfg.clip_high,
+            reason: "must be >= 0",
+        });
     }
     if let Some(c) = cfg.dual_clip {
         if c.is_nan() || c <= 1.0 {
-            return Err(AlgoError::Param { name: "dual_clip", value: c, reason: "the dual-clip constant must be > 1 (verl uses 3.0)" });
+            return Err(AlgoError::Param {
+                name: "dual_clip",
+                value: c,
+                reason: "the dual-clip constant must be > 1 (verl uses 3.0)",
+            });
         }
     }
     let k = mask.kind();
@@ -132,7 +149,10 @@ pub fn ppo_policy_loss(
             let neg = a.lt(0.0);
             let capped = clipped.minimum(&l3);
             let frac = clipped.gt_tensor(&l3).logical_and(&neg).to_kind(k);
-            (capped.where_self(&neg, &clipped), scalar(&masked_mean(&frac, mask)))
+            (
+                capped.where_self(&neg, &clipped),
+                scalar(&masked_mean(&frac, mask)),
+            )
         }
         None => (clipped, 0.0),
     };
@@ -157,7 +177,10 @@ pub struct ValueLossConfig {
 
 impl Default for ValueLossConfig {
     fn default() -> Self {
-        Self { clip: Some(0.5), agg: LossAgg::TokenMean }
+        Self {
+            clip: Some(0.5),
+            agg: LossAgg::TokenMean,
+        }
     }
 }
 
@@ -189,7 +212,11 @@ pub fn value_loss(
     let (per_token, clip_frac) = match cfg.clip {
         Some(eps) => {
             if eps.is_nan() || eps < 0.0 {
-                return Err(AlgoError::Param { name: "clip", value: eps, reason: "value clip range must be >= 0" });
+                return Err(AlgoError::Param {
+                    name: "clip",
+                    value: eps,
+                    reason: "value clip range must be >= 0",
+                });
             }
             let old = old_values.to_kind(k);
             let vc = old.shallow_clone() + (&v - &old).clamp(-eps, eps);
@@ -200,7 +227,13 @@ pub fn value_loss(
         None => (l1, 0.0),
     };
     let loss = aggregate_loss(&per_token, mask, cfg.agg)? * 0.5;
-    Ok((loss, ValueLossStats { clip_frac, value_mean: scalar(&masked_mean(&v, mask)) }))
+    Ok((
+        loss,
+        ValueLossStats {
+            clip_frac,
+            value_mean: scalar(&masked_mean(&v, mask)),
+        },
+    ))
 }
 
 /// Per-token entropy of the categorical distribution given by `logits` `[B, T, V]`:
@@ -234,7 +267,12 @@ pub fn entropy_loss(
     agg: LossAgg,
 ) -> Result<(Tensor, EntropyStats), AlgoError> {
     let loss = aggregate_loss(entropy, mask, agg)? * (-coef);
-    Ok((loss, EntropyStats { entropy_mean: scalar(&masked_mean(entropy, mask)) }))
+    Ok((
+        loss,
+        EntropyStats {
+            entropy_mean: scalar(&masked_mean(entropy, mask)),
+        },
+    ))
 }
 
 /// Metrics of the KL loss.
@@ -255,6 +293,10 @@ pub fn kl_loss(
 ) -> Result<(Tensor, KlLossStats), AlgoError> {
     let kl = kl_estimate(logp, ref_logp, mask, estimator)?;
     let loss = aggregate_loss(&kl, mask, agg)? * coef;
-    Ok((loss, KlLossStats { kl_mean: scalar(&masked_mean(&kl, mask)) }))
+    Ok((
+        loss,
+        KlLossStats {
+            kl_mean: scalar(&masked_mean(&kl, mask)),
+        },
+    ))
 }
-

@@ -25,10 +25,12 @@ pub mod kl;
 pub mod loss;
 
 pub use advantage::{
-    gae_advantage, grpo_advantage, reinforce_pp_advantage, rloo_advantage,
-    token_level_rewards, Advantages, GaeConfig, GrpoConfig, ReinforcePpConfig,
+    gae_advantage, grpo_advantage, reinforce_pp_advantage, rloo_advantage, token_level_rewards,
+    Advantages, GaeConfig, GrpoConfig, ReinforcePpConfig,
 };
-pub use dapo::{dynamic_sampling_filter, overlong_penalty, overlong_penalty_tensor, DynamicSampling};
+pub use dapo::{
+    dynamic_sampling_filter, overlong_penalty, overlong_penalty_tensor, DynamicSampling,
+};
 pub use kl::{kl_estimate, KlEstimator};
 pub use loss::{
     aggregate_loss, entropy_from_logits, entropy_loss, kl_loss, masked_mean, ppo_policy_loss,
@@ -62,7 +64,9 @@ pub enum AlgoError {
         kind: Kind,
     },
     /// The group ids do not have one entry per sample.
-    #[error("group ids: {got} entries for a batch of {batch} samples; pass one group id per sample")]
+    #[error(
+        "group ids: {got} entries for a batch of {batch} samples; pass one group id per sample"
+    )]
     GroupIds {
         /// Number of samples in the batch.
         batch: i64,
@@ -98,7 +102,10 @@ pub(crate) fn check_float(t: &Tensor, what: &'static str) -> Result<(), AlgoErro
     if t.is_floating_point() {
         Ok(())
     } else {
-        Err(AlgoError::NotFloat { what, kind: t.kind() })
+        Err(AlgoError::NotFloat {
+            what,
+            kind: t.kind(),
+        })
     }
 }
 
@@ -117,7 +124,12 @@ pub(crate) fn check_bt(t: &Tensor, what: &'static str) -> Result<(i64, i64), Alg
 }
 
 /// Checks `t` has exactly the shape `[b, t]` and is floating point.
-pub(crate) fn check_same_bt(t: &Tensor, what: &'static str, b: i64, t_: i64) -> Result<(), AlgoError> {
+pub(crate) fn check_same_bt(
+    t: &Tensor,
+    what: &'static str,
+    b: i64,
+    t_: i64,
+) -> Result<(), AlgoError> {
     check_float(t, what)?;
     if t.size() != [b, t_] {
         return Err(AlgoError::Shape {
@@ -176,7 +188,10 @@ impl Groups {
     pub(crate) fn new(ids: &[usize], like: &Tensor) -> Result<Self, AlgoError> {
         let b = like.size()[0];
         if ids.len() as i64 != b {
-            return Err(AlgoError::GroupIds { batch: b, got: ids.len() });
+            return Err(AlgoError::GroupIds {
+                batch: b,
+                got: ids.len(),
+            });
         }
         let mut dense: Vec<usize> = Vec::with_capacity(ids.len());
         let mut seen: Vec<usize> = Vec::new();
@@ -202,7 +217,10 @@ impl Groups {
         // size_of_sample[b] = Σ_g member[g,b] · |g|
         let sizes = member.sum_dim_intlist(1, false, like.kind());
         let size_of_sample = member.transpose(0, 1).matmul(&sizes);
-        Ok(Self { member, size_of_sample })
+        Ok(Self {
+            member,
+            size_of_sample,
+        })
     }
 
     /// Per-sample sum over the sample's group: `[B] -> [B]`.
@@ -213,7 +231,9 @@ impl Groups {
 
 /// Reads a 0-d tensor as f64 (moves to CPU if needed).
 pub(crate) fn scalar(t: &Tensor) -> f64 {
-    t.to_device(tch::Device::Cpu).to_kind(Kind::Double).double_value(&[])
+    t.to_device(tch::Device::Cpu)
+        .to_kind(Kind::Double)
+        .double_value(&[])
 }
 
 #[cfg(test)]

@@ -23,7 +23,10 @@ fn vals(t: &Tensor) -> Vec<f64> {
 fn close(got: &[f64], want: &[f64]) {
     assert_eq!(got.len(), want.len(), "length: got {got:?} want {want:?}");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!((g - w).abs() < 1e-6, "index {i}: got {g}, want {w}\n got {got:?}\nwant {want:?}");
+        assert!(
+            (g - w).abs() < 1e-6,
+            "index {i}: got {g}, want {w}\n got {got:?}\nwant {want:?}"
+        );
     }
 }
 
@@ -60,12 +63,24 @@ fn grpo_group_normalised_and_masked() {
     close(
         &vals(&a.advantages),
         &[
-            -a7, -a7, -a7, // sample 0, group 7, r=1
-            -a4, -a4, 0.0, // sample 1, group 4, r=0, last token padded
-            0.0, 0.0, 0.0, // sample 2, group 7, r=2 → 0
-            -a4, -a4, -a4, // sample 3, group 4, r=0
-            a7, a7, 0.0, // sample 4, group 7, r=3
-            2.0 * a4, 2.0 * a4, 2.0 * a4, // sample 5, group 4, r=3
+            -a7,
+            -a7,
+            -a7, // sample 0, group 7, r=1
+            -a4,
+            -a4,
+            0.0, // sample 1, group 4, r=0, last token padded
+            0.0,
+            0.0,
+            0.0, // sample 2, group 7, r=2 → 0
+            -a4,
+            -a4,
+            -a4, // sample 3, group 4, r=0
+            a7,
+            a7,
+            0.0, // sample 4, group 7, r=3
+            2.0 * a4,
+            2.0 * a4,
+            2.0 * a4, // sample 5, group 4, r=3
         ],
     );
     close(&vals(&a.returns), &vals(&a.advantages));
@@ -75,11 +90,21 @@ fn grpo_group_normalised_and_masked() {
 fn grpo_without_std_and_population_std() {
     let (r, mask, ids) = grouped();
     // Dr. GRPO: r − mean: group 7 [-1,0,1], group 4 [-1,-1,2]; first token of each row.
-    let cfg = GrpoConfig { norm_by_std: false, ..Default::default() };
+    let cfg = GrpoConfig {
+        norm_by_std: false,
+        ..Default::default()
+    };
     let a = grpo_advantage(&r, &mask, &ids, &cfg).unwrap();
-    close(&vals(&a.advantages.select(1, 0)), &[-1.0, -1.0, 0.0, -1.0, 1.0, 2.0]);
+    close(
+        &vals(&a.advantages.select(1, 0)),
+        &[-1.0, -1.0, 0.0, -1.0, 1.0, 2.0],
+    );
     // population std of group 7: sqrt(2/3) = 0.8164966 → ±1/0.8164966 = ±1.2247449
-    let cfg = GrpoConfig { unbiased_std: false, eps: 0.0, ..Default::default() };
+    let cfg = GrpoConfig {
+        unbiased_std: false,
+        eps: 0.0,
+        ..Default::default()
+    };
     let a = grpo_advantage(&r, &mask, &ids, &cfg).unwrap();
     let col = vals(&a.advantages.select(1, 0));
     close(&[col[0], col[2], col[4]], &[-1.2247449, 0.0, 1.2247449]);
@@ -87,7 +112,13 @@ fn grpo_without_std_and_population_std() {
 
 #[test]
 fn grpo_singleton_groups_get_zero() {
-    let a = grpo_advantage(&t1(&[5.0, -2.0]), &t2(&[&[1.0, 1.0], &[1.0, 0.0]]), &[1, 2], &GrpoConfig::default()).unwrap();
+    let a = grpo_advantage(
+        &t1(&[5.0, -2.0]),
+        &t2(&[&[1.0, 1.0], &[1.0, 0.0]]),
+        &[1, 2],
+        &GrpoConfig::default(),
+    )
+    .unwrap();
     close(&vals(&a.advantages), &[0.0; 4]);
 }
 
@@ -126,7 +157,10 @@ fn token_rewards_last_token_and_kl_penalty() {
     close(&vals(&plain), &[0.0, 0.0, 1.0, 0.0, 0.0, -1.0, 0.0, 0.0]);
     // β = 0.5: row 0 [-0.05, -0.1, 1 − 0.15, 0]; row 1 [-0.25, -1 − 0.25, 0, 0]
     let with_kl = token_level_rewards(&r, &mask, Some(&kl), 0.5).unwrap();
-    close(&vals(&with_kl), &[-0.05, -0.1, 0.85, 0.0, -0.25, -1.25, 0.0, 0.0]);
+    close(
+        &vals(&with_kl),
+        &[-0.05, -0.1, 0.85, 0.0, -0.25, -1.25, 0.0, 0.0],
+    );
     // an empty response gets nothing (there is no token to carry the reward)
     let empty = token_level_rewards(&t1(&[3.0]), &t2(&[&[0.0, 0.0]]), None, 0.0).unwrap();
     close(&vals(&empty), &[0.0, 0.0]);
@@ -139,16 +173,29 @@ fn reinforce_pp_returns_and_global_whitening() {
     let a = reinforce_pp_advantage(&tr, &mask, &ReinforcePpConfig::default()).unwrap();
     // γ = 1, row 0: G2 = 0.85, G1 = -0.1 + 0.85 = 0.75, G0 = -0.05 + 0.75 = 0.7
     //        row 1: G1 = -1.25, G0 = -0.25 - 1.25 = -1.5
-    close(&vals(&a.returns), &[0.7, 0.75, 0.85, 0.0, -1.5, -1.25, 0.0, 0.0]);
+    close(
+        &vals(&a.returns),
+        &[0.7, 0.75, 0.85, 0.0, -1.5, -1.25, 0.0, 0.0],
+    );
     // 5 valid tokens: mean = -0.45/5 = -0.09; squared deviations
     // 0.79² + 0.84² + 0.94² + 1.41² + 1.16² = 5.547; unbiased var 1.38675, std 1.1776035
     // → (G + 0.09) / 1.1776035
     close(
         &vals(&a.advantages),
-        &[0.6708540, 0.7133131, 0.7982313, 0.0, -1.1973470, -0.9850514, 0.0, 0.0],
+        &[
+            0.6708540, 0.7133131, 0.7982313, 0.0, -1.1973470, -0.9850514, 0.0, 0.0,
+        ],
     );
     // γ = 0.5, row 0: G2 = 0.85, G1 = -0.1 + 0.425 = 0.325, G0 = -0.05 + 0.1625 = 0.1125
-    let a = reinforce_pp_advantage(&tr, &mask, &ReinforcePpConfig { gamma: 0.5, eps: 1e-8 }).unwrap();
+    let a = reinforce_pp_advantage(
+        &tr,
+        &mask,
+        &ReinforcePpConfig {
+            gamma: 0.5,
+            eps: 1e-8,
+        },
+    )
+    .unwrap();
     close(&vals(&a.returns.select(0, 0)), &[0.1125, 0.325, 0.85, 0.0]);
 }
 
@@ -164,7 +211,12 @@ fn gae_inputs() -> (Tensor, Tensor, Tensor) {
 #[test]
 fn gae_by_hand() {
     let (r, v, m) = gae_inputs();
-    let cfg = GaeConfig { gamma: 1.0, lam: 0.5, whiten: false, eps: 1e-8 };
+    let cfg = GaeConfig {
+        gamma: 1.0,
+        lam: 0.5,
+        whiten: false,
+        eps: 1e-8,
+    };
     let a = gae_advantage(&r, &v, &m, &cfg).unwrap();
     // row 0: δ2 = 1 − 0.7 = 0.3, A2 = 0.3
     //        δ1 = 0.7 − 0.6 = 0.1, A1 = 0.1 + 0.5·0.3 = 0.25
@@ -176,7 +228,12 @@ fn gae_by_hand() {
     close(&vals(&a.returns), &[0.725, 0.85, 1.0, 1.2, 2.0, 0.0]);
 
     // γ = 0.9, λ = 1 (Monte-Carlo): row 0 A0 = 0.81·1 − 0.5 = 0.31, A1 = 0.9 − 0.6 = 0.3, A2 = 0.3
-    let cfg = GaeConfig { gamma: 0.9, lam: 1.0, whiten: false, eps: 1e-8 };
+    let cfg = GaeConfig {
+        gamma: 0.9,
+        lam: 1.0,
+        whiten: false,
+        eps: 1e-8,
+    };
     let a = gae_advantage(&r, &v, &m, &cfg).unwrap();
     close(&vals(&a.advantages.select(0, 0)), &[0.31, 0.3, 0.3]);
 }
@@ -184,7 +241,12 @@ fn gae_by_hand() {
 #[test]
 fn gae_whitening_is_over_valid_tokens_only() {
     let (r, v, m) = gae_inputs();
-    let cfg = GaeConfig { gamma: 1.0, lam: 0.5, whiten: true, eps: 0.0 };
+    let cfg = GaeConfig {
+        gamma: 1.0,
+        lam: 0.5,
+        whiten: true,
+        eps: 0.0,
+    };
     let a = gae_advantage(&r, &v, &m, &cfg).unwrap();
     // raw valid advantages [0.225, 0.25, 0.3, 1.0, 1.6]: mean 0.675, deviations
     // [-0.45, -0.425, -0.375, 0.325, 0.925], Σ² = 1.485, unbiased var 0.37125, std 0.6093029
@@ -203,28 +265,56 @@ fn kl_estimators() {
     let refp = t2(&[&[-1.5, -1.0, 40.0]]);
     let mask = t2(&[&[1.0, 1.0, 0.0]]);
     // d = logp − ref = [0.5, −1.0]; padded token → 0 whatever the values
-    close(&vals(&kl_estimate(&logp, &refp, &mask, KlEstimator::K1).unwrap()), &[0.5, -1.0, 0.0]);
+    close(
+        &vals(&kl_estimate(&logp, &refp, &mask, KlEstimator::K1).unwrap()),
+        &[0.5, -1.0, 0.0],
+    );
     // ½ d² = [0.125, 0.5]
-    close(&vals(&kl_estimate(&logp, &refp, &mask, KlEstimator::K2).unwrap()), &[0.125, 0.5, 0.0]);
+    close(
+        &vals(&kl_estimate(&logp, &refp, &mask, KlEstimator::K2).unwrap()),
+        &[0.125, 0.5, 0.0],
+    );
     // log r = ref − logp = [−0.5, 1]; e^−0.5 + 0.5 − 1 = 0.1065307; e − 1 − 1 = 0.7182818
-    close(&vals(&kl_estimate(&logp, &refp, &mask, KlEstimator::K3).unwrap()), &[0.1065307, 0.7182818, 0.0]);
+    close(
+        &vals(&kl_estimate(&logp, &refp, &mask, KlEstimator::K3).unwrap()),
+        &[0.1065307, 0.7182818, 0.0],
+    );
     // k3 is clamped at 10 (log r = 15 would give e^15 − 16)
-    let big = kl_estimate(&t2(&[&[-16.0]]), &t2(&[&[-1.0]]), &t2(&[&[1.0]]), KlEstimator::K3).unwrap();
+    let big = kl_estimate(
+        &t2(&[&[-16.0]]),
+        &t2(&[&[-1.0]]),
+        &t2(&[&[1.0]]),
+        KlEstimator::K3,
+    )
+    .unwrap();
     close(&vals(&big), &[10.0]);
 }
 
 #[test]
 fn aggregation_modes() {
     // padded entries hold 100 to prove they are ignored; row 2 is an empty response
-    let loss = t2(&[&[1.0, 2.0, 3.0], &[4.0, 100.0, 100.0], &[100.0, 100.0, 100.0]]);
+    let loss = t2(&[
+        &[1.0, 2.0, 3.0],
+        &[4.0, 100.0, 100.0],
+        &[100.0, 100.0, 100.0],
+    ]);
     let mask = t2(&[&[1.0, 1.0, 1.0], &[1.0, 0.0, 0.0], &[0.0, 0.0, 0.0]]);
     // token-mean: (1+2+3+4)/4 = 2.5
-    close1(scalar(&aggregate_loss(&loss, &mask, LossAgg::TokenMean).unwrap()), 2.5);
+    close1(
+        scalar(&aggregate_loss(&loss, &mask, LossAgg::TokenMean).unwrap()),
+        2.5,
+    );
     // seq-mean-token-mean: rows 2 and 4 (the empty row is left out) → 3
-    close1(scalar(&aggregate_loss(&loss, &mask, LossAgg::SeqMeanTokenMean).unwrap()), 3.0);
+    close1(
+        scalar(&aggregate_loss(&loss, &mask, LossAgg::SeqMeanTokenMean).unwrap()),
+        3.0,
+    );
     // seq-mean-token-sum-norm, max_len 4: (6/4 + 4/4 + 0)/3 = 2.5/3
     let agg = LossAgg::SeqMeanTokenSumNorm { max_len: 4.0 };
-    close1(scalar(&aggregate_loss(&loss, &mask, agg).unwrap()), 2.5 / 3.0);
+    close1(
+        scalar(&aggregate_loss(&loss, &mask, agg).unwrap()),
+        2.5 / 3.0,
+    );
     assert!(aggregate_loss(&loss, &mask, LossAgg::SeqMeanTokenSumNorm { max_len: 0.0 }).is_err());
 }
 
@@ -233,7 +323,10 @@ fn aggregation_modes() {
 fn ppo_inputs() -> (Tensor, Tensor, Tensor, Tensor) {
     let ln = |x: f64| x.ln();
     let old = t2(&[&[-1.0, -1.0, -1.0], &[-1.0, -1.0, -1.0]]);
-    let logp = t2(&[&[-1.0 + ln(1.5), -1.0 + ln(0.5), -1.0 + ln(1.1)], &[-1.0 + ln(0.5), -1.0 + ln(5.0), 30.0]]);
+    let logp = t2(&[
+        &[-1.0 + ln(1.5), -1.0 + ln(0.5), -1.0 + ln(1.1)],
+        &[-1.0 + ln(0.5), -1.0 + ln(5.0), 30.0],
+    ]);
     let adv = t2(&[&[1.0, 1.0, 1.0], &[-1.0, -1.0, 1000.0]]);
     let mask = t2(&[&[1.0, 1.0, 1.0], &[1.0, 1.0, 0.0]]);
     (logp, old, adv, mask)
@@ -242,7 +335,12 @@ fn ppo_inputs() -> (Tensor, Tensor, Tensor, Tensor) {
 #[test]
 fn ppo_clip_higher_and_dual_clip() {
     let (logp, old, adv, mask) = ppo_inputs();
-    let cfg = PolicyLossConfig { clip_low: 0.2, clip_high: 0.28, dual_clip: None, agg: LossAgg::TokenMean };
+    let cfg = PolicyLossConfig {
+        clip_low: 0.2,
+        clip_high: 0.28,
+        dual_clip: None,
+        agg: LossAgg::TokenMean,
+    };
     let (loss, st) = ppo_policy_loss(&logp, &old, &adv, &mask, &cfg).unwrap();
     // a: max(−1.5, −1.28) = −1.28 (clipped at 1+0.28)
     // b: max(−0.5, −0.8) = −0.5 (A>0 below 1−ε: not clipped)
@@ -259,18 +357,33 @@ fn ppo_clip_higher_and_dual_clip() {
     close1(st.ratio_mean, 1.72);
 
     // dual clip c = 3: d becomes min(5, 3) = 3 → (2.92 − 2)/5 = 0.184
-    let dual = PolicyLossConfig { dual_clip: Some(3.0), ..cfg };
+    let dual = PolicyLossConfig {
+        dual_clip: Some(3.0),
+        ..cfg
+    };
     let (loss, st) = ppo_policy_loss(&logp, &old, &adv, &mask, &dual).unwrap();
     close1(scalar(&loss), 0.184);
     close1(st.dual_clip_frac, 0.2);
 
     // symmetric ε = 0.2: a becomes −1.2 → (2.92 + 0.08)/5 = 0.6
-    let sym = PolicyLossConfig { clip_high: 0.2, ..cfg };
-    close1(scalar(&ppo_policy_loss(&logp, &old, &adv, &mask, &sym).unwrap().0), 0.6);
+    let sym = PolicyLossConfig {
+        clip_high: 0.2,
+        ..cfg
+    };
+    close1(
+        scalar(&ppo_policy_loss(&logp, &old, &adv, &mask, &sym).unwrap().0),
+        0.6,
+    );
 
     // seq-mean-token-mean: row 0 (−1.28 − 0.5 − 1.1)/3 = −0.96, row 1 (0.8 + 5)/2 = 2.9 → 0.97
-    let seq = PolicyLossConfig { agg: LossAgg::SeqMeanTokenMean, ..cfg };
-    close1(scalar(&ppo_policy_loss(&logp, &old, &adv, &mask, &seq).unwrap().0), 0.97);
+    let seq = PolicyLossConfig {
+        agg: LossAgg::SeqMeanTokenMean,
+        ..cfg
+    };
+    close1(
+        scalar(&ppo_policy_loss(&logp, &old, &adv, &mask, &seq).unwrap().0),
+        0.97,
+    );
 }
 
 #[test]
@@ -279,7 +392,12 @@ fn ppo_clip_boundaries() {
     let old = t2(&[&[0.0, 0.0, 0.0, 0.0]]);
     let logp = t2(&[&[1.27f64.ln(), 1.29f64.ln(), 0.81f64.ln(), 0.79f64.ln()]]);
     let mask = t2(&[&[1.0, 1.0, 1.0, 1.0]]);
-    let cfg = PolicyLossConfig { clip_low: 0.2, clip_high: 0.28, dual_clip: None, agg: LossAgg::TokenMean };
+    let cfg = PolicyLossConfig {
+        clip_low: 0.2,
+        clip_high: 0.28,
+        dual_clip: None,
+        agg: LossAgg::TokenMean,
+    };
     // A > 0 on the upper side: −1.27 (inside), −1.28 (clipped from 1.29)
     let pos = t2(&[&[1.0, 1.0, 1.0, 1.0]]);
     // A > 0 on the lower side is never clipped: −0.81, −0.79
@@ -297,7 +415,12 @@ fn ppo_clip_boundaries() {
 fn ppo_gradients_skip_padding_and_clipped_tokens() {
     let (logp, old, adv, mask) = ppo_inputs();
     let logp = logp.set_requires_grad(true);
-    let cfg = PolicyLossConfig { clip_low: 0.2, clip_high: 0.28, dual_clip: Some(3.0), agg: LossAgg::TokenMean };
+    let cfg = PolicyLossConfig {
+        clip_low: 0.2,
+        clip_high: 0.28,
+        dual_clip: Some(3.0),
+        agg: LossAgg::TokenMean,
+    };
     let (loss, _) = ppo_policy_loss(&logp, &old, &adv, &mask, &cfg).unwrap();
     loss.backward();
     // d/dlogp of −A·ρ/5 is −A·ρ/5 where unclipped, 0 where clipped or padded:
@@ -308,14 +431,30 @@ fn ppo_gradients_skip_padding_and_clipped_tokens() {
 #[test]
 fn ppo_rejects_bad_params_and_shapes() {
     let (logp, old, adv, mask) = ppo_inputs();
-    let bad = PolicyLossConfig { dual_clip: Some(0.5), ..Default::default() };
-    let e = ppo_policy_loss(&logp, &old, &adv, &mask, &bad).unwrap_err().to_string();
+    let bad = PolicyLossConfig {
+        dual_clip: Some(0.5),
+        ..Default::default()
+    };
+    let e = ppo_policy_loss(&logp, &old, &adv, &mask, &bad)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("dual_clip"), "{e}");
-    let e = ppo_policy_loss(&logp, &old, &adv.select(1, 0), &mask, &Default::default()).unwrap_err().to_string();
+    let e = ppo_policy_loss(&logp, &old, &adv.select(1, 0), &mask, &Default::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("advantages") && e.contains("[2, 3]"), "{e}");
     let ints = Tensor::from_slice(&[1i64, 2]).reshape([1, 2]);
-    assert!(matches!(aggregate_loss(&ints, &ints, LossAgg::TokenMean), Err(AlgoError::NotFloat { .. })));
-    let e = grpo_advantage(&t1(&[1.0, 2.0]), &t2(&[&[1.0], &[1.0]]), &[0], &GrpoConfig::default()).unwrap_err();
+    assert!(matches!(
+        aggregate_loss(&ints, &ints, LossAgg::TokenMean),
+        Err(AlgoError::NotFloat { .. })
+    ));
+    let e = grpo_advantage(
+        &t1(&[1.0, 2.0]),
+        &t2(&[&[1.0], &[1.0]]),
+        &[0],
+        &GrpoConfig::default(),
+    )
+    .unwrap_err();
     assert!(matches!(e, AlgoError::GroupIds { batch: 2, got: 1 }), "{e}");
 }
 
@@ -325,7 +464,10 @@ fn value_loss_clipping() {
     let old = t2(&[&[0.8, 1.0, 5.0]]);
     let ret = t2(&[&[1.5, 3.0, 9.0]]);
     let mask = t2(&[&[1.0, 1.0, 0.0]]);
-    let cfg = ValueLossConfig { clip: Some(0.5), agg: LossAgg::TokenMean };
+    let cfg = ValueLossConfig {
+        clip: Some(0.5),
+        agg: LossAgg::TokenMean,
+    };
     let (loss, st) = value_loss(&values, &old, &ret, &mask, &cfg).unwrap();
     // t0: v 1.0 within 0.8 ± 0.5 → (1 − 1.5)² = 0.25 both ways
     // t1: v 2.0 clipped to 1.5: max((2 − 3)², (1.5 − 3)²) = max(1, 2.25) = 2.25 (clipped)
@@ -334,7 +476,14 @@ fn value_loss_clipping() {
     close1(st.clip_frac, 0.5);
     close1(st.value_mean, 1.5);
     // unclipped: ½ · (0.25 + 1)/2 = 0.3125
-    let (loss, st) = value_loss(&values, &old, &ret, &mask, &ValueLossConfig { clip: None, ..cfg }).unwrap();
+    let (loss, st) = value_loss(
+        &values,
+        &old,
+        &ret,
+        &mask,
+        &ValueLossConfig { clip: None, ..cfg },
+    )
+    .unwrap();
     close1(scalar(&loss), 0.3125);
     close1(st.clip_frac, 0.0);
 }
@@ -346,18 +495,32 @@ fn entropy_and_kl_loss() {
     // token 2: padding
     let logits = Tensor::from_slice(&[0.0f64, 0.0, 0.0, 3f64.ln(), 5.0, -5.0]).reshape([1, 3, 2]);
     let h = entropy_from_logits(&logits).unwrap();
-    close(&vals(&h.narrow(1, 0, 2)), &[std::f64::consts::LN_2, 0.5623351]);
+    close(
+        &vals(&h.narrow(1, 0, 2)),
+        &[std::f64::consts::LN_2, 0.5623351],
+    );
     let mask = t2(&[&[1.0, 1.0, 0.0]]);
     let (loss, st) = entropy_loss(&h, &mask, 0.01, LossAgg::TokenMean).unwrap();
     // −0.01 · (std::f64::consts::LN_2 + 0.5623351)/2
-    close1(scalar(&loss), -0.01 * (std::f64::consts::LN_2 + 0.5623351) / 2.0);
+    close1(
+        scalar(&loss),
+        -0.01 * (std::f64::consts::LN_2 + 0.5623351) / 2.0,
+    );
     close1(st.entropy_mean, (std::f64::consts::LN_2 + 0.5623351) / 2.0);
     assert!(entropy_from_logits(&t2(&[&[1.0]])).is_err());
 
     // k3 per token [0.1065307, 0.7182818] (see kl_estimators) × β = 0.1, token-mean
     let logp = t2(&[&[-1.0, -2.0, -3.0]]);
     let refp = t2(&[&[-1.5, -1.0, 40.0]]);
-    let (loss, st) = kl_loss(&logp, &refp, &mask, KlEstimator::K3, 0.1, LossAgg::TokenMean).unwrap();
+    let (loss, st) = kl_loss(
+        &logp,
+        &refp,
+        &mask,
+        KlEstimator::K3,
+        0.1,
+        LossAgg::TokenMean,
+    )
+    .unwrap();
     close1(scalar(&loss), 0.1 * (0.1065307 + 0.7182818) / 2.0);
     close1(st.kl_mean, (0.1065307 + 0.7182818) / 2.0);
 }
@@ -392,22 +555,38 @@ fn dapo_dynamic_sampling() {
 #[test]
 fn dapo_overlong_penalty() {
     // L_max 20, L_cache 4: 0 up to 16, then −(len − 16)/4, −1 beyond 20
-    let want = [(10, 0.0), (16, 0.0), (17, -0.25), (18, -0.5), (20, -1.0), (25, -1.0)];
+    let want = [
+        (10, 0.0),
+        (16, 0.0),
+        (17, -0.25),
+        (18, -0.5),
+        (20, -1.0),
+        (25, -1.0),
+    ];
     for (len, p) in want {
         close1(overlong_penalty(len, 20, 4).unwrap(), p);
     }
     let lens = Tensor::from_slice(&[10i64, 16, 17, 18, 20, 25]);
-    close(&vals(&overlong_penalty_tensor(&lens, 20, 4).unwrap()), &want.map(|w| w.1));
+    close(
+        &vals(&overlong_penalty_tensor(&lens, 20, 4).unwrap()),
+        &want.map(|w| w.1),
+    );
     // no buffer: a step at L_max
     close1(overlong_penalty(20, 20, 0).unwrap(), 0.0);
     close1(overlong_penalty(21, 20, 0).unwrap(), -1.0);
-    close(&vals(&overlong_penalty_tensor(&Tensor::from_slice(&[20i64, 21]), 20, 0).unwrap()), &[0.0, -1.0]);
+    close(
+        &vals(&overlong_penalty_tensor(&Tensor::from_slice(&[20i64, 21]), 20, 0).unwrap()),
+        &[0.0, -1.0],
+    );
     assert!(overlong_penalty(5, 4, 8).is_err());
 }
 
 #[test]
 fn group_ids_tensor_conversion() {
-    assert_eq!(group_ids_from_tensor(&Tensor::from_slice(&[3i64, 3, 1])).unwrap(), vec![3, 3, 1]);
+    assert_eq!(
+        group_ids_from_tensor(&Tensor::from_slice(&[3i64, 3, 1])).unwrap(),
+        vec![3, 3, 1]
+    );
     assert!(group_ids_from_tensor(&Tensor::from_slice(&[-1i64])).is_err());
     assert!(group_ids_from_tensor(&Tensor::from_slice(&[1.0f32])).is_err());
 }
@@ -415,7 +594,13 @@ fn group_ids_tensor_conversion() {
 #[test]
 fn f32_inputs_work_too() {
     let (r, mask, ids) = grouped();
-    let a = grpo_advantage(&r.to_kind(Kind::Float), &mask.to_kind(Kind::Float), &ids, &GrpoConfig::default()).unwrap();
+    let a = grpo_advantage(
+        &r.to_kind(Kind::Float),
+        &mask.to_kind(Kind::Float),
+        &ids,
+        &GrpoConfig::default(),
+    )
+    .unwrap();
     assert_eq!(a.advantages.kind(), Kind::Float);
     let v = vals(&a.advantages);
     assert!((v[15] - 2.0 / 3f64.sqrt()).abs() < 1e-4);

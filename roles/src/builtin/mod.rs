@@ -19,10 +19,15 @@ pub mod reference;
 pub mod reward;
 pub mod rollout;
 
-pub use policy::{GradShard, KlLossConfig, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole, TrainReport};
+pub use policy::{
+    GradShard, KlLossConfig, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole, TrainReport,
+};
 pub use reference::ReferenceRole;
 pub use reward::RewardRole;
-pub use rollout::{AsciiCodec, GenerateRequest, RolloutRequest, RolloutResponse, RolloutRole, RolloutStats, TextCodec, TokenizerCodec};
+pub use rollout::{
+    AsciiCodec, GenerateRequest, RolloutRequest, RolloutResponse, RolloutRole, RolloutStats,
+    TextCodec, TokenizerCodec,
+};
 
 use tch::{Device, Tensor};
 use yatt_engine::score::{token_logprobs, SeqBatch};
@@ -43,8 +48,10 @@ pub(crate) fn response_scores(
     with_entropy: bool,
 ) -> yatt_engine::Result<(Tensor, Tensor)> {
     let device = model.device();
-    let pairs: Vec<(&[i64], &[i64])> =
-        samples.iter().map(|s| (s.prompt_tokens.as_slice(), s.response_tokens.as_slice())).collect();
+    let pairs: Vec<(&[i64], &[i64])> = samples
+        .iter()
+        .map(|s| (s.prompt_tokens.as_slice(), s.response_tokens.as_slice()))
+        .collect();
     let batch = SeqBatch::from_pairs(&pairs, pad_id, device)?;
     let scores = token_logprobs(model, &batch, temperature, with_entropy);
     let full = scores.logprobs.size().get(1).copied().unwrap_or(0);
@@ -89,8 +96,16 @@ pub(crate) fn score_samples(
 
 /// Checks a model lives where the role is started: roles are built on their group's
 /// device by whoever builds them.
-pub(crate) fn check_device(role: &str, model_device: Device, group: &DeviceGroup) -> Result<(), RoleError> {
-    let want = if group.cuda { Device::Cuda(group.devices.first().copied().unwrap_or(0) as usize) } else { Device::Cpu };
+pub(crate) fn check_device(
+    role: &str,
+    model_device: Device,
+    group: &DeviceGroup,
+) -> Result<(), RoleError> {
+    let want = if group.cuda {
+        Device::Cuda(group.devices.first().copied().unwrap_or(0) as usize)
+    } else {
+        Device::Cpu
+    };
     if model_device != want {
         return Err(RoleError::BadRequest(format!(
             "{role}: the model is on {model_device:?} but the role is started on {want:?} (node {}); build the model on the group's device",
@@ -102,6 +117,9 @@ pub(crate) fn check_device(role: &str, model_device: Device, group: &DeviceGroup
 
 /// Bytes held by a model's weights.
 pub(crate) fn model_bytes(model: &Llama) -> u64 {
-    model.hf_named_tensors().iter().map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64).sum()
+    model
+        .hf_named_tensors()
+        .iter()
+        .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+        .sum()
 }
-

@@ -23,7 +23,9 @@ use tch::Tensor;
 use yatt_engine::{to_buckets, EngineError, Trainer};
 
 use super::{check_device, response_scores, score_samples};
-use crate::algo::{entropy_loss, kl_loss, masked_mean, ppo_policy_loss, KlEstimator, PolicyLossConfig};
+use crate::algo::{
+    entropy_loss, kl_loss, masked_mean, ppo_policy_loss, KlEstimator, PolicyLossConfig,
+};
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::{response_mask, token_matrix, Sample, SampleId, TokenField};
 
@@ -164,19 +166,28 @@ struct MicroStats {
 }
 
 /// The loss of one micro-batch (PPO clipped + KL loss − entropy bonus), with gradients.
-fn micro_loss(model: &yatt_engine::Llama, samples: &[Sample], mb: &Micro, cfg: &PolicyConfig, stats: &mut MicroStats) -> yatt_engine::Result<Tensor> {
+fn micro_loss(
+    model: &yatt_engine::Llama,
+    samples: &[Sample],
+    mb: &Micro,
+    cfg: &PolicyConfig,
+    stats: &mut MicroStats,
+) -> yatt_engine::Result<Tensor> {
     let chunk = &samples[mb.range.clone()];
     let (lp, ent) = response_scores(model, chunk, cfg.pad_id, cfg.temperature, true)?;
-    let (mut total, pg) = ppo_policy_loss(&lp, &mb.old, &mb.adv, &mb.mask, &cfg.loss).map_err(algo)?;
+    let (mut total, pg) =
+        ppo_policy_loss(&lp, &mb.old, &mb.adv, &mb.mask, &cfg.loss).map_err(algo)?;
     stats.clip += pg.clip_frac;
     stats.approx_kl += pg.approx_kl;
     if let (Some(kc), Some(r)) = (cfg.kl_loss, mb.reference.as_ref()) {
-        let (kl, ks) = kl_loss(&lp, r, &mb.mask, kc.estimator, kc.coef, cfg.loss.agg).map_err(algo)?;
+        let (kl, ks) =
+            kl_loss(&lp, r, &mb.mask, kc.estimator, kc.coef, cfg.loss.agg).map_err(algo)?;
         total = total + kl;
         stats.kl += ks.kl_mean;
     }
     if cfg.entropy_coef != 0.0 {
-        let (el, es) = entropy_loss(&ent, &mb.mask, cfg.entropy_coef, cfg.loss.agg).map_err(algo)?;
+        let (el, es) =
+            entropy_loss(&ent, &mb.mask, cfg.entropy_coef, cfg.loss.agg).map_err(algo)?;
         total = total + el;
         stats.entropy += es.entropy_mean;
     } else {
@@ -193,10 +204,15 @@ impl PolicyRole {
     /// A policy over `trainer`. Fails on an unusable config.
     pub fn new(trainer: Trainer, config: PolicyConfig) -> Result<Self, RoleError> {
         if config.micro_batch_size == 0 || config.mini_batches == 0 {
-            return Err(RoleError::BadRequest("micro_batch_size and mini_batches must be >= 1".into()));
+            return Err(RoleError::BadRequest(
+                "micro_batch_size and mini_batches must be >= 1".into(),
+            ));
         }
         if !(config.temperature > 0.0) {
-            return Err(RoleError::BadRequest(format!("temperature {} must be > 0 (greedy rollouts cannot be trained on)", config.temperature)));
+            return Err(RoleError::BadRequest(format!(
+                "temperature {} must be > 0 (greedy rollouts cannot be trained on)",
+                config.temperature
+            )));
         }
         Ok(PolicyRole { trainer, config })
     }
@@ -204,7 +220,9 @@ impl PolicyRole {
     fn train(&mut self, samples: Vec<Sample>) -> Result<TrainReport, RoleError> {
         let t0 = Instant::now();
         if samples.is_empty() {
-            return Err(RoleError::BadRequest("train needs at least one sample".into()));
+            return Err(RoleError::BadRequest(
+                "train needs at least one sample".into(),
+            ));
         }
         let cfg = self.config.clone();
         let bad = |e: crate::sample::SampleError| RoleError::BadRequest(e.to_string());
@@ -216,13 +234,18 @@ impl PolicyRole {
             }
         }
         let per_mini = samples.len().div_ceil(cfg.mini_batches);
-        let mut report = TrainReport { trained: samples.iter().map(|s| s.id).collect(), ..Default::default() };
+        let mut report = TrainReport {
+            trained: samples.iter().map(|s| s.id).collect(),
+            ..Default::default()
+        };
         let (mut n_micro, mut grad_norm, mut loss) = (0usize, 0.0, 0.0);
         let mut stats = MicroStats::default();
         for mini_start in (0..samples.len()).step_by(per_mini) {
             let mini_end = (mini_start + per_mini).min(samples.len());
             let micros = self.micros(&samples, mini_start..mini_end)?;
-            let step = self.trainer.step(&micros, |model, mb| micro_loss(model, &samples, mb, &cfg, &mut stats));
+            let step = self.trainer.step(&micros, |model, mb| {
+                micro_loss(model, &samples, mb, &cfg, &mut stats)
+            });
             let step = step.map_err(|e| RoleError::Failed(format!("policy update: {e}")))?;
             n_micro += micros.len();
             grad_norm += step.grad_norm;
@@ -243,7 +266,11 @@ impl PolicyRole {
         Ok(report)
     }
 
-    fn micros(&self, samples: &[Sample], range: std::ops::Range<usize>) -> Result<Vec<Micro>, RoleError> {
+    fn micros(
+        &self,
+        samples: &[Sample],
+        range: std::ops::Range<usize>,
+    ) -> Result<Vec<Micro>, RoleError> {
         let cfg = &self.config;
         let dev = self.trainer.model.device();
         let bad = |e: crate::sample::SampleError| RoleError::BadRequest(e.to_string());
@@ -255,7 +282,9 @@ impl PolicyRole {
                 old: token_matrix(chunk, TokenField::OldLogprobs, dev).map_err(bad)?,
                 adv: token_matrix(chunk, TokenField::Advantages, dev).map_err(bad)?,
                 reference: match cfg.kl_loss {
-                    Some(_) => Some(token_matrix(chunk, TokenField::RefLogprobs, dev).map_err(bad)?),
+                    Some(_) => {
+                        Some(token_matrix(chunk, TokenField::RefLogprobs, dev).map_err(bad)?)
+                    }
                     None => None,
                 },
                 mask: response_mask(chunk, dev).map_err(bad)?,
@@ -268,7 +297,9 @@ impl PolicyRole {
     fn gradients(&mut self, samples: Vec<Sample>) -> Result<GradShard, RoleError> {
         let t0 = Instant::now();
         if samples.is_empty() {
-            return Err(RoleError::BadRequest("gradients need at least one sample".into()));
+            return Err(RoleError::BadRequest(
+                "gradients need at least one sample".into(),
+            ));
         }
         let cfg = self.config.clone();
         let micros = self.micros(&samples, 0..samples.len())?;
@@ -277,7 +308,8 @@ impl PolicyRole {
         let fail = |e: EngineError| RoleError::Failed(format!("policy gradients: {e}"));
         let mut loss = 0.0;
         for mb in &micros {
-            let l = micro_loss(&self.trainer.model, &samples, mb, &cfg, &mut stats).map_err(fail)?;
+            let l =
+                micro_loss(&self.trainer.model, &samples, mb, &cfg, &mut stats).map_err(fail)?;
             loss += self.trainer.backward_micro(l, scale).map_err(fail)? * scale;
         }
         let buckets = self.trainer.grad_buckets(cfg.bucket_bytes).map_err(fail)?;
@@ -309,7 +341,9 @@ impl PolicyRole {
         let t0 = Instant::now();
         let n = shards.len();
         if n == 0 {
-            return Err(RoleError::BadRequest("apply_gradients needs at least one shard".into()));
+            return Err(RoleError::BadRequest(
+                "apply_gradients needs at least one shard".into(),
+            ));
         }
         let fail = |e: EngineError| RoleError::Failed(format!("averaging gradients: {e}"));
         let mut sum: Vec<(String, Tensor)> = Vec::new();
@@ -330,14 +364,19 @@ impl PolicyRole {
                 }
             }
         }
-        let avg: Vec<(String, Tensor)> = sum.into_iter().map(|(n_, t)| (n_, t / n as f64)).collect();
+        let avg: Vec<(String, Tensor)> =
+            sum.into_iter().map(|(n_, t)| (n_, t / n as f64)).collect();
         let buckets = to_buckets(&avg, self.config.bucket_bytes).map_err(fail)?;
         self.trainer.set_grads(&buckets).map_err(fail)?;
         let step = self.trainer.apply_gradients().map_err(fail)?;
         let k = n as f64;
-        let mean = |f: fn(&TrainReport) -> f64| shards.iter().map(|s| f(&s.report)).sum::<f64>() / k;
+        let mean =
+            |f: fn(&TrainReport) -> f64| shards.iter().map(|s| f(&s.report)).sum::<f64>() / k;
         Ok(TrainReport {
-            trained: shards.iter().flat_map(|s| s.report.trained.iter().copied()).collect(),
+            trained: shards
+                .iter()
+                .flat_map(|s| s.report.trained.iter().copied())
+                .collect(),
             optimizer_steps: 1,
             version: self.trainer.step_count(),
             loss: mean(|r| r.loss),
@@ -355,7 +394,10 @@ impl PolicyRole {
         let named = self.trainer.model.hf_named_tensors();
         let buckets = tch::no_grad(|| to_buckets(&named, self.config.bucket_bytes))
             .map_err(|e| RoleError::Failed(format!("exporting weights: {e}")))?;
-        Ok(WeightsUpdate { version: self.trainer.step_count(), buckets })
+        Ok(WeightsUpdate {
+            version: self.trainer.step_count(),
+            buckets,
+        })
     }
 }
 
@@ -371,7 +413,12 @@ impl Role for PolicyRole {
         let w = super::model_bytes(&self.trainer.model);
         // Weights + gradients + two f32 Adam moments (+ f32 master weights when the
         // model is not f32, ignored here).
-        ResourceProfile { resident_bytes: w * 4, peak_extra_bytes: w, offloadable: true, needs_gpu: false }
+        ResourceProfile {
+            resident_bytes: w * 4,
+            peak_extra_bytes: w,
+            offloadable: true,
+            needs_gpu: false,
+        }
     }
 
     fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
@@ -380,7 +427,9 @@ impl Role for PolicyRole {
 
     fn serve(&mut self, request: PolicyRequest) -> Result<PolicyResponse, RoleError> {
         if self.trainer.is_offloaded() {
-            return Err(RoleError::NotReady("policy is offloaded; reload it first".into()));
+            return Err(RoleError::NotReady(
+                "policy is offloaded; reload it first".into(),
+            ));
         }
         match request {
             PolicyRequest::OldLogProbs(mut samples) => {
@@ -388,30 +437,44 @@ impl Role for PolicyRole {
                     return Ok(PolicyResponse::Scored(samples));
                 }
                 let c = &self.config;
-                let rows = score_samples(&self.trainer.model, &samples, c.pad_id, c.temperature, c.micro_batch_size)?;
+                let rows = score_samples(
+                    &self.trainer.model,
+                    &samples,
+                    c.pad_id,
+                    c.temperature,
+                    c.micro_batch_size,
+                )?;
                 for (s, r) in samples.iter_mut().zip(rows) {
                     s.old_logprobs = Some(r);
                 }
                 Ok(PolicyResponse::Scored(samples))
             }
             PolicyRequest::Train(samples) => self.train(samples).map(PolicyResponse::Trained),
-            PolicyRequest::Gradients(samples) => self.gradients(samples).map(PolicyResponse::Gradients),
-            PolicyRequest::ApplyGradients(shards) => self.apply(shards).map(PolicyResponse::Trained),
+            PolicyRequest::Gradients(samples) => {
+                self.gradients(samples).map(PolicyResponse::Gradients)
+            }
+            PolicyRequest::ApplyGradients(shards) => {
+                self.apply(shards).map(PolicyResponse::Trained)
+            }
             PolicyRequest::ExportWeights => self.export().map(PolicyResponse::Weights),
             PolicyRequest::SaveCheckpoint(dir) => {
-                self.trainer
-                    .save_checkpoint(&dir, None)
-                    .map_err(|e| RoleError::Failed(format!("saving a checkpoint to {}: {e}", dir.display())))?;
+                self.trainer.save_checkpoint(&dir, None).map_err(|e| {
+                    RoleError::Failed(format!("saving a checkpoint to {}: {e}", dir.display()))
+                })?;
                 Ok(PolicyResponse::Saved)
             }
         }
     }
 
     fn offload(&mut self) -> Result<(), RoleError> {
-        self.trainer.offload().map_err(|e| RoleError::Failed(format!("offloading the policy: {e}")))
+        self.trainer
+            .offload()
+            .map_err(|e| RoleError::Failed(format!("offloading the policy: {e}")))
     }
 
     fn reload(&mut self) -> Result<(), RoleError> {
-        self.trainer.reload().map_err(|e| RoleError::Failed(format!("reloading the policy: {e}")))
+        self.trainer
+            .reload()
+            .map_err(|e| RoleError::Failed(format!("reloading the policy: {e}")))
     }
 }

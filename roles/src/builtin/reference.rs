@@ -24,7 +24,13 @@ impl ReferenceRole {
     /// (the rollout's) in micro-batches of `micro_batch_size`, padding with `pad_id`.
     pub fn new(mut model: Llama, pad_id: i64, temperature: f64, micro_batch_size: usize) -> Self {
         model.set_requires_grad(false);
-        ReferenceRole { model, pad_id, temperature, micro_batch_size: micro_batch_size.max(1), offloaded_from: None }
+        ReferenceRole {
+            model,
+            pad_id,
+            temperature,
+            micro_batch_size: micro_batch_size.max(1),
+            offloaded_from: None,
+        }
     }
 }
 
@@ -37,7 +43,12 @@ impl Role for ReferenceRole {
     }
 
     fn profile(&self) -> ResourceProfile {
-        ResourceProfile { resident_bytes: model_bytes(&self.model), peak_extra_bytes: 0, offloadable: true, needs_gpu: false }
+        ResourceProfile {
+            resident_bytes: model_bytes(&self.model),
+            peak_extra_bytes: 0,
+            offloadable: true,
+            needs_gpu: false,
+        }
     }
 
     fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
@@ -46,12 +57,20 @@ impl Role for ReferenceRole {
 
     fn serve(&mut self, mut samples: Vec<Sample>) -> Result<Vec<Sample>, RoleError> {
         if self.offloaded_from.is_some() {
-            return Err(RoleError::NotReady("reference is offloaded; reload it first".into()));
+            return Err(RoleError::NotReady(
+                "reference is offloaded; reload it first".into(),
+            ));
         }
         if samples.is_empty() {
             return Ok(samples);
         }
-        let rows = score_samples(&self.model, &samples, self.pad_id, self.temperature, self.micro_batch_size)?;
+        let rows = score_samples(
+            &self.model,
+            &samples,
+            self.pad_id,
+            self.temperature,
+            self.micro_batch_size,
+        )?;
         for (s, r) in samples.iter_mut().zip(rows) {
             s.ref_logprobs = Some(r);
         }

@@ -18,10 +18,15 @@ impl RewardRole {
     /// A reward role over `(weight, function)` pairs; at least one, finite weights.
     pub fn new(parts: Vec<(f64, Box<dyn RewardFn>)>) -> Result<Self, RoleError> {
         if parts.is_empty() {
-            return Err(RoleError::BadRequest("the reward role needs at least one reward function".into()));
+            return Err(RoleError::BadRequest(
+                "the reward role needs at least one reward function".into(),
+            ));
         }
         if let Some((w, f)) = parts.iter().find(|(w, _)| !w.is_finite()) {
-            return Err(RoleError::BadRequest(format!("reward function {}: weight {w} is not finite", f.name())));
+            return Err(RoleError::BadRequest(format!(
+                "reward function {}: weight {w} is not finite",
+                f.name()
+            )));
         }
         Ok(RewardRole { parts })
     }
@@ -53,11 +58,16 @@ impl Role for RewardRole {
             };
             let mut total = 0.0;
             for (w, f) in &self.parts {
-                let out = f.score(&input).map_err(|e| RoleError::Failed(format!("{}: reward {}: {e}", s.id, f.name())))?;
+                let out = f.score(&input).map_err(|e| {
+                    RoleError::Failed(format!("{}: reward {}: {e}", s.id, f.name()))
+                })?;
                 total += w * out.score;
             }
             if !total.is_finite() {
-                return Err(RoleError::Failed(format!("{}: the reward is {total}", s.id)));
+                return Err(RoleError::Failed(format!(
+                    "{}: the reward is {total}",
+                    s.id
+                )));
             }
             s.reward = Some(total);
         }

@@ -37,7 +37,8 @@ pub struct TokenizerCodec {
 impl TextCodec for TokenizerCodec {
     fn encode_prompt(&self, text: &str) -> Result<Vec<i64>, String> {
         let r = if self.chat {
-            self.tokenizer.encode_chat(&[yatt_engine::ChatMessage::new("user", text)], true)
+            self.tokenizer
+                .encode_chat(&[yatt_engine::ChatMessage::new("user", text)], true)
         } else {
             self.tokenizer.encode(text, true)
         };
@@ -66,14 +67,20 @@ impl AsciiCodec {
 
     /// The id of a printable ASCII character.
     pub fn id_of(&self, c: char) -> Option<i64> {
-        (' '..='~').contains(&c).then(|| self.first_id + (c as i64 - ' ' as i64))
+        (' '..='~')
+            .contains(&c)
+            .then(|| self.first_id + (c as i64 - ' ' as i64))
     }
 }
 
 impl TextCodec for AsciiCodec {
     fn encode_prompt(&self, text: &str) -> Result<Vec<i64>, String> {
         let q = self.id_of('?').ok_or("unreachable")?;
-        Ok(self.bos.into_iter().chain(text.chars().map(|c| self.id_of(c).unwrap_or(q))).collect())
+        Ok(self
+            .bos
+            .into_iter()
+            .chain(text.chars().map(|c| self.id_of(c).unwrap_or(q)))
+            .collect())
     }
 
     fn decode(&self, ids: &[i64]) -> Result<String, String> {
@@ -81,7 +88,9 @@ impl TextCodec for AsciiCodec {
             .iter()
             .filter_map(|&i| {
                 let off = i - self.first_id;
-                (0..Self::CHARS).contains(&off).then(|| (b' ' + off as u8) as char)
+                (0..Self::CHARS)
+                    .contains(&off)
+                    .then(|| (b' ' + off as u8) as char)
             })
             .collect())
     }
@@ -150,28 +159,48 @@ impl RolloutRole {
     /// A rollout replica over `generator` (its model on the device the role will be
     /// started on), with `codec` for prompts and responses.
     pub fn new(generator: Generator, codec: Arc<dyn TextCodec>) -> Self {
-        RolloutRole { generator, codec, version: 0, offloaded_from: None }
+        RolloutRole {
+            generator,
+            codec,
+            version: 0,
+            offloaded_from: None,
+        }
     }
 
     fn generate(&mut self, req: GenerateRequest) -> Result<RolloutResponse, RoleError> {
         if req.n == 0 {
-            return Err(RoleError::BadRequest("n (samples per prompt) must be >= 1".into()));
+            return Err(RoleError::BadRequest(
+                "n (samples per prompt) must be >= 1".into(),
+            ));
         }
         let mut requests = Vec::with_capacity(req.prompts.len() * req.n as usize);
         let mut ids = Vec::with_capacity(requests.capacity());
         let mut encoded = Vec::with_capacity(req.prompts.len());
         for (pi, p) in req.prompts.iter().enumerate() {
-            let tokens = self
-                .codec
-                .encode_prompt(&p.text)
-                .map_err(|e| RoleError::BadRequest(format!("prompt {:#x}: cannot encode: {e}", p.id)))?;
+            let tokens = self.codec.encode_prompt(&p.text).map_err(|e| {
+                RoleError::BadRequest(format!("prompt {:#x}: cannot encode: {e}", p.id))
+            })?;
             if tokens.is_empty() {
-                return Err(RoleError::BadRequest(format!("prompt {:#x} encodes to no tokens", p.id)));
+                return Err(RoleError::BadRequest(format!(
+                    "prompt {:#x} encodes to no tokens",
+                    p.id
+                )));
             }
             for k in 0..req.n {
-                let id = SampleId { step: req.step, prompt: p.id, k };
-                let params = SamplingParams { seed: sample_seed(req.seed, &id), ..req.params.clone() };
-                requests.push(Request { id: requests.len() as u64, prompt: tokens.clone(), params });
+                let id = SampleId {
+                    step: req.step,
+                    prompt: p.id,
+                    k,
+                };
+                let params = SamplingParams {
+                    seed: sample_seed(req.seed, &id),
+                    ..req.params.clone()
+                };
+                requests.push(Request {
+                    id: requests.len() as u64,
+                    prompt: tokens.clone(),
+                    params,
+                });
                 ids.push((id, pi));
             }
             encoded.push(tokens);
@@ -184,11 +213,15 @@ impl RolloutRole {
         let seconds = t0.elapsed().as_secs_f64();
         // Completions come in finishing order; slots put them back in (prompt, k) order.
         let mut slots: Vec<Option<Sample>> = vec![None; ids.len()];
-        let mut stats = RolloutStats { seconds, weights_version: self.version, ..Default::default() };
+        let mut stats = RolloutStats {
+            seconds,
+            weights_version: self.version,
+            ..Default::default()
+        };
         for c in completions {
-            let &(id, pi) = ids
-                .get(c.id as usize)
-                .ok_or_else(|| RoleError::Failed(format!("the generator answered unknown request {}", c.id)))?;
+            let &(id, pi) = ids.get(c.id as usize).ok_or_else(|| {
+                RoleError::Failed(format!("the generator answered unknown request {}", c.id))
+            })?;
             let prompt = &req.prompts[pi];
             let response_text = self
                 .codec
@@ -221,13 +254,22 @@ impl RolloutRole {
 
     fn logits(&self, tokens: Vec<i64>) -> Result<RolloutResponse, RoleError> {
         if tokens.is_empty() {
-            return Err(RoleError::BadRequest("NextTokenLogits needs at least one token".into()));
+            return Err(RoleError::BadRequest(
+                "NextTokenLogits needs at least one token".into(),
+            ));
         }
         let model = self.generator.model();
-        let ids = tch::Tensor::from_slice(&tokens).view([1, -1]).to_device(model.device());
+        let ids = tch::Tensor::from_slice(&tokens)
+            .view([1, -1])
+            .to_device(model.device());
         let logits = tch::no_grad(|| model.forward(&ids, None));
-        let last = logits.get(0).get(tokens.len() as i64 - 1).to_kind(Kind::Float).to_device(tch::Device::Cpu);
-        let v = Vec::<f32>::try_from(last).map_err(|e| RoleError::Failed(format!("reading logits: {e}")))?;
+        let last = logits
+            .get(0)
+            .get(tokens.len() as i64 - 1)
+            .to_kind(Kind::Float)
+            .to_device(tch::Device::Cpu);
+        let v = Vec::<f32>::try_from(last)
+            .map_err(|e| RoleError::Failed(format!("reading logits: {e}")))?;
         Ok(RolloutResponse::Logits(v))
     }
 }
@@ -257,7 +299,12 @@ impl Role for RolloutRole {
         let m = self.generator.model();
         let c = &m.config;
         // KV cache: 2 (K, V) × layers × slots × positions × kv heads × head dim.
-        let kv = 2 * c.num_hidden_layers * cfg.max_batch as i64 * cfg.max_seq_len as i64 * c.num_key_value_heads * c.head_dim;
+        let kv = 2
+            * c.num_hidden_layers
+            * cfg.max_batch as i64
+            * cfg.max_seq_len as i64
+            * c.num_key_value_heads
+            * c.head_dim;
         ResourceProfile {
             resident_bytes: model_bytes(m),
             peak_extra_bytes: kv.max(0) as u64 * m.kind().elt_size_in_bytes() as u64,
@@ -272,7 +319,9 @@ impl Role for RolloutRole {
 
     fn serve(&mut self, request: RolloutRequest) -> Result<RolloutResponse, RoleError> {
         if self.offloaded_from.is_some() {
-            return Err(RoleError::NotReady("rollout is offloaded; reload it first".into()));
+            return Err(RoleError::NotReady(
+                "rollout is offloaded; reload it first".into(),
+            ));
         }
         match request {
             RolloutRequest::Generate(r) => self.generate(r),
@@ -300,7 +349,9 @@ impl Role for RolloutRole {
     fn load_weights(&mut self, update: WeightsUpdate) -> Result<(), RoleError> {
         let dev = self.generator.model().device();
         for b in &update.buckets {
-            let named = b.tensors(dev).map_err(|e| RoleError::BadRequest(format!("weights v{}: {e}", update.version)))?;
+            let named = b
+                .tensors(dev)
+                .map_err(|e| RoleError::BadRequest(format!("weights v{}: {e}", update.version)))?;
             self.generator
                 .update_weights(named.iter().map(|(n, t)| (n.as_str(), t)))
                 .map_err(|e| RoleError::BadRequest(format!("weights v{}: {e}", update.version)))?;

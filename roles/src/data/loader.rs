@@ -50,7 +50,12 @@ pub struct Dataloader {
 impl Dataloader {
     /// A loader for shard `shard_index` of `num_shards`, starting at epoch 0.
     /// All shards must be built from the same prompts (same order) and seed.
-    pub fn new(prompts: impl Into<Arc<[Prompt]>>, shard_index: usize, num_shards: usize, seed: u64) -> Result<Self, DataError> {
+    pub fn new(
+        prompts: impl Into<Arc<[Prompt]>>,
+        shard_index: usize,
+        num_shards: usize,
+        seed: u64,
+    ) -> Result<Self, DataError> {
         let prompts = prompts.into();
         if num_shards == 0 {
             return Err(DataError::Config("num_shards must be >= 1".into()));
@@ -64,7 +69,15 @@ impl Dataloader {
                 prompts.len()
             )));
         }
-        let mut me = Self { prompts, shard_index, num_shards, seed, epoch: 0, position: 0, order: Vec::new() };
+        let mut me = Self {
+            prompts,
+            shard_index,
+            num_shards,
+            seed,
+            epoch: 0,
+            position: 0,
+            order: Vec::new(),
+        };
         me.order = me.shard_order(0);
         Ok(me)
     }
@@ -72,12 +85,19 @@ impl Dataloader {
     fn shard_order(&self, epoch: u64) -> Vec<usize> {
         let n = self.prompts.len();
         let mut perm: Vec<usize> = (0..n).collect();
-        let mut rng = SplitMix64::new(fnv1a(&[b"loader", &self.seed.to_le_bytes(), &epoch.to_le_bytes()]));
+        let mut rng = SplitMix64::new(fnv1a(&[
+            b"loader",
+            &self.seed.to_le_bytes(),
+            &epoch.to_le_bytes(),
+        ]));
         for i in (1..n).rev() {
             let j = rng.below(i as u64 + 1) as usize;
             perm.swap(i, j);
         }
-        perm.into_iter().skip(self.shard_index).step_by(self.num_shards).collect()
+        perm.into_iter()
+            .skip(self.shard_index)
+            .step_by(self.num_shards)
+            .collect()
     }
 
     /// The next `batch_size` prompts of this shard (continuing into the next epoch when
@@ -115,7 +135,11 @@ impl Dataloader {
             DataError::State(format!("{what} is {here} here but {there} in the checkpoint; build the loader with the checkpoint's {what}"))
         };
         if state.seed != self.seed {
-            return Err(mismatch("seed", self.seed.to_string(), state.seed.to_string()));
+            return Err(mismatch(
+                "seed",
+                self.seed.to_string(),
+                state.seed.to_string(),
+            ));
         }
         if state.num_shards != self.num_shards || state.shard_index != self.shard_index {
             return Err(mismatch(
@@ -125,7 +149,11 @@ impl Dataloader {
             ));
         }
         if state.dataset_len != self.prompts.len() {
-            return Err(mismatch("dataset size", self.prompts.len().to_string(), state.dataset_len.to_string()));
+            return Err(mismatch(
+                "dataset size",
+                self.prompts.len().to_string(),
+                state.dataset_len.to_string(),
+            ));
         }
         let order = self.shard_order(state.epoch);
         if state.position > order.len() {
@@ -164,7 +192,9 @@ mod tests {
     use std::collections::HashSet;
 
     fn prompts(n: usize) -> Vec<Prompt> {
-        SyntheticTask::new(SyntheticTaskKind::Addition, LengthSchedule::Constant(3), 5).unwrap().prompts(0, n)
+        SyntheticTask::new(SyntheticTaskKind::Addition, LengthSchedule::Constant(3), 5)
+            .unwrap()
+            .prompts(0, n)
     }
 
     fn ids(b: &[Prompt]) -> Vec<u64> {
@@ -183,7 +213,9 @@ mod tests {
             let saved = serde_json::to_string(&first.state()).unwrap();
             drop(first);
             let mut resumed = Dataloader::new(data.clone(), shard, 3, 42).unwrap();
-            resumed.restore(serde_json::from_str(&saved).unwrap()).unwrap();
+            resumed
+                .restore(serde_json::from_str(&saved).unwrap())
+                .unwrap();
             got.extend((5..12).map(|_| ids(&resumed.next_batch(5))));
             assert_eq!(got, want, "shard {shard}");
             assert!(resumed.epoch() > 0);
@@ -194,8 +226,13 @@ mod tests {
     fn shards_are_disjoint_and_cover_each_epoch() {
         let data = prompts(23);
         let all: HashSet<u64> = ids(&data).into_iter().collect();
-        let mut loaders: Vec<Dataloader> = (0..4).map(|s| Dataloader::new(data.clone(), s, 4, 9).unwrap()).collect();
-        assert_eq!(loaders.iter().map(|l| l.shard_len()).collect::<Vec<_>>(), vec![6, 6, 6, 5]);
+        let mut loaders: Vec<Dataloader> = (0..4)
+            .map(|s| Dataloader::new(data.clone(), s, 4, 9).unwrap())
+            .collect();
+        assert_eq!(
+            loaders.iter().map(|l| l.shard_len()).collect::<Vec<_>>(),
+            vec![6, 6, 6, 5]
+        );
         let mut orders = Vec::new();
         for _epoch in 0..2 {
             let mut seen = HashSet::new();
@@ -221,11 +258,23 @@ mod tests {
         let l = Dataloader::new(data.clone(), 0, 2, 1).unwrap();
         let st = l.state();
         let mut other_seed = Dataloader::new(data.clone(), 0, 2, 2).unwrap();
-        assert!(other_seed.restore(st).unwrap_err().to_string().contains("seed"));
+        assert!(other_seed
+            .restore(st)
+            .unwrap_err()
+            .to_string()
+            .contains("seed"));
         let mut other_shard = Dataloader::new(data.clone(), 1, 2, 1).unwrap();
-        assert!(other_shard.restore(st).unwrap_err().to_string().contains("shard"));
+        assert!(other_shard
+            .restore(st)
+            .unwrap_err()
+            .to_string()
+            .contains("shard"));
         let mut smaller = Dataloader::new(prompts(9), 0, 2, 1).unwrap();
-        assert!(smaller.restore(st).unwrap_err().to_string().contains("dataset size"));
+        assert!(smaller
+            .restore(st)
+            .unwrap_err()
+            .to_string()
+            .contains("dataset size"));
         let mut same = Dataloader::new(data.clone(), 0, 2, 1).unwrap();
         assert!(same.restore(LoaderState { position: 99, ..st }).is_err());
         assert!(Dataloader::new(data.clone(), 2, 2, 1).is_err());

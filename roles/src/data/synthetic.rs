@@ -77,7 +77,12 @@ impl LengthSchedule {
                 let frac = step as f64 / steps as f64;
                 (start as f64 + (end as f64 - start as f64) * frac).floor() as usize
             }
-            Self::Staircase { start, increment, every, max } => {
+            Self::Staircase {
+                start,
+                increment,
+                every,
+                max,
+            } => {
                 let stairs = step.checked_div(every).unwrap_or(0);
                 let grown = start as u64 + stairs.saturating_mul(increment as u64);
                 grown.min(max as u64) as usize
@@ -112,23 +117,41 @@ pub const MAX_ADDITION_DIGITS: usize = 18;
 impl SyntheticTask {
     /// Validates the schedule for the task (lengths ≥ 1; addition ≤ 18 digits;
     /// staircase `every > 0`).
-    pub fn new(kind: SyntheticTaskKind, schedule: LengthSchedule, seed: u64) -> Result<Self, DataError> {
+    pub fn new(
+        kind: SyntheticTaskKind,
+        schedule: LengthSchedule,
+        seed: u64,
+    ) -> Result<Self, DataError> {
         let (lo, hi) = schedule.bounds();
         if lo == 0 {
-            return Err(DataError::Config(format!("{} task: schedule {schedule:?} reaches length 0; lengths must be >= 1", kind.name())));
+            return Err(DataError::Config(format!(
+                "{} task: schedule {schedule:?} reaches length 0; lengths must be >= 1",
+                kind.name()
+            )));
         }
         if let LengthSchedule::Staircase { every: 0, .. } = schedule {
-            return Err(DataError::Config("staircase schedule: `every` must be > 0 steps".into()));
+            return Err(DataError::Config(
+                "staircase schedule: `every` must be > 0 steps".into(),
+            ));
         }
         if kind == SyntheticTaskKind::Addition && hi > MAX_ADDITION_DIGITS {
             return Err(DataError::Config(format!(
                 "addition task: {hi} digits requested; at most {MAX_ADDITION_DIGITS} digits per operand are supported"
             )));
         }
-        if let SyntheticTaskKind::Sorting { max_value: u64::MAX } = kind {
-            return Err(DataError::Config("sorting task: max_value must be < u64::MAX".into()));
+        if let SyntheticTaskKind::Sorting {
+            max_value: u64::MAX,
+        } = kind
+        {
+            return Err(DataError::Config(
+                "sorting task: max_value must be < u64::MAX".into(),
+            ));
         }
-        Ok(Self { kind, schedule, seed })
+        Ok(Self {
+            kind,
+            schedule,
+            seed,
+        })
     }
 
     /// The task length at `step`.
@@ -139,14 +162,27 @@ impl SyntheticTask {
     /// Prompt number `index` of step `step` (a pure function of seed, step, index).
     pub fn prompt(&self, step: u64, index: u64) -> Prompt {
         let name = self.kind.name();
-        let id = fnv1a(&[b"synthetic", name.as_bytes(), &self.seed.to_le_bytes(), &step.to_le_bytes(), &index.to_le_bytes()]);
+        let id = fnv1a(&[
+            b"synthetic",
+            name.as_bytes(),
+            &self.seed.to_le_bytes(),
+            &step.to_le_bytes(),
+            &index.to_le_bytes(),
+        ]);
         let mut rng = SplitMix64::new(id);
         let len = self.length_at(step);
         let (text, reference) = match self.kind {
             SyntheticTaskKind::Addition => {
-                let (lo, hi) = if len == 1 { (0, 9) } else { (10u64.pow(len as u32 - 1), 10u64.pow(len as u32) - 1) };
+                let (lo, hi) = if len == 1 {
+                    (0, 9)
+                } else {
+                    (10u64.pow(len as u32 - 1), 10u64.pow(len as u32) - 1)
+                };
                 let (a, b) = (rng.range(lo, hi), rng.range(lo, hi));
-                (format!("What is {a} + {b}? Answer with just the number."), (a + b).to_string())
+                (
+                    format!("What is {a} + {b}? Answer with just the number."),
+                    (a + b).to_string(),
+                )
             }
             SyntheticTaskKind::Sorting { max_value } => {
                 let mut xs: Vec<u64> = (0..len).map(|_| rng.range(0, max_value)).collect();
@@ -158,7 +194,9 @@ impl SyntheticTask {
                 )
             }
             SyntheticTaskKind::Reversal => {
-                let xs: Vec<char> = (0..len).map(|_| (b'a' + rng.below(26) as u8) as char).collect();
+                let xs: Vec<char> = (0..len)
+                    .map(|_| (b'a' + rng.below(26) as u8) as char)
+                    .collect();
                 let shown = join(&xs, " ");
                 let rev: Vec<char> = xs.iter().rev().copied().collect();
                 (
@@ -182,7 +220,10 @@ impl SyntheticTask {
 }
 
 fn join<T: std::fmt::Display>(xs: &[T], sep: &str) -> String {
-    xs.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(sep)
+    xs.iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(sep)
 }
 
 #[cfg(test)]
@@ -191,7 +232,8 @@ mod tests {
 
     #[test]
     fn addition_is_deterministic_and_correct() {
-        let t = SyntheticTask::new(SyntheticTaskKind::Addition, LengthSchedule::Constant(2), 7).unwrap();
+        let t = SyntheticTask::new(SyntheticTaskKind::Addition, LengthSchedule::Constant(2), 7)
+            .unwrap();
         let a = t.prompts(0, 50);
         assert_eq!(a, t.prompts(0, 50));
         for p in &a {
@@ -200,30 +242,59 @@ mod tests {
             let (x, rest) = rest.split_once(" + ").unwrap();
             let (y, _) = rest.split_once('?').unwrap();
             let (x, y): (u64, u64) = (x.parse().unwrap(), y.parse().unwrap());
-            assert!((10..100).contains(&x) && (10..100).contains(&y), "{}", p.text);
+            assert!(
+                (10..100).contains(&x) && (10..100).contains(&y),
+                "{}",
+                p.text
+            );
             assert_eq!(p.reference.as_deref(), Some((x + y).to_string().as_str()));
             assert_eq!(p.metadata["task"], "addition");
         }
         let ids: std::collections::HashSet<u64> = a.iter().map(|p| p.id).collect();
         assert_eq!(ids.len(), 50);
-        let other = SyntheticTask::new(SyntheticTaskKind::Addition, LengthSchedule::Constant(2), 8).unwrap();
+        let other = SyntheticTask::new(SyntheticTaskKind::Addition, LengthSchedule::Constant(2), 8)
+            .unwrap();
         assert_ne!(other.prompts(0, 50), a);
     }
 
     #[test]
     fn sorting_and_reversal() {
-        let s = SyntheticTask::new(SyntheticTaskKind::Sorting { max_value: 9 }, LengthSchedule::Constant(5), 1).unwrap();
+        let s = SyntheticTask::new(
+            SyntheticTaskKind::Sorting { max_value: 9 },
+            LengthSchedule::Constant(5),
+            1,
+        )
+        .unwrap();
         let p = s.prompt(0, 0);
-        let shown = p.text.split_once(": ").unwrap().1.split_once('.').unwrap().0;
+        let shown = p
+            .text
+            .split_once(": ")
+            .unwrap()
+            .1
+            .split_once('.')
+            .unwrap()
+            .0;
         let mut xs: Vec<u64> = shown.split(", ").map(|x| x.parse().unwrap()).collect();
         assert_eq!(xs.len(), 5);
         xs.sort_unstable();
-        let want = xs.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ");
+        let want = xs
+            .iter()
+            .map(|x| x.to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
         assert_eq!(p.reference.as_deref(), Some(want.as_str()));
 
-        let r = SyntheticTask::new(SyntheticTaskKind::Reversal, LengthSchedule::Constant(4), 1).unwrap();
+        let r = SyntheticTask::new(SyntheticTaskKind::Reversal, LengthSchedule::Constant(4), 1)
+            .unwrap();
         let p = r.prompt(3, 9);
-        let shown = p.text.split_once(": ").unwrap().1.split_once('.').unwrap().0;
+        let shown = p
+            .text
+            .split_once(": ")
+            .unwrap()
+            .1
+            .split_once('.')
+            .unwrap()
+            .0;
         let rev: Vec<&str> = shown.split(' ').rev().collect();
         assert_eq!(rev.len(), 4);
         assert_eq!(p.reference.as_deref(), Some(rev.join(" ").as_str()));
@@ -231,9 +302,18 @@ mod tests {
 
     #[test]
     fn length_schedules_grow() {
-        let lin = LengthSchedule::Linear { start: 2, end: 10, steps: 8 };
+        let lin = LengthSchedule::Linear {
+            start: 2,
+            end: 10,
+            steps: 8,
+        };
         assert_eq!([0, 1, 4, 8, 100].map(|s| lin.at(s)), [2, 3, 6, 10, 10]);
-        let st = LengthSchedule::Staircase { start: 3, increment: 2, every: 10, max: 8 };
+        let st = LengthSchedule::Staircase {
+            start: 3,
+            increment: 2,
+            every: 10,
+            max: 8,
+        };
         assert_eq!([0, 9, 10, 25, 1000].map(|s| st.at(s)), [3, 3, 5, 7, 8]);
         let r = SyntheticTask::new(SyntheticTaskKind::Reversal, lin, 0).unwrap();
         assert_eq!(r.prompt(0, 0).reference.unwrap().split(' ').count(), 2);
@@ -243,10 +323,19 @@ mod tests {
 
     #[test]
     fn rejects_bad_configs() {
-        assert!(SyntheticTask::new(SyntheticTaskKind::Reversal, LengthSchedule::Constant(0), 0).is_err());
-        let e = SyntheticTask::new(SyntheticTaskKind::Addition, LengthSchedule::Constant(19), 0).unwrap_err();
+        assert!(
+            SyntheticTask::new(SyntheticTaskKind::Reversal, LengthSchedule::Constant(0), 0)
+                .is_err()
+        );
+        let e = SyntheticTask::new(SyntheticTaskKind::Addition, LengthSchedule::Constant(19), 0)
+            .unwrap_err();
         assert!(e.to_string().contains("18"), "{e}");
-        let st = LengthSchedule::Staircase { start: 1, increment: 1, every: 0, max: 3 };
+        let st = LengthSchedule::Staircase {
+            start: 1,
+            increment: 1,
+            every: 0,
+            max: 3,
+        };
         assert!(SyntheticTask::new(SyntheticTaskKind::Reversal, st, 0).is_err());
     }
 }

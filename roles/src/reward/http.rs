@@ -80,7 +80,10 @@ const BODY_EXCERPT: usize = 300;
 impl HttpRewardClient {
     /// Validates the URL and timeouts.
     pub fn new(cfg: HttpRewardConfig) -> Result<Self, RewardError> {
-        let bad = |reason: &str| RewardError::InvalidUrl { url: cfg.url.clone(), reason: reason.into() };
+        let bad = |reason: &str| RewardError::InvalidUrl {
+            url: cfg.url.clone(),
+            reason: reason.into(),
+        };
         let rest = cfg.url.strip_prefix("http://").ok_or_else(|| {
             bad("must start with http:// (https is not supported; use a local TLS-terminating proxy)")
         })?;
@@ -98,13 +101,25 @@ impl HttpRewardClient {
         };
         if has_port {
             let port = &authority[authority.rfind(':').map_or(0, |i| i + 1)..];
-            port.parse::<u16>().map_err(|_| bad("port is not a number in 1..65535"))?;
+            port.parse::<u16>()
+                .map_err(|_| bad("port is not a number in 1..65535"))?;
         }
-        let addr = if has_port { authority.to_string() } else { format!("{authority}:80") };
+        let addr = if has_port {
+            authority.to_string()
+        } else {
+            format!("{authority}:80")
+        };
         if cfg.timeout.is_zero() {
-            return Err(RewardError::Config("HTTP reward timeout must be > 0".into()));
+            return Err(RewardError::Config(
+                "HTTP reward timeout must be > 0".into(),
+            ));
         }
-        Ok(Self { authority: authority.to_string(), addr, path, cfg })
+        Ok(Self {
+            authority: authority.to_string(),
+            addr,
+            path,
+            cfg,
+        })
     }
 
     /// The configured URL.
@@ -134,7 +149,9 @@ impl HttpRewardClient {
                     let status = resp.status().as_u16();
                     match resp.into_body().collect().await {
                         Ok(b) => Attempt::Answer(status, b.to_bytes()),
-                        Err(e) => Attempt::Transport(format!("reading answer (HTTP {status}): {e}")),
+                        Err(e) => {
+                            Attempt::Transport(format!("reading answer (HTTP {status}): {e}"))
+                        }
                     }
                 }
             },
@@ -145,25 +162,34 @@ impl HttpRewardClient {
 
     /// Scores `inputs` in one request (retried as configured); returns one output per
     /// input, in order. An empty batch sends nothing.
-    pub async fn score_batch(&self, inputs: &[RewardInput]) -> Result<Vec<RewardOutput>, RewardError> {
+    pub async fn score_batch(
+        &self,
+        inputs: &[RewardInput],
+    ) -> Result<Vec<RewardOutput>, RewardError> {
         if inputs.is_empty() {
             return Ok(Vec::new());
         }
-        let body = Bytes::from(
-            serde_json::to_vec(inputs).map_err(|e| RewardError::Config(format!("cannot serialise reward inputs: {e}")))?,
-        );
+        let body =
+            Bytes::from(serde_json::to_vec(inputs).map_err(|e| {
+                RewardError::Config(format!("cannot serialise reward inputs: {e}"))
+            })?);
         let url = self.cfg.url.clone();
         let attempts = self.cfg.max_retries + 1;
         let mut backoff = self.cfg.backoff_initial;
         let mut last: Option<RewardError> = None;
         for attempt in 1..=attempts {
-            let err = match tokio::time::timeout(self.cfg.timeout, self.attempt(body.clone())).await {
+            let err = match tokio::time::timeout(self.cfg.timeout, self.attempt(body.clone())).await
+            {
                 Err(_) => RewardError::Timeout {
                     url: url.clone(),
                     timeout_ms: self.cfg.timeout.as_millis() as u64,
                     attempts: attempt,
                 },
-                Ok(Attempt::Transport(message)) => RewardError::Transport { url: url.clone(), attempts: attempt, message },
+                Ok(Attempt::Transport(message)) => RewardError::Transport {
+                    url: url.clone(),
+                    attempts: attempt,
+                    message,
+                },
                 Ok(Attempt::Answer(status, bytes)) if (200..300).contains(&status) => {
                     return self.parse(inputs.len(), &bytes);
                 }
@@ -187,22 +213,38 @@ impl HttpRewardClient {
                 backoff = (backoff * 2).min(self.cfg.backoff_max);
             }
         }
-        Err(last.unwrap_or_else(|| RewardError::Transport { url, attempts, message: "no attempt made".into() }))
+        Err(last.unwrap_or_else(|| RewardError::Transport {
+            url,
+            attempts,
+            message: "no attempt made".into(),
+        }))
     }
 
     fn parse(&self, n: usize, bytes: &[u8]) -> Result<Vec<RewardOutput>, RewardError> {
         let url = &self.cfg.url;
         let ans: Answer = serde_json::from_slice(bytes).map_err(|e| RewardError::BadResponse {
             url: url.clone(),
-            reason: format!("expected JSON {{\"scores\": [numbers], \"step_scores\"?: [...]}}: {e}"),
+            reason: format!(
+                "expected JSON {{\"scores\": [numbers], \"step_scores\"?: [...]}}: {e}"
+            ),
             body_excerpt: excerpt(&String::from_utf8_lossy(bytes), BODY_EXCERPT),
         })?;
         if ans.scores.len() != n {
-            return Err(RewardError::CountMismatch { url: url.clone(), what: "scores", expected: n, got: ans.scores.len() });
+            return Err(RewardError::CountMismatch {
+                url: url.clone(),
+                what: "scores",
+                expected: n,
+                got: ans.scores.len(),
+            });
         }
         let steps = match ans.step_scores {
             Some(s) if s.len() != n => {
-                return Err(RewardError::CountMismatch { url: url.clone(), what: "step_scores", expected: n, got: s.len() })
+                return Err(RewardError::CountMismatch {
+                    url: url.clone(),
+                    what: "step_scores",
+                    expected: n,
+                    got: s.len(),
+                })
             }
             Some(s) => s,
             None => vec![None; n],
@@ -211,7 +253,11 @@ impl HttpRewardClient {
             .scores
             .into_iter()
             .zip(steps)
-            .map(|(score, step_scores)| RewardOutput { score, step_scores, explanation: format!("endpoint {url}") })
+            .map(|(score, step_scores)| RewardOutput {
+                score,
+                step_scores,
+                explanation: format!("endpoint {url}"),
+            })
             .collect())
     }
 }

@@ -10,7 +10,8 @@ use regex::Regex;
 use super::{excerpt, RewardError};
 
 /// The default judge template. Placeholders: `{question}`, `{response}`, `{rubric}`.
-pub const DEFAULT_JUDGE_TEMPLATE: &str = "You are a strict grader. Evaluate the response to the question below.
+pub const DEFAULT_JUDGE_TEMPLATE: &str =
+    "You are a strict grader. Evaluate the response to the question below.
 
 [Question]
 {question}
@@ -35,7 +36,9 @@ pub struct JudgeTemplate {
 
 impl Default for JudgeTemplate {
     fn default() -> Self {
-        Self { template: DEFAULT_JUDGE_TEMPLATE.to_string() }
+        Self {
+            template: DEFAULT_JUDGE_TEMPLATE.to_string(),
+        }
     }
 }
 
@@ -54,7 +57,9 @@ impl JudgeTemplate {
     /// Fills the placeholders in one pass, so text inside the question or response that
     /// looks like a placeholder is left alone.
     pub fn render(&self, question: &str, response: &str, rubric: &str) -> String {
-        let mut out = String::with_capacity(self.template.len() + question.len() + response.len() + rubric.len());
+        let mut out = String::with_capacity(
+            self.template.len() + question.len() + response.len() + rubric.len(),
+        );
         let mut rest = self.template.as_str();
         while let Some(i) = rest.find('{') {
             out.push_str(&rest[..i]);
@@ -124,17 +129,26 @@ fn f(s: &str) -> f64 {
 /// start with "Step" are per-step scores, never the final one. `default_out_of` is the
 /// scale when none is written (10 for the default template).
 pub fn parse_judge_output(text: &str, default_out_of: f64) -> Result<JudgeVerdict, RewardError> {
-    let no_score = || RewardError::NoJudgeScore { excerpt: excerpt(text, 200) };
+    let no_score = || RewardError::NoJudgeScore {
+        excerpt: excerpt(text, 200),
+    };
     let mut found: Option<(f64, Option<f64>)> = None;
     for c in score_re().captures_iter(text) {
-        if c[1].trim_start_matches([' ', '*', '-', '>', '#']).to_lowercase().starts_with("step") {
+        if c[1]
+            .trim_start_matches([' ', '*', '-', '>', '#'])
+            .to_lowercase()
+            .starts_with("step")
+        {
             continue;
         }
         let denom = c.get(3).or(c.get(4)).map(|m| f(m.as_str()));
         found = Some((f(&c[2]), denom));
     }
     if found.is_none() {
-        found = bracket_re().captures_iter(text).last().map(|c| (f(&c[1]), None));
+        found = bracket_re()
+            .captures_iter(text)
+            .last()
+            .map(|c| (f(&c[1]), None));
     }
     let (raw_score, denom) = found.ok_or_else(no_score)?;
     let out_of = denom.unwrap_or(default_out_of);
@@ -143,7 +157,9 @@ pub fn parse_judge_output(text: &str, default_out_of: f64) -> Result<JudgeVerdic
     }
     let mut steps: BTreeMap<u64, f32> = BTreeMap::new();
     for c in step_re().captures_iter(text) {
-        let (Ok(k), v) = (c[1].parse::<u64>(), f(&c[2])) else { continue };
+        let (Ok(k), v) = (c[1].parse::<u64>(), f(&c[2])) else {
+            continue;
+        };
         let v = match c.get(3).map(|m| f(m.as_str())) {
             Some(d) if d > 0.0 => v / d,
             _ => v,
@@ -166,17 +182,21 @@ mod tests {
 
     #[test]
     fn renders_template_in_one_pass() {
-        let t = JudgeTemplate::new("Q: {question}\nR: {response}\nRubric: {rubric} {other}").unwrap();
+        let t =
+            JudgeTemplate::new("Q: {question}\nR: {response}\nRubric: {rubric} {other}").unwrap();
         let s = t.render("2+2?", "I say {rubric}", "be strict");
         assert_eq!(s, "Q: 2+2?\nR: I say {rubric}\nRubric: be strict {other}");
         let d = JudgeTemplate::default().render("QQ", "RR", "UU");
-        assert!(d.contains("QQ") && d.contains("RR") && d.contains("UU") && d.contains("Score: x/10"));
+        assert!(
+            d.contains("QQ") && d.contains("RR") && d.contains("UU") && d.contains("Score: x/10")
+        );
         assert!(JudgeTemplate::new("no response here {question}").is_err());
     }
 
     #[test]
     fn parses_scores_and_steps() {
-        let out = "Step 1: 0.8\nStep 2: 1\n- Step 3 score: 3/10\nThe work is mostly right.\nScore: 7/10";
+        let out =
+            "Step 1: 0.8\nStep 2: 1\n- Step 3 score: 3/10\nThe work is mostly right.\nScore: 7/10";
         let v = parse_judge_output(out, 10.0).unwrap();
         assert_eq!(v.raw_score, 7.0);
         assert_eq!(v.out_of, 10.0);
@@ -193,9 +213,13 @@ mod tests {
         let v = parse_judge_output("Overall good. [[9]]", 10.0).unwrap();
         assert_eq!(v.raw_score, 9.0);
         // out-of-range scores are clamped in `normalized`
-        assert_eq!(parse_judge_output("Score: 12/10", 10.0).unwrap().normalized, 1.0);
+        assert_eq!(
+            parse_judge_output("Score: 12/10", 10.0).unwrap().normalized,
+            1.0
+        );
         // steps out of order, repeated: ordered by number, last wins
-        let v = parse_judge_output("Step 2: 0.5\nStep 1: 0.1\nStep 2: 0.6\nScore: 1/2", 10.0).unwrap();
+        let v =
+            parse_judge_output("Step 2: 0.5\nStep 1: 0.1\nStep 2: 0.6\nScore: 1/2", 10.0).unwrap();
         assert_eq!(v.step_scores, vec![0.1, 0.6]);
         assert_eq!(v.normalized, 0.5);
     }

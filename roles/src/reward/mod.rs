@@ -17,7 +17,9 @@ pub mod verify;
 
 pub use http::{HttpRewardClient, HttpRewardConfig};
 pub use judge::{parse_judge_output, JudgeTemplate, JudgeVerdict};
-pub use verify::{extract_final_number, CombinedReward, ExactMatchVerifier, FormatVerifier, NumericVerifier};
+pub use verify::{
+    extract_final_number, CombinedReward, ExactMatchVerifier, FormatVerifier, NumericVerifier,
+};
 
 use serde::{Deserialize, Serialize};
 

@@ -136,7 +136,12 @@ pub struct NumericVerifier {
 
 impl Default for NumericVerifier {
     fn default() -> Self {
-        Self { correct_score: 1.0, incorrect_score: 0.0, abs_tol: 1e-6, rel_tol: 1e-9 }
+        Self {
+            correct_score: 1.0,
+            incorrect_score: 0.0,
+            abs_tol: 1e-6,
+            rel_tol: 1e-9,
+        }
     }
 }
 
@@ -171,16 +176,28 @@ impl RewardFn for NumericVerifier {
         let reference = s
             .reference
             .as_deref()
-            .ok_or_else(|| RewardError::MissingReference { verifier: self.name().into() })?;
+            .ok_or_else(|| RewardError::MissingReference {
+                verifier: self.name().into(),
+            })?;
         let want = self.reference(reference)?;
         let (score, explanation) = match extract_final_number(&s.response) {
-            None => (self.incorrect_score, "no number in the response".to_string()),
+            None => (
+                self.incorrect_score,
+                "no number in the response".to_string(),
+            ),
             Some(got) if (got - want).abs() <= self.abs_tol + self.rel_tol * want.abs() => {
                 (self.correct_score, format!("correct: {got}"))
             }
-            Some(got) => (self.incorrect_score, format!("wrong: got {got}, expected {want}")),
+            Some(got) => (
+                self.incorrect_score,
+                format!("wrong: got {got}, expected {want}"),
+            ),
         };
-        Ok(RewardOutput { score, step_scores: None, explanation })
+        Ok(RewardOutput {
+            score,
+            step_scores: None,
+            explanation,
+        })
     }
 }
 
@@ -199,7 +216,11 @@ pub struct ExactMatchVerifier {
 
 impl Default for ExactMatchVerifier {
     fn default() -> Self {
-        Self { correct_score: 1.0, incorrect_score: 0.0, ignore_case: true }
+        Self {
+            correct_score: 1.0,
+            incorrect_score: 0.0,
+            ignore_case: true,
+        }
     }
 }
 
@@ -230,16 +251,26 @@ impl RewardFn for ExactMatchVerifier {
         let reference = s
             .reference
             .as_deref()
-            .ok_or_else(|| RewardError::MissingReference { verifier: self.name().into() })?;
+            .ok_or_else(|| RewardError::MissingReference {
+                verifier: self.name().into(),
+            })?;
         let got = normalise(answer_block(&s.response), self.ignore_case);
         let want = normalise(reference, self.ignore_case);
         Ok(if got == want {
-            RewardOutput { score: self.correct_score, step_scores: None, explanation: "exact match".into() }
+            RewardOutput {
+                score: self.correct_score,
+                step_scores: None,
+                explanation: "exact match".into(),
+            }
         } else {
             RewardOutput {
                 score: self.incorrect_score,
                 step_scores: None,
-                explanation: format!("mismatch: got {:?}, expected {:?}", excerpt(&got, 60), excerpt(&want, 60)),
+                explanation: format!(
+                    "mismatch: got {:?}, expected {:?}",
+                    excerpt(&got, 60),
+                    excerpt(&want, 60)
+                ),
             }
         })
     }
@@ -261,12 +292,21 @@ impl FormatVerifier {
     /// Compiles `pattern`. With `full_match` the whole response (trimmed) must match,
     /// otherwise any substring may. Flags go inline, e.g. `(?s)` so `.` spans lines.
     pub fn new(pattern: &str, full_match: bool) -> Result<Self, RewardError> {
-        let compiled = if full_match { format!(r"\A(?:{pattern})\z") } else { pattern.to_string() };
+        let compiled = if full_match {
+            format!(r"\A(?:{pattern})\z")
+        } else {
+            pattern.to_string()
+        };
         let regex = Regex::new(&compiled).map_err(|e| RewardError::InvalidRegex {
             pattern: pattern.to_string(),
             source: Box::new(e),
         })?;
-        Ok(Self { pattern: pattern.to_string(), regex, match_score: 1.0, mismatch_score: 0.0 })
+        Ok(Self {
+            pattern: pattern.to_string(),
+            regex,
+            match_score: 1.0,
+            mismatch_score: 0.0,
+        })
     }
 
     /// Sets the scores for a matching and a non-matching response.
@@ -289,7 +329,11 @@ impl RewardFn for FormatVerifier {
 
     fn score(&self, s: &RewardInput) -> Result<RewardOutput, RewardError> {
         Ok(if self.regex.is_match(s.response.trim()) {
-            RewardOutput { score: self.match_score, step_scores: None, explanation: "format ok".into() }
+            RewardOutput {
+                score: self.match_score,
+                step_scores: None,
+                explanation: "format ok".into(),
+            }
         } else {
             RewardOutput {
                 score: self.mismatch_score,
@@ -310,10 +354,15 @@ impl CombinedReward {
     /// Builds the combination; needs at least one part and finite weights.
     pub fn new(parts: Vec<(f64, Box<dyn RewardFn>)>) -> Result<Self, RewardError> {
         if parts.is_empty() {
-            return Err(RewardError::Config("combined reward needs at least one component".into()));
+            return Err(RewardError::Config(
+                "combined reward needs at least one component".into(),
+            ));
         }
         if let Some((w, f)) = parts.iter().find(|(w, _)| !w.is_finite()) {
-            return Err(RewardError::Config(format!("weight {w} of component {:?} is not finite", f.name())));
+            return Err(RewardError::Config(format!(
+                "weight {w} of component {:?} is not finite",
+                f.name()
+            )));
         }
         Ok(Self { parts })
     }
@@ -328,7 +377,10 @@ impl RewardFn for CombinedReward {
         let mut out = RewardOutput::default();
         let mut why = Vec::with_capacity(self.parts.len());
         for (w, f) in &self.parts {
-            let r = f.score(s).map_err(|e| RewardError::Component { name: f.name().into(), source: Box::new(e) })?;
+            let r = f.score(s).map_err(|e| RewardError::Component {
+                name: f.name().into(),
+                source: Box::new(e),
+            })?;
             out.score += w * r.score;
             if out.step_scores.is_none() {
                 out.step_scores = r.step_scores;
@@ -357,7 +409,10 @@ mod tests {
     fn extracts_final_numbers() {
         let cases: &[(&str, Option<f64>)] = &[
             ("The answer is 42.", Some(42.0)),
-            ("First 3 then 5, so the answer is 42. Check: 7 * 6", Some(42.0)),
+            (
+                "First 3 then 5, so the answer is 42. Check: 7 * 6",
+                Some(42.0),
+            ),
             ("blah\n#### 1,234", Some(1234.0)),
             ("so we get \\boxed{42} in the end 99", Some(42.0)),
             ("\\boxed{\\frac{1}{4}}", Some(0.25)),
@@ -380,60 +435,144 @@ mod tests {
     #[test]
     fn numeric_verifier_scores() {
         let v = NumericVerifier::default();
-        assert_eq!(v.score(&input("The answer is 81.", Some("81"))).unwrap().score, 1.0);
-        assert_eq!(v.score(&input("The answer is 80.", Some("81"))).unwrap().score, 0.0);
-        assert_eq!(v.score(&input("I don't know", Some("81"))).unwrap().score, 0.0);
+        assert_eq!(
+            v.score(&input("The answer is 81.", Some("81")))
+                .unwrap()
+                .score,
+            1.0
+        );
+        assert_eq!(
+            v.score(&input("The answer is 80.", Some("81")))
+                .unwrap()
+                .score,
+            0.0
+        );
+        assert_eq!(
+            v.score(&input("I don't know", Some("81"))).unwrap().score,
+            0.0
+        );
         // GSM8K-style reference and thousands separators
-        assert_eq!(v.score(&input("\\boxed{1234}", Some("so 1000 + 234\n#### 1,234"))).unwrap().score, 1.0);
+        assert_eq!(
+            v.score(&input("\\boxed{1234}", Some("so 1000 + 234\n#### 1,234")))
+                .unwrap()
+                .score,
+            1.0
+        );
         // tolerance: |0.3333333 − 1/3| = 3.3e-8
-        assert_eq!(v.score(&input("0.3333333", Some("1/3"))).unwrap().score, 1.0);
-        let strict = NumericVerifier { abs_tol: 1e-9, rel_tol: 0.0, ..Default::default() };
-        assert_eq!(strict.score(&input("0.3333333", Some("1/3"))).unwrap().score, 0.0);
+        assert_eq!(
+            v.score(&input("0.3333333", Some("1/3"))).unwrap().score,
+            1.0
+        );
+        let strict = NumericVerifier {
+            abs_tol: 1e-9,
+            rel_tol: 0.0,
+            ..Default::default()
+        };
+        assert_eq!(
+            strict
+                .score(&input("0.3333333", Some("1/3")))
+                .unwrap()
+                .score,
+            0.0
+        );
         // configurable scores
         let v = NumericVerifier::default().with_scores(2.0, -1.0);
         assert_eq!(v.score(&input("7", Some("8"))).unwrap().score, -1.0);
         assert_eq!(v.score(&input("8", Some("8"))).unwrap().score, 2.0);
         // errors: no reference, non-numeric reference
-        assert!(matches!(v.score(&input("8", None)), Err(RewardError::MissingReference { .. })));
-        let e = v.score(&input("8", Some("banana"))).unwrap_err().to_string();
+        assert!(matches!(
+            v.score(&input("8", None)),
+            Err(RewardError::MissingReference { .. })
+        ));
+        let e = v
+            .score(&input("8", Some("banana")))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("banana"), "{e}");
     }
 
     #[test]
     fn exact_match() {
         let v = ExactMatchVerifier::default();
-        assert_eq!(v.score(&input("3,5,  9", Some("3, 5, 9"))).unwrap().score, 1.0);
-        assert_eq!(v.score(&input("<think>hm</think><answer> D C b a </answer>", Some("d c b a"))).unwrap().score, 1.0);
-        assert_eq!(v.score(&input("d c a b", Some("d c b a"))).unwrap().score, 0.0);
+        assert_eq!(
+            v.score(&input("3,5,  9", Some("3, 5, 9"))).unwrap().score,
+            1.0
+        );
+        assert_eq!(
+            v.score(&input(
+                "<think>hm</think><answer> D C b a </answer>",
+                Some("d c b a")
+            ))
+            .unwrap()
+            .score,
+            1.0
+        );
+        assert_eq!(
+            v.score(&input("d c a b", Some("d c b a"))).unwrap().score,
+            0.0
+        );
     }
 
     #[test]
     fn format_verifier() {
         let f = FormatVerifier::new(r"(?s)<think>.*</think>\s*<answer>.*</answer>", true).unwrap();
-        assert_eq!(f.score(&input("<think>a\nb</think>\n<answer>4</answer>", None)).unwrap().score, 1.0);
-        assert_eq!(f.score(&input("<answer>4</answer>", None)).unwrap().score, 0.0);
+        assert_eq!(
+            f.score(&input("<think>a\nb</think>\n<answer>4</answer>", None))
+                .unwrap()
+                .score,
+            1.0
+        );
+        assert_eq!(
+            f.score(&input("<answer>4</answer>", None)).unwrap().score,
+            0.0
+        );
         // full match: trailing text fails; substring mode accepts it
-        assert_eq!(f.score(&input("<think></think><answer>4</answer> extra", None)).unwrap().score, 0.0);
-        let sub = FormatVerifier::new(r"(?s)<think>.*</think>\s*<answer>.*</answer>", false).unwrap().with_scores(0.5, -0.5);
-        assert_eq!(sub.score(&input("<think></think><answer>4</answer> extra", None)).unwrap().score, 0.5);
+        assert_eq!(
+            f.score(&input("<think></think><answer>4</answer> extra", None))
+                .unwrap()
+                .score,
+            0.0
+        );
+        let sub = FormatVerifier::new(r"(?s)<think>.*</think>\s*<answer>.*</answer>", false)
+            .unwrap()
+            .with_scores(0.5, -0.5);
+        assert_eq!(
+            sub.score(&input("<think></think><answer>4</answer> extra", None))
+                .unwrap()
+                .score,
+            0.5
+        );
         assert_eq!(sub.score(&input("nothing", None)).unwrap().score, -0.5);
         let e = FormatVerifier::new("<answer>(.*</answer>", false).unwrap_err();
         let msg = e.to_string();
-        assert!(msg.contains("<answer>(.*</answer>") && msg.contains("invalid regex"), "{msg}");
+        assert!(
+            msg.contains("<answer>(.*</answer>") && msg.contains("invalid regex"),
+            "{msg}"
+        );
     }
 
     #[test]
     fn combined_weighted_sum() {
         let fmt = FormatVerifier::new(r"<answer>.*</answer>", false).unwrap();
-        let c = CombinedReward::new(vec![(1.0, Box::new(NumericVerifier::default())), (0.1, Box::new(fmt))]).unwrap();
+        let c = CombinedReward::new(vec![
+            (1.0, Box::new(NumericVerifier::default())),
+            (0.1, Box::new(fmt)),
+        ])
+        .unwrap();
         let r = c.score(&input("<answer>42</answer>", Some("42"))).unwrap();
         assert!((r.score - 1.1).abs() < 1e-12, "{r:?}");
-        assert!(r.explanation.contains("numeric=1") && r.explanation.contains("format=1"), "{}", r.explanation);
+        assert!(
+            r.explanation.contains("numeric=1") && r.explanation.contains("format=1"),
+            "{}",
+            r.explanation
+        );
         let r = c.score(&input("41", Some("42"))).unwrap();
         assert_eq!(r.score, 0.0);
         let e = c.score(&input("41", None)).unwrap_err().to_string();
         assert!(e.contains("numeric") && e.contains("reference"), "{e}");
         assert!(CombinedReward::new(vec![]).is_err());
-        assert!(CombinedReward::new(vec![(f64::NAN, Box::new(NumericVerifier::default()))]).is_err());
+        assert!(
+            CombinedReward::new(vec![(f64::NAN, Box::new(NumericVerifier::default()))]).is_err()
+        );
     }
 }
