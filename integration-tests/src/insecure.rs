@@ -1,7 +1,9 @@
 //! INSECURE, tests only: a QUIC client that presents a fresh self-signed certificate and
 //! skips server verification. It plays an intruder, to show that nodes refuse peers
 //! whose certificate does not chain to the cluster CA. It lives in this test-support
-//! crate so that no such code is compiled into yatt's libraries or binaries.
+//! crate so that no such code is compiled into yatt's libraries or binaries; the
+//! runtime's own unit tests include this same file (`#[path]`), so it depends only on
+//! rustls, rcgen and quinn.
 
 use std::sync::Arc;
 
@@ -59,12 +61,15 @@ impl ServerCertVerifier for AcceptAnyServer {
 }
 
 /// A client config with a self-signed certificate for `node` (not from any cluster CA)
-/// that accepts any server. Panics on set-up errors: test code.
-pub fn self_signed_client_config(node: &str) -> quinn::ClientConfig {
+/// that accepts any server; `server_name` and `alpn` are the cluster's
+/// (`tls::SERVER_NAME`, `tls::ALPN`). Panics on set-up errors: test code.
+pub fn self_signed_client_config(
+    node: &str,
+    server_name: &str,
+    alpn: &[u8],
+) -> quinn::ClientConfig {
     let key = rcgen::KeyPair::generate().expect("key");
-    let mut params =
-        rcgen::CertificateParams::new(vec![yatt_runtime::tls::SERVER_NAME.to_string()])
-            .expect("params");
+    let mut params = rcgen::CertificateParams::new(vec![server_name.to_string()]).expect("params");
     params.distinguished_name = rcgen::DistinguishedName::new();
     params
         .distinguished_name
@@ -81,7 +86,7 @@ pub fn self_signed_client_config(node: &str) -> quinn::ClientConfig {
             PrivateKeyDer::Pkcs8(key.serialize_der().into()),
         )
         .expect("client cert");
-    crypto.alpn_protocols = vec![yatt_runtime::tls::ALPN.to_vec()];
+    crypto.alpn_protocols = vec![alpn.to_vec()];
     let quic = quinn::crypto::rustls::QuicClientConfig::try_from(crypto).expect("QUIC crypto");
     quinn::ClientConfig::new(Arc::new(quic))
 }

@@ -182,7 +182,11 @@ async fn handshake_fails(addr: std::net::SocketAddr, config: quinn::ClientConfig
 async fn peers_without_a_cluster_certificate_are_refused() {
     let cluster = Cluster::start("tl", 3);
     let target = cluster.nodes[1].addr;
-    let self_signed = yatt_integration_tests::insecure::self_signed_client_config("intruder");
+    let self_signed = yatt_integration_tests::insecure::self_signed_client_config(
+        "intruder",
+        yatt_runtime::tls::SERVER_NAME,
+        yatt_runtime::tls::ALPN,
+    );
     assert!(
         handshake_fails(target, self_signed).await,
         "self-signed client got in"

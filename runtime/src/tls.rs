@@ -686,85 +686,10 @@ pub fn peer_node_name(conn: &quinn::Connection) -> Result<String, TlsError> {
     Ok(name)
 }
 
+/// The intruder client of the tests: one file, shared with the integration tests.
 #[cfg(test)]
-mod insecure {
-    use super::*;
-    use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
-    use rustls::pki_types::{ServerName, UnixTime};
-    use rustls::{DigitallySignedStruct, SignatureScheme};
-
-    #[derive(Debug)]
-    struct AcceptAnyServer(Arc<CryptoProvider>);
-
-    impl ServerCertVerifier for AcceptAnyServer {
-        fn verify_server_cert(
-            &self,
-            _end_entity: &CertificateDer<'_>,
-            _intermediates: &[CertificateDer<'_>],
-            _server_name: &ServerName<'_>,
-            _ocsp_response: &[u8],
-            _now: UnixTime,
-        ) -> Result<ServerCertVerified, rustls::Error> {
-            Ok(ServerCertVerified::assertion())
-        }
-
-        fn verify_tls12_signature(
-            &self,
-            message: &[u8],
-            cert: &CertificateDer<'_>,
-            dss: &DigitallySignedStruct,
-        ) -> Result<HandshakeSignatureValid, rustls::Error> {
-            rustls::crypto::verify_tls12_signature(
-                message,
-                cert,
-                dss,
-                &self.0.signature_verification_algorithms,
-            )
-        }
-
-        fn verify_tls13_signature(
-            &self,
-            message: &[u8],
-            cert: &CertificateDer<'_>,
-            dss: &DigitallySignedStruct,
-        ) -> Result<HandshakeSignatureValid, rustls::Error> {
-            rustls::crypto::verify_tls13_signature(
-                message,
-                cert,
-                dss,
-                &self.0.signature_verification_algorithms,
-            )
-        }
-
-        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-            self.0.signature_verification_algorithms.supported_schemes()
-        }
-    }
-
-    /// INSECURE, tests only: a client with a fresh self-signed certificate for `node`
-    /// that skips server verification. Used to show that servers refuse it.
-    pub fn insecure_client_config(node: &str) -> Result<quinn::ClientConfig, TlsError> {
-        let key = KeyPair::generate().map_err(gen_err)?;
-        let mut params = CertificateParams::new(vec![SERVER_NAME.to_string()]).map_err(gen_err)?;
-        params.distinguished_name = DistinguishedName::new();
-        params.distinguished_name.push(DnType::CommonName, node);
-        let cert = params.self_signed(&key).map_err(gen_err)?;
-        let provider = provider();
-        let mut crypto = rustls::ClientConfig::builder_with_provider(provider.clone())
-            .with_protocol_versions(&[&rustls::version::TLS13])?
-            .dangerous()
-            .with_custom_certificate_verifier(Arc::new(AcceptAnyServer(provider)))
-            .with_client_auth_cert(
-                vec![cert.der().clone()],
-                PrivateKeyDer::Pkcs8(key.serialize_der().into()),
-            )?;
-        crypto.alpn_protocols = vec![ALPN.to_vec()];
-        client_from_rustls(crypto, &TransportTuning::default())
-    }
-}
-
-#[cfg(test)]
-pub use insecure::insecure_client_config;
+#[path = "../../integration-tests/src/insecure.rs"]
+mod insecure;
 
 /// Loopback helpers shared by the unit tests of this crate.
 #[cfg(test)]
@@ -1024,7 +949,11 @@ mod tests {
     async fn self_signed_client_is_refused() {
         let ca = ClusterCa::generate("test").expect("ca");
         let a = ca.issue("node-a").expect("a");
-        let (c, s) = attempt(&a, insecure_client_config("node-b").expect("cfg")).await;
+        let (c, s) = attempt(
+            &a,
+            insecure::self_signed_client_config("node-b", SERVER_NAME, ALPN),
+        )
+        .await;
         assert!(s.is_err(), "server accepted a self-signed client");
         assert!(c.is_err(), "client exchanged data");
         let msg = s.err().unwrap_or_default();
