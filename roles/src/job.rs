@@ -20,16 +20,16 @@ use yatt_engine::{
 };
 use yatt_runtime::node::Node;
 
-use crate::algo::advantage::{GrpoConfig, ReinforcePpConfig};
-use crate::algo::loss::{LossAgg, PolicyLossConfig};
+use crate::algo::advantage::{GaeConfig, GrpoConfig, ReinforcePpConfig};
+use crate::algo::loss::{LossAgg, PolicyLossConfig, ValueLossConfig};
 use crate::algo::KlEstimator;
 use crate::builtin::{
-    AsciiCodec, KlLossConfig, PolicyConfig, PolicyRole, ReferenceRole, RewardRole, RolloutRole,
+    AsciiCodec, CriticConfig, CriticRole, KlLossConfig, PolicyConfig, PolicyRole, ReferenceRole, RewardRole, RolloutRole,
     TextCodec, TokenizerCodec,
 };
 use crate::controller::{
     spawn_role, step_data_parallel, AdvantageEstimator, Controller, ControllerConfig,
-    ControllerError, KlPenalty, RoleRefs, StepMetrics,
+    ControllerError, ControllerState, DynamicSamplingConfig, KlPenalty, OverlongConfig, RoleRefs, StepMetrics,
 };
 use crate::data::{
     load_jsonl, DataError, Dataloader, LengthSchedule, Prompt, SyntheticTask, SyntheticTaskKind,
@@ -105,6 +105,14 @@ pub enum JobError {
     /// A controller or role failed (setting up or during a step).
     #[error("{0}")]
     Controller(Box<ControllerError>),
+    /// A run directory cannot be resumed.
+    #[error("cannot resume from {dir}: {reason}")]
+    Resume {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
     /// Writing metrics or the checkpoint directory failed.
     #[error("{path}: {source}")]
     Write {
@@ -266,7 +274,9 @@ impl Default for RolloutSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AlgorithmSection {
-    /// `grpo`, `rloo` or `reinforce++`.
+    /// `grpo`, `rloo`, `reinforce++`, `ppo` (GAE with a critic) or `dapo` (GRPO
+    /// advantages with dynamic sampling; pair it with `clip_high = 0.28` and
+    /// `overlong_buffer`).
     pub name: String,
     /// ε_low of the clipped ratio.
     pub clip_low: f64,
@@ -282,6 +292,22 @@ pub struct AlgorithmSection {
     pub entropy_coef: f64,
     /// `token-mean` or `seq-mean-token-mean`.
     pub loss_agg: String,
+    /// PPO: GAE discount γ.
+    pub gamma: f64,
+    /// PPO: GAE λ.
+    pub lam: f64,
+    /// PPO: value clipping range of the critic's loss (0 = no clipping).
+    pub value_clip: f64,
+    /// Dynamic sampling (drop prompt groups whose rewards are all equal and generate
+    /// more); default: on for `dapo`, off otherwise.
+    pub dynamic_sampling: Option<bool>,
+    /// Generation rounds per step at most with dynamic sampling.
+    pub max_sampling_rounds: usize,
+    /// DAPO overlong penalty: the last `overlong_buffer` tokens before
+    /// `rollout.max_new_tokens` ramp the penalty from 0 to −`overlong_coef` (0 = off).
+    pub overlong_buffer: usize,
+    /// Scale of the overlong penalty.
+    pub overlong_coef: f64,
 }
 
 impl Default for AlgorithmSection {
@@ -295,6 +321,13 @@ impl Default for AlgorithmSection {
             kl_mode: "loss".into(),
             entropy_coef: 0.0,
             loss_agg: "token-mean".into(),
+            gamma: 1.0,
+            lam: 0.95,
+            value_clip: 0.5,
+            dynamic_sampling: None,
+            max_sampling_rounds: 4,
+            overlong_buffer: 0,
+            overlong_coef: 1.0,
         }
     }
 }
@@ -317,6 +350,8 @@ pub struct OptimSection {
     pub micro_batch: usize,
     /// Optimizer steps per training step.
     pub mini_batches: usize,
+    /// The critic's learning rate (PPO).
+    pub critic_lr: f64,
 }
 
 impl Default for OptimSection {
@@ -329,6 +364,7 @@ impl Default for OptimSection {
             max_grad_norm: 1.0,
             micro_batch: 8,
             mini_batches: 1,
+            critic_lr: 1e-5,
         }
     }
 }
@@ -548,7 +584,39 @@ impl JobConfig {
             ));
         }
         let a = &self.algorithm;
-        one_of("algorithm.name", &a.name, &["grpo", "rloo", "reinforce++"])?;
+        one_of(
+            "algorithm.name",
+            &a.name,
+            &["grpo", "rloo", "reinforce++", "ppo", "dapo"],
+        )?;
+        if a.name == "ppo" && self.job.controllers > 1 {
+            return Err(invalid(
+                "job.controllers",
+                "1 with algorithm.name = \"ppo\"",
+                &self.job.controllers.to_string(),
+                "the critic trains with one controller for now: set controllers = 1, or use grpo",
+            ));
+        }
+        for (key, v) in [("algorithm.gamma", a.gamma), ("algorithm.lam", a.lam)] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(invalid(key, "a number in [0, 1]", &v.to_string(), "e.g. 1.0 for gamma, 0.95 for lam"));
+            }
+        }
+        non_negative("algorithm.value_clip", a.value_clip)?;
+        positive(
+            "algorithm.max_sampling_rounds",
+            a.max_sampling_rounds as f64,
+            "e.g. max_sampling_rounds = 4",
+        )?;
+        if a.overlong_buffer > self.rollout.max_new_tokens {
+            return Err(invalid(
+                "algorithm.overlong_buffer",
+                &format!("at most rollout.max_new_tokens = {}", self.rollout.max_new_tokens),
+                &a.overlong_buffer.to_string(),
+                "use a buffer of a quarter of max_new_tokens, or 0 to turn the penalty off",
+            ));
+        }
+        non_negative("algorithm.overlong_coef", a.overlong_coef)?;
         one_of(
             "algorithm.kl_estimator",
             &a.kl_estimator,
@@ -571,6 +639,7 @@ impl JobConfig {
         )?;
         non_negative("optim.weight_decay", o.weight_decay)?;
         non_negative("optim.max_grad_norm", o.max_grad_norm)?;
+        positive("optim.critic_lr", o.critic_lr, "e.g. critic_lr = 1e-5")?;
         one_of("optim.schedule", &o.schedule, &["constant", "cosine"])?;
         positive(
             "optim.micro_batch",
@@ -810,6 +879,14 @@ fn reward_role(job: &JobConfig) -> Result<RewardRole, JobError> {
     })
 }
 
+fn loss_agg(s: &str) -> LossAgg {
+    if s == "seq-mean-token-mean" {
+        LossAgg::SeqMeanTokenMean
+    } else {
+        LossAgg::TokenMean
+    }
+}
+
 fn kl_estimator(s: &str) -> KlEstimator {
     match s {
         "k1" => KlEstimator::K1,
@@ -822,6 +899,18 @@ fn kl_estimator(s: &str) -> KlEstimator {
 /// embedded job: one policy, reference and reward role, and one rollout role and
 /// controller per data-parallel head.
 pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controller>, JobError> {
+    build_embedded_from(job, node, None).await
+}
+
+/// [`build_embedded`], resuming from the run directory `resume` when given: the policy
+/// (weights, optimizer, step), the critic and every controller's position come from
+/// `RESUME/checkpoint`, the rollouts start with the policy's weights, and the
+/// reference is rebuilt from `model.source` (it is the initial policy).
+pub async fn build_embedded_from(
+    job: &JobConfig,
+    node: &Node,
+    resume: Option<&Path>,
+) -> Result<Vec<Controller>, JobError> {
     job.validate()?;
     tch::set_num_threads(job.model.threads as i32);
     let seed = job.job.seed;
@@ -874,10 +963,16 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
         temperature,
         job.optim.micro_batch,
     );
+    let ckpt = resume.map(|d| d.join("checkpoint"));
+    let resumed = match &ckpt {
+        Some(dir) => Some(load_trainer(dir, "policy")?),
+        None => None,
+    };
     let mut generators = Vec::with_capacity(heads);
     for _ in 0..heads {
+        let from = resumed.as_ref().map_or(&model, |t| &t.model);
         generators.push(Generator::new(
-            model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
+            from.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
             gen_config.clone(),
         ));
     }
@@ -899,17 +994,44 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
         seed,
         ..Default::default()
     };
-    let trainer = Trainer::new(model, train);
+    let critic = if a.name == "ppo" {
+        let critic_train = TrainConfig {
+            lr: o.critic_lr,
+            ..train.clone()
+        };
+        let trainer = match &ckpt {
+            Some(dir) => load_trainer(&dir.join("critic"), "critic")?,
+            None => Trainer::new(
+                model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
+                critic_train,
+            ),
+        };
+        let config = CriticConfig {
+            loss: ValueLossConfig {
+                clip: (a.value_clip > 0.0).then_some(a.value_clip),
+                agg: loss_agg(&a.loss_agg),
+            },
+            micro_batch_size: o.micro_batch,
+            mini_batches: o.mini_batches,
+            pad_id,
+        };
+        Some(CriticRole::new(trainer, config).map_err(|e| JobError::Model {
+            source_desc: job.model.source.clone(),
+            reason: format!("critic role: {e}"),
+        })?)
+    } else {
+        None
+    };
+    let trainer = match resumed {
+        Some(t) => t,
+        None => Trainer::new(model, train),
+    };
     let kl = (a.kl_coef > 0.0).then(|| (kl_estimator(&a.kl_estimator), a.kl_coef));
     let policy_config = PolicyConfig {
         loss: PolicyLossConfig {
             clip_low: a.clip_low,
             clip_high: a.clip_high,
-            agg: if a.loss_agg == "seq-mean-token-mean" {
-                LossAgg::SeqMeanTokenMean
-            } else {
-                LossAgg::TokenMean
-            },
+            agg: loss_agg(&a.loss_agg),
             ..Default::default()
         },
         kl_loss: kl
@@ -938,10 +1060,19 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
         reward: spawn_role(node, reward_role(job)?, 0, g()).await?,
         reference: Some(spawn_role(node, reference, 0, g()).await?),
         policy: spawn_role(node, policy, 0, g()).await?,
+        critic: match critic {
+            Some(c) => Some(spawn_role(node, c, 0, g()).await?),
+            None => None,
+        },
     };
     let advantage = match a.name.as_str() {
         "rloo" => AdvantageEstimator::Rloo,
         "reinforce++" => AdvantageEstimator::ReinforcePp(ReinforcePpConfig::default()),
+        "ppo" => AdvantageEstimator::Gae(GaeConfig {
+            gamma: a.gamma,
+            lam: a.lam,
+            ..Default::default()
+        }),
         _ => AdvantageEstimator::Grpo(GrpoConfig::default()),
     };
     let r = &job.rollout;
@@ -962,6 +1093,18 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
             .filter(|_| a.kl_mode == "reward")
             .map(|(estimator, coef)| KlPenalty { estimator, coef }),
         kl_metric: kl_estimator(&a.kl_estimator),
+        dynamic_sampling: a
+            .dynamic_sampling
+            .unwrap_or(a.name == "dapo")
+            .then_some(DynamicSamplingConfig {
+                max_rounds: a.max_sampling_rounds,
+                tolerance: 1e-6,
+            }),
+        overlong: (a.overlong_buffer > 0).then_some(OverlongConfig {
+            max_len: r.max_new_tokens,
+            buffer: a.overlong_buffer,
+            coef: a.overlong_coef,
+        }),
         ..Default::default()
     };
     let all: Arc<[Prompt]> = prompts(job)?.into();
@@ -985,6 +1128,25 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
             ..shared.clone()
         };
         controllers.push(Controller::new(config.clone(), loader, roles)?);
+    }
+    if let Some(dir) = &ckpt {
+        let state = RunState::read(dir)?;
+        if state.controllers.len() != controllers.len() {
+            return Err(JobError::Resume {
+                dir: dir.clone(),
+                reason: format!(
+                    "the checkpoint has {} controller(s) but the job has {}; resume with job.controllers = {}",
+                    state.controllers.len(),
+                    controllers.len(),
+                    state.controllers.len()
+                ),
+            });
+        }
+        for (c, s) in controllers.iter_mut().zip(state.controllers) {
+            c.restore(s)?;
+            // The rollout must hold the restored policy's weights and version.
+            c.sync_weights().await?;
+        }
     }
     Ok(controllers)
 }
@@ -1057,11 +1219,32 @@ pub struct TrainSummary {
 pub async fn train(
     job: &JobConfig,
     node: &Node,
+    on_step: impl FnMut(&Progress<'_>),
+) -> Result<TrainSummary, JobError> {
+    train_from(job, node, false, on_step).await
+}
+
+/// [`train`], continuing the run in `job.job.output_dir` from its checkpoint when
+/// `resume` is set: steps already done are skipped (`job.steps` is the run's total),
+/// and metrics are appended.
+pub async fn train_from(
+    job: &JobConfig,
+    node: &Node,
+    resume: bool,
     mut on_step: impl FnMut(&Progress<'_>),
 ) -> Result<TrainSummary, JobError> {
     let out = job.job.output_dir.clone();
     std::fs::create_dir_all(&out).map_err(|source| JobError::Write {
         path: out.clone(),
+        source,
+    })?;
+    let job_path = out.join(JOB_FILE);
+    let text = toml::to_string(job).map_err(|e| JobError::Resume {
+        dir: out.clone(),
+        reason: format!("cannot write the job config: {e}"),
+    })?;
+    std::fs::write(&job_path, text).map_err(|source| JobError::Write {
+        path: job_path.clone(),
         source,
     })?;
     let metrics_path = out.join("metrics.jsonl");
@@ -1070,14 +1253,23 @@ pub async fn train(
         path: metrics_path.clone(),
         source,
     };
-    let mut file = std::io::BufWriter::new(std::fs::File::create(&metrics_path).map_err(wr)?);
-    let mut controllers = build_embedded(job, node).await?;
+    let mut controllers = build_embedded_from(job, node, resume.then_some(out.as_path())).await?;
+    let mut step = controllers.first().map_or(0, Controller::step_count);
+    let file = if resume {
+        truncate_metrics(&metrics_path, step).map_err(wr)?;
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&metrics_path)
+            .map_err(wr)?
+    } else {
+        std::fs::File::create(&metrics_path).map_err(wr)?
+    };
+    let mut file = std::io::BufWriter::new(file);
     let total = job.job.steps;
     let every = job.checkpoint.every;
     let t0 = Instant::now();
     let mut rewards = Vec::new();
-    let mut step = 0u64;
-    for _ in 0..total {
+    for _ in step..total {
         run_steps(&mut controllers, 1, |m| {
             step += 1;
             // `step` first, then the metrics in name order (non-finite values as null).
@@ -1117,15 +1309,97 @@ pub async fn train(
     })
 }
 
-/// Saves the policy (shared by every head) to `dir`.
+/// The run's config, written to the run directory so `--resume` can rebuild the job.
+pub const JOB_FILE: &str = "job.toml";
+
+/// What a checkpoint holds besides the models: every controller's position.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunState {
+    /// Format tag.
+    pub format: String,
+    /// Each controller's step, weights version and dataloader position.
+    pub controllers: Vec<ControllerState>,
+}
+
+impl RunState {
+    const FILE: &'static str = "run_state.json";
+    const FORMAT: &'static str = "yatt-run-v1";
+
+    /// Reads `DIR/run_state.json`.
+    pub fn read(dir: &Path) -> Result<Self, JobError> {
+        let path = dir.join(Self::FILE);
+        let bad = |reason: String| JobError::Resume {
+            dir: dir.into(),
+            reason,
+        };
+        let text = std::fs::read_to_string(&path).map_err(|e| {
+            bad(format!(
+                "{}: {e}; is this the checkpoint of a `yatt train` run?",
+                path.display()
+            ))
+        })?;
+        let state: RunState = serde_json::from_str(&text)
+            .map_err(|e| bad(format!("{}: {e}", path.display())))?;
+        if state.format != Self::FORMAT {
+            return Err(bad(format!(
+                "{} has format {:?}, expected {:?}",
+                path.display(),
+                state.format,
+                Self::FORMAT
+            )));
+        }
+        Ok(state)
+    }
+}
+
+fn load_trainer(dir: &Path, role: &str) -> Result<Trainer, JobError> {
+    Trainer::load_checkpoint(dir, Device::Cpu, Kind::Float).map_err(|e| JobError::Resume {
+        dir: dir.into(),
+        reason: format!("loading the {role}: {e}"),
+    })
+}
+
+/// Keeps the first `steps` lines of a metrics file (a resumed run rewrites the steps
+/// after its checkpoint).
+fn truncate_metrics(path: &Path, steps: u64) -> std::io::Result<()> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e),
+    };
+    let kept: String = text
+        .lines()
+        .take(steps as usize)
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(path, kept)
+}
+
+/// Saves the policy (shared by every head) to `dir`, the critic to `dir/critic`, and
+/// every controller's position to `dir/run_state.json`, the last so that a checkpoint
+/// without it is recognisably incomplete.
 async fn save(controllers: &[Controller], dir: &Path) -> Result<(), JobError> {
-    std::fs::create_dir_all(dir).map_err(|source| JobError::Write {
-        path: dir.into(),
-        source,
-    })?;
+    let wr = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| JobError::Write { path, source }
+    };
+    std::fs::create_dir_all(dir).map_err(wr(dir))?;
+    let state_path = dir.join(RunState::FILE);
+    // An interrupted save must not look complete.
+    match std::fs::remove_file(&state_path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(wr(&state_path)(e)),
+        _ => {}
+    }
     if let Some(c) = controllers.first() {
         c.save_policy(dir.into()).await?;
+        c.save_critic(dir.join("critic")).await?;
     }
+    let state = RunState {
+        format: RunState::FORMAT.into(),
+        controllers: controllers.iter().map(Controller::state).collect(),
+    };
+    let text = serde_json::to_string_pretty(&state).expect("run state serializes");
+    std::fs::write(&state_path, text).map_err(wr(&state_path))?;
     Ok(())
 }
 

@@ -1,4 +1,4 @@
-//! The built-in roles: rollout, reference, policy, reward.
+//! The built-in roles: rollout, reference, policy, critic, reward.
 //!
 //! What belongs here: [`Role`](crate::role::Role) implementations that wrap the engine
 //! (generation, scoring, training) and the reward functions, with the request and
@@ -13,12 +13,15 @@
 //! | [`reference`] | frozen reference policy: reference log-probs |
 //! | [`policy`] | the trainer: old log-probs, PPO/GRPO update, weight export, checkpoints |
 //! | [`reward`] | weighted rule-based reward functions |
+//! | [`critic`] | value model (backbone + `v_head`) for PPO: values and value-loss updates |
 
+pub mod critic;
 pub mod policy;
 pub mod reference;
 pub mod reward;
 pub mod rollout;
 
+pub use critic::{CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole};
 pub use policy::{
     GradShard, KlLossConfig, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole, TrainReport,
 };

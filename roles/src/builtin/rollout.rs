@@ -246,6 +246,7 @@ impl RolloutRole {
                 old_logprobs: None,
                 values: None,
                 advantages: None,
+                returns: None,
             });
         }
         let samples: Vec<Sample> = slots.into_iter().flatten().collect();

@@ -7,24 +7,45 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context as _;
-use yatt::roles::job::{train, JobConfig, Progress};
+use yatt::roles::job::{train_from, JobConfig, Progress, JOB_FILE};
 use yatt::runtime::Node;
 
 #[derive(clap::Args)]
 pub struct TrainArgs {
     /// The job config (TOML), e.g. config/demo-letters.toml.
-    config: PathBuf,
+    #[arg(required_unless_present = "resume", conflicts_with = "resume")]
+    config: Option<PathBuf>,
+    /// Continue the run in RUN_DIR from its checkpoint (its job.toml is the config;
+    /// `--set job.steps=N` sets the new total).
+    #[arg(long, value_name = "RUN_DIR")]
+    resume: Option<PathBuf>,
     /// Override a config value: a dotted key and a TOML value, e.g. `--set job.steps=10`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     sets: Vec<String>,
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
-    let job = JobConfig::load(&args.config, &args.sets)?;
+    let (job, resume) = match (&args.config, &args.resume) {
+        (_, Some(dir)) => {
+            let path = dir.join(JOB_FILE);
+            if !path.is_file() {
+                anyhow::bail!(
+                    "{} has no {JOB_FILE}: --resume takes the output_dir of an earlier `yatt train` run",
+                    dir.display()
+                );
+            }
+            let mut job = JobConfig::load(&path, &args.sets)?;
+            // The run continues where it is, wherever the config said it was.
+            job.job.output_dir = dir.clone();
+            (job, true)
+        }
+        (Some(config), None) => (JobConfig::load(config, &args.sets)?, false),
+        (None, None) => anyhow::bail!("give a job config, or --resume RUN_DIR"),
+    };
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
-        .block_on(run_job(job))
+        .block_on(run_job(job, resume))
 }
 
 fn progress_line(p: &Progress<'_>) -> String {
@@ -44,7 +65,7 @@ fn progress_line(p: &Progress<'_>) -> String {
     )
 }
 
-async fn run_job(job: JobConfig) -> anyhow::Result<()> {
+async fn run_job(job: JobConfig, resume: bool) -> anyhow::Result<()> {
     let t0 = Instant::now();
     let certs = tempfile::tempdir()?;
     let node = Node::builder("train-0")
@@ -63,7 +84,7 @@ async fn run_job(job: JobConfig) -> anyhow::Result<()> {
         job.job.controllers,
         job.job.output_dir.display()
     );
-    let summary = train(&job, &node, |p| println!("{}", progress_line(p))).await?;
+    let summary = train_from(&job, &node, resume, |p| println!("{}", progress_line(p))).await?;
     let r = &summary.rewards;
     let k = r.len().min(5);
     let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
