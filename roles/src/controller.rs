@@ -70,6 +70,10 @@ pub type CriticRef = ActorRef<RoleRequest<CriticRequest>, RoleResponse<CriticRes
 pub struct RoleRefs {
     /// Generation.
     pub rollout: RolloutRef,
+    /// Further rollout replicas the controller spreads each generation round over,
+    /// with `rollout` (single-driver mode: one controller, many replicas). Empty for a
+    /// parallel-controller head, which owns one replica.
+    pub extra_rollouts: Vec<RolloutRef>,
     /// Rewards.
     pub reward: SamplesRef,
     /// Reference log-probs (needed for a KL penalty, a KL loss and the `actor/kl` metric).
@@ -373,10 +377,9 @@ pub async fn step_data_parallel(
             policy.id()
         )));
     }
-    let mut prepared = Vec::with_capacity(controllers.len());
-    for c in controllers.iter_mut() {
-        prepared.push(c.prepare().await?);
-    }
+    // The heads prepare concurrently: each drives its own rollout replica.
+    let prepared =
+        futures::future::try_join_all(controllers.iter_mut().map(|c| c.prepare())).await?;
     let t = Instant::now();
     let mut shards = Vec::with_capacity(prepared.len());
     for (c, p) in controllers.iter().zip(&prepared) {
@@ -555,15 +558,17 @@ impl Controller {
             other => return Err(self.protocol("policy", "ExportWeights", format!("{other:?}"))),
         };
         let version = update.version;
-        match self
-            .roles
-            .rollout
-            .ask(RoleRequest::LoadWeights(update), t)
-            .await
-            .map_err(self.call("weight_sync", "rollout"))?
-        {
-            RoleResponse::Done => {}
-            other => return Err(self.protocol("rollout", "LoadWeights", variant(&other))),
+        // Every replica but the last gets a copy; the last takes the buckets themselves.
+        let mut loads = Vec::new();
+        for r in &self.roles.extra_rollouts {
+            loads.push(r.ask(RoleRequest::LoadWeights(update.clone()), t));
+        }
+        loads.push(self.roles.rollout.ask(RoleRequest::LoadWeights(update), t));
+        for answer in futures::future::join_all(loads).await {
+            match answer.map_err(self.call("weight_sync", "rollout"))? {
+                RoleResponse::Done => {}
+                other => return Err(self.protocol("rollout", "LoadWeights", variant(&other))),
+            }
         }
         self.weights_version = version;
         Ok(version)
@@ -949,30 +954,46 @@ impl Controller {
         cfg: &ControllerConfig,
     ) -> Result<(Vec<Sample>, crate::builtin::RolloutStats, f64), ControllerError> {
         let t = Instant::now();
-        let req = RolloutRequest::Generate(GenerateRequest {
-            step: self.step,
-            prompts,
-            n: cfg.n,
-            params: cfg.sampling.clone(),
-            seed: cfg.seed,
-        });
-        match self
-            .serve(
-                &self.roles.rollout,
-                req,
-                "gen",
-                "rollout",
-                cfg.timeouts.generate,
-            )
-            .await?
-        {
-            RolloutResponse::Generated { samples, stats } => {
-                Ok((samples, stats, t.elapsed().as_secs_f64()))
+        let replicas: Vec<&RolloutRef> = std::iter::once(&self.roles.rollout)
+            .chain(&self.roles.extra_rollouts)
+            .collect();
+        // Contiguous, near-equal slices of the prompts, one per replica.
+        let per = prompts.len().div_ceil(replicas.len()).max(1);
+        let mut rest = prompts;
+        let mut asks = Vec::with_capacity(replicas.len());
+        for r in replicas {
+            if rest.is_empty() {
+                break;
             }
-            RolloutResponse::Logits(_) => {
-                Err(self.protocol("rollout", "Generate", "Logits".into()))
+            let tail = rest.split_off(per.min(rest.len()));
+            let req = RolloutRequest::Generate(GenerateRequest {
+                step: self.step,
+                prompts: std::mem::replace(&mut rest, tail),
+                n: cfg.n,
+                params: cfg.sampling.clone(),
+                seed: cfg.seed,
+            });
+            asks.push(self.serve(r, req, "gen", "rollout", cfg.timeouts.generate));
+        }
+        let mut samples = Vec::new();
+        let mut stats = crate::builtin::RolloutStats::default();
+        for answer in futures::future::try_join_all(asks).await? {
+            match answer {
+                RolloutResponse::Generated {
+                    samples: s,
+                    stats: st,
+                } => {
+                    samples.extend(s);
+                    stats.response_tokens += st.response_tokens;
+                    // Replicas run side by side: the round takes the slowest one's time.
+                    stats.seconds = stats.seconds.max(st.seconds);
+                }
+                RolloutResponse::Logits(_) => {
+                    return Err(self.protocol("rollout", "Generate", "Logits".into()))
+                }
             }
         }
+        Ok((samples, stats, t.elapsed().as_secs_f64()))
     }
 
     /// Adds DAPO's overlong penalty to each sample's reward.
@@ -1148,7 +1169,10 @@ impl Controller {
                 masked_mean(&adv.returns, &mask).double_value(&[]),
             );
             let v = token_matrix(samples, TokenField::Values, dev).map_err(se)?;
-            m.set("critic/values/mean", masked_mean(&v, &mask).double_value(&[]));
+            m.set(
+                "critic/values/mean",
+                masked_mean(&v, &mask).double_value(&[]),
+            );
         }
         let n = samples.len().max(1) as f64;
         m.set(

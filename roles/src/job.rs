@@ -24,12 +24,13 @@ use crate::algo::advantage::{GaeConfig, GrpoConfig, ReinforcePpConfig};
 use crate::algo::loss::{LossAgg, PolicyLossConfig, ValueLossConfig};
 use crate::algo::KlEstimator;
 use crate::builtin::{
-    AsciiCodec, CriticConfig, CriticRole, KlLossConfig, PolicyConfig, PolicyRole, ReferenceRole, RewardRole, RolloutRole,
-    TextCodec, TokenizerCodec,
+    AsciiCodec, CriticConfig, CriticRole, KlLossConfig, PolicyConfig, PolicyRole, ReferenceRole,
+    RewardRole, RolloutRole, TextCodec, TokenizerCodec,
 };
 use crate::controller::{
     spawn_role, step_data_parallel, AdvantageEstimator, Controller, ControllerConfig,
-    ControllerError, ControllerState, DynamicSamplingConfig, KlPenalty, OverlongConfig, RoleRefs, StepMetrics,
+    ControllerError, ControllerState, DynamicSamplingConfig, KlPenalty, OverlongConfig, RoleRefs,
+    StepMetrics,
 };
 use crate::data::{
     load_jsonl, DataError, Dataloader, LengthSchedule, Prompt, SyntheticTask, SyntheticTaskKind,
@@ -163,8 +164,13 @@ pub struct JobSection {
     pub seed: u64,
     /// Training steps.
     pub steps: u64,
-    /// Data-parallel controllers (heads), each with its own rollout and data shard.
+    /// Data-parallel controllers (heads), each with its own rollout and data shard; with
+    /// `driver = "single"`, the number of rollout replicas of the one controller.
     pub controllers: usize,
+    /// `parallel` (one controller per head, meeting at the update) or `single` (one
+    /// driver holding the global batch and spreading generation over the replicas;
+    /// for comparison).
+    pub driver: String,
     /// Placement of the roles: only `colocate` (all on one node) for now.
     pub placement: String,
 }
@@ -177,6 +183,7 @@ impl Default for JobSection {
             seed: 0,
             steps: 30,
             controllers: 1,
+            driver: "parallel".into(),
             placement: "colocate".into(),
         }
     }
@@ -515,6 +522,7 @@ impl JobConfig {
             j.controllers as f64,
             "controllers = 1 for one head",
         )?;
+        one_of("job.driver", &j.driver, &["parallel", "single"])?;
         if self.model.dtype != "f32" {
             return Err(JobError::NotImplemented {
                 key: "model.dtype".into(),
@@ -589,7 +597,7 @@ impl JobConfig {
             &a.name,
             &["grpo", "rloo", "reinforce++", "ppo", "dapo"],
         )?;
-        if a.name == "ppo" && self.job.controllers > 1 {
+        if a.name == "ppo" && self.job.controllers > 1 && self.job.driver == "parallel" {
             return Err(invalid(
                 "job.controllers",
                 "1 with algorithm.name = \"ppo\"",
@@ -599,7 +607,12 @@ impl JobConfig {
         }
         for (key, v) in [("algorithm.gamma", a.gamma), ("algorithm.lam", a.lam)] {
             if !(0.0..=1.0).contains(&v) {
-                return Err(invalid(key, "a number in [0, 1]", &v.to_string(), "e.g. 1.0 for gamma, 0.95 for lam"));
+                return Err(invalid(
+                    key,
+                    "a number in [0, 1]",
+                    &v.to_string(),
+                    "e.g. 1.0 for gamma, 0.95 for lam",
+                ));
             }
         }
         non_negative("algorithm.value_clip", a.value_clip)?;
@@ -611,7 +624,10 @@ impl JobConfig {
         if a.overlong_buffer > self.rollout.max_new_tokens {
             return Err(invalid(
                 "algorithm.overlong_buffer",
-                &format!("at most rollout.max_new_tokens = {}", self.rollout.max_new_tokens),
+                &format!(
+                    "at most rollout.max_new_tokens = {}",
+                    self.rollout.max_new_tokens
+                ),
                 &a.overlong_buffer.to_string(),
                 "use a buffer of a quarter of max_new_tokens, or 0 to turn the penalty off",
             ));
@@ -1015,10 +1031,12 @@ pub async fn build_embedded_from(
             mini_batches: o.mini_batches,
             pad_id,
         };
-        Some(CriticRole::new(trainer, config).map_err(|e| JobError::Model {
-            source_desc: job.model.source.clone(),
-            reason: format!("critic role: {e}"),
-        })?)
+        Some(
+            CriticRole::new(trainer, config).map_err(|e| JobError::Model {
+                source_desc: job.model.source.clone(),
+                reason: format!("critic role: {e}"),
+            })?,
+        )
     } else {
         None
     };
@@ -1064,6 +1082,7 @@ pub async fn build_embedded_from(
             Some(c) => Some(spawn_role(node, c, 0, g()).await?),
             None => None,
         },
+        extra_rollouts: Vec::new(),
     };
     let advantage = match a.name.as_str() {
         "rloo" => AdvantageEstimator::Rloo,
@@ -1093,13 +1112,12 @@ pub async fn build_embedded_from(
             .filter(|_| a.kl_mode == "reward")
             .map(|(estimator, coef)| KlPenalty { estimator, coef }),
         kl_metric: kl_estimator(&a.kl_estimator),
-        dynamic_sampling: a
-            .dynamic_sampling
-            .unwrap_or(a.name == "dapo")
-            .then_some(DynamicSamplingConfig {
+        dynamic_sampling: a.dynamic_sampling.unwrap_or(a.name == "dapo").then_some(
+            DynamicSamplingConfig {
                 max_rounds: a.max_sampling_rounds,
                 tolerance: 1e-6,
-            }),
+            },
+        ),
         overlong: (a.overlong_buffer > 0).then_some(OverlongConfig {
             max_len: r.max_new_tokens,
             buffer: a.overlong_buffer,
@@ -1121,13 +1139,27 @@ pub async fn build_embedded_from(
             .await?,
         );
     }
-    for (i, rollout) in rollouts.into_iter().enumerate() {
-        let loader = Dataloader::new(all.clone(), i, heads, seed.wrapping_add(3))?;
+    if job.job.driver == "single" {
+        // One driver over every replica, with the global batch of all heads.
+        let loader = Dataloader::new(all.clone(), 0, 1, seed.wrapping_add(3))?;
         let roles = RoleRefs {
-            rollout,
+            extra_rollouts: rollouts.split_off(1),
             ..shared.clone()
         };
-        controllers.push(Controller::new(config.clone(), loader, roles)?);
+        let config = ControllerConfig {
+            prompts_per_step: config.prompts_per_step * heads,
+            ..config.clone()
+        };
+        controllers.push(Controller::new(config, loader, roles)?);
+    } else {
+        for (i, rollout) in rollouts.into_iter().enumerate() {
+            let loader = Dataloader::new(all.clone(), i, heads, seed.wrapping_add(3))?;
+            let roles = RoleRefs {
+                rollout,
+                ..shared.clone()
+            };
+            controllers.push(Controller::new(config.clone(), loader, roles)?);
+        }
     }
     if let Some(dir) = &ckpt {
         let state = RunState::read(dir)?;
@@ -1338,8 +1370,8 @@ impl RunState {
                 path.display()
             ))
         })?;
-        let state: RunState = serde_json::from_str(&text)
-            .map_err(|e| bad(format!("{}: {e}", path.display())))?;
+        let state: RunState =
+            serde_json::from_str(&text).map_err(|e| bad(format!("{}: {e}", path.display())))?;
         if state.format != Self::FORMAT {
             return Err(bad(format!(
                 "{} has format {:?}, expected {:?}",

@@ -119,7 +119,9 @@ pub enum LedgerError {
         reason: &'static str,
     },
     /// A sample dropped by dynamic sampling reached a later stage anyway.
-    #[error("{id} was dropped after stage {dropped_after} (dynamic sampling) but reached stage {stage}")]
+    #[error(
+        "{id} was dropped after stage {dropped_after} (dynamic sampling) but reached stage {stage}"
+    )]
     AfterDrop {
         /// The sample.
         id: SampleId,

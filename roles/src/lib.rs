@@ -14,11 +14,13 @@
 //! | [`data`] | prompt datasets: JSONL and synthetic tasks |
 //! | [`sample`] | samples flowing between roles, keyed by id |
 //! | [`ledger`] | the sample ledger |
-//! | [`builtin`] | built-in roles: rollout, reference, policy, reward |
+//! | [`builtin`] | built-in roles: rollout, reference, policy, critic, reward |
 //! | [`controller`] | parallel controllers |
 //! | [`job`] | training jobs: the TOML job config, embedded build and run loop |
+//! | [`bench`] | `yatt bench controller`: controller overhead, parallel vs single driver (fake compute) |
 
 pub mod algo;
+pub mod bench;
 pub mod builtin;
 pub mod controller;
 pub mod data;

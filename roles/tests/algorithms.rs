@@ -164,3 +164,44 @@ async fn resuming_repeats_an_uninterrupted_run() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_driver_over_two_replicas_learns() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = demo_config(
+        dir.path(),
+        &[
+            "job.driver=\"single\"",
+            "job.controllers=2",
+            "data.prompts_per_step=4",
+            "job.steps=30",
+        ],
+    );
+    let rows = run(&job, false).await;
+    let r = series(&rows, "critic/rewards/mean");
+    let (first, last) = (mean(&r[..5]), mean(&r[25..]));
+    assert!(last > first + 0.3, "reward {first:.3} → {last:.3}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controller_benchmark_runs_both_modes() {
+    use yatt_roles::bench::{markdown_table, run_controller_bench, ControllerBenchOptions};
+    let certs = tempfile::tempdir().unwrap();
+    let node = Node::builder("bench-0")
+        .dev_certs(certs.path())
+        .start()
+        .await
+        .unwrap();
+    let opts = ControllerBenchOptions {
+        replicas: vec![1, 3],
+        steps: 1,
+        gen_time: std::time::Duration::from_millis(1),
+        train_time: std::time::Duration::from_millis(1),
+        ..Default::default()
+    };
+    let rows = run_controller_bench(&node, &opts).await.unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[1].samples, 3 * 8 * 8);
+    assert!(markdown_table(&rows).contains("| 3 | 192 |"));
+    node.shutdown().await;
+}

@@ -138,6 +138,7 @@ async fn cluster<R: Role<Request = Vec<Sample>, Response = Vec<Sample>>>(reward:
         reference: Some(spawn_role(&node, reference, 0, g()).await.unwrap()),
         policy: spawn_role(&node, policy, 0, g()).await.unwrap(),
         critic: None,
+        extra_rollouts: Vec::new(),
     };
     let loader = Dataloader::new(prompts(), 0, 1, 3).unwrap();
     let controller = Controller::new(controller_config(), loader, roles).unwrap();

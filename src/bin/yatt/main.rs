@@ -1,6 +1,7 @@
 //! `yatt`: the command-line front end. Each subcommand is a thin shell over a library
 //! crate; the logic lives there.
 
+mod bench_controller;
 mod bench_runtime;
 mod demo;
 mod engine_cmds;
@@ -41,6 +42,9 @@ enum BenchCommand {
     Engine(engine_cmds::BenchEngineArgs),
     /// Actor-runtime latency and throughput: two processes, and in-process.
     Runtime(bench_runtime::BenchRuntimeArgs),
+    /// Per-step controller overhead, parallel controllers vs a single driver, as the
+    /// rollout replicas grow (fake compute).
+    Controller(bench_controller::BenchControllerArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -56,5 +60,6 @@ fn real_main() -> anyhow::Result<()> {
         Command::ImportGguf(args) => engine_cmds::import_gguf(args),
         Command::Bench(BenchCommand::Engine(args)) => engine_cmds::bench_engine(args),
         Command::Bench(BenchCommand::Runtime(args)) => bench_runtime::run(args),
+        Command::Bench(BenchCommand::Controller(args)) => bench_controller::run(args),
     }
 }
