@@ -915,17 +915,28 @@ fn kl_estimator(s: &str) -> KlEstimator {
 /// embedded job: one policy, reference and reward role, and one rollout role and
 /// controller per data-parallel head.
 pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controller>, JobError> {
-    build_embedded_from(job, node, None).await
+    build_embedded_with(job, node, None, &CustomRoles::default()).await
 }
 
-/// [`build_embedded`], resuming from the run directory `resume` when given: the policy
-/// (weights, optimizer, step), the critic and every controller's position come from
-/// `RESUME/checkpoint`, the rollouts start with the policy's weights, and the
-/// reference is rebuilt from `model.source` (it is the initial policy).
-pub async fn build_embedded_from(
+/// Roles a program brings itself in place of the built-in ones (see
+/// `examples/custom_role`). They must already run (e.g. started with
+/// [`spawn_role`] or `Node::spawn_remote`).
+#[derive(Debug, Clone, Default)]
+pub struct CustomRoles {
+    /// The reward role: takes the step's samples and gives them back with `reward` set.
+    pub reward: Option<crate::controller::SamplesRef>,
+}
+
+/// [`build_embedded`] with `custom` roles, resuming from the run directory `resume`
+/// when given: the policy (weights, optimizer, step), the critic and every
+/// controller's position come from `RESUME/checkpoint`, the rollouts start with the
+/// policy's weights, and the reference is rebuilt from `model.source` (it is the
+/// initial policy).
+pub async fn build_embedded_with(
     job: &JobConfig,
     node: &Node,
     resume: Option<&Path>,
+    custom: &CustomRoles,
 ) -> Result<Vec<Controller>, JobError> {
     job.validate()?;
     tch::set_num_threads(job.model.threads as i32);
@@ -1075,7 +1086,10 @@ pub async fn build_embedded_from(
             g(),
         )
         .await?,
-        reward: spawn_role(node, reward_role(job)?, 0, g()).await?,
+        reward: match &custom.reward {
+            Some(r) => r.clone(),
+            None => spawn_role(node, reward_role(job)?, 0, g()).await?,
+        },
         reference: Some(spawn_role(node, reference, 0, g()).await?),
         policy: spawn_role(node, policy, 0, g()).await?,
         critic: match critic {
@@ -1253,18 +1267,27 @@ pub async fn train(
     node: &Node,
     on_step: impl FnMut(&Progress<'_>),
 ) -> Result<TrainSummary, JobError> {
-    train_from(job, node, false, on_step).await
+    train_with(job, node, TrainOptions::default(), on_step).await
 }
 
-/// [`train`], continuing the run in `job.job.output_dir` from its checkpoint when
-/// `resume` is set: steps already done are skipped (`job.steps` is the run's total),
-/// and metrics are appended.
-pub async fn train_from(
+/// How [`train_with`] runs a job.
+#[derive(Debug, Clone, Default)]
+pub struct TrainOptions {
+    /// Continue the run in `job.output_dir` from its checkpoint: steps already done
+    /// are skipped (`job.steps` is the run's total) and metrics are appended.
+    pub resume: bool,
+    /// Roles the caller brings in place of the built-in ones.
+    pub roles: CustomRoles,
+}
+
+/// [`train`] with options: resuming, custom roles.
+pub async fn train_with(
     job: &JobConfig,
     node: &Node,
-    resume: bool,
+    options: TrainOptions,
     mut on_step: impl FnMut(&Progress<'_>),
 ) -> Result<TrainSummary, JobError> {
+    let resume = options.resume;
     let out = job.job.output_dir.clone();
     std::fs::create_dir_all(&out).map_err(|source| JobError::Write {
         path: out.clone(),
@@ -1285,7 +1308,8 @@ pub async fn train_from(
         path: metrics_path.clone(),
         source,
     };
-    let mut controllers = build_embedded_from(job, node, resume.then_some(out.as_path())).await?;
+    let mut controllers =
+        build_embedded_with(job, node, resume.then_some(out.as_path()), &options.roles).await?;
     let mut step = controllers.first().map_or(0, Controller::step_count);
     let file = if resume {
         truncate_metrics(&metrics_path, step).map_err(wr)?;

@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use yatt_roles::job::{train_from, JobConfig};
+use yatt_roles::job::{train_with, JobConfig, TrainOptions};
 use yatt_runtime::node::Node;
 
 fn demo_config(out: &Path, sets: &[&str]) -> JobConfig {
@@ -24,7 +24,11 @@ async fn run(job: &JobConfig, resume: bool) -> Vec<serde_json::Map<String, Value
         .start()
         .await
         .unwrap();
-    let summary = train_from(job, &node, resume, |_| {}).await.unwrap();
+    let options = TrainOptions {
+        resume,
+        ..Default::default()
+    };
+    let summary = train_with(job, &node, options, |_| {}).await.unwrap();
     node.shutdown().await;
     metrics(&summary.metrics_path)
 }

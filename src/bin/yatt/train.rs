@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context as _;
-use yatt::roles::job::{train_from, JobConfig, Progress, JOB_FILE};
+use yatt::roles::job::{train_with, JobConfig, Progress, TrainOptions, JOB_FILE};
 use yatt::runtime::Node;
 
 #[derive(clap::Args)]
@@ -84,7 +84,16 @@ async fn run_job(job: JobConfig, resume: bool) -> anyhow::Result<()> {
         job.job.controllers,
         job.job.output_dir.display()
     );
-    let summary = train_from(&job, &node, resume, |p| println!("{}", progress_line(p))).await?;
+    let summary = train_with(
+        &job,
+        &node,
+        TrainOptions {
+            resume,
+            ..Default::default()
+        },
+        |p| println!("{}", progress_line(p)),
+    )
+    .await?;
     let r = &summary.rewards;
     let k = r.len().min(5);
     let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
