@@ -20,7 +20,10 @@
 //!
 //! Several controllers in one process, each with its own shard and rollout, meet only
 //! at the policy's update: [`step_data_parallel`] has the policy compute each one's
-//! gradients on its own samples and average them before one optimizer step.
+//! gradients on its own samples and average them before one optimizer step. With a
+//! policy replica per head, the replicas compute their shards side by side and each
+//! applies the average of all of them (an all-reduce over the runtime's messages), so
+//! their weights stay identical.
 //!
 //! PPO adds a critic: its values are a stage after the reference, advantages come from
 //! GAE on token rewards, and the critic trains on the returns alongside the policy's
@@ -366,14 +369,23 @@ pub async fn step_data_parallel(
             "a critic (PPO) is supported with one controller only; set job.controllers = 1 or use grpo/rloo/reinforce++".into(),
         ));
     }
-    if let Some(c) = controllers
-        .iter()
-        .find(|c| c.roles.policy.id() != policy.id() || c.step != step)
-    {
+    if let Some(c) = controllers.iter().find(|c| c.step != step) {
         return Err(ControllerError::Config(format!(
-            "data-parallel controllers must share one policy and be at the same step (found {} at step {}, expected {} at step {step})",
-            c.roles.policy.id(),
-            c.step,
+            "data-parallel controllers must be at the same step (found one at step {}, expected {step})",
+            c.step
+        )));
+    }
+    // Either every head shares one policy, or each has its own replica.
+    let ids: std::collections::BTreeSet<_> = controllers
+        .iter()
+        .map(|c| c.roles.policy.id().clone())
+        .collect();
+    let replicated = ids.len() == controllers.len() && controllers.len() > 1;
+    if !replicated && ids.len() != 1 {
+        return Err(ControllerError::Config(format!(
+            "data-parallel controllers must share one policy or each have their own replica ({} controllers, {} distinct policies; the first is {})",
+            controllers.len(),
+            ids.len(),
             policy.id()
         )));
     }
@@ -381,33 +393,61 @@ pub async fn step_data_parallel(
     let prepared =
         futures::future::try_join_all(controllers.iter_mut().map(|c| c.prepare())).await?;
     let t = Instant::now();
-    let mut shards = Vec::with_capacity(prepared.len());
-    for (c, p) in controllers.iter().zip(&prepared) {
-        match c
-            .serve_policy(
-                PolicyRequest::Gradients(p.samples.clone()),
-                "update_actor",
-                c.config.timeouts.train,
-            )
-            .await?
-        {
-            PolicyResponse::Gradients(g) => shards.push(g),
-            other => return Err(c.protocol("policy", "Gradients", format!("{other:?}"))),
-        }
-    }
-    let train = match controllers[0]
-        .serve_policy(
-            PolicyRequest::ApplyGradients(shards),
-            "update_actor",
-            controllers[0].config.timeouts.train,
-        )
-        .await?
-    {
-        PolicyResponse::Trained(r) => r,
-        other => {
-            return Err(controllers[0].protocol("policy", "ApplyGradients", format!("{other:?}")))
-        }
+    // Each head's gradients on its own samples (side by side when the policy is
+    // replicated; one after the other on a shared one). The shards keep head order
+    // whatever order they finish in, so the average is the same every run.
+    let shards =
+        futures::future::try_join_all(controllers.iter().zip(&prepared).map(|(c, p)| async move {
+            match c
+                .serve_policy(
+                    PolicyRequest::Gradients(p.samples.clone()),
+                    "update_actor",
+                    c.config.timeouts.train,
+                )
+                .await?
+            {
+                PolicyResponse::Gradients(g) => Ok(g),
+                other => Err(c.protocol("policy", "Gradients", format!("{other:?}"))),
+            }
+        }))
+        .await?;
+    // The all-reduce: every replica gets every shard and applies the same average, so
+    // the replicas' weights stay identical.
+    let appliers: Vec<&Controller> = if replicated {
+        controllers.iter().collect()
+    } else {
+        vec![&controllers[0]]
     };
+    let n_appliers = appliers.len();
+    let mut shards = Some(shards);
+    let applies = appliers.into_iter().enumerate().map(|(i, c)| {
+        let mine = if i + 1 == n_appliers {
+            shards.take().unwrap_or_default()
+        } else {
+            shards.clone().unwrap_or_default()
+        };
+        async move {
+            match c
+                .serve_policy(
+                    PolicyRequest::ApplyGradients(mine),
+                    "update_actor",
+                    c.config.timeouts.train,
+                )
+                .await?
+            {
+                PolicyResponse::Trained(r) => Ok(r),
+                other => Err(c.protocol("policy", "ApplyGradients", format!("{other:?}"))),
+            }
+        }
+    });
+    let trained = futures::future::try_join_all(applies).await?;
+    if let Some(r) = trained.iter().find(|r| r.version != trained[0].version) {
+        return Err(ControllerError::Config(format!(
+            "policy replicas diverged: versions {} and {} after the same update",
+            trained[0].version, r.version
+        )));
+    }
+    let train = trained[0].clone();
     let secs = t.elapsed().as_secs_f64();
     let mut reports = Vec::with_capacity(prepared.len());
     for (c, p) in controllers.iter_mut().zip(prepared) {

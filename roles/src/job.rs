@@ -173,6 +173,9 @@ pub struct JobSection {
     pub driver: String,
     /// Placement of the roles: only `colocate` (all on one node) for now.
     pub placement: String,
+    /// Policy replicas: 1 (shared by every head) or `controllers` (one per head, their
+    /// gradients all-reduced at each update).
+    pub policy_replicas: usize,
 }
 
 impl Default for JobSection {
@@ -185,6 +188,7 @@ impl Default for JobSection {
             controllers: 1,
             driver: "parallel".into(),
             placement: "colocate".into(),
+            policy_replicas: 1,
         }
     }
 }
@@ -523,6 +527,18 @@ impl JobConfig {
             "controllers = 1 for one head",
         )?;
         one_of("job.driver", &j.driver, &["parallel", "single"])?;
+        if j.policy_replicas != 1 && (j.policy_replicas != j.controllers || j.driver != "parallel")
+        {
+            return Err(invalid(
+                "job.policy_replicas",
+                &format!(
+                    "1, or job.controllers = {} with driver = \"parallel\"",
+                    j.controllers
+                ),
+                &j.policy_replicas.to_string(),
+                "use one policy replica per controller, or a shared one",
+            ));
+        }
         if self.model.dtype != "f32" {
             return Err(JobError::NotImplemented {
                 key: "model.dtype".into(),
@@ -1051,6 +1067,17 @@ pub async fn build_embedded_with(
     } else {
         None
     };
+    // Replicas beyond the first start from the same weights and optimizer state.
+    let mut extra_trainers = Vec::new();
+    for _ in 1..job.job.policy_replicas {
+        extra_trainers.push(match &ckpt {
+            Some(dir) => load_trainer(dir, "policy")?,
+            None => Trainer::new(
+                model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
+                train.clone(),
+            ),
+        });
+    }
     let trainer = match resumed {
         Some(t) => t,
         None => Trainer::new(model, train),
@@ -1073,10 +1100,25 @@ pub async fn build_embedded_with(
         pad_id,
         ..Default::default()
     };
-    let policy = PolicyRole::new(trainer, policy_config).map_err(|e| JobError::Model {
-        source_desc: job.model.source.clone(),
-        reason: format!("policy role: {e}"),
-    })?;
+    let policy_role = |t: Trainer| {
+        PolicyRole::new(t, policy_config.clone()).map_err(|e| JobError::Model {
+            source_desc: job.model.source.clone(),
+            reason: format!("policy role: {e}"),
+        })
+    };
+    let policy = policy_role(trainer)?;
+    let mut extra_policies = Vec::new();
+    for (i, t) in extra_trainers.into_iter().enumerate() {
+        extra_policies.push(
+            spawn_role(
+                node,
+                policy_role(t)?,
+                i as u32 + 1,
+                DeviceGroup::cpu(node.name()),
+            )
+            .await?,
+        );
+    }
     let g = || DeviceGroup::cpu(node.name());
     let shared = RoleRefs {
         rollout: spawn_role(
@@ -1168,8 +1210,16 @@ pub async fn build_embedded_with(
     } else {
         for (i, rollout) in rollouts.into_iter().enumerate() {
             let loader = Dataloader::new(all.clone(), i, heads, seed.wrapping_add(3))?;
+            let policy = match i {
+                0 => shared.policy.clone(),
+                _ => extra_policies
+                    .get(i - 1)
+                    .cloned()
+                    .unwrap_or_else(|| shared.policy.clone()),
+            };
             let roles = RoleRefs {
                 rollout,
+                policy,
                 ..shared.clone()
             };
             controllers.push(Controller::new(config.clone(), loader, roles)?);

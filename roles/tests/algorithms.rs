@@ -209,3 +209,29 @@ async fn the_controller_benchmark_runs_both_modes() {
     assert!(markdown_table(&rows).contains("| 3 | 192 |"));
     node.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policy_replicas_all_reduce_to_the_shared_policy_result() {
+    // Two heads with one policy replica each must train exactly like two heads
+    // sharing one policy: every replica applies the average of both heads' gradients.
+    let timing = |k: &str| k.starts_with("timing_s/") || k.starts_with("perf/");
+    let base = [
+        "job.controllers=2",
+        "data.prompts_per_step=4",
+        "job.steps=6",
+    ];
+    let shared_dir = tempfile::tempdir().unwrap();
+    let shared = run(&demo_config(shared_dir.path(), &base), false).await;
+    let replicated_dir = tempfile::tempdir().unwrap();
+    let mut sets = base.to_vec();
+    sets.push("job.policy_replicas=2");
+    let replicated = run(&demo_config(replicated_dir.path(), &sets), false).await;
+    assert_eq!(shared.len(), 6);
+    for (step, (a, b)) in shared.iter().zip(&replicated).enumerate() {
+        for (k, v) in a.iter().filter(|(k, _)| !timing(k)) {
+            assert_eq!(Some(v), b.get(k), "step {}: {k}", step + 1);
+        }
+    }
+    let r = series(&replicated, "critic/rewards/mean");
+    assert!(r[5] > r[0], "no learning with replicas: {r:?}");
+}

@@ -135,7 +135,7 @@ pub enum PolicyResponse {
 }
 
 /// One controller's gradients for a data-parallel step.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct GradShard {
     /// Gradients (canonical parameter names, f32).
     pub buckets: Vec<yatt_engine::WeightBucket>,
