@@ -257,6 +257,35 @@ fn value_range(values: impl IntoIterator<Item = f64>, floor: Option<f64>) -> std
     lo..hi + 0.05 * span
 }
 
+/// Y tick labels with one number of decimals for the whole axis (enough to tell
+/// neighbouring ticks apart), and k/M for large values: `0.02`, `0.10`, `25k`.
+fn y_labels(range: &std::ops::Range<f64>) -> impl Fn(&f64) -> String {
+    let max_abs = range.start.abs().max(range.end.abs());
+    let (scale, suffix) = if max_abs >= 1e6 {
+        (1e6, "M")
+    } else if max_abs >= 1e4 {
+        (1e3, "k")
+    } else {
+        (1.0, "")
+    };
+    // plotters spaces at most ten ticks by 1, 2 or 5 times a power of ten; the smallest
+    // such step over a tenth of the span is at most the real one, so its decimals are
+    // enough.
+    let raw = (range.end - range.start) / scale / 10.0;
+    let decimals = if raw.is_finite() && raw > 0.0 {
+        let k = raw.log10().floor();
+        let k = if raw / 10f64.powf(k) > 5.0 {
+            k + 1.0
+        } else {
+            k
+        };
+        (-k).clamp(0.0, 9.0) as usize
+    } else {
+        0
+    };
+    move |v| format!("{:.*}{suffix}", decimals, v / scale)
+}
+
 /// Runs of consecutive finite points: a NaN step breaks the line, not bridges it.
 fn segments(points: &[(u64, f64)]) -> Vec<Vec<(u64, f64)>> {
     let mut out: Vec<Vec<(u64, f64)>> = vec![Vec::new()];
@@ -331,6 +360,7 @@ fn line_chart(root: &Root<'_>, title: &str, y_desc: &str, lines: &[Series]) -> D
         .configure_mesh()
         .x_desc("step")
         .y_desc(y_desc)
+        .y_label_formatter(&y_labels(&y))
         .label_style((FONT, 15))
         .axis_desc_style((FONT, 18))
         .light_line_style(RGBColor(235, 235, 235))
@@ -340,13 +370,18 @@ fn line_chart(root: &Root<'_>, title: &str, y_desc: &str, lines: &[Series]) -> D
     let marker = if points <= 60 { 3 } else { 0 };
     for (i, s) in lines.iter().enumerate() {
         let color = PALETTE[i % PALETTE.len()];
+        // Earlier lines are wider, so a line drawn exactly over another (rewards equal to
+        // scores when no KL penalty applies) still shows both colours.
+        let width = 2 + 3 * (lines.len() - 1 - i) as u32;
         let mut labelled = false;
         for seg in segments(&s.points) {
-            let drawn = chart
-                .draw_series(LineSeries::new(seg, color.stroke_width(2)).point_size(marker))?;
+            let drawn = chart.draw_series(
+                LineSeries::new(seg, color.stroke_width(width))
+                    .point_size(marker + (width - 2) / 2),
+            )?;
             if !labelled {
                 drawn.label(s.name.as_str()).legend(move |(lx, ly)| {
-                    PathElement::new(vec![(lx, ly), (lx + 24, ly)], color.stroke_width(3))
+                    PathElement::new(vec![(lx, ly), (lx + 24, ly)], color.stroke_width(width + 1))
                 });
                 labelled = true;
             }
@@ -412,6 +447,7 @@ fn timing_chart(
         .configure_mesh()
         .x_desc("step")
         .y_desc("seconds (stages stacked)")
+        .y_label_formatter(&y_labels(&y))
         .label_style((FONT, 15))
         .axis_desc_style((FONT, 18))
         .light_line_style(RGBColor(235, 235, 235))
@@ -422,7 +458,7 @@ fn timing_chart(
         let color = PALETTE[i % PALETTE.len()];
         chart
             .draw_series(
-                AreaSeries::new(band.points.iter().copied(), 0.0, color.mix(0.75))
+                AreaSeries::new(band.points.iter().copied(), 0.0, color.filled())
                     .border_style(color.stroke_width(1)),
             )?
             .label(band.name.as_str())
@@ -477,6 +513,21 @@ mod tests {
             points: vec![(4, 0.0)],
         };
         assert_eq!(step_range([&s]), 4..5);
+    }
+
+    #[test]
+    fn tick_labels_share_their_decimals_and_scale() {
+        let f = y_labels(&(0.0..1.0));
+        assert_eq!((f(&0.5), f(&1.0)), ("0.5".to_string(), "1.0".to_string()));
+        assert_eq!(y_labels(&(0.0..0.15))(&0.1), "0.10");
+        assert_eq!(y_labels(&(0.0..2.4))(&1.5), "1.5");
+        let f = y_labels(&(4000.0..32000.0));
+        assert_eq!(
+            (f(&5000.0), f(&30000.0)),
+            ("5k".to_string(), "30k".to_string())
+        );
+        assert_eq!(y_labels(&(0.0..5e6))(&2.5e6), "2.5M");
+        assert_eq!(y_labels(&(0.0..500.0))(&250.0), "250");
     }
 
     #[test]

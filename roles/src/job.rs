@@ -7,7 +7,6 @@
 //! `placement = "colocate"` is the only placement.
 
 use std::collections::BTreeMap;
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -18,6 +17,7 @@ use yatt_engine::tch::{self, Device, Kind};
 use yatt_engine::{
     Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer,
 };
+use yatt_metrics::{RunWriter, WriteError};
 use yatt_runtime::node::Node;
 
 use crate::algo::advantage::{GrpoConfig, ReinforcePpConfig};
@@ -1052,7 +1052,8 @@ pub struct TrainSummary {
 }
 
 /// Builds the job on `node` and runs it: writes one JSON object per step to
-/// `OUTPUT_DIR/metrics.jsonl`, saves the policy to `OUTPUT_DIR/checkpoint` every
+/// `OUTPUT_DIR/metrics.jsonl` and the same metrics as TensorBoard scalars to
+/// `OUTPUT_DIR/events.out.tfevents.*` (see [`yatt_metrics::RunWriter`]), saves the policy to `OUTPUT_DIR/checkpoint` every
 /// `checkpoint.every` steps and at the end, and calls `on_step` after each step.
 pub async fn train(
     job: &JobConfig,
@@ -1064,13 +1065,14 @@ pub async fn train(
         path: out.clone(),
         source,
     })?;
-    let metrics_path = out.join("metrics.jsonl");
-    let checkpoint_dir = out.join("checkpoint");
-    let wr = |source| JobError::Write {
-        path: metrics_path.clone(),
-        source,
+    let metrics_err = |e: WriteError| JobError::Write {
+        path: e.path,
+        source: e.source,
     };
-    let mut file = std::io::BufWriter::new(std::fs::File::create(&metrics_path).map_err(wr)?);
+    // metrics.jsonl and a TensorBoard event file, both flushed after every step.
+    let mut writer = RunWriter::create(&out).map_err(metrics_err)?;
+    let metrics_path = writer.metrics_path().to_path_buf();
+    let checkpoint_dir = out.join("checkpoint");
     let mut controllers = build_embedded(job, node).await?;
     let total = job.job.steps;
     let every = job.checkpoint.every;
@@ -1080,18 +1082,7 @@ pub async fn train(
     for _ in 0..total {
         run_steps(&mut controllers, 1, |m| {
             step += 1;
-            // `step` first, then the metrics in name order (non-finite values as null).
-            let mut line = format!("{{\"step\":{step}");
-            for (k, v) in &m.values {
-                let v = serde_json::Number::from_f64(*v)
-                    .map(serde_json::Value::Number)
-                    .unwrap_or(serde_json::Value::Null);
-                line.push_str(&format!(",{}:{v}", serde_json::Value::String(k.clone())));
-            }
-            line.push('}');
-            writeln!(file, "{line}")
-                .and_then(|_| file.flush())
-                .map_err(wr)?;
+            writer.write_step(step, &m.values).map_err(metrics_err)?;
             rewards.push(m.get("critic/rewards/mean").unwrap_or(f64::NAN));
             on_step(&Progress {
                 step,
