@@ -67,22 +67,34 @@ fn short(x: f64) -> String {
     }
 }
 
-/// The text beside the bar: the step's reward, KL, generation tokens/s (verl-style
-/// throughput when the rollout does not report it), step time and ETA.
+/// Seconds as `4.2s`, `5m07s` or `2h03m`.
+fn duration(s: f64) -> String {
+    if !s.is_finite() {
+        return "-".into();
+    }
+    let whole = s.round() as u64;
+    match whole {
+        _ if s < 60.0 => format!("{s:.1}s"),
+        w if w < 3600 => format!("{}m{:02}s", w / 60, w % 60),
+        w => format!("{}h{:02}m", w / 3600, w % 3600 / 60),
+    }
+}
+
+/// The text beside the bar, short enough to fit an 80-column terminal with it: the
+/// step's reward, KL, generation tokens/s (verl-style throughput when the rollout does
+/// not report it), step time and ETA.
 fn bar_message(p: &Progress<'_>) -> String {
     let mut tok_s = metric(p, "perf/gen_tokens_per_s");
-    let mut what = "gen";
     if !tok_s.is_finite() {
         tok_s = metric(p, "perf/throughput");
-        what = "thru";
     }
     format!(
-        "reward {:.3} kl {:.4} {what} {} tok/s step {:.2}s eta {:.1}s",
+        "reward {:.3} kl {:.3} {} tok/s {:.2}s/step eta {}",
         metric(p, "critic/rewards/mean"),
         metric(p, "actor/kl"),
         short(tok_s),
         metric(p, "timing_s/step"),
-        eta_s(p),
+        duration(eta_s(p)),
     )
 }
 
@@ -100,7 +112,7 @@ impl Reporter {
         let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stdout());
         bar.set_style(
             ProgressStyle::with_template(
-                "{spinner:.green} {elapsed_precise} step {pos}/{len} [{wide_bar:.cyan/blue}] {msg}",
+                "{spinner:.green} step {pos}/{len} [{wide_bar:.cyan/blue}] {msg}",
             )
             .expect("a valid indicatif template")
             .progress_chars("=> "),
@@ -204,7 +216,7 @@ mod tests {
         };
         assert_eq!(
             bar_message(&progress(&m)),
-            "reward 0.500 kl 0.0125 gen 75.2k tok/s step 0.50s eta 4.0s"
+            "reward 0.500 kl 0.013 75.2k tok/s 0.50s/step eta 4.0s"
         );
         assert!(progress_line(&progress(&m))
             .starts_with("step  2/10 reward 0.500 kl 0.0125 gen 75234 tok/s"));
@@ -218,7 +230,15 @@ mod tests {
         };
         assert_eq!(
             bar_message(&progress(&m)),
-            "reward NaN kl NaN thru 1.5M tok/s step NaNs eta 4.0s"
+            "reward NaN kl NaN 1.5M tok/s NaNs/step eta 4.0s"
         );
+    }
+
+    #[test]
+    fn durations_read_at_a_glance() {
+        assert_eq!(duration(4.3), "4.3s");
+        assert_eq!(duration(307.0), "5m07s");
+        assert_eq!(duration(7380.0), "2h03m");
+        assert_eq!(duration(f64::NAN), "-");
     }
 }
