@@ -9,6 +9,7 @@ use std::io::BufWriter;
 use std::path::{Path, PathBuf};
 use std::sync::Once;
 
+use plotters::coord::types::{RangedCoordf64, RangedCoordu64};
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
@@ -344,12 +345,17 @@ fn legend_corner(
         .clone()
 }
 
-fn line_chart(root: &Root<'_>, title: &str, y_desc: &str, lines: &[Series]) -> DrawResult {
-    let x = step_range(lines);
-    let y = value_range(
-        lines.iter().flat_map(|s| s.points.iter().map(|p| p.1)),
-        None,
-    );
+type Chart<'a, 'b> =
+    ChartContext<'a, BitMapBackend<'b>, Cartesian2d<RangedCoordu64, RangedCoordf64>>;
+
+/// A titled chart over steps `x` and values `y`, with its grid and labelled axes drawn.
+fn axes<'a, 'b>(
+    root: &'a Root<'b>,
+    title: &str,
+    y_desc: &str,
+    x: &std::ops::Range<u64>,
+    y: &std::ops::Range<f64>,
+) -> Result<Chart<'a, 'b>, Box<dyn std::error::Error + 'static>> {
     let mut chart = ChartBuilder::on(root)
         .caption(title, (FONT, 26))
         .margin(20)
@@ -360,11 +366,33 @@ fn line_chart(root: &Root<'_>, title: &str, y_desc: &str, lines: &[Series]) -> D
         .configure_mesh()
         .x_desc("step")
         .y_desc(y_desc)
-        .y_label_formatter(&y_labels(&y))
+        .y_label_formatter(&y_labels(y))
         .label_style((FONT, 15))
         .axis_desc_style((FONT, 18))
         .light_line_style(RGBColor(235, 235, 235))
         .draw()?;
+    Ok(chart)
+}
+
+/// The legend of the series drawn so far, boxed, at `corner`.
+fn legend<'a, 'b: 'a>(chart: &mut Chart<'a, 'b>, corner: SeriesLabelPosition) -> DrawResult {
+    chart
+        .configure_series_labels()
+        .position(corner)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK.mix(0.4))
+        .label_font((FONT, 16))
+        .draw()?;
+    Ok(())
+}
+
+fn line_chart(root: &Root<'_>, title: &str, y_desc: &str, lines: &[Series]) -> DrawResult {
+    let x = step_range(lines);
+    let y = value_range(
+        lines.iter().flat_map(|s| s.points.iter().map(|p| p.1)),
+        None,
+    );
+    let mut chart = axes(root, title, y_desc, &x, &y)?;
     let points = lines.iter().map(|s| s.points.len()).max().unwrap_or(0);
     // Markers show individual steps on short runs; on long ones they would blot the line.
     let marker = if points <= 60 { 3 } else { 0 };
@@ -388,14 +416,7 @@ fn line_chart(root: &Root<'_>, title: &str, y_desc: &str, lines: &[Series]) -> D
         }
     }
     let refs: Vec<&Series> = lines.iter().collect();
-    chart
-        .configure_series_labels()
-        .position(legend_corner(&refs, &x, &y))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK.mix(0.4))
-        .label_font((FONT, 16))
-        .draw()?;
-    Ok(())
+    legend(&mut chart, legend_corner(&refs, &x, &y))
 }
 
 fn timing_chart(
@@ -437,21 +458,7 @@ fn timing_chart(
         all.iter().flat_map(|s| s.points.iter().map(|p| p.1)),
         Some(0.0),
     );
-    let mut chart = ChartBuilder::on(root)
-        .caption(title, (FONT, 26))
-        .margin(20)
-        .x_label_area_size(55)
-        .y_label_area_size(90)
-        .build_cartesian_2d(x.clone(), y.clone())?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .y_desc("seconds (stages stacked)")
-        .y_label_formatter(&y_labels(&y))
-        .label_style((FONT, 15))
-        .axis_desc_style((FONT, 18))
-        .light_line_style(RGBColor(235, 235, 235))
-        .draw()?;
+    let mut chart = axes(root, title, "seconds (stages stacked)", &x, &y)?;
     // Top band first, so each lower band is painted over the ones above it and the
     // legend lists the bands top to bottom, as they appear.
     for (i, band) in tops.iter().enumerate().rev() {
@@ -475,14 +482,7 @@ fn timing_chart(
             PathElement::new(vec![(lx, ly), (lx + 24, ly)], BLACK.stroke_width(2))
         });
     }
-    chart
-        .configure_series_labels()
-        .position(legend_corner(&all, &x, &y))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK.mix(0.4))
-        .label_font((FONT, 16))
-        .draw()?;
-    Ok(())
+    legend(&mut chart, legend_corner(&all, &x, &y))
 }
 
 #[cfg(test)]
