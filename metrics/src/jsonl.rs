@@ -52,7 +52,14 @@ pub fn parse_line(line: &str) -> Result<StepRecord, String> {
     let obj = match serde_json::from_str::<Value>(line) {
         Ok(Value::Object(obj)) => obj,
         Ok(other) => return Err(format!("expected a JSON object, found {other}")),
-        Err(e) => return Err(format!("not JSON: {e}")),
+        Err(e) => {
+            // serde_json's own "at line 1 column N" would contradict the file's line number.
+            let full = e.to_string();
+            let what = full
+                .rsplit_once(" at line ")
+                .map_or(full.as_str(), |(m, _)| m);
+            return Err(format!("not JSON at column {}: {what}", e.column()));
+        }
     };
     let step = match obj.get("step") {
         Some(v) => v
@@ -177,7 +184,7 @@ mod tests {
         std::fs::write(&path, "{\"step\":1,\"x\":1}\n\n{\"step\":2,\"x\":\n").unwrap();
         let msg = read_jsonl(&path).unwrap_err().to_string();
         assert!(
-            msg.contains(&format!("{}:3:", path.display())) && msg.contains("not JSON"),
+            msg.contains(&format!("{}:3: not JSON at column 14: EOF", path.display())),
             "{msg}"
         );
 
