@@ -9,8 +9,10 @@
 //! | [`engine`] | tch models, generation, log-probs, training, checkpoints (no actors) |
 //! | [`roles`] | the `Role` trait, built-in roles, algorithms, controllers |
 //! | [`placement`] | inventory, plans, placement policy, simulator (no tch) |
+//! | [`metrics`] | a run's metrics.jsonl and TensorBoard events, reading them, PNG plots |
 
 pub use yatt_engine as engine;
+pub use yatt_metrics as metrics;
 pub use yatt_placement as placement;
 pub use yatt_roles as roles;
 pub use yatt_runtime as runtime;

@@ -7,7 +7,6 @@
 //! `placement = "colocate"` is the only placement.
 
 use std::collections::BTreeMap;
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -18,6 +17,7 @@ use yatt_engine::tch::{self, Device, Kind};
 use yatt_engine::{
     Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer,
 };
+use yatt_metrics::{RunWriter, WriteError};
 use yatt_runtime::node::Node;
 
 use crate::algo::advantage::{GaeConfig, GrpoConfig, ReinforcePpConfig};
@@ -1310,7 +1310,8 @@ pub struct TrainSummary {
 }
 
 /// Builds the job on `node` and runs it: writes one JSON object per step to
-/// `OUTPUT_DIR/metrics.jsonl`, saves the policy to `OUTPUT_DIR/checkpoint` every
+/// `OUTPUT_DIR/metrics.jsonl` and the same metrics as TensorBoard scalars to
+/// `OUTPUT_DIR/events.out.tfevents.*` (see [`yatt_metrics::RunWriter`]), saves the policy to `OUTPUT_DIR/checkpoint` every
 /// `checkpoint.every` steps and at the end, and calls `on_step` after each step.
 pub async fn train(
     job: &JobConfig,
@@ -1352,25 +1353,22 @@ pub async fn train_with(
         path: job_path.clone(),
         source,
     })?;
-    let metrics_path = out.join("metrics.jsonl");
-    let checkpoint_dir = out.join("checkpoint");
-    let wr = |source| JobError::Write {
-        path: metrics_path.clone(),
-        source,
+    let metrics_err = |e: WriteError| JobError::Write {
+        path: e.path,
+        source: e.source,
     };
+    let checkpoint_dir = out.join("checkpoint");
     let mut controllers =
         build_embedded_with(job, node, resume.then_some(out.as_path()), &options.roles).await?;
     let mut step = controllers.first().map_or(0, Controller::step_count);
-    let file = if resume {
-        truncate_metrics(&metrics_path, step).map_err(wr)?;
-        std::fs::OpenOptions::new()
-            .append(true)
-            .open(&metrics_path)
-            .map_err(wr)?
+    // metrics.jsonl and a TensorBoard event file, both flushed after every step.
+    let mut writer = if resume {
+        RunWriter::resume(&out, step)
     } else {
-        std::fs::File::create(&metrics_path).map_err(wr)?
-    };
-    let mut file = std::io::BufWriter::new(file);
+        RunWriter::create(&out)
+    }
+    .map_err(metrics_err)?;
+    let metrics_path = writer.metrics_path().to_path_buf();
     let total = job.job.steps;
     let every = job.checkpoint.every;
     let t0 = Instant::now();
@@ -1378,18 +1376,7 @@ pub async fn train_with(
     for _ in step..total {
         run_steps(&mut controllers, 1, |m| {
             step += 1;
-            // `step` first, then the metrics in name order (non-finite values as null).
-            let mut line = format!("{{\"step\":{step}");
-            for (k, v) in &m.values {
-                let v = serde_json::Number::from_f64(*v)
-                    .map(serde_json::Value::Number)
-                    .unwrap_or(serde_json::Value::Null);
-                line.push_str(&format!(",{}:{v}", serde_json::Value::String(k.clone())));
-            }
-            line.push('}');
-            writeln!(file, "{line}")
-                .and_then(|_| file.flush())
-                .map_err(wr)?;
+            writer.write_step(step, &m.values).map_err(metrics_err)?;
             rewards.push(m.get("critic/rewards/mean").unwrap_or(f64::NAN));
             on_step(&Progress {
                 step,
@@ -1463,22 +1450,6 @@ fn load_trainer(dir: &Path, role: &str) -> Result<Trainer, JobError> {
         dir: dir.into(),
         reason: format!("loading the {role}: {e}"),
     })
-}
-
-/// Keeps the first `steps` lines of a metrics file (a resumed run rewrites the steps
-/// after its checkpoint).
-fn truncate_metrics(path: &Path, steps: u64) -> std::io::Result<()> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-        Err(e) => return Err(e),
-    };
-    let kept: String = text
-        .lines()
-        .take(steps as usize)
-        .map(|l| format!("{l}\n"))
-        .collect();
-    std::fs::write(path, kept)
 }
 
 /// Saves the policy (shared by every head) to `dir`, the critic to `dir/critic`, and

@@ -5,6 +5,7 @@ mod bench_controller;
 mod bench_runtime;
 mod demo;
 mod engine_cmds;
+mod plot;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -29,6 +30,8 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Train: run a job config (TOML) on an in-process node (embedded mode).
     Train(train::TrainArgs),
+    /// Plot a run's metrics.jsonl as PNGs: reward, KL, stage timing, throughput.
+    Plot(plot::PlotArgs),
     /// Import a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1) as an HF model directory.
     ImportGguf(engine_cmds::ImportGgufArgs),
     /// Benchmarks; figures go to stdout as a markdown table.
@@ -57,6 +60,7 @@ fn real_main() -> anyhow::Result<()> {
     match cli.command {
         Command::Demo(args) => demo::run(args),
         Command::Train(args) => train::run(args),
+        Command::Plot(args) => plot::run(args),
         Command::ImportGguf(args) => engine_cmds::import_gguf(args),
         Command::Bench(BenchCommand::Engine(args)) => engine_cmds::bench_engine(args),
         Command::Bench(BenchCommand::Runtime(args)) => bench_runtime::run(args),
