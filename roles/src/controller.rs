@@ -399,7 +399,7 @@ pub async fn spawn_role<R: Role>(
         })
 }
 
-fn variant<T>(r: &RoleResponse<T>) -> String {
+pub(crate) fn variant<T>(r: &RoleResponse<T>) -> String {
     match r {
         RoleResponse::Served(_) => "a served answer".into(),
         RoleResponse::Done => "Done".into(),

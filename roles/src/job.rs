@@ -1,10 +1,11 @@
 //! Training jobs: the `JobConfig` TOML schema (with `--set key=value` overrides and
-//! validation), [`build_embedded`] that builds the models, roles and controllers of a
-//! job on one in-process node, and [`train`] that runs the steps, writes
-//! `OUTPUT_DIR/metrics.jsonl` and saves the policy to `OUTPUT_DIR/checkpoint`.
+//! validation), the per-role builders, [`build_embedded`] that builds the models, roles
+//! and controllers of a job on one in-process node, and [`train`] that runs the steps,
+//! writes `OUTPUT_DIR/metrics.jsonl` and saves the policy to `OUTPUT_DIR/checkpoint`.
 //!
-//! Only the embedded mode exists for now: every role runs on the given node and
-//! `placement = "colocate"` is the only placement.
+//! `[placement] mode = "colocate"` runs every role in this process;
+//! `mode = "disaggregated"` spawns each role on the cluster node the section names
+//! ([`crate::remote::build_cluster`]).
 
 use std::collections::BTreeMap;
 use std::io::Write as _;
@@ -29,7 +30,7 @@ use crate::builtin::{
 };
 use crate::controller::{
     spawn_role, step_data_parallel, AdvantageEstimator, Controller, ControllerConfig,
-    ControllerError, KlPenalty, RoleRefs, StepMetrics,
+    ControllerError, KlPenalty, RoleRefs, RolloutRef, StepMetrics,
 };
 use crate::data::{
     load_jsonl, DataError, Dataloader, LengthSchedule, Prompt, SyntheticTask, SyntheticTaskKind,
@@ -37,6 +38,7 @@ use crate::data::{
 use crate::reward::{
     ExactMatchVerifier, NumericVerifier, RewardError, RewardFn, RewardInput, RewardOutput,
 };
+use crate::remote::PlacementSection;
 use crate::role::DeviceGroup;
 
 /// Why a job could not be configured, built or run.
@@ -141,6 +143,8 @@ pub struct JobConfig {
     pub reward: RewardSection,
     /// `[checkpoint]`.
     pub checkpoint: CheckpointSection,
+    /// `[placement]`: which node runs each role.
+    pub placement: PlacementSection,
 }
 
 /// `[job]`: name, output, seed, length and layout.
@@ -157,7 +161,7 @@ pub struct JobSection {
     pub steps: u64,
     /// Data-parallel controllers (heads), each with its own rollout and data shard.
     pub controllers: usize,
-    /// Placement of the roles: only `colocate` (all on one node) for now.
+    /// Kept for older configs: must be `colocate`. Where roles run is `[placement]`.
     pub placement: String,
 }
 
@@ -470,9 +474,10 @@ impl JobConfig {
             return Err(JobError::NotImplemented {
                 key: "job.placement".into(),
                 found: j.placement.clone(),
-                fix: "use placement = \"colocate\" (every role on this node); other placements come with yatt-placement".into(),
+                fix: "set job.placement = \"colocate\"; to put roles on other nodes, set [placement] mode = \"disaggregated\" with a node per role and run `yatt train CONFIG --cluster SEED_ADDR`".into(),
             });
         }
+        self.placement.validate()?;
         positive("job.steps", j.steps as f64, "the number of training steps")?;
         positive(
             "job.controllers",
@@ -651,7 +656,7 @@ fn key_at(text: &str, pos: usize) -> Option<String> {
     }
 }
 
-fn invalid(key: &str, expected: &str, found: &str, fix: &str) -> JobError {
+pub(crate) fn invalid(key: &str, expected: &str, found: &str, fix: &str) -> JobError {
     JobError::Invalid {
         key: key.into(),
         expected: expected.into(),
@@ -660,7 +665,7 @@ fn invalid(key: &str, expected: &str, found: &str, fix: &str) -> JobError {
     }
 }
 
-fn positive(key: &str, v: f64, fix: &str) -> Result<(), JobError> {
+pub(crate) fn positive(key: &str, v: f64, fix: &str) -> Result<(), JobError> {
     if v > 0.0 && v.is_finite() {
         Ok(())
     } else {
@@ -681,7 +686,7 @@ fn non_negative(key: &str, v: f64) -> Result<(), JobError> {
     }
 }
 
-fn one_of(key: &str, v: &str, allowed: &[&str]) -> Result<(), JobError> {
+pub(crate) fn one_of(key: &str, v: &str, allowed: &[&str]) -> Result<(), JobError> {
     if allowed.contains(&v) {
         Ok(())
     } else {
@@ -786,7 +791,8 @@ fn prompts(job: &JobConfig) -> Result<Vec<Prompt>, JobError> {
     Ok(task.prompts(0, d.num_prompts))
 }
 
-fn reward_role(job: &JobConfig) -> Result<RewardRole, JobError> {
+/// The job's reward role: its reward functions with their weights.
+pub fn reward_role(job: &JobConfig) -> Result<RewardRole, JobError> {
     let kinds = job.reward_kinds();
     let mut parts: Vec<(f64, Box<dyn RewardFn>)> = Vec::new();
     for (i, k) in kinds.iter().enumerate() {
@@ -818,14 +824,12 @@ fn kl_estimator(s: &str) -> KlEstimator {
     }
 }
 
-/// Builds the models, roles (on `node`, with `spawn_local`) and the controllers of an
-/// embedded job: one policy, reference and reward role, and one rollout role and
-/// controller per data-parallel head.
-pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controller>, JobError> {
-    job.validate()?;
+/// The job's model (every role starts from a copy of it), the codec of its text and its
+/// padding id.
+pub fn base_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, i64), JobError> {
     tch::set_num_threads(job.model.threads as i32);
     let seed = job.job.seed;
-    let (model, codec, pad_id): (Llama, Arc<dyn TextCodec>, i64) = if job.model.source == "tiny" {
+    if job.model.source == "tiny" {
         // Llama::random seeds libtorch's global RNG: builds in parallel must not
         // interleave their draws.
         static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -837,50 +841,49 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
                     reason: e.to_string(),
                 }
             })?;
-        (m, Arc::new(TINY_CODEC), 1)
-    } else {
-        let dir = &job.model.source;
-        let me = |e: yatt_engine::EngineError| JobError::Model {
-            source_desc: dir.clone(),
-            reason: e.to_string(),
-        };
-        let m = Llama::load(dir, Device::Cpu, Kind::Float).map_err(me)?;
-        let tok = Tokenizer::from_dir(dir).map_err(me)?;
-        (
-            m,
-            Arc::new(TokenizerCodec {
-                tokenizer: Arc::new(tok),
-                chat: job.model.chat,
-            }),
-            0,
-        )
-    };
+        return Ok((m, Arc::new(TINY_CODEC), 1));
+    }
+    let dir = &job.model.source;
     let me = |e: yatt_engine::EngineError| JobError::Model {
-        source_desc: job.model.source.clone(),
+        source_desc: dir.clone(),
         reason: e.to_string(),
     };
-    let heads = job.job.controllers;
+    let m = Llama::load(dir, Device::Cpu, Kind::Float).map_err(me)?;
+    let tok = Tokenizer::from_dir(dir).map_err(me)?;
+    Ok((
+        m,
+        Arc::new(TokenizerCodec {
+            tokenizer: Arc::new(tok),
+            chat: job.model.chat,
+        }),
+        0,
+    ))
+}
+
+/// A rollout replica of the job over `model`.
+pub fn rollout_role(job: &JobConfig, model: Llama, codec: Arc<dyn TextCodec>) -> RolloutRole {
     let batch = job.data.prompts_per_step * job.data.samples_per_prompt as usize;
     let gen_config = GeneratorConfig {
         max_batch: batch.max(1),
         max_seq_len: job.model.max_seq_len,
         ..Default::default()
     };
-    let a = &job.algorithm;
-    let temperature = job.rollout.temperature;
-    let reference = ReferenceRole::new(
-        model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
+    RolloutRole::new(Generator::new(model, gen_config), codec)
+}
+
+/// The job's reference role over `model`.
+pub fn reference_role(job: &JobConfig, model: Llama, pad_id: i64) -> ReferenceRole {
+    ReferenceRole::new(
+        model,
         pad_id,
-        temperature,
+        job.rollout.temperature,
         job.optim.micro_batch,
-    );
-    let mut generators = Vec::with_capacity(heads);
-    for _ in 0..heads {
-        generators.push(Generator::new(
-            model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
-            gen_config.clone(),
-        ));
-    }
+    )
+}
+
+/// The job's policy role: a trainer over `model` with the job's optimizer and loss.
+pub fn policy_role(job: &JobConfig, model: Llama, pad_id: i64) -> Result<PolicyRole, JobError> {
+    let a = &job.algorithm;
     let o = &job.optim;
     let warmup_steps = o.warmup_steps;
     let schedule = match o.schedule.as_str() {
@@ -896,11 +899,10 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
         weight_decay: o.weight_decay,
         max_grad_norm: (o.max_grad_norm > 0.0).then_some(o.max_grad_norm),
         schedule,
-        seed,
+        seed: job.job.seed,
         ..Default::default()
     };
     let trainer = Trainer::new(model, train);
-    let kl = (a.kl_coef > 0.0).then(|| (kl_estimator(&a.kl_estimator), a.kl_coef));
     let policy_config = PolicyConfig {
         loss: PolicyLossConfig {
             clip_low: a.clip_low,
@@ -912,40 +914,38 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
             },
             ..Default::default()
         },
-        kl_loss: kl
+        kl_loss: kl_term(job)
             .filter(|_| a.kl_mode == "loss")
             .map(|(estimator, coef)| KlLossConfig { estimator, coef }),
         entropy_coef: a.entropy_coef,
         micro_batch_size: o.micro_batch,
         mini_batches: o.mini_batches,
-        temperature,
+        temperature: job.rollout.temperature,
         pad_id,
         ..Default::default()
     };
-    let policy = PolicyRole::new(trainer, policy_config).map_err(|e| JobError::Model {
+    PolicyRole::new(trainer, policy_config).map_err(|e| JobError::Model {
         source_desc: job.model.source.clone(),
         reason: format!("policy role: {e}"),
-    })?;
-    let g = || DeviceGroup::cpu(node.name());
-    let shared = RoleRefs {
-        rollout: spawn_role(
-            node,
-            RolloutRole::new(generators.remove(0), codec.clone()),
-            0,
-            g(),
-        )
-        .await?,
-        reward: spawn_role(node, reward_role(job)?, 0, g()).await?,
-        reference: Some(spawn_role(node, reference, 0, g()).await?),
-        policy: spawn_role(node, policy, 0, g()).await?,
-    };
+    })
+}
+
+/// The KL term's estimator and coefficient, when the job has one.
+fn kl_term(job: &JobConfig) -> Option<(KlEstimator, f64)> {
+    let a = &job.algorithm;
+    (a.kl_coef > 0.0).then(|| (kl_estimator(&a.kl_estimator), a.kl_coef))
+}
+
+/// What each controller of the job runs.
+fn controller_config(job: &JobConfig) -> ControllerConfig {
+    let a = &job.algorithm;
     let advantage = match a.name.as_str() {
         "rloo" => AdvantageEstimator::Rloo,
         "reinforce++" => AdvantageEstimator::ReinforcePp(ReinforcePpConfig::default()),
         _ => AdvantageEstimator::Grpo(GrpoConfig::default()),
     };
     let r = &job.rollout;
-    let config = ControllerConfig {
+    ControllerConfig {
         prompts_per_step: job.data.prompts_per_step,
         n: job.data.samples_per_prompt,
         sampling: SamplingParams {
@@ -956,30 +956,29 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
             ignore_eos: r.ignore_eos,
             ..Default::default()
         },
-        seed,
+        seed: job.job.seed,
         advantage,
-        kl_in_reward: kl
+        kl_in_reward: kl_term(job)
             .filter(|_| a.kl_mode == "reward")
             .map(|(estimator, coef)| KlPenalty { estimator, coef }),
         kl_metric: kl_estimator(&a.kl_estimator),
         ..Default::default()
-    };
-    let all: Arc<[Prompt]> = prompts(job)?.into();
-    let mut controllers = Vec::with_capacity(heads);
-    let mut rollouts = vec![shared.rollout.clone()];
-    for (i, gen) in generators.into_iter().enumerate() {
-        rollouts.push(
-            spawn_role(
-                node,
-                RolloutRole::new(gen, codec.clone()),
-                i as u32 + 1,
-                g(),
-            )
-            .await?,
-        );
     }
+}
+
+/// One controller per rollout (data-parallel head), each with its shard of the
+/// prompts, sharing the other roles of `shared`.
+pub(crate) fn controllers(
+    job: &JobConfig,
+    shared: RoleRefs,
+    rollouts: Vec<RolloutRef>,
+) -> Result<Vec<Controller>, JobError> {
+    let config = controller_config(job);
+    let all: Arc<[Prompt]> = prompts(job)?.into();
+    let heads = rollouts.len();
+    let mut controllers = Vec::with_capacity(heads);
     for (i, rollout) in rollouts.into_iter().enumerate() {
-        let loader = Dataloader::new(all.clone(), i, heads, seed.wrapping_add(3))?;
+        let loader = Dataloader::new(all.clone(), i, heads, job.job.seed.wrapping_add(3))?;
         let roles = RoleRefs {
             rollout,
             ..shared.clone()
@@ -987,6 +986,50 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
         controllers.push(Controller::new(config.clone(), loader, roles)?);
     }
     Ok(controllers)
+}
+
+/// Builds the models, roles (on `node`, with `spawn_local`) and the controllers of an
+/// embedded job: one policy, reference and reward role, and one rollout role and
+/// controller per data-parallel head.
+pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controller>, JobError> {
+    job.validate()?;
+    if job.placement.mode != "colocate" {
+        return Err(invalid(
+            "placement.mode",
+            "\"colocate\" for a run in this process",
+            &job.placement.mode,
+            "run it on a cluster with `yatt train CONFIG --cluster SEED_ADDR`, or set placement.mode = \"colocate\"",
+        ));
+    }
+    let (model, codec, pad_id) = base_model(job)?;
+    let me = |e: yatt_engine::EngineError| JobError::Model {
+        source_desc: job.model.source.clone(),
+        reason: e.to_string(),
+    };
+    let copy = || model.deep_copy(Device::Cpu, Kind::Float).map_err(me);
+    let g = || DeviceGroup::cpu(node.name());
+    let mut rollouts = Vec::with_capacity(job.job.controllers);
+    for i in 0..job.job.controllers {
+        let role = rollout_role(job, copy()?, codec.clone());
+        rollouts.push(spawn_role(node, role, i as u32, g()).await?);
+    }
+    let reference = reference_role(job, copy()?, pad_id);
+    let shared = RoleRefs {
+        rollout: rollouts[0].clone(),
+        reward: spawn_role(node, reward_role(job)?, 0, g()).await?,
+        reference: Some(spawn_role(node, reference, 0, g()).await?),
+        policy: spawn_role(node, policy_role(job, model, pad_id)?, 0, g()).await?,
+    };
+    controllers(job, shared, rollouts)
+}
+
+/// Builds the job where its placement says: in this process (`colocate`), or on the
+/// cluster `node` belongs to (`disaggregated`, see [`crate::remote::build_cluster`]).
+pub async fn build(job: &JobConfig, node: &Node) -> Result<Vec<Controller>, JobError> {
+    match job.placement.mode.as_str() {
+        "disaggregated" => crate::remote::build_cluster(job, node).await,
+        _ => build_embedded(job, node).await,
+    }
 }
 
 /// Runs `steps` steps of `controllers` (together with [`step_data_parallel`] when there
@@ -1071,7 +1114,7 @@ pub async fn train(
         source,
     };
     let mut file = std::io::BufWriter::new(std::fs::File::create(&metrics_path).map_err(wr)?);
-    let mut controllers = build_embedded(job, node).await?;
+    let mut controllers = build(job, node).await?;
     let total = job.job.steps;
     let every = job.checkpoint.every;
     let t0 = Instant::now();

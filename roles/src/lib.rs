@@ -17,6 +17,8 @@
 //! | [`builtin`] | built-in roles: rollout, reference, policy, reward |
 //! | [`controller`] | parallel controllers |
 //! | [`job`] | training jobs: the TOML job config, embedded build and run loop |
+//! | [`wire`] | role messages on the wire: bulk weight buckets, spilled large bodies |
+//! | [`remote`] | roles on other nodes: factories, `[placement]`, the cluster build |
 
 pub mod algo;
 pub mod builtin;
@@ -26,4 +28,6 @@ pub mod job;
 pub mod ledger;
 pub mod reward;
 pub mod role;
+pub mod remote;
 pub mod sample;
+pub mod wire;
