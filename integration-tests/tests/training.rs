@@ -15,7 +15,7 @@ use yatt_runtime::Node;
 
 const STEPS: u64 = 10;
 
-fn job(out: &std::path::Path, placement: &[(&str, &str)]) -> JobConfig {
+fn letters_job(out: &std::path::Path, placement: &[(&str, &str)]) -> JobConfig {
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
     let mut sets = vec![
         format!("job.steps={STEPS}"),
@@ -50,7 +50,7 @@ async fn a_job_trains_with_its_roles_on_three_nodes() {
         .await
         .expect("the controller joins");
     let out = tempfile::tempdir().unwrap();
-    let job = job(
+    let job = letters_job(
         out.path(),
         &[
             ("mode", "disaggregated"),
@@ -132,7 +132,7 @@ async fn a_job_trains_with_its_roles_on_three_nodes() {
         .start()
         .await
         .unwrap();
-    let mut local = build_embedded(&job(out.path(), &[]), &embedded)
+    let mut local = build_embedded(&letters_job(out.path(), &[]), &embedded)
         .await
         .unwrap();
     let mut local_rewards = Vec::new();

@@ -550,11 +550,11 @@ mod tests {
     fn weights_travel_as_bulk_and_one_bucket_is_not_copied() {
         let bs = buckets(1 << 20);
         assert_eq!(bs.len(), 1);
-        let ptr = bs[0].data.as_ptr();
         let update = WeightsUpdate {
             version: 9,
             buckets: bs.clone(),
         };
+        let ptr = update.buckets[0].data.as_ptr();
         let wire = RoleRequest::<()>::LoadWeights(update).into_wire().unwrap();
         let bulk = wire.bulk.clone().expect("bulk payload");
         assert_eq!(bulk.data.as_ptr(), ptr, "the bucket's bytes were copied");
@@ -679,7 +679,7 @@ mod tests {
             },
         }];
         let mut big = shards[0].report.clone();
-        big.trained = (0..200_000)
+        big.trained = (0..400_000)
             .map(|k| SampleId {
                 step: 0,
                 prompt: 1,
