@@ -5,7 +5,7 @@
 //! names), the checkpointable [`ControllerState`], and [`spawn_role`] for the embedded,
 //! single-process mode. The controller talks to roles only through `ActorRef`s to their
 //! [`RoleActor`]s, each ask with a deadline, so the same code drives roles in this
-//! process or (once their messages are serializable) on other nodes.
+//! process or on other nodes ([`crate::remote`]).
 //!
 //! One step:
 //! 1. take `prompts_per_step` prompts from the shard and expect `n` samples of each in
@@ -22,8 +22,8 @@
 //! at the policy's update: [`step_data_parallel`] has the policy compute each one's
 //! gradients on its own samples and average them before one optimizer step.
 //!
-//! Not here yet: critic/GAE, dynamic sampling, remote roles (their messages are not
-//! serializable yet), controllers in different processes.
+//! Not here yet: critic/GAE, dynamic sampling, controllers in different processes.
+//! Weight sync goes through the controller (policy → controller → rollout).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -377,8 +377,9 @@ pub struct Controller {
 }
 
 /// Starts `role` on its own thread on `group` and spawns its actor on `node` as
-/// `node/name/replica` (local only: the messages carry tensors-backed samples and
-/// weight buckets that are moved, not serialized).
+/// `node/name/replica`, reachable from this process only (its messages are moved, never
+/// encoded). Roles on other nodes are spawned through their factories
+/// ([`crate::remote`]).
 pub async fn spawn_role<R: Role>(
     node: &Node,
     role: R,
