@@ -1,13 +1,14 @@
 //! A training job across three real `yatt-node` processes: the rollout on one, the
 //! policy and the reference on another, the reward on the third. The controller runs
-//! in this process, which joins the cluster as a fourth node; everything talks QUIC
-//! with mutual TLS over loopback. Tiny model, the letters task of
-//! `config/demo-letters.toml`.
+//! in this process, which joins the cluster as a fourth node, or in a `yatt train
+//! --cluster` child process; everything talks QUIC with mutual TLS over loopback. Tiny
+//! model, the letters task of `config/demo-letters.toml`.
 
 use std::collections::BTreeSet;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use yatt_integration_tests::{poll, Cluster};
+use yatt_integration_tests::{poll, yatt_bin, Cluster};
 use yatt_roles::job::{build_embedded, JobConfig};
 use yatt_roles::ledger::Stage;
 use yatt_roles::remote::build_cluster;
@@ -29,6 +30,22 @@ fn letters_job(out: &std::path::Path, placement: &[(&str, &str)]) -> JobConfig {
 
 fn mean(xs: &[f64]) -> f64 {
     xs.iter().sum::<f64>() / xs.len() as f64
+}
+
+/// Waits until no node hosts an actor: the roles a departed controller spawned are gone.
+fn assert_roles_released(cluster: &Cluster) {
+    for n in &cluster.nodes {
+        let released = poll(Duration::from_secs(10), || {
+            let h = n.health()?;
+            h["hosted"].as_array()?.is_empty().then_some(())
+        });
+        assert!(
+            released.is_some(),
+            "{} still hosts roles: {:?}",
+            n.name,
+            n.health()
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -89,14 +106,7 @@ async fn a_job_trains_with_its_roles_on_three_nodes() {
         // The ledger closed clean: every sample passed every stage exactly once.
         let l = &report.ledger;
         assert_eq!((l.step, l.samples as u64, l.requeued), (step, per_step, 0));
-        for stage in [
-            Stage::Generated,
-            Stage::Rewarded,
-            Stage::Referenced,
-            Stage::OldLogProbs,
-            Stage::Advantaged,
-            Stage::Trained,
-        ] {
+        for stage in Stage::ALL {
             assert!(l.stages.contains(&stage), "step {step}: {stage:?} missing");
         }
         let ids: BTreeSet<_> = report.samples.iter().map(|s| s.id).collect();
@@ -152,21 +162,79 @@ async fn a_job_trains_with_its_roles_on_three_nodes() {
     // Leaving the cluster releases the roles this controller spawned.
     drop(controllers);
     node.shutdown().await;
-    for n in &cluster.nodes {
-        let released = poll(Duration::from_secs(10), || {
-            let h = n.health()?;
-            h["hosted"].as_array()?.is_empty().then_some(())
-        });
-        assert!(
-            released.is_some(),
-            "{} still hosts roles: {:?}",
-            n.name,
-            n.health()
-        );
-    }
+    assert_roles_released(&cluster);
     eprintln!(
         "roles built in {built:.2?}, {STEPS} steps in {trained:.2?}, total {:.2?}; rewards {rewards:.3?}",
         t0.elapsed()
     );
     assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
+}
+
+#[test]
+fn yatt_train_cluster_runs_the_demo_on_three_nodes() {
+    let t0 = Instant::now();
+    let cluster = Cluster::start("tc", 3);
+    let out = tempfile::tempdir().unwrap();
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
+    let log = out.path().join("train.log");
+    let mut child = Command::new(yatt_bin())
+        .arg("train")
+        .arg(config)
+        .args([
+            "--set",
+            "job.steps=4",
+            "--set",
+            "placement.mode=disaggregated",
+        ])
+        .args([
+            "--set",
+            "placement.rollout=tc-0",
+            "--set",
+            "placement.policy=tc-1",
+        ])
+        .args([
+            "--set",
+            "placement.reference=tc-1",
+            "--set",
+            "placement.reward=tc-2",
+        ])
+        .arg("--set")
+        .arg(format!("job.output_dir=\"{}\"", out.path().display()))
+        .arg("--cluster")
+        .arg(cluster.nodes[0].addr.to_string())
+        .arg("--dev")
+        .arg("--certs")
+        .arg(cluster.ca_dir())
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&log).unwrap())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start yatt train");
+    let status = poll(Duration::from_secs(60), || child.try_wait().ok().flatten());
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let printed = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "yatt train --cluster: {status:?}\n{printed}"
+    );
+    assert!(
+        printed.contains("rollout on tc-0, policy on tc-1, reference on tc-1, reward on tc-2")
+            && printed.contains("done: 4 steps"),
+        "{printed}"
+    );
+    let metrics = std::fs::read_to_string(out.path().join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 4, "{metrics}");
+    assert!(out
+        .path()
+        .join("checkpoint")
+        .read_dir()
+        .unwrap()
+        .next()
+        .is_some());
+    assert_roles_released(&cluster);
+    eprintln!("yatt train --cluster: 4 steps, {:.2?} in all", t0.elapsed());
 }

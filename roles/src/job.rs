@@ -35,10 +35,10 @@ use crate::controller::{
 use crate::data::{
     load_jsonl, DataError, Dataloader, LengthSchedule, Prompt, SyntheticTask, SyntheticTaskKind,
 };
+use crate::remote::PlacementSection;
 use crate::reward::{
     ExactMatchVerifier, NumericVerifier, RewardError, RewardFn, RewardInput, RewardOutput,
 };
-use crate::remote::PlacementSection;
 use crate::role::DeviceGroup;
 
 /// Why a job could not be configured, built or run.

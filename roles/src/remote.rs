@@ -339,7 +339,10 @@ mod tests {
 
     #[test]
     fn placement_errors_name_the_key_and_the_fix() {
-        let sets = ["placement.mode=\"disaggregated\"".into(), "placement.reward=\"\"".into()];
+        let sets = [
+            "placement.mode=\"disaggregated\"".into(),
+            "placement.reward=\"\"".into(),
+        ];
         let e = JobConfig::parse(DEMO, "d", &sets).unwrap_err().to_string();
         assert!(
             e.contains("placement.reward") && e.contains("add reward = \"NODE\""),

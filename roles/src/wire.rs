@@ -107,11 +107,14 @@ fn decode_err<T>(reason: impl ToString) -> WireError {
     }
 }
 
-/// `head` (postcard) followed by `rest`.
-fn frame<T, H: Serialize>(head: &H, rest: &[u8]) -> Result<Bytes, WireError> {
-    let mut out = postcard::to_stdvec(head).map_err(encode_err::<T>)?;
-    out.extend_from_slice(rest);
-    Ok(Bytes::from(out))
+/// A wire whose body is `head` (postcard) followed by `rest`.
+fn to_wire<T, H: Serialize>(head: &H, rest: &[u8], bulk: Option<Bulk>) -> Result<Wire, WireError> {
+    let mut body = postcard::to_stdvec(head).map_err(encode_err::<T>)?;
+    body.extend_from_slice(rest);
+    Ok(Wire {
+        body: Bytes::from(body),
+        bulk,
+    })
 }
 
 /// The head and a zero-copy slice of what follows it.
@@ -287,21 +290,16 @@ impl<Req: Message> Message for RoleRequest<Req> {
                 (head, Bytes::new(), bulk)
             }
         };
-        Ok(Wire {
-            body: frame::<Self, _>(&head, &rest)?,
-            bulk,
-        })
+        to_wire::<Self, _>(&head, &rest, bulk)
     }
 
     fn from_wire(wire: Wire) -> Result<Self, WireError> {
         let (head, rest) = unframe::<Self, RequestHead>(&wire.body)?;
         let simple = |r: RoleRequest<Req>| no_bulk::<Self>(&wire.bulk).map(|_| r);
         match head {
-            RequestHead::Serve(inner) => Ok(RoleRequest::Serve(Req::from_wire(take_inner::<
-                Self,
-            >(
-                inner, rest, wire.bulk
-            )?)?)),
+            RequestHead::Serve(inner) => Ok(RoleRequest::Serve(Req::from_wire(
+                take_inner::<Self>(inner, rest, wire.bulk)?,
+            )?)),
             RequestHead::Offload => simple(RoleRequest::Offload),
             RequestHead::Reload => simple(RoleRequest::Reload),
             RequestHead::Drain => simple(RoleRequest::Drain),
@@ -328,10 +326,7 @@ impl<Resp: Message> Message for RoleResponse<Resp> {
             RoleResponse::Drained(ids) => (ResponseHead::Drained(ids), Bytes::new(), None),
             RoleResponse::Profile(p) => (ResponseHead::Profile(p), Bytes::new(), None),
         };
-        Ok(Wire {
-            body: frame::<Self, _>(&head, &rest)?,
-            bulk,
-        })
+        to_wire::<Self, _>(&head, &rest, bulk)
     }
 
     fn from_wire(wire: Wire) -> Result<Self, WireError> {
@@ -363,10 +358,7 @@ impl Message for PolicyRequest {
                 (PolicyRequestHead::ApplyGradients { reports, buckets }, bulk)
             }
         };
-        Ok(Wire {
-            body: frame::<Self, _>(&head, &[])?,
-            bulk,
-        })
+        to_wire::<Self, _>(&head, &[], bulk)
     }
 
     fn from_wire(wire: Wire) -> Result<Self, WireError> {
@@ -424,10 +416,7 @@ impl Message for PolicyResponse {
                 (head, bulk)
             }
         };
-        Ok(Wire {
-            body: frame::<Self, _>(&head, &[])?,
-            bulk,
-        })
+        to_wire::<Self, _>(&head, &[], bulk)
     }
 
     fn from_wire(wire: Wire) -> Result<Self, WireError> {
@@ -454,12 +443,13 @@ impl Message for PolicyResponse {
                     report,
                 })
             }
-            PolicyResponseHead::Weights { version, buckets: h } => {
-                PolicyResponse::Weights(WeightsUpdate {
-                    version,
-                    buckets: buckets(h)?,
-                })
-            }
+            PolicyResponseHead::Weights {
+                version,
+                buckets: h,
+            } => PolicyResponse::Weights(WeightsUpdate {
+                version,
+                buckets: buckets(h)?,
+            }),
         })
     }
 }

@@ -36,8 +36,8 @@
 //! ```
 
 use std::any::Any;
-use std::future::Future;
 use std::collections::HashMap;
+use std::future::Future;
 use std::marker::PhantomData;
 use std::net::SocketAddr;
 use std::path::PathBuf;

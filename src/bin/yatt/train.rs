@@ -51,7 +51,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
 }
 
 /// The node this run lives on: a throw-away embedded one, or a member of the cluster.
-async fn start_node(job: &JobConfig, args: &TrainArgs) -> anyhow::Result<(Node, Option<tempfile::TempDir>)> {
+async fn start_node(
+    job: &JobConfig,
+    args: &TrainArgs,
+) -> anyhow::Result<(Node, Option<tempfile::TempDir>)> {
     let disaggregated = job.placement.mode == "disaggregated";
     let Some(seed) = args.cluster else {
         anyhow::ensure!(
