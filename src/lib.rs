@@ -34,7 +34,8 @@ pub mod logging;
 pub mod node_config;
 
 /// Registers every role this build of yatt can spawn on request: the runtime's
-/// diagnostic actors now, the RLHF roles as they land.
+/// diagnostic actors (echo, bulk-sink) and the built-in RLHF roles (rollout, policy,
+/// reference, reward; see `yatt_roles::remote`).
 pub fn register_roles(builder: runtime::NodeBuilder) -> runtime::NodeBuilder {
-    runtime::builtin::register(builder)
+    roles::remote::register(runtime::builtin::register(builder))
 }

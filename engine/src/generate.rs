@@ -20,8 +20,8 @@ use std::sync::Arc;
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
-/// How one request is sampled and when it stops.
-#[derive(Debug, Clone, PartialEq)]
+/// How one request is sampled and when it stops (serde: it travels to remote rollouts).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
     /// Softmax temperature; `0` means greedy.
     pub temperature: f32,

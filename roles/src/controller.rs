@@ -5,7 +5,7 @@
 //! names), the checkpointable [`ControllerState`], and [`spawn_role`] for the embedded,
 //! single-process mode. The controller talks to roles only through `ActorRef`s to their
 //! [`RoleActor`]s, each ask with a deadline, so the same code drives roles in this
-//! process or (once their messages are serializable) on other nodes.
+//! process or on other nodes ([`crate::remote`]).
 //!
 //! One step:
 //! 1. take `prompts_per_step` prompts from the shard and expect `n` samples of each in
@@ -31,6 +31,8 @@
 //! rewards are all equal are dropped (recorded in the ledger as dropped, so they may
 //! not reach a later stage) and more prompts are generated until the step has
 //! `prompts_per_step` groups with signal or the round limit is hit.
+//!
+//! Weight sync goes through the controller (policy → controller → rollout).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -477,8 +479,9 @@ pub struct Controller {
 }
 
 /// Starts `role` on its own thread on `group` and spawns its actor on `node` as
-/// `node/name/replica` (local only: the messages carry tensors-backed samples and
-/// weight buckets that are moved, not serialized).
+/// `node/name/replica`, reachable from this process only (its messages are moved, never
+/// encoded). Roles on other nodes are spawned through their factories
+/// ([`crate::remote`]).
 pub async fn spawn_role<R: Role>(
     node: &Node,
     role: R,
@@ -499,7 +502,7 @@ pub async fn spawn_role<R: Role>(
         })
 }
 
-fn variant<T>(r: &RoleResponse<T>) -> String {
+pub(crate) fn variant<T>(r: &RoleResponse<T>) -> String {
     match r {
         RoleResponse::Served(_) => "a served answer".into(),
         RoleResponse::Done => "Done".into(),

@@ -1,10 +1,11 @@
 //! Training jobs: the `JobConfig` TOML schema (with `--set key=value` overrides and
-//! validation), [`build_embedded`] that builds the models, roles and controllers of a
-//! job on one in-process node, and [`train`] that runs the steps, writes
-//! `OUTPUT_DIR/metrics.jsonl` and saves the policy to `OUTPUT_DIR/checkpoint`.
+//! validation), the per-role builders, [`build_embedded`] that builds the models, roles
+//! and controllers of a job on one in-process node, and [`train`] that runs the steps,
+//! writes `OUTPUT_DIR/metrics.jsonl` and saves the policy to `OUTPUT_DIR/checkpoint`.
 //!
-//! Only the embedded mode exists for now: every role runs on the given node and
-//! `placement = "colocate"` is the only placement.
+//! `[placement] mode = "colocate"` runs every role in this process;
+//! `mode = "disaggregated"` spawns each role on the cluster node the section names
+//! ([`crate::remote::build_cluster`]).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -29,12 +30,13 @@ use crate::builtin::{
 };
 use crate::controller::{
     spawn_role, step_data_parallel, AdvantageEstimator, Controller, ControllerConfig,
-    ControllerError, ControllerState, DynamicSamplingConfig, KlPenalty, OverlongConfig, RoleRefs,
-    StepMetrics,
+    ControllerError, ControllerState, DynamicSamplingConfig, KlPenalty, OverlongConfig, PolicyRef,
+    RoleRefs, RolloutRef, StepMetrics,
 };
 use crate::data::{
     load_jsonl, DataError, Dataloader, LengthSchedule, Prompt, SyntheticTask, SyntheticTaskKind,
 };
+use crate::remote::PlacementSection;
 use crate::reward::{
     ExactMatchVerifier, NumericVerifier, RewardError, RewardFn, RewardInput, RewardOutput,
 };
@@ -150,6 +152,8 @@ pub struct JobConfig {
     pub reward: RewardSection,
     /// `[checkpoint]`.
     pub checkpoint: CheckpointSection,
+    /// `[placement]`: which node runs each role.
+    pub placement: PlacementSection,
 }
 
 /// `[job]`: name, output, seed, length and layout.
@@ -171,7 +175,7 @@ pub struct JobSection {
     /// driver holding the global batch and spreading generation over the replicas;
     /// for comparison).
     pub driver: String,
-    /// Placement of the roles: only `colocate` (all on one node) for now.
+    /// Kept for older configs: must be `colocate`. Where roles run is `[placement]`.
     pub placement: String,
     /// Policy replicas: 1 (shared by every head) or `controllers` (one per head, their
     /// gradients all-reduced at each update).
@@ -517,9 +521,10 @@ impl JobConfig {
             return Err(JobError::NotImplemented {
                 key: "job.placement".into(),
                 found: j.placement.clone(),
-                fix: "use placement = \"colocate\" (every role on this node); other placements come with yatt-placement".into(),
+                fix: "set job.placement = \"colocate\"; to put roles on other nodes, set [placement] mode = \"disaggregated\" with a node per role and run `yatt train CONFIG --cluster SEED_ADDR`".into(),
             });
         }
+        self.placement.validate()?;
         positive("job.steps", j.steps as f64, "the number of training steps")?;
         positive(
             "job.controllers",
@@ -752,7 +757,7 @@ fn key_at(text: &str, pos: usize) -> Option<String> {
     }
 }
 
-fn invalid(key: &str, expected: &str, found: &str, fix: &str) -> JobError {
+pub(crate) fn invalid(key: &str, expected: &str, found: &str, fix: &str) -> JobError {
     JobError::Invalid {
         key: key.into(),
         expected: expected.into(),
@@ -761,7 +766,7 @@ fn invalid(key: &str, expected: &str, found: &str, fix: &str) -> JobError {
     }
 }
 
-fn positive(key: &str, v: f64, fix: &str) -> Result<(), JobError> {
+pub(crate) fn positive(key: &str, v: f64, fix: &str) -> Result<(), JobError> {
     if v > 0.0 && v.is_finite() {
         Ok(())
     } else {
@@ -782,7 +787,7 @@ fn non_negative(key: &str, v: f64) -> Result<(), JobError> {
     }
 }
 
-fn one_of(key: &str, v: &str, allowed: &[&str]) -> Result<(), JobError> {
+pub(crate) fn one_of(key: &str, v: &str, allowed: &[&str]) -> Result<(), JobError> {
     if allowed.contains(&v) {
         Ok(())
     } else {
@@ -887,7 +892,8 @@ fn prompts(job: &JobConfig) -> Result<Vec<Prompt>, JobError> {
     Ok(task.prompts(0, d.num_prompts))
 }
 
-fn reward_role(job: &JobConfig) -> Result<RewardRole, JobError> {
+/// The job's reward role: its reward functions with their weights.
+pub fn reward_role(job: &JobConfig) -> Result<RewardRole, JobError> {
     let kinds = job.reward_kinds();
     let mut parts: Vec<(f64, Box<dyn RewardFn>)> = Vec::new();
     for (i, k) in kinds.iter().enumerate() {
@@ -927,9 +933,253 @@ fn kl_estimator(s: &str) -> KlEstimator {
     }
 }
 
+/// The job's model (every role starts from a copy of it), the codec of its text and its
+/// padding id.
+pub fn base_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, i64), JobError> {
+    tch::set_num_threads(job.model.threads as i32);
+    let seed = job.job.seed;
+    if job.model.source == "tiny" {
+        // Llama::random seeds libtorch's global RNG: builds in parallel must not
+        // interleave their draws.
+        static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let m =
+            Llama::random(tiny_config(), Device::Cpu, Kind::Float, seed as i64).map_err(|e| {
+                JobError::Model {
+                    source_desc: "tiny".into(),
+                    reason: e.to_string(),
+                }
+            })?;
+        return Ok((m, Arc::new(TINY_CODEC), 1));
+    }
+    let dir = &job.model.source;
+    let me = |e: yatt_engine::EngineError| JobError::Model {
+        source_desc: dir.clone(),
+        reason: e.to_string(),
+    };
+    let m = Llama::load(dir, Device::Cpu, Kind::Float).map_err(me)?;
+    let tok = Tokenizer::from_dir(dir).map_err(me)?;
+    Ok((
+        m,
+        Arc::new(TokenizerCodec {
+            tokenizer: Arc::new(tok),
+            chat: job.model.chat,
+        }),
+        0,
+    ))
+}
+
+/// A rollout replica of the job over `model`.
+pub fn rollout_role(job: &JobConfig, model: Llama, codec: Arc<dyn TextCodec>) -> RolloutRole {
+    let batch = job.data.prompts_per_step * job.data.samples_per_prompt as usize;
+    let gen_config = GeneratorConfig {
+        max_batch: batch.max(1),
+        max_seq_len: job.model.max_seq_len,
+        ..Default::default()
+    };
+    RolloutRole::new(Generator::new(model, gen_config), codec)
+}
+
+/// The job's reference role over `model`.
+pub fn reference_role(job: &JobConfig, model: Llama, pad_id: i64) -> ReferenceRole {
+    ReferenceRole::new(
+        model,
+        pad_id,
+        job.rollout.temperature,
+        job.optim.micro_batch,
+    )
+}
+
+/// The policy's optimizer settings.
+fn train_config(job: &JobConfig) -> TrainConfig {
+    let o = &job.optim;
+    let warmup_steps = o.warmup_steps;
+    let schedule = match o.schedule.as_str() {
+        "cosine" => LrSchedule::Cosine {
+            warmup_steps,
+            total_steps: job.job.steps * o.mini_batches as u64,
+            min_ratio: 0.1,
+        },
+        _ => LrSchedule::Constant { warmup_steps },
+    };
+    TrainConfig {
+        lr: o.lr,
+        weight_decay: o.weight_decay,
+        max_grad_norm: (o.max_grad_norm > 0.0).then_some(o.max_grad_norm),
+        schedule,
+        seed: job.job.seed,
+        ..Default::default()
+    }
+}
+
+/// The job's policy role: a fresh trainer over `model` with the job's optimizer and loss.
+pub fn policy_role(job: &JobConfig, model: Llama, pad_id: i64) -> Result<PolicyRole, JobError> {
+    policy_role_from(job, Trainer::new(model, train_config(job)), pad_id)
+}
+
+/// The job's policy role over `trainer` (fresh, or loaded from a checkpoint).
+pub fn policy_role_from(
+    job: &JobConfig,
+    trainer: Trainer,
+    pad_id: i64,
+) -> Result<PolicyRole, JobError> {
+    let a = &job.algorithm;
+    let o = &job.optim;
+    let policy_config = PolicyConfig {
+        loss: PolicyLossConfig {
+            clip_low: a.clip_low,
+            clip_high: a.clip_high,
+            agg: loss_agg(&a.loss_agg),
+            ..Default::default()
+        },
+        kl_loss: kl_term(job)
+            .filter(|_| a.kl_mode == "loss")
+            .map(|(estimator, coef)| KlLossConfig { estimator, coef }),
+        entropy_coef: a.entropy_coef,
+        micro_batch_size: o.micro_batch,
+        mini_batches: o.mini_batches,
+        temperature: job.rollout.temperature,
+        pad_id,
+        ..Default::default()
+    };
+    PolicyRole::new(trainer, policy_config).map_err(|e| JobError::Model {
+        source_desc: job.model.source.clone(),
+        reason: format!("policy role: {e}"),
+    })
+}
+
+/// The job's critic (PPO) over `trainer`; `None` gives a fresh one over `model`.
+pub fn critic_role(
+    job: &JobConfig,
+    model: Llama,
+    trainer: Option<Trainer>,
+    pad_id: i64,
+) -> Result<CriticRole, JobError> {
+    let a = &job.algorithm;
+    let o = &job.optim;
+    let trainer = trainer.unwrap_or_else(|| {
+        Trainer::new(
+            model,
+            TrainConfig {
+                lr: o.critic_lr,
+                ..train_config(job)
+            },
+        )
+    });
+    let config = CriticConfig {
+        loss: ValueLossConfig {
+            clip: (a.value_clip > 0.0).then_some(a.value_clip),
+            agg: loss_agg(&a.loss_agg),
+        },
+        micro_batch_size: o.micro_batch,
+        mini_batches: o.mini_batches,
+        pad_id,
+    };
+    CriticRole::new(trainer, config).map_err(|e| JobError::Model {
+        source_desc: job.model.source.clone(),
+        reason: format!("critic role: {e}"),
+    })
+}
+
+/// The KL term's estimator and coefficient, when the job has one.
+fn kl_term(job: &JobConfig) -> Option<(KlEstimator, f64)> {
+    let a = &job.algorithm;
+    (a.kl_coef > 0.0).then(|| (kl_estimator(&a.kl_estimator), a.kl_coef))
+}
+
+/// What each controller of the job runs.
+fn controller_config(job: &JobConfig) -> ControllerConfig {
+    let a = &job.algorithm;
+    let advantage = match a.name.as_str() {
+        "rloo" => AdvantageEstimator::Rloo,
+        "reinforce++" => AdvantageEstimator::ReinforcePp(ReinforcePpConfig::default()),
+        "ppo" => AdvantageEstimator::Gae(GaeConfig {
+            gamma: a.gamma,
+            lam: a.lam,
+            ..Default::default()
+        }),
+        _ => AdvantageEstimator::Grpo(GrpoConfig::default()),
+    };
+    let r = &job.rollout;
+    ControllerConfig {
+        prompts_per_step: job.data.prompts_per_step,
+        n: job.data.samples_per_prompt,
+        sampling: SamplingParams {
+            temperature: r.temperature as f32,
+            top_p: r.top_p as f32,
+            top_k: r.top_k,
+            max_new_tokens: r.max_new_tokens,
+            ignore_eos: r.ignore_eos,
+            ..Default::default()
+        },
+        seed: job.job.seed,
+        advantage,
+        kl_in_reward: kl_term(job)
+            .filter(|_| a.kl_mode == "reward")
+            .map(|(estimator, coef)| KlPenalty { estimator, coef }),
+        kl_metric: kl_estimator(&a.kl_estimator),
+        dynamic_sampling: a.dynamic_sampling.unwrap_or(a.name == "dapo").then_some(
+            DynamicSamplingConfig {
+                max_rounds: a.max_sampling_rounds,
+                tolerance: 1e-6,
+            },
+        ),
+        overlong: (a.overlong_buffer > 0).then_some(OverlongConfig {
+            max_len: r.max_new_tokens,
+            buffer: a.overlong_buffer,
+            coef: a.overlong_coef,
+        }),
+        ..Default::default()
+    }
+}
+
+/// The job's controllers over running roles: with `driver = "parallel"`, one per
+/// rollout (data-parallel head), each with its shard of the prompts, sharing the other
+/// roles of `shared` (each head gets its own policy from `policies` when there is one
+/// per head); with `driver = "single"`, one driver with the global batch over every
+/// rollout.
+pub(crate) fn controllers(
+    job: &JobConfig,
+    shared: RoleRefs,
+    mut rollouts: Vec<RolloutRef>,
+    policies: Vec<PolicyRef>,
+) -> Result<Vec<Controller>, JobError> {
+    let config = controller_config(job);
+    let all: Arc<[Prompt]> = prompts(job)?.into();
+    let heads = rollouts.len();
+    let seed = job.job.seed.wrapping_add(3);
+    if job.job.driver == "single" {
+        let loader = Dataloader::new(all, 0, 1, seed)?;
+        let roles = RoleRefs {
+            rollout: rollouts.remove(0),
+            extra_rollouts: rollouts,
+            ..shared
+        };
+        let config = ControllerConfig {
+            prompts_per_step: config.prompts_per_step * heads,
+            ..config
+        };
+        return Ok(vec![Controller::new(config, loader, roles)?]);
+    }
+    let mut controllers = Vec::with_capacity(heads);
+    for (i, rollout) in rollouts.into_iter().enumerate() {
+        let loader = Dataloader::new(all.clone(), i, heads, seed)?;
+        let roles = RoleRefs {
+            rollout,
+            policy: policies
+                .get(i)
+                .cloned()
+                .unwrap_or_else(|| shared.policy.clone()),
+            ..shared.clone()
+        };
+        controllers.push(Controller::new(config.clone(), loader, roles)?);
+    }
+    Ok(controllers)
+}
+
 /// Builds the models, roles (on `node`, with `spawn_local`) and the controllers of an
-/// embedded job: one policy, reference and reward role, and one rollout role and
-/// controller per data-parallel head.
+/// embedded job: one policy (or one per head), reference, reward and (PPO) critic role,
+/// and one rollout role per data-parallel head.
 pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controller>, JobError> {
     build_embedded_with(job, node, None, &CustomRoles::default()).await
 }
@@ -955,286 +1205,83 @@ pub async fn build_embedded_with(
     custom: &CustomRoles,
 ) -> Result<Vec<Controller>, JobError> {
     job.validate()?;
-    tch::set_num_threads(job.model.threads as i32);
-    let seed = job.job.seed;
-    let (model, codec, pad_id): (Llama, Arc<dyn TextCodec>, i64) = if job.model.source == "tiny" {
-        // Llama::random seeds libtorch's global RNG: builds in parallel must not
-        // interleave their draws.
-        static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
-        let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
-        let m =
-            Llama::random(tiny_config(), Device::Cpu, Kind::Float, seed as i64).map_err(|e| {
-                JobError::Model {
-                    source_desc: "tiny".into(),
-                    reason: e.to_string(),
-                }
-            })?;
-        (m, Arc::new(TINY_CODEC), 1)
-    } else {
-        let dir = &job.model.source;
-        let me = |e: yatt_engine::EngineError| JobError::Model {
-            source_desc: dir.clone(),
-            reason: e.to_string(),
-        };
-        let m = Llama::load(dir, Device::Cpu, Kind::Float).map_err(me)?;
-        let tok = Tokenizer::from_dir(dir).map_err(me)?;
-        (
-            m,
-            Arc::new(TokenizerCodec {
-                tokenizer: Arc::new(tok),
-                chat: job.model.chat,
-            }),
-            0,
-        )
-    };
+    if job.placement.mode != "colocate" {
+        return Err(invalid(
+            "placement.mode",
+            "\"colocate\" for a run in this process",
+            &job.placement.mode,
+            "run it on a cluster with `yatt train CONFIG --cluster SEED_ADDR`, or set placement.mode = \"colocate\"",
+        ));
+    }
+    let (model, codec, pad_id) = base_model(job)?;
     let me = |e: yatt_engine::EngineError| JobError::Model {
         source_desc: job.model.source.clone(),
         reason: e.to_string(),
     };
-    let heads = job.job.controllers;
-    let batch = job.data.prompts_per_step * job.data.samples_per_prompt as usize;
-    let gen_config = GeneratorConfig {
-        max_batch: batch.max(1),
-        max_seq_len: job.model.max_seq_len,
-        ..Default::default()
-    };
-    let a = &job.algorithm;
-    let temperature = job.rollout.temperature;
-    let reference = ReferenceRole::new(
-        model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
-        pad_id,
-        temperature,
-        job.optim.micro_batch,
-    );
     let ckpt = resume.map(|d| d.join("checkpoint"));
-    let resumed = match &ckpt {
-        Some(dir) => Some(load_trainer(dir, "policy")?),
-        None => None,
+    let load = |role: &str| -> Result<Option<Trainer>, JobError> {
+        match &ckpt {
+            Some(dir) if role == "critic" => Ok(Some(load_trainer(&dir.join("critic"), role)?)),
+            Some(dir) => Ok(Some(load_trainer(dir, role)?)),
+            None => Ok(None),
+        }
     };
-    let mut generators = Vec::with_capacity(heads);
-    for _ in 0..heads {
-        let from = resumed.as_ref().map_or(&model, |t| &t.model);
-        generators.push(Generator::new(
-            from.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
-            gen_config.clone(),
-        ));
-    }
-    let o = &job.optim;
-    let warmup_steps = o.warmup_steps;
-    let schedule = match o.schedule.as_str() {
-        "cosine" => LrSchedule::Cosine {
-            warmup_steps,
-            total_steps: job.job.steps * o.mini_batches as u64,
-            min_ratio: 0.1,
-        },
-        _ => LrSchedule::Constant { warmup_steps },
-    };
-    let train = TrainConfig {
-        lr: o.lr,
-        weight_decay: o.weight_decay,
-        max_grad_norm: (o.max_grad_norm > 0.0).then_some(o.max_grad_norm),
-        schedule,
-        seed,
-        ..Default::default()
-    };
-    let critic = if a.name == "ppo" {
-        let critic_train = TrainConfig {
-            lr: o.critic_lr,
-            ..train.clone()
-        };
-        let trainer = match &ckpt {
-            Some(dir) => load_trainer(&dir.join("critic"), "critic")?,
+    // Every policy replica starts from the same trainer (fresh or resumed).
+    let mut trainers = Vec::with_capacity(job.job.policy_replicas);
+    for _ in 0..job.job.policy_replicas {
+        trainers.push(match load("policy")? {
+            Some(t) => t,
             None => Trainer::new(
                 model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
-                critic_train,
-            ),
-        };
-        let config = CriticConfig {
-            loss: ValueLossConfig {
-                clip: (a.value_clip > 0.0).then_some(a.value_clip),
-                agg: loss_agg(&a.loss_agg),
-            },
-            micro_batch_size: o.micro_batch,
-            mini_batches: o.mini_batches,
-            pad_id,
-        };
-        Some(
-            CriticRole::new(trainer, config).map_err(|e| JobError::Model {
-                source_desc: job.model.source.clone(),
-                reason: format!("critic role: {e}"),
-            })?,
-        )
-    } else {
-        None
-    };
-    // Replicas beyond the first start from the same weights and optimizer state.
-    let mut extra_trainers = Vec::new();
-    for _ in 1..job.job.policy_replicas {
-        extra_trainers.push(match &ckpt {
-            Some(dir) => load_trainer(dir, "policy")?,
-            None => Trainer::new(
-                model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
-                train.clone(),
+                train_config(job),
             ),
         });
     }
-    let trainer = match resumed {
-        Some(t) => t,
-        None => Trainer::new(model, train),
-    };
-    let kl = (a.kl_coef > 0.0).then(|| (kl_estimator(&a.kl_estimator), a.kl_coef));
-    let policy_config = PolicyConfig {
-        loss: PolicyLossConfig {
-            clip_low: a.clip_low,
-            clip_high: a.clip_high,
-            agg: loss_agg(&a.loss_agg),
-            ..Default::default()
-        },
-        kl_loss: kl
-            .filter(|_| a.kl_mode == "loss")
-            .map(|(estimator, coef)| KlLossConfig { estimator, coef }),
-        entropy_coef: a.entropy_coef,
-        micro_batch_size: o.micro_batch,
-        mini_batches: o.mini_batches,
-        temperature,
-        pad_id,
-        ..Default::default()
-    };
-    let policy_role = |t: Trainer| {
-        PolicyRole::new(t, policy_config.clone()).map_err(|e| JobError::Model {
-            source_desc: job.model.source.clone(),
-            reason: format!("policy role: {e}"),
-        })
-    };
-    let policy = policy_role(trainer)?;
-    let mut extra_policies = Vec::new();
-    for (i, t) in extra_trainers.into_iter().enumerate() {
-        extra_policies.push(
-            spawn_role(
-                node,
-                policy_role(t)?,
-                i as u32 + 1,
-                DeviceGroup::cpu(node.name()),
-            )
-            .await?,
-        );
-    }
     let g = || DeviceGroup::cpu(node.name());
+    // Rollouts start from the policy's weights (the initial model, or the checkpoint).
+    let mut rollouts = Vec::with_capacity(job.job.controllers);
+    for i in 0..job.job.controllers {
+        let m = trainers[0]
+            .model
+            .deep_copy(Device::Cpu, Kind::Float)
+            .map_err(me)?;
+        let role = rollout_role(job, m, codec.clone());
+        rollouts.push(spawn_role(node, role, i as u32, g()).await?);
+    }
+    let critic = if job.algorithm.name == "ppo" {
+        let m = model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?;
+        let role = critic_role(job, m, load("critic")?, pad_id)?;
+        Some(spawn_role(node, role, 0, g()).await?)
+    } else {
+        None
+    };
+    let mut policies = Vec::with_capacity(trainers.len());
+    for (i, t) in trainers.into_iter().enumerate() {
+        let role = policy_role_from(job, t, pad_id)?;
+        policies.push(spawn_role(node, role, i as u32, g()).await?);
+    }
     let shared = RoleRefs {
-        rollout: spawn_role(
-            node,
-            RolloutRole::new(generators.remove(0), codec.clone()),
-            0,
-            g(),
-        )
-        .await?,
+        rollout: rollouts[0].clone(),
+        extra_rollouts: Vec::new(),
         reward: match &custom.reward {
             Some(r) => r.clone(),
             None => spawn_role(node, reward_role(job)?, 0, g()).await?,
         },
-        reference: Some(spawn_role(node, reference, 0, g()).await?),
-        policy: spawn_role(node, policy, 0, g()).await?,
-        critic: match critic {
-            Some(c) => Some(spawn_role(node, c, 0, g()).await?),
-            None => None,
-        },
-        extra_rollouts: Vec::new(),
+        // The reference is the initial policy, also when resuming.
+        reference: Some(spawn_role(node, reference_role(job, model, pad_id), 0, g()).await?),
+        policy: policies[0].clone(),
+        critic,
     };
-    let advantage = match a.name.as_str() {
-        "rloo" => AdvantageEstimator::Rloo,
-        "reinforce++" => AdvantageEstimator::ReinforcePp(ReinforcePpConfig::default()),
-        "ppo" => AdvantageEstimator::Gae(GaeConfig {
-            gamma: a.gamma,
-            lam: a.lam,
-            ..Default::default()
-        }),
-        _ => AdvantageEstimator::Grpo(GrpoConfig::default()),
-    };
-    let r = &job.rollout;
-    let config = ControllerConfig {
-        prompts_per_step: job.data.prompts_per_step,
-        n: job.data.samples_per_prompt,
-        sampling: SamplingParams {
-            temperature: r.temperature as f32,
-            top_p: r.top_p as f32,
-            top_k: r.top_k,
-            max_new_tokens: r.max_new_tokens,
-            ignore_eos: r.ignore_eos,
-            ..Default::default()
-        },
-        seed,
-        advantage,
-        kl_in_reward: kl
-            .filter(|_| a.kl_mode == "reward")
-            .map(|(estimator, coef)| KlPenalty { estimator, coef }),
-        kl_metric: kl_estimator(&a.kl_estimator),
-        dynamic_sampling: a.dynamic_sampling.unwrap_or(a.name == "dapo").then_some(
-            DynamicSamplingConfig {
-                max_rounds: a.max_sampling_rounds,
-                tolerance: 1e-6,
-            },
-        ),
-        overlong: (a.overlong_buffer > 0).then_some(OverlongConfig {
-            max_len: r.max_new_tokens,
-            buffer: a.overlong_buffer,
-            coef: a.overlong_coef,
-        }),
-        ..Default::default()
-    };
-    let all: Arc<[Prompt]> = prompts(job)?.into();
-    let mut controllers = Vec::with_capacity(heads);
-    let mut rollouts = vec![shared.rollout.clone()];
-    for (i, gen) in generators.into_iter().enumerate() {
-        rollouts.push(
-            spawn_role(
-                node,
-                RolloutRole::new(gen, codec.clone()),
-                i as u32 + 1,
-                g(),
-            )
-            .await?,
-        );
-    }
-    if job.job.driver == "single" {
-        // One driver over every replica, with the global batch of all heads.
-        let loader = Dataloader::new(all.clone(), 0, 1, seed.wrapping_add(3))?;
-        let roles = RoleRefs {
-            extra_rollouts: rollouts.split_off(1),
-            ..shared.clone()
-        };
-        let config = ControllerConfig {
-            prompts_per_step: config.prompts_per_step * heads,
-            ..config.clone()
-        };
-        controllers.push(Controller::new(config, loader, roles)?);
-    } else {
-        for (i, rollout) in rollouts.into_iter().enumerate() {
-            let loader = Dataloader::new(all.clone(), i, heads, seed.wrapping_add(3))?;
-            let policy = match i {
-                0 => shared.policy.clone(),
-                _ => extra_policies
-                    .get(i - 1)
-                    .cloned()
-                    .unwrap_or_else(|| shared.policy.clone()),
-            };
-            let roles = RoleRefs {
-                rollout,
-                policy,
-                ..shared.clone()
-            };
-            controllers.push(Controller::new(config.clone(), loader, roles)?);
-        }
-    }
+    let mut controllers = controllers(job, shared, rollouts, policies)?;
     if let Some(dir) = &ckpt {
         let state = RunState::read(dir)?;
         if state.controllers.len() != controllers.len() {
             return Err(JobError::Resume {
                 dir: dir.clone(),
                 reason: format!(
-                    "the checkpoint has {} controller(s) but the job has {}; resume with job.controllers = {}",
+                    "the checkpoint has {} controller(s) but the job has {}; resume with the same job.controllers and job.driver",
                     state.controllers.len(),
                     controllers.len(),
-                    state.controllers.len()
                 ),
             });
         }
@@ -1245,6 +1292,15 @@ pub async fn build_embedded_with(
         }
     }
     Ok(controllers)
+}
+
+/// Builds the job where its placement says: in this process (`colocate`), or on the
+/// cluster `node` belongs to (`disaggregated`, see [`crate::remote::build_cluster`]).
+pub async fn build(job: &JobConfig, node: &Node) -> Result<Vec<Controller>, JobError> {
+    match job.placement.mode.as_str() {
+        "disaggregated" => crate::remote::build_cluster(job, node).await,
+        _ => build_embedded(job, node).await,
+    }
 }
 
 /// Runs `steps` steps of `controllers` (together with [`step_data_parallel`] when there
@@ -1358,8 +1414,19 @@ pub async fn train_with(
         source: e.source,
     };
     let checkpoint_dir = out.join("checkpoint");
-    let mut controllers =
-        build_embedded_with(job, node, resume.then_some(out.as_path()), &options.roles).await?;
+    let mut controllers = if job.placement.mode == "disaggregated" {
+        if resume || options.roles.reward.is_some() {
+            return Err(JobError::NotImplemented {
+                key: "placement.mode".into(),
+                found: job.placement.mode.clone(),
+                fix: "resume and custom roles work with placement.mode = \"colocate\" for now"
+                    .into(),
+            });
+        }
+        crate::remote::build_cluster(job, node).await?
+    } else {
+        build_embedded_with(job, node, resume.then_some(out.as_path()), &options.roles).await?
+    };
     let mut step = controllers.first().map_or(0, Controller::step_count);
     // metrics.jsonl and a TensorBoard event file, both flushed after every step.
     let mut writer = if resume {

@@ -18,6 +18,8 @@
 //! | [`controller`] | parallel controllers |
 //! | [`job`] | training jobs: the TOML job config, embedded build and run loop |
 //! | [`bench`] | `yatt bench controller`: controller overhead, parallel vs single driver (fake compute) |
+//! | [`wire`] | role messages on the wire: bulk weight buckets, spilled large bodies |
+//! | [`remote`] | roles on other nodes: factories, `[placement]`, the cluster build |
 
 pub mod algo;
 pub mod bench;
@@ -26,6 +28,8 @@ pub mod controller;
 pub mod data;
 pub mod job;
 pub mod ledger;
+pub mod remote;
 pub mod reward;
 pub mod role;
 pub mod sample;
+pub mod wire;

@@ -36,7 +36,7 @@ use tch::{Device, Tensor};
 use yatt_engine::score::{token_logprobs, SeqBatch};
 use yatt_engine::Llama;
 
-use crate::role::{DeviceGroup, RoleError};
+use crate::role::{DeviceGroup, RoleError, WeightsUpdate};
 use crate::sample::Sample;
 
 /// Response-token log-probs and entropies `[B, T]` (`T` = longest response, zero
@@ -114,6 +114,20 @@ pub(crate) fn check_device(
             "{role}: the model is on {model_device:?} but the role is started on {want:?} (node {}); build the model on the group's device",
             group.node
         )));
+    }
+    Ok(())
+}
+
+/// Copies the weights of `update` into `model` in place (weight sync).
+pub(crate) fn load_buckets(model: &mut Llama, update: &WeightsUpdate) -> Result<(), RoleError> {
+    let bad = |e: yatt_engine::EngineError| {
+        RoleError::BadRequest(format!("weights v{}: {e}", update.version))
+    };
+    for b in &update.buckets {
+        let named = b.tensors(model.device()).map_err(bad)?;
+        model
+            .copy_weights_from(named.iter().map(|(n, t)| (n.as_str(), t)))
+            .map_err(bad)?;
     }
     Ok(())
 }

@@ -93,7 +93,7 @@ pub enum PolicyRequest {
 }
 
 /// What one train request did (means over micro-batches, sums where noted).
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TrainReport {
     /// The samples trained on (for the ledger).
     pub trained: Vec<SampleId>,

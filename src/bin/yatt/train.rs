@@ -1,17 +1,21 @@
-//! `yatt train CONFIG [--set key=value ...]`: an embedded training run. One node starts
-//! in this process (dev certificates in a temp dir), the job's roles and controllers
-//! are built on it, and `job.steps` steps run; metrics go to `OUTPUT_DIR/metrics.jsonl`
-//! and a TensorBoard event file there, the policy to `OUTPUT_DIR/checkpoint`. The logic is
-//! in `yatt_roles::job`. On a terminal progress is a bar; otherwise (CI, pipes) a line
-//! per step.
+//! `yatt train CONFIG [--set key=value ...] [--cluster SEED_ADDR]`, or
+//! `yatt train --resume RUN_DIR`: a training run. Embedded (no `--cluster`): one node
+//! starts in this process (dev certificates in a temp dir) and the job's roles are built
+//! on it. With `--cluster`: this process joins the cluster as a node and spawns each
+//! role on the node `[placement]` names. Then `job.steps` steps run; metrics go to
+//! `OUTPUT_DIR/metrics.jsonl` and a TensorBoard event file there, the policy to
+//! `OUTPUT_DIR/checkpoint`. The logic is in `yatt_roles::job` and `yatt_roles::remote`.
+//! On a terminal progress is a bar; otherwise (CI, pipes) a line per step.
 
 use std::io::IsTerminal as _;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use yatt::roles::job::{train_with, JobConfig, Progress, TrainOptions, JOB_FILE};
+use yatt::runtime::tls::NodeIdentity;
 use yatt::runtime::Node;
 
 #[derive(clap::Args)]
@@ -26,6 +30,25 @@ pub struct TrainArgs {
     /// Override a config value: a dotted key and a TOML value, e.g. `--set job.steps=10`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     sets: Vec<String>,
+    /// Join the cluster through this member and run each role on the node that
+    /// `[placement]` names (placement.mode = "disaggregated").
+    #[arg(long, value_name = "SEED_ADDR")]
+    cluster: Option<SocketAddr>,
+    /// With --cluster: this process's node name (its certificate's CN).
+    #[arg(long, default_value = "train", requires = "cluster")]
+    name: String,
+    /// With --cluster: the certificate directory (ca.pem, NAME.pem, NAME.key; with
+    /// --dev, the dev CA the nodes were started with).
+    #[arg(long, default_value = "certs", requires = "cluster")]
+    certs: PathBuf,
+    /// With --cluster: issue this node's certificate from the dev CA in --certs (as
+    /// `yatt-node run --dev` does).
+    #[arg(long, requires = "cluster")]
+    dev: bool,
+    /// With --cluster: QUIC listen address of this process's node; the nodes must be
+    /// able to reach it.
+    #[arg(long, default_value = "127.0.0.1:0", requires = "cluster")]
+    listen: SocketAddr,
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
@@ -49,7 +72,43 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
-        .block_on(run_job(job, resume))
+        .block_on(run_job(job, resume, args))
+}
+
+/// The node this run lives on: a throw-away embedded one, or a member of the cluster.
+async fn start_node(
+    job: &JobConfig,
+    args: &TrainArgs,
+) -> anyhow::Result<(Node, Option<tempfile::TempDir>)> {
+    let disaggregated = job.placement.mode == "disaggregated";
+    let Some(seed) = args.cluster else {
+        anyhow::ensure!(
+            !disaggregated,
+            "placement.mode = \"disaggregated\" puts roles on cluster nodes; add --cluster SEED_ADDR (and --dev --certs DIR for a dev cluster)"
+        );
+        let certs = tempfile::tempdir()?;
+        let node = Node::builder("train-0")
+            .dev_certs(certs.path())
+            .start()
+            .await
+            .context("starting the in-process node")?;
+        return Ok((node, Some(certs)));
+    };
+    anyhow::ensure!(
+        disaggregated,
+        "--cluster runs roles on cluster nodes: set placement.mode = \"disaggregated\" and a node per role under [placement] (--set placement.mode=disaggregated ...)"
+    );
+    let mut builder = Node::builder(&args.name).listen(args.listen).seed(seed);
+    builder = if args.dev {
+        builder.dev_certs(&args.certs)
+    } else {
+        builder.identity(NodeIdentity::load(&args.certs, &args.name)?)
+    };
+    let node = yatt::register_roles(builder)
+        .start()
+        .await
+        .with_context(|| format!("joining the cluster through {seed} as {}", args.name))?;
+    Ok((node, None))
 }
 
 /// A metric of the step, NaN when absent (printed as `NaN`/`-`, never a panic).
@@ -162,14 +221,9 @@ impl Reporter {
     }
 }
 
-async fn run_job(job: JobConfig, resume: bool) -> anyhow::Result<()> {
+async fn run_job(job: JobConfig, resume: bool, args: TrainArgs) -> anyhow::Result<()> {
     let t0 = Instant::now();
-    let certs = tempfile::tempdir()?;
-    let node = Node::builder("train-0")
-        .dev_certs(certs.path())
-        .start()
-        .await
-        .context("starting the in-process node")?;
+    let (node, _certs) = start_node(&job, &args).await?;
     println!(
         "job {}: {} steps, model {}, task {}, {} x {} samples per step, {} controller(s), output {}",
         job.job.name,
@@ -181,14 +235,28 @@ async fn run_job(job: JobConfig, resume: bool) -> anyhow::Result<()> {
         job.job.controllers,
         job.job.output_dir.display()
     );
+    if args.cluster.is_some() {
+        let p = &job.placement;
+        println!(
+            "cluster: joined as {} through {}; rollout on {}, policy on {}, reference on {}, reward on {}",
+            node.name(),
+            args.cluster.map(|a| a.to_string()).unwrap_or_default(),
+            p.rollout,
+            p.policy,
+            p.reference,
+            p.reward
+        );
+    }
     let reporter = Reporter::new(job.job.steps);
     let options = TrainOptions {
         resume,
         ..Default::default()
     };
-    let summary = train_with(&job, &node, options, |p| reporter.step(p)).await;
+    let result = train_with(&job, &node, options, |p| reporter.step(p)).await;
     reporter.finish();
-    let summary = summary?;
+    // Leaving the cluster releases the roles this run spawned, on success or failure.
+    node.shutdown().await;
+    let summary = result?;
     let r = &summary.rewards;
     let k = r.len().min(5);
     let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
@@ -207,7 +275,6 @@ async fn run_job(job: JobConfig, resume: bool) -> anyhow::Result<()> {
         job.job.output_dir.display(),
         summary.checkpoint_dir.display()
     );
-    node.shutdown().await;
     Ok(())
 }
 
