@@ -276,12 +276,17 @@ pub struct AlgorithmSection {
     pub kl_coef: f64,
     /// `k1`, `k2` or `k3`.
     pub kl_estimator: String,
-    /// `loss` (KL loss in the policy), `reward` (KL penalty in the reward) or `none`.
+    /// `loss` (KL loss in the policy), `reward` (KL penalty in the reward) or `none`
+    /// (no KL term and no reference model, so no `actor/kl` metric).
     pub kl_mode: String,
     /// Entropy bonus coefficient.
     pub entropy_coef: f64,
     /// `token-mean` or `seq-mean-token-mean`.
     pub loss_agg: String,
+    /// Old log-probs of the PPO ratio: `recompute` (a forward pass of the policy before
+    /// the update) or `on-policy` (needs `optim.mini_batches = 1`: the one update runs on
+    /// the weights that generated, so the ratio is 1 and that pass is skipped).
+    pub old_logprobs: String,
 }
 
 impl Default for AlgorithmSection {
@@ -295,6 +300,7 @@ impl Default for AlgorithmSection {
             kl_mode: "loss".into(),
             entropy_coef: 0.0,
             loss_agg: "token-mean".into(),
+            old_logprobs: "recompute".into(),
         }
     }
 }
@@ -560,6 +566,19 @@ impl JobConfig {
             &a.loss_agg,
             &["token-mean", "seq-mean-token-mean"],
         )?;
+        one_of(
+            "algorithm.old_logprobs",
+            &a.old_logprobs,
+            &["recompute", "on-policy"],
+        )?;
+        if a.old_logprobs == "on-policy" && self.optim.mini_batches != 1 {
+            return Err(invalid(
+                "algorithm.old_logprobs",
+                "\"recompute\" when optim.mini_batches > 1",
+                "\"on-policy\"",
+                "set optim.mini_batches = 1, or old_logprobs = \"recompute\"",
+            ));
+        }
         non_negative("algorithm.clip_low", a.clip_low)?;
         non_negative("algorithm.clip_high", a.clip_high)?;
         non_negative("algorithm.kl_coef", a.kl_coef)?;
@@ -754,7 +773,8 @@ fn apply_set(table: &mut toml::Table, arg: &str) -> Result<(), JobError> {
     Ok(())
 }
 
-fn prompts(job: &JobConfig) -> Result<Vec<Prompt>, JobError> {
+/// The job's training prompts (the synthetic task with the job seed, or the JSONL file).
+pub(crate) fn prompts(job: &JobConfig) -> Result<Vec<Prompt>, JobError> {
     let d = &job.data;
     if !d.jsonl.is_empty() {
         return Ok(load_jsonl(&d.jsonl)?);
@@ -786,7 +806,8 @@ fn prompts(job: &JobConfig) -> Result<Vec<Prompt>, JobError> {
     Ok(task.prompts(0, d.num_prompts))
 }
 
-fn reward_role(job: &JobConfig) -> Result<RewardRole, JobError> {
+/// The job's reward role: its reward functions and weights.
+pub(crate) fn reward_role(job: &JobConfig) -> Result<RewardRole, JobError> {
     let kinds = job.reward_kinds();
     let mut parts: Vec<(f64, Box<dyn RewardFn>)> = Vec::new();
     for (i, k) in kinds.iter().enumerate() {
@@ -868,12 +889,16 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
     };
     let a = &job.algorithm;
     let temperature = job.rollout.temperature;
-    let reference = ReferenceRole::new(
-        model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
-        pad_id,
-        temperature,
-        job.optim.micro_batch,
-    );
+    // No KL term at all: no reference model to hold or run.
+    let reference = match a.kl_mode.as_str() {
+        "none" => None,
+        _ => Some(ReferenceRole::new(
+            model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
+            pad_id,
+            temperature,
+            job.optim.micro_batch,
+        )),
+    };
     let mut generators = Vec::with_capacity(heads);
     for _ in 0..heads {
         generators.push(Generator::new(
@@ -920,6 +945,7 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
         mini_batches: o.mini_batches,
         temperature,
         pad_id,
+        on_policy: a.old_logprobs == "on-policy",
         ..Default::default()
     };
     let policy = PolicyRole::new(trainer, policy_config).map_err(|e| JobError::Model {
@@ -936,7 +962,10 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
         )
         .await?,
         reward: spawn_role(node, reward_role(job)?, 0, g()).await?,
-        reference: Some(spawn_role(node, reference, 0, g()).await?),
+        reference: match reference {
+            Some(r) => Some(spawn_role(node, r, 0, g()).await?),
+            None => None,
+        },
         policy: spawn_role(node, policy, 0, g()).await?,
     };
     let advantage = match a.name.as_str() {

@@ -17,11 +17,13 @@
 //! | [`builtin`] | built-in roles: rollout, reference, policy, reward |
 //! | [`controller`] | parallel controllers |
 //! | [`job`] | training jobs: the TOML job config, embedded build and run loop |
+//! | [`eval`] | accuracy of a job's model or checkpoint: greedy answers on held-out prompts |
 
 pub mod algo;
 pub mod builtin;
 pub mod controller;
 pub mod data;
+pub mod eval;
 pub mod job;
 pub mod ledger;
 pub mod reward;

@@ -29,8 +29,9 @@ pub use rollout::{
     TextCodec, TokenizerCodec,
 };
 
-use tch::{Device, Tensor};
-use yatt_engine::score::{token_logprobs, SeqBatch};
+use tch::{Device, Kind, Tensor};
+use yatt_engine::model::{positions_from_mask, Attn};
+use yatt_engine::score::SeqBatch;
 use yatt_engine::Llama;
 
 use crate::role::{DeviceGroup, RoleError};
@@ -40,6 +41,10 @@ use crate::sample::Sample;
 /// padded) of `samples` under `model` at `temperature`. Differentiable when called with
 /// gradients enabled (the policy's loss uses it; the other callers wrap it in
 /// `no_grad`).
+///
+/// Only the hidden states that predict response tokens go through the LM head and the
+/// log-softmax: with short answers to chat-templated prompts most positions are prompt,
+/// and the head (vocabulary × hidden) is a fifth of a small model's FLOPs.
 pub(crate) fn response_scores(
     model: &Llama,
     samples: &[Sample],
@@ -53,26 +58,47 @@ pub(crate) fn response_scores(
         .map(|s| (s.prompt_tokens.as_slice(), s.response_tokens.as_slice()))
         .collect();
     let batch = SeqBatch::from_pairs(&pairs, pad_id, device)?;
-    let scores = token_logprobs(model, &batch, temperature, with_entropy);
-    let full = scores.logprobs.size().get(1).copied().unwrap_or(0);
+    let full = batch.ids.size()[1];
+    let positions = positions_from_mask(&batch.ids, Some(&batch.attention_mask));
+    // Right padding: causal attention alone keeps real tokens off the padding.
+    let h = model.hidden(&batch.ids, &positions, Attn::Full { mask: None });
+    let hidden = h.size()[2];
     let t = samples.iter().map(Sample::response_len).max().unwrap_or(0);
-    // Column j of row i is the response's j-th token, at position prompt_len + j of the
-    // full sequence; padding columns point at the last position and are masked out.
-    let mut idx = vec![0i64; samples.len() * t];
-    let mut mask = vec![0f32; samples.len() * t];
+    // Row i, column j: the hidden state at position prompt_len + j - 1 predicts the j-th
+    // response token. Padding columns point at a real position and are masked out.
+    let (b, n) = (samples.len(), samples.len() * t);
+    let mut at = vec![0i64; n];
+    let mut target = vec![0i64; n];
+    let mut mask = vec![0f32; n];
     for (i, s) in samples.iter().enumerate() {
         for j in 0..t {
-            idx[i * t + j] = ((s.prompt_tokens.len() + j) as i64).min(full - 1).max(0);
-            if j < s.response_len() {
+            let pos = (s.prompt_tokens.len() + j) as i64 - 1;
+            at[i * t + j] = i as i64 * full + pos.clamp(0, full - 1);
+            if let Some(&tok) = s.response_tokens.get(j) {
+                target[i * t + j] = tok;
                 mask[i * t + j] = 1.0;
             }
         }
     }
-    let shape = [samples.len() as i64, t as i64];
-    let idx = Tensor::from_slice(&idx).view(shape).to_device(device);
+    let shape = [b as i64, t as i64];
+    let at = Tensor::from_slice(&at).to_device(device);
+    let target = Tensor::from_slice(&target).view([-1, 1]).to_device(device);
     let mask = Tensor::from_slice(&mask).view(shape).to_device(device);
-    let lp = scores.logprobs.gather(1, &idx, false) * &mask;
-    let ent = scores.entropy.gather(1, &idx, false) * &mask;
+    let h = h.view([-1, hidden]).index_select(0, &at);
+    let mut logits = model.logits(&h).to_kind(Kind::Float);
+    if temperature != 1.0 {
+        logits = logits / temperature;
+    }
+    let logp = logits.log_softmax(-1, Kind::Float);
+    let lp = logp.gather(1, &target, false).view(shape) * &mask;
+    let ent = if with_entropy {
+        -(logp.exp() * &logp)
+            .sum_dim_intlist(-1, false, Kind::Float)
+            .view(shape)
+            * &mask
+    } else {
+        Tensor::zeros(shape, (Kind::Float, device))
+    };
     Ok((lp, ent))
 }
 

@@ -2,7 +2,8 @@
 //!
 //! It owns a [`Trainer`] (model + AdamW state) and serves:
 //! - [`PolicyRequest::OldLogProbs`]: each sample's `old_logprobs` under the current
-//!   weights (before the update), without gradients;
+//!   weights (before the update), without gradients (copied from the rollout's
+//!   log-probs when [`PolicyConfig::on_policy`]);
 //! - [`PolicyRequest::Train`]: one PPO-style update on samples with `old_logprobs` and
 //!   `advantages` (and `ref_logprobs` when a KL loss is configured): the batch is split
 //!   into `mini_batches` optimizer steps, each over micro-batches of
@@ -57,6 +58,12 @@ pub struct PolicyConfig {
     pub pad_id: i64,
     /// Largest weight bucket for weight export, bytes.
     pub bucket_bytes: usize,
+    /// One update per batch, on the weights that generated it (needs `mini_batches =
+    /// 1`). The PPO ratio is then 1 by construction, so the loss takes the update's own
+    /// detached log-probs as the old ones (as TRL does with `num_iterations = 1`), and
+    /// [`PolicyRequest::OldLogProbs`] copies the rollout's log-probs (same weights, same
+    /// temperature) for the KL metrics instead of running a second forward pass.
+    pub on_policy: bool,
 }
 
 impl Default for PolicyConfig {
@@ -70,6 +77,7 @@ impl Default for PolicyConfig {
             temperature: 1.0,
             pad_id: 0,
             bucket_bytes: 64 << 20,
+            on_policy: false,
         }
     }
 }
@@ -175,8 +183,13 @@ fn micro_loss(
 ) -> yatt_engine::Result<Tensor> {
     let chunk = &samples[mb.range.clone()];
     let (lp, ent) = response_scores(model, chunk, cfg.pad_id, cfg.temperature, true)?;
+    let old = if cfg.on_policy {
+        lp.detach()
+    } else {
+        mb.old.shallow_clone()
+    };
     let (mut total, pg) =
-        ppo_policy_loss(&lp, &mb.old, &mb.adv, &mb.mask, &cfg.loss).map_err(algo)?;
+        ppo_policy_loss(&lp, &old, &mb.adv, &mb.mask, &cfg.loss).map_err(algo)?;
     stats.clip += pg.clip_frac;
     stats.approx_kl += pg.approx_kl;
     if let (Some(kc), Some(r)) = (cfg.kl_loss, mb.reference.as_ref()) {
@@ -207,6 +220,12 @@ impl PolicyRole {
             return Err(RoleError::BadRequest(
                 "micro_batch_size and mini_batches must be >= 1".into(),
             ));
+        }
+        if config.on_policy && config.mini_batches != 1 {
+            return Err(RoleError::BadRequest(format!(
+                "on_policy needs one optimizer step per batch (mini_batches = 1), not {}: later mini-batches train on weights other than the ones that generated",
+                config.mini_batches
+            )));
         }
         if !(config.temperature > 0.0) {
             return Err(RoleError::BadRequest(format!(
@@ -437,6 +456,12 @@ impl Role for PolicyRole {
                     return Ok(PolicyResponse::Scored(samples));
                 }
                 let c = &self.config;
+                if c.on_policy {
+                    for s in samples.iter_mut() {
+                        s.old_logprobs = Some(s.rollout_logprobs.clone());
+                    }
+                    return Ok(PolicyResponse::Scored(samples));
+                }
                 let rows = score_samples(
                     &self.trainer.model,
                     &samples,

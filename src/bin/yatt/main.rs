@@ -4,6 +4,7 @@
 mod bench_runtime;
 mod demo;
 mod engine_cmds;
+mod eval;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -28,6 +29,8 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Train: run a job config (TOML) on an in-process node (embedded mode).
     Train(train::TrainArgs),
+    /// Evaluate: greedy accuracy of a job's model or checkpoint on held-out prompts.
+    Eval(eval::EvalArgs),
     /// Import a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1) as an HF model directory.
     ImportGguf(engine_cmds::ImportGgufArgs),
     /// Benchmarks; figures go to stdout as a markdown table.
@@ -53,6 +56,7 @@ fn real_main() -> anyhow::Result<()> {
     match cli.command {
         Command::Demo(args) => demo::run(args),
         Command::Train(args) => train::run(args),
+        Command::Eval(args) => eval::run(args),
         Command::ImportGguf(args) => engine_cmds::import_gguf(args),
         Command::Bench(BenchCommand::Engine(args)) => engine_cmds::bench_engine(args),
         Command::Bench(BenchCommand::Runtime(args)) => bench_runtime::run(args),
