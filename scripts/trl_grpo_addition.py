@@ -4,7 +4,7 @@
 The yatt side of the comparison in docs/benchmarks.md ("Training"). Same model
 directory (the GGUF import), same chat-templated prompts ("What is 23 + 58? Answer with
 just the number.", two-digit operands), same sizes: 2 prompts x 8 generations = 16
-sequences per step, at most 16 new tokens, temperature 1, one optimizer step per batch,
+sequences per step, at most 16 new tokens, temperature 0.7, one optimizer step per batch,
 no KL term (beta = 0, so no reference model), f32 on CPU with 2 threads. The reward is
 1 when the completion's last number equals the sum, else 0.
 
@@ -37,6 +37,7 @@ def parse_args():
     ap.add_argument("--generations", type=int, default=8, help="samples per prompt")
     ap.add_argument("--max-completion-length", type=int, default=16)
     ap.add_argument("--num-prompts", type=int, default=512, help="size of the prompt set")
+    ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument(
@@ -102,7 +103,7 @@ def main():
         gradient_accumulation_steps=1,
         num_generations=args.generations,
         max_completion_length=args.max_completion_length,
-        temperature=1.0,
+        temperature=args.temperature,
         top_p=1.0,
         beta=0.0,
         num_iterations=1,

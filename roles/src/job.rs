@@ -946,6 +946,7 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
         temperature,
         pad_id,
         on_policy: a.old_logprobs == "on-policy",
+        tokenizer_dir: (job.model.source != "tiny").then(|| PathBuf::from(&job.model.source)),
         ..Default::default()
     };
     let policy = PolicyRole::new(trainer, policy_config).map_err(|e| JobError::Model {

@@ -64,6 +64,9 @@ pub struct PolicyConfig {
     /// [`PolicyRequest::OldLogProbs`] copies the rollout's log-probs (same weights, same
     /// temperature) for the KL metrics instead of running a second forward pass.
     pub on_policy: bool,
+    /// Where the tokenizer files are (the base model's directory): checkpoints get a
+    /// copy, so they load on their own (yatt, transformers).
+    pub tokenizer_dir: Option<PathBuf>,
 }
 
 impl Default for PolicyConfig {
@@ -78,6 +81,7 @@ impl Default for PolicyConfig {
             pad_id: 0,
             bucket_bytes: 64 << 20,
             on_policy: false,
+            tokenizer_dir: None,
         }
     }
 }
@@ -483,7 +487,8 @@ impl Role for PolicyRole {
             }
             PolicyRequest::ExportWeights => self.export().map(PolicyResponse::Weights),
             PolicyRequest::SaveCheckpoint(dir) => {
-                self.trainer.save_checkpoint(&dir, None).map_err(|e| {
+                let tokenizer = self.config.tokenizer_dir.as_deref();
+                self.trainer.save_checkpoint(&dir, tokenizer).map_err(|e| {
                     RoleError::Failed(format!("saving a checkpoint to {}: {e}", dir.display()))
                 })?;
                 Ok(PolicyResponse::Saved)
