@@ -195,16 +195,11 @@ fn load_model(
         reason: e.to_string(),
     };
     let model = match checkpoint {
-        Some(dir) => {
-            Llama::load(dir, Device::Cpu, Kind::Float).map_err(|e| model_err(dir, e))?
+        Some(dir) => Llama::load(dir, Device::Cpu, Kind::Float).map_err(|e| model_err(dir, e))?,
+        None if source == "tiny" => {
+            Llama::random(tiny_config(), Device::Cpu, Kind::Float, job.job.seed as i64)
+                .map_err(|e| model_err(Path::new("tiny"), e))?
         }
-        None if source == "tiny" => Llama::random(
-            tiny_config(),
-            Device::Cpu,
-            Kind::Float,
-            job.job.seed as i64,
-        )
-        .map_err(|e| model_err(Path::new("tiny"), e))?,
         None => Llama::load(source, Device::Cpu, Kind::Float)
             .map_err(|e| model_err(Path::new(source), e))?,
     };

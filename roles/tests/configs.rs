@@ -43,15 +43,16 @@ fn the_smollm2_addition_config_parses_and_validates() {
     assert!(SMOLLM2.contains("yatt import-gguf \"$YATT_SMOLLM2_GGUF\" models/smollm2-135m"));
 }
 
+/// The error of the SmolLM2 config with `sets` applied.
+fn error_with(sets: &[String]) -> String {
+    JobConfig::parse(SMOLLM2, "smollm2-addition.toml", sets)
+        .unwrap_err()
+        .to_string()
+}
+
 #[test]
 fn a_missing_model_directory_is_named() {
-    let e = JobConfig::parse(
-        SMOLLM2,
-        "smollm2-addition.toml",
-        &["model.source=\"/nonexistent/smollm2\"".into()],
-    )
-    .unwrap_err()
-    .to_string();
+    let e = error_with(&["model.source=\"/nonexistent/smollm2\"".into()]);
     assert!(
         e.contains("model.source") && e.contains("/nonexistent/smollm2"),
         "{e}"
@@ -61,13 +62,10 @@ fn a_missing_model_directory_is_named() {
 #[test]
 fn on_policy_old_logprobs_need_one_mini_batch() {
     let dir = tempfile::tempdir().unwrap();
-    let sets = [
+    let e = error_with(&[
         format!("model.source=\"{}\"", dir.path().display()),
         "optim.mini_batches=2".into(),
-    ];
-    let e = JobConfig::parse(SMOLLM2, "smollm2-addition.toml", &sets)
-        .unwrap_err()
-        .to_string();
+    ]);
     assert!(
         e.contains("algorithm.old_logprobs") && e.contains("mini_batches"),
         "{e}"

@@ -149,3 +149,61 @@ pub(crate) fn model_bytes(model: &Llama) -> u64 {
         .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
         .sum()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sample::tests::sample;
+    use yatt_engine::fixtures::tiny_config;
+    use yatt_engine::score::token_logprobs;
+
+    /// Scoring only the response positions gives what scoring every position of the
+    /// full sequences gives there, for rows of different prompt and response lengths.
+    #[test]
+    fn response_scores_match_full_sequence_scoring() {
+        let model = Llama::random(tiny_config(), Device::Cpu, Kind::Float, 3).unwrap();
+        let lens = [(5usize, 3usize), (2, 6), (7, 1), (1, 4)];
+        let samples: Vec<Sample> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &(p, r))| {
+                let mut s = sample(i as u64, 0, r);
+                let tok = |t: usize, m: usize| 2 + ((t * m + 3 * i) % 90) as i64;
+                s.prompt_tokens = (0..p).map(|t| tok(t, 7)).collect();
+                s.response_tokens = (0..r).map(|t| tok(t, 13)).collect();
+                s
+            })
+            .collect();
+        let temperature = 0.8;
+        let (lp, ent) =
+            tch::no_grad(|| response_scores(&model, &samples, 0, temperature, true)).unwrap();
+        let pairs: Vec<(&[i64], &[i64])> = samples
+            .iter()
+            .map(|s| (s.prompt_tokens.as_slice(), s.response_tokens.as_slice()))
+            .collect();
+        let batch = SeqBatch::from_pairs(&pairs, 0, Device::Cpu).unwrap();
+        let full = tch::no_grad(|| token_logprobs(&model, &batch, temperature, true));
+        assert_eq!(lp.size(), [4, 6]);
+        for (i, s) in samples.iter().enumerate() {
+            for j in 0..6 {
+                let (i, at) = (i as i64, (s.prompt_tokens.len() + j) as i64);
+                let (want_lp, want_ent) = if j < s.response_len() {
+                    (
+                        full.logprobs.double_value(&[i, at]),
+                        full.entropy.double_value(&[i, at]),
+                    )
+                } else {
+                    (0.0, 0.0)
+                };
+                let (got_lp, got_ent) = (
+                    lp.double_value(&[i, j as i64]),
+                    ent.double_value(&[i, j as i64]),
+                );
+                assert!(
+                    (got_lp - want_lp).abs() < 1e-5 && (got_ent - want_ent).abs() < 1e-5,
+                    "row {i} token {j}: log-prob {got_lp} vs {want_lp}, entropy {got_ent} vs {want_ent}"
+                );
+            }
+        }
+    }
+}

@@ -192,8 +192,7 @@ fn micro_loss(
     } else {
         mb.old.shallow_clone()
     };
-    let (mut total, pg) =
-        ppo_policy_loss(&lp, &old, &mb.adv, &mb.mask, &cfg.loss).map_err(algo)?;
+    let (mut total, pg) = ppo_policy_loss(&lp, &old, &mb.adv, &mb.mask, &cfg.loss).map_err(algo)?;
     stats.clip += pg.clip_frac;
     stats.approx_kl += pg.approx_kl;
     if let (Some(kc), Some(r)) = (cfg.kl_loss, mb.reference.as_ref()) {
@@ -506,5 +505,108 @@ impl Role for PolicyRole {
         self.trainer
             .reload()
             .map_err(|e| RoleError::Failed(format!("reloading the policy: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sample::tests::sample;
+    use tch::{Device, Kind};
+    use yatt_engine::fixtures::tiny_config;
+    use yatt_engine::{Llama, TrainConfig};
+
+    fn policy(model: Llama, on_policy: bool) -> PolicyRole {
+        let train = TrainConfig {
+            lr: 1e-2,
+            ..Default::default()
+        };
+        let config = PolicyConfig {
+            micro_batch_size: 3,
+            on_policy,
+            ..Default::default()
+        };
+        PolicyRole::new(Trainer::new(model, train), config).unwrap()
+    }
+
+    /// Samples of two groups with advantages of both signs and the rollout log-probs of
+    /// `model`'s weights (as a rollout with the same weights would give them).
+    fn samples(model: &Llama) -> Vec<Sample> {
+        let mut out: Vec<Sample> = (0..6)
+            .map(|i| {
+                let mut s = sample(i / 3, i as u32 % 3, 2 + i as usize % 3);
+                s.response_tokens = (0..s.response_len() as i64)
+                    .map(|t| 2 + (t * 11 + i as i64 * 5) % 90)
+                    .collect();
+                s.advantages = Some(vec![if i % 2 == 0 { 1.0 } else { -0.5 }; s.response_len()]);
+                s
+            })
+            .collect();
+        let rows = score_samples(model, &out, 0, 1.0, 8).unwrap();
+        for (s, r) in out.iter_mut().zip(rows) {
+            s.rollout_logprobs = r;
+        }
+        out
+    }
+
+    fn scored(p: &mut PolicyRole, samples: Vec<Sample>) -> Vec<Sample> {
+        match p.serve(PolicyRequest::OldLogProbs(samples)).unwrap() {
+            PolicyResponse::Scored(s) => s,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn trained(p: &mut PolicyRole, samples: Vec<Sample>) -> TrainReport {
+        match p.serve(PolicyRequest::Train(samples)).unwrap() {
+            PolicyResponse::Trained(r) => r,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// With one update per batch, taking the update's own log-probs as the old ones
+    /// gives the update that recomputing them first gives, without that forward pass.
+    #[test]
+    fn on_policy_updates_like_recomputing_old_logprobs() {
+        let base = Llama::random(tiny_config(), Device::Cpu, Kind::Float, 11).unwrap();
+        let batch = samples(&base);
+        let mut recompute = policy(base.deep_copy(Device::Cpu, Kind::Float).unwrap(), false);
+        let mut on_policy = policy(base, true);
+
+        let a = scored(&mut recompute, batch.clone());
+        let b = scored(&mut on_policy, batch.clone());
+        for (s, b) in batch.iter().zip(&b) {
+            assert_eq!(b.old_logprobs.as_ref(), Some(&s.rollout_logprobs));
+        }
+        let ra = trained(&mut recompute, a);
+        let rb = trained(&mut on_policy, b);
+        assert_eq!((rb.pg_clipfrac, rb.approx_kl), (0.0, 0.0));
+        assert!(
+            (ra.loss - rb.loss).abs() < 1e-5,
+            "{} vs {}",
+            ra.loss,
+            rb.loss
+        );
+        assert!(ra.grad_norm > 0.0);
+        let wa = recompute.trainer.model.hf_named_tensors();
+        let wb = on_policy.trainer.model.hf_named_tensors();
+        for ((name, x), (_, y)) in wa.iter().zip(&wb) {
+            let d = (x - y).abs().max().double_value(&[]);
+            assert!(d < 1e-5, "{name} differs by {d}");
+        }
+    }
+
+    #[test]
+    fn on_policy_needs_one_mini_batch() {
+        let model = Llama::random(tiny_config(), Device::Cpu, Kind::Float, 1).unwrap();
+        let config = PolicyConfig {
+            on_policy: true,
+            mini_batches: 2,
+            ..Default::default()
+        };
+        let e = PolicyRole::new(Trainer::new(model, TrainConfig::default()), config)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("mini_batches = 1"), "{e}");
     }
 }
