@@ -301,7 +301,8 @@ pub struct AlgorithmSection {
     pub kl_coef: f64,
     /// `k1`, `k2` or `k3`.
     pub kl_estimator: String,
-    /// `loss` (KL loss in the policy), `reward` (KL penalty in the reward) or `none`.
+    /// `loss` (KL loss in the policy), `reward` (KL penalty in the reward) or `none`
+    /// (no KL term and no reference model, so no `actor/kl` metric).
     pub kl_mode: String,
     /// Entropy bonus coefficient.
     pub entropy_coef: f64,
@@ -323,6 +324,10 @@ pub struct AlgorithmSection {
     pub overlong_buffer: usize,
     /// Scale of the overlong penalty.
     pub overlong_coef: f64,
+    /// Old log-probs of the PPO ratio: `recompute` (a forward pass of the policy before
+    /// the update) or `on-policy` (needs `optim.mini_batches = 1`: the one update runs on
+    /// the weights that generated, so the ratio is 1 and that pass is skipped).
+    pub old_logprobs: String,
 }
 
 impl Default for AlgorithmSection {
@@ -343,6 +348,7 @@ impl Default for AlgorithmSection {
             max_sampling_rounds: 4,
             overlong_buffer: 0,
             overlong_coef: 1.0,
+            old_logprobs: "recompute".into(),
         }
     }
 }
@@ -665,6 +671,19 @@ impl JobConfig {
             &a.loss_agg,
             &["token-mean", "seq-mean-token-mean"],
         )?;
+        one_of(
+            "algorithm.old_logprobs",
+            &a.old_logprobs,
+            &["recompute", "on-policy"],
+        )?;
+        if a.old_logprobs == "on-policy" && self.optim.mini_batches != 1 {
+            return Err(invalid(
+                "algorithm.old_logprobs",
+                "\"recompute\" when optim.mini_batches > 1",
+                "\"on-policy\"",
+                "set optim.mini_batches = 1, or old_logprobs = \"recompute\"",
+            ));
+        }
         non_negative("algorithm.clip_low", a.clip_low)?;
         non_negative("algorithm.clip_high", a.clip_high)?;
         non_negative("algorithm.kl_coef", a.kl_coef)?;
@@ -860,7 +879,8 @@ fn apply_set(table: &mut toml::Table, arg: &str) -> Result<(), JobError> {
     Ok(())
 }
 
-fn prompts(job: &JobConfig) -> Result<Vec<Prompt>, JobError> {
+/// The job's training prompts (the synthetic task with the job seed, or the JSONL file).
+pub(crate) fn prompts(job: &JobConfig) -> Result<Vec<Prompt>, JobError> {
     let d = &job.data;
     if !d.jsonl.is_empty() {
         return Ok(load_jsonl(&d.jsonl)?);
@@ -1040,6 +1060,8 @@ pub fn policy_role_from(
         mini_batches: o.mini_batches,
         temperature: job.rollout.temperature,
         pad_id,
+        on_policy: a.old_logprobs == "on-policy",
+        tokenizer_dir: (job.model.source != "tiny").then(|| PathBuf::from(&job.model.source)),
         ..Default::default()
     };
     PolicyRole::new(trainer, policy_config).map_err(|e| JobError::Model {
@@ -1267,8 +1289,12 @@ pub async fn build_embedded_with(
             Some(r) => r.clone(),
             None => spawn_role(node, reward_role(job)?, 0, g()).await?,
         },
-        // The reference is the initial policy, also when resuming.
-        reference: Some(spawn_role(node, reference_role(job, model, pad_id), 0, g()).await?),
+        // The reference is the initial policy, also when resuming; with no KL term
+        // there is nothing to hold or run.
+        reference: match job.algorithm.kl_mode.as_str() {
+            "none" => None,
+            _ => Some(spawn_role(node, reference_role(job, model, pad_id), 0, g()).await?),
+        },
         policy: policies[0].clone(),
         critic,
     };

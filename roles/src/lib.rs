@@ -20,12 +20,14 @@
 //! | [`bench`] | `yatt bench controller`: controller overhead, parallel vs single driver (fake compute) |
 //! | [`wire`] | role messages on the wire: bulk weight buckets, spilled large bodies |
 //! | [`remote`] | roles on other nodes: factories, `[placement]`, the cluster build |
+//! | [`eval`] | accuracy of a job's model or checkpoint: greedy answers on held-out prompts |
 
 pub mod algo;
 pub mod bench;
 pub mod builtin;
 pub mod controller;
 pub mod data;
+pub mod eval;
 pub mod job;
 pub mod ledger;
 pub mod remote;

@@ -274,7 +274,7 @@ pub fn group_indices(samples: &[Sample]) -> Vec<usize> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     pub(crate) fn sample(prompt: u64, k: u32, len: usize) -> Sample {

@@ -32,8 +32,9 @@ pub use rollout::{
     TextCodec, TokenizerCodec,
 };
 
-use tch::{Device, Tensor};
-use yatt_engine::score::{token_logprobs, SeqBatch};
+use tch::{Device, Kind, Tensor};
+use yatt_engine::model::{positions_from_mask, Attn};
+use yatt_engine::score::SeqBatch;
 use yatt_engine::Llama;
 
 use crate::role::{DeviceGroup, RoleError, WeightsUpdate};
@@ -43,6 +44,10 @@ use crate::sample::Sample;
 /// padded) of `samples` under `model` at `temperature`. Differentiable when called with
 /// gradients enabled (the policy's loss uses it; the other callers wrap it in
 /// `no_grad`).
+///
+/// Only the hidden states that predict response tokens go through the LM head and the
+/// log-softmax: with short answers to chat-templated prompts most positions are prompt,
+/// and the head (vocabulary × hidden) is a fifth of a small model's FLOPs.
 pub(crate) fn response_scores(
     model: &Llama,
     samples: &[Sample],
@@ -56,26 +61,47 @@ pub(crate) fn response_scores(
         .map(|s| (s.prompt_tokens.as_slice(), s.response_tokens.as_slice()))
         .collect();
     let batch = SeqBatch::from_pairs(&pairs, pad_id, device)?;
-    let scores = token_logprobs(model, &batch, temperature, with_entropy);
-    let full = scores.logprobs.size().get(1).copied().unwrap_or(0);
+    let full = batch.ids.size()[1];
+    let positions = positions_from_mask(&batch.ids, Some(&batch.attention_mask));
+    // Right padding: causal attention alone keeps real tokens off the padding.
+    let h = model.hidden(&batch.ids, &positions, Attn::Full { mask: None });
+    let hidden = h.size()[2];
     let t = samples.iter().map(Sample::response_len).max().unwrap_or(0);
-    // Column j of row i is the response's j-th token, at position prompt_len + j of the
-    // full sequence; padding columns point at the last position and are masked out.
-    let mut idx = vec![0i64; samples.len() * t];
-    let mut mask = vec![0f32; samples.len() * t];
+    // Row i, column j: the hidden state at position prompt_len + j - 1 predicts the j-th
+    // response token. Padding columns point at a real position and are masked out.
+    let (b, n) = (samples.len(), samples.len() * t);
+    let mut at = vec![0i64; n];
+    let mut target = vec![0i64; n];
+    let mut mask = vec![0f32; n];
     for (i, s) in samples.iter().enumerate() {
         for j in 0..t {
-            idx[i * t + j] = ((s.prompt_tokens.len() + j) as i64).min(full - 1).max(0);
-            if j < s.response_len() {
+            let pos = (s.prompt_tokens.len() + j) as i64 - 1;
+            at[i * t + j] = i as i64 * full + pos.clamp(0, full - 1);
+            if let Some(&tok) = s.response_tokens.get(j) {
+                target[i * t + j] = tok;
                 mask[i * t + j] = 1.0;
             }
         }
     }
-    let shape = [samples.len() as i64, t as i64];
-    let idx = Tensor::from_slice(&idx).view(shape).to_device(device);
+    let shape = [b as i64, t as i64];
+    let at = Tensor::from_slice(&at).to_device(device);
+    let target = Tensor::from_slice(&target).view([-1, 1]).to_device(device);
     let mask = Tensor::from_slice(&mask).view(shape).to_device(device);
-    let lp = scores.logprobs.gather(1, &idx, false) * &mask;
-    let ent = scores.entropy.gather(1, &idx, false) * &mask;
+    let h = h.view([-1, hidden]).index_select(0, &at);
+    let mut logits = model.logits(&h).to_kind(Kind::Float);
+    if temperature != 1.0 {
+        logits = logits / temperature;
+    }
+    let logp = logits.log_softmax(-1, Kind::Float);
+    let lp = logp.gather(1, &target, false).view(shape) * &mask;
+    let ent = if with_entropy {
+        -(logp.exp() * &logp)
+            .sum_dim_intlist(-1, false, Kind::Float)
+            .view(shape)
+            * &mask
+    } else {
+        Tensor::zeros(shape, (Kind::Float, device))
+    };
     Ok((lp, ent))
 }
 
@@ -139,4 +165,62 @@ pub(crate) fn model_bytes(model: &Llama) -> u64 {
         .iter()
         .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
         .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sample::tests::sample;
+    use yatt_engine::fixtures::tiny_config;
+    use yatt_engine::score::token_logprobs;
+
+    /// Scoring only the response positions gives what scoring every position of the
+    /// full sequences gives there, for rows of different prompt and response lengths.
+    #[test]
+    fn response_scores_match_full_sequence_scoring() {
+        let model = Llama::random(tiny_config(), Device::Cpu, Kind::Float, 3).unwrap();
+        let lens = [(5usize, 3usize), (2, 6), (7, 1), (1, 4)];
+        let samples: Vec<Sample> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &(p, r))| {
+                let mut s = sample(i as u64, 0, r);
+                let tok = |t: usize, m: usize| 2 + ((t * m + 3 * i) % 90) as i64;
+                s.prompt_tokens = (0..p).map(|t| tok(t, 7)).collect();
+                s.response_tokens = (0..r).map(|t| tok(t, 13)).collect();
+                s
+            })
+            .collect();
+        let temperature = 0.8;
+        let (lp, ent) =
+            tch::no_grad(|| response_scores(&model, &samples, 0, temperature, true)).unwrap();
+        let pairs: Vec<(&[i64], &[i64])> = samples
+            .iter()
+            .map(|s| (s.prompt_tokens.as_slice(), s.response_tokens.as_slice()))
+            .collect();
+        let batch = SeqBatch::from_pairs(&pairs, 0, Device::Cpu).unwrap();
+        let full = tch::no_grad(|| token_logprobs(&model, &batch, temperature, true));
+        assert_eq!(lp.size(), [4, 6]);
+        for (i, s) in samples.iter().enumerate() {
+            for j in 0..6 {
+                let (i, at) = (i as i64, (s.prompt_tokens.len() + j) as i64);
+                let (want_lp, want_ent) = if j < s.response_len() {
+                    (
+                        full.logprobs.double_value(&[i, at]),
+                        full.entropy.double_value(&[i, at]),
+                    )
+                } else {
+                    (0.0, 0.0)
+                };
+                let (got_lp, got_ent) = (
+                    lp.double_value(&[i, j as i64]),
+                    ent.double_value(&[i, j as i64]),
+                );
+                assert!(
+                    (got_lp - want_lp).abs() < 1e-5 && (got_ent - want_ent).abs() < 1e-5,
+                    "row {i} token {j}: log-prob {got_lp} vs {want_lp}, entropy {got_ent} vs {want_ent}"
+                );
+            }
+        }
+    }
 }

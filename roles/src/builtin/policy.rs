@@ -2,7 +2,8 @@
 //!
 //! It owns a [`Trainer`] (model + AdamW state) and serves:
 //! - [`PolicyRequest::OldLogProbs`]: each sample's `old_logprobs` under the current
-//!   weights (before the update), without gradients;
+//!   weights (before the update), without gradients (copied from the rollout's
+//!   log-probs when [`PolicyConfig::on_policy`]);
 //! - [`PolicyRequest::Train`]: one PPO-style update on samples with `old_logprobs` and
 //!   `advantages` (and `ref_logprobs` when a KL loss is configured): the batch is split
 //!   into `mini_batches` optimizer steps, each over micro-batches of
@@ -57,6 +58,15 @@ pub struct PolicyConfig {
     pub pad_id: i64,
     /// Largest weight bucket for weight export, bytes.
     pub bucket_bytes: usize,
+    /// One update per batch, on the weights that generated it (needs `mini_batches =
+    /// 1`). The PPO ratio is then 1 by construction, so the loss takes the update's own
+    /// detached log-probs as the old ones (as TRL does with `num_iterations = 1`), and
+    /// [`PolicyRequest::OldLogProbs`] copies the rollout's log-probs (same weights, same
+    /// temperature) for the KL metrics instead of running a second forward pass.
+    pub on_policy: bool,
+    /// Where the tokenizer files are (the base model's directory): checkpoints get a
+    /// copy, so they load on their own (yatt, transformers).
+    pub tokenizer_dir: Option<PathBuf>,
 }
 
 impl Default for PolicyConfig {
@@ -70,6 +80,8 @@ impl Default for PolicyConfig {
             temperature: 1.0,
             pad_id: 0,
             bucket_bytes: 64 << 20,
+            on_policy: false,
+            tokenizer_dir: None,
         }
     }
 }
@@ -175,8 +187,12 @@ fn micro_loss(
 ) -> yatt_engine::Result<Tensor> {
     let chunk = &samples[mb.range.clone()];
     let (lp, ent) = response_scores(model, chunk, cfg.pad_id, cfg.temperature, true)?;
-    let (mut total, pg) =
-        ppo_policy_loss(&lp, &mb.old, &mb.adv, &mb.mask, &cfg.loss).map_err(algo)?;
+    let old = if cfg.on_policy {
+        lp.detach()
+    } else {
+        mb.old.shallow_clone()
+    };
+    let (mut total, pg) = ppo_policy_loss(&lp, &old, &mb.adv, &mb.mask, &cfg.loss).map_err(algo)?;
     stats.clip += pg.clip_frac;
     stats.approx_kl += pg.approx_kl;
     if let (Some(kc), Some(r)) = (cfg.kl_loss, mb.reference.as_ref()) {
@@ -207,6 +223,12 @@ impl PolicyRole {
             return Err(RoleError::BadRequest(
                 "micro_batch_size and mini_batches must be >= 1".into(),
             ));
+        }
+        if config.on_policy && config.mini_batches != 1 {
+            return Err(RoleError::BadRequest(format!(
+                "on_policy needs one optimizer step per batch (mini_batches = 1), not {}: later mini-batches train on weights other than the ones that generated",
+                config.mini_batches
+            )));
         }
         if !(config.temperature > 0.0) {
             return Err(RoleError::BadRequest(format!(
@@ -437,6 +459,12 @@ impl Role for PolicyRole {
                     return Ok(PolicyResponse::Scored(samples));
                 }
                 let c = &self.config;
+                if c.on_policy {
+                    for s in samples.iter_mut() {
+                        s.old_logprobs = Some(s.rollout_logprobs.clone());
+                    }
+                    return Ok(PolicyResponse::Scored(samples));
+                }
                 let rows = score_samples(
                     &self.trainer.model,
                     &samples,
@@ -458,7 +486,8 @@ impl Role for PolicyRole {
             }
             PolicyRequest::ExportWeights => self.export().map(PolicyResponse::Weights),
             PolicyRequest::SaveCheckpoint(dir) => {
-                self.trainer.save_checkpoint(&dir, None).map_err(|e| {
+                let tokenizer = self.config.tokenizer_dir.as_deref();
+                self.trainer.save_checkpoint(&dir, tokenizer).map_err(|e| {
                     RoleError::Failed(format!("saving a checkpoint to {}: {e}", dir.display()))
                 })?;
                 Ok(PolicyResponse::Saved)
@@ -476,5 +505,108 @@ impl Role for PolicyRole {
         self.trainer
             .reload()
             .map_err(|e| RoleError::Failed(format!("reloading the policy: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sample::tests::sample;
+    use tch::{Device, Kind};
+    use yatt_engine::fixtures::tiny_config;
+    use yatt_engine::{Llama, TrainConfig};
+
+    fn policy(model: Llama, on_policy: bool) -> PolicyRole {
+        let train = TrainConfig {
+            lr: 1e-2,
+            ..Default::default()
+        };
+        let config = PolicyConfig {
+            micro_batch_size: 3,
+            on_policy,
+            ..Default::default()
+        };
+        PolicyRole::new(Trainer::new(model, train), config).unwrap()
+    }
+
+    /// Samples of two groups with advantages of both signs and the rollout log-probs of
+    /// `model`'s weights (as a rollout with the same weights would give them).
+    fn samples(model: &Llama) -> Vec<Sample> {
+        let mut out: Vec<Sample> = (0..6)
+            .map(|i| {
+                let mut s = sample(i / 3, i as u32 % 3, 2 + i as usize % 3);
+                s.response_tokens = (0..s.response_len() as i64)
+                    .map(|t| 2 + (t * 11 + i as i64 * 5) % 90)
+                    .collect();
+                s.advantages = Some(vec![if i % 2 == 0 { 1.0 } else { -0.5 }; s.response_len()]);
+                s
+            })
+            .collect();
+        let rows = score_samples(model, &out, 0, 1.0, 8).unwrap();
+        for (s, r) in out.iter_mut().zip(rows) {
+            s.rollout_logprobs = r;
+        }
+        out
+    }
+
+    fn scored(p: &mut PolicyRole, samples: Vec<Sample>) -> Vec<Sample> {
+        match p.serve(PolicyRequest::OldLogProbs(samples)).unwrap() {
+            PolicyResponse::Scored(s) => s,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn trained(p: &mut PolicyRole, samples: Vec<Sample>) -> TrainReport {
+        match p.serve(PolicyRequest::Train(samples)).unwrap() {
+            PolicyResponse::Trained(r) => r,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// With one update per batch, taking the update's own log-probs as the old ones
+    /// gives the update that recomputing them first gives, without that forward pass.
+    #[test]
+    fn on_policy_updates_like_recomputing_old_logprobs() {
+        let base = Llama::random(tiny_config(), Device::Cpu, Kind::Float, 11).unwrap();
+        let batch = samples(&base);
+        let mut recompute = policy(base.deep_copy(Device::Cpu, Kind::Float).unwrap(), false);
+        let mut on_policy = policy(base, true);
+
+        let a = scored(&mut recompute, batch.clone());
+        let b = scored(&mut on_policy, batch.clone());
+        for (s, b) in batch.iter().zip(&b) {
+            assert_eq!(b.old_logprobs.as_ref(), Some(&s.rollout_logprobs));
+        }
+        let ra = trained(&mut recompute, a);
+        let rb = trained(&mut on_policy, b);
+        assert_eq!((rb.pg_clipfrac, rb.approx_kl), (0.0, 0.0));
+        assert!(
+            (ra.loss - rb.loss).abs() < 1e-5,
+            "{} vs {}",
+            ra.loss,
+            rb.loss
+        );
+        assert!(ra.grad_norm > 0.0);
+        let wa = recompute.trainer.model.hf_named_tensors();
+        let wb = on_policy.trainer.model.hf_named_tensors();
+        for ((name, x), (_, y)) in wa.iter().zip(&wb) {
+            let d = (x - y).abs().max().double_value(&[]);
+            assert!(d < 1e-5, "{name} differs by {d}");
+        }
+    }
+
+    #[test]
+    fn on_policy_needs_one_mini_batch() {
+        let model = Llama::random(tiny_config(), Device::Cpu, Kind::Float, 1).unwrap();
+        let config = PolicyConfig {
+            on_policy: true,
+            mini_batches: 2,
+            ..Default::default()
+        };
+        let e = PolicyRole::new(Trainer::new(model, TrainConfig::default()), config)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("mini_batches = 1"), "{e}");
     }
 }

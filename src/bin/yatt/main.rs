@@ -5,6 +5,7 @@ mod bench_controller;
 mod bench_runtime;
 mod demo;
 mod engine_cmds;
+mod eval;
 mod plot;
 mod train;
 
@@ -32,6 +33,8 @@ enum Command {
     Train(train::TrainArgs),
     /// Plot a run's metrics.jsonl as PNGs: reward, KL, stage timing, throughput.
     Plot(plot::PlotArgs),
+    /// Evaluate: greedy accuracy of a job's model or checkpoint on held-out prompts.
+    Eval(eval::EvalArgs),
     /// Import a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1) as an HF model directory.
     ImportGguf(engine_cmds::ImportGgufArgs),
     /// Benchmarks; figures go to stdout as a markdown table.
@@ -61,6 +64,7 @@ fn real_main() -> anyhow::Result<()> {
         Command::Demo(args) => demo::run(args),
         Command::Train(args) => train::run(args),
         Command::Plot(args) => plot::run(args),
+        Command::Eval(args) => eval::run(args),
         Command::ImportGguf(args) => engine_cmds::import_gguf(args),
         Command::Bench(BenchCommand::Engine(args)) => engine_cmds::bench_engine(args),
         Command::Bench(BenchCommand::Runtime(args)) => bench_runtime::run(args),

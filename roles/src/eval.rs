@@ -1,0 +1,298 @@
+//! Accuracy of a policy: greedy decoding of a job's task on held-out prompts (or on its
+//! training prompts), scored by the job's own reward.
+//!
+//! [`evaluate`] builds the job's model (the base model, or a checkpoint written by
+//! [`train`](crate::job::train)) with the same prompt encoding (chat template or not),
+//! generation limits and reward functions as training, and runs the rollout and reward
+//! roles directly on this thread: an evaluation needs no node and no controller.
+//!
+//! Held-out prompts are the same synthetic task drawn with another seed, minus every
+//! prompt whose text is among the training prompts; they are a pure function of the
+//! config, so base and trained models see the same ones.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::Serialize;
+use yatt_engine::fixtures::tiny_config;
+use yatt_engine::tch::{self, Device, Kind};
+use yatt_engine::{Generator, GeneratorConfig, Llama, SamplingParams, Tokenizer};
+
+use crate::builtin::{
+    GenerateRequest, RolloutRequest, RolloutResponse, RolloutRole, TextCodec, TokenizerCodec,
+};
+use crate::data::Prompt;
+use crate::job::{self, JobConfig, JobError, TINY_CODEC};
+use crate::role::{DeviceGroup, Role, RoleError};
+
+/// Mixed into the job seed to draw held-out prompts (any constant ≠ 0 would do; it is
+/// fixed so held-out sets stay the same across versions).
+const HELD_OUT_SEED: u64 = 0x5eed_e7a1_0000_0001;
+
+/// Which prompts to evaluate on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Split {
+    /// The job's task drawn with another seed, without any training prompt.
+    HeldOut,
+    /// The first prompts of the training set.
+    Train,
+}
+
+impl std::fmt::Display for Split {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Split::HeldOut => "held-out",
+            Split::Train => "train",
+        })
+    }
+}
+
+/// What to evaluate and how.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvalOptions {
+    /// Number of prompts (one greedy answer each).
+    pub prompts: usize,
+    /// Weights to evaluate: a checkpoint directory; `None` = the job's base model.
+    pub checkpoint: Option<PathBuf>,
+    /// Which prompts.
+    pub split: Split,
+    /// A sample counts as correct when its reward reaches this (the numeric and exact
+    /// verifiers give 1 for a right answer).
+    pub pass_score: f64,
+}
+
+impl Default for EvalOptions {
+    fn default() -> Self {
+        EvalOptions {
+            prompts: 200,
+            checkpoint: None,
+            split: Split::HeldOut,
+            pass_score: 1.0,
+        }
+    }
+}
+
+/// One evaluated prompt.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EvalSample {
+    /// The prompt text.
+    pub prompt: String,
+    /// The greedy answer.
+    pub response: String,
+    /// The reference answer, when the task has one.
+    pub reference: Option<String>,
+    /// The job's reward for the answer.
+    pub reward: f64,
+    /// Whether the reward reached the pass score.
+    pub correct: bool,
+}
+
+/// The result of an evaluation.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EvalReport {
+    /// The weights evaluated: the checkpoint, or the job's `model.source`.
+    pub model: String,
+    /// Which prompts.
+    pub split: Split,
+    /// Prompts evaluated.
+    pub prompts: usize,
+    /// Answers that reached the pass score.
+    pub correct: usize,
+    /// `correct / prompts`.
+    pub accuracy: f64,
+    /// Mean reward.
+    pub mean_reward: f64,
+    /// Longest answer, tokens.
+    pub max_new_tokens: usize,
+    /// Seconds of generation and scoring (not counting loading).
+    pub seconds: f64,
+    /// Every prompt with its answer, in prompt order.
+    pub samples: Vec<EvalSample>,
+}
+
+/// Why an evaluation could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum EvalError {
+    /// The job config, its model, prompts or reward could not be set up.
+    #[error("{0}")]
+    Job(#[from] JobError),
+    /// The options cannot work (no prompts asked for, no held-out split, ...).
+    #[error("eval: {0}")]
+    Options(String),
+    /// Generating or scoring the answers failed.
+    #[error("eval: {stage}: {source}")]
+    Role {
+        /// `generation` or `reward`.
+        stage: &'static str,
+        /// The role's error.
+        #[source]
+        source: RoleError,
+    },
+}
+
+/// The prompts `options` asks for: held-out ones (deterministic, none of the training
+/// prompts) or the first training prompts.
+pub fn eval_prompts(job: &JobConfig, options: &EvalOptions) -> Result<Vec<Prompt>, EvalError> {
+    let n = options.prompts;
+    if n == 0 {
+        return Err(EvalError::Options("--prompts must be at least 1".into()));
+    }
+    let train = job::prompts(job)?;
+    if options.split == Split::Train {
+        if train.len() < n {
+            return Err(EvalError::Options(format!(
+                "{n} training prompts asked for, the job has {}; lower --prompts",
+                train.len()
+            )));
+        }
+        return Ok(train.into_iter().take(n).collect());
+    }
+    if !job.data.jsonl.is_empty() {
+        return Err(EvalError::Options(format!(
+            "data.jsonl = {:?} has no held-out split; evaluate with --split train, or on a config whose data.jsonl is a held-out file",
+            job.data.jsonl
+        )));
+    }
+    let mut seen: HashSet<String> = train.into_iter().map(|p| p.text).collect();
+    let mut other = job.clone();
+    other.job.seed = job.job.seed ^ HELD_OUT_SEED;
+    // Collisions with the training set are rare for a large task space; a few times n
+    // candidates is plenty, and a small task space is reported below, not looped on.
+    other.data.num_prompts = n.saturating_mul(4).saturating_add(64);
+    let mut out = Vec::with_capacity(n);
+    for p in job::prompts(&other)? {
+        if out.len() == n {
+            break;
+        }
+        if seen.insert(p.text.clone()) {
+            out.push(p);
+        }
+    }
+    if out.len() < n {
+        return Err(EvalError::Options(format!(
+            "only {} distinct held-out prompts of task {:?} (length {}) are not training prompts, {n} asked for; lower --prompts or use --split train",
+            out.len(),
+            job.data.task,
+            job.data.length
+        )));
+    }
+    Ok(out)
+}
+
+/// The model to evaluate and the codec of its prompts: the checkpoint's weights when
+/// given (its tokenizer files if it has them, else the base model's), else the job's
+/// base model exactly as training builds it.
+fn load_model(
+    job: &JobConfig,
+    checkpoint: Option<&Path>,
+) -> Result<(Llama, Arc<dyn TextCodec>), EvalError> {
+    let source = &job.model.source;
+    let model_err = |what: &Path, e: yatt_engine::EngineError| JobError::Model {
+        source_desc: what.display().to_string(),
+        reason: e.to_string(),
+    };
+    let model = match checkpoint {
+        Some(dir) => Llama::load(dir, Device::Cpu, Kind::Float).map_err(|e| model_err(dir, e))?,
+        None if source == "tiny" => {
+            Llama::random(tiny_config(), Device::Cpu, Kind::Float, job.job.seed as i64)
+                .map_err(|e| model_err(Path::new("tiny"), e))?
+        }
+        None => Llama::load(source, Device::Cpu, Kind::Float)
+            .map_err(|e| model_err(Path::new(source), e))?,
+    };
+    if source == "tiny" {
+        return Ok((model, Arc::new(TINY_CODEC)));
+    }
+    let tok_dir = match checkpoint {
+        Some(dir) if dir.join("tokenizer.json").exists() => dir,
+        _ => Path::new(source),
+    };
+    let tok = Tokenizer::from_dir(tok_dir).map_err(|e| model_err(tok_dir, e))?;
+    Ok((
+        model,
+        Arc::new(TokenizerCodec {
+            tokenizer: Arc::new(tok),
+            chat: job.model.chat,
+        }),
+    ))
+}
+
+/// Evaluates `job`'s model (or `options.checkpoint`): one greedy answer per prompt,
+/// with the rollout's limits (`max_new_tokens`, `ignore_eos`), scored by the job's
+/// reward.
+pub fn evaluate(job: &JobConfig, options: &EvalOptions) -> Result<EvalReport, EvalError> {
+    job.validate()?;
+    let prompts = eval_prompts(job, options)?;
+    tch::set_num_threads(job.model.threads as i32);
+    let (model, codec) = load_model(job, options.checkpoint.as_deref())?;
+    // Batch like training does: the step's sample count, so the same kernels run.
+    let batch = job.data.prompts_per_step * job.data.samples_per_prompt as usize;
+    let generator = Generator::new(
+        model,
+        GeneratorConfig {
+            max_batch: batch.clamp(1, prompts.len()),
+            max_seq_len: job.model.max_seq_len,
+            ..Default::default()
+        },
+    );
+    let group = DeviceGroup::cpu("eval");
+    let role = |stage: &'static str| move |source| EvalError::Role { stage, source };
+    let mut rollout = RolloutRole::new(generator, codec);
+    rollout.start(&group).map_err(role("generation"))?;
+    let mut reward = job::reward_role(job)?;
+    let r = &job.rollout;
+    let t0 = Instant::now();
+    let request = RolloutRequest::Generate(GenerateRequest {
+        step: 0,
+        prompts,
+        n: 1,
+        params: SamplingParams {
+            ignore_eos: r.ignore_eos,
+            ..SamplingParams::greedy(r.max_new_tokens)
+        },
+        seed: job.job.seed,
+    });
+    let samples = match rollout.serve(request).map_err(role("generation"))? {
+        RolloutResponse::Generated { samples, .. } => samples,
+        RolloutResponse::Logits(_) => {
+            return Err(EvalError::Role {
+                stage: "generation",
+                source: RoleError::Failed("the rollout answered logits to Generate".into()),
+            })
+        }
+    };
+    let samples = reward.serve(samples).map_err(role("reward"))?;
+    let seconds = t0.elapsed().as_secs_f64();
+    let samples: Vec<EvalSample> = samples
+        .into_iter()
+        .map(|s| {
+            let reward = s.reward.unwrap_or(f64::NAN);
+            EvalSample {
+                prompt: s.prompt_text,
+                response: s.response_text,
+                reference: s.reference,
+                reward,
+                correct: reward >= options.pass_score,
+            }
+        })
+        .collect();
+    let n = samples.len();
+    let correct = samples.iter().filter(|s| s.correct).count();
+    Ok(EvalReport {
+        model: options
+            .checkpoint
+            .as_ref()
+            .map_or_else(|| job.model.source.clone(), |p| p.display().to_string()),
+        split: options.split,
+        prompts: n,
+        correct,
+        accuracy: correct as f64 / n.max(1) as f64,
+        mean_reward: samples.iter().map(|s| s.reward).sum::<f64>() / n.max(1) as f64,
+        max_new_tokens: r.max_new_tokens,
+        seconds,
+        samples,
+    })
+}

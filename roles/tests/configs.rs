@@ -1,0 +1,141 @@
+//! The shipped job configs parse and hold what their comments promise; the held-out
+//! evaluation prompts of the SmolLM2 addition config are disjoint from its training
+//! prompts and the same on every call. No model is loaded: `model.source` points at a
+//! directory `yatt import-gguf` creates, so it is replaced by a temporary one here.
+
+use std::collections::HashSet;
+
+use yatt_roles::eval::{eval_prompts, EvalOptions, Split};
+use yatt_roles::job::JobConfig;
+
+const SMOLLM2: &str = include_str!("../../config/smollm2-addition.toml");
+
+/// The SmolLM2 config with `model.source` pointed at an existing (empty) directory, as
+/// validation checks that the source is a directory.
+fn smollm2(dir: &tempfile::TempDir) -> JobConfig {
+    let set = format!("model.source=\"{}\"", dir.path().display());
+    JobConfig::parse(SMOLLM2, "smollm2-addition.toml", &[set]).unwrap()
+}
+
+#[test]
+fn the_smollm2_addition_config_parses_and_validates() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = smollm2(&dir);
+    c.validate().unwrap();
+    // The settings of the TRL comparison in docs/benchmarks.md.
+    assert_eq!(c.algorithm.name, "grpo");
+    assert_eq!((c.data.prompts_per_step, c.data.samples_per_prompt), (2, 8));
+    assert_eq!(c.rollout.max_new_tokens, 16);
+    assert_eq!((c.model.threads, c.model.dtype.as_str()), (2, "f32"));
+    assert!(c.model.chat);
+    assert_eq!((c.data.task.as_str(), c.data.length), ("addition", 2));
+    assert_eq!(c.reward_kinds(), vec!["numeric".to_string()]);
+    // No KL term and on-policy old log-probs, as TRL's defaults (beta 0, one iteration).
+    assert_eq!(c.algorithm.kl_mode, "none");
+    assert_eq!(c.algorithm.old_logprobs, "on-policy");
+    assert_eq!(c.optim.mini_batches, 1);
+    // As shipped, the source is the directory the documented import command writes.
+    let shipped: toml::Table = SMOLLM2.parse().unwrap();
+    assert_eq!(
+        shipped["model"]["source"].as_str(),
+        Some("models/smollm2-135m")
+    );
+    assert!(SMOLLM2.contains("yatt import-gguf \"$YATT_SMOLLM2_GGUF\" models/smollm2-135m"));
+}
+
+/// The error of the SmolLM2 config with `sets` applied.
+fn error_with(sets: &[String]) -> String {
+    JobConfig::parse(SMOLLM2, "smollm2-addition.toml", sets)
+        .unwrap_err()
+        .to_string()
+}
+
+#[test]
+fn a_missing_model_directory_is_named() {
+    let e = error_with(&["model.source=\"/nonexistent/smollm2\"".into()]);
+    assert!(
+        e.contains("model.source") && e.contains("/nonexistent/smollm2"),
+        "{e}"
+    );
+}
+
+#[test]
+fn on_policy_old_logprobs_need_one_mini_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = error_with(&[
+        format!("model.source=\"{}\"", dir.path().display()),
+        "optim.mini_batches=2".into(),
+    ]);
+    assert!(
+        e.contains("algorithm.old_logprobs") && e.contains("mini_batches"),
+        "{e}"
+    );
+}
+
+#[test]
+fn held_out_prompts_are_disjoint_from_training_and_deterministic() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = smollm2(&dir);
+    let options = EvalOptions {
+        prompts: 100,
+        ..Default::default()
+    };
+    let held = eval_prompts(&c, &options).unwrap();
+    assert_eq!(held.len(), 100);
+    assert_eq!(held, eval_prompts(&c, &options).unwrap());
+    let train = eval_prompts(
+        &c,
+        &EvalOptions {
+            prompts: c.data.num_prompts,
+            split: Split::Train,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let train: HashSet<&str> = train.iter().map(|p| p.text.as_str()).collect();
+    let texts: HashSet<&str> = held.iter().map(|p| p.text.as_str()).collect();
+    assert_eq!(texts.len(), 100, "held-out prompts repeat");
+    assert!(texts.is_disjoint(&train));
+    for p in &held {
+        assert!(
+            p.text.starts_with("What is ") && p.reference.is_some(),
+            "{p:?}"
+        );
+    }
+}
+
+#[test]
+fn a_task_without_held_out_prompts_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = JobConfig::parse(
+        SMOLLM2,
+        "x.toml",
+        &[
+            format!("model.source=\"{}\"", dir.path().display()),
+            // One-digit addition has 100 questions; 100 go to training.
+            "data.length=1".into(),
+            "data.num_prompts=100".into(),
+        ],
+    )
+    .unwrap();
+    let e = eval_prompts(
+        &c,
+        &EvalOptions {
+            prompts: 50,
+            ..Default::default()
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("held-out") && e.contains("--split train"), "{e}");
+    let e = eval_prompts(
+        &c,
+        &EvalOptions {
+            prompts: 0,
+            ..Default::default()
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("--prompts"), "{e}");
+}
