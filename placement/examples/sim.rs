@@ -22,7 +22,10 @@ fn parse_shape(spec: &str) -> Result<Shape, String> {
         }
         pools.push((set, n.parse().map_err(|e| format!("{n}: {e}"))?));
     }
-    Ok(Shape { pools })
+    Ok(Shape {
+        pools,
+        rollout_cap: None,
+    })
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -50,6 +53,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             plan.validate(&inv, &w.job)?;
             let staleness: u32 = flag("--staleness").map(|s| s.parse()).transpose()?.unwrap_or(sc.staleness);
             let r = Sim::new(w, &plan, staleness, None).run();
+            let cm = yatt_placement::CostModel::with_efficiency(
+                yatt_placement::CostSetup {
+                    job: w.job.clone(),
+                    gpu: w.gpu.clone(),
+                    group_devices: w.group_devices,
+                    staleness,
+                },
+                w.workload.forecast_at(0).params,
+                w.truth,
+            );
+            let steps = w.workload.steps;
+            let preds: Vec<String> = [0, steps / 2, steps - 1]
+                .iter()
+                .map(|k| {
+                    let p = cm.predict(&shape, &w.workload.forecast_at(*k));
+                    format!("step {k}: {:.0}s busy {:?} cycle {:.0}", p.step_s, p.pool_busy_s.iter().map(|x| x.round()).collect::<Vec<_>>(), p.cycle_s)
+                })
+                .collect();
+            println!("  cost model: {}", preds.join("; "));
             let bound: f64 = yatt_placement::sim::lower_bound(w).iter().sum();
             println!(
                 "{}: plan {} staleness {staleness}: {:.1} s/step, {:.2}x bound, idle {:.1}%, overhead {:.1}%, wasted {:.1}%",

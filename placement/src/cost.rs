@@ -183,8 +183,15 @@ impl Ema {
         if !x.is_finite() {
             return;
         }
-        // The first samples weigh more so the prior is forgotten quickly.
-        let a = self.alpha.max(1.0 / (self.n as f64 + 2.0));
+        if !self.value.is_finite() {
+            // A prior of NaN means "none": the first sample is the estimate.
+            self.value = x;
+            self.n = 1;
+            return;
+        }
+        // The first sample replaces the prior and the next ones weigh more, so a
+        // measurement wins over a guess at once.
+        let a = self.alpha.max(1.0 / (self.n as f64 + 1.0));
         self.value += a * (x - self.value);
         self.n += 1;
     }
@@ -207,7 +214,7 @@ pub struct DecodeFit {
 
 impl DecodeFit {
     const FORGET: f64 = 0.8;
-    const RIDGE: f64 = 0.05;
+    const RIDGE: f64 = 0.01;
 
     fn new(prior: DecodeCoeffs) -> Self {
         DecodeFit {
@@ -311,6 +318,8 @@ pub struct CostSetup {
 pub struct Shape {
     /// Each pool's roles and its number of groups.
     pub pools: Vec<(RoleSet, u32)>,
+    /// The rollout's batch cap per group (see [`crate::plan::Plan::rollout_batch_cap`]).
+    pub rollout_cap: Option<u32>,
 }
 
 impl Shape {
@@ -322,6 +331,7 @@ impl Shape {
                 .iter()
                 .map(|p| (p.roles, p.groups.len() as u32))
                 .collect(),
+            rollout_cap: plan.rollout_batch_cap,
         }
     }
 
@@ -378,7 +388,11 @@ pub const SWITCH_FIXED_S: f64 = 1.0;
 impl CostModel {
     /// A model that knows only the rooflines and an initial workload forecast.
     pub fn new(setup: CostSetup, forecast: ForecastParams) -> Self {
-        let eff = Efficiency::default();
+        Self::with_efficiency(setup, forecast, Efficiency::default())
+    }
+
+    /// A model whose rooflines assume `eff` (an oracle that knows the hardware).
+    pub fn with_efficiency(setup: CostSetup, forecast: ForecastParams, eff: Efficiency) -> Self {
         let n = Stage::ALL.len();
         let mut decode = vec![None; n];
         let mut prior = vec![0.0; n];
@@ -491,6 +505,27 @@ impl CostModel {
         self.decode[stage.index()].as_ref().map(DecodeFit::coeffs)
     }
 
+    /// A one-line summary of the fit, for logs: the decoding multipliers of the
+    /// roofline and the ratios of the other stages.
+    pub fn fit_summary(&self) -> String {
+        let mut parts = Vec::new();
+        for s in Stage::of_job(&self.setup.job) {
+            if let Some(fit) = &self.decode[s.index()] {
+                parts.push(format!(
+                    "{} a×{:.2} b×{:.2} c×{:.2} p×{:.2}",
+                    s.metric(),
+                    fit.scale[0],
+                    fit.scale[1],
+                    fit.scale[2],
+                    fit.scale[3]
+                ));
+            } else if self.ratio[s.index()].n > 0 {
+                parts.push(format!("{} ×{:.2}", s.metric(), self.ratio[s.index()].value));
+            }
+        }
+        parts.join(", ")
+    }
+
     /// Fitted device-seconds per token of a forward or training stage.
     pub fn s_per_token(&self, stage: Stage) -> f64 {
         self.prior_s_per_token[stage.index()] * self.ratio[stage.index()].value
@@ -587,7 +622,15 @@ impl CostModel {
         let p = f.params.prompt_len;
         let l = f.mean_len();
         let l2 = f.mean_len_sq();
-        let pipelined = self.setup.staleness > 0;
+        // Pools work on different steps at once only when the rollout has groups of its
+        // own; a rollout that takes turns with other roles drains every batch first.
+        let pipelined = self.setup.staleness > 0
+            && shape
+                .pool_of(Role::Rollout)
+                .is_some_and(|p| shape.pools[p].0 == RoleSet::of(&[Role::Rollout]));
+        // On-policy with dynamic sampling, a step issues the expected number of prompts
+        // and usually needs a second, small round: a second tail of gen and reward.
+        let rounds = if f.params.drop_rate > 0.02 { 2.0 } else { 1.0 };
         let mut busy = vec![0.0; shape.pools.len()];
         // Per stage: (pool, time if the pool did only this, latency of the last item).
         let mut work: Vec<(Stage, usize, f64, f64)> = Vec::new();
@@ -611,7 +654,11 @@ impl CostModel {
                         let j = f.mean_judge_len();
                         (p + l + f.params.judge_prompt, j, j * j * 1.3, f.expected_max_judge(n_gen))
                     };
-                    let slots = f64::from(decode_slots(model, &self.setup.gpu, g, ctx0 + gen).max(1));
+                    let mut slots = decode_slots(model, &self.setup.gpu, g, ctx0 + gen).max(1);
+                    if let (Stage::Gen, Some(cap)) = (s, shape.rollout_cap) {
+                        slots = slots.min(cap.max(1));
+                    }
+                    let slots = f64::from(slots);
                     let tokens = n_gen * gen / groups;
                     let ctx = n_gen * (ctx0 * gen + gen_sq / 2.0) / groups;
                     let prefill = n_gen * ctx0 / groups;
@@ -624,8 +671,9 @@ impl CostModel {
                     let iters = if streams {
                         tokens / occupancy
                     } else {
-                        // Bulk at full slots, then the drain of the longest sequence.
-                        max.max(tokens / slots + max / 2.0)
+                        // Bulk at full slots, then the drain of the longest sequence,
+                        // once per round.
+                        max.max(tokens / slots + max / 2.0) + (rounds - 1.0) * max
                     };
                     let time = c.a * iters + c.b * tokens + c.c * ctx + c.prefill * prefill;
                     // The last sample's latency: its length at the batch it runs in.
@@ -675,7 +723,16 @@ impl CostModel {
             }
         }
         if pipelined {
-            let cycle: f64 = work.iter().map(|w| w.3).sum::<f64>() + sync;
+            // A step's last sample may be admitted only after the step's other work
+            // went through its decoding pools: queueing adds their busy time.
+            let queued: f64 = shape
+                .pools
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.0.len() == 1 && p.0.iter().all(|r| job.decodes(r)))
+                .map(|(i, _)| busy[i])
+                .sum();
+            let cycle: f64 = work.iter().map(|w| w.3).sum::<f64>() + sync + queued;
             let max_busy = busy.iter().copied().fold(0.0, f64::max);
             let step = max_busy.max(cycle / f64::from(self.setup.staleness + 1));
             return Prediction {
@@ -834,6 +891,7 @@ mod tests {
     fn shape(parts: &[(&[Role], u32)]) -> Shape {
         Shape {
             pools: parts.iter().map(|(r, n)| (RoleSet::of(r), *n)).collect(),
+            rollout_cap: None,
         }
     }
 
@@ -856,14 +914,15 @@ mod tests {
             c: prior.c * 1.6,
             prefill: prior.prefill * 1.1,
         };
-        for step in 0..12 {
+        for step in 0..12u32 {
+            // Batch, iterations, context and prefill vary independently across steps.
             let b = 40.0 + 20.0 * f64::from(step % 5);
             let iters = 1000.0 + 300.0 * f64::from(step % 3);
-            let ctx = b * iters * (600.0 + 150.0 * f64::from(step % 4));
-            let pf = 40_000.0 + 5_000.0 * f64::from(step % 2);
+            let ctx = b * iters * (300.0 + 400.0 * f64::from((step * 7) % 4));
+            let pf = 40_000.0 + 25_000.0 * f64::from((step * 3) % 2);
             let t = truth.a * iters + truth.b * b * iters + truth.c * ctx + truth.prefill * pf;
             cm.observe(&StepMetrics {
-                step,
+                step: u64::from(step),
                 stages: vec![StageObs {
                     stage: Stage::Gen,
                     group_s: t,

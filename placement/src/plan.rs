@@ -48,6 +48,11 @@ impl fmt::Display for Mode {
 pub struct Plan {
     /// The pools, each a set of roles on a set of groups.
     pub pools: Vec<Pool>,
+    /// Most sequences a rollout group decodes at once (none: as many as memory
+    /// allows). Smaller batches cut the latency of the longest responses, and decoding
+    /// long contexts is bound by KV-cache reads, so they cost little throughput.
+    #[serde(default)]
+    pub rollout_batch_cap: Option<u32>,
 }
 
 /// One group changing hands between two plans.
@@ -119,6 +124,7 @@ impl Plan {
                 roles: job.gpu_roles(),
                 groups: inv.groups().map(|g| g.id).collect(),
             }],
+            rollout_batch_cap: None,
         }
     }
 
@@ -166,11 +172,16 @@ impl Plan {
 
     /// Group counts per pool, e.g. `rollout:12 reward:4 reference+policy:16`.
     pub fn summary(&self) -> String {
-        self.pools
+        let mut s = self
+            .pools
             .iter()
             .map(|p| format!("{}:{}", p.roles, p.groups.len()))
             .collect::<Vec<_>>()
-            .join(" ")
+            .join(" ");
+        if let Some(cap) = self.rollout_batch_cap {
+            s.push_str(&format!(" (batch ≤{cap})"));
+        }
+        s
     }
 
     /// Checks that the plan places every role of `job` once, uses each group of `inv`
@@ -357,6 +368,7 @@ mod tests {
     fn split(inv: &Inventory, parts: &[(&[Role], usize)]) -> Plan {
         let mut ids = inv.groups().map(|g| g.id);
         Plan {
+            rollout_batch_cap: None,
             pools: parts
                 .iter()
                 .map(|(roles, n)| Pool {

@@ -320,15 +320,18 @@ impl PlacementPolicy {
         let target = assign(&found.shape, &self.inventory, Some(&self.plan));
         let moves = self.plan.moves_to(&target);
         let cost = self.cost.migration_cost(&moves, &found.shape);
-        let worth = !moves.is_empty()
+        let changes = !moves.is_empty() || target.rollout_batch_cap != self.plan.rollout_batch_cap;
+        let worth = changes
             && gain >= self.config.min_gain * current
             && gain * self.config.horizon_steps >= self.config.payback * cost;
         self.log.push(format!(
-            "step {step}: current {} {current:.1}s, best {} {best:.1}s, {} move(s) costing {cost:.1}s: {}",
+            "step {step}: current {} {current:.1}s, best {} {best:.1}s, {} move(s) costing {cost:.1}s: {} [fit: {}; mean length {:.0}]",
             self.plan.summary(),
             target.summary(),
             moves.len(),
-            if worth { "candidate" } else { "stay" }
+            if worth { "candidate" } else { "stay" },
+            self.cost.fit_summary(),
+            f.mean_len()
         ));
         if !worth {
             self.phase = Phase::Steady;
@@ -397,6 +400,7 @@ impl PlacementPolicy {
 /// (the search's answer wobbles by a group or two as the metrics do).
 fn similar(a: &Shape, b: &Shape) -> bool {
     a.pools.len() == b.pools.len()
+        && a.rollout_cap == b.rollout_cap
         && a.pools.iter().zip(&b.pools).all(|(x, y)| {
             x.0 == y.0 && (f64::from(x.1) - f64::from(y.1)).abs() <= 0.1 * f64::from(x.1.max(y.1)).max(10.0)
         })

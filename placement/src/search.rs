@@ -130,15 +130,36 @@ pub fn search_structures(
 ) -> Option<Found> {
     let mut best: Option<Found> = None;
     let mut evaluated = 0;
+    let alone = RoleSet::of(&[crate::profile::Role::Rollout]);
+    let job = &cm.setup().job;
     for roles in structures {
-        let Some(found) = best_counts(cm, f, space, roles, &mut evaluated) else {
-            continue;
-        };
-        if best
-            .as_ref()
-            .is_none_or(|b| found.prediction.step_s < b.prediction.step_s)
+        // In a pipeline a decoding engine that takes turns with other roles must drain
+        // its batch at every turn, which undoes the pipeline; such pools are for the
+        // on-policy regime only.
+        if cm.setup().staleness > 0
+            && roles
+                .iter()
+                .any(|p| p.len() > 1 && p.iter().any(|r| job.decodes(r)))
         {
-            best = Some(found);
+            continue;
+        }
+        // A rollout with groups of its own streams across steps; there a smaller batch
+        // can shorten the cycle more than it costs in throughput.
+        let caps: &[Option<u32>] = if cm.setup().staleness > 0 && roles.contains(&alone) {
+            &[None, Some(256), Some(128), Some(64), Some(32)]
+        } else {
+            &[None]
+        };
+        for &cap in caps {
+            let Some(found) = best_counts(cm, f, space, roles, cap, &mut evaluated) else {
+                continue;
+            };
+            if best
+                .as_ref()
+                .is_none_or(|b| found.prediction.step_s < b.prediction.step_s)
+            {
+                best = Some(found);
+            }
         }
     }
     best.map(|mut b| {
@@ -153,6 +174,7 @@ fn best_counts(
     f: &Forecast,
     space: &Space,
     roles: &[RoleSet],
+    cap: Option<u32>,
     evaluated: &mut u64,
 ) -> Option<Found> {
     let mins: Vec<u32> = roles
@@ -165,6 +187,7 @@ fn best_counts(
     }
     let mut shape = Shape {
         pools: roles.iter().copied().zip(mins.iter().copied()).collect(),
+        rollout_cap: cap,
     };
     let mut eval = |s: &Shape| {
         *evaluated += 1;
@@ -273,7 +296,10 @@ pub fn assign(shape: &Shape, inv: &Inventory, current: Option<&Plan>) -> Plan {
         pool.groups.extend(take);
         pool.groups.sort();
     }
-    Plan { pools }
+    Plan {
+        pools,
+        rollout_batch_cap: shape.rollout_cap,
+    }
 }
 
 #[cfg(test)]
@@ -375,6 +401,7 @@ mod tests {
         // It beats full colocation.
         let full = Shape {
             pools: vec![(cm.setup().job.gpu_roles(), 64)],
+            rollout_cap: None,
         };
         assert!(found.prediction.step_s < cm.predict(&full, &f).step_s);
     }
@@ -392,6 +419,7 @@ mod tests {
         let a = assign(
             &Shape {
                 pools: vec![(RoleSet::of(&[Role::Rollout]), 5), (RoleSet::of(&[Role::Policy]), 3)],
+                rollout_cap: None,
             },
             &inv,
             None,
@@ -400,6 +428,7 @@ mod tests {
         let b = assign(
             &Shape {
                 pools: vec![(RoleSet::of(&[Role::Rollout]), 6), (RoleSet::of(&[Role::Policy]), 2)],
+                rollout_cap: None,
             },
             &inv,
             Some(&a),

@@ -182,6 +182,13 @@ struct StepState {
     kept_tokens: f64,
     train_left: u32,
     pgs: HashMap<u32, PgState>,
+    /// Count, sum and sum of squares of ln(length) of the step's generated responses
+    /// and of its judge outputs (what the step reports, like the live metrics do).
+    lens: [(f64, f64, f64); 2],
+    /// Groups rewarded out of issue order, waiting for the ones before them.
+    done: BTreeMap<u32, PgState>,
+    /// The first group not yet accepted or dropped, in issue order.
+    next: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -215,7 +222,6 @@ pub struct Sim<'w> {
     slots: [Vec<u32>; 2],
     s_per_token: HashMap<Stage, f64>,
     windows: HashMap<Stage, Window>,
-    len_stats: [(f64, f64, f64); 2],
     filtered_window: (u64, u64),
     switches_window: (u32, f64),
     sync_window: Option<(f64, bool)>,
@@ -229,6 +235,7 @@ pub struct Sim<'w> {
     migrations: u32,
     plans: Vec<(u64, String)>,
     step_done: u32,
+    rollout_cap: Option<u32>,
     totals: BTreeMap<Stage, (f64, f64, f64)>,
 }
 
@@ -324,7 +331,6 @@ impl<'w> Sim<'w> {
             slots: [slots_gen, slots_judge],
             s_per_token,
             windows: HashMap::new(),
-            len_stats: [(0.0, 0.0, 0.0); 2],
             filtered_window: (0, 0),
             switches_window: (0, 0.0),
             sync_window: None,
@@ -338,6 +344,7 @@ impl<'w> Sim<'w> {
             migrations: 0,
             plans: vec![(0, plan.summary())],
             step_done: 0,
+            rollout_cap: plan.rollout_batch_cap,
             totals: BTreeMap::new(),
         };
         for pool in &plan.pools {
@@ -539,7 +546,7 @@ impl<'w> Sim<'w> {
         match s.kind {
             Kind::Gen => {
                 let l = f64::from(s.len.max(1)).ln();
-                let st = &mut self.len_stats[0];
+                let st = &mut self.steps[s.step as usize].lens[0];
                 st.0 += 1.0;
                 st.1 += l;
                 st.2 += l * l;
@@ -578,7 +585,7 @@ impl<'w> Sim<'w> {
             }
             Kind::Judge => {
                 let l = f64::from(s.len.max(1)).ln();
-                let st = &mut self.len_stats[1];
+                let st = &mut self.steps[s.step as usize].lens[1];
                 st.0 += 1.0;
                 st.1 += l;
                 st.2 += l * l;
@@ -593,17 +600,37 @@ impl<'w> Sim<'w> {
         p.remaining -= n;
         if p.remaining == 0 {
             let p = st.pgs.remove(&pg).expect("present");
-            self.filter(step, p);
+            self.filter(step, pg, p);
         }
     }
 
-    fn filter(&mut self, step: u32, p: PgState) {
-        let target = self.target();
+    /// A prompt group has all its rewards. Groups are accepted in issue order, as a
+    /// dataloader hands them out: a group that finishes early waits for the ones
+    /// before it. So every placement trains on the same groups, whatever order they
+    /// finish in, and no placement favours short responses by keeping whatever
+    /// finishes first.
+    fn filter(&mut self, step: u32, pg: u32, p: PgState) {
         let st = &mut self.steps[step as usize];
         if st.full {
             self.wasted_tokens += p.lengths.iter().map(|l| f64::from(*l)).sum::<f64>();
             return;
         }
+        st.done.insert(pg, p);
+        loop {
+            let st = &mut self.steps[step as usize];
+            if st.full {
+                break;
+            }
+            let next = st.next;
+            let Some(p) = st.done.remove(&next) else { break };
+            st.next += 1;
+            self.accept(step, p);
+        }
+    }
+
+    fn accept(&mut self, step: u32, p: PgState) {
+        let target = self.target();
+        let st = &mut self.steps[step as usize];
         st.filtered += 1;
         self.filtered_window.0 += 1;
         if !p.keep {
@@ -765,6 +792,7 @@ impl<'w> Sim<'w> {
         self.last_step_end = self.now;
         self.step_s.push(dur);
         self.steps[step as usize].pgs.clear();
+        self.steps[step as usize].done.clear();
         let metrics = self.take_metrics(step, dur);
         if let Some(mut policy) = self.policy.take() {
             let decisions = policy.on_event(Event::Metrics(metrics));
@@ -813,9 +841,9 @@ impl<'w> Sim<'w> {
             let m = s.1 / s.0;
             (m, (s.2 / s.0 - m * m).max(0.0).sqrt())
         };
-        let (lm, ls) = stat(self.len_stats[0]);
-        let (jm, js) = stat(self.len_stats[1]);
-        self.len_stats = [(0.0, 0.0, 0.0); 2];
+        let lens = self.steps[step as usize].lens;
+        let (lm, ls) = stat(lens[0]);
+        let (jm, js) = stat(lens[1]);
         let (filtered, dropped) = std::mem::take(&mut self.filtered_window);
         let (switches, switch_s) = std::mem::take(&mut self.switches_window);
         let sync = self.sync_window.take();
@@ -934,6 +962,9 @@ impl<'w> Sim<'w> {
         let Some(kind) = self.groups[g].kind else {
             return;
         };
+        if self.groups[g].pool.is_some_and(|p| self.pools[p].roles.len() > 1 && self.should_yield(p)) {
+            return;
+        }
         loop {
             let Some(idx) = self.admissible(kind) else {
                 // Out of work with free slots: wake this group when work arrives.
@@ -944,7 +975,10 @@ impl<'w> Sim<'w> {
                 break;
             };
             let step = self.seqs[idx].step as usize;
-            let slots = self.slots[kind as usize][step.min(self.slots[kind as usize].len() - 1)];
+            let mut slots = self.slots[kind as usize][step.min(self.slots[kind as usize].len() - 1)];
+            if let (Kind::Gen, Some(cap)) = (kind, self.rollout_cap) {
+                slots = slots.min(cap.max(1));
+            }
             if self.groups[g].b >= slots {
                 break;
             }
@@ -1017,8 +1051,24 @@ impl<'w> Sim<'w> {
         self.pool_kick(p);
     }
 
+    /// Whether a pool that decodes should stop admitting and drain, so that passes it
+    /// also hosts can run: when the oldest untrained step has its whole batch and
+    /// waits on those passes.
+    fn should_yield(&self, p: usize) -> bool {
+        let roles = self.pools[p].roles;
+        let Some(oldest) = self.steps.get(self.trained as usize) else {
+            return false;
+        };
+        oldest.full
+            && Stage::ALL.iter().any(|s| {
+                !matches!(s, Stage::Gen | Stage::Judge)
+                    && roles.contains(s.role())
+                    && !self.tasks[*s as usize].is_empty()
+            })
+    }
+
     fn has_decode_work(&self, p: usize, kind: Kind) -> bool {
-        self.admissible(kind).is_some()
+        (self.admissible(kind).is_some() && !self.should_yield(p))
             || self.pools[p]
                 .members
                 .iter()
@@ -1193,6 +1243,7 @@ impl<'w> Sim<'w> {
 
     fn migrate(&mut self, target: &Plan, id: u64) {
         self.migrations += 1;
+        self.rollout_cap = target.rollout_batch_cap;
         let mut pending = 0;
         // Pools of the target, reusing pools with the same roles.
         let mut pool_of_roles: HashMap<RoleSet, usize> = HashMap::new();

@@ -4,6 +4,7 @@
 mod bench_runtime;
 mod demo;
 mod engine_cmds;
+mod sim;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -28,6 +29,10 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Train: run a job config (TOML) on an in-process node (embedded mode).
     Train(train::TrainArgs),
+    /// Simulate placements of an RLHF job on clusters of 8 to 4,096 GPUs (colocation,
+    /// the best static split, dynamic placement) against the lower bound; or time the
+    /// plan search (--bench), or fit the simulator to a run's metrics (--calibrate).
+    Sim(sim::SimArgs),
     /// Import a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1) as an HF model directory.
     ImportGguf(engine_cmds::ImportGgufArgs),
     /// Benchmarks; figures go to stdout as a markdown table.
@@ -53,6 +58,7 @@ fn real_main() -> anyhow::Result<()> {
     match cli.command {
         Command::Demo(args) => demo::run(args),
         Command::Train(args) => train::run(args),
+        Command::Sim(args) => sim::run(args),
         Command::ImportGguf(args) => engine_cmds::import_gguf(args),
         Command::Bench(BenchCommand::Engine(args)) => engine_cmds::bench_engine(args),
         Command::Bench(BenchCommand::Runtime(args)) => bench_runtime::run(args),
