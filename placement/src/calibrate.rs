@@ -117,7 +117,9 @@ pub struct Rates {
     /// Decoding: seconds per iteration (`a`) and per generated token (`b`); `c` and
     /// `prefill` are folded into those on CPU.
     pub gen: DecodeCoeffs,
-    /// Sequences the engine decodes at once.
+    /// The generative judge's decoding, when there is one to override.
+    pub judge: Option<DecodeCoeffs>,
+    /// Sequences the engine decodes at once (0: as many as memory allows).
     pub slots: u32,
     /// Device-seconds per token of the forward and training stages.
     pub s_per_token: BTreeMap<Stage, f64>,
@@ -196,6 +198,7 @@ pub fn fit(steps: &[RunStep], iterations: f64) -> Rates {
             c: 0.0,
             prefill: 0.0,
         },
+        judge: None,
         slots: steps.iter().map(|s| s.samples() as u32).max().unwrap_or(1),
         s_per_token,
         sync_s: median(steps.iter().map(|s| s.t("weight_sync")).collect()),

@@ -481,6 +481,15 @@ impl CostModel {
         }
     }
 
+    /// The fitted growth of the mean of ln(response length) per step.
+    pub fn length_trend(&self) -> f64 {
+        if self.len_trend.n >= 2 {
+            self.len_trend.value
+        } else {
+            0.0
+        }
+    }
+
     /// The workload forecast `ahead` steps after the last observed one. The observed
     /// log-mean is of truncated lengths, so it is a slight under-estimate of the
     /// untruncated parameter; the truncation in the forecast then trims it again.

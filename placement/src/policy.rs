@@ -42,7 +42,8 @@ use yatt_runtime::membership::NodeInfo;
 use crate::cost::{CostModel, CostSetup, Shape, StepMetrics};
 use crate::inventory::{Inventory, InventoryError};
 use crate::plan::{Move, Plan, PlanError};
-use crate::search::{assign, search, Space};
+use crate::search::{assign, search, search_top, Space};
+use crate::sim::evaluate::simulate_shape;
 use crate::workload::ForecastParams;
 
 /// The policy's knobs.
@@ -65,6 +66,11 @@ pub struct PolicyConfig {
     pub cooldown_steps: u64,
     /// How far ahead the forecast looks (steps), so the plan fits the coming steps.
     pub lookahead_steps: f64,
+    /// How many of the search's best shapes (plus the current plan) are simulated for
+    /// a few steps before choosing; 0 trusts the analytic model alone.
+    pub simulate_candidates: u32,
+    /// Steps each candidate is simulated for.
+    pub simulate_steps: u32,
 }
 
 impl Default for PolicyConfig {
@@ -78,6 +84,8 @@ impl Default for PolicyConfig {
             payback: 2.0,
             cooldown_steps: 3,
             lookahead_steps: 5.0,
+            simulate_candidates: 3,
+            simulate_steps: 6,
         }
     }
 }
@@ -192,8 +200,8 @@ impl PlacementPolicy {
         }
         let cost = CostModel::new(setup, forecast);
         let f = cost.forecast(0.0);
-        let plan = match search(&cost, &f, &Space::of(&inventory)) {
-            Some(found) => assign(&found.shape, &inventory, None),
+        let plan = match choose(&config, &cost, &f, &Space::of(&inventory), None) {
+            Some((shape, _)) => assign(&shape, &inventory, None),
             None => {
                 let full = Plan::full_colocation(&inventory, &cost.setup().job);
                 let err = full
@@ -311,15 +319,19 @@ impl PlacementPolicy {
     fn consider(&mut self, step: u64) -> Vec<Decision> {
         let f = self.cost.forecast(self.config.lookahead_steps);
         let now = Shape::of(&self.plan);
-        let current = self.cost.predict(&now, &f).step_s;
-        let Some(found) = search(&self.cost, &f, &Space::of(&self.inventory)) else {
+        let Some((shape, (current, best))) = choose(
+            &self.config,
+            &self.cost,
+            &f,
+            &Space::of(&self.inventory),
+            Some(&now),
+        ) else {
             return Vec::new();
         };
-        let best = found.prediction.step_s;
         let gain = current - best;
-        let target = assign(&found.shape, &self.inventory, Some(&self.plan));
+        let target = assign(&shape, &self.inventory, Some(&self.plan));
         let moves = self.plan.moves_to(&target);
-        let cost = self.cost.migration_cost(&moves, &found.shape);
+        let cost = self.cost.migration_cost(&moves, &shape);
         let changes = !moves.is_empty() || target.rollout_batch_cap != self.plan.rollout_batch_cap;
         let worth = changes
             && gain >= self.config.min_gain * current
@@ -338,14 +350,11 @@ impl PlacementPolicy {
             return Vec::new();
         }
         let seen = match &self.phase {
-            Phase::Candidate { shape, seen } if similar(shape, &found.shape) => seen + 1,
+            Phase::Candidate { shape: seen_shape, seen } if similar(seen_shape, &shape) => seen + 1,
             _ => 1,
         };
         if seen < self.config.confirmations {
-            self.phase = Phase::Candidate {
-                shape: found.shape,
-                seen,
-            };
+            self.phase = Phase::Candidate { shape, seen };
             return Vec::new();
         }
         vec![self.start(Reason::Rebalance, target, moves, (current, best), cost)]
@@ -394,6 +403,41 @@ impl PlacementPolicy {
             cost_s,
         })
     }
+}
+
+/// The shape to run next and the predicted seconds per step of `current` (when
+/// given) and of the choice. The analytic search ranks every structure; its best few
+/// and the current shape are then simulated for a few steps with the fitted rates when
+/// the config asks for it, and the simulation decides.
+fn choose(
+    config: &PolicyConfig,
+    cm: &CostModel,
+    f: &crate::workload::Forecast,
+    space: &Space,
+    current: Option<&Shape>,
+) -> Option<(Shape, (f64, f64))> {
+    let k = config.simulate_candidates as usize;
+    if k == 0 {
+        let found = search(cm, f, space)?;
+        let now = current.map_or(f64::NAN, |s| cm.predict(s, f).step_s);
+        return Some((found.shape, (now, found.prediction.step_s)));
+    }
+    let top = search_top(cm, f, space, k);
+    let trend = cm.length_trend();
+    let steps = config.simulate_steps;
+    let score = |s: &Shape| simulate_shape(cm, f, trend, s, steps);
+    let now = current.map_or(f64::NAN, score);
+    let mut best: Option<(Shape, f64)> = current.map(|s| (s.clone(), now));
+    for c in top {
+        if current == Some(&c.shape) {
+            continue;
+        }
+        let t = score(&c.shape);
+        if best.as_ref().is_none_or(|b| t < b.1) {
+            best = Some((c.shape, t));
+        }
+    }
+    best.map(|(s, t)| (s, (now, t)))
 }
 
 /// Whether two shapes have the same pools with group counts within 10% of each other

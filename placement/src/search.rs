@@ -128,7 +128,25 @@ pub fn search_structures(
     space: &Space,
     structures: &[Vec<RoleSet>],
 ) -> Option<Found> {
-    let mut best: Option<Found> = None;
+    search_ranked(cm, f, space, structures).into_iter().next()
+}
+
+/// The best shape of every pool structure (and batch cap), best first: candidates for
+/// a closer look by simulation.
+pub fn search_top(cm: &CostModel, f: &Forecast, space: &Space, k: usize) -> Vec<Found> {
+    let structures = partitions(cm.setup().job.gpu_roles());
+    let mut all = search_ranked(cm, f, space, &structures);
+    all.truncate(k.max(1));
+    all
+}
+
+fn search_ranked(
+    cm: &CostModel,
+    f: &Forecast,
+    space: &Space,
+    structures: &[Vec<RoleSet>],
+) -> Vec<Found> {
+    let mut all: Vec<Found> = Vec::new();
     let mut evaluated = 0;
     let alone = RoleSet::of(&[crate::profile::Role::Rollout]);
     let job = &cm.setup().job;
@@ -151,21 +169,16 @@ pub fn search_structures(
             &[None]
         };
         for &cap in caps {
-            let Some(found) = best_counts(cm, f, space, roles, cap, &mut evaluated) else {
-                continue;
-            };
-            if best
-                .as_ref()
-                .is_none_or(|b| found.prediction.step_s < b.prediction.step_s)
-            {
-                best = Some(found);
+            if let Some(found) = best_counts(cm, f, space, roles, cap, &mut evaluated) {
+                all.push(found);
             }
         }
     }
-    best.map(|mut b| {
-        b.evaluated = evaluated;
-        b
-    })
+    all.sort_by(|a, b| a.prediction.step_s.total_cmp(&b.prediction.step_s));
+    for f in &mut all {
+        f.evaluated = evaluated;
+    }
+    all
 }
 
 /// The best group counts for one structure.

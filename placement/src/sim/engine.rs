@@ -281,14 +281,19 @@ impl<'w> Sim<'w> {
                 s_per_token.insert(s, v);
             }
         }
-        let (coeffs_gen, slots_gen) = match &w.rates {
+        let (coeffs_gen, slots_gen, coeffs_judge) = match &w.rates {
             Some(r) => {
                 for (stage, v) in &r.s_per_token {
                     s_per_token.insert(*stage, *v);
                 }
-                (r.gen, vec![r.slots.max(1); steps as usize])
+                let slots = if r.slots > 0 {
+                    vec![r.slots; steps as usize]
+                } else {
+                    slots_gen
+                };
+                (r.gen, slots, r.judge.unwrap_or(coeffs_judge))
             }
-            None => (coeffs_gen, slots_gen),
+            None => (coeffs_gen, slots_gen, coeffs_judge),
         };
         let groups = (0..w.groups)
             .map(|_| DecodeGroup {

@@ -12,6 +12,7 @@
 //! The configuration is TOML ([`SimConfig`]); `config/sim-*.toml` are examples.
 
 pub mod engine;
+pub mod evaluate;
 
 use serde::{Deserialize, Serialize};
 
@@ -705,4 +706,85 @@ pub fn format_report(r: &ScenarioReport) -> String {
         );
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SMALL: &str = r#"
+[sim]
+name = "small"
+staleness = 1
+
+[hardware]
+gpu = "h100"
+gpus = 8
+gpus_per_node = 8
+group_size = 1
+
+[job]
+model = "1b"
+reward = "genrm"
+
+[workload]
+steps = 4
+prompts_per_step = 16
+samples_per_prompt = 4
+prompt_len = 128
+response = { dist = "lognormal", median = 200, sigma = 1.0 }
+max_response = 2048
+growth = 2.0
+dynamic_sampling = { drop_start = 0.2, drop_end = 0.4 }
+judge = { dist = "lognormal", median = 60, sigma = 0.5 }
+judge_max = 256
+"#;
+
+    #[test]
+    fn every_placement_runs_every_step_above_the_bound() {
+        let config = SimConfig::parse(SMALL).unwrap();
+        let sc = &config.scenarios().unwrap()[0];
+        let r = run_scenario(sc).unwrap();
+        assert_eq!(r.strategies.len(), 3);
+        assert_eq!(r.bound_steps_s.len(), 4);
+        for s in &r.strategies {
+            assert!(s.refused.is_none(), "{:?}", s.refused);
+            assert_eq!(s.steps_s.len(), 4, "{:?}", s.strategy);
+            // In-order acceptance makes every placement train the same groups, so none
+            // can beat the work they need at full efficiency.
+            assert!(s.vs_bound >= 1.0, "{:?} at {} x bound", s.strategy, s.vs_bound);
+            let total = s.compute_frac + s.overhead_frac + s.idle_frac;
+            assert!((total - 1.0).abs() < 1e-9, "{total}");
+        }
+        let colo = r.get(Strategy::Colocate).unwrap();
+        assert_eq!(colo.plan, format!("rollout+reward+reference+policy:8"));
+        assert_eq!(colo.speedup, Some(1.0));
+        // Deterministic: the same config gives the same figures.
+        let again = run_scenario(sc).unwrap();
+        assert_eq!(again, r);
+    }
+
+    #[test]
+    fn config_errors_name_the_key() {
+        let bad = SMALL.replace("reward = \"genrm\"", "reward = \"llm\"");
+        let err = SimConfig::parse(&bad).unwrap_err().to_string();
+        assert!(err.contains("job.reward") && err.contains("\"llm\""), "{err}");
+        let bad = SMALL.replace("gpu = \"h100\"", "gpu = \"h100\"\ngpus_per_rack = 4");
+        let err = SimConfig::parse(&bad).unwrap_err().to_string();
+        assert!(err.contains("gpus_per_rack"), "{err}");
+        let bad = SMALL.replace("group_size = 1", "group_size = 3");
+        let err = SimConfig::parse(&bad).unwrap_err().to_string();
+        assert!(err.contains("group_size (3)"), "{err}");
+        let bad = SMALL.replace("model = \"1b\"", "model = \"13b\"");
+        let err = SimConfig::parse(&bad).unwrap_err().to_string();
+        assert!(err.contains("13b") && err.contains("70b"), "{err}");
+    }
+
+    #[test]
+    fn a_model_that_fits_nowhere_is_refused_with_the_reason() {
+        let big = SMALL.replace("model = \"1b\"", "model = \"70b\"");
+        let config = SimConfig::parse(&big).unwrap();
+        let err = run_scenario(&config.scenarios().unwrap()[0]).unwrap_err().to_string();
+        assert!(err.contains("no placement fits") && err.contains("GiB"), "{err}");
+    }
 }
