@@ -5,13 +5,14 @@
 
 use yatt_placement::cost::Shape;
 use yatt_placement::profile::{Role, RoleSet};
-use yatt_placement::sim::{run_scenario, format_report, Sim, SimConfig};
-use yatt_placement::Inventory;
+use yatt_placement::sim::{format_report, run_scenario, Sim, SimConfig};
 
 fn parse_shape(spec: &str) -> Result<Shape, String> {
     let mut pools = Vec::new();
     for part in spec.split_whitespace() {
-        let (roles, n) = part.split_once(':').ok_or(format!("{part}: expected ROLES:GROUPS"))?;
+        let (roles, n) = part
+            .split_once(':')
+            .ok_or(format!("{part}: expected ROLES:GROUPS"))?;
         let mut set = RoleSet::EMPTY;
         for r in roles.split('+') {
             let role = Role::ALL
@@ -30,9 +31,19 @@ fn parse_shape(spec: &str) -> Result<Shape, String> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let path = args.first().ok_or("usage: sim CONFIG [SCENARIO-INDEX] [--plan SPEC --staleness N]")?;
-    let only: Option<usize> = args.get(1).filter(|a| !a.starts_with("--")).map(|s| s.parse()).transpose()?;
-    let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1));
+    let path = args
+        .first()
+        .ok_or("usage: sim CONFIG [SCENARIO-INDEX] [--plan SPEC --staleness N]")?;
+    let only: Option<usize> = args
+        .get(1)
+        .filter(|a| !a.starts_with("--"))
+        .map(|s| s.parse())
+        .transpose()?;
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+    };
     let config = SimConfig::parse(&std::fs::read_to_string(path)?)?;
     for (i, sc) in config.scenarios()?.iter().enumerate() {
         if only.is_some_and(|o| o != i) {
@@ -42,16 +53,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if let Some(spec) = flag("--plan") {
             let shape = parse_shape(spec)?;
             let w = &sc.world;
-            let inv = Inventory::uniform(
-                w.groups * w.group_devices / sc.gpus_per_node,
-                sc.gpus_per_node,
-                w.group_devices,
-                w.gpu.memory_bytes,
-                w.gpu.host_memory_bytes,
-            )?;
+            let inv = sc.inventory()?;
             let plan = yatt_placement::search::assign(&shape, &inv, None);
             plan.validate(&inv, &w.job)?;
-            let staleness: u32 = flag("--staleness").map(|s| s.parse()).transpose()?.unwrap_or(sc.staleness);
+            let staleness: u32 = flag("--staleness")
+                .map(|s| s.parse())
+                .transpose()?
+                .unwrap_or(sc.staleness);
             let r = Sim::new(w, &plan, staleness, None).run();
             let cm = yatt_placement::CostModel::with_efficiency(
                 yatt_placement::CostSetup {
@@ -68,7 +76,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .iter()
                 .map(|k| {
                     let p = cm.predict(&shape, &w.workload.forecast_at(*k));
-                    format!("step {k}: {:.0}s busy {:?} cycle {:.0}", p.step_s, p.pool_busy_s.iter().map(|x| x.round()).collect::<Vec<_>>(), p.cycle_s)
+                    format!(
+                        "step {k}: {:.0}s busy {:?} cycle {:.0}",
+                        p.step_s,
+                        p.pool_busy_s.iter().map(|x| x.round()).collect::<Vec<_>>(),
+                        p.cycle_s
+                    )
                 })
                 .collect();
             println!("  cost model: {}", preds.join("; "));
@@ -84,7 +97,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 r.wasted_frac * 100.0
             );
             for (stage, gs, batch) in &r.stages {
-                println!("  {stage:?}: {:.0} group-s/step, batch {:?}", gs / f64::from(w.workload.steps), batch.map(|b| b.round()));
+                println!(
+                    "  {stage:?}: {:.0} group-s/step, batch {:?}",
+                    gs / f64::from(w.workload.steps),
+                    batch.map(|b| b.round())
+                );
             }
             let st: Vec<String> = r.step_s.iter().map(|x| format!("{x:.0}")).collect();
             println!("  steps: {}", st.join(" "));

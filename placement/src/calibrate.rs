@@ -77,10 +77,11 @@ pub fn parse_metrics(text: &str) -> Result<Vec<RunStep>, CalibrateError> {
         if line.trim().is_empty() {
             continue;
         }
-        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| CalibrateError::Json {
-            line: line_no,
-            reason: e.to_string(),
-        })?;
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| CalibrateError::Json {
+                line: line_no,
+                reason: e.to_string(),
+            })?;
         let obj = v.as_object().ok_or(CalibrateError::Json {
             line: line_no,
             reason: "not an object".into(),
@@ -164,10 +165,16 @@ pub fn fit(steps: &[RunStep], iterations: f64) -> Rates {
         if intercept > 0.0 {
             (intercept / iterations.max(1.0), b)
         } else {
-            (0.0, median(xs.iter().zip(&ys).map(|(x, y)| y / x.max(1.0)).collect()))
+            (
+                0.0,
+                median(xs.iter().zip(&ys).map(|(x, y)| y / x.max(1.0)).collect()),
+            )
         }
     } else {
-        (0.0, median(xs.iter().zip(&ys).map(|(x, y)| y / x.max(1.0)).collect()))
+        (
+            0.0,
+            median(xs.iter().zip(&ys).map(|(x, y)| y / x.max(1.0)).collect()),
+        )
     };
     let mut s_per_token = BTreeMap::new();
     for (stage, key) in [
@@ -184,7 +191,15 @@ pub fn fit(steps: &[RunStep], iterations: f64) -> Rates {
             );
         }
     }
-    let staged = ["gen", "ref", "values", "old_log_prob", "update_actor", "update_critic", "weight_sync"];
+    let staged = [
+        "gen",
+        "ref",
+        "values",
+        "old_log_prob",
+        "update_actor",
+        "update_critic",
+        "weight_sync",
+    ];
     let overhead = median(
         steps
             .iter()

@@ -63,7 +63,9 @@ pub enum InventoryError {
         group_size: u32,
     },
     /// A node joined twice without leaving.
-    #[error("node {0} is already in the inventory; a restarted node must leave before it joins again")]
+    #[error(
+        "node {0} is already in the inventory; a restarted node must leave before it joins again"
+    )]
     DuplicateNode(String),
 }
 
@@ -263,7 +265,10 @@ mod tests {
         assert_eq!(inv.len(), 4);
         assert_eq!(inv.devices(), 16);
         let g = inv.groups().nth(1).unwrap();
-        assert_eq!((g.node.as_str(), g.devices.clone()), ("a", vec![4, 5, 6, 7]));
+        assert_eq!(
+            (g.node.as_str(), g.devices.clone()),
+            ("a", vec![4, 5, 6, 7])
+        );
         assert_eq!(g.host_memory_per_device, (1u64 << 40) as f64 / 8.0);
         let lost = inv.remove_node("a");
         assert_eq!(lost, vec![GroupId(0), GroupId(1)]);
@@ -275,13 +280,18 @@ mod tests {
     #[test]
     fn refuses_indivisible_nodes_and_duplicates() {
         let err = Inventory::from_nodes(&[node("a", 6)], 4).unwrap_err();
-        assert!(err.to_string().contains("not a multiple of the group size 4"));
+        assert!(err
+            .to_string()
+            .contains("not a multiple of the group size 4"));
         let mut inv = Inventory::from_nodes(&[node("a", 4)], 4).unwrap();
         assert!(matches!(
             inv.add_node(&node("a", 4)),
             Err(InventoryError::DuplicateNode(_))
         ));
-        assert_eq!(Inventory::new(0).unwrap_err(), InventoryError::ZeroGroupSize);
+        assert_eq!(
+            Inventory::new(0).unwrap_err(),
+            InventoryError::ZeroGroupSize
+        );
     }
 
     #[test]

@@ -271,32 +271,23 @@ pub fn check_pool_memory(
         let Some(m) = job.memory(r) else { continue };
         let need = m.per_device(group_devices, pool_devices);
         if need > device_mem {
+            // The fewest devices to split the resident state over so it fits.
+            let room = device_mem - m.peak_extra_bytes;
+            let min_devices = if room > 0.0 {
+                (m.resident_bytes / room).ceil() as u32
+            } else {
+                u32::MAX
+            };
             let hint = match m.sharding {
-                Sharding::Pool => {
-                    let room = device_mem - m.peak_extra_bytes;
-                    let min_devices = if room > 0.0 {
-                        (m.resident_bytes / room).ceil() as u32
-                    } else {
-                        u32::MAX
-                    };
-                    let groups = min_devices.div_ceil(group_devices.max(1));
-                    format!(
-                        "{r}'s state ({}) is sharded over the pool's {pool_devices} device(s); give the pool at least {groups} group(s) of {group_devices}",
-                        gib(m.resident_bytes)
-                    )
-                }
-                Sharding::Group => {
-                    let room = device_mem - m.peak_extra_bytes;
-                    let min = if room > 0.0 {
-                        (m.resident_bytes / room).ceil() as u32
-                    } else {
-                        u32::MAX
-                    };
-                    format!(
-                        "{r}'s weights ({}) are split over one group's {group_devices} device(s); use groups of at least {min} device(s)",
-                        gib(m.resident_bytes)
-                    )
-                }
+                Sharding::Pool => format!(
+                    "{r}'s state ({}) is sharded over the pool's {pool_devices} device(s); give the pool at least {} group(s) of {group_devices}",
+                    gib(m.resident_bytes),
+                    min_devices.div_ceil(group_devices.max(1))
+                ),
+                Sharding::Group => format!(
+                    "{r}'s weights ({}) are split over one group's {group_devices} device(s); use groups of at least {min_devices} device(s)",
+                    gib(m.resident_bytes)
+                ),
             };
             return Err(PlanError::DoesNotFit {
                 pool: roles,
@@ -345,19 +336,12 @@ mod tests {
 
     pub(crate) fn job(model: &str, genrm: bool) -> JobShape {
         let m = ModelSpec::preset(model).unwrap();
-        JobShape {
-            policy: m.clone(),
-            reward: if genrm {
-                RewardKind::Generative { model: m }
-            } else {
-                RewardKind::Rule
-            },
-            critic: None,
-            reference: true,
-            train_epochs: 1,
-            max_response: 8192,
-            prompt_len: 512,
-        }
+        let reward = if genrm {
+            RewardKind::Generative { model: m.clone() }
+        } else {
+            RewardKind::Rule
+        };
+        JobShape::new(m, reward, 8192)
     }
 
     fn inv(gpus: u32, group: u32) -> Inventory {
@@ -388,7 +372,10 @@ mod tests {
         full.validate(&inv, &j).unwrap();
         let partial = split(
             &inv,
-            &[(&[Role::Rollout, Role::Reference, Role::Policy], 6), (&[Role::Reward], 2)],
+            &[
+                (&[Role::Rollout, Role::Reference, Role::Policy], 6),
+                (&[Role::Reward], 2),
+            ],
         );
         assert_eq!(partial.mode(), Mode::PartialColocation);
         partial.validate(&inv, &j).unwrap();
@@ -417,8 +404,20 @@ mod tests {
         );
         let err = p.validate(&inv, &j).unwrap_err();
         let msg = err.to_string();
-        assert!(matches!(err, PlanError::DoesNotFit { role: Role::Policy, .. }), "{msg}");
-        assert!(msg.contains("give the pool at least 2 group(s) of 8"), "{msg}");
+        assert!(
+            matches!(
+                err,
+                PlanError::DoesNotFit {
+                    role: Role::Policy,
+                    ..
+                }
+            ),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("give the pool at least 2 group(s) of 8"),
+            "{msg}"
+        );
         let ok = split(
             &inv,
             &[(&[Role::Rollout, Role::Reference], 6), (&[Role::Policy], 2)],
@@ -448,17 +447,35 @@ mod tests {
         );
         let twice = split(
             &inv,
-            &[(&[Role::Rollout, Role::Reference], 4), (&[Role::Policy, Role::Reference], 4)],
+            &[
+                (&[Role::Rollout, Role::Reference], 4),
+                (&[Role::Policy, Role::Reference], 4),
+            ],
         );
-        assert_eq!(twice.validate(&inv, &j), Err(PlanError::RoleTwice(Role::Reference)));
+        assert_eq!(
+            twice.validate(&inv, &j),
+            Err(PlanError::RoleTwice(Role::Reference))
+        );
         let unknown = split(
             &inv,
-            &[(&[Role::Rollout, Role::Reference, Role::Critic], 4), (&[Role::Policy], 4)],
+            &[
+                (&[Role::Rollout, Role::Reference, Role::Critic], 4),
+                (&[Role::Policy], 4),
+            ],
         );
-        assert_eq!(unknown.validate(&inv, &j), Err(PlanError::UnknownRole(Role::Critic)));
-        let mut dup = split(&inv, &[(&[Role::Rollout, Role::Reference], 4), (&[Role::Policy], 4)]);
+        assert_eq!(
+            unknown.validate(&inv, &j),
+            Err(PlanError::UnknownRole(Role::Critic))
+        );
+        let mut dup = split(
+            &inv,
+            &[(&[Role::Rollout, Role::Reference], 4), (&[Role::Policy], 4)],
+        );
         dup.pools[1].groups[0] = dup.pools[0].groups[0];
-        assert!(matches!(dup.validate(&inv, &j), Err(PlanError::GroupTwice(_))));
+        assert!(matches!(
+            dup.validate(&inv, &j),
+            Err(PlanError::GroupTwice(_))
+        ));
     }
 
     #[test]
@@ -469,6 +486,9 @@ mod tests {
         let m = a.moves_to(&b);
         assert_eq!(m.len(), 1);
         assert_eq!(m[0].group, GroupId(2));
-        assert_eq!((m[0].from, m[0].to), (RoleSet::of(&[Role::Policy]), RoleSet::of(&[Role::Rollout])));
+        assert_eq!(
+            (m[0].from, m[0].to),
+            (RoleSet::of(&[Role::Policy]), RoleSet::of(&[Role::Rollout]))
+        );
     }
 }

@@ -21,8 +21,7 @@
 //! let model = ModelSpec::preset("7b").unwrap();
 //! let inv = Inventory::uniform(4, 8, 2, gpu.memory_bytes, gpu.host_memory_bytes).unwrap();
 //! let setup = CostSetup {
-//!     job: JobShape { policy: model.clone(), reward: RewardKind::Rule, critic: None,
-//!                     reference: true, train_epochs: 1, max_response: 8192, prompt_len: 512 },
+//!     job: JobShape::new(model, RewardKind::Rule, 8192),
 //!     gpu, group_devices: 2, staleness: 1,
 //! };
 //! let forecast = ForecastParams { prompts_per_step: 256, samples_per_prompt: 8,
@@ -84,8 +83,8 @@ impl Default for PolicyConfig {
             payback: 2.0,
             cooldown_steps: 3,
             lookahead_steps: 5.0,
-            simulate_candidates: 3,
-            simulate_steps: 6,
+            simulate_candidates: 4,
+            simulate_steps: 10,
         }
     }
 }
@@ -158,7 +157,9 @@ pub enum PolicyError {
     #[error("no placement fits this cluster: {0}")]
     NoPlan(PlanError),
     /// The inventory has no groups.
-    #[error("the inventory has no groups; start placement after at least one node with devices joined")]
+    #[error(
+        "the inventory has no groups; start placement after at least one node with devices joined"
+    )]
     Empty,
     /// A membership change was inconsistent.
     #[error(transparent)]
@@ -350,7 +351,10 @@ impl PlacementPolicy {
             return Vec::new();
         }
         let seen = match &self.phase {
-            Phase::Candidate { shape: seen_shape, seen } if similar(seen_shape, &shape) => seen + 1,
+            Phase::Candidate {
+                shape: seen_shape,
+                seen,
+            } if similar(seen_shape, &shape) => seen + 1,
             _ => 1,
         };
         if seen < self.config.confirmations {
@@ -446,7 +450,9 @@ fn similar(a: &Shape, b: &Shape) -> bool {
     a.pools.len() == b.pools.len()
         && a.rollout_cap == b.rollout_cap
         && a.pools.iter().zip(&b.pools).all(|(x, y)| {
-            x.0 == y.0 && (f64::from(x.1) - f64::from(y.1)).abs() <= 0.1 * f64::from(x.1.max(y.1)).max(10.0)
+            x.0 == y.0
+                && (f64::from(x.1) - f64::from(y.1)).abs()
+                    <= 0.1 * f64::from(x.1.max(y.1)).max(10.0)
         })
 }
 
@@ -461,15 +467,7 @@ mod tests {
         let m = ModelSpec::preset("7b").unwrap();
         let inv = Inventory::uniform(4, 8, 2, gpu.memory_bytes, gpu.host_memory_bytes).unwrap();
         let setup = CostSetup {
-            job: JobShape {
-                policy: m.clone(),
-                reward: RewardKind::Generative { model: m },
-                critic: None,
-                reference: true,
-                train_epochs: 1,
-                max_response: 16384,
-                prompt_len: 512,
-            },
+            job: JobShape::new(m.clone(), RewardKind::Generative { model: m }, 16384),
             gpu,
             group_devices: 2,
             staleness: 1,
@@ -515,17 +513,21 @@ mod tests {
     #[test]
     fn starts_valid_and_holds_when_nothing_changes() {
         let (inv, setup, f) = setup();
-        let mut p = PlacementPolicy::new(PolicyConfig::default(), inv.clone(), setup.clone(), f).unwrap();
+        let mut p =
+            PlacementPolicy::new(PolicyConfig::default(), inv.clone(), setup.clone(), f).unwrap();
         p.plan().validate(&inv, &setup.job).unwrap();
         for step in 0..30 {
-            assert!(p.on_event(Event::Metrics(metrics(step, 800f64.ln()))).is_empty());
+            assert!(p
+                .on_event(Event::Metrics(metrics(step, 800f64.ln())))
+                .is_empty());
         }
     }
 
     #[test]
     fn longer_responses_move_groups_to_the_rollout_after_confirmation() {
         let (inv, setup, f) = setup();
-        let mut p = PlacementPolicy::new(PolicyConfig::default(), inv.clone(), setup.clone(), f).unwrap();
+        let mut p =
+            PlacementPolicy::new(PolicyConfig::default(), inv.clone(), setup.clone(), f).unwrap();
         let before = rollout_groups(p.plan());
         let mut decided = None;
         let mut searches_before = 0;
@@ -547,12 +549,18 @@ mod tests {
         assert!(rollout_groups(&m.target) > before);
         assert!(p.migrating());
         // Metrics during the migration decide nothing.
-        assert!(p.on_event(Event::Metrics(metrics(step + 1, 4000f64.ln()))).is_empty());
+        assert!(p
+            .on_event(Event::Metrics(metrics(step + 1, 4000f64.ln())))
+            .is_empty());
         p.on_event(Event::MigrationDone { id: m.id });
         assert_eq!(p.plan(), &m.target);
         // Cooldown, then steady again at the new load: no flapping back.
         for s in step + 2..step + 30 {
-            assert!(p.on_event(Event::Metrics(metrics(s, 4000f64.ln()))).is_empty(), "step {s}");
+            assert!(
+                p.on_event(Event::Metrics(metrics(s, 4000f64.ln())))
+                    .is_empty(),
+                "step {s}"
+            );
         }
     }
 

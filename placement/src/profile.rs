@@ -370,6 +370,20 @@ pub struct JobShape {
 }
 
 impl JobShape {
+    /// A critic-free job with a reference model (GRPO and friends), one training pass
+    /// per batch, 512-token prompts and responses of at most `max_response` tokens.
+    pub fn new(policy: ModelSpec, reward: RewardKind, max_response: u32) -> Self {
+        JobShape {
+            policy,
+            reward,
+            critic: None,
+            reference: true,
+            train_epochs: 1,
+            max_response,
+            prompt_len: 512,
+        }
+    }
+
     /// The roles that need GPU groups, in pipeline order.
     pub fn gpu_roles(&self) -> RoleSet {
         let mut s = RoleSet::of(&[Role::Rollout, Role::Policy]);

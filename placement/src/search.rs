@@ -287,7 +287,11 @@ pub fn assign(shape: &Shape, inv: &Inventory, current: Option<&Plan>) -> Plan {
             }
         })
         .collect();
-    let mut free: Vec<GroupId> = live.iter().filter(|g| !taken.contains(g)).copied().collect();
+    let mut free: Vec<GroupId> = live
+        .iter()
+        .filter(|g| !taken.contains(g))
+        .copied()
+        .collect();
     for (pool, (_, n)) in pools.iter_mut().zip(&shape.pools) {
         let want = (*n as usize).saturating_sub(pool.groups.len());
         if want == 0 {
@@ -326,15 +330,7 @@ mod tests {
         let m = ModelSpec::preset(size).unwrap();
         CostModel::new(
             CostSetup {
-                job: JobShape {
-                    policy: m.clone(),
-                    reward: RewardKind::Generative { model: m },
-                    critic: None,
-                    reference: true,
-                    train_epochs: 1,
-                    max_response: 16384,
-                    prompt_len: 512,
-                },
+                job: JobShape::new(m.clone(), RewardKind::Generative { model: m }, 16384),
                 gpu: GpuSpec::preset("h100").unwrap(),
                 group_devices: group,
                 staleness,
@@ -431,7 +427,10 @@ mod tests {
         let inv = Inventory::uniform(2, 8, 2, h.memory_bytes, h.host_memory_bytes).unwrap();
         let a = assign(
             &Shape {
-                pools: vec![(RoleSet::of(&[Role::Rollout]), 5), (RoleSet::of(&[Role::Policy]), 3)],
+                pools: vec![
+                    (RoleSet::of(&[Role::Rollout]), 5),
+                    (RoleSet::of(&[Role::Policy]), 3),
+                ],
                 rollout_cap: None,
             },
             &inv,
@@ -440,7 +439,10 @@ mod tests {
         assert_eq!(a.pools[0].groups.len(), 5);
         let b = assign(
             &Shape {
-                pools: vec![(RoleSet::of(&[Role::Rollout]), 6), (RoleSet::of(&[Role::Policy]), 2)],
+                pools: vec![
+                    (RoleSet::of(&[Role::Rollout]), 6),
+                    (RoleSet::of(&[Role::Policy]), 2),
+                ],
                 rollout_cap: None,
             },
             &inv,
@@ -448,6 +450,9 @@ mod tests {
         );
         let moves = a.moves_to(&b);
         assert_eq!(moves.len(), 1, "{moves:?}");
-        assert!(a.pools[0].groups.iter().all(|g| b.pools[0].groups.contains(g)));
+        assert!(a.pools[0]
+            .groups
+            .iter()
+            .all(|g| b.pools[0].groups.contains(g)));
     }
 }

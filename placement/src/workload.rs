@@ -51,7 +51,8 @@ pub fn normal_cdf(x: f64) -> f64 {
     let t = 1.0 / (1.0 + 0.327_591_1 * z);
     let poly = t
         * (0.254_829_592
-            + t * (-0.284_496_736 + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
+            + t * (-0.284_496_736
+                + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
     let erfc = poly * (-z * z).exp();
     if x >= 0.0 {
         1.0 - 0.5 * erfc
@@ -222,7 +223,10 @@ impl WorkloadSpec {
             return Err("workload: max_response and prompt_len must be at least 1".into());
         }
         if !(self.growth > 0.0) {
-            return Err(format!("workload.growth: expected > 0, found {}", self.growth));
+            return Err(format!(
+                "workload.growth: expected > 0, found {}",
+                self.growth
+            ));
         }
         if !(0.0..=1.0).contains(&self.group_correlation) {
             return Err(format!(
@@ -310,10 +314,7 @@ impl WorkloadSpec {
     /// for picking the best static split in hindsight).
     pub fn forecast_at(&self, step: u32) -> Forecast {
         let (mu, sigma) = self.response.log_moments();
-        let (jmu, jsigma) = self
-            .judge
-            .map(|j| j.log_moments())
-            .unwrap_or((0.0, 0.0));
+        let (jmu, jsigma) = self.judge.map(|j| j.log_moments()).unwrap_or((0.0, 0.0));
         Forecast::new(ForecastParams {
             prompts_per_step: self.prompts_per_step,
             samples_per_prompt: self.samples_per_prompt,
@@ -378,14 +379,24 @@ impl Forecast {
             (0..QUANTILES)
                 .map(|i| {
                     let p = (i as f64 + 0.5) / QUANTILES as f64;
-                    (mu + s * normal_quantile(p)).exp().clamp(1.0, f64::from(max))
+                    (mu + s * normal_quantile(p))
+                        .exp()
+                        .clamp(1.0, f64::from(max))
                 })
                 .collect()
         };
         Forecast {
-            len_q: q(params.len_log_mean, params.len_log_sigma, params.max_response),
+            len_q: q(
+                params.len_log_mean,
+                params.len_log_sigma,
+                params.max_response,
+            ),
             judge_q: if params.judge_log_mean > 0.0 {
-                q(params.judge_log_mean, params.judge_log_sigma, params.judge_max)
+                q(
+                    params.judge_log_mean,
+                    params.judge_log_sigma,
+                    params.judge_max,
+                )
             } else {
                 Vec::new()
             },

@@ -254,20 +254,26 @@ impl<'w> Sim<'w> {
             RewardKind::Generative { model } => model.clone(),
             _ => gen_model.clone(),
         };
-        let coeffs_judge =
-            DecodeCoeffs::roofline(&judge_model, &w.gpu, w.group_devices, &w.truth);
+        let coeffs_judge = DecodeCoeffs::roofline(&judge_model, &w.gpu, w.group_devices, &w.truth);
         let steps = w.workload.steps;
         let wl = &w.workload;
         let slots_gen = (0..steps)
             .map(|k| {
                 let f = wl.forecast_at(k);
-                decode_slots(gen_model, &w.gpu, w.group_devices, f.params.prompt_len + f.mean_len()).max(1)
+                decode_slots(
+                    gen_model,
+                    &w.gpu,
+                    w.group_devices,
+                    f.params.prompt_len + f.mean_len(),
+                )
+                .max(1)
             })
             .collect();
         let slots_judge = (0..steps)
             .map(|k| {
                 let f = wl.forecast_at(k);
-                let ctx = f.params.prompt_len + f.mean_len() + f.params.judge_prompt + f.mean_judge_len();
+                let ctx =
+                    f.params.prompt_len + f.mean_len() + f.params.judge_prompt + f.mean_judge_len();
                 decode_slots(&judge_model, &w.gpu, w.group_devices, ctx).max(1)
             })
             .collect();
@@ -275,7 +281,9 @@ impl<'w> Sim<'w> {
         for s in Stage::of_job(&w.job) {
             if let Some(m) = w.job.model(s.role()) {
                 let v = match s {
-                    Stage::TrainActor | Stage::TrainCritic => train_s_per_token(m, &w.gpu, &w.truth),
+                    Stage::TrainActor | Stage::TrainCritic => {
+                        train_s_per_token(m, &w.gpu, &w.truth)
+                    }
                     _ => forward_s_per_token(m, &w.gpu, &w.truth),
                 };
                 s_per_token.insert(s, v);
@@ -418,7 +426,12 @@ impl<'w> Sim<'w> {
         let makespan = self.last_step_end;
         let device_s = makespan * f64::from(self.w.groups * self.w.group_devices);
         let d = f64::from(self.w.group_devices);
-        let compute: f64 = self.groups.iter().map(|g| g.compute_s.min(makespan)).sum::<f64>() * d;
+        let compute: f64 = self
+            .groups
+            .iter()
+            .map(|g| g.compute_s.min(makespan))
+            .sum::<f64>()
+            * d;
         let overhead: f64 = self.groups.iter().map(|g| g.overhead_s).sum::<f64>() * d;
         let compute_frac = (compute / device_s).min(1.0);
         let overhead_frac = (overhead / device_s).min(1.0 - compute_frac);
@@ -548,13 +561,13 @@ impl<'w> Sim<'w> {
             self.wasted_tokens += f64::from(s.len);
             return;
         }
+        let l = f64::from(s.len.max(1)).ln();
+        let st = &mut self.steps[s.step as usize].lens[s.kind as usize];
+        st.0 += 1.0;
+        st.1 += l;
+        st.2 += l * l;
         match s.kind {
             Kind::Gen => {
-                let l = f64::from(s.len.max(1)).ln();
-                let st = &mut self.steps[s.step as usize].lens[0];
-                st.0 += 1.0;
-                st.1 += l;
-                st.2 += l * l;
                 match &self.w.job.reward {
                     RewardKind::Generative { .. } => {
                         let ctx0 = s.ctx0 + s.len + self.w.workload.judge_prompt;
@@ -574,7 +587,9 @@ impl<'w> Sim<'w> {
                         // The scalar model scores a prompt group once all of it is
                         // generated.
                         let st = &mut self.steps[s.step as usize];
-                        let Some(p) = st.pgs.get_mut(&s.pg) else { return };
+                        let Some(p) = st.pgs.get_mut(&s.pg) else {
+                            return;
+                        };
                         p.gen_left -= 1;
                         if p.gen_left == 0 {
                             let tokens = p.tokens;
@@ -588,14 +603,7 @@ impl<'w> Sim<'w> {
                     }
                 }
             }
-            Kind::Judge => {
-                let l = f64::from(s.len.max(1)).ln();
-                let st = &mut self.steps[s.step as usize].lens[1];
-                st.0 += 1.0;
-                st.1 += l;
-                st.2 += l * l;
-                self.sample_rewarded(s.step, s.pg, 1);
-            }
+            Kind::Judge => self.sample_rewarded(s.step, s.pg, 1),
         }
     }
 
@@ -627,7 +635,9 @@ impl<'w> Sim<'w> {
                 break;
             }
             let next = st.next;
-            let Some(p) = st.done.remove(&next) else { break };
+            let Some(p) = st.done.remove(&next) else {
+                break;
+            };
             st.next += 1;
             self.accept(step, p);
         }
@@ -856,7 +866,11 @@ impl<'w> Sim<'w> {
             step: u64::from(step),
             step_s: dur,
             stages,
-            response_len_mean: if lm > 0.0 { (lm + ls * ls / 2.0).exp() } else { 0.0 },
+            response_len_mean: if lm > 0.0 {
+                (lm + ls * ls / 2.0).exp()
+            } else {
+                0.0
+            },
             response_log_mean: lm,
             response_log_std: ls,
             prompt_len_mean: f64::from(self.w.workload.prompt_len),
@@ -967,7 +981,10 @@ impl<'w> Sim<'w> {
         let Some(kind) = self.groups[g].kind else {
             return;
         };
-        if self.groups[g].pool.is_some_and(|p| self.pools[p].roles.len() > 1 && self.should_yield(p)) {
+        if self.groups[g]
+            .pool
+            .is_some_and(|p| self.pools[p].roles.len() > 1 && self.should_yield(p))
+        {
             return;
         }
         loop {
@@ -980,7 +997,8 @@ impl<'w> Sim<'w> {
                 break;
             };
             let step = self.seqs[idx].step as usize;
-            let mut slots = self.slots[kind as usize][step.min(self.slots[kind as usize].len() - 1)];
+            let mut slots =
+                self.slots[kind as usize][step.min(self.slots[kind as usize].len() - 1)];
             if let (Kind::Gen, Some(cap)) = (kind, self.rollout_cap) {
                 slots = slots.min(cap.max(1));
             }
@@ -997,8 +1015,13 @@ impl<'w> Sim<'w> {
             grp.p_sum += f64::from(s.ctx0);
             grp.s_sum += s.start_iter;
             grp.debt += f64::from(s.ctx0) * grp.coeffs.prefill;
-            grp.heap.push(Reverse((OrdF64(grp.iter + f64::from(s.len)), idx, s.gen)));
-            let stage = if kind == Kind::Gen { Stage::Gen } else { Stage::Judge };
+            grp.heap
+                .push(Reverse((OrdF64(grp.iter + f64::from(s.len)), idx, s.gen)));
+            let stage = if kind == Kind::Gen {
+                Stage::Gen
+            } else {
+                Stage::Judge
+            };
             self.windows.entry(stage).or_default().prefill += f64::from(s.ctx0);
         }
     }
@@ -1229,7 +1252,11 @@ impl<'w> Sim<'w> {
         let mut secs = tokens * self.s_per_token[&stage] / f64::from(devices);
         if matches!(stage, Stage::TrainActor | Stage::TrainCritic) {
             // Gradient reduce-scatter and parameter all-gather of ZeRO-3, partly hidden.
-            let model = self.w.job.model(stage.role()).expect("trained role has a model");
+            let model = self
+                .w
+                .job
+                .model(stage.role())
+                .expect("trained role has a model");
             secs += 1.5 * model.weight_bytes() / f64::from(devices) / self.w.gpu.net_bytes_per_s;
             if std::mem::take(&mut self.pools[p].reshard) {
                 let state = self.w.job.memory(stage.role()).expect("memory profile");
@@ -1309,11 +1336,23 @@ impl<'w> Sim<'w> {
                     })
                     .sum();
                 self.groups[g].overhead_s += load;
-                if pool.roles.iter().any(|r| self.w.job.memory(r).is_some_and(|m| m.sharding == Sharding::Pool)) {
+                if pool.roles.iter().any(|r| {
+                    self.w
+                        .job
+                        .memory(r)
+                        .is_some_and(|m| m.sharding == Sharding::Pool)
+                }) {
                     self.pools[dest].reshard = true;
                 }
                 pending += 1;
-                self.at(leave_at + load, Ev::GroupJoin { g, p: dest, migration: id });
+                self.at(
+                    leave_at + load,
+                    Ev::GroupJoin {
+                        g,
+                        p: dest,
+                        migration: id,
+                    },
+                );
             }
         }
         if pending == 0 {
@@ -1350,7 +1389,12 @@ impl<'w> Sim<'w> {
         grp.stamp += 1;
         let pool = &mut self.pools[p];
         pool.members.retain(|&x| x != g);
-        if pool.roles.iter().any(|r| self.w.job.memory(r).is_some_and(|m| m.sharding == Sharding::Pool)) {
+        if pool.roles.iter().any(|r| {
+            self.w
+                .job
+                .memory(r)
+                .is_some_and(|m| m.sharding == Sharding::Pool)
+        }) {
             pool.reshard = true;
         }
         match pool.phase {

@@ -65,7 +65,10 @@ pub fn simulate_shape(cm: &CostModel, f: &Forecast, trend: f64, shape: &Shape, s
         seed: 7,
         scale_by_step: Vec::new(),
     };
-    let rollout_pool = sliced.pools.iter().position(|x| x.0.contains(Role::Rollout));
+    let rollout_pool = sliced
+        .pools
+        .iter()
+        .position(|x| x.0.contains(Role::Rollout));
     let policy_pool = sliced.pools.iter().position(|x| x.0.contains(Role::Policy));
     let colocated = rollout_pool == policy_pool;
     let mut s_per_token = BTreeMap::new();
@@ -95,8 +98,13 @@ pub fn simulate_shape(cm: &CostModel, f: &Forecast, trend: f64, shape: &Shape, s
         groups,
         rates: Some(rates),
     };
-    let Ok(inv) = Inventory::uniform(groups, g, g, setup.gpu.memory_bytes, setup.gpu.host_memory_bytes)
-    else {
+    let Ok(inv) = Inventory::uniform(
+        groups,
+        g,
+        g,
+        setup.gpu.memory_bytes,
+        setup.gpu.host_memory_bytes,
+    ) else {
         return f64::INFINITY;
     };
     let plan = assign(&sliced, &inv, None);

@@ -416,7 +416,9 @@ pub struct ScenarioReport {
 impl ScenarioReport {
     /// The report of one strategy.
     pub fn get(&self, s: Strategy) -> Option<&StrategyReport> {
-        self.strategies.iter().find(|r| r.strategy == s && r.refused.is_none())
+        self.strategies
+            .iter()
+            .find(|r| r.strategy == s && r.refused.is_none())
     }
 }
 
@@ -443,16 +445,26 @@ pub fn lower_bound(w: &World) -> Vec<f64> {
         )
     });
     let decode = |c: &DecodeCoeffs, slots: f64, ctx0: f64, len: f64| {
-        g * (c.a * len / slots + c.b * len + c.c * (ctx0 * len + len * (len + 1.0) / 2.0) + c.prefill * ctx0)
+        g * (c.a * len / slots
+            + c.b * len
+            + c.c * (ctx0 * len + len * (len + 1.0) / 2.0)
+            + c.prefill * ctx0)
     };
     (0..w.workload.steps)
         .map(|k| {
             let f = w.workload.forecast_at(k);
             let slots = f64::from(
-                decode_slots(&job.policy, &w.gpu, w.group_devices, f.params.prompt_len + f.mean_len()).max(1),
+                decode_slots(
+                    &job.policy,
+                    &w.gpu,
+                    w.group_devices,
+                    f.params.prompt_len + f.mean_len(),
+                )
+                .max(1),
             );
             let jslots = judge_model.as_ref().map(|m| {
-                let ctx = f.params.prompt_len + f.mean_len() + f.params.judge_prompt + f.mean_judge_len();
+                let ctx =
+                    f.params.prompt_len + f.mean_len() + f.params.judge_prompt + f.mean_judge_len();
                 f64::from(decode_slots(m, &w.gpu, w.group_devices, ctx).max(1))
             });
             let mut kept = 0;
@@ -540,20 +552,28 @@ fn refused(strategy: Strategy, why: String) -> StrategyReport {
     }
 }
 
+impl Scenario {
+    /// The scenario's cluster as an inventory of uniform nodes.
+    pub fn inventory(&self) -> Result<Inventory, SimError> {
+        let w = &self.world;
+        Inventory::uniform(
+            w.groups * w.group_devices / self.gpus_per_node,
+            self.gpus_per_node,
+            w.group_devices,
+            w.gpu.memory_bytes,
+            w.gpu.host_memory_bytes,
+        )
+        .map_err(|source| SimError::Inventory {
+            scenario: self.name.clone(),
+            source,
+        })
+    }
+}
+
 /// Runs one scenario's placements.
 pub fn run_scenario(sc: &Scenario) -> Result<ScenarioReport, SimError> {
     let w = &sc.world;
-    let inv = Inventory::uniform(
-        w.groups * w.group_devices / sc.gpus_per_node,
-        sc.gpus_per_node,
-        w.group_devices,
-        w.gpu.memory_bytes,
-        w.gpu.host_memory_bytes,
-    )
-    .map_err(|source| SimError::Inventory {
-        scenario: sc.name.clone(),
-        source,
-    })?;
+    let inv = sc.inventory()?;
     let bound = lower_bound(w);
     let bound_step = bound.iter().sum::<f64>() / bound.len().max(1) as f64;
     let steps = w.workload.steps;
@@ -588,11 +608,12 @@ pub fn run_scenario(sc: &Scenario) -> Result<ScenarioReport, SimError> {
                 }
             }
             Strategy::Dynamic => {
-                let policy = PlacementPolicy::new(sc.policy, inv.clone(), setup(sc.staleness), prior)
-                    .map_err(|source| SimError::Policy {
-                        scenario: sc.name.clone(),
-                        source,
-                    })?;
+                let policy =
+                    PlacementPolicy::new(sc.policy, inv.clone(), setup(sc.staleness), prior)
+                        .map_err(|source| SimError::Policy {
+                            scenario: sc.name.clone(),
+                            source,
+                        })?;
                 let plan = policy.plan().clone();
                 let (r, final_policy) = Sim::new(w, &plan, sc.staleness, Some(policy)).run_keep();
                 if let Some(p) = final_policy {
@@ -696,7 +717,9 @@ pub fn format_report(r: &ScenarioReport) -> String {
             x.strategy.name(),
             x.step_s,
             x.vs_bound,
-            x.speedup.map(|v| format!("{v:.2}x")).unwrap_or_else(|| "-".into()),
+            x.speedup
+                .map(|v| format!("{v:.2}x"))
+                .unwrap_or_else(|| "-".into()),
             x.idle_frac * 100.0,
             x.overhead_frac * 100.0,
             x.wasted_frac * 100.0,
@@ -752,7 +775,12 @@ judge_max = 256
             assert_eq!(s.steps_s.len(), 4, "{:?}", s.strategy);
             // In-order acceptance makes every placement train the same groups, so none
             // can beat the work they need at full efficiency.
-            assert!(s.vs_bound >= 1.0, "{:?} at {} x bound", s.strategy, s.vs_bound);
+            assert!(
+                s.vs_bound >= 1.0,
+                "{:?} at {} x bound",
+                s.strategy,
+                s.vs_bound
+            );
             let total = s.compute_frac + s.overhead_frac + s.idle_frac;
             assert!((total - 1.0).abs() < 1e-9, "{total}");
         }
@@ -768,7 +796,10 @@ judge_max = 256
     fn config_errors_name_the_key() {
         let bad = SMALL.replace("reward = \"genrm\"", "reward = \"llm\"");
         let err = SimConfig::parse(&bad).unwrap_err().to_string();
-        assert!(err.contains("job.reward") && err.contains("\"llm\""), "{err}");
+        assert!(
+            err.contains("job.reward") && err.contains("\"llm\""),
+            "{err}"
+        );
         let bad = SMALL.replace("gpu = \"h100\"", "gpu = \"h100\"\ngpus_per_rack = 4");
         let err = SimConfig::parse(&bad).unwrap_err().to_string();
         assert!(err.contains("gpus_per_rack"), "{err}");
@@ -784,7 +815,12 @@ judge_max = 256
     fn a_model_that_fits_nowhere_is_refused_with_the_reason() {
         let big = SMALL.replace("model = \"1b\"", "model = \"70b\"");
         let config = SimConfig::parse(&big).unwrap();
-        let err = run_scenario(&config.scenarios().unwrap()[0]).unwrap_err().to_string();
-        assert!(err.contains("no placement fits") && err.contains("GiB"), "{err}");
+        let err = run_scenario(&config.scenarios().unwrap()[0])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("no placement fits") && err.contains("GiB"),
+            "{err}"
+        );
     }
 }

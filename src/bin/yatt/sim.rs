@@ -52,7 +52,9 @@ pub fn run(args: SimArgs) -> Result<()> {
         return calibrate_run(path, iterations);
     }
     let Some(path) = &args.config else {
-        bail!("give a config (e.g. config/sim-longtail.toml), --bench, or --calibrate METRICS_JSONL");
+        bail!(
+            "give a config (e.g. config/sim-longtail.toml), --bench, or --calibrate METRICS_JSONL"
+        );
     };
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading the sim config {}", path.display()))?;
@@ -120,7 +122,10 @@ fn calibrate_run(path: &Path, iterations: u32) -> Result<()> {
         mean(&c.measured_s[held..]) * 1e3,
         c.held_out_error * 100.0
     );
-    println!("mean step, all steps: error {:.1}%", c.overall_error * 100.0);
+    println!(
+        "mean step, all steps: error {:.1}%",
+        c.overall_error * 100.0
+    );
     Ok(())
 }
 
@@ -133,15 +138,11 @@ fn bench() -> Result<()> {
     for gpus in [512u32, 1024, 2048, 4096] {
         let inv = Inventory::uniform(gpus / 8, 8, 8, gpu.memory_bytes, gpu.host_memory_bytes)?;
         let setup = CostSetup {
-            job: JobShape {
-                policy: m.clone(),
-                reward: RewardKind::Generative { model: m.clone() },
-                critic: None,
-                reference: true,
-                train_epochs: 1,
-                max_response: 16384,
-                prompt_len: 512,
-            },
+            job: JobShape::new(
+                m.clone(),
+                RewardKind::Generative { model: m.clone() },
+                16384,
+            ),
             gpu: gpu.clone(),
             group_devices: 8,
             staleness: 1,
@@ -223,7 +224,8 @@ fn plot(reports: &[ScenarioReport], path: &Path) -> Result<()> {
         }
         root.present().map_err(|e| anyhow::anyhow!("{e}"))?;
     }
-    let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let file =
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
     let mut enc = png::Encoder::new(std::io::BufWriter::new(file), w, h);
     enc.set_color(png::ColorType::Rgb);
     enc.set_depth(png::BitDepth::Eight);
@@ -244,10 +246,7 @@ fn panel(area: &Area<'_>, r: &ScenarioReport) -> Result<(), Box<dyn std::error::
         .chain(r.bound_steps_s.iter().copied())
         .filter(|v| v.is_finite())
         .fold(1.0, f64::max);
-    let summary = match (
-        r.get(Strategy::Dynamic),
-        r.get(Strategy::Colocate),
-    ) {
+    let summary = match (r.get(Strategy::Dynamic), r.get(Strategy::Colocate)) {
         (Some(d), Some(_)) => format!(
             ": dynamic {:.2}x colocate, {:.2}x bound",
             d.speedup.unwrap_or(f64::NAN),
