@@ -18,8 +18,8 @@ use crate::workload::{DynamicSampling, Forecast, LengthDist, WorkloadSpec};
 /// with the same load per group, which keeps a search at 4,096 GPUs fast.
 const MAX_GROUPS: f64 = 48.0;
 
-/// Mean seconds per step of `shape` over `steps` simulated steps (after the first two,
-/// which fill the pipeline), with the fitted rates of `cm` and the workload of `f`
+/// Mean seconds per step of `shape` over `steps` simulated steps (after the first
+/// `staleness + 2`, which fill the pipeline), with the fitted rates of `cm` and the workload of `f`
 /// whose lengths grow by `trend` in ln per step.
 pub fn simulate_shape(cm: &CostModel, f: &Forecast, trend: f64, shape: &Shape, steps: u32) -> f64 {
     let setup = cm.setup();
@@ -39,7 +39,9 @@ pub fn simulate_shape(cm: &CostModel, f: &Forecast, trend: f64, shape: &Shape, s
     let scale = total / f64::from(groups);
     let p = f.params;
     let prompts = ((f64::from(p.prompts_per_step) / scale).round() as u32).max(1);
-    let steps = steps.max(3);
+    // The first steps fill the pipeline (one more per step of staleness): skip them.
+    let skip = (setup.staleness + 2) as usize;
+    let steps = steps.max(skip as u32 + 6);
     let workload = WorkloadSpec {
         steps,
         prompts_per_step: prompts,
@@ -109,7 +111,7 @@ pub fn simulate_shape(cm: &CostModel, f: &Forecast, trend: f64, shape: &Shape, s
     };
     let plan = assign(&sliced, &inv, None);
     let r = Sim::new(&world, &plan, setup.staleness, None).run();
-    let tail = &r.step_s[2.min(r.step_s.len())..];
+    let tail = &r.step_s[skip.min(r.step_s.len())..];
     if tail.is_empty() {
         return f64::INFINITY;
     }
