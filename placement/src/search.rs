@@ -340,19 +340,9 @@ mod tests {
     }
 
     fn forecast() -> ForecastParams {
-        ForecastParams {
-            prompts_per_step: 512,
-            samples_per_prompt: 16,
-            prompt_len: 512.0,
-            len_log_mean: 1500f64.ln(),
-            len_log_sigma: 1.0,
-            max_response: 16384,
-            drop_rate: 0.2,
-            judge_log_mean: 300f64.ln(),
-            judge_log_sigma: 0.5,
-            judge_max: 2048,
-            judge_prompt: 256.0,
-        }
+        ForecastParams::lognormal(512, 16, 1500.0, 1.0, 16384)
+            .with_drop(0.2)
+            .with_judge(300.0, 0.5, 2048)
     }
 
     fn space(groups: u32, group: u32) -> Space {

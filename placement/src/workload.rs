@@ -358,6 +358,50 @@ pub struct ForecastParams {
     pub judge_prompt: f64,
 }
 
+impl ForecastParams {
+    /// A forecast of `prompts` prompts of `samples` samples with 512-token prompts and
+    /// lognormal responses (`median`, `sigma`) truncated at `max_response`; no dynamic
+    /// sampling and no judge until [`ForecastParams::with_drop`] and
+    /// [`ForecastParams::with_judge`] add them.
+    pub fn lognormal(
+        prompts: u32,
+        samples: u32,
+        median: f64,
+        sigma: f64,
+        max_response: u32,
+    ) -> Self {
+        ForecastParams {
+            prompts_per_step: prompts,
+            samples_per_prompt: samples,
+            prompt_len: 512.0,
+            len_log_mean: median.ln(),
+            len_log_sigma: sigma,
+            max_response,
+            drop_rate: 0.0,
+            judge_log_mean: 0.0,
+            judge_log_sigma: 0.0,
+            judge_max: 0,
+            judge_prompt: 0.0,
+        }
+    }
+
+    /// With this dynamic-sampling drop rate.
+    pub fn with_drop(mut self, rate: f64) -> Self {
+        self.drop_rate = rate;
+        self
+    }
+
+    /// With a generative judge: lognormal verdicts (`median`, `sigma`) of at most `max`
+    /// tokens, after 256 tokens of instructions.
+    pub fn with_judge(mut self, median: f64, sigma: f64, max: u32) -> Self {
+        self.judge_log_mean = median.ln();
+        self.judge_log_sigma = sigma;
+        self.judge_max = max;
+        self.judge_prompt = 256.0;
+        self
+    }
+}
+
 /// Number of quantiles a forecast keeps of each length distribution.
 const QUANTILES: usize = 256;
 
