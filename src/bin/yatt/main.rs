@@ -7,6 +7,7 @@ mod demo;
 mod engine_cmds;
 mod eval;
 mod plot;
+mod sim;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -35,6 +36,10 @@ enum Command {
     Plot(plot::PlotArgs),
     /// Evaluate: greedy accuracy of a job's model or checkpoint on held-out prompts.
     Eval(eval::EvalArgs),
+    /// Simulate placements of an RLHF job on clusters of 8 to 4,096 GPUs (colocation,
+    /// the best static split, dynamic placement) against the lower bound; or time the
+    /// plan search (--bench), or fit the simulator to a run's metrics (--calibrate).
+    Sim(sim::SimArgs),
     /// Import a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1) as an HF model directory.
     ImportGguf(engine_cmds::ImportGgufArgs),
     /// Benchmarks; figures go to stdout as a markdown table.
@@ -65,6 +70,7 @@ fn real_main() -> anyhow::Result<()> {
         Command::Train(args) => train::run(args),
         Command::Plot(args) => plot::run(args),
         Command::Eval(args) => eval::run(args),
+        Command::Sim(args) => sim::run(args),
         Command::ImportGguf(args) => engine_cmds::import_gguf(args),
         Command::Bench(BenchCommand::Engine(args)) => engine_cmds::bench_engine(args),
         Command::Bench(BenchCommand::Runtime(args)) => bench_runtime::run(args),
