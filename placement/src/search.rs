@@ -228,9 +228,9 @@ fn best_counts(
     let mut block = (space.groups / 16).max(1);
     loop {
         let mut improved = false;
-        for from in 0..shape.pools.len() {
+        for (from, &min_from) in mins.iter().enumerate() {
             for to in 0..shape.pools.len() {
-                if from == to || shape.pools[from].1 < mins[from] + block {
+                if from == to || shape.pools[from].1 < min_from + block {
                     continue;
                 }
                 shape.pools[from].1 -= block;
