@@ -332,8 +332,10 @@ pub fn replay(rates: &Rates, steps: &[RunStep], iterations: f64) -> Vec<f64> {
 mod tests {
     use super::*;
 
-    /// A real CPU run of `yatt train` (see the fixture's README line in the crate docs).
+    /// A real CPU run of `yatt train` (tests/fixtures/README.md has the command).
     const FIXTURE: &str = include_str!("../tests/fixtures/calib-metrics.jsonl");
+    /// Decoding iterations per step of that run (its `rollout.max_new_tokens`).
+    const FIXTURE_ITERATIONS: f64 = 24.0;
 
     #[test]
     fn parses_the_fixture() {
@@ -399,7 +401,3 @@ mod tests {
         assert!(c.held_out_error < 0.05, "{c:?}");
     }
 }
-
-/// Decoding iterations per step of the fixture run (its `rollout.max_new_tokens`).
-#[cfg(test)]
-const FIXTURE_ITERATIONS: f64 = 24.0;

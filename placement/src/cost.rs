@@ -285,12 +285,14 @@ fn solve<const N: usize>(mut a: [[f64; N]; N], mut b: [f64; N]) -> Option<[f64; 
         }
         a.swap(col, piv);
         b.swap(col, piv);
-        for row in col + 1..N {
-            let f = a[row][col] / a[col][col];
-            for k in col..N {
-                a[row][k] -= f * a[col][k];
+        let (top, rest) = a.split_at_mut(col + 1);
+        let pivot = &top[col];
+        for (i, row) in rest.iter_mut().enumerate() {
+            let f = row[col] / pivot[col];
+            for (x, p) in row[col..].iter_mut().zip(&pivot[col..]) {
+                *x -= f * p;
             }
-            b[row] -= f * b[col];
+            b[col + 1 + i] -= f * b[col];
         }
     }
     let mut x = [0.0; N];

@@ -228,9 +228,9 @@ fn best_counts(
     let mut block = (space.groups / 16).max(1);
     loop {
         let mut improved = false;
-        for from in 0..shape.pools.len() {
+        for (from, &min_from) in mins.iter().enumerate() {
             for to in 0..shape.pools.len() {
-                if from == to || shape.pools[from].1 < mins[from] + block {
+                if from == to || shape.pools[from].1 < min_from + block {
                     continue;
                 }
                 shape.pools[from].1 -= block;
@@ -415,29 +415,16 @@ mod tests {
     fn assign_keeps_groups_in_place() {
         let h = GpuSpec::preset("h100").unwrap();
         let inv = Inventory::uniform(2, 8, 2, h.memory_bytes, h.host_memory_bytes).unwrap();
-        let a = assign(
-            &Shape {
-                pools: vec![
-                    (RoleSet::of(&[Role::Rollout]), 5),
-                    (RoleSet::of(&[Role::Policy]), 3),
-                ],
-                rollout_cap: None,
-            },
-            &inv,
-            None,
-        );
+        let split = |rollout: u32, policy: u32| Shape {
+            pools: vec![
+                (RoleSet::of(&[Role::Rollout]), rollout),
+                (RoleSet::of(&[Role::Policy]), policy),
+            ],
+            rollout_cap: None,
+        };
+        let a = assign(&split(5, 3), &inv, None);
         assert_eq!(a.pools[0].groups.len(), 5);
-        let b = assign(
-            &Shape {
-                pools: vec![
-                    (RoleSet::of(&[Role::Rollout]), 6),
-                    (RoleSet::of(&[Role::Policy]), 2),
-                ],
-                rollout_cap: None,
-            },
-            &inv,
-            Some(&a),
-        );
+        let b = assign(&split(6, 2), &inv, Some(&a));
         let moves = a.moves_to(&b);
         assert_eq!(moves.len(), 1, "{moves:?}");
         assert!(a.pools[0]

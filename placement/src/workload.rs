@@ -222,7 +222,8 @@ impl WorkloadSpec {
         if self.max_response == 0 || self.prompt_len == 0 {
             return Err("workload: max_response and prompt_len must be at least 1".into());
         }
-        if !(self.growth > 0.0) {
+        // Written so that NaN is refused too.
+        if self.growth.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
             return Err(format!(
                 "workload.growth: expected > 0, found {}",
                 self.growth

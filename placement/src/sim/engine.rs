@@ -93,9 +93,15 @@ struct Seq {
     gen: u32,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
+/// A time or iteration count ordered by `total_cmp`, for the event and batch heaps.
+#[derive(Debug, Clone, Copy, PartialEq)]
 struct OrdF64(f64);
 impl Eq for OrdF64 {}
+impl PartialOrd for OrdF64 {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
 impl Ord for OrdF64 {
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
         self.0.total_cmp(&other.0)
@@ -956,10 +962,7 @@ impl<'w> Sim<'w> {
 
     fn group_wake(&mut self, g: usize) {
         self.advance(g);
-        loop {
-            let Some(Reverse((OrdF64(fin), idx, gen))) = self.groups[g].heap.peek().copied() else {
-                break;
-            };
+        while let Some(Reverse((OrdF64(fin), idx, gen))) = self.groups[g].heap.peek().copied() {
             let s = &self.seqs[idx];
             if !s.alive || s.gen != gen || s.on != Some(g) {
                 self.groups[g].heap.pop();

@@ -268,17 +268,19 @@ fn panel(area: &Area<'_>, r: &ScenarioReport) -> Result<(), Box<dyn std::error::
         .axis_desc_style((FONT, 15))
         .light_line_style(RGBColor(235, 235, 235))
         .draw()?;
-    for s in &r.strategies {
-        if s.refused.is_some() {
-            continue;
-        }
-        let c = color(s.strategy);
-        let pts: Vec<(u32, f64)> = s
-            .steps_s
-            .iter()
-            .enumerate()
-            .map(|(i, v)| (i as u32, *v))
-            .collect();
+    // One line per step series, with its legend entry.
+    let mut line = |values: &[f64],
+                    c: RGBColor,
+                    label: String|
+     -> Result<(), Box<dyn std::error::Error>> {
+        let pts = values.iter().enumerate().map(|(i, v)| (i as u32, *v));
+        chart
+            .draw_series(LineSeries::new(pts, c.stroke_width(2)))?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(3)));
+        Ok(())
+    };
+    for s in r.strategies.iter().filter(|s| s.refused.is_none()) {
         let label = format!(
             "{} {:.0} s/step ({:.2}x bound, idle {:.0}%)",
             s.strategy.name(),
@@ -286,21 +288,13 @@ fn panel(area: &Area<'_>, r: &ScenarioReport) -> Result<(), Box<dyn std::error::
             s.vs_bound,
             s.idle_frac * 100.0
         );
-        chart
-            .draw_series(LineSeries::new(pts, c.stroke_width(2)))?
-            .label(label)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(3)));
+        line(&s.steps_s, color(s.strategy), label)?;
     }
-    let bound: Vec<(u32, f64)> = r
-        .bound_steps_s
-        .iter()
-        .enumerate()
-        .map(|(i, v)| (i as u32, *v))
-        .collect();
-    chart
-        .draw_series(LineSeries::new(bound, BLACK.stroke_width(2)))?
-        .label(format!("lower bound {:.0} s/step", r.bound_step_s))
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], BLACK.stroke_width(3)));
+    line(
+        &r.bound_steps_s,
+        BLACK,
+        format!("lower bound {:.0} s/step", r.bound_step_s),
+    )?;
     chart
         .configure_series_labels()
         .position(SeriesLabelPosition::UpperLeft)
