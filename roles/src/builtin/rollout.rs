@@ -348,14 +348,15 @@ impl Role for RolloutRole {
 
     fn load_weights(&mut self, update: WeightsUpdate) -> Result<(), RoleError> {
         let dev = self.generator.model().device();
+        let bad = |e| RoleError::BadRequest(format!("weights v{}: {e}", update.version));
+        // One update for all buckets: each update repacks every inference matrix.
+        let mut named = Vec::new();
         for b in &update.buckets {
-            let named = b
-                .tensors(dev)
-                .map_err(|e| RoleError::BadRequest(format!("weights v{}: {e}", update.version)))?;
-            self.generator
-                .update_weights(named.iter().map(|(n, t)| (n.as_str(), t)))
-                .map_err(|e| RoleError::BadRequest(format!("weights v{}: {e}", update.version)))?;
+            named.extend(b.tensors(dev).map_err(bad)?);
         }
+        self.generator
+            .update_weights(named.iter().map(|(n, t)| (n.as_str(), t)))
+            .map_err(bad)?;
         self.version = update.version;
         Ok(())
     }
