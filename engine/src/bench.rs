@@ -139,6 +139,7 @@ pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
             max_seq_len: max_prompt + opts.new_tokens.max(300) + 8,
             mode: BatchingMode::Continuous,
             max_prefill_batch: 64,
+            share_prefixes: true,
         },
     );
     let mut ours = vec![0.0f64; opts.batches.len()];

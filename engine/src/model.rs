@@ -59,10 +59,13 @@ impl ScalarHead {
     }
 }
 
-/// A preallocated key/value cache: per layer `[slots, kv_heads, max_len, head_dim]`.
+/// A preallocated key/value cache. Per layer, keys are stored transposed,
+/// `[slots, kv_heads, head_dim, max_len]`, and values as `[slots, kv_heads, max_len,
+/// head_dim]`: the CPU decode kernel then reads both with unit stride in its inner loops
+/// (scores over positions, the weighted sum over the head dimension).
 #[derive(Debug)]
 pub struct KvCache {
-    k: Vec<Tensor>,
+    kt: Vec<Tensor>,
     v: Vec<Tensor>,
     /// Number of sequence slots.
     pub slots: i64,
@@ -75,19 +78,28 @@ impl KvCache {
     pub fn new(model: &Llama, slots: i64, max_len: i64) -> Self {
         let c = &model.config;
         let opts = (model.kind, model.device);
-        let shape = [slots, c.num_key_value_heads, max_len, c.head_dim];
-        let k = (0..c.num_hidden_layers)
-            .map(|_| Tensor::zeros(shape, opts))
+        let (nkv, hd) = (c.num_key_value_heads, c.head_dim);
+        let kt = (0..c.num_hidden_layers)
+            .map(|_| Tensor::zeros([slots, nkv, hd, max_len], opts))
             .collect();
         let v = (0..c.num_hidden_layers)
-            .map(|_| Tensor::zeros(shape, opts))
+            .map(|_| Tensor::zeros([slots, nkv, max_len, hd], opts))
             .collect();
         KvCache {
-            k,
+            kt,
             v,
             slots,
             max_len,
         }
+    }
+
+    /// Positions `0..len` of every layer's keys and values, as `(keys, values)` views
+    /// `[slots, kv_heads, len, head_dim]` (keys strided).
+    fn prefix_views(&self, layer: usize, len: i64) -> (Tensor, Tensor) {
+        (
+            self.kt[layer].narrow(3, 0, len).transpose(2, 3),
+            self.v[layer].narrow(2, 0, len),
+        )
     }
 
     /// Copies the first `len` positions of slot `from` into slot `to`.
@@ -95,27 +107,47 @@ impl KvCache {
         if from == to || len == 0 {
             return;
         }
+        self.copy_slots(&[from], &[to], len);
+    }
+
+    /// Copies the first `len` positions of slot `src[i]` into slot `dst[i]`, for every
+    /// `i` (prefix sharing: prompts prefilled once are copied into the other slots). No
+    /// slot may be both a source and a destination.
+    pub fn copy_slots(&mut self, src: &[i64], dst: &[i64], len: i64) {
+        assert_eq!(src.len(), dst.len(), "copy_slots: one source per destination");
+        if src.is_empty() || len == 0 {
+            return;
+        }
+        let dev = self.device();
+        let si = Tensor::from_slice(src).to_device(dev);
+        let di = Tensor::from_slice(dst).to_device(dev);
         tch::no_grad(|| {
-            for t in self.k.iter_mut().chain(self.v.iter_mut()) {
-                let src = t.narrow(0, from, 1).narrow(2, 0, len);
-                t.narrow(0, to, 1).narrow(2, 0, len).copy_(&src);
+            for t in self.kt.iter_mut() {
+                let mut view = t.narrow(3, 0, len);
+                let rows = view.index_select(0, &si);
+                let _ = view.index_copy_(0, &di, &rows);
+            }
+            for t in self.v.iter_mut() {
+                let mut view = t.narrow(2, 0, len);
+                let rows = view.index_select(0, &si);
+                let _ = view.index_copy_(0, &di, &rows);
             }
         });
     }
 
     /// Data pointer of the first layer's key tensor (identity check for reuse).
     pub fn k_ptr(&self) -> usize {
-        self.k.first().map(|t| t.data_ptr() as usize).unwrap_or(0)
+        self.kt.first().map(|t| t.data_ptr() as usize).unwrap_or(0)
     }
 
     /// The device the cache lives on.
     pub fn device(&self) -> Device {
-        self.k.first().map(|t| t.device()).unwrap_or(Device::Cpu)
+        self.kt.first().map(|t| t.device()).unwrap_or(Device::Cpu)
     }
 
     /// Bytes held by the cache.
     pub fn bytes(&self) -> usize {
-        self.k
+        self.kt
             .iter()
             .chain(self.v.iter())
             .map(|t| t.numel() * t.kind().elt_size_in_bytes())
@@ -131,12 +163,16 @@ pub enum Attn<'a> {
         /// The padding mask, if any.
         mask: Option<&'a Tensor>,
     },
-    /// Prefill slots `start..start+B` of a cache from position 0 (right-padded input).
+    /// Prefill slots `start..start+B` of a cache from position `offset` (right-padded
+    /// input). Positions `0..offset` must already hold the slots' shared prefix; the new
+    /// tokens attend to it and, causally, to each other.
     Prefill {
         /// The cache.
         cache: &'a mut KvCache,
         /// The first slot.
         start: i64,
+        /// Cache positions already filled (0: a fresh prompt).
+        offset: i64,
     },
     /// One new token per slot `0..B`, at the per-slot positions given to the forward.
     Decode {
@@ -668,11 +704,68 @@ impl Llama {
         Tensor::cat(&[&x1 * cos - &x2 * sin, &x2 * cos + &x1 * sin], -1)
     }
 
+    /// The fused CPU decode step (`csrc/decode_step.cpp`): one call for the whole decoder
+    /// stack instead of ~70 tch operations per layer. `None` when it does not apply
+    /// (weights not packed, autograd on, more than one token per row) or fails, in which
+    /// case the caller takes the tch path.
+    fn decode_fused(&self, ids: &Tensor, positions: &Tensor, cache: &KvCache) -> Option<Tensor> {
+        let packed = self.packed.as_ref().filter(|_| !self.embed.requires_grad())?;
+        let (b, t) = ids.size2().ok()?;
+        if t != 1 || b > cache.slots {
+            return None;
+        }
+        let c = &self.config;
+        let x = Tensor::embedding(&self.embed.tr(), &ids.reshape([b]), -1, false, false);
+        let pos = positions.reshape([b]).to_kind(Kind::Int64).contiguous();
+        let layers: Vec<crate::onednn::DecodeLayer<'_>> = self
+            .layers
+            .iter()
+            .zip(&packed.layers)
+            .enumerate()
+            .map(|(i, (l, p))| crate::onednn::DecodeLayer {
+                ln1: &l.ln1,
+                wqkv: &p[0],
+                bqkv: l.bqkv.as_ref(),
+                wo: &p[1],
+                ln2: &l.ln2,
+                wgu: &p[2],
+                wdown: &p[3],
+                kt: &cache.kt[i],
+                v: &cache.v[i],
+            })
+            .collect();
+        match crate::onednn::decode_layers(
+            &x,
+            &pos,
+            &self.cos,
+            &self.sin,
+            &layers,
+            (c.num_attention_heads, c.num_key_value_heads, c.head_dim),
+            c.rms_norm_eps,
+        ) {
+            Ok(x) => Some(self.rms(&x, &self.norm).unsqueeze(1)),
+            Err(e) => {
+                // A failure here is a bug, not bad input; the tch path gives the same
+                // result, so say so once and carry on.
+                static WARN: std::sync::Once = std::sync::Once::new();
+                WARN.call_once(|| {
+                    eprintln!("yatt-engine: fused decode step failed, using tch ops: {e}")
+                });
+                None
+            }
+        }
+    }
+
     // `x = x + f(x)` on purpose: an in-place `+=` would modify a tensor autograd saved.
     #[allow(clippy::assign_op_pattern)]
     /// Embeds tokens and runs the decoder stack; returns the final-normed hidden states
     /// `[B, T, hidden]`. `positions` `[B, T]` are the rotary positions.
     pub fn hidden(&self, ids: &Tensor, positions: &Tensor, mut attn: Attn<'_>) -> Tensor {
+        if let Attn::Decode { cache, .. } = &attn {
+            if let Some(h) = self.decode_fused(ids, positions, cache) {
+                return h;
+            }
+        }
         let c = &self.config;
         let (b, t) = ids.size2().expect("ids must be [B, T]");
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
@@ -694,6 +787,12 @@ impl Llama {
                 let keys = m.to_kind(Kind::Bool).reshape([b, 1, 1, t]);
                 let eye = Tensor::eye(t, (Kind::Bool, self.device));
                 Some(causal.logical_and(&keys).logical_or(&eye))
+            }
+            // New token i sees the whole shared prefix and new tokens 0..=i.
+            Attn::Prefill { offset, .. } if *offset > 0 => {
+                let keys = Tensor::arange(offset + t, (Kind::Int64, self.device));
+                let rows = Tensor::arange(t, (Kind::Int64, self.device)).unsqueeze(1) + *offset;
+                Some(keys.unsqueeze(0).le_tensor(&rows).reshape([1, 1, t, offset + t]))
             }
             Attn::Decode { span, .. } => {
                 let ar =
@@ -743,30 +842,60 @@ impl Llama {
                     None,
                     true,
                 ),
-                Attn::Prefill { cache, start } => {
-                    cache.k[li].narrow(0, *start, b).narrow(2, 0, t).copy_(&k);
-                    cache.v[li].narrow(0, *start, b).narrow(2, 0, t).copy_(&v);
-                    Tensor::scaled_dot_product_attention(
-                        &q,
-                        &k,
-                        &v,
-                        None::<Tensor>,
-                        0.0,
-                        true,
-                        None,
-                        true,
-                    )
+                Attn::Prefill {
+                    cache,
+                    start,
+                    offset,
+                } => {
+                    cache.kt[li]
+                        .narrow(0, *start, b)
+                        .narrow(3, *offset, t)
+                        .copy_(&k.transpose(2, 3));
+                    cache.v[li]
+                        .narrow(0, *start, b)
+                        .narrow(2, *offset, t)
+                        .copy_(&v);
+                    if *offset == 0 {
+                        Tensor::scaled_dot_product_attention(
+                            &q,
+                            &k,
+                            &v,
+                            None::<Tensor>,
+                            0.0,
+                            true,
+                            None,
+                            true,
+                        )
+                    } else {
+                        let (kk, vv) = cache.prefix_views(li, *offset + t);
+                        Tensor::scaled_dot_product_attention(
+                            &q,
+                            &kk.narrow(0, *start, b),
+                            &vv.narrow(0, *start, b),
+                            full_mask.as_ref(),
+                            0.0,
+                            false,
+                            None,
+                            true,
+                        )
+                    }
                 }
                 Attn::Decode { cache, span } => {
-                    let idx = [Some(&rows), None, pos_flat.as_ref()];
-                    let _ = cache.k[li].index_put_(&idx, &k.squeeze_dim(2), false);
-                    let _ = cache.v[li].index_put_(&idx, &v.squeeze_dim(2), false);
-                    let kk = cache.k[li].narrow(0, 0, b).narrow(2, 0, *span);
-                    let vv = cache.v[li].narrow(0, 0, b).narrow(2, 0, *span);
+                    let _ = cache.kt[li].index_put_(
+                        &[Some(&rows), None, None, pos_flat.as_ref()],
+                        &k.squeeze_dim(2),
+                        false,
+                    );
+                    let _ = cache.v[li].index_put_(
+                        &[Some(&rows), None, pos_flat.as_ref()],
+                        &v.squeeze_dim(2),
+                        false,
+                    );
+                    let (kk, vv) = cache.prefix_views(li, *span);
                     Tensor::scaled_dot_product_attention(
                         &q,
-                        &kk,
-                        &vv,
+                        &kk.narrow(0, 0, b),
+                        &vv.narrow(0, 0, b),
                         full_mask.as_ref(),
                         0.0,
                         false,
@@ -824,4 +953,148 @@ fn rope_tables(c: &ModelConfig, device: Device) -> (Tensor, Tensor) {
     let pos = Tensor::arange(n, (Kind::Float, Device::Cpu));
     let freqs = pos.unsqueeze(1) * inv.unsqueeze(0); // [n, hd/2] in f32, like HF
     (freqs.cos().to_device(device), freqs.sin().to_device(device))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny(bias: bool) -> (Llama, Llama) {
+        let mut cfg = crate::fixtures::tiny_config();
+        cfg.attention_bias = bias;
+        let a = Llama::random(cfg, Device::Cpu, Kind::Float, 3).unwrap();
+        let b = a.deep_copy(Device::Cpu, Kind::Float).unwrap();
+        (a, b)
+    }
+
+    fn prompt_batch(prompts: &[Vec<i64>]) -> (Tensor, Tensor, Vec<i64>) {
+        let n = prompts.len() as i64;
+        let t = prompts.iter().map(|p| p.len()).max().unwrap() as i64;
+        let mut ids = vec![0i64; (n * t) as usize];
+        for (i, p) in prompts.iter().enumerate() {
+            ids[i * t as usize..i * t as usize + p.len()].copy_from_slice(p);
+        }
+        let pos = Tensor::arange(t, (Kind::Int64, Device::Cpu))
+            .unsqueeze(0)
+            .expand([n, t], true);
+        let lens = prompts.iter().map(|p| p.len() as i64).collect();
+        (Tensor::from_slice(&ids).view([n, t]), pos, lens)
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b).abs().max().double_value(&[])
+    }
+
+    /// The fused CPU decode step (packed weights) and the tch path agree on hidden states
+    /// and on what they write into the cache, with rows at different positions.
+    #[test]
+    fn fused_decode_matches_tch_ops() {
+        if !crate::onednn::available() {
+            return;
+        }
+        for bias in [false, true] {
+            let (mut fused, plain) = tiny(bias);
+            assert!(fused.pack_for_inference(3));
+            let prompts = vec![vec![5, 6, 7, 8, 9], vec![10, 11], vec![12, 13, 14, 15]];
+            let (ids, pos, lens) = prompt_batch(&prompts);
+            let mut ca = KvCache::new(&fused, 3, 32);
+            let mut cb = KvCache::new(&plain, 3, 32);
+            tch::no_grad(|| {
+                for (m, c) in [(&fused, &mut ca), (&plain, &mut cb)] {
+                    let _ = m.hidden(
+                        &ids,
+                        &pos,
+                        Attn::Prefill {
+                            cache: c,
+                            start: 0,
+                            offset: 0,
+                        },
+                    );
+                }
+                let mut p = lens.clone();
+                for step in 0..4 {
+                    let tok = Tensor::from_slice(&[20 + step, 30 + step, 40 + step]).view([3, 1]);
+                    let pt = Tensor::from_slice(&p).view([3, 1]);
+                    let span = p.iter().max().unwrap() + 1;
+                    let ha = fused.hidden(&tok, &pt, Attn::Decode { cache: &mut ca, span });
+                    let hb = plain.hidden(&tok, &pt, Attn::Decode { cache: &mut cb, span });
+                    assert_eq!(ha.size(), vec![3, 1, 64]);
+                    let d = max_diff(&ha, &hb);
+                    assert!(d < 1e-4, "bias {bias}, step {step}: hidden differs by {d}");
+                    p.iter_mut().for_each(|x| *x += 1);
+                }
+                for (i, &l) in p.iter().enumerate() {
+                    for layer in 0..2 {
+                        let (ka, va) = ca.prefix_views(layer, l);
+                        let (kb, vb) = cb.prefix_views(layer, l);
+                        let i = i as i64;
+                        assert!(max_diff(&ka.get(i), &kb.get(i)) < 1e-5);
+                        assert!(max_diff(&va.get(i), &vb.get(i)) < 1e-5);
+                    }
+                }
+            });
+        }
+    }
+
+    /// Prefilling a shared prefix once, copying it, and prefilling the rest at an offset
+    /// gives the states and cache of a plain prefill.
+    #[test]
+    fn prefill_at_offset_after_a_shared_prefix_matches_a_plain_prefill() {
+        let (model, _) = tiny(false);
+        let prefix = vec![3i64, 4, 5, 6, 7];
+        let prompts: Vec<Vec<i64>> = [vec![8i64, 9, 10], vec![11], vec![12, 13]]
+            .iter()
+            .map(|s| [prefix.clone(), s.clone()].concat())
+            .collect();
+        let (ids, pos, lens) = prompt_batch(&prompts);
+        tch::no_grad(|| {
+            let mut plain = KvCache::new(&model, 3, 16);
+            let h_plain = model.hidden(
+                &ids,
+                &pos,
+                Attn::Prefill {
+                    cache: &mut plain,
+                    start: 0,
+                    offset: 0,
+                },
+            );
+            let mut shared = KvCache::new(&model, 4, 16);
+            let p = prefix.len() as i64;
+            // Slots 1..4, so the copy source is not slot 0.
+            let _ = model.hidden(
+                &Tensor::from_slice(&prefix).view([1, p]),
+                &Tensor::arange(p, (Kind::Int64, Device::Cpu)).unsqueeze(0),
+                Attn::Prefill {
+                    cache: &mut shared,
+                    start: 1,
+                    offset: 0,
+                },
+            );
+            shared.copy_slots(&[1, 1], &[2, 3], p);
+            let rest = ids.narrow(1, p, ids.size()[1] - p);
+            let rpos = pos.narrow(1, p, ids.size()[1] - p);
+            let h = model.hidden(
+                &rest,
+                &rpos,
+                Attn::Prefill {
+                    cache: &mut shared,
+                    start: 1,
+                    offset: p,
+                },
+            );
+            for (i, &l) in lens.iter().enumerate() {
+                let want = h_plain.get(i as i64).narrow(0, 0, l);
+                let got = h.get(i as i64).narrow(0, 0, l - p);
+                let d = max_diff(&want.narrow(0, p, l - p), &got);
+                assert!(d < 1e-5, "prompt {i}: hidden differs by {d}");
+                for layer in 0..2 {
+                    let (ka, va) = plain.prefix_views(layer, l);
+                    let (kb, vb) = shared.prefix_views(layer, l);
+                    let (a, b) = (i as i64, i as i64 + 1);
+                    assert!(max_diff(&ka.get(a), &kb.get(b)) < 1e-5);
+                    assert!(max_diff(&va.get(a), &vb.get(b)) < 1e-5);
+                }
+            }
+        });
+    }
 }
