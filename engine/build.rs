@@ -31,6 +31,10 @@ fn onednn_shim() {
         // at::parallel_for's OpenMP regions and `omp simd` loops in decode_step.cpp; the
         // runtime is libtorch's own libgomp, linked below.
         .flag("-fopenmp")
+        // No errno or FP-exception bookkeeping, so math in the loops vectorizes; results of
+        // ordinary arithmetic are unchanged (no -ffast-math reassociation).
+        .flag("-fno-math-errno")
+        .flag("-fno-trapping-math")
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         .opt_level(3)
         .compile("yatt_onednn");

@@ -33,10 +33,17 @@ void set_err(char* err, size_t len, const char* msg) {
 }
 
 // exp for the softmax and SiLU, in a form compilers vectorize (Cephes' expf: Cody-Waite
-// reduction and a degree-5 polynomial; relative error < 2e-7 on [-87, 88]).
+// reduction and a degree-5 polynomial; relative error < 2e-7 on [-87, 88]). Rounding to
+// the nearest integer adds and subtracts 1.5·2^23 (no floorf call); clamps are ternaries
+// (std::fmin/fmax are library calls that block vectorization).
 inline float exp_approx(float x) {
-  x = std::fmin(std::fmax(x, -87.0f), 88.0f);
-  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  const float shifted = x * 1.44269504088896341f + 12582912.0f;
+  const float n = shifted - 12582912.0f;
+  int32_t ni;
+  std::memcpy(&ni, &shifted, sizeof ni);
+  ni -= 0x4B400000;  // the bits of 1.5·2^23: what remains is n as an integer
   float r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -45,8 +52,8 @@ inline float exp_approx(float x) {
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  float y = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (ni + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return y * scale;
@@ -72,12 +79,16 @@ YATT_CLONES void add_rms_rows(float* x, const float* y, const float* w, float* o
   }
 }
 
+// Keys are cached in blocks of KB positions, transposed within a block:
+// [slot, kv, block, hd, KB] (see KvCache in model.rs).
+constexpr int64_t KB = 16;
+
 // RoPE on the q and k heads of each row of the fused qkv output (in place), and the new
 // k (rotated) and v written into the caches at the row's position.
 YATT_CLONES void rope_store_rows(float* qkv, int64_t stride, const int64_t* pos,
-                                 const float* cos_t, const float* sin_t, float* kt,
+                                 const float* cos_t, const float* sin_t, float* kb,
                                  float* vc, int64_t r0, int64_t r1, int64_t nh, int64_t nkv,
-                                 int64_t hd, int64_t cap) {
+                                 int64_t hd, int64_t blocks, int64_t cap) {
   const int64_t half = hd / 2;
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t p = pos[r];
@@ -96,60 +107,130 @@ YATT_CLONES void rope_store_rows(float* qkv, int64_t stride, const int64_t* pos,
     for (int64_t g = 0; g < nkv; ++g) {
       const float* k = row + (nh + g) * hd;
       const float* v = row + (nh + nkv + g) * hd;
-      // K is stored transposed, [slot, kv, hd, cap]: one column per position.
-      float* kcol = kt + ((r * nkv + g) * hd) * cap + p;
-      for (int64_t d = 0; d < hd; ++d) kcol[d * cap] = k[d];
+      float* kcol = kb + (((r * nkv + g) * blocks + p / KB) * hd) * KB + p % KB;
+      for (int64_t d = 0; d < hd; ++d) kcol[d * KB] = k[d];
       std::memcpy(vc + ((r * nkv + g) * cap + p) * hd, v, hd * sizeof(float));
     }
   }
 }
 
+// Softmax over s[0..n) in place; returns 1 / sum (the caller folds it into the weights).
+inline float softmax_unnormalized(float* s, int64_t n) {
+  float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = exp_approx(s[j] - m);
+    sum += s[j];
+  }
+  return 1.0f / sum;
+}
+
+// Attention of the `REP` query heads q [REP, HD] sharing one kv head over positions
+// 0..n: keys K (blocked, see KB), values V [n, HD]. With the sizes known at compile time
+// the accumulators stay in registers and each key block and value row is read once for
+// all REP heads. `sc` holds REP × span floats.
+template <int REP, int HD>
+inline __attribute__((always_inline)) void attend_group(const float* q, const float* K,
+                                                         const float* V, int64_t n,
+                                                         float scale, float* sc,
+                                                         int64_t span, float* out) {
+  const int64_t nb = (n + KB - 1) / KB;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* Kb = K + b * HD * KB;
+    float acc[REP][KB] = {};
+    for (int d = 0; d < HD; ++d) {
+      for (int h = 0; h < REP; ++h) {
+        const float qd = q[h * HD + d];
+#pragma omp simd
+        for (int l = 0; l < KB; ++l) acc[h][l] += qd * Kb[d * KB + l];
+      }
+    }
+    for (int h = 0; h < REP; ++h) {
+#pragma omp simd
+      for (int l = 0; l < KB; ++l) sc[h * span + b * KB + l] = acc[h][l] * scale;
+    }
+  }
+  float inv[REP];
+  for (int h = 0; h < REP; ++h) inv[h] = softmax_unnormalized(sc + h * span, n);
+  float o[REP][HD] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = V + j * HD;
+    for (int h = 0; h < REP; ++h) {
+      const float pj = sc[h * span + j];
+#pragma omp simd
+      for (int d = 0; d < HD; ++d) o[h][d] += pj * vj[d];
+    }
+  }
+  for (int h = 0; h < REP; ++h) {
+#pragma omp simd
+    for (int d = 0; d < HD; ++d) out[h * HD + d] = o[h][d] * inv[h];
+  }
+}
+
+// The same for any head layout, accumulating in memory.
+inline void attend_group_any(const float* q, const float* K, const float* V, int64_t n,
+                             int64_t rep, int64_t hd, float scale, float* sc, int64_t span,
+                             float* out) {
+  const int64_t nb = (n + KB - 1) / KB;
+  for (int64_t h = 0; h < rep; ++h) {
+    const float* qv = q + h * hd;
+    float* s = sc + h * span;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* Kb = K + b * hd * KB;
+      float acc[KB] = {};
+      for (int64_t d = 0; d < hd; ++d) {
+        const float qd = qv[d];
+#pragma omp simd
+        for (int64_t l = 0; l < KB; ++l) acc[l] += qd * Kb[d * KB + l];
+      }
+#pragma omp simd
+      for (int64_t l = 0; l < KB; ++l) s[b * KB + l] = acc[l] * scale;
+    }
+    const float inv = softmax_unnormalized(s, n);
+    float* o = out + h * hd;
+#pragma omp simd
+    for (int64_t d = 0; d < hd; ++d) o[d] = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      const float pj = s[j] * inv;
+      const float* vj = V + j * hd;
+#pragma omp simd
+      for (int64_t d = 0; d < hd; ++d) o[d] += pj * vj[d];
+    }
+  }
+}
+
 // Attention of one new token per row over cache positions 0..=pos[row]. Task t is
-// (row t / nkv, kv head t % nkv) with its `rep` query heads. Scores come from K stored
-// transposed (contiguous over positions, so the dot products vectorize without
-// horizontal sums); the weighted sum reads V row by row.
+// (row t / nkv, kv head t % nkv) with its `rep` query heads. Scores come 16 at a time
+// from one key block (a vector per head dimension, no horizontal sums); the weighted sum
+// reads the values row by row. `sc` holds rep × (blocks·KB) floats.
 YATT_CLONES void attend_tasks(const float* qkv, int64_t stride, const int64_t* pos,
-                              const float* kt, const float* vc, float* out, int64_t t0,
-                              int64_t t1, int64_t nh, int64_t nkv, int64_t hd, int64_t cap,
-                              float* sc) {
+                              const float* kb, const float* vc, float* out, int64_t t0,
+                              int64_t t1, int64_t nh, int64_t nkv, int64_t hd, int64_t blocks,
+                              int64_t cap, float* sc) {
   const int64_t rep = nh / nkv;
+  const int64_t span = blocks * KB;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t r = t / nkv, g = t % nkv;
     const int64_t n = pos[r] + 1;
-    const float* K = kt + ((r * nkv + g) * hd) * cap;
+    const float* K = kb + ((r * nkv + g) * blocks) * hd * KB;
     const float* V = vc + ((r * nkv + g) * cap) * hd;
-    for (int64_t q = 0; q < rep; ++q) {
-      const float* qv = qkv + r * stride + (g * rep + q) * hd;
-      float* s = sc + q * cap;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) s[j] = 0.f;
-      for (int64_t d = 0; d < hd; ++d) {
-        const float qd = qv[d] * scale;
-        const float* kd = K + d * cap;
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) s[j] += qd * kd[j];
-      }
-      float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-      for (int64_t j = 0; j < n; ++j) m = std::fmax(m, s[j]);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < n; ++j) {
-        s[j] = exp_approx(s[j] - m);
-        sum += s[j];
-      }
-      const float inv = 1.0f / sum;
-      float* o = out + r * nh * hd + (g * rep + q) * hd;
-#pragma omp simd
-      for (int64_t d = 0; d < hd; ++d) o[d] = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        const float pj = s[j] * inv;
-        const float* vj = V + j * hd;
-#pragma omp simd
-        for (int64_t d = 0; d < hd; ++d) o[d] += pj * vj[d];
-      }
-    }
+    const float* q = qkv + r * stride + g * rep * hd;
+    float* o = out + r * nh * hd + g * rep * hd;
+#define YATT_GROUP(R, H)                                   \
+  if (rep == R && hd == H) {                               \
+    attend_group<R, H>(q, K, V, n, scale, sc, span, o);    \
+    continue;                                              \
+  }
+    YATT_GROUP(1, 64) YATT_GROUP(2, 64) YATT_GROUP(3, 64) YATT_GROUP(4, 64)
+    YATT_GROUP(6, 64) YATT_GROUP(7, 64) YATT_GROUP(8, 64)
+    YATT_GROUP(1, 128) YATT_GROUP(2, 128) YATT_GROUP(3, 128) YATT_GROUP(4, 128)
+    YATT_GROUP(6, 128) YATT_GROUP(7, 128) YATT_GROUP(8, 128)
+#undef YATT_GROUP
+    attend_group_any(q, K, V, n, rep, hd, scale, sc, span, o);
   }
 }
 
@@ -200,12 +281,12 @@ extern "C" {
 //   pos    [B] int64 positions (the cache index the new token is written to)
 //   cos/sin [max_pos, hd/2] RoPE tables
 //   per layer i: ln1[i], wqkv[i] (packed), bqkv[i] (may be null), wo[i] (packed),
-//     ln2[i], wgu[i] (packed), wdown[i] (packed), kt[i] [slots, kv, hd, cap] (K
-//     transposed), vc[i] [slots, kv, cap, hd]
+//     ln2[i], wgu[i] (packed), wdown[i] (packed), kb[i] [slots, kv, blocks, hd, 16]
+//     (keys, blocked), vc[i] [slots, kv, cap, hd]
 // Returns the residual stream after the last layer, [B, hidden] (before the final norm).
 void* yatt_decode_layers(void* x_in, void* pos_in, void* cos_in, void* sin_in, int64_t n_layers,
                          void** ln1, void** wqkv, void** bqkv, void** wo, void** ln2,
-                         void** wgu, void** wdown, void** kt, void** vc, int64_t nh,
+                         void** wgu, void** wdown, void** kb, void** vc, int64_t nh,
                          int64_t nkv, int64_t hd, double eps, char* err, size_t errlen) {
   try {
     const at::Tensor& x0 = T(x_in);
@@ -243,14 +324,17 @@ void* yatt_decode_layers(void* x_in, void* pos_in, void* cos_in, void* sin_in, i
       });
     };
     for (int64_t li = 0; li < n_layers; ++li) {
-      const at::Tensor& kti = T(kt[li]);
+      const at::Tensor& kbi = T(kb[li]);
       const at::Tensor& vci = T(vc[li]);
-      check_f32(kti, "K cache");
+      check_f32(kbi, "K cache");
       check_f32(vci, "V cache");
-      TORCH_CHECK(kti.dim() == 4 && kti.size(0) >= B && kti.size(1) == nkv &&
-                      kti.size(2) == hd && vci.size(2) == kti.size(3),
+      TORCH_CHECK(kbi.dim() == 5 && kbi.size(0) >= B && kbi.size(1) == nkv &&
+                      kbi.size(3) == hd && kbi.size(4) == KB && vci.dim() == 4 &&
+                      vci.size(0) >= B && vci.size(1) == nkv && vci.size(3) == hd &&
+                      kbi.size(2) * KB >= vci.size(2),
                   "cache shapes do not match the model");
-      const int64_t cap = kti.size(3);
+      const int64_t blocks = kbi.size(2);
+      const int64_t cap = vci.size(2);
       for (int64_t r = 0; r < B; ++r) {
         TORCH_CHECK(p[r] < cap, "position ", p[r], " beyond the cache (", cap, ")");
       }
@@ -258,17 +342,17 @@ void* yatt_decode_layers(void* x_in, void* pos_in, void* cos_in, void* sin_in, i
       at::Tensor qkv = linear(hn, T(wqkv[li]), bqkv[li] ? &T(bqkv[li]) : nullptr);
       TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == qkv_w, "qkv projection shape");
       float* qp = qkv.data_ptr<float>();
-      float* ktp = kti.data_ptr<float>();
+      float* kbp = kbi.data_ptr<float>();
       float* vcp = vci.data_ptr<float>();
       const float* cp = cos_t.data_ptr<float>();
       const float* sp = sin_t.data_ptr<float>();
       at::parallel_for(0, B, 16, [&](int64_t a, int64_t b) {
-        rope_store_rows(qp, qkv_w, p, cp, sp, ktp, vcp, a, b, nh, nkv, hd, cap);
+        rope_store_rows(qp, qkv_w, p, cp, sp, kbp, vcp, a, b, nh, nkv, hd, blocks, cap);
       });
       float* ap = att.data_ptr<float>();
       at::parallel_for(0, B * nkv, 1, [&](int64_t a, int64_t b) {
-        std::vector<float> sc((nh / nkv) * cap);
-        attend_tasks(qp, qkv_w, p, ktp, vcp, ap, a, b, nh, nkv, hd, cap, sc.data());
+        std::vector<float> sc((nh / nkv) * blocks * KB);
+        attend_tasks(qp, qkv_w, p, kbp, vcp, ap, a, b, nh, nkv, hd, blocks, cap, sc.data());
       });
       at::Tensor o = linear(att, T(wo[li]), nullptr);
       norm(T(ln2[li]), o.data_ptr<float>());

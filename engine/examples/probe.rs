@@ -55,9 +55,24 @@ fn main() {
             );
             let _ = model.logits(&h.squeeze_dim(1));
         });
+        if std::env::var("PROBE_DECODE_ONLY").is_ok() {
+            // For `perf record`: nothing but decode steps.
+            for _ in 0..reps {
+                let h = model.hidden(
+                    &ids,
+                    &pos,
+                    Attn::Decode {
+                        cache: &mut cache,
+                        span,
+                    },
+                );
+                let _ = model.logits(&h.squeeze_dim(1));
+            }
+            return;
+        }
         let x = Tensor::randn([b, c.hidden_size], (Kind::Float, Device::Cpu));
         let xf = Tensor::randn([b, c.intermediate_size], (Kind::Float, Device::Cpu));
-        let pk = |w: &Tensor| (onednn::pack(&w.tr(), b).unwrap(), w.size()[1]);
+        let pk = |w: &Tensor| (onednn::pack(&w.tr(), b.max(512)).unwrap(), w.size()[1]);
         let packed: Vec<_> = model
             .layers
             .iter()

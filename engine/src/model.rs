@@ -59,13 +59,18 @@ impl ScalarHead {
     }
 }
 
-/// A preallocated key/value cache. Per layer, keys are stored transposed,
-/// `[slots, kv_heads, head_dim, max_len]`, and values as `[slots, kv_heads, max_len,
-/// head_dim]`: the CPU decode kernel then reads both with unit stride in its inner loops
-/// (scores over positions, the weighted sum over the head dimension).
+/// Positions per key block of the cache (see [`KvCache`]).
+pub const KV_BLOCK: i64 = 16;
+
+/// A preallocated key/value cache. Per layer, values are `[slots, kv_heads, max_len,
+/// head_dim]` and keys are stored in blocks of [`KV_BLOCK`] positions, transposed within
+/// each block: `[slots, kv_heads, max_len / KV_BLOCK, head_dim, KV_BLOCK]`. The CPU decode
+/// kernel then streams both contiguously: 16 scores at a time from one block of keys
+/// (one vector per head dimension, no horizontal sums), and the weighted sum row by row
+/// over the values.
 #[derive(Debug)]
 pub struct KvCache {
-    kt: Vec<Tensor>,
+    kb: Vec<Tensor>,
     v: Vec<Tensor>,
     /// Number of sequence slots.
     pub slots: i64,
@@ -79,27 +84,88 @@ impl KvCache {
         let c = &model.config;
         let opts = (model.kind, model.device);
         let (nkv, hd) = (c.num_key_value_heads, c.head_dim);
-        let kt = (0..c.num_hidden_layers)
-            .map(|_| Tensor::zeros([slots, nkv, hd, max_len], opts))
+        let blocks = (max_len + KV_BLOCK - 1) / KV_BLOCK;
+        let kb = (0..c.num_hidden_layers)
+            .map(|_| Tensor::zeros([slots, nkv, blocks, hd, KV_BLOCK], opts))
             .collect();
         let v = (0..c.num_hidden_layers)
             .map(|_| Tensor::zeros([slots, nkv, max_len, hd], opts))
             .collect();
         KvCache {
-            kt,
+            kb,
             v,
             slots,
             max_len,
         }
     }
 
-    /// Positions `0..len` of every layer's keys and values, as `(keys, values)` views
-    /// `[slots, kv_heads, len, head_dim]` (keys strided).
-    fn prefix_views(&self, layer: usize, len: i64) -> (Tensor, Tensor) {
-        (
-            self.kt[layer].narrow(3, 0, len).transpose(2, 3),
-            self.v[layer].narrow(2, 0, len),
-        )
+    /// Keys of slots `start..start+n`, positions `0..len`, as a dense
+    /// `[n, kv_heads, len, head_dim]` copy.
+    fn keys(&self, layer: usize, start: i64, n: i64, len: i64) -> Tensor {
+        let k = self.kb[layer]
+            .narrow(0, start, n)
+            .narrow(2, 0, (len + KV_BLOCK - 1) / KV_BLOCK)
+            .permute([0, 1, 2, 4, 3]);
+        let (kv, hd) = (k.size()[1], k.size()[4]);
+        k.reshape([n, kv, -1, hd]).narrow(2, 0, len)
+    }
+
+    /// Values of slots `start..start+n`, positions `0..len`: a view
+    /// `[n, kv_heads, len, head_dim]`.
+    fn values(&self, layer: usize, start: i64, n: i64, len: i64) -> Tensor {
+        self.v[layer].narrow(0, start, n).narrow(2, 0, len)
+    }
+
+    /// Where the keys of `positions` `[n, t]` in `slots` `[n]` go: (row, lane) indices into
+    /// a layer's keys viewed as `[slots · kv_heads · blocks, head_dim, KV_BLOCK]`, ordered
+    /// like `k.reshape([-1, head_dim])` for `k` `[n, kv_heads, t, head_dim]`.
+    fn key_index(&self, slots: &Tensor, positions: &Tensor) -> (Tensor, Tensor) {
+        let size = self.kb[0].size();
+        let (nkv, blocks) = (size[1], size[2]);
+        let dev = self.device();
+        let (n, t) = positions.size2().expect("positions must be [n, t]");
+        let heads = Tensor::arange(nkv, (Kind::Int64, dev)).reshape([1, nkv, 1]);
+        let slot_rows = slots.reshape([n, 1, 1]) * nkv + heads; // [n, kv, 1]
+        let pos = positions.reshape([n, 1, t]);
+        let row = (slot_rows * blocks + pos.floor_divide_scalar(KV_BLOCK)).reshape([-1]);
+        let lane = pos.remainder(KV_BLOCK).expand([n, nkv, t], false).reshape([-1]);
+        (row, lane)
+    }
+
+    /// Writes keys and values `[n, kv_heads, t, head_dim]` of one layer: the keys where
+    /// `index` (from [`KvCache::key_index`]) says, the values where `at` says.
+    fn write(
+        &mut self,
+        layer: usize,
+        index: &(Tensor, Tensor),
+        k: &Tensor,
+        v: &Tensor,
+        at: ValueSlots<'_>,
+    ) {
+        let size = self.kb[layer].size();
+        let hd = size[3];
+        let mut flat = self.kb[layer].view([-1, hd, KV_BLOCK]);
+        let _ = flat.index_put_(
+            &[Some(&index.0), None, Some(&index.1)],
+            &k.reshape([-1, hd]),
+            false,
+        );
+        match at {
+            ValueSlots::Range { start, offset } => {
+                let (n, t) = (v.size()[0], v.size()[2]);
+                self.v[layer]
+                    .narrow(0, start, n)
+                    .narrow(2, offset, t)
+                    .copy_(v);
+            }
+            ValueSlots::Rows { rows, pos } => {
+                let _ = self.v[layer].index_put_(
+                    &[Some(rows), None, Some(pos)],
+                    &v.squeeze_dim(2),
+                    false,
+                );
+            }
+        }
     }
 
     /// Copies the first `len` positions of slot `from` into slot `to`.
@@ -122,8 +188,8 @@ impl KvCache {
         let si = Tensor::from_slice(src).to_device(dev);
         let di = Tensor::from_slice(dst).to_device(dev);
         tch::no_grad(|| {
-            for t in self.kt.iter_mut() {
-                let mut view = t.narrow(3, 0, len);
+            for t in self.kb.iter_mut() {
+                let mut view = t.narrow(2, 0, (len + KV_BLOCK - 1) / KV_BLOCK);
                 let rows = view.index_select(0, &si);
                 let _ = view.index_copy_(0, &di, &rows);
             }
@@ -137,22 +203,30 @@ impl KvCache {
 
     /// Data pointer of the first layer's key tensor (identity check for reuse).
     pub fn k_ptr(&self) -> usize {
-        self.kt.first().map(|t| t.data_ptr() as usize).unwrap_or(0)
+        self.kb.first().map(|t| t.data_ptr() as usize).unwrap_or(0)
     }
 
     /// The device the cache lives on.
     pub fn device(&self) -> Device {
-        self.kt.first().map(|t| t.device()).unwrap_or(Device::Cpu)
+        self.kb.first().map(|t| t.device()).unwrap_or(Device::Cpu)
     }
 
     /// Bytes held by the cache.
     pub fn bytes(&self) -> usize {
-        self.kt
+        self.kb
             .iter()
             .chain(self.v.iter())
             .map(|t| t.numel() * t.kind().elt_size_in_bytes())
             .sum()
     }
+}
+
+/// Where [`KvCache::write`] puts values.
+enum ValueSlots<'a> {
+    /// Slots `start..start+n`, positions `offset..offset+t`.
+    Range { start: i64, offset: i64 },
+    /// One token per row: slot `rows[i]`, position `pos[i]`.
+    Rows { rows: &'a Tensor, pos: &'a Tensor },
 }
 
 /// How attention sees the past in one forward call.
@@ -638,7 +712,7 @@ impl Llama {
         self.device = device;
     }
 
-    /// Prepacks the matrices with oneDNN for batches of about `batch` rows (f32 on CPU
+    /// Prepacks the matrices with oneDNN for calls of about `batch` rows (f32 on CPU
     /// only; a no-op elsewhere). Inference calls then use the packed copies (extra memory
     /// the size of the weights); any mutable access to the parameters drops them, and
     /// [`Llama::copy_weights_from`] repacks. Returns whether packing is active.
@@ -647,7 +721,12 @@ impl Llama {
         if self.device != Device::Cpu || self.kind != Kind::Float || !crate::onednn::available() {
             return false;
         }
-        let b = batch.max(1);
+        // oneDNN picks the weight layout from this row-count hint. Below ~128 rows it keeps
+        // the plain layout and runs its `gemm:jit` path, which repacks the weights on every
+        // call; from 128 up it picks a blocked layout (AB16b64a on AVX-512) for its brgemm
+        // kernels, which are 2-3x faster even for 16-row decode steps. So the hint is never
+        // below that.
+        let b = batch.max(512);
         let pk = |w: &Tensor| crate::onednn::pack(&w.tr(), b);
         let mut layers = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
@@ -730,7 +809,7 @@ impl Llama {
                 ln2: &l.ln2,
                 wgu: &p[2],
                 wdown: &p[3],
-                kt: &cache.kt[i],
+                kb: &cache.kb[i],
                 v: &cache.v[i],
             })
             .collect();
@@ -813,6 +892,8 @@ impl Llama {
         } else {
             None
         };
+        // Cache indices of the new keys, the same for every layer.
+        let mut key_index: Option<(Tensor, Tensor)> = None;
         for (li, l) in self.layers.iter().enumerate() {
             let pl = packed.map(|p| &p.layers[li]);
             let hn = self.rms(&x, &l.ln1);
@@ -847,14 +928,15 @@ impl Llama {
                     start,
                     offset,
                 } => {
-                    cache.kt[li]
-                        .narrow(0, *start, b)
-                        .narrow(3, *offset, t)
-                        .copy_(&k.transpose(2, 3));
-                    cache.v[li]
-                        .narrow(0, *start, b)
-                        .narrow(2, *offset, t)
-                        .copy_(&v);
+                    let index = key_index.get_or_insert_with(|| {
+                        let slots = Tensor::arange_start(*start, *start + b, (Kind::Int64, self.device));
+                        cache.key_index(&slots, positions)
+                    });
+                    let at = ValueSlots::Range {
+                        start: *start,
+                        offset: *offset,
+                    };
+                    cache.write(li, index, &k, &v, at);
                     if *offset == 0 {
                         Tensor::scaled_dot_product_attention(
                             &q,
@@ -867,11 +949,11 @@ impl Llama {
                             true,
                         )
                     } else {
-                        let (kk, vv) = cache.prefix_views(li, *offset + t);
+                        let len = *offset + t;
                         Tensor::scaled_dot_product_attention(
                             &q,
-                            &kk.narrow(0, *start, b),
-                            &vv.narrow(0, *start, b),
+                            &cache.keys(li, *start, b, len),
+                            &cache.values(li, *start, b, len),
                             full_mask.as_ref(),
                             0.0,
                             false,
@@ -881,21 +963,13 @@ impl Llama {
                     }
                 }
                 Attn::Decode { cache, span } => {
-                    let _ = cache.kt[li].index_put_(
-                        &[Some(&rows), None, None, pos_flat.as_ref()],
-                        &k.squeeze_dim(2),
-                        false,
-                    );
-                    let _ = cache.v[li].index_put_(
-                        &[Some(&rows), None, pos_flat.as_ref()],
-                        &v.squeeze_dim(2),
-                        false,
-                    );
-                    let (kk, vv) = cache.prefix_views(li, *span);
+                    let pos = pos_flat.as_ref().expect("decode positions");
+                    let index = key_index.get_or_insert_with(|| cache.key_index(&rows, positions));
+                    cache.write(li, index, &k, &v, ValueSlots::Rows { rows: &rows, pos });
                     Tensor::scaled_dot_product_attention(
                         &q,
-                        &kk.narrow(0, 0, b),
-                        &vv.narrow(0, 0, b),
+                        &cache.keys(li, 0, b, *span),
+                        &cache.values(li, 0, b, *span),
                         full_mask.as_ref(),
                         0.0,
                         false,
@@ -959,9 +1033,18 @@ fn rope_tables(c: &ModelConfig, device: Device) -> (Tensor, Tensor) {
 mod tests {
     use super::*;
 
-    fn tiny(bias: bool) -> (Llama, Llama) {
+    /// A tiny random model and an unpacked copy. `wide`: SmolLM's head layout (head_dim
+    /// 64, three query heads per kv head), which the decode kernel has a fixed-size path
+    /// for; otherwise head_dim 16, two per kv head (its generic path).
+    fn tiny(bias: bool, wide: bool) -> (Llama, Llama) {
         let mut cfg = crate::fixtures::tiny_config();
         cfg.attention_bias = bias;
+        if wide {
+            cfg.hidden_size = 384;
+            cfg.num_attention_heads = 6;
+            cfg.num_key_value_heads = 2;
+            cfg.head_dim = 64;
+        }
         let a = Llama::random(cfg, Device::Cpu, Kind::Float, 3).unwrap();
         let b = a.deep_copy(Device::Cpu, Kind::Float).unwrap();
         (a, b)
@@ -992,13 +1075,18 @@ mod tests {
         if !crate::onednn::available() {
             return;
         }
-        for bias in [false, true] {
-            let (mut fused, plain) = tiny(bias);
+        for (bias, wide) in [(false, false), (true, false), (false, true)] {
+            let (mut fused, plain) = tiny(bias, wide);
+            let hidden = fused.config.hidden_size;
             assert!(fused.pack_for_inference(3));
-            let prompts = vec![vec![5, 6, 7, 8, 9], vec![10, 11], vec![12, 13, 14, 15]];
+            // Lengths around the 16-position key blocks; decoding crosses a boundary.
+            let prompts: Vec<Vec<i64>> = [14i64, 2, 17]
+                .iter()
+                .map(|&n| (0..n).map(|i| (i * 7 + n) % 90 + 2).collect())
+                .collect();
             let (ids, pos, lens) = prompt_batch(&prompts);
-            let mut ca = KvCache::new(&fused, 3, 32);
-            let mut cb = KvCache::new(&plain, 3, 32);
+            let mut ca = KvCache::new(&fused, 3, 40);
+            let mut cb = KvCache::new(&plain, 3, 40);
             tch::no_grad(|| {
                 for (m, c) in [(&fused, &mut ca), (&plain, &mut cb)] {
                     let _ = m.hidden(
@@ -1018,18 +1106,18 @@ mod tests {
                     let span = p.iter().max().unwrap() + 1;
                     let ha = fused.hidden(&tok, &pt, Attn::Decode { cache: &mut ca, span });
                     let hb = plain.hidden(&tok, &pt, Attn::Decode { cache: &mut cb, span });
-                    assert_eq!(ha.size(), vec![3, 1, 64]);
+                    assert_eq!(ha.size(), vec![3, 1, hidden]);
                     let d = max_diff(&ha, &hb);
-                    assert!(d < 1e-4, "bias {bias}, step {step}: hidden differs by {d}");
+                    assert!(d < 1e-4, "{bias} {wide}, step {step}: hidden differs by {d}");
                     p.iter_mut().for_each(|x| *x += 1);
                 }
                 for (i, &l) in p.iter().enumerate() {
+                    let i = i as i64;
                     for layer in 0..2 {
-                        let (ka, va) = ca.prefix_views(layer, l);
-                        let (kb, vb) = cb.prefix_views(layer, l);
-                        let i = i as i64;
-                        assert!(max_diff(&ka.get(i), &kb.get(i)) < 1e-5);
-                        assert!(max_diff(&va.get(i), &vb.get(i)) < 1e-5);
+                        let (ka, kb) = (ca.keys(layer, i, 1, l), cb.keys(layer, i, 1, l));
+                        let (va, vb) = (ca.values(layer, i, 1, l), cb.values(layer, i, 1, l));
+                        assert!(max_diff(&ka, &kb) < 1e-5);
+                        assert!(max_diff(&va, &vb) < 1e-5);
                     }
                 }
             });
@@ -1040,7 +1128,7 @@ mod tests {
     /// gives the states and cache of a plain prefill.
     #[test]
     fn prefill_at_offset_after_a_shared_prefix_matches_a_plain_prefill() {
-        let (model, _) = tiny(false);
+        let (model, _) = tiny(false, false);
         let prefix = vec![3i64, 4, 5, 6, 7];
         let prompts: Vec<Vec<i64>> = [vec![8i64, 9, 10], vec![11], vec![12, 13]]
             .iter()
@@ -1088,11 +1176,11 @@ mod tests {
                 let d = max_diff(&want.narrow(0, p, l - p), &got);
                 assert!(d < 1e-5, "prompt {i}: hidden differs by {d}");
                 for layer in 0..2 {
-                    let (ka, va) = plain.prefix_views(layer, l);
-                    let (kb, vb) = shared.prefix_views(layer, l);
                     let (a, b) = (i as i64, i as i64 + 1);
-                    assert!(max_diff(&ka.get(a), &kb.get(b)) < 1e-5);
-                    assert!(max_diff(&va.get(a), &vb.get(b)) < 1e-5);
+                    let (ka, kb) = (plain.keys(layer, a, 1, l), shared.keys(layer, b, 1, l));
+                    let (va, vb) = (plain.values(layer, a, 1, l), shared.values(layer, b, 1, l));
+                    assert!(max_diff(&ka, &kb) < 1e-5);
+                    assert!(max_diff(&va, &vb) < 1e-5);
                 }
             }
         });

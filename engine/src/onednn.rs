@@ -39,7 +39,7 @@ mod ffi {
             ln2: *mut *mut C_tensor,
             wgu: *mut *mut C_tensor,
             wdown: *mut *mut C_tensor,
-            kt: *mut *mut C_tensor,
+            kb: *mut *mut C_tensor,
             vc: *mut *mut C_tensor,
             nh: i64,
             nkv: i64,
@@ -148,8 +148,8 @@ pub struct DecodeLayer<'a> {
     pub wgu: &'a Tensor,
     /// Packed down projection.
     pub wdown: &'a Tensor,
-    /// Key cache, transposed: `[slots, kv_heads, head_dim, max_len]`.
-    pub kt: &'a Tensor,
+    /// Key cache, blocked: `[slots, kv_heads, max_len / 16, head_dim, 16]`.
+    pub kb: &'a Tensor,
     /// Value cache: `[slots, kv_heads, max_len, head_dim]`.
     pub v: &'a Tensor,
 }
@@ -182,7 +182,7 @@ pub fn decode_layers(
         let mut ln2 = col(&|l| ptr(l.ln2));
         let mut wgu = col(&|l| ptr(l.wgu));
         let mut wdown = col(&|l| ptr(l.wdown));
-        let mut kt = col(&|l| ptr(l.kt));
+        let mut kb = col(&|l| ptr(l.kb));
         let mut v = col(&|l| ptr(l.v));
         let mut err = vec![0u8; 512];
         let (nh, nkv, hd) = heads;
@@ -203,7 +203,7 @@ pub fn decode_layers(
                 ln2.as_mut_ptr(),
                 wgu.as_mut_ptr(),
                 wdown.as_mut_ptr(),
-                kt.as_mut_ptr(),
+                kb.as_mut_ptr(),
                 v.as_mut_ptr(),
                 nh,
                 nkv,
