@@ -12,9 +12,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -115,7 +117,8 @@ YATT_CLONES void rope_store_rows(float* qkv, int64_t stride, const int64_t* pos,
 }
 
 // Softmax over s[0..n) in place; returns 1 / sum (the caller folds it into the weights).
-inline float softmax_unnormalized(float* s, int64_t n) {
+// Always inlined, so it is compiled for the calling clone's instruction set.
+inline __attribute__((always_inline)) float softmax_unnormalized(float* s, int64_t n) {
   float m = -INFINITY;
 #pragma omp simd reduction(max : m)
   for (int64_t j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
@@ -246,6 +249,89 @@ YATT_CLONES void swiglu_rows(const float* gu, float* out, int64_t r0, int64_t r1
   }
 }
 
+// One row of sampling: the scaled logits x = logits / T go through the row twice, first
+// for their maximum and the k largest (a min-heap; chunks of 16 below its threshold are
+// skipped after one vector compare), then for sum(exp(x - max)). The draw happens over the
+// k candidates, sorted: top-p filter, then inverse CDF with the row's uniform.
+YATT_CLONES void sample_row(const float* logits, int64_t V, float temp, int64_t k, float top_p,
+                            float u, float* x, std::pair<float, int64_t>* heap,
+                            int64_t* tok_out, float* lp_out) {
+  const bool greedy = temp <= 0.f;
+  const float T = greedy ? 1.0f : temp;
+  if (greedy) k = 1;
+  k = k < 1 ? 1 : (k > V ? V : k);
+  // Min-heap on value (ties: the larger index is "smaller", so lower indices win, like a
+  // stable sort).
+  auto less = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  int64_t filled = 0;
+  float thr = -INFINITY;
+  float mx = -INFINITY;
+  constexpr int64_t C = 16;
+  for (int64_t i0 = 0; i0 < V; i0 += C) {
+    const int64_t m = V - i0 < C ? V - i0 : C;
+    float cm = -INFINITY;
+#pragma omp simd reduction(max : cm)
+    for (int64_t j = 0; j < m; ++j) {
+      const float v = logits[i0 + j] / T;
+      x[i0 + j] = v;
+      cm = v > cm ? v : cm;
+    }
+    mx = cm > mx ? cm : mx;
+    if (filled == k && !(cm > thr)) continue;
+    for (int64_t j = 0; j < m; ++j) {
+      const float v = x[i0 + j];
+      if (filled < k) {
+        heap[filled++] = {v, i0 + j};
+        std::push_heap(heap, heap + filled, less);
+        if (filled == k) thr = heap[0].first;
+      } else if (v > thr) {
+        std::pop_heap(heap, heap + k, less);
+        heap[k - 1] = {v, i0 + j};
+        std::push_heap(heap, heap + k, less);
+        thr = heap[0].first;
+      }
+    }
+  }
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < V; ++i) sum += exp_approx(x[i] - mx);
+  const float lse = mx + std::log(sum);
+  std::sort_heap(heap, heap + k, less);  // descending by value
+  int64_t choice = 0;
+  if (!greedy && k > 1) {
+    // Probabilities over the candidates (top-p removes those whose preceding mass already
+    // exceeds p), then the first candidate whose cumulative mass reaches u · total.
+    double total = 0.0;
+    int64_t kept = k;
+    std::vector<double> p(k);
+    double before = 0.0, all = 0.0;
+    for (int64_t i = 0; i < k; ++i) all += std::exp(static_cast<double>(heap[i].first - heap[0].first));
+    for (int64_t i = 0; i < k; ++i) {
+      p[i] = std::exp(static_cast<double>(heap[i].first - heap[0].first)) / all;
+      if (top_p < 1.0f && before > top_p) {
+        kept = i;
+        break;
+      }
+      before += p[i];
+    }
+    for (int64_t i = 0; i < kept; ++i) total += p[i];
+    const double target = static_cast<double>(u) * total;
+    double cum = 0.0;
+    choice = kept - 1;
+    for (int64_t i = 0; i < kept; ++i) {
+      cum += p[i];
+      if (!(cum < target)) {
+        choice = i;
+        break;
+      }
+    }
+  }
+  *tok_out = heap[choice].second;
+  *lp_out = heap[choice].first - lse;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor* b) {
   static const c10::OperatorHandle h =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -370,6 +456,35 @@ void* yatt_decode_layers(void* x_in, void* pos_in, void* cos_in, void* sin_in, i
   } catch (const std::exception& e) {
     set_err(err, errlen, e.what());
     return nullptr;
+  }
+}
+
+// Samples one token per row of logits [n, V] (f32, contiguous): per-row temperature
+// (<= 0: greedy), top-k (1..V), top-p and uniform. Writes the tokens and their log-probs
+// under log_softmax(logits / T). Returns 0, or -1 with a message.
+int yatt_sample_topk(void* logits_in, const float* temp, const int64_t* top_k,
+                     const float* top_p, const float* uniform, int64_t* tok_out, float* lp_out,
+                     char* err, size_t errlen) {
+  try {
+    const at::Tensor& logits = T(logits_in);
+    check_f32(logits, "logits");
+    TORCH_CHECK(logits.dim() == 2, "logits must be [n, vocab]");
+    const int64_t n = logits.size(0), V = logits.size(1);
+    const float* lp = logits.data_ptr<float>();
+    int64_t kmax = 1;
+    for (int64_t r = 0; r < n; ++r) kmax = std::max(kmax, std::min(top_k[r], V));
+    at::parallel_for(0, n, 1, [&](int64_t a, int64_t b) {
+      std::vector<float> x(V);
+      std::vector<std::pair<float, int64_t>> heap(kmax);
+      for (int64_t r = a; r < b; ++r) {
+        sample_row(lp + r * V, V, temp[r], top_k[r], top_p[r], uniform[r], x.data(),
+                   heap.data(), tok_out + r, lp_out + r);
+      }
+    });
+    return 0;
+  } catch (const std::exception& e) {
+    set_err(err, errlen, e.what());
+    return -1;
   }
 }
 }

@@ -275,9 +275,36 @@ pub struct RowParams {
     pub uniform: Vec<f32>,
 }
 
+/// Largest top-k the one-pass CPU sampler handles (it keeps the k best in a heap).
+const FAST_TOP_K: usize = 1024;
+
 /// Samples one token per row of `logits` `[n, vocab]`. Returns the tokens and their
-/// log-probs under `log_softmax(logits / T)`. One host transfer of `2n` numbers.
+/// log-probs under `log_softmax(logits / T)`. For f32 logits on the CPU with every row
+/// greedy or top-k limited, one pass per row in the C++ shim; otherwise tch operations
+/// and one host transfer of `2n` numbers.
 pub fn sample(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
+    let fast = crate::onednn::available()
+        && logits.device() == Device::Cpu
+        && logits.kind() == Kind::Float
+        && p
+            .temperature
+            .iter()
+            .zip(&p.top_k)
+            .all(|(&t, &k)| t <= 0.0 || (1..=FAST_TOP_K).contains(&k));
+    if fast {
+        let v = logits.size().last().copied().unwrap_or(1);
+        let ks: Vec<i64> = p.top_k.iter().map(|&k| (k as i64).clamp(1, v)).collect();
+        if let Ok(out) =
+            crate::onednn::sample_topk(logits, &p.temperature, &ks, &p.top_p, &p.uniform)
+        {
+            return out;
+        }
+    }
+    sample_tch(logits, p)
+}
+
+/// [`sample`] with tch operations (any device, dtype and top-k).
+fn sample_tch(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
     let (n, v) = logits.size2().expect("logits must be [n, vocab]");
     let dev = logits.device();
     let logits = logits.to_kind(Kind::Float);
@@ -977,6 +1004,31 @@ mod tests {
         let (_, lp) = sample(&logits, &params(1, 2.0, 0, 1.0, 0.0));
         let z: f64 = probs.iter().map(|p| p.sqrt()).sum();
         assert!((lp[0] as f64 - (0.5f64.sqrt() / z).ln()).abs() < 1e-5);
+    }
+
+    /// The one-pass CPU sampler and the tch sampler pick the same tokens with the same
+    /// log-probs, across temperatures, top-k and top-p.
+    #[test]
+    fn fast_sampler_matches_tch_sampler() {
+        if !crate::onednn::available() {
+            return;
+        }
+        tch::manual_seed(5);
+        let n = 48;
+        let logits = Tensor::randn([n, 3000], (Kind::Float, Device::Cpu)) * 3.0;
+        let mut rng = RequestRng::new(3);
+        let rp = RowParams {
+            temperature: (0..n).map(|i| [0.0, 0.7, 1.0, 1.3][i as usize % 4]).collect(),
+            top_k: (0..n).map(|i| [1, 5, 50, 1000][i as usize / 4 % 4]).collect(),
+            top_p: (0..n).map(|i| [1.0, 0.9, 0.5][i as usize / 16 % 3]).collect(),
+            uniform: (0..n).map(|_| rng.uniform()).collect(),
+        };
+        let (fast_t, fast_lp) = sample(&logits, &rp);
+        let (ref_t, ref_lp) = sample_tch(&logits, &rp);
+        assert_eq!(fast_t, ref_t);
+        for (a, b) in fast_lp.iter().zip(&ref_lp) {
+            assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+        }
     }
 
     #[test]

@@ -48,6 +48,17 @@ mod ffi {
             err: *mut c_char,
             len: usize,
         ) -> *mut C_tensor;
+        pub fn yatt_sample_topk(
+            logits: *mut C_tensor,
+            temp: *const f32,
+            top_k: *const i64,
+            top_p: *const f32,
+            uniform: *const f32,
+            tok_out: *mut i64,
+            lp_out: *mut f32,
+            err: *mut c_char,
+            len: usize,
+        ) -> i32;
     }
 }
 
@@ -222,6 +233,53 @@ pub fn decode_layers(
     #[cfg(not(yatt_onednn))]
     {
         let _ = (x, pos, cos, sin, layers, heads, eps);
+        Err("built without the oneDNN shim".into())
+    }
+}
+
+/// Samples one token per row of `logits` `[n, vocab]` (f32, CPU) in one pass over each
+/// row: per-row `temperature` (≤ 0: greedy), `top_k` (1..=vocab), `top_p` and `uniform`.
+/// Returns the tokens and their log-probs under `log_softmax(logits / T)`.
+pub fn sample_topk(
+    logits: &Tensor,
+    temperature: &[f32],
+    top_k: &[i64],
+    top_p: &[f32],
+    uniform: &[f32],
+) -> Result<(Vec<i64>, Vec<f32>), String> {
+    let n = logits.size().first().copied().unwrap_or(0) as usize;
+    if [temperature.len(), top_k.len(), top_p.len(), uniform.len()] != [n; 4] {
+        return Err(format!("sample_topk: {n} rows but parameter lists of other lengths"));
+    }
+    #[cfg(yatt_onednn)]
+    {
+        let x = logits.contiguous();
+        let mut tok = vec![0i64; n];
+        let mut lp = vec![0f32; n];
+        let mut err = vec![0u8; 512];
+        // SAFETY: `x` and the parameter slices (n entries each, checked above) outlive the
+        // call; the shim writes n entries into each output.
+        let rc = unsafe {
+            ffi::yatt_sample_topk(
+                x.as_ptr() as *mut _,
+                temperature.as_ptr(),
+                top_k.as_ptr(),
+                top_p.as_ptr(),
+                uniform.as_ptr(),
+                tok.as_mut_ptr(),
+                lp.as_mut_ptr(),
+                err.as_mut_ptr() as *mut _,
+                err.len(),
+            )
+        };
+        if rc != 0 {
+            return Err(err_string(&err));
+        }
+        Ok((tok, lp))
+    }
+    #[cfg(not(yatt_onednn))]
+    {
+        let _ = (logits, uniform);
         Err("built without the oneDNN shim".into())
     }
 }
