@@ -116,6 +116,7 @@ fn main() {
                     cache: &mut cache,
                     start: 0,
                     offset: 0,
+                    lens: None,
                 },
             );
         });

@@ -154,8 +154,8 @@ pub struct GenerateStats {
     pub decode_steps: usize,
     /// Prefill forward calls.
     pub prefill_calls: usize,
-    /// Positions computed by prefill calls (rows × padded length): with prefix sharing,
-    /// fewer than the prompts' total length.
+    /// Prompt positions run through the model by prefill calls (padding excluded): with
+    /// prefix sharing, fewer than the prompts' total length.
     pub prefill_positions: usize,
     /// Tokens generated.
     pub generated_tokens: usize,
@@ -692,6 +692,7 @@ impl Generator {
                     cache,
                     start,
                     offset: 0,
+                    lens: None,
                 },
             );
             stats.prefill_calls += 1;
@@ -706,11 +707,11 @@ impl Generator {
             .max()
             .unwrap_or(1) as i64;
         let mut ids = vec![0i64; (n * rest) as usize];
-        let mut last = Vec::with_capacity(lead.len());
+        let mut lens = Vec::with_capacity(lead.len());
         for (i, &r) in lead.iter().enumerate() {
             let p = &requests[r].prompt[plan.shared..];
             ids[i * rest as usize..i * rest as usize + p.len()].copy_from_slice(p);
-            last.push(p.len() as i64 - 1);
+            lens.push(p.len() as i64);
         }
         let ids = Tensor::from_slice(&ids).view([n, rest]).to_device(device);
         let pos = (Tensor::arange(rest, (Kind::Int64, device)) + shared)
@@ -723,10 +724,12 @@ impl Generator {
                 cache,
                 start,
                 offset: shared,
+                lens: Some(&lens),
             },
         );
         stats.prefill_calls += 1;
-        stats.prefill_positions += (n * rest) as usize;
+        stats.prefill_positions += lens.iter().sum::<i64>() as usize;
+        let last: Vec<i64> = lens.iter().map(|l| l - 1).collect();
         let last = Tensor::from_slice(&last).to_device(device);
         let hl = h.index(&[Some(Tensor::arange(n, (Kind::Int64, device))), Some(last)]);
         let logits = self.model.logits(&hl);

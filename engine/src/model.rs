@@ -247,6 +247,9 @@ pub enum Attn<'a> {
         start: i64,
         /// Cache positions already filled (0: a fresh prompt).
         offset: i64,
+        /// Each row's real length (the rest is padding): the per-token work (projections,
+        /// MLP) then skips the padding; only attention sees the padded layout.
+        lens: Option<&'a [i64]>,
     },
     /// One new token per slot `0..B`, at the per-slot positions given to the forward.
     Decode {
@@ -848,7 +851,35 @@ impl Llama {
         let c = &self.config;
         let (b, t) = ids.size2().expect("ids must be [B, T]");
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        // Ragged prefill: real tokens only, as rows of [n, hidden]; `pad` restores the
+        // [b, t, ..] layout (zeros in the padding) where attention needs it.
+        let real = match &attn {
+            Attn::Prefill {
+                lens: Some(lens), ..
+            } if lens.iter().any(|&l| l < t) => {
+                let mut idx = Vec::with_capacity(lens.iter().sum::<i64>() as usize);
+                for (i, &l) in lens.iter().enumerate() {
+                    idx.extend((0..l.min(t)).map(|j| i as i64 * t + j));
+                }
+                Some(Tensor::from_slice(&idx).to_device(self.device))
+            }
+            _ => None,
+        };
+        let pad = |z: Tensor| -> Tensor {
+            match &real {
+                Some(idx) => {
+                    let w = *z.size().last().expect("rows have a width");
+                    z.new_zeros([b * t, w], (z.kind(), z.device()))
+                        .index_copy(0, idx, &z)
+                        .view([b, t, w])
+                }
+                None => z,
+            }
+        };
         let mut x = Tensor::embedding(&self.embed.tr(), ids, -1, false, false);
+        if let Some(idx) = &real {
+            x = x.reshape([b * t, -1]).index_select(0, idx);
+        }
         let cos = self
             .cos
             .index_select(0, &positions.reshape([-1]))
@@ -897,7 +928,7 @@ impl Llama {
         for (li, l) in self.layers.iter().enumerate() {
             let pl = packed.map(|p| &p.layers[li]);
             let hn = self.rms(&x, &l.ln1);
-            let qkv = self.mm(&hn, &l.wqkv, pl.map(|p| &p[0]), l.bqkv.as_ref());
+            let qkv = pad(self.mm(&hn, &l.wqkv, pl.map(|p| &p[0]), l.bqkv.as_ref()));
             let q = qkv
                 .narrow(-1, 0, nh * hd)
                 .view([b, t, nh, hd])
@@ -927,6 +958,7 @@ impl Llama {
                     cache,
                     start,
                     offset,
+                    ..
                 } => {
                     let index = key_index.get_or_insert_with(|| {
                         let slots = Tensor::arange_start(*start, *start + b, (Kind::Int64, self.device));
@@ -978,7 +1010,10 @@ impl Llama {
                     )
                 }
             };
-            let o = o.transpose(1, 2).reshape([b, t, nh * hd]);
+            let mut o = o.transpose(1, 2).reshape([b, t, nh * hd]);
+            if let Some(idx) = &real {
+                o = o.reshape([b * t, nh * hd]).index_select(0, idx);
+            }
             x = x + self.mm(&o, &l.wo, pl.map(|p| &p[1]), None);
             let hn = self.rms(&x, &l.ln2);
             let gu = self.mm(&hn, &l.w_gate_up, pl.map(|p| &p[2]), None);
@@ -986,7 +1021,7 @@ impl Llama {
             let act = gu.narrow(-1, 0, f).silu() * gu.narrow(-1, f, f);
             x = x + self.mm(&act, &l.w_down, pl.map(|p| &p[3]), None);
         }
-        self.rms(&x, &self.norm)
+        pad(self.rms(&x, &self.norm))
     }
 
     /// LM logits for hidden states `[.., hidden] → [.., vocab]`.
@@ -1096,6 +1131,7 @@ mod tests {
                             cache: c,
                             start: 0,
                             offset: 0,
+                            lens: None,
                         },
                     );
                 }
@@ -1144,6 +1180,7 @@ mod tests {
                     cache: &mut plain,
                     start: 0,
                     offset: 0,
+                    lens: None,
                 },
             );
             let mut shared = KvCache::new(&model, 4, 16);
@@ -1156,11 +1193,14 @@ mod tests {
                     cache: &mut shared,
                     start: 1,
                     offset: 0,
+                    lens: None,
                 },
             );
             shared.copy_slots(&[1, 1], &[2, 3], p);
             let rest = ids.narrow(1, p, ids.size()[1] - p);
             let rpos = pos.narrow(1, p, ids.size()[1] - p);
+            // Ragged: the padding of the shorter rows is skipped.
+            let rest_lens: Vec<i64> = lens.iter().map(|l| l - p).collect();
             let h = model.hidden(
                 &rest,
                 &rpos,
@@ -1168,6 +1208,7 @@ mod tests {
                     cache: &mut shared,
                     start: 1,
                     offset: p,
+                    lens: Some(&rest_lens),
                 },
             );
             for (i, &l) in lens.iter().enumerate() {
