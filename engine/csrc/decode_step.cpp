@@ -353,6 +353,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor* b)
 
 const at::Tensor& T(void* p) { return *static_cast<at::Tensor*>(p); }
 
+// Up to this many rows, the norms and RoPE run on one thread: they take a few
+// microseconds, less than waking the other threads.
+constexpr int64_t kSerialRows = 128;
+
 void check_f32(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous(),
               what, " must be a contiguous f32 CPU tensor");
@@ -405,7 +409,7 @@ void* yatt_decode_layers(void* x_in, void* pos_in, void* cos_in, void* sin_in, i
     auto norm = [&](const at::Tensor& w, const float* y) {
       check_f32(w, "norm weight");
       const float* wp = w.data_ptr<float>();
-      at::parallel_for(0, B, 8, [&](int64_t a, int64_t b) {
+      at::parallel_for(0, B, kSerialRows, [&](int64_t a, int64_t b) {
         add_rms_rows(xp, y, wp, hp, a, b, H, eps_f);
       });
     };
@@ -432,7 +436,7 @@ void* yatt_decode_layers(void* x_in, void* pos_in, void* cos_in, void* sin_in, i
       float* vcp = vci.data_ptr<float>();
       const float* cp = cos_t.data_ptr<float>();
       const float* sp = sin_t.data_ptr<float>();
-      at::parallel_for(0, B, 16, [&](int64_t a, int64_t b) {
+      at::parallel_for(0, B, kSerialRows, [&](int64_t a, int64_t b) {
         rope_store_rows(qp, qkv_w, p, cp, sp, kbp, vcp, a, b, nh, nkv, hd, blocks, cap);
       });
       float* ap = att.data_ptr<float>();
@@ -447,7 +451,7 @@ void* yatt_decode_layers(void* x_in, void* pos_in, void* cos_in, void* sin_in, i
       at::Tensor act = at::empty({B, f}, x0.options());
       const float* gp = gu.data_ptr<float>();
       float* actp = act.data_ptr<float>();
-      at::parallel_for(0, B, 8, [&](int64_t a, int64_t b) { swiglu_rows(gp, actp, a, b, f); });
+      at::parallel_for(0, B, 32, [&](int64_t a, int64_t b) { swiglu_rows(gp, actp, a, b, f); });
       last = linear(act, T(wdown[li]), nullptr);
       pending = &last;
     }
