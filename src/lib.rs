@@ -9,8 +9,10 @@
 //! | [`engine`] | tch models, generation, log-probs, training, checkpoints (no actors) |
 //! | [`roles`] | the `Role` trait, built-in roles, algorithms, controllers |
 //! | [`placement`] | inventory, plans, placement policy, simulator (no tch) |
+//! | [`metrics`] | a run's metrics.jsonl and TensorBoard events, reading them, PNG plots |
 
 pub use yatt_engine as engine;
+pub use yatt_metrics as metrics;
 pub use yatt_placement as placement;
 pub use yatt_roles as roles;
 pub use yatt_runtime as runtime;
@@ -32,7 +34,8 @@ pub mod logging;
 pub mod node_config;
 
 /// Registers every role this build of yatt can spawn on request: the runtime's
-/// diagnostic actors now, the RLHF roles as they land.
+/// diagnostic actors (echo, bulk-sink) and the built-in RLHF roles (rollout, policy,
+/// reference, reward; see `yatt_roles::remote`).
 pub fn register_roles(builder: runtime::NodeBuilder) -> runtime::NodeBuilder {
-    runtime::builtin::register(builder)
+    roles::remote::register(runtime::builtin::register(builder))
 }

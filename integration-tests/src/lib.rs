@@ -12,7 +12,16 @@ use std::time::{Duration, Instant};
 /// Where the `yatt-node` binary is: `$YATT_NODE_BIN`, or next to the test binary's
 /// `deps/` folder (cargo puts both under `target/<profile>/`).
 pub fn yatt_node_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("YATT_NODE_BIN") {
+    binary("yatt-node", "YATT_NODE_BIN")
+}
+
+/// Where the `yatt` binary is: `$YATT_BIN`, or next to the test binary's `deps/` folder.
+pub fn yatt_bin() -> PathBuf {
+    binary("yatt", "YATT_BIN")
+}
+
+fn binary(name: &str, var: &str) -> PathBuf {
+    if let Some(p) = std::env::var_os(var) {
         return p.into();
     }
     let exe = std::env::current_exe().expect("test binary path");
@@ -20,7 +29,7 @@ pub fn yatt_node_bin() -> PathBuf {
         .parent()
         .and_then(Path::parent)
         .expect("target/<profile>/deps/<test>");
-    let bin = profile_dir.join("yatt-node");
+    let bin = profile_dir.join(name);
     assert!(
         bin.exists(),
         "{} is missing: build it first with `cargo build --bins` in the same profile (scripts/test.sh does)",

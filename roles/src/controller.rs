@@ -5,7 +5,7 @@
 //! names), the checkpointable [`ControllerState`], and [`spawn_role`] for the embedded,
 //! single-process mode. The controller talks to roles only through `ActorRef`s to their
 //! [`RoleActor`]s, each ask with a deadline, so the same code drives roles in this
-//! process or (once their messages are serializable) on other nodes.
+//! process or on other nodes ([`crate::remote`]).
 //!
 //! One step:
 //! 1. take `prompts_per_step` prompts from the shard and expect `n` samples of each in
@@ -20,10 +20,19 @@
 //!
 //! Several controllers in one process, each with its own shard and rollout, meet only
 //! at the policy's update: [`step_data_parallel`] has the policy compute each one's
-//! gradients on its own samples and average them before one optimizer step.
+//! gradients on its own samples and average them before one optimizer step. With a
+//! policy replica per head, the replicas compute their shards side by side and each
+//! applies the average of all of them (an all-reduce over the runtime's messages), so
+//! their weights stay identical.
 //!
-//! Not here yet: critic/GAE, dynamic sampling, remote roles (their messages are not
-//! serializable yet), controllers in different processes.
+//! PPO adds a critic: its values are a stage after the reference, advantages come from
+//! GAE on token rewards, and the critic trains on the returns alongside the policy's
+//! update. DAPO's dynamic sampling sits after the reward stage: prompt groups whose
+//! rewards are all equal are dropped (recorded in the ledger as dropped, so they may
+//! not reach a later stage) and more prompts are generated until the step has
+//! `prompts_per_step` groups with signal or the round limit is hit.
+//!
+//! Weight sync goes through the controller (policy → controller → rollout).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -35,11 +44,13 @@ use yatt_runtime::actor::{ActorRef, CallError};
 use yatt_runtime::node::Node;
 
 use crate::algo::{
-    grpo_advantage, kl_estimate, masked_mean, reinforce_pp_advantage, rloo_advantage,
-    token_level_rewards, AlgoError, GrpoConfig, KlEstimator, ReinforcePpConfig,
+    dynamic_sampling_filter, gae_advantage, grpo_advantage, kl_estimate, masked_mean,
+    overlong_penalty, reinforce_pp_advantage, rloo_advantage, token_level_rewards, AlgoError,
+    GaeConfig, GrpoConfig, KlEstimator, ReinforcePpConfig,
 };
 use crate::builtin::{
-    GenerateRequest, PolicyRequest, PolicyResponse, RolloutRequest, RolloutResponse, TrainReport,
+    CriticReport, CriticRequest, CriticResponse, GenerateRequest, PolicyRequest, PolicyResponse,
+    RolloutRequest, RolloutResponse, TrainReport,
 };
 use crate::data::{DataError, Dataloader, LoaderState};
 use crate::ledger::{LedgerError, LedgerReport, SampleLedger, Stage};
@@ -56,18 +67,26 @@ pub type RolloutRef = ActorRef<RoleRequest<RolloutRequest>, RoleResponse<Rollout
 pub type SamplesRef = ActorRef<RoleRequest<Vec<Sample>>, RoleResponse<Vec<Sample>>>;
 /// A reference to the policy role's actor.
 pub type PolicyRef = ActorRef<RoleRequest<PolicyRequest>, RoleResponse<PolicyResponse>>;
+/// A reference to the critic role's actor.
+pub type CriticRef = ActorRef<RoleRequest<CriticRequest>, RoleResponse<CriticResponse>>;
 
 /// The roles one controller drives.
 #[derive(Debug, Clone)]
 pub struct RoleRefs {
     /// Generation.
     pub rollout: RolloutRef,
+    /// Further rollout replicas the controller spreads each generation round over,
+    /// with `rollout` (single-driver mode: one controller, many replicas). Empty for a
+    /// parallel-controller head, which owns one replica.
+    pub extra_rollouts: Vec<RolloutRef>,
     /// Rewards.
     pub reward: SamplesRef,
     /// Reference log-probs (needed for a KL penalty, a KL loss and the `actor/kl` metric).
     pub reference: Option<SamplesRef>,
     /// The trainer.
     pub policy: PolicyRef,
+    /// The value model (PPO with GAE needs one; the other estimators ignore it).
+    pub critic: Option<CriticRef>,
 }
 
 /// Which advantage estimator.
@@ -79,6 +98,30 @@ pub enum AdvantageEstimator {
     Rloo,
     /// Token returns normalised over the batch.
     ReinforcePp(ReinforcePpConfig),
+    /// PPO: generalised advantage estimation on the critic's values.
+    Gae(GaeConfig),
+}
+
+/// DAPO dynamic sampling: drop prompt groups whose rewards are all equal and generate
+/// more prompts until the step has `prompts_per_step` groups with signal.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DynamicSamplingConfig {
+    /// Generation rounds per step at most (the first included); after the last round
+    /// the step trains on the groups it has.
+    pub max_rounds: usize,
+    /// Rewards closer than this count as equal.
+    pub tolerance: f64,
+}
+
+/// DAPO soft overlong punishment added to the reward of long responses.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OverlongConfig {
+    /// Length at which the penalty reaches −1 (usually `max_new_tokens`).
+    pub max_len: usize,
+    /// The buffer before `max_len` over which the penalty ramps from 0 to −1.
+    pub buffer: usize,
+    /// Scale of the penalty.
+    pub coef: f64,
 }
 
 /// A KL penalty folded into the rewards (KL-in-reward).
@@ -132,6 +175,10 @@ pub struct ControllerConfig {
     pub kl_in_reward: Option<KlPenalty>,
     /// Estimator of the `actor/kl` metric (old policy vs reference).
     pub kl_metric: KlEstimator,
+    /// DAPO dynamic sampling (off when `None`).
+    pub dynamic_sampling: Option<DynamicSamplingConfig>,
+    /// DAPO overlong penalty (off when `None`).
+    pub overlong: Option<OverlongConfig>,
     /// Devices this controller's roles use (the divisor of `perf/throughput`).
     pub devices: usize,
     /// Deadlines.
@@ -148,6 +195,8 @@ impl Default for ControllerConfig {
             advantage: AdvantageEstimator::Grpo(GrpoConfig::default()),
             kl_in_reward: None,
             kl_metric: KlEstimator::K3,
+            dynamic_sampling: None,
+            overlong: None,
             devices: 1,
             timeouts: Timeouts::default(),
         }
@@ -224,6 +273,16 @@ pub enum ControllerError {
     /// The configuration cannot work.
     #[error("controller config: {0}")]
     Config(String),
+    /// Dynamic sampling found no prompt group whose rewards differ.
+    #[error("step {step}: dynamic sampling found no prompt group with differing rewards in {rounds} generation rounds ({groups} groups dropped); raise algorithm.max_sampling_rounds or the temperature, or check the reward")]
+    NoSignal {
+        /// The step.
+        step: u64,
+        /// Generation rounds tried.
+        rounds: usize,
+        /// Groups seen and dropped.
+        groups: usize,
+    },
     /// The dataloader state could not be restored.
     #[error("restoring the controller: {0}")]
     Restore(#[source] DataError),
@@ -268,6 +327,8 @@ pub struct StepReport {
     pub samples: Vec<Sample>,
     /// The policy update's report.
     pub train: TrainReport,
+    /// The critic update's report (PPO).
+    pub critic: Option<CriticReport>,
 }
 
 /// A controller's position, to checkpoint next to the policy's weights.
@@ -305,49 +366,90 @@ pub async fn step_data_parallel(
     };
     let policy = first.roles.policy.clone();
     let step = first.step;
-    if let Some(c) = controllers
-        .iter()
-        .find(|c| c.roles.policy.id() != policy.id() || c.step != step)
-    {
+    if controllers.len() > 1 && controllers.iter().any(|c| c.roles.critic.is_some()) {
+        return Err(ControllerError::Config(
+            "a critic (PPO) is supported with one controller only; set job.controllers = 1 or use grpo/rloo/reinforce++".into(),
+        ));
+    }
+    if let Some(c) = controllers.iter().find(|c| c.step != step) {
         return Err(ControllerError::Config(format!(
-            "data-parallel controllers must share one policy and be at the same step (found {} at step {}, expected {} at step {step})",
-            c.roles.policy.id(),
-            c.step,
+            "data-parallel controllers must be at the same step (found one at step {}, expected {step})",
+            c.step
+        )));
+    }
+    // Either every head shares one policy, or each has its own replica.
+    let ids: std::collections::BTreeSet<_> = controllers
+        .iter()
+        .map(|c| c.roles.policy.id().clone())
+        .collect();
+    let replicated = ids.len() == controllers.len() && controllers.len() > 1;
+    if !replicated && ids.len() != 1 {
+        return Err(ControllerError::Config(format!(
+            "data-parallel controllers must share one policy or each have their own replica ({} controllers, {} distinct policies; the first is {})",
+            controllers.len(),
+            ids.len(),
             policy.id()
         )));
     }
-    let mut prepared = Vec::with_capacity(controllers.len());
-    for c in controllers.iter_mut() {
-        prepared.push(c.prepare().await?);
-    }
+    // The heads prepare concurrently: each drives its own rollout replica.
+    let prepared =
+        futures::future::try_join_all(controllers.iter_mut().map(|c| c.prepare())).await?;
     let t = Instant::now();
-    let mut shards = Vec::with_capacity(prepared.len());
-    for (c, p) in controllers.iter().zip(&prepared) {
-        match c
-            .serve_policy(
-                PolicyRequest::Gradients(p.samples.clone()),
-                "update_actor",
-                c.config.timeouts.train,
-            )
-            .await?
-        {
-            PolicyResponse::Gradients(g) => shards.push(g),
-            other => return Err(c.protocol("policy", "Gradients", format!("{other:?}"))),
-        }
-    }
-    let train = match controllers[0]
-        .serve_policy(
-            PolicyRequest::ApplyGradients(shards),
-            "update_actor",
-            controllers[0].config.timeouts.train,
-        )
-        .await?
-    {
-        PolicyResponse::Trained(r) => r,
-        other => {
-            return Err(controllers[0].protocol("policy", "ApplyGradients", format!("{other:?}")))
-        }
+    // Each head's gradients on its own samples (side by side when the policy is
+    // replicated; one after the other on a shared one). The shards keep head order
+    // whatever order they finish in, so the average is the same every run.
+    let shards =
+        futures::future::try_join_all(controllers.iter().zip(&prepared).map(|(c, p)| async move {
+            match c
+                .serve_policy(
+                    PolicyRequest::Gradients(p.samples.clone()),
+                    "update_actor",
+                    c.config.timeouts.train,
+                )
+                .await?
+            {
+                PolicyResponse::Gradients(g) => Ok(g),
+                other => Err(c.protocol("policy", "Gradients", format!("{other:?}"))),
+            }
+        }))
+        .await?;
+    // The all-reduce: every replica gets every shard and applies the same average, so
+    // the replicas' weights stay identical.
+    let appliers: Vec<&Controller> = if replicated {
+        controllers.iter().collect()
+    } else {
+        vec![&controllers[0]]
     };
+    let n_appliers = appliers.len();
+    let mut shards = Some(shards);
+    let applies = appliers.into_iter().enumerate().map(|(i, c)| {
+        let mine = if i + 1 == n_appliers {
+            shards.take().unwrap_or_default()
+        } else {
+            shards.clone().unwrap_or_default()
+        };
+        async move {
+            match c
+                .serve_policy(
+                    PolicyRequest::ApplyGradients(mine),
+                    "update_actor",
+                    c.config.timeouts.train,
+                )
+                .await?
+            {
+                PolicyResponse::Trained(r) => Ok(r),
+                other => Err(c.protocol("policy", "ApplyGradients", format!("{other:?}"))),
+            }
+        }
+    });
+    let trained = futures::future::try_join_all(applies).await?;
+    if let Some(r) = trained.iter().find(|r| r.version != trained[0].version) {
+        return Err(ControllerError::Config(format!(
+            "policy replicas diverged: versions {} and {} after the same update",
+            trained[0].version, r.version
+        )));
+    }
+    let train = trained[0].clone();
     let secs = t.elapsed().as_secs_f64();
     let mut reports = Vec::with_capacity(prepared.len());
     for (c, p) in controllers.iter_mut().zip(prepared) {
@@ -362,7 +464,7 @@ pub async fn step_data_parallel(
                 .collect(),
             ..train.clone()
         };
-        reports.push(c.finish(p, own, secs).await?);
+        reports.push(c.finish(p, own, None, secs).await?);
     }
     Ok(reports)
 }
@@ -377,8 +479,9 @@ pub struct Controller {
 }
 
 /// Starts `role` on its own thread on `group` and spawns its actor on `node` as
-/// `node/name/replica` (local only: the messages carry tensors-backed samples and
-/// weight buckets that are moved, not serialized).
+/// `node/name/replica`, reachable from this process only (its messages are moved, never
+/// encoded). Roles on other nodes are spawned through their factories
+/// ([`crate::remote`]).
 pub async fn spawn_role<R: Role>(
     node: &Node,
     role: R,
@@ -399,7 +502,7 @@ pub async fn spawn_role<R: Role>(
         })
 }
 
-fn variant<T>(r: &RoleResponse<T>) -> String {
+pub(crate) fn variant<T>(r: &RoleResponse<T>) -> String {
     match r {
         RoleResponse::Served(_) => "a served answer".into(),
         RoleResponse::Done => "Done".into(),
@@ -434,6 +537,18 @@ impl Controller {
         }
         if config.devices == 0 {
             return Err(ControllerError::Config("devices must be >= 1".into()));
+        }
+        if matches!(config.advantage, AdvantageEstimator::Gae(_)) && roles.critic.is_none() {
+            return Err(ControllerError::Config(
+                "GAE (PPO) needs a critic role; set algorithm.name to grpo, rloo or reinforce++, or add the critic".into(),
+            ));
+        }
+        if let Some(d) = config.dynamic_sampling {
+            if d.max_rounds == 0 {
+                return Err(ControllerError::Config(
+                    "dynamic_sampling.max_rounds must be >= 1".into(),
+                ));
+            }
         }
         Ok(Controller {
             config,
@@ -472,6 +587,54 @@ impl Controller {
         self.step = state.step;
         self.weights_version = state.weights_version;
         Ok(())
+    }
+
+    /// Weight sync: the policy exports its weights and this controller's rollout loads
+    /// them in place. Returns the version the rollout now holds.
+    pub async fn sync_weights(&mut self) -> Result<u64, ControllerError> {
+        let t = self.config.timeouts.sync;
+        let update = match self
+            .serve_policy(PolicyRequest::ExportWeights, "weight_sync", t)
+            .await?
+        {
+            PolicyResponse::Weights(u) => u,
+            other => return Err(self.protocol("policy", "ExportWeights", format!("{other:?}"))),
+        };
+        let version = update.version;
+        // Every replica but the last gets a copy; the last takes the buckets themselves.
+        let mut loads = Vec::new();
+        for r in &self.roles.extra_rollouts {
+            loads.push(r.ask(RoleRequest::LoadWeights(update.clone()), t));
+        }
+        loads.push(self.roles.rollout.ask(RoleRequest::LoadWeights(update), t));
+        for answer in futures::future::join_all(loads).await {
+            match answer.map_err(self.call("weight_sync", "rollout"))? {
+                RoleResponse::Done => {}
+                other => return Err(self.protocol("rollout", "LoadWeights", variant(&other))),
+            }
+        }
+        self.weights_version = version;
+        Ok(version)
+    }
+
+    /// Asks the critic (if any) to save a checkpoint to `dir`.
+    pub async fn save_critic(&self, dir: std::path::PathBuf) -> Result<(), ControllerError> {
+        let Some(c) = &self.roles.critic else {
+            return Ok(());
+        };
+        match self
+            .serve(
+                c,
+                CriticRequest::SaveCheckpoint(dir),
+                "checkpoint",
+                "critic",
+                self.config.timeouts.sync,
+            )
+            .await?
+        {
+            CriticResponse::Saved => Ok(()),
+            other => Err(self.protocol("critic", "SaveCheckpoint", format!("{other:?}"))),
+        }
     }
 
     /// Asks the policy to save a checkpoint to `dir`.
@@ -559,24 +722,56 @@ impl Controller {
     /// Runs one step. On error the step's prompts are consumed; restore a
     /// [`ControllerState`] taken before the step to retry it.
     pub async fn step(&mut self) -> Result<StepReport, ControllerError> {
-        let p = self.prepare().await?;
+        let mut p = self.prepare().await?;
         let t = Instant::now();
-        let train = match self
-            .serve_policy(
-                PolicyRequest::Train(p.samples.clone()),
-                "update_actor",
-                self.config.timeouts.train,
-            )
-            .await?
-        {
+        let policy = async {
+            let r = self
+                .serve_policy(
+                    PolicyRequest::Train(p.samples.clone()),
+                    "update_actor",
+                    self.config.timeouts.train,
+                )
+                .await;
+            (r, t.elapsed().as_secs_f64())
+        };
+        // The critic's update runs alongside the policy's (different roles, no shared
+        // state), as in verl.
+        let critic = async {
+            let Some(c) = &self.roles.critic else {
+                return Ok(None);
+            };
+            let t = Instant::now();
+            let r = self
+                .serve(
+                    c,
+                    CriticRequest::Train(p.samples.clone()),
+                    "update_critic",
+                    "critic",
+                    self.config.timeouts.train,
+                )
+                .await?;
+            match r {
+                CriticResponse::Trained(r) => Ok(Some((r, t.elapsed().as_secs_f64()))),
+                other => Err(self.protocol("critic", "Train", format!("{other:?}"))),
+            }
+        };
+        let ((train, secs), critic) = tokio::join!(policy, critic);
+        let train = match train? {
             PolicyResponse::Trained(r) => r,
             other => return Err(self.protocol("policy", "Train", format!("{other:?}"))),
         };
-        let secs = t.elapsed().as_secs_f64();
-        self.finish(p, train, secs).await
+        let critic = match critic? {
+            Some((r, secs)) => {
+                p.metrics.set("timing_s/update_critic", secs);
+                Some(r)
+            }
+            None => None,
+        };
+        self.finish(p, train, critic, secs).await
     }
 
-    /// Stages up to the update: generation, reward, reference, old log-probs, advantages.
+    /// Stages up to the update: generation and reward (repeated by dynamic sampling),
+    /// reference, critic values, old log-probs, advantages.
     async fn prepare(&mut self) -> Result<Prepared, ControllerError> {
         let t_step = Instant::now();
         let step = self.step;
@@ -585,7 +780,6 @@ impl Controller {
             step,
             values: BTreeMap::new(),
         };
-        let prompts = self.loader.next_batch(cfg.prompts_per_step);
         let mut stages = vec![
             Stage::Generated,
             Stage::Rewarded,
@@ -596,67 +790,136 @@ impl Controller {
         if self.roles.reference.is_some() {
             stages.push(Stage::Referenced);
         }
+        if self.roles.critic.is_some() {
+            stages.extend([Stage::Valued, Stage::CriticTrained]);
+        }
         let mut ledger = SampleLedger::new(step, &stages);
-        let ids = prompts.iter().flat_map(|p| {
-            (0..cfg.n).map(move |k| SampleId {
-                step,
-                prompt: p.id,
-                k,
-            })
-        });
-        ledger.expect(ids).map_err(self.ledger_err())?;
 
-        // 1. Generation.
-        let t = Instant::now();
-        let req = RolloutRequest::Generate(GenerateRequest {
-            step,
-            prompts,
-            n: cfg.n,
-            params: cfg.sampling.clone(),
-            seed: cfg.seed,
-        });
-        let (samples, gen) = match self
-            .serve(
-                &self.roles.rollout,
-                req,
-                "gen",
-                "rollout",
-                cfg.timeouts.generate,
-            )
-            .await?
-        {
-            RolloutResponse::Generated { samples, stats } => (samples, stats),
-            RolloutResponse::Logits(_) => {
-                return Err(self.protocol("rollout", "Generate", "Logits".into()))
+        // 1–2. Generation and reward, in rounds when dynamic sampling drops groups.
+        let target = cfg.prompts_per_step;
+        let rounds = cfg.dynamic_sampling.map_or(1, |d| d.max_rounds);
+        let mut kept: Vec<Sample> = Vec::new();
+        let mut kept_groups = 0usize;
+        let mut seen = std::collections::BTreeSet::new();
+        let (mut gen_s, mut reward_s) = (0.0, 0.0);
+        let mut gen = crate::builtin::RolloutStats::default();
+        let (mut groups_seen, mut groups_dropped, mut round) = (0usize, 0usize, 0usize);
+        let mut want = target;
+        while round < rounds {
+            round += 1;
+            // A step never takes a prompt twice: its sample ids would collide.
+            let prompts: Vec<_> = self
+                .loader
+                .next_batch(want.min(self.loader.shard_len()))
+                .into_iter()
+                .filter(|p| seen.insert(p.id))
+                .collect();
+            if prompts.is_empty() {
+                break;
             }
-        };
-        m.set("timing_s/gen", t.elapsed().as_secs_f64());
-        self.stage_done(&mut ledger, &samples, Stage::Generated)?;
-        if let Some(s) = samples
-            .iter()
-            .find(|s| s.weights_version != self.weights_version)
-        {
-            return Err(ControllerError::StaleWeights {
+            let ids = prompts.iter().flat_map(|p| {
+                (0..cfg.n).map(move |k| SampleId {
+                    step,
+                    prompt: p.id,
+                    k,
+                })
+            });
+            ledger.expect(ids).map_err(self.ledger_err())?;
+            let (samples, stats, secs) = self.generate(prompts, &cfg).await?;
+            gen_s += secs;
+            gen.response_tokens += stats.response_tokens;
+            gen.seconds += stats.seconds;
+            self.stage_done(&mut ledger, &samples, Stage::Generated)?;
+            if let Some(s) = samples
+                .iter()
+                .find(|s| s.weights_version != self.weights_version)
+            {
+                return Err(ControllerError::StaleWeights {
+                    step,
+                    id: s.id,
+                    got: s.weights_version,
+                    want: self.weights_version,
+                });
+            }
+            let t = Instant::now();
+            let mut samples = self
+                .serve(
+                    &self.roles.reward,
+                    samples,
+                    "reward",
+                    "reward",
+                    cfg.timeouts.score,
+                )
+                .await?;
+            reward_s += t.elapsed().as_secs_f64();
+            self.stage_done(&mut ledger, &samples, Stage::Rewarded)?;
+            if let Some(o) = cfg.overlong {
+                self.apply_overlong(&mut samples, o)?;
+            }
+            let Some(ds) = cfg.dynamic_sampling else {
+                kept = samples;
+                break;
+            };
+            let rewards: Vec<f64> = samples
+                .iter()
+                .map(|s| s.require_reward())
+                .collect::<Result<_, _>>()
+                .map_err(|source| ControllerError::Sample { step, source })?;
+            let groups = group_indices(&samples);
+            let f = dynamic_sampling_filter(&rewards, &groups, target - kept_groups, ds.tolerance)
+                .map_err(|source| ControllerError::Algo { step, source })?;
+            groups_seen += f.keep_groups.len() + f.dropped_groups.len();
+            // Keep at most the groups still needed; the surplus is dropped like the
+            // groups without signal (DAPO trims to the batch size).
+            let keep: Vec<usize> = f
+                .keep_groups
+                .iter()
+                .copied()
+                .take(target - kept_groups)
+                .collect();
+            kept_groups += keep.len();
+            let mut dropped = Vec::new();
+            for (s, g) in samples.into_iter().zip(&groups) {
+                if keep.contains(g) {
+                    kept.push(s);
+                } else {
+                    dropped.push(s);
+                }
+            }
+            groups_dropped += f.dropped_groups.len() + f.keep_groups.len() - keep.len();
+            for s in &dropped {
+                ledger
+                    .drop_after(s.id, Stage::Rewarded)
+                    .map_err(self.ledger_err())?;
+            }
+            if kept_groups >= target {
+                break;
+            }
+            want = f
+                .suggested_prompts
+                .unwrap_or(2 * (target - kept_groups))
+                .max(target - kept_groups);
+        }
+        if kept.is_empty() {
+            // Like verl's DAPO: a step with no signal at all is an error, not a silent
+            // no-op update.
+            return Err(ControllerError::NoSignal {
                 step,
-                id: s.id,
-                got: s.weights_version,
-                want: self.weights_version,
+                rounds: round,
+                groups: groups_dropped,
             });
         }
-
-        // 2. Reward.
-        let t = Instant::now();
-        let samples = self
-            .serve(
-                &self.roles.reward,
-                samples,
-                "reward",
-                "reward",
-                cfg.timeouts.score,
-            )
-            .await?;
-        m.set("timing_s/reward", t.elapsed().as_secs_f64());
-        self.stage_done(&mut ledger, &samples, Stage::Rewarded)?;
+        m.set("timing_s/gen", gen_s);
+        m.set("timing_s/reward", reward_s);
+        if cfg.dynamic_sampling.is_some() {
+            m.set("dapo/gen_rounds", round as f64);
+            m.set("dapo/groups_dropped", groups_dropped as f64);
+            m.set(
+                "dapo/keep_rate",
+                kept_groups as f64 / groups_seen.max(1) as f64,
+            );
+        }
+        let samples = kept;
 
         // 3. Reference.
         let samples = match &self.roles.reference {
@@ -672,7 +935,31 @@ impl Controller {
             None => samples,
         };
 
-        // 4. Old log-probs.
+        // 4. Critic values.
+        let samples = match &self.roles.critic {
+            Some(c) => {
+                let t = Instant::now();
+                let s = match self
+                    .serve(
+                        c,
+                        CriticRequest::Values(samples),
+                        "values",
+                        "critic",
+                        cfg.timeouts.score,
+                    )
+                    .await?
+                {
+                    CriticResponse::Valued(s) => s,
+                    other => return Err(self.protocol("critic", "Values", format!("{other:?}"))),
+                };
+                m.set("timing_s/values", t.elapsed().as_secs_f64());
+                self.stage_done(&mut ledger, &s, Stage::Valued)?;
+                s
+            }
+            None => samples,
+        };
+
+        // 5. Old log-probs.
         let t = Instant::now();
         let mut samples = match self
             .serve_policy(
@@ -688,7 +975,7 @@ impl Controller {
         m.set("timing_s/old_log_prob", t.elapsed().as_secs_f64());
         self.stage_done(&mut ledger, &samples, Stage::OldLogProbs)?;
 
-        // 5. Advantages.
+        // 6. Advantages.
         let t = Instant::now();
         self.advantages(&mut samples, &mut m)?;
         m.set("timing_s/adv", t.elapsed().as_secs_f64());
@@ -703,11 +990,79 @@ impl Controller {
         })
     }
 
+    /// One generation round: `n` samples of each prompt from the rollout.
+    async fn generate(
+        &self,
+        prompts: Vec<crate::data::Prompt>,
+        cfg: &ControllerConfig,
+    ) -> Result<(Vec<Sample>, crate::builtin::RolloutStats, f64), ControllerError> {
+        let t = Instant::now();
+        let replicas: Vec<&RolloutRef> = std::iter::once(&self.roles.rollout)
+            .chain(&self.roles.extra_rollouts)
+            .collect();
+        // Contiguous, near-equal slices of the prompts, one per replica.
+        let per = prompts.len().div_ceil(replicas.len()).max(1);
+        let mut rest = prompts;
+        let mut asks = Vec::with_capacity(replicas.len());
+        for r in replicas {
+            if rest.is_empty() {
+                break;
+            }
+            let tail = rest.split_off(per.min(rest.len()));
+            let req = RolloutRequest::Generate(GenerateRequest {
+                step: self.step,
+                prompts: std::mem::replace(&mut rest, tail),
+                n: cfg.n,
+                params: cfg.sampling.clone(),
+                seed: cfg.seed,
+            });
+            asks.push(self.serve(r, req, "gen", "rollout", cfg.timeouts.generate));
+        }
+        let mut samples = Vec::new();
+        let mut stats = crate::builtin::RolloutStats::default();
+        for answer in futures::future::try_join_all(asks).await? {
+            match answer {
+                RolloutResponse::Generated {
+                    samples: s,
+                    stats: st,
+                } => {
+                    samples.extend(s);
+                    stats.response_tokens += st.response_tokens;
+                    // Replicas run side by side: the round takes the slowest one's time.
+                    stats.seconds = stats.seconds.max(st.seconds);
+                }
+                RolloutResponse::Logits(_) => {
+                    return Err(self.protocol("rollout", "Generate", "Logits".into()))
+                }
+            }
+        }
+        Ok((samples, stats, t.elapsed().as_secs_f64()))
+    }
+
+    /// Adds DAPO's overlong penalty to each sample's reward.
+    fn apply_overlong(
+        &self,
+        samples: &mut [Sample],
+        o: OverlongConfig,
+    ) -> Result<(), ControllerError> {
+        let step = self.step;
+        for s in samples {
+            let r = s
+                .require_reward()
+                .map_err(|source| ControllerError::Sample { step, source })?;
+            let p = overlong_penalty(s.response_len(), o.max_len, o.buffer)
+                .map_err(|source| ControllerError::Algo { step, source })?;
+            s.reward = Some(r + o.coef * p);
+        }
+        Ok(())
+    }
+
     /// The update's accounting, weight sync, the ledger's close and the metrics.
     async fn finish(
         &mut self,
         p: Prepared,
         train: TrainReport,
+        critic: Option<CriticReport>,
         update_s: f64,
     ) -> Result<StepReport, ControllerError> {
         let Prepared {
@@ -723,32 +1078,20 @@ impl Controller {
         ledger
             .verify_stage(Stage::Trained)
             .map_err(self.ledger_err())?;
+        if let Some(c) = &critic {
+            ledger.record_all(&c.trained, Stage::CriticTrained);
+            ledger
+                .verify_stage(Stage::CriticTrained)
+                .map_err(self.ledger_err())?;
+            m.set("critic/vf_loss", c.vf_loss);
+            m.set("critic/vf_clipfrac", c.vf_clipfrac);
+            m.set("critic/vpred_mean", c.vpred_mean);
+            m.set("critic/grad_norm", c.grad_norm);
+        }
 
         // 7. Weight sync.
         let t = Instant::now();
-        let update = match self
-            .serve_policy(
-                PolicyRequest::ExportWeights,
-                "weight_sync",
-                cfg.timeouts.sync,
-            )
-            .await?
-        {
-            PolicyResponse::Weights(u) => u,
-            other => return Err(self.protocol("policy", "ExportWeights", format!("{other:?}"))),
-        };
-        let version = update.version;
-        match self
-            .roles
-            .rollout
-            .ask(RoleRequest::LoadWeights(update), cfg.timeouts.sync)
-            .await
-            .map_err(self.call("weight_sync", "rollout"))?
-        {
-            RoleResponse::Done => {}
-            other => return Err(self.protocol("rollout", "LoadWeights", variant(&other))),
-        }
-        self.weights_version = version;
+        let version = self.sync_weights().await?;
         m.set("timing_s/weight_sync", t.elapsed().as_secs_f64());
 
         let ledger = ledger.close().map_err(self.ledger_err())?;
@@ -779,11 +1122,13 @@ impl Controller {
         }
         m.set("training/weights_version", version as f64);
         self.step += 1;
+        m.set("training/dropped_samples", ledger.dropped as f64);
         Ok(StepReport {
             metrics: m,
             ledger,
             samples: kept,
             train,
+            critic,
         })
     }
 
@@ -839,11 +1184,38 @@ impl Controller {
                 .map_err(ae)?;
                 reinforce_pp_advantage(&tr, &mask, &c)
             }
+            AdvantageEstimator::Gae(c) => {
+                let tr = token_level_rewards(
+                    &scores,
+                    &mask,
+                    kl.as_ref().map(|(k, _)| k),
+                    kl.as_ref().map_or(0.0, |(_, c)| *c),
+                )
+                .map_err(ae)?;
+                let values = token_matrix(samples, TokenField::Values, dev).map_err(se)?;
+                gae_advantage(&tr, &values, &mask, &c)
+            }
         }
         .map_err(ae)?;
         let rows = split_rows(&adv.advantages, samples);
-        for (s, a) in samples.iter_mut().zip(rows) {
+        let gae = matches!(self.config.advantage, AdvantageEstimator::Gae(_));
+        let returns = split_rows(&adv.returns, samples);
+        for ((s, a), r) in samples.iter_mut().zip(rows).zip(returns) {
             s.advantages = Some(a);
+            if gae {
+                s.returns = Some(r);
+            }
+        }
+        if gae {
+            m.set(
+                "critic/returns/mean",
+                masked_mean(&adv.returns, &mask).double_value(&[]),
+            );
+            let v = token_matrix(samples, TokenField::Values, dev).map_err(se)?;
+            m.set(
+                "critic/values/mean",
+                masked_mean(&v, &mask).double_value(&[]),
+            );
         }
         let n = samples.len().max(1) as f64;
         m.set(

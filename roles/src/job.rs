@@ -1,13 +1,13 @@
 //! Training jobs: the `JobConfig` TOML schema (with `--set key=value` overrides and
-//! validation), [`build_embedded`] that builds the models, roles and controllers of a
-//! job on one in-process node, and [`train`] that runs the steps, writes
-//! `OUTPUT_DIR/metrics.jsonl` and saves the policy to `OUTPUT_DIR/checkpoint`.
+//! validation), the per-role builders, [`build_embedded`] that builds the models, roles
+//! and controllers of a job on one in-process node, and [`train`] that runs the steps,
+//! writes `OUTPUT_DIR/metrics.jsonl` and saves the policy to `OUTPUT_DIR/checkpoint`.
 //!
-//! Only the embedded mode exists for now: every role runs on the given node and
-//! `placement = "colocate"` is the only placement.
+//! `[placement] mode = "colocate"` runs every role in this process;
+//! `mode = "disaggregated"` spawns each role on the cluster node the section names
+//! ([`crate::remote::build_cluster`]).
 
 use std::collections::BTreeMap;
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -18,22 +18,25 @@ use yatt_engine::tch::{self, Device, Kind};
 use yatt_engine::{
     Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer,
 };
+use yatt_metrics::{RunWriter, WriteError};
 use yatt_runtime::node::Node;
 
-use crate::algo::advantage::{GrpoConfig, ReinforcePpConfig};
-use crate::algo::loss::{LossAgg, PolicyLossConfig};
+use crate::algo::advantage::{GaeConfig, GrpoConfig, ReinforcePpConfig};
+use crate::algo::loss::{LossAgg, PolicyLossConfig, ValueLossConfig};
 use crate::algo::KlEstimator;
 use crate::builtin::{
-    AsciiCodec, KlLossConfig, PolicyConfig, PolicyRole, ReferenceRole, RewardRole, RolloutRole,
-    TextCodec, TokenizerCodec,
+    AsciiCodec, CriticConfig, CriticRole, KlLossConfig, PolicyConfig, PolicyRole, ReferenceRole,
+    RewardRole, RolloutRole, TextCodec, TokenizerCodec,
 };
 use crate::controller::{
     spawn_role, step_data_parallel, AdvantageEstimator, Controller, ControllerConfig,
-    ControllerError, KlPenalty, RoleRefs, StepMetrics,
+    ControllerError, ControllerState, DynamicSamplingConfig, KlPenalty, OverlongConfig, PolicyRef,
+    RoleRefs, RolloutRef, StepMetrics,
 };
 use crate::data::{
     load_jsonl, DataError, Dataloader, LengthSchedule, Prompt, SyntheticTask, SyntheticTaskKind,
 };
+use crate::remote::PlacementSection;
 use crate::reward::{
     ExactMatchVerifier, NumericVerifier, RewardError, RewardFn, RewardInput, RewardOutput,
 };
@@ -105,6 +108,14 @@ pub enum JobError {
     /// A controller or role failed (setting up or during a step).
     #[error("{0}")]
     Controller(Box<ControllerError>),
+    /// A run directory cannot be resumed.
+    #[error("cannot resume from {dir}: {reason}")]
+    Resume {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
     /// Writing metrics or the checkpoint directory failed.
     #[error("{path}: {source}")]
     Write {
@@ -141,6 +152,8 @@ pub struct JobConfig {
     pub reward: RewardSection,
     /// `[checkpoint]`.
     pub checkpoint: CheckpointSection,
+    /// `[placement]`: which node runs each role.
+    pub placement: PlacementSection,
 }
 
 /// `[job]`: name, output, seed, length and layout.
@@ -155,10 +168,18 @@ pub struct JobSection {
     pub seed: u64,
     /// Training steps.
     pub steps: u64,
-    /// Data-parallel controllers (heads), each with its own rollout and data shard.
+    /// Data-parallel controllers (heads), each with its own rollout and data shard; with
+    /// `driver = "single"`, the number of rollout replicas of the one controller.
     pub controllers: usize,
-    /// Placement of the roles: only `colocate` (all on one node) for now.
+    /// `parallel` (one controller per head, meeting at the update) or `single` (one
+    /// driver holding the global batch and spreading generation over the replicas;
+    /// for comparison).
+    pub driver: String,
+    /// Kept for older configs: must be `colocate`. Where roles run is `[placement]`.
     pub placement: String,
+    /// Policy replicas: 1 (shared by every head) or `controllers` (one per head, their
+    /// gradients all-reduced at each update).
+    pub policy_replicas: usize,
 }
 
 impl Default for JobSection {
@@ -169,7 +190,9 @@ impl Default for JobSection {
             seed: 0,
             steps: 30,
             controllers: 1,
+            driver: "parallel".into(),
             placement: "colocate".into(),
+            policy_replicas: 1,
         }
     }
 }
@@ -266,7 +289,9 @@ impl Default for RolloutSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AlgorithmSection {
-    /// `grpo`, `rloo` or `reinforce++`.
+    /// `grpo`, `rloo`, `reinforce++`, `ppo` (GAE with a critic) or `dapo` (GRPO
+    /// advantages with dynamic sampling; pair it with `clip_high = 0.28` and
+    /// `overlong_buffer`).
     pub name: String,
     /// ε_low of the clipped ratio.
     pub clip_low: f64,
@@ -283,6 +308,22 @@ pub struct AlgorithmSection {
     pub entropy_coef: f64,
     /// `token-mean` or `seq-mean-token-mean`.
     pub loss_agg: String,
+    /// PPO: GAE discount γ.
+    pub gamma: f64,
+    /// PPO: GAE λ.
+    pub lam: f64,
+    /// PPO: value clipping range of the critic's loss (0 = no clipping).
+    pub value_clip: f64,
+    /// Dynamic sampling (drop prompt groups whose rewards are all equal and generate
+    /// more); default: on for `dapo`, off otherwise.
+    pub dynamic_sampling: Option<bool>,
+    /// Generation rounds per step at most with dynamic sampling.
+    pub max_sampling_rounds: usize,
+    /// DAPO overlong penalty: the last `overlong_buffer` tokens before
+    /// `rollout.max_new_tokens` ramp the penalty from 0 to −`overlong_coef` (0 = off).
+    pub overlong_buffer: usize,
+    /// Scale of the overlong penalty.
+    pub overlong_coef: f64,
     /// Old log-probs of the PPO ratio: `recompute` (a forward pass of the policy before
     /// the update) or `on-policy` (needs `optim.mini_batches = 1`: the one update runs on
     /// the weights that generated, so the ratio is 1 and that pass is skipped).
@@ -300,6 +341,13 @@ impl Default for AlgorithmSection {
             kl_mode: "loss".into(),
             entropy_coef: 0.0,
             loss_agg: "token-mean".into(),
+            gamma: 1.0,
+            lam: 0.95,
+            value_clip: 0.5,
+            dynamic_sampling: None,
+            max_sampling_rounds: 4,
+            overlong_buffer: 0,
+            overlong_coef: 1.0,
             old_logprobs: "recompute".into(),
         }
     }
@@ -323,6 +371,8 @@ pub struct OptimSection {
     pub micro_batch: usize,
     /// Optimizer steps per training step.
     pub mini_batches: usize,
+    /// The critic's learning rate (PPO).
+    pub critic_lr: f64,
 }
 
 impl Default for OptimSection {
@@ -335,6 +385,7 @@ impl Default for OptimSection {
             max_grad_norm: 1.0,
             micro_batch: 8,
             mini_batches: 1,
+            critic_lr: 1e-5,
         }
     }
 }
@@ -476,15 +527,29 @@ impl JobConfig {
             return Err(JobError::NotImplemented {
                 key: "job.placement".into(),
                 found: j.placement.clone(),
-                fix: "use placement = \"colocate\" (every role on this node); other placements come with yatt-placement".into(),
+                fix: "set job.placement = \"colocate\"; to put roles on other nodes, set [placement] mode = \"disaggregated\" with a node per role and run `yatt train CONFIG --cluster SEED_ADDR`".into(),
             });
         }
+        self.placement.validate()?;
         positive("job.steps", j.steps as f64, "the number of training steps")?;
         positive(
             "job.controllers",
             j.controllers as f64,
             "controllers = 1 for one head",
         )?;
+        one_of("job.driver", &j.driver, &["parallel", "single"])?;
+        if j.policy_replicas != 1 && (j.policy_replicas != j.controllers || j.driver != "parallel")
+        {
+            return Err(invalid(
+                "job.policy_replicas",
+                &format!(
+                    "1, or job.controllers = {} with driver = \"parallel\"",
+                    j.controllers
+                ),
+                &j.policy_replicas.to_string(),
+                "use one policy replica per controller, or a shared one",
+            ));
+        }
         if self.model.dtype != "f32" {
             return Err(JobError::NotImplemented {
                 key: "model.dtype".into(),
@@ -554,7 +619,47 @@ impl JobConfig {
             ));
         }
         let a = &self.algorithm;
-        one_of("algorithm.name", &a.name, &["grpo", "rloo", "reinforce++"])?;
+        one_of(
+            "algorithm.name",
+            &a.name,
+            &["grpo", "rloo", "reinforce++", "ppo", "dapo"],
+        )?;
+        if a.name == "ppo" && self.job.controllers > 1 && self.job.driver == "parallel" {
+            return Err(invalid(
+                "job.controllers",
+                "1 with algorithm.name = \"ppo\"",
+                &self.job.controllers.to_string(),
+                "the critic trains with one controller for now: set controllers = 1, or use grpo",
+            ));
+        }
+        for (key, v) in [("algorithm.gamma", a.gamma), ("algorithm.lam", a.lam)] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(invalid(
+                    key,
+                    "a number in [0, 1]",
+                    &v.to_string(),
+                    "e.g. 1.0 for gamma, 0.95 for lam",
+                ));
+            }
+        }
+        non_negative("algorithm.value_clip", a.value_clip)?;
+        positive(
+            "algorithm.max_sampling_rounds",
+            a.max_sampling_rounds as f64,
+            "e.g. max_sampling_rounds = 4",
+        )?;
+        if a.overlong_buffer > self.rollout.max_new_tokens {
+            return Err(invalid(
+                "algorithm.overlong_buffer",
+                &format!(
+                    "at most rollout.max_new_tokens = {}",
+                    self.rollout.max_new_tokens
+                ),
+                &a.overlong_buffer.to_string(),
+                "use a buffer of a quarter of max_new_tokens, or 0 to turn the penalty off",
+            ));
+        }
+        non_negative("algorithm.overlong_coef", a.overlong_coef)?;
         one_of(
             "algorithm.kl_estimator",
             &a.kl_estimator,
@@ -590,6 +695,7 @@ impl JobConfig {
         )?;
         non_negative("optim.weight_decay", o.weight_decay)?;
         non_negative("optim.max_grad_norm", o.max_grad_norm)?;
+        positive("optim.critic_lr", o.critic_lr, "e.g. critic_lr = 1e-5")?;
         one_of("optim.schedule", &o.schedule, &["constant", "cosine"])?;
         positive(
             "optim.micro_batch",
@@ -670,7 +776,7 @@ fn key_at(text: &str, pos: usize) -> Option<String> {
     }
 }
 
-fn invalid(key: &str, expected: &str, found: &str, fix: &str) -> JobError {
+pub(crate) fn invalid(key: &str, expected: &str, found: &str, fix: &str) -> JobError {
     JobError::Invalid {
         key: key.into(),
         expected: expected.into(),
@@ -679,7 +785,7 @@ fn invalid(key: &str, expected: &str, found: &str, fix: &str) -> JobError {
     }
 }
 
-fn positive(key: &str, v: f64, fix: &str) -> Result<(), JobError> {
+pub(crate) fn positive(key: &str, v: f64, fix: &str) -> Result<(), JobError> {
     if v > 0.0 && v.is_finite() {
         Ok(())
     } else {
@@ -700,7 +806,7 @@ fn non_negative(key: &str, v: f64) -> Result<(), JobError> {
     }
 }
 
-fn one_of(key: &str, v: &str, allowed: &[&str]) -> Result<(), JobError> {
+pub(crate) fn one_of(key: &str, v: &str, allowed: &[&str]) -> Result<(), JobError> {
     if allowed.contains(&v) {
         Ok(())
     } else {
@@ -806,8 +912,8 @@ pub(crate) fn prompts(job: &JobConfig) -> Result<Vec<Prompt>, JobError> {
     Ok(task.prompts(0, d.num_prompts))
 }
 
-/// The job's reward role: its reward functions and weights.
-pub(crate) fn reward_role(job: &JobConfig) -> Result<RewardRole, JobError> {
+/// The job's reward role: its reward functions with their weights.
+pub fn reward_role(job: &JobConfig) -> Result<RewardRole, JobError> {
     let kinds = job.reward_kinds();
     let mut parts: Vec<(f64, Box<dyn RewardFn>)> = Vec::new();
     for (i, k) in kinds.iter().enumerate() {
@@ -831,6 +937,14 @@ pub(crate) fn reward_role(job: &JobConfig) -> Result<RewardRole, JobError> {
     })
 }
 
+fn loss_agg(s: &str) -> LossAgg {
+    if s == "seq-mean-token-mean" {
+        LossAgg::SeqMeanTokenMean
+    } else {
+        LossAgg::TokenMean
+    }
+}
+
 fn kl_estimator(s: &str) -> KlEstimator {
     match s {
         "k1" => KlEstimator::K1,
@@ -839,14 +953,12 @@ fn kl_estimator(s: &str) -> KlEstimator {
     }
 }
 
-/// Builds the models, roles (on `node`, with `spawn_local`) and the controllers of an
-/// embedded job: one policy, reference and reward role, and one rollout role and
-/// controller per data-parallel head.
-pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controller>, JobError> {
-    job.validate()?;
+/// The job's model (every role starts from a copy of it), the codec of its text and its
+/// padding id.
+pub fn base_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, i64), JobError> {
     tch::set_num_threads(job.model.threads as i32);
     let seed = job.job.seed;
-    let (model, codec, pad_id): (Llama, Arc<dyn TextCodec>, i64) = if job.model.source == "tiny" {
+    if job.model.source == "tiny" {
         // Llama::random seeds libtorch's global RNG: builds in parallel must not
         // interleave their draws.
         static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -858,54 +970,48 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
                     reason: e.to_string(),
                 }
             })?;
-        (m, Arc::new(TINY_CODEC), 1)
-    } else {
-        let dir = &job.model.source;
-        let me = |e: yatt_engine::EngineError| JobError::Model {
-            source_desc: dir.clone(),
-            reason: e.to_string(),
-        };
-        let m = Llama::load(dir, Device::Cpu, Kind::Float).map_err(me)?;
-        let tok = Tokenizer::from_dir(dir).map_err(me)?;
-        (
-            m,
-            Arc::new(TokenizerCodec {
-                tokenizer: Arc::new(tok),
-                chat: job.model.chat,
-            }),
-            0,
-        )
-    };
+        return Ok((m, Arc::new(TINY_CODEC), 1));
+    }
+    let dir = &job.model.source;
     let me = |e: yatt_engine::EngineError| JobError::Model {
-        source_desc: job.model.source.clone(),
+        source_desc: dir.clone(),
         reason: e.to_string(),
     };
-    let heads = job.job.controllers;
+    let m = Llama::load(dir, Device::Cpu, Kind::Float).map_err(me)?;
+    let tok = Tokenizer::from_dir(dir).map_err(me)?;
+    Ok((
+        m,
+        Arc::new(TokenizerCodec {
+            tokenizer: Arc::new(tok),
+            chat: job.model.chat,
+        }),
+        0,
+    ))
+}
+
+/// A rollout replica of the job over `model`.
+pub fn rollout_role(job: &JobConfig, model: Llama, codec: Arc<dyn TextCodec>) -> RolloutRole {
     let batch = job.data.prompts_per_step * job.data.samples_per_prompt as usize;
     let gen_config = GeneratorConfig {
         max_batch: batch.max(1),
         max_seq_len: job.model.max_seq_len,
         ..Default::default()
     };
-    let a = &job.algorithm;
-    let temperature = job.rollout.temperature;
-    // No KL term at all: no reference model to hold or run.
-    let reference = match a.kl_mode.as_str() {
-        "none" => None,
-        _ => Some(ReferenceRole::new(
-            model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
-            pad_id,
-            temperature,
-            job.optim.micro_batch,
-        )),
-    };
-    let mut generators = Vec::with_capacity(heads);
-    for _ in 0..heads {
-        generators.push(Generator::new(
-            model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
-            gen_config.clone(),
-        ));
-    }
+    RolloutRole::new(Generator::new(model, gen_config), codec)
+}
+
+/// The job's reference role over `model`.
+pub fn reference_role(job: &JobConfig, model: Llama, pad_id: i64) -> ReferenceRole {
+    ReferenceRole::new(
+        model,
+        pad_id,
+        job.rollout.temperature,
+        job.optim.micro_batch,
+    )
+}
+
+/// The policy's optimizer settings.
+fn train_config(job: &JobConfig) -> TrainConfig {
     let o = &job.optim;
     let warmup_steps = o.warmup_steps;
     let schedule = match o.schedule.as_str() {
@@ -916,66 +1022,108 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
         },
         _ => LrSchedule::Constant { warmup_steps },
     };
-    let train = TrainConfig {
+    TrainConfig {
         lr: o.lr,
         weight_decay: o.weight_decay,
         max_grad_norm: (o.max_grad_norm > 0.0).then_some(o.max_grad_norm),
         schedule,
-        seed,
+        seed: job.job.seed,
         ..Default::default()
-    };
-    let trainer = Trainer::new(model, train);
-    let kl = (a.kl_coef > 0.0).then(|| (kl_estimator(&a.kl_estimator), a.kl_coef));
+    }
+}
+
+/// The job's policy role: a fresh trainer over `model` with the job's optimizer and loss.
+pub fn policy_role(job: &JobConfig, model: Llama, pad_id: i64) -> Result<PolicyRole, JobError> {
+    policy_role_from(job, Trainer::new(model, train_config(job)), pad_id)
+}
+
+/// The job's policy role over `trainer` (fresh, or loaded from a checkpoint).
+pub fn policy_role_from(
+    job: &JobConfig,
+    trainer: Trainer,
+    pad_id: i64,
+) -> Result<PolicyRole, JobError> {
+    let a = &job.algorithm;
+    let o = &job.optim;
     let policy_config = PolicyConfig {
         loss: PolicyLossConfig {
             clip_low: a.clip_low,
             clip_high: a.clip_high,
-            agg: if a.loss_agg == "seq-mean-token-mean" {
-                LossAgg::SeqMeanTokenMean
-            } else {
-                LossAgg::TokenMean
-            },
+            agg: loss_agg(&a.loss_agg),
             ..Default::default()
         },
-        kl_loss: kl
+        kl_loss: kl_term(job)
             .filter(|_| a.kl_mode == "loss")
             .map(|(estimator, coef)| KlLossConfig { estimator, coef }),
         entropy_coef: a.entropy_coef,
         micro_batch_size: o.micro_batch,
         mini_batches: o.mini_batches,
-        temperature,
+        temperature: job.rollout.temperature,
         pad_id,
         on_policy: a.old_logprobs == "on-policy",
         tokenizer_dir: (job.model.source != "tiny").then(|| PathBuf::from(&job.model.source)),
         ..Default::default()
     };
-    let policy = PolicyRole::new(trainer, policy_config).map_err(|e| JobError::Model {
+    PolicyRole::new(trainer, policy_config).map_err(|e| JobError::Model {
         source_desc: job.model.source.clone(),
         reason: format!("policy role: {e}"),
-    })?;
-    let g = || DeviceGroup::cpu(node.name());
-    let shared = RoleRefs {
-        rollout: spawn_role(
-            node,
-            RolloutRole::new(generators.remove(0), codec.clone()),
-            0,
-            g(),
+    })
+}
+
+/// The job's critic (PPO) over `trainer`; `None` gives a fresh one over `model`.
+pub fn critic_role(
+    job: &JobConfig,
+    model: Llama,
+    trainer: Option<Trainer>,
+    pad_id: i64,
+) -> Result<CriticRole, JobError> {
+    let a = &job.algorithm;
+    let o = &job.optim;
+    let trainer = trainer.unwrap_or_else(|| {
+        Trainer::new(
+            model,
+            TrainConfig {
+                lr: o.critic_lr,
+                ..train_config(job)
+            },
         )
-        .await?,
-        reward: spawn_role(node, reward_role(job)?, 0, g()).await?,
-        reference: match reference {
-            Some(r) => Some(spawn_role(node, r, 0, g()).await?),
-            None => None,
+    });
+    let config = CriticConfig {
+        loss: ValueLossConfig {
+            clip: (a.value_clip > 0.0).then_some(a.value_clip),
+            agg: loss_agg(&a.loss_agg),
         },
-        policy: spawn_role(node, policy, 0, g()).await?,
+        micro_batch_size: o.micro_batch,
+        mini_batches: o.mini_batches,
+        pad_id,
     };
+    CriticRole::new(trainer, config).map_err(|e| JobError::Model {
+        source_desc: job.model.source.clone(),
+        reason: format!("critic role: {e}"),
+    })
+}
+
+/// The KL term's estimator and coefficient, when the job has one.
+fn kl_term(job: &JobConfig) -> Option<(KlEstimator, f64)> {
+    let a = &job.algorithm;
+    (a.kl_coef > 0.0).then(|| (kl_estimator(&a.kl_estimator), a.kl_coef))
+}
+
+/// What each controller of the job runs.
+fn controller_config(job: &JobConfig) -> ControllerConfig {
+    let a = &job.algorithm;
     let advantage = match a.name.as_str() {
         "rloo" => AdvantageEstimator::Rloo,
         "reinforce++" => AdvantageEstimator::ReinforcePp(ReinforcePpConfig::default()),
+        "ppo" => AdvantageEstimator::Gae(GaeConfig {
+            gamma: a.gamma,
+            lam: a.lam,
+            ..Default::default()
+        }),
         _ => AdvantageEstimator::Grpo(GrpoConfig::default()),
     };
     let r = &job.rollout;
-    let config = ControllerConfig {
+    ControllerConfig {
         prompts_per_step: job.data.prompts_per_step,
         n: job.data.samples_per_prompt,
         sampling: SamplingParams {
@@ -986,37 +1134,199 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
             ignore_eos: r.ignore_eos,
             ..Default::default()
         },
-        seed,
+        seed: job.job.seed,
         advantage,
-        kl_in_reward: kl
+        kl_in_reward: kl_term(job)
             .filter(|_| a.kl_mode == "reward")
             .map(|(estimator, coef)| KlPenalty { estimator, coef }),
         kl_metric: kl_estimator(&a.kl_estimator),
+        dynamic_sampling: a.dynamic_sampling.unwrap_or(a.name == "dapo").then_some(
+            DynamicSamplingConfig {
+                max_rounds: a.max_sampling_rounds,
+                tolerance: 1e-6,
+            },
+        ),
+        overlong: (a.overlong_buffer > 0).then_some(OverlongConfig {
+            max_len: r.max_new_tokens,
+            buffer: a.overlong_buffer,
+            coef: a.overlong_coef,
+        }),
         ..Default::default()
-    };
-    let all: Arc<[Prompt]> = prompts(job)?.into();
-    let mut controllers = Vec::with_capacity(heads);
-    let mut rollouts = vec![shared.rollout.clone()];
-    for (i, gen) in generators.into_iter().enumerate() {
-        rollouts.push(
-            spawn_role(
-                node,
-                RolloutRole::new(gen, codec.clone()),
-                i as u32 + 1,
-                g(),
-            )
-            .await?,
-        );
     }
+}
+
+/// The job's controllers over running roles: with `driver = "parallel"`, one per
+/// rollout (data-parallel head), each with its shard of the prompts, sharing the other
+/// roles of `shared` (each head gets its own policy from `policies` when there is one
+/// per head); with `driver = "single"`, one driver with the global batch over every
+/// rollout.
+pub(crate) fn controllers(
+    job: &JobConfig,
+    shared: RoleRefs,
+    mut rollouts: Vec<RolloutRef>,
+    policies: Vec<PolicyRef>,
+) -> Result<Vec<Controller>, JobError> {
+    let config = controller_config(job);
+    let all: Arc<[Prompt]> = prompts(job)?.into();
+    let heads = rollouts.len();
+    let seed = job.job.seed.wrapping_add(3);
+    if job.job.driver == "single" {
+        let loader = Dataloader::new(all, 0, 1, seed)?;
+        let roles = RoleRefs {
+            rollout: rollouts.remove(0),
+            extra_rollouts: rollouts,
+            ..shared
+        };
+        let config = ControllerConfig {
+            prompts_per_step: config.prompts_per_step * heads,
+            ..config
+        };
+        return Ok(vec![Controller::new(config, loader, roles)?]);
+    }
+    let mut controllers = Vec::with_capacity(heads);
     for (i, rollout) in rollouts.into_iter().enumerate() {
-        let loader = Dataloader::new(all.clone(), i, heads, seed.wrapping_add(3))?;
+        let loader = Dataloader::new(all.clone(), i, heads, seed)?;
         let roles = RoleRefs {
             rollout,
+            policy: policies
+                .get(i)
+                .cloned()
+                .unwrap_or_else(|| shared.policy.clone()),
             ..shared.clone()
         };
         controllers.push(Controller::new(config.clone(), loader, roles)?);
     }
     Ok(controllers)
+}
+
+/// Builds the models, roles (on `node`, with `spawn_local`) and the controllers of an
+/// embedded job: one policy (or one per head), reference, reward and (PPO) critic role,
+/// and one rollout role per data-parallel head.
+pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controller>, JobError> {
+    build_embedded_with(job, node, None, &CustomRoles::default()).await
+}
+
+/// Roles a program brings itself in place of the built-in ones (see
+/// `examples/custom_role`). They must already run (e.g. started with
+/// [`spawn_role`] or `Node::spawn_remote`).
+#[derive(Debug, Clone, Default)]
+pub struct CustomRoles {
+    /// The reward role: takes the step's samples and gives them back with `reward` set.
+    pub reward: Option<crate::controller::SamplesRef>,
+}
+
+/// [`build_embedded`] with `custom` roles, resuming from the run directory `resume`
+/// when given: the policy (weights, optimizer, step), the critic and every
+/// controller's position come from `RESUME/checkpoint`, the rollouts start with the
+/// policy's weights, and the reference is rebuilt from `model.source` (it is the
+/// initial policy).
+pub async fn build_embedded_with(
+    job: &JobConfig,
+    node: &Node,
+    resume: Option<&Path>,
+    custom: &CustomRoles,
+) -> Result<Vec<Controller>, JobError> {
+    job.validate()?;
+    if job.placement.mode != "colocate" {
+        return Err(invalid(
+            "placement.mode",
+            "\"colocate\" for a run in this process",
+            &job.placement.mode,
+            "run it on a cluster with `yatt train CONFIG --cluster SEED_ADDR`, or set placement.mode = \"colocate\"",
+        ));
+    }
+    let (model, codec, pad_id) = base_model(job)?;
+    let me = |e: yatt_engine::EngineError| JobError::Model {
+        source_desc: job.model.source.clone(),
+        reason: e.to_string(),
+    };
+    let ckpt = resume.map(|d| d.join("checkpoint"));
+    let load = |role: &str| -> Result<Option<Trainer>, JobError> {
+        match &ckpt {
+            Some(dir) if role == "critic" => Ok(Some(load_trainer(&dir.join("critic"), role)?)),
+            Some(dir) => Ok(Some(load_trainer(dir, role)?)),
+            None => Ok(None),
+        }
+    };
+    // Every policy replica starts from the same trainer (fresh or resumed).
+    let mut trainers = Vec::with_capacity(job.job.policy_replicas);
+    for _ in 0..job.job.policy_replicas {
+        trainers.push(match load("policy")? {
+            Some(t) => t,
+            None => Trainer::new(
+                model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
+                train_config(job),
+            ),
+        });
+    }
+    let g = || DeviceGroup::cpu(node.name());
+    // Rollouts start from the policy's weights (the initial model, or the checkpoint).
+    let mut rollouts = Vec::with_capacity(job.job.controllers);
+    for i in 0..job.job.controllers {
+        let m = trainers[0]
+            .model
+            .deep_copy(Device::Cpu, Kind::Float)
+            .map_err(me)?;
+        let role = rollout_role(job, m, codec.clone());
+        rollouts.push(spawn_role(node, role, i as u32, g()).await?);
+    }
+    let critic = if job.algorithm.name == "ppo" {
+        let m = model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?;
+        let role = critic_role(job, m, load("critic")?, pad_id)?;
+        Some(spawn_role(node, role, 0, g()).await?)
+    } else {
+        None
+    };
+    let mut policies = Vec::with_capacity(trainers.len());
+    for (i, t) in trainers.into_iter().enumerate() {
+        let role = policy_role_from(job, t, pad_id)?;
+        policies.push(spawn_role(node, role, i as u32, g()).await?);
+    }
+    let shared = RoleRefs {
+        rollout: rollouts[0].clone(),
+        extra_rollouts: Vec::new(),
+        reward: match &custom.reward {
+            Some(r) => r.clone(),
+            None => spawn_role(node, reward_role(job)?, 0, g()).await?,
+        },
+        // The reference is the initial policy, also when resuming; with no KL term
+        // there is nothing to hold or run.
+        reference: match job.algorithm.kl_mode.as_str() {
+            "none" => None,
+            _ => Some(spawn_role(node, reference_role(job, model, pad_id), 0, g()).await?),
+        },
+        policy: policies[0].clone(),
+        critic,
+    };
+    let mut controllers = controllers(job, shared, rollouts, policies)?;
+    if let Some(dir) = &ckpt {
+        let state = RunState::read(dir)?;
+        if state.controllers.len() != controllers.len() {
+            return Err(JobError::Resume {
+                dir: dir.clone(),
+                reason: format!(
+                    "the checkpoint has {} controller(s) but the job has {}; resume with the same job.controllers and job.driver",
+                    state.controllers.len(),
+                    controllers.len(),
+                ),
+            });
+        }
+        for (c, s) in controllers.iter_mut().zip(state.controllers) {
+            c.restore(s)?;
+            // The rollout must hold the restored policy's weights and version.
+            c.sync_weights().await?;
+        }
+    }
+    Ok(controllers)
+}
+
+/// Builds the job where its placement says: in this process (`colocate`), or on the
+/// cluster `node` belongs to (`disaggregated`, see [`crate::remote::build_cluster`]).
+pub async fn build(job: &JobConfig, node: &Node) -> Result<Vec<Controller>, JobError> {
+    match job.placement.mode.as_str() {
+        "disaggregated" => crate::remote::build_cluster(job, node).await,
+        _ => build_embedded(job, node).await,
+    }
 }
 
 /// Runs `steps` steps of `controllers` (together with [`step_data_parallel`] when there
@@ -1082,46 +1392,84 @@ pub struct TrainSummary {
 }
 
 /// Builds the job on `node` and runs it: writes one JSON object per step to
-/// `OUTPUT_DIR/metrics.jsonl`, saves the policy to `OUTPUT_DIR/checkpoint` every
+/// `OUTPUT_DIR/metrics.jsonl` and the same metrics as TensorBoard scalars to
+/// `OUTPUT_DIR/events.out.tfevents.*` (see [`yatt_metrics::RunWriter`]), saves the policy to `OUTPUT_DIR/checkpoint` every
 /// `checkpoint.every` steps and at the end, and calls `on_step` after each step.
 pub async fn train(
     job: &JobConfig,
     node: &Node,
+    on_step: impl FnMut(&Progress<'_>),
+) -> Result<TrainSummary, JobError> {
+    train_with(job, node, TrainOptions::default(), on_step).await
+}
+
+/// How [`train_with`] runs a job.
+#[derive(Debug, Clone, Default)]
+pub struct TrainOptions {
+    /// Continue the run in `job.output_dir` from its checkpoint: steps already done
+    /// are skipped (`job.steps` is the run's total) and metrics are appended.
+    pub resume: bool,
+    /// Roles the caller brings in place of the built-in ones.
+    pub roles: CustomRoles,
+}
+
+/// [`train`] with options: resuming, custom roles.
+pub async fn train_with(
+    job: &JobConfig,
+    node: &Node,
+    options: TrainOptions,
     mut on_step: impl FnMut(&Progress<'_>),
 ) -> Result<TrainSummary, JobError> {
+    let resume = options.resume;
     let out = job.job.output_dir.clone();
     std::fs::create_dir_all(&out).map_err(|source| JobError::Write {
         path: out.clone(),
         source,
     })?;
-    let metrics_path = out.join("metrics.jsonl");
-    let checkpoint_dir = out.join("checkpoint");
-    let wr = |source| JobError::Write {
-        path: metrics_path.clone(),
+    let job_path = out.join(JOB_FILE);
+    let text = toml::to_string(job).map_err(|e| JobError::Resume {
+        dir: out.clone(),
+        reason: format!("cannot write the job config: {e}"),
+    })?;
+    std::fs::write(&job_path, text).map_err(|source| JobError::Write {
+        path: job_path.clone(),
         source,
+    })?;
+    let metrics_err = |e: WriteError| JobError::Write {
+        path: e.path,
+        source: e.source,
     };
-    let mut file = std::io::BufWriter::new(std::fs::File::create(&metrics_path).map_err(wr)?);
-    let mut controllers = build_embedded(job, node).await?;
+    let checkpoint_dir = out.join("checkpoint");
+    let mut controllers = if job.placement.mode == "disaggregated" {
+        if resume || options.roles.reward.is_some() {
+            return Err(JobError::NotImplemented {
+                key: "placement.mode".into(),
+                found: job.placement.mode.clone(),
+                fix: "resume and custom roles work with placement.mode = \"colocate\" for now"
+                    .into(),
+            });
+        }
+        crate::remote::build_cluster(job, node).await?
+    } else {
+        build_embedded_with(job, node, resume.then_some(out.as_path()), &options.roles).await?
+    };
+    let mut step = controllers.first().map_or(0, Controller::step_count);
+    // metrics.jsonl and a TensorBoard event file, both flushed after every step.
+    let mut writer = if resume {
+        RunWriter::resume(&out, step)
+    } else {
+        RunWriter::create(&out)
+    }
+    .map_err(metrics_err)?;
+    let metrics_path = writer.metrics_path().to_path_buf();
     let total = job.job.steps;
     let every = job.checkpoint.every;
     let t0 = Instant::now();
     let mut rewards = Vec::new();
-    let mut step = 0u64;
-    for _ in 0..total {
+    for _ in step..total {
         run_steps(&mut controllers, 1, |m| {
             step += 1;
-            // `step` first, then the metrics in name order (non-finite values as null).
-            let mut line = format!("{{\"step\":{step}");
-            for (k, v) in &m.values {
-                let v = serde_json::Number::from_f64(*v)
-                    .map(serde_json::Value::Number)
-                    .unwrap_or(serde_json::Value::Null);
-                line.push_str(&format!(",{}:{v}", serde_json::Value::String(k.clone())));
-            }
-            line.push('}');
-            writeln!(file, "{line}")
-                .and_then(|_| file.flush())
-                .map_err(wr)?;
+            writer.write_step(step, &m.values).map_err(metrics_err)?;
             rewards.push(m.get("critic/rewards/mean").unwrap_or(f64::NAN));
             on_step(&Progress {
                 step,
@@ -1147,15 +1495,81 @@ pub async fn train(
     })
 }
 
-/// Saves the policy (shared by every head) to `dir`.
+/// The run's config, written to the run directory so `--resume` can rebuild the job.
+pub const JOB_FILE: &str = "job.toml";
+
+/// What a checkpoint holds besides the models: every controller's position.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunState {
+    /// Format tag.
+    pub format: String,
+    /// Each controller's step, weights version and dataloader position.
+    pub controllers: Vec<ControllerState>,
+}
+
+impl RunState {
+    const FILE: &'static str = "run_state.json";
+    const FORMAT: &'static str = "yatt-run-v1";
+
+    /// Reads `DIR/run_state.json`.
+    pub fn read(dir: &Path) -> Result<Self, JobError> {
+        let path = dir.join(Self::FILE);
+        let bad = |reason: String| JobError::Resume {
+            dir: dir.into(),
+            reason,
+        };
+        let text = std::fs::read_to_string(&path).map_err(|e| {
+            bad(format!(
+                "{}: {e}; is this the checkpoint of a `yatt train` run?",
+                path.display()
+            ))
+        })?;
+        let state: RunState =
+            serde_json::from_str(&text).map_err(|e| bad(format!("{}: {e}", path.display())))?;
+        if state.format != Self::FORMAT {
+            return Err(bad(format!(
+                "{} has format {:?}, expected {:?}",
+                path.display(),
+                state.format,
+                Self::FORMAT
+            )));
+        }
+        Ok(state)
+    }
+}
+
+fn load_trainer(dir: &Path, role: &str) -> Result<Trainer, JobError> {
+    Trainer::load_checkpoint(dir, Device::Cpu, Kind::Float).map_err(|e| JobError::Resume {
+        dir: dir.into(),
+        reason: format!("loading the {role}: {e}"),
+    })
+}
+
+/// Saves the policy (shared by every head) to `dir`, the critic to `dir/critic`, and
+/// every controller's position to `dir/run_state.json`, the last so that a checkpoint
+/// without it is recognisably incomplete.
 async fn save(controllers: &[Controller], dir: &Path) -> Result<(), JobError> {
-    std::fs::create_dir_all(dir).map_err(|source| JobError::Write {
-        path: dir.into(),
-        source,
-    })?;
+    let wr = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| JobError::Write { path, source }
+    };
+    std::fs::create_dir_all(dir).map_err(wr(dir))?;
+    let state_path = dir.join(RunState::FILE);
+    // An interrupted save must not look complete.
+    match std::fs::remove_file(&state_path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(wr(&state_path)(e)),
+        _ => {}
+    }
     if let Some(c) = controllers.first() {
         c.save_policy(dir.into()).await?;
+        c.save_critic(dir.join("critic")).await?;
     }
+    let state = RunState {
+        format: RunState::FORMAT.into(),
+        controllers: controllers.iter().map(Controller::state).collect(),
+    };
+    let text = serde_json::to_string_pretty(&state).expect("run state serializes");
+    std::fs::write(&state_path, text).map_err(wr(&state_path))?;
     Ok(())
 }
 

@@ -25,23 +25,29 @@ pub enum Stage {
     Rewarded,
     /// The reference role computed its reference log-probs.
     Referenced,
+    /// The critic computed its values.
+    Valued,
     /// The policy computed its old log-probs.
     OldLogProbs,
     /// The controller computed its advantages.
     Advantaged,
     /// The policy trained on it.
     Trained,
+    /// The critic trained on it.
+    CriticTrained,
 }
 
 impl Stage {
     /// Every stage, in order.
-    pub const ALL: [Stage; 6] = [
+    pub const ALL: [Stage; 8] = [
         Stage::Generated,
         Stage::Rewarded,
         Stage::Referenced,
+        Stage::Valued,
         Stage::OldLogProbs,
         Stage::Advantaged,
         Stage::Trained,
+        Stage::CriticTrained,
     ];
 
     fn index(self) -> usize {
@@ -54,9 +60,11 @@ impl Stage {
             Stage::Generated => "generated",
             Stage::Rewarded => "rewarded",
             Stage::Referenced => "referenced",
+            Stage::Valued => "valued",
             Stage::OldLogProbs => "old_log_prob",
             Stage::Advantaged => "advantaged",
             Stage::Trained => "trained",
+            Stage::CriticTrained => "critic_trained",
         }
     }
 }
@@ -110,6 +118,29 @@ pub enum LedgerError {
         /// Why.
         reason: &'static str,
     },
+    /// A sample dropped by dynamic sampling reached a later stage anyway.
+    #[error(
+        "{id} was dropped after stage {dropped_after} (dynamic sampling) but reached stage {stage}"
+    )]
+    AfterDrop {
+        /// The sample.
+        id: SampleId,
+        /// The last stage it had to pass.
+        dropped_after: Stage,
+        /// The stage it should never have reached.
+        stage: Stage,
+    },
+    /// `drop_after` was asked for a sample that is not expected, or before it passed
+    /// the stage it is dropped after.
+    #[error("cannot drop {id} after stage {stage}: {reason}")]
+    BadDrop {
+        /// The sample.
+        id: SampleId,
+        /// The stage.
+        stage: Stage,
+        /// Why.
+        reason: &'static str,
+    },
     /// `requeue` was asked for a sample that is not expected or already complete.
     #[error("cannot requeue {id}: {reason}")]
     BadRequeue {
@@ -124,6 +155,9 @@ pub enum LedgerError {
 struct Entry {
     counts: [u32; Stage::ALL.len()],
     requeued: u32,
+    /// Dropped by dynamic sampling: the sample is accounted for up to this stage and
+    /// must not reach any later one.
+    dropped_after: Option<Stage>,
 }
 
 /// The accounting of one closed step.
@@ -135,6 +169,9 @@ pub struct LedgerReport {
     pub samples: usize,
     /// Times work was requeued.
     pub requeued: u64,
+    /// Samples dropped by dynamic sampling (accounted for up to their drop stage).
+    #[serde(default)]
+    pub dropped: usize,
     /// The stages every sample passed.
     pub stages: Vec<Stage>,
 }
@@ -225,6 +262,24 @@ impl SampleLedger {
         }
     }
 
+    /// Dynamic sampling dropped `id` after it passed `stage`: it needs no later stage,
+    /// and reaching one is an error.
+    pub fn drop_after(&mut self, id: SampleId, stage: Stage) -> Result<(), LedgerError> {
+        let bad = |reason| LedgerError::BadDrop { id, stage, reason };
+        let e = self
+            .entries
+            .get_mut(&id)
+            .ok_or(bad("it is not expected in this step"))?;
+        if e.counts[stage.index()] == 0 {
+            return Err(bad("it has not passed that stage"));
+        }
+        if e.dropped_after.is_some() {
+            return Err(bad("it was already dropped"));
+        }
+        e.dropped_after = Some(stage);
+        Ok(())
+    }
+
     /// Work on `id` was given up (a drained role): it is expected again at the first
     /// required stage it has not passed, which is returned.
     pub fn requeue(&mut self, id: SampleId) -> Result<Stage, LedgerError> {
@@ -236,7 +291,7 @@ impl SampleLedger {
         let next = stages
             .iter()
             .copied()
-            .find(|s| e.counts[s.index()] == 0)
+            .find(|s| e.counts[s.index()] == 0 && e.dropped_after.is_none_or(|d| *s <= d))
             .ok_or(LedgerError::BadRequeue {
                 id,
                 reason: "it has already passed every stage",
@@ -262,6 +317,16 @@ impl SampleLedger {
         let mut missing: Vec<(SampleId, Stage)> = Vec::new();
         for (id, e) in &self.entries {
             for &stage in stages {
+                if let Some(d) = e.dropped_after.filter(|d| stage > *d) {
+                    if e.counts[stage.index()] > 0 {
+                        return Err(LedgerError::AfterDrop {
+                            id: *id,
+                            dropped_after: d,
+                            stage,
+                        });
+                    }
+                    continue;
+                }
                 match e.counts[stage.index()] {
                     0 => missing.push((*id, stage)),
                     1 => {}
@@ -299,6 +364,11 @@ impl SampleLedger {
             step: self.step,
             samples: self.entries.len(),
             requeued: self.entries.values().map(|e| e.requeued as u64).sum(),
+            dropped: self
+                .entries
+                .values()
+                .filter(|e| e.dropped_after.is_some())
+                .count(),
             stages: self.stages,
         })
     }
@@ -412,5 +482,36 @@ mod tests {
             Err(LedgerError::BadRequeue { .. })
         ));
         assert_eq!(l.close().unwrap().requeued, 1);
+    }
+
+    #[test]
+    fn dropped_samples_need_no_later_stage_and_may_not_reach_one() {
+        let mut l = ledger();
+        l.record_all(&[id(1, 0), id(1, 1), id(2, 0)], Stage::Generated);
+        // (2, 0)'s group carried no signal: dynamic sampling drops it after generation.
+        l.drop_after(id(2, 0), Stage::Generated).unwrap();
+        assert!(matches!(
+            l.drop_after(id(2, 0), Stage::Generated),
+            Err(LedgerError::BadDrop { .. })
+        ));
+        assert!(matches!(
+            l.drop_after(id(1, 0), Stage::Rewarded),
+            Err(LedgerError::BadDrop { .. })
+        ));
+        l.record_all(&[id(1, 0), id(1, 1)], Stage::Rewarded);
+        l.verify_stage(Stage::Rewarded).unwrap();
+        let mut bad = l.clone();
+        let r = l.close().unwrap();
+        assert_eq!((r.samples, r.dropped), (3, 1));
+        // A dropped sample that is trained on anyway is caught.
+        bad.record(id(2, 0), Stage::Rewarded);
+        assert_eq!(
+            bad.close().unwrap_err(),
+            LedgerError::AfterDrop {
+                id: id(2, 0),
+                dropped_after: Stage::Generated,
+                stage: Stage::Rewarded
+            }
+        );
     }
 }

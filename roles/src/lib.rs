@@ -14,18 +14,24 @@
 //! | [`data`] | prompt datasets: JSONL and synthetic tasks |
 //! | [`sample`] | samples flowing between roles, keyed by id |
 //! | [`ledger`] | the sample ledger |
-//! | [`builtin`] | built-in roles: rollout, reference, policy, reward |
+//! | [`builtin`] | built-in roles: rollout, reference, policy, critic, reward |
 //! | [`controller`] | parallel controllers |
 //! | [`job`] | training jobs: the TOML job config, embedded build and run loop |
+//! | [`bench`] | `yatt bench controller`: controller overhead, parallel vs single driver (fake compute) |
+//! | [`wire`] | role messages on the wire: bulk weight buckets, spilled large bodies |
+//! | [`remote`] | roles on other nodes: factories, `[placement]`, the cluster build |
 //! | [`eval`] | accuracy of a job's model or checkpoint: greedy answers on held-out prompts |
 
 pub mod algo;
+pub mod bench;
 pub mod builtin;
 pub mod controller;
 pub mod data;
 pub mod eval;
 pub mod job;
 pub mod ledger;
+pub mod remote;
 pub mod reward;
 pub mod role;
 pub mod sample;
+pub mod wire;

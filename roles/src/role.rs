@@ -209,13 +209,33 @@ pub struct RoleActor<R: Role> {
 impl<R: Role> RoleActor<R> {
     /// Starts `role` on its own thread and calls [`Role::start`] there; returns once it
     /// is started (or failed to).
-    pub async fn start(mut role: R, group: DeviceGroup, queue: usize) -> Result<Self, RoleError> {
+    pub async fn start(role: R, group: DeviceGroup, queue: usize) -> Result<Self, RoleError> {
+        let name = role.name().to_string();
+        Self::build(&name, move || Ok(role), group, queue).await
+    }
+
+    /// Like [`RoleActor::start`], but builds the role on its thread first: `make` may
+    /// block (a model load), and the async caller only awaits. `name` names the thread
+    /// and the errors.
+    pub async fn build(
+        name: &str,
+        make: impl FnOnce() -> Result<R, RoleError> + Send + 'static,
+        group: DeviceGroup,
+        queue: usize,
+    ) -> Result<Self, RoleError> {
         let (jobs, mut rx) = mpsc::channel::<Job<R>>(queue.max(1));
         let (started_tx, started_rx) = oneshot::channel();
-        let name = role.name().to_string();
+        let name = name.to_string();
         let thread = std::thread::Builder::new()
             .name(format!("yatt-role-{name}"))
             .spawn(move || {
+                let mut role = match make() {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let _ = started_tx.send(Err(e));
+                        return;
+                    }
+                };
                 let started = role.start(&group);
                 let ok = started.is_ok();
                 let _ = started_tx.send(started);

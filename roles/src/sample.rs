@@ -79,7 +79,7 @@ pub struct Sample {
     /// The reference answer, when the task has one.
     pub reference: Option<String>,
     /// Task metadata carried from the prompt.
-    #[serde(default)]
+    #[serde(default, with = "crate::wire::json_value")]
     pub metadata: serde_json::Value,
     /// Policy weights version that generated it.
     pub weights_version: u64,
@@ -93,6 +93,9 @@ pub struct Sample {
     pub values: Option<Vec<f32>>,
     /// Per-token advantages (advantage stage).
     pub advantages: Option<Vec<f32>>,
+    /// Per-token returns, the critic's targets (advantage stage, with GAE).
+    #[serde(default)]
+    pub returns: Option<Vec<f32>>,
 }
 
 /// A per-token field of a [`Sample`].
@@ -108,6 +111,8 @@ pub enum TokenField {
     Values,
     /// `advantages`.
     Advantages,
+    /// `returns`.
+    Returns,
 }
 
 impl TokenField {
@@ -119,6 +124,7 @@ impl TokenField {
             TokenField::OldLogprobs => "old_logprobs",
             TokenField::Values => "values",
             TokenField::Advantages => "advantages",
+            TokenField::Returns => "returns",
         }
     }
 }
@@ -171,6 +177,7 @@ impl Sample {
             TokenField::OldLogprobs => self.old_logprobs.as_ref(),
             TokenField::Values => self.values.as_ref(),
             TokenField::Advantages => self.advantages.as_ref(),
+            TokenField::Returns => self.returns.as_ref(),
         }
         .ok_or(SampleError::MissingField {
             id: self.id,
@@ -288,6 +295,7 @@ pub(crate) mod tests {
             old_logprobs: None,
             values: None,
             advantages: None,
+            returns: None,
         }
     }
 

@@ -1,5 +1,6 @@
 //! `config/demo-letters.toml` runs through the library entry point ([`train`]): a few
-//! steps, one metrics line per step with the expected keys, and a saved checkpoint.
+//! steps, one metrics line per step with the expected keys, a TensorBoard event file
+//! with a record per step, and a saved checkpoint.
 
 use yatt_roles::job::{train, JobConfig};
 use yatt_runtime::node::Node;
@@ -45,6 +46,25 @@ async fn demo_letters_writes_one_metrics_line_per_step() {
             );
         }
     }
+    let events: Vec<_> = std::fs::read_dir(out.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("events.out.tfevents.")
+        })
+        .collect();
+    assert_eq!(events.len(), 1, "{events:?}");
+    let records =
+        yatt_metrics::tfevents::read_records(&std::fs::read(&events[0]).unwrap()).unwrap();
+    assert_eq!(
+        records.len(),
+        1 + 3,
+        "the file_version record and one per step"
+    );
     let ckpt: Vec<_> = std::fs::read_dir(out.path().join("checkpoint"))
         .unwrap()
         .collect();

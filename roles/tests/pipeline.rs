@@ -137,6 +137,8 @@ async fn cluster<R: Role<Request = Vec<Sample>, Response = Vec<Sample>>>(reward:
         reward: spawn_role(&node, reward, 0, g()).await.unwrap(),
         reference: Some(spawn_role(&node, reference, 0, g()).await.unwrap()),
         policy: spawn_role(&node, policy, 0, g()).await.unwrap(),
+        critic: None,
+        extra_rollouts: Vec::new(),
     };
     let loader = Dataloader::new(prompts(), 0, 1, 3).unwrap();
     let controller = Controller::new(controller_config(), loader, roles).unwrap();

@@ -59,7 +59,9 @@ pub trait Message: Send + Sized + 'static {
     fn from_wire(wire: Wire) -> Result<Self, WireError>;
 }
 
-fn encode_body<T: Serialize>(value: &T) -> Result<Bytes, WireError> {
+/// postcard-encodes a message body (for [`Message`] impls that compose a body of their
+/// own around a bulk payload).
+pub fn encode_body<T: Serialize>(value: &T) -> Result<Bytes, WireError> {
     postcard::to_stdvec(value)
         .map(Bytes::from)
         .map_err(|e| WireError::Encode {
@@ -68,7 +70,8 @@ fn encode_body<T: Serialize>(value: &T) -> Result<Bytes, WireError> {
         })
 }
 
-fn decode_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, WireError> {
+/// Decodes a body written by [`encode_body`].
+pub fn decode_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, WireError> {
     postcard::from_bytes(body).map_err(|e| WireError::Decode {
         type_name: std::any::type_name::<T>(),
         reason: e.to_string(),

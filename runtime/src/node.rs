@@ -37,6 +37,7 @@
 
 use std::any::Any;
 use std::collections::HashMap;
+use std::future::Future;
 use std::marker::PhantomData;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -182,6 +183,8 @@ enum SysRequest {
         role: String,
         replica: Option<u32>,
         args: Vec<u8>,
+        /// Release the actor when the asking node leaves or dies.
+        linked: bool,
     },
     Leave {
         node: String,
@@ -197,7 +200,9 @@ enum SysResponse {
 }
 
 /// Turns spawn arguments into a running, registered actor on this node.
-type FactoryFn = Arc<dyn Fn(&Node, ActorName, &[u8]) -> Result<ActorId, String> + Send + Sync>;
+type FactoryFn = Arc<
+    dyn Fn(&Node, ActorName, &[u8]) -> BoxFuture<'static, Result<ActorId, String>> + Send + Sync,
+>;
 
 /// What the node knows about each hosted actor.
 struct Hosted {
@@ -206,6 +211,8 @@ struct Hosted {
     typed: Box<dyn Any + Send + Sync>,
     /// Delivery of encoded messages from peers; None for local-only actors.
     inbox: Option<Arc<dyn Inbox>>,
+    /// The node whose departure releases this actor (see `spawn_remote_linked`).
+    owner: Option<String>,
 }
 
 trait Inbox: Send + Sync {
@@ -300,7 +307,7 @@ impl NodeBuilder {
         self
     }
     /// Registers a factory: peers can spawn `role` here with serialized `Args`.
-    pub fn factory<Args, A, F>(mut self, role: &str, make: F) -> Self
+    pub fn factory<Args, A, F>(self, role: &str, make: F) -> Self
     where
         Args: DeserializeOwned + 'static,
         A: Actor,
@@ -308,14 +315,33 @@ impl NodeBuilder {
         A::Response: Message,
         F: Fn(Args) -> Result<A, String> + Send + Sync + 'static,
     {
+        self.factory_async(role, move |args| std::future::ready(make(args)))
+    }
+
+    /// Registers a factory whose actor takes a while to build (e.g. it loads a model on
+    /// a thread of its own): the spawn request is answered once the future resolves,
+    /// and the executor is never blocked meanwhile.
+    pub fn factory_async<Args, A, F, Fut>(mut self, role: &str, make: F) -> Self
+    where
+        Args: DeserializeOwned + 'static,
+        A: Actor,
+        A::Request: Message,
+        A::Response: Message,
+        F: Fn(Args) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<A, String>> + Send + 'static,
+    {
         let role_name = role.to_string();
         let f: FactoryFn = Arc::new(move |node: &Node, name: ActorName, args: &[u8]| {
-            let args: Args = postcard::from_bytes(args)
-                .map_err(|e| format!("arguments for role {role_name:?} do not decode: {e}"))?;
-            let actor = make(args)?;
-            node.spawn_named(name, actor)
-                .map(|r| r.id().clone())
-                .map_err(|e| e.to_string())
+            let made = postcard::from_bytes::<Args>(args)
+                .map_err(|e| format!("arguments for role {role_name:?} do not decode: {e}"))
+                .map(&make);
+            let node = node.clone();
+            Box::pin(async move {
+                let actor = made?.await?;
+                node.spawn_named(name, actor)
+                    .map(|r| r.id().clone())
+                    .map_err(|e| e.to_string())
+            })
         });
         self.factories.insert(role.to_string(), f);
         self
@@ -690,6 +716,7 @@ impl Node {
                 id: r.id().clone(),
                 typed: Box::new(r.clone()),
                 inbox: None,
+                owner: None,
             },
         );
         let (node, id, exit) = (self.clone(), r.id().clone(), running.exit);
@@ -750,6 +777,7 @@ impl Node {
                 id: id.clone(),
                 typed: Box::new(r.clone()),
                 inbox: Some(Arc::new(TypedInbox(r))),
+                owner: None,
             },
         );
         self.propose_detached(Change::ActorUp(id));
@@ -905,12 +933,38 @@ impl Node {
         args: &Args,
         timeout: Duration,
     ) -> Result<ActorRef<Req, Resp>, NodeError> {
+        self.spawn_remote_as(node, role, args, timeout, false).await
+    }
+
+    /// Like [`Node::spawn_remote`], but the actor lives only as long as this node is in
+    /// the cluster: when this node leaves or is declared dead, the hosting node drops
+    /// its references to the actor, which then stops once its in-flight requests are
+    /// done. A driver that finishes or crashes leaves nothing running behind it.
+    pub async fn spawn_remote_linked<Req: Message, Resp: Message, Args: Serialize>(
+        &self,
+        node: &str,
+        role: &str,
+        args: &Args,
+        timeout: Duration,
+    ) -> Result<ActorRef<Req, Resp>, NodeError> {
+        self.spawn_remote_as(node, role, args, timeout, true).await
+    }
+
+    async fn spawn_remote_as<Req: Message, Resp: Message, Args: Serialize>(
+        &self,
+        node: &str,
+        role: &str,
+        args: &Args,
+        timeout: Duration,
+        linked: bool,
+    ) -> Result<ActorRef<Req, Resp>, NodeError> {
         validate_segment("role", role)?;
         let args = postcard::to_stdvec(args).map_err(|e| CallError::Codec(e.to_string()))?;
         let req = SysRequest::Spawn {
             role: role.to_string(),
             replica: None,
             args,
+            linked,
         };
         let id = if node == self.name() {
             match self.handle_system(self.name(), req).await {
@@ -1080,6 +1134,7 @@ impl Node {
                 role,
                 replica,
                 args,
+                linked,
             } => {
                 if self.inner.stopping.load(Ordering::Acquire) {
                     return SysResponse::Error("node is shutting down".into());
@@ -1095,8 +1150,13 @@ impl Node {
                     Ok(n) => n,
                     Err(e) => return SysResponse::Error(e.to_string()),
                 };
-                match factory(self, name, &args) {
+                match factory(self, name, &args).await {
                     Ok(id) => {
+                        if linked && from != self.name() {
+                            if let Some(h) = self.lock_hosted().get_mut(&id.name) {
+                                h.owner = Some(from.to_string());
+                            }
+                        }
                         // Answer once the leader has the registration, so the caller
                         // can resolve it right away.
                         let want = id.clone();
@@ -1144,12 +1204,31 @@ impl Node {
             .unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Side effects of a directory change on this node: forget dead peers.
+    /// Side effects of a directory change on this node: forget dead peers and release
+    /// the actors they owned.
     fn follow_update(&self, update: &Update) {
         if let Change::NodeDown { node, .. } = &update.change {
             if node != self.name() {
                 self.inner.transport.forget(node);
+                self.release_owned_by(node);
             }
+        }
+    }
+
+    /// Drops this node's references to the actors `owner` spawned linked; each stops
+    /// when its last reference is gone, and its exit is recorded in the directory.
+    fn release_owned_by(&self, owner: &str) {
+        let released: Vec<Hosted> = {
+            let mut hosted = self.lock_hosted();
+            let names: Vec<ActorName> = hosted
+                .iter()
+                .filter(|(_, h)| h.owner.as_deref() == Some(owner))
+                .map(|(n, _)| n.clone())
+                .collect();
+            names.iter().filter_map(|n| hosted.remove(n)).collect()
+        };
+        for h in released {
+            tracing::info!(actor = %h.id, %owner, "its owner left the cluster: releasing it");
         }
     }
 

@@ -97,6 +97,18 @@ async fn cluster(tag: &str, shm: bool) -> (tempfile::TempDir, Node, Node, Node) 
                 })
             })
             .factory("sink", |_: ()| Ok(Sink))
+            // Built on a blocking thread, as a role that loads a model is.
+            .factory_async("summer-async", |start: u64| async move {
+                if start == u64::MAX {
+                    return Err("start must be below u64::MAX".to_string());
+                }
+                tokio::task::spawn_blocking(move || Summer {
+                    sum: start,
+                    log: vec![],
+                })
+                .await
+                .map_err(|e| e.to_string())
+            })
             .start()
             .await
             .unwrap();
@@ -171,9 +183,57 @@ async fn remote_spawn_ask_and_ordered_tells() {
         .spawn_remote::<Req, Resp, _>(b.name(), "nope", &(), T)
         .await
     {
-        Err(NodeError::NoFactory { known, .. }) => assert_eq!(known, vec!["sink", "summer"]),
+        Err(NodeError::NoFactory { known, .. }) => {
+            assert_eq!(known, vec!["sink", "summer", "summer-async"])
+        }
         other => panic!("{other:?}"),
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_factory_answers_once_built_and_reports_its_error() {
+    let (_dir, a, b, _c) = cluster("t4", true).await;
+    let summer = a
+        .spawn_remote::<Req, Resp, _>(b.name(), "summer-async", &7u64, T)
+        .await
+        .unwrap();
+    assert_eq!(summer.ask(Req::Add(1), T).await.unwrap(), Resp::Sum(8));
+    let err = a
+        .spawn_remote::<Req, Resp, _>(b.name(), "summer-async", &u64::MAX, T)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("start must be below"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn linked_actors_are_released_when_their_owner_leaves() {
+    let (dir, a, b, _c) = cluster("t6", true).await;
+    let driver = Node::builder("t6-driver")
+        .dev_certs(dir.path())
+        .seed(a.addr())
+        .start()
+        .await
+        .unwrap();
+    let linked = driver
+        .spawn_remote_linked::<Req, Resp, _>(b.name(), "summer", &1u64, T)
+        .await
+        .unwrap();
+    let free = driver
+        .spawn_remote::<Req, Resp, _>(b.name(), "summer", &2u64, T)
+        .await
+        .unwrap();
+    assert_eq!(linked.ask(Req::Add(1), T).await.unwrap(), Resp::Sum(2));
+    driver.shutdown().await;
+    let name = linked.id().name.clone();
+    assert!(
+        b.directory()
+            .wait_until(T, |d| d.resolve(&name).is_none())
+            .await,
+        "the linked actor outlived its owner"
+    );
+    // An actor spawned without the link keeps serving.
+    let free = a.actor_ref::<Req, Resp>(free.id()).unwrap();
+    assert_eq!(free.ask(Req::Add(1), T).await.unwrap(), Resp::Sum(3));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,4 +1,4 @@
-//! The built-in roles: rollout, reference, policy, reward.
+//! The built-in roles: rollout, reference, policy, critic, reward.
 //!
 //! What belongs here: [`Role`](crate::role::Role) implementations that wrap the engine
 //! (generation, scoring, training) and the reward functions, with the request and
@@ -13,12 +13,15 @@
 //! | [`reference`] | frozen reference policy: reference log-probs |
 //! | [`policy`] | the trainer: old log-probs, PPO/GRPO update, weight export, checkpoints |
 //! | [`reward`] | weighted rule-based reward functions |
+//! | [`critic`] | value model (backbone + `v_head`) for PPO: values and value-loss updates |
 
+pub mod critic;
 pub mod policy;
 pub mod reference;
 pub mod reward;
 pub mod rollout;
 
+pub use critic::{CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole};
 pub use policy::{
     GradShard, KlLossConfig, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole, TrainReport,
 };
@@ -34,7 +37,7 @@ use yatt_engine::model::{positions_from_mask, Attn};
 use yatt_engine::score::SeqBatch;
 use yatt_engine::Llama;
 
-use crate::role::{DeviceGroup, RoleError};
+use crate::role::{DeviceGroup, RoleError, WeightsUpdate};
 use crate::sample::Sample;
 
 /// Response-token log-probs and entropies `[B, T]` (`T` = longest response, zero
@@ -139,6 +142,32 @@ pub(crate) fn check_device(
         )));
     }
     Ok(())
+}
+
+/// Copies the weights of `update` into `model` in place (weight sync), in one
+/// `copy_weights_from`: each call repacks every inference matrix of a packed model.
+pub(crate) fn load_buckets(model: &mut Llama, update: &WeightsUpdate) -> Result<(), RoleError> {
+    let named = bucket_tensors(update, model.device())?;
+    model
+        .copy_weights_from(named.iter().map(|(n, t)| (n.as_str(), t)))
+        .map_err(|e| weights_error(update, e))?;
+    Ok(())
+}
+
+/// Every tensor of `update`'s buckets, on `device`.
+pub(crate) fn bucket_tensors(
+    update: &WeightsUpdate,
+    device: Device,
+) -> Result<Vec<(String, Tensor)>, RoleError> {
+    let mut named = Vec::new();
+    for b in &update.buckets {
+        named.extend(b.tensors(device).map_err(|e| weights_error(update, e))?);
+    }
+    Ok(named)
+}
+
+pub(crate) fn weights_error(update: &WeightsUpdate, e: yatt_engine::EngineError) -> RoleError {
+    RoleError::BadRequest(format!("weights v{}: {e}", update.version))
 }
 
 /// Bytes held by a model's weights.

@@ -105,7 +105,7 @@ pub enum PolicyRequest {
 }
 
 /// What one train request did (means over micro-batches, sums where noted).
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TrainReport {
     /// The samples trained on (for the ledger).
     pub trained: Vec<SampleId>,
@@ -147,7 +147,7 @@ pub enum PolicyResponse {
 }
 
 /// One controller's gradients for a data-parallel step.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct GradShard {
     /// Gradients (canonical parameter names, f32).
     pub buckets: Vec<yatt_engine::WeightBucket>,

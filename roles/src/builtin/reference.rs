@@ -2,12 +2,14 @@
 //!
 //! It answers a batch of samples with each sample's `ref_logprobs` filled in (log-probs
 //! of the response tokens at the policy's sampling temperature), scored in
-//! micro-batches without gradients. Its weights never change.
+//! micro-batches without gradients. Its weights change only by an explicit
+//! `load_weights`: on a cluster the policy's initial weights are pushed to it once, so
+//! that a reference built in another process is the same model.
 
 use yatt_engine::Llama;
 
-use super::{check_device, model_bytes, score_samples};
-use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError};
+use super::{check_device, load_buckets, model_bytes, score_samples};
+use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::Sample;
 
 /// A frozen reference policy.
@@ -90,5 +92,9 @@ impl Role for ReferenceRole {
             self.model.to_device(dev);
         }
         Ok(())
+    }
+
+    fn load_weights(&mut self, update: WeightsUpdate) -> Result<(), RoleError> {
+        load_buckets(&mut self.model, &update)
     }
 }

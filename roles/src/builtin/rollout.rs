@@ -10,10 +10,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use serde::{Deserialize, Serialize};
 use tch::Kind;
 use yatt_engine::{Generator, Request, SamplingParams, Tokenizer};
 
-use super::{check_device, model_bytes};
+use super::{bucket_tensors, check_device, model_bytes, weights_error};
 use crate::data::Prompt;
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::{Finish, Sample, SampleId};
@@ -97,7 +98,7 @@ impl TextCodec for AsciiCodec {
 }
 
 /// Generate `n` samples for each prompt.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct GenerateRequest {
     /// The training step (part of every sample id).
     pub step: u64,
@@ -112,7 +113,7 @@ pub struct GenerateRequest {
 }
 
 /// What a rollout role is asked.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum RolloutRequest {
     /// Generate samples.
     Generate(GenerateRequest),
@@ -121,7 +122,7 @@ pub enum RolloutRequest {
 }
 
 /// Counters of one generation call.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RolloutStats {
     /// Seconds spent generating.
     pub seconds: f64,
@@ -134,7 +135,7 @@ pub struct RolloutStats {
 }
 
 /// What a rollout role answers.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum RolloutResponse {
     /// The samples, in (prompt, k) order, and counters.
     Generated {
@@ -246,6 +247,7 @@ impl RolloutRole {
                 old_logprobs: None,
                 values: None,
                 advantages: None,
+                returns: None,
             });
         }
         let samples: Vec<Sample> = slots.into_iter().flatten().collect();
@@ -347,16 +349,12 @@ impl Role for RolloutRole {
     }
 
     fn load_weights(&mut self, update: WeightsUpdate) -> Result<(), RoleError> {
-        let dev = self.generator.model().device();
-        let bad = |e| RoleError::BadRequest(format!("weights v{}: {e}", update.version));
-        // One update for all buckets: each update repacks every inference matrix.
-        let mut named = Vec::new();
-        for b in &update.buckets {
-            named.extend(b.tensors(dev).map_err(bad)?);
-        }
+        // Through the generator, not `model_mut`: that would pack the weights a second
+        // time before the next generation (`copy_weights_from` already repacks them).
+        let named = bucket_tensors(&update, self.generator.model().device())?;
         self.generator
             .update_weights(named.iter().map(|(n, t)| (n.as_str(), t)))
-            .map_err(bad)?;
+            .map_err(|e| weights_error(&update, e))?;
         self.version = update.version;
         Ok(())
     }

@@ -30,6 +30,7 @@ pub struct Prompt {
     /// The reference answer for verifiers, when known.
     pub reference: Option<String>,
     /// Everything else the dataset carries (task name, difficulty, source fields).
+    #[serde(with = "crate::wire::json_value")]
     pub metadata: serde_json::Value,
 }
 

@@ -1,10 +1,13 @@
 //! `yatt`: the command-line front end. Each subcommand is a thin shell over a library
 //! crate; the logic lives there.
 
+mod bench_controller;
 mod bench_runtime;
 mod demo;
 mod engine_cmds;
 mod eval;
+mod plot;
+mod sim;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -29,8 +32,14 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Train: run a job config (TOML) on an in-process node (embedded mode).
     Train(train::TrainArgs),
+    /// Plot a run's metrics.jsonl as PNGs: reward, KL, stage timing, throughput.
+    Plot(plot::PlotArgs),
     /// Evaluate: greedy accuracy of a job's model or checkpoint on held-out prompts.
     Eval(eval::EvalArgs),
+    /// Simulate placements of an RLHF job on clusters of 8 to 4,096 GPUs (colocation,
+    /// the best static split, dynamic placement) against the lower bound; or time the
+    /// plan search (--bench), or fit the simulator to a run's metrics (--calibrate).
+    Sim(sim::SimArgs),
     /// Import a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1) as an HF model directory.
     ImportGguf(engine_cmds::ImportGgufArgs),
     /// Benchmarks; figures go to stdout as a markdown table.
@@ -44,6 +53,9 @@ enum BenchCommand {
     Engine(engine_cmds::BenchEngineArgs),
     /// Actor-runtime latency and throughput: two processes, and in-process.
     Runtime(bench_runtime::BenchRuntimeArgs),
+    /// Per-step controller overhead, parallel controllers vs a single driver, as the
+    /// rollout replicas grow (fake compute).
+    Controller(bench_controller::BenchControllerArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -56,9 +68,12 @@ fn real_main() -> anyhow::Result<()> {
     match cli.command {
         Command::Demo(args) => demo::run(args),
         Command::Train(args) => train::run(args),
+        Command::Plot(args) => plot::run(args),
         Command::Eval(args) => eval::run(args),
+        Command::Sim(args) => sim::run(args),
         Command::ImportGguf(args) => engine_cmds::import_gguf(args),
         Command::Bench(BenchCommand::Engine(args)) => engine_cmds::bench_engine(args),
         Command::Bench(BenchCommand::Runtime(args)) => bench_runtime::run(args),
+        Command::Bench(BenchCommand::Controller(args)) => bench_controller::run(args),
     }
 }

@@ -1,57 +1,229 @@
-//! `yatt train CONFIG [--set key=value ...]`: an embedded training run. One node starts
-//! in this process (dev certificates in a temp dir), the job's roles and controllers
-//! are built on it, and `job.steps` steps run; metrics go to `OUTPUT_DIR/metrics.jsonl`
-//! and the policy to `OUTPUT_DIR/checkpoint`. The logic is in `yatt_roles::job`.
+//! `yatt train CONFIG [--set key=value ...] [--cluster SEED_ADDR]`, or
+//! `yatt train --resume RUN_DIR`: a training run. Embedded (no `--cluster`): one node
+//! starts in this process (dev certificates in a temp dir) and the job's roles are built
+//! on it. With `--cluster`: this process joins the cluster as a node and spawns each
+//! role on the node `[placement]` names. Then `job.steps` steps run; metrics go to
+//! `OUTPUT_DIR/metrics.jsonl` and a TensorBoard event file there, the policy to
+//! `OUTPUT_DIR/checkpoint`. The logic is in `yatt_roles::job` and `yatt_roles::remote`.
+//! On a terminal progress is a bar; otherwise (CI, pipes) a line per step.
 
+use std::io::IsTerminal as _;
+use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use yatt::roles::job::{train, JobConfig, Progress};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use yatt::roles::job::{train_with, JobConfig, Progress, TrainOptions, JOB_FILE};
+use yatt::runtime::tls::NodeIdentity;
 use yatt::runtime::Node;
 
 #[derive(clap::Args)]
 pub struct TrainArgs {
     /// The job config (TOML), e.g. config/demo-letters.toml.
-    config: PathBuf,
+    #[arg(required_unless_present = "resume", conflicts_with = "resume")]
+    config: Option<PathBuf>,
+    /// Continue the run in RUN_DIR from its checkpoint (its job.toml is the config;
+    /// `--set job.steps=N` sets the new total).
+    #[arg(long, value_name = "RUN_DIR")]
+    resume: Option<PathBuf>,
     /// Override a config value: a dotted key and a TOML value, e.g. `--set job.steps=10`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     sets: Vec<String>,
+    /// Join the cluster through this member and run each role on the node that
+    /// `[placement]` names (placement.mode = "disaggregated").
+    #[arg(long, value_name = "SEED_ADDR")]
+    cluster: Option<SocketAddr>,
+    /// With --cluster: this process's node name (its certificate's CN).
+    #[arg(long, default_value = "train", requires = "cluster")]
+    name: String,
+    /// With --cluster: the certificate directory (ca.pem, NAME.pem, NAME.key; with
+    /// --dev, the dev CA the nodes were started with).
+    #[arg(long, default_value = "certs", requires = "cluster")]
+    certs: PathBuf,
+    /// With --cluster: issue this node's certificate from the dev CA in --certs (as
+    /// `yatt-node run --dev` does).
+    #[arg(long, requires = "cluster")]
+    dev: bool,
+    /// With --cluster: QUIC listen address of this process's node; the nodes must be
+    /// able to reach it.
+    #[arg(long, default_value = "127.0.0.1:0", requires = "cluster")]
+    listen: SocketAddr,
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
-    let job = JobConfig::load(&args.config, &args.sets)?;
+    let (job, resume) = match (&args.config, &args.resume) {
+        (_, Some(dir)) => {
+            let path = dir.join(JOB_FILE);
+            if !path.is_file() {
+                anyhow::bail!(
+                    "{} has no {JOB_FILE}: --resume takes the output_dir of an earlier `yatt train` run",
+                    dir.display()
+                );
+            }
+            let mut job = JobConfig::load(&path, &args.sets)?;
+            // The run continues where it is, wherever the config said it was.
+            job.job.output_dir = dir.clone();
+            (job, true)
+        }
+        (Some(config), None) => (JobConfig::load(config, &args.sets)?, false),
+        (None, None) => anyhow::bail!("give a job config, or --resume RUN_DIR"),
+    };
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
-        .block_on(run_job(job))
+        .block_on(run_job(job, resume, args))
 }
 
+/// The node this run lives on: a throw-away embedded one, or a member of the cluster.
+async fn start_node(
+    job: &JobConfig,
+    args: &TrainArgs,
+) -> anyhow::Result<(Node, Option<tempfile::TempDir>)> {
+    let disaggregated = job.placement.mode == "disaggregated";
+    let Some(seed) = args.cluster else {
+        anyhow::ensure!(
+            !disaggregated,
+            "placement.mode = \"disaggregated\" puts roles on cluster nodes; add --cluster SEED_ADDR (and --dev --certs DIR for a dev cluster)"
+        );
+        let certs = tempfile::tempdir()?;
+        let node = Node::builder("train-0")
+            .dev_certs(certs.path())
+            .start()
+            .await
+            .context("starting the in-process node")?;
+        return Ok((node, Some(certs)));
+    };
+    anyhow::ensure!(
+        disaggregated,
+        "--cluster runs roles on cluster nodes: set placement.mode = \"disaggregated\" and a node per role under [placement] (--set placement.mode=disaggregated ...)"
+    );
+    let mut builder = Node::builder(&args.name).listen(args.listen).seed(seed);
+    builder = if args.dev {
+        builder.dev_certs(&args.certs)
+    } else {
+        builder.identity(NodeIdentity::load(&args.certs, &args.name)?)
+    };
+    let node = yatt::register_roles(builder)
+        .start()
+        .await
+        .with_context(|| format!("joining the cluster through {seed} as {}", args.name))?;
+    Ok((node, None))
+}
+
+/// A metric of the step, NaN when absent (printed as `NaN`/`-`, never a panic).
+fn metric(p: &Progress<'_>, name: &str) -> f64 {
+    p.metrics.get(name).unwrap_or(f64::NAN)
+}
+
+/// Seconds left at the mean pace so far.
+fn eta_s(p: &Progress<'_>) -> f64 {
+    p.elapsed_s / p.step as f64 * p.total.saturating_sub(p.step) as f64
+}
+
+/// The per-step line printed when stdout is not a terminal.
 fn progress_line(p: &Progress<'_>) -> String {
-    let m = |k: &str| p.metrics.get(k).unwrap_or(f64::NAN);
-    let eta = p.elapsed_s / p.step as f64 * (p.total - p.step) as f64;
     format!(
         "step {:>w$}/{} reward {:.3} kl {:.4} gen {:.0} tok/s step {:.2}s elapsed {:.1}s eta {:.1}s",
         p.step,
         p.total,
-        m("critic/rewards/mean"),
-        m("actor/kl"),
-        m("perf/gen_tokens_per_s"),
-        m("timing_s/step"),
+        metric(p, "critic/rewards/mean"),
+        metric(p, "actor/kl"),
+        metric(p, "perf/gen_tokens_per_s"),
+        metric(p, "timing_s/step"),
         p.elapsed_s,
-        eta,
+        eta_s(p),
         w = p.total.to_string().len(),
     )
 }
 
-async fn run_job(job: JobConfig) -> anyhow::Result<()> {
+/// `x` with a k/M suffix, or `-` when not a number.
+fn short(x: f64) -> String {
+    match x {
+        x if !x.is_finite() => "-".into(),
+        x if x.abs() >= 1e6 => format!("{:.1}M", x / 1e6),
+        x if x.abs() >= 1e4 => format!("{:.1}k", x / 1e3),
+        x => format!("{x:.0}"),
+    }
+}
+
+/// Seconds as `4.2s`, `5m07s` or `2h03m`.
+fn duration(s: f64) -> String {
+    if !s.is_finite() {
+        return "-".into();
+    }
+    let whole = s.round() as u64;
+    match whole {
+        _ if s < 60.0 => format!("{s:.1}s"),
+        w if w < 3600 => format!("{}m{:02}s", w / 60, w % 60),
+        w => format!("{}h{:02}m", w / 3600, w % 3600 / 60),
+    }
+}
+
+/// The text beside the bar, short enough to fit an 80-column terminal with it: the
+/// step's reward, KL, generation tokens/s (verl-style throughput when the rollout does
+/// not report it), step time and ETA.
+fn bar_message(p: &Progress<'_>) -> String {
+    let mut tok_s = metric(p, "perf/gen_tokens_per_s");
+    if !tok_s.is_finite() {
+        tok_s = metric(p, "perf/throughput");
+    }
+    format!(
+        "reward {:.3} kl {:.3} {} tok/s {:.2}s/step eta {}",
+        metric(p, "critic/rewards/mean"),
+        metric(p, "actor/kl"),
+        short(tok_s),
+        metric(p, "timing_s/step"),
+        duration(eta_s(p)),
+    )
+}
+
+/// Where step progress goes: a bar on a terminal, plain lines elsewhere.
+enum Reporter {
+    Bar(ProgressBar),
+    Lines,
+}
+
+impl Reporter {
+    fn new(total: u64) -> Self {
+        if !std::io::stdout().is_terminal() {
+            return Reporter::Lines;
+        }
+        let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stdout());
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{spinner:.green} step {pos}/{len} [{wide_bar:.cyan/blue}] {msg}",
+            )
+            .expect("a valid indicatif template")
+            .progress_chars("=> "),
+        );
+        // Keeps the spinner and clock moving through set-up and long steps.
+        bar.enable_steady_tick(Duration::from_millis(200));
+        Reporter::Bar(bar)
+    }
+
+    fn step(&self, p: &Progress<'_>) {
+        match self {
+            Reporter::Bar(bar) => {
+                bar.set_position(p.step);
+                bar.set_message(bar_message(p));
+            }
+            Reporter::Lines => println!("{}", progress_line(p)),
+        }
+    }
+
+    /// Stops the bar, leaving its last state on screen, before the summary or an error
+    /// is printed.
+    fn finish(&self) {
+        if let Reporter::Bar(bar) = self {
+            bar.finish();
+        }
+    }
+}
+
+async fn run_job(job: JobConfig, resume: bool, args: TrainArgs) -> anyhow::Result<()> {
     let t0 = Instant::now();
-    let certs = tempfile::tempdir()?;
-    let node = Node::builder("train-0")
-        .dev_certs(certs.path())
-        .start()
-        .await
-        .context("starting the in-process node")?;
+    let (node, _certs) = start_node(&job, &args).await?;
     println!(
         "job {}: {} steps, model {}, task {}, {} x {} samples per step, {} controller(s), output {}",
         job.job.name,
@@ -63,7 +235,28 @@ async fn run_job(job: JobConfig) -> anyhow::Result<()> {
         job.job.controllers,
         job.job.output_dir.display()
     );
-    let summary = train(&job, &node, |p| println!("{}", progress_line(p))).await?;
+    if args.cluster.is_some() {
+        let p = &job.placement;
+        println!(
+            "cluster: joined as {} through {}; rollout on {}, policy on {}, reference on {}, reward on {}",
+            node.name(),
+            args.cluster.map(|a| a.to_string()).unwrap_or_default(),
+            p.rollout,
+            p.policy,
+            p.reference,
+            p.reward
+        );
+    }
+    let reporter = Reporter::new(job.job.steps);
+    let options = TrainOptions {
+        resume,
+        ..Default::default()
+    };
+    let result = train_with(&job, &node, options, |p| reporter.step(p)).await;
+    reporter.finish();
+    // Leaving the cluster releases the roles this run spawned, on success or failure.
+    node.shutdown().await;
+    let summary = result?;
     let r = &summary.rewards;
     let k = r.len().min(5);
     let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len().max(1) as f64;
@@ -76,10 +269,68 @@ async fn run_job(job: JobConfig) -> anyhow::Result<()> {
         mean(&r[r.len() - k..]),
     );
     println!(
-        "metrics: {}\ncheckpoint: {}",
+        "metrics: {}\ntensorboard: tensorboard --logdir {}\nplots: yatt plot {}\ncheckpoint: {}",
         summary.metrics_path.display(),
+        job.job.output_dir.display(),
+        job.job.output_dir.display(),
         summary.checkpoint_dir.display()
     );
-    node.shutdown().await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use yatt::roles::controller::StepMetrics;
+
+    fn progress(metrics: &StepMetrics) -> Progress<'_> {
+        Progress {
+            step: 2,
+            total: 10,
+            elapsed_s: 1.0,
+            metrics,
+        }
+    }
+
+    #[test]
+    fn the_bar_shows_reward_kl_tokens_step_time_and_eta() {
+        let m = StepMetrics {
+            step: 2,
+            values: [
+                ("critic/rewards/mean", 0.5),
+                ("actor/kl", 0.0125),
+                ("perf/gen_tokens_per_s", 75_234.0),
+                ("timing_s/step", 0.5),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect(),
+        };
+        assert_eq!(
+            bar_message(&progress(&m)),
+            "reward 0.500 kl 0.013 75.2k tok/s 0.50s/step eta 4.0s"
+        );
+        assert!(progress_line(&progress(&m))
+            .starts_with("step  2/10 reward 0.500 kl 0.0125 gen 75234 tok/s"));
+    }
+
+    #[test]
+    fn missing_metrics_show_as_absent_and_throughput_stands_in() {
+        let m = StepMetrics {
+            step: 2,
+            values: [("perf/throughput".to_string(), 1_500_000.0)].into(),
+        };
+        assert_eq!(
+            bar_message(&progress(&m)),
+            "reward NaN kl NaN 1.5M tok/s NaNs/step eta 4.0s"
+        );
+    }
+
+    #[test]
+    fn durations_read_at_a_glance() {
+        assert_eq!(duration(4.3), "4.3s");
+        assert_eq!(duration(307.0), "5m07s");
+        assert_eq!(duration(7380.0), "2h03m");
+        assert_eq!(duration(f64::NAN), "-");
+    }
 }

@@ -1,0 +1,4 @@
+fn main() {
+    yatt_rpath();
+}
+include!("../../scripts/rpath.rs");

@@ -1,0 +1,118 @@
+//! Runs the cluster simulator on a config without the `yatt` binary (which links
+//! libtorch): `cargo run -p yatt-placement --release --example sim -- CONFIG [SCENARIO]`.
+//! With `--plan "rollout:20 reward:4 reference+policy:8" --staleness N` it simulates
+//! that fixed plan instead of comparing placements (for exploring the model).
+
+use yatt_placement::cost::Shape;
+use yatt_placement::profile::{Role, RoleSet};
+use yatt_placement::sim::{format_report, run_scenario, Sim, SimConfig};
+
+fn parse_shape(spec: &str) -> Result<Shape, String> {
+    let mut pools = Vec::new();
+    for part in spec.split_whitespace() {
+        let (roles, n) = part
+            .split_once(':')
+            .ok_or(format!("{part}: expected ROLES:GROUPS"))?;
+        let mut set = RoleSet::EMPTY;
+        for r in roles.split('+') {
+            let role = Role::ALL
+                .into_iter()
+                .find(|x| x.name() == r)
+                .ok_or(format!("unknown role {r}"))?;
+            set.insert(role);
+        }
+        pools.push((set, n.parse().map_err(|e| format!("{n}: {e}"))?));
+    }
+    Ok(Shape {
+        pools,
+        rollout_cap: None,
+    })
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let path = args
+        .first()
+        .ok_or("usage: sim CONFIG [SCENARIO-INDEX] [--plan SPEC --staleness N]")?;
+    let only: Option<usize> = args
+        .get(1)
+        .filter(|a| !a.starts_with("--"))
+        .map(|s| s.parse())
+        .transpose()?;
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+    };
+    let config = SimConfig::parse(&std::fs::read_to_string(path)?)?;
+    for (i, sc) in config.scenarios()?.iter().enumerate() {
+        if only.is_some_and(|o| o != i) {
+            continue;
+        }
+        let t = std::time::Instant::now();
+        if let Some(spec) = flag("--plan") {
+            let shape = parse_shape(spec)?;
+            let w = &sc.world;
+            let inv = sc.inventory()?;
+            let plan = yatt_placement::search::assign(&shape, &inv, None);
+            plan.validate(&inv, &w.job)?;
+            let staleness: u32 = flag("--staleness")
+                .map(|s| s.parse())
+                .transpose()?
+                .unwrap_or(sc.staleness);
+            let r = Sim::new(w, &plan, staleness, None).run();
+            let cm = yatt_placement::CostModel::with_efficiency(
+                yatt_placement::CostSetup {
+                    job: w.job.clone(),
+                    gpu: w.gpu.clone(),
+                    group_devices: w.group_devices,
+                    staleness,
+                },
+                w.workload.forecast_at(0).params,
+                w.truth,
+            );
+            let steps = w.workload.steps;
+            let preds: Vec<String> = [0, steps / 2, steps - 1]
+                .iter()
+                .map(|k| {
+                    let p = cm.predict(&shape, &w.workload.forecast_at(*k));
+                    format!(
+                        "step {k}: {:.0}s busy {:?} cycle {:.0}",
+                        p.step_s,
+                        p.pool_busy_s.iter().map(|x| x.round()).collect::<Vec<_>>(),
+                        p.cycle_s
+                    )
+                })
+                .collect();
+            println!("  cost model: {}", preds.join("; "));
+            let bound: f64 = yatt_placement::sim::lower_bound(w).iter().sum();
+            println!(
+                "{}: plan {} staleness {staleness}: {:.1} s/step, {:.2}x bound, idle {:.1}%, overhead {:.1}%, wasted {:.1}%",
+                sc.name,
+                plan.summary(),
+                r.makespan_s / f64::from(w.workload.steps),
+                r.makespan_s / bound,
+                r.idle_frac * 100.0,
+                r.overhead_frac * 100.0,
+                r.wasted_frac * 100.0
+            );
+            for (stage, gs, batch) in &r.stages {
+                println!(
+                    "  {stage:?}: {:.0} group-s/step, batch {:?}",
+                    gs / f64::from(w.workload.steps),
+                    batch.map(|b| b.round())
+                );
+            }
+            let st: Vec<String> = r.step_s.iter().map(|x| format!("{x:.0}")).collect();
+            println!("  steps: {}", st.join(" "));
+        } else {
+            let r = run_scenario(sc)?;
+            print!("{}", format_report(&r));
+            for l in &r.policy_log {
+                println!("    {l}");
+            }
+        }
+        println!("(simulated in {:.1} s)\n", t.elapsed().as_secs_f64());
+    }
+    Ok(())
+}

@@ -1,0 +1,265 @@
+//! The critic role: a value model (the policy's backbone plus a `v_head`) for PPO.
+//!
+//! It fills in each sample's per-token `values` before the advantages, and after the
+//! advantages it trains on the `returns` (GAE targets) with the clipped value loss. The
+//! value of response token `j` is read at the position before it (the state the token
+//! was sampled from), like the log-probs.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use tch::Tensor;
+use yatt_engine::score::{values, SeqBatch};
+use yatt_engine::{EngineError, Llama, Trainer};
+
+use super::{check_device, model_bytes};
+use crate::algo::{value_loss, ValueLossConfig};
+use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError};
+use crate::sample::{response_mask, token_matrix, Sample, SampleId, TokenField};
+
+/// What the critic is asked.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum CriticRequest {
+    /// Fill in `values`.
+    Values(Vec<Sample>),
+    /// Train on the samples' `returns` (needs `values` from before the update too).
+    Train(Vec<Sample>),
+    /// Save a checkpoint (HF safetensors with the `v_head`, plus optimizer state).
+    SaveCheckpoint(PathBuf),
+}
+
+/// What the critic answers.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum CriticResponse {
+    /// Samples with `values` set.
+    Valued(Vec<Sample>),
+    /// The update's report.
+    Trained(CriticReport),
+    /// The checkpoint was written.
+    Saved,
+}
+
+/// What one critic update did (means over optimizer steps / micro-batches).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CriticReport {
+    /// The samples trained on (for the ledger).
+    pub trained: Vec<SampleId>,
+    /// Mean value loss (`critic/vf_loss`).
+    pub vf_loss: f64,
+    /// Fraction of tokens where the clipped value error was larger (`critic/vf_clipfrac`).
+    pub vf_clipfrac: f64,
+    /// Mean predicted value (`critic/vpred_mean`).
+    pub vpred_mean: f64,
+    /// Mean gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Seconds spent.
+    pub seconds: f64,
+}
+
+/// How the critic trains.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CriticConfig {
+    /// Value clipping and aggregation.
+    pub loss: ValueLossConfig,
+    /// Samples per forward/backward pass.
+    pub micro_batch_size: usize,
+    /// Optimizer steps per update.
+    pub mini_batches: usize,
+    /// Token id used to pad batches.
+    pub pad_id: i64,
+}
+
+impl Default for CriticConfig {
+    fn default() -> Self {
+        CriticConfig {
+            loss: ValueLossConfig::default(),
+            micro_batch_size: 8,
+            mini_batches: 1,
+            pad_id: 0,
+        }
+    }
+}
+
+/// The value model.
+pub struct CriticRole {
+    trainer: Trainer,
+    config: CriticConfig,
+}
+
+impl CriticRole {
+    /// A critic over `trainer`, whose model gets a zero-initialised `v_head` if it has
+    /// no scalar head yet (a zero head makes the first advantages plain returns).
+    pub fn new(mut trainer: Trainer, config: CriticConfig) -> Result<Self, RoleError> {
+        if config.micro_batch_size == 0 || config.mini_batches == 0 {
+            return Err(RoleError::BadRequest(
+                "critic micro_batch_size and mini_batches must be >= 1".into(),
+            ));
+        }
+        if trainer.model.head.is_none() {
+            // The trainer's optimizer state must cover the head: rebuild it.
+            let mut model = trainer.model;
+            model.attach_head("v_head");
+            trainer = Trainer::new(model, trainer.config);
+        }
+        Ok(CriticRole { trainer, config })
+    }
+
+    fn train(&mut self, samples: Vec<Sample>) -> Result<CriticReport, RoleError> {
+        let t0 = Instant::now();
+        if samples.is_empty() {
+            return Err(RoleError::BadRequest(
+                "critic train needs at least one sample".into(),
+            ));
+        }
+        let bad = |e: crate::sample::SampleError| RoleError::BadRequest(e.to_string());
+        for s in &samples {
+            s.token_field(TokenField::Values).map_err(bad)?;
+            s.token_field(TokenField::Returns).map_err(bad)?;
+        }
+        let cfg = self.config.clone();
+        let dev = self.trainer.model.device();
+        let per_mini = samples.len().div_ceil(cfg.mini_batches);
+        let (mut clip, mut vpred, mut n_micro) = (0.0, 0.0, 0usize);
+        let mut report = CriticReport {
+            trained: samples.iter().map(|s| s.id).collect(),
+            ..Default::default()
+        };
+        let mut steps = 0usize;
+        for mini in samples.chunks(per_mini) {
+            let micros: Vec<&[Sample]> = mini.chunks(cfg.micro_batch_size).collect();
+            let step = self.trainer.step(&micros, |model, chunk| {
+                let v = response_values(model, chunk, cfg.pad_id)?;
+                let field = |f| token_matrix(chunk, f, dev).map_err(sample_err);
+                let mask = response_mask(chunk, dev).map_err(sample_err)?;
+                let (loss, st) = value_loss(
+                    &v,
+                    &field(TokenField::Values)?,
+                    &field(TokenField::Returns)?,
+                    &mask,
+                    &cfg.loss,
+                )
+                .map_err(|e| EngineError::InvalidArgument(e.to_string()))?;
+                clip += st.clip_frac;
+                vpred += st.value_mean;
+                n_micro += 1;
+                Ok(loss)
+            });
+            let step = step.map_err(|e| RoleError::Failed(format!("critic update: {e}")))?;
+            report.vf_loss += step.loss;
+            report.grad_norm += step.grad_norm;
+            steps += 1;
+        }
+        let (s, n) = (steps.max(1) as f64, n_micro.max(1) as f64);
+        report.vf_loss /= s;
+        report.grad_norm /= s;
+        report.vf_clipfrac = clip / n;
+        report.vpred_mean = vpred / n;
+        report.seconds = t0.elapsed().as_secs_f64();
+        Ok(report)
+    }
+}
+
+fn sample_err(e: crate::sample::SampleError) -> EngineError {
+    EngineError::InvalidArgument(e.to_string())
+}
+
+/// Values `[B, T]` of the response tokens (zero on padding): row `i`, column `j` is the
+/// value head at position `prompt_len + j − 1`, the state response token `j` was
+/// sampled from. Differentiable when gradients are on.
+pub(crate) fn response_values(
+    model: &Llama,
+    samples: &[Sample],
+    pad_id: i64,
+) -> yatt_engine::Result<Tensor> {
+    let device = model.device();
+    let pairs: Vec<(&[i64], &[i64])> = samples
+        .iter()
+        .map(|s| (s.prompt_tokens.as_slice(), s.response_tokens.as_slice()))
+        .collect();
+    let batch = SeqBatch::from_pairs(&pairs, pad_id, device)?;
+    let all = values(model, &batch)?;
+    let full = all.size().get(1).copied().unwrap_or(0);
+    let t = samples.iter().map(Sample::response_len).max().unwrap_or(0);
+    let mut idx = vec![0i64; samples.len() * t];
+    for (i, s) in samples.iter().enumerate() {
+        for j in 0..t {
+            idx[i * t + j] = ((s.prompt_tokens.len() + j) as i64 - 1).clamp(0, full - 1);
+        }
+    }
+    let shape = [samples.len() as i64, t as i64];
+    let idx = Tensor::from_slice(&idx).view(shape).to_device(device);
+    let mask = response_mask(samples, device).map_err(sample_err)?;
+    Ok(all.gather(1, &idx, false) * mask)
+}
+
+impl Role for CriticRole {
+    type Request = CriticRequest;
+    type Response = CriticResponse;
+
+    fn name(&self) -> &str {
+        "critic"
+    }
+
+    fn profile(&self) -> ResourceProfile {
+        let w = model_bytes(&self.trainer.model);
+        ResourceProfile {
+            resident_bytes: w * 4,
+            peak_extra_bytes: w,
+            offloadable: true,
+            needs_gpu: false,
+        }
+    }
+
+    fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
+        check_device("critic", self.trainer.model.device(), group)
+    }
+
+    fn serve(&mut self, request: CriticRequest) -> Result<CriticResponse, RoleError> {
+        if self.trainer.is_offloaded() {
+            return Err(RoleError::NotReady(
+                "critic is offloaded; reload it first".into(),
+            ));
+        }
+        match request {
+            CriticRequest::Values(mut samples) => {
+                let mut rows = Vec::with_capacity(samples.len());
+                for chunk in samples.chunks(self.config.micro_batch_size) {
+                    let v = tch::no_grad(|| {
+                        response_values(&self.trainer.model, chunk, self.config.pad_id)
+                    })
+                    .map_err(|e| {
+                        RoleError::Failed(format!("critic values of {} samples: {e}", chunk.len()))
+                    })?;
+                    rows.extend(crate::sample::split_rows(&v, chunk));
+                }
+                for (s, r) in samples.iter_mut().zip(rows) {
+                    s.values = Some(r);
+                }
+                Ok(CriticResponse::Valued(samples))
+            }
+            CriticRequest::Train(samples) => self.train(samples).map(CriticResponse::Trained),
+            CriticRequest::SaveCheckpoint(dir) => {
+                self.trainer.save_checkpoint(&dir, None).map_err(|e| {
+                    RoleError::Failed(format!(
+                        "saving the critic checkpoint to {}: {e}",
+                        dir.display()
+                    ))
+                })?;
+                Ok(CriticResponse::Saved)
+            }
+        }
+    }
+
+    fn offload(&mut self) -> Result<(), RoleError> {
+        self.trainer
+            .offload()
+            .map_err(|e| RoleError::Failed(format!("offloading the critic: {e}")))
+    }
+
+    fn reload(&mut self) -> Result<(), RoleError> {
+        self.trainer
+            .reload()
+            .map_err(|e| RoleError::Failed(format!("reloading the critic: {e}")))
+    }
+}

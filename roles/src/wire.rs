@@ -1,0 +1,716 @@
+//! Role messages on the wire, so a controller can drive roles in other processes.
+//!
+//! What belongs here: [`Message`] for [`RoleRequest`] / [`RoleResponse`] (for any
+//! request and response that are messages themselves) and for the policy's
+//! [`PolicyRequest`] / [`PolicyResponse`], plus the serde helper for JSON metadata.
+//!
+//! - **Weights and gradients** never go through serde: each [`WeightBucket`]'s bytes are
+//!   one tensor of the message's [`Bulk`] payload, and only the bucket's small header
+//!   (names, dtypes, shapes, byte ranges) is in the body. A single bucket is handed to
+//!   the transport without a copy.
+//! - **Large bodies** (a big sample batch) spill into the bulk payload as well, so they
+//!   travel on a bulk stream (or the same-host shared-memory path) instead of running
+//!   into the control-frame limit.
+//! - **In-process** asks never come here: the runtime moves the value through the
+//!   mailbox as it is.
+//!
+//! Layout of an encoded role message: the body is a postcard head followed by the
+//! inner message's body (when it is inline); the bulk payload holds the inner
+//! message's tensors, the spilled body (tensor [`BODY_TENSOR`]) or the weight buckets
+//! (tensors `g.b`: group `g`, bucket `b`).
+
+use std::path::PathBuf;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use yatt_engine::WeightBucket;
+use yatt_runtime::codec::{Bulk, BulkHeader, DType, TensorMeta};
+use yatt_runtime::message::{Message, Wire, WireError};
+
+use crate::builtin::{GradShard, PolicyRequest, PolicyResponse, TrainReport};
+use crate::role::{ResourceProfile, RoleRequest, RoleResponse, WeightsUpdate};
+use crate::sample::Sample;
+
+/// Bodies longer than this move into the bulk payload (well under the 8 MiB default
+/// control-frame limit).
+pub const SPILL_BYTES: usize = 1 << 20;
+
+/// Name of the bulk tensor that holds a spilled body.
+pub const BODY_TENSOR: &str = "yatt.body";
+
+/// Where a served message's inner body went.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+struct Inner {
+    /// The body is the bulk tensor [`BODY_TENSOR`], not the bytes after the head.
+    spilled: bool,
+    /// The inner message had a bulk payload of its own.
+    bulk: bool,
+}
+
+#[derive(Serialize, Deserialize)]
+enum RequestHead {
+    Serve(Inner),
+    Offload,
+    Reload,
+    LoadWeights { version: u64, buckets: Vec<Vec<u8>> },
+    Drain,
+    Profile,
+}
+
+#[derive(Serialize, Deserialize)]
+enum ResponseHead {
+    Served(Inner),
+    Done,
+    Drained(Vec<u64>),
+    Profile(ResourceProfile),
+}
+
+#[derive(Serialize, Deserialize)]
+enum PolicyRequestHead {
+    OldLogProbs(Vec<Sample>),
+    Train(Vec<Sample>),
+    Gradients(Vec<Sample>),
+    ApplyGradients {
+        reports: Vec<TrainReport>,
+        buckets: Vec<Vec<Vec<u8>>>,
+    },
+    ExportWeights,
+    SaveCheckpoint(PathBuf),
+}
+
+#[derive(Serialize, Deserialize)]
+enum PolicyResponseHead {
+    Scored(Vec<Sample>),
+    Trained(TrainReport),
+    Gradients {
+        report: TrainReport,
+        buckets: Vec<Vec<u8>>,
+    },
+    Weights {
+        version: u64,
+        buckets: Vec<Vec<u8>>,
+    },
+    Saved,
+}
+
+fn encode_err<T>(reason: impl ToString) -> WireError {
+    WireError::Encode {
+        type_name: std::any::type_name::<T>(),
+        reason: reason.to_string(),
+    }
+}
+
+fn decode_err<T>(reason: impl ToString) -> WireError {
+    WireError::Decode {
+        type_name: std::any::type_name::<T>(),
+        reason: reason.to_string(),
+    }
+}
+
+/// A wire whose body is `head` (postcard) followed by `rest`.
+fn to_wire<T, H: Serialize>(head: &H, rest: &[u8], bulk: Option<Bulk>) -> Result<Wire, WireError> {
+    let mut body = postcard::to_stdvec(head).map_err(encode_err::<T>)?;
+    body.extend_from_slice(rest);
+    Ok(Wire {
+        body: Bytes::from(body),
+        bulk,
+    })
+}
+
+/// The head and a zero-copy slice of what follows it.
+fn unframe<T, H: serde::de::DeserializeOwned>(body: &Bytes) -> Result<(H, Bytes), WireError> {
+    let (head, rest) = postcard::take_from_bytes::<H>(body).map_err(decode_err::<T>)?;
+    let at = body.len() - rest.len();
+    Ok((head, body.slice(at..)))
+}
+
+/// A bulk payload of raw byte tensors. One tensor is wrapped as it is (no copy); more
+/// are copied into one buffer.
+fn bulk_of<T>(mut items: Vec<(String, Bytes)>) -> Result<Bulk, WireError> {
+    if items.len() == 1 {
+        let (name, data) = items.pop().expect("one item");
+        let len = data.len() as u64;
+        let header = BulkHeader {
+            tensors: vec![TensorMeta {
+                name,
+                dtype: DType::U8,
+                shape: vec![len],
+                offset: 0,
+                len,
+            }],
+            total_len: len,
+        };
+        return Bulk::new(header, data).map_err(encode_err::<T>);
+    }
+    Bulk::from_tensors(
+        items
+            .into_iter()
+            .map(|(n, b)| (n, DType::U8, vec![b.len() as u64], b)),
+    )
+    .map_err(encode_err::<T>)
+}
+
+/// The bytes of tensor `name` of `bulk`.
+fn tensor_bytes<T>(bulk: &Bulk, name: &str) -> Result<Bytes, WireError> {
+    bulk.tensor(name)
+        .map(|(_, b)| b)
+        .ok_or_else(|| decode_err::<T>(format!("the bulk payload has no tensor {name:?}")))
+}
+
+/// Wraps an inner message: its body follows the head, or spills into the bulk payload.
+fn put_inner<T>(inner: Wire) -> Result<(Inner, Bytes, Option<Bulk>), WireError> {
+    let had_bulk = inner.bulk.is_some();
+    if inner.body.len() <= SPILL_BYTES {
+        let head = Inner {
+            spilled: false,
+            bulk: had_bulk,
+        };
+        return Ok((head, inner.body, inner.bulk));
+    }
+    let mut items = vec![(BODY_TENSOR.to_string(), inner.body)];
+    if let Some(b) = &inner.bulk {
+        for t in &b.header.tensors {
+            items.push((t.name.clone(), tensor_bytes::<T>(b, &t.name)?));
+        }
+    }
+    let head = Inner {
+        spilled: true,
+        bulk: had_bulk,
+    };
+    Ok((head, Bytes::new(), Some(bulk_of::<T>(items)?)))
+}
+
+/// Undoes [`put_inner`].
+fn take_inner<T>(inner: Inner, rest: Bytes, bulk: Option<Bulk>) -> Result<Wire, WireError> {
+    if !inner.spilled {
+        if inner.bulk != bulk.is_some() {
+            return Err(WireError::BulkMismatch {
+                type_name: std::any::type_name::<T>(),
+                reason: "the bulk payload does not match what the head announced",
+            });
+        }
+        return Ok(Wire { body: rest, bulk });
+    }
+    let bulk = bulk.ok_or(WireError::BulkMismatch {
+        type_name: std::any::type_name::<T>(),
+        reason: "a spilled body needs a bulk payload and none arrived",
+    })?;
+    let body = tensor_bytes::<T>(&bulk, BODY_TENSOR)?;
+    let bulk = if inner.bulk {
+        // Dropping the body's entry leaves the other tensors where they are: no copy.
+        let mut header = bulk.header;
+        header.tensors.retain(|t| t.name != BODY_TENSOR);
+        Some(Bulk::new(header, bulk.data).map_err(decode_err::<T>)?)
+    } else {
+        None
+    };
+    Ok(Wire { body, bulk })
+}
+
+/// Bucket headers (for the body) and the buckets' bytes as bulk tensors `g.b`.
+fn pack_buckets<T>(
+    groups: Vec<Vec<WeightBucket>>,
+) -> Result<(Vec<Vec<Vec<u8>>>, Option<Bulk>), WireError> {
+    let mut headers = Vec::with_capacity(groups.len());
+    let mut items = Vec::new();
+    for (g, buckets) in groups.into_iter().enumerate() {
+        let mut hs = Vec::with_capacity(buckets.len());
+        for (b, bucket) in buckets.into_iter().enumerate() {
+            hs.push(bucket.encode_header());
+            items.push((format!("{g}.{b}"), Bytes::from(bucket.data)));
+        }
+        headers.push(hs);
+    }
+    let bulk = if items.is_empty() {
+        None
+    } else {
+        Some(bulk_of::<T>(items)?)
+    };
+    Ok((headers, bulk))
+}
+
+/// Undoes [`pack_buckets`].
+fn unpack_buckets<T>(
+    headers: Vec<Vec<Vec<u8>>>,
+    bulk: Option<&Bulk>,
+) -> Result<Vec<Vec<WeightBucket>>, WireError> {
+    let mut groups = Vec::with_capacity(headers.len());
+    for (g, hs) in headers.into_iter().enumerate() {
+        let mut buckets = Vec::with_capacity(hs.len());
+        for (b, h) in hs.into_iter().enumerate() {
+            let bulk = bulk.ok_or(WireError::BulkMismatch {
+                type_name: std::any::type_name::<T>(),
+                reason: "weight buckets need a bulk payload and none arrived",
+            })?;
+            let entries = WeightBucket::decode_header(&h).map_err(decode_err::<T>)?;
+            let data = tensor_bytes::<T>(bulk, &format!("{g}.{b}"))?.to_vec();
+            buckets.push(WeightBucket { entries, data });
+        }
+        groups.push(buckets);
+    }
+    Ok(groups)
+}
+
+fn no_bulk<T>(bulk: &Option<Bulk>) -> Result<(), WireError> {
+    match bulk {
+        Some(_) => Err(WireError::BulkMismatch {
+            type_name: std::any::type_name::<T>(),
+            reason: "a bulk payload arrived for a message that takes none",
+        }),
+        None => Ok(()),
+    }
+}
+
+fn one_group<T>(mut groups: Vec<Vec<WeightBucket>>) -> Result<Vec<WeightBucket>, WireError> {
+    match groups.len() {
+        1 => Ok(groups.pop().expect("one group")),
+        n => Err(decode_err::<T>(format!(
+            "expected one group of buckets, found {n}"
+        ))),
+    }
+}
+
+impl<Req: Message> Message for RoleRequest<Req> {
+    fn into_wire(self) -> Result<Wire, WireError> {
+        let (head, rest, bulk) = match self {
+            RoleRequest::Serve(r) => {
+                let (inner, rest, bulk) = put_inner::<Self>(r.into_wire()?)?;
+                (RequestHead::Serve(inner), rest, bulk)
+            }
+            RoleRequest::Offload => (RequestHead::Offload, Bytes::new(), None),
+            RoleRequest::Reload => (RequestHead::Reload, Bytes::new(), None),
+            RoleRequest::Drain => (RequestHead::Drain, Bytes::new(), None),
+            RoleRequest::Profile => (RequestHead::Profile, Bytes::new(), None),
+            RoleRequest::LoadWeights(u) => {
+                let (mut headers, bulk) = pack_buckets::<Self>(vec![u.buckets])?;
+                let head = RequestHead::LoadWeights {
+                    version: u.version,
+                    buckets: headers.pop().unwrap_or_default(),
+                };
+                (head, Bytes::new(), bulk)
+            }
+        };
+        to_wire::<Self, _>(&head, &rest, bulk)
+    }
+
+    fn from_wire(wire: Wire) -> Result<Self, WireError> {
+        let (head, rest) = unframe::<Self, RequestHead>(&wire.body)?;
+        let simple = |r: RoleRequest<Req>| no_bulk::<Self>(&wire.bulk).map(|_| r);
+        match head {
+            RequestHead::Serve(inner) => Ok(RoleRequest::Serve(Req::from_wire(
+                take_inner::<Self>(inner, rest, wire.bulk)?,
+            )?)),
+            RequestHead::Offload => simple(RoleRequest::Offload),
+            RequestHead::Reload => simple(RoleRequest::Reload),
+            RequestHead::Drain => simple(RoleRequest::Drain),
+            RequestHead::Profile => simple(RoleRequest::Profile),
+            RequestHead::LoadWeights { version, buckets } => {
+                let groups = unpack_buckets::<Self>(vec![buckets], wire.bulk.as_ref())?;
+                Ok(RoleRequest::LoadWeights(WeightsUpdate {
+                    version,
+                    buckets: one_group::<Self>(groups)?,
+                }))
+            }
+        }
+    }
+}
+
+impl<Resp: Message> Message for RoleResponse<Resp> {
+    fn into_wire(self) -> Result<Wire, WireError> {
+        let (head, rest, bulk) = match self {
+            RoleResponse::Served(r) => {
+                let (inner, rest, bulk) = put_inner::<Self>(r.into_wire()?)?;
+                (ResponseHead::Served(inner), rest, bulk)
+            }
+            RoleResponse::Done => (ResponseHead::Done, Bytes::new(), None),
+            RoleResponse::Drained(ids) => (ResponseHead::Drained(ids), Bytes::new(), None),
+            RoleResponse::Profile(p) => (ResponseHead::Profile(p), Bytes::new(), None),
+        };
+        to_wire::<Self, _>(&head, &rest, bulk)
+    }
+
+    fn from_wire(wire: Wire) -> Result<Self, WireError> {
+        let (head, rest) = unframe::<Self, ResponseHead>(&wire.body)?;
+        let simple = |r: RoleResponse<Resp>| no_bulk::<Self>(&wire.bulk).map(|_| r);
+        match head {
+            ResponseHead::Served(inner) => Ok(RoleResponse::Served(Resp::from_wire(
+                take_inner::<Self>(inner, rest, wire.bulk)?,
+            )?)),
+            ResponseHead::Done => simple(RoleResponse::Done),
+            ResponseHead::Drained(ids) => simple(RoleResponse::Drained(ids)),
+            ResponseHead::Profile(p) => simple(RoleResponse::Profile(p)),
+        }
+    }
+}
+
+impl Message for PolicyRequest {
+    fn into_wire(self) -> Result<Wire, WireError> {
+        let (head, bulk) = match self {
+            PolicyRequest::OldLogProbs(s) => (PolicyRequestHead::OldLogProbs(s), None),
+            PolicyRequest::Train(s) => (PolicyRequestHead::Train(s), None),
+            PolicyRequest::Gradients(s) => (PolicyRequestHead::Gradients(s), None),
+            PolicyRequest::ExportWeights => (PolicyRequestHead::ExportWeights, None),
+            PolicyRequest::SaveCheckpoint(p) => (PolicyRequestHead::SaveCheckpoint(p), None),
+            PolicyRequest::ApplyGradients(shards) => {
+                let (reports, groups): (Vec<_>, Vec<_>) =
+                    shards.into_iter().map(|s| (s.report, s.buckets)).unzip();
+                let (buckets, bulk) = pack_buckets::<Self>(groups)?;
+                (PolicyRequestHead::ApplyGradients { reports, buckets }, bulk)
+            }
+        };
+        to_wire::<Self, _>(&head, &[], bulk)
+    }
+
+    fn from_wire(wire: Wire) -> Result<Self, WireError> {
+        let (head, _) = unframe::<Self, PolicyRequestHead>(&wire.body)?;
+        if !matches!(head, PolicyRequestHead::ApplyGradients { .. }) {
+            no_bulk::<Self>(&wire.bulk)?;
+        }
+        Ok(match head {
+            PolicyRequestHead::OldLogProbs(s) => PolicyRequest::OldLogProbs(s),
+            PolicyRequestHead::Train(s) => PolicyRequest::Train(s),
+            PolicyRequestHead::Gradients(s) => PolicyRequest::Gradients(s),
+            PolicyRequestHead::ExportWeights => PolicyRequest::ExportWeights,
+            PolicyRequestHead::SaveCheckpoint(p) => PolicyRequest::SaveCheckpoint(p),
+            PolicyRequestHead::ApplyGradients { reports, buckets } => {
+                if reports.len() != buckets.len() {
+                    return Err(decode_err::<Self>(format!(
+                        "{} reports for {} gradient shards",
+                        reports.len(),
+                        buckets.len()
+                    )));
+                }
+                let groups = unpack_buckets::<Self>(buckets, wire.bulk.as_ref())?;
+                PolicyRequest::ApplyGradients(
+                    reports
+                        .into_iter()
+                        .zip(groups)
+                        .map(|(report, buckets)| GradShard { buckets, report })
+                        .collect(),
+                )
+            }
+        })
+    }
+}
+
+impl Message for PolicyResponse {
+    fn into_wire(self) -> Result<Wire, WireError> {
+        let (head, bulk) = match self {
+            PolicyResponse::Scored(s) => (PolicyResponseHead::Scored(s), None),
+            PolicyResponse::Trained(r) => (PolicyResponseHead::Trained(r), None),
+            PolicyResponse::Saved => (PolicyResponseHead::Saved, None),
+            PolicyResponse::Gradients(shard) => {
+                let (mut h, bulk) = pack_buckets::<Self>(vec![shard.buckets])?;
+                let head = PolicyResponseHead::Gradients {
+                    report: shard.report,
+                    buckets: h.pop().unwrap_or_default(),
+                };
+                (head, bulk)
+            }
+            PolicyResponse::Weights(u) => {
+                let (mut h, bulk) = pack_buckets::<Self>(vec![u.buckets])?;
+                let head = PolicyResponseHead::Weights {
+                    version: u.version,
+                    buckets: h.pop().unwrap_or_default(),
+                };
+                (head, bulk)
+            }
+        };
+        to_wire::<Self, _>(&head, &[], bulk)
+    }
+
+    fn from_wire(wire: Wire) -> Result<Self, WireError> {
+        let (head, _) = unframe::<Self, PolicyResponseHead>(&wire.body)?;
+        let buckets = |h: Vec<Vec<u8>>| {
+            one_group::<Self>(unpack_buckets::<Self>(vec![h], wire.bulk.as_ref())?)
+        };
+        Ok(match head {
+            PolicyResponseHead::Scored(s) => {
+                no_bulk::<Self>(&wire.bulk)?;
+                PolicyResponse::Scored(s)
+            }
+            PolicyResponseHead::Trained(r) => {
+                no_bulk::<Self>(&wire.bulk)?;
+                PolicyResponse::Trained(r)
+            }
+            PolicyResponseHead::Saved => {
+                no_bulk::<Self>(&wire.bulk)?;
+                PolicyResponse::Saved
+            }
+            PolicyResponseHead::Gradients { report, buckets: h } => {
+                PolicyResponse::Gradients(GradShard {
+                    buckets: buckets(h)?,
+                    report,
+                })
+            }
+            PolicyResponseHead::Weights {
+                version,
+                buckets: h,
+            } => PolicyResponse::Weights(WeightsUpdate {
+                version,
+                buckets: buckets(h)?,
+            }),
+        })
+    }
+}
+
+/// `#[serde(with = "crate::wire::json_value")]` for a `serde_json::Value` field: as is
+/// in human-readable formats (JSON, TOML), as JSON text in binary ones. postcard cannot
+/// carry a `Value` itself: it is not self-describing, and `Value` needs that to decode.
+pub mod json_value {
+    use serde::de::Error as _;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use serde_json::Value;
+
+    /// Serializes `v`.
+    pub fn serialize<S: Serializer>(v: &Value, s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() {
+            v.serialize(s)
+        } else {
+            s.serialize_str(&v.to_string())
+        }
+    }
+
+    /// Deserializes what [`serialize`] wrote.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Value, D::Error> {
+        if d.is_human_readable() {
+            Value::deserialize(d)
+        } else {
+            let text = String::deserialize(d)?;
+            serde_json::from_str(&text).map_err(D::Error::custom)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::builtin::{GenerateRequest, RolloutRequest, RolloutResponse, RolloutStats};
+    use crate::data::Prompt;
+    use crate::sample::{Finish, SampleId};
+    use tch::{Device, Kind, Tensor};
+    use yatt_engine::{to_buckets, SamplingParams};
+
+    fn sample(k: u32, tokens: usize) -> Sample {
+        Sample {
+            id: SampleId {
+                step: 3,
+                prompt: 0x1000,
+                k,
+            },
+            group: 0x1000,
+            prompt_tokens: vec![0, 5, 6],
+            response_tokens: (0..tokens as i64).collect(),
+            rollout_logprobs: vec![-0.5; tokens],
+            finish: Finish::Length,
+            prompt_text: "q0:".into(),
+            response_text: "abc".into(),
+            reference: Some("42".into()),
+            metadata: serde_json::json!({"task": "letters", "difficulty": [1, 2]}),
+            weights_version: 7,
+            reward: Some(0.25),
+            ref_logprobs: Some(vec![-0.75; tokens]),
+            old_logprobs: None,
+            values: None,
+            advantages: None,
+            returns: None,
+        }
+    }
+
+    fn buckets(max_bytes: usize) -> Vec<WeightBucket> {
+        let named = vec![
+            (
+                "a".to_string(),
+                Tensor::arange(12, (Kind::Float, Device::Cpu)).view([3, 4]),
+            ),
+            (
+                "b".to_string(),
+                Tensor::from_slice(&[1.5f32, -2.0]).to_kind(Kind::BFloat16),
+            ),
+        ];
+        to_buckets(&named, max_bytes).unwrap()
+    }
+
+    fn round_trip<M: Message>(m: M) -> (M, Wire) {
+        let wire = m.into_wire().unwrap();
+        let back = M::from_wire(wire.clone()).unwrap();
+        (back, wire)
+    }
+
+    #[test]
+    fn weights_travel_as_bulk_and_one_bucket_is_not_copied() {
+        let bs = buckets(1 << 20);
+        assert_eq!(bs.len(), 1);
+        let update = WeightsUpdate {
+            version: 9,
+            buckets: bs.clone(),
+        };
+        let ptr = update.buckets[0].data.as_ptr();
+        let wire = RoleRequest::<()>::LoadWeights(update).into_wire().unwrap();
+        let bulk = wire.bulk.clone().expect("bulk payload");
+        assert_eq!(bulk.data.as_ptr(), ptr, "the bucket's bytes were copied");
+        assert!(wire.body.len() < 200, "{} body bytes", wire.body.len());
+        match RoleRequest::<()>::from_wire(wire).unwrap() {
+            RoleRequest::LoadWeights(u) => {
+                assert_eq!((u.version, u.buckets), (9, bs));
+            }
+            other => panic!("{other:?}"),
+        }
+        // Several buckets: one bulk payload, one tensor each.
+        let bs = buckets(4);
+        assert_eq!(bs.len(), 2);
+        let (back, wire) = round_trip(RoleResponse::Served(PolicyResponse::Weights(
+            WeightsUpdate {
+                version: 2,
+                buckets: bs.clone(),
+            },
+        )));
+        assert_eq!(wire.bulk.unwrap().header.tensors.len(), 2);
+        match back {
+            RoleResponse::Served(PolicyResponse::Weights(u)) => assert_eq!(u.buckets, bs),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn gradient_shards_round_trip() {
+        let shards = vec![
+            GradShard {
+                buckets: buckets(4),
+                report: TrainReport {
+                    trained: vec![sample(0, 1).id],
+                    loss: 0.5,
+                    ..Default::default()
+                },
+            },
+            GradShard {
+                buckets: buckets(1 << 20),
+                report: TrainReport {
+                    loss: 1.5,
+                    ..Default::default()
+                },
+            },
+        ];
+        let want: Vec<(Vec<WeightBucket>, TrainReport)> = shards
+            .iter()
+            .map(|s| (s.buckets.clone(), s.report.clone()))
+            .collect();
+        let (back, _) = round_trip(RoleRequest::Serve(PolicyRequest::ApplyGradients(shards)));
+        match back {
+            RoleRequest::Serve(PolicyRequest::ApplyGradients(got)) => {
+                let got: Vec<_> = got.into_iter().map(|s| (s.buckets, s.report)).collect();
+                assert_eq!(got, want);
+            }
+            other => panic!("{other:?}"),
+        }
+        let (back, _) = round_trip(PolicyResponse::Gradients(GradShard {
+            buckets: buckets(4),
+            report: TrainReport::default(),
+        }));
+        assert!(matches!(back, PolicyResponse::Gradients(g) if g.buckets == buckets(4)));
+    }
+
+    #[test]
+    fn samples_and_rollout_messages_round_trip() {
+        let samples = vec![sample(0, 4), sample(1, 0)];
+        let (back, wire) = round_trip(RoleResponse::Served(samples.clone()));
+        assert!(wire.bulk.is_none());
+        assert!(matches!(back, RoleResponse::Served(s) if s == samples));
+        let req = RolloutRequest::Generate(GenerateRequest {
+            step: 1,
+            prompts: vec![Prompt {
+                id: 4,
+                text: "q4:".into(),
+                reference: None,
+                metadata: serde_json::json!({"k": "v"}),
+            }],
+            n: 8,
+            params: SamplingParams::default(),
+            seed: 3,
+        });
+        let (back, _) = round_trip(RoleRequest::Serve(req));
+        match back {
+            RoleRequest::Serve(RolloutRequest::Generate(g)) => {
+                assert_eq!(g.prompts[0].metadata["k"], "v");
+                assert_eq!(g.params, SamplingParams::default());
+            }
+            other => panic!("{other:?}"),
+        }
+        let (back, _) = round_trip(RoleResponse::Served(RolloutResponse::Generated {
+            samples: samples.clone(),
+            stats: RolloutStats {
+                weights_version: 4,
+                ..Default::default()
+            },
+        }));
+        assert!(matches!(
+            back,
+            RoleResponse::Served(RolloutResponse::Generated { stats, .. }) if stats.weights_version == 4
+        ));
+        // JSON keeps metadata an object (the human-readable form is unchanged).
+        let json = serde_json::to_value(&samples[0]).unwrap();
+        assert_eq!(json["metadata"]["task"], "letters");
+    }
+
+    #[test]
+    fn a_big_batch_spills_into_the_bulk_payload() {
+        // ~2.5 MiB of samples: over the spill threshold.
+        let samples: Vec<Sample> = (0..40).map(|k| sample(k, 16_000)).collect();
+        let (back, wire) = round_trip(RoleRequest::Serve(PolicyRequest::Train(samples.clone())));
+        assert!(wire.body.len() < 64, "{} body bytes", wire.body.len());
+        let bulk = wire.bulk.expect("spilled");
+        assert!(bulk.data.len() > SPILL_BYTES);
+        assert!(matches!(back, RoleRequest::Serve(PolicyRequest::Train(s)) if s == samples));
+        // With a bulk payload of its own as well.
+        let shards = vec![GradShard {
+            buckets: buckets(4),
+            report: TrainReport {
+                trained: samples.iter().map(|s| s.id).collect(),
+                ..Default::default()
+            },
+        }];
+        let mut big = shards[0].report.clone();
+        big.trained = (0..400_000)
+            .map(|k| SampleId {
+                step: 0,
+                prompt: 1,
+                k,
+            })
+            .collect();
+        let shards = vec![GradShard {
+            buckets: shards[0].buckets.clone(),
+            report: big.clone(),
+        }];
+        let (back, wire) = round_trip(RoleRequest::Serve(PolicyRequest::ApplyGradients(shards)));
+        assert_eq!(wire.bulk.unwrap().header.tensors.len(), 3);
+        match back {
+            RoleRequest::Serve(PolicyRequest::ApplyGradients(s)) => {
+                assert_eq!((&s[0].report, &s[0].buckets), (&big, &buckets(4)));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn mismatched_payloads_are_refused() {
+        let mut wire = RoleRequest::<Vec<Sample>>::Offload.into_wire().unwrap();
+        wire.bulk = Some(bulk_of::<()>(vec![("x".into(), Bytes::from_static(b"1"))]).unwrap());
+        let e = RoleRequest::<Vec<Sample>>::from_wire(wire).unwrap_err();
+        assert!(e.to_string().contains("takes none"), "{e}");
+        let mut wire = PolicyResponse::Weights(WeightsUpdate {
+            version: 1,
+            buckets: buckets(4),
+        })
+        .into_wire()
+        .unwrap();
+        wire.bulk = None;
+        let e = PolicyResponse::from_wire(wire).unwrap_err();
+        assert!(e.to_string().contains("need a bulk payload"), "{e}");
+        let e = RoleResponse::<u32>::from_wire(Wire {
+            body: Bytes::from_static(&[200, 1, 2]),
+            bulk: None,
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("same yatt version"), "{e}");
+    }
+}
