@@ -1,141 +1,132 @@
+//! Times the pieces of one generation on the real SmolLM2 model: a decode step (whole,
+//! its GEMMs alone, the LM head, sampling) and a prefill. Best of several repeats, so it
+//! stays readable on a shared machine.
+//!
+//! `cargo run --release -p yatt-engine --example probe -- [batch] [threads] [span]`
+
 use std::time::Instant;
 use yatt_engine::model::{Attn, KvCache};
 use yatt_engine::tch::{self, Device, Kind, Tensor};
 use yatt_engine::*;
-fn time<F: FnMut()>(name: &str, n: usize, mut f: F) {
+
+fn best<F: FnMut()>(name: &str, n: usize, mut f: F) -> f64 {
     f();
-    let t = Instant::now();
+    let mut b = f64::MAX;
     for _ in 0..n {
+        let t = Instant::now();
         f();
+        b = b.min(t.elapsed().as_secs_f64());
     }
-    eprintln!(
-        "{name}: {:.2} ms",
-        t.elapsed().as_secs_f64() * 1000.0 / n as f64
-    );
+    eprintln!("{name}: {:.3} ms", b * 1e3);
+    b
 }
-fn main() {
-    tch::set_num_threads(
-        std::env::args()
-            .nth(2)
-            .map(|s| s.parse().unwrap())
-            .unwrap_or(2),
-    );
-    let dir = yatt_engine::fixtures::smollm2_hf_dir().unwrap();
-    let mut model = Llama::load(&dir, Device::Cpu, Kind::Float).unwrap();
-    let b: i64 = std::env::args()
-        .nth(1)
+
+fn arg(i: usize, d: i64) -> i64 {
+    std::env::args()
+        .nth(i)
         .map(|s| s.parse().unwrap())
-        .unwrap_or(16);
-    if std::env::var("PACK").is_ok() {
-        eprintln!("packed {}", model.pack_for_inference(b));
-    }
-    let mut cache = KvCache::new(&model, b, 160);
+        .unwrap_or(d)
+}
+
+fn main() {
+    let b = arg(1, 16);
+    tch::set_num_threads(arg(2, 2) as i32);
+    let span = arg(3, 80);
+    let reps = arg(4, 10) as usize;
+    let dir = yatt_engine::fixtures::smollm2_hf_dir().unwrap();
+    let model = Llama::load(&dir, Device::Cpu, Kind::Float).unwrap();
+    let mut g = Generator::new(model, GeneratorConfig::default());
+    let model = g.model_mut();
+    eprintln!("packed {}", model.pack_for_inference(b));
+    let model = &*model;
+    let c = model.config.clone();
+    let mut cache = KvCache::new(model, b, 400);
     let ids = Tensor::randint(1000, [b, 1], (Kind::Int64, Device::Cpu));
-    let pos = Tensor::full([b, 1], 100, (Kind::Int64, Device::Cpu));
-    let a = Tensor::randn([b, 576], (Kind::Float, Device::Cpu));
-    let w = Tensor::randn([2304, 576], (Kind::Float, Device::Cpu));
-    time("gemm 16x576x2304 (linear)", 50, || {
-        let _ = a.linear(&w, None::<Tensor>);
-    });
-    let wt = w.tr().contiguous();
-    time("gemm 16x576x2304 (matmul)", 50, || {
-        let _ = a.matmul(&wt);
-    });
+    let pos = Tensor::full([b, 1], span - 1, (Kind::Int64, Device::Cpu));
     tch::no_grad(|| {
-        time("decode hidden", 5, || {
-            let _ = model.hidden(
+        let step = best("decode step (hidden + logits)", reps, || {
+            let h = model.hidden(
                 &ids,
                 &pos,
                 Attn::Decode {
                     cache: &mut cache,
-                    span: 101,
+                    span,
                 },
             );
+            let _ = model.logits(&h.squeeze_dim(1));
         });
-        let h = Tensor::randn([b, 576], (Kind::Float, Device::Cpu));
-        time("lm_head", 5, || {
-            let _ = model.logits(&h);
+        if std::env::var("PROBE_DECODE_ONLY").is_ok() {
+            // For `perf record`: nothing but decode steps.
+            for _ in 0..reps {
+                let h = model.hidden(
+                    &ids,
+                    &pos,
+                    Attn::Decode {
+                        cache: &mut cache,
+                        span,
+                    },
+                );
+                let _ = model.logits(&h.squeeze_dim(1));
+            }
+            return;
+        }
+        let x = Tensor::randn([b, c.hidden_size], (Kind::Float, Device::Cpu));
+        let xf = Tensor::randn([b, c.intermediate_size], (Kind::Float, Device::Cpu));
+        let pk = |w: &Tensor| (onednn::pack(&w.tr(), b.max(512)).unwrap(), w.size()[1]);
+        let packed: Vec<_> = model
+            .layers
+            .iter()
+            .map(|l| [pk(&l.wqkv), pk(&l.wo), pk(&l.w_gate_up), pk(&l.w_down)])
+            .collect();
+        let gemm = best("decode GEMMs alone (30 layers)", reps, || {
+            for l in &packed {
+                for (i, (p, out)) in l.iter().enumerate() {
+                    let xin = if i == 3 { &xf } else { &x };
+                    let _ = onednn::linear(xin, p, None, *out).unwrap();
+                }
+            }
         });
-        let lg = model.logits(&h);
+        let head = best("LM head", reps, || {
+            let _ = model.logits(&x);
+        });
+        eprintln!(
+            "  → non-GEMM part of a decode step: {:.3} ms",
+            (step - gemm - head) * 1e3
+        );
+        let lg = model.logits(&x);
         let rp = yatt_engine::generate::RowParams {
             temperature: vec![1.0; b as usize],
             top_k: vec![50; b as usize],
             top_p: vec![1.0; b as usize],
             uniform: vec![0.5; b as usize],
         };
-        time("sample", 5, || {
+        best("sample (top-k 50)", reps, || {
             let _ = yatt_engine::generate::sample(&lg, &rp);
         });
-        let q = Tensor::randn([b, 9, 1, 64], (Kind::Float, Device::Cpu));
-        let k = Tensor::randn([b, 3, 101, 64], (Kind::Float, Device::Cpu));
-        let m = Tensor::ones([b, 1, 1, 101], (Kind::Bool, Device::Cpu));
-        time("sdpa gqa mask", 20, || {
-            let _ =
-                Tensor::scaled_dot_product_attention(&q, &k, &k, Some(&m), 0.0, false, None, true);
-        });
-        time("sdpa gqa nomask", 20, || {
-            let _ = Tensor::scaled_dot_product_attention(
-                &q,
-                &k,
-                &k,
-                None::<Tensor>,
-                0.0,
-                false,
-                None,
-                true,
+        let plen = 40;
+        let pids = Tensor::randint(1000, [b, plen], (Kind::Int64, Device::Cpu));
+        let ppos = Tensor::arange(plen, (Kind::Int64, Device::Cpu))
+            .unsqueeze(0)
+            .expand([b, plen], true);
+        let pre = best(&format!("prefill {b}×{plen}"), reps.min(3), || {
+            let _ = model.hidden(
+                &pids,
+                &ppos,
+                Attn::Prefill {
+                    cache: &mut cache,
+                    start: 0,
+                    offset: 0,
+                    lens: None,
+                },
             );
         });
-        let x = Tensor::randn([b, 1, 576], (Kind::Float, Device::Cpu));
-        let l = &model.layers[0];
-        time("qkv linear", 20, || {
-            let _ = x.matmul(&l.wqkv);
-        });
-        time("gate_up linear", 20, || {
-            let _ = x.matmul(&l.w_gate_up);
-        });
-        let rows = Tensor::arange(b, (Kind::Int64, Device::Cpu));
-        let pf = pos.reshape([b]);
-        let kc = Tensor::zeros([b, 3, 160, 64], (Kind::Float, Device::Cpu));
-        let kn = Tensor::randn([b, 3, 64], (Kind::Float, Device::Cpu));
-        let mut kc2 = kc.shallow_clone();
-        time("index_put", 20, || {
-            let _ = kc2.index_put_(&[Some(&rows), None, Some(&pf)], &kn, false);
-        });
-        let kk = kc.narrow(2, 0, 101);
-        time("sdpa gqa mask narrow", 20, || {
-            let _ = Tensor::scaled_dot_product_attention(
-                &q,
-                &kk,
-                &kk,
-                Some(&m),
-                0.0,
-                false,
-                None,
-                true,
-            );
-        });
-        let cosf = Tensor::randn([8192, 32], (Kind::Float, Device::Cpu));
-        time("index_select rope", 20, || {
-            let _ = cosf.index_select(0, &pf);
-        });
-        let xx = Tensor::randn([b, 1, 1536], (Kind::Float, Device::Cpu));
-        time("down linear", 20, || {
-            let _ = xx.matmul(&l.w_down);
-        });
-        let oo = Tensor::randn([b, 1, 576], (Kind::Float, Device::Cpu));
-        time("o linear", 20, || {
-            let _ = oo.matmul(&l.wo);
-        });
-        time("all layer linears x30", 1, || {
-            for l in &model.layers {
-                let _ = oo.linear(&l.wqkv, None::<Tensor>);
-                let _ = oo.matmul(&l.wo);
-                let _ = oo.linear(&l.w_gate_up, None::<Tensor>);
-                let _ = xx.matmul(&l.w_down);
-            }
-        });
-        time("rms", 20, || {
-            let _ = x.rms_norm([576], Some(&l.ln1), 1e-5);
-        });
+        let per_token: i64 = model.layers[0..1]
+            .iter()
+            .map(|l| l.wqkv.numel() + l.wo.numel() + l.w_gate_up.numel() + l.w_down.numel())
+            .map(|n| n as i64)
+            .sum::<i64>()
+            * c.num_hidden_layers;
+        let fl = 2.0 * (b * plen) as f64 * per_token as f64;
+        eprintln!("  → {:.0} GFLOP/s in the prefill", fl / pre / 1e9);
     });
 }

@@ -39,6 +39,9 @@ pub struct BenchOptions {
     /// Rounds of the generation comparison (yatt then the reference, alternating); the
     /// best round of each side is reported, which damps noise from other load.
     pub rounds: usize,
+    /// Let yatt prefill repeated prompts and the common prefix once
+    /// ([`GeneratorConfig::share_prefixes`]); off for an ablation.
+    pub prefix_sharing: bool,
 }
 
 /// One measured figure.
@@ -63,6 +66,8 @@ impl BenchRow {
     }
 }
 
+/// The benchmark's questions, each wrapped in the chat template (35–42 tokens; the
+/// template's system prompt is the first 24). The first 8 are the GRPO-style groups' prompts.
 const QUESTIONS: &[&str] = &[
     "What is the capital of France?",
     "Write a short poem about the sea.",
@@ -72,7 +77,66 @@ const QUESTIONS: &[&str] = &[
     "Describe a cat to someone who has never seen one.",
     "Why is the sky blue?",
     "Suggest a name for a bakery.",
+    "How do airplanes stay in the air?",
+    "Write a haiku about autumn leaves.",
+    "What causes the seasons on Earth?",
+    "List three healthy breakfast ideas.",
+    "Explain what a black hole is.",
+    "How many legs does a spider have?",
+    "Tell me a fun fact about octopuses.",
+    "What is the difference between weather and climate?",
+    "Write a limerick about a lazy dog.",
+    "How do I make a cup of tea?",
+    "What is the boiling point of water?",
+    "Describe the taste of a lemon.",
+    "Why do we need to sleep?",
+    "Give me a riddle and its answer.",
+    "What is the largest planet in our solar system?",
+    "Explain how a rainbow forms.",
+    "Suggest a weekend activity for a family.",
+    "What does a computer processor do?",
+    "Write a two-line story about a robot.",
+    "How do bees make honey?",
+    "What is the tallest mountain in the world?",
+    "Explain gravity to a five-year-old.",
+    "Name three famous painters.",
+    "What is the square root of 144?",
+    "How does a refrigerator keep food cold?",
+    "Describe a sunset over the ocean.",
+    "What are the primary colors?",
+    "Give me a tip for staying focused.",
+    "Why do leaves change color in the fall?",
+    "What is the speed of light?",
+    "Write a thank-you note to a teacher.",
+    "How do fish breathe underwater?",
+    "What is the meaning of the word \"ephemeral\"?",
+    "Explain what an atom is.",
+    "Suggest a good book for a long trip.",
+    "How many continents are there?",
+    "What makes thunder so loud?",
+    "Describe the smell of fresh bread.",
+    "Why is exercise good for you?",
+    "What is the freezing point of water in Fahrenheit?",
+    "Give me three words that rhyme with cat.",
+    "How do plants drink water?",
+    "What is a prime number?",
+    "Write a short slogan for a bike shop.",
+    "How does the moon affect the tides?",
+    "What is the chemical symbol for gold?",
+    "Explain why the ocean is salty.",
+    "Name a few animals that live in the desert.",
+    "How do I fold a paper airplane?",
+    "What is the longest river in the world?",
+    "Describe the sound of rain on a roof.",
+    "Why do cats purr?",
+    "What is 144 divided by 12?",
+    "Give me a compliment for a friend.",
+    "How do vaccines help the body?",
+    "What is the opposite of generous?",
 ];
+
+/// Questions in the GRPO-style case: each is sampled `batch / GROUPED_QUESTIONS` times.
+const GROUPED_QUESTIONS: usize = 8;
 
 fn prompts(tok: &Tokenizer) -> Result<Vec<Vec<i64>>> {
     QUESTIONS
@@ -81,14 +145,53 @@ fn prompts(tok: &Tokenizer) -> Result<Vec<Vec<i64>>> {
         .collect()
 }
 
-/// Generation throughput (response tokens/s) at batch `b`.
+/// Which prompts a generation case runs. Prefix sharing makes this matter to yatt (not to
+/// HF), so every figure says which it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptSet {
+    /// Every request has its own question (only the chat template's system prompt is
+    /// common).
+    Distinct,
+    /// GRPO-style: 8 questions, each sampled `batch / 8` times.
+    Grouped,
+}
+
+impl PromptSet {
+    /// The questions this set draws from (requests cycle through them).
+    fn base(self, all: &[Vec<i64>], batch: usize) -> Vec<Vec<i64>> {
+        match self {
+            PromptSet::Distinct => all.iter().take(batch.max(1)).cloned().collect(),
+            PromptSet::Grouped => all.iter().take(GROUPED_QUESTIONS).cloned().collect(),
+        }
+    }
+
+    /// How the case is labelled in the table.
+    fn label(self, all: &[Vec<i64>], batch: usize) -> String {
+        let k = self.base(all, batch).len();
+        match self {
+            PromptSet::Distinct if k >= batch => format!("{batch} distinct prompts"),
+            PromptSet::Distinct => format!(
+                "{batch} prompts from {k} questions (only {k} distinct questions are defined)"
+            ),
+            PromptSet::Grouped => {
+                format!(
+                    "GRPO-style, {k} prompts × {} samples each",
+                    batch.div_ceil(k)
+                )
+            }
+        }
+    }
+}
+
+/// Generation throughput (response tokens/s) at batch `b`, requests cycling through
+/// `prompts`; also the positions prefill computed and the prompts' total length.
 fn gen_throughput(
     g: &mut Generator,
     prompts: &[Vec<i64>],
     b: usize,
     new_tokens: usize,
     top_k: usize,
-) -> Result<(f64, usize)> {
+) -> Result<(f64, usize, usize, usize)> {
     let reqs: Vec<Request> = (0..b)
         .map(|i| Request {
             id: i as u64,
@@ -116,7 +219,13 @@ fn gen_throughput(
     g.generate(&warm)?;
     let (outs, st) = g.generate(&reqs)?;
     let n: usize = outs.iter().map(|c| c.tokens.len()).sum();
-    Ok((n as f64 / st.seconds, n))
+    let prompt_tokens = reqs.iter().map(|r| r.prompt.len()).sum();
+    Ok((
+        n as f64 / st.seconds,
+        n,
+        st.prefill_positions,
+        prompt_tokens,
+    ))
 }
 
 /// Runs the benchmark, printing progress to stderr.
@@ -139,43 +248,65 @@ pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
             max_seq_len: max_prompt + opts.new_tokens.max(300) + 8,
             mode: BatchingMode::Continuous,
             max_prefill_batch: 64,
+            share_prefixes: opts.prefix_sharing,
         },
     );
-    let mut ours = vec![0.0f64; opts.batches.len()];
-    let mut theirs: Vec<Option<f64>> = vec![None; opts.batches.len()];
+    let sets = [PromptSet::Distinct, PromptSet::Grouped];
+    let cases: Vec<(PromptSet, usize)> = sets
+        .iter()
+        .flat_map(|&s| opts.batches.iter().map(move |&b| (s, b)))
+        .collect();
+    let mut ours = vec![0.0f64; cases.len()];
+    let mut prefill = vec![(0usize, 0usize); cases.len()];
+    let mut theirs: Vec<Option<f64>> = vec![None; cases.len()];
     for round in 0..opts.rounds.max(1) {
-        for (i, &b) in opts.batches.iter().enumerate() {
+        for (i, &(set, b)) in cases.iter().enumerate() {
             g.config_mut().max_batch = b;
-            let (tps, n) = gen_throughput(&mut g, &ps, b, opts.new_tokens, top_k)?;
-            eprintln!("round {round}: yatt generate batch {b}: {tps:.1} tokens/s ({n} tokens)");
+            let base = set.base(&ps, b);
+            let (tps, n, pre, total) = gen_throughput(&mut g, &base, b, opts.new_tokens, top_k)?;
+            eprintln!(
+                "round {round}: yatt generate batch {b}, {set:?}: {tps:.1} tokens/s ({n} tokens; prefilled {pre} positions for {total} prompt tokens)"
+            );
             ours[i] = ours[i].max(tps);
+            prefill[i] = (pre, total);
         }
         if opts.with_reference {
-            let r = run_reference(
-                "generate",
-                &json!({"model": opts.model_dir, "threads": opts.threads, "batches": opts.batches, "new_tokens": opts.new_tokens, "prompts": ps, "top_k": top_k, "temperature": 1.0}),
-                Some(opts.threads),
-            )?;
-            for (i, &b) in opts.batches.iter().enumerate() {
-                if let Some(x) = r[b.to_string()]["tokens_per_s"].as_f64() {
-                    eprintln!("round {round}: HF transformers generate batch {b}: {x:.1} tokens/s");
-                    theirs[i] = Some(theirs[i].unwrap_or(0.0).max(x));
+            for set in sets {
+                let base = set.base(&ps, maxb);
+                let r = run_reference(
+                    "generate",
+                    &json!({"model": opts.model_dir, "threads": opts.threads, "batches": opts.batches, "new_tokens": opts.new_tokens, "prompts": base, "top_k": top_k, "temperature": 1.0}),
+                    Some(opts.threads),
+                )?;
+                for (i, &(s, b)) in cases.iter().enumerate() {
+                    if s != set {
+                        continue;
+                    }
+                    if let Some(x) = r[b.to_string()]["tokens_per_s"].as_f64() {
+                        eprintln!(
+                            "round {round}: HF transformers generate batch {b}, {set:?}: {x:.1} tokens/s"
+                        );
+                        theirs[i] = Some(theirs[i].unwrap_or(0.0).max(x));
+                    }
                 }
             }
         }
     }
-    for (i, &b) in opts.batches.iter().enumerate() {
+    for (i, &(set, b)) in cases.iter().enumerate() {
+        let (pre, total) = prefill[i];
         rows.push(BenchRow {
             case: format!(
-                "generate, batch {b}, {} new tokens, sampling (T=1, top-k {top_k})",
+                "generate, batch {b}, {}, {} new tokens, sampling (T=1, top-k {top_k})",
+                set.label(&ps, b),
                 opts.new_tokens
             ),
             yatt: ours[i],
             reference: theirs[i],
             unit: "response tokens/s".into(),
             note: format!(
-                "reference: HF transformers generate; best of {} alternating rounds each",
-                opts.rounds.max(1)
+                "reference: HF transformers generate; best of {} alternating rounds each; yatt prefilled {pre} positions for {total} prompt tokens (prefix sharing {})",
+                opts.rounds.max(1),
+                if opts.prefix_sharing { "on" } else { "off" }
             ),
         });
     }

@@ -128,6 +128,11 @@ pub struct GeneratorConfig {
     pub mode: BatchingMode,
     /// Most prompts prefilled in one forward call.
     pub max_prefill_batch: usize,
+    /// Prefill each distinct prompt of an admitted group once (GRPO samples every prompt
+    /// several times) and the prefix common to all of them (e.g. a chat template's system
+    /// prompt) once, then copy their KV into the other slots. The tokens are the same as
+    /// without it, up to GEMM rounding.
+    pub share_prefixes: bool,
 }
 
 impl Default for GeneratorConfig {
@@ -137,6 +142,7 @@ impl Default for GeneratorConfig {
             max_seq_len: 1024,
             mode: BatchingMode::Continuous,
             max_prefill_batch: 16,
+            share_prefixes: true,
         }
     }
 }
@@ -148,6 +154,9 @@ pub struct GenerateStats {
     pub decode_steps: usize,
     /// Prefill forward calls.
     pub prefill_calls: usize,
+    /// Prompt positions run through the model by prefill calls (padding excluded): with
+    /// prefix sharing, fewer than the prompts' total length.
+    pub prefill_positions: usize,
     /// Tokens generated.
     pub generated_tokens: usize,
     /// Sum over decode steps of the active batch size (utilisation = this / steps / max_batch).
@@ -192,6 +201,20 @@ impl Scheduler {
             }
         }
         out
+    }
+    /// Puts the requests in slots `start..start + order.len()` in the given order, which
+    /// must be a permutation of them (prefill places copies of a prompt after it).
+    pub fn reorder_slots(&mut self, start: usize, order: &[usize]) {
+        let range = start..start + order.len();
+        let mut a = self.active[range.clone()].to_vec();
+        let mut b = order.to_vec();
+        a.sort_unstable();
+        b.sort_unstable();
+        assert_eq!(
+            a, b,
+            "reorder_slots needs a permutation of the slots' requests"
+        );
+        self.active[range].copy_from_slice(order);
     }
     /// Finishes the sequence in `slot`. If another sequence was moved into that slot to
     /// keep the active slots dense, returns the slot it came from.
@@ -255,9 +278,35 @@ pub struct RowParams {
     pub uniform: Vec<f32>,
 }
 
+/// Largest top-k the one-pass CPU sampler handles (it keeps the k best in a heap).
+const FAST_TOP_K: usize = 1024;
+
 /// Samples one token per row of `logits` `[n, vocab]`. Returns the tokens and their
-/// log-probs under `log_softmax(logits / T)`. One host transfer of `2n` numbers.
+/// log-probs under `log_softmax(logits / T)`. For f32 logits on the CPU with every row
+/// greedy or top-k limited, one pass per row in the C++ shim; otherwise tch operations
+/// and one host transfer of `2n` numbers.
 pub fn sample(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
+    let fast = crate::onednn::available()
+        && logits.device() == Device::Cpu
+        && logits.kind() == Kind::Float
+        && p.temperature
+            .iter()
+            .zip(&p.top_k)
+            .all(|(&t, &k)| t <= 0.0 || (1..=FAST_TOP_K).contains(&k));
+    if fast {
+        let v = logits.size().last().copied().unwrap_or(1);
+        let ks: Vec<i64> = p.top_k.iter().map(|&k| (k as i64).clamp(1, v)).collect();
+        if let Ok(out) =
+            crate::onednn::sample_topk(logits, &p.temperature, &ks, &p.top_p, &p.uniform)
+        {
+            return out;
+        }
+    }
+    sample_tch(logits, p)
+}
+
+/// [`sample`] with tch operations (any device, dtype and top-k).
+fn sample_tch(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
     let (n, v) = logits.size2().expect("logits must be [n, vocab]");
     let dev = logits.device();
     let logits = logits.to_kind(Kind::Float);
@@ -333,6 +382,76 @@ pub fn sample(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
     let toks = (0..n as usize).map(|i| flat[2 * i] as i64).collect();
     let lps = (0..n as usize).map(|i| flat[2 * i + 1] as f32).collect();
     (toks, lps)
+}
+
+/// How an admitted chunk is prefilled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillPlan {
+    /// The chunk's requests in slot order: the first `leaders` have distinct prompts,
+    /// the rest repeat one of them.
+    pub order: Vec<usize>,
+    /// Number of distinct prompts.
+    pub leaders: usize,
+    /// For each entry of `order`, the position (in `order`) of the request whose prompt
+    /// it runs: itself for a leader.
+    pub source: Vec<usize>,
+    /// Leading tokens common to all distinct prompts, prefilled once (0 = none).
+    pub shared: usize,
+}
+
+/// Fewest common leading tokens worth a separate prefill call.
+const MIN_SHARED_PREFIX: usize = 4;
+
+/// Plans the prefill of `chunk` (request indices). With `share`, identical prompts are
+/// prefilled once and the prefix common to all distinct prompts once (each prompt keeps at
+/// least its last token, whose logits start sampling); without, every request is its own
+/// leader.
+pub fn plan_prefill(chunk: &[usize], requests: &[Request], share: bool) -> PrefillPlan {
+    if !share {
+        return PrefillPlan {
+            order: chunk.to_vec(),
+            leaders: chunk.len(),
+            source: (0..chunk.len()).collect(),
+            shared: 0,
+        };
+    }
+    let mut leaders: Vec<usize> = Vec::new();
+    let mut copies: Vec<(usize, usize)> = Vec::new(); // (request, leader position)
+    let mut seen: std::collections::HashMap<&[i64], usize> = Default::default();
+    for &r in chunk {
+        let p = requests[r].prompt.as_slice();
+        match seen.get(p) {
+            Some(&l) => copies.push((r, l)),
+            None => {
+                seen.insert(p, leaders.len());
+                leaders.push(r);
+            }
+        }
+    }
+    let mut shared = 0;
+    if leaders.len() >= 2 {
+        let first = &requests[leaders[0]].prompt;
+        shared = leaders[1..].iter().fold(first.len() - 1, |acc, &r| {
+            let p = &requests[r].prompt;
+            let common = first.iter().zip(p).take_while(|(a, b)| a == b).count();
+            acc.min(common).min(p.len() - 1)
+        });
+        if shared < MIN_SHARED_PREFIX {
+            shared = 0;
+        }
+    }
+    let mut order = leaders.clone();
+    let mut source: Vec<usize> = (0..leaders.len()).collect();
+    for (r, l) in copies {
+        order.push(r);
+        source.push(l);
+    }
+    PrefillPlan {
+        leaders: leaders.len(),
+        order,
+        source,
+        shared,
+    }
 }
 
 struct SlotState {
@@ -487,33 +606,12 @@ impl Generator {
                 // 1. Admit and prefill.
                 let admitted = sched.admit();
                 for chunk in admitted.chunks(self.config.max_prefill_batch.max(1)) {
+                    let plan = plan_prefill(chunk, requests, self.config.share_prefixes);
+                    // The chunk's requests sit in the scheduler's slots from slots.len().
+                    sched.reorder_slots(slots.len(), &plan.order);
                     let start = slots.len() as i64;
-                    let n = chunk.len() as i64;
-                    let plen = chunk
-                        .iter()
-                        .map(|&r| requests[r].prompt.len())
-                        .max()
-                        .unwrap_or(1) as i64;
-                    let mut ids = vec![0i64; (n * plen) as usize];
-                    let mut lens = Vec::with_capacity(chunk.len());
-                    for (i, &r) in chunk.iter().enumerate() {
-                        let p = &requests[r].prompt;
-                        ids[i * plen as usize..i * plen as usize + p.len()].copy_from_slice(p);
-                        lens.push(p.len() as i64 - 1);
-                    }
-                    let ids = Tensor::from_slice(&ids).view([n, plen]).to_device(device);
-                    let pos = Tensor::arange(plen, (Kind::Int64, device))
-                        .unsqueeze(0)
-                        .expand([n, plen], true);
-                    let cache = self.cache.as_mut().expect("cache allocated");
-                    let h = self
-                        .model
-                        .hidden(&ids, &pos, Attn::Prefill { cache, start });
-                    let last = Tensor::from_slice(&lens).to_device(device);
-                    let hl = h.index(&[Some(Tensor::arange(n, (Kind::Int64, device))), Some(last)]);
-                    let logits = self.model.logits(&hl);
-                    stats.prefill_calls += 1;
-                    for &r in chunk {
+                    let logits = self.prefill(requests, &plan, start, &mut stats);
+                    for &r in &plan.order {
                         let rq = &requests[r];
                         let mut stops = rq.params.stop_token_ids.clone();
                         if !rq.params.ignore_eos {
@@ -530,6 +628,11 @@ impl Generator {
                     }
                     let range = start as usize..slots.len();
                     self.sample_into(&logits, requests, &mut slots, range, &mut stats);
+                }
+                // Retire only once every admitted request has a slot state: retiring moves
+                // the last active request into the freed slot, and that must be one whose
+                // state exists.
+                if !admitted.is_empty() {
                     self.retire(requests, &mut slots, &mut sched, &mut on_done);
                 }
                 if sched.is_done() {
@@ -563,6 +666,96 @@ impl Generator {
         })?;
         stats.seconds = t0.elapsed().as_secs_f64();
         Ok(stats)
+    }
+
+    /// Prefills the chunk laid out by `plan` into slots `start..`: the shared prefix once
+    /// (copied into the other distinct prompts' slots), each distinct prompt's rest in one
+    /// batch, then the KV of each copy from its prompt's slot. Returns the logits at every
+    /// slot's last prompt position, in slot order.
+    fn prefill(
+        &mut self,
+        requests: &[Request],
+        plan: &PrefillPlan,
+        start: i64,
+        stats: &mut GenerateStats,
+    ) -> Tensor {
+        let device = self.model.device();
+        let lead = &plan.order[..plan.leaders];
+        let shared = plan.shared as i64;
+        let cache = self.cache.as_mut().expect("cache allocated");
+        if shared > 0 {
+            let p = &requests[lead[0]].prompt[..plan.shared];
+            let ids = Tensor::from_slice(p).view([1, shared]).to_device(device);
+            let pos = Tensor::arange(shared, (Kind::Int64, device)).unsqueeze(0);
+            let _ = self.model.hidden(
+                &ids,
+                &pos,
+                Attn::Prefill {
+                    cache,
+                    start,
+                    offset: 0,
+                    lens: None,
+                },
+            );
+            stats.prefill_calls += 1;
+            stats.prefill_positions += plan.shared;
+            let others: Vec<i64> = (1..lead.len() as i64).map(|i| start + i).collect();
+            cache.copy_slots(&vec![start; others.len()], &others, shared);
+        }
+        let n = lead.len() as i64;
+        let rest = lead
+            .iter()
+            .map(|&r| requests[r].prompt.len() - plan.shared)
+            .max()
+            .unwrap_or(1) as i64;
+        let mut ids = vec![0i64; (n * rest) as usize];
+        let mut lens = Vec::with_capacity(lead.len());
+        for (i, &r) in lead.iter().enumerate() {
+            let p = &requests[r].prompt[plan.shared..];
+            ids[i * rest as usize..i * rest as usize + p.len()].copy_from_slice(p);
+            lens.push(p.len() as i64);
+        }
+        let ids = Tensor::from_slice(&ids).view([n, rest]).to_device(device);
+        let pos = (Tensor::arange(rest, (Kind::Int64, device)) + shared)
+            .unsqueeze(0)
+            .expand([n, rest], true);
+        let h = self.model.hidden(
+            &ids,
+            &pos,
+            Attn::Prefill {
+                cache,
+                start,
+                offset: shared,
+                lens: Some(&lens),
+            },
+        );
+        stats.prefill_calls += 1;
+        stats.prefill_positions += lens.iter().sum::<i64>() as usize;
+        let last: Vec<i64> = lens.iter().map(|l| l - 1).collect();
+        let last = Tensor::from_slice(&last).to_device(device);
+        let hl = h.index(&[Some(Tensor::arange(n, (Kind::Int64, device))), Some(last)]);
+        let logits = self.model.logits(&hl);
+        if plan.order.len() == plan.leaders {
+            return logits;
+        }
+        // Copies: KV from their prompt's slot (up to the longest copied prompt; positions
+        // past a slot's own length are never attended to), logits by row.
+        let copies = &plan.order[plan.leaders..];
+        let len = copies
+            .iter()
+            .map(|&r| requests[r].prompt.len())
+            .max()
+            .unwrap_or(0) as i64;
+        let src: Vec<i64> = plan.source[plan.leaders..]
+            .iter()
+            .map(|&i| start + i as i64)
+            .collect();
+        let dst: Vec<i64> = (plan.leaders..plan.order.len())
+            .map(|i| start + i as i64)
+            .collect();
+        cache.copy_slots(&src, &dst, len);
+        let rows: Vec<i64> = plan.source.iter().map(|&i| i as i64).collect();
+        logits.index_select(0, &Tensor::from_slice(&rows).to_device(device))
     }
 
     fn sample_into(
@@ -717,6 +910,56 @@ mod tests {
         assert_eq!(s.admit(), vec![2, 3]);
     }
 
+    fn req(id: u64, prompt: &[i64]) -> Request {
+        Request {
+            id,
+            prompt: prompt.to_vec(),
+            params: SamplingParams::default(),
+        }
+    }
+
+    #[test]
+    fn prefill_plan_shares_repeats_and_the_common_prefix() {
+        let sys = [1i64, 2, 3, 4, 5, 6];
+        let a = [&sys[..], &[10, 11]].concat();
+        let b = [&sys[..], &[20]].concat();
+        let reqs = vec![req(0, &a), req(1, &b), req(2, &a), req(3, &b), req(4, &a)];
+        let plan = plan_prefill(&[0, 1, 2, 3, 4], &reqs, true);
+        assert_eq!(plan.order, vec![0, 1, 2, 3, 4]);
+        assert_eq!(plan.leaders, 2);
+        assert_eq!(plan.source, vec![0, 1, 0, 1, 0]);
+        assert_eq!(plan.shared, 6);
+        // Requests 2 and 4 repeat request 0's prompt: they follow the leaders.
+        let plan = plan_prefill(&[2, 4, 1, 0], &reqs, true);
+        assert_eq!(plan.order, vec![2, 1, 4, 0]);
+        assert_eq!(plan.source, vec![0, 1, 0, 0]);
+        // One prompt being a prefix of another: each keeps its last token.
+        let reqs = vec![req(0, &sys), req(1, &a)];
+        assert_eq!(plan_prefill(&[0, 1], &reqs, true).shared, 5);
+        // Short common prefixes and a single distinct prompt are not split off.
+        let reqs = vec![
+            req(0, &[1, 2, 3, 9]),
+            req(1, &[1, 2, 3, 8]),
+            req(2, &[1, 2, 3, 8]),
+        ];
+        assert_eq!(plan_prefill(&[0, 1], &reqs, true).shared, 0);
+        let plan = plan_prefill(&[1, 2], &reqs, true);
+        assert_eq!((plan.leaders, plan.shared), (1, 0));
+        // Without sharing every request is its own leader.
+        let plan = plan_prefill(&[1, 2], &reqs, false);
+        assert_eq!((plan.order, plan.leaders, plan.shared), (vec![1, 2], 2, 0));
+    }
+
+    #[test]
+    fn scheduler_reorders_slots_within_a_permutation() {
+        let mut s = Scheduler::new(4, 4, BatchingMode::Continuous);
+        s.admit();
+        s.reorder_slots(1, &[3, 1, 2]);
+        assert_eq!(s.active(), &[0, 3, 1, 2]);
+        let r = std::panic::catch_unwind(move || s.reorder_slots(0, &[0, 0]));
+        assert!(r.is_err());
+    }
+
     #[test]
     fn rng_is_deterministic_and_in_range() {
         let mut a = RequestRng::new(7);
@@ -770,6 +1013,37 @@ mod tests {
         let (_, lp) = sample(&logits, &params(1, 2.0, 0, 1.0, 0.0));
         let z: f64 = probs.iter().map(|p| p.sqrt()).sum();
         assert!((lp[0] as f64 - (0.5f64.sqrt() / z).ln()).abs() < 1e-5);
+    }
+
+    /// The one-pass CPU sampler and the tch sampler pick the same tokens with the same
+    /// log-probs, across temperatures, top-k and top-p.
+    #[test]
+    fn fast_sampler_matches_tch_sampler() {
+        if !crate::onednn::available() {
+            return;
+        }
+        tch::manual_seed(5);
+        let n = 48;
+        let logits = Tensor::randn([n, 3000], (Kind::Float, Device::Cpu)) * 3.0;
+        let mut rng = RequestRng::new(3);
+        let rp = RowParams {
+            temperature: (0..n)
+                .map(|i| [0.0, 0.7, 1.0, 1.3][i as usize % 4])
+                .collect(),
+            top_k: (0..n)
+                .map(|i| [1, 5, 50, 1000][i as usize / 4 % 4])
+                .collect(),
+            top_p: (0..n)
+                .map(|i| [1.0, 0.9, 0.5][i as usize / 16 % 3])
+                .collect(),
+            uniform: (0..n).map(|_| rng.uniform()).collect(),
+        };
+        let (fast_t, fast_lp) = sample(&logits, &rp);
+        let (ref_t, ref_lp) = sample_tch(&logits, &rp);
+        assert_eq!(fast_t, ref_t);
+        for (a, b) in fast_lp.iter().zip(&ref_lp) {
+            assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+        }
     }
 
     #[test]

@@ -59,10 +59,18 @@ impl ScalarHead {
     }
 }
 
-/// A preallocated key/value cache: per layer `[slots, kv_heads, max_len, head_dim]`.
+/// Positions per key block of the cache (see [`KvCache`]).
+pub const KV_BLOCK: i64 = 16;
+
+/// A preallocated key/value cache. Per layer, values are `[slots, kv_heads, max_len,
+/// head_dim]` and keys are stored in blocks of [`KV_BLOCK`] positions, transposed within
+/// each block: `[slots, kv_heads, max_len / KV_BLOCK, head_dim, KV_BLOCK]`. The CPU decode
+/// kernel then streams both contiguously: 16 scores at a time from one block of keys
+/// (one vector per head dimension, no horizontal sums), and the weighted sum row by row
+/// over the values.
 #[derive(Debug)]
 pub struct KvCache {
-    k: Vec<Tensor>,
+    kb: Vec<Tensor>,
     v: Vec<Tensor>,
     /// Number of sequence slots.
     pub slots: i64,
@@ -75,18 +83,91 @@ impl KvCache {
     pub fn new(model: &Llama, slots: i64, max_len: i64) -> Self {
         let c = &model.config;
         let opts = (model.kind, model.device);
-        let shape = [slots, c.num_key_value_heads, max_len, c.head_dim];
-        let k = (0..c.num_hidden_layers)
-            .map(|_| Tensor::zeros(shape, opts))
+        let (nkv, hd) = (c.num_key_value_heads, c.head_dim);
+        let blocks = (max_len + KV_BLOCK - 1) / KV_BLOCK;
+        let kb = (0..c.num_hidden_layers)
+            .map(|_| Tensor::zeros([slots, nkv, blocks, hd, KV_BLOCK], opts))
             .collect();
         let v = (0..c.num_hidden_layers)
-            .map(|_| Tensor::zeros(shape, opts))
+            .map(|_| Tensor::zeros([slots, nkv, max_len, hd], opts))
             .collect();
         KvCache {
-            k,
+            kb,
             v,
             slots,
             max_len,
+        }
+    }
+
+    /// Keys of slots `start..start+n`, positions `0..len`, as a dense
+    /// `[n, kv_heads, len, head_dim]` copy.
+    fn keys(&self, layer: usize, start: i64, n: i64, len: i64) -> Tensor {
+        let k = self.kb[layer]
+            .narrow(0, start, n)
+            .narrow(2, 0, (len + KV_BLOCK - 1) / KV_BLOCK)
+            .permute([0, 1, 2, 4, 3]);
+        let (kv, hd) = (k.size()[1], k.size()[4]);
+        k.reshape([n, kv, -1, hd]).narrow(2, 0, len)
+    }
+
+    /// Values of slots `start..start+n`, positions `0..len`: a view
+    /// `[n, kv_heads, len, head_dim]`.
+    fn values(&self, layer: usize, start: i64, n: i64, len: i64) -> Tensor {
+        self.v[layer].narrow(0, start, n).narrow(2, 0, len)
+    }
+
+    /// Where the keys of `positions` `[n, t]` in `slots` `[n]` go: (row, lane) indices into
+    /// a layer's keys viewed as `[slots · kv_heads · blocks, head_dim, KV_BLOCK]`, ordered
+    /// like `k.reshape([-1, head_dim])` for `k` `[n, kv_heads, t, head_dim]`.
+    fn key_index(&self, slots: &Tensor, positions: &Tensor) -> (Tensor, Tensor) {
+        let size = self.kb[0].size();
+        let (nkv, blocks) = (size[1], size[2]);
+        let dev = self.device();
+        let (n, t) = positions.size2().expect("positions must be [n, t]");
+        let heads = Tensor::arange(nkv, (Kind::Int64, dev)).reshape([1, nkv, 1]);
+        let slot_rows = slots.reshape([n, 1, 1]) * nkv + heads; // [n, kv, 1]
+        let pos = positions.reshape([n, 1, t]);
+        let row = (slot_rows * blocks + pos.floor_divide_scalar(KV_BLOCK)).reshape([-1]);
+        let lane = pos
+            .remainder(KV_BLOCK)
+            .expand([n, nkv, t], false)
+            .reshape([-1]);
+        (row, lane)
+    }
+
+    /// Writes keys and values `[n, kv_heads, t, head_dim]` of one layer: the keys where
+    /// `index` (from [`KvCache::key_index`]) says, the values where `at` says.
+    fn write(
+        &mut self,
+        layer: usize,
+        index: &(Tensor, Tensor),
+        k: &Tensor,
+        v: &Tensor,
+        at: ValueSlots<'_>,
+    ) {
+        let size = self.kb[layer].size();
+        let hd = size[3];
+        let mut flat = self.kb[layer].view([-1, hd, KV_BLOCK]);
+        let _ = flat.index_put_(
+            &[Some(&index.0), None, Some(&index.1)],
+            &k.reshape([-1, hd]),
+            false,
+        );
+        match at {
+            ValueSlots::Range { start, offset } => {
+                let (n, t) = (v.size()[0], v.size()[2]);
+                self.v[layer]
+                    .narrow(0, start, n)
+                    .narrow(2, offset, t)
+                    .copy_(v);
+            }
+            ValueSlots::Rows { rows, pos } => {
+                let _ = self.v[layer].index_put_(
+                    &[Some(rows), None, Some(pos)],
+                    &v.squeeze_dim(2),
+                    false,
+                );
+            }
         }
     }
 
@@ -95,32 +176,64 @@ impl KvCache {
         if from == to || len == 0 {
             return;
         }
+        self.copy_slots(&[from], &[to], len);
+    }
+
+    /// Copies the first `len` positions of slot `src[i]` into slot `dst[i]`, for every
+    /// `i` (prefix sharing: prompts prefilled once are copied into the other slots). No
+    /// slot may be both a source and a destination.
+    pub fn copy_slots(&mut self, src: &[i64], dst: &[i64], len: i64) {
+        assert_eq!(
+            src.len(),
+            dst.len(),
+            "copy_slots: one source per destination"
+        );
+        if src.is_empty() || len == 0 {
+            return;
+        }
+        let dev = self.device();
+        let si = Tensor::from_slice(src).to_device(dev);
+        let di = Tensor::from_slice(dst).to_device(dev);
         tch::no_grad(|| {
-            for t in self.k.iter_mut().chain(self.v.iter_mut()) {
-                let src = t.narrow(0, from, 1).narrow(2, 0, len);
-                t.narrow(0, to, 1).narrow(2, 0, len).copy_(&src);
+            for t in self.kb.iter_mut() {
+                let mut view = t.narrow(2, 0, (len + KV_BLOCK - 1) / KV_BLOCK);
+                let rows = view.index_select(0, &si);
+                let _ = view.index_copy_(0, &di, &rows);
+            }
+            for t in self.v.iter_mut() {
+                let mut view = t.narrow(2, 0, len);
+                let rows = view.index_select(0, &si);
+                let _ = view.index_copy_(0, &di, &rows);
             }
         });
     }
 
     /// Data pointer of the first layer's key tensor (identity check for reuse).
     pub fn k_ptr(&self) -> usize {
-        self.k.first().map(|t| t.data_ptr() as usize).unwrap_or(0)
+        self.kb.first().map(|t| t.data_ptr() as usize).unwrap_or(0)
     }
 
     /// The device the cache lives on.
     pub fn device(&self) -> Device {
-        self.k.first().map(|t| t.device()).unwrap_or(Device::Cpu)
+        self.kb.first().map(|t| t.device()).unwrap_or(Device::Cpu)
     }
 
     /// Bytes held by the cache.
     pub fn bytes(&self) -> usize {
-        self.k
+        self.kb
             .iter()
             .chain(self.v.iter())
             .map(|t| t.numel() * t.kind().elt_size_in_bytes())
             .sum()
     }
+}
+
+/// Where [`KvCache::write`] puts values.
+enum ValueSlots<'a> {
+    /// Slots `start..start+n`, positions `offset..offset+t`.
+    Range { start: i64, offset: i64 },
+    /// One token per row: slot `rows[i]`, position `pos[i]`.
+    Rows { rows: &'a Tensor, pos: &'a Tensor },
 }
 
 /// How attention sees the past in one forward call.
@@ -131,12 +244,19 @@ pub enum Attn<'a> {
         /// The padding mask, if any.
         mask: Option<&'a Tensor>,
     },
-    /// Prefill slots `start..start+B` of a cache from position 0 (right-padded input).
+    /// Prefill slots `start..start+B` of a cache from position `offset` (right-padded
+    /// input). Positions `0..offset` must already hold the slots' shared prefix; the new
+    /// tokens attend to it and, causally, to each other.
     Prefill {
         /// The cache.
         cache: &'a mut KvCache,
         /// The first slot.
         start: i64,
+        /// Cache positions already filled (0: a fresh prompt).
+        offset: i64,
+        /// Each row's real length (the rest is padding): the per-token work (projections,
+        /// MLP) then skips the padding; only attention sees the padded layout.
+        lens: Option<&'a [i64]>,
     },
     /// One new token per slot `0..B`, at the per-slot positions given to the forward.
     Decode {
@@ -602,7 +722,7 @@ impl Llama {
         self.device = device;
     }
 
-    /// Prepacks the matrices with oneDNN for batches of about `batch` rows (f32 on CPU
+    /// Prepacks the matrices with oneDNN for calls of about `batch` rows (f32 on CPU
     /// only; a no-op elsewhere). Inference calls then use the packed copies (extra memory
     /// the size of the weights); any mutable access to the parameters drops them, and
     /// [`Llama::copy_weights_from`] repacks. Returns whether packing is active.
@@ -611,7 +731,12 @@ impl Llama {
         if self.device != Device::Cpu || self.kind != Kind::Float || !crate::onednn::available() {
             return false;
         }
-        let b = batch.max(1);
+        // oneDNN picks the weight layout from this row-count hint. Below ~128 rows it keeps
+        // the plain layout and runs its `gemm:jit` path, which repacks the weights on every
+        // call; from 128 up it picks a blocked layout (AB16b64a on AVX-512) for its brgemm
+        // kernels, which are 2-3x faster even for 16-row decode steps. So the hint is never
+        // below that.
+        let b = batch.max(512);
         let pk = |w: &Tensor| crate::onednn::pack(&w.tr(), b);
         let mut layers = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
@@ -668,15 +793,103 @@ impl Llama {
         Tensor::cat(&[&x1 * cos - &x2 * sin, &x2 * cos + &x1 * sin], -1)
     }
 
+    /// The fused CPU decode step (`csrc/decode_step.cpp`): one call for the whole decoder
+    /// stack instead of ~70 tch operations per layer. `None` when it does not apply
+    /// (weights not packed, autograd on, more than one token per row) or fails, in which
+    /// case the caller takes the tch path.
+    fn decode_fused(&self, ids: &Tensor, positions: &Tensor, cache: &KvCache) -> Option<Tensor> {
+        let packed = self
+            .packed
+            .as_ref()
+            .filter(|_| !self.embed.requires_grad())?;
+        let (b, t) = ids.size2().ok()?;
+        if t != 1 || b > cache.slots {
+            return None;
+        }
+        let c = &self.config;
+        let x = Tensor::embedding(&self.embed.tr(), &ids.reshape([b]), -1, false, false);
+        let pos = positions.reshape([b]).to_kind(Kind::Int64).contiguous();
+        let layers: Vec<crate::onednn::DecodeLayer<'_>> = self
+            .layers
+            .iter()
+            .zip(&packed.layers)
+            .enumerate()
+            .map(|(i, (l, p))| crate::onednn::DecodeLayer {
+                ln1: &l.ln1,
+                wqkv: &p[0],
+                bqkv: l.bqkv.as_ref(),
+                wo: &p[1],
+                ln2: &l.ln2,
+                wgu: &p[2],
+                wdown: &p[3],
+                kb: &cache.kb[i],
+                v: &cache.v[i],
+            })
+            .collect();
+        match crate::onednn::decode_layers(
+            &x,
+            &pos,
+            &self.cos,
+            &self.sin,
+            &layers,
+            (c.num_attention_heads, c.num_key_value_heads, c.head_dim),
+            c.rms_norm_eps,
+        ) {
+            Ok(x) => Some(self.rms(&x, &self.norm).unsqueeze(1)),
+            Err(e) => {
+                // A failure here is a bug, not bad input; the tch path gives the same
+                // result, so say so once and carry on.
+                static WARN: std::sync::Once = std::sync::Once::new();
+                WARN.call_once(|| {
+                    eprintln!("yatt-engine: fused decode step failed, using tch ops: {e}")
+                });
+                None
+            }
+        }
+    }
+
     // `x = x + f(x)` on purpose: an in-place `+=` would modify a tensor autograd saved.
     #[allow(clippy::assign_op_pattern)]
     /// Embeds tokens and runs the decoder stack; returns the final-normed hidden states
     /// `[B, T, hidden]`. `positions` `[B, T]` are the rotary positions.
     pub fn hidden(&self, ids: &Tensor, positions: &Tensor, mut attn: Attn<'_>) -> Tensor {
+        if let Attn::Decode { cache, .. } = &attn {
+            if let Some(h) = self.decode_fused(ids, positions, cache) {
+                return h;
+            }
+        }
         let c = &self.config;
         let (b, t) = ids.size2().expect("ids must be [B, T]");
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        // Ragged prefill: real tokens only, as rows of [n, hidden]; `pad` restores the
+        // [b, t, ..] layout (zeros in the padding) where attention needs it.
+        let real = match &attn {
+            Attn::Prefill {
+                lens: Some(lens), ..
+            } if lens.iter().any(|&l| l < t) => {
+                let mut idx = Vec::with_capacity(lens.iter().sum::<i64>() as usize);
+                for (i, &l) in lens.iter().enumerate() {
+                    idx.extend((0..l.min(t)).map(|j| i as i64 * t + j));
+                }
+                Some(Tensor::from_slice(&idx).to_device(self.device))
+            }
+            _ => None,
+        };
+        let pad = |z: Tensor| -> Tensor {
+            match &real {
+                Some(idx) => {
+                    let w = *z.size().last().expect("rows have a width");
+                    z.new_zeros([b * t, w], (z.kind(), z.device()))
+                        .index_copy(0, idx, &z)
+                        .view([b, t, w])
+                }
+                None => z,
+            }
+        };
         let mut x = Tensor::embedding(&self.embed.tr(), ids, -1, false, false);
+        if let Some(idx) = &real {
+            x = x.reshape([b * t, -1]).index_select(0, idx);
+        }
         let cos = self
             .cos
             .index_select(0, &positions.reshape([-1]))
@@ -694,6 +907,16 @@ impl Llama {
                 let keys = m.to_kind(Kind::Bool).reshape([b, 1, 1, t]);
                 let eye = Tensor::eye(t, (Kind::Bool, self.device));
                 Some(causal.logical_and(&keys).logical_or(&eye))
+            }
+            // New token i sees the whole shared prefix and new tokens 0..=i.
+            Attn::Prefill { offset, .. } if *offset > 0 => {
+                let keys = Tensor::arange(offset + t, (Kind::Int64, self.device));
+                let rows = Tensor::arange(t, (Kind::Int64, self.device)).unsqueeze(1) + *offset;
+                Some(
+                    keys.unsqueeze(0)
+                        .le_tensor(&rows)
+                        .reshape([1, 1, t, offset + t]),
+                )
             }
             Attn::Decode { span, .. } => {
                 let ar =
@@ -714,10 +937,12 @@ impl Llama {
         } else {
             None
         };
+        // Cache indices of the new keys, the same for every layer.
+        let mut key_index: Option<(Tensor, Tensor)> = None;
         for (li, l) in self.layers.iter().enumerate() {
             let pl = packed.map(|p| &p.layers[li]);
             let hn = self.rms(&x, &l.ln1);
-            let qkv = self.mm(&hn, &l.wqkv, pl.map(|p| &p[0]), l.bqkv.as_ref());
+            let qkv = pad(self.mm(&hn, &l.wqkv, pl.map(|p| &p[0]), l.bqkv.as_ref()));
             let q = qkv
                 .narrow(-1, 0, nh * hd)
                 .view([b, t, nh, hd])
@@ -743,30 +968,55 @@ impl Llama {
                     None,
                     true,
                 ),
-                Attn::Prefill { cache, start } => {
-                    cache.k[li].narrow(0, *start, b).narrow(2, 0, t).copy_(&k);
-                    cache.v[li].narrow(0, *start, b).narrow(2, 0, t).copy_(&v);
-                    Tensor::scaled_dot_product_attention(
-                        &q,
-                        &k,
-                        &v,
-                        None::<Tensor>,
-                        0.0,
-                        true,
-                        None,
-                        true,
-                    )
+                Attn::Prefill {
+                    cache,
+                    start,
+                    offset,
+                    ..
+                } => {
+                    let index = key_index.get_or_insert_with(|| {
+                        let slots =
+                            Tensor::arange_start(*start, *start + b, (Kind::Int64, self.device));
+                        cache.key_index(&slots, positions)
+                    });
+                    let at = ValueSlots::Range {
+                        start: *start,
+                        offset: *offset,
+                    };
+                    cache.write(li, index, &k, &v, at);
+                    if *offset == 0 {
+                        Tensor::scaled_dot_product_attention(
+                            &q,
+                            &k,
+                            &v,
+                            None::<Tensor>,
+                            0.0,
+                            true,
+                            None,
+                            true,
+                        )
+                    } else {
+                        let len = *offset + t;
+                        Tensor::scaled_dot_product_attention(
+                            &q,
+                            &cache.keys(li, *start, b, len),
+                            &cache.values(li, *start, b, len),
+                            full_mask.as_ref(),
+                            0.0,
+                            false,
+                            None,
+                            true,
+                        )
+                    }
                 }
                 Attn::Decode { cache, span } => {
-                    let idx = [Some(&rows), None, pos_flat.as_ref()];
-                    let _ = cache.k[li].index_put_(&idx, &k.squeeze_dim(2), false);
-                    let _ = cache.v[li].index_put_(&idx, &v.squeeze_dim(2), false);
-                    let kk = cache.k[li].narrow(0, 0, b).narrow(2, 0, *span);
-                    let vv = cache.v[li].narrow(0, 0, b).narrow(2, 0, *span);
+                    let pos = pos_flat.as_ref().expect("decode positions");
+                    let index = key_index.get_or_insert_with(|| cache.key_index(&rows, positions));
+                    cache.write(li, index, &k, &v, ValueSlots::Rows { rows: &rows, pos });
                     Tensor::scaled_dot_product_attention(
                         &q,
-                        &kk,
-                        &vv,
+                        &cache.keys(li, 0, b, *span),
+                        &cache.values(li, 0, b, *span),
                         full_mask.as_ref(),
                         0.0,
                         false,
@@ -775,7 +1025,10 @@ impl Llama {
                     )
                 }
             };
-            let o = o.transpose(1, 2).reshape([b, t, nh * hd]);
+            let mut o = o.transpose(1, 2).reshape([b, t, nh * hd]);
+            if let Some(idx) = &real {
+                o = o.reshape([b * t, nh * hd]).index_select(0, idx);
+            }
             x = x + self.mm(&o, &l.wo, pl.map(|p| &p[1]), None);
             let hn = self.rms(&x, &l.ln2);
             let gu = self.mm(&hn, &l.w_gate_up, pl.map(|p| &p[2]), None);
@@ -783,7 +1036,7 @@ impl Llama {
             let act = gu.narrow(-1, 0, f).silu() * gu.narrow(-1, f, f);
             x = x + self.mm(&act, &l.w_down, pl.map(|p| &p[3]), None);
         }
-        self.rms(&x, &self.norm)
+        pad(self.rms(&x, &self.norm))
     }
 
     /// LM logits for hidden states `[.., hidden] → [.., vocab]`.
@@ -824,4 +1077,185 @@ fn rope_tables(c: &ModelConfig, device: Device) -> (Tensor, Tensor) {
     let pos = Tensor::arange(n, (Kind::Float, Device::Cpu));
     let freqs = pos.unsqueeze(1) * inv.unsqueeze(0); // [n, hd/2] in f32, like HF
     (freqs.cos().to_device(device), freqs.sin().to_device(device))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tiny random model and an unpacked copy. `wide`: SmolLM's head layout (head_dim
+    /// 64, three query heads per kv head), which the decode kernel has a fixed-size path
+    /// for; otherwise head_dim 16, two per kv head (its generic path).
+    fn tiny(bias: bool, wide: bool) -> (Llama, Llama) {
+        let mut cfg = crate::fixtures::tiny_config();
+        cfg.attention_bias = bias;
+        if wide {
+            cfg.hidden_size = 384;
+            cfg.num_attention_heads = 6;
+            cfg.num_key_value_heads = 2;
+            cfg.head_dim = 64;
+        }
+        let a = Llama::random(cfg, Device::Cpu, Kind::Float, 3).unwrap();
+        let b = a.deep_copy(Device::Cpu, Kind::Float).unwrap();
+        (a, b)
+    }
+
+    fn prompt_batch(prompts: &[Vec<i64>]) -> (Tensor, Tensor, Vec<i64>) {
+        let n = prompts.len() as i64;
+        let t = prompts.iter().map(|p| p.len()).max().unwrap() as i64;
+        let mut ids = vec![0i64; (n * t) as usize];
+        for (i, p) in prompts.iter().enumerate() {
+            ids[i * t as usize..i * t as usize + p.len()].copy_from_slice(p);
+        }
+        let pos = Tensor::arange(t, (Kind::Int64, Device::Cpu))
+            .unsqueeze(0)
+            .expand([n, t], true);
+        let lens = prompts.iter().map(|p| p.len() as i64).collect();
+        (Tensor::from_slice(&ids).view([n, t]), pos, lens)
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b).abs().max().double_value(&[])
+    }
+
+    /// The fused CPU decode step (packed weights) and the tch path agree on hidden states
+    /// and on what they write into the cache, with rows at different positions.
+    #[test]
+    fn fused_decode_matches_tch_ops() {
+        if !crate::onednn::available() {
+            return;
+        }
+        for (bias, wide) in [(false, false), (true, false), (false, true)] {
+            let (mut fused, plain) = tiny(bias, wide);
+            let hidden = fused.config.hidden_size;
+            assert!(fused.pack_for_inference(3));
+            // Lengths around the 16-position key blocks; decoding crosses a boundary.
+            let prompts: Vec<Vec<i64>> = [14i64, 2, 17]
+                .iter()
+                .map(|&n| (0..n).map(|i| (i * 7 + n) % 90 + 2).collect())
+                .collect();
+            let (ids, pos, lens) = prompt_batch(&prompts);
+            let mut ca = KvCache::new(&fused, 3, 40);
+            let mut cb = KvCache::new(&plain, 3, 40);
+            tch::no_grad(|| {
+                for (m, c) in [(&fused, &mut ca), (&plain, &mut cb)] {
+                    let _ = m.hidden(
+                        &ids,
+                        &pos,
+                        Attn::Prefill {
+                            cache: c,
+                            start: 0,
+                            offset: 0,
+                            lens: None,
+                        },
+                    );
+                }
+                let mut p = lens.clone();
+                for step in 0..4 {
+                    let tok = Tensor::from_slice(&[20 + step, 30 + step, 40 + step]).view([3, 1]);
+                    let pt = Tensor::from_slice(&p).view([3, 1]);
+                    let span = p.iter().max().unwrap() + 1;
+                    let ha = fused.hidden(
+                        &tok,
+                        &pt,
+                        Attn::Decode {
+                            cache: &mut ca,
+                            span,
+                        },
+                    );
+                    let hb = plain.hidden(
+                        &tok,
+                        &pt,
+                        Attn::Decode {
+                            cache: &mut cb,
+                            span,
+                        },
+                    );
+                    assert_eq!(ha.size(), vec![3, 1, hidden]);
+                    let d = max_diff(&ha, &hb);
+                    assert!(
+                        d < 1e-4,
+                        "{bias} {wide}, step {step}: hidden differs by {d}"
+                    );
+                    p.iter_mut().for_each(|x| *x += 1);
+                }
+                for (i, &l) in p.iter().enumerate() {
+                    let i = i as i64;
+                    for layer in 0..2 {
+                        let (ka, kb) = (ca.keys(layer, i, 1, l), cb.keys(layer, i, 1, l));
+                        let (va, vb) = (ca.values(layer, i, 1, l), cb.values(layer, i, 1, l));
+                        assert!(max_diff(&ka, &kb) < 1e-5);
+                        assert!(max_diff(&va, &vb) < 1e-5);
+                    }
+                }
+            });
+        }
+    }
+
+    /// Prefilling a shared prefix once, copying it, and prefilling the rest at an offset
+    /// gives the states and cache of a plain prefill.
+    #[test]
+    fn prefill_at_offset_after_a_shared_prefix_matches_a_plain_prefill() {
+        let (model, _) = tiny(false, false);
+        let prefix = vec![3i64, 4, 5, 6, 7];
+        let prompts: Vec<Vec<i64>> = [vec![8i64, 9, 10], vec![11], vec![12, 13]]
+            .iter()
+            .map(|s| [prefix.clone(), s.clone()].concat())
+            .collect();
+        let (ids, pos, lens) = prompt_batch(&prompts);
+        tch::no_grad(|| {
+            let mut plain = KvCache::new(&model, 3, 16);
+            let h_plain = model.hidden(
+                &ids,
+                &pos,
+                Attn::Prefill {
+                    cache: &mut plain,
+                    start: 0,
+                    offset: 0,
+                    lens: None,
+                },
+            );
+            let mut shared = KvCache::new(&model, 4, 16);
+            let p = prefix.len() as i64;
+            // Slots 1..4, so the copy source is not slot 0.
+            let _ = model.hidden(
+                &Tensor::from_slice(&prefix).view([1, p]),
+                &Tensor::arange(p, (Kind::Int64, Device::Cpu)).unsqueeze(0),
+                Attn::Prefill {
+                    cache: &mut shared,
+                    start: 1,
+                    offset: 0,
+                    lens: None,
+                },
+            );
+            shared.copy_slots(&[1, 1], &[2, 3], p);
+            let rest = ids.narrow(1, p, ids.size()[1] - p);
+            let rpos = pos.narrow(1, p, ids.size()[1] - p);
+            // Ragged: the padding of the shorter rows is skipped.
+            let rest_lens: Vec<i64> = lens.iter().map(|l| l - p).collect();
+            let h = model.hidden(
+                &rest,
+                &rpos,
+                Attn::Prefill {
+                    cache: &mut shared,
+                    start: 1,
+                    offset: p,
+                    lens: Some(&rest_lens),
+                },
+            );
+            for (i, &l) in lens.iter().enumerate() {
+                let want = h_plain.get(i as i64).narrow(0, 0, l);
+                let got = h.get(i as i64).narrow(0, 0, l - p);
+                let d = max_diff(&want.narrow(0, p, l - p), &got);
+                assert!(d < 1e-5, "prompt {i}: hidden differs by {d}");
+                for layer in 0..2 {
+                    let (a, b) = (i as i64, i as i64 + 1);
+                    let (ka, kb) = (plain.keys(layer, a, 1, l), shared.keys(layer, b, 1, l));
+                    let (va, vb) = (plain.values(layer, a, 1, l), shared.values(layer, b, 1, l));
+                    assert!(max_diff(&ka, &kb) < 1e-5);
+                    assert!(max_diff(&va, &vb) < 1e-5);
+                }
+            }
+        });
+    }
 }

@@ -169,6 +169,57 @@ fn seeds_reproduce_and_continuous_batching_streams() {
     );
 }
 
+/// GRPO-style batches (each prompt sampled several times, all sharing the chat template's
+/// system prompt) give the same samples with and without prefix sharing, and sharing
+/// prefills fewer positions.
+#[test]
+fn prefix_sharing_gives_the_same_samples() {
+    let (model, tok) = setup();
+    let plain_model = model.deep_copy(Device::Cpu, Kind::Float).unwrap();
+    let mut prompts: Vec<Vec<i64>> = ["Name a fruit.", "Why is the sky blue?", "What is 2+2?"]
+        .iter()
+        .map(|q| chat(&tok, q))
+        .collect();
+    prompts.push(tok.encode("Once upon a time", true).unwrap());
+    let reqs: Vec<Request> = (0..12)
+        .map(|i| Request {
+            id: i as u64,
+            prompt: prompts[i % prompts.len()].clone(),
+            params: SamplingParams {
+                temperature: 1.0,
+                top_k: 50,
+                max_new_tokens: 10,
+                ignore_eos: true,
+                seed: 7 + i as u64,
+                ..Default::default()
+            },
+        })
+        .collect();
+    let config = |share| GeneratorConfig {
+        max_batch: 8,
+        max_seq_len: 96,
+        share_prefixes: share,
+        ..Default::default()
+    };
+    let (shared, s1) = Generator::new(model, config(true)).generate(&reqs).unwrap();
+    let (plain, s2) = Generator::new(plain_model, config(false))
+        .generate(&reqs)
+        .unwrap();
+    for (a, b) in shared.iter().zip(&plain) {
+        assert_eq!(a.id, b.id);
+        assert_eq!(a.tokens, b.tokens, "request {}", a.id);
+        for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+            assert!((x - y).abs() < 1e-3, "request {}: {x} vs {y}", a.id);
+        }
+    }
+    // 12 requests, 4 distinct prompts: the repeats are not prefilled (the plain prompt
+    // shares only BOS with the chat prompts, so no common prefix is split off here).
+    assert!(
+        s1.prefill_positions * 3 <= s2.prefill_positions * 2,
+        "{s1:?} vs {s2:?}"
+    );
+}
+
 #[test]
 fn stop_strings_tokens_and_errors() {
     let (model, tok) = setup();

@@ -12,19 +12,15 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
-use yatt_engine::fixtures::tiny_config;
-use yatt_engine::tch::{self, Device, Kind};
-use yatt_engine::{Generator, GeneratorConfig, Llama, SamplingParams, Tokenizer};
+use yatt_engine::tch::{Device, Kind};
+use yatt_engine::{Llama, SamplingParams};
 
-use crate::builtin::{
-    GenerateRequest, RolloutRequest, RolloutResponse, RolloutRole, TextCodec, TokenizerCodec,
-};
+use crate::builtin::{GenerateRequest, RolloutRequest, RolloutResponse, RolloutRole};
 use crate::data::Prompt;
-use crate::job::{self, JobConfig, JobError, TINY_CODEC};
+use crate::job::{self, JobConfig, JobError};
 use crate::role::{DeviceGroup, Role, RoleError};
 
 /// Mixed into the job seed to draw held-out prompts (any constant ≠ 0 would do; it is
@@ -182,42 +178,21 @@ pub fn eval_prompts(job: &JobConfig, options: &EvalOptions) -> Result<Vec<Prompt
     Ok(out)
 }
 
-/// The model to evaluate and the codec of its prompts: the checkpoint's weights when
-/// given (its tokenizer files if it has them, else the base model's), else the job's
-/// base model exactly as training builds it.
-fn load_model(
-    job: &JobConfig,
-    checkpoint: Option<&Path>,
-) -> Result<(Llama, Arc<dyn TextCodec>), EvalError> {
-    let source = &job.model.source;
-    let model_err = |what: &Path, e: yatt_engine::EngineError| JobError::Model {
-        source_desc: what.display().to_string(),
-        reason: e.to_string(),
-    };
+/// The rollout role that answers: the job's base model exactly as training builds it,
+/// or a checkpoint's weights (with the base model's prompt codec).
+fn answering_role(job: &JobConfig, checkpoint: Option<&Path>) -> Result<RolloutRole, EvalError> {
+    let (base, codec, _) = job::base_model(job)?;
     let model = match checkpoint {
-        Some(dir) => Llama::load(dir, Device::Cpu, Kind::Float).map_err(|e| model_err(dir, e))?,
-        None if source == "tiny" => {
-            Llama::random(tiny_config(), Device::Cpu, Kind::Float, job.job.seed as i64)
-                .map_err(|e| model_err(Path::new("tiny"), e))?
+        None => base,
+        Some(dir) => {
+            drop(base);
+            Llama::load(dir, Device::Cpu, Kind::Float).map_err(|e| JobError::Model {
+                source_desc: dir.display().to_string(),
+                reason: e.to_string(),
+            })?
         }
-        None => Llama::load(source, Device::Cpu, Kind::Float)
-            .map_err(|e| model_err(Path::new(source), e))?,
     };
-    if source == "tiny" {
-        return Ok((model, Arc::new(TINY_CODEC)));
-    }
-    let tok_dir = match checkpoint {
-        Some(dir) if dir.join("tokenizer.json").exists() => dir,
-        _ => Path::new(source),
-    };
-    let tok = Tokenizer::from_dir(tok_dir).map_err(|e| model_err(tok_dir, e))?;
-    Ok((
-        model,
-        Arc::new(TokenizerCodec {
-            tokenizer: Arc::new(tok),
-            chat: job.model.chat,
-        }),
-    ))
+    Ok(job::rollout_role(job, model, codec))
 }
 
 /// Evaluates `job`'s model (or `options.checkpoint`): one greedy answer per prompt,
@@ -226,22 +201,11 @@ fn load_model(
 pub fn evaluate(job: &JobConfig, options: &EvalOptions) -> Result<EvalReport, EvalError> {
     job.validate()?;
     let prompts = eval_prompts(job, options)?;
-    tch::set_num_threads(job.model.threads as i32);
-    let (model, codec) = load_model(job, options.checkpoint.as_deref())?;
-    // Batch like training does: the step's sample count, so the same kernels run.
-    let batch = job.data.prompts_per_step * job.data.samples_per_prompt as usize;
-    let generator = Generator::new(
-        model,
-        GeneratorConfig {
-            max_batch: batch.clamp(1, prompts.len()),
-            max_seq_len: job.model.max_seq_len,
-            ..Default::default()
-        },
-    );
-    let group = DeviceGroup::cpu("eval");
     let role = |stage: &'static str| move |source| EvalError::Role { stage, source };
-    let mut rollout = RolloutRole::new(generator, codec);
-    rollout.start(&group).map_err(role("generation"))?;
+    let mut rollout = answering_role(job, options.checkpoint.as_deref())?;
+    rollout
+        .start(&DeviceGroup::cpu("eval"))
+        .map_err(role("generation"))?;
     let mut reward = job::reward_role(job)?;
     let r = &job.rollout;
     let t0 = Instant::now();

@@ -144,18 +144,30 @@ pub(crate) fn check_device(
     Ok(())
 }
 
-/// Copies the weights of `update` into `model` in place (weight sync).
+/// Copies the weights of `update` into `model` in place (weight sync), in one
+/// `copy_weights_from`: each call repacks every inference matrix of a packed model.
 pub(crate) fn load_buckets(model: &mut Llama, update: &WeightsUpdate) -> Result<(), RoleError> {
-    let bad = |e: yatt_engine::EngineError| {
-        RoleError::BadRequest(format!("weights v{}: {e}", update.version))
-    };
-    for b in &update.buckets {
-        let named = b.tensors(model.device()).map_err(bad)?;
-        model
-            .copy_weights_from(named.iter().map(|(n, t)| (n.as_str(), t)))
-            .map_err(bad)?;
-    }
+    let named = bucket_tensors(update, model.device())?;
+    model
+        .copy_weights_from(named.iter().map(|(n, t)| (n.as_str(), t)))
+        .map_err(|e| weights_error(update, e))?;
     Ok(())
+}
+
+/// Every tensor of `update`'s buckets, on `device`.
+pub(crate) fn bucket_tensors(
+    update: &WeightsUpdate,
+    device: Device,
+) -> Result<Vec<(String, Tensor)>, RoleError> {
+    let mut named = Vec::new();
+    for b in &update.buckets {
+        named.extend(b.tensors(device).map_err(|e| weights_error(update, e))?);
+    }
+    Ok(named)
+}
+
+pub(crate) fn weights_error(update: &WeightsUpdate, e: yatt_engine::EngineError) -> RoleError {
+    RoleError::BadRequest(format!("weights v{}: {e}", update.version))
 }
 
 /// Bytes held by a model's weights.

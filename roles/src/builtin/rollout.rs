@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use tch::Kind;
 use yatt_engine::{Generator, Request, SamplingParams, Tokenizer};
 
-use super::{check_device, load_buckets, model_bytes};
+use super::{bucket_tensors, check_device, model_bytes, weights_error};
 use crate::data::Prompt;
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::{Finish, Sample, SampleId};
@@ -349,7 +349,12 @@ impl Role for RolloutRole {
     }
 
     fn load_weights(&mut self, update: WeightsUpdate) -> Result<(), RoleError> {
-        load_buckets(self.generator.model_mut(), &update)?;
+        // Through the generator, not `model_mut`: that would pack the weights a second
+        // time before the next generation (`copy_weights_from` already repacks them).
+        let named = bucket_tensors(&update, self.generator.model().device())?;
+        self.generator
+            .update_weights(named.iter().map(|(n, t)| (n.as_str(), t)))
+            .map_err(|e| weights_error(&update, e))?;
         self.version = update.version;
         Ok(())
     }

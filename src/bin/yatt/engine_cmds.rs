@@ -48,6 +48,9 @@ pub struct BenchEngineArgs {
     /// Rounds of the generation comparison (alternating yatt / reference; best of each).
     #[arg(long, default_value_t = 2)]
     pub rounds: usize,
+    /// Prefill every prompt in full in yatt (no prefix sharing), for an ablation.
+    #[arg(long)]
+    pub no_prefix_sharing: bool,
     /// Replace the `## Engine` section of this markdown file with the results.
     #[arg(long)]
     pub write_docs: Option<std::path::PathBuf>,
@@ -95,6 +98,7 @@ pub fn bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
         train_batch: args.train_batch,
         train_seq: args.train_seq,
         rounds: args.rounds,
+        prefix_sharing: !args.no_prefix_sharing,
     };
     let rows = yatt_engine::bench::run(&opts)?;
     let table = yatt_engine::bench::markdown_table(&rows);
