@@ -51,6 +51,7 @@ fn main() {
                 Attn::Decode {
                     cache: &mut cache,
                     span,
+                    shared: None,
                 },
             );
             let _ = model.logits(&h.squeeze_dim(1));
@@ -64,6 +65,7 @@ fn main() {
                     Attn::Decode {
                         cache: &mut cache,
                         span,
+                        shared: None,
                     },
                 );
                 let _ = model.logits(&h.squeeze_dim(1));

@@ -29,6 +29,8 @@ mod ffi {
         pub fn yatt_decode_layers(
             x: *mut C_tensor,
             pos: *mut C_tensor,
+            src: *mut C_tensor,
+            src_len: *mut C_tensor,
             cos: *mut C_tensor,
             sin: *mut C_tensor,
             n_layers: i64,
@@ -167,13 +169,16 @@ pub struct DecodeLayer<'a> {
 
 /// The decoder stack for one new token in each of the cache slots `0..B`: `x` `[B,
 /// hidden]` are the embeddings, `pos` `[B]` (int64) the positions the tokens take (their
-/// k/v are written there; attention covers `0..=pos`), `cos`/`sin` `[max_pos, hd/2]` the
-/// RoPE tables. Returns the residual stream after the last layer (before the final
-/// norm). f32 on CPU only.
+/// k/v are written there; attention covers `0..=pos`), `shared` optional `(slots, lens)`
+/// `[B]` (int64): row i's positions below `lens[i]` are read from slot `slots[i]`, which
+/// holds the same keys and values there; `cos`/`sin` `[max_pos, hd/2]` the RoPE tables.
+/// Returns the residual stream after the last layer (before the final norm). f32 on CPU
+/// only.
 #[allow(clippy::too_many_arguments)]
 pub fn decode_layers(
     x: &Tensor,
     pos: &Tensor,
+    shared: Option<(&Tensor, &Tensor)>,
     cos: &Tensor,
     sin: &Tensor,
     layers: &[DecodeLayer<'_>],
@@ -204,6 +209,8 @@ pub fn decode_layers(
             ffi::yatt_decode_layers(
                 ptr(x),
                 ptr(pos),
+                shared.map(|(s, _)| ptr(s)).unwrap_or(std::ptr::null_mut()),
+                shared.map(|(_, l)| ptr(l)).unwrap_or(std::ptr::null_mut()),
                 ptr(cos),
                 ptr(sin),
                 layers.len() as i64,
@@ -232,7 +239,7 @@ pub fn decode_layers(
     }
     #[cfg(not(yatt_onednn))]
     {
-        let _ = (x, pos, cos, sin, layers, heads, eps);
+        let _ = (x, pos, shared, cos, sin, layers, heads, eps);
         Err("built without the oneDNN shim".into())
     }
 }
