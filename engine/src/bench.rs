@@ -220,7 +220,12 @@ fn gen_throughput(
     let (outs, st) = g.generate(&reqs)?;
     let n: usize = outs.iter().map(|c| c.tokens.len()).sum();
     let prompt_tokens = reqs.iter().map(|r| r.prompt.len()).sum();
-    Ok((n as f64 / st.seconds, n, st.prefill_positions, prompt_tokens))
+    Ok((
+        n as f64 / st.seconds,
+        n,
+        st.prefill_positions,
+        prompt_tokens,
+    ))
 }
 
 /// Runs the benchmark, printing progress to stderr.

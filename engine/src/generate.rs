@@ -210,7 +210,10 @@ impl Scheduler {
         let mut b = order.to_vec();
         a.sort_unstable();
         b.sort_unstable();
-        assert_eq!(a, b, "reorder_slots needs a permutation of the slots' requests");
+        assert_eq!(
+            a, b,
+            "reorder_slots needs a permutation of the slots' requests"
+        );
         self.active[range].copy_from_slice(order);
     }
     /// Finishes the sequence in `slot`. If another sequence was moved into that slot to
@@ -286,8 +289,7 @@ pub fn sample(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
     let fast = crate::onednn::available()
         && logits.device() == Device::Cpu
         && logits.kind() == Kind::Float
-        && p
-            .temperature
+        && p.temperature
             .iter()
             .zip(&p.top_k)
             .all(|(&t, &k)| t <= 0.0 || (1..=FAST_TOP_K).contains(&k));
@@ -479,10 +481,12 @@ fn shared_prefixes(slots: &[SlotState]) -> Option<Vec<(i64, i64)>> {
         slots
             .iter()
             .enumerate()
-            .map(|(i, s)| match s.shares.and_then(|(u, l)| Some((*at.get(&u)?, l))) {
-                Some((j, l)) => (j as i64, l),
-                None => (i as i64, 0),
-            })
+            .map(
+                |(i, s)| match s.shares.and_then(|(u, l)| Some((*at.get(&u)?, l))) {
+                    Some((j, l)) => (j as i64, l),
+                    None => (i as i64, 0),
+                },
+            )
             .collect(),
     )
 }
@@ -986,7 +990,11 @@ mod tests {
         let reqs = vec![req(0, &sys), req(1, &a)];
         assert_eq!(plan_prefill(&[0, 1], &reqs, true).shared, 5);
         // Short common prefixes and a single distinct prompt are not split off.
-        let reqs = vec![req(0, &[1, 2, 3, 9]), req(1, &[1, 2, 3, 8]), req(2, &[1, 2, 3, 8])];
+        let reqs = vec![
+            req(0, &[1, 2, 3, 9]),
+            req(1, &[1, 2, 3, 8]),
+            req(2, &[1, 2, 3, 8]),
+        ];
         assert_eq!(plan_prefill(&[0, 1], &reqs, true).shared, 0);
         let plan = plan_prefill(&[1, 2], &reqs, true);
         assert_eq!((plan.leaders, plan.shared), (1, 0));
@@ -1072,9 +1080,15 @@ mod tests {
         let logits = Tensor::randn([n, 3000], (Kind::Float, Device::Cpu)) * 3.0;
         let mut rng = RequestRng::new(3);
         let rp = RowParams {
-            temperature: (0..n).map(|i| [0.0, 0.7, 1.0, 1.3][i as usize % 4]).collect(),
-            top_k: (0..n).map(|i| [1, 5, 50, 1000][i as usize / 4 % 4]).collect(),
-            top_p: (0..n).map(|i| [1.0, 0.9, 0.5][i as usize / 16 % 3]).collect(),
+            temperature: (0..n)
+                .map(|i| [0.0, 0.7, 1.0, 1.3][i as usize % 4])
+                .collect(),
+            top_k: (0..n)
+                .map(|i| [1, 5, 50, 1000][i as usize / 4 % 4])
+                .collect(),
+            top_p: (0..n)
+                .map(|i| [1.0, 0.9, 0.5][i as usize / 16 % 3])
+                .collect(),
             uniform: (0..n).map(|_| rng.uniform()).collect(),
         };
         let (fast_t, fast_lp) = sample(&logits, &rp);

@@ -128,7 +128,10 @@ impl KvCache {
         let slot_rows = slots.reshape([n, 1, 1]) * nkv + heads; // [n, kv, 1]
         let pos = positions.reshape([n, 1, t]);
         let row = (slot_rows * blocks + pos.floor_divide_scalar(KV_BLOCK)).reshape([-1]);
-        let lane = pos.remainder(KV_BLOCK).expand([n, nkv, t], false).reshape([-1]);
+        let lane = pos
+            .remainder(KV_BLOCK)
+            .expand([n, nkv, t], false)
+            .reshape([-1]);
         (row, lane)
     }
 
@@ -180,7 +183,11 @@ impl KvCache {
     /// `i` (prefix sharing: prompts prefilled once are copied into the other slots). No
     /// slot may be both a source and a destination.
     pub fn copy_slots(&mut self, src: &[i64], dst: &[i64], len: i64) {
-        assert_eq!(src.len(), dst.len(), "copy_slots: one source per destination");
+        assert_eq!(
+            src.len(),
+            dst.len(),
+            "copy_slots: one source per destination"
+        );
         if src.is_empty() || len == 0 {
             return;
         }
@@ -802,7 +809,10 @@ impl Llama {
         cache: &KvCache,
         shared: Option<&[(i64, i64)]>,
     ) -> Option<Tensor> {
-        let packed = self.packed.as_ref().filter(|_| !self.embed.requires_grad())?;
+        let packed = self
+            .packed
+            .as_ref()
+            .filter(|_| !self.embed.requires_grad())?;
         let (b, t) = ids.size2().ok()?;
         if t != 1 || b > cache.slots {
             return None;
@@ -922,7 +932,11 @@ impl Llama {
             Attn::Prefill { offset, .. } if *offset > 0 => {
                 let keys = Tensor::arange(offset + t, (Kind::Int64, self.device));
                 let rows = Tensor::arange(t, (Kind::Int64, self.device)).unsqueeze(1) + *offset;
-                Some(keys.unsqueeze(0).le_tensor(&rows).reshape([1, 1, t, offset + t]))
+                Some(
+                    keys.unsqueeze(0)
+                        .le_tensor(&rows)
+                        .reshape([1, 1, t, offset + t]),
+                )
             }
             Attn::Decode { span, .. } => {
                 let ar =
@@ -981,7 +995,8 @@ impl Llama {
                     ..
                 } => {
                     let index = key_index.get_or_insert_with(|| {
-                        let slots = Tensor::arange_start(*start, *start + b, (Kind::Int64, self.device));
+                        let slots =
+                            Tensor::arange_start(*start, *start + b, (Kind::Int64, self.device));
                         cache.key_index(&slots, positions)
                     });
                     let at = ValueSlots::Range {
@@ -1189,7 +1204,10 @@ mod tests {
                     );
                     assert_eq!(ha.size(), vec![4, 1, hidden]);
                     let d = max_diff(&ha, &hb);
-                    assert!(d < 1e-4, "{bias} {wide}, step {step}: hidden differs by {d}");
+                    assert!(
+                        d < 1e-4,
+                        "{bias} {wide}, step {step}: hidden differs by {d}"
+                    );
                     p.iter_mut().for_each(|x| *x += 1);
                 }
                 for (i, &l) in p.iter().enumerate() {

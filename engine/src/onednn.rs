@@ -256,7 +256,9 @@ pub fn sample_topk(
 ) -> Result<(Vec<i64>, Vec<f32>), String> {
     let n = logits.size().first().copied().unwrap_or(0) as usize;
     if [temperature.len(), top_k.len(), top_p.len(), uniform.len()] != [n; 4] {
-        return Err(format!("sample_topk: {n} rows but parameter lists of other lengths"));
+        return Err(format!(
+            "sample_topk: {n} rows but parameter lists of other lengths"
+        ));
     }
     #[cfg(yatt_onednn)]
     {
