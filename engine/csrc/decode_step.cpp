@@ -19,6 +19,8 @@
 #include <utility>
 #include <vector>
 
+#include "shim.h"
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define YATT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
@@ -27,12 +29,7 @@
 
 namespace {
 
-void set_err(char* err, size_t len, const char* msg) {
-  if (err && len > 0) {
-    std::strncpy(err, msg, len - 1);
-    err[len - 1] = 0;
-  }
-}
+using yatt::set_err;
 
 // exp for the softmax and SiLU, in a form compilers vectorize (Cephes' expf: Cody-Waite
 // reduction and a degree-5 polynomial; relative error < 2e-7 on [-87, 88]). Rounding to
@@ -341,25 +338,6 @@ YATT_CLONES void sample_row(const float* logits, int64_t V, float temp, int64_t 
   *lp_out = heap[choice].first - lse;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor* b) {
-  static const c10::OperatorHandle h =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack s;
-  s.reserve(6);
-  s.emplace_back(x);
-  s.emplace_back(w);
-  if (b) {
-    s.emplace_back(*b);
-  } else {
-    s.emplace_back(c10::IValue());
-  }
-  s.emplace_back(std::string("none"));
-  s.emplace_back(c10::List<std::optional<at::Scalar>>());
-  s.emplace_back(c10::IValue());
-  h.callBoxed(&s);
-  return s.back().toTensor();
-}
-
 const at::Tensor& T(void* p) { return *static_cast<at::Tensor*>(p); }
 
 // Up to this many rows, the norms and RoPE run on one thread: they take a few
@@ -455,7 +433,7 @@ void* yatt_decode_layers(void* x_in, void* pos_in, void* src_in, void* src_len_i
                     "shared-prefix source of row ", r, " is outside the cache");
       }
       norm(T(ln1[li]), pending ? last.data_ptr<float>() : nullptr);
-      at::Tensor qkv = linear(hn, T(wqkv[li]), bqkv[li] ? &T(bqkv[li]) : nullptr);
+      at::Tensor qkv = yatt::packed_linear(hn, T(wqkv[li]), bqkv[li] ? &T(bqkv[li]) : nullptr);
       TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == qkv_w, "qkv projection shape");
       float* qp = qkv.data_ptr<float>();
       float* kbp = kbi.data_ptr<float>();
@@ -471,15 +449,15 @@ void* yatt_decode_layers(void* x_in, void* pos_in, void* src_in, void* src_len_i
         attend_tasks(qp, qkv_w, p, src, src_len, kbp, vcp, ap, a, b, nh, nkv, hd, blocks, cap,
                      sc.data());
       });
-      at::Tensor o = linear(att, T(wo[li]), nullptr);
+      at::Tensor o = yatt::packed_linear(att, T(wo[li]), nullptr);
       norm(T(ln2[li]), o.data_ptr<float>());
-      at::Tensor gu = linear(hn, T(wgu[li]), nullptr);
+      at::Tensor gu = yatt::packed_linear(hn, T(wgu[li]), nullptr);
       const int64_t f = gu.size(1) / 2;
       at::Tensor act = at::empty({B, f}, x0.options());
       const float* gp = gu.data_ptr<float>();
       float* actp = act.data_ptr<float>();
       at::parallel_for(0, B, 32, [&](int64_t a, int64_t b) { swiglu_rows(gp, actp, a, b, f); });
-      last = linear(act, T(wdown[li]), nullptr);
+      last = yatt::packed_linear(act, T(wdown[li]), nullptr);
       pending = &last;
     }
     if (pending) x.add_(last);

@@ -75,6 +75,17 @@ fn err_string(buf: &[u8]) -> String {
     String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
+/// Takes ownership of a tensor the shim returned, or its error message when it is null.
+#[cfg(yatt_onednn)]
+fn owned(p: *mut torch_sys::C_tensor, err: &[u8]) -> Result<Tensor, String> {
+    if p.is_null() {
+        return Err(err_string(err));
+    }
+    // SAFETY: non-null pointers from the shim are fresh heap-allocated `at::Tensor*`s,
+    // owned by nobody else.
+    Ok(unsafe { Tensor::from_ptr(p) })
+}
+
 /// Packs an `[out, in]` (HF-layout) f32 CPU weight for batches of about `batch` rows.
 pub fn pack(weight_out_in: &Tensor, batch: i64) -> Result<Tensor, String> {
     #[cfg(yatt_onednn)]
@@ -91,11 +102,7 @@ pub fn pack(weight_out_in: &Tensor, batch: i64) -> Result<Tensor, String> {
                 err.len(),
             )
         };
-        if p.is_null() {
-            return Err(err_string(&err));
-        }
-        // SAFETY: non-null pointers from the shim are fresh `at::Tensor*`.
-        Ok(unsafe { Tensor::from_ptr(p) })
+        owned(p, &err)
     }
     #[cfg(not(yatt_onednn))]
     {
@@ -130,11 +137,7 @@ pub fn linear(
                 err.len(),
             )
         };
-        if p.is_null() {
-            return Err(err_string(&err));
-        }
-        // SAFETY: as above.
-        let y = unsafe { Tensor::from_ptr(p) };
+        let y = owned(p, &err)?;
         *shape.last_mut().expect("non-empty") = out;
         Ok(y.reshape(shape))
     }
@@ -231,11 +234,7 @@ pub fn decode_layers(
                 err.len(),
             )
         };
-        if p.is_null() {
-            return Err(err_string(&err));
-        }
-        // SAFETY: as above.
-        Ok(unsafe { Tensor::from_ptr(p) })
+        owned(p, &err)
     }
     #[cfg(not(yatt_onednn))]
     {
