@@ -10,6 +10,7 @@ include!("../scripts/rpath.rs");
 fn onednn_shim() {
     println!("cargo:rerun-if-changed=csrc/onednn_linear.cpp");
     println!("cargo:rerun-if-changed=csrc/decode_step.cpp");
+    println!("cargo:rerun-if-changed=csrc/shim.h");
     let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         println!(
             "cargo:warning=DEP_TCH_LIBTORCH_LIB unset: building without the oneDNN linear shim"

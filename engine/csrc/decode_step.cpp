@@ -19,6 +19,8 @@
 #include <utility>
 #include <vector>
 
+#include "shim.h"
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define YATT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
@@ -27,12 +29,7 @@
 
 namespace {
 
-void set_err(char* err, size_t len, const char* msg) {
-  if (err && len > 0) {
-    std::strncpy(err, msg, len - 1);
-    err[len - 1] = 0;
-  }
-}
+using yatt::set_err;
 
 // exp for the softmax and SiLU, in a form compilers vectorize (Cephes' expf: Cody-Waite
 // reduction and a degree-5 polynomial; relative error < 2e-7 on [-87, 88]). Rounding to
@@ -132,17 +129,20 @@ inline __attribute__((always_inline)) float softmax_unnormalized(float* s, int64
 }
 
 // Attention of the `REP` query heads q [REP, HD] sharing one kv head over positions
-// 0..n: keys K (blocked, see KB), values V [n, HD]. With the sizes known at compile time
-// the accumulators stay in registers and each key block and value row is read once for
-// all REP heads. `sc` holds REP × span floats.
+// 0..n: keys K (blocked, see KB), values V [n, HD]. Positions below `nsh` (a multiple of
+// KB) are read from Ks/Vs instead: another slot holding the same prefix, so that rows
+// sharing a prompt read one copy of it (it stays in cache between them). With the sizes
+// known at compile time the accumulators stay in registers and each key block and value
+// row is read once for all REP heads. `sc` holds REP × span floats.
 template <int REP, int HD>
 inline __attribute__((always_inline)) void attend_group(const float* q, const float* K,
-                                                         const float* V, int64_t n,
-                                                         float scale, float* sc,
+                                                         const float* V, const float* Ks,
+                                                         const float* Vs, int64_t n,
+                                                         int64_t nsh, float scale, float* sc,
                                                          int64_t span, float* out) {
   const int64_t nb = (n + KB - 1) / KB;
   for (int64_t b = 0; b < nb; ++b) {
-    const float* Kb = K + b * HD * KB;
+    const float* Kb = (b * KB < nsh ? Ks : K) + b * HD * KB;
     float acc[REP][KB] = {};
     for (int d = 0; d < HD; ++d) {
       for (int h = 0; h < REP; ++h) {
@@ -160,7 +160,7 @@ inline __attribute__((always_inline)) void attend_group(const float* q, const fl
   for (int h = 0; h < REP; ++h) inv[h] = softmax_unnormalized(sc + h * span, n);
   float o[REP][HD] = {};
   for (int64_t j = 0; j < n; ++j) {
-    const float* vj = V + j * HD;
+    const float* vj = (j < nsh ? Vs : V) + j * HD;
     for (int h = 0; h < REP; ++h) {
       const float pj = sc[h * span + j];
 #pragma omp simd
@@ -174,15 +174,15 @@ inline __attribute__((always_inline)) void attend_group(const float* q, const fl
 }
 
 // The same for any head layout, accumulating in memory.
-inline void attend_group_any(const float* q, const float* K, const float* V, int64_t n,
-                             int64_t rep, int64_t hd, float scale, float* sc, int64_t span,
-                             float* out) {
+inline void attend_group_any(const float* q, const float* K, const float* V, const float* Ks,
+                             const float* Vs, int64_t n, int64_t nsh, int64_t rep, int64_t hd,
+                             float scale, float* sc, int64_t span, float* out) {
   const int64_t nb = (n + KB - 1) / KB;
   for (int64_t h = 0; h < rep; ++h) {
     const float* qv = q + h * hd;
     float* s = sc + h * span;
     for (int64_t b = 0; b < nb; ++b) {
-      const float* Kb = K + b * hd * KB;
+      const float* Kb = (b * KB < nsh ? Ks : K) + b * hd * KB;
       float acc[KB] = {};
       for (int64_t d = 0; d < hd; ++d) {
         const float qd = qv[d];
@@ -198,7 +198,7 @@ inline void attend_group_any(const float* q, const float* K, const float* V, int
     for (int64_t d = 0; d < hd; ++d) o[d] = 0.f;
     for (int64_t j = 0; j < n; ++j) {
       const float pj = s[j] * inv;
-      const float* vj = V + j * hd;
+      const float* vj = (j < nsh ? Vs : V) + j * hd;
 #pragma omp simd
       for (int64_t d = 0; d < hd; ++d) o[d] += pj * vj[d];
     }
@@ -206,34 +206,40 @@ inline void attend_group_any(const float* q, const float* K, const float* V, int
 }
 
 // Attention of one new token per row over cache positions 0..=pos[row]. Task t is
-// (row t / nkv, kv head t % nkv) with its `rep` query heads. Scores come 16 at a time
-// from one key block (a vector per head dimension, no horizontal sums); the weighted sum
-// reads the values row by row. `sc` holds rep × (blocks·KB) floats.
+// (row t / nkv, kv head t % nkv) with its `rep` query heads. Row r reads its first
+// src_len[r] positions (rounded down to whole key blocks) from slot src[r] when given.
+// `sc` holds rep × (blocks·KB) floats.
 YATT_CLONES void attend_tasks(const float* qkv, int64_t stride, const int64_t* pos,
-                              const float* kb, const float* vc, float* out, int64_t t0,
-                              int64_t t1, int64_t nh, int64_t nkv, int64_t hd, int64_t blocks,
-                              int64_t cap, float* sc) {
+                              const int64_t* src, const int64_t* src_len, const float* kb,
+                              const float* vc, float* out, int64_t t0, int64_t t1, int64_t nh,
+                              int64_t nkv, int64_t hd, int64_t blocks, int64_t cap,
+                              float* sc) {
   const int64_t rep = nh / nkv;
   const int64_t span = blocks * KB;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t r = t / nkv, g = t % nkv;
     const int64_t n = pos[r] + 1;
+    const int64_t sr = src ? src[r] : r;
+    int64_t nsh = src ? (src_len[r] / KB) * KB : 0;
+    nsh = nsh < n ? nsh : 0;
     const float* K = kb + ((r * nkv + g) * blocks) * hd * KB;
     const float* V = vc + ((r * nkv + g) * cap) * hd;
+    const float* Ks = kb + ((sr * nkv + g) * blocks) * hd * KB;
+    const float* Vs = vc + ((sr * nkv + g) * cap) * hd;
     const float* q = qkv + r * stride + g * rep * hd;
     float* o = out + r * nh * hd + g * rep * hd;
-#define YATT_GROUP(R, H)                                   \
-  if (rep == R && hd == H) {                               \
-    attend_group<R, H>(q, K, V, n, scale, sc, span, o);    \
-    continue;                                              \
+#define YATT_GROUP(R, H)                                                \
+  if (rep == R && hd == H) {                                            \
+    attend_group<R, H>(q, K, V, Ks, Vs, n, nsh, scale, sc, span, o);    \
+    continue;                                                           \
   }
     YATT_GROUP(1, 64) YATT_GROUP(2, 64) YATT_GROUP(3, 64) YATT_GROUP(4, 64)
     YATT_GROUP(6, 64) YATT_GROUP(7, 64) YATT_GROUP(8, 64)
     YATT_GROUP(1, 128) YATT_GROUP(2, 128) YATT_GROUP(3, 128) YATT_GROUP(4, 128)
     YATT_GROUP(6, 128) YATT_GROUP(7, 128) YATT_GROUP(8, 128)
 #undef YATT_GROUP
-    attend_group_any(q, K, V, n, rep, hd, scale, sc, span, o);
+    attend_group_any(q, K, V, Ks, Vs, n, nsh, rep, hd, scale, sc, span, o);
   }
 }
 
@@ -332,25 +338,6 @@ YATT_CLONES void sample_row(const float* logits, int64_t V, float temp, int64_t 
   *lp_out = heap[choice].first - lse;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor* b) {
-  static const c10::OperatorHandle h =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack s;
-  s.reserve(6);
-  s.emplace_back(x);
-  s.emplace_back(w);
-  if (b) {
-    s.emplace_back(*b);
-  } else {
-    s.emplace_back(c10::IValue());
-  }
-  s.emplace_back(std::string("none"));
-  s.emplace_back(c10::List<std::optional<at::Scalar>>());
-  s.emplace_back(c10::IValue());
-  h.callBoxed(&s);
-  return s.back().toTensor();
-}
-
 const at::Tensor& T(void* p) { return *static_cast<at::Tensor*>(p); }
 
 // Up to this many rows, the norms and RoPE run on one thread: they take a few
@@ -369,12 +356,15 @@ extern "C" {
 // Runs the decoder layers for one new token per cache slot 0..B.
 //   x      [B, hidden] embeddings (read, not modified)
 //   pos    [B] int64 positions (the cache index the new token is written to)
+//   src, src_len  [B] int64 or null: row r's cache positions below src_len[r] hold the
+//     same keys and values as slot src[r]'s, and are read there (one shared copy)
 //   cos/sin [max_pos, hd/2] RoPE tables
 //   per layer i: ln1[i], wqkv[i] (packed), bqkv[i] (may be null), wo[i] (packed),
 //     ln2[i], wgu[i] (packed), wdown[i] (packed), kb[i] [slots, kv, blocks, hd, 16]
 //     (keys, blocked), vc[i] [slots, kv, cap, hd]
 // Returns the residual stream after the last layer, [B, hidden] (before the final norm).
-void* yatt_decode_layers(void* x_in, void* pos_in, void* cos_in, void* sin_in, int64_t n_layers,
+void* yatt_decode_layers(void* x_in, void* pos_in, void* src_in, void* src_len_in,
+                         void* cos_in, void* sin_in, int64_t n_layers,
                          void** ln1, void** wqkv, void** bqkv, void** wo, void** ln2,
                          void** wgu, void** wdown, void** kb, void** vc, int64_t nh,
                          int64_t nkv, int64_t hd, double eps, char* err, size_t errlen) {
@@ -394,6 +384,18 @@ void* yatt_decode_layers(void* x_in, void* pos_in, void* cos_in, void* sin_in, i
     const int64_t B = x0.size(0), H = x0.size(1);
     const int64_t qkv_w = (nh + 2 * nkv) * hd;
     const int64_t* p = pos.data_ptr<int64_t>();
+    const int64_t* src = nullptr;
+    const int64_t* src_len = nullptr;
+    if (src_in) {
+      const at::Tensor& st = T(src_in);
+      const at::Tensor& sl = T(src_len_in);
+      for (const at::Tensor* t : {&st, &sl}) {
+        TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == B,
+                    "src and src_len must be B contiguous int64");
+      }
+      src = st.data_ptr<int64_t>();
+      src_len = sl.data_ptr<int64_t>();
+    }
     const int64_t max_pos = cos_t.size(0);
     for (int64_t r = 0; r < B; ++r) {
       TORCH_CHECK(p[r] >= 0 && p[r] < max_pos, "position ", p[r], " outside the RoPE table");
@@ -427,9 +429,11 @@ void* yatt_decode_layers(void* x_in, void* pos_in, void* cos_in, void* sin_in, i
       const int64_t cap = vci.size(2);
       for (int64_t r = 0; r < B; ++r) {
         TORCH_CHECK(p[r] < cap, "position ", p[r], " beyond the cache (", cap, ")");
+        TORCH_CHECK(!src || (src[r] >= 0 && src[r] < kbi.size(0) && src_len[r] <= cap),
+                    "shared-prefix source of row ", r, " is outside the cache");
       }
       norm(T(ln1[li]), pending ? last.data_ptr<float>() : nullptr);
-      at::Tensor qkv = linear(hn, T(wqkv[li]), bqkv[li] ? &T(bqkv[li]) : nullptr);
+      at::Tensor qkv = yatt::packed_linear(hn, T(wqkv[li]), bqkv[li] ? &T(bqkv[li]) : nullptr);
       TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == qkv_w, "qkv projection shape");
       float* qp = qkv.data_ptr<float>();
       float* kbp = kbi.data_ptr<float>();
@@ -442,17 +446,18 @@ void* yatt_decode_layers(void* x_in, void* pos_in, void* cos_in, void* sin_in, i
       float* ap = att.data_ptr<float>();
       at::parallel_for(0, B * nkv, 1, [&](int64_t a, int64_t b) {
         std::vector<float> sc((nh / nkv) * blocks * KB);
-        attend_tasks(qp, qkv_w, p, kbp, vcp, ap, a, b, nh, nkv, hd, blocks, cap, sc.data());
+        attend_tasks(qp, qkv_w, p, src, src_len, kbp, vcp, ap, a, b, nh, nkv, hd, blocks, cap,
+                     sc.data());
       });
-      at::Tensor o = linear(att, T(wo[li]), nullptr);
+      at::Tensor o = yatt::packed_linear(att, T(wo[li]), nullptr);
       norm(T(ln2[li]), o.data_ptr<float>());
-      at::Tensor gu = linear(hn, T(wgu[li]), nullptr);
+      at::Tensor gu = yatt::packed_linear(hn, T(wgu[li]), nullptr);
       const int64_t f = gu.size(1) / 2;
       at::Tensor act = at::empty({B, f}, x0.options());
       const float* gp = gu.data_ptr<float>();
       float* actp = act.data_ptr<float>();
       at::parallel_for(0, B, 32, [&](int64_t a, int64_t b) { swiglu_rows(gp, actp, a, b, f); });
-      last = linear(act, T(wdown[li]), nullptr);
+      last = yatt::packed_linear(act, T(wdown[li]), nullptr);
       pending = &last;
     }
     if (pending) x.add_(last);

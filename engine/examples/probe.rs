@@ -44,32 +44,20 @@ fn main() {
     let ids = Tensor::randint(1000, [b, 1], (Kind::Int64, Device::Cpu));
     let pos = Tensor::full([b, 1], span - 1, (Kind::Int64, Device::Cpu));
     tch::no_grad(|| {
-        let step = best("decode step (hidden + logits)", reps, || {
-            let h = model.hidden(
-                &ids,
-                &pos,
-                Attn::Decode {
-                    cache: &mut cache,
-                    span,
-                },
-            );
-            let _ = model.logits(&h.squeeze_dim(1));
-        });
+        let mut decode = || {
+            let attn = Attn::Decode {
+                cache: &mut cache,
+                span,
+                shared: None,
+            };
+            let _ = model.logits(&model.hidden(&ids, &pos, attn).squeeze_dim(1));
+        };
         if std::env::var("PROBE_DECODE_ONLY").is_ok() {
             // For `perf record`: nothing but decode steps.
-            for _ in 0..reps {
-                let h = model.hidden(
-                    &ids,
-                    &pos,
-                    Attn::Decode {
-                        cache: &mut cache,
-                        span,
-                    },
-                );
-                let _ = model.logits(&h.squeeze_dim(1));
-            }
+            (0..reps).for_each(|_| decode());
             return;
         }
+        let step = best("decode step (hidden + logits)", reps, decode);
         let x = Tensor::randn([b, c.hidden_size], (Kind::Float, Device::Cpu));
         let xf = Tensor::randn([b, c.intermediate_size], (Kind::Float, Device::Cpu));
         let pk = |w: &Tensor| (onednn::pack(&w.tr(), b.max(512)).unwrap(), w.size()[1]);

@@ -456,12 +456,39 @@ pub fn plan_prefill(chunk: &[usize], requests: &[Request], share: bool) -> Prefi
 
 struct SlotState {
     req: usize,
+    /// Unique within one `generate` call (slots move; this does not).
+    uid: usize,
+    /// `(uid, len)`: another active sequence whose first `len` cache positions equal this
+    /// one's (a shared prompt or prefix); decode reads them there.
+    shares: Option<(usize, i64)>,
     tokens: Vec<i64>,
     logprobs: Vec<f32>,
     /// Positions written to the cache (prompt + tokens fed back so far).
     len: i64,
     rng: RequestRng,
     stops: Vec<i64>,
+}
+
+/// Per active slot, `(slot, len)` of the sequence it shares its first `len` positions
+/// with, if that one is still active (`None` when no slot shares anything).
+fn shared_prefixes(slots: &[SlotState]) -> Option<Vec<(i64, i64)>> {
+    if slots.iter().all(|s| s.shares.is_none()) {
+        return None;
+    }
+    let at: std::collections::HashMap<usize, usize> =
+        slots.iter().enumerate().map(|(i, s)| (s.uid, i)).collect();
+    Some(
+        slots
+            .iter()
+            .enumerate()
+            .map(
+                |(i, s)| match s.shares.and_then(|(u, l)| Some((*at.get(&u)?, l))) {
+                    Some((j, l)) => (j as i64, l),
+                    None => (i as i64, 0),
+                },
+            )
+            .collect(),
+    )
 }
 
 /// The generation engine: a model, its KV cache and the batching loop.
@@ -599,6 +626,7 @@ impl Generator {
         let mut stats = GenerateStats::default();
         let mut sched = Scheduler::new(requests.len(), self.config.max_batch, self.config.mode);
         let mut slots: Vec<SlotState> = Vec::new();
+        let mut next_uid = 0usize;
         let eos = self.model.config.eos_token_ids.clone();
         let device = self.model.device();
         tch::no_grad(|| -> Result<()> {
@@ -617,14 +645,30 @@ impl Generator {
                         if !rq.params.ignore_eos {
                             stops.extend(&eos);
                         }
+                        next_uid += 1;
                         slots.push(SlotState {
                             req: r,
+                            uid: next_uid,
+                            shares: None,
                             tokens: Vec::new(),
                             logprobs: Vec::new(),
                             len: rq.prompt.len() as i64,
                             rng: RequestRng::new(rq.params.seed),
                             stops,
                         });
+                    }
+                    // Who shares what with whom, for the decode steps (see SlotState).
+                    let first = slots.len() - plan.order.len();
+                    let uid0 = slots[first].uid;
+                    for (i, s) in slots[first..].iter_mut().enumerate() {
+                        let leader = plan.source[i];
+                        s.shares = if leader != i {
+                            Some((uid0 + leader, s.len))
+                        } else if i > 0 && plan.shared as i64 >= crate::model::KV_BLOCK {
+                            Some((uid0, plan.shared as i64))
+                        } else {
+                            None
+                        };
                     }
                     let range = start as usize..slots.len();
                     self.sample_into(&logits, requests, &mut slots, range, &mut stats);
@@ -651,8 +695,17 @@ impl Generator {
                 let span = pos.iter().copied().max().unwrap_or(0) + 1;
                 let ids = Tensor::from_slice(&last).view([n, 1]).to_device(device);
                 let post = Tensor::from_slice(&pos).view([n, 1]).to_device(device);
+                let shared = shared_prefixes(&slots);
                 let cache = self.cache.as_mut().expect("cache allocated");
-                let h = self.model.hidden(&ids, &post, Attn::Decode { cache, span });
+                let h = self.model.hidden(
+                    &ids,
+                    &post,
+                    Attn::Decode {
+                        cache,
+                        span,
+                        shared: shared.as_deref(),
+                    },
+                );
                 let logits = self.model.logits(&h.squeeze_dim(1));
                 for s in slots.iter_mut() {
                     s.len += 1;

@@ -264,6 +264,11 @@ pub enum Attn<'a> {
         cache: &'a mut KvCache,
         /// Number of cache positions to attend over (max position + 1).
         span: i64,
+        /// Per row, `(slot, len)`: its positions below `len` hold the same keys and
+        /// values as `slot`'s (len 0: none), e.g. samples of one prompt. A hint: the CPU
+        /// decode kernel then reads one copy for all rows sharing it (it stays in cache);
+        /// results are the same without it.
+        shared: Option<&'a [(i64, i64)]>,
     },
 }
 
@@ -797,7 +802,13 @@ impl Llama {
     /// stack instead of ~70 tch operations per layer. `None` when it does not apply
     /// (weights not packed, autograd on, more than one token per row) or fails, in which
     /// case the caller takes the tch path.
-    fn decode_fused(&self, ids: &Tensor, positions: &Tensor, cache: &KvCache) -> Option<Tensor> {
+    fn decode_fused(
+        &self,
+        ids: &Tensor,
+        positions: &Tensor,
+        cache: &KvCache,
+        shared: Option<&[(i64, i64)]>,
+    ) -> Option<Tensor> {
         let packed = self
             .packed
             .as_ref()
@@ -809,6 +820,14 @@ impl Llama {
         let c = &self.config;
         let x = Tensor::embedding(&self.embed.tr(), &ids.reshape([b]), -1, false, false);
         let pos = positions.reshape([b]).to_kind(Kind::Int64).contiguous();
+        let shared = match shared {
+            Some(sh) if sh.len() == b as usize && sh.iter().any(|&(_, l)| l > 0) => {
+                let slots: Vec<i64> = sh.iter().map(|&(s, _)| s).collect();
+                let lens: Vec<i64> = sh.iter().map(|&(_, l)| l).collect();
+                Some((Tensor::from_slice(&slots), Tensor::from_slice(&lens)))
+            }
+            _ => None,
+        };
         let layers: Vec<crate::onednn::DecodeLayer<'_>> = self
             .layers
             .iter()
@@ -829,6 +848,7 @@ impl Llama {
         match crate::onednn::decode_layers(
             &x,
             &pos,
+            shared.as_ref().map(|(s, l)| (s, l)),
             &self.cos,
             &self.sin,
             &layers,
@@ -853,8 +873,8 @@ impl Llama {
     /// Embeds tokens and runs the decoder stack; returns the final-normed hidden states
     /// `[B, T, hidden]`. `positions` `[B, T]` are the rotary positions.
     pub fn hidden(&self, ids: &Tensor, positions: &Tensor, mut attn: Attn<'_>) -> Tensor {
-        if let Attn::Decode { cache, .. } = &attn {
-            if let Some(h) = self.decode_fused(ids, positions, cache) {
+        if let Attn::Decode { cache, shared, .. } = &attn {
+            if let Some(h) = self.decode_fused(ids, positions, cache, *shared) {
                 return h;
             }
         }
@@ -1009,7 +1029,7 @@ impl Llama {
                         )
                     }
                 }
-                Attn::Decode { cache, span } => {
+                Attn::Decode { cache, span, .. } => {
                     let pos = pos_flat.as_ref().expect("decode positions");
                     let index = key_index.get_or_insert_with(|| cache.key_index(&rows, positions));
                     cache.write(li, index, &k, &v, ValueSlots::Rows { rows: &rows, pos });
@@ -1119,7 +1139,9 @@ mod tests {
     }
 
     /// The fused CPU decode step (packed weights) and the tch path agree on hidden states
-    /// and on what they write into the cache, with rows at different positions.
+    /// and on what they write into the cache, with rows at different positions. Row 3
+    /// repeats row 2's prompt and reads its first key block from row 2's slot: its own
+    /// copy is zeroed in the fused cache, so a wrong read would show.
     #[test]
     fn fused_decode_matches_tch_ops() {
         if !crate::onednn::available() {
@@ -1128,15 +1150,16 @@ mod tests {
         for (bias, wide) in [(false, false), (true, false), (false, true)] {
             let (mut fused, plain) = tiny(bias, wide);
             let hidden = fused.config.hidden_size;
-            assert!(fused.pack_for_inference(3));
+            assert!(fused.pack_for_inference(4));
             // Lengths around the 16-position key blocks; decoding crosses a boundary.
-            let prompts: Vec<Vec<i64>> = [14i64, 2, 17]
+            let mut prompts: Vec<Vec<i64>> = [14i64, 2, 17]
                 .iter()
                 .map(|&n| (0..n).map(|i| (i * 7 + n) % 90 + 2).collect())
                 .collect();
+            prompts.push(prompts[2].clone());
             let (ids, pos, lens) = prompt_batch(&prompts);
-            let mut ca = KvCache::new(&fused, 3, 40);
-            let mut cb = KvCache::new(&plain, 3, 40);
+            let mut ca = KvCache::new(&fused, 4, 40);
+            let mut cb = KvCache::new(&plain, 4, 40);
             tch::no_grad(|| {
                 for (m, c) in [(&fused, &mut ca), (&plain, &mut cb)] {
                     let _ = m.hidden(
@@ -1150,10 +1173,16 @@ mod tests {
                         },
                     );
                 }
+                for layer in 0..ca.kb.len() {
+                    let _ = ca.kb[layer].get(3).narrow(1, 0, 1).zero_();
+                    let _ = ca.v[layer].get(3).narrow(1, 0, KV_BLOCK).zero_();
+                }
+                let shared = [(0, 0), (1, 0), (2, 0), (2, 17)];
                 let mut p = lens.clone();
                 for step in 0..4 {
-                    let tok = Tensor::from_slice(&[20 + step, 30 + step, 40 + step]).view([3, 1]);
-                    let pt = Tensor::from_slice(&p).view([3, 1]);
+                    let tok = Tensor::from_slice(&[20 + step, 30 + step, 40 + step, 50 + step])
+                        .view([4, 1]);
+                    let pt = Tensor::from_slice(&p).view([4, 1]);
                     let span = p.iter().max().unwrap() + 1;
                     let ha = fused.hidden(
                         &tok,
@@ -1161,6 +1190,7 @@ mod tests {
                         Attn::Decode {
                             cache: &mut ca,
                             span,
+                            shared: Some(&shared),
                         },
                     );
                     let hb = plain.hidden(
@@ -1169,9 +1199,10 @@ mod tests {
                         Attn::Decode {
                             cache: &mut cb,
                             span,
+                            shared: None,
                         },
                     );
-                    assert_eq!(ha.size(), vec![3, 1, hidden]);
+                    assert_eq!(ha.size(), vec![4, 1, hidden]);
                     let d = max_diff(&ha, &hb);
                     assert!(
                         d < 1e-4,
@@ -1181,11 +1212,14 @@ mod tests {
                 }
                 for (i, &l) in p.iter().enumerate() {
                     let i = i as i64;
+                    // Row 3's zeroed copy of the first block is not compared.
+                    let from = if i == 3 { KV_BLOCK } else { 0 };
                     for layer in 0..2 {
                         let (ka, kb) = (ca.keys(layer, i, 1, l), cb.keys(layer, i, 1, l));
                         let (va, vb) = (ca.values(layer, i, 1, l), cb.values(layer, i, 1, l));
-                        assert!(max_diff(&ka, &kb) < 1e-5);
-                        assert!(max_diff(&va, &vb) < 1e-5);
+                        let n = l - from;
+                        assert!(max_diff(&ka.narrow(2, from, n), &kb.narrow(2, from, n)) < 1e-5);
+                        assert!(max_diff(&va.narrow(2, from, n), &vb.narrow(2, from, n)) < 1e-5);
                     }
                 }
             });

@@ -29,6 +29,8 @@ mod ffi {
         pub fn yatt_decode_layers(
             x: *mut C_tensor,
             pos: *mut C_tensor,
+            src: *mut C_tensor,
+            src_len: *mut C_tensor,
             cos: *mut C_tensor,
             sin: *mut C_tensor,
             n_layers: i64,
@@ -73,6 +75,17 @@ fn err_string(buf: &[u8]) -> String {
     String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
+/// Takes ownership of a tensor the shim returned, or its error message when it is null.
+#[cfg(yatt_onednn)]
+fn owned(p: *mut torch_sys::C_tensor, err: &[u8]) -> Result<Tensor, String> {
+    if p.is_null() {
+        return Err(err_string(err));
+    }
+    // SAFETY: non-null pointers from the shim are fresh heap-allocated `at::Tensor*`s,
+    // owned by nobody else.
+    Ok(unsafe { Tensor::from_ptr(p) })
+}
+
 /// Packs an `[out, in]` (HF-layout) f32 CPU weight for batches of about `batch` rows.
 pub fn pack(weight_out_in: &Tensor, batch: i64) -> Result<Tensor, String> {
     #[cfg(yatt_onednn)]
@@ -89,11 +102,7 @@ pub fn pack(weight_out_in: &Tensor, batch: i64) -> Result<Tensor, String> {
                 err.len(),
             )
         };
-        if p.is_null() {
-            return Err(err_string(&err));
-        }
-        // SAFETY: non-null pointers from the shim are fresh `at::Tensor*`.
-        Ok(unsafe { Tensor::from_ptr(p) })
+        owned(p, &err)
     }
     #[cfg(not(yatt_onednn))]
     {
@@ -128,11 +137,7 @@ pub fn linear(
                 err.len(),
             )
         };
-        if p.is_null() {
-            return Err(err_string(&err));
-        }
-        // SAFETY: as above.
-        let y = unsafe { Tensor::from_ptr(p) };
+        let y = owned(p, &err)?;
         *shape.last_mut().expect("non-empty") = out;
         Ok(y.reshape(shape))
     }
@@ -167,13 +172,16 @@ pub struct DecodeLayer<'a> {
 
 /// The decoder stack for one new token in each of the cache slots `0..B`: `x` `[B,
 /// hidden]` are the embeddings, `pos` `[B]` (int64) the positions the tokens take (their
-/// k/v are written there; attention covers `0..=pos`), `cos`/`sin` `[max_pos, hd/2]` the
-/// RoPE tables. Returns the residual stream after the last layer (before the final
-/// norm). f32 on CPU only.
+/// k/v are written there; attention covers `0..=pos`), `shared` optional `(slots, lens)`
+/// `[B]` (int64): row i's positions below `lens[i]` are read from slot `slots[i]`, which
+/// holds the same keys and values there; `cos`/`sin` `[max_pos, hd/2]` the RoPE tables.
+/// Returns the residual stream after the last layer (before the final norm). f32 on CPU
+/// only.
 #[allow(clippy::too_many_arguments)]
 pub fn decode_layers(
     x: &Tensor,
     pos: &Tensor,
+    shared: Option<(&Tensor, &Tensor)>,
     cos: &Tensor,
     sin: &Tensor,
     layers: &[DecodeLayer<'_>],
@@ -204,6 +212,8 @@ pub fn decode_layers(
             ffi::yatt_decode_layers(
                 ptr(x),
                 ptr(pos),
+                shared.map(|(s, _)| ptr(s)).unwrap_or(std::ptr::null_mut()),
+                shared.map(|(_, l)| ptr(l)).unwrap_or(std::ptr::null_mut()),
                 ptr(cos),
                 ptr(sin),
                 layers.len() as i64,
@@ -224,15 +234,11 @@ pub fn decode_layers(
                 err.len(),
             )
         };
-        if p.is_null() {
-            return Err(err_string(&err));
-        }
-        // SAFETY: as above.
-        Ok(unsafe { Tensor::from_ptr(p) })
+        owned(p, &err)
     }
     #[cfg(not(yatt_onednn))]
     {
-        let _ = (x, pos, cos, sin, layers, heads, eps);
+        let _ = (x, pos, shared, cos, sin, layers, heads, eps);
         Err("built without the oneDNN shim".into())
     }
 }
