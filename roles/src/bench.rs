@@ -129,6 +129,7 @@ impl Role for FakeRollout {
                     values: None,
                     advantages: None,
                     returns: None,
+                    step_rewards: None,
                 });
             }
         }

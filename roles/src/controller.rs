@@ -50,7 +50,7 @@ use crate::algo::{
 };
 use crate::builtin::{
     CriticReport, CriticRequest, CriticResponse, GenerateRequest, PolicyRequest, PolicyResponse,
-    RolloutRequest, RolloutResponse, TrainReport,
+    RolloutRequest, RolloutResponse, SampleSink, TrainReport,
 };
 use crate::data::{DataError, Dataloader, LoaderState};
 use crate::ledger::{LedgerError, LedgerReport, SampleLedger, Stage};
@@ -179,6 +179,9 @@ pub struct ControllerConfig {
     pub dynamic_sampling: Option<DynamicSamplingConfig>,
     /// DAPO overlong penalty (off when `None`).
     pub overlong: Option<OverlongConfig>,
+    /// Stream samples out of the rollouts as they finish and score their rewards
+    /// while generation goes on (in-process rollouts only: the stream is a channel).
+    pub stream: bool,
     /// Devices this controller's roles use (the divisor of `perf/throughput`).
     pub devices: usize,
     /// Deadlines.
@@ -197,6 +200,7 @@ impl Default for ControllerConfig {
             kl_metric: KlEstimator::K3,
             dynamic_sampling: None,
             overlong: None,
+            stream: false,
             devices: 1,
             timeouts: Timeouts::default(),
         }
@@ -340,6 +344,20 @@ pub struct ControllerState {
     pub weights_version: u64,
     /// The dataloader's position.
     pub loader: LoaderState,
+}
+
+/// What a streamed generation round produced.
+struct Streamed {
+    /// The rewarded samples, in `(prompt, k)` order.
+    samples: Vec<Sample>,
+    /// Generation counters.
+    stats: crate::builtin::RolloutStats,
+    /// Seconds until the last rollout finished.
+    gen_s: f64,
+    /// Seconds from then until the last reward came back (the part not overlapped).
+    reward_tail_s: f64,
+    /// Samples sent to the reward role before generation finished.
+    early: usize,
 }
 
 /// A step between its advantages and its update.
@@ -804,6 +822,7 @@ impl Controller {
         let (mut gen_s, mut reward_s) = (0.0, 0.0);
         let mut gen = crate::builtin::RolloutStats::default();
         let (mut groups_seen, mut groups_dropped, mut round) = (0usize, 0usize, 0usize);
+        let mut streamed_early = 0usize;
         let mut want = target;
         while round < rounds {
             round += 1;
@@ -825,33 +844,37 @@ impl Controller {
                 })
             });
             ledger.expect(ids).map_err(self.ledger_err())?;
-            let (samples, stats, secs) = self.generate(prompts, &cfg).await?;
-            gen_s += secs;
-            gen.response_tokens += stats.response_tokens;
-            gen.seconds += stats.seconds;
-            self.stage_done(&mut ledger, &samples, Stage::Generated)?;
-            if let Some(s) = samples
-                .iter()
-                .find(|s| s.weights_version != self.weights_version)
-            {
-                return Err(ControllerError::StaleWeights {
-                    step,
-                    id: s.id,
-                    got: s.weights_version,
-                    want: self.weights_version,
-                });
-            }
-            let t = Instant::now();
-            let mut samples = self
-                .serve(
-                    &self.roles.reward,
-                    samples,
-                    "reward",
-                    "reward",
-                    cfg.timeouts.score,
-                )
-                .await?;
-            reward_s += t.elapsed().as_secs_f64();
+            let mut samples = if cfg.stream {
+                let r = self.generate_streamed(prompts, &cfg, &mut ledger).await?;
+                gen_s += r.gen_s;
+                reward_s += r.reward_tail_s;
+                gen.response_tokens += r.stats.response_tokens;
+                gen.seconds += r.stats.seconds;
+                streamed_early += r.early;
+                ledger
+                    .verify_stage(Stage::Generated)
+                    .map_err(self.ledger_err())?;
+                r.samples
+            } else {
+                let (samples, stats, secs) = self.generate(prompts, &cfg).await?;
+                gen_s += secs;
+                gen.response_tokens += stats.response_tokens;
+                gen.seconds += stats.seconds;
+                self.stage_done(&mut ledger, &samples, Stage::Generated)?;
+                self.check_fresh(&samples)?;
+                let t = Instant::now();
+                let samples = self
+                    .serve(
+                        &self.roles.reward,
+                        samples,
+                        "reward",
+                        "reward",
+                        cfg.timeouts.score,
+                    )
+                    .await?;
+                reward_s += t.elapsed().as_secs_f64();
+                samples
+            };
             self.stage_done(&mut ledger, &samples, Stage::Rewarded)?;
             if let Some(o) = cfg.overlong {
                 self.apply_overlong(&mut samples, o)?;
@@ -911,6 +934,9 @@ impl Controller {
         }
         m.set("timing_s/gen", gen_s);
         m.set("timing_s/reward", reward_s);
+        if cfg.stream {
+            m.set("stream/rewarded_during_gen", streamed_early as f64);
+        }
         if cfg.dynamic_sampling.is_some() {
             m.set("dapo/gen_rounds", round as f64);
             m.set("dapo/groups_dropped", groups_dropped as f64);
@@ -1031,12 +1057,155 @@ impl Controller {
                     // Replicas run side by side: the round takes the slowest one's time.
                     stats.seconds = stats.seconds.max(st.seconds);
                 }
-                RolloutResponse::Logits(_) => {
-                    return Err(self.protocol("rollout", "Generate", "Logits".into()))
+                RolloutResponse::Logits(_) | RolloutResponse::Streamed { .. } => {
+                    return Err(self.protocol("rollout", "Generate", "not Generated".into()))
                 }
             }
         }
         Ok((samples, stats, t.elapsed().as_secs_f64()))
+    }
+
+    /// Fails with [`ControllerError::StaleWeights`] when a sample was generated with
+    /// weights other than the policy's latest.
+    fn check_fresh(&self, samples: &[Sample]) -> Result<(), ControllerError> {
+        match samples
+            .iter()
+            .find(|s| s.weights_version != self.weights_version)
+        {
+            Some(s) => Err(ControllerError::StaleWeights {
+                step: self.step,
+                id: s.id,
+                got: s.weights_version,
+                want: self.weights_version,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// One generation round, streamed: every rollout sends each sample as it finishes
+    /// through a bounded channel (backpressure), and samples go on to the reward role
+    /// in small batches while generation continues. Each sample is recorded in the
+    /// ledger as generated when it arrives; the rewarded samples come back in
+    /// `(prompt, k)` order, as [`Self::generate`] gives them, so the rest of the step
+    /// does not depend on finishing order.
+    async fn generate_streamed(
+        &self,
+        prompts: Vec<crate::data::Prompt>,
+        cfg: &ControllerConfig,
+        ledger: &mut SampleLedger,
+    ) -> Result<Streamed, ControllerError> {
+        use futures::stream::{FuturesUnordered, StreamExt};
+        let t = Instant::now();
+        let order: std::collections::HashMap<SampleId, usize> = prompts
+            .iter()
+            .flat_map(|p| {
+                (0..cfg.n).map(move |k| SampleId {
+                    step: self.step,
+                    prompt: p.id,
+                    k,
+                })
+            })
+            .enumerate()
+            .map(|(i, id)| (id, i))
+            .collect();
+        let group = cfg.n as usize;
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Sample>(group.max(1));
+        let replicas: Vec<&RolloutRef> = std::iter::once(&self.roles.rollout)
+            .chain(&self.roles.extra_rollouts)
+            .collect();
+        let per = prompts.len().div_ceil(replicas.len()).max(1);
+        let mut rest = prompts;
+        let mut asks = Vec::with_capacity(replicas.len());
+        for r in replicas {
+            if rest.is_empty() {
+                break;
+            }
+            let tail = rest.split_off(per.min(rest.len()));
+            let req = GenerateRequest {
+                step: self.step,
+                prompts: std::mem::replace(&mut rest, tail),
+                n: cfg.n,
+                params: cfg.sampling.clone(),
+                seed: cfg.seed,
+            };
+            let req = RolloutRequest::GenerateStream(req, SampleSink(tx.clone()));
+            asks.push(self.serve(r, req, "gen", "rollout", cfg.timeouts.generate));
+        }
+        // The channel closes when every rollout has dropped its sender.
+        drop(tx);
+        let gen = futures::future::try_join_all(asks);
+        tokio::pin!(gen);
+        let mut rewards = FuturesUnordered::new();
+        let mut out = Streamed {
+            samples: Vec::with_capacity(order.len()),
+            stats: crate::builtin::RolloutStats::default(),
+            gen_s: 0.0,
+            reward_tail_s: 0.0,
+            early: 0,
+        };
+        let (mut gen_done, mut open) = (false, true);
+        let mut gen_end = Instant::now();
+        while !gen_done || open || !rewards.is_empty() {
+            tokio::select! {
+                answers = &mut gen, if !gen_done => {
+                    for a in answers? {
+                        match a {
+                            RolloutResponse::Streamed { stats, .. } => {
+                                out.stats.response_tokens += stats.response_tokens;
+                                out.stats.seconds = out.stats.seconds.max(stats.seconds);
+                            }
+                            other => {
+                                let got = match other {
+                                    RolloutResponse::Generated { .. } => "Generated",
+                                    _ => "Logits",
+                                };
+                                return Err(self.protocol("rollout", "GenerateStream", got.into()));
+                            }
+                        }
+                    }
+                    gen_done = true;
+                    gen_end = Instant::now();
+                }
+                s = rx.recv(), if open => match s {
+                    Some(s) => {
+                        // What else has arrived goes along, up to a prompt group.
+                        let mut batch = vec![s];
+                        while batch.len() < group {
+                            match rx.try_recv() {
+                                Ok(s) => batch.push(s),
+                                Err(_) => break,
+                            }
+                        }
+                        // An id the round did not expect fails the stage's check.
+                        for s in &batch {
+                            ledger.record(s.id, Stage::Generated);
+                        }
+                        self.check_fresh(&batch)?;
+                        if !gen_done {
+                            out.early += batch.len();
+                        }
+                        rewards.push(self.serve(
+                            &self.roles.reward,
+                            batch,
+                            "reward",
+                            "reward",
+                            cfg.timeouts.score,
+                        ));
+                    }
+                    None => open = false,
+                },
+                r = rewards.next(), if !rewards.is_empty() => {
+                    if let Some(r) = r {
+                        out.samples.extend(r?);
+                    }
+                }
+            }
+        }
+        out.gen_s = gen_end.duration_since(t).as_secs_f64();
+        out.reward_tail_s = gen_end.elapsed().as_secs_f64();
+        out.samples
+            .sort_by_key(|s| order.get(&s.id).copied().unwrap_or(usize::MAX));
+        Ok(out)
     }
 
     /// Adds DAPO's overlong penalty to each sample's reward.
@@ -1215,6 +1384,20 @@ impl Controller {
             m.set(
                 "critic/values/mean",
                 masked_mean(&v, &mask).double_value(&[]),
+            );
+        }
+        // Process rewards (an LLM judge's per-step scores): kept on the samples for a
+        // step-level estimator; their mean shows whether the judge gives any.
+        let steps: Vec<f32> = samples
+            .iter()
+            .filter_map(|s| s.step_rewards.as_deref())
+            .flatten()
+            .copied()
+            .collect();
+        if !steps.is_empty() {
+            m.set(
+                "reward/step_scores/mean",
+                steps.iter().map(|&x| x as f64).sum::<f64>() / steps.len() as f64,
             );
         }
         let n = samples.len().max(1) as f64;

@@ -221,10 +221,10 @@ pub fn evaluate(job: &JobConfig, options: &EvalOptions) -> Result<EvalReport, Ev
     });
     let samples = match rollout.serve(request).map_err(role("generation"))? {
         RolloutResponse::Generated { samples, .. } => samples,
-        RolloutResponse::Logits(_) => {
+        RolloutResponse::Logits(_) | RolloutResponse::Streamed { .. } => {
             return Err(EvalError::Role {
                 stage: "generation",
-                source: RoleError::Failed("the rollout answered logits to Generate".into()),
+                source: RoleError::Failed("the rollout answered no samples to Generate".into()),
             })
         }
     };

@@ -25,8 +25,9 @@ use crate::algo::advantage::{GaeConfig, GrpoConfig, ReinforcePpConfig};
 use crate::algo::loss::{LossAgg, PolicyLossConfig, ValueLossConfig};
 use crate::algo::KlEstimator;
 use crate::builtin::{
-    AsciiCodec, CriticConfig, CriticRole, KlLossConfig, PolicyConfig, PolicyRole, ReferenceRole,
-    RewardRole, RolloutRole, TextCodec, TokenizerCodec,
+    AsciiCodec, CriticConfig, CriticRole, JudgeConfig, JudgeMode, JudgeScorer, KlLossConfig,
+    ModelScorer, OnUnparsed, PolicyConfig, PolicyRole, ReferenceRole, RewardRole, RolloutRole,
+    ScalarRewardModel, TextCodec, TokenizerCodec,
 };
 use crate::controller::{
     spawn_role, step_data_parallel, AdvantageEstimator, Controller, ControllerConfig,
@@ -38,7 +39,8 @@ use crate::data::{
 };
 use crate::remote::PlacementSection;
 use crate::reward::{
-    ExactMatchVerifier, NumericVerifier, RewardError, RewardFn, RewardInput, RewardOutput,
+    ExactMatchVerifier, JudgeTemplate, NumericVerifier, RewardError, RewardFn, RewardInput,
+    RewardOutput,
 };
 use crate::role::DeviceGroup;
 
@@ -271,6 +273,9 @@ pub struct RolloutSection {
     pub top_k: usize,
     /// Keep generating past end-of-sequence (fixed-length responses).
     pub ignore_eos: bool,
+    /// Stream samples out of the rollout as they finish, and score their rewards while
+    /// generation goes on (in-process rollouts only).
+    pub stream: bool,
 }
 
 impl Default for RolloutSection {
@@ -281,6 +286,7 @@ impl Default for RolloutSection {
             top_p: 1.0,
             top_k: 0,
             ignore_eos: false,
+            stream: false,
         }
     }
 }
@@ -390,24 +396,54 @@ impl Default for OptimSection {
     }
 }
 
-/// `[reward]`: rule-based reward functions and their weights.
+/// `[reward]`: reward functions and reward models, and their weights.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RewardSection {
-    /// `numeric`, `exact`, `letters`, or a list of them; empty = the task's default.
+    /// `numeric`, `exact`, `letters`, `model`, `judge`, or a list of them; empty = the
+    /// task's default.
     pub kind: OneOrMany,
     /// One weight per kind (empty = all 1).
     pub weights: Vec<f64>,
     /// Characters the `letters` reward counts.
     pub letters: String,
+    /// `kind = "model"`: HF directory of a scalar reward model (backbone + `score` head).
+    pub model: String,
+    /// `kind = "judge"`: HF directory of the judge LLM.
+    pub judge_model: String,
+    /// Judge prompt with `{question}`, `{response}`, `{rubric}` (empty = built-in).
+    pub judge_template: String,
+    /// What fills the template's `{rubric}`.
+    pub judge_rubric: String,
+    /// `generate` (greedy verdict, parsed; per-step scores) or `logits` (expected digit
+    /// after a prefilled `Score: `).
+    pub judge_mode: String,
+    /// Most tokens of a generated verdict.
+    pub judge_max_tokens: usize,
+    /// Judge cache positions per sequence (judge prompt + verdict).
+    pub judge_max_seq_len: usize,
+    /// A verdict with no score: `error` (fail the step) or `fallback`.
+    pub judge_on_unparsed: String,
+    /// The normalised score a verdict with no score gets with `fallback`.
+    pub judge_fallback_score: f64,
 }
 
 impl Default for RewardSection {
     fn default() -> Self {
+        let judge = JudgeConfig::default();
         RewardSection {
             kind: OneOrMany::One(String::new()),
             weights: Vec::new(),
             letters: LETTERS.into(),
+            model: String::new(),
+            judge_model: String::new(),
+            judge_template: String::new(),
+            judge_rubric: judge.rubric,
+            judge_mode: "generate".into(),
+            judge_max_tokens: judge.max_tokens,
+            judge_max_seq_len: 1024,
+            judge_on_unparsed: "error".into(),
+            judge_fallback_score: 0.0,
         }
     }
 }
@@ -531,6 +567,14 @@ impl JobConfig {
             });
         }
         self.placement.validate()?;
+        if self.rollout.stream && self.placement.mode == "disaggregated" {
+            return Err(invalid(
+                "rollout.stream",
+                "false with placement.mode = \"disaggregated\"",
+                "true",
+                "streaming works with in-process rollouts only (samples go through a channel, not QUIC): set rollout.stream = false, or placement.mode = \"colocate\"",
+            ));
+        }
         positive("job.steps", j.steps as f64, "the number of training steps")?;
         positive(
             "job.controllers",
@@ -718,8 +762,13 @@ impl JobConfig {
         }
         let kinds = self.reward_kinds();
         for k in &kinds {
-            one_of("reward.kind", k, &["numeric", "exact", "letters"])?;
+            one_of(
+                "reward.kind",
+                k,
+                &["numeric", "exact", "letters", "model", "judge"],
+            )?;
         }
+        self.validate_reward_models(&kinds)?;
         if !self.reward.weights.is_empty() && self.reward.weights.len() != kinds.len() {
             return Err(invalid(
                 "reward.weights",
@@ -735,6 +784,75 @@ impl JobConfig {
                 "\"\"",
                 "e.g. letters = \"abcdefghij\"",
             ));
+        }
+        Ok(())
+    }
+
+    /// The `model` and `judge` reward keys.
+    fn validate_reward_models(&self, kinds: &[String]) -> Result<(), JobError> {
+        let r = &self.reward;
+        for (kind, key, dir) in [
+            ("model", "reward.model", &r.model),
+            ("judge", "reward.judge_model", &r.judge_model),
+        ] {
+            let used = kinds.iter().any(|k| k == kind);
+            if !used && !dir.is_empty() {
+                return Err(invalid(
+                    key,
+                    &format!("empty unless reward.kind includes \"{kind}\""),
+                    dir,
+                    &format!("add \"{kind}\" to reward.kind (with a weight in reward.weights), or remove {key}"),
+                ));
+            }
+            if used && !Path::new(dir).join("config.json").is_file() {
+                let how = if kind == "model" {
+                    "train one with `yatt reward-model --out DIR` (or yatt_roles::builtin::train_reward_model and save_pretrained) and set reward.model = \"DIR\""
+                } else {
+                    "set reward.judge_model to an HF model directory (config.json, model.safetensors, tokenizer.json)"
+                };
+                return Err(invalid(
+                    key,
+                    "an existing HF model directory with config.json",
+                    &format!("{dir:?}"),
+                    how,
+                ));
+            }
+        }
+        if kinds.iter().any(|k| k == "judge") {
+            one_of("reward.judge_mode", &r.judge_mode, &["generate", "logits"])?;
+            one_of(
+                "reward.judge_on_unparsed",
+                &r.judge_on_unparsed,
+                &["error", "fallback"],
+            )?;
+            positive(
+                "reward.judge_max_tokens",
+                r.judge_max_tokens as f64,
+                "e.g. judge_max_tokens = 128",
+            )?;
+            positive(
+                "reward.judge_max_seq_len",
+                r.judge_max_seq_len as f64,
+                "e.g. judge_max_seq_len = 1024 (judge prompt + verdict)",
+            )?;
+            if !(0.0..=1.0).contains(&r.judge_fallback_score) {
+                return Err(invalid(
+                    "reward.judge_fallback_score",
+                    "a number in [0, 1] (scores are normalised)",
+                    &r.judge_fallback_score.to_string(),
+                    "e.g. judge_fallback_score = 0.0",
+                ));
+            }
+            if !r.judge_template.is_empty() {
+                JudgeTemplate::new(r.judge_template.clone()).map_err(|e| {
+                    invalid(
+                        "reward.judge_template",
+                        "a template with a {response} placeholder",
+                        &format!("{:?}", crate::reward::excerpt(&r.judge_template, 60)),
+                        &e.to_string(),
+                    )
+                })?;
+            }
         }
         Ok(())
     }
@@ -912,26 +1030,123 @@ pub(crate) fn prompts(job: &JobConfig) -> Result<Vec<Prompt>, JobError> {
     Ok(task.prompts(0, d.num_prompts))
 }
 
-/// The job's reward role: its reward functions with their weights.
+/// The job's reward role: its reward functions and reward models with their weights.
+/// Models load here (on the role's thread when built through a factory).
 pub fn reward_role(job: &JobConfig) -> Result<RewardRole, JobError> {
     let kinds = job.reward_kinds();
     let mut parts: Vec<(f64, Box<dyn RewardFn>)> = Vec::new();
+    let mut models: Vec<(f64, Box<dyn ModelScorer>)> = Vec::new();
     for (i, k) in kinds.iter().enumerate() {
         let w = job.reward.weights.get(i).copied().unwrap_or(1.0);
         let f: Box<dyn RewardFn> = match k.as_str() {
             "numeric" => Box::new(NumericVerifier::default()),
             "exact" => Box::new(ExactMatchVerifier::default()),
+            "model" => {
+                models.push((w, Box::new(reward_model(job)?)));
+                continue;
+            }
+            "judge" => {
+                models.push((w, Box::new(judge(job)?)));
+                continue;
+            }
             _ => Box::new(LettersReward {
                 letters: job.reward.letters.clone(),
             }),
         };
         parts.push((w, f));
     }
-    RewardRole::new(parts).map_err(|e| {
+    RewardRole::with_models(parts, models).map_err(|e| {
         invalid(
             "reward.kind",
             "a valid reward combination",
             &format!("{kinds:?}"),
+            &e.to_string(),
+        )
+    })
+}
+
+/// The codec a reward model or judge in `dir` reads text with: its own tokenizer (with
+/// the chat template when `model.chat` is on), else the policy's codec.
+fn reward_codec(job: &JobConfig, dir: &Path) -> Result<Arc<dyn TextCodec>, JobError> {
+    let from = if dir.join("tokenizer.json").is_file() {
+        dir.to_path_buf()
+    } else if job.model.source == "tiny" {
+        return Ok(Arc::new(TINY_CODEC));
+    } else {
+        PathBuf::from(&job.model.source)
+    };
+    let tok = Tokenizer::from_dir(&from).map_err(|e| JobError::Model {
+        source_desc: from.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    Ok(Arc::new(TokenizerCodec {
+        tokenizer: Arc::new(tok),
+        chat: job.model.chat,
+    }))
+}
+
+/// The job's scalar reward model (`reward.model`).
+fn reward_model(job: &JobConfig) -> Result<ScalarRewardModel, JobError> {
+    let dir = Path::new(&job.reward.model);
+    let codec = reward_codec(job, dir)?;
+    ScalarRewardModel::load(dir, Device::Cpu, codec, 0, job.optim.micro_batch).map_err(|e| {
+        invalid(
+            "reward.model",
+            "an HF directory of a reward model (a `score` head)",
+            &format!("{:?}", job.reward.model),
+            &e.to_string(),
+        )
+    })
+}
+
+/// The job's LLM judge (`reward.judge_model`).
+fn judge(job: &JobConfig) -> Result<JudgeScorer, JobError> {
+    let r = &job.reward;
+    let dir = Path::new(&r.judge_model);
+    let codec = reward_codec(job, dir)?;
+    let model = crate::builtin::reward_model::load_model(dir, Device::Cpu).map_err(|e| {
+        invalid(
+            "reward.judge_model",
+            "an HF model directory",
+            &format!("{:?}", r.judge_model),
+            &e.to_string(),
+        )
+    })?;
+    let batch = job.data.prompts_per_step * job.data.samples_per_prompt as usize;
+    let generator = Generator::new(
+        model,
+        GeneratorConfig {
+            max_batch: batch.clamp(1, 32),
+            max_seq_len: r.judge_max_seq_len,
+            ..Default::default()
+        },
+    );
+    let template = if r.judge_template.is_empty() {
+        JudgeTemplate::default()
+    } else {
+        JudgeTemplate::new(r.judge_template.clone())?
+    };
+    let config = JudgeConfig {
+        template,
+        rubric: r.judge_rubric.clone(),
+        max_tokens: r.judge_max_tokens,
+        mode: if r.judge_mode == "logits" {
+            JudgeMode::DigitLogits
+        } else {
+            JudgeMode::Generate
+        },
+        on_unparsed: if r.judge_on_unparsed == "fallback" {
+            OnUnparsed::Fallback(r.judge_fallback_score)
+        } else {
+            OnUnparsed::Error
+        },
+        ..Default::default()
+    };
+    JudgeScorer::new(generator, codec, config, 0).map_err(|e| {
+        invalid(
+            "reward.judge_model",
+            "a judge model that can score",
+            &format!("{:?}", r.judge_model),
             &e.to_string(),
         )
     })
@@ -1151,6 +1366,7 @@ fn controller_config(job: &JobConfig) -> ControllerConfig {
             buffer: a.overlong_buffer,
             coef: a.overlong_coef,
         }),
+        stream: r.stream,
         ..Default::default()
     }
 }

@@ -96,6 +96,12 @@ pub struct Sample {
     /// Per-token returns, the critic's targets (advantage stage, with GAE).
     #[serde(default)]
     pub returns: Option<Vec<f32>>,
+    /// Per-step (process) rewards in `[0, 1]`, one per reasoning step the reward judged
+    /// (reward stage, when the reward gives them: an LLM judge's `Step k: s` lines).
+    /// Kept for process-reward advantage estimators (CAPO-style); the controller
+    /// reports their mean as `reward/step_scores/mean`.
+    #[serde(default)]
+    pub step_rewards: Option<Vec<f32>>,
 }
 
 /// A per-token field of a [`Sample`].
@@ -296,6 +302,7 @@ pub(crate) mod tests {
             values: None,
             advantages: None,
             returns: None,
+            step_rewards: None,
         }
     }
 

@@ -514,6 +514,7 @@ mod tests {
             values: None,
             advantages: None,
             returns: None,
+            step_rewards: None,
         }
     }
 

@@ -12,24 +12,33 @@
 //! | [`rollout`] | generation engine replica; text codecs (tokenizer, ASCII for tests) |
 //! | [`reference`] | frozen reference policy: reference log-probs |
 //! | [`policy`] | the trainer: old log-probs, PPO/GRPO update, weight export, checkpoints |
-//! | [`reward`] | weighted rule-based reward functions |
+//! | [`reward`] | weighted rule-based reward functions and reward models |
 //! | [`critic`] | value model (backbone + `v_head`) for PPO: values and value-loss updates |
+//! | [`reward_model`] | scalar reward model (backbone + `score` head): scoring, training |
+//! | [`judge_model`] | generative reward model (LLM judge) on its own generator |
 
 pub mod critic;
+pub mod judge_model;
 pub mod policy;
 pub mod reference;
 pub mod reward;
+pub mod reward_model;
 pub mod rollout;
 
 pub use critic::{CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole};
+pub use judge_model::{JudgeConfig, JudgeMode, JudgeScorer, OnUnparsed};
 pub use policy::{
     GradShard, KlLossConfig, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole, TrainReport,
 };
 pub use reference::ReferenceRole;
 pub use reward::RewardRole;
+pub use reward_model::{
+    load_rm_jsonl, train_reward_model, ModelScorer, RewardModelError, RmExample, RmTrainConfig,
+    ScalarRewardModel,
+};
 pub use rollout::{
     AsciiCodec, GenerateRequest, RolloutRequest, RolloutResponse, RolloutRole, RolloutStats,
-    TextCodec, TokenizerCodec,
+    SampleSink, TextCodec, TokenizerCodec,
 };
 
 use tch::{Device, Kind, Tensor};

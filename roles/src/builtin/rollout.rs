@@ -23,6 +23,9 @@ use crate::sample::{Finish, Sample, SampleId};
 pub trait TextCodec: Send + Sync {
     /// Token ids of a prompt as the policy sees it (chat template, BOS included).
     fn encode_prompt(&self, text: &str) -> Result<Vec<i64>, String>;
+    /// Token ids of response text as it follows an encoded prompt (no BOS, no template):
+    /// what a reward model or judge reads after the prompt.
+    fn encode_response(&self, text: &str) -> Result<Vec<i64>, String>;
     /// Text of response tokens (special tokens dropped).
     fn decode(&self, ids: &[i64]) -> Result<String, String>;
 }
@@ -44,6 +47,12 @@ impl TextCodec for TokenizerCodec {
             self.tokenizer.encode(text, true)
         };
         r.map_err(|e| e.to_string())
+    }
+
+    fn encode_response(&self, text: &str) -> Result<Vec<i64>, String> {
+        self.tokenizer
+            .encode(text, false)
+            .map_err(|e| e.to_string())
     }
 
     fn decode(&self, ids: &[i64]) -> Result<String, String> {
@@ -84,6 +93,11 @@ impl TextCodec for AsciiCodec {
             .collect())
     }
 
+    fn encode_response(&self, text: &str) -> Result<Vec<i64>, String> {
+        let q = self.id_of('?').ok_or("unreachable")?;
+        Ok(text.chars().map(|c| self.id_of(c).unwrap_or(q)).collect())
+    }
+
     fn decode(&self, ids: &[i64]) -> Result<String, String> {
         Ok(ids
             .iter()
@@ -112,11 +126,22 @@ pub struct GenerateRequest {
     pub seed: u64,
 }
 
+/// Where a streaming generation sends each sample as it finishes: a bounded channel,
+/// so a slow consumer holds generation back (backpressure) instead of piling samples
+/// up. It lives in this process only: a streaming request cannot be encoded for a
+/// remote rollout.
+#[derive(Debug, Clone)]
+pub struct SampleSink(pub tokio::sync::mpsc::Sender<Sample>);
+
 /// What a rollout role is asked.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum RolloutRequest {
     /// Generate samples.
     Generate(GenerateRequest),
+    /// Generate samples and send each to the sink the moment it finishes (finishing
+    /// order); the answer is [`RolloutResponse::Streamed`]. In-process only.
+    #[serde(skip)]
+    GenerateStream(GenerateRequest, SampleSink),
     /// The next-token logits after `tokens` (a probe: e.g. to check weight sync).
     NextTokenLogits(Vec<i64>),
 }
@@ -144,6 +169,13 @@ pub enum RolloutResponse {
         /// Counters.
         stats: RolloutStats,
     },
+    /// A streaming generation finished: every sample went to the sink.
+    Streamed {
+        /// Samples sent.
+        samples: usize,
+        /// Counters.
+        stats: RolloutStats,
+    },
     /// Next-token logits (f32, one per vocabulary entry).
     Logits(Vec<f32>),
 }
@@ -168,7 +200,9 @@ impl RolloutRole {
         }
     }
 
-    fn generate(&mut self, req: GenerateRequest) -> Result<RolloutResponse, RoleError> {
+    /// The engine requests of `req`, with each one's sample id and prompt index, and
+    /// the encoded prompts.
+    fn requests(&self, req: &GenerateRequest) -> Result<Planned, RoleError> {
         if req.n == 0 {
             return Err(RoleError::BadRequest(
                 "n (samples per prompt) must be >= 1".into(),
@@ -206,52 +240,74 @@ impl RolloutRole {
             }
             encoded.push(tokens);
         }
+        Ok(Planned {
+            requests,
+            ids,
+            encoded,
+        })
+    }
+
+    fn generate(&mut self, req: GenerateRequest) -> Result<RolloutResponse, RoleError> {
+        let plan = self.requests(&req)?;
         let t0 = Instant::now();
         let (completions, _) = self
             .generator
-            .generate(&requests)
+            .generate(&plan.requests)
             .map_err(|e| RoleError::Failed(format!("generation of step {}: {e}", req.step)))?;
-        let seconds = t0.elapsed().as_secs_f64();
-        // Completions come in finishing order; slots put them back in (prompt, k) order.
-        let mut slots: Vec<Option<Sample>> = vec![None; ids.len()];
         let mut stats = RolloutStats {
-            seconds,
+            seconds: t0.elapsed().as_secs_f64(),
             weights_version: self.version,
             ..Default::default()
         };
-        for c in completions {
-            let &(id, pi) = ids.get(c.id as usize).ok_or_else(|| {
-                RoleError::Failed(format!("the generator answered unknown request {}", c.id))
-            })?;
-            let prompt = &req.prompts[pi];
-            let response_text = self
-                .codec
-                .decode(&c.tokens)
-                .map_err(|e| RoleError::Failed(format!("{id}: cannot decode the response: {e}")))?;
-            stats.prompt_tokens += encoded[pi].len();
-            stats.response_tokens += c.tokens.len();
-            slots[c.id as usize] = Some(Sample {
-                id,
-                group: prompt.id,
-                prompt_tokens: encoded[pi].clone(),
-                response_tokens: c.tokens,
-                rollout_logprobs: c.logprobs,
-                finish: Finish::from(c.finish),
-                prompt_text: prompt.text.clone(),
-                response_text,
-                reference: prompt.reference.clone(),
-                metadata: prompt.metadata.clone(),
-                weights_version: self.version,
-                reward: None,
-                ref_logprobs: None,
-                old_logprobs: None,
-                values: None,
-                advantages: None,
-                returns: None,
-            });
-        }
-        let samples: Vec<Sample> = slots.into_iter().flatten().collect();
+        // `generate` answers in request order: (prompt, k).
+        let samples = completions
+            .into_iter()
+            .map(|c| sample_of(&*self.codec, self.version, &req, &plan, c, &mut stats))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(RolloutResponse::Generated { samples, stats })
+    }
+
+    /// Like [`Self::generate`], but each sample goes to `sink` as soon as it finishes.
+    fn generate_stream(
+        &mut self,
+        req: GenerateRequest,
+        sink: SampleSink,
+    ) -> Result<RolloutResponse, RoleError> {
+        let plan = self.requests(&req)?;
+        let t0 = Instant::now();
+        let mut stats = RolloutStats {
+            weights_version: self.version,
+            ..Default::default()
+        };
+        let (mut sent, mut failed) = (0usize, None);
+        let (codec, version) = (self.codec.clone(), self.version);
+        let r = self.generator.generate_with(&plan.requests, |c| {
+            if failed.is_some() {
+                return;
+            }
+            match sample_of(&*codec, version, &req, &plan, c, &mut stats) {
+                // Blocks while the channel is full: the consumer sets the pace.
+                Ok(s) => match sink.0.blocking_send(s) {
+                    Ok(()) => sent += 1,
+                    Err(_) => {
+                        failed = Some(RoleError::Failed(format!(
+                            "step {}: the stream's receiver went away after {sent} samples",
+                            req.step
+                        )))
+                    }
+                },
+                Err(e) => failed = Some(e),
+            }
+        });
+        r.map_err(|e| RoleError::Failed(format!("generation of step {}: {e}", req.step)))?;
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        stats.seconds = t0.elapsed().as_secs_f64();
+        Ok(RolloutResponse::Streamed {
+            samples: sent,
+            stats,
+        })
     }
 
     fn logits(&self, tokens: Vec<i64>) -> Result<RolloutResponse, RoleError> {
@@ -274,6 +330,55 @@ impl RolloutRole {
             .map_err(|e| RoleError::Failed(format!("reading logits: {e}")))?;
         Ok(RolloutResponse::Logits(v))
     }
+}
+
+/// A generation request planned for the engine.
+struct Planned {
+    requests: Vec<Request>,
+    /// Per engine request: the sample id and the prompt's index.
+    ids: Vec<(SampleId, usize)>,
+    /// Per prompt: its tokens.
+    encoded: Vec<Vec<i64>>,
+}
+
+/// The sample of one completion (and its counters into `stats`).
+fn sample_of(
+    codec: &dyn TextCodec,
+    version: u64,
+    req: &GenerateRequest,
+    plan: &Planned,
+    c: yatt_engine::Completion,
+    stats: &mut RolloutStats,
+) -> Result<Sample, RoleError> {
+    let &(id, pi) = plan.ids.get(c.id as usize).ok_or_else(|| {
+        RoleError::Failed(format!("the generator answered unknown request {}", c.id))
+    })?;
+    let prompt = &req.prompts[pi];
+    let response_text = codec
+        .decode(&c.tokens)
+        .map_err(|e| RoleError::Failed(format!("{id}: cannot decode the response: {e}")))?;
+    stats.prompt_tokens += plan.encoded[pi].len();
+    stats.response_tokens += c.tokens.len();
+    Ok(Sample {
+        id,
+        group: prompt.id,
+        prompt_tokens: plan.encoded[pi].clone(),
+        response_tokens: c.tokens,
+        rollout_logprobs: c.logprobs,
+        finish: Finish::from(c.finish),
+        prompt_text: prompt.text.clone(),
+        response_text,
+        reference: prompt.reference.clone(),
+        metadata: prompt.metadata.clone(),
+        weights_version: version,
+        reward: None,
+        ref_logprobs: None,
+        old_logprobs: None,
+        values: None,
+        advantages: None,
+        returns: None,
+        step_rewards: None,
+    })
 }
 
 /// The sampling seed of one sample: a SplitMix64 mix of the request seed and the id.
@@ -327,6 +432,7 @@ impl Role for RolloutRole {
         }
         match request {
             RolloutRequest::Generate(r) => self.generate(r),
+            RolloutRequest::GenerateStream(r, sink) => self.generate_stream(r, sink),
             RolloutRequest::NextTokenLogits(t) => self.logits(t),
         }
     }

@@ -3,7 +3,8 @@
 //! What belongs here: the [`RewardFn`] trait, rule-based verifiers, weighted
 //! combinations, the HTTP reward-endpoint client, and the pure parts of an LLM judge
 //! (prompt template, score parser). No actors: the reward *role* wraps these. Anything
-//! that needs a model (scalar reward model, generative judge) lives with the engine.
+//! that needs a model (scalar reward model, generative judge) lives in
+//! [`crate::builtin::reward_model`] and [`crate::builtin::judge_model`].
 //!
 //! | file | concern |
 //! |---|---|

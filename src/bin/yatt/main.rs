@@ -7,6 +7,7 @@ mod demo;
 mod engine_cmds;
 mod eval;
 mod plot;
+mod reward_model;
 mod sim;
 mod train;
 
@@ -34,6 +35,9 @@ enum Command {
     Train(train::TrainArgs),
     /// Plot a run's metrics.jsonl as PNGs: reward, KL, stage timing, throughput.
     Plot(plot::PlotArgs),
+    /// Train a scalar reward model (backbone + `score` head) on scored responses or
+    /// preference pairs, for `reward.kind = "model"`.
+    RewardModel(reward_model::RewardModelArgs),
     /// Evaluate: greedy accuracy of a job's model or checkpoint on held-out prompts.
     Eval(eval::EvalArgs),
     /// Simulate placements of an RLHF job on clusters of 8 to 4,096 GPUs (colocation,
@@ -70,6 +74,7 @@ fn real_main() -> anyhow::Result<()> {
         Command::Train(args) => train::run(args),
         Command::Plot(args) => plot::run(args),
         Command::Eval(args) => eval::run(args),
+        Command::RewardModel(args) => reward_model::run(args),
         Command::Sim(args) => sim::run(args),
         Command::ImportGguf(args) => engine_cmds::import_gguf(args),
         Command::Bench(BenchCommand::Engine(args)) => engine_cmds::bench_engine(args),
