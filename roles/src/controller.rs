@@ -1016,6 +1016,36 @@ impl Controller {
         })
     }
 
+    /// A round's generation requests: contiguous, near-equal slices of the prompts, one
+    /// per rollout replica.
+    fn split_over_replicas(
+        &self,
+        prompts: Vec<crate::data::Prompt>,
+        cfg: &ControllerConfig,
+    ) -> Vec<(&RolloutRef, GenerateRequest)> {
+        let replicas: Vec<&RolloutRef> = std::iter::once(&self.roles.rollout)
+            .chain(&self.roles.extra_rollouts)
+            .collect();
+        let per = prompts.len().div_ceil(replicas.len()).max(1);
+        let mut rest = prompts;
+        let mut out = Vec::with_capacity(replicas.len());
+        for r in replicas {
+            if rest.is_empty() {
+                break;
+            }
+            let tail = rest.split_off(per.min(rest.len()));
+            let req = GenerateRequest {
+                step: self.step,
+                prompts: std::mem::replace(&mut rest, tail),
+                n: cfg.n,
+                params: cfg.sampling.clone(),
+                seed: cfg.seed,
+            };
+            out.push((r, req));
+        }
+        out
+    }
+
     /// One generation round: `n` samples of each prompt from the rollout.
     async fn generate(
         &self,
@@ -1023,27 +1053,14 @@ impl Controller {
         cfg: &ControllerConfig,
     ) -> Result<(Vec<Sample>, crate::builtin::RolloutStats, f64), ControllerError> {
         let t = Instant::now();
-        let replicas: Vec<&RolloutRef> = std::iter::once(&self.roles.rollout)
-            .chain(&self.roles.extra_rollouts)
+        let asks: Vec<_> = self
+            .split_over_replicas(prompts, cfg)
+            .into_iter()
+            .map(|(r, req)| {
+                let req = RolloutRequest::Generate(req);
+                self.serve(r, req, "gen", "rollout", cfg.timeouts.generate)
+            })
             .collect();
-        // Contiguous, near-equal slices of the prompts, one per replica.
-        let per = prompts.len().div_ceil(replicas.len()).max(1);
-        let mut rest = prompts;
-        let mut asks = Vec::with_capacity(replicas.len());
-        for r in replicas {
-            if rest.is_empty() {
-                break;
-            }
-            let tail = rest.split_off(per.min(rest.len()));
-            let req = RolloutRequest::Generate(GenerateRequest {
-                step: self.step,
-                prompts: std::mem::replace(&mut rest, tail),
-                n: cfg.n,
-                params: cfg.sampling.clone(),
-                seed: cfg.seed,
-            });
-            asks.push(self.serve(r, req, "gen", "rollout", cfg.timeouts.generate));
-        }
         let mut samples = Vec::new();
         let mut stats = crate::builtin::RolloutStats::default();
         for answer in futures::future::try_join_all(asks).await? {
@@ -1110,27 +1127,14 @@ impl Controller {
             .collect();
         let group = cfg.n as usize;
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Sample>(group.max(1));
-        let replicas: Vec<&RolloutRef> = std::iter::once(&self.roles.rollout)
-            .chain(&self.roles.extra_rollouts)
+        let asks: Vec<_> = self
+            .split_over_replicas(prompts, cfg)
+            .into_iter()
+            .map(|(r, req)| {
+                let req = RolloutRequest::GenerateStream(req, SampleSink(tx.clone()));
+                self.serve(r, req, "gen", "rollout", cfg.timeouts.generate)
+            })
             .collect();
-        let per = prompts.len().div_ceil(replicas.len()).max(1);
-        let mut rest = prompts;
-        let mut asks = Vec::with_capacity(replicas.len());
-        for r in replicas {
-            if rest.is_empty() {
-                break;
-            }
-            let tail = rest.split_off(per.min(rest.len()));
-            let req = GenerateRequest {
-                step: self.step,
-                prompts: std::mem::replace(&mut rest, tail),
-                n: cfg.n,
-                params: cfg.sampling.clone(),
-                seed: cfg.seed,
-            };
-            let req = RolloutRequest::GenerateStream(req, SampleSink(tx.clone()));
-            asks.push(self.serve(r, req, "gen", "rollout", cfg.timeouts.generate));
-        }
         // The channel closes when every rollout has dropped its sender.
         drop(tx);
         let gen = futures::future::try_join_all(asks);

@@ -5,7 +5,11 @@
 //! output fails loudly or takes the configured fallback, and a GRPO job with the judge
 //! in the loop runs with a clean ledger and learns the property the judge grades.
 
+mod common;
+
 use std::path::{Path, PathBuf};
+
+use common::{demo_config, letter_responses, letters_fraction, text_sample};
 
 use yatt_engine::checkpoint::save_pretrained;
 use yatt_engine::fixtures::tiny_config;
@@ -13,19 +17,12 @@ use yatt_engine::score::{token_logprobs, SeqBatch};
 use yatt_engine::tch::{self, Device, Kind, Tensor};
 use yatt_engine::{Llama, TrainConfig, Trainer};
 use yatt_roles::builtin::TextCodec;
-use yatt_roles::job::{build_embedded, reward_role, JobConfig, LETTERS, TINY_CODEC};
+use yatt_roles::job::{build_embedded, reward_role, JobConfig, TINY_CODEC};
 use yatt_roles::role::Role;
-use yatt_roles::sample::{Finish, Sample, SampleId};
+use yatt_roles::sample::Sample;
 use yatt_runtime::node::Node;
 
 const TEMPLATE: &str = "{question}|{response}=";
-
-fn demo_config(out: &Path, sets: &[String]) -> JobConfig {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../config/demo-letters.toml");
-    let mut all = sets.to_vec();
-    all.push(format!("job.output_dir={:?}", out.display().to_string()));
-    JobConfig::load(path, &all).unwrap()
-}
 
 fn judge_sets(dir: &Path, mode: &str, extra: &[&str]) -> Vec<String> {
     let mut v = vec![
@@ -40,74 +37,6 @@ fn judge_sets(dir: &Path, mode: &str, extra: &[&str]) -> Vec<String> {
     v
 }
 
-fn sample(k: u32, prompt: &str, response: &str) -> Sample {
-    Sample {
-        id: SampleId {
-            step: 0,
-            prompt: 3,
-            k,
-        },
-        group: 3,
-        prompt_tokens: vec![],
-        response_tokens: vec![],
-        rollout_logprobs: vec![],
-        finish: Finish::Length,
-        prompt_text: prompt.into(),
-        response_text: response.into(),
-        reference: None,
-        metadata: serde_json::Value::Null,
-        weights_version: 0,
-        reward: None,
-        ref_logprobs: None,
-        old_logprobs: None,
-        values: None,
-        advantages: None,
-        returns: None,
-        step_rewards: None,
-    }
-}
-
-fn letters_fraction(s: &str) -> f64 {
-    let n = s.chars().count().max(1) as f64;
-    s.chars().filter(|c| LETTERS.contains(*c)).count() as f64 / n
-}
-
-/// Deterministic SplitMix64 draws in `[0, 1)`.
-struct Draws(u64);
-
-impl Draws {
-    fn next(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
-/// (prompt, response) pairs with letter fractions spread over [0, 1].
-fn responses(n: usize, seed: u64) -> Vec<(String, String)> {
-    let mut d = Draws(seed);
-    let other: Vec<char> = (' '..='~').filter(|c| !LETTERS.contains(*c)).collect();
-    let letters: Vec<char> = LETTERS.chars().collect();
-    (0..n)
-        .map(|i| {
-            let p = d.next();
-            let len = 1 + (d.next() * 6.0) as usize;
-            let r = (0..len)
-                .map(|_| {
-                    if d.next() < p {
-                        letters[(d.next() * letters.len() as f64) as usize]
-                    } else {
-                        other[(d.next() * other.len() as f64) as usize]
-                    }
-                })
-                .collect();
-            (format!("q{}:", i % 16), r)
-        })
-        .collect()
-}
-
 /// The digit the judge is taught to write for `response`.
 fn grade(response: &str) -> i64 {
     (9.0 * letters_fraction(response)).round() as i64
@@ -116,7 +45,7 @@ fn grade(response: &str) -> i64 {
 /// Fine-tunes the tiny model to answer the judge prompt with `Score: d/10` and EOS,
 /// `d` grading the letters fraction; saves it to `dir`.
 fn teach_judge(dir: &Path) {
-    let data = responses(1024, 17);
+    let data = letter_responses(1024, 17);
     let seqs: Vec<(Vec<i64>, Vec<i64>)> = data
         .iter()
         .map(|(q, r)| {
@@ -194,11 +123,11 @@ async fn a_taught_judge_scores_through_the_role_and_steers_grpo() {
     let judge_dir = tempfile::tempdir().unwrap();
     teach_judge(judge_dir.path());
     let model = Llama::load(judge_dir.path(), Device::Cpu, Kind::Float).unwrap();
-    let held = responses(24, 1234);
+    let held = letter_responses(24, 1234);
     let samples = || -> Vec<Sample> {
         held.iter()
             .enumerate()
-            .map(|(k, (q, r))| sample(k as u32, q, r))
+            .map(|(k, (q, r))| text_sample(k as u32, q, r))
             .collect()
     };
     let out = tempfile::tempdir().unwrap();
@@ -281,7 +210,7 @@ fn unparseable_verdicts_fail_loudly_or_take_the_configured_fallback() {
     let m = Llama::random(tiny_config(), Device::Cpu, Kind::Float, 5).unwrap();
     save_pretrained(&m, dir.path(), None).unwrap();
     let out = tempfile::tempdir().unwrap();
-    let batch = || vec![sample(0, "q1:", "abc"), sample(1, "q2:", "xyz")];
+    let batch = || vec![text_sample(0, "q1:", "abc"), text_sample(1, "q2:", "xyz")];
 
     let job = demo_config(out.path(), &judge_sets(dir.path(), "generate", &[]));
     let e = reward_role(&job)

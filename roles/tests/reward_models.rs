@@ -3,7 +3,11 @@
 //! errors name the key and the fix, and a reward model trained on the letters property
 //! steers a GRPO job (its score and the true property both rise).
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
+
+use common::{demo_config, letter_responses, letters_fraction, load_demo, text_sample};
 
 use yatt_engine::checkpoint::save_pretrained;
 use yatt_engine::fixtures::tiny_config;
@@ -11,44 +15,10 @@ use yatt_engine::score::{rewards, SeqBatch};
 use yatt_engine::tch::{self, Device, Kind, Tensor};
 use yatt_engine::{Llama, TrainConfig};
 use yatt_roles::builtin::{train_reward_model, RmExample, RmTrainConfig, TextCodec};
-use yatt_roles::job::{build_embedded, reward_role, JobConfig, LETTERS, TINY_CODEC};
+use yatt_roles::job::{build_embedded, reward_role, TINY_CODEC};
 use yatt_roles::role::Role;
-use yatt_roles::sample::{Finish, Sample, SampleId};
+use yatt_roles::sample::Sample;
 use yatt_runtime::node::Node;
-
-fn demo_config(out: &Path, sets: &[String]) -> JobConfig {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../config/demo-letters.toml");
-    let mut all = sets.to_vec();
-    all.push(format!("job.output_dir={:?}", out.display().to_string()));
-    JobConfig::load(path, &all).unwrap()
-}
-
-fn sample(k: u32, prompt: &str, response: &str) -> Sample {
-    Sample {
-        id: SampleId {
-            step: 0,
-            prompt: 7,
-            k,
-        },
-        group: 7,
-        prompt_tokens: vec![],
-        response_tokens: vec![],
-        rollout_logprobs: vec![],
-        finish: Finish::Length,
-        prompt_text: prompt.into(),
-        response_text: response.into(),
-        reference: None,
-        metadata: serde_json::Value::Null,
-        weights_version: 0,
-        reward: None,
-        ref_logprobs: None,
-        old_logprobs: None,
-        values: None,
-        advantages: None,
-        returns: None,
-        step_rewards: None,
-    }
-}
 
 /// A tiny model with a random (non-zero) reward head, saved as an HF directory.
 fn random_reward_model(dir: &Path) {
@@ -61,11 +31,6 @@ fn random_reward_model(dir: &Path) {
             .copy_(&(Tensor::randn([1, 64], (Kind::Float, Device::Cpu)) * 0.5));
     });
     save_pretrained(&m, dir, None).unwrap();
-}
-
-fn letters_fraction(s: &str) -> f64 {
-    let n = s.chars().count().max(1) as f64;
-    s.chars().filter(|c| LETTERS.contains(*c)).count() as f64 / n
 }
 
 #[test]
@@ -92,7 +57,7 @@ fn the_reward_role_scores_what_the_engine_reward_head_scores() {
     let samples: Vec<Sample> = texts
         .iter()
         .enumerate()
-        .map(|(k, (p, r))| sample(k as u32, p, r))
+        .map(|(k, (p, r))| text_sample(k as u32, p, r))
         .collect();
     let scored = role.serve(samples).unwrap();
 
@@ -126,15 +91,7 @@ fn the_reward_role_scores_what_the_engine_reward_head_scores() {
 #[test]
 fn reward_model_config_errors_name_the_key_and_the_fix() {
     let out = tempfile::tempdir().unwrap();
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../config/demo-letters.toml");
-    let load = |sets: &[String]| {
-        let mut all = sets.to_vec();
-        all.push(format!(
-            "job.output_dir={:?}",
-            out.path().display().to_string()
-        ));
-        JobConfig::load(&path, &all)
-    };
+    let load = |sets: &[String]| load_demo(out.path(), sets);
     // kind = "model" without a directory.
     let e = load(&["reward.kind=\"model\"".into()])
         .unwrap_err()
@@ -175,43 +132,15 @@ fn reward_model_config_errors_name_the_key_and_the_fix() {
     );
 }
 
-/// Deterministic SplitMix64 draws in `[0, 1)`.
-struct Draws(u64);
-
-impl Draws {
-    fn next(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 /// Responses of the demo's length with letter fractions spread over [0, 1], scored by
 /// the letters property.
 fn letters_examples(n: usize, seed: u64) -> Vec<RmExample> {
-    let mut d = Draws(seed);
-    let other: Vec<char> = (' '..='~').filter(|c| !LETTERS.contains(*c)).collect();
-    let letters: Vec<char> = LETTERS.chars().collect();
-    (0..n)
-        .map(|i| {
-            let p = d.next();
-            let len = 1 + (d.next() * 6.0) as usize;
-            let response: String = (0..len)
-                .map(|_| {
-                    if d.next() < p {
-                        letters[(d.next() * letters.len() as f64) as usize]
-                    } else {
-                        other[(d.next() * other.len() as f64) as usize]
-                    }
-                })
-                .collect();
-            RmExample::Scored {
-                prompt: format!("q{}:", i % 16),
-                target: letters_fraction(&response),
-                response,
-            }
+    letter_responses(n, seed)
+        .into_iter()
+        .map(|(prompt, response)| RmExample::Scored {
+            prompt,
+            target: letters_fraction(&response),
+            response,
         })
         .collect()
 }
@@ -267,7 +196,7 @@ async fn grpo_on_a_trained_reward_model_raises_its_score_and_the_property() {
         .map(|(k, e)| match e {
             RmExample::Scored {
                 prompt, response, ..
-            } => sample(k as u32, prompt, response),
+            } => text_sample(k as u32, prompt, response),
             RmExample::Pair { .. } => unreachable!(),
         })
         .collect();
