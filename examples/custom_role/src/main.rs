@@ -1,16 +1,21 @@
 //! A new RLHF role in a few dozen lines: a length-and-format reward, written by
-//! implementing [`Role`], started as an actor on a node, and used by a training job
-//! in place of the built-in reward. See README.md.
+//! implementing [`Role`], registered by name in a node's factory registry, spawned there
+//! over QUIC by the training process, and used by a training job in place of the
+//! built-in reward. See README.md.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
-use yatt::roles::controller::spawn_role;
 use yatt::roles::job::{train_with, CustomRoles, JobConfig, TrainOptions};
-use yatt::roles::role::{DeviceGroup, ResourceProfile, Role, RoleError};
+use yatt::roles::role::{DeviceGroup, ResourceProfile, Role, RoleActor, RoleError};
+use yatt::roles::role::{RoleRequest, RoleResponse};
 use yatt::roles::sample::Sample;
-use yatt::runtime::Node;
+use yatt::runtime::{Node, NodeBuilder};
+
+/// The name the role is registered under: peers spawn it by this name.
+pub const ROLE_NAME: &str = "length-format-reward";
 
 /// Rewards responses that have the right shape: half the score for a length within
 /// `min_len..=max_len` characters, half for the fraction of characters in `alphabet`.
@@ -43,7 +48,7 @@ impl Role for LengthFormatReward {
     type Response = Vec<Sample>;
 
     fn name(&self) -> &str {
-        "length-format-reward"
+        ROLE_NAME
     }
 
     fn profile(&self) -> ResourceProfile {
@@ -69,6 +74,28 @@ impl Role for LengthFormatReward {
     }
 }
 
+/// Registers [`LengthFormatReward`] in a node's factory registry under [`ROLE_NAME`].
+/// A peer spawns it with the arguments `(min_len, max_len, alphabet)`; a bad
+/// combination is refused by [`Role::start`] and the spawn fails with that message.
+pub fn register(builder: NodeBuilder) -> NodeBuilder {
+    builder.factory_async(
+        ROLE_NAME,
+        |(min_len, max_len, alphabet): (usize, usize, String)| async move {
+            let make = move || {
+                Ok(LengthFormatReward {
+                    min_len,
+                    max_len,
+                    alphabet,
+                })
+            };
+            // A queue of 4 requests: the controller waits (backpressure) beyond that.
+            RoleActor::build(ROLE_NAME, make, DeviceGroup::cpu(ROLE_NAME), 4)
+                .await
+                .map_err(|e| e.to_string())
+        },
+    )
+}
+
 #[derive(Parser)]
 struct Args {
     /// The job config; the reward section is ignored, this role replaces it.
@@ -80,31 +107,50 @@ struct Args {
 }
 
 /// Trains the job with the custom reward; returns the mean reward of each step.
+///
+/// Two nodes on loopback, as a cluster would have them: `custom-host` registers the role
+/// (as a `yatt-node` built with [`register`] would), and the training process spawns it
+/// there by name and sends it every step's samples over QUIC.
 pub async fn run(job: &JobConfig) -> anyhow::Result<Vec<f64>> {
     let certs = tempfile::tempdir()?;
-    let node = Node::builder("custom-0")
+    let host = register(Node::builder("custom-host"))
         .dev_certs(certs.path())
         .start()
         .await
-        .context("starting the node")?;
-    let role = LengthFormatReward {
-        min_len: 4,
-        max_len: 6,
-        alphabet: "aeiou".into(),
-    };
-    let reward = spawn_role(&node, role, 0, DeviceGroup::cpu(node.name())).await?;
+        .context("starting the node that hosts the role")?;
+    let trainer = Node::builder("custom-trainer")
+        .dev_certs(certs.path())
+        .seed(host.addr())
+        .start()
+        .await
+        .context("starting the training node")?;
+    let joined = trainer
+        .directory()
+        .wait_until(Duration::from_secs(10), |d| d.alive_nodes().count() == 2)
+        .await;
+    anyhow::ensure!(joined, "the two nodes did not see each other within 10 s");
+    let reward = trainer
+        .spawn_remote_linked::<RoleRequest<Vec<Sample>>, RoleResponse<Vec<Sample>>, _>(
+            host.name(),
+            ROLE_NAME,
+            &(4usize, 6usize, "aeiou".to_string()),
+            Duration::from_secs(10),
+        )
+        .await
+        .with_context(|| format!("spawning {ROLE_NAME} on {}", host.name()))?;
     let options = TrainOptions {
         roles: CustomRoles {
             reward: Some(reward),
         },
         ..Default::default()
     };
-    let summary = train_with(job, &node, options, |p| {
+    let summary = train_with(job, &trainer, options, |p| {
         let r = p.metrics.get("critic/rewards/mean").unwrap_or(f64::NAN);
         println!("step {:>3}/{} reward {r:.3}", p.step, p.total);
     })
     .await?;
-    node.shutdown().await;
+    trainer.shutdown().await;
+    host.shutdown().await;
     Ok(summary.rewards)
 }
 
@@ -140,6 +186,41 @@ mod tests {
         assert_eq!(r.score("abzz"), 0.25);
         assert_eq!(r.score("zz"), 0.5);
         assert_eq!(r.score(""), 0.0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_bad_spawn_is_refused_with_the_reason() {
+        let certs = tempfile::tempdir().unwrap();
+        let host = register(Node::builder("bad-host"))
+            .dev_certs(certs.path())
+            .start()
+            .await
+            .unwrap();
+        let caller = Node::builder("bad-caller")
+            .dev_certs(certs.path())
+            .seed(host.addr())
+            .start()
+            .await
+            .unwrap();
+        assert!(
+            caller
+                .directory()
+                .wait_until(Duration::from_secs(10), |d| d.alive_nodes().count() == 2)
+                .await
+        );
+        let err = caller
+            .spawn_remote::<RoleRequest<Vec<Sample>>, RoleResponse<Vec<Sample>>, _>(
+                host.name(),
+                ROLE_NAME,
+                &(6usize, 4usize, "ab".to_string()),
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("min_len <= max_len"), "{err}");
+        caller.shutdown().await;
+        host.shutdown().await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
