@@ -258,6 +258,26 @@ pub enum Attn<'a> {
         /// MLP) then skips the padding; only attention sees the padded layout.
         lens: Option<&'a [i64]>,
     },
+    /// Like `Full` without a mask (right-padded rows), and keeps each layer's keys and
+    /// values (after RoPE, still in the autograd graph) in `kv` for a later
+    /// [`Attn::Continue`] call: a prompt shared by several rows runs once.
+    Capture {
+        /// Filled with one `(keys, values)` pair per layer, `[P, kv_heads, Lp, head_dim]`.
+        kv: &'a mut Vec<(Tensor, Tensor)>,
+    },
+    /// Tokens that continue prefixes computed by an earlier [`Attn::Capture`] call (e.g.
+    /// GRPO's samples of one prompt continue that prompt). Row `i` attends to the first
+    /// `lens[i]` positions of prefix `rows[i]` and, causally, to its own tokens; the
+    /// forward's positions must start at `lens[i]`. Gradients flow into the prefix's
+    /// keys and values, summed over the rows that share it.
+    Continue {
+        /// The prefixes' keys and values, per layer (from `Capture`).
+        kv: &'a [(Tensor, Tensor)],
+        /// Which prefix each row continues `[B]` (int64).
+        rows: &'a Tensor,
+        /// The real length of each row's prefix `[B]` (int64); the rest is padding.
+        lens: &'a Tensor,
+    },
     /// One new token per slot `0..B`, at the per-slot positions given to the forward.
     Decode {
         /// The cache.
@@ -943,6 +963,19 @@ impl Llama {
                     Tensor::arange(*span, (Kind::Int64, self.device)).reshape([1, 1, 1, *span]);
                 Some(ar.le_tensor(&positions.reshape([b, 1, 1, 1])))
             }
+            // Prefix keys below the row's prefix length, then causal over its own tokens.
+            Attn::Continue { kv, lens, .. } => {
+                let lp = kv.first().map_or(0, |(k, _)| k.size()[2]);
+                let keys = Tensor::arange(lp, (Kind::Int64, self.device)).reshape([1, 1, 1, lp]);
+                let prefix = keys
+                    .lt_tensor(&lens.reshape([b, 1, 1, 1]))
+                    .expand([b, 1, t, lp], false);
+                let causal = Tensor::ones([t, t], (Kind::Bool, self.device))
+                    .tril(0)
+                    .reshape([1, 1, t, t])
+                    .expand([b, 1, t, t], false);
+                Some(Tensor::cat(&[prefix, causal], 3))
+            }
             _ => None,
         };
         let rows = Tensor::arange(b, (Kind::Int64, self.device));
@@ -978,6 +1011,34 @@ impl Llama {
             let q = self.rope(&q, &cos, &sin);
             let k = self.rope(&k, &cos, &sin);
             let o = match &mut attn {
+                Attn::Capture { kv } => {
+                    kv.push((k.shallow_clone(), v.shallow_clone()));
+                    Tensor::scaled_dot_product_attention(
+                        &q,
+                        &k,
+                        &v,
+                        None::<Tensor>,
+                        0.0,
+                        true,
+                        None,
+                        true,
+                    )
+                }
+                Attn::Continue { kv, rows, .. } => {
+                    let (pk, pv) = &kv[li];
+                    let keys = Tensor::cat(&[pk.index_select(0, rows), k], 2);
+                    let values = Tensor::cat(&[pv.index_select(0, rows), v], 2);
+                    Tensor::scaled_dot_product_attention(
+                        &q,
+                        &keys,
+                        &values,
+                        full_mask.as_ref(),
+                        0.0,
+                        false,
+                        None,
+                        true,
+                    )
+                }
                 Attn::Full { .. } => Tensor::scaled_dot_product_attention(
                     &q,
                     &k,
