@@ -292,6 +292,12 @@ pub enum Attn<'a> {
     },
 }
 
+/// Scaled dot-product attention (libtorch's fused kernel; GQA heads shared), causal
+/// when no mask is given: every call site either masks explicitly or is plain causal.
+fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Tensor {
+    Tensor::scaled_dot_product_attention(q, k, v, mask, 0.0, mask.is_none(), None, true)
+}
+
 /// A Llama-family causal LM.
 #[derive(Debug)]
 pub struct Llama {
@@ -1013,42 +1019,15 @@ impl Llama {
             let o = match &mut attn {
                 Attn::Capture { kv } => {
                     kv.push((k.shallow_clone(), v.shallow_clone()));
-                    Tensor::scaled_dot_product_attention(
-                        &q,
-                        &k,
-                        &v,
-                        None::<Tensor>,
-                        0.0,
-                        true,
-                        None,
-                        true,
-                    )
+                    attend(&q, &k, &v, None)
                 }
                 Attn::Continue { kv, rows, .. } => {
                     let (pk, pv) = &kv[li];
                     let keys = Tensor::cat(&[pk.index_select(0, rows), k], 2);
                     let values = Tensor::cat(&[pv.index_select(0, rows), v], 2);
-                    Tensor::scaled_dot_product_attention(
-                        &q,
-                        &keys,
-                        &values,
-                        full_mask.as_ref(),
-                        0.0,
-                        false,
-                        None,
-                        true,
-                    )
+                    attend(&q, &keys, &values, full_mask.as_ref())
                 }
-                Attn::Full { .. } => Tensor::scaled_dot_product_attention(
-                    &q,
-                    &k,
-                    &v,
-                    full_mask.as_ref(),
-                    0.0,
-                    full_mask.is_none(),
-                    None,
-                    true,
-                ),
+                Attn::Full { .. } => attend(&q, &k, &v, full_mask.as_ref()),
                 Attn::Prefill {
                     cache,
                     start,
@@ -1066,27 +1045,14 @@ impl Llama {
                     };
                     cache.write(li, index, &k, &v, at);
                     if *offset == 0 {
-                        Tensor::scaled_dot_product_attention(
-                            &q,
-                            &k,
-                            &v,
-                            None::<Tensor>,
-                            0.0,
-                            true,
-                            None,
-                            true,
-                        )
+                        attend(&q, &k, &v, None)
                     } else {
                         let len = *offset + t;
-                        Tensor::scaled_dot_product_attention(
+                        attend(
                             &q,
                             &cache.keys(li, *start, b, len),
                             &cache.values(li, *start, b, len),
                             full_mask.as_ref(),
-                            0.0,
-                            false,
-                            None,
-                            true,
                         )
                     }
                 }
@@ -1094,15 +1060,11 @@ impl Llama {
                     let pos = pos_flat.as_ref().expect("decode positions");
                     let index = key_index.get_or_insert_with(|| cache.key_index(&rows, positions));
                     cache.write(li, index, &k, &v, ValueSlots::Rows { rows: &rows, pos });
-                    Tensor::scaled_dot_product_attention(
+                    attend(
                         &q,
                         &cache.keys(li, 0, b, *span),
                         &cache.values(li, 0, b, *span),
                         full_mask.as_ref(),
-                        0.0,
-                        false,
-                        None,
-                        true,
                     )
                 }
             };

@@ -30,7 +30,7 @@ use crate::controller::{
 use crate::data::{Dataloader, Prompt};
 use crate::reward::{RewardError, RewardFn, RewardInput, RewardOutput};
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
-use crate::sample::{Finish, Sample, SampleId};
+use crate::sample::{Sample, SampleId};
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -112,24 +112,14 @@ impl Role for FakeRollout {
                     k,
                 };
                 samples.push(Sample {
-                    id,
-                    group: p.id,
                     prompt_tokens: vec![1; 16],
                     response_tokens: (0..self.response_len as i64).collect(),
                     rollout_logprobs: vec![-1.0; self.response_len],
-                    finish: Finish::Length,
                     prompt_text: p.text.clone(),
                     response_text: format!("{}", (p.id * 31 + k as u64) % 7),
                     reference: p.reference.clone(),
-                    metadata: serde_json::Value::Null,
                     weights_version: self.version,
-                    reward: None,
-                    ref_logprobs: None,
-                    old_logprobs: None,
-                    values: None,
-                    advantages: None,
-                    returns: None,
-                    step_rewards: None,
+                    ..Sample::new(id, p.id)
                 });
             }
         }

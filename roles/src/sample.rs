@@ -170,6 +170,32 @@ pub enum SampleError {
 }
 
 impl Sample {
+    /// A sample of prompt group `group` with nothing generated or learnt yet: callers
+    /// fill in what they know with struct update syntax (`Sample { .., ..Sample::new(id,
+    /// group) }`), so a new stage field does not touch every constructor.
+    pub fn new(id: SampleId, group: u64) -> Sample {
+        Sample {
+            id,
+            group,
+            prompt_tokens: Vec::new(),
+            response_tokens: Vec::new(),
+            rollout_logprobs: Vec::new(),
+            finish: Finish::Length,
+            prompt_text: String::new(),
+            response_text: String::new(),
+            reference: None,
+            metadata: serde_json::Value::Null,
+            weights_version: 0,
+            reward: None,
+            ref_logprobs: None,
+            old_logprobs: None,
+            values: None,
+            advantages: None,
+            returns: None,
+            step_rewards: None,
+        }
+    }
+
     /// Number of response tokens.
     pub fn response_len(&self) -> usize {
         self.response_tokens.len()
@@ -285,24 +311,10 @@ pub(crate) mod tests {
 
     pub(crate) fn sample(prompt: u64, k: u32, len: usize) -> Sample {
         Sample {
-            id: SampleId { step: 0, prompt, k },
-            group: prompt,
             prompt_tokens: vec![0, 5],
             response_tokens: (0..len as i64).collect(),
             rollout_logprobs: vec![-1.0; len],
-            finish: Finish::Length,
-            prompt_text: String::new(),
-            response_text: String::new(),
-            reference: None,
-            metadata: serde_json::Value::Null,
-            weights_version: 0,
-            reward: None,
-            ref_logprobs: None,
-            old_logprobs: None,
-            values: None,
-            advantages: None,
-            returns: None,
-            step_rewards: None,
+            ..Sample::new(SampleId { step: 0, prompt, k }, prompt)
         }
     }
 

@@ -360,8 +360,6 @@ fn sample_of(
     stats.prompt_tokens += plan.encoded[pi].len();
     stats.response_tokens += c.tokens.len();
     Ok(Sample {
-        id,
-        group: prompt.id,
         prompt_tokens: plan.encoded[pi].clone(),
         response_tokens: c.tokens,
         rollout_logprobs: c.logprobs,
@@ -371,13 +369,7 @@ fn sample_of(
         reference: prompt.reference.clone(),
         metadata: prompt.metadata.clone(),
         weights_version: version,
-        reward: None,
-        ref_logprobs: None,
-        old_logprobs: None,
-        values: None,
-        advantages: None,
-        returns: None,
-        step_rewards: None,
+        ..Sample::new(id, prompt.id)
     })
 }
 

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use yatt_roles::job::{JobConfig, JobError, LETTERS};
-use yatt_roles::sample::{Finish, Sample, SampleId};
+use yatt_roles::sample::{Sample, SampleId};
 
 /// `config/demo-letters.toml` with `sets`, writing to `out`.
 pub fn load_demo(out: &Path, sets: &[String]) -> Result<JobConfig, JobError> {
@@ -22,28 +22,16 @@ pub fn demo_config(out: &Path, sets: &[String]) -> JobConfig {
 /// A sample with text only (what the reward role reads).
 pub fn text_sample(k: u32, prompt: &str, response: &str) -> Sample {
     Sample {
-        id: SampleId {
-            step: 0,
-            prompt: 7,
-            k,
-        },
-        group: 7,
-        prompt_tokens: vec![],
-        response_tokens: vec![],
-        rollout_logprobs: vec![],
-        finish: Finish::Length,
         prompt_text: prompt.into(),
         response_text: response.into(),
-        reference: None,
-        metadata: serde_json::Value::Null,
-        weights_version: 0,
-        reward: None,
-        ref_logprobs: None,
-        old_logprobs: None,
-        values: None,
-        advantages: None,
-        returns: None,
-        step_rewards: None,
+        ..Sample::new(
+            SampleId {
+                step: 0,
+                prompt: 7,
+                k,
+            },
+            7,
+        )
     }
 }
 
