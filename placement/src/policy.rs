@@ -39,7 +39,8 @@ use yatt_runtime::membership::NodeInfo;
 use crate::cost::{CostModel, CostSetup, Shape, StepMetrics};
 use crate::inventory::{Inventory, InventoryError};
 use crate::plan::{Move, Plan, PlanError};
-use crate::search::{assign, search, search_top, Space};
+use crate::profile::RoleSet;
+use crate::search::{assign, search_top, search_top_in, Found, Space};
 use crate::sim::evaluate::simulate_shape;
 use crate::workload::ForecastParams;
 
@@ -164,6 +165,31 @@ pub enum PolicyError {
     Inventory(#[from] InventoryError),
 }
 
+/// What a live executor can carry out. The policy searches only there, so it never
+/// decides a plan its executor would have to refuse. The default limits nothing.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Limits {
+    /// The pool structures (partitions of the roles into pools) it can run; none: all.
+    pub structures: Option<Vec<Vec<RoleSet>>>,
+    /// The rollout batch cap its engines have (most sequences one group decodes at
+    /// once); searched plans carry it. Used only with `structures`.
+    pub rollout_cap: Option<u32>,
+}
+
+/// The best shapes within `limits`, best first.
+fn ranked(
+    cm: &CostModel,
+    f: &crate::workload::Forecast,
+    space: &Space,
+    limits: &Limits,
+    k: usize,
+) -> Vec<Found> {
+    match &limits.structures {
+        Some(s) => search_top_in(cm, f, space, s, &[limits.rollout_cap], k),
+        None => search_top(cm, f, space, k),
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 enum Phase {
     Warmup,
@@ -184,6 +210,7 @@ pub struct PlacementPolicy {
     last_step: Option<u64>,
     next_id: u64,
     log: Vec<String>,
+    limits: Limits,
 }
 
 impl PlacementPolicy {
@@ -199,7 +226,14 @@ impl PlacementPolicy {
         }
         let cost = CostModel::new(setup, forecast);
         let f = cost.forecast(0.0);
-        let plan = match choose(&config, &cost, &f, &Space::of(&inventory), None) {
+        let plan = match choose(
+            &config,
+            &cost,
+            &f,
+            &Space::of(&inventory),
+            None,
+            &Limits::default(),
+        ) {
             Some((shape, _)) => assign(&shape, &inventory, None),
             None => {
                 let full = Plan::full_colocation(&inventory, &cost.setup().job);
@@ -218,7 +252,52 @@ impl PlacementPolicy {
             last_step: None,
             next_id: 1,
             log: Vec::new(),
+            limits: Limits::default(),
         })
+    }
+
+    /// A policy for a live executor: it starts from `start` (the plan the executor
+    /// runs now, checked against the inventory and the job's memory) and searches only
+    /// within `limits`.
+    pub fn starting_from(
+        config: PolicyConfig,
+        inventory: Inventory,
+        setup: CostSetup,
+        forecast: ForecastParams,
+        start: Plan,
+        limits: Limits,
+    ) -> Result<Self, PolicyError> {
+        if inventory.is_empty() {
+            return Err(PolicyError::Empty);
+        }
+        start
+            .validate(&inventory, &setup.job)
+            .map_err(PolicyError::NoPlan)?;
+        Ok(PlacementPolicy {
+            config,
+            inventory,
+            cost: CostModel::new(setup, forecast),
+            plan: start,
+            phase: Phase::Warmup,
+            last_step: None,
+            next_id: 1,
+            log: Vec::new(),
+            limits,
+        })
+    }
+
+    /// The cost model, to tune what the executor measured (e.g.
+    /// [`CostModel::set_start_costs`]).
+    pub fn cost_model_mut(&mut self) -> &mut CostModel {
+        &mut self.cost
+    }
+
+    /// The predicted step of `plan` at the workload forecast `ahead` steps after the
+    /// last observed one (e.g. what the plan in force before a migration would take
+    /// now: the "no move" figure).
+    pub fn predict_plan(&self, plan: &Plan, ahead: f64) -> crate::cost::Prediction {
+        self.cost
+            .predict(&Shape::of(plan), &self.cost.forecast(ahead))
     }
 
     /// The plan in force (the target of a migration once it is done).
@@ -324,6 +403,7 @@ impl PlacementPolicy {
             &f,
             &Space::of(&self.inventory),
             Some(&now),
+            &self.limits,
         ) else {
             return Vec::new();
         };
@@ -364,7 +444,10 @@ impl PlacementPolicy {
 
     fn forced_replan(&mut self, reason: Reason) -> Vec<Decision> {
         let f = self.cost.forecast(self.config.lookahead_steps);
-        let Some(found) = search(&self.cost, &f, &Space::of(&self.inventory)) else {
+        let Some(found) = ranked(&self.cost, &f, &Space::of(&self.inventory), &self.limits, 1)
+            .into_iter()
+            .next()
+        else {
             self.log
                 .push("no plan fits the remaining groups; waiting for nodes to join".into());
             return Vec::new();
@@ -417,14 +500,15 @@ fn choose(
     f: &crate::workload::Forecast,
     space: &Space,
     current: Option<&Shape>,
+    limits: &Limits,
 ) -> Option<(Shape, (f64, f64))> {
     let k = config.simulate_candidates as usize;
     if k == 0 {
-        let found = search(cm, f, space)?;
+        let found = ranked(cm, f, space, limits, 1).into_iter().next()?;
         let now = current.map_or(f64::NAN, |s| cm.predict(s, f).step_s);
         return Some((found.shape, (now, found.prediction.step_s)));
     }
-    let top = search_top(cm, f, space, k);
+    let top = ranked(cm, f, space, limits, k);
     let trend = cm.length_trend();
     let steps = config.simulate_steps;
     let score = |s: &Shape| simulate_shape(cm, f, trend, s, steps);
