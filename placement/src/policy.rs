@@ -224,7 +224,7 @@ impl PlacementPolicy {
         if inventory.is_empty() {
             return Err(PolicyError::Empty);
         }
-        let cost = CostModel::new(setup, forecast);
+        let cost = CostModel::new(setup.clone(), forecast);
         let f = cost.forecast(0.0);
         let plan = match choose(
             &config,
@@ -243,17 +243,7 @@ impl PlacementPolicy {
                 return Err(PolicyError::NoPlan(err));
             }
         };
-        Ok(PlacementPolicy {
-            config,
-            inventory,
-            cost,
-            plan,
-            phase: Phase::Warmup,
-            last_step: None,
-            next_id: 1,
-            log: Vec::new(),
-            limits: Limits::default(),
-        })
+        Self::starting_from(config, inventory, setup, forecast, plan, Limits::default())
     }
 
     /// A policy for a live executor: it starts from `start` (the plan the executor
@@ -416,7 +406,7 @@ impl PlacementPolicy {
             && gain >= self.config.min_gain * current
             && gain * self.config.horizon_steps >= self.config.payback * cost;
         self.log.push(format!(
-            "step {step}: current {} {current:.1}s, best {} {best:.1}s, {} move(s) costing {cost:.1}s: {} [fit: {}; mean length {:.0}]",
+            "step {step}: current {} {current:.3}s, best {} {best:.3}s, {} move(s) costing {cost:.3}s: {} [fit: {}; mean length {:.0}]",
             self.plan.summary(),
             target.summary(),
             moves.len(),
@@ -681,5 +671,83 @@ mod tests {
         p.on_event(Event::MigrationDone { id: 999 });
         assert_eq!(p.plan(), &old);
         let _ = Stage::Gen;
+    }
+
+    #[test]
+    fn a_live_executors_limits_bound_the_search() {
+        use crate::inventory::GroupId;
+        use crate::plan::Pool;
+        let gpu = GpuSpec::preset("h100").unwrap();
+        let m = ModelSpec::preset("7b").unwrap();
+        let inv = Inventory::uniform(1, 8, 2, gpu.memory_bytes, gpu.host_memory_bytes).unwrap();
+        let mut job = JobShape::new(m, RewardKind::Rule, 16384);
+        job.reference = false;
+        let setup = CostSetup {
+            job,
+            gpu,
+            group_devices: 2,
+            staleness: 0,
+        };
+        let (rollout, policy) = (RoleSet::of(&[Role::Rollout]), RoleSet::of(&[Role::Policy]));
+        let ids: Vec<GroupId> = inv.groups().map(|g| g.id).collect();
+        let start = Plan {
+            pools: vec![
+                Pool {
+                    roles: rollout,
+                    groups: ids[..1].to_vec(),
+                },
+                Pool {
+                    roles: policy,
+                    groups: ids[1..].to_vec(),
+                },
+            ],
+            rollout_batch_cap: Some(64),
+        };
+        let limits = Limits {
+            structures: Some(vec![vec![rollout, policy]]),
+            rollout_cap: Some(64),
+        };
+        let config = PolicyConfig {
+            simulate_candidates: 0,
+            ..PolicyConfig::default()
+        };
+        let f = ForecastParams::lognormal(256, 16, 200.0, 0.5, 16384);
+        let mut p = PlacementPolicy::starting_from(
+            config,
+            inv.clone(),
+            setup.clone(),
+            f,
+            start.clone(),
+            limits.clone(),
+        )
+        .unwrap();
+        assert_eq!(p.plan(), &start);
+        let mut decided = None;
+        for step in 0..20 {
+            // No judge in this job.
+            let m = StepMetrics {
+                judge_log_mean: 0.0,
+                judge_log_std: 0.0,
+                ..metrics(step, 4000f64.ln())
+            };
+            if let Some(Decision::Migrate(m)) = p.on_event(Event::Metrics(m)).into_iter().next() {
+                decided = Some(m);
+                break;
+            }
+        }
+        let m = decided.expect("long responses move groups to the rollout");
+        let pools: Vec<RoleSet> = m.target.pools.iter().map(|p| p.roles).collect();
+        assert_eq!(pools, vec![rollout, policy], "{}", m.target.summary());
+        assert_eq!(m.target.rollout_batch_cap, Some(64));
+        assert!(m.target.pool_of(Role::Rollout).unwrap().groups.len() > 1);
+        // A start plan that does not cover the job is refused.
+        let bad = Plan {
+            pools: vec![start.pools[0].clone()],
+            rollout_batch_cap: None,
+        };
+        assert!(matches!(
+            PlacementPolicy::starting_from(config, inv, setup, f, bad, limits),
+            Err(PolicyError::NoPlan(PlanError::Unplaced(Role::Policy)))
+        ));
     }
 }
