@@ -43,6 +43,8 @@ use yatt_placement::{
     CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy,
     Plan, Pool, RewardKind, Stage, StageObs,
 };
+use yatt_runtime::actor::ExitReason;
+use yatt_runtime::directory::Change;
 use yatt_runtime::node::Node;
 
 use crate::builtin::{PolicyRequest, PolicyResponse, TextCodec};
@@ -387,13 +389,29 @@ impl LivePlacement {
             .map_err(me(&self.job))?;
         let role = rollout_role(&self.job, m, self.codec.clone());
         self.next_replica += 1;
-        Ok(spawn_role(&self.node, role, self.next_replica, self.device_group(g)).await?)
+        let r = spawn_role(&self.node, role, self.next_replica, self.device_group(g)).await?;
+        self.announce(Change::ActorUp(r.id().clone())).await?;
+        Ok(r)
+    }
+
+    /// Records a replica's start or stop in the runtime's directory (a new epoch).
+    async fn announce(&self, change: Change) -> Result<(), JobError> {
+        self.node
+            .propose(change)
+            .await
+            .map_err(|e| JobError::NotImplemented {
+                key: "placement".into(),
+                found: format!("the directory refused a change: {e}"),
+                fix: "see the node's log".into(),
+            })
     }
 
     async fn start_policy(&mut self, g: GroupId, t: Trainer) -> Result<PolicyRef, JobError> {
         let role = policy_role_from(&self.job, t, self.pad_id)?;
         self.next_replica += 1;
-        Ok(spawn_role(&self.node, role, self.next_replica, self.device_group(g)).await?)
+        let r = spawn_role(&self.node, role, self.next_replica, self.device_group(g)).await?;
+        self.announce(Change::ActorUp(r.id().clone())).await?;
+        Ok(r)
     }
 
     fn device_group(&self, g: GroupId) -> DeviceGroup {
@@ -618,10 +636,15 @@ impl LivePlacement {
                 Replica::Rollout(_) => None,
             });
             // 2–3. Drain, free (offload, then stop: the thread drops the tensors).
-            let drained = match &replica {
-                Replica::Rollout(r) => drain_and_stop(r).await?,
-                Replica::Policy(p) => drain_and_stop(p).await?,
+            let (drained, id) = match &replica {
+                Replica::Rollout(r) => (drain_and_stop(r).await?, r.id().clone()),
+                Replica::Policy(p) => (drain_and_stop(p).await?, p.id().clone()),
             };
+            self.announce(Change::ActorDown {
+                id,
+                reason: ExitReason::Normal,
+            })
+            .await?;
             if !drained.is_empty() {
                 return Err(JobError::NotImplemented {
                     key: "placement".into(),

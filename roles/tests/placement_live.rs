@@ -83,6 +83,20 @@ async fn growing_responses_move_a_group_from_training_to_rollout() {
         panic!("no plan")
     };
     assert!(*routing_version >= 2);
+    // The migration went through the runtime's directory: a later epoch.
+    let epochs: Vec<u64> = records
+        .iter()
+        .filter_map(|r| match r {
+            Record::Plan {
+                directory_epoch, ..
+            } => Some(*directory_epoch),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        epochs.last() > epochs.first(),
+        "directory epochs {epochs:?}"
+    );
     assert!(
         plan.pool_of(Role::Rollout).unwrap().groups.len() >= 2,
         "{}",
