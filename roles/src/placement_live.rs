@@ -94,6 +94,9 @@ enum Replica {
     Policy(PolicyRef),
 }
 
+/// Per head: the group and replica of its rollout, and of its policy.
+type Routes = (Vec<(GroupId, RolloutRef)>, Vec<(GroupId, PolicyRef)>);
+
 /// The roles every head shares, outside the groups.
 struct Shared {
     reward: crate::controller::SamplesRef,
@@ -434,7 +437,7 @@ impl LivePlacement {
     }
 
     /// Which rollout and policy group each head uses under the plan.
-    fn routes(&self) -> Result<(Vec<(GroupId, RolloutRef)>, Vec<(GroupId, PolicyRef)>), JobError> {
+    fn routes(&self) -> Result<Routes, JobError> {
         let heads = self.job.job.controllers;
         let rollouts: Vec<(GroupId, RolloutRef)> = self
             .of_role(PRole::Rollout)
@@ -705,12 +708,6 @@ impl LivePlacement {
         let get = |r: &StepReport, k: &str| r.metrics.get(k).unwrap_or(0.0);
         let mut gen_busy: BTreeMap<GroupId, f64> = BTreeMap::new();
         let mut pol_busy: BTreeMap<GroupId, (f64, f64)> = BTreeMap::new();
-        let replicated = routes_p
-            .iter()
-            .map(|p| p.0)
-            .collect::<std::collections::BTreeSet<_>>()
-            .len()
-            > 1;
         let update = reports
             .first()
             .map_or(0.0, |r| get(r, "timing_s/update_actor"));
@@ -719,11 +716,12 @@ impl LivePlacement {
             let g = routes_r[i].0;
             let e = gen_busy.entry(g).or_insert(0.0);
             *e = e.max(get(r, "timing_s/gen"));
+            // The update's wall time keeps every policy group busy (a shared policy
+            // computes the heads' gradients one after the other within it).
             let g = routes_p[i].0;
             let e = pol_busy.entry(g).or_insert((0.0, update));
             e.0 = e.0.max(get(r, "timing_s/old_log_prob"));
         }
-        let _ = replicated;
         let samples: Vec<&Sample> = reports.iter().flat_map(|r| &r.samples).collect();
         let n = samples.len().max(1) as f64;
         let lens: Vec<f64> = samples.iter().map(|s| s.response_len() as f64).collect();
