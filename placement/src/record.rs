@@ -48,8 +48,8 @@ pub enum Record {
         step: u64,
         /// Measured wall seconds.
         step_s: f64,
-        /// The cost model's prediction for the plan in force, before this step's
-        /// metrics were folded in (none before the first step).
+        /// The cost model's prediction for the plan in force, with this step's
+        /// metrics folded in.
         predicted_s: Option<f64>,
         /// After a migration: the prediction for the plan in force before it, at the
         /// same workload (the "no move" figure).

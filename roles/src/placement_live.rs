@@ -207,6 +207,14 @@ impl LivePlacement {
                 "set rollout_groups = 1",
             ));
         }
+        if job.model.threads != 1 {
+            return Err(invalid(
+                "model.threads",
+                "1 under placement.live (a group is one libtorch thread)",
+                &job.model.threads.to_string(),
+                "set model.threads = 1; add groups for more threads",
+            ));
+        }
         if job.algorithm.name == "ppo" {
             return Err(JobError::NotImplemented {
                 key: "algorithm.name".into(),
@@ -872,7 +880,7 @@ mod tests {
     fn decode_iterations_follow_the_slots() {
         assert_eq!(decode_iterations(&[5, 9, 3], 8), 9);
         assert_eq!(decode_iterations(&[5, 9, 3], 1), 17);
-        assert_eq!(decode_iterations(&[5, 9, 3, 4], 2), 9);
+        assert_eq!(decode_iterations(&[5, 9, 3, 4], 2), 12);
         assert_eq!(decode_iterations(&[], 2), 0);
     }
 }

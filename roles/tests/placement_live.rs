@@ -138,3 +138,29 @@ async fn growing_responses_move_a_group_from_training_to_rollout() {
     eprintln!("after the move: measured {m:.3}s per step, predicted without it {n:.3}s");
     assert!(m < n, "measured {m:.3}s, no-move prediction {n:.3}s");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_placement_refuses_layouts_it_cannot_route() {
+    let certs = tempfile::tempdir().unwrap();
+    let node = Node::builder("live-1")
+        .dev_certs(certs.path())
+        .start()
+        .await
+        .unwrap();
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/live-placement.toml");
+    for (set, key) in [
+        ("placement.groups=4", "placement.groups"),
+        ("placement.rollout_groups=3", "placement.rollout_groups"),
+        ("model.threads=2", "model.threads"),
+        ("job.controllers=1", "job.controllers"),
+    ] {
+        let job = JobConfig::load(config, &[set.to_string()]).unwrap();
+        let err = match yatt_roles::placement_live::LivePlacement::build(&job, &node).await {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{set} was accepted"),
+        };
+        assert!(err.contains(key), "{set}: {err}");
+    }
+    let job = JobConfig::load(config, &["placement.mode=\"disaggregated\"".to_string()]);
+    assert!(job.unwrap_err().to_string().contains("placement.live"));
+}
