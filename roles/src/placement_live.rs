@@ -604,10 +604,22 @@ impl LivePlacement {
                         .set_start_costs(per_group, per_group);
                     Event::MigrationDone { id: mig.id }
                 }
-                Err(e) => Event::MigrationFailed {
-                    id: mig.id,
-                    reason: e.to_string(),
-                },
+                Err(e) => {
+                    // A group of the plan in force that lost its replica cannot be
+                    // routed: stop the run loudly rather than fail the next step.
+                    let broken = self
+                        .plan
+                        .roles_by_group()
+                        .keys()
+                        .any(|g| !self.replicas.contains_key(g));
+                    if broken {
+                        return Err(e);
+                    }
+                    Event::MigrationFailed {
+                        id: mig.id,
+                        reason: e.to_string(),
+                    }
+                }
             };
             self.policy.on_event(event);
             self.publish(step + 1)?;
@@ -624,9 +636,10 @@ impl LivePlacement {
         Ok(m)
     }
 
-    /// Carries out one migration at a step boundary; on error the old plan and routing
-    /// stay (groups already switched keep their new role only if the whole move
-    /// succeeded).
+    /// Carries out one migration at a step boundary. An error before any group left
+    /// routing keeps the old plan and routing; one after a group's replica stopped
+    /// leaves the plan unroutable, and [`LivePlacement::step`] returns it (no rollback
+    /// yet).
     async fn migrate(&mut self, mig: &yatt_placement::Migration) -> Result<String, JobError> {
         let old = self.plan.clone();
         let states: Vec<_> = self.controllers.iter().map(Controller::state).collect();
