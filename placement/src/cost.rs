@@ -378,6 +378,18 @@ pub struct CostModel {
     judge_sigma: Ema,
     prompt_len: Ema,
     base: ForecastParams,
+    #[serde(default = "default_start_decoder")]
+    start_decoder_s: f64,
+    #[serde(default = "default_start_other")]
+    start_other_s: f64,
+}
+
+fn default_start_decoder() -> f64 {
+    START_DECODER_S
+}
+
+fn default_start_other() -> f64 {
+    START_OTHER_S
 }
 
 /// Seconds to start a decoding engine on a group (allocate the KV cache, capture CUDA
@@ -436,6 +448,20 @@ impl CostModel {
             prompt_len: Ema::new(forecast.prompt_len, 0.3),
             base: forecast,
             setup,
+            start_decoder_s: START_DECODER_S,
+            start_other_s: START_OTHER_S,
+        }
+    }
+
+    /// Replaces the seconds a role takes to start on a group (defaults
+    /// [`START_DECODER_S`], [`START_OTHER_S`]: GPU figures); a live executor passes what
+    /// it measured starting roles on its devices.
+    pub fn set_start_costs(&mut self, decoder_s: f64, other_s: f64) {
+        if decoder_s.is_finite() && decoder_s >= 0.0 {
+            self.start_decoder_s = decoder_s;
+        }
+        if other_s.is_finite() && other_s >= 0.0 {
+            self.start_other_s = other_s;
         }
     }
 
@@ -580,9 +606,9 @@ impl CostModel {
             .filter_map(|r| {
                 let m = self.setup.job.memory(r)?;
                 let start = if self.setup.job.decodes(r) {
-                    START_DECODER_S
+                    self.start_decoder_s
                 } else {
-                    START_OTHER_S
+                    self.start_other_s
                 };
                 Some(
                     m.resident_per_device(g, pool_devices) / self.setup.gpu.net_bytes_per_s + start,

@@ -39,7 +39,8 @@ use yatt_runtime::membership::NodeInfo;
 use crate::cost::{CostModel, CostSetup, Shape, StepMetrics};
 use crate::inventory::{Inventory, InventoryError};
 use crate::plan::{Move, Plan, PlanError};
-use crate::search::{assign, search, search_top, Space};
+use crate::profile::RoleSet;
+use crate::search::{assign, search_top, search_top_in, Found, Space};
 use crate::sim::evaluate::simulate_shape;
 use crate::workload::ForecastParams;
 
@@ -164,6 +165,31 @@ pub enum PolicyError {
     Inventory(#[from] InventoryError),
 }
 
+/// What a live executor can carry out. The policy searches only there, so it never
+/// decides a plan its executor would have to refuse. The default limits nothing.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Limits {
+    /// The pool structures (partitions of the roles into pools) it can run; none: all.
+    pub structures: Option<Vec<Vec<RoleSet>>>,
+    /// The rollout batch cap its engines have (most sequences one group decodes at
+    /// once); searched plans carry it. Used only with `structures`.
+    pub rollout_cap: Option<u32>,
+}
+
+/// The best shapes within `limits`, best first.
+fn ranked(
+    cm: &CostModel,
+    f: &crate::workload::Forecast,
+    space: &Space,
+    limits: &Limits,
+    k: usize,
+) -> Vec<Found> {
+    match &limits.structures {
+        Some(s) => search_top_in(cm, f, space, s, &[limits.rollout_cap], k),
+        None => search_top(cm, f, space, k),
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 enum Phase {
     Warmup,
@@ -184,6 +210,7 @@ pub struct PlacementPolicy {
     last_step: Option<u64>,
     next_id: u64,
     log: Vec<String>,
+    limits: Limits,
 }
 
 impl PlacementPolicy {
@@ -197,9 +224,16 @@ impl PlacementPolicy {
         if inventory.is_empty() {
             return Err(PolicyError::Empty);
         }
-        let cost = CostModel::new(setup, forecast);
+        let cost = CostModel::new(setup.clone(), forecast);
         let f = cost.forecast(0.0);
-        let plan = match choose(&config, &cost, &f, &Space::of(&inventory), None) {
+        let plan = match choose(
+            &config,
+            &cost,
+            &f,
+            &Space::of(&inventory),
+            None,
+            &Limits::default(),
+        ) {
             Some((shape, _)) => assign(&shape, &inventory, None),
             None => {
                 let full = Plan::full_colocation(&inventory, &cost.setup().job);
@@ -209,16 +243,51 @@ impl PlacementPolicy {
                 return Err(PolicyError::NoPlan(err));
             }
         };
+        Self::starting_from(config, inventory, setup, forecast, plan, Limits::default())
+    }
+
+    /// A policy for a live executor: it starts from `start` (the plan the executor
+    /// runs now, checked against the inventory and the job's memory) and searches only
+    /// within `limits`.
+    pub fn starting_from(
+        config: PolicyConfig,
+        inventory: Inventory,
+        setup: CostSetup,
+        forecast: ForecastParams,
+        start: Plan,
+        limits: Limits,
+    ) -> Result<Self, PolicyError> {
+        if inventory.is_empty() {
+            return Err(PolicyError::Empty);
+        }
+        start
+            .validate(&inventory, &setup.job)
+            .map_err(PolicyError::NoPlan)?;
         Ok(PlacementPolicy {
             config,
             inventory,
-            cost,
-            plan,
+            cost: CostModel::new(setup, forecast),
+            plan: start,
             phase: Phase::Warmup,
             last_step: None,
             next_id: 1,
             log: Vec::new(),
+            limits,
         })
+    }
+
+    /// The cost model, to tune what the executor measured (e.g.
+    /// [`CostModel::set_start_costs`]).
+    pub fn cost_model_mut(&mut self) -> &mut CostModel {
+        &mut self.cost
+    }
+
+    /// The predicted step of `plan` at the workload forecast `ahead` steps after the
+    /// last observed one (e.g. what the plan in force before a migration would take
+    /// now: the "no move" figure).
+    pub fn predict_plan(&self, plan: &Plan, ahead: f64) -> crate::cost::Prediction {
+        self.cost
+            .predict(&Shape::of(plan), &self.cost.forecast(ahead))
     }
 
     /// The plan in force (the target of a migration once it is done).
@@ -324,6 +393,7 @@ impl PlacementPolicy {
             &f,
             &Space::of(&self.inventory),
             Some(&now),
+            &self.limits,
         ) else {
             return Vec::new();
         };
@@ -336,7 +406,7 @@ impl PlacementPolicy {
             && gain >= self.config.min_gain * current
             && gain * self.config.horizon_steps >= self.config.payback * cost;
         self.log.push(format!(
-            "step {step}: current {} {current:.1}s, best {} {best:.1}s, {} move(s) costing {cost:.1}s: {} [fit: {}; mean length {:.0}]",
+            "step {step}: current {} {current:.3}s, best {} {best:.3}s, {} move(s) costing {cost:.3}s: {} [fit: {}; mean length {:.0}]",
             self.plan.summary(),
             target.summary(),
             moves.len(),
@@ -364,7 +434,10 @@ impl PlacementPolicy {
 
     fn forced_replan(&mut self, reason: Reason) -> Vec<Decision> {
         let f = self.cost.forecast(self.config.lookahead_steps);
-        let Some(found) = search(&self.cost, &f, &Space::of(&self.inventory)) else {
+        let Some(found) = ranked(&self.cost, &f, &Space::of(&self.inventory), &self.limits, 1)
+            .into_iter()
+            .next()
+        else {
             self.log
                 .push("no plan fits the remaining groups; waiting for nodes to join".into());
             return Vec::new();
@@ -417,14 +490,15 @@ fn choose(
     f: &crate::workload::Forecast,
     space: &Space,
     current: Option<&Shape>,
+    limits: &Limits,
 ) -> Option<(Shape, (f64, f64))> {
     let k = config.simulate_candidates as usize;
     if k == 0 {
-        let found = search(cm, f, space)?;
+        let found = ranked(cm, f, space, limits, 1).into_iter().next()?;
         let now = current.map_or(f64::NAN, |s| cm.predict(s, f).step_s);
         return Some((found.shape, (now, found.prediction.step_s)));
     }
-    let top = search_top(cm, f, space, k);
+    let top = ranked(cm, f, space, limits, k);
     let trend = cm.length_trend();
     let steps = config.simulate_steps;
     let score = |s: &Shape| simulate_shape(cm, f, trend, s, steps);
@@ -597,5 +671,83 @@ mod tests {
         p.on_event(Event::MigrationDone { id: 999 });
         assert_eq!(p.plan(), &old);
         let _ = Stage::Gen;
+    }
+
+    #[test]
+    fn a_live_executors_limits_bound_the_search() {
+        use crate::inventory::GroupId;
+        use crate::plan::Pool;
+        let gpu = GpuSpec::preset("h100").unwrap();
+        let m = ModelSpec::preset("7b").unwrap();
+        let inv = Inventory::uniform(1, 8, 2, gpu.memory_bytes, gpu.host_memory_bytes).unwrap();
+        let mut job = JobShape::new(m, RewardKind::Rule, 16384);
+        job.reference = false;
+        let setup = CostSetup {
+            job,
+            gpu,
+            group_devices: 2,
+            staleness: 0,
+        };
+        let (rollout, policy) = (RoleSet::of(&[Role::Rollout]), RoleSet::of(&[Role::Policy]));
+        let ids: Vec<GroupId> = inv.groups().map(|g| g.id).collect();
+        let start = Plan {
+            pools: vec![
+                Pool {
+                    roles: rollout,
+                    groups: ids[..1].to_vec(),
+                },
+                Pool {
+                    roles: policy,
+                    groups: ids[1..].to_vec(),
+                },
+            ],
+            rollout_batch_cap: Some(64),
+        };
+        let limits = Limits {
+            structures: Some(vec![vec![rollout, policy]]),
+            rollout_cap: Some(64),
+        };
+        let config = PolicyConfig {
+            simulate_candidates: 0,
+            ..PolicyConfig::default()
+        };
+        let f = ForecastParams::lognormal(256, 16, 200.0, 0.5, 16384);
+        let mut p = PlacementPolicy::starting_from(
+            config,
+            inv.clone(),
+            setup.clone(),
+            f,
+            start.clone(),
+            limits.clone(),
+        )
+        .unwrap();
+        assert_eq!(p.plan(), &start);
+        let mut decided = None;
+        for step in 0..20 {
+            // No judge in this job.
+            let m = StepMetrics {
+                judge_log_mean: 0.0,
+                judge_log_std: 0.0,
+                ..metrics(step, 4000f64.ln())
+            };
+            if let Some(Decision::Migrate(m)) = p.on_event(Event::Metrics(m)).into_iter().next() {
+                decided = Some(m);
+                break;
+            }
+        }
+        let m = decided.expect("long responses move groups to the rollout");
+        let pools: Vec<RoleSet> = m.target.pools.iter().map(|p| p.roles).collect();
+        assert_eq!(pools, vec![rollout, policy], "{}", m.target.summary());
+        assert_eq!(m.target.rollout_batch_cap, Some(64));
+        assert!(m.target.pool_of(Role::Rollout).unwrap().groups.len() > 1);
+        // A start plan that does not cover the job is refused.
+        let bad = Plan {
+            pools: vec![start.pools[0].clone()],
+            rollout_batch_cap: None,
+        };
+        assert!(matches!(
+            PlacementPolicy::starting_from(config, inv, setup, f, bad, limits),
+            Err(PolicyError::NoPlan(PlanError::Unplaced(Role::Policy)))
+        ));
     }
 }

@@ -140,11 +140,36 @@ pub fn search_top(cm: &CostModel, f: &Forecast, space: &Space, k: usize) -> Vec<
     all
 }
 
+/// Like [`search_top`], over the given pool structures and rollout batch caps only: what
+/// a live executor can carry out.
+pub fn search_top_in(
+    cm: &CostModel,
+    f: &Forecast,
+    space: &Space,
+    structures: &[Vec<RoleSet>],
+    caps: &[Option<u32>],
+    k: usize,
+) -> Vec<Found> {
+    let mut all = search_ranked_caps(cm, f, space, structures, Some(caps));
+    all.truncate(k.max(1));
+    all
+}
+
 fn search_ranked(
     cm: &CostModel,
     f: &Forecast,
     space: &Space,
     structures: &[Vec<RoleSet>],
+) -> Vec<Found> {
+    search_ranked_caps(cm, f, space, structures, None)
+}
+
+fn search_ranked_caps(
+    cm: &CostModel,
+    f: &Forecast,
+    space: &Space,
+    structures: &[Vec<RoleSet>],
+    fixed_caps: Option<&[Option<u32>]>,
 ) -> Vec<Found> {
     let mut all: Vec<Found> = Vec::new();
     let mut evaluated = 0;
@@ -163,7 +188,9 @@ fn search_ranked(
         }
         // A rollout with groups of its own streams across steps; there a smaller batch
         // can shorten the cycle more than it costs in throughput.
-        let caps: &[Option<u32>] = if cm.setup().staleness > 0 && roles.contains(&alone) {
+        let caps: &[Option<u32>] = if let Some(c) = fixed_caps {
+            c
+        } else if cm.setup().staleness > 0 && roles.contains(&alone) {
             &[None, Some(256), Some(128), Some(64), Some(32)]
         } else {
             &[None]

@@ -214,6 +214,9 @@ pub struct ModelSection {
     pub max_seq_len: usize,
     /// Wrap prompts in the tokenizer's chat template (HF models only).
     pub chat: bool,
+    /// `tiny` only: transformer layers (0 = the fixture's 2). A deeper tiny model
+    /// decodes slower per token, as a larger model would.
+    pub tiny_layers: usize,
 }
 
 impl Default for ModelSection {
@@ -224,6 +227,7 @@ impl Default for ModelSection {
             threads: 1,
             max_seq_len: 256,
             chat: false,
+            tiny_layers: 0,
         }
     }
 }
@@ -236,8 +240,12 @@ pub struct DataSection {
     pub task: String,
     /// A JSONL prompt file (`{"prompt": ..., "reference": ...}` per line); empty = use `task`.
     pub jsonl: String,
-    /// Task length of the synthetic tasks (digits, list length, letters).
+    /// Task length of the synthetic tasks (digits, list length, letters); for
+    /// `growing`, the target response length at the first step.
     pub length: usize,
+    /// `growing`: the target response length at the last step (it grows linearly
+    /// from `length` over `job.steps`); 0 keeps it at `length`.
+    pub length_end: usize,
     /// Number of distinct prompts generated for a synthetic task.
     pub num_prompts: usize,
     /// Prompts per step and controller.
@@ -252,6 +260,7 @@ impl Default for DataSection {
             task: "letters".into(),
             jsonl: String::new(),
             length: 2,
+            length_end: 0,
             num_prompts: 256,
             prompts_per_step: 8,
             samples_per_prompt: 8,
@@ -276,6 +285,10 @@ pub struct RolloutSection {
     /// Stream samples out of the rollout as they finish, and score their rewards while
     /// generation goes on (in-process rollouts only).
     pub stream: bool,
+    /// Most sequences a rollout replica decodes at once (its engine's batch slots);
+    /// 0 = all of a head's samples. A small cap models an engine whose KV cache holds
+    /// few sequences: decoding becomes the bottleneck, as on GPUs.
+    pub max_batch: usize,
 }
 
 impl Default for RolloutSection {
@@ -287,6 +300,7 @@ impl Default for RolloutSection {
             top_k: 0,
             ignore_eos: false,
             stream: false,
+            max_batch: 0,
         }
     }
 }
@@ -623,7 +637,7 @@ impl JobConfig {
             one_of(
                 "data.task",
                 &self.data.task,
-                &["addition", "sorting", "reversal", "letters"],
+                &["addition", "sorting", "reversal", "letters", "growing"],
             )?;
             positive(
                 "data.num_prompts",
@@ -1014,6 +1028,7 @@ pub(crate) fn prompts(job: &JobConfig) -> Result<Vec<Prompt>, JobError> {
                 })
                 .collect())
         }
+        "growing" => return Ok(growing_task(job).prompts(d.num_prompts)),
         "addition" => SyntheticTaskKind::Addition,
         "sorting" => SyntheticTaskKind::Sorting { max_value: 99 },
         "reversal" => SyntheticTaskKind::Reversal,
@@ -1028,6 +1043,38 @@ pub(crate) fn prompts(job: &JobConfig) -> Result<Vec<Prompt>, JobError> {
     };
     let task = SyntheticTask::new(kind, LengthSchedule::Constant(d.length), job.job.seed)?;
     Ok(task.prompts(0, d.num_prompts))
+}
+
+/// The `growing` task of the job: target length from `data.length` to
+/// `data.length_end` over the run's steps.
+pub fn growing_task(job: &JobConfig) -> crate::data::GrowingLength {
+    let d = &job.data;
+    let end = if d.length_end == 0 {
+        d.length
+    } else {
+        d.length_end
+    };
+    crate::data::GrowingLength {
+        target: LengthSchedule::Linear {
+            start: d.length,
+            end,
+            steps: job.job.steps.saturating_sub(1).max(1),
+        },
+    }
+}
+
+/// Spawns the job's reward role on `node`: the `growing` task's length reward, or the
+/// reward functions of `reward.kind`.
+pub(crate) async fn spawn_reward(
+    job: &JobConfig,
+    node: &Node,
+    group: DeviceGroup,
+) -> Result<crate::controller::SamplesRef, JobError> {
+    if job.data.jsonl.is_empty() && job.data.task == "growing" {
+        let role = crate::placement_live::GrowingLengthReward(growing_task(job));
+        return Ok(spawn_role(node, role, 0, group).await?);
+    }
+    Ok(spawn_role(node, reward_role(job)?, 0, group).await?)
 }
 
 /// The job's reward role: its reward functions and reward models with their weights.
@@ -1178,13 +1225,16 @@ pub fn base_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, i64), J
         // interleave their draws.
         static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
         let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
-        let m =
-            Llama::random(tiny_config(), Device::Cpu, Kind::Float, seed as i64).map_err(|e| {
-                JobError::Model {
-                    source_desc: "tiny".into(),
-                    reason: e.to_string(),
-                }
-            })?;
+        let mut config = tiny_config();
+        if job.model.tiny_layers > 0 {
+            config.num_hidden_layers = job.model.tiny_layers as i64;
+        }
+        let m = Llama::random(config, Device::Cpu, Kind::Float, seed as i64).map_err(|e| {
+            JobError::Model {
+                source_desc: "tiny".into(),
+                reason: e.to_string(),
+            }
+        })?;
         return Ok((m, Arc::new(TINY_CODEC), 1));
     }
     let dir = &job.model.source;
@@ -1206,7 +1256,10 @@ pub fn base_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, i64), J
 
 /// A rollout replica of the job over `model`.
 pub fn rollout_role(job: &JobConfig, model: Llama, codec: Arc<dyn TextCodec>) -> RolloutRole {
-    let batch = job.data.prompts_per_step * job.data.samples_per_prompt as usize;
+    let mut batch = job.data.prompts_per_step * job.data.samples_per_prompt as usize;
+    if job.rollout.max_batch > 0 {
+        batch = batch.min(job.rollout.max_batch);
+    }
     let gen_config = GeneratorConfig {
         max_batch: batch.max(1),
         max_seq_len: job.model.max_seq_len,
@@ -1226,7 +1279,7 @@ pub fn reference_role(job: &JobConfig, model: Llama, pad_id: i64) -> ReferenceRo
 }
 
 /// The policy's optimizer settings.
-fn train_config(job: &JobConfig) -> TrainConfig {
+pub(crate) fn train_config(job: &JobConfig) -> TrainConfig {
     let o = &job.optim;
     let warmup_steps = o.warmup_steps;
     let schedule = match o.schedule.as_str() {
@@ -1325,7 +1378,7 @@ fn kl_term(job: &JobConfig) -> Option<(KlEstimator, f64)> {
 }
 
 /// What each controller of the job runs.
-fn controller_config(job: &JobConfig) -> ControllerConfig {
+pub(crate) fn controller_config(job: &JobConfig) -> ControllerConfig {
     let a = &job.algorithm;
     let advantage = match a.name.as_str() {
         "rloo" => AdvantageEstimator::Rloo,
@@ -1503,7 +1556,7 @@ pub async fn build_embedded_with(
         extra_rollouts: Vec::new(),
         reward: match &custom.reward {
             Some(r) => r.clone(),
-            None => spawn_role(node, reward_role(job)?, 0, g()).await?,
+            None => spawn_reward(job, node, g()).await?,
         },
         // The reference is the initial policy, also when resuming; with no KL term
         // there is nothing to hold or run.
@@ -1656,7 +1709,22 @@ pub async fn train_with(
         source: e.source,
     };
     let checkpoint_dir = out.join("checkpoint");
-    let mut controllers = if job.placement.mode == "disaggregated" {
+    if job.placement.live && (resume || options.roles.reward.is_some()) {
+        return Err(JobError::NotImplemented {
+            key: "placement.live".into(),
+            found: "true".into(),
+            fix: "resume and custom roles work without live placement for now".into(),
+        });
+    }
+    // Live placement owns the heads and re-routes them between steps.
+    let mut live = if job.placement.live {
+        Some(crate::placement_live::LivePlacement::build(job, node).await?)
+    } else {
+        None
+    };
+    let mut controllers = if live.is_some() {
+        Vec::new()
+    } else if job.placement.mode == "disaggregated" {
         if resume || options.roles.reward.is_some() {
             return Err(JobError::NotImplemented {
                 key: "placement.mode".into(),
@@ -1669,7 +1737,10 @@ pub async fn train_with(
     } else {
         build_embedded_with(job, node, resume.then_some(out.as_path()), &options.roles).await?
     };
-    let mut step = controllers.first().map_or(0, Controller::step_count);
+    let mut step = match &live {
+        Some(l) => l.controllers().first().map_or(0, Controller::step_count),
+        None => controllers.first().map_or(0, Controller::step_count),
+    };
     // metrics.jsonl and a TensorBoard event file, both flushed after every step.
     let mut writer = if resume {
         RunWriter::resume(&out, step)
@@ -1683,7 +1754,7 @@ pub async fn train_with(
     let t0 = Instant::now();
     let mut rewards = Vec::new();
     for _ in step..total {
-        run_steps(&mut controllers, 1, |m| {
+        let mut record = |m: &StepMetrics| {
             step += 1;
             writer.write_step(step, &m.values).map_err(metrics_err)?;
             rewards.push(m.get("critic/rewards/mean").unwrap_or(f64::NAN));
@@ -1693,15 +1764,24 @@ pub async fn train_with(
                 elapsed_s: t0.elapsed().as_secs_f64(),
                 metrics: m,
             });
-            Ok(())
-        })
-        .await?;
+            Ok::<(), JobError>(())
+        };
+        match live.as_mut() {
+            Some(l) => record(&l.step().await?)?,
+            None => run_steps(&mut controllers, 1, record).await?,
+        }
         if every > 0 && step % every == 0 && step < total {
-            save(&controllers, &checkpoint_dir).await?;
+            match &live {
+                Some(l) => save(l.controllers(), &checkpoint_dir).await?,
+                None => save(&controllers, &checkpoint_dir).await?,
+            }
         }
     }
     let seconds = t0.elapsed().as_secs_f64();
-    save(&controllers, &checkpoint_dir).await?;
+    match &live {
+        Some(l) => save(l.controllers(), &checkpoint_dir).await?,
+        None => save(&controllers, &checkpoint_dir).await?,
+    }
     Ok(TrainSummary {
         steps: step,
         metrics_path,
@@ -1754,7 +1834,7 @@ impl RunState {
     }
 }
 
-fn load_trainer(dir: &Path, role: &str) -> Result<Trainer, JobError> {
+pub(crate) fn load_trainer(dir: &Path, role: &str) -> Result<Trainer, JobError> {
     Trainer::load_checkpoint(dir, Device::Cpu, Kind::Float).map_err(|e| JobError::Resume {
         dir: dir.into(),
         reason: format!("loading the {role}: {e}"),
@@ -1764,7 +1844,7 @@ fn load_trainer(dir: &Path, role: &str) -> Result<Trainer, JobError> {
 /// Saves the policy (shared by every head) to `dir`, the critic to `dir/critic`, and
 /// every controller's position to `dir/run_state.json`, the last so that a checkpoint
 /// without it is recognisably incomplete.
-async fn save(controllers: &[Controller], dir: &Path) -> Result<(), JobError> {
+pub(crate) async fn save(controllers: &[Controller], dir: &Path) -> Result<(), JobError> {
     let wr = |path: &Path| {
         let path = path.to_path_buf();
         move |source| JobError::Write { path, source }

@@ -19,6 +19,7 @@
 //! | [`job`] | training jobs: the TOML job config, embedded build and run loop |
 //! | [`bench`] | `yatt bench controller`: controller overhead, parallel vs single driver (fake compute) |
 //! | [`wire`] | role messages on the wire: bulk weight buckets, spilled large bodies |
+//! | [`placement_live`] | the live placement actor: feeds the placement policy, migrates groups between rollout and policy |
 //! | [`remote`] | roles on other nodes: factories, `[placement]`, the cluster build |
 //! | [`eval`] | accuracy of a job's model or checkpoint: greedy answers on held-out prompts |
 
@@ -30,6 +31,7 @@ pub mod data;
 pub mod eval;
 pub mod job;
 pub mod ledger;
+pub mod placement_live;
 pub mod remote;
 pub mod reward;
 pub mod role;

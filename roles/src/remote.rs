@@ -58,6 +58,18 @@ pub struct PlacementSection {
     pub reward: String,
     /// Deadline for a node to build a role, model load included, seconds.
     pub spawn_timeout_s: u64,
+    /// Run the live placement actor (embedded mode only): the roles sit on `groups`
+    /// virtual device groups of one libtorch thread each and groups move between the
+    /// rollout and the policy as the load shifts (see `crate::placement_live`).
+    pub live: bool,
+    /// Virtual device groups of the live placement (`job.controllers` + 1).
+    pub groups: usize,
+    /// Groups the rollout starts with (1 or `job.controllers`); the policy gets the rest.
+    pub rollout_groups: usize,
+    /// The placement policy's knobs (`[placement.replan]`: replan_every, warmup_steps,
+    /// min_gain, confirmations, horizon_steps, payback, cooldown_steps,
+    /// lookahead_steps, simulate_candidates, simulate_steps).
+    pub replan: yatt_placement::PolicyConfig,
 }
 
 impl Default for PlacementSection {
@@ -69,6 +81,15 @@ impl Default for PlacementSection {
             reference: String::new(),
             reward: String::new(),
             spawn_timeout_s: 300,
+            live: false,
+            groups: 3,
+            rollout_groups: 1,
+            replan: yatt_placement::PolicyConfig {
+                // The live executor trusts the analytic model: simulating candidates
+                // costs more than a CPU step.
+                simulate_candidates: 0,
+                ..Default::default()
+            },
         }
     }
 }
@@ -93,6 +114,13 @@ impl PlacementSection {
             self.spawn_timeout_s as f64,
             "e.g. spawn_timeout_s = 300",
         )?;
+        if self.live && self.mode != "colocate" {
+            return Err(JobError::NotImplemented {
+                key: "placement.live".into(),
+                found: "true with mode = \"disaggregated\"".into(),
+                fix: "live placement runs embedded only for now: set mode = \"colocate\" or live = false".into(),
+            });
+        }
         if self.mode == "colocate" {
             return Ok(());
         }

@@ -180,6 +180,10 @@ pub enum RoleRequest<Req> {
     Drain,
     /// Report the resource profile.
     Profile,
+    /// Stop the role for good: its thread ends (calling [`Role::stop`]) and drops
+    /// everything it held, then the actor exits. The placement actor uses it to free a
+    /// group a role loses.
+    Stop,
 }
 
 /// What a [`RoleActor`] answers.
@@ -252,6 +256,8 @@ impl<R: Role> RoleActor<R> {
                         }
                         RoleRequest::Drain => role.drain().map(RoleResponse::Drained),
                         RoleRequest::Profile => Ok(RoleResponse::Profile(role.profile())),
+                        // Handled by the actor, which closes the queue instead.
+                        RoleRequest::Stop => Ok(RoleResponse::Done),
                     };
                     let _ = reply.send(result);
                 }
@@ -275,8 +281,16 @@ impl<R: Role> Actor for RoleActor<R> {
     async fn handle(
         &mut self,
         request: Self::Request,
-        _ctx: &mut Context,
+        ctx: &mut Context,
     ) -> Result<Self::Response, ActorError> {
+        if matches!(request, RoleRequest::Stop) {
+            // Closing the queue ends the thread, which drops the role and its tensors;
+            // answering only after the join means the memory is free when the asker
+            // hears back.
+            self.stopped().await;
+            ctx.stop();
+            return Ok(RoleResponse::Done);
+        }
         let jobs = self
             .jobs
             .as_ref()

@@ -55,6 +55,7 @@ enum RequestHead {
     LoadWeights { version: u64, buckets: Vec<Vec<u8>> },
     Drain,
     Profile,
+    Stop,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -281,6 +282,7 @@ impl<Req: Message> Message for RoleRequest<Req> {
             RoleRequest::Reload => (RequestHead::Reload, Bytes::new(), None),
             RoleRequest::Drain => (RequestHead::Drain, Bytes::new(), None),
             RoleRequest::Profile => (RequestHead::Profile, Bytes::new(), None),
+            RoleRequest::Stop => (RequestHead::Stop, Bytes::new(), None),
             RoleRequest::LoadWeights(u) => {
                 let (mut headers, bulk) = pack_buckets::<Self>(vec![u.buckets])?;
                 let head = RequestHead::LoadWeights {
@@ -304,6 +306,7 @@ impl<Req: Message> Message for RoleRequest<Req> {
             RequestHead::Reload => simple(RoleRequest::Reload),
             RequestHead::Drain => simple(RoleRequest::Drain),
             RequestHead::Profile => simple(RoleRequest::Profile),
+            RequestHead::Stop => simple(RoleRequest::Stop),
             RequestHead::LoadWeights { version, buckets } => {
                 let groups = unpack_buckets::<Self>(vec![buckets], wire.bulk.as_ref())?;
                 Ok(RoleRequest::LoadWeights(WeightsUpdate {

@@ -14,7 +14,7 @@ pub mod synthetic;
 
 pub use jsonl::{load_jsonl, parse_jsonl};
 pub use loader::{Dataloader, LoaderState};
-pub use synthetic::{LengthSchedule, SyntheticTask, SyntheticTaskKind};
+pub use synthetic::{GrowingLength, LengthSchedule, SyntheticTask, SyntheticTaskKind};
 
 use std::path::PathBuf;
 

@@ -226,6 +226,44 @@ fn join<T: std::fmt::Display>(xs: &[T], sep: &str) -> String {
         .join(sep)
 }
 
+/// A task whose target response length grows with the training step: any response
+/// counts, only its length matters. It makes generation take a growing share of a
+/// step, which is what the live placement actor must react to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrowingLength {
+    /// Target response length (tokens) by step.
+    pub target: LengthSchedule,
+}
+
+impl GrowingLength {
+    /// `n` prompts `n{i}:`, ids from 2000 (deterministic; the text carries no target:
+    /// the reward knows the step).
+    pub fn prompts(&self, n: usize) -> Vec<Prompt> {
+        (0..n as u64)
+            .map(|i| Prompt {
+                id: 2000 + i,
+                text: format!("n{i}:"),
+                reference: None,
+                metadata: json!({ "task": "growing" }),
+            })
+            .collect()
+    }
+
+    /// The target length at `step`.
+    pub fn target_at(&self, step: u64) -> usize {
+        self.target.at(step).max(1)
+    }
+
+    /// Reward of a response of `len` tokens at `step`: 1 at the target, falling
+    /// linearly to 0 at no tokens and at twice the target. Overshooting is not paid,
+    /// so a random model (whose responses run long) first learns to stop early and
+    /// then follows the target as it grows.
+    pub fn score(&self, step: u64, len: usize) -> f64 {
+        let t = self.target_at(step) as f64;
+        (1.0 - (len as f64 - t).abs() / t).max(0.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -337,5 +375,26 @@ mod tests {
             max: 3,
         };
         assert!(SyntheticTask::new(SyntheticTaskKind::Reversal, st, 0).is_err());
+    }
+
+    #[test]
+    fn growing_length_pays_for_reaching_a_growing_target() {
+        let t = GrowingLength {
+            target: LengthSchedule::Linear {
+                start: 4,
+                end: 20,
+                steps: 8,
+            },
+        };
+        assert_eq!(t.target_at(0), 4);
+        assert_eq!(t.target_at(8), 20);
+        assert_eq!(t.score(0, 2), 0.5);
+        assert_eq!(t.score(0, 4), 1.0);
+        assert_eq!(t.score(0, 6), 0.5);
+        assert_eq!(t.score(0, 9), 0.0);
+        assert_eq!(t.score(8, 10), 0.5);
+        let p = t.prompts(3);
+        assert_eq!(p[2].id, 2002);
+        assert_eq!(p, t.prompts(3));
     }
 }

@@ -6,6 +6,7 @@ mod bench_runtime;
 mod demo;
 mod engine_cmds;
 mod eval;
+mod placement;
 mod plot;
 mod reward_model;
 mod sim;
@@ -44,6 +45,9 @@ enum Command {
     /// the best static split, dynamic placement) against the lower bound; or time the
     /// plan search (--bench), or fit the simulator to a run's metrics (--calibrate).
     Sim(sim::SimArgs),
+    /// The live placement of a run: `yatt placement show RUN_DIR`.
+    #[command(subcommand)]
+    Placement(placement::PlacementCommand),
     /// Import a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1) as an HF model directory.
     ImportGguf(engine_cmds::ImportGgufArgs),
     /// Benchmarks; figures go to stdout as a markdown table.
@@ -76,6 +80,7 @@ fn real_main() -> anyhow::Result<()> {
         Command::Eval(args) => eval::run(args),
         Command::RewardModel(args) => reward_model::run(args),
         Command::Sim(args) => sim::run(args),
+        Command::Placement(cmd) => placement::run(cmd),
         Command::ImportGguf(args) => engine_cmds::import_gguf(args),
         Command::Bench(BenchCommand::Engine(args)) => engine_cmds::bench_engine(args),
         Command::Bench(BenchCommand::Runtime(args)) => bench_runtime::run(args),

@@ -1,0 +1,899 @@
+//! The live placement actor (embedded mode): a thin async shell around
+//! [`yatt_placement::PlacementPolicy`], the same deterministic policy the simulator
+//! drives.
+//!
+//! The job's rollout and policy roles sit on `placement.groups` virtual device groups
+//! of one libtorch thread each: a group serves either a rollout replica or a policy
+//! replica. The job's `job.controllers` heads (data-parallel controllers) are routed
+//! over them: with one rollout group every head generates on it; with one policy group
+//! every head trains on it (gradients summed there); with as many groups as heads each
+//! head has its own (gradients all-reduced). Reward (and reference) run outside the
+//! groups.
+//!
+//! After every step the shell turns the heads' stage times (`timing_s/*`) and samples
+//! into the policy's [`yatt_placement::StepMetrics`] and feeds it. When the policy
+//! decides to move a group, the shell migrates at the step boundary:
+//! 1. the group leaves routing (no head sends to it any more);
+//! 2. its role is drained (a step boundary has no work in flight; whatever a drain
+//!    hands back is failed loudly rather than lost, because the next step's ledger
+//!    expects only its own samples);
+//! 3. its memory is freed: offload, then stop (the role's thread ends and drops it);
+//! 4. the gaining role starts there: a rollout replica from the policy's weights, or a
+//!    policy replica from a checkpoint of a surviving one (weights and optimizer);
+//! 5. every head syncs weights to its rollout;
+//! 6. a new routing version is published (and the directory's epoch recorded), and
+//!    the heads follow it from the next step.
+//!
+//! Everything it sees and does goes to `OUTPUT_DIR/placement.jsonl`
+//! ([`yatt_placement::record`]), which `yatt placement show RUN_DIR` renders.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use tch::{Device, Kind};
+use yatt_engine::{Llama, Trainer};
+use yatt_placement::inventory::GroupId;
+use yatt_placement::profile::{Role as PRole, RoleSet};
+use yatt_placement::record::{finite, GroupUse, Record};
+use yatt_placement::workload::ForecastParams;
+use yatt_placement::{
+    CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy,
+    Plan, Pool, RewardKind, Stage, StageObs,
+};
+use yatt_runtime::actor::ExitReason;
+use yatt_runtime::directory::Change;
+use yatt_runtime::node::Node;
+
+use crate::builtin::{PolicyRequest, PolicyResponse, TextCodec};
+use crate::controller::{
+    spawn_role, step_data_parallel, Controller, PolicyRef, RoleRefs, RolloutRef, StepMetrics,
+    StepReport,
+};
+use crate::job::{
+    base_model, controllers, load_trainer, policy_role_from, rollout_role, spawn_reward,
+    train_config, JobConfig, JobError,
+};
+use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse};
+use crate::sample::Sample;
+
+/// The `growing` task's reward role: pays for a response of the step's target length
+/// (the step comes from each sample's id).
+pub struct GrowingLengthReward(pub crate::data::GrowingLength);
+
+impl Role for GrowingLengthReward {
+    type Request = Vec<Sample>;
+    type Response = Vec<Sample>;
+
+    fn name(&self) -> &str {
+        "reward"
+    }
+
+    fn profile(&self) -> ResourceProfile {
+        ResourceProfile::cpu_only()
+    }
+
+    fn start(&mut self, _group: &DeviceGroup) -> Result<(), RoleError> {
+        Ok(())
+    }
+
+    fn serve(&mut self, mut samples: Vec<Sample>) -> Result<Vec<Sample>, RoleError> {
+        for s in &mut samples {
+            s.reward = Some(self.0.score(s.id.step, s.response_len()));
+        }
+        Ok(samples)
+    }
+}
+
+/// What runs on a group.
+#[derive(Clone)]
+enum Replica {
+    Rollout(RolloutRef),
+    Policy(PolicyRef),
+}
+
+/// Per head: the group and replica of its rollout, and of its policy.
+type Routes = (Vec<(GroupId, RolloutRef)>, Vec<(GroupId, PolicyRef)>);
+
+/// The roles every head shares, outside the groups.
+struct Shared {
+    reward: crate::controller::SamplesRef,
+    reference: Option<crate::controller::SamplesRef>,
+}
+
+/// Seconds one step's stages kept each group busy, and the policy's view of the step.
+struct Observed {
+    metrics: yatt_placement::StepMetrics,
+    groups: Vec<GroupUse>,
+}
+
+/// The live placement shell of one embedded job.
+pub struct LivePlacement {
+    job: JobConfig,
+    node: Node,
+    codec: Arc<dyn TextCodec>,
+    pad_id: i64,
+    /// A model of the right shape; rollouts start from a copy and get the policy's
+    /// weights by sync.
+    template: Llama,
+    policy: PlacementPolicy,
+    plan: Plan,
+    replicas: BTreeMap<GroupId, Replica>,
+    shared: Shared,
+    controllers: Vec<Controller>,
+    routing_version: u64,
+    next_replica: u32,
+    log: std::fs::File,
+    log_path: PathBuf,
+    /// The plan before the last migration: the "no move" baseline.
+    before_move: Option<Plan>,
+}
+
+fn rset(r: PRole) -> RoleSet {
+    RoleSet::of(&[r])
+}
+
+/// A virtual device of one libtorch thread, as the cost model sees it. The figures are
+/// effective rates of a small model on one x86 core (op dispatch dominates decoding);
+/// the online fit corrects them within its bounds from the first steps.
+fn cpu_thread_spec() -> GpuSpec {
+    GpuSpec {
+        name: "cpu-thread".into(),
+        memory_bytes: 8e9,
+        flops: 5e10,
+        hbm_bytes_per_s: 4e8,
+        pcie_bytes_per_s: 4e9,
+        net_bytes_per_s: 2e9,
+        host_memory_bytes: 16e9,
+    }
+}
+
+/// Sequences one rollout replica decodes at once (its engine's slots).
+fn rollout_slots(job: &JobConfig) -> u32 {
+    let all = job.data.prompts_per_step as u32 * job.data.samples_per_prompt;
+    match job.rollout.max_batch {
+        0 => all,
+        cap => all.min(cap as u32),
+    }
+}
+
+fn me(job: &JobConfig) -> impl Fn(yatt_engine::EngineError) -> JobError + '_ {
+    move |e| JobError::Model {
+        source_desc: job.model.source.clone(),
+        reason: e.to_string(),
+    }
+}
+
+fn invalid(key: &str, expected: &str, found: &str, fix: &str) -> JobError {
+    JobError::Invalid {
+        key: key.into(),
+        expected: expected.into(),
+        found: found.into(),
+        fix: fix.into(),
+    }
+}
+
+impl LivePlacement {
+    /// Checks that `job` can run under live placement, builds its roles on `node` on
+    /// the starting plan (`placement.rollout_groups` rollout groups, the rest policy)
+    /// and writes the first plan to `OUTPUT_DIR/placement.jsonl`.
+    pub async fn build(job: &JobConfig, node: &Node) -> Result<Self, JobError> {
+        job.validate()?;
+        let p = &job.placement;
+        let heads = job.job.controllers;
+        if heads < 2 || job.job.driver != "parallel" {
+            return Err(invalid(
+                "job.controllers",
+                "at least 2 parallel heads under placement.live",
+                &heads.to_string(),
+                "set job.controllers = 2 and job.driver = \"parallel\"",
+            ));
+        }
+        if p.groups != heads + 1 {
+            return Err(invalid(
+                "placement.groups",
+                &format!("job.controllers + 1 = {}", heads + 1),
+                &p.groups.to_string(),
+                "the rollout and the policy each take 1 or job.controllers groups",
+            ));
+        }
+        if p.rollout_groups != 1 && p.rollout_groups != heads {
+            return Err(invalid(
+                "placement.rollout_groups",
+                &format!("1 or job.controllers ({heads})"),
+                &p.rollout_groups.to_string(),
+                "set rollout_groups = 1",
+            ));
+        }
+        if job.model.threads != 1 {
+            return Err(invalid(
+                "model.threads",
+                "1 under placement.live (a group is one libtorch thread)",
+                &job.model.threads.to_string(),
+                "set model.threads = 1; add groups for more threads",
+            ));
+        }
+        if job.algorithm.name == "ppo" {
+            return Err(JobError::NotImplemented {
+                key: "algorithm.name".into(),
+                found: "ppo with placement.live".into(),
+                fix:
+                    "live placement moves rollout and policy groups; use grpo, rloo or reinforce++"
+                        .into(),
+            });
+        }
+        let (mut model, codec, pad_id) = base_model(job)?;
+        tch::set_num_threads(1);
+        let params = model.num_parameters() as f64;
+        let cfg = &model.config;
+        let spec = ModelSpec {
+            name: job.model.source.clone(),
+            params,
+            layers: cfg.num_hidden_layers as u32,
+            kv_heads: cfg.num_key_value_heads as u32,
+            head_dim: cfg.head_dim as u32,
+        };
+        let mut shape = JobShape::new(spec, RewardKind::Rule, job.rollout.max_new_tokens as u32);
+        // Reward and reference run outside the groups.
+        shape.reference = false;
+        shape.prompt_len = 4;
+        let gpu = cpu_thread_spec();
+        let inventory_gpu = gpu.clone();
+        let setup = CostSetup {
+            job: shape,
+            gpu,
+            group_devices: 1,
+            staleness: 0,
+        };
+        let inventory = Inventory::uniform(
+            1,
+            p.groups as u32,
+            1,
+            inventory_gpu.memory_bytes,
+            inventory_gpu.host_memory_bytes,
+        )
+        .map_err(|e| {
+            invalid(
+                "placement.groups",
+                "a valid inventory",
+                &p.groups.to_string(),
+                &e.to_string(),
+            )
+        })?;
+        let ids: Vec<GroupId> = inventory.groups().map(|g| g.id).collect();
+        let plan = Plan {
+            pools: vec![
+                Pool {
+                    roles: rset(PRole::Rollout),
+                    groups: ids[..p.rollout_groups].to_vec(),
+                },
+                Pool {
+                    roles: rset(PRole::Policy),
+                    groups: ids[p.rollout_groups..].to_vec(),
+                },
+            ],
+            rollout_batch_cap: Some(rollout_slots(job)),
+        };
+        let batch = heads as u32 * job.data.prompts_per_step as u32;
+        let forecast = ForecastParams::lognormal(
+            batch,
+            job.data.samples_per_prompt,
+            (job.rollout.max_new_tokens as f64 / 2.0).max(1.0),
+            0.5,
+            job.rollout.max_new_tokens as u32,
+        );
+        let limits = Limits {
+            structures: Some(vec![vec![rset(PRole::Rollout), rset(PRole::Policy)]]),
+            rollout_cap: plan.rollout_batch_cap,
+        };
+        let mut policy = PlacementPolicy::starting_from(
+            p.replan,
+            inventory,
+            setup,
+            forecast,
+            plan.clone(),
+            limits,
+        )
+        .map_err(|e| invalid("[placement]", "a plan that fits", "", &e.to_string()))?;
+        // Starting a role here takes a fraction of a second, not a GPU engine's 10 s;
+        // the first migration replaces the guess with a measurement.
+        policy.cost_model_mut().set_start_costs(0.2, 0.2);
+        let group = DeviceGroup::cpu(node.name());
+        let shared = Shared {
+            reward: spawn_reward(job, node, group.clone()).await?,
+            reference: match job.algorithm.kl_mode.as_str() {
+                "none" => None,
+                _ => Some(
+                    spawn_role(
+                        node,
+                        crate::job::reference_role(
+                            job,
+                            model.deep_copy(Device::Cpu, Kind::Float).map_err(me(job))?,
+                            pad_id,
+                        ),
+                        0,
+                        group.clone(),
+                    )
+                    .await?,
+                ),
+            },
+        };
+        let out = job.job.output_dir.clone();
+        std::fs::create_dir_all(&out).map_err(|source| JobError::Write {
+            path: out.clone(),
+            source,
+        })?;
+        let log_path = out.join(yatt_placement::record::FILE);
+        let log = std::fs::File::create(&log_path).map_err(|source| JobError::Write {
+            path: log_path.clone(),
+            source,
+        })?;
+        let mut live = LivePlacement {
+            job: job.clone(),
+            node: node.clone(),
+            codec,
+            pad_id,
+            template: model.deep_copy(Device::Cpu, Kind::Float).map_err(me(job))?,
+            policy,
+            plan: plan.clone(),
+            replicas: BTreeMap::new(),
+            shared,
+            controllers: Vec::new(),
+            routing_version: 0,
+            next_replica: 0,
+            log,
+            log_path,
+            before_move: None,
+        };
+        // Every policy replica starts from the same fresh trainer state.
+        for pool in &plan.pools {
+            for g in &pool.groups {
+                let r = if pool.roles.contains(PRole::Rollout) {
+                    Replica::Rollout(live.start_rollout(*g).await?)
+                } else {
+                    let t = Trainer::new(
+                        model.deep_copy(Device::Cpu, Kind::Float).map_err(me(job))?,
+                        train_config(job),
+                    );
+                    Replica::Policy(live.start_policy(*g, t).await?)
+                };
+                live.replicas.insert(*g, r);
+            }
+        }
+        live.route(None)?;
+        live.sync_all().await?;
+        live.publish(0)?;
+        Ok(live)
+    }
+
+    /// The plan the heads are routed by.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// The heads (for checkpoints and tests).
+    pub fn controllers(&self) -> &[Controller] {
+        &self.controllers
+    }
+
+    /// The routing version the heads follow (1 at the start, +1 per migration).
+    pub fn routing_version(&self) -> u64 {
+        self.routing_version
+    }
+
+    /// `OUTPUT_DIR/placement.jsonl`.
+    pub fn log_path(&self) -> &Path {
+        &self.log_path
+    }
+
+    /// The policy (its cost model and plan).
+    pub fn policy(&self) -> &PlacementPolicy {
+        &self.policy
+    }
+
+    async fn start_rollout(&mut self, g: GroupId) -> Result<RolloutRef, JobError> {
+        let m = self
+            .template
+            .deep_copy(Device::Cpu, Kind::Float)
+            .map_err(me(&self.job))?;
+        let role = rollout_role(&self.job, m, self.codec.clone());
+        self.next_replica += 1;
+        let r = spawn_role(&self.node, role, self.next_replica, self.device_group(g)).await?;
+        self.announce(Change::ActorUp(r.id().clone())).await?;
+        Ok(r)
+    }
+
+    /// Records a replica's start or stop in the runtime's directory (a new epoch).
+    async fn announce(&self, change: Change) -> Result<(), JobError> {
+        self.node
+            .propose(change)
+            .await
+            .map_err(|e| JobError::NotImplemented {
+                key: "placement".into(),
+                found: format!("the directory refused a change: {e}"),
+                fix: "see the node's log".into(),
+            })
+    }
+
+    async fn start_policy(&mut self, g: GroupId, t: Trainer) -> Result<PolicyRef, JobError> {
+        let role = policy_role_from(&self.job, t, self.pad_id)?;
+        self.next_replica += 1;
+        let r = spawn_role(&self.node, role, self.next_replica, self.device_group(g)).await?;
+        self.announce(Change::ActorUp(r.id().clone())).await?;
+        Ok(r)
+    }
+
+    fn device_group(&self, g: GroupId) -> DeviceGroup {
+        DeviceGroup {
+            node: self.node.name().to_string(),
+            devices: vec![g.0],
+            cuda: false,
+        }
+    }
+
+    fn of_role(&self, role: PRole) -> Vec<(GroupId, Replica)> {
+        let pool = self
+            .plan
+            .pool_of(role)
+            .map(|p| p.groups.clone())
+            .unwrap_or_default();
+        pool.iter()
+            .filter_map(|g| self.replicas.get(g).map(|r| (*g, r.clone())))
+            .collect()
+    }
+
+    /// Which rollout and policy group each head uses under the plan.
+    fn routes(&self) -> Result<Routes, JobError> {
+        let heads = self.job.job.controllers;
+        let rollouts: Vec<(GroupId, RolloutRef)> = self
+            .of_role(PRole::Rollout)
+            .into_iter()
+            .filter_map(|(g, r)| match r {
+                Replica::Rollout(r) => Some((g, r)),
+                Replica::Policy(_) => None,
+            })
+            .collect();
+        let policies: Vec<(GroupId, PolicyRef)> = self
+            .of_role(PRole::Policy)
+            .into_iter()
+            .filter_map(|(g, r)| match r {
+                Replica::Policy(p) => Some((g, p)),
+                Replica::Rollout(_) => None,
+            })
+            .collect();
+        if rollouts.is_empty() || !(policies.len() == 1 || policies.len() == heads) {
+            return Err(JobError::NotImplemented {
+                key: "placement".into(),
+                found: self.plan.summary(),
+                fix: format!(
+                    "the live executor routes {heads} heads over 1..{heads} rollout groups and 1 or {heads} policy groups"
+                ),
+            });
+        }
+        let r = (0..heads)
+            .map(|i| rollouts[i % rollouts.len()].clone())
+            .collect();
+        let p = (0..heads)
+            .map(|i| policies[i % policies.len()].clone())
+            .collect();
+        Ok((r, p))
+    }
+
+    /// Rebuilds the heads over the plan's replicas, keeping each head's position.
+    fn route(
+        &mut self,
+        states: Option<Vec<crate::controller::ControllerState>>,
+    ) -> Result<(), JobError> {
+        let (r, p) = self.routes()?;
+        let shared = RoleRefs {
+            rollout: r[0].1.clone(),
+            extra_rollouts: Vec::new(),
+            reward: self.shared.reward.clone(),
+            reference: self.shared.reference.clone(),
+            policy: p[0].1.clone(),
+            critic: None,
+        };
+        let mut heads = controllers(
+            &self.job,
+            shared,
+            r.into_iter().map(|x| x.1).collect(),
+            p.into_iter().map(|x| x.1).collect(),
+        )?;
+        if let Some(states) = states {
+            for (c, s) in heads.iter_mut().zip(states) {
+                c.restore(s)?;
+            }
+        }
+        self.controllers = heads;
+        self.routing_version += 1;
+        Ok(())
+    }
+
+    async fn sync_all(&mut self) -> Result<(), JobError> {
+        for c in &mut self.controllers {
+            c.sync_weights().await?;
+        }
+        Ok(())
+    }
+
+    fn write(&mut self, r: &Record) -> Result<(), JobError> {
+        let line = serde_json::to_string(r).expect("records serialise");
+        writeln!(self.log, "{line}")
+            .and_then(|_| self.log.flush())
+            .map_err(|source| JobError::Write {
+                path: self.log_path.clone(),
+                source,
+            })
+    }
+
+    fn publish(&mut self, step: u64) -> Result<(), JobError> {
+        let r = Record::Plan {
+            step,
+            routing_version: self.routing_version,
+            directory_epoch: self.node.directory().epoch(),
+            plan: self.plan.clone(),
+        };
+        self.write(&r)
+    }
+
+    /// Runs one step of every head, feeds the policy, and carries out what it decides
+    /// before the next step. Returns the step's metrics, averaged over the heads, with
+    /// `placement/*` added.
+    pub async fn step(&mut self) -> Result<StepMetrics, JobError> {
+        let t = Instant::now();
+        let reports = step_data_parallel(&mut self.controllers).await?;
+        let wall = t.elapsed().as_secs_f64();
+        let step = reports.first().map_or(0, |r| r.metrics.step);
+        let obs = self.observe(&reports, wall)?;
+        let decisions = self.policy.on_event(Event::Metrics(obs.metrics));
+        let predicted = self.policy.predict_plan(&self.plan, 0.0).step_s;
+        let no_move = self
+            .before_move
+            .as_ref()
+            .map(|p| self.policy.predict_plan(p, 0.0).step_s);
+        self.write(&Record::Step {
+            step,
+            step_s: wall,
+            predicted_s: finite(predicted),
+            no_move_s: no_move.and_then(finite),
+            groups: obs.groups,
+        })?;
+        for line in self.policy.take_log() {
+            self.write(&Record::Search { step, line })?;
+        }
+        let mut m = average(&reports);
+        m.values.insert("timing_s/step_wall".into(), wall);
+        m.values.insert("placement/predicted_s".into(), predicted);
+        if let Some(x) = no_move {
+            m.values.insert("placement/no_move_s".into(), x);
+        }
+        for d in decisions {
+            let Decision::Migrate(mig) = d;
+            self.write(&Record::Decision {
+                step,
+                id: mig.id,
+                reason: mig.reason,
+                from: self.plan.summary(),
+                to: mig.target.summary(),
+                moves: mig.moves.clone(),
+                predicted_before_s: finite(mig.predicted_s.0),
+                predicted_after_s: finite(mig.predicted_s.1),
+                cost_s: mig.cost_s,
+            })?;
+            let t = Instant::now();
+            let outcome = self.migrate(&mig).await;
+            let secs = t.elapsed().as_secs_f64();
+            let (ok, detail) = match &outcome {
+                Ok(d) => (true, d.clone()),
+                Err(e) => (false, e.to_string()),
+            };
+            self.write(&Record::Migrated {
+                id: mig.id,
+                ok,
+                seconds: secs,
+                detail,
+            })?;
+            let event = match outcome {
+                Ok(_) => {
+                    // What a start really costs here, for the next decision.
+                    let per_group = secs / mig.moves.len().max(1) as f64;
+                    self.policy
+                        .cost_model_mut()
+                        .set_start_costs(per_group, per_group);
+                    Event::MigrationDone { id: mig.id }
+                }
+                Err(e) => {
+                    // A group of the plan in force that lost its replica cannot be
+                    // routed: stop the run loudly rather than fail the next step.
+                    let broken = self
+                        .plan
+                        .roles_by_group()
+                        .keys()
+                        .any(|g| !self.replicas.contains_key(g));
+                    if broken {
+                        return Err(e);
+                    }
+                    Event::MigrationFailed {
+                        id: mig.id,
+                        reason: e.to_string(),
+                    }
+                }
+            };
+            self.policy.on_event(event);
+            self.publish(step + 1)?;
+        }
+        let count = |r: PRole| self.plan.pool_of(r).map_or(0, |p| p.groups.len()) as f64;
+        m.values
+            .insert("placement/rollout_groups".into(), count(PRole::Rollout));
+        m.values
+            .insert("placement/policy_groups".into(), count(PRole::Policy));
+        m.values.insert(
+            "placement/routing_version".into(),
+            self.routing_version as f64,
+        );
+        Ok(m)
+    }
+
+    /// Carries out one migration at a step boundary. An error before any group left
+    /// routing keeps the old plan and routing; one after a group's replica stopped
+    /// leaves the plan unroutable, and [`LivePlacement::step`] returns it (no rollback
+    /// yet).
+    async fn migrate(&mut self, mig: &yatt_placement::Migration) -> Result<String, JobError> {
+        let old = self.plan.clone();
+        let states: Vec<_> = self.controllers.iter().map(Controller::state).collect();
+        let mut done = Vec::new();
+        for mv in &mig.moves {
+            // 1. Out of routing: the plan without this group serves until the new one
+            // is published (the heads are rebuilt at the end).
+            let Some(replica) = self.replicas.remove(&mv.group) else {
+                return Err(JobError::NotImplemented {
+                    key: "placement".into(),
+                    found: format!("a move of {} which runs nothing", mv.group),
+                    fix: "report this: the policy and the executor disagree on the plan".into(),
+                });
+            };
+            // A policy replica that leaves hands its state to whoever gains the group.
+            let survivor = self.replicas.values().find_map(|r| match r {
+                Replica::Policy(p) => Some(p.clone()),
+                Replica::Rollout(_) => None,
+            });
+            // 2–3. Drain, free (offload, then stop: the thread drops the tensors).
+            let (drained, id) = match &replica {
+                Replica::Rollout(r) => (drain_and_stop(r).await?, r.id().clone()),
+                Replica::Policy(p) => (drain_and_stop(p).await?, p.id().clone()),
+            };
+            self.announce(Change::ActorDown {
+                id,
+                reason: ExitReason::Normal,
+            })
+            .await?;
+            if !drained.is_empty() {
+                return Err(JobError::NotImplemented {
+                    key: "placement".into(),
+                    found: format!("{} work items in flight on {}", drained.len(), mv.group),
+                    fix: "migrations run at step boundaries, where nothing is in flight".into(),
+                });
+            }
+            // 4. Start the gaining role.
+            let new = if mv.to.contains(PRole::Rollout) {
+                Replica::Rollout(self.start_rollout(mv.group).await?)
+            } else {
+                let Some(src) = survivor else {
+                    return Err(JobError::NotImplemented {
+                        key: "placement".into(),
+                        found: "no policy replica left to copy".into(),
+                        fix: "keep at least one policy group".into(),
+                    });
+                };
+                let dir = self.job.job.output_dir.join("placement-handoff");
+                let t = self.job.placement.spawn_timeout_s;
+                match src
+                    .ask(
+                        RoleRequest::Serve(PolicyRequest::SaveCheckpoint(dir.clone())),
+                        std::time::Duration::from_secs(t),
+                    )
+                    .await
+                {
+                    Ok(RoleResponse::Served(PolicyResponse::Saved)) => {}
+                    other => {
+                        return Err(JobError::NotImplemented {
+                            key: "placement".into(),
+                            found: format!("policy hand-off answered {other:?}"),
+                            fix: "check the run directory is writable".into(),
+                        })
+                    }
+                }
+                let trainer = load_trainer(&dir, "policy")?;
+                Replica::Policy(self.start_policy(mv.group, trainer).await?)
+            };
+            self.replicas.insert(mv.group, new);
+            done.push(format!("{}: {} -> {}", mv.group, mv.from, mv.to));
+        }
+        self.plan = mig.target.clone();
+        if let Err(e) = self.route(Some(states)) {
+            self.plan = old;
+            return Err(e);
+        }
+        // 5. Weight sync to every head's rollout (new replicas included).
+        self.sync_all().await?;
+        self.before_move = Some(old);
+        // 6. Publication is the caller's (it writes the plan record).
+        Ok(done.join("; "))
+    }
+
+    /// What the step did, as the cost model reads it, and each group's busy seconds.
+    fn observe(&self, reports: &[StepReport], wall: f64) -> Result<Observed, JobError> {
+        let (routes_r, routes_p) = self.routes()?;
+        let get = |r: &StepReport, k: &str| r.metrics.get(k).unwrap_or(0.0);
+        let mut gen_busy: BTreeMap<GroupId, f64> = BTreeMap::new();
+        let mut pol_busy: BTreeMap<GroupId, (f64, f64)> = BTreeMap::new();
+        let update = reports
+            .first()
+            .map_or(0.0, |r| get(r, "timing_s/update_actor"));
+        for (i, r) in reports.iter().enumerate() {
+            // Heads sharing a replica queue on it: the last to finish saw it busy all along.
+            let g = routes_r[i].0;
+            let e = gen_busy.entry(g).or_insert(0.0);
+            *e = e.max(get(r, "timing_s/gen"));
+            // The update's wall time keeps every policy group busy (a shared policy
+            // computes the heads' gradients one after the other within it).
+            let g = routes_p[i].0;
+            let e = pol_busy.entry(g).or_insert((0.0, update));
+            e.0 = e.0.max(get(r, "timing_s/old_log_prob"));
+        }
+        let samples: Vec<&Sample> = reports.iter().flat_map(|r| &r.samples).collect();
+        let n = samples.len().max(1) as f64;
+        let lens: Vec<f64> = samples.iter().map(|s| s.response_len() as f64).collect();
+        let prompts: Vec<f64> = samples
+            .iter()
+            .map(|s| s.prompt_tokens.len() as f64)
+            .collect();
+        let tokens: f64 = lens.iter().sum();
+        let all_tokens: f64 = tokens + prompts.iter().sum::<f64>();
+        let ctx: f64 = lens
+            .iter()
+            .zip(&prompts)
+            .map(|(l, p)| p * l + l * l / 2.0)
+            .sum();
+        let slots = rollout_slots(&self.job) as usize;
+        let iterations: f64 = reports
+            .iter()
+            .map(|r| {
+                let lens: Vec<usize> = r.samples.iter().map(Sample::response_len).collect();
+                decode_iterations(&lens, slots) as f64
+            })
+            .sum();
+        let logs: Vec<f64> = lens.iter().map(|l| l.max(1.0).ln()).collect();
+        let log_mean = logs.iter().sum::<f64>() / n;
+        let log_std = (logs.iter().map(|x| (x - log_mean).powi(2)).sum::<f64>() / n).sqrt();
+        let obs = |stage, group_s, tokens| StageObs {
+            stage,
+            group_s,
+            group_devices: 1,
+            tokens,
+            iterations: None,
+            context_tokens: None,
+            prefill_tokens: None,
+        };
+        let stages = vec![
+            StageObs {
+                iterations: Some(iterations),
+                context_tokens: Some(ctx),
+                prefill_tokens: Some(prompts.iter().sum()),
+                ..obs(Stage::Gen, gen_busy.values().sum(), tokens)
+            },
+            obs(
+                Stage::OldLogProb,
+                pol_busy.values().map(|b| b.0).sum(),
+                all_tokens,
+            ),
+            obs(
+                Stage::TrainActor,
+                pol_busy.values().map(|b| b.1).sum(),
+                all_tokens,
+            ),
+        ];
+        let sync = reports
+            .iter()
+            .map(|r| get(r, "timing_s/weight_sync"))
+            .fold(0.0, f64::max);
+        let mut groups = Vec::new();
+        for (g, b) in &gen_busy {
+            groups.push(GroupUse {
+                group: *g,
+                roles: rset(PRole::Rollout),
+                busy_s: *b,
+            });
+        }
+        for (g, b) in &pol_busy {
+            groups.push(GroupUse {
+                group: *g,
+                roles: rset(PRole::Policy),
+                busy_s: b.0 + b.1,
+            });
+        }
+        groups.sort_by_key(|u| u.group);
+        Ok(Observed {
+            metrics: yatt_placement::StepMetrics {
+                step: reports.first().map_or(0, |r| r.metrics.step),
+                step_s: wall,
+                stages,
+                response_len_mean: tokens / n,
+                response_log_mean: log_mean,
+                response_log_std: log_std,
+                prompt_len_mean: prompts.iter().sum::<f64>() / n,
+                weight_sync_s: Some(sync),
+                weight_sync_local: false,
+                ..Default::default()
+            },
+            groups,
+        })
+    }
+}
+
+/// Decoding iterations of a continuous batch of `slots` over sequences of `lens`
+/// tokens, each slot taking the next sequence as soon as it is free.
+fn decode_iterations(lens: &[usize], slots: usize) -> usize {
+    let mut free = vec![0usize; slots.max(1)];
+    for l in lens {
+        let (i, _) = free
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, t)| **t)
+            .expect("at least one slot");
+        free[i] += l;
+    }
+    free.into_iter().max().unwrap_or(0)
+}
+
+async fn drain_and_stop<Req: Send + 'static, Resp: Send + 'static>(
+    r: &yatt_runtime::actor::ActorRef<RoleRequest<Req>, RoleResponse<Resp>>,
+) -> Result<Vec<u64>, JobError> {
+    let t = std::time::Duration::from_secs(600);
+    let call = |e: yatt_runtime::actor::CallError| JobError::NotImplemented {
+        key: "placement".into(),
+        found: format!("{} did not stop: {e}", r.id()),
+        fix: "see the role's log".into(),
+    };
+    let drained = match r.ask(RoleRequest::Drain, t).await.map_err(call)? {
+        RoleResponse::Drained(ids) => ids,
+        _ => Vec::new(),
+    };
+    r.ask(RoleRequest::Offload, t).await.map_err(call)?;
+    r.ask(RoleRequest::Stop, t).await.map_err(call)?;
+    Ok(drained)
+}
+
+/// The heads' metrics averaged (as [`crate::job::run_steps`] reports them).
+fn average(reports: &[StepReport]) -> StepMetrics {
+    let mut sum: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+    for r in reports {
+        for (k, v) in &r.metrics.values {
+            let e = sum.entry(k.clone()).or_insert((0.0, 0));
+            e.0 += v;
+            e.1 += 1;
+        }
+    }
+    StepMetrics {
+        step: reports.first().map_or(0, |r| r.metrics.step),
+        values: sum
+            .into_iter()
+            .map(|(k, (s, n))| (k, s / n as f64))
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decode_iterations;
+
+    #[test]
+    fn decode_iterations_follow_the_slots() {
+        assert_eq!(decode_iterations(&[5, 9, 3], 8), 9);
+        assert_eq!(decode_iterations(&[5, 9, 3], 1), 17);
+        assert_eq!(decode_iterations(&[5, 9, 3, 4], 2), 12);
+        assert_eq!(decode_iterations(&[], 2), 0);
+    }
+}

@@ -1,0 +1,166 @@
+//! The live placement actor on real compute: `config/live-placement.toml` (a tiny
+//! Llama, 2 heads, 3 virtual groups of one thread, responses growing from 4 to 48
+//! tokens) must move a group from the policy to the rollout, keep training with a
+//! clean ledger, and run faster after the move than the cost model predicts for the
+//! old plan at the new workload.
+
+use yatt_placement::profile::Role;
+use yatt_placement::record::{parse, render, Record};
+use yatt_roles::job::{train, JobConfig};
+use yatt_runtime::node::Node;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn growing_responses_move_a_group_from_training_to_rollout() {
+    let out = tempfile::tempdir().unwrap();
+    let certs = tempfile::tempdir().unwrap();
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/live-placement.toml");
+    let sets = [format!("job.output_dir=\"{}\"", out.path().display())];
+    let job = JobConfig::load(config, &sets).unwrap();
+    let node = Node::builder("live-0")
+        .dev_certs(certs.path())
+        .start()
+        .await
+        .unwrap();
+    let summary = tokio::time::timeout(
+        std::time::Duration::from_secs(300),
+        train(&job, &node, |p| {
+            eprintln!(
+                "step {} {:.3}s len {:.1} reward {:.3} rollout groups {}",
+                p.step,
+                p.metrics.get("timing_s/step_wall").unwrap_or(f64::NAN),
+                p.metrics.get("response_length/mean").unwrap_or(f64::NAN),
+                p.metrics.get("critic/rewards/mean").unwrap_or(f64::NAN),
+                p.metrics
+                    .get("placement/rollout_groups")
+                    .unwrap_or(f64::NAN),
+            )
+        }),
+    )
+    .await
+    .expect("the run finishes in time")
+    .unwrap();
+    assert_eq!(summary.steps, job.job.steps);
+
+    let text = std::fs::read_to_string(out.path().join("placement.jsonl")).unwrap();
+    if let Ok(keep) = std::env::var("YATT_KEEP_PLACEMENT_LOG") {
+        std::fs::write(keep, &text).unwrap();
+    }
+    let records = parse(&text).unwrap();
+    eprintln!("{}", render(&records, 5, 5).unwrap());
+
+    // A group moved from training to the rollout, and the migration completed.
+    let (decided_at, id) = records
+        .iter()
+        .find_map(|r| match r {
+            Record::Decision {
+                step, id, moves, ..
+            } if moves
+                .iter()
+                .any(|m| m.from.contains(Role::Policy) && m.to.contains(Role::Rollout)) =>
+            {
+                Some((*step, *id))
+            }
+            _ => None,
+        })
+        .expect("a move from the policy to the rollout");
+    assert!(records
+        .iter()
+        .any(|r| matches!(r, Record::Migrated { id: i, ok: true, .. } if *i == id)));
+    let Some(Record::Plan {
+        plan,
+        routing_version,
+        ..
+    }) = records
+        .iter()
+        .rev()
+        .find(|r| matches!(r, Record::Plan { .. }))
+    else {
+        panic!("no plan")
+    };
+    assert!(*routing_version >= 2);
+    // The migration went through the runtime's directory: a later epoch.
+    let epochs: Vec<u64> = records
+        .iter()
+        .filter_map(|r| match r {
+            Record::Plan {
+                directory_epoch, ..
+            } => Some(*directory_epoch),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        epochs.last() > epochs.first(),
+        "directory epochs {epochs:?}"
+    );
+    assert!(
+        plan.pool_of(Role::Rollout).unwrap().groups.len() >= 2,
+        "{}",
+        plan.summary()
+    );
+
+    // Training went on after the move, with every sample accounted for: a step whose
+    // ledger does not balance fails the run, and none dropped samples.
+    assert!(
+        decided_at + 5 < job.job.steps,
+        "moved too late: step {decided_at}"
+    );
+    let metrics = std::fs::read_to_string(summary.metrics_path).unwrap();
+    for line in metrics.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert_eq!(v["training/dropped_samples"], 0.0, "{line}");
+    }
+
+    // After the move (skipping the first step on the new plan), the measured step is
+    // shorter than the model's prediction for the old plan at the same workload.
+    let (measured, no_move): (Vec<f64>, Vec<f64>) = records
+        .iter()
+        .filter_map(|r| match r {
+            Record::Step {
+                step,
+                step_s,
+                no_move_s: Some(n),
+                ..
+            } if *step > decided_at + 1 => Some((*step_s, *n)),
+            _ => None,
+        })
+        .unzip();
+    assert!(
+        measured.len() >= 3,
+        "{} steps after the move",
+        measured.len()
+    );
+    let (m, n) = (median(measured), median(no_move));
+    eprintln!("after the move: measured {m:.3}s per step, predicted without it {n:.3}s");
+    assert!(m < n, "measured {m:.3}s, no-move prediction {n:.3}s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_placement_refuses_layouts_it_cannot_route() {
+    let certs = tempfile::tempdir().unwrap();
+    let node = Node::builder("live-1")
+        .dev_certs(certs.path())
+        .start()
+        .await
+        .unwrap();
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/live-placement.toml");
+    for (set, key) in [
+        ("placement.groups=4", "placement.groups"),
+        ("placement.rollout_groups=3", "placement.rollout_groups"),
+        ("model.threads=2", "model.threads"),
+        ("job.controllers=1", "job.controllers"),
+    ] {
+        let job = JobConfig::load(config, &[set.to_string()]).unwrap();
+        let err = match yatt_roles::placement_live::LivePlacement::build(&job, &node).await {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{set} was accepted"),
+        };
+        assert!(err.contains(key), "{set}: {err}");
+    }
+    let job = JobConfig::load(config, &["placement.mode=\"disaggregated\"".to_string()]);
+    assert!(job.unwrap_err().to_string().contains("placement.live"));
+}
