@@ -87,27 +87,44 @@ pub struct WeightBucket {
     pub data: Vec<u8>,
 }
 
-fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
-    let t = t.detach().to_device(Device::Cpu).contiguous();
-    let n = t.numel() * t.kind().elt_size_in_bytes();
-    let mut buf = vec![0u8; n];
-    t.f_copy_data_u8(&mut buf, t.numel())?;
-    Ok(buf)
-}
-
 impl WeightBucket {
-    /// Appends a tensor (copied to host bytes).
+    /// Appends a tensor (copied to host bytes, straight into the payload: no temporary
+    /// buffer; [`to_buckets`] reserves each bucket's payload up front, so it does not
+    /// grow and move either).
     pub fn push(&mut self, name: &str, t: &Tensor) -> Result<()> {
         let dtype = BucketDtype::from_kind(t.kind())?;
-        let bytes = tensor_bytes(t)?;
+        let shape = t.size();
+        let n = t.numel() * t.kind().elt_size_in_bytes();
+        let offset = self.data.len();
+        self.data.resize(offset + n, 0);
+        if n > 0 {
+            // Row-major strides of `shape`: the payload holds the tensor contiguous.
+            let mut strides = vec![1i64; shape.len()];
+            for i in (0..shape.len().saturating_sub(1)).rev() {
+                strides[i] = strides[i + 1] * shape[i + 1];
+            }
+            // One strided pass from the tensor (a transposed or fused-slice view, on any
+            // device) into the payload, instead of a contiguous copy and then bytes.
+            // SAFETY: `dst` views exactly `data[offset..offset + n]`, which stays
+            // allocated and untouched until `dst` is dropped at the end of this block.
+            let dst = unsafe {
+                Tensor::f_from_blob(
+                    self.data[offset..].as_mut_ptr(),
+                    &shape,
+                    &strides,
+                    t.kind(),
+                    Device::Cpu,
+                )?
+            };
+            tch::no_grad(|| dst.shallow_clone().f_copy_(t))?;
+        }
         self.entries.push(BucketEntry {
             name: name.into(),
             dtype,
-            shape: t.size(),
-            offset: self.data.len() as u64,
-            len: bytes.len() as u64,
+            shape,
+            offset: offset as u64,
+            len: n as u64,
         });
-        self.data.extend_from_slice(&bytes);
         Ok(())
     }
 
@@ -208,17 +225,33 @@ impl WeightBucket {
 /// Packs named tensors into buckets of at most `max_bytes` payload each (a tensor larger
 /// than that gets a bucket of its own).
 pub fn to_buckets(named: &[(String, Tensor)], max_bytes: usize) -> Result<Vec<WeightBucket>> {
-    let mut out = Vec::new();
-    let mut cur = WeightBucket::default();
-    for (name, t) in named {
-        let sz = t.numel() * t.kind().elt_size_in_bytes();
-        if !cur.entries.is_empty() && cur.data.len() + sz > max_bytes {
-            out.push(std::mem::take(&mut cur));
-        }
-        cur.push(name, t)?;
+    let size = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
+    // Bucket boundaries first, so each payload is allocated once at its final size.
+    if named.is_empty() {
+        return Ok(Vec::new());
     }
-    if !cur.entries.is_empty() {
+    let (mut cuts, mut first, mut bytes) = (Vec::new(), 0, 0);
+    for (i, (_, t)) in named.iter().enumerate() {
+        if i > first && bytes + size(t) > max_bytes {
+            cuts.push(i);
+            (first, bytes) = (i, 0);
+        }
+        bytes += size(t);
+    }
+    cuts.push(named.len());
+    let mut out = Vec::with_capacity(cuts.len());
+    let mut start = 0;
+    for end in cuts {
+        let part = &named[start..end];
+        let mut cur = WeightBucket {
+            entries: Vec::with_capacity(part.len()),
+            data: Vec::with_capacity(part.iter().map(|(_, t)| size(t)).sum()),
+        };
+        for (name, t) in part {
+            cur.push(name, t)?;
+        }
         out.push(cur);
+        start = end;
     }
     Ok(out)
 }
@@ -226,6 +259,41 @@ pub fn to_buckets(named: &[(String, Tensor)], max_bytes: usize) -> Result<Vec<We
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Views (a transpose, a column slice, a zero-size tensor) land in the payload as
+    /// their contiguous values, and buckets split at the byte limit.
+    #[test]
+    fn views_round_trip_and_buckets_split() {
+        let base = Tensor::arange(24, (Kind::Float, Device::Cpu)).view([4, 6]);
+        let named = vec![
+            ("t".to_string(), base.tr()),
+            ("slice".to_string(), base.narrow(1, 2, 3)),
+            (
+                "empty".to_string(),
+                Tensor::zeros([0, 3], (Kind::Float, Device::Cpu)),
+            ),
+            ("whole".to_string(), base.shallow_clone()),
+        ];
+        // 24 floats = 96 bytes: "t" alone, then "slice" + "empty" (48 bytes), then "whole".
+        let bs = to_buckets(&named, 96).unwrap();
+        assert_eq!(
+            bs.len(),
+            3,
+            "{:?}",
+            bs.iter().map(|b| b.entries.len()).collect::<Vec<_>>()
+        );
+        let back: Vec<(String, Tensor)> = bs
+            .iter()
+            .flat_map(|b| b.tensors(Device::Cpu).unwrap())
+            .collect();
+        assert_eq!(back.len(), named.len());
+        for ((n, want), (m, got)) in named.iter().zip(&back) {
+            assert_eq!(n, m);
+            assert_eq!(want.size(), got.size(), "{n}");
+            assert!(want.equal(got), "{n}");
+        }
+        assert!(to_buckets(&[], 96).unwrap().is_empty());
+    }
 
     #[test]
     fn round_trip_and_header() {
