@@ -138,11 +138,16 @@ pub fn values(model: &Llama, batch: &SeqBatch) -> Result<Tensor> {
 /// Rewards `[B]`: the reward head at each row's last real token.
 pub fn rewards(model: &Llama, batch: &SeqBatch) -> Result<Tensor> {
     let hd = head(model, "rewards")?;
+    Ok(hd.forward(&last_hidden(model, batch)).to_kind(Kind::Float))
+}
+
+/// The final hidden state `[B, hidden]` at each row's last real token (right padding):
+/// what a reward head scores, or what predicts the token after each row.
+pub fn last_hidden(model: &Llama, batch: &SeqBatch) -> Tensor {
     let positions = positions_from_mask(&batch.ids, Some(&batch.attention_mask));
     let h = model.hidden(&batch.ids, &positions, Attn::Full { mask: None });
     let dev = batch.ids.device();
     let last: Vec<i64> = batch.lens.iter().map(|&l| l as i64 - 1).collect();
     let rows = Tensor::arange(batch.len() as i64, (Kind::Int64, dev));
-    let hl = h.index(&[Some(rows), Some(Tensor::from_slice(&last).to_device(dev))]);
-    Ok(hd.forward(&hl).to_kind(Kind::Float))
+    h.index(&[Some(rows), Some(Tensor::from_slice(&last).to_device(dev))])
 }

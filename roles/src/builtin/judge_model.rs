@@ -17,8 +17,7 @@
 use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
-use yatt_engine::model::{positions_from_mask, Attn};
-use yatt_engine::score::SeqBatch;
+use yatt_engine::score::{last_hidden, SeqBatch};
 use yatt_engine::{Generator, Request, SamplingParams};
 
 use super::model_bytes;
@@ -194,11 +193,7 @@ impl JudgeScorer {
         let batch = SeqBatch::from_pairs(&pairs, self.pad_id, dev)
             .map_err(|e| RoleError::Failed(format!("judge: {e}")))?;
         let p = tch::no_grad(|| {
-            let pos = positions_from_mask(&batch.ids, Some(&batch.attention_mask));
-            let h = model.hidden(&batch.ids, &pos, Attn::Full { mask: None });
-            let last: Vec<i64> = batch.lens.iter().map(|&l| l as i64 - 1).collect();
-            let rows = Tensor::arange(batch.len() as i64, (Kind::Int64, dev));
-            let hl = h.index(&[Some(rows), Some(Tensor::from_slice(&last).to_device(dev))]);
+            let hl = last_hidden(model, &batch);
             let digits = Tensor::from_slice(&self.digits).to_device(dev);
             // Softmax over the ten digits only: the score is conditional on a digit.
             let p = model
