@@ -299,8 +299,11 @@ async fn bulk_round_trip(shm: bool) {
             .unwrap();
         assert_eq!((meta, got, count), (format!("batch-{round}"), want, 2));
         if shm {
-            // The receiver released the segment, so every round reuses the same one.
-            let reused = wait(|| segments() == 1).await;
+            // The receiver releases the segment when it drops the payload, and the
+            // sender reuses it. The release travels apart from the reply, so a round
+            // can start before it lands and lease a second segment (seen once in three
+            // runs on a quiet machine); it must never take one per round.
+            let reused = wait(|| segments() <= 2).await;
             assert!(reused, "{} segments after round {round}", segments());
         }
     }
