@@ -134,6 +134,18 @@ pub struct Trainer {
     pending_losses: Vec<f64>,
 }
 
+/// Sets `p`'s gradient to `g` (same shape), creating it when `p` has none yet.
+fn replace_grad(p: &Tensor, g: &Tensor) {
+    let mut cur = p.grad();
+    if cur.defined() {
+        cur.copy_(g);
+    } else {
+        // Materialise a grad via a zero backward, then copy.
+        (p.sum(p.kind()) * 0.0).backward();
+        p.grad().copy_(g);
+    }
+}
+
 impl Trainer {
     /// Wraps `model` for training (fresh optimizer state).
     pub fn new(mut model: Llama, config: TrainConfig) -> Self {
@@ -253,6 +265,54 @@ impl Trainer {
         to_buckets(&named, max_bytes)
     }
 
+    /// Every parameter's gradient as `f32`, one after the other in parameter order
+    /// (zeros where a parameter has none): the buffer a ring all-reduce averages.
+    pub fn flat_grads(&mut self) -> Result<Vec<f32>> {
+        self.check_resident()?;
+        let parts: Vec<Tensor> = self
+            .model
+            .parameters_mut()
+            .into_iter()
+            .map(|(_, p)| {
+                let g = p.grad();
+                if g.defined() {
+                    g.to_kind(Kind::Float).to_device(Device::Cpu).flatten(0, -1)
+                } else {
+                    Tensor::zeros([p.numel() as i64], (Kind::Float, Device::Cpu))
+                }
+            })
+            .collect();
+        let flat = Tensor::cat(&parts, 0);
+        Ok(Vec::<f32>::try_from(&flat)?)
+    }
+
+    /// Replaces every gradient with its part of `flat` (laid out as
+    /// [`Trainer::flat_grads`] gives it).
+    pub fn set_flat_grads(&mut self, flat: &[f32]) -> Result<()> {
+        self.check_resident()?;
+        let params = self.model.parameters_mut();
+        let want: usize = params.iter().map(|(_, p)| p.numel()).sum();
+        if flat.len() != want {
+            return Err(EngineError::InvalidArgument(format!(
+                "{} gradient values for {want} parameters",
+                flat.len()
+            )));
+        }
+        let mut at = 0;
+        tch::no_grad(|| {
+            for (_, p) in params {
+                let n = p.numel();
+                let g = Tensor::from_slice(&flat[at..at + n])
+                    .view(p.size().as_slice())
+                    .to_device(p.device())
+                    .to_kind(p.kind());
+                at += n;
+                replace_grad(p, &g);
+            }
+        });
+        Ok(())
+    }
+
     /// Replaces gradients with the (e.g. all-reduced) ones in `buckets`.
     pub fn set_grads(&mut self, buckets: &[WeightBucket]) -> Result<()> {
         self.check_resident()?;
@@ -271,14 +331,7 @@ impl Trainer {
                             p.size()
                         )));
                     }
-                    let mut cur = p.grad();
-                    if cur.defined() {
-                        cur.copy_(&g);
-                    } else {
-                        // Materialise a grad via a zero backward, then copy.
-                        (p.sum(p.kind()) * 0.0).backward();
-                        p.grad().copy_(&g);
-                    }
+                    replace_grad(p, &g);
                 }
             }
             Ok(())

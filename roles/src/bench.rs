@@ -194,6 +194,14 @@ impl Role for FakePolicy {
                 buckets: Vec::new(),
             }),
             PolicyRequest::SaveCheckpoint(_) => PolicyResponse::Saved,
+            PolicyRequest::RingInbox
+            | PolicyRequest::JoinRing(_)
+            | PolicyRequest::TrainAllReduce(_) => {
+                return Err(RoleError::Unsupported {
+                    role: "policy".into(),
+                    operation: "policy replicas",
+                })
+            }
         })
     }
 }

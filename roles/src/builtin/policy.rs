@@ -11,7 +11,14 @@
 //!   [`ppo_policy_loss`] (clip range and aggregation from the config), plus
 //!   [`kl_loss`] against the reference (k1/k2/k3) and minus an entropy bonus;
 //! - [`PolicyRequest::ExportWeights`]: the weights as buckets for weight sync;
-//! - [`PolicyRequest::SaveCheckpoint`]: an exact-resume checkpoint.
+//! - [`PolicyRequest::SaveCheckpoint`]: an exact-resume checkpoint;
+//! - data parallelism over one shared policy: [`PolicyRequest::Gradients`] per head,
+//!   then [`PolicyRequest::ApplyGradients`] with every head's shard;
+//! - data parallelism over replicas: [`PolicyRequest::TrainAllReduce`], where each
+//!   replica computes its head's gradients and averages them with its peers' in a ring
+//!   all-reduce ([`yatt_runtime::collective`]) straight between the replicas, before
+//!   one optimizer step. The ring is set up with [`PolicyRequest::RingInbox`] and
+//!   [`PolicyRequest::JoinRing`].
 //!
 //! With micro-batching each micro-batch's loss is aggregated on its own and the
 //! micro-batch losses are averaged (as verl does), so `token-mean` is exact only when a
@@ -22,6 +29,8 @@ use std::time::Instant;
 
 use tch::Tensor;
 use yatt_engine::{to_buckets, EngineError, Trainer};
+use yatt_runtime::collective::{RingMember, RingSpec};
+use yatt_runtime::ActorId;
 
 use super::{check_device, response_scores, score_samples};
 use crate::algo::{
@@ -102,6 +111,14 @@ pub enum PolicyRequest {
     ExportWeights,
     /// Save a checkpoint to this directory.
     SaveCheckpoint(PathBuf),
+    /// Data parallelism over replicas: this replica's ring inbox, for the ring's spec.
+    RingInbox,
+    /// Data parallelism over replicas: join the ring of every replica's inbox.
+    JoinRing(RingSpec),
+    /// Data parallelism over replicas: the gradients of the loss on this head's samples,
+    /// averaged with every other replica's in the ring, then one optimizer step. Every
+    /// replica of the ring must be asked at the same time, at the same version.
+    TrainAllReduce(Vec<Sample>),
 }
 
 /// What one train request did (means over micro-batches, sums where noted).
@@ -144,6 +161,10 @@ pub enum PolicyResponse {
     Weights(WeightsUpdate),
     /// The checkpoint was written.
     Saved,
+    /// This replica's ring inbox.
+    RingInbox(ActorId),
+    /// The replica joined the ring.
+    Joined,
 }
 
 /// One controller's gradients for a data-parallel step.
@@ -159,6 +180,8 @@ pub struct GradShard {
 pub struct PolicyRole {
     trainer: Trainer,
     config: PolicyConfig,
+    /// This replica's place in the gradient all-reduce (replicated policies only).
+    ring: Option<RingMember>,
 }
 
 struct Micro {
@@ -212,6 +235,10 @@ fn micro_loss(
     Ok(total)
 }
 
+fn grad_fail(e: EngineError) -> RoleError {
+    RoleError::Failed(format!("policy gradients: {e}"))
+}
+
 fn algo(e: crate::algo::AlgoError) -> EngineError {
     EngineError::InvalidArgument(e.to_string())
 }
@@ -236,7 +263,18 @@ impl PolicyRole {
                 config.temperature
             )));
         }
-        Ok(PolicyRole { trainer, config })
+        Ok(PolicyRole {
+            trainer,
+            config,
+            ring: None,
+        })
+    }
+
+    /// The same role as one replica of a data-parallel policy, averaging its gradients
+    /// with its peers through `ring` (see [`PolicyRequest::TrainAllReduce`]).
+    pub fn with_ring(mut self, ring: RingMember) -> Self {
+        self.ring = Some(ring);
+        self
     }
 
     fn train(&mut self, samples: Vec<Sample>) -> Result<TrainReport, RoleError> {
@@ -316,7 +354,9 @@ impl PolicyRole {
         Ok(micros)
     }
 
-    fn gradients(&mut self, samples: Vec<Sample>) -> Result<GradShard, RoleError> {
+    /// Accumulates the gradients of the loss on `samples` (one optimizer step's worth)
+    /// without updating; returns the loss statistics (no optimizer fields yet).
+    fn backward(&mut self, samples: &[Sample]) -> Result<TrainReport, RoleError> {
         let t0 = Instant::now();
         if samples.is_empty() {
             return Err(RoleError::BadRequest(
@@ -324,28 +364,17 @@ impl PolicyRole {
             ));
         }
         let cfg = self.config.clone();
-        let micros = self.micros(&samples, 0..samples.len())?;
+        let micros = self.micros(samples, 0..samples.len())?;
         let mut stats = MicroStats::default();
         let scale = 1.0 / micros.len() as f64;
-        let fail = |e: EngineError| RoleError::Failed(format!("policy gradients: {e}"));
         let mut loss = 0.0;
         for mb in &micros {
-            let l =
-                micro_loss(&self.trainer.model, &samples, mb, &cfg, &mut stats).map_err(fail)?;
-            loss += self.trainer.backward_micro(l, scale).map_err(fail)? * scale;
+            let l = micro_loss(&self.trainer.model, samples, mb, &cfg, &mut stats)
+                .map_err(grad_fail)?;
+            loss += self.trainer.backward_micro(l, scale).map_err(grad_fail)? * scale;
         }
-        let buckets = self.trainer.grad_buckets(cfg.bucket_bytes).map_err(fail)?;
-        // The next shard's gradients must not accumulate onto these.
-        tch::no_grad(|| {
-            for (_, p) in self.trainer.model.parameters_mut() {
-                let mut g = p.grad();
-                if g.defined() {
-                    let _ = g.zero_();
-                }
-            }
-        });
         let n = micros.len() as f64;
-        let report = TrainReport {
+        Ok(TrainReport {
             trained: samples.iter().map(|s| s.id).collect(),
             loss,
             pg_clipfrac: stats.clip / n,
@@ -355,8 +384,74 @@ impl PolicyRole {
             version: self.trainer.step_count(),
             seconds: t0.elapsed().as_secs_f64(),
             ..Default::default()
-        };
+        })
+    }
+
+    fn gradients(&mut self, samples: Vec<Sample>) -> Result<GradShard, RoleError> {
+        let t0 = Instant::now();
+        let mut report = self.backward(&samples)?;
+        let buckets = self
+            .trainer
+            .grad_buckets(self.config.bucket_bytes)
+            .map_err(grad_fail)?;
+        // The next shard's gradients must not accumulate onto these.
+        self.zero_grads();
+        report.seconds = t0.elapsed().as_secs_f64();
         Ok(GradShard { buckets, report })
+    }
+
+    fn zero_grads(&mut self) {
+        tch::no_grad(|| {
+            for (_, p) in self.trainer.model.parameters_mut() {
+                let mut g = p.grad();
+                if g.defined() {
+                    let _ = g.zero_();
+                }
+            }
+        });
+    }
+
+    /// This replica's gradients, averaged with its peers' in the ring, then one
+    /// optimizer step: every replica applies the same bits and stays identical.
+    fn train_all_reduce(&mut self, samples: Vec<Sample>) -> Result<TrainReport, RoleError> {
+        let t0 = Instant::now();
+        let Some(ring) = self.ring.as_mut() else {
+            return Err(RoleError::BadRequest(
+                "this policy is not a replica of a data-parallel policy (it has no ring); use Train, or Gradients and ApplyGradients".into(),
+            ));
+        };
+        if ring.spec().is_none() {
+            return Err(RoleError::NotReady(
+                "this policy replica has not joined its ring yet (JoinRing)".into(),
+            ));
+        }
+        let reduced = self.backward(&samples).and_then(|report| {
+            let local = self.trainer.flat_grads().map_err(grad_fail)?;
+            // The version before the update numbers the round: the replicas are in step.
+            let round = self.trainer.step_count();
+            let ring = self.ring.as_mut().expect("checked above");
+            let mean = ring
+                .all_reduce_mean_blocking(local, round)
+                .map_err(|e| RoleError::Failed(format!("gradient all-reduce: {e}")))?;
+            Ok((report, mean))
+        });
+        let (mut report, mean) = match reduced {
+            Ok(r) => r,
+            Err(e) => {
+                // A retried step must not accumulate onto this one's gradients.
+                self.zero_grads();
+                return Err(e);
+            }
+        };
+        let fail = |e: EngineError| RoleError::Failed(format!("averaging gradients: {e}"));
+        self.trainer.set_flat_grads(&mean).map_err(fail)?;
+        let step = self.trainer.apply_gradients().map_err(fail)?;
+        report.optimizer_steps = 1;
+        report.version = self.trainer.step_count();
+        report.grad_norm = step.grad_norm;
+        report.lr = step.lr;
+        report.seconds = t0.elapsed().as_secs_f64();
+        Ok(report)
     }
 
     fn apply(&mut self, shards: Vec<GradShard>) -> Result<TrainReport, RoleError> {
@@ -423,6 +518,12 @@ impl PolicyRole {
     }
 }
 
+fn no_ring() -> RoleError {
+    RoleError::BadRequest(
+        "this policy was started without a ring member: only replicas of a data-parallel policy (job.policy_replicas > 1) have one".into(),
+    )
+}
+
 impl Role for PolicyRole {
     type Request = PolicyRequest;
     type Response = PolicyResponse;
@@ -485,6 +586,19 @@ impl Role for PolicyRole {
                 self.apply(shards).map(PolicyResponse::Trained)
             }
             PolicyRequest::ExportWeights => self.export().map(PolicyResponse::Weights),
+            PolicyRequest::TrainAllReduce(samples) => {
+                self.train_all_reduce(samples).map(PolicyResponse::Trained)
+            }
+            PolicyRequest::RingInbox => match &self.ring {
+                Some(r) => Ok(PolicyResponse::RingInbox(r.inbox_id().clone())),
+                None => Err(no_ring()),
+            },
+            PolicyRequest::JoinRing(spec) => {
+                let ring = self.ring.as_mut().ok_or_else(no_ring)?;
+                ring.join(spec)
+                    .map_err(|e| RoleError::BadRequest(format!("joining the ring: {e}")))?;
+                Ok(PolicyResponse::Joined)
+            }
             PolicyRequest::SaveCheckpoint(dir) => {
                 let tokenizer = self.config.tokenizer_dir.as_deref();
                 self.trainer.save_checkpoint(&dir, tokenizer).map_err(|e| {
@@ -493,6 +607,19 @@ impl Role for PolicyRole {
                 Ok(PolicyResponse::Saved)
             }
         }
+    }
+
+    /// Takes a peer replica's weights at the same version (so every replica of a
+    /// data-parallel policy starts from the same weights, whichever node built it).
+    fn load_weights(&mut self, update: WeightsUpdate) -> Result<(), RoleError> {
+        let at = self.trainer.step_count();
+        if update.version != at {
+            return Err(RoleError::BadRequest(format!(
+                "the policy is at version {at} and takes weights of that version only (got {}): its optimizer state belongs to its own weights",
+                update.version
+            )));
+        }
+        super::load_buckets(&mut self.trainer.model, &update)
     }
 
     fn offload(&mut self) -> Result<(), RoleError> {
