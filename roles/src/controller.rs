@@ -51,8 +51,8 @@ use crate::algo::{
     GaeConfig, GrpoConfig, KlEstimator, ReinforcePpConfig,
 };
 use crate::builtin::{
-    CriticReport, CriticRequest, CriticResponse, GenerateRequest, PolicyRequest, PolicyResponse,
-    RolloutRequest, RolloutResponse, SampleSink, TrainReport,
+    CriticReport, CriticRequest, CriticResponse, GenerateRequest, GradShard, PolicyRequest,
+    PolicyResponse, RolloutRequest, RolloutResponse, SampleSink, TrainReport,
 };
 use crate::data::{DataError, Dataloader, LoaderState};
 use crate::ledger::{LedgerError, LedgerReport, SampleLedger, Stage};
@@ -417,10 +417,20 @@ pub async fn step_data_parallel(
     let prepared =
         futures::future::try_join_all(controllers.iter_mut().map(|c| c.prepare())).await?;
     let t = Instant::now();
-    let train = if replicated {
+    let train = if replicated && controllers.iter().all(|c| c.in_policy_ring) {
         all_reduce_update(controllers, &prepared).await?
     } else {
-        shared_update(controllers, &prepared).await?
+        // Replicas outside a ring (the live placement's) get every head's gradients
+        // through the controllers and apply the same average.
+        let shards = gather_shards(controllers, &prepared).await?;
+        let appliers = if replicated {
+            &controllers[..]
+        } else {
+            &controllers[..1]
+        };
+        let trained = apply_shards(appliers, shards).await?;
+        check_replicas_agree(&trained)?;
+        trained.into_iter().next().expect("at least one controller")
     };
     let secs = t.elapsed().as_secs_f64();
     let mut reports = Vec::with_capacity(prepared.len());
@@ -441,39 +451,74 @@ pub async fn step_data_parallel(
     Ok(reports)
 }
 
-/// The update of heads sharing one policy: it computes each head's gradients on its
-/// samples (one after the other; the shards keep head order, so the average is the
-/// same every run), averages them and takes one optimizer step.
-async fn shared_update(
+/// Each head's gradients on its own samples (side by side when the policy is
+/// replicated; one after the other on a shared one). The shards keep head order
+/// whatever order they finish in, so their average is the same every run.
+async fn gather_shards(
     controllers: &[Controller],
     prepared: &[Prepared],
-) -> Result<TrainReport, ControllerError> {
-    let first = &controllers[0];
-    let shards =
-        futures::future::try_join_all(controllers.iter().zip(prepared).map(|(c, p)| async move {
+) -> Result<Vec<GradShard>, ControllerError> {
+    futures::future::try_join_all(controllers.iter().zip(prepared).map(|(c, p)| async move {
+        match c
+            .serve_policy(
+                PolicyRequest::Gradients(p.samples.clone()),
+                "update_actor",
+                c.config.timeouts.train,
+            )
+            .await?
+        {
+            PolicyResponse::Gradients(g) => Ok(g),
+            other => Err(c.protocol("policy", "Gradients", format!("{other:?}"))),
+        }
+    }))
+    .await
+}
+
+/// Has the policy of each of `appliers` average `shards` and take one optimizer step.
+async fn apply_shards(
+    appliers: &[Controller],
+    shards: Vec<GradShard>,
+) -> Result<Vec<TrainReport>, ControllerError> {
+    let n = appliers.len();
+    let mut shards = Some(shards);
+    let applies = appliers.iter().enumerate().map(|(i, c)| {
+        // Every applier but the last gets a copy; the last takes the shards themselves.
+        let mine = if i + 1 == n {
+            shards.take().unwrap_or_default()
+        } else {
+            shards.clone().unwrap_or_default()
+        };
+        async move {
             match c
                 .serve_policy(
-                    PolicyRequest::Gradients(p.samples.clone()),
+                    PolicyRequest::ApplyGradients(mine),
                     "update_actor",
                     c.config.timeouts.train,
                 )
                 .await?
             {
-                PolicyResponse::Gradients(g) => Ok(g),
-                other => Err(c.protocol("policy", "Gradients", format!("{other:?}"))),
+                PolicyResponse::Trained(r) => Ok(r),
+                other => Err(c.protocol("policy", "ApplyGradients", format!("{other:?}"))),
             }
-        }))
-        .await?;
-    match first
-        .serve_policy(
-            PolicyRequest::ApplyGradients(shards),
-            "update_actor",
-            first.config.timeouts.train,
-        )
-        .await?
-    {
-        PolicyResponse::Trained(r) => Ok(r),
-        other => Err(first.protocol("policy", "ApplyGradients", format!("{other:?}"))),
+        }
+    });
+    futures::future::try_join_all(applies).await
+}
+
+/// Identical gradients give bit-identical norms: a differing norm or version after the
+/// same update means the replicas' weights no longer agree.
+fn check_replicas_agree(trained: &[TrainReport]) -> Result<(), ControllerError> {
+    let Some(first) = trained.first() else {
+        return Ok(());
+    };
+    match trained.iter().enumerate().find(|(_, r)| {
+        r.version != first.version || r.grad_norm.to_bits() != first.grad_norm.to_bits()
+    }) {
+        Some((i, r)) => Err(ControllerError::Config(format!(
+            "policy replicas diverged: replica 0 is at version {} with gradient norm {}, replica {i} at version {} with {} after the same update",
+            first.version, first.grad_norm, r.version, r.grad_norm
+        ))),
+        None => Ok(()),
     }
 }
 
@@ -481,7 +526,7 @@ async fn shared_update(
 /// gradients and averages them with the others' in a ring all-reduce that runs between
 /// the replicas themselves (no gradient passes through a controller), then takes the
 /// same optimizer step. Returns one report for all: the heads' loss statistics
-/// averaged in head order (as [`shared_update`] gives them), the optimizer's from the
+/// averaged in head order (as `ApplyGradients` gives them), the optimizer's from the
 /// first replica after checking that every replica agrees.
 async fn all_reduce_update(
     controllers: &[Controller],
@@ -503,17 +548,8 @@ async fn all_reduce_update(
             }
         }))
         .await?;
+    check_replicas_agree(&trained)?;
     let first = &trained[0];
-    // Identical gradients give bit-identical norms: a differing norm or version means
-    // the replicas' weights no longer agree.
-    if let Some((i, r)) = trained.iter().enumerate().find(|(_, r)| {
-        r.version != first.version || r.grad_norm.to_bits() != first.grad_norm.to_bits()
-    }) {
-        return Err(ControllerError::Config(format!(
-            "policy replicas diverged: replica 0 is at version {} with gradient norm {}, replica {i} at version {} with {} after the same update",
-            first.version, first.grad_norm, r.version, r.grad_norm
-        )));
-    }
     let k = trained.len() as f64;
     let mean = |f: fn(&TrainReport) -> f64| trained.iter().map(f).sum::<f64>() / k;
     Ok(TrainReport {
@@ -539,7 +575,7 @@ async fn all_reduce_update(
 /// head order. The heads' train deadline bounds each ask and each wait inside the
 /// all-reduce; `chunk_bytes` is the largest message of it.
 pub async fn join_policy_ring(
-    controllers: &[Controller],
+    controllers: &mut [Controller],
     chunk_bytes: u64,
 ) -> Result<(), ControllerError> {
     const STAGE: &str = "join_policy_ring";
@@ -574,7 +610,11 @@ pub async fn join_policy_ring(
             }
         }
     });
-    futures::future::try_join_all(joins).await.map(|_| ())
+    futures::future::try_join_all(joins).await?;
+    for c in controllers.iter_mut() {
+        c.in_policy_ring = true;
+    }
+    Ok(())
 }
 
 /// One data-parallel head: its shard and the roles it drives.
@@ -584,6 +624,9 @@ pub struct Controller {
     roles: RoleRefs,
     step: u64,
     weights_version: u64,
+    /// Its policy replica averages gradients in a ring with the other heads' replicas
+    /// ([`join_policy_ring`]).
+    in_policy_ring: bool,
 }
 
 /// Starts `role` on its own thread on `group` and spawns its actor on `node` as
@@ -664,6 +707,7 @@ impl Controller {
             roles,
             step: 0,
             weights_version: 0,
+            in_policy_ring: false,
         })
     }
 

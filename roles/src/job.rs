@@ -1588,7 +1588,7 @@ pub async fn build_embedded_with(
     };
     let mut controllers = controllers(job, shared, rollouts, policies)?;
     if replicated {
-        join_policy_ring(&controllers, RING_CHUNK_BYTES).await?;
+        join_policy_ring(&mut controllers, RING_CHUNK_BYTES).await?;
     }
     if let Some(dir) = &ckpt {
         let state = RunState::read(dir)?;

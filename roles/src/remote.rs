@@ -458,9 +458,9 @@ pub async fn build_cluster(job: &JobConfig, node: &Node) -> Result<Vec<Controlle
         critic,
     };
     let per_head = if replicas > 1 { policies } else { Vec::new() };
-    let controllers = controllers(job, shared, rollouts, per_head)?;
+    let mut controllers = controllers(job, shared, rollouts, per_head)?;
     if replicas > 1 {
-        join_policy_ring(&controllers, RING_CHUNK_BYTES).await?;
+        join_policy_ring(&mut controllers, RING_CHUNK_BYTES).await?;
     }
     Ok(controllers)
 }
