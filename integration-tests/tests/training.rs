@@ -32,6 +32,26 @@ fn letters_job(out: &std::path::Path, placement: &[(&str, &str)]) -> JobConfig {
     JobConfig::load(config, &sets).unwrap()
 }
 
+/// Every node's log so far, for a failure message.
+fn cluster_logs(cluster: &Cluster) -> String {
+    cluster
+        .nodes
+        .iter()
+        .map(|n| format!("--- {} ---\n{}", n.name, n.log()))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// This process as one more node of `cluster` (where the controllers run).
+async fn join(cluster: &Cluster, name: &str) -> Node {
+    Node::builder(name)
+        .dev_certs(cluster.ca_dir())
+        .seed(cluster.nodes[0].addr)
+        .start()
+        .await
+        .expect("the controller joins")
+}
+
 fn mean(xs: &[f64]) -> f64 {
     xs.iter().sum::<f64>() / xs.len() as f64
 }
@@ -56,20 +76,8 @@ fn assert_roles_released(cluster: &Cluster) {
 async fn a_job_trains_with_its_roles_on_three_nodes() {
     let t0 = Instant::now();
     let cluster = Cluster::start("tr", 3);
-    let logs = || {
-        cluster
-            .nodes
-            .iter()
-            .map(|n| format!("--- {} ---\n{}", n.name, n.log()))
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
-    let node = Node::builder("tr-controller")
-        .dev_certs(cluster.ca_dir())
-        .seed(cluster.nodes[0].addr)
-        .start()
-        .await
-        .expect("the controller joins");
+    let logs = || cluster_logs(&cluster);
+    let node = join(&cluster, "tr-controller").await;
     let out = tempfile::tempdir().unwrap();
     let job = letters_job(
         out.path(),
@@ -266,20 +274,8 @@ async fn policy_replicas_on_two_nodes_all_reduce_to_identical_weights() {
     const DP_STEPS: u64 = 6;
     let t0 = Instant::now();
     let cluster = Cluster::start("dp", 3);
-    let logs = || {
-        cluster
-            .nodes
-            .iter()
-            .map(|n| format!("--- {} ---\n{}", n.name, n.log()))
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
-    let node = Node::builder("dp-controller")
-        .dev_certs(cluster.ca_dir())
-        .seed(cluster.nodes[0].addr)
-        .start()
-        .await
-        .expect("the controller joins");
+    let logs = || cluster_logs(&cluster);
+    let node = join(&cluster, "dp-controller").await;
     let out = tempfile::tempdir().unwrap();
     let dp = |placement: &[(&str, &str)]| {
         let mut job = letters_job(out.path(), placement);
@@ -422,20 +418,8 @@ async fn a_ppo_job_trains_with_its_critic_on_a_node() {
     const PPO_STEPS: u64 = 4;
     let t0 = Instant::now();
     let cluster = Cluster::start("pp", 3);
-    let logs = || {
-        cluster
-            .nodes
-            .iter()
-            .map(|n| format!("--- {} ---\n{}", n.name, n.log()))
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
-    let node = Node::builder("pp-controller")
-        .dev_certs(cluster.ca_dir())
-        .seed(cluster.nodes[0].addr)
-        .start()
-        .await
-        .expect("the controller joins");
+    let logs = || cluster_logs(&cluster);
+    let node = join(&cluster, "pp-controller").await;
     let out = tempfile::tempdir().unwrap();
     let ppo = |placement: &[(&str, &str)]| {
         let mut job = letters_job(out.path(), placement);

@@ -550,23 +550,15 @@ async fn all_reduce_update(
         .await?;
     check_replicas_agree(&trained)?;
     let first = &trained[0];
-    let k = trained.len() as f64;
-    let mean = |f: fn(&TrainReport) -> f64| trained.iter().map(f).sum::<f64>() / k;
+    let reports: Vec<&TrainReport> = trained.iter().collect();
     Ok(TrainReport {
-        trained: trained
-            .iter()
-            .flat_map(|r| r.trained.iter().copied())
-            .collect(),
         optimizer_steps: first.optimizer_steps,
         version: first.version,
-        loss: mean(|r| r.loss),
         grad_norm: first.grad_norm,
-        pg_clipfrac: mean(|r| r.pg_clipfrac),
-        approx_kl: mean(|r| r.approx_kl),
-        kl_loss: mean(|r| r.kl_loss),
-        entropy: mean(|r| r.entropy),
         lr: first.lr,
+        // The replicas work side by side: the update took as long as the slowest.
         seconds: trained.iter().map(|r| r.seconds).fold(0.0, f64::max),
+        ..TrainReport::merge_heads(&reports)
     })
 }
 

@@ -148,6 +148,28 @@ pub struct TrainReport {
     pub seconds: f64,
 }
 
+impl TrainReport {
+    /// The heads' reports of one data-parallel update as one: every head's trained
+    /// samples and the loss statistics averaged, both in head order (so the result is
+    /// the same every run); the optimizer fields and `seconds` are left to the caller.
+    pub fn merge_heads(reports: &[&TrainReport]) -> TrainReport {
+        let k = reports.len().max(1) as f64;
+        let mean = |f: fn(&TrainReport) -> f64| reports.iter().map(|r| f(r)).sum::<f64>() / k;
+        TrainReport {
+            trained: reports
+                .iter()
+                .flat_map(|r| r.trained.iter().copied())
+                .collect(),
+            loss: mean(|r| r.loss),
+            pg_clipfrac: mean(|r| r.pg_clipfrac),
+            approx_kl: mean(|r| r.approx_kl),
+            kl_loss: mean(|r| r.kl_loss),
+            entropy: mean(|r| r.entropy),
+            ..Default::default()
+        }
+    }
+}
+
 /// What the policy role answers.
 #[derive(Debug)]
 pub enum PolicyResponse {
@@ -486,24 +508,14 @@ impl PolicyRole {
         let buckets = to_buckets(&avg, self.config.bucket_bytes).map_err(fail)?;
         self.trainer.set_grads(&buckets).map_err(fail)?;
         let step = self.trainer.apply_gradients().map_err(fail)?;
-        let k = n as f64;
-        let mean =
-            |f: fn(&TrainReport) -> f64| shards.iter().map(|s| f(&s.report)).sum::<f64>() / k;
+        let reports: Vec<&TrainReport> = shards.iter().map(|s| &s.report).collect();
         Ok(TrainReport {
-            trained: shards
-                .iter()
-                .flat_map(|s| s.report.trained.iter().copied())
-                .collect(),
             optimizer_steps: 1,
             version: self.trainer.step_count(),
-            loss: mean(|r| r.loss),
             grad_norm: step.grad_norm,
-            pg_clipfrac: mean(|r| r.pg_clipfrac),
-            approx_kl: mean(|r| r.approx_kl),
-            kl_loss: mean(|r| r.kl_loss),
-            entropy: mean(|r| r.entropy),
             lr: step.lr,
-            seconds: t0.elapsed().as_secs_f64() + mean(|r| r.seconds) * k,
+            seconds: t0.elapsed().as_secs_f64() + reports.iter().map(|r| r.seconds).sum::<f64>(),
+            ..TrainReport::merge_heads(&reports)
         })
     }
 
