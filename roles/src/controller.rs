@@ -611,10 +611,17 @@ impl Controller {
     /// them in place. Returns the version the rollout now holds.
     pub async fn sync_weights(&mut self) -> Result<u64, ControllerError> {
         let t = self.config.timeouts.sync;
-        let update = match self
-            .serve_policy(PolicyRequest::ExportWeights, "weight_sync", t)
-            .await?
-        {
+        // Within one process the rollouts take over a snapshot of the policy's tensors;
+        // across processes the weights travel as byte buckets.
+        let in_process = self.roles.policy.is_local()
+            && self.roles.rollout.is_local()
+            && self.roles.extra_rollouts.iter().all(|r| r.is_local());
+        let export = if in_process {
+            PolicyRequest::ExportLocalWeights
+        } else {
+            PolicyRequest::ExportWeights
+        };
+        let update = match self.serve_policy(export, "weight_sync", t).await? {
             PolicyResponse::Weights(u) => u,
             other => return Err(self.protocol("policy", "ExportWeights", format!("{other:?}"))),
         };

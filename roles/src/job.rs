@@ -393,6 +393,9 @@ pub struct OptimSection {
     pub mini_batches: usize,
     /// The critic's learning rate (PPO).
     pub critic_lr: f64,
+    /// Skip the forward and backward passes of samples whose advantages are all zero
+    /// (exact without a KL loss or entropy bonus; see `PolicyConfig::skip_zero_advantage`).
+    pub skip_zero_advantage: bool,
 }
 
 impl Default for OptimSection {
@@ -406,6 +409,7 @@ impl Default for OptimSection {
             micro_batch: 8,
             mini_batches: 1,
             critic_lr: 1e-5,
+            skip_zero_advantage: true,
         }
     }
 }
@@ -1330,6 +1334,7 @@ pub fn policy_role_from(
         pad_id,
         on_policy: a.old_logprobs == "on-policy",
         tokenizer_dir: (job.model.source != "tiny").then(|| PathBuf::from(&job.model.source)),
+        skip_zero_advantage: o.skip_zero_advantage,
         ..Default::default()
     };
     PolicyRole::new(trainer, policy_config).map_err(|e| JobError::Model {
