@@ -278,6 +278,19 @@ impl Trainer {
         for b in buckets {
             incoming.extend(b.tensors(dev)?);
         }
+        // A parameter no backward pass has reached yet (say, every sample of this
+        // replica's shard had zero advantage) has no gradient tensor: materialise zeros
+        // with one zero backward, which needs autograd, so outside `no_grad`.
+        let missing: Vec<Tensor> = self
+            .model
+            .parameters_mut()
+            .into_iter()
+            .filter(|(n, p)| incoming.contains_key(n) && !p.grad().defined())
+            .map(|(_, p)| p.sum(Kind::Float))
+            .collect();
+        if !missing.is_empty() {
+            (Tensor::stack(&missing, 0).sum(Kind::Float) * 0.0).f_backward()?;
+        }
         tch::no_grad(|| -> Result<()> {
             for (n, p) in self.model.parameters_mut() {
                 if let Some(g) = incoming.remove(&n) {
@@ -288,14 +301,7 @@ impl Trainer {
                             p.size()
                         )));
                     }
-                    let mut cur = p.grad();
-                    if cur.defined() {
-                        cur.copy_(&g);
-                    } else {
-                        // Materialise a grad via a zero backward, then copy.
-                        (p.sum(p.kind()) * 0.0).backward();
-                        p.grad().copy_(&g);
-                    }
+                    p.grad().f_copy_(&g)?;
                 }
             }
             Ok(())

@@ -326,6 +326,26 @@ fn offload_reload_buckets_reference_and_heads() {
     nll(&t.model, &batch(&p)).unwrap().backward();
     let gb = t.grad_buckets(1 << 20).unwrap();
     t.set_grads(&gb).unwrap();
+    // Regression: a replica that has run no backward pass yet (its whole shard had zero
+    // advantage) takes all-reduced gradients too; materialising its gradient tensors
+    // used to run a backward inside `no_grad` and fail.
+    let mut fresh = Trainer::new(tiny(12), TrainConfig::default());
+    fresh.set_grads(&gb).unwrap();
+    let want = gb[0].tensors(Device::Cpu).unwrap();
+    let (name, g) = &want[0];
+    let got = fresh
+        .grad_buckets(1 << 20)
+        .unwrap()
+        .iter()
+        .flat_map(|b| b.tensors(Device::Cpu).unwrap())
+        .find(|(n, _)| n == name)
+        .unwrap()
+        .1;
+    assert!(
+        got.equal(g),
+        "`{name}` did not take the all-reduced gradient"
+    );
+    fresh.apply_gradients().unwrap();
     // Heads.
     let mut critic = tiny(6);
     critic.attach_head("v_head");

@@ -1644,8 +1644,11 @@ pub struct Progress<'a> {
     pub step: u64,
     /// Total steps.
     pub total: u64,
-    /// Seconds since the first step started.
+    /// Seconds since this session's first step started.
     pub elapsed_s: f64,
+    /// Steps already done when this session began (a resumed run's checkpoint step;
+    /// 0 for a fresh run): `elapsed_s` covers the steps after it.
+    pub first_step: u64,
     /// The step's metrics.
     pub metrics: &'a StepMetrics,
 }
@@ -1757,6 +1760,7 @@ pub async fn train_with(
     let total = job.job.steps;
     let every = job.checkpoint.every;
     let t0 = Instant::now();
+    let first_step = step;
     let mut rewards = Vec::new();
     for _ in step..total {
         let mut record = |m: &StepMetrics| {
@@ -1767,6 +1771,7 @@ pub async fn train_with(
                 step,
                 total,
                 elapsed_s: t0.elapsed().as_secs_f64(),
+                first_step,
                 metrics: m,
             });
             Ok::<(), JobError>(())
