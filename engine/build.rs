@@ -1,8 +1,8 @@
 fn main() {
-    yatt_rpath();
+    yatt_link_libtorch();
     onednn_shim();
 }
-include!("../scripts/rpath.rs");
+include!("../scripts/link_libtorch.rs");
 
 /// Compiles the small C++ shim over libtorch's oneDNN linear operators
 /// (`csrc/onednn_linear.cpp`) and the fused CPU decode step (`csrc/decode_step.cpp`)
@@ -10,6 +10,7 @@ include!("../scripts/rpath.rs");
 fn onednn_shim() {
     println!("cargo:rerun-if-changed=csrc/onednn_linear.cpp");
     println!("cargo:rerun-if-changed=csrc/decode_step.cpp");
+    println!("cargo:rerun-if-changed=csrc/fused_adamw.cpp");
     println!("cargo:rerun-if-changed=csrc/shim.h");
     let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         println!(
@@ -25,6 +26,7 @@ fn onednn_shim() {
         .cpp(true)
         .file("csrc/onednn_linear.cpp")
         .file("csrc/decode_step.cpp")
+        .file("csrc/fused_adamw.cpp")
         .include(root.join("include"))
         .include(root.join("include/torch/csrc/api/include"))
         .flag("-std=c++17")

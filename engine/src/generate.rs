@@ -557,6 +557,12 @@ impl Generator {
         self.model.copy_weights_from(named)
     }
 
+    /// Takes over a snapshot of another model's weights without copying them (weight
+    /// sync within a process; see [`Llama::adopt_weights`]). The KV cache is kept.
+    pub fn adopt_weights(&mut self, snapshot: &[(String, Tensor)]) -> Result<usize> {
+        self.model.adopt_weights(snapshot)
+    }
+
     /// Data pointer of the first cache tensor (to check the cache is not reallocated).
     pub fn cache_ptr(&self) -> Option<usize> {
         self.cache.as_ref().map(|c| c.k_ptr())

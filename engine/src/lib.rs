@@ -30,6 +30,7 @@ pub mod error;
 pub mod fixtures;
 pub mod generate;
 pub mod gguf;
+pub mod mkl;
 pub mod model;
 pub mod onednn;
 pub mod score;

@@ -719,6 +719,38 @@ impl Llama {
         Ok(n)
     }
 
+    /// A deep copy of the parameters by canonical name (detached, contiguous, in their
+    /// own dtype and device): weights another model in this process can take over with
+    /// [`Llama::adopt_weights`], without the byte buckets a weight sync between
+    /// processes needs. One pass over the weights.
+    pub fn weights_snapshot(&mut self) -> Vec<(String, Tensor)> {
+        tch::no_grad(|| {
+            self.parameters_mut()
+                .into_iter()
+                .map(|(n, t)| (n, t.detach().copy()))
+                .collect()
+        })
+    }
+
+    /// Takes `snapshot`'s tensors (from [`Llama::weights_snapshot`] of a model with the
+    /// same config) as this model's weights, without copying them: models adopting the
+    /// same snapshot share its storage. Only a tensor of another dtype or device is
+    /// converted. For inference models only (none of the parameters may require
+    /// gradients: training would write into the shared storage). Every parameter must
+    /// be in the snapshot with its shape. Repacks packed inference weights. Returns how
+    /// many tensors were adopted.
+    pub fn adopt_weights(&mut self, snapshot: &[(String, Tensor)]) -> Result<usize> {
+        let (device, kind) = (self.device, self.kind);
+        // Mutable access to the parameters drops the packed copies: repack after, also
+        // when the snapshot is refused.
+        let repack = self.packed.as_ref().map(|p| p.batch);
+        let adopted = adopt_into(self.parameters_mut(), snapshot, device, kind);
+        if let Some(b) = repack {
+            self.pack_for_inference(b);
+        }
+        adopted
+    }
+
     /// A deep copy on `device` as `kind` (e.g. a frozen reference policy). The copy does
     /// not require gradients.
     pub fn deep_copy(&self, device: Device, kind: Kind) -> Result<Llama> {
@@ -1122,6 +1154,51 @@ fn rope_tables(c: &ModelConfig, device: Device) -> (Tensor, Tensor) {
     (freqs.cos().to_device(device), freqs.sin().to_device(device))
 }
 
+/// [`Llama::adopt_weights`] on the parameters: checks everything first, so a bad
+/// snapshot leaves them as they were.
+fn adopt_into(
+    mut params: Vec<(String, &mut Tensor)>,
+    snapshot: &[(String, Tensor)],
+    device: Device,
+    kind: Kind,
+) -> Result<usize> {
+    let by_name: HashMap<&str, &Tensor> = snapshot.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    for (name, t) in &params {
+        if t.requires_grad() {
+            return Err(EngineError::Weights(format!(
+                "`{name}` requires gradients: only an inference model can adopt shared weights; copy them in with copy_weights_from"
+            )));
+        }
+        let src = by_name
+            .get(name.as_str())
+            .ok_or_else(|| EngineError::Weights(format!("the snapshot has no `{name}`")))?;
+        if src.size() != t.size() {
+            return Err(EngineError::Weights(format!(
+                "`{name}`: shape {:?} in the snapshot, {:?} in the model",
+                src.size(),
+                t.size()
+            )));
+        }
+    }
+    if let Some((extra, _)) = snapshot
+        .iter()
+        .find(|(n, _)| !params.iter().any(|(m, _)| m == n))
+    {
+        return Err(EngineError::Weights(format!(
+            "`{extra}` in the snapshot is no parameter of this model"
+        )));
+    }
+    tch::no_grad(|| {
+        for (name, t) in params.iter_mut() {
+            **t = by_name[name.as_str()]
+                .to_device(device)
+                .to_kind(kind)
+                .shallow_clone();
+        }
+    });
+    Ok(params.len())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1159,6 +1236,69 @@ mod tests {
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
         (a - b).abs().max().double_value(&[])
+    }
+
+    /// A packed inference model that adopts a trainer's snapshot computes what the
+    /// trainer does, shares the snapshot's storage (no copy), repacks, and is not
+    /// touched when the trainer trains on; a bad snapshot is refused with the name and
+    /// leaves the weights as they were.
+    #[test]
+    fn adopting_a_snapshot_shares_it_and_computes_like_the_source() {
+        let (mut trainer, mut rollout) = tiny(false, false);
+        let other = Llama::random(trainer.config.clone(), Device::Cpu, Kind::Float, 9).unwrap();
+        trainer
+            .copy_weights_from(
+                other
+                    .hf_named_tensors()
+                    .iter()
+                    .map(|(n, t)| (n.as_str(), t)),
+            )
+            .unwrap();
+        let packed = rollout.pack_for_inference(16);
+        let ids = Tensor::from_slice(&[5i64, 17, 3, 9, 41, 2]).view([2, 3]);
+        let want = tch::no_grad(|| trainer.forward(&ids, None));
+        let snap = trainer.weights_snapshot();
+        assert_eq!(rollout.adopt_weights(&snap).unwrap(), snap.len());
+        assert_eq!(rollout.is_packed(), packed);
+        let got = tch::no_grad(|| rollout.forward(&ids, None));
+        assert!(max_diff(&want, &got) < 1e-5, "{}", max_diff(&want, &got));
+        let (name, shared) = &snap[0];
+        let mine = rollout
+            .parameters()
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .unwrap()
+            .1;
+        assert_eq!(mine.data_ptr(), shared.data_ptr(), "`{name}` was copied");
+        // The trainer's own tensors are not the snapshot: training on leaves it alone.
+        tch::no_grad(|| {
+            for (_, t) in trainer.parameters_mut() {
+                let _ = t.g_add_scalar_(1.0);
+            }
+        });
+        let after = tch::no_grad(|| rollout.forward(&ids, None));
+        assert!(max_diff(&got, &after) == 0.0);
+        // A snapshot missing a tensor, or with one of another shape, is refused whole.
+        let before = rollout.parameters();
+        let mut short = trainer.weights_snapshot();
+        let (missing, _) = short.pop().unwrap();
+        let e = rollout.adopt_weights(&short).unwrap_err().to_string();
+        assert!(e.contains(&missing), "{e}");
+        let mut bad = trainer.weights_snapshot();
+        bad[0].1 = Tensor::zeros([3], (Kind::Float, Device::Cpu));
+        let e = rollout.adopt_weights(&bad).unwrap_err().to_string();
+        assert!(e.contains(&bad[0].0) && e.contains("shape"), "{e}");
+        for ((n, x), (_, y)) in before.iter().zip(rollout.parameters()) {
+            assert_eq!(
+                x.data_ptr(),
+                y.data_ptr(),
+                "`{n}` changed after a refused snapshot"
+            );
+        }
+        // A model that trains cannot adopt shared weights.
+        trainer.set_requires_grad(true);
+        let e = trainer.adopt_weights(&snap).unwrap_err().to_string();
+        assert!(e.contains("requires gradients"), "{e}");
     }
 
     /// The fused CPU decode step (packed weights) and the tch path agree on hidden states

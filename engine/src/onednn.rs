@@ -2,7 +2,8 @@
 //! libtorch's `mkldnn::_reorder_linear_weight` / `mkldnn::_linear_pointwise`). On CPUs
 //! where MKL falls back to AVX2 code (e.g. AMD), this is 2–3× faster than `matmul`.
 //! The same shim runs a whole decode step's decoder stack in one call
-//! ([`decode_layers`], `csrc/decode_step.cpp`).
+//! ([`decode_layers`], `csrc/decode_step.cpp`), and the optimizer's AdamW step through
+//! libtorch's fused kernel ([`fused_adamw`], `csrc/fused_adamw.cpp`).
 //! Inference only: no autograd. Everything degrades to `None`/an error when the shim or
 //! the operators are unavailable, and callers fall back to tch operations.
 
@@ -61,6 +62,94 @@ mod ffi {
             err: *mut c_char,
             len: usize,
         ) -> i32;
+        pub fn yatt_fused_adamw(
+            params: *mut *mut C_tensor,
+            grads: *mut *mut C_tensor,
+            exp_avgs: *mut *mut C_tensor,
+            exp_avg_sqs: *mut *mut C_tensor,
+            n: i64,
+            lr: f64,
+            beta1: f64,
+            beta2: f64,
+            weight_decay: f64,
+            eps: f64,
+            step: f64,
+            err: *mut c_char,
+            len: usize,
+        ) -> i32;
+    }
+}
+
+/// Hyperparameters of one [`fused_adamw`] step.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWStep {
+    /// Learning rate.
+    pub lr: f64,
+    /// β1, β2.
+    pub betas: (f64, f64),
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// ε.
+    pub eps: f64,
+    /// The step being taken, from 1 (bias corrections).
+    pub step: u64,
+}
+
+/// One AdamW step, in place, over `params` with `grads` and the moments `exp_avgs`,
+/// `exp_avg_sqs` (all f32, pairwise the same shape and device), through libtorch's
+/// fused kernel: one pass over memory per tensor. The update is torch's AdamW:
+/// decay, then `p -= lr/bc1 · m / (sqrt(v)/sqrt(bc2) + eps)`.
+pub fn fused_adamw(
+    params: &[&Tensor],
+    grads: &[&Tensor],
+    exp_avgs: &[&Tensor],
+    exp_avg_sqs: &[&Tensor],
+    hp: AdamWStep,
+) -> Result<(), String> {
+    let n = params.len();
+    if grads.len() != n || exp_avgs.len() != n || exp_avg_sqs.len() != n {
+        return Err(format!(
+            "fused AdamW needs as many gradients and moments as parameters ({n}), got {}, {} and {}",
+            grads.len(),
+            exp_avgs.len(),
+            exp_avg_sqs.len()
+        ));
+    }
+    #[cfg(yatt_onednn)]
+    {
+        let ptrs = |ts: &[&Tensor]| -> Vec<*mut torch_sys::C_tensor> {
+            ts.iter().map(|t| t.as_ptr() as *mut _).collect()
+        };
+        let (mut p, mut g, mut m, mut v) =
+            (ptrs(params), ptrs(grads), ptrs(exp_avgs), ptrs(exp_avg_sqs));
+        let mut err = vec![0u8; 512];
+        // SAFETY: every tensor outlives the call; the shim only reads the pointer arrays.
+        let rc = unsafe {
+            ffi::yatt_fused_adamw(
+                p.as_mut_ptr(),
+                g.as_mut_ptr(),
+                m.as_mut_ptr(),
+                v.as_mut_ptr(),
+                n as i64,
+                hp.lr,
+                hp.betas.0,
+                hp.betas.1,
+                hp.weight_decay,
+                hp.eps,
+                hp.step as f64,
+                err.as_mut_ptr() as *mut _,
+                err.len(),
+            )
+        };
+        if rc != 0 {
+            return Err(err_string(&err));
+        }
+        Ok(())
+    }
+    #[cfg(not(yatt_onednn))]
+    {
+        let _ = hp;
+        Err("built without the shim".into())
     }
 }
 

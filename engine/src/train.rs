@@ -135,17 +135,6 @@ pub struct Trainer {
 }
 
 /// Sets `p`'s gradient to `g` (same shape), creating it when `p` has none yet.
-fn replace_grad(p: &Tensor, g: &Tensor) {
-    let mut cur = p.grad();
-    if cur.defined() {
-        cur.copy_(g);
-    } else {
-        // Materialise a grad via a zero backward, then copy.
-        (p.sum(p.kind()) * 0.0).backward();
-        p.grad().copy_(g);
-    }
-}
-
 impl Trainer {
     /// Wraps `model` for training (fresh optimizer state).
     pub fn new(mut model: Llama, config: TrainConfig) -> Self {
@@ -228,6 +217,19 @@ impl Trainer {
         micro_batches: &[M],
         mut loss_fn: impl FnMut(&Llama, &M) -> Result<Tensor>,
     ) -> Result<StepStats> {
+        self.step_sparse(micro_batches, |model, mb| loss_fn(model, mb).map(Some))
+    }
+
+    /// [`Trainer::step`] where a micro-batch may be known to contribute nothing:
+    /// `loss_fn` returns `None` when its loss is exactly zero with zero gradient (say,
+    /// every sample's advantage is zero). That micro-batch runs no forward or backward
+    /// pass, yet still counts in the `1/n` averaging and as a zero loss, so the step is
+    /// the one [`Trainer::step`] would take.
+    pub fn step_sparse<M>(
+        &mut self,
+        micro_batches: &[M],
+        mut loss_fn: impl FnMut(&Llama, &M) -> Result<Option<Tensor>>,
+    ) -> Result<StepStats> {
         self.check_resident()?;
         if micro_batches.is_empty() {
             return Err(EngineError::InvalidArgument(
@@ -237,8 +239,12 @@ impl Trainer {
         tch::manual_seed(self.config.seed.wrapping_add(self.step) as i64);
         let scale = 1.0 / micro_batches.len() as f64;
         for mb in micro_batches {
-            let loss = loss_fn(&self.model, mb)?;
-            self.backward_micro(loss, scale)?;
+            match loss_fn(&self.model, mb)? {
+                Some(loss) => {
+                    self.backward_micro(loss, scale)?;
+                }
+                None => self.pending_losses.push(0.0),
+            }
         }
         self.apply_gradients()
     }
@@ -290,6 +296,7 @@ impl Trainer {
     /// [`Trainer::flat_grads`] gives it).
     pub fn set_flat_grads(&mut self, flat: &[f32]) -> Result<()> {
         self.check_resident()?;
+        self.materialise_grads()?;
         let params = self.model.parameters_mut();
         let want: usize = params.iter().map(|(_, p)| p.numel()).sum();
         if flat.len() != want {
@@ -307,9 +314,27 @@ impl Trainer {
                     .to_device(p.device())
                     .to_kind(p.kind());
                 at += n;
-                replace_grad(p, &g);
+                p.grad().copy_(&g);
             }
         });
+        Ok(())
+    }
+
+    /// Gives every parameter that has no gradient tensor yet (no backward pass reached
+    /// it: say, every sample of this replica's shard had zero advantage) a zero one, so
+    /// all-reduced gradients can be copied in. A zero backward does it, and that needs
+    /// autograd: never call this inside `no_grad`.
+    fn materialise_grads(&mut self) -> Result<()> {
+        let missing: Vec<Tensor> = self
+            .model
+            .parameters_mut()
+            .into_iter()
+            .filter(|(_, p)| !p.grad().defined())
+            .map(|(_, p)| p.sum(Kind::Float))
+            .collect();
+        if !missing.is_empty() {
+            (Tensor::stack(&missing, 0).sum(Kind::Float) * 0.0).f_backward()?;
+        }
         Ok(())
     }
 
@@ -321,6 +346,7 @@ impl Trainer {
         for b in buckets {
             incoming.extend(b.tensors(dev)?);
         }
+        self.materialise_grads()?;
         tch::no_grad(|| -> Result<()> {
             for (n, p) in self.model.parameters_mut() {
                 if let Some(g) = incoming.remove(&n) {
@@ -331,7 +357,7 @@ impl Trainer {
                             p.size()
                         )));
                     }
-                    replace_grad(p, &g);
+                    p.grad().f_copy_(&g)?;
                 }
             }
             Ok(())
@@ -346,6 +372,13 @@ impl Trainer {
 
     /// Clips, applies AdamW with the scheduled LR and zeroes gradients.
     pub fn apply_gradients(&mut self) -> Result<StepStats> {
+        // One fused pass per tensor when the shim has it and there are no f32 master
+        // copies to keep; otherwise the same update as separate tensor operations.
+        let fused = crate::onednn::available() && self.state.iter().all(|s| s.master.is_none());
+        self.apply_gradients_with(fused)
+    }
+
+    fn apply_gradients_with(&mut self, fused: bool) -> Result<StepStats> {
         self.check_resident()?;
         let c = self.config.clone();
         let lr = c.lr * c.schedule.factor(self.step);
@@ -378,10 +411,45 @@ impl Trainer {
             }
             total
         });
+        if fused {
+            let mut groups: [(Vec<&Tensor>, Vec<Tensor>, Vec<&Tensor>, Vec<&Tensor>); 2] =
+                Default::default();
+            for ((_, p), s) in params.iter().zip(self.state.iter()) {
+                let g = p.grad();
+                if g.defined() {
+                    let group = &mut groups[usize::from(s.decay && c.weight_decay > 0.0)];
+                    group.0.push(&**p);
+                    group.1.push(g);
+                    group.2.push(&s.m);
+                    group.3.push(&s.v);
+                }
+            }
+            for (decay, (ps, gs, ms, vs)) in groups.iter().enumerate() {
+                if ps.is_empty() {
+                    continue;
+                }
+                let gs: Vec<&Tensor> = gs.iter().collect();
+                let hp = crate::onednn::AdamWStep {
+                    lr,
+                    betas: c.betas,
+                    weight_decay: if decay == 1 { c.weight_decay } else { 0.0 },
+                    eps: c.eps,
+                    step: self.step + 1,
+                };
+                tch::no_grad(|| crate::onednn::fused_adamw(ps, &gs, ms, vs, hp))
+                    .map_err(EngineError::InvalidArgument)?;
+            }
+            for (_, p) in params.iter() {
+                let mut g = p.grad();
+                if g.defined() {
+                    let _ = g.zero_();
+                }
+            }
+        }
         tch::no_grad(|| {
             for ((_, p), s) in params.into_iter().zip(self.state.iter_mut()) {
                 let mut g = p.grad();
-                if !g.defined() {
+                if fused || !g.defined() {
                     continue;
                 }
                 let gf = g.to_kind(Kind::Float);
@@ -555,5 +623,48 @@ mod tests {
         assert!((s.factor(7) - (0.1 + 0.9 * 0.5)).abs() < 1e-12);
         assert!((s.factor(12) - 0.1).abs() < 1e-12);
         assert!((s.factor(50) - 0.1).abs() < 1e-12);
+    }
+
+    /// The fused AdamW kernel takes the steps the separate tensor operations take
+    /// (weight decay on one group, none on the other, clipping active).
+    #[test]
+    fn fused_adamw_steps_like_the_unfused_update() {
+        if !crate::onednn::available() {
+            return;
+        }
+        let config = TrainConfig {
+            lr: 1e-2,
+            weight_decay: 0.1,
+            max_grad_norm: Some(0.5),
+            ..Default::default()
+        };
+        let model =
+            Llama::random(crate::fixtures::tiny_config(), Device::Cpu, Kind::Float, 3).unwrap();
+        let mut runs = [true, false].map(|fused| {
+            let m = model.deep_copy(Device::Cpu, Kind::Float).unwrap();
+            (fused, Trainer::new(m, config.clone()))
+        });
+        let ids = Tensor::from_slice(&[3i64, 9, 4, 7, 1, 5, 8, 2]).view([2, 4]);
+        for _ in 0..3 {
+            for (fused, t) in runs.iter_mut() {
+                let loss = t.model.forward(&ids, None).square().mean(Kind::Float);
+                t.backward_micro(loss, 1.0).unwrap();
+                t.apply_gradients_with(*fused).unwrap();
+            }
+        }
+        let [(_, a), (_, b)] = &mut runs;
+        let (da, nd) = a.decay_groups();
+        assert!(
+            !da.is_empty() && !nd.is_empty(),
+            "both decay groups are exercised"
+        );
+        for ((name, x), (_, y)) in a.model.parameters().iter().zip(b.model.parameters()) {
+            let d = (x - &y).abs().max().double_value(&[]);
+            assert!(d < 1e-6, "{name} differs by {d} after three steps");
+        }
+        for (sa, sb) in a.state.iter().zip(&b.state) {
+            let d = (&sa.v - &sb.v).abs().max().double_value(&[]);
+            assert!(d < 1e-9, "{}: second moments differ by {d}", sa.name);
+        }
     }
 }

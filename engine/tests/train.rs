@@ -344,6 +344,31 @@ fn offload_reload_buckets_reference_and_heads() {
     assert!(e.contains("gradient values for"), "{e}");
     t.set_grads(&gb).unwrap();
     assert_eq!(t.flat_grads().unwrap(), flat);
+    // Regression: a replica that has run no backward pass yet (its whole shard had zero
+    // advantage) takes all-reduced gradients too; materialising its gradient tensors
+    // used to run a backward inside `no_grad` and fail.
+    let mut fresh = Trainer::new(tiny(12), TrainConfig::default());
+    fresh.set_grads(&gb).unwrap();
+    let want = gb[0].tensors(Device::Cpu).unwrap();
+    let (name, g) = &want[0];
+    let got = fresh
+        .grad_buckets(1 << 20)
+        .unwrap()
+        .iter()
+        .flat_map(|b| b.tensors(Device::Cpu).unwrap())
+        .find(|(n, _)| n == name)
+        .unwrap()
+        .1;
+    assert!(
+        got.equal(g),
+        "`{name}` did not take the all-reduced gradient"
+    );
+    fresh.apply_gradients().unwrap();
+    // The same through the flat buffer of the ring all-reduce.
+    let mut fresh = Trainer::new(tiny(12), TrainConfig::default());
+    let flat = t.flat_grads().unwrap();
+    fresh.set_flat_grads(&flat).unwrap();
+    assert_eq!(fresh.flat_grads().unwrap(), flat);
     // Heads.
     let mut critic = tiny(6);
     critic.attach_head("v_head");

@@ -1,4 +1,4 @@
 fn main() {
-    yatt_rpath();
+    yatt_link_libtorch();
 }
-include!("../../scripts/rpath.rs");
+include!("../../scripts/link_libtorch.rs");

@@ -189,10 +189,9 @@ impl Role for FakePolicy {
                 let ids = shards.into_iter().flat_map(|s| s.report.trained).collect();
                 PolicyResponse::Trained(self.report(ids))
             }
-            PolicyRequest::ExportWeights => PolicyResponse::Weights(WeightsUpdate {
-                version: self.version,
-                buckets: Vec::new(),
-            }),
+            PolicyRequest::ExportWeights | PolicyRequest::ExportLocalWeights => {
+                PolicyResponse::Weights(WeightsUpdate::from_buckets(self.version, Vec::new()))
+            }
             PolicyRequest::SaveCheckpoint(_) => PolicyResponse::Saved,
             PolicyRequest::RingInbox
             | PolicyRequest::JoinRing(_)

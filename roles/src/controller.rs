@@ -572,7 +572,7 @@ pub async fn join_policy_ring(
 ) -> Result<(), ControllerError> {
     const STAGE: &str = "join_policy_ring";
     let mut members = Vec::with_capacity(controllers.len());
-    for c in controllers {
+    for c in controllers.iter() {
         match c
             .serve_policy(PolicyRequest::RingInbox, STAGE, c.config.timeouts.train)
             .await?
@@ -737,10 +737,17 @@ impl Controller {
     /// them in place. Returns the version the rollout now holds.
     pub async fn sync_weights(&mut self) -> Result<u64, ControllerError> {
         let t = self.config.timeouts.sync;
-        let update = match self
-            .serve_policy(PolicyRequest::ExportWeights, "weight_sync", t)
-            .await?
-        {
+        // Within one process the rollouts take over a snapshot of the policy's tensors;
+        // across processes the weights travel as byte buckets.
+        let in_process = self.roles.policy.is_local()
+            && self.roles.rollout.is_local()
+            && self.roles.extra_rollouts.iter().all(|r| r.is_local());
+        let export = if in_process {
+            PolicyRequest::ExportLocalWeights
+        } else {
+            PolicyRequest::ExportWeights
+        };
+        let update = match self.serve_policy(export, "weight_sync", t).await? {
             PolicyResponse::Weights(u) => u,
             other => return Err(self.protocol("policy", "ExportWeights", format!("{other:?}"))),
         };

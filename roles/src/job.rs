@@ -394,6 +394,9 @@ pub struct OptimSection {
     pub mini_batches: usize,
     /// The critic's learning rate (PPO).
     pub critic_lr: f64,
+    /// Skip the forward and backward passes of samples whose advantages are all zero
+    /// (exact without a KL loss or entropy bonus; see `PolicyConfig::skip_zero_advantage`).
+    pub skip_zero_advantage: bool,
 }
 
 impl Default for OptimSection {
@@ -407,6 +410,7 @@ impl Default for OptimSection {
             micro_batch: 8,
             mini_batches: 1,
             critic_lr: 1e-5,
+            skip_zero_advantage: true,
         }
     }
 }
@@ -1345,6 +1349,7 @@ pub fn policy_role_from(
         pad_id,
         on_policy: a.old_logprobs == "on-policy",
         tokenizer_dir: (job.model.source != "tiny").then(|| PathBuf::from(&job.model.source)),
+        skip_zero_advantage: o.skip_zero_advantage,
         ..Default::default()
     };
     PolicyRole::new(trainer, policy_config).map_err(|e| JobError::Model {
@@ -1661,8 +1666,11 @@ pub struct Progress<'a> {
     pub step: u64,
     /// Total steps.
     pub total: u64,
-    /// Seconds since the first step started.
+    /// Seconds since this session's first step started.
     pub elapsed_s: f64,
+    /// Steps already done when this session began (a resumed run's checkpoint step;
+    /// 0 for a fresh run): `elapsed_s` covers the steps after it.
+    pub first_step: u64,
     /// The step's metrics.
     pub metrics: &'a StepMetrics,
 }
@@ -1774,6 +1782,7 @@ pub async fn train_with(
     let total = job.job.steps;
     let every = job.checkpoint.every;
     let t0 = Instant::now();
+    let first_step = step;
     let mut rewards = Vec::new();
     for _ in step..total {
         let mut record = |m: &StepMetrics| {
@@ -1784,6 +1793,7 @@ pub async fn train_with(
                 step,
                 total,
                 elapsed_s: t0.elapsed().as_secs_f64(),
+                first_step,
                 metrics: m,
             });
             Ok::<(), JobError>(())

@@ -107,13 +107,58 @@ impl ResourceProfile {
     }
 }
 
-/// Named weights pushed into a role (weight sync), as buckets of raw bytes.
+/// Named weights pushed into a role (weight sync): as buckets of raw bytes, which cross
+/// processes, or within one process as a snapshot of the policy's tensors.
 #[derive(Debug, Clone)]
 pub struct WeightsUpdate {
     /// Policy version these weights belong to.
     pub version: u64,
-    /// The buckets, each a header plus raw bytes.
+    /// The buckets, each a header plus raw bytes (HF names). Empty when `local` is set.
     pub buckets: Vec<yatt_engine::WeightBucket>,
+    /// In-process weight sync: the policy's parameters by canonical name, a snapshot
+    /// no one writes to, which models take over without copying
+    /// (`Llama::adopt_weights`). Such an update cannot be sent to another process.
+    pub local: Option<LocalWeights>,
+}
+
+impl WeightsUpdate {
+    /// An update carried as byte buckets.
+    pub fn from_buckets(version: u64, buckets: Vec<yatt_engine::WeightBucket>) -> Self {
+        WeightsUpdate {
+            version,
+            buckets,
+            local: None,
+        }
+    }
+}
+
+/// A snapshot of a model's parameters (canonical names), shared by the roles of one
+/// process that adopt it. Cloning shares it.
+#[derive(Clone)]
+pub struct LocalWeights(std::sync::Arc<std::sync::Mutex<Vec<(String, tch::Tensor)>>>);
+
+impl LocalWeights {
+    /// Wraps a snapshot (`Llama::weights_snapshot`).
+    pub fn new(snapshot: Vec<(String, tch::Tensor)>) -> Self {
+        LocalWeights(std::sync::Arc::new(std::sync::Mutex::new(snapshot)))
+    }
+
+    /// Handles to the snapshot's tensors (no data is copied). A `Tensor` may move
+    /// between threads but not be shared, hence the lock around taking handles.
+    pub fn tensors(&self) -> Vec<(String, tch::Tensor)> {
+        let guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        guard
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect()
+    }
+}
+
+impl std::fmt::Debug for LocalWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0.lock().map(|g| g.len()).unwrap_or(0);
+        write!(f, "LocalWeights({n} tensors)")
+    }
 }
 
 /// An RLHF role. Implement it to add one; register it with a node by name.
@@ -406,10 +451,7 @@ mod tests {
         // Unsupported lifecycle steps say so.
         let err = a
             .ask(
-                RoleRequest::LoadWeights(WeightsUpdate {
-                    version: 1,
-                    buckets: vec![],
-                }),
+                RoleRequest::LoadWeights(WeightsUpdate::from_buckets(1, vec![])),
                 t,
             )
             .await

@@ -259,6 +259,17 @@ fn unpack_buckets<T>(
     Ok(groups)
 }
 
+/// An update's byte buckets, for another process: an in-process snapshot cannot go.
+fn remote_buckets<T>(u: WeightsUpdate) -> Result<Vec<yatt_engine::WeightBucket>, WireError> {
+    match u.local {
+        Some(_) => Err(encode_err::<T>(format!(
+            "weights v{} are an in-process snapshot of tensors, which cannot be sent to another process; ask the policy for ExportWeights (byte buckets)",
+            u.version
+        ))),
+        None => Ok(u.buckets),
+    }
+}
+
 fn no_bulk<T>(bulk: &Option<Bulk>) -> Result<(), WireError> {
     match bulk {
         Some(_) => Err(WireError::BulkMismatch {
@@ -291,9 +302,10 @@ impl<Req: Message> Message for RoleRequest<Req> {
             RoleRequest::Profile => (RequestHead::Profile, Bytes::new(), None),
             RoleRequest::Stop => (RequestHead::Stop, Bytes::new(), None),
             RoleRequest::LoadWeights(u) => {
-                let (mut headers, bulk) = pack_buckets::<Self>(vec![u.buckets])?;
+                let version = u.version;
+                let (mut headers, bulk) = pack_buckets::<Self>(vec![remote_buckets::<Self>(u)?])?;
                 let head = RequestHead::LoadWeights {
-                    version: u.version,
+                    version,
                     buckets: headers.pop().unwrap_or_default(),
                 };
                 (head, Bytes::new(), bulk)
@@ -316,10 +328,10 @@ impl<Req: Message> Message for RoleRequest<Req> {
             RequestHead::Stop => simple(RoleRequest::Stop),
             RequestHead::LoadWeights { version, buckets } => {
                 let groups = unpack_buckets::<Self>(vec![buckets], wire.bulk.as_ref())?;
-                Ok(RoleRequest::LoadWeights(WeightsUpdate {
+                Ok(RoleRequest::LoadWeights(WeightsUpdate::from_buckets(
                     version,
-                    buckets: one_group::<Self>(groups)?,
-                }))
+                    one_group::<Self>(groups)?,
+                )))
             }
         }
     }
@@ -359,7 +371,10 @@ impl Message for PolicyRequest {
             PolicyRequest::OldLogProbs(s) => (PolicyRequestHead::OldLogProbs(s), None),
             PolicyRequest::Train(s) => (PolicyRequestHead::Train(s), None),
             PolicyRequest::Gradients(s) => (PolicyRequestHead::Gradients(s), None),
-            PolicyRequest::ExportWeights => (PolicyRequestHead::ExportWeights, None),
+            // A policy in another process answers with buckets either way.
+            PolicyRequest::ExportWeights | PolicyRequest::ExportLocalWeights => {
+                (PolicyRequestHead::ExportWeights, None)
+            }
             PolicyRequest::SaveCheckpoint(p) => (PolicyRequestHead::SaveCheckpoint(p), None),
             PolicyRequest::RingInbox => (PolicyRequestHead::RingInbox, None),
             PolicyRequest::JoinRing(spec) => (PolicyRequestHead::JoinRing(spec), None),
@@ -426,9 +441,10 @@ impl Message for PolicyResponse {
                 (head, bulk)
             }
             PolicyResponse::Weights(u) => {
-                let (mut h, bulk) = pack_buckets::<Self>(vec![u.buckets])?;
+                let version = u.version;
+                let (mut h, bulk) = pack_buckets::<Self>(vec![remote_buckets::<Self>(u)?])?;
                 let head = PolicyResponseHead::Weights {
-                    version: u.version,
+                    version,
                     buckets: h.pop().unwrap_or_default(),
                 };
                 (head, bulk)
@@ -463,10 +479,7 @@ impl Message for PolicyResponse {
             PolicyResponseHead::Weights {
                 version,
                 buckets: h,
-            } => PolicyResponse::Weights(WeightsUpdate {
-                version,
-                buckets: buckets(h)?,
-            }),
+            } => PolicyResponse::Weights(WeightsUpdate::from_buckets(version, buckets(h)?)),
         })
     }
 }
@@ -555,14 +568,37 @@ mod tests {
         (back, wire)
     }
 
+    /// An in-process snapshot of tensors is refused at the wire with the fix, and a
+    /// request for one reaches a policy in another process as a request for buckets.
+    #[test]
+    fn in_process_weights_do_not_cross_processes() {
+        let t = tch::Tensor::zeros([2], (tch::Kind::Float, tch::Device::Cpu));
+        let update = WeightsUpdate {
+            version: 4,
+            buckets: vec![],
+            local: Some(crate::role::LocalWeights::new(vec![("embed".into(), t)])),
+        };
+        for e in [
+            RoleRequest::<()>::LoadWeights(update.clone())
+                .into_wire()
+                .unwrap_err(),
+            PolicyResponse::Weights(update).into_wire().unwrap_err(),
+        ] {
+            let e = e.to_string();
+            assert!(
+                e.contains("weights v4") && e.contains("ExportWeights"),
+                "{e}"
+            );
+        }
+        let (back, _) = round_trip(PolicyRequest::ExportLocalWeights);
+        assert!(matches!(back, PolicyRequest::ExportWeights), "{back:?}");
+    }
+
     #[test]
     fn weights_travel_as_bulk_and_one_bucket_is_not_copied() {
         let bs = buckets(1 << 20);
         assert_eq!(bs.len(), 1);
-        let update = WeightsUpdate {
-            version: 9,
-            buckets: bs.clone(),
-        };
+        let update = WeightsUpdate::from_buckets(9, bs.clone());
         let ptr = update.buckets[0].data.as_ptr();
         let wire = RoleRequest::<()>::LoadWeights(update).into_wire().unwrap();
         let bulk = wire.bulk.clone().expect("bulk payload");
@@ -578,10 +614,7 @@ mod tests {
         let bs = buckets(4);
         assert_eq!(bs.len(), 2);
         let (back, wire) = round_trip(RoleResponse::Served(PolicyResponse::Weights(
-            WeightsUpdate {
-                version: 2,
-                buckets: bs.clone(),
-            },
+            WeightsUpdate::from_buckets(2, bs.clone()),
         )));
         assert_eq!(wire.bulk.unwrap().header.tensors.len(), 2);
         match back {
@@ -744,12 +777,9 @@ mod tests {
         wire.bulk = Some(bulk_of::<()>(vec![("x".into(), Bytes::from_static(b"1"))]).unwrap());
         let e = RoleRequest::<Vec<Sample>>::from_wire(wire).unwrap_err();
         assert!(e.to_string().contains("takes none"), "{e}");
-        let mut wire = PolicyResponse::Weights(WeightsUpdate {
-            version: 1,
-            buckets: buckets(4),
-        })
-        .into_wire()
-        .unwrap();
+        let mut wire = PolicyResponse::Weights(WeightsUpdate::from_buckets(1, buckets(4)))
+            .into_wire()
+            .unwrap();
         wire.bulk = None;
         let e = PolicyResponse::from_wire(wire).unwrap_err();
         assert!(e.to_string().contains("need a bulk payload"), "{e}");

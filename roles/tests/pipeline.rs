@@ -220,6 +220,13 @@ async fn grpo_learns_a_trivial_reward_with_synced_weights() {
             let v = m
                 .get(name)
                 .unwrap_or_else(|| panic!("metric {name} missing"));
+            // With every advantage zero the update runs no pass, so the entropy of the
+            // samples it trained is unknown.
+            let trained_none = m.get("actor/grad_norm") == Some(0.0);
+            if name == "actor/entropy" && trained_none {
+                assert!(v.is_nan(), "{name} = {v} with no sample trained");
+                continue;
+            }
             assert!(v.is_finite(), "{name} = {v}");
         }
         assert_eq!(m.get("response_length/mean"), Some(6.0));

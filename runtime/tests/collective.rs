@@ -17,11 +17,13 @@ async fn node(dir: &std::path::Path, name: &str, seed: Option<&Node>) -> Node {
 }
 
 /// Members `0..hosts.len()`, member `i` on `hosts[i]`, joined into one ring.
-fn ring(hosts: &[&Node], chunk_bytes: u64, timeout: Duration) -> Vec<RingMember> {
+/// `role` names the members' inboxes (`role/i` on their node): rings alive at once on
+/// one node need different names.
+fn ring(hosts: &[&Node], role: &str, chunk_bytes: u64, timeout: Duration) -> Vec<RingMember> {
     let mut members: Vec<RingMember> = hosts
         .iter()
         .enumerate()
-        .map(|(i, n)| RingMember::start(n, "ring", i as u32).unwrap())
+        .map(|(i, n)| RingMember::start(n, role, i as u32).unwrap())
         .collect();
     let ids: Vec<_> = members.iter().map(|m| m.inbox_id().clone()).collect();
     for (rank, m) in members.iter_mut().enumerate() {
@@ -63,7 +65,7 @@ async fn three_members_average_known_buffers() {
     let dir = tempfile::tempdir().unwrap();
     let n = node(dir.path(), "ar-a", None).await;
     // One value per chunk: every segment travels as several messages.
-    let mut members = ring(&[&n, &n, &n], 4, T);
+    let mut members = ring(&[&n, &n, &n], "ring", 4, T);
     let inputs = vec![
         vec![3.0, 6.0, 9.0, 0.0, -3.0, 1.5, 2.0],
         vec![0.0, 0.0, 0.0, 3.0, 3.0, 1.5, 4.0],
@@ -77,7 +79,7 @@ async fn three_members_average_known_buffers() {
         }
     }
     // One member alone keeps its buffer (the mean of one).
-    let mut solo = ring(&[&n], 4, T);
+    let mut solo = ring(&[&n], "solo", 4, T);
     let got = all_reduce(&mut solo, &inputs[..1], 0).await;
     assert_eq!(got[0], inputs[0]);
     n.shutdown().await;
@@ -87,7 +89,7 @@ async fn three_members_average_known_buffers() {
 async fn every_member_gets_the_same_bits_in_the_documented_order() {
     let dir = tempfile::tempdir().unwrap();
     let n = node(dir.path(), "ord-a", None).await;
-    let mut members = ring(&[&n, &n, &n], 8, T);
+    let mut members = ring(&[&n, &n, &n], "ring", 8, T);
     // 1e8 + 1 rounds back to 1e8 in f32, so the order of the sum shows: segment k is
     // summed starting at member k, ((g_k + g_k+1) + g_k+2), then divided by 3.
     let inputs = vec![vec![1e8f32; 6], vec![1.0; 6], vec![-1e8; 6]];
@@ -116,7 +118,7 @@ async fn members_on_two_nodes_reduce_over_quic() {
     );
     // Members 0 and 2 on a, member 1 on b: every hop crosses the network. Chunks of
     // 4 KiB: a segment of ~3,300 values is several messages.
-    let mut members = ring(&[&a, &b, &a], 4096, T);
+    let mut members = ring(&[&a, &b, &a], "ring", 4096, T);
     let len = 10_001;
     let inputs: Vec<Vec<f32>> = (0..3)
         .map(|r| {
@@ -159,7 +161,7 @@ async fn members_on_two_nodes_reduce_over_quic() {
 async fn a_missing_member_times_out_and_a_bad_spec_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let n = node(dir.path(), "to-a", None).await;
-    let mut members = ring(&[&n, &n], 4, Duration::from_millis(300));
+    let mut members = ring(&[&n, &n], "ring", 4, Duration::from_millis(300));
     // Member 1 never joins the round: member 0 gives up after its deadline.
     let t0 = Instant::now();
     let mut buf = vec![1.0f32; 8];

@@ -230,9 +230,16 @@ pub(crate) fn check_device(
     Ok(())
 }
 
-/// Copies the weights of `update` into `model` in place (weight sync), in one
-/// `copy_weights_from`: each call repacks every inference matrix of a packed model.
+/// Loads the weights of `update` into `model` (weight sync): an in-process snapshot is
+/// adopted without copying, buckets are copied in place in one `copy_weights_from`
+/// (each call repacks every inference matrix of a packed model).
 pub(crate) fn load_buckets(model: &mut Llama, update: &WeightsUpdate) -> Result<(), RoleError> {
+    if let Some(local) = &update.local {
+        model
+            .adopt_weights(&local.tensors())
+            .map_err(|e| weights_error(update, e))?;
+        return Ok(());
+    }
     let named = bucket_tensors(update, model.device())?;
     model
         .copy_weights_from(named.iter().map(|(n, t)| (n.as_str(), t)))
@@ -245,6 +252,12 @@ pub(crate) fn bucket_tensors(
     update: &WeightsUpdate,
     device: Device,
 ) -> Result<Vec<(String, Tensor)>, RoleError> {
+    if update.local.is_some() {
+        return Err(RoleError::BadRequest(format!(
+            "weights v{} are an in-process snapshot (canonical names), not buckets: adopt them with Llama::adopt_weights",
+            update.version
+        )));
+    }
     let mut named = Vec::new();
     for b in &update.buckets {
         named.extend(b.tensors(device).map_err(|e| weights_error(update, e))?);

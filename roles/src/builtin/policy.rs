@@ -11,6 +11,8 @@
 //!   [`ppo_policy_loss`] (clip range and aggregation from the config), plus
 //!   [`kl_loss`] against the reference (k1/k2/k3) and minus an entropy bonus;
 //! - [`PolicyRequest::ExportWeights`]: the weights as buckets for weight sync;
+//!   [`PolicyRequest::ExportLocalWeights`]: a snapshot of the tensors, for roles in
+//!   this process;
 //! - [`PolicyRequest::SaveCheckpoint`]: an exact-resume checkpoint;
 //! - data parallelism over one shared policy: [`PolicyRequest::Gradients`] per head,
 //!   then [`PolicyRequest::ApplyGradients`] with every head's shard;
@@ -27,16 +29,16 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use tch::Tensor;
+use tch::{Kind, Tensor};
 use yatt_engine::{to_buckets, EngineError, Trainer};
 use yatt_runtime::collective::{RingMember, RingSpec};
 use yatt_runtime::ActorId;
 
 use super::{check_device, response_scores, score_samples};
 use crate::algo::{
-    entropy_loss, kl_loss, masked_mean, ppo_policy_loss, KlEstimator, PolicyLossConfig,
+    entropy_loss, kl_loss, masked_mean, ppo_policy_loss, KlEstimator, LossAgg, PolicyLossConfig,
 };
-use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
+use crate::role::{DeviceGroup, LocalWeights, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::{response_mask, token_matrix, Sample, SampleId, TokenField};
 
 /// KL loss against the reference policy (GRPO: k3, coefficient 0.001).
@@ -76,6 +78,12 @@ pub struct PolicyConfig {
     /// Where the tokenizer files are (the base model's directory): checkpoints get a
     /// copy, so they load on their own (yatt, transformers).
     pub tokenizer_dir: Option<PathBuf>,
+    /// Run no forward or backward pass for samples whose advantages are all zero (a
+    /// GRPO group whose rewards are all equal): their loss terms and gradients are
+    /// exactly zero. Applies only without a KL loss or entropy bonus, which do not
+    /// vanish with the advantage; the step is the same, up to float summation order.
+    /// The entropy and clip metrics are then means over the samples that ran.
+    pub skip_zero_advantage: bool,
 }
 
 impl Default for PolicyConfig {
@@ -91,6 +99,7 @@ impl Default for PolicyConfig {
             bucket_bytes: 64 << 20,
             on_policy: false,
             tokenizer_dir: None,
+            skip_zero_advantage: true,
         }
     }
 }
@@ -107,8 +116,12 @@ pub enum PolicyRequest {
     Gradients(Vec<Sample>),
     /// Data parallelism: average the controllers' gradients and take one optimizer step.
     ApplyGradients(Vec<GradShard>),
-    /// Export the weights for weight sync.
+    /// Export the weights for weight sync, as byte buckets.
     ExportWeights,
+    /// Export the weights for roles in this process: a snapshot of the tensors they take
+    /// over without copying (one copy here instead of encoding to bytes and decoding).
+    /// A policy in another process answers it as [`PolicyRequest::ExportWeights`].
+    ExportLocalWeights,
     /// Save a checkpoint to this directory.
     SaveCheckpoint(PathBuf),
     /// Data parallelism over replicas: this replica's ring inbox, for the ring's spec.
@@ -207,7 +220,12 @@ pub struct PolicyRole {
 }
 
 struct Micro {
-    range: std::ops::Range<usize>,
+    /// The samples this micro-batch runs (indices into the batch): all of its range, or
+    /// with [`PolicyConfig::skip_zero_advantage`] those with a non-zero advantage.
+    rows: Vec<usize>,
+    /// Scales the loss over `rows` to the loss over the whole range: the aggregation's
+    /// normaliser counts the samples left out (their loss terms are exactly zero).
+    keep_scale: f64,
     old: Tensor,
     adv: Tensor,
     reference: Option<Tensor>,
@@ -216,22 +234,28 @@ struct Micro {
 
 #[derive(Default)]
 struct MicroStats {
+    /// Micro-batches that ran a forward pass (the means below are over them).
+    ran: usize,
     clip: f64,
     approx_kl: f64,
     kl: f64,
     entropy: f64,
 }
 
-/// The loss of one micro-batch (PPO clipped + KL loss − entropy bonus), with gradients.
+/// The loss of one micro-batch (PPO clipped + KL loss − entropy bonus), with gradients;
+/// `None` when none of its samples carries a gradient.
 fn micro_loss(
     model: &yatt_engine::Llama,
     samples: &[Sample],
     mb: &Micro,
     cfg: &PolicyConfig,
     stats: &mut MicroStats,
-) -> yatt_engine::Result<Tensor> {
-    let chunk = &samples[mb.range.clone()];
-    let (lp, ent) = response_scores(model, chunk, cfg.pad_id, cfg.temperature, true)?;
+) -> yatt_engine::Result<Option<Tensor>> {
+    if mb.rows.is_empty() {
+        return Ok(None);
+    }
+    let chunk: Vec<Sample> = mb.rows.iter().map(|&i| samples[i].clone()).collect();
+    let (lp, ent) = response_scores(model, &chunk, cfg.pad_id, cfg.temperature, true)?;
     let old = if cfg.on_policy {
         lp.detach()
     } else {
@@ -254,7 +278,63 @@ fn micro_loss(
     } else {
         stats.entropy += masked_mean(&ent.detach(), &mb.mask).double_value(&[]);
     }
-    Ok(total)
+    stats.ran += 1;
+    Ok(Some(if mb.keep_scale == 1.0 {
+        total
+    } else {
+        total * mb.keep_scale
+    }))
+}
+
+/// The rows of a micro-batch whose loss terms can be non-zero, and the factor that
+/// scales their aggregated loss to the whole micro-batch's (`mask` and `adv`: `[B, T]`).
+/// A sample whose every advantage is zero has a zero policy-loss term at every token
+/// (the clipped surrogate and the dual clip are both multiples of the advantage), so
+/// leaving it out changes only the aggregation's normaliser, corrected here.
+fn rows_with_gradient(mask: &Tensor, adv: &Tensor, agg: LossAgg) -> (Vec<usize>, f64) {
+    let k = mask.kind();
+    let tokens: Vec<f64> =
+        Vec::try_from(mask.sum_dim_intlist(1, false, Kind::Double)).unwrap_or_default();
+    let signal: Vec<bool> = Vec::try_from(
+        (adv.to_kind(k) * mask)
+            .abs()
+            .sum_dim_intlist(1, false, k)
+            .gt(0.0),
+    )
+    .unwrap_or_default();
+    let rows: Vec<usize> = (0..signal.len()).filter(|&i| signal[i]).collect();
+    let share = |counts: &dyn Fn(usize) -> f64| {
+        let all: f64 = (0..tokens.len()).map(counts).sum();
+        let kept: f64 = rows.iter().map(|&i| counts(i)).sum();
+        if all > 0.0 {
+            kept / all
+        } else {
+            1.0
+        }
+    };
+    let keep_scale = match agg {
+        LossAgg::TokenMean => share(&|i| tokens[i]),
+        LossAgg::SeqMeanTokenMean => share(&|i| f64::from(u8::from(tokens[i] > 0.0))),
+        LossAgg::SeqMeanTokenSumNorm { .. } => share(&|_| 1.0),
+    };
+    (rows, keep_scale)
+}
+
+impl MicroStats {
+    /// Fills the report's loss metrics: means over the micro-batches that ran; with
+    /// none (every advantage zero) the clip and KL fractions are 0 and the entropy is
+    /// unknown (NaN).
+    fn report_into(&self, report: &mut TrainReport) {
+        let n = self.ran.max(1) as f64;
+        report.pg_clipfrac = self.clip / n;
+        report.approx_kl = self.approx_kl / n;
+        report.kl_loss = self.kl / n;
+        report.entropy = if self.ran == 0 {
+            f64::NAN
+        } else {
+            self.entropy / n
+        };
+    }
 }
 
 fn grad_fail(e: EngineError) -> RoleError {
@@ -320,29 +400,24 @@ impl PolicyRole {
             trained: samples.iter().map(|s| s.id).collect(),
             ..Default::default()
         };
-        let (mut n_micro, mut grad_norm, mut loss) = (0usize, 0.0, 0.0);
+        let (mut grad_norm, mut loss) = (0.0, 0.0);
         let mut stats = MicroStats::default();
         for mini_start in (0..samples.len()).step_by(per_mini) {
             let mini_end = (mini_start + per_mini).min(samples.len());
             let micros = self.micros(&samples, mini_start..mini_end)?;
-            let step = self.trainer.step(&micros, |model, mb| {
+            let step = self.trainer.step_sparse(&micros, |model, mb| {
                 micro_loss(model, &samples, mb, &cfg, &mut stats)
             });
             let step = step.map_err(|e| RoleError::Failed(format!("policy update: {e}")))?;
-            n_micro += micros.len();
             grad_norm += step.grad_norm;
             loss += step.loss;
             report.lr = step.lr;
             report.optimizer_steps += 1;
         }
         let steps = report.optimizer_steps.max(1) as f64;
-        let n = n_micro.max(1) as f64;
         report.grad_norm = grad_norm / steps;
         report.loss = loss / steps;
-        report.pg_clipfrac = stats.clip / n;
-        report.approx_kl = stats.approx_kl / n;
-        report.kl_loss = stats.kl / n;
-        report.entropy = stats.entropy / n;
+        stats.report_into(&mut report);
         report.version = self.trainer.step_count();
         report.seconds = t0.elapsed().as_secs_f64();
         Ok(report)
@@ -356,11 +431,13 @@ impl PolicyRole {
         let cfg = &self.config;
         let dev = self.trainer.model.device();
         let bad = |e: crate::sample::SampleError| RoleError::BadRequest(e.to_string());
+        // A KL loss or an entropy bonus does not vanish with the advantage.
+        let skip = cfg.skip_zero_advantage && cfg.kl_loss.is_none() && cfg.entropy_coef == 0.0;
         let mut micros = Vec::new();
         for start in range.clone().step_by(cfg.micro_batch_size) {
             let r = start..(start + cfg.micro_batch_size).min(range.end);
             let chunk = &samples[r.clone()];
-            micros.push(Micro {
+            let mut mb = Micro {
                 old: token_matrix(chunk, TokenField::OldLogprobs, dev).map_err(bad)?,
                 adv: token_matrix(chunk, TokenField::Advantages, dev).map_err(bad)?,
                 reference: match cfg.kl_loss {
@@ -370,8 +447,27 @@ impl PolicyRole {
                     None => None,
                 },
                 mask: response_mask(chunk, dev).map_err(bad)?,
-                range: r,
-            });
+                rows: r.clone().collect(),
+                keep_scale: 1.0,
+            };
+            if skip {
+                let (kept, keep_scale) = rows_with_gradient(&mb.mask, &mb.adv, cfg.loss.agg);
+                if kept.len() < chunk.len() {
+                    let index: Vec<i64> = kept.iter().map(|&i| i as i64).collect();
+                    let index = Tensor::from_slice(&index).to_device(dev);
+                    // Token matrices are as wide as their longest response.
+                    let width = kept.iter().map(|&i| chunk[i].response_len()).max();
+                    let width = width.unwrap_or(0) as i64;
+                    let pick = |t: &Tensor| t.index_select(0, &index).narrow(1, 0, width);
+                    mb.old = pick(&mb.old);
+                    mb.adv = pick(&mb.adv);
+                    mb.mask = pick(&mb.mask);
+                    mb.reference = mb.reference.as_ref().map(pick);
+                    mb.rows = kept.into_iter().map(|i| start + i).collect();
+                    mb.keep_scale = keep_scale;
+                }
+            }
+            micros.push(mb);
         }
         Ok(micros)
     }
@@ -391,22 +487,22 @@ impl PolicyRole {
         let scale = 1.0 / micros.len() as f64;
         let mut loss = 0.0;
         for mb in &micros {
-            let l = micro_loss(&self.trainer.model, samples, mb, &cfg, &mut stats)
-                .map_err(grad_fail)?;
-            loss += self.trainer.backward_micro(l, scale).map_err(grad_fail)? * scale;
+            // A micro-batch with no gradient adds a zero loss.
+            if let Some(l) =
+                micro_loss(&self.trainer.model, samples, mb, &cfg, &mut stats).map_err(grad_fail)?
+            {
+                loss += self.trainer.backward_micro(l, scale).map_err(grad_fail)? * scale;
+            }
         }
-        let n = micros.len() as f64;
-        Ok(TrainReport {
+        let mut report = TrainReport {
             trained: samples.iter().map(|s| s.id).collect(),
             loss,
-            pg_clipfrac: stats.clip / n,
-            approx_kl: stats.approx_kl / n,
-            kl_loss: stats.kl / n,
-            entropy: stats.entropy / n,
             version: self.trainer.step_count(),
             seconds: t0.elapsed().as_secs_f64(),
             ..Default::default()
-        })
+        };
+        stats.report_into(&mut report);
+        Ok(report)
     }
 
     fn gradients(&mut self, samples: Vec<Sample>) -> Result<GradShard, RoleError> {
@@ -523,10 +619,18 @@ impl PolicyRole {
         let named = self.trainer.model.hf_named_tensors();
         let buckets = tch::no_grad(|| to_buckets(&named, self.config.bucket_bytes))
             .map_err(|e| RoleError::Failed(format!("exporting weights: {e}")))?;
-        Ok(WeightsUpdate {
-            version: self.trainer.step_count(),
+        Ok(WeightsUpdate::from_buckets(
+            self.trainer.step_count(),
             buckets,
-        })
+        ))
+    }
+
+    fn export_local(&mut self) -> WeightsUpdate {
+        WeightsUpdate {
+            version: self.trainer.step_count(),
+            buckets: Vec::new(),
+            local: Some(LocalWeights::new(self.trainer.model.weights_snapshot())),
+        }
     }
 }
 
@@ -598,6 +702,7 @@ impl Role for PolicyRole {
                 self.apply(shards).map(PolicyResponse::Trained)
             }
             PolicyRequest::ExportWeights => self.export().map(PolicyResponse::Weights),
+            PolicyRequest::ExportLocalWeights => Ok(PolicyResponse::Weights(self.export_local())),
             PolicyRequest::TrainAllReduce(samples) => {
                 self.train_all_reduce(samples).map(PolicyResponse::Trained)
             }
@@ -731,6 +836,96 @@ mod tests {
         for ((name, x), (_, y)) in wa.iter().zip(&wb) {
             let d = (x - y).abs().max().double_value(&[]);
             assert!(d < 1e-5, "{name} differs by {d}");
+        }
+    }
+
+    fn gradients(p: &mut PolicyRole, samples: Vec<Sample>) -> GradShard {
+        match p.serve(PolicyRequest::Gradients(samples)).unwrap() {
+            PolicyResponse::Gradients(g) => g,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Leaving out the samples whose advantages are all zero gives the loss and the
+    /// gradients of the whole batch, under every loss aggregation, whether a
+    /// micro-batch keeps some of its samples or none.
+    #[test]
+    fn skipping_zero_advantage_samples_keeps_loss_and_gradients() {
+        let base = Llama::random(tiny_config(), Device::Cpu, Kind::Float, 13).unwrap();
+        let aggs = [
+            LossAgg::TokenMean,
+            LossAgg::SeqMeanTokenMean,
+            LossAgg::SeqMeanTokenSumNorm { max_len: 4.0 },
+        ];
+        // Micro-batches of 3: {0, 1, 2} and {3, 4, 5}.
+        for zeroed in [&[1usize, 2, 5][..], &[0, 1, 2], &[4]] {
+            for agg in aggs {
+                let mut batch = samples(&base);
+                for &i in zeroed {
+                    let n = batch[i].response_len();
+                    batch[i].advantages = Some(vec![0.0; n]);
+                }
+                let run = |skip: bool| {
+                    let mut p = policy(base.deep_copy(Device::Cpu, Kind::Float).unwrap(), false);
+                    p.config.skip_zero_advantage = skip;
+                    p.config.loss.agg = agg;
+                    let scored = scored(&mut p, batch.clone());
+                    gradients(&mut p, scored)
+                };
+                let (full, skipped) = (run(false), run(true));
+                let what = format!("{agg:?}, advantages zero in {zeroed:?}");
+                // The entropy is a mean over the samples that ran: fewer ran.
+                assert_ne!(
+                    full.report.entropy, skipped.report.entropy,
+                    "{what}: nothing skipped"
+                );
+                assert!(
+                    (full.report.loss - skipped.report.loss).abs() < 1e-6,
+                    "{what}: loss {} vs {}",
+                    full.report.loss,
+                    skipped.report.loss
+                );
+                let grads = |g: &GradShard| -> Vec<(String, Tensor)> {
+                    g.buckets
+                        .iter()
+                        .flat_map(|b| b.tensors(Device::Cpu).unwrap())
+                        .collect()
+                };
+                let (gf, gs) = (grads(&full), grads(&skipped));
+                assert_eq!(gf.len(), gs.len());
+                let mut norm = 0.0;
+                for ((name, x), (_, y)) in gf.iter().zip(&gs) {
+                    let d = (x - y).abs().max().double_value(&[]);
+                    norm += x.square().sum(Kind::Double).double_value(&[]);
+                    assert!(d < 1e-6, "{what}: gradient of {name} differs by {d}");
+                }
+                assert!(norm > 0.0, "{what}: the batch has no gradient to compare");
+            }
+        }
+    }
+
+    /// A batch in which every advantage is zero runs no pass: zero loss, no gradient,
+    /// the weights unchanged, and an unknown entropy rather than a made-up one.
+    #[test]
+    fn an_all_zero_advantage_batch_trains_nothing() {
+        let base = Llama::random(tiny_config(), Device::Cpu, Kind::Float, 17).unwrap();
+        let mut batch = samples(&base);
+        for s in &mut batch {
+            s.advantages = Some(vec![0.0; s.response_len()]);
+        }
+        let mut p = policy(base.deep_copy(Device::Cpu, Kind::Float).unwrap(), true);
+        let batch = scored(&mut p, batch);
+        let r = trained(&mut p, batch);
+        assert_eq!((r.loss, r.grad_norm, r.optimizer_steps), (0.0, 0.0, 1));
+        assert!(r.entropy.is_nan(), "entropy {}", r.entropy);
+        for ((name, x), (_, y)) in p
+            .trainer
+            .model
+            .hf_named_tensors()
+            .iter()
+            .zip(&base.hf_named_tensors())
+        {
+            assert!(x.equal(y), "{name} changed");
         }
     }
 

@@ -448,7 +448,14 @@ impl Role for RolloutRole {
 
     fn load_weights(&mut self, update: WeightsUpdate) -> Result<(), RoleError> {
         // Through the generator, not `model_mut`: that would pack the weights a second
-        // time before the next generation (`copy_weights_from` already repacks them).
+        // time before the next generation (adopting or copying already repacks them).
+        if let Some(local) = &update.local {
+            self.generator
+                .adopt_weights(&local.tensors())
+                .map_err(|e| weights_error(&update, e))?;
+            self.version = update.version;
+            return Ok(());
+        }
         let named = bucket_tensors(&update, self.generator.model().device())?;
         self.generator
             .update_weights(named.iter().map(|(n, t)| (n.as_str(), t)))

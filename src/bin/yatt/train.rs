@@ -116,9 +116,11 @@ fn metric(p: &Progress<'_>, name: &str) -> f64 {
     p.metrics.get(name).unwrap_or(f64::NAN)
 }
 
-/// Seconds left at the mean pace so far.
+/// Seconds left at this session's mean pace (a resumed run's earlier steps took no
+/// time here).
 fn eta_s(p: &Progress<'_>) -> f64 {
-    p.elapsed_s / p.step as f64 * p.total.saturating_sub(p.step) as f64
+    let done_here = p.step.saturating_sub(p.first_step).max(1);
+    p.elapsed_s / done_here as f64 * p.total.saturating_sub(p.step) as f64
 }
 
 /// The per-step line printed when stdout is not a terminal.
@@ -292,8 +294,25 @@ mod tests {
             step: 2,
             total: 10,
             elapsed_s: 1.0,
+            first_step: 0,
             metrics,
         }
+    }
+
+    /// Regression: after `--resume` the ETA divided this session's time by every step
+    /// of the run, so it came out far too short.
+    #[test]
+    fn a_resumed_run_paces_its_eta_on_this_sessions_steps() {
+        let m = StepMetrics::default();
+        let p = Progress {
+            step: 42,
+            total: 80,
+            elapsed_s: 4.0,
+            first_step: 40,
+            metrics: &m,
+        };
+        // Two steps in 4 s: 2 s a step, 38 to go.
+        assert_eq!(eta_s(&p), 76.0);
     }
 
     #[test]
