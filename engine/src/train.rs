@@ -134,6 +134,7 @@ pub struct Trainer {
     pending_losses: Vec<f64>,
 }
 
+/// Sets `p`'s gradient to `g` (same shape), creating it when `p` has none yet.
 impl Trainer {
     /// Wraps `model` for training (fresh optimizer state).
     pub fn new(mut model: Llama, config: TrainConfig) -> Self {
@@ -270,6 +271,73 @@ impl Trainer {
         to_buckets(&named, max_bytes)
     }
 
+    /// Every parameter's gradient as `f32`, one after the other in parameter order
+    /// (zeros where a parameter has none): the buffer a ring all-reduce averages.
+    pub fn flat_grads(&mut self) -> Result<Vec<f32>> {
+        self.check_resident()?;
+        let parts: Vec<Tensor> = self
+            .model
+            .parameters_mut()
+            .into_iter()
+            .map(|(_, p)| {
+                let g = p.grad();
+                if g.defined() {
+                    g.to_kind(Kind::Float).to_device(Device::Cpu).flatten(0, -1)
+                } else {
+                    Tensor::zeros([p.numel() as i64], (Kind::Float, Device::Cpu))
+                }
+            })
+            .collect();
+        let flat = Tensor::cat(&parts, 0);
+        Ok(Vec::<f32>::try_from(&flat)?)
+    }
+
+    /// Replaces every gradient with its part of `flat` (laid out as
+    /// [`Trainer::flat_grads`] gives it).
+    pub fn set_flat_grads(&mut self, flat: &[f32]) -> Result<()> {
+        self.check_resident()?;
+        self.materialise_grads()?;
+        let params = self.model.parameters_mut();
+        let want: usize = params.iter().map(|(_, p)| p.numel()).sum();
+        if flat.len() != want {
+            return Err(EngineError::InvalidArgument(format!(
+                "{} gradient values for {want} parameters",
+                flat.len()
+            )));
+        }
+        let mut at = 0;
+        tch::no_grad(|| {
+            for (_, p) in params {
+                let n = p.numel();
+                let g = Tensor::from_slice(&flat[at..at + n])
+                    .view(p.size().as_slice())
+                    .to_device(p.device())
+                    .to_kind(p.kind());
+                at += n;
+                p.grad().copy_(&g);
+            }
+        });
+        Ok(())
+    }
+
+    /// Gives every parameter that has no gradient tensor yet (no backward pass reached
+    /// it: say, every sample of this replica's shard had zero advantage) a zero one, so
+    /// all-reduced gradients can be copied in. A zero backward does it, and that needs
+    /// autograd: never call this inside `no_grad`.
+    fn materialise_grads(&mut self) -> Result<()> {
+        let missing: Vec<Tensor> = self
+            .model
+            .parameters_mut()
+            .into_iter()
+            .filter(|(_, p)| !p.grad().defined())
+            .map(|(_, p)| p.sum(Kind::Float))
+            .collect();
+        if !missing.is_empty() {
+            (Tensor::stack(&missing, 0).sum(Kind::Float) * 0.0).f_backward()?;
+        }
+        Ok(())
+    }
+
     /// Replaces gradients with the (e.g. all-reduced) ones in `buckets`.
     pub fn set_grads(&mut self, buckets: &[WeightBucket]) -> Result<()> {
         self.check_resident()?;
@@ -278,19 +346,7 @@ impl Trainer {
         for b in buckets {
             incoming.extend(b.tensors(dev)?);
         }
-        // A parameter no backward pass has reached yet (say, every sample of this
-        // replica's shard had zero advantage) has no gradient tensor: materialise zeros
-        // with one zero backward, which needs autograd, so outside `no_grad`.
-        let missing: Vec<Tensor> = self
-            .model
-            .parameters_mut()
-            .into_iter()
-            .filter(|(n, p)| incoming.contains_key(n) && !p.grad().defined())
-            .map(|(_, p)| p.sum(Kind::Float))
-            .collect();
-        if !missing.is_empty() {
-            (Tensor::stack(&missing, 0).sum(Kind::Float) * 0.0).f_backward()?;
-        }
+        self.materialise_grads()?;
         tch::no_grad(|| -> Result<()> {
             for (n, p) in self.model.parameters_mut() {
                 if let Some(g) = incoming.remove(&n) {

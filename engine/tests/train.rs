@@ -326,6 +326,24 @@ fn offload_reload_buckets_reference_and_heads() {
     nll(&t.model, &batch(&p)).unwrap().backward();
     let gb = t.grad_buckets(1 << 20).unwrap();
     t.set_grads(&gb).unwrap();
+    // The flat buffer an all-reduce averages: every parameter's gradient in order;
+    // written back (here halved) it is what the buckets then carry.
+    let flat = t.flat_grads().unwrap();
+    let numel: usize = t
+        .model
+        .parameters_mut()
+        .iter()
+        .map(|(_, p)| p.numel())
+        .sum();
+    assert_eq!(flat.len(), numel);
+    assert!(flat.iter().any(|&g| g != 0.0));
+    let half: Vec<f32> = flat.iter().map(|g| g * 0.5).collect();
+    t.set_flat_grads(&half).unwrap();
+    assert_eq!(t.flat_grads().unwrap(), half);
+    let e = t.set_flat_grads(&half[1..]).unwrap_err().to_string();
+    assert!(e.contains("gradient values for"), "{e}");
+    t.set_grads(&gb).unwrap();
+    assert_eq!(t.flat_grads().unwrap(), flat);
     // Regression: a replica that has run no backward pass yet (its whole shard had zero
     // advantage) takes all-reduced gradients too; materialising its gradient tensors
     // used to run a backward inside `no_grad` and fail.
@@ -346,6 +364,11 @@ fn offload_reload_buckets_reference_and_heads() {
         "`{name}` did not take the all-reduced gradient"
     );
     fresh.apply_gradients().unwrap();
+    // The same through the flat buffer of the ring all-reduce.
+    let mut fresh = Trainer::new(tiny(12), TrainConfig::default());
+    let flat = t.flat_grads().unwrap();
+    fresh.set_flat_grads(&flat).unwrap();
+    assert_eq!(fresh.flat_grads().unwrap(), flat);
     // Heads.
     let mut critic = tiny(6);
     critic.attach_head("v_head");

@@ -6,12 +6,16 @@
 
 use std::collections::BTreeSet;
 use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use yatt_integration_tests::{poll, yatt_bin, Cluster};
+use yatt_roles::builtin::{PolicyRequest, PolicyResponse};
+use yatt_roles::controller::{step_data_parallel, PolicyRef};
 use yatt_roles::job::{build_embedded, JobConfig};
 use yatt_roles::ledger::Stage;
-use yatt_roles::remote::build_cluster;
+use yatt_roles::remote::{build_cluster, NodeNames};
+use yatt_roles::role::{RoleRequest, RoleResponse, WeightsUpdate};
 use yatt_runtime::Node;
 
 const STEPS: u64 = 10;
@@ -26,6 +30,26 @@ fn letters_job(out: &std::path::Path, placement: &[(&str, &str)]) -> JobConfig {
         sets.push(format!("placement.{k}=\"{v}\""));
     }
     JobConfig::load(config, &sets).unwrap()
+}
+
+/// Every node's log so far, for a failure message.
+fn cluster_logs(cluster: &Cluster) -> String {
+    cluster
+        .nodes
+        .iter()
+        .map(|n| format!("--- {} ---\n{}", n.name, n.log()))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// This process as one more node of `cluster` (where the controllers run).
+async fn join(cluster: &Cluster, name: &str) -> Node {
+    Node::builder(name)
+        .dev_certs(cluster.ca_dir())
+        .seed(cluster.nodes[0].addr)
+        .start()
+        .await
+        .expect("the controller joins")
 }
 
 fn mean(xs: &[f64]) -> f64 {
@@ -52,20 +76,8 @@ fn assert_roles_released(cluster: &Cluster) {
 async fn a_job_trains_with_its_roles_on_three_nodes() {
     let t0 = Instant::now();
     let cluster = Cluster::start("tr", 3);
-    let logs = || {
-        cluster
-            .nodes
-            .iter()
-            .map(|n| format!("--- {} ---\n{}", n.name, n.log()))
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
-    let node = Node::builder("tr-controller")
-        .dev_certs(cluster.ca_dir())
-        .seed(cluster.nodes[0].addr)
-        .start()
-        .await
-        .expect("the controller joins");
+    let logs = || cluster_logs(&cluster);
+    let node = join(&cluster, "tr-controller").await;
     let out = tempfile::tempdir().unwrap();
     let job = letters_job(
         out.path(),
@@ -242,4 +254,233 @@ fn yatt_train_cluster_runs_the_demo_on_three_nodes() {
         .is_some());
     assert_roles_released(&cluster);
     eprintln!("yatt train --cluster: 4 steps, {:.2?} in all", t0.elapsed());
+}
+
+/// A policy replica's weights now: its version and its exported buckets.
+async fn replica_weights(policy: &PolicyRef) -> WeightsUpdate {
+    let t = Duration::from_secs(30);
+    match policy
+        .ask(RoleRequest::Serve(PolicyRequest::ExportWeights), t)
+        .await
+        .expect("the replica exports its weights")
+    {
+        RoleResponse::Served(PolicyResponse::Weights(u)) => u,
+        other => panic!("ExportWeights answered {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policy_replicas_on_two_nodes_all_reduce_to_identical_weights() {
+    const DP_STEPS: u64 = 6;
+    let t0 = Instant::now();
+    let cluster = Cluster::start("dp", 3);
+    let logs = || cluster_logs(&cluster);
+    let node = join(&cluster, "dp-controller").await;
+    let out = tempfile::tempdir().unwrap();
+    let dp = |placement: &[(&str, &str)]| {
+        let mut job = letters_job(out.path(), placement);
+        job.job.steps = DP_STEPS;
+        job.job.controllers = 2;
+        job.job.policy_replicas = 2;
+        job.data.prompts_per_step = 4;
+        job
+    };
+    let mut job = dp(&[
+        ("mode", "disaggregated"),
+        ("rollout", "dp-0"),
+        ("reference", "dp-0"),
+        ("reward", "dp-0"),
+    ]);
+    job.placement.policy = NodeNames::Each(vec!["dp-1".into(), "dp-2".into()]);
+    let mut heads = build_cluster(&job, &node)
+        .await
+        .unwrap_or_else(|e| panic!("building on the cluster: {e}\n{}", logs()));
+    assert_eq!(heads.len(), 2);
+    let replicas: Vec<PolicyRef> = heads.iter().map(|h| h.roles().policy.clone()).collect();
+    let placed: Vec<&str> = replicas.iter().map(|r| r.id().name.node.as_str()).collect();
+    assert_eq!(placed, ["dp-1", "dp-2"]);
+    // Each replica's ring inbox runs on its replica's node.
+    for (n, name) in [(1, "dp-1"), (2, "dp-2")] {
+        let hosted = cluster.nodes[n].health().expect("health")["hosted"].to_string();
+        assert!(hosted.contains(&format!("{name}/policy-ring/")), "{hosted}");
+    }
+    let (a, b) = (
+        replica_weights(&replicas[0]).await,
+        replica_weights(&replicas[1]).await,
+    );
+    assert_eq!((a.version, b.version), (0, 0));
+    assert!(
+        a.buckets == b.buckets,
+        "the replicas start from different weights"
+    );
+    let weight_bytes: u64 = a.buckets.iter().map(|b| b.data.len() as u64).sum();
+
+    let per_head = (job.data.prompts_per_step * job.data.samples_per_prompt as usize) as u64;
+    let mut rewards = Vec::new();
+    for step in 0..DP_STEPS {
+        let sent = node
+            .transport_stats()
+            .bulk_bytes_sent
+            .load(Ordering::Relaxed);
+        let reports = step_data_parallel(&mut heads)
+            .await
+            .unwrap_or_else(|e| panic!("step {step}: {e}\n{}", logs()));
+        // The gradients went replica to replica: what this process sent in bulk is the
+        // weight sync to the two rollouts (a controller-mediated exchange would add
+        // four gradient shards, each as large as the weights).
+        let sent = node
+            .transport_stats()
+            .bulk_bytes_sent
+            .load(Ordering::Relaxed)
+            - sent;
+        assert!(
+            sent < 3 * weight_bytes,
+            "step {step}: the controller sent {sent} bulk bytes for weights of {weight_bytes}"
+        );
+        let mut ids = BTreeSet::new();
+        for r in &reports {
+            let l = &r.ledger;
+            assert_eq!(
+                (l.step, l.samples as u64, l.requeued, l.dropped),
+                (step, per_head, 0, 0)
+            );
+            assert!(
+                l.stages.contains(&Stage::Trained),
+                "step {step}: {:?}",
+                l.stages
+            );
+            ids.extend(r.samples.iter().map(|s| s.id));
+        }
+        assert_eq!(
+            ids.len() as u64,
+            2 * per_head,
+            "step {step}: the heads shared samples"
+        );
+        // Both replicas took the same update: same version, bit-identical weights.
+        let (a, b) = (
+            replica_weights(&replicas[0]).await,
+            replica_weights(&replicas[1]).await,
+        );
+        assert_eq!((a.version, b.version), (step + 1, step + 1));
+        assert!(
+            a.buckets == b.buckets,
+            "step {step}: the replicas' weights differ"
+        );
+        let r: Vec<f64> = reports
+            .iter()
+            .map(|r| r.metrics.get("critic/rewards/mean").unwrap())
+            .collect();
+        rewards.push(r.iter().sum::<f64>() / r.len() as f64);
+    }
+    let trained = t0.elapsed();
+    assert!(
+        rewards[DP_STEPS as usize - 1] > rewards[0],
+        "reward did not move up: {rewards:?}"
+    );
+
+    // The same job in one process (its replicas' ring in the mailbox) gives the same
+    // rewards: the cluster changes where the replicas run, not what they compute.
+    let embedded = Node::builder("dp-embedded")
+        .dev_certs(out.path().join("ca"))
+        .start()
+        .await
+        .unwrap();
+    let mut local = build_embedded(&dp(&[]), &embedded).await.unwrap();
+    for (step, want) in rewards.iter().enumerate() {
+        let reports = step_data_parallel(&mut local).await.unwrap();
+        let r: Vec<f64> = reports
+            .iter()
+            .map(|r| r.metrics.get("critic/rewards/mean").unwrap())
+            .collect();
+        let got = r.iter().sum::<f64>() / r.len() as f64;
+        assert!(
+            (got - want).abs() < 1e-6,
+            "step {step}: embedded reward {got}, cluster {want} ({rewards:?})"
+        );
+    }
+    drop(local);
+    embedded.shutdown().await;
+
+    // Leaving the cluster releases the replicas and their ring inboxes.
+    drop(heads);
+    drop(replicas);
+    node.shutdown().await;
+    assert_roles_released(&cluster);
+    eprintln!(
+        "{DP_STEPS} data-parallel steps on two replica nodes in {trained:.2?} (total {:.2?}); rewards {rewards:.3?}",
+        t0.elapsed()
+    );
+    assert!(t0.elapsed() < Duration::from_secs(90), "{:?}", t0.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ppo_job_trains_with_its_critic_on_a_node() {
+    const PPO_STEPS: u64 = 4;
+    let t0 = Instant::now();
+    let cluster = Cluster::start("pp", 3);
+    let logs = || cluster_logs(&cluster);
+    let node = join(&cluster, "pp-controller").await;
+    let out = tempfile::tempdir().unwrap();
+    let ppo = |placement: &[(&str, &str)]| {
+        let mut job = letters_job(out.path(), placement);
+        job.job.steps = PPO_STEPS;
+        job.algorithm.name = "ppo".into();
+        job
+    };
+    let job = ppo(&[
+        ("mode", "disaggregated"),
+        ("rollout", "pp-0"),
+        ("policy", "pp-1"),
+        ("reference", "pp-1"),
+        ("reward", "pp-0"),
+        ("critic", "pp-2"),
+    ]);
+    let mut controllers = build_cluster(&job, &node)
+        .await
+        .unwrap_or_else(|e| panic!("building on the cluster: {e}\n{}", logs()));
+    let c = &mut controllers[0];
+    let critic = c.roles().critic.clone().expect("a critic role");
+    assert_eq!(critic.id().name.node, "pp-2");
+    assert!(!critic.is_local());
+    let mut rewards = Vec::new();
+    for step in 0..PPO_STEPS {
+        let report = c
+            .step()
+            .await
+            .unwrap_or_else(|e| panic!("step {step}: {e}\n{}", logs()));
+        let l = &report.ledger;
+        assert_eq!((l.step, l.requeued, l.dropped), (step, 0, 0));
+        for stage in [Stage::Valued, Stage::CriticTrained, Stage::Trained] {
+            assert!(l.stages.contains(&stage), "step {step}: {stage:?} missing");
+        }
+        assert!(report.samples.iter().all(|s| s.values.is_some()));
+        assert!(report.critic.is_some_and(|r| r.vf_loss.is_finite()));
+        rewards.push(report.metrics.get("critic/rewards/mean").unwrap());
+    }
+    // The same PPO job in one process gives the same rewards.
+    let embedded = Node::builder("pp-embedded")
+        .dev_certs(out.path().join("ca"))
+        .start()
+        .await
+        .unwrap();
+    let mut local = build_embedded(&ppo(&[]), &embedded).await.unwrap();
+    for (step, want) in rewards.iter().enumerate() {
+        let got = local[0].step().await.unwrap();
+        let got = got.metrics.get("critic/rewards/mean").unwrap();
+        assert!(
+            (got - want).abs() < 1e-6,
+            "step {step}: embedded reward {got}, cluster {want} ({rewards:?})"
+        );
+    }
+    drop(local);
+    embedded.shutdown().await;
+    drop(critic);
+    drop(controllers);
+    node.shutdown().await;
+    assert_roles_released(&cluster);
+    eprintln!(
+        "{PPO_STEPS} PPO steps with the critic on a node: {:.2?}",
+        t0.elapsed()
+    );
+    assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
 }

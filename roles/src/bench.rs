@@ -193,6 +193,14 @@ impl Role for FakePolicy {
                 PolicyResponse::Weights(WeightsUpdate::from_buckets(self.version, Vec::new()))
             }
             PolicyRequest::SaveCheckpoint(_) => PolicyResponse::Saved,
+            PolicyRequest::RingInbox
+            | PolicyRequest::JoinRing(_)
+            | PolicyRequest::TrainAllReduce(_) => {
+                return Err(RoleError::Unsupported {
+                    role: "policy".into(),
+                    operation: "policy replicas",
+                })
+            }
         })
     }
 }

@@ -18,12 +18,13 @@
 //!    the rollout loads them in place (in-process the buckets are moved, not copied);
 //! 5. close the ledger and report metrics.
 //!
-//! Several controllers in one process, each with its own shard and rollout, meet only
-//! at the policy's update: [`step_data_parallel`] has the policy compute each one's
-//! gradients on its own samples and average them before one optimizer step. With a
-//! policy replica per head, the replicas compute their shards side by side and each
-//! applies the average of all of them (an all-reduce over the runtime's messages), so
-//! their weights stay identical.
+//! Several controllers, each with its own shard and rollout, meet only at the policy's
+//! update: [`step_data_parallel`] has the policy compute each one's gradients on its
+//! own samples and average them before one optimizer step. With a policy replica per
+//! head (in this process or on cluster nodes), the replicas compute their shards side
+//! by side and average them in a ring all-reduce straight between the replicas, over
+//! the runtime's messages ([`yatt_runtime::collective`]), so their weights stay
+//! bit-identical.
 //!
 //! PPO adds a critic: its values are a stage after the reference, advantages come from
 //! GAE on token rewards, and the critic trains on the returns alongside the policy's
@@ -41,6 +42,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 use yatt_engine::SamplingParams;
 use yatt_runtime::actor::{ActorRef, CallError};
+use yatt_runtime::collective::RingSpec;
 use yatt_runtime::node::Node;
 
 use crate::algo::{
@@ -49,8 +51,8 @@ use crate::algo::{
     GaeConfig, GrpoConfig, KlEstimator, ReinforcePpConfig,
 };
 use crate::builtin::{
-    CriticReport, CriticRequest, CriticResponse, GenerateRequest, PolicyRequest, PolicyResponse,
-    RolloutRequest, RolloutResponse, SampleSink, TrainReport,
+    CriticReport, CriticRequest, CriticResponse, GenerateRequest, GradShard, PolicyRequest,
+    PolicyResponse, RolloutRequest, RolloutResponse, SampleSink, TrainReport,
 };
 use crate::data::{DataError, Dataloader, LoaderState};
 use crate::ledger::{LedgerError, LedgerReport, SampleLedger, Stage};
@@ -370,10 +372,12 @@ struct Prepared {
 }
 
 /// Runs one step of several controllers (data-parallel heads, each with its own shard
-/// and rollout) that share one policy role: each prepares its samples, the policy
-/// computes each controller's gradients on its own samples, averages them and takes
-/// one optimizer step; then every controller syncs its rollout and closes its ledger.
-/// The controllers meet only at the update. Their steps must be at the same count.
+/// and rollout): each prepares its samples; then either their one shared policy
+/// computes each head's gradients, averages them and takes one optimizer step, or,
+/// with a policy replica per head (joined with [`join_policy_ring`]), the replicas
+/// average their gradients among themselves and each takes the same step. Then every
+/// controller syncs its rollout and closes its ledger. The controllers meet only at
+/// the update. Their steps must be at the same count.
 pub async fn step_data_parallel(
     controllers: &mut [Controller],
 ) -> Result<Vec<StepReport>, ControllerError> {
@@ -413,61 +417,21 @@ pub async fn step_data_parallel(
     let prepared =
         futures::future::try_join_all(controllers.iter_mut().map(|c| c.prepare())).await?;
     let t = Instant::now();
-    // Each head's gradients on its own samples (side by side when the policy is
-    // replicated; one after the other on a shared one). The shards keep head order
-    // whatever order they finish in, so the average is the same every run.
-    let shards =
-        futures::future::try_join_all(controllers.iter().zip(&prepared).map(|(c, p)| async move {
-            match c
-                .serve_policy(
-                    PolicyRequest::Gradients(p.samples.clone()),
-                    "update_actor",
-                    c.config.timeouts.train,
-                )
-                .await?
-            {
-                PolicyResponse::Gradients(g) => Ok(g),
-                other => Err(c.protocol("policy", "Gradients", format!("{other:?}"))),
-            }
-        }))
-        .await?;
-    // The all-reduce: every replica gets every shard and applies the same average, so
-    // the replicas' weights stay identical.
-    let appliers: Vec<&Controller> = if replicated {
-        controllers.iter().collect()
+    let train = if replicated && controllers.iter().all(|c| c.in_policy_ring) {
+        all_reduce_update(controllers, &prepared).await?
     } else {
-        vec![&controllers[0]]
-    };
-    let n_appliers = appliers.len();
-    let mut shards = Some(shards);
-    let applies = appliers.into_iter().enumerate().map(|(i, c)| {
-        let mine = if i + 1 == n_appliers {
-            shards.take().unwrap_or_default()
+        // Replicas outside a ring (the live placement's) get every head's gradients
+        // through the controllers and apply the same average.
+        let shards = gather_shards(controllers, &prepared).await?;
+        let appliers = if replicated {
+            &controllers[..]
         } else {
-            shards.clone().unwrap_or_default()
+            &controllers[..1]
         };
-        async move {
-            match c
-                .serve_policy(
-                    PolicyRequest::ApplyGradients(mine),
-                    "update_actor",
-                    c.config.timeouts.train,
-                )
-                .await?
-            {
-                PolicyResponse::Trained(r) => Ok(r),
-                other => Err(c.protocol("policy", "ApplyGradients", format!("{other:?}"))),
-            }
-        }
-    });
-    let trained = futures::future::try_join_all(applies).await?;
-    if let Some(r) = trained.iter().find(|r| r.version != trained[0].version) {
-        return Err(ControllerError::Config(format!(
-            "policy replicas diverged: versions {} and {} after the same update",
-            trained[0].version, r.version
-        )));
-    }
-    let train = trained[0].clone();
+        let trained = apply_shards(appliers, shards).await?;
+        check_replicas_agree(&trained)?;
+        trained.into_iter().next().expect("at least one controller")
+    };
     let secs = t.elapsed().as_secs_f64();
     let mut reports = Vec::with_capacity(prepared.len());
     for (c, p) in controllers.iter_mut().zip(prepared) {
@@ -487,6 +451,164 @@ pub async fn step_data_parallel(
     Ok(reports)
 }
 
+/// Each head's gradients on its own samples (side by side when the policy is
+/// replicated; one after the other on a shared one). The shards keep head order
+/// whatever order they finish in, so their average is the same every run.
+async fn gather_shards(
+    controllers: &[Controller],
+    prepared: &[Prepared],
+) -> Result<Vec<GradShard>, ControllerError> {
+    futures::future::try_join_all(controllers.iter().zip(prepared).map(|(c, p)| async move {
+        match c
+            .serve_policy(
+                PolicyRequest::Gradients(p.samples.clone()),
+                "update_actor",
+                c.config.timeouts.train,
+            )
+            .await?
+        {
+            PolicyResponse::Gradients(g) => Ok(g),
+            other => Err(c.protocol("policy", "Gradients", format!("{other:?}"))),
+        }
+    }))
+    .await
+}
+
+/// Has the policy of each of `appliers` average `shards` and take one optimizer step.
+async fn apply_shards(
+    appliers: &[Controller],
+    shards: Vec<GradShard>,
+) -> Result<Vec<TrainReport>, ControllerError> {
+    let n = appliers.len();
+    let mut shards = Some(shards);
+    let applies = appliers.iter().enumerate().map(|(i, c)| {
+        // Every applier but the last gets a copy; the last takes the shards themselves.
+        let mine = if i + 1 == n {
+            shards.take().unwrap_or_default()
+        } else {
+            shards.clone().unwrap_or_default()
+        };
+        async move {
+            match c
+                .serve_policy(
+                    PolicyRequest::ApplyGradients(mine),
+                    "update_actor",
+                    c.config.timeouts.train,
+                )
+                .await?
+            {
+                PolicyResponse::Trained(r) => Ok(r),
+                other => Err(c.protocol("policy", "ApplyGradients", format!("{other:?}"))),
+            }
+        }
+    });
+    futures::future::try_join_all(applies).await
+}
+
+/// Identical gradients give bit-identical norms: a differing norm or version after the
+/// same update means the replicas' weights no longer agree.
+fn check_replicas_agree(trained: &[TrainReport]) -> Result<(), ControllerError> {
+    let Some(first) = trained.first() else {
+        return Ok(());
+    };
+    match trained.iter().enumerate().find(|(_, r)| {
+        r.version != first.version || r.grad_norm.to_bits() != first.grad_norm.to_bits()
+    }) {
+        Some((i, r)) => Err(ControllerError::Config(format!(
+            "policy replicas diverged: replica 0 is at version {} with gradient norm {}, replica {i} at version {} with {} after the same update",
+            first.version, first.grad_norm, r.version, r.grad_norm
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The update of heads with a policy replica each: every replica computes its head's
+/// gradients and averages them with the others' in a ring all-reduce that runs between
+/// the replicas themselves (no gradient passes through a controller), then takes the
+/// same optimizer step. Returns one report for all: the heads' loss statistics
+/// averaged in head order (as `ApplyGradients` gives them), the optimizer's from the
+/// first replica after checking that every replica agrees.
+async fn all_reduce_update(
+    controllers: &[Controller],
+    prepared: &[Prepared],
+) -> Result<TrainReport, ControllerError> {
+    // Every replica must be in the exchange at once: they wait on each other.
+    let trained =
+        futures::future::try_join_all(controllers.iter().zip(prepared).map(|(c, p)| async move {
+            match c
+                .serve_policy(
+                    PolicyRequest::TrainAllReduce(p.samples.clone()),
+                    "update_actor",
+                    c.config.timeouts.train,
+                )
+                .await?
+            {
+                PolicyResponse::Trained(r) => Ok(r),
+                other => Err(c.protocol("policy", "TrainAllReduce", format!("{other:?}"))),
+            }
+        }))
+        .await?;
+    check_replicas_agree(&trained)?;
+    let first = &trained[0];
+    let reports: Vec<&TrainReport> = trained.iter().collect();
+    Ok(TrainReport {
+        optimizer_steps: first.optimizer_steps,
+        version: first.version,
+        grad_norm: first.grad_norm,
+        lr: first.lr,
+        // The replicas work side by side: the update took as long as the slowest.
+        seconds: trained.iter().map(|r| r.seconds).fold(0.0, f64::max),
+        ..TrainReport::merge_heads(&reports)
+    })
+}
+
+/// Sets up the gradient all-reduce of heads with a policy replica each: asks each
+/// replica for its ring inbox, then has every replica join the ring of all of them in
+/// head order. The heads' train deadline bounds each ask and each wait inside the
+/// all-reduce; `chunk_bytes` is the largest message of it.
+pub async fn join_policy_ring(
+    controllers: &mut [Controller],
+    chunk_bytes: u64,
+) -> Result<(), ControllerError> {
+    const STAGE: &str = "join_policy_ring";
+    let mut members = Vec::with_capacity(controllers.len());
+    for c in controllers.iter() {
+        match c
+            .serve_policy(PolicyRequest::RingInbox, STAGE, c.config.timeouts.train)
+            .await?
+        {
+            PolicyResponse::RingInbox(id) => members.push(id),
+            other => return Err(c.protocol("policy", "RingInbox", format!("{other:?}"))),
+        }
+    }
+    let joins = controllers.iter().enumerate().map(|(rank, c)| {
+        let spec = RingSpec {
+            rank: rank as u32,
+            members: members.clone(),
+            timeout: c.config.timeouts.train,
+            chunk_bytes,
+        };
+        async move {
+            match c
+                .serve_policy(
+                    PolicyRequest::JoinRing(spec),
+                    STAGE,
+                    c.config.timeouts.train,
+                )
+                .await?
+            {
+                PolicyResponse::Joined => Ok(()),
+                other => Err(c.protocol("policy", "JoinRing", format!("{other:?}"))),
+            }
+        }
+    });
+    futures::future::try_join_all(joins).await?;
+    for c in controllers.iter_mut() {
+        c.in_policy_ring = true;
+    }
+    Ok(())
+}
+
 /// One data-parallel head: its shard and the roles it drives.
 pub struct Controller {
     config: ControllerConfig,
@@ -494,6 +616,9 @@ pub struct Controller {
     roles: RoleRefs,
     step: u64,
     weights_version: u64,
+    /// Its policy replica averages gradients in a ring with the other heads' replicas
+    /// ([`join_policy_ring`]).
+    in_policy_ring: bool,
 }
 
 /// Starts `role` on its own thread on `group` and spawns its actor on `node` as
@@ -574,6 +699,7 @@ impl Controller {
             roles,
             step: 0,
             weights_version: 0,
+            in_policy_ring: false,
         })
     }
 

@@ -19,6 +19,7 @@ use yatt_engine::{
     Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer,
 };
 use yatt_metrics::{RunWriter, WriteError};
+use yatt_runtime::collective::{RingMember, RING_CHUNK_BYTES};
 use yatt_runtime::node::Node;
 
 use crate::algo::advantage::{GaeConfig, GrpoConfig, ReinforcePpConfig};
@@ -30,9 +31,9 @@ use crate::builtin::{
     ScalarRewardModel, TextCodec, TokenizerCodec,
 };
 use crate::controller::{
-    spawn_role, step_data_parallel, AdvantageEstimator, Controller, ControllerConfig,
-    ControllerError, ControllerState, DynamicSamplingConfig, KlPenalty, OverlongConfig, PolicyRef,
-    RoleRefs, RolloutRef, StepMetrics,
+    join_policy_ring, spawn_role, step_data_parallel, AdvantageEstimator, Controller,
+    ControllerConfig, ControllerError, ControllerState, DynamicSamplingConfig, KlPenalty,
+    OverlongConfig, PolicyRef, RoleRefs, RolloutRef, StepMetrics,
 };
 use crate::data::{
     load_jsonl, DataError, Dataloader, LengthSchedule, Prompt, SyntheticTask, SyntheticTaskKind,
@@ -584,7 +585,8 @@ impl JobConfig {
                 fix: "set job.placement = \"colocate\"; to put roles on other nodes, set [placement] mode = \"disaggregated\" with a node per role and run `yatt train CONFIG --cluster SEED_ADDR`".into(),
             });
         }
-        self.placement.validate()?;
+        self.placement
+            .validate(j.policy_replicas, self.algorithm.name == "ppo")?;
         if self.rollout.stream && self.placement.mode == "disaggregated" {
             return Err(invalid(
                 "rollout.stream",
@@ -1304,6 +1306,19 @@ pub(crate) fn train_config(job: &JobConfig) -> TrainConfig {
     }
 }
 
+/// Role name of a policy replica's ring inbox (its end of the gradient all-reduce).
+pub const POLICY_RING: &str = "policy-ring";
+
+/// A policy replica's ring member: its inbox on `node`, as `node/policy-ring/replica`.
+pub(crate) fn policy_ring(node: &Node, replica: u32) -> Result<RingMember, JobError> {
+    RingMember::start(node, POLICY_RING, replica).map_err(|e| {
+        JobError::Controller(Box::new(ControllerError::Spawn {
+            role: format!("{POLICY_RING} {replica}"),
+            reason: e.to_string(),
+        }))
+    })
+}
+
 /// The job's policy role: a fresh trainer over `model` with the job's optimizer and loss.
 pub fn policy_role(job: &JobConfig, model: Llama, pad_id: i64) -> Result<PolicyRole, JobError> {
     policy_role_from(job, Trainer::new(model, train_config(job)), pad_id)
@@ -1551,9 +1566,13 @@ pub async fn build_embedded_with(
     } else {
         None
     };
+    let replicated = trainers.len() > 1;
     let mut policies = Vec::with_capacity(trainers.len());
     for (i, t) in trainers.into_iter().enumerate() {
-        let role = policy_role_from(job, t, pad_id)?;
+        let mut role = policy_role_from(job, t, pad_id)?;
+        if replicated {
+            role = role.with_ring(policy_ring(node, i as u32)?);
+        }
         policies.push(spawn_role(node, role, i as u32, g()).await?);
     }
     let shared = RoleRefs {
@@ -1573,6 +1592,9 @@ pub async fn build_embedded_with(
         critic,
     };
     let mut controllers = controllers(job, shared, rollouts, policies)?;
+    if replicated {
+        join_policy_ring(&mut controllers, RING_CHUNK_BYTES).await?;
+    }
     if let Some(dir) = &ckpt {
         let state = RunState::read(dir)?;
         if state.controllers.len() != controllers.len() {

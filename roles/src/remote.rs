@@ -7,27 +7,32 @@
 //!
 //! A node builds a role from the job config itself ([`RoleArgs`]): the model is
 //! loaded (or, for `tiny`, initialised) on the role's own thread, so the node's
-//! executor never blocks. Before the first step the policy's weights are pushed to
-//! every rollout replica and to the reference, so all of them start from the same
-//! model whichever process built it. After that the controllers' weight sync carries
-//! each update over the runtime. Roles are spawned linked to the controller's node:
-//! when that node leaves the cluster or dies, the nodes release them.
+//! executor never blocks. Before the first step the (first) policy's weights are
+//! pushed to every rollout replica, to the reference and to the other policy replicas,
+//! so all of them start from the same model whichever process built it. After that
+//! the controllers' weight sync carries each update over the runtime, and the policy
+//! replicas average their gradients in a ring all-reduce between their nodes. Roles
+//! are spawned linked to the controller's node: when that node leaves the cluster or
+//! dies, the nodes release them (a replica's ring inbox goes with it).
 
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use yatt_runtime::actor::{ActorRef, CallError};
+use yatt_runtime::addr::ActorName;
+use yatt_runtime::collective::RING_CHUNK_BYTES;
 use yatt_runtime::directory::Directory;
 use yatt_runtime::message::Message;
 use yatt_runtime::node::{Node, NodeBuilder, NodeError};
 
 use crate::builtin::{PolicyRequest, PolicyResponse};
 use crate::controller::{
-    variant, Controller, ControllerError, PolicyRef, RoleRefs, RolloutRef, SamplesRef, Timeouts,
+    join_policy_ring, variant, Controller, ControllerError, PolicyRef, RoleRefs, RolloutRef,
+    SamplesRef, Timeouts,
 };
 use crate::job::{
-    base_model, controllers, invalid, one_of, policy_role, positive, reference_role, reward_role,
-    rollout_role, JobConfig, JobError,
+    base_model, controllers, critic_role, invalid, one_of, policy_ring, policy_role, positive,
+    reference_role, reward_role, rollout_role, JobConfig, JobError,
 };
 use crate::role::{DeviceGroup, Role, RoleActor, RoleError, RoleRequest, RoleResponse};
 
@@ -50,12 +55,15 @@ pub struct PlacementSection {
     pub mode: String,
     /// Node of the rollout replicas (one per controller).
     pub rollout: String,
-    /// Node of the policy (the trainer).
-    pub policy: String,
+    /// Node of the policy (the trainer): one name for every replica, or a list with
+    /// one node per replica (`job.policy_replicas`), replica `i` on entry `i`.
+    pub policy: NodeNames,
     /// Node of the reference policy.
     pub reference: String,
     /// Node of the reward functions.
     pub reward: String,
+    /// Node of the critic (`algorithm.name = "ppo"` only).
+    pub critic: String,
     /// Deadline for a node to build a role, model load included, seconds.
     pub spawn_timeout_s: u64,
     /// Run the live placement actor (embedded mode only): the roles sit on `groups`
@@ -77,9 +85,10 @@ impl Default for PlacementSection {
         PlacementSection {
             mode: "colocate".into(),
             rollout: String::new(),
-            policy: String::new(),
+            policy: NodeNames::default(),
             reference: String::new(),
             reward: String::new(),
+            critic: String::new(),
             spawn_timeout_s: 300,
             live: false,
             groups: 3,
@@ -94,20 +103,122 @@ impl Default for PlacementSection {
     }
 }
 
+/// `placement.policy`: one node name, or a list of them (one per replica).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeNames {
+    /// Every replica on this node.
+    One(String),
+    /// Replica `i` on entry `i`.
+    Each(Vec<String>),
+}
+
+impl Default for NodeNames {
+    fn default() -> Self {
+        NodeNames::One(String::new())
+    }
+}
+
+impl From<&str> for NodeNames {
+    fn from(name: &str) -> Self {
+        NodeNames::One(name.to_string())
+    }
+}
+
+impl std::fmt::Display for NodeNames {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NodeNames::One(n) => f.write_str(n),
+            NodeNames::Each(ns) => write!(f, "[{}]", ns.join(", ")),
+        }
+    }
+}
+
+impl Serialize for NodeNames {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            NodeNames::One(n) => s.serialize_str(n),
+            NodeNames::Each(ns) => ns.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for NodeNames {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Names;
+        impl<'de> serde::de::Visitor<'de> for Names {
+            type Value = NodeNames;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a node name, or a list of node names (one per policy replica)")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<NodeNames, E> {
+                Ok(NodeNames::One(v.to_string()))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<NodeNames, A::Error> {
+                let mut names = Vec::new();
+                while let Some(n) = seq.next_element::<String>()? {
+                    names.push(n);
+                }
+                Ok(NodeNames::Each(names))
+            }
+        }
+        d.deserialize_any(Names)
+    }
+}
+
 impl PlacementSection {
-    /// The node named for `role` (one of [`ROLES`]).
+    /// The node named for `role` (one of [`ROLES`]); for a policy placed replica by
+    /// replica, the first replica's.
     pub fn node_of(&self, role: &str) -> &str {
         match role {
             "rollout" => &self.rollout,
-            "policy" => &self.policy,
+            "policy" => match &self.policy {
+                NodeNames::One(n) => n,
+                NodeNames::Each(ns) => ns.first().map_or("", String::as_str),
+            },
             "reference" => &self.reference,
+            "critic" => &self.critic,
             _ => &self.reward,
         }
     }
 
-    /// Checks the section on its own (which nodes exist is checked against the cluster
-    /// by [`build_cluster`]).
-    pub fn validate(&self) -> Result<(), JobError> {
+    /// The node of each of `replicas` policy replicas, in replica order.
+    pub fn policy_nodes(&self, replicas: usize) -> Vec<String> {
+        match &self.policy {
+            NodeNames::One(n) => vec![n.clone(); replicas],
+            NodeNames::Each(ns) => ns.clone(),
+        }
+    }
+
+    /// Every `(key, node)` the section names for a job with `replicas` policy replicas
+    /// (one by one) and, with `critic`, a critic.
+    fn named_nodes(&self, replicas: usize, critic: bool) -> Vec<(String, String)> {
+        let mut v = Vec::new();
+        if critic {
+            v.push(("placement.critic".to_string(), self.critic.clone()));
+        }
+        for role in ROLES {
+            if role == "policy" {
+                for (i, n) in self.policy_nodes(replicas).into_iter().enumerate() {
+                    let key = match self.policy {
+                        NodeNames::One(_) => "placement.policy".to_string(),
+                        NodeNames::Each(_) => format!("placement.policy[{i}]"),
+                    };
+                    v.push((key, n));
+                }
+            } else {
+                v.push((format!("placement.{role}"), self.node_of(role).to_string()));
+            }
+        }
+        v
+    }
+
+    /// Checks the section on its own, for a job with `policy_replicas` policy replicas
+    /// and, with `critic` (PPO), a critic (which nodes exist is checked against the
+    /// cluster by [`build_cluster`]).
+    pub fn validate(&self, policy_replicas: usize, critic: bool) -> Result<(), JobError> {
         one_of("placement.mode", &self.mode, &["colocate", "disaggregated"])?;
         positive(
             "placement.spawn_timeout_s",
@@ -124,15 +235,39 @@ impl PlacementSection {
         if self.mode == "colocate" {
             return Ok(());
         }
-        for role in ROLES {
-            if self.node_of(role).is_empty() {
+        if let NodeNames::Each(ns) = &self.policy {
+            if ns.len() != policy_replicas {
+                let example: Vec<String> = (0..policy_replicas.max(1))
+                    .map(|i| format!("\"node-{i}\""))
+                    .collect();
                 return Err(invalid(
-                    &format!("placement.{role}"),
+                    "placement.policy",
+                    &format!(
+                        "one node per policy replica: {policy_replicas} name(s), as job.policy_replicas = {policy_replicas}"
+                    ),
+                    &format!("{} name(s): {}", ns.len(), self.policy),
+                    &format!(
+                        "list one node per replica, e.g. policy = [{}] (a node may be listed twice), or give one name to put every replica on that node",
+                        example.join(", ")
+                    ),
+                ));
+            }
+        }
+        for (key, node) in self.named_nodes(policy_replicas, critic) {
+            if node.is_empty() {
+                let role = key.trim_start_matches("placement.");
+                let fix = if role.contains('[') {
+                    "put a node name at that position of policy = [...] (a `yatt-node run --name NODE`)".to_string()
+                } else {
+                    format!(
+                        "add {role} = \"NODE\" under [placement] (a `yatt-node run --name NODE`)"
+                    )
+                };
+                return Err(invalid(
+                    &key,
                     "the name of the cluster node that runs this role",
                     "nothing",
-                    &format!(
-                        "add {role} = \"NODE\" under [placement] (a `yatt-node run --name NODE`)"
-                    ),
+                    &fix,
                 ));
             }
         }
@@ -149,8 +284,9 @@ pub struct RoleArgs {
     pub node: String,
 }
 
-/// Registers the built-in roles (rollout, policy, reference, reward) as factories that
-/// take [`RoleArgs`].
+/// Registers the built-in roles (rollout, policy, reference, reward, critic) as factories that
+/// take [`RoleArgs`]. A policy spawned for a job with several replicas also starts its
+/// ring inbox on the node, as `node/policy-ring/REPLICA` (see [`crate::job::POLICY_RING`]).
 pub fn register(builder: NodeBuilder) -> NodeBuilder {
     builder
         .factory_async("rollout", |a: RoleArgs| {
@@ -159,11 +295,27 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
                 Ok(rollout_role(job, model, codec))
             })
         })
-        .factory_async("policy", |a: RoleArgs| {
-            start_role(a, "policy", |job| {
-                let (model, _, pad_id) = base_model(job)?;
-                policy_role(job, model, pad_id)
-            })
+        .factory_with_node("policy", |node: &Node, name: &ActorName, a: RoleArgs| {
+            let replicated = JobConfig::parse(&a.job, "the job config sent by the controller", &[])
+                .is_ok_and(|job| job.job.policy_replicas > 1);
+            let ring_on = replicated.then(|| (node.clone(), name.replica));
+            async move {
+                let ring = match ring_on {
+                    Some((node, replica)) => {
+                        Some(policy_ring(&node, replica).map_err(|e| e.to_string())?)
+                    }
+                    None => None,
+                };
+                start_role(a, "policy", move |job| {
+                    let (model, _, pad_id) = base_model(job)?;
+                    let role = policy_role(job, model, pad_id)?;
+                    Ok(match ring {
+                        Some(r) => role.with_ring(r),
+                        None => role,
+                    })
+                })
+                .await
+            }
         })
         .factory_async("reference", |a: RoleArgs| {
             start_role(a, "reference", |job| {
@@ -172,6 +324,12 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
             })
         })
         .factory_async("reward", |a: RoleArgs| start_role(a, "reward", reward_role))
+        .factory_async("critic", |a: RoleArgs| {
+            start_role(a, "critic", |job| {
+                let (model, _, pad_id) = base_model(job)?;
+                critic_role(job, model, None, pad_id)
+            })
+        })
 }
 
 /// Builds a role from the job in `args` on the role's own thread and starts it there.
@@ -188,14 +346,14 @@ async fn start_role<R: Role>(
         .map_err(|e| e.to_string())
 }
 
-/// Spawns `role` of the job on the node `job.placement` names for it.
+/// Spawns `role` of the job on the node `target`.
 async fn spawn<Req: Message, Resp: Message>(
     job: &JobConfig,
     text: &str,
     node: &Node,
     role: &'static str,
+    target: &str,
 ) -> Result<ActorRef<RoleRequest<Req>, RoleResponse<Resp>>, ControllerError> {
-    let target = job.placement.node_of(role);
     let args = RoleArgs {
         job: text.to_string(),
         node: target.to_string(),
@@ -215,9 +373,11 @@ async fn spawn<Req: Message, Resp: Message>(
 }
 
 /// Builds a `disaggregated` job on the cluster `node` has joined: spawns each role on
-/// the node `[placement]` names (one rollout replica per controller), pushes the
-/// policy's initial weights to the rollouts and the reference, and returns one
-/// controller per rollout, driving the roles over QUIC.
+/// the node `[placement]` names (one rollout replica per controller; with
+/// `job.policy_replicas > 1` one policy replica per controller, each on its node of
+/// `placement.policy`; for PPO the critic on `placement.critic`), gives every rollout, the reference and every policy replica
+/// the first replica's initial weights, joins the replicas' gradient all-reduce ring,
+/// and returns one controller per rollout, driving the roles over QUIC.
 pub async fn build_cluster(job: &JobConfig, node: &Node) -> Result<Vec<Controller>, JobError> {
     job.validate()?;
     let p = &job.placement;
@@ -229,35 +389,27 @@ pub async fn build_cluster(job: &JobConfig, node: &Node) -> Result<Vec<Controlle
             "set placement.mode = \"disaggregated\" and name a node per role, or run without --cluster",
         ));
     }
-    if job.algorithm.name == "ppo" || job.job.policy_replicas > 1 {
-        return Err(JobError::NotImplemented {
-            key: "algorithm.name / job.policy_replicas".into(),
-            found: format!(
-                "{} / {}",
-                job.algorithm.name, job.job.policy_replicas
-            ),
-            fix: "on a cluster, use grpo, rloo, reinforce++ or dapo with one policy replica; ppo's critic and policy replicas run with placement.mode = \"colocate\"".into(),
-        });
-    }
+    let ppo = job.algorithm.name == "ppo";
+    let replicas = job.job.policy_replicas;
+    let named = p.named_nodes(replicas, ppo);
     // Nodes started just before the run may still be joining: wait for them, briefly.
-    let named = |d: &Directory| {
-        ROLES
+    let all_alive = |d: &Directory| {
+        named
             .iter()
-            .all(|r| d.alive_nodes().any(|n| n.name == p.node_of(r)))
+            .all(|(_, want)| d.alive_nodes().any(|n| n.name == *want))
     };
-    if !node.directory().read(named) {
+    if !node.directory().read(all_alive) {
         tracing::info!(wait = ?NODES_WAIT, "waiting for the placement's nodes to join");
-        node.directory().wait_until(NODES_WAIT, named).await;
+        node.directory().wait_until(NODES_WAIT, all_alive).await;
     }
     let mut alive: Vec<String> = node
         .directory()
         .read(|d| d.alive_nodes().map(|n| n.name.clone()).collect());
     alive.sort();
-    for role in ROLES {
-        let want = p.node_of(role);
+    for (key, want) in &named {
         if !alive.iter().any(|n| n == want) {
             return Err(invalid(
-                &format!("placement.{role}"),
+                key,
                 &format!("a node of the cluster: {}", alive.join(", ")),
                 &format!("{want:?}"),
                 &format!("start it (`yatt-node run --name {want} --seed ...`) or name one of the nodes above"),
@@ -273,31 +425,51 @@ pub async fn build_cluster(job: &JobConfig, node: &Node) -> Result<Vec<Controlle
     let rollouts = async {
         let mut v = Vec::with_capacity(job.job.controllers);
         for _ in 0..job.job.controllers {
-            v.push(spawn(job, &text, node, "rollout").await?);
+            v.push(spawn(job, &text, node, "rollout", &p.rollout).await?);
         }
         Ok::<Vec<RolloutRef>, ControllerError>(v)
     };
-    let (rollouts, reward, reference, policy) = tokio::try_join!(
+    let policy_nodes = p.policy_nodes(replicas);
+    let policies = futures::future::try_join_all(
+        policy_nodes
+            .iter()
+            .map(|target| spawn(job, &text, node, "policy", target)),
+    );
+    let critic = async {
+        match ppo {
+            true => Ok(Some(spawn(job, &text, node, "critic", &p.critic).await?)),
+            false => Ok::<_, ControllerError>(None),
+        }
+    };
+    let (rollouts, reward, reference, policies, critic) = tokio::try_join!(
         rollouts,
-        spawn(job, &text, node, "reward"),
-        spawn(job, &text, node, "reference"),
-        spawn(job, &text, node, "policy"),
+        spawn(job, &text, node, "reward", &p.reward),
+        spawn(job, &text, node, "reference", &p.reference),
+        policies,
+        critic,
     )?;
-    initial_weight_sync(&policy, &rollouts, &reference, Timeouts::default().sync).await?;
+    initial_weight_sync(&policies, &rollouts, &reference, Timeouts::default().sync).await?;
     let shared = RoleRefs {
         rollout: rollouts[0].clone(),
         extra_rollouts: Vec::new(),
         reward,
         reference: Some(reference),
-        policy,
-        critic: None,
+        policy: policies[0].clone(),
+        critic,
     };
-    controllers(job, shared, rollouts, Vec::new())
+    let per_head = if replicas > 1 { policies } else { Vec::new() };
+    let mut controllers = controllers(job, shared, rollouts, per_head)?;
+    if replicas > 1 {
+        join_policy_ring(&mut controllers, RING_CHUNK_BYTES).await?;
+    }
+    Ok(controllers)
 }
 
-/// Pushes the policy's weights (version 0) to every rollout and to the reference.
+/// Pushes the first policy replica's weights (version 0) to every rollout, to the
+/// reference and to the other replicas, so all of them start from the same model
+/// whichever node built it.
 async fn initial_weight_sync(
-    policy: &PolicyRef,
+    policies: &[PolicyRef],
     rollouts: &[RolloutRef],
     reference: &SamplesRef,
     timeout: Duration,
@@ -311,7 +483,7 @@ async fn initial_weight_sync(
             source,
         }
     };
-    let update = match policy
+    let update = match policies[0]
         .ask(RoleRequest::Serve(PolicyRequest::ExportWeights), timeout)
         .await
         .map_err(call("policy"))?
@@ -325,6 +497,13 @@ async fn initial_weight_sync(
             .await
             .map_err(call("rollout"))?;
         loaded(answer, "rollout")?;
+    }
+    for p in &policies[1..] {
+        let answer = p
+            .ask(RoleRequest::LoadWeights(update.clone()), timeout)
+            .await
+            .map_err(call("policy"))?;
+        loaded(answer, "policy")?;
     }
     let answer = reference
         .ask(RoleRequest::LoadWeights(update), timeout)
@@ -377,6 +556,60 @@ mod tests {
         assert_eq!(JobConfig::parse(&text, "t", &[]).unwrap(), job);
     }
 
+    fn two_replicas(policy: &str) -> Vec<String> {
+        let mut sets = disaggregated();
+        sets.retain(|s| !s.starts_with("placement.policy"));
+        sets.extend([
+            format!("placement.policy={policy}"),
+            "job.controllers=2".into(),
+            "job.policy_replicas=2".into(),
+        ]);
+        sets
+    }
+
+    #[test]
+    fn policy_replicas_are_placed_one_node_each_or_all_on_one() {
+        let job = JobConfig::parse(DEMO, "d", &two_replicas("[\"node-b\", \"node-d\"]")).unwrap();
+        assert_eq!(job.placement.policy_nodes(2), ["node-b", "node-d"]);
+        assert_eq!(job.placement.node_of("policy"), "node-b");
+        assert_eq!(job.placement.policy.to_string(), "[node-b, node-d]");
+        // The list travels to the nodes as TOML.
+        let text = toml::to_string(&job).unwrap();
+        assert_eq!(JobConfig::parse(&text, "t", &[]).unwrap(), job);
+        // One name puts every replica on that node.
+        let job = JobConfig::parse(DEMO, "d", &two_replicas("\"node-b\"")).unwrap();
+        assert_eq!(job.placement.policy_nodes(2), ["node-b", "node-b"]);
+        assert_eq!(job.placement.policy.to_string(), "node-b");
+    }
+
+    #[test]
+    fn a_policy_placement_that_does_not_fit_the_replicas_says_how_to_fix_it() {
+        let e = JobConfig::parse(DEMO, "d", &two_replicas("[\"node-b\"]"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("placement.policy")
+                && e.contains("job.policy_replicas = 2")
+                && e.contains("1 name(s): [node-b]")
+                && e.contains("policy = [\"node-0\", \"node-1\"]"),
+            "{e}"
+        );
+        let e = JobConfig::parse(DEMO, "d", &two_replicas("[\"node-b\", \"\"]"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("placement.policy[1]") && e.contains("put a node name at that position"),
+            "{e}"
+        );
+        let e = JobConfig::parse(DEMO, "d", &two_replicas("3"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("placement.policy") && e.contains("a list of node names"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn placement_errors_name_the_key_and_the_fix() {
         let sets = [
@@ -388,6 +621,17 @@ mod tests {
             e.contains("placement.reward") && e.contains("add reward = \"NODE\""),
             "{e}"
         );
+        // PPO on a cluster needs a node for its critic.
+        let mut sets = disaggregated();
+        sets.push("algorithm.name=\"ppo\"".into());
+        let e = JobConfig::parse(DEMO, "d", &sets).unwrap_err().to_string();
+        assert!(
+            e.contains("placement.critic") && e.contains("add critic = \"NODE\""),
+            "{e}"
+        );
+        sets.push("placement.critic=\"node-c\"".into());
+        let job = JobConfig::parse(DEMO, "d", &sets).unwrap();
+        assert_eq!(job.placement.node_of("critic"), "node-c");
         let e = JobConfig::parse(DEMO, "d", &["placement.mode=\"spread\"".into()])
             .unwrap_err()
             .to_string();

@@ -25,7 +25,9 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use yatt_engine::WeightBucket;
 use yatt_runtime::codec::{Bulk, BulkHeader, DType, TensorMeta};
+use yatt_runtime::collective::RingSpec;
 use yatt_runtime::message::{Message, Wire, WireError};
+use yatt_runtime::ActorId;
 
 use crate::builtin::{GradShard, PolicyRequest, PolicyResponse, TrainReport};
 use crate::role::{ResourceProfile, RoleRequest, RoleResponse, WeightsUpdate};
@@ -77,6 +79,9 @@ enum PolicyRequestHead {
     },
     ExportWeights,
     SaveCheckpoint(PathBuf),
+    RingInbox,
+    JoinRing(RingSpec),
+    TrainAllReduce(Vec<Sample>),
 }
 
 #[derive(Serialize, Deserialize)]
@@ -92,6 +97,8 @@ enum PolicyResponseHead {
         buckets: Vec<Vec<u8>>,
     },
     Saved,
+    RingInbox(ActorId),
+    Joined,
 }
 
 fn encode_err<T>(reason: impl ToString) -> WireError {
@@ -369,6 +376,9 @@ impl Message for PolicyRequest {
                 (PolicyRequestHead::ExportWeights, None)
             }
             PolicyRequest::SaveCheckpoint(p) => (PolicyRequestHead::SaveCheckpoint(p), None),
+            PolicyRequest::RingInbox => (PolicyRequestHead::RingInbox, None),
+            PolicyRequest::JoinRing(spec) => (PolicyRequestHead::JoinRing(spec), None),
+            PolicyRequest::TrainAllReduce(s) => (PolicyRequestHead::TrainAllReduce(s), None),
             PolicyRequest::ApplyGradients(shards) => {
                 let (reports, groups): (Vec<_>, Vec<_>) =
                     shards.into_iter().map(|s| (s.report, s.buckets)).unzip();
@@ -390,6 +400,9 @@ impl Message for PolicyRequest {
             PolicyRequestHead::Gradients(s) => PolicyRequest::Gradients(s),
             PolicyRequestHead::ExportWeights => PolicyRequest::ExportWeights,
             PolicyRequestHead::SaveCheckpoint(p) => PolicyRequest::SaveCheckpoint(p),
+            PolicyRequestHead::RingInbox => PolicyRequest::RingInbox,
+            PolicyRequestHead::JoinRing(spec) => PolicyRequest::JoinRing(spec),
+            PolicyRequestHead::TrainAllReduce(s) => PolicyRequest::TrainAllReduce(s),
             PolicyRequestHead::ApplyGradients { reports, buckets } => {
                 if reports.len() != buckets.len() {
                     return Err(decode_err::<Self>(format!(
@@ -417,6 +430,8 @@ impl Message for PolicyResponse {
             PolicyResponse::Scored(s) => (PolicyResponseHead::Scored(s), None),
             PolicyResponse::Trained(r) => (PolicyResponseHead::Trained(r), None),
             PolicyResponse::Saved => (PolicyResponseHead::Saved, None),
+            PolicyResponse::RingInbox(id) => (PolicyResponseHead::RingInbox(id), None),
+            PolicyResponse::Joined => (PolicyResponseHead::Joined, None),
             PolicyResponse::Gradients(shard) => {
                 let (mut h, bulk) = pack_buckets::<Self>(vec![shard.buckets])?;
                 let head = PolicyResponseHead::Gradients {
@@ -443,19 +458,18 @@ impl Message for PolicyResponse {
         let buckets = |h: Vec<Vec<u8>>| {
             one_group::<Self>(unpack_buckets::<Self>(vec![h], wire.bulk.as_ref())?)
         };
+        if !matches!(
+            head,
+            PolicyResponseHead::Gradients { .. } | PolicyResponseHead::Weights { .. }
+        ) {
+            no_bulk::<Self>(&wire.bulk)?;
+        }
         Ok(match head {
-            PolicyResponseHead::Scored(s) => {
-                no_bulk::<Self>(&wire.bulk)?;
-                PolicyResponse::Scored(s)
-            }
-            PolicyResponseHead::Trained(r) => {
-                no_bulk::<Self>(&wire.bulk)?;
-                PolicyResponse::Trained(r)
-            }
-            PolicyResponseHead::Saved => {
-                no_bulk::<Self>(&wire.bulk)?;
-                PolicyResponse::Saved
-            }
+            PolicyResponseHead::Scored(s) => PolicyResponse::Scored(s),
+            PolicyResponseHead::Trained(r) => PolicyResponse::Trained(r),
+            PolicyResponseHead::Saved => PolicyResponse::Saved,
+            PolicyResponseHead::RingInbox(id) => PolicyResponse::RingInbox(id),
+            PolicyResponseHead::Joined => PolicyResponse::Joined,
             PolicyResponseHead::Gradients { report, buckets: h } => {
                 PolicyResponse::Gradients(GradShard {
                     buckets: buckets(h)?,
@@ -645,6 +659,35 @@ mod tests {
             report: TrainReport::default(),
         }));
         assert!(matches!(back, PolicyResponse::Gradients(g) if g.buckets == buckets(4)));
+    }
+
+    #[test]
+    fn ring_messages_round_trip() {
+        use yatt_runtime::collective::RingSpec;
+        use yatt_runtime::{ActorId, ActorName};
+        let id = |node: &str| ActorId {
+            name: ActorName::new(node, "policy-ring", 0).unwrap(),
+            incarnation: 5,
+        };
+        let spec = RingSpec {
+            rank: 1,
+            members: vec![id("a"), id("b")],
+            timeout: std::time::Duration::from_millis(1500),
+            chunk_bytes: 4 << 20,
+        };
+        let (back, _) = round_trip(RoleRequest::Serve(PolicyRequest::JoinRing(spec.clone())));
+        assert!(matches!(back, RoleRequest::Serve(PolicyRequest::JoinRing(s)) if s == spec));
+        let samples = vec![sample(0, 4)];
+        let (back, _) = round_trip(RoleRequest::Serve(PolicyRequest::TrainAllReduce(
+            samples.clone(),
+        )));
+        assert!(
+            matches!(back, RoleRequest::Serve(PolicyRequest::TrainAllReduce(s)) if s == samples)
+        );
+        let (back, _) = round_trip(RoleResponse::Served(PolicyResponse::RingInbox(id("b"))));
+        assert!(matches!(back, RoleResponse::Served(PolicyResponse::RingInbox(i)) if i == id("b")));
+        let (back, _) = round_trip(RoleResponse::Served(PolicyResponse::Joined));
+        assert!(matches!(back, RoleResponse::Served(PolicyResponse::Joined)));
     }
 
     #[test]

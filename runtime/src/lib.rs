@@ -15,12 +15,14 @@
 //! | [`membership`] | node inventory, failure detection |
 //! | [`message`] | what crosses the wire |
 //! | [`codec`] | frames and bulk payloads |
+//! | [`collective`] | ring all-reduce of f32 buffers over actor messages |
 //! | [`tls`] | cluster CA, node certificates, mutual TLS |
 
 pub mod actor;
 pub mod addr;
 pub mod builtin;
 pub mod codec;
+pub mod collective;
 pub mod directory;
 pub mod membership;
 pub mod message;

@@ -270,6 +270,18 @@ pub struct Node {
     inner: Arc<NodeInner>,
 }
 
+/// A reference to a node that does not keep it alive, for what the node itself hosts
+/// (an actor holding a [`Node`] would keep its own host alive).
+#[derive(Clone)]
+pub struct WeakNode(std::sync::Weak<NodeInner>);
+
+impl WeakNode {
+    /// The node, while it is alive.
+    pub fn upgrade(&self) -> Option<Node> {
+        self.0.upgrade().map(|inner| Node { inner })
+    }
+}
+
 /// Builds and starts a [`Node`].
 pub struct NodeBuilder {
     name: String,
@@ -321,7 +333,7 @@ impl NodeBuilder {
     /// Registers a factory whose actor takes a while to build (e.g. it loads a model on
     /// a thread of its own): the spawn request is answered once the future resolves,
     /// and the executor is never blocked meanwhile.
-    pub fn factory_async<Args, A, F, Fut>(mut self, role: &str, make: F) -> Self
+    pub fn factory_async<Args, A, F, Fut>(self, role: &str, make: F) -> Self
     where
         Args: DeserializeOwned + 'static,
         A: Actor,
@@ -330,11 +342,26 @@ impl NodeBuilder {
         F: Fn(Args) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<A, String>> + Send + 'static,
     {
+        self.factory_with_node(role, move |_: &Node, _: &ActorName, args| make(args))
+    }
+
+    /// Like [`NodeBuilder::factory_async`], but `make` also gets the hosting node and the
+    /// name the actor will have, for an actor that talks to peers or spawns companions
+    /// of its own (e.g. a [`crate::collective::RingMember`]'s inbox).
+    pub fn factory_with_node<Args, A, F, Fut>(mut self, role: &str, make: F) -> Self
+    where
+        Args: DeserializeOwned + 'static,
+        A: Actor,
+        A::Request: Message,
+        A::Response: Message,
+        F: Fn(&Node, &ActorName, Args) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<A, String>> + Send + 'static,
+    {
         let role_name = role.to_string();
         let f: FactoryFn = Arc::new(move |node: &Node, name: ActorName, args: &[u8]| {
             let made = postcard::from_bytes::<Args>(args)
                 .map_err(|e| format!("arguments for role {role_name:?} do not decode: {e}"))
-                .map(&make);
+                .map(|a| make(node, &name, a));
             let node = node.clone();
             Box::pin(async move {
                 let actor = made?.await?;
@@ -585,6 +612,11 @@ impl Node {
             dev_ca_dir: None,
             factories: HashMap::new(),
         }
+    }
+
+    /// A reference that does not keep this node alive.
+    pub fn downgrade(&self) -> WeakNode {
+        WeakNode(Arc::downgrade(&self.inner))
     }
 
     /// This node's name.

@@ -13,7 +13,14 @@
 //! - [`PolicyRequest::ExportWeights`]: the weights as buckets for weight sync;
 //!   [`PolicyRequest::ExportLocalWeights`]: a snapshot of the tensors, for roles in
 //!   this process;
-//! - [`PolicyRequest::SaveCheckpoint`]: an exact-resume checkpoint.
+//! - [`PolicyRequest::SaveCheckpoint`]: an exact-resume checkpoint;
+//! - data parallelism over one shared policy: [`PolicyRequest::Gradients`] per head,
+//!   then [`PolicyRequest::ApplyGradients`] with every head's shard;
+//! - data parallelism over replicas: [`PolicyRequest::TrainAllReduce`], where each
+//!   replica computes its head's gradients and averages them with its peers' in a ring
+//!   all-reduce ([`yatt_runtime::collective`]) straight between the replicas, before
+//!   one optimizer step. The ring is set up with [`PolicyRequest::RingInbox`] and
+//!   [`PolicyRequest::JoinRing`].
 //!
 //! With micro-batching each micro-batch's loss is aggregated on its own and the
 //! micro-batch losses are averaged (as verl does), so `token-mean` is exact only when a
@@ -24,6 +31,8 @@ use std::time::Instant;
 
 use tch::{Kind, Tensor};
 use yatt_engine::{to_buckets, EngineError, Trainer};
+use yatt_runtime::collective::{RingMember, RingSpec};
+use yatt_runtime::ActorId;
 
 use super::{check_device, response_scores, score_samples};
 use crate::algo::{
@@ -115,6 +124,14 @@ pub enum PolicyRequest {
     ExportLocalWeights,
     /// Save a checkpoint to this directory.
     SaveCheckpoint(PathBuf),
+    /// Data parallelism over replicas: this replica's ring inbox, for the ring's spec.
+    RingInbox,
+    /// Data parallelism over replicas: join the ring of every replica's inbox.
+    JoinRing(RingSpec),
+    /// Data parallelism over replicas: the gradients of the loss on this head's samples,
+    /// averaged with every other replica's in the ring, then one optimizer step. Every
+    /// replica of the ring must be asked at the same time, at the same version.
+    TrainAllReduce(Vec<Sample>),
 }
 
 /// What one train request did (means over micro-batches, sums where noted).
@@ -144,6 +161,28 @@ pub struct TrainReport {
     pub seconds: f64,
 }
 
+impl TrainReport {
+    /// The heads' reports of one data-parallel update as one: every head's trained
+    /// samples and the loss statistics averaged, both in head order (so the result is
+    /// the same every run); the optimizer fields and `seconds` are left to the caller.
+    pub fn merge_heads(reports: &[&TrainReport]) -> TrainReport {
+        let k = reports.len().max(1) as f64;
+        let mean = |f: fn(&TrainReport) -> f64| reports.iter().map(|r| f(r)).sum::<f64>() / k;
+        TrainReport {
+            trained: reports
+                .iter()
+                .flat_map(|r| r.trained.iter().copied())
+                .collect(),
+            loss: mean(|r| r.loss),
+            pg_clipfrac: mean(|r| r.pg_clipfrac),
+            approx_kl: mean(|r| r.approx_kl),
+            kl_loss: mean(|r| r.kl_loss),
+            entropy: mean(|r| r.entropy),
+            ..Default::default()
+        }
+    }
+}
+
 /// What the policy role answers.
 #[derive(Debug)]
 pub enum PolicyResponse {
@@ -157,6 +196,10 @@ pub enum PolicyResponse {
     Weights(WeightsUpdate),
     /// The checkpoint was written.
     Saved,
+    /// This replica's ring inbox.
+    RingInbox(ActorId),
+    /// The replica joined the ring.
+    Joined,
 }
 
 /// One controller's gradients for a data-parallel step.
@@ -172,6 +215,8 @@ pub struct GradShard {
 pub struct PolicyRole {
     trainer: Trainer,
     config: PolicyConfig,
+    /// This replica's place in the gradient all-reduce (replicated policies only).
+    ring: Option<RingMember>,
 }
 
 struct Micro {
@@ -292,6 +337,10 @@ impl MicroStats {
     }
 }
 
+fn grad_fail(e: EngineError) -> RoleError {
+    RoleError::Failed(format!("policy gradients: {e}"))
+}
+
 fn algo(e: crate::algo::AlgoError) -> EngineError {
     EngineError::InvalidArgument(e.to_string())
 }
@@ -316,7 +365,18 @@ impl PolicyRole {
                 config.temperature
             )));
         }
-        Ok(PolicyRole { trainer, config })
+        Ok(PolicyRole {
+            trainer,
+            config,
+            ring: None,
+        })
+    }
+
+    /// The same role as one replica of a data-parallel policy, averaging its gradients
+    /// with its peers through `ring` (see [`PolicyRequest::TrainAllReduce`]).
+    pub fn with_ring(mut self, ring: RingMember) -> Self {
+        self.ring = Some(ring);
+        self
     }
 
     fn train(&mut self, samples: Vec<Sample>) -> Result<TrainReport, RoleError> {
@@ -412,7 +472,9 @@ impl PolicyRole {
         Ok(micros)
     }
 
-    fn gradients(&mut self, samples: Vec<Sample>) -> Result<GradShard, RoleError> {
+    /// Accumulates the gradients of the loss on `samples` (one optimizer step's worth)
+    /// without updating; returns the loss statistics (no optimizer fields yet).
+    fn backward(&mut self, samples: &[Sample]) -> Result<TrainReport, RoleError> {
         let t0 = Instant::now();
         if samples.is_empty() {
             return Err(RoleError::BadRequest(
@@ -420,29 +482,18 @@ impl PolicyRole {
             ));
         }
         let cfg = self.config.clone();
-        let micros = self.micros(&samples, 0..samples.len())?;
+        let micros = self.micros(samples, 0..samples.len())?;
         let mut stats = MicroStats::default();
         let scale = 1.0 / micros.len() as f64;
-        let fail = |e: EngineError| RoleError::Failed(format!("policy gradients: {e}"));
         let mut loss = 0.0;
         for mb in &micros {
             // A micro-batch with no gradient adds a zero loss.
             if let Some(l) =
-                micro_loss(&self.trainer.model, &samples, mb, &cfg, &mut stats).map_err(fail)?
+                micro_loss(&self.trainer.model, samples, mb, &cfg, &mut stats).map_err(grad_fail)?
             {
-                loss += self.trainer.backward_micro(l, scale).map_err(fail)? * scale;
+                loss += self.trainer.backward_micro(l, scale).map_err(grad_fail)? * scale;
             }
         }
-        let buckets = self.trainer.grad_buckets(cfg.bucket_bytes).map_err(fail)?;
-        // The next shard's gradients must not accumulate onto these.
-        tch::no_grad(|| {
-            for (_, p) in self.trainer.model.parameters_mut() {
-                let mut g = p.grad();
-                if g.defined() {
-                    let _ = g.zero_();
-                }
-            }
-        });
         let mut report = TrainReport {
             trained: samples.iter().map(|s| s.id).collect(),
             loss,
@@ -451,7 +502,74 @@ impl PolicyRole {
             ..Default::default()
         };
         stats.report_into(&mut report);
+        Ok(report)
+    }
+
+    fn gradients(&mut self, samples: Vec<Sample>) -> Result<GradShard, RoleError> {
+        let t0 = Instant::now();
+        let mut report = self.backward(&samples)?;
+        let buckets = self
+            .trainer
+            .grad_buckets(self.config.bucket_bytes)
+            .map_err(grad_fail)?;
+        // The next shard's gradients must not accumulate onto these.
+        self.zero_grads();
+        report.seconds = t0.elapsed().as_secs_f64();
         Ok(GradShard { buckets, report })
+    }
+
+    fn zero_grads(&mut self) {
+        tch::no_grad(|| {
+            for (_, p) in self.trainer.model.parameters_mut() {
+                let mut g = p.grad();
+                if g.defined() {
+                    let _ = g.zero_();
+                }
+            }
+        });
+    }
+
+    /// This replica's gradients, averaged with its peers' in the ring, then one
+    /// optimizer step: every replica applies the same bits and stays identical.
+    fn train_all_reduce(&mut self, samples: Vec<Sample>) -> Result<TrainReport, RoleError> {
+        let t0 = Instant::now();
+        let Some(ring) = self.ring.as_mut() else {
+            return Err(RoleError::BadRequest(
+                "this policy is not a replica of a data-parallel policy (it has no ring); use Train, or Gradients and ApplyGradients".into(),
+            ));
+        };
+        if ring.spec().is_none() {
+            return Err(RoleError::NotReady(
+                "this policy replica has not joined its ring yet (JoinRing)".into(),
+            ));
+        }
+        let reduced = self.backward(&samples).and_then(|report| {
+            let local = self.trainer.flat_grads().map_err(grad_fail)?;
+            // The version before the update numbers the round: the replicas are in step.
+            let round = self.trainer.step_count();
+            let ring = self.ring.as_mut().expect("checked above");
+            let mean = ring
+                .all_reduce_mean_blocking(local, round)
+                .map_err(|e| RoleError::Failed(format!("gradient all-reduce: {e}")))?;
+            Ok((report, mean))
+        });
+        let (mut report, mean) = match reduced {
+            Ok(r) => r,
+            Err(e) => {
+                // A retried step must not accumulate onto this one's gradients.
+                self.zero_grads();
+                return Err(e);
+            }
+        };
+        let fail = |e: EngineError| RoleError::Failed(format!("averaging gradients: {e}"));
+        self.trainer.set_flat_grads(&mean).map_err(fail)?;
+        let step = self.trainer.apply_gradients().map_err(fail)?;
+        report.optimizer_steps = 1;
+        report.version = self.trainer.step_count();
+        report.grad_norm = step.grad_norm;
+        report.lr = step.lr;
+        report.seconds = t0.elapsed().as_secs_f64();
+        Ok(report)
     }
 
     fn apply(&mut self, shards: Vec<GradShard>) -> Result<TrainReport, RoleError> {
@@ -486,24 +604,14 @@ impl PolicyRole {
         let buckets = to_buckets(&avg, self.config.bucket_bytes).map_err(fail)?;
         self.trainer.set_grads(&buckets).map_err(fail)?;
         let step = self.trainer.apply_gradients().map_err(fail)?;
-        let k = n as f64;
-        let mean =
-            |f: fn(&TrainReport) -> f64| shards.iter().map(|s| f(&s.report)).sum::<f64>() / k;
+        let reports: Vec<&TrainReport> = shards.iter().map(|s| &s.report).collect();
         Ok(TrainReport {
-            trained: shards
-                .iter()
-                .flat_map(|s| s.report.trained.iter().copied())
-                .collect(),
             optimizer_steps: 1,
             version: self.trainer.step_count(),
-            loss: mean(|r| r.loss),
             grad_norm: step.grad_norm,
-            pg_clipfrac: mean(|r| r.pg_clipfrac),
-            approx_kl: mean(|r| r.approx_kl),
-            kl_loss: mean(|r| r.kl_loss),
-            entropy: mean(|r| r.entropy),
             lr: step.lr,
-            seconds: t0.elapsed().as_secs_f64() + mean(|r| r.seconds) * k,
+            seconds: t0.elapsed().as_secs_f64() + reports.iter().map(|r| r.seconds).sum::<f64>(),
+            ..TrainReport::merge_heads(&reports)
         })
     }
 
@@ -524,6 +632,12 @@ impl PolicyRole {
             local: Some(LocalWeights::new(self.trainer.model.weights_snapshot())),
         }
     }
+}
+
+fn no_ring() -> RoleError {
+    RoleError::BadRequest(
+        "this policy was started without a ring member: only replicas of a data-parallel policy (job.policy_replicas > 1) have one".into(),
+    )
 }
 
 impl Role for PolicyRole {
@@ -589,6 +703,19 @@ impl Role for PolicyRole {
             }
             PolicyRequest::ExportWeights => self.export().map(PolicyResponse::Weights),
             PolicyRequest::ExportLocalWeights => Ok(PolicyResponse::Weights(self.export_local())),
+            PolicyRequest::TrainAllReduce(samples) => {
+                self.train_all_reduce(samples).map(PolicyResponse::Trained)
+            }
+            PolicyRequest::RingInbox => match &self.ring {
+                Some(r) => Ok(PolicyResponse::RingInbox(r.inbox_id().clone())),
+                None => Err(no_ring()),
+            },
+            PolicyRequest::JoinRing(spec) => {
+                let ring = self.ring.as_mut().ok_or_else(no_ring)?;
+                ring.join(spec)
+                    .map_err(|e| RoleError::BadRequest(format!("joining the ring: {e}")))?;
+                Ok(PolicyResponse::Joined)
+            }
             PolicyRequest::SaveCheckpoint(dir) => {
                 let tokenizer = self.config.tokenizer_dir.as_deref();
                 self.trainer.save_checkpoint(&dir, tokenizer).map_err(|e| {
@@ -597,6 +724,19 @@ impl Role for PolicyRole {
                 Ok(PolicyResponse::Saved)
             }
         }
+    }
+
+    /// Takes a peer replica's weights at the same version (so every replica of a
+    /// data-parallel policy starts from the same weights, whichever node built it).
+    fn load_weights(&mut self, update: WeightsUpdate) -> Result<(), RoleError> {
+        let at = self.trainer.step_count();
+        if update.version != at {
+            return Err(RoleError::BadRequest(format!(
+                "the policy is at version {at} and takes weights of that version only (got {}): its optimizer state belongs to its own weights",
+                update.version
+            )));
+        }
+        super::load_buckets(&mut self.trainer.model, &update)
     }
 
     fn offload(&mut self) -> Result<(), RoleError> {

@@ -239,8 +239,12 @@ async fn run_job(job: JobConfig, resume: bool, args: TrainArgs) -> anyhow::Resul
     );
     if args.cluster.is_some() {
         let p = &job.placement;
+        let critic = match job.algorithm.name.as_str() {
+            "ppo" => format!(", critic on {}", p.critic),
+            _ => String::new(),
+        };
         println!(
-            "cluster: joined as {} through {}; rollout on {}, policy on {}, reference on {}, reward on {}",
+            "cluster: joined as {} through {}; rollout on {}, policy on {}, reference on {}, reward on {}{critic}",
             node.name(),
             args.cluster.map(|a| a.to_string()).unwrap_or_default(),
             p.rollout,
