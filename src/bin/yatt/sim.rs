@@ -149,6 +149,7 @@ fn bench() -> Result<()> {
             gpu: gpu.clone(),
             group_devices: 8,
             staleness: 1,
+            partial_rollout: None,
         };
         let forecast = ForecastParams::lognormal(gpus, 16, 1500.0, 1.0, 16384)
             .with_drop(0.2)
