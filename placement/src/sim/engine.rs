@@ -859,15 +859,23 @@ impl<'w> Sim<'w> {
         }
     }
 
-    fn accept(&mut self, step: u32, pg: u32, p: PgState) {
-        let target = self.target();
+    /// Counts a group the dynamic-sampling filter has seen.
+    fn count_filtered(&mut self, step: u32, keep: bool) {
         let st = &mut self.steps[step as usize];
         st.filtered += 1;
         self.filtered_window.0 += 1;
-        if !p.keep {
-            self.filtered_window.1 += 1;
-        } else {
+        if keep {
             st.kept += 1;
+        } else {
+            self.filtered_window.1 += 1;
+        }
+    }
+
+    fn accept(&mut self, step: u32, pg: u32, p: PgState) {
+        let target = self.target();
+        self.count_filtered(step, p.keep);
+        if p.keep {
+            let st = &mut self.steps[step as usize];
             st.kept_tokens += p.tokens;
             st.kept_pgs.push(pg);
             let lag = p.born_min.map_or(0, |b| step.saturating_sub(b));
@@ -901,17 +909,12 @@ impl<'w> Sim<'w> {
     /// the same step; the controller learns that a group is kept only from its
     /// rewards.
     fn filter_partial(&mut self, step: u32, pg: u32, p: PgState) {
-        let st = &mut self.steps[step as usize];
-        if st.full {
+        if self.steps[step as usize].full {
             self.wasted_tokens += p.gen_tokens;
             return;
         }
-        st.filtered += 1;
-        self.filtered_window.0 += 1;
-        if !p.keep {
-            self.filtered_window.1 += 1;
-        } else {
-            st.kept += 1;
+        self.count_filtered(step, p.keep);
+        if p.keep {
             if pg < self.batch_end[step as usize] {
                 self.accept_partial(step, pg, p);
             } else {
