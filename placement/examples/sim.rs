@@ -67,6 +67,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     gpu: w.gpu.clone(),
                     group_devices: w.group_devices,
                     staleness,
+                    partial_rollout: w.workload.partial_rollout,
                 },
                 w.workload.forecast_at(0).params,
                 w.truth,
@@ -96,6 +97,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 r.overhead_frac * 100.0,
                 r.wasted_frac * 100.0
             );
+            if w.workload.partial_rollout.is_some() {
+                println!(
+                    "  partial rollouts: carried {:.1}% of groups, thrown away beyond the bound {:.2}%, re-prefilled {:.2}% of generated, max lag {}",
+                    r.carried_frac * 100.0,
+                    r.stale_frac * 100.0,
+                    r.reprefill_frac * 100.0,
+                    r.max_lag
+                );
+            }
             for (stage, gs, batch) in &r.stages {
                 println!(
                     "  {stage:?}: {:.0} group-s/step, batch {:?}",

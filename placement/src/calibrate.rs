@@ -312,6 +312,7 @@ pub fn replay(rates: &Rates, steps: &[RunStep], iterations: f64) -> Vec<f64> {
             judge_prompt: 0,
             seed: 1,
             scale_by_step: steps.iter().map(|s| s.response_len.max(1.0)).collect(),
+            partial_rollout: None,
         },
         job,
         group_devices: 1,

@@ -23,7 +23,7 @@ use crate::profile::{
     decode_slots, forward_s_per_token, train_s_per_token, DecodeCoeffs, Efficiency, GpuSpec,
     JobShape, RewardKind, Role, RoleSet,
 };
-use crate::workload::{Forecast, ForecastParams};
+use crate::workload::{Forecast, ForecastParams, PartialRollout};
 
 /// A kind of work in a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -314,6 +314,9 @@ pub struct CostSetup {
     pub group_devices: u32,
     /// How many policy versions a sample may lag the weights it trains (0: on-policy).
     pub staleness: u32,
+    /// Partial rollouts, when the job carries unfinished responses into later steps.
+    #[serde(default)]
+    pub partial_rollout: Option<PartialRollout>,
 }
 
 /// A plan reduced to what its cost depends on: roles per pool and group counts.
@@ -666,7 +669,13 @@ impl CostModel {
         let l2 = f.mean_len_sq();
         // Pools work on different steps at once only when the rollout has groups of its
         // own; a rollout that takes turns with other roles drains every batch first.
-        let pipelined = self.setup.staleness > 0
+        // Partial rollouts keep `reserve` versions of the staleness for carrying, so
+        // generation runs that many fewer steps ahead.
+        let lookahead = match self.setup.partial_rollout {
+            Some(pr) => self.setup.staleness.saturating_sub(pr.reserve),
+            None => self.setup.staleness,
+        };
+        let pipelined = lookahead > 0
             && shape
                 .pool_of(Role::Rollout)
                 .is_some_and(|p| shape.pools[p].0 == RoleSet::of(&[Role::Rollout]));
@@ -691,7 +700,15 @@ impl CostModel {
                     // Per sample: prompt (context before decoding), generated tokens,
                     // context read over the decode, and the longest generation.
                     let (ctx0, gen, gen_sq, max) = if s == Stage::Gen {
-                        (p, l, l2, f.expected_max_len(n_gen))
+                        // With partial rollouts a step waits for the cutoff's share of
+                        // its groups, each complete with its longest response.
+                        let last = match self.setup.partial_rollout {
+                            Some(pr) => f.len_quantile(
+                                pr.cutoff.powf(1.0 / f64::from(f.params.samples_per_prompt)),
+                            ),
+                            None => f.expected_max_len(n_gen),
+                        };
+                        (p, l, l2, last)
                     } else {
                         let j = f.mean_judge_len();
                         (
@@ -912,6 +929,7 @@ mod tests {
             gpu: GpuSpec::preset("h100").unwrap(),
             group_devices: 2,
             staleness,
+            partial_rollout: None,
         }
     }
 

@@ -23,6 +23,7 @@
 //! let setup = CostSetup {
 //!     job: JobShape::new(model, RewardKind::Rule, 8192),
 //!     gpu, group_devices: 2, staleness: 1,
+//!     partial_rollout: None,
 //! };
 //! // 256 prompts x 8 samples a step, responses around 1,100 tokens.
 //! let forecast = ForecastParams::lognormal(256, 8, 1100.0, 1.0, 8192);
@@ -543,6 +544,7 @@ mod tests {
             gpu,
             group_devices: 2,
             staleness: 1,
+            partial_rollout: None,
         };
         let f = ForecastParams::lognormal(256, 16, 800.0, 1.0, 16384)
             .with_drop(0.1)
@@ -687,6 +689,7 @@ mod tests {
             gpu,
             group_devices: 2,
             staleness: 0,
+            partial_rollout: None,
         };
         let (rollout, policy) = (RoleSet::of(&[Role::Rollout]), RoleSet::of(&[Role::Policy]));
         let ids: Vec<GroupId> = inv.groups().map(|g| g.id).collect();

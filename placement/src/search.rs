@@ -361,6 +361,7 @@ mod tests {
                 gpu: GpuSpec::preset("h100").unwrap(),
                 group_devices: group,
                 staleness,
+                partial_rollout: None,
             },
             forecast(),
         )

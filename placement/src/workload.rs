@@ -142,6 +142,75 @@ pub struct DynamicSampling {
     pub drop_end: f64,
 }
 
+/// How a paused response continues when it is carried into a later step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Resume {
+    /// Its KV cache is kept: in a decoding pool of its own it never stops; on groups
+    /// that hand their memory to other roles (colocation) the cache is copied to host
+    /// memory and back over PCIe.
+    #[default]
+    Kv,
+    /// Its KV cache is dropped: prompt and the tokens so far are prefilled again with
+    /// the new weights when it resumes, in every pool.
+    Reprefill,
+}
+
+/// What happens to an unfinished response that would train beyond the staleness bound
+/// if it were carried (its generation started more than `staleness` versions before
+/// the weights it would train).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BeyondBound {
+    /// Never carry it: the step waits for its prompt group, as without partial
+    /// rollouts.
+    #[default]
+    Wait,
+    /// Carry the rest and generate its prompt group again from the start with newer
+    /// weights; the tokens generated so far are thrown away (reported as wasted).
+    Regenerate,
+}
+
+/// Partial rollouts, as in Kimi k1.5 and AReaL: a step trains on the prompt groups
+/// complete at its cutoff, and the unfinished ones are paused and carried into the
+/// next steps instead of holding the step back.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PartialRollout {
+    /// The cutoff: the fraction of a step's batch (prompt groups, counting groups
+    /// carried from earlier steps) that must be complete before the step may train
+    /// without the rest. 1 keeps every group in its own step.
+    #[serde(default = "default_cutoff")]
+    pub cutoff: f64,
+    /// Versions of the staleness bound kept for carrying: a pipelined placement starts
+    /// a step's generation `staleness − reserve` versions ahead instead of
+    /// `staleness`. With 0 it runs as far ahead as without partial rollouts, and a
+    /// response is carried only when it started late enough to stay within the bound.
+    #[serde(default)]
+    pub reserve: u32,
+    /// How a carried response continues.
+    #[serde(default)]
+    pub resume: Resume,
+    /// Responses that would train beyond the staleness bound if carried.
+    #[serde(default)]
+    pub beyond_bound: BeyondBound,
+}
+
+fn default_cutoff() -> f64 {
+    0.9
+}
+
+impl Default for PartialRollout {
+    fn default() -> Self {
+        PartialRollout {
+            cutoff: default_cutoff(),
+            reserve: 0,
+            resume: Resume::default(),
+            beyond_bound: BeyondBound::default(),
+        }
+    }
+}
+
 /// A training run's workload.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -185,6 +254,9 @@ pub struct WorkloadSpec {
     /// run's length trajectory).
     #[serde(default)]
     pub scale_by_step: Vec<f64>,
+    /// Partial rollouts; none makes every step wait for all of its prompt groups.
+    #[serde(default)]
+    pub partial_rollout: Option<PartialRollout>,
 }
 
 fn one() -> f64 {
@@ -242,6 +314,15 @@ impl WorkloadSpec {
                         "workload.dynamic_sampling.{k}: expected 0 to 0.95 (a step must keep some groups), found {v}"
                     ));
                 }
+            }
+        }
+        if let Some(pr) = &self.partial_rollout {
+            // Written so that NaN is refused too.
+            if !(pr.cutoff > 0.0 && pr.cutoff <= 1.0) {
+                return Err(format!(
+                    "workload.partial_rollout.cutoff: expected more than 0 and at most 1 (the fraction of a step's prompt groups that must be complete before it trains without the rest), found {}; e.g. cutoff = 0.9",
+                    pr.cutoff
+                ));
             }
         }
         self.response.check("workload.response")?;
@@ -309,6 +390,21 @@ impl WorkloadSpec {
             judge,
             keep,
         }
+    }
+
+    /// How many of `step`'s leading prompt groups hold its first `prompts_per_step`
+    /// kept ones: the groups its batch is made of when they are accepted in issue
+    /// order (and what the lower bound counts).
+    pub fn batch_groups(&self, step: u32) -> u32 {
+        let mut kept = 0;
+        let mut i = 0;
+        while kept < self.prompts_per_step {
+            if self.group(step, i).keep {
+                kept += 1;
+            }
+            i += 1;
+        }
+        i
     }
 
     /// The forecast of a perfectly informed observer at `step` (the simulator's oracle
@@ -474,6 +570,13 @@ impl Forecast {
         &self.len_q
     }
 
+    /// The response length at quantile `q` (truncated).
+    pub fn len_quantile(&self, q: f64) -> f64 {
+        (self.params.len_log_mean + self.params.len_log_sigma * normal_quantile(q))
+            .exp()
+            .clamp(1.0, f64::from(self.params.max_response))
+    }
+
     /// Expected longest response among `n` samples.
     pub fn expected_max_len(&self, n: f64) -> f64 {
         let z = normal_quantile(1.0 - 1.0 / (2.0 * n.max(1.0)));
@@ -531,6 +634,7 @@ mod tests {
             judge_prompt: 256,
             seed: 7,
             scale_by_step: Vec::new(),
+            partial_rollout: None,
         }
     }
 

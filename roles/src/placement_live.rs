@@ -246,6 +246,7 @@ impl LivePlacement {
             gpu,
             group_devices: 1,
             staleness: 0,
+            partial_rollout: None,
         };
         let inventory = Inventory::uniform(
             1,

@@ -14,7 +14,7 @@ use crate::profile::{
     decode_slots, forward_s_per_token, train_s_per_token, DecodeCoeffs, Efficiency, GpuSpec,
     JobShape, RewardKind, Role, RoleSet, Sharding,
 };
-use crate::workload::WorkloadSpec;
+use crate::workload::{BeyondBound, PartialRollout, Resume, WorkloadSpec};
 
 /// Seconds the real hardware takes to start a decoding engine on a group.
 const TRUE_START_DECODER_S: f64 = 12.0;
@@ -53,6 +53,8 @@ pub struct RunResult {
     pub step_s: Vec<f64>,
     /// Fraction of device-time spent computing (decoding, prefill, passes).
     pub compute_frac: f64,
+    /// Tokens generated, responses and verdicts, including those thrown away.
+    pub generated_tokens: f64,
     /// Fraction spent on overhead: offload/reload, weight sync, migrations.
     pub overhead_frac: f64,
     /// Fraction with nothing to do.
@@ -70,6 +72,21 @@ pub struct RunResult {
     /// Per stage over the run: group-seconds, and for decoding stages the mean batch
     /// (tokens per iteration).
     pub stages: Vec<(Stage, f64, Option<f64>)>,
+    /// Prompt groups trained by a later step than the one they were issued for
+    /// (carried by partial rollouts), fraction of the groups trained.
+    pub carried_frac: f64,
+    /// Generated tokens thrown away because their response would have trained beyond
+    /// the staleness bound (generated again), fraction of all generated.
+    pub stale_frac: f64,
+    /// Tokens prefilled again by responses that resumed without their KV cache,
+    /// fraction of all generated.
+    pub reprefill_frac: f64,
+    /// The most versions a trained group's oldest response lagged the weights it
+    /// trained.
+    pub max_lag: u32,
+    /// Every group trained: (the step it was issued for, its index, the step that
+    /// trained it).
+    pub trained_groups: Vec<(u32, u32, u32)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,7 +100,10 @@ struct Seq {
     step: u32,
     pg: u32,
     kind: Kind,
+    /// Context before the tokens still to generate: the prompt, plus the tokens of
+    /// earlier segments once a partial rollout paused it.
     ctx0: u32,
+    /// Tokens still to generate.
     len: u32,
     judge_len: u32,
     on: Option<usize>,
@@ -91,6 +111,45 @@ struct Seq {
     alive: bool,
     order: u64,
     gen: u32,
+    /// Tokens generated in earlier segments.
+    done: u32,
+    /// Tokens to prefill when admitted: the prompt, or the prompt and the tokens so
+    /// far when it resumes without its KV cache; 0 when the cache is restored.
+    prefill: u32,
+    /// Seconds to copy its KV cache back from host memory when admitted.
+    restore_s: f64,
+    /// The weight version its generation started with.
+    born: Option<u32>,
+    /// Parked at a cutoff until the next weights are in.
+    paused: bool,
+}
+
+impl Seq {
+    fn new(step: u32, pg: u32, kind: Kind, ctx0: u32, len: u32, judge_len: u32) -> Seq {
+        Seq {
+            step,
+            pg,
+            kind,
+            ctx0,
+            len,
+            judge_len,
+            on: None,
+            start_iter: 0.0,
+            alive: true,
+            order: 0,
+            gen: 0,
+            done: 0,
+            prefill: ctx0,
+            restore_s: 0.0,
+            born: None,
+            paused: false,
+        }
+    }
+
+    /// The whole response (or verdict) length.
+    fn total_len(&self) -> u32 {
+        self.done + self.len
+    }
 }
 
 /// A time or iteration count ordered by `total_cmp`, for the event and batch heaps.
@@ -175,6 +234,29 @@ struct PgState {
     keep: bool,
     tokens: f64,
     lengths: Vec<u32>,
+    /// The oldest weight version any of its responses started with.
+    born_min: Option<u32>,
+    /// Tokens of its responses generated so far (what regenerating it throws away).
+    gen_tokens: f64,
+}
+
+/// With partial rollouts, a prompt group accepted into the batch and not trained yet.
+#[derive(Debug, Clone, Copy)]
+struct Accepted {
+    tokens: f64,
+    scoring_left: u32,
+    born_min: Option<u32>,
+    /// The step whose batch it joined at that step's cutoff, if one did.
+    in_batch: Option<u32>,
+}
+
+/// What partial rollouts did over a run.
+#[derive(Debug, Default, Clone, Copy)]
+struct PartialStats {
+    carried_groups: u64,
+    stale_tokens: f64,
+    reprefill_tokens: f64,
+    max_lag: u32,
 }
 
 #[derive(Debug, Default)]
@@ -195,6 +277,18 @@ struct StepState {
     done: BTreeMap<u32, PgState>,
     /// The first group not yet accepted or dropped, in issue order.
     next: u32,
+    /// Tokens the step trains on (prompt + response of its batch).
+    train_tokens: f64,
+    /// Without partial rollouts: the groups it accepted (what it trains).
+    kept_pgs: Vec<u32>,
+    /// With partial rollouts: groups of this step accepted but not yet in a batch.
+    accepted_open: u32,
+    /// With partial rollouts: its batch is cut off (later groups go to later steps).
+    closed: bool,
+    /// With partial rollouts: groups of its batch whose scoring passes still run.
+    batch_left: u32,
+    /// With partial rollouts: the groups of its batch.
+    batch: Vec<(u32, u32)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -208,7 +302,24 @@ enum Ev {
 /// A simulation in progress.
 pub struct Sim<'w> {
     w: &'w World,
+    /// Versions a trained sample's generation may have started before the weights it
+    /// trains.
     staleness: u32,
+    /// Versions ahead of the weights a step's generation may start: the staleness,
+    /// less what partial rollouts keep for carrying.
+    lookahead: u32,
+    partial: Option<PartialRollout>,
+    /// With partial rollouts: each step's number of leading prompt groups that make
+    /// its batch (the first `prompts_per_step` kept, as the lower bound counts them),
+    /// so that every placement trains the same groups whichever finish first.
+    batch_end: Vec<u32>,
+    /// With partial rollouts: accepted groups not trained yet, by (step, group).
+    accepted: BTreeMap<(u32, u32), Accepted>,
+    /// Responses paused at a cutoff (slot and its generation), requeued when the next
+    /// weights are in.
+    paused: Vec<(usize, u32)>,
+    trained_groups: Vec<(u32, u32, u32)>,
+    partial_stats: PartialStats,
     now: f64,
     events: BinaryHeap<Reverse<(OrdF64, u64, Ev)>>,
     counter: u64,
@@ -247,7 +358,10 @@ pub struct Sim<'w> {
 
 impl<'w> Sim<'w> {
     /// A simulation of `world` on `plan`, with samples allowed to lag the weights by
-    /// `staleness` versions, optionally driven by a placement policy.
+    /// `staleness` versions, optionally driven by a placement policy. With partial
+    /// rollouts (`world.workload.partial_rollout`) `reserve` of those versions are
+    /// kept for carrying unfinished responses, so generation starts fewer versions
+    /// ahead.
     pub fn new(
         w: &'w World,
         plan: &Plan,
@@ -328,9 +442,25 @@ impl<'w> Sim<'w> {
                 overhead_s: 0.0,
             })
             .collect();
+        let partial = w.workload.partial_rollout;
+        let lookahead = match partial {
+            Some(pr) => staleness.saturating_sub(pr.reserve),
+            None => staleness,
+        };
+        let batch_end = match partial {
+            Some(_) => (0..steps).map(|k| wl.batch_groups(k)).collect(),
+            None => Vec::new(),
+        };
         let mut sim = Sim {
             w,
             staleness,
+            lookahead,
+            partial,
+            batch_end,
+            accepted: BTreeMap::new(),
+            paused: Vec::new(),
+            trained_groups: Vec::new(),
+            partial_stats: PartialStats::default(),
             now: 0.0,
             events: BinaryHeap::new(),
             counter: 0,
@@ -386,6 +516,14 @@ impl<'w> Sim<'w> {
             });
         }
         sim
+    }
+
+    /// Starts each step's generation on the newest weights only (as synchronous
+    /// colocation does), keeping the whole staleness bound for partial rollouts to
+    /// carry responses.
+    pub fn synchronous(mut self) -> Self {
+        self.lookahead = 0;
+        self
     }
 
     fn at(&mut self, t: f64, ev: Ev) {
@@ -452,6 +590,7 @@ impl<'w> Sim<'w> {
             overhead_frac,
             idle_frac: (1.0 - compute_frac - overhead_frac).max(0.0),
             wasted_frac: self.wasted_tokens / self.generated_tokens.max(1.0),
+            generated_tokens: self.generated_tokens,
             trained_tokens: self.trained_tokens,
             migrations: self.migrations,
             plans: self.plans,
@@ -461,6 +600,12 @@ impl<'w> Sim<'w> {
                 .iter()
                 .map(|(s, t)| (*s, t.0, (t.2 > 0.0).then(|| t.1 / t.2)))
                 .collect(),
+            carried_frac: self.partial_stats.carried_groups as f64
+                / self.trained_groups.len().max(1) as f64,
+            stale_frac: self.partial_stats.stale_tokens / self.generated_tokens.max(1.0),
+            reprefill_frac: self.partial_stats.reprefill_tokens / self.generated_tokens.max(1.0),
+            max_lag: self.partial_stats.max_lag,
+            trained_groups: self.trained_groups,
         }
     }
 
@@ -471,7 +616,7 @@ impl<'w> Sim<'w> {
     }
 
     fn open_steps(&mut self) {
-        let last = (self.version + self.staleness).min(self.w.workload.steps - 1);
+        let last = (self.version + self.lookahead).min(self.w.workload.steps - 1);
         for k in 0..=last {
             if !self.steps[k as usize].opened {
                 self.steps[k as usize].opened = true;
@@ -501,28 +646,40 @@ impl<'w> Sim<'w> {
                     keep: pg.keep,
                     tokens,
                     lengths: pg.lengths.clone(),
+                    born_min: None,
+                    gen_tokens: 0.0,
                 },
             );
-            for (s, &len) in pg.lengths.iter().enumerate() {
-                let judge_len = pg.judge.get(s).copied().unwrap_or(0);
-                self.push_seq(Seq {
-                    step,
-                    pg: i,
-                    kind: Kind::Gen,
-                    ctx0: pg.prompt_len,
-                    len,
-                    judge_len,
-                    on: None,
-                    start_iter: 0.0,
-                    alive: true,
-                    order: 0,
-                    gen: 0,
-                });
-            }
+            self.push_responses(step, i, &pg);
         }
     }
 
-    fn push_seq(&mut self, mut s: Seq) {
+    /// Queues a prompt group's responses; returns their slots.
+    fn push_responses(
+        &mut self,
+        step: u32,
+        index: u32,
+        pg: &crate::workload::PromptGroup,
+    ) -> Vec<usize> {
+        pg.lengths
+            .iter()
+            .enumerate()
+            .map(|(s, &len)| {
+                let judge_len = pg.judge.get(s).copied().unwrap_or(0);
+                self.push_seq(Seq::new(
+                    step,
+                    index,
+                    Kind::Gen,
+                    pg.prompt_len,
+                    len,
+                    judge_len,
+                ))
+            })
+            .collect()
+    }
+
+    /// Queues a sequence; returns its slot.
+    fn push_seq(&mut self, mut s: Seq) -> usize {
         self.counter += 1;
         s.order = self.counter;
         let q = s.kind as usize;
@@ -539,6 +696,7 @@ impl<'w> Sim<'w> {
             }
         };
         self.queues[q].insert(key, idx);
+        idx
     }
 
     /// Returns a finished sequence's slot to the slab; its generation changes, so heap
@@ -547,6 +705,7 @@ impl<'w> Sim<'w> {
         let s = &mut self.seqs[idx];
         s.alive = false;
         s.on = None;
+        s.paused = false;
         s.gen = s.gen.wrapping_add(1);
         self.free.push(idx);
     }
@@ -554,55 +713,98 @@ impl<'w> Sim<'w> {
     fn requeue(&mut self, idx: usize) {
         let s = &mut self.seqs[idx];
         s.on = None;
+        s.paused = false;
         let key = (s.step, s.order);
         self.queues[s.kind as usize].insert(key, idx);
+    }
+
+    /// Takes an in-flight sequence off group `g` (advanced to now) keeping what it
+    /// generated, as a partial rollout pauses it. It resumes from its KV cache copied
+    /// to host memory and back (`keep_kv`), or by prefilling its prompt and tokens
+    /// again. The caller queues it again or parks it in `paused`.
+    fn suspend(&mut self, g: usize, idx: usize, keep_kv: bool) {
+        let progress = (self.groups[g].iter - self.seqs[idx].start_iter).max(0.0);
+        self.remove_from_group(g, idx);
+        let model = match self.seqs[idx].kind {
+            Kind::Gen => &self.w.job.policy,
+            Kind::Judge => self.w.job.model(Role::Reward).unwrap_or(&self.w.job.policy),
+        };
+        let kv_bytes = model.kv_bytes_per_token();
+        let per_device_s = 1.0 / (f64::from(self.w.group_devices) * self.w.gpu.pcie_bytes_per_s);
+        let s = &mut self.seqs[idx];
+        // A response that is paused has at least one token left, or it would have
+        // finished.
+        let tokens = (progress.floor() as u32).min(s.len.saturating_sub(1));
+        s.done += tokens;
+        s.ctx0 += tokens;
+        s.len -= tokens;
+        // Its heap entry names the old generation and is skipped when it surfaces.
+        s.gen = s.gen.wrapping_add(1);
+        if keep_kv {
+            s.prefill = 0;
+            // Out to host memory and back in.
+            s.restore_s = 2.0 * kv_bytes * f64::from(s.ctx0) * per_device_s;
+        } else {
+            s.prefill = s.ctx0;
+            s.restore_s = 0.0;
+        }
+    }
+
+    /// Parks a suspended sequence until the next weights are in.
+    fn park(&mut self, idx: usize) {
+        self.seqs[idx].paused = true;
+        self.paused.push((idx, self.seqs[idx].gen));
     }
 
     fn admissible(&self, kind: Kind) -> Option<usize> {
         let (&(step, _), &idx) = self.queues[kind as usize].iter().next()?;
         // Gen: the weights must be recent enough for the step; judging has no bound.
-        (kind == Kind::Judge || step <= self.version + self.staleness).then_some(idx)
+        (kind == Kind::Judge || step <= self.version + self.lookahead).then_some(idx)
     }
 
     fn seq_done(&mut self, idx: usize) {
         let s = self.seqs[idx].clone();
         self.release(idx);
+        let len = s.total_len();
         if self.steps[s.step as usize].full {
-            self.wasted_tokens += f64::from(s.len);
+            self.wasted_tokens += f64::from(len);
             return;
         }
-        let l = f64::from(s.len.max(1)).ln();
+        let l = f64::from(len.max(1)).ln();
         let st = &mut self.steps[s.step as usize].lens[s.kind as usize];
         st.0 += 1.0;
         st.1 += l;
         st.2 += l * l;
         match s.kind {
             Kind::Gen => {
+                let st = &mut self.steps[s.step as usize];
+                let Some(p) = st.pgs.get_mut(&s.pg) else {
+                    return;
+                };
+                p.gen_left -= 1;
+                p.gen_tokens += f64::from(len);
+                let all_generated = p.gen_left == 0;
                 match &self.w.job.reward {
                     RewardKind::Generative { .. } => {
+                        // The judge reads the prompt and the whole response.
                         let ctx0 = s.ctx0 + s.len + self.w.workload.judge_prompt;
-                        self.push_seq(Seq {
-                            kind: Kind::Judge,
+                        let judge = s.judge_len.max(1);
+                        self.push_seq(Seq::new(
+                            s.step,
+                            s.pg,
+                            Kind::Judge,
                             ctx0,
-                            len: s.judge_len.max(1),
-                            on: None,
-                            start_iter: 0.0,
-                            alive: true,
-                            ..s
-                        });
+                            judge,
+                            s.judge_len,
+                        ));
                         self.kick_role(Role::Reward);
                     }
                     RewardKind::Rule => self.sample_rewarded(s.step, s.pg, 1),
                     RewardKind::Scalar { .. } => {
                         // The scalar model scores a prompt group once all of it is
                         // generated.
-                        let st = &mut self.steps[s.step as usize];
-                        let Some(p) = st.pgs.get_mut(&s.pg) else {
-                            return;
-                        };
-                        p.gen_left -= 1;
-                        if p.gen_left == 0 {
-                            let tokens = p.tokens;
+                        if all_generated {
+                            let tokens = self.steps[s.step as usize].pgs[&s.pg].tokens;
                             self.enqueue(Task {
                                 stage: Stage::Score,
                                 step: s.step,
@@ -623,7 +825,11 @@ impl<'w> Sim<'w> {
         p.remaining -= n;
         if p.remaining == 0 {
             let p = st.pgs.remove(&pg).expect("present");
-            self.filter(step, pg, p);
+            if self.partial.is_some() {
+                self.filter_partial(step, pg, p);
+            } else {
+                self.filter(step, pg, p);
+            }
         }
     }
 
@@ -649,24 +855,33 @@ impl<'w> Sim<'w> {
                 break;
             };
             st.next += 1;
-            self.accept(step, p);
+            self.accept(step, next, p);
         }
     }
 
-    fn accept(&mut self, step: u32, p: PgState) {
-        let target = self.target();
+    /// Counts a group the dynamic-sampling filter has seen.
+    fn count_filtered(&mut self, step: u32, keep: bool) {
         let st = &mut self.steps[step as usize];
         st.filtered += 1;
         self.filtered_window.0 += 1;
-        if !p.keep {
-            self.filtered_window.1 += 1;
-        } else {
+        if keep {
             st.kept += 1;
+        } else {
+            self.filtered_window.1 += 1;
+        }
+    }
+
+    fn accept(&mut self, step: u32, pg: u32, p: PgState) {
+        let target = self.target();
+        self.count_filtered(step, p.keep);
+        if p.keep {
+            let st = &mut self.steps[step as usize];
             st.kept_tokens += p.tokens;
-            let stages: Vec<Stage> = Stage::of_job(&self.w.job)
-                .into_iter()
-                .filter(|s| matches!(s, Stage::Ref | Stage::Values | Stage::OldLogProb))
-                .collect();
+            st.kept_pgs.push(pg);
+            let lag = p.born_min.map_or(0, |b| step.saturating_sub(b));
+            self.partial_stats.max_lag = self.partial_stats.max_lag.max(lag);
+            let stages = self.scoring_stages();
+            let st = &mut self.steps[step as usize];
             st.scoring_left += stages.len() as u32;
             for stage in stages {
                 self.enqueue(Task {
@@ -684,7 +899,80 @@ impl<'w> Sim<'w> {
             self.maybe_train(step);
             return;
         }
-        // Top up: issue prompts while the expected keepers fall short of the batch.
+        self.top_up(step);
+    }
+
+    /// With partial rollouts a group is accepted as soon as it has its rewards, while
+    /// groups before it may still be generating: the step can train without them. Its
+    /// batch is still made of its first `prompts_per_step` kept groups in issue order
+    /// (`batch_end`), so every placement trains the same groups, only not always in
+    /// the same step; the controller learns that a group is kept only from its
+    /// rewards.
+    fn filter_partial(&mut self, step: u32, pg: u32, p: PgState) {
+        if self.steps[step as usize].full {
+            self.wasted_tokens += p.gen_tokens;
+            return;
+        }
+        self.count_filtered(step, p.keep);
+        if p.keep {
+            if pg < self.batch_end[step as usize] {
+                self.accept_partial(step, pg, p);
+            } else {
+                // Kept, but the step's batch is made of groups issued before it.
+                self.wasted_tokens += p.gen_tokens;
+            }
+        }
+        if !self.steps[step as usize].full {
+            self.top_up(step);
+        }
+    }
+
+    fn accept_partial(&mut self, step: u32, pg: u32, p: PgState) {
+        let stages = self.scoring_stages();
+        let st = &mut self.steps[step as usize];
+        st.kept_pgs.push(pg);
+        st.accepted_open += 1;
+        let full = st.kept_pgs.len() as u32 >= self.w.workload.prompts_per_step;
+        self.accepted.insert(
+            (step, pg),
+            Accepted {
+                tokens: p.tokens,
+                scoring_left: stages.len() as u32,
+                born_min: p.born_min,
+                in_batch: None,
+            },
+        );
+        let scored = stages.is_empty();
+        for stage in stages {
+            self.enqueue(Task {
+                stage,
+                step,
+                tokens: p.tokens,
+                pg,
+            });
+        }
+        if full {
+            self.steps[step as usize].full = true;
+            self.abort_step(step);
+        }
+        if scored {
+            self.group_scored(step, pg);
+        } else {
+            self.maybe_train(self.trained);
+        }
+    }
+
+    fn scoring_stages(&self) -> Vec<Stage> {
+        Stage::of_job(&self.w.job)
+            .into_iter()
+            .filter(|s| matches!(s, Stage::Ref | Stage::Values | Stage::OldLogProb))
+            .collect()
+    }
+
+    /// Issues prompts while the expected keepers fall short of the batch.
+    fn top_up(&mut self, step: u32) {
+        let target = self.target();
+        let st = &self.steps[step as usize];
         let pending = f64::from(st.issued - st.filtered);
         let observed = f64::from(st.filtered - st.kept) / f64::from(st.filtered.max(1));
         let d = if st.filtered >= 8 {
@@ -702,44 +990,73 @@ impl<'w> Sim<'w> {
     }
 
     fn abort_step(&mut self, step: u32) {
+        let lost = self.discard(step, None);
+        self.wasted_tokens += lost;
+    }
+
+    /// Throws away the queued, paused and in-flight sequences of `step` (of its prompt
+    /// group `pg` only, when given); returns the tokens they had generated.
+    fn discard(&mut self, step: u32, pg: Option<u32>) -> f64 {
+        let mut lost = 0.0;
         for q in 0..2 {
             let keys: Vec<(u32, u64)> = self.queues[q]
                 .range((step, 0)..(step + 1, 0))
+                .filter(|&(_, &i)| pg.is_none_or(|x| self.seqs[i].pg == x))
                 .map(|(k, _)| *k)
                 .collect();
             for k in keys {
                 let idx = self.queues[q].remove(&k).expect("present");
+                lost += f64::from(self.seqs[idx].done);
                 self.release(idx);
             }
         }
-        // In-flight sequences of the step stop where they are; their tokens are lost.
+        // In-flight sequences stop where they are; their tokens are lost.
         let live: Vec<usize> = (0..self.seqs.len())
             .filter(|&i| {
                 let s = &self.seqs[i];
-                s.alive && s.step == step && s.on.is_some()
+                s.alive
+                    && s.step == step
+                    && pg.is_none_or(|x| s.pg == x)
+                    && (s.on.is_some() || s.paused)
             })
             .collect();
         for idx in live {
-            let g = self.seqs[idx].on.expect("in flight");
+            lost += f64::from(self.seqs[idx].done);
+            let Some(g) = self.seqs[idx].on else {
+                self.release(idx);
+                continue;
+            };
             self.advance(g);
-            let done = self.groups[g].iter - self.seqs[idx].start_iter;
-            self.wasted_tokens += done;
+            lost += self.groups[g].iter - self.seqs[idx].start_iter;
             self.remove_from_group(g, idx);
             self.release(idx);
             self.refill(g);
             self.reschedule(g);
         }
+        lost
     }
 
     fn maybe_train(&mut self, step: u32) {
+        if self.partial.is_some() {
+            self.maybe_close(step);
+            return;
+        }
         let Some(st) = self.steps.get(step as usize) else {
             return;
         };
         if !st.full || st.scoring_left > 0 || st.train_left > 0 || self.trained != step {
             return;
         }
+        let st = &mut self.steps[step as usize];
+        st.train_tokens = st.kept_tokens;
+        let batch: Vec<(u32, u32, u32)> = st.kept_pgs.iter().map(|&g| (step, g, step)).collect();
+        self.trained_groups.extend(batch);
+        self.start_training(step);
+    }
+
+    fn start_training(&mut self, step: u32) {
         let epochs = f64::from(self.w.job.train_epochs.max(1));
-        let tokens = st.kept_tokens * epochs;
+        let tokens = self.steps[step as usize].train_tokens * epochs;
         let stages: Vec<Stage> = Stage::of_job(&self.w.job)
             .into_iter()
             .filter(|s| matches!(s, Stage::TrainActor | Stage::TrainCritic))
@@ -755,11 +1072,233 @@ impl<'w> Sim<'w> {
         }
     }
 
+    /// With partial rollouts: cuts step `step`'s batch off when the trainer is ready for
+    /// it and the cutoff's share of a batch is complete, unless a group that would then
+    /// go beyond the staleness bound is still generating and the config says to wait
+    /// for it. The last step takes every group left.
+    fn maybe_close(&mut self, step: u32) {
+        let Some(pr) = self.partial else { return };
+        let Some(st) = self.steps.get(step as usize) else {
+            return;
+        };
+        if self.trained != step || st.closed {
+            return;
+        }
+        let upto = step as usize + 1;
+        let all_in = self.steps[..upto].iter().all(|s| s.full);
+        if !all_in {
+            if upto == self.steps.len() {
+                return;
+            }
+            let open: u32 = self.steps[..upto].iter().map(|s| s.accepted_open).sum();
+            let need = (pr.cutoff * f64::from(self.target())).ceil() as u32;
+            if open < need {
+                return;
+            }
+            let (wait, regenerate) = self.beyond_bound(step, pr.beyond_bound);
+            if wait {
+                return;
+            }
+            for (k, pg) in regenerate {
+                self.regenerate(k, pg);
+            }
+        }
+        self.close(step);
+    }
+
+    /// The unfinished groups of steps up to `step` that would train beyond the
+    /// staleness bound if carried past it: whether the step must wait for one, and
+    /// those to generate again.
+    fn beyond_bound(&self, step: u32, rule: BeyondBound) -> (bool, Vec<(u32, u32)>) {
+        let mut regenerate = Vec::new();
+        for (k, st) in self.steps[..=step as usize].iter().enumerate() {
+            for (&pg, p) in &st.pgs {
+                let Some(born) = p.born_min else { continue };
+                // Trained at step + 1 or later, it would lag more than allowed.
+                if born + self.staleness > step {
+                    continue;
+                }
+                // A group whose responses are all generated waits for its verdicts only.
+                if rule == BeyondBound::Wait || p.gen_left == 0 {
+                    return (true, Vec::new());
+                }
+                regenerate.push((k as u32, pg));
+            }
+        }
+        regenerate.sort_unstable();
+        (false, regenerate)
+    }
+
+    /// Throws a group's responses away and generates them again, from the start, with
+    /// the next weights.
+    fn regenerate(&mut self, step: u32, pg: u32) {
+        let mut lost = self.discard(step, Some(pg));
+        let n = self.w.workload.samples_per_prompt;
+        let Some(p) = self.steps[step as usize].pgs.get_mut(&pg) else {
+            return;
+        };
+        lost += p.gen_tokens;
+        p.gen_left = n;
+        p.remaining = n;
+        p.born_min = None;
+        p.gen_tokens = 0.0;
+        self.partial_stats.stale_tokens += lost;
+        self.wasted_tokens += lost;
+        let group = self.w.workload.group(step, pg);
+        // They wait for the next weights, as paused responses do.
+        for idx in self.push_responses(step, pg, &group) {
+            let key = (step, self.seqs[idx].order);
+            self.queues[Kind::Gen as usize].remove(&key);
+            self.park(idx);
+        }
+    }
+
+    /// Cuts step `step`'s batch off: every accepted group not yet trained joins it.
+    /// Groups still generating are carried into later steps. Groups that share their
+    /// devices with passes pause their in-flight responses so the passes can start.
+    fn close(&mut self, step: u32) {
+        let keys: Vec<(u32, u32)> = self
+            .accepted
+            .range(..(step + 1, 0))
+            .filter(|(_, a)| a.in_batch.is_none())
+            .map(|(k, _)| *k)
+            .collect();
+        let mut tokens = 0.0;
+        let mut left = 0;
+        for &(k, pg) in &keys {
+            let a = self.accepted.get_mut(&(k, pg)).expect("accepted");
+            a.in_batch = Some(step);
+            tokens += a.tokens;
+            if a.scoring_left > 0 {
+                left += 1;
+            }
+            let lag = a.born_min.map_or(0, |b| step.saturating_sub(b));
+            self.partial_stats.max_lag = self.partial_stats.max_lag.max(lag);
+            if k < step {
+                self.partial_stats.carried_groups += 1;
+            }
+            self.steps[k as usize].accepted_open -= 1;
+        }
+        let st = &mut self.steps[step as usize];
+        st.closed = true;
+        st.batch_left = left;
+        st.train_tokens = tokens;
+        st.batch = keys;
+        self.pause_at_cutoff(step);
+        if left == 0 {
+            self.train_batch(step);
+        }
+        self.kick_all();
+    }
+
+    /// A group's scoring passes are done.
+    fn group_scored(&mut self, step: u32, pg: u32) {
+        let Some(in_batch) = self.accepted.get(&(step, pg)).map(|a| a.in_batch) else {
+            return;
+        };
+        match in_batch {
+            Some(t) => {
+                let st = &mut self.steps[t as usize];
+                st.batch_left -= 1;
+                if st.batch_left == 0 {
+                    self.train_batch(t);
+                }
+            }
+            None => self.maybe_train(self.trained),
+        }
+    }
+
+    /// With partial rollouts: trains a closed batch whose groups are all scored.
+    fn train_batch(&mut self, step: u32) {
+        let batch = std::mem::take(&mut self.steps[step as usize].batch);
+        for (k, pg) in batch {
+            self.accepted.remove(&(k, pg));
+            self.trained_groups.push((k, pg, step));
+        }
+        self.start_training(step);
+    }
+
+    /// At a cutoff, pools that share their devices with passes stop decoding: their
+    /// in-flight responses pause (KV cache to host memory, or dropped and prefilled
+    /// again on resuming). With `resume = "reprefill"` the carried responses pause in
+    /// every pool, to continue with the new weights.
+    fn pause_at_cutoff(&mut self, step: u32) {
+        let Some(pr) = self.partial else { return };
+        let keep_kv = pr.resume == Resume::Kv;
+        for p in 0..self.pools.len() {
+            if !self.hosts_passes(p) || !matches!(self.pools[p].phase, PoolPhase::Decode(_)) {
+                continue;
+            }
+            for g in self.pools[p].members.clone() {
+                self.advance(g);
+                for idx in self.in_flight(g) {
+                    self.suspend(g, idx, keep_kv);
+                    self.park(idx);
+                }
+                self.reschedule(g);
+            }
+        }
+        if !keep_kv {
+            for g in 0..self.groups.len() {
+                let carried: Vec<usize> = self
+                    .in_flight(g)
+                    .into_iter()
+                    .filter(|&i| self.seqs[i].kind == Kind::Gen && self.seqs[i].step <= step)
+                    .collect();
+                if carried.is_empty() {
+                    continue;
+                }
+                self.advance(g);
+                for idx in carried {
+                    self.suspend(g, idx, false);
+                    self.park(idx);
+                }
+                self.refill(g);
+                self.reschedule(g);
+            }
+        }
+    }
+
+    /// Whether pool `p` also runs forward or training passes (and so must stop
+    /// decoding for them).
+    fn hosts_passes(&self, p: usize) -> bool {
+        let roles = self.pools[p].roles;
+        Stage::of_job(&self.w.job)
+            .iter()
+            .any(|s| !matches!(s, Stage::Gen | Stage::Judge) && roles.contains(s.role()))
+    }
+
+    /// The sequences decoding on group `g` now.
+    fn in_flight(&self, g: usize) -> Vec<usize> {
+        let mut v: Vec<usize> = self.groups[g]
+            .heap
+            .iter()
+            .map(|Reverse((_, i, gen))| (*i, *gen))
+            .filter(|&(i, gen)| {
+                let s = &self.seqs[i];
+                s.alive && s.gen == gen && s.on == Some(g)
+            })
+            .map(|(i, _)| i)
+            .collect();
+        // The heap's order is arbitrary; keep the simulation deterministic.
+        v.sort_unstable();
+        v
+    }
+
     fn task_done(&mut self, t: Task) {
         match t.stage {
             Stage::Score => {
                 let n = self.w.workload.samples_per_prompt;
                 self.sample_rewarded(t.step, t.pg, n);
+            }
+            Stage::Ref | Stage::Values | Stage::OldLogProb if self.partial.is_some() => {
+                let Some(a) = self.accepted.get_mut(&(t.step, t.pg)) else {
+                    return;
+                };
+                a.scoring_left -= 1;
+                if a.scoring_left == 0 {
+                    self.group_scored(t.step, t.pg);
+                }
             }
             Stage::Ref | Stage::Values | Stage::OldLogProb => {
                 let st = &mut self.steps[t.step as usize];
@@ -770,7 +1309,7 @@ impl<'w> Sim<'w> {
                 let st = &mut self.steps[t.step as usize];
                 st.train_left -= 1;
                 if st.train_left == 0 {
-                    self.trained_tokens += st.kept_tokens;
+                    self.trained_tokens += st.train_tokens;
                     self.start_sync(t.step);
                 }
             }
@@ -816,8 +1355,22 @@ impl<'w> Sim<'w> {
         let dur = self.now - self.last_step_end;
         self.last_step_end = self.now;
         self.step_s.push(dur);
-        self.steps[step as usize].pgs.clear();
-        self.steps[step as usize].done.clear();
+        if self.partial.is_none() {
+            // Groups that finished after the batch filled, waiting for groups before
+            // them, are surplus: their tokens were generated for nothing.
+            let surplus: f64 = std::mem::take(&mut self.steps[step as usize].done)
+                .values()
+                .map(|p| p.gen_tokens)
+                .sum();
+            self.wasted_tokens += surplus;
+            self.steps[step as usize].pgs.clear();
+        }
+        // Paused responses continue with the new weights.
+        for (idx, gen) in std::mem::take(&mut self.paused) {
+            if self.seqs[idx].alive && self.seqs[idx].paused && self.seqs[idx].gen == gen {
+                self.requeue(idx);
+            }
+        }
         let metrics = self.take_metrics(step, dur);
         if let Some(mut policy) = self.policy.take() {
             let decisions = policy.on_event(Event::Metrics(metrics));
@@ -1014,6 +1567,7 @@ impl<'w> Sim<'w> {
             }
             let key = (self.seqs[idx].step, self.seqs[idx].order);
             self.queues[kind as usize].remove(&key);
+            let version = self.version;
             let grp = &mut self.groups[g];
             let s = &mut self.seqs[idx];
             s.on = Some(g);
@@ -1021,15 +1575,29 @@ impl<'w> Sim<'w> {
             grp.b += 1;
             grp.p_sum += f64::from(s.ctx0);
             grp.s_sum += s.start_iter;
-            grp.debt += f64::from(s.ctx0) * grp.coeffs.prefill;
+            grp.debt += f64::from(s.prefill) * grp.coeffs.prefill + s.restore_s;
             grp.heap
                 .push(Reverse((OrdF64(grp.iter + f64::from(s.len)), idx, s.gen)));
+            let prefill = f64::from(s.prefill);
+            if s.done > 0 {
+                self.partial_stats.reprefill_tokens += prefill;
+            }
+            let first_start = kind == Kind::Gen && s.born.is_none();
+            if first_start {
+                s.born = Some(version);
+            }
+            let (step, pg) = (s.step, s.pg);
+            if first_start {
+                if let Some(p) = self.steps[step as usize].pgs.get_mut(&pg) {
+                    p.born_min = Some(p.born_min.map_or(version, |b| b.min(version)));
+                }
+            }
             let stage = if kind == Kind::Gen {
                 Stage::Gen
             } else {
                 Stage::Judge
             };
-            self.windows.entry(stage).or_default().prefill += f64::from(s.ctx0);
+            self.windows.entry(stage).or_default().prefill += prefill;
         }
     }
 
@@ -1094,7 +1662,12 @@ impl<'w> Sim<'w> {
         let Some(oldest) = self.steps.get(self.trained as usize) else {
             return false;
         };
-        oldest.full
+        let batch_cut = if self.partial.is_some() {
+            oldest.closed
+        } else {
+            oldest.full
+        };
+        batch_cut
             && Stage::ALL.iter().any(|s| {
                 !matches!(s, Stage::Gen | Stage::Judge)
                     && roles.contains(s.role())
@@ -1384,9 +1957,15 @@ impl<'w> Sim<'w> {
         .collect();
         for (idx, gen) in live {
             if self.seqs[idx].alive && self.seqs[idx].gen == gen && self.seqs[idx].on == Some(g) {
-                let done = self.groups[g].iter - self.seqs[idx].start_iter;
-                self.wasted_tokens += done;
-                self.remove_from_group(g, idx);
+                if self.partial.is_some() {
+                    // Partial rollouts keep what it generated; the cache is lost with
+                    // the group, so it is prefilled again wherever it resumes.
+                    self.suspend(g, idx, false);
+                } else {
+                    let done = self.groups[g].iter - self.seqs[idx].start_iter;
+                    self.wasted_tokens += done;
+                    self.remove_from_group(g, idx);
+                }
                 self.requeue(idx);
             }
         }
@@ -1478,6 +2057,7 @@ mod tests {
                 judge_prompt: 64,
                 seed: 3,
                 scale_by_step: Vec::new(),
+                partial_rollout: None,
             },
             group_devices: 1,
             groups: 4,
@@ -1530,5 +2110,213 @@ mod tests {
         assert!((r.step_s.iter().sum::<f64>() - r.makespan_s).abs() < 1e-6);
         assert!(r.trained_tokens > 0.0);
         assert!(r.idle_frac >= 0.0 && r.compute_frac > 0.0);
+    }
+
+    // ---- partial rollouts ----------------------------------------------------------
+
+    /// A long-tail world: most responses short, a few long, every group kept unless
+    /// `drop` says otherwise, a rule reward (no judge) so token counts are exact.
+    fn long_tail(partial: Option<PartialRollout>, drop: Option<f64>) -> World {
+        let mut w = world();
+        w.job = JobShape::new(w.job.policy.clone(), RewardKind::Rule, 8192);
+        w.workload.steps = 8;
+        w.workload.prompts_per_step = 16;
+        w.workload.samples_per_prompt = 4;
+        w.workload.max_response = 8192;
+        w.workload.response = LengthDist::Lognormal {
+            median: 300.0,
+            sigma: 1.2,
+        };
+        w.workload.judge = None;
+        w.workload.dynamic_sampling = drop.map(|d| crate::workload::DynamicSampling {
+            drop_start: d,
+            drop_end: d,
+        });
+        w.workload.partial_rollout = partial;
+        w
+    }
+
+    fn colocated(w: &World) -> Plan {
+        let pool = Pool {
+            roles: RoleSet::of(&[Role::Rollout, Role::Reference, Role::Policy]),
+            groups: (0..w.groups).map(GroupId).collect(),
+        };
+        Plan {
+            pools: vec![pool],
+            rollout_batch_cap: Some(32),
+        }
+    }
+
+    fn split() -> Plan {
+        let pool = |roles: &[Role], ids: &[u32]| Pool {
+            roles: RoleSet::of(roles),
+            groups: ids.iter().map(|i| GroupId(*i)).collect(),
+        };
+        Plan {
+            pools: vec![
+                pool(&[Role::Rollout], &[0, 1, 2]),
+                pool(&[Role::Reference, Role::Policy], &[3]),
+            ],
+            rollout_batch_cap: Some(32),
+        }
+    }
+
+    fn partial(beyond_bound: BeyondBound, resume: Resume) -> Option<PartialRollout> {
+        Some(PartialRollout {
+            cutoff: 0.75,
+            reserve: 0,
+            resume,
+            beyond_bound,
+        })
+    }
+
+    /// The groups every step should train: the lower bound's.
+    fn expected_groups(w: &World) -> Vec<(u32, u32)> {
+        (0..w.workload.steps)
+            .flat_map(|k| {
+                (0..w.workload.batch_groups(k))
+                    .filter(move |&i| w.workload.group(k, i).keep)
+                    .map(move |i| (k, i))
+            })
+            .collect()
+    }
+
+    fn trained_set(r: &RunResult) -> Vec<(u32, u32)> {
+        let mut v: Vec<(u32, u32)> = r.trained_groups.iter().map(|g| (g.0, g.1)).collect();
+        v.sort_unstable();
+        v
+    }
+
+    #[test]
+    fn a_paused_response_keeps_its_tokens_and_context() {
+        let w = long_tail(partial(BeyondBound::Wait, Resume::Kv), None);
+        let mut sim = Sim::new(&w, &colocated(&w), 1, None);
+        sim.open_steps();
+        sim.kick_all();
+        while sim.now < 2.0 && sim.next_event() {}
+        let g = (0..w.groups as usize)
+            .find(|&g| !sim.in_flight(g).is_empty())
+            .expect("a group decodes");
+        sim.advance(g);
+        let idx = sim.in_flight(g)[0];
+        let before = sim.seqs[idx].clone();
+        let progress = (sim.groups[g].iter - before.start_iter).floor() as u32;
+        assert!(progress > 0, "it generated something in 2 s");
+        sim.suspend(g, idx, true);
+        let s = &sim.seqs[idx];
+        assert_eq!(s.done, progress);
+        assert_eq!(s.total_len(), before.total_len());
+        assert_eq!(s.ctx0, before.ctx0 + progress);
+        assert_eq!(s.prefill, 0, "its cache is restored, not prefilled");
+        assert!(s.restore_s > 0.0);
+        assert!(!sim.in_flight(g).contains(&idx));
+        // Without its cache it prefills the prompt and the tokens so far.
+        let other = sim.in_flight(g)[0];
+        sim.suspend(g, other, false);
+        let s = &sim.seqs[other];
+        assert_eq!(s.prefill, s.ctx0);
+        assert_eq!(s.restore_s, 0.0);
+    }
+
+    #[test]
+    fn a_carried_response_finishes_in_a_later_step_with_its_whole_length() {
+        for resume in [Resume::Kv, Resume::Reprefill] {
+            let w = long_tail(partial(BeyondBound::Wait, resume), None);
+            let r = Sim::new(&w, &colocated(&w), 1, None).synchronous().run();
+            let carried: Vec<_> = r.trained_groups.iter().filter(|g| g.2 > g.0).collect();
+            assert!(
+                !carried.is_empty(),
+                "{resume:?}: the cutoff carried nothing"
+            );
+            assert!(carried.iter().all(|g| g.2 == g.0 + 1), "{carried:?}");
+            // No group is thrown away here (no dynamic sampling, nothing surplus), so
+            // every generated token belongs to a trained response: a carried response
+            // generated exactly its length over its segments (a pause may repeat the
+            // fraction of a token it was in).
+            let lengths: f64 = expected_groups(&w)
+                .iter()
+                .flat_map(|&(k, i)| w.workload.group(k, i).lengths)
+                .map(f64::from)
+                .sum();
+            assert_eq!(r.wasted_frac, 0.0, "{resume:?}");
+            let extra = r.generated_tokens / lengths - 1.0;
+            assert!((0.0..1e-3).contains(&extra), "{resume:?}: {extra}");
+            if resume == Resume::Reprefill {
+                assert!(r.reprefill_frac > 0.0, "re-prefill is paid for");
+            } else {
+                assert_eq!(r.reprefill_frac, 0.0);
+            }
+        }
+    }
+
+    #[test]
+    fn every_group_trains_exactly_once_with_or_without_partial_rollouts() {
+        for drop in [None, Some(0.3)] {
+            let plain = long_tail(None, drop);
+            let want = expected_groups(&plain);
+            for (name, plan, staleness) in
+                [("colocated", colocated(&plain), 0), ("split", split(), 1)]
+            {
+                let r = Sim::new(&plain, &plan, staleness, None).run();
+                assert_eq!(trained_set(&r), want, "{name} without partial rollouts");
+                assert_eq!(r.trained_groups.len(), want.len(), "{name}: trained twice");
+                for rule in [BeyondBound::Wait, BeyondBound::Regenerate] {
+                    let w = long_tail(partial(rule, Resume::Kv), drop);
+                    let sim = Sim::new(&w, &plan, 1, None);
+                    let sim = if staleness == 0 {
+                        sim.synchronous()
+                    } else {
+                        sim
+                    };
+                    let r = sim.run();
+                    assert_eq!(trained_set(&r), want, "{name}, {rule:?}");
+                    assert_eq!(r.trained_groups.len(), want.len(), "{name}: trained twice");
+                    assert_eq!(r.step_s.len(), 8);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn no_group_trains_beyond_the_staleness_bound() {
+        for rule in [BeyondBound::Wait, BeyondBound::Regenerate] {
+            for (plan, staleness) in [(split(), 1), (split(), 2)] {
+                let w = long_tail(partial(rule, Resume::Kv), Some(0.2));
+                let r = Sim::new(&w, &plan, staleness, None).run();
+                assert!(
+                    r.max_lag <= staleness,
+                    "{rule:?}: lag {} beyond {staleness}",
+                    r.max_lag
+                );
+                if rule == BeyondBound::Wait {
+                    assert_eq!(r.stale_frac, 0.0, "waiting throws nothing away");
+                }
+            }
+        }
+        // Regenerating throws tokens away, and says so.
+        let w = long_tail(partial(BeyondBound::Regenerate, Resume::Kv), None);
+        let r = Sim::new(&w, &colocated(&w), 1, None).synchronous().run();
+        assert!(r.max_lag <= 1);
+        assert!(r.stale_frac > 0.0 && r.stale_frac <= r.wasted_frac);
+    }
+
+    #[test]
+    fn partial_rollouts_cut_the_step_time_on_a_long_tail() {
+        let plain = long_tail(None, None);
+        let with = long_tail(partial(BeyondBound::Wait, Resume::Kv), None);
+        // Synchronous colocation: the cutoff lets the step train without its tail.
+        let before = Sim::new(&plain, &colocated(&plain), 0, None).run();
+        let after = Sim::new(&with, &colocated(&with), 1, None)
+            .synchronous()
+            .run();
+        let colocated_ratio = after.makespan_s / before.makespan_s;
+        // A one-step pipeline on a split: groups complete early are scored at once
+        // instead of waiting for the stragglers issued before them.
+        let before = Sim::new(&plain, &split(), 1, None).run();
+        let after = Sim::new(&with, &split(), 1, None).run();
+        let split_ratio = after.makespan_s / before.makespan_s;
+        eprintln!("step time with partial rollouts: colocated {colocated_ratio:.3}, split {split_ratio:.3}");
+        assert!(colocated_ratio < 0.9, "colocated: {colocated_ratio:.3}");
+        assert!(split_ratio < 0.9, "split: {split_ratio:.3}");
     }
 }

@@ -66,6 +66,7 @@ pub fn simulate_shape(cm: &CostModel, f: &Forecast, trend: f64, shape: &Shape, s
         judge_prompt: p.judge_prompt.round() as u32,
         seed: 7,
         scale_by_step: Vec::new(),
+        partial_rollout: setup.partial_rollout,
     };
     let rollout_pool = sliced
         .pools

@@ -90,6 +90,9 @@ pub struct SimSection {
     pub staleness: u32,
     /// The placements to compare.
     pub strategies: Vec<Strategy>,
+    /// With `workload.partial_rollout`: also run every placement without partial
+    /// rollouts, for comparison in the same report.
+    pub without_partial: bool,
 }
 
 impl Default for SimSection {
@@ -98,6 +101,7 @@ impl Default for SimSection {
             name: "sim".into(),
             staleness: 1,
             strategies: vec![Strategy::Colocate, Strategy::Static, Strategy::Dynamic],
+            without_partial: false,
         }
     }
 }
@@ -225,6 +229,8 @@ pub struct Scenario {
     pub policy: PolicyConfig,
     /// The placements to compare.
     pub strategies: Vec<Strategy>,
+    /// Whether to run them without partial rollouts too.
+    pub without_partial: bool,
     /// Devices per node.
     pub gpus_per_node: u32,
 }
@@ -320,6 +326,14 @@ impl SimConfig {
                     workload.steps = n;
                 }
                 workload.check().map_err(SimError::Invalid)?;
+                if let Some(pr) = &workload.partial_rollout {
+                    if pr.reserve > self.sim.staleness {
+                        return Err(SimError::Invalid(format!(
+                            "workload.partial_rollout.reserve: {} exceeds sim.staleness ({}): it is the part of the staleness bound kept for carrying; lower reserve or raise sim.staleness",
+                            pr.reserve, self.sim.staleness
+                        )));
+                    }
+                }
                 let job = JobShape {
                     policy: policy.clone(),
                     reward,
@@ -346,6 +360,7 @@ impl SimConfig {
                     staleness: self.sim.staleness,
                     policy: self.policy,
                     strategies: self.sim.strategies.clone(),
+                    without_partial: self.sim.without_partial,
                     gpus_per_node: per_node,
                 })
             })
@@ -358,6 +373,8 @@ impl SimConfig {
 pub struct StrategyReport {
     /// `colocate`, `static` or `dynamic`.
     pub strategy: Strategy,
+    /// Whether it ran with partial rollouts.
+    pub partial: bool,
     /// The plan it started with (group counts per pool).
     pub plan: String,
     /// Whether it ran; if not, why (e.g. it does not fit memory).
@@ -372,16 +389,33 @@ pub struct StrategyReport {
     pub vs_bound: f64,
     /// Trained tokens per second.
     pub tokens_per_s: f64,
-    /// Throughput over full colocation's (when colocation ran).
+    /// Throughput over full colocation's with the same partial-rollout setting (when
+    /// colocation ran).
     pub speedup: Option<f64>,
+    /// Throughput over on-policy full colocation without partial rollouts (verl-style),
+    /// when that ran.
+    pub speedup_vs_on_policy: Option<f64>,
     /// Fraction of device time computing.
     pub compute_frac: f64,
     /// Fraction of device time on offload/reload, weight sync and migration.
     pub overhead_frac: f64,
     /// Fraction of device time idle.
     pub idle_frac: f64,
-    /// Fraction of generated tokens thrown away (aborted, surplus).
+    /// Fraction of generated tokens thrown away (aborted, surplus, beyond the
+    /// staleness bound).
     pub wasted_frac: f64,
+    /// Of those, the fraction of generated tokens thrown away because their response
+    /// would have trained beyond the staleness bound.
+    pub stale_frac: f64,
+    /// Prompt groups trained by a later step than the one they were issued for,
+    /// fraction of all trained (partial rollouts).
+    pub carried_frac: f64,
+    /// Tokens prefilled again by responses resuming without their KV cache, fraction
+    /// of the generated tokens.
+    pub reprefill_frac: f64,
+    /// The most versions a trained group's oldest response lagged the weights it
+    /// trained.
+    pub max_lag: u32,
     /// Migrations (dynamic only).
     pub migrations: u32,
     /// Plans in force, by the step they were decided at.
@@ -403,6 +437,8 @@ pub struct ScenarioReport {
     pub steps: u32,
     /// Staleness of static and dynamic.
     pub staleness: u32,
+    /// Partial rollouts, when the workload has them.
+    pub partial_rollout: Option<crate::workload::PartialRollout>,
     /// Lower bound per step: each step's work at full efficiency over all devices.
     pub bound_steps_s: Vec<f64>,
     /// Mean of the bound per step.
@@ -414,11 +450,13 @@ pub struct ScenarioReport {
 }
 
 impl ScenarioReport {
-    /// The report of one strategy.
+    /// The report of one strategy, as configured: with partial rollouts when the
+    /// workload has them (the runs without them are there for comparison).
     pub fn get(&self, s: Strategy) -> Option<&StrategyReport> {
+        let configured = self.partial_rollout.is_some();
         self.strategies
             .iter()
-            .find(|r| r.strategy == s && r.refused.is_none())
+            .find(|r| r.strategy == s && r.refused.is_none() && r.partial == configured)
     }
 }
 
@@ -515,6 +553,7 @@ fn report(
     let step_s = r.makespan_s / f64::from(steps.max(1));
     StrategyReport {
         strategy,
+        partial: false,
         plan: plan.summary(),
         refused: None,
         makespan_s: r.makespan_s,
@@ -523,10 +562,15 @@ fn report(
         vs_bound: step_s / bound_step,
         tokens_per_s: r.trained_tokens / r.makespan_s.max(1e-9),
         speedup: None,
+        speedup_vs_on_policy: None,
         compute_frac: r.compute_frac,
         overhead_frac: r.overhead_frac,
         idle_frac: r.idle_frac,
         wasted_frac: r.wasted_frac,
+        stale_frac: r.stale_frac,
+        carried_frac: r.carried_frac,
+        reprefill_frac: r.reprefill_frac,
+        max_lag: r.max_lag,
         migrations: r.migrations,
         plans: r.plans,
     }
@@ -535,6 +579,7 @@ fn report(
 fn refused(strategy: Strategy, why: String) -> StrategyReport {
     StrategyReport {
         strategy,
+        partial: false,
         plan: String::new(),
         refused: Some(why),
         makespan_s: f64::NAN,
@@ -543,10 +588,15 @@ fn refused(strategy: Strategy, why: String) -> StrategyReport {
         vs_bound: f64::NAN,
         tokens_per_s: f64::NAN,
         speedup: None,
+        speedup_vs_on_policy: None,
         compute_frac: f64::NAN,
         overhead_frac: f64::NAN,
         idle_frac: f64::NAN,
         wasted_frac: f64::NAN,
+        stale_frac: f64::NAN,
+        carried_frac: f64::NAN,
+        reprefill_frac: f64::NAN,
+        max_lag: 0,
         migrations: 0,
         plans: Vec::new(),
     }
@@ -570,18 +620,78 @@ impl Scenario {
     }
 }
 
-/// Runs one scenario's placements.
+/// Runs one scenario's placements (and, with `without_partial`, each again without
+/// partial rollouts).
 pub fn run_scenario(sc: &Scenario) -> Result<ScenarioReport, SimError> {
     let w = &sc.world;
-    let inv = sc.inventory()?;
     let bound = lower_bound(w);
     let bound_step = bound.iter().sum::<f64>() / bound.len().max(1) as f64;
     let steps = w.workload.steps;
+    let mut out = Vec::new();
+    let mut policy_log = Vec::new();
+    if w.workload.partial_rollout.is_some() && sc.without_partial {
+        let mut plain = w.clone();
+        plain.workload.partial_rollout = None;
+        out = run_placements(sc, &plain, bound_step)?.0;
+    }
+    let (with, log) = run_placements(sc, w, bound_step)?;
+    if !log.is_empty() {
+        policy_log = log;
+    }
+    out.extend(with);
+    let colo = |partial: bool| {
+        out.iter()
+            .find(|r| r.strategy == Strategy::Colocate && r.partial == partial)
+            .filter(|r| r.refused.is_none())
+            .map(|r| r.tokens_per_s)
+    };
+    let (colo_plain, colo_partial) = (colo(false), colo(true));
+    for r in &mut out {
+        if r.refused.is_none() {
+            let like = if r.partial { colo_partial } else { colo_plain };
+            r.speedup = like.map(|c| r.tokens_per_s / c);
+            r.speedup_vs_on_policy = colo_plain.map(|c| r.tokens_per_s / c);
+        }
+    }
+    out.sort_by_key(|r| (r.partial, r.strategy as u8));
+    Ok(ScenarioReport {
+        name: sc.name.clone(),
+        gpus: w.groups * w.group_devices,
+        group_size: w.group_devices,
+        model: w.job.policy.name.clone(),
+        steps,
+        staleness: sc.staleness,
+        partial_rollout: w.workload.partial_rollout,
+        bound_step_s: bound_step,
+        bound_steps_s: bound,
+        strategies: out,
+        policy_log,
+    })
+}
+
+/// Runs the scenario's placements on `w` (the scenario's world, with or without
+/// partial rollouts); returns their reports and the dynamic policy's log.
+fn run_placements(
+    sc: &Scenario,
+    w: &World,
+    bound_step: f64,
+) -> Result<(Vec<StrategyReport>, Vec<String>), SimError> {
+    let inv = sc.inventory()?;
+    let steps = w.workload.steps;
+    let partial = w.workload.partial_rollout;
     let setup = |staleness| CostSetup {
         job: w.job.clone(),
         gpu: w.gpu.clone(),
         group_devices: w.group_devices,
         staleness,
+        partial_rollout: partial,
+    };
+    // Colocation starts each step's generation on the newest weights. With partial
+    // rollouts it spends the whole staleness bound on carrying (Kimi k1.5's
+    // synchronous partial rollouts), so every placement has the same bound.
+    let colocate = |plan: &Plan| match partial {
+        Some(_) => Sim::new(w, plan, sc.staleness, None).synchronous(),
+        None => Sim::new(w, plan, 0, None),
     };
     let prior = w.workload.forecast_at(0).params;
     let mut out = Vec::new();
@@ -601,7 +711,7 @@ pub fn run_scenario(sc: &Scenario) -> Result<ScenarioReport, SimError> {
                 let plan = Plan::full_colocation(&inv, &w.job);
                 match plan.validate(&inv, &w.job) {
                     Ok(()) => {
-                        let r = Sim::new(w, &plan, 0, None).run();
+                        let r = colocate(&plan).run();
                         out.push(report(strategy, &plan, r, bound_step, steps));
                     }
                     Err(e) => out.push(refused(strategy, e.to_string())),
@@ -663,28 +773,10 @@ pub fn run_scenario(sc: &Scenario) -> Result<ScenarioReport, SimError> {
             }
         }
     }
-    let colo = out
-        .iter()
-        .find(|r| r.strategy == Strategy::Colocate && r.refused.is_none())
-        .map(|r| r.tokens_per_s);
     for r in &mut out {
-        if r.refused.is_none() {
-            r.speedup = colo.map(|c| r.tokens_per_s / c);
-        }
+        r.partial = partial.is_some();
     }
-    out.sort_by_key(|r| r.strategy as u8);
-    Ok(ScenarioReport {
-        name: sc.name.clone(),
-        gpus: w.groups * w.group_devices,
-        group_size: w.group_devices,
-        model: w.job.policy.name.clone(),
-        steps,
-        staleness: sc.staleness,
-        bound_step_s: bound_step,
-        bound_steps_s: bound,
-        strategies: out,
-        policy_log,
-    })
+    Ok((out, policy_log))
 }
 
 /// Runs every scenario of a configuration.
@@ -701,28 +793,57 @@ pub fn format_report(r: &ScenarioReport) -> String {
         "{}: {} GPUs in groups of {}, {} model, {} steps, staleness {} (static, dynamic); lower bound {:.1} s/step",
         r.name, r.gpus, r.group_size, r.model, r.steps, r.staleness, r.bound_step_s
     );
+    if let Some(pr) = &r.partial_rollout {
+        let _ = writeln!(
+            s,
+            "  partial rollouts: cutoff {:.0}% of a batch, {} version(s) reserved for carrying, resume {:?}, beyond the bound: {:?}",
+            pr.cutoff * 100.0,
+            pr.reserve,
+            pr.resume,
+            pr.beyond_bound
+        );
+    }
     let _ = writeln!(
         s,
-        "  {:<9} {:>9} {:>9} {:>8} {:>7} {:>7} {:>8} {:>7} {:>5}  plan",
-        "placement", "s/step", "x bound", "speedup", "idle", "overhd", "wasted", "tok/s", "migr"
+        "  {:<17} {:>7} {:>7} {:>8} {:>8} {:>6} {:>7} {:>7} {:>7} {:>4} {:>7} {:>5}  plan",
+        "placement",
+        "s/step",
+        "x bound",
+        "speedup",
+        "vs sync",
+        "idle",
+        "overhd",
+        "wasted",
+        "carried",
+        "lag",
+        "tok/s",
+        "migr"
     );
+    let pct = |v: f64| format!("{:.1}%", v * 100.0);
+    let times = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.2}x"));
     for x in &r.strategies {
+        let name = format!(
+            "{}{}",
+            x.strategy.name(),
+            if x.partial { "+partial" } else { "" }
+        );
         if let Some(why) = &x.refused {
-            let _ = writeln!(s, "  {:<9} refused: {why}", x.strategy.name());
+            let _ = writeln!(s, "  {name:<17} refused: {why}");
             continue;
         }
         let _ = writeln!(
             s,
-            "  {:<9} {:>9.1} {:>9.2} {:>8} {:>6.1}% {:>6.1}% {:>7.1}% {:>7.0} {:>5}  {}",
-            x.strategy.name(),
+            "  {:<17} {:>7.1} {:>7.2} {:>8} {:>8} {:>6} {:>7} {:>7} {:>7} {:>4} {:>7.0} {:>5}  {}",
+            name,
             x.step_s,
             x.vs_bound,
-            x.speedup
-                .map(|v| format!("{v:.2}x"))
-                .unwrap_or_else(|| "-".into()),
-            x.idle_frac * 100.0,
-            x.overhead_frac * 100.0,
-            x.wasted_frac * 100.0,
+            times(x.speedup),
+            times(x.speedup_vs_on_policy),
+            pct(x.idle_frac),
+            pct(x.overhead_frac),
+            pct(x.wasted_frac),
+            pct(x.carried_frac),
+            x.max_lag,
             x.tokens_per_s,
             x.migrations,
             x.plan
@@ -809,6 +930,65 @@ judge_max = 256
         let bad = SMALL.replace("model = \"1b\"", "model = \"13b\"");
         let err = SimConfig::parse(&bad).unwrap_err().to_string();
         assert!(err.contains("13b") && err.contains("70b"), "{err}");
+    }
+
+    #[test]
+    fn partial_rollout_errors_name_the_key_and_the_fix() {
+        let with = |pr: &str| {
+            SMALL.replace(
+                "judge_max = 256",
+                &format!("judge_max = 256\npartial_rollout = {pr}"),
+            )
+        };
+        for (value, wants) in [
+            (
+                "{ cutoff = 0 }",
+                ["workload.partial_rollout.cutoff", "cutoff = 0.9"],
+            ),
+            (
+                "{ reserve = 2 }",
+                ["workload.partial_rollout.reserve", "raise sim.staleness"],
+            ),
+            ("{ resume = \"swap\" }", ["swap", "reprefill"]),
+        ] {
+            let err = SimConfig::parse(&with(value)).unwrap_err().to_string();
+            assert!(wants.iter().all(|w| err.contains(w)), "{value}: {err}");
+        }
+        let ok = SimConfig::parse(&with(
+            "{ cutoff = 0.7, resume = \"reprefill\", beyond_bound = \"regenerate\" }",
+        ));
+        assert!(ok.is_ok(), "{:?}", ok.err());
+    }
+
+    #[test]
+    fn partial_rollouts_run_beside_the_plain_placements() {
+        let text = SMALL
+            .replace("staleness = 1", "staleness = 1\nwithout_partial = true")
+            .replace(
+                "judge_max = 256",
+                "judge_max = 256\npartial_rollout = { cutoff = 0.7 }",
+            );
+        let config = SimConfig::parse(&text).unwrap();
+        let r = run_scenario(&config.scenarios().unwrap()[0]).unwrap();
+        assert_eq!(r.strategies.len(), 6);
+        for s in &r.strategies {
+            assert!(s.refused.is_none(), "{:?}", s.refused);
+            assert!(
+                s.vs_bound >= 1.0,
+                "{:?} {} at {}",
+                s.strategy,
+                s.partial,
+                s.vs_bound
+            );
+            assert!(s.max_lag <= 1, "{:?}: lag {}", s.strategy, s.max_lag);
+        }
+        let colo = r
+            .strategies
+            .iter()
+            .find(|s| s.strategy == Strategy::Colocate && s.partial)
+            .unwrap();
+        assert_eq!(colo.speedup, Some(1.0), "compared like for like");
+        assert!(colo.speedup_vs_on_policy.is_some());
     }
 
     #[test]

@@ -149,6 +149,7 @@ fn bench() -> Result<()> {
             gpu: gpu.clone(),
             group_devices: 8,
             staleness: 1,
+            partial_rollout: None,
         };
         let forecast = ForecastParams::lognormal(gpus, 16, 1500.0, 1.0, 16384)
             .with_drop(0.2)
@@ -245,6 +246,12 @@ fn panel(area: &Area<'_>, r: &ScenarioReport) -> Result<(), Box<dyn std::error::
         .filter(|v| v.is_finite())
         .fold(1.0, f64::max);
     let summary = match (r.get(Strategy::Dynamic), r.get(Strategy::Colocate)) {
+        (Some(d), Some(_)) if d.partial => format!(
+            ": dynamic {:.2}x colocate ({:.2}x on-policy), {:.2}x bound",
+            d.speedup.unwrap_or(f64::NAN),
+            d.speedup_vs_on_policy.unwrap_or(f64::NAN),
+            d.vs_bound
+        ),
         (Some(d), Some(_)) => format!(
             ": dynamic {:.2}x colocate, {:.2}x bound",
             d.speedup.unwrap_or(f64::NAN),
@@ -282,13 +289,25 @@ fn panel(area: &Area<'_>, r: &ScenarioReport) -> Result<(), Box<dyn std::error::
     };
     for s in r.strategies.iter().filter(|s| s.refused.is_none()) {
         let label = format!(
-            "{} {:.0} s/step ({:.2}x bound, idle {:.0}%)",
+            "{}{} {:.0} s/step ({:.2}x bound, idle {:.0}%)",
             s.strategy.name(),
+            if s.partial { "+partial" } else { "" },
             s.step_s,
             s.vs_bound,
             s.idle_frac * 100.0
         );
-        line(&s.steps_s, color(s.strategy), label)?;
+        // Runs without partial rollouts, there for comparison, are drawn paler.
+        let c = color(s.strategy);
+        let c = if r.partial_rollout.is_some() && !s.partial {
+            RGBColor(
+                ((u16::from(c.0) + 2 * 255) / 3) as u8,
+                ((u16::from(c.1) + 2 * 255) / 3) as u8,
+                ((u16::from(c.2) + 2 * 255) / 3) as u8,
+            )
+        } else {
+            c
+        };
+        line(&s.steps_s, c, label)?;
     }
     line(
         &r.bound_steps_s,
