@@ -445,45 +445,46 @@ impl Trainer {
                     let _ = g.zero_();
                 }
             }
+        } else {
+            tch::no_grad(|| {
+                for ((_, p), s) in params.into_iter().zip(self.state.iter_mut()) {
+                    let mut g = p.grad();
+                    if !g.defined() {
+                        continue;
+                    }
+                    let gf = g.to_kind(Kind::Float);
+                    // Few passes over memory: m ← lerp(m, g, 1-β1); v ← β2·v + (1-β2)·g².
+                    let _ = s.m.lerp_(&gf, 1.0 - b1);
+                    let gs = &gf * (1.0 - b2).sqrt();
+                    let _ = s.v.g_mul_scalar_(b2);
+                    let _ = s.v.addcmul_(&gs, &gs);
+                    drop(gs);
+                    // upd = -lr/bc1 · m / (sqrt(v)/sqrt(bc2) + eps), built in one temporary.
+                    let mut upd = s.v.sqrt();
+                    let _ = upd.g_mul_scalar_(1.0 / bc2.sqrt());
+                    let _ = upd.g_add_scalar_(c.eps);
+                    let _ = upd.reciprocal_();
+                    let _ = upd.g_mul_(&s.m);
+                    let _ = upd.g_mul_scalar_(-lr / bc1);
+                    match s.master.as_mut() {
+                        Some(w) => {
+                            if s.decay && c.weight_decay > 0.0 {
+                                let _ = w.g_mul_scalar_(1.0 - lr * c.weight_decay);
+                            }
+                            let _ = w.g_add_(&upd);
+                            p.copy_(w);
+                        }
+                        None => {
+                            if s.decay && c.weight_decay > 0.0 {
+                                let _ = p.g_mul_scalar_(1.0 - lr * c.weight_decay);
+                            }
+                            let _ = p.g_add_(&upd);
+                        }
+                    }
+                    let _ = g.zero_();
+                }
+            });
         }
-        tch::no_grad(|| {
-            for ((_, p), s) in params.into_iter().zip(self.state.iter_mut()) {
-                let mut g = p.grad();
-                if fused || !g.defined() {
-                    continue;
-                }
-                let gf = g.to_kind(Kind::Float);
-                // Few passes over memory: m ← lerp(m, g, 1-β1); v ← β2·v + (1-β2)·g².
-                let _ = s.m.lerp_(&gf, 1.0 - b1);
-                let gs = &gf * (1.0 - b2).sqrt();
-                let _ = s.v.g_mul_scalar_(b2);
-                let _ = s.v.addcmul_(&gs, &gs);
-                drop(gs);
-                // upd = -lr/bc1 · m / (sqrt(v)/sqrt(bc2) + eps), built in one temporary.
-                let mut upd = s.v.sqrt();
-                let _ = upd.g_mul_scalar_(1.0 / bc2.sqrt());
-                let _ = upd.g_add_scalar_(c.eps);
-                let _ = upd.reciprocal_();
-                let _ = upd.g_mul_(&s.m);
-                let _ = upd.g_mul_scalar_(-lr / bc1);
-                match s.master.as_mut() {
-                    Some(w) => {
-                        if s.decay && c.weight_decay > 0.0 {
-                            let _ = w.g_mul_scalar_(1.0 - lr * c.weight_decay);
-                        }
-                        let _ = w.g_add_(&upd);
-                        p.copy_(w);
-                    }
-                    None => {
-                        if s.decay && c.weight_decay > 0.0 {
-                            let _ = p.g_mul_scalar_(1.0 - lr * c.weight_decay);
-                        }
-                        let _ = p.g_add_(&upd);
-                    }
-                }
-                let _ = g.zero_();
-            }
-        });
         self.step += 1;
         let loss = if self.pending_losses.is_empty() {
             f64::NAN

@@ -254,8 +254,16 @@ fn micro_loss(
     if mb.rows.is_empty() {
         return Ok(None);
     }
-    let chunk: Vec<Sample> = mb.rows.iter().map(|&i| samples[i].clone()).collect();
-    let (lp, ent) = response_scores(model, &chunk, cfg.pad_id, cfg.temperature, true)?;
+    // The whole range borrows the batch; only a thinned micro-batch copies its samples.
+    let contiguous = mb.rows.windows(2).all(|w| w[1] == w[0] + 1);
+    let picked: Vec<Sample>;
+    let chunk: &[Sample] = if contiguous {
+        &samples[mb.rows[0]..=mb.rows[mb.rows.len() - 1]]
+    } else {
+        picked = mb.rows.iter().map(|&i| samples[i].clone()).collect();
+        &picked
+    };
+    let (lp, ent) = response_scores(model, chunk, cfg.pad_id, cfg.temperature, true)?;
     let old = if cfg.on_policy {
         lp.detach()
     } else {
