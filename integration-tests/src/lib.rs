@@ -147,14 +147,20 @@ pub struct Cluster {
 impl Cluster {
     /// Starts `n` nodes named `prefix-0`, `prefix-1`, ... and waits until all have joined.
     pub fn start(prefix: &str, n: usize) -> Cluster {
+        Cluster::start_with(prefix, &vec![&[][..]; n])
+    }
+
+    /// Like [`Cluster::start`], one node per entry of `args`, each started with its
+    /// extra `yatt-node run` arguments (e.g. `["--virtual-devices", "2"]`).
+    pub fn start_with(prefix: &str, args: &[&[&str]]) -> Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut cluster = Cluster {
             dir,
             nodes: Vec::new(),
         };
-        for i in 0..n {
+        for (i, extra) in args.iter().enumerate() {
             let seed = cluster.nodes.first().map(|s| s.addr);
-            let node = cluster.spawn(&format!("{prefix}-{i}"), seed);
+            let node = cluster.spawn(&format!("{prefix}-{i}"), seed, extra);
             cluster.nodes.push(node);
         }
         let names: Vec<String> = cluster.nodes.iter().map(|n| n.name.clone()).collect();
@@ -178,7 +184,7 @@ impl Cluster {
         self.dir.path().join("ca")
     }
 
-    fn spawn(&self, name: &str, seed: Option<SocketAddr>) -> NodeProc {
+    fn spawn(&self, name: &str, seed: Option<SocketAddr>, extra: &[&str]) -> NodeProc {
         let ready = self.dir.path().join(format!("{name}.ready"));
         let log = self.dir.path().join(format!("{name}.log"));
         let mut cmd = Command::new(yatt_node_bin());
@@ -204,6 +210,7 @@ impl Cluster {
         if let Some(seed) = seed {
             cmd.arg("--seed").arg(seed.to_string());
         }
+        cmd.args(extra);
         let child = cmd.spawn().expect("start yatt-node");
         let pid = child.id();
         let mut proc = NodeProc {
