@@ -8,11 +8,16 @@
 
 use std::time::{Duration, Instant};
 
+use std::sync::atomic::Ordering;
 use yatt_integration_tests::{poll, Cluster};
 use yatt_placement::profile::Role;
 use yatt_placement::record::{parse, render, Record};
+
+use yatt_roles::builtin::{PolicyRequest, PolicyResponse};
+use yatt_roles::controller::PolicyRef;
 use yatt_roles::job::JobConfig;
 use yatt_roles::placement_live::LivePlacement;
+use yatt_roles::role::{RoleRequest, RoleResponse, WeightsUpdate};
 use yatt_runtime::Node;
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -217,6 +222,191 @@ async fn live_placement_moves_a_group_from_training_to_rollout_on_a_remote_node(
     assert!(m < n, "measured {m:.3}s, no-move prediction {n:.3}s");
 
     // Leaving the cluster releases every replica the run started.
+    drop(live);
+    node.shutdown().await;
+    for n in &cluster.nodes {
+        let released = poll(Duration::from_secs(10), || {
+            n.health()?["hosted"].as_array()?.is_empty().then_some(())
+        });
+        assert!(
+            released.is_some(),
+            "{} still hosts {:?}",
+            n.name,
+            n.health()
+        );
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(120),
+        "{:?}",
+        t0.elapsed()
+    );
+}
+
+/// A policy replica's weights now: its version and its exported buckets.
+async fn replica_weights(policy: &PolicyRef) -> WeightsUpdate {
+    let t = Duration::from_secs(30);
+    match policy
+        .ask(RoleRequest::Serve(PolicyRequest::ExportWeights), t)
+        .await
+        .expect("the replica exports its weights")
+    {
+        RoleResponse::Served(PolicyResponse::Weights(u)) => u,
+        other => panic!("ExportWeights answered {other:?}"),
+    }
+}
+
+/// The other way round: responses shrink from 64 tokens to 4, so training comes to
+/// dominate, and the actor gives a rollout group to the policy. The new policy replica
+/// starts on its node from a surviving replica's weights and optimizer state (sent as
+/// bytes: the nodes share no disk), the two replicas join a new gradient ring, and
+/// from then on they stay bit-identical while the gradients go replica to replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shrinking_responses_move_a_group_to_a_new_policy_replica_on_a_remote_node() {
+    let t0 = Instant::now();
+    let cluster = Cluster::start_with("ls", &[&[], &["--virtual-devices", "2"], &[]]);
+    let logs = || cluster_logs(&cluster);
+    let node = Node::builder("ls-train")
+        .dev_certs(cluster.ca_dir())
+        .seed(cluster.nodes[0].addr)
+        .start()
+        .await
+        .expect("the controller joins");
+    let out = tempfile::tempdir().unwrap();
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../config/live-placement-cluster.toml"
+    );
+    let sets = [
+        format!("job.output_dir=\"{}\"", out.path().display()),
+        "placement.nodes=[\"ls-1\", \"ls-2\"]".to_string(),
+        "placement.reward=\"ls-0\"".to_string(),
+        "placement.rollout_groups=2".to_string(),
+        "data.length=16".to_string(),
+        "data.length_end=4".to_string(),
+        "rollout.max_batch=0".to_string(),
+    ];
+    let job = JobConfig::load(config, &sets).unwrap();
+    let mut live = LivePlacement::build(&job, &node)
+        .await
+        .unwrap_or_else(|e| panic!("building the live placement: {e}\n{}", logs()));
+    let before = live.replicas();
+    let layout: Vec<(&str, &str)> = before
+        .iter()
+        .map(|(_, n, role, _)| (n.as_str(), *role))
+        .collect();
+    assert_eq!(
+        layout,
+        [("ls-1", "rollout"), ("ls-1", "rollout"), ("ls-2", "policy")]
+    );
+    let weight_bytes: u64 = replica_weights(&live.controllers()[0].roles().policy)
+        .await
+        .buckets
+        .iter()
+        .map(|b| b.data.len() as u64)
+        .sum();
+
+    let per_head = (job.data.prompts_per_step * job.data.samples_per_prompt as usize) as u64;
+    let mut moved = None;
+    for step in 0..job.job.steps {
+        let sent = node
+            .transport_stats()
+            .bulk_bytes_sent
+            .load(Ordering::Relaxed);
+        live.step()
+            .await
+            .unwrap_or_else(|e| panic!("step {step}: {e}\n{}", logs()));
+        let sent = node
+            .transport_stats()
+            .bulk_bytes_sent
+            .load(Ordering::Relaxed)
+            - sent;
+        for l in live.last_ledgers() {
+            assert_eq!(
+                (l.step, l.samples as u64, l.requeued, l.dropped),
+                (step, per_head, 0, 0),
+                "step {step}"
+            );
+        }
+        match moved {
+            None if live.routing_version() > 1 => moved = Some((step, live.replicas())),
+            // On the new plan each head has its own replica; the replicas average their
+            // gradients in their ring, so this process sends weights to the two
+            // rollouts only (through the controllers it would send four gradient shards
+            // as well, each as large as the weights).
+            Some(_) => assert!(
+                sent < 3 * weight_bytes,
+                "step {step}: the controller sent {sent} bulk bytes for weights of {weight_bytes}"
+            ),
+            None => {}
+        }
+    }
+    let records = parse(&std::fs::read_to_string(live.log_path()).unwrap()).unwrap();
+    eprintln!("{}", render(&records, 5, 5).unwrap());
+    let (moved_at, after) = moved.expect("a migration");
+    let (id, group) = records
+        .iter()
+        .find_map(|r| match r {
+            Record::Decision { id, moves, .. } => moves
+                .iter()
+                .find(|m| m.from.contains(Role::Rollout) && m.to.contains(Role::Policy))
+                .map(|m| (*id, m.group)),
+            _ => None,
+        })
+        .expect("a move from the rollout to the policy");
+    let migration_s = records
+        .iter()
+        .find_map(|r| match r {
+            Record::Migrated {
+                id: i,
+                ok: true,
+                seconds,
+                ..
+            } if *i == id => Some(*seconds),
+            _ => None,
+        })
+        .expect("the migration completed");
+
+    // The new policy replica runs on the group's node; the rollout it replaced is gone.
+    let (_, node_of_group, _, old_rollout) = before
+        .iter()
+        .find(|(g, _, role, _)| *g == group && *role == "rollout")
+        .expect("the moved group ran a rollout replica");
+    let (_, _, role, new_policy) = after
+        .iter()
+        .find(|(g, ..)| *g == group)
+        .expect("the moved group runs a replica");
+    assert_eq!(*role, "policy");
+    assert_eq!(&new_policy.name.node, node_of_group);
+    let old = old_rollout.to_string();
+    let gone = poll(Duration::from_secs(10), || {
+        (hosts(&cluster, node_of_group, &old)? == false).then_some(())
+    });
+    assert!(gone.is_some(), "{old} still hosted on {node_of_group}");
+
+    // Both replicas took every update since the move, from the same state: same
+    // version, bit-identical weights (a replica with fresh optimizer moments would
+    // have drifted at the first update).
+    let policies: Vec<PolicyRef> = live
+        .controllers()
+        .iter()
+        .map(|c| c.roles().policy.clone())
+        .collect();
+    assert_eq!(policies.len(), 2);
+    assert_ne!(policies[0].id(), policies[1].id());
+    assert!(policies.iter().any(|p| p.id() == new_policy));
+    let (a, b) = (
+        replica_weights(&policies[0]).await,
+        replica_weights(&policies[1]).await,
+    );
+    assert_eq!((a.version, b.version), (job.job.steps, job.job.steps));
+    assert!(a.buckets == b.buckets, "the replicas' weights differ");
+    eprintln!(
+        "moved after step {moved_at} in {migration_s:.3}s (policy state hand-off included); {} steps, {:.2?} in all",
+        job.job.steps,
+        t0.elapsed()
+    );
+
+    drop(policies);
     drop(live);
     node.shutdown().await;
     for n in &cluster.nodes {
