@@ -236,3 +236,56 @@ impl Cluster {
         proc
     }
 }
+
+/// Every node's log so far, for a failure message.
+pub fn cluster_logs(cluster: &Cluster) -> String {
+    cluster
+        .nodes
+        .iter()
+        .map(|n| format!("--- {} ---\n{}", n.name, n.log()))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// This process as one more node of `cluster` (where the controllers run).
+pub async fn join(cluster: &Cluster, name: &str) -> yatt_runtime::Node {
+    yatt_runtime::Node::builder(name)
+        .dev_certs(cluster.ca_dir())
+        .seed(cluster.nodes[0].addr)
+        .start()
+        .await
+        .expect("the controller joins")
+}
+
+/// Waits until no node hosts an actor: the roles a departed controller spawned are gone.
+pub fn assert_roles_released(cluster: &Cluster) {
+    for n in &cluster.nodes {
+        let released = poll(Duration::from_secs(10), || {
+            let h = n.health()?;
+            h["hosted"].as_array()?.is_empty().then_some(())
+        });
+        assert!(
+            released.is_some(),
+            "{} still hosts roles: {:?}",
+            n.name,
+            n.health()
+        );
+    }
+}
+
+/// A policy replica's weights now: its version and its exported buckets.
+pub async fn replica_weights(
+    policy: &yatt_roles::controller::PolicyRef,
+) -> yatt_roles::role::WeightsUpdate {
+    use yatt_roles::builtin::{PolicyRequest, PolicyResponse};
+    use yatt_roles::role::{RoleRequest, RoleResponse};
+    let t = Duration::from_secs(30);
+    match policy
+        .ask(RoleRequest::Serve(PolicyRequest::ExportWeights), t)
+        .await
+        .expect("the replica exports its weights")
+    {
+        RoleResponse::Served(PolicyResponse::Weights(u)) => u,
+        other => panic!("ExportWeights answered {other:?}"),
+    }
+}

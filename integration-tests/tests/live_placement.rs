@@ -1,38 +1,32 @@
-//! Live placement on a cluster of real `yatt-node` processes: `lv-0` runs the reward,
-//! `lv-1` (two virtual devices) and `lv-2` (one) offer the three groups the rollout and
+//! Live placement on a cluster of real `yatt-node` processes: `P-0` runs the reward,
+//! `P-1` (two virtual devices) and `P-2` (one) offer the three groups the rollout and
 //! the policy share; the controllers and the placement actor run in this process, which
 //! joins as a fourth node. The job is `config/live-placement-cluster.toml` (a tiny
-//! Llama, responses growing from 4 to 64 tokens): the actor must move a group from
-//! training to the rollout on a remote node, keep training with clean ledgers, and run
-//! faster after the move than the cost model predicts for the old plan.
-
-use std::time::{Duration, Instant};
+//! Llama, 2 heads). With responses growing, the actor must move a group from training
+//! to the rollout on a remote node; with responses shrinking, the other way round, with
+//! the new policy replica continuing from a survivor's state. Training goes on with
+//! clean ledgers throughout.
 
 use std::sync::atomic::Ordering;
-use yatt_integration_tests::{poll, Cluster};
+use std::time::{Duration, Instant};
+
+use yatt_integration_tests::{
+    assert_roles_released, cluster_logs, join, poll, replica_weights, Cluster,
+};
+use yatt_placement::inventory::GroupId;
 use yatt_placement::profile::Role;
 use yatt_placement::record::{parse, render, Record};
-
-use yatt_roles::builtin::{PolicyRequest, PolicyResponse};
-use yatt_roles::controller::PolicyRef;
+use yatt_roles::controller::{PolicyRef, StepMetrics};
 use yatt_roles::job::JobConfig;
 use yatt_roles::placement_live::LivePlacement;
-use yatt_roles::role::{RoleRequest, RoleResponse, WeightsUpdate};
-use yatt_runtime::Node;
+use yatt_runtime::{ActorId, Node};
+
+/// What runs on each group, as [`LivePlacement::replicas`] lists it.
+type Replicas = Vec<(GroupId, String, &'static str, ActorId)>;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
-}
-
-/// Every node's log so far, for a failure message.
-fn cluster_logs(cluster: &Cluster) -> String {
-    cluster
-        .nodes
-        .iter()
-        .map(|n| format!("--- {} ---\n{}", n.name, n.log()))
-        .collect::<Vec<_>>()
-        .join("\n")
 }
 
 /// Whether `node`'s `/health` lists the actor `id` among those it hosts.
@@ -42,61 +36,72 @@ fn hosts(cluster: &Cluster, node: &str, id: &str) -> Option<bool> {
     Some(h["hosted"].as_array()?.iter().any(|a| a == id))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn live_placement_moves_a_group_from_training_to_rollout_on_a_remote_node() {
-    let t0 = Instant::now();
-    let cluster = Cluster::start_with("lv", &[&[], &["--virtual-devices", "2"], &[]]);
-    let logs = || cluster_logs(&cluster);
-    let node = Node::builder("lv-train")
-        .dev_certs(cluster.ca_dir())
-        .seed(cluster.nodes[0].addr)
-        .start()
-        .await
-        .expect("the controller joins");
+/// A live placement built on a fresh cluster.
+struct Run {
+    cluster: Cluster,
+    node: Node,
+    job: JobConfig,
+    live: LivePlacement,
+    _out: tempfile::TempDir,
+}
+
+/// Starts the cluster (`prefix-0..2`), joins it and builds the live placement of the
+/// example config with `sets` on top; checks each replica runs on its group's node.
+async fn start(prefix: &str, sets: &[&str]) -> Run {
+    let cluster = Cluster::start_with(prefix, &[&[], &["--virtual-devices", "2"], &[]]);
+    let node = join(&cluster, &format!("{prefix}-train")).await;
     let out = tempfile::tempdir().unwrap();
     let config = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../config/live-placement-cluster.toml"
     );
-    let sets = [
+    let mut all = vec![
         format!("job.output_dir=\"{}\"", out.path().display()),
-        "placement.nodes=[\"lv-1\", \"lv-2\"]".to_string(),
-        "placement.reward=\"lv-0\"".to_string(),
+        format!("placement.nodes=[\"{prefix}-1\", \"{prefix}-2\"]"),
+        format!("placement.reward=\"{prefix}-0\""),
     ];
-    let job = JobConfig::load(config, &sets).unwrap();
-    let mut live = LivePlacement::build(&job, &node)
-        .await
-        .unwrap_or_else(|e| panic!("building the live placement: {e}\n{}", logs()));
-    let built = t0.elapsed();
-
-    // The groups are the nodes' advertised devices: lv-1's two, then lv-2's one; each
-    // replica runs on its group's node, none in this process.
-    let before = live.replicas();
-    let layout: Vec<(&str, &str)> = before
-        .iter()
-        .map(|(_, n, role, _)| (n.as_str(), *role))
-        .collect();
-    assert_eq!(
-        layout,
-        [("lv-1", "rollout"), ("lv-1", "policy"), ("lv-2", "policy")]
-    );
-    for (g, n, _, id) in &before {
-        assert_eq!(&id.name.node, n, "{g}");
+    all.extend(sets.iter().map(|s| s.to_string()));
+    let job = JobConfig::load(config, &all).unwrap();
+    let live = LivePlacement::build(&job, &node).await.unwrap_or_else(|e| {
+        panic!(
+            "building the live placement: {e}\n{}",
+            cluster_logs(&cluster)
+        )
+    });
+    for (g, n, _, id) in live.replicas() {
+        assert_eq!(id.name.node, n, "{g}");
+        assert_ne!(n, node.name(), "{g}");
     }
+    Run {
+        cluster,
+        node,
+        job,
+        live,
+        _out: out,
+    }
+}
 
-    let per_head = (job.data.prompts_per_step * job.data.samples_per_prompt as usize) as u64;
+/// Runs every step of the job, checking after each that every head's ledger closed
+/// clean (each of its samples passed every stage once, none requeued or dropped), and
+/// calls `each` with the step, its metrics and the bulk bytes this process sent during
+/// it. Returns the step after which the first migration happened and the replicas then.
+async fn run_all(
+    r: &mut Run,
+    mut each: impl FnMut(u64, &LivePlacement, &StepMetrics, u64),
+) -> (u64, Replicas) {
+    let per_head = (r.job.data.prompts_per_step * r.job.data.samples_per_prompt as usize) as u64;
+    let bulk_sent = |n: &Node| n.transport_stats().bulk_bytes_sent.load(Ordering::Relaxed);
     let mut moved = None;
-    let mut steps_s = Vec::new();
-    for step in 0..job.job.steps {
-        let m = live
+    for step in 0..r.job.job.steps {
+        let sent = bulk_sent(&r.node);
+        let m = r
+            .live
             .step()
             .await
-            .unwrap_or_else(|e| panic!("step {step}: {e}\n{}", logs()));
-        steps_s.push(m.get("timing_s/step_wall").unwrap());
-        // Every head's ledger closed clean: each of its samples passed every stage
-        // once, none requeued or dropped, across the move too.
-        let ledgers = live.last_ledgers();
-        assert_eq!(ledgers.len(), job.job.controllers);
+            .unwrap_or_else(|e| panic!("step {step}: {e}\n{}", cluster_logs(&r.cluster)));
+        let sent = bulk_sent(&r.node) - sent;
+        let ledgers = r.live.last_ledgers();
+        assert_eq!(ledgers.len(), r.job.job.controllers);
         for l in ledgers {
             assert_eq!(
                 (l.step, l.samples as u64, l.requeued, l.dropped),
@@ -104,31 +109,37 @@ async fn live_placement_moves_a_group_from_training_to_rollout_on_a_remote_node(
                 "step {step}"
             );
         }
-        if moved.is_none() && live.routing_version() > 1 {
-            moved = Some((step, live.replicas()));
+        if moved.is_none() && r.live.routing_version() > 1 {
+            moved = Some((step, r.live.replicas()));
         }
+        each(step, &r.live, &m, sent);
     }
-    let trained = t0.elapsed() - built;
-    let (moved_after, after) = moved.expect("a migration");
+    moved.expect("a migration")
+}
 
-    let text = std::fs::read_to_string(live.log_path()).unwrap();
-    let records = parse(&text).unwrap();
+/// The placement log, printed.
+fn records(live: &LivePlacement) -> Vec<Record> {
+    let records = parse(&std::fs::read_to_string(live.log_path()).unwrap()).unwrap();
     eprintln!("{}", render(&records, 5, 5).unwrap());
+    records
+}
 
-    // A group moved from training to the rollout, and the migration completed.
-    let (decided_at, id, group) = records
+/// The first decision that moves a group from `from` to `to`: its step, the group and
+/// the seconds its (completed) migration took.
+fn find_move(records: &[Record], from: Role, to: Role) -> (u64, GroupId, f64) {
+    let (step, id, group) = records
         .iter()
         .find_map(|r| match r {
             Record::Decision {
                 step, id, moves, ..
             } => moves
                 .iter()
-                .find(|m| m.from.contains(Role::Policy) && m.to.contains(Role::Rollout))
+                .find(|m| m.from.contains(from) && m.to.contains(to))
                 .map(|m| (*step, *id, m.group)),
             _ => None,
         })
-        .expect("a move from the policy to the rollout");
-    let migration_s = records
+        .unwrap_or_else(|| panic!("no move from {from:?} to {to:?}"));
+    let seconds = records
         .iter()
         .find_map(|r| match r {
             Record::Migrated {
@@ -140,34 +151,74 @@ async fn live_placement_moves_a_group_from_training_to_rollout_on_a_remote_node(
             _ => None,
         })
         .expect("the migration completed");
+    (step, group, seconds)
+}
 
-    // The group's new rollout replica runs on the group's (remote) node, and the
-    // policy replica it replaced is gone from that node.
-    let (_, node_of_group, _, old_policy) = before
+/// Checks that `group` ran a `was` replica before and runs a `now` replica after, on
+/// the same node, and that the node no longer hosts the old one. Returns the new one.
+fn assert_replaced(
+    cluster: &Cluster,
+    (before, after): (&Replicas, &Replicas),
+    group: GroupId,
+    was: &str,
+    now: &str,
+) -> ActorId {
+    let (_, node, _, old) = before
         .iter()
-        .find(|(g, _, role, _)| *g == group && *role == "policy")
-        .expect("the moved group ran a policy replica");
-    let (_, _, role, new_rollout) = after
+        .find(|(g, _, role, _)| *g == group && *role == was)
+        .unwrap_or_else(|| panic!("{group} ran no {was} replica: {before:?}"));
+    let (_, _, role, new) = after
         .iter()
         .find(|(g, ..)| *g == group)
         .expect("the moved group runs a replica");
-    assert_eq!(*role, "rollout");
-    assert_eq!(&new_rollout.name.node, node_of_group);
-    assert_ne!(new_rollout.name.node, node.name());
-    let old = old_policy.to_string();
+    assert_eq!(*role, now);
+    assert_eq!(&new.name.node, node);
+    let old = old.to_string();
     let gone = poll(Duration::from_secs(10), || {
-        (hosts(&cluster, node_of_group, &old)? == false).then_some(())
+        (!hosts(cluster, node, &old)?).then_some(())
     });
-    assert!(gone.is_some(), "{old} still hosted on {node_of_group}");
+    assert!(gone.is_some(), "{old} still hosted on {node}");
+    assert_eq!(hosts(cluster, node, &new.to_string()), Some(true));
+    new.clone()
+}
+
+/// Leaves the cluster and checks every replica the run started is released.
+async fn finish(r: Run) {
+    drop(r.live);
+    r.node.shutdown().await;
+    assert_roles_released(&r.cluster);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_placement_moves_a_group_from_training_to_rollout_on_a_remote_node() {
+    let t0 = Instant::now();
+    let mut r = start("lv", &[]).await;
+    let built = t0.elapsed();
+    // The groups are the nodes' advertised devices: lv-1's two, then lv-2's one.
+    let before = r.live.replicas();
+    let layout: Vec<(&str, &str)> = before
+        .iter()
+        .map(|(_, n, role, _)| (n.as_str(), *role))
+        .collect();
     assert_eq!(
-        hosts(&cluster, node_of_group, &new_rollout.to_string()),
-        Some(true)
+        layout,
+        [("lv-1", "rollout"), ("lv-1", "policy"), ("lv-2", "policy")]
     );
+    let mut steps_s = Vec::new();
+    let (moved_after, after) = run_all(&mut r, |_, _, m, _| {
+        steps_s.push(m.get("timing_s/step_wall").unwrap())
+    })
+    .await;
+    let trained = t0.elapsed() - built;
+    let records = records(&r.live);
+    let (decided_at, group, migration_s) = find_move(&records, Role::Policy, Role::Rollout);
+    let new_rollout = assert_replaced(&r.cluster, (&before, &after), group, "policy", "rollout");
     // The heads follow the new routing: some head generates on the new replica.
-    assert!(live
+    assert!(r
+        .live
         .controllers()
         .iter()
-        .any(|c| c.roles().rollout.id() == new_rollout));
+        .any(|c| c.roles().rollout.id() == &new_rollout));
 
     // Each move published a new plan at a later directory epoch.
     let epochs: Vec<(u64, u64)> = records
@@ -192,7 +243,7 @@ async fn live_placement_moves_a_group_from_training_to_rollout_on_a_remote_node(
     // After the move (skipping the first step on the new plan), the measured step is
     // shorter than the model's prediction for the old plan at the same workload.
     assert!(
-        decided_at + 5 < job.job.steps,
+        decided_at + 5 < r.job.job.steps,
         "moved too late: step {decided_at}"
     );
     let (measured, no_move): (Vec<f64>, Vec<f64>) = records
@@ -213,28 +264,14 @@ async fn live_placement_moves_a_group_from_training_to_rollout_on_a_remote_node(
         measured.len()
     );
     let (m, n) = (median(measured), median(no_move));
-    let before_s =
-        median(steps_s[moved_after.saturating_sub(5) as usize..=moved_after as usize].to_vec());
+    let last = moved_after as usize;
+    let before_s = median(steps_s[last.saturating_sub(5)..=last].to_vec());
     eprintln!(
         "built in {built:.2?}, {} steps in {trained:.2?}; move decided at step {decided_at}, migration {migration_s:.3}s; step before the move {before_s:.3}s, after {m:.3}s, predicted without the move {n:.3}s",
-        job.job.steps
+        r.job.job.steps
     );
     assert!(m < n, "measured {m:.3}s, no-move prediction {n:.3}s");
-
-    // Leaving the cluster releases every replica the run started.
-    drop(live);
-    node.shutdown().await;
-    for n in &cluster.nodes {
-        let released = poll(Duration::from_secs(10), || {
-            n.health()?["hosted"].as_array()?.is_empty().then_some(())
-        });
-        assert!(
-            released.is_some(),
-            "{} still hosts {:?}",
-            n.name,
-            n.health()
-        );
-    }
+    finish(r).await;
     assert!(
         t0.elapsed() < Duration::from_secs(120),
         "{:?}",
@@ -242,54 +279,23 @@ async fn live_placement_moves_a_group_from_training_to_rollout_on_a_remote_node(
     );
 }
 
-/// A policy replica's weights now: its version and its exported buckets.
-async fn replica_weights(policy: &PolicyRef) -> WeightsUpdate {
-    let t = Duration::from_secs(30);
-    match policy
-        .ask(RoleRequest::Serve(PolicyRequest::ExportWeights), t)
-        .await
-        .expect("the replica exports its weights")
-    {
-        RoleResponse::Served(PolicyResponse::Weights(u)) => u,
-        other => panic!("ExportWeights answered {other:?}"),
-    }
-}
-
-/// The other way round: responses shrink from 64 tokens to 4, so training comes to
-/// dominate, and the actor gives a rollout group to the policy. The new policy replica
-/// starts on its node from a surviving replica's weights and optimizer state (sent as
-/// bytes: the nodes share no disk), the two replicas join a new gradient ring, and
-/// from then on they stay bit-identical while the gradients go replica to replica.
+/// The other way round: responses shrink from 16 tokens to 4 and every sequence of a
+/// step decodes at once, so training dominates, and the actor gives a rollout group to
+/// the policy. The new policy replica starts on its node from a surviving replica's
+/// weights and optimizer state (sent as bytes: the nodes share no disk), the two
+/// replicas join a new gradient ring, and from then on they stay bit-identical while
+/// the gradients go replica to replica.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shrinking_responses_move_a_group_to_a_new_policy_replica_on_a_remote_node() {
     let t0 = Instant::now();
-    let cluster = Cluster::start_with("ls", &[&[], &["--virtual-devices", "2"], &[]]);
-    let logs = || cluster_logs(&cluster);
-    let node = Node::builder("ls-train")
-        .dev_certs(cluster.ca_dir())
-        .seed(cluster.nodes[0].addr)
-        .start()
-        .await
-        .expect("the controller joins");
-    let out = tempfile::tempdir().unwrap();
-    let config = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../config/live-placement-cluster.toml"
-    );
     let sets = [
-        format!("job.output_dir=\"{}\"", out.path().display()),
-        "placement.nodes=[\"ls-1\", \"ls-2\"]".to_string(),
-        "placement.reward=\"ls-0\"".to_string(),
-        "placement.rollout_groups=2".to_string(),
-        "data.length=16".to_string(),
-        "data.length_end=4".to_string(),
-        "rollout.max_batch=0".to_string(),
+        "placement.rollout_groups=2",
+        "data.length=16",
+        "data.length_end=4",
+        "rollout.max_batch=0",
     ];
-    let job = JobConfig::load(config, &sets).unwrap();
-    let mut live = LivePlacement::build(&job, &node)
-        .await
-        .unwrap_or_else(|e| panic!("building the live placement: {e}\n{}", logs()));
-    let before = live.replicas();
+    let mut r = start("ls", &sets).await;
+    let before = r.live.replicas();
     let layout: Vec<(&str, &str)> = before
         .iter()
         .map(|(_, n, role, _)| (n.as_str(), *role))
@@ -298,128 +304,58 @@ async fn shrinking_responses_move_a_group_to_a_new_policy_replica_on_a_remote_no
         layout,
         [("ls-1", "rollout"), ("ls-1", "rollout"), ("ls-2", "policy")]
     );
-    let weight_bytes: u64 = replica_weights(&live.controllers()[0].roles().policy)
+    let weight_bytes: u64 = replica_weights(&r.live.controllers()[0].roles().policy)
         .await
         .buckets
         .iter()
         .map(|b| b.data.len() as u64)
         .sum();
-
-    let per_head = (job.data.prompts_per_step * job.data.samples_per_prompt as usize) as u64;
-    let mut moved = None;
-    for step in 0..job.job.steps {
-        let sent = node
-            .transport_stats()
-            .bulk_bytes_sent
-            .load(Ordering::Relaxed);
-        live.step()
-            .await
-            .unwrap_or_else(|e| panic!("step {step}: {e}\n{}", logs()));
-        let sent = node
-            .transport_stats()
-            .bulk_bytes_sent
-            .load(Ordering::Relaxed)
-            - sent;
-        for l in live.last_ledgers() {
-            assert_eq!(
-                (l.step, l.samples as u64, l.requeued, l.dropped),
-                (step, per_head, 0, 0),
-                "step {step}"
-            );
-        }
-        match moved {
-            None if live.routing_version() > 1 => moved = Some((step, live.replicas())),
-            // On the new plan each head has its own replica; the replicas average their
-            // gradients in their ring, so this process sends weights to the two
-            // rollouts only (through the controllers it would send four gradient shards
-            // as well, each as large as the weights).
-            Some(_) => assert!(
+    let mut moved = false;
+    let (moved_after, after) = run_all(&mut r, |step, live, _, sent| {
+        // On the new plan each head has its own replica; the replicas average their
+        // gradients in their ring, so this process sends weights to the two rollouts
+        // only (through the controllers it would send four gradient shards as well,
+        // each as large as the weights). The step that ends with the move also carries
+        // the trainer state through this process.
+        let on_new_plan = moved;
+        moved = live.routing_version() > 1;
+        if on_new_plan {
+            assert!(
                 sent < 3 * weight_bytes,
                 "step {step}: the controller sent {sent} bulk bytes for weights of {weight_bytes}"
-            ),
-            None => {}
+            );
         }
-    }
-    let records = parse(&std::fs::read_to_string(live.log_path()).unwrap()).unwrap();
-    eprintln!("{}", render(&records, 5, 5).unwrap());
-    let (moved_at, after) = moved.expect("a migration");
-    let (id, group) = records
-        .iter()
-        .find_map(|r| match r {
-            Record::Decision { id, moves, .. } => moves
-                .iter()
-                .find(|m| m.from.contains(Role::Rollout) && m.to.contains(Role::Policy))
-                .map(|m| (*id, m.group)),
-            _ => None,
-        })
-        .expect("a move from the rollout to the policy");
-    let migration_s = records
-        .iter()
-        .find_map(|r| match r {
-            Record::Migrated {
-                id: i,
-                ok: true,
-                seconds,
-                ..
-            } if *i == id => Some(*seconds),
-            _ => None,
-        })
-        .expect("the migration completed");
-
-    // The new policy replica runs on the group's node; the rollout it replaced is gone.
-    let (_, node_of_group, _, old_rollout) = before
-        .iter()
-        .find(|(g, _, role, _)| *g == group && *role == "rollout")
-        .expect("the moved group ran a rollout replica");
-    let (_, _, role, new_policy) = after
-        .iter()
-        .find(|(g, ..)| *g == group)
-        .expect("the moved group runs a replica");
-    assert_eq!(*role, "policy");
-    assert_eq!(&new_policy.name.node, node_of_group);
-    let old = old_rollout.to_string();
-    let gone = poll(Duration::from_secs(10), || {
-        (hosts(&cluster, node_of_group, &old)? == false).then_some(())
-    });
-    assert!(gone.is_some(), "{old} still hosted on {node_of_group}");
+    })
+    .await;
+    let records = records(&r.live);
+    let (_, group, migration_s) = find_move(&records, Role::Rollout, Role::Policy);
+    let new_policy = assert_replaced(&r.cluster, (&before, &after), group, "rollout", "policy");
 
     // Both replicas took every update since the move, from the same state: same
     // version, bit-identical weights (a replica with fresh optimizer moments would
     // have drifted at the first update).
-    let policies: Vec<PolicyRef> = live
+    let policies: Vec<PolicyRef> = r
+        .live
         .controllers()
         .iter()
         .map(|c| c.roles().policy.clone())
         .collect();
     assert_eq!(policies.len(), 2);
     assert_ne!(policies[0].id(), policies[1].id());
-    assert!(policies.iter().any(|p| p.id() == new_policy));
+    assert!(policies.iter().any(|p| p.id() == &new_policy));
     let (a, b) = (
         replica_weights(&policies[0]).await,
         replica_weights(&policies[1]).await,
     );
-    assert_eq!((a.version, b.version), (job.job.steps, job.job.steps));
+    let steps = r.job.job.steps;
+    assert_eq!((a.version, b.version), (steps, steps));
     assert!(a.buckets == b.buckets, "the replicas' weights differ");
     eprintln!(
-        "moved after step {moved_at} in {migration_s:.3}s (policy state hand-off included); {} steps, {:.2?} in all",
-        job.job.steps,
+        "moved after step {moved_after} in {migration_s:.3}s (policy state hand-off included); {steps} steps, {:.2?} in all",
         t0.elapsed()
     );
-
     drop(policies);
-    drop(live);
-    node.shutdown().await;
-    for n in &cluster.nodes {
-        let released = poll(Duration::from_secs(10), || {
-            n.health()?["hosted"].as_array()?.is_empty().then_some(())
-        });
-        assert!(
-            released.is_some(),
-            "{} still hosts {:?}",
-            n.name,
-            n.health()
-        );
-    }
+    finish(r).await;
     assert!(
         t0.elapsed() < Duration::from_secs(120),
         "{:?}",

@@ -9,13 +9,13 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use yatt_integration_tests::{poll, yatt_bin, Cluster};
-use yatt_roles::builtin::{PolicyRequest, PolicyResponse};
+use yatt_integration_tests::{
+    assert_roles_released, cluster_logs, join, poll, replica_weights, yatt_bin, Cluster,
+};
 use yatt_roles::controller::{step_data_parallel, PolicyRef};
 use yatt_roles::job::{build_embedded, JobConfig};
 use yatt_roles::ledger::Stage;
 use yatt_roles::remote::{build_cluster, NodeNames};
-use yatt_roles::role::{RoleRequest, RoleResponse, WeightsUpdate};
 use yatt_runtime::Node;
 
 const STEPS: u64 = 10;
@@ -32,44 +32,8 @@ fn letters_job(out: &std::path::Path, placement: &[(&str, &str)]) -> JobConfig {
     JobConfig::load(config, &sets).unwrap()
 }
 
-/// Every node's log so far, for a failure message.
-fn cluster_logs(cluster: &Cluster) -> String {
-    cluster
-        .nodes
-        .iter()
-        .map(|n| format!("--- {} ---\n{}", n.name, n.log()))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
-/// This process as one more node of `cluster` (where the controllers run).
-async fn join(cluster: &Cluster, name: &str) -> Node {
-    Node::builder(name)
-        .dev_certs(cluster.ca_dir())
-        .seed(cluster.nodes[0].addr)
-        .start()
-        .await
-        .expect("the controller joins")
-}
-
 fn mean(xs: &[f64]) -> f64 {
     xs.iter().sum::<f64>() / xs.len() as f64
-}
-
-/// Waits until no node hosts an actor: the roles a departed controller spawned are gone.
-fn assert_roles_released(cluster: &Cluster) {
-    for n in &cluster.nodes {
-        let released = poll(Duration::from_secs(10), || {
-            let h = n.health()?;
-            h["hosted"].as_array()?.is_empty().then_some(())
-        });
-        assert!(
-            released.is_some(),
-            "{} still hosts roles: {:?}",
-            n.name,
-            n.health()
-        );
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -254,19 +218,6 @@ fn yatt_train_cluster_runs_the_demo_on_three_nodes() {
         .is_some());
     assert_roles_released(&cluster);
     eprintln!("yatt train --cluster: 4 steps, {:.2?} in all", t0.elapsed());
-}
-
-/// A policy replica's weights now: its version and its exported buckets.
-async fn replica_weights(policy: &PolicyRef) -> WeightsUpdate {
-    let t = Duration::from_secs(30);
-    match policy
-        .ask(RoleRequest::Serve(PolicyRequest::ExportWeights), t)
-        .await
-        .expect("the replica exports its weights")
-    {
-        RoleResponse::Served(PolicyResponse::Weights(u)) => u,
-        other => panic!("ExportWeights answered {other:?}"),
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

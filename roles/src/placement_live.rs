@@ -1,10 +1,13 @@
-//! The live placement actor (embedded mode): a thin async shell around
+//! The live placement actor: a thin async shell around
 //! [`yatt_placement::PlacementPolicy`], the same deterministic policy the simulator
 //! drives.
 //!
-//! The job's rollout and policy roles sit on `placement.groups` virtual device groups
-//! of one libtorch thread each: a group serves either a rollout replica or a policy
-//! replica. The job's `job.controllers` heads (data-parallel controllers) are routed
+//! The job's rollout and policy roles sit on device groups of one device each: a group
+//! serves either a rollout replica or a policy replica. Embedded, the groups are
+//! `placement.groups` virtual groups of one libtorch thread in this process; on a
+//! cluster they are the devices the nodes of `placement.nodes` advertise (membership),
+//! and a group's replica runs on its node, started through the node's factory and
+//! stopped over QUIC. Everything else is shared by both. The job's `job.controllers` heads (data-parallel controllers) are routed
 //! over them: with one rollout group every head generates on it; with one policy group
 //! every head trains on it (gradients summed there); with as many groups as heads each
 //! head has its own (gradients all-reduced). Reward (and reference) run outside the
@@ -19,7 +22,10 @@
 //!    expects only its own samples);
 //! 3. its memory is freed: offload, then stop (the role's thread ends and drops it);
 //! 4. the gaining role starts there: a rollout replica from the policy's weights, or a
-//!    policy replica from a checkpoint of a surviving one (weights and optimizer);
+//!    policy replica with a surviving one's whole trainer state (weights, optimizer,
+//!    step), sent as bytes ([`PolicyRequest::ExportState`] /
+//!    [`PolicyRequest::ImportState`]); on a cluster, replicas of a head each then join
+//!    a new gradient ring;
 //! 5. every head syncs weights to its rollout;
 //! 6. a new routing version is published (and the directory's epoch recorded), and
 //!    the heads follow it from the next step.
@@ -43,10 +49,11 @@ use yatt_placement::{
     CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy,
     Plan, Pool, RewardKind, Stage, StageObs,
 };
-use yatt_runtime::actor::ExitReason;
+use yatt_runtime::actor::{ActorRef, ExitReason};
 use yatt_runtime::collective::RING_CHUNK_BYTES;
 use yatt_runtime::directory::Change;
 use yatt_runtime::membership::NodeInfo;
+use yatt_runtime::message::Message;
 use yatt_runtime::node::Node;
 use yatt_runtime::ActorId;
 
@@ -144,7 +151,7 @@ enum Hosts {
         pad_id: i64,
         /// A model of the right shape; rollouts start from a copy and get the policy's
         /// weights by sync.
-        template: Llama,
+        template: Box<Llama>,
     },
     /// Devices of cluster nodes: roles start through the nodes' factories, linked to
     /// this node.
@@ -419,7 +426,7 @@ impl LivePlacement {
                 let hosts = Hosts::Embedded {
                     codec,
                     pad_id,
-                    template: model.deep_copy(Device::Cpu, Kind::Float).map_err(me(job))?,
+                    template: Box::new(model.deep_copy(Device::Cpu, Kind::Float).map_err(me(job))?),
                 };
                 (hosts, shared)
             }
@@ -564,7 +571,7 @@ impl LivePlacement {
     /// Starts a rollout replica on group `g`; it gets the policy's weights at the next
     /// weight sync.
     async fn start_rollout(&mut self, g: GroupId) -> Result<RolloutRef, JobError> {
-        let r = match &self.hosts {
+        match &self.hosts {
             Hosts::Embedded {
                 codec, template, ..
             } => {
@@ -572,19 +579,35 @@ impl LivePlacement {
                     .deep_copy(Device::Cpu, Kind::Float)
                     .map_err(me(&self.job))?;
                 let role = rollout_role(&self.job, m, codec.clone());
-                self.next_replica += 1;
-                let r =
-                    spawn_role(&self.node, role, self.next_replica, self.device_group(g)).await?;
-                self.announce(Change::ActorUp(r.id().clone())).await?;
-                r
+                self.spawn_here(g, role).await
             }
-            // The hosting node records the actor in the directory itself.
-            Hosts::Cluster { text } => {
-                let target = self.node_of(g)?;
-                remote::spawn(&self.job, text, &self.node, "rollout", target).await?
-            }
-        };
+            Hosts::Cluster { text } => self.spawn_there(g, text, "rollout").await,
+        }
+    }
+
+    /// Starts `role` on a thread of this process for group `g` and records it in the
+    /// directory (an actor only this process reaches is not registered by itself).
+    async fn spawn_here<R: Role>(
+        &mut self,
+        g: GroupId,
+        role: R,
+    ) -> Result<ActorRef<RoleRequest<R::Request>, RoleResponse<R::Response>>, JobError> {
+        self.next_replica += 1;
+        let r = spawn_role(&self.node, role, self.next_replica, self.device_group(g)).await?;
+        self.announce(Change::ActorUp(r.id().clone())).await?;
         Ok(r)
+    }
+
+    /// Starts `role` on group `g`'s node through its factory (the hosting node records
+    /// the actor in the directory itself).
+    async fn spawn_there<Req: Message, Resp: Message>(
+        &self,
+        g: GroupId,
+        text: &str,
+        role: &'static str,
+    ) -> Result<ActorRef<RoleRequest<Req>, RoleResponse<Resp>>, JobError> {
+        let target = self.node_of(g)?;
+        Ok(remote::spawn(&self.job, text, &self.node, role, target).await?)
     }
 
     /// Records a replica's start or stop in the runtime's directory (a new epoch).
@@ -616,16 +639,9 @@ impl LivePlacement {
                     .map_err(me(&self.job))?;
                 let t = Trainer::new(m, train_config(&self.job));
                 let role = policy_role_from(&self.job, t, *pad_id)?;
-                self.next_replica += 1;
-                let r =
-                    spawn_role(&self.node, role, self.next_replica, self.device_group(g)).await?;
-                self.announce(Change::ActorUp(r.id().clone())).await?;
-                r
+                self.spawn_here(g, role).await?
             }
-            Hosts::Cluster { text } => {
-                let target = self.node_of(g)?;
-                remote::spawn(&self.job, text, &self.node, "policy", target).await?
-            }
+            Hosts::Cluster { text } => self.spawn_there(g, text, "policy").await?,
         };
         if let Some(src) = from {
             if let Err(e) = self.hand_off(src, &r).await {

@@ -232,7 +232,8 @@ impl PlacementSection {
             self.spawn_timeout_s as f64,
             "e.g. spawn_timeout_s = 300",
         )?;
-        if !self.nodes.is_empty() && !(self.live && self.mode == "disaggregated") {
+        let live_cluster = self.live && self.mode == "disaggregated";
+        if !self.nodes.is_empty() && !live_cluster {
             return Err(invalid(
                 "placement.nodes",
                 "nothing unless live = true and mode = \"disaggregated\"",

@@ -695,13 +695,8 @@ impl PolicyRole {
     /// Writes a checkpoint to a scratch directory and reads it back as bytes: the
     /// checkpoint format is already exact for resume, so the hand-off reuses it.
     fn export_state(&mut self) -> Result<TrainerState, RoleError> {
-        let failed = |what: &str, e: &dyn std::fmt::Display| {
-            RoleError::Failed(format!("exporting the trainer state: {what}: {e}"))
-        };
-        let dir = tempfile::Builder::new()
-            .prefix("yatt-policy-state-")
-            .tempdir()
-            .map_err(|e| failed("a scratch directory", &e))?;
+        let failed = state_error("exporting");
+        let dir = scratch_dir(&failed)?;
         self.trainer
             .save_checkpoint(dir.path(), None)
             .map_err(|e| failed("the checkpoint", &e))?;
@@ -725,13 +720,8 @@ impl PolicyRole {
     /// membership and the role's settings stay this replica's).
     fn import_state(&mut self, state: TrainerState) -> Result<(), RoleError> {
         state.check()?;
-        let failed = |what: &str, e: &dyn std::fmt::Display| {
-            RoleError::Failed(format!("importing the trainer state: {what}: {e}"))
-        };
-        let dir = tempfile::Builder::new()
-            .prefix("yatt-policy-state-")
-            .tempdir()
-            .map_err(|e| failed("a scratch directory", &e))?;
+        let failed = state_error("importing");
+        let dir = scratch_dir(&failed)?;
         for (name, data) in &state.files {
             std::fs::write(dir.path().join(name), data).map_err(|e| failed(name, &e))?;
         }
@@ -758,6 +748,21 @@ impl PolicyRole {
         self.trainer = trainer;
         Ok(())
     }
+}
+
+/// How the state hand-off reports a failed step of `doing` (exporting, importing).
+fn state_error(doing: &'static str) -> impl Fn(&str, &dyn std::fmt::Display) -> RoleError {
+    move |what, e| RoleError::Failed(format!("{doing} the trainer state: {what}: {e}"))
+}
+
+/// A scratch directory for a checkpoint in transit (removed when dropped).
+fn scratch_dir(
+    failed: &impl Fn(&str, &dyn std::fmt::Display) -> RoleError,
+) -> Result<tempfile::TempDir, RoleError> {
+    tempfile::Builder::new()
+        .prefix("yatt-policy-state-")
+        .tempdir()
+        .map_err(|e| failed("a scratch directory", &e))
 }
 
 fn no_ring() -> RoleError {
