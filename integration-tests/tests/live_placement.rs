@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use yatt_integration_tests::{
-    assert_roles_released, cluster_logs, join, poll, replica_weights, Cluster,
+    assert_roles_released, cluster_logs, join, poll, replica_weights, yatt_bin, Cluster,
 };
 use yatt_placement::inventory::GroupId;
 use yatt_placement::profile::Role;
@@ -34,6 +34,14 @@ fn hosts(cluster: &Cluster, node: &str, id: &str) -> Option<bool> {
     let n = cluster.nodes.iter().find(|n| n.name == node)?;
     let h = n.health()?;
     Some(h["hosted"].as_array()?.iter().any(|a| a == id))
+}
+
+/// Each group's node and role, in group order.
+fn layout(replicas: &Replicas) -> Vec<(&str, &str)> {
+    replicas
+        .iter()
+        .map(|(_, n, role, _)| (n.as_str(), *role))
+        .collect()
 }
 
 /// A live placement built on a fresh cluster.
@@ -196,12 +204,8 @@ async fn live_placement_moves_a_group_from_training_to_rollout_on_a_remote_node(
     let built = t0.elapsed();
     // The groups are the nodes' advertised devices: lv-1's two, then lv-2's one.
     let before = r.live.replicas();
-    let layout: Vec<(&str, &str)> = before
-        .iter()
-        .map(|(_, n, role, _)| (n.as_str(), *role))
-        .collect();
     assert_eq!(
-        layout,
+        layout(&before),
         [("lv-1", "rollout"), ("lv-1", "policy"), ("lv-2", "policy")]
     );
     let mut steps_s = Vec::new();
@@ -296,12 +300,8 @@ async fn shrinking_responses_move_a_group_to_a_new_policy_replica_on_a_remote_no
     ];
     let mut r = start("ls", &sets).await;
     let before = r.live.replicas();
-    let layout: Vec<(&str, &str)> = before
-        .iter()
-        .map(|(_, n, role, _)| (n.as_str(), *role))
-        .collect();
     assert_eq!(
-        layout,
+        layout(&before),
         [("ls-1", "rollout"), ("ls-1", "rollout"), ("ls-2", "policy")]
     );
     let weight_bytes: u64 = replica_weights(&r.live.controllers()[0].roles().policy)
@@ -359,6 +359,70 @@ async fn shrinking_responses_move_a_group_to_a_new_policy_replica_on_a_remote_no
     assert!(
         t0.elapsed() < Duration::from_secs(120),
         "{:?}",
+        t0.elapsed()
+    );
+}
+
+/// `yatt train CONFIG --cluster` runs the live placement on the cluster's nodes, and
+/// `yatt placement show` renders what it did from the run directory.
+#[test]
+fn yatt_train_cluster_runs_the_live_placement_and_placement_show_reads_it() {
+    let t0 = Instant::now();
+    let cluster = Cluster::start_with("lt", &[&[], &["--virtual-devices", "2"], &[]]);
+    let out = tempfile::tempdir().unwrap();
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../config/live-placement-cluster.toml"
+    );
+    let log = out.path().join("train.log");
+    let mut child = std::process::Command::new(yatt_bin())
+        .arg("train")
+        .arg(config)
+        .args(["--set", "job.steps=8"])
+        .args(["--set", "placement.nodes=[\"lt-1\", \"lt-2\"]"])
+        .args(["--set", "placement.reward=\"lt-0\""])
+        .arg("--set")
+        .arg(format!("job.output_dir=\"{}\"", out.path().display()))
+        .arg("--cluster")
+        .arg(cluster.nodes[0].addr.to_string())
+        .args(["--dev", "--certs"])
+        .arg(cluster.ca_dir())
+        .env("RUST_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(&log).unwrap())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .expect("start yatt train");
+    let status = poll(Duration::from_secs(60), || child.try_wait().ok().flatten());
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let printed = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "yatt train --cluster: {status:?}\n{printed}\n{}",
+        cluster_logs(&cluster)
+    );
+    assert!(
+        printed.contains("live placement over the devices of lt-1, lt-2, reward on lt-0")
+            && printed.contains("done: 8 steps"),
+        "{printed}"
+    );
+    let show = std::process::Command::new(yatt_bin())
+        .args(["placement", "show"])
+        .arg(out.path())
+        .output()
+        .expect("yatt placement show");
+    let shown = String::from_utf8_lossy(&show.stdout);
+    assert!(show.status.success(), "{shown}");
+    assert!(
+        shown.contains("plan: rollout:1 policy:2") && shown.contains("last step 7"),
+        "{shown}"
+    );
+    assert_roles_released(&cluster);
+    eprintln!(
+        "yatt train --cluster with live placement: 8 steps, {:.2?} in all",
         t0.elapsed()
     );
 }
