@@ -251,6 +251,8 @@ async fn run_job(job: JobConfig, resume: bool, args: TrainArgs) -> anyhow::Resul
         if p.live {
             let reference = match job.algorithm.kl_mode.as_str() {
                 "none" => String::new(),
+                // An empty one is refused with its fix when the job is built.
+                _ if p.reference.is_empty() => String::new(),
                 _ => format!(", reference on {}", p.reference),
             };
             println!(
