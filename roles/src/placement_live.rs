@@ -126,8 +126,8 @@ pub struct LivePlacement {
     job: JobConfig,
     node: Node,
     hosts: Hosts,
-    /// Each group's node and device.
-    group_nodes: BTreeMap<GroupId, (String, u32)>,
+    /// Each group's node.
+    group_nodes: BTreeMap<GroupId, String>,
     policy: PlacementPolicy,
     plan: Plan,
     replicas: BTreeMap<GroupId, Replica>,
@@ -360,10 +360,8 @@ impl LivePlacement {
             partial_rollout: None,
         };
         let ids: Vec<GroupId> = inventory.groups().map(|g| g.id).collect();
-        let group_nodes: BTreeMap<GroupId, (String, u32)> = inventory
-            .groups()
-            .map(|g| (g.id, (g.node.clone(), g.devices[0])))
-            .collect();
+        let group_nodes: BTreeMap<GroupId, String> =
+            inventory.groups().map(|g| (g.id, g.node.clone())).collect();
         let plan = Plan {
             pools: vec![
                 Pool {
@@ -541,7 +539,7 @@ impl LivePlacement {
         self.replicas
             .iter()
             .map(|(g, r)| {
-                let node = self.group_nodes.get(g).map_or("", |n| &n.0).to_string();
+                let node = self.group_nodes.get(g).cloned().unwrap_or_default();
                 match r {
                     Replica::Rollout(r) => (*g, node, "rollout", r.id().clone()),
                     Replica::Policy(p) => (*g, node, "policy", p.id().clone()),
@@ -564,7 +562,7 @@ impl LivePlacement {
     fn node_of(&self, g: GroupId) -> Result<&str, JobError> {
         self.group_nodes
             .get(&g)
-            .map(|n| n.0.as_str())
+            .map(String::as_str)
             .ok_or_else(|| placement_err(format!("{g} is not a group of the inventory")))
     }
 

@@ -285,9 +285,7 @@ impl PlacementSection {
         }
         Ok(())
     }
-}
 
-impl PlacementSection {
     /// The live placement on a cluster: the nodes offering groups, once each, and the
     /// reward's node (the reference's is checked against `algorithm.kl_mode` when the
     /// job is built).
