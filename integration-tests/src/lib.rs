@@ -289,3 +289,44 @@ pub async fn replica_weights(
         other => panic!("ExportWeights answered {other:?}"),
     }
 }
+
+impl Cluster {
+    /// Runs `yatt train CONFIG --set ... --cluster SEED --dev --certs CA` with its output
+    /// in `out` (`job.output_dir`; its stdout goes to `out/train.log`), waits at most
+    /// `timeout`, and returns what it printed; panics, with the nodes' logs, unless it
+    /// succeeded.
+    pub fn yatt_train(&self, config: &str, sets: &[&str], out: &Path, timeout: Duration) -> String {
+        let log = out.join("train.log");
+        let mut cmd = Command::new(yatt_bin());
+        cmd.arg("train").arg(config);
+        for s in sets {
+            cmd.args(["--set", s]);
+        }
+        let mut child = cmd
+            .arg("--set")
+            .arg(format!("job.output_dir=\"{}\"", out.display()))
+            .arg("--cluster")
+            .arg(self.nodes[0].addr.to_string())
+            .arg("--dev")
+            .arg("--certs")
+            .arg(self.ca_dir())
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&log).expect("train.log"))
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start yatt train");
+        let status = poll(timeout, || child.try_wait().ok().flatten());
+        if status.is_none() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let printed = std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "yatt train --cluster: {status:?}\n{printed}\n{}",
+            cluster_logs(self)
+        );
+        printed
+    }
+}

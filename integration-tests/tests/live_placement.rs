@@ -374,36 +374,12 @@ fn yatt_train_cluster_runs_the_live_placement_and_placement_show_reads_it() {
         env!("CARGO_MANIFEST_DIR"),
         "/../config/live-placement-cluster.toml"
     );
-    let log = out.path().join("train.log");
-    let mut child = std::process::Command::new(yatt_bin())
-        .arg("train")
-        .arg(config)
-        .args(["--set", "job.steps=8"])
-        .args(["--set", "placement.nodes=[\"lt-1\", \"lt-2\"]"])
-        .args(["--set", "placement.reward=\"lt-0\""])
-        .arg("--set")
-        .arg(format!("job.output_dir=\"{}\"", out.path().display()))
-        .arg("--cluster")
-        .arg(cluster.nodes[0].addr.to_string())
-        .args(["--dev", "--certs"])
-        .arg(cluster.ca_dir())
-        .env("RUST_LOG", "warn")
-        .stdin(std::process::Stdio::null())
-        .stdout(std::fs::File::create(&log).unwrap())
-        .stderr(std::process::Stdio::inherit())
-        .spawn()
-        .expect("start yatt train");
-    let status = poll(Duration::from_secs(60), || child.try_wait().ok().flatten());
-    if status.is_none() {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let printed = std::fs::read_to_string(&log).unwrap_or_default();
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "yatt train --cluster: {status:?}\n{printed}\n{}",
-        cluster_logs(&cluster)
-    );
+    let sets = [
+        "job.steps=8",
+        "placement.nodes=[\"lt-1\", \"lt-2\"]",
+        "placement.reward=\"lt-0\"",
+    ];
+    let printed = cluster.yatt_train(config, &sets, out.path(), Duration::from_secs(60));
     assert!(
         printed.contains("live placement over the devices of lt-1, lt-2, reward on lt-0")
             && printed.contains("done: 8 steps"),

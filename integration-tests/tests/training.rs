@@ -5,13 +5,10 @@
 //! model, the letters task of `config/demo-letters.toml`.
 
 use std::collections::BTreeSet;
-use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use yatt_integration_tests::{
-    assert_roles_released, cluster_logs, join, poll, replica_weights, yatt_bin, Cluster,
-};
+use yatt_integration_tests::{assert_roles_released, cluster_logs, join, replica_weights, Cluster};
 use yatt_roles::controller::{step_data_parallel, PolicyRef};
 use yatt_roles::job::{build_embedded, JobConfig};
 use yatt_roles::ledger::Stage;
@@ -157,50 +154,18 @@ fn yatt_train_cluster_runs_the_demo_on_three_nodes() {
     let cluster = Cluster::start("tc", 3);
     let out = tempfile::tempdir().unwrap();
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
-    let log = out.path().join("train.log");
-    let mut child = Command::new(yatt_bin())
-        .arg("train")
-        .arg(config)
-        .args([
-            "--set",
+    let printed = cluster.yatt_train(
+        config,
+        &[
             "job.steps=4",
-            "--set",
             "placement.mode=disaggregated",
-        ])
-        .args([
-            "--set",
             "placement.rollout=tc-0",
-            "--set",
             "placement.policy=tc-1",
-        ])
-        .args([
-            "--set",
             "placement.reference=tc-1",
-            "--set",
             "placement.reward=tc-2",
-        ])
-        .arg("--set")
-        .arg(format!("job.output_dir=\"{}\"", out.path().display()))
-        .arg("--cluster")
-        .arg(cluster.nodes[0].addr.to_string())
-        .arg("--dev")
-        .arg("--certs")
-        .arg(cluster.ca_dir())
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&log).unwrap())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start yatt train");
-    let status = poll(Duration::from_secs(60), || child.try_wait().ok().flatten());
-    if status.is_none() {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let printed = std::fs::read_to_string(&log).unwrap_or_default();
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "yatt train --cluster: {status:?}\n{printed}"
+        ],
+        out.path(),
+        Duration::from_secs(60),
     );
     assert!(
         printed.contains("rollout on tc-0, policy on tc-1, reference on tc-1, reward on tc-2")
