@@ -171,7 +171,7 @@ fn assert_replaced(
     was: &str,
     now: &str,
 ) -> ActorId {
-    let (_, node, _, old) = before
+    let (_, node, _, old_id) = before
         .iter()
         .find(|(g, _, role, _)| *g == group && *role == was)
         .unwrap_or_else(|| panic!("{group} ran no {was} replica: {before:?}"));
@@ -181,12 +181,25 @@ fn assert_replaced(
         .expect("the moved group runs a replica");
     assert_eq!(*role, now);
     assert_eq!(&new.name.node, node);
-    let old = old.to_string();
+    let old = old_id.to_string();
     let gone = poll(Duration::from_secs(10), || {
         (!hosts(cluster, node, &old)?).then_some(())
     });
     assert!(gone.is_some(), "{old} still hosted on {node}");
     assert_eq!(hosts(cluster, node, &new.to_string()), Some(true));
+    if was == "policy" {
+        // Its end of the gradient ring went with it.
+        let ring = format!("{node}/policy-ring/{}#", old_id.name.replica);
+        let closed = poll(Duration::from_secs(10), || {
+            let n = cluster.nodes.iter().find(|n| &n.name == node)?;
+            let hosted = n.health()?["hosted"].as_array()?.clone();
+            (!hosted
+                .iter()
+                .any(|a| a.as_str().is_some_and(|a| a.starts_with(&ring))))
+            .then_some(())
+        });
+        assert!(closed.is_some(), "{ring}* still hosted on {node}");
+    }
     new.clone()
 }
 
