@@ -147,14 +147,20 @@ pub struct Cluster {
 impl Cluster {
     /// Starts `n` nodes named `prefix-0`, `prefix-1`, ... and waits until all have joined.
     pub fn start(prefix: &str, n: usize) -> Cluster {
+        Cluster::start_with(prefix, &vec![&[][..]; n])
+    }
+
+    /// Like [`Cluster::start`], one node per entry of `args`, each started with its
+    /// extra `yatt-node run` arguments (e.g. `["--virtual-devices", "2"]`).
+    pub fn start_with(prefix: &str, args: &[&[&str]]) -> Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut cluster = Cluster {
             dir,
             nodes: Vec::new(),
         };
-        for i in 0..n {
+        for (i, extra) in args.iter().enumerate() {
             let seed = cluster.nodes.first().map(|s| s.addr);
-            let node = cluster.spawn(&format!("{prefix}-{i}"), seed);
+            let node = cluster.spawn(&format!("{prefix}-{i}"), seed, extra);
             cluster.nodes.push(node);
         }
         let names: Vec<String> = cluster.nodes.iter().map(|n| n.name.clone()).collect();
@@ -178,7 +184,7 @@ impl Cluster {
         self.dir.path().join("ca")
     }
 
-    fn spawn(&self, name: &str, seed: Option<SocketAddr>) -> NodeProc {
+    fn spawn(&self, name: &str, seed: Option<SocketAddr>, extra: &[&str]) -> NodeProc {
         let ready = self.dir.path().join(format!("{name}.ready"));
         let log = self.dir.path().join(format!("{name}.log"));
         let mut cmd = Command::new(yatt_node_bin());
@@ -204,6 +210,7 @@ impl Cluster {
         if let Some(seed) = seed {
             cmd.arg("--seed").arg(seed.to_string());
         }
+        cmd.args(extra);
         let child = cmd.spawn().expect("start yatt-node");
         let pid = child.id();
         let mut proc = NodeProc {
@@ -227,5 +234,99 @@ impl Cluster {
             .and_then(|a| a.parse().ok())
             .expect("http");
         proc
+    }
+}
+
+/// Every node's log so far, for a failure message.
+pub fn cluster_logs(cluster: &Cluster) -> String {
+    cluster
+        .nodes
+        .iter()
+        .map(|n| format!("--- {} ---\n{}", n.name, n.log()))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// This process as one more node of `cluster` (where the controllers run).
+pub async fn join(cluster: &Cluster, name: &str) -> yatt_runtime::Node {
+    yatt_runtime::Node::builder(name)
+        .dev_certs(cluster.ca_dir())
+        .seed(cluster.nodes[0].addr)
+        .start()
+        .await
+        .expect("the controller joins")
+}
+
+/// Waits until no node hosts an actor: the roles a departed controller spawned are gone.
+pub fn assert_roles_released(cluster: &Cluster) {
+    for n in &cluster.nodes {
+        let released = poll(Duration::from_secs(10), || {
+            let h = n.health()?;
+            h["hosted"].as_array()?.is_empty().then_some(())
+        });
+        assert!(
+            released.is_some(),
+            "{} still hosts roles: {:?}",
+            n.name,
+            n.health()
+        );
+    }
+}
+
+/// A policy replica's weights now: its version and its exported buckets.
+pub async fn replica_weights(
+    policy: &yatt_roles::controller::PolicyRef,
+) -> yatt_roles::role::WeightsUpdate {
+    use yatt_roles::builtin::{PolicyRequest, PolicyResponse};
+    use yatt_roles::role::{RoleRequest, RoleResponse};
+    let t = Duration::from_secs(30);
+    match policy
+        .ask(RoleRequest::Serve(PolicyRequest::ExportWeights), t)
+        .await
+        .expect("the replica exports its weights")
+    {
+        RoleResponse::Served(PolicyResponse::Weights(u)) => u,
+        other => panic!("ExportWeights answered {other:?}"),
+    }
+}
+
+impl Cluster {
+    /// Runs `yatt train CONFIG --set ... --cluster SEED --dev --certs CA` with its output
+    /// in `out` (`job.output_dir`; its stdout goes to `out/train.log`), waits at most
+    /// `timeout`, and returns what it printed; panics, with the nodes' logs, unless it
+    /// succeeded.
+    pub fn yatt_train(&self, config: &str, sets: &[&str], out: &Path, timeout: Duration) -> String {
+        let log = out.join("train.log");
+        let mut cmd = Command::new(yatt_bin());
+        cmd.arg("train").arg(config);
+        for s in sets {
+            cmd.args(["--set", s]);
+        }
+        let mut child = cmd
+            .arg("--set")
+            .arg(format!("job.output_dir=\"{}\"", out.display()))
+            .arg("--cluster")
+            .arg(self.nodes[0].addr.to_string())
+            .arg("--dev")
+            .arg("--certs")
+            .arg(self.ca_dir())
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&log).expect("train.log"))
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start yatt train");
+        let status = poll(timeout, || child.try_wait().ok().flatten());
+        if status.is_none() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let printed = std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "yatt train --cluster: {status:?}\n{printed}\n{}",
+            cluster_logs(self)
+        );
+        printed
     }
 }

@@ -5,17 +5,14 @@
 //! model, the letters task of `config/demo-letters.toml`.
 
 use std::collections::BTreeSet;
-use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use yatt_integration_tests::{poll, yatt_bin, Cluster};
-use yatt_roles::builtin::{PolicyRequest, PolicyResponse};
+use yatt_integration_tests::{assert_roles_released, cluster_logs, join, replica_weights, Cluster};
 use yatt_roles::controller::{step_data_parallel, PolicyRef};
 use yatt_roles::job::{build_embedded, JobConfig};
 use yatt_roles::ledger::Stage;
 use yatt_roles::remote::{build_cluster, NodeNames};
-use yatt_roles::role::{RoleRequest, RoleResponse, WeightsUpdate};
 use yatt_runtime::Node;
 
 const STEPS: u64 = 10;
@@ -32,44 +29,8 @@ fn letters_job(out: &std::path::Path, placement: &[(&str, &str)]) -> JobConfig {
     JobConfig::load(config, &sets).unwrap()
 }
 
-/// Every node's log so far, for a failure message.
-fn cluster_logs(cluster: &Cluster) -> String {
-    cluster
-        .nodes
-        .iter()
-        .map(|n| format!("--- {} ---\n{}", n.name, n.log()))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
-/// This process as one more node of `cluster` (where the controllers run).
-async fn join(cluster: &Cluster, name: &str) -> Node {
-    Node::builder(name)
-        .dev_certs(cluster.ca_dir())
-        .seed(cluster.nodes[0].addr)
-        .start()
-        .await
-        .expect("the controller joins")
-}
-
 fn mean(xs: &[f64]) -> f64 {
     xs.iter().sum::<f64>() / xs.len() as f64
-}
-
-/// Waits until no node hosts an actor: the roles a departed controller spawned are gone.
-fn assert_roles_released(cluster: &Cluster) {
-    for n in &cluster.nodes {
-        let released = poll(Duration::from_secs(10), || {
-            let h = n.health()?;
-            h["hosted"].as_array()?.is_empty().then_some(())
-        });
-        assert!(
-            released.is_some(),
-            "{} still hosts roles: {:?}",
-            n.name,
-            n.health()
-        );
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -193,50 +154,18 @@ fn yatt_train_cluster_runs_the_demo_on_three_nodes() {
     let cluster = Cluster::start("tc", 3);
     let out = tempfile::tempdir().unwrap();
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
-    let log = out.path().join("train.log");
-    let mut child = Command::new(yatt_bin())
-        .arg("train")
-        .arg(config)
-        .args([
-            "--set",
+    let printed = cluster.yatt_train(
+        config,
+        &[
             "job.steps=4",
-            "--set",
             "placement.mode=disaggregated",
-        ])
-        .args([
-            "--set",
             "placement.rollout=tc-0",
-            "--set",
             "placement.policy=tc-1",
-        ])
-        .args([
-            "--set",
             "placement.reference=tc-1",
-            "--set",
             "placement.reward=tc-2",
-        ])
-        .arg("--set")
-        .arg(format!("job.output_dir=\"{}\"", out.path().display()))
-        .arg("--cluster")
-        .arg(cluster.nodes[0].addr.to_string())
-        .arg("--dev")
-        .arg("--certs")
-        .arg(cluster.ca_dir())
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&log).unwrap())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start yatt train");
-    let status = poll(Duration::from_secs(60), || child.try_wait().ok().flatten());
-    if status.is_none() {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    let printed = std::fs::read_to_string(&log).unwrap_or_default();
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "yatt train --cluster: {status:?}\n{printed}"
+        ],
+        out.path(),
+        Duration::from_secs(60),
     );
     assert!(
         printed.contains("rollout on tc-0, policy on tc-1, reference on tc-1, reward on tc-2")
@@ -254,19 +183,6 @@ fn yatt_train_cluster_runs_the_demo_on_three_nodes() {
         .is_some());
     assert_roles_released(&cluster);
     eprintln!("yatt train --cluster: 4 steps, {:.2?} in all", t0.elapsed());
-}
-
-/// A policy replica's weights now: its version and its exported buckets.
-async fn replica_weights(policy: &PolicyRef) -> WeightsUpdate {
-    let t = Duration::from_secs(30);
-    match policy
-        .ask(RoleRequest::Serve(PolicyRequest::ExportWeights), t)
-        .await
-        .expect("the replica exports its weights")
-    {
-        RoleResponse::Served(PolicyResponse::Weights(u)) => u,
-        other => panic!("ExportWeights answered {other:?}"),
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

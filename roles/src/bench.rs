@@ -195,7 +195,9 @@ impl Role for FakePolicy {
             PolicyRequest::SaveCheckpoint(_) => PolicyResponse::Saved,
             PolicyRequest::RingInbox
             | PolicyRequest::JoinRing(_)
-            | PolicyRequest::TrainAllReduce(_) => {
+            | PolicyRequest::TrainAllReduce(_)
+            | PolicyRequest::ExportState
+            | PolicyRequest::ImportState(_) => {
                 return Err(RoleError::Unsupported {
                     role: "policy".into(),
                     operation: "policy replicas",

@@ -1233,7 +1233,15 @@ pub fn base_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, i64), J
         let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
         let mut config = tiny_config();
         if job.model.tiny_layers > 0 {
-            config.num_hidden_layers = job.model.tiny_layers as i64;
+            // Through the JSON, so a checkpoint's config.json (written from it) says
+            // the same depth and loads back as this model.
+            let mut raw = config.raw.clone();
+            raw["num_hidden_layers"] = serde_json::json!(job.model.tiny_layers);
+            config =
+                yatt_engine::config::ModelConfig::from_json(&raw).map_err(|e| JobError::Model {
+                    source_desc: "tiny".into(),
+                    reason: e,
+                })?;
         }
         let m = Llama::random(config, Device::Cpu, Kind::Float, seed as i64).map_err(|e| {
             JobError::Model {

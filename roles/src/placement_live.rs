@@ -1,10 +1,13 @@
-//! The live placement actor (embedded mode): a thin async shell around
+//! The live placement actor: a thin async shell around
 //! [`yatt_placement::PlacementPolicy`], the same deterministic policy the simulator
 //! drives.
 //!
-//! The job's rollout and policy roles sit on `placement.groups` virtual device groups
-//! of one libtorch thread each: a group serves either a rollout replica or a policy
-//! replica. The job's `job.controllers` heads (data-parallel controllers) are routed
+//! The job's rollout and policy roles sit on device groups of one device each: a group
+//! serves either a rollout replica or a policy replica. Embedded, the groups are
+//! `placement.groups` virtual groups of one libtorch thread in this process; on a
+//! cluster they are the devices the nodes of `placement.nodes` advertise (membership),
+//! and a group's replica runs on its node, started through the node's factory and
+//! stopped over QUIC. Everything else is shared by both. The job's `job.controllers` heads (data-parallel controllers) are routed
 //! over them: with one rollout group every head generates on it; with one policy group
 //! every head trains on it (gradients summed there); with as many groups as heads each
 //! head has its own (gradients all-reduced). Reward (and reference) run outside the
@@ -19,7 +22,10 @@
 //!    expects only its own samples);
 //! 3. its memory is freed: offload, then stop (the role's thread ends and drops it);
 //! 4. the gaining role starts there: a rollout replica from the policy's weights, or a
-//!    policy replica from a checkpoint of a surviving one (weights and optimizer);
+//!    policy replica with a surviving one's whole trainer state (weights, optimizer,
+//!    step), sent as bytes ([`PolicyRequest::ExportState`] /
+//!    [`PolicyRequest::ImportState`]); on a cluster, replicas of a head each then join
+//!    a new gradient ring;
 //! 5. every head syncs weights to its rollout;
 //! 6. a new routing version is published (and the directory's epoch recorded), and
 //!    the heads follow it from the next step.
@@ -31,7 +37,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tch::{Device, Kind};
 use yatt_engine::{Llama, Trainer};
@@ -43,19 +49,25 @@ use yatt_placement::{
     CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy,
     Plan, Pool, RewardKind, Stage, StageObs,
 };
-use yatt_runtime::actor::ExitReason;
+use yatt_runtime::actor::{ActorRef, ExitReason};
+use yatt_runtime::collective::RING_CHUNK_BYTES;
 use yatt_runtime::directory::Change;
+use yatt_runtime::membership::NodeInfo;
+use yatt_runtime::message::Message;
 use yatt_runtime::node::Node;
+use yatt_runtime::ActorId;
 
 use crate::builtin::{PolicyRequest, PolicyResponse, TextCodec};
 use crate::controller::{
-    spawn_role, step_data_parallel, Controller, PolicyRef, RoleRefs, RolloutRef, StepMetrics,
-    StepReport,
+    join_policy_ring, spawn_role, step_data_parallel, Controller, PolicyRef, RoleRefs, RolloutRef,
+    StepMetrics, StepReport,
 };
 use crate::job::{
-    base_model, controllers, load_trainer, policy_role_from, rollout_role, spawn_reward,
-    train_config, JobConfig, JobError,
+    base_model, controllers, policy_role_from, rollout_role, spawn_reward, train_config, JobConfig,
+    JobError,
 };
+use crate::ledger::LedgerReport;
+use crate::remote::{self, job_text, wait_for_nodes};
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse};
 use crate::sample::Sample;
 
@@ -109,15 +121,13 @@ struct Observed {
     groups: Vec<GroupUse>,
 }
 
-/// The live placement shell of one embedded job.
+/// The live placement shell of one job, embedded or on a cluster.
 pub struct LivePlacement {
     job: JobConfig,
     node: Node,
-    codec: Arc<dyn TextCodec>,
-    pad_id: i64,
-    /// A model of the right shape; rollouts start from a copy and get the policy's
-    /// weights by sync.
-    template: Llama,
+    hosts: Hosts,
+    /// Each group's node.
+    group_nodes: BTreeMap<GroupId, String>,
     policy: PlacementPolicy,
     plan: Plan,
     replicas: BTreeMap<GroupId, Replica>,
@@ -129,6 +139,26 @@ pub struct LivePlacement {
     log_path: PathBuf,
     /// The plan before the last migration: the "no move" baseline.
     before_move: Option<Plan>,
+    /// The last step's ledgers, one per head.
+    last_ledgers: Vec<LedgerReport>,
+}
+
+/// Where the groups are, and so how a role starts on one.
+enum Hosts {
+    /// Virtual groups of this process: roles start on threads here.
+    Embedded {
+        codec: Arc<dyn TextCodec>,
+        pad_id: i64,
+        /// A model of the right shape; rollouts start from a copy and get the policy's
+        /// weights by sync.
+        template: Box<Llama>,
+    },
+    /// Devices of cluster nodes: roles start through the nodes' factories, linked to
+    /// this node.
+    Cluster {
+        /// The job config the factories build roles from.
+        text: String,
+    },
 }
 
 fn rset(r: PRole) -> RoleSet {
@@ -175,10 +205,83 @@ fn invalid(key: &str, expected: &str, found: &str, fix: &str) -> JobError {
     }
 }
 
+/// `placement.groups` virtual groups of one thread in this process.
+fn embedded_inventory(job: &JobConfig, gpu: &GpuSpec) -> Result<Inventory, JobError> {
+    let (heads, groups) = (job.job.controllers, job.placement.groups);
+    if groups != heads + 1 {
+        return Err(invalid(
+            "placement.groups",
+            &format!("job.controllers + 1 = {}", heads + 1),
+            &groups.to_string(),
+            "the rollout and the policy each take 1 or job.controllers groups",
+        ));
+    }
+    Inventory::uniform(1, groups as u32, 1, gpu.memory_bytes, gpu.host_memory_bytes).map_err(|e| {
+        invalid(
+            "placement.groups",
+            "a valid inventory",
+            &groups.to_string(),
+            &e.to_string(),
+        )
+    })
+}
+
+/// The devices the alive nodes of `placement.nodes` advertise in the directory, one
+/// group each, in the order the section lists the nodes.
+async fn cluster_inventory(job: &JobConfig, node: &Node) -> Result<Inventory, JobError> {
+    let p = &job.placement;
+    let mut named: Vec<(String, String)> = p
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (format!("placement.nodes[{i}]"), n.clone()))
+        .collect();
+    named.push(("placement.reward".into(), p.reward.clone()));
+    if job.algorithm.kl_mode != "none" {
+        named.push(("placement.reference".into(), p.reference.clone()));
+    }
+    wait_for_nodes(node, &named).await?;
+    let infos: Vec<NodeInfo> = node.directory().read(|d| {
+        p.nodes
+            .iter()
+            .filter_map(|want| d.alive_nodes().find(|n| n.name == *want).cloned())
+            .collect()
+    });
+    let inventory = Inventory::from_nodes(&infos, 1).map_err(|e| {
+        invalid(
+            "placement.nodes",
+            "nodes whose devices form groups of one",
+            &format!("{:?}", p.nodes),
+            &e.to_string(),
+        )
+    })?;
+    let heads = job.job.controllers;
+    if inventory.len() != heads + 1 {
+        let offered: Vec<String> = infos
+            .iter()
+            .map(|n| format!("{} ({} device(s))", n.name, n.devices.len()))
+            .collect();
+        return Err(invalid(
+            "placement.nodes",
+            &format!(
+                "job.controllers + 1 = {} devices in all (the rollout and the policy each take 1 or job.controllers groups)",
+                heads + 1
+            ),
+            &format!("{} device(s): {}", inventory.len(), offered.join(", ")),
+            "list nodes offering that many devices (`yatt-node run --virtual-devices N` on machines without GPUs), or change job.controllers",
+        ));
+    }
+    Ok(inventory)
+}
+
 impl LivePlacement {
-    /// Checks that `job` can run under live placement, builds its roles on `node` on
-    /// the starting plan (`placement.rollout_groups` rollout groups, the rest policy)
-    /// and writes the first plan to `OUTPUT_DIR/placement.jsonl`.
+    /// Checks that `job` can run under live placement, builds its roles on the starting
+    /// plan (`placement.rollout_groups` rollout groups, the rest policy) and writes the
+    /// first plan to `OUTPUT_DIR/placement.jsonl`. Embedded (`placement.mode =
+    /// "colocate"`): the groups are `placement.groups` virtual groups of `node`'s
+    /// process. On a cluster (`"disaggregated"`, `node` a member): the groups are the
+    /// devices the nodes of `placement.nodes` advertise, one group each, and the roles
+    /// start on those nodes through their factories.
     pub async fn build(job: &JobConfig, node: &Node) -> Result<Self, JobError> {
         job.validate()?;
         let p = &job.placement;
@@ -189,14 +292,6 @@ impl LivePlacement {
                 "at least 2 parallel heads under placement.live",
                 &heads.to_string(),
                 "set job.controllers = 2 and job.driver = \"parallel\"",
-            ));
-        }
-        if p.groups != heads + 1 {
-            return Err(invalid(
-                "placement.groups",
-                &format!("job.controllers + 1 = {}", heads + 1),
-                &p.groups.to_string(),
-                "the rollout and the policy each take 1 or job.controllers groups",
             ));
         }
         if p.rollout_groups != 1 && p.rollout_groups != heads {
@@ -224,6 +319,19 @@ impl LivePlacement {
                         .into(),
             });
         }
+        let with_reference = job.algorithm.kl_mode != "none";
+        let cluster = p.mode == "disaggregated";
+        if cluster && with_reference && p.reference.is_empty() {
+            return Err(invalid(
+                "placement.reference",
+                &format!(
+                    "the node of the reference, as algorithm.kl_mode = {:?}",
+                    job.algorithm.kl_mode
+                ),
+                "nothing",
+                "add reference = \"NODE\" under [placement], or set algorithm.kl_mode = \"none\"",
+            ));
+        }
         let (mut model, codec, pad_id) = base_model(job)?;
         tch::set_num_threads(1);
         let params = model.num_parameters() as f64;
@@ -240,7 +348,10 @@ impl LivePlacement {
         shape.reference = false;
         shape.prompt_len = 4;
         let gpu = cpu_thread_spec();
-        let inventory_gpu = gpu.clone();
+        let inventory = match cluster {
+            false => embedded_inventory(job, &gpu)?,
+            true => cluster_inventory(job, node).await?,
+        };
         let setup = CostSetup {
             job: shape,
             gpu,
@@ -248,22 +359,9 @@ impl LivePlacement {
             staleness: 0,
             partial_rollout: None,
         };
-        let inventory = Inventory::uniform(
-            1,
-            p.groups as u32,
-            1,
-            inventory_gpu.memory_bytes,
-            inventory_gpu.host_memory_bytes,
-        )
-        .map_err(|e| {
-            invalid(
-                "placement.groups",
-                "a valid inventory",
-                &p.groups.to_string(),
-                &e.to_string(),
-            )
-        })?;
         let ids: Vec<GroupId> = inventory.groups().map(|g| g.id).collect();
+        let group_nodes: BTreeMap<GroupId, String> =
+            inventory.groups().map(|g| (g.id, g.node.clone())).collect();
         let plan = Plan {
             pools: vec![
                 Pool {
@@ -301,26 +399,54 @@ impl LivePlacement {
         // Starting a role here takes a fraction of a second, not a GPU engine's 10 s;
         // the first migration replaces the guess with a measurement.
         policy.cost_model_mut().set_start_costs(0.2, 0.2);
-        let group = DeviceGroup::cpu(node.name());
-        let shared = Shared {
-            reward: spawn_reward(job, node, group.clone()).await?,
-            reference: match job.algorithm.kl_mode.as_str() {
-                "none" => None,
-                _ => Some(
-                    spawn_role(
-                        node,
-                        crate::job::reference_role(
-                            job,
-                            model.deep_copy(Device::Cpu, Kind::Float).map_err(me(job))?,
-                            pad_id,
+        let (hosts, shared) = match cluster {
+            false => {
+                let group = DeviceGroup::cpu(node.name());
+                let shared = Shared {
+                    reward: spawn_reward(job, node, group.clone()).await?,
+                    reference: match with_reference {
+                        false => None,
+                        true => Some(
+                            spawn_role(
+                                node,
+                                crate::job::reference_role(
+                                    job,
+                                    model.deep_copy(Device::Cpu, Kind::Float).map_err(me(job))?,
+                                    pad_id,
+                                ),
+                                0,
+                                group.clone(),
+                            )
+                            .await?,
                         ),
-                        0,
-                        group.clone(),
-                    )
-                    .await?,
-                ),
-            },
+                    },
+                };
+                let hosts = Hosts::Embedded {
+                    codec,
+                    pad_id,
+                    template: Box::new(model.deep_copy(Device::Cpu, Kind::Float).map_err(me(job))?),
+                };
+                (hosts, shared)
+            }
+            true => {
+                // Every policy a node builds gets a ring inbox: the replicas all-reduce
+                // their gradients among themselves whenever each head has its own.
+                let mut sent = job.clone();
+                sent.job.policy_replicas = heads;
+                let text = job_text(&sent)?;
+                let shared = Shared {
+                    reward: remote::spawn(job, &text, node, "reward", &p.reward).await?,
+                    reference: match with_reference {
+                        false => None,
+                        true => {
+                            Some(remote::spawn(job, &text, node, "reference", &p.reference).await?)
+                        }
+                    },
+                };
+                (Hosts::Cluster { text }, shared)
+            }
         };
+        drop(model);
         let out = job.job.output_dir.clone();
         std::fs::create_dir_all(&out).map_err(|source| JobError::Write {
             path: out.clone(),
@@ -334,9 +460,8 @@ impl LivePlacement {
         let mut live = LivePlacement {
             job: job.clone(),
             node: node.clone(),
-            codec,
-            pad_id,
-            template: model.deep_copy(Device::Cpu, Kind::Float).map_err(me(job))?,
+            hosts,
+            group_nodes,
             policy,
             plan: plan.clone(),
             replicas: BTreeMap::new(),
@@ -347,24 +472,39 @@ impl LivePlacement {
             log,
             log_path,
             before_move: None,
+            last_ledgers: Vec::new(),
         };
-        // Every policy replica starts from the same fresh trainer state.
+        // Every policy replica starts from the first one's state (a fresh trainer):
+        // across processes nothing else guarantees the same weights.
+        let mut first: Option<PolicyRef> = None;
         for pool in &plan.pools {
             for g in &pool.groups {
                 let r = if pool.roles.contains(PRole::Rollout) {
                     Replica::Rollout(live.start_rollout(*g).await?)
                 } else {
-                    let t = Trainer::new(
-                        model.deep_copy(Device::Cpu, Kind::Float).map_err(me(job))?,
-                        train_config(job),
-                    );
-                    Replica::Policy(live.start_policy(*g, t).await?)
+                    let r = live.start_policy(*g, first.as_ref()).await?;
+                    first.get_or_insert_with(|| r.clone());
+                    Replica::Policy(r)
                 };
                 live.replicas.insert(*g, r);
             }
         }
-        live.route(None)?;
+        live.route(None).await?;
         live.sync_all().await?;
+        if let (Some(reference), Some(policy), Hosts::Cluster { .. }) =
+            (&live.shared.reference, &first, &live.hosts)
+        {
+            // The reference is the initial policy, whichever node built it.
+            let t = live.deadline();
+            let update = match ask_policy(policy, PolicyRequest::ExportWeights, t).await? {
+                PolicyResponse::Weights(u) => u,
+                other => return Err(unexpected("ExportWeights", &other)),
+            };
+            reference
+                .ask(RoleRequest::LoadWeights(update), t)
+                .await
+                .map_err(|e| placement_err(format!("the reference did not take weights: {e}")))?;
+        }
         live.publish(0)?;
         Ok(live)
     }
@@ -394,16 +534,78 @@ impl LivePlacement {
         &self.policy
     }
 
+    /// What runs on each group: `(group, node, "rollout" or "policy", replica)`.
+    pub fn replicas(&self) -> Vec<(GroupId, String, &'static str, ActorId)> {
+        self.replicas
+            .iter()
+            .map(|(g, r)| {
+                let node = self.group_nodes.get(g).cloned().unwrap_or_default();
+                match r {
+                    Replica::Rollout(r) => (*g, node, "rollout", r.id().clone()),
+                    Replica::Policy(p) => (*g, node, "policy", p.id().clone()),
+                }
+            })
+            .collect()
+    }
+
+    /// The ledgers of the last step, one per head (each closed clean, or the step
+    /// failed).
+    pub fn last_ledgers(&self) -> &[LedgerReport] {
+        &self.last_ledgers
+    }
+
+    /// Deadline of every call the shell makes outside a step (`placement.spawn_timeout_s`).
+    fn deadline(&self) -> Duration {
+        Duration::from_secs(self.job.placement.spawn_timeout_s)
+    }
+
+    fn node_of(&self, g: GroupId) -> Result<&str, JobError> {
+        self.group_nodes
+            .get(&g)
+            .map(String::as_str)
+            .ok_or_else(|| placement_err(format!("{g} is not a group of the inventory")))
+    }
+
+    /// Starts a rollout replica on group `g`; it gets the policy's weights at the next
+    /// weight sync.
     async fn start_rollout(&mut self, g: GroupId) -> Result<RolloutRef, JobError> {
-        let m = self
-            .template
-            .deep_copy(Device::Cpu, Kind::Float)
-            .map_err(me(&self.job))?;
-        let role = rollout_role(&self.job, m, self.codec.clone());
+        match &self.hosts {
+            Hosts::Embedded {
+                codec, template, ..
+            } => {
+                let m = template
+                    .deep_copy(Device::Cpu, Kind::Float)
+                    .map_err(me(&self.job))?;
+                let role = rollout_role(&self.job, m, codec.clone());
+                self.spawn_here(g, role).await
+            }
+            Hosts::Cluster { text } => self.spawn_there(g, text, "rollout").await,
+        }
+    }
+
+    /// Starts `role` on a thread of this process for group `g` and records it in the
+    /// directory (an actor only this process reaches is not registered by itself).
+    async fn spawn_here<R: Role>(
+        &mut self,
+        g: GroupId,
+        role: R,
+    ) -> Result<ActorRef<RoleRequest<R::Request>, RoleResponse<R::Response>>, JobError> {
         self.next_replica += 1;
         let r = spawn_role(&self.node, role, self.next_replica, self.device_group(g)).await?;
         self.announce(Change::ActorUp(r.id().clone())).await?;
         Ok(r)
+    }
+
+    /// Starts `role` on group `g`'s node through its factory (the hosting node records
+    /// the actor in the directory itself).
+    async fn spawn_there<Req: Message, Resp: Message>(
+        &self,
+        g: GroupId,
+        text: &str,
+        role: &'static str,
+    ) -> Result<ActorRef<RoleRequest<Req>, RoleResponse<Resp>>, JobError> {
+        let target = self.node_of(g)?;
+        Ok(remote::spawn(&self.job, text, &self.node, role, target).await?)
     }
 
     /// Records a replica's start or stop in the runtime's directory (a new epoch).
@@ -418,12 +620,66 @@ impl LivePlacement {
             })
     }
 
-    async fn start_policy(&mut self, g: GroupId, t: Trainer) -> Result<PolicyRef, JobError> {
-        let role = policy_role_from(&self.job, t, self.pad_id)?;
-        self.next_replica += 1;
-        let r = spawn_role(&self.node, role, self.next_replica, self.device_group(g)).await?;
-        self.announce(Change::ActorUp(r.id().clone())).await?;
+    /// Starts a policy replica on group `g`, with `from`'s whole trainer state (weights,
+    /// optimizer, step) when given. A replica that fails to take the state is stopped
+    /// again, so nothing is left behind.
+    async fn start_policy(
+        &mut self,
+        g: GroupId,
+        from: Option<&PolicyRef>,
+    ) -> Result<PolicyRef, JobError> {
+        let r = match &self.hosts {
+            Hosts::Embedded {
+                template, pad_id, ..
+            } => {
+                let m = template
+                    .deep_copy(Device::Cpu, Kind::Float)
+                    .map_err(me(&self.job))?;
+                let t = Trainer::new(m, train_config(&self.job));
+                let role = policy_role_from(&self.job, t, *pad_id)?;
+                self.spawn_here(g, role).await?
+            }
+            Hosts::Cluster { text } => self.spawn_there(g, text, "policy").await?,
+        };
+        if let Some(src) = from {
+            if let Err(e) = self.hand_off(src, &r).await {
+                let _ = self.stop(&Replica::Policy(r)).await;
+                return Err(e);
+            }
+        }
         Ok(r)
+    }
+
+    /// Copies `src`'s trainer state to `dst` as bytes (over QUIC when either is remote).
+    async fn hand_off(&self, src: &PolicyRef, dst: &PolicyRef) -> Result<(), JobError> {
+        let t = self.deadline();
+        let state = match ask_policy(src, PolicyRequest::ExportState, t).await? {
+            PolicyResponse::State(s) => s,
+            other => return Err(unexpected("ExportState", &other)),
+        };
+        match ask_policy(dst, PolicyRequest::ImportState(state), t).await? {
+            PolicyResponse::Imported => Ok(()),
+            other => Err(unexpected("ImportState", &other)),
+        }
+    }
+
+    /// Drains, offloads and stops a replica (its thread ends and drops its tensors);
+    /// returns the work items a drain gave up.
+    async fn stop(&self, replica: &Replica) -> Result<Vec<u64>, JobError> {
+        let t = self.deadline();
+        let (drained, id) = match replica {
+            Replica::Rollout(r) => (drain_and_stop(r, t).await?, r.id().clone()),
+            Replica::Policy(p) => (drain_and_stop(p, t).await?, p.id().clone()),
+        };
+        // A remote node records its actor's exit in the directory itself.
+        if let Hosts::Embedded { .. } = self.hosts {
+            self.announce(Change::ActorDown {
+                id,
+                reason: ExitReason::Normal,
+            })
+            .await?;
+        }
+        Ok(drained)
     }
 
     fn device_group(&self, g: GroupId) -> DeviceGroup {
@@ -482,8 +738,9 @@ impl LivePlacement {
         Ok((r, p))
     }
 
-    /// Rebuilds the heads over the plan's replicas, keeping each head's position.
-    fn route(
+    /// Rebuilds the heads over the plan's replicas, keeping each head's position; on a
+    /// cluster, replicas of a head each join a new gradient ring of the replica set.
+    async fn route(
         &mut self,
         states: Option<Vec<crate::controller::ControllerState>>,
     ) -> Result<(), JobError> {
@@ -506,6 +763,12 @@ impl LivePlacement {
             for (c, s) in heads.iter_mut().zip(states) {
                 c.restore(s)?;
             }
+        }
+        // Replicas built in this process have no ring inbox: the heads average their
+        // gradients through the controllers instead.
+        let replicated = self.of_role(PRole::Policy).len() == heads.len() && heads.len() > 1;
+        if replicated && matches!(self.hosts, Hosts::Cluster { .. }) {
+            join_policy_ring(&mut heads, RING_CHUNK_BYTES).await?;
         }
         self.controllers = heads;
         self.routing_version += 1;
@@ -546,6 +809,7 @@ impl LivePlacement {
         let t = Instant::now();
         let reports = step_data_parallel(&mut self.controllers).await?;
         let wall = t.elapsed().as_secs_f64();
+        self.last_ledgers = reports.iter().map(|r| r.ledger.clone()).collect();
         let step = reports.first().map_or(0, |r| r.metrics.step);
         let obs = self.observe(&reports, wall)?;
         let decisions = self.policy.on_event(Event::Metrics(obs.metrics));
@@ -661,15 +925,7 @@ impl LivePlacement {
                 Replica::Rollout(_) => None,
             });
             // 2–3. Drain, free (offload, then stop: the thread drops the tensors).
-            let (drained, id) = match &replica {
-                Replica::Rollout(r) => (drain_and_stop(r).await?, r.id().clone()),
-                Replica::Policy(p) => (drain_and_stop(p).await?, p.id().clone()),
-            };
-            self.announce(Change::ActorDown {
-                id,
-                reason: ExitReason::Normal,
-            })
-            .await?;
+            let drained = self.stop(&replica).await?;
             if !drained.is_empty() {
                 return Err(JobError::NotImplemented {
                     key: "placement".into(),
@@ -677,7 +933,8 @@ impl LivePlacement {
                     fix: "migrations run at step boundaries, where nothing is in flight".into(),
                 });
             }
-            // 4. Start the gaining role.
+            // 4. Start the gaining role: a policy replica continues from a survivor's
+            // weights and optimizer state.
             let new = if mv.to.contains(PRole::Rollout) {
                 Replica::Rollout(self.start_rollout(mv.group).await?)
             } else {
@@ -688,32 +945,13 @@ impl LivePlacement {
                         fix: "keep at least one policy group".into(),
                     });
                 };
-                let dir = self.job.job.output_dir.join("placement-handoff");
-                let t = self.job.placement.spawn_timeout_s;
-                match src
-                    .ask(
-                        RoleRequest::Serve(PolicyRequest::SaveCheckpoint(dir.clone())),
-                        std::time::Duration::from_secs(t),
-                    )
-                    .await
-                {
-                    Ok(RoleResponse::Served(PolicyResponse::Saved)) => {}
-                    other => {
-                        return Err(JobError::NotImplemented {
-                            key: "placement".into(),
-                            found: format!("policy hand-off answered {other:?}"),
-                            fix: "check the run directory is writable".into(),
-                        })
-                    }
-                }
-                let trainer = load_trainer(&dir, "policy")?;
-                Replica::Policy(self.start_policy(mv.group, trainer).await?)
+                Replica::Policy(self.start_policy(mv.group, Some(&src)).await?)
             };
             self.replicas.insert(mv.group, new);
             done.push(format!("{}: {} -> {}", mv.group, mv.from, mv.to));
         }
         self.plan = mig.target.clone();
-        if let Err(e) = self.route(Some(states)) {
+        if let Err(e) = self.route(Some(states)).await {
             self.plan = old;
             return Err(e);
         }
@@ -851,8 +1089,8 @@ fn decode_iterations(lens: &[usize], slots: usize) -> usize {
 
 async fn drain_and_stop<Req: Send + 'static, Resp: Send + 'static>(
     r: &yatt_runtime::actor::ActorRef<RoleRequest<Req>, RoleResponse<Resp>>,
+    t: Duration,
 ) -> Result<Vec<u64>, JobError> {
-    let t = std::time::Duration::from_secs(600);
     let call = |e: yatt_runtime::actor::CallError| JobError::NotImplemented {
         key: "placement".into(),
         found: format!("{} did not stop: {e}", r.id()),
@@ -865,6 +1103,37 @@ async fn drain_and_stop<Req: Send + 'static, Resp: Send + 'static>(
     r.ask(RoleRequest::Offload, t).await.map_err(call)?;
     r.ask(RoleRequest::Stop, t).await.map_err(call)?;
     Ok(drained)
+}
+
+/// Asks a policy replica, with deadline `t`.
+async fn ask_policy(
+    p: &PolicyRef,
+    request: PolicyRequest,
+    t: Duration,
+) -> Result<PolicyResponse, JobError> {
+    match p.ask(RoleRequest::Serve(request), t).await {
+        Ok(RoleResponse::Served(r)) => Ok(r),
+        Ok(other) => Err(placement_err(format!(
+            "{} answered {}",
+            p.id(),
+            crate::controller::variant(&other)
+        ))),
+        Err(e) => Err(placement_err(format!("{} did not answer: {e}", p.id()))),
+    }
+}
+
+fn unexpected(asked: &str, got: &PolicyResponse) -> JobError {
+    let got = format!("{got:?}");
+    let got: String = got.chars().take(120).collect();
+    placement_err(format!("the policy answered {asked} with {got}"))
+}
+
+fn placement_err(found: String) -> JobError {
+    JobError::NotImplemented {
+        key: "placement".into(),
+        found,
+        fix: "see the nodes' logs; the run stops rather than train on a broken plan".into(),
+    }
 }
 
 /// The heads' metrics averaged (as [`crate::job::run_steps`] reports them).

@@ -35,6 +35,7 @@ use crate::job::{
     reference_role, reward_role, rollout_role, JobConfig, JobError,
 };
 use crate::role::{DeviceGroup, Role, RoleActor, RoleError, RoleRequest, RoleResponse};
+use crate::sample::Sample;
 
 /// Requests a role's thread queues before its actor's mailbox takes the backpressure.
 const ROLE_QUEUE: usize = 4;
@@ -66,12 +67,17 @@ pub struct PlacementSection {
     pub critic: String,
     /// Deadline for a node to build a role, model load included, seconds.
     pub spawn_timeout_s: u64,
-    /// Run the live placement actor (embedded mode only): the roles sit on `groups`
-    /// virtual device groups of one libtorch thread each and groups move between the
-    /// rollout and the policy as the load shifts (see `crate::placement_live`).
+    /// Run the live placement actor: the rollout and the policy sit on device groups
+    /// and groups move between them as the load shifts (see `crate::placement_live`).
+    /// Embedded (`colocate`): `groups` virtual groups of this process; on a cluster
+    /// (`disaggregated`): the devices the nodes in `nodes` advertise.
     pub live: bool,
-    /// Virtual device groups of the live placement (`job.controllers` + 1).
+    /// Virtual device groups of the embedded live placement (`job.controllers` + 1).
     pub groups: usize,
+    /// Live placement on a cluster: the nodes whose devices (one group each, as
+    /// membership advertises them) the rollout and the policy share. `rollout` and
+    /// `policy` are not used then; `reward` and `reference` still place those roles.
+    pub nodes: Vec<String>,
     /// Groups the rollout starts with (1 or `job.controllers`); the policy gets the rest.
     pub rollout_groups: usize,
     /// The placement policy's knobs (`[placement.replan]`: replan_every, warmup_steps,
@@ -92,6 +98,7 @@ impl Default for PlacementSection {
             spawn_timeout_s: 300,
             live: false,
             groups: 3,
+            nodes: Vec::new(),
             rollout_groups: 1,
             replan: yatt_placement::PolicyConfig {
                 // The live executor trusts the analytic model: simulating candidates
@@ -225,15 +232,20 @@ impl PlacementSection {
             self.spawn_timeout_s as f64,
             "e.g. spawn_timeout_s = 300",
         )?;
-        if self.live && self.mode != "colocate" {
-            return Err(JobError::NotImplemented {
-                key: "placement.live".into(),
-                found: "true with mode = \"disaggregated\"".into(),
-                fix: "live placement runs embedded only for now: set mode = \"colocate\" or live = false".into(),
-            });
+        let live_cluster = self.live && self.mode == "disaggregated";
+        if !self.nodes.is_empty() && !live_cluster {
+            return Err(invalid(
+                "placement.nodes",
+                "nothing unless live = true and mode = \"disaggregated\"",
+                &format!("{:?}", self.nodes),
+                "remove placement.nodes, or set live = true and mode = \"disaggregated\" to run the live placement over those nodes' devices",
+            ));
         }
         if self.mode == "colocate" {
             return Ok(());
+        }
+        if self.live {
+            return self.validate_live_cluster();
         }
         if let NodeNames::Each(ns) = &self.policy {
             if ns.len() != policy_replicas {
@@ -270,6 +282,39 @@ impl PlacementSection {
                     &fix,
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// The live placement on a cluster: the nodes offering groups, once each, and the
+    /// reward's node (the reference's is checked against `algorithm.kl_mode` when the
+    /// job is built).
+    fn validate_live_cluster(&self) -> Result<(), JobError> {
+        if self.nodes.is_empty() {
+            return Err(invalid(
+                "placement.nodes",
+                "the nodes whose devices the rollout and the policy share, with placement.live = true on a cluster",
+                "nothing",
+                "add nodes = [\"gpu-0\", \"gpu-1\"] under [placement] (`yatt-node run --name NODE`; each offers its GPUs, or --virtual-devices N without GPUs)",
+            ));
+        }
+        for (i, n) in self.nodes.iter().enumerate() {
+            if n.is_empty() || self.nodes[..i].contains(n) {
+                return Err(invalid(
+                    &format!("placement.nodes[{i}]"),
+                    "a node name, each node once",
+                    &format!("{n:?} in {:?}", self.nodes),
+                    "list each node once; a node offers all its devices",
+                ));
+            }
+        }
+        if self.reward.is_empty() {
+            return Err(invalid(
+                "placement.reward",
+                "the name of the cluster node that runs this role",
+                "nothing",
+                "add reward = \"NODE\" under [placement] (a `yatt-node run --name NODE`)",
+            ));
         }
         Ok(())
     }
@@ -323,13 +368,69 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
                 Ok(reference_role(job, model, pad_id))
             })
         })
-        .factory_async("reward", |a: RoleArgs| start_role(a, "reward", reward_role))
+        .factory_async("reward", |a: RoleArgs| {
+            start_role(a, "reward", JobReward::of)
+        })
         .factory_async("critic", |a: RoleArgs| {
             start_role(a, "critic", |job| {
                 let (model, _, pad_id) = base_model(job)?;
                 critic_role(job, model, None, pad_id)
             })
         })
+}
+
+/// A job's reward role as a node builds it: the `growing` task's length reward, or the
+/// job's reward functions (as [`crate::job::spawn_reward`] picks in process).
+enum JobReward {
+    Growing(crate::placement_live::GrowingLengthReward),
+    Functions(crate::builtin::RewardRole),
+}
+
+impl JobReward {
+    fn of(job: &JobConfig) -> Result<Self, JobError> {
+        if job.data.jsonl.is_empty() && job.data.task == "growing" {
+            let task = crate::job::growing_task(job);
+            return Ok(JobReward::Growing(
+                crate::placement_live::GrowingLengthReward(task),
+            ));
+        }
+        Ok(JobReward::Functions(reward_role(job)?))
+    }
+
+    fn role(&mut self) -> &mut dyn Role<Request = Vec<Sample>, Response = Vec<Sample>> {
+        match self {
+            JobReward::Growing(r) => r,
+            JobReward::Functions(r) => r,
+        }
+    }
+}
+
+impl Role for JobReward {
+    type Request = Vec<Sample>;
+    type Response = Vec<Sample>;
+
+    fn name(&self) -> &str {
+        "reward"
+    }
+
+    fn profile(&self) -> crate::role::ResourceProfile {
+        match self {
+            JobReward::Growing(r) => r.profile(),
+            JobReward::Functions(r) => r.profile(),
+        }
+    }
+
+    fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
+        self.role().start(group)
+    }
+
+    fn serve(&mut self, samples: Vec<Sample>) -> Result<Vec<Sample>, RoleError> {
+        self.role().serve(samples)
+    }
+
+    fn stop(&mut self) {
+        self.role().stop()
+    }
 }
 
 /// Builds a role from the job in `args` on the role's own thread and starts it there.
@@ -346,8 +447,9 @@ async fn start_role<R: Role>(
         .map_err(|e| e.to_string())
 }
 
-/// Spawns `role` of the job on the node `target`.
-async fn spawn<Req: Message, Resp: Message>(
+/// Spawns `role` of the job (`text`: its config as TOML) on the node `target`, linked
+/// to `node`, with the `placement.spawn_timeout_s` deadline.
+pub(crate) async fn spawn<Req: Message, Resp: Message>(
     job: &JobConfig,
     text: &str,
     node: &Node,
@@ -391,37 +493,8 @@ pub async fn build_cluster(job: &JobConfig, node: &Node) -> Result<Vec<Controlle
     }
     let ppo = job.algorithm.name == "ppo";
     let replicas = job.job.policy_replicas;
-    let named = p.named_nodes(replicas, ppo);
-    // Nodes started just before the run may still be joining: wait for them, briefly.
-    let all_alive = |d: &Directory| {
-        named
-            .iter()
-            .all(|(_, want)| d.alive_nodes().any(|n| n.name == *want))
-    };
-    if !node.directory().read(all_alive) {
-        tracing::info!(wait = ?NODES_WAIT, "waiting for the placement's nodes to join");
-        node.directory().wait_until(NODES_WAIT, all_alive).await;
-    }
-    let mut alive: Vec<String> = node
-        .directory()
-        .read(|d| d.alive_nodes().map(|n| n.name.clone()).collect());
-    alive.sort();
-    for (key, want) in &named {
-        if !alive.iter().any(|n| n == want) {
-            return Err(invalid(
-                key,
-                &format!("a node of the cluster: {}", alive.join(", ")),
-                &format!("{want:?}"),
-                &format!("start it (`yatt-node run --name {want} --seed ...`) or name one of the nodes above"),
-            ));
-        }
-    }
-    // postcard cannot carry the config's untagged values; TOML can, and the node
-    // validates what it gets.
-    let text = toml::to_string(job).map_err(|e| JobError::Parse {
-        origin: "the job config".into(),
-        message: format!("cannot encode it for the nodes: {e}"),
-    })?;
+    wait_for_nodes(node, &p.named_nodes(replicas, ppo)).await?;
+    let text = job_text(job)?;
     let rollouts = async {
         let mut v = Vec::with_capacity(job.job.controllers);
         for _ in 0..job.job.controllers {
@@ -463,6 +536,48 @@ pub async fn build_cluster(job: &JobConfig, node: &Node) -> Result<Vec<Controlle
         join_policy_ring(&mut controllers, RING_CHUNK_BYTES).await?;
     }
     Ok(controllers)
+}
+
+/// Waits (briefly: nodes started just before the run may still be joining) until every
+/// `(key, node)` of `named` is alive in the cluster `node` belongs to; otherwise names
+/// the key, the missing node and the nodes there are.
+pub(crate) async fn wait_for_nodes(
+    node: &Node,
+    named: &[(String, String)],
+) -> Result<(), JobError> {
+    let all_alive = |d: &Directory| {
+        named
+            .iter()
+            .all(|(_, want)| d.alive_nodes().any(|n| n.name == *want))
+    };
+    if !node.directory().read(all_alive) {
+        tracing::info!(wait = ?NODES_WAIT, "waiting for the placement's nodes to join");
+        node.directory().wait_until(NODES_WAIT, all_alive).await;
+    }
+    let mut alive: Vec<String> = node
+        .directory()
+        .read(|d| d.alive_nodes().map(|n| n.name.clone()).collect());
+    alive.sort();
+    for (key, want) in named {
+        if !alive.iter().any(|n| n == want) {
+            return Err(invalid(
+                key,
+                &format!("a node of the cluster: {}", alive.join(", ")),
+                &format!("{want:?}"),
+                &format!("start it (`yatt-node run --name {want} --seed ...`) or name one of the nodes above"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The job config as the nodes' factories take it: postcard cannot carry the config's
+/// untagged values; TOML can, and the node validates what it gets.
+pub(crate) fn job_text(job: &JobConfig) -> Result<String, JobError> {
+    toml::to_string(job).map_err(|e| JobError::Parse {
+        origin: "the job config".into(),
+        message: format!("cannot encode it for the nodes: {e}"),
+    })
 }
 
 /// Pushes the first policy replica's weights (version 0) to every rollout, to the

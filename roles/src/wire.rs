@@ -29,7 +29,7 @@ use yatt_runtime::collective::RingSpec;
 use yatt_runtime::message::{Message, Wire, WireError};
 use yatt_runtime::ActorId;
 
-use crate::builtin::{GradShard, PolicyRequest, PolicyResponse, TrainReport};
+use crate::builtin::{GradShard, PolicyRequest, PolicyResponse, TrainReport, TrainerState};
 use crate::role::{ResourceProfile, RoleRequest, RoleResponse, WeightsUpdate};
 use crate::sample::Sample;
 
@@ -82,6 +82,9 @@ enum PolicyRequestHead {
     RingInbox,
     JoinRing(RingSpec),
     TrainAllReduce(Vec<Sample>),
+    ExportState,
+    /// File names; the contents are bulk tensors `state.i`.
+    ImportState(Vec<String>),
 }
 
 #[derive(Serialize, Deserialize)]
@@ -99,6 +102,9 @@ enum PolicyResponseHead {
     Saved,
     RingInbox(ActorId),
     Joined,
+    /// File names; the contents are bulk tensors `state.i`.
+    State(Vec<String>),
+    Imported,
 }
 
 fn encode_err<T>(reason: impl ToString) -> WireError {
@@ -270,6 +276,34 @@ fn remote_buckets<T>(u: WeightsUpdate) -> Result<Vec<yatt_engine::WeightBucket>,
     }
 }
 
+/// A trainer state's file names (for the body) and its files as bulk tensors `state.i`.
+fn pack_state<T>(state: TrainerState) -> Result<(Vec<String>, Option<Bulk>), WireError> {
+    let (names, data): (Vec<String>, Vec<Bytes>) = state.files.into_iter().unzip();
+    let items: Vec<(String, Bytes)> = data
+        .into_iter()
+        .enumerate()
+        .map(|(i, d)| (format!("state.{i}"), d))
+        .collect();
+    let bulk = match items.is_empty() {
+        true => None,
+        false => Some(bulk_of::<T>(items)?),
+    };
+    Ok((names, bulk))
+}
+
+/// Undoes [`pack_state`].
+fn unpack_state<T>(names: Vec<String>, bulk: Option<&Bulk>) -> Result<TrainerState, WireError> {
+    let mut files = Vec::with_capacity(names.len());
+    for (i, name) in names.into_iter().enumerate() {
+        let bulk = bulk.ok_or(WireError::BulkMismatch {
+            type_name: std::any::type_name::<T>(),
+            reason: "a trainer state needs a bulk payload and none arrived",
+        })?;
+        files.push((name, tensor_bytes::<T>(bulk, &format!("state.{i}"))?));
+    }
+    Ok(TrainerState { files })
+}
+
 fn no_bulk<T>(bulk: &Option<Bulk>) -> Result<(), WireError> {
     match bulk {
         Some(_) => Err(WireError::BulkMismatch {
@@ -379,6 +413,11 @@ impl Message for PolicyRequest {
             PolicyRequest::RingInbox => (PolicyRequestHead::RingInbox, None),
             PolicyRequest::JoinRing(spec) => (PolicyRequestHead::JoinRing(spec), None),
             PolicyRequest::TrainAllReduce(s) => (PolicyRequestHead::TrainAllReduce(s), None),
+            PolicyRequest::ExportState => (PolicyRequestHead::ExportState, None),
+            PolicyRequest::ImportState(state) => {
+                let (names, bulk) = pack_state::<Self>(state)?;
+                (PolicyRequestHead::ImportState(names), bulk)
+            }
             PolicyRequest::ApplyGradients(shards) => {
                 let (reports, groups): (Vec<_>, Vec<_>) =
                     shards.into_iter().map(|s| (s.report, s.buckets)).unzip();
@@ -391,7 +430,10 @@ impl Message for PolicyRequest {
 
     fn from_wire(wire: Wire) -> Result<Self, WireError> {
         let (head, _) = unframe::<Self, PolicyRequestHead>(&wire.body)?;
-        if !matches!(head, PolicyRequestHead::ApplyGradients { .. }) {
+        if !matches!(
+            head,
+            PolicyRequestHead::ApplyGradients { .. } | PolicyRequestHead::ImportState(_)
+        ) {
             no_bulk::<Self>(&wire.bulk)?;
         }
         Ok(match head {
@@ -403,6 +445,10 @@ impl Message for PolicyRequest {
             PolicyRequestHead::RingInbox => PolicyRequest::RingInbox,
             PolicyRequestHead::JoinRing(spec) => PolicyRequest::JoinRing(spec),
             PolicyRequestHead::TrainAllReduce(s) => PolicyRequest::TrainAllReduce(s),
+            PolicyRequestHead::ExportState => PolicyRequest::ExportState,
+            PolicyRequestHead::ImportState(names) => {
+                PolicyRequest::ImportState(unpack_state::<Self>(names, wire.bulk.as_ref())?)
+            }
             PolicyRequestHead::ApplyGradients { reports, buckets } => {
                 if reports.len() != buckets.len() {
                     return Err(decode_err::<Self>(format!(
@@ -432,6 +478,11 @@ impl Message for PolicyResponse {
             PolicyResponse::Saved => (PolicyResponseHead::Saved, None),
             PolicyResponse::RingInbox(id) => (PolicyResponseHead::RingInbox(id), None),
             PolicyResponse::Joined => (PolicyResponseHead::Joined, None),
+            PolicyResponse::Imported => (PolicyResponseHead::Imported, None),
+            PolicyResponse::State(state) => {
+                let (names, bulk) = pack_state::<Self>(state)?;
+                (PolicyResponseHead::State(names), bulk)
+            }
             PolicyResponse::Gradients(shard) => {
                 let (mut h, bulk) = pack_buckets::<Self>(vec![shard.buckets])?;
                 let head = PolicyResponseHead::Gradients {
@@ -460,7 +511,9 @@ impl Message for PolicyResponse {
         };
         if !matches!(
             head,
-            PolicyResponseHead::Gradients { .. } | PolicyResponseHead::Weights { .. }
+            PolicyResponseHead::Gradients { .. }
+                | PolicyResponseHead::Weights { .. }
+                | PolicyResponseHead::State(_)
         ) {
             no_bulk::<Self>(&wire.bulk)?;
         }
@@ -470,6 +523,10 @@ impl Message for PolicyResponse {
             PolicyResponseHead::Saved => PolicyResponse::Saved,
             PolicyResponseHead::RingInbox(id) => PolicyResponse::RingInbox(id),
             PolicyResponseHead::Joined => PolicyResponse::Joined,
+            PolicyResponseHead::Imported => PolicyResponse::Imported,
+            PolicyResponseHead::State(names) => {
+                PolicyResponse::State(unpack_state::<Self>(names, wire.bulk.as_ref())?)
+            }
             PolicyResponseHead::Gradients { report, buckets: h } => {
                 PolicyResponse::Gradients(GradShard {
                     buckets: buckets(h)?,
@@ -621,6 +678,32 @@ mod tests {
             RoleResponse::Served(PolicyResponse::Weights(u)) => assert_eq!(u.buckets, bs),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn trainer_states_round_trip_as_bulk() {
+        let state = TrainerState {
+            files: vec![
+                ("model.safetensors".into(), Bytes::from(vec![7u8; 3 << 20])),
+                ("trainer_state.json".into(), Bytes::from_static(b"{}")),
+            ],
+        };
+        let (back, _) = round_trip(RoleRequest::Serve(PolicyRequest::ImportState(
+            state.clone(),
+        )));
+        assert!(matches!(back, RoleRequest::Serve(PolicyRequest::ImportState(s)) if s == state));
+        let (back, _) = round_trip(RoleResponse::Served(PolicyResponse::State(state.clone())));
+        assert!(matches!(back, RoleResponse::Served(PolicyResponse::State(s)) if s == state));
+        let (back, _) = round_trip(RoleRequest::Serve(PolicyRequest::ExportState));
+        assert!(matches!(
+            back,
+            RoleRequest::Serve(PolicyRequest::ExportState)
+        ));
+        let (back, _) = round_trip(RoleResponse::Served(PolicyResponse::Imported));
+        assert!(matches!(
+            back,
+            RoleResponse::Served(PolicyResponse::Imported)
+        ));
     }
 
     #[test]

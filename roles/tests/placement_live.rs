@@ -161,6 +161,41 @@ async fn live_placement_refuses_layouts_it_cannot_route() {
         };
         assert!(err.contains(key), "{set}: {err}");
     }
+    // On a cluster the groups come from the nodes `placement.nodes` lists.
     let job = JobConfig::load(config, &["placement.mode=\"disaggregated\"".to_string()]);
-    assert!(job.unwrap_err().to_string().contains("placement.live"));
+    let err = job.unwrap_err().to_string();
+    assert!(
+        err.contains("placement.nodes") && err.contains("nodes = ["),
+        "{err}"
+    );
+    let sets = [
+        "placement.mode=\"disaggregated\"".to_string(),
+        "placement.nodes=[\"a\", \"a\"]".to_string(),
+        "placement.reward=\"a\"".to_string(),
+    ];
+    let err = JobConfig::load(config, &sets).unwrap_err().to_string();
+    assert!(
+        err.contains("placement.nodes[1]") && err.contains("each node once"),
+        "{err}"
+    );
+    // Nodes that are not in the cluster are named with the ones that are.
+    let sets = [
+        "placement.mode=\"disaggregated\"".to_string(),
+        "placement.nodes=[\"gpu-9\"]".to_string(),
+        "placement.reward=\"live-1\"".to_string(),
+    ];
+    let job = JobConfig::load(config, &sets).unwrap();
+    let err = match yatt_roles::placement_live::LivePlacement::build(&job, &node).await {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a missing node was accepted"),
+    };
+    assert!(
+        err.contains("placement.nodes[0]") && err.contains("gpu-9") && err.contains("live-1"),
+        "{err}"
+    );
+    // placement.nodes means nothing without live placement on a cluster.
+    let err = JobConfig::load(config, &["placement.nodes=[\"a\"]".to_string()])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("placement.nodes"), "{err}");
 }

@@ -29,6 +29,7 @@ pub use critic::{CriticConfig, CriticReport, CriticRequest, CriticResponse, Crit
 pub use judge_model::{JudgeConfig, JudgeMode, JudgeScorer, OnUnparsed};
 pub use policy::{
     GradShard, KlLossConfig, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole, TrainReport,
+    TrainerState,
 };
 pub use reference::ReferenceRole;
 pub use reward::RewardRole;

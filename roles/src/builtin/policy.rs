@@ -14,6 +14,9 @@
 //!   [`PolicyRequest::ExportLocalWeights`]: a snapshot of the tensors, for roles in
 //!   this process;
 //! - [`PolicyRequest::SaveCheckpoint`]: an exact-resume checkpoint;
+//! - [`PolicyRequest::ExportState`] / [`PolicyRequest::ImportState`]: the whole trainer
+//!   state (weights, optimizer, step) as bytes, so a new replica in another process
+//!   continues from a surviving one (the live placement's hand-off);
 //! - data parallelism over one shared policy: [`PolicyRequest::Gradients`] per head,
 //!   then [`PolicyRequest::ApplyGradients`] with every head's shard;
 //! - data parallelism over replicas: [`PolicyRequest::TrainAllReduce`], where each
@@ -132,6 +135,48 @@ pub enum PolicyRequest {
     /// averaged with every other replica's in the ring, then one optimizer step. Every
     /// replica of the ring must be asked at the same time, at the same version.
     TrainAllReduce(Vec<Sample>),
+    /// The whole trainer state (weights, optimizer moments, step), as bytes.
+    ExportState,
+    /// Replace the trainer with this state (another replica's [`PolicyRequest::ExportState`]).
+    ImportState(TrainerState),
+}
+
+/// A policy replica's whole training state: the files of an exact-resume checkpoint
+/// (weights, AdamW moments and master weights, step and settings). Bytes rather than a
+/// path, because the replica that takes it may run on a node without the same disk.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainerState {
+    /// `(file name, contents)`, names without directories, sorted by name.
+    pub files: Vec<(String, bytes::Bytes)>,
+}
+
+impl TrainerState {
+    /// Bytes in all.
+    pub fn len_bytes(&self) -> u64 {
+        self.files.iter().map(|(_, b)| b.len() as u64).sum()
+    }
+
+    /// Checks the file names are plain names, each once (they become paths on import).
+    pub fn check(&self) -> Result<(), RoleError> {
+        let mut seen = std::collections::BTreeSet::new();
+        for (name, _) in &self.files {
+            let plain = !name.is_empty()
+                && name != "."
+                && name != ".."
+                && !name.contains(['/', '\\', '\0']);
+            if !plain || !seen.insert(name.as_str()) {
+                return Err(RoleError::BadRequest(format!(
+                    "a trainer state holds plain file names, each once; got {name:?} (send what ExportState answered)"
+                )));
+            }
+        }
+        if self.files.is_empty() {
+            return Err(RoleError::BadRequest(
+                "an empty trainer state (send what ExportState answered)".into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// What one train request did (means over micro-batches, sums where noted).
@@ -200,6 +245,10 @@ pub enum PolicyResponse {
     RingInbox(ActorId),
     /// The replica joined the ring.
     Joined,
+    /// The trainer state ([`PolicyRequest::ExportState`]).
+    State(TrainerState),
+    /// The trainer state was taken ([`PolicyRequest::ImportState`]).
+    Imported,
 }
 
 /// One controller's gradients for a data-parallel step.
@@ -642,6 +691,80 @@ impl PolicyRole {
     }
 }
 
+impl PolicyRole {
+    /// Writes a checkpoint to a scratch directory and reads it back as bytes: the
+    /// checkpoint format is already exact for resume, so the hand-off reuses it.
+    fn export_state(&mut self) -> Result<TrainerState, RoleError> {
+        let failed = state_error("exporting");
+        let dir = scratch_dir(&failed)?;
+        self.trainer
+            .save_checkpoint(dir.path(), None)
+            .map_err(|e| failed("the checkpoint", &e))?;
+        let mut files = Vec::new();
+        let entries = std::fs::read_dir(dir.path()).map_err(|e| failed("listing it", &e))?;
+        for entry in entries {
+            let entry = entry.map_err(|e| failed("listing it", &e))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let path = entry.path();
+            if !path.is_file() {
+                return Err(failed(&name, &"not a plain file"));
+            }
+            let data = std::fs::read(&path).map_err(|e| failed(&name, &e))?;
+            files.push((name, bytes::Bytes::from(data)));
+        }
+        files.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(TrainerState { files })
+    }
+
+    /// Takes another replica's state: the weights, the optimizer and the step (the ring
+    /// membership and the role's settings stay this replica's).
+    fn import_state(&mut self, state: TrainerState) -> Result<(), RoleError> {
+        state.check()?;
+        let failed = state_error("importing");
+        let dir = scratch_dir(&failed)?;
+        for (name, data) in &state.files {
+            std::fs::write(dir.path().join(name), data).map_err(|e| failed(name, &e))?;
+        }
+        let device = self.trainer.model.device();
+        let mut trainer = Trainer::load_checkpoint(dir.path(), device, Kind::Float)
+            .map_err(|e| RoleError::BadRequest(format!("importing the trainer state: {e}")))?;
+        // The replicas of a job train one model: a state of another shape would only
+        // fail later, in the middle of a gradient all-reduce.
+        let shapes = |t: &mut Trainer| -> Vec<(String, Vec<i64>)> {
+            t.model
+                .parameters_mut()
+                .into_iter()
+                .map(|(n, p)| (n, p.size()))
+                .collect()
+        };
+        let (mine, theirs) = (shapes(&mut self.trainer), shapes(&mut trainer));
+        if mine != theirs {
+            return Err(RoleError::BadRequest(format!(
+                "importing the trainer state: it holds a model of {} parameter tensors, this replica's has {}; export it from a replica of the same job",
+                theirs.len(),
+                mine.len()
+            )));
+        }
+        self.trainer = trainer;
+        Ok(())
+    }
+}
+
+/// How the state hand-off reports a failed step of `doing` (exporting, importing).
+fn state_error(doing: &'static str) -> impl Fn(&str, &dyn std::fmt::Display) -> RoleError {
+    move |what, e| RoleError::Failed(format!("{doing} the trainer state: {what}: {e}"))
+}
+
+/// A scratch directory for a checkpoint in transit (removed when dropped).
+fn scratch_dir(
+    failed: &impl Fn(&str, &dyn std::fmt::Display) -> RoleError,
+) -> Result<tempfile::TempDir, RoleError> {
+    tempfile::Builder::new()
+        .prefix("yatt-policy-state-")
+        .tempdir()
+        .map_err(|e| failed("a scratch directory", &e))
+}
+
 fn no_ring() -> RoleError {
     RoleError::BadRequest(
         "this policy was started without a ring member: only replicas of a data-parallel policy (job.policy_replicas > 1) have one".into(),
@@ -723,6 +846,10 @@ impl Role for PolicyRole {
                 ring.join(spec)
                     .map_err(|e| RoleError::BadRequest(format!("joining the ring: {e}")))?;
                 Ok(PolicyResponse::Joined)
+            }
+            PolicyRequest::ExportState => self.export_state().map(PolicyResponse::State),
+            PolicyRequest::ImportState(state) => {
+                self.import_state(state).map(|_| PolicyResponse::Imported)
             }
             PolicyRequest::SaveCheckpoint(dir) => {
                 let tokenizer = self.config.tokenizer_dir.as_deref();
@@ -950,5 +1077,44 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(e.contains("mini_batches = 1"), "{e}");
+    }
+
+    /// A replica that takes another's exported state continues exactly where that one
+    /// is: the same weights, step and optimizer moments, so their next updates agree.
+    #[test]
+    fn an_imported_state_continues_like_its_source() {
+        let base = Llama::random(tiny_config(), Device::Cpu, Kind::Float, 5).unwrap();
+        let batch = samples(&base);
+        let mut a = policy(base.deep_copy(Device::Cpu, Kind::Float).unwrap(), false);
+        let mut b = policy(base, false);
+        let first = scored(&mut a, batch.clone());
+        trained(&mut a, first);
+        let state = match a.serve(PolicyRequest::ExportState).unwrap() {
+            PolicyResponse::State(s) => s,
+            other => panic!("{other:?}"),
+        };
+        assert!(state.len_bytes() > 0);
+        assert!(matches!(
+            b.serve(PolicyRequest::ImportState(state)).unwrap(),
+            PolicyResponse::Imported
+        ));
+        assert_eq!(b.trainer.step_count(), 1);
+        let (sa, sb) = (scored(&mut a, batch.clone()), scored(&mut b, batch));
+        let (ra, rb) = (trained(&mut a, sa), trained(&mut b, sb));
+        assert_eq!(ra.loss, rb.loss);
+        let wa = a.trainer.model.hf_named_tensors();
+        let wb = b.trainer.model.hf_named_tensors();
+        for ((name, x), (_, y)) in wa.iter().zip(&wb) {
+            assert!(x.equal(y), "{name} differs after the same update");
+        }
+        // A state that names a path is refused before anything is written.
+        let bad = TrainerState {
+            files: vec![("../x".into(), bytes::Bytes::new())],
+        };
+        let e = b
+            .serve(PolicyRequest::ImportState(bad))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("plain file names"), "{e}");
     }
 }

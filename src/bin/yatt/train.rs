@@ -243,15 +243,29 @@ async fn run_job(job: JobConfig, resume: bool, args: TrainArgs) -> anyhow::Resul
             "ppo" => format!(", critic on {}", p.critic),
             _ => String::new(),
         };
-        println!(
-            "cluster: joined as {} through {}; rollout on {}, policy on {}, reference on {}, reward on {}{critic}",
+        let joined = format!(
+            "cluster: joined as {} through {}",
             node.name(),
-            args.cluster.map(|a| a.to_string()).unwrap_or_default(),
-            p.rollout,
-            p.policy,
-            p.reference,
-            p.reward
+            args.cluster.map(|a| a.to_string()).unwrap_or_default()
         );
+        if p.live {
+            let reference = match job.algorithm.kl_mode.as_str() {
+                "none" => String::new(),
+                // An empty one is refused with its fix when the job is built.
+                _ if p.reference.is_empty() => String::new(),
+                _ => format!(", reference on {}", p.reference),
+            };
+            println!(
+                "{joined}; live placement over the devices of {}{reference}, reward on {}",
+                p.nodes.join(", "),
+                p.reward
+            );
+        } else {
+            println!(
+                "{joined}; rollout on {}, policy on {}, reference on {}, reward on {}{critic}",
+                p.rollout, p.policy, p.reference, p.reward
+            );
+        }
     }
     let reporter = Reporter::new(job.job.steps);
     let options = TrainOptions {

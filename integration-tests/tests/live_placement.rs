@@ -1,0 +1,417 @@
+//! Live placement on a cluster of real `yatt-node` processes: `P-0` runs the reward,
+//! `P-1` (two virtual devices) and `P-2` (one) offer the three groups the rollout and
+//! the policy share; the controllers and the placement actor run in this process, which
+//! joins as a fourth node. The job is `config/live-placement-cluster.toml` (a tiny
+//! Llama, 2 heads). With responses growing, the actor must move a group from training
+//! to the rollout on a remote node; with responses shrinking, the other way round, with
+//! the new policy replica continuing from a survivor's state. Training goes on with
+//! clean ledgers throughout.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use yatt_integration_tests::{
+    assert_roles_released, cluster_logs, join, poll, replica_weights, yatt_bin, Cluster,
+};
+use yatt_placement::inventory::GroupId;
+use yatt_placement::profile::Role;
+use yatt_placement::record::{parse, render, Record};
+use yatt_roles::controller::{PolicyRef, StepMetrics};
+use yatt_roles::job::JobConfig;
+use yatt_roles::placement_live::LivePlacement;
+use yatt_runtime::{ActorId, Node};
+
+/// What runs on each group, as [`LivePlacement::replicas`] lists it.
+type Replicas = Vec<(GroupId, String, &'static str, ActorId)>;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Whether `node`'s `/health` lists the actor `id` among those it hosts.
+fn hosts(cluster: &Cluster, node: &str, id: &str) -> Option<bool> {
+    let n = cluster.nodes.iter().find(|n| n.name == node)?;
+    let h = n.health()?;
+    Some(h["hosted"].as_array()?.iter().any(|a| a == id))
+}
+
+/// Each group's node and role, in group order.
+fn layout(replicas: &Replicas) -> Vec<(&str, &str)> {
+    replicas
+        .iter()
+        .map(|(_, n, role, _)| (n.as_str(), *role))
+        .collect()
+}
+
+/// A live placement built on a fresh cluster.
+struct Run {
+    cluster: Cluster,
+    node: Node,
+    job: JobConfig,
+    live: LivePlacement,
+    _out: tempfile::TempDir,
+}
+
+/// Starts the cluster (`prefix-0..2`), joins it and builds the live placement of the
+/// example config with `sets` on top; checks each replica runs on its group's node.
+async fn start(prefix: &str, sets: &[&str]) -> Run {
+    let cluster = Cluster::start_with(prefix, &[&[], &["--virtual-devices", "2"], &[]]);
+    let node = join(&cluster, &format!("{prefix}-train")).await;
+    let out = tempfile::tempdir().unwrap();
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../config/live-placement-cluster.toml"
+    );
+    let mut all = vec![
+        format!("job.output_dir=\"{}\"", out.path().display()),
+        format!("placement.nodes=[\"{prefix}-1\", \"{prefix}-2\"]"),
+        format!("placement.reward=\"{prefix}-0\""),
+    ];
+    all.extend(sets.iter().map(|s| s.to_string()));
+    let job = JobConfig::load(config, &all).unwrap();
+    let live = LivePlacement::build(&job, &node).await.unwrap_or_else(|e| {
+        panic!(
+            "building the live placement: {e}\n{}",
+            cluster_logs(&cluster)
+        )
+    });
+    for (g, n, _, id) in live.replicas() {
+        assert_eq!(id.name.node, n, "{g}");
+        assert_ne!(n, node.name(), "{g}");
+    }
+    Run {
+        cluster,
+        node,
+        job,
+        live,
+        _out: out,
+    }
+}
+
+/// Runs every step of the job, checking after each that every head's ledger closed
+/// clean (each of its samples passed every stage once, none requeued or dropped), and
+/// calls `each` with the step, its metrics and the bulk bytes this process sent during
+/// it. Returns the step after which the first migration happened and the replicas then.
+async fn run_all(
+    r: &mut Run,
+    mut each: impl FnMut(u64, &LivePlacement, &StepMetrics, u64),
+) -> (u64, Replicas) {
+    let per_head = (r.job.data.prompts_per_step * r.job.data.samples_per_prompt as usize) as u64;
+    let bulk_sent = |n: &Node| n.transport_stats().bulk_bytes_sent.load(Ordering::Relaxed);
+    let mut moved = None;
+    for step in 0..r.job.job.steps {
+        let sent = bulk_sent(&r.node);
+        let m = r
+            .live
+            .step()
+            .await
+            .unwrap_or_else(|e| panic!("step {step}: {e}\n{}", cluster_logs(&r.cluster)));
+        let sent = bulk_sent(&r.node) - sent;
+        let ledgers = r.live.last_ledgers();
+        assert_eq!(ledgers.len(), r.job.job.controllers);
+        for l in ledgers {
+            assert_eq!(
+                (l.step, l.samples as u64, l.requeued, l.dropped),
+                (step, per_head, 0, 0),
+                "step {step}"
+            );
+        }
+        if moved.is_none() && r.live.routing_version() > 1 {
+            moved = Some((step, r.live.replicas()));
+        }
+        each(step, &r.live, &m, sent);
+    }
+    moved.expect("a migration")
+}
+
+/// The placement log, printed.
+fn records(live: &LivePlacement) -> Vec<Record> {
+    let records = parse(&std::fs::read_to_string(live.log_path()).unwrap()).unwrap();
+    eprintln!("{}", render(&records, 5, 5).unwrap());
+    records
+}
+
+/// The first decision that moves a group from `from` to `to`: its step, the group and
+/// the seconds its (completed) migration took.
+fn find_move(records: &[Record], from: Role, to: Role) -> (u64, GroupId, f64) {
+    let (step, id, group) = records
+        .iter()
+        .find_map(|r| match r {
+            Record::Decision {
+                step, id, moves, ..
+            } => moves
+                .iter()
+                .find(|m| m.from.contains(from) && m.to.contains(to))
+                .map(|m| (*step, *id, m.group)),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no move from {from:?} to {to:?}"));
+    let seconds = records
+        .iter()
+        .find_map(|r| match r {
+            Record::Migrated {
+                id: i,
+                ok: true,
+                seconds,
+                ..
+            } if *i == id => Some(*seconds),
+            _ => None,
+        })
+        .expect("the migration completed");
+    (step, group, seconds)
+}
+
+/// Checks that `group` ran a `was` replica before and runs a `now` replica after, on
+/// the same node, and that the node no longer hosts the old one. Returns the new one.
+fn assert_replaced(
+    cluster: &Cluster,
+    (before, after): (&Replicas, &Replicas),
+    group: GroupId,
+    was: &str,
+    now: &str,
+) -> ActorId {
+    let (_, node, _, old_id) = before
+        .iter()
+        .find(|(g, _, role, _)| *g == group && *role == was)
+        .unwrap_or_else(|| panic!("{group} ran no {was} replica: {before:?}"));
+    let (_, _, role, new) = after
+        .iter()
+        .find(|(g, ..)| *g == group)
+        .expect("the moved group runs a replica");
+    assert_eq!(*role, now);
+    assert_eq!(&new.name.node, node);
+    let old = old_id.to_string();
+    let gone = poll(Duration::from_secs(10), || {
+        (!hosts(cluster, node, &old)?).then_some(())
+    });
+    assert!(gone.is_some(), "{old} still hosted on {node}");
+    assert_eq!(hosts(cluster, node, &new.to_string()), Some(true));
+    if was == "policy" {
+        // Its end of the gradient ring went with it.
+        let ring = format!("{node}/policy-ring/{}#", old_id.name.replica);
+        let closed = poll(Duration::from_secs(10), || {
+            let n = cluster.nodes.iter().find(|n| &n.name == node)?;
+            let hosted = n.health()?["hosted"].as_array()?.clone();
+            (!hosted
+                .iter()
+                .any(|a| a.as_str().is_some_and(|a| a.starts_with(&ring))))
+            .then_some(())
+        });
+        assert!(closed.is_some(), "{ring}* still hosted on {node}");
+    }
+    new.clone()
+}
+
+/// Leaves the cluster and checks every replica the run started is released.
+async fn finish(r: Run) {
+    drop(r.live);
+    r.node.shutdown().await;
+    assert_roles_released(&r.cluster);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_placement_moves_a_group_from_training_to_rollout_on_a_remote_node() {
+    let t0 = Instant::now();
+    let mut r = start("lv", &[]).await;
+    let built = t0.elapsed();
+    // The groups are the nodes' advertised devices: lv-1's two, then lv-2's one.
+    let before = r.live.replicas();
+    assert_eq!(
+        layout(&before),
+        [("lv-1", "rollout"), ("lv-1", "policy"), ("lv-2", "policy")]
+    );
+    let mut steps_s = Vec::new();
+    let (moved_after, after) = run_all(&mut r, |_, _, m, _| {
+        steps_s.push(m.get("timing_s/step_wall").unwrap())
+    })
+    .await;
+    let trained = t0.elapsed() - built;
+    let records = records(&r.live);
+    let (decided_at, group, migration_s) = find_move(&records, Role::Policy, Role::Rollout);
+    let new_rollout = assert_replaced(&r.cluster, (&before, &after), group, "policy", "rollout");
+    // The heads follow the new routing: some head generates on the new replica.
+    assert!(r
+        .live
+        .controllers()
+        .iter()
+        .any(|c| c.roles().rollout.id() == &new_rollout));
+
+    // Each move published a new plan at a later directory epoch.
+    let epochs: Vec<(u64, u64)> = records
+        .iter()
+        .filter_map(|r| match r {
+            Record::Plan {
+                routing_version,
+                directory_epoch,
+                ..
+            } => Some((*routing_version, *directory_epoch)),
+            _ => None,
+        })
+        .collect();
+    assert!(epochs.len() >= 2, "{epochs:?}");
+    assert!(
+        epochs
+            .windows(2)
+            .all(|w| w[1].0 > w[0].0 && w[1].1 > w[0].1),
+        "routing versions and directory epochs {epochs:?}"
+    );
+
+    // After the move (skipping the first step on the new plan), the measured step is
+    // shorter than the model's prediction for the old plan at the same workload.
+    assert!(
+        decided_at + 5 < r.job.job.steps,
+        "moved too late: step {decided_at}"
+    );
+    let (measured, no_move): (Vec<f64>, Vec<f64>) = records
+        .iter()
+        .filter_map(|r| match r {
+            Record::Step {
+                step,
+                step_s,
+                no_move_s: Some(n),
+                ..
+            } if *step > decided_at + 1 => Some((*step_s, *n)),
+            _ => None,
+        })
+        .unzip();
+    assert!(
+        measured.len() >= 3,
+        "{} steps after the move",
+        measured.len()
+    );
+    let (m, n) = (median(measured), median(no_move));
+    let last = moved_after as usize;
+    let before_s = median(steps_s[last.saturating_sub(5)..=last].to_vec());
+    eprintln!(
+        "built in {built:.2?}, {} steps in {trained:.2?}; move decided at step {decided_at}, migration {migration_s:.3}s; step before the move {before_s:.3}s, after {m:.3}s, predicted without the move {n:.3}s",
+        r.job.job.steps
+    );
+    assert!(m < n, "measured {m:.3}s, no-move prediction {n:.3}s");
+    finish(r).await;
+    assert!(
+        t0.elapsed() < Duration::from_secs(120),
+        "{:?}",
+        t0.elapsed()
+    );
+}
+
+/// The other way round: responses shrink from 16 tokens to 4 and every sequence of a
+/// step decodes at once, so training dominates, and the actor gives a rollout group to
+/// the policy. The new policy replica starts on its node from a surviving replica's
+/// weights and optimizer state (sent as bytes: the nodes share no disk), the two
+/// replicas join a new gradient ring, and from then on they stay bit-identical while
+/// the gradients go replica to replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shrinking_responses_move_a_group_to_a_new_policy_replica_on_a_remote_node() {
+    let t0 = Instant::now();
+    let sets = [
+        "placement.rollout_groups=2",
+        "data.length=16",
+        "data.length_end=4",
+        "rollout.max_batch=0",
+    ];
+    let mut r = start("ls", &sets).await;
+    let before = r.live.replicas();
+    assert_eq!(
+        layout(&before),
+        [("ls-1", "rollout"), ("ls-1", "rollout"), ("ls-2", "policy")]
+    );
+    let weight_bytes: u64 = replica_weights(&r.live.controllers()[0].roles().policy)
+        .await
+        .buckets
+        .iter()
+        .map(|b| b.data.len() as u64)
+        .sum();
+    let mut moved = false;
+    let (moved_after, after) = run_all(&mut r, |step, live, _, sent| {
+        // On the new plan each head has its own replica; the replicas average their
+        // gradients in their ring, so this process sends weights to the two rollouts
+        // only (through the controllers it would send four gradient shards as well,
+        // each as large as the weights). The step that ends with the move also carries
+        // the trainer state through this process.
+        let on_new_plan = moved;
+        moved = live.routing_version() > 1;
+        if on_new_plan {
+            assert!(
+                sent < 3 * weight_bytes,
+                "step {step}: the controller sent {sent} bulk bytes for weights of {weight_bytes}"
+            );
+        }
+    })
+    .await;
+    let records = records(&r.live);
+    let (_, group, migration_s) = find_move(&records, Role::Rollout, Role::Policy);
+    let new_policy = assert_replaced(&r.cluster, (&before, &after), group, "rollout", "policy");
+
+    // Both replicas took every update since the move, from the same state: same
+    // version, bit-identical weights (a replica with fresh optimizer moments would
+    // have drifted at the first update).
+    let policies: Vec<PolicyRef> = r
+        .live
+        .controllers()
+        .iter()
+        .map(|c| c.roles().policy.clone())
+        .collect();
+    assert_eq!(policies.len(), 2);
+    assert_ne!(policies[0].id(), policies[1].id());
+    assert!(policies.iter().any(|p| p.id() == &new_policy));
+    let (a, b) = (
+        replica_weights(&policies[0]).await,
+        replica_weights(&policies[1]).await,
+    );
+    let steps = r.job.job.steps;
+    assert_eq!((a.version, b.version), (steps, steps));
+    assert!(a.buckets == b.buckets, "the replicas' weights differ");
+    eprintln!(
+        "moved after step {moved_after} in {migration_s:.3}s (policy state hand-off included); {steps} steps, {:.2?} in all",
+        t0.elapsed()
+    );
+    drop(policies);
+    finish(r).await;
+    assert!(
+        t0.elapsed() < Duration::from_secs(120),
+        "{:?}",
+        t0.elapsed()
+    );
+}
+
+/// `yatt train CONFIG --cluster` runs the live placement on the cluster's nodes, and
+/// `yatt placement show` renders what it did from the run directory.
+#[test]
+fn yatt_train_cluster_runs_the_live_placement_and_placement_show_reads_it() {
+    let t0 = Instant::now();
+    let cluster = Cluster::start_with("lt", &[&[], &["--virtual-devices", "2"], &[]]);
+    let out = tempfile::tempdir().unwrap();
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../config/live-placement-cluster.toml"
+    );
+    let sets = [
+        "job.steps=8",
+        "placement.nodes=[\"lt-1\", \"lt-2\"]",
+        "placement.reward=\"lt-0\"",
+    ];
+    let printed = cluster.yatt_train(config, &sets, out.path(), Duration::from_secs(60));
+    assert!(
+        printed.contains("live placement over the devices of lt-1, lt-2, reward on lt-0")
+            && printed.contains("done: 8 steps"),
+        "{printed}"
+    );
+    let show = std::process::Command::new(yatt_bin())
+        .args(["placement", "show"])
+        .arg(out.path())
+        .output()
+        .expect("yatt placement show");
+    let shown = String::from_utf8_lossy(&show.stdout);
+    assert!(show.status.success(), "{shown}");
+    assert!(
+        shown.contains("plan: rollout:1 policy:2") && shown.contains("last step 7"),
+        "{shown}"
+    );
+    assert_roles_released(&cluster);
+    eprintln!(
+        "yatt train --cluster with live placement: 8 steps, {:.2?} in all",
+        t0.elapsed()
+    );
+}
