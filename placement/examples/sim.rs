@@ -1,7 +1,9 @@
 //! Runs the cluster simulator on a config without the `yatt` binary (which links
 //! libtorch): `cargo run -p yatt-placement --release --example sim -- CONFIG [SCENARIO]`.
 //! With `--plan "rollout:20 reward:4 reference+policy:8" --staleness N` it simulates
-//! that fixed plan instead of comparing placements (for exploring the model).
+//! that fixed plan instead of comparing placements (for exploring the model);
+//! `--cap N` caps the rollout batch and `--lanes GROUPS:BATCH:THRESHOLD` adds straggler
+//! lanes to it.
 
 use yatt_placement::cost::Shape;
 use yatt_placement::profile::{Role, RoleSet};
@@ -26,6 +28,7 @@ fn parse_shape(spec: &str) -> Result<Shape, String> {
     Ok(Shape {
         pools,
         rollout_cap: None,
+        lanes: None,
     })
 }
 
@@ -51,7 +54,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let t = std::time::Instant::now();
         if let Some(spec) = flag("--plan") {
-            let shape = parse_shape(spec)?;
+            let mut shape = parse_shape(spec)?;
+            if let Some(l) = flag("--lanes") {
+                let n: Vec<u32> = l
+                    .split(':')
+                    .map(|x| x.parse())
+                    .collect::<Result<_, _>>()?;
+                let [groups, batch, threshold] = n[..] else {
+                    return Err("--lanes: expected GROUPS:BATCH:THRESHOLD, e.g. 2:8:4096".into());
+                };
+                shape.lanes = Some(yatt_placement::plan::Lanes {
+                    groups,
+                    batch,
+                    threshold,
+                });
+            }
+            if let Some(c) = flag("--cap") {
+                shape.rollout_cap = Some(c.parse()?);
+            }
             let w = &sc.world;
             let inv = sc.inventory()?;
             let plan = yatt_placement::search::assign(&shape, &inv, None);
@@ -115,6 +135,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             let st: Vec<String> = r.step_s.iter().map(|x| format!("{x:.0}")).collect();
             println!("  steps: {}", st.join(" "));
+            if r.lane_moves > 0 {
+                println!(
+                    "  lanes: {} responses moved, {:.0} group-s bringing their caches",
+                    r.lane_moves, r.lane_transfer_s
+                );
+            }
         } else {
             let r = run_scenario(sc)?;
             print!("{}", format_report(&r));

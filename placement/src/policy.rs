@@ -41,7 +41,7 @@ use crate::cost::{CostModel, CostSetup, Shape, StepMetrics};
 use crate::inventory::{Inventory, InventoryError};
 use crate::plan::{Move, Plan, PlanError};
 use crate::profile::RoleSet;
-use crate::search::{assign, search_top, search_top_in, Found, Space};
+use crate::search::{assign, search_top_in, search_top_lanes, Found, LaneSearch, Space};
 use crate::sim::evaluate::simulate_shape;
 use crate::workload::ForecastParams;
 
@@ -70,6 +70,10 @@ pub struct PolicyConfig {
     pub simulate_candidates: u32,
     /// Steps each candidate is simulated for.
     pub simulate_steps: u32,
+    /// Straggler lanes the search may propose, e.g. `lanes = { batch = 8 }` (a
+    /// threshold, when not given, comes from the forecast); none: never. Ignored under
+    /// a live executor's [`Limits`], whose engines have no lanes yet.
+    pub lanes: Option<LaneSearch>,
 }
 
 impl Default for PolicyConfig {
@@ -85,6 +89,7 @@ impl Default for PolicyConfig {
             lookahead_steps: 5.0,
             simulate_candidates: 4,
             simulate_steps: 10,
+            lanes: None,
         }
     }
 }
@@ -177,17 +182,19 @@ pub struct Limits {
     pub rollout_cap: Option<u32>,
 }
 
-/// The best shapes within `limits`, best first.
+/// The best shapes within `limits` (with straggler lanes as `lanes` allows, when
+/// nothing limits the search), best first.
 fn ranked(
     cm: &CostModel,
     f: &crate::workload::Forecast,
     space: &Space,
     limits: &Limits,
+    lanes: Option<LaneSearch>,
     k: usize,
 ) -> Vec<Found> {
     match &limits.structures {
         Some(s) => search_top_in(cm, f, space, s, &[limits.rollout_cap], k),
-        None => search_top(cm, f, space, k),
+        None => search_top_lanes(cm, f, space, k, lanes),
     }
 }
 
@@ -402,7 +409,9 @@ impl PlacementPolicy {
         let target = assign(&shape, &self.inventory, Some(&self.plan));
         let moves = self.plan.moves_to(&target);
         let cost = self.cost.migration_cost(&moves, &shape);
-        let changes = !moves.is_empty() || target.rollout_batch_cap != self.plan.rollout_batch_cap;
+        let changes = !moves.is_empty()
+            || target.rollout_batch_cap != self.plan.rollout_batch_cap
+            || target.lanes != self.plan.lanes;
         let worth = changes
             && gain >= self.config.min_gain * current
             && gain * self.config.horizon_steps >= self.config.payback * cost;
@@ -435,7 +444,14 @@ impl PlacementPolicy {
 
     fn forced_replan(&mut self, reason: Reason) -> Vec<Decision> {
         let f = self.cost.forecast(self.config.lookahead_steps);
-        let Some(found) = ranked(&self.cost, &f, &Space::of(&self.inventory), &self.limits, 1)
+        let Some(found) = ranked(
+            &self.cost,
+            &f,
+            &Space::of(&self.inventory),
+            &self.limits,
+            self.config.lanes,
+            1,
+        )
             .into_iter()
             .next()
         else {
@@ -495,11 +511,23 @@ fn choose(
 ) -> Option<(Shape, (f64, f64))> {
     let k = config.simulate_candidates as usize;
     if k == 0 {
-        let found = ranked(cm, f, space, limits, 1).into_iter().next()?;
+        let found = ranked(cm, f, space, limits, config.lanes, 1)
+            .into_iter()
+            .next()?;
         let now = current.map_or(f64::NAN, |s| cm.predict(s, f).step_s);
         return Some((found.shape, (now, found.prediction.step_s)));
     }
-    let top = ranked(cm, f, space, limits, k);
+    let mut all = ranked(cm, f, space, limits, config.lanes, usize::MAX);
+    // The best shape with lanes and the best without are always simulated: the
+    // analytic model sees a straggler's latency only roughly.
+    let lanes_at = all.iter().position(|c| c.shape.lanes.is_some());
+    let plain_at = all.iter().position(|c| c.shape.lanes.is_none());
+    let mut top: Vec<Found> = Vec::new();
+    for (i, c) in all.drain(..).enumerate() {
+        if i < k || Some(i) == lanes_at || Some(i) == plain_at {
+            top.push(c);
+        }
+    }
     let trend = cm.length_trend();
     let steps = config.simulate_steps;
     let score = |s: &Shape| simulate_shape(cm, f, trend, s, steps);
@@ -522,6 +550,7 @@ fn choose(
 fn similar(a: &Shape, b: &Shape) -> bool {
     a.pools.len() == b.pools.len()
         && a.rollout_cap == b.rollout_cap
+        && a.lanes.map(|l| l.batch) == b.lanes.map(|l| l.batch)
         && a.pools.iter().zip(&b.pools).all(|(x, y)| {
             x.0 == y.0
                 && (f64::from(x.1) - f64::from(y.1)).abs()
@@ -705,6 +734,7 @@ mod tests {
                 },
             ],
             rollout_batch_cap: Some(64),
+            lanes: None,
         };
         let limits = Limits {
             structures: Some(vec![vec![rollout, policy]]),
@@ -747,6 +777,7 @@ mod tests {
         let bad = Plan {
             pools: vec![start.pools[0].clone()],
             rollout_batch_cap: None,
+            lanes: None,
         };
         assert!(matches!(
             PlacementPolicy::starting_from(config, inv, setup, f, bad, limits),

@@ -9,10 +9,12 @@
 
 use std::collections::BTreeSet;
 
+use serde::{Deserialize, Serialize};
+
 use crate::cost::{CostModel, Prediction, Shape};
 use crate::inventory::{GroupId, Inventory};
-use crate::plan::{check_pool_memory, Plan, Pool};
-use crate::profile::RoleSet;
+use crate::plan::{check_lane_memory, check_pool_memory, Lanes, Plan, Pool};
+use crate::profile::{Role, RoleSet};
 use crate::workload::Forecast;
 
 /// What the search may hand out.
@@ -49,6 +51,65 @@ pub struct Found {
     pub prediction: Prediction,
     /// How many shapes the search evaluated.
     pub evaluated: u64,
+}
+
+/// Straggler lanes the search may propose (see [`Lanes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LaneSearch {
+    /// Most responses one lane decodes at once.
+    pub batch: u32,
+    /// Generated tokens after which a response moves to a lane; none: chosen from the
+    /// workload forecast.
+    pub threshold: Option<u32>,
+}
+
+/// Lane variants of a shape whose rollout streams in a pool of its own: a few lane
+/// counts (an eighth and a quarter of the rollout's groups), each with thresholds
+/// from the forecast (the lengths that about 2 and 8 lane batches of each step's
+/// responses pass) unless `ls` fixes one. Variants whose lane batch does not fit
+/// memory are left out.
+pub fn lane_variants(cm: &CostModel, f: &Forecast, space: &Space, shape: &Shape, ls: LaneSearch) -> Vec<Shape> {
+    let alone = RoleSet::of(&[Role::Rollout]);
+    let Some(&(_, rollout)) = shape.pools.iter().find(|p| p.0 == alone) else {
+        return Vec::new();
+    };
+    if cm.setup().staleness == 0
+        || check_lane_memory(&cm.setup().job, ls.batch, space.group_devices, space.device_mem)
+            .is_err()
+    {
+        return Vec::new();
+    }
+    let n_gen = f.generated_samples().max(1.0);
+    let max = f64::from(f.params.max_response);
+    let mut out: Vec<Shape> = Vec::new();
+    let mut counts = vec![(rollout / 8).max(1), (rollout / 4).max(1)];
+    counts.dedup();
+    for groups in counts.into_iter().filter(|&n| n < rollout) {
+        let thresholds: Vec<u32> = match ls.threshold {
+            Some(t) => vec![t],
+            None => [2.0, 8.0]
+                .iter()
+                .map(|c| {
+                    let share = (c * f64::from(groups * ls.batch) / n_gen).min(0.5);
+                    let t = f.len_quantile(1.0 - share).min(max * 0.75);
+                    ((t / 64.0).round() * 64.0).max(256.0) as u32
+                })
+                .collect(),
+        };
+        for threshold in thresholds {
+            let mut s = shape.clone();
+            s.lanes = Some(Lanes {
+                groups,
+                batch: ls.batch,
+                threshold,
+            });
+            if !out.contains(&s) {
+                out.push(s);
+            }
+        }
+    }
+    out
 }
 
 /// Every partition of `roles` into non-empty pools.
@@ -121,6 +182,37 @@ pub fn search(cm: &CostModel, f: &Forecast, space: &Space) -> Option<Found> {
     search_structures(cm, f, space, &structures)
 }
 
+/// Like [`search_top`], with straggler lanes when `lanes` allows them: each shape
+/// whose rollout streams in a pool of its own also comes with its lane variants
+/// ([`lane_variants`]), ranked by the same cost model.
+pub fn search_top_lanes(
+    cm: &CostModel,
+    f: &Forecast,
+    space: &Space,
+    k: usize,
+    lanes: Option<LaneSearch>,
+) -> Vec<Found> {
+    let structures = partitions(cm.setup().job.gpu_roles());
+    let mut all = search_ranked(cm, f, space, &structures);
+    if let Some(ls) = lanes {
+        let mut more = Vec::new();
+        for found in &all {
+            for s in lane_variants(cm, f, space, &found.shape, ls) {
+                let prediction = cm.predict(&s, f);
+                more.push(Found {
+                    shape: s,
+                    prediction,
+                    evaluated: found.evaluated,
+                });
+            }
+        }
+        all.extend(more);
+        all.sort_by(|a, b| a.prediction.step_s.total_cmp(&b.prediction.step_s));
+    }
+    all.truncate(k.max(1));
+    all
+}
+
 /// Like [`search`], over the given pool structures only.
 pub fn search_structures(
     cm: &CostModel,
@@ -134,10 +226,7 @@ pub fn search_structures(
 /// The best shape of every pool structure (and batch cap), best first: candidates for
 /// a closer look by simulation.
 pub fn search_top(cm: &CostModel, f: &Forecast, space: &Space, k: usize) -> Vec<Found> {
-    let structures = partitions(cm.setup().job.gpu_roles());
-    let mut all = search_ranked(cm, f, space, &structures);
-    all.truncate(k.max(1));
-    all
+    search_top_lanes(cm, f, space, k, None)
 }
 
 /// Like [`search_top`], over the given pool structures and rollout batch caps only: what
@@ -228,6 +317,7 @@ fn best_counts(
     let mut shape = Shape {
         pools: roles.iter().copied().zip(mins.iter().copied()).collect(),
         rollout_cap: cap,
+        lanes: None,
     };
     let mut eval = |s: &Shape| {
         *evaluated += 1;
@@ -343,6 +433,7 @@ pub fn assign(shape: &Shape, inv: &Inventory, current: Option<&Plan>) -> Plan {
     Plan {
         pools,
         rollout_batch_cap: shape.rollout_cap,
+        lanes: shape.lanes,
     }
 }
 
@@ -429,6 +520,7 @@ mod tests {
         let full = Shape {
             pools: vec![(cm.setup().job.gpu_roles(), 64)],
             rollout_cap: None,
+            lanes: None,
         };
         assert!(found.prediction.step_s < cm.predict(&full, &f).step_s);
     }
@@ -449,6 +541,7 @@ mod tests {
                 (RoleSet::of(&[Role::Policy]), policy),
             ],
             rollout_cap: None,
+            lanes: None,
         };
         let a = assign(&split(5, 3), &inv, None);
         assert_eq!(a.pools[0].groups.len(), 5);
