@@ -56,10 +56,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if let Some(spec) = flag("--plan") {
             let mut shape = parse_shape(spec)?;
             if let Some(l) = flag("--lanes") {
-                let n: Vec<u32> = l
-                    .split(':')
-                    .map(|x| x.parse())
-                    .collect::<Result<_, _>>()?;
+                let n: Vec<u32> = l.split(':').map(|x| x.parse()).collect::<Result<_, _>>()?;
                 let [groups, batch, threshold] = n[..] else {
                     return Err("--lanes: expected GROUPS:BATCH:THRESHOLD, e.g. 2:8:4096".into());
                 };

@@ -743,9 +743,9 @@ impl CostModel {
                         // once per round.
                         max.max(tokens / slots + max / 2.0) + (rounds - 1.0) * max
                     };
-                    let lanes = shape.lanes.filter(|l| {
-                        s == Stage::Gen && streams && l.groups < shape.pools[pool].1
-                    });
+                    let lanes = shape
+                        .lanes
+                        .filter(|l| s == Stage::Gen && streams && l.groups < shape.pools[pool].1);
                     if let Some(l) = lanes {
                         let lane = lane_split(&c, f, l, n_gen, ctx0, slots, groups, max);
                         busy[pool] += lane.time;

@@ -452,9 +452,8 @@ impl PlacementPolicy {
             self.config.lanes,
             1,
         )
-            .into_iter()
-            .next()
-        else {
+        .into_iter()
+        .next() else {
             self.log
                 .push("no plan fits the remaining groups; waiting for nodes to join".into());
             return Vec::new();

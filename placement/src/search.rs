@@ -69,14 +69,25 @@ pub struct LaneSearch {
 /// from the forecast (the lengths that about 2 and 8 lane batches of each step's
 /// responses pass) unless `ls` fixes one. Variants whose lane batch does not fit
 /// memory are left out.
-pub fn lane_variants(cm: &CostModel, f: &Forecast, space: &Space, shape: &Shape, ls: LaneSearch) -> Vec<Shape> {
+pub fn lane_variants(
+    cm: &CostModel,
+    f: &Forecast,
+    space: &Space,
+    shape: &Shape,
+    ls: LaneSearch,
+) -> Vec<Shape> {
     let alone = RoleSet::of(&[Role::Rollout]);
     let Some(&(_, rollout)) = shape.pools.iter().find(|p| p.0 == alone) else {
         return Vec::new();
     };
     if cm.setup().staleness == 0
-        || check_lane_memory(&cm.setup().job, ls.batch, space.group_devices, space.device_mem)
-            .is_err()
+        || check_lane_memory(
+            &cm.setup().job,
+            ls.batch,
+            space.group_devices,
+            space.device_mem,
+        )
+        .is_err()
     {
         return Vec::new();
     }

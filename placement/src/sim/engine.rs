@@ -800,8 +800,7 @@ impl<'w> Sim<'w> {
             Carry::NetKv => {
                 // Each device sends its shard of the cache to its peer in the lane.
                 s.prefill = 0;
-                s.restore_s =
-                    kv_bytes * f64::from(s.ctx0) / (devices * self.w.gpu.net_bytes_per_s);
+                s.restore_s = kv_bytes * f64::from(s.ctx0) / (devices * self.w.gpu.net_bytes_per_s);
             }
             Carry::Reprefill => {
                 s.prefill = s.ctx0;
@@ -1741,9 +1740,7 @@ impl<'w> Sim<'w> {
         }
         let s = &self.seqs[idx];
         let end = s.start_iter + f64::from(s.len);
-        self.groups[g]
-            .heap
-            .push(Reverse((OrdF64(end), idx, s.gen)));
+        self.groups[g].heap.push(Reverse((OrdF64(end), idx, s.gen)));
     }
 
     /// Moves response `idx` from group `g` (advanced to now) to `lane`: it brings its
@@ -1772,7 +1769,8 @@ impl<'w> Sim<'w> {
                 break;
             };
             let s = &self.seqs[idx];
-            let Some(g) = s.on.filter(|&g| s.alive && s.gen == gen && !self.groups[g].lane)
+            let Some(g) =
+                s.on.filter(|&g| s.alive && s.gen == gen && !self.groups[g].lane)
             else {
                 continue;
             };
@@ -2512,5 +2510,145 @@ mod tests {
         eprintln!("step time with partial rollouts: colocated {colocated_ratio:.3}, split {split_ratio:.3}");
         assert!(colocated_ratio < 0.9, "colocated: {colocated_ratio:.3}");
         assert!(split_ratio < 0.9, "split: {split_ratio:.3}");
+    }
+
+    // ---- straggler lanes -------------------------------------------------------------
+
+    /// `split()` with its last rollout group as a lane.
+    fn split_with_lane(batch: u32, threshold: u32) -> Plan {
+        let mut p = split();
+        p.lanes = Some(Lanes {
+            groups: 1,
+            batch,
+            threshold,
+        });
+        p
+    }
+
+    /// Context of the straggler test's sequences before they decode: long, as a
+    /// straggler's is (decoding is then bound by reading the batch's KV cache).
+    const STRAGGLER_CTX: u32 = 6000;
+
+    /// Runs a batch of 31 long fillers and one straggler of `len` tokens (queued first)
+    /// on `plan`, with no controller; returns the straggler's finish time and the
+    /// simulation.
+    fn run_straggler<'w>(w: &'w World, plan: &Plan, len: u32) -> (f64, Sim<'w>) {
+        let mut sim = Sim::new(w, plan, 1, None);
+        let prompt = STRAGGLER_CTX;
+        let idx = sim.push_seq(Seq::new(0, 0, Kind::Gen, prompt, len, 0));
+        for i in 0..31 {
+            sim.push_seq(Seq::new(0, 1 + i, Kind::Gen, prompt, 4 * len, 0));
+        }
+        sim.kick_all();
+        while sim.seqs[idx].alive && sim.next_event() {}
+        assert!(!sim.seqs[idx].alive, "the straggler finished");
+        (sim.now, sim)
+    }
+
+    #[test]
+    fn a_lane_cuts_a_single_stragglers_time_by_the_roofline_ratio() {
+        let w = long_tail(None, None);
+        let only = |plan: &Plan| {
+            let mut p = plan.clone();
+            // One ordinary group, so the straggler shares its batch with every filler.
+            p.pools[0].groups = vec![GroupId(0), GroupId(1)];
+            p.pools[1].groups = vec![GroupId(2), GroupId(3)];
+            p
+        };
+        let (len, threshold) = (4000, 500);
+        let mut plain = only(&split());
+        plain.pools[0].groups = vec![GroupId(0)];
+        plain.pools[1].groups = vec![GroupId(1), GroupId(2), GroupId(3)];
+        let (t0, _) = run_straggler(&w, &plain, len);
+        let (t1, sim) = run_straggler(&w, &only(&split_with_lane(1, threshold)), len);
+        // The straggler, then (as it finishes) the first filler waiting for the lane.
+        assert_eq!(
+            sim.lane_moves, 2,
+            "a lane of one takes one response at a time"
+        );
+        // The same roofline for both: 32 sequences with their prompts, then the
+        // straggler alone with its prompt and `threshold` tokens of context.
+        let c = DecodeCoeffs::roofline(&w.job.policy, &w.gpu, w.group_devices, &w.truth);
+        let p = f64::from(STRAGGLER_CTX);
+        let prefill = 32.0 * p * c.prefill;
+        let batch = c.iteration(32.0, 32.0 * p);
+        let kv = w.job.policy.kv_bytes_per_token() * (p + f64::from(threshold))
+            / (f64::from(w.group_devices) * w.gpu.net_bytes_per_s);
+        let want0 = prefill + f64::from(len) * batch;
+        let want1 = prefill
+            + f64::from(threshold) * batch
+            + kv
+            + f64::from(len - threshold) * c.iteration(1.0, p + f64::from(threshold));
+        assert!((t0 - want0).abs() < 1e-6 * want0, "{t0} vs {want0}");
+        assert!((t1 - want1).abs() < 1e-6 * want1, "{t1} vs {want1}");
+        assert!(t0 / t1 > 2.0, "the lane cut it only {:.2}x", t0 / t1);
+        assert!(
+            kv > 0.0 && sim.lane_transfer_s > kv,
+            "both moves brought a cache"
+        );
+    }
+
+    #[test]
+    fn a_straggler_waits_on_its_group_while_the_lanes_are_full_then_moves() {
+        let w = long_tail(None, None);
+        let mut plan = split_with_lane(1, 500);
+        plan.pools[0].groups = vec![GroupId(0), GroupId(1)];
+        plan.pools[1].groups = vec![GroupId(2), GroupId(3)];
+        let (_, mut sim) = run_straggler(&w, &plan, 4000);
+        // The fillers crossed the threshold with the straggler and waited for the
+        // lane, decoding where they were; the first of them moves once it is free.
+        assert_eq!(sim.lane_moves, 2);
+        assert_eq!(sim.groups[1].b, 1, "the lane holds its batch of one");
+        assert_eq!(sim.groups[0].b, 30, "the rest decode where they were");
+        while sim.next_event() {}
+        assert!(sim.seqs.iter().all(|s| !s.alive), "every response finished");
+        // One at a time, the lane takes some; the others finish where they waited.
+        assert!(
+            sim.lane_moves > 2 && sim.lane_moves < 32,
+            "{} moves",
+            sim.lane_moves
+        );
+    }
+
+    #[test]
+    fn every_group_trains_exactly_once_with_lanes() {
+        for partial_rollout in [
+            None,
+            partial(BeyondBound::Wait, Resume::Kv),
+            partial(BeyondBound::Wait, Resume::Reprefill),
+            partial(BeyondBound::Regenerate, Resume::Kv),
+        ] {
+            for drop in [None, Some(0.3)] {
+                let w = long_tail(partial_rollout, drop);
+                let want = expected_groups(&w);
+                let r = Sim::new(&w, &split_with_lane(4, 600), 1, None).run();
+                assert_eq!(trained_set(&r), want, "{partial_rollout:?}, drop {drop:?}");
+                assert_eq!(r.trained_groups.len(), want.len(), "trained twice");
+                assert!(r.lane_moves > 0, "some response passed 600 tokens");
+                if partial_rollout.is_some_and(|p| p.resume == Resume::Reprefill) {
+                    assert!(r.reprefill_frac > 0.0, "moved responses prefill again");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn lanes_change_hands_in_a_migration_without_losing_a_response() {
+        let w = long_tail(None, None);
+        let mut sim = Sim::new(&w, &split_with_lane(2, 300), 1, None);
+        sim.open_steps();
+        sim.kick_all();
+        while sim.now < 30.0 && sim.next_event() {}
+        // The lane becomes an ordinary group, then the rollout loses it.
+        sim.migrate(&split(), 1);
+        while sim.now < 60.0 && sim.next_event() {}
+        let mut fewer = split();
+        fewer.pools[0].groups = vec![GroupId(0), GroupId(1)];
+        fewer.pools[1].groups = vec![GroupId(2), GroupId(3)];
+        sim.migrate(&fewer, 2);
+        while sim.step_done < w.workload.steps && sim.next_event() {}
+        assert_eq!(sim.step_done, w.workload.steps, "every step finished");
+        let r = sim.finish(Vec::new());
+        assert_eq!(trained_set(&r), expected_groups(&w));
     }
 }
