@@ -3,7 +3,7 @@
 //! With `--plan "rollout:20 reward:4 reference+policy:8" --staleness N` it simulates
 //! that fixed plan instead of comparing placements (for exploring the model);
 //! `--cap N` caps the rollout batch and `--lanes GROUPS:BATCH:THRESHOLD` adds straggler
-//! lanes to it.
+//! lanes to it. `--bench` times the plan search at 512 to 4,096 GPUs.
 
 use yatt_placement::cost::Shape;
 use yatt_placement::profile::{Role, RoleSet};
@@ -32,8 +32,78 @@ fn parse_shape(spec: &str) -> Result<Shape, String> {
     })
 }
 
+/// `--bench`: the plan search's time at 512 to 4,096 GPUs (70B, groups of 8), with and
+/// without straggler lanes, as `yatt sim --bench` measures it without lanes.
+fn bench() -> Result<(), Box<dyn std::error::Error>> {
+    use std::time::Instant;
+    use yatt_placement::search::{search_top_lanes, LaneSearch, Space};
+    use yatt_placement::workload::ForecastParams;
+    use yatt_placement::{
+        CostModel, CostSetup, GpuSpec, Inventory, JobShape, ModelSpec, PlacementPolicy,
+        PolicyConfig, RewardKind,
+    };
+    let gpu = GpuSpec::preset("h100").ok_or("preset")?;
+    let m = ModelSpec::preset("70b").ok_or("preset")?;
+    println!("| GPUs | lanes | analytic search (median of 5) | with simulated candidates | chosen plan |");
+    println!("|---:|---|---:|---:|---|");
+    for gpus in [512u32, 1024, 2048, 4096] {
+        for lanes in [
+            None,
+            Some(LaneSearch {
+                batch: 16,
+                threshold: None,
+            }),
+        ] {
+            let inv = Inventory::uniform(gpus / 8, 8, 8, gpu.memory_bytes, gpu.host_memory_bytes)?;
+            let setup = CostSetup {
+                job: JobShape::new(
+                    m.clone(),
+                    RewardKind::Generative { model: m.clone() },
+                    16384,
+                ),
+                gpu: gpu.clone(),
+                group_devices: 8,
+                staleness: 1,
+                partial_rollout: None,
+            };
+            let forecast = ForecastParams::lognormal(gpus, 16, 1500.0, 1.0, 16384)
+                .with_drop(0.2)
+                .with_judge(300.0, 0.6, 2048);
+            let cm = CostModel::new(setup.clone(), forecast);
+            let f = cm.forecast(0.0);
+            let space = Space::of(&inv);
+            let mut times = Vec::new();
+            for _ in 0..5 {
+                let t = Instant::now();
+                let found = search_top_lanes(&cm, &f, &space, 4, lanes);
+                times.push(t.elapsed().as_secs_f64());
+                assert!(!found.is_empty(), "no plan fits");
+            }
+            times.sort_by(f64::total_cmp);
+            let config = PolicyConfig {
+                lanes,
+                ..Default::default()
+            };
+            let t = Instant::now();
+            let policy = PlacementPolicy::new(config, inv, setup, forecast)?;
+            let full = t.elapsed().as_secs_f64();
+            println!(
+                "| {gpus} | {} | {:.0} ms | {:.0} ms | {} |",
+                if lanes.is_some() { "yes" } else { "no" },
+                times[2] * 1e3,
+                full * 1e3,
+                policy.plan().summary()
+            );
+        }
+    }
+    Ok(())
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "--bench") {
+        return bench();
+    }
     let path = args
         .first()
         .ok_or("usage: sim CONFIG [SCENARIO-INDEX] [--plan SPEC --staleness N]")?;

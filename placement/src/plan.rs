@@ -625,4 +625,82 @@ mod tests {
             (RoleSet::of(&[Role::Policy]), RoleSet::of(&[Role::Rollout]))
         );
     }
+
+    #[test]
+    fn lanes_that_do_not_fit_or_have_no_rollout_of_their_own_are_refused_with_the_reason() {
+        let inv = inv(16, 1);
+        let j = job("7b", true);
+        let mut p = split(
+            &inv,
+            &[
+                (&[Role::Rollout], 6),
+                (&[Role::Reward], 4),
+                (&[Role::Reference, Role::Policy], 6),
+            ],
+        );
+        p.lanes = Some(Lanes {
+            groups: 2,
+            batch: 8,
+            threshold: 2048,
+        });
+        p.validate(&inv, &j).unwrap();
+        assert_eq!(p.lane_groups(), vec![GroupId(4), GroupId(5)]);
+        assert!(p.summary().ends_with("(2 lane(s) ≤8 from 2048 tokens)"));
+        // 7B on one H100 keeps about 57 GB for KV cache: 8,704-token contexts at
+        // 57 KB a token fit about 114 responses, not 400.
+        p.lanes = Some(Lanes {
+            groups: 2,
+            batch: 400,
+            threshold: 2048,
+        });
+        let err = p.validate(&inv, &j).unwrap_err();
+        let msg = err.to_string();
+        let PlanError::LanesDoNotFit {
+            batch,
+            context,
+            fits,
+            ..
+        } = err
+        else {
+            panic!("{msg}");
+        };
+        assert_eq!((batch, context), (400, 512 + 8192));
+        assert!((100..130).contains(&fits), "{msg}");
+        assert!(
+            msg.contains(&format!("lower the lane batch to at most {fits}")),
+            "{msg}"
+        );
+        p.lanes = Some(Lanes {
+            groups: 2,
+            batch: fits,
+            threshold: 2048,
+        });
+        p.validate(&inv, &j).unwrap();
+        // Every rollout group a lane: nothing left to decode the rest.
+        p.lanes = Some(Lanes {
+            groups: 6,
+            batch: 4,
+            threshold: 2048,
+        });
+        let msg = p.validate(&inv, &j).unwrap_err().to_string();
+        assert!(msg.contains("use at most 5"), "{msg}");
+        // A rollout that takes turns with other roles has no lanes.
+        let mut shared = split(
+            &inv,
+            &[
+                (&[Role::Rollout, Role::Reward], 10),
+                (&[Role::Reference, Role::Policy], 6),
+            ],
+        );
+        shared.lanes = Some(Lanes {
+            groups: 1,
+            batch: 4,
+            threshold: 2048,
+        });
+        let msg = shared.validate(&inv, &j).unwrap_err().to_string();
+        assert!(
+            msg.contains("lanes need a rollout pool of its own"),
+            "{msg}"
+        );
+    }
 }

@@ -57,7 +57,8 @@ pub struct Found {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LaneSearch {
-    /// Most responses one lane decodes at once.
+    /// Most responses one lane decodes at once; the search tries this batch and a
+    /// quarter of it.
     pub batch: u32,
     /// Generated tokens after which a response moves to a lane; none: chosen from the
     /// workload forecast.
@@ -65,10 +66,10 @@ pub struct LaneSearch {
 }
 
 /// Lane variants of a shape whose rollout streams in a pool of its own: a few lane
-/// counts (an eighth and a quarter of the rollout's groups), each with thresholds
-/// from the forecast (the lengths that about 2 and 8 lane batches of each step's
-/// responses pass) unless `ls` fixes one. Variants whose lane batch does not fit
-/// memory are left out.
+/// counts (an eighth and a quarter of the rollout's groups) and batches (`ls.batch`
+/// and a quarter of it), each with thresholds from the forecast (the lengths that
+/// about 2 and 8 lane batches of each step's responses pass) unless `ls` fixes one.
+/// Lane batches that do not fit memory are left out.
 pub fn lane_variants(
     cm: &CostModel,
     f: &Forecast,
@@ -80,15 +81,7 @@ pub fn lane_variants(
     let Some(&(_, rollout)) = shape.pools.iter().find(|p| p.0 == alone) else {
         return Vec::new();
     };
-    if cm.setup().staleness == 0
-        || check_lane_memory(
-            &cm.setup().job,
-            ls.batch,
-            space.group_devices,
-            space.device_mem,
-        )
-        .is_err()
-    {
+    if cm.setup().staleness == 0 {
         return Vec::new();
     }
     let n_gen = f.generated_samples().max(1.0);
@@ -96,27 +89,35 @@ pub fn lane_variants(
     let mut out: Vec<Shape> = Vec::new();
     let mut counts = vec![(rollout / 8).max(1), (rollout / 4).max(1)];
     counts.dedup();
-    for groups in counts.into_iter().filter(|&n| n < rollout) {
-        let thresholds: Vec<u32> = match ls.threshold {
-            Some(t) => vec![t],
-            None => [2.0, 8.0]
-                .iter()
-                .map(|c| {
-                    let share = (c * f64::from(groups * ls.batch) / n_gen).min(0.5);
-                    let t = f.len_quantile(1.0 - share).min(max * 0.75);
-                    ((t / 64.0).round() * 64.0).max(256.0) as u32
-                })
-                .collect(),
-        };
-        for threshold in thresholds {
-            let mut s = shape.clone();
-            s.lanes = Some(Lanes {
-                groups,
-                batch: ls.batch,
-                threshold,
-            });
-            if !out.contains(&s) {
-                out.push(s);
+    let mut batches = vec![ls.batch, (ls.batch / 4).max(1)];
+    batches.dedup();
+    for batch in batches {
+        let job = &cm.setup().job;
+        if check_lane_memory(job, batch, space.group_devices, space.device_mem).is_err() {
+            continue;
+        }
+        for &groups in counts.iter().filter(|&&n| n < rollout) {
+            let thresholds: Vec<u32> = match ls.threshold {
+                Some(t) => vec![t],
+                None => [2.0, 8.0]
+                    .iter()
+                    .map(|c| {
+                        let share = (c * f64::from(groups * batch) / n_gen).min(0.5);
+                        let t = f.len_quantile(1.0 - share).min(max * 0.75);
+                        ((t / 64.0).round() * 64.0).max(256.0) as u32
+                    })
+                    .collect(),
+            };
+            for threshold in thresholds {
+                let mut s = shape.clone();
+                s.lanes = Some(Lanes {
+                    groups,
+                    batch,
+                    threshold,
+                });
+                if !out.contains(&s) {
+                    out.push(s);
+                }
             }
         }
     }
@@ -563,5 +564,88 @@ mod tests {
             .groups
             .iter()
             .all(|g| b.pools[0].groups.contains(g)));
+    }
+
+    #[test]
+    fn the_search_keeps_no_lanes_without_a_long_tail() {
+        let cm = model(1, "7b", 2);
+        let sp = space(32, 2);
+        let ls = Some(LaneSearch {
+            batch: 8,
+            threshold: None,
+        });
+        // Every response about as long as the others: nothing to wait for.
+        let flat = Forecast::new(
+            ForecastParams::lognormal(512, 16, 1500.0, 0.05, 16384)
+                .with_drop(0.2)
+                .with_judge(300.0, 0.5, 2048),
+        );
+        let best = &search_top_lanes(&cm, &flat, &sp, 1, ls)[0];
+        assert_eq!(best.shape.lanes, None, "{:?}", best.shape);
+        // The variants exist and fit; they just lose.
+        let variants = lane_variants(&cm, &flat, &sp, &best.shape, ls.unwrap());
+        assert!(!variants.is_empty());
+        for v in &variants {
+            let plan = assign(v, &Inventory::uniform(8, 8, 2, 80e9, 1e12).unwrap(), None);
+            plan.validate(
+                &Inventory::uniform(8, 8, 2, 80e9, 1e12).unwrap(),
+                &cm.setup().job,
+            )
+            .unwrap();
+            assert!(cm.predict(v, &flat).step_s > best.prediction.step_s);
+        }
+        // Without leave to use lanes the search is the plain one.
+        let plain = search_top_lanes(&cm, &flat, &sp, 3, None);
+        assert!(plain.iter().all(|f| f.shape.lanes.is_none()));
+        assert_eq!(plain, search_top(&cm, &flat, &sp, 3));
+    }
+
+    #[test]
+    fn lane_variants_need_a_rollout_of_its_own_and_memory() {
+        let cm = model(1, "7b", 2);
+        let sp = space(32, 2);
+        let f = Forecast::new(forecast());
+        let ls = LaneSearch {
+            batch: 8,
+            threshold: Some(3000),
+        };
+        let shared = Shape {
+            pools: vec![
+                (RoleSet::of(&[Role::Rollout, Role::Reward]), 20),
+                (RoleSet::of(&[Role::Reference, Role::Policy]), 12),
+            ],
+            rollout_cap: None,
+            lanes: None,
+        };
+        assert!(lane_variants(&cm, &f, &sp, &shared, ls).is_empty());
+        let split = Shape {
+            pools: vec![
+                (RoleSet::of(&[Role::Rollout]), 16),
+                (RoleSet::of(&[Role::Reward]), 6),
+                (RoleSet::of(&[Role::Reference, Role::Policy]), 10),
+            ],
+            rollout_cap: None,
+            lanes: None,
+        };
+        let v = lane_variants(&cm, &f, &sp, &split, ls);
+        let lanes: Vec<_> = v
+            .iter()
+            .map(|s| s.lanes.unwrap())
+            .map(|l| (l.groups, l.batch, l.threshold))
+            .collect();
+        assert_eq!(
+            lanes,
+            vec![(2, 8, 3000), (4, 8, 3000), (2, 2, 3000), (4, 2, 3000)]
+        );
+        // A lane batch of the longest contexts beyond the KV cache: only its quarter.
+        let huge = LaneSearch {
+            batch: 400,
+            threshold: None,
+        };
+        let v = lane_variants(&cm, &f, &sp, &split, huge);
+        assert!(!v.is_empty());
+        assert!(v.iter().all(|s| s.lanes.unwrap().batch == 100), "{v:?}");
+        // On-policy nothing streams, so lanes have nothing to shorten.
+        assert!(lane_variants(&model(0, "7b", 2), &f, &sp, &split, ls).is_empty());
     }
 }

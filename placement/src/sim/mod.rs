@@ -1067,4 +1067,86 @@ judge_max = 256
             "{err}"
         );
     }
+
+    #[test]
+    fn lane_config_errors_name_the_key_and_the_fix() {
+        let with = |policy: &str, sim: &str| {
+            SMALL
+                .replace("staleness = 1", &format!("staleness = 1\n{sim}"))
+                .replace("[hardware]", &format!("[policy]\n{policy}\n\n[hardware]"))
+        };
+        let err = SimConfig::parse(&with("lanes = { batch = 0 }", ""))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("policy.lanes.batch: found 0") && err.contains("batch = 8"),
+            "{err}"
+        );
+        let err = SimConfig::parse(&with("lanes = { batch = 8, threshold = 2048 }", ""))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("policy.lanes.threshold: found 2048") && err.contains("(2047)"),
+            "{err}"
+        );
+        let err = SimConfig::parse(&with("lanes = { batch = 8, size = 2 }", ""))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("size"), "{err}");
+        let err = SimConfig::parse(&with("", "without_lanes = true"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("sim.without_lanes") && err.contains("policy.lanes"),
+            "{err}"
+        );
+        SimConfig::parse(&with(
+            "lanes = { batch = 8, threshold = 512 }",
+            "without_lanes = true",
+        ))
+        .unwrap();
+    }
+
+    #[test]
+    fn lanes_run_beside_the_placements_without_them() {
+        let text = SMALL
+            .replace("staleness = 1", "staleness = 1\nwithout_lanes = true")
+            .replace(
+                "[hardware]",
+                "[policy]\nlanes = { batch = 4 }\n\n[hardware]",
+            );
+        let config = SimConfig::parse(&text).unwrap();
+        let r = run_scenario(&config.scenarios().unwrap()[0]).unwrap();
+        let names: Vec<(Strategy, bool)> =
+            r.strategies.iter().map(|s| (s.strategy, s.lanes)).collect();
+        assert_eq!(
+            names,
+            vec![
+                (Strategy::Colocate, false),
+                (Strategy::Static, false),
+                (Strategy::Dynamic, false),
+                (Strategy::Static, true),
+                (Strategy::Dynamic, true),
+            ]
+        );
+        for s in &r.strategies {
+            assert!(s.refused.is_none(), "{:?}", s.refused);
+            assert!(s.vs_bound >= 1.0, "{:?} at {}", s.strategy, s.vs_bound);
+            if !s.lanes {
+                assert_eq!(s.lane_moves, 0);
+            }
+        }
+        // The static split with leave to use lanes is the best of a superset of plans.
+        let st = |lanes: bool| {
+            r.strategies
+                .iter()
+                .find(|s| s.strategy == Strategy::Static && s.lanes == lanes)
+                .unwrap()
+                .step_s
+        };
+        assert!(st(true) <= st(false) + 1e-9);
+        assert!(r.get(Strategy::Dynamic).unwrap().lanes);
+        assert!(!r.get(Strategy::Colocate).unwrap().lanes);
+        assert!(format_report(&r).contains("dynamic+lanes"));
+    }
 }
