@@ -570,20 +570,20 @@ mod tests {
     fn the_search_keeps_no_lanes_without_a_long_tail() {
         let cm = model(1, "7b", 2);
         let sp = space(32, 2);
-        let ls = Some(LaneSearch {
+        let ls = LaneSearch {
             batch: 8,
             threshold: None,
-        });
+        };
         // Every response about as long as the others: nothing to wait for.
         let flat = Forecast::new(
             ForecastParams::lognormal(512, 16, 1500.0, 0.05, 16384)
                 .with_drop(0.2)
                 .with_judge(300.0, 0.5, 2048),
         );
-        let best = &search_top_lanes(&cm, &flat, &sp, 1, ls)[0];
+        let best = &search_top_lanes(&cm, &flat, &sp, 1, Some(ls))[0];
         assert_eq!(best.shape.lanes, None, "{:?}", best.shape);
         // The variants exist and fit; they just lose.
-        let variants = lane_variants(&cm, &flat, &sp, &best.shape, ls.unwrap());
+        let variants = lane_variants(&cm, &flat, &sp, &best.shape, ls);
         assert!(!variants.is_empty());
         for v in &variants {
             let plan = assign(v, &Inventory::uniform(8, 8, 2, 80e9, 1e12).unwrap(), None);
