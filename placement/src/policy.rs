@@ -783,4 +783,34 @@ mod tests {
             Err(PolicyError::NoPlan(PlanError::Unplaced(Role::Policy)))
         ));
     }
+
+    #[test]
+    fn lanes_are_searched_only_without_a_live_executors_limits() {
+        let (inv, setup, f) = setup();
+        let cm = CostModel::new(setup.clone(), f);
+        let fc = cm.forecast(0.0);
+        let space = Space::of(&inv);
+        let ls = Some(LaneSearch {
+            batch: 4,
+            threshold: Some(2000),
+        });
+        let free = ranked(&cm, &fc, &space, &Limits::default(), ls, usize::MAX);
+        assert!(free.iter().any(|c| c.shape.lanes.is_some()));
+        let none = ranked(&cm, &fc, &space, &Limits::default(), None, usize::MAX);
+        assert!(none.iter().all(|c| c.shape.lanes.is_none()));
+        let limits = Limits {
+            structures: Some(vec![free[0].shape.pools.iter().map(|p| p.0).collect()]),
+            rollout_cap: None,
+        };
+        let live = ranked(&cm, &fc, &space, &limits, ls, usize::MAX);
+        assert!(!live.is_empty());
+        assert!(live.iter().all(|c| c.shape.lanes.is_none()));
+        // Whatever it starts from, with or without lanes, the plan is valid.
+        let config = PolicyConfig {
+            lanes: ls,
+            ..PolicyConfig::default()
+        };
+        let p = PlacementPolicy::new(config, inv.clone(), setup.clone(), f).unwrap();
+        p.plan().validate(&inv, &setup.job).unwrap();
+    }
 }
