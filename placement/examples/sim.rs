@@ -3,11 +3,16 @@
 //! With `--plan "rollout:20 reward:4 reference+policy:8" --staleness N` it simulates
 //! that fixed plan instead of comparing placements (for exploring the model);
 //! `--cap N` caps the rollout batch and `--lanes GROUPS:BATCH:THRESHOLD` adds straggler
-//! lanes to it. `--bench` times the plan search at 512 to 4,096 GPUs.
+//! lanes to it. `CONFIG --bench` times the plan search on the config's
+//! scenarios, with and without its straggler lanes.
 
+use std::time::Instant;
 use yatt_placement::cost::Shape;
 use yatt_placement::profile::{Role, RoleSet};
-use yatt_placement::sim::{format_report, run_scenario, Sim, SimConfig};
+
+use yatt_placement::search::{search_top_lanes, Space};
+use yatt_placement::sim::{format_report, run_scenario, Sim, SimConfig, World};
+use yatt_placement::{CostModel, CostSetup, PlacementPolicy, PolicyConfig};
 
 fn parse_shape(spec: &str) -> Result<Shape, String> {
     let mut pools = Vec::new();
@@ -32,67 +37,56 @@ fn parse_shape(spec: &str) -> Result<Shape, String> {
     })
 }
 
-/// `--bench`: the plan search's time at 512 to 4,096 GPUs (70B, groups of 8), with and
-/// without straggler lanes, as `yatt sim --bench` measures it without lanes.
-fn bench() -> Result<(), Box<dyn std::error::Error>> {
-    use std::time::Instant;
-    use yatt_placement::search::{search_top_lanes, LaneSearch, Space};
-    use yatt_placement::workload::ForecastParams;
-    use yatt_placement::{
-        CostModel, CostSetup, GpuSpec, Inventory, JobShape, ModelSpec, PlacementPolicy,
-        PolicyConfig, RewardKind,
-    };
-    let gpu = GpuSpec::preset("h100").ok_or("preset")?;
-    let m = ModelSpec::preset("70b").ok_or("preset")?;
-    println!("| GPUs | lanes | analytic search (median of 5) | with simulated candidates | chosen plan |");
-    println!("|---:|---|---:|---:|---|");
-    for gpus in [512u32, 1024, 2048, 4096] {
-        for lanes in [
-            None,
-            Some(LaneSearch {
-                batch: 16,
-                threshold: None,
-            }),
-        ] {
-            let inv = Inventory::uniform(gpus / 8, 8, 8, gpu.memory_bytes, gpu.host_memory_bytes)?;
-            let setup = CostSetup {
-                job: JobShape::new(
-                    m.clone(),
-                    RewardKind::Generative { model: m.clone() },
-                    16384,
-                ),
-                gpu: gpu.clone(),
-                group_devices: 8,
-                staleness: 1,
-                partial_rollout: None,
-            };
-            let forecast = ForecastParams::lognormal(gpus, 16, 1500.0, 1.0, 16384)
-                .with_drop(0.2)
-                .with_judge(300.0, 0.6, 2048);
-            let cm = CostModel::new(setup.clone(), forecast);
-            let f = cm.forecast(0.0);
-            let space = Space::of(&inv);
-            let mut times = Vec::new();
-            for _ in 0..5 {
-                let t = Instant::now();
-                let found = search_top_lanes(&cm, &f, &space, 4, lanes);
-                times.push(t.elapsed().as_secs_f64());
-                assert!(!found.is_empty(), "no plan fits");
-            }
+/// The cost model's setup for world `w` at `staleness`, with the nominal efficiencies.
+fn setup_of(w: &World, staleness: u32) -> CostSetup {
+    CostSetup {
+        job: w.job.clone(),
+        gpu: w.gpu.clone(),
+        group_devices: w.group_devices,
+        staleness,
+        partial_rollout: w.workload.partial_rollout,
+    }
+}
+
+/// `--bench`: the plan search's time on each scenario of the config at its first
+/// step's forecast, with the config's straggler lanes and without: the analytic
+/// search alone (median of 5), and the policy's whole first choice (its best shapes
+/// simulated on a slice of the cluster).
+fn bench(config: &SimConfig) -> Result<(), Box<dyn std::error::Error>> {
+    println!("| scenario | lanes | analytic search (median of 5) | with simulated candidates | chosen plan |");
+    println!("|---|---|---:|---:|---|");
+    for sc in config.scenarios()? {
+        let w = &sc.world;
+        let inv = sc.inventory()?;
+        let prior = w.workload.forecast_at(0).params;
+        let cm = CostModel::new(setup_of(w, sc.staleness), prior);
+        let f = cm.forecast(0.0);
+        let space = Space::of(&inv);
+        let mut variants = vec![None];
+        if sc.policy.lanes.is_some() {
+            variants.push(sc.policy.lanes);
+        }
+        for lanes in variants {
+            let mut times: Vec<f64> = (0..5)
+                .map(|_| {
+                    let t = Instant::now();
+                    let found = search_top_lanes(&cm, &f, &space, 4, lanes);
+                    assert!(!found.is_empty(), "no plan fits");
+                    t.elapsed().as_secs_f64()
+                })
+                .collect();
             times.sort_by(f64::total_cmp);
-            let config = PolicyConfig {
-                lanes,
-                ..Default::default()
-            };
+            let policy = PolicyConfig { lanes, ..sc.policy };
             let t = Instant::now();
-            let policy = PlacementPolicy::new(config, inv, setup, forecast)?;
-            let full = t.elapsed().as_secs_f64();
+            let chosen =
+                PlacementPolicy::new(policy, inv.clone(), setup_of(w, sc.staleness), prior)?;
             println!(
-                "| {gpus} | {} | {:.0} ms | {:.0} ms | {} |",
+                "| {} | {} | {:.0} ms | {:.0} ms | {} |",
+                sc.name,
                 if lanes.is_some() { "yes" } else { "no" },
                 times[2] * 1e3,
-                full * 1e3,
-                policy.plan().summary()
+                t.elapsed().as_secs_f64() * 1e3,
+                chosen.plan().summary()
             );
         }
     }
@@ -101,9 +95,7 @@ fn bench() -> Result<(), Box<dyn std::error::Error>> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.iter().any(|a| a == "--bench") {
-        return bench();
-    }
+
     let path = args
         .first()
         .ok_or("usage: sim CONFIG [SCENARIO-INDEX] [--plan SPEC --staleness N]")?;
@@ -118,6 +110,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .and_then(|i| args.get(i + 1))
     };
     let config = SimConfig::parse(&std::fs::read_to_string(path)?)?;
+    if args.iter().any(|a| a == "--bench") {
+        return bench(&config);
+    }
     for (i, sc) in config.scenarios()?.iter().enumerate() {
         if only.is_some_and(|o| o != i) {
             continue;
@@ -148,14 +143,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .transpose()?
                 .unwrap_or(sc.staleness);
             let r = Sim::new(w, &plan, staleness, None).run();
-            let cm = yatt_placement::CostModel::with_efficiency(
-                yatt_placement::CostSetup {
-                    job: w.job.clone(),
-                    gpu: w.gpu.clone(),
-                    group_devices: w.group_devices,
-                    staleness,
-                    partial_rollout: w.workload.partial_rollout,
-                },
+            let cm = CostModel::with_efficiency(
+                setup_of(w, staleness),
                 w.workload.forecast_at(0).params,
                 w.truth,
             );
