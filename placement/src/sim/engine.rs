@@ -764,15 +764,15 @@ impl<'w> Sim<'w> {
         } else {
             Carry::Reprefill
         };
-        self.take_off(g, idx, carry);
+        self.take_off(g, idx, carry, 0.0);
     }
 
     /// Takes an in-flight sequence off group `g` (advanced to now) keeping what it
-    /// generated; `carry` says what its next admission costs.
-    fn take_off(&mut self, g: usize, idx: usize, carry: Carry) {
-        // The small epsilon keeps a response stopped exactly at a token boundary (a
-        // lane threshold) from losing that token to rounding.
-        let progress = (self.groups[g].iter - self.seqs[idx].start_iter + 1e-6).max(0.0);
+    /// generated; `carry` says what its next admission costs. `slack` (iterations)
+    /// keeps a response stopped exactly at a token boundary (a lane threshold) from
+    /// losing that token to rounding.
+    fn take_off(&mut self, g: usize, idx: usize, carry: Carry, slack: f64) {
+        let progress = (self.groups[g].iter - self.seqs[idx].start_iter + slack).max(0.0);
         self.remove_from_group(g, idx);
         let model = match self.seqs[idx].kind {
             Kind::Gen => &self.w.job.policy,
@@ -1751,7 +1751,7 @@ impl<'w> Sim<'w> {
             Some(Resume::Reprefill) => Carry::Reprefill,
             _ => Carry::NetKv,
         };
-        self.take_off(g, idx, carry);
+        self.take_off(g, idx, carry, 1e-6);
         self.advance(lane);
         let s = &self.seqs[idx];
         self.lane_transfer_s +=
