@@ -510,38 +510,60 @@ fn choose(
 ) -> Option<(Shape, (f64, f64))> {
     let k = config.simulate_candidates as usize;
     if k == 0 {
-        let found = ranked(cm, f, space, limits, config.lanes, 1)
-            .into_iter()
-            .next()?;
+        let all = ranked(cm, f, space, limits, config.lanes, usize::MAX);
+        let scored = all.iter().map(|c| (&c.shape, c.prediction.step_s));
+        let (shape, t) = prefer_plain(scored, config.min_gain)?;
         let now = current.map_or(f64::NAN, |s| cm.predict(s, f).step_s);
-        return Some((found.shape, (now, found.prediction.step_s)));
+        return Some((shape.clone(), (now, t)));
     }
-    let mut all = ranked(cm, f, space, limits, config.lanes, usize::MAX);
-    // The best shape with lanes and the best without are always simulated: the
-    // analytic model sees a straggler's latency only roughly.
-    let lanes_at = all.iter().position(|c| c.shape.lanes.is_some());
-    let plain_at = all.iter().position(|c| c.shape.lanes.is_none());
-    let mut top: Vec<Found> = Vec::new();
-    for (i, c) in all.drain(..).enumerate() {
-        if i < k || Some(i) == lanes_at || Some(i) == plain_at {
-            top.push(c);
-        }
-    }
+    // The best `k` shapes without lanes, as if lanes were not allowed, and the best
+    // two with them: the analytic model sees a straggler's latency only roughly.
+    let all = ranked(cm, f, space, limits, config.lanes, usize::MAX);
+    let plain = all.iter().filter(|c| c.shape.lanes.is_none()).take(k);
+    let laned = all.iter().filter(|c| c.shape.lanes.is_some()).take(2);
+    let top: Vec<Shape> = plain
+        .chain(laned)
+        .map(|c| c.shape.clone())
+        .filter(|s| current != Some(s))
+        .collect();
     let trend = cm.length_trend();
     let steps = config.simulate_steps;
     let score = |s: &Shape| simulate_shape(cm, f, trend, s, steps);
     let now = current.map_or(f64::NAN, score);
-    let mut best: Option<(Shape, f64)> = current.map(|s| (s.clone(), now));
-    for c in top {
-        if current == Some(&c.shape) {
-            continue;
+    let scored: Vec<(Shape, f64)> = current
+        .map(|s| (s.clone(), now))
+        .into_iter()
+        .chain(top.into_iter().map(|s| {
+            let t = score(&s);
+            (s, t)
+        }))
+        .collect();
+    let (shape, t) = prefer_plain(scored.iter().map(|(s, t)| (s, *t)), config.min_gain)?;
+    Some((shape.clone(), (now, t)))
+}
+
+/// The fastest of `scored` (shapes and their seconds per step, first wins a tie),
+/// except that a shape with straggler lanes must beat the fastest without them by
+/// `margin`: lanes gain a few percent at best on the workloads simulated so far, and
+/// a short simulation's noise is of that order.
+fn prefer_plain<'a>(
+    scored: impl Iterator<Item = (&'a Shape, f64)>,
+    margin: f64,
+) -> Option<(&'a Shape, f64)> {
+    let mut best: Option<(&Shape, f64)> = None;
+    let mut plain: Option<(&Shape, f64)> = None;
+    for (s, t) in scored {
+        if best.is_none_or(|b| t < b.1) {
+            best = Some((s, t));
         }
-        let t = score(&c.shape);
-        if best.as_ref().is_none_or(|b| t < b.1) {
-            best = Some((c.shape, t));
+        if s.lanes.is_none() && plain.is_none_or(|b| t < b.1) {
+            plain = Some((s, t));
         }
     }
-    best.map(|(s, t)| (s, (now, t)))
+    match (best, plain) {
+        (Some(b), Some(p)) if b.0.lanes.is_some() && p.1 <= b.1 * (1.0 + margin) => Some(p),
+        _ => best,
+    }
 }
 
 /// Whether two shapes have the same pools with group counts within 10% of each other
@@ -812,5 +834,39 @@ mod tests {
         };
         let p = PlacementPolicy::new(config, inv.clone(), setup.clone(), f).unwrap();
         p.plan().validate(&inv, &setup.job).unwrap();
+    }
+
+    #[test]
+    fn lanes_must_beat_the_best_plan_without_them_by_the_margin() {
+        let plain = Shape {
+            pools: vec![(RoleSet::of(&[Role::Rollout]), 8)],
+            rollout_cap: None,
+            lanes: None,
+        };
+        let laned = Shape {
+            lanes: Some(crate::plan::Lanes {
+                groups: 1,
+                batch: 4,
+                threshold: 4096,
+            }),
+            ..plain.clone()
+        };
+        let pick = |t_plain: f64, t_laned: f64| {
+            let v = [(laned.clone(), t_laned), (plain.clone(), t_plain)];
+            prefer_plain(v.iter().map(|(s, t)| (s, *t)), 0.08).map(|(s, t)| (s.lanes.is_some(), t))
+        };
+        assert_eq!(
+            pick(100.0, 95.0),
+            Some((false, 100.0)),
+            "5% is within the margin"
+        );
+        assert_eq!(pick(100.0, 90.0), Some((true, 90.0)), "10% is not");
+        assert_eq!(pick(90.0, 95.0), Some((false, 90.0)));
+        let only = [(laned.clone(), 50.0)];
+        assert_eq!(
+            prefer_plain(only.iter().map(|(s, t)| (s, *t)), 0.08).map(|x| x.1),
+            Some(50.0),
+            "with nothing else to take, lanes it is"
+        );
     }
 }

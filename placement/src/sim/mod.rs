@@ -797,10 +797,12 @@ fn run_placements(
                 for k in [0, steps / 2, steps.saturating_sub(1)] {
                     let f = w.workload.forecast_at(k);
                     let all = search_top_lanes(&cm, &f, &space, usize::MAX, sc.policy.lanes);
-                    // The best split, and the best with lanes when they are allowed.
-                    shapes.extend(all.first().map(|x| x.shape.clone()));
-                    if let Some(x) = all.iter().find(|x| x.shape.lanes.is_some()) {
-                        shapes.push(x.shape.clone());
+                    // The best split without lanes, and the best with lanes when they
+                    // are allowed.
+                    for lanes in [false, true] {
+                        if let Some(x) = all.iter().find(|x| x.shape.lanes.is_some() == lanes) {
+                            shapes.push(x.shape.clone());
+                        }
                     }
                 }
                 let mut seen = Vec::new();
