@@ -1026,16 +1026,22 @@ judge_max = 256
         assert!(ok.is_ok(), "{:?}", ok.err());
     }
 
+    /// Runs `SMALL` with two text replacements (`(from, to)`).
+    fn small_with(a: (&str, &str), b: (&str, &str)) -> ScenarioReport {
+        let text = SMALL.replace(a.0, a.1).replace(b.0, b.1);
+        let config = SimConfig::parse(&text).unwrap();
+        run_scenario(&config.scenarios().unwrap()[0]).unwrap()
+    }
+
     #[test]
     fn partial_rollouts_run_beside_the_plain_placements() {
-        let text = SMALL
-            .replace("staleness = 1", "staleness = 1\nwithout_partial = true")
-            .replace(
+        let r = small_with(
+            ("staleness = 1", "staleness = 1\nwithout_partial = true"),
+            (
                 "judge_max = 256",
                 "judge_max = 256\npartial_rollout = { cutoff = 0.7 }",
-            );
-        let config = SimConfig::parse(&text).unwrap();
-        let r = run_scenario(&config.scenarios().unwrap()[0]).unwrap();
+            ),
+        );
         assert_eq!(r.strategies.len(), 6);
         for s in &r.strategies {
             assert!(s.refused.is_none(), "{:?}", s.refused);
@@ -1111,14 +1117,13 @@ judge_max = 256
 
     #[test]
     fn lanes_run_beside_the_placements_without_them() {
-        let text = SMALL
-            .replace("staleness = 1", "staleness = 1\nwithout_lanes = true")
-            .replace(
+        let r = small_with(
+            ("staleness = 1", "staleness = 1\nwithout_lanes = true"),
+            (
                 "[hardware]",
                 "[policy]\nlanes = { batch = 4 }\n\n[hardware]",
-            );
-        let config = SimConfig::parse(&text).unwrap();
-        let r = run_scenario(&config.scenarios().unwrap()[0]).unwrap();
+            ),
+        );
         let names: Vec<(Strategy, bool)> =
             r.strategies.iter().map(|s| (s.strategy, s.lanes)).collect();
         assert_eq!(
