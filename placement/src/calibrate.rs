@@ -325,6 +325,7 @@ pub fn replay(rates: &Rates, steps: &[RunStep], iterations: f64) -> Vec<f64> {
             groups: vec![crate::inventory::GroupId(0)],
         }],
         rollout_batch_cap: None,
+        lanes: None,
     };
     Sim::new(&world, &plan, 0, None).run().step_s
 }

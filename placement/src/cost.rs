@@ -326,6 +326,9 @@ pub struct Shape {
     pub pools: Vec<(RoleSet, u32)>,
     /// The rollout's batch cap per group (see [`crate::plan::Plan::rollout_batch_cap`]).
     pub rollout_cap: Option<u32>,
+    /// Straggler lanes of the rollout (see [`crate::plan::Lanes`]).
+    #[serde(default)]
+    pub lanes: Option<crate::plan::Lanes>,
 }
 
 impl Shape {
@@ -338,6 +341,7 @@ impl Shape {
                 .map(|p| (p.roles, p.groups.len() as u32))
                 .collect(),
             rollout_cap: plan.rollout_batch_cap,
+            lanes: plan.lanes,
         }
     }
 
@@ -739,6 +743,15 @@ impl CostModel {
                         // once per round.
                         max.max(tokens / slots + max / 2.0) + (rounds - 1.0) * max
                     };
+                    let lanes = shape
+                        .lanes
+                        .filter(|l| s == Stage::Gen && streams && l.groups < shape.pools[pool].1);
+                    if let Some(l) = lanes {
+                        let lane = lane_split(&c, f, l, n_gen, ctx0, slots, groups, max);
+                        busy[pool] += lane.time;
+                        work.push((s, pool, lane.time, lane.last));
+                        continue;
+                    }
                     let time = c.a * iters + c.b * tokens + c.c * ctx + c.prefill * prefill;
                     // The last sample's latency: its length at the batch it runs in.
                     let last = max * c.iteration(occupancy, occupancy * (ctx0 + gen / 2.0));
@@ -917,6 +930,75 @@ impl CostModel {
     }
 }
 
+/// A streaming rollout pool split into ordinary groups and straggler lanes.
+struct LaneSplit {
+    /// Seconds per step of the busier side.
+    time: f64,
+    /// The longest response's latency: up to the threshold in an ordinary batch, the
+    /// rest in a lane's.
+    last: f64,
+}
+
+/// Splits a step's generation of `n_gen` responses (prompts of `ctx0` tokens) between
+/// the ordinary groups of a streaming rollout pool of `groups` groups (`slots` each)
+/// and lanes `l`: every response's tokens up to the threshold decode in an ordinary
+/// batch, the rest in a lane's; `max` is the length the step waits for. Both decode
+/// at the roofline of `c`, so a lane's small batch reads less KV cache per iteration.
+#[allow(clippy::too_many_arguments)]
+fn lane_split(
+    c: &DecodeCoeffs,
+    f: &Forecast,
+    l: crate::plan::Lanes,
+    n_gen: f64,
+    ctx0: f64,
+    slots: f64,
+    groups: f64,
+    max: f64,
+) -> LaneSplit {
+    let t = f64::from(l.threshold);
+    let q = f.len_quantiles();
+    let k = q.len().max(1) as f64;
+    // Per response: tokens and context read below and above the threshold.
+    let (mut main, mut main_ctx, mut over, mut over_ctx, mut beyond) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for &len in q {
+        let m = len.min(t);
+        let e = (len - t).max(0.0);
+        main += m / k;
+        main_ctx += (ctx0 * m + m * m / 2.0) / k;
+        over += e / k;
+        over_ctx += ((ctx0 + t) * e + e * e / 2.0) / k;
+        if e > 0.0 {
+            beyond += 1.0 / k;
+        }
+    }
+    let ordinary = (groups - f64::from(l.groups)).max(1.0);
+    let lanes = f64::from(l.groups.max(1));
+    let tokens = n_gen * main / ordinary;
+    let occupancy = slots.min((n_gen / ordinary).max(1.0));
+    let main_time = c.a * tokens / occupancy
+        + c.b * tokens
+        + c.c * n_gen * main_ctx / ordinary
+        + c.prefill * n_gen * ctx0 / ordinary;
+    let lane_tokens = n_gen * over / lanes;
+    let lane_occ = f64::from(l.batch)
+        .min((n_gen * beyond / lanes).max(1.0))
+        .max(1.0);
+    // A moved response brings its KV cache (or prefills it again): at most as much
+    // as one prefill of its context.
+    let lane_time = c.a * lane_tokens / lane_occ
+        + c.b * lane_tokens
+        + c.c * n_gen * over_ctx / lanes
+        + c.prefill * n_gen * beyond * (ctx0 + t) / lanes;
+    let head = max.min(t);
+    let tail = (max - t).max(0.0);
+    let last = head * c.iteration(occupancy, occupancy * (ctx0 + main))
+        + tail * c.iteration(lane_occ, lane_occ * (ctx0 + t + tail / 2.0));
+    LaneSplit {
+        time: main_time.max(lane_time),
+        last,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -941,6 +1023,7 @@ mod tests {
 
     fn shape(parts: &[(&[Role], u32)]) -> Shape {
         Shape {
+            lanes: None,
             pools: parts.iter().map(|(r, n)| (RoleSet::of(r), *n)).collect(),
             rollout_cap: None,
         }

@@ -53,6 +53,39 @@ pub struct Plan {
     /// long contexts is bound by KV-cache reads, so they cost little throughput.
     #[serde(default)]
     pub rollout_batch_cap: Option<u32>,
+    /// Straggler lanes: rollout groups kept for the longest responses (none: every
+    /// rollout group takes every response).
+    #[serde(default)]
+    pub lanes: Option<Lanes>,
+}
+
+/// Straggler lanes: the last `groups` groups of the rollout pool (in id order) decode
+/// only responses that have generated `threshold` tokens, at most `batch` at once. A
+/// response moves there from an ordinary rollout group when it passes the threshold
+/// and a lane has room; it brings its KV cache over the interconnect or, with
+/// `resume = "reprefill"`, prefills its prompt and tokens again. A small batch decodes
+/// each token faster (the weights are read once per iteration and only a few
+/// sequences' KV caches), so the longest responses, which hold a step back, finish
+/// sooner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Lanes {
+    /// Rollout groups kept as lanes.
+    pub groups: u32,
+    /// Most responses one lane decodes at once.
+    pub batch: u32,
+    /// Generated tokens after which a response moves to a lane.
+    pub threshold: u32,
+}
+
+impl fmt::Display for Lanes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} lane(s) ≤{} from {} tokens",
+            self.groups, self.batch, self.threshold
+        )
+    }
 }
 
 /// One group changing hands between two plans.
@@ -104,6 +137,23 @@ pub enum PlanError {
         /// How to make it fit.
         hint: String,
     },
+    /// Straggler lanes were asked of a plan whose rollout cannot have them.
+    #[error("lanes: {0}")]
+    Lanes(String),
+    /// A lane's batch of the longest responses does not fit its KV cache.
+    #[error("lanes: a batch of {batch} responses of up to {context} tokens needs {need} of KV cache per lane but a lane group has {have}; lower the lane batch to at most {fits}")]
+    LanesDoNotFit {
+        /// The lane batch asked for.
+        batch: u32,
+        /// The longest context a lane holds (prompt and longest response), tokens.
+        context: u32,
+        /// KV-cache bytes the batch needs, formatted.
+        need: String,
+        /// KV-cache bytes a group has after the weights, formatted.
+        have: String,
+        /// The largest batch that fits.
+        fits: u32,
+    },
     /// Offloaded state of time-sharing roles does not fit host memory.
     #[error("pool {pool} offloads {need} per device to the host while one role runs, but the host has {have} per device: split the pool so fewer roles share it")]
     HostMemory {
@@ -125,7 +175,18 @@ impl Plan {
                 groups: inv.groups().map(|g| g.id).collect(),
             }],
             rollout_batch_cap: None,
+            lanes: None,
         }
+    }
+
+    /// The groups kept as straggler lanes: the last `lanes.groups` of the rollout
+    /// pool, in id order (none without lanes).
+    pub fn lane_groups(&self) -> Vec<GroupId> {
+        let (Some(l), Some(p)) = (self.lanes, self.pool_of(Role::Rollout)) else {
+            return Vec::new();
+        };
+        let n = (l.groups as usize).min(p.groups.len());
+        p.groups[p.groups.len() - n..].to_vec()
     }
 
     /// The plan's mode.
@@ -181,6 +242,9 @@ impl Plan {
         if let Some(cap) = self.rollout_batch_cap {
             s.push_str(&format!(" (batch ≤{cap})"));
         }
+        if let Some(l) = self.lanes {
+            s.push_str(&format!(" ({l})"));
+        }
         s
     }
 
@@ -223,8 +287,77 @@ impl Plan {
         if let Some(r) = wanted.iter().find(|r| !placed.contains(*r)) {
             return Err(PlanError::Unplaced(r));
         }
+        if let Some(l) = self.lanes {
+            let pool = self.pool_of(Role::Rollout).expect("every role is placed");
+            let mem = pool
+                .groups
+                .iter()
+                .filter_map(|g| inv.group(*g))
+                .map(|g| g.device_memory_bytes)
+                .fold(f64::INFINITY, f64::min);
+            check_lanes(job, l, pool, inv.group_size(), mem)?;
+        }
         Ok(())
     }
+}
+
+/// Checks straggler lanes `l` against the rollout pool `pool` (groups of
+/// `group_devices` devices with `device_mem` bytes each): the rollout must have the
+/// pool to itself and keep at least one ordinary group, and a lane must hold `batch`
+/// responses of the longest context in its KV cache.
+pub fn check_lanes(
+    job: &JobShape,
+    l: Lanes,
+    pool: &Pool,
+    group_devices: u32,
+    device_mem: f64,
+) -> Result<(), PlanError> {
+    if l.groups == 0 || l.batch == 0 || l.threshold == 0 {
+        return Err(PlanError::Lanes(format!(
+            "groups ({}), batch ({}) and threshold ({}) must all be at least 1; leave lanes out for none",
+            l.groups, l.batch, l.threshold
+        )));
+    }
+    if pool.roles != RoleSet::of(&[Role::Rollout]) {
+        return Err(PlanError::Lanes(format!(
+            "the rollout shares pool {} with other roles; lanes need a rollout pool of its own",
+            pool.roles
+        )));
+    }
+    if l.groups as usize >= pool.groups.len() {
+        return Err(PlanError::Lanes(format!(
+            "{} lane(s) in a rollout pool of {} group(s) leave no group for ordinary decoding; use at most {}",
+            l.groups,
+            pool.groups.len(),
+            pool.groups.len().saturating_sub(1)
+        )));
+    }
+    check_lane_memory(job, l.batch, group_devices, device_mem)
+}
+
+/// Checks that a lane of `group_devices` devices with `device_mem` bytes each holds
+/// `batch` responses of the longest context (prompt and longest response) in its KV
+/// cache beside the policy's weights.
+pub fn check_lane_memory(
+    job: &JobShape,
+    batch: u32,
+    group_devices: u32,
+    device_mem: f64,
+) -> Result<(), PlanError> {
+    let context = job.prompt_len + job.max_response;
+    let per_seq = job.policy.kv_bytes_per_token() * f64::from(context);
+    let have = 0.9 * f64::from(group_devices) * device_mem - job.policy.weight_bytes();
+    let need = per_seq * f64::from(batch);
+    if need > have {
+        return Err(PlanError::LanesDoNotFit {
+            batch,
+            context,
+            need: gib(need),
+            have: gib(have.max(0.0)),
+            fits: (have.max(0.0) / per_seq).floor() as u32,
+        });
+    }
+    Ok(())
 }
 
 /// Whether roles sharing a pool must offload and reload to take turns: a decoding
@@ -353,6 +486,7 @@ mod tests {
         let mut ids = inv.groups().map(|g| g.id);
         Plan {
             rollout_batch_cap: None,
+            lanes: None,
             pools: parts
                 .iter()
                 .map(|(roles, n)| Pool {
@@ -489,6 +623,84 @@ mod tests {
         assert_eq!(
             (m[0].from, m[0].to),
             (RoleSet::of(&[Role::Policy]), RoleSet::of(&[Role::Rollout]))
+        );
+    }
+
+    #[test]
+    fn lanes_that_do_not_fit_or_have_no_rollout_of_their_own_are_refused_with_the_reason() {
+        let inv = inv(16, 1);
+        let j = job("7b", true);
+        let mut p = split(
+            &inv,
+            &[
+                (&[Role::Rollout], 6),
+                (&[Role::Reward], 4),
+                (&[Role::Reference, Role::Policy], 6),
+            ],
+        );
+        p.lanes = Some(Lanes {
+            groups: 2,
+            batch: 8,
+            threshold: 2048,
+        });
+        p.validate(&inv, &j).unwrap();
+        assert_eq!(p.lane_groups(), vec![GroupId(4), GroupId(5)]);
+        assert!(p.summary().ends_with("(2 lane(s) ≤8 from 2048 tokens)"));
+        // 7B on one H100 keeps about 57 GB for KV cache: 8,704-token contexts at
+        // 57 KB a token fit about 114 responses, not 400.
+        p.lanes = Some(Lanes {
+            groups: 2,
+            batch: 400,
+            threshold: 2048,
+        });
+        let err = p.validate(&inv, &j).unwrap_err();
+        let msg = err.to_string();
+        let PlanError::LanesDoNotFit {
+            batch,
+            context,
+            fits,
+            ..
+        } = err
+        else {
+            panic!("{msg}");
+        };
+        assert_eq!((batch, context), (400, 512 + 8192));
+        assert!((100..130).contains(&fits), "{msg}");
+        assert!(
+            msg.contains(&format!("lower the lane batch to at most {fits}")),
+            "{msg}"
+        );
+        p.lanes = Some(Lanes {
+            groups: 2,
+            batch: fits,
+            threshold: 2048,
+        });
+        p.validate(&inv, &j).unwrap();
+        // Every rollout group a lane: nothing left to decode the rest.
+        p.lanes = Some(Lanes {
+            groups: 6,
+            batch: 4,
+            threshold: 2048,
+        });
+        let msg = p.validate(&inv, &j).unwrap_err().to_string();
+        assert!(msg.contains("use at most 5"), "{msg}");
+        // A rollout that takes turns with other roles has no lanes.
+        let mut shared = split(
+            &inv,
+            &[
+                (&[Role::Rollout, Role::Reward], 10),
+                (&[Role::Reference, Role::Policy], 6),
+            ],
+        );
+        shared.lanes = Some(Lanes {
+            groups: 1,
+            batch: 4,
+            threshold: 2048,
+        });
+        let msg = shared.validate(&inv, &j).unwrap_err().to_string();
+        assert!(
+            msg.contains("lanes need a rollout pool of its own"),
+            "{msg}"
         );
     }
 }

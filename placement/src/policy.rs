@@ -41,7 +41,7 @@ use crate::cost::{CostModel, CostSetup, Shape, StepMetrics};
 use crate::inventory::{Inventory, InventoryError};
 use crate::plan::{Move, Plan, PlanError};
 use crate::profile::RoleSet;
-use crate::search::{assign, search_top, search_top_in, Found, Space};
+use crate::search::{assign, search_top_in, search_top_lanes, Found, LaneSearch, Space};
 use crate::sim::evaluate::simulate_shape;
 use crate::workload::ForecastParams;
 
@@ -70,6 +70,10 @@ pub struct PolicyConfig {
     pub simulate_candidates: u32,
     /// Steps each candidate is simulated for.
     pub simulate_steps: u32,
+    /// Straggler lanes the search may propose, e.g. `lanes = { batch = 8 }` (a
+    /// threshold, when not given, comes from the forecast); none: never. Ignored under
+    /// a live executor's [`Limits`], whose engines have no lanes yet.
+    pub lanes: Option<LaneSearch>,
 }
 
 impl Default for PolicyConfig {
@@ -85,6 +89,7 @@ impl Default for PolicyConfig {
             lookahead_steps: 5.0,
             simulate_candidates: 4,
             simulate_steps: 10,
+            lanes: None,
         }
     }
 }
@@ -177,17 +182,19 @@ pub struct Limits {
     pub rollout_cap: Option<u32>,
 }
 
-/// The best shapes within `limits`, best first.
+/// The best shapes within `limits` (with straggler lanes as `lanes` allows, when
+/// nothing limits the search), best first.
 fn ranked(
     cm: &CostModel,
     f: &crate::workload::Forecast,
     space: &Space,
     limits: &Limits,
+    lanes: Option<LaneSearch>,
     k: usize,
 ) -> Vec<Found> {
     match &limits.structures {
         Some(s) => search_top_in(cm, f, space, s, &[limits.rollout_cap], k),
-        None => search_top(cm, f, space, k),
+        None => search_top_lanes(cm, f, space, k, lanes),
     }
 }
 
@@ -402,7 +409,9 @@ impl PlacementPolicy {
         let target = assign(&shape, &self.inventory, Some(&self.plan));
         let moves = self.plan.moves_to(&target);
         let cost = self.cost.migration_cost(&moves, &shape);
-        let changes = !moves.is_empty() || target.rollout_batch_cap != self.plan.rollout_batch_cap;
+        let changes = !moves.is_empty()
+            || target.rollout_batch_cap != self.plan.rollout_batch_cap
+            || target.lanes != self.plan.lanes;
         let worth = changes
             && gain >= self.config.min_gain * current
             && gain * self.config.horizon_steps >= self.config.payback * cost;
@@ -435,10 +444,16 @@ impl PlacementPolicy {
 
     fn forced_replan(&mut self, reason: Reason) -> Vec<Decision> {
         let f = self.cost.forecast(self.config.lookahead_steps);
-        let Some(found) = ranked(&self.cost, &f, &Space::of(&self.inventory), &self.limits, 1)
-            .into_iter()
-            .next()
-        else {
+        let Some(found) = ranked(
+            &self.cost,
+            &f,
+            &Space::of(&self.inventory),
+            &self.limits,
+            self.config.lanes,
+            1,
+        )
+        .into_iter()
+        .next() else {
             self.log
                 .push("no plan fits the remaining groups; waiting for nodes to join".into());
             return Vec::new();
@@ -495,26 +510,61 @@ fn choose(
 ) -> Option<(Shape, (f64, f64))> {
     let k = config.simulate_candidates as usize;
     if k == 0 {
-        let found = ranked(cm, f, space, limits, 1).into_iter().next()?;
+        let all = ranked(cm, f, space, limits, config.lanes, usize::MAX);
+        let scored = all.iter().map(|c| (&c.shape, c.prediction.step_s));
+        let (shape, t) = prefer_plain(scored, config.min_gain)?;
         let now = current.map_or(f64::NAN, |s| cm.predict(s, f).step_s);
-        return Some((found.shape, (now, found.prediction.step_s)));
+        return Some((shape.clone(), (now, t)));
     }
-    let top = ranked(cm, f, space, limits, k);
+    // The best `k` shapes without lanes, as if lanes were not allowed, and the best
+    // with lanes when the analytic model ranks it above all of them (one more
+    // simulation, so the choice stays under a second at 4,096 GPUs).
+    let all = ranked(cm, f, space, limits, config.lanes, usize::MAX);
+    let plain = all.iter().filter(|c| c.shape.lanes.is_none()).take(k);
+    let laned = all.iter().take_while(|c| c.shape.lanes.is_some()).take(1);
+    let top: Vec<Shape> = plain
+        .chain(laned)
+        .map(|c| c.shape.clone())
+        .filter(|s| current != Some(s))
+        .collect();
     let trend = cm.length_trend();
     let steps = config.simulate_steps;
     let score = |s: &Shape| simulate_shape(cm, f, trend, s, steps);
     let now = current.map_or(f64::NAN, score);
-    let mut best: Option<(Shape, f64)> = current.map(|s| (s.clone(), now));
-    for c in top {
-        if current == Some(&c.shape) {
-            continue;
+    let scored: Vec<(Shape, f64)> = current
+        .map(|s| (s.clone(), now))
+        .into_iter()
+        .chain(top.into_iter().map(|s| {
+            let t = score(&s);
+            (s, t)
+        }))
+        .collect();
+    let (shape, t) = prefer_plain(scored.iter().map(|(s, t)| (s, *t)), config.min_gain)?;
+    Some((shape.clone(), (now, t)))
+}
+
+/// The fastest of `scored` (shapes and their seconds per step, first wins a tie),
+/// except that a shape with straggler lanes must beat the fastest without them by
+/// `margin`: lanes gain a few percent at best on the workloads simulated so far, and
+/// a short simulation's noise is of that order.
+fn prefer_plain<'a>(
+    scored: impl Iterator<Item = (&'a Shape, f64)>,
+    margin: f64,
+) -> Option<(&'a Shape, f64)> {
+    let mut best: Option<(&Shape, f64)> = None;
+    let mut plain: Option<(&Shape, f64)> = None;
+    for (s, t) in scored {
+        if best.is_none_or(|b| t < b.1) {
+            best = Some((s, t));
         }
-        let t = score(&c.shape);
-        if best.as_ref().is_none_or(|b| t < b.1) {
-            best = Some((c.shape, t));
+        if s.lanes.is_none() && plain.is_none_or(|b| t < b.1) {
+            plain = Some((s, t));
         }
     }
-    best.map(|(s, t)| (s, (now, t)))
+    match (best, plain) {
+        (Some(b), Some(p)) if b.0.lanes.is_some() && p.1 <= b.1 * (1.0 + margin) => Some(p),
+        _ => best,
+    }
 }
 
 /// Whether two shapes have the same pools with group counts within 10% of each other
@@ -522,6 +572,7 @@ fn choose(
 fn similar(a: &Shape, b: &Shape) -> bool {
     a.pools.len() == b.pools.len()
         && a.rollout_cap == b.rollout_cap
+        && a.lanes.map(|l| l.batch) == b.lanes.map(|l| l.batch)
         && a.pools.iter().zip(&b.pools).all(|(x, y)| {
             x.0 == y.0
                 && (f64::from(x.1) - f64::from(y.1)).abs()
@@ -705,6 +756,7 @@ mod tests {
                 },
             ],
             rollout_batch_cap: Some(64),
+            lanes: None,
         };
         let limits = Limits {
             structures: Some(vec![vec![rollout, policy]]),
@@ -747,10 +799,75 @@ mod tests {
         let bad = Plan {
             pools: vec![start.pools[0].clone()],
             rollout_batch_cap: None,
+            lanes: None,
         };
         assert!(matches!(
             PlacementPolicy::starting_from(config, inv, setup, f, bad, limits),
             Err(PolicyError::NoPlan(PlanError::Unplaced(Role::Policy)))
         ));
+    }
+
+    #[test]
+    fn lanes_are_searched_only_without_a_live_executors_limits() {
+        let (inv, setup, f) = setup();
+        let cm = CostModel::new(setup.clone(), f);
+        let fc = cm.forecast(0.0);
+        let space = Space::of(&inv);
+        let ls = Some(LaneSearch {
+            batch: 4,
+            threshold: Some(2000),
+        });
+        let free = ranked(&cm, &fc, &space, &Limits::default(), ls, usize::MAX);
+        assert!(free.iter().any(|c| c.shape.lanes.is_some()));
+        let none = ranked(&cm, &fc, &space, &Limits::default(), None, usize::MAX);
+        assert!(none.iter().all(|c| c.shape.lanes.is_none()));
+        let limits = Limits {
+            structures: Some(vec![free[0].shape.pools.iter().map(|p| p.0).collect()]),
+            rollout_cap: None,
+        };
+        let live = ranked(&cm, &fc, &space, &limits, ls, usize::MAX);
+        assert!(!live.is_empty());
+        assert!(live.iter().all(|c| c.shape.lanes.is_none()));
+        // Whatever it starts from, with or without lanes, the plan is valid.
+        let config = PolicyConfig {
+            lanes: ls,
+            ..PolicyConfig::default()
+        };
+        let p = PlacementPolicy::new(config, inv.clone(), setup.clone(), f).unwrap();
+        p.plan().validate(&inv, &setup.job).unwrap();
+    }
+
+    #[test]
+    fn lanes_must_beat_the_best_plan_without_them_by_the_margin() {
+        let plain = Shape {
+            pools: vec![(RoleSet::of(&[Role::Rollout]), 8)],
+            rollout_cap: None,
+            lanes: None,
+        };
+        let laned = Shape {
+            lanes: Some(crate::plan::Lanes {
+                groups: 1,
+                batch: 4,
+                threshold: 4096,
+            }),
+            ..plain.clone()
+        };
+        let pick = |t_plain: f64, t_laned: f64| {
+            let v = [(laned.clone(), t_laned), (plain.clone(), t_plain)];
+            prefer_plain(v.iter().map(|(s, t)| (s, *t)), 0.08).map(|(s, t)| (s.lanes.is_some(), t))
+        };
+        assert_eq!(
+            pick(100.0, 95.0),
+            Some((false, 100.0)),
+            "5% is within the margin"
+        );
+        assert_eq!(pick(100.0, 90.0), Some((true, 90.0)), "10% is not");
+        assert_eq!(pick(90.0, 95.0), Some((false, 90.0)));
+        let only = [(laned.clone(), 50.0)];
+        assert_eq!(
+            prefer_plain(only.iter().map(|(s, t)| (s, *t)), 0.08).map(|x| x.1),
+            Some(50.0),
+            "with nothing else to take, lanes it is"
+        );
     }
 }

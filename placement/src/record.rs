@@ -317,6 +317,7 @@ mod tests {
                 },
             ],
             rollout_batch_cap: None,
+            lanes: None,
         }
     }
 

@@ -9,10 +9,12 @@
 
 use std::collections::BTreeSet;
 
+use serde::{Deserialize, Serialize};
+
 use crate::cost::{CostModel, Prediction, Shape};
 use crate::inventory::{GroupId, Inventory};
-use crate::plan::{check_pool_memory, Plan, Pool};
-use crate::profile::RoleSet;
+use crate::plan::{check_lane_memory, check_pool_memory, Lanes, Plan, Pool};
+use crate::profile::{Role, RoleSet};
 use crate::workload::Forecast;
 
 /// What the search may hand out.
@@ -49,6 +51,77 @@ pub struct Found {
     pub prediction: Prediction,
     /// How many shapes the search evaluated.
     pub evaluated: u64,
+}
+
+/// Straggler lanes the search may propose (see [`Lanes`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LaneSearch {
+    /// Most responses one lane decodes at once; the search tries this batch and a
+    /// quarter of it.
+    pub batch: u32,
+    /// Generated tokens after which a response moves to a lane; none: chosen from the
+    /// workload forecast.
+    pub threshold: Option<u32>,
+}
+
+/// Lane variants of a shape whose rollout streams in a pool of its own: a few lane
+/// counts (an eighth and a quarter of the rollout's groups) and batches (`ls.batch`
+/// and a quarter of it), each with thresholds from the forecast (the lengths that
+/// about 2 and 8 lane batches of each step's responses pass) unless `ls` fixes one.
+/// Lane batches that do not fit memory are left out.
+pub fn lane_variants(
+    cm: &CostModel,
+    f: &Forecast,
+    space: &Space,
+    shape: &Shape,
+    ls: LaneSearch,
+) -> Vec<Shape> {
+    let alone = RoleSet::of(&[Role::Rollout]);
+    let Some(&(_, rollout)) = shape.pools.iter().find(|p| p.0 == alone) else {
+        return Vec::new();
+    };
+    if cm.setup().staleness == 0 {
+        return Vec::new();
+    }
+    let n_gen = f.generated_samples().max(1.0);
+    let max = f64::from(f.params.max_response);
+    let mut out: Vec<Shape> = Vec::new();
+    let mut counts = vec![(rollout / 8).max(1), (rollout / 4).max(1)];
+    counts.dedup();
+    let mut batches = vec![ls.batch, (ls.batch / 4).max(1)];
+    batches.dedup();
+    for batch in batches {
+        let job = &cm.setup().job;
+        if check_lane_memory(job, batch, space.group_devices, space.device_mem).is_err() {
+            continue;
+        }
+        for &groups in counts.iter().filter(|&&n| n < rollout) {
+            let thresholds: Vec<u32> = match ls.threshold {
+                Some(t) => vec![t],
+                None => [2.0, 8.0]
+                    .iter()
+                    .map(|c| {
+                        let share = (c * f64::from(groups * batch) / n_gen).min(0.5);
+                        let t = f.len_quantile(1.0 - share).min(max * 0.75);
+                        ((t / 64.0).round() * 64.0).max(256.0) as u32
+                    })
+                    .collect(),
+            };
+            for threshold in thresholds {
+                let mut s = shape.clone();
+                s.lanes = Some(Lanes {
+                    groups,
+                    batch,
+                    threshold,
+                });
+                if !out.contains(&s) {
+                    out.push(s);
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Every partition of `roles` into non-empty pools.
@@ -121,6 +194,37 @@ pub fn search(cm: &CostModel, f: &Forecast, space: &Space) -> Option<Found> {
     search_structures(cm, f, space, &structures)
 }
 
+/// Like [`search_top`], with straggler lanes when `lanes` allows them: each shape
+/// whose rollout streams in a pool of its own also comes with its lane variants
+/// ([`lane_variants`]), ranked by the same cost model.
+pub fn search_top_lanes(
+    cm: &CostModel,
+    f: &Forecast,
+    space: &Space,
+    k: usize,
+    lanes: Option<LaneSearch>,
+) -> Vec<Found> {
+    let structures = partitions(cm.setup().job.gpu_roles());
+    let mut all = search_ranked(cm, f, space, &structures);
+    if let Some(ls) = lanes {
+        let mut more = Vec::new();
+        for found in &all {
+            for s in lane_variants(cm, f, space, &found.shape, ls) {
+                let prediction = cm.predict(&s, f);
+                more.push(Found {
+                    shape: s,
+                    prediction,
+                    evaluated: found.evaluated,
+                });
+            }
+        }
+        all.extend(more);
+        all.sort_by(|a, b| a.prediction.step_s.total_cmp(&b.prediction.step_s));
+    }
+    all.truncate(k.max(1));
+    all
+}
+
 /// Like [`search`], over the given pool structures only.
 pub fn search_structures(
     cm: &CostModel,
@@ -134,10 +238,7 @@ pub fn search_structures(
 /// The best shape of every pool structure (and batch cap), best first: candidates for
 /// a closer look by simulation.
 pub fn search_top(cm: &CostModel, f: &Forecast, space: &Space, k: usize) -> Vec<Found> {
-    let structures = partitions(cm.setup().job.gpu_roles());
-    let mut all = search_ranked(cm, f, space, &structures);
-    all.truncate(k.max(1));
-    all
+    search_top_lanes(cm, f, space, k, None)
 }
 
 /// Like [`search_top`], over the given pool structures and rollout batch caps only: what
@@ -228,6 +329,7 @@ fn best_counts(
     let mut shape = Shape {
         pools: roles.iter().copied().zip(mins.iter().copied()).collect(),
         rollout_cap: cap,
+        lanes: None,
     };
     let mut eval = |s: &Shape| {
         *evaluated += 1;
@@ -343,6 +445,7 @@ pub fn assign(shape: &Shape, inv: &Inventory, current: Option<&Plan>) -> Plan {
     Plan {
         pools,
         rollout_batch_cap: shape.rollout_cap,
+        lanes: shape.lanes,
     }
 }
 
@@ -429,6 +532,7 @@ mod tests {
         let full = Shape {
             pools: vec![(cm.setup().job.gpu_roles(), 64)],
             rollout_cap: None,
+            lanes: None,
         };
         assert!(found.prediction.step_s < cm.predict(&full, &f).step_s);
     }
@@ -449,6 +553,7 @@ mod tests {
                 (RoleSet::of(&[Role::Policy]), policy),
             ],
             rollout_cap: None,
+            lanes: None,
         };
         let a = assign(&split(5, 3), &inv, None);
         assert_eq!(a.pools[0].groups.len(), 5);
@@ -459,5 +564,88 @@ mod tests {
             .groups
             .iter()
             .all(|g| b.pools[0].groups.contains(g)));
+    }
+
+    #[test]
+    fn the_search_keeps_no_lanes_without_a_long_tail() {
+        let cm = model(1, "7b", 2);
+        let sp = space(32, 2);
+        let ls = LaneSearch {
+            batch: 8,
+            threshold: None,
+        };
+        // Every response about as long as the others: nothing to wait for.
+        let flat = Forecast::new(
+            ForecastParams::lognormal(512, 16, 1500.0, 0.05, 16384)
+                .with_drop(0.2)
+                .with_judge(300.0, 0.5, 2048),
+        );
+        let best = &search_top_lanes(&cm, &flat, &sp, 1, Some(ls))[0];
+        assert_eq!(best.shape.lanes, None, "{:?}", best.shape);
+        // The variants exist and fit; they just lose.
+        let variants = lane_variants(&cm, &flat, &sp, &best.shape, ls);
+        assert!(!variants.is_empty());
+        for v in &variants {
+            let plan = assign(v, &Inventory::uniform(8, 8, 2, 80e9, 1e12).unwrap(), None);
+            plan.validate(
+                &Inventory::uniform(8, 8, 2, 80e9, 1e12).unwrap(),
+                &cm.setup().job,
+            )
+            .unwrap();
+            assert!(cm.predict(v, &flat).step_s > best.prediction.step_s);
+        }
+        // Without leave to use lanes the search is the plain one.
+        let plain = search_top_lanes(&cm, &flat, &sp, 3, None);
+        assert!(plain.iter().all(|f| f.shape.lanes.is_none()));
+        assert_eq!(plain, search_top(&cm, &flat, &sp, 3));
+    }
+
+    #[test]
+    fn lane_variants_need_a_rollout_of_its_own_and_memory() {
+        let cm = model(1, "7b", 2);
+        let sp = space(32, 2);
+        let f = Forecast::new(forecast());
+        let ls = LaneSearch {
+            batch: 8,
+            threshold: Some(3000),
+        };
+        let shared = Shape {
+            pools: vec![
+                (RoleSet::of(&[Role::Rollout, Role::Reward]), 20),
+                (RoleSet::of(&[Role::Reference, Role::Policy]), 12),
+            ],
+            rollout_cap: None,
+            lanes: None,
+        };
+        assert!(lane_variants(&cm, &f, &sp, &shared, ls).is_empty());
+        let split = Shape {
+            pools: vec![
+                (RoleSet::of(&[Role::Rollout]), 16),
+                (RoleSet::of(&[Role::Reward]), 6),
+                (RoleSet::of(&[Role::Reference, Role::Policy]), 10),
+            ],
+            rollout_cap: None,
+            lanes: None,
+        };
+        let v = lane_variants(&cm, &f, &sp, &split, ls);
+        let lanes: Vec<_> = v
+            .iter()
+            .map(|s| s.lanes.unwrap())
+            .map(|l| (l.groups, l.batch, l.threshold))
+            .collect();
+        assert_eq!(
+            lanes,
+            vec![(2, 8, 3000), (4, 8, 3000), (2, 2, 3000), (4, 2, 3000)]
+        );
+        // A lane batch of the longest contexts beyond the KV cache: only its quarter.
+        let huge = LaneSearch {
+            batch: 400,
+            threshold: None,
+        };
+        let v = lane_variants(&cm, &f, &sp, &split, huge);
+        assert!(!v.is_empty());
+        assert!(v.iter().all(|s| s.lanes.unwrap().batch == 100), "{v:?}");
+        // On-policy nothing streams, so lanes have nothing to shorten.
+        assert!(lane_variants(&model(0, "7b", 2), &f, &sp, &split, ls).is_empty());
     }
 }

@@ -374,6 +374,7 @@ impl LivePlacement {
                 },
             ],
             rollout_batch_cap: Some(rollout_slots(job)),
+            lanes: None,
         };
         let batch = heads as u32 * job.data.prompts_per_step as u32;
         let forecast = ForecastParams::lognormal(

@@ -8,7 +8,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
 use crate::cost::{Stage, StageObs, StepMetrics};
-use crate::plan::Plan;
+use crate::plan::{Lanes, Plan};
 use crate::policy::{Decision, Event, PlacementPolicy};
 use crate::profile::{
     decode_slots, forward_s_per_token, train_s_per_token, DecodeCoeffs, Efficiency, GpuSpec,
@@ -87,6 +87,22 @@ pub struct RunResult {
     /// Every group trained: (the step it was issued for, its index, the step that
     /// trained it).
     pub trained_groups: Vec<(u32, u32, u32)>,
+    /// Responses moved to a straggler lane.
+    pub lane_moves: u64,
+    /// Group-seconds the lanes spent bringing moved responses' KV caches over the
+    /// interconnect (or prefilling them again).
+    pub lane_transfer_s: f64,
+}
+
+/// How a response taken off its group continues elsewhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Carry {
+    /// Its KV cache goes to host memory and comes back over PCIe.
+    HostKv,
+    /// Its KV cache goes to another group over the interconnect.
+    NetKv,
+    /// Its KV cache is dropped; prompt and tokens so far are prefilled again.
+    Reprefill,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,6 +138,8 @@ struct Seq {
     born: Option<u32>,
     /// Parked at a cutoff until the next weights are in.
     paused: bool,
+    /// Its heap entry marks the lane threshold, not its end.
+    checkpoint: bool,
 }
 
 impl Seq {
@@ -143,6 +161,7 @@ impl Seq {
             restore_s: 0.0,
             born: None,
             paused: false,
+            checkpoint: false,
         }
     }
 
@@ -192,6 +211,8 @@ struct DecodeGroup {
     pool: Option<usize>,
     compute_s: f64,
     overhead_s: f64,
+    /// A straggler lane of the rollout pool.
+    lane: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -353,6 +374,13 @@ pub struct Sim<'w> {
     plans: Vec<(u64, String)>,
     step_done: u32,
     rollout_cap: Option<u32>,
+    /// Straggler lanes of the plan in force.
+    lanes: Option<Lanes>,
+    /// Responses on ordinary rollout groups past the lane threshold, waiting for room
+    /// in a lane, oldest step first: (step, order) → (slot, generation).
+    lane_wait: BTreeMap<(u32, u64), (usize, u32)>,
+    lane_moves: u64,
+    lane_transfer_s: f64,
     totals: BTreeMap<Stage, (f64, f64, f64)>,
 }
 
@@ -440,6 +468,7 @@ impl<'w> Sim<'w> {
                 pool: None,
                 compute_s: 0.0,
                 overhead_s: 0.0,
+                lane: false,
             })
             .collect();
         let partial = w.workload.partial_rollout;
@@ -494,8 +523,13 @@ impl<'w> Sim<'w> {
             plans: vec![(0, plan.summary())],
             step_done: 0,
             rollout_cap: plan.rollout_batch_cap,
+            lanes: None,
+            lane_wait: BTreeMap::new(),
+            lane_moves: 0,
+            lane_transfer_s: 0.0,
             totals: BTreeMap::new(),
         };
+        sim.set_lanes(plan);
         for pool in &plan.pools {
             let p = sim.pools.len();
             for r in pool.roles.iter() {
@@ -606,6 +640,8 @@ impl<'w> Sim<'w> {
             reprefill_frac: self.partial_stats.reprefill_tokens / self.generated_tokens.max(1.0),
             max_lag: self.partial_stats.max_lag,
             trained_groups: self.trained_groups,
+            lane_moves: self.lane_moves,
+            lane_transfer_s: self.lane_transfer_s,
         }
     }
 
@@ -723,14 +759,27 @@ impl<'w> Sim<'w> {
     /// to host memory and back (`keep_kv`), or by prefilling its prompt and tokens
     /// again. The caller queues it again or parks it in `paused`.
     fn suspend(&mut self, g: usize, idx: usize, keep_kv: bool) {
-        let progress = (self.groups[g].iter - self.seqs[idx].start_iter).max(0.0);
+        let carry = if keep_kv {
+            Carry::HostKv
+        } else {
+            Carry::Reprefill
+        };
+        self.take_off(g, idx, carry, 0.0);
+    }
+
+    /// Takes an in-flight sequence off group `g` (advanced to now) keeping what it
+    /// generated; `carry` says what its next admission costs. `slack` (iterations)
+    /// keeps a response stopped exactly at a token boundary (a lane threshold) from
+    /// losing that token to rounding.
+    fn take_off(&mut self, g: usize, idx: usize, carry: Carry, slack: f64) {
+        let progress = (self.groups[g].iter - self.seqs[idx].start_iter + slack).max(0.0);
         self.remove_from_group(g, idx);
         let model = match self.seqs[idx].kind {
             Kind::Gen => &self.w.job.policy,
             Kind::Judge => self.w.job.model(Role::Reward).unwrap_or(&self.w.job.policy),
         };
         let kv_bytes = model.kv_bytes_per_token();
-        let per_device_s = 1.0 / (f64::from(self.w.group_devices) * self.w.gpu.pcie_bytes_per_s);
+        let devices = f64::from(self.w.group_devices);
         let s = &mut self.seqs[idx];
         // A response that is paused has at least one token left, or it would have
         // finished.
@@ -740,13 +789,23 @@ impl<'w> Sim<'w> {
         s.len -= tokens;
         // Its heap entry names the old generation and is skipped when it surfaces.
         s.gen = s.gen.wrapping_add(1);
-        if keep_kv {
-            s.prefill = 0;
-            // Out to host memory and back in.
-            s.restore_s = 2.0 * kv_bytes * f64::from(s.ctx0) * per_device_s;
-        } else {
-            s.prefill = s.ctx0;
-            s.restore_s = 0.0;
+        s.checkpoint = false;
+        match carry {
+            Carry::HostKv => {
+                s.prefill = 0;
+                // Out to host memory and back in.
+                s.restore_s =
+                    2.0 * kv_bytes * f64::from(s.ctx0) / (devices * self.w.gpu.pcie_bytes_per_s);
+            }
+            Carry::NetKv => {
+                // Each device sends its shard of the cache to its peer in the lane.
+                s.prefill = 0;
+                s.restore_s = kv_bytes * f64::from(s.ctx0) / (devices * self.w.gpu.net_bytes_per_s);
+            }
+            Carry::Reprefill => {
+                s.prefill = s.ctx0;
+                s.restore_s = 0.0;
+            }
         }
     }
 
@@ -1525,6 +1584,10 @@ impl<'w> Sim<'w> {
                 break;
             }
             self.groups[g].heap.pop();
+            if self.seqs[idx].checkpoint {
+                self.crossed(g, idx);
+                continue;
+            }
             self.remove_from_group(g, idx);
             self.seq_done(idx);
         }
@@ -1541,6 +1604,10 @@ impl<'w> Sim<'w> {
         let Some(kind) = self.groups[g].kind else {
             return;
         };
+        if self.groups[g].lane {
+            self.refill_lane(g);
+            return;
+        }
         if self.groups[g]
             .pool
             .is_some_and(|p| self.pools[p].roles.len() > 1 && self.should_yield(p))
@@ -1567,6 +1634,28 @@ impl<'w> Sim<'w> {
             }
             let key = (self.seqs[idx].step, self.seqs[idx].order);
             self.queues[kind as usize].remove(&key);
+            // A response resuming past the lane threshold goes straight to a lane.
+            if let (Some(l), Some(lane)) = (self.lanes, self.lane_with_room()) {
+                if kind == Kind::Gen && self.seqs[idx].done >= l.threshold {
+                    self.advance(lane);
+                    self.admit(lane, idx, kind);
+                    self.reschedule(lane);
+                    continue;
+                }
+            }
+            self.admit(g, idx, kind);
+        }
+    }
+
+    /// Starts sequence `idx` (off the queues) on group `g`, paying its prefill or
+    /// cache restore. On an ordinary rollout group a response that will pass the lane
+    /// threshold gets a checkpoint there instead of its end.
+    fn admit(&mut self, g: usize, idx: usize, kind: Kind) {
+        {
+            let threshold = match self.lanes {
+                Some(l) if kind == Kind::Gen && !self.groups[g].lane => Some(l.threshold),
+                _ => None,
+            };
             let version = self.version;
             let grp = &mut self.groups[g];
             let s = &mut self.seqs[idx];
@@ -1576,8 +1665,17 @@ impl<'w> Sim<'w> {
             grp.p_sum += f64::from(s.ctx0);
             grp.s_sum += s.start_iter;
             grp.debt += f64::from(s.prefill) * grp.coeffs.prefill + s.restore_s;
+            let mut run = s.len;
+            s.checkpoint = false;
+            if let Some(t) = threshold {
+                let to_lane = t.saturating_sub(s.done).max(1);
+                if to_lane < s.len {
+                    run = to_lane;
+                    s.checkpoint = true;
+                }
+            }
             grp.heap
-                .push(Reverse((OrdF64(grp.iter + f64::from(s.len)), idx, s.gen)));
+                .push(Reverse((OrdF64(grp.iter + f64::from(run)), idx, s.gen)));
             let prefill = f64::from(s.prefill);
             if s.done > 0 {
                 self.partial_stats.reprefill_tokens += prefill;
@@ -1598,6 +1696,88 @@ impl<'w> Sim<'w> {
                 Stage::Judge
             };
             self.windows.entry(stage).or_default().prefill += prefill;
+        }
+    }
+
+    // ---- straggler lanes ---------------------------------------------------------
+
+    /// Takes the lanes of `plan`: its lane groups decode only moved responses.
+    fn set_lanes(&mut self, plan: &Plan) {
+        self.lanes = plan.lanes;
+        for grp in &mut self.groups {
+            grp.lane = false;
+        }
+        for g in plan.lane_groups() {
+            self.groups[g.0 as usize].lane = true;
+        }
+    }
+
+    /// The decoding lane with the most room (the first such in id order), if any.
+    fn lane_with_room(&self) -> Option<usize> {
+        let l = self.lanes?;
+        self.groups
+            .iter()
+            .enumerate()
+            .filter(|(_, grp)| {
+                grp.lane && grp.kind == Some(Kind::Gen) && grp.pool.is_some() && grp.b < l.batch
+            })
+            .min_by_key(|(i, grp)| (grp.b, *i))
+            .map(|(i, _)| i)
+    }
+
+    /// Response `idx` on ordinary group `g` (advanced to now) reached the lane
+    /// threshold: it moves to a lane with room, or goes on where it is and waits for
+    /// one.
+    fn crossed(&mut self, g: usize, idx: usize) {
+        self.seqs[idx].checkpoint = false;
+        if !self.groups[g].lane && self.lanes.is_some() {
+            if let Some(lane) = self.lane_with_room() {
+                self.move_to_lane(g, idx, lane);
+                return;
+            }
+            let s = &self.seqs[idx];
+            self.lane_wait.insert((s.step, s.order), (idx, s.gen));
+        }
+        let s = &self.seqs[idx];
+        let end = s.start_iter + f64::from(s.len);
+        self.groups[g].heap.push(Reverse((OrdF64(end), idx, s.gen)));
+    }
+
+    /// Moves response `idx` from group `g` (advanced to now) to `lane`: it brings its
+    /// KV cache over the interconnect, or prefills it again with `resume =
+    /// "reprefill"`. The caller refills and reschedules `g`.
+    fn move_to_lane(&mut self, g: usize, idx: usize, lane: usize) {
+        let carry = match self.partial.map(|p| p.resume) {
+            Some(Resume::Reprefill) => Carry::Reprefill,
+            _ => Carry::NetKv,
+        };
+        self.take_off(g, idx, carry, 1e-6);
+        self.advance(lane);
+        let s = &self.seqs[idx];
+        self.lane_transfer_s +=
+            f64::from(s.prefill) * self.groups[lane].coeffs.prefill + s.restore_s;
+        self.lane_moves += 1;
+        self.admit(lane, idx, Kind::Gen);
+        self.reschedule(lane);
+    }
+
+    /// Fills a lane's free room with the responses waiting for one, oldest step first.
+    fn refill_lane(&mut self, lane: usize) {
+        let Some(l) = self.lanes else { return };
+        while self.groups[lane].b < l.batch && self.groups[lane].kind == Some(Kind::Gen) {
+            let Some((_, (idx, gen))) = self.lane_wait.pop_first() else {
+                break;
+            };
+            let s = &self.seqs[idx];
+            let Some(g) =
+                s.on.filter(|&g| s.alive && s.gen == gen && !self.groups[g].lane)
+            else {
+                continue;
+            };
+            self.advance(g);
+            self.move_to_lane(g, idx, lane);
+            self.refill(g);
+            self.reschedule(g);
         }
     }
 
@@ -1856,6 +2036,7 @@ impl<'w> Sim<'w> {
     fn migrate(&mut self, target: &Plan, id: u64) {
         self.migrations += 1;
         self.rollout_cap = target.rollout_batch_cap;
+        self.set_lanes(target);
         let mut pending = 0;
         // Pools of the target, reusing pools with the same roles.
         let mut pool_of_roles: HashMap<RoleSet, usize> = HashMap::new();
@@ -1965,6 +2146,14 @@ impl<'w> Sim<'w> {
                     let done = self.groups[g].iter - self.seqs[idx].start_iter;
                     self.wasted_tokens += done;
                     self.remove_from_group(g, idx);
+                    // A response a lane took in keeps its earlier tokens, but its
+                    // cache is lost with the group.
+                    let s = &mut self.seqs[idx];
+                    s.gen = s.gen.wrapping_add(1);
+                    if s.done > 0 {
+                        s.prefill = s.ctx0;
+                        s.restore_s = 0.0;
+                    }
                 }
                 self.requeue(idx);
             }
@@ -2078,6 +2267,7 @@ mod tests {
             ],
             // Small batches keep a queue waiting, so a newcomer has work to take.
             rollout_batch_cap: Some(32),
+            lanes: None,
         }
     }
 
@@ -2144,6 +2334,7 @@ mod tests {
         Plan {
             pools: vec![pool],
             rollout_batch_cap: Some(32),
+            lanes: None,
         }
     }
 
@@ -2158,6 +2349,7 @@ mod tests {
                 pool(&[Role::Reference, Role::Policy], &[3]),
             ],
             rollout_batch_cap: Some(32),
+            lanes: None,
         }
     }
 
@@ -2318,5 +2510,145 @@ mod tests {
         eprintln!("step time with partial rollouts: colocated {colocated_ratio:.3}, split {split_ratio:.3}");
         assert!(colocated_ratio < 0.9, "colocated: {colocated_ratio:.3}");
         assert!(split_ratio < 0.9, "split: {split_ratio:.3}");
+    }
+
+    // ---- straggler lanes -------------------------------------------------------------
+
+    /// `split()` with its last rollout group as a lane.
+    fn split_with_lane(batch: u32, threshold: u32) -> Plan {
+        let mut p = split();
+        p.lanes = Some(Lanes {
+            groups: 1,
+            batch,
+            threshold,
+        });
+        p
+    }
+
+    /// Context of the straggler test's sequences before they decode: long, as a
+    /// straggler's is (decoding is then bound by reading the batch's KV cache).
+    const STRAGGLER_CTX: u32 = 6000;
+
+    /// Runs a batch of 31 long fillers and one straggler of `len` tokens (queued first)
+    /// on `plan`, with no controller; returns the straggler's finish time and the
+    /// simulation.
+    fn run_straggler<'w>(w: &'w World, plan: &Plan, len: u32) -> (f64, Sim<'w>) {
+        let mut sim = Sim::new(w, plan, 1, None);
+        let prompt = STRAGGLER_CTX;
+        let idx = sim.push_seq(Seq::new(0, 0, Kind::Gen, prompt, len, 0));
+        for i in 0..31 {
+            sim.push_seq(Seq::new(0, 1 + i, Kind::Gen, prompt, 4 * len, 0));
+        }
+        sim.kick_all();
+        while sim.seqs[idx].alive && sim.next_event() {}
+        assert!(!sim.seqs[idx].alive, "the straggler finished");
+        (sim.now, sim)
+    }
+
+    #[test]
+    fn a_lane_cuts_a_single_stragglers_time_by_the_roofline_ratio() {
+        let w = long_tail(None, None);
+        let only = |plan: &Plan| {
+            let mut p = plan.clone();
+            // One ordinary group, so the straggler shares its batch with every filler.
+            p.pools[0].groups = vec![GroupId(0), GroupId(1)];
+            p.pools[1].groups = vec![GroupId(2), GroupId(3)];
+            p
+        };
+        let (len, threshold) = (4000, 500);
+        let mut plain = only(&split());
+        plain.pools[0].groups = vec![GroupId(0)];
+        plain.pools[1].groups = vec![GroupId(1), GroupId(2), GroupId(3)];
+        let (t0, _) = run_straggler(&w, &plain, len);
+        let (t1, sim) = run_straggler(&w, &only(&split_with_lane(1, threshold)), len);
+        // The straggler, then (as it finishes) the first filler waiting for the lane.
+        assert_eq!(
+            sim.lane_moves, 2,
+            "a lane of one takes one response at a time"
+        );
+        // The same roofline for both: 32 sequences with their prompts, then the
+        // straggler alone with its prompt and `threshold` tokens of context.
+        let c = DecodeCoeffs::roofline(&w.job.policy, &w.gpu, w.group_devices, &w.truth);
+        let p = f64::from(STRAGGLER_CTX);
+        let prefill = 32.0 * p * c.prefill;
+        let batch = c.iteration(32.0, 32.0 * p);
+        let kv = w.job.policy.kv_bytes_per_token() * (p + f64::from(threshold))
+            / (f64::from(w.group_devices) * w.gpu.net_bytes_per_s);
+        let want0 = prefill + f64::from(len) * batch;
+        let want1 = prefill
+            + f64::from(threshold) * batch
+            + kv
+            + f64::from(len - threshold) * c.iteration(1.0, p + f64::from(threshold));
+        assert!((t0 - want0).abs() < 1e-6 * want0, "{t0} vs {want0}");
+        assert!((t1 - want1).abs() < 1e-6 * want1, "{t1} vs {want1}");
+        assert!(t0 / t1 > 2.0, "the lane cut it only {:.2}x", t0 / t1);
+        assert!(
+            kv > 0.0 && sim.lane_transfer_s > kv,
+            "both moves brought a cache"
+        );
+    }
+
+    #[test]
+    fn a_straggler_waits_on_its_group_while_the_lanes_are_full_then_moves() {
+        let w = long_tail(None, None);
+        let mut plan = split_with_lane(1, 500);
+        plan.pools[0].groups = vec![GroupId(0), GroupId(1)];
+        plan.pools[1].groups = vec![GroupId(2), GroupId(3)];
+        let (_, mut sim) = run_straggler(&w, &plan, 4000);
+        // The fillers crossed the threshold with the straggler and waited for the
+        // lane, decoding where they were; the first of them moves once it is free.
+        assert_eq!(sim.lane_moves, 2);
+        assert_eq!(sim.groups[1].b, 1, "the lane holds its batch of one");
+        assert_eq!(sim.groups[0].b, 30, "the rest decode where they were");
+        while sim.next_event() {}
+        assert!(sim.seqs.iter().all(|s| !s.alive), "every response finished");
+        // One at a time, the lane takes some; the others finish where they waited.
+        assert!(
+            sim.lane_moves > 2 && sim.lane_moves < 32,
+            "{} moves",
+            sim.lane_moves
+        );
+    }
+
+    #[test]
+    fn every_group_trains_exactly_once_with_lanes() {
+        for partial_rollout in [
+            None,
+            partial(BeyondBound::Wait, Resume::Kv),
+            partial(BeyondBound::Wait, Resume::Reprefill),
+            partial(BeyondBound::Regenerate, Resume::Kv),
+        ] {
+            for drop in [None, Some(0.3)] {
+                let w = long_tail(partial_rollout, drop);
+                let want = expected_groups(&w);
+                let r = Sim::new(&w, &split_with_lane(4, 600), 1, None).run();
+                assert_eq!(trained_set(&r), want, "{partial_rollout:?}, drop {drop:?}");
+                assert_eq!(r.trained_groups.len(), want.len(), "trained twice");
+                assert!(r.lane_moves > 0, "some response passed 600 tokens");
+                if partial_rollout.is_some_and(|p| p.resume == Resume::Reprefill) {
+                    assert!(r.reprefill_frac > 0.0, "moved responses prefill again");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn lanes_change_hands_in_a_migration_without_losing_a_response() {
+        let w = long_tail(None, None);
+        let mut sim = Sim::new(&w, &split_with_lane(2, 300), 1, None);
+        sim.open_steps();
+        sim.kick_all();
+        while sim.now < 30.0 && sim.next_event() {}
+        // The lane becomes an ordinary group, then the rollout loses it.
+        sim.migrate(&split(), 1);
+        while sim.now < 60.0 && sim.next_event() {}
+        let mut fewer = split();
+        fewer.pools[0].groups = vec![GroupId(0), GroupId(1)];
+        fewer.pools[1].groups = vec![GroupId(2), GroupId(3)];
+        sim.migrate(&fewer, 2);
+        while sim.step_done < w.workload.steps && sim.next_event() {}
+        assert_eq!(sim.step_done, w.workload.steps, "every step finished");
+        let r = sim.finish(Vec::new());
+        assert_eq!(trained_set(&r), expected_groups(&w));
     }
 }

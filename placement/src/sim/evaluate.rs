@@ -9,7 +9,8 @@ use std::collections::BTreeMap;
 use crate::calibrate::Rates;
 use crate::cost::{CostModel, Shape, Stage};
 use crate::inventory::Inventory;
-use crate::profile::{Efficiency, Role};
+use crate::plan::Lanes;
+use crate::profile::{Efficiency, Role, RoleSet};
 use crate::search::assign;
 use crate::sim::{Sim, World};
 use crate::workload::{DynamicSampling, Forecast, LengthDist, WorkloadSpec};
@@ -31,9 +32,21 @@ pub fn simulate_shape(cm: &CostModel, f: &Forecast, trend: f64, shape: &Shape, s
         .iter()
         .map(|(r, n)| (*r, ((f64::from(*n) / k).round() as u32).max(1)))
         .collect();
+    // Lanes scale with the slice, keeping at least one lane and one ordinary group.
+    let rollout = pools
+        .iter()
+        .find(|x| x.0 == RoleSet::of(&[Role::Rollout]))
+        .map_or(0, |x| x.1);
+    let lanes = shape.lanes.and_then(|l| {
+        let n = ((f64::from(l.groups) / k).round() as u32)
+            .max(1)
+            .min(rollout.saturating_sub(1));
+        (n > 0).then_some(Lanes { groups: n, ..l })
+    });
     let sliced = Shape {
         pools,
         rollout_cap: shape.rollout_cap,
+        lanes,
     };
     let groups = sliced.groups();
     let scale = total / f64::from(groups);

@@ -26,7 +26,7 @@ use crate::profile::{
     decode_slots, forward_s_per_token, train_s_per_token, DecodeCoeffs, Efficiency, GpuSpec,
     JobShape, ModelSpec, RewardKind,
 };
-use crate::search::{assign, search, Space};
+use crate::search::{assign, search_top_lanes, LaneSearch, Space};
 use crate::workload::WorkloadSpec;
 
 /// Why a simulation could not run.
@@ -93,6 +93,9 @@ pub struct SimSection {
     /// With `workload.partial_rollout`: also run every placement without partial
     /// rollouts, for comparison in the same report.
     pub without_partial: bool,
+    /// With `policy.lanes`: also run the static and dynamic placements without
+    /// straggler lanes, for comparison in the same report.
+    pub without_lanes: bool,
 }
 
 impl Default for SimSection {
@@ -102,6 +105,7 @@ impl Default for SimSection {
             staleness: 1,
             strategies: vec![Strategy::Colocate, Strategy::Static, Strategy::Dynamic],
             without_partial: false,
+            without_lanes: false,
         }
     }
 }
@@ -231,6 +235,8 @@ pub struct Scenario {
     pub strategies: Vec<Strategy>,
     /// Whether to run them without partial rollouts too.
     pub without_partial: bool,
+    /// Whether to run static and dynamic without straggler lanes too.
+    pub without_lanes: bool,
     /// Devices per node.
     pub gpus_per_node: u32,
 }
@@ -249,6 +255,25 @@ impl SimConfig {
     pub fn parse(text: &str) -> Result<SimConfig, SimError> {
         let c: SimConfig = toml::from_str(text)?;
         c.workload.check().map_err(SimError::Invalid)?;
+        if let Some(l) = c.policy.lanes {
+            if l.batch == 0 {
+                return Err(SimError::Invalid(
+                    "policy.lanes.batch: found 0; a lane must decode at least one response at once, e.g. lanes = { batch = 8 }".into(),
+                ));
+            }
+            if let Some(t) = l.threshold {
+                if t == 0 || t >= c.workload.max_response {
+                    return Err(SimError::Invalid(format!(
+                        "policy.lanes.threshold: found {t}; it is the generated length (tokens) at which a response moves to a lane and must be between 1 and workload.max_response - 1 ({}); leave it out to choose it from the forecast",
+                        c.workload.max_response.saturating_sub(1)
+                    )));
+                }
+            }
+        } else if c.sim.without_lanes {
+            return Err(SimError::Invalid(
+                "sim.without_lanes: found true without policy.lanes; set policy.lanes (e.g. lanes = { batch = 8 }) or drop without_lanes".into(),
+            ));
+        }
         if c.sim.strategies.is_empty() {
             return Err(SimError::Invalid(
                 "sim.strategies: expected at least one of colocate, static, dynamic".into(),
@@ -361,6 +386,7 @@ impl SimConfig {
                     policy: self.policy,
                     strategies: self.sim.strategies.clone(),
                     without_partial: self.sim.without_partial,
+                    without_lanes: self.sim.without_lanes,
                     gpus_per_node: per_node,
                 })
             })
@@ -375,6 +401,10 @@ pub struct StrategyReport {
     pub strategy: Strategy,
     /// Whether it ran with partial rollouts.
     pub partial: bool,
+    /// Whether its search could use straggler lanes.
+    pub lanes: bool,
+    /// Responses moved to a straggler lane.
+    pub lane_moves: u64,
     /// The plan it started with (group counts per pool).
     pub plan: String,
     /// Whether it ran; if not, why (e.g. it does not fit memory).
@@ -439,6 +469,8 @@ pub struct ScenarioReport {
     pub staleness: u32,
     /// Partial rollouts, when the workload has them.
     pub partial_rollout: Option<crate::workload::PartialRollout>,
+    /// Straggler lanes the static and dynamic searches could use.
+    pub lanes: Option<LaneSearch>,
     /// Lower bound per step: each step's work at full efficiency over all devices.
     pub bound_steps_s: Vec<f64>,
     /// Mean of the bound per step.
@@ -451,12 +483,14 @@ pub struct ScenarioReport {
 
 impl ScenarioReport {
     /// The report of one strategy, as configured: with partial rollouts when the
-    /// workload has them (the runs without them are there for comparison).
+    /// workload has them and with lanes when the policy may use them (the runs
+    /// without are there for comparison).
     pub fn get(&self, s: Strategy) -> Option<&StrategyReport> {
         let configured = self.partial_rollout.is_some();
-        self.strategies
-            .iter()
-            .find(|r| r.strategy == s && r.refused.is_none() && r.partial == configured)
+        let lanes = self.lanes.is_some() && s != Strategy::Colocate;
+        self.strategies.iter().find(|r| {
+            r.strategy == s && r.refused.is_none() && r.partial == configured && r.lanes == lanes
+        })
     }
 }
 
@@ -554,6 +588,8 @@ fn report(
     StrategyReport {
         strategy,
         partial: false,
+        lanes: false,
+        lane_moves: r.lane_moves,
         plan: plan.summary(),
         refused: None,
         makespan_s: r.makespan_s,
@@ -580,6 +616,8 @@ fn refused(strategy: Strategy, why: String) -> StrategyReport {
     StrategyReport {
         strategy,
         partial: false,
+        lanes: false,
+        lane_moves: 0,
         plan: String::new(),
         refused: Some(why),
         makespan_s: f64::NAN,
@@ -629,16 +667,30 @@ pub fn run_scenario(sc: &Scenario) -> Result<ScenarioReport, SimError> {
     let steps = w.workload.steps;
     let mut out = Vec::new();
     let mut policy_log = Vec::new();
+    let mut worlds = Vec::new();
     if w.workload.partial_rollout.is_some() && sc.without_partial {
         let mut plain = w.clone();
         plain.workload.partial_rollout = None;
-        out = run_placements(sc, &plain, bound_step)?.0;
+        worlds.push(plain);
     }
-    let (with, log) = run_placements(sc, w, bound_step)?;
-    if !log.is_empty() {
-        policy_log = log;
+    worlds.push(w.clone());
+    for world in &worlds {
+        // Colocation has no lanes: it runs once, with the placements without lanes.
+        if sc.policy.lanes.is_some() && sc.without_lanes {
+            let mut plain = sc.clone();
+            plain.policy.lanes = None;
+            out.extend(run_placements(&plain, world, bound_step)?.0);
+            let mut laned = sc.clone();
+            laned.strategies.retain(|s| *s != Strategy::Colocate);
+            let (rs, log) = run_placements(&laned, world, bound_step)?;
+            out.extend(rs);
+            policy_log = log;
+        } else {
+            let (rs, log) = run_placements(sc, world, bound_step)?;
+            out.extend(rs);
+            policy_log = log;
+        }
     }
-    out.extend(with);
     let colo = |partial: bool| {
         out.iter()
             .find(|r| r.strategy == Strategy::Colocate && r.partial == partial)
@@ -653,7 +705,7 @@ pub fn run_scenario(sc: &Scenario) -> Result<ScenarioReport, SimError> {
             r.speedup_vs_on_policy = colo_plain.map(|c| r.tokens_per_s / c);
         }
     }
-    out.sort_by_key(|r| (r.partial, r.strategy as u8));
+    out.sort_by_key(|r| (r.partial, r.lanes, r.strategy as u8));
     Ok(ScenarioReport {
         name: sc.name.clone(),
         gpus: w.groups * w.group_devices,
@@ -662,6 +714,7 @@ pub fn run_scenario(sc: &Scenario) -> Result<ScenarioReport, SimError> {
         steps,
         staleness: sc.staleness,
         partial_rollout: w.workload.partial_rollout,
+        lanes: sc.policy.lanes,
         bound_step_s: bound_step,
         bound_steps_s: bound,
         strategies: out,
@@ -742,8 +795,14 @@ fn run_placements(
                 let space = Space::of(&inv);
                 let mut shapes = dynamic_shapes.clone();
                 for k in [0, steps / 2, steps.saturating_sub(1)] {
-                    if let Some(found) = search(&cm, &w.workload.forecast_at(k), &space) {
-                        shapes.push(found.shape);
+                    let f = w.workload.forecast_at(k);
+                    let all = search_top_lanes(&cm, &f, &space, usize::MAX, sc.policy.lanes);
+                    // The best split without lanes, and the best with lanes when they
+                    // are allowed.
+                    for lanes in [false, true] {
+                        if let Some(x) = all.iter().find(|x| x.shape.lanes.is_some() == lanes) {
+                            shapes.push(x.shape.clone());
+                        }
                     }
                 }
                 let mut seen = Vec::new();
@@ -775,6 +834,7 @@ fn run_placements(
     }
     for r in &mut out {
         r.partial = partial.is_some();
+        r.lanes = sc.policy.lanes.is_some() && r.strategy != Strategy::Colocate;
     }
     Ok((out, policy_log))
 }
@@ -805,7 +865,7 @@ pub fn format_report(r: &ScenarioReport) -> String {
     }
     let _ = writeln!(
         s,
-        "  {:<17} {:>7} {:>7} {:>8} {:>8} {:>6} {:>7} {:>7} {:>7} {:>4} {:>7} {:>5}  plan",
+        "  {:<23} {:>7} {:>7} {:>8} {:>8} {:>6} {:>7} {:>7} {:>7} {:>4} {:>7} {:>5} {:>6}  plan",
         "placement",
         "s/step",
         "x bound",
@@ -817,23 +877,25 @@ pub fn format_report(r: &ScenarioReport) -> String {
         "carried",
         "lag",
         "tok/s",
-        "migr"
+        "migr",
+        "lane"
     );
     let pct = |v: f64| format!("{:.1}%", v * 100.0);
     let times = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.2}x"));
     for x in &r.strategies {
         let name = format!(
-            "{}{}",
+            "{}{}{}",
             x.strategy.name(),
-            if x.partial { "+partial" } else { "" }
+            if x.partial { "+partial" } else { "" },
+            if x.lanes { "+lanes" } else { "" }
         );
         if let Some(why) = &x.refused {
-            let _ = writeln!(s, "  {name:<17} refused: {why}");
+            let _ = writeln!(s, "  {name:<23} refused: {why}");
             continue;
         }
         let _ = writeln!(
             s,
-            "  {:<17} {:>7.1} {:>7.2} {:>8} {:>8} {:>6} {:>7} {:>7} {:>7} {:>4} {:>7.0} {:>5}  {}",
+            "  {:<23} {:>7.1} {:>7.2} {:>8} {:>8} {:>6} {:>7} {:>7} {:>7} {:>4} {:>7.0} {:>5} {:>6}  {}",
             name,
             x.step_s,
             x.vs_bound,
@@ -846,7 +908,11 @@ pub fn format_report(r: &ScenarioReport) -> String {
             x.max_lag,
             x.tokens_per_s,
             x.migrations,
-            x.plan
+            x.lane_moves,
+            match x.plans.last() {
+                Some(last) if x.plans.len() > 1 => format!("{} → {}", x.plan, last.1),
+                _ => x.plan.clone(),
+            }
         );
     }
     s
@@ -960,16 +1026,22 @@ judge_max = 256
         assert!(ok.is_ok(), "{:?}", ok.err());
     }
 
+    /// Runs `SMALL` with two text replacements (`(from, to)`).
+    fn small_with(a: (&str, &str), b: (&str, &str)) -> ScenarioReport {
+        let text = SMALL.replace(a.0, a.1).replace(b.0, b.1);
+        let config = SimConfig::parse(&text).unwrap();
+        run_scenario(&config.scenarios().unwrap()[0]).unwrap()
+    }
+
     #[test]
     fn partial_rollouts_run_beside_the_plain_placements() {
-        let text = SMALL
-            .replace("staleness = 1", "staleness = 1\nwithout_partial = true")
-            .replace(
+        let r = small_with(
+            ("staleness = 1", "staleness = 1\nwithout_partial = true"),
+            (
                 "judge_max = 256",
                 "judge_max = 256\npartial_rollout = { cutoff = 0.7 }",
-            );
-        let config = SimConfig::parse(&text).unwrap();
-        let r = run_scenario(&config.scenarios().unwrap()[0]).unwrap();
+            ),
+        );
         assert_eq!(r.strategies.len(), 6);
         for s in &r.strategies {
             assert!(s.refused.is_none(), "{:?}", s.refused);
@@ -1002,5 +1074,86 @@ judge_max = 256
             err.contains("no placement fits") && err.contains("GiB"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn lane_config_errors_name_the_key_and_the_fix() {
+        let with = |policy: &str, sim: &str| {
+            SMALL
+                .replace("staleness = 1", &format!("staleness = 1\n{sim}"))
+                .replace("[hardware]", &format!("[policy]\n{policy}\n\n[hardware]"))
+        };
+        let err = |policy: &str, sim: &str| match SimConfig::parse(&with(policy, sim)) {
+            Ok(_) => panic!("{policy} {sim}: accepted"),
+            Err(e) => e.to_string(),
+        };
+        for (policy, sim, want) in [
+            (
+                "lanes = { batch = 0 }",
+                "",
+                &["policy.lanes.batch: found 0", "batch = 8"][..],
+            ),
+            (
+                "lanes = { batch = 8, threshold = 2048 }",
+                "",
+                &["policy.lanes.threshold: found 2048", "(2047)"],
+            ),
+            ("lanes = { batch = 8, size = 2 }", "", &["size"]),
+            (
+                "",
+                "without_lanes = true",
+                &["sim.without_lanes", "policy.lanes"],
+            ),
+        ] {
+            let e = err(policy, sim);
+            assert!(want.iter().all(|w| e.contains(w)), "{e}");
+        }
+        SimConfig::parse(&with(
+            "lanes = { batch = 8, threshold = 512 }",
+            "without_lanes = true",
+        ))
+        .unwrap();
+    }
+
+    #[test]
+    fn lanes_run_beside_the_placements_without_them() {
+        let r = small_with(
+            ("staleness = 1", "staleness = 1\nwithout_lanes = true"),
+            (
+                "[hardware]",
+                "[policy]\nlanes = { batch = 4 }\n\n[hardware]",
+            ),
+        );
+        let names: Vec<(Strategy, bool)> =
+            r.strategies.iter().map(|s| (s.strategy, s.lanes)).collect();
+        assert_eq!(
+            names,
+            vec![
+                (Strategy::Colocate, false),
+                (Strategy::Static, false),
+                (Strategy::Dynamic, false),
+                (Strategy::Static, true),
+                (Strategy::Dynamic, true),
+            ]
+        );
+        for s in &r.strategies {
+            assert!(s.refused.is_none(), "{:?}", s.refused);
+            assert!(s.vs_bound >= 1.0, "{:?} at {}", s.strategy, s.vs_bound);
+            if !s.lanes {
+                assert_eq!(s.lane_moves, 0);
+            }
+        }
+        // The static split with leave to use lanes is the best of a superset of plans.
+        let st = |lanes: bool| {
+            r.strategies
+                .iter()
+                .find(|s| s.strategy == Strategy::Static && s.lanes == lanes)
+                .unwrap()
+                .step_s
+        };
+        assert!(st(true) <= st(false) + 1e-9);
+        assert!(r.get(Strategy::Dynamic).unwrap().lanes);
+        assert!(!r.get(Strategy::Colocate).unwrap().lanes);
+        assert!(format_report(&r).contains("dynamic+lanes"));
     }
 }
