@@ -335,6 +335,34 @@ fn take(map: &mut HashMap<String, Tensor>, name: &str) -> Result<Tensor> {
     })
 }
 
+/// Refuses tensors the config does not name: a checkpoint whose config.json says fewer
+/// layers (or no scalar head) than its weights hold would otherwise load as a smaller
+/// model without a word. HF's rotary `inv_freq` buffers are recomputed, not parameters.
+fn check_all_used(left: &HashMap<String, Tensor>, c: &ModelConfig) -> Result<()> {
+    let mut extra: Vec<&str> = left
+        .keys()
+        .map(String::as_str)
+        .filter(|n| !n.ends_with("rotary_emb.inv_freq"))
+        .collect();
+    if extra.is_empty() {
+        return Ok(());
+    }
+    extra.sort_unstable();
+    let shown = extra
+        .iter()
+        .take(4)
+        .copied()
+        .collect::<Vec<_>>()
+        .join("`, `");
+    Err(EngineError::Weights(format!(
+        "{} tensor(s) the config does not name (`{shown}`{}); the config describes {} layers: \
+         fix config.json (e.g. num_hidden_layers) to match the weights, or remove the extra tensors",
+        extra.len(),
+        if extra.len() > 4 { ", ..." } else { "" },
+        c.num_hidden_layers
+    )))
+}
+
 fn check_shape(name: &str, t: &Tensor, want: &[i64]) -> Result<()> {
     if t.size() != want {
         return Err(EngineError::Weights(format!(
@@ -487,6 +515,7 @@ impl Llama {
                 });
             }
         }
+        check_all_used(&t, c)?;
         let (cos, sin) = rope_tables(&config, device);
         Ok(Llama {
             embed: conv_t(embed),

@@ -407,3 +407,28 @@ fn offload_reload_buckets_reference_and_heads() {
     let e = values(&tiny(8), &batch(&p)).unwrap_err();
     assert!(e.to_string().contains("attach_head"));
 }
+
+/// Regression: a checkpoint whose config.json names fewer layers than its weights hold
+/// loaded as the smaller model and dropped the rest without a word (a deepened tiny
+/// model's checkpoints came back with 2 layers and broke the gradient all-reduce).
+#[test]
+fn a_checkpoint_with_tensors_its_config_does_not_name_is_refused() {
+    let model = tiny(3);
+    let dir = std::env::temp_dir().join(format!("yatt-extra-tensors-{}", std::process::id()));
+    yatt_engine::checkpoint::save_pretrained(&model, &dir, None).unwrap();
+    Llama::load(&dir, Device::Cpu, Kind::Float).expect("a consistent checkpoint loads");
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["num_hidden_layers"] = json!(1);
+    std::fs::write(&path, config.to_string()).unwrap();
+    let e = Llama::load(&dir, Device::Cpu, Kind::Float)
+        .err()
+        .expect("extra layers are refused")
+        .to_string();
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(
+        e.contains("model.layers.1.") && e.contains("num_hidden_layers") && e.contains("1 layers"),
+        "{e}"
+    );
+}
