@@ -14,6 +14,7 @@ use yatt_integration_tests::{
     assert_roles_released, cluster_logs, join, poll, replica_weights, yatt_bin, Cluster,
 };
 use yatt_placement::inventory::GroupId;
+use yatt_placement::policy::Reason;
 use yatt_placement::profile::Role;
 use yatt_placement::record::{parse, render, Record};
 use yatt_roles::controller::{PolicyRef, StepMetrics};
@@ -412,6 +413,169 @@ fn yatt_train_cluster_runs_the_live_placement_and_placement_show_reads_it() {
     assert_roles_released(&cluster);
     eprintln!(
         "yatt train --cluster with live placement: 8 steps, {:.2?} in all",
+        t0.elapsed()
+    );
+}
+
+/// Whether the directory of `node` lists `name` alive.
+fn alive(node: &Node, name: &str) -> bool {
+    node.directory()
+        .read(|d| d.alive_nodes().any(|n| n.name == name))
+}
+
+/// Node loss mid-step, then the node's return. `nl-2` (one device) hosts head 0's
+/// rollout replica, `nl-1` (two) head 1's rollout and the policy. During step 2, while
+/// head 0's generation request is in flight on `nl-2`, `nl-2` is killed (`kill -9`;
+/// it is stopped with SIGSTOP before the step so its answer cannot beat the kill: the
+/// kill comes once the heads' probe shows the request in flight). The call fails when
+/// the directory declares `nl-2` dead, the request's samples are requeued in head 0's
+/// ledger and generated on head 1's replica, and the step completes with every sample
+/// trained once. The shell then feeds the loss to the policy, which drops the lost
+/// group (`NodeLost`), and training goes on over the two groups left. Then `nl-2`
+/// starts again and joins: its device is a group of the inventory again, and the
+/// placement log says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_a_rollout_node_mid_step_requeues_its_samples_and_training_goes_on() {
+    let t0 = Instant::now();
+    let sets = [
+        "placement.nodes=[\"nl-2\", \"nl-1\"]",
+        "placement.rollout_groups=2",
+        "job.steps=9",
+    ];
+    let mut r = start("nl", &sets).await;
+    let before = r.live.replicas();
+    assert_eq!(
+        layout(&before),
+        [("nl-2", "rollout"), ("nl-1", "rollout"), ("nl-1", "policy")]
+    );
+    let victim = before[0].3.clone();
+    let per_head = (r.job.data.prompts_per_step * r.job.data.samples_per_prompt as usize) as u64;
+    let probe = r.live.gen_probe();
+    let (lost_at, rejoin_at) = (2u64, 5u64);
+    let mut normal_s = Vec::new();
+    let (mut lost_step_s, mut detected, mut since_stop) = (0.0, Duration::ZERO, Duration::ZERO);
+    for step in 0..r.job.job.steps {
+        if step == rejoin_at {
+            r.cluster.restart(2, &[]);
+            let back = poll(Duration::from_secs(20), || {
+                alive(&r.node, "nl-2").then_some(())
+            });
+            assert!(back.is_some(), "the train node never saw nl-2 again");
+        }
+        let t = Instant::now();
+        let m = if step == lost_at {
+            let proc = &mut r.cluster.nodes[2];
+            assert_eq!(proc.name, "nl-2");
+            // SAFETY: plain kill(2) on our own child's pid.
+            unsafe {
+                libc::kill(proc.pid as i32, libc::SIGSTOP);
+            }
+            let stopped = Instant::now();
+            let node = r.node.clone();
+            let killer = async {
+                let end = Instant::now() + Duration::from_secs(30);
+                while !probe.in_flight(&victim) {
+                    assert!(
+                        Instant::now() < end,
+                        "step {step} never generated on {victim}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                proc.kill9();
+                let killed = Instant::now();
+                while alive(&node, "nl-2") {
+                    assert!(
+                        killed.elapsed() < Duration::from_secs(30),
+                        "nl-2 never declared dead"
+                    );
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                (killed.elapsed(), stopped.elapsed())
+            };
+            let (m, (d, s)) = tokio::join!(r.live.step(), killer);
+            (detected, since_stop) = (d, s);
+            m
+        } else {
+            r.live.step().await
+        };
+        let m = m.unwrap_or_else(|e| panic!("step {step}: {e}\n{}", cluster_logs(&r.cluster)));
+        let secs = t.elapsed().as_secs_f64();
+        let ledgers = r.live.last_ledgers();
+        assert_eq!(ledgers.len(), 2);
+        // Every sample of each head trained once (the ledger closes only then), none
+        // dropped; the lost step requeued head 0's samples.
+        for (head, l) in ledgers.iter().enumerate() {
+            let requeued = match (step == lost_at, head) {
+                (true, 0) => per_head,
+                _ => 0,
+            };
+            assert_eq!(
+                (l.step, l.samples as u64, l.requeued, l.dropped),
+                (step, per_head, requeued, 0),
+                "step {step}, head {head}"
+            );
+        }
+        assert_eq!(
+            m.get("placement/requeued"),
+            Some(ledgers[0].requeued as f64)
+        );
+        match step == lost_at {
+            true => lost_step_s = secs,
+            false => normal_s.push(secs),
+        }
+        if step == lost_at {
+            // The lost group left the plan; both heads generate on nl-1's replica.
+            let now = r.live.replicas();
+            assert_eq!(layout(&now), [("nl-1", "rollout"), ("nl-1", "policy")]);
+            assert_eq!(r.live.routing_version(), 2);
+            for c in r.live.controllers() {
+                assert_eq!(c.roles().rollout.id(), &now[0].3);
+            }
+        }
+    }
+    let records = records(&r.live);
+    // The loss: a NodeLost decision dropping nl-2's group, carried out.
+    let (id, moves) = records
+        .iter()
+        .find_map(|r| match r {
+            Record::Decision {
+                step,
+                id,
+                reason: Reason::NodeLost,
+                moves,
+                ..
+            } if *step == lost_at => Some((*id, moves.clone())),
+            _ => None,
+        })
+        .expect("a NodeLost decision after the lost step");
+    assert_eq!(moves.len(), 1, "{moves:?}");
+    assert_eq!(
+        (moves[0].group, moves[0].to.is_empty()),
+        (before[0].0, true)
+    );
+    assert!(records
+        .iter()
+        .any(|r| matches!(r, Record::Migrated { id: i, ok: true, .. } if *i == id)));
+    let said = |what: &str| {
+        records.iter().any(|r| {
+            matches!(r, Record::Search { line, .. } if line.starts_with(&format!("node nl-2 {what}")))
+        })
+    };
+    assert!(said("left"), "the loss is not in the placement log");
+    // The return: nl-2's device is a group again (the policy may or may not use it).
+    assert!(said("joined"), "the join is not in the placement log");
+    let inventory = r.live.policy().inventory();
+    assert_eq!(inventory.len(), 3);
+    assert_eq!(inventory.groups().filter(|g| g.node == "nl-2").count(), 1);
+    let normal = median(normal_s);
+    eprintln!(
+        "nl-2 declared dead {detected:.2?} after kill -9 ({since_stop:.2?} after it stopped answering); the step that lost it took {lost_step_s:.3}s against {normal:.3}s (median of the others); {per_head} samples requeued; {:.2?} in all",
+        t0.elapsed()
+    );
+    finish(r).await;
+    assert!(
+        t0.elapsed() < Duration::from_secs(120),
+        "{:?}",
         t0.elapsed()
     );
 }
