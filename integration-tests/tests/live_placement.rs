@@ -567,12 +567,44 @@ async fn losing_a_rollout_node_mid_step_requeues_its_samples_and_training_goes_o
     let inventory = r.live.policy().inventory();
     assert_eq!(inventory.len(), 3);
     assert_eq!(inventory.groups().filter(|g| g.node == "nl-2").count(), 1);
+    // Losing the policy's node is not recovered from: the step fails, naming the node
+    // and the replica lost with it.
+    let policy_node = r
+        .live
+        .replicas()
+        .into_iter()
+        .find(|(.., role, _)| *role == "policy")
+        .map(|(_, n, ..)| n)
+        .unwrap();
+    let i = r
+        .cluster
+        .nodes
+        .iter()
+        .position(|n| n.name == policy_node)
+        .unwrap();
+    r.cluster.nodes[i].kill9();
+    let err = r
+        .live
+        .step()
+        .await
+        .expect_err("a step without its policy")
+        .to_string();
+    assert!(
+        err.contains(&format!("node(s) {policy_node} left"))
+            && err.contains("policy on")
+            && err.contains("cannot be recovered"),
+        "{err}"
+    );
+    eprintln!("losing the policy's node: {err}");
     let normal = median(normal_s);
     eprintln!(
         "nl-2 declared dead {detected:.2?} after kill -9 ({since_stop:.2?} after it stopped answering); the step that lost it took {lost_step_s:.3}s against {normal:.3}s (median of the others); {per_head} samples requeued; {:.2?} in all",
         t0.elapsed()
     );
-    finish(r).await;
+    drop(r.live);
+    r.node.shutdown().await;
+    r.cluster.nodes.remove(i);
+    assert_roles_released(&r.cluster);
     assert!(
         t0.elapsed() < Duration::from_secs(120),
         "{:?}",

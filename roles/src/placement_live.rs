@@ -589,9 +589,10 @@ impl LivePlacement {
             return Ok(());
         }
         self.start_faults -= 1;
-        Err(placement_err(format!(
-            "starting a {role} replica on {g} was refused (injected fault)"
-        )))
+        Err(JobError::Placement {
+            what: format!("starting a {role} replica on {g} was refused (injected fault)"),
+            fix: "nothing to fix: LivePlacement::fail_next_starts asked for it".into(),
+        })
     }
 
     /// Deadline of every call the shell makes outside a step (`placement.spawn_timeout_s`).
@@ -654,9 +655,8 @@ impl LivePlacement {
         self.node
             .propose(change)
             .await
-            .map_err(|e| JobError::NotImplemented {
-                key: "placement".into(),
-                found: format!("the directory refused a change: {e}"),
+            .map_err(|e| JobError::Placement {
+                what: format!("the directory refused a change: {e}"),
                 fix: "see the node's log".into(),
             })
     }
@@ -923,10 +923,20 @@ impl LivePlacement {
         if dead.is_empty() {
             return e;
         }
-        placement_err(format!(
-            "the step failed after node(s) {} left the cluster: {e}; a lost rollout replica's samples are requeued on another rollout replica of the routing, so run with placement.rollout_groups = job.controllers (or on more groups) to survive losing one; a lost policy replica cannot be recovered",
-            dead.join(", ")
-        ))
+        let hosted: Vec<String> = self
+            .replicas()
+            .into_iter()
+            .filter(|(_, n, ..)| dead.contains(n))
+            .map(|(g, n, role, _)| format!("{role} on {g} ({n})"))
+            .collect();
+        JobError::Placement {
+            what: format!(
+                "the step failed after node(s) {} left the cluster, with the replicas {}: {e}",
+                dead.join(", "),
+                hosted.join(", ")
+            ),
+            fix: "a lost rollout replica's samples are requeued on another rollout replica of the routing, so start with placement.rollout_groups = job.controllers to survive losing a rollout node; a lost policy replica cannot be recovered: resume the run from its last checkpoint".into(),
+        }
     }
 
     /// Nodes whose groups are in the inventory but which the directory no longer lists
@@ -994,9 +1004,8 @@ impl LivePlacement {
             .map(|g| g.to_string())
             .collect();
         if !policy_on.is_empty() {
-            return Err(JobError::NotImplemented {
-                key: "placement.nodes".into(),
-                found: format!(
+            return Err(JobError::Placement {
+                what: format!(
                     "node {node} left the cluster with the policy replica(s) of {}: the trainer state (weights, optimizer) there is lost",
                     policy_on.join(", ")
                 ),
@@ -1019,9 +1028,8 @@ impl LivePlacement {
         self.write_policy_log(step)?;
         let used = self.plan.roles_by_group();
         if decisions.is_empty() && groups.iter().any(|g| used.contains_key(g)) {
-            return Err(JobError::NotImplemented {
-                key: "placement.nodes".into(),
-                found: format!(
+            return Err(JobError::Placement {
+                what: format!(
                     "after losing node {node} ({}), no plan of the {} remaining group(s) fits the live executor (a rollout group and 1 or job.controllers policy groups)",
                     names.join(" "),
                     self.policy.inventory().len()
@@ -1135,15 +1143,22 @@ impl LivePlacement {
                 self.before_move = Some(old);
                 Ok(done)
             }
-            Err(e) => match self.roll_back(&old, states).await {
-                Ok(restored) => Err(placement_err(format!(
-                    "{e}; rolled back to {} ({restored})",
-                    old.summary()
-                ))),
-                Err(again) => Err(placement_err(format!(
-                    "{e}; the rollback failed too: {again}"
-                ))),
-            },
+            Err(e) => {
+                let (what, fix) = match e {
+                    JobError::Placement { what, fix } => (what, fix),
+                    other => (other.to_string(), "see the nodes' logs".to_string()),
+                };
+                match self.roll_back(&old, states).await {
+                    Ok(restored) => Err(JobError::Placement {
+                        what: format!("{what}; rolled back to {} ({restored})", old.summary()),
+                        fix,
+                    }),
+                    Err(again) => Err(JobError::Placement {
+                        what: format!("{what}; the rollback failed too: {again}"),
+                        fix: "the groups are in no known plan, so the run stops; see the nodes' logs and resume the run from its last checkpoint".into(),
+                    }),
+                }
+            }
         }
     }
 
@@ -1160,9 +1175,8 @@ impl LivePlacement {
             // is already gone; a group new to the plan runs nothing yet.
             let replica = self.replicas.remove(&mv.group);
             if replica.is_none() && !mv.from.is_empty() && !self.lost(mv.group) {
-                return Err(JobError::NotImplemented {
-                    key: "placement".into(),
-                    found: format!("a move of {} which runs nothing", mv.group),
+                return Err(JobError::Placement {
+                    what: format!("a move of {} which runs nothing", mv.group),
                     fix: "report this: the policy and the executor disagree on the plan".into(),
                 });
             }
@@ -1172,9 +1186,8 @@ impl LivePlacement {
             if let Some(replica) = &replica {
                 let drained = self.stop(replica).await?;
                 if !drained.is_empty() {
-                    return Err(JobError::NotImplemented {
-                        key: "placement".into(),
-                        found: format!("{} work items in flight on {}", drained.len(), mv.group),
+                    return Err(JobError::Placement {
+                        what: format!("{} work items in flight on {}", drained.len(), mv.group),
                         fix: "migrations run at step boundaries, where nothing is in flight".into(),
                     });
                 }
@@ -1189,9 +1202,8 @@ impl LivePlacement {
                     Some(Replica::Policy(p)) => Some(p),
                     _ => None,
                 }) else {
-                    return Err(JobError::NotImplemented {
-                        key: "placement".into(),
-                        found: "no policy replica left to copy".into(),
+                    return Err(JobError::Placement {
+                        what: "no policy replica left to copy".into(),
                         fix: "keep at least one policy group".into(),
                     });
                 };
@@ -1417,9 +1429,8 @@ async fn drain_and_stop<Req: Send + 'static, Resp: Send + 'static>(
     r: &yatt_runtime::actor::ActorRef<RoleRequest<Req>, RoleResponse<Resp>>,
     t: Duration,
 ) -> Result<Vec<u64>, JobError> {
-    let call = |e: yatt_runtime::actor::CallError| JobError::NotImplemented {
-        key: "placement".into(),
-        found: format!("{} did not stop: {e}", r.id()),
+    let call = |e: yatt_runtime::actor::CallError| JobError::Placement {
+        what: format!("{} did not stop: {e}", r.id()),
         fix: "see the role's log".into(),
     };
     let drained = match r.ask(RoleRequest::Drain, t).await.map_err(call)? {
@@ -1454,10 +1465,9 @@ fn unexpected(asked: &str, got: &PolicyResponse) -> JobError {
     placement_err(format!("the policy answered {asked} with {got}"))
 }
 
-fn placement_err(found: String) -> JobError {
-    JobError::NotImplemented {
-        key: "placement".into(),
-        found,
+fn placement_err(what: String) -> JobError {
+    JobError::Placement {
+        what,
         fix: "see the nodes' logs; the run stops rather than train on a broken plan".into(),
     }
 }
