@@ -1352,11 +1352,16 @@ impl Controller {
         req: GenerateRequest,
         timeout: Duration,
     ) -> Result<GenOutcome, ControllerError> {
-        let mut asked = first.clone();
         let mut spares = self
             .spare_rollouts
             .iter()
             .filter(|s| s.id() != first.id() && !self.lost_rollouts.contains(s.id()));
+        // A replica found lost in an earlier step missed its weight sync: its work
+        // goes straight to a spare (nothing of it was in flight, nothing is requeued).
+        let mut asked = match self.lost_rollouts.contains(first.id()) {
+            true => spares.next().unwrap_or(first).clone(),
+            false => first.clone(),
+        };
         let (mut requeued, mut lost) = (Vec::new(), Vec::new());
         loop {
             let answer = {

@@ -19,7 +19,7 @@
 //! 1. the group leaves routing (no head sends to it any more);
 //! 2. its role is drained (a step boundary has no work in flight; whatever a drain
 //!    hands back is failed loudly rather than lost, because the next step's ledger
-//!    expects only its own samples);
+//!    expects only its own samples); a group lost with its node is skipped here;
 //! 3. its memory is freed: offload, then stop (the role's thread ends and drops it);
 //! 4. the gaining role starts there: a rollout replica from the policy's weights, or a
 //!    policy replica with a surviving one's whole trainer state (weights, optimizer,
@@ -29,6 +29,21 @@
 //! 5. every head syncs weights to its rollout;
 //! 6. a new routing version is published (and the directory's epoch recorded), and
 //!    the heads follow it from the next step.
+//!
+//! A migration that fails part-way is rolled back: the groups get their roles under
+//! the old plan back (a stopped policy replica restarts from a survivor's state), the
+//! heads are routed by it again and the policy hears [`Event::MigrationFailed`].
+//!
+//! On a cluster the shell also follows membership at every step boundary. Each head's
+//! spare rollouts are the other heads' rollout replicas: when a rollout replica's node
+//! dies mid-step, the head's generation call fails (when the directory declares the
+//! node dead, or at its deadline), the samples in flight there are requeued in the
+//! head's ledger and generated on a spare, and the step completes. After the step the
+//! node is fed as [`Event::NodeLeft`] and the policy's `NodeLost` migration takes its
+//! groups out of the plan. A lost policy replica (its optimizer state is gone) fails
+//! the run with an error that says so. A node of `placement.nodes` that joins (or
+//! restarts) is fed as [`Event::NodeJoined`]: its devices become groups the policy may
+//! use.
 //!
 //! Everything it sees and does goes to `OUTPUT_DIR/placement.jsonl`
 //! ([`yatt_placement::record`]), which `yatt placement show RUN_DIR` renders.
