@@ -62,7 +62,7 @@ use yatt_placement::record::{finite, GroupUse, Record};
 use yatt_placement::workload::ForecastParams;
 use yatt_placement::{
     CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy,
-    Plan, Pool, RewardKind, Stage, StageObs,
+    Plan, Pool, Reason, RewardKind, Stage, StageObs,
 };
 use yatt_runtime::actor::{ActorRef, ExitReason};
 use yatt_runtime::collective::RING_CHUNK_BYTES;
@@ -163,6 +163,9 @@ pub struct LivePlacement {
     known_nodes: BTreeMap<String, u64>,
     /// Role starts still to fail on purpose ([`LivePlacement::fail_next_starts`]).
     start_faults: usize,
+    /// Whether the last failed migration was rolled back (the heads run on the old
+    /// plan) rather than left half-done.
+    rolled_back: bool,
 }
 
 /// Where the groups are, and so how a role starts on one.
@@ -504,6 +507,7 @@ impl LivePlacement {
                 .map(|n| (n.name.clone(), n.incarnation))
                 .collect(),
             start_faults: 0,
+            rolled_back: false,
         };
         // Every policy replica starts from the first one's state (a fresh trainer):
         // across processes nothing else guarantees the same weights.
@@ -1125,9 +1129,10 @@ impl LivePlacement {
                     Event::MigrationDone { id: mig.id }
                 }
                 Err(e) => {
-                    // Rolled back as far as it could be; a plan the heads cannot be
-                    // routed by stops the run loudly rather than fail the next step.
-                    if self.routes().is_err() || self.controllers.is_empty() {
+                    // Rolled back: the heads run on the old plan. A rollback that
+                    // failed too stops the run loudly rather than fail the next step,
+                    // and so does a lost node's re-plan (the old plan has lost groups).
+                    if !self.rolled_back || mig.reason == Reason::NodeLost {
                         return Err(e);
                     }
                     Event::MigrationFailed {
@@ -1153,6 +1158,7 @@ impl LivePlacement {
     async fn migrate(&mut self, mig: &yatt_placement::Migration) -> Result<String, JobError> {
         let old = self.plan.clone();
         let states: Vec<_> = self.controllers.iter().map(Controller::state).collect();
+        self.rolled_back = false;
         match self.migrate_forward(mig, states.clone()).await {
             Ok(done) => {
                 self.before_move = Some(old);
@@ -1164,10 +1170,13 @@ impl LivePlacement {
                     other => (other.to_string(), "see the nodes' logs".to_string()),
                 };
                 match self.roll_back(&old, states).await {
-                    Ok(restored) => Err(JobError::Placement {
-                        what: format!("{what}; rolled back to {} ({restored})", old.summary()),
-                        fix,
-                    }),
+                    Ok(restored) => {
+                        self.rolled_back = true;
+                        Err(JobError::Placement {
+                            what: format!("{what}; rolled back to {} ({restored})", old.summary()),
+                            fix,
+                        })
+                    }
                     Err(again) => Err(JobError::Placement {
                         what: format!("{what}; the rollback failed too: {again}"),
                         fix: "the groups are in no known plan, so the run stops; see the nodes' logs and resume the run from its last checkpoint".into(),
