@@ -14,18 +14,26 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn growing_responses_move_a_group_from_training_to_rollout() {
+/// `config/live-placement.toml` writing to a temporary directory, and a node named
+/// `name` (with a dev CA) to run it on; the directories live as long as the caller
+/// keeps them.
+async fn embedded(name: &str) -> (JobConfig, Node, tempfile::TempDir, tempfile::TempDir) {
     let out = tempfile::tempdir().unwrap();
     let certs = tempfile::tempdir().unwrap();
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/live-placement.toml");
     let sets = [format!("job.output_dir=\"{}\"", out.path().display())];
     let job = JobConfig::load(config, &sets).unwrap();
-    let node = Node::builder("live-0")
+    let node = Node::builder(name)
         .dev_certs(certs.path())
         .start()
         .await
         .unwrap();
+    (job, node, out, certs)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn growing_responses_move_a_group_from_training_to_rollout() {
+    let (job, node, out, _certs) = embedded("live-0").await;
     let summary = tokio::time::timeout(
         std::time::Duration::from_secs(300),
         train(&job, &node, |p| {
@@ -209,16 +217,7 @@ async fn live_placement_refuses_layouts_it_cannot_route() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_migration_whose_new_role_does_not_start_is_rolled_back() {
     use yatt_roles::placement_live::LivePlacement;
-    let out = tempfile::tempdir().unwrap();
-    let certs = tempfile::tempdir().unwrap();
-    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/live-placement.toml");
-    let sets = [format!("job.output_dir=\"{}\"", out.path().display())];
-    let job = JobConfig::load(config, &sets).unwrap();
-    let node = Node::builder("live-rb")
-        .dev_certs(certs.path())
-        .start()
-        .await
-        .unwrap();
+    let (job, node, _out, _certs) = embedded("live-rb").await;
     let mut live = LivePlacement::build(&job, &node).await.unwrap();
     live.fail_next_starts(1);
     let roles = |live: &LivePlacement| -> Vec<(u32, &'static str)> {
