@@ -17,8 +17,9 @@ use yatt_placement::inventory::GroupId;
 use yatt_placement::policy::Reason;
 use yatt_placement::profile::Role;
 use yatt_placement::record::{parse, render, Record};
-use yatt_roles::controller::{PolicyRef, StepMetrics};
+use yatt_roles::controller::{GenProbe, PolicyRef, StepMetrics};
 use yatt_roles::job::JobConfig;
+use yatt_roles::job::JobError;
 use yatt_roles::placement_live::LivePlacement;
 use yatt_runtime::{ActorId, Node};
 
@@ -423,6 +424,46 @@ fn alive(node: &Node, name: &str) -> bool {
         .read(|d| d.alive_nodes().any(|n| n.name == name))
 }
 
+/// Runs a step of `r` during which node `i` is killed (`kill -9`) once the probe shows
+/// a generation request in flight to `victim` on it; the node is stopped (SIGSTOP)
+/// before the step so that its answer cannot beat the kill. Returns the step's outcome,
+/// how long after the kill this process's directory declared the node dead, and how
+/// long after it stopped answering.
+async fn step_killing(
+    r: &mut Run,
+    i: usize,
+    victim: &ActorId,
+    probe: &GenProbe,
+) -> (Result<StepMetrics, JobError>, Duration, Duration) {
+    let proc = &mut r.cluster.nodes[i];
+    let name = proc.name.clone();
+    // SAFETY: plain kill(2) on our own child's pid.
+    unsafe {
+        libc::kill(proc.pid as i32, libc::SIGSTOP);
+    }
+    let stopped = Instant::now();
+    let node = r.node.clone();
+    let killer = async {
+        let end = Instant::now() + Duration::from_secs(30);
+        while !probe.in_flight(victim) {
+            assert!(Instant::now() < end, "no generation in flight on {victim}");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        proc.kill9();
+        let killed = Instant::now();
+        while alive(&node, &name) {
+            assert!(
+                killed.elapsed() < Duration::from_secs(30),
+                "{name} never declared dead"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        (killed.elapsed(), stopped.elapsed())
+    };
+    let (m, (detected, since_stop)) = tokio::join!(r.live.step(), killer);
+    (m, detected, since_stop)
+}
+
 /// Node loss mid-step, then the node's return. `nl-2` (one device) hosts head 0's
 /// rollout replica, `nl-1` (two) head 1's rollout and the policy. During step 2, while
 /// head 0's generation request is in flight on `nl-2`, `nl-2` is killed (`kill -9`;
@@ -464,35 +505,7 @@ async fn losing_a_rollout_node_mid_step_requeues_its_samples_and_training_goes_o
         }
         let t = Instant::now();
         let m = if step == lost_at {
-            let proc = &mut r.cluster.nodes[2];
-            assert_eq!(proc.name, "nl-2");
-            // SAFETY: plain kill(2) on our own child's pid.
-            unsafe {
-                libc::kill(proc.pid as i32, libc::SIGSTOP);
-            }
-            let stopped = Instant::now();
-            let node = r.node.clone();
-            let killer = async {
-                let end = Instant::now() + Duration::from_secs(30);
-                while !probe.in_flight(&victim) {
-                    assert!(
-                        Instant::now() < end,
-                        "step {step} never generated on {victim}"
-                    );
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-                proc.kill9();
-                let killed = Instant::now();
-                while alive(&node, "nl-2") {
-                    assert!(
-                        killed.elapsed() < Duration::from_secs(30),
-                        "nl-2 never declared dead"
-                    );
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                (killed.elapsed(), stopped.elapsed())
-            };
-            let (m, (d, s)) = tokio::join!(r.live.step(), killer);
+            let (m, d, s) = step_killing(&mut r, 2, &victim, &probe).await;
             (detected, since_stop) = (d, s);
             m
         } else {
@@ -604,6 +617,81 @@ async fn losing_a_rollout_node_mid_step_requeues_its_samples_and_training_goes_o
     drop(r.live);
     r.node.shutdown().await;
     r.cluster.nodes.remove(i);
+    assert_roles_released(&r.cluster);
+    assert!(
+        t0.elapsed() < Duration::from_secs(120),
+        "{:?}",
+        t0.elapsed()
+    );
+}
+
+/// With a single rollout group there is no spare: when its node (`n1-2`) dies while
+/// step 1 generates there, the step's generation fails, the heads go back to before
+/// the step, the policy's `NodeLost` plan turns one of the two policy groups into the
+/// rollout (its replica stops; the other keeps training alone), and the step runs
+/// again on the new plan and completes with every sample trained once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_the_only_rollout_node_mid_step_turns_a_policy_group_into_the_rollout() {
+    let t0 = Instant::now();
+    let sets = ["placement.nodes=[\"n1-2\", \"n1-1\"]", "job.steps=5"];
+    let mut r = start("n1", &sets).await;
+    let before = r.live.replicas();
+    assert_eq!(
+        layout(&before),
+        [("n1-2", "rollout"), ("n1-1", "policy"), ("n1-1", "policy")]
+    );
+    let victim = before[0].3.clone();
+    let per_head = (r.job.data.prompts_per_step * r.job.data.samples_per_prompt as usize) as u64;
+    let probe = r.live.gen_probe();
+    for step in 0..r.job.job.steps {
+        let m = match step {
+            1 => step_killing(&mut r, 2, &victim, &probe).await.0,
+            _ => r.live.step().await,
+        };
+        m.unwrap_or_else(|e| panic!("step {step}: {e}\n{}", cluster_logs(&r.cluster)));
+        for l in r.live.last_ledgers() {
+            assert_eq!(
+                (l.step, l.samples as u64, l.dropped),
+                (step, per_head, 0),
+                "step {step}"
+            );
+        }
+        if step == 1 {
+            let replicas = r.live.replicas();
+            let mut now = layout(&replicas);
+            now.sort();
+            assert_eq!(now, [("n1-1", "policy"), ("n1-1", "rollout")]);
+        }
+    }
+    let records = records(&r.live);
+    let moves = records
+        .iter()
+        .find_map(|r| match r {
+            Record::Decision {
+                reason: Reason::NodeLost,
+                moves,
+                ..
+            } => Some(moves.clone()),
+            _ => None,
+        })
+        .expect("a NodeLost decision");
+    assert!(
+        moves
+            .iter()
+            .any(|m| m.from.contains(Role::Policy) && m.to.contains(Role::Rollout))
+            && moves
+                .iter()
+                .any(|m| m.group == before[0].0 && m.to.is_empty()),
+        "{moves:?}"
+    );
+    eprintln!(
+        "the only rollout node lost mid-step: a policy group took over; {} steps in {:.2?}",
+        r.job.job.steps,
+        t0.elapsed()
+    );
+    drop(r.live);
+    r.node.shutdown().await;
+    r.cluster.nodes.remove(2);
     assert_roles_released(&r.cluster);
     assert!(
         t0.elapsed() < Duration::from_secs(120),

@@ -40,7 +40,9 @@
 //! node dead, or at its deadline), the samples in flight there are requeued in the
 //! head's ledger and generated on a spare, and the step completes. After the step the
 //! node is fed as [`Event::NodeLeft`] and the policy's `NodeLost` migration takes its
-//! groups out of the plan. A lost policy replica (its optimizer state is gone) fails
+//! groups out of the plan. With no spare (a single rollout group), nothing is trained
+//! yet when generation fails: the heads go back to before the step, the loss is
+//! carried out (a policy group becomes the rollout) and the step runs again. A lost policy replica (its optimizer state is gone) fails
 //! the run with an error that says so. A node of `placement.nodes` that joins (or
 //! restarts) is fed as [`Event::NodeJoined`]: its devices become groups the policy may
 //! use.
@@ -888,8 +890,33 @@ impl LivePlacement {
     /// head's ledger and generated on another rollout replica of the routing.
     pub async fn step(&mut self) -> Result<StepMetrics, JobError> {
         let t = Instant::now();
+        let before: Vec<_> = self.controllers.iter().map(Controller::state).collect();
         let reports = match step_data_parallel(&mut self.controllers).await {
             Ok(r) => r,
+            // Generation failed with no spare to take it over (a single rollout group)
+            // and a node is gone: nothing was trained yet, so the heads go back to
+            // before the step, the loss is carried out (a policy group may become the
+            // rollout), and the step runs again on the new plan.
+            Err(crate::controller::ControllerError::Call { stage: "gen", .. })
+                if matches!(self.hosts, Hosts::Cluster { .. }) && !self.dead_nodes().is_empty() =>
+            {
+                for (c, s) in self.controllers.iter_mut().zip(before) {
+                    c.restore(s)?;
+                }
+                let step = self.controllers.first().map_or(0, Controller::step_count);
+                self.write(&Record::Search {
+                    step,
+                    line: format!(
+                        "step {step}: generation lost its only rollout replica with node(s) {}; the step runs again after the re-plan",
+                        self.dead_nodes().join(", ")
+                    ),
+                })?;
+                self.follow_membership(step).await?;
+                match step_data_parallel(&mut self.controllers).await {
+                    Ok(r) => r,
+                    Err(e) => return Err(self.explain_failed_step(e.into())),
+                }
+            }
             Err(e) => return Err(self.explain_failed_step(e.into())),
         };
         let wall = t.elapsed().as_secs_f64();
@@ -954,7 +981,7 @@ impl LivePlacement {
                 dead.join(", "),
                 hosted.join(", ")
             ),
-            fix: "a lost rollout replica's samples are requeued on another rollout replica of the routing, so start with placement.rollout_groups = job.controllers to survive losing a rollout node; a lost policy replica cannot be recovered: resume the run from its last checkpoint".into(),
+            fix: "live placement survives losing nodes that host only rollout replicas; a lost policy replica cannot be recovered: resume the run from its last checkpoint".into(),
         }
     }
 
