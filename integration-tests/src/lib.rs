@@ -184,6 +184,27 @@ impl Cluster {
         self.dir.path().join("ca")
     }
 
+    /// Starts node `i` again under its name, as a new process (a new incarnation) that
+    /// joins through the first node, and waits until that node sees it alive. The old
+    /// process, if still running, is killed first.
+    pub fn restart(&mut self, i: usize, extra: &[&str]) {
+        self.nodes[i].kill9();
+        let name = self.nodes[i].name.clone();
+        let seed = self.nodes[0].addr;
+        let _ = std::fs::remove_file(self.dir.path().join(format!("{name}.ready")));
+        let node = self.spawn(&name, Some(seed), extra);
+        self.nodes[i] = node;
+        let leader = &self.nodes[0];
+        let back = poll(Duration::from_secs(20), || {
+            (leader.sees_alive(&name) == Some(true)).then_some(())
+        });
+        assert!(
+            back.is_some(),
+            "{name} did not join again; its log:\n{}",
+            self.nodes[i].log()
+        );
+    }
+
     fn spawn(&self, name: &str, seed: Option<SocketAddr>, extra: &[&str]) -> NodeProc {
         let ready = self.dir.path().join(format!("{name}.ready"));
         let log = self.dir.path().join(format!("{name}.log"));

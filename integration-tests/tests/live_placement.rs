@@ -14,10 +14,12 @@ use yatt_integration_tests::{
     assert_roles_released, cluster_logs, join, poll, replica_weights, yatt_bin, Cluster,
 };
 use yatt_placement::inventory::GroupId;
+use yatt_placement::policy::Reason;
 use yatt_placement::profile::Role;
 use yatt_placement::record::{parse, render, Record};
-use yatt_roles::controller::{PolicyRef, StepMetrics};
+use yatt_roles::controller::{GenProbe, PolicyRef, StepMetrics};
 use yatt_roles::job::JobConfig;
+use yatt_roles::job::JobError;
 use yatt_roles::placement_live::LivePlacement;
 use yatt_runtime::{ActorId, Node};
 
@@ -412,6 +414,288 @@ fn yatt_train_cluster_runs_the_live_placement_and_placement_show_reads_it() {
     assert_roles_released(&cluster);
     eprintln!(
         "yatt train --cluster with live placement: 8 steps, {:.2?} in all",
+        t0.elapsed()
+    );
+}
+
+/// Whether the directory of `node` lists `name` alive.
+fn alive(node: &Node, name: &str) -> bool {
+    node.directory()
+        .read(|d| d.alive_nodes().any(|n| n.name == name))
+}
+
+/// Runs a step of `r` during which node `i` is killed (`kill -9`) once the probe shows
+/// a generation request in flight to `victim` on it; the node is stopped (SIGSTOP)
+/// before the step so that its answer cannot beat the kill. Returns the step's outcome,
+/// how long after the kill this process's directory declared the node dead, and how
+/// long after it stopped answering.
+async fn step_killing(
+    r: &mut Run,
+    i: usize,
+    victim: &ActorId,
+    probe: &GenProbe,
+) -> (Result<StepMetrics, JobError>, Duration, Duration) {
+    let proc = &mut r.cluster.nodes[i];
+    let name = proc.name.clone();
+    // SAFETY: plain kill(2) on our own child's pid.
+    unsafe {
+        libc::kill(proc.pid as i32, libc::SIGSTOP);
+    }
+    let stopped = Instant::now();
+    let node = r.node.clone();
+    let killer = async {
+        let end = Instant::now() + Duration::from_secs(30);
+        while !probe.in_flight(victim) {
+            assert!(Instant::now() < end, "no generation in flight on {victim}");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        proc.kill9();
+        let killed = Instant::now();
+        while alive(&node, &name) {
+            assert!(
+                killed.elapsed() < Duration::from_secs(30),
+                "{name} never declared dead"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        (killed.elapsed(), stopped.elapsed())
+    };
+    let (m, (detected, since_stop)) = tokio::join!(r.live.step(), killer);
+    (m, detected, since_stop)
+}
+
+/// Node loss mid-step, then the node's return. `nl-2` (one device) hosts head 0's
+/// rollout replica, `nl-1` (two) head 1's rollout and the policy. During step 2, while
+/// head 0's generation request is in flight on `nl-2`, `nl-2` is killed (`kill -9`;
+/// it is stopped with SIGSTOP before the step so its answer cannot beat the kill: the
+/// kill comes once the heads' probe shows the request in flight). The call fails when
+/// the directory declares `nl-2` dead, the request's samples are requeued in head 0's
+/// ledger and generated on head 1's replica, and the step completes with every sample
+/// trained once. The shell then feeds the loss to the policy, which drops the lost
+/// group (`NodeLost`), and training goes on over the two groups left. Then `nl-2`
+/// starts again and joins: its device is a group of the inventory again, and the
+/// placement log says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_a_rollout_node_mid_step_requeues_its_samples_and_training_goes_on() {
+    let t0 = Instant::now();
+    let sets = [
+        "placement.nodes=[\"nl-2\", \"nl-1\"]",
+        "placement.rollout_groups=2",
+        "job.steps=9",
+    ];
+    let mut r = start("nl", &sets).await;
+    let before = r.live.replicas();
+    assert_eq!(
+        layout(&before),
+        [("nl-2", "rollout"), ("nl-1", "rollout"), ("nl-1", "policy")]
+    );
+    let victim = before[0].3.clone();
+    let per_head = (r.job.data.prompts_per_step * r.job.data.samples_per_prompt as usize) as u64;
+    let probe = r.live.gen_probe();
+    let (lost_at, rejoin_at) = (2u64, 5u64);
+    let mut normal_s = Vec::new();
+    let (mut lost_step_s, mut detected, mut since_stop) = (0.0, Duration::ZERO, Duration::ZERO);
+    for step in 0..r.job.job.steps {
+        if step == rejoin_at {
+            r.cluster.restart(2, &[]);
+            let back = poll(Duration::from_secs(20), || {
+                alive(&r.node, "nl-2").then_some(())
+            });
+            assert!(back.is_some(), "the train node never saw nl-2 again");
+        }
+        let t = Instant::now();
+        let m = if step == lost_at {
+            let (m, d, s) = step_killing(&mut r, 2, &victim, &probe).await;
+            (detected, since_stop) = (d, s);
+            m
+        } else {
+            r.live.step().await
+        };
+        let m = m.unwrap_or_else(|e| panic!("step {step}: {e}\n{}", cluster_logs(&r.cluster)));
+        let secs = t.elapsed().as_secs_f64();
+        let ledgers = r.live.last_ledgers();
+        assert_eq!(ledgers.len(), 2);
+        // Every sample of each head trained once (the ledger closes only then), none
+        // dropped; the lost step requeued head 0's samples.
+        for (head, l) in ledgers.iter().enumerate() {
+            let requeued = match (step == lost_at, head) {
+                (true, 0) => per_head,
+                _ => 0,
+            };
+            assert_eq!(
+                (l.step, l.samples as u64, l.requeued, l.dropped),
+                (step, per_head, requeued, 0),
+                "step {step}, head {head}"
+            );
+        }
+        assert_eq!(
+            m.get("placement/requeued"),
+            Some(ledgers[0].requeued as f64)
+        );
+        match step == lost_at {
+            true => lost_step_s = secs,
+            false => normal_s.push(secs),
+        }
+        if step == lost_at {
+            // The lost group left the plan; both heads generate on nl-1's replica.
+            let now = r.live.replicas();
+            assert_eq!(layout(&now), [("nl-1", "rollout"), ("nl-1", "policy")]);
+            assert_eq!(r.live.routing_version(), 2);
+            for c in r.live.controllers() {
+                assert_eq!(c.roles().rollout.id(), &now[0].3);
+            }
+        }
+    }
+    let records = records(&r.live);
+    // The loss: a NodeLost decision dropping nl-2's group, carried out.
+    let (id, moves) = records
+        .iter()
+        .find_map(|r| match r {
+            Record::Decision {
+                step,
+                id,
+                reason: Reason::NodeLost,
+                moves,
+                ..
+            } if *step == lost_at => Some((*id, moves.clone())),
+            _ => None,
+        })
+        .expect("a NodeLost decision after the lost step");
+    assert_eq!(moves.len(), 1, "{moves:?}");
+    assert_eq!(
+        (moves[0].group, moves[0].to.is_empty()),
+        (before[0].0, true)
+    );
+    assert!(records
+        .iter()
+        .any(|r| matches!(r, Record::Migrated { id: i, ok: true, .. } if *i == id)));
+    let said = |what: &str| {
+        records.iter().any(|r| {
+            matches!(r, Record::Search { line, .. } if line.starts_with(&format!("node nl-2 {what}")))
+        })
+    };
+    assert!(said("left"), "the loss is not in the placement log");
+    // The return: nl-2's device is a group again (the policy may or may not use it).
+    assert!(said("joined"), "the join is not in the placement log");
+    let inventory = r.live.policy().inventory();
+    assert_eq!(inventory.len(), 3);
+    assert_eq!(inventory.groups().filter(|g| g.node == "nl-2").count(), 1);
+    // Losing the policy's node is not recovered from: the step fails, naming the node
+    // and the replica lost with it.
+    let policy_node = r
+        .live
+        .replicas()
+        .into_iter()
+        .find(|(.., role, _)| *role == "policy")
+        .map(|(_, n, ..)| n)
+        .unwrap();
+    let i = r
+        .cluster
+        .nodes
+        .iter()
+        .position(|n| n.name == policy_node)
+        .unwrap();
+    r.cluster.nodes[i].kill9();
+    let err = r
+        .live
+        .step()
+        .await
+        .expect_err("a step without its policy")
+        .to_string();
+    assert!(
+        err.contains(&format!("node(s) {policy_node} left"))
+            && err.contains("policy on")
+            && err.contains("cannot be recovered"),
+        "{err}"
+    );
+    eprintln!("losing the policy's node: {err}");
+    let normal = median(normal_s);
+    eprintln!(
+        "nl-2 declared dead {detected:.2?} after kill -9 ({since_stop:.2?} after it stopped answering); the step that lost it took {lost_step_s:.3}s against {normal:.3}s (median of the others); {per_head} samples requeued; {:.2?} in all",
+        t0.elapsed()
+    );
+    drop(r.live);
+    r.node.shutdown().await;
+    r.cluster.nodes.remove(i);
+    assert_roles_released(&r.cluster);
+    assert!(
+        t0.elapsed() < Duration::from_secs(120),
+        "{:?}",
+        t0.elapsed()
+    );
+}
+
+/// With a single rollout group there is no spare: when its node (`n1-2`) dies while
+/// step 1 generates there, the step's generation fails, the heads go back to before
+/// the step, the policy's `NodeLost` plan turns one of the two policy groups into the
+/// rollout (its replica stops; the other keeps training alone), and the step runs
+/// again on the new plan and completes with every sample trained once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_the_only_rollout_node_mid_step_turns_a_policy_group_into_the_rollout() {
+    let t0 = Instant::now();
+    let sets = ["placement.nodes=[\"n1-2\", \"n1-1\"]", "job.steps=5"];
+    let mut r = start("n1", &sets).await;
+    let before = r.live.replicas();
+    assert_eq!(
+        layout(&before),
+        [("n1-2", "rollout"), ("n1-1", "policy"), ("n1-1", "policy")]
+    );
+    let victim = before[0].3.clone();
+    let per_head = (r.job.data.prompts_per_step * r.job.data.samples_per_prompt as usize) as u64;
+    let probe = r.live.gen_probe();
+    for step in 0..r.job.job.steps {
+        let m = match step {
+            1 => step_killing(&mut r, 2, &victim, &probe).await.0,
+            _ => r.live.step().await,
+        };
+        m.unwrap_or_else(|e| panic!("step {step}: {e}\n{}", cluster_logs(&r.cluster)));
+        for l in r.live.last_ledgers() {
+            assert_eq!(
+                (l.step, l.samples as u64, l.dropped),
+                (step, per_head, 0),
+                "step {step}"
+            );
+        }
+        if step == 1 {
+            let replicas = r.live.replicas();
+            let mut now = layout(&replicas);
+            now.sort();
+            assert_eq!(now, [("n1-1", "policy"), ("n1-1", "rollout")]);
+        }
+    }
+    let records = records(&r.live);
+    let moves = records
+        .iter()
+        .find_map(|r| match r {
+            Record::Decision {
+                reason: Reason::NodeLost,
+                moves,
+                ..
+            } => Some(moves.clone()),
+            _ => None,
+        })
+        .expect("a NodeLost decision");
+    assert!(
+        moves
+            .iter()
+            .any(|m| m.from.contains(Role::Policy) && m.to.contains(Role::Rollout))
+            && moves
+                .iter()
+                .any(|m| m.group == before[0].0 && m.to.is_empty()),
+        "{moves:?}"
+    );
+    eprintln!(
+        "the only rollout node lost mid-step: a policy group took over; {} steps in {:.2?}",
+        r.job.job.steps,
+        t0.elapsed()
+    );
+    drop(r.live);
+    r.node.shutdown().await;
+    r.cluster.nodes.remove(2);
+    assert_roles_released(&r.cluster);
+    assert!(
+        t0.elapsed() < Duration::from_secs(120),
+        "{:?}",
         t0.elapsed()
     );
 }

@@ -44,6 +44,7 @@ use yatt_engine::SamplingParams;
 use yatt_runtime::actor::{ActorRef, CallError};
 use yatt_runtime::collective::RingSpec;
 use yatt_runtime::node::Node;
+use yatt_runtime::ActorId;
 
 use crate::algo::{
     dynamic_sampling_filter, gae_advantage, grpo_advantage, kl_estimate, masked_mean,
@@ -619,6 +620,79 @@ pub struct Controller {
     /// Its policy replica averages gradients in a ring with the other heads' replicas
     /// ([`join_policy_ring`]).
     in_policy_ring: bool,
+    /// Rollout replicas a generation request goes to when its own replica is lost.
+    spare_rollouts: Vec<RolloutRef>,
+    /// Rollout replicas a call found lost (dead node, deadline): skipped by weight sync
+    /// until the head is rebuilt.
+    lost_rollouts: std::collections::BTreeSet<ActorId>,
+    /// Generation calls in flight, for whoever watches ([`Controller::set_probe`]).
+    probe: Option<GenProbe>,
+}
+
+/// The rollout replicas that generation calls are in flight to, shared by the heads
+/// that report to it ([`Controller::set_probe`]): a step's progress seen from outside,
+/// e.g. by a test that must act while a step generates on a given replica.
+#[derive(Clone, Default, Debug)]
+pub struct GenProbe(std::sync::Arc<std::sync::Mutex<BTreeMap<ActorId, usize>>>);
+
+impl GenProbe {
+    /// Whether a generation call to `replica` is in flight now.
+    pub fn in_flight(&self, replica: &ActorId) -> bool {
+        self.lock().get(replica).is_some_and(|n| *n > 0)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<ActorId, usize>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn enter(&self, replica: &ActorId) -> GenProbeGuard<'_> {
+        *self.lock().entry(replica.clone()).or_insert(0) += 1;
+        GenProbeGuard {
+            probe: self,
+            replica: replica.clone(),
+        }
+    }
+}
+
+/// Counts one call out of the probe when dropped (answered, failed or cancelled).
+struct GenProbeGuard<'a> {
+    probe: &'a GenProbe,
+    replica: ActorId,
+}
+
+impl Drop for GenProbeGuard<'_> {
+    fn drop(&mut self) {
+        let mut m = self.probe.lock();
+        if let Some(n) = m.get_mut(&self.replica) {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
+/// Whether a failed call means the replica is gone (its node died or left, its actor
+/// stopped, or it missed its deadline) rather than that it refused the request: only
+/// then is its work worth handing to another replica.
+fn replica_lost(e: &CallError) -> bool {
+    !matches!(e, CallError::Handler { .. })
+}
+
+/// One generation request's outcome: the rollout's answer, the samples requeued on
+/// another replica on the way, and the replicas found lost.
+struct GenOutcome {
+    answer: RolloutResponse,
+    requeued: Vec<SampleId>,
+    lost: Vec<ActorId>,
+}
+
+/// One generation round: its samples, the rollouts' stats, its wall seconds, the
+/// samples requeued on a spare replica and the replicas found lost.
+#[derive(Default)]
+struct Generated {
+    samples: Vec<Sample>,
+    stats: crate::builtin::RolloutStats,
+    seconds: f64,
+    requeued: Vec<SampleId>,
+    lost: Vec<ActorId>,
 }
 
 /// Starts `role` on its own thread on `group` and spawns its actor on `node` as
@@ -700,7 +774,30 @@ impl Controller {
             step: 0,
             weights_version: 0,
             in_policy_ring: false,
+            spare_rollouts: Vec::new(),
+            lost_rollouts: Default::default(),
+            probe: None,
         })
+    }
+
+    /// Rollout replicas (of other heads) that take over a generation request whose own
+    /// replica is lost mid-step (its node died: the call fails when the directory
+    /// declares the node dead, or at the deadline). The request's samples are requeued
+    /// in the step's ledger ([`SampleLedger::requeue`]) and generated on the first
+    /// spare that answers, so the step completes with every sample once. Without
+    /// spares a lost replica fails the step, as before. Non-streamed generation only.
+    pub fn set_spare_rollouts(&mut self, spares: Vec<RolloutRef>) {
+        self.spare_rollouts = spares;
+    }
+
+    /// Reports every generation call this head makes to `probe` while it is in flight.
+    pub fn set_probe(&mut self, probe: GenProbe) {
+        self.probe = Some(probe);
+    }
+
+    /// The rollout replicas this head found lost (skipped by weight sync from then on).
+    pub fn lost_rollouts(&self) -> &std::collections::BTreeSet<ActorId> {
+        &self.lost_rollouts
     }
 
     /// The roles this controller drives.
@@ -752,16 +849,41 @@ impl Controller {
             other => return Err(self.protocol("policy", "ExportWeights", format!("{other:?}"))),
         };
         let version = update.version;
+        // A replica found lost this step is skipped (another head's spare generated its
+        // samples); one lost only now is marked so, when a spare can take its work.
+        let live: Vec<RolloutRef> = self
+            .roles
+            .extra_rollouts
+            .iter()
+            .chain(std::iter::once(&self.roles.rollout))
+            .filter(|r| !self.lost_rollouts.contains(r.id()))
+            .cloned()
+            .collect();
         // Every replica but the last gets a copy; the last takes the buckets themselves.
+        let mut update = Some(update);
         let mut loads = Vec::new();
-        for r in &self.roles.extra_rollouts {
-            loads.push(r.ask(RoleRequest::LoadWeights(update.clone()), t));
+        for (i, r) in live.iter().enumerate() {
+            let u = match i + 1 == live.len() {
+                true => update.take(),
+                false => update.clone(),
+            };
+            if let Some(u) = u {
+                loads.push(r.ask(RoleRequest::LoadWeights(u), t));
+            }
         }
-        loads.push(self.roles.rollout.ask(RoleRequest::LoadWeights(update), t));
-        for answer in futures::future::join_all(loads).await {
-            match answer.map_err(self.call("weight_sync", "rollout"))? {
-                RoleResponse::Done => {}
-                other => return Err(self.protocol("rollout", "LoadWeights", variant(&other))),
+        for (answer, r) in futures::future::join_all(loads)
+            .await
+            .into_iter()
+            .zip(&live)
+        {
+            match answer {
+                Ok(RoleResponse::Done) => {}
+                Ok(other) => return Err(self.protocol("rollout", "LoadWeights", variant(&other))),
+                Err(e) if replica_lost(&e) && !self.spare_rollouts.is_empty() => {
+                    tracing::warn!(step = self.step, replica = %r.id(), error = %e, "rollout lost at weight sync; its work goes to a spare replica");
+                    self.lost_rollouts.insert(r.id().clone());
+                }
+                Err(e) => return Err(self.call("weight_sync", "rollout")(e)),
             }
         }
         self.weights_version = version;
@@ -989,10 +1111,16 @@ impl Controller {
                     .map_err(self.ledger_err())?;
                 r.samples
             } else {
-                let (samples, stats, secs) = self.generate(prompts, &cfg).await?;
-                gen_s += secs;
-                gen.response_tokens += stats.response_tokens;
-                gen.seconds += stats.seconds;
+                let g = self.generate(prompts, &cfg).await?;
+                // Samples a lost replica had in flight were generated again elsewhere.
+                for id in &g.requeued {
+                    ledger.requeue(*id).map_err(self.ledger_err())?;
+                }
+                self.lost_rollouts.extend(g.lost);
+                let samples = g.samples;
+                gen_s += g.seconds;
+                gen.response_tokens += g.stats.response_tokens;
+                gen.seconds += g.stats.seconds;
                 self.stage_done(&mut ledger, &samples, Stage::Generated)?;
                 self.check_fresh(&samples)?;
                 let t = Instant::now();
@@ -1179,40 +1307,100 @@ impl Controller {
         out
     }
 
-    /// One generation round: `n` samples of each prompt from the rollout.
+    /// One generation round: `n` samples of each prompt from the rollout. A request
+    /// whose replica is lost goes to a spare ([`Controller::set_spare_rollouts`]); the
+    /// samples it had in flight are returned as requeued, with the lost replicas.
     async fn generate(
         &self,
         prompts: Vec<crate::data::Prompt>,
         cfg: &ControllerConfig,
-    ) -> Result<(Vec<Sample>, crate::builtin::RolloutStats, f64), ControllerError> {
+    ) -> Result<Generated, ControllerError> {
         let t = Instant::now();
         let asks: Vec<_> = self
             .split_over_replicas(prompts, cfg)
             .into_iter()
-            .map(|(r, req)| {
-                let req = RolloutRequest::Generate(req);
-                self.serve(r, req, "gen", "rollout", cfg.timeouts.generate)
-            })
+            .map(|(r, req)| self.generate_on(r, req, cfg.timeouts.generate))
             .collect();
-        let mut samples = Vec::new();
-        let mut stats = crate::builtin::RolloutStats::default();
-        for answer in futures::future::try_join_all(asks).await? {
-            match answer {
+        let mut out = Generated::default();
+        for g in futures::future::try_join_all(asks).await? {
+            out.requeued.extend(g.requeued);
+            out.lost.extend(g.lost);
+            match g.answer {
                 RolloutResponse::Generated {
                     samples: s,
                     stats: st,
                 } => {
-                    samples.extend(s);
-                    stats.response_tokens += st.response_tokens;
+                    out.samples.extend(s);
+                    out.stats.response_tokens += st.response_tokens;
                     // Replicas run side by side: the round takes the slowest one's time.
-                    stats.seconds = stats.seconds.max(st.seconds);
+                    out.stats.seconds = out.stats.seconds.max(st.seconds);
                 }
                 RolloutResponse::Logits(_) | RolloutResponse::Streamed { .. } => {
                     return Err(self.protocol("rollout", "Generate", "not Generated".into()))
                 }
             }
         }
-        Ok((samples, stats, t.elapsed().as_secs_f64()))
+        out.seconds = t.elapsed().as_secs_f64();
+        Ok(out)
+    }
+
+    /// One generation request to `first`, then, while the replica asked is lost, to
+    /// each spare in turn (each spare tried once).
+    async fn generate_on(
+        &self,
+        first: &RolloutRef,
+        req: GenerateRequest,
+        timeout: Duration,
+    ) -> Result<GenOutcome, ControllerError> {
+        let mut spares = self
+            .spare_rollouts
+            .iter()
+            .filter(|s| s.id() != first.id() && !self.lost_rollouts.contains(s.id()));
+        // A replica found lost in an earlier step missed its weight sync: its work
+        // goes straight to a spare (nothing of it was in flight, nothing is requeued).
+        let mut asked = match self.lost_rollouts.contains(first.id()) {
+            true => spares.next().unwrap_or(first).clone(),
+            false => first.clone(),
+        };
+        let (mut requeued, mut lost) = (Vec::new(), Vec::new());
+        loop {
+            let answer = {
+                let _probe = self.probe.as_ref().map(|p| p.enter(asked.id()));
+                asked
+                    .ask(
+                        RoleRequest::Serve(RolloutRequest::Generate(req.clone())),
+                        timeout,
+                    )
+                    .await
+            };
+            match answer {
+                Ok(RoleResponse::Served(answer)) => {
+                    return Ok(GenOutcome {
+                        answer,
+                        requeued,
+                        lost,
+                    })
+                }
+                Ok(other) => return Err(self.protocol("rollout", "gen", variant(&other))),
+                Err(e) if replica_lost(&e) => {
+                    let Some(next) = spares.next() else {
+                        return Err(self.call("gen", "rollout")(e));
+                    };
+                    tracing::warn!(step = self.step, lost = %asked.id(), to = %next.id(), error = %e,
+                        "rollout replica lost mid-step; its samples are requeued on a spare");
+                    lost.push(asked.id().clone());
+                    requeued.extend(req.prompts.iter().flat_map(|p| {
+                        (0..req.n).map(move |k| SampleId {
+                            step: req.step,
+                            prompt: p.id,
+                            k,
+                        })
+                    }));
+                    asked = next.clone();
+                }
+                Err(e) => return Err(self.call("gen", "rollout")(e)),
+            }
+        }
     }
 
     /// Fails with [`ControllerError::StaleWeights`] when a sample was generated with

@@ -94,6 +94,15 @@ pub enum JobError {
         /// What works today.
         fix: String,
     },
+    /// Live placement could not carry out what the run needs (a migration, a lost
+    /// node's re-plan, a role start or stop on a group).
+    #[error("live placement: {what}; fix: {fix}")]
+    Placement {
+        /// What failed, naming the group, node or replica.
+        what: String,
+        /// How to fix it or where to look.
+        fix: String,
+    },
     /// Loading a model or tokenizer failed.
     #[error("model {source_desc}: {reason}")]
     Model {

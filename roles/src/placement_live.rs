@@ -19,7 +19,7 @@
 //! 1. the group leaves routing (no head sends to it any more);
 //! 2. its role is drained (a step boundary has no work in flight; whatever a drain
 //!    hands back is failed loudly rather than lost, because the next step's ledger
-//!    expects only its own samples);
+//!    expects only its own samples); a group lost with its node is skipped here;
 //! 3. its memory is freed: offload, then stop (the role's thread ends and drops it);
 //! 4. the gaining role starts there: a rollout replica from the policy's weights, or a
 //!    policy replica with a surviving one's whole trainer state (weights, optimizer,
@@ -29,6 +29,23 @@
 //! 5. every head syncs weights to its rollout;
 //! 6. a new routing version is published (and the directory's epoch recorded), and
 //!    the heads follow it from the next step.
+//!
+//! A migration that fails part-way is rolled back: the groups get their roles under
+//! the old plan back (a stopped policy replica restarts from a survivor's state), the
+//! heads are routed by it again and the policy hears [`Event::MigrationFailed`].
+//!
+//! On a cluster the shell also follows membership at every step boundary. Each head's
+//! spare rollouts are the other heads' rollout replicas: when a rollout replica's node
+//! dies mid-step, the head's generation call fails (when the directory declares the
+//! node dead, or at its deadline), the samples in flight there are requeued in the
+//! head's ledger and generated on a spare, and the step completes. After the step the
+//! node is fed as [`Event::NodeLeft`] and the policy's `NodeLost` migration takes its
+//! groups out of the plan. With no spare (a single rollout group), nothing is trained
+//! yet when generation fails: the heads go back to before the step, the loss is
+//! carried out (a policy group becomes the rollout) and the step runs again. A lost policy replica (its optimizer state is gone) fails
+//! the run with an error that says so. A node of `placement.nodes` that joins (or
+//! restarts) is fed as [`Event::NodeJoined`]: its devices become groups the policy may
+//! use.
 //!
 //! Everything it sees and does goes to `OUTPUT_DIR/placement.jsonl`
 //! ([`yatt_placement::record`]), which `yatt placement show RUN_DIR` renders.
@@ -47,7 +64,7 @@ use yatt_placement::record::{finite, GroupUse, Record};
 use yatt_placement::workload::ForecastParams;
 use yatt_placement::{
     CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy,
-    Plan, Pool, RewardKind, Stage, StageObs,
+    Plan, Pool, Reason, RewardKind, Stage, StageObs,
 };
 use yatt_runtime::actor::{ActorRef, ExitReason};
 use yatt_runtime::collective::RING_CHUNK_BYTES;
@@ -59,8 +76,8 @@ use yatt_runtime::ActorId;
 
 use crate::builtin::{PolicyRequest, PolicyResponse, TextCodec};
 use crate::controller::{
-    join_policy_ring, spawn_role, step_data_parallel, Controller, PolicyRef, RoleRefs, RolloutRef,
-    StepMetrics, StepReport,
+    join_policy_ring, spawn_role, step_data_parallel, Controller, GenProbe, PolicyRef, RoleRefs,
+    RolloutRef, StepMetrics, StepReport,
 };
 use crate::job::{
     base_model, controllers, policy_role_from, rollout_role, spawn_reward, train_config, JobConfig,
@@ -141,6 +158,16 @@ pub struct LivePlacement {
     before_move: Option<Plan>,
     /// The last step's ledgers, one per head.
     last_ledgers: Vec<LedgerReport>,
+    /// The generation calls in flight, shared by every head.
+    probe: GenProbe,
+    /// On a cluster: the nodes of `placement.nodes` whose groups are in the inventory,
+    /// with the incarnation seen (a restarted node is lost, then joins again).
+    known_nodes: BTreeMap<String, u64>,
+    /// Role starts still to fail on purpose ([`LivePlacement::fail_next_starts`]).
+    start_faults: usize,
+    /// Whether the last failed migration was rolled back (the heads run on the old
+    /// plan) rather than left half-done.
+    rolled_back: bool,
 }
 
 /// Where the groups are, and so how a role starts on one.
@@ -228,7 +255,10 @@ fn embedded_inventory(job: &JobConfig, gpu: &GpuSpec) -> Result<Inventory, JobEr
 
 /// The devices the alive nodes of `placement.nodes` advertise in the directory, one
 /// group each, in the order the section lists the nodes.
-async fn cluster_inventory(job: &JobConfig, node: &Node) -> Result<Inventory, JobError> {
+async fn cluster_inventory(
+    job: &JobConfig,
+    node: &Node,
+) -> Result<(Inventory, Vec<NodeInfo>), JobError> {
     let p = &job.placement;
     let mut named: Vec<(String, String)> = p
         .nodes
@@ -271,7 +301,7 @@ async fn cluster_inventory(job: &JobConfig, node: &Node) -> Result<Inventory, Jo
             "list nodes offering that many devices (`yatt-node run --virtual-devices N` on machines without GPUs), or change job.controllers",
         ));
     }
-    Ok(inventory)
+    Ok((inventory, infos))
 }
 
 impl LivePlacement {
@@ -348,8 +378,8 @@ impl LivePlacement {
         shape.reference = false;
         shape.prompt_len = 4;
         let gpu = cpu_thread_spec();
-        let inventory = match cluster {
-            false => embedded_inventory(job, &gpu)?,
+        let (inventory, members) = match cluster {
+            false => (embedded_inventory(job, &gpu)?, Vec::new()),
             true => cluster_inventory(job, node).await?,
         };
         let setup = CostSetup {
@@ -474,6 +504,13 @@ impl LivePlacement {
             log_path,
             before_move: None,
             last_ledgers: Vec::new(),
+            probe: GenProbe::default(),
+            known_nodes: members
+                .iter()
+                .map(|n| (n.name.clone(), n.incarnation))
+                .collect(),
+            start_faults: 0,
+            rolled_back: false,
         };
         // Every policy replica starts from the first one's state (a fresh trainer):
         // across processes nothing else guarantees the same weights.
@@ -555,6 +592,31 @@ impl LivePlacement {
         &self.last_ledgers
     }
 
+    /// The generation calls in flight from every head, by rollout replica: lets a test
+    /// (or an operator's tool) act while a step generates on a given replica.
+    pub fn gen_probe(&self) -> GenProbe {
+        self.probe.clone()
+    }
+
+    /// Fault injection for tests and drills: the next `n` role starts on a group (a
+    /// migration's gaining role, or a rollback's restart) fail as a refused spawn
+    /// would, so the rollback path can be exercised deterministically.
+    pub fn fail_next_starts(&mut self, n: usize) {
+        self.start_faults = n;
+    }
+
+    /// Fails the start of `role` on `g` when a fault is injected.
+    fn injected_fault(&mut self, g: GroupId, role: &str) -> Result<(), JobError> {
+        if self.start_faults == 0 {
+            return Ok(());
+        }
+        self.start_faults -= 1;
+        Err(JobError::Placement {
+            what: format!("starting a {role} replica on {g} was refused (injected fault)"),
+            fix: "nothing to fix: LivePlacement::fail_next_starts asked for it".into(),
+        })
+    }
+
     /// Deadline of every call the shell makes outside a step (`placement.spawn_timeout_s`).
     fn deadline(&self) -> Duration {
         Duration::from_secs(self.job.placement.spawn_timeout_s)
@@ -570,6 +632,7 @@ impl LivePlacement {
     /// Starts a rollout replica on group `g`; it gets the policy's weights at the next
     /// weight sync.
     async fn start_rollout(&mut self, g: GroupId) -> Result<RolloutRef, JobError> {
+        self.injected_fault(g, "rollout")?;
         match &self.hosts {
             Hosts::Embedded {
                 codec, template, ..
@@ -614,9 +677,8 @@ impl LivePlacement {
         self.node
             .propose(change)
             .await
-            .map_err(|e| JobError::NotImplemented {
-                key: "placement".into(),
-                found: format!("the directory refused a change: {e}"),
+            .map_err(|e| JobError::Placement {
+                what: format!("the directory refused a change: {e}"),
                 fix: "see the node's log".into(),
             })
     }
@@ -629,6 +691,7 @@ impl LivePlacement {
         g: GroupId,
         from: Option<&PolicyRef>,
     ) -> Result<PolicyRef, JobError> {
+        self.injected_fault(g, "policy")?;
         let r = match &self.hosts {
             Hosts::Embedded {
                 template, pad_id, ..
@@ -746,6 +809,13 @@ impl LivePlacement {
         states: Option<Vec<crate::controller::ControllerState>>,
     ) -> Result<(), JobError> {
         let (r, p) = self.routes()?;
+        // Each head's spares: the routing's other rollout replicas.
+        let mut rollouts: Vec<RolloutRef> = Vec::new();
+        for (_, x) in &r {
+            if !rollouts.iter().any(|y| y.id() == x.id()) {
+                rollouts.push(x.clone());
+            }
+        }
         let shared = RoleRefs {
             rollout: r[0].1.clone(),
             extra_rollouts: Vec::new(),
@@ -770,6 +840,12 @@ impl LivePlacement {
         let replicated = self.of_role(PRole::Policy).len() == heads.len() && heads.len() > 1;
         if replicated && matches!(self.hosts, Hosts::Cluster { .. }) {
             join_policy_ring(&mut heads, RING_CHUNK_BYTES).await?;
+        }
+        for c in &mut heads {
+            let own = c.roles().rollout.id().clone();
+            let spares = rollouts.iter().filter(|x| *x.id() != own).cloned();
+            c.set_spare_rollouts(spares.collect());
+            c.set_probe(self.probe.clone());
         }
         self.controllers = heads;
         self.routing_version += 1;
@@ -806,13 +882,51 @@ impl LivePlacement {
     /// Runs one step of every head, feeds the policy, and carries out what it decides
     /// before the next step. Returns the step's metrics, averaged over the heads, with
     /// `placement/*` added.
+    ///
+    /// On a cluster it first follows membership: a node of `placement.nodes` that died
+    /// (or left) is fed as [`Event::NodeLeft`] and the policy's `NodeLost` re-plan is
+    /// carried out at once; one that joined (or restarted) is fed as
+    /// [`Event::NodeJoined`], its devices becoming groups the policy may use. A rollout
+    /// replica lost during the step does not fail it: its samples are requeued in the
+    /// head's ledger and generated on another rollout replica of the routing.
     pub async fn step(&mut self) -> Result<StepMetrics, JobError> {
         let t = Instant::now();
-        let reports = step_data_parallel(&mut self.controllers).await?;
+        let before: Vec<_> = self.controllers.iter().map(Controller::state).collect();
+        let reports = match step_data_parallel(&mut self.controllers).await {
+            Ok(r) => r,
+            // Generation failed with no spare to take it over (a single rollout group)
+            // and a node is gone: nothing was trained yet, so the heads go back to
+            // before the step, the loss is carried out (a policy group may become the
+            // rollout), and the step runs again on the new plan.
+            Err(crate::controller::ControllerError::Call { stage: "gen", .. })
+                if matches!(self.hosts, Hosts::Cluster { .. }) && !self.dead_nodes().is_empty() =>
+            {
+                for (c, s) in self.controllers.iter_mut().zip(before) {
+                    c.restore(s)?;
+                }
+                let step = self.controllers.first().map_or(0, Controller::step_count);
+                self.write(&Record::Search {
+                    step,
+                    line: format!(
+                        "step {step}: generation lost its only rollout replica with node(s) {}; the step runs again after the re-plan",
+                        self.dead_nodes().join(", ")
+                    ),
+                })?;
+                self.follow_membership(step).await?;
+                match step_data_parallel(&mut self.controllers).await {
+                    Ok(r) => r,
+                    Err(e) => return Err(self.explain_failed_step(e.into())),
+                }
+            }
+            Err(e) => return Err(self.explain_failed_step(e.into())),
+        };
         let wall = t.elapsed().as_secs_f64();
         self.last_ledgers = reports.iter().map(|r| r.ledger.clone()).collect();
         let step = reports.first().map_or(0, |r| r.metrics.step);
         let obs = self.observe(&reports, wall)?;
+        // Membership first: a lost node's re-plan bypasses the policy's hysteresis, and
+        // the metrics then meet the plan in force.
+        self.follow_membership(step).await?;
         let decisions = self.policy.on_event(Event::Metrics(obs.metrics));
         let predicted = self.policy.predict_plan(&self.plan, 0.0).step_s;
         let no_move = self
@@ -826,15 +940,186 @@ impl LivePlacement {
             no_move_s: no_move.and_then(finite),
             groups: obs.groups,
         })?;
-        for line in self.policy.take_log() {
-            self.write(&Record::Search { step, line })?;
-        }
+        self.write_policy_log(step)?;
         let mut m = average(&reports);
         m.values.insert("timing_s/step_wall".into(), wall);
         m.values.insert("placement/predicted_s".into(), predicted);
         if let Some(x) = no_move {
             m.values.insert("placement/no_move_s".into(), x);
         }
+        let requeued: u64 = self.last_ledgers.iter().map(|l| l.requeued).sum();
+        m.values
+            .insert("placement/requeued".into(), requeued as f64);
+        self.apply(decisions, step).await?;
+        let count = |r: PRole| self.plan.pool_of(r).map_or(0, |p| p.groups.len()) as f64;
+        m.values
+            .insert("placement/rollout_groups".into(), count(PRole::Rollout));
+        m.values
+            .insert("placement/policy_groups".into(), count(PRole::Policy));
+        m.values.insert(
+            "placement/routing_version".into(),
+            self.routing_version as f64,
+        );
+        Ok(m)
+    }
+
+    /// A failed step's error, naming the nodes of the plan the directory has declared
+    /// dead (the likely cause) and what would have let the run go on.
+    fn explain_failed_step(&self, e: JobError) -> JobError {
+        let dead = self.dead_nodes();
+        if dead.is_empty() {
+            return e;
+        }
+        let hosted: Vec<String> = self
+            .replicas()
+            .into_iter()
+            .filter(|(_, n, ..)| dead.contains(n))
+            .map(|(g, n, role, _)| format!("{role} on {g} ({n})"))
+            .collect();
+        JobError::Placement {
+            what: format!(
+                "the step failed after node(s) {} left the cluster, with the replicas {}: {e}",
+                dead.join(", "),
+                hosted.join(", ")
+            ),
+            fix: "live placement survives losing nodes that host only rollout replicas; a lost policy replica cannot be recovered: resume the run from its last checkpoint".into(),
+        }
+    }
+
+    /// Nodes whose groups are in the inventory but which the directory no longer lists
+    /// alive in the incarnation the shell knows.
+    fn dead_nodes(&self) -> Vec<String> {
+        let known = &self.known_nodes;
+        self.node.directory().read(|d| {
+            known
+                .iter()
+                .filter(|(name, inc)| {
+                    !d.alive_nodes()
+                        .any(|n| n.name == **name && n.incarnation == **inc)
+                })
+                .map(|(name, _)| name.clone())
+                .collect()
+        })
+    }
+
+    /// The policy's reasoning since the last call, as `Search` records.
+    fn write_policy_log(&mut self, step: u64) -> Result<(), JobError> {
+        for line in self.policy.take_log() {
+            self.write(&Record::Search { step, line })?;
+        }
+        Ok(())
+    }
+
+    /// On a cluster: feeds the policy the nodes of `placement.nodes` that left (or
+    /// restarted) and joined since the last step, and carries out its decisions.
+    async fn follow_membership(&mut self, step: u64) -> Result<(), JobError> {
+        if !matches!(self.hosts, Hosts::Cluster { .. }) {
+            return Ok(());
+        }
+        for node in self.dead_nodes() {
+            self.lose_node(&node, step).await?;
+        }
+        let wanted = self.job.placement.nodes.clone();
+        let alive: Vec<NodeInfo> = self.node.directory().read(|d| {
+            wanted
+                .iter()
+                .filter_map(|w| d.alive_nodes().find(|n| n.name == *w).cloned())
+                .collect()
+        });
+        for info in alive {
+            if !self.known_nodes.contains_key(&info.name) {
+                self.join_node(info, step).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A node of the plan is gone: its groups leave the inventory and the plan. Its
+    /// rollout replicas are dropped (their samples were requeued during the step); the
+    /// policy's `NodeLost` migration moves the plan onto the remaining groups.
+    async fn lose_node(&mut self, node: &str, step: u64) -> Result<(), JobError> {
+        let groups: Vec<GroupId> = self
+            .policy
+            .inventory()
+            .groups()
+            .filter(|g| g.node == node)
+            .map(|g| g.id)
+            .collect();
+        let policy_on: Vec<String> = groups
+            .iter()
+            .filter(|g| matches!(self.replicas.get(g), Some(Replica::Policy(_))))
+            .map(|g| g.to_string())
+            .collect();
+        if !policy_on.is_empty() {
+            return Err(JobError::Placement {
+                what: format!(
+                    "node {node} left the cluster with the policy replica(s) of {}: the trainer state (weights, optimizer) there is lost",
+                    policy_on.join(", ")
+                ),
+                fix: "live placement recovers from losing nodes that host only rollout replicas; resume the run from its last checkpoint (job.checkpoint_every) on nodes that stay up".into(),
+            });
+        }
+        self.known_nodes.remove(node);
+        for g in &groups {
+            self.replicas.remove(g);
+        }
+        let names: Vec<String> = groups.iter().map(|g| g.to_string()).collect();
+        self.write(&Record::Search {
+            step,
+            line: format!(
+                "node {node} left the cluster (declared dead or gone): its group(s) {} leave the inventory",
+                names.join(" ")
+            ),
+        })?;
+        let decisions = self.policy.on_event(Event::NodeLeft { node: node.into() });
+        self.write_policy_log(step)?;
+        let used = self.plan.roles_by_group();
+        if decisions.is_empty() && groups.iter().any(|g| used.contains_key(g)) {
+            return Err(JobError::Placement {
+                what: format!(
+                    "after losing node {node} ({}), no plan of the {} remaining group(s) fits the live executor (a rollout group and 1 or job.controllers policy groups)",
+                    names.join(" "),
+                    self.policy.inventory().len()
+                ),
+                fix: "start a node of placement.nodes again (it joins the run) before the next step, or resume the run from its last checkpoint".into(),
+            });
+        }
+        self.apply(decisions, step).await
+    }
+
+    /// A node of `placement.nodes` joined (or came back): its devices become groups of
+    /// the inventory, which the policy may use from its next search.
+    async fn join_node(&mut self, info: NodeInfo, step: u64) -> Result<(), JobError> {
+        let decisions = self.policy.on_event(Event::NodeJoined(info.clone()));
+        let added: Vec<GroupId> = self
+            .policy
+            .inventory()
+            .groups()
+            .filter(|g| g.node == info.name)
+            .map(|g| g.id)
+            .collect();
+        for g in &added {
+            self.group_nodes.insert(*g, info.name.clone());
+        }
+        self.known_nodes.insert(info.name.clone(), info.incarnation);
+        let names: Vec<String> = added.iter().map(|g| g.to_string()).collect();
+        self.write(&Record::Search {
+            step,
+            line: format!(
+                "node {} joined the cluster with {} device(s): group(s) {} join the inventory ({} group(s) in all)",
+                info.name,
+                info.devices.len(),
+                names.join(" "),
+                self.policy.inventory().len()
+            ),
+        })?;
+        self.write_policy_log(step)?;
+        self.apply(decisions, step).await
+    }
+
+    /// Carries out the policy's decisions after `step`, records each and its outcome,
+    /// and reports the outcome back to the policy.
+    async fn apply(&mut self, decisions: Vec<Decision>, step: u64) -> Result<(), JobError> {
         for d in decisions {
             let Decision::Migrate(mig) = d;
             self.write(&Record::Decision {
@@ -864,21 +1149,18 @@ impl LivePlacement {
             let event = match outcome {
                 Ok(_) => {
                     // What a start really costs here, for the next decision.
-                    let per_group = secs / mig.moves.len().max(1) as f64;
+                    let starts = mig.moves.iter().filter(|m| !m.to.is_empty()).count();
+                    let per_group = secs / starts.max(1) as f64;
                     self.policy
                         .cost_model_mut()
                         .set_start_costs(per_group, per_group);
                     Event::MigrationDone { id: mig.id }
                 }
                 Err(e) => {
-                    // A group of the plan in force that lost its replica cannot be
-                    // routed: stop the run loudly rather than fail the next step.
-                    let broken = self
-                        .plan
-                        .roles_by_group()
-                        .keys()
-                        .any(|g| !self.replicas.contains_key(g));
-                    if broken {
+                    // Rolled back: the heads run on the old plan. A rollback that
+                    // failed too stops the run loudly rather than fail the next step,
+                    // and so does a lost node's re-plan (the old plan has lost groups).
+                    if !self.rolled_back || mig.reason == Reason::NodeLost {
                         return Err(e);
                     }
                     Event::MigrationFailed {
@@ -888,79 +1170,186 @@ impl LivePlacement {
                 }
             };
             self.policy.on_event(event);
+            self.write_policy_log(step)?;
             self.publish(step + 1)?;
         }
-        let count = |r: PRole| self.plan.pool_of(r).map_or(0, |p| p.groups.len()) as f64;
-        m.values
-            .insert("placement/rollout_groups".into(), count(PRole::Rollout));
-        m.values
-            .insert("placement/policy_groups".into(), count(PRole::Policy));
-        m.values.insert(
-            "placement/routing_version".into(),
-            self.routing_version as f64,
-        );
-        Ok(m)
+        Ok(())
     }
 
-    /// Carries out one migration at a step boundary. An error before any group left
-    /// routing keeps the old plan and routing; one after a group's replica stopped
-    /// leaves the plan unroutable, and [`LivePlacement::step`] returns it (no rollback
-    /// yet).
+    /// Carries out one migration at a step boundary. If a step of it fails (a drain,
+    /// a gaining role that does not start, the new routing), it is undone: the groups
+    /// get back the roles of the plan in force (stopping what the migration started,
+    /// restarting what it stopped: a policy replica from a survivor's state), the heads
+    /// are routed by that plan again and synced, and the error is returned for
+    /// [`Event::MigrationFailed`]. A rollback that itself fails is returned with both
+    /// errors, and the run stops.
     async fn migrate(&mut self, mig: &yatt_placement::Migration) -> Result<String, JobError> {
         let old = self.plan.clone();
         let states: Vec<_> = self.controllers.iter().map(Controller::state).collect();
+        self.rolled_back = false;
+        match self.migrate_forward(mig, states.clone()).await {
+            Ok(done) => {
+                self.before_move = Some(old);
+                Ok(done)
+            }
+            Err(e) => {
+                let (what, fix) = match e {
+                    JobError::Placement { what, fix } => (what, fix),
+                    other => (other.to_string(), "see the nodes' logs".to_string()),
+                };
+                match self.roll_back(&old, states).await {
+                    Ok(restored) => {
+                        self.rolled_back = true;
+                        Err(JobError::Placement {
+                            what: format!("{what}; rolled back to {} ({restored})", old.summary()),
+                            fix,
+                        })
+                    }
+                    Err(again) => Err(JobError::Placement {
+                        what: format!("{what}; the rollback failed too: {again}"),
+                        fix: "the groups are in no known plan, so the run stops; see the nodes' logs and resume the run from its last checkpoint".into(),
+                    }),
+                }
+            }
+        }
+    }
+
+    /// The migration's steps, in order (see the module docs).
+    async fn migrate_forward(
+        &mut self,
+        mig: &yatt_placement::Migration,
+        states: Vec<crate::controller::ControllerState>,
+    ) -> Result<String, JobError> {
         let mut done = Vec::new();
         for mv in &mig.moves {
             // 1. Out of routing: the plan without this group serves until the new one
-            // is published (the heads are rebuilt at the end).
-            let Some(replica) = self.replicas.remove(&mv.group) else {
-                return Err(JobError::NotImplemented {
-                    key: "placement".into(),
-                    found: format!("a move of {} which runs nothing", mv.group),
+            // is published (the heads are rebuilt at the end). A lost group's replica
+            // is already gone; a group new to the plan runs nothing yet.
+            let replica = self.replicas.remove(&mv.group);
+            if replica.is_none() && !mv.from.is_empty() && !self.lost(mv.group) {
+                return Err(JobError::Placement {
+                    what: format!("a move of {} which runs nothing", mv.group),
                     fix: "report this: the policy and the executor disagree on the plan".into(),
                 });
-            };
+            }
             // A policy replica that leaves hands its state to whoever gains the group.
-            let survivor = self.replicas.values().find_map(|r| match r {
-                Replica::Policy(p) => Some(p.clone()),
-                Replica::Rollout(_) => None,
-            });
+            let survivor = self.survivor();
             // 2–3. Drain, free (offload, then stop: the thread drops the tensors).
-            let drained = self.stop(&replica).await?;
-            if !drained.is_empty() {
-                return Err(JobError::NotImplemented {
-                    key: "placement".into(),
-                    found: format!("{} work items in flight on {}", drained.len(), mv.group),
-                    fix: "migrations run at step boundaries, where nothing is in flight".into(),
-                });
+            if let Some(replica) = &replica {
+                let drained = self.stop(replica).await?;
+                if !drained.is_empty() {
+                    return Err(JobError::Placement {
+                        what: format!("{} work items in flight on {}", drained.len(), mv.group),
+                        fix: "migrations run at step boundaries, where nothing is in flight".into(),
+                    });
+                }
             }
             // 4. Start the gaining role: a policy replica continues from a survivor's
-            // weights and optimizer state.
-            let new = if mv.to.contains(PRole::Rollout) {
-                Replica::Rollout(self.start_rollout(mv.group).await?)
-            } else {
-                let Some(src) = survivor else {
-                    return Err(JobError::NotImplemented {
-                        key: "placement".into(),
-                        found: "no policy replica left to copy".into(),
+            // weights and optimizer state. A group that leaves the plan gains nothing.
+            if mv.to.contains(PRole::Rollout) {
+                let r = self.start_rollout(mv.group).await?;
+                self.replicas.insert(mv.group, Replica::Rollout(r));
+            } else if mv.to.contains(PRole::Policy) {
+                let Some(src) = survivor.or(match replica {
+                    Some(Replica::Policy(p)) => Some(p),
+                    _ => None,
+                }) else {
+                    return Err(JobError::Placement {
+                        what: "no policy replica left to copy".into(),
                         fix: "keep at least one policy group".into(),
                     });
                 };
-                Replica::Policy(self.start_policy(mv.group, Some(&src)).await?)
+                let p = self.start_policy(mv.group, Some(&src)).await?;
+                self.replicas.insert(mv.group, Replica::Policy(p));
+            }
+            let to = match mv.to.is_empty() {
+                true => "(out of the plan)".to_string(),
+                false => mv.to.to_string(),
             };
-            self.replicas.insert(mv.group, new);
-            done.push(format!("{}: {} -> {}", mv.group, mv.from, mv.to));
+            done.push(format!("{}: {} -> {to}", mv.group, mv.from));
         }
-        self.plan = mig.target.clone();
+        let old = std::mem::replace(&mut self.plan, mig.target.clone());
         if let Err(e) = self.route(Some(states)).await {
             self.plan = old;
             return Err(e);
         }
         // 5. Weight sync to every head's rollout (new replicas included).
         self.sync_all().await?;
-        self.before_move = Some(old);
         // 6. Publication is the caller's (it writes the plan record).
         Ok(done.join("; "))
+    }
+
+    /// Whether group `g` left the inventory with its node.
+    fn lost(&self, g: GroupId) -> bool {
+        self.policy.inventory().group(g).is_none()
+    }
+
+    /// A running policy replica, whose state a new one copies.
+    fn survivor(&self) -> Option<PolicyRef> {
+        self.replicas.values().find_map(|r| match r {
+            Replica::Policy(p) => Some(p.clone()),
+            Replica::Rollout(_) => None,
+        })
+    }
+
+    /// Gives every group of `old` that is still in the inventory its role under `old`
+    /// again, stops what runs on groups outside it, and routes the heads by it from
+    /// `states`. Returns what it restored.
+    async fn roll_back(
+        &mut self,
+        old: &Plan,
+        states: Vec<crate::controller::ControllerState>,
+    ) -> Result<String, JobError> {
+        let want = old.roles_by_group();
+        let mut restored = Vec::new();
+        // Groups the migration gave a role outside the old plan.
+        let extra: Vec<GroupId> = self
+            .replicas
+            .keys()
+            .filter(|g| !want.contains_key(g))
+            .copied()
+            .collect();
+        for g in extra {
+            if let Some(r) = self.replicas.remove(&g) {
+                self.stop(&r).await?;
+                restored.push(format!("{g} stopped"));
+            }
+        }
+        for (g, roles) in &want {
+            if self.lost(*g) {
+                continue;
+            }
+            let rollout = roles.contains(PRole::Rollout);
+            match self.replicas.get(g) {
+                Some(Replica::Rollout(_)) if rollout => continue,
+                Some(Replica::Policy(_)) if !rollout => continue,
+                Some(_) => {
+                    let r = self.replicas.remove(g).expect("just seen");
+                    self.stop(&r).await?;
+                }
+                None => {}
+            }
+            let r = match rollout {
+                true => Replica::Rollout(self.start_rollout(*g).await?),
+                false => {
+                    let Some(src) = self.survivor() else {
+                        return Err(placement_err(format!(
+                            "no policy replica is left to restart {g}'s from"
+                        )));
+                    };
+                    Replica::Policy(self.start_policy(*g, Some(&src)).await?)
+                }
+            };
+            self.replicas.insert(*g, r);
+            restored.push(format!("{g}: {roles} again"));
+        }
+        self.plan = old.clone();
+        self.route(Some(states)).await?;
+        self.sync_all().await?;
+        if restored.is_empty() {
+            restored.push("nothing had changed".into());
+        }
+        Ok(restored.join("; "))
     }
 
     /// What the step did, as the cost model reads it, and each group's busy seconds.
@@ -1092,9 +1481,8 @@ async fn drain_and_stop<Req: Send + 'static, Resp: Send + 'static>(
     r: &yatt_runtime::actor::ActorRef<RoleRequest<Req>, RoleResponse<Resp>>,
     t: Duration,
 ) -> Result<Vec<u64>, JobError> {
-    let call = |e: yatt_runtime::actor::CallError| JobError::NotImplemented {
-        key: "placement".into(),
-        found: format!("{} did not stop: {e}", r.id()),
+    let call = |e: yatt_runtime::actor::CallError| JobError::Placement {
+        what: format!("{} did not stop: {e}", r.id()),
         fix: "see the role's log".into(),
     };
     let drained = match r.ask(RoleRequest::Drain, t).await.map_err(call)? {
@@ -1129,10 +1517,9 @@ fn unexpected(asked: &str, got: &PolicyResponse) -> JobError {
     placement_err(format!("the policy answered {asked} with {got}"))
 }
 
-fn placement_err(found: String) -> JobError {
-    JobError::NotImplemented {
-        key: "placement".into(),
-        found,
+fn placement_err(what: String) -> JobError {
+    JobError::Placement {
+        what,
         fix: "see the nodes' logs; the run stops rather than train on a broken plan".into(),
     }
 }

@@ -14,18 +14,26 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn growing_responses_move_a_group_from_training_to_rollout() {
+/// `config/live-placement.toml` writing to a temporary directory, and a node named
+/// `name` (with a dev CA) to run it on; the directories live as long as the caller
+/// keeps them.
+async fn embedded(name: &str) -> (JobConfig, Node, tempfile::TempDir, tempfile::TempDir) {
     let out = tempfile::tempdir().unwrap();
     let certs = tempfile::tempdir().unwrap();
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/live-placement.toml");
     let sets = [format!("job.output_dir=\"{}\"", out.path().display())];
     let job = JobConfig::load(config, &sets).unwrap();
-    let node = Node::builder("live-0")
+    let node = Node::builder(name)
         .dev_certs(certs.path())
         .start()
         .await
         .unwrap();
+    (job, node, out, certs)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn growing_responses_move_a_group_from_training_to_rollout() {
+    let (job, node, out, _certs) = embedded("live-0").await;
     let summary = tokio::time::timeout(
         std::time::Duration::from_secs(300),
         train(&job, &node, |p| {
@@ -198,4 +206,85 @@ async fn live_placement_refuses_layouts_it_cannot_route() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("placement.nodes"), "{err}");
+}
+
+/// A migration whose gaining role does not start is rolled back: the group gets its
+/// old role back (a policy replica restarted from the surviving replica's state), the
+/// heads are routed by the old plan again, the policy hears `MigrationFailed`, the
+/// failure is in the placement log, and training goes on with clean ledgers. The
+/// failure is injected ([`LivePlacement::fail_next_starts`]): the first start of a
+/// role on a group after the run is built is refused, as a node's factory might.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_whose_new_role_does_not_start_is_rolled_back() {
+    use yatt_roles::placement_live::LivePlacement;
+    let (job, node, _out, _certs) = embedded("live-rb").await;
+    let mut live = LivePlacement::build(&job, &node).await.unwrap();
+    live.fail_next_starts(1);
+    let roles = |live: &LivePlacement| -> Vec<(u32, &'static str)> {
+        live.replicas()
+            .into_iter()
+            .map(|(g, _, role, _)| (g.0, role))
+            .collect()
+    };
+    let per_head = (job.data.prompts_per_step * job.data.samples_per_prompt as usize) as u64;
+    let (plan0, roles0) = (live.plan().clone(), roles(&live));
+    let mut failed_at = None;
+    let t0 = std::time::Instant::now();
+    for step in 0..job.job.steps {
+        let version = live.routing_version();
+        live.step()
+            .await
+            .unwrap_or_else(|e| panic!("step {step}: {e}"));
+        for l in live.last_ledgers() {
+            assert_eq!(
+                (l.step, l.samples as u64, l.requeued, l.dropped),
+                (step, per_head, 0, 0)
+            );
+        }
+        let records = parse(&std::fs::read_to_string(live.log_path()).unwrap()).unwrap();
+        let failed = records
+            .iter()
+            .any(|r| matches!(r, Record::Migrated { ok: false, .. }));
+        if failed && failed_at.is_none() {
+            failed_at = Some(step);
+            // The old plan and roles are back, under a new routing version.
+            assert_eq!(live.plan(), &plan0);
+            assert_eq!(roles(&live), roles0);
+            assert!(live.routing_version() > version);
+            let (detail, id) = records
+                .iter()
+                .find_map(|r| match r {
+                    Record::Migrated {
+                        ok: false,
+                        detail,
+                        id,
+                        ..
+                    } => Some((detail.clone(), *id)),
+                    _ => None,
+                })
+                .unwrap();
+            assert!(
+                detail.contains("injected fault") && detail.contains("rolled back"),
+                "{detail}"
+            );
+            // The policy heard of it.
+            let heard = format!("migration {id} failed");
+            assert!(
+                records
+                    .iter()
+                    .any(|r| matches!(r, Record::Search { line, .. } if line.starts_with(&heard))),
+                "the policy's log has no `{heard}`"
+            );
+            eprintln!("{}", render(&records, 5, 5).unwrap());
+        }
+        // A few steps on the restored plan are enough.
+        if failed_at.is_some_and(|f| step >= f + 3) {
+            break;
+        }
+    }
+    let failed_at = failed_at.expect("a migration was decided and failed");
+    eprintln!(
+        "the migration after step {failed_at} failed and was rolled back; {:.2?} in all",
+        t0.elapsed()
+    );
 }
