@@ -16,7 +16,7 @@ use yatt_integration_tests::{
 use yatt_placement::inventory::GroupId;
 use yatt_placement::policy::Reason;
 use yatt_placement::profile::Role;
-use yatt_placement::record::{parse, render, Record};
+use yatt_placement::record::{after_move, parse, render, Record};
 use yatt_roles::controller::{GenProbe, PolicyRef, StepMetrics};
 use yatt_roles::job::JobConfig;
 use yatt_roles::job::JobError;
@@ -265,18 +265,7 @@ async fn live_placement_moves_a_group_from_training_to_rollout_on_a_remote_node(
         decided_at + 5 < r.job.job.steps,
         "moved too late: step {decided_at}"
     );
-    let (measured, no_move): (Vec<f64>, Vec<f64>) = records
-        .iter()
-        .filter_map(|r| match r {
-            Record::Step {
-                step,
-                step_s,
-                no_move_s: Some(n),
-                ..
-            } if *step > decided_at + 1 => Some((*step_s, *n)),
-            _ => None,
-        })
-        .unzip();
+    let (measured, no_move) = after_move(&records, decided_at + 1);
     assert!(
         measured.len() >= 3,
         "{} steps after the move",

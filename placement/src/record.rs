@@ -103,6 +103,24 @@ pub fn finite(x: f64) -> Option<f64> {
     x.is_finite().then_some(x)
 }
 
+/// The measured step times after step `after` (a migration's step) and, beside each,
+/// the "no move" prediction for the plan before it: the pairs that tell whether a move
+/// paid.
+pub fn after_move(records: &[Record], after: u64) -> (Vec<f64>, Vec<f64>) {
+    records
+        .iter()
+        .filter_map(|r| match r {
+            Record::Step {
+                step,
+                step_s,
+                no_move_s: Some(n),
+                ..
+            } if *step > after => Some((*step_s, *n)),
+            _ => None,
+        })
+        .unzip()
+}
+
 /// Why `placement.jsonl` could not be read.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RecordError {

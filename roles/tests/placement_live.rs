@@ -5,7 +5,7 @@
 //! old plan at the new workload.
 
 use yatt_placement::profile::Role;
-use yatt_placement::record::{parse, render, Record};
+use yatt_placement::record::{after_move, parse, render, Record};
 use yatt_roles::job::{train, JobConfig};
 use yatt_runtime::node::Node;
 
@@ -125,18 +125,7 @@ async fn growing_responses_move_a_group_from_training_to_rollout() {
 
     // After the move (skipping the first step on the new plan), the measured step is
     // shorter than the model's prediction for the old plan at the same workload.
-    let (measured, no_move): (Vec<f64>, Vec<f64>) = records
-        .iter()
-        .filter_map(|r| match r {
-            Record::Step {
-                step,
-                step_s,
-                no_move_s: Some(n),
-                ..
-            } if *step > decided_at + 1 => Some((*step_s, *n)),
-            _ => None,
-        })
-        .unzip();
+    let (measured, no_move) = after_move(&records, decided_at + 1);
     assert!(
         measured.len() >= 3,
         "{} steps after the move",
