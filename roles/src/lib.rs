@@ -17,7 +17,7 @@
 //! | [`builtin`] | built-in roles: rollout, reference, policy, critic, reward |
 //! | [`controller`] | parallel controllers |
 //! | [`job`] | training jobs: the TOML job config, embedded build and run loop |
-//! | [`bench`] | `yatt bench controller`: controller overhead, parallel vs single driver (fake compute) |
+//! | [`bench`](mod@bench) | `yatt bench controller`: controller overhead, parallel vs single driver (fake compute) |
 //! | [`wire`] | role messages on the wire: bulk weight buckets, spilled large bodies |
 //! | [`placement_live`] | the live placement actor: feeds the placement policy, migrates groups between rollout and policy |
 //! | [`remote`] | roles on other nodes: factories, `[placement]`, the cluster build |

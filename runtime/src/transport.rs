@@ -17,7 +17,7 @@
 //! pass through serde: a small header (dtype, shape, byte ranges) is followed by raw
 //! bytes. Between processes on the same host, a bulk payload of at least
 //! [`TransportConfig::shm_threshold`] bytes goes through a reusable shared-memory
-//! segment instead ([`crate::shm`]): the message names the segment, the receiver maps
+//! segment instead (`crate::shm`): the message names the segment, the receiver maps
 //! it once and releases it when done, so the socket carries a few bytes.
 //!
 //! A malformed or oversized frame closes that stream with a logged error; the

@@ -45,7 +45,7 @@ enum Command {
         /// The node's name (its certificate CN).
         #[arg(long)]
         name: String,
-        /// Where to write <name>.pem, <name>.key and ca.pem (default: the CA directory).
+        /// Where to write NAME.pem, NAME.key and ca.pem (default: the CA directory).
         #[arg(long)]
         out: Option<PathBuf>,
     },

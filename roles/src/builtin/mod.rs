@@ -5,12 +5,12 @@
 //! response types the controller sends them. Each role is synchronous and runs on its
 //! own thread inside a [`RoleActor`](crate::role::RoleActor); tch is only touched there.
 //! Samples come in and go out keyed by [`SampleId`](crate::sample::SampleId); a role
-//! fills in its own field of each [`Sample`](crate::sample::Sample) and nothing else.
+//! fills in its own field of each [`Sample`] and nothing else.
 //!
 //! | file | role |
 //! |---|---|
 //! | [`rollout`] | generation engine replica; text codecs (tokenizer, ASCII for tests) |
-//! | [`reference`] | frozen reference policy: reference log-probs |
+//! | [`reference`](mod@reference) | frozen reference policy: reference log-probs |
 //! | [`policy`] | the trainer: old log-probs, PPO/GRPO update, weight export, checkpoints |
 //! | [`reward`] | weighted rule-based reward functions and reward models |
 //! | [`critic`] | value model (backbone + `v_head`) for PPO: values and value-loss updates |

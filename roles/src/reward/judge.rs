@@ -125,7 +125,7 @@ fn f(s: &str) -> f64 {
 }
 
 /// Parses judge output: the *last* "Score: x", "Score: x/y", "Rating: x out of y",
-/// "**Final score:** x" (or MT-bench style "[[x]]") is the final score — lines that
+/// "**Final score:** x" (or MT-bench style "\[\[x\]\]") is the final score — lines that
 /// start with "Step" are per-step scores, never the final one. `default_out_of` is the
 /// scale when none is written (10 for the default template).
 pub fn parse_judge_output(text: &str, default_out_of: f64) -> Result<JudgeVerdict, RewardError> {
