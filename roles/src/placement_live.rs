@@ -143,8 +143,6 @@ pub struct LivePlacement {
     job: JobConfig,
     node: Node,
     hosts: Hosts,
-    /// Each group's node.
-    group_nodes: BTreeMap<GroupId, String>,
     policy: PlacementPolicy,
     plan: Plan,
     replicas: BTreeMap<GroupId, Replica>,
@@ -390,8 +388,6 @@ impl LivePlacement {
             partial_rollout: None,
         };
         let ids: Vec<GroupId> = inventory.groups().map(|g| g.id).collect();
-        let group_nodes: BTreeMap<GroupId, String> =
-            inventory.groups().map(|g| (g.id, g.node.clone())).collect();
         let plan = Plan {
             pools: vec![
                 Pool {
@@ -492,7 +488,6 @@ impl LivePlacement {
             job: job.clone(),
             node: node.clone(),
             hosts,
-            group_nodes,
             policy,
             plan: plan.clone(),
             replicas: BTreeMap::new(),
@@ -577,7 +572,7 @@ impl LivePlacement {
         self.replicas
             .iter()
             .map(|(g, r)| {
-                let node = self.group_nodes.get(g).cloned().unwrap_or_default();
+                let node = self.node_of(*g).unwrap_or_default().to_string();
                 match r {
                     Replica::Rollout(r) => (*g, node, "rollout", r.id().clone()),
                     Replica::Policy(p) => (*g, node, "policy", p.id().clone()),
@@ -623,9 +618,10 @@ impl LivePlacement {
     }
 
     fn node_of(&self, g: GroupId) -> Result<&str, JobError> {
-        self.group_nodes
-            .get(&g)
-            .map(String::as_str)
+        self.policy
+            .inventory()
+            .group(g)
+            .map(|group| group.node.as_str())
             .ok_or_else(|| placement_err(format!("{g} is not a group of the inventory")))
     }
 
@@ -1098,9 +1094,6 @@ impl LivePlacement {
             .filter(|g| g.node == info.name)
             .map(|g| g.id)
             .collect();
-        for g in &added {
-            self.group_nodes.insert(*g, info.name.clone());
-        }
         self.known_nodes.insert(info.name.clone(), info.incarnation);
         let names: Vec<String> = added.iter().map(|g| g.to_string()).collect();
         self.write(&Record::Search {
