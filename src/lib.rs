@@ -15,6 +15,7 @@ pub use yatt_engine as engine;
 pub use yatt_metrics as metrics;
 pub use yatt_placement as placement;
 pub use yatt_roles as roles;
+pub use yatt_trainer as trainer;
 pub use yatt_runtime as runtime;
 
 /// A binary's exit code for `result`; an error is printed with its chain of causes and
@@ -37,5 +38,5 @@ pub mod node_config;
 /// diagnostic actors (echo, bulk-sink) and the built-in RLHF roles (rollout, policy,
 /// reference, reward; see `yatt_roles::remote`).
 pub fn register_roles(builder: runtime::NodeBuilder) -> runtime::NodeBuilder {
-    roles::remote::register(runtime::builtin::register(builder))
+    trainer::remote::register(runtime::builtin::register(builder))
 }

@@ -296,10 +296,10 @@ pub fn assert_roles_released(cluster: &Cluster) {
 
 /// A policy replica's weights now: its version and its exported buckets.
 pub async fn replica_weights(
-    policy: &yatt_roles::controller::PolicyRef,
-) -> yatt_roles::role::WeightsUpdate {
-    use yatt_roles::builtin::{PolicyRequest, PolicyResponse};
-    use yatt_roles::role::{RoleRequest, RoleResponse};
+    policy: &yatt_trainer::controller::PolicyRef,
+) -> yatt_roles::WeightsUpdate {
+    use yatt_roles::{PolicyRequest, PolicyResponse};
+    use yatt_roles::{RoleRequest, RoleResponse};
     let t = Duration::from_secs(30);
     match policy
         .ask(RoleRequest::Serve(PolicyRequest::ExportWeights), t)

@@ -1,39 +1,77 @@
 //! # yatt-roles
 //!
-//! Where RLHF meets the runtime. What belongs here: the `Role` trait users implement to
-//! add a role, the built-in roles (rollout, policy, critic, reference, reward) as
-//! actors, the algorithms (PPO, GRPO, DAPO, REINFORCE++, RLOO), the parallel
-//! controllers and the sample ledger. Models and maths kernels live in `yatt-engine`;
-//! transport and actors in `yatt-runtime`.
+//! The SDK a user writes roles against, and the RLHF parts built on it. A user's role
+//! depends on this crate only.
 //!
-//! | module | concern |
-//! |---|---|
-//! | [`role`] | the `Role` trait and the actor that runs a role on its own thread |
-//! | [`algo`] | advantages, policy/value losses, KL estimators (pure tensor maths) |
-//! | [`reward`] | reward functions: rule-based verifiers, HTTP endpoint |
-//! | [`data`] | prompt datasets: JSONL and synthetic tasks |
-//! | [`sample`] | samples flowing between roles, keyed by id |
-//! | [`ledger`] | the sample ledger |
-//! | [`builtin`] | built-in roles: rollout, reference, policy, critic, reward |
-//! | [`controller`] | parallel controllers |
-//! | [`job`] | training jobs: the TOML job config, embedded build and run loop |
-//! | [`bench`](mod@bench) | `yatt bench controller`: controller overhead, parallel vs single driver (fake compute) |
-//! | [`wire`] | role messages on the wire: bulk weight buckets, spilled large bodies |
-//! | [`placement_live`] | the live placement actor: feeds the placement policy, migrates groups between rollout and policy |
-//! | [`remote`] | roles on other nodes: factories, `[placement]`, the cluster build |
-//! | [`eval`] | accuracy of a job's model or checkpoint: greedy answers on held-out prompts |
+//! What belongs here:
+//! - the SDK: the [`Role`] trait and the actor that runs a role on its own thread
+//!   ([`RoleActor`]), the [`Sample`] that flows between roles, and how role messages
+//!   travel (bulk weight buckets, spilled large bodies);
+//! - algorithms: advantage estimators, policy and value losses, KL estimators (pure
+//!   tensor maths);
+//! - rewards: rule-based verifiers, the HTTP endpoint client, the LLM judge's template
+//!   and parser;
+//! - data: prompts, JSONL and synthetic tasks, the checkpointable dataloader;
+//! - the built-in roles: rollout, reference, policy, critic, reward, reward model,
+//!   judge.
+//!
+//! What does not: how a job is configured, built, stepped, placed, checkpointed and
+//! measured. That is `yatt-trainer`, which builds on this crate together with
+//! `yatt-placement` and `yatt-metrics`. Models and maths kernels live in `yatt-engine`;
+//! actors and transport in `yatt-runtime`.
+//!
+//! Every module is private; this page is the whole public API.
 
-pub mod algo;
-pub mod bench;
-pub mod builtin;
-pub mod controller;
-pub mod data;
-pub mod eval;
-pub mod job;
-pub mod ledger;
-pub mod placement_live;
-pub mod remote;
-pub mod reward;
-pub mod role;
-pub mod sample;
-pub mod wire;
+mod algo;
+mod builtin;
+mod data;
+mod json_value;
+mod reward;
+mod role;
+mod sample;
+mod wire;
+
+// The SDK: what every role touches.
+pub use role::{
+    DeviceGroup, LocalWeights, ResourceProfile, Role, RoleActor, RoleError, RoleRequest,
+    RoleResponse, WeightsUpdate,
+};
+pub use sample::{
+    group_indices, response_mask, split_rows, token_matrix, Finish, Sample, SampleError,
+    SampleId, TokenField,
+};
+
+// Algorithms: advantage estimators, losses, KL.
+pub use algo::{
+    AdvantageEstimator, AdvantageInputs, Algorithm,
+    aggregate_loss, dynamic_sampling_filter, entropy_from_logits, entropy_loss,
+    gae_advantage, group_ids_from_tensor, grpo_advantage, kl_estimate, kl_loss, masked_mean,
+    overlong_penalty, overlong_penalty_tensor, ppo_policy_loss, reinforce_pp_advantage,
+    rloo_advantage, token_level_rewards, value_loss, Advantages, AlgoError, DynamicSampling,
+    EntropyStats, GaeConfig, GrpoConfig, KlEstimator, KlLossStats, LossAgg, PolicyLossConfig,
+    PolicyLossStats, ReinforcePpConfig, ValueLossConfig, ValueLossStats,
+};
+
+// Rewards.
+pub use reward::{
+    excerpt, extract_final_number, parse_judge_output, CombinedReward, ExactMatchVerifier,
+    FormatVerifier, HttpRewardClient, HttpRewardConfig, JudgeTemplate, JudgeVerdict,
+    LettersReward, NumericVerifier, RewardError, RewardFn, RewardInput, RewardOutput, LETTERS,
+};
+
+// Data.
+pub use data::{
+    load_jsonl, parse_jsonl, DataError, Dataloader, GrowingLength, LengthSchedule,
+    LoaderState, Prompt, SyntheticTask, SyntheticTaskKind,
+};
+
+// The built-in roles, their configs and their messages.
+pub use builtin::{
+    load_reward_model, load_rm_jsonl, train_reward_model, AsciiCodec, CriticConfig,
+    CriticReport, CriticRequest, CriticResponse, CriticRole, GenerateRequest, GradShard,
+    GrowingLengthReward, JudgeConfig, JudgeMode, JudgeScorer, KlLossConfig, ModelScorer,
+    OnUnparsed, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole, ReferenceRole,
+    RewardModelError, RewardRole, RmExample, RmTrainConfig, RolloutRequest, RolloutResponse,
+    RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, TextCodec, TokenizerCodec,
+    TrainReport, TrainerState, TINY_CODEC,
+};

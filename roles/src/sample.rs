@@ -79,7 +79,7 @@ pub struct Sample {
     /// The reference answer, when the task has one.
     pub reference: Option<String>,
     /// Task metadata carried from the prompt.
-    #[serde(default, with = "crate::wire::json_value")]
+    #[serde(default, with = "crate::json_value")]
     pub metadata: serde_json::Value,
     /// Policy weights version that generated it.
     pub weights_version: u64,

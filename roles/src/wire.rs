@@ -29,7 +29,7 @@ use yatt_runtime::collective::RingSpec;
 use yatt_runtime::message::{Message, Wire, WireError};
 use yatt_runtime::ActorId;
 
-use crate::builtin::{GradShard, PolicyRequest, PolicyResponse, TrainReport, TrainerState};
+use crate::builtin::policy::{GradShard, PolicyRequest, PolicyResponse, TrainReport, TrainerState};
 use crate::role::{ResourceProfile, RoleRequest, RoleResponse, WeightsUpdate};
 use crate::sample::Sample;
 
@@ -541,39 +541,11 @@ impl Message for PolicyResponse {
     }
 }
 
-/// `#[serde(with = "crate::wire::json_value")]` for a `serde_json::Value` field: as is
-/// in human-readable formats (JSON, TOML), as JSON text in binary ones. postcard cannot
-/// carry a `Value` itself: it is not self-describing, and `Value` needs that to decode.
-pub mod json_value {
-    use serde::de::Error as _;
-    use serde::{Deserialize, Deserializer, Serialize, Serializer};
-    use serde_json::Value;
-
-    /// Serializes `v`.
-    pub fn serialize<S: Serializer>(v: &Value, s: S) -> Result<S::Ok, S::Error> {
-        if s.is_human_readable() {
-            v.serialize(s)
-        } else {
-            s.serialize_str(&v.to_string())
-        }
-    }
-
-    /// Deserializes what [`serialize`] wrote.
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Value, D::Error> {
-        if d.is_human_readable() {
-            Value::deserialize(d)
-        } else {
-            let text = String::deserialize(d)?;
-            serde_json::from_str(&text).map_err(D::Error::custom)
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::builtin::{GenerateRequest, RolloutRequest, RolloutResponse, RolloutStats};
-    use crate::data::Prompt;
+    use crate::builtin::rollout::{GenerateRequest, RolloutRequest, RolloutResponse, RolloutStats};
+    use crate::data::prompt::Prompt;
     use crate::sample::{Finish, SampleId};
     use tch::{Device, Kind, Tensor};
     use yatt_engine::{to_buckets, SamplingParams};

@@ -8,10 +8,10 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
-use yatt::roles::job::{train_with, CustomRoles, JobConfig, TrainOptions};
-use yatt::roles::role::{DeviceGroup, ResourceProfile, Role, RoleActor, RoleError};
-use yatt::roles::role::{RoleRequest, RoleResponse};
-use yatt::roles::sample::Sample;
+use yatt::trainer::job::{train_with, CustomRoles, JobConfig, TrainOptions};
+use yatt::roles::{DeviceGroup, ResourceProfile, Role, RoleActor, RoleError};
+use yatt::roles::{RoleRequest, RoleResponse};
+use yatt::roles::Sample;
 use yatt::runtime::{Node, NodeBuilder};
 
 /// The name the role is registered under: peers spawn it by this name.

@@ -5,7 +5,7 @@
 
 use tch::Tensor;
 
-use super::{check_b, check_bt, check_same_bt, AlgoError, Groups};
+use crate::algo::checks::{check_b, check_bt, check_same_bt, AlgoError, Groups};
 
 /// Advantages and returns, both `[B, T]`, zero on padding.
 ///

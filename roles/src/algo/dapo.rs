@@ -4,7 +4,7 @@
 
 use tch::{Kind, Tensor};
 
-use super::AlgoError;
+use crate::algo::checks::AlgoError;
 
 /// Result of [`dynamic_sampling_filter`].
 #[derive(Debug, Clone, PartialEq)]

@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
-use super::{check_bt, check_same_bt, AlgoError};
+use crate::algo::checks::{check_bt, check_same_bt, AlgoError};
 
 /// Which estimator of `KL(π ‖ π_ref)` to use per token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

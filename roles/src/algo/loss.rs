@@ -6,7 +6,8 @@
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
-use super::{check_bt, check_same_bt, kl_estimate, scalar, AlgoError, KlEstimator};
+use crate::algo::checks::{check_bt, check_same_bt, scalar, AlgoError};
+use crate::algo::kl::{kl_estimate, KlEstimator};
 
 /// How a `[B, T]` per-token loss becomes a scalar.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -239,7 +240,7 @@ pub fn value_loss(
 /// Per-token entropy of the categorical distribution given by `logits` `[B, T, V]`:
 /// `logsumexp(z) − Σ softmax(z)·z`, shape `[B, T]`.
 pub fn entropy_from_logits(logits: &Tensor) -> Result<Tensor, AlgoError> {
-    super::check_float(logits, "logits")?;
+    crate::algo::checks::check_float(logits, "logits")?;
     if logits.dim() != 3 {
         return Err(AlgoError::Shape {
             what: "logits",

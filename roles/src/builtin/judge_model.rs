@@ -20,10 +20,11 @@ use tch::{Device, Kind, Tensor};
 use yatt_engine::score::{last_hidden, SeqBatch};
 use yatt_engine::{Generator, Request, SamplingParams};
 
-use super::model_bytes;
+use crate::builtin::scoring::model_bytes;
 use super::reward_model::ModelScorer;
-use super::TextCodec;
-use crate::reward::{parse_judge_output, JudgeTemplate, RewardInput, RewardOutput};
+use crate::builtin::rollout::TextCodec;
+use crate::reward::judge::{parse_judge_output, JudgeTemplate};
+use crate::reward::reward_fn::{RewardInput, RewardOutput};
 use crate::role::RoleError;
 
 /// How the judge turns its view of a sample into a score.
@@ -273,8 +274,8 @@ impl ModelScorer for JudgeScorer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::builtin::RewardRole;
-    use crate::job::TINY_CODEC;
+    use crate::builtin::reward::RewardRole;
+    use crate::builtin::rollout::TINY_CODEC;
     use crate::role::Role;
     use crate::sample::tests::sample;
     use yatt_engine::fixtures::tiny_config;
@@ -328,11 +329,11 @@ mod tests {
     /// through the reward role onto the sample.
     struct Steps;
 
-    impl crate::reward::RewardFn for Steps {
+    impl crate::reward::reward_fn::RewardFn for Steps {
         fn name(&self) -> &str {
             "steps"
         }
-        fn score(&self, s: &RewardInput) -> Result<RewardOutput, crate::reward::RewardError> {
+        fn score(&self, s: &RewardInput) -> Result<RewardOutput, crate::reward::reward_fn::RewardError> {
             Ok(RewardOutput {
                 score: 1.0,
                 step_scores: Some(vec![0.5; s.response.len()]),

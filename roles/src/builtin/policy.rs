@@ -37,10 +37,9 @@ use yatt_engine::{to_buckets, EngineError, Trainer};
 use yatt_runtime::collective::{RingMember, RingSpec};
 use yatt_runtime::ActorId;
 
-use super::{check_device, response_scores, score_samples};
-use crate::algo::{
-    entropy_loss, kl_loss, masked_mean, ppo_policy_loss, KlEstimator, LossAgg, PolicyLossConfig,
-};
+use crate::builtin::scoring::{check_device, response_scores, score_samples};
+use crate::algo::loss::{entropy_loss, kl_loss, masked_mean, ppo_policy_loss, LossAgg, PolicyLossConfig};
+use crate::algo::kl::KlEstimator;
 use crate::role::{DeviceGroup, LocalWeights, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::{response_mask, token_matrix, Sample, SampleId, TokenField};
 
@@ -398,7 +397,7 @@ fn grad_fail(e: EngineError) -> RoleError {
     RoleError::Failed(format!("policy gradients: {e}"))
 }
 
-fn algo(e: crate::algo::AlgoError) -> EngineError {
+fn algo(e: crate::algo::checks::AlgoError) -> EngineError {
     EngineError::InvalidArgument(e.to_string())
 }
 
@@ -780,7 +779,7 @@ impl Role for PolicyRole {
     }
 
     fn profile(&self) -> ResourceProfile {
-        let w = super::model_bytes(&self.trainer.model);
+        let w = crate::builtin::scoring::model_bytes(&self.trainer.model);
         // Weights + gradients + two f32 Adam moments (+ f32 master weights when the
         // model is not f32, ignored here).
         ResourceProfile {
@@ -871,7 +870,7 @@ impl Role for PolicyRole {
                 update.version
             )));
         }
-        super::load_buckets(&mut self.trainer.model, &update)
+        crate::builtin::scoring::load_buckets(&mut self.trainer.model, &update)
     }
 
     fn offload(&mut self) -> Result<(), RoleError> {

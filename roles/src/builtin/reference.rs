@@ -8,7 +8,7 @@
 
 use yatt_engine::Llama;
 
-use super::{check_device, load_buckets, model_bytes, score_samples};
+use crate::builtin::scoring::{check_device, load_buckets, model_bytes, score_samples};
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::Sample;
 

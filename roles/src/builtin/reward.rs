@@ -9,9 +9,9 @@
 //! scores (process rewards) of the first reward that gives them go to the sample's
 //! `step_rewards`.
 
-use super::check_device;
+use crate::builtin::scoring::check_device;
 use super::reward_model::ModelScorer;
-use crate::reward::{RewardFn, RewardInput, RewardOutput};
+use crate::reward::reward_fn::{RewardFn, RewardInput, RewardOutput};
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError};
 use crate::sample::Sample;
 

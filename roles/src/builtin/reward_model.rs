@@ -16,8 +16,9 @@ use tch::{Device, Kind, Tensor};
 use yatt_engine::score::{rewards, SeqBatch};
 use yatt_engine::{Llama, StepStats, TrainConfig, Trainer};
 
-use super::{model_bytes, TextCodec};
-use crate::reward::{RewardInput, RewardOutput};
+use crate::builtin::scoring::model_bytes;
+use crate::builtin::rollout::TextCodec;
+use crate::reward::reward_fn::{RewardInput, RewardOutput};
 use crate::role::RoleError;
 
 /// The HF name prefix of a reward head.
@@ -235,14 +236,14 @@ pub(crate) fn encode_pair(
     let mut t = codec
         .encode_prompt(prompt)
         .map_err(|reason| RewardModelError::Encode {
-            what: format!("prompt {:?}", crate::reward::excerpt(prompt, 40)),
+            what: format!("prompt {:?}", crate::reward::reward_fn::excerpt(prompt, 40)),
             reason,
         })?;
     t.extend(
         codec
             .encode_response(response)
             .map_err(|reason| RewardModelError::Encode {
-                what: format!("response {:?}", crate::reward::excerpt(response, 40)),
+                what: format!("response {:?}", crate::reward::reward_fn::excerpt(response, 40)),
                 reason,
             })?,
     );
@@ -485,7 +486,7 @@ pub fn train_reward_model(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::job::TINY_CODEC;
+    use crate::builtin::rollout::TINY_CODEC;
     use yatt_engine::fixtures::tiny_config;
 
     #[test]

@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 use tch::Kind;
 use yatt_engine::{Generator, Request, SamplingParams, Tokenizer};
 
-use super::{bucket_tensors, check_device, model_bytes, weights_error};
-use crate::data::Prompt;
+use crate::builtin::scoring::{bucket_tensors, check_device, model_bytes, weights_error};
+use crate::data::prompt::Prompt;
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::{Finish, Sample, SampleId};
 
@@ -464,3 +464,9 @@ impl Role for RolloutRole {
         Ok(())
     }
 }
+
+/// The character codec of the tiny model.
+pub const TINY_CODEC: AsciiCodec = AsciiCodec {
+    first_id: 2,
+    bos: Some(0),
+};

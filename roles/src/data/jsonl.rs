@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use super::{fnv1a, DataError, Prompt};
+use crate::data::prompt::{fnv1a, DataError, Prompt};
 
 const PROMPT_KEYS: [&str; 2] = ["prompt", "question"];
 const ANSWER_KEYS: [&str; 3] = ["answer", "reference", "ground_truth"];

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::{fnv1a, DataError, Prompt, SplitMix64};
+use crate::data::prompt::{fnv1a, DataError, Prompt, SplitMix64};
 
 /// A dataloader's position, to checkpoint with the controller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -188,7 +188,7 @@ impl Dataloader {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::data::{LengthSchedule, SyntheticTask, SyntheticTaskKind};
+    use crate::data::synthetic::{LengthSchedule, SyntheticTask, SyntheticTaskKind};
     use std::collections::HashSet;
 
     fn prompts(n: usize) -> Vec<Prompt> {

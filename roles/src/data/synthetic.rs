@@ -8,7 +8,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::{fnv1a, DataError, Prompt, SplitMix64};
+use crate::data::prompt::{fnv1a, DataError, Prompt, SplitMix64};
 
 /// Which task.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -20,7 +20,7 @@ use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 use tokio::net::TcpStream;
 
-use super::{excerpt, RewardError, RewardInput, RewardOutput};
+use crate::reward::reward_fn::{excerpt, RewardError, RewardInput, RewardOutput};
 
 /// Client options.
 #[derive(Debug, Clone, PartialEq)]

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 
 use regex::Regex;
 
-use super::{excerpt, RewardError};
+use crate::reward::reward_fn::{excerpt, RewardError};
 
 /// The default judge template. Placeholders: `{question}`, `{response}`, `{rubric}`.
 pub const DEFAULT_JUDGE_TEMPLATE: &str =

@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 
 use regex::Regex;
 
-use super::{excerpt, RewardError, RewardFn, RewardInput, RewardOutput};
+use crate::reward::reward_fn::{excerpt, RewardError, RewardFn, RewardInput, RewardOutput};
 
 /// A plain number: thousands with commas, a plain integer/decimal, or a bare decimal.
 const NUM: &str = r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?|-?\.\d+";
@@ -389,6 +389,35 @@ impl RewardFn for CombinedReward {
         }
         out.explanation = why.join("; ");
         Ok(out)
+    }
+}
+
+/// Characters the `letters` reward likes by default: 10 of the 95 printable ones.
+pub const LETTERS: &str = "abcdefghij";
+
+/// Fraction of the response's characters that are in a target set: a trivially
+/// learnable reward that a tiny random model picks up in a few dozen steps.
+#[derive(Debug, Clone)]
+pub struct LettersReward {
+    /// The target set.
+    pub letters: String,
+}
+
+impl RewardFn for LettersReward {
+    fn name(&self) -> &str {
+        "letters"
+    }
+    fn score(&self, s: &RewardInput) -> Result<RewardOutput, RewardError> {
+        let n = s.response.chars().count().max(1) as f64;
+        let hits = s
+            .response
+            .chars()
+            .filter(|c| self.letters.contains(*c))
+            .count() as f64;
+        Ok(RewardOutput {
+            score: hits / n,
+            ..Default::default()
+        })
     }
 }
 

@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 
 use anyhow::Context as _;
-use yatt::roles::eval::{evaluate, EvalOptions, Split};
-use yatt::roles::job::JobConfig;
+use yatt::trainer::eval::{evaluate, EvalOptions, Split};
+use yatt::trainer::job::JobConfig;
 
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum SplitArg {

@@ -5,8 +5,8 @@
 
 use std::path::PathBuf;
 
-use yatt::roles::builtin::{load_rm_jsonl, train_reward_model, RmTrainConfig};
-use yatt::roles::job::{base_model, JobConfig};
+use yatt::roles::{load_rm_jsonl, train_reward_model, RmTrainConfig};
+use yatt::trainer::job::{base_model, JobConfig};
 
 #[derive(clap::Args)]
 pub struct RewardModelArgs {

@@ -8,18 +8,13 @@ use std::time::{Duration, Instant};
 use yatt_engine::fixtures::tiny_config;
 use yatt_engine::tch::{self, Device, Kind};
 use yatt_engine::{Generator, GeneratorConfig, Llama, SamplingParams, TrainConfig, Trainer};
-use yatt_roles::builtin::{
-    AsciiCodec, PolicyConfig, PolicyRole, ReferenceRole, RewardRole, RolloutRequest,
-    RolloutResponse, RolloutRole,
-};
-use yatt_roles::controller::{
-    spawn_role, Controller, ControllerConfig, ControllerError, RoleRefs, RolloutRef, StepReport,
-};
-use yatt_roles::data::{Dataloader, Prompt};
-use yatt_roles::ledger::{LedgerError, Stage};
-use yatt_roles::reward::{RewardError, RewardFn, RewardInput, RewardOutput};
-use yatt_roles::role::{DeviceGroup, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse};
-use yatt_roles::sample::Sample;
+use yatt_roles::{AsciiCodec, PolicyConfig, PolicyRole, ReferenceRole, RewardRole, RolloutRequest, RolloutResponse, RolloutRole};
+use yatt_trainer::controller::{spawn_role, Controller, ControllerConfig, ControllerError, RoleRefs, RolloutRef, StepReport};
+use yatt_roles::{Dataloader, Prompt};
+use yatt_trainer::ledger::{LedgerError, Stage};
+use yatt_roles::{RewardError, RewardFn, RewardInput, RewardOutput};
+use yatt_roles::{DeviceGroup, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse};
+use yatt_roles::Sample;
 use yatt_runtime::node::Node;
 
 const CODEC: AsciiCodec = AsciiCodec {
@@ -354,7 +349,7 @@ async fn a_dropped_sample_fails_the_step_naming_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_controllers_average_gradients_at_the_update() {
-    use yatt_roles::controller::step_data_parallel;
+    use yatt_trainer::controller::step_data_parallel;
     let one = cluster(reward_role()).await;
     // A second head on the same node: its own shard and rollout, the same reward,
     // reference and policy.

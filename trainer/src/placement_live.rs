@@ -74,7 +74,7 @@ use yatt_runtime::message::Message;
 use yatt_runtime::node::Node;
 use yatt_runtime::ActorId;
 
-use crate::builtin::{PolicyRequest, PolicyResponse, TextCodec};
+use yatt_roles::{PolicyRequest, PolicyResponse, TextCodec};
 use crate::controller::{
     join_policy_ring, spawn_role, step_data_parallel, Controller, GenProbe, PolicyRef, RoleRefs,
     RolloutRef, StepMetrics, StepReport,
@@ -85,36 +85,8 @@ use crate::job::{
 };
 use crate::ledger::LedgerReport;
 use crate::remote::{self, job_text, wait_for_nodes};
-use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse};
-use crate::sample::Sample;
-
-/// The `growing` task's reward role: pays for a response of the step's target length
-/// (the step comes from each sample's id).
-pub struct GrowingLengthReward(pub crate::data::GrowingLength);
-
-impl Role for GrowingLengthReward {
-    type Request = Vec<Sample>;
-    type Response = Vec<Sample>;
-
-    fn name(&self) -> &str {
-        "reward"
-    }
-
-    fn profile(&self) -> ResourceProfile {
-        ResourceProfile::cpu_only()
-    }
-
-    fn start(&mut self, _group: &DeviceGroup) -> Result<(), RoleError> {
-        Ok(())
-    }
-
-    fn serve(&mut self, mut samples: Vec<Sample>) -> Result<Vec<Sample>, RoleError> {
-        for s in &mut samples {
-            s.reward = Some(self.0.score(s.id.step, s.response_len()));
-        }
-        Ok(samples)
-    }
-}
+use yatt_roles::{DeviceGroup, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse};
+use yatt_roles::Sample;
 
 /// What runs on a group.
 #[derive(Clone)]

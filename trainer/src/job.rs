@@ -22,28 +22,19 @@ use yatt_metrics::{RunWriter, WriteError};
 use yatt_runtime::collective::{RingMember, RING_CHUNK_BYTES};
 use yatt_runtime::node::Node;
 
-use crate::algo::advantage::{GaeConfig, GrpoConfig, ReinforcePpConfig};
-use crate::algo::loss::{LossAgg, PolicyLossConfig, ValueLossConfig};
-use crate::algo::KlEstimator;
-use crate::builtin::{
-    AsciiCodec, CriticConfig, CriticRole, JudgeConfig, JudgeMode, JudgeScorer, KlLossConfig,
-    ModelScorer, OnUnparsed, PolicyConfig, PolicyRole, ReferenceRole, RewardRole, RolloutRole,
-    ScalarRewardModel, TextCodec, TokenizerCodec,
-};
+use yatt_roles::{GaeConfig, GrpoConfig, ReinforcePpConfig};
+use yatt_roles::{LossAgg, PolicyLossConfig, ValueLossConfig};
+use yatt_roles::KlEstimator;
+use yatt_roles::{AsciiCodec, CriticConfig, CriticRole, JudgeConfig, JudgeMode, JudgeScorer, KlLossConfig, ModelScorer, OnUnparsed, PolicyConfig, PolicyRole, ReferenceRole, RewardRole, RolloutRole, ScalarRewardModel, TextCodec, TokenizerCodec};
 use crate::controller::{
     join_policy_ring, spawn_role, step_data_parallel, AdvantageEstimator, Controller,
     ControllerConfig, ControllerError, ControllerState, DynamicSamplingConfig, KlPenalty,
     OverlongConfig, PolicyRef, RoleRefs, RolloutRef, StepMetrics,
 };
-use crate::data::{
-    load_jsonl, DataError, Dataloader, LengthSchedule, Prompt, SyntheticTask, SyntheticTaskKind,
-};
+use yatt_roles::{load_jsonl, DataError, Dataloader, LengthSchedule, Prompt, SyntheticTask, SyntheticTaskKind};
 use crate::remote::PlacementSection;
-use crate::reward::{
-    ExactMatchVerifier, JudgeTemplate, NumericVerifier, RewardError, RewardFn, RewardInput,
-    RewardOutput,
-};
-use crate::role::DeviceGroup;
+use yatt_roles::{ExactMatchVerifier, JudgeTemplate, NumericVerifier, RewardError, RewardFn, RewardInput, RewardOutput};
+use yatt_roles::DeviceGroup;
 
 /// Why a job could not be configured, built or run.
 #[derive(Debug, thiserror::Error)]
@@ -504,41 +495,6 @@ pub struct CheckpointSection {
     pub every: u64,
 }
 
-/// Characters the `letters` reward likes by default: 10 of the 95 printable ones.
-pub const LETTERS: &str = "abcdefghij";
-
-/// The character codec of the tiny model.
-pub const TINY_CODEC: AsciiCodec = AsciiCodec {
-    first_id: 2,
-    bos: Some(0),
-};
-
-/// Fraction of the response's characters that are in a target set: a trivially
-/// learnable reward that a tiny random model picks up in a few dozen steps.
-#[derive(Debug, Clone)]
-pub struct LettersReward {
-    /// The target set.
-    pub letters: String,
-}
-
-impl RewardFn for LettersReward {
-    fn name(&self) -> &str {
-        "letters"
-    }
-    fn score(&self, s: &RewardInput) -> Result<RewardOutput, RewardError> {
-        let n = s.response.chars().count().max(1) as f64;
-        let hits = s
-            .response
-            .chars()
-            .filter(|c| self.letters.contains(*c))
-            .count() as f64;
-        Ok(RewardOutput {
-            score: hits / n,
-            ..Default::default()
-        })
-    }
-}
-
 impl JobConfig {
     /// Parses TOML text, applies `--set key=value` overrides, then validates.
     pub fn parse(text: &str, origin: &str, sets: &[String]) -> Result<Self, JobError> {
@@ -835,7 +791,7 @@ impl JobConfig {
             }
             if used && !Path::new(dir).join("config.json").is_file() {
                 let how = if kind == "model" {
-                    "train one with `yatt reward-model --out DIR` (or yatt_roles::builtin::train_reward_model and save_pretrained) and set reward.model = \"DIR\""
+                    "train one with `yatt reward-model --out DIR` (or yatt_roles::train_reward_model and save_pretrained) and set reward.model = \"DIR\""
                 } else {
                     "set reward.judge_model to an HF model directory (config.json, model.safetensors, tokenizer.json)"
                 };
@@ -877,7 +833,7 @@ impl JobConfig {
                     invalid(
                         "reward.judge_template",
                         "a template with a {response} placeholder",
-                        &format!("{:?}", crate::reward::excerpt(&r.judge_template, 60)),
+                        &format!("{:?}", yatt_roles::excerpt(&r.judge_template, 60)),
                         &e.to_string(),
                     )
                 })?;
@@ -1062,14 +1018,14 @@ pub(crate) fn prompts(job: &JobConfig) -> Result<Vec<Prompt>, JobError> {
 
 /// The `growing` task of the job: target length from `data.length` to
 /// `data.length_end` over the run's steps.
-pub fn growing_task(job: &JobConfig) -> crate::data::GrowingLength {
+pub fn growing_task(job: &JobConfig) -> yatt_roles::GrowingLength {
     let d = &job.data;
     let end = if d.length_end == 0 {
         d.length
     } else {
         d.length_end
     };
-    crate::data::GrowingLength {
+    yatt_roles::GrowingLength {
         target: LengthSchedule::Linear {
             start: d.length,
             end,
@@ -1086,7 +1042,7 @@ pub(crate) async fn spawn_reward(
     group: DeviceGroup,
 ) -> Result<crate::controller::SamplesRef, JobError> {
     if job.data.jsonl.is_empty() && job.data.task == "growing" {
-        let role = crate::placement_live::GrowingLengthReward(growing_task(job));
+        let role = yatt_roles::GrowingLengthReward(growing_task(job));
         return Ok(spawn_role(node, role, 0, group).await?);
     }
     Ok(spawn_role(node, reward_role(job)?, 0, group).await?)
@@ -1166,7 +1122,7 @@ fn judge(job: &JobConfig) -> Result<JudgeScorer, JobError> {
     let r = &job.reward;
     let dir = Path::new(&r.judge_model);
     let codec = reward_codec(job, dir)?;
-    let model = crate::builtin::reward_model::load_model(dir, Device::Cpu).map_err(|e| {
+    let model = yatt_roles::load_reward_model(dir, Device::Cpu).map_err(|e| {
         invalid(
             "reward.judge_model",
             "an HF model directory",

@@ -25,7 +25,7 @@ use yatt_runtime::directory::Directory;
 use yatt_runtime::message::Message;
 use yatt_runtime::node::{Node, NodeBuilder, NodeError};
 
-use crate::builtin::{PolicyRequest, PolicyResponse};
+use yatt_roles::{PolicyRequest, PolicyResponse};
 use crate::controller::{
     join_policy_ring, variant, Controller, ControllerError, PolicyRef, RoleRefs, RolloutRef,
     SamplesRef, Timeouts,
@@ -34,8 +34,8 @@ use crate::job::{
     base_model, controllers, critic_role, invalid, one_of, policy_ring, policy_role, positive,
     reference_role, reward_role, rollout_role, JobConfig, JobError,
 };
-use crate::role::{DeviceGroup, Role, RoleActor, RoleError, RoleRequest, RoleResponse};
-use crate::sample::Sample;
+use yatt_roles::{DeviceGroup, Role, RoleActor, RoleError, RoleRequest, RoleResponse};
+use yatt_roles::Sample;
 
 /// Requests a role's thread queues before its actor's mailbox takes the backpressure.
 const ROLE_QUEUE: usize = 4;
@@ -382,8 +382,8 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
 /// A job's reward role as a node builds it: the `growing` task's length reward, or the
 /// job's reward functions (as [`crate::job::spawn_reward`] picks in process).
 enum JobReward {
-    Growing(crate::placement_live::GrowingLengthReward),
-    Functions(crate::builtin::RewardRole),
+    Growing(yatt_roles::GrowingLengthReward),
+    Functions(yatt_roles::RewardRole),
 }
 
 impl JobReward {
@@ -391,7 +391,7 @@ impl JobReward {
         if job.data.jsonl.is_empty() && job.data.task == "growing" {
             let task = crate::job::growing_task(job);
             return Ok(JobReward::Growing(
-                crate::placement_live::GrowingLengthReward(task),
+                yatt_roles::GrowingLengthReward(task),
             ));
         }
         Ok(JobReward::Functions(reward_role(job)?))
@@ -413,7 +413,7 @@ impl Role for JobReward {
         "reward"
     }
 
-    fn profile(&self) -> crate::role::ResourceProfile {
+    fn profile(&self) -> yatt_roles::ResourceProfile {
         match self {
             JobReward::Growing(r) => r.profile(),
             JobReward::Functions(r) => r.profile(),

@@ -14,10 +14,11 @@ use yatt_engine::fixtures::tiny_config;
 use yatt_engine::score::{rewards, SeqBatch};
 use yatt_engine::tch::{self, Device, Kind, Tensor};
 use yatt_engine::{Llama, TrainConfig};
-use yatt_roles::builtin::{train_reward_model, RmExample, RmTrainConfig, TextCodec};
-use yatt_roles::job::{build_embedded, reward_role, TINY_CODEC};
-use yatt_roles::role::Role;
-use yatt_roles::sample::Sample;
+use yatt_roles::{train_reward_model, RmExample, RmTrainConfig, TextCodec};
+use yatt_roles::TINY_CODEC;
+use yatt_trainer::job::{build_embedded, reward_role};
+use yatt_roles::Role;
+use yatt_roles::Sample;
 use yatt_runtime::node::Node;
 
 /// A tiny model with a random (non-zero) reward head, saved as an HF directory.

@@ -18,10 +18,10 @@ use serde::Serialize;
 use yatt_engine::tch::{Device, Kind};
 use yatt_engine::{Llama, SamplingParams};
 
-use crate::builtin::{GenerateRequest, RolloutRequest, RolloutResponse, RolloutRole};
-use crate::data::Prompt;
+use yatt_roles::{GenerateRequest, RolloutRequest, RolloutResponse, RolloutRole};
+use yatt_roles::Prompt;
 use crate::job::{self, JobConfig, JobError};
-use crate::role::{DeviceGroup, Role, RoleError};
+use yatt_roles::{DeviceGroup, Role, RoleError};
 
 /// Mixed into the job seed to draw held-out prompts (any constant ≠ 0 would do; it is
 /// fixed so held-out sets stay the same across versions).

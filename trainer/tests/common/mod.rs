@@ -3,8 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
-use yatt_roles::job::{JobConfig, JobError, LETTERS};
-use yatt_roles::sample::{Sample, SampleId};
+use yatt_roles::LETTERS;
+use yatt_trainer::job::{JobConfig, JobError};
+use yatt_roles::{Sample, SampleId};
 
 /// `config/demo-letters.toml` with `sets`, writing to `out`.
 pub fn load_demo(out: &Path, sets: &[String]) -> Result<JobConfig, JobError> {

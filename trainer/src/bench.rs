@@ -20,17 +20,14 @@ use std::time::{Duration, Instant};
 use yatt_engine::SamplingParams;
 use yatt_runtime::node::Node;
 
-use crate::builtin::{
-    GradShard, PolicyRequest, PolicyResponse, RewardRole, RolloutRequest, RolloutResponse,
-    RolloutStats, TrainReport,
-};
+use yatt_roles::{GradShard, PolicyRequest, PolicyResponse, RewardRole, RolloutRequest, RolloutResponse, RolloutStats, TrainReport};
 use crate::controller::{
     spawn_role, step_data_parallel, Controller, ControllerConfig, ControllerError, RoleRefs,
 };
-use crate::data::{Dataloader, Prompt};
-use crate::reward::{RewardError, RewardFn, RewardInput, RewardOutput};
-use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
-use crate::sample::{Sample, SampleId};
+use yatt_roles::{Dataloader, Prompt};
+use yatt_roles::{RewardError, RewardFn, RewardInput, RewardOutput};
+use yatt_roles::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
+use yatt_roles::{Sample, SampleId};
 
 /// What to measure.
 #[derive(Debug, Clone)]

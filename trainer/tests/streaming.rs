@@ -8,11 +8,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use yatt_engine::SamplingParams;
-use yatt_roles::builtin::{GenerateRequest, RolloutRequest, RolloutResponse, SampleSink};
-use yatt_roles::data::Prompt;
-use yatt_roles::job::{base_model, rollout_role, train, JobConfig};
-use yatt_roles::role::Role;
-use yatt_roles::sample::Sample;
+use yatt_roles::{GenerateRequest, RolloutRequest, RolloutResponse, SampleSink};
+use yatt_roles::Prompt;
+use yatt_trainer::job::{base_model, rollout_role, train, JobConfig};
+use yatt_roles::Role;
+use yatt_roles::Sample;
 use yatt_runtime::node::Node;
 
 fn demo_config(out: &Path, sets: &[&str]) -> JobConfig {

@@ -46,22 +46,12 @@ use yatt_runtime::collective::RingSpec;
 use yatt_runtime::node::Node;
 use yatt_runtime::ActorId;
 
-use crate::algo::{
-    dynamic_sampling_filter, gae_advantage, grpo_advantage, kl_estimate, masked_mean,
-    overlong_penalty, reinforce_pp_advantage, rloo_advantage, token_level_rewards, AlgoError,
-    GaeConfig, GrpoConfig, KlEstimator, ReinforcePpConfig,
-};
-use crate::builtin::{
-    CriticReport, CriticRequest, CriticResponse, GenerateRequest, GradShard, PolicyRequest,
-    PolicyResponse, RolloutRequest, RolloutResponse, SampleSink, TrainReport,
-};
-use crate::data::{DataError, Dataloader, LoaderState};
+use yatt_roles::{dynamic_sampling_filter, gae_advantage, grpo_advantage, kl_estimate, masked_mean, overlong_penalty, reinforce_pp_advantage, rloo_advantage, token_level_rewards, AlgoError, GaeConfig, GrpoConfig, KlEstimator, ReinforcePpConfig};
+use yatt_roles::{CriticReport, CriticRequest, CriticResponse, GenerateRequest, GradShard, PolicyRequest, PolicyResponse, RolloutRequest, RolloutResponse, SampleSink, TrainReport};
+use yatt_roles::{DataError, Dataloader, LoaderState};
 use crate::ledger::{LedgerError, LedgerReport, SampleLedger, Stage};
-use crate::role::{DeviceGroup, Role, RoleActor, RoleError, RoleRequest, RoleResponse};
-use crate::sample::{
-    group_indices, response_mask, split_rows, token_matrix, Sample, SampleError, SampleId,
-    TokenField,
-};
+use yatt_roles::{DeviceGroup, Role, RoleActor, RoleError, RoleRequest, RoleResponse};
+use yatt_roles::{group_indices, response_mask, split_rows, token_matrix, Sample, SampleError, SampleId, TokenField};
 
 /// A reference to a rollout role's actor.
 pub type RolloutRef = ActorRef<RoleRequest<RolloutRequest>, RoleResponse<RolloutResponse>>;
@@ -354,7 +344,7 @@ struct Streamed {
     /// The rewarded samples, in `(prompt, k)` order.
     samples: Vec<Sample>,
     /// Generation counters.
-    stats: crate::builtin::RolloutStats,
+    stats: yatt_roles::RolloutStats,
     /// Seconds until the last rollout finished.
     gen_s: f64,
     /// Seconds from then until the last reward came back (the part not overlapped).
@@ -369,7 +359,7 @@ struct Prepared {
     metrics: StepMetrics,
     ledger: SampleLedger,
     samples: Vec<Sample>,
-    gen: crate::builtin::RolloutStats,
+    gen: yatt_roles::RolloutStats,
 }
 
 /// Runs one step of several controllers (data-parallel heads, each with its own shard
@@ -689,7 +679,7 @@ struct GenOutcome {
 #[derive(Default)]
 struct Generated {
     samples: Vec<Sample>,
-    stats: crate::builtin::RolloutStats,
+    stats: yatt_roles::RolloutStats,
     seconds: f64,
     requeued: Vec<SampleId>,
     lost: Vec<ActorId>,
@@ -1075,7 +1065,7 @@ impl Controller {
         let mut kept_groups = 0usize;
         let mut seen = std::collections::BTreeSet::new();
         let (mut gen_s, mut reward_s) = (0.0, 0.0);
-        let mut gen = crate::builtin::RolloutStats::default();
+        let mut gen = yatt_roles::default();
         let (mut groups_seen, mut groups_dropped, mut round) = (0usize, 0usize, 0usize);
         let mut streamed_early = 0usize;
         let mut want = target;
@@ -1281,7 +1271,7 @@ impl Controller {
     /// per rollout replica.
     fn split_over_replicas(
         &self,
-        prompts: Vec<crate::data::Prompt>,
+        prompts: Vec<yatt_roles::Prompt>,
         cfg: &ControllerConfig,
     ) -> Vec<(&RolloutRef, GenerateRequest)> {
         let replicas: Vec<&RolloutRef> = std::iter::once(&self.roles.rollout)
@@ -1312,7 +1302,7 @@ impl Controller {
     /// samples it had in flight are returned as requeued, with the lost replicas.
     async fn generate(
         &self,
-        prompts: Vec<crate::data::Prompt>,
+        prompts: Vec<yatt_roles::Prompt>,
         cfg: &ControllerConfig,
     ) -> Result<Generated, ControllerError> {
         let t = Instant::now();
@@ -1428,7 +1418,7 @@ impl Controller {
     /// does not depend on finishing order.
     async fn generate_streamed(
         &self,
-        prompts: Vec<crate::data::Prompt>,
+        prompts: Vec<yatt_roles::Prompt>,
         cfg: &ControllerConfig,
         ledger: &mut SampleLedger,
     ) -> Result<Streamed, ControllerError> {
@@ -1463,7 +1453,7 @@ impl Controller {
         let mut rewards = FuturesUnordered::new();
         let mut out = Streamed {
             samples: Vec::with_capacity(order.len()),
-            stats: crate::builtin::RolloutStats::default(),
+            stats: yatt_roles::default(),
             gen_s: 0.0,
             reward_tail_s: 0.0,
             early: 0,

@@ -1,0 +1,4 @@
+fn main() {
+    yatt_link_libtorch();
+}
+include!("../scripts/link_libtorch.rs");
