@@ -17,10 +17,10 @@ use yatt_placement::inventory::GroupId;
 use yatt_placement::policy::Reason;
 use yatt_placement::profile::Role;
 use yatt_placement::record::{after_move, parse, render, Record};
-use yatt_trainer::controller::{GenProbe, PolicyRef, StepMetrics};
-use yatt_trainer::job::JobConfig;
-use yatt_trainer::job::JobError;
-use yatt_trainer::placement_live::LivePlacement;
+use yatt_trainer::{GenProbe, PolicyRef, StepMetrics};
+use yatt_trainer::JobConfig;
+use yatt_trainer::JobError;
+use yatt_trainer::LivePlacement;
 use yatt_runtime::{ActorId, Node};
 
 /// What runs on each group, as [`LivePlacement::replicas`] lists it.

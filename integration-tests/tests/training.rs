@@ -9,10 +9,10 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use yatt_integration_tests::{assert_roles_released, cluster_logs, join, replica_weights, Cluster};
-use yatt_trainer::controller::{step_data_parallel, PolicyRef};
-use yatt_trainer::job::{build_embedded, JobConfig};
-use yatt_trainer::ledger::Stage;
-use yatt_trainer::remote::{build_cluster, NodeNames};
+use yatt_trainer::{step_data_parallel, PolicyRef};
+use yatt_trainer::{build_embedded, JobConfig};
+use yatt_trainer::Stage;
+use yatt_trainer::{build_cluster, NodeNames};
 use yatt_runtime::Node;
 
 const STEPS: u64 = 10;

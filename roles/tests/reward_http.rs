@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use yatt_roles::reward::{HttpRewardClient, HttpRewardConfig, RewardError, RewardInput};
+use yatt_roles::{HttpRewardClient, HttpRewardConfig, RewardError, RewardInput};
 
 #[derive(Clone)]
 enum Reply {

@@ -18,16 +18,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use yatt_engine::SamplingParams;
+use yatt_roles::{Dataloader, DeviceGroup, GradShard, PolicyRequest, PolicyResponse, Prompt, ResourceProfile, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, Role, RoleError, RolloutRequest, RolloutResponse, RolloutStats, Sample, SampleId, TrainReport, WeightsUpdate};
 use yatt_runtime::node::Node;
 
-use yatt_roles::{GradShard, PolicyRequest, PolicyResponse, RewardRole, RolloutRequest, RolloutResponse, RolloutStats, TrainReport};
-use crate::controller::{
-    spawn_role, step_data_parallel, Controller, ControllerConfig, ControllerError, RoleRefs,
-};
-use yatt_roles::{Dataloader, Prompt};
-use yatt_roles::{RewardError, RewardFn, RewardInput, RewardOutput};
-use yatt_roles::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
-use yatt_roles::{Sample, SampleId};
+use crate::controller::{Controller, ControllerConfig, ControllerError, RoleRefs, spawn_role, step_data_parallel};
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -236,7 +230,7 @@ async fn spawn_rollouts(
     o: &ControllerBenchOptions,
     k: usize,
     first_replica: u32,
-) -> Result<Vec<crate::controller::RolloutRef>, ControllerError> {
+) -> Result<Vec<crate::controller::refs::RolloutRef>, ControllerError> {
     let mut out = Vec::with_capacity(k);
     for i in 0..k {
         let role = FakeRollout {

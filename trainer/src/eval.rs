@@ -2,7 +2,7 @@
 //! training prompts), scored by the job's own reward.
 //!
 //! [`evaluate`] builds the job's model (the base model, or a checkpoint written by
-//! [`train`](crate::job::train)) with the same prompt encoding (chat template or not),
+//! [`train`](crate::run::train)) with the same prompt encoding (chat template or not),
 //! generation limits and reward functions as training, and runs the rollout and reward
 //! roles directly on this thread: an evaluation needs no node and no controller.
 //!
@@ -15,13 +15,12 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use serde::Serialize;
-use yatt_engine::tch::{Device, Kind};
 use yatt_engine::{Llama, SamplingParams};
+use yatt_engine::tch::{Device, Kind};
+use yatt_roles::{DeviceGroup, GenerateRequest, Prompt, Role, RoleError, RolloutRequest, RolloutResponse, RolloutRole};
 
-use yatt_roles::{GenerateRequest, RolloutRequest, RolloutResponse, RolloutRole};
-use yatt_roles::Prompt;
-use crate::job::{self, JobConfig, JobError};
-use yatt_roles::{DeviceGroup, Role, RoleError};
+use crate::job;
+use crate::job::{JobConfig, JobError};
 
 /// Mixed into the job seed to draw held-out prompts (any constant ≠ 0 would do; it is
 /// fixed so held-out sets stay the same across versions).
@@ -169,7 +168,7 @@ pub fn eval_prompts(job: &JobConfig, options: &EvalOptions) -> Result<Vec<Prompt
     }
     if out.len() < n {
         return Err(EvalError::Options(format!(
-            "only {} distinct held-out prompts of task {:?} (length {}) are not training prompts, {n} asked for; lower --prompts or use --split train",
+            "only {} distinct held-out prompts of task \"{}\" (length {}) are not training prompts, {n} asked for; lower --prompts or use --split train",
             out.len(),
             job.data.task,
             job.data.length
@@ -249,7 +248,7 @@ pub fn evaluate(job: &JobConfig, options: &EvalOptions) -> Result<EvalReport, Ev
         model: options
             .checkpoint
             .as_ref()
-            .map_or_else(|| job.model.source.clone(), |p| p.display().to_string()),
+            .map_or_else(|| job.model.source.to_string(), |p| p.display().to_string()),
         split: options.split,
         prompts: n,
         correct,

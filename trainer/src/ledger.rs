@@ -13,7 +13,6 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
-
 use yatt_roles::SampleId;
 
 /// A stage a sample passes through in a step, in pipeline order.

@@ -1,8 +1,74 @@
-//! # yatt-trainer (temporary layout)
-pub mod bench;
-pub mod controller;
-pub mod eval;
-pub mod job;
-pub mod ledger;
-pub mod placement_live;
-pub mod remote;
+//! # yatt-trainer
+//!
+//! The application that trains: a typed job config validated once, the parallel
+//! controllers and the sample ledger, the builds that put a job's roles in this process
+//! or on cluster nodes, the live placement actor, the run loop with its metrics and
+//! checkpoints, and evaluation.
+//!
+//! What belongs here: everything that decides *how a job runs*. What does not: the roles
+//! themselves, the algorithms' maths, rewards and data (`yatt-roles`, the SDK a user's
+//! role depends on); the placement policy and cost model (`yatt-placement`, no I/O);
+//! writing and reading metrics (`yatt-metrics`); models (`yatt-engine`); actors and
+//! transport (`yatt-runtime`).
+//!
+//! | module | concern |
+//! |---|---|
+//! | `config/` | TOML sections, `--set` overrides, modes as enums, the one validation |
+//! | `controller/` | a head's step: generation, stages, advantages, weights; data parallelism |
+//! | `ledger` | every sample of a step accounted for exactly once |
+//! | `build/` | models and roles from the config; embedded and cluster builds; heads |
+//! | `live/` | the live placement actor: build, routing, migration, membership, observation |
+//! | `run`, `checkpoint` | the run loop, metrics, checkpoints and resume |
+//! | `eval`, `bench` | greedy accuracy on held-out prompts; the controller benchmark |
+//!
+//! Every module is private; this page is the whole public API.
+
+mod bench;
+mod build;
+mod checkpoint;
+mod config;
+mod controller;
+mod error;
+mod eval;
+mod ledger;
+mod live;
+mod run;
+
+pub use error::JobError;
+
+// The job config.
+pub use config::placement::{NodeNames, PlacementSection, ROLES};
+pub use config::sections::{
+    AlgorithmSection, CheckpointSection, DataSection, JobConfig, JobSection, ModelSection,
+    OneOrMany, OptimSection, RewardSection, RolloutSection,
+};
+
+// Building a job's roles and controllers.
+pub use build::cluster::{build_cluster, register, RoleArgs};
+pub use build::embedded::{build, build_embedded, build_embedded_with, CustomRoles};
+pub use build::parts::{
+    base_model, critic_role, policy_role, policy_role_from, reference_role, rollout_role,
+    POLICY_RING,
+};
+pub use build::reward::reward_role;
+
+// Controllers and the ledger.
+pub use controller::config::{
+    ControllerConfig, DynamicSamplingConfig, KlPenalty, OverlongConfig, Timeouts,
+};
+pub use controller::core::Controller;
+pub use controller::data_parallel::{join_policy_ring, step_data_parallel};
+pub use controller::error::ControllerError;
+pub use controller::probe::GenProbe;
+pub use controller::refs::{spawn_role, CriticRef, PolicyRef, RoleRefs, RolloutRef, SamplesRef};
+pub use controller::report::{ControllerState, StepMetrics, StepReport};
+pub use ledger::{LedgerError, LedgerReport, SampleLedger, Stage};
+
+// Live placement.
+pub use live::state::LivePlacement;
+
+// Running, checkpoints, evaluation, benchmarks.
+pub use bench::{markdown_table, run_controller_bench, ControllerBenchOptions, ControllerBenchRow};
+pub use checkpoint::{RunState, JOB_FILE};
+pub use eval::{eval_prompts, evaluate, EvalError, EvalOptions, EvalReport, EvalSample, Split};
+pub use run::{run_steps, train, train_with, Progress, TrainOptions, TrainSummary};

@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use yatt_trainer::job::{train_with, JobConfig, TrainOptions};
+use yatt_trainer::{train_with, JobConfig, TrainOptions};
 use yatt_runtime::node::Node;
 
 fn demo_config(out: &Path, sets: &[&str]) -> JobConfig {
@@ -145,7 +145,7 @@ async fn resuming_repeats_an_uninterrupted_run() {
         run(&demo_config(split.path(), &half), false).await;
         // Resume from the run directory's own job.toml, as `yatt train --resume` does.
         let saved = JobConfig::load(
-            split.path().join(yatt_trainer::job::JOB_FILE),
+            split.path().join(yatt_trainer::JOB_FILE),
             &["job.steps=8".into()],
         )
         .unwrap();
@@ -189,7 +189,7 @@ async fn a_single_driver_over_two_replicas_learns() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_controller_benchmark_runs_both_modes() {
-    use yatt_trainer::bench::{markdown_table, run_controller_bench, ControllerBenchOptions};
+    use yatt_trainer::{markdown_table, run_controller_bench, ControllerBenchOptions};
     let certs = tempfile::tempdir().unwrap();
     let node = Node::builder("bench-0")
         .dev_certs(certs.path())

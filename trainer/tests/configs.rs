@@ -5,8 +5,8 @@
 
 use std::collections::HashSet;
 
-use yatt_trainer::eval::{eval_prompts, EvalOptions, Split};
-use yatt_trainer::job::JobConfig;
+use yatt_trainer::{eval_prompts, EvalOptions, Split};
+use yatt_trainer::JobConfig;
 
 const SMOLLM2: &str = include_str!("../../config/smollm2-addition.toml");
 

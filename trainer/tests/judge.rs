@@ -18,7 +18,7 @@ use yatt_engine::tch::{self, Device, Kind, Tensor};
 use yatt_engine::{Llama, TrainConfig, Trainer};
 use yatt_roles::TextCodec;
 use yatt_roles::TINY_CODEC;
-use yatt_trainer::job::{build_embedded, reward_role, JobConfig};
+use yatt_trainer::{build_embedded, reward_role, JobConfig};
 use yatt_roles::Role;
 use yatt_roles::Sample;
 use yatt_runtime::node::Node;

@@ -9,9 +9,9 @@ use yatt_engine::fixtures::tiny_config;
 use yatt_engine::tch::{self, Device, Kind};
 use yatt_engine::{Generator, GeneratorConfig, Llama, SamplingParams, TrainConfig, Trainer};
 use yatt_roles::{AsciiCodec, PolicyConfig, PolicyRole, ReferenceRole, RewardRole, RolloutRequest, RolloutResponse, RolloutRole};
-use yatt_trainer::controller::{spawn_role, Controller, ControllerConfig, ControllerError, RoleRefs, RolloutRef, StepReport};
+use yatt_trainer::{spawn_role, Controller, ControllerConfig, ControllerError, RoleRefs, RolloutRef, StepReport};
 use yatt_roles::{Dataloader, Prompt};
-use yatt_trainer::ledger::{LedgerError, Stage};
+use yatt_trainer::{LedgerError, Stage};
 use yatt_roles::{RewardError, RewardFn, RewardInput, RewardOutput};
 use yatt_roles::{DeviceGroup, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse};
 use yatt_roles::Sample;
@@ -349,7 +349,7 @@ async fn a_dropped_sample_fails_the_step_naming_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_controllers_average_gradients_at_the_update() {
-    use yatt_trainer::controller::step_data_parallel;
+    use yatt_trainer::step_data_parallel;
     let one = cluster(reward_role()).await;
     // A second head on the same node: its own shard and rollout, the same reward,
     // reference and policy.

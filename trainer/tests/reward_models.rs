@@ -16,7 +16,7 @@ use yatt_engine::tch::{self, Device, Kind, Tensor};
 use yatt_engine::{Llama, TrainConfig};
 use yatt_roles::{train_reward_model, RmExample, RmTrainConfig, TextCodec};
 use yatt_roles::TINY_CODEC;
-use yatt_trainer::job::{build_embedded, reward_role};
+use yatt_trainer::{build_embedded, reward_role};
 use yatt_roles::Role;
 use yatt_roles::Sample;
 use yatt_runtime::node::Node;

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use yatt_engine::SamplingParams;
 use yatt_roles::{GenerateRequest, RolloutRequest, RolloutResponse, SampleSink};
 use yatt_roles::Prompt;
-use yatt_trainer::job::{base_model, rollout_role, train, JobConfig};
+use yatt_trainer::{base_model, rollout_role, train, JobConfig};
 use yatt_roles::Role;
 use yatt_roles::Sample;
 use yatt_runtime::node::Node;

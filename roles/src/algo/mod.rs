@@ -20,7 +20,7 @@
 //! | [`dapo`] | DAPO dynamic-sampling filter and overlong penalty |
 
 pub mod advantage;
-mod checks;
+pub(crate) mod checks;
 pub use checks::{group_ids_from_tensor, AlgoError};
 pub mod dapo;
 pub mod estimator;

@@ -4,6 +4,7 @@
 use tch::{Kind, Tensor};
 
 use super::*;
+use super::checks::*;
 
 fn t2(rows: &[&[f64]]) -> Tensor {
     let cols = rows[0].len() as i64;

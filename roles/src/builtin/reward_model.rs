@@ -197,7 +197,7 @@ impl ModelScorer for ScalarRewardModel {
 }
 
 /// Loads an HF model directory as f32 on `device`, naming the directory in errors.
-pub(crate) fn load_model(dir: &Path, device: Device) -> Result<Llama, RewardModelError> {
+pub fn load_model(dir: &Path, device: Device) -> Result<Llama, RewardModelError> {
     if !dir.join("config.json").is_file() {
         return Err(RewardModelError::MissingModel {
             dir: dir.into(),

@@ -10,7 +10,7 @@
 
 pub mod jsonl;
 pub mod loader;
-mod prompt;
+pub(crate) mod prompt;
 pub use prompt::{DataError, Prompt};
 pub mod synthetic;
 

@@ -14,7 +14,7 @@
 
 pub mod http;
 pub mod judge;
-mod reward_fn;
+pub(crate) mod reward_fn;
 pub use reward_fn::{excerpt, RewardError, RewardFn, RewardInput, RewardOutput};
 pub mod verify;
 

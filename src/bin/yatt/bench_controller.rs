@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use anyhow::Context as _;
-use yatt::trainer::bench::{markdown_table, run_controller_bench, ControllerBenchOptions};
+use yatt::trainer::{markdown_table, run_controller_bench, ControllerBenchOptions};
 use yatt::runtime::Node;
 
 #[derive(clap::Args)]

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use yatt::roles::{load_rm_jsonl, train_reward_model, RmTrainConfig};
-use yatt::trainer::job::{base_model, JobConfig};
+use yatt::trainer::{base_model, JobConfig};
 
 #[derive(clap::Args)]
 pub struct RewardModelArgs {

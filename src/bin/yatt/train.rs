@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use yatt::trainer::job::{train_with, JobConfig, Progress, TrainOptions, JOB_FILE};
+use yatt::trainer::{train_with, JobConfig, Progress, TrainOptions, JOB_FILE};
 use yatt::runtime::tls::NodeIdentity;
 use yatt::runtime::Node;
 
@@ -301,7 +301,7 @@ async fn run_job(job: JobConfig, resume: bool, args: TrainArgs) -> anyhow::Resul
 #[cfg(test)]
 mod tests {
     use super::*;
-    use yatt::trainer::controller::StepMetrics;
+    use yatt::trainer::StepMetrics;
 
     fn progress(metrics: &StepMetrics) -> Progress<'_> {
         Progress {

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use yatt_roles::LETTERS;
-use yatt_trainer::job::{JobConfig, JobError};
+use yatt_trainer::{JobConfig, JobError};
 use yatt_roles::{Sample, SampleId};
 
 /// `config/demo-letters.toml` with `sets`, writing to `out`.

@@ -1,0 +1,356 @@
+//! A job whose roles run on other `yatt-node`s (`placement.mode = "disaggregated"`):
+//! the role factories a node registers, and the build that spawns roles there.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, Role, RoleActor, RoleError, RoleRequest, RoleResponse, Sample};
+use yatt_runtime::actor::{ActorRef, CallError};
+use yatt_runtime::addr::ActorName;
+use yatt_runtime::collective::RING_CHUNK_BYTES;
+use yatt_runtime::directory::Directory;
+use yatt_runtime::message::Message;
+use yatt_runtime::node::{Node, NodeBuilder, NodeError};
+
+use crate::build::embedded::build;
+use crate::build::heads::controllers;
+use crate::build::parts::{base_model, critic_role, policy_ring, policy_role, reference_role, rollout_role};
+use crate::build::reward::reward_role;
+use crate::config::checks::invalid;
+use crate::config::sections::JobConfig;
+use crate::controller::config::Timeouts;
+use crate::controller::core::Controller;
+use crate::controller::data_parallel::join_policy_ring;
+use crate::controller::error::ControllerError;
+use crate::controller::refs::{PolicyRef, RoleRefs, RolloutRef, SamplesRef, variant};
+use crate::error::JobError;
+use crate::config::modes::{Task, PlacementMode};
+
+/// Requests a role's thread queues before its actor's mailbox takes the backpressure.
+const ROLE_QUEUE: usize = 4;
+
+/// How long a cluster build waits for the nodes its placement names to join.
+const NODES_WAIT: Duration = Duration::from_secs(10);
+
+/// What a node needs to build one of a job's roles.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RoleArgs {
+    /// The job config as TOML (postcard cannot carry its untagged values).
+    pub job: String,
+    /// The node the role runs on.
+    pub node: String,
+}
+
+/// Registers the built-in roles (rollout, policy, reference, reward, critic) as factories that
+/// take [`RoleArgs`]. A policy spawned for a job with several replicas also starts its
+/// ring inbox on the node, as `node/policy-ring/REPLICA` (see [`crate::build::parts::POLICY_RING`]).
+pub fn register(builder: NodeBuilder) -> NodeBuilder {
+    builder
+        .factory_async("rollout", |a: RoleArgs| {
+            start_role(a, "rollout", |job| {
+                let (model, codec, _) = base_model(job)?;
+                Ok(rollout_role(job, model, codec))
+            })
+        })
+        .factory_with_node("policy", |node: &Node, name: &ActorName, a: RoleArgs| {
+            let replicated = JobConfig::parse(&a.job, "the job config sent by the controller", &[])
+                .is_ok_and(|job| job.job.policy_replicas > 1);
+            let ring_on = replicated.then(|| (node.clone(), name.replica));
+            async move {
+                let ring = match ring_on {
+                    Some((node, replica)) => {
+                        Some(policy_ring(&node, replica).map_err(|e| e.to_string())?)
+                    }
+                    None => None,
+                };
+                start_role(a, "policy", move |job| {
+                    let (model, _, pad_id) = base_model(job)?;
+                    let role = policy_role(job, model, pad_id)?;
+                    Ok(match ring {
+                        Some(r) => role.with_ring(r),
+                        None => role,
+                    })
+                })
+                .await
+            }
+        })
+        .factory_async("reference", |a: RoleArgs| {
+            start_role(a, "reference", |job| {
+                let (model, _, pad_id) = base_model(job)?;
+                Ok(reference_role(job, model, pad_id))
+            })
+        })
+        .factory_async("reward", |a: RoleArgs| {
+            start_role(a, "reward", JobReward::of)
+        })
+        .factory_async("critic", |a: RoleArgs| {
+            start_role(a, "critic", |job| {
+                let (model, _, pad_id) = base_model(job)?;
+                critic_role(job, model, None, pad_id)
+            })
+        })
+}
+
+/// A job's reward role as a node builds it: the `growing` task's length reward, or the
+/// job's reward functions (as [`crate::build::reward::spawn_reward`] picks in process).
+pub(crate) enum JobReward {
+    Growing(yatt_roles::GrowingLengthReward),
+    Functions(yatt_roles::RewardRole),
+}
+
+impl JobReward {
+    fn of(job: &JobConfig) -> Result<Self, JobError> {
+        if job.data.jsonl.is_empty() && job.data.task == Task::Growing {
+            let task = crate::build::data::growing_task(job);
+            return Ok(JobReward::Growing(
+                yatt_roles::GrowingLengthReward(task),
+            ));
+        }
+        Ok(JobReward::Functions(reward_role(job)?))
+    }
+
+    fn role(&mut self) -> &mut dyn Role<Request = Vec<Sample>, Response = Vec<Sample>> {
+        match self {
+            JobReward::Growing(r) => r,
+            JobReward::Functions(r) => r,
+        }
+    }
+}
+
+impl Role for JobReward {
+    type Request = Vec<Sample>;
+    type Response = Vec<Sample>;
+
+    fn name(&self) -> &str {
+        "reward"
+    }
+
+    fn profile(&self) -> yatt_roles::ResourceProfile {
+        match self {
+            JobReward::Growing(r) => r.profile(),
+            JobReward::Functions(r) => r.profile(),
+        }
+    }
+
+    fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
+        self.role().start(group)
+    }
+
+    fn serve(&mut self, samples: Vec<Sample>) -> Result<Vec<Sample>, RoleError> {
+        self.role().serve(samples)
+    }
+
+    fn stop(&mut self) {
+        self.role().stop()
+    }
+}
+
+/// Builds a role from the job in `args` on the role's own thread and starts it there.
+async fn start_role<R: Role>(
+    args: RoleArgs,
+    name: &'static str,
+    make: impl FnOnce(&JobConfig) -> Result<R, JobError> + Send + 'static,
+) -> Result<RoleActor<R>, String> {
+    let job = JobConfig::parse(&args.job, "the job config sent by the controller", &[])
+        .map_err(|e| e.to_string())?;
+    let build = move || make(&job).map_err(|e| RoleError::Failed(e.to_string()));
+    RoleActor::build(name, build, DeviceGroup::cpu(&args.node), ROLE_QUEUE)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Spawns `role` of the job (`text`: its config as TOML) on the node `target`, linked
+/// to `node`, with the `placement.spawn_timeout_s` deadline.
+pub(crate) async fn spawn<Req: Message, Resp: Message>(
+    job: &JobConfig,
+    text: &str,
+    node: &Node,
+    role: &'static str,
+    target: &str,
+) -> Result<ActorRef<RoleRequest<Req>, RoleResponse<Resp>>, ControllerError> {
+    let args = RoleArgs {
+        job: text.to_string(),
+        node: target.to_string(),
+    };
+    let timeout = Duration::from_secs(job.placement.spawn_timeout_s);
+    node.spawn_remote_linked(target, role, &args, timeout)
+        .await
+        .map_err(|e| ControllerError::Spawn {
+            role: format!("{role} on node {target}"),
+            reason: match e {
+                NodeError::NoFactory { known, .. } => format!(
+                    "that node cannot spawn it (it registers {known:?}); run a yatt-node of this yatt build there"
+                ),
+                other => other.to_string(),
+            },
+        })
+}
+
+/// Builds a `disaggregated` job on the cluster `node` has joined: spawns each role on
+/// the node `[placement]` names (one rollout replica per controller; with
+/// `job.policy_replicas > 1` one policy replica per controller, each on its node of
+/// `placement.policy`; for PPO the critic on `placement.critic`), gives every rollout, the reference and every policy replica
+/// the first replica's initial weights, joins the replicas' gradient all-reduce ring,
+/// and returns one controller per rollout, driving the roles over QUIC.
+pub async fn build_cluster(job: &JobConfig, node: &Node) -> Result<Vec<Controller>, JobError> {
+    job.validate()?;
+    let p = &job.placement;
+    if p.mode != PlacementMode::Disaggregated {
+        return Err(invalid(
+            "placement.mode",
+            "\"disaggregated\" to run roles on cluster nodes",
+            &format!("\"{}\"", p.mode),
+            "set placement.mode = \"disaggregated\" and name a node per role, or run without --cluster",
+        ));
+    }
+    let ppo = job.algorithm.name.needs_critic();
+    let replicas = job.job.policy_replicas;
+    wait_for_nodes(node, &p.named_nodes(replicas, ppo)).await?;
+    let text = job_text(job)?;
+    let rollouts = async {
+        let mut v = Vec::with_capacity(job.job.controllers);
+        for _ in 0..job.job.controllers {
+            v.push(spawn(job, &text, node, "rollout", &p.rollout).await?);
+        }
+        Ok::<Vec<RolloutRef>, ControllerError>(v)
+    };
+    let policy_nodes = p.policy_nodes(replicas);
+    let policies = futures::future::try_join_all(
+        policy_nodes
+            .iter()
+            .map(|target| spawn(job, &text, node, "policy", target)),
+    );
+    let critic = async {
+        match ppo {
+            true => Ok(Some(spawn(job, &text, node, "critic", &p.critic).await?)),
+            false => Ok::<_, ControllerError>(None),
+        }
+    };
+    let (rollouts, reward, reference, policies, critic) = tokio::try_join!(
+        rollouts,
+        spawn(job, &text, node, "reward", &p.reward),
+        spawn(job, &text, node, "reference", &p.reference),
+        policies,
+        critic,
+    )?;
+    initial_weight_sync(&policies, &rollouts, &reference, Timeouts::default().sync).await?;
+    let shared = RoleRefs {
+        rollout: rollouts[0].clone(),
+        extra_rollouts: Vec::new(),
+        reward,
+        reference: Some(reference),
+        policy: policies[0].clone(),
+        critic,
+    };
+    let per_head = if replicas > 1 { policies } else { Vec::new() };
+    let mut controllers = controllers(job, shared, rollouts, per_head)?;
+    if replicas > 1 {
+        join_policy_ring(&mut controllers, RING_CHUNK_BYTES).await?;
+    }
+    Ok(controllers)
+}
+
+/// Waits (briefly: nodes started just before the run may still be joining) until every
+/// `(key, node)` of `named` is alive in the cluster `node` belongs to; otherwise names
+/// the key, the missing node and the nodes there are.
+pub(crate) async fn wait_for_nodes(
+    node: &Node,
+    named: &[(String, String)],
+) -> Result<(), JobError> {
+    let all_alive = |d: &Directory| {
+        named
+            .iter()
+            .all(|(_, want)| d.alive_nodes().any(|n| n.name == *want))
+    };
+    if !node.directory().read(all_alive) {
+        tracing::info!(wait = ?NODES_WAIT, "waiting for the placement's nodes to join");
+        node.directory().wait_until(NODES_WAIT, all_alive).await;
+    }
+    let mut alive: Vec<String> = node
+        .directory()
+        .read(|d| d.alive_nodes().map(|n| n.name.clone()).collect());
+    alive.sort();
+    for (key, want) in named {
+        if !alive.iter().any(|n| n == want) {
+            return Err(invalid(
+                key,
+                &format!("a node of the cluster: {}", alive.join(", ")),
+                &format!("{want:?}"),
+                &format!("start it (`yatt-node run --name {want} --seed ...`) or name one of the nodes above"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The job config as the nodes' factories take it: postcard cannot carry the config's
+/// untagged values; TOML can, and the node validates what it gets.
+pub(crate) fn job_text(job: &JobConfig) -> Result<String, JobError> {
+    toml::to_string(job).map_err(|e| JobError::Parse {
+        origin: "the job config".into(),
+        message: format!("cannot encode it for the nodes: {e}"),
+    })
+}
+
+/// Pushes the first policy replica's weights (version 0) to every rollout, to the
+/// reference and to the other replicas, so all of them start from the same model
+/// whichever node built it.
+async fn initial_weight_sync(
+    policies: &[PolicyRef],
+    rollouts: &[RolloutRef],
+    reference: &SamplesRef,
+    timeout: Duration,
+) -> Result<(), ControllerError> {
+    const STAGE: &str = "initial_weight_sync";
+    let call = |role: &'static str| {
+        move |source: CallError| ControllerError::Call {
+            step: 0,
+            stage: STAGE,
+            role,
+            source,
+        }
+    };
+    let update = match policies[0]
+        .ask(RoleRequest::Serve(PolicyRequest::ExportWeights), timeout)
+        .await
+        .map_err(call("policy"))?
+    {
+        RoleResponse::Served(PolicyResponse::Weights(u)) => u,
+        other => return Err(protocol("policy", "ExportWeights", variant(&other))),
+    };
+    for r in rollouts {
+        let answer = r
+            .ask(RoleRequest::LoadWeights(update.clone()), timeout)
+            .await
+            .map_err(call("rollout"))?;
+        loaded(answer, "rollout")?;
+    }
+    for p in &policies[1..] {
+        let answer = p
+            .ask(RoleRequest::LoadWeights(update.clone()), timeout)
+            .await
+            .map_err(call("policy"))?;
+        loaded(answer, "policy")?;
+    }
+    let answer = reference
+        .ask(RoleRequest::LoadWeights(update), timeout)
+        .await
+        .map_err(call("reference"))?;
+    loaded(answer, "reference")
+}
+
+fn protocol(role: &'static str, asked: &'static str, got: String) -> ControllerError {
+    ControllerError::Protocol {
+        step: 0,
+        role,
+        asked,
+        got,
+    }
+}
+
+fn loaded<T>(answer: RoleResponse<T>, role: &'static str) -> Result<(), ControllerError> {
+    match answer {
+        RoleResponse::Done => Ok(()),
+        other => Err(protocol(role, "LoadWeights", variant(&other))),
+    }
+}

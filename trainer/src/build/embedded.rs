@@ -1,0 +1,165 @@
+//! A job whose roles all run in this process (`placement.mode = "colocate"`).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use yatt_engine::{Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer, tch};
+use yatt_engine::fixtures::tiny_config;
+use yatt_engine::tch::{Device, Kind};
+use yatt_metrics::{RunWriter, WriteError};
+use yatt_roles::{AsciiCodec, CriticConfig, CriticRole, DataError, Dataloader, DeviceGroup, ExactMatchVerifier, GaeConfig, GrpoConfig, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate, KlEstimator, KlLossConfig, LengthSchedule, LossAgg, ModelScorer, NumericVerifier, OnUnparsed, PolicyConfig, PolicyLossConfig, PolicyRole, Prompt, ReferenceRole, ReinforcePpConfig, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, RolloutRole, ScalarRewardModel, SyntheticTask, SyntheticTaskKind, TextCodec, TokenizerCodec, ValueLossConfig, load_jsonl};
+use yatt_runtime::collective::{RING_CHUNK_BYTES, RingMember};
+use yatt_runtime::node::Node;
+
+use crate::build::heads::controllers;
+use crate::build::parts::{base_model, critic_role, policy_ring, policy_role_from, reference_role, rollout_role, train_config};
+use crate::build::reward::spawn_reward;
+use crate::checkpoint::{RunState, load_trainer};
+use crate::config::checks::invalid;
+use crate::config::sections::JobConfig;
+use crate::controller::core::Controller;
+use crate::controller::data_parallel::join_policy_ring;
+use crate::controller::refs::{RoleRefs, spawn_role};
+use crate::error::JobError;
+use crate::run::train;
+use crate::config::modes::{KlMode, PlacementMode};
+
+/// Builds the models, roles (on `node`, with `spawn_local`) and the controllers of an
+/// embedded job: one policy (or one per head), reference, reward and (PPO) critic role,
+/// and one rollout role per data-parallel head.
+pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controller>, JobError> {
+    build_embedded_with(job, node, None, &CustomRoles::default()).await
+}
+
+/// Roles a program brings itself in place of the built-in ones (see
+/// `examples/custom_role`). They must already run (e.g. started with
+/// [`spawn_role`] or `Node::spawn_remote`).
+#[derive(Debug, Clone, Default)]
+pub struct CustomRoles {
+    /// The reward role: takes the step's samples and gives them back with `reward` set.
+    pub reward: Option<crate::controller::refs::SamplesRef>,
+}
+
+/// [`build_embedded`] with `custom` roles, resuming from the run directory `resume`
+/// when given: the policy (weights, optimizer, step), the critic and every
+/// controller's position come from `RESUME/checkpoint`, the rollouts start with the
+/// policy's weights, and the reference is rebuilt from `model.source` (it is the
+/// initial policy).
+pub async fn build_embedded_with(
+    job: &JobConfig,
+    node: &Node,
+    resume: Option<&Path>,
+    custom: &CustomRoles,
+) -> Result<Vec<Controller>, JobError> {
+    job.validate()?;
+    if job.placement.mode != PlacementMode::Colocate {
+        return Err(invalid(
+            "placement.mode",
+            "\"colocate\" for a run in this process",
+            &job.placement.mode,
+            "run it on a cluster with `yatt train CONFIG --cluster SEED_ADDR`, or set placement.mode = \"colocate\"",
+        ));
+    }
+    let (model, codec, pad_id) = base_model(job)?;
+    let me = |e: yatt_engine::EngineError| JobError::Model {
+        source_desc: job.model.source.to_string(),
+        reason: e.to_string(),
+    };
+    let ckpt = resume.map(|d| d.join("checkpoint"));
+    let load = |role: &str| -> Result<Option<Trainer>, JobError> {
+        match &ckpt {
+            Some(dir) if role == "critic" => Ok(Some(load_trainer(&dir.join("critic"), role)?)),
+            Some(dir) => Ok(Some(load_trainer(dir, role)?)),
+            None => Ok(None),
+        }
+    };
+    // Every policy replica starts from the same trainer (fresh or resumed).
+    let mut trainers = Vec::with_capacity(job.job.policy_replicas);
+    for _ in 0..job.job.policy_replicas {
+        trainers.push(match load("policy")? {
+            Some(t) => t,
+            None => Trainer::new(
+                model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
+                train_config(job),
+            ),
+        });
+    }
+    let g = || DeviceGroup::cpu(node.name());
+    // Rollouts start from the policy's weights (the initial model, or the checkpoint).
+    let mut rollouts = Vec::with_capacity(job.job.controllers);
+    for i in 0..job.job.controllers {
+        let m = trainers[0]
+            .model
+            .deep_copy(Device::Cpu, Kind::Float)
+            .map_err(me)?;
+        let role = rollout_role(job, m, codec.clone());
+        rollouts.push(spawn_role(node, role, i as u32, g()).await?);
+    }
+    let critic = if job.algorithm.name.needs_critic() {
+        let m = model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?;
+        let role = critic_role(job, m, load("critic")?, pad_id)?;
+        Some(spawn_role(node, role, 0, g()).await?)
+    } else {
+        None
+    };
+    let replicated = trainers.len() > 1;
+    let mut policies = Vec::with_capacity(trainers.len());
+    for (i, t) in trainers.into_iter().enumerate() {
+        let mut role = policy_role_from(job, t, pad_id)?;
+        if replicated {
+            role = role.with_ring(policy_ring(node, i as u32)?);
+        }
+        policies.push(spawn_role(node, role, i as u32, g()).await?);
+    }
+    let shared = RoleRefs {
+        rollout: rollouts[0].clone(),
+        extra_rollouts: Vec::new(),
+        reward: match &custom.reward {
+            Some(r) => r.clone(),
+            None => spawn_reward(job, node, g()).await?,
+        },
+        // The reference is the initial policy, also when resuming; with no KL term
+        // there is nothing to hold or run.
+        reference: match job.algorithm.kl_mode {
+            KlMode::None => None,
+            KlMode::Loss | KlMode::Reward => Some(spawn_role(node, reference_role(job, model, pad_id), 0, g()).await?),
+        },
+        policy: policies[0].clone(),
+        critic,
+    };
+    let mut controllers = controllers(job, shared, rollouts, policies)?;
+    if replicated {
+        join_policy_ring(&mut controllers, RING_CHUNK_BYTES).await?;
+    }
+    if let Some(dir) = &ckpt {
+        let state = RunState::read(dir)?;
+        if state.controllers.len() != controllers.len() {
+            return Err(JobError::Resume {
+                dir: dir.clone(),
+                reason: format!(
+                    "the checkpoint has {} controller(s) but the job has {}; resume with the same job.controllers and job.driver",
+                    state.controllers.len(),
+                    controllers.len(),
+                ),
+            });
+        }
+        for (c, s) in controllers.iter_mut().zip(state.controllers) {
+            c.restore(s)?;
+            // The rollout must hold the restored policy's weights and version.
+            c.sync_weights().await?;
+        }
+    }
+    Ok(controllers)
+}
+
+/// Builds the job where its placement says: in this process (`colocate`), or on the
+/// cluster `node` belongs to (`disaggregated`, see [`crate::build::cluster::build_cluster`]).
+pub async fn build(job: &JobConfig, node: &Node) -> Result<Vec<Controller>, JobError> {
+    match job.placement.mode {
+        PlacementMode::Disaggregated => crate::build::cluster::build_cluster(job, node).await,
+        PlacementMode::Colocate => build_embedded(job, node).await,
+    }
+}

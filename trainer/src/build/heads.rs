@@ -1,0 +1,109 @@
+//! The controllers of a job: what each runs, and how the heads share the roles.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use yatt_engine::{Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer, tch};
+use yatt_engine::fixtures::tiny_config;
+use yatt_engine::tch::{Device, Kind};
+use yatt_metrics::{RunWriter, WriteError};
+use yatt_roles::{AsciiCodec, CriticConfig, CriticRole, DataError, Dataloader, DeviceGroup, ExactMatchVerifier, GaeConfig, GrpoConfig, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate, KlEstimator, KlLossConfig, LengthSchedule, LossAgg, ModelScorer, NumericVerifier, OnUnparsed, PolicyConfig, PolicyLossConfig, PolicyRole, Prompt, ReferenceRole, ReinforcePpConfig, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, RolloutRole, ScalarRewardModel, SyntheticTask, SyntheticTaskKind, TextCodec, TokenizerCodec, ValueLossConfig, load_jsonl};
+use yatt_runtime::collective::{RING_CHUNK_BYTES, RingMember};
+use yatt_runtime::node::Node;
+
+use crate::build::data::prompts;
+use crate::config::sections::JobConfig;
+use crate::controller::config::{ControllerConfig, DynamicSamplingConfig, KlPenalty, OverlongConfig};
+use crate::controller::core::Controller;
+use crate::controller::refs::{PolicyRef, RoleRefs, RolloutRef};
+use crate::error::JobError;
+use crate::config::modes::{Driver, KlMode};
+
+/// What each controller of the job runs.
+pub(crate) fn controller_config(job: &JobConfig) -> ControllerConfig {
+    let a = &job.algorithm;
+    let advantage = a.name.estimator(GaeConfig {
+        gamma: a.gamma,
+        lam: a.lam,
+        ..Default::default()
+    });
+    let r = &job.rollout;
+    ControllerConfig {
+        prompts_per_step: job.data.prompts_per_step,
+        n: job.data.samples_per_prompt,
+        sampling: SamplingParams {
+            temperature: r.temperature as f32,
+            top_p: r.top_p as f32,
+            top_k: r.top_k,
+            max_new_tokens: r.max_new_tokens,
+            ignore_eos: r.ignore_eos,
+            ..Default::default()
+        },
+        seed: job.job.seed,
+        advantage,
+        kl_in_reward: kl_term(job)
+            .filter(|_| a.kl_mode == KlMode::Reward)
+            .map(|(estimator, coef)| KlPenalty { estimator, coef }),
+        kl_metric: a.kl_estimator,
+        dynamic_sampling: a.dynamic_sampling.unwrap_or(a.name.dynamic_sampling_by_default()).then_some(
+            DynamicSamplingConfig {
+                max_rounds: a.max_sampling_rounds,
+                tolerance: 1e-6,
+            },
+        ),
+        overlong: (a.overlong_buffer > 0).then_some(OverlongConfig {
+            max_len: r.max_new_tokens,
+            buffer: a.overlong_buffer,
+            coef: a.overlong_coef,
+        }),
+        stream: r.stream,
+        ..Default::default()
+    }
+}
+
+/// The job's controllers over running roles: with `driver = "parallel"`, one per
+/// rollout (data-parallel head), each with its shard of the prompts, sharing the other
+/// roles of `shared` (each head gets its own policy from `policies` when there is one
+/// per head); with `driver = "single"`, one driver with the global batch over every
+/// rollout.
+pub(crate) fn controllers(
+    job: &JobConfig,
+    shared: RoleRefs,
+    mut rollouts: Vec<RolloutRef>,
+    policies: Vec<PolicyRef>,
+) -> Result<Vec<Controller>, JobError> {
+    let config = controller_config(job);
+    let all: Arc<[Prompt]> = prompts(job)?.into();
+    let heads = rollouts.len();
+    let seed = job.job.seed.wrapping_add(3);
+    if job.job.driver == Driver::Single {
+        let loader = Dataloader::new(all, 0, 1, seed)?;
+        let roles = RoleRefs {
+            rollout: rollouts.remove(0),
+            extra_rollouts: rollouts,
+            ..shared
+        };
+        let config = ControllerConfig {
+            prompts_per_step: config.prompts_per_step * heads,
+            ..config
+        };
+        return Ok(vec![Controller::new(config, loader, roles)?]);
+    }
+    let mut controllers = Vec::with_capacity(heads);
+    for (i, rollout) in rollouts.into_iter().enumerate() {
+        let loader = Dataloader::new(all.clone(), i, heads, seed)?;
+        let roles = RoleRefs {
+            rollout,
+            policy: policies
+                .get(i)
+                .cloned()
+                .unwrap_or_else(|| shared.policy.clone()),
+            ..shared.clone()
+        };
+        controllers.push(Controller::new(config.clone(), loader, roles)?);
+    }
+    Ok(controllers)
+}

@@ -1,0 +1,8 @@
+//! Building a job: its models and roles, where they run (this process or cluster
+//! nodes), and the controllers over them.
+pub(crate) mod cluster;
+pub(crate) mod data;
+pub(crate) mod embedded;
+pub(crate) mod heads;
+pub(crate) mod parts;
+pub(crate) mod reward;

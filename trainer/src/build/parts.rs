@@ -1,0 +1,211 @@
+//! The models and roles of a job: the base model, and each role built from the config.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use yatt_engine::{Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer, tch};
+use yatt_engine::fixtures::tiny_config;
+use yatt_engine::tch::{Device, Kind};
+use yatt_metrics::{RunWriter, WriteError};
+use yatt_roles::{AsciiCodec, CriticConfig, CriticRole, DataError, Dataloader, DeviceGroup, ExactMatchVerifier, GaeConfig, GrpoConfig, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate, KlEstimator, KlLossConfig, LengthSchedule, LossAgg, ModelScorer, NumericVerifier, OnUnparsed, PolicyConfig, PolicyLossConfig, PolicyRole, Prompt, ReferenceRole, ReinforcePpConfig, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, RolloutRole, ScalarRewardModel, SyntheticTask, SyntheticTaskKind, TextCodec, TokenizerCodec, ValueLossConfig, load_jsonl};
+use yatt_runtime::collective::{RING_CHUNK_BYTES, RingMember};
+use yatt_runtime::node::Node;
+
+use crate::config::sections::JobConfig;
+use crate::controller::error::ControllerError;
+use crate::error::JobError;
+use crate::config::modes::{KlMode, OldLogprobs, Schedule, ModelSource};
+
+/// The job's model (every role starts from a copy of it), the codec of its text and its
+/// padding id.
+pub fn base_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, i64), JobError> {
+    tch::set_num_threads(job.model.threads as i32);
+    let dir = match &job.model.source {
+        ModelSource::Dir(dir) => dir,
+        ModelSource::Tiny => return tiny_model(job),
+    };
+    let me = |e: yatt_engine::EngineError| JobError::Model {
+        source_desc: dir.display().to_string(),
+        reason: e.to_string(),
+    };
+    let m = Llama::load(dir, Device::Cpu, Kind::Float).map_err(me)?;
+    let tok = Tokenizer::from_dir(dir).map_err(me)?;
+    Ok((
+        m,
+        Arc::new(TokenizerCodec {
+            tokenizer: Arc::new(tok),
+            chat: job.model.chat,
+        }),
+        0,
+    ))
+}
+
+/// The random tiny Llama of `model.source = "tiny"`, with its character codec.
+fn tiny_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, i64), JobError> {
+    let seed = job.job.seed;
+    {
+        // Llama::random seeds libtorch's global RNG: builds in parallel must not
+        // interleave their draws.
+        static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let mut config = tiny_config();
+        if job.model.tiny_layers > 0 {
+            // Through the JSON, so a checkpoint's config.json (written from it) says
+            // the same depth and loads back as this model.
+            let mut raw = config.raw.clone();
+            raw["num_hidden_layers"] = serde_json::json!(job.model.tiny_layers);
+            config =
+                yatt_engine::config::ModelConfig::from_json(&raw).map_err(|e| JobError::Model {
+                    source_desc: "tiny".into(),
+                    reason: e,
+                })?;
+        }
+        let m = Llama::random(config, Device::Cpu, Kind::Float, seed as i64).map_err(|e| {
+            JobError::Model {
+                source_desc: "tiny".into(),
+                reason: e.to_string(),
+            }
+        })?;
+        Ok((m, Arc::new(TINY_CODEC), 1))
+    }
+}
+
+/// A rollout replica of the job over `model`.
+pub fn rollout_role(job: &JobConfig, model: Llama, codec: Arc<dyn TextCodec>) -> RolloutRole {
+    let mut batch = job.data.prompts_per_step * job.data.samples_per_prompt as usize;
+    if job.rollout.max_batch > 0 {
+        batch = batch.min(job.rollout.max_batch);
+    }
+    let gen_config = GeneratorConfig {
+        max_batch: batch.max(1),
+        max_seq_len: job.model.max_seq_len,
+        ..Default::default()
+    };
+    RolloutRole::new(Generator::new(model, gen_config), codec)
+}
+
+/// The job's reference role over `model`.
+pub fn reference_role(job: &JobConfig, model: Llama, pad_id: i64) -> ReferenceRole {
+    ReferenceRole::new(
+        model,
+        pad_id,
+        job.rollout.temperature,
+        job.optim.micro_batch,
+    )
+}
+
+/// The policy's optimizer settings.
+pub(crate) fn train_config(job: &JobConfig) -> TrainConfig {
+    let o = &job.optim;
+    let warmup_steps = o.warmup_steps;
+    let schedule = match o.schedule {
+        Schedule::Cosine => LrSchedule::Cosine {
+            warmup_steps,
+            total_steps: job.job.steps * o.mini_batches as u64,
+            min_ratio: 0.1,
+        },
+        Schedule::Constant => LrSchedule::Constant { warmup_steps },
+    };
+    TrainConfig {
+        lr: o.lr,
+        weight_decay: o.weight_decay,
+        max_grad_norm: (o.max_grad_norm > 0.0).then_some(o.max_grad_norm),
+        schedule,
+        seed: job.job.seed,
+        ..Default::default()
+    }
+}
+
+/// The job's policy role: a fresh trainer over `model` with the job's optimizer and loss.
+pub fn policy_role(job: &JobConfig, model: Llama, pad_id: i64) -> Result<PolicyRole, JobError> {
+    policy_role_from(job, Trainer::new(model, train_config(job)), pad_id)
+}
+
+/// The job's policy role over `trainer` (fresh, or loaded from a checkpoint).
+pub fn policy_role_from(
+    job: &JobConfig,
+    trainer: Trainer,
+    pad_id: i64,
+) -> Result<PolicyRole, JobError> {
+    let a = &job.algorithm;
+    let o = &job.optim;
+    let policy_config = PolicyConfig {
+        loss: PolicyLossConfig {
+            clip_low: a.clip_low,
+            clip_high: a.clip_high,
+            agg: a.loss_agg,
+            ..Default::default()
+        },
+        kl_loss: kl_term(job)
+            .filter(|_| a.kl_mode == KlMode::Loss)
+            .map(|(estimator, coef)| KlLossConfig { estimator, coef }),
+        entropy_coef: a.entropy_coef,
+        micro_batch_size: o.micro_batch,
+        mini_batches: o.mini_batches,
+        temperature: job.rollout.temperature,
+        pad_id,
+        on_policy: a.old_logprobs == OldLogprobs::OnPolicy,
+        tokenizer_dir: job.model.source.dir().map(PathBuf::from),
+        skip_zero_advantage: o.skip_zero_advantage,
+        ..Default::default()
+    };
+    PolicyRole::new(trainer, policy_config).map_err(|e| JobError::Model {
+        source_desc: job.model.source.to_string(),
+        reason: format!("policy role: {e}"),
+    })
+}
+
+/// The job's critic (PPO) over `trainer`; `None` gives a fresh one over `model`.
+pub fn critic_role(
+    job: &JobConfig,
+    model: Llama,
+    trainer: Option<Trainer>,
+    pad_id: i64,
+) -> Result<CriticRole, JobError> {
+    let a = &job.algorithm;
+    let o = &job.optim;
+    let trainer = trainer.unwrap_or_else(|| {
+        Trainer::new(
+            model,
+            TrainConfig {
+                lr: o.critic_lr,
+                ..train_config(job)
+            },
+        )
+    });
+    let config = CriticConfig {
+        loss: ValueLossConfig {
+            clip: (a.value_clip > 0.0).then_some(a.value_clip),
+            agg: a.loss_agg,
+        },
+        micro_batch_size: o.micro_batch,
+        mini_batches: o.mini_batches,
+        pad_id,
+    };
+    CriticRole::new(trainer, config).map_err(|e| JobError::Model {
+        source_desc: job.model.source.to_string(),
+        reason: format!("critic role: {e}"),
+    })
+}
+
+/// The KL term's estimator and coefficient, when the job has one.
+fn kl_term(job: &JobConfig) -> Option<(KlEstimator, f64)> {
+    let a = &job.algorithm;
+    (a.kl_coef > 0.0).then_some((a.kl_estimator, a.kl_coef))
+}
+
+/// Role name of a policy replica's ring inbox (its end of the gradient all-reduce).
+pub const POLICY_RING: &str = "policy-ring";
+
+/// A policy replica's ring member: its inbox on `node`, as `node/policy-ring/replica`.
+pub(crate) fn policy_ring(node: &Node, replica: u32) -> Result<RingMember, JobError> {
+    RingMember::start(node, POLICY_RING, replica).map_err(|e| {
+        JobError::Controller(Box::new(ControllerError::Spawn {
+            role: format!("{POLICY_RING} {replica}"),
+            reason: e.to_string(),
+        }))
+    })
+}

@@ -1,0 +1,198 @@
+//! The config's modes as enums: each value a variant, each with the word the TOML uses.
+//! A word the enum does not know is refused when the config is read, and the error
+//! lists the words it accepts (see `config::parse`). Algorithm names, KL estimators
+//! and loss aggregations are `yatt-roles`' own enums.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// Defines a config mode: the enum, its TOML words, and `name()` / `Display` that give
+/// the word back.
+macro_rules! config_mode {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident = $word:literal,)+ }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        pub enum $name {
+            $($(#[$vmeta])* #[serde(rename = $word)] $variant,)+
+        }
+
+        impl $name {
+            /// The word the TOML uses.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $($name::$variant => $word,)+
+                }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+    };
+}
+
+config_mode! {
+    /// `job.driver`: how the heads are driven.
+    Driver {
+        /// One controller per head, meeting at the update.
+        Parallel = "parallel",
+        /// One driver holding the global batch and spreading generation over the
+        /// replicas (for comparison).
+        Single = "single",
+    }
+}
+
+config_mode! {
+    /// `model.dtype`: the dtype of the models' weights.
+    Dtype {
+        /// 32-bit float.
+        F32 = "f32",
+        /// bfloat16.
+        Bf16 = "bf16",
+        /// IEEE half.
+        F16 = "f16",
+    }
+}
+
+config_mode! {
+    /// `data.task`: the synthetic task (when no dataset file is given).
+    Task {
+        /// Two numbers to add.
+        Addition = "addition",
+        /// A list to sort.
+        Sorting = "sorting",
+        /// A string to reverse.
+        Reversal = "reversal",
+        /// Any text; the `letters` reward scores it.
+        Letters = "letters",
+        /// A target response length that grows over the run.
+        Growing = "growing",
+    }
+}
+
+config_mode! {
+    /// `algorithm.kl_mode`: where the KL to the reference goes.
+    KlMode {
+        /// A KL loss in the policy.
+        Loss = "loss",
+        /// A KL penalty in the reward.
+        Reward = "reward",
+        /// No KL term and no reference model.
+        None = "none",
+    }
+}
+
+config_mode! {
+    /// `algorithm.old_logprobs`: where the PPO ratio's old log-probs come from.
+    OldLogprobs {
+        /// A forward pass of the policy before the update.
+        Recompute = "recompute",
+        /// The one update runs on the weights that generated: the ratio is 1.
+        OnPolicy = "on-policy",
+    }
+}
+
+config_mode! {
+    /// `optim.schedule`: the learning-rate schedule.
+    Schedule {
+        /// Constant after warm-up.
+        Constant = "constant",
+        /// Cosine to 10 % of `lr` at the end of the run.
+        Cosine = "cosine",
+    }
+}
+
+config_mode! {
+    /// `reward.kind`: one reward function or model.
+    RewardKind {
+        /// The final number of the response against the reference.
+        Numeric = "numeric",
+        /// The response against the reference, exactly.
+        Exact = "exact",
+        /// The fraction of the response's characters in `reward.letters`.
+        Letters = "letters",
+        /// A scalar reward model (`reward.model`).
+        Model = "model",
+        /// An LLM judge (`reward.judge_model`).
+        Judge = "judge",
+    }
+}
+
+config_mode! {
+    /// `reward.judge_mode`: how the judge's verdict becomes a score.
+    VerdictMode {
+        /// A greedy verdict, parsed; per-step scores.
+        Generate = "generate",
+        /// The expected digit after a prefilled `Score: `.
+        Logits = "logits",
+    }
+}
+
+config_mode! {
+    /// `reward.judge_on_unparsed`: a verdict with no score.
+    UnparsedVerdict {
+        /// Fail the step.
+        Error = "error",
+        /// Score it `reward.judge_fallback_score`.
+        Fallback = "fallback",
+    }
+}
+
+config_mode! {
+    /// `placement.mode`: where a job's roles run.
+    PlacementMode {
+        /// Every role in the training process.
+        Colocate = "colocate",
+        /// Each role on the cluster node `[placement]` names.
+        Disaggregated = "disaggregated",
+    }
+}
+
+/// `model.source`: `tiny` (a random tiny Llama with a character codec) or an HF model
+/// directory. In TOML it is one string.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "String", into = "String")]
+pub enum ModelSource {
+    /// The tiny random Llama.
+    Tiny,
+    /// An HF model directory (config.json, safetensors, tokenizer.json).
+    Dir(PathBuf),
+}
+
+impl ModelSource {
+    /// The directory, when the model comes from one.
+    pub fn dir(&self) -> Option<&std::path::Path> {
+        match self {
+            ModelSource::Tiny => None,
+            ModelSource::Dir(d) => Some(d),
+        }
+    }
+}
+
+impl From<String> for ModelSource {
+    fn from(s: String) -> Self {
+        if s == "tiny" {
+            ModelSource::Tiny
+        } else {
+            ModelSource::Dir(s.into())
+        }
+    }
+}
+
+impl From<ModelSource> for String {
+    fn from(s: ModelSource) -> Self {
+        s.to_string()
+    }
+}
+
+impl std::fmt::Display for ModelSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ModelSource::Tiny => f.write_str("tiny"),
+            ModelSource::Dir(d) => write!(f, "{}", d.display()),
+        }
+    }
+}

@@ -1,0 +1,253 @@
+//! Reading a job config: TOML text, `--set key=value` overrides, errors that name the key.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use yatt_engine::{Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer, tch};
+use yatt_engine::fixtures::tiny_config;
+use yatt_engine::tch::{Device, Kind};
+use yatt_metrics::{RunWriter, WriteError};
+use yatt_roles::{AsciiCodec, CriticConfig, CriticRole, DataError, Dataloader, DeviceGroup, ExactMatchVerifier, GaeConfig, GrpoConfig, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate, KlEstimator, KlLossConfig, LengthSchedule, LossAgg, ModelScorer, NumericVerifier, OnUnparsed, PolicyConfig, PolicyLossConfig, PolicyRole, Prompt, ReferenceRole, ReinforcePpConfig, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, RolloutRole, ScalarRewardModel, SyntheticTask, SyntheticTaskKind, TextCodec, TokenizerCodec, ValueLossConfig, load_jsonl};
+use yatt_runtime::collective::{RING_CHUNK_BYTES, RingMember};
+use yatt_runtime::node::Node;
+
+use crate::config::sections::JobConfig;
+use crate::error::JobError;
+
+impl JobConfig {
+    /// Parses TOML text, applies `--set key=value` overrides, then validates.
+    pub fn parse(text: &str, origin: &str, sets: &[String]) -> Result<Self, JobError> {
+        let mut table: toml::Table =
+            text.parse().map_err(|e: toml::de::Error| JobError::Parse {
+                origin: origin.into(),
+                message: e.to_string(),
+            })?;
+        for arg in sets {
+            apply_set(&mut table, arg)?;
+        }
+        // Round-trip through text so type errors carry the line and the key.
+        let merged = toml::to_string(&table).map_err(|e| JobError::Parse {
+            origin: origin.into(),
+            message: e.to_string(),
+        })?;
+        let origin = if sets.is_empty() {
+            origin.to_string()
+        } else {
+            format!("{origin} (with --set overrides)")
+        };
+        let cfg: JobConfig = toml::from_str(&merged).map_err(|e| {
+            let key = e.span().and_then(|span| key_at(&merged, span.start));
+            if let Some(invalid) = key.as_deref().and_then(|k| unknown_word(k, e.message())) {
+                return invalid;
+            }
+            let message = match key {
+                // With overrides the line numbers refer to the merged text: name the key.
+                Some(k) if !sets.is_empty() => format!("key `{k}`: {}", e.message()),
+                Some(k) => format!("key `{k}`: {e}"),
+                None => e.to_string(),
+            };
+            JobError::Parse { origin, message }
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads and parses a config file (see [`JobConfig::parse`]).
+    pub fn load(path: impl AsRef<Path>, sets: &[String]) -> Result<Self, JobError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| JobError::Read {
+            path: path.into(),
+            source,
+        })?;
+        Self::parse(&text, &path.display().to_string(), sets)
+    }
+}
+
+/// A mode's unknown word (serde's "unknown variant `x`, expected one of `a`, `b`") as
+/// the error every other bad value gives: the key, the words accepted, the fix.
+fn unknown_word(key: &str, message: &str) -> Option<JobError> {
+    let rest = message.strip_prefix("unknown variant `")?;
+    let (found, expected) = rest.split_once("`, expected ")?;
+    let words: Vec<&str> = expected.split('`').skip(1).step_by(2).collect();
+    let first = words.first()?;
+    let list = words
+        .iter()
+        .map(|w| format!("\"{w}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
+    Some(invalid(
+        key,
+        &format!("one of {list}"),
+        &format!("\"{found}\""),
+        &format!("set {key} = \"{first}\""),
+    ))
+}
+
+/// The dotted key (`section.key`) of the line holding byte `pos` of a TOML text.
+fn key_at(text: &str, pos: usize) -> Option<String> {
+    let before = text.get(..pos)?;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let line = text[line_start..].lines().next()?.trim();
+    let key = line
+        .split_once('=')
+        .map(|(k, _)| k.trim().trim_matches('"'))
+        .filter(|k| !k.is_empty() && !k.starts_with('['));
+    let section = before[..line_start]
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('['))
+        .map(|l| l.trim_matches(|c| c == '[' || c == ']').trim());
+    match (section, key) {
+        (Some(s), Some(k)) => Some(format!("{s}.{k}")),
+        (None, Some(k)) => Some(k.to_string()),
+        _ => None,
+    }
+}
+
+/// Applies one `key=value` override (dotted key, TOML value; a bare word that is not
+/// valid TOML is taken as a string). The key must exist in the schema.
+fn apply_set(table: &mut toml::Table, arg: &str) -> Result<(), JobError> {
+    let err = |reason: String| JobError::Set {
+        arg: arg.into(),
+        reason,
+    };
+    let (key, raw) = arg
+        .split_once('=')
+        .ok_or_else(|| err("expected key=value, e.g. job.steps=10".into()))?;
+    let key = key.trim();
+    let parts: Vec<&str> = key.split('.').collect();
+    if parts.len() != 2 || parts.iter().any(|p| p.is_empty()) {
+        return Err(err(format!(
+            "key `{key}`: expected section.key, e.g. job.steps"
+        )));
+    }
+    let schema = toml::Value::try_from(JobConfig::default()).map_err(|e| err(e.to_string()))?;
+    let section = schema
+        .get(parts[0])
+        .and_then(|s| s.as_table())
+        .ok_or_else(|| {
+            let names: Vec<&String> = schema
+                .as_table()
+                .map(|t| t.keys().collect())
+                .unwrap_or_default();
+            err(format!(
+                "unknown key `{key}`: there is no section [{}]; sections are {names:?}",
+                parts[0]
+            ))
+        })?;
+    if !section.contains_key(parts[1]) {
+        let names: Vec<&String> = section.keys().collect();
+        return Err(err(format!(
+            "unknown key `{key}`: [{}] has {names:?}",
+            parts[0]
+        )));
+    }
+    let raw = raw.trim();
+    let value = match format!("v = {raw}").parse::<toml::Table>() {
+        Ok(mut t) => t
+            .remove("v")
+            .unwrap_or_else(|| toml::Value::String(raw.into())),
+        Err(_) => toml::Value::String(raw.into()),
+    };
+    let entry = table
+        .entry(parts[0].to_string())
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    let toml::Value::Table(sec) = entry else {
+        return Err(err(format!("`{}` in the config is not a table", parts[0])));
+    };
+    sec.insert(parts[1].to_string(), value);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::modes::{RewardKind, Task};
+    use yatt_roles::Algorithm;
+
+    const DEMO: &str = include_str!("../../../config/demo-letters.toml");
+
+    #[test]
+    fn the_shipped_config_parses() {
+        let c = JobConfig::parse(DEMO, "demo-letters.toml", &[]).unwrap();
+        assert_eq!(c.data.task, Task::Letters);
+        assert_eq!(c.reward_kinds(), vec![RewardKind::Letters]);
+        assert!(c.job.steps > 0);
+    }
+
+    #[test]
+    fn a_wrong_type_names_the_key() {
+        let e = JobConfig::parse("[job]\nsteps = \"ten\"\n", "x.toml", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("job.steps") && e.contains("x.toml") && e.contains("fix:"),
+            "{e}"
+        );
+        let e = JobConfig::parse(DEMO, "d", &["optim.lr=\"fast\"".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("key `optim.lr`") && e.contains("expected f64"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn an_unknown_key_is_refused() {
+        let e = JobConfig::parse("[optim]\nlearning_rate = 1.0\n", "x.toml", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("optim.learning_rate") && e.contains("unknown field"),
+            "{e}"
+        );
+        let e = JobConfig::parse(DEMO, "d", &["optim.learning_rate=1".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--set optim.learning_rate=1") && e.contains("unknown key"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_set_override_works() {
+        let sets = [
+            "job.steps=3".to_string(),
+            "algorithm.name=rloo".into(),
+            "optim.lr=0.5".into(),
+            "reward.kind=[\"letters\"]".into(),
+        ];
+        let c = JobConfig::parse(DEMO, "d", &sets).unwrap();
+        assert_eq!(
+            (c.job.steps, c.algorithm.name, c.optim.lr),
+            (3, Algorithm::Rloo, 0.5)
+        );
+        let e = JobConfig::parse(DEMO, "d", &["algorithm.name=ppo2".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("algorithm.name")
+                && e.contains("\"grpo\"")
+                && e.contains("ppo2")
+                && e.contains("fix"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn an_unsupported_placement_says_not_implemented() {
+        let e = JobConfig::parse(DEMO, "d", &["job.placement=\"split\"".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("job.placement") && e.contains("not implemented yet"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,310 @@
+//! `[placement]`: which node runs each role, and the live placement's knobs.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, Role, RoleActor, RoleError, RoleRequest, RoleResponse, Sample};
+use yatt_runtime::actor::{ActorRef, CallError};
+use yatt_runtime::addr::ActorName;
+use yatt_runtime::collective::RING_CHUNK_BYTES;
+use yatt_runtime::directory::Directory;
+use yatt_runtime::message::Message;
+use yatt_runtime::node::{Node, NodeBuilder, NodeError};
+
+use crate::build::heads::controllers;
+use crate::config::sections::JobConfig;
+use crate::config::modes::PlacementMode;
+
+/// The roles of a job, by the key that places them.
+pub const ROLES: [&str; 4] = ["rollout", "policy", "reference", "reward"];
+
+/// `[placement]`: where a job's roles run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PlacementSection {
+    /// `colocate`: every role in the training process (the nodes below are not used).
+    /// `disaggregated`: each role on the cluster node named below (`yatt train CONFIG
+    /// --cluster SEED_ADDR`).
+    pub mode: PlacementMode,
+    /// Node of the rollout replicas (one per controller).
+    pub rollout: String,
+    /// Node of the policy (the trainer): one name for every replica, or a list with
+    /// one node per replica (`job.policy_replicas`), replica `i` on entry `i`.
+    pub policy: NodeNames,
+    /// Node of the reference policy.
+    pub reference: String,
+    /// Node of the reward functions.
+    pub reward: String,
+    /// Node of the critic (`algorithm.name = "ppo"` only).
+    pub critic: String,
+    /// Deadline for a node to build a role, model load included, seconds.
+    pub spawn_timeout_s: u64,
+    /// Run the live placement actor: the rollout and the policy sit on device groups
+    /// and groups move between them as the load shifts (see `crate::placement_live`).
+    /// Embedded (`colocate`): `groups` virtual groups of this process; on a cluster
+    /// (`disaggregated`): the devices the nodes in `nodes` advertise.
+    pub live: bool,
+    /// Virtual device groups of the embedded live placement (`job.controllers` + 1).
+    pub groups: usize,
+    /// Live placement on a cluster: the nodes whose devices (one group each, as
+    /// membership advertises them) the rollout and the policy share. `rollout` and
+    /// `policy` are not used then; `reward` and `reference` still place those roles.
+    pub nodes: Vec<String>,
+    /// Groups the rollout starts with (1 or `job.controllers`); the policy gets the rest.
+    pub rollout_groups: usize,
+    /// The placement policy's knobs (`[placement.replan]`: replan_every, warmup_steps,
+    /// min_gain, confirmations, horizon_steps, payback, cooldown_steps,
+    /// lookahead_steps, simulate_candidates, simulate_steps).
+    pub replan: yatt_placement::PolicyConfig,
+}
+
+impl Default for PlacementSection {
+    fn default() -> Self {
+        PlacementSection {
+            mode: PlacementMode::Colocate,
+            rollout: String::new(),
+            policy: NodeNames::default(),
+            reference: String::new(),
+            reward: String::new(),
+            critic: String::new(),
+            spawn_timeout_s: 300,
+            live: false,
+            groups: 3,
+            nodes: Vec::new(),
+            rollout_groups: 1,
+            replan: yatt_placement::PolicyConfig {
+                // The live executor trusts the analytic model: simulating candidates
+                // costs more than a CPU step.
+                simulate_candidates: 0,
+                ..Default::default()
+            },
+        }
+    }
+}
+
+/// `placement.policy`: one node name, or a list of them (one per replica).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeNames {
+    /// Every replica on this node.
+    One(String),
+    /// Replica `i` on entry `i`.
+    Each(Vec<String>),
+}
+
+impl Default for NodeNames {
+    fn default() -> Self {
+        NodeNames::One(String::new())
+    }
+}
+
+impl From<&str> for NodeNames {
+    fn from(name: &str) -> Self {
+        NodeNames::One(name.to_string())
+    }
+}
+
+impl std::fmt::Display for NodeNames {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NodeNames::One(n) => f.write_str(n),
+            NodeNames::Each(ns) => write!(f, "[{}]", ns.join(", ")),
+        }
+    }
+}
+
+impl Serialize for NodeNames {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            NodeNames::One(n) => s.serialize_str(n),
+            NodeNames::Each(ns) => ns.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for NodeNames {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Names;
+        impl<'de> serde::de::Visitor<'de> for Names {
+            type Value = NodeNames;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a node name, or a list of node names (one per policy replica)")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<NodeNames, E> {
+                Ok(NodeNames::One(v.to_string()))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<NodeNames, A::Error> {
+                let mut names = Vec::new();
+                while let Some(n) = seq.next_element::<String>()? {
+                    names.push(n);
+                }
+                Ok(NodeNames::Each(names))
+            }
+        }
+        d.deserialize_any(Names)
+    }
+}
+
+impl PlacementSection {
+    /// The node named for `role` (one of [`ROLES`]); for a policy placed replica by
+    /// replica, the first replica's.
+    pub fn node_of(&self, role: &str) -> &str {
+        match role {
+            "rollout" => &self.rollout,
+            "policy" => match &self.policy {
+                NodeNames::One(n) => n,
+                NodeNames::Each(ns) => ns.first().map_or("", String::as_str),
+            },
+            "reference" => &self.reference,
+            "critic" => &self.critic,
+            _ => &self.reward,
+        }
+    }
+
+    /// The node of each of `replicas` policy replicas, in replica order.
+    pub fn policy_nodes(&self, replicas: usize) -> Vec<String> {
+        match &self.policy {
+            NodeNames::One(n) => vec![n.clone(); replicas],
+            NodeNames::Each(ns) => ns.clone(),
+        }
+    }
+
+    /// Every `(key, node)` the section names for a job with `replicas` policy replicas
+    /// (one by one) and, with `critic`, a critic.
+    pub(crate) fn named_nodes(&self, replicas: usize, critic: bool) -> Vec<(String, String)> {
+        let mut v = Vec::new();
+        if critic {
+            v.push(("placement.critic".to_string(), self.critic.clone()));
+        }
+        for role in ROLES {
+            if role == "policy" {
+                for (i, n) in self.policy_nodes(replicas).into_iter().enumerate() {
+                    let key = match self.policy {
+                        NodeNames::One(_) => "placement.policy".to_string(),
+                        NodeNames::Each(_) => format!("placement.policy[{i}]"),
+                    };
+                    v.push((key, n));
+                }
+            } else {
+                v.push((format!("placement.{role}"), self.node_of(role).to_string()));
+            }
+        }
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DEMO: &str = include_str!("../../../config/demo-letters.toml");
+
+    fn disaggregated() -> Vec<String> {
+        vec![
+            "placement.mode=\"disaggregated\"".into(),
+            "placement.rollout=\"node-a\"".into(),
+            "placement.policy=\"node-b\"".into(),
+            "placement.reference=\"node-b\"".into(),
+            "placement.reward=\"node-c\"".into(),
+        ]
+    }
+
+    #[test]
+    fn a_disaggregated_placement_parses_and_travels_as_toml() {
+        let job = JobConfig::parse(DEMO, "d", &disaggregated()).unwrap();
+        assert_eq!(job.placement.node_of("reward"), "node-c");
+        // The shipped demo names its nodes and runs colocated unless told otherwise.
+        let demo = JobConfig::parse(DEMO, "d", &[]).unwrap();
+        assert_eq!(demo.placement.mode, PlacementMode::Colocate);
+        assert_eq!(demo.placement.node_of("policy"), "node-b");
+        let text = toml::to_string(&job).unwrap();
+        assert_eq!(JobConfig::parse(&text, "t", &[]).unwrap(), job);
+    }
+
+    fn two_replicas(policy: &str) -> Vec<String> {
+        let mut sets = disaggregated();
+        sets.retain(|s| !s.starts_with("placement.policy"));
+        sets.extend([
+            format!("placement.policy={policy}"),
+            "job.controllers=2".into(),
+            "job.policy_replicas=2".into(),
+        ]);
+        sets
+    }
+
+    #[test]
+    fn policy_replicas_are_placed_one_node_each_or_all_on_one() {
+        let job = JobConfig::parse(DEMO, "d", &two_replicas("[\"node-b\", \"node-d\"]")).unwrap();
+        assert_eq!(job.placement.policy_nodes(2), ["node-b", "node-d"]);
+        assert_eq!(job.placement.node_of("policy"), "node-b");
+        assert_eq!(job.placement.policy.to_string(), "[node-b, node-d]");
+        // The list travels to the nodes as TOML.
+        let text = toml::to_string(&job).unwrap();
+        assert_eq!(JobConfig::parse(&text, "t", &[]).unwrap(), job);
+        // One name puts every replica on that node.
+        let job = JobConfig::parse(DEMO, "d", &two_replicas("\"node-b\"")).unwrap();
+        assert_eq!(job.placement.policy_nodes(2), ["node-b", "node-b"]);
+        assert_eq!(job.placement.policy.to_string(), "node-b");
+    }
+
+    #[test]
+    fn a_policy_placement_that_does_not_fit_the_replicas_says_how_to_fix_it() {
+        let e = JobConfig::parse(DEMO, "d", &two_replicas("[\"node-b\"]"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("placement.policy")
+                && e.contains("job.policy_replicas = 2")
+                && e.contains("1 name(s): [node-b]")
+                && e.contains("policy = [\"node-0\", \"node-1\"]"),
+            "{e}"
+        );
+        let e = JobConfig::parse(DEMO, "d", &two_replicas("[\"node-b\", \"\"]"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("placement.policy[1]") && e.contains("put a node name at that position"),
+            "{e}"
+        );
+        let e = JobConfig::parse(DEMO, "d", &two_replicas("3"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("placement.policy") && e.contains("a list of node names"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn placement_errors_name_the_key_and_the_fix() {
+        let sets = [
+            "placement.mode=\"disaggregated\"".into(),
+            "placement.reward=\"\"".into(),
+        ];
+        let e = JobConfig::parse(DEMO, "d", &sets).unwrap_err().to_string();
+        assert!(
+            e.contains("placement.reward") && e.contains("add reward = \"NODE\""),
+            "{e}"
+        );
+        // PPO on a cluster needs a node for its critic.
+        let mut sets = disaggregated();
+        sets.push("algorithm.name=\"ppo\"".into());
+        let e = JobConfig::parse(DEMO, "d", &sets).unwrap_err().to_string();
+        assert!(
+            e.contains("placement.critic") && e.contains("add critic = \"NODE\""),
+            "{e}"
+        );
+        sets.push("placement.critic=\"node-c\"".into());
+        let job = JobConfig::parse(DEMO, "d", &sets).unwrap();
+        assert_eq!(job.placement.node_of("critic"), "node-c");
+        let e = JobConfig::parse(DEMO, "d", &["placement.mode=\"spread\"".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("placement.mode") && e.contains("\"colocate\", \"disaggregated\""),
+            "{e}"
+        );
+    }
+}

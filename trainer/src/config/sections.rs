@@ -1,0 +1,394 @@
+//! The job config as TOML: one struct per section, every key with its default.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use yatt_roles::{Algorithm, JudgeConfig, KlEstimator, LETTERS, LossAgg};
+
+use crate::config::modes::{Driver, Dtype, KlMode, ModelSource, OldLogprobs, RewardKind, Schedule, Task, UnparsedVerdict, VerdictMode};
+use crate::config::placement::PlacementSection;
+
+/// A training job, as read from TOML.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct JobConfig {
+    /// `[job]`.
+    pub job: JobSection,
+    /// `[model]`.
+    pub model: ModelSection,
+    /// `[data]`.
+    pub data: DataSection,
+    /// `[rollout]`.
+    pub rollout: RolloutSection,
+    /// `[algorithm]`.
+    pub algorithm: AlgorithmSection,
+    /// `[optim]`.
+    pub optim: OptimSection,
+    /// `[reward]`.
+    pub reward: RewardSection,
+    /// `[checkpoint]`.
+    pub checkpoint: CheckpointSection,
+    /// `[placement]`: which node runs each role.
+    pub placement: PlacementSection,
+}
+
+/// `[job]`: name, output, seed, length and layout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct JobSection {
+    /// Name of the run.
+    pub name: String,
+    /// Where `metrics.jsonl` and `checkpoint/` go.
+    pub output_dir: PathBuf,
+    /// Seed of the model init, the data order and sampling.
+    pub seed: u64,
+    /// Training steps.
+    pub steps: u64,
+    /// Data-parallel controllers (heads), each with its own rollout and data shard; with
+    /// `driver = "single"`, the number of rollout replicas of the one controller.
+    pub controllers: usize,
+    /// `parallel` (one controller per head, meeting at the update) or `single` (one
+    /// driver holding the global batch and spreading generation over the replicas;
+    /// for comparison).
+    pub driver: Driver,
+    /// Kept for older configs: must be `colocate`. Where roles run is `[placement]`.
+    pub placement: String,
+    /// Policy replicas: 1 (shared by every head) or `controllers` (one per head, their
+    /// gradients all-reduced at each update).
+    pub policy_replicas: usize,
+}
+
+impl Default for JobSection {
+    fn default() -> Self {
+        JobSection {
+            name: "yatt".into(),
+            output_dir: "runs/yatt".into(),
+            seed: 0,
+            steps: 30,
+            controllers: 1,
+            driver: Driver::Parallel,
+            placement: "colocate".into(),
+            policy_replicas: 1,
+        }
+    }
+}
+
+/// `[model]`: which model, in which dtype, on how many threads.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSection {
+    /// `tiny` (a random tiny Llama with a character codec) or an HF model directory
+    /// (config.json, safetensors, tokenizer.json).
+    pub source: ModelSource,
+    /// `f32` only for now.
+    pub dtype: Dtype,
+    /// libtorch intra-op threads.
+    pub threads: usize,
+    /// Longest sequence (prompt + response) the rollout handles.
+    pub max_seq_len: usize,
+    /// Wrap prompts in the tokenizer's chat template (HF models only).
+    pub chat: bool,
+    /// `tiny` only: transformer layers (0 = the fixture's 2). A deeper tiny model
+    /// decodes slower per token, as a larger model would.
+    pub tiny_layers: usize,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        ModelSection {
+            source: ModelSource::Tiny,
+            dtype: Dtype::F32,
+            threads: 1,
+            max_seq_len: 256,
+            chat: false,
+            tiny_layers: 0,
+        }
+    }
+}
+
+/// `[data]`: prompts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataSection {
+    /// `addition`, `sorting`, `reversal` or `letters`; ignored when `jsonl` is set.
+    pub task: Task,
+    /// A JSONL prompt file (`{"prompt": ..., "reference": ...}` per line); empty = use `task`.
+    pub jsonl: String,
+    /// Task length of the synthetic tasks (digits, list length, letters); for
+    /// `growing`, the target response length at the first step.
+    pub length: usize,
+    /// `growing`: the target response length at the last step (it grows linearly
+    /// from `length` over `job.steps`); 0 keeps it at `length`.
+    pub length_end: usize,
+    /// Number of distinct prompts generated for a synthetic task.
+    pub num_prompts: usize,
+    /// Prompts per step and controller.
+    pub prompts_per_step: usize,
+    /// Samples per prompt (the group size).
+    pub samples_per_prompt: u32,
+}
+
+impl Default for DataSection {
+    fn default() -> Self {
+        DataSection {
+            task: Task::Letters,
+            jsonl: String::new(),
+            length: 2,
+            length_end: 0,
+            num_prompts: 256,
+            prompts_per_step: 8,
+            samples_per_prompt: 8,
+        }
+    }
+}
+
+/// `[rollout]`: sampling.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RolloutSection {
+    /// Longest response, tokens.
+    pub max_new_tokens: usize,
+    /// Sampling temperature.
+    pub temperature: f64,
+    /// Nucleus sampling (1 = off).
+    pub top_p: f64,
+    /// Top-k sampling (0 = off).
+    pub top_k: usize,
+    /// Keep generating past end-of-sequence (fixed-length responses).
+    pub ignore_eos: bool,
+    /// Stream samples out of the rollout as they finish, and score their rewards while
+    /// generation goes on (in-process rollouts only).
+    pub stream: bool,
+    /// Most sequences a rollout replica decodes at once (its engine's batch slots);
+    /// 0 = all of a head's samples. A small cap models an engine whose KV cache holds
+    /// few sequences: decoding becomes the bottleneck, as on GPUs.
+    pub max_batch: usize,
+}
+
+impl Default for RolloutSection {
+    fn default() -> Self {
+        RolloutSection {
+            max_new_tokens: 64,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            ignore_eos: false,
+            stream: false,
+            max_batch: 0,
+        }
+    }
+}
+
+/// `[algorithm]`: advantage estimator, clipping, KL and entropy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AlgorithmSection {
+    /// `grpo`, `rloo`, `reinforce++`, `ppo` (GAE with a critic) or `dapo` (GRPO
+    /// advantages with dynamic sampling; pair it with `clip_high = 0.28` and
+    /// `overlong_buffer`).
+    pub name: Algorithm,
+    /// ε_low of the clipped ratio.
+    pub clip_low: f64,
+    /// ε_high of the clipped ratio (clip-higher).
+    pub clip_high: f64,
+    /// KL coefficient (0 = no KL term).
+    pub kl_coef: f64,
+    /// `k1`, `k2` or `k3`.
+    pub kl_estimator: KlEstimator,
+    /// `loss` (KL loss in the policy), `reward` (KL penalty in the reward) or `none`
+    /// (no KL term and no reference model, so no `actor/kl` metric).
+    pub kl_mode: KlMode,
+    /// Entropy bonus coefficient.
+    pub entropy_coef: f64,
+    /// `token-mean` or `seq-mean-token-mean`.
+    pub loss_agg: LossAgg,
+    /// PPO: GAE discount γ.
+    pub gamma: f64,
+    /// PPO: GAE λ.
+    pub lam: f64,
+    /// PPO: value clipping range of the critic's loss (0 = no clipping).
+    pub value_clip: f64,
+    /// Dynamic sampling (drop prompt groups whose rewards are all equal and generate
+    /// more); default: on for `dapo`, off otherwise.
+    pub dynamic_sampling: Option<bool>,
+    /// Generation rounds per step at most with dynamic sampling.
+    pub max_sampling_rounds: usize,
+    /// DAPO overlong penalty: the last `overlong_buffer` tokens before
+    /// `rollout.max_new_tokens` ramp the penalty from 0 to −`overlong_coef` (0 = off).
+    pub overlong_buffer: usize,
+    /// Scale of the overlong penalty.
+    pub overlong_coef: f64,
+    /// Old log-probs of the PPO ratio: `recompute` (a forward pass of the policy before
+    /// the update) or `on-policy` (needs `optim.mini_batches = 1`: the one update runs on
+    /// the weights that generated, so the ratio is 1 and that pass is skipped).
+    pub old_logprobs: OldLogprobs,
+}
+
+impl Default for AlgorithmSection {
+    fn default() -> Self {
+        AlgorithmSection {
+            name: Algorithm::Grpo,
+            clip_low: 0.2,
+            clip_high: 0.2,
+            kl_coef: 0.0,
+            kl_estimator: KlEstimator::K3,
+            kl_mode: KlMode::Loss,
+            entropy_coef: 0.0,
+            loss_agg: LossAgg::TokenMean,
+            gamma: 1.0,
+            lam: 0.95,
+            value_clip: 0.5,
+            dynamic_sampling: None,
+            max_sampling_rounds: 4,
+            overlong_buffer: 0,
+            overlong_coef: 1.0,
+            old_logprobs: OldLogprobs::Recompute,
+        }
+    }
+}
+
+/// `[optim]`: optimizer and batching of the update.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimSection {
+    /// Learning rate.
+    pub lr: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// Linear warm-up steps (optimizer steps).
+    pub warmup_steps: u64,
+    /// `constant` or `cosine` (to 10 % of `lr` at the end of the run).
+    pub schedule: Schedule,
+    /// Gradient-norm clip (0 = none).
+    pub max_grad_norm: f64,
+    /// Samples per forward/backward pass.
+    pub micro_batch: usize,
+    /// Optimizer steps per training step.
+    pub mini_batches: usize,
+    /// The critic's learning rate (PPO).
+    pub critic_lr: f64,
+    /// Skip the forward and backward passes of samples whose advantages are all zero
+    /// (exact without a KL loss or entropy bonus; see `PolicyConfig::skip_zero_advantage`).
+    pub skip_zero_advantage: bool,
+}
+
+impl Default for OptimSection {
+    fn default() -> Self {
+        OptimSection {
+            lr: 1e-6,
+            weight_decay: 0.0,
+            warmup_steps: 0,
+            schedule: Schedule::Constant,
+            max_grad_norm: 1.0,
+            micro_batch: 8,
+            mini_batches: 1,
+            critic_lr: 1e-5,
+            skip_zero_advantage: true,
+        }
+    }
+}
+
+/// `[reward]`: reward functions and reward models, and their weights.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RewardSection {
+    /// `numeric`, `exact`, `letters`, `model`, `judge`, or a list of them; empty = the
+    /// task's default.
+    pub kind: RewardKinds,
+    /// One weight per kind (empty = all 1).
+    pub weights: Vec<f64>,
+    /// Characters the `letters` reward counts.
+    pub letters: String,
+    /// `kind = "model"`: HF directory of a scalar reward model (backbone + `score` head).
+    pub model: String,
+    /// `kind = "judge"`: HF directory of the judge LLM.
+    pub judge_model: String,
+    /// Judge prompt with `{question}`, `{response}`, `{rubric}` (empty = built-in).
+    pub judge_template: String,
+    /// What fills the template's `{rubric}`.
+    pub judge_rubric: String,
+    /// `generate` (greedy verdict, parsed; per-step scores) or `logits` (expected digit
+    /// after a prefilled `Score: `).
+    pub judge_mode: VerdictMode,
+    /// Most tokens of a generated verdict.
+    pub judge_max_tokens: usize,
+    /// Judge cache positions per sequence (judge prompt + verdict).
+    pub judge_max_seq_len: usize,
+    /// A verdict with no score: `error` (fail the step) or `fallback`.
+    pub judge_on_unparsed: UnparsedVerdict,
+    /// The normalised score a verdict with no score gets with `fallback`.
+    pub judge_fallback_score: f64,
+}
+
+impl Default for RewardSection {
+    fn default() -> Self {
+        let judge = JudgeConfig::default();
+        RewardSection {
+            kind: RewardKinds::default(),
+            weights: Vec::new(),
+            letters: LETTERS.into(),
+            model: String::new(),
+            judge_model: String::new(),
+            judge_template: String::new(),
+            judge_rubric: judge.rubric,
+            judge_mode: VerdictMode::Generate,
+            judge_max_tokens: judge.max_tokens,
+            judge_max_seq_len: 1024,
+            judge_on_unparsed: UnparsedVerdict::Error,
+            judge_fallback_score: 0.0,
+        }
+    }
+}
+
+/// `reward.kind`: one kind, or a list of them; empty (`""` or `[]`) = the task's
+/// default. Written back as one word when there is one kind.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RewardKinds(pub Vec<RewardKind>);
+
+impl Serialize for RewardKinds {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self.0.as_slice() {
+            [] => s.serialize_str(""),
+            [one] => one.serialize(s),
+            many => many.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for RewardKinds {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Kinds;
+        impl<'de> serde::de::Visitor<'de> for Kinds {
+            type Value = RewardKinds;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a reward kind, or a list of them")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<RewardKinds, E> {
+                if v.is_empty() {
+                    return Ok(RewardKinds::default());
+                }
+                let kind = RewardKind::deserialize(serde::de::value::StrDeserializer::<E>::new(v))?;
+                Ok(RewardKinds(vec![kind]))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<RewardKinds, A::Error> {
+                let mut kinds = Vec::new();
+                while let Some(k) = seq.next_element::<RewardKind>()? {
+                    kinds.push(k);
+                }
+                Ok(RewardKinds(kinds))
+            }
+        }
+        d.deserialize_any(Kinds)
+    }
+}
+
+/// `[checkpoint]`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointSection {
+    /// Save the policy every N steps (0 = only at the end).
+    pub every: u64,
+}

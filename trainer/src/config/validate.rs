@@ -1,0 +1,465 @@
+//! Every check of a job config that its types cannot make, in one place.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use yatt_engine::{Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer, tch};
+use yatt_engine::fixtures::tiny_config;
+use yatt_engine::tch::{Device, Kind};
+use yatt_metrics::{RunWriter, WriteError};
+use yatt_roles::{AsciiCodec, CriticConfig, CriticRole, DataError, Dataloader, DeviceGroup, ExactMatchVerifier, GaeConfig, GrpoConfig, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate, KlEstimator, KlLossConfig, LengthSchedule, LossAgg, ModelScorer, NumericVerifier, OnUnparsed, PolicyConfig, PolicyLossConfig, PolicyRequest, PolicyResponse, PolicyRole, Prompt, ReferenceRole, ReinforcePpConfig, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRole, Sample, ScalarRewardModel, SyntheticTask, SyntheticTaskKind, TextCodec, TokenizerCodec, ValueLossConfig, load_jsonl};
+use yatt_runtime::actor::{ActorRef, CallError};
+use yatt_runtime::addr::ActorName;
+use yatt_runtime::collective::{RING_CHUNK_BYTES, RingMember};
+use yatt_runtime::directory::Directory;
+use yatt_runtime::message::Message;
+use yatt_runtime::node::{Node, NodeBuilder, NodeError};
+
+use crate::build::heads::controllers;
+use crate::config::checks::{invalid, one_of, positive};
+use crate::config::placement::{NodeNames, PlacementSection};
+use crate::config::sections::JobConfig;
+use crate::error::JobError;
+use crate::run::train;
+use crate::config::modes::{Driver, Dtype, KlMode, OldLogprobs, PlacementMode, RewardKind, Task};
+
+impl JobConfig {
+    /// Checks every value the types cannot.
+    pub fn validate(&self) -> Result<(), JobError> {
+        let j = &self.job;
+        if j.placement != "colocate" {
+            return Err(JobError::NotImplemented {
+                key: "job.placement".into(),
+                found: j.placement.clone(),
+                fix: "set job.placement = \"colocate\"; to put roles on other nodes, set [placement] mode = \"disaggregated\" with a node per role and run `yatt train CONFIG --cluster SEED_ADDR`".into(),
+            });
+        }
+        self.placement
+            .validate(j.policy_replicas, self.algorithm.name.needs_critic())?;
+        if self.placement.live {
+            self.validate_live()?;
+        }
+        if self.rollout.stream && self.placement.mode == PlacementMode::Disaggregated {
+            return Err(invalid(
+                "rollout.stream",
+                "false with placement.mode = \"disaggregated\"",
+                "true",
+                "streaming works with in-process rollouts only (samples go through a channel, not QUIC): set rollout.stream = false, or placement.mode = \"colocate\"",
+            ));
+        }
+        positive("job.steps", j.steps as f64, "the number of training steps")?;
+        positive(
+            "job.controllers",
+            j.controllers as f64,
+            "controllers = 1 for one head",
+        )?;
+        if j.policy_replicas != 1 && (j.policy_replicas != j.controllers || j.driver != Driver::Parallel)
+        {
+            return Err(invalid(
+                "job.policy_replicas",
+                &format!(
+                    "1, or job.controllers = {} with driver = \"parallel\"",
+                    j.controllers
+                ),
+                &j.policy_replicas.to_string(),
+                "use one policy replica per controller, or a shared one",
+            ));
+        }
+        if self.model.dtype != Dtype::F32 {
+            return Err(JobError::NotImplemented {
+                key: "model.dtype".into(),
+                found: self.model.dtype.to_string(),
+                fix: "use dtype = \"f32\"".into(),
+            });
+        }
+        positive(
+            "model.threads",
+            self.model.threads as f64,
+            "threads = 1 or more",
+        )?;
+        positive(
+            "model.max_seq_len",
+            self.model.max_seq_len as f64,
+            "e.g. max_seq_len = 256",
+        )?;
+        if let Some(dir) = self.model.source.dir().filter(|d| !d.is_dir()) {
+            return Err(invalid(
+                "model.source",
+                "\"tiny\" or an existing HF model directory",
+                &dir.display().to_string(),
+                "point it at a directory with config.json, *.safetensors and tokenizer.json",
+            ));
+        }
+        if self.data.jsonl.is_empty() {
+            positive(
+                "data.num_prompts",
+                self.data.num_prompts as f64,
+                "e.g. num_prompts = 256",
+            )?;
+            if self.data.task != Task::Letters {
+                positive("data.length", self.data.length as f64, "e.g. length = 2")?;
+            }
+        }
+        positive(
+            "data.prompts_per_step",
+            self.data.prompts_per_step as f64,
+            "e.g. prompts_per_step = 8",
+        )?;
+        positive(
+            "data.samples_per_prompt",
+            self.data.samples_per_prompt as f64,
+            "e.g. samples_per_prompt = 8",
+        )?;
+        positive(
+            "rollout.max_new_tokens",
+            self.rollout.max_new_tokens as f64,
+            "e.g. max_new_tokens = 64",
+        )?;
+        positive(
+            "rollout.temperature",
+            self.rollout.temperature,
+            "e.g. temperature = 1.0",
+        )?;
+        if !(self.rollout.top_p > 0.0 && self.rollout.top_p <= 1.0) {
+            return Err(invalid(
+                "rollout.top_p",
+                "a number in (0, 1]",
+                &self.rollout.top_p.to_string(),
+                "top_p = 1.0 turns it off",
+            ));
+        }
+        let a = &self.algorithm;
+        if a.name.needs_critic() && self.job.controllers > 1 && self.job.driver == Driver::Parallel {
+            return Err(invalid(
+                "job.controllers",
+                "1 with algorithm.name = \"ppo\"",
+                &self.job.controllers.to_string(),
+                "the critic trains with one controller for now: set controllers = 1, or use grpo",
+            ));
+        }
+        for (key, v) in [("algorithm.gamma", a.gamma), ("algorithm.lam", a.lam)] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(invalid(
+                    key,
+                    "a number in [0, 1]",
+                    &v.to_string(),
+                    "e.g. 1.0 for gamma, 0.95 for lam",
+                ));
+            }
+        }
+        non_negative("algorithm.value_clip", a.value_clip)?;
+        positive(
+            "algorithm.max_sampling_rounds",
+            a.max_sampling_rounds as f64,
+            "e.g. max_sampling_rounds = 4",
+        )?;
+        if a.overlong_buffer > self.rollout.max_new_tokens {
+            return Err(invalid(
+                "algorithm.overlong_buffer",
+                &format!(
+                    "at most rollout.max_new_tokens = {}",
+                    self.rollout.max_new_tokens
+                ),
+                &a.overlong_buffer.to_string(),
+                "use a buffer of a quarter of max_new_tokens, or 0 to turn the penalty off",
+            ));
+        }
+        non_negative("algorithm.overlong_coef", a.overlong_coef)?;
+        if a.old_logprobs == OldLogprobs::OnPolicy && self.optim.mini_batches != 1 {
+            return Err(invalid(
+                "algorithm.old_logprobs",
+                "\"recompute\" when optim.mini_batches > 1",
+                "\"on-policy\"",
+                "set optim.mini_batches = 1, or old_logprobs = \"recompute\"",
+            ));
+        }
+        non_negative("algorithm.clip_low", a.clip_low)?;
+        non_negative("algorithm.clip_high", a.clip_high)?;
+        non_negative("algorithm.kl_coef", a.kl_coef)?;
+        let o = &self.optim;
+        positive(
+            "optim.lr",
+            o.lr,
+            "e.g. lr = 1e-6 for a real model, 3e-3 for the tiny one",
+        )?;
+        non_negative("optim.weight_decay", o.weight_decay)?;
+        non_negative("optim.max_grad_norm", o.max_grad_norm)?;
+        positive("optim.critic_lr", o.critic_lr, "e.g. critic_lr = 1e-5")?;
+        positive(
+            "optim.micro_batch",
+            o.micro_batch as f64,
+            "e.g. micro_batch = 8",
+        )?;
+        positive(
+            "optim.mini_batches",
+            o.mini_batches as f64,
+            "mini_batches = 1 for one optimizer step per step",
+        )?;
+        let batch = self.data.prompts_per_step * self.data.samples_per_prompt as usize;
+        if batch % o.mini_batches != 0 {
+            return Err(invalid(
+                "optim.mini_batches",
+                &format!("a divisor of prompts_per_step × samples_per_prompt = {batch}"),
+                &o.mini_batches.to_string(),
+                "pick a divisor of the batch",
+            ));
+        }
+        let kinds = self.reward_kinds();
+        self.validate_reward_models(&kinds)?;
+        if !self.reward.weights.is_empty() && self.reward.weights.len() != kinds.len() {
+            return Err(invalid(
+                "reward.weights",
+                &format!("{} weight(s), one per reward.kind", kinds.len()),
+                &format!("{} weight(s)", self.reward.weights.len()),
+                "give one weight per kind, or leave weights out for all 1",
+            ));
+        }
+        if kinds.contains(&RewardKind::Letters) && self.reward.letters.is_empty() {
+            return Err(invalid(
+                "reward.letters",
+                "a non-empty set of characters",
+                "\"\"",
+                "e.g. letters = \"abcdefghij\"",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The live placement's own checks (`placement.live = true`).
+    fn validate_live(&self) -> Result<(), JobError> {
+        let p = &self.placement;
+        let heads = self.job.controllers;
+        if heads < 2 || self.job.driver != Driver::Parallel {
+            return Err(invalid(
+                "job.controllers",
+                "at least 2 parallel heads under placement.live",
+                &heads.to_string(),
+                "set job.controllers = 2 and job.driver = \"parallel\"",
+            ));
+        }
+        if p.rollout_groups != 1 && p.rollout_groups != heads {
+            return Err(invalid(
+                "placement.rollout_groups",
+                &format!("1 or job.controllers ({heads})"),
+                &p.rollout_groups.to_string(),
+                "set rollout_groups = 1",
+            ));
+        }
+        if self.model.threads != 1 {
+            return Err(invalid(
+                "model.threads",
+                "1 under placement.live (a group is one libtorch thread)",
+                &self.model.threads.to_string(),
+                "set model.threads = 1; add groups for more threads",
+            ));
+        }
+        if self.algorithm.name.needs_critic() {
+            return Err(JobError::NotImplemented {
+                key: "algorithm.name".into(),
+                found: "ppo with placement.live".into(),
+                fix:
+                    "live placement moves rollout and policy groups; use grpo, rloo or reinforce++"
+                        .into(),
+            });
+        }
+        let with_reference = self.algorithm.kl_mode != KlMode::None;
+        let cluster = p.mode == PlacementMode::Disaggregated;
+        if cluster && with_reference && p.reference.is_empty() {
+            return Err(invalid(
+                "placement.reference",
+                &format!(
+                    "the node of the reference, as algorithm.kl_mode = \"{}\"",
+                    self.algorithm.kl_mode
+                ),
+                "nothing",
+                "add reference = \"NODE\" under [placement], or set algorithm.kl_mode = \"none\"",
+            ));
+        }
+        if p.mode == PlacementMode::Colocate && p.groups != heads + 1 {
+            return Err(invalid(
+                "placement.groups",
+                &format!("job.controllers + 1 = {}", heads + 1),
+                &p.groups.to_string(),
+                "the rollout and the policy each take 1 or job.controllers groups",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The `model` and `judge` reward keys.
+    pub(crate) fn validate_reward_models(&self, kinds: &[RewardKind]) -> Result<(), JobError> {
+        let r = &self.reward;
+        for (kind, key, dir) in [
+            (RewardKind::Model, "reward.model", &r.model),
+            (RewardKind::Judge, "reward.judge_model", &r.judge_model),
+        ] {
+            let used = kinds.contains(&kind);
+            if !used && !dir.is_empty() {
+                return Err(invalid(
+                    key,
+                    &format!("empty unless reward.kind includes \"{kind}\""),
+                    dir,
+                    &format!("add \"{kind}\" to reward.kind (with a weight in reward.weights), or remove {key}"),
+                ));
+            }
+            if used && !Path::new(dir).join("config.json").is_file() {
+                let how = if kind == RewardKind::Model {
+                    "train one with `yatt reward-model --out DIR` (or yatt_roles::train_reward_model and save_pretrained) and set reward.model = \"DIR\""
+                } else {
+                    "set reward.judge_model to an HF model directory (config.json, model.safetensors, tokenizer.json)"
+                };
+                return Err(invalid(
+                    key,
+                    "an existing HF model directory with config.json",
+                    &format!("{dir:?}"),
+                    how,
+                ));
+            }
+        }
+        if kinds.contains(&RewardKind::Judge) {
+            positive(
+                "reward.judge_max_tokens",
+                r.judge_max_tokens as f64,
+                "e.g. judge_max_tokens = 128",
+            )?;
+            positive(
+                "reward.judge_max_seq_len",
+                r.judge_max_seq_len as f64,
+                "e.g. judge_max_seq_len = 1024 (judge prompt + verdict)",
+            )?;
+            if !(0.0..=1.0).contains(&r.judge_fallback_score) {
+                return Err(invalid(
+                    "reward.judge_fallback_score",
+                    "a number in [0, 1] (scores are normalised)",
+                    &r.judge_fallback_score.to_string(),
+                    "e.g. judge_fallback_score = 0.0",
+                ));
+            }
+            if !r.judge_template.is_empty() {
+                JudgeTemplate::new(r.judge_template.clone()).map_err(|e| {
+                    invalid(
+                        "reward.judge_template",
+                        "a template with a {response} placeholder",
+                        &format!("{:?}", yatt_roles::excerpt(&r.judge_template, 60)),
+                        &e.to_string(),
+                    )
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The reward kinds, with the task's default when none is given.
+    pub fn reward_kinds(&self) -> Vec<RewardKind> {
+        if !self.reward.kind.0.is_empty() {
+            return self.reward.kind.0.clone();
+        }
+        let default = match (self.data.jsonl.is_empty(), self.data.task) {
+            (false, _) | (true, Task::Addition) => RewardKind::Numeric,
+            (true, Task::Letters) => RewardKind::Letters,
+            _ => RewardKind::Exact,
+        };
+        vec![default]
+    }
+}
+
+impl PlacementSection {
+    /// Checks the section on its own, for a job with `policy_replicas` policy replicas
+    /// and, with `critic` (PPO), a critic (which nodes exist is checked against the
+    /// cluster by [`build_cluster`]).
+    pub fn validate(&self, policy_replicas: usize, critic: bool) -> Result<(), JobError> {
+        positive(
+            "placement.spawn_timeout_s",
+            self.spawn_timeout_s as f64,
+            "e.g. spawn_timeout_s = 300",
+        )?;
+        let live_cluster = self.live && self.mode == PlacementMode::Disaggregated;
+        if !self.nodes.is_empty() && !live_cluster {
+            return Err(invalid(
+                "placement.nodes",
+                "nothing unless live = true and mode = \"disaggregated\"",
+                &format!("{:?}", self.nodes),
+                "remove placement.nodes, or set live = true and mode = \"disaggregated\" to run the live placement over those nodes' devices",
+            ));
+        }
+        if self.mode == PlacementMode::Colocate {
+            return Ok(());
+        }
+        if self.live {
+            return self.validate_live_cluster();
+        }
+        if let NodeNames::Each(ns) = &self.policy {
+            if ns.len() != policy_replicas {
+                let example: Vec<String> = (0..policy_replicas.max(1))
+                    .map(|i| format!("\"node-{i}\""))
+                    .collect();
+                return Err(invalid(
+                    "placement.policy",
+                    &format!(
+                        "one node per policy replica: {policy_replicas} name(s), as job.policy_replicas = {policy_replicas}"
+                    ),
+                    &format!("{} name(s): {}", ns.len(), self.policy),
+                    &format!(
+                        "list one node per replica, e.g. policy = [{}] (a node may be listed twice), or give one name to put every replica on that node",
+                        example.join(", ")
+                    ),
+                ));
+            }
+        }
+        for (key, node) in self.named_nodes(policy_replicas, critic) {
+            if node.is_empty() {
+                let role = key.trim_start_matches("placement.");
+                let fix = if role.contains('[') {
+                    "put a node name at that position of policy = [...] (a `yatt-node run --name NODE`)".to_string()
+                } else {
+                    format!(
+                        "add {role} = \"NODE\" under [placement] (a `yatt-node run --name NODE`)"
+                    )
+                };
+                return Err(invalid(
+                    &key,
+                    "the name of the cluster node that runs this role",
+                    "nothing",
+                    &fix,
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The live placement on a cluster: the nodes offering groups, once each, and the
+    /// reward's node (the reference's is checked against `algorithm.kl_mode` when the
+    /// job is built).
+    pub(crate) fn validate_live_cluster(&self) -> Result<(), JobError> {
+        if self.nodes.is_empty() {
+            return Err(invalid(
+                "placement.nodes",
+                "the nodes whose devices the rollout and the policy share, with placement.live = true on a cluster",
+                "nothing",
+                "add nodes = [\"gpu-0\", \"gpu-1\"] under [placement] (`yatt-node run --name NODE`; each offers its GPUs, or --virtual-devices N without GPUs)",
+            ));
+        }
+        for (i, n) in self.nodes.iter().enumerate() {
+            if n.is_empty() || self.nodes[..i].contains(n) {
+                return Err(invalid(
+                    &format!("placement.nodes[{i}]"),
+                    "a node name, each node once",
+                    &format!("{n:?} in {:?}", self.nodes),
+                    "list each node once; a node offers all its devices",
+                ));
+            }
+        }
+        if self.reward.is_empty() {
+            return Err(invalid(
+                "placement.reward",
+                "the name of the cluster node that runs this role",
+                "nothing",
+                "add reward = \"NODE\" under [placement] (a `yatt-node run --name NODE`)",
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,134 @@
+//! A step's advantages from its rewards, through the estimator registry in `yatt-roles`.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+use yatt_engine::SamplingParams;
+use yatt_roles::{AlgoError, CriticReport, CriticRequest, CriticResponse, DataError, Dataloader, DeviceGroup, GaeConfig, GenerateRequest, GradShard, GrpoConfig, KlEstimator, LoaderState, PolicyRequest, PolicyResponse, ReinforcePpConfig, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleError, SampleId, SampleSink, TokenField, TrainReport, dynamic_sampling_filter, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, overlong_penalty, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
+use yatt_runtime::ActorId;
+use yatt_runtime::actor::{ActorRef, CallError};
+use yatt_runtime::collective::RingSpec;
+use yatt_runtime::node::Node;
+
+use crate::controller::core::Controller;
+use crate::controller::error::ControllerError;
+use crate::controller::report::StepMetrics;
+
+impl Controller {
+    /// Fills in `advantages` (and the reward/KL metrics).
+    pub(crate) fn advantages(
+        &self,
+        samples: &mut [Sample],
+        m: &mut StepMetrics,
+    ) -> Result<(), ControllerError> {
+        let step = self.step;
+        let se = |source| ControllerError::Sample { step, source };
+        let ae = |source| ControllerError::Algo { step, source };
+        let dev = Device::Cpu;
+        let mask = response_mask(samples, dev).map_err(se)?;
+        let scores: Vec<f32> = samples
+            .iter()
+            .map(|s| s.require_reward().map(|r| r as f32))
+            .collect::<Result<_, _>>()
+            .map_err(se)?;
+        let scores = Tensor::from_slice(&scores);
+        let groups = group_indices(samples);
+        // Per-token KL(old ‖ ref), when a reference is there.
+        let kl = if self.roles.reference.is_some() {
+            let old = token_matrix(samples, TokenField::OldLogprobs, dev).map_err(se)?;
+            let rf = token_matrix(samples, TokenField::RefLogprobs, dev).map_err(se)?;
+            let metric = kl_estimate(&old, &rf, &mask, self.config.kl_metric).map_err(ae)?;
+            m.set("actor/kl", masked_mean(&metric, &mask).double_value(&[]));
+            match self.config.kl_in_reward {
+                Some(p) => Some((
+                    kl_estimate(&old, &rf, &mask, p.estimator).map_err(ae)?,
+                    p.coef,
+                )),
+                None => None,
+            }
+        } else {
+            None
+        };
+        // Sequence rewards after the KL penalty (the outcome estimators' input).
+        let rewards = match &kl {
+            Some((k, coef)) => &scores - k.sum_dim_intlist(1, false, Kind::Float) * *coef,
+            None => scores.shallow_clone(),
+        };
+        let adv = match self.config.advantage {
+            AdvantageEstimator::Grpo(c) => grpo_advantage(&rewards, &mask, &groups, &c),
+            AdvantageEstimator::Rloo => rloo_advantage(&rewards, &mask, &groups),
+            AdvantageEstimator::ReinforcePp(c) => {
+                let tr = token_level_rewards(
+                    &scores,
+                    &mask,
+                    kl.as_ref().map(|(k, _)| k),
+                    kl.as_ref().map_or(0.0, |(_, c)| *c),
+                )
+                .map_err(ae)?;
+                reinforce_pp_advantage(&tr, &mask, &c)
+            }
+            AdvantageEstimator::Gae(c) => {
+                let tr = token_level_rewards(
+                    &scores,
+                    &mask,
+                    kl.as_ref().map(|(k, _)| k),
+                    kl.as_ref().map_or(0.0, |(_, c)| *c),
+                )
+                .map_err(ae)?;
+                let values = token_matrix(samples, TokenField::Values, dev).map_err(se)?;
+                gae_advantage(&tr, &values, &mask, &c)
+            }
+        }
+        .map_err(ae)?;
+        let rows = split_rows(&adv.advantages, samples);
+        let gae = matches!(self.config.advantage, AdvantageEstimator::Gae(_));
+        let returns = split_rows(&adv.returns, samples);
+        for ((s, a), r) in samples.iter_mut().zip(rows).zip(returns) {
+            s.advantages = Some(a);
+            if gae {
+                s.returns = Some(r);
+            }
+        }
+        if gae {
+            m.set(
+                "critic/returns/mean",
+                masked_mean(&adv.returns, &mask).double_value(&[]),
+            );
+            let v = token_matrix(samples, TokenField::Values, dev).map_err(se)?;
+            m.set(
+                "critic/values/mean",
+                masked_mean(&v, &mask).double_value(&[]),
+            );
+        }
+        // Process rewards (an LLM judge's per-step scores): kept on the samples for a
+        // step-level estimator; their mean shows whether the judge gives any.
+        let steps: Vec<f32> = samples
+            .iter()
+            .filter_map(|s| s.step_rewards.as_deref())
+            .flatten()
+            .copied()
+            .collect();
+        if !steps.is_empty() {
+            m.set(
+                "reward/step_scores/mean",
+                steps.iter().map(|&x| x as f64).sum::<f64>() / steps.len() as f64,
+            );
+        }
+        let n = samples.len().max(1) as f64;
+        m.set(
+            "critic/score/mean",
+            scores.sum(Kind::Float).double_value(&[]) / n,
+        );
+        m.set(
+            "critic/rewards/mean",
+            rewards.sum(Kind::Float).double_value(&[]) / n,
+        );
+        m.set(
+            "critic/advantages/mean",
+            masked_mean(&adv.advantages, &mask).double_value(&[]),
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,120 @@
+//! What a controller runs: batch, sampling, advantages, KL, dynamic sampling, deadlines.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+use yatt_engine::SamplingParams;
+use yatt_roles::{AlgoError, CriticReport, CriticRequest, CriticResponse, DataError, Dataloader, DeviceGroup, GaeConfig, GenerateRequest, GradShard, GrpoConfig, KlEstimator, LoaderState, PolicyRequest, PolicyResponse, ReinforcePpConfig, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleError, SampleId, SampleSink, TokenField, TrainReport, dynamic_sampling_filter, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, overlong_penalty, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
+use yatt_runtime::ActorId;
+use yatt_runtime::actor::{ActorRef, CallError};
+use yatt_runtime::collective::RingSpec;
+use yatt_runtime::node::Node;
+
+use crate::run::train;
+
+/// DAPO dynamic sampling: drop prompt groups whose rewards are all equal and generate
+/// more prompts until the step has `prompts_per_step` groups with signal.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DynamicSamplingConfig {
+    /// Generation rounds per step at most (the first included); after the last round
+    /// the step trains on the groups it has.
+    pub max_rounds: usize,
+    /// Rewards closer than this count as equal.
+    pub tolerance: f64,
+}
+
+/// DAPO soft overlong punishment added to the reward of long responses.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OverlongConfig {
+    /// Length at which the penalty reaches −1 (usually `max_new_tokens`).
+    pub max_len: usize,
+    /// The buffer before `max_len` over which the penalty ramps from 0 to −1.
+    pub buffer: usize,
+    /// Scale of the penalty.
+    pub coef: f64,
+}
+
+/// A KL penalty folded into the rewards (KL-in-reward).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KlPenalty {
+    /// Estimator of KL(old policy ‖ reference) per token.
+    pub estimator: KlEstimator,
+    /// Coefficient.
+    pub coef: f64,
+}
+
+/// Deadlines of the controller's asks.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timeouts {
+    /// Generation.
+    pub generate: Duration,
+    /// Reward, reference and old-log-prob scoring.
+    pub score: Duration,
+    /// The policy update.
+    pub train: Duration,
+    /// Weight export and load.
+    pub sync: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        let m = Duration::from_secs(600);
+        Timeouts {
+            generate: m,
+            score: m,
+            train: m,
+            sync: m,
+        }
+    }
+}
+
+/// How a controller runs its steps.
+#[derive(Debug, Clone)]
+pub struct ControllerConfig {
+    /// Prompts per step (from this controller's shard).
+    pub prompts_per_step: usize,
+    /// Samples per prompt.
+    pub n: u32,
+    /// Sampling parameters (the seed is replaced per sample).
+    pub sampling: SamplingParams,
+    /// Seed of the per-sample sampling seeds.
+    pub seed: u64,
+    /// Advantage estimator.
+    pub advantage: AdvantageEstimator,
+    /// Optional KL penalty in the reward (needs a reference role).
+    pub kl_in_reward: Option<KlPenalty>,
+    /// Estimator of the `actor/kl` metric (old policy vs reference).
+    pub kl_metric: KlEstimator,
+    /// DAPO dynamic sampling (off when `None`).
+    pub dynamic_sampling: Option<DynamicSamplingConfig>,
+    /// DAPO overlong penalty (off when `None`).
+    pub overlong: Option<OverlongConfig>,
+    /// Stream samples out of the rollouts as they finish and score their rewards
+    /// while generation goes on (in-process rollouts only: the stream is a channel).
+    pub stream: bool,
+    /// Devices this controller's roles use (the divisor of `perf/throughput`).
+    pub devices: usize,
+    /// Deadlines.
+    pub timeouts: Timeouts,
+}
+
+impl Default for ControllerConfig {
+    fn default() -> Self {
+        ControllerConfig {
+            prompts_per_step: 8,
+            n: 4,
+            sampling: SamplingParams::default(),
+            seed: 0,
+            advantage: AdvantageEstimator::Grpo(GrpoConfig::default()),
+            kl_in_reward: None,
+            kl_metric: KlEstimator::K3,
+            dynamic_sampling: None,
+            overlong: None,
+            stream: false,
+            devices: 1,
+            timeouts: Timeouts::default(),
+        }
+    }
+}

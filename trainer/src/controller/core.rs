@@ -1,0 +1,271 @@
+//! The controller of one data-parallel head: its state, role calls and the step.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+use yatt_engine::SamplingParams;
+use yatt_roles::{AlgoError, CriticReport, CriticRequest, CriticResponse, DataError, Dataloader, DeviceGroup, GaeConfig, GenerateRequest, GradShard, GrpoConfig, KlEstimator, LoaderState, PolicyRequest, PolicyResponse, ReinforcePpConfig, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleError, SampleId, SampleSink, TokenField, TrainReport, dynamic_sampling_filter, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, overlong_penalty, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
+use yatt_runtime::ActorId;
+use yatt_runtime::actor::{ActorRef, CallError};
+use yatt_runtime::collective::RingSpec;
+use yatt_runtime::node::Node;
+
+use crate::build::data::prompts;
+use crate::controller::config::ControllerConfig;
+use crate::controller::error::ControllerError;
+use crate::controller::probe::GenProbe;
+use crate::controller::refs::{RoleRefs, RolloutRef, variant};
+use crate::controller::report::{ControllerState, StepMetrics, StepReport};
+use crate::ledger::{LedgerError, SampleLedger, Stage};
+use crate::run::train;
+
+/// One data-parallel head: its shard and the roles it drives.
+pub struct Controller {
+    pub(crate) config: ControllerConfig,
+    pub(crate) loader: Dataloader,
+    pub(crate) roles: RoleRefs,
+    pub(crate) step: u64,
+    pub(crate) weights_version: u64,
+    /// Its policy replica averages gradients in a ring with the other heads' replicas
+    /// ([`join_policy_ring`]).
+    pub(crate) in_policy_ring: bool,
+    /// Rollout replicas a generation request goes to when its own replica is lost.
+    pub(crate) spare_rollouts: Vec<RolloutRef>,
+    /// Rollout replicas a call found lost (dead node, deadline): skipped by weight sync
+    /// until the head is rebuilt.
+    pub(crate) lost_rollouts: std::collections::BTreeSet<ActorId>,
+    /// Generation calls in flight, for whoever watches ([`Controller::set_probe`]).
+    pub(crate) probe: Option<GenProbe>,
+}
+
+/// A step between its advantages and its update.
+pub(crate) struct Prepared {
+    pub(crate) t_step: Instant,
+    pub(crate) metrics: StepMetrics,
+    pub(crate) ledger: SampleLedger,
+    pub(crate) samples: Vec<Sample>,
+    pub(crate) gen: yatt_roles::RolloutStats,
+}
+
+impl Controller {
+    /// A controller over its shard `loader`, driving `roles`.
+    pub fn new(
+        config: ControllerConfig,
+        loader: Dataloader,
+        roles: RoleRefs,
+    ) -> Result<Self, ControllerError> {
+        if config.prompts_per_step == 0 || config.n == 0 {
+            return Err(ControllerError::Config(
+                "prompts_per_step and n must be >= 1".into(),
+            ));
+        }
+        if config.prompts_per_step > loader.shard_len() {
+            return Err(ControllerError::Config(format!(
+                "prompts_per_step {} exceeds the shard's {} prompts: a step would take a prompt twice",
+                config.prompts_per_step,
+                loader.shard_len()
+            )));
+        }
+        if config.kl_in_reward.is_some() && roles.reference.is_none() {
+            return Err(ControllerError::Config(
+                "kl_in_reward needs a reference role".into(),
+            ));
+        }
+        if config.devices == 0 {
+            return Err(ControllerError::Config("devices must be >= 1".into()));
+        }
+        if matches!(config.advantage, AdvantageEstimator::Gae(_)) && roles.critic.is_none() {
+            return Err(ControllerError::Config(
+                "GAE (PPO) needs a critic role; set algorithm.name to grpo, rloo or reinforce++, or add the critic".into(),
+            ));
+        }
+        if let Some(d) = config.dynamic_sampling {
+            if d.max_rounds == 0 {
+                return Err(ControllerError::Config(
+                    "dynamic_sampling.max_rounds must be >= 1".into(),
+                ));
+            }
+        }
+        Ok(Controller {
+            config,
+            loader,
+            roles,
+            step: 0,
+            weights_version: 0,
+            in_policy_ring: false,
+            spare_rollouts: Vec::new(),
+            lost_rollouts: Default::default(),
+            probe: None,
+        })
+    }
+
+    /// Rollout replicas (of other heads) that take over a generation request whose own
+    /// replica is lost mid-step (its node died: the call fails when the directory
+    /// declares the node dead, or at the deadline). The request's samples are requeued
+    /// in the step's ledger ([`SampleLedger::requeue`]) and generated on the first
+    /// spare that answers, so the step completes with every sample once. Without
+    /// spares a lost replica fails the step, as before. Non-streamed generation only.
+    pub fn set_spare_rollouts(&mut self, spares: Vec<RolloutRef>) {
+        self.spare_rollouts = spares;
+    }
+
+    /// Reports every generation call this head makes to `probe` while it is in flight.
+    pub fn set_probe(&mut self, probe: GenProbe) {
+        self.probe = Some(probe);
+    }
+
+    /// The rollout replicas this head found lost (skipped by weight sync from then on).
+    pub fn lost_rollouts(&self) -> &std::collections::BTreeSet<ActorId> {
+        &self.lost_rollouts
+    }
+
+    /// The roles this controller drives.
+    pub fn roles(&self) -> &RoleRefs {
+        &self.roles
+    }
+
+    /// Steps completed.
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// The position to checkpoint (with the policy's checkpoint).
+    pub fn state(&self) -> ControllerState {
+        ControllerState {
+            step: self.step,
+            weights_version: self.weights_version,
+            loader: self.loader.state(),
+        }
+    }
+
+    /// Resumes from a checkpointed position (the policy and rollout must be restored to
+    /// the same weights by whoever restores the controller).
+    pub fn restore(&mut self, state: ControllerState) -> Result<(), ControllerError> {
+        self.loader
+            .restore(state.loader)
+            .map_err(ControllerError::Restore)?;
+        self.step = state.step;
+        self.weights_version = state.weights_version;
+        Ok(())
+    }
+
+    pub(crate) fn protocol(&self, role: &'static str, asked: &'static str, got: String) -> ControllerError {
+        let got: String = got.chars().take(80).collect();
+        ControllerError::Protocol {
+            step: self.step,
+            role,
+            asked,
+            got,
+        }
+    }
+
+    pub(crate) fn call(
+        &self,
+        stage: &'static str,
+        role: &'static str,
+    ) -> impl FnOnce(CallError) -> ControllerError {
+        let step = self.step;
+        move |source| ControllerError::Call {
+            step,
+            stage,
+            role,
+            source,
+        }
+    }
+
+    pub(crate) async fn serve<Req: Send + 'static, Resp: Send + 'static>(
+        &self,
+        r: &ActorRef<RoleRequest<Req>, RoleResponse<Resp>>,
+        req: Req,
+        stage: &'static str,
+        role: &'static str,
+        timeout: Duration,
+    ) -> Result<Resp, ControllerError> {
+        match r
+            .ask(RoleRequest::Serve(req), timeout)
+            .await
+            .map_err(self.call(stage, role))?
+        {
+            RoleResponse::Served(x) => Ok(x),
+            other => Err(self.protocol(role, stage, variant(&other))),
+        }
+    }
+
+    pub(crate) async fn serve_policy(
+        &self,
+        req: PolicyRequest,
+        stage: &'static str,
+        t: Duration,
+    ) -> Result<PolicyResponse, ControllerError> {
+        self.serve(&self.roles.policy, req, stage, "policy", t)
+            .await
+    }
+
+    pub(crate) fn ledger_err(&self) -> impl Fn(LedgerError) -> ControllerError {
+        let step = self.step;
+        move |source| ControllerError::Ledger { step, source }
+    }
+
+    pub(crate) fn stage_done(
+        &self,
+        ledger: &mut SampleLedger,
+        samples: &[Sample],
+        stage: Stage,
+    ) -> Result<(), ControllerError> {
+        ledger.record_all(samples.iter().map(|s| &s.id), stage);
+        ledger.verify_stage(stage).map_err(self.ledger_err())
+    }
+
+    /// Runs one step. On error the step's prompts are consumed; restore a
+    /// [`ControllerState`] taken before the step to retry it.
+    pub async fn step(&mut self) -> Result<StepReport, ControllerError> {
+        let mut p = self.prepare().await?;
+        let t = Instant::now();
+        let policy = async {
+            let r = self
+                .serve_policy(
+                    PolicyRequest::Train(p.samples.clone()),
+                    "update_actor",
+                    self.config.timeouts.train,
+                )
+                .await;
+            (r, t.elapsed().as_secs_f64())
+        };
+        // The critic's update runs alongside the policy's (different roles, no shared
+        // state), as in verl.
+        let critic = async {
+            let Some(c) = &self.roles.critic else {
+                return Ok(None);
+            };
+            let t = Instant::now();
+            let r = self
+                .serve(
+                    c,
+                    CriticRequest::Train(p.samples.clone()),
+                    "update_critic",
+                    "critic",
+                    self.config.timeouts.train,
+                )
+                .await?;
+            match r {
+                CriticResponse::Trained(r) => Ok(Some((r, t.elapsed().as_secs_f64()))),
+                other => Err(self.protocol("critic", "Train", format!("{other:?}"))),
+            }
+        };
+        let ((train, secs), critic) = tokio::join!(policy, critic);
+        let train = match train? {
+            PolicyResponse::Trained(r) => r,
+            other => return Err(self.protocol("policy", "Train", format!("{other:?}"))),
+        };
+        let critic = match critic? {
+            Some((r, secs)) => {
+                p.metrics.set("timing_s/update_critic", secs);
+                Some(r)
+            }
+            None => None,
+        };
+        self.finish(p, train, critic, secs).await
+    }
+}

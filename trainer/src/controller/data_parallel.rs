@@ -1,0 +1,258 @@
+//! Several heads stepping together: gradient shards, the all-reduce ring, agreement
+//! checks between policy replicas.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+use yatt_engine::SamplingParams;
+use yatt_roles::{AlgoError, CriticReport, CriticRequest, CriticResponse, DataError, Dataloader, DeviceGroup, GaeConfig, GenerateRequest, GradShard, GrpoConfig, KlEstimator, LoaderState, PolicyRequest, PolicyResponse, ReinforcePpConfig, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleError, SampleId, SampleSink, TokenField, TrainReport, dynamic_sampling_filter, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, overlong_penalty, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
+use yatt_runtime::ActorId;
+use yatt_runtime::actor::{ActorRef, CallError};
+use yatt_runtime::collective::RingSpec;
+use yatt_runtime::node::Node;
+
+use crate::build::heads::controllers;
+use crate::controller::core::Controller;
+use crate::controller::error::ControllerError;
+use crate::controller::report::StepReport;
+use crate::run::train;
+
+/// Runs one step of several controllers (data-parallel heads, each with its own shard
+/// and rollout): each prepares its samples; then either their one shared policy
+/// computes each head's gradients, averages them and takes one optimizer step, or,
+/// with a policy replica per head (joined with [`join_policy_ring`]), the replicas
+/// average their gradients among themselves and each takes the same step. Then every
+/// controller syncs its rollout and closes its ledger. The controllers meet only at
+/// the update. Their steps must be at the same count.
+pub async fn step_data_parallel(
+    controllers: &mut [Controller],
+) -> Result<Vec<StepReport>, ControllerError> {
+    let Some(first) = controllers.first() else {
+        return Err(ControllerError::Config(
+            "step_data_parallel needs at least one controller".into(),
+        ));
+    };
+    let policy = first.roles.policy.clone();
+    let step = first.step;
+    if controllers.len() > 1 && controllers.iter().any(|c| c.roles.critic.is_some()) {
+        return Err(ControllerError::Config(
+            "a critic (PPO) is supported with one controller only; set job.controllers = 1 or use grpo/rloo/reinforce++".into(),
+        ));
+    }
+    if let Some(c) = controllers.iter().find(|c| c.step != step) {
+        return Err(ControllerError::Config(format!(
+            "data-parallel controllers must be at the same step (found one at step {}, expected {step})",
+            c.step
+        )));
+    }
+    // Either every head shares one policy, or each has its own replica.
+    let ids: std::collections::BTreeSet<_> = controllers
+        .iter()
+        .map(|c| c.roles.policy.id().clone())
+        .collect();
+    let replicated = ids.len() == controllers.len() && controllers.len() > 1;
+    if !replicated && ids.len() != 1 {
+        return Err(ControllerError::Config(format!(
+            "data-parallel controllers must share one policy or each have their own replica ({} controllers, {} distinct policies; the first is {})",
+            controllers.len(),
+            ids.len(),
+            policy.id()
+        )));
+    }
+    // The heads prepare concurrently: each drives its own rollout replica.
+    let prepared =
+        futures::future::try_join_all(controllers.iter_mut().map(|c| c.prepare())).await?;
+    let t = Instant::now();
+    let train = if replicated && controllers.iter().all(|c| c.in_policy_ring) {
+        all_reduce_update(controllers, &prepared).await?
+    } else {
+        // Replicas outside a ring (the live placement's) get every head's gradients
+        // through the controllers and apply the same average.
+        let shards = gather_shards(controllers, &prepared).await?;
+        let appliers = if replicated {
+            &controllers[..]
+        } else {
+            &controllers[..1]
+        };
+        let trained = apply_shards(appliers, shards).await?;
+        check_replicas_agree(&trained)?;
+        trained.into_iter().next().expect("at least one controller")
+    };
+    let secs = t.elapsed().as_secs_f64();
+    let mut reports = Vec::with_capacity(prepared.len());
+    for (c, p) in controllers.iter_mut().zip(prepared) {
+        // Each ledger records the trained ids of its own samples only.
+        let mine: std::collections::BTreeSet<SampleId> = p.samples.iter().map(|s| s.id).collect();
+        let own = TrainReport {
+            trained: train
+                .trained
+                .iter()
+                .copied()
+                .filter(|id| mine.contains(id))
+                .collect(),
+            ..train.clone()
+        };
+        reports.push(c.finish(p, own, None, secs).await?);
+    }
+    Ok(reports)
+}
+
+/// Each head's gradients on its own samples (side by side when the policy is
+/// replicated; one after the other on a shared one). The shards keep head order
+/// whatever order they finish in, so their average is the same every run.
+async fn gather_shards(
+    controllers: &[Controller],
+    prepared: &[Prepared],
+) -> Result<Vec<GradShard>, ControllerError> {
+    futures::future::try_join_all(controllers.iter().zip(prepared).map(|(c, p)| async move {
+        match c
+            .serve_policy(
+                PolicyRequest::Gradients(p.samples.clone()),
+                "update_actor",
+                c.config.timeouts.train,
+            )
+            .await?
+        {
+            PolicyResponse::Gradients(g) => Ok(g),
+            other => Err(c.protocol("policy", "Gradients", format!("{other:?}"))),
+        }
+    }))
+    .await
+}
+
+/// Has the policy of each of `appliers` average `shards` and take one optimizer step.
+async fn apply_shards(
+    appliers: &[Controller],
+    shards: Vec<GradShard>,
+) -> Result<Vec<TrainReport>, ControllerError> {
+    let n = appliers.len();
+    let mut shards = Some(shards);
+    let applies = appliers.iter().enumerate().map(|(i, c)| {
+        // Every applier but the last gets a copy; the last takes the shards themselves.
+        let mine = if i + 1 == n {
+            shards.take().unwrap_or_default()
+        } else {
+            shards.clone().unwrap_or_default()
+        };
+        async move {
+            match c
+                .serve_policy(
+                    PolicyRequest::ApplyGradients(mine),
+                    "update_actor",
+                    c.config.timeouts.train,
+                )
+                .await?
+            {
+                PolicyResponse::Trained(r) => Ok(r),
+                other => Err(c.protocol("policy", "ApplyGradients", format!("{other:?}"))),
+            }
+        }
+    });
+    futures::future::try_join_all(applies).await
+}
+
+/// Identical gradients give bit-identical norms: a differing norm or version after the
+/// same update means the replicas' weights no longer agree.
+fn check_replicas_agree(trained: &[TrainReport]) -> Result<(), ControllerError> {
+    let Some(first) = trained.first() else {
+        return Ok(());
+    };
+    match trained.iter().enumerate().find(|(_, r)| {
+        r.version != first.version || r.grad_norm.to_bits() != first.grad_norm.to_bits()
+    }) {
+        Some((i, r)) => Err(ControllerError::Config(format!(
+            "policy replicas diverged: replica 0 is at version {} with gradient norm {}, replica {i} at version {} with {} after the same update",
+            first.version, first.grad_norm, r.version, r.grad_norm
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The update of heads with a policy replica each: every replica computes its head's
+/// gradients and averages them with the others' in a ring all-reduce that runs between
+/// the replicas themselves (no gradient passes through a controller), then takes the
+/// same optimizer step. Returns one report for all: the heads' loss statistics
+/// averaged in head order (as `ApplyGradients` gives them), the optimizer's from the
+/// first replica after checking that every replica agrees.
+async fn all_reduce_update(
+    controllers: &[Controller],
+    prepared: &[Prepared],
+) -> Result<TrainReport, ControllerError> {
+    // Every replica must be in the exchange at once: they wait on each other.
+    let trained =
+        futures::future::try_join_all(controllers.iter().zip(prepared).map(|(c, p)| async move {
+            match c
+                .serve_policy(
+                    PolicyRequest::TrainAllReduce(p.samples.clone()),
+                    "update_actor",
+                    c.config.timeouts.train,
+                )
+                .await?
+            {
+                PolicyResponse::Trained(r) => Ok(r),
+                other => Err(c.protocol("policy", "TrainAllReduce", format!("{other:?}"))),
+            }
+        }))
+        .await?;
+    check_replicas_agree(&trained)?;
+    let first = &trained[0];
+    let reports: Vec<&TrainReport> = trained.iter().collect();
+    Ok(TrainReport {
+        optimizer_steps: first.optimizer_steps,
+        version: first.version,
+        grad_norm: first.grad_norm,
+        lr: first.lr,
+        // The replicas work side by side: the update took as long as the slowest.
+        seconds: trained.iter().map(|r| r.seconds).fold(0.0, f64::max),
+        ..TrainReport::merge_heads(&reports)
+    })
+}
+
+/// Sets up the gradient all-reduce of heads with a policy replica each: asks each
+/// replica for its ring inbox, then has every replica join the ring of all of them in
+/// head order. The heads' train deadline bounds each ask and each wait inside the
+/// all-reduce; `chunk_bytes` is the largest message of it.
+pub async fn join_policy_ring(
+    controllers: &mut [Controller],
+    chunk_bytes: u64,
+) -> Result<(), ControllerError> {
+    const STAGE: &str = "join_policy_ring";
+    let mut members = Vec::with_capacity(controllers.len());
+    for c in controllers.iter() {
+        match c
+            .serve_policy(PolicyRequest::RingInbox, STAGE, c.config.timeouts.train)
+            .await?
+        {
+            PolicyResponse::RingInbox(id) => members.push(id),
+            other => return Err(c.protocol("policy", "RingInbox", format!("{other:?}"))),
+        }
+    }
+    let joins = controllers.iter().enumerate().map(|(rank, c)| {
+        let spec = RingSpec {
+            rank: rank as u32,
+            members: members.clone(),
+            timeout: c.config.timeouts.train,
+            chunk_bytes,
+        };
+        async move {
+            match c
+                .serve_policy(
+                    PolicyRequest::JoinRing(spec),
+                    STAGE,
+                    c.config.timeouts.train,
+                )
+                .await?
+            {
+                PolicyResponse::Joined => Ok(()),
+                other => Err(c.protocol("policy", "JoinRing", format!("{other:?}"))),
+            }
+        }
+    });
+    futures::future::try_join_all(joins).await?;
+    for c in controllers.iter_mut() {
+        c.in_policy_ring = true;
+    }
+    Ok(())
+}

@@ -1,0 +1,115 @@
+//! How a controller's step fails.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+use yatt_engine::SamplingParams;
+use yatt_roles::{AlgoError, CriticReport, CriticRequest, CriticResponse, DataError, Dataloader, DeviceGroup, GaeConfig, GenerateRequest, GradShard, GrpoConfig, KlEstimator, LoaderState, PolicyRequest, PolicyResponse, ReinforcePpConfig, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleError, SampleId, SampleSink, TokenField, TrainReport, dynamic_sampling_filter, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, overlong_penalty, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
+use yatt_runtime::ActorId;
+use yatt_runtime::actor::{ActorRef, CallError};
+use yatt_runtime::collective::RingSpec;
+use yatt_runtime::node::Node;
+
+use crate::ledger::LedgerError;
+
+/// Why a step (or setting up a controller) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    /// A role did not answer, or answered with an error.
+    #[error("step {step}, {stage}: asking {role}: {source}")]
+    Call {
+        /// The step.
+        step: u64,
+        /// What the controller was doing.
+        stage: &'static str,
+        /// The role asked.
+        role: &'static str,
+        /// The runtime's error (timeout, handler error, ...).
+        #[source]
+        source: CallError,
+    },
+    /// A role answered with the wrong kind of response.
+    #[error("step {step}: {role} answered {got} to a {asked} request")]
+    Protocol {
+        /// The step.
+        step: u64,
+        /// The role.
+        role: &'static str,
+        /// What was asked.
+        asked: &'static str,
+        /// What came back.
+        got: String,
+    },
+    /// The sample ledger does not balance: a sample is missing, doubled or unexpected.
+    #[error("step {step}: sample ledger: {source}")]
+    Ledger {
+        /// The step.
+        step: u64,
+        /// Which sample and stage.
+        #[source]
+        source: LedgerError,
+    },
+    /// A sample lacks what a stage needs.
+    #[error("step {step}: {source}")]
+    Sample {
+        /// The step.
+        step: u64,
+        /// What is missing.
+        #[source]
+        source: SampleError,
+    },
+    /// The advantage or KL maths rejected the batch.
+    #[error("step {step}: advantages: {source}")]
+    Algo {
+        /// The step.
+        step: u64,
+        /// The algorithm's error.
+        #[source]
+        source: AlgoError,
+    },
+    /// The rollout generated with weights other than the policy's latest.
+    #[error("step {step}: {id} was generated with weights v{got}, but the policy is at v{want}; weight sync did not reach the rollout")]
+    StaleWeights {
+        /// The step.
+        step: u64,
+        /// The first stale sample.
+        id: SampleId,
+        /// Its weights version.
+        got: u64,
+        /// The policy's version.
+        want: u64,
+    },
+    /// The configuration cannot work.
+    #[error("controller config: {0}")]
+    Config(String),
+    /// Dynamic sampling found no prompt group whose rewards differ.
+    #[error("step {step}: dynamic sampling found no prompt group with differing rewards in {rounds} generation rounds ({groups} groups dropped); raise algorithm.max_sampling_rounds or the temperature, or check the reward")]
+    NoSignal {
+        /// The step.
+        step: u64,
+        /// Generation rounds tried.
+        rounds: usize,
+        /// Groups seen and dropped.
+        groups: usize,
+    },
+    /// The dataloader state could not be restored.
+    #[error("restoring the controller: {0}")]
+    Restore(#[source] DataError),
+    /// A role could not be started or spawned.
+    #[error("starting role {role}: {reason}")]
+    Spawn {
+        /// The role.
+        role: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Whether a failed call means the replica is gone (its node died or left, its actor
+/// stopped, or it missed its deadline) rather than that it refused the request: only
+/// then is its work worth handing to another replica.
+fn replica_lost(e: &CallError) -> bool {
+    !matches!(e, CallError::Handler { .. })
+}

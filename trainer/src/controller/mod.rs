@@ -1,0 +1,14 @@
+//! Parallel controllers: one per data-parallel head, each driving its shard of prompts
+//! through rollout → reward → reference → values → advantages → update, meeting the
+//! other heads only at the update.
+pub(crate) mod advantages;
+pub(crate) mod config;
+pub(crate) mod core;
+pub(crate) mod data_parallel;
+pub(crate) mod error;
+pub(crate) mod generate;
+pub(crate) mod probe;
+pub(crate) mod refs;
+pub(crate) mod report;
+pub(crate) mod stages;
+pub(crate) mod weights;

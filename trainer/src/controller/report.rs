@@ -1,0 +1,62 @@
+//! What a step reports, and a controller's checkpointed position.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+use yatt_engine::SamplingParams;
+use yatt_roles::{AlgoError, CriticReport, CriticRequest, CriticResponse, DataError, Dataloader, DeviceGroup, GaeConfig, GenerateRequest, GradShard, GrpoConfig, KlEstimator, LoaderState, PolicyRequest, PolicyResponse, ReinforcePpConfig, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleError, SampleId, SampleSink, TokenField, TrainReport, dynamic_sampling_filter, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, overlong_penalty, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
+use yatt_runtime::ActorId;
+use yatt_runtime::actor::{ActorRef, CallError};
+use yatt_runtime::collective::RingSpec;
+use yatt_runtime::node::Node;
+
+use crate::ledger::LedgerReport;
+use crate::run::train;
+
+/// One step's metrics, by verl-style name (`timing_s/gen`, `critic/rewards/mean`, ...).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    /// The step.
+    pub step: u64,
+    /// Metric name → value.
+    pub values: BTreeMap<String, f64>,
+}
+
+impl StepMetrics {
+    /// A metric's value.
+    pub fn get(&self, name: &str) -> Option<f64> {
+        self.values.get(name).copied()
+    }
+
+    fn set(&mut self, name: &str, v: f64) {
+        self.values.insert(name.to_string(), v);
+    }
+}
+
+/// What one step produced.
+#[derive(Debug, Clone)]
+pub struct StepReport {
+    /// Metrics.
+    pub metrics: StepMetrics,
+    /// The closed ledger.
+    pub ledger: LedgerReport,
+    /// The step's samples with every stage's fields (as sent to training).
+    pub samples: Vec<Sample>,
+    /// The policy update's report.
+    pub train: TrainReport,
+    /// The critic update's report (PPO).
+    pub critic: Option<CriticReport>,
+}
+
+/// A controller's position, to checkpoint next to the policy's weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ControllerState {
+    /// Steps completed.
+    pub step: u64,
+    /// Policy weights version the rollout holds.
+    pub weights_version: u64,
+    /// The dataloader's position.
+    pub loader: LoaderState,
+}

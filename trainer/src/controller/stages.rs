@@ -1,0 +1,408 @@
+//! The stages of a step after generation: reward, reference, values, update.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+use yatt_engine::SamplingParams;
+use yatt_roles::{Prompt, RolloutStats, AlgoError, CriticReport, CriticRequest, CriticResponse, DataError, Dataloader, DeviceGroup, GaeConfig, GenerateRequest, GradShard, GrpoConfig, KlEstimator, LoaderState, PolicyRequest, PolicyResponse, ReinforcePpConfig, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleError, SampleId, SampleSink, TokenField, TrainReport, dynamic_sampling_filter, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, overlong_penalty, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
+use yatt_runtime::ActorId;
+use yatt_runtime::actor::{ActorRef, CallError};
+use yatt_runtime::collective::RingSpec;
+use yatt_runtime::node::Node;
+
+use crate::build::data::prompts;
+use crate::controller::config::{ControllerConfig, DynamicSamplingConfig, OverlongConfig};
+use crate::controller::core::Prepared;
+use crate::controller::core::Controller;
+use crate::controller::error::ControllerError;
+use crate::controller::report::{StepMetrics, StepReport};
+use crate::ledger::{SampleLedger, Stage};
+use crate::run::train;
+
+/// What the rounds of one step's generation add up to.
+#[derive(Debug, Default)]
+pub(crate) struct RoundTotals {
+    pub(crate) rounds: usize,
+    pub(crate) gen_s: f64,
+    pub(crate) reward_s: f64,
+    pub(crate) gen: RolloutStats,
+    pub(crate) streamed_early: usize,
+    pub(crate) groups_seen: usize,
+    pub(crate) groups_dropped: usize,
+    pub(crate) kept_groups: usize,
+}
+
+impl Controller {
+    /// Stages up to the update: generation and reward (repeated by dynamic sampling),
+    /// reference, critic values, old log-probs, advantages.
+    pub(crate) async fn prepare(&mut self) -> Result<Prepared, ControllerError> {
+        let t_step = Instant::now();
+        let cfg = self.config.clone();
+        let mut m = StepMetrics {
+            step: self.step,
+            values: BTreeMap::new(),
+        };
+        let mut ledger = SampleLedger::new(self.step, &self.stages());
+        // 1–2. Generation and reward.
+        let (samples, gen) = self.generate_and_reward(&cfg, &mut ledger, &mut m).await?;
+        // 3. Reference.
+        let samples = match &self.roles.reference {
+            Some(r) => {
+                let t = Instant::now();
+                let s = self
+                    .serve(r, samples, "ref", "reference", cfg.timeouts.score)
+                    .await?;
+                m.set("timing_s/ref", t.elapsed().as_secs_f64());
+                self.stage_done(&mut ledger, &s, Stage::Referenced)?;
+                s
+            }
+            None => samples,
+        };
+        // 4. Critic values.
+        let samples = self.values(samples, &cfg, &mut ledger, &mut m).await?;
+        // 5. Old log-probs.
+        let mut samples = self.old_logprobs(samples, &cfg, &mut ledger, &mut m).await?;
+        // 6. Advantages.
+        let t = Instant::now();
+        self.advantages(&mut samples, &mut m)?;
+        m.set("timing_s/adv", t.elapsed().as_secs_f64());
+        self.stage_done(&mut ledger, &samples, Stage::Advantaged)?;
+        Ok(Prepared {
+            t_step,
+            metrics: m,
+            ledger,
+            samples,
+            gen,
+        })
+    }
+
+    /// The stages every sample of this controller's steps must pass.
+    fn stages(&self) -> Vec<Stage> {
+        let mut stages = vec![
+            Stage::Generated,
+            Stage::Rewarded,
+            Stage::OldLogProbs,
+            Stage::Advantaged,
+            Stage::Trained,
+        ];
+        if self.roles.reference.is_some() {
+            stages.push(Stage::Referenced);
+        }
+        if self.roles.critic.is_some() {
+            stages.extend([Stage::Valued, Stage::CriticTrained]);
+        }
+        stages
+    }
+
+    /// Generation and reward, in rounds when dynamic sampling drops prompt groups whose
+    /// rewards are all equal: the step's samples and the generation statistics.
+    async fn generate_and_reward(
+        &mut self,
+        cfg: &ControllerConfig,
+        ledger: &mut SampleLedger,
+        m: &mut StepMetrics,
+    ) -> Result<(Vec<Sample>, RolloutStats), ControllerError> {
+        let step = self.step;
+        let target = cfg.prompts_per_step;
+        let rounds = cfg.dynamic_sampling.map_or(1, |d| d.max_rounds);
+        let mut kept: Vec<Sample> = Vec::new();
+        let mut seen = std::collections::BTreeSet::new();
+        let mut t = RoundTotals::default();
+        let mut want = target;
+        while t.rounds < rounds {
+            t.rounds += 1;
+            // A step never takes a prompt twice: its sample ids would collide.
+            let prompts: Vec<_> = self
+                .loader
+                .next_batch(want.min(self.loader.shard_len()))
+                .into_iter()
+                .filter(|p| seen.insert(p.id))
+                .collect();
+            if prompts.is_empty() {
+                break;
+            }
+            let ids = prompts.iter().flat_map(|p| {
+                (0..cfg.n).map(move |k| SampleId {
+                    step,
+                    prompt: p.id,
+                    k,
+                })
+            });
+            ledger.expect(ids).map_err(self.ledger_err())?;
+            let mut samples = self.generate_round(prompts, cfg, ledger, &mut t).await?;
+            self.stage_done(ledger, &samples, Stage::Rewarded)?;
+            if let Some(o) = cfg.overlong {
+                self.apply_overlong(&mut samples, o)?;
+            }
+            let Some(ds) = cfg.dynamic_sampling else {
+                kept = samples;
+                break;
+            };
+            let Some(more) = self.keep_groups_with_signal(samples, ds, target, ledger, &mut kept, &mut t)?
+            else {
+                break;
+            };
+            want = more;
+        }
+        if kept.is_empty() {
+            // Like verl's DAPO: a step with no signal at all is an error, not a silent
+            // no-op update.
+            return Err(ControllerError::NoSignal {
+                step,
+                rounds: t.rounds,
+                groups: t.groups_dropped,
+            });
+        }
+        m.set("timing_s/gen", t.gen_s);
+        m.set("timing_s/reward", t.reward_s);
+        if cfg.stream {
+            m.set("stream/rewarded_during_gen", t.streamed_early as f64);
+        }
+        if cfg.dynamic_sampling.is_some() {
+            m.set("dapo/gen_rounds", t.rounds as f64);
+            m.set("dapo/groups_dropped", t.groups_dropped as f64);
+            m.set(
+                "dapo/keep_rate",
+                t.kept_groups as f64 / t.groups_seen.max(1) as f64,
+            );
+        }
+        Ok((kept, t.gen))
+    }
+
+    /// One round of generation and reward over `prompts` (streamed or not).
+    async fn generate_round(
+        &mut self,
+        prompts: Vec<Prompt>,
+        cfg: &ControllerConfig,
+        ledger: &mut SampleLedger,
+        t: &mut RoundTotals,
+    ) -> Result<Vec<Sample>, ControllerError> {
+        if cfg.stream {
+            let r = self.generate_streamed(prompts, cfg, ledger).await?;
+            t.gen_s += r.gen_s;
+            t.reward_s += r.reward_tail_s;
+            t.gen.response_tokens += r.stats.response_tokens;
+            t.gen.seconds += r.stats.seconds;
+            t.streamed_early += r.early;
+            ledger
+                .verify_stage(Stage::Generated)
+                .map_err(self.ledger_err())?;
+            return Ok(r.samples);
+        }
+        let g = self.generate(prompts, cfg).await?;
+        // Samples a lost replica had in flight were generated again elsewhere.
+        for id in &g.requeued {
+            ledger.requeue(*id).map_err(self.ledger_err())?;
+        }
+        self.lost_rollouts.extend(g.lost);
+        let samples = g.samples;
+        t.gen_s += g.seconds;
+        t.gen.response_tokens += g.stats.response_tokens;
+        t.gen.seconds += g.stats.seconds;
+        self.stage_done(ledger, &samples, Stage::Generated)?;
+        self.check_fresh(&samples)?;
+        let started = Instant::now();
+        let samples = self
+            .serve(&self.roles.reward, samples, "reward", "reward", cfg.timeouts.score)
+            .await?;
+        t.reward_s += started.elapsed().as_secs_f64();
+        Ok(samples)
+    }
+
+    /// DAPO's dynamic sampling on one round's `samples`: keeps the groups with signal
+    /// (at most those still needed) in `kept`, drops the rest through the ledger, and
+    /// gives the number of prompts to ask for next, or `None` when the step is full.
+    fn keep_groups_with_signal(
+        &self,
+        samples: Vec<Sample>,
+        ds: DynamicSamplingConfig,
+        target: usize,
+        ledger: &mut SampleLedger,
+        kept: &mut Vec<Sample>,
+        t: &mut RoundTotals,
+    ) -> Result<Option<usize>, ControllerError> {
+        let step = self.step;
+        let rewards: Vec<f64> = samples
+            .iter()
+            .map(|s| s.require_reward())
+            .collect::<Result<_, _>>()
+            .map_err(|source| ControllerError::Sample { step, source })?;
+        let groups = group_indices(&samples);
+        let f = dynamic_sampling_filter(&rewards, &groups, target - t.kept_groups, ds.tolerance)
+            .map_err(|source| ControllerError::Algo { step, source })?;
+        t.groups_seen += f.keep_groups.len() + f.dropped_groups.len();
+        // Keep at most the groups still needed; the surplus is dropped like the groups
+        // without signal (DAPO trims to the batch size).
+        let keep: Vec<usize> = f
+            .keep_groups
+            .iter()
+            .copied()
+            .take(target - t.kept_groups)
+            .collect();
+        t.kept_groups += keep.len();
+        let mut dropped = Vec::new();
+        for (s, g) in samples.into_iter().zip(&groups) {
+            if keep.contains(g) {
+                kept.push(s);
+            } else {
+                dropped.push(s);
+            }
+        }
+        t.groups_dropped += f.dropped_groups.len() + f.keep_groups.len() - keep.len();
+        for s in &dropped {
+            ledger
+                .drop_after(s.id, Stage::Rewarded)
+                .map_err(self.ledger_err())?;
+        }
+        if t.kept_groups >= target {
+            return Ok(None);
+        }
+        Ok(Some(
+            f.suggested_prompts
+                .unwrap_or(2 * (target - t.kept_groups))
+                .max(target - t.kept_groups),
+        ))
+    }
+
+    /// The critic's values of `samples`, when the job has a critic.
+    async fn values(
+        &self,
+        samples: Vec<Sample>,
+        cfg: &ControllerConfig,
+        ledger: &mut SampleLedger,
+        m: &mut StepMetrics,
+    ) -> Result<Vec<Sample>, ControllerError> {
+        let Some(c) = &self.roles.critic else {
+            return Ok(samples);
+        };
+        let t = Instant::now();
+        let request = CriticRequest::Values(samples);
+        let s = match self
+            .serve(c, request, "values", "critic", cfg.timeouts.score)
+            .await?
+        {
+            CriticResponse::Valued(s) => s,
+            other => return Err(self.protocol("critic", "Values", format!("{other:?}"))),
+        };
+        m.set("timing_s/values", t.elapsed().as_secs_f64());
+        self.stage_done(ledger, &s, Stage::Valued)?;
+        Ok(s)
+    }
+
+    /// The policy's log-probs of `samples` before the update (the PPO ratio's "old").
+    async fn old_logprobs(
+        &self,
+        samples: Vec<Sample>,
+        cfg: &ControllerConfig,
+        ledger: &mut SampleLedger,
+        m: &mut StepMetrics,
+    ) -> Result<Vec<Sample>, ControllerError> {
+        let t = Instant::now();
+        let request = PolicyRequest::OldLogProbs(samples);
+        let samples = match self
+            .serve_policy(request, "old_log_prob", cfg.timeouts.score)
+            .await?
+        {
+            PolicyResponse::Scored(s) => s,
+            other => return Err(self.protocol("policy", "OldLogProbs", format!("{other:?}"))),
+        };
+        m.set("timing_s/old_log_prob", t.elapsed().as_secs_f64());
+        self.stage_done(ledger, &samples, Stage::OldLogProbs)?;
+        Ok(samples)
+    }
+
+    /// Adds DAPO's overlong penalty to each sample's reward.
+    pub(crate) fn apply_overlong(
+        &self,
+        samples: &mut [Sample],
+        o: OverlongConfig,
+    ) -> Result<(), ControllerError> {
+        let step = self.step;
+        for s in samples {
+            let r = s
+                .require_reward()
+                .map_err(|source| ControllerError::Sample { step, source })?;
+            let p = overlong_penalty(s.response_len(), o.max_len, o.buffer)
+                .map_err(|source| ControllerError::Algo { step, source })?;
+            s.reward = Some(r + o.coef * p);
+        }
+        Ok(())
+    }
+
+    /// The update's accounting, weight sync, the ledger's close and the metrics.
+    pub(crate) async fn finish(
+        &mut self,
+        p: Prepared,
+        train: TrainReport,
+        critic: Option<CriticReport>,
+        update_s: f64,
+    ) -> Result<StepReport, ControllerError> {
+        let Prepared {
+            t_step,
+            metrics: mut m,
+            mut ledger,
+            samples: kept,
+            gen,
+        } = p;
+        let cfg = self.config.clone();
+        m.set("timing_s/update_actor", update_s);
+        ledger.record_all(&train.trained, Stage::Trained);
+        ledger
+            .verify_stage(Stage::Trained)
+            .map_err(self.ledger_err())?;
+        if let Some(c) = &critic {
+            ledger.record_all(&c.trained, Stage::CriticTrained);
+            ledger
+                .verify_stage(Stage::CriticTrained)
+                .map_err(self.ledger_err())?;
+            m.set("critic/vf_loss", c.vf_loss);
+            m.set("critic/vf_clipfrac", c.vf_clipfrac);
+            m.set("critic/vpred_mean", c.vpred_mean);
+            m.set("critic/grad_norm", c.grad_norm);
+        }
+
+        // 7. Weight sync.
+        let t = Instant::now();
+        let version = self.sync_weights().await?;
+        m.set("timing_s/weight_sync", t.elapsed().as_secs_f64());
+
+        let ledger = ledger.close().map_err(self.ledger_err())?;
+        let wall = t_step.elapsed().as_secs_f64();
+        m.set("timing_s/step", wall);
+        let b = kept.len().max(1) as f64;
+        let resp: usize = kept.iter().map(Sample::response_len).sum();
+        let prompt: usize = kept.iter().map(|s| s.prompt_tokens.len()).sum();
+        m.set("response_length/mean", resp as f64 / b);
+        m.set("prompt_length/mean", prompt as f64 / b);
+        m.set("perf/total_num_tokens", (resp + prompt) as f64);
+        m.set(
+            "perf/throughput",
+            (resp + prompt) as f64 / wall.max(1e-9) / cfg.devices as f64,
+        );
+        m.set(
+            "perf/gen_tokens_per_s",
+            gen.response_tokens as f64 / gen.seconds.max(1e-9),
+        );
+        m.set("actor/entropy", train.entropy);
+        m.set("actor/pg_clipfrac", train.pg_clipfrac);
+        m.set("actor/grad_norm", train.grad_norm);
+        m.set("actor/pg_loss", train.loss);
+        m.set("actor/ppo_kl", train.approx_kl);
+        m.set("actor/lr", train.lr);
+        if self.config.kl_in_reward.is_none() && train.kl_loss != 0.0 {
+            m.set("actor/kl_loss", train.kl_loss);
+        }
+        m.set("training/weights_version", version as f64);
+        self.step += 1;
+        m.set("training/dropped_samples", ledger.dropped as f64);
+        Ok(StepReport {
+            metrics: m,
+            ledger,
+            samples: kept,
+            train,
+            critic,
+        })
+    }
+}

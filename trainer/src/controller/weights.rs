@@ -1,0 +1,114 @@
+//! Weights: syncing the rollouts to the policy, saving the policy and the critic.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+use yatt_engine::SamplingParams;
+use yatt_roles::{AlgoError, CriticReport, CriticRequest, CriticResponse, DataError, Dataloader, DeviceGroup, GaeConfig, GenerateRequest, GradShard, GrpoConfig, KlEstimator, LoaderState, PolicyRequest, PolicyResponse, ReinforcePpConfig, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleError, SampleId, SampleSink, TokenField, TrainReport, dynamic_sampling_filter, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, overlong_penalty, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
+use yatt_runtime::ActorId;
+use yatt_runtime::actor::{ActorRef, CallError};
+use yatt_runtime::collective::RingSpec;
+use yatt_runtime::node::Node;
+
+use crate::controller::core::Controller;
+use crate::controller::error::ControllerError;
+use crate::controller::refs::{RolloutRef, variant};
+
+impl Controller {
+    /// Weight sync: the policy exports its weights and this controller's rollout loads
+    /// them in place. Returns the version the rollout now holds.
+    pub async fn sync_weights(&mut self) -> Result<u64, ControllerError> {
+        let t = self.config.timeouts.sync;
+        // Within one process the rollouts take over a snapshot of the policy's tensors;
+        // across processes the weights travel as byte buckets.
+        let in_process = self.roles.policy.is_local()
+            && self.roles.rollout.is_local()
+            && self.roles.extra_rollouts.iter().all(|r| r.is_local());
+        let export = if in_process {
+            PolicyRequest::ExportLocalWeights
+        } else {
+            PolicyRequest::ExportWeights
+        };
+        let update = match self.serve_policy(export, "weight_sync", t).await? {
+            PolicyResponse::Weights(u) => u,
+            other => return Err(self.protocol("policy", "ExportWeights", format!("{other:?}"))),
+        };
+        let version = update.version;
+        // A replica found lost this step is skipped (another head's spare generated its
+        // samples); one lost only now is marked so, when a spare can take its work.
+        let live: Vec<RolloutRef> = self
+            .roles
+            .extra_rollouts
+            .iter()
+            .chain(std::iter::once(&self.roles.rollout))
+            .filter(|r| !self.lost_rollouts.contains(r.id()))
+            .cloned()
+            .collect();
+        // Every replica but the last gets a copy; the last takes the buckets themselves.
+        let mut update = Some(update);
+        let mut loads = Vec::new();
+        for (i, r) in live.iter().enumerate() {
+            let u = match i + 1 == live.len() {
+                true => update.take(),
+                false => update.clone(),
+            };
+            if let Some(u) = u {
+                loads.push(r.ask(RoleRequest::LoadWeights(u), t));
+            }
+        }
+        for (answer, r) in futures::future::join_all(loads)
+            .await
+            .into_iter()
+            .zip(&live)
+        {
+            match answer {
+                Ok(RoleResponse::Done) => {}
+                Ok(other) => return Err(self.protocol("rollout", "LoadWeights", variant(&other))),
+                Err(e) if replica_lost(&e) && !self.spare_rollouts.is_empty() => {
+                    tracing::warn!(step = self.step, replica = %r.id(), error = %e, "rollout lost at weight sync; its work goes to a spare replica");
+                    self.lost_rollouts.insert(r.id().clone());
+                }
+                Err(e) => return Err(self.call("weight_sync", "rollout")(e)),
+            }
+        }
+        self.weights_version = version;
+        Ok(version)
+    }
+
+    /// Asks the critic (if any) to save a checkpoint to `dir`.
+    pub async fn save_critic(&self, dir: std::path::PathBuf) -> Result<(), ControllerError> {
+        let Some(c) = &self.roles.critic else {
+            return Ok(());
+        };
+        match self
+            .serve(
+                c,
+                CriticRequest::SaveCheckpoint(dir),
+                "checkpoint",
+                "critic",
+                self.config.timeouts.sync,
+            )
+            .await?
+        {
+            CriticResponse::Saved => Ok(()),
+            other => Err(self.protocol("critic", "SaveCheckpoint", format!("{other:?}"))),
+        }
+    }
+
+    /// Asks the policy to save a checkpoint to `dir`.
+    pub async fn save_policy(&self, dir: std::path::PathBuf) -> Result<(), ControllerError> {
+        match self
+            .serve_policy(
+                PolicyRequest::SaveCheckpoint(dir),
+                "checkpoint",
+                self.config.timeouts.sync,
+            )
+            .await?
+        {
+            PolicyResponse::Saved => Ok(()),
+            other => Err(self.protocol("policy", "SaveCheckpoint", format!("{other:?}"))),
+        }
+    }
+}

@@ -1,0 +1,117 @@
+//! The trainer's error type: every way a job can fail, each saying how to fix it.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use yatt_engine::{Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer, tch};
+use yatt_engine::fixtures::tiny_config;
+use yatt_engine::tch::{Device, Kind};
+use yatt_metrics::{RunWriter, WriteError};
+use yatt_roles::{AsciiCodec, CriticConfig, CriticRole, DataError, Dataloader, DeviceGroup, ExactMatchVerifier, GaeConfig, GrpoConfig, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate, KlEstimator, KlLossConfig, LengthSchedule, LossAgg, ModelScorer, NumericVerifier, OnUnparsed, PolicyConfig, PolicyLossConfig, PolicyRole, Prompt, ReferenceRole, ReinforcePpConfig, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, RolloutRole, ScalarRewardModel, SyntheticTask, SyntheticTaskKind, TextCodec, TokenizerCodec, ValueLossConfig, load_jsonl};
+use yatt_runtime::collective::{RING_CHUNK_BYTES, RingMember};
+use yatt_runtime::node::Node;
+
+use crate::controller::core::Controller;
+use crate::controller::error::ControllerError;
+
+/// Why a job could not be configured, built or run.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// The config file could not be read.
+    #[error("{path}: cannot read: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The config is not valid TOML or a value has the wrong type or an unknown key.
+    #[error("{origin}: {message}\nfix: compare with config/demo-letters.toml (every key, its type and default are listed in roles/src/job.rs)")]
+    Parse {
+        /// Where the text came from.
+        origin: String,
+        /// The TOML/serde message (names the key and the line).
+        message: String,
+    },
+    /// A `--set` argument is malformed or names an unknown key.
+    #[error("--set {arg}: {reason}")]
+    Set {
+        /// The argument as given.
+        arg: String,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+    /// A value is of the right type but not acceptable.
+    #[error("{key}: expected {expected}, found {found}; fix: {fix}")]
+    Invalid {
+        /// Dotted key, e.g. `algorithm.name`.
+        key: String,
+        /// What is accepted.
+        expected: String,
+        /// What the config holds.
+        found: String,
+        /// How to fix it.
+        fix: String,
+    },
+    /// The feature asked for exists in the schema but not in the code yet.
+    #[error("{key} = {found:?} is not implemented yet; fix: {fix}")]
+    NotImplemented {
+        /// Dotted key.
+        key: String,
+        /// The value asked for.
+        found: String,
+        /// What works today.
+        fix: String,
+    },
+    /// Live placement could not carry out what the run needs (a migration, a lost
+    /// node's re-plan, a role start or stop on a group).
+    #[error("live placement: {what}; fix: {fix}")]
+    Placement {
+        /// What failed, naming the group, node or replica.
+        what: String,
+        /// How to fix it or where to look.
+        fix: String,
+    },
+    /// Loading a model or tokenizer failed.
+    #[error("model {source_desc}: {reason}")]
+    Model {
+        /// `tiny` or the directory.
+        source_desc: String,
+        /// The engine's message.
+        reason: String,
+    },
+    /// Loading the prompts failed.
+    #[error("data: {0}")]
+    Data(#[from] DataError),
+    /// Building a reward function failed.
+    #[error("reward: {0}")]
+    Reward(#[from] RewardError),
+    /// A controller or role failed (setting up or during a step).
+    #[error("{0}")]
+    Controller(Box<ControllerError>),
+    /// A run directory cannot be resumed.
+    #[error("cannot resume from {dir}: {reason}")]
+    Resume {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+    /// Writing metrics or the checkpoint directory failed.
+    #[error("{path}: {source}")]
+    Write {
+        /// The file or directory.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+}
+
+impl From<ControllerError> for JobError {
+    fn from(e: ControllerError) -> Self {
+        JobError::Controller(Box::new(e))
+    }
+}

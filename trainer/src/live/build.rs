@@ -1,0 +1,361 @@
+//! Building the live placement: groups, the first plan, the first replicas.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tch::{Device, Kind};
+use yatt_engine::{Llama, Trainer};
+use yatt_placement::{CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy, Plan, Pool, Reason, RewardKind, Stage, StageObs};
+use yatt_placement::inventory::GroupId;
+use yatt_placement::profile::{Role as PRole, RoleSet};
+use yatt_placement::record::{GroupUse, Record, finite};
+use yatt_placement::workload::ForecastParams;
+use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse, Sample, TextCodec};
+use yatt_runtime::ActorId;
+use yatt_runtime::actor::{ActorRef, ExitReason};
+use yatt_runtime::collective::RING_CHUNK_BYTES;
+use yatt_runtime::directory::Change;
+use yatt_runtime::membership::NodeInfo;
+use yatt_runtime::message::Message;
+use yatt_runtime::node::Node;
+
+use crate::build::cluster::{job_text, wait_for_nodes};
+use crate::build::embedded::build;
+use crate::build::heads::controllers;
+use crate::build::parts::base_model;
+use crate::build::reward::spawn_reward;
+use crate::config::checks::invalid;
+use crate::config::sections::JobConfig;
+use crate::controller::probe::GenProbe;
+use crate::controller::refs::{PolicyRef, spawn_role};
+use crate::error::JobError;
+use crate::live::state::LivePlacement;
+use crate::config::modes::{Driver, KlMode, RewardKind, PlacementMode};
+
+fn rset(r: PRole) -> RoleSet {
+    RoleSet::of(&[r])
+}
+
+/// A virtual device of one libtorch thread, as the cost model sees it. The figures are
+/// effective rates of a small model on one x86 core (op dispatch dominates decoding);
+/// the online fit corrects them within its bounds from the first steps.
+fn cpu_thread_spec() -> GpuSpec {
+    GpuSpec {
+        name: "cpu-thread".into(),
+        memory_bytes: 8e9,
+        flops: 5e10,
+        hbm_bytes_per_s: 4e8,
+        pcie_bytes_per_s: 4e9,
+        net_bytes_per_s: 2e9,
+        host_memory_bytes: 16e9,
+    }
+}
+
+/// Sequences one rollout replica decodes at once (its engine's slots).
+fn rollout_slots(job: &JobConfig) -> u32 {
+    let all = job.data.prompts_per_step as u32 * job.data.samples_per_prompt;
+    match job.rollout.max_batch {
+        0 => all,
+        cap => all.min(cap as u32),
+    }
+}
+
+fn me(job: &JobConfig) -> impl Fn(yatt_engine::EngineError) -> JobError + '_ {
+    move |e| JobError::Model {
+        source_desc: job.model.source.to_string(),
+        reason: e.to_string(),
+    }
+}
+
+/// `placement.groups` virtual groups of one thread in this process.
+fn embedded_inventory(job: &JobConfig, gpu: &GpuSpec) -> Result<Inventory, JobError> {
+    let groups = job.placement.groups;
+    Inventory::uniform(1, groups as u32, 1, gpu.memory_bytes, gpu.host_memory_bytes).map_err(|e| {
+        invalid(
+            "placement.groups",
+            "a valid inventory",
+            &groups.to_string(),
+            &e.to_string(),
+        )
+    })
+}
+
+/// The devices the alive nodes of `placement.nodes` advertise in the directory, one
+/// group each, in the order the section lists the nodes.
+async fn cluster_inventory(
+    job: &JobConfig,
+    node: &Node,
+) -> Result<(Inventory, Vec<NodeInfo>), JobError> {
+    let p = &job.placement;
+    let mut named: Vec<(String, String)> = p
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (format!("placement.nodes[{i}]"), n.clone()))
+        .collect();
+    named.push(("placement.reward".into(), p.reward.clone()));
+    if job.algorithm.kl_mode != KlMode::None {
+        named.push(("placement.reference".into(), p.reference.clone()));
+    }
+    wait_for_nodes(node, &named).await?;
+    let infos: Vec<NodeInfo> = node.directory().read(|d| {
+        p.nodes
+            .iter()
+            .filter_map(|want| d.alive_nodes().find(|n| n.name == *want).cloned())
+            .collect()
+    });
+    let inventory = Inventory::from_nodes(&infos, 1).map_err(|e| {
+        invalid(
+            "placement.nodes",
+            "nodes whose devices form groups of one",
+            &format!("{:?}", p.nodes),
+            &e.to_string(),
+        )
+    })?;
+    let heads = job.job.controllers;
+    if inventory.len() != heads + 1 {
+        let offered: Vec<String> = infos
+            .iter()
+            .map(|n| format!("{} ({} device(s))", n.name, n.devices.len()))
+            .collect();
+        return Err(invalid(
+            "placement.nodes",
+            &format!(
+                "job.controllers + 1 = {} devices in all (the rollout and the policy each take 1 or job.controllers groups)",
+                heads + 1
+            ),
+            &format!("{} device(s): {}", inventory.len(), offered.join(", ")),
+            "list nodes offering that many devices (`yatt-node run --virtual-devices N` on machines without GPUs), or change job.controllers",
+        ));
+    }
+    Ok((inventory, infos))
+}
+
+impl LivePlacement {
+    /// Checks that `job` can run under live placement, builds its roles on the starting
+    /// plan (`placement.rollout_groups` rollout groups, the rest policy) and writes the
+    /// first plan to `OUTPUT_DIR/placement.jsonl`. Embedded (`placement.mode =
+    /// "colocate"`): the groups are `placement.groups` virtual groups of `node`'s
+    /// process. On a cluster (`"disaggregated"`, `node` a member): the groups are the
+    /// devices the nodes of `placement.nodes` advertise, one group each, and the roles
+    /// start on those nodes through their factories.
+    pub async fn build(job: &JobConfig, node: &Node) -> Result<Self, JobError> {
+        job.validate()?;
+        let p = &job.placement;
+        let heads = job.job.controllers;
+        let with_reference = job.algorithm.kl_mode != KlMode::None;
+        let cluster = p.mode == PlacementMode::Disaggregated;
+        let (model, codec, pad_id) = base_model(job)?;
+        tch::set_num_threads(1);
+        let (inventory, members) = match cluster {
+            false => (embedded_inventory(job, &cpu_thread_spec())?, Vec::new()),
+            true => cluster_inventory(job, node).await?,
+        };
+        let (policy, plan) = placement_policy(job, &model, inventory)?;
+        let (hosts, shared) = shared_roles(job, node, model, codec, pad_id).await?;
+        let out = job.job.output_dir.clone();
+        std::fs::create_dir_all(&out).map_err(|source| JobError::Write {
+            path: out.clone(),
+            source,
+        })?;
+        let log_path = out.join(yatt_placement::record::FILE);
+        let log = std::fs::File::create(&log_path).map_err(|source| JobError::Write {
+            path: log_path.clone(),
+            source,
+        })?;
+        let mut live = LivePlacement {
+            job: job.clone(),
+            node: node.clone(),
+            hosts,
+            policy,
+            plan: plan.clone(),
+            replicas: BTreeMap::new(),
+            shared,
+            controllers: Vec::new(),
+            routing_version: 0,
+            next_replica: 0,
+            log,
+            log_path,
+            before_move: None,
+            last_ledgers: Vec::new(),
+            probe: GenProbe::default(),
+            known_nodes: members
+                .iter()
+                .map(|n| (n.name.clone(), n.incarnation))
+                .collect(),
+            start_faults: 0,
+            rolled_back: false,
+        };
+        // Every policy replica starts from the first one's state (a fresh trainer):
+        // across processes nothing else guarantees the same weights.
+        let mut first: Option<PolicyRef> = None;
+        for pool in &plan.pools {
+            for g in &pool.groups {
+                let r = if pool.roles.contains(PRole::Rollout) {
+                    Replica::Rollout(live.start_rollout(*g).await?)
+                } else {
+                    let r = live.start_policy(*g, first.as_ref()).await?;
+                    first.get_or_insert_with(|| r.clone());
+                    Replica::Policy(r)
+                };
+                live.replicas.insert(*g, r);
+            }
+        }
+        live.route(None).await?;
+        live.sync_all().await?;
+        if let (Some(reference), Some(policy), Hosts::Cluster { .. }) =
+            (&live.shared.reference, &first, &live.hosts)
+        {
+            // The reference is the initial policy, whichever node built it.
+            let t = live.deadline();
+            let update = match ask_policy(policy, PolicyRequest::ExportWeights, t).await? {
+                PolicyResponse::Weights(u) => u,
+                other => return Err(unexpected("ExportWeights", &other)),
+            };
+            reference
+                .ask(RoleRequest::LoadWeights(update), t)
+                .await
+                .map_err(|e| placement_err(format!("the reference did not take weights: {e}")))?;
+        }
+        live.publish(0)?;
+        Ok(live)
+    }
+}
+
+/// The placement policy of the job over `inventory`, and the plan it starts from: the
+/// rollout on the first `placement.rollout_groups` groups, the policy on the rest.
+fn placement_policy(
+    job: &JobConfig,
+    model: &Llama,
+    inventory: Inventory,
+) -> Result<(PlacementPolicy, Plan), JobError> {
+    let p = &job.placement;
+    let heads = job.job.controllers;
+    let params = model.num_parameters() as f64;
+    let cfg = &model.config;
+    let spec = ModelSpec {
+        name: job.model.source.to_string(),
+        params,
+        layers: cfg.num_hidden_layers as u32,
+        kv_heads: cfg.num_key_value_heads as u32,
+        head_dim: cfg.head_dim as u32,
+    };
+    let mut shape = JobShape::new(spec, RewardKind::Rule, job.rollout.max_new_tokens as u32);
+    // Reward and reference run outside the groups.
+    shape.reference = false;
+    shape.prompt_len = 4;
+    let gpu = cpu_thread_spec();
+    let setup = CostSetup {
+        job: shape,
+        gpu,
+        group_devices: 1,
+        staleness: 0,
+        partial_rollout: None,
+    };
+    let ids: Vec<GroupId> = inventory.groups().map(|g| g.id).collect();
+    let plan = Plan {
+        pools: vec![
+            Pool {
+                roles: rset(PRole::Rollout),
+                groups: ids[..p.rollout_groups].to_vec(),
+            },
+            Pool {
+                roles: rset(PRole::Policy),
+                groups: ids[p.rollout_groups..].to_vec(),
+            },
+        ],
+        rollout_batch_cap: Some(rollout_slots(job)),
+        lanes: None,
+    };
+    let batch = heads as u32 * job.data.prompts_per_step as u32;
+    let forecast = ForecastParams::lognormal(
+        batch,
+        job.data.samples_per_prompt,
+        (job.rollout.max_new_tokens as f64 / 2.0).max(1.0),
+        0.5,
+        job.rollout.max_new_tokens as u32,
+    );
+    let limits = Limits {
+        structures: Some(vec![vec![rset(PRole::Rollout), rset(PRole::Policy)]]),
+        rollout_cap: plan.rollout_batch_cap,
+    };
+    let mut policy = PlacementPolicy::starting_from(
+        p.replan,
+        inventory,
+        setup,
+        forecast,
+        plan.clone(),
+        limits,
+    )
+    .map_err(|e| invalid("[placement]", "a plan that fits", "", &e.to_string()))?;
+    // Starting a role here takes a fraction of a second, not a GPU engine's 10 s;
+    // the first migration replaces the guess with a measurement.
+    policy.cost_model_mut().set_start_costs(0.2, 0.2);
+    Ok((policy, plan))
+}
+
+/// The roles outside the groups (reward, and the reference with a KL term), and how the
+/// groups' replicas are hosted: threads of this process, or cluster nodes.
+async fn shared_roles(
+    job: &JobConfig,
+    node: &Node,
+    model: Llama,
+    codec: Arc<dyn TextCodec>,
+    pad_id: i64,
+) -> Result<(Hosts, Shared), JobError> {
+    let p = &job.placement;
+    let heads = job.job.controllers;
+    let with_reference = job.algorithm.kl_mode != KlMode::None;
+    let cluster = p.mode == PlacementMode::Disaggregated;
+    let (hosts, shared) = match cluster {
+        false => {
+            let group = DeviceGroup::cpu(node.name());
+            let shared = Shared {
+                reward: spawn_reward(job, node, group.clone()).await?,
+                reference: match with_reference {
+                    false => None,
+                    true => Some(
+                        spawn_role(
+                            node,
+                            crate::build::parts::reference_role(
+                                job,
+                                model.deep_copy(Device::Cpu, Kind::Float).map_err(me(job))?,
+                                pad_id,
+                            ),
+                            0,
+                            group.clone(),
+                        )
+                        .await?,
+                    ),
+                },
+            };
+            let hosts = Hosts::Embedded {
+                codec,
+                pad_id,
+                template: Box::new(model.deep_copy(Device::Cpu, Kind::Float).map_err(me(job))?),
+            };
+            (hosts, shared)
+        }
+        true => {
+            // Every policy a node builds gets a ring inbox: the replicas all-reduce
+            // their gradients among themselves whenever each head has its own.
+            let mut sent = job.clone();
+            sent.job.policy_replicas = heads;
+            let text = job_text(&sent)?;
+            let shared = Shared {
+                reward: remote::spawn(job, &text, node, "reward", &p.reward).await?,
+                reference: match with_reference {
+                    false => None,
+                    true => {
+                        Some(remote::spawn(job, &text, node, "reference", &p.reference).await?)
+                    }
+                },
+            };
+            (Hosts::Cluster { text }, shared)
+        }
+    };
+    Ok((hosts, shared))
+}

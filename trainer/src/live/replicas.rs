@@ -1,0 +1,195 @@
+//! Starting, handing state to and stopping role replicas on groups.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tch::{Device, Kind};
+use yatt_engine::{Llama, Trainer};
+use yatt_placement::{CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy, Plan, Pool, Reason, RewardKind, Stage, StageObs};
+use yatt_placement::inventory::GroupId;
+use yatt_placement::profile::{Role as PRole, RoleSet};
+use yatt_placement::record::{GroupUse, Record, finite};
+use yatt_placement::workload::ForecastParams;
+use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse, Sample, TextCodec};
+use yatt_runtime::ActorId;
+use yatt_runtime::actor::{ActorRef, ExitReason};
+use yatt_runtime::collective::RING_CHUNK_BYTES;
+use yatt_runtime::directory::Change;
+use yatt_runtime::membership::NodeInfo;
+use yatt_runtime::message::Message;
+use yatt_runtime::node::Node;
+
+use crate::build::parts::{policy_role_from, rollout_role, train_config};
+use crate::controller::refs::{PolicyRef, RolloutRef, spawn_role};
+use crate::error::JobError;
+use crate::live::state::LivePlacement;
+use crate::run::train;
+
+impl LivePlacement {
+    /// Starts a rollout replica on group `g`; it gets the policy's weights at the next
+    /// weight sync.
+    pub(crate) async fn start_rollout(&mut self, g: GroupId) -> Result<RolloutRef, JobError> {
+        self.injected_fault(g, "rollout")?;
+        match &self.hosts {
+            Hosts::Embedded {
+                codec, template, ..
+            } => {
+                let m = template
+                    .deep_copy(Device::Cpu, Kind::Float)
+                    .map_err(me(&self.job))?;
+                let role = rollout_role(&self.job, m, codec.clone());
+                self.spawn_here(g, role).await
+            }
+            Hosts::Cluster { text } => self.spawn_there(g, text, "rollout").await,
+        }
+    }
+
+    /// Starts `role` on a thread of this process for group `g` and records it in the
+    /// directory (an actor only this process reaches is not registered by itself).
+    pub(crate) async fn spawn_here<R: Role>(
+        &mut self,
+        g: GroupId,
+        role: R,
+    ) -> Result<ActorRef<RoleRequest<R::Request>, RoleResponse<R::Response>>, JobError> {
+        self.next_replica += 1;
+        let r = spawn_role(&self.node, role, self.next_replica, self.device_group(g)).await?;
+        self.announce(Change::ActorUp(r.id().clone())).await?;
+        Ok(r)
+    }
+
+    /// Starts `role` on group `g`'s node through its factory (the hosting node records
+    /// the actor in the directory itself).
+    pub(crate) async fn spawn_there<Req: Message, Resp: Message>(
+        &self,
+        g: GroupId,
+        text: &str,
+        role: &'static str,
+    ) -> Result<ActorRef<RoleRequest<Req>, RoleResponse<Resp>>, JobError> {
+        let target = self.node_of(g)?;
+        Ok(remote::spawn(&self.job, text, &self.node, role, target).await?)
+    }
+
+    /// Records a replica's start or stop in the runtime's directory (a new epoch).
+    pub(crate) async fn announce(&self, change: Change) -> Result<(), JobError> {
+        self.node
+            .propose(change)
+            .await
+            .map_err(|e| JobError::Placement {
+                what: format!("the directory refused a change: {e}"),
+                fix: "see the node's log".into(),
+            })
+    }
+
+    /// Starts a policy replica on group `g`, with `from`'s whole trainer state (weights,
+    /// optimizer, step) when given. A replica that fails to take the state is stopped
+    /// again, so nothing is left behind.
+    pub(crate) async fn start_policy(
+        &mut self,
+        g: GroupId,
+        from: Option<&PolicyRef>,
+    ) -> Result<PolicyRef, JobError> {
+        self.injected_fault(g, "policy")?;
+        let r = match &self.hosts {
+            Hosts::Embedded {
+                template, pad_id, ..
+            } => {
+                let m = template
+                    .deep_copy(Device::Cpu, Kind::Float)
+                    .map_err(me(&self.job))?;
+                let t = Trainer::new(m, train_config(&self.job));
+                let role = policy_role_from(&self.job, t, *pad_id)?;
+                self.spawn_here(g, role).await?
+            }
+            Hosts::Cluster { text } => self.spawn_there(g, text, "policy").await?,
+        };
+        if let Some(src) = from {
+            if let Err(e) = self.hand_off(src, &r).await {
+                let _ = self.stop(&Replica::Policy(r)).await;
+                return Err(e);
+            }
+        }
+        Ok(r)
+    }
+
+    /// Copies `src`'s trainer state to `dst` as bytes (over QUIC when either is remote).
+    pub(crate) async fn hand_off(&self, src: &PolicyRef, dst: &PolicyRef) -> Result<(), JobError> {
+        let t = self.deadline();
+        let state = match ask_policy(src, PolicyRequest::ExportState, t).await? {
+            PolicyResponse::State(s) => s,
+            other => return Err(unexpected("ExportState", &other)),
+        };
+        match ask_policy(dst, PolicyRequest::ImportState(state), t).await? {
+            PolicyResponse::Imported => Ok(()),
+            other => Err(unexpected("ImportState", &other)),
+        }
+    }
+
+    /// Drains, offloads and stops a replica (its thread ends and drops its tensors);
+    /// returns the work items a drain gave up.
+    pub(crate) async fn stop(&self, replica: &Replica) -> Result<Vec<u64>, JobError> {
+        let t = self.deadline();
+        let (drained, id) = match replica {
+            Replica::Rollout(r) => (drain_and_stop(r, t).await?, r.id().clone()),
+            Replica::Policy(p) => (drain_and_stop(p, t).await?, p.id().clone()),
+        };
+        // A remote node records its actor's exit in the directory itself.
+        if let Hosts::Embedded { .. } = self.hosts {
+            self.announce(Change::ActorDown {
+                id,
+                reason: ExitReason::Normal,
+            })
+            .await?;
+        }
+        Ok(drained)
+    }
+}
+
+async fn drain_and_stop<Req: Send + 'static, Resp: Send + 'static>(
+    r: &yatt_runtime::actor::ActorRef<RoleRequest<Req>, RoleResponse<Resp>>,
+    t: Duration,
+) -> Result<Vec<u64>, JobError> {
+    let call = |e: yatt_runtime::actor::CallError| JobError::Placement {
+        what: format!("{} did not stop: {e}", r.id()),
+        fix: "see the role's log".into(),
+    };
+    let drained = match r.ask(RoleRequest::Drain, t).await.map_err(call)? {
+        RoleResponse::Drained(ids) => ids,
+        _ => Vec::new(),
+    };
+    r.ask(RoleRequest::Offload, t).await.map_err(call)?;
+    r.ask(RoleRequest::Stop, t).await.map_err(call)?;
+    Ok(drained)
+}
+
+/// Asks a policy replica, with deadline `t`.
+async fn ask_policy(
+    p: &PolicyRef,
+    request: PolicyRequest,
+    t: Duration,
+) -> Result<PolicyResponse, JobError> {
+    match p.ask(RoleRequest::Serve(request), t).await {
+        Ok(RoleResponse::Served(r)) => Ok(r),
+        Ok(other) => Err(placement_err(format!(
+            "{} answered {}",
+            p.id(),
+            crate::controller::refs::variant(&other)
+        ))),
+        Err(e) => Err(placement_err(format!("{} did not answer: {e}", p.id()))),
+    }
+}
+
+fn unexpected(asked: &str, got: &PolicyResponse) -> JobError {
+    let got = format!("{got:?}");
+    let got: String = got.chars().take(120).collect();
+    placement_err(format!("the policy answered {asked} with {got}"))
+}
+
+fn placement_err(what: String) -> JobError {
+    JobError::Placement {
+        what,
+        fix: "see the nodes' logs; the run stops rather than train on a broken plan".into(),
+    }
+}

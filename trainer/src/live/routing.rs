@@ -1,0 +1,145 @@
+//! Routing heads to replicas, and publishing each routing version.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tch::{Device, Kind};
+use yatt_engine::{Llama, Trainer};
+use yatt_placement::{CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy, Plan, Pool, Reason, RewardKind, Stage, StageObs};
+use yatt_placement::inventory::GroupId;
+use yatt_placement::profile::{Role as PRole, RoleSet};
+use yatt_placement::record::{GroupUse, Record, finite};
+use yatt_placement::workload::ForecastParams;
+use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse, Sample, TextCodec};
+use yatt_runtime::ActorId;
+use yatt_runtime::actor::{ActorRef, ExitReason};
+use yatt_runtime::collective::RING_CHUNK_BYTES;
+use yatt_runtime::directory::Change;
+use yatt_runtime::membership::NodeInfo;
+use yatt_runtime::message::Message;
+use yatt_runtime::node::Node;
+
+use crate::build::heads::controllers;
+use crate::controller::data_parallel::join_policy_ring;
+use crate::controller::refs::{PolicyRef, RoleRefs, RolloutRef};
+use crate::error::JobError;
+use crate::live::state::LivePlacement;
+
+impl LivePlacement {
+    /// Which rollout and policy group each head uses under the plan.
+    pub(crate) fn routes(&self) -> Result<Routes, JobError> {
+        let heads = self.job.job.controllers;
+        let rollouts: Vec<(GroupId, RolloutRef)> = self
+            .of_role(PRole::Rollout)
+            .into_iter()
+            .filter_map(|(g, r)| match r {
+                Replica::Rollout(r) => Some((g, r)),
+                Replica::Policy(_) => None,
+            })
+            .collect();
+        let policies: Vec<(GroupId, PolicyRef)> = self
+            .of_role(PRole::Policy)
+            .into_iter()
+            .filter_map(|(g, r)| match r {
+                Replica::Policy(p) => Some((g, p)),
+                Replica::Rollout(_) => None,
+            })
+            .collect();
+        if rollouts.is_empty() || !(policies.len() == 1 || policies.len() == heads) {
+            return Err(JobError::NotImplemented {
+                key: "placement".into(),
+                found: self.plan.summary(),
+                fix: format!(
+                    "the live executor routes {heads} heads over 1..{heads} rollout groups and 1 or {heads} policy groups"
+                ),
+            });
+        }
+        let r = (0..heads)
+            .map(|i| rollouts[i % rollouts.len()].clone())
+            .collect();
+        let p = (0..heads)
+            .map(|i| policies[i % policies.len()].clone())
+            .collect();
+        Ok((r, p))
+    }
+
+    /// Rebuilds the heads over the plan's replicas, keeping each head's position; on a
+    /// cluster, replicas of a head each join a new gradient ring of the replica set.
+    pub(crate) async fn route(
+        &mut self,
+        states: Option<Vec<crate::controller::report::ControllerState>>,
+    ) -> Result<(), JobError> {
+        let (r, p) = self.routes()?;
+        // Each head's spares: the routing's other rollout replicas.
+        let mut rollouts: Vec<RolloutRef> = Vec::new();
+        for (_, x) in &r {
+            if !rollouts.iter().any(|y| y.id() == x.id()) {
+                rollouts.push(x.clone());
+            }
+        }
+        let shared = RoleRefs {
+            rollout: r[0].1.clone(),
+            extra_rollouts: Vec::new(),
+            reward: self.shared.reward.clone(),
+            reference: self.shared.reference.clone(),
+            policy: p[0].1.clone(),
+            critic: None,
+        };
+        let mut heads = controllers(
+            &self.job,
+            shared,
+            r.into_iter().map(|x| x.1).collect(),
+            p.into_iter().map(|x| x.1).collect(),
+        )?;
+        if let Some(states) = states {
+            for (c, s) in heads.iter_mut().zip(states) {
+                c.restore(s)?;
+            }
+        }
+        // Replicas built in this process have no ring inbox: the heads average their
+        // gradients through the controllers instead.
+        let replicated = self.of_role(PRole::Policy).len() == heads.len() && heads.len() > 1;
+        if replicated && matches!(self.hosts, Hosts::Cluster { .. }) {
+            join_policy_ring(&mut heads, RING_CHUNK_BYTES).await?;
+        }
+        for c in &mut heads {
+            let own = c.roles().rollout.id().clone();
+            let spares = rollouts.iter().filter(|x| *x.id() != own).cloned();
+            c.set_spare_rollouts(spares.collect());
+            c.set_probe(self.probe.clone());
+        }
+        self.controllers = heads;
+        self.routing_version += 1;
+        Ok(())
+    }
+
+    pub(crate) async fn sync_all(&mut self) -> Result<(), JobError> {
+        for c in &mut self.controllers {
+            c.sync_weights().await?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn write(&mut self, r: &Record) -> Result<(), JobError> {
+        let line = serde_json::to_string(r).expect("records serialise");
+        writeln!(self.log, "{line}")
+            .and_then(|_| self.log.flush())
+            .map_err(|source| JobError::Write {
+                path: self.log_path.clone(),
+                source,
+            })
+    }
+
+    pub(crate) fn publish(&mut self, step: u64) -> Result<(), JobError> {
+        let r = Record::Plan {
+            step,
+            routing_version: self.routing_version,
+            directory_epoch: self.node.directory().epoch(),
+            plan: self.plan.clone(),
+        };
+        self.write(&r)
+    }
+}

@@ -1,0 +1,205 @@
+//! The live placement actor's state and what it exposes.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tch::{Device, Kind};
+use yatt_engine::{Llama, Trainer};
+use yatt_placement::{CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy, Plan, Pool, Reason, RewardKind, Stage, StageObs};
+use yatt_placement::inventory::GroupId;
+use yatt_placement::profile::{Role as PRole, RoleSet};
+use yatt_placement::record::{GroupUse, Record, finite};
+use yatt_placement::workload::ForecastParams;
+use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse, Sample, TextCodec};
+use yatt_runtime::ActorId;
+use yatt_runtime::actor::{ActorRef, ExitReason};
+use yatt_runtime::collective::RING_CHUNK_BYTES;
+use yatt_runtime::directory::Change;
+use yatt_runtime::membership::NodeInfo;
+use yatt_runtime::message::Message;
+use yatt_runtime::node::Node;
+
+use crate::build::heads::controllers;
+use crate::config::sections::JobConfig;
+use crate::controller::core::Controller;
+use crate::controller::probe::GenProbe;
+use crate::controller::refs::{PolicyRef, RolloutRef};
+use crate::error::JobError;
+use crate::ledger::LedgerReport;
+
+/// What runs on a group.
+#[derive(Clone)]
+pub(crate) enum Replica {
+    Rollout(RolloutRef),
+    Policy(PolicyRef),
+}
+
+/// Per head: the group and replica of its rollout, and of its policy.
+pub(crate) type Routes = (Vec<(GroupId, RolloutRef)>, Vec<(GroupId, PolicyRef)>);
+
+/// The roles every head shares, outside the groups.
+pub(crate) struct Shared {
+    pub(crate) reward: crate::controller::refs::SamplesRef,
+    pub(crate) reference: Option<crate::controller::refs::SamplesRef>,
+}
+
+/// Seconds one step's stages kept each group busy, and the policy's view of the step.
+pub(crate) struct Observed {
+    pub(crate) metrics: yatt_placement::StepMetrics,
+    pub(crate) groups: Vec<GroupUse>,
+}
+
+/// The live placement shell of one job, embedded or on a cluster.
+pub struct LivePlacement {
+    pub(crate) job: JobConfig,
+    pub(crate) node: Node,
+    pub(crate) hosts: Hosts,
+    pub(crate) policy: PlacementPolicy,
+    pub(crate) plan: Plan,
+    pub(crate) replicas: BTreeMap<GroupId, Replica>,
+    pub(crate) shared: Shared,
+    pub(crate) controllers: Vec<Controller>,
+    pub(crate) routing_version: u64,
+    pub(crate) next_replica: u32,
+    pub(crate) log: std::fs::File,
+    pub(crate) log_path: PathBuf,
+    /// The plan before the last migration: the "no move" baseline.
+    pub(crate) before_move: Option<Plan>,
+    /// The last step's ledgers, one per head.
+    pub(crate) last_ledgers: Vec<LedgerReport>,
+    /// The generation calls in flight, shared by every head.
+    pub(crate) probe: GenProbe,
+    /// On a cluster: the nodes of `placement.nodes` whose groups are in the inventory,
+    /// with the incarnation seen (a restarted node is lost, then joins again).
+    pub(crate) known_nodes: BTreeMap<String, u64>,
+    /// Role starts still to fail on purpose ([`LivePlacement::fail_next_starts`]).
+    pub(crate) start_faults: usize,
+    /// Whether the last failed migration was rolled back (the heads run on the old
+    /// plan) rather than left half-done.
+    pub(crate) rolled_back: bool,
+}
+
+/// Where the groups are, and so how a role starts on one.
+pub(crate) enum Hosts {
+    /// Virtual groups of this process: roles start on threads here.
+    Embedded {
+        codec: Arc<dyn TextCodec>,
+        pad_id: i64,
+        /// A model of the right shape; rollouts start from a copy and get the policy's
+        /// weights by sync.
+        template: Box<Llama>,
+    },
+    /// Devices of cluster nodes: roles start through the nodes' factories, linked to
+    /// this node.
+    Cluster {
+        /// The job config the factories build roles from.
+        text: String,
+    },
+}
+
+impl LivePlacement {
+    /// The plan the heads are routed by.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// The heads (for checkpoints and tests).
+    pub fn controllers(&self) -> &[Controller] {
+        &self.controllers
+    }
+
+    /// The routing version the heads follow (1 at the start, +1 per migration).
+    pub fn routing_version(&self) -> u64 {
+        self.routing_version
+    }
+
+    /// `OUTPUT_DIR/placement.jsonl`.
+    pub fn log_path(&self) -> &Path {
+        &self.log_path
+    }
+
+    /// The policy (its cost model and plan).
+    pub fn policy(&self) -> &PlacementPolicy {
+        &self.policy
+    }
+
+    /// What runs on each group: `(group, node, "rollout" or "policy", replica)`.
+    pub fn replicas(&self) -> Vec<(GroupId, String, &'static str, ActorId)> {
+        self.replicas
+            .iter()
+            .map(|(g, r)| {
+                let node = self.node_of(*g).unwrap_or_default().to_string();
+                match r {
+                    Replica::Rollout(r) => (*g, node, "rollout", r.id().clone()),
+                    Replica::Policy(p) => (*g, node, "policy", p.id().clone()),
+                }
+            })
+            .collect()
+    }
+
+    /// The ledgers of the last step, one per head (each closed clean, or the step
+    /// failed).
+    pub fn last_ledgers(&self) -> &[LedgerReport] {
+        &self.last_ledgers
+    }
+
+    /// The generation calls in flight from every head, by rollout replica: lets a test
+    /// (or an operator's tool) act while a step generates on a given replica.
+    pub fn gen_probe(&self) -> GenProbe {
+        self.probe.clone()
+    }
+
+    /// Fault injection for tests and drills: the next `n` role starts on a group (a
+    /// migration's gaining role, or a rollback's restart) fail as a refused spawn
+    /// would, so the rollback path can be exercised deterministically.
+    pub fn fail_next_starts(&mut self, n: usize) {
+        self.start_faults = n;
+    }
+
+    /// Fails the start of `role` on `g` when a fault is injected.
+    pub(crate) fn injected_fault(&mut self, g: GroupId, role: &str) -> Result<(), JobError> {
+        if self.start_faults == 0 {
+            return Ok(());
+        }
+        self.start_faults -= 1;
+        Err(JobError::Placement {
+            what: format!("starting a {role} replica on {g} was refused (injected fault)"),
+            fix: "nothing to fix: LivePlacement::fail_next_starts asked for it".into(),
+        })
+    }
+
+    /// Deadline of every call the shell makes outside a step (`placement.spawn_timeout_s`).
+    pub(crate) fn deadline(&self) -> Duration {
+        Duration::from_secs(self.job.placement.spawn_timeout_s)
+    }
+
+    pub(crate) fn node_of(&self, g: GroupId) -> Result<&str, JobError> {
+        self.policy
+            .inventory()
+            .group(g)
+            .map(|group| group.node.as_str())
+            .ok_or_else(|| placement_err(format!("{g} is not a group of the inventory")))
+    }
+
+    pub(crate) fn device_group(&self, g: GroupId) -> DeviceGroup {
+        DeviceGroup {
+            node: self.node.name().to_string(),
+            devices: vec![g.0],
+            cuda: false,
+        }
+    }
+
+    pub(crate) fn of_role(&self, role: PRole) -> Vec<(GroupId, Replica)> {
+        let pool = self
+            .plan
+            .pool_of(role)
+            .map(|p| p.groups.clone())
+            .unwrap_or_default();
+        pool.iter()
+            .filter_map(|g| self.replicas.get(g).map(|r| (*g, r.clone())))
+            .collect()
+    }
+}

@@ -1,0 +1,182 @@
+//! One step under live placement.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tch::{Device, Kind};
+use yatt_engine::{Llama, Trainer};
+use yatt_placement::{CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy, Plan, Pool, Reason, RewardKind, Stage, StageObs};
+use yatt_placement::inventory::GroupId;
+use yatt_placement::profile::{Role as PRole, RoleSet};
+use yatt_placement::record::{GroupUse, Record, finite};
+use yatt_placement::workload::ForecastParams;
+use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse, Sample, TextCodec};
+use yatt_runtime::ActorId;
+use yatt_runtime::actor::{ActorRef, ExitReason};
+use yatt_runtime::collective::RING_CHUNK_BYTES;
+use yatt_runtime::directory::Change;
+use yatt_runtime::membership::NodeInfo;
+use yatt_runtime::message::Message;
+use yatt_runtime::node::Node;
+
+use crate::build::heads::controllers;
+use crate::controller::core::Controller;
+use crate::controller::data_parallel::step_data_parallel;
+use crate::controller::report::{StepMetrics, StepReport};
+use crate::error::JobError;
+use crate::live::state::LivePlacement;
+
+impl LivePlacement {
+    /// Runs one step of every head, feeds the policy, and carries out what it decides
+    /// before the next step. Returns the step's metrics, averaged over the heads, with
+    /// `placement/*` added.
+    ///
+    /// On a cluster it first follows membership: a node of `placement.nodes` that died
+    /// (or left) is fed as [`Event::NodeLeft`] and the policy's `NodeLost` re-plan is
+    /// carried out at once; one that joined (or restarted) is fed as
+    /// [`Event::NodeJoined`], its devices becoming groups the policy may use. A rollout
+    /// replica lost during the step does not fail it: its samples are requeued in the
+    /// head's ledger and generated on another rollout replica of the routing.
+    pub async fn step(&mut self) -> Result<StepMetrics, JobError> {
+        let t = Instant::now();
+        let before: Vec<_> = self.controllers.iter().map(Controller::state).collect();
+        let reports = match step_data_parallel(&mut self.controllers).await {
+            Ok(r) => r,
+            // Generation failed with no spare to take it over (a single rollout group)
+            // and a node is gone: nothing was trained yet, so the heads go back to
+            // before the step, the loss is carried out (a policy group may become the
+            // rollout), and the step runs again on the new plan.
+            Err(crate::controller::ControllerError::Call { stage: "gen", .. })
+                if matches!(self.hosts, Hosts::Cluster { .. }) && !self.dead_nodes().is_empty() =>
+            {
+                for (c, s) in self.controllers.iter_mut().zip(before) {
+                    c.restore(s)?;
+                }
+                let step = self.controllers.first().map_or(0, Controller::step_count);
+                self.write(&Record::Search {
+                    step,
+                    line: format!(
+                        "step {step}: generation lost its only rollout replica with node(s) {}; the step runs again after the re-plan",
+                        self.dead_nodes().join(", ")
+                    ),
+                })?;
+                self.follow_membership(step).await?;
+                match step_data_parallel(&mut self.controllers).await {
+                    Ok(r) => r,
+                    Err(e) => return Err(self.explain_failed_step(e.into())),
+                }
+            }
+            Err(e) => return Err(self.explain_failed_step(e.into())),
+        };
+        let wall = t.elapsed().as_secs_f64();
+        self.last_ledgers = reports.iter().map(|r| r.ledger.clone()).collect();
+        let step = reports.first().map_or(0, |r| r.metrics.step);
+        let obs = self.observe(&reports, wall)?;
+        // Membership first: a lost node's re-plan bypasses the policy's hysteresis, and
+        // the metrics then meet the plan in force.
+        self.follow_membership(step).await?;
+        let decisions = self.policy.on_event(Event::Metrics(obs.metrics));
+        let predicted = self.policy.predict_plan(&self.plan, 0.0).step_s;
+        let no_move = self
+            .before_move
+            .as_ref()
+            .map(|p| self.policy.predict_plan(p, 0.0).step_s);
+        self.write(&Record::Step {
+            step,
+            step_s: wall,
+            predicted_s: finite(predicted),
+            no_move_s: no_move.and_then(finite),
+            groups: obs.groups,
+        })?;
+        self.write_policy_log(step)?;
+        let mut m = average(&reports);
+        m.values.insert("timing_s/step_wall".into(), wall);
+        m.values.insert("placement/predicted_s".into(), predicted);
+        if let Some(x) = no_move {
+            m.values.insert("placement/no_move_s".into(), x);
+        }
+        let requeued: u64 = self.last_ledgers.iter().map(|l| l.requeued).sum();
+        m.values
+            .insert("placement/requeued".into(), requeued as f64);
+        self.apply(decisions, step).await?;
+        let count = |r: PRole| self.plan.pool_of(r).map_or(0, |p| p.groups.len()) as f64;
+        m.values
+            .insert("placement/rollout_groups".into(), count(PRole::Rollout));
+        m.values
+            .insert("placement/policy_groups".into(), count(PRole::Policy));
+        m.values.insert(
+            "placement/routing_version".into(),
+            self.routing_version as f64,
+        );
+        Ok(m)
+    }
+
+    /// A failed step's error, naming the nodes of the plan the directory has declared
+    /// dead (the likely cause) and what would have let the run go on.
+    pub(crate) fn explain_failed_step(&self, e: JobError) -> JobError {
+        let dead = self.dead_nodes();
+        if dead.is_empty() {
+            return e;
+        }
+        let hosted: Vec<String> = self
+            .replicas()
+            .into_iter()
+            .filter(|(_, n, ..)| dead.contains(n))
+            .map(|(g, n, role, _)| format!("{role} on {g} ({n})"))
+            .collect();
+        JobError::Placement {
+            what: format!(
+                "the step failed after node(s) {} left the cluster, with the replicas {}: {e}",
+                dead.join(", "),
+                hosted.join(", ")
+            ),
+            fix: "live placement survives losing nodes that host only rollout replicas; a lost policy replica cannot be recovered: resume the run from its last checkpoint".into(),
+        }
+    }
+
+    /// Nodes whose groups are in the inventory but which the directory no longer lists
+    /// alive in the incarnation the shell knows.
+    pub(crate) fn dead_nodes(&self) -> Vec<String> {
+        let known = &self.known_nodes;
+        self.node.directory().read(|d| {
+            known
+                .iter()
+                .filter(|(name, inc)| {
+                    !d.alive_nodes()
+                        .any(|n| n.name == **name && n.incarnation == **inc)
+                })
+                .map(|(name, _)| name.clone())
+                .collect()
+        })
+    }
+
+    /// The policy's reasoning since the last call, as `Search` records.
+    pub(crate) fn write_policy_log(&mut self, step: u64) -> Result<(), JobError> {
+        for line in self.policy.take_log() {
+            self.write(&Record::Search { step, line })?;
+        }
+        Ok(())
+    }
+}
+
+/// The heads' metrics averaged (as [`crate::run::run_steps`] reports them).
+fn average(reports: &[StepReport]) -> StepMetrics {
+    let mut sum: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+    for r in reports {
+        for (k, v) in &r.metrics.values {
+            let e = sum.entry(k.clone()).or_insert((0.0, 0));
+            e.0 += v;
+            e.1 += 1;
+        }
+    }
+    StepMetrics {
+        step: reports.first().map_or(0, |r| r.metrics.step),
+        values: sum
+            .into_iter()
+            .map(|(k, (s, n))| (k, s / n as f64))
+            .collect(),
+    }
+}

@@ -1,0 +1,223 @@
+//! Running a job: its steps, metrics and checkpoints.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use yatt_engine::{Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer, tch};
+use yatt_engine::fixtures::tiny_config;
+use yatt_engine::tch::{Device, Kind};
+use yatt_metrics::{RunWriter, WriteError};
+use yatt_roles::{AsciiCodec, CriticConfig, CriticRole, DataError, Dataloader, DeviceGroup, ExactMatchVerifier, GaeConfig, GrpoConfig, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate, KlEstimator, KlLossConfig, LengthSchedule, LossAgg, ModelScorer, NumericVerifier, OnUnparsed, PolicyConfig, PolicyLossConfig, PolicyRole, Prompt, ReferenceRole, ReinforcePpConfig, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, RolloutRole, ScalarRewardModel, SyntheticTask, SyntheticTaskKind, TextCodec, TokenizerCodec, ValueLossConfig, load_jsonl};
+use yatt_runtime::collective::{RING_CHUNK_BYTES, RingMember};
+use yatt_runtime::node::Node;
+
+use crate::build::embedded::{CustomRoles, build_embedded_with};
+use crate::build::heads::controllers;
+use crate::checkpoint::{JOB_FILE, save};
+use crate::config::sections::JobConfig;
+use crate::controller::core::Controller;
+use crate::controller::data_parallel::step_data_parallel;
+use crate::controller::report::StepMetrics;
+use crate::error::JobError;
+use crate::config::modes::PlacementMode;
+
+/// Runs `steps` steps of `controllers` (together with [`step_data_parallel`] when there
+/// are several) and calls `on_step` with each step's metrics (averaged over the heads).
+pub async fn run_steps(
+    controllers: &mut [Controller],
+    steps: u64,
+    mut on_step: impl FnMut(&StepMetrics) -> Result<(), JobError>,
+) -> Result<(), JobError> {
+    for _ in 0..steps {
+        let metrics = if controllers.len() == 1 {
+            controllers[0].step().await?.metrics
+        } else {
+            let reports = step_data_parallel(controllers).await?;
+            let mut sum: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+            for r in &reports {
+                for (k, v) in &r.metrics.values {
+                    let e = sum.entry(k.clone()).or_insert((0.0, 0));
+                    e.0 += v;
+                    e.1 += 1;
+                }
+            }
+            let step = reports.first().map(|r| r.metrics.step).unwrap_or(0);
+            StepMetrics {
+                step,
+                values: sum
+                    .into_iter()
+                    .map(|(k, (s, n))| (k, s / n as f64))
+                    .collect(),
+            }
+        };
+        on_step(&metrics)?;
+    }
+    Ok(())
+}
+
+/// One finished step, as [`train`] reports it.
+#[derive(Debug, Clone)]
+pub struct Progress<'a> {
+    /// 1-based step number.
+    pub step: u64,
+    /// Total steps.
+    pub total: u64,
+    /// Seconds since this session's first step started.
+    pub elapsed_s: f64,
+    /// Steps already done when this session began (a resumed run's checkpoint step;
+    /// 0 for a fresh run): `elapsed_s` covers the steps after it.
+    pub first_step: u64,
+    /// The step's metrics.
+    pub metrics: &'a StepMetrics,
+}
+
+/// What a finished run produced.
+#[derive(Debug, Clone)]
+pub struct TrainSummary {
+    /// Steps run.
+    pub steps: u64,
+    /// `OUTPUT_DIR/metrics.jsonl`.
+    pub metrics_path: PathBuf,
+    /// `OUTPUT_DIR/checkpoint`.
+    pub checkpoint_dir: PathBuf,
+    /// Seconds of the steps (not counting set-up).
+    pub seconds: f64,
+    /// `critic/rewards/mean` of every step.
+    pub rewards: Vec<f64>,
+}
+
+/// Builds the job on `node` and runs it: writes one JSON object per step to
+/// `OUTPUT_DIR/metrics.jsonl` and the same metrics as TensorBoard scalars to
+/// `OUTPUT_DIR/events.out.tfevents.*` (see [`yatt_metrics::RunWriter`]), saves the policy to `OUTPUT_DIR/checkpoint` every
+/// `checkpoint.every` steps and at the end, and calls `on_step` after each step.
+pub async fn train(
+    job: &JobConfig,
+    node: &Node,
+    on_step: impl FnMut(&Progress<'_>),
+) -> Result<TrainSummary, JobError> {
+    train_with(job, node, TrainOptions::default(), on_step).await
+}
+
+/// How [`train_with`] runs a job.
+#[derive(Debug, Clone, Default)]
+pub struct TrainOptions {
+    /// Continue the run in `job.output_dir` from its checkpoint: steps already done
+    /// are skipped (`job.steps` is the run's total) and metrics are appended.
+    pub resume: bool,
+    /// Roles the caller brings in place of the built-in ones.
+    pub roles: CustomRoles,
+}
+
+/// [`train`] with options: resuming, custom roles.
+pub async fn train_with(
+    job: &JobConfig,
+    node: &Node,
+    options: TrainOptions,
+    mut on_step: impl FnMut(&Progress<'_>),
+) -> Result<TrainSummary, JobError> {
+    let resume = options.resume;
+    let out = job.job.output_dir.clone();
+    std::fs::create_dir_all(&out).map_err(|source| JobError::Write {
+        path: out.clone(),
+        source,
+    })?;
+    let job_path = out.join(JOB_FILE);
+    let text = toml::to_string(job).map_err(|e| JobError::Resume {
+        dir: out.clone(),
+        reason: format!("cannot write the job config: {e}"),
+    })?;
+    std::fs::write(&job_path, text).map_err(|source| JobError::Write {
+        path: job_path.clone(),
+        source,
+    })?;
+    let metrics_err = |e: WriteError| JobError::Write {
+        path: e.path,
+        source: e.source,
+    };
+    let checkpoint_dir = out.join("checkpoint");
+    if job.placement.live && (resume || options.roles.reward.is_some()) {
+        return Err(JobError::NotImplemented {
+            key: "placement.live".into(),
+            found: "true".into(),
+            fix: "resume and custom roles work without live placement for now".into(),
+        });
+    }
+    // Live placement owns the heads and re-routes them between steps.
+    let mut live = if job.placement.live {
+        Some(crate::build::embedded::build(job, node).await?)
+    } else {
+        None
+    };
+    let mut controllers = if live.is_some() {
+        Vec::new()
+    } else if job.placement.mode == PlacementMode::Disaggregated {
+        if resume || options.roles.reward.is_some() {
+            return Err(JobError::NotImplemented {
+                key: "placement.mode".into(),
+                found: job.placement.mode.to_string(),
+                fix: "resume and custom roles work with placement.mode = \"colocate\" for now"
+                    .into(),
+            });
+        }
+        crate::build::cluster::build_cluster(job, node).await?
+    } else {
+        build_embedded_with(job, node, resume.then_some(out.as_path()), &options.roles).await?
+    };
+    let mut step = match &live {
+        Some(l) => l.controllers().first().map_or(0, Controller::step_count),
+        None => controllers.first().map_or(0, Controller::step_count),
+    };
+    // metrics.jsonl and a TensorBoard event file, both flushed after every step.
+    let mut writer = if resume {
+        RunWriter::resume(&out, step)
+    } else {
+        RunWriter::create(&out)
+    }
+    .map_err(metrics_err)?;
+    let metrics_path = writer.metrics_path().to_path_buf();
+    let total = job.job.steps;
+    let every = job.checkpoint.every;
+    let t0 = Instant::now();
+    let first_step = step;
+    let mut rewards = Vec::new();
+    for _ in step..total {
+        let mut record = |m: &StepMetrics| {
+            step += 1;
+            writer.write_step(step, &m.values).map_err(metrics_err)?;
+            rewards.push(m.get("critic/rewards/mean").unwrap_or(f64::NAN));
+            on_step(&Progress {
+                step,
+                total,
+                elapsed_s: t0.elapsed().as_secs_f64(),
+                first_step,
+                metrics: m,
+            });
+            Ok::<(), JobError>(())
+        };
+        match live.as_mut() {
+            Some(l) => record(&l.step().await?)?,
+            None => run_steps(&mut controllers, 1, record).await?,
+        }
+        if every > 0 && step % every == 0 && step < total {
+            match &live {
+                Some(l) => save(l.controllers(), &checkpoint_dir).await?,
+                None => save(&controllers, &checkpoint_dir).await?,
+            }
+        }
+    }
+    let seconds = t0.elapsed().as_secs_f64();
+    match &live {
+        Some(l) => save(l.controllers(), &checkpoint_dir).await?,
+        None => save(&controllers, &checkpoint_dir).await?,
+    }
+    Ok(TrainSummary {
+        steps: step,
+        metrics_path,
+        checkpoint_dir,
+        seconds,
+        rewards,
+    })
+}
