@@ -21,7 +21,11 @@ use yatt_engine::SamplingParams;
 use yatt_roles::{Dataloader, DeviceGroup, GradShard, PolicyRequest, PolicyResponse, Prompt, ResourceProfile, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, Role, RoleError, RolloutRequest, RolloutResponse, RolloutStats, Sample, SampleId, TrainReport, WeightsUpdate};
 use yatt_runtime::node::Node;
 
-use crate::controller::{Controller, ControllerConfig, ControllerError, RoleRefs, spawn_role, step_data_parallel};
+use crate::controller::config::ControllerConfig;
+use crate::controller::core::Controller;
+use crate::controller::data_parallel::step_data_parallel;
+use crate::controller::error::ControllerError;
+use crate::controller::refs::{spawn_role, RoleRefs};
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -214,7 +218,7 @@ impl RewardFn for DigitReward {
     }
 }
 
-fn prompts(count: usize) -> Arc<[Prompt]> {
+pub(crate) fn prompts(count: usize) -> Arc<[Prompt]> {
     (0..count as u64)
         .map(|id| Prompt {
             id,
@@ -225,7 +229,7 @@ fn prompts(count: usize) -> Arc<[Prompt]> {
         .collect()
 }
 
-async fn spawn_rollouts(
+pub(crate) async fn spawn_rollouts(
     node: &Node,
     o: &ControllerBenchOptions,
     k: usize,
@@ -251,7 +255,7 @@ async fn spawn_rollouts(
     Ok(out)
 }
 
-fn median(mut xs: Vec<Duration>) -> Duration {
+pub(crate) fn median(mut xs: Vec<Duration>) -> Duration {
     xs.sort();
     xs[xs.len() / 2]
 }

@@ -1,24 +1,14 @@
 //! A run's checkpoint: the trainers' files and every controller's position.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Instant;
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
-use yatt_engine::{Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer, tch};
-use yatt_engine::fixtures::tiny_config;
+use yatt_engine::Trainer;
 use yatt_engine::tch::{Device, Kind};
-use yatt_metrics::{RunWriter, WriteError};
-use yatt_roles::{AsciiCodec, CriticConfig, CriticRole, DataError, Dataloader, DeviceGroup, ExactMatchVerifier, GaeConfig, GrpoConfig, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate, KlEstimator, KlLossConfig, LengthSchedule, LossAgg, ModelScorer, NumericVerifier, OnUnparsed, PolicyConfig, PolicyLossConfig, PolicyRole, Prompt, ReferenceRole, ReinforcePpConfig, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, RolloutRole, ScalarRewardModel, SyntheticTask, SyntheticTaskKind, TextCodec, TokenizerCodec, ValueLossConfig, load_jsonl};
-use yatt_runtime::collective::{RING_CHUNK_BYTES, RingMember};
-use yatt_runtime::node::Node;
 
-use crate::build::heads::controllers;
 use crate::controller::core::Controller;
 use crate::controller::report::ControllerState;
 use crate::error::JobError;
-use crate::run::train;
 
 /// The run's config, written to the run directory so `--resume` can rebuild the job.
 pub const JOB_FILE: &str = "job.toml";

@@ -1,20 +1,9 @@
 //! The trainer's error type: every way a job can fail, each saying how to fix it.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Instant;
+use std::path::PathBuf;
 
-use serde::{Deserialize, Serialize};
-use yatt_engine::{Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer, tch};
-use yatt_engine::fixtures::tiny_config;
-use yatt_engine::tch::{Device, Kind};
-use yatt_metrics::{RunWriter, WriteError};
-use yatt_roles::{AsciiCodec, CriticConfig, CriticRole, DataError, Dataloader, DeviceGroup, ExactMatchVerifier, GaeConfig, GrpoConfig, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate, KlEstimator, KlLossConfig, LengthSchedule, LossAgg, ModelScorer, NumericVerifier, OnUnparsed, PolicyConfig, PolicyLossConfig, PolicyRole, Prompt, ReferenceRole, ReinforcePpConfig, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, RolloutRole, ScalarRewardModel, SyntheticTask, SyntheticTaskKind, TextCodec, TokenizerCodec, ValueLossConfig, load_jsonl};
-use yatt_runtime::collective::{RING_CHUNK_BYTES, RingMember};
-use yatt_runtime::node::Node;
+use yatt_roles::{DataError, RewardError};
 
-use crate::controller::core::Controller;
 use crate::controller::error::ControllerError;
 
 /// Why a job could not be configured, built or run.

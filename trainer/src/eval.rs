@@ -19,8 +19,11 @@ use yatt_engine::{Llama, SamplingParams};
 use yatt_engine::tch::{Device, Kind};
 use yatt_roles::{DeviceGroup, GenerateRequest, Prompt, Role, RoleError, RolloutRequest, RolloutResponse, RolloutRole};
 
-use crate::job;
-use crate::job::{JobConfig, JobError};
+use crate::build::data::prompts;
+use crate::build::parts::{base_model, rollout_role};
+use crate::build::reward::reward_role;
+use crate::config::sections::JobConfig;
+use crate::error::JobError;
 
 /// Mixed into the job seed to draw held-out prompts (any constant ≠ 0 would do; it is
 /// fixed so held-out sets stay the same across versions).
@@ -135,7 +138,7 @@ pub fn eval_prompts(job: &JobConfig, options: &EvalOptions) -> Result<Vec<Prompt
     if n == 0 {
         return Err(EvalError::Options("--prompts must be at least 1".into()));
     }
-    let train = job::prompts(job)?;
+    let train = prompts(job)?;
     if options.split == Split::Train {
         if train.len() < n {
             return Err(EvalError::Options(format!(
@@ -158,7 +161,7 @@ pub fn eval_prompts(job: &JobConfig, options: &EvalOptions) -> Result<Vec<Prompt
     // candidates is plenty, and a small task space is reported below, not looped on.
     other.data.num_prompts = n.saturating_mul(4).saturating_add(64);
     let mut out = Vec::with_capacity(n);
-    for p in job::prompts(&other)? {
+    for p in prompts(&other)? {
         if out.len() == n {
             break;
         }
@@ -179,8 +182,8 @@ pub fn eval_prompts(job: &JobConfig, options: &EvalOptions) -> Result<Vec<Prompt
 
 /// The rollout role that answers: the job's base model exactly as training builds it,
 /// or a checkpoint's weights (with the base model's prompt codec).
-fn answering_role(job: &JobConfig, checkpoint: Option<&Path>) -> Result<RolloutRole, EvalError> {
-    let (base, codec, _) = job::base_model(job)?;
+pub(crate) fn answering_role(job: &JobConfig, checkpoint: Option<&Path>) -> Result<RolloutRole, EvalError> {
+    let (base, codec, _) = base_model(job)?;
     let model = match checkpoint {
         None => base,
         Some(dir) => {
@@ -191,7 +194,7 @@ fn answering_role(job: &JobConfig, checkpoint: Option<&Path>) -> Result<RolloutR
             })?
         }
     };
-    Ok(job::rollout_role(job, model, codec))
+    Ok(rollout_role(job, model, codec))
 }
 
 /// Evaluates `job`'s model (or `options.checkpoint`): one greedy answer per prompt,
@@ -205,7 +208,7 @@ pub fn evaluate(job: &JobConfig, options: &EvalOptions) -> Result<EvalReport, Ev
     rollout
         .start(&DeviceGroup::cpu("eval"))
         .map_err(role("generation"))?;
-    let mut reward = job::reward_role(job)?;
+    let mut reward = reward_role(job)?;
     let r = &job.rollout;
     let t0 = Instant::now();
     let request = RolloutRequest::Generate(GenerateRequest {

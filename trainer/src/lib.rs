@@ -40,7 +40,7 @@ pub use error::JobError;
 pub use config::placement::{NodeNames, PlacementSection, ROLES};
 pub use config::sections::{
     AlgorithmSection, CheckpointSection, DataSection, JobConfig, JobSection, ModelSection,
-    OneOrMany, OptimSection, RewardSection, RolloutSection,
+    RewardKinds, OptimSection, RewardSection, RolloutSection,
 };
 
 // Building a job's roles and controllers.

@@ -1,21 +1,13 @@
 //! Running a job: its steps, metrics and checkpoints.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::PathBuf;
 use std::time::Instant;
-
-use serde::{Deserialize, Serialize};
-use yatt_engine::{Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer, tch};
-use yatt_engine::fixtures::tiny_config;
-use yatt_engine::tch::{Device, Kind};
 use yatt_metrics::{RunWriter, WriteError};
-use yatt_roles::{AsciiCodec, CriticConfig, CriticRole, DataError, Dataloader, DeviceGroup, ExactMatchVerifier, GaeConfig, GrpoConfig, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate, KlEstimator, KlLossConfig, LengthSchedule, LossAgg, ModelScorer, NumericVerifier, OnUnparsed, PolicyConfig, PolicyLossConfig, PolicyRole, Prompt, ReferenceRole, ReinforcePpConfig, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, RolloutRole, ScalarRewardModel, SyntheticTask, SyntheticTaskKind, TextCodec, TokenizerCodec, ValueLossConfig, load_jsonl};
-use yatt_runtime::collective::{RING_CHUNK_BYTES, RingMember};
 use yatt_runtime::node::Node;
 
+use crate::live::state::LivePlacement;
 use crate::build::embedded::{CustomRoles, build_embedded_with};
-use crate::build::heads::controllers;
 use crate::checkpoint::{JOB_FILE, save};
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
@@ -50,8 +42,7 @@ pub async fn run_steps(
                 values: sum
                     .into_iter()
                     .map(|(k, (s, n))| (k, s / n as f64))
-                    .collect(),
-            }
+                    .collect()}
         };
         on_step(&metrics)?;
     }
@@ -71,8 +62,7 @@ pub struct Progress<'a> {
     /// 0 for a fresh run): `elapsed_s` covers the steps after it.
     pub first_step: u64,
     /// The step's metrics.
-    pub metrics: &'a StepMetrics,
-}
+    pub metrics: &'a StepMetrics}
 
 /// What a finished run produced.
 #[derive(Debug, Clone)]
@@ -86,8 +76,7 @@ pub struct TrainSummary {
     /// Seconds of the steps (not counting set-up).
     pub seconds: f64,
     /// `critic/rewards/mean` of every step.
-    pub rewards: Vec<f64>,
-}
+    pub rewards: Vec<f64>}
 
 /// Builds the job on `node` and runs it: writes one JSON object per step to
 /// `OUTPUT_DIR/metrics.jsonl` and the same metrics as TensorBoard scalars to
@@ -108,8 +97,7 @@ pub struct TrainOptions {
     /// are skipped (`job.steps` is the run's total) and metrics are appended.
     pub resume: bool,
     /// Roles the caller brings in place of the built-in ones.
-    pub roles: CustomRoles,
-}
+    pub roles: CustomRoles}
 
 /// [`train`] with options: resuming, custom roles.
 pub async fn train_with(
@@ -122,32 +110,27 @@ pub async fn train_with(
     let out = job.job.output_dir.clone();
     std::fs::create_dir_all(&out).map_err(|source| JobError::Write {
         path: out.clone(),
-        source,
-    })?;
+        source})?;
     let job_path = out.join(JOB_FILE);
     let text = toml::to_string(job).map_err(|e| JobError::Resume {
         dir: out.clone(),
-        reason: format!("cannot write the job config: {e}"),
-    })?;
+        reason: format!("cannot write the job config: {e}")})?;
     std::fs::write(&job_path, text).map_err(|source| JobError::Write {
         path: job_path.clone(),
-        source,
-    })?;
+        source})?;
     let metrics_err = |e: WriteError| JobError::Write {
         path: e.path,
-        source: e.source,
-    };
+        source: e.source};
     let checkpoint_dir = out.join("checkpoint");
     if job.placement.live && (resume || options.roles.reward.is_some()) {
         return Err(JobError::NotImplemented {
             key: "placement.live".into(),
             found: "true".into(),
-            fix: "resume and custom roles work without live placement for now".into(),
-        });
+            fix: "resume and custom roles work without live placement for now".into()});
     }
     // Live placement owns the heads and re-routes them between steps.
     let mut live = if job.placement.live {
-        Some(crate::build::embedded::build(job, node).await?)
+        Some(LivePlacement::build(job, node).await?)
     } else {
         None
     };
@@ -159,8 +142,7 @@ pub async fn train_with(
                 key: "placement.mode".into(),
                 found: job.placement.mode.to_string(),
                 fix: "resume and custom roles work with placement.mode = \"colocate\" for now"
-                    .into(),
-            });
+                    .into()});
         }
         crate::build::cluster::build_cluster(job, node).await?
     } else {
@@ -168,8 +150,7 @@ pub async fn train_with(
     };
     let mut step = match &live {
         Some(l) => l.controllers().first().map_or(0, Controller::step_count),
-        None => controllers.first().map_or(0, Controller::step_count),
-    };
+        None => controllers.first().map_or(0, Controller::step_count)};
     // metrics.jsonl and a TensorBoard event file, both flushed after every step.
     let mut writer = if resume {
         RunWriter::resume(&out, step)
@@ -193,31 +174,26 @@ pub async fn train_with(
                 total,
                 elapsed_s: t0.elapsed().as_secs_f64(),
                 first_step,
-                metrics: m,
-            });
+                metrics: m});
             Ok::<(), JobError>(())
         };
         match live.as_mut() {
             Some(l) => record(&l.step().await?)?,
-            None => run_steps(&mut controllers, 1, record).await?,
-        }
+            None => run_steps(&mut controllers, 1, record).await?}
         if every > 0 && step % every == 0 && step < total {
             match &live {
                 Some(l) => save(l.controllers(), &checkpoint_dir).await?,
-                None => save(&controllers, &checkpoint_dir).await?,
-            }
+                None => save(&controllers, &checkpoint_dir).await?}
         }
     }
     let seconds = t0.elapsed().as_secs_f64();
     match &live {
         Some(l) => save(l.controllers(), &checkpoint_dir).await?,
-        None => save(&controllers, &checkpoint_dir).await?,
-    }
+        None => save(&controllers, &checkpoint_dir).await?}
     Ok(TrainSummary {
         steps: step,
         metrics_path,
         checkpoint_dir,
         seconds,
-        rewards,
-    })
+        rewards})
 }

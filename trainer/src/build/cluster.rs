@@ -12,7 +12,6 @@ use yatt_runtime::directory::Directory;
 use yatt_runtime::message::Message;
 use yatt_runtime::node::{Node, NodeBuilder, NodeError};
 
-use crate::build::embedded::build;
 use crate::build::heads::controllers;
 use crate::build::parts::{base_model, critic_role, policy_ring, policy_role, reference_role, rollout_role};
 use crate::build::reward::reward_role;
@@ -146,7 +145,7 @@ impl Role for JobReward {
 }
 
 /// Builds a role from the job in `args` on the role's own thread and starts it there.
-async fn start_role<R: Role>(
+pub(crate) async fn start_role<R: Role>(
     args: RoleArgs,
     name: &'static str,
     make: impl FnOnce(&JobConfig) -> Result<R, JobError> + Send + 'static,
@@ -295,7 +294,7 @@ pub(crate) fn job_text(job: &JobConfig) -> Result<String, JobError> {
 /// Pushes the first policy replica's weights (version 0) to every rollout, to the
 /// reference and to the other replicas, so all of them start from the same model
 /// whichever node built it.
-async fn initial_weight_sync(
+pub(crate) async fn initial_weight_sync(
     policies: &[PolicyRef],
     rollouts: &[RolloutRef],
     reference: &SamplesRef,
@@ -339,7 +338,7 @@ async fn initial_weight_sync(
     loaded(answer, "reference")
 }
 
-fn protocol(role: &'static str, asked: &'static str, got: String) -> ControllerError {
+pub(crate) fn protocol(role: &'static str, asked: &'static str, got: String) -> ControllerError {
     ControllerError::Protocol {
         step: 0,
         role,
@@ -348,7 +347,7 @@ fn protocol(role: &'static str, asked: &'static str, got: String) -> ControllerE
     }
 }
 
-fn loaded<T>(answer: RoleResponse<T>, role: &'static str) -> Result<(), ControllerError> {
+pub(crate) fn loaded<T>(answer: RoleResponse<T>, role: &'static str) -> Result<(), ControllerError> {
     match answer {
         RoleResponse::Done => Ok(()),
         other => Err(protocol(role, "LoadWeights", variant(&other))),

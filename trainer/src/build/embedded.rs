@@ -1,17 +1,10 @@
 //! A job whose roles all run in this process (`placement.mode = "colocate"`).
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Instant;
-
-use serde::{Deserialize, Serialize};
-use yatt_engine::{Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer, tch};
-use yatt_engine::fixtures::tiny_config;
+use std::path::Path;
+use yatt_engine::Trainer;
 use yatt_engine::tch::{Device, Kind};
-use yatt_metrics::{RunWriter, WriteError};
-use yatt_roles::{AsciiCodec, CriticConfig, CriticRole, DataError, Dataloader, DeviceGroup, ExactMatchVerifier, GaeConfig, GrpoConfig, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate, KlEstimator, KlLossConfig, LengthSchedule, LossAgg, ModelScorer, NumericVerifier, OnUnparsed, PolicyConfig, PolicyLossConfig, PolicyRole, Prompt, ReferenceRole, ReinforcePpConfig, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, RolloutRole, ScalarRewardModel, SyntheticTask, SyntheticTaskKind, TextCodec, TokenizerCodec, ValueLossConfig, load_jsonl};
-use yatt_runtime::collective::{RING_CHUNK_BYTES, RingMember};
+use yatt_roles::{DeviceGroup, };
+use yatt_runtime::collective::RING_CHUNK_BYTES;
 use yatt_runtime::node::Node;
 
 use crate::build::heads::controllers;
@@ -24,7 +17,6 @@ use crate::controller::core::Controller;
 use crate::controller::data_parallel::join_policy_ring;
 use crate::controller::refs::{RoleRefs, spawn_role};
 use crate::error::JobError;
-use crate::run::train;
 use crate::config::modes::{KlMode, PlacementMode};
 
 /// Builds the models, roles (on `node`, with `spawn_local`) and the controllers of an
@@ -40,8 +32,7 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
 #[derive(Debug, Clone, Default)]
 pub struct CustomRoles {
     /// The reward role: takes the step's samples and gives them back with `reward` set.
-    pub reward: Option<crate::controller::refs::SamplesRef>,
-}
+    pub reward: Option<crate::controller::refs::SamplesRef>}
 
 /// [`build_embedded`] with `custom` roles, resuming from the run directory `resume`
 /// when given: the policy (weights, optimizer, step), the critic and every
@@ -59,22 +50,20 @@ pub async fn build_embedded_with(
         return Err(invalid(
             "placement.mode",
             "\"colocate\" for a run in this process",
-            &job.placement.mode,
+            &job.placement.mode.to_string(),
             "run it on a cluster with `yatt train CONFIG --cluster SEED_ADDR`, or set placement.mode = \"colocate\"",
         ));
     }
     let (model, codec, pad_id) = base_model(job)?;
     let me = |e: yatt_engine::EngineError| JobError::Model {
         source_desc: job.model.source.to_string(),
-        reason: e.to_string(),
-    };
+        reason: e.to_string()};
     let ckpt = resume.map(|d| d.join("checkpoint"));
     let load = |role: &str| -> Result<Option<Trainer>, JobError> {
         match &ckpt {
             Some(dir) if role == "critic" => Ok(Some(load_trainer(&dir.join("critic"), role)?)),
             Some(dir) => Ok(Some(load_trainer(dir, role)?)),
-            None => Ok(None),
-        }
+            None => Ok(None)}
     };
     // Every policy replica starts from the same trainer (fresh or resumed).
     let mut trainers = Vec::with_capacity(job.job.policy_replicas);
@@ -84,8 +73,7 @@ pub async fn build_embedded_with(
             None => Trainer::new(
                 model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
                 train_config(job),
-            ),
-        });
+            )});
     }
     let g = || DeviceGroup::cpu(node.name());
     // Rollouts start from the policy's weights (the initial model, or the checkpoint).
@@ -119,17 +107,14 @@ pub async fn build_embedded_with(
         extra_rollouts: Vec::new(),
         reward: match &custom.reward {
             Some(r) => r.clone(),
-            None => spawn_reward(job, node, g()).await?,
-        },
+            None => spawn_reward(job, node, g()).await?},
         // The reference is the initial policy, also when resuming; with no KL term
         // there is nothing to hold or run.
         reference: match job.algorithm.kl_mode {
             KlMode::None => None,
-            KlMode::Loss | KlMode::Reward => Some(spawn_role(node, reference_role(job, model, pad_id), 0, g()).await?),
-        },
+            KlMode::Loss | KlMode::Reward => Some(spawn_role(node, reference_role(job, model, pad_id), 0, g()).await?)},
         policy: policies[0].clone(),
-        critic,
-    };
+        critic};
     let mut controllers = controllers(job, shared, rollouts, policies)?;
     if replicated {
         join_policy_ring(&mut controllers, RING_CHUNK_BYTES).await?;
@@ -143,8 +128,7 @@ pub async fn build_embedded_with(
                     "the checkpoint has {} controller(s) but the job has {}; resume with the same job.controllers and job.driver",
                     state.controllers.len(),
                     controllers.len(),
-                ),
-            });
+                )});
         }
         for (c, s) in controllers.iter_mut().zip(state.controllers) {
             c.restore(s)?;
@@ -160,6 +144,5 @@ pub async fn build_embedded_with(
 pub async fn build(job: &JobConfig, node: &Node) -> Result<Vec<Controller>, JobError> {
     match job.placement.mode {
         PlacementMode::Disaggregated => crate::build::cluster::build_cluster(job, node).await,
-        PlacementMode::Colocate => build_embedded(job, node).await,
-    }
+        PlacementMode::Colocate => build_embedded(job, node).await}
 }

@@ -1,18 +1,9 @@
 //! The controllers of a job: what each runs, and how the heads share the roles.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
 
-use serde::{Deserialize, Serialize};
-use yatt_engine::{Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer, tch};
-use yatt_engine::fixtures::tiny_config;
-use yatt_engine::tch::{Device, Kind};
-use yatt_metrics::{RunWriter, WriteError};
-use yatt_roles::{AsciiCodec, CriticConfig, CriticRole, DataError, Dataloader, DeviceGroup, ExactMatchVerifier, GaeConfig, GrpoConfig, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate, KlEstimator, KlLossConfig, LengthSchedule, LossAgg, ModelScorer, NumericVerifier, OnUnparsed, PolicyConfig, PolicyLossConfig, PolicyRole, Prompt, ReferenceRole, ReinforcePpConfig, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, RolloutRole, ScalarRewardModel, SyntheticTask, SyntheticTaskKind, TextCodec, TokenizerCodec, ValueLossConfig, load_jsonl};
-use yatt_runtime::collective::{RING_CHUNK_BYTES, RingMember};
-use yatt_runtime::node::Node;
+use yatt_engine::SamplingParams;
+use yatt_roles::{Dataloader, GaeConfig, Prompt};
 
 use crate::build::data::prompts;
 use crate::config::sections::JobConfig;
@@ -21,6 +12,7 @@ use crate::controller::core::Controller;
 use crate::controller::refs::{PolicyRef, RoleRefs, RolloutRef};
 use crate::error::JobError;
 use crate::config::modes::{Driver, KlMode};
+use crate::build::parts::kl_term;
 
 /// What each controller of the job runs.
 pub(crate) fn controller_config(job: &JobConfig) -> ControllerConfig {
@@ -51,14 +43,12 @@ pub(crate) fn controller_config(job: &JobConfig) -> ControllerConfig {
         dynamic_sampling: a.dynamic_sampling.unwrap_or(a.name.dynamic_sampling_by_default()).then_some(
             DynamicSamplingConfig {
                 max_rounds: a.max_sampling_rounds,
-                tolerance: 1e-6,
-            },
+                tolerance: 1e-6},
         ),
         overlong: (a.overlong_buffer > 0).then_some(OverlongConfig {
             max_len: r.max_new_tokens,
             buffer: a.overlong_buffer,
-            coef: a.overlong_coef,
-        }),
+            coef: a.overlong_coef}),
         stream: r.stream,
         ..Default::default()
     }

@@ -1,23 +1,20 @@
 //! The models and roles of a job: the base model, and each role built from the config.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
 
-use serde::{Deserialize, Serialize};
-use yatt_engine::{Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer, tch};
+use yatt_engine::{Generator, GeneratorConfig, Llama, LrSchedule, Tokenizer, TrainConfig, Trainer, tch};
 use yatt_engine::fixtures::tiny_config;
 use yatt_engine::tch::{Device, Kind};
-use yatt_metrics::{RunWriter, WriteError};
-use yatt_roles::{AsciiCodec, CriticConfig, CriticRole, DataError, Dataloader, DeviceGroup, ExactMatchVerifier, GaeConfig, GrpoConfig, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate, KlEstimator, KlLossConfig, LengthSchedule, LossAgg, ModelScorer, NumericVerifier, OnUnparsed, PolicyConfig, PolicyLossConfig, PolicyRole, Prompt, ReferenceRole, ReinforcePpConfig, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, RolloutRole, ScalarRewardModel, SyntheticTask, SyntheticTaskKind, TextCodec, TokenizerCodec, ValueLossConfig, load_jsonl};
-use yatt_runtime::collective::{RING_CHUNK_BYTES, RingMember};
+use yatt_roles::{CriticConfig, CriticRole, KlEstimator, KlLossConfig, PolicyConfig, PolicyLossConfig, PolicyRole, ReferenceRole, RolloutRole, TextCodec, TokenizerCodec, ValueLossConfig};
+use yatt_runtime::collective::RingMember;
 use yatt_runtime::node::Node;
 
 use crate::config::sections::JobConfig;
 use crate::controller::error::ControllerError;
 use crate::error::JobError;
 use crate::config::modes::{KlMode, OldLogprobs, Schedule, ModelSource};
+use yatt_roles::TINY_CODEC;
 
 /// The job's model (every role starts from a copy of it), the codec of its text and its
 /// padding id.
@@ -44,7 +41,7 @@ pub fn base_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, i64), J
 }
 
 /// The random tiny Llama of `model.source = "tiny"`, with its character codec.
-fn tiny_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, i64), JobError> {
+pub(crate) fn tiny_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, i64), JobError> {
     let seed = job.job.seed;
     {
         // Llama::random seeds libtorch's global RNG: builds in parallel must not
@@ -192,7 +189,7 @@ pub fn critic_role(
 }
 
 /// The KL term's estimator and coefficient, when the job has one.
-fn kl_term(job: &JobConfig) -> Option<(KlEstimator, f64)> {
+pub(crate) fn kl_term(job: &JobConfig) -> Option<(KlEstimator, f64)> {
     let a = &job.algorithm;
     (a.kl_coef > 0.0).then_some((a.kl_estimator, a.kl_coef))
 }

@@ -1,17 +1,11 @@
 //! The reward role of a job: rule-based functions, reward models and the judge.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
 
-use serde::{Deserialize, Serialize};
-use yatt_engine::{Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer, tch};
-use yatt_engine::fixtures::tiny_config;
-use yatt_engine::tch::{Device, Kind};
-use yatt_metrics::{RunWriter, WriteError};
-use yatt_roles::{AsciiCodec, CriticConfig, CriticRole, DataError, Dataloader, DeviceGroup, ExactMatchVerifier, GaeConfig, GrpoConfig, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate, KlEstimator, KlLossConfig, LengthSchedule, LossAgg, ModelScorer, NumericVerifier, OnUnparsed, PolicyConfig, PolicyLossConfig, PolicyRole, Prompt, ReferenceRole, ReinforcePpConfig, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, RolloutRole, ScalarRewardModel, SyntheticTask, SyntheticTaskKind, TextCodec, TokenizerCodec, ValueLossConfig, load_jsonl};
-use yatt_runtime::collective::{RING_CHUNK_BYTES, RingMember};
+use yatt_engine::{Generator, GeneratorConfig, Tokenizer};
+use yatt_engine::tch::Device;
+use yatt_roles::{DeviceGroup, ExactMatchVerifier, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate, ModelScorer, NumericVerifier, OnUnparsed, RewardFn, RewardRole, ScalarRewardModel, TextCodec, TokenizerCodec};
 use yatt_runtime::node::Node;
 
 use crate::build::data::growing_task;
@@ -20,6 +14,8 @@ use crate::config::sections::JobConfig;
 use crate::controller::refs::spawn_role;
 use crate::error::JobError;
 use crate::config::modes::{Task, RewardKind, VerdictMode, UnparsedVerdict, ModelSource};
+use yatt_roles::TINY_CODEC;
+use yatt_roles::LettersReward;
 
 /// Spawns the job's reward role on `node`: the `growing` task's length reward, or the
 /// reward functions of `reward.kind`.
@@ -72,7 +68,7 @@ pub fn reward_role(job: &JobConfig) -> Result<RewardRole, JobError> {
 
 /// The codec a reward model or judge in `dir` reads text with: its own tokenizer (with
 /// the chat template when `model.chat` is on), else the policy's codec.
-fn reward_codec(job: &JobConfig, dir: &Path) -> Result<Arc<dyn TextCodec>, JobError> {
+pub(crate) fn reward_codec(job: &JobConfig, dir: &Path) -> Result<Arc<dyn TextCodec>, JobError> {
     let from = if dir.join("tokenizer.json").is_file() {
         dir.to_path_buf()
     } else {
@@ -92,7 +88,7 @@ fn reward_codec(job: &JobConfig, dir: &Path) -> Result<Arc<dyn TextCodec>, JobEr
 }
 
 /// The job's scalar reward model (`reward.model`).
-fn reward_model(job: &JobConfig) -> Result<ScalarRewardModel, JobError> {
+pub(crate) fn reward_model(job: &JobConfig) -> Result<ScalarRewardModel, JobError> {
     let dir = Path::new(&job.reward.model);
     let codec = reward_codec(job, dir)?;
     ScalarRewardModel::load(dir, Device::Cpu, codec, 0, job.optim.micro_batch).map_err(|e| {
@@ -106,7 +102,7 @@ fn reward_model(job: &JobConfig) -> Result<ScalarRewardModel, JobError> {
 }
 
 /// The job's LLM judge (`reward.judge_model`).
-fn judge(job: &JobConfig) -> Result<JudgeScorer, JobError> {
+pub(crate) fn judge(job: &JobConfig) -> Result<JudgeScorer, JobError> {
     let r = &job.reward;
     let dir = Path::new(&r.judge_model);
     let codec = reward_codec(job, dir)?;

@@ -1,21 +1,10 @@
 //! Reading a job config: TOML text, `--set key=value` overrides, errors that name the key.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Instant;
-
-use serde::{Deserialize, Serialize};
-use yatt_engine::{Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer, tch};
-use yatt_engine::fixtures::tiny_config;
-use yatt_engine::tch::{Device, Kind};
-use yatt_metrics::{RunWriter, WriteError};
-use yatt_roles::{AsciiCodec, CriticConfig, CriticRole, DataError, Dataloader, DeviceGroup, ExactMatchVerifier, GaeConfig, GrpoConfig, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate, KlEstimator, KlLossConfig, LengthSchedule, LossAgg, ModelScorer, NumericVerifier, OnUnparsed, PolicyConfig, PolicyLossConfig, PolicyRole, Prompt, ReferenceRole, ReinforcePpConfig, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, RolloutRole, ScalarRewardModel, SyntheticTask, SyntheticTaskKind, TextCodec, TokenizerCodec, ValueLossConfig, load_jsonl};
-use yatt_runtime::collective::{RING_CHUNK_BYTES, RingMember};
-use yatt_runtime::node::Node;
+use std::path::Path;
 
 use crate::config::sections::JobConfig;
 use crate::error::JobError;
+use crate::config::checks::invalid;
 
 impl JobConfig {
     /// Parses TOML text, applies `--set key=value` overrides, then validates.
@@ -23,16 +12,14 @@ impl JobConfig {
         let mut table: toml::Table =
             text.parse().map_err(|e: toml::de::Error| JobError::Parse {
                 origin: origin.into(),
-                message: e.to_string(),
-            })?;
+                message: e.to_string()})?;
         for arg in sets {
             apply_set(&mut table, arg)?;
         }
         // Round-trip through text so type errors carry the line and the key.
         let merged = toml::to_string(&table).map_err(|e| JobError::Parse {
             origin: origin.into(),
-            message: e.to_string(),
-        })?;
+            message: e.to_string()})?;
         let origin = if sets.is_empty() {
             origin.to_string()
         } else {
@@ -47,8 +34,7 @@ impl JobConfig {
                 // With overrides the line numbers refer to the merged text: name the key.
                 Some(k) if !sets.is_empty() => format!("key `{k}`: {}", e.message()),
                 Some(k) => format!("key `{k}`: {e}"),
-                None => e.to_string(),
-            };
+                None => e.to_string()};
             JobError::Parse { origin, message }
         })?;
         cfg.validate()?;
@@ -60,15 +46,14 @@ impl JobConfig {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|source| JobError::Read {
             path: path.into(),
-            source,
-        })?;
+            source})?;
         Self::parse(&text, &path.display().to_string(), sets)
     }
 }
 
 /// A mode's unknown word (serde's "unknown variant `x`, expected one of `a`, `b`") as
 /// the error every other bad value gives: the key, the words accepted, the fix.
-fn unknown_word(key: &str, message: &str) -> Option<JobError> {
+pub(crate) fn unknown_word(key: &str, message: &str) -> Option<JobError> {
     let rest = message.strip_prefix("unknown variant `")?;
     let (found, expected) = rest.split_once("`, expected ")?;
     let words: Vec<&str> = expected.split('`').skip(1).step_by(2).collect();
@@ -87,7 +72,7 @@ fn unknown_word(key: &str, message: &str) -> Option<JobError> {
 }
 
 /// The dotted key (`section.key`) of the line holding byte `pos` of a TOML text.
-fn key_at(text: &str, pos: usize) -> Option<String> {
+pub(crate) fn key_at(text: &str, pos: usize) -> Option<String> {
     let before = text.get(..pos)?;
     let line_start = before.rfind('\n').map_or(0, |i| i + 1);
     let line = text[line_start..].lines().next()?.trim();
@@ -104,17 +89,15 @@ fn key_at(text: &str, pos: usize) -> Option<String> {
     match (section, key) {
         (Some(s), Some(k)) => Some(format!("{s}.{k}")),
         (None, Some(k)) => Some(k.to_string()),
-        _ => None,
-    }
+        _ => None}
 }
 
 /// Applies one `key=value` override (dotted key, TOML value; a bare word that is not
 /// valid TOML is taken as a string). The key must exist in the schema.
-fn apply_set(table: &mut toml::Table, arg: &str) -> Result<(), JobError> {
+pub(crate) fn apply_set(table: &mut toml::Table, arg: &str) -> Result<(), JobError> {
     let err = |reason: String| JobError::Set {
         arg: arg.into(),
-        reason,
-    };
+        reason};
     let (key, raw) = arg
         .split_once('=')
         .ok_or_else(|| err("expected key=value, e.g. job.steps=10".into()))?;
@@ -151,8 +134,7 @@ fn apply_set(table: &mut toml::Table, arg: &str) -> Result<(), JobError> {
         Ok(mut t) => t
             .remove("v")
             .unwrap_or_else(|| toml::Value::String(raw.into())),
-        Err(_) => toml::Value::String(raw.into()),
-    };
+        Err(_) => toml::Value::String(raw.into())};
     let entry = table
         .entry(parts[0].to_string())
         .or_insert_with(|| toml::Value::Table(toml::Table::new()));

@@ -1,18 +1,8 @@
 //! `[placement]`: which node runs each role, and the live placement's knobs.
 
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, Role, RoleActor, RoleError, RoleRequest, RoleResponse, Sample};
-use yatt_runtime::actor::{ActorRef, CallError};
-use yatt_runtime::addr::ActorName;
-use yatt_runtime::collective::RING_CHUNK_BYTES;
-use yatt_runtime::directory::Directory;
-use yatt_runtime::message::Message;
-use yatt_runtime::node::{Node, NodeBuilder, NodeError};
 
-use crate::build::heads::controllers;
-use crate::config::sections::JobConfig;
 use crate::config::modes::PlacementMode;
 
 /// The roles of a job, by the key that places them.

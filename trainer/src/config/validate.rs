@@ -1,30 +1,15 @@
 //! Every check of a job config that its types cannot make, in one place.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::path::Path;
 
-use serde::{Deserialize, Serialize};
-use yatt_engine::{Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer, tch};
-use yatt_engine::fixtures::tiny_config;
-use yatt_engine::tch::{Device, Kind};
-use yatt_metrics::{RunWriter, WriteError};
-use yatt_roles::{AsciiCodec, CriticConfig, CriticRole, DataError, Dataloader, DeviceGroup, ExactMatchVerifier, GaeConfig, GrpoConfig, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate, KlEstimator, KlLossConfig, LengthSchedule, LossAgg, ModelScorer, NumericVerifier, OnUnparsed, PolicyConfig, PolicyLossConfig, PolicyRequest, PolicyResponse, PolicyRole, Prompt, ReferenceRole, ReinforcePpConfig, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRole, Sample, ScalarRewardModel, SyntheticTask, SyntheticTaskKind, TextCodec, TokenizerCodec, ValueLossConfig, load_jsonl};
-use yatt_runtime::actor::{ActorRef, CallError};
-use yatt_runtime::addr::ActorName;
-use yatt_runtime::collective::{RING_CHUNK_BYTES, RingMember};
-use yatt_runtime::directory::Directory;
-use yatt_runtime::message::Message;
-use yatt_runtime::node::{Node, NodeBuilder, NodeError};
+use yatt_roles::{JudgeTemplate, };
 
-use crate::build::heads::controllers;
-use crate::config::checks::{invalid, one_of, positive};
+use crate::config::checks::{invalid, positive};
 use crate::config::placement::{NodeNames, PlacementSection};
 use crate::config::sections::JobConfig;
 use crate::error::JobError;
-use crate::run::train;
 use crate::config::modes::{Driver, Dtype, KlMode, OldLogprobs, PlacementMode, RewardKind, Task};
+use crate::config::checks::non_negative;
 
 impl JobConfig {
     /// Checks every value the types cannot.
@@ -34,8 +19,7 @@ impl JobConfig {
             return Err(JobError::NotImplemented {
                 key: "job.placement".into(),
                 found: j.placement.clone(),
-                fix: "set job.placement = \"colocate\"; to put roles on other nodes, set [placement] mode = \"disaggregated\" with a node per role and run `yatt train CONFIG --cluster SEED_ADDR`".into(),
-            });
+                fix: "set job.placement = \"colocate\"; to put roles on other nodes, set [placement] mode = \"disaggregated\" with a node per role and run `yatt train CONFIG --cluster SEED_ADDR`".into()});
         }
         self.placement
             .validate(j.policy_replicas, self.algorithm.name.needs_critic())?;
@@ -72,8 +56,7 @@ impl JobConfig {
             return Err(JobError::NotImplemented {
                 key: "model.dtype".into(),
                 found: self.model.dtype.to_string(),
-                fix: "use dtype = \"f32\"".into(),
-            });
+                fix: "use dtype = \"f32\"".into()});
         }
         positive(
             "model.threads",
@@ -262,8 +245,7 @@ impl JobConfig {
                 found: "ppo with placement.live".into(),
                 fix:
                     "live placement moves rollout and policy groups; use grpo, rloo or reinforce++"
-                        .into(),
-            });
+                        .into()});
         }
         let with_reference = self.algorithm.kl_mode != KlMode::None;
         let cluster = p.mode == PlacementMode::Disaggregated;
@@ -360,8 +342,7 @@ impl JobConfig {
         let default = match (self.data.jsonl.is_empty(), self.data.task) {
             (false, _) | (true, Task::Addition) => RewardKind::Numeric,
             (true, Task::Letters) => RewardKind::Letters,
-            _ => RewardKind::Exact,
-        };
+            _ => RewardKind::Exact};
         vec![default]
     }
 }

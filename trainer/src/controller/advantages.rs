@@ -1,20 +1,13 @@
 //! A step's advantages from its rewards, through the estimator registry in `yatt-roles`.
 
-use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
-use yatt_engine::SamplingParams;
-use yatt_roles::{AlgoError, CriticReport, CriticRequest, CriticResponse, DataError, Dataloader, DeviceGroup, GaeConfig, GenerateRequest, GradShard, GrpoConfig, KlEstimator, LoaderState, PolicyRequest, PolicyResponse, ReinforcePpConfig, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleError, SampleId, SampleSink, TokenField, TrainReport, dynamic_sampling_filter, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, overlong_penalty, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
-use yatt_runtime::ActorId;
-use yatt_runtime::actor::{ActorRef, CallError};
-use yatt_runtime::collective::RingSpec;
-use yatt_runtime::node::Node;
+use yatt_roles::{Sample, TokenField, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
 
 use crate::controller::core::Controller;
 use crate::controller::error::ControllerError;
 use crate::controller::report::StepMetrics;
+use yatt_roles::AdvantageEstimator;
 
 impl Controller {
     /// Fills in `advantages` (and the reward/KL metrics).

@@ -1,23 +1,15 @@
 //! Several heads stepping together: gradient shards, the all-reduce ring, agreement
 //! checks between policy replicas.
 
-use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use serde::{Deserialize, Serialize};
-use tch::{Device, Kind, Tensor};
-use yatt_engine::SamplingParams;
-use yatt_roles::{AlgoError, CriticReport, CriticRequest, CriticResponse, DataError, Dataloader, DeviceGroup, GaeConfig, GenerateRequest, GradShard, GrpoConfig, KlEstimator, LoaderState, PolicyRequest, PolicyResponse, ReinforcePpConfig, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleError, SampleId, SampleSink, TokenField, TrainReport, dynamic_sampling_filter, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, overlong_penalty, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
-use yatt_runtime::ActorId;
-use yatt_runtime::actor::{ActorRef, CallError};
+use yatt_roles::{GradShard, PolicyRequest, PolicyResponse, SampleId, TrainReport};
 use yatt_runtime::collective::RingSpec;
-use yatt_runtime::node::Node;
 
-use crate::build::heads::controllers;
 use crate::controller::core::Controller;
 use crate::controller::error::ControllerError;
 use crate::controller::report::StepReport;
-use crate::run::train;
+use crate::controller::core::Prepared;
 
 /// Runs one step of several controllers (data-parallel heads, each with its own shard
 /// and rollout): each prepares its samples; then either their one shared policy
@@ -102,7 +94,7 @@ pub async fn step_data_parallel(
 /// Each head's gradients on its own samples (side by side when the policy is
 /// replicated; one after the other on a shared one). The shards keep head order
 /// whatever order they finish in, so their average is the same every run.
-async fn gather_shards(
+pub(crate) async fn gather_shards(
     controllers: &[Controller],
     prepared: &[Prepared],
 ) -> Result<Vec<GradShard>, ControllerError> {
@@ -123,7 +115,7 @@ async fn gather_shards(
 }
 
 /// Has the policy of each of `appliers` average `shards` and take one optimizer step.
-async fn apply_shards(
+pub(crate) async fn apply_shards(
     appliers: &[Controller],
     shards: Vec<GradShard>,
 ) -> Result<Vec<TrainReport>, ControllerError> {
@@ -155,7 +147,7 @@ async fn apply_shards(
 
 /// Identical gradients give bit-identical norms: a differing norm or version after the
 /// same update means the replicas' weights no longer agree.
-fn check_replicas_agree(trained: &[TrainReport]) -> Result<(), ControllerError> {
+pub(crate) fn check_replicas_agree(trained: &[TrainReport]) -> Result<(), ControllerError> {
     let Some(first) = trained.first() else {
         return Ok(());
     };
@@ -176,7 +168,7 @@ fn check_replicas_agree(trained: &[TrainReport]) -> Result<(), ControllerError> 
 /// same optimizer step. Returns one report for all: the heads' loss statistics
 /// averaged in head order (as `ApplyGradients` gives them), the optimizer's from the
 /// first replica after checking that every replica agrees.
-async fn all_reduce_update(
+pub(crate) async fn all_reduce_update(
     controllers: &[Controller],
     prepared: &[Prepared],
 ) -> Result<TrainReport, ControllerError> {

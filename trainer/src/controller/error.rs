@@ -1,16 +1,8 @@
 //! How a controller's step fails.
 
-use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-use tch::{Device, Kind, Tensor};
-use yatt_engine::SamplingParams;
-use yatt_roles::{AlgoError, CriticReport, CriticRequest, CriticResponse, DataError, Dataloader, DeviceGroup, GaeConfig, GenerateRequest, GradShard, GrpoConfig, KlEstimator, LoaderState, PolicyRequest, PolicyResponse, ReinforcePpConfig, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleError, SampleId, SampleSink, TokenField, TrainReport, dynamic_sampling_filter, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, overlong_penalty, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
-use yatt_runtime::ActorId;
-use yatt_runtime::actor::{ActorRef, CallError};
-use yatt_runtime::collective::RingSpec;
-use yatt_runtime::node::Node;
+use yatt_roles::{AlgoError, DataError, SampleError, SampleId};
+use yatt_runtime::actor::CallError;
 
 use crate::ledger::LedgerError;
 
@@ -110,6 +102,6 @@ pub enum ControllerError {
 /// Whether a failed call means the replica is gone (its node died or left, its actor
 /// stopped, or it missed its deadline) rather than that it refused the request: only
 /// then is its work worth handing to another replica.
-fn replica_lost(e: &CallError) -> bool {
+pub(crate) fn replica_lost(e: &CallError) -> bool {
     !matches!(e, CallError::Handler { .. })
 }

@@ -1,23 +1,16 @@
 //! Generation: spreading prompts over rollout replicas, retrying lost ones, streaming.
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-use tch::{Device, Kind, Tensor};
-use yatt_engine::SamplingParams;
-use yatt_roles::{AlgoError, CriticReport, CriticRequest, CriticResponse, DataError, Dataloader, DeviceGroup, GaeConfig, GenerateRequest, GradShard, GrpoConfig, KlEstimator, LoaderState, PolicyRequest, PolicyResponse, ReinforcePpConfig, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleError, SampleId, SampleSink, TokenField, TrainReport, dynamic_sampling_filter, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, overlong_penalty, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
+use yatt_roles::{GenerateRequest, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleId, SampleSink};
 use yatt_runtime::ActorId;
-use yatt_runtime::actor::{ActorRef, CallError};
-use yatt_runtime::collective::RingSpec;
-use yatt_runtime::node::Node;
 
-use crate::build::data::prompts;
 use crate::controller::config::ControllerConfig;
 use crate::controller::core::Controller;
 use crate::controller::error::ControllerError;
 use crate::controller::refs::{RolloutRef, variant};
 use crate::ledger::{SampleLedger, Stage};
+use crate::controller::error::replica_lost;
 
 /// What a streamed generation round produced.
 pub(crate) struct Streamed {
@@ -30,16 +23,14 @@ pub(crate) struct Streamed {
     /// Seconds from then until the last reward came back (the part not overlapped).
     pub(crate) reward_tail_s: f64,
     /// Samples sent to the reward role before generation finished.
-    pub(crate) early: usize,
-}
+    pub(crate) early: usize}
 
 /// One generation request's outcome: the rollout's answer, the samples requeued on
 /// another replica on the way, and the replicas found lost.
 pub(crate) struct GenOutcome {
     pub(crate) answer: RolloutResponse,
     pub(crate) requeued: Vec<SampleId>,
-    pub(crate) lost: Vec<ActorId>,
-}
+    pub(crate) lost: Vec<ActorId>}
 
 /// One generation round: its samples, the rollouts' stats, its wall seconds, the
 /// samples requeued on a spare replica and the replicas found lost.
@@ -49,8 +40,7 @@ pub(crate) struct Generated {
     pub(crate) stats: yatt_roles::RolloutStats,
     pub(crate) seconds: f64,
     pub(crate) requeued: Vec<SampleId>,
-    pub(crate) lost: Vec<ActorId>,
-}
+    pub(crate) lost: Vec<ActorId>}
 
 impl Controller {
     /// A round's generation requests: contiguous, near-equal slices of the prompts, one
@@ -76,8 +66,7 @@ impl Controller {
                 prompts: std::mem::replace(&mut rest, tail),
                 n: cfg.n,
                 params: cfg.sampling.clone(),
-                seed: cfg.seed,
-            };
+                seed: cfg.seed};
             out.push((r, req));
         }
         out
@@ -104,8 +93,7 @@ impl Controller {
             match g.answer {
                 RolloutResponse::Generated {
                     samples: s,
-                    stats: st,
-                } => {
+                    stats: st} => {
                     out.samples.extend(s);
                     out.stats.response_tokens += st.response_tokens;
                     // Replicas run side by side: the round takes the slowest one's time.
@@ -136,8 +124,7 @@ impl Controller {
         // goes straight to a spare (nothing of it was in flight, nothing is requeued).
         let mut asked = match self.lost_rollouts.contains(first.id()) {
             true => spares.next().unwrap_or(first).clone(),
-            false => first.clone(),
-        };
+            false => first.clone()};
         let (mut requeued, mut lost) = (Vec::new(), Vec::new());
         loop {
             let answer = {
@@ -154,8 +141,7 @@ impl Controller {
                     return Ok(GenOutcome {
                         answer,
                         requeued,
-                        lost,
-                    })
+                        lost})
                 }
                 Ok(other) => return Err(self.protocol("rollout", "gen", variant(&other))),
                 Err(e) if replica_lost(&e) => {
@@ -169,13 +155,11 @@ impl Controller {
                         (0..req.n).map(move |k| SampleId {
                             step: req.step,
                             prompt: p.id,
-                            k,
-                        })
+                            k})
                     }));
                     asked = next.clone();
                 }
-                Err(e) => return Err(self.call("gen", "rollout")(e)),
-            }
+                Err(e) => return Err(self.call("gen", "rollout")(e))}
         }
     }
 
@@ -190,10 +174,8 @@ impl Controller {
                 step: self.step,
                 id: s.id,
                 got: s.weights_version,
-                want: self.weights_version,
-            }),
-            None => Ok(()),
-        }
+                want: self.weights_version}),
+            None => Ok(())}
     }
 
     /// One generation round, streamed: every rollout sends each sample as it finishes
@@ -216,8 +198,7 @@ impl Controller {
                 (0..cfg.n).map(move |k| SampleId {
                     step: self.step,
                     prompt: p.id,
-                    k,
-                })
+                    k})
             })
             .enumerate()
             .map(|(i, id)| (id, i))
@@ -242,8 +223,7 @@ impl Controller {
             stats: yatt_roles::RolloutStats::default(),
             gen_s: 0.0,
             reward_tail_s: 0.0,
-            early: 0,
-        };
+            early: 0};
         let (mut gen_done, mut open) = (false, true);
         let mut gen_end = Instant::now();
         while !gen_done || open || !rewards.is_empty() {
@@ -258,8 +238,7 @@ impl Controller {
                             other => {
                                 let got = match other {
                                     RolloutResponse::Generated { .. } => "Generated",
-                                    _ => "Logits",
-                                };
+                                    _ => "Logits"};
                                 return Err(self.protocol("rollout", "GenerateStream", got.into()));
                             }
                         }
@@ -274,8 +253,7 @@ impl Controller {
                         while batch.len() < group {
                             match rx.try_recv() {
                                 Ok(s) => batch.push(s),
-                                Err(_) => break,
-                            }
+                                Err(_) => break}
                         }
                         // An id the round did not expect fails the stage's check.
                         for s in &batch {
@@ -293,8 +271,7 @@ impl Controller {
                             cfg.timeouts.score,
                         ));
                     }
-                    None => open = false,
-                },
+                    None => open = false},
                 r = rewards.next(), if !rewards.is_empty() => {
                     if let Some(r) = r {
                         out.samples.extend(r?);

@@ -1,16 +1,7 @@
 //! Which rollout replicas are generating right now (live placement reads it).
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
-
-use serde::{Deserialize, Serialize};
-use tch::{Device, Kind, Tensor};
-use yatt_engine::SamplingParams;
-use yatt_roles::{AlgoError, CriticReport, CriticRequest, CriticResponse, DataError, Dataloader, DeviceGroup, GaeConfig, GenerateRequest, GradShard, GrpoConfig, KlEstimator, LoaderState, PolicyRequest, PolicyResponse, ReinforcePpConfig, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleError, SampleId, SampleSink, TokenField, TrainReport, dynamic_sampling_filter, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, overlong_penalty, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
 use yatt_runtime::ActorId;
-use yatt_runtime::actor::{ActorRef, CallError};
-use yatt_runtime::collective::RingSpec;
-use yatt_runtime::node::Node;
 
 /// The rollout replicas that generation calls are in flight to, shared by the heads
 /// that report to it ([`Controller::set_probe`]): a step's progress seen from outside,
@@ -24,24 +15,22 @@ impl GenProbe {
         self.lock().get(replica).is_some_and(|n| *n > 0)
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<ActorId, usize>> {
+    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<ActorId, usize>> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn enter(&self, replica: &ActorId) -> GenProbeGuard<'_> {
+    pub(crate) fn enter(&self, replica: &ActorId) -> GenProbeGuard<'_> {
         *self.lock().entry(replica.clone()).or_insert(0) += 1;
         GenProbeGuard {
             probe: self,
-            replica: replica.clone(),
-        }
+            replica: replica.clone()}
     }
 }
 
 /// Counts one call out of the probe when dropped (answered, failed or cancelled).
 pub(crate) struct GenProbeGuard<'a> {
     pub(crate) probe: &'a GenProbe,
-    pub(crate) replica: ActorId,
-}
+    pub(crate) replica: ActorId}
 
 impl Drop for GenProbeGuard<'_> {
     fn drop(&mut self) {

@@ -1,15 +1,6 @@
 //! References to the roles a controller drives, and spawning a role on a node.
-
-use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
-
-use serde::{Deserialize, Serialize};
-use tch::{Device, Kind, Tensor};
-use yatt_engine::SamplingParams;
-use yatt_roles::{AlgoError, CriticReport, CriticRequest, CriticResponse, DataError, Dataloader, DeviceGroup, GaeConfig, GenerateRequest, GradShard, GrpoConfig, KlEstimator, LoaderState, PolicyRequest, PolicyResponse, ReinforcePpConfig, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleError, SampleId, SampleSink, TokenField, TrainReport, dynamic_sampling_filter, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, overlong_penalty, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
-use yatt_runtime::ActorId;
-use yatt_runtime::actor::{ActorRef, CallError};
-use yatt_runtime::collective::RingSpec;
+use yatt_roles::{CriticRequest, CriticResponse, DeviceGroup, PolicyRequest, PolicyResponse, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample};
+use yatt_runtime::actor::ActorRef;
 use yatt_runtime::node::Node;
 
 use crate::controller::error::ControllerError;
@@ -43,8 +34,7 @@ pub struct RoleRefs {
     /// The trainer.
     pub policy: PolicyRef,
     /// The value model (PPO with GAE needs one; the other estimators ignore it).
-    pub critic: Option<CriticRef>,
-}
+    pub critic: Option<CriticRef>}
 
 /// Starts `role` on its own thread on `group` and spawns its actor on `node` as
 /// `node/name/replica`, reachable from this process only (its messages are moved, never
@@ -61,13 +51,11 @@ pub async fn spawn_role<R: Role>(
         .await
         .map_err(|e: RoleError| ControllerError::Spawn {
             role: name.clone(),
-            reason: e.to_string(),
-        })?;
+            reason: e.to_string()})?;
     node.spawn_local(&name, replica, actor)
         .map_err(|e| ControllerError::Spawn {
             role: name,
-            reason: e.to_string(),
-        })
+            reason: e.to_string()})
 }
 
 pub(crate) fn variant<T>(r: &RoleResponse<T>) -> String {
@@ -75,6 +63,5 @@ pub(crate) fn variant<T>(r: &RoleResponse<T>) -> String {
         RoleResponse::Served(_) => "a served answer".into(),
         RoleResponse::Done => "Done".into(),
         RoleResponse::Drained(_) => "Drained".into(),
-        RoleResponse::Profile(_) => "Profile".into(),
-    }
+        RoleResponse::Profile(_) => "Profile".into()}
 }

@@ -1,19 +1,11 @@
 //! What a step reports, and a controller's checkpointed position.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use tch::{Device, Kind, Tensor};
-use yatt_engine::SamplingParams;
-use yatt_roles::{AlgoError, CriticReport, CriticRequest, CriticResponse, DataError, Dataloader, DeviceGroup, GaeConfig, GenerateRequest, GradShard, GrpoConfig, KlEstimator, LoaderState, PolicyRequest, PolicyResponse, ReinforcePpConfig, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleError, SampleId, SampleSink, TokenField, TrainReport, dynamic_sampling_filter, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, overlong_penalty, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
-use yatt_runtime::ActorId;
-use yatt_runtime::actor::{ActorRef, CallError};
-use yatt_runtime::collective::RingSpec;
-use yatt_runtime::node::Node;
+use yatt_roles::{CriticReport, LoaderState, Sample, TrainReport};
 
 use crate::ledger::LedgerReport;
-use crate::run::train;
 
 /// One step's metrics, by verl-style name (`timing_s/gen`, `critic/rewards/mean`, ...).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -30,7 +22,7 @@ impl StepMetrics {
         self.values.get(name).copied()
     }
 
-    fn set(&mut self, name: &str, v: f64) {
+    pub(crate) fn set(&mut self, name: &str, v: f64) {
         self.values.insert(name.to_string(), v);
     }
 }

@@ -1,25 +1,16 @@
 //! The stages of a step after generation: reward, reference, values, update.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use serde::{Deserialize, Serialize};
-use tch::{Device, Kind, Tensor};
-use yatt_engine::SamplingParams;
-use yatt_roles::{Prompt, RolloutStats, AlgoError, CriticReport, CriticRequest, CriticResponse, DataError, Dataloader, DeviceGroup, GaeConfig, GenerateRequest, GradShard, GrpoConfig, KlEstimator, LoaderState, PolicyRequest, PolicyResponse, ReinforcePpConfig, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleError, SampleId, SampleSink, TokenField, TrainReport, dynamic_sampling_filter, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, overlong_penalty, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
-use yatt_runtime::ActorId;
-use yatt_runtime::actor::{ActorRef, CallError};
-use yatt_runtime::collective::RingSpec;
-use yatt_runtime::node::Node;
+use yatt_roles::{Prompt, RolloutStats, CriticReport, CriticRequest, CriticResponse, PolicyRequest, PolicyResponse, Sample, SampleId, TrainReport, dynamic_sampling_filter, group_indices, overlong_penalty};
 
-use crate::build::data::prompts;
 use crate::controller::config::{ControllerConfig, DynamicSamplingConfig, OverlongConfig};
 use crate::controller::core::Prepared;
 use crate::controller::core::Controller;
 use crate::controller::error::ControllerError;
 use crate::controller::report::{StepMetrics, StepReport};
 use crate::ledger::{SampleLedger, Stage};
-use crate::run::train;
 
 /// What the rounds of one step's generation add up to.
 #[derive(Debug, Default)]
@@ -31,8 +22,7 @@ pub(crate) struct RoundTotals {
     pub(crate) streamed_early: usize,
     pub(crate) groups_seen: usize,
     pub(crate) groups_dropped: usize,
-    pub(crate) kept_groups: usize,
-}
+    pub(crate) kept_groups: usize}
 
 impl Controller {
     /// Stages up to the update: generation and reward (repeated by dynamic sampling),
@@ -42,8 +32,7 @@ impl Controller {
         let cfg = self.config.clone();
         let mut m = StepMetrics {
             step: self.step,
-            values: BTreeMap::new(),
-        };
+            values: BTreeMap::new()};
         let mut ledger = SampleLedger::new(self.step, &self.stages());
         // 1–2. Generation and reward.
         let (samples, gen) = self.generate_and_reward(&cfg, &mut ledger, &mut m).await?;
@@ -58,8 +47,7 @@ impl Controller {
                 self.stage_done(&mut ledger, &s, Stage::Referenced)?;
                 s
             }
-            None => samples,
-        };
+            None => samples};
         // 4. Critic values.
         let samples = self.values(samples, &cfg, &mut ledger, &mut m).await?;
         // 5. Old log-probs.
@@ -74,8 +62,7 @@ impl Controller {
             metrics: m,
             ledger,
             samples,
-            gen,
-        })
+            gen})
     }
 
     /// The stages every sample of this controller's steps must pass.
@@ -127,8 +114,7 @@ impl Controller {
                 (0..cfg.n).map(move |k| SampleId {
                     step,
                     prompt: p.id,
-                    k,
-                })
+                    k})
             });
             ledger.expect(ids).map_err(self.ledger_err())?;
             let mut samples = self.generate_round(prompts, cfg, ledger, &mut t).await?;
@@ -152,8 +138,7 @@ impl Controller {
             return Err(ControllerError::NoSignal {
                 step,
                 rounds: t.rounds,
-                groups: t.groups_dropped,
-            });
+                groups: t.groups_dropped});
         }
         m.set("timing_s/gen", t.gen_s);
         m.set("timing_s/reward", t.reward_s);
@@ -284,8 +269,7 @@ impl Controller {
             .await?
         {
             CriticResponse::Valued(s) => s,
-            other => return Err(self.protocol("critic", "Values", format!("{other:?}"))),
-        };
+            other => return Err(self.protocol("critic", "Values", format!("{other:?}")))};
         m.set("timing_s/values", t.elapsed().as_secs_f64());
         self.stage_done(ledger, &s, Stage::Valued)?;
         Ok(s)
@@ -306,8 +290,7 @@ impl Controller {
             .await?
         {
             PolicyResponse::Scored(s) => s,
-            other => return Err(self.protocol("policy", "OldLogProbs", format!("{other:?}"))),
-        };
+            other => return Err(self.protocol("policy", "OldLogProbs", format!("{other:?}")))};
         m.set("timing_s/old_log_prob", t.elapsed().as_secs_f64());
         self.stage_done(ledger, &samples, Stage::OldLogProbs)?;
         Ok(samples)
@@ -344,8 +327,7 @@ impl Controller {
             metrics: mut m,
             mut ledger,
             samples: kept,
-            gen,
-        } = p;
+            gen} = p;
         let cfg = self.config.clone();
         m.set("timing_s/update_actor", update_s);
         ledger.record_all(&train.trained, Stage::Trained);
@@ -402,7 +384,6 @@ impl Controller {
             ledger,
             samples: kept,
             train,
-            critic,
-        })
+            critic})
     }
 }

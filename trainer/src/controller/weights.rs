@@ -1,20 +1,12 @@
 //! Weights: syncing the rollouts to the policy, saving the policy and the critic.
 
-use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-use tch::{Device, Kind, Tensor};
-use yatt_engine::SamplingParams;
-use yatt_roles::{AlgoError, CriticReport, CriticRequest, CriticResponse, DataError, Dataloader, DeviceGroup, GaeConfig, GenerateRequest, GradShard, GrpoConfig, KlEstimator, LoaderState, PolicyRequest, PolicyResponse, ReinforcePpConfig, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleError, SampleId, SampleSink, TokenField, TrainReport, dynamic_sampling_filter, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, overlong_penalty, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
-use yatt_runtime::ActorId;
-use yatt_runtime::actor::{ActorRef, CallError};
-use yatt_runtime::collective::RingSpec;
-use yatt_runtime::node::Node;
+use yatt_roles::{CriticRequest, CriticResponse, PolicyRequest, PolicyResponse, RoleRequest, RoleResponse};
 
 use crate::controller::core::Controller;
 use crate::controller::error::ControllerError;
 use crate::controller::refs::{RolloutRef, variant};
+use crate::controller::error::replica_lost;
 
 impl Controller {
     /// Weight sync: the policy exports its weights and this controller's rollout loads
@@ -33,8 +25,7 @@ impl Controller {
         };
         let update = match self.serve_policy(export, "weight_sync", t).await? {
             PolicyResponse::Weights(u) => u,
-            other => return Err(self.protocol("policy", "ExportWeights", format!("{other:?}"))),
-        };
+            other => return Err(self.protocol("policy", "ExportWeights", format!("{other:?}")))};
         let version = update.version;
         // A replica found lost this step is skipped (another head's spare generated its
         // samples); one lost only now is marked so, when a spare can take its work.
@@ -52,8 +43,7 @@ impl Controller {
         for (i, r) in live.iter().enumerate() {
             let u = match i + 1 == live.len() {
                 true => update.take(),
-                false => update.clone(),
-            };
+                false => update.clone()};
             if let Some(u) = u {
                 loads.push(r.ask(RoleRequest::LoadWeights(u), t));
             }
@@ -70,8 +60,7 @@ impl Controller {
                     tracing::warn!(step = self.step, replica = %r.id(), error = %e, "rollout lost at weight sync; its work goes to a spare replica");
                     self.lost_rollouts.insert(r.id().clone());
                 }
-                Err(e) => return Err(self.call("weight_sync", "rollout")(e)),
-            }
+                Err(e) => return Err(self.call("weight_sync", "rollout")(e))}
         }
         self.weights_version = version;
         Ok(version)
@@ -93,8 +82,7 @@ impl Controller {
             .await?
         {
             CriticResponse::Saved => Ok(()),
-            other => Err(self.protocol("critic", "SaveCheckpoint", format!("{other:?}"))),
-        }
+            other => Err(self.protocol("critic", "SaveCheckpoint", format!("{other:?}")))}
     }
 
     /// Asks the policy to save a checkpoint to `dir`.
@@ -108,7 +96,6 @@ impl Controller {
             .await?
         {
             PolicyResponse::Saved => Ok(()),
-            other => Err(self.protocol("policy", "SaveCheckpoint", format!("{other:?}"))),
-        }
+            other => Err(self.protocol("policy", "SaveCheckpoint", format!("{other:?}")))}
     }
 }

@@ -1,30 +1,19 @@
 //! Building the live placement: groups, the first plan, the first replicas.
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use tch::{Device, Kind};
-use yatt_engine::{Llama, Trainer};
-use yatt_placement::{CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy, Plan, Pool, Reason, RewardKind, Stage, StageObs};
+use yatt_engine::Llama;
+use yatt_placement::{CostSetup, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy, Plan, Pool, RewardKind};
 use yatt_placement::inventory::GroupId;
 use yatt_placement::profile::{Role as PRole, RoleSet};
-use yatt_placement::record::{GroupUse, Record, finite};
 use yatt_placement::workload::ForecastParams;
-use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse, Sample, TextCodec};
-use yatt_runtime::ActorId;
-use yatt_runtime::actor::{ActorRef, ExitReason};
-use yatt_runtime::collective::RING_CHUNK_BYTES;
-use yatt_runtime::directory::Change;
+use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, RoleRequest, TextCodec};
 use yatt_runtime::membership::NodeInfo;
-use yatt_runtime::message::Message;
 use yatt_runtime::node::Node;
 
 use crate::build::cluster::{job_text, wait_for_nodes};
-use crate::build::embedded::build;
-use crate::build::heads::controllers;
 use crate::build::parts::base_model;
 use crate::build::reward::spawn_reward;
 use crate::config::checks::invalid;
@@ -33,16 +22,22 @@ use crate::controller::probe::GenProbe;
 use crate::controller::refs::{PolicyRef, spawn_role};
 use crate::error::JobError;
 use crate::live::state::LivePlacement;
-use crate::config::modes::{Driver, KlMode, RewardKind, PlacementMode};
+use crate::config::modes::{KlMode, PlacementMode};
+use crate::live::state::Hosts;
+use crate::live::state::Replica;
+use crate::live::state::Shared;
+use crate::live::replicas::ask_policy;
+use crate::live::replicas::placement_err;
+use crate::live::replicas::unexpected;
 
-fn rset(r: PRole) -> RoleSet {
+pub(crate) fn rset(r: PRole) -> RoleSet {
     RoleSet::of(&[r])
 }
 
 /// A virtual device of one libtorch thread, as the cost model sees it. The figures are
 /// effective rates of a small model on one x86 core (op dispatch dominates decoding);
 /// the online fit corrects them within its bounds from the first steps.
-fn cpu_thread_spec() -> GpuSpec {
+pub(crate) fn cpu_thread_spec() -> GpuSpec {
     GpuSpec {
         name: "cpu-thread".into(),
         memory_bytes: 8e9,
@@ -50,28 +45,25 @@ fn cpu_thread_spec() -> GpuSpec {
         hbm_bytes_per_s: 4e8,
         pcie_bytes_per_s: 4e9,
         net_bytes_per_s: 2e9,
-        host_memory_bytes: 16e9,
-    }
+        host_memory_bytes: 16e9}
 }
 
 /// Sequences one rollout replica decodes at once (its engine's slots).
-fn rollout_slots(job: &JobConfig) -> u32 {
+pub(crate) fn rollout_slots(job: &JobConfig) -> u32 {
     let all = job.data.prompts_per_step as u32 * job.data.samples_per_prompt;
     match job.rollout.max_batch {
         0 => all,
-        cap => all.min(cap as u32),
-    }
+        cap => all.min(cap as u32)}
 }
 
-fn me(job: &JobConfig) -> impl Fn(yatt_engine::EngineError) -> JobError + '_ {
+pub(crate) fn me(job: &JobConfig) -> impl Fn(yatt_engine::EngineError) -> JobError + '_ {
     move |e| JobError::Model {
         source_desc: job.model.source.to_string(),
-        reason: e.to_string(),
-    }
+        reason: e.to_string()}
 }
 
 /// `placement.groups` virtual groups of one thread in this process.
-fn embedded_inventory(job: &JobConfig, gpu: &GpuSpec) -> Result<Inventory, JobError> {
+pub(crate) fn embedded_inventory(job: &JobConfig, gpu: &GpuSpec) -> Result<Inventory, JobError> {
     let groups = job.placement.groups;
     Inventory::uniform(1, groups as u32, 1, gpu.memory_bytes, gpu.host_memory_bytes).map_err(|e| {
         invalid(
@@ -85,7 +77,7 @@ fn embedded_inventory(job: &JobConfig, gpu: &GpuSpec) -> Result<Inventory, JobEr
 
 /// The devices the alive nodes of `placement.nodes` advertise in the directory, one
 /// group each, in the order the section lists the nodes.
-async fn cluster_inventory(
+pub(crate) async fn cluster_inventory(
     job: &JobConfig,
     node: &Node,
 ) -> Result<(Inventory, Vec<NodeInfo>), JobError> {
@@ -145,27 +137,24 @@ impl LivePlacement {
     pub async fn build(job: &JobConfig, node: &Node) -> Result<Self, JobError> {
         job.validate()?;
         let p = &job.placement;
-        let heads = job.job.controllers;
-        let with_reference = job.algorithm.kl_mode != KlMode::None;
+        let _heads = job.job.controllers;
+        let _with_reference = job.algorithm.kl_mode != KlMode::None;
         let cluster = p.mode == PlacementMode::Disaggregated;
-        let (model, codec, pad_id) = base_model(job)?;
+        let (mut model, codec, pad_id) = base_model(job)?;
         tch::set_num_threads(1);
         let (inventory, members) = match cluster {
             false => (embedded_inventory(job, &cpu_thread_spec())?, Vec::new()),
-            true => cluster_inventory(job, node).await?,
-        };
-        let (policy, plan) = placement_policy(job, &model, inventory)?;
+            true => cluster_inventory(job, node).await?};
+        let (policy, plan) = placement_policy(job, &mut model, inventory)?;
         let (hosts, shared) = shared_roles(job, node, model, codec, pad_id).await?;
         let out = job.job.output_dir.clone();
         std::fs::create_dir_all(&out).map_err(|source| JobError::Write {
             path: out.clone(),
-            source,
-        })?;
+            source})?;
         let log_path = out.join(yatt_placement::record::FILE);
         let log = std::fs::File::create(&log_path).map_err(|source| JobError::Write {
             path: log_path.clone(),
-            source,
-        })?;
+            source})?;
         let mut live = LivePlacement {
             job: job.clone(),
             node: node.clone(),
@@ -187,8 +176,7 @@ impl LivePlacement {
                 .map(|n| (n.name.clone(), n.incarnation))
                 .collect(),
             start_faults: 0,
-            rolled_back: false,
-        };
+            rolled_back: false};
         // Every policy replica starts from the first one's state (a fresh trainer):
         // across processes nothing else guarantees the same weights.
         let mut first: Option<PolicyRef> = None;
@@ -213,8 +201,7 @@ impl LivePlacement {
             let t = live.deadline();
             let update = match ask_policy(policy, PolicyRequest::ExportWeights, t).await? {
                 PolicyResponse::Weights(u) => u,
-                other => return Err(unexpected("ExportWeights", &other)),
-            };
+                other => return Err(unexpected("ExportWeights", &other))};
             reference
                 .ask(RoleRequest::LoadWeights(update), t)
                 .await
@@ -227,9 +214,9 @@ impl LivePlacement {
 
 /// The placement policy of the job over `inventory`, and the plan it starts from: the
 /// rollout on the first `placement.rollout_groups` groups, the policy on the rest.
-fn placement_policy(
+pub(crate) fn placement_policy(
     job: &JobConfig,
-    model: &Llama,
+    model: &mut Llama,
     inventory: Inventory,
 ) -> Result<(PlacementPolicy, Plan), JobError> {
     let p = &job.placement;
@@ -241,8 +228,7 @@ fn placement_policy(
         params,
         layers: cfg.num_hidden_layers as u32,
         kv_heads: cfg.num_key_value_heads as u32,
-        head_dim: cfg.head_dim as u32,
-    };
+        head_dim: cfg.head_dim as u32};
     let mut shape = JobShape::new(spec, RewardKind::Rule, job.rollout.max_new_tokens as u32);
     // Reward and reference run outside the groups.
     shape.reference = false;
@@ -253,23 +239,19 @@ fn placement_policy(
         gpu,
         group_devices: 1,
         staleness: 0,
-        partial_rollout: None,
-    };
+        partial_rollout: None};
     let ids: Vec<GroupId> = inventory.groups().map(|g| g.id).collect();
     let plan = Plan {
         pools: vec![
             Pool {
                 roles: rset(PRole::Rollout),
-                groups: ids[..p.rollout_groups].to_vec(),
-            },
+                groups: ids[..p.rollout_groups].to_vec()},
             Pool {
                 roles: rset(PRole::Policy),
-                groups: ids[p.rollout_groups..].to_vec(),
-            },
+                groups: ids[p.rollout_groups..].to_vec()},
         ],
         rollout_batch_cap: Some(rollout_slots(job)),
-        lanes: None,
-    };
+        lanes: None};
     let batch = heads as u32 * job.data.prompts_per_step as u32;
     let forecast = ForecastParams::lognormal(
         batch,
@@ -280,8 +262,7 @@ fn placement_policy(
     );
     let limits = Limits {
         structures: Some(vec![vec![rset(PRole::Rollout), rset(PRole::Policy)]]),
-        rollout_cap: plan.rollout_batch_cap,
-    };
+        rollout_cap: plan.rollout_batch_cap};
     let mut policy = PlacementPolicy::starting_from(
         p.replan,
         inventory,
@@ -299,7 +280,7 @@ fn placement_policy(
 
 /// The roles outside the groups (reward, and the reference with a KL term), and how the
 /// groups' replicas are hosted: threads of this process, or cluster nodes.
-async fn shared_roles(
+pub(crate) async fn shared_roles(
     job: &JobConfig,
     node: &Node,
     model: Llama,
@@ -329,14 +310,11 @@ async fn shared_roles(
                             group.clone(),
                         )
                         .await?,
-                    ),
-                },
-            };
+                    )}};
             let hosts = Hosts::Embedded {
                 codec,
                 pad_id,
-                template: Box::new(model.deep_copy(Device::Cpu, Kind::Float).map_err(me(job))?),
-            };
+                template: Box::new(model.deep_copy(Device::Cpu, Kind::Float).map_err(me(job))?)};
             (hosts, shared)
         }
         true => {
@@ -346,14 +324,13 @@ async fn shared_roles(
             sent.job.policy_replicas = heads;
             let text = job_text(&sent)?;
             let shared = Shared {
-                reward: remote::spawn(job, &text, node, "reward", &p.reward).await?,
+                reward: crate::build::cluster::spawn(job, &text, node, "reward", &p.reward).await?,
                 reference: match with_reference {
                     false => None,
                     true => {
-                        Some(remote::spawn(job, &text, node, "reference", &p.reference).await?)
+                        Some(crate::build::cluster::spawn(job, &text, node, "reference", &p.reference).await?)
                     }
-                },
-            };
+                }};
             (Hosts::Cluster { text }, shared)
         }
     };

@@ -1,30 +1,15 @@
 //! Following cluster membership: nodes lost and joined.
 
-use std::collections::BTreeMap;
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-use tch::{Device, Kind};
-use yatt_engine::{Llama, Trainer};
-use yatt_placement::{CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy, Plan, Pool, Reason, RewardKind, Stage, StageObs};
+use yatt_placement::Event;
 use yatt_placement::inventory::GroupId;
-use yatt_placement::profile::{Role as PRole, RoleSet};
-use yatt_placement::record::{GroupUse, Record, finite};
-use yatt_placement::workload::ForecastParams;
-use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse, Sample, TextCodec};
-use yatt_runtime::ActorId;
-use yatt_runtime::actor::{ActorRef, ExitReason};
-use yatt_runtime::collective::RING_CHUNK_BYTES;
-use yatt_runtime::directory::Change;
+use yatt_placement::record::Record;
 use yatt_runtime::membership::NodeInfo;
-use yatt_runtime::message::Message;
-use yatt_runtime::node::Node;
 
-use crate::build::heads::controllers;
 use crate::error::JobError;
 use crate::live::state::LivePlacement;
+use crate::live::state::Hosts;
+use crate::live::state::Replica;
 
 impl LivePlacement {
     /// On a cluster: feeds the policy the nodes of `placement.nodes` that left (or
@@ -73,8 +58,7 @@ impl LivePlacement {
                     "node {node} left the cluster with the policy replica(s) of {}: the trainer state (weights, optimizer) there is lost",
                     policy_on.join(", ")
                 ),
-                fix: "live placement recovers from losing nodes that host only rollout replicas; resume the run from its last checkpoint (job.checkpoint_every) on nodes that stay up".into(),
-            });
+                fix: "live placement recovers from losing nodes that host only rollout replicas; resume the run from its last checkpoint (job.checkpoint_every) on nodes that stay up".into()});
         }
         self.known_nodes.remove(node);
         for g in &groups {
@@ -86,8 +70,7 @@ impl LivePlacement {
             line: format!(
                 "node {node} left the cluster (declared dead or gone): its group(s) {} leave the inventory",
                 names.join(" ")
-            ),
-        })?;
+            )})?;
         let decisions = self.policy.on_event(Event::NodeLeft { node: node.into() });
         self.write_policy_log(step)?;
         let used = self.plan.roles_by_group();
@@ -98,8 +81,7 @@ impl LivePlacement {
                     names.join(" "),
                     self.policy.inventory().len()
                 ),
-                fix: "start a node of placement.nodes again (it joins the run) before the next step, or resume the run from its last checkpoint".into(),
-            });
+                fix: "start a node of placement.nodes again (it joins the run) before the next step, or resume the run from its last checkpoint".into()});
         }
         self.apply(decisions, step).await
     }
@@ -125,8 +107,7 @@ impl LivePlacement {
                 info.devices.len(),
                 names.join(" "),
                 self.policy.inventory().len()
-            ),
-        })?;
+            )})?;
         self.write_policy_log(step)?;
         self.apply(decisions, step).await
     }

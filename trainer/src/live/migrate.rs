@@ -1,32 +1,18 @@
 //! Carrying out the policy's decisions: migrations and their roll-back.
 
-use std::collections::BTreeMap;
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use tch::{Device, Kind};
-use yatt_engine::{Llama, Trainer};
-use yatt_placement::{CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy, Plan, Pool, Reason, RewardKind, Stage, StageObs};
+use yatt_placement::{Decision, Event, Plan, Reason};
 use yatt_placement::inventory::GroupId;
-use yatt_placement::profile::{Role as PRole, RoleSet};
-use yatt_placement::record::{GroupUse, Record, finite};
-use yatt_placement::workload::ForecastParams;
-use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse, Sample, TextCodec};
-use yatt_runtime::ActorId;
-use yatt_runtime::actor::{ActorRef, ExitReason};
-use yatt_runtime::collective::RING_CHUNK_BYTES;
-use yatt_runtime::directory::Change;
-use yatt_runtime::membership::NodeInfo;
-use yatt_runtime::message::Message;
-use yatt_runtime::node::Node;
+use yatt_placement::profile::Role as PRole;
+use yatt_placement::record::{Record, finite};
 
-use crate::build::heads::controllers;
 use crate::controller::core::Controller;
 use crate::controller::refs::PolicyRef;
 use crate::error::JobError;
 use crate::live::state::LivePlacement;
+use crate::live::state::Replica;
+use crate::live::replicas::placement_err;
 
 impl LivePlacement {
     /// Carries out the policy's decisions after `step`, records each and its outcome,
@@ -43,21 +29,18 @@ impl LivePlacement {
                 moves: mig.moves.clone(),
                 predicted_before_s: finite(mig.predicted_s.0),
                 predicted_after_s: finite(mig.predicted_s.1),
-                cost_s: mig.cost_s,
-            })?;
+                cost_s: mig.cost_s})?;
             let t = Instant::now();
             let outcome = self.migrate(&mig).await;
             let secs = t.elapsed().as_secs_f64();
             let (ok, detail) = match &outcome {
                 Ok(d) => (true, d.clone()),
-                Err(e) => (false, e.to_string()),
-            };
+                Err(e) => (false, e.to_string())};
             self.write(&Record::Migrated {
                 id: mig.id,
                 ok,
                 seconds: secs,
-                detail,
-            })?;
+                detail})?;
             let event = match outcome {
                 Ok(_) => {
                     // What a start really costs here, for the next decision.
@@ -77,8 +60,7 @@ impl LivePlacement {
                     }
                     Event::MigrationFailed {
                         id: mig.id,
-                        reason: e.to_string(),
-                    }
+                        reason: e.to_string()}
                 }
             };
             self.policy.on_event(event);
@@ -107,21 +89,17 @@ impl LivePlacement {
             Err(e) => {
                 let (what, fix) = match e {
                     JobError::Placement { what, fix } => (what, fix),
-                    other => (other.to_string(), "see the nodes' logs".to_string()),
-                };
+                    other => (other.to_string(), "see the nodes' logs".to_string())};
                 match self.roll_back(&old, states).await {
                     Ok(restored) => {
                         self.rolled_back = true;
                         Err(JobError::Placement {
                             what: format!("{what}; rolled back to {} ({restored})", old.summary()),
-                            fix,
-                        })
+                            fix})
                     }
                     Err(again) => Err(JobError::Placement {
                         what: format!("{what}; the rollback failed too: {again}"),
-                        fix: "the groups are in no known plan, so the run stops; see the nodes' logs and resume the run from its last checkpoint".into(),
-                    }),
-                }
+                        fix: "the groups are in no known plan, so the run stops; see the nodes' logs and resume the run from its last checkpoint".into()})}
             }
         }
     }
@@ -141,8 +119,7 @@ impl LivePlacement {
             if replica.is_none() && !mv.from.is_empty() && !self.lost(mv.group) {
                 return Err(JobError::Placement {
                     what: format!("a move of {} which runs nothing", mv.group),
-                    fix: "report this: the policy and the executor disagree on the plan".into(),
-                });
+                    fix: "report this: the policy and the executor disagree on the plan".into()});
             }
             // A policy replica that leaves hands its state to whoever gains the group.
             let survivor = self.survivor();
@@ -152,8 +129,7 @@ impl LivePlacement {
                 if !drained.is_empty() {
                     return Err(JobError::Placement {
                         what: format!("{} work items in flight on {}", drained.len(), mv.group),
-                        fix: "migrations run at step boundaries, where nothing is in flight".into(),
-                    });
+                        fix: "migrations run at step boundaries, where nothing is in flight".into()});
                 }
             }
             // 4. Start the gaining role: a policy replica continues from a survivor's
@@ -164,20 +140,17 @@ impl LivePlacement {
             } else if mv.to.contains(PRole::Policy) {
                 let Some(src) = survivor.or(match replica {
                     Some(Replica::Policy(p)) => Some(p),
-                    _ => None,
-                }) else {
+                    _ => None}) else {
                     return Err(JobError::Placement {
                         what: "no policy replica left to copy".into(),
-                        fix: "keep at least one policy group".into(),
-                    });
+                        fix: "keep at least one policy group".into()});
                 };
                 let p = self.start_policy(mv.group, Some(&src)).await?;
                 self.replicas.insert(mv.group, Replica::Policy(p));
             }
             let to = match mv.to.is_empty() {
                 true => "(out of the plan)".to_string(),
-                false => mv.to.to_string(),
-            };
+                false => mv.to.to_string()};
             done.push(format!("{}: {} -> {to}", mv.group, mv.from));
         }
         let old = std::mem::replace(&mut self.plan, mig.target.clone());
@@ -200,8 +173,7 @@ impl LivePlacement {
     pub(crate) fn survivor(&self) -> Option<PolicyRef> {
         self.replicas.values().find_map(|r| match r {
             Replica::Policy(p) => Some(p.clone()),
-            Replica::Rollout(_) => None,
-        })
+            Replica::Rollout(_) => None})
     }
 
     /// Gives every group of `old` that is still in the inventory its role under `old`

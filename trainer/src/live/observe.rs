@@ -1,31 +1,19 @@
 //! What a step tells the placement policy: stage times, lengths, decode iterations.
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-use tch::{Device, Kind};
-use yatt_engine::{Llama, Trainer};
-use yatt_placement::{CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy, Plan, Pool, Reason, RewardKind, Stage, StageObs};
+use yatt_placement::{Stage, StageObs};
 use yatt_placement::inventory::GroupId;
-use yatt_placement::profile::{Role as PRole, RoleSet};
-use yatt_placement::record::{GroupUse, Record, finite};
-use yatt_placement::workload::ForecastParams;
-use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse, Sample, TextCodec};
-use yatt_runtime::ActorId;
-use yatt_runtime::actor::{ActorRef, ExitReason};
-use yatt_runtime::collective::RING_CHUNK_BYTES;
-use yatt_runtime::directory::Change;
-use yatt_runtime::membership::NodeInfo;
-use yatt_runtime::message::Message;
-use yatt_runtime::node::Node;
+use yatt_placement::profile::Role as PRole;
+use yatt_placement::record::GroupUse;
+use yatt_roles::Sample;
 
-use crate::build::data::prompts;
 use crate::controller::report::StepReport;
 use crate::error::JobError;
 use crate::live::state::LivePlacement;
+use crate::live::state::Observed;
+use crate::live::build::rollout_slots;
+use crate::live::build::rset;
 
 impl LivePlacement {
     /// What the step did, as the cost model reads it, and each group's busy seconds.
@@ -140,7 +128,7 @@ impl LivePlacement {
 
 /// Decoding iterations of a continuous batch of `slots` over sequences of `lens`
 /// tokens, each slot taking the next sequence as soon as it is free.
-fn decode_iterations(lens: &[usize], slots: usize) -> usize {
+pub(crate) fn decode_iterations(lens: &[usize], slots: usize) -> usize {
     let mut free = vec![0usize; slots.max(1)];
     for l in lens {
         let (i, _) = free

@@ -1,32 +1,22 @@
 //! Starting, handing state to and stopping role replicas on groups.
 
-use std::collections::BTreeMap;
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tch::{Device, Kind};
-use yatt_engine::{Llama, Trainer};
-use yatt_placement::{CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy, Plan, Pool, Reason, RewardKind, Stage, StageObs};
+use yatt_engine::Trainer;
 use yatt_placement::inventory::GroupId;
-use yatt_placement::profile::{Role as PRole, RoleSet};
-use yatt_placement::record::{GroupUse, Record, finite};
-use yatt_placement::workload::ForecastParams;
-use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse, Sample, TextCodec};
-use yatt_runtime::ActorId;
+use yatt_roles::{PolicyRequest, PolicyResponse, Role, RoleRequest, RoleResponse};
 use yatt_runtime::actor::{ActorRef, ExitReason};
-use yatt_runtime::collective::RING_CHUNK_BYTES;
 use yatt_runtime::directory::Change;
-use yatt_runtime::membership::NodeInfo;
 use yatt_runtime::message::Message;
-use yatt_runtime::node::Node;
 
 use crate::build::parts::{policy_role_from, rollout_role, train_config};
 use crate::controller::refs::{PolicyRef, RolloutRef, spawn_role};
 use crate::error::JobError;
 use crate::live::state::LivePlacement;
-use crate::run::train;
+use crate::live::state::Hosts;
+use crate::live::state::Replica;
+use crate::live::build::me;
 
 impl LivePlacement {
     /// Starts a rollout replica on group `g`; it gets the policy's weights at the next
@@ -69,7 +59,7 @@ impl LivePlacement {
         role: &'static str,
     ) -> Result<ActorRef<RoleRequest<Req>, RoleResponse<Resp>>, JobError> {
         let target = self.node_of(g)?;
-        Ok(remote::spawn(&self.job, text, &self.node, role, target).await?)
+        Ok(crate::build::cluster::spawn(&self.job, text, &self.node, role, target).await?)
     }
 
     /// Records a replica's start or stop in the runtime's directory (a new epoch).
@@ -147,7 +137,7 @@ impl LivePlacement {
     }
 }
 
-async fn drain_and_stop<Req: Send + 'static, Resp: Send + 'static>(
+pub(crate) async fn drain_and_stop<Req: Send + 'static, Resp: Send + 'static>(
     r: &yatt_runtime::actor::ActorRef<RoleRequest<Req>, RoleResponse<Resp>>,
     t: Duration,
 ) -> Result<Vec<u64>, JobError> {
@@ -165,7 +155,7 @@ async fn drain_and_stop<Req: Send + 'static, Resp: Send + 'static>(
 }
 
 /// Asks a policy replica, with deadline `t`.
-async fn ask_policy(
+pub(crate) async fn ask_policy(
     p: &PolicyRef,
     request: PolicyRequest,
     t: Duration,
@@ -181,13 +171,13 @@ async fn ask_policy(
     }
 }
 
-fn unexpected(asked: &str, got: &PolicyResponse) -> JobError {
+pub(crate) fn unexpected(asked: &str, got: &PolicyResponse) -> JobError {
     let got = format!("{got:?}");
     let got: String = got.chars().take(120).collect();
     placement_err(format!("the policy answered {asked} with {got}"))
 }
 
-fn placement_err(what: String) -> JobError {
+pub(crate) fn placement_err(what: String) -> JobError {
     JobError::Placement {
         what,
         fix: "see the nodes' logs; the run stops rather than train on a broken plan".into(),

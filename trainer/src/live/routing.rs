@@ -1,32 +1,20 @@
 //! Routing heads to replicas, and publishing each routing version.
 
-use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-use tch::{Device, Kind};
-use yatt_engine::{Llama, Trainer};
-use yatt_placement::{CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy, Plan, Pool, Reason, RewardKind, Stage, StageObs};
 use yatt_placement::inventory::GroupId;
-use yatt_placement::profile::{Role as PRole, RoleSet};
-use yatt_placement::record::{GroupUse, Record, finite};
-use yatt_placement::workload::ForecastParams;
-use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse, Sample, TextCodec};
-use yatt_runtime::ActorId;
-use yatt_runtime::actor::{ActorRef, ExitReason};
+use yatt_placement::profile::Role as PRole;
+use yatt_placement::record::Record;
 use yatt_runtime::collective::RING_CHUNK_BYTES;
-use yatt_runtime::directory::Change;
-use yatt_runtime::membership::NodeInfo;
-use yatt_runtime::message::Message;
-use yatt_runtime::node::Node;
 
 use crate::build::heads::controllers;
 use crate::controller::data_parallel::join_policy_ring;
 use crate::controller::refs::{PolicyRef, RoleRefs, RolloutRef};
 use crate::error::JobError;
 use crate::live::state::LivePlacement;
+use crate::live::state::Hosts;
+use crate::live::state::Replica;
+use crate::live::state::Routes;
 
 impl LivePlacement {
     /// Which rollout and policy group each head uses under the plan.

@@ -1,41 +1,32 @@
 //! The live placement actor's state and what it exposes.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use tch::{Device, Kind};
-use yatt_engine::{Llama, Trainer};
-use yatt_placement::{CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy, Plan, Pool, Reason, RewardKind, Stage, StageObs};
+use yatt_engine::Llama;
+use yatt_placement::{PlacementPolicy, Plan};
 use yatt_placement::inventory::GroupId;
-use yatt_placement::profile::{Role as PRole, RoleSet};
-use yatt_placement::record::{GroupUse, Record, finite};
-use yatt_placement::workload::ForecastParams;
-use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse, Sample, TextCodec};
+use yatt_placement::profile::Role as PRole;
+use yatt_placement::record::GroupUse;
+use yatt_roles::{DeviceGroup, TextCodec};
 use yatt_runtime::ActorId;
-use yatt_runtime::actor::{ActorRef, ExitReason};
-use yatt_runtime::collective::RING_CHUNK_BYTES;
-use yatt_runtime::directory::Change;
-use yatt_runtime::membership::NodeInfo;
-use yatt_runtime::message::Message;
 use yatt_runtime::node::Node;
 
-use crate::build::heads::controllers;
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::probe::GenProbe;
 use crate::controller::refs::{PolicyRef, RolloutRef};
 use crate::error::JobError;
 use crate::ledger::LedgerReport;
+use crate::live::replicas::placement_err;
 
 /// What runs on a group.
 #[derive(Clone)]
 pub(crate) enum Replica {
     Rollout(RolloutRef),
-    Policy(PolicyRef),
-}
+    Policy(PolicyRef)}
 
 /// Per head: the group and replica of its rollout, and of its policy.
 pub(crate) type Routes = (Vec<(GroupId, RolloutRef)>, Vec<(GroupId, PolicyRef)>);
@@ -43,14 +34,12 @@ pub(crate) type Routes = (Vec<(GroupId, RolloutRef)>, Vec<(GroupId, PolicyRef)>)
 /// The roles every head shares, outside the groups.
 pub(crate) struct Shared {
     pub(crate) reward: crate::controller::refs::SamplesRef,
-    pub(crate) reference: Option<crate::controller::refs::SamplesRef>,
-}
+    pub(crate) reference: Option<crate::controller::refs::SamplesRef>}
 
 /// Seconds one step's stages kept each group busy, and the policy's view of the step.
 pub(crate) struct Observed {
     pub(crate) metrics: yatt_placement::StepMetrics,
-    pub(crate) groups: Vec<GroupUse>,
-}
+    pub(crate) groups: Vec<GroupUse>}
 
 /// The live placement shell of one job, embedded or on a cluster.
 pub struct LivePlacement {
@@ -79,8 +68,7 @@ pub struct LivePlacement {
     pub(crate) start_faults: usize,
     /// Whether the last failed migration was rolled back (the heads run on the old
     /// plan) rather than left half-done.
-    pub(crate) rolled_back: bool,
-}
+    pub(crate) rolled_back: bool}
 
 /// Where the groups are, and so how a role starts on one.
 pub(crate) enum Hosts {
@@ -90,15 +78,12 @@ pub(crate) enum Hosts {
         pad_id: i64,
         /// A model of the right shape; rollouts start from a copy and get the policy's
         /// weights by sync.
-        template: Box<Llama>,
-    },
+        template: Box<Llama>},
     /// Devices of cluster nodes: roles start through the nodes' factories, linked to
     /// this node.
     Cluster {
         /// The job config the factories build roles from.
-        text: String,
-    },
-}
+        text: String}}
 
 impl LivePlacement {
     /// The plan the heads are routed by.
@@ -134,8 +119,7 @@ impl LivePlacement {
                 let node = self.node_of(*g).unwrap_or_default().to_string();
                 match r {
                     Replica::Rollout(r) => (*g, node, "rollout", r.id().clone()),
-                    Replica::Policy(p) => (*g, node, "policy", p.id().clone()),
-                }
+                    Replica::Policy(p) => (*g, node, "policy", p.id().clone())}
             })
             .collect()
     }
@@ -167,8 +151,7 @@ impl LivePlacement {
         self.start_faults -= 1;
         Err(JobError::Placement {
             what: format!("starting a {role} replica on {g} was refused (injected fault)"),
-            fix: "nothing to fix: LivePlacement::fail_next_starts asked for it".into(),
-        })
+            fix: "nothing to fix: LivePlacement::fail_next_starts asked for it".into()})
     }
 
     /// Deadline of every call the shell makes outside a step (`placement.spawn_timeout_s`).
@@ -188,8 +171,7 @@ impl LivePlacement {
         DeviceGroup {
             node: self.node.name().to_string(),
             devices: vec![g.0],
-            cuda: false,
-        }
+            cuda: false}
     }
 
     pub(crate) fn of_role(&self, role: PRole) -> Vec<(GroupId, Replica)> {

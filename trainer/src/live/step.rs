@@ -1,33 +1,18 @@
 //! One step under live placement.
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use tch::{Device, Kind};
-use yatt_engine::{Llama, Trainer};
-use yatt_placement::{CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy, Plan, Pool, Reason, RewardKind, Stage, StageObs};
-use yatt_placement::inventory::GroupId;
-use yatt_placement::profile::{Role as PRole, RoleSet};
-use yatt_placement::record::{GroupUse, Record, finite};
-use yatt_placement::workload::ForecastParams;
-use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse, Sample, TextCodec};
-use yatt_runtime::ActorId;
-use yatt_runtime::actor::{ActorRef, ExitReason};
-use yatt_runtime::collective::RING_CHUNK_BYTES;
-use yatt_runtime::directory::Change;
-use yatt_runtime::membership::NodeInfo;
-use yatt_runtime::message::Message;
-use yatt_runtime::node::Node;
+use yatt_placement::Event;
+use yatt_placement::profile::Role as PRole;
+use yatt_placement::record::{Record, finite};
 
-use crate::build::heads::controllers;
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::step_data_parallel;
 use crate::controller::report::{StepMetrics, StepReport};
 use crate::error::JobError;
 use crate::live::state::LivePlacement;
+use crate::live::state::Hosts;
 
 impl LivePlacement {
     /// Runs one step of every head, feeds the policy, and carries out what it decides
@@ -49,7 +34,7 @@ impl LivePlacement {
             // and a node is gone: nothing was trained yet, so the heads go back to
             // before the step, the loss is carried out (a policy group may become the
             // rollout), and the step runs again on the new plan.
-            Err(crate::controller::ControllerError::Call { stage: "gen", .. })
+            Err(crate::controller::error::ControllerError::Call { stage: "gen", .. })
                 if matches!(self.hosts, Hosts::Cluster { .. }) && !self.dead_nodes().is_empty() =>
             {
                 for (c, s) in self.controllers.iter_mut().zip(before) {
@@ -61,16 +46,13 @@ impl LivePlacement {
                     line: format!(
                         "step {step}: generation lost its only rollout replica with node(s) {}; the step runs again after the re-plan",
                         self.dead_nodes().join(", ")
-                    ),
-                })?;
+                    )})?;
                 self.follow_membership(step).await?;
                 match step_data_parallel(&mut self.controllers).await {
                     Ok(r) => r,
-                    Err(e) => return Err(self.explain_failed_step(e.into())),
-                }
+                    Err(e) => return Err(self.explain_failed_step(e.into()))}
             }
-            Err(e) => return Err(self.explain_failed_step(e.into())),
-        };
+            Err(e) => return Err(self.explain_failed_step(e.into()))};
         let wall = t.elapsed().as_secs_f64();
         self.last_ledgers = reports.iter().map(|r| r.ledger.clone()).collect();
         let step = reports.first().map_or(0, |r| r.metrics.step);
@@ -89,8 +71,7 @@ impl LivePlacement {
             step_s: wall,
             predicted_s: finite(predicted),
             no_move_s: no_move.and_then(finite),
-            groups: obs.groups,
-        })?;
+            groups: obs.groups})?;
         self.write_policy_log(step)?;
         let mut m = average(&reports);
         m.values.insert("timing_s/step_wall".into(), wall);
@@ -133,8 +114,7 @@ impl LivePlacement {
                 dead.join(", "),
                 hosted.join(", ")
             ),
-            fix: "live placement survives losing nodes that host only rollout replicas; a lost policy replica cannot be recovered: resume the run from its last checkpoint".into(),
-        }
+            fix: "live placement survives losing nodes that host only rollout replicas; a lost policy replica cannot be recovered: resume the run from its last checkpoint".into()}
     }
 
     /// Nodes whose groups are in the inventory but which the directory no longer lists
@@ -163,7 +143,7 @@ impl LivePlacement {
 }
 
 /// The heads' metrics averaged (as [`crate::run::run_steps`] reports them).
-fn average(reports: &[StepReport]) -> StepMetrics {
+pub(crate) fn average(reports: &[StepReport]) -> StepMetrics {
     let mut sum: BTreeMap<String, (f64, usize)> = BTreeMap::new();
     for r in reports {
         for (k, v) in &r.metrics.values {
@@ -177,6 +157,5 @@ fn average(reports: &[StepReport]) -> StepMetrics {
         values: sum
             .into_iter()
             .map(|(k, (s, n))| (k, s / n as f64))
-            .collect(),
-    }
+            .collect()}
 }
