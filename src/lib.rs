@@ -15,8 +15,8 @@ pub use yatt_engine as engine;
 pub use yatt_metrics as metrics;
 pub use yatt_placement as placement;
 pub use yatt_roles as roles;
-pub use yatt_trainer as trainer;
 pub use yatt_runtime as runtime;
+pub use yatt_trainer as trainer;
 
 /// A binary's exit code for `result`; an error is printed with its chain of causes and
 /// no backtrace (errors are for people; `RUST_BACKTRACE` is for panics).
@@ -36,7 +36,7 @@ pub mod node_config;
 
 /// Registers every role this build of yatt can spawn on request: the runtime's
 /// diagnostic actors (echo, bulk-sink) and the built-in RLHF roles (rollout, policy,
-/// reference, reward; see `yatt_roles::remote`).
+/// reference, reward; see `yatt_trainer::register`).
 pub fn register_roles(builder: runtime::NodeBuilder) -> runtime::NodeBuilder {
-    trainer::remote::register(runtime::builtin::register(builder))
+    trainer::register(runtime::builtin::register(builder))
 }

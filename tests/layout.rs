@@ -152,8 +152,10 @@ fn paths(code: &str) -> Vec<Vec<String>> {
 fn import_graph(src: &Path) -> BTreeMap<Vec<String>, BTreeSet<Vec<String>>> {
     let mut files = Vec::new();
     rust_files(src, &mut files);
-    let modules: BTreeMap<Vec<String>, PathBuf> =
-        files.iter().map(|f| (module_of(src, f), f.clone())).collect();
+    let modules: BTreeMap<Vec<String>, PathBuf> = files
+        .iter()
+        .map(|f| (module_of(src, f), f.clone()))
+        .collect();
     let mut graph = BTreeMap::new();
     for (me, file) in &modules {
         let code = code_only(&std::fs::read_to_string(file).unwrap());
@@ -227,7 +229,11 @@ fn cycles(graph: &BTreeMap<Vec<String>, BTreeSet<Vec<String>>>) -> Vec<Vec<Strin
             loop {
                 let w = s.stack.pop().unwrap();
                 s.on_stack.remove(w);
-                comp.push(if w.is_empty() { "lib".into() } else { w.join("::") });
+                comp.push(if w.is_empty() {
+                    "lib".into()
+                } else {
+                    w.join("::")
+                });
                 if w == v {
                     break;
                 }

@@ -295,9 +295,7 @@ pub fn assert_roles_released(cluster: &Cluster) {
 }
 
 /// A policy replica's weights now: its version and its exported buckets.
-pub async fn replica_weights(
-    policy: &yatt_trainer::PolicyRef,
-) -> yatt_roles::WeightsUpdate {
+pub async fn replica_weights(policy: &yatt_trainer::PolicyRef) -> yatt_roles::WeightsUpdate {
     use yatt_roles::{PolicyRequest, PolicyResponse};
     use yatt_roles::{RoleRequest, RoleResponse};
     let t = Duration::from_secs(30);

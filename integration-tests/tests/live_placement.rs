@@ -17,11 +17,11 @@ use yatt_placement::inventory::GroupId;
 use yatt_placement::policy::Reason;
 use yatt_placement::profile::Role;
 use yatt_placement::record::{after_move, parse, render, Record};
-use yatt_trainer::{GenProbe, PolicyRef, StepMetrics};
+use yatt_runtime::{ActorId, Node};
 use yatt_trainer::JobConfig;
 use yatt_trainer::JobError;
 use yatt_trainer::LivePlacement;
-use yatt_runtime::{ActorId, Node};
+use yatt_trainer::{GenProbe, PolicyRef, StepMetrics};
 
 /// What runs on each group, as [`LivePlacement::replicas`] lists it.
 type Replicas = Vec<(GroupId, String, &'static str, ActorId)>;

@@ -9,11 +9,11 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use yatt_integration_tests::{assert_roles_released, cluster_logs, join, replica_weights, Cluster};
-use yatt_trainer::{step_data_parallel, PolicyRef};
-use yatt_trainer::{build_embedded, JobConfig};
+use yatt_runtime::Node;
 use yatt_trainer::Stage;
 use yatt_trainer::{build_cluster, NodeNames};
-use yatt_runtime::Node;
+use yatt_trainer::{build_embedded, JobConfig};
+use yatt_trainer::{step_data_parallel, PolicyRef};
 
 const STEPS: u64 = 10;
 
@@ -340,7 +340,7 @@ async fn a_ppo_job_trains_with_its_critic_on_a_node() {
     let ppo = |placement: &[(&str, &str)]| {
         let mut job = letters_job(out.path(), placement);
         job.job.steps = PPO_STEPS;
-        job.algorithm.name = "ppo".into();
+        job.algorithm.name = yatt_roles::Algorithm::Ppo;
         job
     };
     let job = ppo(&[

@@ -37,41 +37,40 @@ pub use role::{
     RoleResponse, WeightsUpdate,
 };
 pub use sample::{
-    group_indices, response_mask, split_rows, token_matrix, Finish, Sample, SampleError,
-    SampleId, TokenField,
+    group_indices, response_mask, split_rows, token_matrix, Finish, Sample, SampleError, SampleId,
+    TokenField,
 };
 
 // Algorithms: advantage estimators, losses, KL.
 pub use algo::{
-    AdvantageEstimator, AdvantageInputs, Algorithm,
-    aggregate_loss, dynamic_sampling_filter, entropy_from_logits, entropy_loss,
-    gae_advantage, group_ids_from_tensor, grpo_advantage, kl_estimate, kl_loss, masked_mean,
-    overlong_penalty, overlong_penalty_tensor, ppo_policy_loss, reinforce_pp_advantage,
-    rloo_advantage, token_level_rewards, value_loss, Advantages, AlgoError, DynamicSampling,
-    EntropyStats, GaeConfig, GrpoConfig, KlEstimator, KlLossStats, LossAgg, PolicyLossConfig,
-    PolicyLossStats, ReinforcePpConfig, ValueLossConfig, ValueLossStats,
+    aggregate_loss, dynamic_sampling_filter, entropy_from_logits, entropy_loss, gae_advantage,
+    group_ids_from_tensor, grpo_advantage, kl_estimate, kl_loss, masked_mean, overlong_penalty,
+    overlong_penalty_tensor, ppo_policy_loss, reinforce_pp_advantage, rloo_advantage,
+    token_level_rewards, value_loss, AdvantageEstimator, AdvantageInputs, Advantages, AlgoError,
+    Algorithm, DynamicSampling, EntropyStats, GaeConfig, GrpoConfig, KlEstimator, KlLossStats,
+    LossAgg, PolicyLossConfig, PolicyLossStats, ReinforcePpConfig, ValueLossConfig, ValueLossStats,
 };
 
 // Rewards.
 pub use reward::{
     excerpt, extract_final_number, parse_judge_output, CombinedReward, ExactMatchVerifier,
-    FormatVerifier, HttpRewardClient, HttpRewardConfig, JudgeTemplate, JudgeVerdict,
-    LettersReward, NumericVerifier, RewardError, RewardFn, RewardInput, RewardOutput, LETTERS,
+    FormatVerifier, HttpRewardClient, HttpRewardConfig, JudgeTemplate, JudgeVerdict, LettersReward,
+    NumericVerifier, RewardError, RewardFn, RewardInput, RewardOutput, LETTERS,
 };
 
 // Data.
 pub use data::{
-    load_jsonl, parse_jsonl, DataError, Dataloader, GrowingLength, LengthSchedule,
-    LoaderState, Prompt, SyntheticTask, SyntheticTaskKind,
+    load_jsonl, parse_jsonl, DataError, Dataloader, GrowingLength, LengthSchedule, LoaderState,
+    Prompt, SyntheticTask, SyntheticTaskKind,
 };
 
 // The built-in roles, their configs and their messages.
 pub use builtin::{
-    load_reward_model, load_rm_jsonl, train_reward_model, AsciiCodec, CriticConfig,
-    CriticReport, CriticRequest, CriticResponse, CriticRole, GenerateRequest, GradShard,
-    GrowingLengthReward, JudgeConfig, JudgeMode, JudgeScorer, KlLossConfig, ModelScorer,
-    OnUnparsed, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole, ReferenceRole,
-    RewardModelError, RewardRole, RmExample, RmTrainConfig, RolloutRequest, RolloutResponse,
-    RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, TextCodec, TokenizerCodec,
-    TrainReport, TrainerState, TINY_CODEC,
+    load_reward_model, load_rm_jsonl, train_reward_model, AsciiCodec, CriticConfig, CriticReport,
+    CriticRequest, CriticResponse, CriticRole, GenerateRequest, GradShard, GrowingLengthReward,
+    JudgeConfig, JudgeMode, JudgeScorer, KlLossConfig, ModelScorer, OnUnparsed, PolicyConfig,
+    PolicyRequest, PolicyResponse, PolicyRole, ReferenceRole, RewardModelError, RewardRole,
+    RmExample, RmTrainConfig, RolloutRequest, RolloutResponse, RolloutRole, RolloutStats,
+    SampleSink, ScalarRewardModel, TextCodec, TokenizerCodec, TrainReport, TrainerState,
+    TINY_CODEC,
 };

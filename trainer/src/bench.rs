@@ -18,7 +18,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use yatt_engine::SamplingParams;
-use yatt_roles::{Dataloader, DeviceGroup, GradShard, PolicyRequest, PolicyResponse, Prompt, ResourceProfile, RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, Role, RoleError, RolloutRequest, RolloutResponse, RolloutStats, Sample, SampleId, TrainReport, WeightsUpdate};
+use yatt_roles::{
+    Dataloader, DeviceGroup, GradShard, PolicyRequest, PolicyResponse, Prompt, ResourceProfile,
+    RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, Role, RoleError, RolloutRequest,
+    RolloutResponse, RolloutStats, Sample, SampleId, TrainReport, WeightsUpdate,
+};
 use yatt_runtime::node::Node;
 
 use crate::controller::config::ControllerConfig;

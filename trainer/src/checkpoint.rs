@@ -3,8 +3,8 @@
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
-use yatt_engine::Trainer;
 use yatt_engine::tch::{Device, Kind};
+use yatt_engine::Trainer;
 
 use crate::controller::core::Controller;
 use crate::controller::report::ControllerState;

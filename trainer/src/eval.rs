@@ -15,9 +15,12 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use serde::Serialize;
-use yatt_engine::{Llama, SamplingParams};
 use yatt_engine::tch::{Device, Kind};
-use yatt_roles::{DeviceGroup, GenerateRequest, Prompt, Role, RoleError, RolloutRequest, RolloutResponse, RolloutRole};
+use yatt_engine::{Llama, SamplingParams};
+use yatt_roles::{
+    DeviceGroup, GenerateRequest, Prompt, Role, RoleError, RolloutRequest, RolloutResponse,
+    RolloutRole,
+};
 
 use crate::build::data::prompts;
 use crate::build::parts::{base_model, rollout_role};
@@ -182,7 +185,10 @@ pub fn eval_prompts(job: &JobConfig, options: &EvalOptions) -> Result<Vec<Prompt
 
 /// The rollout role that answers: the job's base model exactly as training builds it,
 /// or a checkpoint's weights (with the base model's prompt codec).
-pub(crate) fn answering_role(job: &JobConfig, checkpoint: Option<&Path>) -> Result<RolloutRole, EvalError> {
+pub(crate) fn answering_role(
+    job: &JobConfig,
+    checkpoint: Option<&Path>,
+) -> Result<RolloutRole, EvalError> {
     let (base, codec, _) = base_model(job)?;
     let model = match checkpoint {
         None => base,

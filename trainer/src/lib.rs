@@ -37,11 +37,17 @@ mod run;
 pub use error::JobError;
 
 // The job config.
+pub use config::modes::{
+    Driver, Dtype, KlMode, ModelSource, OldLogprobs, PlacementMode, RewardKind, Schedule, Task,
+    UnparsedVerdict, VerdictMode,
+};
 pub use config::placement::{NodeNames, PlacementSection, ROLES};
+// The config's modes that are `yatt-roles`' own enums.
 pub use config::sections::{
     AlgorithmSection, CheckpointSection, DataSection, JobConfig, JobSection, ModelSection,
-    RewardKinds, OptimSection, RewardSection, RolloutSection,
+    OptimSection, RewardKinds, RewardSection, RolloutSection,
 };
+pub use yatt_roles::{Algorithm, KlEstimator, LossAgg};
 
 // Building a job's roles and controllers.
 pub use build::cluster::{build_cluster, register, RoleArgs};

@@ -6,15 +6,15 @@ use std::time::Instant;
 use yatt_metrics::{RunWriter, WriteError};
 use yatt_runtime::node::Node;
 
-use crate::live::state::LivePlacement;
-use crate::build::embedded::{CustomRoles, build_embedded_with};
-use crate::checkpoint::{JOB_FILE, save};
+use crate::build::embedded::{build_embedded_with, CustomRoles};
+use crate::checkpoint::{save, JOB_FILE};
+use crate::config::modes::PlacementMode;
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::step_data_parallel;
 use crate::controller::report::StepMetrics;
 use crate::error::JobError;
-use crate::config::modes::PlacementMode;
+use crate::live::state::LivePlacement;
 
 /// Runs `steps` steps of `controllers` (together with [`step_data_parallel`] when there
 /// are several) and calls `on_step` with each step's metrics (averaged over the heads).
@@ -42,7 +42,8 @@ pub async fn run_steps(
                 values: sum
                     .into_iter()
                     .map(|(k, (s, n))| (k, s / n as f64))
-                    .collect()}
+                    .collect(),
+            }
         };
         on_step(&metrics)?;
     }
@@ -62,7 +63,8 @@ pub struct Progress<'a> {
     /// 0 for a fresh run): `elapsed_s` covers the steps after it.
     pub first_step: u64,
     /// The step's metrics.
-    pub metrics: &'a StepMetrics}
+    pub metrics: &'a StepMetrics,
+}
 
 /// What a finished run produced.
 #[derive(Debug, Clone)]
@@ -76,7 +78,8 @@ pub struct TrainSummary {
     /// Seconds of the steps (not counting set-up).
     pub seconds: f64,
     /// `critic/rewards/mean` of every step.
-    pub rewards: Vec<f64>}
+    pub rewards: Vec<f64>,
+}
 
 /// Builds the job on `node` and runs it: writes one JSON object per step to
 /// `OUTPUT_DIR/metrics.jsonl` and the same metrics as TensorBoard scalars to
@@ -97,7 +100,8 @@ pub struct TrainOptions {
     /// are skipped (`job.steps` is the run's total) and metrics are appended.
     pub resume: bool,
     /// Roles the caller brings in place of the built-in ones.
-    pub roles: CustomRoles}
+    pub roles: CustomRoles,
+}
 
 /// [`train`] with options: resuming, custom roles.
 pub async fn train_with(
@@ -110,23 +114,28 @@ pub async fn train_with(
     let out = job.job.output_dir.clone();
     std::fs::create_dir_all(&out).map_err(|source| JobError::Write {
         path: out.clone(),
-        source})?;
+        source,
+    })?;
     let job_path = out.join(JOB_FILE);
     let text = toml::to_string(job).map_err(|e| JobError::Resume {
         dir: out.clone(),
-        reason: format!("cannot write the job config: {e}")})?;
+        reason: format!("cannot write the job config: {e}"),
+    })?;
     std::fs::write(&job_path, text).map_err(|source| JobError::Write {
         path: job_path.clone(),
-        source})?;
+        source,
+    })?;
     let metrics_err = |e: WriteError| JobError::Write {
         path: e.path,
-        source: e.source};
+        source: e.source,
+    };
     let checkpoint_dir = out.join("checkpoint");
     if job.placement.live && (resume || options.roles.reward.is_some()) {
         return Err(JobError::NotImplemented {
             key: "placement.live".into(),
             found: "true".into(),
-            fix: "resume and custom roles work without live placement for now".into()});
+            fix: "resume and custom roles work without live placement for now".into(),
+        });
     }
     // Live placement owns the heads and re-routes them between steps.
     let mut live = if job.placement.live {
@@ -142,7 +151,8 @@ pub async fn train_with(
                 key: "placement.mode".into(),
                 found: job.placement.mode.to_string(),
                 fix: "resume and custom roles work with placement.mode = \"colocate\" for now"
-                    .into()});
+                    .into(),
+            });
         }
         crate::build::cluster::build_cluster(job, node).await?
     } else {
@@ -150,7 +160,8 @@ pub async fn train_with(
     };
     let mut step = match &live {
         Some(l) => l.controllers().first().map_or(0, Controller::step_count),
-        None => controllers.first().map_or(0, Controller::step_count)};
+        None => controllers.first().map_or(0, Controller::step_count),
+    };
     // metrics.jsonl and a TensorBoard event file, both flushed after every step.
     let mut writer = if resume {
         RunWriter::resume(&out, step)
@@ -174,26 +185,31 @@ pub async fn train_with(
                 total,
                 elapsed_s: t0.elapsed().as_secs_f64(),
                 first_step,
-                metrics: m});
+                metrics: m,
+            });
             Ok::<(), JobError>(())
         };
         match live.as_mut() {
             Some(l) => record(&l.step().await?)?,
-            None => run_steps(&mut controllers, 1, record).await?}
+            None => run_steps(&mut controllers, 1, record).await?,
+        }
         if every > 0 && step % every == 0 && step < total {
             match &live {
                 Some(l) => save(l.controllers(), &checkpoint_dir).await?,
-                None => save(&controllers, &checkpoint_dir).await?}
+                None => save(&controllers, &checkpoint_dir).await?,
+            }
         }
     }
     let seconds = t0.elapsed().as_secs_f64();
     match &live {
         Some(l) => save(l.controllers(), &checkpoint_dir).await?,
-        None => save(&controllers, &checkpoint_dir).await?}
+        None => save(&controllers, &checkpoint_dir).await?,
+    }
     Ok(TrainSummary {
         steps: step,
         metrics_path,
         checkpoint_dir,
         seconds,
-        rewards})
+        rewards,
+    })
 }

@@ -5,8 +5,9 @@
 
 use std::collections::HashSet;
 
-use yatt_trainer::{eval_prompts, EvalOptions, Split};
 use yatt_trainer::JobConfig;
+use yatt_trainer::{eval_prompts, EvalOptions, Split};
+use yatt_trainer::{Algorithm, Dtype, KlMode, OldLogprobs, RewardKind, Task};
 
 const SMOLLM2: &str = include_str!("../../config/smollm2-addition.toml");
 
@@ -23,16 +24,16 @@ fn the_smollm2_addition_config_parses_and_validates() {
     let c = smollm2(&dir);
     c.validate().unwrap();
     // The settings of the TRL comparison in docs/benchmarks.md.
-    assert_eq!(c.algorithm.name, "grpo");
+    assert_eq!(c.algorithm.name, Algorithm::Grpo);
     assert_eq!((c.data.prompts_per_step, c.data.samples_per_prompt), (2, 8));
     assert_eq!(c.rollout.max_new_tokens, 16);
-    assert_eq!((c.model.threads, c.model.dtype.as_str()), (2, "f32"));
+    assert_eq!((c.model.threads, c.model.dtype), (2, Dtype::F32));
     assert!(c.model.chat);
-    assert_eq!((c.data.task.as_str(), c.data.length), ("addition", 2));
-    assert_eq!(c.reward_kinds(), vec!["numeric".to_string()]);
+    assert_eq!((c.data.task, c.data.length), (Task::Addition, 2));
+    assert_eq!(c.reward_kinds(), vec![RewardKind::Numeric]);
     // No KL term and on-policy old log-probs, as TRL's defaults (beta 0, one iteration).
-    assert_eq!(c.algorithm.kl_mode, "none");
-    assert_eq!(c.algorithm.old_logprobs, "on-policy");
+    assert_eq!(c.algorithm.kl_mode, KlMode::None);
+    assert_eq!(c.algorithm.old_logprobs, OldLogprobs::OnPolicy);
     assert_eq!(c.optim.mini_batches, 1);
     // As shipped, the source is the directory the documented import command writes.
     let shipped: toml::Table = SMOLLM2.parse().unwrap();

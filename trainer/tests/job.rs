@@ -2,8 +2,8 @@
 //! steps, one metrics line per step with the expected keys, a TensorBoard event file
 //! with a record per step, and a saved checkpoint.
 
-use yatt_trainer::{train, JobConfig};
 use yatt_runtime::node::Node;
+use yatt_trainer::{train, JobConfig};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_letters_writes_one_metrics_line_per_step() {

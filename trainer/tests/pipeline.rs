@@ -8,14 +8,19 @@ use std::time::{Duration, Instant};
 use yatt_engine::fixtures::tiny_config;
 use yatt_engine::tch::{self, Device, Kind};
 use yatt_engine::{Generator, GeneratorConfig, Llama, SamplingParams, TrainConfig, Trainer};
-use yatt_roles::{AsciiCodec, PolicyConfig, PolicyRole, ReferenceRole, RewardRole, RolloutRequest, RolloutResponse, RolloutRole};
-use yatt_trainer::{spawn_role, Controller, ControllerConfig, ControllerError, RoleRefs, RolloutRef, StepReport};
-use yatt_roles::{Dataloader, Prompt};
-use yatt_trainer::{LedgerError, Stage};
-use yatt_roles::{RewardError, RewardFn, RewardInput, RewardOutput};
-use yatt_roles::{DeviceGroup, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse};
 use yatt_roles::Sample;
+use yatt_roles::{
+    AsciiCodec, PolicyConfig, PolicyRole, ReferenceRole, RewardRole, RolloutRequest,
+    RolloutResponse, RolloutRole,
+};
+use yatt_roles::{Dataloader, Prompt};
+use yatt_roles::{DeviceGroup, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse};
+use yatt_roles::{RewardError, RewardFn, RewardInput, RewardOutput};
 use yatt_runtime::node::Node;
+use yatt_trainer::{
+    spawn_role, Controller, ControllerConfig, ControllerError, RoleRefs, RolloutRef, StepReport,
+};
+use yatt_trainer::{LedgerError, Stage};
 
 const CODEC: AsciiCodec = AsciiCodec {
     first_id: 2,

@@ -6,8 +6,8 @@
 
 use yatt_placement::profile::Role;
 use yatt_placement::record::{after_move, parse, render, Record};
-use yatt_trainer::{train, JobConfig};
 use yatt_runtime::node::Node;
+use yatt_trainer::{train, JobConfig};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);

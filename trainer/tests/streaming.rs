@@ -8,12 +8,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use yatt_engine::SamplingParams;
-use yatt_roles::{GenerateRequest, RolloutRequest, RolloutResponse, SampleSink};
 use yatt_roles::Prompt;
-use yatt_trainer::{base_model, rollout_role, train, JobConfig};
 use yatt_roles::Role;
 use yatt_roles::Sample;
+use yatt_roles::{GenerateRequest, RolloutRequest, RolloutResponse, SampleSink};
 use yatt_runtime::node::Node;
+use yatt_trainer::{base_model, rollout_role, train, JobConfig};
 
 fn demo_config(out: &Path, sets: &[&str]) -> JobConfig {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../config/demo-letters.toml");

@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
-use yatt_trainer::{train_with, CustomRoles, JobConfig, TrainOptions};
+use yatt_roles::Sample;
 use yatt_roles::{DeviceGroup, ResourceProfile, Role, RoleActor, RoleError};
 use yatt_roles::{RoleRequest, RoleResponse};
-use yatt_roles::Sample;
 use yatt_runtime::{Node, NodeBuilder};
+use yatt_trainer::{train_with, CustomRoles, JobConfig, TrainOptions};
 
 /// The name the role is registered under: peers spawn it by this name.
 pub const ROLE_NAME: &str = "length-format-reward";

@@ -200,4 +200,3 @@ pub(crate) fn scalar(t: &Tensor) -> f64 {
         .to_kind(Kind::Double)
         .double_value(&[])
 }
-

@@ -45,9 +45,7 @@ impl Algorithm {
         match self {
             Algorithm::Grpo | Algorithm::Dapo => AdvantageEstimator::Grpo(GrpoConfig::default()),
             Algorithm::Rloo => AdvantageEstimator::Rloo,
-            Algorithm::ReinforcePp => {
-                AdvantageEstimator::ReinforcePp(ReinforcePpConfig::default())
-            }
+            Algorithm::ReinforcePp => AdvantageEstimator::ReinforcePp(ReinforcePpConfig::default()),
             Algorithm::Ppo => AdvantageEstimator::Gae(gae),
         }
     }

@@ -3,8 +3,8 @@
 
 use tch::{Kind, Tensor};
 
-use super::*;
 use super::checks::*;
+use super::*;
 
 fn t2(rows: &[&[f64]]) -> Tensor {
     let cols = rows[0].len() as i64;

@@ -13,8 +13,8 @@ use tch::Tensor;
 use yatt_engine::score::{values, SeqBatch};
 use yatt_engine::{EngineError, Llama, Trainer};
 
-use crate::builtin::scoring::{check_device, model_bytes};
 use crate::algo::loss::{value_loss, ValueLossConfig};
+use crate::builtin::scoring::{check_device, model_bytes};
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError};
 use crate::sample::{response_mask, token_matrix, Sample, SampleId, TokenField};
 

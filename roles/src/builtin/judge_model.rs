@@ -20,9 +20,9 @@ use tch::{Device, Kind, Tensor};
 use yatt_engine::score::{last_hidden, SeqBatch};
 use yatt_engine::{Generator, Request, SamplingParams};
 
-use crate::builtin::scoring::model_bytes;
 use super::reward_model::ModelScorer;
 use crate::builtin::rollout::TextCodec;
+use crate::builtin::scoring::model_bytes;
 use crate::reward::judge::{parse_judge_output, JudgeTemplate};
 use crate::reward::reward_fn::{RewardInput, RewardOutput};
 use crate::role::RoleError;
@@ -333,7 +333,10 @@ mod tests {
         fn name(&self) -> &str {
             "steps"
         }
-        fn score(&self, s: &RewardInput) -> Result<RewardOutput, crate::reward::reward_fn::RewardError> {
+        fn score(
+            &self,
+            s: &RewardInput,
+        ) -> Result<RewardOutput, crate::reward::reward_fn::RewardError> {
             Ok(RewardOutput {
                 score: 1.0,
                 step_scores: Some(vec![0.5; s.response.len()]),

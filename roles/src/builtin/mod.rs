@@ -18,6 +18,7 @@
 //! | [`judge_model`] | generative reward model (LLM judge) on its own generator |
 
 pub mod critic;
+pub mod growing_reward;
 pub mod judge_model;
 pub mod policy;
 pub mod reference;
@@ -25,7 +26,6 @@ pub mod reward;
 pub mod reward_model;
 pub mod rollout;
 pub(crate) mod scoring;
-pub mod growing_reward;
 pub use growing_reward::GrowingLengthReward;
 
 pub use critic::{CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole};
@@ -37,8 +37,8 @@ pub use policy::{
 pub use reference::ReferenceRole;
 pub use reward::RewardRole;
 pub use reward_model::{
-    load_model as load_reward_model, load_rm_jsonl, train_reward_model, ModelScorer, RewardModelError, RmExample, RmTrainConfig,
-    ScalarRewardModel,
+    load_model as load_reward_model, load_rm_jsonl, train_reward_model, ModelScorer,
+    RewardModelError, RmExample, RmTrainConfig, ScalarRewardModel,
 };
 pub use rollout::{
     AsciiCodec, GenerateRequest, RolloutRequest, RolloutResponse, RolloutRole, RolloutStats,

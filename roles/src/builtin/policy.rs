@@ -37,9 +37,11 @@ use yatt_engine::{to_buckets, EngineError, Trainer};
 use yatt_runtime::collective::{RingMember, RingSpec};
 use yatt_runtime::ActorId;
 
-use crate::builtin::scoring::{check_device, response_scores, score_samples};
-use crate::algo::loss::{entropy_loss, kl_loss, masked_mean, ppo_policy_loss, LossAgg, PolicyLossConfig};
 use crate::algo::kl::KlEstimator;
+use crate::algo::loss::{
+    entropy_loss, kl_loss, masked_mean, ppo_policy_loss, LossAgg, PolicyLossConfig,
+};
+use crate::builtin::scoring::{check_device, response_scores, score_samples};
 use crate::role::{DeviceGroup, LocalWeights, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::{response_mask, token_matrix, Sample, SampleId, TokenField};
 

@@ -9,8 +9,8 @@
 //! scores (process rewards) of the first reward that gives them go to the sample's
 //! `step_rewards`.
 
-use crate::builtin::scoring::check_device;
 use super::reward_model::ModelScorer;
+use crate::builtin::scoring::check_device;
 use crate::reward::reward_fn::{RewardFn, RewardInput, RewardOutput};
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError};
 use crate::sample::Sample;

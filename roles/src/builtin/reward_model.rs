@@ -16,8 +16,8 @@ use tch::{Device, Kind, Tensor};
 use yatt_engine::score::{rewards, SeqBatch};
 use yatt_engine::{Llama, StepStats, TrainConfig, Trainer};
 
-use crate::builtin::scoring::model_bytes;
 use crate::builtin::rollout::TextCodec;
+use crate::builtin::scoring::model_bytes;
 use crate::reward::reward_fn::{RewardInput, RewardOutput};
 use crate::role::RoleError;
 
@@ -243,7 +243,10 @@ pub(crate) fn encode_pair(
         codec
             .encode_response(response)
             .map_err(|reason| RewardModelError::Encode {
-                what: format!("response {:?}", crate::reward::reward_fn::excerpt(response, 40)),
+                what: format!(
+                    "response {:?}",
+                    crate::reward::reward_fn::excerpt(response, 40)
+                ),
                 reason,
             })?,
     );

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use anyhow::Context as _;
-use yatt::trainer::{markdown_table, run_controller_bench, ControllerBenchOptions};
 use yatt::runtime::Node;
+use yatt::trainer::{markdown_table, run_controller_bench, ControllerBenchOptions};
 
 #[derive(clap::Args)]
 pub struct BenchControllerArgs {

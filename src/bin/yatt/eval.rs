@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 
 use anyhow::Context as _;
-use yatt::trainer::{evaluate, EvalOptions, Split};
 use yatt::trainer::JobConfig;
+use yatt::trainer::{evaluate, EvalOptions, Split};
 
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum SplitArg {

@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use yatt::trainer::{train_with, JobConfig, Progress, TrainOptions, JOB_FILE};
 use yatt::runtime::tls::NodeIdentity;
 use yatt::runtime::Node;
+use yatt::trainer::{train_with, JobConfig, Progress, TrainOptions, JOB_FILE};
 
 #[derive(clap::Args)]
 pub struct TrainArgs {
@@ -80,7 +80,7 @@ async fn start_node(
     job: &JobConfig,
     args: &TrainArgs,
 ) -> anyhow::Result<(Node, Option<tempfile::TempDir>)> {
-    let disaggregated = job.placement.mode == "disaggregated";
+    let disaggregated = job.placement.mode == yatt::trainer::PlacementMode::Disaggregated;
     let Some(seed) = args.cluster else {
         anyhow::ensure!(
             !disaggregated,
@@ -231,7 +231,7 @@ async fn run_job(job: JobConfig, resume: bool, args: TrainArgs) -> anyhow::Resul
         job.job.name,
         job.job.steps,
         job.model.source,
-        if job.data.jsonl.is_empty() { &job.data.task } else { &job.data.jsonl },
+        if job.data.jsonl.is_empty() { job.data.task.to_string() } else { job.data.jsonl.clone() },
         job.data.prompts_per_step,
         job.data.samples_per_prompt,
         job.job.controllers,
@@ -239,9 +239,9 @@ async fn run_job(job: JobConfig, resume: bool, args: TrainArgs) -> anyhow::Resul
     );
     if args.cluster.is_some() {
         let p = &job.placement;
-        let critic = match job.algorithm.name.as_str() {
-            "ppo" => format!(", critic on {}", p.critic),
-            _ => String::new(),
+        let critic = match job.algorithm.name.needs_critic() {
+            true => format!(", critic on {}", p.critic),
+            false => String::new(),
         };
         let joined = format!(
             "cluster: joined as {} through {}",
@@ -249,8 +249,8 @@ async fn run_job(job: JobConfig, resume: bool, args: TrainArgs) -> anyhow::Resul
             args.cluster.map(|a| a.to_string()).unwrap_or_default()
         );
         if p.live {
-            let reference = match job.algorithm.kl_mode.as_str() {
-                "none" => String::new(),
+            let reference = match job.algorithm.kl_mode {
+                yatt::trainer::KlMode::None => String::new(),
                 // An empty one is refused with its fix when the job is built.
                 _ if p.reference.is_empty() => String::new(),
                 _ => format!(", reference on {}", p.reference),

@@ -4,7 +4,10 @@
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, Role, RoleActor, RoleError, RoleRequest, RoleResponse, Sample};
+use yatt_roles::{
+    DeviceGroup, PolicyRequest, PolicyResponse, Role, RoleActor, RoleError, RoleRequest,
+    RoleResponse, Sample,
+};
 use yatt_runtime::actor::{ActorRef, CallError};
 use yatt_runtime::addr::ActorName;
 use yatt_runtime::collective::RING_CHUNK_BYTES;
@@ -13,17 +16,19 @@ use yatt_runtime::message::Message;
 use yatt_runtime::node::{Node, NodeBuilder, NodeError};
 
 use crate::build::heads::controllers;
-use crate::build::parts::{base_model, critic_role, policy_ring, policy_role, reference_role, rollout_role};
+use crate::build::parts::{
+    base_model, critic_role, policy_ring, policy_role, reference_role, rollout_role,
+};
 use crate::build::reward::reward_role;
 use crate::config::checks::invalid;
+use crate::config::modes::{PlacementMode, Task};
 use crate::config::sections::JobConfig;
 use crate::controller::config::Timeouts;
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::join_policy_ring;
 use crate::controller::error::ControllerError;
-use crate::controller::refs::{PolicyRef, RoleRefs, RolloutRef, SamplesRef, variant};
+use crate::controller::refs::{variant, PolicyRef, RoleRefs, RolloutRef, SamplesRef};
 use crate::error::JobError;
-use crate::config::modes::{Task, PlacementMode};
 
 /// Requests a role's thread queues before its actor's mailbox takes the backpressure.
 const ROLE_QUEUE: usize = 4;
@@ -101,9 +106,7 @@ impl JobReward {
     fn of(job: &JobConfig) -> Result<Self, JobError> {
         if job.data.jsonl.is_empty() && job.data.task == Task::Growing {
             let task = crate::build::data::growing_task(job);
-            return Ok(JobReward::Growing(
-                yatt_roles::GrowingLengthReward(task),
-            ));
+            return Ok(JobReward::Growing(yatt_roles::GrowingLengthReward(task)));
         }
         Ok(JobReward::Functions(reward_role(job)?))
     }
@@ -347,7 +350,10 @@ pub(crate) fn protocol(role: &'static str, asked: &'static str, got: String) -> 
     }
 }
 
-pub(crate) fn loaded<T>(answer: RoleResponse<T>, role: &'static str) -> Result<(), ControllerError> {
+pub(crate) fn loaded<T>(
+    answer: RoleResponse<T>,
+    role: &'static str,
+) -> Result<(), ControllerError> {
     match answer {
         RoleResponse::Done => Ok(()),
         other => Err(protocol(role, "LoadWeights", variant(&other))),

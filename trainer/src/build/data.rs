@@ -1,11 +1,10 @@
 //! The prompts of a job.
 
+use yatt_roles::{load_jsonl, LengthSchedule, Prompt, SyntheticTask, SyntheticTaskKind};
 
-use yatt_roles::{LengthSchedule, Prompt, SyntheticTask, SyntheticTaskKind, load_jsonl};
-
+use crate::config::modes::Task;
 use crate::config::sections::JobConfig;
 use crate::error::JobError;
-use crate::config::modes::Task;
 
 /// The job's training prompts (the synthetic task with the job seed, or the JSONL file).
 pub(crate) fn prompts(job: &JobConfig) -> Result<Vec<Prompt>, JobError> {

@@ -1,23 +1,26 @@
 //! A job whose roles all run in this process (`placement.mode = "colocate"`).
 
 use std::path::Path;
-use yatt_engine::Trainer;
 use yatt_engine::tch::{Device, Kind};
-use yatt_roles::{DeviceGroup, };
+use yatt_engine::Trainer;
+use yatt_roles::DeviceGroup;
 use yatt_runtime::collective::RING_CHUNK_BYTES;
 use yatt_runtime::node::Node;
 
 use crate::build::heads::controllers;
-use crate::build::parts::{base_model, critic_role, policy_ring, policy_role_from, reference_role, rollout_role, train_config};
+use crate::build::parts::{
+    base_model, critic_role, policy_ring, policy_role_from, reference_role, rollout_role,
+    train_config,
+};
 use crate::build::reward::spawn_reward;
-use crate::checkpoint::{RunState, load_trainer};
+use crate::checkpoint::{load_trainer, RunState};
 use crate::config::checks::invalid;
+use crate::config::modes::{KlMode, PlacementMode};
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::join_policy_ring;
-use crate::controller::refs::{RoleRefs, spawn_role};
+use crate::controller::refs::{spawn_role, RoleRefs};
 use crate::error::JobError;
-use crate::config::modes::{KlMode, PlacementMode};
 
 /// Builds the models, roles (on `node`, with `spawn_local`) and the controllers of an
 /// embedded job: one policy (or one per head), reference, reward and (PPO) critic role,
@@ -32,7 +35,8 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
 #[derive(Debug, Clone, Default)]
 pub struct CustomRoles {
     /// The reward role: takes the step's samples and gives them back with `reward` set.
-    pub reward: Option<crate::controller::refs::SamplesRef>}
+    pub reward: Option<crate::controller::refs::SamplesRef>,
+}
 
 /// [`build_embedded`] with `custom` roles, resuming from the run directory `resume`
 /// when given: the policy (weights, optimizer, step), the critic and every
@@ -57,13 +61,15 @@ pub async fn build_embedded_with(
     let (model, codec, pad_id) = base_model(job)?;
     let me = |e: yatt_engine::EngineError| JobError::Model {
         source_desc: job.model.source.to_string(),
-        reason: e.to_string()};
+        reason: e.to_string(),
+    };
     let ckpt = resume.map(|d| d.join("checkpoint"));
     let load = |role: &str| -> Result<Option<Trainer>, JobError> {
         match &ckpt {
             Some(dir) if role == "critic" => Ok(Some(load_trainer(&dir.join("critic"), role)?)),
             Some(dir) => Ok(Some(load_trainer(dir, role)?)),
-            None => Ok(None)}
+            None => Ok(None),
+        }
     };
     // Every policy replica starts from the same trainer (fresh or resumed).
     let mut trainers = Vec::with_capacity(job.job.policy_replicas);
@@ -73,7 +79,8 @@ pub async fn build_embedded_with(
             None => Trainer::new(
                 model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
                 train_config(job),
-            )});
+            ),
+        });
     }
     let g = || DeviceGroup::cpu(node.name());
     // Rollouts start from the policy's weights (the initial model, or the checkpoint).
@@ -107,14 +114,19 @@ pub async fn build_embedded_with(
         extra_rollouts: Vec::new(),
         reward: match &custom.reward {
             Some(r) => r.clone(),
-            None => spawn_reward(job, node, g()).await?},
+            None => spawn_reward(job, node, g()).await?,
+        },
         // The reference is the initial policy, also when resuming; with no KL term
         // there is nothing to hold or run.
         reference: match job.algorithm.kl_mode {
             KlMode::None => None,
-            KlMode::Loss | KlMode::Reward => Some(spawn_role(node, reference_role(job, model, pad_id), 0, g()).await?)},
+            KlMode::Loss | KlMode::Reward => {
+                Some(spawn_role(node, reference_role(job, model, pad_id), 0, g()).await?)
+            }
+        },
         policy: policies[0].clone(),
-        critic};
+        critic,
+    };
     let mut controllers = controllers(job, shared, rollouts, policies)?;
     if replicated {
         join_policy_ring(&mut controllers, RING_CHUNK_BYTES).await?;
@@ -144,5 +156,6 @@ pub async fn build_embedded_with(
 pub async fn build(job: &JobConfig, node: &Node) -> Result<Vec<Controller>, JobError> {
     match job.placement.mode {
         PlacementMode::Disaggregated => crate::build::cluster::build_cluster(job, node).await,
-        PlacementMode::Colocate => build_embedded(job, node).await}
+        PlacementMode::Colocate => build_embedded(job, node).await,
+    }
 }

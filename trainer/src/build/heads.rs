@@ -6,13 +6,15 @@ use yatt_engine::SamplingParams;
 use yatt_roles::{Dataloader, GaeConfig, Prompt};
 
 use crate::build::data::prompts;
+use crate::build::parts::kl_term;
+use crate::config::modes::{Driver, KlMode};
 use crate::config::sections::JobConfig;
-use crate::controller::config::{ControllerConfig, DynamicSamplingConfig, KlPenalty, OverlongConfig};
+use crate::controller::config::{
+    ControllerConfig, DynamicSamplingConfig, KlPenalty, OverlongConfig,
+};
 use crate::controller::core::Controller;
 use crate::controller::refs::{PolicyRef, RoleRefs, RolloutRef};
 use crate::error::JobError;
-use crate::config::modes::{Driver, KlMode};
-use crate::build::parts::kl_term;
 
 /// What each controller of the job runs.
 pub(crate) fn controller_config(job: &JobConfig) -> ControllerConfig {
@@ -40,15 +42,18 @@ pub(crate) fn controller_config(job: &JobConfig) -> ControllerConfig {
             .filter(|_| a.kl_mode == KlMode::Reward)
             .map(|(estimator, coef)| KlPenalty { estimator, coef }),
         kl_metric: a.kl_estimator,
-        dynamic_sampling: a.dynamic_sampling.unwrap_or(a.name.dynamic_sampling_by_default()).then_some(
-            DynamicSamplingConfig {
+        dynamic_sampling: a
+            .dynamic_sampling
+            .unwrap_or(a.name.dynamic_sampling_by_default())
+            .then_some(DynamicSamplingConfig {
                 max_rounds: a.max_sampling_rounds,
-                tolerance: 1e-6},
-        ),
+                tolerance: 1e-6,
+            }),
         overlong: (a.overlong_buffer > 0).then_some(OverlongConfig {
             max_len: r.max_new_tokens,
             buffer: a.overlong_buffer,
-            coef: a.overlong_coef}),
+            coef: a.overlong_coef,
+        }),
         stream: r.stream,
         ..Default::default()
     }

@@ -3,17 +3,22 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use yatt_engine::{Generator, GeneratorConfig, Llama, LrSchedule, Tokenizer, TrainConfig, Trainer, tch};
 use yatt_engine::fixtures::tiny_config;
 use yatt_engine::tch::{Device, Kind};
-use yatt_roles::{CriticConfig, CriticRole, KlEstimator, KlLossConfig, PolicyConfig, PolicyLossConfig, PolicyRole, ReferenceRole, RolloutRole, TextCodec, TokenizerCodec, ValueLossConfig};
+use yatt_engine::{
+    tch, Generator, GeneratorConfig, Llama, LrSchedule, Tokenizer, TrainConfig, Trainer,
+};
+use yatt_roles::{
+    CriticConfig, CriticRole, KlEstimator, KlLossConfig, PolicyConfig, PolicyLossConfig,
+    PolicyRole, ReferenceRole, RolloutRole, TextCodec, TokenizerCodec, ValueLossConfig,
+};
 use yatt_runtime::collective::RingMember;
 use yatt_runtime::node::Node;
 
+use crate::config::modes::{KlMode, ModelSource, OldLogprobs, Schedule};
 use crate::config::sections::JobConfig;
 use crate::controller::error::ControllerError;
 use crate::error::JobError;
-use crate::config::modes::{KlMode, OldLogprobs, Schedule, ModelSource};
 use yatt_roles::TINY_CODEC;
 
 /// The job's model (every role starts from a copy of it), the codec of its text and its

@@ -3,19 +3,23 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use yatt_engine::{Generator, GeneratorConfig, Tokenizer};
 use yatt_engine::tch::Device;
-use yatt_roles::{DeviceGroup, ExactMatchVerifier, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate, ModelScorer, NumericVerifier, OnUnparsed, RewardFn, RewardRole, ScalarRewardModel, TextCodec, TokenizerCodec};
+use yatt_engine::{Generator, GeneratorConfig, Tokenizer};
+use yatt_roles::{
+    DeviceGroup, ExactMatchVerifier, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate,
+    ModelScorer, NumericVerifier, OnUnparsed, RewardFn, RewardRole, ScalarRewardModel, TextCodec,
+    TokenizerCodec,
+};
 use yatt_runtime::node::Node;
 
 use crate::build::data::growing_task;
 use crate::config::checks::invalid;
+use crate::config::modes::{ModelSource, RewardKind, Task, UnparsedVerdict, VerdictMode};
 use crate::config::sections::JobConfig;
 use crate::controller::refs::spawn_role;
 use crate::error::JobError;
-use crate::config::modes::{Task, RewardKind, VerdictMode, UnparsedVerdict, ModelSource};
-use yatt_roles::TINY_CODEC;
 use yatt_roles::LettersReward;
+use yatt_roles::TINY_CODEC;
 
 /// Spawns the job's reward role on `node`: the `growing` task's length reward, or the
 /// reward functions of `reward.kind`.

@@ -1,8 +1,6 @@
 //! Small checks of config values that give `JobError::Invalid` with the key, what is
 //! accepted, what was found and the fix.
 
-
-
 use crate::error::JobError;
 
 pub(crate) fn invalid(key: &str, expected: &str, found: &str, fix: &str) -> JobError {
@@ -34,4 +32,3 @@ pub(crate) fn non_negative(key: &str, v: f64) -> Result<(), JobError> {
         ))
     }
 }
-

@@ -2,9 +2,9 @@
 
 use std::path::Path;
 
+use crate::config::checks::invalid;
 use crate::config::sections::JobConfig;
 use crate::error::JobError;
-use crate::config::checks::invalid;
 
 impl JobConfig {
     /// Parses TOML text, applies `--set key=value` overrides, then validates.
@@ -12,14 +12,16 @@ impl JobConfig {
         let mut table: toml::Table =
             text.parse().map_err(|e: toml::de::Error| JobError::Parse {
                 origin: origin.into(),
-                message: e.to_string()})?;
+                message: e.to_string(),
+            })?;
         for arg in sets {
             apply_set(&mut table, arg)?;
         }
         // Round-trip through text so type errors carry the line and the key.
         let merged = toml::to_string(&table).map_err(|e| JobError::Parse {
             origin: origin.into(),
-            message: e.to_string()})?;
+            message: e.to_string(),
+        })?;
         let origin = if sets.is_empty() {
             origin.to_string()
         } else {
@@ -34,7 +36,8 @@ impl JobConfig {
                 // With overrides the line numbers refer to the merged text: name the key.
                 Some(k) if !sets.is_empty() => format!("key `{k}`: {}", e.message()),
                 Some(k) => format!("key `{k}`: {e}"),
-                None => e.to_string()};
+                None => e.to_string(),
+            };
             JobError::Parse { origin, message }
         })?;
         cfg.validate()?;
@@ -46,7 +49,8 @@ impl JobConfig {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|source| JobError::Read {
             path: path.into(),
-            source})?;
+            source,
+        })?;
         Self::parse(&text, &path.display().to_string(), sets)
     }
 }
@@ -89,7 +93,8 @@ pub(crate) fn key_at(text: &str, pos: usize) -> Option<String> {
     match (section, key) {
         (Some(s), Some(k)) => Some(format!("{s}.{k}")),
         (None, Some(k)) => Some(k.to_string()),
-        _ => None}
+        _ => None,
+    }
 }
 
 /// Applies one `key=value` override (dotted key, TOML value; a bare word that is not
@@ -97,7 +102,8 @@ pub(crate) fn key_at(text: &str, pos: usize) -> Option<String> {
 pub(crate) fn apply_set(table: &mut toml::Table, arg: &str) -> Result<(), JobError> {
     let err = |reason: String| JobError::Set {
         arg: arg.into(),
-        reason};
+        reason,
+    };
     let (key, raw) = arg
         .split_once('=')
         .ok_or_else(|| err("expected key=value, e.g. job.steps=10".into()))?;
@@ -134,7 +140,8 @@ pub(crate) fn apply_set(table: &mut toml::Table, arg: &str) -> Result<(), JobErr
         Ok(mut t) => t
             .remove("v")
             .unwrap_or_else(|| toml::Value::String(raw.into())),
-        Err(_) => toml::Value::String(raw.into())};
+        Err(_) => toml::Value::String(raw.into()),
+    };
     let entry = table
         .entry(parts[0].to_string())
         .or_insert_with(|| toml::Value::Table(toml::Table::new()));

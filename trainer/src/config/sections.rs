@@ -3,9 +3,12 @@
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-use yatt_roles::{Algorithm, JudgeConfig, KlEstimator, LETTERS, LossAgg};
+use yatt_roles::{Algorithm, JudgeConfig, KlEstimator, LossAgg, LETTERS};
 
-use crate::config::modes::{Driver, Dtype, KlMode, ModelSource, OldLogprobs, RewardKind, Schedule, Task, UnparsedVerdict, VerdictMode};
+use crate::config::modes::{
+    Driver, Dtype, KlMode, ModelSource, OldLogprobs, RewardKind, Schedule, Task, UnparsedVerdict,
+    VerdictMode,
+};
 use crate::config::placement::PlacementSection;
 
 /// A training job, as read from TOML.

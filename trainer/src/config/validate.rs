@@ -2,14 +2,14 @@
 
 use std::path::Path;
 
-use yatt_roles::{JudgeTemplate, };
+use yatt_roles::JudgeTemplate;
 
+use crate::config::checks::non_negative;
 use crate::config::checks::{invalid, positive};
+use crate::config::modes::{Driver, Dtype, KlMode, OldLogprobs, PlacementMode, RewardKind, Task};
 use crate::config::placement::{NodeNames, PlacementSection};
 use crate::config::sections::JobConfig;
 use crate::error::JobError;
-use crate::config::modes::{Driver, Dtype, KlMode, OldLogprobs, PlacementMode, RewardKind, Task};
-use crate::config::checks::non_negative;
 
 impl JobConfig {
     /// Checks every value the types cannot.
@@ -40,7 +40,8 @@ impl JobConfig {
             j.controllers as f64,
             "controllers = 1 for one head",
         )?;
-        if j.policy_replicas != 1 && (j.policy_replicas != j.controllers || j.driver != Driver::Parallel)
+        if j.policy_replicas != 1
+            && (j.policy_replicas != j.controllers || j.driver != Driver::Parallel)
         {
             return Err(invalid(
                 "job.policy_replicas",
@@ -56,7 +57,8 @@ impl JobConfig {
             return Err(JobError::NotImplemented {
                 key: "model.dtype".into(),
                 found: self.model.dtype.to_string(),
-                fix: "use dtype = \"f32\"".into()});
+                fix: "use dtype = \"f32\"".into(),
+            });
         }
         positive(
             "model.threads",
@@ -115,7 +117,8 @@ impl JobConfig {
             ));
         }
         let a = &self.algorithm;
-        if a.name.needs_critic() && self.job.controllers > 1 && self.job.driver == Driver::Parallel {
+        if a.name.needs_critic() && self.job.controllers > 1 && self.job.driver == Driver::Parallel
+        {
             return Err(invalid(
                 "job.controllers",
                 "1 with algorithm.name = \"ppo\"",
@@ -245,7 +248,8 @@ impl JobConfig {
                 found: "ppo with placement.live".into(),
                 fix:
                     "live placement moves rollout and policy groups; use grpo, rloo or reinforce++"
-                        .into()});
+                        .into(),
+            });
         }
         let with_reference = self.algorithm.kl_mode != KlMode::None;
         let cluster = p.mode == PlacementMode::Disaggregated;
@@ -342,7 +346,8 @@ impl JobConfig {
         let default = match (self.data.jsonl.is_empty(), self.data.task) {
             (false, _) | (true, Task::Addition) => RewardKind::Numeric,
             (true, Task::Letters) => RewardKind::Letters,
-            _ => RewardKind::Exact};
+            _ => RewardKind::Exact,
+        };
         vec![default]
     }
 }
@@ -442,5 +447,120 @@ impl PlacementSection {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::modes::PlacementMode;
+
+    const DEMO: &str = include_str!("../../../config/demo-letters.toml");
+
+    fn disaggregated() -> Vec<String> {
+        vec![
+            "placement.mode=\"disaggregated\"".into(),
+            "placement.rollout=\"node-a\"".into(),
+            "placement.policy=\"node-b\"".into(),
+            "placement.reference=\"node-b\"".into(),
+            "placement.reward=\"node-c\"".into(),
+        ]
+    }
+
+    #[test]
+    fn a_disaggregated_placement_parses_and_travels_as_toml() {
+        let job = JobConfig::parse(DEMO, "d", &disaggregated()).unwrap();
+        assert_eq!(job.placement.node_of("reward"), "node-c");
+        // The shipped demo names its nodes and runs colocated unless told otherwise.
+        let demo = JobConfig::parse(DEMO, "d", &[]).unwrap();
+        assert_eq!(demo.placement.mode, PlacementMode::Colocate);
+        assert_eq!(demo.placement.node_of("policy"), "node-b");
+        let text = toml::to_string(&job).unwrap();
+        assert_eq!(JobConfig::parse(&text, "t", &[]).unwrap(), job);
+    }
+
+    fn two_replicas(policy: &str) -> Vec<String> {
+        let mut sets = disaggregated();
+        sets.retain(|s| !s.starts_with("placement.policy"));
+        sets.extend([
+            format!("placement.policy={policy}"),
+            "job.controllers=2".into(),
+            "job.policy_replicas=2".into(),
+        ]);
+        sets
+    }
+
+    #[test]
+    fn policy_replicas_are_placed_one_node_each_or_all_on_one() {
+        let job = JobConfig::parse(DEMO, "d", &two_replicas("[\"node-b\", \"node-d\"]")).unwrap();
+        assert_eq!(job.placement.policy_nodes(2), ["node-b", "node-d"]);
+        assert_eq!(job.placement.node_of("policy"), "node-b");
+        assert_eq!(job.placement.policy.to_string(), "[node-b, node-d]");
+        // The list travels to the nodes as TOML.
+        let text = toml::to_string(&job).unwrap();
+        assert_eq!(JobConfig::parse(&text, "t", &[]).unwrap(), job);
+        // One name puts every replica on that node.
+        let job = JobConfig::parse(DEMO, "d", &two_replicas("\"node-b\"")).unwrap();
+        assert_eq!(job.placement.policy_nodes(2), ["node-b", "node-b"]);
+        assert_eq!(job.placement.policy.to_string(), "node-b");
+    }
+
+    #[test]
+    fn a_policy_placement_that_does_not_fit_the_replicas_says_how_to_fix_it() {
+        let e = JobConfig::parse(DEMO, "d", &two_replicas("[\"node-b\"]"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("placement.policy")
+                && e.contains("job.policy_replicas = 2")
+                && e.contains("1 name(s): [node-b]")
+                && e.contains("policy = [\"node-0\", \"node-1\"]"),
+            "{e}"
+        );
+        let e = JobConfig::parse(DEMO, "d", &two_replicas("[\"node-b\", \"\"]"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("placement.policy[1]") && e.contains("put a node name at that position"),
+            "{e}"
+        );
+        let e = JobConfig::parse(DEMO, "d", &two_replicas("3"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("placement.policy") && e.contains("a list of node names"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn placement_errors_name_the_key_and_the_fix() {
+        let sets = [
+            "placement.mode=\"disaggregated\"".into(),
+            "placement.reward=\"\"".into(),
+        ];
+        let e = JobConfig::parse(DEMO, "d", &sets).unwrap_err().to_string();
+        assert!(
+            e.contains("placement.reward") && e.contains("add reward = \"NODE\""),
+            "{e}"
+        );
+        // PPO on a cluster needs a node for its critic.
+        let mut sets = disaggregated();
+        sets.push("algorithm.name=\"ppo\"".into());
+        let e = JobConfig::parse(DEMO, "d", &sets).unwrap_err().to_string();
+        assert!(
+            e.contains("placement.critic") && e.contains("add critic = \"NODE\""),
+            "{e}"
+        );
+        sets.push("placement.critic=\"node-c\"".into());
+        let job = JobConfig::parse(DEMO, "d", &sets).unwrap();
+        assert_eq!(job.placement.node_of("critic"), "node-c");
+        let e = JobConfig::parse(DEMO, "d", &["placement.mode=\"spread\"".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("placement.mode") && e.contains("\"colocate\", \"disaggregated\""),
+            "{e}"
+        );
     }
 }

@@ -1,8 +1,11 @@
 //! A step's advantages from its rewards, through the estimator registry in `yatt-roles`.
 
-
 use tch::{Device, Kind, Tensor};
-use yatt_roles::{Sample, TokenField, gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, reinforce_pp_advantage, response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix};
+use yatt_roles::{
+    gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, reinforce_pp_advantage,
+    response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix, Sample,
+    TokenField,
+};
 
 use crate::controller::core::Controller;
 use crate::controller::error::ControllerError;

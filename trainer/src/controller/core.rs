@@ -1,14 +1,17 @@
 //! The controller of one data-parallel head: its state, role calls and the step.
 
 use std::time::{Duration, Instant};
-use yatt_roles::{CriticRequest, CriticResponse, Dataloader, PolicyRequest, PolicyResponse, RoleRequest, RoleResponse, Sample};
-use yatt_runtime::ActorId;
+use yatt_roles::{
+    CriticRequest, CriticResponse, Dataloader, PolicyRequest, PolicyResponse, RoleRequest,
+    RoleResponse, Sample,
+};
 use yatt_runtime::actor::{ActorRef, CallError};
+use yatt_runtime::ActorId;
 
 use crate::controller::config::ControllerConfig;
 use crate::controller::error::ControllerError;
 use crate::controller::probe::GenProbe;
-use crate::controller::refs::{RoleRefs, RolloutRef, variant};
+use crate::controller::refs::{variant, RoleRefs, RolloutRef};
 use crate::controller::report::{ControllerState, StepMetrics, StepReport};
 use crate::ledger::{LedgerError, SampleLedger, Stage};
 use yatt_roles::AdvantageEstimator;
@@ -29,7 +32,8 @@ pub struct Controller {
     /// until the head is rebuilt.
     pub(crate) lost_rollouts: std::collections::BTreeSet<ActorId>,
     /// Generation calls in flight, for whoever watches ([`Controller::set_probe`]).
-    pub(crate) probe: Option<GenProbe>}
+    pub(crate) probe: Option<GenProbe>,
+}
 
 /// A step between its advantages and its update.
 pub(crate) struct Prepared {
@@ -37,7 +41,8 @@ pub(crate) struct Prepared {
     pub(crate) metrics: StepMetrics,
     pub(crate) ledger: SampleLedger,
     pub(crate) samples: Vec<Sample>,
-    pub(crate) gen: yatt_roles::RolloutStats}
+    pub(crate) gen: yatt_roles::RolloutStats,
+}
 
 impl Controller {
     /// A controller over its shard `loader`, driving `roles`.
@@ -87,7 +92,8 @@ impl Controller {
             in_policy_ring: false,
             spare_rollouts: Vec::new(),
             lost_rollouts: Default::default(),
-            probe: None})
+            probe: None,
+        })
     }
 
     /// Rollout replicas (of other heads) that take over a generation request whose own
@@ -125,7 +131,8 @@ impl Controller {
         ControllerState {
             step: self.step,
             weights_version: self.weights_version,
-            loader: self.loader.state()}
+            loader: self.loader.state(),
+        }
     }
 
     /// Resumes from a checkpointed position (the policy and rollout must be restored to
@@ -139,13 +146,19 @@ impl Controller {
         Ok(())
     }
 
-    pub(crate) fn protocol(&self, role: &'static str, asked: &'static str, got: String) -> ControllerError {
+    pub(crate) fn protocol(
+        &self,
+        role: &'static str,
+        asked: &'static str,
+        got: String,
+    ) -> ControllerError {
         let got: String = got.chars().take(80).collect();
         ControllerError::Protocol {
             step: self.step,
             role,
             asked,
-            got}
+            got,
+        }
     }
 
     pub(crate) fn call(
@@ -158,7 +171,8 @@ impl Controller {
             step,
             stage,
             role,
-            source}
+            source,
+        }
     }
 
     pub(crate) async fn serve<Req: Send + 'static, Resp: Send + 'static>(
@@ -175,7 +189,8 @@ impl Controller {
             .map_err(self.call(stage, role))?
         {
             RoleResponse::Served(x) => Ok(x),
-            other => Err(self.protocol(role, stage, variant(&other)))}
+            other => Err(self.protocol(role, stage, variant(&other))),
+        }
     }
 
     pub(crate) async fn serve_policy(
@@ -236,18 +251,21 @@ impl Controller {
                 .await?;
             match r {
                 CriticResponse::Trained(r) => Ok(Some((r, t.elapsed().as_secs_f64()))),
-                other => Err(self.protocol("critic", "Train", format!("{other:?}")))}
+                other => Err(self.protocol("critic", "Train", format!("{other:?}"))),
+            }
         };
         let ((train, secs), critic) = tokio::join!(policy, critic);
         let train = match train? {
             PolicyResponse::Trained(r) => r,
-            other => return Err(self.protocol("policy", "Train", format!("{other:?}")))};
+            other => return Err(self.protocol("policy", "Train", format!("{other:?}"))),
+        };
         let critic = match critic? {
             Some((r, secs)) => {
                 p.metrics.set("timing_s/update_critic", secs);
                 Some(r)
             }
-            None => None};
+            None => None,
+        };
         self.finish(p, train, critic, secs).await
     }
 }

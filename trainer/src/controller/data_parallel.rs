@@ -7,9 +7,9 @@ use yatt_roles::{GradShard, PolicyRequest, PolicyResponse, SampleId, TrainReport
 use yatt_runtime::collective::RingSpec;
 
 use crate::controller::core::Controller;
+use crate::controller::core::Prepared;
 use crate::controller::error::ControllerError;
 use crate::controller::report::StepReport;
-use crate::controller::core::Prepared;
 
 /// Runs one step of several controllers (data-parallel heads, each with its own shard
 /// and rollout): each prepares its samples; then either their one shared policy

@@ -1,6 +1,5 @@
 //! How a controller's step fails.
 
-
 use yatt_roles::{AlgoError, DataError, SampleError, SampleId};
 use yatt_runtime::actor::CallError;
 

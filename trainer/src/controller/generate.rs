@@ -2,15 +2,18 @@
 
 use std::time::{Duration, Instant};
 
-use yatt_roles::{GenerateRequest, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleId, SampleSink};
+use yatt_roles::{
+    GenerateRequest, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample, SampleId,
+    SampleSink,
+};
 use yatt_runtime::ActorId;
 
 use crate::controller::config::ControllerConfig;
 use crate::controller::core::Controller;
-use crate::controller::error::ControllerError;
-use crate::controller::refs::{RolloutRef, variant};
-use crate::ledger::{SampleLedger, Stage};
 use crate::controller::error::replica_lost;
+use crate::controller::error::ControllerError;
+use crate::controller::refs::{variant, RolloutRef};
+use crate::ledger::{SampleLedger, Stage};
 
 /// What a streamed generation round produced.
 pub(crate) struct Streamed {
@@ -23,14 +26,16 @@ pub(crate) struct Streamed {
     /// Seconds from then until the last reward came back (the part not overlapped).
     pub(crate) reward_tail_s: f64,
     /// Samples sent to the reward role before generation finished.
-    pub(crate) early: usize}
+    pub(crate) early: usize,
+}
 
 /// One generation request's outcome: the rollout's answer, the samples requeued on
 /// another replica on the way, and the replicas found lost.
 pub(crate) struct GenOutcome {
     pub(crate) answer: RolloutResponse,
     pub(crate) requeued: Vec<SampleId>,
-    pub(crate) lost: Vec<ActorId>}
+    pub(crate) lost: Vec<ActorId>,
+}
 
 /// One generation round: its samples, the rollouts' stats, its wall seconds, the
 /// samples requeued on a spare replica and the replicas found lost.
@@ -40,7 +45,8 @@ pub(crate) struct Generated {
     pub(crate) stats: yatt_roles::RolloutStats,
     pub(crate) seconds: f64,
     pub(crate) requeued: Vec<SampleId>,
-    pub(crate) lost: Vec<ActorId>}
+    pub(crate) lost: Vec<ActorId>,
+}
 
 impl Controller {
     /// A round's generation requests: contiguous, near-equal slices of the prompts, one
@@ -66,7 +72,8 @@ impl Controller {
                 prompts: std::mem::replace(&mut rest, tail),
                 n: cfg.n,
                 params: cfg.sampling.clone(),
-                seed: cfg.seed};
+                seed: cfg.seed,
+            };
             out.push((r, req));
         }
         out
@@ -93,7 +100,8 @@ impl Controller {
             match g.answer {
                 RolloutResponse::Generated {
                     samples: s,
-                    stats: st} => {
+                    stats: st,
+                } => {
                     out.samples.extend(s);
                     out.stats.response_tokens += st.response_tokens;
                     // Replicas run side by side: the round takes the slowest one's time.
@@ -124,7 +132,8 @@ impl Controller {
         // goes straight to a spare (nothing of it was in flight, nothing is requeued).
         let mut asked = match self.lost_rollouts.contains(first.id()) {
             true => spares.next().unwrap_or(first).clone(),
-            false => first.clone()};
+            false => first.clone(),
+        };
         let (mut requeued, mut lost) = (Vec::new(), Vec::new());
         loop {
             let answer = {
@@ -141,7 +150,8 @@ impl Controller {
                     return Ok(GenOutcome {
                         answer,
                         requeued,
-                        lost})
+                        lost,
+                    })
                 }
                 Ok(other) => return Err(self.protocol("rollout", "gen", variant(&other))),
                 Err(e) if replica_lost(&e) => {
@@ -155,11 +165,13 @@ impl Controller {
                         (0..req.n).map(move |k| SampleId {
                             step: req.step,
                             prompt: p.id,
-                            k})
+                            k,
+                        })
                     }));
                     asked = next.clone();
                 }
-                Err(e) => return Err(self.call("gen", "rollout")(e))}
+                Err(e) => return Err(self.call("gen", "rollout")(e)),
+            }
         }
     }
 
@@ -174,8 +186,10 @@ impl Controller {
                 step: self.step,
                 id: s.id,
                 got: s.weights_version,
-                want: self.weights_version}),
-            None => Ok(())}
+                want: self.weights_version,
+            }),
+            None => Ok(()),
+        }
     }
 
     /// One generation round, streamed: every rollout sends each sample as it finishes
@@ -198,7 +212,8 @@ impl Controller {
                 (0..cfg.n).map(move |k| SampleId {
                     step: self.step,
                     prompt: p.id,
-                    k})
+                    k,
+                })
             })
             .enumerate()
             .map(|(i, id)| (id, i))
@@ -223,7 +238,8 @@ impl Controller {
             stats: yatt_roles::RolloutStats::default(),
             gen_s: 0.0,
             reward_tail_s: 0.0,
-            early: 0};
+            early: 0,
+        };
         let (mut gen_done, mut open) = (false, true);
         let mut gen_end = Instant::now();
         while !gen_done || open || !rewards.is_empty() {

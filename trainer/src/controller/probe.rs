@@ -23,14 +23,16 @@ impl GenProbe {
         *self.lock().entry(replica.clone()).or_insert(0) += 1;
         GenProbeGuard {
             probe: self,
-            replica: replica.clone()}
+            replica: replica.clone(),
+        }
     }
 }
 
 /// Counts one call out of the probe when dropped (answered, failed or cancelled).
 pub(crate) struct GenProbeGuard<'a> {
     pub(crate) probe: &'a GenProbe,
-    pub(crate) replica: ActorId}
+    pub(crate) replica: ActorId,
+}
 
 impl Drop for GenProbeGuard<'_> {
     fn drop(&mut self) {

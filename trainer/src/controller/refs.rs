@@ -1,5 +1,8 @@
 //! References to the roles a controller drives, and spawning a role on a node.
-use yatt_roles::{CriticRequest, CriticResponse, DeviceGroup, PolicyRequest, PolicyResponse, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample};
+use yatt_roles::{
+    CriticRequest, CriticResponse, DeviceGroup, PolicyRequest, PolicyResponse, Role, RoleActor,
+    RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample,
+};
 use yatt_runtime::actor::ActorRef;
 use yatt_runtime::node::Node;
 
@@ -34,7 +37,8 @@ pub struct RoleRefs {
     /// The trainer.
     pub policy: PolicyRef,
     /// The value model (PPO with GAE needs one; the other estimators ignore it).
-    pub critic: Option<CriticRef>}
+    pub critic: Option<CriticRef>,
+}
 
 /// Starts `role` on its own thread on `group` and spawns its actor on `node` as
 /// `node/name/replica`, reachable from this process only (its messages are moved, never
@@ -51,11 +55,13 @@ pub async fn spawn_role<R: Role>(
         .await
         .map_err(|e: RoleError| ControllerError::Spawn {
             role: name.clone(),
-            reason: e.to_string()})?;
+            reason: e.to_string(),
+        })?;
     node.spawn_local(&name, replica, actor)
         .map_err(|e| ControllerError::Spawn {
             role: name,
-            reason: e.to_string()})
+            reason: e.to_string(),
+        })
 }
 
 pub(crate) fn variant<T>(r: &RoleResponse<T>) -> String {
@@ -63,5 +69,6 @@ pub(crate) fn variant<T>(r: &RoleResponse<T>) -> String {
         RoleResponse::Served(_) => "a served answer".into(),
         RoleResponse::Done => "Done".into(),
         RoleResponse::Drained(_) => "Drained".into(),
-        RoleResponse::Profile(_) => "Profile".into()}
+        RoleResponse::Profile(_) => "Profile".into(),
+    }
 }

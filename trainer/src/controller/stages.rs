@@ -3,11 +3,15 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use yatt_roles::{Prompt, RolloutStats, CriticReport, CriticRequest, CriticResponse, PolicyRequest, PolicyResponse, Sample, SampleId, TrainReport, dynamic_sampling_filter, group_indices, overlong_penalty};
+use yatt_roles::{
+    dynamic_sampling_filter, group_indices, overlong_penalty, CriticReport, CriticRequest,
+    CriticResponse, PolicyRequest, PolicyResponse, Prompt, RolloutStats, Sample, SampleId,
+    TrainReport,
+};
 
 use crate::controller::config::{ControllerConfig, DynamicSamplingConfig, OverlongConfig};
-use crate::controller::core::Prepared;
 use crate::controller::core::Controller;
+use crate::controller::core::Prepared;
 use crate::controller::error::ControllerError;
 use crate::controller::report::{StepMetrics, StepReport};
 use crate::ledger::{SampleLedger, Stage};
@@ -22,7 +26,8 @@ pub(crate) struct RoundTotals {
     pub(crate) streamed_early: usize,
     pub(crate) groups_seen: usize,
     pub(crate) groups_dropped: usize,
-    pub(crate) kept_groups: usize}
+    pub(crate) kept_groups: usize,
+}
 
 impl Controller {
     /// Stages up to the update: generation and reward (repeated by dynamic sampling),
@@ -32,7 +37,8 @@ impl Controller {
         let cfg = self.config.clone();
         let mut m = StepMetrics {
             step: self.step,
-            values: BTreeMap::new()};
+            values: BTreeMap::new(),
+        };
         let mut ledger = SampleLedger::new(self.step, &self.stages());
         // 1–2. Generation and reward.
         let (samples, gen) = self.generate_and_reward(&cfg, &mut ledger, &mut m).await?;
@@ -47,11 +53,14 @@ impl Controller {
                 self.stage_done(&mut ledger, &s, Stage::Referenced)?;
                 s
             }
-            None => samples};
+            None => samples,
+        };
         // 4. Critic values.
         let samples = self.values(samples, &cfg, &mut ledger, &mut m).await?;
         // 5. Old log-probs.
-        let mut samples = self.old_logprobs(samples, &cfg, &mut ledger, &mut m).await?;
+        let mut samples = self
+            .old_logprobs(samples, &cfg, &mut ledger, &mut m)
+            .await?;
         // 6. Advantages.
         let t = Instant::now();
         self.advantages(&mut samples, &mut m)?;
@@ -62,7 +71,8 @@ impl Controller {
             metrics: m,
             ledger,
             samples,
-            gen})
+            gen,
+        })
     }
 
     /// The stages every sample of this controller's steps must pass.
@@ -114,7 +124,8 @@ impl Controller {
                 (0..cfg.n).map(move |k| SampleId {
                     step,
                     prompt: p.id,
-                    k})
+                    k,
+                })
             });
             ledger.expect(ids).map_err(self.ledger_err())?;
             let mut samples = self.generate_round(prompts, cfg, ledger, &mut t).await?;
@@ -126,7 +137,8 @@ impl Controller {
                 kept = samples;
                 break;
             };
-            let Some(more) = self.keep_groups_with_signal(samples, ds, target, ledger, &mut kept, &mut t)?
+            let Some(more) =
+                self.keep_groups_with_signal(samples, ds, target, ledger, &mut kept, &mut t)?
             else {
                 break;
             };
@@ -138,7 +150,8 @@ impl Controller {
             return Err(ControllerError::NoSignal {
                 step,
                 rounds: t.rounds,
-                groups: t.groups_dropped});
+                groups: t.groups_dropped,
+            });
         }
         m.set("timing_s/gen", t.gen_s);
         m.set("timing_s/reward", t.reward_s);
@@ -190,7 +203,13 @@ impl Controller {
         self.check_fresh(&samples)?;
         let started = Instant::now();
         let samples = self
-            .serve(&self.roles.reward, samples, "reward", "reward", cfg.timeouts.score)
+            .serve(
+                &self.roles.reward,
+                samples,
+                "reward",
+                "reward",
+                cfg.timeouts.score,
+            )
             .await?;
         t.reward_s += started.elapsed().as_secs_f64();
         Ok(samples)
@@ -269,7 +288,8 @@ impl Controller {
             .await?
         {
             CriticResponse::Valued(s) => s,
-            other => return Err(self.protocol("critic", "Values", format!("{other:?}")))};
+            other => return Err(self.protocol("critic", "Values", format!("{other:?}"))),
+        };
         m.set("timing_s/values", t.elapsed().as_secs_f64());
         self.stage_done(ledger, &s, Stage::Valued)?;
         Ok(s)
@@ -290,7 +310,8 @@ impl Controller {
             .await?
         {
             PolicyResponse::Scored(s) => s,
-            other => return Err(self.protocol("policy", "OldLogProbs", format!("{other:?}")))};
+            other => return Err(self.protocol("policy", "OldLogProbs", format!("{other:?}"))),
+        };
         m.set("timing_s/old_log_prob", t.elapsed().as_secs_f64());
         self.stage_done(ledger, &samples, Stage::OldLogProbs)?;
         Ok(samples)
@@ -327,7 +348,8 @@ impl Controller {
             metrics: mut m,
             mut ledger,
             samples: kept,
-            gen} = p;
+            gen,
+        } = p;
         let cfg = self.config.clone();
         m.set("timing_s/update_actor", update_s);
         ledger.record_all(&train.trained, Stage::Trained);
@@ -384,6 +406,7 @@ impl Controller {
             ledger,
             samples: kept,
             train,
-            critic})
+            critic,
+        })
     }
 }

@@ -1,12 +1,13 @@
 //! Weights: syncing the rollouts to the policy, saving the policy and the critic.
 
-
-use yatt_roles::{CriticRequest, CriticResponse, PolicyRequest, PolicyResponse, RoleRequest, RoleResponse};
+use yatt_roles::{
+    CriticRequest, CriticResponse, PolicyRequest, PolicyResponse, RoleRequest, RoleResponse,
+};
 
 use crate::controller::core::Controller;
-use crate::controller::error::ControllerError;
-use crate::controller::refs::{RolloutRef, variant};
 use crate::controller::error::replica_lost;
+use crate::controller::error::ControllerError;
+use crate::controller::refs::{variant, RolloutRef};
 
 impl Controller {
     /// Weight sync: the policy exports its weights and this controller's rollout loads
@@ -25,7 +26,8 @@ impl Controller {
         };
         let update = match self.serve_policy(export, "weight_sync", t).await? {
             PolicyResponse::Weights(u) => u,
-            other => return Err(self.protocol("policy", "ExportWeights", format!("{other:?}")))};
+            other => return Err(self.protocol("policy", "ExportWeights", format!("{other:?}"))),
+        };
         let version = update.version;
         // A replica found lost this step is skipped (another head's spare generated its
         // samples); one lost only now is marked so, when a spare can take its work.
@@ -43,7 +45,8 @@ impl Controller {
         for (i, r) in live.iter().enumerate() {
             let u = match i + 1 == live.len() {
                 true => update.take(),
-                false => update.clone()};
+                false => update.clone(),
+            };
             if let Some(u) = u {
                 loads.push(r.ask(RoleRequest::LoadWeights(u), t));
             }
@@ -60,7 +63,8 @@ impl Controller {
                     tracing::warn!(step = self.step, replica = %r.id(), error = %e, "rollout lost at weight sync; its work goes to a spare replica");
                     self.lost_rollouts.insert(r.id().clone());
                 }
-                Err(e) => return Err(self.call("weight_sync", "rollout")(e))}
+                Err(e) => return Err(self.call("weight_sync", "rollout")(e)),
+            }
         }
         self.weights_version = version;
         Ok(version)
@@ -82,7 +86,8 @@ impl Controller {
             .await?
         {
             CriticResponse::Saved => Ok(()),
-            other => Err(self.protocol("critic", "SaveCheckpoint", format!("{other:?}")))}
+            other => Err(self.protocol("critic", "SaveCheckpoint", format!("{other:?}"))),
+        }
     }
 
     /// Asks the policy to save a checkpoint to `dir`.
@@ -96,6 +101,7 @@ impl Controller {
             .await?
         {
             PolicyResponse::Saved => Ok(()),
-            other => Err(self.protocol("policy", "SaveCheckpoint", format!("{other:?}")))}
+            other => Err(self.protocol("policy", "SaveCheckpoint", format!("{other:?}"))),
+        }
     }
 }

@@ -5,10 +5,13 @@ use std::sync::Arc;
 
 use tch::{Device, Kind};
 use yatt_engine::Llama;
-use yatt_placement::{CostSetup, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy, Plan, Pool, RewardKind};
 use yatt_placement::inventory::GroupId;
 use yatt_placement::profile::{Role as PRole, RoleSet};
 use yatt_placement::workload::ForecastParams;
+use yatt_placement::{
+    CostSetup, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy, Plan, Pool,
+    RewardKind,
+};
 use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, RoleRequest, TextCodec};
 use yatt_runtime::membership::NodeInfo;
 use yatt_runtime::node::Node;
@@ -17,18 +20,19 @@ use crate::build::cluster::{job_text, wait_for_nodes};
 use crate::build::parts::base_model;
 use crate::build::reward::spawn_reward;
 use crate::config::checks::invalid;
+use crate::config::modes::{KlMode, PlacementMode};
 use crate::config::sections::JobConfig;
 use crate::controller::probe::GenProbe;
-use crate::controller::refs::{PolicyRef, spawn_role};
+use crate::controller::refs::{spawn_role, PolicyRef};
 use crate::error::JobError;
-use crate::live::state::LivePlacement;
-use crate::config::modes::{KlMode, PlacementMode};
+use crate::live::errors::me;
+use crate::live::errors::placement_err;
+use crate::live::errors::unexpected;
+use crate::live::replicas::ask_policy;
 use crate::live::state::Hosts;
+use crate::live::state::LivePlacement;
 use crate::live::state::Replica;
 use crate::live::state::Shared;
-use crate::live::replicas::ask_policy;
-use crate::live::replicas::placement_err;
-use crate::live::replicas::unexpected;
 
 pub(crate) fn rset(r: PRole) -> RoleSet {
     RoleSet::of(&[r])
@@ -45,7 +49,8 @@ pub(crate) fn cpu_thread_spec() -> GpuSpec {
         hbm_bytes_per_s: 4e8,
         pcie_bytes_per_s: 4e9,
         net_bytes_per_s: 2e9,
-        host_memory_bytes: 16e9}
+        host_memory_bytes: 16e9,
+    }
 }
 
 /// Sequences one rollout replica decodes at once (its engine's slots).
@@ -53,13 +58,8 @@ pub(crate) fn rollout_slots(job: &JobConfig) -> u32 {
     let all = job.data.prompts_per_step as u32 * job.data.samples_per_prompt;
     match job.rollout.max_batch {
         0 => all,
-        cap => all.min(cap as u32)}
-}
-
-pub(crate) fn me(job: &JobConfig) -> impl Fn(yatt_engine::EngineError) -> JobError + '_ {
-    move |e| JobError::Model {
-        source_desc: job.model.source.to_string(),
-        reason: e.to_string()}
+        cap => all.min(cap as u32),
+    }
 }
 
 /// `placement.groups` virtual groups of one thread in this process.
@@ -144,17 +144,20 @@ impl LivePlacement {
         tch::set_num_threads(1);
         let (inventory, members) = match cluster {
             false => (embedded_inventory(job, &cpu_thread_spec())?, Vec::new()),
-            true => cluster_inventory(job, node).await?};
+            true => cluster_inventory(job, node).await?,
+        };
         let (policy, plan) = placement_policy(job, &mut model, inventory)?;
         let (hosts, shared) = shared_roles(job, node, model, codec, pad_id).await?;
         let out = job.job.output_dir.clone();
         std::fs::create_dir_all(&out).map_err(|source| JobError::Write {
             path: out.clone(),
-            source})?;
+            source,
+        })?;
         let log_path = out.join(yatt_placement::record::FILE);
         let log = std::fs::File::create(&log_path).map_err(|source| JobError::Write {
             path: log_path.clone(),
-            source})?;
+            source,
+        })?;
         let mut live = LivePlacement {
             job: job.clone(),
             node: node.clone(),
@@ -176,7 +179,8 @@ impl LivePlacement {
                 .map(|n| (n.name.clone(), n.incarnation))
                 .collect(),
             start_faults: 0,
-            rolled_back: false};
+            rolled_back: false,
+        };
         // Every policy replica starts from the first one's state (a fresh trainer):
         // across processes nothing else guarantees the same weights.
         let mut first: Option<PolicyRef> = None;
@@ -201,7 +205,8 @@ impl LivePlacement {
             let t = live.deadline();
             let update = match ask_policy(policy, PolicyRequest::ExportWeights, t).await? {
                 PolicyResponse::Weights(u) => u,
-                other => return Err(unexpected("ExportWeights", &other))};
+                other => return Err(unexpected("ExportWeights", &other)),
+            };
             reference
                 .ask(RoleRequest::LoadWeights(update), t)
                 .await
@@ -228,7 +233,8 @@ pub(crate) fn placement_policy(
         params,
         layers: cfg.num_hidden_layers as u32,
         kv_heads: cfg.num_key_value_heads as u32,
-        head_dim: cfg.head_dim as u32};
+        head_dim: cfg.head_dim as u32,
+    };
     let mut shape = JobShape::new(spec, RewardKind::Rule, job.rollout.max_new_tokens as u32);
     // Reward and reference run outside the groups.
     shape.reference = false;
@@ -239,19 +245,23 @@ pub(crate) fn placement_policy(
         gpu,
         group_devices: 1,
         staleness: 0,
-        partial_rollout: None};
+        partial_rollout: None,
+    };
     let ids: Vec<GroupId> = inventory.groups().map(|g| g.id).collect();
     let plan = Plan {
         pools: vec![
             Pool {
                 roles: rset(PRole::Rollout),
-                groups: ids[..p.rollout_groups].to_vec()},
+                groups: ids[..p.rollout_groups].to_vec(),
+            },
             Pool {
                 roles: rset(PRole::Policy),
-                groups: ids[p.rollout_groups..].to_vec()},
+                groups: ids[p.rollout_groups..].to_vec(),
+            },
         ],
         rollout_batch_cap: Some(rollout_slots(job)),
-        lanes: None};
+        lanes: None,
+    };
     let batch = heads as u32 * job.data.prompts_per_step as u32;
     let forecast = ForecastParams::lognormal(
         batch,
@@ -262,16 +272,11 @@ pub(crate) fn placement_policy(
     );
     let limits = Limits {
         structures: Some(vec![vec![rset(PRole::Rollout), rset(PRole::Policy)]]),
-        rollout_cap: plan.rollout_batch_cap};
-    let mut policy = PlacementPolicy::starting_from(
-        p.replan,
-        inventory,
-        setup,
-        forecast,
-        plan.clone(),
-        limits,
-    )
-    .map_err(|e| invalid("[placement]", "a plan that fits", "", &e.to_string()))?;
+        rollout_cap: plan.rollout_batch_cap,
+    };
+    let mut policy =
+        PlacementPolicy::starting_from(p.replan, inventory, setup, forecast, plan.clone(), limits)
+            .map_err(|e| invalid("[placement]", "a plan that fits", "", &e.to_string()))?;
     // Starting a role here takes a fraction of a second, not a GPU engine's 10 s;
     // the first migration replaces the guess with a measurement.
     policy.cost_model_mut().set_start_costs(0.2, 0.2);
@@ -310,11 +315,14 @@ pub(crate) async fn shared_roles(
                             group.clone(),
                         )
                         .await?,
-                    )}};
+                    ),
+                },
+            };
             let hosts = Hosts::Embedded {
                 codec,
                 pad_id,
-                template: Box::new(model.deep_copy(Device::Cpu, Kind::Float).map_err(me(job))?)};
+                template: Box::new(model.deep_copy(Device::Cpu, Kind::Float).map_err(me(job))?),
+            };
             (hosts, shared)
         }
         true => {
@@ -327,10 +335,12 @@ pub(crate) async fn shared_roles(
                 reward: crate::build::cluster::spawn(job, &text, node, "reward", &p.reward).await?,
                 reference: match with_reference {
                     false => None,
-                    true => {
-                        Some(crate::build::cluster::spawn(job, &text, node, "reference", &p.reference).await?)
-                    }
-                }};
+                    true => Some(
+                        crate::build::cluster::spawn(job, &text, node, "reference", &p.reference)
+                            .await?,
+                    ),
+                },
+            };
             (Hosts::Cluster { text }, shared)
         }
     };

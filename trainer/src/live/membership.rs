@@ -1,14 +1,13 @@
 //! Following cluster membership: nodes lost and joined.
 
-
-use yatt_placement::Event;
 use yatt_placement::inventory::GroupId;
 use yatt_placement::record::Record;
+use yatt_placement::Event;
 use yatt_runtime::membership::NodeInfo;
 
 use crate::error::JobError;
-use crate::live::state::LivePlacement;
 use crate::live::state::Hosts;
+use crate::live::state::LivePlacement;
 use crate::live::state::Replica;
 
 impl LivePlacement {

@@ -2,22 +2,26 @@
 
 use std::time::Instant;
 
-use yatt_placement::{Decision, Event, Plan, Reason};
 use yatt_placement::inventory::GroupId;
 use yatt_placement::profile::Role as PRole;
-use yatt_placement::record::{Record, finite};
+use yatt_placement::record::{finite, Record};
+use yatt_placement::{Decision, Event, Plan, Reason};
 
 use crate::controller::core::Controller;
 use crate::controller::refs::PolicyRef;
 use crate::error::JobError;
+use crate::live::errors::placement_err;
 use crate::live::state::LivePlacement;
 use crate::live::state::Replica;
-use crate::live::replicas::placement_err;
 
 impl LivePlacement {
     /// Carries out the policy's decisions after `step`, records each and its outcome,
     /// and reports the outcome back to the policy.
-    pub(crate) async fn apply(&mut self, decisions: Vec<Decision>, step: u64) -> Result<(), JobError> {
+    pub(crate) async fn apply(
+        &mut self,
+        decisions: Vec<Decision>,
+        step: u64,
+    ) -> Result<(), JobError> {
         for d in decisions {
             let Decision::Migrate(mig) = d;
             self.write(&Record::Decision {
@@ -29,18 +33,21 @@ impl LivePlacement {
                 moves: mig.moves.clone(),
                 predicted_before_s: finite(mig.predicted_s.0),
                 predicted_after_s: finite(mig.predicted_s.1),
-                cost_s: mig.cost_s})?;
+                cost_s: mig.cost_s,
+            })?;
             let t = Instant::now();
             let outcome = self.migrate(&mig).await;
             let secs = t.elapsed().as_secs_f64();
             let (ok, detail) = match &outcome {
                 Ok(d) => (true, d.clone()),
-                Err(e) => (false, e.to_string())};
+                Err(e) => (false, e.to_string()),
+            };
             self.write(&Record::Migrated {
                 id: mig.id,
                 ok,
                 seconds: secs,
-                detail})?;
+                detail,
+            })?;
             let event = match outcome {
                 Ok(_) => {
                     // What a start really costs here, for the next decision.
@@ -60,7 +67,8 @@ impl LivePlacement {
                     }
                     Event::MigrationFailed {
                         id: mig.id,
-                        reason: e.to_string()}
+                        reason: e.to_string(),
+                    }
                 }
             };
             self.policy.on_event(event);
@@ -77,7 +85,10 @@ impl LivePlacement {
     /// are routed by that plan again and synced, and the error is returned for
     /// [`Event::MigrationFailed`]. A rollback that itself fails is returned with both
     /// errors, and the run stops.
-    pub(crate) async fn migrate(&mut self, mig: &yatt_placement::Migration) -> Result<String, JobError> {
+    pub(crate) async fn migrate(
+        &mut self,
+        mig: &yatt_placement::Migration,
+    ) -> Result<String, JobError> {
         let old = self.plan.clone();
         let states: Vec<_> = self.controllers.iter().map(Controller::state).collect();
         self.rolled_back = false;
@@ -89,7 +100,8 @@ impl LivePlacement {
             Err(e) => {
                 let (what, fix) = match e {
                     JobError::Placement { what, fix } => (what, fix),
-                    other => (other.to_string(), "see the nodes' logs".to_string())};
+                    other => (other.to_string(), "see the nodes' logs".to_string()),
+                };
                 match self.roll_back(&old, states).await {
                     Ok(restored) => {
                         self.rolled_back = true;
@@ -119,7 +131,8 @@ impl LivePlacement {
             if replica.is_none() && !mv.from.is_empty() && !self.lost(mv.group) {
                 return Err(JobError::Placement {
                     what: format!("a move of {} which runs nothing", mv.group),
-                    fix: "report this: the policy and the executor disagree on the plan".into()});
+                    fix: "report this: the policy and the executor disagree on the plan".into(),
+                });
             }
             // A policy replica that leaves hands its state to whoever gains the group.
             let survivor = self.survivor();
@@ -129,7 +142,8 @@ impl LivePlacement {
                 if !drained.is_empty() {
                     return Err(JobError::Placement {
                         what: format!("{} work items in flight on {}", drained.len(), mv.group),
-                        fix: "migrations run at step boundaries, where nothing is in flight".into()});
+                        fix: "migrations run at step boundaries, where nothing is in flight".into(),
+                    });
                 }
             }
             // 4. Start the gaining role: a policy replica continues from a survivor's
@@ -140,17 +154,20 @@ impl LivePlacement {
             } else if mv.to.contains(PRole::Policy) {
                 let Some(src) = survivor.or(match replica {
                     Some(Replica::Policy(p)) => Some(p),
-                    _ => None}) else {
+                    _ => None,
+                }) else {
                     return Err(JobError::Placement {
                         what: "no policy replica left to copy".into(),
-                        fix: "keep at least one policy group".into()});
+                        fix: "keep at least one policy group".into(),
+                    });
                 };
                 let p = self.start_policy(mv.group, Some(&src)).await?;
                 self.replicas.insert(mv.group, Replica::Policy(p));
             }
             let to = match mv.to.is_empty() {
                 true => "(out of the plan)".to_string(),
-                false => mv.to.to_string()};
+                false => mv.to.to_string(),
+            };
             done.push(format!("{}: {} -> {to}", mv.group, mv.from));
         }
         let old = std::mem::replace(&mut self.plan, mig.target.clone());
@@ -173,7 +190,8 @@ impl LivePlacement {
     pub(crate) fn survivor(&self) -> Option<PolicyRef> {
         self.replicas.values().find_map(|r| match r {
             Replica::Policy(p) => Some(p.clone()),
-            Replica::Rollout(_) => None})
+            Replica::Rollout(_) => None,
+        })
     }
 
     /// Gives every group of `old` that is still in the inventory its role under `old`

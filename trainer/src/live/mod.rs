@@ -2,6 +2,7 @@
 //! policy of `yatt-placement`, and moves device groups between the rollout and the
 //! policy while the job runs, embedded or on a cluster.
 pub(crate) mod build;
+pub(crate) mod errors;
 pub(crate) mod membership;
 pub(crate) mod migrate;
 pub(crate) mod observe;

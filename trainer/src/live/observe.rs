@@ -2,18 +2,18 @@
 
 use std::collections::BTreeMap;
 
-use yatt_placement::{Stage, StageObs};
 use yatt_placement::inventory::GroupId;
 use yatt_placement::profile::Role as PRole;
 use yatt_placement::record::GroupUse;
+use yatt_placement::{Stage, StageObs};
 use yatt_roles::Sample;
 
 use crate::controller::report::StepReport;
 use crate::error::JobError;
-use crate::live::state::LivePlacement;
-use crate::live::state::Observed;
 use crate::live::build::rollout_slots;
 use crate::live::build::rset;
+use crate::live::state::LivePlacement;
+use crate::live::state::Observed;
 
 impl LivePlacement {
     /// What the step did, as the cost model reads it, and each group's busy seconds.

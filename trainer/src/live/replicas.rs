@@ -11,12 +11,13 @@ use yatt_runtime::directory::Change;
 use yatt_runtime::message::Message;
 
 use crate::build::parts::{policy_role_from, rollout_role, train_config};
-use crate::controller::refs::{PolicyRef, RolloutRef, spawn_role};
+use crate::controller::refs::{spawn_role, PolicyRef, RolloutRef};
 use crate::error::JobError;
-use crate::live::state::LivePlacement;
+use crate::live::errors::me;
+use crate::live::errors::{placement_err, unexpected};
 use crate::live::state::Hosts;
+use crate::live::state::LivePlacement;
 use crate::live::state::Replica;
-use crate::live::build::me;
 
 impl LivePlacement {
     /// Starts a rollout replica on group `g`; it gets the policy's weights at the next
@@ -168,18 +169,5 @@ pub(crate) async fn ask_policy(
             crate::controller::refs::variant(&other)
         ))),
         Err(e) => Err(placement_err(format!("{} did not answer: {e}", p.id()))),
-    }
-}
-
-pub(crate) fn unexpected(asked: &str, got: &PolicyResponse) -> JobError {
-    let got = format!("{got:?}");
-    let got: String = got.chars().take(120).collect();
-    placement_err(format!("the policy answered {asked} with {got}"))
-}
-
-pub(crate) fn placement_err(what: String) -> JobError {
-    JobError::Placement {
-        what,
-        fix: "see the nodes' logs; the run stops rather than train on a broken plan".into(),
     }
 }

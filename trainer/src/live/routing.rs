@@ -11,8 +11,8 @@ use crate::build::heads::controllers;
 use crate::controller::data_parallel::join_policy_ring;
 use crate::controller::refs::{PolicyRef, RoleRefs, RolloutRef};
 use crate::error::JobError;
-use crate::live::state::LivePlacement;
 use crate::live::state::Hosts;
+use crate::live::state::LivePlacement;
 use crate::live::state::Replica;
 use crate::live::state::Routes;
 

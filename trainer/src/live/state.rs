@@ -6,13 +6,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use yatt_engine::Llama;
-use yatt_placement::{PlacementPolicy, Plan};
 use yatt_placement::inventory::GroupId;
 use yatt_placement::profile::Role as PRole;
 use yatt_placement::record::GroupUse;
+use yatt_placement::{PlacementPolicy, Plan};
 use yatt_roles::{DeviceGroup, TextCodec};
-use yatt_runtime::ActorId;
 use yatt_runtime::node::Node;
+use yatt_runtime::ActorId;
 
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
@@ -20,13 +20,14 @@ use crate::controller::probe::GenProbe;
 use crate::controller::refs::{PolicyRef, RolloutRef};
 use crate::error::JobError;
 use crate::ledger::LedgerReport;
-use crate::live::replicas::placement_err;
+use crate::live::errors::placement_err;
 
 /// What runs on a group.
 #[derive(Clone)]
 pub(crate) enum Replica {
     Rollout(RolloutRef),
-    Policy(PolicyRef)}
+    Policy(PolicyRef),
+}
 
 /// Per head: the group and replica of its rollout, and of its policy.
 pub(crate) type Routes = (Vec<(GroupId, RolloutRef)>, Vec<(GroupId, PolicyRef)>);
@@ -34,12 +35,14 @@ pub(crate) type Routes = (Vec<(GroupId, RolloutRef)>, Vec<(GroupId, PolicyRef)>)
 /// The roles every head shares, outside the groups.
 pub(crate) struct Shared {
     pub(crate) reward: crate::controller::refs::SamplesRef,
-    pub(crate) reference: Option<crate::controller::refs::SamplesRef>}
+    pub(crate) reference: Option<crate::controller::refs::SamplesRef>,
+}
 
 /// Seconds one step's stages kept each group busy, and the policy's view of the step.
 pub(crate) struct Observed {
     pub(crate) metrics: yatt_placement::StepMetrics,
-    pub(crate) groups: Vec<GroupUse>}
+    pub(crate) groups: Vec<GroupUse>,
+}
 
 /// The live placement shell of one job, embedded or on a cluster.
 pub struct LivePlacement {
@@ -68,7 +71,8 @@ pub struct LivePlacement {
     pub(crate) start_faults: usize,
     /// Whether the last failed migration was rolled back (the heads run on the old
     /// plan) rather than left half-done.
-    pub(crate) rolled_back: bool}
+    pub(crate) rolled_back: bool,
+}
 
 /// Where the groups are, and so how a role starts on one.
 pub(crate) enum Hosts {
@@ -78,12 +82,15 @@ pub(crate) enum Hosts {
         pad_id: i64,
         /// A model of the right shape; rollouts start from a copy and get the policy's
         /// weights by sync.
-        template: Box<Llama>},
+        template: Box<Llama>,
+    },
     /// Devices of cluster nodes: roles start through the nodes' factories, linked to
     /// this node.
     Cluster {
         /// The job config the factories build roles from.
-        text: String}}
+        text: String,
+    },
+}
 
 impl LivePlacement {
     /// The plan the heads are routed by.
@@ -119,7 +126,8 @@ impl LivePlacement {
                 let node = self.node_of(*g).unwrap_or_default().to_string();
                 match r {
                     Replica::Rollout(r) => (*g, node, "rollout", r.id().clone()),
-                    Replica::Policy(p) => (*g, node, "policy", p.id().clone())}
+                    Replica::Policy(p) => (*g, node, "policy", p.id().clone()),
+                }
             })
             .collect()
     }
@@ -151,7 +159,8 @@ impl LivePlacement {
         self.start_faults -= 1;
         Err(JobError::Placement {
             what: format!("starting a {role} replica on {g} was refused (injected fault)"),
-            fix: "nothing to fix: LivePlacement::fail_next_starts asked for it".into()})
+            fix: "nothing to fix: LivePlacement::fail_next_starts asked for it".into(),
+        })
     }
 
     /// Deadline of every call the shell makes outside a step (`placement.spawn_timeout_s`).
@@ -171,7 +180,8 @@ impl LivePlacement {
         DeviceGroup {
             node: self.node.name().to_string(),
             devices: vec![g.0],
-            cuda: false}
+            cuda: false,
+        }
     }
 
     pub(crate) fn of_role(&self, role: PRole) -> Vec<(GroupId, Replica)> {

@@ -3,16 +3,16 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use yatt_placement::Event;
 use yatt_placement::profile::Role as PRole;
-use yatt_placement::record::{Record, finite};
+use yatt_placement::record::{finite, Record};
+use yatt_placement::Event;
 
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::step_data_parallel;
 use crate::controller::report::{StepMetrics, StepReport};
 use crate::error::JobError;
-use crate::live::state::LivePlacement;
 use crate::live::state::Hosts;
+use crate::live::state::LivePlacement;
 
 impl LivePlacement {
     /// Runs one step of every head, feeds the policy, and carries out what it decides
@@ -50,9 +50,11 @@ impl LivePlacement {
                 self.follow_membership(step).await?;
                 match step_data_parallel(&mut self.controllers).await {
                     Ok(r) => r,
-                    Err(e) => return Err(self.explain_failed_step(e.into()))}
+                    Err(e) => return Err(self.explain_failed_step(e.into())),
+                }
             }
-            Err(e) => return Err(self.explain_failed_step(e.into()))};
+            Err(e) => return Err(self.explain_failed_step(e.into())),
+        };
         let wall = t.elapsed().as_secs_f64();
         self.last_ledgers = reports.iter().map(|r| r.ledger.clone()).collect();
         let step = reports.first().map_or(0, |r| r.metrics.step);
@@ -71,7 +73,8 @@ impl LivePlacement {
             step_s: wall,
             predicted_s: finite(predicted),
             no_move_s: no_move.and_then(finite),
-            groups: obs.groups})?;
+            groups: obs.groups,
+        })?;
         self.write_policy_log(step)?;
         let mut m = average(&reports);
         m.values.insert("timing_s/step_wall".into(), wall);
@@ -157,5 +160,6 @@ pub(crate) fn average(reports: &[StepReport]) -> StepMetrics {
         values: sum
             .into_iter()
             .map(|(k, (s, n))| (k, s / n as f64))
-            .collect()}
+            .collect(),
+    }
 }

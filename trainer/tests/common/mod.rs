@@ -4,8 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use yatt_roles::LETTERS;
-use yatt_trainer::{JobConfig, JobError};
 use yatt_roles::{Sample, SampleId};
+use yatt_trainer::{JobConfig, JobError};
 
 /// `config/demo-letters.toml` with `sets`, writing to `out`.
 pub fn load_demo(out: &Path, sets: &[String]) -> Result<JobConfig, JobError> {
