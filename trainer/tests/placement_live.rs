@@ -182,7 +182,7 @@ async fn live_placement_refuses_layouts_it_cannot_route() {
         "placement.reward=\"live-1\"".to_string(),
     ];
     let job = JobConfig::load(config, &sets).unwrap();
-    let err = match yatt_trainer::build(&job, &node).await {
+    let err = match yatt_trainer::LivePlacement::build(&job, &node).await {
         Err(e) => e.to_string(),
         Ok(_) => panic!("a missing node was accepted"),
     };
