@@ -37,5 +37,5 @@ pub mod node_config;
 /// diagnostic actors (echo, bulk-sink) and the built-in RLHF roles (rollout, policy,
 /// reference, reward; see `yatt_roles::remote`).
 pub fn register_roles(builder: runtime::NodeBuilder) -> runtime::NodeBuilder {
-    roles::remote::register(runtime::builtin::register(builder))
+    roles::remote::register(runtime::register_builtins(builder))
 }

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use yatt_engine::SamplingParams;
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
 
 use crate::builtin::{
     GradShard, PolicyRequest, PolicyResponse, RewardRole, RolloutRequest, RolloutResponse,

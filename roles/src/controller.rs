@@ -23,7 +23,7 @@
 //! own samples and average them before one optimizer step. With a policy replica per
 //! head (in this process or on cluster nodes), the replicas compute their shards side
 //! by side and average them in a ring all-reduce straight between the replicas, over
-//! the runtime's messages ([`yatt_runtime::collective`]), so their weights stay
+//! the runtime's messages ([`yatt_runtime::RingMember`]), so their weights stay
 //! bit-identical.
 //!
 //! PPO adds a critic: its values are a stage after the reference, advantages come from
@@ -41,9 +41,9 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 use yatt_engine::SamplingParams;
-use yatt_runtime::actor::{ActorRef, CallError};
-use yatt_runtime::collective::RingSpec;
-use yatt_runtime::node::Node;
+use yatt_runtime::{ActorRef, CallError};
+use yatt_runtime::RingSpec;
+use yatt_runtime::Node;
 use yatt_runtime::ActorId;
 
 use crate::algo::{

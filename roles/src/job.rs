@@ -13,14 +13,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use yatt_engine::fixtures::tiny_config;
+use yatt_engine::tiny_config;
 use yatt_engine::tch::{self, Device, Kind};
 use yatt_engine::{
     Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer,
 };
 use yatt_metrics::{RunWriter, WriteError};
-use yatt_runtime::collective::{RingMember, RING_CHUNK_BYTES};
-use yatt_runtime::node::Node;
+use yatt_runtime::{RingMember, RING_CHUNK_BYTES};
+use yatt_runtime::Node;
 
 use crate::algo::advantage::{GaeConfig, GrpoConfig, ReinforcePpConfig};
 use crate::algo::loss::{LossAgg, PolicyLossConfig, ValueLossConfig};
@@ -1247,7 +1247,7 @@ pub fn base_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, i64), J
             let mut raw = config.raw.clone();
             raw["num_hidden_layers"] = serde_json::json!(job.model.tiny_layers);
             config =
-                yatt_engine::config::ModelConfig::from_json(&raw).map_err(|e| JobError::Model {
+                yatt_engine::ModelConfig::from_json(&raw).map_err(|e| JobError::Model {
                     source_desc: "tiny".into(),
                     reason: e,
                 })?;

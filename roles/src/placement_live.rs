@@ -66,12 +66,12 @@ use yatt_placement::{
     CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy,
     Plan, Pool, Reason, RewardKind, Stage, StageObs,
 };
-use yatt_runtime::actor::{ActorRef, ExitReason};
-use yatt_runtime::collective::RING_CHUNK_BYTES;
-use yatt_runtime::directory::Change;
-use yatt_runtime::membership::NodeInfo;
-use yatt_runtime::message::Message;
-use yatt_runtime::node::Node;
+use yatt_runtime::{ActorRef, ExitReason};
+use yatt_runtime::RING_CHUNK_BYTES;
+use yatt_runtime::DirectoryChange as Change;
+use yatt_runtime::NodeInfo;
+use yatt_runtime::Message;
+use yatt_runtime::Node;
 use yatt_runtime::ActorId;
 
 use crate::builtin::{PolicyRequest, PolicyResponse, TextCodec};
@@ -1471,10 +1471,10 @@ fn decode_iterations(lens: &[usize], slots: usize) -> usize {
 }
 
 async fn drain_and_stop<Req: Send + 'static, Resp: Send + 'static>(
-    r: &yatt_runtime::actor::ActorRef<RoleRequest<Req>, RoleResponse<Resp>>,
+    r: &yatt_runtime::ActorRef<RoleRequest<Req>, RoleResponse<Resp>>,
     t: Duration,
 ) -> Result<Vec<u64>, JobError> {
-    let call = |e: yatt_runtime::actor::CallError| JobError::Placement {
+    let call = |e: yatt_runtime::CallError| JobError::Placement {
         what: format!("{} did not stop: {e}", r.id()),
         fix: "see the role's log".into(),
     };

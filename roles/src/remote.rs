@@ -18,12 +18,12 @@
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use yatt_runtime::actor::{ActorRef, CallError};
-use yatt_runtime::addr::ActorName;
-use yatt_runtime::collective::RING_CHUNK_BYTES;
-use yatt_runtime::directory::Directory;
-use yatt_runtime::message::Message;
-use yatt_runtime::node::{Node, NodeBuilder, NodeError};
+use yatt_runtime::{ActorRef, CallError};
+use yatt_runtime::ActorName;
+use yatt_runtime::RING_CHUNK_BYTES;
+use yatt_runtime::Directory;
+use yatt_runtime::Message;
+use yatt_runtime::{Node, NodeBuilder, NodeError};
 
 use crate::builtin::{PolicyRequest, PolicyResponse};
 use crate::controller::{

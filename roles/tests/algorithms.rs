@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use yatt_roles::job::{train_with, JobConfig, TrainOptions};
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
 
 fn demo_config(out: &Path, sets: &[&str]) -> JobConfig {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../config/demo-letters.toml");

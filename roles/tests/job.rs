@@ -3,7 +3,7 @@
 //! with a record per step, and a saved checkpoint.
 
 use yatt_roles::job::{train, JobConfig};
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_letters_writes_one_metrics_line_per_step() {

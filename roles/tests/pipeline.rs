@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use yatt_engine::fixtures::tiny_config;
+use yatt_engine::tiny_config;
 use yatt_engine::tch::{self, Device, Kind};
 use yatt_engine::{Generator, GeneratorConfig, Llama, SamplingParams, TrainConfig, Trainer};
 use yatt_roles::builtin::{
@@ -20,7 +20,7 @@ use yatt_roles::ledger::{LedgerError, Stage};
 use yatt_roles::reward::{RewardError, RewardFn, RewardInput, RewardOutput};
 use yatt_roles::role::{DeviceGroup, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse};
 use yatt_roles::sample::Sample;
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
 
 const CODEC: AsciiCodec = AsciiCodec {
     first_id: 2,

@@ -7,7 +7,7 @@
 use yatt_placement::profile::Role;
 use yatt_placement::record::{after_move, parse, render, Record};
 use yatt_roles::job::{train, JobConfig};
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);

@@ -9,8 +9,8 @@ use std::path::Path;
 
 use common::{demo_config, letter_responses, letters_fraction, load_demo, text_sample};
 
-use yatt_engine::checkpoint::save_pretrained;
-use yatt_engine::fixtures::tiny_config;
+use yatt_engine::save_pretrained;
+use yatt_engine::tiny_config;
 use yatt_engine::score::{rewards, SeqBatch};
 use yatt_engine::tch::{self, Device, Kind, Tensor};
 use yatt_engine::{Llama, TrainConfig};
@@ -18,7 +18,7 @@ use yatt_roles::builtin::{train_reward_model, RmExample, RmTrainConfig, TextCode
 use yatt_roles::job::{build_embedded, reward_role, TINY_CODEC};
 use yatt_roles::role::Role;
 use yatt_roles::sample::Sample;
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
 
 /// A tiny model with a random (non-zero) reward head, saved as an HF directory.
 fn random_reward_model(dir: &Path) {

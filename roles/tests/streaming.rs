@@ -13,7 +13,7 @@ use yatt_roles::data::Prompt;
 use yatt_roles::job::{base_model, rollout_role, train, JobConfig};
 use yatt_roles::role::Role;
 use yatt_roles::sample::Sample;
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
 
 fn demo_config(out: &Path, sets: &[&str]) -> JobConfig {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../config/demo-letters.toml");

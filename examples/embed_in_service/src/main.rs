@@ -17,7 +17,7 @@ use axum::routing::get;
 use axum::{Json, Router};
 use clap::Parser;
 use serde::{Deserialize, Serialize};
-use yatt_runtime::actor::{Actor, ActorError, ActorRef, Context};
+use yatt_runtime::{Actor, ActorError, ActorRef, Context};
 use yatt_runtime::Node;
 
 /// The actor the service calls: it shouts.

@@ -43,7 +43,7 @@ pub use rollout::{
 };
 
 use tch::{Device, Kind, Tensor};
-use yatt_engine::model::{positions_from_mask, Attn};
+use yatt_engine::{positions_from_mask, Attn};
 use yatt_engine::score::SeqBatch;
 use yatt_engine::Llama;
 
@@ -283,7 +283,7 @@ pub(crate) fn model_bytes(model: &Llama) -> u64 {
 mod tests {
     use super::*;
     use crate::sample::tests::sample;
-    use yatt_engine::fixtures::tiny_config;
+    use yatt_engine::tiny_config;
     use yatt_engine::score::token_logprobs;
 
     /// Scoring only the response positions gives what scoring every position of the

@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use bytes::Bytes;
-use yatt::runtime::builtin::BulkReceipt;
-use yatt::runtime::codec::{Bulk, DType};
-use yatt::runtime::message::WithBulk;
+use yatt::runtime::BulkReceipt;
+use yatt::runtime::{Bulk, DType};
+use yatt::runtime::WithBulk;
 use yatt::runtime::Node;
 
 #[derive(clap::Args)]

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use yatt::roles::job::{train_with, JobConfig, Progress, TrainOptions, JOB_FILE};
-use yatt::runtime::tls::NodeIdentity;
+use yatt::runtime::NodeIdentity;
 use yatt::runtime::Node;
 
 #[derive(clap::Args)]
