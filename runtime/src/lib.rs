@@ -49,9 +49,9 @@ pub use addr::{next_incarnation, validate_segment, ActorId, ActorName, AddrError
 pub use builtin::{register as register_builtins, BulkReceipt, BulkSink, Echo};
 pub use codec::{
     decode_bulk_header, encode_frame, read_bulk, read_frame, write_bulk, write_frame,
-    write_frame_bytes, Bulk, BulkHeader, BulkLimits, CodecError, DType, FrameDecoder,
-    FrameLimits, TensorMeta, BULK_ALIGN, DEFAULT_MAX_BULK, DEFAULT_MAX_FRAME,
-    DEFAULT_MAX_TENSORS, FRAME_HEADER_LEN,
+    write_frame_bytes, Bulk, BulkHeader, BulkLimits, CodecError, DType, FrameDecoder, FrameLimits,
+    TensorMeta, BULK_ALIGN, DEFAULT_MAX_BULK, DEFAULT_MAX_FRAME, DEFAULT_MAX_TENSORS,
+    FRAME_HEADER_LEN,
 };
 pub use collective::{ring_segments, CollectiveError, RingMember, RingSpec, RING_CHUNK_BYTES};
 // The directory's and supervisor's own short names (`Change`, `Update`, `Event`,
@@ -78,5 +78,5 @@ pub use transport::{TransportConfig, TransportError, TransportStats};
 /// nothing outside a test reaches for them; this module only re-exports.
 #[doc(hidden)]
 pub mod testing {
-    pub use crate::transport::testing::{TAG_ASK, TAG_ASKS, TAG_TELLS};
+    pub use crate::transport::{TAG_ASK, TAG_ASKS, TAG_TELLS};
 }

@@ -2,10 +2,10 @@
 //! step, and the LM head.
 
 use super::attention::{attend, Attn};
-use super::kv_cache::{KvCache, ValueSlots, KV_BLOCK};
+use super::kv_cache::{KvCache, ValueSlots};
 use super::llama::Llama;
 use super::rope::positions_from_mask;
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 impl Llama {
     /// `x @ w (+ bias)`, through the packed copy when there is one.

@@ -262,7 +262,6 @@ impl Llama {
         adopted
     }
 
-
     /// Moves every parameter to `device` (e.g. CPU for offload, back to CUDA for reload);
     /// the old storage is released once nothing else references it.
     pub fn to_device(&mut self, device: Device) {

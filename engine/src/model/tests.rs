@@ -146,8 +146,8 @@ fn fused_decode_matches_tch_ops() {
             let shared = [(0, 0), (1, 0), (2, 0), (2, 17)];
             let mut p = lens.clone();
             for step in 0..4 {
-                let tok = Tensor::from_slice(&[20 + step, 30 + step, 40 + step, 50 + step])
-                    .view([4, 1]);
+                let tok =
+                    Tensor::from_slice(&[20 + step, 30 + step, 40 + step, 50 + step]).view([4, 1]);
                 let pt = Tensor::from_slice(&p).view([4, 1]);
                 let span = p.iter().max().unwrap() + 1;
                 let ha = fused.hidden(

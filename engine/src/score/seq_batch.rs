@@ -1,7 +1,7 @@
 //! The batch every scoring function takes: right-padded prompt+response sequences.
 
 use crate::error::{EngineError, Result};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
 /// A right-padded batch of prompt+response sequences.
 #[derive(Debug)]

@@ -1,34 +1,25 @@
 //! Building and starting a node: identity, listen address, seed, remote factories.
 
-use std::any::Any;
 use std::collections::HashMap;
 use std::future::Future;
-use std::marker::PhantomData;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::actor::{
-    spawn_with_id, Actor, ActorError, ActorRef, BoxFuture, CallError, ExitReason, RemoteRoute,
-    TellError,
-};
-use crate::addr::{next_incarnation, validate_segment, ActorId, ActorName, AddrError};
-use crate::directory::{Change, Directory, DirectoryError, DirectoryHandle, Liveness, Update};
-use crate::membership::{local_inventory, FailureDetector, NodeInfo};
-use crate::message::{Message, Wire};
-use crate::supervisor::{supervise, Lifecycle, RestartPolicy, Supervised};
-use crate::tls::{ClusterCa, NodeIdentity, TlsError};
-use crate::transport::{Dispatch, PeerBook, Target, Transport, TransportConfig, TransportError};
 use super::config::{NodeConfig, NodeError};
-use super::dispatch::{NodeBook, NodeDispatch, NodeHooks, RemoteActor};
-use super::protocol::{SysRequest, SysResponse};
-use super::state::{FactoryFn, Hosted, Inbox, Node, NodeInner, TypedInbox, WeakNode};
+use super::dispatch::{NodeBook, NodeDispatch};
+use super::state::{FactoryFn, Node, NodeInner};
+use crate::actor::Actor;
+use crate::addr::{next_incarnation, ActorName};
+use crate::directory::{Change, DirectoryHandle};
+use crate::membership::{local_inventory, FailureDetector, NodeInfo};
+use crate::message::Message;
+use crate::tls::{ClusterCa, NodeIdentity, TlsError};
+use crate::transport::Transport;
 
 /// Builds and starts a [`Node`].
 pub struct NodeBuilder {

@@ -1,34 +1,13 @@
 //! A node's settings and errors.
 
-use std::any::Any;
-use std::collections::HashMap;
-use std::future::Future;
-use std::marker::PhantomData;
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
-use tokio::sync::watch;
-
-use crate::actor::{
-    spawn_with_id, Actor, ActorError, ActorRef, BoxFuture, CallError, ExitReason, RemoteRoute,
-    TellError,
-};
-use crate::addr::{next_incarnation, validate_segment, ActorId, ActorName, AddrError};
-use crate::directory::{Change, Directory, DirectoryError, DirectoryHandle, Liveness, Update};
-use crate::membership::{local_inventory, FailureDetector, NodeInfo};
-use crate::message::{Message, Wire};
-use crate::supervisor::{supervise, Lifecycle, RestartPolicy, Supervised};
-use crate::tls::{ClusterCa, NodeIdentity, TlsError};
-use crate::transport::{Dispatch, PeerBook, Target, Transport, TransportConfig, TransportError};
-use super::builder::NodeBuilder;
-use super::dispatch::{NodeBook, NodeDispatch, NodeHooks, RemoteActor};
-use super::protocol::{SysRequest, SysResponse};
-use super::state::{FactoryFn, Hosted, Inbox, Node, NodeInner, TypedInbox, WeakNode};
+use crate::actor::CallError;
+use crate::addr::{ActorId, ActorName, AddrError};
+use crate::directory::DirectoryError;
+use crate::tls::TlsError;
+use crate::transport::{TransportConfig, TransportError};
 
 /// Settings of a node.
 #[derive(Debug, Clone)]

@@ -1,35 +1,18 @@
 //! The glue between the transport and the node: routing peers' calls to hosted
 //! actors, resolving peers' addresses, remote actor references, supervision hooks.
 
-use std::any::Any;
-use std::collections::HashMap;
-use std::future::Future;
 use std::marker::PhantomData;
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
-use tokio::sync::watch;
-
-use crate::actor::{
-    spawn_with_id, Actor, ActorError, ActorRef, BoxFuture, CallError, ExitReason, RemoteRoute,
-    TellError,
-};
-use crate::addr::{next_incarnation, validate_segment, ActorId, ActorName, AddrError};
-use crate::directory::{Change, Directory, DirectoryError, DirectoryHandle, Liveness, Update};
-use crate::membership::{local_inventory, FailureDetector, NodeInfo};
+use super::state::{Node, NodeInner};
+use crate::actor::{ActorRef, BoxFuture, CallError, ExitReason, RemoteRoute, TellError};
+use crate::addr::ActorId;
+use crate::directory::Liveness;
 use crate::message::{Message, Wire};
-use crate::supervisor::{supervise, Lifecycle, RestartPolicy, Supervised};
-use crate::tls::{ClusterCa, NodeIdentity, TlsError};
-use crate::transport::{Dispatch, PeerBook, Target, Transport, TransportConfig, TransportError};
-use super::builder::NodeBuilder;
-use super::config::{NodeConfig, NodeError};
-use super::protocol::{SysRequest, SysResponse};
-use super::state::{FactoryFn, Hosted, Inbox, Node, NodeInner, TypedInbox, WeakNode};
+use crate::supervisor::Lifecycle;
+use crate::transport::{Dispatch, PeerBook, Target};
 
 pub(super) struct NodeDispatch(pub(super) std::sync::Weak<NodeInner>);
 pub(super) struct NodeBook(pub(super) std::sync::Weak<NodeInner>);

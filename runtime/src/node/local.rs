@@ -1,36 +1,22 @@
 //! The node's own actors: accessors, local spawn and supervision, registration in the
 //! directory.
 
-use std::any::Any;
 use std::collections::HashMap;
-use std::future::Future;
-use std::marker::PhantomData;
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
-use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
-use tokio::sync::watch;
-
-use crate::actor::{
-    spawn_with_id, Actor, ActorError, ActorRef, BoxFuture, CallError, ExitReason, RemoteRoute,
-    TellError,
-};
-use crate::addr::{next_incarnation, validate_segment, ActorId, ActorName, AddrError};
-use crate::directory::{Change, Directory, DirectoryError, DirectoryHandle, Liveness, Update};
-use crate::membership::{local_inventory, FailureDetector, NodeInfo};
-use crate::message::{Message, Wire};
-use crate::supervisor::{supervise, Lifecycle, RestartPolicy, Supervised};
-use crate::tls::{ClusterCa, NodeIdentity, TlsError};
-use crate::transport::{Dispatch, PeerBook, Target, Transport, TransportConfig, TransportError};
 use super::builder::NodeBuilder;
 use super::config::{NodeConfig, NodeError};
-use super::dispatch::{NodeBook, NodeDispatch, NodeHooks, RemoteActor};
+use super::dispatch::NodeHooks;
 use super::protocol::{SysRequest, SysResponse};
-use super::state::{FactoryFn, Hosted, Inbox, Node, NodeInner, TypedInbox, WeakNode};
+use super::state::{Hosted, Node, TypedInbox, WeakNode};
+use crate::actor::{spawn_with_id, Actor, ActorRef, ExitReason};
+use crate::addr::{next_incarnation, ActorId, ActorName};
+use crate::directory::{Change, DirectoryHandle};
+use crate::membership::NodeInfo;
+use crate::message::Message;
+use crate::supervisor::{supervise, RestartPolicy, Supervised};
 
 impl Node {
     /// Starts building a node called `name` (also its certificate's name).

@@ -1,35 +1,20 @@
 //! Actors elsewhere: typed references, monitoring, resolution by name, remote spawn.
 
-use std::any::Any;
-use std::collections::HashMap;
-use std::future::Future;
 use std::marker::PhantomData;
-use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
-use tokio::sync::watch;
+use serde::Serialize;
 
-use crate::actor::{
-    spawn_with_id, Actor, ActorError, ActorRef, BoxFuture, CallError, ExitReason, RemoteRoute,
-    TellError,
-};
-use crate::addr::{next_incarnation, validate_segment, ActorId, ActorName, AddrError};
-use crate::directory::{Change, Directory, DirectoryError, DirectoryHandle, Liveness, Update};
-use crate::membership::{local_inventory, FailureDetector, NodeInfo};
-use crate::message::{Message, Wire};
-use crate::supervisor::{supervise, Lifecycle, RestartPolicy, Supervised};
-use crate::tls::{ClusterCa, NodeIdentity, TlsError};
-use crate::transport::{Dispatch, PeerBook, Target, Transport, TransportConfig, TransportError};
-use super::builder::NodeBuilder;
-use super::config::{NodeConfig, NodeError};
-use super::dispatch::{NodeBook, NodeDispatch, NodeHooks, RemoteActor};
+use super::config::NodeError;
+use super::dispatch::RemoteActor;
 use super::protocol::{SysRequest, SysResponse};
-use super::state::{FactoryFn, Hosted, Inbox, Node, NodeInner, TypedInbox, WeakNode};
+use super::state::{Inbox, Node};
+use crate::actor::{ActorError, ActorRef, CallError, ExitReason};
+use crate::addr::{validate_segment, ActorId, ActorName};
+use crate::directory::{Directory, Liveness};
+use crate::message::Message;
+use crate::transport::Target;
 
 impl Node {
     /// A typed reference to an actor by identity: in-process when it lives here, over

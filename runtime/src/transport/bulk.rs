@@ -1,32 +1,15 @@
 //! Bulk payloads on a stream: reading them, mapping shared-memory segments, choosing
 //! between inline bytes and a segment.
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, oneshot};
 
-use crate::actor::{BoxFuture, CallError};
-use crate::addr::ActorId;
-use crate::codec::{self, Bulk, BulkHeader, BulkLimits, CodecError, FrameLimits};
+use super::endpoint::Transport;
+use super::peer::Peer;
+use super::protocol::{decode, BulkRef};
+use crate::codec::{self, Bulk, BulkHeader, CodecError};
 use crate::message::Wire;
-use crate::shm::{MappingCache, SegmentPool};
-use crate::tls::{self, NodeIdentity};
-use super::config::{TransportConfig, TransportError, TransportStats};
-use super::protocol::{
-    decode, encode_tagged, read_exact_err, AskFrame, BulkRef, Control, ReplyFrame, ReplyHead,
-    RequestHead, ASK, ASKS, BULK_PRIORITY, BULK_REPLY, BULK_TELL, CONTROL_PRIORITY, REPLIES,
-    SYSTEM, TELLS, WRITE_BATCH,
-};
-use super::routing::{Dispatch, PeerBook, Target};
-use super::peer::{write_loop, PendingGuard, PendingReply, Peer, StreamWriter, TellProgress};
-use super::endpoint::{bind_socket, Transport};
 
 impl Transport {
     pub(super) async fn read_head<T: serde::de::DeserializeOwned>(
@@ -89,7 +72,11 @@ impl Transport {
 
     /// Decides how a bulk payload travels to `peer`: through a shared-memory segment
     /// when the peer is on this host, otherwise inline after the head.
-    pub(super) async fn place_bulk(&self, peer: &str, bulk: Option<Bulk>) -> (BulkRef, Option<Bulk>) {
+    pub(super) async fn place_bulk(
+        &self,
+        peer: &str,
+        bulk: Option<Bulk>,
+    ) -> (BulkRef, Option<Bulk>) {
         let Some(bulk) = bulk else {
             return (BulkRef::None, None);
         };
@@ -129,5 +116,4 @@ impl Transport {
         }
         (BulkRef::Inline, Some(bulk))
     }
-
 }

@@ -2,29 +2,21 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
-use crate::actor::{BoxFuture, CallError};
-use crate::addr::ActorId;
-use crate::codec::{self, Bulk, BulkHeader, BulkLimits, CodecError, FrameLimits};
+use super::config::{TransportConfig, TransportError, TransportStats};
+use super::peer::{Peer, StreamWriter, TellProgress};
+use super::protocol::{Control, ASKS, CONTROL_PRIORITY, REPLIES};
+use super::routing::{Dispatch, PeerBook, Target};
+use crate::actor::CallError;
 use crate::message::Wire;
 use crate::shm::{MappingCache, SegmentPool};
 use crate::tls::{self, NodeIdentity};
-use super::config::{TransportConfig, TransportError, TransportStats};
-use super::protocol::{
-    decode, encode_tagged, read_exact_err, AskFrame, BulkRef, Control, ReplyFrame, ReplyHead,
-    RequestHead, ASK, ASKS, BULK_PRIORITY, BULK_REPLY, BULK_TELL, CONTROL_PRIORITY, REPLIES,
-    SYSTEM, TELLS, WRITE_BATCH,
-};
-use super::routing::{Dispatch, PeerBook, Target};
-use super::peer::{write_loop, PendingGuard, PendingReply, Peer, StreamWriter, TellProgress};
 
 /// One process's QUIC endpoint and its connections.
 pub struct Transport {
@@ -41,7 +33,10 @@ pub struct Transport {
     pub stats: TransportStats,
 }
 
-pub(super) fn bind_socket(listen: SocketAddr, buffer: usize) -> std::io::Result<std::net::UdpSocket> {
+pub(super) fn bind_socket(
+    listen: SocketAddr,
+    buffer: usize,
+) -> std::io::Result<std::net::UdpSocket> {
     use socket2::{Domain, Protocol, Socket, Type};
     let socket = Socket::new(
         Domain::for_address(listen),
@@ -196,7 +191,11 @@ impl Transport {
     }
 
     /// Tells the peer which of its segments this side is done with, in batches.
-    pub(super) async fn send_releases(self: Arc<Self>, peer: Arc<Peer>, mut rx: mpsc::UnboundedReceiver<u64>) {
+    pub(super) async fn send_releases(
+        self: Arc<Self>,
+        peer: Arc<Peer>,
+        mut rx: mpsc::UnboundedReceiver<u64>,
+    ) {
         while let Some(id) = rx.recv().await {
             let mut ids = vec![id];
             while let Ok(id) = rx.try_recv() {
@@ -218,7 +217,6 @@ impl Transport {
             }
         }
     }
-
 
     pub(super) async fn peer(self: &Arc<Self>, node: &str) -> Result<Arc<Peer>, CallError> {
         if let Some(p) = self.lock_peers().get(node) {
@@ -286,7 +284,6 @@ impl Transport {
         Ok(name)
     }
 
-
     /// Checks that `node` can be reached (connecting if needed) before a message is
     /// committed to the wire, so a failed tell can give the message back.
     pub(crate) async fn reachable(self: &Arc<Self>, node: &str) -> Result<(), CallError> {
@@ -298,5 +295,4 @@ impl Transport {
             })?
             .map(|_| ())
     }
-
 }

@@ -1,31 +1,21 @@
 //! Serving a peer's streams: requests, tells, control messages, and our replies.
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, oneshot};
 
-use crate::actor::{BoxFuture, CallError};
-use crate::addr::ActorId;
-use crate::codec::{self, Bulk, BulkHeader, BulkLimits, CodecError, FrameLimits};
-use crate::message::Wire;
-use crate::shm::{MappingCache, SegmentPool};
-use crate::tls::{self, NodeIdentity};
-use super::config::{TransportConfig, TransportError, TransportStats};
+use super::endpoint::Transport;
+use super::peer::Peer;
 use super::protocol::{
     decode, encode_tagged, read_exact_err, AskFrame, BulkRef, Control, ReplyFrame, ReplyHead,
-    RequestHead, ASK, ASKS, BULK_PRIORITY, BULK_REPLY, BULK_TELL, CONTROL_PRIORITY, REPLIES,
-    SYSTEM, TELLS, WRITE_BATCH,
+    RequestHead, ASK, ASKS, BULK_PRIORITY, BULK_REPLY, BULK_TELL, REPLIES, SYSTEM, TELLS,
 };
-use super::routing::{Dispatch, PeerBook, Target};
-use super::peer::{write_loop, PendingGuard, PendingReply, Peer, StreamWriter, TellProgress};
-use super::endpoint::{bind_socket, Transport};
+use super::routing::{Dispatch, Target};
+use crate::actor::CallError;
+use crate::codec::{self, Bulk, CodecError};
+use crate::message::Wire;
 
 impl Transport {
     pub(super) async fn serve_connection(self: Arc<Self>, peer: Arc<Peer>) {
@@ -365,5 +355,4 @@ impl Transport {
             },
         }
     }
-
 }

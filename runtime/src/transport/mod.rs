@@ -36,5 +36,6 @@ mod routing;
 
 pub use config::{TransportConfig, TransportError, TransportStats};
 pub use endpoint::Transport;
-pub(crate) use protocol::testing;
+// Raw stream tags for the crate's `testing` namespace.
+pub use protocol::{ASK as TAG_ASK, ASKS as TAG_ASKS, TELLS as TAG_TELLS};
 pub(crate) use routing::{Dispatch, PeerBook, Target};

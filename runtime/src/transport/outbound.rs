@@ -1,31 +1,21 @@
 //! Calling a peer: asks on the shared or an own stream, ordered tells.
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
-use crate::actor::{BoxFuture, CallError};
-use crate::addr::ActorId;
-use crate::codec::{self, Bulk, BulkHeader, BulkLimits, CodecError, FrameLimits};
-use crate::message::Wire;
-use crate::shm::{MappingCache, SegmentPool};
-use crate::tls::{self, NodeIdentity};
-use super::config::{TransportConfig, TransportError, TransportStats};
+use super::endpoint::Transport;
+use super::peer::{Peer, PendingGuard};
 use super::protocol::{
-    decode, encode_tagged, read_exact_err, AskFrame, BulkRef, Control, ReplyFrame, ReplyHead,
-    RequestHead, ASK, ASKS, BULK_PRIORITY, BULK_REPLY, BULK_TELL, CONTROL_PRIORITY, REPLIES,
-    SYSTEM, TELLS, WRITE_BATCH,
+    encode_tagged, AskFrame, BulkRef, ReplyHead, RequestHead, ASK, BULK_PRIORITY, BULK_TELL,
+    CONTROL_PRIORITY, SYSTEM, TELLS,
 };
-use super::routing::{Dispatch, PeerBook, Target};
-use super::peer::{write_loop, PendingGuard, PendingReply, Peer, StreamWriter, TellProgress};
-use super::endpoint::{bind_socket, Transport};
+use super::routing::Target;
+use crate::actor::CallError;
+use crate::codec::Bulk;
+use crate::message::Wire;
 
 impl Transport {
     /// Sends a request and waits for the reply, all within `timeout`.
@@ -72,7 +62,11 @@ impl Transport {
     }
 
     /// An ask on the long-lived request stream; the reply comes back by id.
-    pub(super) async fn ask_shared(&self, peer: &Peer, head: RequestHead) -> Result<Wire, CallError> {
+    pub(super) async fn ask_shared(
+        &self,
+        peer: &Peer,
+        head: RequestHead,
+    ) -> Result<Wire, CallError> {
         let id = peer.next_ask.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         peer.lock_pending().insert(id, tx);
@@ -116,7 +110,6 @@ impl Transport {
             .map_err(|e| lost(e.to_string()))?;
         self.reply_wire(peer, reply, Some(&mut recv)).await
     }
-
 
     /// Sends a fire-and-forget message. Messages without bulk keep their order per peer
     /// (one long-lived stream); `system` ones use a stream of their own that actor

@@ -2,30 +2,17 @@
 //! progress of ordered tells.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::actor::{BoxFuture, CallError};
-use crate::addr::ActorId;
-use crate::codec::{self, Bulk, BulkHeader, BulkLimits, CodecError, FrameLimits};
+use super::protocol::WRITE_BATCH;
+use crate::actor::CallError;
 use crate::message::Wire;
-use crate::shm::{MappingCache, SegmentPool};
-use crate::tls::{self, NodeIdentity};
-use super::config::{TransportConfig, TransportError, TransportStats};
-use super::protocol::{
-    decode, encode_tagged, read_exact_err, AskFrame, BulkRef, Control, ReplyFrame, ReplyHead,
-    RequestHead, ASK, ASKS, BULK_PRIORITY, BULK_REPLY, BULK_TELL, CONTROL_PRIORITY, REPLIES,
-    SYSTEM, TELLS, WRITE_BATCH,
-};
-use super::routing::{Dispatch, PeerBook, Target};
-use super::endpoint::{bind_socket, Transport};
+use crate::shm::MappingCache;
 
 /// A long-lived outgoing stream fed through a channel by a writer task, which gathers
 /// queued frames into one write.

@@ -1,33 +1,23 @@
 //! What goes on a stream: the tags that open one, the heads of requests and replies,
 //! and how bulk payloads are referenced.
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
-
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use tokio::sync::{mpsc, oneshot};
 
-use crate::actor::{BoxFuture, CallError};
-use crate::addr::ActorId;
-use crate::codec::{self, Bulk, BulkHeader, BulkLimits, CodecError, FrameLimits};
-use crate::message::Wire;
-use crate::shm::{MappingCache, SegmentPool};
-use crate::tls::{self, NodeIdentity};
-use super::config::{TransportConfig, TransportError, TransportStats};
-use super::routing::{Dispatch, PeerBook, Target};
-use super::peer::{write_loop, PendingGuard, PendingReply, Peer, StreamWriter, TellProgress};
-use super::endpoint::{bind_socket, Transport};
+use super::routing::Target;
+use crate::actor::CallError;
+use crate::codec::{self, BulkHeader, CodecError, FrameLimits};
 
-pub(super) const ASK: u8 = 1;
-pub(super) const TELLS: u8 = 2;
+// The tags (the table in the transport's docs). `pub` only for the crate's `testing`
+// namespace, where tests open a stream of a given kind by hand.
+/// Tag of a bidirectional request stream with an inline bulk payload.
+pub const ASK: u8 = 1;
+/// Tag of the ordered tell stream.
+pub const TELLS: u8 = 2;
 pub(super) const SYSTEM: u8 = 3;
 pub(super) const BULK_TELL: u8 = 4;
-pub(super) const ASKS: u8 = 5;
+/// Tag of the shared request stream.
+pub const ASKS: u8 = 5;
 pub(super) const REPLIES: u8 = 6;
 pub(super) const BULK_REPLY: u8 = 7;
 
@@ -124,15 +114,4 @@ pub(super) fn read_exact_err(e: quinn::ReadExactError) -> CodecError {
         },
         quinn::ReadExactError::ReadError(e) => CodecError::ConnectionLost(e.to_string()),
     }
-}
-
-/// Raw access for tests that play a misbehaving peer.
-#[doc(hidden)]
-pub mod testing {
-    /// The stream tags, so a test can open a stream of a given kind by hand.
-    pub const TAG_ASK: u8 = super::ASK;
-    /// Tag of the ordered tell stream.
-    pub const TAG_TELLS: u8 = super::TELLS;
-    /// Tag of the shared request stream.
-    pub const TAG_ASKS: u8 = super::ASKS;
 }
