@@ -26,9 +26,10 @@
 //!   exports a model alone.
 //! - Weight sync: [`to_buckets`] / [`WeightBucket`] (plain header + raw bytes).
 //!
-//! Every module is private and the API is re-exported here, except three namespaces
-//! whose names only read well qualified: [`gguf`], [`score`], and the feature-gated
-//! `fixtures` (feature `test-fixtures`) and `bench` (feature `bench`), which keep test
+//! Every module is private and the API is re-exported here. Four namespaces stay, each a
+//! file that only re-exports: [`gguf`] and [`score`], whose names read well only
+//! qualified, and, behind features, `fixtures` (`test-fixtures`: the real test model and
+//! the HF reference) and `bench` (`bench`: `yatt bench engine`), which keep test
 //! scaffolding and benchmarks off the production path.
 
 mod checkpoint;
@@ -59,7 +60,10 @@ pub use generate::{
     BatchingMode, Completion, FinishReason, GenerateStats, Generator, GeneratorConfig, Request,
     SamplingParams,
 };
-pub use model::{positions_from_mask, read_safetensors_dir, Attn, KvCache, Llama, ScalarHead};
+pub use model::{
+    positions_from_mask, read_safetensors_dir, Attn, DecoderLayer, KvCache, Llama, ScalarHead,
+    KV_BLOCK,
+};
 pub use score::{SeqBatch, TokenScores};
 pub use tch;
 pub use tokenizer::{render_chat_template, ChatMessage, Tokenizer};

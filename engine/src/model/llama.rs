@@ -9,7 +9,7 @@ use tch::{Device, Kind, Tensor};
 
 /// One decoder layer's parameters.
 #[derive(Debug)]
-pub struct Layer {
+pub struct DecoderLayer {
     /// RMSNorm before attention.
     pub ln1: Tensor,
     /// Fused q/k/v projection, stored input-major `[hidden, (H + 2·KV)·hd]` (the transpose
@@ -35,7 +35,7 @@ pub struct Llama {
     /// Token embedding, stored transposed `[hidden, vocab]` (input-major for the tied LM head).
     pub embed: Tensor,
     /// The decoder layers.
-    pub layers: Vec<Layer>,
+    pub layers: Vec<DecoderLayer>,
     /// The final RMSNorm.
     pub norm: Tensor,
     /// The untied LM head, input-major `[hidden, vocab]`, or `None` when tied to `embed`.

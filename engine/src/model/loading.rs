@@ -2,7 +2,7 @@
 //! copy of another.
 
 use super::heads::ScalarHead;
-use super::llama::{Layer, Llama};
+use super::llama::{DecoderLayer, Llama};
 use super::rope::rope_tables;
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
@@ -155,7 +155,7 @@ impl Llama {
             let f = c.intermediate_size;
             let gate = g(&mut t, "mlp.gate_proj.weight", &[f, h])?;
             let up = g(&mut t, "mlp.up_proj.weight", &[f, h])?;
-            layers.push(Layer {
+            layers.push(DecoderLayer {
                 ln1: conv(g(&mut t, "input_layernorm.weight", &[h])?),
                 wqkv: conv_t(Tensor::cat(
                     &[

@@ -20,6 +20,6 @@ mod tests;
 pub use attention::Attn;
 pub use heads::ScalarHead;
 pub use kv_cache::{KvCache, KV_BLOCK};
-pub use llama::Llama;
+pub use llama::{DecoderLayer, Llama};
 pub use loading::read_safetensors_dir;
 pub use rope::positions_from_mask;
