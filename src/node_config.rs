@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
-use yatt_runtime::{BulkLimits, FrameLimits};
-use yatt_runtime::TransportConfig;
 use yatt_runtime::NodeConfig;
+use yatt_runtime::TransportConfig;
+use yatt_runtime::{BulkLimits, FrameLimits};
 
 /// Prefix of environment overrides: `YATT_NODE__NODE__LISTEN=127.0.0.1:7400`.
 pub const ENV_PREFIX: &str = "YATT_NODE";

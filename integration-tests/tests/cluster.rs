@@ -6,11 +6,11 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use yatt_integration_tests::{poll, Cluster};
 use yatt_runtime::BulkReceipt;
-use yatt_runtime::{Bulk, DType};
-use yatt_runtime::Liveness;
-use yatt_runtime::WithBulk;
 use yatt_runtime::ClusterCa;
+use yatt_runtime::Liveness;
 use yatt_runtime::TransportConfig;
+use yatt_runtime::WithBulk;
+use yatt_runtime::{Bulk, DType};
 use yatt_runtime::{CallError, Node, NodeConfig};
 
 const T: Duration = Duration::from_secs(20);
@@ -154,11 +154,7 @@ async fn kill_9_is_detected_within_the_bound() {
 async fn handshake_fails(addr: std::net::SocketAddr, config: quinn::ClientConfig) -> bool {
     let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
     ep.set_default_client_config(config);
-    let conn = match ep
-        .connect(addr, yatt_runtime::SERVER_NAME)
-        .unwrap()
-        .await
-    {
+    let conn = match ep.connect(addr, yatt_runtime::SERVER_NAME).unwrap().await {
         Err(_) => return true,
         Ok(conn) => conn,
     };

@@ -41,10 +41,10 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 use yatt_engine::SamplingParams;
-use yatt_runtime::{ActorRef, CallError};
-use yatt_runtime::RingSpec;
-use yatt_runtime::Node;
 use yatt_runtime::ActorId;
+use yatt_runtime::Node;
+use yatt_runtime::RingSpec;
+use yatt_runtime::{ActorRef, CallError};
 
 use crate::algo::{
     dynamic_sampling_filter, gae_advantage, grpo_advantage, kl_estimate, masked_mean,

@@ -13,14 +13,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use yatt_engine::tiny_config;
 use yatt_engine::tch::{self, Device, Kind};
+use yatt_engine::tiny_config;
 use yatt_engine::{
     Generator, GeneratorConfig, Llama, LrSchedule, SamplingParams, Tokenizer, TrainConfig, Trainer,
 };
 use yatt_metrics::{RunWriter, WriteError};
-use yatt_runtime::{RingMember, RING_CHUNK_BYTES};
 use yatt_runtime::Node;
+use yatt_runtime::{RingMember, RING_CHUNK_BYTES};
 
 use crate::algo::advantage::{GaeConfig, GrpoConfig, ReinforcePpConfig};
 use crate::algo::loss::{LossAgg, PolicyLossConfig, ValueLossConfig};
@@ -1246,11 +1246,10 @@ pub fn base_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, i64), J
             // the same depth and loads back as this model.
             let mut raw = config.raw.clone();
             raw["num_hidden_layers"] = serde_json::json!(job.model.tiny_layers);
-            config =
-                yatt_engine::ModelConfig::from_json(&raw).map_err(|e| JobError::Model {
-                    source_desc: "tiny".into(),
-                    reason: e,
-                })?;
+            config = yatt_engine::ModelConfig::from_json(&raw).map_err(|e| JobError::Model {
+                source_desc: "tiny".into(),
+                reason: e,
+            })?;
         }
         let m = Llama::random(config, Device::Cpu, Kind::Float, seed as i64).map_err(|e| {
             JobError::Model {

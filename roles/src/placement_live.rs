@@ -66,13 +66,13 @@ use yatt_placement::{
     CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy,
     Plan, Pool, Reason, RewardKind, Stage, StageObs,
 };
-use yatt_runtime::{ActorRef, ExitReason};
-use yatt_runtime::RING_CHUNK_BYTES;
+use yatt_runtime::ActorId;
 use yatt_runtime::DirectoryChange as Change;
-use yatt_runtime::NodeInfo;
 use yatt_runtime::Message;
 use yatt_runtime::Node;
-use yatt_runtime::ActorId;
+use yatt_runtime::NodeInfo;
+use yatt_runtime::RING_CHUNK_BYTES;
+use yatt_runtime::{ActorRef, ExitReason};
 
 use crate::builtin::{PolicyRequest, PolicyResponse, TextCodec};
 use crate::controller::{

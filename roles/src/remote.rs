@@ -18,11 +18,11 @@
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use yatt_runtime::{ActorRef, CallError};
 use yatt_runtime::ActorName;
-use yatt_runtime::RING_CHUNK_BYTES;
 use yatt_runtime::Directory;
 use yatt_runtime::Message;
+use yatt_runtime::RING_CHUNK_BYTES;
+use yatt_runtime::{ActorRef, CallError};
 use yatt_runtime::{Node, NodeBuilder, NodeError};
 
 use crate::builtin::{PolicyRequest, PolicyResponse};

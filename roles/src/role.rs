@@ -365,8 +365,8 @@ mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
-    use yatt_runtime::{spawn, CallError};
     use yatt_runtime::ActorName;
+    use yatt_runtime::{spawn, CallError};
 
     struct Probe {
         log: Arc<Mutex<Vec<String>>>,

@@ -24,10 +24,10 @@ use std::path::PathBuf;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use yatt_engine::WeightBucket;
-use yatt_runtime::{Bulk, BulkHeader, DType, TensorMeta};
-use yatt_runtime::RingSpec;
-use yatt_runtime::{Message, Wire, WireError};
 use yatt_runtime::ActorId;
+use yatt_runtime::RingSpec;
+use yatt_runtime::{Bulk, BulkHeader, DType, TensorMeta};
+use yatt_runtime::{Message, Wire, WireError};
 
 use crate::builtin::{GradShard, PolicyRequest, PolicyResponse, TrainReport, TrainerState};
 use crate::role::{ResourceProfile, RoleRequest, RoleResponse, WeightsUpdate};

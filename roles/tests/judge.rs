@@ -12,9 +12,9 @@ use std::path::{Path, PathBuf};
 use common::{demo_config, letter_responses, letters_fraction, text_sample};
 
 use yatt_engine::save_pretrained;
-use yatt_engine::tiny_config;
 use yatt_engine::score::{token_logprobs, SeqBatch};
 use yatt_engine::tch::{self, Device, Kind, Tensor};
+use yatt_engine::tiny_config;
 use yatt_engine::{Llama, TrainConfig, Trainer};
 use yatt_roles::builtin::TextCodec;
 use yatt_roles::job::{build_embedded, reward_role, JobConfig, TINY_CODEC};

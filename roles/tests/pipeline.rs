@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use yatt_engine::tiny_config;
 use yatt_engine::tch::{self, Device, Kind};
+use yatt_engine::tiny_config;
 use yatt_engine::{Generator, GeneratorConfig, Llama, SamplingParams, TrainConfig, Trainer};
 use yatt_roles::builtin::{
     AsciiCodec, PolicyConfig, PolicyRole, ReferenceRole, RewardRole, RolloutRequest,

@@ -10,9 +10,9 @@ use std::path::Path;
 use common::{demo_config, letter_responses, letters_fraction, load_demo, text_sample};
 
 use yatt_engine::save_pretrained;
-use yatt_engine::tiny_config;
 use yatt_engine::score::{rewards, SeqBatch};
 use yatt_engine::tch::{self, Device, Kind, Tensor};
+use yatt_engine::tiny_config;
 use yatt_engine::{Llama, TrainConfig};
 use yatt_roles::builtin::{train_reward_model, RmExample, RmTrainConfig, TextCodec};
 use yatt_roles::job::{build_embedded, reward_role, TINY_CODEC};

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use yatt_runtime::{ClusterCa, NodeIdentity};
 use yatt_runtime::Node;
+use yatt_runtime::{ClusterCa, NodeIdentity};
 
 #[derive(Parser)]
 #[command(

@@ -43,9 +43,9 @@ pub use rollout::{
 };
 
 use tch::{Device, Kind, Tensor};
-use yatt_engine::{positions_from_mask, Attn};
 use yatt_engine::score::SeqBatch;
 use yatt_engine::Llama;
+use yatt_engine::{positions_from_mask, Attn};
 
 use crate::role::{DeviceGroup, RoleError, WeightsUpdate};
 use crate::sample::Sample;
@@ -283,8 +283,8 @@ pub(crate) fn model_bytes(model: &Llama) -> u64 {
 mod tests {
     use super::*;
     use crate::sample::tests::sample;
-    use yatt_engine::tiny_config;
     use yatt_engine::score::token_logprobs;
+    use yatt_engine::tiny_config;
 
     /// Scoring only the response positions gives what scoring every position of the
     /// full sequences gives there, for rows of different prompt and response lengths.

@@ -34,8 +34,8 @@ use std::time::Instant;
 
 use tch::{Kind, Tensor};
 use yatt_engine::{to_buckets, EngineError, Trainer};
-use yatt_runtime::{RingMember, RingSpec};
 use yatt_runtime::ActorId;
+use yatt_runtime::{RingMember, RingSpec};
 
 use super::{check_device, response_scores, score_samples};
 use crate::algo::{

@@ -15,14 +15,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context as _, Result};
-use yatt_runtime::{spawn, Actor, ActorError, ActorRef, Context};
 use yatt_runtime::ActorName;
-use yatt_runtime::{Bulk, BulkHeader, DType, TensorMeta};
-use yatt_runtime::WithBulk;
 use yatt_runtime::Node;
-use yatt_runtime::{ClusterCa, SERVER_NAME};
-use yatt_runtime::TransportConfig;
 use yatt_runtime::NodeConfig;
+use yatt_runtime::TransportConfig;
+use yatt_runtime::WithBulk;
+use yatt_runtime::{spawn, Actor, ActorError, ActorRef, Context};
+use yatt_runtime::{Bulk, BulkHeader, DType, TensorMeta};
+use yatt_runtime::{ClusterCa, SERVER_NAME};
 
 /// Deadline of every ask and set-up step.
 const T: Duration = Duration::from_secs(30);

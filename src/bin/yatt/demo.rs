@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use bytes::Bytes;
 use yatt::runtime::BulkReceipt;
-use yatt::runtime::{Bulk, DType};
-use yatt::runtime::WithBulk;
 use yatt::runtime::Node;
+use yatt::runtime::WithBulk;
+use yatt::runtime::{Bulk, DType};
 
 #[derive(clap::Args)]
 pub struct DemoArgs {

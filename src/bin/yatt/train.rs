@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use yatt::roles::job::{train_with, JobConfig, Progress, TrainOptions, JOB_FILE};
-use yatt::runtime::NodeIdentity;
 use yatt::runtime::Node;
+use yatt::runtime::NodeIdentity;
 
 #[derive(clap::Args)]
 pub struct TrainArgs {
