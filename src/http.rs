@@ -8,7 +8,7 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
-use yatt_runtime::directory::Liveness;
+use yatt_runtime::Liveness;
 use yatt_runtime::Node;
 
 /// The routes, bound to `node`.

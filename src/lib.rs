@@ -38,5 +38,5 @@ pub mod node_config;
 /// diagnostic actors (echo, bulk-sink) and the built-in RLHF roles (rollout, policy,
 /// reference, reward; see `yatt_trainer::register`).
 pub fn register_roles(builder: runtime::NodeBuilder) -> runtime::NodeBuilder {
-    trainer::register(runtime::builtin::register(builder))
+    trainer::register(runtime::register_builtins(builder))
 }

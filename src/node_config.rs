@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
-use yatt_runtime::codec::{BulkLimits, FrameLimits};
-use yatt_runtime::transport::TransportConfig;
 use yatt_runtime::NodeConfig;
+use yatt_runtime::TransportConfig;
+use yatt_runtime::{BulkLimits, FrameLimits};
 
 /// Prefix of environment overrides: `YATT_NODE__NODE__LISTEN=127.0.0.1:7400`.
 pub const ENV_PREFIX: &str = "YATT_NODE";
@@ -253,7 +253,7 @@ fn validate(f: NodeFile, origin: &dyn Fn(&str) -> String) -> Result<ResolvedNode
             )
         })
     };
-    yatt_runtime::tls::validate_node_name(&f.node.name).map_err(|_| {
+    yatt_runtime::validate_node_name(&f.node.name).map_err(|_| {
         invalid(
             "node.name",
             "1-63 characters of a-z 0-9 - _ . starting with a letter or digit",

@@ -5,7 +5,7 @@
 //! `cargo run --release -p yatt-engine --example probe -- [batch] [threads] [span]`
 
 use std::time::Instant;
-use yatt_engine::model::{Attn, KvCache};
+use yatt_engine::bench::kernels::{self, RowParams};
 use yatt_engine::tch::{self, Device, Kind, Tensor};
 use yatt_engine::*;
 
@@ -60,7 +60,7 @@ fn main() {
         let step = best("decode step (hidden + logits)", reps, decode);
         let x = Tensor::randn([b, c.hidden_size], (Kind::Float, Device::Cpu));
         let xf = Tensor::randn([b, c.intermediate_size], (Kind::Float, Device::Cpu));
-        let pk = |w: &Tensor| (onednn::pack(&w.tr(), b.max(512)).unwrap(), w.size()[1]);
+        let pk = |w: &Tensor| (kernels::pack(&w.tr(), b.max(512)).unwrap(), w.size()[1]);
         let packed: Vec<_> = model
             .layers
             .iter()
@@ -70,7 +70,7 @@ fn main() {
             for l in &packed {
                 for (i, (p, out)) in l.iter().enumerate() {
                     let xin = if i == 3 { &xf } else { &x };
-                    let _ = onednn::linear(xin, p, None, *out).unwrap();
+                    let _ = kernels::linear(xin, p, None, *out).unwrap();
                 }
             }
         });
@@ -82,14 +82,14 @@ fn main() {
             (step - gemm - head) * 1e3
         );
         let lg = model.logits(&x);
-        let rp = yatt_engine::generate::RowParams {
+        let rp = RowParams {
             temperature: vec![1.0; b as usize],
             top_k: vec![50; b as usize],
             top_p: vec![1.0; b as usize],
             uniform: vec![0.5; b as usize],
         };
         best("sample (top-k 50)", reps, || {
-            let _ = yatt_engine::generate::sample(&lg, &rp);
+            let _ = kernels::sample(&lg, &rp);
         });
         let plen = 40;
         let pids = Tensor::randint(1000, [b, plen], (Kind::Int64, Device::Cpu));

@@ -232,6 +232,19 @@ impl ModelConfig {
     }
 }
 
+/// A tiny Llama config (GQA, untied head, 97-token vocabulary): what the demo job trains
+/// from random weights, and what fast tests build models from. Production API, not a test
+/// fixture: `yatt train` without a model directory runs on it.
+pub fn tiny_config() -> ModelConfig {
+    ModelConfig::from_json(&serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 97,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false,
+        "eos_token_id": 1, "bos_token_id": 0, "hidden_act": "silu"
+    }))
+    .expect("the tiny config is valid")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

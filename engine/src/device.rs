@@ -42,7 +42,7 @@ pub fn parse_kind(s: &str) -> Option<Kind> {
 #[macro_export]
 macro_rules! test_device {
     (|$dev:ident| $body:block) => {
-        for $dev in $crate::device::test_devices() {
+        for $dev in $crate::test_devices() {
             eprintln!("test on {:?}", $dev);
             $body
         }

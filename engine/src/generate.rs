@@ -224,17 +224,14 @@ impl Scheduler {
         self.active.swap_remove(slot);
         (slot != last).then_some(last)
     }
-    /// Request in each active slot.
+    /// Request in each active slot (the tests' view of the bookkeeping).
+    #[cfg(test)]
     pub fn active(&self) -> &[usize] {
         &self.active
     }
     /// Number of active slots.
     pub fn active_len(&self) -> usize {
         self.active.len()
-    }
-    /// Requests not yet admitted.
-    pub fn waiting_len(&self) -> usize {
-        self.waiting.len()
     }
     /// Whether all requests have finished.
     pub fn is_done(&self) -> bool {

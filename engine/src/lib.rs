@@ -4,13 +4,16 @@
 //! Llama-family decoder and its heads, loading HF directories and importing GGUF files,
 //! tokenizers and chat templates, batched generation with a KV cache and continuous
 //! batching, log-probs and entropy, training steps, weight buckets and checkpoints.
-//! It knows nothing of actors: roles wrap it. Everything is synchronous (tch calls
-//! block): run it on a dedicated OS thread.
+//!
+//! What does not: actors, messages, networking, job configs or RL algorithms. The engine
+//! knows nothing of actors; roles (`yatt-roles`) wrap it. Everything here is synchronous
+//! (tch calls block): run it on a dedicated OS thread.
 //!
 //! ## Map
 //! - Models: [`Llama::load`] (HF dir), [`gguf::import_gguf`] (GGUF → HF dir),
 //!   [`Tokenizer::from_dir`] (+ chat template), [`Llama::attach_head`] (value/reward head),
-//!   [`Llama::deep_copy`] (frozen reference policy).
+//!   [`Llama::deep_copy`] (frozen reference policy), [`Llama::random`] on
+//!   [`tiny_config`] (the demo's tiny model).
 //! - Rollouts: [`Generator`] with [`Request`]/[`SamplingParams`]; results stream per
 //!   sample via [`Generator::generate_with`] (callback) or
 //!   [`Generator::generate_to_channel`]; [`Generator::update_weights`] syncs weights in
@@ -19,34 +22,50 @@
 //!   [`SeqBatch`].
 //! - Training: [`Trainer::step`] with a caller-defined loss; [`Trainer::grad_buckets`] /
 //!   [`Trainer::set_grads`] for all-reduce; [`Trainer::offload`] / [`Trainer::reload`];
-//!   [`Trainer::save_checkpoint`] / [`Trainer::load_checkpoint`].
+//!   [`Trainer::save_checkpoint`] / [`Trainer::load_checkpoint`]; [`save_pretrained`]
+//!   exports a model alone.
 //! - Weight sync: [`to_buckets`] / [`WeightBucket`] (plain header + raw bytes).
+//!
+//! Every module is private and the API is re-exported here. Four namespaces stay, each a
+//! file that only re-exports: [`gguf`] and [`score`], whose names read well only
+//! qualified, and, behind features, `fixtures` (`test-fixtures`: the real test model and
+//! the HF reference) and `bench` (`bench`: `yatt bench engine`), which keep test
+//! scaffolding and benchmarks off the production path.
 
+mod checkpoint;
+mod config;
+mod device;
+mod error;
+mod generate;
+mod mkl;
+mod model;
+mod onednn;
+mod resume;
+mod tokenizer;
+mod train;
+mod weights;
+
+#[cfg(feature = "bench")]
 pub mod bench;
-pub mod checkpoint;
-pub mod config;
-pub mod device;
-pub mod error;
+#[cfg(feature = "test-fixtures")]
 pub mod fixtures;
-pub mod generate;
 pub mod gguf;
-pub mod mkl;
-pub mod model;
-pub mod onednn;
 pub mod score;
-pub mod tokenizer;
-pub mod train;
-pub mod weights;
 
-pub use config::ModelConfig;
+pub use checkpoint::{save_pretrained, write_safetensors};
+pub use config::{tiny_config, ModelConfig, RopeScaling};
+pub use device::{default_device, parse_kind, set_threads, test_devices, tune_host_allocator};
 pub use error::{EngineError, Result};
 pub use generate::{
     BatchingMode, Completion, FinishReason, GenerateStats, Generator, GeneratorConfig, Request,
     SamplingParams,
 };
-pub use model::{KvCache, Llama};
+pub use model::{
+    positions_from_mask, read_safetensors_dir, Attn, DecoderLayer, KvCache, Llama, ScalarHead,
+    KV_BLOCK,
+};
 pub use score::{SeqBatch, TokenScores};
 pub use tch;
-pub use tokenizer::{ChatMessage, Tokenizer};
+pub use tokenizer::{render_chat_template, ChatMessage, Tokenizer};
 pub use train::{LrSchedule, StepStats, TrainConfig, Trainer};
 pub use weights::{to_buckets, BucketDtype, BucketEntry, WeightBucket};

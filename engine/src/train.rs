@@ -3,12 +3,10 @@
 //! f32 master weights when the model runs in bf16/f16 (bf16 on CUDA), gradient buckets
 //! for all-reduce, offload/reload, and exact-resume checkpoints.
 
-use crate::checkpoint;
 use crate::error::{EngineError, Result};
 use crate::model::Llama;
 use crate::weights::{to_buckets, WeightBucket};
 use serde::{Deserialize, Serialize};
-use std::path::Path;
 use tch::{Device, Kind, Tensor};
 
 /// Learning-rate schedule (a multiplier of the base LR per optimizer step).
@@ -179,7 +177,7 @@ impl Trainer {
         )
     }
 
-    fn check_resident(&self) -> Result<()> {
+    pub(crate) fn check_resident(&self) -> Result<()> {
         if self.offloaded.is_some() {
             return Err(EngineError::InvalidArgument(
                 "the trainer is offloaded; call reload() first".into(),
@@ -587,21 +585,6 @@ impl Trainer {
     pub fn is_offloaded(&self) -> bool {
         self.offloaded.is_some()
     }
-
-    /// Saves an HF-loadable model plus optimizer and step state (see [`checkpoint`]).
-    pub fn save_checkpoint(
-        &self,
-        dir: impl AsRef<Path>,
-        tokenizer_from: Option<&Path>,
-    ) -> Result<()> {
-        self.check_resident()?;
-        checkpoint::save_trainer(self, dir.as_ref(), tokenizer_from)
-    }
-
-    /// Loads a checkpoint written by [`Trainer::save_checkpoint`] and resumes exactly.
-    pub fn load_checkpoint(dir: impl AsRef<Path>, device: Device, kind: Kind) -> Result<Trainer> {
-        checkpoint::load_trainer(dir.as_ref(), device, kind)
-    }
 }
 
 #[cfg(test)]
@@ -640,7 +623,7 @@ mod tests {
             ..Default::default()
         };
         let model =
-            Llama::random(crate::fixtures::tiny_config(), Device::Cpu, Kind::Float, 3).unwrap();
+            Llama::random(crate::config::tiny_config(), Device::Cpu, Kind::Float, 3).unwrap();
         let mut runs = [true, false].map(|fused| {
             let m = model.deep_copy(Device::Cpu, Kind::Float).unwrap();
             (fused, Trainer::new(m, config.clone()))

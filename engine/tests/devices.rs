@@ -1,6 +1,5 @@
 //! The same bodies on every available device (CPU always, CUDA when present) and dtype.
 
-use yatt_engine::fixtures::tiny_config;
 use yatt_engine::score::token_logprobs;
 use yatt_engine::tch::{self, Kind, Tensor};
 use yatt_engine::*;

@@ -2,7 +2,7 @@
 //! plus transformers loading a checkpoint).
 
 use serde_json::json;
-use yatt_engine::fixtures::{run_reference, tiny_config};
+use yatt_engine::fixtures::run_reference;
 use yatt_engine::score::{rewards, token_logprobs, values};
 use yatt_engine::tch::{self, Device, Kind, Tensor};
 use yatt_engine::*;
@@ -415,7 +415,7 @@ fn offload_reload_buckets_reference_and_heads() {
 fn a_checkpoint_with_tensors_its_config_does_not_name_is_refused() {
     let model = tiny(3);
     let dir = std::env::temp_dir().join(format!("yatt-extra-tensors-{}", std::process::id()));
-    yatt_engine::checkpoint::save_pretrained(&model, &dir, None).unwrap();
+    yatt_engine::save_pretrained(&model, &dir, None).unwrap();
     Llama::load(&dir, Device::Cpu, Kind::Float).expect("a consistent checkpoint loads");
     let path = dir.join("config.json");
     let mut config: serde_json::Value =

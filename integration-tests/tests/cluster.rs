@@ -5,12 +5,12 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use yatt_integration_tests::{poll, Cluster};
-use yatt_runtime::builtin::BulkReceipt;
-use yatt_runtime::codec::{Bulk, DType};
-use yatt_runtime::directory::Liveness;
-use yatt_runtime::message::WithBulk;
-use yatt_runtime::tls::ClusterCa;
-use yatt_runtime::transport::TransportConfig;
+use yatt_runtime::BulkReceipt;
+use yatt_runtime::ClusterCa;
+use yatt_runtime::Liveness;
+use yatt_runtime::TransportConfig;
+use yatt_runtime::WithBulk;
+use yatt_runtime::{Bulk, DType};
 use yatt_runtime::{CallError, Node, NodeConfig};
 
 const T: Duration = Duration::from_secs(20);
@@ -134,7 +134,7 @@ async fn kill_9_is_detected_within_the_bound() {
         .expect("monitor fired")
         .unwrap();
     assert!(
-        matches!(reason, yatt_runtime::actor::ExitReason::NodeDown(_)),
+        matches!(reason, yatt_runtime::ExitReason::NodeDown(_)),
         "{reason:?}"
     );
     // Both surviving daemons agree.
@@ -154,11 +154,7 @@ async fn kill_9_is_detected_within_the_bound() {
 async fn handshake_fails(addr: std::net::SocketAddr, config: quinn::ClientConfig) -> bool {
     let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
     ep.set_default_client_config(config);
-    let conn = match ep
-        .connect(addr, yatt_runtime::tls::SERVER_NAME)
-        .unwrap()
-        .await
-    {
+    let conn = match ep.connect(addr, yatt_runtime::SERVER_NAME).unwrap().await {
         Err(_) => return true,
         Ok(conn) => conn,
     };
@@ -184,8 +180,8 @@ async fn peers_without_a_cluster_certificate_are_refused() {
     let target = cluster.nodes[1].addr;
     let self_signed = yatt_integration_tests::insecure::self_signed_client_config(
         "intruder",
-        yatt_runtime::tls::SERVER_NAME,
-        yatt_runtime::tls::ALPN,
+        yatt_runtime::SERVER_NAME,
+        yatt_runtime::ALPN,
     );
     assert!(
         handshake_fails(target, self_signed).await,
@@ -224,11 +220,11 @@ async fn malformed_and_oversized_frames_close_only_their_stream() {
     let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
     ep.set_default_client_config(rogue.client_config().unwrap());
     let conn = ep
-        .connect(victim.addr, yatt_runtime::tls::SERVER_NAME)
+        .connect(victim.addr, yatt_runtime::SERVER_NAME)
         .unwrap()
         .await
         .unwrap();
-    let ask = yatt_runtime::transport::testing::TAG_ASK;
+    let ask = yatt_runtime::testing::TAG_ASK;
 
     async fn expect_closed(conn: &quinn::Connection, bytes: &[u8]) {
         let (mut s, mut r) = conn.open_bi().await.unwrap();
@@ -252,7 +248,7 @@ async fn malformed_and_oversized_frames_close_only_their_stream() {
     // Unknown stream kind.
     expect_closed(&conn, &[0x7f, 1, 2, 3]).await;
     // Oversized and malformed frames on the long-lived request stream.
-    let asks = yatt_runtime::transport::testing::TAG_ASKS;
+    let asks = yatt_runtime::testing::TAG_ASKS;
     for bytes in [
         &[asks, 0xff, 0xff, 0xff, 0x7f][..],
         &[asks, 3, 0, 0, 0, 0xff, 0xff, 0xff][..],

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
-use yatt_runtime::membership::{DeviceKind, NodeInfo};
+use yatt_runtime::{DeviceKind, NodeInfo};
 
 /// Identifies a group for the life of an inventory (ids of removed groups are not
 /// reused, so a stale decision cannot name a new group by accident).
@@ -243,7 +243,7 @@ impl Inventory {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use yatt_runtime::membership::DeviceInfo;
+    use yatt_runtime::DeviceInfo;
 
     fn node(name: &str, gpus: u32) -> NodeInfo {
         let mut n = NodeInfo::for_tests(name, 1);

@@ -35,7 +35,7 @@
 //! ```
 
 use serde::{Deserialize, Serialize};
-use yatt_runtime::membership::NodeInfo;
+use yatt_runtime::NodeInfo;
 
 use crate::cost::{CostModel, CostSetup, Shape, StepMetrics};
 use crate::inventory::{Inventory, InventoryError};

@@ -26,7 +26,7 @@
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
-use yatt_runtime::actor::{Actor, ActorError, Context};
+use yatt_runtime::{Actor, ActorError, Context};
 
 /// Why a role could not do something.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
@@ -365,8 +365,8 @@ mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
-    use yatt_runtime::actor::{spawn, CallError};
-    use yatt_runtime::addr::ActorName;
+    use yatt_runtime::ActorName;
+    use yatt_runtime::{spawn, CallError};
 
     struct Probe {
         log: Arc<Mutex<Vec<String>>>,

@@ -24,10 +24,10 @@ use std::path::PathBuf;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use yatt_engine::WeightBucket;
-use yatt_runtime::codec::{Bulk, BulkHeader, DType, TensorMeta};
-use yatt_runtime::collective::RingSpec;
-use yatt_runtime::message::{Message, Wire, WireError};
 use yatt_runtime::ActorId;
+use yatt_runtime::RingSpec;
+use yatt_runtime::{Bulk, BulkHeader, DType, TensorMeta};
+use yatt_runtime::{Message, Wire, WireError};
 
 use crate::builtin::policy::{GradShard, PolicyRequest, PolicyResponse, TrainReport, TrainerState};
 use crate::role::{ResourceProfile, RoleRequest, RoleResponse, WeightsUpdate};
@@ -718,7 +718,7 @@ mod tests {
 
     #[test]
     fn ring_messages_round_trip() {
-        use yatt_runtime::collective::RingSpec;
+        use yatt_runtime::RingSpec;
         use yatt_runtime::{ActorId, ActorName};
         let id = |node: &str| ActorId {
             name: ActorName::new(node, "policy-ring", 0).unwrap(),

@@ -10,8 +10,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use yatt_runtime::actor::{spawn, Actor, ActorError, Context};
-//! use yatt_runtime::addr::ActorName;
+//! use yatt_runtime::{spawn, Actor, ActorError, ActorName, Context};
 //!
 //! struct Counter(u64);
 //! impl Actor for Counter {

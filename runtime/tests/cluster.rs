@@ -4,12 +4,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use yatt_runtime::actor::{Actor, ActorError, CallError, Context};
-use yatt_runtime::codec::{Bulk, DType};
-use yatt_runtime::message::WithBulk;
-use yatt_runtime::node::{Node, NodeError};
-use yatt_runtime::transport::TransportConfig;
 use yatt_runtime::NodeConfig;
+use yatt_runtime::TransportConfig;
+use yatt_runtime::WithBulk;
+use yatt_runtime::{Actor, ActorError, CallError, Context};
+use yatt_runtime::{Bulk, DType};
+use yatt_runtime::{Node, NodeError};
 
 const T: Duration = Duration::from_secs(10);
 

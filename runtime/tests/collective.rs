@@ -3,8 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use yatt_runtime::collective::{ring_segments, CollectiveError, RingMember, RingSpec};
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
+use yatt_runtime::{ring_segments, CollectiveError, RingMember, RingSpec};
 
 const T: Duration = Duration::from_secs(10);
 

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use yatt_runtime::tls::{ClusterCa, NodeIdentity};
 use yatt_runtime::Node;
+use yatt_runtime::{ClusterCa, NodeIdentity};
 
 #[derive(Parser)]
 #[command(
@@ -104,7 +104,7 @@ fn real_main() -> anyhow::Result<()> {
 }
 
 fn init(dir: &std::path::Path, cluster: &str) -> anyhow::Result<()> {
-    if dir.join(yatt_runtime::tls::CA_KEY_FILE).exists() {
+    if dir.join(yatt_runtime::CA_KEY_FILE).exists() {
         anyhow::bail!(
             "{} already holds a CA key; refusing to overwrite it (remove it first to start a new cluster)",
             dir.display()

@@ -23,7 +23,7 @@ use yatt_roles::{
     RewardError, RewardFn, RewardInput, RewardOutput, RewardRole, Role, RoleError, RolloutRequest,
     RolloutResponse, RolloutStats, Sample, SampleId, TrainReport, WeightsUpdate,
 };
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
 
 use crate::controller::config::ControllerConfig;
 use crate::controller::core::Controller;

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 use yatt_metrics::{RunWriter, WriteError};
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
 
 use crate::build::embedded::{build_embedded_with, CustomRoles};
 use crate::checkpoint::{save, JOB_FILE};

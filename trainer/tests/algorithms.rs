@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
 use yatt_trainer::{train_with, JobConfig, TrainOptions};
 
 fn demo_config(out: &Path, sets: &[&str]) -> JobConfig {

@@ -2,7 +2,7 @@
 //! steps, one metrics line per step with the expected keys, a TensorBoard event file
 //! with a record per step, and a saved checkpoint.
 
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
 use yatt_trainer::{train, JobConfig};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

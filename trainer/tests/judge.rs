@@ -11,16 +11,16 @@ use std::path::{Path, PathBuf};
 
 use common::{demo_config, letter_responses, letters_fraction, text_sample};
 
-use yatt_engine::checkpoint::save_pretrained;
-use yatt_engine::fixtures::tiny_config;
+use yatt_engine::save_pretrained;
 use yatt_engine::score::{token_logprobs, SeqBatch};
 use yatt_engine::tch::{self, Device, Kind, Tensor};
+use yatt_engine::tiny_config;
 use yatt_engine::{Llama, TrainConfig, Trainer};
 use yatt_roles::Role;
 use yatt_roles::Sample;
 use yatt_roles::TextCodec;
 use yatt_roles::TINY_CODEC;
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
 use yatt_trainer::{build_embedded, reward_role, JobConfig};
 
 const TEMPLATE: &str = "{question}|{response}=";

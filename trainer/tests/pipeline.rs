@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use yatt_engine::fixtures::tiny_config;
 use yatt_engine::tch::{self, Device, Kind};
+use yatt_engine::tiny_config;
 use yatt_engine::{Generator, GeneratorConfig, Llama, SamplingParams, TrainConfig, Trainer};
 use yatt_roles::Sample;
 use yatt_roles::{
@@ -16,7 +16,7 @@ use yatt_roles::{
 use yatt_roles::{Dataloader, Prompt};
 use yatt_roles::{DeviceGroup, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse};
 use yatt_roles::{RewardError, RewardFn, RewardInput, RewardOutput};
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
 use yatt_trainer::{
     spawn_role, Controller, ControllerConfig, ControllerError, RoleRefs, RolloutRef, StepReport,
 };

@@ -6,7 +6,7 @@
 
 use yatt_placement::profile::Role;
 use yatt_placement::record::{after_move, parse, render, Record};
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
 use yatt_trainer::{train, JobConfig};
 
 fn median(mut v: Vec<f64>) -> f64 {

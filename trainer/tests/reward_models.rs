@@ -9,16 +9,16 @@ use std::path::Path;
 
 use common::{demo_config, letter_responses, letters_fraction, load_demo, text_sample};
 
-use yatt_engine::checkpoint::save_pretrained;
-use yatt_engine::fixtures::tiny_config;
+use yatt_engine::save_pretrained;
 use yatt_engine::score::{rewards, SeqBatch};
 use yatt_engine::tch::{self, Device, Kind, Tensor};
+use yatt_engine::tiny_config;
 use yatt_engine::{Llama, TrainConfig};
 use yatt_roles::Role;
 use yatt_roles::Sample;
 use yatt_roles::TINY_CODEC;
 use yatt_roles::{train_reward_model, RmExample, RmTrainConfig, TextCodec};
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
 use yatt_trainer::{build_embedded, reward_role};
 
 /// A tiny model with a random (non-zero) reward head, saved as an HF directory.

@@ -12,7 +12,7 @@ use yatt_roles::Prompt;
 use yatt_roles::Role;
 use yatt_roles::Sample;
 use yatt_roles::{GenerateRequest, RolloutRequest, RolloutResponse, SampleSink};
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
 use yatt_trainer::{base_model, rollout_role, train, JobConfig};
 
 fn demo_config(out: &Path, sets: &[&str]) -> JobConfig {

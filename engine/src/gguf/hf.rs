@@ -1,6 +1,7 @@
 //! Writes an HF-format model directory from a GGUF file.
 
-use super::{build_tokenizer_json, GgufFile, GgufValue};
+use super::file::{GgufFile, GgufTensorInfo, GgufValue};
+use super::tokenizer::build_tokenizer_json;
 use crate::error::{EngineError, Result};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -228,7 +229,7 @@ pub fn import_gguf(
     write_json(&out_dir.join("config.json"), &config)?;
 
     // Tensors.
-    let mut names: Vec<(String, &super::GgufTensorInfo)> = Vec::new();
+    let mut names: Vec<(String, &GgufTensorInfo)> = Vec::new();
     let mut source_types = BTreeMap::new();
     for t in &g.tensors {
         let name = hf_name(&t.name).ok_or_else(|| {

@@ -1,7 +1,7 @@
 //! Builds an HF `tokenizer.json` from GGUF tokenizer metadata (byte-level BPE models,
 //! `tokenizer.ggml.model = "gpt2"`).
 
-use super::{GgufFile, GgufValue};
+use super::file::{GgufFile, GgufValue};
 use crate::error::{EngineError, Result};
 use serde_json::{json, Map, Value};
 

@@ -17,8 +17,8 @@ use axum::routing::get;
 use axum::{Json, Router};
 use clap::Parser;
 use serde::{Deserialize, Serialize};
-use yatt_runtime::actor::{Actor, ActorError, ActorRef, Context};
 use yatt_runtime::Node;
+use yatt_runtime::{Actor, ActorError, ActorRef, Context};
 
 /// The actor the service calls: it shouts.
 pub struct Shouter;

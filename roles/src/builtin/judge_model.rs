@@ -278,7 +278,7 @@ mod tests {
     use crate::builtin::rollout::TINY_CODEC;
     use crate::role::Role;
     use crate::sample::tests::sample;
-    use yatt_engine::fixtures::tiny_config;
+    use yatt_engine::tiny_config;
     use yatt_engine::{GeneratorConfig, Llama};
 
     fn judge(mode: JudgeMode, on_unparsed: OnUnparsed) -> Result<JudgeScorer, RoleError> {

@@ -21,7 +21,7 @@
 //!   then [`PolicyRequest::ApplyGradients`] with every head's shard;
 //! - data parallelism over replicas: [`PolicyRequest::TrainAllReduce`], where each
 //!   replica computes its head's gradients and averages them with its peers' in a ring
-//!   all-reduce ([`yatt_runtime::collective`]) straight between the replicas, before
+//!   all-reduce ([`yatt_runtime::RingMember`]) straight between the replicas, before
 //!   one optimizer step. The ring is set up with [`PolicyRequest::RingInbox`] and
 //!   [`PolicyRequest::JoinRing`].
 //!
@@ -34,8 +34,8 @@ use std::time::Instant;
 
 use tch::{Kind, Tensor};
 use yatt_engine::{to_buckets, EngineError, Trainer};
-use yatt_runtime::collective::{RingMember, RingSpec};
 use yatt_runtime::ActorId;
+use yatt_runtime::{RingMember, RingSpec};
 
 use crate::algo::kl::KlEstimator;
 use crate::algo::loss::{
@@ -893,7 +893,7 @@ mod tests {
     use super::*;
     use crate::sample::tests::sample;
     use tch::{Device, Kind};
-    use yatt_engine::fixtures::tiny_config;
+    use yatt_engine::tiny_config;
     use yatt_engine::{Llama, TrainConfig};
 
     fn policy(model: Llama, on_policy: bool) -> PolicyRole {

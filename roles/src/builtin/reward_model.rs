@@ -490,7 +490,7 @@ pub fn train_reward_model(
 mod tests {
     use super::*;
     use crate::builtin::rollout::TINY_CODEC;
-    use yatt_engine::fixtures::tiny_config;
+    use yatt_engine::tiny_config;
 
     #[test]
     fn preference_pairs_teach_the_order() {

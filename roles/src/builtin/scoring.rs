@@ -2,9 +2,9 @@
 //! device checks, and loading weight buckets into a model.
 
 use tch::{Device, Kind, Tensor};
-use yatt_engine::model::{positions_from_mask, Attn};
 use yatt_engine::score::SeqBatch;
 use yatt_engine::Llama;
+use yatt_engine::{positions_from_mask, Attn};
 
 use crate::role::{DeviceGroup, RoleError, WeightsUpdate};
 use crate::sample::Sample;
@@ -242,8 +242,8 @@ pub(crate) fn model_bytes(model: &Llama) -> u64 {
 mod tests {
     use super::*;
     use crate::sample::tests::sample;
-    use yatt_engine::fixtures::tiny_config;
     use yatt_engine::score::token_logprobs;
+    use yatt_engine::tiny_config;
 
     /// Scoring only the response positions gives what scoring every position of the
     /// full sequences gives there, for rows of different prompt and response lengths.

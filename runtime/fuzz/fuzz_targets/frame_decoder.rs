@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use yatt_runtime::codec::{
+use yatt_runtime::{
     decode_bulk_header, encode_frame, Bulk, BulkLimits, CodecError, FrameDecoder, FrameLimits,
 };
 

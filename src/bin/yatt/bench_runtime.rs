@@ -15,14 +15,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context as _, Result};
-use yatt_runtime::actor::{self, Actor, ActorError, ActorRef, Context};
-use yatt_runtime::addr::ActorName;
-use yatt_runtime::codec::{Bulk, BulkHeader, DType, TensorMeta};
-use yatt_runtime::message::WithBulk;
-use yatt_runtime::node::Node;
-use yatt_runtime::tls::{ClusterCa, SERVER_NAME};
-use yatt_runtime::transport::TransportConfig;
+use yatt_runtime::ActorName;
+use yatt_runtime::Node;
 use yatt_runtime::NodeConfig;
+use yatt_runtime::TransportConfig;
+use yatt_runtime::WithBulk;
+use yatt_runtime::{spawn, Actor, ActorError, ActorRef, Context};
+use yatt_runtime::{Bulk, BulkHeader, DType, TensorMeta};
+use yatt_runtime::{ClusterCa, SERVER_NAME};
 
 /// Deadline of every ask and set-up step.
 const T: Duration = Duration::from_secs(30);
@@ -411,10 +411,10 @@ fn batches() -> Result<Batches> {
 async fn in_process(plan: &Plan) -> Result<Figures> {
     let b = batches()?;
     let cap = NodeConfig::default().mailbox_capacity;
-    let echo = actor::spawn(ActorName::new("local", "echo", 0)?, Echo, cap).actor_ref;
-    let sink = actor::spawn(ActorName::new("local", "sink", 0)?, Sink, cap).actor_ref;
+    let echo = spawn(ActorName::new("local", "echo", 0)?, Echo, cap).actor_ref;
+    let sink = spawn(ActorName::new("local", "sink", 0)?, Sink, cap).actor_ref;
     let workers: Vec<SinkRef> = (0..WORKERS as u32)
-        .map(|k| Ok(actor::spawn(ActorName::new("local", "worker", k)?, Sink, cap).actor_ref))
+        .map(|k| Ok(spawn(ActorName::new("local", "worker", k)?, Sink, cap).actor_ref))
         .collect::<Result<_>>()?;
     ensure!(echo.is_local() && sink.is_local());
     let rtt = measure_rtt(&echo, plan).await?;

@@ -7,10 +7,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use bytes::Bytes;
-use yatt::runtime::builtin::BulkReceipt;
-use yatt::runtime::codec::{Bulk, DType};
-use yatt::runtime::message::WithBulk;
+use yatt::runtime::BulkReceipt;
 use yatt::runtime::Node;
+use yatt::runtime::WithBulk;
+use yatt::runtime::{Bulk, DType};
 
 #[derive(clap::Args)]
 pub struct DemoArgs {

@@ -52,7 +52,7 @@ pub fn run(args: RewardModelArgs) -> anyhow::Result<()> {
     let t = std::time::Instant::now();
     let (model, stats) = train_reward_model(model, &*codec, &examples, &config)?;
     let tokenizer = job.model.source.dir().map(PathBuf::from);
-    yatt::engine::checkpoint::save_pretrained(&model, &args.out, tokenizer.as_deref())?;
+    yatt::engine::save_pretrained(&model, &args.out, tokenizer.as_deref())?;
     let loss = |s: &[yatt::engine::StepStats]| {
         s.iter().map(|s| s.loss).sum::<f64>() / s.len().max(1) as f64
     };

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use yatt::runtime::tls::NodeIdentity;
 use yatt::runtime::Node;
+use yatt::runtime::NodeIdentity;
 use yatt::trainer::{train_with, JobConfig, Progress, TrainOptions, JOB_FILE};
 
 #[derive(clap::Args)]

@@ -8,12 +8,12 @@ use yatt_roles::{
     DeviceGroup, PolicyRequest, PolicyResponse, Role, RoleActor, RoleError, RoleRequest,
     RoleResponse, Sample,
 };
-use yatt_runtime::actor::{ActorRef, CallError};
-use yatt_runtime::addr::ActorName;
-use yatt_runtime::collective::RING_CHUNK_BYTES;
-use yatt_runtime::directory::Directory;
-use yatt_runtime::message::Message;
-use yatt_runtime::node::{Node, NodeBuilder, NodeError};
+use yatt_runtime::ActorName;
+use yatt_runtime::Directory;
+use yatt_runtime::Message;
+use yatt_runtime::RING_CHUNK_BYTES;
+use yatt_runtime::{ActorRef, CallError};
+use yatt_runtime::{Node, NodeBuilder, NodeError};
 
 use crate::build::heads::controllers;
 use crate::build::parts::{

@@ -4,8 +4,8 @@ use std::path::Path;
 use yatt_engine::tch::{Device, Kind};
 use yatt_engine::Trainer;
 use yatt_roles::DeviceGroup;
-use yatt_runtime::collective::RING_CHUNK_BYTES;
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
+use yatt_runtime::RING_CHUNK_BYTES;
 
 use crate::build::heads::controllers;
 use crate::build::parts::{

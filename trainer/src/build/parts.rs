@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use yatt_engine::fixtures::tiny_config;
 use yatt_engine::tch::{Device, Kind};
+use yatt_engine::tiny_config;
 use yatt_engine::{
     tch, Generator, GeneratorConfig, Llama, LrSchedule, Tokenizer, TrainConfig, Trainer,
 };
@@ -12,8 +12,8 @@ use yatt_roles::{
     CriticConfig, CriticRole, KlEstimator, KlLossConfig, PolicyConfig, PolicyLossConfig,
     PolicyRole, ReferenceRole, RolloutRole, TextCodec, TokenizerCodec, ValueLossConfig,
 };
-use yatt_runtime::collective::RingMember;
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
+use yatt_runtime::RingMember;
 
 use crate::config::modes::{KlMode, ModelSource, OldLogprobs, Schedule};
 use crate::config::sections::JobConfig;
@@ -59,11 +59,10 @@ pub(crate) fn tiny_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, 
             // the same depth and loads back as this model.
             let mut raw = config.raw.clone();
             raw["num_hidden_layers"] = serde_json::json!(job.model.tiny_layers);
-            config =
-                yatt_engine::config::ModelConfig::from_json(&raw).map_err(|e| JobError::Model {
-                    source_desc: "tiny".into(),
-                    reason: e,
-                })?;
+            config = yatt_engine::ModelConfig::from_json(&raw).map_err(|e| JobError::Model {
+                source_desc: "tiny".into(),
+                reason: e,
+            })?;
         }
         let m = Llama::random(config, Device::Cpu, Kind::Float, seed as i64).map_err(|e| {
             JobError::Model {

@@ -10,7 +10,7 @@ use yatt_roles::{
     ModelScorer, NumericVerifier, OnUnparsed, RewardFn, RewardRole, ScalarRewardModel, TextCodec,
     TokenizerCodec,
 };
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
 
 use crate::build::data::growing_task;
 use crate::config::checks::invalid;

@@ -5,8 +5,8 @@ use yatt_roles::{
     CriticRequest, CriticResponse, Dataloader, PolicyRequest, PolicyResponse, RoleRequest,
     RoleResponse, Sample,
 };
-use yatt_runtime::actor::{ActorRef, CallError};
 use yatt_runtime::ActorId;
+use yatt_runtime::{ActorRef, CallError};
 
 use crate::controller::config::ControllerConfig;
 use crate::controller::error::ControllerError;

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use yatt_roles::{GradShard, PolicyRequest, PolicyResponse, SampleId, TrainReport};
-use yatt_runtime::collective::RingSpec;
+use yatt_runtime::RingSpec;
 
 use crate::controller::core::Controller;
 use crate::controller::core::Prepared;

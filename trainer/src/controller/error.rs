@@ -1,7 +1,7 @@
 //! How a controller's step fails.
 
 use yatt_roles::{AlgoError, DataError, SampleError, SampleId};
-use yatt_runtime::actor::CallError;
+use yatt_runtime::CallError;
 
 use crate::ledger::LedgerError;
 

@@ -3,8 +3,8 @@ use yatt_roles::{
     CriticRequest, CriticResponse, DeviceGroup, PolicyRequest, PolicyResponse, Role, RoleActor,
     RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, Sample,
 };
-use yatt_runtime::actor::ActorRef;
-use yatt_runtime::node::Node;
+use yatt_runtime::ActorRef;
+use yatt_runtime::Node;
 
 use crate::controller::error::ControllerError;
 

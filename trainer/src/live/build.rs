@@ -13,8 +13,8 @@ use yatt_placement::{
     RewardKind,
 };
 use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, RoleRequest, TextCodec};
-use yatt_runtime::membership::NodeInfo;
-use yatt_runtime::node::Node;
+use yatt_runtime::Node;
+use yatt_runtime::NodeInfo;
 
 use crate::build::cluster::{job_text, wait_for_nodes};
 use crate::build::parts::base_model;

@@ -3,7 +3,7 @@
 use yatt_placement::inventory::GroupId;
 use yatt_placement::record::Record;
 use yatt_placement::Event;
-use yatt_runtime::membership::NodeInfo;
+use yatt_runtime::NodeInfo;
 
 use crate::error::JobError;
 use crate::live::state::Hosts;

@@ -6,9 +6,9 @@ use tch::{Device, Kind};
 use yatt_engine::Trainer;
 use yatt_placement::inventory::GroupId;
 use yatt_roles::{PolicyRequest, PolicyResponse, Role, RoleRequest, RoleResponse};
-use yatt_runtime::actor::{ActorRef, ExitReason};
-use yatt_runtime::directory::Change;
-use yatt_runtime::message::Message;
+use yatt_runtime::DirectoryChange as Change;
+use yatt_runtime::Message;
+use yatt_runtime::{ActorRef, ExitReason};
 
 use crate::build::parts::{policy_role_from, rollout_role, train_config};
 use crate::controller::refs::{spawn_role, PolicyRef, RolloutRef};
@@ -139,10 +139,10 @@ impl LivePlacement {
 }
 
 pub(crate) async fn drain_and_stop<Req: Send + 'static, Resp: Send + 'static>(
-    r: &yatt_runtime::actor::ActorRef<RoleRequest<Req>, RoleResponse<Resp>>,
+    r: &yatt_runtime::ActorRef<RoleRequest<Req>, RoleResponse<Resp>>,
     t: Duration,
 ) -> Result<Vec<u64>, JobError> {
-    let call = |e: yatt_runtime::actor::CallError| JobError::Placement {
+    let call = |e: yatt_runtime::CallError| JobError::Placement {
         what: format!("{} did not stop: {e}", r.id()),
         fix: "see the role's log".into(),
     };

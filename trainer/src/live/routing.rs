@@ -5,7 +5,7 @@ use std::io::Write;
 use yatt_placement::inventory::GroupId;
 use yatt_placement::profile::Role as PRole;
 use yatt_placement::record::Record;
-use yatt_runtime::collective::RING_CHUNK_BYTES;
+use yatt_runtime::RING_CHUNK_BYTES;
 
 use crate::build::heads::controllers;
 use crate::controller::data_parallel::join_policy_ring;

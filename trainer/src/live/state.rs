@@ -11,8 +11,8 @@ use yatt_placement::profile::Role as PRole;
 use yatt_placement::record::GroupUse;
 use yatt_placement::{PlacementPolicy, Plan};
 use yatt_roles::{DeviceGroup, TextCodec};
-use yatt_runtime::node::Node;
 use yatt_runtime::ActorId;
+use yatt_runtime::Node;
 
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;

@@ -148,7 +148,7 @@ fn prompts(tok: &Tokenizer) -> Result<Vec<Vec<i64>>> {
 /// Which prompts a generation case runs. Prefix sharing makes this matter to yatt (not to
 /// HF), so every figure says which it is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PromptSet {
+pub(crate) enum PromptSet {
     /// Every request has its own question (only the chat template's system prompt is
     /// common).
     Distinct,

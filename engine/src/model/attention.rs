@@ -1,0 +1,66 @@
+//! How attention sees the past in one forward call, and the attention kernel itself.
+
+use super::kv_cache::KvCache;
+use tch::Tensor;
+
+/// How attention sees the past in one forward call.
+pub enum Attn<'a> {
+    /// No cache: causal attention over the given tokens, with an optional key mask
+    /// `[B, T]` (1 = real token).
+    Full {
+        /// The padding mask, if any.
+        mask: Option<&'a Tensor>,
+    },
+    /// Prefill slots `start..start+B` of a cache from position `offset` (right-padded
+    /// input). Positions `0..offset` must already hold the slots' shared prefix; the new
+    /// tokens attend to it and, causally, to each other.
+    Prefill {
+        /// The cache.
+        cache: &'a mut KvCache,
+        /// The first slot.
+        start: i64,
+        /// Cache positions already filled (0: a fresh prompt).
+        offset: i64,
+        /// Each row's real length (the rest is padding): the per-token work (projections,
+        /// MLP) then skips the padding; only attention sees the padded layout.
+        lens: Option<&'a [i64]>,
+    },
+    /// Like `Full` without a mask (right-padded rows), and keeps each layer's keys and
+    /// values (after RoPE, still in the autograd graph) in `kv` for a later
+    /// [`Attn::Continue`] call: a prompt shared by several rows runs once.
+    Capture {
+        /// Filled with one `(keys, values)` pair per layer, `[P, kv_heads, Lp, head_dim]`.
+        kv: &'a mut Vec<(Tensor, Tensor)>,
+    },
+    /// Tokens that continue prefixes computed by an earlier [`Attn::Capture`] call (e.g.
+    /// GRPO's samples of one prompt continue that prompt). Row `i` attends to the first
+    /// `lens[i]` positions of prefix `rows[i]` and, causally, to its own tokens; the
+    /// forward's positions must start at `lens[i]`. Gradients flow into the prefix's
+    /// keys and values, summed over the rows that share it.
+    Continue {
+        /// The prefixes' keys and values, per layer (from `Capture`).
+        kv: &'a [(Tensor, Tensor)],
+        /// Which prefix each row continues `[B]` (int64).
+        rows: &'a Tensor,
+        /// The real length of each row's prefix `[B]` (int64); the rest is padding.
+        lens: &'a Tensor,
+    },
+    /// One new token per slot `0..B`, at the per-slot positions given to the forward.
+    Decode {
+        /// The cache.
+        cache: &'a mut KvCache,
+        /// Number of cache positions to attend over (max position + 1).
+        span: i64,
+        /// Per row, `(slot, len)`: its positions below `len` hold the same keys and
+        /// values as `slot`'s (len 0: none), e.g. samples of one prompt. A hint: the CPU
+        /// decode kernel then reads one copy for all rows sharing it (it stays in cache);
+        /// results are the same without it.
+        shared: Option<&'a [(i64, i64)]>,
+    },
+}
+
+/// Scaled dot-product attention (libtorch's fused kernel; GQA heads shared), causal
+/// when no mask is given: every call site either masks explicitly or is plain causal.
+pub(super) fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Tensor {
+    Tensor::scaled_dot_product_attention(q, k, v, mask, 0.0, mask.is_none(), None, true)
+}

@@ -1,0 +1,319 @@
+//! The forward pass: the decoder stack under each [`Attn`] mode, the fused CPU decode
+//! step, and the LM head.
+
+use super::attention::{attend, Attn};
+use super::kv_cache::{KvCache, ValueSlots};
+use super::llama::Llama;
+use super::rope::positions_from_mask;
+use tch::{Kind, Tensor};
+
+impl Llama {
+    /// `x @ w (+ bias)`, through the packed copy when there is one.
+    fn mm(&self, x: &Tensor, w: &Tensor, packed: Option<&Tensor>, bias: Option<&Tensor>) -> Tensor {
+        if let Some(p) = packed {
+            if let Ok(y) = crate::onednn::linear(x, p, bias, w.size()[1]) {
+                return y;
+            }
+        }
+        match bias {
+            Some(b) => x.matmul(w) + b,
+            None => x.matmul(w),
+        }
+    }
+
+    fn rms(&self, x: &Tensor, w: &Tensor) -> Tensor {
+        let eps = self.config.rms_norm_eps;
+        if self.kind == Kind::Float {
+            x.rms_norm([self.config.hidden_size], Some(w), eps)
+        } else {
+            let xf = x.to_kind(Kind::Float);
+            let var = xf.square().mean_dim(-1, true, Kind::Float);
+            (xf * (var + eps).rsqrt()).to_kind(self.kind) * w
+        }
+    }
+
+    fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        // x [B, heads, T, hd]; cos/sin [B, 1, T, hd/2]
+        let half = self.config.head_dim / 2;
+        let x1 = x.narrow(-1, 0, half);
+        let x2 = x.narrow(-1, half, half);
+        Tensor::cat(&[&x1 * cos - &x2 * sin, &x2 * cos + &x1 * sin], -1)
+    }
+
+    /// The fused CPU decode step (`csrc/decode_step.cpp`): one call for the whole decoder
+    /// stack instead of ~70 tch operations per layer. `None` when it does not apply
+    /// (weights not packed, autograd on, more than one token per row) or fails, in which
+    /// case the caller takes the tch path.
+    fn decode_fused(
+        &self,
+        ids: &Tensor,
+        positions: &Tensor,
+        cache: &KvCache,
+        shared: Option<&[(i64, i64)]>,
+    ) -> Option<Tensor> {
+        let packed = self
+            .packed
+            .as_ref()
+            .filter(|_| !self.embed.requires_grad())?;
+        let (b, t) = ids.size2().ok()?;
+        if t != 1 || b > cache.slots {
+            return None;
+        }
+        let c = &self.config;
+        let x = Tensor::embedding(&self.embed.tr(), &ids.reshape([b]), -1, false, false);
+        let pos = positions.reshape([b]).to_kind(Kind::Int64).contiguous();
+        let shared = match shared {
+            Some(sh) if sh.len() == b as usize && sh.iter().any(|&(_, l)| l > 0) => {
+                let slots: Vec<i64> = sh.iter().map(|&(s, _)| s).collect();
+                let lens: Vec<i64> = sh.iter().map(|&(_, l)| l).collect();
+                Some((Tensor::from_slice(&slots), Tensor::from_slice(&lens)))
+            }
+            _ => None,
+        };
+        let layers: Vec<crate::onednn::DecodeLayer<'_>> = self
+            .layers
+            .iter()
+            .zip(&packed.layers)
+            .enumerate()
+            .map(|(i, (l, p))| crate::onednn::DecodeLayer {
+                ln1: &l.ln1,
+                wqkv: &p[0],
+                bqkv: l.bqkv.as_ref(),
+                wo: &p[1],
+                ln2: &l.ln2,
+                wgu: &p[2],
+                wdown: &p[3],
+                kb: &cache.kb[i],
+                v: &cache.v[i],
+            })
+            .collect();
+        match crate::onednn::decode_layers(
+            &x,
+            &pos,
+            shared.as_ref().map(|(s, l)| (s, l)),
+            &self.cos,
+            &self.sin,
+            &layers,
+            (c.num_attention_heads, c.num_key_value_heads, c.head_dim),
+            c.rms_norm_eps,
+        ) {
+            Ok(x) => Some(self.rms(&x, &self.norm).unsqueeze(1)),
+            Err(e) => {
+                // A failure here is a bug, not bad input; the tch path gives the same
+                // result, so say so once and carry on.
+                static WARN: std::sync::Once = std::sync::Once::new();
+                WARN.call_once(|| {
+                    eprintln!("yatt-engine: fused decode step failed, using tch ops: {e}")
+                });
+                None
+            }
+        }
+    }
+
+    // `x = x + f(x)` on purpose: an in-place `+=` would modify a tensor autograd saved.
+    #[allow(clippy::assign_op_pattern)]
+    /// Embeds tokens and runs the decoder stack; returns the final-normed hidden states
+    /// `[B, T, hidden]`. `positions` `[B, T]` are the rotary positions.
+    pub fn hidden(&self, ids: &Tensor, positions: &Tensor, mut attn: Attn<'_>) -> Tensor {
+        if let Attn::Decode { cache, shared, .. } = &attn {
+            if let Some(h) = self.decode_fused(ids, positions, cache, *shared) {
+                return h;
+            }
+        }
+        let c = &self.config;
+        let (b, t) = ids.size2().expect("ids must be [B, T]");
+        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        // Ragged prefill: real tokens only, as rows of [n, hidden]; `pad` restores the
+        // [b, t, ..] layout (zeros in the padding) where attention needs it.
+        let real = match &attn {
+            Attn::Prefill {
+                lens: Some(lens), ..
+            } if lens.iter().any(|&l| l < t) => {
+                let mut idx = Vec::with_capacity(lens.iter().sum::<i64>() as usize);
+                for (i, &l) in lens.iter().enumerate() {
+                    idx.extend((0..l.min(t)).map(|j| i as i64 * t + j));
+                }
+                Some(Tensor::from_slice(&idx).to_device(self.device))
+            }
+            _ => None,
+        };
+        let pad = |z: Tensor| -> Tensor {
+            match &real {
+                Some(idx) => {
+                    let w = *z.size().last().expect("rows have a width");
+                    z.new_zeros([b * t, w], (z.kind(), z.device()))
+                        .index_copy(0, idx, &z)
+                        .view([b, t, w])
+                }
+                None => z,
+            }
+        };
+        let mut x = Tensor::embedding(&self.embed.tr(), ids, -1, false, false);
+        if let Some(idx) = &real {
+            x = x.reshape([b * t, -1]).index_select(0, idx);
+        }
+        let cos = self
+            .cos
+            .index_select(0, &positions.reshape([-1]))
+            .reshape([b, 1, t, hd / 2])
+            .to_kind(self.kind);
+        let sin = self
+            .sin
+            .index_select(0, &positions.reshape([-1]))
+            .reshape([b, 1, t, hd / 2])
+            .to_kind(self.kind);
+        // Attention masks, built once for all layers.
+        let full_mask = match &attn {
+            Attn::Full { mask: Some(m) } => {
+                let causal = Tensor::ones([t, t], (Kind::Bool, self.device)).tril(0);
+                let keys = m.to_kind(Kind::Bool).reshape([b, 1, 1, t]);
+                let eye = Tensor::eye(t, (Kind::Bool, self.device));
+                Some(causal.logical_and(&keys).logical_or(&eye))
+            }
+            // New token i sees the whole shared prefix and new tokens 0..=i.
+            Attn::Prefill { offset, .. } if *offset > 0 => {
+                let keys = Tensor::arange(offset + t, (Kind::Int64, self.device));
+                let rows = Tensor::arange(t, (Kind::Int64, self.device)).unsqueeze(1) + *offset;
+                Some(
+                    keys.unsqueeze(0)
+                        .le_tensor(&rows)
+                        .reshape([1, 1, t, offset + t]),
+                )
+            }
+            Attn::Decode { span, .. } => {
+                let ar =
+                    Tensor::arange(*span, (Kind::Int64, self.device)).reshape([1, 1, 1, *span]);
+                Some(ar.le_tensor(&positions.reshape([b, 1, 1, 1])))
+            }
+            // Prefix keys below the row's prefix length, then causal over its own tokens.
+            Attn::Continue { kv, lens, .. } => {
+                let lp = kv.first().map_or(0, |(k, _)| k.size()[2]);
+                let keys = Tensor::arange(lp, (Kind::Int64, self.device)).reshape([1, 1, 1, lp]);
+                let prefix = keys
+                    .lt_tensor(&lens.reshape([b, 1, 1, 1]))
+                    .expand([b, 1, t, lp], false);
+                let causal = Tensor::ones([t, t], (Kind::Bool, self.device))
+                    .tril(0)
+                    .reshape([1, 1, t, t])
+                    .expand([b, 1, t, t], false);
+                Some(Tensor::cat(&[prefix, causal], 3))
+            }
+            _ => None,
+        };
+        let rows = Tensor::arange(b, (Kind::Int64, self.device));
+        let pos_flat = if matches!(attn, Attn::Decode { .. }) {
+            Some(positions.reshape([b]))
+        } else {
+            None
+        };
+        // Packed weights only serve inference: with autograd on, use the parameters.
+        let packed = if self.packed.is_some() && !self.embed.requires_grad() {
+            self.packed.as_ref()
+        } else {
+            None
+        };
+        // Cache indices of the new keys, the same for every layer.
+        let mut key_index: Option<(Tensor, Tensor)> = None;
+        for (li, l) in self.layers.iter().enumerate() {
+            let pl = packed.map(|p| &p.layers[li]);
+            let hn = self.rms(&x, &l.ln1);
+            let qkv = pad(self.mm(&hn, &l.wqkv, pl.map(|p| &p[0]), l.bqkv.as_ref()));
+            let q = qkv
+                .narrow(-1, 0, nh * hd)
+                .view([b, t, nh, hd])
+                .transpose(1, 2);
+            let k = qkv
+                .narrow(-1, nh * hd, nkv * hd)
+                .view([b, t, nkv, hd])
+                .transpose(1, 2);
+            let v = qkv
+                .narrow(-1, (nh + nkv) * hd, nkv * hd)
+                .view([b, t, nkv, hd])
+                .transpose(1, 2);
+            let q = self.rope(&q, &cos, &sin);
+            let k = self.rope(&k, &cos, &sin);
+            let o = match &mut attn {
+                Attn::Capture { kv } => {
+                    kv.push((k.shallow_clone(), v.shallow_clone()));
+                    attend(&q, &k, &v, None)
+                }
+                Attn::Continue { kv, rows, .. } => {
+                    let (pk, pv) = &kv[li];
+                    let keys = Tensor::cat(&[pk.index_select(0, rows), k], 2);
+                    let values = Tensor::cat(&[pv.index_select(0, rows), v], 2);
+                    attend(&q, &keys, &values, full_mask.as_ref())
+                }
+                Attn::Full { .. } => attend(&q, &k, &v, full_mask.as_ref()),
+                Attn::Prefill {
+                    cache,
+                    start,
+                    offset,
+                    ..
+                } => {
+                    let index = key_index.get_or_insert_with(|| {
+                        let slots =
+                            Tensor::arange_start(*start, *start + b, (Kind::Int64, self.device));
+                        cache.key_index(&slots, positions)
+                    });
+                    let at = ValueSlots::Range {
+                        start: *start,
+                        offset: *offset,
+                    };
+                    cache.write(li, index, &k, &v, at);
+                    if *offset == 0 {
+                        attend(&q, &k, &v, None)
+                    } else {
+                        let len = *offset + t;
+                        attend(
+                            &q,
+                            &cache.keys(li, *start, b, len),
+                            &cache.values(li, *start, b, len),
+                            full_mask.as_ref(),
+                        )
+                    }
+                }
+                Attn::Decode { cache, span, .. } => {
+                    let pos = pos_flat.as_ref().expect("decode positions");
+                    let index = key_index.get_or_insert_with(|| cache.key_index(&rows, positions));
+                    cache.write(li, index, &k, &v, ValueSlots::Rows { rows: &rows, pos });
+                    attend(
+                        &q,
+                        &cache.keys(li, 0, b, *span),
+                        &cache.values(li, 0, b, *span),
+                        full_mask.as_ref(),
+                    )
+                }
+            };
+            let mut o = o.transpose(1, 2).reshape([b, t, nh * hd]);
+            if let Some(idx) = &real {
+                o = o.reshape([b * t, nh * hd]).index_select(0, idx);
+            }
+            x = x + self.mm(&o, &l.wo, pl.map(|p| &p[1]), None);
+            let hn = self.rms(&x, &l.ln2);
+            let gu = self.mm(&hn, &l.w_gate_up, pl.map(|p| &p[2]), None);
+            let f = c.intermediate_size;
+            let act = gu.narrow(-1, 0, f).silu() * gu.narrow(-1, f, f);
+            x = x + self.mm(&act, &l.w_down, pl.map(|p| &p[3]), None);
+        }
+        pad(self.rms(&x, &self.norm))
+    }
+
+    /// LM logits for hidden states `[.., hidden] → [.., vocab]`.
+    pub fn logits(&self, h: &Tensor) -> Tensor {
+        let w = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let packed = self
+            .packed
+            .as_ref()
+            .filter(|_| !self.embed.requires_grad())
+            .map(|p| &p.lm_head);
+        self.mm(h, w, packed, None)
+    }
+
+    /// Full forward: logits `[B, T, vocab]` for token ids `[B, T]` with an optional
+    /// padding mask `[B, T]` (1 = token). Positions count real tokens (left padding works).
+    pub fn forward(&self, ids: &Tensor, mask: Option<&Tensor>) -> Tensor {
+        let positions = positions_from_mask(ids, mask);
+        let h = self.hidden(ids, &positions, Attn::Full { mask });
+        self.logits(&h)
+    }
+}

@@ -1,0 +1,368 @@
+//! The model's parameters and what is done to them as a whole: heads, parameter lists,
+//! HF names, copying and adopting weights, moving devices, oneDNN packing.
+
+use super::heads::ScalarHead;
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use std::collections::HashMap;
+use tch::{Device, Kind, Tensor};
+
+/// One decoder layer's parameters.
+#[derive(Debug)]
+pub struct DecoderLayer {
+    /// RMSNorm before attention.
+    pub ln1: Tensor,
+    /// Fused q/k/v projection, stored input-major `[hidden, (H + 2·KV)·hd]` (the transpose
+    /// of HF's layout: `x @ W` runs MKL's fast NN GEMM without repacking the weights).
+    pub wqkv: Tensor,
+    /// Fused q/k/v bias (Qwen2).
+    pub bqkv: Option<Tensor>,
+    /// Output projection, input-major `[H·hd, hidden]`.
+    pub wo: Tensor,
+    /// RMSNorm before the MLP.
+    pub ln2: Tensor,
+    /// Fused gate/up projection, input-major `[hidden, 2·ffn]`.
+    pub w_gate_up: Tensor,
+    /// Down projection, input-major `[ffn, hidden]`.
+    pub w_down: Tensor,
+}
+
+/// A Llama-family causal LM.
+#[derive(Debug)]
+pub struct Llama {
+    /// The configuration.
+    pub config: ModelConfig,
+    /// Token embedding, stored transposed `[hidden, vocab]` (input-major for the tied LM head).
+    pub embed: Tensor,
+    /// The decoder layers.
+    pub layers: Vec<DecoderLayer>,
+    /// The final RMSNorm.
+    pub norm: Tensor,
+    /// The untied LM head, input-major `[hidden, vocab]`, or `None` when tied to `embed`.
+    pub lm_head: Option<Tensor>,
+    /// A scalar head (critic / reward), if attached.
+    pub head: Option<ScalarHead>,
+    pub(super) device: Device,
+    pub(super) kind: Kind,
+    pub(super) cos: Tensor,
+    pub(super) sin: Tensor,
+    pub(super) packed: Option<Packed>,
+}
+
+/// oneDNN-prepacked copies of the matrices, for inference on CPU.
+#[derive(Debug)]
+pub(super) struct Packed {
+    pub(super) batch: i64,
+    /// Per layer: wqkv, wo, w_gate_up, w_down.
+    pub(super) layers: Vec<[Tensor; 4]>,
+    pub(super) lm_head: Tensor,
+}
+
+impl Llama {
+    /// The device the weights live on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The weights' dtype.
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// Attaches a zero-initialised scalar head: `"v_head"` (value, with bias) or `"score"`
+    /// (reward, HF `LlamaForSequenceClassification` layout, no bias).
+    pub fn attach_head(&mut self, prefix: &str) {
+        let bias = prefix != "score";
+        self.head = Some(ScalarHead::new(
+            prefix,
+            self.config.hidden_size,
+            bias,
+            self.device,
+            self.kind,
+        ));
+    }
+
+    /// The canonical (trainable) parameters with stable names, for optimizers.
+    pub fn parameters_mut(&mut self) -> Vec<(String, &mut Tensor)> {
+        // The caller may change the weights: drop packed inference copies.
+        self.packed = None;
+        let mut v: Vec<(String, &mut Tensor)> = vec![("embed".into(), &mut self.embed)];
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            v.push((format!("layers.{i}.ln1"), &mut l.ln1));
+            v.push((format!("layers.{i}.wqkv"), &mut l.wqkv));
+            if let Some(b) = l.bqkv.as_mut() {
+                v.push((format!("layers.{i}.bqkv"), b));
+            }
+            v.push((format!("layers.{i}.wo"), &mut l.wo));
+            v.push((format!("layers.{i}.ln2"), &mut l.ln2));
+            v.push((format!("layers.{i}.w_gate_up"), &mut l.w_gate_up));
+            v.push((format!("layers.{i}.w_down"), &mut l.w_down));
+        }
+        v.push(("norm".into(), &mut self.norm));
+        if let Some(w) = self.lm_head.as_mut() {
+            v.push(("lm_head".into(), w));
+        }
+        if let Some(hd) = self.head.as_mut() {
+            v.push((format!("{}.weight", hd.prefix), &mut hd.weight));
+            if let Some(b) = hd.bias.as_mut() {
+                v.push((format!("{}.bias", hd.prefix), b));
+            }
+        }
+        v
+    }
+
+    /// The canonical parameters (shallow clones sharing storage).
+    pub fn parameters(&mut self) -> Vec<(String, Tensor)> {
+        self.parameters_mut()
+            .into_iter()
+            .map(|(n, t)| (n, t.shallow_clone()))
+            .collect()
+    }
+
+    /// Total number of parameters.
+    pub fn num_parameters(&mut self) -> i64 {
+        self.parameters_mut()
+            .iter()
+            .map(|(_, t)| t.numel() as i64)
+            .sum()
+    }
+
+    /// Sets `requires_grad` on every parameter.
+    pub fn set_requires_grad(&mut self, on: bool) {
+        for (_, t) in self.parameters_mut() {
+            let _ = t.requires_grad_(on);
+        }
+    }
+
+    /// HF-named tensors, as views into the canonical parameters (writes through).
+    pub fn hf_named_tensors(&self) -> Vec<(String, Tensor)> {
+        let c = &self.config;
+        let hd = c.head_dim;
+        let (nq, nkv, f) = (
+            c.num_attention_heads * hd,
+            c.num_key_value_heads * hd,
+            c.intermediate_size,
+        );
+        let mut v = vec![("model.embed_tokens.weight".to_string(), self.embed.tr())];
+        for (i, l) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            v.push((format!("{p}.input_layernorm.weight"), l.ln1.shallow_clone()));
+            v.push((
+                format!("{p}.self_attn.q_proj.weight"),
+                l.wqkv.narrow(1, 0, nq).tr(),
+            ));
+            v.push((
+                format!("{p}.self_attn.k_proj.weight"),
+                l.wqkv.narrow(1, nq, nkv).tr(),
+            ));
+            v.push((
+                format!("{p}.self_attn.v_proj.weight"),
+                l.wqkv.narrow(1, nq + nkv, nkv).tr(),
+            ));
+            if let Some(b) = &l.bqkv {
+                v.push((format!("{p}.self_attn.q_proj.bias"), b.narrow(0, 0, nq)));
+                v.push((format!("{p}.self_attn.k_proj.bias"), b.narrow(0, nq, nkv)));
+                v.push((
+                    format!("{p}.self_attn.v_proj.bias"),
+                    b.narrow(0, nq + nkv, nkv),
+                ));
+            }
+            v.push((format!("{p}.self_attn.o_proj.weight"), l.wo.tr()));
+            v.push((
+                format!("{p}.post_attention_layernorm.weight"),
+                l.ln2.shallow_clone(),
+            ));
+            v.push((
+                format!("{p}.mlp.gate_proj.weight"),
+                l.w_gate_up.narrow(1, 0, f).tr(),
+            ));
+            v.push((
+                format!("{p}.mlp.up_proj.weight"),
+                l.w_gate_up.narrow(1, f, f).tr(),
+            ));
+            v.push((format!("{p}.mlp.down_proj.weight"), l.w_down.tr()));
+        }
+        v.push(("model.norm.weight".into(), self.norm.shallow_clone()));
+        if let Some(w) = &self.lm_head {
+            v.push(("lm_head.weight".into(), w.tr()));
+        }
+        if let Some(hd) = &self.head {
+            v.push((format!("{}.weight", hd.prefix), hd.weight.shallow_clone()));
+            if let Some(b) = &hd.bias {
+                v.push((format!("{}.bias", hd.prefix), b.shallow_clone()));
+            }
+        }
+        v
+    }
+
+    /// Copies HF-named tensors into the weights in place (no reallocation): every name
+    /// must exist and match in shape; dtype/device are converted. Names absent from
+    /// `src` are left as they are.
+    pub fn copy_weights_from<'a>(
+        &mut self,
+        src: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
+    ) -> Result<usize> {
+        let dst: HashMap<String, Tensor> = self.hf_named_tensors().into_iter().collect();
+        let mut n = 0;
+        tch::no_grad(|| -> Result<()> {
+            for (name, t) in src {
+                let mut d = dst
+                    .get(name)
+                    .ok_or_else(|| {
+                        EngineError::Weights(format!("no parameter named `{name}` in this model"))
+                    })?
+                    .shallow_clone();
+                if d.size() != t.size() {
+                    return Err(EngineError::Weights(format!(
+                        "`{name}`: shape {:?} does not match the model's {:?}",
+                        t.size(),
+                        d.size()
+                    )));
+                }
+                d.f_copy_(t)?;
+                n += 1;
+            }
+            Ok(())
+        })?;
+        if let Some(b) = self.packed.as_ref().map(|p| p.batch) {
+            self.pack_for_inference(b);
+        }
+        Ok(n)
+    }
+
+    /// A deep copy of the parameters by canonical name (detached, contiguous, in their
+    /// own dtype and device): weights another model in this process can take over with
+    /// [`Llama::adopt_weights`], without the byte buckets a weight sync between
+    /// processes needs. One pass over the weights.
+    pub fn weights_snapshot(&mut self) -> Vec<(String, Tensor)> {
+        tch::no_grad(|| {
+            self.parameters_mut()
+                .into_iter()
+                .map(|(n, t)| (n, t.detach().copy()))
+                .collect()
+        })
+    }
+
+    /// Takes `snapshot`'s tensors (from [`Llama::weights_snapshot`] of a model with the
+    /// same config) as this model's weights, without copying them: models adopting the
+    /// same snapshot share its storage. Only a tensor of another dtype or device is
+    /// converted. For inference models only (none of the parameters may require
+    /// gradients: training would write into the shared storage). Every parameter must
+    /// be in the snapshot with its shape. Repacks packed inference weights. Returns how
+    /// many tensors were adopted.
+    pub fn adopt_weights(&mut self, snapshot: &[(String, Tensor)]) -> Result<usize> {
+        let (device, kind) = (self.device, self.kind);
+        // Mutable access to the parameters drops the packed copies: repack after, also
+        // when the snapshot is refused.
+        let repack = self.packed.as_ref().map(|p| p.batch);
+        let adopted = adopt_into(self.parameters_mut(), snapshot, device, kind);
+        if let Some(b) = repack {
+            self.pack_for_inference(b);
+        }
+        adopted
+    }
+
+    /// Moves every parameter to `device` (e.g. CPU for offload, back to CUDA for reload);
+    /// the old storage is released once nothing else references it.
+    pub fn to_device(&mut self, device: Device) {
+        tch::no_grad(|| {
+            for (_, t) in self.parameters_mut() {
+                let rg = t.requires_grad();
+                let moved = t.detach().to_device(device);
+                *t = if rg {
+                    moved.set_requires_grad(true)
+                } else {
+                    moved
+                };
+            }
+        });
+        self.packed = None;
+        self.cos = self.cos.to_device(device);
+        self.sin = self.sin.to_device(device);
+        self.device = device;
+    }
+
+    /// Prepacks the matrices with oneDNN for calls of about `batch` rows (f32 on CPU
+    /// only; a no-op elsewhere). Inference calls then use the packed copies (extra memory
+    /// the size of the weights); any mutable access to the parameters drops them, and
+    /// [`Llama::copy_weights_from`] repacks. Returns whether packing is active.
+    pub fn pack_for_inference(&mut self, batch: i64) -> bool {
+        self.packed = None;
+        if self.device != Device::Cpu || self.kind != Kind::Float || !crate::onednn::available() {
+            return false;
+        }
+        // oneDNN picks the weight layout from this row-count hint. Below ~128 rows it keeps
+        // the plain layout and runs its `gemm:jit` path, which repacks the weights on every
+        // call; from 128 up it picks a blocked layout (AB16b64a on AVX-512) for its brgemm
+        // kernels, which are 2-3x faster even for 16-row decode steps. So the hint is never
+        // below that.
+        let b = batch.max(512);
+        let pk = |w: &Tensor| crate::onednn::pack(&w.tr(), b);
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            match (pk(&l.wqkv), pk(&l.wo), pk(&l.w_gate_up), pk(&l.w_down)) {
+                (Ok(a), Ok(o), Ok(g), Ok(d)) => layers.push([a, o, g, d]),
+                _ => return false,
+            }
+        }
+        let Ok(lm_head) = pk(self.lm_head.as_ref().unwrap_or(&self.embed)) else {
+            return false;
+        };
+        self.packed = Some(Packed {
+            batch: b,
+            layers,
+            lm_head,
+        });
+        true
+    }
+
+    /// Whether oneDNN-packed inference weights are active.
+    pub fn is_packed(&self) -> bool {
+        self.packed.is_some()
+    }
+}
+
+/// [`Llama::adopt_weights`] on the parameters: checks everything first, so a bad
+/// snapshot leaves them as they were.
+fn adopt_into(
+    mut params: Vec<(String, &mut Tensor)>,
+    snapshot: &[(String, Tensor)],
+    device: Device,
+    kind: Kind,
+) -> Result<usize> {
+    let by_name: HashMap<&str, &Tensor> = snapshot.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    for (name, t) in &params {
+        if t.requires_grad() {
+            return Err(EngineError::Weights(format!(
+                "`{name}` requires gradients: only an inference model can adopt shared weights; copy them in with copy_weights_from"
+            )));
+        }
+        let src = by_name
+            .get(name.as_str())
+            .ok_or_else(|| EngineError::Weights(format!("the snapshot has no `{name}`")))?;
+        if src.size() != t.size() {
+            return Err(EngineError::Weights(format!(
+                "`{name}`: shape {:?} in the snapshot, {:?} in the model",
+                src.size(),
+                t.size()
+            )));
+        }
+    }
+    if let Some((extra, _)) = snapshot
+        .iter()
+        .find(|(n, _)| !params.iter().any(|(m, _)| m == n))
+    {
+        return Err(EngineError::Weights(format!(
+            "`{extra}` in the snapshot is no parameter of this model"
+        )));
+    }
+    tch::no_grad(|| {
+        for (name, t) in params.iter_mut() {
+            **t = by_name[name.as_str()]
+                .to_device(device)
+                .to_kind(kind)
+                .shallow_clone();
+        }
+    });
+    Ok(params.len())
+}

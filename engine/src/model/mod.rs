@@ -1,0 +1,25 @@
+//! The Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU, tied or
+//! untied embeddings), its KV cache and its scalar heads.
+//!
+//! The canonical parameters fuse q/k/v into one matrix and gate/up into another (fewer,
+//! larger GEMMs); the HF names are exposed as views into them
+//! ([`Llama::hf_named_tensors`]) for checkpoints and weight sync.
+//!
+//! This file only declares and re-exports; each concern is a leaf file.
+
+mod attention;
+mod forward;
+mod heads;
+mod kv_cache;
+mod llama;
+mod loading;
+mod rope;
+#[cfg(test)]
+mod tests;
+
+pub use attention::Attn;
+pub use heads::ScalarHead;
+pub use kv_cache::{KvCache, KV_BLOCK};
+pub use llama::{DecoderLayer, Llama};
+pub use loading::read_safetensors_dir;
+pub use rope::positions_from_mask;

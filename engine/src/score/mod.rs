@@ -1,0 +1,12 @@
+//! Scoring: per-token log-probs and entropy of given sequences, values from a value
+//! head, scores from a reward head.
+//!
+//! A public namespace because the function names say what is scored, not that it is
+//! scoring: `score::values`, `score::rewards` read well; a bare `values` at the crate root
+//! would not. This file only re-exports.
+
+mod heads;
+mod seq_batch;
+
+pub use heads::{last_hidden, rewards, token_logprobs, values, TokenScores};
+pub use seq_batch::SeqBatch;

@@ -1,0 +1,207 @@
+//! Building and starting a node: identity, listen address, seed, remote factories.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
+use std::sync::{Arc, Mutex};
+
+use serde::de::DeserializeOwned;
+use tokio::sync::watch;
+
+use super::config::{NodeConfig, NodeError};
+use super::dispatch::{NodeBook, NodeDispatch};
+use super::state::{FactoryFn, Node, NodeInner};
+use crate::actor::Actor;
+use crate::addr::{next_incarnation, ActorName};
+use crate::directory::{Change, DirectoryHandle};
+use crate::membership::{local_inventory, FailureDetector, NodeInfo};
+use crate::message::Message;
+use crate::tls::{ClusterCa, NodeIdentity, TlsError};
+use crate::transport::Transport;
+
+/// Builds and starts a [`Node`].
+pub struct NodeBuilder {
+    pub(super) name: String,
+    pub(super) config: NodeConfig,
+    pub(super) identity: Option<NodeIdentity>,
+    pub(super) dev_ca_dir: Option<PathBuf>,
+    pub(super) factories: HashMap<String, FactoryFn>,
+}
+
+impl NodeBuilder {
+    /// Sets the whole configuration.
+    pub fn config(mut self, config: NodeConfig) -> Self {
+        self.config = config;
+        self
+    }
+    /// Sets the listen address.
+    pub fn listen(mut self, addr: SocketAddr) -> Self {
+        self.config.listen = addr;
+        self
+    }
+    /// Joins the cluster through this member.
+    pub fn seed(mut self, addr: SocketAddr) -> Self {
+        self.config.seed = Some(addr);
+        self
+    }
+    /// Uses this certificate and key (issued by the cluster CA).
+    pub fn identity(mut self, identity: NodeIdentity) -> Self {
+        self.identity = Some(identity);
+        self
+    }
+    /// Dev mode: a cluster CA kept in `dir` (created on first use) issues this node's
+    /// certificate at start. For local clusters only: anyone who can read `dir` can join.
+    pub fn dev_certs(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.dev_ca_dir = Some(dir.into());
+        self
+    }
+    /// Registers a factory: peers can spawn `role` here with serialized `Args`.
+    pub fn factory<Args, A, F>(self, role: &str, make: F) -> Self
+    where
+        Args: DeserializeOwned + 'static,
+        A: Actor,
+        A::Request: Message,
+        A::Response: Message,
+        F: Fn(Args) -> Result<A, String> + Send + Sync + 'static,
+    {
+        self.factory_async(role, move |args| std::future::ready(make(args)))
+    }
+
+    /// Registers a factory whose actor takes a while to build (e.g. it loads a model on
+    /// a thread of its own): the spawn request is answered once the future resolves,
+    /// and the executor is never blocked meanwhile.
+    pub fn factory_async<Args, A, F, Fut>(self, role: &str, make: F) -> Self
+    where
+        Args: DeserializeOwned + 'static,
+        A: Actor,
+        A::Request: Message,
+        A::Response: Message,
+        F: Fn(Args) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<A, String>> + Send + 'static,
+    {
+        self.factory_with_node(role, move |_: &Node, _: &ActorName, args| make(args))
+    }
+
+    /// Like [`NodeBuilder::factory_async`], but `make` also gets the hosting node and the
+    /// name the actor will have, for an actor that talks to peers or spawns companions
+    /// of its own (e.g. a [`crate::collective::RingMember`]'s inbox).
+    pub fn factory_with_node<Args, A, F, Fut>(mut self, role: &str, make: F) -> Self
+    where
+        Args: DeserializeOwned + 'static,
+        A: Actor,
+        A::Request: Message,
+        A::Response: Message,
+        F: Fn(&Node, &ActorName, Args) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<A, String>> + Send + 'static,
+    {
+        let role_name = role.to_string();
+        let f: FactoryFn = Arc::new(move |node: &Node, name: ActorName, args: &[u8]| {
+            let made = postcard::from_bytes::<Args>(args)
+                .map_err(|e| format!("arguments for role {role_name:?} do not decode: {e}"))
+                .map(|a| make(node, &name, a));
+            let node = node.clone();
+            Box::pin(async move {
+                let actor = made?.await?;
+                node.spawn_named(name, actor)
+                    .map(|r| r.id().clone())
+                    .map_err(|e| e.to_string())
+            })
+        });
+        self.factories.insert(role.to_string(), f);
+        self
+    }
+
+    /// Starts the node: binds, joins (or leads), and begins heartbeats.
+    pub async fn start(self) -> Result<Node, NodeError> {
+        let identity = match (self.identity, &self.dev_ca_dir) {
+            (Some(id), _) => id,
+            (None, Some(dir)) => dev_identity(dir, &self.name)?,
+            (None, None) => return Err(NodeError::NoIdentity),
+        };
+        if identity.node != self.name {
+            return Err(NodeError::NameMismatch {
+                config: self.name,
+                cert: identity.node.clone(),
+            });
+        }
+        let (hostname, host_id, cpu_cores, memory_bytes, devices) =
+            local_inventory(self.config.virtual_devices);
+        let transport = Transport::bind(
+            &identity,
+            self.config.listen,
+            host_id.clone(),
+            self.config.transport.clone(),
+        )?;
+        let mut addr = self
+            .config
+            .advertise
+            .unwrap_or_else(|| transport.local_addr());
+        if addr.ip().is_unspecified() {
+            addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+        }
+        let info = NodeInfo {
+            name: self.name.clone(),
+            incarnation: next_incarnation(),
+            addr,
+            hostname,
+            host_id,
+            cpu_cores,
+            memory_bytes,
+            devices,
+        };
+        let (shutdown, _) = watch::channel(false);
+        let node = Node {
+            inner: Arc::new(NodeInner {
+                info: info.clone(),
+                transport: transport.clone(),
+                directory: DirectoryHandle::new(),
+                hosted: Mutex::new(HashMap::new()),
+                factories: self.factories,
+                leader: Mutex::new(self.name.clone()),
+                detector: Mutex::new(FailureDetector::new(self.config.failure_timeout)),
+                next_replica: AtomicU32::new(0),
+                in_flight: AtomicU64::new(0),
+                stopping: AtomicBool::new(false),
+                shutdown,
+                config: self.config,
+            }),
+        };
+        let weak = Arc::downgrade(&node.inner);
+        transport.set_dispatch(
+            Arc::new(NodeDispatch(weak.clone())),
+            Arc::new(NodeBook(weak)),
+        );
+        tokio::spawn(transport.clone().serve());
+        match node.inner.config.seed {
+            None => {
+                node.inner.directory.apply(Change::NodeUp(info))?;
+            }
+            Some(seed) => node.join(seed).await?,
+        }
+        tokio::spawn(node.clone().heartbeat_loop());
+        tracing::info!(node = %node.name(), addr = %node.addr(), leader = %node.leader(), "node started");
+        Ok(node)
+    }
+}
+
+pub(super) fn dev_identity(dir: &std::path::Path, name: &str) -> Result<NodeIdentity, NodeError> {
+    let ca = match ClusterCa::load(dir) {
+        Ok(ca) => ca,
+        Err(_) => {
+            std::fs::create_dir_all(dir).map_err(|e| TlsError::Io {
+                path: dir.to_path_buf(),
+                source: e,
+            })?;
+            let ca = ClusterCa::generate("yatt-dev")?;
+            // Another node of the same dev cluster may have raced us; keep whichever
+            // was written first.
+            if ClusterCa::load(dir).is_err() {
+                ca.save(dir)?;
+            }
+            ClusterCa::load(dir)?
+        }
+    };
+    Ok(ca.issue(name)?)
+}

@@ -1,0 +1,117 @@
+//! A node's settings and errors.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use crate::actor::CallError;
+use crate::addr::{ActorId, ActorName, AddrError};
+use crate::directory::DirectoryError;
+use crate::tls::TlsError;
+use crate::transport::{TransportConfig, TransportError};
+
+/// Settings of a node.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// Address to listen on (port 0 picks a free one).
+    pub listen: SocketAddr,
+    /// Address peers use to reach this node (default: the bound address).
+    pub advertise: Option<SocketAddr>,
+    /// A member's address to join through; none makes this node the directory leader.
+    pub seed: Option<SocketAddr>,
+    /// How often heartbeats are sent.
+    pub heartbeat_interval: Duration,
+    /// Silence after which a peer is declared dead.
+    pub failure_timeout: Duration,
+    /// Virtual devices to report when there is no GPU.
+    pub virtual_devices: u32,
+    /// Mailbox capacity of actors spawned by this node.
+    pub mailbox_capacity: usize,
+    /// Deadline of the node's own calls (join, register, spawn).
+    pub system_timeout: Duration,
+    /// How long shutdown waits for in-flight requests.
+    pub drain_timeout: Duration,
+    /// Transport settings.
+    pub transport: TransportConfig,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig {
+            listen: "127.0.0.1:0".parse().expect("literal"),
+            advertise: None,
+            seed: None,
+            heartbeat_interval: Duration::from_millis(500),
+            failure_timeout: Duration::from_secs(2),
+            virtual_devices: 1,
+            mailbox_capacity: 1024,
+            system_timeout: Duration::from_secs(10),
+            drain_timeout: Duration::from_secs(10),
+            transport: TransportConfig::default(),
+        }
+    }
+}
+
+/// Errors from node operations.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// Certificates could not be loaded, created or used.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    /// The transport could not start.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// A name was invalid.
+    #[error(transparent)]
+    Addr(#[from] AddrError),
+    /// The node's name does not match its certificate.
+    #[error("node name {config:?} does not match the certificate's {cert:?}; issue a certificate for {config:?} (`yatt-node cert --name {config}`)")]
+    NameMismatch {
+        /// The configured name.
+        config: String,
+        /// The certificate's name.
+        cert: String,
+    },
+    /// No identity was given: neither certificates nor dev mode.
+    #[error("no node identity: give certificates (`identity`) or use dev mode (`dev_certs(DIR)`)")]
+    NoIdentity,
+    /// Joining the cluster failed.
+    #[error("could not join through seed {seed}: {reason}")]
+    Join {
+        /// The seed address.
+        seed: SocketAddr,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A remote call failed.
+    #[error(transparent)]
+    Call(#[from] CallError),
+    /// The directory refused a change.
+    #[error(transparent)]
+    Directory(#[from] DirectoryError),
+    /// An actor name is already taken by a running actor on this node.
+    #[error("{0} is already running on this node; pick another replica index")]
+    NameTaken(ActorName),
+    /// The reference's types do not match the actor's.
+    #[error("{id} does not take {req} / answer {resp}")]
+    WrongType {
+        /// The actor.
+        id: ActorId,
+        /// The request type asked for.
+        req: &'static str,
+        /// The response type asked for.
+        resp: &'static str,
+    },
+    /// No factory is registered under a role name.
+    #[error("no factory for role {role:?} on node {node}; registered: {known:?}")]
+    NoFactory {
+        /// The node asked.
+        node: String,
+        /// The role asked for.
+        role: String,
+        /// The roles it can spawn.
+        known: Vec<String>,
+    },
+    /// The node is shutting down.
+    #[error("node is shutting down")]
+    ShuttingDown,
+}

@@ -1,0 +1,51 @@
+//! A node: one process's share of the cluster.
+//!
+//! A node owns the QUIC transport, a replica of the directory, the actors it hosts and
+//! the factories it can spawn remotely. The first node of a cluster (no seed) leads the
+//! directory: it orders every change and watches every member's heartbeats. Others join
+//! through a seed address, heartbeat the leader, and follow its directory updates.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use yatt_runtime::{Actor, ActorError, Context, Node};
+//!
+//! struct Greeter;
+//! impl Actor for Greeter {
+//!     type Request = String;
+//!     type Response = String;
+//!     async fn handle(&mut self, who: String, _: &mut Context) -> Result<String, ActorError> {
+//!         Ok(format!("hello, {who}"))
+//!     }
+//! }
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let seed = Node::builder("alpha").dev_certs("/tmp/yatt-dev-ca").start().await?;
+//! let member = Node::builder("beta")
+//!     .dev_certs("/tmp/yatt-dev-ca")
+//!     .seed(seed.addr())
+//!     .factory("greeter", |_: ()| Ok(Greeter))
+//!     .start()
+//!     .await?;
+//! let greeter = seed
+//!     .spawn_remote::<String, String, _>("beta", "greeter", &(), Duration::from_secs(5))
+//!     .await?;
+//! let answer = greeter.ask("world".to_string(), Duration::from_secs(1)).await?;
+//! assert_eq!(answer, "hello, world");
+//! # Ok(()) }
+//! ```
+//!
+//! This file only declares and re-exports; each concern is a leaf file.
+
+mod builder;
+mod cluster;
+mod config;
+mod dispatch;
+mod local;
+mod protocol;
+mod remote;
+mod state;
+mod system;
+
+pub use builder::NodeBuilder;
+pub use config::{NodeConfig, NodeError};
+pub use state::{Node, WeakNode};

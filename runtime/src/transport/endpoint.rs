@@ -1,0 +1,298 @@
+//! The endpoint and its connections: binding, accepting, dialing peers, closing.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::mpsc;
+
+use super::config::{TransportConfig, TransportError, TransportStats};
+use super::peer::{Peer, StreamWriter, TellProgress};
+use super::protocol::{Control, ASKS, CONTROL_PRIORITY, REPLIES};
+use super::routing::{Dispatch, PeerBook, Target};
+use crate::actor::CallError;
+use crate::message::Wire;
+use crate::shm::{MappingCache, SegmentPool};
+use crate::tls::{self, NodeIdentity};
+
+/// One process's QUIC endpoint and its connections.
+pub struct Transport {
+    pub(super) name: String,
+    pub(super) host_id: String,
+    pub(super) endpoint: quinn::Endpoint,
+    pub(super) config: TransportConfig,
+    pub(super) peers: Mutex<HashMap<String, Arc<Peer>>>,
+    pub(super) dial_lock: tokio::sync::Mutex<()>,
+    pub(super) dispatch: OnceLock<Arc<dyn Dispatch>>,
+    pub(super) book: OnceLock<Arc<dyn PeerBook>>,
+    pub(super) segments: Arc<SegmentPool>,
+    /// Counters.
+    pub stats: TransportStats,
+}
+
+pub(super) fn bind_socket(
+    listen: SocketAddr,
+    buffer: usize,
+) -> std::io::Result<std::net::UdpSocket> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(
+        Domain::for_address(listen),
+        Type::DGRAM,
+        Some(Protocol::UDP),
+    )?;
+    // Larger buffers keep bursts of bulk datagrams from being dropped (and retransmitted).
+    let _ = socket.set_recv_buffer_size(buffer);
+    let _ = socket.set_send_buffer_size(buffer);
+    socket.bind(&listen.into())?;
+    Ok(socket.into())
+}
+
+impl Transport {
+    /// Binds the endpoint; it accepts connections once [`Transport::serve`] runs.
+    pub(crate) fn bind(
+        identity: &NodeIdentity,
+        listen: SocketAddr,
+        host_id: String,
+        config: TransportConfig,
+    ) -> Result<Arc<Self>, TransportError> {
+        let server = identity.server_config()?;
+        let client = identity.client_config()?;
+        let bind_err = |reason: String| TransportError::Bind {
+            addr: listen,
+            reason,
+        };
+        let socket =
+            bind_socket(listen, config.socket_buffer).map_err(|e| bind_err(e.to_string()))?;
+        let runtime =
+            quinn::default_runtime().ok_or_else(|| bind_err("no async runtime".into()))?;
+        let mut endpoint = quinn::Endpoint::new(
+            quinn::EndpointConfig::default(),
+            Some(server),
+            socket,
+            runtime,
+        )
+        .map_err(|e| bind_err(e.to_string()))?;
+        endpoint.set_default_client_config(client);
+        crate::shm::remove_stale(&config.shm_dir, &identity.node);
+        let segments = SegmentPool::new(
+            &config.shm_dir,
+            format!("yatt-{}-{}", identity.node, std::process::id()),
+            config.shm_pool_bytes,
+        );
+        Ok(Arc::new(Transport {
+            name: identity.node.clone(),
+            host_id,
+            endpoint,
+            config,
+            peers: Mutex::new(HashMap::new()),
+            dial_lock: tokio::sync::Mutex::new(()),
+            dispatch: OnceLock::new(),
+            book: OnceLock::new(),
+            segments,
+            stats: TransportStats::default(),
+        }))
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.endpoint
+            .local_addr()
+            .unwrap_or_else(|_| "0.0.0.0:0".parse().expect("literal"))
+    }
+
+    pub(crate) fn set_dispatch(&self, d: Arc<dyn Dispatch>, book: Arc<dyn PeerBook>) {
+        let _ = self.dispatch.set(d);
+        let _ = self.book.set(book);
+    }
+
+    /// Accepts connections until the endpoint closes.
+    pub(crate) async fn serve(self: Arc<Self>) {
+        while let Some(incoming) = self.endpoint.accept().await {
+            let this = self.clone();
+            tokio::spawn(async move {
+                let remote = incoming.remote_address();
+                match tokio::time::timeout(this.config.connect_timeout, incoming).await {
+                    Ok(Ok(conn)) => match tls::peer_node_name(&conn) {
+                        Ok(name) => {
+                            this.adopt(name, conn);
+                        }
+                        Err(e) => {
+                            tracing::warn!(%remote, error = %e, "refusing peer without a usable certificate");
+                            conn.close(1u32.into(), b"bad certificate");
+                        }
+                    },
+                    Ok(Err(e)) => tracing::warn!(%remote, error = %e, "handshake refused"),
+                    Err(_) => tracing::warn!(%remote, "handshake timed out"),
+                }
+            });
+        }
+    }
+
+    /// Stops accepting new connections (existing ones keep working).
+    pub(crate) fn stop_accepting(&self) {
+        self.endpoint.set_server_config(None);
+    }
+
+    /// Closes every connection and waits (bounded) for the peers to be told.
+    pub(crate) async fn close(&self) {
+        self.segments.remove_all();
+        self.endpoint.close(0u32.into(), b"node shutting down");
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+    }
+
+    /// Drops the cached connection to `node` (it died).
+    pub(crate) fn forget(&self, node: &str) {
+        if let Some(p) = self.lock_peers().remove(node) {
+            p.conn.close(2u32.into(), b"peer declared dead");
+            p.fail_pending("peer declared dead");
+        }
+    }
+
+    pub(super) fn lock_peers(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Peer>>> {
+        self.peers.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Registers a connection (dialled or accepted) and serves the streams the peer opens.
+    pub(super) fn adopt(self: &Arc<Self>, name: String, conn: quinn::Connection) -> Arc<Peer> {
+        self.stats.connections.fetch_add(1, Ordering::Relaxed);
+        let (release_tx, release_rx) = mpsc::unbounded_channel();
+        let peer = Arc::new(Peer {
+            name: name.clone(),
+            conn: conn.clone(),
+            tells_sent: AtomicU64::new(0),
+            tells: tokio::sync::Mutex::new(None),
+            system: tokio::sync::Mutex::new(None),
+            asks: StreamWriter::new(ASKS, CONTROL_PRIORITY),
+            replies: StreamWriter::new(REPLIES, CONTROL_PRIORITY),
+            next_ask: AtomicU64::new(0),
+            pending: Mutex::new(HashMap::new()),
+            progress: TellProgress::default(),
+            segments: MappingCache::new(release_tx),
+        });
+        let chosen = {
+            let mut peers = self.lock_peers();
+            match peers.get(&name) {
+                // Keep one connection per peer for sending; a second one (both sides
+                // dialled at once) is still served until the peer stops using it.
+                Some(existing) if existing.conn.close_reason().is_none() => existing.clone(),
+                _ => {
+                    peers.insert(name, peer.clone());
+                    peer.clone()
+                }
+            }
+        };
+        let this = self.clone();
+        tokio::spawn(this.clone().send_releases(peer.clone(), release_rx));
+        tokio::spawn(async move { this.serve_connection(peer).await });
+        chosen
+    }
+
+    /// Tells the peer which of its segments this side is done with, in batches.
+    pub(super) async fn send_releases(
+        self: Arc<Self>,
+        peer: Arc<Peer>,
+        mut rx: mpsc::UnboundedReceiver<u64>,
+    ) {
+        while let Some(id) = rx.recv().await {
+            let mut ids = vec![id];
+            while let Ok(id) = rx.try_recv() {
+                ids.push(id);
+            }
+            let Ok(body) = postcard::to_stdvec(&Control::Release(ids)) else {
+                continue;
+            };
+            let wire = Wire {
+                body: Bytes::from(body),
+                bulk: None,
+            };
+            if self
+                .tell_on(&peer, Target::Transport, wire, true)
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    }
+
+    pub(super) async fn peer(self: &Arc<Self>, node: &str) -> Result<Arc<Peer>, CallError> {
+        if let Some(p) = self.lock_peers().get(node) {
+            if p.conn.close_reason().is_none() {
+                return Ok(p.clone());
+            }
+        }
+        let (addr, _) = self
+            .book
+            .get()
+            .ok_or_else(|| CallError::NodeDown {
+                node: node.to_string(),
+            })?
+            .lookup(node)?;
+        let _dialing = self.dial_lock.lock().await;
+        if let Some(p) = self.lock_peers().get(node) {
+            if p.conn.close_reason().is_none() {
+                return Ok(p.clone());
+            }
+        }
+        let (name, conn) = self.dial(addr).await?;
+        if name != node {
+            conn.close(1u32.into(), b"unexpected node");
+            return Err(CallError::Transport {
+                node: node.to_string(),
+                reason: format!("{addr} answered as node {name:?}"),
+            });
+        }
+        Ok(self.adopt(name, conn))
+    }
+
+    /// Connects to an address and returns the peer's node name from its certificate.
+    pub(crate) async fn dial(
+        self: &Arc<Self>,
+        addr: SocketAddr,
+    ) -> Result<(String, quinn::Connection), CallError> {
+        let fail = |reason: String| CallError::Transport {
+            node: addr.to_string(),
+            reason,
+        };
+        let connecting = self
+            .endpoint
+            .connect(addr, tls::SERVER_NAME)
+            .map_err(|e| fail(e.to_string()))?;
+        let conn = tokio::time::timeout(self.config.connect_timeout, connecting)
+            .await
+            .map_err(|_| {
+                fail(format!(
+                    "handshake timed out after {:?}",
+                    self.config.connect_timeout
+                ))
+            })?
+            .map_err(|e| fail(e.to_string()))?;
+        let name = tls::peer_node_name(&conn).map_err(|e| fail(e.to_string()))?;
+        Ok((name, conn))
+    }
+
+    /// Dials a seed by address and keeps the connection as that peer's.
+    pub(crate) async fn connect_seed(
+        self: &Arc<Self>,
+        addr: SocketAddr,
+    ) -> Result<String, CallError> {
+        let (name, conn) = self.dial(addr).await?;
+        self.adopt(name.clone(), conn);
+        Ok(name)
+    }
+
+    /// Checks that `node` can be reached (connecting if needed) before a message is
+    /// committed to the wire, so a failed tell can give the message back.
+    pub(crate) async fn reachable(self: &Arc<Self>, node: &str) -> Result<(), CallError> {
+        tokio::time::timeout(self.config.connect_timeout, self.peer(node))
+            .await
+            .map_err(|_| CallError::Transport {
+                node: node.to_string(),
+                reason: "connect timed out".into(),
+            })?
+            .map(|_| ())
+    }
+}
