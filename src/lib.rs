@@ -7,9 +7,13 @@
 //! |---|---|
 //! | [`runtime`] | actors, addressing, QUIC transport, membership, supervision (no ML) |
 //! | [`engine`] | tch models, generation, log-probs, training, checkpoints (no actors) |
-//! | [`roles`] | the `Role` trait, built-in roles, algorithms, controllers |
-//! | [`placement`] | inventory, plans, placement policy, simulator (no tch) |
+//! | [`roles`] | the SDK (`Role`, `Sample`), algorithms, rewards, data, built-in roles |
+//! | [`trainer`] | typed job config, controllers, ledger, embedded/cluster builds, live placement, runs |
+//! | [`placement`] | inventory, plans, cost model, search, the placement policy (no tch, no runtime) |
 //! | [`metrics`] | a run's metrics.jsonl and TensorBoard events, reading them, PNG plots |
+//!
+//! The SDK a user's role is written against is re-exported at the top: [`Role`],
+//! [`Sample`] and their companions.
 
 pub use yatt_engine as engine;
 pub use yatt_metrics as metrics;
@@ -17,6 +21,12 @@ pub use yatt_placement as placement;
 pub use yatt_roles as roles;
 pub use yatt_runtime as runtime;
 pub use yatt_trainer as trainer;
+
+// The SDK: what a user's role implements and exchanges.
+pub use yatt_roles::{
+    DeviceGroup, ResourceProfile, Role, RoleActor, RoleError, RoleRequest, RoleResponse, Sample,
+    SampleId, WeightsUpdate,
+};
 
 /// A binary's exit code for `result`; an error is printed with its chain of causes and
 /// no backtrace (errors are for people; `RUST_BACKTRACE` is for panics).

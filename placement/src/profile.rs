@@ -459,7 +459,7 @@ pub enum Sharding {
 }
 
 /// What a role needs in device memory: the planner's view of the role's resource
-/// profile (`yatt_roles::role::ResourceProfile` reports the same fields live).
+/// profile (`yatt_roles::ResourceProfile` reports the same fields live).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct MemoryProfile {
     /// State held while loaded (weights, optimizer), bytes in all, before sharding.

@@ -7,7 +7,7 @@
 //! the runtime can change without breaking roles.
 //!
 //! ```
-//! use yatt_roles::role::{DeviceGroup, ResourceProfile, Role, RoleError};
+//! use yatt_roles::{DeviceGroup, ResourceProfile, Role, RoleError};
 //!
 //! /// Scores a response by its length (a toy reward role).
 //! struct LengthReward;

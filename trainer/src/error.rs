@@ -18,7 +18,7 @@ pub enum JobError {
         source: std::io::Error,
     },
     /// The config is not valid TOML or a value has the wrong type or an unknown key.
-    #[error("{origin}: {message}\nfix: compare with config/demo-letters.toml (every key, its type and default are listed in roles/src/job.rs)")]
+    #[error("{origin}: {message}\nfix: compare with config/demo-letters.toml (every key, its type and default are listed in trainer/src/config/sections.rs)")]
     Parse {
         /// Where the text came from.
         origin: String,

@@ -1,4 +1,4 @@
-//! End-to-end runs of the algorithms through `yatt_roles::job` (every role as an actor
+//! End-to-end runs of the algorithms through `yatt_trainer` (every role as an actor
 //! on one in-process node, the tiny model, the letters reward of
 //! `config/demo-letters.toml`): PPO with a critic learns, DAPO's dynamic sampling drops
 //! flat groups and keeps the ledger balanced, and a resumed run repeats an

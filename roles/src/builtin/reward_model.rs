@@ -42,7 +42,7 @@ pub trait ModelScorer: Send {
 #[derive(Debug, thiserror::Error)]
 pub enum RewardModelError {
     /// The directory does not exist or holds no model.
-    #[error("reward model {dir}: {reason}; fix: point it at an HF directory with config.json and model.safetensors (train one with `yatt reward-model` or yatt_roles::builtin::train_reward_model)")]
+    #[error("reward model {dir}: {reason}; fix: point it at an HF directory with config.json and model.safetensors (train one with `yatt reward-model` or yatt_roles::train_reward_model)")]
     MissingModel {
         /// The directory.
         dir: PathBuf,

@@ -1,7 +1,7 @@
 //! `yatt reward-model CONFIG --data FILE.jsonl --out DIR`: trains a scalar reward model
 //! (the job's model with a `score` head) on scored responses or preference pairs and
 //! saves it as an HF directory for `reward.kind = "model"`. The logic is in
-//! `yatt_roles::builtin::reward_model`.
+//! `yatt_roles::train_reward_model`.
 
 use std::path::PathBuf;
 

@@ -4,7 +4,7 @@
 //! on it. With `--cluster`: this process joins the cluster as a node and spawns each
 //! role on the node `[placement]` names. Then `job.steps` steps run; metrics go to
 //! `OUTPUT_DIR/metrics.jsonl` and a TensorBoard event file there, the policy to
-//! `OUTPUT_DIR/checkpoint`. The logic is in `yatt_roles::job` and `yatt_roles::remote`.
+//! `OUTPUT_DIR/checkpoint`. The logic is in `yatt_trainer` (`train_with`, `build_cluster`).
 //! On a terminal progress is a bar; otherwise (CI, pipes) a line per step.
 
 use std::io::IsTerminal as _;
