@@ -8,7 +8,8 @@
 //! | [`runtime`] | actors, addressing, QUIC transport, membership, supervision (no ML) |
 //! | [`engine`] | tch models, generation, log-probs, training, checkpoints (no actors) |
 //! | [`roles`] | the `Role` trait, built-in roles, algorithms, controllers |
-//! | [`placement`] | inventory, plans, placement policy, simulator (no tch) |
+//! | [`placement`] | inventory, plans, cost model, placement policy, discrete-event engine (no tch) |
+//! | [`sim`] | `yatt sim`'s scenarios, reports, PNG and calibration (no tch) |
 //! | [`metrics`] | a run's metrics.jsonl and TensorBoard events, reading them, PNG plots |
 
 pub use yatt_engine as engine;
@@ -16,6 +17,7 @@ pub use yatt_metrics as metrics;
 pub use yatt_placement as placement;
 pub use yatt_roles as roles;
 pub use yatt_runtime as runtime;
+pub use yatt_sim as sim;
 
 /// A binary's exit code for `result`; an error is printed with its chain of causes and
 /// no backtrace (errors are for people; `RUST_BACKTRACE` is for panics).

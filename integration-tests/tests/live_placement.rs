@@ -13,10 +13,9 @@ use std::time::{Duration, Instant};
 use yatt_integration_tests::{
     assert_roles_released, cluster_logs, join, poll, replica_weights, yatt_bin, Cluster,
 };
-use yatt_placement::inventory::GroupId;
-use yatt_placement::policy::Reason;
-use yatt_placement::profile::Role;
-use yatt_placement::record::{after_move, parse, render, Record};
+use yatt_placement::{
+    after_move, parse_records as parse, render_records as render, GroupId, Reason, Record, Role,
+};
 use yatt_roles::controller::{GenProbe, PolicyRef, StepMetrics};
 use yatt_roles::job::JobConfig;
 use yatt_roles::job::JobError;

@@ -181,7 +181,9 @@ fn timing_series(steps: &[StepRecord]) -> (Vec<Series>, Option<Series>) {
         .iter()
         .flat_map(|s| s.values.keys())
         .map(String::as_str)
-        .filter(|k| k.starts_with(names::TIMING_PREFIX) && *k != STEP_TIME && !STAGE_ORDER.contains(k))
+        .filter(|k| {
+            k.starts_with(names::TIMING_PREFIX) && *k != STEP_TIME && !STAGE_ORDER.contains(k)
+        })
         .collect();
     others.sort_unstable();
     others.dedup();

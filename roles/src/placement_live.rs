@@ -48,7 +48,7 @@
 //! use.
 //!
 //! Everything it sees and does goes to `OUTPUT_DIR/placement.jsonl`
-//! ([`yatt_placement::record`]), which `yatt placement show RUN_DIR` renders.
+//! ([`yatt_placement::Record`]), which `yatt placement show RUN_DIR` renders.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -58,18 +58,15 @@ use std::time::{Duration, Instant};
 
 use tch::{Device, Kind};
 use yatt_engine::{Llama, Trainer};
-use yatt_placement::inventory::GroupId;
-use yatt_placement::profile::{Role as PRole, RoleSet};
-use yatt_placement::record::{finite, GroupUse, Record};
-use yatt_placement::workload::ForecastParams;
 use yatt_placement::{
-    CostSetup, Decision, Event, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy,
-    Plan, Pool, Reason, RewardKind, Stage, StageObs,
+    finite, CostSetup, Decision, DeviceDesc, Event, ForecastParams, GpuSpec, GroupId, GroupUse,
+    Inventory, JobShape, Limits, ModelSpec, NodeDesc, PlacementPolicy, Plan, Pool, Reason, Record,
+    RewardKind, Role as PRole, RoleSet, Stage, StageObs,
 };
 use yatt_runtime::actor::{ActorRef, ExitReason};
 use yatt_runtime::collective::RING_CHUNK_BYTES;
 use yatt_runtime::directory::Change;
-use yatt_runtime::membership::NodeInfo;
+use yatt_runtime::membership::{DeviceKind, NodeInfo};
 use yatt_runtime::message::Message;
 use yatt_runtime::node::Node;
 use yatt_runtime::ActorId;
@@ -87,6 +84,24 @@ use crate::ledger::LedgerReport;
 use crate::remote::{self, job_text, wait_for_nodes};
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse};
 use crate::sample::Sample;
+
+/// A node as placement sees it: its name, host memory and devices (GPUs, or the
+/// virtual devices of a node without).
+fn node_desc(info: &NodeInfo) -> NodeDesc {
+    NodeDesc {
+        name: info.name.clone(),
+        memory_bytes: info.memory_bytes,
+        devices: info
+            .devices
+            .iter()
+            .map(|d| DeviceDesc {
+                index: d.index,
+                gpu: d.kind == DeviceKind::Cuda,
+                memory_bytes: d.memory_bytes,
+            })
+            .collect(),
+    }
+}
 
 /// The `growing` task's reward role: pays for a response of the step's target length
 /// (the step comes from each sample's id).
@@ -275,7 +290,8 @@ async fn cluster_inventory(
             .filter_map(|want| d.alive_nodes().find(|n| n.name == *want).cloned())
             .collect()
     });
-    let inventory = Inventory::from_nodes(&infos, 1).map_err(|e| {
+    let descs: Vec<NodeDesc> = infos.iter().map(node_desc).collect();
+    let inventory = Inventory::from_nodes(&descs, 1).map_err(|e| {
         invalid(
             "placement.nodes",
             "nodes whose devices form groups of one",
@@ -479,7 +495,7 @@ impl LivePlacement {
             path: out.clone(),
             source,
         })?;
-        let log_path = out.join(yatt_placement::record::FILE);
+        let log_path = out.join(yatt_placement::RECORD_FILE);
         let log = std::fs::File::create(&log_path).map_err(|source| JobError::Write {
             path: log_path.clone(),
             source,
@@ -1086,7 +1102,7 @@ impl LivePlacement {
     /// A node of `placement.nodes` joined (or came back): its devices become groups of
     /// the inventory, which the policy may use from its next search.
     async fn join_node(&mut self, info: NodeInfo, step: u64) -> Result<(), JobError> {
-        let decisions = self.policy.on_event(Event::NodeJoined(info.clone()));
+        let decisions = self.policy.on_event(Event::NodeJoined(node_desc(&info)));
         let added: Vec<GroupId> = self
             .policy
             .inventory()

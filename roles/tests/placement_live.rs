@@ -4,8 +4,7 @@
 //! clean ledger, and run faster after the move than the cost model predicts for the
 //! old plan at the new workload.
 
-use yatt_placement::profile::Role;
-use yatt_placement::record::{after_move, parse, render, Record};
+use yatt_placement::{after_move, parse_records as parse, render_records as render, Record, Role};
 use yatt_roles::job::{train, JobConfig};
 use yatt_runtime::node::Node;
 
