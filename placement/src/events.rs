@@ -9,7 +9,7 @@ use crate::cost::StepMetrics;
 use crate::node::NodeDesc;
 use crate::plan::{Move, Plan};
 
-/// What the policy is told.
+/// What a placer is told.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// A node joined the cluster with these devices.
@@ -63,7 +63,7 @@ pub struct Migration {
     pub cost_s: f64,
 }
 
-/// What the policy decides.
+/// What a placer decides.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Decision {
     /// Move groups between roles.

@@ -77,6 +77,56 @@ fn a_group_moved_into_a_decoding_pool_decodes() {
     assert!(sim.migration.is_none(), "the migration finished");
 }
 
+/// A placer that moves group 2 from the judge to the rollout after the first step
+/// and records what it was told.
+struct MoveOnce {
+    told: Vec<String>,
+}
+
+impl Placer for MoveOnce {
+    fn on_event(&mut self, event: Event) -> Vec<Decision> {
+        let first = self.told.is_empty();
+        self.told.push(match &event {
+            Event::Metrics(m) => format!("metrics {}", m.step),
+            Event::MigrationDone { id } => format!("done {id}"),
+            other => format!("{other:?}"),
+        });
+        if !first {
+            return Vec::new();
+        }
+        let (from, to) = (plan(&[0], &[1, 2], &[3]), plan(&[0, 2], &[1], &[3]));
+        vec![Decision::Migrate(crate::events::Migration {
+            id: 7,
+            reason: crate::events::Reason::Rebalance,
+            moves: from.moves_to(&to),
+            target: to,
+            predicted_s: (1.0, 0.5),
+            cost_s: 0.1,
+        })]
+    }
+
+    fn take_log(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.told)
+    }
+}
+
+#[test]
+fn any_placer_drives_the_engine_and_keeps_what_it_learnt() {
+    let w = world();
+    let mut placer = MoveOnce { told: Vec::new() };
+    let r = Sim::new(&w, &plan(&[0], &[1, 2], &[3]), 1)
+        .driven_by(&mut placer)
+        .run();
+    assert_eq!(r.migrations, 1);
+    assert_eq!(r.plans.len(), 2, "{:?}", r.plans);
+    assert_eq!(r.plans[1], (1, plan(&[0, 2], &[1], &[3]).summary()));
+    // Its log is the run's: one line per event, each step's metrics and the
+    // migration's outcome.
+    assert_eq!(r.log.first().map(String::as_str), Some("metrics 0"));
+    assert!(r.log.iter().any(|l| l == "done 7"), "{:?}", r.log);
+    assert_eq!(r.log.iter().filter(|l| l.starts_with("metrics")).count(), 6);
+}
+
 #[test]
 fn every_step_finishes_and_time_adds_up() {
     let w = world();
