@@ -468,8 +468,8 @@ impl CostModel {
     }
 
     /// Replaces the seconds a role takes to start on a group (defaults
-    /// [`START_DECODER_S`], [`START_OTHER_S`]: GPU figures); a live executor passes what
-    /// it measured starting roles on its devices.
+    /// `START_DECODER_S` and `START_OTHER_S` in this module: GPU figures); a live
+    /// executor passes what it measured starting roles on its devices.
     pub fn set_start_costs(&mut self, decoder_s: f64, other_s: f64) {
         if decoder_s.is_finite() && decoder_s >= 0.0 {
             self.start_decoder_s = decoder_s;
