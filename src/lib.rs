@@ -9,6 +9,7 @@
 //! | [`engine`] | tch models, generation, log-probs, training, checkpoints (no actors) |
 //! | [`roles`] | the SDK (`Role`, `Sample`), algorithms, rewards, data, built-in roles |
 //! | [`trainer`] | typed job config, controllers, ledger, embedded/cluster builds, live placement, runs |
+//! | [`sim`] | `yatt sim`'s scenarios, reports, PNG and calibration (no tch) |
 //! | [`placement`] | inventory, plans, cost model, search, the placement policy (no tch, no runtime) |
 //! | [`metrics`] | a run's metrics.jsonl and TensorBoard events, reading them, PNG plots |
 //!
@@ -20,6 +21,7 @@ pub use yatt_metrics as metrics;
 pub use yatt_placement as placement;
 pub use yatt_roles as roles;
 pub use yatt_runtime as runtime;
+pub use yatt_sim as sim;
 pub use yatt_trainer as trainer;
 
 // The SDK: what a user's role implements and exchanges.

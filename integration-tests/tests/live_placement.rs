@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 use yatt_integration_tests::{
     assert_roles_released, cluster_logs, join, poll, replica_weights, yatt_bin, Cluster,
 };
-use yatt_placement::inventory::GroupId;
-use yatt_placement::policy::Reason;
-use yatt_placement::profile::Role;
-use yatt_placement::record::{after_move, parse, render, Record};
+use yatt_placement::GroupId;
+use yatt_placement::Reason;
+use yatt_placement::Role;
+use yatt_placement::{after_move, parse_records, render_records, Record};
 use yatt_runtime::{ActorId, Node};
 use yatt_trainer::JobConfig;
 use yatt_trainer::JobError;
@@ -129,8 +129,8 @@ async fn run_all(
 
 /// The placement log, printed.
 fn records(live: &LivePlacement) -> Vec<Record> {
-    let records = parse(&std::fs::read_to_string(live.log_path()).unwrap()).unwrap();
-    eprintln!("{}", render(&records, 5, 5).unwrap());
+    let records = parse_records(&std::fs::read_to_string(live.log_path()).unwrap()).unwrap();
+    eprintln!("{}", render_records(&records, 5, 5).unwrap());
     records
 }
 

@@ -33,7 +33,7 @@ impl StepRecord {
 /// ```
 /// use std::collections::BTreeMap;
 /// let m = BTreeMap::from([("b".to_string(), f64::NAN), ("a".to_string(), 0.5)]);
-/// assert_eq!(yatt_metrics::jsonl::format_line(3, &m), r#"{"step":3,"a":0.5,"b":null}"#);
+/// assert_eq!(yatt_metrics::format_line(3, &m), r#"{"step":3,"a":0.5,"b":null}"#);
 /// ```
 pub fn format_line(step: u64, values: &BTreeMap<String, f64>) -> String {
     let mut line = format!("{{\"step\":{step}");

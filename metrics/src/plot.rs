@@ -14,7 +14,7 @@ use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
 use crate::jsonl::{read_jsonl, StepRecord, FILE_NAME};
-use crate::{MetricsError, WriteError};
+use crate::{names, MetricsError, WriteError};
 
 const WIDTH: u32 = 1000;
 const HEIGHT: u32 = 600;
@@ -37,18 +37,18 @@ const PALETTE: [RGBColor; 10] = [
 /// Pipeline order of the stage times, so the timing stack reads bottom-up as a step
 /// runs; stages not listed follow in name order.
 const STAGE_ORDER: [&str; 8] = [
-    "timing_s/gen",
-    "timing_s/reward",
-    "timing_s/ref",
-    "timing_s/old_log_prob",
-    "timing_s/values",
-    "timing_s/adv",
-    "timing_s/update_actor",
-    "timing_s/weight_sync",
+    names::GEN_S,
+    names::REWARD_S,
+    names::REF_S,
+    names::OLD_LOG_PROB_S,
+    names::VALUES_S,
+    names::ADV_S,
+    names::UPDATE_ACTOR_S,
+    names::WEIGHT_SYNC_S,
 ];
 
 /// The whole step's wall time: drawn as a line over the stacked stages.
-const STEP_TIME: &str = "timing_s/step";
+const STEP_TIME: &str = names::STEP_S;
 
 /// What [`plot_run`] wrote and what it left out.
 #[derive(Debug, Clone, PartialEq)]
@@ -123,19 +123,19 @@ pub fn plot_run(run_dir: &Path, out_dir: &Path) -> Result<PlotReport, MetricsErr
             "reward.png",
             "reward",
             "mean reward per sample",
-            lines(&["critic/rewards/mean", "critic/score/mean"]),
+            lines(&[names::REWARDS_MEAN, names::SCORE_MEAN]),
         ),
         (
             "kl.png",
             "KL to the reference",
             "KL (nats per token)",
-            lines(&["actor/kl", "actor/kl_loss"]),
+            lines(&[names::KL, names::KL_LOSS]),
         ),
         (
             "throughput.png",
             "throughput",
             "tokens/s per device",
-            lines(&["perf/throughput"]),
+            lines(&[names::THROUGHPUT]),
         ),
     ];
     for (file, title, y_desc, lines) in charts {
@@ -181,7 +181,9 @@ fn timing_series(steps: &[StepRecord]) -> (Vec<Series>, Option<Series>) {
         .iter()
         .flat_map(|s| s.values.keys())
         .map(String::as_str)
-        .filter(|k| k.starts_with("timing_s/") && *k != STEP_TIME && !STAGE_ORDER.contains(k))
+        .filter(|k| {
+            k.starts_with(names::TIMING_PREFIX) && *k != STEP_TIME && !STAGE_ORDER.contains(k)
+        })
         .collect();
     others.sort_unstable();
     others.dedup();
@@ -444,7 +446,7 @@ fn timing_chart(
             }
         }
         tops.push(Series {
-            name: s.name.trim_start_matches("timing_s/").to_string(),
+            name: s.name.trim_start_matches(names::TIMING_PREFIX).to_string(),
             points: xs.iter().copied().zip(sum.iter().copied()).collect(),
         });
     }

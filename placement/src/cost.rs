@@ -17,6 +17,7 @@
 //! a sample needs from admission to trained weights divided by `staleness + 1`.
 
 use serde::{Deserialize, Serialize};
+use yatt_metrics::names;
 
 use crate::plan::Move;
 use crate::profile::{
@@ -71,17 +72,23 @@ impl Stage {
         }
     }
 
-    /// The verl-style metric name of its time (`timing_s/gen`, ...).
-    pub fn metric(self) -> &'static str {
+    /// The metric `yatt train` writes its time under (`timing_s/gen`, ...).
+    pub fn timing_metric(self) -> &'static str {
         match self {
-            Stage::Gen => "gen",
-            Stage::Judge | Stage::Score => "reward",
-            Stage::Ref => "ref",
-            Stage::Values => "values",
-            Stage::OldLogProb => "old_log_prob",
-            Stage::TrainActor => "update_actor",
-            Stage::TrainCritic => "update_critic",
+            Stage::Gen => names::GEN_S,
+            Stage::Judge | Stage::Score => names::REWARD_S,
+            Stage::Ref => names::REF_S,
+            Stage::Values => names::VALUES_S,
+            Stage::OldLogProb => names::OLD_LOG_PROB_S,
+            Stage::TrainActor => names::UPDATE_ACTOR_S,
+            Stage::TrainCritic => names::UPDATE_CRITIC_S,
         }
+    }
+
+    /// Its short name, for logs: the timing metric without `timing_s/` (`gen`, ...).
+    pub fn metric(self) -> &'static str {
+        let m = self.timing_metric();
+        m.strip_prefix(names::TIMING_PREFIX).unwrap_or(m)
     }
 
     /// The stages `job` has, in pipeline order.
@@ -461,8 +468,8 @@ impl CostModel {
     }
 
     /// Replaces the seconds a role takes to start on a group (defaults
-    /// [`START_DECODER_S`], [`START_OTHER_S`]: GPU figures); a live executor passes what
-    /// it measured starting roles on its devices.
+    /// `START_DECODER_S` and `START_OTHER_S` in this module: GPU figures); a live
+    /// executor passes what it measured starting roles on its devices.
     pub fn set_start_costs(&mut self, decoder_s: f64, other_s: f64) {
         if decoder_s.is_finite() && decoder_s >= 0.0 {
             self.start_decoder_s = decoder_s;

@@ -2,13 +2,14 @@
 //!
 //! A group is a set of devices on one node (tensor parallelism stays inside NVLink);
 //! it is the unit a plan assigns to roles. The inventory is built from the
-//! [`NodeInfo`] that nodes report when they join, or made up for the simulator.
+//! [`NodeDesc`] of each node that joins, or made up for the simulator.
 
 use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
-use yatt_runtime::{DeviceKind, NodeInfo};
+
+use crate::node::NodeDesc;
 
 /// Identifies a group for the life of an inventory (ids of removed groups are not
 /// reused, so a stale decision cannot name a new group by accident).
@@ -90,9 +91,9 @@ impl Inventory {
         })
     }
 
-    /// From the nodes of a cluster, as membership reports them. A node with CUDA devices
-    /// offers those; a node without offers its virtual devices.
-    pub fn from_nodes(nodes: &[NodeInfo], group_size: u32) -> Result<Self, InventoryError> {
+    /// From the nodes of a cluster. A node with GPUs offers those; a node without
+    /// offers its virtual devices.
+    pub fn from_nodes(nodes: &[NodeDesc], group_size: u32) -> Result<Self, InventoryError> {
         let mut inv = Inventory::new(group_size)?;
         for n in nodes {
             inv.add_node(n)?;
@@ -141,15 +142,11 @@ impl Inventory {
     }
 
     /// Adds a node's devices as groups; returns the new groups.
-    pub fn add_node(&mut self, node: &NodeInfo) -> Result<Vec<GroupId>, InventoryError> {
+    pub fn add_node(&mut self, node: &NodeDesc) -> Result<Vec<GroupId>, InventoryError> {
         if self.groups.values().any(|g| g.node == node.name) {
             return Err(InventoryError::DuplicateNode(node.name.clone()));
         }
-        let cuda: Vec<_> = node
-            .devices
-            .iter()
-            .filter(|d| d.kind == DeviceKind::Cuda)
-            .collect();
+        let cuda: Vec<_> = node.devices.iter().filter(|d| d.gpu).collect();
         let (devices, is_cuda) = if cuda.is_empty() {
             (node.devices.iter().collect::<Vec<_>>(), false)
         } else {
@@ -243,20 +240,20 @@ impl Inventory {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use yatt_runtime::DeviceInfo;
+    use crate::node::DeviceDesc;
 
-    fn node(name: &str, gpus: u32) -> NodeInfo {
-        let mut n = NodeInfo::for_tests(name, 1);
-        n.memory_bytes = 1 << 40;
-        n.devices = (0..gpus)
-            .map(|index| DeviceInfo {
-                index,
-                kind: DeviceKind::Cuda,
-                name: "H100".into(),
-                memory_bytes: 80 << 30,
-            })
-            .collect();
-        n
+    fn node(name: &str, gpus: u32) -> NodeDesc {
+        NodeDesc {
+            name: name.into(),
+            memory_bytes: 1 << 40,
+            devices: (0..gpus)
+                .map(|index| DeviceDesc {
+                    index,
+                    gpu: true,
+                    memory_bytes: 80 << 30,
+                })
+                .collect(),
+        }
     }
 
     #[test]
@@ -296,13 +293,15 @@ mod tests {
 
     #[test]
     fn cpu_nodes_offer_virtual_devices() {
-        let mut n = NodeInfo::for_tests("cpu", 1);
-        n.devices = vec![DeviceInfo {
-            index: 0,
-            kind: DeviceKind::Virtual,
-            name: "virtual-0".into(),
+        let n = NodeDesc {
+            name: "cpu".into(),
             memory_bytes: 1 << 30,
-        }];
+            devices: vec![DeviceDesc {
+                index: 0,
+                gpu: false,
+                memory_bytes: 1 << 30,
+            }],
+        };
         let inv = Inventory::from_nodes(&[n], 1).unwrap();
         assert!(!inv.groups().next().unwrap().cuda);
     }

@@ -1,27 +1,53 @@
 //! # yatt-placement
 //!
-//! Decides which GPU groups serve which roles. What belongs here: the device inventory
-//! built from cluster membership, placement plans (full colocation, partial colocation,
-//! disaggregated), the cost model, the deterministic placement policy (events in,
-//! decisions out, no I/O), the plan search, and the discrete-event cluster simulator
-//! that drives the same policy. It never links tch.
+//! Decides which GPU groups serve which roles. What belongs here:
+//! - the cluster as placement sees it: [`NodeDesc`]s cut into groups ([`Inventory`]);
+//! - placement plans ([`Plan`]: full colocation, partial colocation, disaggregated)
+//!   and the rooflines and cost model that predict them ([`CostModel`]);
+//! - the workload model ([`WorkloadSpec`], [`ForecastParams`]) and the plan search
+//!   ([`search`], [`assign`]);
+//! - what a placer is told and decides ([`Event`], [`Decision`], [`Placer`]) and the
+//!   deterministic placement policy ([`PlacementPolicy`]);
+//! - the discrete-event engine ([`Sim`]) that any placer drives, which the policy
+//!   also uses to judge its candidates;
+//! - the live placement's record of decisions and measured moves ([`Record`]).
+//!
+//! What does not: scenarios, reports, calibration and plots of the simulator are in
+//! `yatt-sim`; turning a runtime's membership into [`NodeDesc`]s is the consumer's
+//! business, so this crate links no runtime and no tch.
 //!
 //! The core has no I/O and no clocks: time arrives in events, so the live placement
-//! actor and the simulator drive the same [`policy::PlacementPolicy`].
+//! actor and the simulator drive the same [`PlacementPolicy`].
 
-pub mod calibrate;
-pub mod cost;
-pub mod inventory;
-pub mod plan;
-pub mod policy;
-pub mod profile;
-pub mod record;
-pub mod search;
-pub mod sim;
-pub mod workload;
+mod cost;
+mod engine;
+mod evaluate;
+mod events;
+mod inventory;
+mod node;
+mod plan;
+mod policy;
+mod profile;
+mod record;
+mod search;
+mod workload;
 
 pub use cost::{CostModel, CostSetup, Prediction, Shape, Stage, StageObs, StepMetrics};
+pub use engine::{Rates, RunResult, Sim, World};
+pub use events::{Decision, Event, Migration, Placer, Reason};
 pub use inventory::{Group, GroupId, Inventory, InventoryError};
-pub use plan::{Mode, Move, Plan, PlanError, Pool};
-pub use policy::{Decision, Event, Limits, Migration, PlacementPolicy, PolicyConfig, Reason};
-pub use profile::{GpuSpec, JobShape, ModelSpec, RewardKind, Role, RoleSet};
+pub use node::{DeviceDesc, NodeDesc};
+pub use plan::{Lanes, Mode, Move, Plan, PlanError, Pool};
+pub use policy::{Limits, PlacementPolicy, PolicyConfig, PolicyError};
+pub use profile::{
+    decode_slots, forward_s_per_token, train_s_per_token, DecodeCoeffs, Efficiency, GpuSpec,
+    JobShape, ModelSpec, RewardKind, Role, RoleSet,
+};
+pub use record::{
+    after_move, finite, parse_records, render_records, GroupUse, Record, RecordError, RECORD_FILE,
+};
+pub use search::{assign, search, search_top, search_top_lanes, Found, LaneSearch, Space};
+pub use workload::{
+    BeyondBound, DynamicSampling, Forecast, ForecastParams, LengthDist, PartialRollout, Resume,
+    WorkloadSpec,
+};

@@ -13,9 +13,8 @@
 //! the metrics wobble. Losing a node bypasses them: the plan must change.
 //!
 //! ```
-//! use yatt_placement::policy::{Event, PlacementPolicy, PolicyConfig};
-//! use yatt_placement::{CostSetup, GpuSpec, Inventory, JobShape, ModelSpec, RewardKind};
-//! use yatt_placement::workload::ForecastParams;
+//! use yatt_placement::{CostSetup, Event, ForecastParams, GpuSpec, Inventory, JobShape};
+//! use yatt_placement::{ModelSpec, PlacementPolicy, PolicyConfig, RewardKind};
 //!
 //! let gpu = GpuSpec::preset("h100").unwrap();
 //! let model = ModelSpec::preset("7b").unwrap();
@@ -35,14 +34,14 @@
 //! ```
 
 use serde::{Deserialize, Serialize};
-use yatt_runtime::NodeInfo;
 
 use crate::cost::{CostModel, CostSetup, Shape, StepMetrics};
+use crate::evaluate::simulate_shape;
+use crate::events::{Decision, Event, Migration, Placer, Reason};
 use crate::inventory::{Inventory, InventoryError};
 use crate::plan::{Move, Plan, PlanError};
 use crate::profile::RoleSet;
 use crate::search::{assign, search_top_in, search_top_lanes, Found, LaneSearch, Space};
-use crate::sim::evaluate::simulate_shape;
 use crate::workload::ForecastParams;
 
 /// The policy's knobs.
@@ -92,67 +91,6 @@ impl Default for PolicyConfig {
             lanes: None,
         }
     }
-}
-
-/// What the policy is told.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Event {
-    /// A node joined the cluster with these devices.
-    NodeJoined(NodeInfo),
-    /// A node left or was declared dead.
-    NodeLeft {
-        /// The node's name.
-        node: String,
-    },
-    /// A step finished with these metrics.
-    Metrics(StepMetrics),
-    /// The migration with this id completed.
-    MigrationDone {
-        /// The migration's id.
-        id: u64,
-    },
-    /// The migration with this id failed and was rolled back; the plan is unchanged.
-    MigrationFailed {
-        /// The migration's id.
-        id: u64,
-        /// What went wrong.
-        reason: String,
-    },
-}
-
-/// Why a migration was decided.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Reason {
-    /// The load shifted and another plan is predicted to be faster.
-    Rebalance,
-    /// Groups of the current plan were lost with their node.
-    NodeLost,
-}
-
-/// A decided migration: the actor carries it out group by group (out of routing, drain
-/// or abort and requeue, free, start the gaining role, sync weights, publish) and
-/// answers with [`Event::MigrationDone`] or [`Event::MigrationFailed`].
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Migration {
-    /// Its id, echoed in the answer.
-    pub id: u64,
-    /// Why.
-    pub reason: Reason,
-    /// The plan after it.
-    pub target: Plan,
-    /// The groups that change roles.
-    pub moves: Vec<Move>,
-    /// Predicted seconds per step before and after.
-    pub predicted_s: (f64, f64),
-    /// Predicted job-seconds the migration itself costs.
-    pub cost_s: f64,
-}
-
-/// What the policy decides.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum Decision {
-    /// Move groups between roles.
-    Migrate(Migration),
 }
 
 /// Why a policy could not be made.
@@ -493,6 +431,16 @@ impl PlacementPolicy {
             predicted_s,
             cost_s,
         })
+    }
+}
+
+impl Placer for PlacementPolicy {
+    fn on_event(&mut self, event: Event) -> Vec<Decision> {
+        PlacementPolicy::on_event(self, event)
+    }
+
+    fn take_log(&mut self) -> Vec<String> {
+        PlacementPolicy::take_log(self)
     }
 }
 

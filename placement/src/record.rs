@@ -1,19 +1,19 @@
 //! The live placement actor's log: `RUN_DIR/placement.jsonl`, one [`Record`] per line
 //! (plan snapshots, per-step group use, searches, decisions, migration outcomes), and
-//! [`render`], which `yatt placement show RUN_DIR` prints.
+//! [`render_records`], which `yatt placement show RUN_DIR` prints.
 //!
 //! Appending one line per event keeps the actor simple and a crashed run readable; the
 //! renderer takes text, not a path (reading the file is the caller's business).
 
 use serde::{Deserialize, Serialize};
 
+use crate::events::Reason;
 use crate::inventory::GroupId;
 use crate::plan::{Move, Plan};
-use crate::policy::Reason;
 use crate::profile::RoleSet;
 
 /// File name of the log in a run directory.
-pub const FILE: &str = "placement.jsonl";
+pub const RECORD_FILE: &str = "placement.jsonl";
 
 /// What one group did in one step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -138,7 +138,7 @@ pub enum RecordError {
 }
 
 /// Parses `placement.jsonl` text; blank lines are skipped.
-pub fn parse(text: &str) -> Result<Vec<Record>, RecordError> {
+pub fn parse_records(text: &str) -> Result<Vec<Record>, RecordError> {
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
@@ -157,7 +157,11 @@ fn secs(x: Option<f64>) -> String {
 
 /// Renders the log for people: the plan in force, each group's utilisation over the
 /// last `window` steps, and the last `last` decisions with their reasons and outcomes.
-pub fn render(records: &[Record], window: usize, last: usize) -> Result<String, RecordError> {
+pub fn render_records(
+    records: &[Record],
+    window: usize,
+    last: usize,
+) -> Result<String, RecordError> {
     use std::fmt::Write;
     let mut out = String::new();
     let plans: Vec<(u64, u64, u64, &Plan)> = records
@@ -411,9 +415,9 @@ mod tests {
             .iter()
             .map(|r| serde_json::to_string(r).unwrap() + "\n")
             .collect();
-        let back = parse(&text).unwrap();
+        let back = parse_records(&text).unwrap();
         assert_eq!(back, records);
-        let out = render(&back, 5, 3).unwrap();
+        let out = render_records(&back, 5, 3).unwrap();
         assert!(out.contains("plan: rollout:2 policy:1"), "{out}");
         assert!(out.contains("routing v2"), "{out}");
         assert!(out.contains("g0   rollout"), "{out}");
@@ -422,9 +426,9 @@ mod tests {
         assert!(out.contains("g1 policy -> rollout"), "{out}");
         assert!(out.contains("done in 0.300s"), "{out}");
         assert!(out.contains("0.900s predicted without"), "{out}");
-        assert_eq!(render(&[], 5, 3).unwrap_err(), RecordError::NoPlan);
+        assert_eq!(render_records(&[], 5, 3).unwrap_err(), RecordError::NoPlan);
         assert!(matches!(
-            parse("{\"kind\":\"nope\"}").unwrap_err(),
+            parse_records("{\"kind\":\"nope\"}").unwrap_err(),
             RecordError::Line { line: 1, .. }
         ));
     }

@@ -195,8 +195,8 @@ pub fn search(cm: &CostModel, f: &Forecast, space: &Space) -> Option<Found> {
 }
 
 /// Like [`search_top`], with straggler lanes when `lanes` allows them: each shape
-/// whose rollout streams in a pool of its own also comes with its lane variants
-/// ([`lane_variants`]), ranked by the same cost model.
+/// whose rollout streams in a pool of its own also comes with its lane variants,
+/// ranked by the same cost model.
 pub fn search_top_lanes(
     cm: &CostModel,
     f: &Forecast,

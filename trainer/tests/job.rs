@@ -58,8 +58,7 @@ async fn demo_letters_writes_one_metrics_line_per_step() {
         })
         .collect();
     assert_eq!(events.len(), 1, "{events:?}");
-    let records =
-        yatt_metrics::tfevents::read_records(&std::fs::read(&events[0]).unwrap()).unwrap();
+    let records = yatt_metrics::read_event_records(&std::fs::read(&events[0]).unwrap()).unwrap();
     assert_eq!(
         records.len(),
         1 + 3,

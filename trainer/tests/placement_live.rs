@@ -4,8 +4,8 @@
 //! clean ledger, and run faster after the move than the cost model predicts for the
 //! old plan at the new workload.
 
-use yatt_placement::profile::Role;
-use yatt_placement::record::{after_move, parse, render, Record};
+use yatt_placement::Role;
+use yatt_placement::{after_move, parse_records, render_records, Record};
 use yatt_runtime::Node;
 use yatt_trainer::{train, JobConfig};
 
@@ -58,8 +58,8 @@ async fn growing_responses_move_a_group_from_training_to_rollout() {
     if let Ok(keep) = std::env::var("YATT_KEEP_PLACEMENT_LOG") {
         std::fs::write(keep, &text).unwrap();
     }
-    let records = parse(&text).unwrap();
-    eprintln!("{}", render(&records, 5, 5).unwrap());
+    let records = parse_records(&text).unwrap();
+    eprintln!("{}", render_records(&records, 5, 5).unwrap());
 
     // A group moved from training to the rollout, and the migration completed.
     let (decided_at, id) = records
@@ -230,7 +230,7 @@ async fn a_migration_whose_new_role_does_not_start_is_rolled_back() {
                 (step, per_head, 0, 0)
             );
         }
-        let records = parse(&std::fs::read_to_string(live.log_path()).unwrap()).unwrap();
+        let records = parse_records(&std::fs::read_to_string(live.log_path()).unwrap()).unwrap();
         let failed = records
             .iter()
             .any(|r| matches!(r, Record::Migrated { ok: false, .. }));
@@ -264,7 +264,7 @@ async fn a_migration_whose_new_role_does_not_start_is_rolled_back() {
                     .any(|r| matches!(r, Record::Search { line, .. } if line.starts_with(&heard))),
                 "the policy's log has no `{heard}`"
             );
-            eprintln!("{}", render(&records, 5, 5).unwrap());
+            eprintln!("{}", render_records(&records, 5, 5).unwrap());
         }
         // A few steps on the restored plan are enough.
         if failed_at.is_some_and(|f| step >= f + 3) {

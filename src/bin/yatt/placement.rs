@@ -1,11 +1,11 @@
 //! `yatt placement show RUN_DIR`: the live placement actor's view of a run, from
 //! `RUN_DIR/placement.jsonl` (the plan in force, each group's utilisation, the last
-//! decisions with their reasons). The rendering is `yatt_placement::record::render`.
+//! decisions with their reasons). The rendering is `yatt_placement::render_records`.
 
 use std::path::PathBuf;
 
 use anyhow::Context;
-use yatt_placement::record::{parse, render, FILE};
+use yatt_placement::{parse_records, render_records, RECORD_FILE};
 
 #[derive(clap::Subcommand)]
 pub enum PlacementCommand {
@@ -27,14 +27,14 @@ pub struct ShowArgs {
 
 pub fn run(cmd: PlacementCommand) -> anyhow::Result<()> {
     let PlacementCommand::Show(args) = cmd;
-    let path = args.run_dir.join(FILE);
+    let path = args.run_dir.join(RECORD_FILE);
     let text = std::fs::read_to_string(&path).with_context(|| {
         format!(
             "reading {}: run the job with [placement] live = true to get one",
             path.display()
         )
     })?;
-    let records = parse(&text).with_context(|| path.display().to_string())?;
-    print!("{}", render(&records, args.window, args.last)?);
+    let records = parse_records(&text).with_context(|| path.display().to_string())?;
+    print!("{}", render_records(&records, args.window, args.last)?);
     Ok(())
 }

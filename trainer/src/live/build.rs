@@ -5,13 +5,13 @@ use std::sync::Arc;
 
 use tch::{Device, Kind};
 use yatt_engine::Llama;
-use yatt_placement::inventory::GroupId;
-use yatt_placement::profile::{Role as PRole, RoleSet};
-use yatt_placement::workload::ForecastParams;
+use yatt_placement::ForecastParams;
+use yatt_placement::GroupId;
 use yatt_placement::{
     CostSetup, GpuSpec, Inventory, JobShape, Limits, ModelSpec, PlacementPolicy, Plan, Pool,
     RewardKind,
 };
+use yatt_placement::{Role as PRole, RoleSet};
 use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, RoleRequest, TextCodec};
 use yatt_runtime::Node;
 use yatt_runtime::NodeInfo;
@@ -29,10 +29,12 @@ use crate::live::errors::me;
 use crate::live::errors::placement_err;
 use crate::live::errors::unexpected;
 use crate::live::replicas::ask_policy;
+use crate::live::state::node_desc;
 use crate::live::state::Hosts;
 use crate::live::state::LivePlacement;
 use crate::live::state::Replica;
 use crate::live::state::Shared;
+use yatt_placement::NodeDesc;
 
 pub(crate) fn rset(r: PRole) -> RoleSet {
     RoleSet::of(&[r])
@@ -99,7 +101,8 @@ pub(crate) async fn cluster_inventory(
             .filter_map(|want| d.alive_nodes().find(|n| n.name == *want).cloned())
             .collect()
     });
-    let inventory = Inventory::from_nodes(&infos, 1).map_err(|e| {
+    let descs: Vec<NodeDesc> = infos.iter().map(node_desc).collect();
+    let inventory = Inventory::from_nodes(&descs, 1).map_err(|e| {
         invalid(
             "placement.nodes",
             "nodes whose devices form groups of one",
@@ -153,7 +156,7 @@ impl LivePlacement {
             path: out.clone(),
             source,
         })?;
-        let log_path = out.join(yatt_placement::record::FILE);
+        let log_path = out.join(yatt_placement::RECORD_FILE);
         let log = std::fs::File::create(&log_path).map_err(|source| JobError::Write {
             path: log_path.clone(),
             source,

@@ -1,11 +1,12 @@
 //! Following cluster membership: nodes lost and joined.
 
-use yatt_placement::inventory::GroupId;
-use yatt_placement::record::Record;
 use yatt_placement::Event;
+use yatt_placement::GroupId;
+use yatt_placement::Record;
 use yatt_runtime::NodeInfo;
 
 use crate::error::JobError;
+use crate::live::state::node_desc;
 use crate::live::state::Hosts;
 use crate::live::state::LivePlacement;
 use crate::live::state::Replica;
@@ -88,7 +89,7 @@ impl LivePlacement {
     /// A node of `placement.nodes` joined (or came back): its devices become groups of
     /// the inventory, which the policy may use from its next search.
     pub(crate) async fn join_node(&mut self, info: NodeInfo, step: u64) -> Result<(), JobError> {
-        let decisions = self.policy.on_event(Event::NodeJoined(info.clone()));
+        let decisions = self.policy.on_event(Event::NodeJoined(node_desc(&info)));
         let added: Vec<GroupId> = self
             .policy
             .inventory()

@@ -2,9 +2,9 @@
 
 use std::time::Instant;
 
-use yatt_placement::inventory::GroupId;
-use yatt_placement::profile::Role as PRole;
-use yatt_placement::record::{finite, Record};
+use yatt_placement::GroupId;
+use yatt_placement::Role as PRole;
+use yatt_placement::{finite, Record};
 use yatt_placement::{Decision, Event, Plan, Reason};
 
 use crate::controller::core::Controller;

@@ -2,9 +2,9 @@
 
 use std::collections::BTreeMap;
 
-use yatt_placement::inventory::GroupId;
-use yatt_placement::profile::Role as PRole;
-use yatt_placement::record::GroupUse;
+use yatt_placement::GroupId;
+use yatt_placement::GroupUse;
+use yatt_placement::Role as PRole;
 use yatt_placement::{Stage, StageObs};
 use yatt_roles::Sample;
 

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use tch::{Device, Kind};
 use yatt_engine::Trainer;
-use yatt_placement::inventory::GroupId;
+use yatt_placement::GroupId;
 use yatt_roles::{PolicyRequest, PolicyResponse, Role, RoleRequest, RoleResponse};
 use yatt_runtime::DirectoryChange as Change;
 use yatt_runtime::Message;

@@ -2,9 +2,9 @@
 
 use std::io::Write;
 
-use yatt_placement::inventory::GroupId;
-use yatt_placement::profile::Role as PRole;
-use yatt_placement::record::Record;
+use yatt_placement::GroupId;
+use yatt_placement::Record;
+use yatt_placement::Role as PRole;
 use yatt_runtime::RING_CHUNK_BYTES;
 
 use crate::build::heads::controllers;

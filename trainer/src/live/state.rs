@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use yatt_engine::Llama;
-use yatt_placement::inventory::GroupId;
-use yatt_placement::profile::Role as PRole;
-use yatt_placement::record::GroupUse;
+use yatt_placement::GroupId;
+use yatt_placement::GroupUse;
+use yatt_placement::Role as PRole;
 use yatt_placement::{PlacementPolicy, Plan};
 use yatt_roles::{DeviceGroup, TextCodec};
 use yatt_runtime::ActorId;
@@ -21,6 +21,8 @@ use crate::controller::refs::{PolicyRef, RolloutRef};
 use crate::error::JobError;
 use crate::ledger::LedgerReport;
 use crate::live::errors::placement_err;
+use yatt_placement::{DeviceDesc, NodeDesc};
+use yatt_runtime::{DeviceKind, NodeInfo};
 
 /// What runs on a group.
 #[derive(Clone)]
@@ -193,5 +195,24 @@ impl LivePlacement {
         pool.iter()
             .filter_map(|g| self.replicas.get(g).map(|r| (*g, r.clone())))
             .collect()
+    }
+}
+
+/// A node as placement sees it: its name, host memory and devices (GPUs, or the
+/// virtual devices of a node without). Placement has its own description so that it
+/// does not depend on the runtime.
+pub(crate) fn node_desc(info: &NodeInfo) -> NodeDesc {
+    NodeDesc {
+        name: info.name.clone(),
+        memory_bytes: info.memory_bytes,
+        devices: info
+            .devices
+            .iter()
+            .map(|d| DeviceDesc {
+                index: d.index,
+                gpu: d.kind == DeviceKind::Cuda,
+                memory_bytes: d.memory_bytes,
+            })
+            .collect(),
     }
 }

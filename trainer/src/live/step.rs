@@ -3,9 +3,9 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use yatt_placement::profile::Role as PRole;
-use yatt_placement::record::{finite, Record};
 use yatt_placement::Event;
+use yatt_placement::Role as PRole;
+use yatt_placement::{finite, Record};
 
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::step_data_parallel;

@@ -6,13 +6,12 @@
 
 use std::collections::BTreeMap;
 
-use crate::calibrate::Rates;
 use crate::cost::{CostModel, Shape, Stage};
+use crate::engine::{Rates, Sim, World};
 use crate::inventory::Inventory;
 use crate::plan::Lanes;
 use crate::profile::{Efficiency, Role, RoleSet};
 use crate::search::assign;
-use crate::sim::{Sim, World};
 use crate::workload::{DynamicSampling, Forecast, LengthDist, WorkloadSpec};
 
 /// Most groups a candidate is simulated with: larger clusters are simulated as a slice
@@ -124,7 +123,7 @@ pub fn simulate_shape(cm: &CostModel, f: &Forecast, trend: f64, shape: &Shape, s
         return f64::INFINITY;
     };
     let plan = assign(&sliced, &inv, None);
-    let r = Sim::new(&world, &plan, setup.staleness, None).run();
+    let r = Sim::new(&world, &plan, setup.staleness).run();
     let tail = &r.step_s[skip.min(r.step_s.len())..];
     if tail.is_empty() {
         return f64::INFINITY;

@@ -1,5 +1,5 @@
 //! Runs the cluster simulator on a config without the `yatt` binary (which links
-//! libtorch): `cargo run -p yatt-placement --release --example sim -- CONFIG [SCENARIO]`.
+//! libtorch): `cargo run -p yatt-sim --release --example sim -- CONFIG [SCENARIO]`.
 //! With `--plan "rollout:20 reward:4 reference+policy:8" --staleness N` it simulates
 //! that fixed plan instead of comparing placements (for exploring the model);
 //! `--cap N` caps the rollout batch and `--lanes GROUPS:BATCH:THRESHOLD` adds straggler
@@ -7,12 +7,12 @@
 //! scenarios, with and without its straggler lanes.
 
 use std::time::Instant;
-use yatt_placement::cost::Shape;
-use yatt_placement::profile::{Role, RoleSet};
 
-use yatt_placement::search::{search_top_lanes, Space};
-use yatt_placement::sim::{format_report, run_scenario, Sim, SimConfig, World};
-use yatt_placement::{CostModel, CostSetup, PlacementPolicy, PolicyConfig};
+use yatt_placement::{
+    assign, search_top_lanes, CostModel, CostSetup, Lanes, PlacementPolicy, PolicyConfig, Role,
+    RoleSet, Shape, Sim, Space, World,
+};
+use yatt_sim::{format_report, lower_bound, run_scenario, SimConfig};
 
 fn parse_shape(spec: &str) -> Result<Shape, String> {
     let mut pools = Vec::new();
@@ -125,7 +125,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let [groups, batch, threshold] = n[..] else {
                     return Err("--lanes: expected GROUPS:BATCH:THRESHOLD, e.g. 2:8:4096".into());
                 };
-                shape.lanes = Some(yatt_placement::plan::Lanes {
+                shape.lanes = Some(Lanes {
                     groups,
                     batch,
                     threshold,
@@ -136,13 +136,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             let w = &sc.world;
             let inv = sc.inventory()?;
-            let plan = yatt_placement::search::assign(&shape, &inv, None);
+            let plan = assign(&shape, &inv, None);
             plan.validate(&inv, &w.job)?;
             let staleness: u32 = flag("--staleness")
                 .map(|s| s.parse())
                 .transpose()?
                 .unwrap_or(sc.staleness);
-            let r = Sim::new(w, &plan, staleness, None).run();
+            let r = Sim::new(w, &plan, staleness).run();
             let cm = CostModel::with_efficiency(
                 setup_of(w, staleness),
                 w.workload.forecast_at(0).params,
@@ -162,7 +162,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 })
                 .collect();
             println!("  cost model: {}", preds.join("; "));
-            let bound: f64 = yatt_placement::sim::lower_bound(w).iter().sum();
+            let bound: f64 = lower_bound(w).iter().sum();
             println!(
                 "{}: plan {} staleness {staleness}: {:.1} s/step, {:.2}x bound, idle {:.1}%, overhead {:.1}%, wasted {:.1}%",
                 sc.name,

@@ -1,39 +1,32 @@
 //! Calibration: fit the simulator's throughput parameters from a real run's
-//! `metrics.jsonl` (as `yatt train` writes it) and check the simulator against the run.
+//! `metrics.jsonl` (as `yatt train` writes it, read with [`yatt_metrics::read_jsonl`])
+//! and check the simulator against the run.
 //!
 //! The fit uses the run's first steps; the check replays the whole run in the
 //! simulator (one group, every role colocated, on-policy: what `yatt train` does in
 //! embedded mode) with the run's own batch sizes and response lengths, and compares
 //! the predicted step times with the measured ones on the steps the fit did not see.
 //!
-//! Parsing takes text, not a path: reading the file is the caller's business.
+//! It takes records, not a path: reading the file is the caller's business.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
-
-use crate::cost::Stage;
-use crate::profile::{DecodeCoeffs, Efficiency, GpuSpec, JobShape, ModelSpec, RewardKind};
-use crate::sim::{Sim, World};
-use crate::workload::{LengthDist, WorkloadSpec};
+use yatt_metrics::{names, StepRecord};
+use yatt_placement::{
+    DecodeCoeffs, Efficiency, GpuSpec, GroupId, JobShape, LengthDist, ModelSpec, Plan, Pool, Rates,
+    RewardKind, Sim, Stage, WorkloadSpec, World,
+};
 
 /// Why calibration failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CalibrateError {
-    /// A line is not a JSON object.
-    #[error("metrics line {line}: not a JSON object ({reason}); expected one object per step as `yatt train` writes")]
-    Json {
-        /// 1-based line number.
-        line: usize,
-        /// The parser's message.
-        reason: String,
-    },
     /// A key the fit needs is missing.
-    #[error("metrics line {line}: no `{key}`; calibration needs the stage timings and token counts of `yatt train` metrics")]
+    #[error("metrics step {step}: no `{key}`; calibration needs the stage timings and token counts `yatt train` writes (fix: calibrate on a run's own metrics.jsonl)")]
     Missing {
-        /// 1-based line number.
-        line: usize,
-        /// The key.
+        /// The step that lacks it.
+        step: u64,
+        /// The metric.
         key: &'static str,
     },
     /// Too few steps to fit and check.
@@ -46,7 +39,7 @@ pub enum CalibrateError {
 pub struct RunStep {
     /// The step.
     pub step: u64,
-    /// Seconds per stage, by metric name (`gen`, `ref`, `old_log_prob`, ...).
+    /// Seconds per stage, by metric name ([`names::GEN_S`], [`names::REF_S`], ...).
     pub timing: BTreeMap<String, f64>,
     /// Wall seconds of the step.
     pub step_s: f64,
@@ -67,69 +60,36 @@ impl RunStep {
     fn t(&self, key: &str) -> f64 {
         self.timing.get(key).copied().unwrap_or(0.0)
     }
-}
 
-/// Parses `metrics.jsonl` text. Blank lines are skipped.
-pub fn parse_metrics(text: &str) -> Result<Vec<RunStep>, CalibrateError> {
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        let line_no = i + 1;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let v: serde_json::Value =
-            serde_json::from_str(line).map_err(|e| CalibrateError::Json {
-                line: line_no,
-                reason: e.to_string(),
-            })?;
-        let obj = v.as_object().ok_or(CalibrateError::Json {
-            line: line_no,
-            reason: "not an object".into(),
-        })?;
-        let get = |key: &'static str| {
-            obj.get(key)
-                .and_then(serde_json::Value::as_f64)
-                .ok_or(CalibrateError::Missing { line: line_no, key })
-        };
-        let mut timing = BTreeMap::new();
-        for (k, v) in obj {
-            if let (Some(name), Some(x)) = (k.strip_prefix("timing_s/"), v.as_f64()) {
-                timing.insert(name.to_string(), x);
-            }
-        }
-        for key in ["timing_s/gen", "timing_s/update_actor"] {
+    /// The step's timings and sizes from its metrics. A null in the file (read back as
+    /// NaN) counts as missing.
+    pub fn from_record(r: &StepRecord) -> Result<RunStep, CalibrateError> {
+        let value = |key: &str| r.get(key).filter(|v| !v.is_nan());
+        let get =
+            |key: &'static str| value(key).ok_or(CalibrateError::Missing { step: r.step, key });
+        for key in [names::GEN_S, names::UPDATE_ACTOR_S] {
             get(key)?;
         }
-        out.push(RunStep {
-            step: get("step").unwrap_or(out.len() as f64) as u64,
-            step_s: get("timing_s/step")?,
-            response_len: get("response_length/mean")?,
-            prompt_len: get("prompt_length/mean")?,
-            tokens: get("perf/total_num_tokens")?,
+        let timing = r
+            .values
+            .iter()
+            .filter(|(k, v)| k.starts_with(names::TIMING_PREFIX) && !v.is_nan())
+            .map(|(k, v)| (k.clone(), *v))
+            .collect();
+        Ok(RunStep {
+            step: r.step,
+            step_s: get(names::STEP_S)?,
+            response_len: get(names::RESPONSE_LENGTH_MEAN)?,
+            prompt_len: get(names::PROMPT_LENGTH_MEAN)?,
+            tokens: get(names::TOTAL_NUM_TOKENS)?,
             timing,
-        });
+        })
     }
-    Ok(out)
 }
 
-/// Measured rates that replace the simulator's rooflines.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Rates {
-    /// Decoding: seconds per iteration (`a`) and per generated token (`b`); `c` and
-    /// `prefill` are folded into those on CPU.
-    pub gen: DecodeCoeffs,
-    /// The generative judge's decoding, when there is one to override.
-    pub judge: Option<DecodeCoeffs>,
-    /// Sequences the engine decodes at once (0: as many as memory allows).
-    pub slots: u32,
-    /// Device-seconds per token of the forward and training stages.
-    pub s_per_token: BTreeMap<Stage, f64>,
-    /// Weight sync, seconds per step.
-    pub sync_s: f64,
-    /// Everything else per step (reward, advantages, bookkeeping), seconds.
-    pub overhead_s: f64,
-    /// Seconds of switching roles (none when roles share a process without offload).
-    pub switch_s: f64,
+/// A run's steps from its metrics records (as [`yatt_metrics::read_jsonl`] returns them).
+pub fn run_steps(records: &[StepRecord]) -> Result<Vec<RunStep>, CalibrateError> {
+    records.iter().map(RunStep::from_record).collect()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -149,11 +109,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// step (the longest response: `rollout.max_new_tokens` when some response reaches
 /// it). Each rate is a median over the steps, so a step disturbed by other load on
 /// the machine does not drag it.
-pub fn fit(steps: &[RunStep], iterations: f64) -> Rates {
+pub fn fit_rates(steps: &[RunStep], iterations: f64) -> Rates {
     // Generation: seconds = a·iterations + b·tokens, by least squares on the steps
     // (tokens vary with response lengths); with no spread in tokens, all is per-token.
     let xs: Vec<f64> = steps.iter().map(|s| s.samples() * s.response_len).collect();
-    let ys: Vec<f64> = steps.iter().map(|s| s.t("gen")).collect();
+    let ys: Vec<f64> = steps.iter().map(|s| s.t(names::GEN_S)).collect();
     let n = xs.len() as f64;
     let mx = xs.iter().sum::<f64>() / n;
     let my = ys.iter().sum::<f64>() / n;
@@ -177,13 +137,14 @@ pub fn fit(steps: &[RunStep], iterations: f64) -> Rates {
         )
     };
     let mut s_per_token = BTreeMap::new();
-    for (stage, key) in [
-        (Stage::Ref, "ref"),
-        (Stage::Values, "values"),
-        (Stage::OldLogProb, "old_log_prob"),
-        (Stage::TrainActor, "update_actor"),
-        (Stage::TrainCritic, "update_critic"),
+    for stage in [
+        Stage::Ref,
+        Stage::Values,
+        Stage::OldLogProb,
+        Stage::TrainActor,
+        Stage::TrainCritic,
     ] {
+        let key = stage.timing_metric();
         if steps.iter().any(|s| s.timing.contains_key(key)) {
             s_per_token.insert(
                 stage,
@@ -192,13 +153,13 @@ pub fn fit(steps: &[RunStep], iterations: f64) -> Rates {
         }
     }
     let staged = [
-        "gen",
-        "ref",
-        "values",
-        "old_log_prob",
-        "update_actor",
-        "update_critic",
-        "weight_sync",
+        names::GEN_S,
+        names::REF_S,
+        names::VALUES_S,
+        names::OLD_LOG_PROB_S,
+        names::UPDATE_ACTOR_S,
+        names::UPDATE_CRITIC_S,
+        names::WEIGHT_SYNC_S,
     ];
     let overhead = median(
         steps
@@ -216,7 +177,7 @@ pub fn fit(steps: &[RunStep], iterations: f64) -> Rates {
         judge: None,
         slots: steps.iter().map(|s| s.samples() as u32).max().unwrap_or(1),
         s_per_token,
-        sync_s: median(steps.iter().map(|s| s.t("weight_sync")).collect()),
+        sync_s: median(steps.iter().map(|s| s.t(names::WEIGHT_SYNC_S)).collect()),
         overhead_s: overhead,
         switch_s: 0.0,
     }
@@ -224,7 +185,7 @@ pub fn fit(steps: &[RunStep], iterations: f64) -> Rates {
 
 /// The simulator's replay of a run against what it measured.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Check {
+pub struct Calibration {
     /// The rates fitted.
     pub rates: Rates,
     /// Steps used for the fit (after the warm-up step).
@@ -241,21 +202,24 @@ pub struct Check {
 
 /// Fits on the first half of `steps` (skipping the first, which pays for warm-up),
 /// replays every step after the first in the simulator, and compares.
-pub fn check(steps: &[RunStep], iterations: f64) -> Result<Check, CalibrateError> {
+pub fn check_calibration(
+    steps: &[RunStep],
+    iterations: f64,
+) -> Result<Calibration, CalibrateError> {
     if steps.len() < 6 {
         return Err(CalibrateError::TooFew(steps.len()));
     }
     let body = &steps[1..];
     let fit_n = body.len() / 2;
-    let rates = fit(&body[..fit_n], iterations);
-    let predicted = replay(&rates, body, iterations);
+    let rates = fit_rates(&body[..fit_n], iterations);
+    let predicted = replay_run(&rates, body, iterations);
     let measured: Vec<f64> = body.iter().map(|s| s.step_s).collect();
     let err = |from: usize| {
         let p: f64 = predicted[from..].iter().sum();
         let m: f64 = measured[from..].iter().sum();
         (p - m).abs() / m.max(1e-12)
     };
-    Ok(Check {
+    Ok(Calibration {
         held_out_error: err(fit_n),
         overall_error: err(0),
         fit_steps: fit_n,
@@ -267,7 +231,7 @@ pub fn check(steps: &[RunStep], iterations: f64) -> Result<Check, CalibrateError
 
 /// Simulates `steps` (their batch sizes and mean lengths) with `rates` on one group
 /// with every role colocated and on-policy; returns each step's predicted seconds.
-pub fn replay(rates: &Rates, steps: &[RunStep], iterations: f64) -> Vec<f64> {
+pub fn replay_run(rates: &Rates, steps: &[RunStep], iterations: f64) -> Vec<f64> {
     let samples = steps.iter().map(|s| s.samples()).fold(1.0, f64::max) as u32;
     let prompt = steps.iter().map(|s| s.prompt_len).sum::<f64>() / steps.len().max(1) as f64;
     let max_len = iterations.max(1.0).round() as u32;
@@ -319,15 +283,15 @@ pub fn replay(rates: &Rates, steps: &[RunStep], iterations: f64) -> Vec<f64> {
         groups: 1,
         rates: Some(rates.clone()),
     };
-    let plan = crate::plan::Plan {
-        pools: vec![crate::plan::Pool {
+    let plan = Plan {
+        pools: vec![Pool {
             roles: world.job.gpu_roles(),
-            groups: vec![crate::inventory::GroupId(0)],
+            groups: vec![GroupId(0)],
         }],
         rollout_batch_cap: None,
         lanes: None,
     };
-    Sim::new(&world, &plan, 0, None).run().step_s
+    Sim::new(&world, &plan, 0).run().step_s
 }
 
 #[cfg(test)]
@@ -335,31 +299,51 @@ mod tests {
     use super::*;
 
     /// A real CPU run of `yatt train` (tests/fixtures/README.md has the command).
-    const FIXTURE: &str = include_str!("../tests/fixtures/calib-metrics.jsonl");
+    fn fixture() -> Vec<RunStep> {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/calib-metrics.jsonl");
+        run_steps(&yatt_metrics::read_jsonl(&path).unwrap()).unwrap()
+    }
     /// Decoding iterations per step of that run (its `rollout.max_new_tokens`).
     const FIXTURE_ITERATIONS: f64 = 24.0;
 
     #[test]
-    fn parses_the_fixture() {
-        let steps = parse_metrics(FIXTURE).unwrap();
+    fn reads_the_fixture() {
+        let steps = fixture();
         assert!(steps.len() >= 20);
         assert!(steps.iter().all(|s| s.step_s > 0.0 && s.tokens > 0.0));
-        assert!(steps[3].timing.contains_key("gen"));
+        assert!(steps[3].timing.contains_key(names::GEN_S));
     }
 
     #[test]
-    fn names_missing_keys_and_bad_lines() {
-        let err = parse_metrics("{\"step\": 0, \"timing_s/gen\": 1}\n").unwrap_err();
+    fn names_missing_keys() {
+        let record = |pairs: &[(&str, f64)]| StepRecord {
+            step: 4,
+            values: pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        };
+        let err = run_steps(&[record(&[(names::GEN_S, 1.0)])]).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("step 4: no `timing_s/update_actor`"),
+            "{err}"
+        );
+        // A null in the file is no value.
+        let err = RunStep::from_record(&record(&[
+            (names::GEN_S, 1.0),
+            (names::UPDATE_ACTOR_S, f64::NAN),
+        ]))
+        .unwrap_err();
         assert!(err.to_string().contains("timing_s/update_actor"), "{err}");
-        let err = parse_metrics("\n[1,2]\n").unwrap_err();
-        assert!(matches!(err, CalibrateError::Json { line: 2, .. }), "{err}");
-        assert_eq!(check(&[], 1.0).unwrap_err(), CalibrateError::TooFew(0));
+        assert_eq!(
+            check_calibration(&[], 1.0).unwrap_err(),
+            CalibrateError::TooFew(0)
+        );
     }
 
     #[test]
     fn simulator_predicts_the_real_run_within_20_percent() {
-        let steps = parse_metrics(FIXTURE).unwrap();
-        let c = check(&steps, FIXTURE_ITERATIONS).unwrap();
+        let steps = fixture();
+        let c = check_calibration(&steps, FIXTURE_ITERATIONS).unwrap();
         assert!(
             c.held_out_error < 0.20,
             "held-out error {:.1}% (predicted {:?}, measured {:?})",
@@ -379,10 +363,10 @@ mod tests {
                 let tokens = 64.0 * (resp + 8.0);
                 let gen = 0.002 * 24.0 + 1e-5 * 64.0 * resp;
                 let mut timing = BTreeMap::new();
-                timing.insert("gen".into(), gen);
-                timing.insert("update_actor".into(), 3e-6 * tokens);
-                timing.insert("old_log_prob".into(), 1e-6 * tokens);
-                timing.insert("weight_sync".into(), 0.001);
+                timing.insert(names::GEN_S.into(), gen);
+                timing.insert(names::UPDATE_ACTOR_S.into(), 3e-6 * tokens);
+                timing.insert(names::OLD_LOG_PROB_S.into(), 1e-6 * tokens);
+                timing.insert(names::WEIGHT_SYNC_S.into(), 0.001);
                 let step_s = gen + 4e-6 * tokens + 0.001 + 0.003;
                 RunStep {
                     step: u64::from(i as u32),
@@ -394,12 +378,12 @@ mod tests {
                 }
             })
             .collect();
-        let r = fit(&steps, 24.0);
+        let r = fit_rates(&steps, 24.0);
         assert!((r.gen.a / 0.002 - 1.0).abs() < 1e-6, "{:?}", r.gen);
         assert!((r.gen.b / 1e-5 - 1.0).abs() < 1e-6);
         assert!((r.s_per_token[&Stage::TrainActor] / 3e-6 - 1.0).abs() < 1e-9);
         assert!((r.overhead_s - 0.003).abs() < 1e-9);
-        let c = check(&steps, 24.0).unwrap();
+        let c = check_calibration(&steps, 24.0).unwrap();
         assert!(c.held_out_error < 0.05, "{c:?}");
     }
 }

@@ -1,0 +1,104 @@
+//! The names of the per-step metrics `yatt train` writes, verl-style (`group/name`).
+//!
+//! Writers and readers (the plots, the simulator's calibration, the live placement)
+//! share these constants so that a renamed metric breaks the build, not a plot.
+
+/// Prefix of every stage time; the rest of the name is the stage (`gen`, `ref`, ...).
+pub const TIMING_PREFIX: &str = "timing_s/";
+/// Seconds generating responses (the rollout).
+pub const GEN_S: &str = "timing_s/gen";
+/// Seconds scoring responses (reward model or rule).
+pub const REWARD_S: &str = "timing_s/reward";
+/// Seconds of the reference model's forward pass.
+pub const REF_S: &str = "timing_s/ref";
+/// Seconds of the critic's forward pass (PPO).
+pub const VALUES_S: &str = "timing_s/values";
+/// Seconds recomputing the policy's log-probabilities before the update.
+pub const OLD_LOG_PROB_S: &str = "timing_s/old_log_prob";
+/// Seconds computing advantages.
+pub const ADV_S: &str = "timing_s/adv";
+/// Seconds of the policy's training update.
+pub const UPDATE_ACTOR_S: &str = "timing_s/update_actor";
+/// Seconds of the critic's training update (PPO).
+pub const UPDATE_CRITIC_S: &str = "timing_s/update_critic";
+/// Seconds publishing the new weights to the rollout engines.
+pub const WEIGHT_SYNC_S: &str = "timing_s/weight_sync";
+/// Wall seconds of the whole step.
+pub const STEP_S: &str = "timing_s/step";
+/// Wall seconds of the step as the live placement measures it (including migrations).
+pub const STEP_WALL_S: &str = "timing_s/step_wall";
+
+/// Mean response length of the step's samples, tokens.
+pub const RESPONSE_LENGTH_MEAN: &str = "response_length/mean";
+/// Mean prompt length of the step's samples, tokens.
+pub const PROMPT_LENGTH_MEAN: &str = "prompt_length/mean";
+/// Prompt + response tokens of the samples trained on.
+pub const TOTAL_NUM_TOKENS: &str = "perf/total_num_tokens";
+/// Trained tokens per second per device.
+pub const THROUGHPUT: &str = "perf/throughput";
+/// Generated tokens per second.
+pub const GEN_TOKENS_PER_S: &str = "perf/gen_tokens_per_s";
+
+/// Mean reward per sample.
+pub const REWARDS_MEAN: &str = "critic/rewards/mean";
+/// Mean score per sample before any KL penalty.
+pub const SCORE_MEAN: &str = "critic/score/mean";
+/// Mean advantage.
+pub const ADVANTAGES_MEAN: &str = "critic/advantages/mean";
+/// Mean return (PPO).
+pub const RETURNS_MEAN: &str = "critic/returns/mean";
+/// Mean value estimate (PPO).
+pub const VALUES_MEAN: &str = "critic/values/mean";
+/// The critic's value loss (PPO).
+pub const VF_LOSS: &str = "critic/vf_loss";
+/// Fraction of value predictions clipped (PPO).
+pub const VF_CLIPFRAC: &str = "critic/vf_clipfrac";
+/// Mean value prediction during the critic's update (PPO).
+pub const VPRED_MEAN: &str = "critic/vpred_mean";
+/// The critic's gradient norm (PPO).
+pub const CRITIC_GRAD_NORM: &str = "critic/grad_norm";
+/// Mean per-step score of process rewards.
+pub const STEP_SCORES_MEAN: &str = "reward/step_scores/mean";
+
+/// KL to the reference, nats per token.
+pub const KL: &str = "actor/kl";
+/// The KL term of the policy loss.
+pub const KL_LOSS: &str = "actor/kl_loss";
+/// Mean entropy of the policy's token distributions.
+pub const ENTROPY: &str = "actor/entropy";
+/// Fraction of policy-gradient ratios clipped.
+pub const PG_CLIPFRAC: &str = "actor/pg_clipfrac";
+/// The policy's gradient norm.
+pub const GRAD_NORM: &str = "actor/grad_norm";
+/// The policy-gradient loss.
+pub const PG_LOSS: &str = "actor/pg_loss";
+/// Approximate KL between the old and the updated policy.
+pub const PPO_KL: &str = "actor/ppo_kl";
+/// The learning rate.
+pub const LR: &str = "actor/lr";
+
+/// The weights version the step trained.
+pub const WEIGHTS_VERSION: &str = "training/weights_version";
+/// Samples dropped for lagging the weights beyond the staleness bound.
+pub const DROPPED_SAMPLES: &str = "training/dropped_samples";
+/// Generation rounds dynamic sampling needed to fill the batch.
+pub const DAPO_GEN_ROUNDS: &str = "dapo/gen_rounds";
+/// Prompt groups dynamic sampling dropped.
+pub const DAPO_GROUPS_DROPPED: &str = "dapo/groups_dropped";
+/// Fraction of prompt groups dynamic sampling kept.
+pub const DAPO_KEEP_RATE: &str = "dapo/keep_rate";
+/// Samples rewarded while generation was still running (streaming).
+pub const REWARDED_DURING_GEN: &str = "stream/rewarded_during_gen";
+
+/// The live placement's predicted seconds per step for the plan in force.
+pub const PLACEMENT_PREDICTED_S: &str = "placement/predicted_s";
+/// After a migration, the predicted seconds per step had the plan not changed.
+pub const PLACEMENT_NO_MOVE_S: &str = "placement/no_move_s";
+/// Samples requeued onto another group (a lost node, a migration).
+pub const PLACEMENT_REQUEUED: &str = "placement/requeued";
+/// Groups generating.
+pub const PLACEMENT_ROLLOUT_GROUPS: &str = "placement/rollout_groups";
+/// Groups training the policy.
+pub const PLACEMENT_POLICY_GROUPS: &str = "placement/policy_groups";
+/// Routing version controllers follow (bumped by every migration).
+pub const PLACEMENT_ROUTING_VERSION: &str = "placement/routing_version";
