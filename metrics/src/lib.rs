@@ -6,7 +6,7 @@
 //!   `RUN_DIR/events.out.tfevents.<secs>.<host>` ([`EventWriter`]);
 //! - [`read_jsonl`] reads `metrics.jsonl` back as [`StepRecord`]s;
 //! - [`names`] are the metric names `yatt train` writes, for writers and readers alike;
-//! - [`plot_run`] draws a run's reward, KL, stage timing and throughput as PNGs.
+//! - `plot_run` (feature `plot`) draws a run's reward, KL, stage timing and throughput as PNGs.
 //!
 //! What belongs here: the metrics file formats, their writers and readers, the metric
 //! names, and pictures of a run. No tch and no actors: anything that has per-step
@@ -31,12 +31,14 @@ mod crc32c;
 mod error;
 mod jsonl;
 pub mod names;
+#[cfg(feature = "plot")]
 mod plot;
 mod tfevents;
 mod writer;
 
 pub use error::{MetricsError, WriteError};
 pub use jsonl::{format_line, read_jsonl, StepRecord, FILE_NAME as METRICS_FILE};
+#[cfg(feature = "plot")]
 pub use plot::{plot_run, PlotReport};
 pub use tfevents::{read_records as read_event_records, EventWriter};
 pub use writer::RunWriter;
