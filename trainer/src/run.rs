@@ -15,6 +15,7 @@ use crate::controller::data_parallel::step_data_parallel;
 use crate::controller::report::StepMetrics;
 use crate::error::JobError;
 use crate::live::state::LivePlacement;
+use yatt_metrics::names;
 
 /// Runs `steps` steps of `controllers` (together with [`step_data_parallel`] when there
 /// are several) and calls `on_step` with each step's metrics (averaged over the heads).
@@ -179,7 +180,7 @@ pub async fn train_with(
         let mut record = |m: &StepMetrics| {
             step += 1;
             writer.write_step(step, &m.values).map_err(metrics_err)?;
-            rewards.push(m.get("critic/rewards/mean").unwrap_or(f64::NAN));
+            rewards.push(m.get(names::REWARDS_MEAN).unwrap_or(f64::NAN));
             on_step(&Progress {
                 step,
                 total,

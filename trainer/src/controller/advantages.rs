@@ -10,6 +10,7 @@ use yatt_roles::{
 use crate::controller::core::Controller;
 use crate::controller::error::ControllerError;
 use crate::controller::report::StepMetrics;
+use yatt_metrics::names;
 use yatt_roles::AdvantageEstimator;
 
 impl Controller {
@@ -36,7 +37,7 @@ impl Controller {
             let old = token_matrix(samples, TokenField::OldLogprobs, dev).map_err(se)?;
             let rf = token_matrix(samples, TokenField::RefLogprobs, dev).map_err(se)?;
             let metric = kl_estimate(&old, &rf, &mask, self.config.kl_metric).map_err(ae)?;
-            m.set("actor/kl", masked_mean(&metric, &mask).double_value(&[]));
+            m.set(names::KL, masked_mean(&metric, &mask).double_value(&[]));
             match self.config.kl_in_reward {
                 Some(p) => Some((
                     kl_estimate(&old, &rf, &mask, p.estimator).map_err(ae)?,
@@ -89,14 +90,11 @@ impl Controller {
         }
         if gae {
             m.set(
-                "critic/returns/mean",
+                names::RETURNS_MEAN,
                 masked_mean(&adv.returns, &mask).double_value(&[]),
             );
             let v = token_matrix(samples, TokenField::Values, dev).map_err(se)?;
-            m.set(
-                "critic/values/mean",
-                masked_mean(&v, &mask).double_value(&[]),
-            );
+            m.set(names::VALUES_MEAN, masked_mean(&v, &mask).double_value(&[]));
         }
         // Process rewards (an LLM judge's per-step scores): kept on the samples for a
         // step-level estimator; their mean shows whether the judge gives any.
@@ -108,21 +106,21 @@ impl Controller {
             .collect();
         if !steps.is_empty() {
             m.set(
-                "reward/step_scores/mean",
+                names::STEP_SCORES_MEAN,
                 steps.iter().map(|&x| x as f64).sum::<f64>() / steps.len() as f64,
             );
         }
         let n = samples.len().max(1) as f64;
         m.set(
-            "critic/score/mean",
+            names::SCORE_MEAN,
             scores.sum(Kind::Float).double_value(&[]) / n,
         );
         m.set(
-            "critic/rewards/mean",
+            names::REWARDS_MEAN,
             rewards.sum(Kind::Float).double_value(&[]) / n,
         );
         m.set(
-            "critic/advantages/mean",
+            names::ADVANTAGES_MEAN,
             masked_mean(&adv.advantages, &mask).double_value(&[]),
         );
         Ok(())

@@ -14,6 +14,7 @@ use crate::controller::probe::GenProbe;
 use crate::controller::refs::{variant, RoleRefs, RolloutRef};
 use crate::controller::report::{ControllerState, StepMetrics, StepReport};
 use crate::ledger::{LedgerError, SampleLedger, Stage};
+use yatt_metrics::names;
 use yatt_roles::AdvantageEstimator;
 
 /// One data-parallel head: its shard and the roles it drives.
@@ -261,7 +262,7 @@ impl Controller {
         };
         let critic = match critic? {
             Some((r, secs)) => {
-                p.metrics.set("timing_s/update_critic", secs);
+                p.metrics.set(names::UPDATE_CRITIC_S, secs);
                 Some(r)
             }
             None => None,

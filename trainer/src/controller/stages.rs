@@ -15,6 +15,7 @@ use crate::controller::core::Prepared;
 use crate::controller::error::ControllerError;
 use crate::controller::report::{StepMetrics, StepReport};
 use crate::ledger::{SampleLedger, Stage};
+use yatt_metrics::names;
 
 /// What the rounds of one step's generation add up to.
 #[derive(Debug, Default)]
@@ -49,7 +50,7 @@ impl Controller {
                 let s = self
                     .serve(r, samples, "ref", "reference", cfg.timeouts.score)
                     .await?;
-                m.set("timing_s/ref", t.elapsed().as_secs_f64());
+                m.set(names::REF_S, t.elapsed().as_secs_f64());
                 self.stage_done(&mut ledger, &s, Stage::Referenced)?;
                 s
             }
@@ -64,7 +65,7 @@ impl Controller {
         // 6. Advantages.
         let t = Instant::now();
         self.advantages(&mut samples, &mut m)?;
-        m.set("timing_s/adv", t.elapsed().as_secs_f64());
+        m.set(names::ADV_S, t.elapsed().as_secs_f64());
         self.stage_done(&mut ledger, &samples, Stage::Advantaged)?;
         Ok(Prepared {
             t_step,
@@ -153,16 +154,16 @@ impl Controller {
                 groups: t.groups_dropped,
             });
         }
-        m.set("timing_s/gen", t.gen_s);
-        m.set("timing_s/reward", t.reward_s);
+        m.set(names::GEN_S, t.gen_s);
+        m.set(names::REWARD_S, t.reward_s);
         if cfg.stream {
-            m.set("stream/rewarded_during_gen", t.streamed_early as f64);
+            m.set(names::REWARDED_DURING_GEN, t.streamed_early as f64);
         }
         if cfg.dynamic_sampling.is_some() {
-            m.set("dapo/gen_rounds", t.rounds as f64);
-            m.set("dapo/groups_dropped", t.groups_dropped as f64);
+            m.set(names::DAPO_GEN_ROUNDS, t.rounds as f64);
+            m.set(names::DAPO_GROUPS_DROPPED, t.groups_dropped as f64);
             m.set(
-                "dapo/keep_rate",
+                names::DAPO_KEEP_RATE,
                 t.kept_groups as f64 / t.groups_seen.max(1) as f64,
             );
         }
@@ -290,7 +291,7 @@ impl Controller {
             CriticResponse::Valued(s) => s,
             other => return Err(self.protocol("critic", "Values", format!("{other:?}"))),
         };
-        m.set("timing_s/values", t.elapsed().as_secs_f64());
+        m.set(names::VALUES_S, t.elapsed().as_secs_f64());
         self.stage_done(ledger, &s, Stage::Valued)?;
         Ok(s)
     }
@@ -312,7 +313,7 @@ impl Controller {
             PolicyResponse::Scored(s) => s,
             other => return Err(self.protocol("policy", "OldLogProbs", format!("{other:?}"))),
         };
-        m.set("timing_s/old_log_prob", t.elapsed().as_secs_f64());
+        m.set(names::OLD_LOG_PROB_S, t.elapsed().as_secs_f64());
         self.stage_done(ledger, &samples, Stage::OldLogProbs)?;
         Ok(samples)
     }
@@ -351,7 +352,7 @@ impl Controller {
             gen,
         } = p;
         let cfg = self.config.clone();
-        m.set("timing_s/update_actor", update_s);
+        m.set(names::UPDATE_ACTOR_S, update_s);
         ledger.record_all(&train.trained, Stage::Trained);
         ledger
             .verify_stage(Stage::Trained)
@@ -361,46 +362,46 @@ impl Controller {
             ledger
                 .verify_stage(Stage::CriticTrained)
                 .map_err(self.ledger_err())?;
-            m.set("critic/vf_loss", c.vf_loss);
-            m.set("critic/vf_clipfrac", c.vf_clipfrac);
-            m.set("critic/vpred_mean", c.vpred_mean);
-            m.set("critic/grad_norm", c.grad_norm);
+            m.set(names::VF_LOSS, c.vf_loss);
+            m.set(names::VF_CLIPFRAC, c.vf_clipfrac);
+            m.set(names::VPRED_MEAN, c.vpred_mean);
+            m.set(names::CRITIC_GRAD_NORM, c.grad_norm);
         }
 
         // 7. Weight sync.
         let t = Instant::now();
         let version = self.sync_weights().await?;
-        m.set("timing_s/weight_sync", t.elapsed().as_secs_f64());
+        m.set(names::WEIGHT_SYNC_S, t.elapsed().as_secs_f64());
 
         let ledger = ledger.close().map_err(self.ledger_err())?;
         let wall = t_step.elapsed().as_secs_f64();
-        m.set("timing_s/step", wall);
+        m.set(names::STEP_S, wall);
         let b = kept.len().max(1) as f64;
         let resp: usize = kept.iter().map(Sample::response_len).sum();
         let prompt: usize = kept.iter().map(|s| s.prompt_tokens.len()).sum();
-        m.set("response_length/mean", resp as f64 / b);
-        m.set("prompt_length/mean", prompt as f64 / b);
-        m.set("perf/total_num_tokens", (resp + prompt) as f64);
+        m.set(names::RESPONSE_LENGTH_MEAN, resp as f64 / b);
+        m.set(names::PROMPT_LENGTH_MEAN, prompt as f64 / b);
+        m.set(names::TOTAL_NUM_TOKENS, (resp + prompt) as f64);
         m.set(
-            "perf/throughput",
+            names::THROUGHPUT,
             (resp + prompt) as f64 / wall.max(1e-9) / cfg.devices as f64,
         );
         m.set(
-            "perf/gen_tokens_per_s",
+            names::GEN_TOKENS_PER_S,
             gen.response_tokens as f64 / gen.seconds.max(1e-9),
         );
-        m.set("actor/entropy", train.entropy);
-        m.set("actor/pg_clipfrac", train.pg_clipfrac);
-        m.set("actor/grad_norm", train.grad_norm);
-        m.set("actor/pg_loss", train.loss);
-        m.set("actor/ppo_kl", train.approx_kl);
-        m.set("actor/lr", train.lr);
+        m.set(names::ENTROPY, train.entropy);
+        m.set(names::PG_CLIPFRAC, train.pg_clipfrac);
+        m.set(names::GRAD_NORM, train.grad_norm);
+        m.set(names::PG_LOSS, train.loss);
+        m.set(names::PPO_KL, train.approx_kl);
+        m.set(names::LR, train.lr);
         if self.config.kl_in_reward.is_none() && train.kl_loss != 0.0 {
-            m.set("actor/kl_loss", train.kl_loss);
+            m.set(names::KL_LOSS, train.kl_loss);
         }
-        m.set("training/weights_version", version as f64);
+        m.set(names::WEIGHTS_VERSION, version as f64);
         self.step += 1;
-        m.set("training/dropped_samples", ledger.dropped as f64);
+        m.set(names::DROPPED_SAMPLES, ledger.dropped as f64);
         Ok(StepReport {
             metrics: m,
             ledger,

@@ -14,6 +14,7 @@ use crate::live::build::rollout_slots;
 use crate::live::build::rset;
 use crate::live::state::LivePlacement;
 use crate::live::state::Observed;
+use yatt_metrics::names;
 
 impl LivePlacement {
     /// What the step did, as the cost model reads it, and each group's busy seconds.
@@ -24,17 +25,17 @@ impl LivePlacement {
         let mut pol_busy: BTreeMap<GroupId, (f64, f64)> = BTreeMap::new();
         let update = reports
             .first()
-            .map_or(0.0, |r| get(r, "timing_s/update_actor"));
+            .map_or(0.0, |r| get(r, names::UPDATE_ACTOR_S));
         for (i, r) in reports.iter().enumerate() {
             // Heads sharing a replica queue on it: the last to finish saw it busy all along.
             let g = routes_r[i].0;
             let e = gen_busy.entry(g).or_insert(0.0);
-            *e = e.max(get(r, "timing_s/gen"));
+            *e = e.max(get(r, names::GEN_S));
             // The update's wall time keeps every policy group busy (a shared policy
             // computes the heads' gradients one after the other within it).
             let g = routes_p[i].0;
             let e = pol_busy.entry(g).or_insert((0.0, update));
-            e.0 = e.0.max(get(r, "timing_s/old_log_prob"));
+            e.0 = e.0.max(get(r, names::OLD_LOG_PROB_S));
         }
         let samples: Vec<&Sample> = reports.iter().flat_map(|r| &r.samples).collect();
         let n = samples.len().max(1) as f64;
@@ -90,7 +91,7 @@ impl LivePlacement {
         ];
         let sync = reports
             .iter()
-            .map(|r| get(r, "timing_s/weight_sync"))
+            .map(|r| get(r, names::WEIGHT_SYNC_S))
             .fold(0.0, f64::max);
         let mut groups = Vec::new();
         for (g, b) in &gen_busy {

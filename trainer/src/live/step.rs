@@ -13,6 +13,7 @@ use crate::controller::report::{StepMetrics, StepReport};
 use crate::error::JobError;
 use crate::live::state::Hosts;
 use crate::live::state::LivePlacement;
+use yatt_metrics::names;
 
 impl LivePlacement {
     /// Runs one step of every head, feeds the policy, and carries out what it decides
@@ -77,22 +78,25 @@ impl LivePlacement {
         })?;
         self.write_policy_log(step)?;
         let mut m = average(&reports);
-        m.values.insert("timing_s/step_wall".into(), wall);
-        m.values.insert("placement/predicted_s".into(), predicted);
+        m.values.insert(names::STEP_WALL_S.into(), wall);
+        m.values
+            .insert(names::PLACEMENT_PREDICTED_S.into(), predicted);
         if let Some(x) = no_move {
-            m.values.insert("placement/no_move_s".into(), x);
+            m.values.insert(names::PLACEMENT_NO_MOVE_S.into(), x);
         }
         let requeued: u64 = self.last_ledgers.iter().map(|l| l.requeued).sum();
         m.values
-            .insert("placement/requeued".into(), requeued as f64);
+            .insert(names::PLACEMENT_REQUEUED.into(), requeued as f64);
         self.apply(decisions, step).await?;
         let count = |r: PRole| self.plan.pool_of(r).map_or(0, |p| p.groups.len()) as f64;
-        m.values
-            .insert("placement/rollout_groups".into(), count(PRole::Rollout));
-        m.values
-            .insert("placement/policy_groups".into(), count(PRole::Policy));
         m.values.insert(
-            "placement/routing_version".into(),
+            names::PLACEMENT_ROLLOUT_GROUPS.into(),
+            count(PRole::Rollout),
+        );
+        m.values
+            .insert(names::PLACEMENT_POLICY_GROUPS.into(), count(PRole::Policy));
+        m.values.insert(
+            names::PLACEMENT_ROUTING_VERSION.into(),
             self.routing_version as f64,
         );
         Ok(m)
