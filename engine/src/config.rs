@@ -77,6 +77,46 @@ fn ids(v: Option<&Value>) -> Vec<i64> {
     }
 }
 
+/// Rejects scaling factors that would make the rotary frequencies zero, infinite or NaN.
+fn check_rope_scaling(rs: Option<&RopeScaling>) -> std::result::Result<(), String> {
+    let bad = |k: &str, x: f64| {
+        format!("rope_scaling.{k} = {x}: expected a positive finite number; fix `rope_scaling` in config.json")
+    };
+    match *rs.unwrap_or(&RopeScaling::Linear { factor: 1.0 }) {
+        RopeScaling::Linear { factor } | RopeScaling::Dynamic { factor } => {
+            if !(factor.is_finite() && factor > 0.0) {
+                return Err(bad("factor", factor));
+            }
+        }
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            for (k, x) in [
+                ("factor", factor),
+                ("low_freq_factor", low_freq_factor),
+                ("high_freq_factor", high_freq_factor),
+                (
+                    "original_max_position_embeddings",
+                    original_max_position_embeddings,
+                ),
+            ] {
+                if !(x.is_finite() && x > 0.0) {
+                    return Err(bad(k, x));
+                }
+            }
+            if high_freq_factor <= low_freq_factor {
+                return Err(format!(
+                    "rope_scaling.high_freq_factor = {high_freq_factor} must exceed low_freq_factor ({low_freq_factor}); fix `rope_scaling` in config.json"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl ModelConfig {
     /// Reads `config.json` from a model directory.
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self> {
@@ -121,19 +161,68 @@ impl ModelConfig {
                 "hidden_act {act:?}: only \"silu\" (SwiGLU) is supported"
             ));
         }
-        let hidden_size = int("hidden_size")?;
-        let num_attention_heads = int("num_attention_heads")?;
-        let num_key_value_heads = v
-            .get("num_key_value_heads")
-            .and_then(Value::as_i64)
-            .unwrap_or(num_attention_heads);
-        if num_attention_heads % num_key_value_heads != 0 {
-            return Err(format!("num_attention_heads {num_attention_heads} is not a multiple of num_key_value_heads {num_key_value_heads}"));
+        let pos = |k: &str| {
+            let n = int(k)?;
+            if n <= 0 {
+                return Err(format!(
+                    "{k} = {n}: expected a positive integer; fix `{k}` in config.json"
+                ));
+            }
+            Ok(n)
+        };
+        let hidden_size = pos("hidden_size")?;
+        let num_attention_heads = pos("num_attention_heads")?;
+        let num_key_value_heads = match v.get("num_key_value_heads") {
+            None | Some(Value::Null) => num_attention_heads,
+            Some(_) => int("num_key_value_heads")?,
+        };
+        if num_key_value_heads <= 0 || num_attention_heads % num_key_value_heads != 0 {
+            return Err(format!(
+                "num_key_value_heads = {num_key_value_heads}: expected a positive divisor of num_attention_heads ({num_attention_heads}); \
+                 fix `num_key_value_heads` in config.json (or remove it for full multi-head attention)"
+            ));
         }
-        let head_dim = v
-            .get("head_dim")
-            .and_then(Value::as_i64)
-            .unwrap_or(hidden_size / num_attention_heads);
+        let head_dim = match v.get("head_dim") {
+            None | Some(Value::Null) => {
+                if hidden_size % num_attention_heads != 0 {
+                    return Err(format!(
+                        "hidden_size = {hidden_size} is not a multiple of num_attention_heads ({num_attention_heads}): \
+                         the head width is undefined; fix one of them or set `head_dim` in config.json"
+                    ));
+                }
+                hidden_size / num_attention_heads
+            }
+            Some(_) => int("head_dim")?,
+        };
+        if head_dim <= 0 || head_dim % 2 != 0 {
+            return Err(format!(
+                "head_dim = {head_dim}: expected a positive even number (rotary embeddings rotate pairs); \
+                 fix `head_dim` (or hidden_size / num_attention_heads) in config.json"
+            ));
+        }
+        let intermediate_size = pos("intermediate_size")?;
+        let num_hidden_layers = pos("num_hidden_layers")?;
+        let vocab_size = pos("vocab_size")?;
+        let max_position_embeddings = match v.get("max_position_embeddings") {
+            None | Some(Value::Null) => 4096,
+            Some(_) => pos("max_position_embeddings")?,
+        };
+        let float = |k: &str, d: f64| -> std::result::Result<f64, String> {
+            let x = match v.get(k) {
+                None | Some(Value::Null) => return Ok(d),
+                Some(x) => x.as_f64().ok_or_else(|| {
+                    format!("{k} = {x}: expected a number; fix `{k}` in config.json")
+                })?,
+            };
+            if !(x.is_finite() && x > 0.0) {
+                return Err(format!(
+                    "{k} = {x}: expected a positive finite number; fix `{k}` in config.json"
+                ));
+            }
+            Ok(x)
+        };
+        let rms_norm_eps = float("rms_norm_eps", 1e-6)?;
+        let rope_theta = float("rope_theta", 10000.0)?;
         let rope_scaling = match v.get("rope_scaling") {
             None | Some(Value::Null) => None,
             Some(rs) => {
@@ -157,30 +246,34 @@ impl ModelConfig {
                 }
             }
         };
+        check_rope_scaling(rope_scaling.as_ref())?;
         let mut eos_token_ids = ids(v.get("eos_token_id"));
         eos_token_ids.dedup();
+        let bos_token_id = v.get("bos_token_id").and_then(Value::as_i64);
+        for (k, id) in eos_token_ids
+            .iter()
+            .map(|&id| ("eos_token_id", id))
+            .chain(bos_token_id.map(|id| ("bos_token_id", id)))
+        {
+            if !(0..vocab_size).contains(&id) {
+                return Err(format!(
+                    "{k} = {id}: expected a token id in 0..vocab_size ({vocab_size}); fix `{k}` or `vocab_size` in config.json"
+                ));
+            }
+        }
         Ok(ModelConfig {
             model_type: model_type.clone(),
             hidden_size,
-            intermediate_size: int("intermediate_size")?,
-            num_hidden_layers: int("num_hidden_layers")?,
+            intermediate_size,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
-            rms_norm_eps: v
-                .get("rms_norm_eps")
-                .and_then(Value::as_f64)
-                .unwrap_or(1e-6),
-            rope_theta: v
-                .get("rope_theta")
-                .and_then(Value::as_f64)
-                .unwrap_or(10000.0),
+            rms_norm_eps,
+            rope_theta,
             rope_scaling,
-            vocab_size: int("vocab_size")?,
-            max_position_embeddings: v
-                .get("max_position_embeddings")
-                .and_then(Value::as_i64)
-                .unwrap_or(4096),
+            vocab_size,
+            max_position_embeddings,
             tie_word_embeddings: v
                 .get("tie_word_embeddings")
                 .and_then(Value::as_bool)
@@ -189,7 +282,7 @@ impl ModelConfig {
                 .get("attention_bias")
                 .and_then(Value::as_bool)
                 .unwrap_or(model_type == "qwen2"),
-            bos_token_id: v.get("bos_token_id").and_then(Value::as_i64),
+            bos_token_id,
             eos_token_ids,
             raw: v.clone(),
         })
@@ -270,7 +363,7 @@ mod tests {
             &json!({"hidden_size":8,"num_attention_heads":3,"num_key_value_heads":2}),
         )
         .unwrap_err();
-        assert!(e.contains("multiple"), "{e}");
+        assert!(e.contains("positive divisor of num_attention_heads"), "{e}");
     }
 
     #[test]

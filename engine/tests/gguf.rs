@@ -83,12 +83,7 @@ fn f32s(v: &[f32]) -> Vec<u8> {
 }
 
 fn tiny_llama_kvs(w: &mut W) -> u64 {
-    w.kv_str("general.architecture", "llama");
-    w.kv_u32("llama.embedding_length", 4);
-    w.kv_u32("llama.block_count", 1);
-    w.kv_u32("llama.feed_forward_length", 8);
-    w.kv_u32("llama.attention.head_count", 2);
-    w.kv_u32("llama.attention.head_count_kv", 1);
+    llama_shape_kvs(w, 1);
     w.kv_f32("llama.attention.layer_norm_rms_epsilon", 1e-5);
     w.kv_str("tokenizer.ggml.model", "gpt2");
     w.kv_str("tokenizer.ggml.pre", "smollm");
@@ -98,6 +93,17 @@ fn tiny_llama_kvs(w: &mut W) -> u64 {
     );
     w.kv_strs("tokenizer.ggml.merges", &["a b"]);
     11
+}
+
+/// The architecture and shape keys of a 2-head Llama with `head_count_kv` KV heads (6 keys).
+fn llama_shape_kvs(w: &mut W, head_count_kv: u32) -> u64 {
+    w.kv_str("general.architecture", "llama");
+    w.kv_u32("llama.embedding_length", 4);
+    w.kv_u32("llama.block_count", 1);
+    w.kv_u32("llama.feed_forward_length", 8);
+    w.kv_u32("llama.attention.head_count", 2);
+    w.kv_u32("llama.attention.head_count_kv", head_count_kv);
+    6
 }
 
 #[test]
@@ -182,6 +188,137 @@ fn malformed_files_are_clear_errors() {
     for p in [p, p2] {
         let _ = std::fs::remove_file(p);
     }
+}
+
+/// Regression: zero head counts in config.json divided by zero, and absurd GGUF counts
+/// panicked with `capacity overflow`; both are now errors naming the file, the field,
+/// the value and the fix.
+#[test]
+fn absurd_model_fields_are_errors_not_panics() {
+    let dir = std::env::temp_dir().join(format!("yatt-bad-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let base = serde_json::json!({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 97});
+    let cases: [(&str, serde_json::Value, &str); 7] = [
+        (
+            "num_key_value_heads",
+            0.into(),
+            "num_key_value_heads = 0: expected a positive divisor of num_attention_heads (4)",
+        ),
+        (
+            "num_key_value_heads",
+            3.into(),
+            "num_key_value_heads = 3: expected a positive divisor",
+        ),
+        (
+            "num_attention_heads",
+            0.into(),
+            "num_attention_heads = 0: expected a positive integer",
+        ),
+        (
+            "num_attention_heads",
+            3.into(),
+            "hidden_size = 64 is not a multiple of num_attention_heads (3)",
+        ),
+        (
+            "head_dim",
+            0.into(),
+            "head_dim = 0: expected a positive even number",
+        ),
+        (
+            "vocab_size",
+            0.into(),
+            "vocab_size = 0: expected a positive integer",
+        ),
+        (
+            "rms_norm_eps",
+            (-1.0).into(),
+            "rms_norm_eps = -1: expected a positive finite number",
+        ),
+    ];
+    for (key, value, want) in cases {
+        let mut cfg = base.clone();
+        cfg[key] = value;
+        if key == "num_attention_heads" {
+            cfg["num_key_value_heads"] = serde_json::Value::Null;
+        }
+        std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+        let e = yatt_engine::ModelConfig::from_dir(&dir)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(&dir.join("config.json").display().to_string())
+                && e.contains(want)
+                && e.contains("fix"),
+            "{key}: {e}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+
+    // GGUF: a tensor count, a metadata count and an array length of 2^63-1.
+    let good = gguf_bytes(
+        tiny_llama_kvs,
+        &[("token_embd.weight", vec![4, 5], 0, f32s(&[0.5; 20]))],
+    );
+    let mut huge_tensors = good.clone();
+    huge_tensors[8..16].copy_from_slice(&(i64::MAX as u64).to_le_bytes());
+    let mut huge_kvs = good.clone();
+    huge_kvs[16..24].copy_from_slice(&(i64::MAX as u64).to_le_bytes());
+    let huge_array = gguf_bytes(
+        |w| {
+            w.s("tokenizer.ggml.tokens");
+            w.0.extend(9u32.to_le_bytes());
+            w.0.extend(8u32.to_le_bytes());
+            w.0.extend((i64::MAX as u64).to_le_bytes());
+            1
+        },
+        &[],
+    );
+    let huge_dims = gguf_bytes(
+        tiny_llama_kvs,
+        &[("token_embd.weight", vec![u64::MAX, 2], 0, f32s(&[0.5; 20]))],
+    );
+    for (name, bytes, want) in [
+        (
+            "tensors",
+            huge_tensors,
+            "header tensor_count = 9223372036854775807",
+        ),
+        (
+            "kvs",
+            huge_kvs,
+            "header metadata_kv_count = 9223372036854775807",
+        ),
+        ("array", huge_array, "array length = 9223372036854775807"),
+        (
+            "dims",
+            huge_dims,
+            "token_embd.weight has dims [18446744073709551615, 2]",
+        ),
+    ] {
+        let p = write(&format!("huge-{name}"), &bytes);
+        let e = GgufFile::open(&p).err().unwrap().to_string();
+        assert!(
+            e.contains(&p.display().to_string())
+                && e.contains(want)
+                && e.contains("re-download or re-convert"),
+            "{name}: {e}"
+        );
+        let _ = std::fs::remove_file(p);
+    }
+
+    // A GGUF whose metadata has zero heads is refused at import, naming the key.
+    let zero_heads = gguf_bytes(|w| llama_shape_kvs(w, 0), &[]);
+    let p = write("zero-kv-heads", &zero_heads);
+    let out = std::env::temp_dir().join(format!("yatt-gguf-zero-out-{}", std::process::id()));
+    let e = import_gguf(&p, &out, &Default::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`llama.attention.head_count_kv` = 0: expected a positive divisor of attention.head_count (2)"),
+        "{e}"
+    );
+    let _ = std::fs::remove_file(p);
 }
 
 #[test]

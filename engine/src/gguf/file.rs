@@ -98,8 +98,13 @@ pub struct GgufTensorInfo {
 
 impl GgufTensorInfo {
     /// Number of elements.
+    /// Number of elements (`u64::MAX` if the dims' product overflows, which
+    /// [`GgufFile::open`] rejects).
     pub fn numel(&self) -> u64 {
-        self.dims.iter().product()
+        self.dims
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .unwrap_or(u64::MAX)
     }
     /// The PyTorch (row-major) shape: the dims reversed.
     pub fn shape(&self) -> Vec<usize> {
@@ -124,6 +129,17 @@ struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
     path: &'a Path,
+}
+
+/// The fewest bytes a metadata value of type `ty` takes in the file.
+fn min_value_bytes(ty: u32) -> u64 {
+    match ty {
+        2 | 3 => 2,
+        4..=6 => 4,
+        8 | 10..=12 => 8,
+        9 => 12,
+        _ => 1,
+    }
 }
 
 impl<'a> Reader<'a> {
@@ -153,6 +169,19 @@ impl<'a> Reader<'a> {
     fn u64(&mut self) -> Result<u64> {
         Ok(u64::from_le_bytes(self.arr()?))
     }
+    /// Reads a count of items that each take at least `min_bytes` in the file and
+    /// rejects one the rest of the file cannot hold, before anything is allocated for it.
+    fn count(&mut self, field: &str, min_bytes: u64) -> Result<u64> {
+        let n = self.u64()?;
+        let left = (self.buf.len() - self.pos) as u64;
+        if n > left / min_bytes.max(1) {
+            return Err(self.err(format!(
+                "{field} = {n}, but each entry takes at least {min_bytes} bytes and only {left} bytes \
+                 remain: the file is corrupt or truncated; re-download or re-convert it"
+            )));
+        }
+        Ok(n)
+    }
     fn string(&mut self) -> Result<String> {
         let n = self.u64()?;
         if n > (1 << 30) {
@@ -178,10 +207,7 @@ impl<'a> Reader<'a> {
                     return Err(self.err("arrays nested too deeply"));
                 }
                 let ety = self.u32()?;
-                let n = self.u64()?;
-                if n > (1 << 28) {
-                    return Err(self.err(format!("array length {n} is implausible")));
-                }
+                let n = self.count("array length", min_value_bytes(ety))?;
                 let mut v = Vec::with_capacity(n as usize);
                 for _ in 0..n {
                     v.push(self.value(ety, depth + 1)?);
@@ -228,8 +254,10 @@ impl GgufFile {
                 "GGUF version {version} is not supported (2 and 3 are)"
             )));
         }
-        let n_tensors = r.u64()?;
-        let n_kv = r.u64()?;
+        // A tensor info is at least a name length, a dim count, a type and an offset (24
+        // bytes); a key/value at least a key length, a type and one byte (13 bytes).
+        let n_tensors = r.count("header tensor_count", 24)?;
+        let n_kv = r.count("header metadata_kv_count", 13)?;
         let mut metadata = BTreeMap::new();
         for _ in 0..n_kv {
             let key = r.string()?;
@@ -296,25 +324,38 @@ impl GgufFile {
 
     /// The raw bytes of a tensor. Errors for types whose block size is unknown.
     pub fn tensor_bytes(&self, t: &GgufTensorInfo) -> Result<&[u8]> {
+        let past_end = |what: String| {
+            EngineError::GgufFormat {
+            path: self.path.clone(),
+            msg: format!(
+                "tensor {} {what}, which runs past the end of the file ({} bytes): the file is corrupt or truncated; re-download or re-convert it",
+                t.name,
+                self.map.len()
+            ),
+        }
+        };
         let n = t.numel();
+        // No ggml type packs more than 8 elements per byte: bounds the element count (and
+        // so the byte length below) before any arithmetic can overflow.
+        if n > (self.map.len() as u64).saturating_mul(8) {
+            return Err(past_end(format!("has dims {:?} ({n} elements)", t.dims)));
+        }
         let len =
             t.ty.byte_len(n)
                 .ok_or_else(|| EngineError::UnsupportedGgufType {
                     tensor: t.name.clone(),
                     ty: t.ty.name(),
                 })?;
-        let start = self.data_offset as u64 + t.offset;
-        let end = start + len;
-        if end > self.map.len() as u64 {
-            return Err(EngineError::GgufFormat {
-                path: self.path.clone(),
-                msg: format!(
-                    "tensor {} ends at byte {end}, past the end of the file ({} bytes)",
-                    t.name,
-                    self.map.len()
-                ),
-            });
-        }
+        let end = (self.data_offset as u64)
+            .checked_add(t.offset)
+            .and_then(|start| start.checked_add(len));
+        let Some(end) = end.filter(|&e| e <= self.map.len() as u64) else {
+            return Err(past_end(format!(
+                "at offset {} needs {len} bytes",
+                t.offset
+            )));
+        };
+        let start = end - len;
         Ok(&self.map[start as usize..end as usize])
     }
 

@@ -138,6 +138,29 @@ pub fn import_gguf(
         .get(&k("attention.head_count_kv"))
         .and_then(GgufValue::as_u64)
         .unwrap_or(n_heads);
+    let bad_meta = |key: String, v: u64, expected: String| {
+        EngineError::Config {
+        path: g.path().into(),
+        msg: format!(
+            "metadata `{key}` = {v}: expected {expected}; the file is malformed, re-convert the model (e.g. with llama.cpp's convert_hf_to_gguf.py)"
+        ),
+    }
+    };
+    for (key, v) in [
+        ("embedding_length", hidden),
+        ("attention.head_count", n_heads),
+    ] {
+        if v == 0 {
+            return Err(bad_meta(k(key), v, "a positive integer".into()));
+        }
+    }
+    if n_kv == 0 || n_heads % n_kv != 0 {
+        return Err(bad_meta(
+            k("attention.head_count_kv"),
+            n_kv,
+            format!("a positive divisor of attention.head_count ({n_heads})"),
+        ));
+    }
     let ctx = g
         .get(&k("context_length"))
         .and_then(GgufValue::as_u64)
@@ -226,6 +249,12 @@ pub fn import_gguf(
     if let Some(p) = pad {
         config["pad_token_id"] = json!(p);
     }
+    // What the model loader will check; failing here names the GGUF file, not a config.json
+    // the import would have written.
+    crate::config::ModelConfig::from_json(&config).map_err(|msg| EngineError::Config {
+        path: g.path().into(),
+        msg: format!("the config.json imported from its metadata is invalid: {msg}"),
+    })?;
     write_json(&out_dir.join("config.json"), &config)?;
 
     // Tensors.
