@@ -103,6 +103,23 @@ impl JobConfig {
             self.rollout.max_new_tokens as f64,
             "e.g. max_new_tokens = 64",
         )?;
+        // Prompt lengths in tokens need the tokenizer, so the exact bound (longest prompt +
+        // max_new_tokens) is the generator's; here: room for a one-token prompt at least.
+        if self.model.max_seq_len <= self.rollout.max_new_tokens {
+            return Err(invalid(
+                "model.max_seq_len",
+                &format!(
+                    "more than rollout.max_new_tokens = {} (the longest prompt + max_new_tokens must fit)",
+                    self.rollout.max_new_tokens
+                ),
+                &self.model.max_seq_len.to_string(),
+                &format!(
+                    "raise model.max_seq_len to the longest prompt in tokens + {} (e.g. {}), or lower rollout.max_new_tokens",
+                    self.rollout.max_new_tokens,
+                    (self.rollout.max_new_tokens + 64).next_power_of_two()
+                ),
+            ));
+        }
         positive(
             "rollout.temperature",
             self.rollout.temperature,
@@ -531,6 +548,48 @@ mod tests {
             e.contains("placement.policy") && e.contains("a list of node names"),
             "{e}"
         );
+    }
+
+    /// Regression: max_seq_len = 1 passed validation and failed later naming the
+    /// generator's internal field.
+    #[test]
+    fn max_seq_len_must_leave_room_for_prompt_and_response() {
+        let e = JobConfig::parse(
+            DEMO,
+            "d",
+            &[
+                "model.max_seq_len=1".into(),
+                "rollout.max_new_tokens=8".into(),
+            ],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("model.max_seq_len: expected more than rollout.max_new_tokens = 8")
+                && e.contains("found 1")
+                && e.contains("raise model.max_seq_len"),
+            "{e}"
+        );
+        let e = JobConfig::parse(
+            DEMO,
+            "d",
+            &[
+                "model.max_seq_len=8".into(),
+                "rollout.max_new_tokens=8".into(),
+            ],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("model.max_seq_len"), "{e}");
+        JobConfig::parse(
+            DEMO,
+            "d",
+            &[
+                "model.max_seq_len=9".into(),
+                "rollout.max_new_tokens=8".into(),
+            ],
+        )
+        .unwrap();
     }
 
     #[test]
