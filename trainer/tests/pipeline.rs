@@ -303,10 +303,13 @@ async fn grpo_learns_a_trivial_reward_with_synced_weights() {
     assert_eq!((st.step, st.weights_version), (3, 6));
 }
 
-/// A reward role that loses the last sample of every batch.
-struct DroppingReward(RewardRole);
+/// The reward role with its answer edited by `edit`.
+struct EditedReward(
+    RewardRole,
+    fn(Vec<Sample>) -> Result<Vec<Sample>, RoleError>,
+);
 
-impl Role for DroppingReward {
+impl Role for EditedReward {
     type Request = Vec<Sample>;
     type Response = Vec<Sample>;
     fn name(&self) -> &str {
@@ -319,19 +322,25 @@ impl Role for DroppingReward {
         self.0.start(g)
     }
     fn serve(&mut self, samples: Vec<Sample>) -> Result<Vec<Sample>, RoleError> {
-        let mut s = self.0.serve(samples)?;
+        (self.1)(self.0.serve(samples)?)
+    }
+}
+
+/// A reward role that loses the last sample of every batch.
+fn dropping_reward() -> EditedReward {
+    EditedReward(reward_role(), |mut s| {
         s.pop();
         Ok(s)
-    }
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_sample_fails_the_step_naming_it() {
-    let mut c = cluster(DroppingReward(reward_role())).await;
+    let mut c = cluster(dropping_reward()).await;
     let before = probe_logits(&c.rollout).await;
     let err = c.controller.step().await.unwrap_err();
     let ControllerError::Ledger {
-        step: 0,
+        step: 1,
         source:
             LedgerError::Missing {
                 id,
@@ -350,6 +359,34 @@ async fn a_dropped_sample_fails_the_step_naming_it() {
     );
     // The step stopped before the update: the rollout still has the initial weights.
     assert_eq!(probe_logits(&c.rollout).await, before);
+}
+
+/// Regression: errors named the last completed step (0-based), not the failing one
+/// as the progress line numbers it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_first_step_is_reported_as_step_1() {
+    let failing = EditedReward(reward_role(), |_| {
+        Err(RoleError::Failed("the reward service is down".into()))
+    });
+    let mut c = cluster(failing).await;
+    let err = c.controller.step().await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ControllerError::Call {
+                step: 1,
+                role: "reward",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with("step 1, ") && msg.contains("the reward service is down"),
+        "{msg}"
+    );
+    assert_eq!(c.controller.step_count(), 0, "no step completed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -20,7 +20,7 @@ impl Controller {
         samples: &mut [Sample],
         m: &mut StepMetrics,
     ) -> Result<(), ControllerError> {
-        let step = self.step;
+        let step = self.step_no();
         let se = |source| ControllerError::Sample { step, source };
         let ae = |source| ControllerError::Algo { step, source };
         let dev = Device::Cpu;

@@ -127,6 +127,12 @@ impl Controller {
         self.step
     }
 
+    /// The 1-based number of the step in progress: what the progress line shows for it
+    /// and what its errors name (`step_count` is the steps completed before it).
+    pub(crate) fn step_no(&self) -> u64 {
+        self.step + 1
+    }
+
     /// The position to checkpoint (with the policy's checkpoint).
     pub fn state(&self) -> ControllerState {
         ControllerState {
@@ -155,7 +161,7 @@ impl Controller {
     ) -> ControllerError {
         let got: String = got.chars().take(80).collect();
         ControllerError::Protocol {
-            step: self.step,
+            step: self.step_no(),
             role,
             asked,
             got,
@@ -167,7 +173,7 @@ impl Controller {
         stage: &'static str,
         role: &'static str,
     ) -> impl FnOnce(CallError) -> ControllerError {
-        let step = self.step;
+        let step = self.step_no();
         move |source| ControllerError::Call {
             step,
             stage,
@@ -205,7 +211,7 @@ impl Controller {
     }
 
     pub(crate) fn ledger_err(&self) -> impl Fn(LedgerError) -> ControllerError {
-        let step = self.step;
+        let step = self.step_no();
         move |source| ControllerError::Ledger { step, source }
     }
 

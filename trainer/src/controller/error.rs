@@ -11,7 +11,7 @@ pub enum ControllerError {
     /// A role did not answer, or answered with an error.
     #[error("step {step}, {stage}: asking {role}: {source}")]
     Call {
-        /// The step.
+        /// The failing step, 1-based as the progress line numbers it (0: before the first).
         step: u64,
         /// What the controller was doing.
         stage: &'static str,
@@ -24,7 +24,7 @@ pub enum ControllerError {
     /// A role answered with the wrong kind of response.
     #[error("step {step}: {role} answered {got} to a {asked} request")]
     Protocol {
-        /// The step.
+        /// The failing step, 1-based as the progress line numbers it (0: before the first).
         step: u64,
         /// The role.
         role: &'static str,
@@ -36,7 +36,7 @@ pub enum ControllerError {
     /// The sample ledger does not balance: a sample is missing, doubled or unexpected.
     #[error("step {step}: sample ledger: {source}")]
     Ledger {
-        /// The step.
+        /// The failing step, 1-based as the progress line numbers it (0: before the first).
         step: u64,
         /// Which sample and stage.
         #[source]
@@ -45,7 +45,7 @@ pub enum ControllerError {
     /// A sample lacks what a stage needs.
     #[error("step {step}: {source}")]
     Sample {
-        /// The step.
+        /// The failing step, 1-based as the progress line numbers it (0: before the first).
         step: u64,
         /// What is missing.
         #[source]
@@ -54,7 +54,7 @@ pub enum ControllerError {
     /// The advantage or KL maths rejected the batch.
     #[error("step {step}: advantages: {source}")]
     Algo {
-        /// The step.
+        /// The failing step, 1-based as the progress line numbers it (0: before the first).
         step: u64,
         /// The algorithm's error.
         #[source]
@@ -63,7 +63,7 @@ pub enum ControllerError {
     /// The rollout generated with weights other than the policy's latest.
     #[error("step {step}: {id} was generated with weights v{got}, but the policy is at v{want}; weight sync did not reach the rollout")]
     StaleWeights {
-        /// The step.
+        /// The failing step, 1-based as the progress line numbers it (0: before the first).
         step: u64,
         /// The first stale sample.
         id: SampleId,
@@ -78,7 +78,7 @@ pub enum ControllerError {
     /// Dynamic sampling found no prompt group whose rewards differ.
     #[error("step {step}: dynamic sampling found no prompt group with differing rewards in {rounds} generation rounds ({groups} groups dropped); raise algorithm.max_sampling_rounds or the temperature, or check the reward")]
     NoSignal {
-        /// The step.
+        /// The failing step, 1-based as the progress line numbers it (0: before the first).
         step: u64,
         /// Generation rounds tried.
         rounds: usize,

@@ -183,7 +183,7 @@ impl Controller {
             .find(|s| s.weights_version != self.weights_version)
         {
             Some(s) => Err(ControllerError::StaleWeights {
-                step: self.step,
+                step: self.step_no(),
                 id: s.id,
                 got: s.weights_version,
                 want: self.weights_version,

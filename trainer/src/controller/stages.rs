@@ -149,7 +149,7 @@ impl Controller {
             // Like verl's DAPO: a step with no signal at all is an error, not a silent
             // no-op update.
             return Err(ControllerError::NoSignal {
-                step,
+                step: self.step_no(),
                 rounds: t.rounds,
                 groups: t.groups_dropped,
             });
@@ -228,7 +228,7 @@ impl Controller {
         kept: &mut Vec<Sample>,
         t: &mut RoundTotals,
     ) -> Result<Option<usize>, ControllerError> {
-        let step = self.step;
+        let step = self.step_no();
         let rewards: Vec<f64> = samples
             .iter()
             .map(|s| s.require_reward())
@@ -324,7 +324,7 @@ impl Controller {
         samples: &mut [Sample],
         o: OverlongConfig,
     ) -> Result<(), ControllerError> {
-        let step = self.step;
+        let step = self.step_no();
         for s in samples {
             let r = s
                 .require_reward()

@@ -45,7 +45,8 @@ impl LivePlacement {
                 self.write(&Record::Search {
                     step,
                     line: format!(
-                        "step {step}: generation lost its only rollout replica with node(s) {}; the step runs again after the re-plan",
+                        "step {}: generation lost its only rollout replica with node(s) {}; the step runs again after the re-plan",
+                        step + 1,
                         self.dead_nodes().join(", ")
                     )})?;
                 self.follow_membership(step).await?;
