@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use yatt_engine::tch::{Device, Kind};
 use yatt_engine::Trainer;
 
+use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::report::ControllerState;
 use crate::error::JobError;
@@ -60,30 +61,222 @@ pub(crate) fn load_trainer(dir: &Path, role: &str) -> Result<Trainer, JobError> 
     })
 }
 
-/// Saves the policy (shared by every head) to `dir`, the critic to `dir/critic`, and
-/// every controller's position to `dir/run_state.json`, the last so that a checkpoint
-/// without it is recognisably incomplete.
+/// Saves the policy (shared by every head), the critic (`critic/`) and every
+/// controller's position (`run_state.json`) as the checkpoint `dir`, replacing the one
+/// there without ever leaving the run without a complete checkpoint.
+///
+/// Everything is written into `DIR.tmp-<pid>` next to `dir` and fsynced, then swapped in:
+/// `dir` is renamed to `DIR.old-<pid>`, the new one to `dir`, the parent directory is
+/// fsynced and the old one removed. (POSIX `rename` cannot replace a non-empty
+/// directory, so the swap is two renames.) What a crash leaves:
+/// - while writing: `dir` untouched, plus an incomplete `DIR.tmp-<pid>`, which the next
+///   save removes and [`recover`] ignores (it has no `run_state.json`, written last);
+/// - between the two renames: no `dir`, the complete new `DIR.tmp-<pid>` and the complete
+///   old `DIR.old-<pid>`: [`recover`] (run by every resume) puts the new one in place;
+/// - after the second rename: the new `dir`, plus `DIR.old-<pid>`, which the next save of
+///   a process with that pid, or a person, removes; resume never reads it then.
 pub(crate) async fn save(controllers: &[Controller], dir: &Path) -> Result<(), JobError> {
-    let wr = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| JobError::Write { path, source }
-    };
-    std::fs::create_dir_all(dir).map_err(wr(dir))?;
-    let state_path = dir.join(RunState::FILE);
-    // An interrupted save must not look complete.
-    match std::fs::remove_file(&state_path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(wr(&state_path)(e)),
-        _ => {}
+    let (tmp, old) = (sibling(dir, "tmp"), sibling(dir, "old"));
+    for stale in [&tmp, &old] {
+        remove_dir(stale)?;
     }
+    std::fs::create_dir_all(&tmp).map_err(wr(&tmp))?;
     if let Some(c) = controllers.first() {
-        c.save_policy(dir.into()).await?;
-        c.save_critic(dir.join("critic")).await?;
+        c.save_policy(tmp.clone()).await?;
+        c.save_critic(tmp.join("critic")).await?;
     }
     let state = RunState {
         format: RunState::FORMAT.into(),
         controllers: controllers.iter().map(Controller::state).collect(),
     };
     let text = serde_json::to_string_pretty(&state).expect("run state serializes");
+    let state_path = tmp.join(RunState::FILE);
     std::fs::write(&state_path, text).map_err(wr(&state_path))?;
+    sync_tree(&tmp)?;
+    let had_old = dir.exists();
+    if had_old {
+        std::fs::rename(dir, &old).map_err(wr(dir))?;
+    }
+    std::fs::rename(&tmp, dir).map_err(wr(dir))?;
+    if let Some(parent) = dir.parent() {
+        sync_dir(parent)?;
+    }
+    if had_old {
+        // The new checkpoint is in place: a leftover old one is only wasted space.
+        if let Err(e) = remove_dir(&old) {
+            tracing::warn!(error = %e, "could not remove the replaced checkpoint");
+        }
+    }
     Ok(())
+}
+
+/// Keys of a job that do not change a run's trajectory: a resumed run may change them.
+/// `job.output_dir` is where the run is, not what it does (`--resume DIR` sets it).
+const RESUMABLE_KEYS: [&str; 9] = [
+    "job.steps",
+    "job.output_dir",
+    "checkpoint.every",
+    "placement.rollout",
+    "placement.policy",
+    "placement.reference",
+    "placement.reward",
+    "placement.critic",
+    "placement.nodes",
+];
+
+/// Refuses to resume `job` in `dir` when the run there (its `job.toml`) differs from
+/// it in a key that changes the trajectory: the two would mix in one checkpoint and
+/// one metrics file. A directory without `job.toml` has nothing to compare.
+pub(crate) fn check_same_run(job: &JobConfig, dir: &Path) -> Result<(), JobError> {
+    let path = dir.join(JOB_FILE);
+    if !path.is_file() {
+        return Ok(());
+    }
+    let bad = |reason: String| JobError::Resume {
+        dir: dir.into(),
+        reason,
+    };
+    let theirs = JobConfig::load(&path, &[]).map_err(|e| {
+        bad(format!(
+            "its {} does not load ({e}); fix it, or use a new job.output_dir",
+            path.display()
+        ))
+    })?;
+    let flat = |j: &JobConfig| {
+        let mut out = std::collections::BTreeMap::new();
+        match toml::Value::try_from(j) {
+            Ok(v) => flatten("", &v, &mut out),
+            Err(e) => {
+                out.insert("<job>".to_string(), format!("does not serialize: {e}"));
+            }
+        }
+        out.retain(|k, _| !RESUMABLE_KEYS.contains(&k.as_str()));
+        out
+    };
+    let (run, this) = (flat(&theirs), flat(job));
+    let keys: std::collections::BTreeSet<&String> = run.keys().chain(this.keys()).collect();
+    let missing = || "(unset)".to_string();
+    let differ: Vec<String> = keys
+        .into_iter()
+        .filter(|k| run.get(*k) != this.get(*k))
+        .map(|k| {
+            format!(
+                "{k} (run: {}, this job: {})",
+                run.get(k).cloned().unwrap_or_else(missing),
+                this.get(k).cloned().unwrap_or_else(missing)
+            )
+        })
+        .collect();
+    if differ.is_empty() {
+        return Ok(());
+    }
+    Err(bad(format!(
+        "the run there ({}) differs from this job in {} key(s) that change the training: {}; \
+         fix: use a new job.output_dir for a different run, or resume with the run's own config \
+         (`yatt train --resume DIR` reads DIR/{JOB_FILE}; only {} may change)",
+        path.display(),
+        differ.len(),
+        differ.join(", "),
+        RESUMABLE_KEYS.join(", ")
+    )))
+}
+
+/// `table.key = value` for every leaf of `v`, keys dotted.
+fn flatten(prefix: &str, v: &toml::Value, out: &mut std::collections::BTreeMap<String, String>) {
+    match v {
+        toml::Value::Table(t) => {
+            for (k, v) in t {
+                let key = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                flatten(&key, v, out);
+            }
+        }
+        leaf => {
+            out.insert(prefix.to_string(), leaf.to_string());
+        }
+    }
+}
+
+/// Completes a checkpoint swap that a crash interrupted (see [`save`]): when `dir` is
+/// missing, the newest complete `DIR.tmp-*` (one with `run_state.json`), else the
+/// newest `DIR.old-*`, becomes `dir`. Does nothing when `dir` exists.
+pub(crate) fn recover(dir: &Path) -> Result<(), JobError> {
+    if dir.exists() {
+        return Ok(());
+    }
+    let (Some(parent), Some(name)) = (dir.parent(), dir.file_name()) else {
+        return Ok(());
+    };
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return Ok(());
+    };
+    let name = name.to_string_lossy();
+    let mut found: Vec<(bool, std::time::SystemTime, std::path::PathBuf)> = entries
+        .flatten()
+        .filter_map(|e| {
+            let file = e.file_name().to_string_lossy().into_owned();
+            let kind = file.strip_prefix(&*name)?;
+            let new = kind.starts_with(".tmp-");
+            if !new && !kind.starts_with(".old-") {
+                return None;
+            }
+            let path = e.path();
+            if !path.join(RunState::FILE).is_file() {
+                return None;
+            }
+            let mtime = e.metadata().and_then(|m| m.modified()).ok()?;
+            Some((new, mtime, path))
+        })
+        .collect();
+    found.sort();
+    if let Some((_, _, best)) = found.pop() {
+        tracing::warn!(from = %best.display(), to = %dir.display(),
+            "a checkpoint save was interrupted between its renames; completing it");
+        std::fs::rename(&best, dir).map_err(wr(dir))?;
+    }
+    Ok(())
+}
+
+fn wr(path: &Path) -> impl FnOnce(std::io::Error) -> JobError {
+    let path = path.to_path_buf();
+    move |source| JobError::Write { path, source }
+}
+
+/// `DIR.<what>-<pid>` next to `dir`.
+fn sibling(dir: &Path, what: &str) -> std::path::PathBuf {
+    let name = dir
+        .file_name()
+        .map_or("checkpoint".into(), |n| n.to_string_lossy());
+    dir.with_file_name(format!("{name}.{what}-{}", std::process::id()))
+}
+
+fn remove_dir(dir: &Path) -> Result<(), JobError> {
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(wr(dir)(e)),
+        _ => Ok(()),
+    }
+}
+
+fn sync_dir(dir: &Path) -> Result<(), JobError> {
+    std::fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(wr(dir))
+}
+
+/// fsyncs every file under `dir`, then the directories, deepest first.
+fn sync_tree(dir: &Path) -> Result<(), JobError> {
+    for e in std::fs::read_dir(dir).map_err(wr(dir))? {
+        let path = e.map_err(wr(dir))?.path();
+        if path.is_dir() {
+            sync_tree(&path)?;
+        } else {
+            std::fs::File::open(&path)
+                .and_then(|f| f.sync_all())
+                .map_err(wr(&path))?;
+        }
+    }
+    sync_dir(dir)
 }

@@ -7,7 +7,7 @@ use yatt_metrics::{RunWriter, WriteError};
 use yatt_runtime::Node;
 
 use crate::build::embedded::{build_embedded_with, CustomRoles};
-use crate::checkpoint::{save, JOB_FILE};
+use crate::checkpoint::{check_same_run, recover, save, JOB_FILE};
 use crate::config::modes::PlacementMode;
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
@@ -117,6 +117,12 @@ pub async fn train_with(
         path: out.clone(),
         source,
     })?;
+    let checkpoint_dir = out.join("checkpoint");
+    if resume {
+        // Before job.toml is overwritten: it is the run's record of what it is.
+        check_same_run(job, &out)?;
+        recover(&checkpoint_dir)?;
+    }
     let job_path = out.join(JOB_FILE);
     let text = toml::to_string(job).map_err(|e| JobError::Resume {
         dir: out.clone(),
@@ -130,7 +136,6 @@ pub async fn train_with(
         path: e.path,
         source: e.source,
     };
-    let checkpoint_dir = out.join("checkpoint");
     if job.placement.live && (resume || options.roles.reward.is_some()) {
         return Err(JobError::NotImplemented {
             key: "placement.live".into(),

@@ -7,8 +7,9 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use yatt_runtime::Node;
-use yatt_trainer::{train_with, JobConfig, TrainOptions};
+use yatt_trainer::JobConfig;
+
+mod common;
 
 fn demo_config(out: &Path, sets: &[&str]) -> JobConfig {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../config/demo-letters.toml");
@@ -18,18 +19,7 @@ fn demo_config(out: &Path, sets: &[&str]) -> JobConfig {
 }
 
 async fn run(job: &JobConfig, resume: bool) -> Vec<serde_json::Map<String, Value>> {
-    let certs = tempfile::tempdir().unwrap();
-    let node = Node::builder("train-0")
-        .dev_certs(certs.path())
-        .start()
-        .await
-        .unwrap();
-    let options = TrainOptions {
-        resume,
-        ..Default::default()
-    };
-    let summary = train_with(job, &node, options, |_| {}).await.unwrap();
-    node.shutdown().await;
+    let summary = common::train_job(job, resume).await.unwrap();
     metrics(&summary.metrics_path)
 }
 

@@ -2,8 +2,12 @@
 //! steps, one metrics line per step with the expected keys, a TensorBoard event file
 //! with a record per step, and a saved checkpoint.
 
+use std::path::Path;
+
 use yatt_runtime::Node;
-use yatt_trainer::{train, JobConfig};
+use yatt_trainer::{train, JobConfig, JOB_FILE};
+
+mod common;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_letters_writes_one_metrics_line_per_step() {
@@ -68,4 +72,113 @@ async fn demo_letters_writes_one_metrics_line_per_step() {
         .unwrap()
         .collect();
     assert!(!ckpt.is_empty(), "the checkpoint directory is empty");
+}
+
+/// The demo job with `sets`, writing to `out`.
+fn demo(out: &Path, sets: &[&str]) -> JobConfig {
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    common::demo_config(out, &sets)
+}
+
+fn metrics_lines(out: &Path) -> usize {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .count()
+}
+
+/// Regression: a save deleted run_state.json and overwrote the checkpoint in place, so a
+/// crash mid-save destroyed the only checkpoint. Saves now swap a complete copy in; a
+/// crash between the swap's two renames leaves the new copy as `checkpoint.tmp-<pid>`,
+/// which a resume puts in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_save_interrupted_between_its_renames_is_completed_on_resume() {
+    let out = tempfile::tempdir().unwrap();
+    // checkpoint.every = 1: the final save replaces the one of step 1.
+    common::train_job(
+        &demo(out.path(), &["job.steps=2", "checkpoint.every=1"]),
+        false,
+    )
+    .await
+    .unwrap();
+    let names = |dir: &Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("checkpoint"))
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(
+        names(out.path()),
+        ["checkpoint"],
+        "no temporary or old copy is left"
+    );
+    assert!(out.path().join("checkpoint/run_state.json").is_file());
+    // A crash after `checkpoint` was moved aside and before the new copy took its name.
+    std::fs::rename(
+        out.path().join("checkpoint"),
+        out.path().join("checkpoint.tmp-4242"),
+    )
+    .unwrap();
+    let saved = JobConfig::load(out.path().join(JOB_FILE), &["job.steps=3".into()]).unwrap();
+    let summary = common::train_job(&saved, true).await.unwrap();
+    assert_eq!(summary.steps, 3);
+    assert_eq!(
+        metrics_lines(out.path()),
+        3,
+        "steps 1-2 kept, step 3 appended"
+    );
+    assert_eq!(names(out.path()), ["checkpoint"]);
+}
+
+/// Regression: `--resume` into the directory of another run silently mixed the two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resuming_into_the_directory_of_another_run_is_refused_naming_the_keys() {
+    let out = tempfile::tempdir().unwrap();
+    common::train_job(&demo(out.path(), &["job.steps=1"]), false)
+        .await
+        .unwrap();
+    let before = std::fs::read_to_string(out.path().join(JOB_FILE)).unwrap();
+    // job.steps, checkpoint.every and the placement's node names may change.
+    let other = demo(
+        out.path(),
+        &[
+            "job.steps=2",
+            "optim.lr=0.01",
+            "data.samples_per_prompt=4",
+            "checkpoint.every=1",
+            "placement.reward=\"elsewhere\"",
+        ],
+    );
+    let e = common::train_job(&other, true)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("2 key(s)")
+            && e.contains("optim.lr (run: 0.003, this job: 0.01)")
+            && e.contains("data.samples_per_prompt (run: 8, this job: 4)")
+            && !e.contains("checkpoint.every (")
+            && e.contains("use a new job.output_dir"),
+        "{e}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(out.path().join(JOB_FILE)).unwrap(),
+        before,
+        "the run's job.toml is untouched"
+    );
+    assert_eq!(metrics_lines(out.path()), 1);
+    // The same run with more steps resumes.
+    let same = demo(
+        out.path(),
+        &[
+            "job.steps=2",
+            "checkpoint.every=1",
+            "placement.reward=\"elsewhere\"",
+        ],
+    );
+    assert_eq!(common::train_job(&same, true).await.unwrap().steps, 2);
+    assert_eq!(metrics_lines(out.path()), 2);
 }

@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 
 use yatt_roles::LETTERS;
 use yatt_roles::{Sample, SampleId};
-use yatt_trainer::{JobConfig, JobError};
+use yatt_runtime::Node;
+use yatt_trainer::{train_with, JobConfig, JobError, TrainOptions, TrainSummary};
 
 /// `config/demo-letters.toml` with `sets`, writing to `out`.
 pub fn load_demo(out: &Path, sets: &[String]) -> Result<JobConfig, JobError> {
@@ -18,6 +19,24 @@ pub fn load_demo(out: &Path, sets: &[String]) -> Result<JobConfig, JobError> {
 /// [`load_demo`] for a config that must be valid.
 pub fn demo_config(out: &Path, sets: &[String]) -> JobConfig {
     load_demo(out, sets).unwrap()
+}
+
+/// Runs `job` through [`train_with`] on a fresh in-process node, continuing the run in
+/// its output directory when `resume`.
+pub async fn train_job(job: &JobConfig, resume: bool) -> Result<TrainSummary, JobError> {
+    let certs = tempfile::tempdir().unwrap();
+    let node = Node::builder("train-0")
+        .dev_certs(certs.path())
+        .start()
+        .await
+        .unwrap();
+    let options = TrainOptions {
+        resume,
+        ..Default::default()
+    };
+    let result = train_with(job, &node, options, |_| {}).await;
+    node.shutdown().await;
+    result
 }
 
 /// A sample with text only (what the reward role reads).
