@@ -147,6 +147,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     );
     let cfg = yatt::node_config::load(args.config.as_deref(), &flags)?;
 
+    if let Some(addr) = cfg.http.filter(|a| !a.ip().is_loopback()) {
+        tracing::warn!(%addr, "/health and /metrics are served without authentication on a non-loopback address: anyone who reaches it reads the node's state; bind http.listen to 127.0.0.1, or firewall the port");
+    }
     // Bind HTTP first: a port in use should fail before we join the cluster.
     let http = match cfg.http {
         Some(addr) => Some(tokio::net::TcpListener::bind(addr).await.with_context(|| {

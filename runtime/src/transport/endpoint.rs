@@ -13,6 +13,7 @@ use super::config::{TransportConfig, TransportError, TransportStats};
 use super::peer::{Peer, StreamWriter, TellProgress};
 use super::protocol::{Control, ASKS, CONTROL_PRIORITY, REPLIES};
 use super::routing::{Dispatch, PeerBook, Target};
+use super::throttle::LogThrottle;
 use crate::actor::CallError;
 use crate::message::Wire;
 use crate::shm::{MappingCache, SegmentPool};
@@ -29,9 +30,14 @@ pub struct Transport {
     pub(super) dispatch: OnceLock<Arc<dyn Dispatch>>,
     pub(super) book: OnceLock<Arc<dyn PeerBook>>,
     pub(super) segments: Arc<SegmentPool>,
+    /// One line per peer address per [`REFUSAL_LOG_WINDOW`] for refused handshakes.
+    refusals: LogThrottle,
     /// Counters.
     pub stats: TransportStats,
 }
+
+/// At most one log line per peer address in this window for refused handshakes.
+const REFUSAL_LOG_WINDOW: Duration = Duration::from_secs(10);
 
 pub(super) fn bind_socket(
     listen: SocketAddr,
@@ -92,6 +98,7 @@ impl Transport {
             dispatch: OnceLock::new(),
             book: OnceLock::new(),
             segments,
+            refusals: LogThrottle::new(REFUSAL_LOG_WINDOW),
             stats: TransportStats::default(),
         }))
     }
@@ -120,15 +127,30 @@ impl Transport {
                             this.adopt(name, conn);
                         }
                         Err(e) => {
-                            tracing::warn!(%remote, error = %e, "refusing peer without a usable certificate");
+                            if let Some(suppressed) = this.admit_refusal(remote) {
+                                tracing::warn!(%remote, error = %e, suppressed, "refusing peer without a usable certificate (suppressed: same-address refusals not logged in the last 10 s)");
+                            }
                             conn.close(1u32.into(), b"bad certificate");
                         }
                     },
-                    Ok(Err(e)) => tracing::warn!(%remote, error = %e, "handshake refused"),
-                    Err(_) => tracing::warn!(%remote, "handshake timed out"),
+                    Ok(Err(e)) => {
+                        if let Some(suppressed) = this.admit_refusal(remote) {
+                            tracing::warn!(%remote, error = %e, suppressed, "handshake refused (suppressed: same-address refusals not logged in the last 10 s)");
+                        }
+                    }
+                    Err(_) => {
+                        if let Some(suppressed) = this.admit_refusal(remote) {
+                            tracing::warn!(%remote, suppressed, "handshake timed out (suppressed: same-address refusals not logged in the last 10 s)");
+                        }
+                    }
                 }
             });
         }
+    }
+
+    /// Whether to log a refused handshake from `remote` (see [`LogThrottle::admit`]).
+    fn admit_refusal(&self, remote: SocketAddr) -> Option<u64> {
+        self.refusals.admit(remote.ip(), std::time::Instant::now())
     }
 
     /// Stops accepting new connections (existing ones keep working).

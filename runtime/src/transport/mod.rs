@@ -33,6 +33,7 @@ mod outbound;
 mod peer;
 mod protocol;
 mod routing;
+mod throttle;
 
 pub use config::{TransportConfig, TransportError, TransportStats};
 pub use endpoint::Transport;
