@@ -7,6 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
+use yatt_runtime::Node;
 use yatt_trainer::JobConfig;
 
 mod common;
