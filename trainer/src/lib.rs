@@ -47,7 +47,7 @@ pub use config::sections::{
     AlgorithmSection, CheckpointSection, DataSection, JobConfig, JobSection, ModelSection,
     OptimSection, RewardKinds, RewardSection, RolloutSection,
 };
-pub use yatt_roles::{Algorithm, KlEstimator, LossAgg};
+pub use yatt_roles::{Algorithm, KlEstimator, LossAgg, LossAggMode};
 
 // Building a job's roles and controllers.
 pub use build::cluster::{build_cluster, register, RoleArgs};

@@ -226,3 +226,18 @@ async fn policy_replicas_all_reduce_to_the_shared_policy_result() {
     let r = series(&replicated, "critic/rewards/mean");
     assert!(r[5] > r[0], "no learning with replicas: {r:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dr_grpo_gspo_and_cispo_train_the_demo() {
+    for algo in ["dr-grpo", "gspo", "cispo"] {
+        let dir = tempfile::tempdir().unwrap();
+        let name = format!("algorithm.name={algo:?}");
+        let job = demo_config(dir.path(), &[name.as_str(), "job.steps=3"]);
+        let rows = run(&job, false).await;
+        assert_eq!(rows.len(), 3, "{algo}");
+        for key in ["actor/pg_loss", "actor/pg_clipfrac"] {
+            let v = series(&rows, key);
+            assert!(v.iter().all(|x| x.is_finite()), "{algo}: {key} = {v:?}");
+        }
+    }
+}

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 
 use yatt_trainer::JobConfig;
 use yatt_trainer::{eval_prompts, EvalOptions, Split};
-use yatt_trainer::{Algorithm, Dtype, KlMode, OldLogprobs, RewardKind, Task};
+use yatt_trainer::{Algorithm, Dtype, KlMode, LossAgg, LossAggMode, OldLogprobs, RewardKind, Task};
 
 const SMOLLM2: &str = include_str!("../../config/smollm2-addition.toml");
 
@@ -139,4 +139,51 @@ fn a_task_without_held_out_prompts_says_so() {
     .unwrap_err()
     .to_string();
     assert!(e.contains("--prompts"), "{e}");
+}
+
+#[test]
+fn dr_grpo_gspo_and_cispo_take_their_papers_defaults_unless_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = format!("model.source=\"{}\"", dir.path().display());
+    let with = |sets: &[&str]| {
+        let mut all = vec![source.clone()];
+        all.extend(sets.iter().map(|s| s.to_string()));
+        JobConfig::parse(SMOLLM2, "smollm2-addition.toml", &all)
+    };
+    let c = with(&["algorithm.name=\"dr-grpo\""]).unwrap();
+    assert_eq!(c.algorithm.clip(), (0.2, 0.2));
+    // max_new_tokens = 16 in this config: the constant normaliser
+    assert_eq!(
+        c.algorithm.loss_agg(c.rollout.max_new_tokens),
+        LossAgg::SeqMeanTokenSumNorm { max_len: 16.0 }
+    );
+    let c = with(&["algorithm.name=\"gspo\""]).unwrap();
+    assert_eq!(c.algorithm.clip(), (3e-4, 4e-4));
+    assert_eq!(c.algorithm.loss_agg_mode(), LossAggMode::SeqMeanTokenMean);
+    let c = with(&["algorithm.name=\"cispo\""]).unwrap();
+    assert_eq!(c.algorithm.clip(), (1.0, 0.2));
+    assert_eq!(c.algorithm.loss_agg_mode(), LossAggMode::TokenMean);
+    // what the config sets wins
+    let c = with(&[
+        "algorithm.name=\"cispo\"",
+        "algorithm.clip_high=4.0",
+        "algorithm.loss_agg=\"seq-mean-token-mean\"",
+    ])
+    .unwrap();
+    assert_eq!(c.algorithm.clip(), (1.0, 4.0));
+    assert_eq!(c.algorithm.loss_agg_mode(), LossAggMode::SeqMeanTokenMean);
+    // PPO's 0.2 on a sequence ratio never clips: refused, naming the key and the fix
+    let e = with(&["algorithm.name=\"gspo\"", "algorithm.clip_high=0.2"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("algorithm.clip_high") && e.contains("3e-4"),
+        "{e}"
+    );
+    // a lower bound of 1 is CISPO's only
+    let e = with(&["algorithm.name=\"grpo\"", "algorithm.clip_low=1.0"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("algorithm.clip_low"), "{e}");
+    with(&["algorithm.name=\"cispo\"", "algorithm.clip_low=1.0"]).unwrap();
 }

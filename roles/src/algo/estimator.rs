@@ -10,6 +10,7 @@ use crate::algo::advantage::{
     Advantages, GaeConfig, GrpoConfig, ReinforcePpConfig,
 };
 use crate::algo::checks::AlgoError;
+use crate::algo::loss::{LossAggMode, PolicyLossKind};
 
 /// `algorithm.name`: the RL algorithm of a job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -27,6 +28,15 @@ pub enum Algorithm {
     /// GRPO advantages with dynamic sampling (pair it with clip-higher and the
     /// overlong penalty).
     Dapo,
+    /// Dr. GRPO (Liu et al. 2025): GRPO advantages without the std division
+    /// (`r − mean_g`), loss summed over tokens ÷ a constant (`seq-mean-token-sum-norm`).
+    DrGrpo,
+    /// GSPO (Zheng et al. 2025): GRPO advantages, the clipped surrogate on the
+    /// sequence-level importance ratio (clip 3e-4 / 4e-4).
+    Gspo,
+    /// CISPO (MiniMax-M1, 2025): GRPO advantages, the clipped importance weight
+    /// (stop-gradient) times `A · log π`, token-mean.
+    Cispo,
 }
 
 impl Algorithm {
@@ -40,10 +50,52 @@ impl Algorithm {
         matches!(self, Algorithm::Dapo)
     }
 
+    /// The policy loss of the algorithm.
+    pub fn policy_loss(self) -> PolicyLossKind {
+        match self {
+            Algorithm::Gspo => PolicyLossKind::Gspo,
+            Algorithm::Cispo => PolicyLossKind::Cispo,
+            Algorithm::Grpo
+            | Algorithm::Rloo
+            | Algorithm::ReinforcePp
+            | Algorithm::Ppo
+            | Algorithm::Dapo
+            | Algorithm::DrGrpo => PolicyLossKind::Ppo,
+        }
+    }
+
+    /// `(clip_low, clip_high)` when the config gives none: GSPO's paper ranges
+    /// (3e-4, 4e-4: a sequence ratio moves much less than a token's), no lower bound on
+    /// CISPO's weight (1, as MiniMax-M1) with PPO's 0.2 above, PPO's 0.2 otherwise.
+    pub fn default_clip(self) -> (f64, f64) {
+        match self {
+            Algorithm::Gspo => (3e-4, 4e-4),
+            Algorithm::Cispo => (1.0, 0.2),
+            _ => (0.2, 0.2),
+        }
+    }
+
+    /// The loss aggregation when the config gives none: `seq-mean-token-sum-norm` for
+    /// Dr. GRPO, `seq-mean-token-mean` for GSPO (the paper's mean over sequences of the
+    /// sequence loss), `token-mean` otherwise.
+    pub fn default_loss_agg(self) -> LossAggMode {
+        match self {
+            Algorithm::DrGrpo => LossAggMode::SeqMeanTokenSumNorm,
+            Algorithm::Gspo => LossAggMode::SeqMeanTokenMean,
+            _ => LossAggMode::TokenMean,
+        }
+    }
+
     /// The advantage estimator of the algorithm; `gae` is used by PPO only.
     pub fn estimator(self, gae: GaeConfig) -> AdvantageEstimator {
         match self {
-            Algorithm::Grpo | Algorithm::Dapo => AdvantageEstimator::Grpo(GrpoConfig::default()),
+            Algorithm::Grpo | Algorithm::Dapo | Algorithm::Gspo | Algorithm::Cispo => {
+                AdvantageEstimator::Grpo(GrpoConfig::default())
+            }
+            Algorithm::DrGrpo => AdvantageEstimator::Grpo(GrpoConfig {
+                norm_by_std: false,
+                ..GrpoConfig::default()
+            }),
             Algorithm::Rloo => AdvantageEstimator::Rloo,
             Algorithm::ReinforcePp => AdvantageEstimator::ReinforcePp(ReinforcePpConfig::default()),
             Algorithm::Ppo => AdvantageEstimator::Gae(gae),
@@ -54,7 +106,8 @@ impl Algorithm {
 /// How a step's rewards become per-token advantages.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum AdvantageEstimator {
-    /// Group-normalised outcome rewards (GRPO, DAPO).
+    /// Group-normalised outcome rewards (GRPO, DAPO, GSPO, CISPO; Dr. GRPO without the
+    /// std division).
     Grpo(GrpoConfig),
     /// Leave-one-out baseline within the prompt group.
     Rloo,

@@ -27,6 +27,61 @@ pub enum LossAgg {
     },
 }
 
+/// `algorithm.loss_agg`: an aggregation mode by name, before its parameters are known
+/// ([`LossAggMode::with_max_len`] gives the [`LossAgg`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LossAggMode {
+    /// [`LossAgg::TokenMean`].
+    TokenMean,
+    /// [`LossAgg::SeqMeanTokenMean`].
+    SeqMeanTokenMean,
+    /// [`LossAgg::SeqMeanTokenSumNorm`], normalised by the maximum response length.
+    SeqMeanTokenSumNorm,
+}
+
+impl LossAggMode {
+    /// The aggregation; `max_len` (the maximum response length, e.g.
+    /// `rollout.max_new_tokens`) is the constant normaliser of `seq-mean-token-sum-norm`.
+    pub fn with_max_len(self, max_len: usize) -> LossAgg {
+        match self {
+            LossAggMode::TokenMean => LossAgg::TokenMean,
+            LossAggMode::SeqMeanTokenMean => LossAgg::SeqMeanTokenMean,
+            LossAggMode::SeqMeanTokenSumNorm => LossAgg::SeqMeanTokenSumNorm {
+                max_len: max_len as f64,
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for LossAggMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LossAggMode::TokenMean => "token-mean",
+            LossAggMode::SeqMeanTokenMean => "seq-mean-token-mean",
+            LossAggMode::SeqMeanTokenSumNorm => "seq-mean-token-sum-norm",
+        })
+    }
+}
+
+/// Which policy-gradient loss [`super::policy_loss`] computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyLossKind {
+    /// PPO clipped surrogate on the token ratio `π/π_old` ([`ppo_policy_loss`]).
+    #[default]
+    Ppo,
+    /// GSPO (Zheng et al. 2025): the clipped surrogate on the sequence ratio
+    /// `s_i = exp(mean_t(log π − log π_old))`, with the sequence's advantage
+    /// ([`super::gspo_policy_loss`]).
+    Gspo,
+    /// GSPO-token: GSPO's sequence ratio with per-token advantages.
+    GspoToken,
+    /// CISPO (MiniMax-M1, 2025): `−sg(clip(ρ, 1−ε_low, 1+ε_high)) · A · log π`, the
+    /// importance weight clipped instead of the update ([`super::cispo_policy_loss`]).
+    Cispo,
+}
+
 /// Mean of `x` over valid tokens (scalar tensor; 0 when the mask is empty).
 pub fn masked_mean(x: &Tensor, mask: &Tensor) -> Tensor {
     let k = mask.kind();
@@ -60,15 +115,18 @@ pub fn aggregate_loss(loss: &Tensor, mask: &Tensor, agg: LossAgg) -> Result<Tens
     })
 }
 
-/// PPO clipped policy-loss options.
+/// Policy-loss options: which loss, its clip range, its aggregation.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct PolicyLossConfig {
+    /// Which loss (PPO, GSPO, GSPO-token, CISPO).
+    #[serde(default)]
+    pub kind: PolicyLossKind,
     /// ε_low: the ratio is clipped below at `1 − clip_low`.
     pub clip_low: f64,
     /// ε_high: the ratio is clipped above at `1 + clip_high` (DAPO clip-higher: 0.28).
     pub clip_high: f64,
     /// Dual-clip constant `c > 1` (verl: 3.0): for negative advantages the loss is
-    /// capped at `−c·A`, so a huge ratio cannot produce an unbounded update.
+    /// capped at `−c·A`, so a huge ratio cannot produce an unbounded update (PPO only).
     pub dual_clip: Option<f64>,
     /// Aggregation of the per-token loss.
     pub agg: LossAgg,
@@ -77,6 +135,7 @@ pub struct PolicyLossConfig {
 impl Default for PolicyLossConfig {
     fn default() -> Self {
         Self {
+            kind: PolicyLossKind::Ppo,
             clip_low: 0.2,
             clip_high: 0.2,
             dual_clip: None,
@@ -98,6 +157,40 @@ pub struct PolicyLossStats {
     pub ratio_mean: f64,
 }
 
+/// Checks a policy loss's `[B, T]` inputs (`logp`, `old_logp`, `advantages`) against
+/// `mask`, and its clip range: `clip_high ≥ 0`, `clip_low` in `[0, 1)`, or in `[0, 1]`
+/// when `closed_low` gives the reason (CISPO's weight may have no lower bound).
+pub(crate) fn check_policy_inputs(
+    tensors: [&Tensor; 3],
+    mask: &Tensor,
+    cfg: &PolicyLossConfig,
+    closed_low: Option<&'static str>,
+) -> Result<(), AlgoError> {
+    let (b, t) = check_bt(mask, "mask")?;
+    for (x, what) in tensors.into_iter().zip(["logp", "old_logp", "advantages"]) {
+        check_same_bt(x, what, b, t)?;
+    }
+    let low_ok = match closed_low {
+        Some(_) => (0.0..=1.0).contains(&cfg.clip_low),
+        None => (0.0..1.0).contains(&cfg.clip_low),
+    };
+    if !low_ok {
+        return Err(AlgoError::Param {
+            name: "clip_low",
+            value: cfg.clip_low,
+            reason: closed_low.unwrap_or("must be in [0, 1)"),
+        });
+    }
+    if cfg.clip_high.is_nan() || cfg.clip_high < 0.0 {
+        return Err(AlgoError::Param {
+            name: "clip_high",
+            value: cfg.clip_high,
+            reason: "must be >= 0",
+        });
+    }
+    Ok(())
+}
+
 /// PPO clipped surrogate loss (to minimise), per token:
 /// `max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high))`, then for `A < 0` with dual clip
 /// `min(that, −c·A)`; aggregated with `cfg.agg`. `ρ = exp(logp − old_logp)` with the
@@ -109,24 +202,7 @@ pub fn ppo_policy_loss(
     mask: &Tensor,
     cfg: &PolicyLossConfig,
 ) -> Result<(Tensor, PolicyLossStats), AlgoError> {
-    let (b, t) = check_bt(mask, "mask")?;
-    check_same_bt(logp, "logp", b, t)?;
-    check_same_bt(old_logp, "old_logp", b, t)?;
-    check_same_bt(advantages, "advantages", b, t)?;
-    if !(0.0..1.0).contains(&cfg.clip_low) {
-        return Err(AlgoError::Param {
-            name: "clip_low",
-            value: cfg.clip_low,
-            reason: "must be in [0, 1)",
-        });
-    }
-    if cfg.clip_high.is_nan() || cfg.clip_high < 0.0 {
-        return Err(AlgoError::Param {
-            name: "clip_high",
-            value: cfg.clip_high,
-            reason: "must be >= 0",
-        });
-    }
+    check_policy_inputs([logp, old_logp, advantages], mask, cfg, None)?;
     if let Some(c) = cfg.dual_clip {
         if c.is_nan() || c <= 1.0 {
             return Err(AlgoError::Param {

@@ -17,6 +17,7 @@
 //! | [`advantage`] | GRPO, RLOO, REINFORCE++, GAE; token rewards from sequence rewards |
 //! | [`kl`] | k1/k2/k3 KL estimators |
 //! | [`loss`] | PPO clipped policy loss (clip-higher, dual clip), value loss, entropy, KL loss, aggregation modes |
+//! | [`policy_loss`] | GSPO (sequence ratio), CISPO (clipped IS weight), and the match over [`PolicyLossKind`] |
 //! | [`dapo`] | DAPO dynamic-sampling filter and overlong penalty |
 
 pub mod advantage;
@@ -27,6 +28,7 @@ pub mod estimator;
 pub use estimator::{AdvantageEstimator, AdvantageInputs, Algorithm};
 pub mod kl;
 pub mod loss;
+pub mod policy_loss;
 
 pub use advantage::{
     gae_advantage, grpo_advantage, reinforce_pp_advantage, rloo_advantage, token_level_rewards,
@@ -38,9 +40,10 @@ pub use dapo::{
 pub use kl::{kl_estimate, KlEstimator};
 pub use loss::{
     aggregate_loss, entropy_from_logits, entropy_loss, kl_loss, masked_mean, ppo_policy_loss,
-    value_loss, EntropyStats, KlLossStats, LossAgg, PolicyLossConfig, PolicyLossStats,
-    ValueLossConfig, ValueLossStats,
+    value_loss, EntropyStats, KlLossStats, LossAgg, LossAggMode, PolicyLossConfig, PolicyLossKind,
+    PolicyLossStats, ValueLossConfig, ValueLossStats,
 };
+pub use policy_loss::{cispo_policy_loss, gspo_policy_loss, policy_loss};
 
 #[cfg(test)]
 mod tests;

@@ -337,6 +337,7 @@ fn ppo_inputs() -> (Tensor, Tensor, Tensor, Tensor) {
 fn ppo_clip_higher_and_dual_clip() {
     let (logp, old, adv, mask) = ppo_inputs();
     let cfg = PolicyLossConfig {
+        kind: PolicyLossKind::Ppo,
         clip_low: 0.2,
         clip_high: 0.28,
         dual_clip: None,
@@ -394,6 +395,7 @@ fn ppo_clip_boundaries() {
     let logp = t2(&[&[1.27f64.ln(), 1.29f64.ln(), 0.81f64.ln(), 0.79f64.ln()]]);
     let mask = t2(&[&[1.0, 1.0, 1.0, 1.0]]);
     let cfg = PolicyLossConfig {
+        kind: PolicyLossKind::Ppo,
         clip_low: 0.2,
         clip_high: 0.28,
         dual_clip: None,
@@ -417,6 +419,7 @@ fn ppo_gradients_skip_padding_and_clipped_tokens() {
     let (logp, old, adv, mask) = ppo_inputs();
     let logp = logp.set_requires_grad(true);
     let cfg = PolicyLossConfig {
+        kind: PolicyLossKind::Ppo,
         clip_low: 0.2,
         clip_high: 0.28,
         dual_clip: Some(3.0),
@@ -605,4 +608,206 @@ fn f32_inputs_work_too() {
     assert_eq!(a.advantages.kind(), Kind::Float);
     let v = vals(&a.advantages);
     assert!((v[15] - 2.0 / 3f64.sqrt()).abs() < 1e-4);
+}
+
+// Dr. GRPO, GSPO, CISPO.
+
+#[test]
+fn dr_grpo_advantages_skip_the_std_and_the_loss_does_not_divide_by_length() {
+    // One group, rewards [3, 0, 0]: mean 1 → A = r − mean = [2, −1, −1]
+    // (GRPO would divide by the unbiased std √3: [1.1547, −0.5774, −0.5774]).
+    // Response lengths 1, 2, 4 over T = 4.
+    let rewards = t1(&[3.0, 0.0, 0.0]);
+    let mask = t2(&[
+        &[1.0, 0.0, 0.0, 0.0],
+        &[1.0, 1.0, 0.0, 0.0],
+        &[1.0, 1.0, 1.0, 1.0],
+    ]);
+    let alg = Algorithm::DrGrpo;
+    let adv = alg
+        .estimator(GaeConfig::default())
+        .compute(&AdvantageInputs {
+            scores: &rewards,
+            rewards: &rewards,
+            mask: &mask,
+            groups: &[0, 0, 0],
+            kl: None,
+            values: None,
+        })
+        .unwrap()
+        .advantages;
+    close(
+        &vals(&adv),
+        &[2., 0., 0., 0., -1., -1., 0., 0., -1., -1., -1., -1.],
+    );
+    assert_eq!(alg.policy_loss(), PolicyLossKind::Ppo);
+    assert_eq!(alg.default_loss_agg(), LossAggMode::SeqMeanTokenSumNorm);
+    let cfg = PolicyLossConfig {
+        agg: alg.default_loss_agg().with_max_len(4),
+        ..Default::default()
+    };
+    // On-policy (ratio 1): per-token loss −A. Sequence sums −2, 2, 4; each ÷ max_len 4
+    // → −0.5, 0.5, 1; mean over the 3 sequences = 1/3.
+    // (token-mean would give 4/7, seq-mean-token-mean 0.)
+    let logp = Tensor::zeros([3, 4], (Kind::Double, tch::Device::Cpu)).set_requires_grad(true);
+    let (loss, _) = policy_loss(&logp, &logp.detach(), &adv, &mask, &cfg).unwrap();
+    close1(scalar(&loss), 1.0 / 3.0);
+    loss.backward();
+    // ∂/∂logp_t = −A_t·ρ / (max_len · B) = −A_t / 12 on every valid token: the same
+    // weight for a token of a 2-token and of a 4-token response (no length bias).
+    let g = 1.0 / 12.0;
+    close(
+        &vals(&logp.grad()),
+        &[-2.0 * g, 0., 0., 0., g, g, 0., 0., g, g, g, g],
+    );
+}
+
+// Sequence ratios: row 0 log-ratios [0.3, −0.1, 0.1] → mean 0.1, s0 = e^0.1 = 1.1051709;
+// row 1 [−0.02, 0.0, pad 5.0] → mean −0.01, s1 = e^−0.01 = 0.9900498 (the pad is ignored).
+fn gspo_inputs() -> (Tensor, Tensor, Tensor) {
+    let logp = t2(&[&[0.3, -0.1, 0.1], &[-0.02, 0.0, 5.0]]);
+    let old = t2(&[&[0.0, 0.0, 0.0], &[0.0, 0.0, 0.0]]);
+    let mask = t2(&[&[1.0, 1.0, 1.0], &[1.0, 1.0, 0.0]]);
+    (logp, old, mask)
+}
+
+#[test]
+fn gspo_clips_the_sequence_ratio_with_the_papers_range() {
+    let (logp, old, mask) = gspo_inputs();
+    let logp = logp.set_requires_grad(true);
+    let adv = t2(&[&[1.0, 1.0, 1.0], &[1.0, 1.0, 0.0]]);
+    let alg = Algorithm::Gspo;
+    assert_eq!(alg.default_clip(), (3e-4, 4e-4));
+    let cfg = PolicyLossConfig {
+        kind: alg.policy_loss(),
+        clip_low: 3e-4,
+        clip_high: 4e-4,
+        dual_clip: None,
+        agg: alg.default_loss_agg().with_max_len(3),
+    };
+    let (loss, st) = policy_loss(&logp, &old, &adv, &mask, &cfg).unwrap();
+    // row 0, A = 1: max(−1.1051709, −1.0004) = −1.0004 (clipped at 1 + 4e-4)
+    // row 1, A = 1: max(−0.9900498, −0.9997) = −0.9900498 (A > 0 below 1 − ε: unclipped)
+    // mean over the 2 sequences = −0.9952249
+    close1(scalar(&loss), -0.995_224_916_874_584);
+    // clipped: the 3 tokens of row 0 of 5 → 0.6; ratio_mean (3·s0 + 2·s1)/5
+    close1(st.clip_frac, 0.6);
+    close1(
+        st.ratio_mean,
+        (3.0 * 1.105_170_918_075_647_7 + 2.0 * 0.990_049_833_749_168) / 5.0,
+    );
+    // approx_kl = −mean token log-ratio = −(0.3 − 0.1 + 0.1 − 0.02)/5 = −0.056
+    close1(st.approx_kl, -0.056);
+    loss.backward();
+    // row 0 clipped → 0. Row 1: loss = ½·(−s1), s1 = exp((lp0 + lp1)/2) →
+    // ∂/∂lp_t = −s1/4 = −0.2475125 on both valid tokens, 0 on the pad.
+    let g1 = -0.247_512_458_437_292;
+    close(&vals(&logp.grad()), &[0., 0., 0., g1, g1, 0.]);
+}
+
+#[test]
+fn gspo_gradient_is_the_sequence_ratios_and_gspo_token_weighs_token_advantages() {
+    let (logp, old, mask) = gspo_inputs();
+    // token advantages, mean 1 on both rows (row 1's pad 7 is not counted)
+    let adv = t2(&[&[1.0, 0.0, 2.0], &[1.0, 1.0, 7.0]]);
+    let wide = PolicyLossConfig {
+        kind: PolicyLossKind::Gspo,
+        clip_low: 0.2,
+        clip_high: 0.2,
+        dual_clip: None,
+        agg: LossAgg::SeqMeanTokenMean,
+    };
+    let (s0, s1) = (1.105_170_918_075_647_7, 0.990_049_833_749_168);
+    for (kind, row0) in [
+        // GSPO: A_i = 1 → loss_0 = −s0 = −A·exp(mean lp) → ∂/∂lp_t = −s0/(2·3) each
+        (PolicyLossKind::Gspo, [-s0 / 6.0; 3]),
+        // GSPO-token: ∂/∂lp_t = −A_t·s0/(2·3) → [−s0/6, 0, −2·s0/6]
+        (PolicyLossKind::GspoToken, [-s0 / 6.0, 0.0, -s0 / 3.0]),
+    ] {
+        let lp = logp.copy().set_requires_grad(true);
+        let cfg = PolicyLossConfig { kind, ..wide };
+        let (loss, st) = policy_loss(&lp, &old, &adv, &mask, &cfg).unwrap();
+        // both unclipped; the value is the same: (−s0 − s1)/2 = −1.0476104
+        close1(scalar(&loss), -1.047_610_375_912_408);
+        close1(st.clip_frac, 0.0);
+        loss.backward();
+        // row 1: −s1/4 per valid token (PPO's token ratios would give e^0.3 etc.)
+        let g1 = -s1 / 4.0;
+        close(&vals(&lp.grad()), &[row0[0], row0[1], row0[2], g1, g1, 0.0]);
+    }
+}
+
+#[test]
+fn cispo_clips_the_weight_and_keeps_every_tokens_gradient() {
+    // ratios: row 0 [1.5, 0.5, 1.1], row 1 [2, pad, pad]; A row 0 [1, 1, −1], row 1 [−1]
+    let logp = t2(&[
+        &[1.5f64.ln(), 0.5f64.ln(), 1.1f64.ln()],
+        &[2f64.ln(), 0.0, 0.0],
+    ]);
+    let old = t2(&[&[0.0, 0.0, 0.0], &[0.0, 0.0, 0.0]]);
+    let adv = t2(&[&[1.0, 1.0, -1.0], &[-1.0, 0.0, 0.0]]);
+    let mask = t2(&[&[1.0, 1.0, 1.0], &[1.0, 0.0, 0.0]]);
+    let cfg = PolicyLossConfig {
+        kind: Algorithm::Cispo.policy_loss(),
+        clip_low: 0.2,
+        clip_high: 0.28,
+        dual_clip: None,
+        agg: Algorithm::Cispo.default_loss_agg().with_max_len(3),
+    };
+    let lp = logp.copy().set_requires_grad(true);
+    let (loss, st) = policy_loss(&lp, &old, &adv, &mask, &cfg).unwrap();
+    // weights clip(ρ, 0.8, 1.28) = [1.28, 0.8, 1.1], [1.28]; per token −w·A·log π:
+    // −1.28·ln1.5 = −0.5189953, −0.8·ln0.5 = 0.5545177, 1.1·ln1.1 = 0.1048412,
+    // 1.28·ln2 = 0.8872284; token-mean over 4 = 0.2568980
+    close1(scalar(&loss), 0.256_897_998_742_748_3);
+    // weight clipped on 1.5, 0.5 and 2 → 3/4
+    close1(st.clip_frac, 0.75);
+    close1(st.ratio_mean, 1.275);
+    loss.backward();
+    // ∂/∂log π = −w·A/4 on every valid token, the clipped ones included (PPO would give
+    // 0 at 1.5 and 2): [−0.32, −0.2, 0.275], [0.32]. Without the stop-gradient on the
+    // weight the unclipped 1.1 would get −A·ρ·(1 + log π)/4 = 0.3012 instead.
+    close(&vals(&lp.grad()), &[-0.32, -0.2, 0.275, 0.32, 0.0, 0.0]);
+
+    // clip_low = 1 (MiniMax-M1: no lower bound): weight 0.5 stays 0.5
+    let no_low = PolicyLossConfig {
+        clip_low: 1.0,
+        ..cfg
+    };
+    let lp = logp.copy().set_requires_grad(true);
+    let (loss, st) = policy_loss(&lp, &old, &adv, &mask, &no_low).unwrap();
+    close1(scalar(&loss), 0.204_911_960_200_752_4);
+    close1(st.clip_frac, 0.5);
+    loss.backward();
+    close(&vals(&lp.grad()), &[-0.32, -0.125, 0.275, 0.32, 0.0, 0.0]);
+}
+
+#[test]
+fn gspo_and_cispo_reject_bad_clip_ranges_and_the_dual_clip() {
+    let (logp, old, mask) = gspo_inputs();
+    let adv = t2(&[&[1.0, 1.0, 1.0], &[1.0, 1.0, 0.0]]);
+    for (kind, clip_low, dual_clip, key) in [
+        (PolicyLossKind::Gspo, 1.0, None, "clip_low"),
+        (PolicyLossKind::Cispo, 1.5, None, "clip_low"),
+        (PolicyLossKind::Cispo, 0.2, Some(3.0), "dual_clip"),
+    ] {
+        let cfg = PolicyLossConfig {
+            kind,
+            clip_low,
+            dual_clip,
+            ..Default::default()
+        };
+        let e = policy_loss(&logp, &old, &adv, &mask, &cfg)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(key), "{kind:?}: {e}");
+    }
+    let cfg = PolicyLossConfig {
+        kind: PolicyLossKind::Cispo,
+        ..Default::default()
+    };
+    let e = policy_loss(&logp, &old, &adv.select(1, 0), &mask, &cfg)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("advantages"), "{e}");
 }

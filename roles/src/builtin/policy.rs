@@ -8,7 +8,7 @@
 //!   `advantages` (and `ref_logprobs` when a KL loss is configured): the batch is split
 //!   into `mini_batches` optimizer steps, each over micro-batches of
 //!   `micro_batch_size` with gradient accumulation. The loss is
-//!   [`ppo_policy_loss`] (clip range and aggregation from the config), plus
+//!   [`policy_loss`] (PPO, GSPO or CISPO; clip range and aggregation from the config), plus
 //!   [`kl_loss`] against the reference (k1/k2/k3) and minus an entropy bonus;
 //! - [`PolicyRequest::ExportWeights`]: the weights as buckets for weight sync;
 //!   [`PolicyRequest::ExportLocalWeights`]: a snapshot of the tensors, for roles in
@@ -38,9 +38,8 @@ use yatt_runtime::ActorId;
 use yatt_runtime::{RingMember, RingSpec};
 
 use crate::algo::kl::KlEstimator;
-use crate::algo::loss::{
-    entropy_loss, kl_loss, masked_mean, ppo_policy_loss, LossAgg, PolicyLossConfig,
-};
+use crate::algo::loss::{entropy_loss, kl_loss, masked_mean, LossAgg, PolicyLossConfig};
+use crate::algo::policy_loss::policy_loss;
 use crate::builtin::scoring::{check_device, response_scores, score_samples};
 use crate::role::{DeviceGroup, LocalWeights, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::{response_mask, token_matrix, Sample, SampleId, TokenField};
@@ -57,7 +56,8 @@ pub struct KlLossConfig {
 /// How the policy trains.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PolicyConfig {
-    /// PPO clipped loss: clip range (clip-higher, dual clip) and aggregation.
+    /// Policy loss: which (PPO, GSPO, CISPO), clip range (clip-higher, dual clip) and
+    /// aggregation.
     pub loss: PolicyLossConfig,
     /// Optional KL loss against the reference log-probs.
     pub kl_loss: Option<KlLossConfig>,
@@ -292,7 +292,7 @@ struct MicroStats {
     entropy: f64,
 }
 
-/// The loss of one micro-batch (PPO clipped + KL loss − entropy bonus), with gradients;
+/// The loss of one micro-batch (policy loss + KL loss − entropy bonus), with gradients;
 /// `None` when none of its samples carries a gradient.
 fn micro_loss(
     model: &yatt_engine::Llama,
@@ -319,7 +319,7 @@ fn micro_loss(
     } else {
         mb.old.shallow_clone()
     };
-    let (mut total, pg) = ppo_policy_loss(&lp, &old, &mb.adv, &mb.mask, &cfg.loss).map_err(algo)?;
+    let (mut total, pg) = policy_loss(&lp, &old, &mb.adv, &mb.mask, &cfg.loss).map_err(algo)?;
     stats.clip += pg.clip_frac;
     stats.approx_kl += pg.approx_kl;
     if let (Some(kc), Some(r)) = (cfg.kl_loss, mb.reference.as_ref()) {
@@ -347,7 +347,8 @@ fn micro_loss(
 /// The rows of a micro-batch whose loss terms can be non-zero, and the factor that
 /// scales their aggregated loss to the whole micro-batch's (`mask` and `adv`: `[B, T]`).
 /// A sample whose every advantage is zero has a zero policy-loss term at every token
-/// (the clipped surrogate and the dual clip are both multiples of the advantage), so
+/// (PPO's clipped surrogate and dual clip, GSPO's and CISPO's terms are all multiples
+/// of the advantage; GSPO's sequence advantage is the mean of the row's), so
 /// leaving it out changes only the aggregation's normaliser, corrected here.
 fn rows_with_gradient(mask: &Tensor, adv: &Tensor, agg: LossAgg) -> (Vec<usize>, f64) {
     let k = mask.kind();

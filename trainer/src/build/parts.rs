@@ -135,9 +135,10 @@ pub fn policy_role_from(
     let o = &job.optim;
     let policy_config = PolicyConfig {
         loss: PolicyLossConfig {
-            clip_low: a.clip_low,
-            clip_high: a.clip_high,
-            agg: a.loss_agg,
+            kind: a.name.policy_loss(),
+            clip_low: a.clip().0,
+            clip_high: a.clip().1,
+            agg: a.loss_agg(job.rollout.max_new_tokens),
             ..Default::default()
         },
         kl_loss: kl_term(job)
@@ -180,7 +181,7 @@ pub fn critic_role(
     let config = CriticConfig {
         loss: ValueLossConfig {
             clip: (a.value_clip > 0.0).then_some(a.value_clip),
-            agg: a.loss_agg,
+            agg: a.loss_agg(job.rollout.max_new_tokens),
         },
         micro_batch_size: o.micro_batch,
         mini_batches: o.mini_batches,

@@ -97,6 +97,19 @@ pub(crate) fn key_at(text: &str, pos: usize) -> Option<String> {
     }
 }
 
+/// The default config with its optional keys set (TOML leaves out a `None`), so that its
+/// keys are every key `--set` may name.
+fn schema() -> JobConfig {
+    let mut c = JobConfig::default();
+    let a = &mut c.algorithm;
+    let (low, high) = a.clip();
+    a.clip_low = Some(low);
+    a.clip_high = Some(high);
+    a.loss_agg = Some(a.loss_agg_mode());
+    a.dynamic_sampling = Some(a.name.dynamic_sampling_by_default());
+    c
+}
+
 /// Applies one `key=value` override (dotted key, TOML value; a bare word that is not
 /// valid TOML is taken as a string). The key must exist in the schema.
 pub(crate) fn apply_set(table: &mut toml::Table, arg: &str) -> Result<(), JobError> {
@@ -114,7 +127,7 @@ pub(crate) fn apply_set(table: &mut toml::Table, arg: &str) -> Result<(), JobErr
             "key `{key}`: expected section.key, e.g. job.steps"
         )));
     }
-    let schema = toml::Value::try_from(JobConfig::default()).map_err(|e| err(e.to_string()))?;
+    let schema = toml::Value::try_from(schema()).map_err(|e| err(e.to_string()))?;
     let section = schema
         .get(parts[0])
         .and_then(|s| s.as_table())

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-use yatt_roles::{Algorithm, JudgeConfig, KlEstimator, LossAgg, LETTERS};
+use yatt_roles::{Algorithm, JudgeConfig, KlEstimator, LossAgg, LossAggMode, LETTERS};
 
 use crate::config::modes::{
     Driver, Dtype, KlMode, ModelSource, OldLogprobs, RewardKind, Schedule, Task, UnparsedVerdict,
@@ -186,14 +186,17 @@ impl Default for RolloutSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AlgorithmSection {
-    /// `grpo`, `rloo`, `reinforce++`, `ppo` (GAE with a critic) or `dapo` (GRPO
+    /// `grpo`, `rloo`, `reinforce++`, `ppo` (GAE with a critic), `dapo` (GRPO
     /// advantages with dynamic sampling; pair it with `clip_high = 0.28` and
-    /// `overlong_buffer`).
+    /// `overlong_buffer`), `dr-grpo`, `gspo` or `cispo`.
     pub name: Algorithm,
-    /// ε_low of the clipped ratio.
-    pub clip_low: f64,
-    /// ε_high of the clipped ratio (clip-higher).
-    pub clip_high: f64,
+    /// ε_low of the clipped ratio (GSPO: of the sequence ratio; CISPO: of the importance
+    /// weight, up to 1 = no lower bound). Unset: the algorithm's default,
+    /// [`Algorithm::default_clip`] (0.2; GSPO 3e-4; CISPO 1).
+    pub clip_low: Option<f64>,
+    /// ε_high of the clipped ratio (clip-higher). Unset: the algorithm's default (0.2;
+    /// GSPO 4e-4).
+    pub clip_high: Option<f64>,
     /// KL coefficient (0 = no KL term).
     pub kl_coef: f64,
     /// `k1`, `k2` or `k3`.
@@ -203,8 +206,11 @@ pub struct AlgorithmSection {
     pub kl_mode: KlMode,
     /// Entropy bonus coefficient.
     pub entropy_coef: f64,
-    /// `token-mean` or `seq-mean-token-mean`.
-    pub loss_agg: LossAgg,
+    /// `token-mean`, `seq-mean-token-mean` or `seq-mean-token-sum-norm` (sum over the
+    /// response's tokens ÷ `rollout.max_new_tokens`, mean over responses). Unset: the
+    /// algorithm's default, [`Algorithm::default_loss_agg`] (`token-mean`; `dr-grpo`
+    /// `seq-mean-token-sum-norm`; `gspo` `seq-mean-token-mean`).
+    pub loss_agg: Option<LossAggMode>,
     /// PPO: GAE discount γ.
     pub gamma: f64,
     /// PPO: GAE λ.
@@ -231,13 +237,13 @@ impl Default for AlgorithmSection {
     fn default() -> Self {
         AlgorithmSection {
             name: Algorithm::Grpo,
-            clip_low: 0.2,
-            clip_high: 0.2,
+            clip_low: None,
+            clip_high: None,
             kl_coef: 0.0,
             kl_estimator: KlEstimator::K3,
             kl_mode: KlMode::Loss,
             entropy_coef: 0.0,
-            loss_agg: LossAgg::TokenMean,
+            loss_agg: None,
             gamma: 1.0,
             lam: 0.95,
             value_clip: 0.5,
@@ -247,6 +253,24 @@ impl Default for AlgorithmSection {
             overlong_coef: 1.0,
             old_logprobs: OldLogprobs::Recompute,
         }
+    }
+}
+
+impl AlgorithmSection {
+    /// `(clip_low, clip_high)`: the config's, or the algorithm's defaults.
+    pub fn clip(&self) -> (f64, f64) {
+        let (low, high) = self.name.default_clip();
+        (self.clip_low.unwrap_or(low), self.clip_high.unwrap_or(high))
+    }
+
+    /// The aggregation mode: the config's, or the algorithm's default.
+    pub fn loss_agg_mode(&self) -> LossAggMode {
+        self.loss_agg.unwrap_or(self.name.default_loss_agg())
+    }
+
+    /// The loss aggregation; `max_new_tokens` is `seq-mean-token-sum-norm`'s constant.
+    pub fn loss_agg(&self, max_new_tokens: usize) -> LossAgg {
+        self.loss_agg_mode().with_max_len(max_new_tokens)
     }
 }
 

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use yatt_roles::JudgeTemplate;
+use yatt_roles::{Algorithm, JudgeTemplate};
 
 use crate::config::checks::non_negative;
 use crate::config::checks::{invalid, positive};
@@ -179,8 +179,40 @@ impl JobConfig {
                 "set optim.mini_batches = 1, or old_logprobs = \"recompute\"",
             ));
         }
-        non_negative("algorithm.clip_low", a.clip_low)?;
-        non_negative("algorithm.clip_high", a.clip_high)?;
+        let (clip_low, clip_high) = a.clip();
+        let low_max = if a.name == Algorithm::Cispo {
+            1.0
+        } else {
+            0.999_999
+        };
+        if !(0.0..=low_max).contains(&clip_low) {
+            return Err(invalid(
+                "algorithm.clip_low",
+                if a.name == Algorithm::Cispo {
+                    "a number in [0, 1] with algorithm.name = \"cispo\""
+                } else {
+                    "a number in [0, 1)"
+                },
+                &clip_low.to_string(),
+                "e.g. 0.2 (GSPO: 3e-4; CISPO: 1 = no lower bound on the weight), or leave it out for the algorithm's default",
+            ));
+        }
+        non_negative("algorithm.clip_high", clip_high)?;
+        if a.name == Algorithm::Gspo && clip_low.max(clip_high) > 0.05 {
+            let (key, v) = if clip_high > 0.05 {
+                ("algorithm.clip_high", clip_high)
+            } else {
+                ("algorithm.clip_low", clip_low)
+            };
+            return Err(invalid(
+                key,
+                "at most 0.05 with algorithm.name = \"gspo\" (the paper: 3e-4 / 4e-4)",
+                &v.to_string(),
+                "leave clip_low and clip_high out for the paper's 3e-4 / 4e-4: a sequence \
+                 ratio is a mean over the response's tokens and moves far less than a token's, \
+                 so PPO's 0.2 never clips",
+            ));
+        }
         non_negative("algorithm.kl_coef", a.kl_coef)?;
         let o = &self.optim;
         positive(
