@@ -84,9 +84,10 @@ impl Role for RewardRole {
                 metadata: s.metadata.clone(),
             })
             .collect();
+        let labels: Vec<String> = samples.iter().map(|s| s.id.to_string()).collect();
         let mut scored: Vec<(f64, Vec<RewardOutput>)> = Vec::with_capacity(self.models.len());
         for (w, m) in self.models.iter_mut() {
-            let out = m.score_batch(&inputs).map_err(|e| {
+            let out = m.score_samples(&labels, &inputs).map_err(|e| {
                 RoleError::Failed(format!(
                     "reward {} on {} samples: {e}",
                     m.name(),
