@@ -3,7 +3,8 @@
 //! It answers a batch of samples with each sample's `reward` set to
 //! `Σ weight_i · score_i(prompt text, response text, reference)`, over rule-based
 //! [`RewardFn`]s (scored one sample at a time) and [`ModelScorer`]s (a scalar reward
-//! model, an LLM judge: scored a batch at a time). A reward that cannot score a sample
+//! model, an LLM judge, a pool of Python workers, an HTTP endpoint: scored a batch at a
+//! time, told the samples' ids for their errors). A reward that cannot score a sample
 //! (missing reference, unparseable judge output) fails the whole request with the
 //! sample and the reward named: a silent 0 would train on a wrong signal. Per-step
 //! scores (process rewards) of the first reward that gives them go to the sample's
