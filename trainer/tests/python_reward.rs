@@ -1,15 +1,17 @@
 //! `reward.kind = "python"` end to end: the demo job trains 3 steps with a Python
 //! letters reward run by the project's `.venv` Python, each sample's reward being the
-//! Rust letters fraction of its response; and the config checks of the python and http
+//! Rust letters fraction of its response; `reward.kind = "http"` built from the config
+//! against a one-shot HTTP server on 127.0.0.1; and the config checks of both kinds'
 //! keys.
 
 mod common;
 
 use std::path::Path;
 
-use common::{demo_config, letters_fraction, load_demo};
+use common::{demo_config, letters_fraction, load_demo, text_sample};
+use yatt_roles::Role;
 use yatt_runtime::Node;
-use yatt_trainer::build_embedded;
+use yatt_trainer::{build_embedded, reward_role};
 
 const LETTERS_PY: &str = "\
 LETTERS = set('abcdefghij')
@@ -114,4 +116,72 @@ fn python_and_http_keys_are_checked() {
         ]
     )
     .is_ok());
+}
+
+/// Answers one HTTP request on 127.0.0.1 with `body`; returns the URL and the request.
+fn one_shot_server(body: &'static str) -> (String, std::thread::JoinHandle<String>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/score", listener.local_addr().unwrap());
+    let handle = std::thread::spawn(move || {
+        let (mut sock, _) = listener.accept().unwrap();
+        sock.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+            .unwrap();
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        let (head_end, len) = loop {
+            let n = sock.read(&mut chunk).unwrap();
+            assert!(n > 0, "the client closed before a full request");
+            buf.extend_from_slice(&chunk[..n]);
+            if let Some(p) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&buf[..p]).to_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map_or(0, |v| v.trim().parse().unwrap());
+                break (p + 4, len);
+            }
+        };
+        while buf.len() < head_end + len {
+            let n = sock.read(&mut chunk).unwrap();
+            assert!(n > 0, "the client closed before the whole body");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        let resp = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        sock.write_all(resp.as_bytes()).unwrap();
+        String::from_utf8_lossy(&buf[head_end..]).into_owned()
+    });
+    (url, handle)
+}
+
+#[test]
+fn an_http_reward_from_the_config_scores_through_the_endpoint() {
+    let (url, server) = one_shot_server(r#"{"scores": [0.5, 1.0]}"#);
+    let out = tempfile::tempdir().unwrap();
+    let job = demo_config(
+        out.path(),
+        &[
+            "reward.kind=\"http\"".into(),
+            format!("reward.url={url:?}"),
+            "reward.timeout_s=10".into(),
+            "reward.max_retries=0".into(),
+        ],
+    );
+    let mut role = reward_role(&job).unwrap();
+    let scored = role
+        .serve(vec![
+            text_sample(0, "q0:", "abc"),
+            text_sample(1, "q1:", "xyz"),
+        ])
+        .unwrap();
+    assert_eq!(
+        scored.iter().map(|s| s.reward.unwrap()).collect::<Vec<_>>(),
+        vec![0.5, 1.0]
+    );
+    let sent: serde_json::Value = serde_json::from_str(&server.join().unwrap()).unwrap();
+    assert_eq!(sent[1]["response"], "xyz");
+    assert_eq!(sent[0]["prompt"], "q0:");
 }
