@@ -9,8 +9,8 @@
 //!   travel (bulk weight buckets, spilled large bodies);
 //! - algorithms: advantage estimators, policy and value losses, KL estimators (pure
 //!   tensor maths);
-//! - rewards: rule-based verifiers, the HTTP endpoint client, the LLM judge's template
-//!   and parser;
+//! - rewards: rule-based verifiers, the HTTP endpoint client, Python reward functions
+//!   (a pool of worker processes), the LLM judge's template and parser;
 //! - data: prompts, JSONL and synthetic tasks, the checkpointable dataloader;
 //! - the built-in roles: rollout, reference, policy, critic, reward, reward model,
 //!   judge.
@@ -54,9 +54,10 @@ pub use algo::{
 
 // Rewards.
 pub use reward::{
-    excerpt, extract_final_number, parse_judge_output, CombinedReward, ExactMatchVerifier,
-    FormatVerifier, HttpRewardClient, HttpRewardConfig, JudgeTemplate, JudgeVerdict, LettersReward,
-    NumericVerifier, RewardError, RewardFn, RewardInput, RewardOutput, LETTERS,
+    default_python, excerpt, extract_final_number, parse_function, parse_judge_output,
+    CombinedReward, ExactMatchVerifier, FormatVerifier, HttpRewardClient, HttpRewardConfig,
+    HttpRewardScorer, JudgeTemplate, JudgeVerdict, LettersReward, NumericVerifier, PythonReward,
+    PythonRewardConfig, RewardError, RewardFn, RewardInput, RewardOutput, LETTERS,
 };
 
 // Data.

@@ -325,3 +325,61 @@ fn url_validation() {
     assert_eq!(c.url(), "http://reward.local/score?x=1");
     assert!(HttpRewardClient::new(HttpRewardConfig::new("http://[::1]:8080/s")).is_ok());
 }
+
+/// Text samples for the reward role.
+fn samples(responses: &[&str]) -> Vec<yatt_roles::Sample> {
+    responses
+        .iter()
+        .enumerate()
+        .map(|(k, r)| yatt_roles::Sample {
+            prompt_text: "q".into(),
+            response_text: r.to_string(),
+            ..yatt_roles::Sample::new(
+                yatt_roles::SampleId {
+                    step: 0,
+                    prompt: 3,
+                    k: k as u32,
+                },
+                3,
+            )
+        })
+        .collect()
+}
+
+/// The endpoint as the reward role's batched scorer: the role blocks on its own
+/// current-thread runtime on its own thread (here a plain thread, as a `RoleActor`'s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reward_role_scores_through_the_endpoint() {
+    use yatt_roles::{HttpRewardScorer, ModelScorer, RewardRole, Role};
+    let s = serve(vec![
+        Reply::Http(200, r#"{"scores": [1.0, 0.25, 0.5]}"#),
+        Reply::Http(404, "no such path"),
+    ])
+    .await;
+    let mut cfg = HttpRewardConfig::new(s.url.clone());
+    cfg.timeout = Duration::from_secs(5);
+    cfg.max_retries = 0;
+    let scorer = HttpRewardScorer::new(cfg).unwrap();
+    let (url, bodies) = (s.url.clone(), s.bodies.clone());
+    let role_thread = std::thread::spawn(move || {
+        let mut role = RewardRole::with_models(
+            Vec::new(),
+            vec![(2.0, Box::new(scorer) as Box<dyn ModelScorer>)],
+        )
+        .unwrap();
+        let ok = role.serve(samples(&["a", "b", "c"])).unwrap();
+        let err = role.serve(samples(&["d"])).unwrap_err().to_string();
+        (ok, err)
+    });
+    let (ok, err) = tokio::task::spawn_blocking(move || role_thread.join().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        ok.iter().map(|s| s.reward.unwrap()).collect::<Vec<_>>(),
+        vec![2.0, 0.5, 1.0]
+    );
+    assert!(err.contains(&url) && err.contains("404"), "{err}");
+    let sent: serde_json::Value = serde_json::from_str(&bodies.lock().unwrap()[0]).unwrap();
+    assert_eq!(sent[2]["response"], "c");
+    assert_eq!(s.hits.load(Ordering::SeqCst), 2);
+}

@@ -12,7 +12,7 @@
 //! | [`rollout`] | generation engine replica; text codecs (tokenizer, ASCII for tests) |
 //! | [`reference`](mod@reference) | frozen reference policy: reference log-probs |
 //! | [`policy`] | the trainer: old log-probs, PPO/GRPO update, weight export, checkpoints |
-//! | [`reward`] | weighted rule-based reward functions and reward models |
+//! | [`reward`] | weighted rule-based reward functions and batched scorers (reward models, judge, Python, HTTP) |
 //! | [`critic`] | value model (backbone + `v_head`) for PPO: values and value-loss updates |
 //! | [`reward_model`] | scalar reward model (backbone + `score` head): scoring, training |
 //! | [`judge_model`] | generative reward model (LLM judge) on its own generator |

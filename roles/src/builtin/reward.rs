@@ -3,7 +3,8 @@
 //! It answers a batch of samples with each sample's `reward` set to
 //! `Σ weight_i · score_i(prompt text, response text, reference)`, over rule-based
 //! [`RewardFn`]s (scored one sample at a time) and [`ModelScorer`]s (a scalar reward
-//! model, an LLM judge: scored a batch at a time). A reward that cannot score a sample
+//! model, an LLM judge, a pool of Python workers, an HTTP endpoint: scored a batch at a
+//! time, told the samples' ids for their errors). A reward that cannot score a sample
 //! (missing reference, unparseable judge output) fails the whole request with the
 //! sample and the reward named: a silent 0 would train on a wrong signal. Per-step
 //! scores (process rewards) of the first reward that gives them go to the sample's
@@ -84,9 +85,10 @@ impl Role for RewardRole {
                 metadata: s.metadata.clone(),
             })
             .collect();
+        let labels: Vec<String> = samples.iter().map(|s| s.id.to_string()).collect();
         let mut scored: Vec<(f64, Vec<RewardOutput>)> = Vec::with_capacity(self.models.len());
         for (w, m) in self.models.iter_mut() {
-            let out = m.score_batch(&inputs).map_err(|e| {
+            let out = m.score_samples(&labels, &inputs).map_err(|e| {
                 RoleError::Failed(format!(
                     "reward {} on {} samples: {e}",
                     m.name(),

@@ -29,13 +29,27 @@ pub const REWARD_HEAD: &str = "score";
 pub trait ModelScorer: Send {
     /// A short name for errors and logs.
     fn name(&self) -> &str;
-    /// The device the model lives on.
-    fn device(&self) -> Device;
-    /// Device memory the model holds, bytes.
-    fn resident_bytes(&self) -> u64;
+    /// The device the model lives on (by default the CPU: a scorer with no model).
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+    /// Device memory the model holds, bytes (by default none).
+    fn resident_bytes(&self) -> u64 {
+        0
+    }
     /// One output per input, in order. An `Err` fails the reward request: never a
     /// silent default score.
     fn score_batch(&mut self, inputs: &[RewardInput]) -> Result<Vec<RewardOutput>, RoleError>;
+    /// [`score_batch`](Self::score_batch) with each input's label (its sample id) for
+    /// errors and logs; one label per input. By default the labels are not used.
+    fn score_samples(
+        &mut self,
+        labels: &[String],
+        inputs: &[RewardInput],
+    ) -> Result<Vec<RewardOutput>, RoleError> {
+        let _ = labels;
+        self.score_batch(inputs)
+    }
 }
 
 /// Why a reward model could not be loaded, used or trained.

@@ -20,7 +20,9 @@ use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 use tokio::net::TcpStream;
 
+use crate::builtin::reward_model::ModelScorer;
 use crate::reward::reward_fn::{excerpt, RewardError, RewardInput, RewardOutput};
+use crate::role::RoleError;
 
 /// Client options.
 #[derive(Debug, Clone, PartialEq)]
@@ -259,5 +261,49 @@ impl HttpRewardClient {
                 explanation: format!("endpoint {url}"),
             })
             .collect())
+    }
+}
+
+/// The endpoint client as a batched scorer of the reward role: each batch is one
+/// request, run on a small current-thread tokio runtime of the role's own thread
+/// (made at the first batch, so the scorer can be built inside an async context).
+pub struct HttpRewardScorer {
+    client: HttpRewardClient,
+    runtime: Option<tokio::runtime::Runtime>,
+    name: String,
+}
+
+impl HttpRewardScorer {
+    /// Validates the URL and timeouts; connects nothing yet.
+    pub fn new(cfg: HttpRewardConfig) -> Result<Self, RewardError> {
+        let client = HttpRewardClient::new(cfg)?;
+        let name = format!("http {}", client.url());
+        Ok(HttpRewardScorer {
+            client,
+            runtime: None,
+            name,
+        })
+    }
+}
+
+impl ModelScorer for HttpRewardScorer {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn score_batch(&mut self, inputs: &[RewardInput]) -> Result<Vec<RewardOutput>, RoleError> {
+        if self.runtime.is_none() {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| RoleError::Failed(format!("{}: tokio runtime: {e}", self.name)))?;
+            self.runtime = Some(rt);
+        }
+        let rt = self
+            .runtime
+            .as_ref()
+            .ok_or_else(|| RoleError::Failed(format!("{}: no runtime", self.name)))?;
+        rt.block_on(self.client.score_batch(inputs))
+            .map_err(|e| RoleError::Failed(e.to_string()))
     }
 }

@@ -1,14 +1,15 @@
 //! The reward role of a job: rule-based functions, reward models and the judge.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use yatt_engine::tch::Device;
 use yatt_engine::{Generator, GeneratorConfig, Tokenizer};
 use yatt_roles::{
-    DeviceGroup, ExactMatchVerifier, JudgeConfig, JudgeMode, JudgeScorer, JudgeTemplate,
-    ModelScorer, NumericVerifier, OnUnparsed, RewardFn, RewardRole, ScalarRewardModel, TextCodec,
-    TokenizerCodec,
+    DeviceGroup, ExactMatchVerifier, HttpRewardConfig, HttpRewardScorer, JudgeConfig, JudgeMode,
+    JudgeScorer, JudgeTemplate, ModelScorer, NumericVerifier, OnUnparsed, PythonReward,
+    PythonRewardConfig, RewardFn, RewardRole, ScalarRewardModel, TextCodec, TokenizerCodec,
 };
 use yatt_runtime::Node;
 
@@ -52,6 +53,14 @@ pub fn reward_role(job: &JobConfig) -> Result<RewardRole, JobError> {
             }
             RewardKind::Judge => {
                 models.push((w, Box::new(judge(job)?)));
+                continue;
+            }
+            RewardKind::Python => {
+                models.push((w, Box::new(python_reward(job)?)));
+                continue;
+            }
+            RewardKind::Http => {
+                models.push((w, Box::new(http_reward(job)?)));
                 continue;
             }
             RewardKind::Letters => Box::new(LettersReward {
@@ -151,6 +160,52 @@ pub(crate) fn judge(job: &JobConfig) -> Result<JudgeScorer, JobError> {
             "reward.judge_model",
             "a judge model that can score",
             &format!("{:?}", r.judge_model),
+            &e.to_string(),
+        )
+    })
+}
+
+/// The job's Python reward (`reward.function`): starts the worker pool and waits until
+/// every worker has imported the function (at most `max(timeout_s, 60)` seconds).
+pub(crate) fn python_reward(job: &JobConfig) -> Result<PythonReward, JobError> {
+    let r = &job.reward;
+    let timeout = Duration::from_secs_f64(r.timeout_s);
+    let cfg = PythonRewardConfig {
+        python: if r.python.is_empty() {
+            yatt_roles::default_python()
+        } else {
+            PathBuf::from(&r.python)
+        },
+        workers: r.python_workers,
+        batched: r.batched,
+        timeout,
+        start_timeout: timeout.max(Duration::from_secs(60)),
+        fallback_score: r.fallback_score,
+        ..PythonRewardConfig::new(r.function.clone())
+    };
+    PythonReward::new(cfg).map_err(|e| {
+        invalid(
+            "reward.function",
+            "a Python function the workers can import",
+            &format!("{:?}", r.function),
+            &e.to_string(),
+        )
+    })
+}
+
+/// The job's HTTP reward endpoint (`reward.url`).
+pub(crate) fn http_reward(job: &JobConfig) -> Result<HttpRewardScorer, JobError> {
+    let r = &job.reward;
+    let cfg = HttpRewardConfig {
+        timeout: Duration::from_secs_f64(r.timeout_s),
+        max_retries: r.max_retries,
+        ..HttpRewardConfig::new(r.url.clone())
+    };
+    HttpRewardScorer::new(cfg).map_err(|e| {
+        invalid(
+            "reward.url",
+            "http://host:port/path",
+            &format!("{:?}", r.url),
             &e.to_string(),
         )
     })

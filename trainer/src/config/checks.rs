@@ -1,6 +1,7 @@
 //! Small checks of config values that give `JobError::Invalid` with the key, what is
 //! accepted, what was found and the fix.
 
+use crate::config::modes::RewardKind;
 use crate::error::JobError;
 
 pub(crate) fn invalid(key: &str, expected: &str, found: &str, fix: &str) -> JobError {
@@ -31,4 +32,24 @@ pub(crate) fn non_negative(key: &str, v: f64) -> Result<(), JobError> {
             "use 0 to turn it off",
         ))
     }
+}
+
+/// A reward key that only `kind` reads must be empty unless `reward.kind` includes it.
+pub(crate) fn only_with_kind(
+    used: bool,
+    kind: RewardKind,
+    key: &str,
+    value: &str,
+) -> Result<(), JobError> {
+    if used || value.is_empty() {
+        return Ok(());
+    }
+    Err(invalid(
+        key,
+        &format!("empty unless reward.kind includes \"{kind}\""),
+        value,
+        &format!(
+            "add \"{kind}\" to reward.kind (with a weight in reward.weights), or remove {key}"
+        ),
+    ))
 }

@@ -4,5 +4,6 @@ pub(crate) mod checks;
 pub(crate) mod modes;
 pub(crate) mod parse;
 pub(crate) mod placement;
+pub(crate) mod reward_code;
 pub(crate) mod sections;
 pub(crate) mod validate;

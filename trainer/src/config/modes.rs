@@ -118,6 +118,11 @@ config_mode! {
         Model = "model",
         /// An LLM judge (`reward.judge_model`).
         Judge = "judge",
+        /// A Python function, `reward.function = "file.py:compute_score"`, on a pool of
+        /// worker processes.
+        Python = "python",
+        /// A remote endpoint, `reward.url`.
+        Http = "http",
     }
 }
 

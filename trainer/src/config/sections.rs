@@ -319,8 +319,8 @@ impl Default for OptimSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RewardSection {
-    /// `numeric`, `exact`, `letters`, `model`, `judge`, or a list of them; empty = the
-    /// task's default.
+    /// `numeric`, `exact`, `letters`, `model`, `judge`, `python`, `http`, or a list of
+    /// them; empty = the task's default.
     pub kind: RewardKinds,
     /// One weight per kind (empty = all 1).
     pub weights: Vec<f64>,
@@ -345,6 +345,24 @@ pub struct RewardSection {
     pub judge_on_unparsed: UnparsedVerdict,
     /// The normalised score a verdict with no score gets with `fallback`.
     pub judge_fallback_score: f64,
+    /// `kind = "python"`: `path/to/file.py:function` (verl's `compute_score` signature).
+    pub function: String,
+    /// `kind = "python"`: the interpreter; empty = `$VIRTUAL_ENV/bin/python`, else
+    /// `.venv/bin/python`, else `python3`.
+    pub python: String,
+    /// `kind = "python"`: worker processes.
+    pub python_workers: usize,
+    /// `kind = "python"`: the function takes lists and returns a list.
+    pub batched: bool,
+    /// `kind = "python"` / `"http"`: deadline of one call / one request attempt, seconds.
+    pub timeout_s: f64,
+    /// `kind = "python"`: the score of a sample whose call raised (unset: fail the step).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fallback_score: Option<f64>,
+    /// `kind = "http"`: `http://host:port/path` of the reward endpoint.
+    pub url: String,
+    /// `kind = "http"`: retries after a failed attempt (timeouts, connection errors, 5xx).
+    pub max_retries: u32,
 }
 
 impl Default for RewardSection {
@@ -363,6 +381,14 @@ impl Default for RewardSection {
             judge_max_seq_len: 1024,
             judge_on_unparsed: UnparsedVerdict::Error,
             judge_fallback_score: 0.0,
+            function: String::new(),
+            python: String::new(),
+            python_workers: 2,
+            batched: false,
+            timeout_s: 60.0,
+            fallback_score: None,
+            url: String::new(),
+            max_retries: 3,
         }
     }
 }

@@ -5,7 +5,7 @@ use std::path::Path;
 use yatt_roles::{Algorithm, JudgeTemplate};
 
 use crate::config::checks::non_negative;
-use crate::config::checks::{invalid, positive};
+use crate::config::checks::{invalid, only_with_kind, positive};
 use crate::config::modes::{Driver, Dtype, KlMode, OldLogprobs, PlacementMode, RewardKind, Task};
 use crate::config::placement::{NodeNames, PlacementSection};
 use crate::config::sections::JobConfig;
@@ -244,6 +244,7 @@ impl JobConfig {
         }
         let kinds = self.reward_kinds();
         self.validate_reward_models(&kinds)?;
+        self.validate_reward_code(&kinds)?;
         if !self.reward.weights.is_empty() && self.reward.weights.len() != kinds.len() {
             return Err(invalid(
                 "reward.weights",
@@ -332,14 +333,7 @@ impl JobConfig {
             (RewardKind::Judge, "reward.judge_model", &r.judge_model),
         ] {
             let used = kinds.contains(&kind);
-            if !used && !dir.is_empty() {
-                return Err(invalid(
-                    key,
-                    &format!("empty unless reward.kind includes \"{kind}\""),
-                    dir,
-                    &format!("add \"{kind}\" to reward.kind (with a weight in reward.weights), or remove {key}"),
-                ));
-            }
+            only_with_kind(used, kind, key, dir)?;
             if used && !Path::new(dir).join("config.json").is_file() {
                 let how = if kind == RewardKind::Model {
                     "train one with `yatt reward-model --out DIR` (or yatt_roles::train_reward_model and save_pretrained) and set reward.model = \"DIR\""
