@@ -48,30 +48,28 @@ pub fn base_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, i64), J
 /// The random tiny Llama of `model.source = "tiny"`, with its character codec.
 pub(crate) fn tiny_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, i64), JobError> {
     let seed = job.job.seed;
-    {
-        // Llama::random seeds libtorch's global RNG: builds in parallel must not
-        // interleave their draws.
-        static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
-        let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
-        let mut config = tiny_config();
-        if job.model.tiny_layers > 0 {
-            // Through the JSON, so a checkpoint's config.json (written from it) says
-            // the same depth and loads back as this model.
-            let mut raw = config.raw.clone();
-            raw["num_hidden_layers"] = serde_json::json!(job.model.tiny_layers);
-            config = yatt_engine::ModelConfig::from_json(&raw).map_err(|e| JobError::Model {
-                source_desc: "tiny".into(),
-                reason: e,
-            })?;
-        }
-        let m = Llama::random(config, Device::Cpu, Kind::Float, seed as i64).map_err(|e| {
-            JobError::Model {
-                source_desc: "tiny".into(),
-                reason: e.to_string(),
-            }
+    // Llama::random seeds libtorch's global RNG: builds in parallel must not
+    // interleave their draws.
+    static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _g = RNG.lock().unwrap_or_else(|e| e.into_inner());
+    let mut config = tiny_config();
+    if job.model.tiny_layers > 0 {
+        // Through the JSON, so a checkpoint's config.json (written from it) says
+        // the same depth and loads back as this model.
+        let mut raw = config.raw.clone();
+        raw["num_hidden_layers"] = serde_json::json!(job.model.tiny_layers);
+        config = yatt_engine::ModelConfig::from_json(&raw).map_err(|e| JobError::Model {
+            source_desc: "tiny".into(),
+            reason: e,
         })?;
-        Ok((m, Arc::new(TINY_CODEC), 1))
     }
+    let m = Llama::random(config, Device::Cpu, Kind::Float, seed as i64).map_err(|e| {
+        JobError::Model {
+            source_desc: "tiny".into(),
+            reason: e.to_string(),
+        }
+    })?;
+    Ok((m, Arc::new(TINY_CODEC), 1))
 }
 
 /// A rollout replica of the job over `model`.

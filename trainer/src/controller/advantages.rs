@@ -2,16 +2,14 @@
 
 use tch::{Device, Kind, Tensor};
 use yatt_roles::{
-    gae_advantage, group_indices, grpo_advantage, kl_estimate, masked_mean, reinforce_pp_advantage,
-    response_mask, rloo_advantage, split_rows, token_level_rewards, token_matrix, Sample,
-    TokenField,
+    group_indices, kl_estimate, masked_mean, response_mask, split_rows, token_matrix,
+    AdvantageInputs, Sample, TokenField,
 };
 
 use crate::controller::core::Controller;
 use crate::controller::error::ControllerError;
 use crate::controller::report::StepMetrics;
 use yatt_metrics::names;
-use yatt_roles::AdvantageEstimator;
 
 impl Controller {
     /// Fills in `advantages` (and the reward/KL metrics).
@@ -53,34 +51,25 @@ impl Controller {
             Some((k, coef)) => &scores - k.sum_dim_intlist(1, false, Kind::Float) * *coef,
             None => scores.shallow_clone(),
         };
-        let adv = match self.config.advantage {
-            AdvantageEstimator::Grpo(c) => grpo_advantage(&rewards, &mask, &groups, &c),
-            AdvantageEstimator::Rloo => rloo_advantage(&rewards, &mask, &groups),
-            AdvantageEstimator::ReinforcePp(c) => {
-                let tr = token_level_rewards(
-                    &scores,
-                    &mask,
-                    kl.as_ref().map(|(k, _)| k),
-                    kl.as_ref().map_or(0.0, |(_, c)| *c),
-                )
-                .map_err(ae)?;
-                reinforce_pp_advantage(&tr, &mask, &c)
-            }
-            AdvantageEstimator::Gae(c) => {
-                let tr = token_level_rewards(
-                    &scores,
-                    &mask,
-                    kl.as_ref().map(|(k, _)| k),
-                    kl.as_ref().map_or(0.0, |(_, c)| *c),
-                )
-                .map_err(ae)?;
-                let values = token_matrix(samples, TokenField::Values, dev).map_err(se)?;
-                gae_advantage(&tr, &values, &mask, &c)
-            }
-        }
-        .map_err(ae)?;
+        // The critic's values, for the estimators that read them (GAE).
+        let gae = self.config.advantage.uses_values();
+        let values = match gae {
+            true => Some(token_matrix(samples, TokenField::Values, dev).map_err(se)?),
+            false => None,
+        };
+        let adv = self
+            .config
+            .advantage
+            .compute(&AdvantageInputs {
+                scores: &scores,
+                rewards: &rewards,
+                mask: &mask,
+                groups: &groups,
+                kl: kl.as_ref().map(|(k, c)| (k, *c)),
+                values: values.as_ref(),
+            })
+            .map_err(ae)?;
         let rows = split_rows(&adv.advantages, samples);
-        let gae = matches!(self.config.advantage, AdvantageEstimator::Gae(_));
         let returns = split_rows(&adv.returns, samples);
         for ((s, a), r) in samples.iter_mut().zip(rows).zip(returns) {
             s.advantages = Some(a);
@@ -88,13 +77,12 @@ impl Controller {
                 s.returns = Some(r);
             }
         }
-        if gae {
+        if let Some(v) = &values {
             m.set(
                 names::RETURNS_MEAN,
                 masked_mean(&adv.returns, &mask).double_value(&[]),
             );
-            let v = token_matrix(samples, TokenField::Values, dev).map_err(se)?;
-            m.set(names::VALUES_MEAN, masked_mean(&v, &mask).double_value(&[]));
+            m.set(names::VALUES_MEAN, masked_mean(v, &mask).double_value(&[]));
         }
         // Process rewards (an LLM judge's per-step scores): kept on the samples for a
         // step-level estimator; their mean shows whether the judge gives any.
