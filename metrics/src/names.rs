@@ -81,6 +81,27 @@ pub const LR: &str = "actor/lr";
 pub const WEIGHTS_VERSION: &str = "training/weights_version";
 /// Samples dropped for lagging the weights beyond the staleness bound.
 pub const DROPPED_SAMPLES: &str = "training/dropped_samples";
+/// Asynchronous RL: the largest lag of a trained sample, in policy versions from the
+/// version its generation started with (the simulator's definition).
+pub const STALENESS_MAX: &str = "async/staleness_max";
+/// Asynchronous RL: the mean lag of the step's samples.
+pub const STALENESS_MEAN: &str = "async/staleness_mean";
+/// Samples trained in a later step than the one they were generated in.
+pub const SAMPLES_CARRIED: &str = "async/samples_carried";
+/// Batches generated ahead and waiting at the end of the step.
+pub const PENDING_BATCHES: &str = "async/pending_batches";
+/// Seconds generation of later batches ran alongside this step's training.
+pub const OVERLAP_S: &str = "async/overlap_s";
+/// Mean importance weight π_old/π_rollout per token (before the cap).
+pub const IS_WEIGHT_MEAN: &str = "off_policy/is_weight_mean";
+/// Largest importance weight π_old/π_rollout.
+pub const IS_WEIGHT_MAX: &str = "off_policy/is_weight_max";
+/// Share of tokens whose importance weight the cap truncated or masked.
+pub const IS_CAPPED_FRAC: &str = "off_policy/is_capped_frac";
+/// Mean |old − rollout| log-prob difference per token.
+pub const LOGPROB_DIFF_MEAN: &str = "rollout/logprob_diff_mean";
+/// Largest |old − rollout| log-prob difference.
+pub const LOGPROB_DIFF_MAX: &str = "rollout/logprob_diff_max";
 /// Generation rounds dynamic sampling needed to fill the batch.
 pub const DAPO_GEN_ROUNDS: &str = "dapo/gen_rounds";
 /// Prompt groups dynamic sampling dropped.

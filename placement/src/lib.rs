@@ -30,6 +30,7 @@ mod policy;
 mod profile;
 mod record;
 mod search;
+mod staleness;
 mod workload;
 
 pub use cost::{CostModel, CostSetup, Prediction, Shape, Stage, StageObs, StepMetrics};
@@ -47,6 +48,7 @@ pub use record::{
     after_move, finite, parse_records, render_records, GroupUse, Record, RecordError, RECORD_FILE,
 };
 pub use search::{assign, search, search_top, search_top_lanes, Found, LaneSearch, Space};
+pub use staleness::{lag, within_bound};
 pub use workload::{
     BeyondBound, DynamicSampling, Forecast, ForecastParams, LengthDist, PartialRollout, Resume,
     WorkloadSpec,

@@ -43,13 +43,15 @@ pub use sample::{
 
 // Algorithms: advantage estimators, losses, KL.
 pub use algo::{
-    aggregate_loss, cispo_policy_loss, dynamic_sampling_filter, entropy_from_logits, entropy_loss,
-    gae_advantage, group_ids_from_tensor, grpo_advantage, gspo_policy_loss, kl_estimate, kl_loss,
-    masked_mean, overlong_penalty, overlong_penalty_tensor, policy_loss, ppo_policy_loss,
-    reinforce_pp_advantage, rloo_advantage, token_level_rewards, value_loss, AdvantageEstimator,
-    AdvantageInputs, Advantages, AlgoError, Algorithm, DynamicSampling, EntropyStats, GaeConfig,
-    GrpoConfig, KlEstimator, KlLossStats, LossAgg, LossAggMode, PolicyLossConfig, PolicyLossKind,
-    PolicyLossStats, ReinforcePpConfig, ValueLossConfig, ValueLossStats,
+    aggregate_loss, behaviour_weights, cispo_policy_loss, dynamic_sampling_filter,
+    entropy_from_logits, entropy_loss, gae_advantage, group_ids_from_tensor, grpo_advantage,
+    gspo_policy_loss, kl_estimate, kl_loss, masked_mean, off_policy_stats, overlong_penalty,
+    overlong_penalty_tensor, policy_loss, ppo_policy_loss, reinforce_pp_advantage, rloo_advantage,
+    token_level_rewards, value_loss, AdvantageEstimator, AdvantageInputs, Advantages, AlgoError,
+    Algorithm, BehaviourCorrection, DynamicSampling, EntropyStats, GaeConfig, GrpoConfig,
+    KlEstimator, KlLossStats, LossAgg, LossAggMode, OffPolicyConfig, OffPolicyStats,
+    PolicyLossConfig, PolicyLossKind, PolicyLossStats, ReinforcePpConfig, ValueLossConfig,
+    ValueLossStats,
 };
 
 // Rewards.

@@ -2,6 +2,7 @@
 //! the metrics each step reports to the placer.
 
 use super::*;
+use crate::staleness::within_bound;
 
 impl<'w> Sim<'w> {
     pub(super) fn maybe_train(&mut self, step: u32) {
@@ -83,7 +84,7 @@ impl<'w> Sim<'w> {
             for (&pg, p) in &st.pgs {
                 let Some(born) = p.born_min else { continue };
                 // Trained at step + 1 or later, it would lag more than allowed.
-                if born + self.staleness > step {
+                if within_bound(u64::from(step) + 1, u64::from(born), self.staleness) {
                     continue;
                 }
                 // A group whose responses are all generated waits for its verdicts only.

@@ -18,6 +18,7 @@
 //! | [`kl`] | k1/k2/k3 KL estimators |
 //! | [`loss`] | PPO clipped policy loss (clip-higher, dual clip), value loss, entropy, KL loss, aggregation modes |
 //! | [`policy_loss`] | GSPO (sequence ratio), CISPO (clipped IS weight), and the match over [`PolicyLossKind`] |
+//! | [`off_policy`] | decoupled PPO and truncated IS weights for samples of older weights |
 //! | [`dapo`] | DAPO dynamic-sampling filter and overlong penalty |
 
 pub mod advantage;
@@ -28,6 +29,7 @@ pub mod estimator;
 pub use estimator::{AdvantageEstimator, AdvantageInputs, Algorithm};
 pub mod kl;
 pub mod loss;
+pub mod off_policy;
 pub mod policy_loss;
 
 pub use advantage::{
@@ -42,6 +44,9 @@ pub use loss::{
     aggregate_loss, entropy_from_logits, entropy_loss, kl_loss, masked_mean, ppo_policy_loss,
     value_loss, EntropyStats, KlLossStats, LossAgg, LossAggMode, PolicyLossConfig, PolicyLossKind,
     PolicyLossStats, ValueLossConfig, ValueLossStats,
+};
+pub use off_policy::{
+    behaviour_weights, off_policy_stats, BehaviourCorrection, OffPolicyConfig, OffPolicyStats,
 };
 pub use policy_loss::{cispo_policy_loss, gspo_policy_loss, policy_loss};
 

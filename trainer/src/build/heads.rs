@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use yatt_engine::SamplingParams;
-use yatt_roles::{Dataloader, GaeConfig, Prompt};
+use yatt_roles::{Dataloader, GaeConfig, OffPolicyConfig, Prompt};
 
 use crate::build::data::prompts;
 use crate::build::parts::kl_term;
@@ -55,6 +55,12 @@ pub(crate) fn controller_config(job: &JobConfig) -> ControllerConfig {
             coef: a.overlong_coef,
         }),
         stream: r.stream,
+        staleness: r.staleness,
+        off_policy: OffPolicyConfig {
+            correction: a.off_policy(r.staleness),
+            cap: a.behaviour_cap,
+        },
+        logprob_diff_warn: r.logprob_diff_warn,
         ..Default::default()
     }
 }

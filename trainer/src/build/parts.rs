@@ -19,7 +19,7 @@ use crate::config::modes::{KlMode, ModelSource, OldLogprobs, Schedule};
 use crate::config::sections::JobConfig;
 use crate::controller::error::ControllerError;
 use crate::error::JobError;
-use yatt_roles::TINY_CODEC;
+use yatt_roles::{OffPolicyConfig, TINY_CODEC};
 
 /// The job's model (every role starts from a copy of it), the codec of its text and its
 /// padding id.
@@ -150,6 +150,10 @@ pub fn policy_role_from(
         on_policy: a.old_logprobs == OldLogprobs::OnPolicy,
         tokenizer_dir: job.model.source.dir().map(PathBuf::from),
         skip_zero_advantage: o.skip_zero_advantage,
+        off_policy: OffPolicyConfig {
+            correction: a.off_policy(job.rollout.staleness),
+            cap: a.behaviour_cap,
+        },
         ..Default::default()
     };
     PolicyRole::new(trainer, policy_config).map_err(|e| JobError::Model {

@@ -3,7 +3,9 @@
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-use yatt_roles::{Algorithm, JudgeConfig, KlEstimator, LossAgg, LossAggMode, LETTERS};
+use yatt_roles::{
+    Algorithm, BehaviourCorrection, JudgeConfig, KlEstimator, LossAgg, LossAggMode, LETTERS,
+};
 
 use crate::config::modes::{
     Driver, Dtype, KlMode, ModelSource, OldLogprobs, RewardKind, Schedule, Task, UnparsedVerdict,
@@ -166,6 +168,16 @@ pub struct RolloutSection {
     /// 0 = all of a head's samples. A small cap models an engine whose KV cache holds
     /// few sequences: decoding becomes the bottleneck, as on GPUs.
     pub max_batch: usize,
+    /// Asynchronous RL: how many policy versions a sample may lag behind the weights
+    /// it trains (counted from the version its generation started with, as in the
+    /// simulator). 0 = on-policy, generation and training take turns. With k ≥ 1 the
+    /// rollouts generate the next steps' batches while the policy trains, up to k
+    /// batches ahead.
+    pub staleness: u32,
+    /// Warn (once) when the mean |recomputed − rollout| log-prob difference per token
+    /// of a step's samples that are on the newest weights exceeds this: a silent
+    /// train/rollout mismatch (0 = never warn).
+    pub logprob_diff_warn: f64,
 }
 
 impl Default for RolloutSection {
@@ -178,6 +190,8 @@ impl Default for RolloutSection {
             ignore_eos: false,
             stream: false,
             max_batch: 0,
+            staleness: 0,
+            logprob_diff_warn: 0.1,
         }
     }
 }
@@ -231,6 +245,14 @@ pub struct AlgorithmSection {
     /// the update) or `on-policy` (needs `optim.mini_batches = 1`: the one update runs on
     /// the weights that generated, so the ratio is 1 and that pass is skipped).
     pub old_logprobs: OldLogprobs,
+    /// Off-policy correction for samples of older weights (`rollout.staleness` ≥ 1):
+    /// `none`, `decoupled` (AReaL's decoupled PPO: the ratio against the recomputed
+    /// old log-probs, each token weighted by π_old/π_rollout and left out above
+    /// `behaviour_cap`) or `tis` (truncated importance sampling: the weight capped at
+    /// `behaviour_cap`). Unset: `decoupled` when `rollout.staleness` ≥ 1, else `none`.
+    pub off_policy: Option<BehaviourCorrection>,
+    /// The importance-weight cap of `off_policy` (> 1).
+    pub behaviour_cap: f64,
 }
 
 impl Default for AlgorithmSection {
@@ -252,11 +274,22 @@ impl Default for AlgorithmSection {
             overlong_buffer: 0,
             overlong_coef: 1.0,
             old_logprobs: OldLogprobs::Recompute,
+            off_policy: None,
+            behaviour_cap: 2.0,
         }
     }
 }
 
 impl AlgorithmSection {
+    /// The off-policy correction: the config's, or `decoupled` when samples may be
+    /// stale (`staleness` ≥ 1), else `none`.
+    pub fn off_policy(&self, staleness: u32) -> BehaviourCorrection {
+        self.off_policy.unwrap_or(match staleness {
+            0 => BehaviourCorrection::None,
+            _ => BehaviourCorrection::Decoupled,
+        })
+    }
+
     /// `(clip_low, clip_high)`: the config's, or the algorithm's defaults.
     pub fn clip(&self) -> (f64, f64) {
         let (low, high) = self.name.default_clip();

@@ -34,6 +34,7 @@ impl JobConfig {
                 "streaming works with in-process rollouts only (samples go through a channel, not QUIC): set rollout.stream = false, or placement.mode = \"colocate\"",
             ));
         }
+        self.validate_staleness()?;
         positive("job.steps", j.steps as f64, "the number of training steps")?;
         positive(
             "job.controllers",
@@ -265,6 +266,41 @@ impl JobConfig {
     }
 
     /// The live placement's own checks (`placement.live = true`).
+    /// Asynchronous RL: what a staleness bound needs.
+    fn validate_staleness(&self) -> Result<(), JobError> {
+        let k = self.rollout.staleness;
+        if k > 8 {
+            return Err(invalid(
+                "rollout.staleness",
+                "0 to 8 (batches generated ahead are held in memory and in checkpoints)",
+                &k.to_string(),
+                "set rollout.staleness = 1 or 2",
+            ));
+        }
+        if self.algorithm.behaviour_cap.partial_cmp(&1.0) != Some(std::cmp::Ordering::Greater)
+            || !self.algorithm.behaviour_cap.is_finite()
+        {
+            return Err(invalid(
+                "algorithm.behaviour_cap",
+                "a finite number > 1",
+                &self.algorithm.behaviour_cap.to_string(),
+                "set algorithm.behaviour_cap = 2.0",
+            ));
+        }
+        if k == 0 {
+            return Ok(());
+        }
+        if self.algorithm.old_logprobs == OldLogprobs::OnPolicy {
+            return Err(invalid(
+                "algorithm.old_logprobs",
+                "\"recompute\" with rollout.staleness >= 1",
+                "\"on-policy\"",
+                "samples of older weights are not on-policy: the PPO ratio needs the old log-probs recomputed on the weights being trained; set algorithm.old_logprobs = \"recompute\" (or rollout.staleness = 0)",
+            ));
+        }
+        Ok(())
+    }
+
     fn validate_live(&self) -> Result<(), JobError> {
         let p = &self.placement;
         let heads = self.job.controllers;

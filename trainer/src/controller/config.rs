@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use yatt_engine::SamplingParams;
-use yatt_roles::{GrpoConfig, KlEstimator};
+use yatt_roles::{GrpoConfig, KlEstimator, OffPolicyConfig};
 
 use yatt_roles::AdvantageEstimator;
 
@@ -87,6 +87,14 @@ pub struct ControllerConfig {
     /// Stream samples out of the rollouts as they finish and score their rewards
     /// while generation goes on (in-process rollouts only: the stream is a channel).
     pub stream: bool,
+    /// Versions a sample may lag behind the weights it trains (0 = on-policy): with
+    /// k ≥ 1 the next batches generate while the policy trains, up to k ahead.
+    pub staleness: u32,
+    /// The policy's off-policy correction (for the importance-weight metrics).
+    pub off_policy: OffPolicyConfig,
+    /// Warn once when the mean |old − rollout| log-prob difference of a step's
+    /// up-to-date samples exceeds this (0 = never).
+    pub logprob_diff_warn: f64,
     /// Devices this controller's roles use (the divisor of `perf/throughput`).
     pub devices: usize,
     /// Deadlines.
@@ -106,6 +114,9 @@ impl Default for ControllerConfig {
             dynamic_sampling: None,
             overlong: None,
             stream: false,
+            staleness: 0,
+            off_policy: OffPolicyConfig::default(),
+            logprob_diff_warn: 0.0,
             devices: 1,
             timeouts: Timeouts::default(),
         }

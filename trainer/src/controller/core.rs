@@ -2,8 +2,8 @@
 
 use std::time::{Duration, Instant};
 use yatt_roles::{
-    CriticRequest, CriticResponse, Dataloader, PolicyRequest, PolicyResponse, RoleRequest,
-    RoleResponse, Sample,
+    CriticReport, CriticRequest, CriticResponse, Dataloader, PolicyRequest, PolicyResponse,
+    RoleRequest, RoleResponse, Sample, TrainReport,
 };
 use yatt_runtime::ActorId;
 use yatt_runtime::{ActorRef, CallError};
@@ -20,7 +20,9 @@ use yatt_roles::AdvantageEstimator;
 /// One data-parallel head: its shard and the roles it drives.
 pub struct Controller {
     pub(crate) config: ControllerConfig,
-    pub(crate) loader: Dataloader,
+    /// Behind a lock so that generation (which draws prompts) can run alongside the
+    /// update with a shared borrow ([`Controller::step`] with staleness ≥ 1).
+    pub(crate) loader: std::sync::Mutex<Dataloader>,
     pub(crate) roles: RoleRefs,
     pub(crate) step: u64,
     pub(crate) weights_version: u64,
@@ -34,6 +36,27 @@ pub struct Controller {
     pub(crate) lost_rollouts: std::collections::BTreeSet<ActorId>,
     /// Generation calls in flight, for whoever watches ([`Controller::set_probe`]).
     pub(crate) probe: Option<GenProbe>,
+    /// Batches generated ahead of the steps that train them (staleness ≥ 1), oldest
+    /// first.
+    pub(crate) pending: std::collections::VecDeque<GenBatch>,
+    /// Whether the train/rollout log-prob mismatch warning was given.
+    pub(crate) warned_mismatch: std::sync::atomic::AtomicBool,
+}
+
+/// A batch generated and rewarded, waiting for the step that trains it.
+pub(crate) struct GenBatch {
+    /// The step that trains it (its samples' ids carry it).
+    pub(crate) step: u64,
+    /// Updates the policy had taken when it was generated (the step generating it):
+    /// the weights every one of its samples started with.
+    pub(crate) generated_at: u64,
+    pub(crate) ledger: SampleLedger,
+    pub(crate) samples: Vec<Sample>,
+    pub(crate) gen: yatt_roles::RolloutStats,
+    /// Its generation's metrics (timings, dynamic sampling).
+    pub(crate) metrics: StepMetrics,
+    /// Rollout replicas found lost while generating it.
+    pub(crate) lost: Vec<ActorId>,
 }
 
 /// A step between its advantages and its update.
@@ -86,7 +109,7 @@ impl Controller {
         }
         Ok(Controller {
             config,
-            loader,
+            loader: std::sync::Mutex::new(loader),
             roles,
             step: 0,
             weights_version: 0,
@@ -94,6 +117,8 @@ impl Controller {
             spare_rollouts: Vec::new(),
             lost_rollouts: Default::default(),
             probe: None,
+            pending: Default::default(),
+            warned_mismatch: Default::default(),
         })
     }
 
@@ -138,18 +163,30 @@ impl Controller {
         ControllerState {
             step: self.step,
             weights_version: self.weights_version,
-            loader: self.loader.state(),
+            loader: self.lock_loader().state(),
+            pending: self.pending.iter().map(GenBatch::to_pending).collect(),
         }
+    }
+
+    pub(crate) fn lock_loader(&self) -> std::sync::MutexGuard<'_, Dataloader> {
+        // A panic elsewhere cannot leave the loader half-updated: its methods do not
+        // panic midway, so a poisoned lock still guards a consistent loader.
+        self.loader.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Resumes from a checkpointed position (the policy and rollout must be restored to
     /// the same weights by whoever restores the controller).
     pub fn restore(&mut self, state: ControllerState) -> Result<(), ControllerError> {
-        self.loader
+        self.lock_loader()
             .restore(state.loader)
             .map_err(ControllerError::Restore)?;
         self.step = state.step;
         self.weights_version = state.weights_version;
+        self.pending = state
+            .pending
+            .into_iter()
+            .map(|p| self.from_pending(p))
+            .collect::<Result<_, _>>()?;
         Ok(())
     }
 
@@ -226,9 +263,24 @@ impl Controller {
     }
 
     /// Runs one step. On error the step's prompts are consumed; restore a
-    /// [`ControllerState`] taken before the step to retry it.
+    /// [`ControllerState`] taken before the step to retry it. With
+    /// `staleness` ≥ 1 the next batches generate while this one trains
+    /// ([`Controller::step_pipelined`]).
     pub async fn step(&mut self) -> Result<StepReport, ControllerError> {
+        if self.config.staleness > 0 {
+            return self.step_pipelined().await;
+        }
         let mut p = self.prepare().await?;
+        let (train, critic, secs) = self.update(&mut p).await?;
+        self.finish(p, train, critic, secs).await
+    }
+
+    /// The policy's update on a prepared batch, and the critic's beside it: their
+    /// reports and the policy update's seconds.
+    pub(crate) async fn update(
+        &self,
+        p: &mut Prepared,
+    ) -> Result<(TrainReport, Option<CriticReport>, f64), ControllerError> {
         let t = Instant::now();
         let policy = async {
             let r = self
@@ -273,6 +325,6 @@ impl Controller {
             }
             None => None,
         };
-        self.finish(p, train, critic, secs).await
+        Ok((train, critic, secs))
     }
 }

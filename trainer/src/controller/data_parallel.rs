@@ -53,28 +53,49 @@ pub async fn step_data_parallel(
             policy.id()
         )));
     }
-    // The heads prepare concurrently: each drives its own rollout replica.
-    let prepared =
-        futures::future::try_join_all(controllers.iter_mut().map(|c| c.prepare())).await?;
-    let t = Instant::now();
-    let train = if replicated && controllers.iter().all(|c| c.in_policy_ring) {
-        all_reduce_update(controllers, &prepared).await?
-    } else {
-        // Replicas outside a ring (the live placement's) get every head's gradients
-        // through the controllers and apply the same average.
-        let shards = gather_shards(controllers, &prepared).await?;
-        let appliers = if replicated {
-            &controllers[..]
-        } else {
-            &controllers[..1]
+    let pipelined = first.config.staleness > 0;
+    let (prepared, train, secs, ahead) = if pipelined {
+        // Each head takes its batch generated ahead; then the heads' updates and the
+        // generation of their next batches run side by side.
+        let t_step = Instant::now();
+        let taken =
+            futures::future::try_join_all(controllers.iter_mut().map(|c| c.take_batch())).await?;
+        let t_overlap = Instant::now();
+        let shared: &[Controller] = controllers;
+        let (carried, batches): (Vec<usize>, Vec<_>) =
+            taken.into_iter().map(|(b, n)| (n, b)).unzip();
+        let train = async {
+            let prepared = futures::future::try_join_all(
+                shared
+                    .iter()
+                    .zip(batches)
+                    .map(|(c, b)| c.prepare_batch(b, t_step)),
+            )
+            .await?;
+            let t = Instant::now();
+            let train = update(shared, &prepared, replicated).await?;
+            Ok::<_, ControllerError>((prepared, train, t.elapsed().as_secs_f64()))
         };
-        let trained = apply_shards(appliers, shards).await?;
-        check_replicas_agree(&trained)?;
-        trained.into_iter().next().expect("at least one controller")
+        let generate = futures::future::try_join_all(shared.iter().map(|c| c.generate_ahead()));
+        let (trained, generated) = tokio::join!(train, generate);
+        let (prepared, train, secs) = trained?;
+        let generated = generated?;
+        let overlap: Vec<f64> = controllers
+            .iter_mut()
+            .zip(generated)
+            .map(|(c, g)| c.keep_ahead(g, t_overlap))
+            .collect();
+        (prepared, train, secs, Some((carried, overlap)))
+    } else {
+        // The heads prepare concurrently: each drives its own rollout replica.
+        let prepared =
+            futures::future::try_join_all(controllers.iter_mut().map(|c| c.prepare())).await?;
+        let t = Instant::now();
+        let train = update(controllers, &prepared, replicated).await?;
+        (prepared, train, t.elapsed().as_secs_f64(), None)
     };
-    let secs = t.elapsed().as_secs_f64();
     let mut reports = Vec::with_capacity(prepared.len());
-    for (c, p) in controllers.iter_mut().zip(prepared) {
+    for (i, (c, p)) in controllers.iter_mut().zip(prepared).enumerate() {
         // Each ledger records the trained ids of its own samples only.
         let mine: std::collections::BTreeSet<SampleId> = p.samples.iter().map(|s| s.id).collect();
         let own = TrainReport {
@@ -86,9 +107,36 @@ pub async fn step_data_parallel(
                 .collect(),
             ..train.clone()
         };
-        reports.push(c.finish(p, own, None, secs).await?);
+        let mut report = c.finish(p, own, None, secs).await?;
+        if let Some((carried, overlap)) = &ahead {
+            c.report_pipeline(&mut report.metrics, carried[i], overlap[i]);
+        }
+        reports.push(report);
     }
     Ok(reports)
+}
+
+/// One optimizer step over every head's prepared samples: through the replicas' ring,
+/// or by gathering the heads' gradients and applying their average.
+async fn update(
+    controllers: &[Controller],
+    prepared: &[Prepared],
+    replicated: bool,
+) -> Result<TrainReport, ControllerError> {
+    if replicated && controllers.iter().all(|c| c.in_policy_ring) {
+        return all_reduce_update(controllers, prepared).await;
+    }
+    // Replicas outside a ring (the live placement's) get every head's gradients
+    // through the controllers and apply the same average.
+    let shards = gather_shards(controllers, prepared).await?;
+    let appliers = if replicated {
+        controllers
+    } else {
+        &controllers[..1]
+    };
+    let trained = apply_shards(appliers, shards).await?;
+    check_replicas_agree(&trained)?;
+    Ok(trained.into_iter().next().expect("at least one controller"))
 }
 
 /// Each head's gradients on its own samples (side by side when the policy is

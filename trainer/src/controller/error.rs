@@ -72,6 +72,21 @@ pub enum ControllerError {
         /// The policy's version.
         want: u64,
     },
+    /// A sample would train more versions after the one its generation started with
+    /// than the staleness bound allows.
+    #[error("step {step}: {id} started generating on the weights after update {started} and would train the weights after update {trains}: {} versions behind, beyond rollout.staleness = {bound}", trains - started)]
+    BeyondStaleness {
+        /// The failing step, 1-based.
+        step: u64,
+        /// The sample.
+        id: SampleId,
+        /// The policy version (updates taken) its generation started with.
+        started: u64,
+        /// The policy version (updates taken) it would train.
+        trains: u64,
+        /// The bound.
+        bound: u32,
+    },
     /// The configuration cannot work.
     #[error("controller config: {0}")]
     Config(String),

@@ -53,6 +53,7 @@ impl Controller {
     /// per rollout replica.
     pub(crate) fn split_over_replicas(
         &self,
+        step: u64,
         prompts: Vec<yatt_roles::Prompt>,
         cfg: &ControllerConfig,
     ) -> Vec<(&RolloutRef, GenerateRequest)> {
@@ -68,7 +69,7 @@ impl Controller {
             }
             let tail = rest.split_off(per.min(rest.len()));
             let req = GenerateRequest {
-                step: self.step,
+                step,
                 prompts: std::mem::replace(&mut rest, tail),
                 n: cfg.n,
                 params: cfg.sampling.clone(),
@@ -84,12 +85,13 @@ impl Controller {
     /// samples it had in flight are returned as requeued, with the lost replicas.
     pub(crate) async fn generate(
         &self,
+        step: u64,
         prompts: Vec<yatt_roles::Prompt>,
         cfg: &ControllerConfig,
     ) -> Result<Generated, ControllerError> {
         let t = Instant::now();
         let asks: Vec<_> = self
-            .split_over_replicas(prompts, cfg)
+            .split_over_replicas(step, prompts, cfg)
             .into_iter()
             .map(|(r, req)| self.generate_on(r, req, cfg.timeouts.generate))
             .collect();
@@ -200,6 +202,7 @@ impl Controller {
     /// does not depend on finishing order.
     pub(crate) async fn generate_streamed(
         &self,
+        step: u64,
         prompts: Vec<yatt_roles::Prompt>,
         cfg: &ControllerConfig,
         ledger: &mut SampleLedger,
@@ -210,7 +213,7 @@ impl Controller {
             .iter()
             .flat_map(|p| {
                 (0..cfg.n).map(move |k| SampleId {
-                    step: self.step,
+                    step,
                     prompt: p.id,
                     k,
                 })
@@ -221,7 +224,7 @@ impl Controller {
         let group = cfg.n as usize;
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Sample>(group.max(1));
         let asks: Vec<_> = self
-            .split_over_replicas(prompts, cfg)
+            .split_over_replicas(step, prompts, cfg)
             .into_iter()
             .map(|(r, req)| {
                 let req = RolloutRequest::GenerateStream(req, SampleSink(tx.clone()));

@@ -7,6 +7,7 @@ pub(crate) mod core;
 pub(crate) mod data_parallel;
 pub(crate) mod error;
 pub(crate) mod generate;
+pub(crate) mod pipeline;
 pub(crate) mod probe;
 pub(crate) mod refs;
 pub(crate) mod report;

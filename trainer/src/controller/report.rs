@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
-use yatt_roles::{CriticReport, LoaderState, Sample, TrainReport};
+use yatt_roles::{CriticReport, LoaderState, RolloutStats, Sample, TrainReport};
 
 use crate::ledger::LedgerReport;
 
@@ -43,7 +43,7 @@ pub struct StepReport {
 }
 
 /// A controller's position, to checkpoint next to the policy's weights.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ControllerState {
     /// Steps completed.
     pub step: u64,
@@ -51,4 +51,24 @@ pub struct ControllerState {
     pub weights_version: u64,
     /// The dataloader's position.
     pub loader: LoaderState,
+    /// Batches generated and rewarded ahead of the steps that train them (staleness
+    /// ≥ 1): resuming trains them as they are, so no prompt is lost or repeated.
+    #[serde(default)]
+    pub pending: Vec<PendingBatch>,
+}
+
+/// A generated batch not yet trained, as a checkpoint keeps it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PendingBatch {
+    /// The step that trains it.
+    pub step: u64,
+    /// The step that generated it: its samples started on the weights after that
+    /// many updates.
+    pub generated_at: u64,
+    /// Its rewarded samples.
+    pub samples: Vec<Sample>,
+    /// Its generation's counters.
+    pub gen: RolloutStats,
+    /// Its generation's metrics.
+    pub metrics: StepMetrics,
 }

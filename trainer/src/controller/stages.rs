@@ -11,7 +11,7 @@ use yatt_roles::{
 
 use crate::controller::config::{ControllerConfig, DynamicSamplingConfig, OverlongConfig};
 use crate::controller::core::Controller;
-use crate::controller::core::Prepared;
+use crate::controller::core::{GenBatch, Prepared};
 use crate::controller::error::ControllerError;
 use crate::controller::report::{StepMetrics, StepReport};
 use crate::ledger::{SampleLedger, Stage};
@@ -35,14 +35,53 @@ impl Controller {
     /// reference, critic values, old log-probs, advantages.
     pub(crate) async fn prepare(&mut self) -> Result<Prepared, ControllerError> {
         let t_step = Instant::now();
-        let cfg = self.config.clone();
-        let mut m = StepMetrics {
-            step: self.step,
+        let mut batch = self.gen_batch(self.step).await?;
+        self.lost_rollouts.extend(batch.lost.drain(..));
+        self.prepare_batch(batch, t_step).await
+    }
+
+    /// Generation and reward of the batch that step `step` trains: its samples, in a
+    /// ledger of their own (the batch may train in a later step than it generates in).
+    pub(crate) async fn gen_batch(&self, step: u64) -> Result<GenBatch, ControllerError> {
+        let cfg = &self.config;
+        let mut metrics = StepMetrics {
+            step,
             values: BTreeMap::new(),
         };
-        let mut ledger = SampleLedger::new(self.step, &self.stages());
-        // 1–2. Generation and reward.
-        let (samples, gen) = self.generate_and_reward(&cfg, &mut ledger, &mut m).await?;
+        let mut ledger = SampleLedger::new(step, &self.stages());
+        let mut lost = Vec::new();
+        let (samples, gen) = self
+            .generate_and_reward(step, cfg, &mut ledger, &mut metrics, &mut lost)
+            .await?;
+        Ok(GenBatch {
+            step,
+            generated_at: self.step,
+            ledger,
+            samples,
+            gen,
+            metrics,
+            lost,
+        })
+    }
+
+    /// The stages of a generated batch up to the update: reference, critic values, old
+    /// log-probs, advantages. Refuses a sample beyond the staleness bound.
+    pub(crate) async fn prepare_batch(
+        &self,
+        batch: GenBatch,
+        t_step: Instant,
+    ) -> Result<Prepared, ControllerError> {
+        let cfg = &self.config;
+        let GenBatch {
+            mut ledger,
+            samples,
+            gen,
+            metrics: mut m,
+            generated_at,
+            ..
+        } = batch;
+        m.step = self.step;
+        self.check_staleness(&samples, generated_at, &mut m)?;
         // 3. Reference.
         let samples = match &self.roles.reference {
             Some(r) => {
@@ -57,11 +96,10 @@ impl Controller {
             None => samples,
         };
         // 4. Critic values.
-        let samples = self.values(samples, &cfg, &mut ledger, &mut m).await?;
+        let samples = self.values(samples, cfg, &mut ledger, &mut m).await?;
         // 5. Old log-probs.
-        let mut samples = self
-            .old_logprobs(samples, &cfg, &mut ledger, &mut m)
-            .await?;
+        let mut samples = self.old_logprobs(samples, cfg, &mut ledger, &mut m).await?;
+        self.off_policy_metrics(&samples, &mut m);
         // 6. Advantages.
         let t = Instant::now();
         self.advantages(&mut samples, &mut m)?;
@@ -77,7 +115,7 @@ impl Controller {
     }
 
     /// The stages every sample of this controller's steps must pass.
-    fn stages(&self) -> Vec<Stage> {
+    pub(crate) fn stages(&self) -> Vec<Stage> {
         let mut stages = vec![
             Stage::Generated,
             Stage::Rewarded,
@@ -97,12 +135,13 @@ impl Controller {
     /// Generation and reward, in rounds when dynamic sampling drops prompt groups whose
     /// rewards are all equal: the step's samples and the generation statistics.
     async fn generate_and_reward(
-        &mut self,
+        &self,
+        step: u64,
         cfg: &ControllerConfig,
         ledger: &mut SampleLedger,
         m: &mut StepMetrics,
+        lost: &mut Vec<yatt_runtime::ActorId>,
     ) -> Result<(Vec<Sample>, RolloutStats), ControllerError> {
-        let step = self.step;
         let target = cfg.prompts_per_step;
         let rounds = cfg.dynamic_sampling.map_or(1, |d| d.max_rounds);
         let mut kept: Vec<Sample> = Vec::new();
@@ -112,12 +151,12 @@ impl Controller {
         while t.rounds < rounds {
             t.rounds += 1;
             // A step never takes a prompt twice: its sample ids would collide.
-            let prompts: Vec<_> = self
-                .loader
-                .next_batch(want.min(self.loader.shard_len()))
-                .into_iter()
-                .filter(|p| seen.insert(p.id))
-                .collect();
+            let drawn = {
+                let mut loader = self.loader.lock().unwrap_or_else(|e| e.into_inner());
+                let take = want.min(loader.shard_len());
+                loader.next_batch(take)
+            };
+            let prompts: Vec<_> = drawn.into_iter().filter(|p| seen.insert(p.id)).collect();
             if prompts.is_empty() {
                 break;
             }
@@ -129,7 +168,9 @@ impl Controller {
                 })
             });
             ledger.expect(ids).map_err(self.ledger_err())?;
-            let mut samples = self.generate_round(prompts, cfg, ledger, &mut t).await?;
+            let mut samples = self
+                .generate_round(step, prompts, cfg, ledger, &mut t, lost)
+                .await?;
             self.stage_done(ledger, &samples, Stage::Rewarded)?;
             if let Some(o) = cfg.overlong {
                 self.apply_overlong(&mut samples, o)?;
@@ -172,14 +213,16 @@ impl Controller {
 
     /// One round of generation and reward over `prompts` (streamed or not).
     async fn generate_round(
-        &mut self,
+        &self,
+        step: u64,
         prompts: Vec<Prompt>,
         cfg: &ControllerConfig,
         ledger: &mut SampleLedger,
         t: &mut RoundTotals,
+        lost: &mut Vec<yatt_runtime::ActorId>,
     ) -> Result<Vec<Sample>, ControllerError> {
         if cfg.stream {
-            let r = self.generate_streamed(prompts, cfg, ledger).await?;
+            let r = self.generate_streamed(step, prompts, cfg, ledger).await?;
             t.gen_s += r.gen_s;
             t.reward_s += r.reward_tail_s;
             t.gen.response_tokens += r.stats.response_tokens;
@@ -190,12 +233,12 @@ impl Controller {
                 .map_err(self.ledger_err())?;
             return Ok(r.samples);
         }
-        let g = self.generate(prompts, cfg).await?;
+        let g = self.generate(step, prompts, cfg).await?;
         // Samples a lost replica had in flight were generated again elsewhere.
         for id in &g.requeued {
             ledger.requeue(*id).map_err(self.ledger_err())?;
         }
-        self.lost_rollouts.extend(g.lost);
+        lost.extend(g.lost);
         let samples = g.samples;
         t.gen_s += g.seconds;
         t.gen.response_tokens += g.stats.response_tokens;

@@ -247,7 +247,9 @@ pub(crate) fn placement_policy(
         job: shape,
         gpu,
         group_devices: 1,
-        staleness: 0,
+        // The trainer's own bound: the live policy and the simulator decide on the same
+        // pipelined step model.
+        staleness: job.rollout.staleness,
         partial_rollout: None,
     };
     let ids: Vec<GroupId> = inventory.groups().map(|g| g.id).collect();
