@@ -18,11 +18,20 @@ use yatt_trainer::{step_data_parallel, PolicyRef};
 const STEPS: u64 = 10;
 
 fn letters_job(out: &std::path::Path, placement: &[(&str, &str)]) -> JobConfig {
+    letters_job_with(out, placement, &[])
+}
+
+fn letters_job_with(
+    out: &std::path::Path,
+    placement: &[(&str, &str)],
+    extra: &[&str],
+) -> JobConfig {
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
     let mut sets = vec![
         format!("job.steps={STEPS}"),
         format!("job.output_dir=\"{}\"", out.display()),
     ];
+    sets.extend(extra.iter().map(|s| s.to_string()));
     for (k, v) in placement {
         sets.push(format!("placement.{k}=\"{v}\""));
     }
@@ -183,6 +192,69 @@ fn yatt_train_cluster_runs_the_demo_on_three_nodes() {
         .is_some());
     assert_roles_released(&cluster);
     eprintln!("yatt train --cluster: 4 steps, {:.2?} in all", t0.elapsed());
+}
+
+/// Asynchronous RL on the cluster: with `rollout.staleness = 1` the rollout node
+/// generates the next batch while the policy node trains; each sample trains once, one
+/// version behind, and the rewards are those of the same job in one process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_trains_one_step_off_policy_on_three_nodes() {
+    let cluster = Cluster::start("as", 3);
+    let logs = || cluster_logs(&cluster);
+    let node = join(&cluster, "as-controller").await;
+    let out = tempfile::tempdir().unwrap();
+    let placement = [
+        ("mode", "disaggregated"),
+        ("rollout", "as-0"),
+        ("policy", "as-1"),
+        ("reference", "as-1"),
+        ("reward", "as-2"),
+    ];
+    let async_job = |placement: &[(&str, &str)]| {
+        letters_job_with(out.path(), placement, &["rollout.staleness=1"])
+    };
+    let mut controllers = build_cluster(&async_job(&placement), &node)
+        .await
+        .unwrap_or_else(|e| panic!("building on the cluster: {e}\n{}", logs()));
+    let mut rewards = Vec::new();
+    let mut seen = BTreeSet::new();
+    for step in 0..STEPS {
+        let report = controllers[0]
+            .step()
+            .await
+            .unwrap_or_else(|e| panic!("step {step}: {e}\n{}", logs()));
+        assert_eq!(report.ledger.step, step);
+        assert!(report
+            .samples
+            .iter()
+            .all(|s| s.id.step == step && seen.insert(s.id)));
+        let m = &report.metrics;
+        assert_eq!(m.get("async/staleness_max"), Some(step.min(1) as f64));
+        assert_eq!(m.get("async/pending_batches"), Some(1.0));
+        rewards.push(m.get("critic/rewards/mean").unwrap());
+    }
+    let (first, last) = (mean(&rewards[..3]), mean(&rewards[rewards.len() - 3..]));
+    assert!(last > first + 0.1, "reward did not move up: {rewards:?}");
+    drop(controllers);
+    node.shutdown().await;
+    assert_roles_released(&cluster);
+
+    let embedded = Node::builder("as-embedded")
+        .dev_certs(out.path().join("ca"))
+        .start()
+        .await
+        .unwrap();
+    let mut local = build_embedded(&async_job(&[]), &embedded).await.unwrap();
+    for (step, want) in rewards.iter().enumerate() {
+        let got = local[0].step().await.unwrap();
+        let got = got.metrics.get("critic/rewards/mean").unwrap();
+        assert!(
+            (got - want).abs() < 1e-6,
+            "step {step}: embedded {got}, cluster {want}"
+        );
+    }
+    drop(local);
+    embedded.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

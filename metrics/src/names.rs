@@ -88,6 +88,9 @@ pub const STALENESS_MAX: &str = "async/staleness_max";
 pub const STALENESS_MEAN: &str = "async/staleness_mean";
 /// Samples trained in a later step than the one they were generated in.
 pub const SAMPLES_CARRIED: &str = "async/samples_carried";
+/// Samples whose generation a weight sync interrupted: later chunks decoded on newer
+/// weights (partial rollouts).
+pub const SAMPLES_INTERRUPTED: &str = "async/samples_interrupted";
 /// Batches generated ahead and waiting at the end of the step.
 pub const PENDING_BATCHES: &str = "async/pending_batches";
 /// Seconds generation of later batches ran alongside this step's training.

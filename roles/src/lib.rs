@@ -70,11 +70,11 @@ pub use data::{
 
 // The built-in roles, their configs and their messages.
 pub use builtin::{
-    load_reward_model, load_rm_jsonl, train_reward_model, AsciiCodec, CriticConfig, CriticReport,
-    CriticRequest, CriticResponse, CriticRole, GenerateRequest, GradShard, GrowingLengthReward,
-    JudgeConfig, JudgeMode, JudgeScorer, KlLossConfig, ModelScorer, OnUnparsed, PolicyConfig,
-    PolicyRequest, PolicyResponse, PolicyRole, ReferenceRole, RewardModelError, RewardRole,
-    RmExample, RmTrainConfig, RolloutRequest, RolloutResponse, RolloutRole, RolloutStats,
-    SampleSink, ScalarRewardModel, TextCodec, TokenizerCodec, TrainReport, TrainerState,
-    TINY_CODEC,
+    load_reward_model, load_rm_jsonl, train_reward_model, AsciiCodec, ContinueRequest,
+    CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole, GenerateRequest,
+    GradShard, GrowingLengthReward, JudgeConfig, JudgeMode, JudgeScorer, KlLossConfig, ModelScorer,
+    OnUnparsed, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole, ReferenceRole,
+    RewardModelError, RewardRole, RmExample, RmTrainConfig, RolloutRequest, RolloutResponse,
+    RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, TextCodec, TokenizerCodec,
+    TrainReport, TrainerState, TINY_CODEC,
 };

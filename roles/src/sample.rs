@@ -81,8 +81,12 @@ pub struct Sample {
     /// Task metadata carried from the prompt.
     #[serde(default, with = "crate::json_value")]
     pub metadata: serde_json::Value,
-    /// Policy weights version that generated it.
+    /// Policy weights version its generation started with (its first token's).
     pub weights_version: u64,
+    /// Policy weights version of its last token, when a partial rollout continued it on
+    /// newer weights; `None`: every token came from `weights_version`.
+    #[serde(default)]
+    pub weights_version_last: Option<u64>,
     /// Scalar reward (reward stage).
     pub reward: Option<f64>,
     /// Per-token log-probs under the reference policy (reference stage).
@@ -186,6 +190,7 @@ impl Sample {
             reference: None,
             metadata: serde_json::Value::Null,
             weights_version: 0,
+            weights_version_last: None,
             reward: None,
             ref_logprobs: None,
             old_logprobs: None,
@@ -194,6 +199,14 @@ impl Sample {
             returns: None,
             step_rewards: None,
         }
+    }
+
+    /// The policy versions of its first and last tokens.
+    pub fn version_span(&self) -> (u64, u64) {
+        (
+            self.weights_version,
+            self.weights_version_last.unwrap_or(self.weights_version),
+        )
     }
 
     /// Number of response tokens.

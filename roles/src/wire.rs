@@ -567,6 +567,7 @@ mod tests {
             reference: Some("42".into()),
             metadata: serde_json::json!({"task": "letters", "difficulty": [1, 2]}),
             weights_version: 7,
+            weights_version_last: Some(8),
             reward: Some(0.25),
             ref_logprobs: Some(vec![-0.75; tokens]),
             old_logprobs: None,

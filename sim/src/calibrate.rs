@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use yatt_metrics::{names, StepRecord};
 use yatt_placement::{
     DecodeCoeffs, Efficiency, GpuSpec, GroupId, JobShape, LengthDist, ModelSpec, Plan, Pool, Rates,
-    RewardKind, Sim, Stage, WorkloadSpec, World,
+    RewardKind, Role, RoleSet, Sim, Stage, WorkloadSpec, World,
 };
 
 /// Why calibration failed.
@@ -49,6 +49,10 @@ pub struct RunStep {
     pub prompt_len: f64,
     /// Prompt + response tokens of the samples trained on.
     pub tokens: f64,
+    /// The lag of the step's samples behind the weights they trained
+    /// (`async/staleness_max`; 0 for an on-policy run).
+    #[serde(default)]
+    pub staleness: u32,
 }
 
 impl RunStep {
@@ -82,6 +86,7 @@ impl RunStep {
             response_len: get(names::RESPONSE_LENGTH_MEAN)?,
             prompt_len: get(names::PROMPT_LENGTH_MEAN)?,
             tokens: get(names::TOTAL_NUM_TOKENS)?,
+            staleness: value(names::STALENESS_MAX).map_or(0, |v| v.max(0.0).round() as u32),
             timing,
         })
     }
@@ -212,7 +217,7 @@ pub fn check_calibration(
     let body = &steps[1..];
     let fit_n = body.len() / 2;
     let rates = fit_rates(&body[..fit_n], iterations);
-    let predicted = replay_run(&rates, body, iterations);
+    let predicted = replay_run(&rates, body, iterations, run_staleness(steps));
     let measured: Vec<f64> = body.iter().map(|s| s.step_s).collect();
     let err = |from: usize| {
         let p: f64 = predicted[from..].iter().sum();
@@ -229,9 +234,17 @@ pub fn check_calibration(
     })
 }
 
-/// Simulates `steps` (their batch sizes and mean lengths) with `rates` on one group
-/// with every role colocated and on-policy; returns each step's predicted seconds.
-pub fn replay_run(rates: &Rates, steps: &[RunStep], iterations: f64) -> Vec<f64> {
+/// The run's staleness bound as its metrics show it: the largest lag of any step.
+pub fn run_staleness(steps: &[RunStep]) -> u32 {
+    steps.iter().map(|s| s.staleness).max().unwrap_or(0)
+}
+
+/// Simulates `steps` (their batch sizes and mean lengths) with `rates`; returns each
+/// step's predicted seconds. On-policy (`staleness` 0): one group with every role
+/// colocated, as `yatt train` runs embedded. Asynchronous (`staleness` ≥ 1): the
+/// rollout on a group of its own and the other roles on another, pipelined with that
+/// bound, as the embedded trainer overlaps generation with the update.
+pub fn replay_run(rates: &Rates, steps: &[RunStep], iterations: f64, staleness: u32) -> Vec<f64> {
     let samples = steps.iter().map(|s| s.samples()).fold(1.0, f64::max) as u32;
     let prompt = steps.iter().map(|s| s.prompt_len).sum::<f64>() / steps.len().max(1) as f64;
     let max_len = iterations.max(1.0).round() as u32;
@@ -280,18 +293,38 @@ pub fn replay_run(rates: &Rates, steps: &[RunStep], iterations: f64) -> Vec<f64>
         },
         job,
         group_devices: 1,
-        groups: 1,
+        groups: if staleness == 0 { 1 } else { 2 },
         rates: Some(rates.clone()),
     };
-    let plan = Plan {
-        pools: vec![Pool {
-            roles: world.job.gpu_roles(),
+    let all = world.job.gpu_roles();
+    let pools = match staleness {
+        0 => vec![Pool {
+            roles: all,
             groups: vec![GroupId(0)],
         }],
+        _ => {
+            let trainer_roles = all
+                .iter()
+                .filter(|r| *r != Role::Rollout)
+                .collect::<Vec<_>>();
+            vec![
+                Pool {
+                    roles: RoleSet::of(&[Role::Rollout]),
+                    groups: vec![GroupId(0)],
+                },
+                Pool {
+                    roles: RoleSet::of(&trainer_roles),
+                    groups: vec![GroupId(1)],
+                },
+            ]
+        }
+    };
+    let plan = Plan {
+        pools,
         rollout_batch_cap: None,
         lanes: None,
     };
-    Sim::new(&world, &plan, 0).run().step_s
+    Sim::new(&world, &plan, staleness).run().step_s
 }
 
 #[cfg(test)]
@@ -375,6 +408,7 @@ mod tests {
                     response_len: resp,
                     prompt_len: 8.0,
                     tokens,
+                    staleness: 0,
                 }
             })
             .collect();

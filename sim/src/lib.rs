@@ -31,7 +31,8 @@ mod run;
 
 pub use bound::lower_bound;
 pub use calibrate::{
-    check_calibration, fit_rates, replay_run, run_steps, CalibrateError, Calibration, RunStep,
+    check_calibration, fit_rates, replay_run, run_staleness, run_steps, CalibrateError,
+    Calibration, RunStep,
 };
 pub use config::{
     true_efficiency, HardwareSection, JobSection, Scenario, ScenarioSection, SimConfig, SimError,

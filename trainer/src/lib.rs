@@ -60,7 +60,8 @@ pub use build::reward::reward_role;
 
 // Controllers and the ledger.
 pub use controller::config::{
-    ControllerConfig, DynamicSamplingConfig, KlPenalty, OverlongConfig, Timeouts,
+    ControllerConfig, DynamicSamplingConfig, KlPenalty, OverlongConfig, PartialRolloutConfig,
+    Timeouts,
 };
 pub use controller::core::Controller;
 pub use controller::data_parallel::{join_policy_ring, step_data_parallel};

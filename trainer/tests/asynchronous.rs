@@ -45,10 +45,15 @@ fn metric(m: &StepMetrics, name: &str) -> f64 {
 async fn every_sample_trains_once_in_the_same_step_as_on_policy_within_the_bound() {
     let steps = 6;
     let on_policy = run(&["job.steps=6"], steps).await;
-    for k in [1u32, 2] {
+    let partial = "rollout.partial_rollout={chunk_tokens=2}";
+    for (k, chunks) in [(1u32, ""), (2, ""), (1, partial)] {
         let staleness = format!("rollout.staleness={k}");
         for heads in ["job.controllers=1", "job.controllers=2"] {
-            let async_run = run(&["job.steps=6", &staleness, heads], steps).await;
+            let mut sets = vec!["job.steps=6", &staleness, heads];
+            if !chunks.is_empty() {
+                sets.push(chunks);
+            }
+            let async_run = run(&sets, steps).await;
             let reference = match heads {
                 "job.controllers=1" => on_policy.clone(),
                 _ => run(&["job.steps=6", heads], steps).await,
@@ -80,6 +85,9 @@ async fn every_sample_trains_once_in_the_same_step_as_on_policy_within_the_bound
                 }
                 assert!(metric(m, names::IS_WEIGHT_MEAN).is_finite());
                 assert!(metric(m, names::LOGPROB_DIFF_MAX) >= 0.0);
+                if !chunks.is_empty() {
+                    assert!(metric(m, names::SAMPLES_INTERRUPTED) >= 0.0);
+                }
             }
             let total: usize = reference.iter().map(|(ids, _)| ids.len()).sum();
             assert_eq!(seen.len(), total, "staleness {k}, {heads}: samples lost");
@@ -89,17 +97,21 @@ async fn every_sample_trains_once_in_the_same_step_as_on_policy_within_the_bound
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_learns_at_staleness_1_and_2() {
-    for k in [1, 2] {
+    let partial = "rollout.partial_rollout={chunk_tokens=2}";
+    for (k, chunks) in [(1, ""), (2, ""), (1, partial)] {
         let out = tempfile::tempdir().unwrap();
-        let staleness = format!("rollout.staleness={k}");
-        let job = common::demo_config(out.path(), &["job.steps=30".into(), staleness]);
+        let mut sets = vec!["job.steps=30".to_string(), format!("rollout.staleness={k}")];
+        if !chunks.is_empty() {
+            sets.push(chunks.into());
+        }
+        let job = common::demo_config(out.path(), &sets);
         let summary = common::train_job(&job, false).await.unwrap();
         let r = &summary.rewards;
         let first: f64 = r[..5].iter().sum::<f64>() / 5.0;
         let last: f64 = r[r.len() - 5..].iter().sum::<f64>() / 5.0;
         assert!(
             last > first + 0.4 && last > 0.8,
-            "staleness {k}: reward first 5 steps {first:.3}, last 5 {last:.3}"
+            "staleness {k} {chunks}: reward first 5 steps {first:.3}, last 5 {last:.3}"
         );
     }
 }
@@ -174,4 +186,16 @@ fn on_policy_old_logprobs_with_a_staleness_bound_is_refused_naming_the_fix() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("decoupled") && e.contains("tis"), "{e}");
+    let e = common::load_demo(
+        out.path(),
+        &["rollout.partial_rollout={chunk_tokens=2}".into()],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("rollout.staleness = 1"), "{e}");
+    let kv = "rollout.partial_rollout={resume=\"kv\"}";
+    let e = common::load_demo(out.path(), &["rollout.staleness=1".into(), kv.into()])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("reprefill"), "{e}");
 }

@@ -149,3 +149,86 @@ pub fn off_policy_stats<'a>(
     s.capped_frac = capped as f64 / n;
     s
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(v: &[f64]) -> Tensor {
+        Tensor::from_slice(v).view([1, v.len() as i64])
+    }
+
+    fn vals(t: &Tensor) -> Vec<f64> {
+        Vec::try_from(t.to_kind(Kind::Double).view([-1])).unwrap()
+    }
+
+    /// Behaviour probabilities 0.25 and 0.3 where the proximal policy has 0.5 and 0.9:
+    /// weights 2 and 3; the third token is padding.
+    fn case() -> (Tensor, Tensor, Tensor) {
+        let old = t(&[0.5f64.ln(), 0.9f64.ln(), -1.0]);
+        let behaviour = t(&[0.25f64.ln(), 0.3f64.ln(), -5.0]);
+        (old, behaviour, t(&[1.0, 1.0, 0.0]))
+    }
+
+    fn close(a: &[f64], b: &[f64]) {
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() < 1e-9, "{a:?} != {b:?}");
+        }
+    }
+
+    #[test]
+    fn decoupled_masks_tokens_above_the_cap_and_tis_truncates_them() {
+        let (old, behaviour, mask) = case();
+        let cfg = |correction| OffPolicyConfig {
+            correction,
+            cap: 2.5,
+        };
+        let (w, keep) = behaviour_weights(
+            &old,
+            &behaviour,
+            &mask,
+            &cfg(BehaviourCorrection::Decoupled),
+        )
+        .unwrap();
+        close(&vals(&w), &[2.0, 0.0, 0.0]);
+        close(&vals(&keep), &[1.0, 0.0, 0.0]);
+        let (w, keep) =
+            behaviour_weights(&old, &behaviour, &mask, &cfg(BehaviourCorrection::Tis)).unwrap();
+        close(&vals(&w), &[2.0, 2.5, 0.0]);
+        close(&vals(&keep), &[1.0, 1.0, 0.0]);
+        let (w, keep) =
+            behaviour_weights(&old, &behaviour, &mask, &cfg(BehaviourCorrection::None)).unwrap();
+        close(&vals(&w), &[1.0, 1.0, 0.0]);
+        close(&vals(&keep), &[1.0, 1.0, 0.0]);
+    }
+
+    #[test]
+    fn stats_report_the_raw_weights_the_capped_share_and_the_log_prob_gap() {
+        let old = [0.5f32.ln(), 0.9f32.ln()];
+        let behaviour = [0.25f32.ln(), 0.3f32.ln()];
+        let cfg = OffPolicyConfig {
+            correction: BehaviourCorrection::Tis,
+            cap: 2.5,
+        };
+        let s = off_policy_stats([(&old[..], &behaviour[..])], &cfg);
+        assert_eq!(s.tokens, 2);
+        assert!((s.weight_mean - 2.5).abs() < 1e-5, "{s:?}");
+        assert!((s.weight_max - 3.0).abs() < 1e-5, "{s:?}");
+        assert_eq!(s.capped_frac, 0.5);
+        let gap = (2f64.ln() + 3f64.ln()) / 2.0;
+        assert!((s.logprob_diff_mean - gap).abs() < 1e-5, "{s:?}");
+        assert!((s.logprob_diff_max - 3f64.ln()).abs() < 1e-5, "{s:?}");
+    }
+
+    #[test]
+    fn a_cap_that_bounds_nothing_is_refused() {
+        for cap in [1.0, 0.5, f64::NAN, f64::INFINITY] {
+            let cfg = OffPolicyConfig {
+                correction: BehaviourCorrection::Decoupled,
+                cap,
+            };
+            assert!(cfg.check().is_err(), "cap {cap}");
+        }
+    }
+}

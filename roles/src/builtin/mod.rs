@@ -41,6 +41,6 @@ pub use reward_model::{
     RewardModelError, RmExample, RmTrainConfig, ScalarRewardModel,
 };
 pub use rollout::{
-    AsciiCodec, GenerateRequest, RolloutRequest, RolloutResponse, RolloutRole, RolloutStats,
-    SampleSink, TextCodec, TokenizerCodec, TINY_CODEC,
+    AsciiCodec, ContinueRequest, GenerateRequest, RolloutRequest, RolloutResponse, RolloutRole,
+    RolloutStats, SampleSink, TextCodec, TokenizerCodec, TINY_CODEC,
 };

@@ -126,6 +126,21 @@ pub struct GenerateRequest {
     pub seed: u64,
 }
 
+/// A partial rollout's next chunk: each unfinished sample decodes up to
+/// `params.max_new_tokens` more tokens (never past `budget` in all) on the weights the
+/// rollout holds now, after its prompt and the tokens so far are prefilled again.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ContinueRequest {
+    /// The samples so far (prompt and response tokens, log-probs, versions).
+    pub samples: Vec<Sample>,
+    /// Sampling parameters of the chunk; `seed` is replaced per sample and chunk.
+    pub params: SamplingParams,
+    /// Seed the per-sample seeds derive from (the generation request's).
+    pub seed: u64,
+    /// The response length limit (`rollout.max_new_tokens`).
+    pub budget: usize,
+}
+
 /// Where a streaming generation sends each sample as it finishes: a bounded channel,
 /// so a slow consumer holds generation back (backpressure) instead of piling samples
 /// up. It lives in this process only: a streaming request cannot be encoded for a
@@ -144,6 +159,9 @@ pub enum RolloutRequest {
     GenerateStream(GenerateRequest, SampleSink),
     /// The next-token logits after `tokens` (a probe: e.g. to check weight sync).
     NextTokenLogits(Vec<i64>),
+    /// Continue unfinished samples of a partial rollout by one chunk; the answer is
+    /// [`RolloutResponse::Generated`] with the samples in request order.
+    Continue(ContinueRequest),
 }
 
 /// Counters of one generation call.
@@ -310,6 +328,64 @@ impl RolloutRole {
         })
     }
 
+    /// One chunk more of each sample of `req` (see [`ContinueRequest`]).
+    fn continue_samples(&mut self, req: ContinueRequest) -> Result<RolloutResponse, RoleError> {
+        let t0 = Instant::now();
+        let mut requests = Vec::with_capacity(req.samples.len());
+        for (i, s) in req.samples.iter().enumerate() {
+            let left = req.budget.saturating_sub(s.response_len());
+            if left == 0 || s.prompt_tokens.is_empty() {
+                return Err(RoleError::BadRequest(format!(
+                    "{}: nothing to continue ({} of {} response tokens, {} prompt tokens)",
+                    s.id,
+                    s.response_len(),
+                    req.budget,
+                    s.prompt_tokens.len()
+                )));
+            }
+            let mut prompt = s.prompt_tokens.clone();
+            prompt.extend_from_slice(&s.response_tokens);
+            let params = SamplingParams {
+                // A chunk's own seed: the same sample continued at the same length draws
+                // the same tokens, whoever continues it.
+                seed: sample_seed(req.seed, &s.id) ^ (s.response_len() as u64).rotate_left(32),
+                max_new_tokens: req.params.max_new_tokens.min(left),
+                ..req.params.clone()
+            };
+            requests.push(Request {
+                id: i as u64,
+                prompt,
+                params,
+            });
+        }
+        let (completions, _) = self.generator.generate(&requests).map_err(|e| {
+            RoleError::Failed(format!("continuing {} samples: {e}", req.samples.len()))
+        })?;
+        let mut stats = RolloutStats {
+            weights_version: self.version,
+            ..Default::default()
+        };
+        let mut samples = req.samples;
+        for c in completions {
+            let s = samples.get_mut(c.id as usize).ok_or_else(|| {
+                RoleError::Failed(format!("the generator answered unknown request {}", c.id))
+            })?;
+            stats.prompt_tokens += s.prompt_tokens.len() + s.response_len();
+            stats.response_tokens += c.tokens.len();
+            s.response_tokens.extend(c.tokens);
+            s.rollout_logprobs.extend(c.logprobs);
+            s.finish = Finish::from(c.finish);
+            s.response_text = self.codec.decode(&s.response_tokens).map_err(|e| {
+                RoleError::Failed(format!("{}: cannot decode the response: {e}", s.id))
+            })?;
+            if self.version != s.weights_version {
+                s.weights_version_last = Some(self.version);
+            }
+        }
+        stats.seconds = t0.elapsed().as_secs_f64();
+        Ok(RolloutResponse::Generated { samples, stats })
+    }
+
     fn logits(&self, tokens: Vec<i64>) -> Result<RolloutResponse, RoleError> {
         if tokens.is_empty() {
             return Err(RoleError::BadRequest(
@@ -426,6 +502,7 @@ impl Role for RolloutRole {
             RolloutRequest::Generate(r) => self.generate(r),
             RolloutRequest::GenerateStream(r, sink) => self.generate_stream(r, sink),
             RolloutRequest::NextTokenLogits(t) => self.logits(t),
+            RolloutRequest::Continue(r) => self.continue_samples(r),
         }
     }
 
@@ -470,3 +547,95 @@ pub const TINY_CODEC: AsciiCodec = AsciiCodec {
     first_id: 2,
     bos: Some(0),
 };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+    use yatt_engine::{tiny_config, GeneratorConfig, Llama};
+
+    fn role() -> RolloutRole {
+        let model = Llama::random(tiny_config(), Device::Cpu, Kind::Float, 7).unwrap();
+        let config = GeneratorConfig {
+            max_batch: 8,
+            max_seq_len: 32,
+            ..Default::default()
+        };
+        RolloutRole::new(Generator::new(model, config), Arc::new(TINY_CODEC))
+    }
+
+    fn generated(r: RolloutResponse) -> Vec<Sample> {
+        match r {
+            RolloutResponse::Generated { samples, .. } => samples,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A partial rollout's chunk continues each response where it stopped, on the
+    /// weights the rollout holds now, and records the version of its last token.
+    #[test]
+    fn continue_appends_a_chunk_and_records_the_newer_version() {
+        let mut r = role();
+        let params = SamplingParams {
+            max_new_tokens: 2,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let prompt = Prompt {
+            id: 0x10,
+            text: "abc".into(),
+            reference: None,
+            metadata: serde_json::Value::Null,
+        };
+        let first = generated(
+            r.serve(RolloutRequest::Generate(GenerateRequest {
+                step: 0,
+                prompts: vec![prompt],
+                n: 2,
+                params: params.clone(),
+                seed: 5,
+            }))
+            .unwrap(),
+        );
+        assert!(first.iter().all(|s| s.response_len() == 2));
+        // A weight sync between the chunks.
+        r.version = 1;
+        let cont = |r: &mut RolloutRole, samples: Vec<Sample>| {
+            generated(
+                r.serve(RolloutRequest::Continue(ContinueRequest {
+                    samples,
+                    params: params.clone(),
+                    seed: 5,
+                    budget: 5,
+                }))
+                .unwrap(),
+            )
+        };
+        let more = cont(&mut r, first.clone());
+        for (a, b) in first.iter().zip(&more) {
+            assert_eq!(b.id, a.id);
+            assert_eq!(b.response_len(), 4);
+            assert_eq!(b.response_tokens[..2], a.response_tokens[..]);
+            assert_eq!(b.rollout_logprobs.len(), 4);
+            assert_eq!(b.rollout_logprobs[..2], a.rollout_logprobs[..]);
+            assert_eq!(b.version_span(), (0, 1));
+            assert_eq!(
+                b.response_text,
+                TINY_CODEC.decode(&b.response_tokens).unwrap()
+            );
+        }
+        // The same chunk again draws the same tokens; the last chunk stops at the budget.
+        assert_eq!(cont(&mut r, first.clone()), more);
+        let last = cont(&mut r, more.clone());
+        assert!(last.iter().all(|s| s.response_len() == 5));
+        let e = r
+            .serve(RolloutRequest::Continue(ContinueRequest {
+                samples: last,
+                params: params.clone(),
+                seed: 5,
+                budget: 5,
+            }))
+            .unwrap_err();
+        assert!(e.to_string().contains("nothing to continue"), "{e}");
+    }
+}

@@ -96,10 +96,15 @@ fn calibrate_run(path: &Path, iterations: u32) -> Result<()> {
     let records = yatt_metrics::read_jsonl(path)?;
     let steps = run_steps(&records).with_context(|| format!("in {}", path.display()))?;
     let c = check_calibration(&steps, f64::from(iterations))?;
+    let staleness = yatt_sim::run_staleness(&steps);
     println!(
-        "fitted on {} step(s) after the warm-up step; replayed {} step(s) in the simulator",
+        "fitted on {} step(s) after the warm-up step; replayed {} step(s) in the simulator ({})",
         c.fit_steps,
-        c.predicted_s.len()
+        c.predicted_s.len(),
+        match staleness {
+            0 => "on-policy, every role on one group".to_string(),
+            k => format!("asynchronous, staleness {k}: the rollout on one group, the trainer's roles on another"),
+        }
     );
     println!(
         "rates: gen {:.3} ms/iteration + {:.3} µs/token, slots {}, sync {:.1} ms, other {:.1} ms/step",

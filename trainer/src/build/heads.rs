@@ -10,7 +10,7 @@ use crate::build::parts::kl_term;
 use crate::config::modes::{Driver, KlMode};
 use crate::config::sections::JobConfig;
 use crate::controller::config::{
-    ControllerConfig, DynamicSamplingConfig, KlPenalty, OverlongConfig,
+    ControllerConfig, DynamicSamplingConfig, KlPenalty, OverlongConfig, PartialRolloutConfig,
 };
 use crate::controller::core::Controller;
 use crate::controller::refs::{PolicyRef, RoleRefs, RolloutRef};
@@ -56,6 +56,9 @@ pub(crate) fn controller_config(job: &JobConfig) -> ControllerConfig {
         }),
         stream: r.stream,
         staleness: r.staleness,
+        partial_rollout: r.partial_rollout.map(|p| PartialRolloutConfig {
+            chunk_tokens: p.chunk_tokens,
+        }),
         off_policy: OffPolicyConfig {
             correction: a.off_policy(r.staleness),
             cap: a.behaviour_cap,

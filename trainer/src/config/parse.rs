@@ -108,6 +108,7 @@ fn schema() -> JobConfig {
     a.loss_agg = Some(a.loss_agg_mode());
     a.dynamic_sampling = Some(a.name.dynamic_sampling_by_default());
     a.off_policy = Some(a.off_policy(0));
+    c.rollout.partial_rollout = Some(Default::default());
     c
 }
 

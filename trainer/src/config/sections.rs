@@ -178,6 +178,32 @@ pub struct RolloutSection {
     /// of a step's samples that are on the newest weights exceeds this: a silent
     /// train/rollout mismatch (0 = never warn).
     pub logprob_diff_warn: f64,
+    /// Partial rollouts (interruptible generation, with `staleness` ≥ 1): responses
+    /// decode in chunks of `chunk_tokens`, and weights synced while a batch generates
+    /// reach its later chunks. The simulator's words: `resume = "reprefill"` (the prompt
+    /// and the tokens so far are prefilled again on the new weights; `kv` is not
+    /// implemented live). Unset: weights reach the rollouts between batches.
+    pub partial_rollout: Option<PartialRolloutSection>,
+}
+
+/// `rollout.partial_rollout = { chunk_tokens = 8, resume = "reprefill" }`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PartialRolloutSection {
+    /// Tokens a response decodes before newer weights may take over.
+    pub chunk_tokens: usize,
+    /// How an interrupted response continues: `reprefill` (`kv` is the simulator's
+    /// other word, refused here).
+    pub resume: yatt_placement::Resume,
+}
+
+impl Default for PartialRolloutSection {
+    fn default() -> Self {
+        PartialRolloutSection {
+            chunk_tokens: 8,
+            resume: yatt_placement::Resume::Reprefill,
+        }
+    }
 }
 
 impl Default for RolloutSection {
@@ -192,6 +218,7 @@ impl Default for RolloutSection {
             max_batch: 0,
             staleness: 0,
             logprob_diff_warn: 0.1,
+            partial_rollout: None,
         }
     }
 }

@@ -287,6 +287,28 @@ impl JobConfig {
                 "set algorithm.behaviour_cap = 2.0",
             ));
         }
+        if let Some(p) = &self.rollout.partial_rollout {
+            if k == 0 {
+                return Err(invalid(
+                    "rollout.partial_rollout",
+                    "rollout.staleness >= 1",
+                    "rollout.staleness = 0",
+                    "partial rollouts let weights reach a batch while it generates, which needs a staleness bound: set rollout.staleness = 1, or remove rollout.partial_rollout",
+                ));
+            }
+            if p.resume == yatt_placement::Resume::Kv {
+                return Err(JobError::NotImplemented {
+                    key: "rollout.partial_rollout.resume".into(),
+                    found: "\"kv\"".into(),
+                    fix: "the live trainer prefills an interrupted response again on the new weights: set resume = \"reprefill\" (\"kv\" is modelled by the simulator only)".into(),
+                });
+            }
+            positive(
+                "rollout.partial_rollout.chunk_tokens",
+                p.chunk_tokens as f64,
+                "e.g. chunk_tokens = 8: tokens a response decodes before newer weights may take over",
+            )?;
+        }
         if k == 0 {
             return Ok(());
         }

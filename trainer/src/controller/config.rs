@@ -29,6 +29,15 @@ pub struct OverlongConfig {
     pub coef: f64,
 }
 
+/// Partial rollouts (interruptible generation): responses decode in chunks, and a
+/// chunk after a weight sync continues on the new weights, its prompt and the tokens
+/// so far prefilled again (the simulator's `resume = "reprefill"`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PartialRolloutConfig {
+    /// Tokens a response decodes before the rollout may take newer weights.
+    pub chunk_tokens: usize,
+}
+
 /// A KL penalty folded into the rewards (KL-in-reward).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KlPenalty {
@@ -90,6 +99,9 @@ pub struct ControllerConfig {
     /// Versions a sample may lag behind the weights it trains (0 = on-policy): with
     /// k ≥ 1 the next batches generate while the policy trains, up to k ahead.
     pub staleness: u32,
+    /// Partial rollouts (with `staleness` ≥ 1): weights reach the rollouts while they
+    /// generate, between chunks; `None`: after generation.
+    pub partial_rollout: Option<PartialRolloutConfig>,
     /// The policy's off-policy correction (for the importance-weight metrics).
     pub off_policy: OffPolicyConfig,
     /// Warn once when the mean |old − rollout| log-prob difference of a step's
@@ -115,6 +127,7 @@ impl Default for ControllerConfig {
             overlong: None,
             stream: false,
             staleness: 0,
+            partial_rollout: None,
             off_policy: OffPolicyConfig::default(),
             logprob_diff_warn: 0.0,
             devices: 1,

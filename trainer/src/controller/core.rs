@@ -272,7 +272,7 @@ impl Controller {
         }
         let mut p = self.prepare().await?;
         let (train, critic, secs) = self.update(&mut p).await?;
-        self.finish(p, train, critic, secs).await
+        self.finish(p, train, critic, secs, None).await
     }
 
     /// The policy's update on a prepared batch, and the critic's beside it: their

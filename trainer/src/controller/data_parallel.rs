@@ -74,18 +74,22 @@ pub async fn step_data_parallel(
             .await?;
             let t = Instant::now();
             let train = update(shared, &prepared, replicated).await?;
-            Ok::<_, ControllerError>((prepared, train, t.elapsed().as_secs_f64()))
+            let secs = t.elapsed().as_secs_f64();
+            let synced =
+                futures::future::try_join_all(shared.iter().map(|c| c.sync_beside_generation()))
+                    .await?;
+            Ok::<_, ControllerError>((prepared, train, secs, synced))
         };
         let generate = futures::future::try_join_all(shared.iter().map(|c| c.generate_ahead()));
         let (trained, generated) = tokio::join!(train, generate);
-        let (prepared, train, secs) = trained?;
+        let (prepared, train, secs, synced) = trained?;
         let generated = generated?;
         let overlap: Vec<f64> = controllers
             .iter_mut()
             .zip(generated)
             .map(|(c, g)| c.keep_ahead(g, t_overlap))
             .collect();
-        (prepared, train, secs, Some((carried, overlap)))
+        (prepared, train, secs, Some((carried, overlap, synced)))
     } else {
         // The heads prepare concurrently: each drives its own rollout replica.
         let prepared =
@@ -95,6 +99,11 @@ pub async fn step_data_parallel(
         (prepared, train, t.elapsed().as_secs_f64(), None)
     };
     let mut reports = Vec::with_capacity(prepared.len());
+    let (ahead, mut synced) = match ahead {
+        Some((carried, overlap, synced)) => (Some((carried, overlap)), synced),
+        None => (None, Vec::new()),
+    };
+    let mut synced = synced.drain(..).map(Some).collect::<Vec<_>>();
     for (i, (c, p)) in controllers.iter_mut().zip(prepared).enumerate() {
         // Each ledger records the trained ids of its own samples only.
         let mine: std::collections::BTreeSet<SampleId> = p.samples.iter().map(|s| s.id).collect();
@@ -107,9 +116,10 @@ pub async fn step_data_parallel(
                 .collect(),
             ..train.clone()
         };
-        let mut report = c.finish(p, own, None, secs).await?;
+        let sync = synced.get_mut(i).and_then(Option::take).flatten();
+        let mut report = c.finish(p, own, None, secs, sync).await?;
         if let Some((carried, overlap)) = &ahead {
-            c.report_pipeline(&mut report.metrics, carried[i], overlap[i]);
+            c.report_pipeline(&mut report, carried[i], overlap[i]);
         }
         reports.push(report);
     }

@@ -93,7 +93,7 @@ impl Controller {
         let asks: Vec<_> = self
             .split_over_replicas(step, prompts, cfg)
             .into_iter()
-            .map(|(r, req)| self.generate_on(r, req, cfg.timeouts.generate))
+            .map(|(r, req)| self.generate_chunked(r, req, cfg))
             .collect();
         let mut out = Generated::default();
         for g in futures::future::try_join_all(asks).await? {
@@ -115,6 +115,82 @@ impl Controller {
             }
         }
         out.seconds = t.elapsed().as_secs_f64();
+        Ok(out)
+    }
+
+    /// One generation request, in chunks with partial rollouts: the first chunk as a
+    /// generation request, then the unfinished samples continued chunk by chunk on the
+    /// replica that generated them, each chunk on the weights it holds by then.
+    async fn generate_chunked(
+        &self,
+        first: &RolloutRef,
+        mut req: GenerateRequest,
+        cfg: &ControllerConfig,
+    ) -> Result<GenOutcome, ControllerError> {
+        let Some(partial) = cfg.partial_rollout else {
+            return self.generate_on(first, req, cfg.timeouts.generate).await;
+        };
+        let budget = req.params.max_new_tokens;
+        req.params.max_new_tokens = partial.chunk_tokens.min(budget);
+        let mut out = self
+            .generate_on(first, req.clone(), cfg.timeouts.generate)
+            .await?;
+        // The replica that answered (a spare if the first was lost).
+        let replica = match out.lost.last() {
+            None => first.clone(),
+            Some(_) => self
+                .spare_rollouts
+                .iter()
+                .find(|s| !out.lost.contains(s.id()) && s.id() != first.id())
+                .cloned()
+                .unwrap_or_else(|| first.clone()),
+        };
+        let RolloutResponse::Generated { samples, stats } = &mut out.answer else {
+            return Err(self.protocol("rollout", "Generate", "not Generated".into()));
+        };
+        loop {
+            let open: Vec<usize> = (0..samples.len())
+                .filter(|&i| {
+                    let s = &samples[i];
+                    s.finish == yatt_roles::Finish::Length && s.response_len() < budget
+                })
+                .collect();
+            if open.is_empty() {
+                break;
+            }
+            let cont = yatt_roles::ContinueRequest {
+                samples: open.iter().map(|&i| samples[i].clone()).collect(),
+                params: req.params.clone(),
+                seed: req.seed,
+                budget,
+            };
+            let t = cfg.timeouts.generate;
+            match self
+                .serve(
+                    &replica,
+                    RolloutRequest::Continue(cont),
+                    "gen",
+                    "rollout",
+                    t,
+                )
+                .await?
+            {
+                RolloutResponse::Generated {
+                    samples: more,
+                    stats: st,
+                } if more.len() == open.len() => {
+                    stats.response_tokens += st.response_tokens;
+                    stats.seconds += st.seconds;
+                    for (i, s) in open.into_iter().zip(more) {
+                        samples[i] = s;
+                    }
+                }
+                other => {
+                    let got = format!("{other:?}");
+                    return Err(self.protocol("rollout", "Continue", got));
+                }
+            }
+        }
         Ok(out)
     }
 

@@ -16,6 +16,7 @@ use yatt_roles::{off_policy_stats, Sample, SampleId};
 use crate::controller::core::{Controller, GenBatch};
 use crate::controller::error::ControllerError;
 use crate::controller::report::{PendingBatch, StepMetrics, StepReport};
+use crate::controller::stages::Synced;
 use crate::ledger::{SampleLedger, Stage};
 
 impl Controller {
@@ -31,14 +32,30 @@ impl Controller {
         let train = async {
             let mut p = self.prepare_batch(batch, t_step).await?;
             let (train, critic, secs) = self.update(&mut p).await?;
-            Ok::<_, ControllerError>((p, train, critic, secs))
+            let synced = self.sync_beside_generation().await?;
+            Ok::<_, ControllerError>((p, train, critic, secs, synced))
         };
         let (trained, generated) = tokio::join!(train, self.generate_ahead());
-        let (p, train, critic, secs) = trained?;
+        let (p, train, critic, secs, synced) = trained?;
         let overlap = self.keep_ahead(generated?, t_overlap);
-        let mut report = self.finish(p, train, critic, secs).await?;
-        self.report_pipeline(&mut report.metrics, carried, overlap);
+        let mut report = self.finish(p, train, critic, secs, synced).await?;
+        self.report_pipeline(&mut report, carried, overlap);
         Ok(report)
+    }
+
+    /// With partial rollouts, the weight sync right after the update, while the next
+    /// batch may still be generating: its later chunks decode on the new weights.
+    pub(crate) async fn sync_beside_generation(&self) -> Result<Option<Synced>, ControllerError> {
+        if self.config.partial_rollout.is_none() {
+            return Ok(None);
+        }
+        let t = Instant::now();
+        let (version, lost) = self.push_weights().await?;
+        Ok(Some(Synced {
+            version,
+            lost,
+            seconds: t.elapsed().as_secs_f64(),
+        }))
     }
 
     /// The batch this step trains (generated ahead, or now for the first step) and how
@@ -92,7 +109,13 @@ impl Controller {
     }
 
     /// The pipeline's metrics of a step.
-    pub(crate) fn report_pipeline(&self, m: &mut StepMetrics, carried: usize, overlap: f64) {
+    pub(crate) fn report_pipeline(&self, report: &mut StepReport, carried: usize, overlap: f64) {
+        let m = &mut report.metrics;
+        if self.config.partial_rollout.is_some() {
+            let interrupted = report.samples.iter();
+            let interrupted = interrupted.filter(|s| s.weights_version_last.is_some());
+            m.set(names::SAMPLES_INTERRUPTED, interrupted.count() as f64);
+        }
         m.set(names::SAMPLES_CARRIED, carried as f64);
         m.set(names::PENDING_BATCHES, self.pending.len() as f64);
         m.set(names::OVERLAP_S, overlap);

@@ -17,6 +17,13 @@ use crate::controller::report::{StepMetrics, StepReport};
 use crate::ledger::{SampleLedger, Stage};
 use yatt_metrics::names;
 
+/// A weight sync that already ran (beside generation, with partial rollouts).
+pub(crate) struct Synced {
+    pub(crate) version: u64,
+    pub(crate) lost: Vec<yatt_runtime::ActorId>,
+    pub(crate) seconds: f64,
+}
+
 /// What the rounds of one step's generation add up to.
 #[derive(Debug, Default)]
 pub(crate) struct RoundTotals {
@@ -386,6 +393,7 @@ impl Controller {
         train: TrainReport,
         critic: Option<CriticReport>,
         update_s: f64,
+        synced: Option<Synced>,
     ) -> Result<StepReport, ControllerError> {
         let Prepared {
             t_step,
@@ -411,10 +419,25 @@ impl Controller {
             m.set(names::CRITIC_GRAD_NORM, c.grad_norm);
         }
 
-        // 7. Weight sync.
-        let t = Instant::now();
-        let version = self.sync_weights().await?;
-        m.set(names::WEIGHT_SYNC_S, t.elapsed().as_secs_f64());
+        // 7. Weight sync (done already when it ran beside generation).
+        let version = match synced {
+            Some(Synced {
+                version,
+                lost,
+                seconds,
+            }) => {
+                self.lost_rollouts.extend(lost);
+                self.weights_version = version;
+                m.set(names::WEIGHT_SYNC_S, seconds);
+                version
+            }
+            None => {
+                let t = Instant::now();
+                let version = self.sync_weights().await?;
+                m.set(names::WEIGHT_SYNC_S, t.elapsed().as_secs_f64());
+                version
+            }
+        };
 
         let ledger = ledger.close().map_err(self.ledger_err())?;
         let wall = t_step.elapsed().as_secs_f64();

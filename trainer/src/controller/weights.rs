@@ -4,6 +4,8 @@ use yatt_roles::{
     CriticRequest, CriticResponse, PolicyRequest, PolicyResponse, RoleRequest, RoleResponse,
 };
 
+use yatt_runtime::ActorId;
+
 use crate::controller::core::Controller;
 use crate::controller::error::replica_lost;
 use crate::controller::error::ControllerError;
@@ -13,6 +15,16 @@ impl Controller {
     /// Weight sync: the policy exports its weights and this controller's rollout loads
     /// them in place. Returns the version the rollout now holds.
     pub async fn sync_weights(&mut self) -> Result<u64, ControllerError> {
+        let (version, lost) = self.push_weights().await?;
+        self.lost_rollouts.extend(lost);
+        self.weights_version = version;
+        Ok(version)
+    }
+
+    /// Weight sync with a shared borrow (it may run while the next batch generates):
+    /// the version the rollouts now hold and the replicas found lost on the way, for
+    /// the caller to record.
+    pub(crate) async fn push_weights(&self) -> Result<(u64, Vec<ActorId>), ControllerError> {
         let t = self.config.timeouts.sync;
         // Within one process the rollouts take over a snapshot of the policy's tensors;
         // across processes the weights travel as byte buckets.
@@ -51,6 +63,7 @@ impl Controller {
                 loads.push(r.ask(RoleRequest::LoadWeights(u), t));
             }
         }
+        let mut lost = Vec::new();
         for (answer, r) in futures::future::join_all(loads)
             .await
             .into_iter()
@@ -61,13 +74,12 @@ impl Controller {
                 Ok(other) => return Err(self.protocol("rollout", "LoadWeights", variant(&other))),
                 Err(e) if replica_lost(&e) && !self.spare_rollouts.is_empty() => {
                     tracing::warn!(step = self.step, replica = %r.id(), error = %e, "rollout lost at weight sync; its work goes to a spare replica");
-                    self.lost_rollouts.insert(r.id().clone());
+                    lost.push(r.id().clone());
                 }
                 Err(e) => return Err(self.call("weight_sync", "rollout")(e)),
             }
         }
-        self.weights_version = version;
-        Ok(version)
+        Ok((version, lost))
     }
 
     /// Asks the critic (if any) to save a checkpoint to `dir`.
