@@ -346,3 +346,103 @@ fn smollm2_import_has_expected_layout() {
     assert!(tok.eos_ids.contains(&2));
     assert!(tok.chat_template().unwrap().contains("<|im_start|>"));
 }
+
+/// A Qwen3 GGUF (q/k norms, head_dim from `attention.key_length` unlike hidden / heads)
+/// imports as `model_type = "qwen3"` with its tensors unpermuted and its norms kept; an
+/// architecture yatt does not run is refused by name.
+#[test]
+fn qwen3_gguf_imports_with_qk_norm_and_head_dim() {
+    let kvs = |arch: &'static str| {
+        move |w: &mut W| -> u64 {
+            w.kv_str("general.architecture", arch);
+            w.kv_u32(&format!("{arch}.embedding_length"), 4);
+            w.kv_u32(&format!("{arch}.block_count"), 1);
+            w.kv_u32(&format!("{arch}.feed_forward_length"), 8);
+            w.kv_u32(&format!("{arch}.attention.head_count"), 2);
+            w.kv_u32(&format!("{arch}.attention.head_count_kv"), 1);
+            w.kv_u32(&format!("{arch}.attention.key_length"), 4);
+            w.kv_f32(&format!("{arch}.attention.layer_norm_rms_epsilon"), 1e-6);
+            w.kv_str("tokenizer.ggml.model", "gpt2");
+            w.kv_str("tokenizer.ggml.pre", "qwen2");
+            w.kv_strs(
+                "tokenizer.ggml.tokens",
+                &["<|endoftext|>", "a", "b", "ab", "Ġ"],
+            );
+            w.kv_strs("tokenizer.ggml.merges", &["a b"]);
+            12
+        }
+    };
+    let vals =
+        |n: usize, k: f32| -> Vec<f32> { (0..n).map(|i| ((i as f32) * 0.37 + k).sin()).collect() };
+    // (GGUF name, ggml dims (columns first), values)
+    let specs: Vec<(&str, Vec<u64>, Vec<f32>)> = vec![
+        ("token_embd.weight", vec![4, 5], vals(20, 0.1)),
+        ("output_norm.weight", vec![4], vals(4, 0.2)),
+        ("blk.0.attn_norm.weight", vec![4], vals(4, 0.3)),
+        ("blk.0.attn_q.weight", vec![4, 8], vals(32, 0.4)),
+        ("blk.0.attn_k.weight", vec![4, 4], vals(16, 0.5)),
+        ("blk.0.attn_v.weight", vec![4, 4], vals(16, 0.6)),
+        ("blk.0.attn_q_norm.weight", vec![4], vals(4, 0.7)),
+        ("blk.0.attn_k_norm.weight", vec![4], vals(4, 0.8)),
+        ("blk.0.attn_output.weight", vec![8, 4], vals(32, 0.9)),
+        ("blk.0.ffn_norm.weight", vec![4], vals(4, 1.0)),
+        ("blk.0.ffn_gate.weight", vec![4, 8], vals(32, 1.1)),
+        ("blk.0.ffn_up.weight", vec![4, 8], vals(32, 1.2)),
+        ("blk.0.ffn_down.weight", vec![8, 4], vals(32, 1.3)),
+    ];
+    let tensors: Vec<(&str, Vec<u64>, u32, Vec<u8>)> = specs
+        .iter()
+        .map(|(n, d, v)| (*n, d.clone(), 0, f32s(v)))
+        .collect();
+    let p = write("qwen3", &gguf_bytes(kvs("qwen3"), &tensors));
+    let out = std::env::temp_dir().join(format!("yatt-gguf-qwen3-{}", std::process::id()));
+    let r = import_gguf(&p, &out, &Default::default()).unwrap();
+    assert_eq!(r.architecture, "qwen3");
+    let cfg = yatt_engine::ModelConfig::from_dir(&out).unwrap();
+    assert_eq!(cfg.architecture, yatt_engine::Architecture::Qwen3);
+    assert!(cfg.qk_norm && !cfg.attention_bias);
+    assert_eq!(cfg.head_dim, 4);
+    let m = yatt_engine::Llama::load(
+        &out,
+        yatt_engine::tch::Device::Cpu,
+        yatt_engine::tch::Kind::Float,
+    )
+    .unwrap();
+    let named: std::collections::HashMap<String, yatt_engine::tch::Tensor> =
+        m.hf_named_tensors().into_iter().collect();
+    for (gguf, hf) in [
+        (
+            "blk.0.attn_q_norm.weight",
+            "model.layers.0.self_attn.q_norm.weight",
+        ),
+        (
+            "blk.0.attn_k_norm.weight",
+            "model.layers.0.self_attn.k_norm.weight",
+        ),
+        (
+            "blk.0.attn_q.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+        ),
+    ] {
+        let src = &specs.iter().find(|s| s.0 == gguf).unwrap().2;
+        let got: Vec<f32> = Vec::try_from(&named[hf].contiguous().view([-1])).unwrap();
+        assert_eq!(
+            &got, src,
+            "{hf} differs from {gguf} (Qwen rows are not permuted)"
+        );
+    }
+    let logits = m.forward(
+        &yatt_engine::tch::Tensor::from_slice(&[1i64, 2, 3]).unsqueeze(0),
+        None,
+    );
+    assert!(logits.isfinite().all().int64_value(&[]) == 1);
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_file(p);
+
+    let p = write("gemma", &gguf_bytes(kvs("gemma"), &tensors));
+    let e = import_gguf(&p, &out, &Default::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("\"gemma\"") && e.contains("qwen3"), "{e}");
+    let _ = std::fs::remove_file(p);
+}

@@ -78,6 +78,8 @@ fn hf_name(name: &str) -> Option<String> {
         "attn_k" => "self_attn.k_proj",
         "attn_v" => "self_attn.v_proj",
         "attn_output" => "self_attn.o_proj",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
@@ -122,10 +124,12 @@ pub fn import_gguf(
         .to_string();
     let (model_type, hf_arch, permute) = match arch.as_str() {
         "llama" => ("llama", "LlamaForCausalLM", true),
+        // llama.cpp permutes Llama's q/k rows for its RoPE layout, not Qwen's.
         "qwen2" => ("qwen2", "Qwen2ForCausalLM", false),
+        "qwen3" => ("qwen3", "Qwen3ForCausalLM", false),
         other => {
             return Err(EngineError::UnsupportedGguf(format!(
-                "general.architecture = {other:?}; yatt imports Llama-family \"llama\" and \"qwen2\" models"
+                "general.architecture = {other:?}; yatt imports \"llama\", \"qwen2\" and \"qwen3\" models"
             )))
         }
     };
@@ -187,7 +191,8 @@ pub fn import_gguf(
         )));
     }
     if g.tensor("rope_freqs.weight").is_some() {
-        return Err(EngineError::UnsupportedGguf("rope_freqs.weight (Llama-3.1-style rope scaling baked as a tensor) is not imported yet".into()));
+        return Err(EngineError::UnsupportedGguf("tensor rope_freqs.weight (Llama 3.1+ `llama3` RoPE scaling baked into per-frequency factors, without the parameters config.json needs): \
+             not imported; load the original HF checkpoint instead, whose config.json rope_scaling yatt runs".into()));
     }
     let tok_json = build_tokenizer_json(&g)?;
     let tokens = g
@@ -217,7 +222,8 @@ pub fn import_gguf(
             "linear" => rope_scaling = json!({"rope_type": "linear", "factor": factor}),
             other => {
                 return Err(EngineError::UnsupportedGguf(format!(
-                    "rope scaling type {other:?} (yatt imports \"linear\")"
+                    "metadata {} = {other:?}: yatt imports \"none\" and \"linear\" RoPE scaling",
+                    k("rope.scaling.type")
                 )))
             }
         }
