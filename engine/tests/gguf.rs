@@ -446,3 +446,88 @@ fn qwen3_gguf_imports_with_qk_norm_and_head_dim() {
     assert!(e.contains("\"gemma\"") && e.contains("qwen3"), "{e}");
     let _ = std::fs::remove_file(p);
 }
+
+/// A Llama 3.1+ GGUF keeps its `llama3` RoPE scaling only as per-frequency divisors
+/// (`rope_freqs.weight`, computed here as llama.cpp's converter does): the import writes
+/// the `rope_scaling` that reproduces them, and refuses divisors no such scaling gives.
+#[test]
+fn llama3_rope_freqs_import_as_rope_scaling() {
+    // head_dim 8 and base 500,000: wavelengths 6, 167, 4,443 and 118,000 positions,
+    // one in each band (kept, kept, smoothed, divided by the factor).
+    let (theta, hd) = (500000f64, 8usize);
+    let factors: Vec<f32> = (0..hd / 2)
+        .map(|i| {
+            let freq = 1.0 / theta.powf(2.0 * i as f64 / hd as f64);
+            let wl = 2.0 * std::f64::consts::PI / freq;
+            let (low_wl, high_wl) = (8192.0 / 1.0, 8192.0 / 4.0);
+            let f: f64 = if wl < high_wl {
+                1.0
+            } else if wl > low_wl {
+                32.0
+            } else {
+                let smooth = (8192.0 / wl - 1.0) / (4.0 - 1.0);
+                1.0 / ((1.0 - smooth) / 32.0 + smooth)
+            };
+            f as f32
+        })
+        .collect();
+    assert!(
+        factors[2] > 1.0 && factors[2] < 32.0 && factors[3] == 32.0,
+        "{factors:?}"
+    );
+    let kvs = |w: &mut W| -> u64 {
+        w.kv_str("general.architecture", "llama");
+        w.kv_u32("llama.embedding_length", 16);
+        w.kv_u32("llama.block_count", 1);
+        w.kv_u32("llama.feed_forward_length", 8);
+        w.kv_u32("llama.attention.head_count", 2);
+        w.kv_f32("llama.rope.freq_base", 500000.0);
+        w.kv_str("tokenizer.ggml.model", "gpt2");
+        w.kv_str("tokenizer.ggml.pre", "llama-bpe");
+        w.kv_strs(
+            "tokenizer.ggml.tokens",
+            &["<|endoftext|>", "a", "b", "ab", "Ġ"],
+        );
+        w.kv_strs("tokenizer.ggml.merges", &["a b"]);
+        10
+    };
+    let file = |name: &str, f: &[f32]| {
+        write(
+            name,
+            &gguf_bytes(
+                kvs,
+                &[
+                    ("token_embd.weight", vec![16, 5], 0, f32s(&[0.5; 80])),
+                    ("rope_freqs.weight", vec![4], 0, f32s(f)),
+                ],
+            ),
+        )
+    };
+    let p = file("rope-freqs", &factors);
+    let out = std::env::temp_dir().join(format!("yatt-gguf-rope-freqs-{}", std::process::id()));
+    import_gguf(&p, &out, &Default::default()).unwrap();
+    let cfg = yatt_engine::ModelConfig::from_dir(&out).unwrap();
+    assert_eq!(
+        cfg.rope_scaling,
+        Some(yatt_engine::RopeScaling::Llama3 {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0
+        })
+    );
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_file(p);
+
+    let mut odd = factors.clone();
+    odd[2] *= 1.5;
+    let p = file("rope-freqs-odd", &odd);
+    let e = import_gguf(&p, &out, &Default::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rope_freqs.weight") && e.contains("does not match"),
+        "{e}"
+    );
+    let _ = std::fs::remove_file(p);
+}

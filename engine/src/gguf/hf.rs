@@ -88,6 +88,39 @@ fn hf_name(name: &str) -> Option<String> {
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
 }
 
+/// The `llama3` `rope_scaling` whose per-frequency divisors are `factors` (GGUF's
+/// `rope_freqs.weight`): the file keeps only the divisors, so the parameters Llama 3.1 to
+/// 3.3 use (low/high frequency factors 1 and 4 over 8,192 original positions, `factor`
+/// the largest divisor) are taken when they reproduce every divisor, and the file is
+/// refused otherwise.
+fn llama3_from_factors(config: &Value, factors: &[f32]) -> std::result::Result<Value, String> {
+    let factor = factors.iter().copied().fold(f32::MIN, f32::max) as f64;
+    let scaling = json!({"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+    let inv_freq = |rs: &Value| -> std::result::Result<Vec<f64>, String> {
+        let mut c = config.clone();
+        c["rope_scaling"] = rs.clone();
+        Ok(crate::config::ModelConfig::from_json(&c)?.rope_inv_freq())
+    };
+    let (plain, scaled) = (inv_freq(&Value::Null)?, inv_freq(&scaling)?);
+    let fits = plain.len() == factors.len()
+        && plain
+            .iter()
+            .zip(&scaled)
+            .zip(factors)
+            .all(|((p, s), &f)| (p / s - f as f64).abs() <= 1e-4 * (p / s));
+    if !fits {
+        return Err(format!(
+            "tensor rope_freqs.weight ({} per-frequency RoPE divisors, largest {factor}) does not match Llama 3's `llama3` \
+             scaling (low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192) for head_dim {}; \
+             yatt cannot write a config.json for it: load the original HF checkpoint instead",
+            factors.len(),
+            2 * plain.len()
+        ));
+    }
+    Ok(scaling)
+}
+
 /// Undoes llama.cpp's rotary permutation of Q/K rows: GGUF row `h*hd + 2*j + i` holds HF
 /// row `h*hd + i*hd/2 + j`.
 pub(crate) fn unpermute_rows(data: &[f32], n_heads: usize, rows: usize, cols: usize) -> Vec<f32> {
@@ -190,10 +223,11 @@ pub fn import_gguf(
             "partial rotary embeddings (rope.dimension_count {rope_dim} != head dim {head_dim})"
         )));
     }
-    if g.tensor("rope_freqs.weight").is_some() {
-        return Err(EngineError::UnsupportedGguf("tensor rope_freqs.weight (Llama 3.1+ `llama3` RoPE scaling baked into per-frequency factors, without the parameters config.json needs): \
-             not imported; load the original HF checkpoint instead, whose config.json rope_scaling yatt runs".into()));
-    }
+    // Llama 3.1+ GGUFs bake `llama3` RoPE scaling into per-frequency divisors.
+    let rope_factors = match g.tensor("rope_freqs.weight") {
+        Some(t) => Some(g.dequantize(t)?),
+        None => None,
+    };
     let tok_json = build_tokenizer_json(&g)?;
     let tokens = g
         .get("tokenizer.ggml.tokens")
@@ -255,6 +289,13 @@ pub fn import_gguf(
     if let Some(p) = pad {
         config["pad_token_id"] = json!(p);
     }
+    if let Some(factors) = &rope_factors {
+        config["rope_scaling"] =
+            llama3_from_factors(&config, factors).map_err(|msg| EngineError::Config {
+                path: g.path().into(),
+                msg,
+            })?;
+    }
     // What the model loader will check; failing here names the GGUF file, not a config.json
     // the import would have written.
     crate::config::ModelConfig::from_json(&config).map_err(|msg| EngineError::Config {
@@ -266,7 +307,7 @@ pub fn import_gguf(
     // Tensors.
     let mut names: Vec<(String, &GgufTensorInfo)> = Vec::new();
     let mut source_types = BTreeMap::new();
-    for t in &g.tensors {
+    for t in g.tensors.iter().filter(|t| t.name != "rope_freqs.weight") {
         let name = hf_name(&t.name).ok_or_else(|| {
             EngineError::UnsupportedGguf(format!(
                 "tensor `{}` has no HF counterpart known to yatt",
