@@ -83,11 +83,13 @@ YATT_CLONES void add_rms_rows(float* x, const float* y, const float* w, float* o
 constexpr int64_t KB = 16;
 
 // RoPE on the q and k heads of each row of the fused qkv output (in place), and the new
-// k (rotated) and v written into the caches at the row's position.
+// k (rotated) and v written into the caches at the row's position. With qn/kn (Qwen3),
+// each q and k head is first RMS-normed over its hd values.
 YATT_CLONES void rope_store_rows(float* qkv, int64_t stride, const int64_t* pos,
                                  const float* cos_t, const float* sin_t, float* kb,
                                  float* vc, int64_t r0, int64_t r1, int64_t nh, int64_t nkv,
-                                 int64_t hd, int64_t blocks, int64_t cap) {
+                                 int64_t hd, int64_t blocks, int64_t cap, const float* qn,
+                                 const float* kn, float eps) {
   const int64_t half = hd / 2;
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t p = pos[r];
@@ -96,6 +98,15 @@ YATT_CLONES void rope_store_rows(float* qkv, int64_t stride, const int64_t* pos,
     float* row = qkv + r * stride;
     for (int64_t h = 0; h < nh + nkv; ++h) {
       float* x = row + h * hd;
+      const float* nw = h < nh ? qn : kn;
+      if (nw) {
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < hd; ++i) ss += x[i] * x[i];
+        const float inv = 1.0f / std::sqrt(ss / static_cast<float>(hd) + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < hd; ++i) x[i] = x[i] * inv * nw[i];
+      }
 #pragma omp simd
       for (int64_t i = 0; i < half; ++i) {
         const float x1 = x[i], x2 = x[i + half];
@@ -134,14 +145,15 @@ inline __attribute__((always_inline)) float softmax_unnormalized(float* s, int64
 // sharing a prompt read one copy of it (it stays in cache between them). With the sizes
 // known at compile time the accumulators stay in registers and each key block and value
 // row is read once for all REP heads. `sc` holds REP × span floats.
+// Positions below `lo` are outside a sliding window: never scored nor summed.
 template <int REP, int HD>
 inline __attribute__((always_inline)) void attend_group(const float* q, const float* K,
                                                          const float* V, const float* Ks,
-                                                         const float* Vs, int64_t n,
-                                                         int64_t nsh, float scale, float* sc,
-                                                         int64_t span, float* out) {
+                                                         const float* Vs, int64_t lo,
+                                                         int64_t n, int64_t nsh, float scale,
+                                                         float* sc, int64_t span, float* out) {
   const int64_t nb = (n + KB - 1) / KB;
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = lo / KB; b < nb; ++b) {
     const float* Kb = (b * KB < nsh ? Ks : K) + b * HD * KB;
     float acc[REP][KB] = {};
     for (int d = 0; d < HD; ++d) {
@@ -157,9 +169,9 @@ inline __attribute__((always_inline)) void attend_group(const float* q, const fl
     }
   }
   float inv[REP];
-  for (int h = 0; h < REP; ++h) inv[h] = softmax_unnormalized(sc + h * span, n);
+  for (int h = 0; h < REP; ++h) inv[h] = softmax_unnormalized(sc + h * span + lo, n - lo);
   float o[REP][HD] = {};
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = lo; j < n; ++j) {
     const float* vj = (j < nsh ? Vs : V) + j * HD;
     for (int h = 0; h < REP; ++h) {
       const float pj = sc[h * span + j];
@@ -175,13 +187,13 @@ inline __attribute__((always_inline)) void attend_group(const float* q, const fl
 
 // The same for any head layout, accumulating in memory.
 inline void attend_group_any(const float* q, const float* K, const float* V, const float* Ks,
-                             const float* Vs, int64_t n, int64_t nsh, int64_t rep, int64_t hd,
-                             float scale, float* sc, int64_t span, float* out) {
+                             const float* Vs, int64_t lo, int64_t n, int64_t nsh, int64_t rep,
+                             int64_t hd, float scale, float* sc, int64_t span, float* out) {
   const int64_t nb = (n + KB - 1) / KB;
   for (int64_t h = 0; h < rep; ++h) {
     const float* qv = q + h * hd;
     float* s = sc + h * span;
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t b = lo / KB; b < nb; ++b) {
       const float* Kb = (b * KB < nsh ? Ks : K) + b * hd * KB;
       float acc[KB] = {};
       for (int64_t d = 0; d < hd; ++d) {
@@ -192,11 +204,11 @@ inline void attend_group_any(const float* q, const float* K, const float* V, con
 #pragma omp simd
       for (int64_t l = 0; l < KB; ++l) s[b * KB + l] = acc[l] * scale;
     }
-    const float inv = softmax_unnormalized(s, n);
+    const float inv = softmax_unnormalized(s + lo, n - lo);
     float* o = out + h * hd;
 #pragma omp simd
     for (int64_t d = 0; d < hd; ++d) o[d] = 0.f;
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = lo; j < n; ++j) {
       const float pj = s[j] * inv;
       const float* vj = (j < nsh ? Vs : V) + j * hd;
 #pragma omp simd
@@ -205,7 +217,8 @@ inline void attend_group_any(const float* q, const float* K, const float* V, con
   }
 }
 
-// Attention of one new token per row over cache positions 0..=pos[row]. Task t is
+// Attention of one new token per row over cache positions 0..=pos[row] (the last
+// `window` of them when window > 0). Task t is
 // (row t / nkv, kv head t % nkv) with its `rep` query heads. Row r reads its first
 // src_len[r] positions (rounded down to whole key blocks) from slot src[r] when given.
 // `sc` holds rep × (blocks·KB) floats.
@@ -213,13 +226,14 @@ YATT_CLONES void attend_tasks(const float* qkv, int64_t stride, const int64_t* p
                               const int64_t* src, const int64_t* src_len, const float* kb,
                               const float* vc, float* out, int64_t t0, int64_t t1, int64_t nh,
                               int64_t nkv, int64_t hd, int64_t blocks, int64_t cap,
-                              float* sc) {
+                              int64_t window, float* sc) {
   const int64_t rep = nh / nkv;
   const int64_t span = blocks * KB;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t r = t / nkv, g = t % nkv;
     const int64_t n = pos[r] + 1;
+    const int64_t lo = window > 0 && n > window ? n - window : 0;
     const int64_t sr = src ? src[r] : r;
     int64_t nsh = src ? (src_len[r] / KB) * KB : 0;
     nsh = nsh < n ? nsh : 0;
@@ -231,7 +245,7 @@ YATT_CLONES void attend_tasks(const float* qkv, int64_t stride, const int64_t* p
     float* o = out + r * nh * hd + g * rep * hd;
 #define YATT_GROUP(R, H)                                                \
   if (rep == R && hd == H) {                                            \
-    attend_group<R, H>(q, K, V, Ks, Vs, n, nsh, scale, sc, span, o);    \
+    attend_group<R, H>(q, K, V, Ks, Vs, lo, n, nsh, scale, sc, span, o); \
     continue;                                                           \
   }
     YATT_GROUP(1, 64) YATT_GROUP(2, 64) YATT_GROUP(3, 64) YATT_GROUP(4, 64)
@@ -239,7 +253,7 @@ YATT_CLONES void attend_tasks(const float* qkv, int64_t stride, const int64_t* p
     YATT_GROUP(1, 128) YATT_GROUP(2, 128) YATT_GROUP(3, 128) YATT_GROUP(4, 128)
     YATT_GROUP(6, 128) YATT_GROUP(7, 128) YATT_GROUP(8, 128)
 #undef YATT_GROUP
-    attend_group_any(q, K, V, Ks, Vs, n, nsh, rep, hd, scale, sc, span, o);
+    attend_group_any(q, K, V, Ks, Vs, lo, n, nsh, rep, hd, scale, sc, span, o);
   }
 }
 
@@ -361,12 +375,14 @@ extern "C" {
 //   cos/sin [max_pos, hd/2] RoPE tables
 //   per layer i: ln1[i], wqkv[i] (packed), bqkv[i] (may be null), wo[i] (packed),
 //     ln2[i], wgu[i] (packed), wdown[i] (packed), kb[i] [slots, kv, blocks, hd, 16]
-//     (keys, blocked), vc[i] [slots, kv, cap, hd]
+//     (keys, blocked), vc[i] [slots, kv, cap, hd], qn[i]/kn[i] [hd] per-head q/k RMSNorm
+//     weights (both null: none), window[i] the sliding window (0: none)
 // Returns the residual stream after the last layer, [B, hidden] (before the final norm).
 void* yatt_decode_layers(void* x_in, void* pos_in, void* src_in, void* src_len_in,
                          void* cos_in, void* sin_in, int64_t n_layers,
                          void** ln1, void** wqkv, void** bqkv, void** wo, void** ln2,
-                         void** wgu, void** wdown, void** kb, void** vc, int64_t nh,
+                         void** wgu, void** wdown, void** kb, void** vc, void** qn,
+                         void** kn, const int64_t* window, int64_t nh,
                          int64_t nkv, int64_t hd, double eps, char* err, size_t errlen) {
   try {
     const at::Tensor& x0 = T(x_in);
@@ -440,14 +456,24 @@ void* yatt_decode_layers(void* x_in, void* pos_in, void* src_in, void* src_len_i
       float* vcp = vci.data_ptr<float>();
       const float* cp = cos_t.data_ptr<float>();
       const float* sp = sin_t.data_ptr<float>();
+      const float* qnp = nullptr;
+      const float* knp = nullptr;
+      if (qn[li]) {
+        check_f32(T(qn[li]), "q norm");
+        check_f32(T(kn[li]), "k norm");
+        TORCH_CHECK(T(qn[li]).numel() == hd && T(kn[li]).numel() == hd, "q/k norm width");
+        qnp = T(qn[li]).data_ptr<float>();
+        knp = T(kn[li]).data_ptr<float>();
+      }
       at::parallel_for(0, B, kSerialRows, [&](int64_t a, int64_t b) {
-        rope_store_rows(qp, qkv_w, p, cp, sp, kbp, vcp, a, b, nh, nkv, hd, blocks, cap);
+        rope_store_rows(qp, qkv_w, p, cp, sp, kbp, vcp, a, b, nh, nkv, hd, blocks, cap, qnp,
+                        knp, eps_f);
       });
       float* ap = att.data_ptr<float>();
       at::parallel_for(0, B * nkv, 1, [&](int64_t a, int64_t b) {
         std::vector<float> sc((nh / nkv) * blocks * KB);
         attend_tasks(qp, qkv_w, p, src, src_len, kbp, vcp, ap, a, b, nh, nkv, hd, blocks, cap,
-                     sc.data());
+                     window[li], sc.data());
       });
       at::Tensor o = yatt::packed_linear(att, T(wo[li]), nullptr);
       norm(T(ln2[li]), o.data_ptr<float>());

@@ -23,11 +23,48 @@ pub enum RopeScaling {
         /// Pre-training context length.
         original_max_position_embeddings: f64,
     },
-    /// NTK-aware scaling (HF "dynamic" applied at a fixed factor): the base is raised.
-    Dynamic {
-        /// The context scale factor.
-        factor: f64,
-    },
+}
+
+/// Which HF decoder family a config describes. The families differ only in the typed
+/// options of [`ModelConfig`] (biases, q/k norm, window, RoPE scaling); the enum keeps
+/// the family's defaults and what its config keys mean in one place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    /// `llama` (and SmolLM's `smollm`/`smollm2` aliases): the base decoder.
+    Llama,
+    /// `mistral`: Llama plus an optional sliding attention window on every layer.
+    Mistral,
+    /// `qwen2` (Qwen2 and Qwen2.5): biases on q/k/v; optional window on upper layers.
+    Qwen2,
+    /// `qwen3`: per-head RMSNorm on q and k, explicit `head_dim`, no biases.
+    Qwen3,
+}
+
+impl Architecture {
+    /// The `model_type` values yatt runs, as they appear in config.json.
+    pub const MODEL_TYPES: [&'static str; 6] =
+        ["llama", "smollm", "smollm2", "mistral", "qwen2", "qwen3"];
+
+    /// The family of an HF `model_type`.
+    pub fn from_model_type(t: &str) -> Option<Self> {
+        Some(match t {
+            "llama" | "smollm" | "smollm2" => Architecture::Llama,
+            "mistral" => Architecture::Mistral,
+            "qwen2" => Architecture::Qwen2,
+            "qwen3" => Architecture::Qwen3,
+            _ => return None,
+        })
+    }
+}
+
+/// A sliding attention window: a token attends to itself and the `size - 1` tokens
+/// before it (HF's `kv_idx > q_idx - sliding_window`), on the layers it applies to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlidingWindow {
+    /// Positions a token sees, itself included.
+    pub size: i64,
+    /// Per layer, whether the window applies (Mistral: all; Qwen2/3: HF's `layer_types`).
+    pub layers: Vec<bool>,
 }
 
 /// A Llama-family decoder configuration.
@@ -35,6 +72,8 @@ pub enum RopeScaling {
 pub struct ModelConfig {
     /// HF `model_type` (llama, qwen2, mistral, ...).
     pub model_type: String,
+    /// The decoder family `model_type` names.
+    pub architecture: Architecture,
     /// Width of the residual stream.
     pub hidden_size: i64,
     /// Width of the SwiGLU MLP.
@@ -61,6 +100,11 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// Whether q/k/v projections have biases (Qwen2).
     pub attention_bias: bool,
+    /// Whether q and k get an RMSNorm over each head before RoPE (Qwen3's
+    /// `self_attn.q_norm` / `k_norm`, weights `[head_dim]`).
+    pub qk_norm: bool,
+    /// The sliding attention window, if any (Mistral; Qwen2/3 with `use_sliding_window`).
+    pub sliding_window: Option<SlidingWindow>,
     /// Beginning-of-sequence token.
     pub bos_token_id: Option<i64>,
     /// End-of-sequence tokens (several allowed).
@@ -83,7 +127,7 @@ fn check_rope_scaling(rs: Option<&RopeScaling>) -> std::result::Result<(), Strin
         format!("rope_scaling.{k} = {x}: expected a positive finite number; fix `rope_scaling` in config.json")
     };
     match *rs.unwrap_or(&RopeScaling::Linear { factor: 1.0 }) {
-        RopeScaling::Linear { factor } | RopeScaling::Dynamic { factor } => {
+        RopeScaling::Linear { factor } => {
             if !(factor.is_finite() && factor > 0.0) {
                 return Err(bad("factor", factor));
             }
@@ -117,7 +161,142 @@ fn check_rope_scaling(rs: Option<&RopeScaling>) -> std::result::Result<(), Strin
     Ok(())
 }
 
+/// The `rope_scaling` (or transformers 5's `rope_parameters`) object: its type, then
+/// that type's fields. Types HF computes differently from a fixed table (dynamic NTK
+/// follows the sequence length, YaRN and LongRoPE rescale attention) are refused.
+fn parse_rope_scaling(rs: &Value) -> std::result::Result<Option<RopeScaling>, String> {
+    let ty = rs
+        .get("rope_type")
+        .or_else(|| rs.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let f = |k: &str, d: f64| -> std::result::Result<f64, String> {
+        match rs.get(k) {
+            None | Some(Value::Null) => Ok(d),
+            Some(x) => x.as_f64().ok_or_else(|| {
+                format!(
+                    "rope_scaling.{k} = {x}: expected a number; fix `rope_scaling` in config.json"
+                )
+            }),
+        }
+    };
+    Ok(match ty {
+        "default" => None,
+        "linear" => Some(RopeScaling::Linear { factor: f("factor", 1.0)? }),
+        "llama3" => Some(RopeScaling::Llama3 {
+            factor: f("factor", 8.0)?,
+            low_freq_factor: f("low_freq_factor", 1.0)?,
+            high_freq_factor: f("high_freq_factor", 4.0)?,
+            original_max_position_embeddings: f("original_max_position_embeddings", 8192.0)?,
+        }),
+        other => {
+            return Err(format!(
+                "rope_scaling type {other:?} is not implemented by yatt (supported: \"default\", \"linear\", \"llama3\"); \
+                 a model that needs it would run with wrong positions, so it is refused"
+            ))
+        }
+    })
+}
+
+/// Keys whose HF meaning yatt does not implement, refused by name rather than ignored.
+fn refuse_unimplemented(v: &Value, arch: Architecture) -> std::result::Result<(), String> {
+    let truthy = |k: &str| v.get(k).and_then(Value::as_bool).unwrap_or(false);
+    if truthy("mlp_bias") {
+        return Err(
+            "mlp_bias = true: yatt's MLP has no biases; only checkpoints with mlp_bias = false run"
+                .into(),
+        );
+    }
+    // Llama and Qwen3 put `attention_bias` on o_proj too; yatt's biases are q/k/v only
+    // (Qwen2's layout, which HF hard-codes and has no key for).
+    if truthy("attention_bias") && matches!(arch, Architecture::Llama | Architecture::Qwen3) {
+        return Err(format!(
+            "attention_bias = true for model_type {arch:?}: HF then biases o_proj as well, which yatt does not implement; \
+             only attention_bias = false runs for this family"
+        ));
+    }
+    if let Some(p) = v.get("partial_rotary_factor").and_then(Value::as_f64) {
+        if p != 1.0 {
+            return Err(format!(
+                "partial_rotary_factor = {p}: yatt rotates the whole head (1.0 only)"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The window from `sliding_window`, and, for Qwen2/3, `use_sliding_window` and
+/// `layer_types` (or `max_window_layers` in files without them), like HF.
+fn sliding_window(
+    v: &Value,
+    arch: Architecture,
+    layers: i64,
+) -> std::result::Result<Option<SlidingWindow>, String> {
+    let size = match v.get("sliding_window") {
+        None | Some(Value::Null) => None,
+        Some(x) => Some(x.as_i64().filter(|n| *n > 0).ok_or_else(|| {
+            format!("sliding_window = {x}: expected a positive integer or null; fix `sliding_window` in config.json")
+        })?),
+    };
+    let n = layers as usize;
+    let per_layer: Vec<bool> = match (arch, v.get("layer_types")) {
+        (_, Some(Value::Array(types))) => {
+            if types.len() != n {
+                return Err(format!(
+                    "layer_types has {} entries, num_hidden_layers is {layers}; fix `layer_types` in config.json",
+                    types.len()
+                ));
+            }
+            types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("full_attention") => Ok(false),
+                    Some("sliding_attention") => Ok(true),
+                    _ => Err(format!(
+                        "layer_types entry {t}: yatt runs \"full_attention\" and \"sliding_attention\" layers only"
+                    )),
+                })
+                .collect::<std::result::Result<_, _>>()?
+        }
+        (Architecture::Mistral, _) => vec![true; n],
+        (Architecture::Qwen2 | Architecture::Qwen3, _) => {
+            let on = v
+                .get("use_sliding_window")
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+            let from = v
+                .get("max_window_layers")
+                .and_then(Value::as_i64)
+                .unwrap_or(layers);
+            (0..layers).map(|i| on && i >= from).collect()
+        }
+        (Architecture::Llama, _) => vec![false; n],
+    };
+    // Qwen configs keep `sliding_window` set even when `use_sliding_window` is off; HF
+    // then ignores it (and `layer_types`), and so does yatt.
+    let qwen_off = matches!(arch, Architecture::Qwen2 | Architecture::Qwen3)
+        && !v
+            .get("use_sliding_window")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+    Ok(match size {
+        Some(size) if !qwen_off && per_layer.iter().any(|&s| s) => Some(SlidingWindow {
+            size,
+            layers: per_layer,
+        }),
+        _ => None,
+    })
+}
+
 impl ModelConfig {
+    /// The attention window of layer `i`, if it has one.
+    pub fn window(&self, layer: usize) -> Option<i64> {
+        self.sliding_window
+            .as_ref()
+            .filter(|w| w.layers.get(layer).copied().unwrap_or(false))
+            .map(|w| w.size)
+    }
+
     /// Reads `config.json` from a model directory.
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self> {
         let path = dir.as_ref().join("config.json");
@@ -148,10 +327,14 @@ impl ModelConfig {
             .and_then(Value::as_str)
             .unwrap_or("llama")
             .to_string();
-        let supported = ["llama", "mistral", "qwen2", "smollm", "smollm2"];
-        if !supported.contains(&model_type.as_str()) {
-            return Err(format!("model_type {model_type:?} is not a Llama-family decoder yatt runs (supported: {supported:?})"));
-        }
+        let architecture = Architecture::from_model_type(&model_type).ok_or_else(|| {
+            format!(
+                "model_type = {model_type:?} is not a decoder yatt runs (supported: {}); \
+                 use a checkpoint of one of these families",
+                Architecture::MODEL_TYPES.join(", ")
+            )
+        })?;
+        refuse_unimplemented(v, architecture)?;
         let act = v
             .get("hidden_act")
             .and_then(Value::as_str)
@@ -222,29 +405,21 @@ impl ModelConfig {
             Ok(x)
         };
         let rms_norm_eps = float("rms_norm_eps", 1e-6)?;
-        let rope_theta = float("rope_theta", 10000.0)?;
-        let rope_scaling = match v.get("rope_scaling") {
+        // transformers 5 writes `rope_parameters` (theta and scaling in one object);
+        // older files have top-level `rope_theta` and `rope_scaling`.
+        let rope_params = v.get("rope_parameters").filter(|x| !x.is_null());
+        let rope_theta = match rope_params.and_then(|p| p.get("rope_theta")) {
+            Some(t) => t
+                .as_f64()
+                .filter(|x| x.is_finite() && *x > 0.0)
+                .ok_or_else(|| {
+                    format!("rope_parameters.rope_theta = {t}: expected a positive finite number; fix it in config.json")
+                })?,
+            None => float("rope_theta", 10000.0)?,
+        };
+        let rope_scaling = match rope_params.or_else(|| v.get("rope_scaling")) {
             None | Some(Value::Null) => None,
-            Some(rs) => {
-                let ty = rs
-                    .get("rope_type")
-                    .or_else(|| rs.get("type"))
-                    .and_then(Value::as_str)
-                    .unwrap_or("default");
-                let f = |k: &str, d: f64| rs.get(k).and_then(Value::as_f64).unwrap_or(d);
-                match ty {
-                    "default" => None,
-                    "linear" => Some(RopeScaling::Linear { factor: f("factor", 1.0) }),
-                    "dynamic" => Some(RopeScaling::Dynamic { factor: f("factor", 1.0) }),
-                    "llama3" => Some(RopeScaling::Llama3 {
-                        factor: f("factor", 8.0),
-                        low_freq_factor: f("low_freq_factor", 1.0),
-                        high_freq_factor: f("high_freq_factor", 4.0),
-                        original_max_position_embeddings: f("original_max_position_embeddings", 8192.0),
-                    }),
-                    other => return Err(format!("rope_scaling type {other:?} is not supported (linear, dynamic, llama3 are)")),
-                }
-            }
+            Some(rs) => parse_rope_scaling(rs)?,
         };
         check_rope_scaling(rope_scaling.as_ref())?;
         let mut eos_token_ids = ids(v.get("eos_token_id"));
@@ -278,10 +453,11 @@ impl ModelConfig {
                 .get("tie_word_embeddings")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
-            attention_bias: v
-                .get("attention_bias")
-                .and_then(Value::as_bool)
-                .unwrap_or(model_type == "qwen2"),
+            // HF's Qwen2 attention always has q/k/v biases, whatever the config says.
+            attention_bias: architecture == Architecture::Qwen2,
+            qk_norm: architecture == Architecture::Qwen3,
+            sliding_window: sliding_window(v, architecture, num_hidden_layers)?,
+            architecture,
             bos_token_id,
             eos_token_ids,
             raw: v.clone(),
@@ -291,10 +467,7 @@ impl ModelConfig {
     /// The inverse frequencies of the rotary embedding (length `head_dim / 2`).
     pub fn rope_inv_freq(&self) -> Vec<f64> {
         let d = self.head_dim as f64;
-        let mut base = self.rope_theta;
-        if let Some(RopeScaling::Dynamic { factor }) = self.rope_scaling {
-            base *= factor.powf(d / (d - 2.0));
-        }
+        let base = self.rope_theta;
         let mut inv: Vec<f64> = (0..self.head_dim / 2)
             .map(|i| 1.0 / base.powf(2.0 * i as f64 / d))
             .collect();

@@ -53,7 +53,7 @@ pub mod gguf;
 pub mod score;
 
 pub use checkpoint::{save_pretrained, write_safetensors};
-pub use config::{tiny_config, ModelConfig, RopeScaling};
+pub use config::{tiny_config, Architecture, ModelConfig, RopeScaling, SlidingWindow};
 pub use device::{default_device, parse_kind, set_threads, test_devices, tune_host_allocator};
 pub use error::{EngineError, Result};
 pub use generate::{

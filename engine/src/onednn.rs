@@ -44,6 +44,9 @@ mod ffi {
             wdown: *mut *mut C_tensor,
             kb: *mut *mut C_tensor,
             vc: *mut *mut C_tensor,
+            qn: *mut *mut C_tensor,
+            kn: *mut *mut C_tensor,
+            window: *const i64,
             nh: i64,
             nkv: i64,
             hd: i64,
@@ -257,6 +260,10 @@ pub struct DecodeLayer<'a> {
     pub kb: &'a Tensor,
     /// Value cache: `[slots, kv_heads, max_len, head_dim]`.
     pub v: &'a Tensor,
+    /// Per-head q and k RMSNorm weights `[head_dim]` (Qwen3), if any.
+    pub qk_norm: Option<(&'a Tensor, &'a Tensor)>,
+    /// The sliding attention window, if the layer has one.
+    pub window: Option<i64>,
 }
 
 /// The decoder stack for one new token in each of the cache slots `0..B`: `x` `[B,
@@ -292,6 +299,10 @@ pub fn decode_layers(
         let mut wdown = col(&|l| ptr(l.wdown));
         let mut kb = col(&|l| ptr(l.kb));
         let mut v = col(&|l| ptr(l.v));
+        let null = std::ptr::null_mut();
+        let mut qn = col(&|l| l.qk_norm.map_or(null, |(q, _)| ptr(q)));
+        let mut kn = col(&|l| l.qk_norm.map_or(null, |(_, k)| ptr(k)));
+        let window: Vec<i64> = layers.iter().map(|l| l.window.unwrap_or(0)).collect();
         let mut err = vec![0u8; 512];
         let (nh, nkv, hd) = heads;
         // SAFETY: every pointer is a live `at::Tensor` borrowed for the call; the shim
@@ -315,6 +326,9 @@ pub fn decode_layers(
                 wdown.as_mut_ptr(),
                 kb.as_mut_ptr(),
                 v.as_mut_ptr(),
+                qn.as_mut_ptr(),
+                kn.as_mut_ptr(),
+                window.as_ptr(),
                 nh,
                 nkv,
                 hd,

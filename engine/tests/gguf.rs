@@ -346,3 +346,188 @@ fn smollm2_import_has_expected_layout() {
     assert!(tok.eos_ids.contains(&2));
     assert!(tok.chat_template().unwrap().contains("<|im_start|>"));
 }
+
+/// A Qwen3 GGUF (q/k norms, head_dim from `attention.key_length` unlike hidden / heads)
+/// imports as `model_type = "qwen3"` with its tensors unpermuted and its norms kept; an
+/// architecture yatt does not run is refused by name.
+#[test]
+fn qwen3_gguf_imports_with_qk_norm_and_head_dim() {
+    let kvs = |arch: &'static str| {
+        move |w: &mut W| -> u64 {
+            w.kv_str("general.architecture", arch);
+            w.kv_u32(&format!("{arch}.embedding_length"), 4);
+            w.kv_u32(&format!("{arch}.block_count"), 1);
+            w.kv_u32(&format!("{arch}.feed_forward_length"), 8);
+            w.kv_u32(&format!("{arch}.attention.head_count"), 2);
+            w.kv_u32(&format!("{arch}.attention.head_count_kv"), 1);
+            w.kv_u32(&format!("{arch}.attention.key_length"), 4);
+            w.kv_f32(&format!("{arch}.attention.layer_norm_rms_epsilon"), 1e-6);
+            w.kv_str("tokenizer.ggml.model", "gpt2");
+            w.kv_str("tokenizer.ggml.pre", "qwen2");
+            w.kv_strs(
+                "tokenizer.ggml.tokens",
+                &["<|endoftext|>", "a", "b", "ab", "Ġ"],
+            );
+            w.kv_strs("tokenizer.ggml.merges", &["a b"]);
+            12
+        }
+    };
+    let vals =
+        |n: usize, k: f32| -> Vec<f32> { (0..n).map(|i| ((i as f32) * 0.37 + k).sin()).collect() };
+    // (GGUF name, ggml dims (columns first), values)
+    let specs: Vec<(&str, Vec<u64>, Vec<f32>)> = vec![
+        ("token_embd.weight", vec![4, 5], vals(20, 0.1)),
+        ("output_norm.weight", vec![4], vals(4, 0.2)),
+        ("blk.0.attn_norm.weight", vec![4], vals(4, 0.3)),
+        ("blk.0.attn_q.weight", vec![4, 8], vals(32, 0.4)),
+        ("blk.0.attn_k.weight", vec![4, 4], vals(16, 0.5)),
+        ("blk.0.attn_v.weight", vec![4, 4], vals(16, 0.6)),
+        ("blk.0.attn_q_norm.weight", vec![4], vals(4, 0.7)),
+        ("blk.0.attn_k_norm.weight", vec![4], vals(4, 0.8)),
+        ("blk.0.attn_output.weight", vec![8, 4], vals(32, 0.9)),
+        ("blk.0.ffn_norm.weight", vec![4], vals(4, 1.0)),
+        ("blk.0.ffn_gate.weight", vec![4, 8], vals(32, 1.1)),
+        ("blk.0.ffn_up.weight", vec![4, 8], vals(32, 1.2)),
+        ("blk.0.ffn_down.weight", vec![8, 4], vals(32, 1.3)),
+    ];
+    let tensors: Vec<(&str, Vec<u64>, u32, Vec<u8>)> = specs
+        .iter()
+        .map(|(n, d, v)| (*n, d.clone(), 0, f32s(v)))
+        .collect();
+    let p = write("qwen3", &gguf_bytes(kvs("qwen3"), &tensors));
+    let out = std::env::temp_dir().join(format!("yatt-gguf-qwen3-{}", std::process::id()));
+    let r = import_gguf(&p, &out, &Default::default()).unwrap();
+    assert_eq!(r.architecture, "qwen3");
+    let cfg = yatt_engine::ModelConfig::from_dir(&out).unwrap();
+    assert_eq!(cfg.architecture, yatt_engine::Architecture::Qwen3);
+    assert!(cfg.qk_norm && !cfg.attention_bias);
+    assert_eq!(cfg.head_dim, 4);
+    let m = yatt_engine::Llama::load(
+        &out,
+        yatt_engine::tch::Device::Cpu,
+        yatt_engine::tch::Kind::Float,
+    )
+    .unwrap();
+    let named: std::collections::HashMap<String, yatt_engine::tch::Tensor> =
+        m.hf_named_tensors().into_iter().collect();
+    for (gguf, hf) in [
+        (
+            "blk.0.attn_q_norm.weight",
+            "model.layers.0.self_attn.q_norm.weight",
+        ),
+        (
+            "blk.0.attn_k_norm.weight",
+            "model.layers.0.self_attn.k_norm.weight",
+        ),
+        (
+            "blk.0.attn_q.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+        ),
+    ] {
+        let src = &specs.iter().find(|s| s.0 == gguf).unwrap().2;
+        let got: Vec<f32> = Vec::try_from(&named[hf].contiguous().view([-1])).unwrap();
+        assert_eq!(
+            &got, src,
+            "{hf} differs from {gguf} (Qwen rows are not permuted)"
+        );
+    }
+    let logits = m.forward(
+        &yatt_engine::tch::Tensor::from_slice(&[1i64, 2, 3]).unsqueeze(0),
+        None,
+    );
+    assert!(logits.isfinite().all().int64_value(&[]) == 1);
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_file(p);
+
+    let p = write("gemma", &gguf_bytes(kvs("gemma"), &tensors));
+    let e = import_gguf(&p, &out, &Default::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("\"gemma\"") && e.contains("qwen3"), "{e}");
+    let _ = std::fs::remove_file(p);
+}
+
+/// A Llama 3.1+ GGUF keeps its `llama3` RoPE scaling only as per-frequency divisors
+/// (`rope_freqs.weight`, computed here as llama.cpp's converter does): the import writes
+/// the `rope_scaling` that reproduces them, and refuses divisors no such scaling gives.
+#[test]
+fn llama3_rope_freqs_import_as_rope_scaling() {
+    // head_dim 8 and base 500,000: wavelengths 6, 167, 4,443 and 118,000 positions,
+    // one in each band (kept, kept, smoothed, divided by the factor).
+    let (theta, hd) = (500000f64, 8usize);
+    let factors: Vec<f32> = (0..hd / 2)
+        .map(|i| {
+            let freq = 1.0 / theta.powf(2.0 * i as f64 / hd as f64);
+            let wl = 2.0 * std::f64::consts::PI / freq;
+            let (low_wl, high_wl) = (8192.0 / 1.0, 8192.0 / 4.0);
+            let f: f64 = if wl < high_wl {
+                1.0
+            } else if wl > low_wl {
+                32.0
+            } else {
+                let smooth = (8192.0 / wl - 1.0) / (4.0 - 1.0);
+                1.0 / ((1.0 - smooth) / 32.0 + smooth)
+            };
+            f as f32
+        })
+        .collect();
+    assert!(
+        factors[2] > 1.0 && factors[2] < 32.0 && factors[3] == 32.0,
+        "{factors:?}"
+    );
+    let kvs = |w: &mut W| -> u64 {
+        w.kv_str("general.architecture", "llama");
+        w.kv_u32("llama.embedding_length", 16);
+        w.kv_u32("llama.block_count", 1);
+        w.kv_u32("llama.feed_forward_length", 8);
+        w.kv_u32("llama.attention.head_count", 2);
+        w.kv_f32("llama.rope.freq_base", 500000.0);
+        w.kv_str("tokenizer.ggml.model", "gpt2");
+        w.kv_str("tokenizer.ggml.pre", "llama-bpe");
+        w.kv_strs(
+            "tokenizer.ggml.tokens",
+            &["<|endoftext|>", "a", "b", "ab", "Ġ"],
+        );
+        w.kv_strs("tokenizer.ggml.merges", &["a b"]);
+        10
+    };
+    let file = |name: &str, f: &[f32]| {
+        write(
+            name,
+            &gguf_bytes(
+                kvs,
+                &[
+                    ("token_embd.weight", vec![16, 5], 0, f32s(&[0.5; 80])),
+                    ("rope_freqs.weight", vec![4], 0, f32s(f)),
+                ],
+            ),
+        )
+    };
+    let p = file("rope-freqs", &factors);
+    let out = std::env::temp_dir().join(format!("yatt-gguf-rope-freqs-{}", std::process::id()));
+    import_gguf(&p, &out, &Default::default()).unwrap();
+    let cfg = yatt_engine::ModelConfig::from_dir(&out).unwrap();
+    assert_eq!(
+        cfg.rope_scaling,
+        Some(yatt_engine::RopeScaling::Llama3 {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0
+        })
+    );
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_file(p);
+
+    let mut odd = factors.clone();
+    odd[2] *= 1.5;
+    let p = file("rope-freqs-odd", &odd);
+    let e = import_gguf(&p, &out, &Default::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rope_freqs.weight") && e.contains("does not match"),
+        "{e}"
+    );
+    let _ = std::fs::remove_file(p);
+}

@@ -78,12 +78,47 @@ fn hf_name(name: &str) -> Option<String> {
         "attn_k" => "self_attn.k_proj",
         "attn_v" => "self_attn.v_proj",
         "attn_output" => "self_attn.o_proj",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
+}
+
+/// The `llama3` `rope_scaling` whose per-frequency divisors are `factors` (GGUF's
+/// `rope_freqs.weight`): the file keeps only the divisors, so the parameters Llama 3.1 to
+/// 3.3 use (low/high frequency factors 1 and 4 over 8,192 original positions, `factor`
+/// the largest divisor) are taken when they reproduce every divisor, and the file is
+/// refused otherwise.
+fn llama3_from_factors(config: &Value, factors: &[f32]) -> std::result::Result<Value, String> {
+    let factor = factors.iter().copied().fold(f32::MIN, f32::max) as f64;
+    let scaling = json!({"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+    let inv_freq = |rs: &Value| -> std::result::Result<Vec<f64>, String> {
+        let mut c = config.clone();
+        c["rope_scaling"] = rs.clone();
+        Ok(crate::config::ModelConfig::from_json(&c)?.rope_inv_freq())
+    };
+    let (plain, scaled) = (inv_freq(&Value::Null)?, inv_freq(&scaling)?);
+    let fits = plain.len() == factors.len()
+        && plain
+            .iter()
+            .zip(&scaled)
+            .zip(factors)
+            .all(|((p, s), &f)| (p / s - f as f64).abs() <= 1e-4 * (p / s));
+    if !fits {
+        return Err(format!(
+            "tensor rope_freqs.weight ({} per-frequency RoPE divisors, largest {factor}) does not match Llama 3's `llama3` \
+             scaling (low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192) for head_dim {}; \
+             yatt cannot write a config.json for it: load the original HF checkpoint instead",
+            factors.len(),
+            2 * plain.len()
+        ));
+    }
+    Ok(scaling)
 }
 
 /// Undoes llama.cpp's rotary permutation of Q/K rows: GGUF row `h*hd + 2*j + i` holds HF
@@ -122,10 +157,12 @@ pub fn import_gguf(
         .to_string();
     let (model_type, hf_arch, permute) = match arch.as_str() {
         "llama" => ("llama", "LlamaForCausalLM", true),
+        // llama.cpp permutes Llama's q/k rows for its RoPE layout, not Qwen's.
         "qwen2" => ("qwen2", "Qwen2ForCausalLM", false),
+        "qwen3" => ("qwen3", "Qwen3ForCausalLM", false),
         other => {
             return Err(EngineError::UnsupportedGguf(format!(
-                "general.architecture = {other:?}; yatt imports Llama-family \"llama\" and \"qwen2\" models"
+                "general.architecture = {other:?}; yatt imports \"llama\", \"qwen2\" and \"qwen3\" models"
             )))
         }
     };
@@ -186,9 +223,11 @@ pub fn import_gguf(
             "partial rotary embeddings (rope.dimension_count {rope_dim} != head dim {head_dim})"
         )));
     }
-    if g.tensor("rope_freqs.weight").is_some() {
-        return Err(EngineError::UnsupportedGguf("rope_freqs.weight (Llama-3.1-style rope scaling baked as a tensor) is not imported yet".into()));
-    }
+    // Llama 3.1+ GGUFs bake `llama3` RoPE scaling into per-frequency divisors.
+    let rope_factors = match g.tensor("rope_freqs.weight") {
+        Some(t) => Some(g.dequantize(t)?),
+        None => None,
+    };
     let tok_json = build_tokenizer_json(&g)?;
     let tokens = g
         .get("tokenizer.ggml.tokens")
@@ -217,7 +256,8 @@ pub fn import_gguf(
             "linear" => rope_scaling = json!({"rope_type": "linear", "factor": factor}),
             other => {
                 return Err(EngineError::UnsupportedGguf(format!(
-                    "rope scaling type {other:?} (yatt imports \"linear\")"
+                    "metadata {} = {other:?}: yatt imports \"none\" and \"linear\" RoPE scaling",
+                    k("rope.scaling.type")
                 )))
             }
         }
@@ -249,6 +289,13 @@ pub fn import_gguf(
     if let Some(p) = pad {
         config["pad_token_id"] = json!(p);
     }
+    if let Some(factors) = &rope_factors {
+        config["rope_scaling"] =
+            llama3_from_factors(&config, factors).map_err(|msg| EngineError::Config {
+                path: g.path().into(),
+                msg,
+            })?;
+    }
     // What the model loader will check; failing here names the GGUF file, not a config.json
     // the import would have written.
     crate::config::ModelConfig::from_json(&config).map_err(|msg| EngineError::Config {
@@ -260,7 +307,7 @@ pub fn import_gguf(
     // Tensors.
     let mut names: Vec<(String, &GgufTensorInfo)> = Vec::new();
     let mut source_types = BTreeMap::new();
-    for t in &g.tensors {
+    for t in g.tensors.iter().filter(|t| t.name != "rope_freqs.weight") {
         let name = hf_name(&t.name).ok_or_else(|| {
             EngineError::UnsupportedGguf(format!(
                 "tensor `{}` has no HF counterpart known to yatt",

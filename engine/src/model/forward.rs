@@ -22,9 +22,15 @@ impl Llama {
     }
 
     fn rms(&self, x: &Tensor, w: &Tensor) -> Tensor {
+        self.rms_last(x, w, self.config.hidden_size)
+    }
+
+    /// RMSNorm over the last dimension, of width `n` (the hidden size, or the head width
+    /// for Qwen3's q/k norms).
+    fn rms_last(&self, x: &Tensor, w: &Tensor, n: i64) -> Tensor {
         let eps = self.config.rms_norm_eps;
         if self.kind == Kind::Float {
-            x.rms_norm([self.config.hidden_size], Some(w), eps)
+            x.rms_norm([n], Some(w), eps)
         } else {
             let xf = x.to_kind(Kind::Float);
             let var = xf.square().mean_dim(-1, true, Kind::Float);
@@ -85,6 +91,8 @@ impl Llama {
                 wdown: &p[3],
                 kb: &cache.kb[i],
                 v: &cache.v[i],
+                qk_norm: l.qk_norm.as_ref().map(|(q, k)| (q, k)),
+                window: c.window(i),
             })
             .collect();
         match crate::onednn::decode_layers(
@@ -200,6 +208,7 @@ impl Llama {
             }
             _ => None,
         };
+        let win_mask = self.window_mask(&attn, full_mask.as_ref(), positions, b, t);
         let rows = Tensor::arange(b, (Kind::Int64, self.device));
         let pos_flat = if matches!(attn, Attn::Decode { .. }) {
             Some(positions.reshape([b]))
@@ -230,20 +239,29 @@ impl Llama {
                 .narrow(-1, (nh + nkv) * hd, nkv * hd)
                 .view([b, t, nkv, hd])
                 .transpose(1, 2);
+            let (q, k) = match &l.qk_norm {
+                Some((qn, kn)) => (self.rms_last(&q, qn, hd), self.rms_last(&k, kn, hd)),
+                None => (q, k),
+            };
             let q = self.rope(&q, &cos, &sin);
             let k = self.rope(&k, &cos, &sin);
+            // A windowed layer's mask; `None` is plain causal attention.
+            let mask = match c.window(li) {
+                Some(_) => win_mask.as_ref(),
+                None => full_mask.as_ref(),
+            };
             let o = match &mut attn {
                 Attn::Capture { kv } => {
                     kv.push((k.shallow_clone(), v.shallow_clone()));
-                    attend(&q, &k, &v, None)
+                    attend(&q, &k, &v, mask)
                 }
                 Attn::Continue { kv, rows, .. } => {
                     let (pk, pv) = &kv[li];
                     let keys = Tensor::cat(&[pk.index_select(0, rows), k], 2);
                     let values = Tensor::cat(&[pv.index_select(0, rows), v], 2);
-                    attend(&q, &keys, &values, full_mask.as_ref())
+                    attend(&q, &keys, &values, mask)
                 }
-                Attn::Full { .. } => attend(&q, &k, &v, full_mask.as_ref()),
+                Attn::Full { .. } => attend(&q, &k, &v, mask),
                 Attn::Prefill {
                     cache,
                     start,
@@ -261,14 +279,14 @@ impl Llama {
                     };
                     cache.write(li, index, &k, &v, at);
                     if *offset == 0 {
-                        attend(&q, &k, &v, None)
+                        attend(&q, &k, &v, mask)
                     } else {
                         let len = *offset + t;
                         attend(
                             &q,
                             &cache.keys(li, *start, b, len),
                             &cache.values(li, *start, b, len),
-                            full_mask.as_ref(),
+                            mask,
                         )
                     }
                 }
@@ -280,7 +298,7 @@ impl Llama {
                         &q,
                         &cache.keys(li, 0, b, *span),
                         &cache.values(li, 0, b, *span),
-                        full_mask.as_ref(),
+                        mask,
                     )
                 }
             };
@@ -296,6 +314,60 @@ impl Llama {
             x = x + self.mm(&act, &l.w_down, pl.map(|p| &p[3]), None);
         }
         pad(self.rms(&x, &self.norm))
+    }
+
+    /// The mask of the layers with a sliding window (`None` when no layer has one): the
+    /// mode's own mask (or causal) and, in position space, keys later than
+    /// `query - window`. Keys are cache indices, which equal positions in every mode but
+    /// `Full` with left padding, where real tokens are contiguous, so distances agree.
+    fn window_mask(
+        &self,
+        attn: &Attn<'_>,
+        base: Option<&Tensor>,
+        positions: &Tensor,
+        b: i64,
+        t: i64,
+    ) -> Option<Tensor> {
+        let w = self.config.sliding_window.as_ref()?.size;
+        let dev = (Kind::Int64, self.device);
+        let ar = |n: i64| Tensor::arange(n, dev);
+        let causal = || Tensor::ones([t, t], (Kind::Bool, self.device)).tril(0);
+        let (q, k, base) = match attn {
+            Attn::Full { .. } | Attn::Capture { .. } | Attn::Prefill { offset: 0, .. } => (
+                ar(t).reshape([1, 1, t, 1]),
+                ar(t).reshape([1, 1, 1, t]),
+                base.map_or_else(causal, Tensor::shallow_clone),
+            ),
+            Attn::Prefill { offset, .. } => (
+                (ar(t) + *offset).reshape([1, 1, t, 1]),
+                ar(offset + t).reshape([1, 1, 1, offset + t]),
+                base?.shallow_clone(),
+            ),
+            Attn::Decode { span, .. } => (
+                positions.reshape([b, 1, 1, 1]),
+                ar(*span).reshape([1, 1, 1, *span]),
+                base?.shallow_clone(),
+            ),
+            // Row i's own tokens sit at positions lens[i].. after its prefix's keys.
+            Attn::Continue { kv, lens, .. } => {
+                let lp = kv.first().map_or(0, |(k, _)| k.size()[2]);
+                let lens = lens.reshape([b, 1, 1, 1]);
+                let own = &lens + ar(t).reshape([1, 1, 1, t]);
+                let keys = Tensor::cat(
+                    &[
+                        ar(lp).reshape([1, 1, 1, lp]).expand([b, 1, 1, lp], false),
+                        own,
+                    ],
+                    3,
+                );
+                (
+                    &lens + ar(t).reshape([1, 1, t, 1]),
+                    keys,
+                    base?.shallow_clone(),
+                )
+            }
+        };
+        Some(base.logical_and(&k.gt_tensor(&(q - w))))
     }
 
     /// LM logits for hidden states `[.., hidden] → [.., vocab]`.

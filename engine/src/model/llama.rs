@@ -17,6 +17,8 @@ pub struct DecoderLayer {
     pub wqkv: Tensor,
     /// Fused q/k/v bias (Qwen2).
     pub bqkv: Option<Tensor>,
+    /// Per-head RMSNorm weights `[head_dim]` of q and k, before RoPE (Qwen3).
+    pub qk_norm: Option<(Tensor, Tensor)>,
     /// Output projection, input-major `[H·hd, hidden]`.
     pub wo: Tensor,
     /// RMSNorm before the MLP.
@@ -93,6 +95,10 @@ impl Llama {
             if let Some(b) = l.bqkv.as_mut() {
                 v.push((format!("layers.{i}.bqkv"), b));
             }
+            if let Some((qn, kn)) = l.qk_norm.as_mut() {
+                v.push((format!("layers.{i}.q_norm"), qn));
+                v.push((format!("layers.{i}.k_norm"), kn));
+            }
             v.push((format!("layers.{i}.wo"), &mut l.wo));
             v.push((format!("layers.{i}.ln2"), &mut l.ln2));
             v.push((format!("layers.{i}.w_gate_up"), &mut l.w_gate_up));
@@ -166,6 +172,10 @@ impl Llama {
                     format!("{p}.self_attn.v_proj.bias"),
                     b.narrow(0, nq + nkv, nkv),
                 ));
+            }
+            if let Some((qn, kn)) = &l.qk_norm {
+                v.push((format!("{p}.self_attn.q_norm.weight"), qn.shallow_clone()));
+                v.push((format!("{p}.self_attn.k_norm.weight"), kn.shallow_clone()));
             }
             v.push((format!("{p}.self_attn.o_proj.weight"), l.wo.tr()));
             v.push((

@@ -152,6 +152,13 @@ impl Llama {
             } else {
                 None
             };
+            let qk_norm = if c.qk_norm {
+                let qn = g(&mut t, "self_attn.q_norm.weight", &[hd])?;
+                let kn = g(&mut t, "self_attn.k_norm.weight", &[hd])?;
+                Some((conv(qn), conv(kn)))
+            } else {
+                None
+            };
             let f = c.intermediate_size;
             let gate = g(&mut t, "mlp.gate_proj.weight", &[f, h])?;
             let up = g(&mut t, "mlp.up_proj.weight", &[f, h])?;
@@ -166,6 +173,7 @@ impl Llama {
                     0,
                 )),
                 bqkv,
+                qk_norm,
                 wo: conv_t(g(&mut t, "self_attn.o_proj.weight", &[h, nq])?),
                 ln2: conv(g(&mut t, "post_attention_layernorm.weight", &[h])?),
                 w_gate_up: conv_t(Tensor::cat(
@@ -242,6 +250,14 @@ impl Llama {
                 t.insert(format!("{p}.self_attn.q_proj.bias"), r(&[nq]));
                 t.insert(format!("{p}.self_attn.k_proj.bias"), r(&[nkv]));
                 t.insert(format!("{p}.self_attn.v_proj.bias"), r(&[nkv]));
+            }
+            if c.qk_norm {
+                for n in ["q_norm", "k_norm"] {
+                    t.insert(
+                        format!("{p}.self_attn.{n}.weight"),
+                        Tensor::ones([hd], (Kind::Float, Device::Cpu)),
+                    );
+                }
             }
             t.insert(format!("{p}.self_attn.o_proj.weight"), r(&[h, nq]));
             t.insert(format!("{p}.mlp.gate_proj.weight"), r(&[f, h]));

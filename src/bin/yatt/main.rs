@@ -6,6 +6,7 @@ mod bench_runtime;
 mod demo;
 mod engine_cmds;
 mod eval;
+mod generate;
 mod placement;
 mod plot;
 mod reward_model;
@@ -48,6 +49,9 @@ enum Command {
     /// The live placement of a run: `yatt placement show RUN_DIR`.
     #[command(subcommand)]
     Placement(placement::PlacementCommand),
+    /// Generate from a model directory or .gguf file: prompts from --prompt or stdin,
+    /// greedy or sampled, as text or JSON lines.
+    Generate(generate::GenerateArgs),
     /// Import a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1) as an HF model directory.
     ImportGguf(engine_cmds::ImportGgufArgs),
     /// Benchmarks; figures go to stdout as a markdown table.
@@ -81,6 +85,7 @@ fn real_main() -> anyhow::Result<()> {
         Command::RewardModel(args) => reward_model::run(args),
         Command::Sim(args) => sim::run(args),
         Command::Placement(cmd) => placement::run(cmd),
+        Command::Generate(args) => generate::run(args),
         Command::ImportGguf(args) => engine_cmds::import_gguf(args),
         Command::Bench(BenchCommand::Engine(args)) => engine_cmds::bench_engine(args),
         Command::Bench(BenchCommand::Runtime(args)) => bench_runtime::run(args),
