@@ -4,7 +4,10 @@
 # held-out prompts every EVAL_EVERY steps (training resumes from the checkpoint between
 # evaluations; resume is exact, see trainer/tests/asynchronous.rs).
 #
-#   bash scripts/bench-async.sh [STEPS] [EVAL_EVERY]      # default 80 10
+#   bash scripts/bench-async.sh [STEPS] [EVAL_EVERY] [THREADS]    # default 80 10 1
+#
+# THREADS is model.threads: with 1, the rollout and the policy each have one core of
+# two, so generation can overlap the update; with 2 both want both cores.
 #
 # Writes runs/bench-async/summary.tsv: staleness, step, eval accuracy, cumulative
 # training seconds; and each run's metrics.jsonl under runs/bench-async/s{K}/.
@@ -13,6 +16,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
 cd "$YATT_ROOT"
 STEPS="${1:-80}"
 EVERY="${2:-10}"
+THREADS="${3:-1}"
 cargo build --release --bin yatt -q
 BIN="${CARGO_TARGET_DIR:-target}/release/yatt"
 [ -d models/smollm2-135m ] || "$BIN" import-gguf "$YATT_SMOLLM2_GGUF" models/smollm2-135m
@@ -21,19 +25,19 @@ OUT=runs/bench-async
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.tsv"
 printf 'staleness\tstep\taccuracy\ttrain_s\n' > "$SUMMARY"
-acc=$("$BIN" eval "$CONFIG" --prompts 200 | sed -n 's/.*accuracy \([0-9.]*\).*/\1/p' | head -1)
+acc=$("$BIN" eval "$CONFIG" --prompts 200 --set "model.threads=$THREADS" | sed -n 's/.*accuracy \([0-9.]*\).*/\1/p' | head -1)
 printf 'base\t0\t%s\t0\n' "$acc" >> "$SUMMARY"
 for K in 0 1 2; do
   DIR="$OUT/s$K"
   rm -rf "$DIR"
   for ((S = EVERY; S <= STEPS; S += EVERY)); do
-    SETS=(--set "job.steps=$S" --set "rollout.staleness=$K" --set 'algorithm.old_logprobs="recompute"' --set "job.output_dir=\"$DIR\"")
+    SETS=(--set "job.steps=$S" --set "rollout.staleness=$K" --set "model.threads=$THREADS" --set 'algorithm.old_logprobs="recompute"' --set "job.output_dir=\"$DIR\"")
     if [ "$S" -eq "$EVERY" ]; then
       "$BIN" train "$CONFIG" "${SETS[@]}" > /dev/null
     else
       "$BIN" train --resume "$DIR" --set "job.steps=$S" > /dev/null
     fi
-    acc=$("$BIN" eval "$CONFIG" --prompts 200 --checkpoint "$DIR/checkpoint" | sed -n 's/.*accuracy \([0-9.]*\).*/\1/p' | head -1)
+    acc=$("$BIN" eval "$CONFIG" --prompts 200 --set "model.threads=$THREADS" --checkpoint "$DIR/checkpoint" | sed -n 's/.*accuracy \([0-9.]*\).*/\1/p' | head -1)
     secs=$(python3 -c "import json,sys; print(round(sum(json.loads(l)['timing_s/step'] for l in open('$DIR/metrics.jsonl')),1))")
     printf '%s\t%s\t%s\t%s\n' "$K" "$S" "$acc" "$secs" >> "$SUMMARY"
     echo "staleness $K step $S accuracy $acc train_s $secs" >&2
