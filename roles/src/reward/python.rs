@@ -111,6 +111,8 @@ struct Worker {
     stdin: ChildStdin,
     lines: Receiver<Option<String>>,
     stderr: Arc<Mutex<VecDeque<String>>>,
+    /// Disconnects when the stderr thread has read the stream to its end.
+    stderr_done: std::sync::mpsc::Receiver<()>,
 }
 
 impl Worker {
@@ -155,7 +157,10 @@ impl Worker {
         });
         let tail = Arc::new(Mutex::new(VecDeque::with_capacity(STDERR_TAIL)));
         let t = tail.clone();
+        let (stderr_tx, stderr_done) = std::sync::mpsc::channel::<()>();
         std::thread::spawn(move || {
+            // Dropped at the end of the stream: whoever waits for the tail wakes.
+            let _eof = stderr_tx;
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
                 tracing::debug!(target: "yatt::python_reward", "{line}");
@@ -172,6 +177,7 @@ impl Worker {
             stdin,
             lines,
             stderr: tail,
+            stderr_done,
         })
     }
 
@@ -203,8 +209,11 @@ impl Worker {
                 ))
             }
             Ok(None) | Err(RecvTimeoutError::Disconnected) => {
-                // Let the stderr thread catch the last lines (a traceback) for a moment.
                 let status = wait_exit(&mut self.child, Duration::from_millis(500));
+                // Regression: the error was built before the stderr thread had read the
+                // last lines (the traceback) under load. A dead worker's stderr ends, so
+                // wait for its end (a moment at most: a grandchild may hold the pipe).
+                let _ = self.stderr_done.recv_timeout(Duration::from_millis(500));
                 return Err(format!(
                     "the worker died ({doing}, {status}){}",
                     self.stderr_tail()

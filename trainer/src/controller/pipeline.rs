@@ -154,7 +154,7 @@ impl Controller {
 
     /// The importance weights and the recomputed-vs-rollout log-prob differences of
     /// samples with old log-probs; warns once when the samples on the newest weights
-    /// (or, with none, all of them) differ by more than `logprob_diff_warn` per token.
+    /// differ by more than `logprob_diff_warn` per token.
     pub(crate) fn off_policy_metrics(&self, samples: &[Sample], m: &mut StepMetrics) {
         let cfg = &self.config;
         let rows = |fresh: bool| {
@@ -177,26 +177,25 @@ impl Controller {
             m.set(names::IS_WEIGHT_MAX, all.weight_max);
             m.set(names::IS_CAPPED_FRAC, all.capped_frac);
         }
+        // Only samples on the newest weights tell a mismatch apart from the policy's own
+        // change since the rollout's version (with staleness ≥ 1: the first step's).
         let fresh = off_policy_stats(rows(true), &cfg.off_policy);
-        let (judged, what) = match fresh.tokens {
-            0 => (all, "samples up to rollout.staleness versions old: this includes the policy's own change"),
-            _ => (fresh, "samples on the newest weights: the rollout and the trainer disagree on the same weights"),
-        };
         let bound = cfg.logprob_diff_warn;
         if bound > 0.0
-            && judged.logprob_diff_mean > bound
+            && fresh.tokens > 0
+            && fresh.logprob_diff_mean > bound
             && !self.warned_mismatch.swap(true, Ordering::Relaxed)
         {
             tracing::warn!(
                 step = self.step_no(),
-                mean = judged.logprob_diff_mean,
-                max = judged.logprob_diff_max,
-                tokens = judged.tokens,
+                mean = fresh.logprob_diff_mean,
+                max = fresh.logprob_diff_max,
+                tokens = fresh.tokens,
                 bound,
-                "train/rollout log-prob mismatch: mean |old - rollout| per token {:.4} (max {:.4}) over {} tokens of {what}, above rollout.logprob_diff_warn = {bound}; check the rollout's dtype, temperature and weight sync (warned once)",
-                judged.logprob_diff_mean,
-                judged.logprob_diff_max,
-                judged.tokens,
+                "train/rollout log-prob mismatch: mean |old - rollout| per token {:.4} (max {:.4}) over {} tokens generated on the weights being trained, above rollout.logprob_diff_warn = {bound}; the rollout and the trainer disagree on the same weights: check the rollout's dtype, temperature and weight sync (warned once)",
+                fresh.logprob_diff_mean,
+                fresh.logprob_diff_max,
+                fresh.tokens,
             );
         }
     }
