@@ -107,6 +107,7 @@ fn schema() -> JobConfig {
     a.clip_high = Some(high);
     a.loss_agg = Some(a.loss_agg_mode());
     a.dynamic_sampling = Some(a.name.dynamic_sampling_by_default());
+    c.data.format = Some(yatt_roles::DataFormat::Jsonl);
     c
 }
 
