@@ -141,6 +141,7 @@ pub async fn run(job: &JobConfig) -> anyhow::Result<Vec<f64>> {
     let options = TrainOptions {
         roles: CustomRoles {
             reward: Some(reward),
+            ..Default::default()
         },
         ..Default::default()
     };
