@@ -9,8 +9,8 @@ use clap::{Parser, Subcommand};
 use yatt_runtime::Node;
 use yatt_runtime::{ClusterCa, NodeIdentity};
 
+use crate::node::error::DaemonError;
 use crate::node::roles::Roles;
-use crate::node::DaemonError;
 
 /// `DaemonError::Failed` with `context`.
 fn failed<E: std::error::Error + Send + Sync + 'static>(

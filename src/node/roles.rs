@@ -5,7 +5,7 @@ use serde::de::DeserializeOwned;
 use yatt_roles::{DeviceGroup, Role, RoleActor, RoleError};
 use yatt_runtime::{Message, NodeBuilder};
 
-use crate::node::DaemonError;
+use crate::node::error::DaemonError;
 
 /// Requests a user role's thread queues before its actor's mailbox takes the
 /// backpressure (as the built-in roles).
@@ -134,5 +134,54 @@ impl Roles {
 impl Default for Roles {
     fn default() -> Self {
         Roles::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use yatt_roles::{ResourceProfile, Sample};
+
+    #[derive(serde::Deserialize)]
+    struct Noop;
+
+    impl Role for Noop {
+        type Request = Vec<Sample>;
+        type Response = Vec<Sample>;
+        fn name(&self) -> &str {
+            "noop"
+        }
+        fn profile(&self) -> ResourceProfile {
+            ResourceProfile::cpu_only()
+        }
+        fn start(&mut self, _: &DeviceGroup) -> Result<(), RoleError> {
+            Ok(())
+        }
+        fn serve(&mut self, s: Vec<Sample>) -> Result<Vec<Sample>, RoleError> {
+            Ok(s)
+        }
+    }
+
+    fn refusal(roles: Roles) -> String {
+        match roles.check() {
+            Ok(()) => panic!("accepted {:?}", roles.names()),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn names_are_checked() {
+        let ok = Roles::new().role::<Noop>("a").role::<Noop>("b");
+        assert!(ok.check().is_ok());
+        assert_eq!(ok.names(), vec!["a", "b"]);
+        let e = refusal(Roles::new().role::<Noop>("reward"));
+        assert!(
+            e.contains("built-in reward role") && e.contains("my-reward"),
+            "{e}"
+        );
+        let e = refusal(Roles::new().role::<Noop>("x").role::<Noop>("x"));
+        assert!(e.contains("twice"), "{e}");
+        let e = refusal(Roles::new().role::<Noop>("has/slash"));
+        assert!(e.contains("cannot name an actor"), "{e}");
     }
 }
