@@ -308,3 +308,70 @@ fn chat_jsonl() {
         "{e}"
     );
 }
+
+/// A word-level tokenizer directory, with `template` as its chat template when given.
+fn word_tokenizer(dir: &Path, template: Option<&str>) -> yatt_engine::Tokenizer {
+    let vocab: serde_json::Map<String, serde_json::Value> = [
+        "<unk>",
+        "[system]",
+        "[user]",
+        "[assistant]",
+        "be",
+        "brief",
+        "2+3?",
+    ]
+    .iter()
+    .enumerate()
+    .map(|(i, w)| (w.to_string(), serde_json::json!(i)))
+    .collect();
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    if let Some(t) = template {
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            serde_json::json!({ "chat_template": t }).to_string(),
+        )
+        .unwrap();
+    }
+    yatt_engine::Tokenizer::from_dir(dir).unwrap()
+}
+
+#[test]
+fn chat_prompts_go_through_the_chat_template() {
+    use std::sync::Arc;
+    use yatt_roles::{TextCodec, TokenizerCodec};
+    let dir = tempfile::tempdir().unwrap();
+    let template = "{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}";
+    let tok = Arc::new(word_tokenizer(dir.path(), Some(template)));
+    let messages = vec![
+        ChatMessage::new("system", "be brief"),
+        ChatMessage::new("user", "2+3?"),
+    ];
+    // `chat = false` too: a chat prompt is a chat whatever model.chat says
+    let codec = TokenizerCodec {
+        tokenizer: tok.clone(),
+        chat: false,
+    };
+    let ids = codec.encode_chat(&messages).unwrap();
+    assert_eq!(ids, vec![1, 4, 5, 2, 6, 3]);
+    assert_eq!(
+        ids,
+        tok.encode("[system] be brief [user] 2+3? [assistant]", false)
+            .unwrap()
+    );
+    let plain = tempfile::tempdir().unwrap();
+    let codec = TokenizerCodec {
+        tokenizer: Arc::new(word_tokenizer(plain.path(), None)),
+        chat: false,
+    };
+    let e = codec.encode_chat(&messages).unwrap_err();
+    assert!(
+        e.contains("no chat template") && e.contains("strings"),
+        "{e}"
+    );
+}
