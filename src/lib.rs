@@ -44,6 +44,7 @@ pub fn exit_code<E: std::fmt::Display>(result: Result<(), E>) -> std::process::E
 
 pub mod http;
 pub mod logging;
+pub mod node;
 pub mod node_config;
 
 /// Registers every role this build of yatt can spawn on request: the runtime's

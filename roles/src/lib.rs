@@ -11,7 +11,8 @@
 //!   tensor maths);
 //! - rewards: rule-based verifiers, the HTTP endpoint client, Python reward functions
 //!   (a pool of worker processes), the LLM judge's template and parser;
-//! - data: prompts, JSONL and synthetic tasks, the checkpointable dataloader;
+//! - data: prompts (text or chat), JSONL, parquet and `save_to_disk` datasets, synthetic
+//!   tasks, the checkpointable dataloader;
 //! - the built-in roles: rollout, reference, policy, critic, reward, reward model,
 //!   judge.
 //!
@@ -64,9 +65,12 @@ pub use reward::{
 
 // Data.
 pub use data::{
-    load_jsonl, parse_jsonl, DataError, Dataloader, GrowingLength, LengthSchedule, LoaderState,
-    Prompt, SyntheticTask, SyntheticTaskKind,
+    load_dataset, load_jsonl, parse_jsonl, DataError, DataFields, DataFormat, Dataloader,
+    GrowingLength, LengthSchedule, LoaderState, Prompt, SyntheticTask, SyntheticTaskKind,
+    DEFAULT_GROUND_TRUTH_KEY, DEFAULT_PROMPT_KEY,
 };
+/// A chat message (`role`, `content`): a chat prompt's turns.
+pub use yatt_engine::ChatMessage;
 
 // The built-in roles, their configs and their messages.
 pub use builtin::{

@@ -757,6 +757,7 @@ mod tests {
             prompts: vec![Prompt {
                 id: 4,
                 text: "q4:".into(),
+                messages: Vec::new(),
                 reference: None,
                 metadata: serde_json::json!({"k": "v"}),
             }],

@@ -227,6 +227,7 @@ pub(crate) fn prompts(count: usize) -> Arc<[Prompt]> {
         .map(|id| Prompt {
             id,
             text: format!("p{id}"),
+            messages: Vec::new(),
             reference: None,
             metadata: serde_json::Value::Null,
         })

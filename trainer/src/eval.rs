@@ -151,10 +151,9 @@ pub fn eval_prompts(job: &JobConfig, options: &EvalOptions) -> Result<Vec<Prompt
         }
         return Ok(train.into_iter().take(n).collect());
     }
-    if !job.data.jsonl.is_empty() {
+    if let Some(path) = job.data.dataset() {
         return Err(EvalError::Options(format!(
-            "data.jsonl = {:?} has no held-out split; evaluate with --split train, or on a config whose data.jsonl is a held-out file",
-            job.data.jsonl
+            "the dataset {path:?} has no held-out split; evaluate with --split train, or on a config whose data.path is a held-out file (e.g. --set data.path=\"test.parquet\")"
         )));
     }
     let mut seen: HashSet<String> = train.into_iter().map(|p| p.text).collect();

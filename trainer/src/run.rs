@@ -136,11 +136,14 @@ pub async fn train_with(
         path: e.path,
         source: e.source,
     };
-    if job.placement.live && (resume || options.roles.reward.is_some()) {
+    if job.placement.live && (resume || !options.roles.is_empty()) {
         return Err(JobError::NotImplemented {
             key: "placement.live".into(),
             found: "true".into(),
-            fix: "resume and custom roles work without live placement for now".into(),
+            fix: format!(
+                "live placement builds and moves its own rollout and policy replicas, so it cannot take {}; resume and custom roles (every slot) work with placement.live = false",
+                if resume { "a resume".to_string() } else { format!("custom roles (slots {:?})", options.roles.slots()) }
+            ),
         });
     }
     // Live placement owns the heads and re-routes them between steps.
@@ -152,12 +155,11 @@ pub async fn train_with(
     let mut controllers = if live.is_some() {
         Vec::new()
     } else if job.placement.mode == PlacementMode::Disaggregated {
-        if resume || options.roles.reward.is_some() {
+        if resume || !options.roles.is_empty() {
             return Err(JobError::NotImplemented {
                 key: "placement.mode".into(),
                 found: job.placement.mode.to_string(),
-                fix: "resume and custom roles work with placement.mode = \"colocate\" for now"
-                    .into(),
+                fix: "a disaggregated build spawns every role itself on the nodes [placement] names; resume and custom roles (every slot) work with placement.mode = \"colocate\", where a custom role may still run on another node (spawn it there with Node::spawn_remote_linked, as examples/custom_role does)".into(),
             });
         }
         crate::build::cluster::build_cluster(job, node).await?

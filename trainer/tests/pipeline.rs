@@ -51,6 +51,7 @@ fn prompts() -> Vec<Prompt> {
         .map(|i| Prompt {
             id: 1000 + i,
             text: format!("q{i}:"),
+            messages: Vec::new(),
             reference: None,
             metadata: serde_json::Value::Null,
         })

@@ -37,6 +37,7 @@ fn request(job: &JobConfig) -> GenerateRequest {
             .map(|i| Prompt {
                 id: 1000 + i,
                 text: format!("q{i}:"),
+                messages: Vec::new(),
                 reference: None,
                 metadata: serde_json::Value::Null,
             })

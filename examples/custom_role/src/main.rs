@@ -1,99 +1,27 @@
 //! A new RLHF role in a few dozen lines: a length-and-format reward, written by
-//! implementing [`Role`], registered by name in a node's factory registry, spawned there
-//! over QUIC by the training process, and used by a training job in place of the
-//! built-in reward. See README.md.
+//! implementing [`Role`] (`src/lib.rs`), registered by name in a node's factory
+//! registry, spawned there over QUIC by the training process, and used by a training
+//! job in place of the built-in reward. See README.md.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
-use yatt_roles::Sample;
-use yatt_roles::{DeviceGroup, ResourceProfile, Role, RoleActor, RoleError};
-use yatt_roles::{RoleRequest, RoleResponse};
+use custom_role::{LengthFormatReward, ROLE_NAME};
+use yatt::node::Roles;
+use yatt_roles::{RoleRequest, RoleResponse, Sample};
 use yatt_runtime::{Node, NodeBuilder};
 use yatt_trainer::{train_with, CustomRoles, JobConfig, TrainOptions};
 
-/// The name the role is registered under: peers spawn it by this name.
-pub const ROLE_NAME: &str = "length-format-reward";
-
-/// Rewards responses that have the right shape: half the score for a length within
-/// `min_len..=max_len` characters, half for the fraction of characters in `alphabet`.
-pub struct LengthFormatReward {
-    /// Shortest acceptable response, characters.
-    pub min_len: usize,
-    /// Longest acceptable response, characters.
-    pub max_len: usize,
-    /// Characters the format allows.
-    pub alphabet: String,
-}
-
-impl LengthFormatReward {
-    /// The score of one response, in `[0, 1]`.
-    pub fn score(&self, response: &str) -> f64 {
-        let n = response.chars().count();
-        let length_ok = (self.min_len..=self.max_len).contains(&n);
-        let in_format = response
-            .chars()
-            .filter(|c| self.alphabet.contains(*c))
-            .count();
-        0.5 * f64::from(u8::from(length_ok)) + 0.5 * in_format as f64 / n.max(1) as f64
-    }
-}
-
-impl Role for LengthFormatReward {
-    // A reward role takes the step's samples and gives them back with `reward` set:
-    // that is the contract the controller expects of `reward`.
-    type Request = Vec<Sample>;
-    type Response = Vec<Sample>;
-
-    fn name(&self) -> &str {
-        ROLE_NAME
-    }
-
-    fn profile(&self) -> ResourceProfile {
-        // Rule-based: no device memory, so placement can put it anywhere.
-        ResourceProfile::cpu_only()
-    }
-
-    fn start(&mut self, _group: &DeviceGroup) -> Result<(), RoleError> {
-        if self.min_len > self.max_len || self.alphabet.is_empty() {
-            return Err(RoleError::BadRequest(format!(
-                "length-format-reward: need min_len <= max_len and a non-empty alphabet (got {}..={}, {:?})",
-                self.min_len, self.max_len, self.alphabet
-            )));
-        }
-        Ok(())
-    }
-
-    fn serve(&mut self, mut samples: Vec<Sample>) -> Result<Vec<Sample>, RoleError> {
-        for s in &mut samples {
-            s.reward = Some(self.score(&s.response_text));
-        }
-        Ok(samples)
-    }
-}
-
-/// Registers [`LengthFormatReward`] in a node's factory registry under [`ROLE_NAME`].
-/// A peer spawns it with the arguments `(min_len, max_len, alphabet)`; a bad
-/// combination is refused by [`Role::start`] and the spawn fails with that message.
-pub fn register(builder: NodeBuilder) -> NodeBuilder {
-    builder.factory_async(
-        ROLE_NAME,
-        |(min_len, max_len, alphabet): (usize, usize, String)| async move {
-            let make = move || {
-                Ok(LengthFormatReward {
-                    min_len,
-                    max_len,
-                    alphabet,
-                })
-            };
-            // A queue of 4 requests: the controller waits (backpressure) beyond that.
-            RoleActor::build(ROLE_NAME, make, DeviceGroup::cpu(ROLE_NAME), 4)
-                .await
-                .map_err(|e| e.to_string())
-        },
-    )
+/// Registers [`LengthFormatReward`] in a node's factory registry under [`ROLE_NAME`],
+/// as `src/bin/custom-yatt-node.rs` does for a daemon (`yatt::node::main_with`). A peer
+/// spawns it with a `LengthFormatReward` value as the arguments; a bad combination is
+/// refused by [`Role::start`] and the spawn fails with that message.
+pub fn register(builder: NodeBuilder) -> anyhow::Result<NodeBuilder> {
+    Ok(Roles::new()
+        .role::<LengthFormatReward>(ROLE_NAME)
+        .into_builder(builder)?)
 }
 
 #[derive(Parser)]
@@ -113,7 +41,7 @@ struct Args {
 /// there by name and sends it every step's samples over QUIC.
 pub async fn run(job: &JobConfig) -> anyhow::Result<Vec<f64>> {
     let certs = tempfile::tempdir()?;
-    let host = register(Node::builder("custom-host"))
+    let host = register(Node::builder("custom-host"))?
         .dev_certs(certs.path())
         .start()
         .await
@@ -133,7 +61,11 @@ pub async fn run(job: &JobConfig) -> anyhow::Result<Vec<f64>> {
         .spawn_remote_linked::<RoleRequest<Vec<Sample>>, RoleResponse<Vec<Sample>>, _>(
             host.name(),
             ROLE_NAME,
-            &(4usize, 6usize, "aeiou".to_string()),
+            &LengthFormatReward {
+                min_len: 4,
+                max_len: 6,
+                alphabet: "aeiou".into(),
+            },
             Duration::from_secs(10),
         )
         .await
@@ -141,6 +73,7 @@ pub async fn run(job: &JobConfig) -> anyhow::Result<Vec<f64>> {
     let options = TrainOptions {
         roles: CustomRoles {
             reward: Some(reward),
+            ..Default::default()
         },
         ..Default::default()
     };
@@ -175,23 +108,11 @@ async fn main() -> anyhow::Result<()> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn scores_length_and_format() {
-        let r = LengthFormatReward {
-            min_len: 2,
-            max_len: 3,
-            alphabet: "ab".into(),
-        };
-        assert_eq!(r.score("ab"), 1.0);
-        assert_eq!(r.score("abzz"), 0.25);
-        assert_eq!(r.score("zz"), 0.5);
-        assert_eq!(r.score(""), 0.0);
-    }
-
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_bad_spawn_is_refused_with_the_reason() {
         let certs = tempfile::tempdir().unwrap();
         let host = register(Node::builder("bad-host"))
+            .unwrap()
             .dev_certs(certs.path())
             .start()
             .await
@@ -212,7 +133,11 @@ mod tests {
             .spawn_remote::<RoleRequest<Vec<Sample>>, RoleResponse<Vec<Sample>>, _>(
                 host.name(),
                 ROLE_NAME,
-                &(6usize, 4usize, "ab".to_string()),
+                &LengthFormatReward {
+                    min_len: 6,
+                    max_len: 4,
+                    alphabet: "ab".into(),
+                },
                 Duration::from_secs(10),
             )
             .await

@@ -28,6 +28,21 @@ pub trait TextCodec: Send + Sync {
     fn encode_response(&self, text: &str) -> Result<Vec<i64>, String>;
     /// Text of response tokens (special tokens dropped).
     fn decode(&self, ids: &[i64]) -> Result<String, String>;
+    /// Token ids of a chat prompt (a dataset row with a list of messages), with the
+    /// generation prompt. The default encodes the plain `role: content` transcript, for
+    /// codecs without a chat template (the tiny test models).
+    fn encode_chat(&self, messages: &[yatt_engine::ChatMessage]) -> Result<Vec<i64>, String> {
+        self.encode_prompt(&crate::data::prompt::transcript(messages))
+    }
+}
+
+/// Token ids of a prompt: its chat through the codec's chat template, else its text.
+pub(crate) fn encode_prompt(codec: &dyn TextCodec, p: &Prompt) -> Result<Vec<i64>, String> {
+    if p.messages.is_empty() {
+        codec.encode_prompt(&p.text)
+    } else {
+        codec.encode_chat(&p.messages)
+    }
 }
 
 /// A Hugging Face tokenizer, optionally with its chat template (prompt = one user turn).
@@ -57,6 +72,17 @@ impl TextCodec for TokenizerCodec {
 
     fn decode(&self, ids: &[i64]) -> Result<String, String> {
         self.tokenizer.decode(ids, true).map_err(|e| e.to_string())
+    }
+
+    /// A chat prompt always goes through the chat template (whatever `chat` says): the
+    /// dataset gave messages, not text.
+    fn encode_chat(&self, messages: &[yatt_engine::ChatMessage]) -> Result<Vec<i64>, String> {
+        if self.tokenizer.chat_template().is_none() {
+            return Err("the dataset gives this prompt as chat messages, and the model has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja); use a chat model or give prompts as strings".into());
+        }
+        self.tokenizer
+            .encode_chat(messages, true)
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -230,7 +256,7 @@ impl RolloutRole {
         let mut ids = Vec::with_capacity(requests.capacity());
         let mut encoded = Vec::with_capacity(req.prompts.len());
         for (pi, p) in req.prompts.iter().enumerate() {
-            let tokens = self.codec.encode_prompt(&p.text).map_err(|e| {
+            let tokens = encode_prompt(self.codec.as_ref(), p).map_err(|e| {
                 RoleError::BadRequest(format!("prompt {:#x}: cannot encode: {e}", p.id))
             })?;
             if tokens.is_empty() {

@@ -1,44 +1,54 @@
 //! JSONL prompt files: one JSON object per line, e.g.
-//! `{"prompt": "What is 2+3?", "answer": "5"}`.
+//! `{"prompt": "What is 2+3?", "answer": "5"}` or
+//! `{"messages": [{"role": "user", "content": "2+3?"}], "ground_truth": "5"}`.
 //!
-//! - prompt text: `prompt` or `question` (string);
-//! - reference: `answer`, `reference` or `ground_truth` (string or number; optional);
-//! - id: `id` (non-negative integer, or a string that is hashed) if present, else a
-//!   hash of the prompt text and its occurrence count (stable under reordering, distinct
-//!   for duplicate prompts);
-//! - every other key goes to `metadata`. Blank lines are skipped.
+//! Each line is a row, mapped to a prompt by [`DataFields`] (see `fields` for the
+//! rules: prompt string or chat, ground truth, data source, extra info, id, metadata).
+//! Blank lines are skipped.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 
-use crate::data::prompt::{fnv1a, DataError, Prompt};
+use crate::data::fields::{kind, DataFields, RowConverter, RowFault};
+use crate::data::prompt::{DataError, Prompt};
 
-const PROMPT_KEYS: [&str; 2] = ["prompt", "question"];
-const ANSWER_KEYS: [&str; 3] = ["answer", "reference", "ground_truth"];
-
-/// Reads and parses a JSONL prompt file (see the module docs for the format).
+/// Reads and parses a JSONL prompt file with the default fields.
 pub fn load_jsonl(path: impl AsRef<Path>) -> Result<Vec<Prompt>, DataError> {
+    load_jsonl_with(path, &DataFields::default())
+}
+
+/// Reads and parses a JSONL prompt file with the given fields.
+pub(crate) fn load_jsonl_with(
+    path: impl AsRef<Path>,
+    fields: &DataFields,
+) -> Result<Vec<Prompt>, DataError> {
     let path = path.as_ref();
     let text = std::fs::read_to_string(path).map_err(|source| DataError::Io {
         path: path.to_path_buf(),
         source,
     })?;
-    parse_jsonl(&text, path)
+    parse_jsonl_with(&text, path, fields)
 }
 
-/// Parses JSONL text; `path` only names the source in errors.
+/// Parses JSONL text with the default fields; `path` only names the source in errors.
 pub fn parse_jsonl(text: &str, path: impl AsRef<Path>) -> Result<Vec<Prompt>, DataError> {
+    parse_jsonl_with(text, path, &DataFields::default())
+}
+
+fn parse_jsonl_with(
+    text: &str,
+    path: impl AsRef<Path>,
+    fields: &DataFields,
+) -> Result<Vec<Prompt>, DataError> {
     let path: PathBuf = path.as_ref().to_path_buf();
     let err = |line: usize, reason: String| DataError::Line {
         path: path.clone(),
         line,
         reason,
     };
+    let mut rows = RowConverter::new(fields);
     let mut out = Vec::new();
-    let mut explicit_ids: HashMap<u64, usize> = HashMap::new();
-    let mut occurrences: HashMap<String, u64> = HashMap::new();
     for (i, raw) in text.lines().enumerate() {
         let line = i + 1;
         if raw.trim().is_empty() {
@@ -50,7 +60,7 @@ pub fn parse_jsonl(text: &str, path: impl AsRef<Path>) -> Result<Vec<Prompt>, Da
                 format!("not valid JSON ({e}); each line must be one JSON object"),
             )
         })?;
-        let Value::Object(mut obj) = value else {
+        let Value::Object(obj) = value else {
             return Err(err(
                 line,
                 format!(
@@ -59,93 +69,25 @@ pub fn parse_jsonl(text: &str, path: impl AsRef<Path>) -> Result<Vec<Prompt>, Da
                 ),
             ));
         };
-        let text = take_prompt(&mut obj).map_err(|r| err(line, r))?;
-        let reference = take_answer(&mut obj).map_err(|r| err(line, r))?;
-        let id = match obj.remove("id") {
-            Some(v) => {
-                let id = match &v {
-                    Value::Number(n) => n.as_u64().ok_or_else(|| {
-                        err(line, format!("\"id\" {n} is not a non-negative integer"))
-                    })?,
-                    Value::String(s) => fnv1a(&[b"id", s.as_bytes()]),
-                    other => {
-                        return Err(err(
-                            line,
-                            format!("\"id\" must be an integer or a string, got {}", kind(other)),
-                        ))
-                    }
-                };
-                if let Some(first_line) = explicit_ids.insert(id, line) {
-                    return Err(DataError::DuplicateId {
-                        path: path.clone(),
-                        line,
-                        first_line,
-                        id,
-                    });
-                }
-                id
+        match rows.convert(obj, line) {
+            Ok(p) => out.push(p),
+            Err(RowFault::Field { column, reason }) => {
+                return Err(err(line, format!("field \"{column}\": {reason}")))
             }
-            None => {
-                let k = occurrences.entry(text.clone()).or_insert(0);
-                *k += 1;
-                fnv1a(&[b"prompt", text.as_bytes(), &k.to_le_bytes()])
+            Err(RowFault::DuplicateId { id, first }) => {
+                return Err(DataError::DuplicateId {
+                    path: path.clone(),
+                    line,
+                    first_line: first,
+                    id,
+                })
             }
-        };
-        out.push(Prompt {
-            id,
-            text,
-            reference,
-            metadata: Value::Object(obj),
-        });
+        }
     }
     if out.is_empty() {
         return Err(DataError::Empty(path));
     }
     Ok(out)
-}
-
-fn kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
-
-fn take_prompt(obj: &mut Map<String, Value>) -> Result<String, String> {
-    for k in PROMPT_KEYS {
-        if let Some(v) = obj.remove(k) {
-            return match v {
-                Value::String(s) if !s.trim().is_empty() => Ok(s),
-                Value::String(_) => Err(format!("\"{k}\" is empty")),
-                other => Err(format!("\"{k}\" must be a string, got {}", kind(&other))),
-            };
-        }
-    }
-    let keys: Vec<&String> = obj.keys().collect();
-    Err(format!(
-        "no prompt: expected a \"prompt\" or \"question\" string field; keys present: {keys:?}"
-    ))
-}
-
-fn take_answer(obj: &mut Map<String, Value>) -> Result<Option<String>, String> {
-    for k in ANSWER_KEYS {
-        if let Some(v) = obj.remove(k) {
-            return match v {
-                Value::String(s) => Ok(Some(s)),
-                Value::Number(n) => Ok(Some(n.to_string())),
-                Value::Null => Ok(None),
-                other => Err(format!(
-                    "\"{k}\" must be a string or a number, got {}",
-                    kind(&other)
-                )),
-            };
-        }
-    }
-    Ok(None)
 }
 
 #[cfg(test)]
@@ -198,9 +140,9 @@ mod tests {
             ),
             ("{\"prompt\": 5}", "f.jsonl:1:", "must be a string"),
             (
-                "{\"prompt\": \"a\", \"answer\": [1]}",
+                "{\"messages\": [{\"role\": \"user\", \"content\": 1}]}",
                 "f.jsonl:1:",
-                "\"answer\" must be a string or a number",
+                "field \"messages\": message 0 (user) needs a string \"content\"",
             ),
             (
                 "{\"prompt\": \"a\", \"id\": -1}",

@@ -3,14 +3,21 @@
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
+use yatt_engine::ChatMessage;
 
 /// One prompt of a dataset.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Prompt {
     /// Stable id (same dataset → same ids, on every machine and run).
     pub id: u64,
-    /// The prompt text given to the policy.
+    /// The prompt text given to the policy. For a chat prompt, a plain transcript of
+    /// `messages` (what a judge, a log line or a Python reward's `extra_info["prompt"]`
+    /// shows); the policy sees `messages` through the chat template.
     pub text: String,
+    /// A chat prompt's messages (system, user, few-shot turns), rendered with the
+    /// model's chat template; empty for a plain-text prompt.
+    #[serde(default)]
+    pub messages: Vec<ChatMessage>,
     /// The reference answer for verifiers, when known.
     pub reference: Option<String>,
     /// Everything else the dataset carries (task name, difficulty, source fields).
@@ -52,8 +59,28 @@ pub enum DataError {
         /// The id.
         id: u64,
     },
+    /// A row of a parquet file or of an Arrow dataset is not a valid prompt.
+    #[error("{path}: row {row}: column `{column}`: {reason}")]
+    Row {
+        /// The file.
+        path: PathBuf,
+        /// 0-based row number within the file (as pandas and pyarrow count).
+        row: usize,
+        /// The column (a dotted path for a struct field, e.g. `reward_model.ground_truth`).
+        column: String,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+    /// A file or directory is not a dataset this format can read.
+    #[error("{path}: {reason}")]
+    Format {
+        /// The file or directory.
+        path: PathBuf,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
     /// The dataset has no prompts.
-    #[error("{0}: dataset is empty (no non-blank lines)")]
+    #[error("{0}: dataset is empty (no rows, or only blank lines)")]
     Empty(PathBuf),
     /// Invalid dataloader / synthetic-task parameters.
     #[error("{0}")]
@@ -61,6 +88,28 @@ pub enum DataError {
     /// A checkpointed loader state does not fit this loader.
     #[error("cannot restore loader state: {0}")]
     State(String),
+}
+
+impl Prompt {
+    /// A plain-text prompt with no reference and no metadata.
+    pub fn text(id: u64, text: impl Into<String>) -> Self {
+        Prompt {
+            id,
+            text: text.into(),
+            messages: Vec::new(),
+            reference: None,
+            metadata: serde_json::Value::Null,
+        }
+    }
+}
+
+/// The plain transcript of a chat (`role: content` blocks), the `text` of a chat prompt.
+pub(crate) fn transcript(messages: &[ChatMessage]) -> String {
+    messages
+        .iter()
+        .map(|m| format!("{}: {}", m.role, m.content))
+        .collect::<Vec<_>>()
+        .join("\n\n")
 }
 
 /// FNV-1a 64-bit: the stable hash behind prompt ids (fixed forever; do not change).

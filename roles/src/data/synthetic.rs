@@ -208,6 +208,7 @@ impl SyntheticTask {
         Prompt {
             id,
             text,
+            messages: Vec::new(),
             reference: Some(reference),
             metadata: json!({"task": name, "length": len, "step": step, "index": index, "seed": self.seed}),
         }
@@ -243,6 +244,7 @@ impl GrowingLength {
             .map(|i| Prompt {
                 id: 2000 + i,
                 text: format!("n{i}:"),
+                messages: Vec::new(),
                 reference: None,
                 metadata: json!({ "task": "growing" }),
             })

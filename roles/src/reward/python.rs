@@ -12,7 +12,7 @@
 //! | `data_source` | `metadata["data_source"]`, else `metadata["task"]`, else `"yatt"` |
 //! | `solution_str` | the response text |
 //! | `ground_truth` | the reference (`None` when the sample has none) |
-//! | `extra_info` | the metadata object (a non-object is under `"metadata"`), plus `"prompt"` (the prompt text) and `"sample_id"` |
+//! | `extra_info` | the dataset's `extra_info` object (`metadata["extra_info"]`, see `data.extra_info_key`) when it has one, else the metadata object (a non-object is under `"metadata"`); plus `"prompt"` (the prompt text) and `"sample_id"` unless the dataset's extra_info sets them |
 //!
 //! A step's samples are split over the workers, one call per worker, each with the
 //! per-call deadline. A function that raises fails the request with the sample and the
@@ -525,14 +525,22 @@ fn to_item(i: &RewardInput, label: &str) -> Value {
         .find_map(|k| meta.get(k).and_then(Value::as_str))
         .unwrap_or("yatt");
     let mut extra = match meta {
+        // A dataset's own extra_info column (verl) is the function's extra_info.
+        Value::Object(m) if m.get("extra_info").is_some_and(Value::is_object) => {
+            m["extra_info"].as_object().cloned().unwrap_or_default()
+        }
         Value::Object(m) => m.clone(),
         Value::Null => Default::default(),
         other => [("metadata".to_string(), other.clone())]
             .into_iter()
             .collect(),
     };
-    extra.insert("prompt".into(), Value::String(i.prompt.clone()));
-    extra.insert("sample_id".into(), Value::String(label.to_string()));
+    extra
+        .entry("prompt")
+        .or_insert_with(|| Value::String(i.prompt.clone()));
+    extra
+        .entry("sample_id")
+        .or_insert_with(|| Value::String(label.to_string()));
     json!({
         "data_source": data_source,
         "solution_str": i.response,

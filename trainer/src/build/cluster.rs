@@ -104,7 +104,7 @@ pub(crate) enum JobReward {
 
 impl JobReward {
     fn of(job: &JobConfig) -> Result<Self, JobError> {
-        if job.data.jsonl.is_empty() && job.data.task == Task::Growing {
+        if job.data.dataset().is_none() && job.data.task == Task::Growing {
             let task = crate::build::data::growing_task(job);
             return Ok(JobReward::Growing(yatt_roles::GrowingLengthReward(task)));
         }

@@ -1,16 +1,17 @@
 //! The prompts of a job.
 
-use yatt_roles::{load_jsonl, LengthSchedule, Prompt, SyntheticTask, SyntheticTaskKind};
+use yatt_roles::{load_dataset, LengthSchedule, Prompt, SyntheticTask, SyntheticTaskKind};
 
 use crate::config::modes::Task;
 use crate::config::sections::JobConfig;
 use crate::error::JobError;
 
-/// The job's training prompts (the synthetic task with the job seed, or the JSONL file).
+/// The job's training prompts (the synthetic task with the job seed, or the dataset:
+/// JSONL, parquet or a `save_to_disk` directory).
 pub(crate) fn prompts(job: &JobConfig) -> Result<Vec<Prompt>, JobError> {
     let d = &job.data;
-    if !d.jsonl.is_empty() {
-        return Ok(load_jsonl(&d.jsonl)?);
+    if let Some(path) = d.dataset() {
+        return Ok(load_dataset(path, d.dataset_format(), &d.fields())?);
     }
     let kind = match d.task {
         Task::Letters => {
@@ -18,6 +19,7 @@ pub(crate) fn prompts(job: &JobConfig) -> Result<Vec<Prompt>, JobError> {
                 .map(|i| Prompt {
                     id: 1000 + i,
                     text: format!("q{i}:"),
+                    messages: Vec::new(),
                     reference: None,
                     metadata: serde_json::Value::Null,
                 })

@@ -29,7 +29,7 @@ pub(crate) async fn spawn_reward(
     node: &Node,
     group: DeviceGroup,
 ) -> Result<crate::controller::refs::SamplesRef, JobError> {
-    if job.data.jsonl.is_empty() && job.data.task == Task::Growing {
+    if job.data.dataset().is_none() && job.data.task == Task::Growing {
         let role = yatt_roles::GrowingLengthReward(growing_task(job));
         return Ok(spawn_role(node, role, 0, group).await?);
     }

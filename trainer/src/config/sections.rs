@@ -4,7 +4,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 use yatt_roles::{
-    Algorithm, BehaviourCorrection, JudgeConfig, KlEstimator, LossAgg, LossAggMode, LETTERS,
+    Algorithm, BehaviourCorrection, DataFields, DataFormat, JudgeConfig, KlEstimator, LossAgg,
+    LossAggMode, LETTERS,
 };
 
 use crate::config::modes::{
@@ -115,9 +116,28 @@ impl Default for ModelSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataSection {
-    /// `addition`, `sorting`, `reversal` or `letters`; ignored when `jsonl` is set.
+    /// `addition`, `sorting`, `reversal` or `letters`; ignored when `path` (or `jsonl`)
+    /// is set.
     pub task: Task,
-    /// A JSONL prompt file (`{"prompt": ..., "reference": ...}` per line); empty = use `task`.
+    /// A dataset: a JSONL file, a parquet file (verl's layout) or a directory saved with
+    /// HF `datasets`' `save_to_disk`; empty = use `task`.
+    pub path: String,
+    /// The dataset's format: `jsonl`, `parquet` or `hf-disk`; unset = from `path` (a
+    /// directory is `hf-disk`, `.parquet` is `parquet`, `.jsonl`/`.json` is `jsonl`).
+    pub format: Option<DataFormat>,
+    /// The prompt column: a string or a list of `{role, content}` chat messages
+    /// (rendered with the model's chat template). With the default, `question` and
+    /// `messages` are tried too.
+    pub prompt_key: String,
+    /// The ground-truth column, a dotted path into a struct column. With the default,
+    /// a top-level `ground_truth`, `answer` or `reference` is tried too.
+    pub ground_truth_key: String,
+    /// The column handed to the reward as `data_source`.
+    pub data_source_key: String,
+    /// The column handed to the reward as `extra_info`.
+    pub extra_info_key: String,
+    /// A JSONL prompt file (the older key: the same as `path` with `format = "jsonl"`);
+    /// empty = use `path` or `task`.
     pub jsonl: String,
     /// Task length of the synthetic tasks (digits, list length, letters); for
     /// `growing`, the target response length at the first step.
@@ -137,12 +157,46 @@ impl Default for DataSection {
     fn default() -> Self {
         DataSection {
             task: Task::Letters,
+            path: String::new(),
+            format: None,
+            prompt_key: DataFields::default().prompt_key,
+            ground_truth_key: DataFields::default().ground_truth_key,
+            data_source_key: DataFields::default().data_source_key,
+            extra_info_key: DataFields::default().extra_info_key,
             jsonl: String::new(),
             length: 2,
             length_end: 0,
             num_prompts: 256,
             prompts_per_step: 8,
             samples_per_prompt: 8,
+        }
+    }
+}
+
+impl DataSection {
+    /// The dataset file or directory (`path`, else `jsonl`), when the job reads one.
+    pub fn dataset(&self) -> Option<&str> {
+        [&self.path, &self.jsonl]
+            .into_iter()
+            .find(|p| !p.is_empty())
+            .map(String::as_str)
+    }
+
+    /// The dataset's format: `format`, else `jsonl` for the `jsonl` key, else from the
+    /// path.
+    pub fn dataset_format(&self) -> Option<DataFormat> {
+        self.format.or_else(|| {
+            (self.path.is_empty() && !self.jsonl.is_empty()).then_some(DataFormat::Jsonl)
+        })
+    }
+
+    /// The column names.
+    pub fn fields(&self) -> DataFields {
+        DataFields {
+            prompt_key: self.prompt_key.clone(),
+            ground_truth_key: self.ground_truth_key.clone(),
+            data_source_key: self.data_source_key.clone(),
+            extra_info_key: self.extra_info_key.clone(),
         }
     }
 }

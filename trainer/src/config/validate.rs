@@ -79,7 +79,8 @@ impl JobConfig {
                 "point it at a directory with config.json, *.safetensors and tokenizer.json",
             ));
         }
-        if self.data.jsonl.is_empty() {
+        self.validate_data()?;
+        if self.data.dataset().is_none() {
             positive(
                 "data.num_prompts",
                 self.data.num_prompts as f64,
@@ -439,12 +440,50 @@ impl JobConfig {
         Ok(())
     }
 
+    /// `[data]`'s dataset keys: one of `path` / `jsonl`, a format only with a path,
+    /// non-empty column names.
+    fn validate_data(&self) -> Result<(), JobError> {
+        let d = &self.data;
+        if !d.path.is_empty() && !d.jsonl.is_empty() {
+            return Err(invalid(
+                "data.jsonl",
+                "either data.path or data.jsonl",
+                &format!("both (path = {:?}, jsonl = {:?})", d.path, d.jsonl),
+                "keep data.path (with data.format = \"jsonl\" if needed) and remove data.jsonl",
+            ));
+        }
+        if let (Some(f), None) = (d.format, d.dataset()) {
+            return Err(invalid(
+                "data.format",
+                "a format only with data.path",
+                &format!("\"{f}\" with no data.path"),
+                "set data.path to the dataset file or directory, or remove data.format",
+            ));
+        }
+        for (key, v) in [
+            ("data.prompt_key", &d.prompt_key),
+            ("data.ground_truth_key", &d.ground_truth_key),
+            ("data.data_source_key", &d.data_source_key),
+            ("data.extra_info_key", &d.extra_info_key),
+        ] {
+            if v.trim().is_empty() {
+                return Err(invalid(
+                    key,
+                    "a column name (a dotted path for a struct field)",
+                    "an empty string",
+                    &format!("remove {key} for the default, or name the column"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The reward kinds, with the task's default when none is given.
     pub fn reward_kinds(&self) -> Vec<RewardKind> {
         if !self.reward.kind.0.is_empty() {
             return self.reward.kind.0.clone();
         }
-        let default = match (self.data.jsonl.is_empty(), self.data.task) {
+        let default = match (self.data.dataset().is_none(), self.data.task) {
             (false, _) | (true, Task::Addition) => RewardKind::Numeric,
             (true, Task::Letters) => RewardKind::Letters,
             _ => RewardKind::Exact,

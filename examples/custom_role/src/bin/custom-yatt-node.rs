@@ -1,0 +1,9 @@
+//! `yatt-node` with the example's role: the same daemon (`init`, `cert`, `run`, its
+//! flags and config, `/health`, `/metrics`), plus `length-format-reward` in its factory
+//! registry.
+
+use custom_role::{LengthFormatReward, ROLE_NAME};
+
+fn main() -> std::process::ExitCode {
+    yatt::node::main_with(|r| r.role::<LengthFormatReward>(ROLE_NAME))
+}

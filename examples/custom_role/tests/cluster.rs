@@ -1,0 +1,108 @@
+//! The example's daemon on a 3-node loopback cluster: two `custom-yatt-node` processes
+//! (`yatt::node::main_with` with the example's role) and this test process as the
+//! trainer. The trainer spawns `length-format-reward` on the second daemon by name,
+//! trains the demo job with it as the reward, and the daemon answers `/health` with the
+//! role hosted, then shuts down on SIGTERM.
+
+use std::time::Duration;
+
+use custom_role::{LengthFormatReward, ROLE_NAME};
+use yatt_integration_tests::{cluster_logs, join, poll, Cluster};
+use yatt_roles::{RoleRequest, RoleResponse, Sample};
+use yatt_trainer::{train_with, CustomRoles, JobConfig, TrainOptions};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_reward_on_main_with_daemons_trains_a_job() {
+    // Cluster starts the daemon binary YATT_NODE_BIN names: this example's.
+    std::env::set_var("YATT_NODE_BIN", env!("CARGO_BIN_EXE_custom-yatt-node"));
+    let mut cluster = tokio::task::spawn_blocking(|| Cluster::start("custom", 2))
+        .await
+        .unwrap();
+    let trainer = join(&cluster, "custom-trainer").await;
+    let all_three = trainer
+        .directory()
+        .wait_until(Duration::from_secs(20), |d| d.alive_nodes().count() == 3)
+        .await;
+    assert!(
+        all_three,
+        "the trainer did not see both daemons:\n{}",
+        cluster_logs(&cluster)
+    );
+
+    let host = cluster.nodes[1].name.clone();
+    let reward = trainer
+        .spawn_remote_linked::<RoleRequest<Vec<Sample>>, RoleResponse<Vec<Sample>>, _>(
+            &host,
+            ROLE_NAME,
+            &LengthFormatReward {
+                min_len: 4,
+                max_len: 6,
+                alphabet: "aeiou".into(),
+            },
+            Duration::from_secs(20),
+        )
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "spawning {ROLE_NAME} on {host}: {e}\n{}",
+                cluster_logs(&cluster)
+            )
+        });
+    // The daemon hosts it, as its /health says.
+    let hosted = poll(Duration::from_secs(10), || {
+        let h = cluster.nodes[1].health()?;
+        h["hosted"]
+            .as_array()?
+            .iter()
+            .any(|a| a.to_string().contains(ROLE_NAME))
+            .then_some(())
+    });
+    assert!(hosted.is_some(), "{:?}", cluster.nodes[1].health());
+    // A role the daemon does not register is refused, naming what it has.
+    let e = trainer
+        .spawn_remote::<RoleRequest<Vec<Sample>>, RoleResponse<Vec<Sample>>, _>(
+            &host,
+            "no-such-role",
+            &(),
+            Duration::from_secs(20),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(ROLE_NAME) && e.contains("reward"), "{e}");
+
+    let out = tempfile::tempdir().unwrap();
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../config/demo-letters.toml"
+    );
+    let sets = [format!(
+        "job.output_dir={:?}",
+        out.path().display().to_string()
+    )];
+    let job = JobConfig::load(config, &sets).unwrap();
+    let options = TrainOptions {
+        roles: CustomRoles {
+            reward: Some(reward),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let summary = train_with(&job, &trainer, options, |_| {}).await.unwrap();
+    let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len() as f64;
+    let r = &summary.rewards;
+    let (first, last) = (mean(&r[..5]), mean(&r[r.len() - 5..]));
+    assert!(last > first + 0.2, "reward {first:.3} → {last:.3}");
+    trainer.shutdown().await;
+
+    for node in cluster.nodes.iter_mut().rev() {
+        let code = node.terminate(Duration::from_secs(20));
+        assert_eq!(
+            code,
+            Some(0),
+            "{} did not stop cleanly:\n{}",
+            node.name,
+            node.log()
+        );
+    }
+}

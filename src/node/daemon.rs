@@ -1,0 +1,234 @@
+//! The daemon's command line and its `run`: `init` creates a cluster CA, `cert` issues
+//! node certificates, `run` serves: it joins through a seed (or leads a new cluster),
+//! hosts the actors peers spawn through its factory registry, exposes `/health` and
+//! `/metrics`, and on SIGTERM stops accepting, drains, leaves the cluster and exits.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use yatt_runtime::Node;
+use yatt_runtime::{ClusterCa, NodeIdentity};
+
+use crate::node::error::DaemonError;
+use crate::node::roles::Roles;
+
+/// `DaemonError::Failed` with `context`.
+fn failed<E: std::error::Error + Send + Sync + 'static>(
+    context: String,
+) -> impl FnOnce(E) -> DaemonError {
+    move |e| DaemonError::Failed {
+        context,
+        source: Box::new(e),
+    }
+}
+
+#[derive(Parser)]
+#[command(
+    name = "yatt-node",
+    version,
+    about = "Host yatt actors on this machine"
+)]
+struct Cli {
+    /// Log as JSON lines.
+    #[arg(long, global = true, env = "YATT_LOG_JSON")]
+    log_json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create a cluster CA (ca.pem, ca.key) in DIR.
+    Init {
+        /// Where to write the CA.
+        #[arg(long, default_value = "certs")]
+        dir: PathBuf,
+        /// The cluster's name (in the CA certificate).
+        #[arg(long, default_value = "yatt")]
+        cluster: String,
+    },
+    /// Issue a node certificate from the cluster CA.
+    Cert {
+        /// Directory holding ca.pem and ca.key.
+        #[arg(long, default_value = "certs")]
+        ca_dir: PathBuf,
+        /// The node's name (its certificate CN).
+        #[arg(long)]
+        name: String,
+        /// Where to write NAME.pem, NAME.key and ca.pem (default: the CA directory).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Serve: join or lead a cluster and host actors.
+    Run(RunArgs),
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// TOML configuration (see config/node.toml).
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// Node name (node.name).
+    #[arg(long)]
+    name: Option<String>,
+    /// QUIC listen address (node.listen).
+    #[arg(long)]
+    listen: Option<String>,
+    /// Join through this member (node.seed).
+    #[arg(long)]
+    seed: Option<String>,
+    /// HTTP address for /health and /metrics; "" disables (http.listen).
+    #[arg(long)]
+    http: Option<String>,
+    /// Certificate directory (tls.dir).
+    #[arg(long)]
+    certs: Option<PathBuf>,
+    /// Dev mode: self-issue from a dev CA kept in the certificate directory (tls.dev).
+    #[arg(long)]
+    dev: bool,
+    /// Virtual devices when there is no GPU (node.virtual_devices).
+    #[arg(long)]
+    virtual_devices: Option<u32>,
+    /// Write {"name","addr","http","pid"} here once serving (node.ready_file).
+    #[arg(long)]
+    ready_file: Option<PathBuf>,
+}
+
+/// Parses the command line and runs it, with the roles `roles` registers.
+pub(crate) fn main_with_roles(roles: Roles) -> Result<(), DaemonError> {
+    let cli = Cli::parse();
+    crate::logging::init(cli.log_json).map_err(failed("starting the logger".into()))?;
+    match cli.command {
+        Command::Init { dir, cluster } => init(&dir, &cluster),
+        Command::Cert { ca_dir, name, out } => {
+            cert(&ca_dir, &name, out.as_deref().unwrap_or(&ca_dir))
+        }
+        Command::Run(args) => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .map_err(failed("starting the async runtime".into()))?
+            .block_on(run(args, roles)),
+    }
+}
+
+fn init(dir: &std::path::Path, cluster: &str) -> Result<(), DaemonError> {
+    if dir.join(yatt_runtime::CA_KEY_FILE).exists() {
+        return Err(DaemonError::Refused(format!(
+            "{} already holds a CA key; refusing to overwrite it (remove it first to start a new cluster)",
+            dir.display()
+        )));
+    }
+    std::fs::create_dir_all(dir).map_err(failed(format!("creating {}", dir.display())))?;
+    ClusterCa::generate(cluster)
+        .and_then(|ca| ca.save(dir))
+        .map_err(failed(format!("writing a cluster CA to {}", dir.display())))?;
+    println!("cluster CA written to {}", dir.display());
+    Ok(())
+}
+
+fn cert(ca_dir: &std::path::Path, name: &str, out: &std::path::Path) -> Result<(), DaemonError> {
+    let ca = ClusterCa::load(ca_dir).map_err(failed(format!(
+        "loading the cluster CA from {}",
+        ca_dir.display()
+    )))?;
+    std::fs::create_dir_all(out).map_err(failed(format!("creating {}", out.display())))?;
+    ca.issue(name)
+        .and_then(|id| id.save(out))
+        .map_err(failed(format!("issuing a certificate for {name}")))?;
+    println!("certificate for {name} written to {}", out.display());
+    Ok(())
+}
+
+async fn run(args: RunArgs, roles: Roles) -> Result<(), DaemonError> {
+    let mut flags: Vec<(&str, String)> = Vec::new();
+    let mut flag = |k, v: Option<String>| {
+        if let Some(v) = v {
+            flags.push((k, v));
+        }
+    };
+    flag("node.name", args.name);
+    flag("node.listen", args.listen);
+    flag("node.seed", args.seed);
+    flag("http.listen", args.http);
+    flag("tls.dir", args.certs.map(|p| p.display().to_string()));
+    flag("tls.dev", args.dev.then(|| "true".to_string()));
+    flag(
+        "node.virtual_devices",
+        args.virtual_devices.map(|n| n.to_string()),
+    );
+    flag(
+        "node.ready_file",
+        args.ready_file.map(|p| p.display().to_string()),
+    );
+    let cfg = crate::node_config::load(args.config.as_deref(), &flags)
+        .map_err(|e| DaemonError::Refused(e.to_string()))?;
+
+    if let Some(addr) = cfg.http.filter(|a| !a.ip().is_loopback()) {
+        tracing::warn!(%addr, "/health and /metrics are served without authentication on a non-loopback address: anyone who reaches it reads the node's state; bind http.listen to 127.0.0.1, or firewall the port");
+    }
+    // Bind HTTP first: a port in use should fail before we join the cluster.
+    let http =
+        match cfg.http {
+            Some(addr) => Some(tokio::net::TcpListener::bind(addr).await.map_err(failed(
+                format!("cannot listen for HTTP on {addr} (http.listen; is the port in use?)"),
+            ))?),
+            None => None,
+        };
+    let mut builder = Node::builder(&cfg.name).config(cfg.runtime.clone());
+    builder = if cfg.tls.dev {
+        builder.dev_certs(&cfg.tls.dir)
+    } else {
+        builder.identity(
+            NodeIdentity::load(&cfg.tls.dir, &cfg.name).map_err(failed(format!(
+                "loading the certificate of {} from {}",
+                cfg.name,
+                cfg.tls.dir.display()
+            )))?,
+        )
+    };
+    let user_roles = roles.names();
+    builder = roles.register(crate::register_roles(builder));
+    let node = builder
+        .start()
+        .await
+        .map_err(failed(format!("starting node {}", cfg.name)))?;
+
+    let http_addr = http.as_ref().and_then(|l| l.local_addr().ok());
+    let (stop_http, http_stopped) = tokio::sync::oneshot::channel::<()>();
+    let http_task = http.map(|listener| {
+        let app = crate::http::router(node.clone());
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(async {
+                    let _ = http_stopped.await;
+                })
+                .await;
+        })
+    });
+    if let Some(path) = &cfg.ready_file {
+        let ready = serde_json::json!({
+            "name": node.name(),
+            "addr": node.addr().to_string(),
+            "http": http_addr.map(|a| a.to_string()),
+            "pid": std::process::id(),
+        });
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, ready.to_string())
+            .map_err(failed(format!("writing {}", tmp.display())))?;
+        std::fs::rename(&tmp, path).map_err(failed(format!("writing {}", path.display())))?;
+    }
+    tracing::info!(node = %node.name(), addr = %node.addr(), http = ?http_addr, user_roles = ?user_roles, "serving");
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(failed("listening for SIGTERM".into()))?;
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("interrupt"),
+    }
+    node.shutdown().await;
+    let _ = stop_http.send(());
+    if let Some(t) = http_task {
+        let _ = t.await;
+    }
+    Ok(())
+}
