@@ -80,6 +80,12 @@ pub struct PolicyConfig {
     /// [`PolicyRequest::OldLogProbs`] copies the rollout's log-probs (same weights, same
     /// temperature) for the KL metrics instead of running a second forward pass.
     pub on_policy: bool,
+    /// The rollout's log-probs are the PPO ratio's "old" (the behaviour policy), with
+    /// no forward pass: asynchronous RL's cheap option, where the clip bounds the
+    /// update against the weights that generated (possibly several versions back).
+    /// [`PolicyRequest::OldLogProbs`] copies them; unlike `on_policy` the loss uses
+    /// them, so the ratio is not 1 on stale samples.
+    pub rollout_as_old: bool,
     /// Where the tokenizer files are (the base model's directory): checkpoints get a
     /// copy, so they load on their own (yatt, transformers).
     pub tokenizer_dir: Option<PathBuf>,
@@ -106,6 +112,7 @@ impl Default for PolicyConfig {
             pad_id: 0,
             bucket_bytes: 64 << 20,
             on_policy: false,
+            rollout_as_old: false,
             tokenizer_dir: None,
             skip_zero_advantage: true,
             off_policy: OffPolicyConfig::default(),
@@ -826,7 +833,7 @@ impl Role for PolicyRole {
                     return Ok(PolicyResponse::Scored(samples));
                 }
                 let c = &self.config;
-                if c.on_policy {
+                if c.on_policy || c.rollout_as_old {
                     for s in samples.iter_mut() {
                         s.old_logprobs = Some(s.rollout_logprobs.clone());
                     }

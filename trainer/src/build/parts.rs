@@ -148,6 +148,7 @@ pub fn policy_role_from(
         temperature: job.rollout.temperature,
         pad_id,
         on_policy: a.old_logprobs == OldLogprobs::OnPolicy,
+        rollout_as_old: a.old_logprobs == OldLogprobs::Rollout,
         tokenizer_dir: job.model.source.dir().map(PathBuf::from),
         skip_zero_advantage: o.skip_zero_advantage,
         off_policy: OffPolicyConfig {

@@ -92,6 +92,10 @@ config_mode! {
         Recompute = "recompute",
         /// The one update runs on the weights that generated: the ratio is 1.
         OnPolicy = "on-policy",
+        /// The rollout's own log-probs (the behaviour policy), no forward pass: the
+        /// ratio is against the weights that generated, up to `rollout.staleness`
+        /// versions back (asynchronous RL without the recompute).
+        Rollout = "rollout",
     }
 }
 

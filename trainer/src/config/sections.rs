@@ -323,8 +323,10 @@ pub struct AlgorithmSection {
     /// Scale of the overlong penalty.
     pub overlong_coef: f64,
     /// Old log-probs of the PPO ratio: `recompute` (a forward pass of the policy before
-    /// the update) or `on-policy` (needs `optim.mini_batches = 1`: the one update runs on
-    /// the weights that generated, so the ratio is 1 and that pass is skipped).
+    /// the update), `on-policy` (needs `optim.mini_batches = 1`: the one update runs on
+    /// the weights that generated, so the ratio is 1 and that pass is skipped) or
+    /// `rollout` (the rollout's own log-probs, no pass: with `rollout.staleness` ≥ 1 the
+    /// clip bounds the update against the weights that generated).
     pub old_logprobs: OldLogprobs,
     /// Off-policy correction for samples of older weights (`rollout.staleness` ≥ 1):
     /// `none`, `decoupled` (AReaL's decoupled PPO: the ratio against the recomputed
@@ -365,10 +367,12 @@ impl AlgorithmSection {
     /// The off-policy correction: the config's, or `decoupled` when samples may be
     /// stale (`staleness` ≥ 1), else `none`.
     pub fn off_policy(&self, staleness: u32) -> BehaviourCorrection {
-        self.off_policy.unwrap_or(match staleness {
-            0 => BehaviourCorrection::None,
-            _ => BehaviourCorrection::Decoupled,
-        })
+        self.off_policy
+            .unwrap_or(match (staleness, self.old_logprobs) {
+                // The rollout's log-probs as the old ones: old = behaviour, nothing to weight.
+                (_, OldLogprobs::Rollout) | (0, _) => BehaviourCorrection::None,
+                _ => BehaviourCorrection::Decoupled,
+            })
     }
 
     /// `(clip_low, clip_high)`: the config's, or the algorithm's defaults.

@@ -316,9 +316,9 @@ impl JobConfig {
         if self.algorithm.old_logprobs == OldLogprobs::OnPolicy {
             return Err(invalid(
                 "algorithm.old_logprobs",
-                "\"recompute\" with rollout.staleness >= 1",
+                "\"recompute\" or \"rollout\" with rollout.staleness >= 1",
                 "\"on-policy\"",
-                "samples of older weights are not on-policy: the PPO ratio needs the old log-probs recomputed on the weights being trained; set algorithm.old_logprobs = \"recompute\" (or rollout.staleness = 0)",
+                "samples of older weights are not on-policy: set algorithm.old_logprobs = \"recompute\" (the old log-probs of the weights being trained, with the off-policy correction) or \"rollout\" (the rollout's own, no forward pass), or rollout.staleness = 0",
             ));
         }
         Ok(())
