@@ -612,6 +612,7 @@ mod tests {
             text: "abc".into(),
             reference: None,
             metadata: serde_json::Value::Null,
+            messages: Vec::new(),
         };
         let first = generated(
             r.serve(RolloutRequest::Generate(GenerateRequest {
