@@ -133,8 +133,8 @@ pub fn off_policy_stats<'a>(
     let (mut w_sum, mut d_sum, mut capped) = (0.0, 0.0, 0usize);
     for (old, behaviour) in rows {
         for (&o, &b) in old.iter().zip(behaviour) {
-            let d = (f64::from(o) - f64::from(b)).abs();
-            let w = (f64::from(o) - f64::from(b)).exp();
+            let log_ratio = f64::from(o) - f64::from(b);
+            let (d, w) = (log_ratio.abs(), log_ratio.exp());
             capped += usize::from(cfg.token_weight(o, b).1);
             w_sum += w;
             d_sum += d;

@@ -99,11 +99,12 @@ pub async fn step_data_parallel(
         (prepared, train, t.elapsed().as_secs_f64(), None)
     };
     let mut reports = Vec::with_capacity(prepared.len());
-    let (ahead, mut synced) = match ahead {
+    let (ahead, synced) = match ahead {
         Some((carried, overlap, synced)) => (Some((carried, overlap)), synced),
         None => (None, Vec::new()),
     };
-    let mut synced = synced.drain(..).map(Some).collect::<Vec<_>>();
+    // One per head when the heads synced beside generation; none otherwise.
+    let mut synced = synced.into_iter();
     for (i, (c, p)) in controllers.iter_mut().zip(prepared).enumerate() {
         // Each ledger records the trained ids of its own samples only.
         let mine: std::collections::BTreeSet<SampleId> = p.samples.iter().map(|s| s.id).collect();
@@ -116,7 +117,7 @@ pub async fn step_data_parallel(
                 .collect(),
             ..train.clone()
         };
-        let sync = synced.get_mut(i).and_then(Option::take).flatten();
+        let sync = synced.next().flatten();
         let mut report = c.finish(p, own, None, secs, sync).await?;
         if let Some((carried, overlap)) = &ahead {
             c.report_pipeline(&mut report, carried[i], overlap[i]);

@@ -232,10 +232,7 @@ impl GenBatch {
             generated_at: self.generated_at,
             samples: self.samples.clone(),
             gen: self.gen.clone(),
-            metrics: StepMetrics {
-                step: self.metrics.step,
-                values: self.metrics.values.clone(),
-            },
+            metrics: self.metrics.clone(),
         }
     }
 }
