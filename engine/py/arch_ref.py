@@ -11,6 +11,12 @@ Usage: python arch_ref.py COMMAND ARGS_JSON_FILE
             greedy       [B, new]  greedy continuation of each prompt
   logits  {"dir": model_dir, "prompts": [[ids...]], "out": file.safetensors}
           loads a checkpoint (e.g. one yatt wrote) and writes logits_{i}
+  peft    {"base": model_dir, "adapter": adapter_dir, "prompts": [[ids...]],
+           "out": file.safetensors, "make": {"dir": d, "r": 4, "alpha": 8, "seed": 1,
+           "targets": [...]} (optional)}
+          loads the base with the adapter yatt wrote through `peft` and writes logits_{i};
+          with "make", also makes an adapter of its own (random A and B), saves it with
+          save_pretrained into make.dir and writes its logits as made_logits_{i}
 Prints one JSON object on stdout.
 """
 import json
@@ -82,8 +88,32 @@ def cmd_logits(a):
     return {"model_type": m.config.model_type}
 
 
+def cmd_peft(a):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    def base():
+        m = AutoModelForCausalLM.from_pretrained(a["base"], dtype=torch.float32, attn_implementation="eager")
+        return m.eval()
+
+    m = PeftModel.from_pretrained(base(), a["adapter"]).eval()
+    out = logits_of(m, a["prompts"])
+    mk = a.get("make")
+    if mk:
+        torch.manual_seed(mk["seed"])
+        cfg = LoraConfig(r=mk["r"], lora_alpha=mk["alpha"], target_modules=mk["targets"],
+                         lora_dropout=0.0, init_lora_weights=False, task_type="CAUSAL_LM")
+        made = get_peft_model(base(), cfg).eval()
+        made.save_pretrained(mk["dir"])
+        for k, v in logits_of(made, a["prompts"]).items():
+            out["made_" + k] = v
+    save_file(out, a["out"])
+    return {"peft": __import__("peft").__version__}
+
+
 if __name__ == "__main__":
     cmd, argf = sys.argv[1], sys.argv[2]
     with open(argf) as f:
         args = json.load(f)
-    print(json.dumps({"make": cmd_make, "logits": cmd_logits}[cmd](args)))
+    print(json.dumps({"make": cmd_make, "logits": cmd_logits, "peft": cmd_peft}[cmd](args)))

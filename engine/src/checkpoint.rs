@@ -67,7 +67,18 @@ fn kind_name(k: Kind) -> &'static str {
 }
 
 /// Saves `model` as an HF directory (tokenizer files copied from `tokenizer_from`).
+/// LoRA adapters are folded into the weights: the directory is a plain model.
 pub fn save_pretrained(model: &Llama, dir: &Path, tokenizer_from: Option<&Path>) -> Result<()> {
+    save_model_files(model, model.merged_hf_named_tensors(), dir, tokenizer_from)
+}
+
+/// Saves `model`'s config with `named` as its weights (the base alone, or merged).
+pub(crate) fn save_model_files(
+    model: &Llama,
+    named: Vec<(String, Tensor)>,
+    dir: &Path,
+    tokenizer_from: Option<&Path>,
+) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| EngineError::io("creating", dir, e))?;
     let mut cfg = model.config.raw.clone();
     cfg["torch_dtype"] = json!(kind_name(model.kind()));
@@ -80,20 +91,25 @@ pub fn save_pretrained(model: &Llama, dir: &Path, tokenizer_from: Option<&Path>)
     let p = dir.join("config.json");
     std::fs::write(&p, serde_json::to_string_pretty(&cfg).expect("json"))
         .map_err(|e| EngineError::io("writing", &p, e))?;
-    let named: Vec<(String, Tensor)> = model.hf_named_tensors();
     write_safetensors(&dir.join("model.safetensors"), &named)?;
     if let Some(src) = tokenizer_from {
-        for f in [
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "special_tokens_map.json",
-            "generation_config.json",
-            "chat_template.jinja",
-        ] {
-            let s = src.join(f);
-            if s.exists() {
-                std::fs::copy(&s, dir.join(f)).map_err(|e| EngineError::io("copying", &s, e))?;
-            }
+        copy_tokenizer_files(src, dir)?;
+    }
+    Ok(())
+}
+
+/// Copies the tokenizer and generation files a model directory carries.
+pub(crate) fn copy_tokenizer_files(src: &Path, dir: &Path) -> Result<()> {
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+        "chat_template.jinja",
+    ] {
+        let s = src.join(f);
+        if s.exists() {
+            std::fs::copy(&s, dir.join(f)).map_err(|e| EngineError::io("copying", &s, e))?;
         }
     }
     Ok(())

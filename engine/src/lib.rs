@@ -61,8 +61,8 @@ pub use generate::{
     SamplingParams,
 };
 pub use model::{
-    positions_from_mask, read_safetensors_dir, Attn, DecoderLayer, KvCache, Llama, ScalarHead,
-    KV_BLOCK,
+    positions_from_mask, read_safetensors_dir, AdapterDir, Adapters, Attn, DecoderLayer, KvCache,
+    Llama, LoraConfig, LoraPair, LoraTarget, ScalarHead, KV_BLOCK, LORA_SCALING_TENSOR,
 };
 pub use score::{SeqBatch, TokenScores};
 pub use tch;

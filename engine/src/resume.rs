@@ -3,7 +3,9 @@
 //! `trainer_state.json` (step, settings), so a run resumes exactly. Kept apart from
 //! `train.rs` so the trainer does not depend on its own persistence.
 
-use crate::checkpoint::{save_pretrained, write_safetensors};
+use crate::checkpoint::{
+    copy_tokenizer_files, save_model_files, save_pretrained, write_safetensors,
+};
 use crate::error::{EngineError, Result};
 use crate::model::Llama;
 use crate::train::{ParamState, TrainConfig, Trainer};
@@ -33,7 +35,24 @@ fn save_trainer(tr: &Trainer, dir: &Path, tokenizer_from: Option<&Path>) -> Resu
     // Write into a temporary sibling and rename, so a crash never leaves half a checkpoint.
     let tmp = dir.with_extension("partial");
     let _ = std::fs::remove_dir_all(&tmp);
-    save_pretrained(&tr.model, &tmp, tokenizer_from)?;
+    match tr.model.lora() {
+        None => save_pretrained(&tr.model, &tmp, tokenizer_from)?,
+        // PEFT's layout: the adapters, and where the frozen base is. A base of unknown
+        // origin (built in memory) is stored beside them.
+        Some(ad) => {
+            let base = match &ad.base_path {
+                Some(p) => p.display().to_string(),
+                None => {
+                    save_model_files(&tr.model, tr.model.hf_named_tensors(), &tmp, None)?;
+                    ".".to_string()
+                }
+            };
+            tr.model.save_adapter(&tmp, &base)?;
+            if let Some(src) = tokenizer_from {
+                copy_tokenizer_files(src, &tmp)?;
+            }
+        }
+    }
     let mut opt = Vec::new();
     for s in &tr.state {
         opt.push((format!("m.{}", s.name), s.m.shallow_clone()));
@@ -43,7 +62,13 @@ fn save_trainer(tr: &Trainer, dir: &Path, tokenizer_from: Option<&Path>) -> Resu
         }
     }
     write_safetensors(&tmp.join("optimizer.safetensors"), &opt)?;
-    let state = json!({"step": tr.step, "config": tr.config, "format": "yatt-trainer-v1", "head": tr.model.head.as_ref().map(|h| h.prefix.clone())});
+    let state = json!({
+        "step": tr.step,
+        "config": tr.config,
+        "format": "yatt-trainer-v1",
+        "head": tr.model.head.as_ref().map(|h| h.prefix.clone()),
+        "lora": tr.model.lora().map(|a| &a.config),
+    });
     let p = tmp.join("trainer_state.json");
     std::fs::write(&p, serde_json::to_string_pretty(&state).expect("json"))
         .map_err(|e| EngineError::io("writing", &p, e))?;
@@ -74,7 +99,12 @@ fn load_trainer(dir: &Path, device: Device, kind: Kind) -> Result<Trainer> {
         path: dir.into(),
         msg: "trainer_state.json has no step".into(),
     })?;
-    let model = Llama::load(dir, device, kind)?;
+    // A LoRA checkpoint resumes with its adapters apart (trainable), not folded in.
+    let model = if v["lora"].is_null() {
+        Llama::load(dir, device, kind)?
+    } else {
+        Llama::load_with_adapter(dir, device, kind)?
+    };
     let mut tr = Trainer::new(model, config);
     tr.step = step;
     let op = dir.join("optimizer.safetensors");

@@ -509,7 +509,7 @@ impl Trainer {
         };
         let mut n: usize = self
             .model
-            .parameters_mut()
+            .all_parameters_mut()
             .iter()
             .map(|(_, p)| sz(p) + sz(&p.grad()))
             .sum();
@@ -527,7 +527,7 @@ impl Trainer {
         }
         let device = self.model.device();
         let mut named: Vec<(String, Tensor)> = Vec::new();
-        for (n, p) in self.model.parameters_mut() {
+        for (n, p) in self.model.all_parameters_mut() {
             named.push((format!("p.{n}"), p.detach()));
         }
         for s in &self.state {
@@ -540,7 +540,7 @@ impl Trainer {
         let buckets = to_buckets(&named, 256 << 20)?;
         drop(named);
         let empty = |k: Kind| Tensor::empty([0], (k, device));
-        for (_, p) in self.model.parameters_mut() {
+        for (_, p) in self.model.all_parameters_mut() {
             *p = empty(p.kind());
         }
         for s in &mut self.state {
@@ -568,9 +568,11 @@ impl Trainer {
             map.remove(k)
                 .ok_or_else(|| EngineError::Bucket(format!("offloaded state lacks `{k}`")))
         };
-        for (n, p) in self.model.parameters_mut() {
-            *p = get(&format!("p.{n}"))?.set_requires_grad(true);
+        for (n, p) in self.model.all_parameters_mut() {
+            *p = get(&format!("p.{n}"))?;
         }
+        // Trainable again (with LoRA: the adapters, not the frozen base).
+        self.model.set_requires_grad(true);
         for s in &mut self.state {
             s.m = get(&format!("m.{}", s.name))?;
             s.v = get(&format!("v.{}", s.name))?;

@@ -4,6 +4,7 @@
 use super::attention::{attend, Attn};
 use super::kv_cache::{KvCache, ValueSlots};
 use super::llama::Llama;
+use super::lora::Matrix;
 use super::rope::positions_from_mask;
 use tch::{Kind, Tensor};
 
@@ -221,12 +222,26 @@ impl Llama {
         } else {
             None
         };
+        // LoRA dropout only while the adapters train.
+        let lora_train = self.lora_training();
+        // `y + x·A·B·s` where layer `li`'s adapters touch matrix `m`.
+        let adapt = |y: Tensor, li: usize, m: Matrix, x: &Tensor| match self
+            .lora_forward(li, m, x, lora_train)
+        {
+            Some(d) => y + d,
+            None => y,
+        };
         // Cache indices of the new keys, the same for every layer.
         let mut key_index: Option<(Tensor, Tensor)> = None;
         for (li, l) in self.layers.iter().enumerate() {
             let pl = packed.map(|p| &p.layers[li]);
             let hn = self.rms(&x, &l.ln1);
-            let qkv = pad(self.mm(&hn, &l.wqkv, pl.map(|p| &p[0]), l.bqkv.as_ref()));
+            let qkv = pad(adapt(
+                self.mm(&hn, &l.wqkv, pl.map(|p| &p[0]), l.bqkv.as_ref()),
+                li,
+                Matrix::Qkv,
+                &hn,
+            ));
             let q = qkv
                 .narrow(-1, 0, nh * hd)
                 .view([b, t, nh, hd])
@@ -306,12 +321,27 @@ impl Llama {
             if let Some(idx) = &real {
                 o = o.reshape([b * t, nh * hd]).index_select(0, idx);
             }
-            x = x + self.mm(&o, &l.wo, pl.map(|p| &p[1]), None);
+            x = x + adapt(
+                self.mm(&o, &l.wo, pl.map(|p| &p[1]), None),
+                li,
+                Matrix::O,
+                &o,
+            );
             let hn = self.rms(&x, &l.ln2);
-            let gu = self.mm(&hn, &l.w_gate_up, pl.map(|p| &p[2]), None);
+            let gu = adapt(
+                self.mm(&hn, &l.w_gate_up, pl.map(|p| &p[2]), None),
+                li,
+                Matrix::GateUp,
+                &hn,
+            );
             let f = c.intermediate_size;
             let act = gu.narrow(-1, 0, f).silu() * gu.narrow(-1, f, f);
-            x = x + self.mm(&act, &l.w_down, pl.map(|p| &p[3]), None);
+            x = x + adapt(
+                self.mm(&act, &l.w_down, pl.map(|p| &p[3]), None),
+                li,
+                Matrix::Down,
+                &act,
+            );
         }
         pad(self.rms(&x, &self.norm))
     }

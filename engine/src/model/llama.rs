@@ -2,6 +2,7 @@
 //! HF names, copying and adopting weights, moving devices, oneDNN packing.
 
 use super::heads::ScalarHead;
+use super::lora::{adapter_parameters, is_adapter_name, Adapters, Matrix};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use std::collections::HashMap;
@@ -29,6 +30,27 @@ pub struct DecoderLayer {
     pub w_down: Tensor,
 }
 
+impl DecoderLayer {
+    /// One of the four stored matrices (LoRA folds into them by this index).
+    pub(super) fn matrix(&self, m: Matrix) -> &Tensor {
+        match m {
+            Matrix::Qkv => &self.wqkv,
+            Matrix::O => &self.wo,
+            Matrix::GateUp => &self.w_gate_up,
+            Matrix::Down => &self.w_down,
+        }
+    }
+
+    pub(super) fn matrix_mut(&mut self, m: Matrix) -> &mut Tensor {
+        match m {
+            Matrix::Qkv => &mut self.wqkv,
+            Matrix::O => &mut self.wo,
+            Matrix::GateUp => &mut self.w_gate_up,
+            Matrix::Down => &mut self.w_down,
+        }
+    }
+}
+
 /// A Llama-family causal LM.
 #[derive(Debug)]
 pub struct Llama {
@@ -44,6 +66,11 @@ pub struct Llama {
     pub lm_head: Option<Tensor>,
     /// A scalar head (critic / reward), if attached.
     pub head: Option<ScalarHead>,
+    /// LoRA adapters, if attached: then only they (and `head`) train.
+    pub(super) lora: Option<Adapters>,
+    /// Per layer, a copy of the base matrices (by [`Matrix`] index) that adapter weight
+    /// syncs fold into; taken at the first one.
+    pub(super) merge_base: Option<Vec<[Tensor; 4]>>,
     pub(super) device: Device,
     pub(super) kind: Kind,
     pub(super) cos: Tensor,
@@ -84,8 +111,28 @@ impl Llama {
         ));
     }
 
-    /// The canonical (trainable) parameters with stable names, for optimizers.
+    /// The trainable parameters with stable names, for optimizers: every canonical
+    /// parameter, or with LoRA adapters attached only the adapters and a scalar head.
     pub fn parameters_mut(&mut self) -> Vec<(String, &mut Tensor)> {
+        if self.lora.is_none() {
+            return self.all_parameters_mut();
+        }
+        self.packed = None;
+        let mut v = Vec::new();
+        if let Some(hd) = self.head.as_mut() {
+            v.push((format!("{}.weight", hd.prefix), &mut hd.weight));
+            if let Some(b) = hd.bias.as_mut() {
+                v.push((format!("{}.bias", hd.prefix), b));
+            }
+        }
+        let mut lora = adapter_parameters(self.lora.as_mut());
+        lora.append(&mut v);
+        lora
+    }
+
+    /// Every canonical parameter with its stable name: the base weights, a scalar
+    /// head and LoRA adapters.
+    pub fn all_parameters_mut(&mut self) -> Vec<(String, &mut Tensor)> {
         // The caller may change the weights: drop packed inference copies.
         self.packed = None;
         let mut v: Vec<(String, &mut Tensor)> = vec![("embed".into(), &mut self.embed)];
@@ -114,27 +161,33 @@ impl Llama {
                 v.push((format!("{}.bias", hd.prefix), b));
             }
         }
+        v.append(&mut adapter_parameters(self.lora.as_mut()));
         v
     }
 
     /// The canonical parameters (shallow clones sharing storage).
     pub fn parameters(&mut self) -> Vec<(String, Tensor)> {
-        self.parameters_mut()
+        self.all_parameters_mut()
             .into_iter()
             .map(|(n, t)| (n, t.shallow_clone()))
             .collect()
     }
 
-    /// Total number of parameters.
+    /// Total number of parameters (adapters included).
     pub fn num_parameters(&mut self) -> i64 {
-        self.parameters_mut()
+        self.all_parameters_mut()
             .iter()
             .map(|(_, t)| t.numel() as i64)
             .sum()
     }
 
-    /// Sets `requires_grad` on every parameter.
+    /// Sets `requires_grad` on every trainable parameter; with LoRA adapters the base
+    /// stays frozen.
     pub fn set_requires_grad(&mut self, on: bool) {
+        let frozen = self.lora.is_some();
+        for (_, t) in self.all_parameters_mut() {
+            let _ = t.requires_grad_(on && !frozen);
+        }
         for (_, t) in self.parameters_mut() {
             let _ = t.requires_grad_(on);
         }
@@ -207,11 +260,28 @@ impl Llama {
 
     /// Copies HF-named tensors into the weights in place (no reallocation): every name
     /// must exist and match in shape; dtype/device are converted. Names absent from
-    /// `src` are left as they are.
+    /// `src` are left as they are. LoRA adapter tensors (PEFT names with
+    /// `lora.scaling`, an adapter weight sync) are folded into the base matrices
+    /// instead (see `lora.rs`).
     pub fn copy_weights_from<'a>(
         &mut self,
         src: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
     ) -> Result<usize> {
+        let (adapters, plain): (Vec<(&str, &Tensor)>, Vec<(&str, &Tensor)>) =
+            src.into_iter().partition(|(n, _)| is_adapter_name(n));
+        let mut n = 0;
+        if !plain.is_empty() {
+            n += self.copy_plain_weights(plain)?;
+            // New base weights: a later adapter sync folds into these, not the old ones.
+            self.merge_base = None;
+        }
+        if !adapters.is_empty() {
+            n += self.take_adapter_update(adapters)?;
+        }
+        Ok(n)
+    }
+
+    fn copy_plain_weights(&mut self, src: Vec<(&str, &Tensor)>) -> Result<usize> {
         let dst: HashMap<String, Tensor> = self.hf_named_tensors().into_iter().collect();
         let mut n = 0;
         tch::no_grad(|| -> Result<()> {
@@ -244,11 +314,35 @@ impl Llama {
     /// own dtype and device): weights another model in this process can take over with
     /// [`Llama::adopt_weights`], without the byte buckets a weight sync between
     /// processes needs. One pass over the weights.
+    ///
+    /// With LoRA adapters the snapshot is the merged model without adapters: what an
+    /// inference model of the base's shape adopts.
     pub fn weights_snapshot(&mut self) -> Vec<(String, Tensor)> {
+        let merged: HashMap<String, Tensor> = tch::no_grad(|| {
+            let mut m = HashMap::new();
+            for i in 0..self.layers.len() {
+                for (mat, name) in [
+                    (Matrix::Qkv, "wqkv"),
+                    (Matrix::O, "wo"),
+                    (Matrix::GateUp, "w_gate_up"),
+                    (Matrix::Down, "w_down"),
+                ] {
+                    if let Some(w) = self.merged_matrix(i, mat) {
+                        m.insert(format!("layers.{i}.{name}"), w);
+                    }
+                }
+            }
+            m
+        });
+        let adapted = self.lora.is_some();
         tch::no_grad(|| {
-            self.parameters_mut()
+            self.all_parameters_mut()
                 .into_iter()
-                .map(|(n, t)| (n, t.detach().copy()))
+                .filter(|(n, _)| !(adapted && n.starts_with("lora.")))
+                .map(|(n, t)| match merged.get(&n) {
+                    Some(w) => (n, w.shallow_clone()),
+                    None => (n, t.detach().copy()),
+                })
                 .collect()
         })
     }
@@ -265,7 +359,7 @@ impl Llama {
         // Mutable access to the parameters drops the packed copies: repack after, also
         // when the snapshot is refused.
         let repack = self.packed.as_ref().map(|p| p.batch);
-        let adopted = adopt_into(self.parameters_mut(), snapshot, device, kind);
+        let adopted = adopt_into(self.all_parameters_mut(), snapshot, device, kind);
         if let Some(b) = repack {
             self.pack_for_inference(b);
         }
@@ -276,7 +370,7 @@ impl Llama {
     /// the old storage is released once nothing else references it.
     pub fn to_device(&mut self, device: Device) {
         tch::no_grad(|| {
-            for (_, t) in self.parameters_mut() {
+            for (_, t) in self.all_parameters_mut() {
                 let rg = t.requires_grad();
                 let moved = t.detach().to_device(device);
                 *t = if rg {
@@ -298,7 +392,13 @@ impl Llama {
     /// [`Llama::copy_weights_from`] repacks. Returns whether packing is active.
     pub fn pack_for_inference(&mut self, batch: i64) -> bool {
         self.packed = None;
-        if self.device != Device::Cpu || self.kind != Kind::Float || !crate::onednn::available() {
+        // Packed copies hold the base matrices alone: a model with adapters runs them
+        // on the tch path (merge the adapters first to serve it fast).
+        if self.lora.is_some()
+            || self.device != Device::Cpu
+            || self.kind != Kind::Float
+            || !crate::onednn::available()
+        {
             return false;
         }
         // oneDNN picks the weight layout from this row-count hint. Below ~128 rows it keeps

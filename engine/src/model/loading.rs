@@ -3,6 +3,7 @@
 
 use super::heads::ScalarHead;
 use super::llama::{DecoderLayer, Llama};
+use super::lora::AdapterDir;
 use super::rope::rope_tables;
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
@@ -102,9 +103,21 @@ pub fn read_safetensors_dir(dir: &Path) -> Result<HashMap<String, Tensor>> {
 }
 
 impl Llama {
-    /// Loads an HF model directory onto `device` as `kind`.
+    /// Loads an HF model directory onto `device` as `kind`. A PEFT adapter directory
+    /// (`adapter_config.json`) loads as its base model with the adapters folded in:
+    /// a plain model that computes what the adapted one does.
     pub fn load(dir: impl AsRef<Path>, device: Device, kind: Kind) -> Result<Self> {
         let dir = dir.as_ref();
+        if AdapterDir::is_adapter_dir(dir) {
+            let mut m = Llama::load_with_adapter(dir, device, kind)?;
+            m.merge_lora();
+            return Ok(m);
+        }
+        Self::load_base(dir, device, kind)
+    }
+
+    /// Loads an HF model directory (`config.json` + safetensors), ignoring adapters.
+    pub(super) fn load_base(dir: &Path, device: Device, kind: Kind) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
         let tensors = read_safetensors_dir(dir)?;
         Self::from_tensors(config, tensors, device, kind)
@@ -218,6 +231,8 @@ impl Llama {
             sin,
             config,
             packed: None,
+            lora: None,
+            merge_base: None,
         })
     }
 
@@ -275,10 +290,10 @@ impl Llama {
     }
 
     /// A deep copy on `device` as `kind` (e.g. a frozen reference policy). The copy does
-    /// not require gradients.
+    /// not require gradients; LoRA adapters are folded into its weights.
     pub fn deep_copy(&self, device: Device, kind: Kind) -> Result<Llama> {
         let tensors: HashMap<String, Tensor> = tch::no_grad(|| {
-            self.hf_named_tensors()
+            self.merged_hf_named_tensors()
                 .into_iter()
                 .map(|(n, t)| (n, t.detach().to_device(device).to_kind(kind).copy()))
                 .collect()

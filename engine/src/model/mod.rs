@@ -13,6 +13,7 @@ mod heads;
 mod kv_cache;
 mod llama;
 mod loading;
+mod lora;
 mod rope;
 #[cfg(test)]
 mod tests;
@@ -22,4 +23,5 @@ pub use heads::ScalarHead;
 pub use kv_cache::{KvCache, KV_BLOCK};
 pub use llama::{DecoderLayer, Llama};
 pub use loading::read_safetensors_dir;
+pub use lora::{AdapterDir, Adapters, LoraConfig, LoraPair, LoraTarget, LORA_SCALING_TENSOR};
 pub use rope::positions_from_mask;
