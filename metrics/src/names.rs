@@ -23,6 +23,8 @@ pub const UPDATE_ACTOR_S: &str = "timing_s/update_actor";
 pub const UPDATE_CRITIC_S: &str = "timing_s/update_critic";
 /// Seconds publishing the new weights to the rollout engines.
 pub const WEIGHT_SYNC_S: &str = "timing_s/weight_sync";
+/// Bytes the last weight sync exported (the whole model, or LoRA adapters alone).
+pub const WEIGHT_SYNC_BYTES: &str = "perf/weight_sync_bytes";
 /// Wall seconds of the whole step.
 pub const STEP_S: &str = "timing_s/step";
 /// Wall seconds of the step as the live placement measures it (including migrations).

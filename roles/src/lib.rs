@@ -76,9 +76,9 @@ pub use yatt_engine::ChatMessage;
 pub use builtin::{
     load_reward_model, load_rm_jsonl, train_reward_model, AsciiCodec, ContinueRequest,
     CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole, GenerateRequest,
-    GradShard, GrowingLengthReward, JudgeConfig, JudgeMode, JudgeScorer, KlLossConfig, ModelScorer,
-    OnUnparsed, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole, ReferenceRole,
-    RewardModelError, RewardRole, RmExample, RmTrainConfig, RolloutRequest, RolloutResponse,
-    RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, TextCodec, TokenizerCodec,
-    TrainReport, TrainerState, TINY_CODEC,
+    GradShard, GrowingLengthReward, JudgeConfig, JudgeMode, JudgeScorer, KlLossConfig, LoraSync,
+    ModelScorer, OnUnparsed, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole,
+    ReferenceRole, RewardModelError, RewardRole, RmExample, RmTrainConfig, RolloutRequest,
+    RolloutResponse, RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, TextCodec,
+    TokenizerCodec, TrainReport, TrainerState, TINY_CODEC,
 };

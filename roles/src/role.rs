@@ -122,6 +122,19 @@ pub struct WeightsUpdate {
 }
 
 impl WeightsUpdate {
+    /// Bytes of weights the update carries (buckets' payloads, or the snapshot's
+    /// tensors).
+    pub fn bytes(&self) -> u64 {
+        let buckets: u64 = self.buckets.iter().map(|b| b.data.len() as u64).sum();
+        let local: u64 = self.local.as_ref().map_or(0, |l| {
+            l.tensors()
+                .iter()
+                .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+                .sum()
+        });
+        buckets + local
+    }
+
     /// An update carried as byte buckets.
     pub fn from_buckets(version: u64, buckets: Vec<yatt_engine::WeightBucket>) -> Self {
         WeightsUpdate {

@@ -31,8 +31,8 @@ pub use growing_reward::GrowingLengthReward;
 pub use critic::{CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole};
 pub use judge_model::{JudgeConfig, JudgeMode, JudgeScorer, OnUnparsed};
 pub use policy::{
-    GradShard, KlLossConfig, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole, TrainReport,
-    TrainerState,
+    GradShard, KlLossConfig, LoraSync, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole,
+    TrainReport, TrainerState,
 };
 pub use reference::ReferenceRole;
 pub use reward::RewardRole;

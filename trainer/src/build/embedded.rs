@@ -9,8 +9,8 @@ use yatt_runtime::RING_CHUNK_BYTES;
 
 use crate::build::heads::controllers;
 use crate::build::parts::{
-    base_model, critic_role, policy_ring, policy_role_from, reference_role, rollout_role,
-    train_config,
+    base_model, critic_role, policy_ring, policy_role_from, policy_trainer, reference_role,
+    rollout_role,
 };
 use crate::build::reward::spawn_reward;
 use crate::checkpoint::{load_trainer, RunState};
@@ -164,17 +164,19 @@ pub async fn build_embedded_with(
     for _ in 0..builtin_policies {
         trainers.push(match load("policy")? {
             Some(t) => t,
-            None => Trainer::new(
-                model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?,
-                train_config(job),
-            ),
+            None => policy_trainer(job, model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?)?,
         });
     }
     let g = || DeviceGroup::cpu(node.name());
     // Rollouts start from the policy's weights (the initial model, or the checkpoint).
     let mut rollouts = custom.rollouts.clone();
     for i in rollouts.len()..job.job.controllers {
-        let from = trainers.first().map_or(&model, |t| &t.model);
+        // A LoRA policy's rollouts start from the base: adapter syncs fold into the
+        // weights a rollout starts with (a resumed run's first sync brings them).
+        let from = trainers
+            .first()
+            .filter(|t| t.model.lora().is_none())
+            .map_or(&model, |t| &t.model);
         let m = from.deep_copy(Device::Cpu, Kind::Float).map_err(me)?;
         let role = rollout_role(job, m, codec.clone());
         rollouts.push(spawn_role(node, role, i as u32, g()).await?);

@@ -15,11 +15,11 @@ use yatt_roles::{
 use yatt_runtime::Node;
 use yatt_runtime::RingMember;
 
-use crate::config::modes::{KlMode, ModelSource, OldLogprobs, Schedule};
+use crate::config::modes::{KlMode, LoraSyncMode, ModelSource, OldLogprobs, Schedule};
 use crate::config::sections::JobConfig;
 use crate::controller::error::ControllerError;
 use crate::error::JobError;
-use yatt_roles::{OffPolicyConfig, TINY_CODEC};
+use yatt_roles::{LoraSync, OffPolicyConfig, TINY_CODEC};
 
 /// The job's model (every role starts from a copy of it), the codec of its text and its
 /// padding id.
@@ -119,8 +119,32 @@ pub(crate) fn train_config(job: &JobConfig) -> TrainConfig {
 }
 
 /// The job's policy role: a fresh trainer over `model` with the job's optimizer and loss.
+/// The job's policy role over a fresh trainer of `model`.
 pub fn policy_role(job: &JobConfig, model: Llama, pad_id: i64) -> Result<PolicyRole, JobError> {
-    policy_role_from(job, Trainer::new(model, train_config(job)), pad_id)
+    policy_role_from(job, policy_trainer(job, model)?, pad_id)
+}
+
+/// A fresh policy trainer over `model`; with `[model.lora]` it trains adapters on the
+/// frozen `model`.
+pub fn policy_trainer(job: &JobConfig, mut model: Llama) -> Result<Trainer, JobError> {
+    if let Some(lora) = &job.model.lora {
+        model
+            .add_lora(lora.engine_config(), job.job.seed as i64)
+            .map_err(|e| JobError::Model {
+                source_desc: job.model.source.to_string(),
+                reason: format!("model.lora: {e}"),
+            })?;
+        // Checkpoints name the base (PEFT's base_model_name_or_path) by absolute path.
+        let base = job
+            .model
+            .source
+            .dir()
+            .map(|d| std::fs::canonicalize(d).unwrap_or_else(|_| PathBuf::from(d)));
+        if let Some(adapters) = model.lora_mut() {
+            adapters.base_path = base;
+        }
+    }
+    Ok(Trainer::new(model, train_config(job)))
 }
 
 /// The job's policy role over `trainer` (fresh, or loaded from a checkpoint).
@@ -154,6 +178,10 @@ pub fn policy_role_from(
         off_policy: OffPolicyConfig {
             correction: a.off_policy(job.rollout.staleness),
             cap: a.behaviour_cap,
+        },
+        lora_sync: match job.model.lora.as_ref().map(|l| l.sync) {
+            Some(LoraSyncMode::Merged) => LoraSync::Merged,
+            Some(LoraSyncMode::Adapters) | None => LoraSync::Adapters,
         },
         ..Default::default()
     };

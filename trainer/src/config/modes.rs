@@ -100,6 +100,16 @@ config_mode! {
 }
 
 config_mode! {
+    /// `model.lora.sync`: what a weight sync of a LoRA policy carries.
+    LoraSyncMode {
+        /// The adapters alone; rollouts fold them into their copy of the base.
+        Adapters = "adapters",
+        /// The merged weights, the whole model.
+        Merged = "merged",
+    }
+}
+
+config_mode! {
     /// `optim.schedule`: the learning-rate schedule.
     Schedule {
         /// Constant after warm-up.

@@ -9,10 +9,11 @@ use yatt_roles::{
 };
 
 use crate::config::modes::{
-    Driver, Dtype, KlMode, ModelSource, OldLogprobs, RewardKind, Schedule, Task, UnparsedVerdict,
-    VerdictMode,
+    Driver, Dtype, KlMode, LoraSyncMode, ModelSource, OldLogprobs, RewardKind, Schedule, Task,
+    UnparsedVerdict, VerdictMode,
 };
 use crate::config::placement::PlacementSection;
+use yatt_engine::{LoraConfig, LoraTarget};
 
 /// A training job, as read from TOML.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -97,6 +98,50 @@ pub struct ModelSection {
     /// `tiny` only: transformer layers (0 = the fixture's 2). A deeper tiny model
     /// decodes slower per token, as a larger model would.
     pub tiny_layers: usize,
+    /// `[model.lora]`: train LoRA adapters on the policy instead of every weight
+    /// (unset: full fine-tuning).
+    pub lora: Option<LoraSection>,
+}
+
+/// `[model.lora]`: LoRA adapters on the policy (PEFT's settings and names).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoraSection {
+    /// Rank `r` of every adapter.
+    pub rank: i64,
+    /// `lora_alpha`: updates are scaled by `alpha / rank`.
+    pub alpha: f64,
+    /// Dropout on the adapters' input while training.
+    pub dropout: f64,
+    /// The adapted projections (PEFT names); default: every linear layer.
+    pub target_modules: Vec<LoraTarget>,
+    /// What a weight sync carries: `adapters` (megabytes; rollouts fold them into their
+    /// base) or `merged` (the whole model).
+    pub sync: LoraSyncMode,
+}
+
+impl Default for LoraSection {
+    fn default() -> Self {
+        LoraSection {
+            rank: 16,
+            alpha: 32.0,
+            dropout: 0.0,
+            target_modules: LoraTarget::ALL.to_vec(),
+            sync: LoraSyncMode::Adapters,
+        }
+    }
+}
+
+impl LoraSection {
+    /// The engine's settings.
+    pub fn engine_config(&self) -> LoraConfig {
+        LoraConfig {
+            rank: self.rank,
+            alpha: self.alpha,
+            dropout: self.dropout,
+            targets: self.target_modules.clone(),
+        }
+    }
 }
 
 impl Default for ModelSection {
@@ -108,6 +153,7 @@ impl Default for ModelSection {
             max_seq_len: 256,
             chat: false,
             tiny_layers: 0,
+            lora: None,
         }
     }
 }

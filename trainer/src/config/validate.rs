@@ -71,6 +71,16 @@ impl JobConfig {
             self.model.max_seq_len as f64,
             "e.g. max_seq_len = 256",
         )?;
+        if let Some(lora) = &self.model.lora {
+            lora.engine_config().check().map_err(|why| {
+                invalid(
+                    "model.lora",
+                    "rank >= 1, alpha > 0, dropout in [0, 1) and at least one target module",
+                    &why,
+                    "e.g. [model.lora] rank = 16, alpha = 32, dropout = 0.0, target_modules = [\"q_proj\", \"v_proj\"]",
+                )
+            })?;
+        }
         if let Some(dir) = self.model.source.dir().filter(|d| !d.is_dir()) {
             return Err(invalid(
                 "model.source",

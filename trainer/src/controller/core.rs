@@ -26,6 +26,8 @@ pub struct Controller {
     pub(crate) roles: RoleRefs,
     pub(crate) step: u64,
     pub(crate) weights_version: u64,
+    /// Bytes the last weight sync exported.
+    pub(crate) last_sync_bytes: u64,
     /// Its policy replica averages gradients in a ring with the other heads' replicas
     /// ([`join_policy_ring`]).
     pub(crate) in_policy_ring: bool,
@@ -113,6 +115,7 @@ impl Controller {
             roles,
             step: 0,
             weights_version: 0,
+            last_sync_bytes: 0,
             in_policy_ring: false,
             spare_rollouts: Vec::new(),
             lost_rollouts: Default::default(),

@@ -50,10 +50,11 @@ impl Controller {
             return Ok(None);
         }
         let t = Instant::now();
-        let (version, lost) = self.push_weights().await?;
+        let pushed = self.push_weights().await?;
         Ok(Some(Synced {
-            version,
-            lost,
+            version: pushed.version,
+            lost: pushed.lost,
+            bytes: pushed.bytes,
             seconds: t.elapsed().as_secs_f64(),
         }))
     }

@@ -21,6 +21,7 @@ use yatt_metrics::names;
 pub(crate) struct Synced {
     pub(crate) version: u64,
     pub(crate) lost: Vec<yatt_runtime::ActorId>,
+    pub(crate) bytes: u64,
     pub(crate) seconds: f64,
 }
 
@@ -424,10 +425,12 @@ impl Controller {
             Some(Synced {
                 version,
                 lost,
+                bytes,
                 seconds,
             }) => {
                 self.lost_rollouts.extend(lost);
                 self.weights_version = version;
+                self.last_sync_bytes = bytes;
                 m.set(names::WEIGHT_SYNC_S, seconds);
                 version
             }
@@ -438,6 +441,7 @@ impl Controller {
                 version
             }
         };
+        m.set(names::WEIGHT_SYNC_BYTES, self.last_sync_bytes as f64);
 
         let ledger = ledger.close().map_err(self.ledger_err())?;
         let wall = t_step.elapsed().as_secs_f64();

@@ -11,20 +11,31 @@ use crate::controller::error::replica_lost;
 use crate::controller::error::ControllerError;
 use crate::controller::refs::{variant, RolloutRef};
 
+/// What one weight sync did.
+pub(crate) struct Pushed {
+    /// The version the rollouts now hold.
+    pub(crate) version: u64,
+    /// Replicas found lost on the way.
+    pub(crate) lost: Vec<ActorId>,
+    /// Bytes the policy exported.
+    pub(crate) bytes: u64,
+}
+
 impl Controller {
     /// Weight sync: the policy exports its weights and this controller's rollout loads
     /// them in place. Returns the version the rollout now holds.
     pub async fn sync_weights(&mut self) -> Result<u64, ControllerError> {
-        let (version, lost) = self.push_weights().await?;
-        self.lost_rollouts.extend(lost);
-        self.weights_version = version;
-        Ok(version)
+        let pushed = self.push_weights().await?;
+        self.lost_rollouts.extend(pushed.lost);
+        self.weights_version = pushed.version;
+        self.last_sync_bytes = pushed.bytes;
+        Ok(pushed.version)
     }
 
     /// Weight sync with a shared borrow (it may run while the next batch generates):
     /// the version the rollouts now hold and the replicas found lost on the way, for
     /// the caller to record.
-    pub(crate) async fn push_weights(&self) -> Result<(u64, Vec<ActorId>), ControllerError> {
+    pub(crate) async fn push_weights(&self) -> Result<Pushed, ControllerError> {
         let t = self.config.timeouts.sync;
         // Within one process the rollouts take over a snapshot of the policy's tensors;
         // across processes the weights travel as byte buckets.
@@ -41,6 +52,7 @@ impl Controller {
             other => return Err(self.protocol("policy", "ExportWeights", format!("{other:?}"))),
         };
         let version = update.version;
+        let bytes = update.bytes();
         // A replica found lost this step is skipped (another head's spare generated its
         // samples); one lost only now is marked so, when a spare can take its work.
         let live: Vec<RolloutRef> = self
@@ -79,7 +91,11 @@ impl Controller {
                 Err(e) => return Err(self.call("weight_sync", "rollout")(e)),
             }
         }
-        Ok((version, lost))
+        Ok(Pushed {
+            version,
+            lost,
+            bytes,
+        })
     }
 
     /// Asks the critic (if any) to save a checkpoint to `dir`.

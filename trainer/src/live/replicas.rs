@@ -3,14 +3,13 @@
 use std::time::Duration;
 
 use tch::{Device, Kind};
-use yatt_engine::Trainer;
 use yatt_placement::GroupId;
 use yatt_roles::{PolicyRequest, PolicyResponse, Role, RoleRequest, RoleResponse};
 use yatt_runtime::DirectoryChange as Change;
 use yatt_runtime::Message;
 use yatt_runtime::{ActorRef, ExitReason};
 
-use crate::build::parts::{policy_role_from, rollout_role, train_config};
+use crate::build::parts::{policy_role_from, policy_trainer, rollout_role};
 use crate::controller::refs::{spawn_role, PolicyRef, RolloutRef};
 use crate::error::JobError;
 use crate::live::errors::me;
@@ -90,8 +89,7 @@ impl LivePlacement {
                 let m = template
                     .deep_copy(Device::Cpu, Kind::Float)
                     .map_err(me(&self.job))?;
-                let t = Trainer::new(m, train_config(&self.job));
-                let role = policy_role_from(&self.job, t, *pad_id)?;
+                let role = policy_role_from(&self.job, policy_trainer(&self.job, m)?, *pad_id)?;
                 self.spawn_here(g, role).await?
             }
             Hosts::Cluster { text } => self.spawn_there(g, text, "policy").await?,
