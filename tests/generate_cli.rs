@@ -180,3 +180,78 @@ fn generate_refuses_bad_input_clearly() {
         );
     }
 }
+
+/// A PEFT LoRA adapter directory (no tokenizer of its own) generates what its base with
+/// the adapters folded in generates, and not what the base alone does.
+#[test]
+fn generate_on_a_lora_adapter_dir() {
+    use std::collections::HashMap;
+    use yatt_engine::tch::Tensor;
+    use yatt_engine::{LoraConfig, LoraTarget};
+    let base = yatt_engine::fixtures::smollm2_hf_dir().unwrap();
+    let mut model = Llama::load(&base, Device::Cpu, Kind::Float).unwrap();
+    model
+        .add_lora(
+            LoraConfig {
+                rank: 4,
+                alpha: 8.0,
+                dropout: 0.0,
+                targets: vec![LoraTarget::VProj, LoraTarget::DownProj],
+            },
+            1,
+        )
+        .unwrap();
+    // Trained-looking adapters: B non-zero.
+    yatt_engine::tch::manual_seed(2);
+    let adapters: HashMap<String, Tensor> = model
+        .lora()
+        .unwrap()
+        .peft_named_tensors()
+        .into_iter()
+        .map(|(n, t)| {
+            let t = if n.ends_with("lora_B.weight") {
+                Tensor::randn(t.size(), (Kind::Float, Device::Cpu)) * 0.02
+            } else {
+                t.copy()
+            };
+            (n, t)
+        })
+        .collect();
+    model.load_lora_tensors(&adapters).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    model
+        .save_adapter(dir.path(), base.to_str().unwrap())
+        .unwrap();
+    assert!(!dir.path().join("tokenizer.json").exists());
+    let tok = Tokenizer::from_dir(&base).unwrap();
+    let config = GeneratorConfig {
+        max_batch: 1,
+        max_seq_len: 128,
+        ..Default::default()
+    };
+    let plain = Llama::load(&base, Device::Cpu, Kind::Float).unwrap();
+    model.merge_lora();
+    let p = "The capital of France is";
+    let (want, _) = engine_greedy(
+        &mut Generator::new(model, config.clone()),
+        &tok,
+        p,
+        false,
+        12,
+    );
+    let (base_ids, _) = engine_greedy(&mut Generator::new(plain, config), &tok, p, false, 12);
+    assert_ne!(want, base_ids, "the adapters should change the answer");
+    let out = json_lines(&yatt(
+        &[
+            dir.path().to_str().unwrap(),
+            "--prompt",
+            p,
+            "--greedy",
+            "--max-new-tokens",
+            "12",
+            "--json",
+        ],
+        None,
+    ));
+    assert_eq!(ids(&out[0]), want);
+}

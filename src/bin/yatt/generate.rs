@@ -7,13 +7,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use yatt_engine::tch::{Device, Kind};
 use yatt_engine::{
-    ChatMessage, FinishReason, Generator, GeneratorConfig, Llama, Request, SamplingParams,
-    Tokenizer,
+    AdapterDir, ChatMessage, FinishReason, Generator, GeneratorConfig, Llama, Request,
+    SamplingParams, Tokenizer,
 };
 
 #[derive(clap::Args)]
 pub struct GenerateArgs {
-    /// An HF-style model directory (a checkpoint, an imported GGUF) or a `.gguf` file,
+    /// An HF-style model directory (a checkpoint, an imported GGUF, a PEFT LoRA adapter
+    /// directory over its base) or a `.gguf` file,
     /// imported into a temporary directory first.
     pub model: PathBuf,
     /// A prompt (repeatable). Without any, prompts are read from stdin, one per line.
@@ -124,7 +125,15 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let prompts = read_prompts(&args)?;
     let (dir, _imported) = model_dir(&args.model)?;
     yatt_engine::set_threads(args.threads);
-    let tok = Tokenizer::from_dir(&dir)
+    // A PEFT adapter directory often carries no tokenizer: its base model's serves.
+    let tok_dir = if !dir.join("tokenizer.json").exists() && AdapterDir::is_adapter_dir(&dir) {
+        AdapterDir::read(&dir)
+            .with_context(|| format!("reading {}", args.model.display()))?
+            .base
+    } else {
+        dir.clone()
+    };
+    let tok = Tokenizer::from_dir(&tok_dir)
         .with_context(|| format!("loading the tokenizer of {}", args.model.display()))?;
     if args.chat && tok.chat_template().is_none() {
         bail!(
