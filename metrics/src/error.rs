@@ -51,6 +51,14 @@ pub enum MetricsError {
         /// The file.
         path: PathBuf,
     },
+    /// No step of the file has the metric asked for.
+    #[error("{path} has no `{metric}` at any step; fix: name a metric the run records (see its first line)")]
+    NoSuchMetric {
+        /// The file.
+        path: PathBuf,
+        /// The metric asked for.
+        metric: String,
+    },
     /// Drawing a plot failed.
     #[error("drawing {path}: {reason}")]
     Draw {

@@ -39,6 +39,6 @@ mod writer;
 pub use error::{MetricsError, WriteError};
 pub use jsonl::{format_line, read_jsonl, StepRecord, FILE_NAME as METRICS_FILE};
 #[cfg(feature = "plot")]
-pub use plot::{plot_run, PlotReport};
+pub use plot::{plot_compare, plot_run, PlotReport};
 pub use tfevents::{read_records as read_event_records, EventWriter};
 pub use writer::RunWriter;

@@ -174,6 +174,40 @@ pub fn plot_run(run_dir: &Path, out_dir: &Path) -> Result<PlotReport, MetricsErr
     Ok(report)
 }
 
+/// One metric of several runs on one chart (e.g. the eval accuracy of the baselines):
+/// reads `RUN/file_name` for each run (`metrics.jsonl`, or another file in its format)
+/// and draws `metric` against the step, one line per run, named by its directory.
+pub fn plot_compare(
+    runs: &[PathBuf],
+    file_name: &str,
+    metric: &str,
+    title: &str,
+    out: &Path,
+) -> Result<(), MetricsError> {
+    let mut lines = Vec::new();
+    for run in runs {
+        let path = run.join(file_name);
+        let steps = read_jsonl(&path)?;
+        let mut line = series(&steps, metric).ok_or_else(|| MetricsError::NoSuchMetric {
+            path,
+            metric: metric.to_string(),
+        })?;
+        line.name = run
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| run.display().to_string());
+        lines.push(line);
+    }
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|source| WriteError {
+            path: dir.into(),
+            source,
+        })?;
+    }
+    register_fonts();
+    render(out, |root| line_chart(root, title, metric, &lines))
+}
+
 /// The stage times in pipeline order, and the step wall time.
 fn timing_series(steps: &[StepRecord]) -> (Vec<Series>, Option<Series>) {
     let mut names: Vec<&str> = STAGE_ORDER.to_vec();

@@ -125,3 +125,31 @@ fn a_dir_without_metrics_or_with_a_bad_line_is_named() {
         "{msg}"
     );
 }
+
+#[test]
+fn several_runs_compare_on_one_chart_and_a_run_without_the_metric_is_named() {
+    let root = tempfile::tempdir().unwrap();
+    let runs: Vec<std::path::PathBuf> = (0..3)
+        .map(|i| {
+            let dir = root.path().join(format!("run{i}"));
+            synthetic_run(&dir, 6 + i, false);
+            dir
+        })
+        .collect();
+    let out = root.path().join("cmp/reward.png");
+    yatt_metrics::plot_compare(
+        &runs,
+        "metrics.jsonl",
+        "critic/rewards/mean",
+        "reward",
+        &out,
+    )
+    .unwrap();
+    let img = decode(&out);
+    assert_eq!((img.0, img.1), (1000, 600));
+    assert!(inked(&img, 60..600) > 5000, "nearly empty plot");
+    let e = yatt_metrics::plot_compare(&runs, "metrics.jsonl", "actor/kl", "kl", &out)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("run0") && e.contains("actor/kl"), "{e}");
+}

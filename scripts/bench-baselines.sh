@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Algorithm baselines on SmolLM2-135M addition (config/smollm2-addition.toml): every
+# algorithm at the same sample budget (STEPS x 2 prompts x 8 samples), each evaluated
+# greedily on 200 held-out prompts every EVAL_EVERY steps (training resumes from the
+# checkpoint between evaluations; resume is exact, see trainer/tests/asynchronous.rs).
+#
+#   bash scripts/bench-baselines.sh [STEPS] [EVAL_EVERY] [ALGOS...]   # default 80 40, all
+#
+# Each run's settings are its `--set`s below on top of the shipped config; the resolved
+# config is written to runs/baselines/NAME/job.toml. Writes runs/baselines/summary.tsv
+# (run, step, accuracy, cumulative training seconds, mean s/step) and each run's
+# metrics.jsonl and eval.jsonl, and runs/baselines/accuracy.png: every run's accuracy
+# curve on one chart (`yatt plot --compare`).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
+cd "$YATT_ROOT"
+STEPS="${1:-80}"
+EVERY="${2:-40}"
+shift $(( $# > 2 ? 2 : $# ))
+cargo build --release --bin yatt -q
+BIN="${CARGO_TARGET_DIR:-target}/release/yatt"
+[ -d models/smollm2-135m ] || "$BIN" import-gguf "$YATT_SMOLLM2_GGUF" models/smollm2-135m
+CONFIG=config/smollm2-addition.toml
+OUT=runs/baselines
+mkdir -p "$OUT"
+
+# name | settings on top of the shipped config (on-policy, one update per batch)
+RUNS=(
+  'grpo|algorithm.name="grpo"'
+  'dr-grpo|algorithm.name="dr-grpo"'
+  'gspo|algorithm.name="gspo"'
+  'cispo|algorithm.name="cispo"'
+  'rloo|algorithm.name="rloo"'
+  'reinforce++|algorithm.name="reinforce++"'
+  'dapo|algorithm.name="dapo" algorithm.overlong_buffer=4'
+  'grpo-kl|algorithm.name="grpo" algorithm.kl_mode="loss" algorithm.kl_coef=0.02'
+  'ppo|algorithm.name="ppo"'
+)
+WANT=("$@")
+
+SUMMARY="$OUT/summary.tsv"
+[ -f "$SUMMARY" ] || printf 'run\tstep\taccuracy\ttrain_s\ts_per_step\n' > "$SUMMARY"
+if ! grep -q '^base' "$SUMMARY"; then
+  acc=$("$BIN" eval "$CONFIG" --prompts 200 | sed -n 's/.*accuracy \([0-9.]*\).*/\1/p' | head -1)
+  printf 'base\t0\t%s\t0\t0\n' "$acc" >> "$SUMMARY"
+fi
+for run in "${RUNS[@]}"; do
+  NAME="${run%%|*}"
+  read -r -a KV <<< "${run#*|}"
+  if [ "${#WANT[@]}" -gt 0 ] && [[ ! " ${WANT[*]} " == *" $NAME "* ]]; then
+    continue
+  fi
+  DIR="$OUT/$NAME"
+  rm -rf "$DIR"
+  sed -i "/^$NAME\t/d" "$SUMMARY"
+  for ((S = EVERY; S <= STEPS; S += EVERY)); do
+    if [ "$S" -eq "$EVERY" ]; then
+      SETS=(--set "job.steps=$S" --set "job.output_dir=\"$DIR\"")
+      for kv in "${KV[@]}"; do SETS+=(--set "$kv"); done
+      mkdir -p "$DIR"
+      printf '{"step": 0, "eval/accuracy": %s}\n' "$(awk -F'\t' '$1=="base"{print $3}' "$SUMMARY")" > "$DIR/eval.jsonl"
+      "$BIN" train "$CONFIG" "${SETS[@]}" > "$DIR.log" 2>&1 || { tail -5 "$DIR.log"; exit 1; }
+    else
+      "$BIN" train --resume "$DIR" --set "job.steps=$S" >> "$DIR.log" 2>&1 || { tail -5 "$DIR.log"; exit 1; }
+    fi
+    acc=$("$BIN" eval "$CONFIG" --prompts 200 --checkpoint "$DIR/checkpoint" | sed -n 's/.*accuracy \([0-9.]*\).*/\1/p' | head -1)
+    read -r secs per <<< "$(python3 -c "
+import json
+t = [json.loads(l)['timing_s/step'] for l in open('$DIR/metrics.jsonl')]
+print(round(sum(t), 1), round(sum(t) / len(t), 2))")"
+    printf '%s\t%s\t%s\t%s\t%s\n' "$NAME" "$S" "$acc" "$secs" "$per" >> "$SUMMARY"
+    printf '{"step": %s, "eval/accuracy": %s}\n' "$S" "$acc" >> "$DIR/eval.jsonl"
+    echo "$NAME step $S accuracy $acc train_s $secs s/step $per" >&2
+  done
+  # Keep the metrics and the config; the 0.5-1.6 GB checkpoint goes.
+  rm -rf "$DIR/checkpoint"
+done
+DIRS=()
+for run in "${RUNS[@]}"; do
+  [ -f "$OUT/${run%%|*}/eval.jsonl" ] && DIRS+=("$OUT/${run%%|*}")
+done
+"$BIN" plot "${DIRS[0]}" --compare "${DIRS[@]:1}" --file eval.jsonl --metric eval/accuracy --out "$OUT/accuracy.png"
+cat "$SUMMARY"
