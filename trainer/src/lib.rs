@@ -57,6 +57,7 @@ pub use build::parts::{
     POLICY_RING,
 };
 pub use build::reward::reward_role;
+pub use controller::extra_stages::{ExtraStage, StageAt};
 
 // Controllers and the ledger.
 pub use controller::config::{

@@ -99,6 +99,7 @@ async fn user_roles_take_the_rollout_reference_policy_and_reward_slots() {
         policy: Some(spawn_role(&node, policy, 0, g()).await.unwrap()),
         reward: Some(spawn_role(&node, reward, 0, g()).await.unwrap()),
         critic: None,
+        stages: Vec::new(),
     };
     assert_eq!(
         roles.slots(),

@@ -19,6 +19,7 @@ use crate::config::modes::{KlMode, PlacementMode};
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::join_policy_ring;
+use crate::controller::extra_stages::ExtraStage;
 use crate::controller::refs::{spawn_role, CriticRef, PolicyRef, RoleRefs, RolloutRef, SamplesRef};
 use crate::error::JobError;
 
@@ -52,6 +53,9 @@ pub struct CustomRoles {
     /// resume: the replicas' all-reduce ring and the checkpoint's trainer state are the
     /// built-in policy's.
     pub policy: Option<PolicyRef>,
+    /// Stages added to the step ([`ExtraStage`]: a filter, a second reward, a
+    /// classifier), each after a built-in stage, in this order within a place.
+    pub stages: Vec<ExtraStage>,
 }
 
 impl CustomRoles {
@@ -62,6 +66,7 @@ impl CustomRoles {
             && self.reference.is_none()
             && self.critic.is_none()
             && self.policy.is_none()
+            && self.stages.is_empty()
     }
 
     /// The slots taken, by name.
@@ -218,7 +223,10 @@ pub async fn build_embedded_with(
         policy: policies[0].clone(),
         critic,
     };
-    let mut controllers = controllers(job, shared, rollouts, policies)?;
+    let mut controllers: Vec<Controller> = controllers(job, shared, rollouts, policies)?
+        .into_iter()
+        .map(|c| c.with_extra_stages(custom.stages.iter().cloned()))
+        .collect();
     if replicated {
         join_policy_ring(&mut controllers, RING_CHUNK_BYTES).await?;
     }

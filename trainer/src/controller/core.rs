@@ -43,6 +43,8 @@ pub struct Controller {
     pub(crate) pending: std::collections::VecDeque<GenBatch>,
     /// Whether the train/rollout log-prob mismatch warning was given.
     pub(crate) warned_mismatch: std::sync::atomic::AtomicBool,
+    /// A user's stages added to the step ([`Controller::with_extra_stages`]).
+    pub(crate) extra: Vec<crate::controller::extra_stages::ExtraStage>,
 }
 
 /// A batch generated and rewarded, waiting for the step that trains it.
@@ -121,6 +123,7 @@ impl Controller {
             lost_rollouts: Default::default(),
             probe: None,
             pending: Default::default(),
+            extra: Vec::new(),
             warned_mismatch: Default::default(),
         })
     }
@@ -143,6 +146,15 @@ impl Controller {
     /// The rollout replicas this head found lost (skipped by weight sync from then on).
     pub fn lost_rollouts(&self) -> &std::collections::BTreeSet<ActorId> {
         &self.lost_rollouts
+    }
+
+    /// Adds a user's stages to every step, in order within each place.
+    pub fn with_extra_stages(
+        mut self,
+        stages: impl IntoIterator<Item = crate::controller::extra_stages::ExtraStage>,
+    ) -> Self {
+        self.extra.extend(stages);
+        self
     }
 
     /// The roles this controller drives.

@@ -6,6 +6,7 @@ pub(crate) mod config;
 pub(crate) mod core;
 pub(crate) mod data_parallel;
 pub(crate) mod error;
+pub(crate) mod extra_stages;
 pub(crate) mod generate;
 pub(crate) mod pipeline;
 pub(crate) mod probe;

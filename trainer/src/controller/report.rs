@@ -25,6 +25,11 @@ impl StepMetrics {
     pub(crate) fn set(&mut self, name: &str, v: f64) {
         self.values.insert(name.to_string(), v);
     }
+
+    /// Adds `v` to the metric (e.g. over the rounds of dynamic sampling).
+    pub(crate) fn add(&mut self, name: &str, v: f64) {
+        *self.values.entry(name.to_string()).or_insert(0.0) += v;
+    }
 }
 
 /// What one step produced.

@@ -13,6 +13,7 @@ use crate::controller::config::{ControllerConfig, DynamicSamplingConfig, Overlon
 use crate::controller::core::Controller;
 use crate::controller::core::{GenBatch, Prepared};
 use crate::controller::error::ControllerError;
+use crate::controller::extra_stages::StageAt;
 use crate::controller::report::{StepMetrics, StepReport};
 use crate::ledger::{SampleLedger, Stage};
 use yatt_metrics::names;
@@ -103,10 +104,16 @@ impl Controller {
             }
             None => samples,
         };
+        let samples = self
+            .extra_stages(StageAt::Reference, samples, &mut ledger, &mut m)
+            .await?;
         // 4. Critic values.
         let samples = self.values(samples, cfg, &mut ledger, &mut m).await?;
         // 5. Old log-probs.
-        let mut samples = self.old_logprobs(samples, cfg, &mut ledger, &mut m).await?;
+        let samples = self.old_logprobs(samples, cfg, &mut ledger, &mut m).await?;
+        let mut samples = self
+            .extra_stages(StageAt::OldLogProbs, samples, &mut ledger, &mut m)
+            .await?;
         self.off_policy_metrics(&samples, &mut m);
         // 6. Advantages.
         let t = Instant::now();
@@ -176,10 +183,13 @@ impl Controller {
                 })
             });
             ledger.expect(ids).map_err(self.ledger_err())?;
-            let mut samples = self
+            let samples = self
                 .generate_round(step, prompts, cfg, ledger, &mut t, lost)
                 .await?;
             self.stage_done(ledger, &samples, Stage::Rewarded)?;
+            let mut samples = self
+                .extra_stages(StageAt::Reward, samples, ledger, m)
+                .await?;
             if let Some(o) = cfg.overlong {
                 self.apply_overlong(&mut samples, o)?;
             }
