@@ -1,5 +1,6 @@
-//! The role of the example: a length-and-format reward, written against `yatt-roles`
-//! alone (and serde, so that a peer can send its settings as the spawn arguments).
+//! The roles of the example, written against `yatt-roles` alone (and serde, so that a
+//! peer can send their settings as the spawn arguments): a length-and-format reward,
+//! and a filter that runs as an extra stage of the step.
 
 use serde::{Deserialize, Serialize};
 use yatt_roles::{DeviceGroup, ResourceProfile, Role, RoleError, Sample};
@@ -66,6 +67,62 @@ impl Role for LengthFormatReward {
     }
 }
 
+/// The name the filter is registered under.
+pub const FILTER_NAME: &str = "repeat-filter";
+
+/// An extra stage after the reward: drops responses with a character repeated more
+/// than `max_run` times in a row (a stand-in for a safety or quality classifier).
+/// What it does not give back is never trained.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RepeatFilter {
+    /// Longest run of one character a response may have.
+    pub max_run: usize,
+}
+
+impl RepeatFilter {
+    /// Whether `response` passes.
+    pub fn keeps(&self, response: &str) -> bool {
+        let (mut run, mut prev) = (0, None);
+        for c in response.chars() {
+            run = if Some(c) == prev { run + 1 } else { 1 };
+            prev = Some(c);
+            if run > self.max_run {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+impl Role for RepeatFilter {
+    type Request = Vec<Sample>;
+    type Response = Vec<Sample>;
+
+    fn name(&self) -> &str {
+        FILTER_NAME
+    }
+
+    fn profile(&self) -> ResourceProfile {
+        ResourceProfile::cpu_only()
+    }
+
+    fn start(&mut self, _group: &DeviceGroup) -> Result<(), RoleError> {
+        if self.max_run == 0 {
+            return Err(RoleError::BadRequest(
+                "repeat-filter: max_run must be at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn serve(&mut self, samples: Vec<Sample>) -> Result<Vec<Sample>, RoleError> {
+        Ok(samples
+            .into_iter()
+            .filter(|s| self.keeps(&s.response_text))
+            .collect())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -81,5 +138,13 @@ mod tests {
         assert_eq!(r.score("abzz"), 0.25);
         assert_eq!(r.score("zz"), 0.5);
         assert_eq!(r.score(""), 0.0);
+    }
+
+    #[test]
+    fn filters_long_runs() {
+        let f = RepeatFilter { max_run: 2 };
+        assert!(f.keeps("aabaa"));
+        assert!(!f.keeps("abbbc"));
+        assert!(f.keeps(""));
     }
 }

@@ -1,15 +1,16 @@
 //! The example's daemon on a 3-node loopback cluster: two `custom-yatt-node` processes
-//! (`yatt::node::main_with` with the example's role) and this test process as the
-//! trainer. The trainer spawns `length-format-reward` on the second daemon by name,
-//! trains the demo job with it as the reward, and the daemon answers `/health` with the
-//! role hosted, then shuts down on SIGTERM.
+//! (`yatt::node::main_with` with the example's roles) and this test process as the
+//! trainer. The trainer spawns `length-format-reward` on the second daemon and
+//! `repeat-filter` on the first by name, trains the demo job with them as the reward
+//! and as an extra stage after it, and the daemon answers `/health` with the role
+//! hosted, then shuts down on SIGTERM.
 
 use std::time::Duration;
 
-use custom_role::{LengthFormatReward, ROLE_NAME};
+use custom_role::{LengthFormatReward, RepeatFilter, FILTER_NAME, ROLE_NAME};
 use yatt_integration_tests::{cluster_logs, join, poll, Cluster};
 use yatt_roles::{RoleRequest, RoleResponse, Sample};
-use yatt_trainer::{train_with, CustomRoles, JobConfig, TrainOptions};
+use yatt_trainer::{train_with, CustomRoles, ExtraStage, JobConfig, StageAt, TrainOptions};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_user_reward_on_main_with_daemons_trains_a_job() {
@@ -70,6 +71,15 @@ async fn a_user_reward_on_main_with_daemons_trains_a_job() {
         .unwrap_err()
         .to_string();
     assert!(e.contains(ROLE_NAME) && e.contains("reward"), "{e}");
+    let filter = trainer
+        .spawn_remote_linked::<RoleRequest<Vec<Sample>>, RoleResponse<Vec<Sample>>, _>(
+            &cluster.nodes[0].name,
+            FILTER_NAME,
+            &RepeatFilter { max_run: 2 },
+            Duration::from_secs(20),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("spawning {FILTER_NAME}: {e}\n{}", cluster_logs(&cluster)));
 
     let out = tempfile::tempdir().unwrap();
     let config = concat!(
@@ -84,6 +94,7 @@ async fn a_user_reward_on_main_with_daemons_trains_a_job() {
     let options = TrainOptions {
         roles: CustomRoles {
             reward: Some(reward),
+            stages: vec![ExtraStage::new(FILTER_NAME, StageAt::Reward, filter)],
             ..Default::default()
         },
         ..Default::default()
@@ -93,6 +104,17 @@ async fn a_user_reward_on_main_with_daemons_trains_a_job() {
     let r = &summary.rewards;
     let (first, last) = (mean(&r[..5]), mean(&r[r.len() - 5..]));
     assert!(last > first + 0.2, "reward {first:.3} → {last:.3}");
+    // The filter ran every step, and dropped responses once the model repeats vowels.
+    let metrics = std::fs::read_to_string(out.path().join("metrics.jsonl")).unwrap();
+    let dropped: Vec<f64> = metrics
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["stage/repeat-filter/dropped"].as_f64().unwrap()
+        })
+        .collect();
+    assert_eq!(dropped.len() as u64, summary.steps);
+    assert!(dropped.iter().sum::<f64>() > 0.0, "{dropped:?}");
     trainer.shutdown().await;
 
     for node in cluster.nodes.iter_mut().rev() {
