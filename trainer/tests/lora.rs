@@ -53,7 +53,7 @@ async fn adapter_and_merged_syncs_give_the_rollouts_the_trained_weights() {
     let (full, full_peft) = demo(&[lr("3e-3")]).await;
     assert!(peft, "a LoRA run's checkpoint is a PEFT adapter directory");
     assert!(!full_peft);
-    // Same weights on the rollouts, bit for bit, whichever way they travel: the same
+    // Same weights on the rollouts (to float rounding), whichever way they travel: the same
     // samples, so the same rewards; and the trained adapters did reach them.
     let rewards = |ms: &[serde_json::Value]| column(ms, names::REWARDS_MEAN);
     assert_eq!(rewards(&adapters), rewards(&merged));

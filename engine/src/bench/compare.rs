@@ -36,6 +36,9 @@ pub struct BenchOptions {
     pub train_batch: usize,
     /// Training sequence length.
     pub train_seq: usize,
+    /// Also time a LoRA training step of this rank on every linear layer, alternating
+    /// steps with the full one (0: no LoRA case).
+    pub lora_rank: i64,
     /// Rounds of the generation comparison (yatt then the reference, alternating); the
     /// best round of each side is reported, which damps noise from other load.
     pub rounds: usize,
@@ -406,13 +409,60 @@ pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
         };
         tr.step(std::slice::from_ref(&batch), loss)?; // warm-up
         let steps = 3;
-        let t0 = std::time::Instant::now();
+        // The LoRA trainer, stepped in turn with the full one so that load drift hits
+        // both alike.
+        let mut lora = if opts.lora_rank > 0 {
+            let mut m = Llama::load(&opts.model_dir, device, Kind::Float)?;
+            m.add_lora(
+                crate::model::LoraConfig {
+                    rank: opts.lora_rank,
+                    alpha: 2.0 * opts.lora_rank as f64,
+                    dropout: 0.0,
+                    targets: crate::model::LoraTarget::ALL.to_vec(),
+                },
+                0,
+            )?;
+            let mut l = Trainer::new(m, tr.config.clone());
+            l.step(std::slice::from_ref(&batch), loss)?; // warm-up
+            Some((l, 0.0f64))
+        } else {
+            None
+        };
+        let mut full_s = 0.0;
         for _ in 0..steps {
+            let t0 = std::time::Instant::now();
             tr.step(std::slice::from_ref(&batch), loss)?;
+            full_s += t0.elapsed().as_secs_f64();
+            if let Some((l, s)) = lora.as_mut() {
+                let t0 = std::time::Instant::now();
+                l.step(std::slice::from_ref(&batch), loss)?;
+                *s += t0.elapsed().as_secs_f64();
+            }
         }
-        let sec = t0.elapsed().as_secs_f64() / steps as f64;
+        if let Some((mut l, s)) = lora.take() {
+            let sec = s / steps as f64;
+            let state = l.resident_bytes() as f64 / 1e6;
+            eprintln!(
+                "yatt LoRA r={} train step B={bsz} T={t}: {sec:.2}s/step",
+                opts.lora_rank
+            );
+            rows.push(BenchRow {
+                case: format!(
+                    "training step with LoRA r={} on every linear layer, batch {bsz} × {t} tokens",
+                    opts.lora_rank
+                ),
+                yatt: (bsz * t) as f64 / sec,
+                reference: None,
+                unit: "tokens/s".into(),
+                note: format!(
+                    "steps alternate with the full step's; weights + grads + AdamW: {state:.0} MB"
+                ),
+            });
+        }
+        let sec = full_s / steps as f64;
         let tps = (bsz * t) as f64 / sec;
         eprintln!("yatt train step B={bsz} T={t}: {sec:.2}s/step, {tps:.0} tokens/s");
+        let full_state = tr.resident_bytes() as f64 / 1e6;
         drop(tr);
         let rf = if opts.with_reference {
             let r = run_reference(
@@ -432,7 +482,9 @@ pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
             yatt: tps,
             reference: rf,
             unit: "tokens/s".into(),
-            note: "reference: PyTorch eager (transformers model, torch.optim.AdamW)".into(),
+            note: format!(
+                "reference: PyTorch eager (transformers model, torch.optim.AdamW); weights + grads + AdamW: {full_state:.0} MB"
+            ),
         });
     }
     Ok(rows)

@@ -695,7 +695,9 @@ impl Llama {
             ))
         })?;
         let (device, kind) = (self.device, self.kind);
-        let mut deltas: Vec<(usize, LoraTarget, Tensor)> = Vec::new();
+        // Per adapter, `s·A` `[in, r]` and `B` `[r, out]`, input-major: folded below
+        // with one in-place GEMM each, no full-size temporary.
+        let mut factors: Vec<(usize, LoraTarget, Tensor, Tensor)> = Vec::new();
         for ((i, t), (a, b)) in pairs {
             let name = peft_prefix(i, t);
             let (Some(a), Some(b)) = (a, b) else {
@@ -710,14 +712,13 @@ impl Llama {
                     "`{name}`: lora_A {ra:?} and lora_B {rb:?} do not fit [r, {din}] and [{dout}, r]"
                 )));
             }
-            let d = tch::no_grad(|| {
-                a.to_device(device)
-                    .to_kind(Kind::Float)
-                    .tr()
-                    .matmul(&b.to_device(device).to_kind(Kind::Float).tr())
-                    * s
+            let (sa, bt) = tch::no_grad(|| {
+                (
+                    (a.to_device(device).to_kind(Kind::Float).tr() * s).to_kind(kind),
+                    b.to_device(device).to_kind(kind).tr().contiguous(),
+                )
             });
-            deltas.push((i, t, d.to_kind(kind)));
+            factors.push((i, t, sa, bt));
         }
         let repack = self.packed.as_ref().map(|p| p.batch);
         if self.merge_base.is_none() {
@@ -736,17 +737,18 @@ impl Llama {
         tch::no_grad(|| {
             // Every adapted matrix restarts from the base, then takes its deltas.
             let mut touched = std::collections::BTreeSet::new();
-            for (i, t, _) in &deltas {
+            for (i, t, _, _) in &factors {
                 touched.insert((*i, t.place(&self.config).0 as usize));
             }
             for &(i, m) in &touched {
                 let mm = [Matrix::Qkv, Matrix::O, Matrix::GateUp, Matrix::Down][m];
                 let _ = self.layers[i].matrix(mm).shallow_clone().copy_(&base[i][m]);
             }
-            for (i, t, d) in &deltas {
+            for (i, t, sa, bt) in &factors {
                 let (m, col) = t.place(&self.config);
-                let mut part = self.layers[*i].matrix(m).narrow(1, col, d.size()[1]);
-                let _ = part.g_add_(d);
+                // A column slice of a row-major matrix is a valid GEMM output in place.
+                let mut part = self.layers[*i].matrix(m).narrow(1, col, bt.size()[1]);
+                let _ = part.addmm_(sa, bt);
             }
         });
         self.packed = None;

@@ -45,6 +45,10 @@ pub struct BenchEngineArgs {
     /// Training sequence length.
     #[arg(long, default_value_t = 128)]
     pub train_seq: usize,
+    /// Also time a LoRA training step of this rank (every linear layer), its steps
+    /// alternating with the full one's (0: skip).
+    #[arg(long, default_value_t = 0)]
+    pub lora_rank: i64,
     /// Rounds of the generation comparison (alternating yatt / reference; best of each).
     #[arg(long, default_value_t = 2)]
     pub rounds: usize,
@@ -97,6 +101,7 @@ pub fn bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
         long_tail_requests: args.long_tail_requests,
         train_batch: args.train_batch,
         train_seq: args.train_seq,
+        lora_rank: args.lora_rank,
         rounds: args.rounds,
         prefix_sharing: !args.no_prefix_sharing,
     };
