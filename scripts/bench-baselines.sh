@@ -6,6 +6,9 @@
 #
 #   bash scripts/bench-baselines.sh [STEPS] [EVAL_EVERY] [ALGOS...]   # default 80 40, all
 #
+# EVAL_PROMPTS (default 200) sets the held-out prompts per evaluation (a quick check of
+# the script: EVAL_PROMPTS=8 bash scripts/bench-baselines.sh 2 1 grpo ppo).
+#
 # Each run's settings are its `--set`s below on top of the shipped config; the resolved
 # config is written to runs/baselines/NAME/job.toml. Writes runs/baselines/summary.tsv
 # (run, step, accuracy, cumulative training seconds, mean s/step) and each run's
@@ -16,6 +19,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
 cd "$YATT_ROOT"
 STEPS="${1:-80}"
 EVERY="${2:-40}"
+EVAL_PROMPTS="${EVAL_PROMPTS:-200}"
 shift $(( $# > 2 ? 2 : $# ))
 cargo build --release --bin yatt -q
 BIN="${CARGO_TARGET_DIR:-target}/release/yatt"
@@ -41,7 +45,7 @@ WANT=("$@")
 SUMMARY="$OUT/summary.tsv"
 [ -f "$SUMMARY" ] || printf 'run\tstep\taccuracy\ttrain_s\ts_per_step\n' > "$SUMMARY"
 if ! grep -q '^base' "$SUMMARY"; then
-  acc=$("$BIN" eval "$CONFIG" --prompts 200 | sed -n 's/.*accuracy \([0-9.]*\).*/\1/p' | head -1)
+  acc=$("$BIN" eval "$CONFIG" --prompts "$EVAL_PROMPTS" | sed -n 's/.*accuracy \([0-9.]*\).*/\1/p' | head -1)
   printf 'base\t0\t%s\t0\t0\n' "$acc" >> "$SUMMARY"
 fi
 for run in "${RUNS[@]}"; do
@@ -63,7 +67,7 @@ for run in "${RUNS[@]}"; do
     else
       "$BIN" train --resume "$DIR" --set "job.steps=$S" >> "$DIR.log" 2>&1 || { tail -5 "$DIR.log"; exit 1; }
     fi
-    acc=$("$BIN" eval "$CONFIG" --prompts 200 --checkpoint "$DIR/checkpoint" | sed -n 's/.*accuracy \([0-9.]*\).*/\1/p' | head -1)
+    acc=$("$BIN" eval "$CONFIG" --prompts "$EVAL_PROMPTS" --checkpoint "$DIR/checkpoint" | sed -n 's/.*accuracy \([0-9.]*\).*/\1/p' | head -1)
     read -r secs per <<< "$(python3 -c "
 import json
 t = [json.loads(l)['timing_s/step'] for l in open('$DIR/metrics.jsonl')]
