@@ -169,8 +169,16 @@ impl Tool for CalculatorTool {
         "calculator: evaluates arithmetic (+ - * / and parentheses)"
     }
 
+    fn example_question(&self) -> &str {
+        "What is 12 * 34?"
+    }
+
     fn example_arguments(&self) -> &str {
         r#"{"expression": "12*34"}"#
+    }
+
+    fn example_result(&self) -> &str {
+        "408"
     }
 
     fn call(&mut self, arguments: &Map<String, Value>) -> Result<String, ToolError> {

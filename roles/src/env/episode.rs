@@ -43,6 +43,8 @@ pub struct Episode {
     info: EpisodeInfo,
     /// Where the model's current turn starts in `tokens`.
     turn_start: usize,
+    /// The current turn started with the environment's prefix.
+    prefixed: bool,
     done: bool,
 }
 
@@ -56,6 +58,7 @@ impl Episode {
             mask: Vec::new(),
             info: EpisodeInfo::default(),
             turn_start: 0,
+            prefixed: false,
             done: false,
         }
     }
@@ -83,7 +86,7 @@ impl Episode {
         &self.tokens
     }
 
-    /// The model's tokens of its latest turn.
+    /// The tokens of the latest turn: the environment's prefix, if any, and the model's.
     pub fn last_turn(&self) -> &[i64] {
         &self.tokens[self.turn_start..]
     }
@@ -98,10 +101,28 @@ impl Episode {
         self.limits
     }
 
+    /// Starts the model's next turn with the environment's `tokens` (see
+    /// `Env::turn_prefix`): masked out of the loss, but part of the turn the environment
+    /// reads. Returns false, ending the episode, when no token would be left for the model.
+    pub fn push_turn_prefix(&mut self, tokens: &[i64]) -> bool {
+        if tokens.len() >= self.remaining() {
+            self.done = true;
+            return false;
+        }
+        self.turn_start = self.tokens.len();
+        self.prefixed = true;
+        self.tokens.extend_from_slice(tokens);
+        self.logprobs.resize(self.tokens.len(), 0.0);
+        self.mask.resize(self.tokens.len(), 0);
+        true
+    }
+
     /// Appends the model's turn (its tokens and their log-probs).
     pub fn push_model_turn(&mut self, tokens: &[i64], logprobs: &[f32]) {
         debug_assert_eq!(tokens.len(), logprobs.len());
-        self.turn_start = self.tokens.len();
+        if !std::mem::take(&mut self.prefixed) {
+            self.turn_start = self.tokens.len();
+        }
         self.tokens.extend_from_slice(tokens);
         self.logprobs.extend_from_slice(logprobs);
         self.mask.resize(self.tokens.len(), 1);

@@ -113,6 +113,13 @@ pub trait Env: Send {
     fn reset(&mut self, prompt: &Prompt) -> Result<String, EnvError>;
     /// The model's turn `action` (its text); what the environment answers.
     fn step(&mut self, action: &str) -> Result<EnvStep, EnvError>;
+    /// Text the environment writes at the start of the model's next turn (after
+    /// `reset` or `step`), e.g. the opening of a tool call for a model that never
+    /// writes one by itself. Its tokens are the environment's (masked out of the loss);
+    /// the model continues from them, and `step` sees them as part of the turn.
+    fn turn_prefix(&mut self) -> Option<String> {
+        None
+    }
 }
 
 /// Makes one environment per episode.
@@ -173,17 +180,26 @@ impl std::fmt::Debug for EnvSettings {
     }
 }
 
-/// The factory of a built-in environment; `python` configures the Python tool.
-pub fn builtin_env_factory(kind: EnvKind, python: PythonToolConfig) -> Arc<dyn EnvFactory> {
+/// The factory of a built-in environment; `python` configures the Python tool;
+/// `call_prefix` starts a tool environment's first turn with a call's opening
+/// ([`ToolEnv::with_call_prefix`]).
+pub fn builtin_env_factory(
+    kind: EnvKind,
+    python: PythonToolConfig,
+    call_prefix: bool,
+) -> Arc<dyn EnvFactory> {
+    let tool_env = move |tool: Box<dyn Tool>| -> Box<dyn Env> {
+        let env = ToolEnv::new(vec![tool]);
+        Box::new(if call_prefix { env.with_call_prefix() } else { env })
+    };
     match kind {
-        EnvKind::Calculator => Arc::new(|_: &Prompt| -> Result<Box<dyn Env>, EnvError> {
-            Ok(Box::new(ToolEnv::new(vec![Box::new(CalculatorTool)])))
+        EnvKind::Calculator => Arc::new(move |_: &Prompt| -> Result<Box<dyn Env>, EnvError> {
+            Ok(tool_env(Box::new(CalculatorTool)))
         }),
         EnvKind::Python => {
             let isolation = NetIsolation::detect();
             Arc::new(move |_: &Prompt| -> Result<Box<dyn Env>, EnvError> {
-                let tool = PythonTool::new(python.clone(), isolation);
-                Ok(Box::new(ToolEnv::new(vec![Box::new(tool)])))
+                Ok(tool_env(Box::new(PythonTool::new(python.clone(), isolation))))
             })
         }
         EnvKind::GuessNumber => Arc::new(|p: &Prompt| -> Result<Box<dyn Env>, EnvError> {

@@ -213,8 +213,16 @@ impl Tool for PythonTool {
         "python: runs Python code and returns what it prints"
     }
 
+    fn example_question(&self) -> &str {
+        "What is 12 * 34?"
+    }
+
     fn example_arguments(&self) -> &str {
         r#"{"code": "print(12*34)"}"#
+    }
+
+    fn example_result(&self) -> &str {
+        "408"
     }
 
     fn call(&mut self, arguments: &Map<String, Value>) -> Result<String, ToolError> {

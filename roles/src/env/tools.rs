@@ -10,7 +10,7 @@
 use serde_json::{Map, Value};
 
 use crate::data::prompt::Prompt;
-use crate::env::tool_call::{parse_tool_call, ParsedTurn};
+use crate::env::tool_call::{parse_tool_call, ParsedTurn, TOOL_CALL_OPEN};
 use crate::env::{Env, EnvError, EnvStep};
 
 /// Why a tool call did not give a result. Every variant reaches the model as its
@@ -34,8 +34,13 @@ pub trait Tool: Send {
     fn name(&self) -> &str;
     /// One line for the model: what it does and its arguments.
     fn description(&self) -> &str;
-    /// Example arguments (a JSON object), shown to the model in a complete call.
+    /// An example question the tool answers, its arguments (a JSON object) and its
+    /// result: shown to the model as a worked exchange.
+    fn example_question(&self) -> &str;
+    /// See [`Tool::example_question`].
     fn example_arguments(&self) -> &str;
+    /// See [`Tool::example_question`].
+    fn example_result(&self) -> &str;
     /// Runs one call.
     fn call(&mut self, arguments: &Map<String, Value>) -> Result<String, ToolError>;
 }
@@ -43,38 +48,79 @@ pub trait Tool: Send {
 /// An environment that offers tools (see the module docs).
 pub struct ToolEnv {
     tools: Vec<Box<dyn Tool>>,
-    /// Appended to the prompt at reset: how to call the tools.
+    /// Put before the prompt at reset: how to call the tools.
     instructions: String,
+    /// The opening of a call of the first tool, written at the start of the first
+    /// turn (see [`ToolEnv::with_call_prefix`]).
+    call_prefix: Option<String>,
+    /// Steps taken since the reset.
+    steps: u32,
 }
 
 impl ToolEnv {
     /// An environment with `tools`.
     pub fn new(tools: Vec<Box<dyn Tool>>) -> Self {
-        let mut instructions = String::from("\n\nYou can use tools. Tools:");
+        // Small models copy a worked example far more often than they follow a schema:
+        // the first tool's example call and result are shown as an exchange, before
+        // the question.
+        let mut instructions = String::from("You have tools:");
         for t in &tools {
             instructions.push_str("\n- ");
             instructions.push_str(t.description());
         }
         if let Some(t) = tools.first() {
             instructions.push_str(&format!(
-                "\nTo call a tool, write for example: <tool_call>{{\"name\": \"{}\", \"arguments\": {}}}</tool_call>\nThe result comes back in <tool_response>.",
+                "\nDo not work it out by hand: call a tool, then answer. Example:\nQuestion: {}\nAssistant: <tool_call>{{\"name\": \"{}\", \"arguments\": {}}}</tool_call>\n<tool_response>\n{}\n</tool_response>\nAssistant: {}\n\nQuestion: ",
+                t.example_question(),
                 t.name(),
-                t.example_arguments()
+                t.example_arguments(),
+                t.example_result(),
+                t.example_result(),
             ));
         }
         ToolEnv {
             tools,
             instructions,
+            call_prefix: None,
+            steps: 0,
         }
+    }
+
+    /// Starts the first model turn with the opening of a call of the first tool, up to
+    /// its first argument's value (`<tool_call>{"name": "calculator", "arguments":
+    /// {"expression": "`): a scaffold for a model too small to ever write the format
+    /// itself, so that the call's content, the use of its result and the answer can be
+    /// learnt. Calling is then not the model's choice on the first turn.
+    pub fn with_call_prefix(mut self) -> Self {
+        self.call_prefix = self.tools.first().map(|t| {
+            let first_arg = serde_json::from_str::<Map<String, Value>>(t.example_arguments())
+                .ok()
+                .and_then(|m| m.keys().next().cloned())
+                .unwrap_or_default();
+            format!(
+                "{TOOL_CALL_OPEN}{{\"name\": \"{}\", \"arguments\": {{\"{first_arg}\": \"",
+                t.name()
+            )
+        });
+        self
     }
 }
 
 impl Env for ToolEnv {
+    fn turn_prefix(&mut self) -> Option<String> {
+        match self.steps {
+            0 => self.call_prefix.clone(),
+            _ => None,
+        }
+    }
+
     fn reset(&mut self, prompt: &Prompt) -> Result<String, EnvError> {
-        Ok(format!("{}{}", prompt.text, self.instructions))
+        self.steps = 0;
+        Ok(format!("{}{}", self.instructions, prompt.text))
     }
 
     fn step(&mut self, action: &str) -> Result<EnvStep, EnvError> {
+        self.steps += 1;
         let call = match parse_tool_call(action) {
             ParsedTurn::Answer => return Ok(EnvStep::done(0.0)),
             ParsedTurn::Call(c) => c,
@@ -119,7 +165,7 @@ mod tests {
     fn a_tool_env_runs_calls_explains_errors_and_ends_at_an_answer() {
         let mut env = ToolEnv::new(vec![Box::new(CalculatorTool)]);
         let first = env.reset(&prompt("What is 12 * 34?")).unwrap();
-        assert!(first.starts_with("What is 12 * 34?"));
+        assert!(first.ends_with("Question: What is 12 * 34?"), "{first}");
         assert!(first.contains("calculator"), "{first}");
         let s = env
             .step(r#"<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>"#)
@@ -143,5 +189,15 @@ mod tests {
         let s = env.step("So the answer is 408.").unwrap();
         assert!(s.done);
         assert_eq!(s.tool_calls, 0);
+        assert_eq!(env.turn_prefix(), None);
+
+        // With the scaffold, the first turn opens a calculator call, and only the first.
+        let mut env = ToolEnv::new(vec![Box::new(CalculatorTool)]).with_call_prefix();
+        env.reset(&prompt("What is 2 * 3?")).unwrap();
+        let prefix = env.turn_prefix().unwrap();
+        assert_eq!(prefix, r#"<tool_call>{"name": "calculator", "arguments": {"expression": ""#);
+        let s = env.step(&format!("{prefix}2*3\"}}}}</tool_call>")).unwrap();
+        assert_eq!(s.observation, "<tool_response>\n6\n</tool_response>");
+        assert_eq!(env.turn_prefix(), None);
     }
 }

@@ -106,7 +106,7 @@ pub(crate) fn env_settings(job: &JobConfig, e: &EnvSection) -> EnvSettings {
         output_bytes: e.python_output_bytes,
     };
     EnvSettings {
-        factory: builtin_env_factory(e.kind, python),
+        factory: builtin_env_factory(e.kind, python, e.call_prefix),
         limits: EpisodeLimits {
             max_turns: e.max_turns,
             max_env_tokens: e.max_env_tokens,

@@ -269,6 +269,10 @@ pub struct EnvSection {
     pub python_memory_mb: u64,
     /// `kind = "python"`: most bytes of output (stdout, stderr each).
     pub python_output_bytes: usize,
+    /// `calculator`/`python`: the environment writes the opening of a tool call at the
+    /// start of the first turn (masked out of the loss), for models too small to ever
+    /// write the format themselves; calling is then not the model's choice.
+    pub call_prefix: bool,
 }
 
 impl Default for EnvSection {
@@ -283,6 +287,7 @@ impl Default for EnvSection {
             python_timeout_s: 5.0,
             python_memory_mb: 512,
             python_output_bytes: 4096,
+            call_prefix: false,
         }
     }
 }

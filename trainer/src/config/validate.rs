@@ -373,6 +373,14 @@ impl JobConfig {
                 ));
             }
         }
+        if e.call_prefix && e.kind == yatt_roles::EnvKind::GuessNumber {
+            return Err(invalid(
+                "rollout.env.call_prefix",
+                "false with kind = \"guess-number\"",
+                "true",
+                "the game has no tools to call: remove call_prefix, or use kind = \"calculator\" or \"python\"",
+            ));
+        }
         if self.rollout.partial_rollout.is_some() {
             return Err(invalid(
                 "rollout.partial_rollout",

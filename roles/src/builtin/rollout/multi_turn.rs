@@ -26,6 +26,8 @@ struct Running {
     slot: EnvSlot,
     episode: Episode,
     finish: Finish,
+    /// What the environment writes at the start of the model's next turn.
+    prefix: Option<String>,
 }
 
 impl RolloutRole {
@@ -48,6 +50,14 @@ impl RolloutRole {
         let mut runs = self.start_episodes(req, env)?;
         let stop_at_tool_call = self.codec.tokenizer().is_some();
         for turn in 0..env.limits.max_turns {
+            for r in runs.iter_mut().filter(|r| !r.episode.is_done()) {
+                if let Some(p) = r.prefix.take() {
+                    let tokens = self.codec.encode_response(&p).map_err(|e| {
+                        RoleError::Failed(format!("{}: encoding the turn prefix: {e}", r.id))
+                    })?;
+                    r.episode.push_turn_prefix(&tokens);
+                }
+            }
             let active: Vec<usize> = (0..runs.len())
                 .filter(|&i| !runs[i].episode.is_done())
                 .collect();
@@ -99,13 +109,17 @@ impl RolloutRole {
                 .map(|((_, r), text)| (&mut r.slot, text))
                 .collect();
             let answers = call_all("step", calls, env.timeout, |e, action: String| {
-                e.step(&action)
+                let step = e.step(&action)?;
+                Ok((step, e.turn_prefix()))
             });
             // 3. Observations into the responses.
             for (&i, (answer, seconds)) in active.iter().zip(answers) {
                 let r = &mut runs[i];
                 let step = match answer {
-                    Ok(step) => step,
+                    Ok((step, prefix)) => {
+                        r.prefix = prefix;
+                        step
+                    }
                     Err(e) => {
                         tracing::warn!(sample = %r.id, turn, "episode failed: {e}");
                         r.episode.fail(seconds, e.to_string());
@@ -158,7 +172,11 @@ impl RolloutRole {
             .iter_mut()
             .map(|(_, pi, slot)| (slot, req.prompts[*pi].clone()))
             .collect();
-        for (i, (first, _)) in call_all("reset", calls, env.timeout, |e, p: Prompt| e.reset(&p))
+        let reset = |e: &mut dyn crate::env::Env, p: Prompt| {
+            let first = e.reset(&p)?;
+            Ok((first, e.turn_prefix()))
+        };
+        for (i, (first, _)) in call_all("reset", calls, env.timeout, reset)
             .into_iter()
             .enumerate()
         {
@@ -169,9 +187,7 @@ impl RolloutRole {
                     tracing::warn!(sample = %id, "environment reset failed, retrying on a fresh one: {e}");
                     *slot = make(&req.prompts[*pi])?;
                     let p = req.prompts[*pi].clone();
-                    let again = call_all("reset", vec![(slot, p)], env.timeout, |e, p: Prompt| {
-                        e.reset(&p)
-                    });
+                    let again = call_all("reset", vec![(slot, p)], env.timeout, reset);
                     let (r, _) = again.into_iter().next().ok_or_else(|| {
                         RoleError::Failed(format!("{id}: no answer from the reset"))
                     })?;
@@ -183,7 +199,7 @@ impl RolloutRole {
         slots
             .into_iter()
             .zip(firsts)
-            .map(|((id, pi, slot), first)| {
+            .map(|((id, pi, slot), (first, prefix))| {
                 let prompt = first_turn(&req.prompts[pi], first);
                 let tokens = encode_prompt(self.codec.as_ref(), &prompt).map_err(|e| {
                     RoleError::BadRequest(format!("{id}: cannot encode the first turn: {e}"))
@@ -200,6 +216,7 @@ impl RolloutRole {
                     slot,
                     episode: Episode::new(env.limits),
                     finish: Finish::Length,
+                    prefix,
                 })
             })
             .collect()
@@ -287,7 +304,7 @@ mod tests {
             ..Default::default()
         };
         let env = EnvSettings {
-            factory: builtin_env_factory(EnvKind::GuessNumber, PythonToolConfig::default()),
+            factory: builtin_env_factory(EnvKind::GuessNumber, PythonToolConfig::default(), false),
             limits: EpisodeLimits {
                 max_turns: 3,
                 max_env_tokens: 40,
