@@ -46,7 +46,8 @@ pub use sample::{
 // Environments and tools for multi-turn rollouts.
 pub use env::{
     builtin_env_factory, evaluate_expression, format_number, parse_tool_call, CalculatorTool,
-    Env, EnvError, EnvFactory, EnvKind, EnvSettings, EnvStep, Episode, EpisodeLimits,
+    Env, EnvActorRef, EnvError, EnvFactory, EnvKind, EnvRequest, EnvResponse, EnvRole,
+    EnvSettings, EnvStep, RemoteEnvPool, SpawnEnvActor, MAX_EPISODES_PER_ACTOR, Episode, EpisodeLimits,
     GuessNumberEnv, NetIsolation, ParsedTurn, PythonTool, PythonToolConfig, Tool, ToolCall,
     ToolEnv, ToolError, TurnOutcome, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
 };

@@ -9,6 +9,7 @@
 //! What does not: generation (the rollout role, over `yatt-engine`) and the job config
 //! (`yatt-trainer` builds an [`EnvSettings`] from `[rollout.env]`).
 
+mod actor;
 mod calculator;
 mod deadline;
 mod episode;
@@ -24,6 +25,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::data::prompt::Prompt;
 
+pub use actor::{
+    EnvActorRef, EnvRequest, EnvResponse, EnvRole, RemoteEnvPool, SpawnEnvActor,
+    MAX_EPISODES_PER_ACTOR,
+};
 pub use calculator::{evaluate_expression, format_number, CalculatorTool};
 pub(crate) use deadline::{call_all, EnvSlot};
 pub use episode::{Episode, EpisodeLimits, TurnOutcome};
@@ -33,7 +38,7 @@ pub use tool_call::{parse_tool_call, ParsedTurn, ToolCall, TOOL_CALL_CLOSE, TOOL
 pub use tools::{Tool, ToolEnv, ToolError};
 
 /// What an environment answers to one model turn.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EnvStep {
     /// Text shown to the model as its next user turn (ignored when `done`).
     pub observation: String,
