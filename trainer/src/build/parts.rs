@@ -21,7 +21,7 @@ use crate::config::sections::{EnvSection, JobConfig};
 use crate::controller::error::ControllerError;
 use crate::error::JobError;
 use yatt_roles::{
-    builtin_env_factory, EnvSettings, EpisodeLimits, OffPolicyConfig, PythonToolConfig, TINY_CODEC,
+    builtin_env_factory, EnvFactory, EnvSettings, EpisodeLimits, OffPolicyConfig, PythonToolConfig, TINY_CODEC,
 };
 
 /// The job's model (every role starts from a copy of it), the codec of its text and its
@@ -77,6 +77,17 @@ pub(crate) fn tiny_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, 
 
 /// A rollout replica of the job over `model`.
 pub fn rollout_role(job: &JobConfig, model: Llama, codec: Arc<dyn TextCodec>) -> RolloutRole {
+    rollout_role_with_envs(job, model, codec, None)
+}
+
+/// A rollout replica whose episodes' environments come from `envs` (e.g. a pool of
+/// environment actors on another node) instead of the built-in ones in this process.
+pub(crate) fn rollout_role_with_envs(
+    job: &JobConfig,
+    model: Llama,
+    codec: Arc<dyn TextCodec>,
+    envs: Option<Arc<dyn EnvFactory>>,
+) -> RolloutRole {
     let mut batch = job.data.prompts_per_step * job.data.samples_per_prompt as usize;
     if job.rollout.max_batch > 0 {
         batch = batch.min(job.rollout.max_batch);
@@ -88,12 +99,19 @@ pub fn rollout_role(job: &JobConfig, model: Llama, codec: Arc<dyn TextCodec>) ->
     };
     let role = RolloutRole::new(Generator::new(model, gen_config), codec);
     match &job.rollout.env {
-        Some(e) => role.with_env(env_settings(job, e)),
+        Some(e) => {
+            let mut settings = env_settings(job, e);
+            if let Some(f) = envs {
+                settings.factory = f;
+            }
+            role.with_env(settings)
+        }
         None => role,
     }
 }
 
-/// The rollout's environment settings from `[rollout.env]`.
+/// The rollout's environment settings from `[rollout.env]`: the built-in environment
+/// of `kind`, made in this process.
 pub(crate) fn env_settings(job: &JobConfig, e: &EnvSection) -> EnvSettings {
     let secs = |s: f64| Duration::from_secs_f64(s.max(0.001));
     let python = PythonToolConfig {

@@ -109,6 +109,7 @@ fn schema() -> JobConfig {
     a.dynamic_sampling = Some(a.name.dynamic_sampling_by_default());
     a.off_policy = Some(a.off_policy(0));
     c.rollout.partial_rollout = Some(Default::default());
+    c.rollout.env = Some(Default::default());
     c.data.format = Some(yatt_roles::DataFormat::Jsonl);
     c
 }

@@ -273,6 +273,8 @@ pub struct EnvSection {
     /// start of the first turn (masked out of the loss), for models too small to ever
     /// write the format themselves; calling is then not the model's choice.
     pub call_prefix: bool,
+    /// With `placement.env`: environment actors per rollout (episodes spread over them).
+    pub pool: usize,
 }
 
 impl Default for EnvSection {
@@ -288,6 +290,7 @@ impl Default for EnvSection {
             python_memory_mb: 512,
             python_output_bytes: 4096,
             call_prefix: false,
+            pool: 2,
         }
     }
 }

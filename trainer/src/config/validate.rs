@@ -327,9 +327,34 @@ impl JobConfig {
 
     /// Multi-turn episodes: limits in range, and no feature that cannot carry them.
     fn validate_env(&self) -> Result<(), JobError> {
+        let placed = &self.placement.env;
         let Some(e) = &self.rollout.env else {
+            if !placed.is_empty() {
+                return Err(invalid(
+                    "placement.env",
+                    "empty without rollout.env",
+                    &format!("{placed:?}"),
+                    "there is no environment to place: add rollout.env = { kind = ... } or remove placement.env",
+                ));
+            }
             return Ok(());
         };
+        if !placed.is_empty() && self.placement.mode != PlacementMode::Disaggregated {
+            return Err(invalid(
+                "placement.env",
+                "a node with placement.mode = \"disaggregated\"",
+                &format!("{placed:?} with mode = \"{}\"", self.placement.mode),
+                "set placement.mode = \"disaggregated\" (a cluster job), or remove placement.env to run the environments in the rollout's process",
+            ));
+        }
+        if !(1..=64).contains(&e.pool) {
+            return Err(invalid(
+                "rollout.env.pool",
+                "1 to 64",
+                &e.pool.to_string(),
+                "set rollout.env.pool = 2 (environment actors per rollout)",
+            ));
+        }
         if !(1..=64).contains(&e.max_turns) {
             return Err(invalid(
                 "rollout.env.max_turns",
