@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use yatt_runtime::{ActorRef, CallError};
 
 use crate::data::prompt::Prompt;
-use crate::env::{Env, EnvError, EnvFactory, EnvStep};
+use crate::env::api::{Env, EnvError, EnvFactory, EnvStep};
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, RoleRequest, RoleResponse};
 
 /// Most episodes one environment actor holds at once (a bounded table).
@@ -310,7 +310,7 @@ impl Drop for RemoteEnv {
 mod tests {
     use super::*;
     use crate::role::RoleActor;
-    use crate::env::EnvStep;
+    use crate::env::api::EnvStep;
 
     /// Echoes actions; panics (a crash of the whole actor) on "crash".
     struct Crashy;

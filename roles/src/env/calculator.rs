@@ -4,7 +4,7 @@
 
 use serde_json::{Map, Value};
 
-use crate::env::tools::{Tool, ToolError};
+use crate::env::api::{Tool, ToolError};
 
 /// Longest expression accepted, characters (bounds the parser's work and recursion).
 const MAX_EXPRESSION_CHARS: usize = 256;

@@ -7,7 +7,7 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::env::{Env, EnvError};
+use crate::env::api::{Env, EnvError};
 
 /// An episode's environment, or nothing once a call lost it.
 pub(crate) struct EnvSlot(Option<Box<dyn Env>>);
@@ -115,7 +115,7 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 mod tests {
     use super::*;
     use crate::data::prompt::Prompt;
-    use crate::env::EnvStep;
+    use crate::env::api::EnvStep;
 
     /// Answers `ok`, panics on `panic`, and blocks until told on `hang`.
     struct Scripted(Option<mpsc::Receiver<()>>);

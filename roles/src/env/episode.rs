@@ -6,22 +6,8 @@
 //! No I/O: the rollout role generates, calls the environment and encodes observations,
 //! and feeds the results in here; everything this decides is testable without a model.
 
-use crate::env::EnvStep;
+use crate::env::api::{EnvStep, EpisodeLimits};
 use crate::sample::EpisodeInfo;
-
-/// Limits of an episode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct EpisodeLimits {
-    /// Most model turns.
-    pub max_turns: u32,
-    /// Most tokens of one observation's content (longer ones are cut).
-    pub max_env_tokens: usize,
-    /// Most tokens of one model turn (0: the rest of the budget).
-    pub max_turn_tokens: usize,
-    /// Most response tokens in all, model and observation tokens together
-    /// (`rollout.max_new_tokens`).
-    pub budget: usize,
-}
 
 /// What the episode needs after a step.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -3,7 +3,7 @@
 //! guess, answered "higher" or "lower"; the right guess ends the episode with reward 1.
 
 use crate::data::prompt::Prompt;
-use crate::env::{Env, EnvError, EnvStep};
+use crate::env::api::{Env, EnvError, EnvStep};
 
 /// The guess-the-number game.
 #[derive(Debug, Clone, PartialEq, Eq)]

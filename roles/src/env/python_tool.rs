@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use serde_json::{Map, Value};
 
-use crate::env::tools::{Tool, ToolError};
+use crate::env::api::{Tool, ToolError};
 
 /// Limits of the Python tool.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,7 +32,8 @@ pub struct PythonToolConfig {
 impl Default for PythonToolConfig {
     fn default() -> Self {
         PythonToolConfig {
-            python: crate::reward::default_python(),
+            // The trainer passes the job's interpreter; `python3` on the PATH otherwise.
+            python: PathBuf::from("python3"),
             timeout: Duration::from_secs(5),
             memory_bytes: 512 << 20,
             output_bytes: 4096,

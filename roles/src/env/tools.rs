@@ -11,39 +11,7 @@ use serde_json::{Map, Value};
 
 use crate::data::prompt::Prompt;
 use crate::env::tool_call::{parse_tool_call, ParsedTurn, TOOL_CALL_OPEN};
-use crate::env::{Env, EnvError, EnvStep};
-
-/// Why a tool call did not give a result. Every variant reaches the model as its
-/// observation; none fails the step.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum ToolError {
-    /// The arguments were not what the tool takes.
-    #[error("bad arguments: {0}")]
-    BadArguments(String),
-    /// The tool ran and failed (a non-zero exit, an exception).
-    #[error("the tool failed: {0}")]
-    Failed(String),
-    /// The tool ran past its deadline and was killed.
-    #[error("the tool ran past its {0:.1} s limit and was stopped")]
-    Timeout(f64),
-}
-
-/// A function a model may call.
-pub trait Tool: Send {
-    /// The name the model calls it by.
-    fn name(&self) -> &str;
-    /// One line for the model: what it does and its arguments.
-    fn description(&self) -> &str;
-    /// An example question the tool answers, its arguments (a JSON object) and its
-    /// result: shown to the model as a worked exchange.
-    fn example_question(&self) -> &str;
-    /// See [`Tool::example_question`].
-    fn example_arguments(&self) -> &str;
-    /// See [`Tool::example_question`].
-    fn example_result(&self) -> &str;
-    /// Runs one call.
-    fn call(&mut self, arguments: &Map<String, Value>) -> Result<String, ToolError>;
-}
+use crate::env::api::{Env, EnvError, EnvStep, Tool};
 
 /// An environment that offers tools (see the module docs).
 pub struct ToolEnv {
@@ -149,7 +117,7 @@ impl Env for ToolEnv {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::env::CalculatorTool;
+    use crate::env::calculator::CalculatorTool;
 
     fn prompt(text: &str) -> Prompt {
         Prompt {

@@ -116,7 +116,7 @@ pub(crate) fn env_settings(job: &JobConfig, e: &EnvSection) -> EnvSettings {
     let secs = |s: f64| Duration::from_secs_f64(s.max(0.001));
     let python = PythonToolConfig {
         python: match e.python.as_os_str().is_empty() {
-            true => PythonToolConfig::default().python,
+            true => yatt_roles::default_python(),
             false => e.python.clone(),
         },
         timeout: secs(e.python_timeout_s),
