@@ -128,3 +128,21 @@ pub const PLACEMENT_ROLLOUT_GROUPS: &str = "placement/rollout_groups";
 pub const PLACEMENT_POLICY_GROUPS: &str = "placement/policy_groups";
 /// Routing version controllers follow (bumped by every migration).
 pub const PLACEMENT_ROUTING_VERSION: &str = "placement/routing_version";
+
+/// Multi-turn episodes: mean model turns per episode.
+pub const ENV_TURNS_MEAN: &str = "env/turns_mean";
+/// Multi-turn episodes: tool calls per episode (mean).
+pub const ENV_TOOL_CALLS_MEAN: &str = "env/tool_calls_mean";
+/// Multi-turn episodes: share of episodes with at least one tool call.
+pub const ENV_TOOL_CALL_RATE: &str = "env/tool_call_rate";
+/// Multi-turn episodes: tool calls that failed (malformed, unknown tool, tool error), in all.
+pub const ENV_TOOL_ERRORS: &str = "env/tool_errors";
+/// Multi-turn episodes: episodes the environment failed (a crash, a missed deadline).
+pub const ENV_FAILED: &str = "env/episodes_failed";
+/// Multi-turn episodes: seconds spent inside environments, summed over episodes.
+pub const ENV_SECONDS: &str = "timing_s/env";
+/// Multi-turn episodes: share of response tokens that are the model's own (the rest are
+/// observations, masked out of the loss).
+pub const ENV_MODEL_TOKEN_SHARE: &str = "env/model_token_share";
+/// Multi-turn episodes: mean environment reward per episode.
+pub const ENV_REWARD_MEAN: &str = "env/reward_mean";

@@ -26,6 +26,7 @@
 mod algo;
 mod builtin;
 mod data;
+mod env;
 mod json_value;
 mod reward;
 mod role;
@@ -38,8 +39,17 @@ pub use role::{
     RoleResponse, WeightsUpdate,
 };
 pub use sample::{
-    group_indices, response_mask, split_rows, token_matrix, Finish, Sample, SampleError, SampleId,
-    TokenField,
+    group_indices, response_mask, split_rows, token_matrix, EpisodeInfo, Finish, Sample,
+    SampleError, SampleId, TokenField,
+};
+
+// Environments and tools for multi-turn rollouts.
+pub use env::{
+    builtin_env_factory, evaluate_expression, format_number, parse_tool_call, CalculatorTool, Env,
+    EnvActorRef, EnvError, EnvFactory, EnvKind, EnvRequest, EnvResponse, EnvRole, EnvSettings,
+    EnvStep, Episode, EpisodeLimits, GuessNumberEnv, NetIsolation, ParsedTurn, PythonTool,
+    PythonToolConfig, RemoteEnvPool, SpawnEnvActor, Tool, ToolCall, ToolEnv, ToolError,
+    TurnOutcome, MAX_EPISODES_PER_ACTOR, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
 };
 
 // Algorithms: advantage estimators, losses, KL.

@@ -106,6 +106,32 @@ pub struct Sample {
     /// reports their mean as `reward/step_scores/mean`.
     #[serde(default)]
     pub step_rewards: Option<Vec<f32>>,
+    /// Per response token: 1 for the model's own tokens, 0 for tokens an environment
+    /// inserted (observations, tool results, the chat template around them). `None`:
+    /// every token is the model's. Losses, advantages and statistics count only the 1s.
+    #[serde(default)]
+    pub loss_mask: Option<Vec<u8>>,
+    /// What a multi-turn episode did (turns, tool calls, environment time); `None` for a
+    /// single-turn rollout.
+    #[serde(default)]
+    pub episode: Option<EpisodeInfo>,
+}
+
+/// Counters of one multi-turn episode, carried on its sample for the step's metrics.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EpisodeInfo {
+    /// Model turns taken.
+    pub turns: u32,
+    /// Tool calls the environment ran (well-formed or not).
+    pub tool_calls: u32,
+    /// Tool calls that failed: malformed JSON, an unknown tool, a tool error or timeout.
+    pub tool_errors: u32,
+    /// Seconds spent inside the environment.
+    pub env_seconds: f64,
+    /// Sum of the rewards the environment gave.
+    pub env_reward: f64,
+    /// The environment failed (an error, a missed deadline): the episode stopped there.
+    pub env_failed: Option<String>,
 }
 
 /// A per-token field of a [`Sample`].
@@ -198,7 +224,16 @@ impl Sample {
             advantages: None,
             returns: None,
             step_rewards: None,
+            loss_mask: None,
+            episode: None,
         }
+    }
+
+    /// Whether response token `t` is the model's own (see [`Sample::loss_mask`]).
+    pub fn is_model_token(&self, t: usize) -> bool {
+        self.loss_mask
+            .as_ref()
+            .is_none_or(|m| m.get(t).is_some_and(|&b| b != 0))
     }
 
     /// The policy versions of its first and last tokens.
@@ -246,7 +281,10 @@ impl Sample {
     }
 }
 
-/// The response mask `[B, T]` (f32, `T` = longest response) of a batch.
+/// The response mask `[B, T]` (f32, `T` = longest response) of a batch: 1 on the
+/// model's own response tokens, 0 on padding and on tokens an environment inserted
+/// ([`Sample::loss_mask`]). Every loss, advantage and statistic takes this mask, so
+/// observation tokens get no gradient.
 pub fn response_mask(samples: &[Sample], device: Device) -> Result<Tensor, SampleError> {
     let t = samples
         .iter()
@@ -255,7 +293,23 @@ pub fn response_mask(samples: &[Sample], device: Device) -> Result<Tensor, Sampl
         .ok_or(SampleError::Empty)?;
     let mut m = vec![0f32; samples.len() * t];
     for (i, s) in samples.iter().enumerate() {
-        m[i * t..i * t + s.response_len()].fill(1.0);
+        let row = &mut m[i * t..i * t + s.response_len()];
+        match &s.loss_mask {
+            None => row.fill(1.0),
+            Some(mask) if mask.len() == row.len() => {
+                for (x, &b) in row.iter_mut().zip(mask) {
+                    *x = f32::from(b != 0);
+                }
+            }
+            Some(mask) => {
+                return Err(SampleError::Length {
+                    id: s.id,
+                    field: "loss_mask",
+                    got: mask.len(),
+                    want: row.len(),
+                })
+            }
+        }
     }
     Ok(Tensor::from_slice(&m)
         .view([samples.len() as i64, t as i64])

@@ -575,6 +575,8 @@ mod tests {
             advantages: None,
             returns: None,
             step_rewards: None,
+            loss_mask: None,
+            episode: None,
         }
     }
 

@@ -89,6 +89,8 @@ pub struct EvalSample {
     pub reward: f64,
     /// Whether the reward reached the pass score.
     pub correct: bool,
+    /// Tool calls of the answer's episode (0 without `rollout.env`).
+    pub tool_calls: u32,
 }
 
 /// The result of an evaluation.
@@ -106,6 +108,8 @@ pub struct EvalReport {
     pub accuracy: f64,
     /// Mean reward.
     pub mean_reward: f64,
+    /// With `rollout.env`: the share of answers that called a tool at least once.
+    pub tool_call_rate: Option<f64>,
     /// Longest answer, tokens.
     pub max_new_tokens: usize,
     /// Seconds of generation and scoring (not counting loading).
@@ -247,6 +251,7 @@ pub fn evaluate(job: &JobConfig, options: &EvalOptions) -> Result<EvalReport, Ev
                 reference: s.reference,
                 reward,
                 correct: reward >= options.pass_score,
+                tool_calls: s.episode.as_ref().map_or(0, |e| e.tool_calls),
             }
         })
         .collect();
@@ -262,6 +267,11 @@ pub fn evaluate(job: &JobConfig, options: &EvalOptions) -> Result<EvalReport, Ev
         correct,
         accuracy: correct as f64 / n.max(1) as f64,
         mean_reward: samples.iter().map(|s| s.reward).sum::<f64>() / n.max(1) as f64,
+        tool_call_rate: job
+            .rollout
+            .env
+            .as_ref()
+            .map(|_| samples.iter().filter(|s| s.tool_calls > 0).count() as f64 / n.max(1) as f64),
         max_new_tokens: r.max_new_tokens,
         seconds,
         samples,

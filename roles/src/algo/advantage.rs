@@ -174,8 +174,12 @@ pub fn reinforce_pp_advantage(
     let mut running = Tensor::zeros([b], (mask.kind(), mask.device()));
     let mut cols = Vec::with_capacity(t as usize);
     for i in (0..t).rev() {
-        running = (r.select(1, i) + running * cfg.gamma) * mask.select(1, i);
-        cols.push(running.shallow_clone());
+        // A masked token (padding, or an observation inside a multi-turn response) is
+        // stepped over: the return flows through it from the model's next token.
+        let mi = mask.select(1, i);
+        let stepped = r.select(1, i) + &running * cfg.gamma;
+        running = &stepped * &mi + &running * (1.0 - &mi);
+        cols.push(&running * &mi);
     }
     cols.reverse();
     let returns = if t == 0 {
@@ -229,7 +233,9 @@ fn check_discount(v: f64, name: &'static str) -> Result<(), AlgoError> {
 /// PPO generalised advantage estimation.
 ///
 /// `δ_t = r_t + γ V_{t+1} − V_t`, `A_t = δ_t + γλ A_{t+1}`, where `V_{t+1}` and `A_{t+1}`
-/// count only when token `t+1` is valid (no bootstrap past the last valid token).
+/// count only when token `t+1` is valid (no bootstrap past the last valid token). A
+/// masked token between valid ones (an environment's observation) is stepped over: `t+1`
+/// is then the next valid token.
 /// `returns = A + V` (critic targets). `token_rewards`, `values`, `mask` are `[B, T]`.
 pub fn gae_advantage(
     token_rewards: &Tensor,
@@ -253,7 +259,12 @@ pub fn gae_advantage(
         let delta = ri + &next_v * &next_valid * cfg.gamma - &vi;
         let adv = (delta + &next_adv * &next_valid * (cfg.gamma * cfg.lam)) * &mi;
         cols.push(adv.shallow_clone());
-        (next_adv, next_v, next_valid) = (adv, vi, mi);
+        // A masked token (padding, or an observation inside a multi-turn response) is
+        // stepped over: the model's token before it bootstraps from the model's next one.
+        let keep = 1.0 - &mi;
+        next_adv = &adv + &next_adv * &keep;
+        next_v = &vi * &mi + &next_v * &keep;
+        next_valid = &mi + &next_valid * &keep;
     }
     cols.reverse();
     let adv = if t == 0 {

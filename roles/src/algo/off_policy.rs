@@ -123,16 +123,21 @@ pub struct OffPolicyStats {
     pub tokens: usize,
 }
 
-/// The statistics of `(old, behaviour)` log-prob rows under `cfg` (rows of equal
-/// length pairwise; a row pair of different lengths counts its common prefix).
+/// The statistics of `(old, behaviour, loss_mask)` log-prob rows under `cfg` (rows of
+/// equal length pairwise; a row pair of different lengths counts its common prefix).
+/// Tokens a loss mask marks 0 (an environment's observations, which the rollout did not
+/// sample) are left out.
 pub fn off_policy_stats<'a>(
-    rows: impl IntoIterator<Item = (&'a [f32], &'a [f32])>,
+    rows: impl IntoIterator<Item = (&'a [f32], &'a [f32], Option<&'a [u8]>)>,
     cfg: &OffPolicyConfig,
 ) -> OffPolicyStats {
     let mut s = OffPolicyStats::default();
     let (mut w_sum, mut d_sum, mut capped) = (0.0, 0.0, 0usize);
-    for (old, behaviour) in rows {
-        for (&o, &b) in old.iter().zip(behaviour) {
+    for (old, behaviour, mask) in rows {
+        for (t, (&o, &b)) in old.iter().zip(behaviour).enumerate() {
+            if mask.is_some_and(|m| m.get(t) == Some(&0)) {
+                continue;
+            }
             let log_ratio = f64::from(o) - f64::from(b);
             let (d, w) = (log_ratio.abs(), log_ratio.exp());
             capped += usize::from(cfg.token_weight(o, b).1);
@@ -211,7 +216,7 @@ mod tests {
             correction: BehaviourCorrection::Tis,
             cap: 2.5,
         };
-        let s = off_policy_stats([(&old[..], &behaviour[..])], &cfg);
+        let s = off_policy_stats([(&old[..], &behaviour[..], None)], &cfg);
         assert_eq!(s.tokens, 2);
         assert!((s.weight_mean - 2.5).abs() < 1e-5, "{s:?}");
         assert!((s.weight_max - 3.0).abs() < 1e-5, "{s:?}");

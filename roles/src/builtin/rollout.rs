@@ -14,8 +14,11 @@ use serde::{Deserialize, Serialize};
 use tch::Kind;
 use yatt_engine::{Generator, Request, SamplingParams, Tokenizer};
 
+mod multi_turn;
+
 use crate::builtin::scoring::{bucket_tensors, check_device, model_bytes, weights_error};
 use crate::data::prompt::Prompt;
+use crate::env::EnvSettings;
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::{Finish, Sample, SampleId};
 
@@ -33,6 +36,24 @@ pub trait TextCodec: Send + Sync {
     /// codecs without a chat template (the tiny test models).
     fn encode_chat(&self, messages: &[yatt_engine::ChatMessage]) -> Result<Vec<i64>, String> {
         self.encode_prompt(&crate::data::prompt::transcript(messages))
+    }
+    /// Token ids of an environment's observation inserted after a model turn, with the
+    /// template around it: the model's turn closed (unless `closed_by` says the model
+    /// already closed it with that stop token), the observation as the next user turn,
+    /// and the next assistant turn opened. The default, for codecs without a template,
+    /// puts the observation on lines of its own.
+    fn encode_observation(
+        &self,
+        observation: &str,
+        closed_by: Option<i64>,
+    ) -> Result<Vec<i64>, String> {
+        let _ = closed_by;
+        self.encode_response(&format!("\n{observation}\n"))
+    }
+    /// The tokenizer, when the codec has one: the rollout gives it to its generator so a
+    /// model turn can stop at a tool call's closing tag.
+    fn tokenizer(&self) -> Option<Arc<Tokenizer>> {
+        None
     }
 }
 
@@ -83,6 +104,49 @@ impl TextCodec for TokenizerCodec {
         self.tokenizer
             .encode_chat(messages, true)
             .map_err(|e| e.to_string())
+    }
+
+    /// Rendered by the chat template itself: a conversation with a marker as the
+    /// assistant's turn and the observation as the next user turn; what follows the
+    /// marker is what goes between the model's turn and its next one.
+    fn encode_observation(
+        &self,
+        observation: &str,
+        closed_by: Option<i64>,
+    ) -> Result<Vec<i64>, String> {
+        if !self.chat || self.tokenizer.chat_template().is_none() {
+            return self.encode_response(&format!("\n{observation}\n"));
+        }
+        const MARKER: &str = "\u{1}yatt-model-turn\u{1}";
+        let chat = [
+            yatt_engine::ChatMessage::new("user", "?"),
+            yatt_engine::ChatMessage::new("assistant", MARKER),
+            yatt_engine::ChatMessage::new("user", observation),
+        ];
+        let text = self
+            .tokenizer
+            .apply_chat_template(&chat, true)
+            .map_err(|e| e.to_string())?;
+        let at = text.find(MARKER).ok_or(
+            "the chat template drops the assistant's turn; multi-turn rollouts need a template that renders it",
+        )?;
+        let mut rest = &text[at + MARKER.len()..];
+        if let Some(t) = closed_by {
+            let closer = self
+                .tokenizer
+                .decode(&[t], false)
+                .map_err(|e| e.to_string())?;
+            if !closer.is_empty() {
+                rest = rest.strip_prefix(closer.as_str()).unwrap_or(rest);
+            }
+        }
+        self.tokenizer
+            .encode(rest, false)
+            .map_err(|e| e.to_string())
+    }
+
+    fn tokenizer(&self) -> Option<Arc<Tokenizer>> {
+        Some(self.tokenizer.clone())
     }
 }
 
@@ -230,6 +294,8 @@ pub struct RolloutRole {
     codec: Arc<dyn TextCodec>,
     version: u64,
     offloaded_from: Option<tch::Device>,
+    /// With an environment, every sample is a multi-turn episode.
+    env: Option<EnvSettings>,
 }
 
 impl RolloutRole {
@@ -241,7 +307,19 @@ impl RolloutRole {
             codec,
             version: 0,
             offloaded_from: None,
+            env: None,
         }
+    }
+
+    /// Makes every sample a multi-turn episode with an environment of `env` (see
+    /// [`crate::Env`]). A codec with a tokenizer gives it to the generator, so a model
+    /// turn stops at a tool call's closing tag.
+    pub fn with_env(mut self, env: EnvSettings) -> Self {
+        if let Some(tok) = self.codec.tokenizer() {
+            self.generator = self.generator.with_tokenizer(tok);
+        }
+        self.env = Some(env);
+        self
     }
 
     /// The engine requests of `req`, with each one's sample id and prompt index, and
@@ -292,6 +370,10 @@ impl RolloutRole {
     }
 
     fn generate(&mut self, req: GenerateRequest) -> Result<RolloutResponse, RoleError> {
+        if let Some(env) = self.env.clone() {
+            let (samples, stats) = self.generate_episodes(&req, &env)?;
+            return Ok(RolloutResponse::Generated { samples, stats });
+        }
         let plan = self.requests(&req)?;
         let t0 = Instant::now();
         let (completions, _) = self
@@ -317,6 +399,20 @@ impl RolloutRole {
         req: GenerateRequest,
         sink: SampleSink,
     ) -> Result<RolloutResponse, RoleError> {
+        if let Some(env) = self.env.clone() {
+            // Episodes finish together (turn by turn), so they go out at the end.
+            let (samples, stats) = self.generate_episodes(&req, &env)?;
+            let n = samples.len();
+            for s in samples {
+                sink.0.blocking_send(s).map_err(|_| {
+                    RoleError::Failed(format!(
+                        "step {}: the stream's receiver went away",
+                        req.step
+                    ))
+                })?;
+            }
+            return Ok(RolloutResponse::Streamed { samples: n, stats });
+        }
         let plan = self.requests(&req)?;
         let t0 = Instant::now();
         let mut stats = RolloutStats {
@@ -356,6 +452,11 @@ impl RolloutRole {
 
     /// One chunk more of each sample of `req` (see [`ContinueRequest`]).
     fn continue_samples(&mut self, req: ContinueRequest) -> Result<RolloutResponse, RoleError> {
+        if self.env.is_some() {
+            return Err(RoleError::BadRequest(
+                "partial rollouts cannot continue multi-turn episodes; unset rollout.partial_rollout or rollout.env".into(),
+            ));
+        }
         let t0 = Instant::now();
         let mut requests = Vec::with_capacity(req.samples.len());
         for (i, s) in req.samples.iter().enumerate() {

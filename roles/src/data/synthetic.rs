@@ -16,6 +16,10 @@ use crate::data::prompt::{fnv1a, DataError, Prompt, SplitMix64};
 pub enum SyntheticTaskKind {
     /// "What is 23 + 58? Answer with just the number." → "81". Length = digits per operand.
     Addition,
+    /// "What is 123 * 456? Answer with just the number." → "56088". Length = digits per
+    /// operand (a small model gets three digits almost always wrong alone; with a
+    /// calculator tool it need not).
+    Multiplication,
     /// Sort a list of numbers in `0..=max_value` ascending → "3, 5, 9". Length = list length.
     Sorting {
         /// Largest number that may appear.
@@ -29,6 +33,7 @@ impl SyntheticTaskKind {
     fn name(&self) -> &'static str {
         match self {
             Self::Addition => "addition",
+            Self::Multiplication => "multiplication",
             Self::Sorting { .. } => "sorting",
             Self::Reversal => "reversal",
         }
@@ -134,6 +139,12 @@ impl SyntheticTask {
                 "staircase schedule: `every` must be > 0 steps".into(),
             ));
         }
+        if kind == SyntheticTaskKind::Multiplication && hi > MAX_ADDITION_DIGITS / 2 {
+            return Err(DataError::Config(format!(
+                "multiplication task: {hi} digits requested; at most {} digits per operand are supported",
+                MAX_ADDITION_DIGITS / 2
+            )));
+        }
         if kind == SyntheticTaskKind::Addition && hi > MAX_ADDITION_DIGITS {
             return Err(DataError::Config(format!(
                 "addition task: {hi} digits requested; at most {MAX_ADDITION_DIGITS} digits per operand are supported"
@@ -172,16 +183,20 @@ impl SyntheticTask {
         let mut rng = SplitMix64::new(id);
         let len = self.length_at(step);
         let (text, reference) = match self.kind {
-            SyntheticTaskKind::Addition => {
+            SyntheticTaskKind::Addition | SyntheticTaskKind::Multiplication => {
                 let (lo, hi) = if len == 1 {
                     (0, 9)
                 } else {
                     (10u64.pow(len as u32 - 1), 10u64.pow(len as u32) - 1)
                 };
                 let (a, b) = (rng.range(lo, hi), rng.range(lo, hi));
+                let (op, value) = match self.kind {
+                    SyntheticTaskKind::Addition => ('+', a + b),
+                    _ => ('*', a * b),
+                };
                 (
-                    format!("What is {a} + {b}? Answer with just the number."),
-                    (a + b).to_string(),
+                    format!("What is {a} {op} {b}? Answer with just the number."),
+                    value.to_string(),
                 )
             }
             SyntheticTaskKind::Sorting { max_value } => {

@@ -78,6 +78,9 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         report.mean_reward,
         report.seconds
     );
+    if let Some(rate) = report.tool_call_rate {
+        println!("tool-call rate {rate:.3} (answers that called a tool at least once)");
+    }
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&report)?;
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;

@@ -1,12 +1,13 @@
 //! A job whose roles run on other `yatt-node`s (`placement.mode = "disaggregated"`):
 //! the role factories a node registers, and the build that spawns roles there.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use yatt_roles::{
-    DeviceGroup, PolicyRequest, PolicyResponse, Role, RoleActor, RoleError, RoleRequest,
-    RoleResponse, Sample,
+    DeviceGroup, EnvFactory, EnvRole, PolicyRequest, PolicyResponse, RemoteEnvPool, Role,
+    RoleActor, RoleError, RoleRequest, RoleResponse, Sample, SpawnEnvActor,
 };
 use yatt_runtime::ActorName;
 use yatt_runtime::Directory;
@@ -17,7 +18,8 @@ use yatt_runtime::{Node, NodeBuilder, NodeError};
 
 use crate::build::heads::controllers;
 use crate::build::parts::{
-    base_model, critic_role, policy_ring, policy_role, reference_role, rollout_role,
+    base_model, critic_role, env_settings, policy_ring, policy_role, reference_role,
+    rollout_role_with_envs,
 };
 use crate::build::reward::reward_role;
 use crate::config::checks::invalid;
@@ -50,10 +52,28 @@ pub struct RoleArgs {
 /// ring inbox on the node, as `node/policy-ring/REPLICA` (see [`crate::build::parts::POLICY_RING`]).
 pub fn register(builder: NodeBuilder) -> NodeBuilder {
     builder
-        .factory_async("rollout", |a: RoleArgs| {
-            start_role(a, "rollout", |job| {
-                let (model, codec, _) = base_model(job)?;
-                Ok(rollout_role(job, model, codec))
+        .factory_with_node("rollout", |node: &Node, _: &ActorName, a: RoleArgs| {
+            let node = node.clone();
+            async move {
+                let envs = remote_envs(&node, &a).await?;
+                start_role(a, "rollout", move |job| {
+                    let (model, codec, _) = base_model(job)?;
+                    Ok(rollout_role_with_envs(job, model, codec, envs))
+                })
+                .await
+            }
+        })
+        .factory_async("env", |a: RoleArgs| {
+            start_role(a, "env", |job| {
+                let e = job.rollout.env.as_ref().ok_or_else(|| {
+                    invalid(
+                        "rollout.env",
+                        "an environment for an env actor",
+                        "none",
+                        "add rollout.env = { kind = ... } to the job",
+                    )
+                })?;
+                Ok(EnvRole::new(env_settings(job, e).factory))
             })
         })
         .factory_with_node("policy", |node: &Node, name: &ActorName, a: RoleArgs| {
@@ -93,6 +113,32 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
                 critic_role(job, model, None, pad_id)
             })
         })
+}
+
+/// With `placement.env`, the rollout's pool of environment actors on that node (spawned
+/// from this node, linked to it; a crashed one is spawned again by the pool).
+async fn remote_envs(node: &Node, a: &RoleArgs) -> Result<Option<Arc<dyn EnvFactory>>, String> {
+    let job = JobConfig::parse(&a.job, "the job config sent by the controller", &[])
+        .map_err(|e| e.to_string())?;
+    let (Some(e), target) = (&job.rollout.env, job.placement.env.clone()) else {
+        return Ok(None);
+    };
+    if target.is_empty() {
+        return Ok(None);
+    }
+    let spawn_timeout = Duration::from_secs(job.placement.spawn_timeout_s);
+    let (node, args) = (node.clone(), a.clone());
+    let spawn: SpawnEnvActor = Arc::new(move || {
+        let (node, args, target) = (node.clone(), args.clone(), target.clone());
+        Box::pin(async move {
+            node.spawn_remote_linked(&target, "env", &args, spawn_timeout)
+                .await
+                .map_err(|e| format!("spawning an environment actor on node {target}: {e}"))
+        })
+    });
+    let timeout = Duration::from_secs_f64(e.timeout_s);
+    let pool = RemoteEnvPool::start(e.pool, spawn, timeout).await?;
+    Ok(Some(Arc::new(pool)))
 }
 
 /// A job's reward role as a node builds it: the `growing` task's length reward, or the

@@ -27,6 +27,7 @@ pub(crate) fn prompts(job: &JobConfig) -> Result<Vec<Prompt>, JobError> {
         }
         Task::Growing => return Ok(growing_task(job).prompts(d.num_prompts)),
         Task::Addition => SyntheticTaskKind::Addition,
+        Task::Multiplication => SyntheticTaskKind::Multiplication,
         Task::Sorting => SyntheticTaskKind::Sorting { max_value: 99 },
         Task::Reversal => SyntheticTaskKind::Reversal,
     };

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use yatt_engine::tch::{Device, Kind};
 use yatt_engine::tiny_config;
@@ -16,10 +17,13 @@ use yatt_runtime::Node;
 use yatt_runtime::RingMember;
 
 use crate::config::modes::{KlMode, LoraSyncMode, ModelSource, OldLogprobs, Schedule};
-use crate::config::sections::JobConfig;
+use crate::config::sections::{EnvSection, JobConfig};
 use crate::controller::error::ControllerError;
 use crate::error::JobError;
-use yatt_roles::{LoraSync, OffPolicyConfig, TINY_CODEC};
+use yatt_roles::{
+    builtin_env_factory, EnvFactory, EnvSettings, EpisodeLimits, LoraSync, OffPolicyConfig,
+    PythonToolConfig, TINY_CODEC,
+};
 
 /// The job's model (every role starts from a copy of it), the codec of its text and its
 /// padding id.
@@ -74,6 +78,17 @@ pub(crate) fn tiny_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, 
 
 /// A rollout replica of the job over `model`.
 pub fn rollout_role(job: &JobConfig, model: Llama, codec: Arc<dyn TextCodec>) -> RolloutRole {
+    rollout_role_with_envs(job, model, codec, None)
+}
+
+/// A rollout replica whose episodes' environments come from `envs` (e.g. a pool of
+/// environment actors on another node) instead of the built-in ones in this process.
+pub(crate) fn rollout_role_with_envs(
+    job: &JobConfig,
+    model: Llama,
+    codec: Arc<dyn TextCodec>,
+    envs: Option<Arc<dyn EnvFactory>>,
+) -> RolloutRole {
     let mut batch = job.data.prompts_per_step * job.data.samples_per_prompt as usize;
     if job.rollout.max_batch > 0 {
         batch = batch.min(job.rollout.max_batch);
@@ -83,7 +98,42 @@ pub fn rollout_role(job: &JobConfig, model: Llama, codec: Arc<dyn TextCodec>) ->
         max_seq_len: job.model.max_seq_len,
         ..Default::default()
     };
-    RolloutRole::new(Generator::new(model, gen_config), codec)
+    let role = RolloutRole::new(Generator::new(model, gen_config), codec);
+    match &job.rollout.env {
+        Some(e) => {
+            let mut settings = env_settings(job, e);
+            if let Some(f) = envs {
+                settings.factory = f;
+            }
+            role.with_env(settings)
+        }
+        None => role,
+    }
+}
+
+/// The rollout's environment settings from `[rollout.env]`: the built-in environment
+/// of `kind`, made in this process.
+pub(crate) fn env_settings(job: &JobConfig, e: &EnvSection) -> EnvSettings {
+    let secs = |s: f64| Duration::from_secs_f64(s.max(0.001));
+    let python = PythonToolConfig {
+        python: match e.python.as_os_str().is_empty() {
+            true => yatt_roles::default_python(),
+            false => e.python.clone(),
+        },
+        timeout: secs(e.python_timeout_s),
+        memory_bytes: e.python_memory_mb << 20,
+        output_bytes: e.python_output_bytes,
+    };
+    EnvSettings {
+        factory: builtin_env_factory(e.kind, python, e.call_prefix),
+        limits: EpisodeLimits {
+            max_turns: e.max_turns,
+            max_env_tokens: e.max_env_tokens,
+            max_turn_tokens: e.max_turn_tokens,
+            budget: job.rollout.max_new_tokens,
+        },
+        timeout: secs(e.timeout_s),
+    }
 }
 
 /// The job's reference role over `model`.

@@ -62,6 +62,9 @@ config_mode! {
     Task {
         /// Two numbers to add.
         Addition = "addition",
+        /// Two numbers to multiply (`data.length` digits each; pair it with
+        /// `rollout.env = { kind = "calculator" }`).
+        Multiplication = "multiplication",
         /// A list to sort.
         Sorting = "sorting",
         /// A string to reverse.

@@ -110,6 +110,7 @@ fn schema() -> JobConfig {
     a.off_policy = Some(a.off_policy(0));
     c.rollout.partial_rollout = Some(Default::default());
     c.model.lora = Some(Default::default());
+    c.rollout.env = Some(Default::default());
     c.data.format = Some(yatt_roles::DataFormat::Jsonl);
     c
 }

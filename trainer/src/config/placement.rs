@@ -26,6 +26,10 @@ pub struct PlacementSection {
     pub reward: String,
     /// Node of the critic (`algorithm.name = "ppo"` only).
     pub critic: String,
+    /// Node of the rollouts' environment actors (`rollout.env`, `disaggregated` only):
+    /// each rollout starts a pool of `rollout.env.pool` of them there. Empty: the
+    /// environments run inside the rollout's process.
+    pub env: String,
     /// Deadline for a node to build a role, model load included, seconds.
     pub spawn_timeout_s: u64,
     /// Run the live placement actor: the rollout and the policy sit on device groups
@@ -56,6 +60,7 @@ impl Default for PlacementSection {
             reference: String::new(),
             reward: String::new(),
             critic: String::new(),
+            env: String::new(),
             spawn_timeout_s: 300,
             live: false,
             groups: 3,

@@ -4,8 +4,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 use yatt_roles::{
-    Algorithm, BehaviourCorrection, DataFields, DataFormat, JudgeConfig, KlEstimator, LossAgg,
-    LossAggMode, LETTERS,
+    Algorithm, BehaviourCorrection, DataFields, DataFormat, EnvKind, JudgeConfig, KlEstimator,
+    LossAgg, LossAggMode, LETTERS,
 };
 
 use crate::config::modes::{
@@ -284,6 +284,61 @@ pub struct RolloutSection {
     /// and the tokens so far are prefilled again on the new weights; `kv` is not
     /// implemented live). Unset: weights reach the rollouts between batches.
     pub partial_rollout: Option<PartialRolloutSection>,
+    /// Multi-turn episodes with an environment (`rollout.env = { kind = "calculator" }`):
+    /// model turns alternate with the environment's observations inside the chat
+    /// template, and only the model's tokens get loss. Unset: one generation per sample.
+    pub env: Option<EnvSection>,
+}
+
+/// `rollout.env = { kind = "calculator", max_turns = 3, max_env_tokens = 64, timeout_s = 10 }`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EnvSection {
+    /// `calculator` (a tool environment with the calculator), `python` (with the
+    /// sandboxed Python tool) or `guess-number` (the multi-turn game).
+    pub kind: EnvKind,
+    /// Most model turns per episode (1–64).
+    pub max_turns: u32,
+    /// Most tokens of one observation's content; longer ones are cut (≥ 1).
+    pub max_env_tokens: usize,
+    /// Most tokens of one model turn (0: the rest of `rollout.max_new_tokens`, the
+    /// budget of the whole response, observations included).
+    pub max_turn_tokens: usize,
+    /// Deadline of every environment call (`reset`, `step`), seconds; an episode whose
+    /// environment misses it is marked failed (`env/episodes_failed`).
+    pub timeout_s: f64,
+    /// `kind = "python"`: the interpreter (empty: the reward's default, the venv's).
+    pub python: PathBuf,
+    /// `kind = "python"`: wall time of one call, seconds.
+    pub python_timeout_s: f64,
+    /// `kind = "python"`: the interpreter's address-space limit, MiB.
+    pub python_memory_mb: u64,
+    /// `kind = "python"`: most bytes of output (stdout, stderr each).
+    pub python_output_bytes: usize,
+    /// `calculator`/`python`: the environment writes the opening of a tool call at the
+    /// start of the first turn (masked out of the loss), for models too small to ever
+    /// write the format themselves; calling is then not the model's choice.
+    pub call_prefix: bool,
+    /// With `placement.env`: environment actors per rollout (episodes spread over them).
+    pub pool: usize,
+}
+
+impl Default for EnvSection {
+    fn default() -> Self {
+        EnvSection {
+            kind: EnvKind::Calculator,
+            max_turns: 3,
+            max_env_tokens: 64,
+            max_turn_tokens: 0,
+            timeout_s: 10.0,
+            python: PathBuf::new(),
+            python_timeout_s: 5.0,
+            python_memory_mb: 512,
+            python_output_bytes: 4096,
+            call_prefix: false,
+            pool: 2,
+        }
+    }
 }
 
 /// `rollout.partial_rollout = { chunk_tokens = 8, resume = "reprefill" }`.
@@ -319,6 +374,7 @@ impl Default for RolloutSection {
             staleness: 0,
             logprob_diff_warn: 0.1,
             partial_rollout: None,
+            env: None,
         }
     }
 }

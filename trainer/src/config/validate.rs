@@ -35,6 +35,7 @@ impl JobConfig {
             ));
         }
         self.validate_staleness()?;
+        self.validate_env()?;
         positive("job.steps", j.steps as f64, "the number of training steps")?;
         positive(
             "job.controllers",
@@ -334,6 +335,98 @@ impl JobConfig {
         Ok(())
     }
 
+    /// Multi-turn episodes: limits in range, and no feature that cannot carry them.
+    fn validate_env(&self) -> Result<(), JobError> {
+        let placed = &self.placement.env;
+        let Some(e) = &self.rollout.env else {
+            if !placed.is_empty() {
+                return Err(invalid(
+                    "placement.env",
+                    "empty without rollout.env",
+                    &format!("{placed:?}"),
+                    "there is no environment to place: add rollout.env = { kind = ... } or remove placement.env",
+                ));
+            }
+            return Ok(());
+        };
+        if !placed.is_empty() && self.placement.mode != PlacementMode::Disaggregated {
+            return Err(invalid(
+                "placement.env",
+                "a node with placement.mode = \"disaggregated\"",
+                &format!("{placed:?} with mode = \"{}\"", self.placement.mode),
+                "set placement.mode = \"disaggregated\" (a cluster job), or remove placement.env to run the environments in the rollout's process",
+            ));
+        }
+        if !(1..=64).contains(&e.pool) {
+            return Err(invalid(
+                "rollout.env.pool",
+                "1 to 64",
+                &e.pool.to_string(),
+                "set rollout.env.pool = 2 (environment actors per rollout)",
+            ));
+        }
+        if !(1..=64).contains(&e.max_turns) {
+            return Err(invalid(
+                "rollout.env.max_turns",
+                "1 to 64",
+                &e.max_turns.to_string(),
+                "set rollout.env.max_turns = 3 (model turns per episode)",
+            ));
+        }
+        positive(
+            "rollout.env.max_env_tokens",
+            e.max_env_tokens as f64,
+            "e.g. max_env_tokens = 64: tokens of one observation's content",
+        )?;
+        positive(
+            "rollout.env.timeout_s",
+            e.timeout_s,
+            "e.g. timeout_s = 10: the deadline of every environment call",
+        )?;
+        if e.kind == yatt_roles::EnvKind::Python {
+            positive(
+                "rollout.env.python_timeout_s",
+                e.python_timeout_s,
+                "e.g. python_timeout_s = 5",
+            )?;
+            positive(
+                "rollout.env.python_memory_mb",
+                e.python_memory_mb as f64,
+                "e.g. python_memory_mb = 512",
+            )?;
+            positive(
+                "rollout.env.python_output_bytes",
+                e.python_output_bytes as f64,
+                "e.g. python_output_bytes = 4096",
+            )?;
+            if e.python_timeout_s > e.timeout_s {
+                return Err(invalid(
+                    "rollout.env.python_timeout_s",
+                    "at most rollout.env.timeout_s",
+                    &format!("{} > timeout_s = {}", e.python_timeout_s, e.timeout_s),
+                    "the tool's own limit must end a call before the environment's deadline does: lower python_timeout_s or raise timeout_s",
+                ));
+            }
+        }
+        if e.call_prefix && e.kind == yatt_roles::EnvKind::GuessNumber {
+            return Err(invalid(
+                "rollout.env.call_prefix",
+                "false with kind = \"guess-number\"",
+                "true",
+                "the game has no tools to call: remove call_prefix, or use kind = \"calculator\" or \"python\"",
+            ));
+        }
+        if self.rollout.partial_rollout.is_some() {
+            return Err(invalid(
+                "rollout.partial_rollout",
+                "unset with rollout.env",
+                "both set",
+                "a partial rollout cannot continue a multi-turn episode: remove rollout.partial_rollout or rollout.env",
+            ));
+        }
+        Ok(())
+    }
+
     fn validate_live(&self) -> Result<(), JobError> {
         let p = &self.placement;
         let heads = self.job.controllers;
@@ -494,7 +587,7 @@ impl JobConfig {
             return self.reward.kind.0.clone();
         }
         let default = match (self.data.dataset().is_none(), self.data.task) {
-            (false, _) | (true, Task::Addition) => RewardKind::Numeric,
+            (false, _) | (true, Task::Addition | Task::Multiplication) => RewardKind::Numeric,
             (true, Task::Letters) => RewardKind::Letters,
             _ => RewardKind::Exact,
         };

@@ -98,6 +98,7 @@ impl Controller {
                 steps.iter().map(|&x| x as f64).sum::<f64>() / steps.len() as f64,
             );
         }
+        episode_metrics(samples, m);
         let n = samples.len().max(1) as f64;
         m.set(
             names::SCORE_MEAN,
@@ -113,4 +114,41 @@ impl Controller {
         );
         Ok(())
     }
+}
+
+/// The multi-turn metrics of a step's episodes (nothing for single-turn samples).
+fn episode_metrics(samples: &[Sample], m: &mut StepMetrics) {
+    let episodes: Vec<_> = samples.iter().filter_map(|s| s.episode.as_ref()).collect();
+    if episodes.is_empty() {
+        return;
+    }
+    let n = episodes.len() as f64;
+    let sum =
+        |f: &dyn Fn(&yatt_roles::EpisodeInfo) -> f64| episodes.iter().map(|e| f(e)).sum::<f64>();
+    m.set(names::ENV_TURNS_MEAN, sum(&|e| e.turns as f64) / n);
+    m.set(
+        names::ENV_TOOL_CALLS_MEAN,
+        sum(&|e| e.tool_calls as f64) / n,
+    );
+    m.set(
+        names::ENV_TOOL_CALL_RATE,
+        sum(&|e| f64::from(e.tool_calls > 0)) / n,
+    );
+    m.set(names::ENV_TOOL_ERRORS, sum(&|e| e.tool_errors as f64));
+    m.set(
+        names::ENV_FAILED,
+        sum(&|e| f64::from(e.env_failed.is_some())),
+    );
+    m.set(names::ENV_SECONDS, sum(&|e| e.env_seconds));
+    m.set(names::ENV_REWARD_MEAN, sum(&|e| e.env_reward) / n);
+    let (model, all) = samples.iter().fold((0usize, 0usize), |(a, b), s| {
+        let own = (0..s.response_len())
+            .filter(|&t| s.is_model_token(t))
+            .count();
+        (a + own, b + s.response_len())
+    });
+    m.set(
+        names::ENV_MODEL_TOKEN_SHARE,
+        model as f64 / all.max(1) as f64,
+    );
 }

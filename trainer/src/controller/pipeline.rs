@@ -164,7 +164,7 @@ impl Controller {
                 .filter(move |s| !fresh || s.weights_version == self.weights_version)
                 .filter_map(|s| {
                     let old = s.old_logprobs.as_deref()?;
-                    Some((old, s.rollout_logprobs.as_slice()))
+                    Some((old, s.rollout_logprobs.as_slice(), s.loss_mask.as_deref()))
                 })
         };
         let all = off_policy_stats(rows(false), &cfg.off_policy);
