@@ -114,3 +114,24 @@ pub(crate) fn copy_tokenizer_files(src: &Path, dir: &Path) -> Result<()> {
     }
     Ok(())
 }
+
+impl Llama {
+    /// Writes the adapters as PEFT does: `adapter_config.json` and
+    /// `adapter_model.safetensors`. `base` is written as `base_model_name_or_path`.
+    pub fn save_adapter(&self, dir: &Path, base: &str) -> Result<()> {
+        let ad = self.lora().ok_or_else(|| {
+            EngineError::InvalidArgument("the model has no LoRA adapters to save".into())
+        })?;
+        std::fs::create_dir_all(dir).map_err(|e| EngineError::io("creating", dir, e))?;
+        let p = dir.join("adapter_config.json");
+        std::fs::write(
+            &p,
+            serde_json::to_string_pretty(&ad.peft_config(base)).expect("json"),
+        )
+        .map_err(|e| EngineError::io("writing", &p, e))?;
+        write_safetensors(
+            &dir.join("adapter_model.safetensors"),
+            &ad.peft_named_tensors(),
+        )
+    }
+}

@@ -4,7 +4,7 @@
 use super::attention::{attend, Attn};
 use super::kv_cache::{KvCache, ValueSlots};
 use super::llama::Llama;
-use super::lora::Matrix;
+use super::lora_types::Matrix;
 use super::rope::positions_from_mask;
 use tch::{Kind, Tensor};
 

@@ -2,7 +2,7 @@
 //! HF names, copying and adopting weights, moving devices, oneDNN packing.
 
 use super::heads::ScalarHead;
-use super::lora::{adapter_parameters, is_adapter_name, Adapters, Matrix};
+use super::lora_types::{adapter_parameters, is_adapter_name, Adapters, Matrix};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use std::collections::HashMap;

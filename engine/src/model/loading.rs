@@ -3,7 +3,7 @@
 
 use super::heads::ScalarHead;
 use super::llama::{DecoderLayer, Llama};
-use super::lora::AdapterDir;
+use super::lora_types::AdapterDir;
 use super::rope::rope_tables;
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};

@@ -14,6 +14,7 @@ mod kv_cache;
 mod llama;
 mod loading;
 mod lora;
+mod lora_types;
 mod rope;
 #[cfg(test)]
 mod tests;
@@ -23,5 +24,5 @@ pub use heads::ScalarHead;
 pub use kv_cache::{KvCache, KV_BLOCK};
 pub use llama::{DecoderLayer, Llama};
 pub use loading::read_safetensors_dir;
-pub use lora::{AdapterDir, Adapters, LoraConfig, LoraPair, LoraTarget, LORA_SCALING_TENSOR};
+pub use lora_types::{AdapterDir, Adapters, LoraConfig, LoraPair, LoraTarget, LORA_SCALING_TENSOR};
 pub use rope::positions_from_mask;

@@ -3,18 +3,13 @@
 //! reward role), placed after one of the built-in stages. It may change any field
 //! (add to `reward`, fill `metadata`) and may drop samples (a filter): a sample it
 //! does not give back is dropped through the ledger, never lost silently. Giving back
-//! a sample it was not given, or one twice, fails the step.
+//! a sample it was not given, or one twice, fails the step. (The controller runs them
+//! in `stages.rs`.)
 
-use std::collections::BTreeSet;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use yatt_roles::{RoleRequest, RoleResponse, Sample, SampleId};
-
-use crate::controller::core::Controller;
-use crate::controller::error::ControllerError;
-use crate::controller::refs::{variant, SamplesRef};
-use crate::controller::report::StepMetrics;
-use crate::ledger::{SampleLedger, Stage};
+use crate::controller::refs::SamplesRef;
+use crate::ledger::Stage;
 
 /// Where an extra stage runs: after which built-in stage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,7 +26,7 @@ pub enum StageAt {
 impl StageAt {
     /// The ledger stage a sample has passed when this place is reached (a dropped
     /// sample is dropped after it).
-    fn ledger_stage(self, has_reference: bool) -> Stage {
+    pub(crate) fn ledger_stage(self, has_reference: bool) -> Stage {
         match self {
             StageAt::Reward => Stage::Rewarded,
             StageAt::Reference if has_reference => Stage::Referenced,
@@ -80,62 +75,5 @@ impl std::fmt::Debug for ExtraStage {
             .field("after", &self.after)
             .field("role", &self.role.id())
             .finish()
-    }
-}
-
-impl Controller {
-    /// Runs the extra stages placed `at`, in the order they were added.
-    pub(crate) async fn extra_stages(
-        &self,
-        at: StageAt,
-        mut samples: Vec<Sample>,
-        ledger: &mut SampleLedger,
-        m: &mut StepMetrics,
-    ) -> Result<Vec<Sample>, ControllerError> {
-        for stage in self.extra.iter().filter(|s| s.after == at) {
-            let t = Instant::now();
-            let sent: BTreeSet<SampleId> = samples.iter().map(|s| s.id).collect();
-            let back = match stage
-                .role
-                .ask(RoleRequest::Serve(samples), stage.timeout)
-                .await
-                .map_err(self.call(stage.name, stage.name))?
-            {
-                RoleResponse::Served(x) => x,
-                other => return Err(self.protocol(stage.name, "Serve", variant(&other))),
-            };
-            let mut seen = BTreeSet::new();
-            for s in &back {
-                if !sent.contains(&s.id) || !seen.insert(s.id) {
-                    return Err(self.protocol(
-                        stage.name,
-                        "Serve",
-                        format!(
-                            "sample {:?} {}",
-                            s.id,
-                            if sent.contains(&s.id) {
-                                "twice"
-                            } else {
-                                "that it was not given"
-                            }
-                        ),
-                    ));
-                }
-            }
-            let after = at.ledger_stage(self.roles.reference.is_some());
-            for id in sent.difference(&seen) {
-                ledger.drop_after(*id, after).map_err(self.ledger_err())?;
-            }
-            m.add(
-                &format!("stage/{}/dropped", stage.name),
-                (sent.len() - seen.len()) as f64,
-            );
-            m.add(
-                &format!("timing_s/stage/{}", stage.name),
-                t.elapsed().as_secs_f64(),
-            );
-            samples = back;
-        }
-        Ok(samples)
     }
 }

@@ -1,12 +1,12 @@
 //! The stages of a step after generation: reward, reference, values, update.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use yatt_roles::{
     dynamic_sampling_filter, group_indices, overlong_penalty, CriticReport, CriticRequest,
-    CriticResponse, PolicyRequest, PolicyResponse, Prompt, RolloutStats, Sample, SampleId,
-    TrainReport,
+    CriticResponse, PolicyRequest, PolicyResponse, Prompt, RoleRequest, RoleResponse, RolloutStats,
+    Sample, SampleId, TrainReport,
 };
 
 use crate::controller::config::{ControllerConfig, DynamicSamplingConfig, OverlongConfig};
@@ -14,6 +14,7 @@ use crate::controller::core::Controller;
 use crate::controller::core::{GenBatch, Prepared};
 use crate::controller::error::ControllerError;
 use crate::controller::extra_stages::StageAt;
+use crate::controller::refs::variant;
 use crate::controller::report::{StepMetrics, StepReport};
 use crate::ledger::{SampleLedger, Stage};
 use yatt_metrics::names;
@@ -489,5 +490,62 @@ impl Controller {
             train,
             critic,
         })
+    }
+}
+
+impl Controller {
+    /// Runs the extra stages placed `at`, in the order they were added.
+    pub(crate) async fn extra_stages(
+        &self,
+        at: StageAt,
+        mut samples: Vec<Sample>,
+        ledger: &mut SampleLedger,
+        m: &mut StepMetrics,
+    ) -> Result<Vec<Sample>, ControllerError> {
+        for stage in self.extra.iter().filter(|s| s.after == at) {
+            let t = Instant::now();
+            let sent: BTreeSet<SampleId> = samples.iter().map(|s| s.id).collect();
+            let back = match stage
+                .role
+                .ask(RoleRequest::Serve(samples), stage.timeout)
+                .await
+                .map_err(self.call(stage.name, stage.name))?
+            {
+                RoleResponse::Served(x) => x,
+                other => return Err(self.protocol(stage.name, "Serve", variant(&other))),
+            };
+            let mut seen = BTreeSet::new();
+            for s in &back {
+                if !sent.contains(&s.id) || !seen.insert(s.id) {
+                    return Err(self.protocol(
+                        stage.name,
+                        "Serve",
+                        format!(
+                            "sample {:?} {}",
+                            s.id,
+                            if sent.contains(&s.id) {
+                                "twice"
+                            } else {
+                                "that it was not given"
+                            }
+                        ),
+                    ));
+                }
+            }
+            let after = at.ledger_stage(self.roles.reference.is_some());
+            for id in sent.difference(&seen) {
+                ledger.drop_after(*id, after).map_err(self.ledger_err())?;
+            }
+            m.add(
+                &format!("stage/{}/dropped", stage.name),
+                (sent.len() - seen.len()) as f64,
+            );
+            m.add(
+                &format!("timing_s/stage/{}", stage.name),
+                t.elapsed().as_secs_f64(),
+            );
+            samples = back;
+        }
+        Ok(samples)
     }
 }
