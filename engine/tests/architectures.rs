@@ -11,7 +11,7 @@
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use yatt_engine::fixtures::python;
+use yatt_engine::fixtures::arch_ref;
 use yatt_engine::score::{token_logprobs, SeqBatch};
 use yatt_engine::tch::{self, Device, Kind, Tensor};
 use yatt_engine::*;
@@ -19,34 +19,6 @@ use yatt_engine::*;
 const TOL: f64 = 1e-4;
 const NEW_TOKENS: usize = 24;
 const VOCAB: i64 = 128;
-
-/// Runs `py/arch_ref.py CMD` with `args`; panics with its stderr when it fails.
-fn arch_ref(cmd: &str, args: &Value, work: &Path) -> Value {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("py/arch_ref.py");
-    let argf = work.join(format!("{cmd}-args.json"));
-    std::fs::write(&argf, args.to_string()).unwrap();
-    let py = python();
-    let out = std::process::Command::new(&py)
-        .arg(&script)
-        .arg(cmd)
-        .arg(&argf)
-        .env("OMP_NUM_THREADS", "2")
-        .output()
-        .unwrap_or_else(|e| {
-            panic!(
-                "cannot run {} ({e}): these tests need the virtualenv with transformers; run scripts/bootstrap.sh",
-                py.display()
-            )
-        });
-    assert!(
-        out.status.success(),
-        "{} {cmd} failed (is transformers installed in .venv? run scripts/bootstrap.sh):\n{}",
-        script.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(stdout.lines().last().unwrap_or("")).unwrap()
-}
 
 fn read(path: &Path) -> HashMap<String, Tensor> {
     Tensor::read_safetensors(path)

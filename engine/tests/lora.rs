@@ -6,10 +6,10 @@
 //! The `peft` tests need `.venv` (scripts/bootstrap.sh installs peft): without it they
 //! fail, never skip.
 
-use serde_json::{json, Value};
+use serde_json::json;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use yatt_engine::fixtures::python;
+use yatt_engine::fixtures::arch_ref;
 use yatt_engine::tch::{Device, Kind, Tensor};
 use yatt_engine::*;
 
@@ -268,32 +268,6 @@ fn adapter_configs_yatt_cannot_run_are_refused_by_key() {
         "{e}"
     );
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// Runs `py/arch_ref.py CMD` with `args`; panics with its stderr when it fails.
-fn arch_ref(cmd: &str, args: &Value, work: &Path) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("py/arch_ref.py");
-    let argf = work.join(format!("{cmd}-args.json"));
-    std::fs::write(&argf, args.to_string()).unwrap();
-    let py = python();
-    let out = std::process::Command::new(&py)
-        .arg(&script)
-        .arg(cmd)
-        .arg(&argf)
-        .env("OMP_NUM_THREADS", "2")
-        .output()
-        .unwrap_or_else(|e| {
-            panic!(
-                "cannot run {} ({e}): run scripts/bootstrap.sh",
-                py.display()
-            )
-        });
-    assert!(
-        out.status.success(),
-        "{} {cmd} failed (are transformers and peft installed in .venv? run scripts/bootstrap.sh):\n{}",
-        script.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 fn read(path: &Path) -> HashMap<String, Tensor> {
