@@ -122,7 +122,7 @@ impl Llama {
         let merged: Vec<Vec<(Matrix, Tensor)>> = tch::no_grad(|| {
             (0..self.layers.len())
                 .map(|i| {
-                    [Matrix::Qkv, Matrix::O, Matrix::GateUp, Matrix::Down]
+                    Matrix::ALL
                         .into_iter()
                         .filter_map(|m| self.merged_matrix(i, m).map(|w| (m, w)))
                         .collect()
@@ -320,10 +320,7 @@ impl Llama {
             let base = tch::no_grad(|| {
                 self.layers
                     .iter()
-                    .map(|l| {
-                        [Matrix::Qkv, Matrix::O, Matrix::GateUp, Matrix::Down]
-                            .map(|m| l.matrix(m).detach().copy())
-                    })
+                    .map(|l| Matrix::ALL.map(|m| l.matrix(m).detach().copy()))
                     .collect()
             });
             self.merge_base = Some(base);
@@ -336,7 +333,7 @@ impl Llama {
                 touched.insert((*i, t.place(&self.config).0 as usize));
             }
             for &(i, m) in &touched {
-                let mm = [Matrix::Qkv, Matrix::O, Matrix::GateUp, Matrix::Down][m];
+                let mm = Matrix::ALL[m];
                 let _ = self.layers[i].matrix(mm).shallow_clone().copy_(&base[i][m]);
             }
             for (i, t, sa, bt) in &factors {

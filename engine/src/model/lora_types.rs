@@ -55,6 +55,11 @@ pub(super) enum Matrix {
     Down = 3,
 }
 
+impl Matrix {
+    /// The four, in index order.
+    pub(super) const ALL: [Matrix; 4] = [Matrix::Qkv, Matrix::O, Matrix::GateUp, Matrix::Down];
+}
+
 impl LoraTarget {
     /// Every target, in the order of the columns they own.
     pub const ALL: [LoraTarget; 7] = [

@@ -106,7 +106,8 @@ pub struct PolicyConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LoraSync {
     /// The adapters alone (megabytes): each rollout folds them into its copy of the
-    /// base. Also within one process, where it beats snapshotting the merged model.
+    /// base. Within one process too, so the mode means the same wherever the rollouts
+    /// are (it is not faster there: see docs/benchmarks.md, LoRA).
     #[default]
     Adapters,
     /// The merged weights (the whole model), as for full fine-tuning: rollouts keep no
@@ -879,7 +880,7 @@ impl Role for PolicyRole {
                 self.apply(shards).map(PolicyResponse::Trained)
             }
             PolicyRequest::ExportWeights => self.export().map(PolicyResponse::Weights),
-            // Adapters as buckets beat a snapshot of the merged model, even in process.
+            // `sync = adapters` sends adapters wherever the rollouts are.
             PolicyRequest::ExportLocalWeights
                 if self.trainer.model.lora().is_some()
                     && self.config.lora_sync == LoraSync::Adapters =>
