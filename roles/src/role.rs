@@ -80,6 +80,16 @@ impl DeviceGroup {
             cuda: false,
         }
     }
+
+    /// The libtorch device the group's first device is: where a role built on it keeps
+    /// its model, KV cache and optimizer state.
+    pub fn torch_device(&self) -> tch::Device {
+        if self.cuda {
+            tch::Device::Cuda(self.devices.first().copied().unwrap_or(0) as usize)
+        } else {
+            tch::Device::Cpu
+        }
+    }
 }
 
 /// What a role needs, for the placement planner.

@@ -54,8 +54,15 @@ impl RunState {
     }
 }
 
-pub(crate) fn load_trainer(dir: &Path, role: &str) -> Result<Trainer, JobError> {
-    Trainer::load_checkpoint(dir, Device::Cpu, Kind::Float).map_err(|e| JobError::Resume {
+/// Loads a checkpointed trainer onto `device` with weights in `kind` (its AdamW state
+/// and master weights stay f32).
+pub(crate) fn load_trainer(
+    dir: &Path,
+    role: &str,
+    device: Device,
+    kind: Kind,
+) -> Result<Trainer, JobError> {
+    Trainer::load_checkpoint(dir, device, kind).map_err(|e| JobError::Resume {
         dir: dir.into(),
         reason: format!("loading the {role}: {e}"),
     })

@@ -15,14 +15,14 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use serde::Serialize;
-use yatt_engine::tch::{Device, Kind};
 use yatt_engine::{Llama, SamplingParams};
 use yatt_roles::{
-    DeviceGroup, GenerateRequest, Prompt, Role, RoleError, RolloutRequest, RolloutResponse,
+    GenerateRequest, Prompt, Role, RoleError, RolloutRequest, RolloutResponse,
     RolloutRole,
 };
 
 use crate::build::data::prompts;
+use crate::build::devices::{job_device, role_group};
 use crate::build::parts::{base_model, rollout_role};
 use crate::build::reward::reward_role;
 use crate::config::sections::JobConfig;
@@ -193,16 +193,18 @@ pub(crate) fn answering_role(
     checkpoint: Option<&Path>,
 ) -> Result<RolloutRole, EvalError> {
     let (base, codec, _) = base_model(job)?;
+    let (dev, kind) = (job_device(job, "eval")?, job.model.dtype.kind());
     let model = match checkpoint {
-        None => base,
+        None => base.deep_copy(dev, kind),
         Some(dir) => {
             drop(base);
-            Llama::load(dir, Device::Cpu, Kind::Float).map_err(|e| JobError::Model {
-                source_desc: dir.display().to_string(),
-                reason: e.to_string(),
-            })?
+            Llama::load(dir, dev, kind)
         }
-    };
+    }
+    .map_err(|e| JobError::Model {
+        source_desc: checkpoint.map_or(job.model.source.to_string(), |d| d.display().to_string()),
+        reason: e.to_string(),
+    })?;
     Ok(rollout_role(job, model, codec))
 }
 
@@ -215,7 +217,7 @@ pub fn evaluate(job: &JobConfig, options: &EvalOptions) -> Result<EvalReport, Ev
     let role = |stage: &'static str| move |source| EvalError::Role { stage, source };
     let mut rollout = answering_role(job, options.checkpoint.as_deref())?;
     rollout
-        .start(&DeviceGroup::cpu("eval"))
+        .start(&role_group(job, "eval")?)
         .map_err(role("generation"))?;
     let mut reward = reward_role(job)?;
     let r = &job.rollout;

@@ -38,7 +38,8 @@ pub use error::JobError;
 
 // The job config.
 pub use config::modes::{
-    Driver, Dtype, KlMode, ModelSource, OldLogprobs, PlacementMode, RewardKind, Schedule, Task,
+    DeviceSetting, Driver, Dtype, KlMode, ModelSource, OldLogprobs, PlacementMode, RewardKind,
+    Schedule, Task,
     UnparsedVerdict, VerdictMode,
 };
 pub use config::placement::{NodeNames, PlacementSection, ROLES};

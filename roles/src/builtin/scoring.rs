@@ -176,11 +176,7 @@ pub(crate) fn check_device(
     model_device: Device,
     group: &DeviceGroup,
 ) -> Result<(), RoleError> {
-    let want = if group.cuda {
-        Device::Cuda(group.devices.first().copied().unwrap_or(0) as usize)
-    } else {
-        Device::Cpu
-    };
+    let want = group.torch_device();
     if model_device != want {
         return Err(RoleError::BadRequest(format!(
             "{role}: the model is on {model_device:?} but the role is started on {want:?} (node {}); build the model on the group's device",

@@ -16,9 +16,10 @@ use yatt_runtime::RING_CHUNK_BYTES;
 use yatt_runtime::{ActorRef, CallError};
 use yatt_runtime::{Node, NodeBuilder, NodeError};
 
+use crate::build::devices::{model_here, role_group};
 use crate::build::heads::controllers;
 use crate::build::parts::{
-    base_model, critic_role, env_settings, policy_ring, policy_role, reference_role,
+    critic_role, env_settings, policy_ring, policy_role, reference_role,
     rollout_role_with_envs,
 };
 use crate::build::reward::reward_role;
@@ -57,7 +58,7 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
             async move {
                 let envs = remote_envs(&node, &a).await?;
                 start_role(a, "rollout", move |job| {
-                    let (model, codec, _) = base_model(job)?;
+                    let (model, codec, _) = model_here(job)?;
                     Ok(rollout_role_with_envs(job, model, codec, envs))
                 })
                 .await
@@ -88,7 +89,7 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
                     None => None,
                 };
                 start_role(a, "policy", move |job| {
-                    let (model, _, pad_id) = base_model(job)?;
+                    let (model, _, pad_id) = model_here(job)?;
                     let role = policy_role(job, model, pad_id)?;
                     Ok(match ring {
                         Some(r) => role.with_ring(r),
@@ -100,7 +101,7 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
         })
         .factory_async("reference", |a: RoleArgs| {
             start_role(a, "reference", |job| {
-                let (model, _, pad_id) = base_model(job)?;
+                let (model, _, pad_id) = model_here(job)?;
                 Ok(reference_role(job, model, pad_id))
             })
         })
@@ -109,7 +110,7 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
         })
         .factory_async("critic", |a: RoleArgs| {
             start_role(a, "critic", |job| {
-                let (model, _, pad_id) = base_model(job)?;
+                let (model, _, pad_id) = model_here(job)?;
                 critic_role(job, model, None, pad_id)
             })
         })
@@ -201,8 +202,9 @@ pub(crate) async fn start_role<R: Role>(
 ) -> Result<RoleActor<R>, String> {
     let job = JobConfig::parse(&args.job, "the job config sent by the controller", &[])
         .map_err(|e| e.to_string())?;
+    let group = role_group(&job, &args.node).map_err(|e| e.to_string())?;
     let build = move || make(&job).map_err(|e| RoleError::Failed(e.to_string()));
-    RoleActor::build(name, build, DeviceGroup::cpu(&args.node), ROLE_QUEUE)
+    RoleActor::build(name, build, group, ROLE_QUEUE)
         .await
         .map_err(|e| e.to_string())
 }

@@ -1,12 +1,11 @@
 //! A job whose roles all run in this process (`placement.mode = "colocate"`).
 
 use std::path::Path;
-use yatt_engine::tch::{Device, Kind};
 use yatt_engine::Trainer;
-use yatt_roles::DeviceGroup;
 use yatt_runtime::Node;
 use yatt_runtime::RING_CHUNK_BYTES;
 
+use crate::build::devices::role_group;
 use crate::build::heads::controllers;
 use crate::build::parts::{
     base_model, critic_role, policy_ring, policy_role_from, policy_trainer, reference_role,
@@ -145,6 +144,8 @@ pub async fn build_embedded_with(
         ));
     }
     custom.check(job, resume.is_some())?;
+    let group = role_group(job, node.name())?;
+    let (dev, kind) = (group.torch_device(), job.model.dtype.kind());
     let (model, codec, pad_id) = base_model(job)?;
     let me = |e: yatt_engine::EngineError| JobError::Model {
         source_desc: job.model.source.to_string(),
@@ -153,8 +154,13 @@ pub async fn build_embedded_with(
     let ckpt = resume.map(|d| d.join("checkpoint"));
     let load = |role: &str| -> Result<Option<Trainer>, JobError> {
         match &ckpt {
-            Some(dir) if role == "critic" => Ok(Some(load_trainer(&dir.join("critic"), role)?)),
-            Some(dir) => Ok(Some(load_trainer(dir, role)?)),
+            Some(dir) if role == "critic" => Ok(Some(load_trainer(
+                &dir.join("critic"),
+                role,
+                dev,
+                kind,
+            )?)),
+            Some(dir) => Ok(Some(load_trainer(dir, role, dev, kind)?)),
             None => Ok(None),
         }
     };
@@ -169,10 +175,10 @@ pub async fn build_embedded_with(
     for _ in 0..builtin_policies {
         trainers.push(match load("policy")? {
             Some(t) => t,
-            None => policy_trainer(job, model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?)?,
+            None => policy_trainer(job, model.deep_copy(dev, kind).map_err(me)?)?,
         });
     }
-    let g = || DeviceGroup::cpu(node.name());
+    let g = || group.clone();
     // Rollouts start from the policy's weights (the initial model, or the checkpoint).
     let mut rollouts = custom.rollouts.clone();
     for i in rollouts.len()..job.job.controllers {
@@ -182,14 +188,14 @@ pub async fn build_embedded_with(
             .first()
             .filter(|t| t.model.lora().is_none())
             .map_or(&model, |t| &t.model);
-        let m = from.deep_copy(Device::Cpu, Kind::Float).map_err(me)?;
+        let m = from.deep_copy(dev, kind).map_err(me)?;
         let role = rollout_role(job, m, codec.clone());
         rollouts.push(spawn_role(node, role, i as u32, g()).await?);
     }
     let critic = if let Some(c) = &custom.critic {
         Some(c.clone())
     } else if job.algorithm.name.needs_critic() {
-        let m = model.deep_copy(Device::Cpu, Kind::Float).map_err(me)?;
+        let m = model.deep_copy(dev, kind).map_err(me)?;
         let role = critic_role(job, m, load("critic")?, pad_id)?;
         Some(spawn_role(node, role, 0, g()).await?)
     } else {
@@ -217,7 +223,8 @@ pub async fn build_embedded_with(
             _ if custom.reference.is_some() => custom.reference.clone(),
             KlMode::None => None,
             KlMode::Loss | KlMode::Reward => {
-                Some(spawn_role(node, reference_role(job, model, pad_id), 0, g()).await?)
+                let m = model.deep_copy(dev, kind).map_err(me)?;
+                Some(spawn_role(node, reference_role(job, m, pad_id), 0, g()).await?)
             }
         },
         policy: policies[0].clone(),

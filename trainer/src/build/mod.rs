@@ -2,6 +2,7 @@
 //! nodes), and the controllers over them.
 pub(crate) mod cluster;
 pub(crate) mod data;
+pub(crate) mod devices;
 pub(crate) mod embedded;
 pub(crate) mod heads;
 pub(crate) mod parts;

@@ -14,6 +14,7 @@ use yatt_roles::{
 use yatt_runtime::Node;
 
 use crate::build::data::growing_task;
+use crate::build::devices::job_device;
 use crate::config::checks::invalid;
 use crate::config::modes::{ModelSource, RewardKind, Task, UnparsedVerdict, VerdictMode};
 use crate::config::sections::JobConfig;
@@ -40,6 +41,8 @@ pub(crate) async fn spawn_reward(
 /// Models load here (on the role's thread when built through a factory).
 pub fn reward_role(job: &JobConfig) -> Result<RewardRole, JobError> {
     let kinds = job.reward_kinds();
+    // Built on the node that serves it: the models go to that node's device.
+    let dev = || job_device(job, "this node");
     let mut parts: Vec<(f64, Box<dyn RewardFn>)> = Vec::new();
     let mut models: Vec<(f64, Box<dyn ModelScorer>)> = Vec::new();
     for (i, k) in kinds.iter().enumerate() {
@@ -48,11 +51,11 @@ pub fn reward_role(job: &JobConfig) -> Result<RewardRole, JobError> {
             RewardKind::Numeric => Box::new(NumericVerifier::default()),
             RewardKind::Exact => Box::new(ExactMatchVerifier::default()),
             RewardKind::Model => {
-                models.push((w, Box::new(reward_model(job)?)));
+                models.push((w, Box::new(reward_model(job, dev()?)?)));
                 continue;
             }
             RewardKind::Judge => {
-                models.push((w, Box::new(judge(job)?)));
+                models.push((w, Box::new(judge(job, dev()?)?)));
                 continue;
             }
             RewardKind::Python => {
@@ -101,10 +104,10 @@ pub(crate) fn reward_codec(job: &JobConfig, dir: &Path) -> Result<Arc<dyn TextCo
 }
 
 /// The job's scalar reward model (`reward.model`).
-pub(crate) fn reward_model(job: &JobConfig) -> Result<ScalarRewardModel, JobError> {
+pub(crate) fn reward_model(job: &JobConfig, device: Device) -> Result<ScalarRewardModel, JobError> {
     let dir = Path::new(&job.reward.model);
     let codec = reward_codec(job, dir)?;
-    ScalarRewardModel::load(dir, Device::Cpu, codec, 0, job.optim.micro_batch).map_err(|e| {
+    ScalarRewardModel::load(dir, device, codec, 0, job.optim.micro_batch).map_err(|e| {
         invalid(
             "reward.model",
             "an HF directory of a reward model (a `score` head)",
@@ -115,11 +118,11 @@ pub(crate) fn reward_model(job: &JobConfig) -> Result<ScalarRewardModel, JobErro
 }
 
 /// The job's LLM judge (`reward.judge_model`).
-pub(crate) fn judge(job: &JobConfig) -> Result<JudgeScorer, JobError> {
+pub(crate) fn judge(job: &JobConfig, device: Device) -> Result<JudgeScorer, JobError> {
     let r = &job.reward;
     let dir = Path::new(&r.judge_model);
     let codec = reward_codec(job, dir)?;
-    let model = yatt_roles::load_reward_model(dir, Device::Cpu).map_err(|e| {
+    let model = yatt_roles::load_reward_model(dir, device).map_err(|e| {
         invalid(
             "reward.judge_model",
             "an HF model directory",

@@ -218,3 +218,62 @@ impl std::fmt::Display for ModelSource {
         }
     }
 }
+
+/// `model.device`: where the job's models, KV caches and optimizer state live. In TOML
+/// it is one string: `auto`, `cpu`, `cuda` or `cuda:N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum DeviceSetting {
+    /// The role's device group from placement: CUDA 0 of the node when libtorch sees a
+    /// GPU there, else the CPU.
+    Auto,
+    /// The CPU.
+    Cpu,
+    /// One CUDA device, by ordinal on the node.
+    Cuda(u32),
+}
+
+impl TryFrom<String> for DeviceSetting {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(DeviceSetting::Auto),
+            "cpu" => Ok(DeviceSetting::Cpu),
+            "cuda" => Ok(DeviceSetting::Cuda(0)),
+            other => other
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(DeviceSetting::Cuda)
+                .ok_or_else(|| {
+                    format!("model.device = {s:?} is not a device; use auto, cpu, cuda or cuda:N")
+                }),
+        }
+    }
+}
+
+impl From<DeviceSetting> for String {
+    fn from(d: DeviceSetting) -> Self {
+        d.to_string()
+    }
+}
+
+impl std::fmt::Display for DeviceSetting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceSetting::Auto => f.write_str("auto"),
+            DeviceSetting::Cpu => f.write_str("cpu"),
+            DeviceSetting::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl Dtype {
+    /// The libtorch dtype of the models' weights.
+    pub fn kind(self) -> tch::Kind {
+        match self {
+            Dtype::F32 => tch::Kind::Float,
+            Dtype::Bf16 => tch::Kind::BFloat16,
+            Dtype::F16 => tch::Kind::Half,
+        }
+    }
+}

@@ -9,7 +9,8 @@ use yatt_roles::{
 };
 
 use crate::config::modes::{
-    Driver, Dtype, KlMode, LoraSyncMode, ModelSource, OldLogprobs, RewardKind, Schedule, Task,
+    DeviceSetting, Driver, Dtype, KlMode, LoraSyncMode, ModelSource, OldLogprobs, RewardKind,
+    Schedule, Task,
     UnparsedVerdict, VerdictMode,
 };
 use crate::config::placement::PlacementSection;
@@ -87,8 +88,12 @@ pub struct ModelSection {
     /// `tiny` (a random tiny Llama with a character codec) or an HF model directory
     /// (config.json, safetensors, tokenizer.json).
     pub source: ModelSource,
-    /// `f32` only for now.
+    /// The weights' dtype (`f32`, `bf16`, `f16`). Trainers keep f32 master weights and
+    /// AdamW state whatever it is; rollouts, references and scoring run in it.
     pub dtype: Dtype,
+    /// Where the models run: `auto` (the role's device group: a GPU when the node has
+    /// one), `cpu`, `cuda` or `cuda:N`.
+    pub device: DeviceSetting,
     /// libtorch intra-op threads.
     pub threads: usize,
     /// Longest sequence (prompt + response) the rollout handles.
@@ -149,6 +154,7 @@ impl Default for ModelSection {
         ModelSection {
             source: ModelSource::Tiny,
             dtype: Dtype::F32,
+            device: DeviceSetting::Auto,
             threads: 1,
             max_seq_len: 256,
             chat: false,

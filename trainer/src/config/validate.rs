@@ -6,7 +6,7 @@ use yatt_roles::{Algorithm, JudgeTemplate};
 
 use crate::config::checks::non_negative;
 use crate::config::checks::{invalid, only_with_kind, positive};
-use crate::config::modes::{Driver, Dtype, KlMode, OldLogprobs, PlacementMode, RewardKind, Task};
+use crate::config::modes::{Driver, KlMode, OldLogprobs, PlacementMode, RewardKind, Task};
 use crate::config::placement::{NodeNames, PlacementSection};
 use crate::config::sections::JobConfig;
 use crate::error::JobError;
@@ -54,13 +54,6 @@ impl JobConfig {
                 &j.policy_replicas.to_string(),
                 "use one policy replica per controller, or a shared one",
             ));
-        }
-        if self.model.dtype != Dtype::F32 {
-            return Err(JobError::NotImplemented {
-                key: "model.dtype".into(),
-                found: self.model.dtype.to_string(),
-                fix: "use dtype = \"f32\"".into(),
-            });
         }
         positive(
             "model.threads",

@@ -12,11 +12,12 @@ use yatt_placement::{
     RewardKind,
 };
 use yatt_placement::{Role as PRole, RoleSet};
-use yatt_roles::{DeviceGroup, PolicyRequest, PolicyResponse, RoleRequest, TextCodec};
+use yatt_roles::{PolicyRequest, PolicyResponse, RoleRequest, TextCodec};
 use yatt_runtime::Node;
 use yatt_runtime::NodeInfo;
 
 use crate::build::cluster::{job_text, wait_for_nodes};
+use crate::build::devices::role_group;
 use crate::build::parts::base_model;
 use crate::build::reward::spawn_reward;
 use crate::config::checks::invalid;
@@ -303,7 +304,8 @@ pub(crate) async fn shared_roles(
     let cluster = p.mode == PlacementMode::Disaggregated;
     let (hosts, shared) = match cluster {
         false => {
-            let group = DeviceGroup::cpu(node.name());
+            let group = role_group(job, node.name())?;
+            let (dev, kind) = (group.torch_device(), job.model.dtype.kind());
             let shared = Shared {
                 reward: spawn_reward(job, node, group.clone()).await?,
                 reference: match with_reference {
@@ -313,7 +315,7 @@ pub(crate) async fn shared_roles(
                             node,
                             crate::build::parts::reference_role(
                                 job,
-                                model.deep_copy(Device::Cpu, Kind::Float).map_err(me(job))?,
+                                model.deep_copy(dev, kind).map_err(me(job))?,
                                 pad_id,
                             ),
                             0,
@@ -326,6 +328,8 @@ pub(crate) async fn shared_roles(
             let hosts = Hosts::Embedded {
                 codec,
                 pad_id,
+                // Kept in f32 on the CPU: each replica copies it to its group's device
+                // and dtype (a policy's f32 master weights come from these).
                 template: Box::new(model.deep_copy(Device::Cpu, Kind::Float).map_err(me(job))?),
             };
             (hosts, shared)

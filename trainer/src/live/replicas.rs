@@ -2,7 +2,6 @@
 
 use std::time::Duration;
 
-use tch::{Device, Kind};
 use yatt_placement::GroupId;
 use yatt_roles::{PolicyRequest, PolicyResponse, Role, RoleRequest, RoleResponse};
 use yatt_runtime::DirectoryChange as Change;
@@ -27,8 +26,9 @@ impl LivePlacement {
             Hosts::Embedded {
                 codec, template, ..
             } => {
+                let dev = self.device_group(g).torch_device();
                 let m = template
-                    .deep_copy(Device::Cpu, Kind::Float)
+                    .deep_copy(dev, self.job.model.dtype.kind())
                     .map_err(me(&self.job))?;
                 let role = rollout_role(&self.job, m, codec.clone());
                 self.spawn_here(g, role).await
@@ -86,8 +86,9 @@ impl LivePlacement {
             Hosts::Embedded {
                 template, pad_id, ..
             } => {
+                let dev = self.device_group(g).torch_device();
                 let m = template
-                    .deep_copy(Device::Cpu, Kind::Float)
+                    .deep_copy(dev, self.job.model.dtype.kind())
                     .map_err(me(&self.job))?;
                 let role = policy_role_from(&self.job, policy_trainer(&self.job, m)?, *pad_id)?;
                 self.spawn_here(g, role).await?

@@ -178,11 +178,20 @@ impl LivePlacement {
             .ok_or_else(|| placement_err(format!("{g} is not a group of the inventory")))
     }
 
+    /// The devices group `g` names: its CUDA ordinals on a node with GPUs, virtual
+    /// devices otherwise (they all run on the CPU).
     pub(crate) fn device_group(&self, g: GroupId) -> DeviceGroup {
-        DeviceGroup {
-            node: self.node.name().to_string(),
-            devices: vec![g.0],
-            cuda: false,
+        match self.policy.inventory().group(g) {
+            Some(group) if group.cuda => DeviceGroup {
+                node: self.node.name().to_string(),
+                devices: group.devices.clone(),
+                cuda: true,
+            },
+            _ => DeviceGroup {
+                node: self.node.name().to_string(),
+                devices: vec![g.0],
+                cuda: false,
+            },
         }
     }
 
