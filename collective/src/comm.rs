@@ -2,9 +2,9 @@
 //! operation, and turning backend failures into errors that name the operation and
 //! the ranks. The backend (`nccl.rs` or `stub.rs`) does the calls.
 
-use crate::backend::{self, Progress};
+use crate::backend;
 use crate::error::{peers_of, CollectiveError, Failure, Unavailable};
-use crate::types::{DeviceBuffer, ReduceOp, UniqueId};
+use crate::types::{DeviceBuffer, Progress, ReduceOp, UniqueId};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 

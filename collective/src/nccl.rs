@@ -6,7 +6,7 @@
 
 use crate::error::{Failure, Unavailable};
 use crate::locate::{self, SearchEnv, Target};
-use crate::types::{DType, DeviceBuffer, ReduceOp, UNIQUE_ID_BYTES};
+use crate::types::{DType, DeviceBuffer, Progress, ReduceOp, UNIQUE_ID_BYTES};
 use cudarc::driver::{sys as cu, CudaContext};
 use cudarc::nccl::sys as nc;
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -62,7 +62,9 @@ fn load_nccl(env: &SearchEnv) -> Result<Api, Unavailable> {
         let lib = match unsafe { libloading::os::unix::Library::open(Some(&name), flags) } {
             Ok(lib) => libloading::Library::from(lib),
             Err(e) => {
-                tried.push(format!("{} ({e})", step.place));
+                // libloading's Display says only "dlopen failed"; dlerror's text is the source.
+                let why = std::error::Error::source(&e).map_or_else(|| e.to_string(), |s| s.to_string());
+                tried.push(format!("{} ({why})", step.place));
                 continue;
             }
         };
@@ -163,6 +165,8 @@ pub(crate) fn version() -> Option<i32> {
 
 pub(crate) fn new_unique_id() -> Result<[u8; UNIQUE_ID_BYTES], Failure> {
     let api = api()?;
+    // An id is only good for a communicator, which needs a GPU: say so here already.
+    driver()?;
     let mut id = nc::ncclUniqueId { internal: [0; UNIQUE_ID_BYTES] };
     let code = unsafe { (api.get_unique_id)(&mut id) };
     if code != SUCCESS {
@@ -182,13 +186,6 @@ fn error_string(api: &Api, code: Code, comm: Option<nc::ncclComm_t>) -> String {
         }
     }
     s
-}
-
-/// Whether a polled operation has finished.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Progress {
-    Done,
-    Pending,
 }
 
 /// `NCCL_CONFIG_INITIALIZER` with `blocking = 0`, so init and collectives return

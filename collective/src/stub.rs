@@ -2,7 +2,7 @@
 //! entry point reports `Unavailable` and no communicator can exist.
 
 use crate::error::{Failure, Unavailable};
-use crate::types::{DeviceBuffer, ReduceOp, UNIQUE_ID_BYTES};
+use crate::types::{DeviceBuffer, Progress, ReduceOp, UNIQUE_ID_BYTES};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -26,12 +26,6 @@ pub(crate) fn version() -> Option<i32> {
 
 pub(crate) fn new_unique_id() -> Result<[u8; UNIQUE_ID_BYTES], Failure> {
     Err(unavailable().into())
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Progress {
-    Done,
-    Pending,
 }
 
 /// Uninhabited: `start_init` never returns one.

@@ -29,6 +29,14 @@ pub enum ReduceOp {
     Mean,
 }
 
+/// Whether a polled backend operation has finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))] // the stub never polls
+pub(crate) enum Progress {
+    Done,
+    Pending,
+}
+
 /// A contiguous buffer in GPU memory: a raw CUDA device pointer, an element count and
 /// the element type. Constructing one is the unsafe step: the collectives write to it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
