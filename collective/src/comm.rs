@@ -33,7 +33,9 @@ impl UniqueId {
     /// A fresh id from `ncclGetUniqueId` (this also starts NCCL's bootstrap listener in
     /// this process, so call it on rank 0).
     pub fn new() -> Result<UniqueId, CollectiveError> {
-        backend::new_unique_id().map(UniqueId::from_bytes).map_err(|f| error("get_unique_id", 0, 1, f))
+        backend::new_unique_id()
+            .map(UniqueId::from_bytes)
+            .map_err(|f| error("get_unique_id", 0, 1, f))
     }
 }
 
@@ -79,7 +81,13 @@ impl Communicator {
         let start = Instant::now();
         let comm = backend::Comm::start_init(rank, nranks, id.as_bytes(), device_ordinal)
             .map_err(|f| error(OP, rank, nranks, f))?;
-        let mut c = Communicator { comm, rank, nranks, device: device_ordinal, dead: None };
+        let mut c = Communicator {
+            comm,
+            rank,
+            nranks,
+            device: device_ordinal,
+            dead: None,
+        };
         c.wait(OP, start, deadline, |comm| comm.poll_comm())?;
         Ok(c)
     }
@@ -109,7 +117,12 @@ impl Communicator {
     }
 
     /// Broadcasts `buf` from rank `root` to every rank, in place.
-    pub fn broadcast(&mut self, buf: &DeviceBuffer, root: usize, deadline: Duration) -> Result<(), CollectiveError> {
+    pub fn broadcast(
+        &mut self,
+        buf: &DeviceBuffer,
+        root: usize,
+        deadline: Duration,
+    ) -> Result<(), CollectiveError> {
         const OP: &str = "broadcast";
         self.alive(OP)?;
         if root >= self.nranks {
@@ -122,12 +135,20 @@ impl Communicator {
     }
 
     /// Sums `buf` over all ranks, in place.
-    pub fn all_reduce_sum(&mut self, buf: &DeviceBuffer, deadline: Duration) -> Result<(), CollectiveError> {
+    pub fn all_reduce_sum(
+        &mut self,
+        buf: &DeviceBuffer,
+        deadline: Duration,
+    ) -> Result<(), CollectiveError> {
         self.all_reduce_many(std::slice::from_ref(buf), ReduceOp::Sum, deadline)
     }
 
     /// Averages `buf` over all ranks, in place (NCCL's `ncclAvg`).
-    pub fn all_reduce_mean(&mut self, buf: &DeviceBuffer, deadline: Duration) -> Result<(), CollectiveError> {
+    pub fn all_reduce_mean(
+        &mut self,
+        buf: &DeviceBuffer,
+        deadline: Duration,
+    ) -> Result<(), CollectiveError> {
         self.all_reduce_many(std::slice::from_ref(buf), ReduceOp::Mean, deadline)
     }
 
@@ -153,7 +174,12 @@ impl Communicator {
     fn alive(&self, op: &'static str) -> Result<(), CollectiveError> {
         match &self.dead {
             None => Ok(()),
-            Some(cause) => Err(CollectiveError::Dead { op, rank: self.rank, nranks: self.nranks, cause: cause.clone() }),
+            Some(cause) => Err(CollectiveError::Dead {
+                op,
+                rank: self.rank,
+                nranks: self.nranks,
+                cause: cause.clone(),
+            }),
         }
     }
 
@@ -190,7 +216,13 @@ impl Communicator {
                 self.comm.abort(ABORT_WAIT);
                 self.dead = Some(format!("{op} missed its deadline of {deadline:?}"));
                 let (rank, nranks) = (self.rank, self.nranks);
-                return Err(CollectiveError::Deadline { op, rank, nranks, peers: peers_of(rank, nranks), deadline });
+                return Err(CollectiveError::Deadline {
+                    op,
+                    rank,
+                    nranks,
+                    peers: peers_of(rank, nranks),
+                    deadline,
+                });
             }
             // Spin briefly for short collectives, then back off to at most 1 ms so a
             // long wait does not burn a core.
@@ -215,7 +247,18 @@ impl Communicator {
 fn error(op: &'static str, rank: usize, nranks: usize, f: Failure) -> CollectiveError {
     match f {
         Failure::Unavailable(u) => CollectiveError::Unavailable(u),
-        Failure::Nccl(message) => CollectiveError::Nccl { op, rank, nranks, peers: peers_of(rank, nranks), message },
-        Failure::Cuda(message) => CollectiveError::Cuda { op, rank, nranks, message },
+        Failure::Nccl(message) => CollectiveError::Nccl {
+            op,
+            rank,
+            nranks,
+            peers: peers_of(rank, nranks),
+            message,
+        },
+        Failure::Cuda(message) => CollectiveError::Cuda {
+            op,
+            rank,
+            nranks,
+            message,
+        },
     }
 }

@@ -14,7 +14,9 @@ pub struct Unavailable {
 
 impl Unavailable {
     pub(crate) fn new(reason: impl Into<String>) -> Self {
-        Unavailable { reason: reason.into() }
+        Unavailable {
+            reason: reason.into(),
+        }
     }
 }
 
@@ -28,26 +30,51 @@ pub enum CollectiveError {
         "NCCL {op} on rank {rank} of {nranks} missed its deadline of {deadline:?} \
          waiting for peer ranks {peers}; the communicator was aborted"
     )]
-    Deadline { op: &'static str, rank: usize, nranks: usize, peers: String, deadline: Duration },
+    Deadline {
+        op: &'static str,
+        rank: usize,
+        nranks: usize,
+        peers: String,
+        deadline: Duration,
+    },
     /// NCCL reported an error.
     #[error("NCCL {op} failed on rank {rank} of {nranks} (peers {peers}): {message}")]
-    Nccl { op: &'static str, rank: usize, nranks: usize, peers: String, message: String },
+    Nccl {
+        op: &'static str,
+        rank: usize,
+        nranks: usize,
+        peers: String,
+        message: String,
+    },
     /// A CUDA driver call failed (bad pointer, bad stream, device error).
     #[error("CUDA error during NCCL {op} on rank {rank} of {nranks}: {message}")]
-    Cuda { op: &'static str, rank: usize, nranks: usize, message: String },
+    Cuda {
+        op: &'static str,
+        rank: usize,
+        nranks: usize,
+        message: String,
+    },
     /// An earlier failure aborted this communicator; build a new one.
     #[error(
         "NCCL {op} on rank {rank} of {nranks}: the communicator was aborted after an \
          earlier failure ({cause}); create a new one"
     )]
-    Dead { op: &'static str, rank: usize, nranks: usize, cause: String },
+    Dead {
+        op: &'static str,
+        rank: usize,
+        nranks: usize,
+        cause: String,
+    },
     #[error("NCCL {op}: invalid argument: {message}")]
     InvalidArgument { op: &'static str, message: String },
 }
 
 /// The peers of `rank`, written for an error message (short for large groups).
 pub(crate) fn peers_of(rank: usize, nranks: usize) -> String {
-    let peers: Vec<String> = (0..nranks).filter(|&r| r != rank).map(|r| r.to_string()).collect();
+    let peers: Vec<String> = (0..nranks)
+        .filter(|&r| r != rank)
+        .map(|r| r.to_string())
+        .collect();
     if peers.is_empty() {
         "none".to_string()
     } else if peers.len() <= 16 {
@@ -94,6 +121,12 @@ mod tests {
             deadline: Duration::from_secs(3),
         };
         let s = e.to_string();
-        assert!(s.contains("init") && s.contains("rank 0 of 2") && s.contains("[1]") && s.contains("3s"), "{s}");
+        assert!(
+            s.contains("init")
+                && s.contains("rank 0 of 2")
+                && s.contains("[1]")
+                && s.contains("3s"),
+            "{s}"
+        );
     }
 }

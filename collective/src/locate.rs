@@ -54,8 +54,15 @@ pub(crate) fn plan(env: &SearchEnv) -> Vec<Step> {
     if let Some(p) = &env.explicit {
         let p = PathBuf::from(p);
         let target = p.is_file().then(|| Target::File(p.clone()));
-        let found = if target.is_some() { "" } else { " (no such file)" };
-        return vec![Step { place: format!("{NCCL_LIB_ENV}={}{found}", p.display()), target }];
+        let found = if target.is_some() {
+            ""
+        } else {
+            " (no such file)"
+        };
+        return vec![Step {
+            place: format!("{NCCL_LIB_ENV}={}{found}", p.display()),
+            target,
+        }];
     }
     let mut steps = Vec::new();
     let mut seen: Vec<PathBuf> = Vec::new();
@@ -65,15 +72,24 @@ pub(crate) fn plan(env: &SearchEnv) -> Vec<Step> {
         }
         seen.push(file.clone());
         if file.is_file() {
-            steps.push(Step { place: format!("{origin}: {}", file.display()), target: Some(Target::File(file)) });
+            steps.push(Step {
+                place: format!("{origin}: {}", file.display()),
+                target: Some(Target::File(file)),
+            });
         } else {
-            steps.push(Step { place: format!("{origin}: {} (no such file)", file.display()), target: None });
+            steps.push(Step {
+                place: format!("{origin}: {} (no such file)", file.display()),
+                target: None,
+            });
         }
     };
 
     let torch_dirs = env.maps.as_deref().map(libtorch_dirs).unwrap_or_default();
     if torch_dirs.is_empty() {
-        steps.push(Step { place: "libtorch in /proc/self/maps (not loaded)".into(), target: None });
+        steps.push(Step {
+            place: "libtorch in /proc/self/maps (not loaded)".into(),
+            target: None,
+        });
     }
     for dir in torch_dirs {
         // <site-packages>/torch/lib -> <site-packages>/nvidia/nccl/lib
@@ -82,12 +98,21 @@ pub(crate) fn plan(env: &SearchEnv) -> Vec<Step> {
     }
 
     match &env.virtual_env {
-        None => steps.push(Step { place: "VIRTUAL_ENV (unset)".into(), target: None }),
+        None => steps.push(Step {
+            place: "VIRTUAL_ENV (unset)".into(),
+            target: None,
+        }),
         Some(v) => {
             let files = venv_candidates(Path::new(v));
             if files.is_empty() {
-                let place = format!("VIRTUAL_ENV={}: no lib/python*/site-packages", Path::new(v).display());
-                steps.push(Step { place, target: None });
+                let place = format!(
+                    "VIRTUAL_ENV={}: no lib/python*/site-packages",
+                    Path::new(v).display()
+                );
+                steps.push(Step {
+                    place,
+                    target: None,
+                });
             }
             for f in files {
                 file_step(&mut steps, "VIRTUAL_ENV", f);
@@ -97,7 +122,10 @@ pub(crate) fn plan(env: &SearchEnv) -> Vec<Step> {
 
     let path_venvs = env.path.as_ref().map(venvs_on_path).unwrap_or_default();
     if path_venvs.is_empty() {
-        steps.push(Step { place: "Python venvs on PATH (none)".into(), target: None });
+        steps.push(Step {
+            place: "Python venvs on PATH (none)".into(),
+            target: None,
+        });
     }
     for venv in path_venvs {
         for f in venv_candidates(&venv) {
@@ -106,7 +134,10 @@ pub(crate) fn plan(env: &SearchEnv) -> Vec<Step> {
     }
 
     for soname in [NCCL_FILE, "libnccl.so"] {
-        steps.push(Step { place: format!("system search path: {soname}"), target: Some(Target::Soname(soname)) });
+        steps.push(Step {
+            place: format!("system search path: {soname}"),
+            target: Some(Target::Soname(soname)),
+        });
     }
     steps
 }
@@ -116,7 +147,9 @@ fn libtorch_dirs(maps: &str) -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = Vec::new();
     for line in maps.lines() {
         // The path is the sixth field and may contain spaces: take everything from '/'.
-        let Some(start) = line.find('/') else { continue };
+        let Some(start) = line.find('/') else {
+            continue;
+        };
         let path = Path::new(&line[start..]);
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
         if name == "libtorch_cpu.so" || name == "libtorch_cuda.so" || name == "libtorch.so" {
@@ -132,11 +165,17 @@ fn libtorch_dirs(maps: &str) -> Vec<PathBuf> {
 
 /// `<venv>/lib/python*/site-packages/nvidia/nccl/lib/libnccl.so.2`, one per Python.
 fn venv_candidates(venv: &Path) -> Vec<PathBuf> {
-    let Ok(entries) = std::fs::read_dir(venv.join("lib")) else { return Vec::new() };
+    let Ok(entries) = std::fs::read_dir(venv.join("lib")) else {
+        return Vec::new();
+    };
     let mut out: Vec<PathBuf> = entries
         .filter_map(|e| e.ok())
         .filter(|e| e.file_name().to_string_lossy().starts_with("python"))
-        .map(|e| e.path().join("site-packages/nvidia/nccl/lib").join(NCCL_FILE))
+        .map(|e| {
+            e.path()
+                .join("site-packages/nvidia/nccl/lib")
+                .join(NCCL_FILE)
+        })
         .collect();
     out.sort();
     out
@@ -202,11 +241,16 @@ mod tests {
 
     #[test]
     fn explicit_path_is_the_only_step() {
-        let env = SearchEnv { explicit: Some("/nonexistent/libnccl.so.2".into()), ..Default::default() };
+        let env = SearchEnv {
+            explicit: Some("/nonexistent/libnccl.so.2".into()),
+            ..Default::default()
+        };
         let steps = plan(&env);
         assert_eq!(steps.len(), 1);
         assert_eq!(steps[0].target, None);
-        assert!(steps[0].place.contains("YATT_NCCL_LIB=/nonexistent/libnccl.so.2 (no such file)"));
+        assert!(steps[0]
+            .place
+            .contains("YATT_NCCL_LIB=/nonexistent/libnccl.so.2 (no such file)"));
     }
 
     #[test]
@@ -245,7 +289,10 @@ mod tests {
         assert_eq!(steps[0].target, Some(Target::File(want)));
         assert!(steps[0].place.starts_with("next to the loaded libtorch"));
         // VIRTUAL_ENV and PATH name the same file: it is tried once.
-        let files = steps.iter().filter(|s| matches!(s.target, Some(Target::File(_)))).count();
+        let files = steps
+            .iter()
+            .filter(|s| matches!(s.target, Some(Target::File(_))))
+            .count();
         assert_eq!(files, 1, "{steps:?}");
         let _ = std::fs::remove_dir_all(root);
     }
@@ -254,10 +301,18 @@ mod tests {
     fn venv_without_nccl_says_so() {
         let root = tmpdir("nonccl");
         let venv = fake_venv(&root, false);
-        let env = SearchEnv { virtual_env: Some(venv.clone().into()), ..Default::default() };
+        let env = SearchEnv {
+            virtual_env: Some(venv.clone().into()),
+            ..Default::default()
+        };
         let steps = plan(&env);
         assert!(steps[1].place.starts_with("VIRTUAL_ENV: "), "{steps:?}");
-        assert!(steps[1].place.ends_with("nvidia/nccl/lib/libnccl.so.2 (no such file)"), "{steps:?}");
+        assert!(
+            steps[1]
+                .place
+                .ends_with("nvidia/nccl/lib/libnccl.so.2 (no such file)"),
+            "{steps:?}"
+        );
         assert_eq!(steps[1].target, None);
         let _ = std::fs::remove_dir_all(root);
     }

@@ -28,12 +28,33 @@ struct Api {
     path: String,
     version: c_int,
     get_unique_id: unsafe extern "C" fn(*mut nc::ncclUniqueId) -> Code,
-    comm_init_rank_config:
-        unsafe extern "C" fn(*mut nc::ncclComm_t, c_int, nc::ncclUniqueId, c_int, *mut nc::ncclConfig_t) -> Code,
+    comm_init_rank_config: unsafe extern "C" fn(
+        *mut nc::ncclComm_t,
+        c_int,
+        nc::ncclUniqueId,
+        c_int,
+        *mut nc::ncclConfig_t,
+    ) -> Code,
     comm_get_async_error: unsafe extern "C" fn(nc::ncclComm_t, *mut Code) -> Code,
     comm_abort: unsafe extern "C" fn(nc::ncclComm_t) -> Code,
-    all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, nc::ncclComm_t, nc::cudaStream_t) -> Code,
-    broadcast: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, nc::ncclComm_t, nc::cudaStream_t) -> Code,
+    all_reduce: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        nc::ncclComm_t,
+        nc::cudaStream_t,
+    ) -> Code,
+    broadcast: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        nc::ncclComm_t,
+        nc::cudaStream_t,
+    ) -> Code,
     group_start: unsafe extern "C" fn() -> Code,
     group_end: unsafe extern "C" fn() -> Code,
     get_error_string: unsafe extern "C" fn(Code) -> *const c_char,
@@ -42,7 +63,9 @@ struct Api {
 
 fn api() -> Result<&'static Api, Unavailable> {
     static API: OnceLock<Result<Api, Unavailable>> = OnceLock::new();
-    API.get_or_init(|| load_nccl(&SearchEnv::from_process())).as_ref().map_err(Clone::clone)
+    API.get_or_init(|| load_nccl(&SearchEnv::from_process()))
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 /// Opens the first libnccl of the search plan that loads and has what we need.
@@ -63,7 +86,8 @@ fn load_nccl(env: &SearchEnv) -> Result<Api, Unavailable> {
             Ok(lib) => libloading::Library::from(lib),
             Err(e) => {
                 // libloading's Display says only "dlopen failed"; dlerror's text is the source.
-                let why = std::error::Error::source(&e).map_or_else(|| e.to_string(), |s| s.to_string());
+                let why =
+                    std::error::Error::source(&e).map_or_else(|| e.to_string(), |s| s.to_string());
                 tried.push(format!("{} ({why})", step.place));
                 continue;
             }
@@ -83,13 +107,17 @@ fn load_nccl(env: &SearchEnv) -> Result<Api, Unavailable> {
 fn resolve(lib: libloading::Library, path: String) -> Result<Api, String> {
     unsafe fn sym<T: Copy>(lib: &libloading::Library, name: &str) -> Result<T, String> {
         let cname = format!("{name}\0");
-        unsafe { lib.get::<T>(cname.as_bytes()) }.map(|s| *s).map_err(|e| format!("missing {name}: {e}"))
+        unsafe { lib.get::<T>(cname.as_bytes()) }
+            .map(|s| *s)
+            .map_err(|e| format!("missing {name}: {e}"))
     }
     unsafe {
         let get_version: unsafe extern "C" fn(*mut c_int) -> Code = sym(&lib, "ncclGetVersion")?;
         let mut version = 0;
         if get_version(&mut version) != SUCCESS || version < MIN_VERSION {
-            return Err(format!("NCCL version {version} is older than {MIN_VERSION}"));
+            return Err(format!(
+                "NCCL version {version} is older than {MIN_VERSION}"
+            ));
         }
         let api = Api {
             path,
@@ -113,16 +141,25 @@ fn resolve(lib: libloading::Library, path: String) -> Result<Api, String> {
 
 /// Runs a cudarc driver call, turning its panics (a symbol the installed driver lacks)
 /// into errors.
-fn cuda<T>(call: &str, f: impl FnOnce() -> Result<T, cudarc::driver::DriverError>) -> Result<T, Failure> {
+fn cuda<T>(
+    call: &str,
+    f: impl FnOnce() -> Result<T, cudarc::driver::DriverError>,
+) -> Result<T, Failure> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(Failure::Cuda(format!("{call}: {e}"))),
-        Err(p) => Err(Failure::Cuda(format!("{call} panicked: {}", panic_text(&p)))),
+        Err(p) => Err(Failure::Cuda(format!(
+            "{call} panicked: {}",
+            panic_text(&p)
+        ))),
     }
 }
 
 fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default()
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
 }
 
 /// The CUDA driver is loadable and sees at least one GPU.
@@ -167,17 +204,31 @@ pub(crate) fn new_unique_id() -> Result<[u8; UNIQUE_ID_BYTES], Failure> {
     let api = api()?;
     // An id is only good for a communicator, which needs a GPU: say so here already.
     driver()?;
-    let mut id = nc::ncclUniqueId { internal: [0; UNIQUE_ID_BYTES] };
+    let mut id = nc::ncclUniqueId {
+        internal: [0; UNIQUE_ID_BYTES],
+    };
     let code = unsafe { (api.get_unique_id)(&mut id) };
     if code != SUCCESS {
-        return Err(Failure::Nccl(format!("ncclGetUniqueId: {}", error_string(api, code, None))));
+        return Err(Failure::Nccl(format!(
+            "ncclGetUniqueId: {}",
+            error_string(api, code, None)
+        )));
     }
     Ok(id.internal.map(|c| c as u8))
 }
 
 fn error_string(api: &Api, code: Code, comm: Option<nc::ncclComm_t>) -> String {
-    let text = |p: *const c_char| if p.is_null() { String::new() } else { unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned() };
-    let mut s = format!("{} (code {code})", text(unsafe { (api.get_error_string)(code) }));
+    let text = |p: *const c_char| {
+        if p.is_null() {
+            String::new()
+        } else {
+            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        }
+    };
+    let mut s = format!(
+        "{} (code {code})",
+        text(unsafe { (api.get_error_string)(code) })
+    );
     if let Some(comm) = comm {
         let last = text(unsafe { (api.get_last_error)(comm) });
         if !last.is_empty() {
@@ -260,9 +311,13 @@ impl Comm {
         // current: NCCL takes the device from the calling thread.
         let ctx = cuda("cuDevicePrimaryCtxRetain", || CudaContext::new(device))?;
         let mut config = nonblocking_config();
-        let uid = nc::ncclUniqueId { internal: id.map(|b| b as c_char) };
+        let uid = nc::ncclUniqueId {
+            internal: id.map(|b| b as c_char),
+        };
         let mut raw: nc::ncclComm_t = std::ptr::null_mut();
-        let code = unsafe { (api.comm_init_rank_config)(&mut raw, nranks as c_int, uid, rank as c_int, &mut config) };
+        let code = unsafe {
+            (api.comm_init_rank_config)(&mut raw, nranks as c_int, uid, rank as c_int, &mut config)
+        };
         if code != SUCCESS && code != IN_PROGRESS {
             let msg = error_string(api, code, (!raw.is_null()).then_some(raw));
             if !raw.is_null() {
@@ -271,9 +326,16 @@ impl Comm {
             return Err(Failure::Nccl(format!("ncclCommInitRankConfig: {msg}")));
         }
         if raw.is_null() {
-            return Err(Failure::Nccl("ncclCommInitRankConfig returned no communicator".into()));
+            return Err(Failure::Nccl(
+                "ncclCommInitRankConfig returned no communicator".into(),
+            ));
         }
-        Ok(Comm { api, raw, ctx, stream: 0 })
+        Ok(Comm {
+            api,
+            raw,
+            ctx,
+            stream: 0,
+        })
     }
 
     pub(crate) fn set_stream(&mut self, stream: u64) {
@@ -288,7 +350,10 @@ impl Comm {
         match code {
             SUCCESS => Ok(Progress::Done),
             IN_PROGRESS => Ok(Progress::Pending),
-            _ => Err(Failure::Nccl(format!("{call}: {}", error_string(self.api, code, Some(self.raw))))),
+            _ => Err(Failure::Nccl(format!(
+                "{call}: {}",
+                error_string(self.api, code, Some(self.raw))
+            ))),
         }
     }
 
@@ -306,7 +371,9 @@ impl Comm {
             return Ok(Progress::Pending);
         }
         self.bind()?;
-        let r = cuda("cuStreamQuery", || Ok(unsafe { cu::cuStreamQuery(self.stream as cu::CUstream) }))?;
+        let r = cuda("cuStreamQuery", || {
+            Ok(unsafe { cu::cuStreamQuery(self.stream as cu::CUstream) })
+        })?;
         match r {
             cu::CUresult::CUDA_SUCCESS => Ok(Progress::Done),
             cu::CUresult::CUDA_ERROR_NOT_READY => Ok(Progress::Pending),
@@ -322,7 +389,15 @@ impl Comm {
             self.grouped(chunk, |b| {
                 let p = b.ptr() as *mut c_void;
                 let code = unsafe {
-                    (self.api.all_reduce)(p, p, b.count(), nccl_dtype(b.dtype()), nccl_op(op), self.raw, self.nccl_stream())
+                    (self.api.all_reduce)(
+                        p,
+                        p,
+                        b.count(),
+                        nccl_dtype(b.dtype()),
+                        nccl_op(op),
+                        self.raw,
+                        self.nccl_stream(),
+                    )
                 };
                 self.check("ncclAllReduce", code).map(|_| ())
             })?;
@@ -335,12 +410,24 @@ impl Comm {
         self.bind()?;
         let p = buf.ptr() as *mut c_void;
         let code = unsafe {
-            (self.api.broadcast)(p, p, buf.count(), nccl_dtype(buf.dtype()), root as c_int, self.raw, self.nccl_stream())
+            (self.api.broadcast)(
+                p,
+                p,
+                buf.count(),
+                nccl_dtype(buf.dtype()),
+                root as c_int,
+                self.raw,
+                self.nccl_stream(),
+            )
         };
         self.check("ncclBroadcast", code).map(|_| ())
     }
 
-    fn grouped(&self, bufs: &[DeviceBuffer], mut each: impl FnMut(&DeviceBuffer) -> Result<(), Failure>) -> Result<(), Failure> {
+    fn grouped(
+        &self,
+        bufs: &[DeviceBuffer],
+        mut each: impl FnMut(&DeviceBuffer) -> Result<(), Failure>,
+    ) -> Result<(), Failure> {
         if bufs.len() == 1 {
             return each(&bufs[0]);
         }
@@ -369,12 +456,14 @@ impl Comm {
         let abort = self.api.comm_abort;
         let ctx = self.ctx.clone();
         let (tx, rx) = std::sync::mpsc::channel();
-        let spawned = std::thread::Builder::new().name("nccl-abort".into()).spawn(move || {
-            let raw = raw;
-            let _ = cuda("cuCtxSetCurrent", || ctx.bind_to_thread());
-            unsafe { abort(raw.0) };
-            let _ = tx.send(());
-        });
+        let spawned = std::thread::Builder::new()
+            .name("nccl-abort".into())
+            .spawn(move || {
+                let raw = raw;
+                let _ = cuda("cuCtxSetCurrent", || ctx.bind_to_thread());
+                unsafe { abort(raw.0) };
+                let _ = tx.send(());
+            });
         if spawned.is_ok() {
             let _ = rx.recv_timeout(wait);
         }
@@ -396,25 +485,49 @@ mod tests {
 
     #[test]
     fn missing_library_is_unavailable_with_the_searched_places() {
-        let env = SearchEnv { explicit: Some("/nonexistent/libnccl.so.2".into()), ..Default::default() };
-        let err = load_nccl(&env).err().expect("no library at a nonexistent path");
-        assert!(err.reason.contains("YATT_NCCL_LIB=/nonexistent/libnccl.so.2 (no such file)"), "{}", err.reason);
+        let env = SearchEnv {
+            explicit: Some("/nonexistent/libnccl.so.2".into()),
+            ..Default::default()
+        };
+        let err = load_nccl(&env)
+            .err()
+            .expect("no library at a nonexistent path");
+        assert!(
+            err.reason
+                .contains("YATT_NCCL_LIB=/nonexistent/libnccl.so.2 (no such file)"),
+            "{}",
+            err.reason
+        );
     }
 
     #[test]
     fn a_file_that_is_not_a_library_is_unavailable_not_a_panic() {
-        let f = std::env::temp_dir().join(format!("yatt-collective-fake-nccl-{}.so.2", std::process::id()));
+        let f = std::env::temp_dir().join(format!(
+            "yatt-collective-fake-nccl-{}.so.2",
+            std::process::id()
+        ));
         std::fs::write(&f, b"not an ELF file").unwrap();
-        let env = SearchEnv { explicit: Some(f.clone().into()), ..Default::default() };
+        let env = SearchEnv {
+            explicit: Some(f.clone().into()),
+            ..Default::default()
+        };
         let err = load_nccl(&env).err().expect("garbage is not a library");
-        assert!(err.reason.contains(&format!("YATT_NCCL_LIB={}", f.display())), "{}", err.reason);
+        assert!(
+            err.reason
+                .contains(&format!("YATT_NCCL_LIB={}", f.display())),
+            "{}",
+            err.reason
+        );
         let _ = std::fs::remove_file(f);
     }
 
     #[test]
     fn config_carries_the_nonblocking_flag_and_magic() {
         let c = nonblocking_config();
-        assert_eq!((c.blocking, c.magic, c.minCTAs), (0, 0xcafebeef, c_int::MIN));
+        assert_eq!(
+            (c.blocking, c.magic, c.minCTAs),
+            (0, 0xcafebeef, c_int::MIN)
+        );
         assert_eq!(c.size, std::mem::size_of::<nc::ncclConfig_t>());
     }
 }

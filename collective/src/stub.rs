@@ -32,7 +32,12 @@ pub(crate) fn new_unique_id() -> Result<[u8; UNIQUE_ID_BYTES], Failure> {
 pub(crate) enum Comm {}
 
 impl Comm {
-    pub(crate) fn start_init(_: usize, _: usize, _: &[u8; UNIQUE_ID_BYTES], _: usize) -> Result<Comm, Failure> {
+    pub(crate) fn start_init(
+        _: usize,
+        _: usize,
+        _: &[u8; UNIQUE_ID_BYTES],
+        _: usize,
+    ) -> Result<Comm, Failure> {
         Err(unavailable().into())
     }
     pub(crate) fn set_stream(&mut self, _: u64) {

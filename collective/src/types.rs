@@ -113,8 +113,9 @@ impl<'de> Deserialize<'de> for UniqueId {
                 write!(f, "{UNIQUE_ID_BYTES} bytes of an NCCL unique id")
             }
             fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<UniqueId, E> {
-                let bytes: [u8; UNIQUE_ID_BYTES] =
-                    v.try_into().map_err(|_| E::invalid_length(v.len(), &self))?;
+                let bytes: [u8; UNIQUE_ID_BYTES] = v
+                    .try_into()
+                    .map_err(|_| E::invalid_length(v.len(), &self))?;
                 Ok(UniqueId(bytes))
             }
             fn visit_byte_buf<E: de::Error>(self, v: Vec<u8>) -> Result<UniqueId, E> {
@@ -124,7 +125,9 @@ impl<'de> Deserialize<'de> for UniqueId {
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<UniqueId, A::Error> {
                 let mut bytes = [0u8; UNIQUE_ID_BYTES];
                 for (i, b) in bytes.iter_mut().enumerate() {
-                    *b = seq.next_element()?.ok_or_else(|| de::Error::invalid_length(i, &self))?;
+                    *b = seq
+                        .next_element()?
+                        .ok_or_else(|| de::Error::invalid_length(i, &self))?;
                 }
                 if seq.next_element::<u8>()?.is_some() {
                     return Err(de::Error::invalid_length(UNIQUE_ID_BYTES + 1, &self));

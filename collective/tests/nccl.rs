@@ -7,7 +7,9 @@
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use yatt_collective::{availability, CollectiveError, Communicator, DType, DeviceBuffer, ReduceOp, UniqueId};
+use yatt_collective::{
+    availability, CollectiveError, Communicator, DType, DeviceBuffer, ReduceOp, UniqueId,
+};
 
 const DEADLINE: Duration = Duration::from_secs(30);
 
@@ -35,21 +37,43 @@ fn availability_names_what_it_searched() {
             assert!(!require_cuda(), "YATT_REQUIRE_CUDA=1 but {e}");
             if yatt_collective::locate_nccl().is_err() {
                 // Unless YATT_NCCL_LIB pins one file, every place of the search is named.
-                assert!(e.reason.starts_with("libnccl not found; searched "), "{}", e.reason);
+                assert!(
+                    e.reason.starts_with("libnccl not found; searched "),
+                    "{}",
+                    e.reason
+                );
                 if std::env::var_os("YATT_NCCL_LIB").is_none() {
-                    for place in ["libtorch in /proc/self/maps", "VIRTUAL_ENV", "system search path: libnccl.so.2"] {
-                        assert!(e.reason.contains(place), "{place:?} missing from: {}", e.reason);
+                    for place in [
+                        "libtorch in /proc/self/maps",
+                        "VIRTUAL_ENV",
+                        "system search path: libnccl.so.2",
+                    ] {
+                        assert!(
+                            e.reason.contains(place),
+                            "{place:?} missing from: {}",
+                            e.reason
+                        );
                     }
                 }
             } else {
                 // The torch wheel's NCCL loads on a CPU machine too; the driver is missing.
                 let version = yatt_collective::nccl_version();
-                eprintln!("loaded {:?}, NCCL version {version:?}", yatt_collective::locate_nccl());
+                eprintln!(
+                    "loaded {:?}, NCCL version {version:?}",
+                    yatt_collective::locate_nccl()
+                );
                 assert!(version.is_some_and(|v| v >= 21800), "{version:?}");
-                assert!(e.reason.contains("libcuda") || e.reason.contains("GPU"), "{}", e.reason);
+                assert!(
+                    e.reason.contains("libcuda") || e.reason.contains("GPU"),
+                    "{}",
+                    e.reason
+                );
             }
             // Constructors say the same instead of panicking.
-            assert!(matches!(UniqueId::new(), Err(CollectiveError::Unavailable(_))));
+            assert!(matches!(
+                UniqueId::new(),
+                Err(CollectiveError::Unavailable(_))
+            ));
             let id = UniqueId::from_bytes([0; 128]);
             let r = Communicator::init(0, 1, &id, 0, Duration::from_secs(1));
             assert!(matches!(r, Err(CollectiveError::Unavailable(_))), "{r:?}");
@@ -58,7 +82,9 @@ fn availability_names_what_it_searched() {
 }
 
 fn stream0() -> Arc<CudaStream> {
-    CudaContext::new(0).expect("CUDA context on GPU 0").default_stream()
+    CudaContext::new(0)
+        .expect("CUDA context on GPU 0")
+        .default_stream()
 }
 
 /// Uploads `host` and returns the device buffer with the allocation that backs it.
@@ -86,21 +112,35 @@ fn single_rank_all_reduce_and_broadcast_give_the_right_values() {
     let mut comm = Communicator::init(0, 1, &id, 0, DEADLINE).expect("single-rank init");
     assert_eq!((comm.rank(), comm.nranks(), comm.device()), (0, 1, 0));
 
-    let host: Vec<f32> = (0..1_000_003).map(|i| (i % 97) as f32 * 0.5 - 3.0).collect();
+    let host: Vec<f32> = (0..1_000_003)
+        .map(|i| (i % 97) as f32 * 0.5 - 3.0)
+        .collect();
     let (dev, buf) = upload(&stream, &host, DType::F32);
     comm.all_reduce_sum(&buf, DEADLINE).expect("all_reduce_sum");
-    assert_eq!(stream.clone_dtoh(&dev).unwrap(), host, "sum over one rank is the value");
-    comm.all_reduce_mean(&buf, DEADLINE).expect("all_reduce_mean");
-    assert_eq!(stream.clone_dtoh(&dev).unwrap(), host, "mean over one rank is the value");
+    assert_eq!(
+        stream.clone_dtoh(&dev).unwrap(),
+        host,
+        "sum over one rank is the value"
+    );
+    comm.all_reduce_mean(&buf, DEADLINE)
+        .expect("all_reduce_mean");
+    assert_eq!(
+        stream.clone_dtoh(&dev).unwrap(),
+        host,
+        "mean over one rank is the value"
+    );
     comm.broadcast(&buf, 0, DEADLINE).expect("broadcast");
     assert_eq!(stream.clone_dtoh(&dev).unwrap(), host);
 
     // Several buffers and dtypes in one grouped call; bf16/f16 as raw bits.
-    let bf16: Vec<u16> = (0..4099).map(|i| ((i % 50) as f32).to_bits().wrapping_shr(16) as u16).collect();
+    let bf16: Vec<u16> = (0..4099)
+        .map(|i| ((i % 50) as f32).to_bits().wrapping_shr(16) as u16)
+        .collect();
     let f16: Vec<u16> = (0..513).map(|i| 0x3c00 + (i % 7) as u16).collect(); // 1.0, 1.0009765625, ...
     let (dev_b, buf_b) = upload(&stream, &bf16, DType::BF16);
     let (dev_h, buf_h) = upload(&stream, &f16, DType::F16);
-    comm.all_reduce_many(&[buf, buf_b, buf_h], ReduceOp::Sum, DEADLINE).expect("grouped all_reduce");
+    comm.all_reduce_many(&[buf, buf_b, buf_h], ReduceOp::Sum, DEADLINE)
+        .expect("grouped all_reduce");
     assert_eq!(stream.clone_dtoh(&dev).unwrap(), host);
     assert_eq!(stream.clone_dtoh(&dev_b).unwrap(), bf16);
     assert_eq!(stream.clone_dtoh(&dev_h).unwrap(), f16);
@@ -119,7 +159,8 @@ fn runs_on_a_caller_stream() {
     unsafe { comm.set_stream(stream.cu_stream() as u64) };
     let host: Vec<f32> = (0..4096).map(|i| i as f32).collect();
     let (dev, buf) = upload(&stream, &host, DType::F32);
-    comm.all_reduce_mean(&buf, DEADLINE).expect("all_reduce on a caller stream");
+    comm.all_reduce_mean(&buf, DEADLINE)
+        .expect("all_reduce on a caller stream");
     assert_eq!(stream.clone_dtoh(&dev).unwrap(), host);
 }
 
@@ -132,22 +173,42 @@ fn init_with_a_missing_peer_misses_its_deadline_and_does_not_hang() {
     let deadline = Duration::from_secs(3);
     let start = Instant::now();
     // Rank 1 never joins.
-    let err = Communicator::init(0, 2, &id, 0, deadline).expect_err("init cannot finish without rank 1");
+    let err =
+        Communicator::init(0, 2, &id, 0, deadline).expect_err("init cannot finish without rank 1");
     let elapsed = start.elapsed();
     eprintln!("deadline error after {elapsed:?}: {err}");
     match &err {
-        CollectiveError::Deadline { op, rank, nranks, peers, deadline: d } => {
-            assert_eq!((*op, *rank, *nranks, peers.as_str(), *d), ("init", 0, 2, "[1]", deadline));
+        CollectiveError::Deadline {
+            op,
+            rank,
+            nranks,
+            peers,
+            deadline: d,
+        } => {
+            assert_eq!(
+                (*op, *rank, *nranks, peers.as_str(), *d),
+                ("init", 0, 2, "[1]", deadline)
+            );
         }
         other => panic!("expected a deadline error, got {other}"),
     }
     let text = err.to_string();
-    assert!(text.contains("init") && text.contains("rank 0 of 2") && text.contains("3s"), "{text}");
-    assert!(elapsed >= deadline, "returned before the deadline: {elapsed:?}");
-    assert!(elapsed < Duration::from_secs(10), "took {elapsed:?} for a 3 s deadline");
+    assert!(
+        text.contains("init") && text.contains("rank 0 of 2") && text.contains("3s"),
+        "{text}"
+    );
+    assert!(
+        elapsed >= deadline,
+        "returned before the deadline: {elapsed:?}"
+    );
+    assert!(
+        elapsed < Duration::from_secs(10),
+        "took {elapsed:?} for a 3 s deadline"
+    );
 
     // The process can still use NCCL after the abort.
-    let mut comm = Communicator::init(0, 1, &UniqueId::new().unwrap(), 0, DEADLINE).expect("init after an abort");
+    let mut comm = Communicator::init(0, 1, &UniqueId::new().unwrap(), 0, DEADLINE)
+        .expect("init after an abort");
     let stream = stream0();
     let (dev, buf) = upload(&stream, &[1.0f32, 2.0, 3.0], DType::F32);
     comm.all_reduce_sum(&buf, DEADLINE).unwrap();

@@ -18,5 +18,8 @@ fn everything_is_unavailable_without_the_feature() {
         Err(CollectiveError::Unavailable(u)) => assert_eq!(u.reason, reason),
         other => panic!("{other:?}"),
     }
-    assert!(matches!(Communicator::init(2, 2, &id, 0, Duration::ZERO), Err(CollectiveError::InvalidArgument { .. })));
+    assert!(matches!(
+        Communicator::init(2, 2, &id, 0, Duration::ZERO),
+        Err(CollectiveError::InvalidArgument { .. })
+    ));
 }
