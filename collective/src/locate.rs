@@ -19,6 +19,16 @@ pub(crate) struct Step {
     pub target: Option<Target>,
 }
 
+impl Step {
+    /// A place that was looked at and held nothing to open.
+    fn nothing(place: impl Into<String>) -> Step {
+        Step {
+            place: place.into(),
+            target: None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Target {
     /// An existing file.
@@ -77,19 +87,16 @@ pub(crate) fn plan(env: &SearchEnv) -> Vec<Step> {
                 target: Some(Target::File(file)),
             });
         } else {
-            steps.push(Step {
-                place: format!("{origin}: {} (no such file)", file.display()),
-                target: None,
-            });
+            steps.push(Step::nothing(format!(
+                "{origin}: {} (no such file)",
+                file.display()
+            )));
         }
     };
 
     let torch_dirs = env.maps.as_deref().map(libtorch_dirs).unwrap_or_default();
     if torch_dirs.is_empty() {
-        steps.push(Step {
-            place: "libtorch in /proc/self/maps (not loaded)".into(),
-            target: None,
-        });
+        steps.push(Step::nothing("libtorch in /proc/self/maps (not loaded)"));
     }
     for dir in torch_dirs {
         // <site-packages>/torch/lib -> <site-packages>/nvidia/nccl/lib
@@ -98,10 +105,7 @@ pub(crate) fn plan(env: &SearchEnv) -> Vec<Step> {
     }
 
     match &env.virtual_env {
-        None => steps.push(Step {
-            place: "VIRTUAL_ENV (unset)".into(),
-            target: None,
-        }),
+        None => steps.push(Step::nothing("VIRTUAL_ENV (unset)")),
         Some(v) => {
             let files = venv_candidates(Path::new(v));
             if files.is_empty() {
@@ -109,10 +113,7 @@ pub(crate) fn plan(env: &SearchEnv) -> Vec<Step> {
                     "VIRTUAL_ENV={}: no lib/python*/site-packages",
                     Path::new(v).display()
                 );
-                steps.push(Step {
-                    place,
-                    target: None,
-                });
+                steps.push(Step::nothing(place));
             }
             for f in files {
                 file_step(&mut steps, "VIRTUAL_ENV", f);
@@ -122,10 +123,7 @@ pub(crate) fn plan(env: &SearchEnv) -> Vec<Step> {
 
     let path_venvs = env.path.as_ref().map(venvs_on_path).unwrap_or_default();
     if path_venvs.is_empty() {
-        steps.push(Step {
-            place: "Python venvs on PATH (none)".into(),
-            target: None,
-        });
+        steps.push(Step::nothing("Python venvs on PATH (none)"));
     }
     for venv in path_venvs {
         for f in venv_candidates(&venv) {

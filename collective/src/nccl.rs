@@ -23,6 +23,18 @@ const IN_PROGRESS: Code = nc::ncclResult_t::ncclInProgress as Code;
 /// `ncclCommInitRankConfig` (2.14) and a config we can fill need at least this.
 const MIN_VERSION: c_int = 21800;
 
+/// `ncclAllReduce` and `ncclBroadcast`: (send, recv, count, dtype, op or root, comm,
+/// stream).
+type InPlaceFn = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    c_int,
+    c_int,
+    nc::ncclComm_t,
+    nc::cudaStream_t,
+) -> Code;
+
 /// The NCCL entry points we use, resolved once from the library we opened.
 struct Api {
     path: String,
@@ -37,24 +49,8 @@ struct Api {
     ) -> Code,
     comm_get_async_error: unsafe extern "C" fn(nc::ncclComm_t, *mut Code) -> Code,
     comm_abort: unsafe extern "C" fn(nc::ncclComm_t) -> Code,
-    all_reduce: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        nc::ncclComm_t,
-        nc::cudaStream_t,
-    ) -> Code,
-    broadcast: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        nc::ncclComm_t,
-        nc::cudaStream_t,
-    ) -> Code,
+    all_reduce: InPlaceFn,
+    broadcast: InPlaceFn,
     group_start: unsafe extern "C" fn() -> Code,
     group_end: unsafe extern "C" fn() -> Code,
     get_error_string: unsafe extern "C" fn(Code) -> *const c_char,
