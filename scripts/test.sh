@@ -4,5 +4,8 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
 cd "$YATT_ROOT"
 cargo build --workspace --bins --release
+# yatt-collective's NCCL backend builds without CUDA: its CPU tests load the venv's
+# libnccl and report the missing driver; the GPU tests skip without a GPU.
+cargo nextest run -p yatt-collective --release --features nccl
 cargo nextest run --workspace --release --no-fail-fast "$@"
 cargo test --workspace --release --doc
