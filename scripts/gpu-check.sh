@@ -1,0 +1,207 @@
+#!/usr/bin/env bash
+# The GPU check: CUDA tests, the roofline benchmark and a short bf16 GRPO job.
+#
+#   bash scripts/gpu-check.sh pack           # on a CPU machine: build, strip and compress
+#                                            # the binaries into .gpu/ (< 64 MiB)
+#   bash scripts/gpu-check.sh run [OUT]      # on the GPU machine, in a checkout holding .gpu/:
+#                                            # runs every check, writes OUT/gpu-figures.md,
+#                                            # OUT/*.json and the logs (OUT: runs/gpu-check)
+#   bash scripts/gpu-check.sh record FIGURES # back here: puts FIGURES into docs/benchmarks.md
+#   GPU_HOST=user@host bash scripts/gpu-check.sh   # all three: pack, copy with rsync, run
+#                                            # over ssh, fetch the figures, record them
+#
+# The GPU machine needs a CUDA build of torch 2.11 (TORCH_LIB: its lib folder; found from
+# `python3 -c 'import torch'` when unset), nvidia-smi, and transformers for the random
+# SmolLM2-shaped model (no weights travel: the bundle has the config and tokenizer only).
+# Each step has a time limit (STEP_TIMEOUT, seconds) and a failed step does not stop the
+# others; the script exits non-zero when any step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+BUNDLE=$ROOT/.gpu
+
+pack() {
+    set -e
+    # shellcheck disable=SC1091
+    source scripts/bootstrap.sh
+    local target=${CARGO_TARGET_DIR:-$ROOT/target}
+    rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/bin" "$BUNDLE/smollm2"
+    cargo build --release --bin yatt
+    # Test binaries: the JSON build messages name each executable.
+    local tests
+    tests=$( {
+        cargo test --release --no-run -p yatt-engine --test devices --message-format=json
+        cargo test --release --no-run -p yatt-trainer --test precision --message-format=json
+        cargo test --release --no-run -p yatt-collective --features nccl --tests --message-format=json
+        cargo build --release -p yatt-collective --features nccl --example nccl_check --message-format=json
+    } | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["target"]["name"] + " " + m["executable"])
+')
+    echo "yatt $target/release/yatt" >"$BUNDLE/bin.list"
+    # `stub` tests the build without the nccl feature: nothing to run on a GPU.
+    echo "$tests" | grep -v '^stub ' >>"$BUNDLE/bin.list"
+    while read -r name exe; do
+        strip -o "$BUNDLE/bin/$name" "$exe"
+        # xz: the GPU image has no zstd.
+        xz -9 -T0 -f "$BUNDLE/bin/$name"
+    done <"$BUNDLE/bin.list"
+    for f in config.json tokenizer.json tokenizer_config.json special_tokens_map.json \
+        generation_config.json chat_template.jinja; do
+        [ -f "models/smollm2-135m/$f" ] && cp "models/smollm2-135m/$f" "$BUNDLE/smollm2/"
+    done
+    # Paths compiled into the test binaries (config files) point at this checkout.
+    { echo "root=$ROOT"; echo "commit=$(git rev-parse --short HEAD)"; } >"$BUNDLE/manifest"
+    du -sh "$BUNDLE"
+    local kb
+    kb=$(du -sk "$BUNDLE" | cut -f1)
+    [ "$kb" -lt $((64 * 1024)) ] || { echo "the bundle is over 64 MiB"; exit 1; }
+}
+
+FAILED=()
+
+# step NAME SECONDS COMMAND...: runs one check with a deadline, logging to $OUT/NAME.log.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 15 "$OUT/$name.log"
+    echo "== $name: exit $rc in $((SECONDS - t0)) s"
+    echo "| $name | $([ $rc = 0 ] && echo ok || echo "FAILED (exit $rc)") | $((SECONDS - t0)) s |" >>"$OUT/steps.md"
+    [ $rc = 0 ] || FAILED+=("$name")
+}
+
+run() {
+    OUT=${1:-$ROOT/runs/gpu-check}
+    mkdir -p "$OUT"
+    [ -d "$BUNDLE/bin" ] || { echo "no $BUNDLE: run 'bash scripts/gpu-check.sh pack' on the build machine"; exit 2; }
+    local built_at commit
+    built_at=$(sed -n 's/^root=//p' "$BUNDLE/manifest")
+    commit=$(sed -n 's/^commit=//p' "$BUNDLE/manifest")
+    # The test binaries read configs by their build-time path.
+    if [ "$built_at" != "$ROOT" ] && [ ! -e "$built_at" ]; then
+        mkdir -p "$(dirname "$built_at")" && ln -s "$ROOT" "$built_at"
+    fi
+    local bin=/tmp/yatt-gpu-bin
+    rm -rf "$bin" && mkdir -p "$bin"
+    for z in "$BUNDLE"/bin/*.xz; do
+        xz -d -c "$z" >"$bin/$(basename "$z" .xz)" && chmod +x "$bin/$(basename "$z" .xz)"
+    done
+    local py=${PYTHON:-python3}
+    TORCH_LIB=${TORCH_LIB:-$($py -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')}
+    export LD_LIBRARY_PATH=$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export YATT_REQUIRE_CUDA=1 RUST_BACKTRACE=1
+    local venv
+    venv=$(cd "$TORCH_LIB/../../../../.." && pwd)
+    export VIRTUAL_ENV=${VIRTUAL_ENV:-$venv}
+    local gpu
+    gpu=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)
+    echo "GPU: $gpu; torch lib: $TORCH_LIB; bundle commit $commit"
+    : >"$OUT/steps.md"
+
+    step engine-devices 120 "$bin/devices" --test-threads=1 --nocapture
+    step trainer-precision 300 "$bin/precision" --test-threads=1 --nocapture
+    for t in "$bin"/nccl "$bin"/yatt_collective; do
+        [ -x "$t" ] && step "collective-$(basename "$t")" 120 "$t" --test-threads=1
+    done
+    step nccl-check 120 sh -c "'$bin/nccl_check' >'$OUT/nccl_check.jsonl'"
+    local steps_gpu=${GPU_BENCH_STEPS:-3}
+    step bench-smollm2 300 "$bin/yatt" bench gpu --device cuda --dtype bf16 --preset smollm2-135m \
+        --batch 64 --steps "$steps_gpu" --json "$OUT/bench-smollm2.json"
+    step bench-llama-1b 300 "$bin/yatt" bench gpu --device cuda --dtype bf16 --preset llama-1b \
+        --batch 64 --train-batch 8 --train-seq 2048 --steps "$steps_gpu" --json "$OUT/bench-llama-1b.json"
+
+    # A short GRPO job on a random SmolLM2-135M (the real weights cannot travel) in bf16.
+    # The letters reward, because a random model never solves the addition task and
+    # GRPO would then skip every update (all advantages zero).
+    local model=/tmp/smollm2-random
+    step make-model 120 "$py" - "$BUNDLE/smollm2" "$model" <<'EOF'
+import shutil, sys, torch, transformers
+src, dst = sys.argv[1], sys.argv[2]
+cfg = transformers.AutoConfig.from_pretrained(src)
+torch.manual_seed(0)
+m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+m.save_pretrained(dst, safe_serialization=True)
+for f in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+          "generation_config.json", "chat_template.jinja"]:
+    try: shutil.copy(f"{src}/{f}", f"{dst}/{f}")
+    except FileNotFoundError: pass
+EOF
+    step grpo-bf16 300 "$bin/yatt" train config/smollm2-addition.toml \
+        --set "model.source=\"$model\"" --set 'model.dtype="bf16"' --set 'model.device="cuda"' \
+        --set job.steps="${GPU_JOB_STEPS:-10}" --set "job.output_dir=\"$OUT/grpo-bf16\"" \
+        --set data.prompts_per_step=8 --set optim.micro_batch=64 \
+        --set 'data.task="letters"' --set 'reward.kind="letters"' --set 'model.chat=false' \
+        --set 'algorithm.old_logprobs="recompute"'
+    cp "$OUT/grpo-bf16/metrics.jsonl" "$OUT/grpo-bf16-metrics.jsonl" 2>/dev/null
+    rm -rf "$OUT/grpo-bf16"
+
+    "$py" - "$OUT" "$gpu" "$commit" >"$OUT/gpu-figures.md" <<'EOF'
+import json, os, sys, datetime
+out, gpu, commit = sys.argv[1:4]
+print(f"### GPU check, {gpu}, bundle commit {commit}, {datetime.date.today()}\n")
+print("Command: `bash scripts/gpu-check.sh pack` here, then `bash scripts/gpu-check.sh run` there.\n")
+print("| step | result | time |\n| --- | --- | --- |")
+print(open(f"{out}/steps.md").read())
+for name in ["bench-smollm2", "bench-llama-1b"]:
+    try: b = json.load(open(f"{out}/{name}.json"))
+    except Exception as e: print(f"\n{name}: no figures ({e})"); continue
+    print(f"\n`{name}`:\n\n```json\n{json.dumps(b, indent=1)}\n```")
+try:
+    rows = [json.loads(l) for l in open(f"{out}/grpo-bf16-metrics.jsonl")]
+    keys = ["timing_s/step", "timing_s/gen", "timing_s/update_actor", "timing_s/weight_sync",
+            "perf/gen_tokens_per_s", "rollout/logprob_diff_mean", "critic/rewards/mean"]
+    print("\nGRPO job (letters reward), random SmolLM2-135M in bf16 on cuda:0, 64 samples per step, per step (after the first):\n")
+    print("| step | " + " | ".join(keys) + " |\n|" + " --- |" * (len(keys) + 1))
+    for r in rows[1:]:
+        print(f"| {r.get('step')} | " + " | ".join(f"{r.get(k, float('nan')):.4g}" for k in keys) + " |")
+except Exception as e:
+    print(f"\nGRPO job: no metrics ({e})")
+EOF
+    cat "$OUT/gpu-figures.md"
+    if [ ${#FAILED[@]} -gt 0 ]; then
+        echo "failed: ${FAILED[*]}"
+        return 1
+    fi
+}
+
+record() {
+    local figures=$1 doc=docs/benchmarks.md
+    local begin='<!-- gpu-check:begin -->' end='<!-- gpu-check:end -->'
+    grep -q "$begin" "$doc" || printf '\n## GPU check (scripts/gpu-check.sh)\n\n%s\n%s\n' "$begin" "$end" >>"$doc"
+    python3 - "$doc" "$figures" "$begin" "$end" <<'EOF'
+import sys
+doc, figures, begin, end = sys.argv[1:5]
+text = open(doc).read()
+new = open(figures).read().strip()
+head, rest = text.split(begin, 1)
+old, tail = rest.split(end, 1)
+open(doc, "w").write(head + begin + "\n" + new + "\n\n" + old.strip() + "\n" + end + tail)
+EOF
+    echo "recorded $figures in $doc"
+}
+
+case ${1:-} in
+pack) pack ;;
+run) run "${2:-}" ;;
+record) record "$2" ;;
+"")
+    [ -n "${GPU_HOST:-}" ] || { sed -n '2,18p' "$0"; exit 2; }
+    pack || exit 1
+    remote=${GPU_DIR:-yatt-gpu-check}
+    rsync -az --exclude target --exclude .venv --exclude runs --exclude models ./ "$GPU_HOST:$remote/" || exit 1
+    ssh "$GPU_HOST" "cd $remote && bash scripts/gpu-check.sh run runs/gpu-check"
+    rc=$?
+    mkdir -p runs/gpu-check && rsync -az "$GPU_HOST:$remote/runs/gpu-check/" runs/gpu-check/
+    record runs/gpu-check/gpu-figures.md
+    exit $rc
+    ;;
+*) sed -n '2,18p' "$0"; exit 2 ;;
+esac
