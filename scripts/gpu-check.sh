@@ -30,7 +30,7 @@ pack() {
     # Test binaries: the JSON build messages name each executable.
     local tests
     tests=$( {
-        cargo test --release --no-run -p yatt-engine --test devices --message-format=json
+        cargo test --release --no-run -p yatt-engine --test devices --test train --message-format=json
         cargo test --release --no-run -p yatt-trainer --test precision --message-format=json
         cargo test --release --no-run -p yatt-collective --features nccl --tests --message-format=json
         cargo build --release -p yatt-collective --features nccl --example nccl_check --message-format=json
@@ -107,6 +107,8 @@ run() {
     : >"$OUT/steps.md"
 
     step engine-devices 120 "$bin/devices" --test-threads=1 --nocapture
+    # The device-generic bodies of engine/tests/train.rs (the others need the HF reference).
+    step engine-train 120 "$bin/train" --test-threads=1 scores_match_generation training_reduces_loss offload_reload_buckets
     step trainer-precision 300 "$bin/precision" --test-threads=1 --nocapture
     for t in "$bin"/nccl "$bin"/yatt_collective; do
         [ -x "$t" ] && step "collective-$(basename "$t")" 120 "$t" --test-threads=1

@@ -8,8 +8,12 @@ use yatt_engine::tch::{self, Device, Kind, Tensor};
 use yatt_engine::*;
 
 fn tiny(seed: i64) -> Llama {
+    tiny_on(Device::Cpu, seed)
+}
+
+fn tiny_on(dev: Device, seed: i64) -> Llama {
     tch::set_num_threads(2);
-    Llama::random(tiny_config(), Device::Cpu, Kind::Float, seed).unwrap()
+    Llama::random(tiny_config(), dev, Kind::Float, seed).unwrap()
 }
 
 fn pairs() -> Vec<(Vec<i64>, Vec<i64>)> {
@@ -22,11 +26,15 @@ fn pairs() -> Vec<(Vec<i64>, Vec<i64>)> {
 }
 
 fn batch(p: &[(Vec<i64>, Vec<i64>)]) -> SeqBatch {
+    batch_on(Device::Cpu, p)
+}
+
+fn batch_on(dev: Device, p: &[(Vec<i64>, Vec<i64>)]) -> SeqBatch {
     let refs: Vec<(&[i64], &[i64])> = p
         .iter()
         .map(|(a, b)| (a.as_slice(), b.as_slice()))
         .collect();
-    SeqBatch::from_pairs(&refs, 1, Device::Cpu).unwrap()
+    SeqBatch::from_pairs(&refs, 1, dev).unwrap()
 }
 
 /// Policy-gradient-like loss: mean negative log-prob of response tokens.
@@ -45,107 +53,114 @@ fn params_equal(a: &mut Llama, b: &mut Llama) -> bool {
 
 #[test]
 fn scores_match_generation_logprobs_and_padding() {
-    let model = tiny(1);
-    let mut g = Generator::new(
-        model,
-        GeneratorConfig {
-            max_batch: 2,
-            max_seq_len: 64,
-            ..Default::default()
-        },
-    );
-    let reqs: Vec<Request> = (0..3)
-        .map(|i| Request {
-            id: i,
-            prompt: vec![0, 3 + i as i64, 4, 5],
-            params: SamplingParams {
-                temperature: 0.8,
-                max_new_tokens: 10,
-                ignore_eos: true,
-                seed: i,
+    yatt_engine::test_device!(|dev| {
+        let model = tiny_on(dev, 1);
+        let mut g = Generator::new(
+            model,
+            GeneratorConfig {
+                max_batch: 2,
+                max_seq_len: 64,
                 ..Default::default()
             },
-        })
-        .collect();
-    let (outs, _) = g.generate(&reqs).unwrap();
-    let model = tiny(1);
-    let p: Vec<(Vec<i64>, Vec<i64>)> = reqs
-        .iter()
-        .zip(&outs)
-        .map(|(r, c)| (r.prompt.clone(), c.tokens.clone()))
-        .collect();
-    let b = batch(&p);
-    let s = tch::no_grad(|| token_logprobs(&model, &b, 0.8, true));
-    for (i, c) in outs.iter().enumerate() {
-        let pl = reqs[i].prompt.len() as i64;
-        let ours = s
-            .logprobs
-            .get(i as i64)
-            .narrow(0, pl, c.tokens.len() as i64);
-        let gen = Tensor::from_slice(&c.logprobs);
-        let d = (ours - gen).abs().max().double_value(&[]);
-        assert!(
-            d < 1e-4,
-            "row {i}: generation and scoring log-probs differ by {d}"
         );
-    }
-    // Padding does not change a row's scores; masked positions are zero.
-    let alone = tch::no_grad(|| token_logprobs(&model, &batch(&p[1..2]), 0.8, true));
-    let n = (p[1].0.len() + p[1].1.len()) as i64;
-    let d = (alone.logprobs.get(0) - s.logprobs.get(1).narrow(0, 0, n))
-        .abs()
-        .max()
-        .double_value(&[]);
-    assert!(d < 1e-5, "{d}");
-    assert_eq!(
-        s.logprobs
-            .get(1)
-            .narrow(0, n, s.logprobs.size()[1] - n)
+        let reqs: Vec<Request> = (0..3)
+            .map(|i| Request {
+                id: i,
+                prompt: vec![0, 3 + i as i64, 4, 5],
+                params: SamplingParams {
+                    temperature: 0.8,
+                    max_new_tokens: 10,
+                    ignore_eos: true,
+                    seed: i,
+                    ..Default::default()
+                },
+            })
+            .collect();
+        let (outs, _) = g.generate(&reqs).unwrap();
+        let model = tiny_on(dev, 1);
+        let p: Vec<(Vec<i64>, Vec<i64>)> = reqs
+            .iter()
+            .zip(&outs)
+            .map(|(r, c)| (r.prompt.clone(), c.tokens.clone()))
+            .collect();
+        let b = batch_on(dev, &p);
+        let s = tch::no_grad(|| token_logprobs(&model, &b, 0.8, true));
+        for (i, c) in outs.iter().enumerate() {
+            let pl = reqs[i].prompt.len() as i64;
+            let ours = s
+                .logprobs
+                .get(i as i64)
+                .narrow(0, pl, c.tokens.len() as i64);
+            let gen = Tensor::from_slice(&c.logprobs).to_device(dev);
+            let d = (ours - gen).abs().max().double_value(&[]);
+            assert!(
+                d < 1e-4,
+                "row {i}: generation and scoring log-probs differ by {d}"
+            );
+        }
+        // Padding does not change a row's scores; masked positions are zero.
+        let alone = tch::no_grad(|| token_logprobs(&model, &batch_on(dev, &p[1..2]), 0.8, true));
+        let n = (p[1].0.len() + p[1].1.len()) as i64;
+        let d = (alone.logprobs.get(0) - s.logprobs.get(1).narrow(0, 0, n))
             .abs()
-            .sum(Kind::Float)
-            .double_value(&[]),
-        0.0
-    );
-    let ent = s.entropy.get(0).get(3).double_value(&[]);
-    assert!(ent > 0.0 && ent <= (97f64).ln() + 1e-4, "entropy {ent}");
+            .max()
+            .double_value(&[]);
+        assert!(d < 1e-5, "{d}");
+        assert_eq!(
+            s.logprobs
+                .get(1)
+                .narrow(0, n, s.logprobs.size()[1] - n)
+                .abs()
+                .sum(Kind::Float)
+                .double_value(&[]),
+            0.0
+        );
+        let ent = s.entropy.get(0).get(3).double_value(&[]);
+        assert!(ent > 0.0 && ent <= (97f64).ln() + 1e-4, "entropy {ent}");
+    });
 }
 
 #[test]
 fn training_reduces_loss_and_accumulation_matches_full_batch() {
-    let p = pairs();
-    let full = batch(&p);
-    let cfg = TrainConfig {
-        lr: 3e-3,
-        weight_decay: 0.0,
-        max_grad_norm: None,
-        ..Default::default()
-    };
-    // Full batch vs two micro-batches of two (equal token counts are not needed: rows 0+1 and 2+3
-    // both hold 7 response tokens... use per-row-mean loss to make them comparable).
-    let row_mean = |model: &Llama, b: &SeqBatch| -> Result<Tensor> {
-        let s = token_logprobs(model, b, 1.0, false);
-        let m = b.response_mask.to_kind(Kind::Float);
-        let per_row = (s.logprobs * &m).sum_dim_intlist(1, false, Kind::Float)
-            / m.sum_dim_intlist(1, false, Kind::Float);
-        Ok(-per_row.mean(Kind::Float))
-    };
-    let mut a = Trainer::new(tiny(2), cfg.clone());
-    let mut b = Trainer::new(tiny(2), cfg.clone());
-    a.step(&[full], row_mean).unwrap();
-    b.step(&[batch(&p[0..2]), batch(&p[2..4])], row_mean)
+    yatt_engine::test_device!(|dev| {
+        let p = pairs();
+        let full = batch_on(dev, &p);
+        let cfg = TrainConfig {
+            lr: 3e-3,
+            weight_decay: 0.0,
+            max_grad_norm: None,
+            ..Default::default()
+        };
+        // Full batch vs two micro-batches of two (equal token counts are not needed: rows 0+1 and 2+3
+        // both hold 7 response tokens... use per-row-mean loss to make them comparable).
+        let row_mean = |model: &Llama, b: &SeqBatch| -> Result<Tensor> {
+            let s = token_logprobs(model, b, 1.0, false);
+            let m = b.response_mask.to_kind(Kind::Float);
+            let per_row = (s.logprobs * &m).sum_dim_intlist(1, false, Kind::Float)
+                / m.sum_dim_intlist(1, false, Kind::Float);
+            Ok(-per_row.mean(Kind::Float))
+        };
+        let mut a = Trainer::new(tiny_on(dev, 2), cfg.clone());
+        let mut b = Trainer::new(tiny_on(dev, 2), cfg.clone());
+        a.step(&[full], row_mean).unwrap();
+        b.step(
+            &[batch_on(dev, &p[0..2]), batch_on(dev, &p[2..4])],
+            row_mean,
+        )
         .unwrap();
-    for ((n, x), (_, y)) in a.model.parameters().iter().zip(b.model.parameters().iter()) {
-        let d = (x - y).abs().max().double_value(&[]);
-        assert!(d < 1e-6, "{n}: accumulation differs by {d}");
-    }
-    let mut losses = vec![];
-    for _ in 0..8 {
-        losses.push(a.step(&[batch(&p)], nll).unwrap().loss);
-    }
-    assert!(
-        losses[7] < losses[0] * 0.9,
-        "loss did not go down: {losses:?}"
-    );
+        for ((n, x), (_, y)) in a.model.parameters().iter().zip(b.model.parameters().iter()) {
+            let d = (x - y).abs().max().double_value(&[]);
+            assert!(d < 1e-6, "{n}: accumulation differs by {d}");
+        }
+        let mut losses = vec![];
+        for _ in 0..8 {
+            losses.push(a.step(&[batch_on(dev, &p)], nll).unwrap().loss);
+        }
+        assert!(
+            losses[7] < losses[0] * 0.9,
+            "loss did not go down: {losses:?}"
+        );
+    });
 }
 
 #[test]
@@ -263,149 +278,153 @@ fn exact_resume_from_checkpoint() {
 
 #[test]
 fn offload_reload_buckets_reference_and_heads() {
-    let p = pairs();
-    let mut t = Trainer::new(tiny(5), TrainConfig::default());
-    t.step(&[batch(&p)], nll).unwrap();
-    let reference = t.model.deep_copy(Device::Cpu, Kind::Float).unwrap();
-    let snapshot: Vec<Tensor> = t
-        .model
-        .parameters()
-        .into_iter()
-        .map(|(_, x)| x.detach().copy())
-        .collect();
-    let full = t.resident_bytes();
-    t.offload().unwrap();
-    assert!(t.is_offloaded());
-    assert_eq!(
-        t.resident_bytes(),
-        0,
-        "offload must drop every parameter and optimizer tensor"
-    );
-    assert!(t.step(&[batch(&p)], nll).is_err());
-    t.reload().unwrap();
-    assert!(
-        t.resident_bytes() >= full - t.model.num_parameters() as usize * 4,
-        "reload restores the state (grads dropped)"
-    );
-    for (x, y) in t.model.parameters().iter().zip(&snapshot) {
-        assert!(x.1.equal(y));
-    }
-    t.step(&[batch(&p)], nll).unwrap();
-    // The frozen reference did not move and does not require grad.
-    let mut reference = reference;
-    for ((_, r), s) in reference.parameters().iter().zip(&snapshot) {
-        assert!(r.equal(s));
-        assert!(!r.requires_grad());
-    }
-    // Weight sync: trainer → buckets → a generator's model, in place.
-    let buckets = to_buckets(&t.model.hf_named_tensors(), 64 << 10).unwrap();
-    assert!(buckets.len() > 1);
-    let mut gen = Generator::new(
-        tiny(99),
-        GeneratorConfig {
-            max_batch: 2,
-            max_seq_len: 32,
-            ..Default::default()
-        },
-    );
-    for b in &buckets {
-        let header = b.encode_header();
-        let wire = WeightBucket {
-            entries: WeightBucket::decode_header(&header).unwrap(),
-            data: b.data.clone(),
-        };
-        let ts = wire.tensors(Device::Cpu).unwrap();
-        gen.update_weights(ts.iter().map(|(n, x)| (n.as_str(), x)))
-            .unwrap();
-    }
-    let ids = Tensor::from_slice(&[0i64, 5, 6, 7]).unsqueeze(0);
-    let a = tch::no_grad(|| t.model.forward(&ids, None));
-    let b = tch::no_grad(|| gen.model().forward(&ids, None));
-    assert!(a.equal(&b));
-    // Gradient buckets round trip.
-    nll(&t.model, &batch(&p)).unwrap().backward();
-    let gb = t.grad_buckets(1 << 20).unwrap();
-    t.set_grads(&gb).unwrap();
-    // The flat buffer an all-reduce averages: every parameter's gradient in order;
-    // written back (here halved) it is what the buckets then carry.
-    let flat = t.flat_grads().unwrap();
-    let numel: usize = t
-        .model
-        .parameters_mut()
-        .iter()
-        .map(|(_, p)| p.numel())
-        .sum();
-    assert_eq!(flat.len(), numel);
-    assert!(flat.iter().any(|&g| g != 0.0));
-    let half: Vec<f32> = flat.iter().map(|g| g * 0.5).collect();
-    t.set_flat_grads(&half).unwrap();
-    assert_eq!(t.flat_grads().unwrap(), half);
-    let e = t.set_flat_grads(&half[1..]).unwrap_err().to_string();
-    assert!(e.contains("gradient values for"), "{e}");
-    t.set_grads(&gb).unwrap();
-    assert_eq!(t.flat_grads().unwrap(), flat);
-    // Regression: a replica that has run no backward pass yet (its whole shard had zero
-    // advantage) takes all-reduced gradients too; materialising its gradient tensors
-    // used to run a backward inside `no_grad` and fail.
-    let mut fresh = Trainer::new(tiny(12), TrainConfig::default());
-    fresh.set_grads(&gb).unwrap();
-    let want = gb[0].tensors(Device::Cpu).unwrap();
-    let (name, g) = &want[0];
-    let got = fresh
-        .grad_buckets(1 << 20)
-        .unwrap()
-        .iter()
-        .flat_map(|b| b.tensors(Device::Cpu).unwrap())
-        .find(|(n, _)| n == name)
-        .unwrap()
-        .1;
-    assert!(
-        got.equal(g),
-        "`{name}` did not take the all-reduced gradient"
-    );
-    fresh.apply_gradients().unwrap();
-    // The same through the flat buffer of the ring all-reduce.
-    let mut fresh = Trainer::new(tiny(12), TrainConfig::default());
-    let flat = t.flat_grads().unwrap();
-    fresh.set_flat_grads(&flat).unwrap();
-    assert_eq!(fresh.flat_grads().unwrap(), flat);
-    // Heads.
-    let mut critic = tiny(6);
-    critic.attach_head("v_head");
-    let b = batch(&p);
-    let v = values(&critic, &b).unwrap();
-    assert_eq!(v.size(), b.ids.size());
-    let mut rm = tiny(7);
-    rm.attach_head("score");
-    let r = rewards(&rm, &b).unwrap();
-    assert_eq!(r.size(), vec![4]);
-    let mut tr = Trainer::new(
-        critic,
-        TrainConfig {
-            lr: 1e-2,
-            ..Default::default()
-        },
-    );
-    let s = tr
-        .step(&[b], |m, b| {
-            Ok((values(m, b)? - 1.0).square().mean(Kind::Float))
-        })
-        .unwrap();
-    assert!(s.grad_norm > 0.0);
-    assert!(
-        tr.model
-            .head
-            .as_ref()
+    yatt_engine::test_device!(|dev| {
+        let p = pairs();
+        let mut t = Trainer::new(tiny_on(dev, 5), TrainConfig::default());
+        t.step(&[batch_on(dev, &p)], nll).unwrap();
+        let reference = t.model.deep_copy(dev, Kind::Float).unwrap();
+        let snapshot: Vec<Tensor> = t
+            .model
+            .parameters()
+            .into_iter()
+            .map(|(_, x)| x.detach().copy())
+            .collect();
+        let full = t.resident_bytes();
+        t.offload().unwrap();
+        assert!(t.is_offloaded());
+        assert_eq!(
+            t.resident_bytes(),
+            0,
+            "offload must drop every parameter and optimizer tensor"
+        );
+        assert!(t.step(&[batch_on(dev, &p)], nll).is_err());
+        t.reload().unwrap();
+        assert!(
+            t.resident_bytes() >= full - t.model.num_parameters() as usize * 4,
+            "reload restores the state (grads dropped)"
+        );
+        for (x, y) in t.model.parameters().iter().zip(&snapshot) {
+            assert!(x.1.equal(y));
+        }
+        t.step(&[batch_on(dev, &p)], nll).unwrap();
+        // The frozen reference did not move and does not require grad.
+        let mut reference = reference;
+        for ((_, r), s) in reference.parameters().iter().zip(&snapshot) {
+            assert!(r.equal(s));
+            assert!(!r.requires_grad());
+        }
+        // Weight sync: trainer → buckets → a generator's model, in place.
+        let buckets = to_buckets(&t.model.hf_named_tensors(), 64 << 10).unwrap();
+        assert!(buckets.len() > 1);
+        let mut gen = Generator::new(
+            tiny_on(dev, 99),
+            GeneratorConfig {
+                max_batch: 2,
+                max_seq_len: 32,
+                ..Default::default()
+            },
+        );
+        for b in &buckets {
+            let header = b.encode_header();
+            let wire = WeightBucket {
+                entries: WeightBucket::decode_header(&header).unwrap(),
+                data: b.data.clone(),
+            };
+            let ts = wire.tensors(dev).unwrap();
+            gen.update_weights(ts.iter().map(|(n, x)| (n.as_str(), x)))
+                .unwrap();
+        }
+        let ids = Tensor::from_slice(&[0i64, 5, 6, 7])
+            .unsqueeze(0)
+            .to_device(dev);
+        let a = tch::no_grad(|| t.model.forward(&ids, None));
+        let b = tch::no_grad(|| gen.model().forward(&ids, None));
+        assert!(a.equal(&b));
+        // Gradient buckets round trip.
+        nll(&t.model, &batch_on(dev, &p)).unwrap().backward();
+        let gb = t.grad_buckets(1 << 20).unwrap();
+        t.set_grads(&gb).unwrap();
+        // The flat buffer an all-reduce averages: every parameter's gradient in order;
+        // written back (here halved) it is what the buckets then carry.
+        let flat = t.flat_grads().unwrap();
+        let numel: usize = t
+            .model
+            .parameters_mut()
+            .iter()
+            .map(|(_, p)| p.numel())
+            .sum();
+        assert_eq!(flat.len(), numel);
+        assert!(flat.iter().any(|&g| g != 0.0));
+        let half: Vec<f32> = flat.iter().map(|g| g * 0.5).collect();
+        t.set_flat_grads(&half).unwrap();
+        assert_eq!(t.flat_grads().unwrap(), half);
+        let e = t.set_flat_grads(&half[1..]).unwrap_err().to_string();
+        assert!(e.contains("gradient values for"), "{e}");
+        t.set_grads(&gb).unwrap();
+        assert_eq!(t.flat_grads().unwrap(), flat);
+        // Regression: a replica that has run no backward pass yet (its whole shard had zero
+        // advantage) takes all-reduced gradients too; materialising its gradient tensors
+        // used to run a backward inside `no_grad` and fail.
+        let mut fresh = Trainer::new(tiny_on(dev, 12), TrainConfig::default());
+        fresh.set_grads(&gb).unwrap();
+        let want = gb[0].tensors(dev).unwrap();
+        let (name, g) = &want[0];
+        let got = fresh
+            .grad_buckets(1 << 20)
             .unwrap()
-            .weight
-            .abs()
-            .sum(Kind::Float)
-            .double_value(&[])
-            > 0.0,
-        "the value head trains"
-    );
-    let e = values(&tiny(8), &batch(&p)).unwrap_err();
-    assert!(e.to_string().contains("attach_head"));
+            .iter()
+            .flat_map(|b| b.tensors(dev).unwrap())
+            .find(|(n, _)| n == name)
+            .unwrap()
+            .1;
+        assert!(
+            got.equal(g),
+            "`{name}` did not take the all-reduced gradient"
+        );
+        fresh.apply_gradients().unwrap();
+        // The same through the flat buffer of the ring all-reduce.
+        let mut fresh = Trainer::new(tiny_on(dev, 12), TrainConfig::default());
+        let flat = t.flat_grads().unwrap();
+        fresh.set_flat_grads(&flat).unwrap();
+        assert_eq!(fresh.flat_grads().unwrap(), flat);
+        // Heads.
+        let mut critic = tiny_on(dev, 6);
+        critic.attach_head("v_head");
+        let b = batch_on(dev, &p);
+        let v = values(&critic, &b).unwrap();
+        assert_eq!(v.size(), b.ids.size());
+        let mut rm = tiny_on(dev, 7);
+        rm.attach_head("score");
+        let r = rewards(&rm, &b).unwrap();
+        assert_eq!(r.size(), vec![4]);
+        let mut tr = Trainer::new(
+            critic,
+            TrainConfig {
+                lr: 1e-2,
+                ..Default::default()
+            },
+        );
+        let s = tr
+            .step(&[b], |m, b| {
+                Ok((values(m, b)? - 1.0).square().mean(Kind::Float))
+            })
+            .unwrap();
+        assert!(s.grad_norm > 0.0);
+        assert!(
+            tr.model
+                .head
+                .as_ref()
+                .unwrap()
+                .weight
+                .abs()
+                .sum(Kind::Float)
+                .double_value(&[])
+                > 0.0,
+            "the value head trains"
+        );
+        let e = values(&tiny_on(dev, 8), &batch_on(dev, &p)).unwrap_err();
+        assert!(e.to_string().contains("attach_head"));
+    });
 }
 
 /// Regression: a checkpoint whose config.json names fewer layers than its weights hold
