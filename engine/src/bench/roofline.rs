@@ -10,13 +10,13 @@
 //! (CUDA out of memory, say), and a failed case is reported as `failed: ...` while the
 //! others still run.
 
+use super::compare::{mean_nll, random_train_batch, train_config};
 use crate::config::{tiny_config, ModelConfig};
 use crate::error::{EngineError, Result};
 use crate::generate::{
     BatchingMode, Generator, GeneratorConfig, Request, RequestRng, SamplingParams,
 };
 use crate::model::Llama;
-use super::compare::{mean_nll, random_train_batch, train_config};
 use crate::train::Trainer;
 use serde_json::{json, Value};
 use std::time::Instant;
@@ -51,31 +51,27 @@ impl Preset {
 
     /// The model config (through `config.json`'s fields, like a loaded model's).
     pub fn config(self) -> Result<ModelConfig> {
-        let raw = match self {
+        // (hidden, MLP, layers, heads, KV heads, vocab, rope theta, tied embeddings)
+        let (h, f, l, nh, nkv, v, theta, tied) = match self {
             Preset::Tiny => return Ok(tiny_config()),
-            Preset::Smollm2_135m => json!({
-                "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
-                "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-                "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
-                "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": true,
-                "eos_token_id": 2, "bos_token_id": 1, "hidden_act": "silu"
-            }),
-            Preset::Llama1b => json!({
-                "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
-                "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-                "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 8192,
-                "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": false,
-                "eos_token_id": 2, "bos_token_id": 1, "hidden_act": "silu"
-            }),
-            Preset::Qwen3_1_7b => json!({
-                "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2048,
-                "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
-                "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-                "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-                "tie_word_embeddings": true, "eos_token_id": 2, "bos_token_id": 1,
-                "hidden_act": "silu"
-            }),
+            Preset::Smollm2_135m => (576, 1536, 30, 9, 3, 49152, 1e5, true),
+            Preset::Llama1b => (2048, 8192, 16, 32, 8, 32000, 5e5, false),
+            Preset::Qwen3_1_7b => (2048, 6144, 28, 16, 8, 151936, 1e6, true),
         };
+        let mut raw = json!({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+            "intermediate_size": f, "num_hidden_layers": l, "num_attention_heads": nh,
+            "num_key_value_heads": nkv, "vocab_size": v, "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5, "rope_theta": theta, "tie_word_embeddings": tied,
+            "eos_token_id": 2, "bos_token_id": 1, "hidden_act": "silu"
+        });
+        if self == Preset::Qwen3_1_7b {
+            // Qwen3: q/k norms (from the model type) and heads of 128, not hidden / heads.
+            raw["architectures"] = json!(["Qwen3ForCausalLM"]);
+            raw["model_type"] = json!("qwen3");
+            raw["head_dim"] = json!(128);
+            raw["rms_norm_eps"] = json!(1e-6);
+        }
         ModelConfig::from_json(&raw).map_err(EngineError::InvalidArgument)
     }
 }
@@ -330,7 +326,7 @@ fn decode_case(
             .collect()
     };
     g.generate(&reqs(4.min(opts.new_tokens)))?; // warm-up: cache, kernels
-    // Prefill alone, best of 3 (subtracted from the full run below).
+                                                // Prefill alone, best of 3 (subtracted from the full run below).
     let mut prefill_s = f64::INFINITY;
     for _ in 0..3 {
         sync(device);
@@ -627,5 +623,35 @@ impl RooflineReport {
             );
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_have_their_shapes() {
+        let mut shapes = Vec::new();
+        for p in [
+            Preset::Tiny,
+            Preset::Smollm2_135m,
+            Preset::Llama1b,
+            Preset::Qwen3_1_7b,
+        ] {
+            let c = p.config().unwrap();
+            shapes.push((c.hidden_size, c.head_dim, c.num_hidden_layers, c.vocab_size));
+            assert_eq!(c.qk_norm, p == Preset::Qwen3_1_7b, "{}", p.name());
+        }
+        assert_eq!(
+            shapes,
+            [
+                (64, 16, 2, 97),
+                (576, 64, 30, 49152),
+                (2048, 64, 16, 32000),
+                (2048, 128, 28, 151936)
+            ]
+        );
+        assert!(!Preset::Llama1b.config().unwrap().tie_word_embeddings);
     }
 }
