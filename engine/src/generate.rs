@@ -314,17 +314,33 @@ fn sample_tch(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
         .map(|&t| if t <= 0.0 { 1.0 } else { t })
         .collect();
     let all_temp_one = temps.iter().all(|&t| t == 1.0);
-    let scaled = if all_temp_one {
-        logits
-    } else {
-        logits / Tensor::from_slice(&temps).to_device(dev).unsqueeze(1)
-    };
-    let lse = scaled.logsumexp([1], true);
     let ks: Vec<i64> = p
         .top_k
         .iter()
         .map(|&k| if k == 0 || k as i64 >= v { v } else { k as i64 })
         .collect();
+    // Every per-row parameter in one host-to-device copy (one transfer per step on a GPU
+    // instead of up to five), as `[n, 1]` columns: temperature, uniform, top-k (exact in
+    // f32 below 2^24), greedy (0/1), top-p.
+    let cols = Tensor::from_slice(
+        &[
+            temps,
+            p.uniform.clone(),
+            ks.iter().map(|&k| k as f32).collect(),
+            greedy.iter().map(|&g| f32::from(u8::from(g))).collect(),
+            p.top_p.clone(),
+        ]
+        .concat(),
+    )
+    .view([5, n])
+    .to_device(dev);
+    let param = |i: i64| cols.get(i).unsqueeze(1);
+    let scaled = if all_temp_one {
+        logits
+    } else {
+        logits / param(0)
+    };
+    let lse = scaled.logsumexp([1], true);
     let any_top_p = p.top_p.iter().any(|&x| x < 1.0);
     let all_greedy = greedy.iter().all(|&g| g);
     let kmax = ks.iter().copied().max().unwrap_or(v);
@@ -334,14 +350,14 @@ fn sample_tch(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
         // Plain sampling over the whole vocabulary: inverse CDF, no sort.
         let probs = (&scaled - &lse).exp();
         let cum = probs.cumsum(1, Kind::Float);
-        let u = Tensor::from_slice(&p.uniform).to_device(dev).unsqueeze(1);
+        let u = param(1);
         let total = cum.narrow(1, v - 1, 1);
         let choice = cum
             .lt_tensor(&(u * total))
             .sum_dim_intlist(1, true, Kind::Int64)
             .clamp_max(v - 1);
         if greedy.iter().any(|&g| g) {
-            let g = Tensor::from_slice(&greedy).to_device(dev).unsqueeze(1);
+            let g = param(3).gt(0.5);
             scaled.argmax(1, true).where_self(&g, &choice)
         } else {
             choice
@@ -349,25 +365,25 @@ fn sample_tch(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
     } else {
         let (vals, idx) = scaled.topk(kmax, 1, true, true);
         let col = Tensor::arange(kmax, (Kind::Int64, dev)).unsqueeze(0);
-        let kb = Tensor::from_slice(&ks).to_device(dev).unsqueeze(1);
+        let kb = param(2);
         let mut vals = vals.masked_fill(&col.ge_tensor(&kb), f64::NEG_INFINITY);
         if any_top_p {
             let probs = vals.softmax(1, Kind::Float);
             let cum = probs.cumsum(1, Kind::Float);
-            let tp = Tensor::from_slice(&p.top_p).to_device(dev).unsqueeze(1);
+            let tp = param(4);
             let remove = (cum - &probs).gt_tensor(&tp);
             vals = vals.masked_fill(&remove, f64::NEG_INFINITY);
         }
         let probs = vals.softmax(1, Kind::Float);
         let cum = probs.cumsum(1, Kind::Float);
-        let u = Tensor::from_slice(&p.uniform).to_device(dev).unsqueeze(1);
+        let u = param(1);
         let total = cum.narrow(1, kmax - 1, 1);
         let mut choice = cum
             .lt_tensor(&(u * total))
             .sum_dim_intlist(1, true, Kind::Int64)
             .clamp_max(kmax - 1);
         if greedy.iter().any(|&g| g) {
-            let g = Tensor::from_slice(&greedy).to_device(dev).unsqueeze(1);
+            let g = param(3).gt(0.5);
             choice = choice.zeros_like().where_self(&g, &choice);
         }
         idx.gather(1, &choice, false)
@@ -696,8 +712,13 @@ impl Generator {
                     .collect();
                 let pos: Vec<i64> = slots.iter().map(|s| s.len).collect();
                 let span = pos.iter().copied().max().unwrap_or(0) + 1;
-                let ids = Tensor::from_slice(&last).view([n, 1]).to_device(device);
-                let post = Tensor::from_slice(&pos).view([n, 1]).to_device(device);
+                // Ids and positions in one host-to-device copy (one transfer per step
+                // on a GPU instead of two).
+                let both = Tensor::from_slice(&[last, pos.clone()].concat())
+                    .view([2, n])
+                    .to_device(device);
+                let ids = both.get(0).view([n, 1]);
+                let post = both.get(1).view([n, 1]);
                 let shared = shared_prefixes(&slots);
                 let cache = self.cache.as_mut().expect("cache allocated");
                 let h = self.model.hidden(

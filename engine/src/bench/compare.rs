@@ -231,6 +231,40 @@ fn gen_throughput(
     ))
 }
 
+/// The training cases' optimizer settings.
+pub(crate) fn train_config() -> TrainConfig {
+    TrainConfig {
+        lr: 1e-5,
+        weight_decay: 0.0,
+        max_grad_norm: Some(1.0),
+        ..Default::default()
+    }
+}
+
+/// The training cases' batch: random ids `[bsz, t]`, every position real.
+pub(crate) fn random_train_batch(
+    vocab: i64,
+    bsz: usize,
+    t: usize,
+    device: Device,
+) -> Result<SeqBatch> {
+    let ids = Tensor::f_randint(vocab, [bsz as i64, t as i64], (Kind::Int64, device))?;
+    Ok(SeqBatch {
+        attention_mask: ids.ones_like(),
+        response_mask: ids.ones_like(),
+        prompt_lens: vec![0; bsz],
+        lens: vec![t; bsz],
+        ids,
+    })
+}
+
+/// The training cases' loss: mean token NLL over the predicted positions.
+pub(crate) fn mean_nll(m: &Llama, b: &SeqBatch) -> Result<Tensor> {
+    let t = b.ids.size().get(1).copied().unwrap_or(1);
+    let s = token_logprobs(m, b, 1.0, false);
+    Ok(-s.logprobs.sum(Kind::Float) / (b.len() as i64 * (t - 1)).max(1) as f64)
+}
+
 /// Runs the benchmark, printing progress to stderr.
 pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
     crate::device::set_threads(opts.threads);
@@ -385,28 +419,10 @@ pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
         let (bsz, t) = (opts.train_batch, opts.train_seq);
         let model = Llama::load(&opts.model_dir, device, Kind::Float)?;
         let v = model.config.vocab_size;
-        let mut tr = Trainer::new(
-            model,
-            TrainConfig {
-                lr: 1e-5,
-                weight_decay: 0.0,
-                max_grad_norm: Some(1.0),
-                ..Default::default()
-            },
-        );
+        let mut tr = Trainer::new(model, train_config());
         tch::manual_seed(0);
-        let ids = Tensor::randint(v, [bsz as i64, t as i64], (Kind::Int64, device));
-        let batch = SeqBatch {
-            attention_mask: ids.ones_like(),
-            response_mask: ids.ones_like(),
-            prompt_lens: vec![0; bsz],
-            lens: vec![t; bsz],
-            ids,
-        };
-        let loss = |m: &Llama, b: &SeqBatch| -> Result<Tensor> {
-            let s = token_logprobs(m, b, 1.0, false);
-            Ok(-s.logprobs.sum(Kind::Float) / (b.len() * (t - 1)) as f64)
-        };
+        let batch = random_train_batch(v, bsz, t, device)?;
+        let loss = mean_nll;
         tr.step(std::slice::from_ref(&batch), loss)?; // warm-up
         let steps = 3;
         // The LoRA trainer, stepped in turn with the full one so that load drift hits

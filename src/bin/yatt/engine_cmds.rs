@@ -1,4 +1,5 @@
-//! `yatt import-gguf` and `yatt bench engine`: thin shells over `yatt_engine`.
+//! `yatt import-gguf`, `yatt bench engine` and `yatt bench gpu`: thin shells over
+//! `yatt_engine`.
 
 use anyhow::Context;
 
@@ -58,6 +59,113 @@ pub struct BenchEngineArgs {
     /// Replace the `## Engine` section of this markdown file with the results.
     #[arg(long)]
     pub write_docs: Option<std::path::PathBuf>,
+}
+
+/// Model shapes of `yatt bench gpu` (random weights).
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum PresetArg {
+    /// The engine's 2-layer tiny test model (CPU tests).
+    Tiny,
+    /// SmolLM2-135M's shape (hidden 576, 30 layers, 9/3 heads, vocab 49152, tied).
+    #[value(name = "smollm2-135m")]
+    Smollm2_135m,
+    /// Llama-3.2-1B-like (hidden 2048, 16 layers, 32/8 heads, MLP 8192), vocab 32000.
+    #[value(name = "llama-1b")]
+    Llama1b,
+    /// Qwen3-1.7B's shape (hidden 2048, 28 layers, 16/8 heads of 128, vocab 151936).
+    #[value(name = "qwen3-1.7b")]
+    Qwen3_1_7b,
+}
+
+impl From<PresetArg> for yatt_engine::bench::Preset {
+    fn from(p: PresetArg) -> Self {
+        use yatt_engine::bench::Preset;
+        match p {
+            PresetArg::Tiny => Preset::Tiny,
+            PresetArg::Smollm2_135m => Preset::Smollm2_135m,
+            PresetArg::Llama1b => Preset::Llama1b,
+            PresetArg::Qwen3_1_7b => Preset::Qwen3_1_7b,
+        }
+    }
+}
+
+#[derive(clap::Args)]
+pub struct BenchGpuArgs {
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = yatt_engine::parse_device)]
+    pub device: yatt_engine::tch::Device,
+    /// Model and matmul dtype: f32, bf16 or f16.
+    #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
+    pub dtype: yatt_engine::tch::Kind,
+    /// Model shape (random weights).
+    #[arg(long, value_enum, default_value = "smollm2-135m")]
+    pub preset: PresetArg,
+    /// Decode batch (batch 1 is measured too).
+    #[arg(long, default_value_t = 64)]
+    pub batch: usize,
+    /// Prompt length (random ids).
+    #[arg(long, default_value_t = 128)]
+    pub prompt_len: usize,
+    /// New tokens per request.
+    #[arg(long, default_value_t = 128)]
+    pub new_tokens: usize,
+    /// Training batch.
+    #[arg(long, default_value_t = 8)]
+    pub train_batch: usize,
+    /// Training sequence length.
+    #[arg(long, default_value_t = 1024)]
+    pub train_seq: usize,
+    /// Timed training steps (after one warm-up step).
+    #[arg(long, default_value_t = 3)]
+    pub steps: usize,
+    /// Datasheet peak TFLOP/s for the dtype, for `mfu_datasheet` (default on CUDA in
+    /// bf16/f16: 989, the H100/H200 SXM dense figure; on the CPU none is reported).
+    #[arg(long)]
+    pub peak_tflops: Option<f64>,
+    /// libtorch threads (0: libtorch's default).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Write the figures as JSON here.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+    /// Write the figures as a markdown table here.
+    #[arg(long)]
+    pub markdown: Option<std::path::PathBuf>,
+}
+
+fn parse_dtype(s: &str) -> Result<yatt_engine::tch::Kind, String> {
+    yatt_engine::parse_kind(s).ok_or_else(|| format!("unknown dtype `{s}`; use f32, bf16 or f16"))
+}
+
+pub fn bench_gpu(args: BenchGpuArgs) -> anyhow::Result<()> {
+    yatt_engine::set_threads(args.threads);
+    let opts = yatt_engine::bench::RooflineOptions {
+        device: args.device,
+        kind: args.dtype,
+        preset: args.preset.into(),
+        batch: args.batch,
+        prompt_len: args.prompt_len,
+        new_tokens: args.new_tokens,
+        train_batch: args.train_batch,
+        train_seq: args.train_seq,
+        steps: args.steps,
+        peak_tflops: args.peak_tflops,
+    };
+    let report = yatt_engine::bench::run_roofline(&opts)?;
+    let table = report.markdown();
+    println!("{table}");
+    let v = report.to_json();
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&v)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.markdown {
+        std::fs::write(path, &table).with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(f) = v["failures"].as_array().filter(|f| !f.is_empty()) {
+        anyhow::bail!("{} case(s) failed: {f:?}", f.len());
+    }
+    Ok(())
 }
 
 pub fn import_gguf(args: ImportGgufArgs) -> anyhow::Result<()> {

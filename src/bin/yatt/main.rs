@@ -63,6 +63,9 @@ enum Command {
 enum BenchCommand {
     /// Generation, scoring and training throughput of the engine.
     Engine(engine_cmds::BenchEngineArgs),
+    /// The roofline: copy bandwidth, matmul TFLOP/s, decode and training throughput of a
+    /// random model, all on one device (cpu or cuda), with the fraction of each limit used.
+    Gpu(engine_cmds::BenchGpuArgs),
     /// Actor-runtime latency and throughput: two processes, and in-process.
     Runtime(bench_runtime::BenchRuntimeArgs),
     /// Per-step controller overhead, parallel controllers vs a single driver, as the
@@ -88,6 +91,7 @@ fn real_main() -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::ImportGguf(args) => engine_cmds::import_gguf(args),
         Command::Bench(BenchCommand::Engine(args)) => engine_cmds::bench_engine(args),
+        Command::Bench(BenchCommand::Gpu(args)) => engine_cmds::bench_gpu(args),
         Command::Bench(BenchCommand::Runtime(args)) => bench_runtime::run(args),
         Command::Bench(BenchCommand::Controller(args)) => bench_controller::run(args),
     }
