@@ -102,7 +102,10 @@ pub fn parse_device(s: &str) -> Result<Device, String> {
         return Err(if n == 0 {
             format!("device `{s}`: libtorch sees no CUDA device here; use cpu")
         } else {
-            format!("device `{s}`: this machine has {n} CUDA device(s), cuda:0 to cuda:{}", n - 1)
+            format!(
+                "device `{s}`: this machine has {n} CUDA device(s), cuda:0 to cuda:{}",
+                n - 1
+            )
         });
     }
     Ok(Device::Cuda(ordinal))
