@@ -6,6 +6,7 @@
 #   bash scripts/gpu-check.sh run [OUT]      # on the GPU machine, in a checkout holding .gpu/:
 #                                            # runs every check, writes OUT/gpu-figures.md,
 #                                            # OUT/*.json and the logs (OUT: runs/gpu-check)
+#                                            # (GPU_STEPS="name ...": only those steps)
 #   bash scripts/gpu-check.sh record FIGURES # back here: puts FIGURES into docs/benchmarks.md
 #   GPU_HOST=user@host bash scripts/gpu-check.sh   # all three: pack, copy with rsync, run
 #                                            # over ssh, fetch the figures, record them
@@ -65,9 +66,13 @@ for line in sys.stdin:
 FAILED=()
 
 # step NAME SECONDS COMMAND...: runs one check with a deadline, logging to $OUT/NAME.log.
+# GPU_STEPS="a b ..." runs only the steps named (a short second visit to a GPU).
 step() {
     local name=$1 limit=$2
     shift 2
+    if [ -n "${GPU_STEPS:-}" ] && [[ " $GPU_STEPS " != *" $name "* ]]; then
+        return 0
+    fi
     echo "== $name"
     local t0=$SECONDS
     timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
