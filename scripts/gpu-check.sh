@@ -125,6 +125,11 @@ run() {
     step bench-llama-1b 300 "$bin/yatt" bench gpu --device cuda --dtype bf16 --preset llama-1b \
         --batch 64 --train-batch 8 --train-seq 2048 --steps "$steps_gpu" --json "$OUT/bench-llama-1b.json"
 
+    # Where a decode step's time goes (each phase waits for the GPU, so slower overall).
+    step profile-decode 180 env YATT_PROFILE=1 "$bin/yatt" bench gpu --device cuda --dtype bf16 \
+        --preset smollm2-135m --batch 64 --new-tokens 32 --train-batch 1 --train-seq 64 --steps 1 \
+        --json "$OUT/profile-decode.json"
+
     # A short GRPO job on a random SmolLM2-135M (the real weights cannot travel) in bf16.
     # The letters reward, because a random model never solves the addition task and
     # GRPO would then skip every update (all advantages zero).
@@ -157,7 +162,7 @@ print(f"### GPU check, {gpu}, bundle commit {commit}, {datetime.date.today()}\n"
 print("Command: `bash scripts/gpu-check.sh pack` here, then `bash scripts/gpu-check.sh run` there.\n")
 print("| step | result | time |\n| --- | --- | --- |")
 print(open(f"{out}/steps.md").read())
-for name in ["bench-smollm2", "bench-llama-1b"]:
+for name in ["bench-smollm2", "bench-llama-1b", "profile-decode"]:
     try: b = json.load(open(f"{out}/{name}.json"))
     except Exception as e: print(f"\n{name}: no figures ({e})"); continue
     print(f"\n`{name}`:\n\n```json\n{json.dumps(b, indent=1)}\n```")

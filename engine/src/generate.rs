@@ -705,6 +705,7 @@ impl Generator {
                     continue;
                 }
                 // 2. One decode step over the dense active prefix.
+                crate::profile::start(device);
                 let n = slots.len() as i64;
                 let last: Vec<i64> = slots
                     .iter()
@@ -720,6 +721,7 @@ impl Generator {
                 let ids = both.get(0).view([n, 1]);
                 let post = both.get(1).view([n, 1]);
                 let shared = shared_prefixes(&slots);
+                crate::profile::mark(device, "decode: inputs");
                 let cache = self.cache.as_mut().expect("cache allocated");
                 let h = self.model.hidden(
                     &ids,
@@ -730,14 +732,18 @@ impl Generator {
                         shared: shared.as_deref(),
                     },
                 );
+                crate::profile::mark(device, "decode: layers");
                 let logits = self.model.logits(&h.squeeze_dim(1));
+                crate::profile::mark(device, "decode: lm head");
                 for s in slots.iter_mut() {
                     s.len += 1;
                 }
                 stats.decode_steps += 1;
                 stats.slot_steps += n as usize;
                 self.sample_into(&logits, requests, &mut slots, 0..n as usize, &mut stats);
+                crate::profile::mark(device, "decode: sample");
                 self.retire(requests, &mut slots, &mut sched, &mut on_done);
+                crate::profile::mark(device, "decode: retire");
             }
             Ok(())
         })?;

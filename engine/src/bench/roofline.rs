@@ -371,6 +371,23 @@ fn decode_case(
     if let Some(gbps) = copy_gbps {
         v["hbm_fraction"] = json!(bytes / step_s / (gbps * 1e9));
     }
+    if crate::profile::enabled() {
+        // Where a decode step's time goes (YATT_PROFILE=1 waits for the device at every
+        // mark, so the timed figures above are slowed too): ms per step by phase.
+        crate::profile::take();
+        let (_, st) = g.generate(&reqs(opts.new_tokens))?;
+        let steps = st.decode_steps.max(1) as f64;
+        let phases: serde_json::Map<String, serde_json::Value> = crate::profile::take()
+            .into_iter()
+            .map(|(k, s, n)| {
+                (
+                    k.to_string(),
+                    json!({"ms_per_step": s * 1e3 / steps, "marks": n}),
+                )
+            })
+            .collect();
+        v["profile"] = serde_json::Value::Object(phases);
+    }
     Ok(v)
 }
 

@@ -233,6 +233,7 @@ impl Llama {
         };
         // Cache indices of the new keys, the same for every layer.
         let mut key_index: Option<(Tensor, Tensor)> = None;
+        crate::profile::mark(self.device, "layers: embed, rope tables, masks");
         for (li, l) in self.layers.iter().enumerate() {
             let pl = packed.map(|p| &p.layers[li]);
             let hn = self.rms(&x, &l.ln1);
@@ -258,8 +259,10 @@ impl Llama {
                 Some((qn, kn)) => (self.rms_last(&q, qn, hd), self.rms_last(&k, kn, hd)),
                 None => (q, k),
             };
+            crate::profile::mark(self.device, "layer: norm, qkv");
             let q = self.rope(&q, &cos, &sin);
             let k = self.rope(&k, &cos, &sin);
+            crate::profile::mark(self.device, "layer: rope");
             // A windowed layer's mask; `None` is plain causal attention.
             let mask = match c.window(li) {
                 Some(_) => win_mask.as_ref(),
@@ -317,6 +320,7 @@ impl Llama {
                     )
                 }
             };
+            crate::profile::mark(self.device, "layer: kv write, attention");
             let mut o = o.transpose(1, 2).reshape([b, t, nh * hd]);
             if let Some(idx) = &real {
                 o = o.reshape([b * t, nh * hd]).index_select(0, idx);
@@ -327,6 +331,7 @@ impl Llama {
                 Matrix::O,
                 &o,
             );
+            crate::profile::mark(self.device, "layer: o proj");
             let hn = self.rms(&x, &l.ln2);
             let gu = adapt(
                 self.mm(&hn, &l.w_gate_up, pl.map(|p| &p[2]), None),
@@ -342,6 +347,7 @@ impl Llama {
                 Matrix::Down,
                 &act,
             );
+            crate::profile::mark(self.device, "layer: mlp");
         }
         pad(self.rms(&x, &self.norm))
     }

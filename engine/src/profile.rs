@@ -1,0 +1,67 @@
+//! Opt-in phase timing (`YATT_PROFILE=1`) for machines where no profiler runs: each
+//! [`mark`] waits for the device and charges the time since the previous mark to a
+//! label. The waits slow the run, so the figures are for finding where time goes, not
+//! for reporting speed.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use tch::Device;
+
+/// Whether `YATT_PROFILE=1` is set (read once).
+pub fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("YATT_PROFILE").as_deref() == Ok("1"))
+}
+
+thread_local! {
+    static PHASES: RefCell<(Option<Instant>, BTreeMap<&'static str, (f64, u64)>)> =
+        RefCell::new((None, BTreeMap::new()));
+}
+
+fn wait(device: Device) {
+    if let Device::Cuda(n) = device {
+        tch::Cuda::synchronize(n as i64);
+    }
+}
+
+/// Charges the time since the previous mark (or [`start`]) to `label`.
+pub fn mark(device: Device, label: &'static str) {
+    if !enabled() {
+        return;
+    }
+    wait(device);
+    let now = Instant::now();
+    PHASES.with(|p| {
+        let mut p = p.borrow_mut();
+        if let Some(t0) = p.0 {
+            let e = p.1.entry(label).or_insert((0.0, 0));
+            e.0 += (now - t0).as_secs_f64();
+            e.1 += 1;
+        }
+        p.0 = Some(now);
+    });
+}
+
+/// Starts the clock without charging anything.
+pub fn start(device: Device) {
+    if !enabled() {
+        return;
+    }
+    wait(device);
+    PHASES.with(|p| p.borrow_mut().0 = Some(Instant::now()));
+}
+
+/// The phases of this thread so far, `(label, seconds, count)`, and clears them.
+pub fn take() -> Vec<(&'static str, f64, u64)> {
+    PHASES.with(|p| {
+        let mut p = p.borrow_mut();
+        p.0 = None;
+        std::mem::take(&mut p.1)
+            .into_iter()
+            .map(|(k, (s, n))| (k, s, n))
+            .collect()
+    })
+}
