@@ -112,6 +112,7 @@ impl AsyncUdpSocket for BatchLimitedSocket {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use quinn::Runtime;
 
     #[test]
     fn batches_stay_within_one_send() {
@@ -128,6 +129,61 @@ mod tests {
         assert_eq!(batches(&small, 1_452).count(), 1);
         for p in batches(&jumbo, 8_952) {
             assert!(p.len() <= MAX_SEND_PAYLOAD);
+        }
+    }
+
+    /// Regression: quinn hands over ten jumbo datagrams at once; sent as one GSO
+    /// `sendmsg` the kernel refused them (`EMSGSIZE`) and quinn-udp dropped all ten
+    /// without a word. Split, every one arrives, in order.
+    #[tokio::test]
+    async fn an_oversized_gso_batch_arrives_whole() {
+        use socket2::{Domain, Protocol, Socket, Type};
+        let rx = Socket::new(Domain::IPV4, Type::DGRAM, Some(Protocol::UDP)).expect("socket");
+        let _ = rx.set_recv_buffer_size(4 << 20);
+        rx.bind(
+            &"127.0.0.1:0"
+                .parse::<std::net::SocketAddr>()
+                .expect("addr")
+                .into(),
+        )
+        .expect("bind");
+        let rx: std::net::UdpSocket = rx.into();
+        rx.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .expect("timeout");
+        let tx = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let inner = quinn::TokioRuntime.wrap_udp_socket(tx).expect("wrap");
+        if inner.max_transmit_segments() < 10 {
+            // No segmentation offload on this kernel: quinn never batches, nothing to split.
+            return;
+        }
+        let socket = Arc::new(BatchLimitedSocket::new(inner));
+        let mut poller = socket.clone().create_io_poller();
+        let segment = 8_952;
+        let contents: Vec<u8> = (0..10 * segment).map(|i| (i / segment) as u8).collect();
+        let transmit = Transmit {
+            destination: rx.local_addr().expect("addr"),
+            ecn: None,
+            contents: &contents,
+            segment_size: Some(segment),
+            src_ip: None,
+        };
+        // As quinn does: wait until the socket is writable, then send.
+        for _ in 0..100 {
+            std::future::poll_fn(|cx| poller.as_mut().poll_writable(cx))
+                .await
+                .expect("writable");
+            match socket.try_send(&transmit) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                r => {
+                    r.expect("send");
+                    break;
+                }
+            }
+        }
+        let mut buf = vec![0u8; 65_536];
+        for i in 0..10u8 {
+            let n = rx.recv(&mut buf).expect("datagram lost");
+            assert_eq!((n, buf[0], buf[n - 1]), (segment, i, i));
         }
     }
 }
