@@ -392,6 +392,35 @@ mod tests {
         let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/node.toml");
         let r = load(Some(&p), &[]).unwrap();
         assert_eq!(r.runtime.failure_timeout, Duration::from_secs(2));
+        let t = &r.runtime.transport;
+        let d = TransportConfig::default();
+        assert_eq!(
+            (t.max_udp_payload, t.initial_udp_payload, t.recv_pool_bytes),
+            (d.max_udp_payload, d.initial_udp_payload, d.recv_pool_bytes)
+        );
+        assert_eq!(
+            (t.socket_buffer, t.max_congestion_window),
+            (d.socket_buffer, d.max_congestion_window)
+        );
+    }
+
+    #[test]
+    fn udp_payload_sizes_are_checked() {
+        let (_d, p) = write("[transport]\nmax_udp_payload = 9000\ninitial_udp_payload = 1500\n");
+        let r = load(Some(&p), &[]).unwrap();
+        assert_eq!(r.runtime.transport.max_udp_payload, 9000);
+        assert_eq!(r.runtime.transport.initial_udp_payload, 1500);
+        for (text, key) in [
+            ("max_udp_payload = 1000", "transport.max_udp_payload"),
+            (
+                "initial_udp_payload = 9000\nmax_udp_payload = 1500",
+                "transport.initial_udp_payload",
+            ),
+        ] {
+            let (_d, p) = write(&format!("[transport]\n{text}\n"));
+            let e = load(Some(&p), &[]).unwrap_err().to_string();
+            assert!(e.contains(key), "{e}");
+        }
     }
 
     #[test]
