@@ -141,6 +141,16 @@ pub struct TransportSection {
     pub connect_timeout_ms: u64,
     /// How long shutdown drains in-flight requests, in milliseconds.
     pub drain_timeout_ms: u64,
+    /// Largest UDP payload sent (path MTU discovery probes up to it) and accepted.
+    pub max_udp_payload: u16,
+    /// UDP payload size of the first packets, before MTU discovery.
+    pub initial_udp_payload: u16,
+    /// Most memory kept in unused receive buffers for bulk payloads, in bytes.
+    pub recv_pool_bytes: usize,
+    /// UDP socket send and receive buffer size requested, in bytes.
+    pub socket_buffer_bytes: usize,
+    /// Ceiling on each connection's congestion window, in bytes (0: none).
+    pub max_congestion_window: u64,
 }
 
 impl Default for TransportSection {
@@ -152,6 +162,11 @@ impl Default for TransportSection {
             shm_fast_path: t.shm_fast_path,
             connect_timeout_ms: t.connect_timeout.as_millis() as u64,
             drain_timeout_ms: 10_000,
+            max_udp_payload: t.max_udp_payload,
+            initial_udp_payload: t.initial_udp_payload,
+            recv_pool_bytes: t.recv_pool_bytes,
+            socket_buffer_bytes: t.socket_buffer,
+            max_congestion_window: t.max_congestion_window,
         }
     }
 }
@@ -307,12 +322,32 @@ fn validate(f: NodeFile, origin: &dyn Fn(&str) -> String) -> Result<ResolvedNode
             f.transport.max_frame_bytes.to_string(),
         ));
     }
+    let (lo, hi) = (yatt_runtime::MIN_UDP_PAYLOAD, yatt_runtime::MAX_UDP_PAYLOAD);
+    if !(lo..=hi).contains(&f.transport.max_udp_payload) {
+        return Err(invalid(
+            "transport.max_udp_payload",
+            "1200 to 65527",
+            f.transport.max_udp_payload.to_string(),
+        ));
+    }
+    if !(lo..=f.transport.max_udp_payload).contains(&f.transport.initial_udp_payload) {
+        return Err(invalid(
+            "transport.initial_udp_payload",
+            "1200 to transport.max_udp_payload",
+            f.transport.initial_udp_payload.to_string(),
+        ));
+    }
     let mut transport = TransportConfig {
         frame_limits: FrameLimits {
             max_frame: f.transport.max_frame_bytes,
         },
         shm_fast_path: f.transport.shm_fast_path,
         connect_timeout: Duration::from_millis(f.transport.connect_timeout_ms),
+        max_udp_payload: f.transport.max_udp_payload,
+        initial_udp_payload: f.transport.initial_udp_payload,
+        recv_pool_bytes: f.transport.recv_pool_bytes,
+        socket_buffer: f.transport.socket_buffer_bytes,
+        max_congestion_window: f.transport.max_congestion_window,
         ..TransportConfig::default()
     };
     transport.bulk_limits = BulkLimits {
@@ -357,6 +392,35 @@ mod tests {
         let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/node.toml");
         let r = load(Some(&p), &[]).unwrap();
         assert_eq!(r.runtime.failure_timeout, Duration::from_secs(2));
+        let t = &r.runtime.transport;
+        let d = TransportConfig::default();
+        assert_eq!(
+            (t.max_udp_payload, t.initial_udp_payload, t.recv_pool_bytes),
+            (d.max_udp_payload, d.initial_udp_payload, d.recv_pool_bytes)
+        );
+        assert_eq!(
+            (t.socket_buffer, t.max_congestion_window),
+            (d.socket_buffer, d.max_congestion_window)
+        );
+    }
+
+    #[test]
+    fn udp_payload_sizes_are_checked() {
+        let (_d, p) = write("[transport]\nmax_udp_payload = 9000\ninitial_udp_payload = 1500\n");
+        let r = load(Some(&p), &[]).unwrap();
+        assert_eq!(r.runtime.transport.max_udp_payload, 9000);
+        assert_eq!(r.runtime.transport.initial_udp_payload, 1500);
+        for (text, key) in [
+            ("max_udp_payload = 1000", "transport.max_udp_payload"),
+            (
+                "initial_udp_payload = 9000\nmax_udp_payload = 1500",
+                "transport.initial_udp_payload",
+            ),
+        ] {
+            let (_d, p) = write(&format!("[transport]\n{text}\n"));
+            let e = load(Some(&p), &[]).unwrap_err().to_string();
+            assert!(e.contains(key), "{e}");
+        }
     }
 
     #[test]

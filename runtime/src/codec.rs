@@ -18,6 +18,8 @@ use std::collections::VecDeque;
 use bytes::{Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 
+use crate::buffers::RecvBuffers;
+
 /// Length of the frame header (u32 little-endian body length).
 pub const FRAME_HEADER_LEN: usize = 4;
 /// Default maximum frame body size: 8 MiB.
@@ -670,10 +672,20 @@ pub async fn write_bulk(
 }
 
 /// Reads a bulk payload written by [`write_bulk`]: the header frame (validated), then
-/// exactly `total_len` bytes into one preallocated buffer.
+/// exactly `total_len` bytes into one freshly allocated buffer.
 pub async fn read_bulk(
     recv: &mut quinn::RecvStream,
     limits: &BulkLimits,
+) -> Result<Bulk, CodecError> {
+    read_bulk_pooled(recv, limits, &RecvBuffers::new(0)).await
+}
+
+/// [`read_bulk`] into a buffer from `buffers` (reused, and given back when the payload
+/// is dropped).
+pub async fn read_bulk_pooled(
+    recv: &mut quinn::RecvStream,
+    limits: &BulkLimits,
+    buffers: &RecvBuffers,
 ) -> Result<Bulk, CodecError> {
     let frame = read_frame(recv, &limits.frame)
         .await?
@@ -688,8 +700,8 @@ pub async fn read_bulk(
             header.total_len
         ))
     })?;
-    let mut data = vec![0u8; total];
-    match recv.read_exact(&mut data).await {
+    let mut data = buffers.take(total);
+    match recv.read_exact(data.as_mut_slice()).await {
         Ok(()) => {}
         Err(quinn::ReadExactError::FinishedEarly(have)) => {
             return Err(CodecError::Truncated {
@@ -701,7 +713,7 @@ pub async fn read_bulk(
     }
     Ok(Bulk {
         header,
-        data: Bytes::from(data),
+        data: data.freeze(),
     })
 }
 

@@ -29,9 +29,11 @@
 
 mod actor;
 mod addr;
+mod buffers;
 mod builtin;
 mod codec;
 mod collective;
+mod congestion;
 mod directory;
 mod membership;
 mod message;
@@ -70,7 +72,7 @@ pub use supervisor::{
 pub use tls::{
     peer_node_name, validate_node_name, ClusterCa, NodeIdentity, TlsError, TransportTuning, ALPN,
     CA_CERT_FILE, CA_KEY_FILE, DEFAULT_CONN_WINDOW, DEFAULT_IDLE_TIMEOUT, DEFAULT_KEEP_ALIVE,
-    DEFAULT_SEND_WINDOW, DEFAULT_STREAM_WINDOW, SERVER_NAME,
+    DEFAULT_SEND_WINDOW, DEFAULT_STREAM_WINDOW, MAX_UDP_PAYLOAD, MIN_UDP_PAYLOAD, SERVER_NAME,
 };
 pub use transport::{TransportConfig, TransportError, TransportStats};
 

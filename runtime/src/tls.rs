@@ -48,6 +48,13 @@ pub const DEFAULT_STREAM_WINDOW: u32 = 64 << 20;
 pub const DEFAULT_CONN_WINDOW: u32 = 256 << 20;
 /// Default per-connection send window.
 pub const DEFAULT_SEND_WINDOW: u64 = 256 << 20;
+/// Default ceiling on the congestion window: below the 8 MiB a 4 MiB socket buffer
+/// request gets from Linux (it doubles the request, up to `net.core.rmem_max`).
+pub const DEFAULT_MAX_CWND: u64 = 6 << 20;
+/// Smallest UDP payload QUIC allows (and quinn's default starting size).
+pub const MIN_UDP_PAYLOAD: u16 = 1200;
+/// Largest UDP payload QUIC allows (IPv6's limit; IPv4 loopback carries 65,507).
+pub const MAX_UDP_PAYLOAD: u16 = 65_527;
 
 /// Node certificates are valid this many years from their issue year.
 const NODE_CERT_YEARS: i32 = 10;
@@ -129,6 +136,15 @@ pub struct TransportTuning {
     pub connection_receive_window: u32,
     /// Send window of a whole connection, in bytes.
     pub send_window: u64,
+    /// UDP payload size used from the first packet on, before path MTU discovery
+    /// confirms a larger one (at least [`MIN_UDP_PAYLOAD`]).
+    pub initial_udp_payload: u16,
+    /// Largest UDP payload path MTU discovery probes for and the endpoint accepts
+    /// (at most [`MAX_UDP_PAYLOAD`]; at or below `initial_udp_payload` turns discovery off).
+    pub max_udp_payload: u16,
+    /// Ceiling on the congestion window, in bytes (0: none). Keep it below the peer's
+    /// UDP receive buffer, or a descheduled receiver drops datagrams.
+    pub max_congestion_window: u64,
 }
 
 impl Default for TransportTuning {
@@ -139,6 +155,9 @@ impl Default for TransportTuning {
             stream_receive_window: DEFAULT_STREAM_WINDOW,
             connection_receive_window: DEFAULT_CONN_WINDOW,
             send_window: DEFAULT_SEND_WINDOW,
+            initial_udp_payload: MIN_UDP_PAYLOAD,
+            max_udp_payload: MAX_UDP_PAYLOAD,
+            max_congestion_window: DEFAULT_MAX_CWND,
         }
     }
 }
@@ -157,6 +176,21 @@ impl TransportTuning {
         // Many asks in flight at once must not queue behind quinn's default of 100.
         t.max_concurrent_bidi_streams(quinn::VarInt::from_u32(4096));
         t.max_concurrent_uni_streams(quinn::VarInt::from_u32(4096));
+        let initial = self
+            .initial_udp_payload
+            .clamp(MIN_UDP_PAYLOAD, MAX_UDP_PAYLOAD);
+        let max = self.max_udp_payload.clamp(initial, MAX_UDP_PAYLOAD);
+        t.initial_mtu(initial);
+        t.mtu_discovery_config((max > initial).then(|| {
+            let mut m = quinn::MtuDiscoveryConfig::default();
+            m.upper_bound(max);
+            m
+        }));
+        if self.max_congestion_window > 0 {
+            t.congestion_controller_factory(Arc::new(crate::congestion::CappedCubic::new(
+                self.max_congestion_window,
+            )));
+        }
         Ok(t)
     }
 }

@@ -31,7 +31,9 @@ impl Transport {
     ) -> Result<Wire, CodecError> {
         let bulk = match bulk {
             BulkRef::None => None,
-            BulkRef::Inline => Some(codec::read_bulk(recv, &self.config.bulk_limits).await?),
+            BulkRef::Inline => Some(
+                codec::read_bulk_pooled(recv, &self.config.bulk_limits, &self.recv_buffers).await?,
+            ),
             BulkRef::Shm { path, id, header } => Some(self.map_segment(peer, &path, id, header)?),
         };
         Ok(Wire { body, bulk })

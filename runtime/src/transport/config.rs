@@ -27,8 +27,35 @@ pub struct TransportConfig {
     pub shm_pool_bytes: usize,
     /// Where shared-memory segments are created.
     pub shm_dir: PathBuf,
+    /// Most memory kept in unused receive buffers for inline bulk payloads, in bytes:
+    /// a payload's buffer is reused for the next one of about its size once dropped.
+    pub recv_pool_bytes: usize,
     /// UDP socket send and receive buffer size, in bytes (the kernel may cap it).
     pub socket_buffer: usize,
+    /// UDP payload size of the first packets, before path MTU discovery confirms a
+    /// larger one (1200, QUIC's minimum, is safe on any path).
+    pub initial_udp_payload: u16,
+    /// Largest UDP payload this node sends (path MTU discovery probes up to it) and
+    /// accepts, in bytes: 1200 to 65527. The default lets loopback reach 64 KiB packets;
+    /// on a real network discovery stops at the path's MTU.
+    pub max_udp_payload: u16,
+    /// Ceiling on each connection's congestion window, in bytes (0: none). Keep it below
+    /// the peers' UDP receive buffer (Linux grants twice `socket_buffer`, up to
+    /// `net.core.rmem_max`): a larger window overflows it whenever the receiver is
+    /// descheduled for a moment, and every drop halves the window.
+    pub max_congestion_window: u64,
+}
+
+impl TransportConfig {
+    /// The QUIC tuning of this node's connections.
+    pub(super) fn tuning(&self) -> tls::TransportTuning {
+        tls::TransportTuning {
+            initial_udp_payload: self.initial_udp_payload,
+            max_udp_payload: self.max_udp_payload,
+            max_congestion_window: self.max_congestion_window,
+            ..tls::TransportTuning::default()
+        }
+    }
 }
 
 impl Default for TransportConfig {
@@ -42,7 +69,11 @@ impl Default for TransportConfig {
             shm_threshold: 256 << 10,
             shm_pool_bytes: 1 << 30,
             shm_dir: "/dev/shm".into(),
+            recv_pool_bytes: 256 << 20,
             socket_buffer: 4 << 20,
+            initial_udp_payload: tls::MIN_UDP_PAYLOAD,
+            max_udp_payload: tls::MAX_UDP_PAYLOAD,
+            max_congestion_window: tls::DEFAULT_MAX_CWND,
         }
     }
 }

@@ -14,7 +14,9 @@ use super::peer::{Peer, StreamWriter, TellProgress};
 use super::protocol::{Control, ASKS, CONTROL_PRIORITY, REPLIES};
 use super::routing::{Dispatch, PeerBook, Target};
 use super::throttle::LogThrottle;
+use super::udp::BatchLimitedSocket;
 use crate::actor::CallError;
+use crate::buffers::RecvBuffers;
 use crate::message::Wire;
 use crate::shm::{MappingCache, SegmentPool};
 use crate::tls::{self, NodeIdentity};
@@ -30,6 +32,8 @@ pub struct Transport {
     pub(super) dispatch: OnceLock<Arc<dyn Dispatch>>,
     pub(super) book: OnceLock<Arc<dyn PeerBook>>,
     pub(super) segments: Arc<SegmentPool>,
+    /// Buffers inline bulk payloads are read into, reused once the payload is dropped.
+    pub(super) recv_buffers: RecvBuffers,
     /// One line per peer address per [`REFUSAL_LOG_WINDOW`] for refused handshakes.
     refusals: LogThrottle,
     /// Counters.
@@ -64,8 +68,9 @@ impl Transport {
         host_id: String,
         config: TransportConfig,
     ) -> Result<Arc<Self>, TransportError> {
-        let server = identity.server_config()?;
-        let client = identity.client_config()?;
+        let tuning = config.tuning();
+        let server = identity.server_config_with(&tuning)?;
+        let client = identity.client_config_with(&tuning)?;
         let bind_err = |reason: String| TransportError::Bind {
             addr: listen,
             reason,
@@ -74,8 +79,20 @@ impl Transport {
             bind_socket(listen, config.socket_buffer).map_err(|e| bind_err(e.to_string()))?;
         let runtime =
             quinn::default_runtime().ok_or_else(|| bind_err("no async runtime".into()))?;
-        let mut endpoint = quinn::Endpoint::new(
-            quinn::EndpointConfig::default(),
+        let mut endpoint_config = quinn::EndpointConfig::default();
+        endpoint_config
+            .max_udp_payload_size(
+                tuning
+                    .max_udp_payload
+                    .clamp(tls::MIN_UDP_PAYLOAD, tls::MAX_UDP_PAYLOAD),
+            )
+            .map_err(|e| bind_err(format!("max_udp_payload: {e}")))?;
+        let socket = runtime
+            .wrap_udp_socket(socket)
+            .map_err(|e| bind_err(e.to_string()))?;
+        let socket = Arc::new(BatchLimitedSocket::new(socket));
+        let mut endpoint = quinn::Endpoint::new_with_abstract_socket(
+            endpoint_config,
             Some(server),
             socket,
             runtime,
@@ -88,6 +105,7 @@ impl Transport {
             format!("yatt-{}-{}", identity.node, std::process::id()),
             config.shm_pool_bytes,
         );
+        let recv_buffers = RecvBuffers::new(config.recv_pool_bytes);
         Ok(Arc::new(Transport {
             name: identity.node.clone(),
             host_id,
@@ -98,6 +116,7 @@ impl Transport {
             dispatch: OnceLock::new(),
             book: OnceLock::new(),
             segments,
+            recv_buffers,
             refusals: LogThrottle::new(REFUSAL_LOG_WINDOW),
             stats: TransportStats::default(),
         }))

@@ -343,9 +343,10 @@ impl Transport {
             }
             Ok((body, BulkRef::Inline)) => match recv {
                 Some(recv) => {
-                    let bulk = codec::read_bulk(recv, &self.config.bulk_limits)
-                        .await
-                        .map_err(|e| lost(e.to_string()))?;
+                    let bulk =
+                        codec::read_bulk_pooled(recv, &self.config.bulk_limits, &self.recv_buffers)
+                            .await
+                            .map_err(|e| lost(e.to_string()))?;
                     Ok(Wire {
                         body,
                         bulk: Some(bulk),

@@ -34,6 +34,7 @@ mod peer;
 mod protocol;
 mod routing;
 mod throttle;
+mod udp;
 
 pub use config::{TransportConfig, TransportError, TransportStats};
 pub use endpoint::Transport;
