@@ -17,8 +17,7 @@ use std::time::Instant;
 use serde::Serialize;
 use yatt_engine::{Llama, SamplingParams};
 use yatt_roles::{
-    GenerateRequest, Prompt, Role, RoleError, RolloutRequest, RolloutResponse,
-    RolloutRole,
+    GenerateRequest, Prompt, Role, RoleError, RolloutRequest, RolloutResponse, RolloutRole,
 };
 
 use crate::build::data::prompts;

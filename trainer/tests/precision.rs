@@ -27,7 +27,10 @@ async fn run(sets: &[String], steps: u64) -> (Vec<f64>, Vec<f64>) {
             .unwrap_or_else(|e| panic!("{sets:?}, step {step}: {e}"));
         let m = &reports[0].metrics;
         rewards.push(m.get(names::REWARDS_MEAN).expect("reward"));
-        diffs.push(m.get(names::LOGPROB_DIFF_MEAN).expect("log-prob difference"));
+        diffs.push(
+            m.get(names::LOGPROB_DIFF_MEAN)
+                .expect("log-prob difference"),
+        );
     }
     node.shutdown().await;
     (rewards, diffs)
@@ -71,7 +74,10 @@ async fn the_demo_learns_in_bf16_and_reports_the_rollout_trainer_logprob_gap() {
 async fn f16_runs_the_demo() {
     let sets = vec!["job.steps=3".to_string(), "model.dtype=\"f16\"".into()];
     let (rewards, diffs) = run(&sets, 3).await;
-    assert!(rewards.iter().chain(&diffs).all(|x| x.is_finite()), "{rewards:?} {diffs:?}");
+    assert!(
+        rewards.iter().chain(&diffs).all(|x| x.is_finite()),
+        "{rewards:?} {diffs:?}"
+    );
 }
 
 #[test]

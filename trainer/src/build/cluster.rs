@@ -19,8 +19,7 @@ use yatt_runtime::{Node, NodeBuilder, NodeError};
 use crate::build::devices::{model_here, role_group};
 use crate::build::heads::controllers;
 use crate::build::parts::{
-    critic_role, env_settings, policy_ring, policy_role, reference_role,
-    rollout_role_with_envs,
+    critic_role, env_settings, policy_ring, policy_role, reference_role, rollout_role_with_envs,
 };
 use crate::build::reward::reward_role;
 use crate::config::checks::invalid;

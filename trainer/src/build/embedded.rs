@@ -154,12 +154,9 @@ pub async fn build_embedded_with(
     let ckpt = resume.map(|d| d.join("checkpoint"));
     let load = |role: &str| -> Result<Option<Trainer>, JobError> {
         match &ckpt {
-            Some(dir) if role == "critic" => Ok(Some(load_trainer(
-                &dir.join("critic"),
-                role,
-                dev,
-                kind,
-            )?)),
+            Some(dir) if role == "critic" => {
+                Ok(Some(load_trainer(&dir.join("critic"), role, dev, kind)?))
+            }
             Some(dir) => Ok(Some(load_trainer(dir, role, dev, kind)?)),
             None => Ok(None),
         }

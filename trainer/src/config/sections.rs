@@ -10,8 +10,7 @@ use yatt_roles::{
 
 use crate::config::modes::{
     DeviceSetting, Driver, Dtype, KlMode, LoraSyncMode, ModelSource, OldLogprobs, RewardKind,
-    Schedule, Task,
-    UnparsedVerdict, VerdictMode,
+    Schedule, Task, UnparsedVerdict, VerdictMode,
 };
 use crate::config::placement::PlacementSection;
 use yatt_engine::{LoraConfig, LoraTarget};
