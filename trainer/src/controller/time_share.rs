@@ -63,6 +63,20 @@ impl Controller {
         r.ask(req, t).await.map_err(self.call(stage, role))
     }
 
+    /// An offload or a reload (`stage`), answered `Done`.
+    async fn switch<Req: Send + 'static, Resp: Send + 'static>(
+        &self,
+        r: &RoleRef<Req, Resp>,
+        req: RoleRequest<Req>,
+        stage: &'static str,
+        role: &'static str,
+    ) -> Result<(), ControllerError> {
+        match self.lifecycle(r, req, stage, role).await? {
+            RoleResponse::Done => Ok(()),
+            other => Err(self.protocol(role, stage, variant(&other))),
+        }
+    }
+
     /// The device bytes `r` holds now.
     async fn resident<Req: Send + 'static, Resp: Send + 'static>(
         &self,
@@ -88,13 +102,7 @@ impl Controller {
     ) -> Result<(), ControllerError> {
         let t = Instant::now();
         let before = self.resident(r, role).await?;
-        match self
-            .lifecycle(r, RoleRequest::Offload, "offload", role)
-            .await?
-        {
-            RoleResponse::Done => {}
-            other => return Err(self.protocol(role, "Offload", variant(&other))),
-        }
+        self.switch(r, RoleRequest::Offload, "offload", role).await?;
         let after = self.resident(r, role).await?;
         self.residency.offloaded(key, before, after);
         sw.resident.push((key.to_string(), before, after));
@@ -121,13 +129,7 @@ impl Controller {
             });
         }
         let t = Instant::now();
-        match self
-            .lifecycle(r, RoleRequest::Reload, "reload", role)
-            .await?
-        {
-            RoleResponse::Done => {}
-            other => return Err(self.protocol(role, "Reload", variant(&other))),
-        }
+        self.switch(r, RoleRequest::Reload, "reload", role).await?;
         self.residency.reloaded(key);
         sw.reload_s += t.elapsed().as_secs_f64();
         Ok(())
