@@ -39,8 +39,7 @@ pub use error::JobError;
 // The job config.
 pub use config::modes::{
     DeviceSetting, Driver, Dtype, KlMode, ModelSource, OldLogprobs, PlacementMode, RewardKind,
-    Schedule, Task, TimeShare,
-    UnparsedVerdict, VerdictMode,
+    Schedule, Task, TimeShare, UnparsedVerdict, VerdictMode,
 };
 pub use config::placement::{NodeNames, PlacementSection, ROLES};
 // The config's modes that are `yatt-roles`' own enums.

@@ -83,7 +83,10 @@ async fn time_sharing_learns_bit_identically_and_frees_the_policy_during_generat
     let rewards: Vec<f64> = on.iter().map(|m| metric(m, names::REWARDS_MEAN)).collect();
     let first: f64 = rewards[..5].iter().sum::<f64>() / 5.0;
     let last: f64 = rewards[25..].iter().sum::<f64>() / 5.0;
-    assert!(last > first + 0.3, "first 5 steps {first:.3}, last 5 {last:.3}");
+    assert!(
+        last > first + 0.3,
+        "first 5 steps {first:.3}, last 5 {last:.3}"
+    );
     assert_same(&off, &on, "time_share = offload");
     let mean = |name: &str| on.iter().map(|m| metric(m, name)).sum::<f64>() / on.len() as f64;
     let policy = format!("{}policy", names::RESIDENT_BYTES_PREFIX);
@@ -185,7 +188,10 @@ fn roles_that_do_not_share_a_device_or_overlap_are_refused_naming_the_keys() {
     let e = common::load_demo(out.path(), &["placement.time_share=\"sleep\"".into()])
         .unwrap_err()
         .to_string();
-    assert!(e.contains("placement.time_share") && e.contains("offload"), "{e}");
+    assert!(
+        e.contains("placement.time_share") && e.contains("offload"),
+        "{e}"
+    );
     let e = common::load_demo(out.path(), &["placement.device_memory_gb=-1".into()])
         .unwrap_err()
         .to_string();

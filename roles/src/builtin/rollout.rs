@@ -618,7 +618,11 @@ impl Role for RolloutRole {
             Some(dev) if dev != m.device() => 0,
             _ => model_bytes(m),
         };
-        let cache = if self.generator.cache_ptr().is_some() { kv } else { 0 };
+        let cache = if self.generator.cache_ptr().is_some() {
+            kv
+        } else {
+            0
+        };
         ResourceProfile {
             resident_bytes: weights + cache,
             peak_extra_bytes: kv,
@@ -849,7 +853,10 @@ mod tests {
         assert!(r.profile().resident_bytes < loaded, "the KV cache is freed");
         r.load_weights(update(&mut other)).unwrap();
         assert_eq!(r.weights_version(), 0, "deferred until the reload");
-        assert!(r.serve(request()).is_err(), "an offloaded rollout refuses work");
+        assert!(
+            r.serve(request()).is_err(),
+            "an offloaded rollout refuses work"
+        );
         r.reload().unwrap();
         assert_eq!(r.weights_version(), 3);
         assert_eq!(generated(r.serve(request()).unwrap()), want);

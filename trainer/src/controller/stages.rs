@@ -47,7 +47,9 @@ impl Controller {
     pub(crate) async fn prepare(&mut self) -> Result<Prepared, ControllerError> {
         if self.config.time_share.is_some() {
             let mut one = prepare_time_shared(std::slice::from_mut(self)).await?;
-            return one.pop().ok_or_else(|| ControllerError::Config("no batch".into()));
+            return one
+                .pop()
+                .ok_or_else(|| ControllerError::Config("no batch".into()));
         }
         let t_step = Instant::now();
         let mut batch = self.gen_batch(self.step).await?;

@@ -102,7 +102,8 @@ impl Controller {
     ) -> Result<(), ControllerError> {
         let t = Instant::now();
         let before = self.resident(r, role).await?;
-        self.switch(r, RoleRequest::Offload, "offload", role).await?;
+        self.switch(r, RoleRequest::Offload, "offload", role)
+            .await?;
         let after = self.resident(r, role).await?;
         self.residency.offloaded(key, before, after);
         sw.resident.push((key.to_string(), before, after));
@@ -137,9 +138,19 @@ impl Controller {
 
     /// The rollout replicas this controller drives, with the keys that name them.
     fn rollout_keys(&self) -> Vec<(crate::controller::refs::RolloutRef, String)> {
-        let all = std::iter::once(self.roles.rollout.clone()).chain(self.roles.extra_rollouts.clone());
+        let all =
+            std::iter::once(self.roles.rollout.clone()).chain(self.roles.extra_rollouts.clone());
         all.enumerate()
-            .map(|(i, r)| (r, if i == 0 { "rollout".into() } else { format!("rollout_{i}") }))
+            .map(|(i, r)| {
+                (
+                    r,
+                    if i == 0 {
+                        "rollout".into()
+                    } else {
+                        format!("rollout_{i}")
+                    },
+                )
+            })
             .collect()
     }
 
@@ -150,7 +161,8 @@ impl Controller {
             let b = self.resident(&roles.reward, "reward").await?;
             self.residency.holds("reward", b);
         }
-        self.offload_role(&roles.policy, "policy", "policy", sw).await?;
+        self.offload_role(&roles.policy, "policy", "policy", sw)
+            .await?;
         if let Some(c) = &roles.critic {
             self.offload_role(c, "critic", "critic", sw).await?;
         }
@@ -176,7 +188,8 @@ impl Controller {
         for (r, key) in self.rollout_keys() {
             self.offload_role(&r, "rollout", &key, sw).await?;
         }
-        self.reload_role(&roles.policy, "policy", "policy", sw).await?;
+        self.reload_role(&roles.policy, "policy", "policy", sw)
+            .await?;
         if let Some(c) = &roles.critic {
             self.reload_role(c, "critic", "critic", sw).await?;
         }
