@@ -128,8 +128,19 @@ pub struct Trainer {
     pub config: TrainConfig,
     pub(crate) state: Vec<ParamState>,
     pub(crate) step: u64,
-    offloaded: Option<(Device, Vec<WeightBucket>)>,
+    offloaded: Option<Offloaded>,
     pending_losses: Vec<f64>,
+}
+
+/// What [`Trainer::offload`] moved to the host.
+struct Offloaded {
+    device: Device,
+    buckets: Vec<WeightBucket>,
+    /// The trainable parameters that had a gradient tensor (zero between steps): they
+    /// get a zero one back on reload, so that AdamW's step on a parameter no backward
+    /// of the next step reaches (its moments still move it) is the same as without
+    /// the offload.
+    had_grad: Vec<String>,
 }
 
 /// Sets `p`'s gradient to `g` (same shape), creating it when `p` has none yet.
@@ -520,12 +531,21 @@ impl Trainer {
     }
 
     /// Moves parameters and optimizer state to host byte buffers and drops the tensors
-    /// (device memory is released once nothing else holds them). Gradients are dropped.
+    /// (device memory is released once nothing else holds them). Gradients are dropped
+    /// (they are zero between steps); [`Trainer::reload`] gives a zero one back to each
+    /// parameter that had one, so training after a reload is bit-identical.
     pub fn offload(&mut self) -> Result<()> {
         if self.offloaded.is_some() {
             return Ok(());
         }
         let device = self.model.device();
+        let had_grad = self
+            .model
+            .parameters_mut()
+            .into_iter()
+            .filter(|(_, p)| p.grad().defined())
+            .map(|(n, _)| n)
+            .collect();
         let mut named: Vec<(String, Tensor)> = Vec::new();
         for (n, p) in self.model.all_parameters_mut() {
             named.push((format!("p.{n}"), p.detach()));
@@ -550,13 +570,22 @@ impl Trainer {
                 s.master = Some(empty(Kind::Float));
             }
         }
-        self.offloaded = Some((device, buckets));
+        self.offloaded = Some(Offloaded {
+            device,
+            buckets,
+            had_grad,
+        });
         Ok(())
     }
 
     /// Restores what [`Trainer::offload`] moved out, on the original device.
     pub fn reload(&mut self) -> Result<()> {
-        let Some((device, buckets)) = self.offloaded.take() else {
+        let Some(Offloaded {
+            device,
+            buckets,
+            had_grad,
+        }) = self.offloaded.take()
+        else {
             return Ok(());
         };
         let mut map = std::collections::HashMap::new();
@@ -579,6 +608,17 @@ impl Trainer {
             if s.master.is_some() {
                 s.master = Some(get(&format!("w.{}", s.name))?);
             }
+        }
+        // Zero gradients where there were gradients (a zero backward makes them).
+        let zero: Vec<Tensor> = self
+            .model
+            .parameters_mut()
+            .into_iter()
+            .filter(|(n, _)| had_grad.contains(n))
+            .map(|(_, p)| p.sum(Kind::Float))
+            .collect();
+        if !zero.is_empty() {
+            (Tensor::stack(&zero, 0).sum(Kind::Float) * 0.0).f_backward()?;
         }
         Ok(())
     }

@@ -25,6 +25,19 @@ pub const UPDATE_CRITIC_S: &str = "timing_s/update_critic";
 pub const WEIGHT_SYNC_S: &str = "timing_s/weight_sync";
 /// Bytes the last weight sync exported (the whole model, or LoRA adapters alone).
 pub const WEIGHT_SYNC_BYTES: &str = "perf/weight_sync_bytes";
+/// Seconds the step spent offloading roles between phases (`placement.time_share =
+/// "offload"`: the policy, critic and reference before generation, the rollout after it).
+pub const OFFLOAD_S: &str = "timing_s/offload";
+/// Seconds the step spent reloading roles between phases (`placement.time_share =
+/// "offload"`), the weight sync a reloaded rollout applies included.
+pub const RELOAD_S: &str = "timing_s/reload";
+/// Prefix of the bytes a role holds in device tensors while it sits a phase out
+/// (`placement.time_share = "offload"`, measured after its offload): the rest of the
+/// name is the role (`perf/resident_bytes/policy` is the policy's during generation).
+pub const RESIDENT_BYTES_PREFIX: &str = "perf/resident_bytes/";
+/// Prefix of the bytes a role held in device tensors just before its offload (its
+/// loaded size, what a reload needs room for): the rest of the name is the role.
+pub const RESIDENT_BYTES_LOADED_PREFIX: &str = "perf/resident_bytes_loaded/";
 /// Wall seconds of the whole step.
 pub const STEP_S: &str = "timing_s/step";
 /// Wall seconds of the step as the live placement measures it (including migrations).

@@ -39,7 +39,7 @@ pub use error::JobError;
 // The job config.
 pub use config::modes::{
     DeviceSetting, Driver, Dtype, KlMode, ModelSource, OldLogprobs, PlacementMode, RewardKind,
-    Schedule, Task, UnparsedVerdict, VerdictMode,
+    Schedule, Task, TimeShare, UnparsedVerdict, VerdictMode,
 };
 pub use config::placement::{NodeNames, PlacementSection, ROLES};
 // The config's modes that are `yatt-roles`' own enums.
@@ -62,7 +62,7 @@ pub use controller::extra_stages::{ExtraStage, StageAt};
 // Controllers and the ledger.
 pub use controller::config::{
     ControllerConfig, DynamicSamplingConfig, KlPenalty, OverlongConfig, PartialRolloutConfig,
-    Timeouts,
+    TimeShareConfig, Timeouts,
 };
 pub use controller::core::Controller;
 pub use controller::data_parallel::{join_policy_ring, step_data_parallel};

@@ -202,7 +202,12 @@ impl Role for CriticRole {
     }
 
     fn profile(&self) -> ResourceProfile {
-        let w = model_bytes(&self.trainer.model);
+        // Offloaded, its parameters are empty placeholders (which `model_bytes`, splitting
+        // the fused matrices, cannot read): it holds nothing on the device.
+        let w = match self.trainer.is_offloaded() {
+            true => 0,
+            false => model_bytes(&self.trainer.model),
+        };
         ResourceProfile {
             resident_bytes: w * 4,
             peak_extra_bytes: w,

@@ -827,7 +827,12 @@ impl Role for PolicyRole {
     }
 
     fn profile(&self) -> ResourceProfile {
-        let w = crate::builtin::scoring::model_bytes(&self.trainer.model);
+        // Offloaded, its parameters are empty placeholders (which `model_bytes`, splitting
+        // the fused matrices, cannot read): it holds nothing on the device.
+        let w = match self.trainer.is_offloaded() {
+            true => 0,
+            false => crate::builtin::scoring::model_bytes(&self.trainer.model),
+        };
         // Weights + gradients + two f32 Adam moments (+ f32 master weights when the
         // model is not f32, ignored here).
         ResourceProfile {

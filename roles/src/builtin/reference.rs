@@ -45,8 +45,13 @@ impl Role for ReferenceRole {
     }
 
     fn profile(&self) -> ResourceProfile {
+        // Offloaded from a GPU, its weights are on the host: it holds nothing there.
+        let resident = match self.offloaded_from {
+            Some(dev) if dev != self.model.device() => 0,
+            _ => model_bytes(&self.model),
+        };
         ResourceProfile {
-            resident_bytes: model_bytes(&self.model),
+            resident_bytes: resident,
             peak_extra_bytes: 0,
             offloadable: true,
             needs_gpu: false,

@@ -294,6 +294,9 @@ pub struct RolloutRole {
     codec: Arc<dyn TextCodec>,
     version: u64,
     offloaded_from: Option<tch::Device>,
+    /// Weight syncs that arrived while offloaded, in order: applied on reload (so
+    /// the weights do not come back to the device while another role has it).
+    deferred: Vec<WeightsUpdate>,
     /// With an environment, every sample is a multi-turn episode.
     env: Option<EnvSettings>,
 }
@@ -307,6 +310,7 @@ impl RolloutRole {
             codec,
             version: 0,
             offloaded_from: None,
+            deferred: Vec::new(),
             env: None,
         }
     }
@@ -607,9 +611,21 @@ impl Role for RolloutRole {
             * cfg.max_seq_len as i64
             * c.num_key_value_heads
             * c.head_dim;
+        let kv = kv.max(0) as u64 * m.kind().elt_size_in_bytes() as u64;
+        // What it holds now on its device: the weights unless offloaded to the host
+        // (on a CPU device they stay where they are), and the KV cache once allocated.
+        let weights = match self.offloaded_from {
+            Some(dev) if dev != m.device() => 0,
+            _ => model_bytes(m),
+        };
+        let cache = if self.generator.cache_ptr().is_some() {
+            kv
+        } else {
+            0
+        };
         ResourceProfile {
-            resident_bytes: model_bytes(m),
-            peak_extra_bytes: kv.max(0) as u64 * m.kind().elt_size_in_bytes() as u64,
+            resident_bytes: weights + cache,
+            peak_extra_bytes: kv,
             offloadable: true,
             needs_gpu: false,
         }
@@ -647,10 +663,37 @@ impl Role for RolloutRole {
         if let Some(dev) = self.offloaded_from.take() {
             self.generator.model_mut().to_device(dev);
         }
+        // The weight syncs that arrived while offloaded, in their order, now that the
+        // weights are back on the device (an in-process snapshot is adopted there).
+        for update in std::mem::take(&mut self.deferred) {
+            self.apply_weights(update)?;
+        }
         Ok(())
     }
 
     fn load_weights(&mut self, update: WeightsUpdate) -> Result<(), RoleError> {
+        if self.offloaded_from.is_some() {
+            // A whole in-process snapshot replaces every weight: the earlier deferred
+            // updates are moot. Buckets may carry part of the weights (adapters): keep
+            // them all, in order.
+            if update.local.is_some() {
+                self.deferred.clear();
+            }
+            self.deferred.push(update);
+            return Ok(());
+        }
+        self.apply_weights(update)
+    }
+}
+
+impl RolloutRole {
+    /// The policy version of the weights it generates with (a weight sync deferred
+    /// while offloaded counts once applied, on reload).
+    pub fn weights_version(&self) -> u64 {
+        self.version
+    }
+
+    fn apply_weights(&mut self, update: WeightsUpdate) -> Result<(), RoleError> {
         // Through the generator, not `model_mut`: that would pack the weights a second
         // time before the next generation (adopting or copying already repacks them).
         if let Some(local) = &update.local {
@@ -765,5 +808,57 @@ mod tests {
             }))
             .unwrap_err();
         assert!(e.to_string().contains("nothing to continue"), "{e}");
+    }
+
+    /// A weight sync into an offloaded rollout waits for the reload, then applies: the
+    /// reloaded rollout generates what a rollout that took the weights at once does,
+    /// and offloading frees the KV cache.
+    #[test]
+    fn a_weight_sync_while_offloaded_applies_on_reload() {
+        let other = Llama::random(tiny_config(), Device::Cpu, Kind::Float, 8).unwrap();
+        let update = |m: &mut Llama| WeightsUpdate {
+            version: 3,
+            buckets: Vec::new(),
+            local: Some(crate::role::LocalWeights::new(m.weights_snapshot())),
+        };
+        let mut other = other;
+        let request = || {
+            RolloutRequest::Generate(GenerateRequest {
+                step: 0,
+                prompts: vec![Prompt {
+                    id: 1,
+                    text: "abc".into(),
+                    reference: None,
+                    metadata: serde_json::Value::Null,
+                    messages: Vec::new(),
+                }],
+                n: 3,
+                params: SamplingParams {
+                    max_new_tokens: 4,
+                    ignore_eos: true,
+                    ..Default::default()
+                },
+                seed: 9,
+            })
+        };
+        let mut direct = role();
+        direct.load_weights(update(&mut other)).unwrap();
+        let want = generated(direct.serve(request()).unwrap());
+
+        let mut r = role();
+        let before = generated(r.serve(request()).unwrap());
+        assert_ne!(before, want, "the two models should differ");
+        let loaded = r.profile().resident_bytes;
+        r.offload().unwrap();
+        assert!(r.profile().resident_bytes < loaded, "the KV cache is freed");
+        r.load_weights(update(&mut other)).unwrap();
+        assert_eq!(r.weights_version(), 0, "deferred until the reload");
+        assert!(
+            r.serve(request()).is_err(),
+            "an offloaded rollout refuses work"
+        );
+        r.reload().unwrap();
+        assert_eq!(r.weights_version(), 3);
+        assert_eq!(generated(r.serve(request()).unwrap()), want);
     }
 }

@@ -7,10 +7,11 @@ use yatt_roles::{Dataloader, GaeConfig, OffPolicyConfig, Prompt};
 
 use crate::build::data::prompts;
 use crate::build::parts::kl_term;
-use crate::config::modes::{Driver, KlMode};
+use crate::config::modes::{Driver, KlMode, TimeShare};
 use crate::config::sections::JobConfig;
 use crate::controller::config::{
     ControllerConfig, DynamicSamplingConfig, KlPenalty, OverlongConfig, PartialRolloutConfig,
+    TimeShareConfig,
 };
 use crate::controller::core::Controller;
 use crate::controller::refs::{PolicyRef, RoleRefs, RolloutRef};
@@ -64,6 +65,12 @@ pub(crate) fn controller_config(job: &JobConfig) -> ControllerConfig {
             cap: a.behaviour_cap,
         },
         logprob_diff_warn: r.logprob_diff_warn,
+        time_share: match job.placement.time_share {
+            TimeShare::Off => None,
+            TimeShare::Offload => Some(TimeShareConfig {
+                budget_bytes: (job.placement.device_memory_gb * (1u64 << 30) as f64) as u64,
+            }),
+        },
         ..Default::default()
     }
 }

@@ -173,6 +173,19 @@ config_mode! {
     }
 }
 
+config_mode! {
+    /// `placement.time_share`: whether colocated roles take turns with the device's
+    /// memory between the phases of a step (verl's and OpenRLHF's "sleep / wake").
+    TimeShare {
+        /// Every role keeps its memory all the time.
+        Off = "off",
+        /// Before generation the policy (and critic, and reference) move their state
+        /// to the host and the rollout comes back; after generation the rollout frees
+        /// its KV cache and moves its weights to the host, and the others come back.
+        Offload = "offload",
+    }
+}
+
 /// `model.source`: `tiny` (a random tiny Llama with a character codec) or an HF model
 /// directory. In TOML it is one string.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::modes::PlacementMode;
+use crate::config::modes::{PlacementMode, TimeShare};
 
 /// The roles of a job, by the key that places them.
 pub const ROLES: [&str; 4] = ["rollout", "policy", "reference", "reward"];
@@ -45,6 +45,16 @@ pub struct PlacementSection {
     pub nodes: Vec<String>,
     /// Groups the rollout starts with (1 or `job.controllers`); the policy gets the rest.
     pub rollout_groups: usize,
+    /// `off` | `offload`: with `mode = "colocate"` (every role on one device), offload
+    /// the roles a phase does not use and reload them for the next (the policy's
+    /// optimizer state during generation, the rollout's KV cache and weights during
+    /// training). `off` by default: a CPU device gains nothing; GPU jobs whose roles do
+    /// not fit the device together turn it on.
+    pub time_share: TimeShare,
+    /// The device memory the colocated roles may hold together, GiB; a reload that
+    /// would go beyond it fails the step naming the role instead of running out of
+    /// memory. 0: unchecked.
+    pub device_memory_gb: f64,
     /// The placement policy's knobs (`[placement.replan]`: replan_every, warmup_steps,
     /// min_gain, confirmations, horizon_steps, payback, cooldown_steps,
     /// lookahead_steps, simulate_candidates, simulate_steps).
@@ -66,6 +76,8 @@ impl Default for PlacementSection {
             groups: 3,
             nodes: Vec::new(),
             rollout_groups: 1,
+            time_share: TimeShare::Off,
+            device_memory_gb: 0.0,
             replan: yatt_placement::PolicyConfig {
                 // The live executor trusts the analytic model: simulating candidates
                 // costs more than a CPU step.

@@ -6,7 +6,9 @@ use yatt_roles::{Algorithm, JudgeTemplate};
 
 use crate::config::checks::non_negative;
 use crate::config::checks::{invalid, only_with_kind, positive};
-use crate::config::modes::{Driver, KlMode, OldLogprobs, PlacementMode, RewardKind, Task};
+use crate::config::modes::{
+    Driver, KlMode, OldLogprobs, PlacementMode, RewardKind, Task, TimeShare,
+};
 use crate::config::placement::{NodeNames, PlacementSection};
 use crate::config::sections::JobConfig;
 use crate::error::JobError;
@@ -23,6 +25,7 @@ impl JobConfig {
         }
         self.placement
             .validate(j.policy_replicas, self.algorithm.name.needs_critic())?;
+        self.validate_time_share()?;
         if self.placement.live {
             self.validate_live()?;
         }
@@ -265,6 +268,42 @@ impl JobConfig {
                 "a non-empty set of characters",
                 "\"\"",
                 "e.g. letters = \"abcdefghij\"",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Time sharing (`placement.time_share = "offload"`): the roles must share one
+    /// device, and generation must not overlap training.
+    fn validate_time_share(&self) -> Result<(), JobError> {
+        let p = &self.placement;
+        non_negative("placement.device_memory_gb", p.device_memory_gb)?;
+        if p.time_share == TimeShare::Off {
+            return Ok(());
+        }
+        let found = "\"offload\"";
+        if p.mode != PlacementMode::Colocate {
+            return Err(invalid(
+                "placement.time_share",
+                "\"off\" with placement.mode = \"disaggregated\" (each role on its own node: nothing to share)",
+                found,
+                "set placement.time_share = \"off\", or placement.mode = \"colocate\" to put every role on one device",
+            ));
+        }
+        if p.live {
+            return Err(invalid(
+                "placement.time_share",
+                "\"off\" with placement.live = true (the rollout and the policy sit on device groups of their own)",
+                found,
+                "set placement.time_share = \"off\", or placement.live = false",
+            ));
+        }
+        if self.rollout.staleness > 0 {
+            return Err(invalid(
+                "placement.time_share",
+                "\"off\" with rollout.staleness >= 1 (generation overlaps training, so both need the device at once)",
+                &format!("{found} with rollout.staleness = {}", self.rollout.staleness),
+                "set rollout.staleness = 0 to take turns with the device, or placement.time_share = \"off\" to overlap generation and training",
             ));
         }
         Ok(())

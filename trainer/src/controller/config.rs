@@ -56,7 +56,7 @@ pub struct Timeouts {
     pub score: Duration,
     /// The policy update.
     pub train: Duration,
-    /// Weight export and load.
+    /// Weight export and load, and each offload or reload of time sharing.
     pub sync: Duration,
 }
 
@@ -70,6 +70,16 @@ impl Default for Timeouts {
             sync: m,
         }
     }
+}
+
+/// Time sharing of one device by colocated roles: the roles a phase does not use are
+/// offloaded for it (the policy, critic and reference during generation; the rollout
+/// during the rest of the step) and reloaded for the phase that needs them.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct TimeShareConfig {
+    /// Device bytes the roles may hold together: a reload that would go beyond it
+    /// fails the step naming the role. 0: unchecked.
+    pub budget_bytes: u64,
 }
 
 /// How a controller runs its steps.
@@ -111,6 +121,9 @@ pub struct ControllerConfig {
     pub devices: usize,
     /// Deadlines.
     pub timeouts: Timeouts,
+    /// Offload and reload roles between the phases of a step (`None`: every role keeps
+    /// its memory). Not with `staleness` ≥ 1: generation overlaps the update then.
+    pub time_share: Option<TimeShareConfig>,
 }
 
 impl Default for ControllerConfig {
@@ -132,6 +145,7 @@ impl Default for ControllerConfig {
             logprob_diff_warn: 0.0,
             devices: 1,
             timeouts: Timeouts::default(),
+            time_share: None,
         }
     }
 }

@@ -13,6 +13,7 @@ use crate::controller::error::ControllerError;
 use crate::controller::probe::GenProbe;
 use crate::controller::refs::{variant, RoleRefs, RolloutRef};
 use crate::controller::report::{ControllerState, StepMetrics, StepReport};
+use crate::controller::residency::Residency;
 use crate::ledger::{LedgerError, SampleLedger, Stage};
 use yatt_metrics::names;
 use yatt_roles::AdvantageEstimator;
@@ -45,6 +46,8 @@ pub struct Controller {
     pub(crate) warned_mismatch: std::sync::atomic::AtomicBool,
     /// A user's stages added to the step ([`Controller::with_extra_stages`]).
     pub(crate) extra: Vec<crate::controller::extra_stages::ExtraStage>,
+    /// Device bytes its roles hold, for time sharing's budget check.
+    pub(crate) residency: Residency,
 }
 
 /// A batch generated and rewarded, waiting for the step that trains it.
@@ -104,6 +107,11 @@ impl Controller {
                 "GAE (PPO) needs a critic role; set algorithm.name to grpo, rloo or reinforce++, or add the critic".into(),
             ));
         }
+        if config.time_share.is_some() && config.staleness > 0 {
+            return Err(ControllerError::Config(
+                "time sharing (placement.time_share = \"offload\") needs rollout.staleness = 0: with staleness >= 1 generation overlaps the update and both need the device at once".into(),
+            ));
+        }
         if let Some(d) = config.dynamic_sampling {
             if d.max_rounds == 0 {
                 return Err(ControllerError::Config(
@@ -125,6 +133,7 @@ impl Controller {
             pending: Default::default(),
             extra: Vec::new(),
             warned_mismatch: Default::default(),
+            residency: Residency::default(),
         })
     }
 

@@ -10,6 +10,7 @@ use crate::controller::core::Controller;
 use crate::controller::core::Prepared;
 use crate::controller::error::ControllerError;
 use crate::controller::report::StepReport;
+use crate::controller::time_share::prepare_time_shared;
 
 /// Runs one step of several controllers (data-parallel heads, each with its own shard
 /// and rollout): each prepares its samples; then either their one shared policy
@@ -54,6 +55,7 @@ pub async fn step_data_parallel(
         )));
     }
     let pipelined = first.config.staleness > 0;
+    let time_shared = first.config.time_share.is_some();
     let (prepared, train, secs, ahead) = if pipelined {
         // Each head takes its batch generated ahead; then the heads' updates and the
         // generation of their next batches run side by side.
@@ -91,9 +93,13 @@ pub async fn step_data_parallel(
             .collect();
         (prepared, train, secs, Some((carried, overlap, synced)))
     } else {
-        // The heads prepare concurrently: each drives its own rollout replica.
-        let prepared =
-            futures::future::try_join_all(controllers.iter_mut().map(|c| c.prepare())).await?;
+        // The heads prepare concurrently: each drives its own rollout replica (taking
+        // turns with the device in lockstep when time-shared).
+        let prepared = if time_shared {
+            prepare_time_shared(controllers).await?
+        } else {
+            futures::future::try_join_all(controllers.iter_mut().map(|c| c.prepare())).await?
+        };
         let t = Instant::now();
         let train = update(controllers, &prepared, replicated).await?;
         (prepared, train, t.elapsed().as_secs_f64(), None)

@@ -100,6 +100,20 @@ pub enum ControllerError {
         /// Groups seen and dropped.
         groups: usize,
     },
+    /// Reloading a role (time sharing) would take the device beyond its budget.
+    #[error("step {step}: reloading the {role} needs {need} bytes, and the roles on the device hold {in_use} bytes already: {} bytes in all, beyond the budget of {budget} bytes (placement.device_memory_gb); raise placement.device_memory_gb, shrink the batch or the model, or set placement.time_share = \"off\" on a device that holds every role", need + in_use)]
+    DeviceBudget {
+        /// The failing step, 1-based as the progress line numbers it.
+        step: u64,
+        /// The role to reload.
+        role: String,
+        /// Bytes it held before its offload.
+        need: u64,
+        /// Bytes the other roles hold now.
+        in_use: u64,
+        /// The budget.
+        budget: u64,
+    },
     /// The dataloader state could not be restored.
     #[error("restoring the controller: {0}")]
     Restore(#[source] DataError),

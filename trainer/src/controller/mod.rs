@@ -12,5 +12,7 @@ pub(crate) mod pipeline;
 pub(crate) mod probe;
 pub(crate) mod refs;
 pub(crate) mod report;
+pub(crate) mod residency;
 pub(crate) mod stages;
+pub(crate) mod time_share;
 pub(crate) mod weights;

@@ -16,6 +16,7 @@ use crate::controller::error::ControllerError;
 use crate::controller::extra_stages::StageAt;
 use crate::controller::refs::variant;
 use crate::controller::report::{StepMetrics, StepReport};
+use crate::controller::time_share::prepare_time_shared;
 use crate::ledger::{SampleLedger, Stage};
 use yatt_metrics::names;
 
@@ -44,6 +45,12 @@ impl Controller {
     /// Stages up to the update: generation and reward (repeated by dynamic sampling),
     /// reference, critic values, old log-probs, advantages.
     pub(crate) async fn prepare(&mut self) -> Result<Prepared, ControllerError> {
+        if self.config.time_share.is_some() {
+            let mut one = prepare_time_shared(std::slice::from_mut(self)).await?;
+            return one
+                .pop()
+                .ok_or_else(|| ControllerError::Config("no batch".into()));
+        }
         let t_step = Instant::now();
         let mut batch = self.gen_batch(self.step).await?;
         self.lost_rollouts.extend(batch.lost.drain(..));
