@@ -32,7 +32,7 @@ pack() {
     local tests
     tests=$( {
         cargo test --release --no-run -p yatt-engine --test devices --test train --message-format=json
-        cargo test --release --no-run -p yatt-trainer --test precision --message-format=json
+        cargo test --release --no-run -p yatt-trainer --test precision --test time_share --message-format=json
         cargo test --release --no-run -p yatt-collective --features nccl --tests --message-format=json
         cargo build --release -p yatt-collective --features nccl --example nccl_check --message-format=json
     } | python3 -c '
@@ -115,6 +115,8 @@ run() {
     # The device-generic bodies of engine/tests/train.rs (the others need the HF reference).
     step engine-train 120 "$bin/train" --test-threads=1 scores_match_generation training_reduces_loss offload_reload_buckets
     step trainer-precision 300 "$bin/precision" --test-threads=1 --nocapture
+    # model.device = auto puts the demo on cuda:0: offload moves the weights to the host.
+    step trainer-time-share 300 "$bin/time_share" --test-threads=1 --nocapture
     for t in "$bin"/nccl "$bin"/yatt_collective; do
         [ -x "$t" ] && step "collective-$(basename "$t")" 120 "$t" --test-threads=1
     done
@@ -125,6 +127,10 @@ run() {
     step bench-llama-1b 300 "$bin/yatt" bench gpu --device cuda --dtype bf16 --preset llama-1b \
         --batch 64 --train-batch 8 --train-seq 2048 --steps "$steps_gpu" --json "$OUT/bench-llama-1b.json"
 
+    # The decode step time with fewer new tokens (does the per-step time depend on them?).
+    step bench-decode-short 120 "$bin/yatt" bench gpu --device cuda --dtype bf16 \
+        --preset smollm2-135m --batch 64 --new-tokens 32 --train-batch 1 --train-seq 64 --steps 1 \
+        --json "$OUT/bench-decode-short.json"
     # Where a decode step's time goes (each phase waits for the GPU, so slower overall).
     step profile-decode 180 env YATT_PROFILE=1 "$bin/yatt" bench gpu --device cuda --dtype bf16 \
         --preset smollm2-135m --batch 64 --new-tokens 32 --train-batch 1 --train-seq 64 --steps 1 \
@@ -162,7 +168,7 @@ print(f"### GPU check, {gpu}, bundle commit {commit}, {datetime.date.today()}\n"
 print("Command: `bash scripts/gpu-check.sh pack` here, then `bash scripts/gpu-check.sh run` there.\n")
 print("| step | result | time |\n| --- | --- | --- |")
 print(open(f"{out}/steps.md").read())
-for name in ["bench-smollm2", "bench-llama-1b", "profile-decode"]:
+for name in ["bench-smollm2", "bench-llama-1b", "bench-decode-short", "profile-decode"]:
     try: b = json.load(open(f"{out}/{name}.json"))
     except Exception as e: print(f"\n{name}: no figures ({e})"); continue
     print(f"\n`{name}`:\n\n```json\n{json.dumps(b, indent=1)}\n```")
