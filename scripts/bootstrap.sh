@@ -11,7 +11,13 @@
 # checks.
 # Sourced into a user's shell, it must not leave strict mode behind: save the shell's
 # options and restore them at the end.
-_yatt_saved_opts="$(set +o)"
+# Not `$(set +o)`: a command substitution runs without errexit, so restoring its
+# output turned `set -e` off in every script that sourced this (test.sh went on past
+# failing tests and exited 0).
+_yatt_saved_opts=""
+case $- in *e*) ;; *) _yatt_saved_opts+="set +e;" ;; esac
+case $- in *u*) ;; *) _yatt_saved_opts+="set +u;" ;; esac
+[[ -o pipefail ]] || _yatt_saved_opts+="set +o pipefail;"
 set -euo pipefail
 YATT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$YATT_ROOT/.venv"

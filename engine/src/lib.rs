@@ -68,10 +68,6 @@ pub use model::{
     positions_from_mask, read_safetensors_dir, AdapterDir, Adapters, Attn, DecoderLayer, KvCache,
     Llama, LoraConfig, LoraPair, LoraTarget, ScalarHead, KV_BLOCK, LORA_SCALING_TENSOR,
 };
-pub mod profiling {
-    //! Opt-in phase timing (`YATT_PROFILE=1`).
-    pub use crate::profile::{enabled, mark, start, take};
-}
 pub use score::{SeqBatch, TokenScores};
 pub use tch;
 pub use tokenizer::{render_chat_template, ChatMessage, Tokenizer};

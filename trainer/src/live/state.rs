@@ -178,15 +178,22 @@ impl LivePlacement {
             .ok_or_else(|| placement_err(format!("{g} is not a group of the inventory")))
     }
 
-    /// The devices group `g` names: its CUDA ordinals on a node with GPUs, virtual
-    /// devices otherwise (they all run on the CPU).
+    /// The devices group `g` names: its CUDA ordinals when libtorch sees those GPUs here
+    /// and `model.device` allows a GPU, virtual devices otherwise (they run on the CPU:
+    /// the embedded inventory models GPUs that need not exist).
     pub(crate) fn device_group(&self, g: GroupId) -> DeviceGroup {
+        let gpus = match self.job.model.device {
+            crate::config::modes::DeviceSetting::Cpu => 0,
+            _ => yatt_engine::cuda_device_count(),
+        };
         match self.policy.inventory().group(g) {
-            Some(group) if group.cuda => DeviceGroup {
-                node: self.node.name().to_string(),
-                devices: group.devices.clone(),
-                cuda: true,
-            },
+            Some(group) if group.cuda && group.devices.iter().all(|&d| (d as usize) < gpus) => {
+                DeviceGroup {
+                    node: self.node.name().to_string(),
+                    devices: group.devices.clone(),
+                    cuda: true,
+                }
+            }
             _ => DeviceGroup {
                 node: self.node.name().to_string(),
                 devices: vec![g.0],
