@@ -17,11 +17,12 @@ use std::time::Instant;
 use serde::Serialize;
 use yatt_engine::{Llama, SamplingParams};
 use yatt_roles::{
-    GenerateRequest, Prompt, Role, RoleError, RolloutRequest, RolloutResponse, RolloutRole,
+    DeviceGroup, GenerateRequest, Prompt, Role, RoleError, RolloutRequest, RolloutResponse,
+    RolloutRole,
 };
 
 use crate::build::data::prompts;
-use crate::build::devices::{job_device, role_group};
+use crate::build::devices::{on_device, role_group};
 use crate::build::parts::{base_model, rollout_role};
 use crate::build::reward::reward_role;
 use crate::config::sections::JobConfig;
@@ -190,20 +191,20 @@ pub fn eval_prompts(job: &JobConfig, options: &EvalOptions) -> Result<Vec<Prompt
 pub(crate) fn answering_role(
     job: &JobConfig,
     checkpoint: Option<&Path>,
+    group: &DeviceGroup,
 ) -> Result<RolloutRole, EvalError> {
     let (base, codec, _) = base_model(job)?;
-    let (dev, kind) = (job_device(job, "eval")?, job.model.dtype.kind());
+    let dev = group.torch_device();
     let model = match checkpoint {
-        None => base.deep_copy(dev, kind),
+        None => on_device(job, base, dev)?,
         Some(dir) => {
             drop(base);
-            Llama::load(dir, dev, kind)
+            Llama::load(dir, dev, job.model.dtype.kind()).map_err(|e| JobError::Model {
+                source_desc: dir.display().to_string(),
+                reason: e.to_string(),
+            })?
         }
-    }
-    .map_err(|e| JobError::Model {
-        source_desc: checkpoint.map_or(job.model.source.to_string(), |d| d.display().to_string()),
-        reason: e.to_string(),
-    })?;
+    };
     Ok(rollout_role(job, model, codec))
 }
 
@@ -214,10 +215,9 @@ pub fn evaluate(job: &JobConfig, options: &EvalOptions) -> Result<EvalReport, Ev
     job.validate()?;
     let prompts = eval_prompts(job, options)?;
     let role = |stage: &'static str| move |source| EvalError::Role { stage, source };
-    let mut rollout = answering_role(job, options.checkpoint.as_deref())?;
-    rollout
-        .start(&role_group(job, "eval")?)
-        .map_err(role("generation"))?;
+    let group = role_group(job, "eval")?;
+    let mut rollout = answering_role(job, options.checkpoint.as_deref(), &group)?;
+    rollout.start(&group).map_err(role("generation"))?;
     let mut reward = reward_role(job)?;
     let r = &job.rollout;
     let t0 = Instant::now();

@@ -53,14 +53,18 @@ pub(crate) fn job_device(job: &JobConfig, node: &str) -> Result<Device, JobError
 /// and pad id (what a role built on a cluster node starts from).
 pub(crate) fn model_here(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, i64), JobError> {
     let (model, codec, pad_id) = base_model(job)?;
-    let dev = job_device(job, "this node")?;
+    let model = on_device(job, model, job_device(job, "this node")?)?;
+    Ok((model, codec, pad_id))
+}
+
+/// `model` on `dev` in the job's dtype; no copy when it is there already.
+pub(crate) fn on_device(job: &JobConfig, model: Llama, dev: Device) -> Result<Llama, JobError> {
     let kind = job.model.dtype.kind();
     if model.device() == dev && model.kind() == kind {
-        return Ok((model, codec, pad_id));
+        return Ok(model);
     }
-    let model = model.deep_copy(dev, kind).map_err(|e| JobError::Model {
+    model.deep_copy(dev, kind).map_err(|e| JobError::Model {
         source_desc: job.model.source.to_string(),
         reason: format!("moving it to {dev:?} in {kind:?}: {e}"),
-    })?;
-    Ok((model, codec, pad_id))
+    })
 }
