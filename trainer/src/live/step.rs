@@ -122,7 +122,7 @@ impl LivePlacement {
                 dead.join(", "),
                 hosted.join(", ")
             ),
-            fix: "live placement survives losing nodes that host only rollout replicas; a lost policy replica cannot be recovered: resume the run from its last checkpoint".into()}
+            fix: "live placement survives losing nodes that host only rollout replicas; a lost policy replica cannot be recovered: resume the run (see below for its last checkpoint)".into()}
     }
 
     /// Nodes whose groups are in the inventory but which the directory no longer lists
