@@ -80,6 +80,9 @@ impl LivePlacement {
         self.write_policy_log(step)?;
         let mut m = average(&reports);
         m.values.insert(names::STEP_WALL_S.into(), wall);
+        // The heads report their own (last) attempt; a step that recovered from a lost
+        // node took the whole wall time, detection and re-plan included.
+        m.values.insert(names::STEP_S.into(), wall);
         m.values
             .insert(names::PLACEMENT_PREDICTED_S.into(), predicted);
         if let Some(x) = no_move {
