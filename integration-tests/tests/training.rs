@@ -242,6 +242,93 @@ fn a_disaggregated_run_resumes_on_other_nodes_with_the_uninterrupted_metrics() {
     assert_roles_released(&cluster);
 }
 
+/// A node that hosts only stateless roles may die mid-run: `yatt train --cluster` spawns
+/// them again on a surviving node and runs the step again, and the run ends with the
+/// metrics of an undisturbed one, step for step (nothing was trained in a failed step,
+/// and sampling is seeded per sample). Here the rollout's node and later the reward's
+/// are killed with `kill -9` while the run goes on (not the directory leader's, ls-0,
+/// which is left as the spare).
+#[test]
+fn losing_the_rollout_and_reward_nodes_mid_run_respawns_them_and_changes_nothing() {
+    let mut cluster = Cluster::start("ls", 4);
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
+    let sets = [
+        "job.steps=40",
+        "placement.mode=disaggregated",
+        "placement.rollout=ls-3",
+        "placement.policy=ls-1",
+        "placement.reference=ls-1",
+        "placement.reward=ls-2",
+    ];
+    let quiet = tempfile::tempdir().unwrap();
+    cluster.yatt_train(config, &sets, quiet.path(), Duration::from_secs(120));
+
+    let out = tempfile::tempdir().unwrap();
+    let train = {
+        let mut cmd = std::process::Command::new(yatt_integration_tests::yatt_bin());
+        cmd.arg("train").arg(config);
+        for s in sets {
+            cmd.args(["--set", s]);
+        }
+        cmd.arg("--set")
+            .arg(format!("job.output_dir=\"{}\"", out.path().display()))
+            .args(["--cluster", &cluster.nodes[0].addr.to_string(), "--dev", "--certs"])
+            .arg(cluster.ca_dir())
+            .env("RUST_LOG", "warn")
+            .stdout(std::fs::File::create(out.path().join("train.log")).unwrap())
+            .stderr(std::fs::File::create(out.path().join("train.err")).unwrap())
+            .spawn()
+            .unwrap()
+    };
+    let mut train = ChildGuard(train);
+    let steps_done = |out: &Path| {
+        std::fs::read_to_string(out.join("metrics.jsonl"))
+            .map(|t| t.lines().count())
+            .unwrap_or(0)
+    };
+    let t0 = Instant::now();
+    for (victim, after) in [(3, 5), (2, 20)] {
+        let reached = yatt_integration_tests::poll(Duration::from_secs(60), || {
+            (steps_done(out.path()) >= after).then_some(())
+        });
+        assert!(reached.is_some(), "the run did not reach step {after}:\n{}", cluster_logs(&cluster));
+        cluster.nodes[victim].kill9();
+    }
+    let status = yatt_integration_tests::poll(Duration::from_secs(120), || train.0.try_wait().ok().flatten());
+    let printed = std::fs::read_to_string(out.path().join("train.log")).unwrap_or_default()
+        + &std::fs::read_to_string(out.path().join("train.err")).unwrap_or_default();
+    assert!(status.is_some_and(|s| s.success()), "{status:?}\n{printed}\n{}", cluster_logs(&cluster));
+    let lines = |dir: &Path| -> Vec<Vec<(String, String)>> {
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let mut m = deterministic_metrics(l);
+                m.retain(|(k, _)| !k.starts_with("recovery/"));
+                m
+            })
+            .collect()
+    };
+    let text = std::fs::read_to_string(out.path().join("metrics.jsonl")).unwrap();
+    let recovered: Vec<f64> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["recovery/respawned_roles"].as_f64())
+        .collect();
+    assert_eq!(recovered, [1.0, 1.0], "one role respawned after each kill:\n{printed}");
+    assert_eq!(lines(quiet.path()), lines(out.path()), "the disturbed run's trajectory differs");
+    eprintln!("2 node kills survived; 40 steps in {:.2?}", t0.elapsed());
+}
+
+/// Kills the child when the test ends, however it ends.
+struct ChildGuard(std::process::Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A node writes only under its data directory: a trainer whose run directory lies
 /// outside the policy node's is refused at the checkpoint, with the reason and the fix.
 #[test]

@@ -135,6 +135,9 @@ pub const PLACEMENT_PREDICTED_S: &str = "placement/predicted_s";
 pub const PLACEMENT_NO_MOVE_S: &str = "placement/no_move_s";
 /// Samples requeued onto another group (a lost node, a migration).
 pub const PLACEMENT_REQUEUED: &str = "placement/requeued";
+/// Roles a disaggregated step spawned again on surviving nodes after losing theirs
+/// (present only on a step that recovered).
+pub const RECOVERY_RESPAWNED: &str = "recovery/respawned_roles";
 /// Groups generating.
 pub const PLACEMENT_ROLLOUT_GROUPS: &str = "placement/rollout_groups";
 /// Groups training the policy.

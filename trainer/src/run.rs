@@ -12,7 +12,8 @@ use crate::config::modes::PlacementMode;
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::step_data_parallel;
-use crate::controller::report::StepMetrics;
+use crate::build::respawn::respawn_lost_roles;
+use crate::controller::report::{ControllerState, StepMetrics};
 use crate::error::JobError;
 use crate::live::state::LivePlacement;
 use yatt_metrics::names;
@@ -210,6 +211,12 @@ pub async fn train_with(
                 Ok(m) => record(&m),
                 Err(e) => Err(e),
             },
+            None if job.placement.mode == PlacementMode::Disaggregated => {
+                match step_surviving_node_loss(job, node, &mut controllers).await {
+                    Ok(m) => record(&m),
+                    Err(e) => Err(e),
+                }
+            }
             None => run_steps(&mut controllers, 1, record).await,
         };
         if let Err(e) = stepped {
@@ -237,6 +244,52 @@ pub async fn train_with(
         seconds,
         rewards,
     })
+}
+
+/// How often one step may lose stateless roles and run again before the run stops.
+const STEP_RECOVERIES: usize = 3;
+
+/// One step of a disaggregated run. A step that fails because a node hosting only
+/// stateless roles died runs again with those roles on surviving nodes (see
+/// [`respawn_lost_roles`]); its metrics then count the whole wall time and the roles
+/// respawned (`recovery/respawned_roles`).
+async fn step_surviving_node_loss(
+    job: &JobConfig,
+    node: &Node,
+    controllers: &mut [Controller],
+) -> Result<StepMetrics, JobError> {
+    let t = Instant::now();
+    let mut respawned = 0;
+    for attempt in 0.. {
+        let before: Vec<ControllerState> = controllers.iter().map(Controller::state).collect();
+        let mut done = None;
+        let stepped = run_steps(controllers, 1, |m| {
+            done = Some(m.clone());
+            Ok(())
+        })
+        .await;
+        let failed = match stepped {
+            Ok(()) => {
+                let mut m = done.expect("one step reports its metrics");
+                if respawned > 0 {
+                    m.values.insert(names::STEP_S.into(), t.elapsed().as_secs_f64());
+                    m.values.insert(names::RECOVERY_RESPAWNED.into(), respawned as f64);
+                }
+                return Ok(m);
+            }
+            Err(e) => e,
+        };
+        if attempt == STEP_RECOVERIES {
+            return Err(failed);
+        }
+        let moved = respawn_lost_roles(job, node, controllers, &before, &failed).await?;
+        if moved.is_empty() {
+            return Err(failed);
+        }
+        tracing::warn!(step = before.first().map_or(0, |s| s.step) + 1, error = %failed, moved = ?moved, "a node was lost; its roles run elsewhere and the step runs again");
+        respawned += moved.len();
+    }
+    unreachable!("the loop returns")
 }
 
 /// What a run that just failed can be resumed from: its last checkpoint and the command,

@@ -5,6 +5,7 @@ use yatt_roles::{
 };
 
 use yatt_runtime::ActorId;
+use yatt_runtime::CallError;
 
 use crate::controller::core::Controller;
 use crate::controller::error::replica_lost;
@@ -86,6 +87,12 @@ impl Controller {
                 Ok(other) => return Err(self.protocol("rollout", "LoadWeights", variant(&other))),
                 Err(e) if replica_lost(&e) && !self.spare_rollouts.is_empty() => {
                     tracing::warn!(step = self.step, replica = %r.id(), error = %e, "rollout lost at weight sync; its work goes to a spare replica");
+                    lost.push(r.id().clone());
+                }
+                // Gone with its node after the update: the step is complete, and the
+                // next one finds the replica lost and (on a cluster) spawns it again.
+                Err(e) if replica_lost(&e) && !matches!(e, CallError::Timeout { .. }) => {
+                    tracing::warn!(step = self.step, replica = %r.id(), error = %e, "rollout lost at weight sync with no spare; the next step replaces it");
                     lost.push(r.id().clone());
                 }
                 Err(e) => return Err(self.call("weight_sync", "rollout")(e)),
