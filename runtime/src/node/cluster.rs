@@ -133,10 +133,10 @@ impl Node {
                     Err(JoinFailure::Retry(e)) => last = e,
                     Err(JoinFailure::NameInUse(e)) => {
                         // The holder may be a crashed life of this node that the leader
-                        // has not declared dead yet: wait out one bound, no longer.
-                        let until =
+                        // has not declared dead yet: wait out one bound, no longer (a
+                        // holder still heard from after that is a live duplicate).
+                        deadline =
                             *name_deadline.get_or_insert(Instant::now() + bound + 2 * pause);
-                        deadline = deadline.max(until);
                         last = e;
                         break;
                     }
@@ -425,12 +425,22 @@ impl Node {
         }
         let _ = self.inner.shutdown.send(true);
         if self.is_leader() {
-            // The members see their leader leave and the next in line takes over.
+            // The members see their leader leave and the next in line takes over at
+            // once. Asked, not told: a told update still queued when the endpoint
+            // closes is lost, and the members would wait out the failure bound.
             if let Ok(Some(update)) = self.inner.directory.apply(Change::NodeDown {
                 node: self.name().to_string(),
                 reason: ExitReason::Normal,
             }) {
-                self.broadcast(update).await;
+                let within = self.inner.config.system_timeout;
+                let asks = self.alive_members().into_iter().map(|m| {
+                    let (node, update) = (self.clone(), update.clone());
+                    async move {
+                        node.system_call_within(&m, SysRequest::Update(update), within)
+                            .await
+                    }
+                });
+                futures::future::join_all(asks).await;
             }
         } else if self.is_member() {
             self.leave().await;

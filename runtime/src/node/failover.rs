@@ -123,6 +123,12 @@ impl Node {
         if self.lead().leader != depose || !self.is_member() || self.is_stopping() {
             return; // someone else's term came first, or this node was expelled
         }
+        if !announced && self.lock_detector().hears(depose, Instant::now()) {
+            // It spoke again while the others were asked (it had stalled, not died).
+            tracing::info!(node = %self.name(), leader = %depose, "the leader is heard again: not taking over");
+            self.lock_succession().settle();
+            return;
+        }
         self.take_over(depose).await;
     }
 

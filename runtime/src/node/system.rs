@@ -287,11 +287,16 @@ impl Node {
             .inner
             .directory
             .read(|d| judge_beat(self.name(), &lead, d, &beat));
-        if let Some(newer) = outcome.follow {
+        if let Some(newer) = outcome.follow.clone() {
             self.follow(newer);
         }
         if outcome.heard {
             self.lock_detector().heard(&beat.node, Instant::now());
+            let mut succession = self.lock_succession();
+            if beat.node == lead.leader && succession.in_progress() && outcome.follow.is_none() {
+                tracing::info!(node = %self.name(), leader = %lead.leader, "the leader is heard again");
+                succession.settle();
+            }
         }
         SysResponse::Beat(outcome.reply)
     }
