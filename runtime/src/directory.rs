@@ -586,10 +586,7 @@ mod tests {
             "a newer term needs a snapshot"
         );
         // The deposed leader's late update is ignored once the replica follows term 2.
-        let late = old
-            .apply(Change::ActorUp(id("a/r/0#9")))
-            .unwrap()
-            .unwrap();
+        let late = old.apply(Change::ActorUp(id("a/r/0#9"))).unwrap().unwrap();
         let h = DirectoryHandle::new();
         h.reset(replica.clone()).unwrap();
         assert_eq!(h.reset(new.clone()), Some(vec!["a".to_string()]));
@@ -625,7 +622,11 @@ mod tests {
             "a dead incarnation stays dead"
         );
         d.apply(Change::NodeUp(node("b", 6))).unwrap().unwrap();
-        assert_eq!(d.node("b").unwrap().joined, 4, "a new life joins at the back");
+        assert_eq!(
+            d.node("b").unwrap().joined,
+            4,
+            "a new life joins at the back"
+        );
     }
 
     #[tokio::test]

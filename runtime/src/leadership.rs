@@ -364,7 +364,10 @@ mod tests {
         let mut d = joined(&["a", "b"]);
         let ms = Duration::from_millis;
         assert_eq!(admit(&d, &node("c", 7), None, bound), Admission::Admit);
-        assert_eq!(admit(&d, &node("b", 1), Some(ms(10)), bound), Admission::Known);
+        assert_eq!(
+            admit(&d, &node("b", 1), Some(ms(10)), bound),
+            Admission::Known
+        );
         // Another life of b while b is heard from: refused, whatever its incarnation.
         assert_eq!(
             admit(&d, &node("b", 9), Some(ms(300)), bound),
@@ -374,9 +377,15 @@ mod tests {
             }
         );
         // b went silent past the bound (about to be declared dead): the new life joins.
-        assert_eq!(admit(&d, &node("b", 9), Some(ms(2001)), bound), Admission::Admit);
+        assert_eq!(
+            admit(&d, &node("b", 9), Some(ms(2001)), bound),
+            Admission::Admit
+        );
         down(&mut d, "b");
-        assert_eq!(admit(&d, &node("b", 9), Some(ms(1)), bound), Admission::Admit);
+        assert_eq!(
+            admit(&d, &node("b", 9), Some(ms(1)), bound),
+            Admission::Admit
+        );
         assert!(matches!(
             admit(&d, &node("b", 1), Some(ms(1)), bound),
             Admission::Dead { reason } if reason.contains("silent")
@@ -438,7 +447,10 @@ mod tests {
             Step::Await("b".into())
         );
         assert_eq!(s.awaiting(), Some("b"));
-        assert_eq!(s.tick(&d, "c", t0 + Duration::from_secs(3), patience), Step::Wait);
+        assert_eq!(
+            s.tick(&d, "c", t0 + Duration::from_secs(3), patience),
+            Step::Wait
+        );
         assert_eq!(
             s.tick(&d, "c", t0 + patience, patience),
             Step::TakeOver {

@@ -312,7 +312,11 @@ mod tests {
         let mut p = PauseDetector::new(Duration::from_millis(800));
         assert_eq!(p.tick(t0), None, "the first tick has nothing to compare");
         assert_eq!(p.tick(t0 + Duration::from_millis(100)), None);
-        assert_eq!(p.tick(t0 + Duration::from_millis(900)), None, "800 ms is not over");
+        assert_eq!(
+            p.tick(t0 + Duration::from_millis(900)),
+            None,
+            "800 ms is not over"
+        );
         assert_eq!(
             p.tick(t0 + Duration::from_millis(3900)),
             Some(Duration::from_secs(3))

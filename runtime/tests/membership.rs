@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 use yatt_runtime::{
-    Actor, ActorError, ActorRef, CallError, Context, Liveness, Membership, Node, NodeBuilder,
-    NodeError,
+    Actor, ActorError, ActorName, ActorRef, CallError, Context, Liveness, Membership, Node,
+    NodeBuilder, NodeError,
 };
 
 const T: Duration = Duration::from_secs(20);
@@ -144,6 +144,11 @@ fn sees_alive(viewer: &Node, node: &str, incarnation: u64) -> bool {
     })
 }
 
+/// Whether `viewer` resolves `name` to a live actor.
+fn resolves(viewer: &Node, name: &ActorName) -> bool {
+    viewer.directory().read(|d| d.resolve(name).is_some())
+}
+
 fn sees_dead(viewer: &Node, node: &str) -> bool {
     viewer.directory().read(|d| {
         d.node(node)
@@ -197,7 +202,10 @@ fn record_membership(node: &Node) -> tokio::task::JoinHandle<Vec<Membership>> {
     let mut rx = node.watch_membership();
     tokio::spawn(async move {
         let mut seen = Vec::new();
-        while tokio::time::timeout(T, rx.changed()).await.is_ok_and(|r| r.is_ok()) {
+        while tokio::time::timeout(T, rx.changed())
+            .await
+            .is_ok_and(|r| r.is_ok())
+        {
             let m = rx.borrow_and_update().clone();
             let done = m == Membership::Member;
             seen.push(m);
@@ -223,7 +231,7 @@ async fn a_member_frozen_past_the_bound_stops_its_actors_and_rejoins_as_a_new_in
     assert!(until(T, || sees_dead(&a.node, "fz-b")).await);
     eprintln!("frozen member declared dead after {:?}", frozen.elapsed());
     let name = summer.id().name.clone();
-    assert!(until(T, || a.node.directory().read(|d| d.resolve(&name).is_none())).await);
+    assert!(until(T, || !resolves(&a.node, &name)).await);
 
     // It wakes, learns it was declared dead, stops what it hosted and rejoins.
     let seen = tokio::time::timeout(T, changes).await.unwrap().unwrap();
@@ -349,18 +357,24 @@ async fn killing_the_leader_fails_over_to_the_oldest_member() {
     );
     // The old leader's actors went through the node-down path.
     let name = on_a.id().name.clone();
-    assert!(until(T, || driver.node.directory().read(|d| d.resolve(&name).is_none())).await);
+    assert!(until(T, || !resolves(&driver.node, &name)).await);
     // The actors on the others are still registered and serve.
-    assert!(c.node.directory().read(|d| d.resolve(&linked.id().name).is_some()));
+    assert!(resolves(&c.node, &linked.id().name));
     assert_eq!(ask(&driver, &linked, 1).await.unwrap(), 3);
 
     // The driver leaves through the new leader: its linked actor on c is released.
     driver.run(|n| async move { n.shutdown().await }).await;
-    assert!(until(T, || c.node.hosted().is_empty()).await, "{:?}", c.node.hosted());
+    assert!(
+        until(T, || c.node.hosted().is_empty()).await,
+        "{:?}",
+        c.node.hosted()
+    );
     assert!(until(T, || sees_dead(&b.node, "ko-driver")).await);
 
     // A new node joining through a follower is sent to the leader.
-    let late = Host::start(builder(&dir, "ko-late", Some(&c))).await.unwrap();
+    let late = Host::start(builder(&dir, "ko-late", Some(&c)))
+        .await
+        .unwrap();
     assert_eq!(late.node.leader(), "ko-b");
     let s = spawn_summer(&late, "ko-c").await;
     assert_eq!(ask(&late, &s, 4).await.unwrap(), 4);
@@ -401,7 +415,10 @@ async fn a_leader_frozen_past_the_bound_steps_down_and_rejoins() {
     // It wakes up leading term 1, hears of term 2, and rejoins under it.
     let seen = tokio::time::timeout(T, changes).await.unwrap().unwrap();
     assert!(
-        matches!(&seen[..], [Membership::Rejoining { .. }, Membership::Member]),
+        matches!(
+            &seen[..],
+            [Membership::Rejoining { .. }, Membership::Member]
+        ),
         "{seen:?}"
     );
     assert_eq!((a.node.leader().as_str(), a.node.term()), ("lf-b", 2));

@@ -1,10 +1,10 @@
 //! Building and starting a node: identity, listen address, seed, remote factories.
 
 use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
 use std::sync::{Arc, Mutex, RwLock};
 

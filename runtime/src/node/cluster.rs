@@ -11,10 +11,10 @@ use tokio::time::Instant;
 use super::config::NodeError;
 use super::protocol::{SysRequest, SysResponse};
 use super::state::{Hosted, Node};
-use crate::actor::ExitReason;
+use crate::actor::{CallError, ExitReason};
 use crate::addr::ActorName;
 use crate::directory::{Change, Directory, Liveness, Update};
-use crate::leadership::{Beat, BeatReply, Lead};
+use crate::leadership::{describe, Beat, BeatReply, Lead};
 use crate::membership::{FailureDetector, Membership};
 
 /// Redirects a join follows before it gives up on a seed.
@@ -135,8 +135,7 @@ impl Node {
                         // The holder may be a crashed life of this node that the leader
                         // has not declared dead yet: wait out one bound, no longer (a
                         // holder still heard from after that is a live duplicate).
-                        deadline =
-                            *name_deadline.get_or_insert(Instant::now() + bound + 2 * pause);
+                        deadline = *name_deadline.get_or_insert(Instant::now() + bound + 2 * pause);
                         last = e;
                         break;
                     }
@@ -159,7 +158,9 @@ impl Node {
                 .connect_seed(addr)
                 .await
                 .map_err(|e| JoinFailure::Retry(fail(e.to_string())))?;
-            if member == self.name() {
+            // Another process under this name goes on (it redirects, and the leader
+            // refuses the name); this very node cannot be its own seed.
+            if member == self.name() && addr == self.addr() {
                 return Err(JoinFailure::Final(fail(format!(
                     "{addr} is this node ({member}) itself; give the address of another member"
                 ))));
@@ -255,9 +256,7 @@ impl Node {
         let incarnation = self.incarnation();
         let dead = self.inner.directory.read(|d| {
             d.node(self.name()).and_then(|e| match &e.liveness {
-                Liveness::Dead(r) if e.info.incarnation == incarnation => {
-                    Some(crate::leadership::describe(r))
-                }
+                Liveness::Dead(r) if e.info.incarnation == incarnation => Some(describe(r)),
                 _ => None,
             })
         });
@@ -313,19 +312,33 @@ impl Node {
         });
         let targets: Vec<String> = if lead.leader == self.name() {
             self.alive_members()
-        } else if self.lock_succession().in_progress() {
-            // The leader is silent; the next one will announce itself.
-            Vec::new()
         } else {
-            vec![lead.leader.clone()]
+            let succession = self.lock_succession();
+            if succession.in_progress() {
+                // The leader is silent. The next in line answers with the new term once
+                // it leads (its replica may lack this node, so it might not call).
+                succession
+                    .awaiting()
+                    .map(String::from)
+                    .into_iter()
+                    .collect()
+            } else {
+                vec![lead.leader.clone()]
+            }
         };
         let within = self.inner.config.failure_timeout;
         for t in targets {
             let (node, beat, lead) = (self.clone(), beat.clone(), lead.clone());
             tokio::spawn(async move {
-                if let Ok(SysResponse::Beat(reply)) =
-                    node.system_call_within(&t, beat, within).await
-                {
+                let sent = Instant::now();
+                let mut reply = node.system_call_within(&t, beat.clone(), within).await;
+                // Lost with its connection (the peer closed it: it declared this node
+                // dead while it stood still): send it again at once, on a new one.
+                let lost = matches!(&reply, Err(NodeError::Call(CallError::Transport { .. })));
+                if lost && sent.elapsed() < node.inner.config.heartbeat_interval {
+                    reply = node.system_call_within(&t, beat, within).await;
+                }
+                if let Ok(SysResponse::Beat(reply)) = reply {
                     node.on_beat_reply(&t, &lead, reply);
                 }
             });
@@ -380,7 +393,8 @@ impl Node {
             let step = {
                 let dir = self.inner.directory.snapshot();
                 let patience = self.succession_patience();
-                self.lock_succession().tick(&dir, self.name(), now, patience)
+                self.lock_succession()
+                    .tick(&dir, self.name(), now, patience)
             };
             self.run_step(step);
         }

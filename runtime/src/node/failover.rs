@@ -66,8 +66,14 @@ impl Node {
         let step = {
             let dir = self.inner.directory.snapshot();
             let patience = self.succession_patience();
-            self.lock_succession()
-                .leader_lost(&dir, self.name(), leader, announced, Instant::now(), patience)
+            self.lock_succession().leader_lost(
+                &dir,
+                self.name(),
+                leader,
+                announced,
+                Instant::now(),
+                patience,
+            )
         };
         self.run_step(step);
     }
@@ -108,7 +114,9 @@ impl Node {
                     self.follow(lead);
                     return;
                 }
-                Vote::Clear { ahead: Some(member) } => {
+                Vote::Clear {
+                    ahead: Some(member),
+                } => {
                     // A member got updates the old leader sent before dying that this
                     // replica missed: start from its directory.
                     if let Ok(SysResponse::Directory(d)) =

@@ -281,7 +281,9 @@ impl Node {
                     tracing::info!(node = %node.name(), "directory change kept for the next leader");
                     node.keep_pending(change);
                 }
-                Err(e) => tracing::warn!(node = %node.name(), error = %e, "directory change not recorded"),
+                Err(e) => {
+                    tracing::warn!(node = %node.name(), error = %e, "directory change not recorded")
+                }
             }
         });
     }

@@ -10,9 +10,9 @@ use super::protocol::{SysRequest, SysResponse};
 use super::state::Node;
 use crate::actor::{CallError, ExitReason};
 use crate::addr::{ActorId, ActorName};
-use crate::directory::{Change, DirectoryError};
-use crate::leadership::{admit, judge_beat, Admission, Beat};
-use crate::membership::NodeInfo;
+use crate::directory::{Change, DirectoryError, Liveness};
+use crate::leadership::{admit, judge_beat, Admission, Beat, BeatReply, Lead};
+use crate::membership::{Membership, NodeInfo};
 use crate::message::{Message, Wire};
 use crate::transport::Target;
 
@@ -73,7 +73,7 @@ impl Node {
                 if update.term > lead.term {
                     // The first word of a new term (or a deposed leader's replica is
                     // behind): follow its leader, who sends its directory.
-                    self.follow(crate::leadership::Lead {
+                    self.follow(Lead {
                         term: update.term,
                         leader: from.to_string(),
                     });
@@ -128,7 +128,7 @@ impl Node {
                 if self.inner.stopping.load(Ordering::Acquire) {
                     return SysResponse::Error(format!("node {} is shutting down", self.name()));
                 }
-                if let crate::membership::Membership::Rejoining { reason } = self.membership() {
+                if let Membership::Rejoining { reason } = self.membership() {
                     return SysResponse::Error(format!(
                         "node {} is rejoining the cluster (it was declared dead: {reason}); spawn on it again once it has rejoined",
                         self.name()
@@ -191,7 +191,7 @@ impl Node {
     pub(super) fn redirect(&self) -> SysResponse {
         let mut lead = self.lead();
         if let Some(next) = self.lock_succession().awaiting() {
-            lead = crate::leadership::Lead {
+            lead = Lead {
                 term: lead.term + 1,
                 leader: next.to_string(),
             };
@@ -232,7 +232,25 @@ impl Node {
         let changes: Vec<Change> = match admission {
             Admission::Admit => {
                 tracing::info!(node = %info.name, incarnation = info.incarnation, "node joins");
-                vec![Change::NodeUp(info.clone())]
+                // An old life still listed alive (silent past the bound, not yet declared
+                // dead) goes through the node-down path first: its linked actors are
+                // released everywhere.
+                let old_alive = dir.read(|d| {
+                    d.node(&info.name)
+                        .is_some_and(|e| e.liveness == Liveness::Alive)
+                });
+                let mut changes = Vec::new();
+                if old_alive {
+                    changes.push(Change::NodeDown {
+                        node: info.name.clone(),
+                        reason: ExitReason::NodeDown(format!(
+                            "replaced by incarnation {}",
+                            info.incarnation
+                        )),
+                    });
+                }
+                changes.push(Change::NodeUp(info.clone()));
+                changes
             }
             Admission::Known => hosted
                 .into_iter()
@@ -280,7 +298,7 @@ impl Node {
     /// A heartbeat: judged by term and incarnation (see `crate::leadership::judge_beat`).
     fn handle_beat(&self, beat: Beat) -> SysResponse {
         if !self.is_member() {
-            return SysResponse::Beat(crate::leadership::BeatReply::Ok);
+            return SysResponse::Beat(BeatReply::Ok);
         }
         let lead = self.lead();
         let outcome = self
