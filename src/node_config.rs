@@ -57,6 +57,8 @@ pub struct NodeSection {
     pub mailbox_capacity: usize,
     /// Where to write `{"name","addr","http","pid"}` once serving (for scripts and tests).
     pub ready_file: Option<PathBuf>,
+    /// The only tree the node's roles write into for a peer (checkpoints).
+    pub data_dir: PathBuf,
 }
 
 impl Default for NodeSection {
@@ -69,6 +71,7 @@ impl Default for NodeSection {
             virtual_devices: 1,
             mailbox_capacity: 1024,
             ready_file: None,
+            data_dir: PathBuf::from("."),
         }
     }
 }
@@ -365,6 +368,7 @@ fn validate(f: NodeFile, origin: &dyn Fn(&str) -> String) -> Result<ResolvedNode
         mailbox_capacity: f.node.mailbox_capacity,
         drain_timeout: Duration::from_millis(f.transport.drain_timeout_ms),
         transport,
+        data_dir: f.node.data_dir,
         ..NodeConfig::default()
     };
     Ok(ResolvedNode {

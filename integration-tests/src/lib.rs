@@ -316,6 +316,10 @@ impl Cluster {
         if let Some(seed) = seed {
             cmd.arg("--seed").arg(seed.to_string());
         }
+        if !extra.contains(&"--data-dir") {
+            // Tests keep their runs in their own temporary directories.
+            cmd.arg("--data-dir").arg(std::env::temp_dir());
+        }
         cmd.args(extra);
         cmd
     }
@@ -409,15 +413,46 @@ impl Cluster {
     /// `timeout`, and returns what it printed; panics, with the nodes' logs, unless it
     /// succeeded.
     pub fn yatt_train(&self, config: &str, sets: &[&str], out: &Path, timeout: Duration) -> String {
-        let log = out.join("train.log");
+        let (ok, printed) = self.try_yatt_train(config, sets, out, timeout);
+        assert!(ok, "yatt train --cluster failed:\n{printed}\n{}", cluster_logs(self));
+        printed
+    }
+
+    /// [`Cluster::yatt_train`] that returns whether it succeeded and what it printed
+    /// (stdout, then stderr) instead of asserting.
+    pub fn try_yatt_train(
+        &self,
+        config: &str,
+        sets: &[&str],
+        out: &Path,
+        timeout: Duration,
+    ) -> (bool, String) {
         let mut cmd = Command::new(yatt_bin());
         cmd.arg("train").arg(config);
         for s in sets {
             cmd.args(["--set", s]);
         }
+        cmd.arg("--set")
+            .arg(format!("job.output_dir=\"{}\"", out.display()));
+        self.run_train(cmd, out, "train", timeout)
+    }
+
+    /// `yatt train --resume OUT --set ... --cluster SEED ...` (stdout in
+    /// `out/resume.log`): like [`Cluster::yatt_train`], for a run directory.
+    pub fn yatt_resume(&self, out: &Path, sets: &[&str], timeout: Duration) -> String {
+        let mut cmd = Command::new(yatt_bin());
+        cmd.arg("train").arg("--resume").arg(out);
+        for s in sets {
+            cmd.args(["--set", s]);
+        }
+        let (ok, printed) = self.run_train(cmd, out, "resume", timeout);
+        assert!(ok, "yatt train --resume --cluster failed:\n{printed}\n{}", cluster_logs(self));
+        printed
+    }
+
+    fn run_train(&self, mut cmd: Command, out: &Path, log: &str, timeout: Duration) -> (bool, String) {
+        let (log, err) = (out.join(format!("{log}.log")), out.join(format!("{log}.err")));
         let mut child = cmd
-            .arg("--set")
-            .arg(format!("job.output_dir=\"{}\"", out.display()))
             .arg("--cluster")
             .arg(self.nodes[0].addr.to_string())
             .arg("--dev")
@@ -425,17 +460,34 @@ impl Cluster {
             .arg(self.ca_dir())
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
-            .stdout(std::fs::File::create(&log).expect("train.log"))
-            .stderr(Stdio::inherit())
+            .stdout(std::fs::File::create(&log).expect("train log"))
+            .stderr(std::fs::File::create(&err).expect("train stderr"))
             .spawn()
             .expect("start yatt train");
         let status = wait_or_kill(&mut child, timeout);
-        let printed = std::fs::read_to_string(&log).unwrap_or_default();
-        assert!(
-            status.is_some_and(|s| s.success()),
-            "yatt train --cluster: {status:?}\n{printed}\n{}",
-            cluster_logs(self)
-        );
-        printed
+        let printed = std::fs::read_to_string(&log).unwrap_or_default()
+            + &std::fs::read_to_string(&err).unwrap_or_default();
+        (status.is_some_and(|s| s.success()), format!("{status:?}\n{printed}"))
     }
+}
+
+/// A `metrics.jsonl` line without what depends on the machine's speed (timings,
+/// throughput, the wall clock), as sorted `(key, value)` pairs: what two runs of the
+/// same job with the same seed must agree on.
+pub fn deterministic_metrics(line: &str) -> Vec<(String, String)> {
+    let v: serde_json::Value = serde_json::from_str(line).expect("a metrics.jsonl line is JSON");
+    let mut out: Vec<(String, String)> = v
+        .as_object()
+        .expect("a metrics.jsonl line is an object")
+        .iter()
+        .filter(|(k, _)| {
+            !k.starts_with("timing_s/")
+                && !k.starts_with("perf/")
+                && k.as_str() != "async/overlap_s"
+                && k.as_str() != "time"
+        })
+        .map(|(k, v)| (k.clone(), v.to_string()))
+        .collect();
+    out.sort();
+    out
 }

@@ -5,10 +5,13 @@
 //! model, the letters task of `config/demo-letters.toml`.
 
 use std::collections::BTreeSet;
+use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use yatt_integration_tests::{assert_roles_released, cluster_logs, join, replica_weights, Cluster};
+use yatt_integration_tests::{
+    assert_roles_released, cluster_logs, deterministic_metrics, join, replica_weights, Cluster,
+};
 use yatt_runtime::Node;
 use yatt_trainer::Stage;
 use yatt_trainer::{build_cluster, NodeNames};
@@ -192,6 +195,79 @@ fn yatt_train_cluster_runs_the_demo_on_three_nodes() {
         .is_some());
     assert_roles_released(&cluster);
     eprintln!("yatt train --cluster: 4 steps, {:.2?} in all", t0.elapsed());
+}
+
+/// `--resume` of a disaggregated run (it was refused): the policy's trainer state, the
+/// controller's position and the rollout's weights come from the checkpoint, the
+/// reference stays the initial model, and the roles may land on other nodes. The
+/// resumed run's metrics equal an uninterrupted run's step for step.
+#[test]
+fn a_disaggregated_run_resumes_on_other_nodes_with_the_uninterrupted_metrics() {
+    let cluster = Cluster::start("rz", 4);
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
+    let on = |rollout: &str, policy: &str| {
+        vec![
+            "placement.mode=disaggregated".to_string(),
+            format!("placement.rollout={rollout}"),
+            format!("placement.policy={policy}"),
+            format!("placement.reference={policy}"),
+            "placement.reward=rz-2".to_string(),
+        ]
+    };
+    let with_steps = |steps: u64, place: Vec<String>| {
+        let mut v = vec![format!("job.steps={steps}")];
+        v.extend(place);
+        v
+    };
+    let full = tempfile::tempdir().unwrap();
+    let first = with_steps(6, on("rz-0", "rz-1"));
+    cluster.yatt_train(config, &borrow(&first), full.path(), Duration::from_secs(90));
+    let part = tempfile::tempdir().unwrap();
+    let interrupted = with_steps(3, on("rz-0", "rz-1"));
+    cluster.yatt_train(config, &borrow(&interrupted), part.path(), Duration::from_secs(90));
+    // The same run, continued with its rollout, policy and reference on other nodes.
+    let resumed = with_steps(6, on("rz-1", "rz-3"));
+    let printed = cluster.yatt_resume(part.path(), &borrow(&resumed), Duration::from_secs(90));
+    assert!(printed.contains("policy on rz-3"), "{printed}");
+    let lines = |dir: &Path| -> Vec<Vec<(String, String)>> {
+        std::fs::read_to_string(dir.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(deterministic_metrics)
+            .collect()
+    };
+    let (a, b) = (lines(full.path()), lines(part.path()));
+    assert_eq!(a.len(), 6);
+    assert_eq!(a, b, "a resumed disaggregated run differs from the uninterrupted one");
+    assert_roles_released(&cluster);
+}
+
+/// A node writes only under its data directory: a trainer whose run directory lies
+/// outside the policy node's is refused at the checkpoint, with the reason and the fix.
+#[test]
+fn a_node_refuses_to_write_a_checkpoint_outside_its_data_directory() {
+    let fenced = tempfile::tempdir().unwrap();
+    let fence = fenced.path().to_str().unwrap();
+    let cluster = Cluster::start_with("wd", &[&[], &["--data-dir", fence]]);
+    let out = tempfile::tempdir().unwrap();
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
+    let sets = [
+        "job.steps=1",
+        "placement.mode=disaggregated",
+        "placement.rollout=wd-0",
+        "placement.policy=wd-1",
+        "placement.reference=wd-0",
+        "placement.reward=wd-0",
+    ];
+    let (ok, printed) = cluster.try_yatt_train(config, &sets, out.path(), Duration::from_secs(60));
+    assert!(!ok, "{printed}");
+    assert!(
+        printed.contains("outside") && printed.contains("data directory") && printed.contains("--data-dir"),
+        "{printed}"
+    );
+    assert!(!std::fs::read_dir(out.path().join("checkpoint"))
+        .map(|mut d| d.any(|e| e.unwrap().file_name() != "run_state.json"))
+        .unwrap_or(false));
 }
 
 /// Asynchronous RL on the cluster: with `rollout.staleness = 1` the rollout node
@@ -471,4 +547,8 @@ async fn a_ppo_job_trains_with_its_critic_on_a_node() {
         t0.elapsed()
     );
     assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
+}
+
+fn borrow(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
 }

@@ -92,6 +92,9 @@ struct RunArgs {
     /// Write {"name","addr","http","pid"} here once serving (node.ready_file).
     #[arg(long)]
     ready_file: Option<PathBuf>,
+    /// The only directory roles write into for peers, e.g. checkpoints (node.data_dir).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
 }
 
 /// Parses the command line and runs it, with the roles `roles` registers.
@@ -160,6 +163,7 @@ async fn run(args: RunArgs, roles: Roles) -> Result<(), DaemonError> {
         "node.ready_file",
         args.ready_file.map(|p| p.display().to_string()),
     );
+    flag("node.data_dir", args.data_dir.map(|p| p.display().to_string()));
     let cfg = crate::node_config::load(args.config.as_deref(), &flags)
         .map_err(|e| DaemonError::Refused(e.to_string()))?;
 

@@ -54,6 +54,31 @@ impl RunState {
     }
 }
 
+/// Puts every controller at its position in the checkpoint `dir` and gives its rollout
+/// the restored policy's weights and version (the roles already hold their trainer
+/// state).
+pub(crate) async fn restore_controllers(
+    controllers: &mut [Controller],
+    dir: &Path,
+) -> Result<(), JobError> {
+    let state = RunState::read(dir)?;
+    if state.controllers.len() != controllers.len() {
+        return Err(JobError::Resume {
+            dir: dir.into(),
+            reason: format!(
+                "the checkpoint has {} controller(s) but the job has {}; resume with the same job.controllers and job.driver",
+                state.controllers.len(),
+                controllers.len(),
+            ),
+        });
+    }
+    for (c, s) in controllers.iter_mut().zip(state.controllers) {
+        c.restore(s)?;
+        c.sync_weights().await?;
+    }
+    Ok(())
+}
+
 /// Loads a checkpointed trainer onto `device` with weights in `kind` (its AdamW state
 /// and master weights stay f32).
 pub(crate) fn load_trainer(
@@ -119,7 +144,11 @@ pub(crate) async fn save(controllers: &[Controller], dir: &Path) -> Result<(), J
 
 /// Keys of a job that do not change a run's trajectory: a resumed run may change them.
 /// `job.output_dir` is where the run is, not what it does (`--resume DIR` sets it).
-const RESUMABLE_KEYS: [&str; 9] = [
+const RESUMABLE_KEYS: [&str; 13] = [
+    "timeouts.generate_s",
+    "timeouts.score_s",
+    "timeouts.train_s",
+    "timeouts.sync_s",
     "job.steps",
     "job.output_dir",
     "checkpoint.every",

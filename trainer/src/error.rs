@@ -89,6 +89,15 @@ pub enum JobError {
         /// What is wrong and how to fix it.
         reason: String,
     },
+    /// A step failed mid-run; `recovery` says what the run can be resumed from.
+    #[error("{source}\n{recovery}")]
+    Stopped {
+        /// Why the step failed.
+        source: Box<JobError>,
+        /// Whether and how to resume: the last checkpoint's step and the command, or
+        /// that none was saved.
+        recovery: String,
+    },
     /// Writing metrics or the checkpoint directory failed.
     #[error("{path}: {source}")]
     Write {

@@ -1,13 +1,13 @@
 //! Running a job: its steps, metrics and checkpoints.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 use yatt_metrics::{RunWriter, WriteError};
 use yatt_runtime::Node;
 
 use crate::build::embedded::{build_embedded_with, CustomRoles};
-use crate::checkpoint::{check_same_run, recover, save, JOB_FILE};
+use crate::checkpoint::{check_same_run, recover, save, RunState, JOB_FILE};
 use crate::config::modes::PlacementMode;
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
@@ -117,6 +117,12 @@ pub async fn train_with(
         path: out.clone(),
         source,
     })?;
+    // Roles on other nodes save into the checkpoint too: a relative path would land
+    // under each node's working directory instead of the run's.
+    let out = out.canonicalize().map_err(|source| JobError::Write {
+        path: out.clone(),
+        source,
+    })?;
     let checkpoint_dir = out.join("checkpoint");
     if resume {
         // Before job.toml is overwritten: it is the run's record of what it is.
@@ -136,33 +142,35 @@ pub async fn train_with(
         path: e.path,
         source: e.source,
     };
-    if job.placement.live && (resume || !options.roles.is_empty()) {
+    if job.placement.live && !options.roles.is_empty() {
         return Err(JobError::NotImplemented {
             key: "placement.live".into(),
             found: "true".into(),
             fix: format!(
-                "live placement builds and moves its own rollout and policy replicas, so it cannot take {}; resume and custom roles (every slot) work with placement.live = false",
-                if resume { "a resume".to_string() } else { format!("custom roles (slots {:?})", options.roles.slots()) }
+                "live placement builds and moves its own rollout and policy replicas, so it cannot take custom roles (slots {:?}); they work with placement.live = false",
+                options.roles.slots()
             ),
         });
     }
     // Live placement owns the heads and re-routes them between steps.
     let mut live = if job.placement.live {
-        Some(LivePlacement::build(job, node).await?)
+        let checkpoint = resume.then_some(checkpoint_dir.as_path());
+        Some(LivePlacement::build_from(job, node, checkpoint).await?)
     } else {
         None
     };
     let mut controllers = if live.is_some() {
         Vec::new()
     } else if job.placement.mode == PlacementMode::Disaggregated {
-        if resume || !options.roles.is_empty() {
+        if !options.roles.is_empty() {
             return Err(JobError::NotImplemented {
                 key: "placement.mode".into(),
                 found: job.placement.mode.to_string(),
-                fix: "a disaggregated build spawns every role itself on the nodes [placement] names; resume and custom roles (every slot) work with placement.mode = \"colocate\", where a custom role may still run on another node (spawn it there with Node::spawn_remote_linked, as examples/custom_role does)".into(),
+                fix: "a disaggregated build spawns every role itself on the nodes [placement] names; custom roles (every slot) work with placement.mode = \"colocate\", where a custom role may still run on another node (spawn it there with Node::spawn_remote_linked, as examples/custom_role does)".into(),
             });
         }
-        crate::build::cluster::build_cluster(job, node).await?
+        let checkpoint = resume.then_some(checkpoint_dir.as_path());
+        crate::build::cluster::build_cluster_from(job, node, checkpoint).await?
     } else {
         build_embedded_with(job, node, resume.then_some(out.as_path()), &options.roles).await?
     };
@@ -197,9 +205,18 @@ pub async fn train_with(
             });
             Ok::<(), JobError>(())
         };
-        match live.as_mut() {
-            Some(l) => record(&l.step().await?)?,
-            None => run_steps(&mut controllers, 1, record).await?,
+        let stepped = match live.as_mut() {
+            Some(l) => match l.step().await {
+                Ok(m) => record(&m),
+                Err(e) => Err(e),
+            },
+            None => run_steps(&mut controllers, 1, record).await,
+        };
+        if let Err(e) = stepped {
+            return Err(JobError::Stopped {
+                source: Box::new(e),
+                recovery: recovery_hint(&out, &checkpoint_dir, every),
+            });
         }
         if every > 0 && step % every == 0 && step < total {
             match &live {
@@ -220,4 +237,20 @@ pub async fn train_with(
         seconds,
         rewards,
     })
+}
+
+/// What a run that just failed can be resumed from: its last checkpoint and the command,
+/// or that it saved none and why.
+fn recovery_hint(out: &Path, checkpoint: &Path, every: u64) -> String {
+    match RunState::read(checkpoint) {
+        Ok(state) => format!(
+            "the last checkpoint is at step {}: continue with `yatt train --resume {}` (add --cluster ... for a cluster run)",
+            state.controllers.first().map_or(0, |c| c.step),
+            out.display()
+        ),
+        Err(_) if every == 0 => "no checkpoint was saved (checkpoint.every = 0 saves only at the end), so this run cannot be resumed; set checkpoint.every = N to save every N steps".into(),
+        Err(_) => format!(
+            "no checkpoint was saved yet (checkpoint.every = {every}), so this run cannot be resumed; start it again"
+        ),
+    }
 }

@@ -118,25 +118,6 @@ async fn the_demo_learns_at_staleness_1_and_2() {
     }
 }
 
-/// What must match between an interrupted run and an uninterrupted one: every metric
-/// but the clocks.
-fn deterministic(line: &str) -> Vec<(String, String)> {
-    let v: serde_json::Value = serde_json::from_str(line).unwrap();
-    let mut out: Vec<(String, String)> = v
-        .as_object()
-        .unwrap()
-        .iter()
-        .filter(|(k, _)| {
-            !k.starts_with("timing_s/")
-                && !k.starts_with("perf/")
-                && k.as_str() != names::OVERLAP_S
-                && k.as_str() != "time"
-        })
-        .map(|(k, v)| (k.clone(), v.to_string()))
-        .collect();
-    out.sort();
-    out
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_steps_then_resume_then_four_equal_eight_at_staleness_1() {
@@ -164,7 +145,7 @@ async fn four_steps_then_resume_then_four_equal_eight_at_staleness_1() {
     assert_eq!(a.len(), 8);
     assert_eq!(b.len(), 8);
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        assert_eq!(deterministic(x), deterministic(y), "step {}", i + 1);
+        assert_eq!(common::deterministic_metrics(x), common::deterministic_metrics(y), "step {}", i + 1);
     }
 }
 

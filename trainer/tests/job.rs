@@ -182,3 +182,32 @@ async fn resuming_into_the_directory_of_another_run_is_refused_naming_the_keys()
     assert_eq!(common::train_job(&same, true).await.unwrap().steps, 2);
     assert_eq!(metrics_lines(out.path()), 2);
 }
+
+/// `[timeouts]` reach the controller's calls: a generation deadline too short for any
+/// batch fails the step with the stage, the role and the deadline, and the error says
+/// what the run can be resumed from (here: the checkpoint of step 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_past_its_configured_deadline_fails_the_step_and_names_the_checkpoint() {
+    let out = tempfile::tempdir().unwrap();
+    let first = demo(out.path(), &["job.steps=2"]);
+    common::train_job(&first, false).await.unwrap();
+    let tight = demo(out.path(), &["job.steps=4", "timeouts.generate_s=1e-6"]);
+    let err = common::train_job(&tight, true).await.unwrap_err().to_string();
+    assert!(
+        err.contains("step 3") && err.contains("rollout") && err.contains("no reply"),
+        "{err}"
+    );
+    assert!(
+        err.contains("last checkpoint is at step 2") && err.contains("--resume"),
+        "{err}"
+    );
+    assert_eq!(metrics_lines(out.path()), 2, "nothing after the failed step is recorded");
+    // A run that saved nothing says so, and how to make it save.
+    let fresh = tempfile::tempdir().unwrap();
+    let none = demo(fresh.path(), &["job.steps=2", "timeouts.generate_s=1e-6"]);
+    let err = common::train_job(&none, false).await.unwrap_err().to_string();
+    assert!(err.contains("no checkpoint was saved") && err.contains("checkpoint.every"), "{err}");
+    // Deadlines must be positive.
+    let err = common::load_demo(out.path(), &["timeouts.train_s=0".to_string()]).unwrap_err();
+    assert!(err.to_string().contains("timeouts.train_s"), "{err}");
+}

@@ -85,9 +85,17 @@ impl Default for CriticConfig {
 pub struct CriticRole {
     trainer: Trainer,
     config: CriticConfig,
+    /// Checkpoints go only under this directory (a node's data directory).
+    write_root: Option<PathBuf>,
 }
 
 impl CriticRole {
+    /// Saves checkpoints only under `root` (see [`PolicyRole::with_write_root`](crate::PolicyRole::with_write_root)).
+    pub fn with_write_root(mut self, root: PathBuf) -> Self {
+        self.write_root = Some(root);
+        self
+    }
+
     /// A critic over `trainer`, whose model gets a zero-initialised `v_head` if it has
     /// no scalar head yet (a zero head makes the first advantages plain returns).
     pub fn new(mut trainer: Trainer, config: CriticConfig) -> Result<Self, RoleError> {
@@ -102,7 +110,11 @@ impl CriticRole {
             model.attach_head("v_head");
             trainer = Trainer::new(model, trainer.config);
         }
-        Ok(CriticRole { trainer, config })
+        Ok(CriticRole {
+            trainer,
+            config,
+            write_root: None,
+        })
     }
 
     fn train(&mut self, samples: Vec<Sample>) -> Result<CriticReport, RoleError> {
@@ -245,6 +257,7 @@ impl Role for CriticRole {
             }
             CriticRequest::Train(samples) => self.train(samples).map(CriticResponse::Trained),
             CriticRequest::SaveCheckpoint(dir) => {
+                super::write_root::check_under(self.write_root.as_deref(), &dir, "the critic's checkpoint")?;
                 self.trainer.save_checkpoint(&dir, None).map_err(|e| {
                     RoleError::Failed(format!(
                         "saving the critic checkpoint to {}: {e}",

@@ -295,6 +295,8 @@ pub struct PolicyRole {
     config: PolicyConfig,
     /// This replica's place in the gradient all-reduce (replicated policies only).
     ring: Option<RingMember>,
+    /// Checkpoints go only under this directory (a node's data directory).
+    write_root: Option<PathBuf>,
 }
 
 struct Micro {
@@ -460,6 +462,7 @@ impl PolicyRole {
             trainer,
             config,
             ring: None,
+            write_root: None,
         })
     }
 
@@ -467,6 +470,13 @@ impl PolicyRole {
     /// with its peers through `ring` (see [`PolicyRequest::TrainAllReduce`]).
     pub fn with_ring(mut self, ring: RingMember) -> Self {
         self.ring = Some(ring);
+        self
+    }
+
+    /// Saves checkpoints only under `root`: a node passes its data directory, so a
+    /// peer cannot make it write elsewhere.
+    pub fn with_write_root(mut self, root: PathBuf) -> Self {
+        self.write_root = Some(root);
         self
     }
 
@@ -911,6 +921,7 @@ impl Role for PolicyRole {
                 self.import_state(state).map(|_| PolicyResponse::Imported)
             }
             PolicyRequest::SaveCheckpoint(dir) => {
+                super::write_root::check_under(self.write_root.as_deref(), &dir, "the policy's checkpoint")?;
                 let tokenizer = self.config.tokenizer_dir.as_deref();
                 self.trainer.save_checkpoint(&dir, tokenizer).map_err(|e| {
                     RoleError::Failed(format!("saving a checkpoint to {}: {e}", dir.display()))

@@ -43,6 +43,12 @@ impl NodeBuilder {
         self.config.listen = addr;
         self
     }
+    /// The directory the node's actors may write into for peers (default: the
+    /// working directory).
+    pub fn data_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.config.data_dir = dir.into();
+        self
+    }
     /// Joins the cluster through this member.
     pub fn seed(mut self, addr: SocketAddr) -> Self {
         self.config.seed = Some(addr);
@@ -128,16 +134,23 @@ impl NodeBuilder {
                 cert: identity.node.clone(),
             });
         }
+        let mut config = self.config;
+        let data_dir = &config.data_dir;
+        config.data_dir = std::fs::create_dir_all(data_dir)
+            .and_then(|()| data_dir.canonicalize())
+            .map_err(|e| NodeError::DataDir {
+                path: data_dir.clone(),
+                reason: e.to_string(),
+            })?;
         let (hostname, host_id, cpu_cores, memory_bytes, devices) =
-            local_inventory(self.config.virtual_devices);
+            local_inventory(config.virtual_devices);
         let transport = Transport::bind(
             &identity,
-            self.config.listen,
+            config.listen,
             host_id.clone(),
-            self.config.transport.clone(),
+            config.transport.clone(),
         )?;
-        let mut addr = self
-            .config
+        let mut addr = config
             .advertise
             .unwrap_or_else(|| transport.local_addr());
         if addr.ip().is_unspecified() {
@@ -156,7 +169,7 @@ impl NodeBuilder {
         let (shutdown, _) = watch::channel(false);
         // The founding seed leads term 1; a joining node learns the lead from the join.
         let lead = Lead {
-            term: u64::from(self.config.seed.is_none()),
+            term: u64::from(config.seed.is_none()),
             leader: self.name.clone(),
         };
         let node = Node {
@@ -174,13 +187,13 @@ impl NodeBuilder {
                 electing: AtomicBool::new(false),
                 pending: Mutex::new(VecDeque::new()),
                 // A tick late by half a failure bound: this node stood still.
-                pause: Mutex::new(PauseDetector::new(self.config.failure_timeout / 2)),
-                detector: Mutex::new(FailureDetector::new(self.config.failure_timeout)),
+                pause: Mutex::new(PauseDetector::new(config.failure_timeout / 2)),
+                detector: Mutex::new(FailureDetector::new(config.failure_timeout)),
                 next_replica: AtomicU32::new(0),
                 in_flight: AtomicU64::new(0),
                 stopping: AtomicBool::new(false),
                 shutdown,
-                config: self.config,
+                config,
             }),
         };
         let weak = Arc::downgrade(&node.inner);

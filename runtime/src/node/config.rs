@@ -1,6 +1,7 @@
 //! A node's settings and errors.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::actor::CallError;
@@ -32,6 +33,9 @@ pub struct NodeConfig {
     pub drain_timeout: Duration,
     /// Transport settings.
     pub transport: TransportConfig,
+    /// The one directory tree the node's actors write into on a peer's behalf (e.g. a
+    /// checkpoint a trainer asks for). Made absolute when the node starts.
+    pub data_dir: PathBuf,
 }
 
 impl Default for NodeConfig {
@@ -47,6 +51,7 @@ impl Default for NodeConfig {
             system_timeout: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(10),
             transport: TransportConfig::default(),
+            data_dir: PathBuf::from("."),
         }
     }
 }
@@ -70,6 +75,14 @@ pub enum NodeError {
         config: String,
         /// The certificate's name.
         cert: String,
+    },
+    /// The data directory cannot be created or resolved.
+    #[error("data directory {path}: {reason}; pick a directory this process can create and write (node.data_dir, `--data-dir`)")]
+    DataDir {
+        /// The configured directory.
+        path: PathBuf,
+        /// What failed.
+        reason: String,
     },
     /// No identity was given: neither certificates nor dev mode.
     #[error("no node identity: give certificates (`identity`) or use dev mode (`dev_certs(DIR)`)")]

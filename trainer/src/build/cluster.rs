@@ -1,6 +1,7 @@
 //! A job whose roles run on other `yatt-node`s (`placement.mode = "disaggregated"`):
 //! the role factories a node registers, and the build that spawns roles there.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,15 +18,16 @@ use yatt_runtime::{ActorRef, CallError};
 use yatt_runtime::{Node, NodeBuilder, NodeError};
 
 use crate::build::devices::{model_here, role_group};
-use crate::build::heads::controllers;
+use crate::build::heads::{controllers, job_timeouts};
 use crate::build::parts::{
-    critic_role, env_settings, policy_ring, policy_role, reference_role, rollout_role_with_envs,
+    critic_role, env_settings, policy_ring, policy_role, policy_role_from, reference_role,
+    rollout_role_with_envs,
 };
+use crate::checkpoint::{load_trainer, restore_controllers};
 use crate::build::reward::reward_role;
 use crate::config::checks::invalid;
 use crate::config::modes::{PlacementMode, Task};
 use crate::config::sections::JobConfig;
-use crate::controller::config::Timeouts;
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::join_policy_ring;
 use crate::controller::error::ControllerError;
@@ -45,6 +47,9 @@ pub struct RoleArgs {
     pub job: String,
     /// The node the role runs on.
     pub node: String,
+    /// A resumed run's checkpoint (absolute): the policy and the critic load their
+    /// trainer state (weights, AdamW moments, step) from it instead of starting fresh.
+    pub checkpoint: Option<PathBuf>,
 }
 
 /// Registers the built-in roles (rollout, policy, reference, reward, critic) as factories that
@@ -80,6 +85,7 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
             let replicated = JobConfig::parse(&a.job, "the job config sent by the controller", &[])
                 .is_ok_and(|job| job.job.policy_replicas > 1);
             let ring_on = replicated.then(|| (node.clone(), name.replica));
+            let root = node.config().data_dir.clone();
             async move {
                 let ring = match ring_on {
                     Some((node, replica)) => {
@@ -87,9 +93,17 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
                     }
                     None => None,
                 };
+                let checkpoint = a.checkpoint.clone();
                 start_role(a, "policy", move |job| {
                     let (model, _, pad_id) = model_here(job)?;
-                    let role = policy_role(job, model, pad_id)?;
+                    let role = match checkpoint {
+                        Some(dir) => {
+                            let trainer = load_trainer(&dir, "policy", model.device(), model.kind())?;
+                            policy_role_from(job, trainer, pad_id)?
+                        }
+                        None => policy_role(job, model, pad_id)?,
+                    }
+                    .with_write_root(root);
                     Ok(match ring {
                         Some(r) => role.with_ring(r),
                         None => role,
@@ -107,10 +121,21 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
         .factory_async("reward", |a: RoleArgs| {
             start_role(a, "reward", JobReward::of)
         })
-        .factory_async("critic", |a: RoleArgs| {
-            start_role(a, "critic", |job| {
+        .factory_with_node("critic", |node: &Node, _: &ActorName, a: RoleArgs| {
+            let root = node.config().data_dir.clone();
+            let checkpoint = a.checkpoint.clone();
+            start_role(a, "critic", move |job| {
                 let (model, _, pad_id) = model_here(job)?;
-                critic_role(job, model, None, pad_id)
+                let trainer = match checkpoint {
+                    Some(dir) => Some(load_trainer(
+                        &dir.join("critic"),
+                        "critic",
+                        model.device(),
+                        model.kind(),
+                    )?),
+                    None => None,
+                };
+                Ok(critic_role(job, model, trainer, pad_id)?.with_write_root(root))
             })
         })
 }
@@ -216,10 +241,12 @@ pub(crate) async fn spawn<Req: Message, Resp: Message>(
     node: &Node,
     role: &'static str,
     target: &str,
+    checkpoint: Option<&Path>,
 ) -> Result<ActorRef<RoleRequest<Req>, RoleResponse<Resp>>, ControllerError> {
     let args = RoleArgs {
         job: text.to_string(),
         node: target.to_string(),
+        checkpoint: checkpoint.map(Path::to_path_buf),
     };
     let timeout = Duration::from_secs(job.placement.spawn_timeout_s);
     node.spawn_remote_linked(target, role, &args, timeout)
@@ -242,6 +269,18 @@ pub(crate) async fn spawn<Req: Message, Resp: Message>(
 /// the first replica's initial weights, joins the replicas' gradient all-reduce ring,
 /// and returns one controller per rollout, driving the roles over QUIC.
 pub async fn build_cluster(job: &JobConfig, node: &Node) -> Result<Vec<Controller>, JobError> {
+    build_cluster_from(job, node, None).await
+}
+
+/// [`build_cluster`], resuming from `checkpoint` when given (a run's, absolute, readable
+/// by the policy's and critic's nodes): those roles load their trainer state from it,
+/// the controllers take their positions from it and the rollouts the restored weights;
+/// the reference stays the initial model.
+pub(crate) async fn build_cluster_from(
+    job: &JobConfig,
+    node: &Node,
+    checkpoint: Option<&Path>,
+) -> Result<Vec<Controller>, JobError> {
     job.validate()?;
     let p = &job.placement;
     if p.mode != PlacementMode::Disaggregated {
@@ -259,7 +298,7 @@ pub async fn build_cluster(job: &JobConfig, node: &Node) -> Result<Vec<Controlle
     let rollouts = async {
         let mut v = Vec::with_capacity(job.job.controllers);
         for _ in 0..job.job.controllers {
-            v.push(spawn(job, &text, node, "rollout", &p.rollout).await?);
+            v.push(spawn(job, &text, node, "rollout", &p.rollout, None).await?);
         }
         Ok::<Vec<RolloutRef>, ControllerError>(v)
     };
@@ -267,22 +306,26 @@ pub async fn build_cluster(job: &JobConfig, node: &Node) -> Result<Vec<Controlle
     let policies = futures::future::try_join_all(
         policy_nodes
             .iter()
-            .map(|target| spawn(job, &text, node, "policy", target)),
+            .map(|target| spawn(job, &text, node, "policy", target, checkpoint)),
     );
     let critic = async {
         match ppo {
-            true => Ok(Some(spawn(job, &text, node, "critic", &p.critic).await?)),
+            true => Ok(Some(
+                spawn(job, &text, node, "critic", &p.critic, checkpoint).await?,
+            )),
             false => Ok::<_, ControllerError>(None),
         }
     };
     let (rollouts, reward, reference, policies, critic) = tokio::try_join!(
         rollouts,
-        spawn(job, &text, node, "reward", &p.reward),
-        spawn(job, &text, node, "reference", &p.reference),
+        spawn(job, &text, node, "reward", &p.reward, None),
+        spawn(job, &text, node, "reference", &p.reference, None),
         policies,
         critic,
     )?;
-    initial_weight_sync(&policies, &rollouts, &reference, Timeouts::default().sync).await?;
+    // A resumed reference stays the initial model (it is rebuilt from model.source).
+    let fresh_reference = checkpoint.is_none().then_some(&reference);
+    initial_weight_sync(&policies, &rollouts, fresh_reference, job_timeouts(job).sync).await?;
     let shared = RoleRefs {
         rollout: rollouts[0].clone(),
         extra_rollouts: Vec::new(),
@@ -295,6 +338,9 @@ pub async fn build_cluster(job: &JobConfig, node: &Node) -> Result<Vec<Controlle
     let mut controllers = controllers(job, shared, rollouts, per_head)?;
     if replicas > 1 {
         join_policy_ring(&mut controllers, RING_CHUNK_BYTES).await?;
+    }
+    if let Some(dir) = checkpoint {
+        restore_controllers(&mut controllers, dir).await?;
     }
     Ok(controllers)
 }
@@ -347,7 +393,7 @@ pub(crate) fn job_text(job: &JobConfig) -> Result<String, JobError> {
 pub(crate) async fn initial_weight_sync(
     policies: &[PolicyRef],
     rollouts: &[RolloutRef],
-    reference: &SamplesRef,
+    reference: Option<&SamplesRef>,
     timeout: Duration,
 ) -> Result<(), ControllerError> {
     const STAGE: &str = "initial_weight_sync";
@@ -381,6 +427,9 @@ pub(crate) async fn initial_weight_sync(
             .map_err(call("policy"))?;
         loaded(answer, "policy")?;
     }
+    let Some(reference) = reference else {
+        return Ok(());
+    };
     let answer = reference
         .ask(RoleRequest::LoadWeights(update), timeout)
         .await

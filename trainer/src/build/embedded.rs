@@ -12,7 +12,7 @@ use crate::build::parts::{
     rollout_role,
 };
 use crate::build::reward::spawn_reward;
-use crate::checkpoint::{load_trainer, RunState};
+use crate::checkpoint::{load_trainer, restore_controllers};
 use crate::config::checks::invalid;
 use crate::config::modes::{KlMode, PlacementMode};
 use crate::config::sections::JobConfig;
@@ -235,21 +235,7 @@ pub async fn build_embedded_with(
         join_policy_ring(&mut controllers, RING_CHUNK_BYTES).await?;
     }
     if let Some(dir) = &ckpt {
-        let state = RunState::read(dir)?;
-        if state.controllers.len() != controllers.len() {
-            return Err(JobError::Resume {
-                dir: dir.clone(),
-                reason: format!(
-                    "the checkpoint has {} controller(s) but the job has {}; resume with the same job.controllers and job.driver",
-                    state.controllers.len(),
-                    controllers.len(),
-                )});
-        }
-        for (c, s) in controllers.iter_mut().zip(state.controllers) {
-            c.restore(s)?;
-            // The rollout must hold the restored policy's weights and version.
-            c.sync_weights().await?;
-        }
+        restore_controllers(&mut controllers, dir).await?;
     }
     Ok(controllers)
 }

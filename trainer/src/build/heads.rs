@@ -1,6 +1,7 @@
 //! The controllers of a job: what each runs, and how the heads share the roles.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use yatt_engine::SamplingParams;
 use yatt_roles::{Dataloader, GaeConfig, OffPolicyConfig, Prompt};
@@ -11,7 +12,7 @@ use crate::config::modes::{Driver, KlMode, TimeShare};
 use crate::config::sections::JobConfig;
 use crate::controller::config::{
     ControllerConfig, DynamicSamplingConfig, KlPenalty, OverlongConfig, PartialRolloutConfig,
-    TimeShareConfig,
+    TimeShareConfig, Timeouts,
 };
 use crate::controller::core::Controller;
 use crate::controller::refs::{PolicyRef, RoleRefs, RolloutRef};
@@ -71,7 +72,19 @@ pub(crate) fn controller_config(job: &JobConfig) -> ControllerConfig {
                 budget_bytes: (job.placement.device_memory_gb * (1u64 << 30) as f64) as u64,
             }),
         },
+        timeouts: job_timeouts(job),
         ..Default::default()
+    }
+}
+
+/// The job's `[timeouts]` as the controllers take them.
+pub(crate) fn job_timeouts(job: &JobConfig) -> Timeouts {
+    let t = &job.timeouts;
+    Timeouts {
+        generate: Duration::from_secs_f64(t.generate_s),
+        score: Duration::from_secs_f64(t.score_s),
+        train: Duration::from_secs_f64(t.train_s),
+        sync: Duration::from_secs_f64(t.sync_s),
     }
 }
 

@@ -37,6 +37,8 @@ pub struct JobConfig {
     pub checkpoint: CheckpointSection,
     /// `[placement]`: which node runs each role.
     pub placement: PlacementSection,
+    /// `[timeouts]`: the deadline of each remote call a step makes.
+    pub timeouts: TimeoutsSection,
 }
 
 /// `[job]`: name, output, seed, length and layout.
@@ -669,4 +671,31 @@ impl<'de> Deserialize<'de> for RewardKinds {
 pub struct CheckpointSection {
     /// Save the policy every N steps (0 = only at the end).
     pub every: u64,
+}
+
+/// `[timeouts]`: the deadline, in seconds, of each call a step makes to a role (and of
+/// each wait inside it, such as a ring all-reduce chunk). A call past its deadline fails
+/// the step with an error naming the stage, the role and the deadline, instead of hanging.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TimeoutsSection {
+    /// Generation (a whole batch on a rollout replica).
+    pub generate_s: f64,
+    /// Reward, reference, critic-value and old-log-prob scoring.
+    pub score_s: f64,
+    /// The policy's and the critic's update, including the replicas' all-reduce.
+    pub train_s: f64,
+    /// Weight export and load, and each offload or reload of time sharing.
+    pub sync_s: f64,
+}
+
+impl Default for TimeoutsSection {
+    fn default() -> Self {
+        TimeoutsSection {
+            generate_s: 600.0,
+            score_s: 600.0,
+            train_s: 600.0,
+            sync_s: 600.0,
+        }
+    }
 }

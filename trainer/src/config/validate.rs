@@ -63,6 +63,17 @@ impl JobConfig {
             self.model.threads as f64,
             "threads = 1 or more",
         )?;
+        let t = &self.timeouts;
+        for (key, v) in [
+            ("timeouts.generate_s", t.generate_s),
+            ("timeouts.score_s", t.score_s),
+            ("timeouts.train_s", t.train_s),
+            ("timeouts.sync_s", t.sync_s),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(invalid(key, "a positive number of seconds", &v.to_string(), "e.g. 600; a call past it fails the step instead of hanging"));
+            }
+        }
         positive(
             "model.max_seq_len",
             self.model.max_seq_len as f64,

@@ -17,6 +17,7 @@ use yatt_runtime::Node;
 use yatt_runtime::NodeInfo;
 
 use crate::build::cluster::{job_text, wait_for_nodes};
+use crate::checkpoint::restore_controllers;
 use crate::build::devices::role_group;
 use crate::build::parts::base_model;
 use crate::build::reward::spawn_reward;
@@ -139,6 +140,18 @@ impl LivePlacement {
     /// devices the nodes of `placement.nodes` advertise, one group each, and the roles
     /// start on those nodes through their factories.
     pub async fn build(job: &JobConfig, node: &Node) -> Result<Self, JobError> {
+        Self::build_from(job, node, None).await
+    }
+
+    /// [`LivePlacement::build`], resuming from the run's `checkpoint` when given: the
+    /// first policy replica loads its trainer state (the others copy it), the controllers
+    /// take their positions and the rollouts the restored weights; the reference stays
+    /// the initial model. The placement starts again from its first plan.
+    pub(crate) async fn build_from(
+        job: &JobConfig,
+        node: &Node,
+        checkpoint: Option<&std::path::Path>,
+    ) -> Result<Self, JobError> {
         job.validate()?;
         let p = &job.placement;
         let _heads = job.job.controllers;
@@ -158,7 +171,14 @@ impl LivePlacement {
             source,
         })?;
         let log_path = out.join(yatt_placement::RECORD_FILE);
-        let log = std::fs::File::create(&log_path).map_err(|source| JobError::Write {
+        // A resumed run appends to its placement record.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(checkpoint.is_some())
+            .write(true)
+            .truncate(checkpoint.is_none())
+            .open(&log_path)
+            .map_err(|source| JobError::Write {
             path: log_path.clone(),
             source,
         })?;
@@ -184,6 +204,7 @@ impl LivePlacement {
                 .collect(),
             start_faults: 0,
             rolled_back: false,
+            resume_from: checkpoint.map(std::path::Path::to_path_buf),
         };
         // Every policy replica starts from the first one's state (a fresh trainer):
         // across processes nothing else guarantees the same weights.
@@ -201,9 +222,13 @@ impl LivePlacement {
             }
         }
         live.route(None).await?;
-        live.sync_all().await?;
-        if let (Some(reference), Some(policy), Hosts::Cluster { .. }) =
-            (&live.shared.reference, &first, &live.hosts)
+        live.resume_from = None;
+        match checkpoint {
+            Some(dir) => restore_controllers(&mut live.controllers, dir).await?,
+            None => live.sync_all().await?,
+        }
+        if let (Some(reference), Some(policy), Hosts::Cluster { .. }, None) =
+            (&live.shared.reference, &first, &live.hosts, checkpoint)
         {
             // The reference is the initial policy, whichever node built it.
             let t = live.deadline();
@@ -341,11 +366,11 @@ pub(crate) async fn shared_roles(
             sent.job.policy_replicas = heads;
             let text = job_text(&sent)?;
             let shared = Shared {
-                reward: crate::build::cluster::spawn(job, &text, node, "reward", &p.reward).await?,
+                reward: crate::build::cluster::spawn(job, &text, node, "reward", &p.reward, None).await?,
                 reference: match with_reference {
                     false => None,
                     true => Some(
-                        crate::build::cluster::spawn(job, &text, node, "reference", &p.reference)
+                        crate::build::cluster::spawn(job, &text, node, "reference", &p.reference, None)
                             .await?,
                     ),
                 },

@@ -58,7 +58,7 @@ impl LivePlacement {
                     "node {node} left the cluster with the policy replica(s) of {}: the trainer state (weights, optimizer) there is lost",
                     policy_on.join(", ")
                 ),
-                fix: "live placement recovers from losing nodes that host only rollout replicas; resume the run from its last checkpoint (job.checkpoint_every) on nodes that stay up".into()});
+                fix: "live placement recovers from losing nodes that host only rollout replicas; resume the run on nodes that stay up (see below for its last checkpoint)".into()});
         }
         self.known_nodes.remove(node);
         for g in &groups {
@@ -81,7 +81,7 @@ impl LivePlacement {
                     names.join(" "),
                     self.policy.inventory().len()
                 ),
-                fix: "start a node of placement.nodes again (it joins the run) before the next step, or resume the run from its last checkpoint".into()});
+                fix: "start a node of placement.nodes again (it joins the run) before the next step, or resume the run (see below for its last checkpoint)".into()});
         }
         self.apply(decisions, step).await
     }

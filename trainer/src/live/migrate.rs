@@ -111,7 +111,7 @@ impl LivePlacement {
                     }
                     Err(again) => Err(JobError::Placement {
                         what: format!("{what}; the rollback failed too: {again}"),
-                        fix: "the groups are in no known plan, so the run stops; see the nodes' logs and resume the run from its last checkpoint".into()})}
+                        fix: "the groups are in no known plan, so the run stops; see the nodes' logs and resume the run (see below for its last checkpoint)".into()})}
             }
         }
     }

@@ -9,6 +9,7 @@ use yatt_runtime::Message;
 use yatt_runtime::{ActorRef, ExitReason};
 
 use crate::build::parts::{policy_role_from, policy_trainer, rollout_role};
+use crate::checkpoint::load_trainer;
 use crate::controller::refs::{spawn_role, PolicyRef, RolloutRef};
 use crate::error::JobError;
 use crate::live::errors::me;
@@ -33,7 +34,7 @@ impl LivePlacement {
                 let role = rollout_role(&self.job, m, codec.clone());
                 self.spawn_here(g, role).await
             }
-            Hosts::Cluster { text } => self.spawn_there(g, text, "rollout").await,
+            Hosts::Cluster { text } => self.spawn_there(g, text, "rollout", None).await,
         }
     }
 
@@ -57,9 +58,12 @@ impl LivePlacement {
         g: GroupId,
         text: &str,
         role: &'static str,
+        checkpoint: Option<&std::path::Path>,
     ) -> Result<ActorRef<RoleRequest<Req>, RoleResponse<Resp>>, JobError> {
         let target = self.node_of(g)?;
-        Ok(crate::build::cluster::spawn(&self.job, text, &self.node, role, target).await?)
+        let spawned =
+            crate::build::cluster::spawn(&self.job, text, &self.node, role, target, checkpoint);
+        Ok(spawned.await?)
     }
 
     /// Records a replica's start or stop in the runtime's directory (a new epoch).
@@ -82,18 +86,23 @@ impl LivePlacement {
         from: Option<&PolicyRef>,
     ) -> Result<PolicyRef, JobError> {
         self.injected_fault(g, "policy")?;
+        // A resumed run's first replica loads the checkpoint; the rest copy it.
+        let checkpoint = self.resume_from.clone().filter(|_| from.is_none());
         let r = match &self.hosts {
             Hosts::Embedded {
                 template, pad_id, ..
             } => {
-                let dev = self.device_group(g).torch_device();
-                let m = template
-                    .deep_copy(dev, self.job.model.dtype.kind())
-                    .map_err(me(&self.job))?;
-                let role = policy_role_from(&self.job, policy_trainer(&self.job, m)?, *pad_id)?;
+                let (dev, kind) = (self.device_group(g).torch_device(), self.job.model.dtype.kind());
+                let trainer = match &checkpoint {
+                    Some(dir) => load_trainer(dir, "policy", dev, kind)?,
+                    None => policy_trainer(&self.job, template.deep_copy(dev, kind).map_err(me(&self.job))?)?,
+                };
+                let role = policy_role_from(&self.job, trainer, *pad_id)?;
                 self.spawn_here(g, role).await?
             }
-            Hosts::Cluster { text } => self.spawn_there(g, text, "policy").await?,
+            Hosts::Cluster { text } => {
+                self.spawn_there(g, text, "policy", checkpoint.as_deref()).await?
+            }
         };
         if let Some(src) = from {
             if let Err(e) = self.hand_off(src, &r).await {

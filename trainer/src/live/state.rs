@@ -74,6 +74,8 @@ pub struct LivePlacement {
     /// Whether the last failed migration was rolled back (the heads run on the old
     /// plan) rather than left half-done.
     pub(crate) rolled_back: bool,
+    /// A resumed run's checkpoint, which the first policy replica loads.
+    pub(crate) resume_from: Option<std::path::PathBuf>,
 }
 
 /// Where the groups are, and so how a role starts on one.

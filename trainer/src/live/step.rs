@@ -80,6 +80,9 @@ impl LivePlacement {
         self.write_policy_log(step)?;
         let mut m = average(&reports);
         m.values.insert(names::STEP_WALL_S.into(), wall);
+        // The heads report their own (last) attempt; a step that recovered from a lost
+        // node took the whole wall time, detection and re-plan included.
+        m.values.insert(names::STEP_S.into(), wall);
         m.values
             .insert(names::PLACEMENT_PREDICTED_S.into(), predicted);
         if let Some(x) = no_move {
@@ -122,7 +125,7 @@ impl LivePlacement {
                 dead.join(", "),
                 hosted.join(", ")
             ),
-            fix: "live placement survives losing nodes that host only rollout replicas; a lost policy replica cannot be recovered: resume the run from its last checkpoint".into()}
+            fix: "live placement survives losing nodes that host only rollout replicas; a lost policy replica cannot be recovered: resume the run (see below for its last checkpoint)".into()}
     }
 
     /// Nodes whose groups are in the inventory but which the directory no longer lists

@@ -97,3 +97,23 @@ pub fn letter_responses(n: usize, seed: u64) -> Vec<(String, String)> {
         })
         .collect()
 }
+
+/// What must match between an interrupted run and an uninterrupted one: every metric
+/// but the clocks.
+pub fn deterministic_metrics(line: &str) -> Vec<(String, String)> {
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    let mut out: Vec<(String, String)> = v
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| {
+            !k.starts_with("timing_s/")
+                && !k.starts_with("perf/")
+                && k.as_str() != yatt_metrics::names::OVERLAP_S
+                && k.as_str() != "time"
+        })
+        .map(|(k, v)| (k.clone(), v.to_string()))
+        .collect();
+    out.sort();
+    out
+}
