@@ -9,6 +9,7 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
 use yatt_runtime::Liveness;
+use yatt_runtime::Membership;
 use yatt_runtime::Node;
 
 /// The routes, bound to `node`.
@@ -26,6 +27,7 @@ async fn health(State(node): State<Node>) -> impl IntoResponse {
         .map(|n| {
             serde_json::json!({
                 "name": n.info.name,
+                "incarnation": n.info.incarnation,
                 "addr": n.info.addr.to_string(),
                 "alive": n.liveness == Liveness::Alive,
                 "devices": n.info.devices.len(),
@@ -38,16 +40,31 @@ async fn health(State(node): State<Node>) -> impl IntoResponse {
             |a| serde_json::json!({"id": a.id.to_string(), "alive": a.liveness == Liveness::Alive}),
         )
         .collect();
-    let status = if node.is_stopping() { "draining" } else { "ok" };
-    let code = if node.is_stopping() {
-        StatusCode::SERVICE_UNAVAILABLE
+    let rejoining = match node.membership() {
+        Membership::Member => None,
+        Membership::Rejoining { reason } => Some(reason),
+    };
+    // Unhealthy while draining, and while rejoining after having been declared dead:
+    // the actors it hosted were stopped and it serves nothing until it has rejoined.
+    let status = if node.is_stopping() {
+        "draining"
+    } else if rejoining.is_some() {
+        "rejoining"
     } else {
+        "ok"
+    };
+    let code = if status == "ok" {
         StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
     };
     let body = serde_json::json!({
         "status": status,
+        "declared_dead": rejoining,
         "node": node.name(),
+        "incarnation": node.incarnation(),
         "leader": node.leader(),
+        "term": node.term(),
         "epoch": dir.epoch(),
         "nodes": nodes,
         "actors": actors,
@@ -73,8 +90,14 @@ async fn metrics(State(node): State<Node>) -> impl IntoResponse {
     metric(
         "yatt_up",
         "gauge",
-        "1 while the node serves, 0 while it drains.",
-        u64::from(!node.is_stopping()),
+        "1 while the node serves, 0 while it drains or rejoins after having been declared dead.",
+        u64::from(!node.is_stopping() && node.membership() == Membership::Member),
+    );
+    metric(
+        "yatt_directory_term",
+        "gauge",
+        "Term of the directory leader this node follows (one more per fail-over).",
+        node.term(),
     );
     metric(
         "yatt_directory_epoch",

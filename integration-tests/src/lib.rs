@@ -52,6 +52,16 @@ pub fn poll<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T>
     }
 }
 
+/// Waits at most `timeout` for `child` to exit; kills (and reaps) it if it did not.
+fn wait_or_kill(child: &mut Child, timeout: Duration) -> Option<std::process::ExitStatus> {
+    let status = poll(timeout, || child.try_wait().ok().flatten());
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    status
+}
+
 /// One `yatt-node` process.
 pub struct NodeProc {
     /// The node's name.
@@ -73,6 +83,47 @@ impl NodeProc {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// Sends SIGSTOP: the process stands still (timers, sockets, everything) until
+    /// [`NodeProc::resume`].
+    pub fn pause(&self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    /// Sends SIGCONT to a paused process.
+    pub fn resume(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    fn signal(&self, signal: i32) {
+        if let Some(c) = &self.child {
+            // SAFETY: plain kill(2) on our own child's pid.
+            unsafe {
+                libc::kill(c.id() as i32, signal);
+            }
+        }
+    }
+
+    /// The incarnation `/health` reports.
+    pub fn incarnation(&self) -> Option<u64> {
+        self.health()?["incarnation"].as_u64()
+    }
+
+    /// The incarnation under which `/health` lists `node` alive.
+    pub fn sees_alive_as(&self, node: &str) -> Option<u64> {
+        let h = self.health()?;
+        let n = h["nodes"].as_array()?.iter().find(|n| n["name"] == node)?;
+        n["alive"]
+            .as_bool()
+            .filter(|a| *a)
+            .and(n["incarnation"].as_u64())
+    }
+
+    /// The leader and term `/health` reports.
+    pub fn lead(&self) -> Option<(String, u64)> {
+        let h = self.health()?;
+        Some((h["leader"].as_str()?.to_string(), h["term"].as_u64()?))
     }
 
     /// Sends SIGTERM and waits (bounded) for a clean exit; returns the exit code.
@@ -188,15 +239,22 @@ impl Cluster {
     /// joins through the first node, and waits until that node sees it alive. The old
     /// process, if still running, is killed first.
     pub fn restart(&mut self, i: usize, extra: &[&str]) {
+        self.restart_through(i, 0, extra);
+    }
+
+    /// Like [`Cluster::restart`], joining through node `via` (any member: one that does
+    /// not lead the directory sends the join on to the leader) and waiting until `via`
+    /// sees it alive.
+    pub fn restart_through(&mut self, i: usize, via: usize, extra: &[&str]) {
         self.nodes[i].kill9();
         let name = self.nodes[i].name.clone();
-        let seed = self.nodes[0].addr;
+        let seed = self.nodes[via].addr;
         let _ = std::fs::remove_file(self.dir.path().join(format!("{name}.ready")));
         let node = self.spawn(&name, Some(seed), extra);
         self.nodes[i] = node;
-        let leader = &self.nodes[0];
+        let viewer = &self.nodes[via];
         let back = poll(Duration::from_secs(20), || {
-            (leader.sees_alive(&name) == Some(true)).then_some(())
+            (viewer.sees_alive(&name) == Some(true)).then_some(())
         });
         assert!(
             back.is_some(),
@@ -205,9 +263,36 @@ impl Cluster {
         );
     }
 
-    fn spawn(&self, name: &str, seed: Option<SocketAddr>, extra: &[&str]) -> NodeProc {
-        let ready = self.dir.path().join(format!("{name}.ready"));
-        let log = self.dir.path().join(format!("{name}.log"));
+    /// Runs `yatt-node run` as `name`, joining through `seed`, when it is expected to
+    /// stop by itself (a refused join): waits at most `timeout` for it to exit and
+    /// returns its exit code (`None`: it was still running, and was killed) and its log.
+    pub fn run_expecting_exit(
+        &self,
+        name: &str,
+        seed: SocketAddr,
+        timeout: Duration,
+    ) -> (Option<i32>, String) {
+        let log = self.dir.path().join(format!("{name}.refused.log"));
+        let ready = self.dir.path().join(format!("{name}.refused.ready"));
+        let mut child = self
+            .command(name, Some(seed), &[], &ready, &log)
+            .spawn()
+            .expect("start yatt-node");
+        let status = wait_or_kill(&mut child, timeout);
+        (
+            status.and_then(|s| s.code()),
+            std::fs::read_to_string(&log).unwrap_or_default(),
+        )
+    }
+
+    fn command(
+        &self,
+        name: &str,
+        seed: Option<SocketAddr>,
+        extra: &[&str],
+        ready: &Path,
+        log: &Path,
+    ) -> Command {
         let mut cmd = Command::new(yatt_node_bin());
         cmd.args([
             "run",
@@ -222,12 +307,12 @@ impl Cluster {
         .arg("--certs")
         .arg(self.ca_dir())
         .arg("--ready-file")
-        .arg(&ready)
+        .arg(ready)
         .env("RUST_LOG", "info")
         .env_remove("RUST_BACKTRACE")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).expect("log file"));
+        .stderr(std::fs::File::create(log).expect("log file"));
         if let Some(seed) = seed {
             cmd.arg("--seed").arg(seed.to_string());
         }
@@ -236,7 +321,16 @@ impl Cluster {
             cmd.arg("--data-dir").arg(std::env::temp_dir());
         }
         cmd.args(extra);
-        let child = cmd.spawn().expect("start yatt-node");
+        cmd
+    }
+
+    fn spawn(&self, name: &str, seed: Option<SocketAddr>, extra: &[&str]) -> NodeProc {
+        let ready = self.dir.path().join(format!("{name}.ready"));
+        let log = self.dir.path().join(format!("{name}.log"));
+        let child = self
+            .command(name, seed, extra, &ready, &log)
+            .spawn()
+            .expect("start yatt-node");
         let pid = child.id();
         let mut proc = NodeProc {
             name: name.to_string(),
@@ -370,11 +464,7 @@ impl Cluster {
             .stderr(std::fs::File::create(&err).expect("train stderr"))
             .spawn()
             .expect("start yatt train");
-        let status = poll(timeout, || child.try_wait().ok().flatten());
-        if status.is_none() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        let status = wait_or_kill(&mut child, timeout);
         let printed = std::fs::read_to_string(&log).unwrap_or_default()
             + &std::fs::read_to_string(&err).unwrap_or_default();
         (status.is_some_and(|s| s.success()), format!("{status:?}\n{printed}"))

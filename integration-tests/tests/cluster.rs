@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use yatt_integration_tests::{poll, Cluster};
+use yatt_integration_tests::{cluster_logs, poll, Cluster};
 use yatt_runtime::BulkReceipt;
 use yatt_runtime::ClusterCa;
 use yatt_runtime::Liveness;
@@ -293,4 +293,210 @@ async fn sigterm_drains_leaves_and_exits_cleanly() {
         (cluster.nodes[0].sees_alive(&leaver) == Some(false)).then_some(())
     });
     assert!(gone.is_some(), "leader still lists {leaver} alive");
+}
+
+/// Polls until `node`'s `/health` answers `status` with `incarnation` other than `not`.
+fn healthy_as_new_incarnation(
+    node: &yatt_integration_tests::NodeProc,
+    not: u64,
+    timeout: Duration,
+) -> Option<u64> {
+    poll(timeout, || {
+        let h = node.health()?;
+        let inc = h["incarnation"].as_u64()?;
+        (h["status"] == "ok" && inc != not).then_some(inc)
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_frozen_past_the_bound_rejoins_under_a_new_incarnation() {
+    let cluster = Cluster::start("fz", 3);
+    let c = client(&cluster, "fz-client", true).await;
+    let (leader, victim) = (&cluster.nodes[0], &cluster.nodes[2]);
+    let echo = c
+        .spawn_remote::<Vec<u8>, Vec<u8>, _>(&victim.name, "echo", &(), T)
+        .await
+        .unwrap();
+    let old = victim.incarnation().expect("/health names the incarnation");
+
+    // A stall below the failure bound (2 s) is harmless. The stall itself is the
+    // stimulus, so it is timed; what follows is watched for one bound.
+    victim.pause();
+    std::thread::sleep(Duration::from_millis(1500));
+    victim.resume();
+    let disturbed = poll(Duration::from_secs(3), || {
+        (leader.sees_alive_as(&victim.name) != Some(old) || victim.incarnation() != Some(old))
+            .then_some(())
+    });
+    assert!(
+        disturbed.is_none(),
+        "a 1.5 s stall changed the membership\n{}",
+        cluster_logs(&cluster)
+    );
+    assert_eq!(echo.ask(vec![1], T).await.unwrap(), vec![1]);
+
+    // Frozen until the leader has declared it dead (about the 2 s bound).
+    let paused = Instant::now();
+    victim.pause();
+    let dead = poll(T, || {
+        (leader.sees_alive(&victim.name) == Some(false)).then_some(())
+    });
+    let detected = paused.elapsed();
+    victim.resume();
+    assert!(dead.is_some(), "{}", cluster_logs(&cluster));
+    let resumed = Instant::now();
+    // It learns it was declared dead, stops what it hosted, and rejoins as a new life.
+    let new = healthy_as_new_incarnation(victim, old, T);
+    let new = new.unwrap_or_else(|| panic!("no rejoin\n{}", cluster_logs(&cluster)));
+    let back = poll(T, || {
+        (leader.sees_alive_as(&victim.name) == Some(new)).then_some(())
+    });
+    assert!(back.is_some(), "{}", cluster_logs(&cluster));
+    eprintln!(
+        "frozen node declared dead {detected:?} into the stall; healthy again as a new incarnation {:?} after SIGCONT",
+        resumed.elapsed()
+    );
+    assert!(
+        victim.log().contains("this node was declared dead"),
+        "{}",
+        victim.log()
+    );
+    let h = victim.health().unwrap();
+    assert_eq!(h["hosted"].as_array().map(Vec::len), Some(0), "{h}");
+    let up = victim.http_get("/metrics").unwrap_or_default();
+    assert!(
+        up.lines()
+            .any(|l| l.starts_with("yatt_up{") && l.ends_with(" 1")),
+        "{up}"
+    );
+    // The old actor does not answer as if it were current.
+    let err = echo.ask(vec![2], T).await.unwrap_err();
+    assert!(
+        matches!(err, CallError::NodeDown { .. } | CallError::Stale { .. }),
+        "{err:?}"
+    );
+    // The node is a usable spare again.
+    let again = poll_spawn_echo(&c, &victim.name).await;
+    assert_eq!(again.ask(vec![3], T).await.unwrap(), vec![3]);
+}
+
+/// Spawns an echo on `node`, retrying while the client's directory catches up with the
+/// node's new incarnation.
+async fn poll_spawn_echo(c: &Node, node: &str) -> yatt_runtime::ActorRef<Vec<u8>, Vec<u8>> {
+    let end = Instant::now() + T;
+    loop {
+        match c
+            .spawn_remote::<Vec<u8>, Vec<u8>, _>(node, "echo", &(), T)
+            .await
+        {
+            Ok(r) => return r,
+            Err(e) if Instant::now() < end => eprintln!("spawn on {node}: {e}; retrying"),
+            Err(e) => panic!("spawn on {node}: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_node_under_a_live_name_is_refused() {
+    let mut cluster = Cluster::start("dn", 3);
+    let holder = cluster.nodes[1].name.clone();
+    let inc = cluster.nodes[1].incarnation().unwrap();
+    // Through the leader, and through a member that is not the leader.
+    for via in [0, 2] {
+        let started = Instant::now();
+        let (code, log) =
+            cluster.run_expecting_exit(&holder, cluster.nodes[via].addr, Duration::from_secs(30));
+        assert!(code.is_some_and(|c| c != 0), "exit {code:?}\n{log}");
+        for want in [
+            "\"dn-1\" belongs to a live member",
+            "another name (--name)",
+            "declared it dead",
+        ] {
+            assert!(log.contains(want), "{want:?} missing:\n{log}");
+        }
+        eprintln!(
+            "duplicate refused via node {via} after {:?}",
+            started.elapsed()
+        );
+        // The live one was not ejected.
+        assert_eq!(cluster.nodes[0].sees_alive_as(&holder), Some(inc));
+        assert_eq!(cluster.nodes[1].health().unwrap()["status"], "ok");
+    }
+    // A crashed node restarted at once under its name joins once its old life has been
+    // declared dead (the join waits for that, within one bound).
+    cluster.restart(1, &[]);
+    let new = cluster.nodes[1].incarnation().unwrap();
+    assert_ne!(new, inc);
+    assert_eq!(cluster.nodes[0].sees_alive_as(&holder), Some(new));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_seed_fails_over_and_the_old_seed_rejoins_through_a_member() {
+    let mut cluster = Cluster::start("fo", 3);
+    let c = client(&cluster, "fo-client", true).await;
+    let linked = c
+        .spawn_remote_linked::<Vec<u8>, Vec<u8>, _>(&cluster.nodes[2].name, "echo", &(), T)
+        .await
+        .unwrap();
+    assert_eq!(linked.ask(vec![1], T).await.unwrap(), vec![1]);
+
+    let killed = Instant::now();
+    cluster.nodes[0].kill9();
+    // fo-1 joined first after the seed: it leads term 2 and everyone follows it.
+    let want = Some(("fo-1".to_string(), 2));
+    let led = poll(T, || {
+        (cluster.nodes[1].lead() == want && cluster.nodes[2].lead() == want).then_some(())
+    });
+    let failover = killed.elapsed();
+    assert!(led.is_some(), "{}", cluster_logs(&cluster));
+    for n in &cluster.nodes[1..] {
+        let dead = poll(T, || (n.sees_alive("fo-0") == Some(false)).then_some(()));
+        assert!(dead.is_some(), "{} still sees fo-0 alive", n.name);
+    }
+    assert!(
+        c.directory()
+            .wait_until(T, |d| d
+                .node("fo-0")
+                .is_some_and(|n| n.liveness != Liveness::Alive))
+            .await
+    );
+    assert_eq!((c.leader().as_str(), c.term()), ("fo-1", 2));
+    eprintln!("seed killed: fo-1 led term 2 after {failover:?}");
+
+    // The job's roles survive the fail-over, and are released when their owner leaves
+    // (through the new leader).
+    assert_eq!(linked.ask(vec![2], T).await.unwrap(), vec![2]);
+    c.shutdown().await;
+    let released = poll(T, || {
+        cluster.nodes[2].health()?["hosted"]
+            .as_array()?
+            .is_empty()
+            .then_some(())
+    });
+    assert!(released.is_some(), "{:?}", cluster.nodes[2].health());
+
+    // New work: a client joining through a member that is not the leader reaches it.
+    let late = Node::builder("fo-late")
+        .dev_certs(cluster.ca_dir())
+        .seed(cluster.nodes[2].addr)
+        .start()
+        .await
+        .expect("joins through a follower");
+    assert_eq!(late.leader(), "fo-1");
+    let echo = late
+        .spawn_remote::<Vec<u8>, Vec<u8>, _>(&cluster.nodes[2].name, "echo", &(), T)
+        .await
+        .unwrap();
+    assert_eq!(echo.ask(vec![3], T).await.unwrap(), vec![3]);
+
+    // The old seed, restarted with a member as its seed, joins the same cluster.
+    cluster.restart_through(0, 2, &[]);
+    assert_eq!(cluster.nodes[0].lead(), want, "{}", cluster.nodes[0].log());
+    let seen = poll(T, || {
+        (cluster.nodes[1].sees_alive("fo-0") == Some(true)).then_some(())
+    });
+    assert!(seen.is_some(), "{}", cluster_logs(&cluster));
+    let on_a = poll_spawn_echo(&late, "fo-0").await;
+    assert_eq!(on_a.ask(vec![4], T).await.unwrap(), vec![4]);
 }

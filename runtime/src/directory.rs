@@ -1,9 +1,14 @@
 //! The directory: which nodes and actors exist, which are alive, under an epoch.
 //!
-//! One node (the seed, the directory's leader) orders every change and gives it the next
-//! epoch; the others hold replicas that apply the leader's updates in epoch order and
-//! ask for a snapshot when they see a gap. [`Directory`] is the pure state machine;
-//! [`DirectoryHandle`] shares it inside a process and lets anyone subscribe.
+//! One node (the directory's leader) orders every change and gives it the next epoch;
+//! the others hold replicas that apply the leader's updates in epoch order and ask for a
+//! snapshot when they see a gap. Leadership is counted in terms: the first leader (the
+//! seed) leads term 1, and each fail-over starts the next one (see `crate::leadership`).
+//! Every update carries its term; a replica ignores updates of an older term (a deposed
+//! leader's) and takes a snapshot when it sees a newer one, since the new leader's epochs
+//! continue from its own replica, not necessarily from this one's. [`Directory`] is the
+//! pure state machine; [`DirectoryHandle`] shares it inside a process and lets anyone
+//! subscribe.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
@@ -32,6 +37,9 @@ pub struct NodeEntry {
     pub info: NodeInfo,
     /// Alive or dead.
     pub liveness: Liveness,
+    /// The epoch at which this incarnation joined: the order of succession (the oldest
+    /// live member leads after the leader).
+    pub joined: u64,
 }
 
 /// An actor as the directory knows it.
@@ -69,6 +77,8 @@ pub enum Change {
 /// A change with the epoch it produced.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Update {
+    /// The term of the leader that ordered it.
+    pub term: u64,
     /// The epoch after this change.
     pub epoch: u64,
     /// The change.
@@ -86,6 +96,15 @@ pub enum DirectoryError {
         /// The update's epoch.
         got: u64,
     },
+    /// An update came from another term than the replica's: a snapshot of the new
+    /// leader's directory is needed.
+    #[error("directory update of term {got} but this replica is at term {have}: snapshot needed")]
+    Term {
+        /// The replica's term.
+        have: u64,
+        /// The update's term.
+        got: u64,
+    },
     /// An actor was registered on a node the directory does not know or holds dead.
     #[error("actor {actor} registered on node {node:?}, which is not alive in the directory")]
     UnknownNode {
@@ -99,6 +118,7 @@ pub enum DirectoryError {
 /// The directory state. Pure: no I/O, no clocks.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Directory {
+    term: u64,
     epoch: u64,
     nodes: BTreeMap<String, NodeEntry>,
     actors: BTreeMap<ActorName, ActorEntry>,
@@ -108,6 +128,36 @@ impl Directory {
     /// The current epoch: the number of effective changes applied so far.
     pub fn epoch(&self) -> u64 {
         self.epoch
+    }
+
+    /// The term of the leader whose changes this state holds (0: none yet).
+    pub fn term(&self) -> u64 {
+        self.term
+    }
+
+    /// `(term, epoch)`: which of two states is newer.
+    pub fn version(&self) -> (u64, u64) {
+        (self.term, self.epoch)
+    }
+
+    /// Starts a term: this state is now the new leader's, and its changes carry `term`.
+    /// Epochs go on from here. An older or equal term changes nothing.
+    pub fn begin_term(&mut self, term: u64) {
+        self.term = self.term.max(term);
+    }
+
+    /// The nodes alive in `before` that are not alive under the same incarnation here:
+    /// what a replica that jumped from `before` to this state missed as `NodeDown`s.
+    pub fn departed_since(&self, before: &Directory) -> Vec<String> {
+        before
+            .alive_nodes()
+            .filter(|old| {
+                !self.node(&old.name).is_some_and(|now| {
+                    now.liveness == Liveness::Alive && now.info.incarnation == old.incarnation
+                })
+            })
+            .map(|n| n.name.clone())
+            .collect()
     }
 
     /// The entry for a node.
@@ -163,10 +213,13 @@ impl Directory {
                 let entry = NodeEntry {
                     info: info.clone(),
                     liveness: Liveness::Alive,
+                    joined: self.epoch + 1,
                 };
                 match self.nodes.get(&info.name) {
-                    Some(old) if *old == entry => false,
-                    Some(old) if old.info.incarnation > info.incarnation => false,
+                    Some(old) if old.info == *info && old.liveness == Liveness::Alive => false,
+                    // An incarnation never comes back: once dead, a node rejoins only
+                    // under a newer one.
+                    Some(old) if old.info.incarnation >= info.incarnation => false,
                     _ => {
                         // A rejoin with a new incarnation: the old life's actors are gone.
                         self.mark_node_actors_dead(
@@ -225,14 +278,25 @@ impl Directory {
         }
         self.epoch += 1;
         Ok(Some(Update {
+            term: self.term,
             epoch: self.epoch,
             change,
         }))
     }
 
     /// Applies a leader's update on a replica, in epoch order.
-    /// Returns whether it was new (old and duplicate updates are ignored).
+    /// Returns whether it was new (old and duplicate updates, and a deposed leader's,
+    /// are ignored).
     pub fn apply_update(&mut self, update: &Update) -> Result<bool, DirectoryError> {
+        if update.term < self.term {
+            return Ok(false);
+        }
+        if update.term > self.term {
+            return Err(DirectoryError::Term {
+                have: self.term,
+                got: update.term,
+            });
+        }
         if update.epoch <= self.epoch {
             return Ok(false);
         }
@@ -330,14 +394,40 @@ impl DirectoryHandle {
         Ok(fresh)
     }
 
-    /// Replaces the replica with a leader's snapshot when it is newer.
-    pub fn reset(&self, snapshot: Directory) {
+    /// Replaces the replica with a leader's snapshot when it is at least as new (by
+    /// term, then epoch). Returns the nodes the replica held alive that the snapshot
+    /// does not (see [`Directory::departed_since`]), or `None` when the snapshot was
+    /// older and ignored.
+    pub fn reset(&self, snapshot: Directory) -> Option<Vec<String>> {
         let mut guard = self.state.write().unwrap_or_else(|p| p.into_inner());
-        if snapshot.epoch() >= guard.epoch() {
-            let epoch = snapshot.epoch();
-            *guard = snapshot;
-            let _ = self.events.send(Event::Reset(epoch));
+        if snapshot.version() < guard.version() {
+            return None;
         }
+        let departed = snapshot.departed_since(&guard);
+        let epoch = snapshot.epoch();
+        *guard = snapshot;
+        let _ = self.events.send(Event::Reset(epoch));
+        Some(departed)
+    }
+
+    /// Replaces the replica with a leader's snapshot whatever its version (a node that
+    /// joins takes its leader's state). Returns the nodes that departed, as
+    /// [`DirectoryHandle::reset`].
+    pub fn replace(&self, snapshot: Directory) -> Vec<String> {
+        let mut guard = self.state.write().unwrap_or_else(|p| p.into_inner());
+        let departed = snapshot.departed_since(&guard);
+        let epoch = snapshot.epoch();
+        *guard = snapshot;
+        let _ = self.events.send(Event::Reset(epoch));
+        departed
+    }
+
+    /// Starts a term on this (leader's) state; see [`Directory::begin_term`].
+    pub fn begin_term(&self, term: u64) {
+        self.state
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .begin_term(term);
     }
 
     /// Waits until `pred` holds, at most `timeout`. Returns whether it held.
@@ -467,6 +557,76 @@ mod tests {
         assert!(replica.apply_update(&u2).unwrap());
         assert!(replica.apply_update(&u3).unwrap());
         assert_eq!(replica, leader);
+    }
+
+    #[test]
+    fn terms_order_updates_and_snapshots() {
+        let mut old = Directory::default();
+        old.begin_term(1);
+        old.apply(Change::NodeUp(node("a", 1))).unwrap();
+        old.apply(Change::NodeUp(node("b", 1))).unwrap();
+        old.apply(Change::NodeUp(node("c", 1))).unwrap();
+        let mut replica = old.clone();
+        // b takes over at term 2 from its replica and declares a dead.
+        let mut new = old.clone();
+        new.begin_term(2);
+        new.begin_term(1);
+        assert_eq!(new.term(), 2, "terms never go back");
+        let down = new
+            .apply(Change::NodeDown {
+                node: "a".into(),
+                reason: ExitReason::NodeDown("silent".into()),
+            })
+            .unwrap()
+            .unwrap();
+        assert_eq!((down.term, down.epoch), (2, 4));
+        assert_eq!(
+            replica.apply_update(&down),
+            Err(DirectoryError::Term { have: 1, got: 2 }),
+            "a newer term needs a snapshot"
+        );
+        // The deposed leader's late update is ignored once the replica follows term 2.
+        let late = old.apply(Change::ActorUp(id("a/r/0#9"))).unwrap().unwrap();
+        let h = DirectoryHandle::new();
+        h.reset(replica.clone()).unwrap();
+        assert_eq!(h.reset(new.clone()), Some(vec!["a".to_string()]));
+        replica = h.snapshot();
+        assert!(!replica.apply_update(&late).unwrap(), "stale term");
+        assert_eq!(replica, new);
+        // An older snapshot is refused even with a higher epoch.
+        let mut busy_old = old.clone();
+        busy_old.apply(Change::ActorUp(id("b/r/0#3"))).unwrap();
+        assert!(busy_old.epoch() > new.epoch());
+        assert_eq!(h.reset(busy_old), None);
+        assert_eq!(h.snapshot(), new);
+    }
+
+    #[test]
+    fn join_order_and_no_resurrection() {
+        let mut d = Directory::default();
+        d.apply(Change::NodeUp(node("b", 5))).unwrap();
+        d.apply(Change::NodeUp(node("a", 5))).unwrap();
+        assert_eq!(d.node("b").unwrap().joined, 1);
+        assert_eq!(d.node("a").unwrap().joined, 2);
+        // A duplicate join keeps the original order.
+        assert_eq!(d.apply(Change::NodeUp(node("b", 5))).unwrap(), None);
+        assert_eq!(d.node("b").unwrap().joined, 1);
+        d.apply(Change::NodeDown {
+            node: "b".into(),
+            reason: ExitReason::NodeDown("silent".into()),
+        })
+        .unwrap();
+        assert_eq!(
+            d.apply(Change::NodeUp(node("b", 5))).unwrap(),
+            None,
+            "a dead incarnation stays dead"
+        );
+        d.apply(Change::NodeUp(node("b", 6))).unwrap().unwrap();
+        assert_eq!(
+            d.node("b").unwrap().joined,
+            4,
+            "a new life joins at the back"
+        );
     }
 
     #[tokio::test]

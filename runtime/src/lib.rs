@@ -20,7 +20,8 @@
 //! | `supervisor` | restart policies | [`RestartPolicy`], [`supervise`] |
 //! | `node` | a process's runtime: spawn, resolve, remote factories | [`Node::builder`] |
 //! | `directory` | who is alive, under an epoch | [`Directory`], [`DirectoryHandle`] |
-//! | `membership` | node inventory, failure detection | [`NodeInfo`], [`FailureDetector`] |
+//! | `membership` | node inventory, failure and pause detection | [`NodeInfo`], [`FailureDetector`] |
+//! | `leadership` | who leads the directory, join admission, heartbeat verdicts (pure) | [`Lead`], [`successor`] |
 //! | `message` | what crosses the wire | [`Message`], [`WithBulk`] |
 //! | `codec` | frames and bulk payloads (sans-IO core) | [`FrameDecoder`], [`Bulk`] |
 //! | `transport` | QUIC connections, streams, routing | [`TransportConfig`] |
@@ -35,6 +36,7 @@ mod codec;
 mod collective;
 mod congestion;
 mod directory;
+mod leadership;
 mod membership;
 mod message;
 mod node;
@@ -62,7 +64,13 @@ pub use directory::{
     ActorEntry, Change as DirectoryChange, Directory, DirectoryError, DirectoryHandle,
     Event as DirectoryEvent, Liveness, NodeEntry, Update as DirectoryUpdate,
 };
-pub use membership::{local_inventory, DeviceInfo, DeviceKind, FailureDetector, NodeInfo};
+pub use leadership::{
+    admit, judge_beat, successor, Admission, Beat, BeatOutcome, BeatReply, Lead,
+    Step as SuccessionStep, Succession,
+};
+pub use membership::{
+    local_inventory, DeviceInfo, DeviceKind, FailureDetector, Membership, NodeInfo, PauseDetector,
+};
 pub use message::{decode_body, encode_body, Ack, Message, Wire, WireError, WithBulk};
 pub use node::{Node, NodeBuilder, NodeConfig, NodeError, WeakNode};
 pub use supervisor::{

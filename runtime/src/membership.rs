@@ -1,7 +1,8 @@
-//! Cluster membership: what a node reports about itself, and the failure detector.
+//! Cluster membership: what a node reports about itself, the failure detector, and
+//! the pause detector that keeps a node's own stall from being read as its peers'.
 //!
-//! [`FailureDetector`] is pure (time is passed in), so its bound is unit-tested; the node
-//! feeds it heartbeats and asks it, on a timer, which peers went silent.
+//! [`FailureDetector`] and [`PauseDetector`] are pure (time is passed in), so their
+//! bounds are unit-tested; the node feeds them heartbeats and timer ticks.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -187,6 +188,78 @@ impl FailureDetector {
     pub fn watched(&self) -> impl Iterator<Item = &str> {
         self.last_heard.keys().map(String::as_str)
     }
+
+    /// How long `node` has been silent at `now`; `None` when it is not watched.
+    pub fn silent_for(&self, node: &str, now: Instant) -> Option<Duration> {
+        self.last_heard.get(node).map(|t| now.duration_since(*t))
+    }
+
+    /// Whether `node` was heard from within the bound at `now`.
+    pub fn hears(&self, node: &str, now: Instant) -> bool {
+        self.silent_for(node, now)
+            .is_some_and(|s| s <= self.timeout)
+    }
+
+    /// Watches exactly `nodes`, each as if just heard from: after a leader change, or
+    /// after this node itself stalled (its silence says nothing about the peers').
+    pub fn watch_only<'a>(&mut self, nodes: impl IntoIterator<Item = &'a str>, now: Instant) {
+        self.last_heard = nodes.into_iter().map(|n| (n.to_string(), now)).collect();
+    }
+
+    /// Treats every watched peer as just heard from (see [`PauseDetector`]).
+    pub fn restart_all(&mut self, now: Instant) {
+        for t in self.last_heard.values_mut() {
+            *t = now;
+        }
+    }
+
+    /// The silence bound.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+}
+
+/// Notices that this process itself stood still (SIGSTOP, a swap storm, a starved
+/// runtime): a periodic tick that arrives much later than it was due. After such a
+/// stall every peer looks silent, but the silence was ours; the node then gives its
+/// peers a fresh bound instead of declaring them dead (as Cassandra's failure detector
+/// ignores intervals after a local pause).
+#[derive(Debug, Clone)]
+pub struct PauseDetector {
+    threshold: Duration,
+    last: Option<Instant>,
+}
+
+impl PauseDetector {
+    /// Reports gaps between ticks longer than `threshold`.
+    pub fn new(threshold: Duration) -> Self {
+        PauseDetector {
+            threshold,
+            last: None,
+        }
+    }
+
+    /// Records a tick at `now`; returns the gap since the previous one when it exceeds
+    /// the threshold (this node stalled for about that long).
+    pub fn tick(&mut self, now: Instant) -> Option<Duration> {
+        let gap = self.last.map(|t| now.duration_since(t));
+        self.last = Some(now);
+        gap.filter(|g| *g > self.threshold)
+    }
+}
+
+/// Whether a node is a member of the cluster.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Membership {
+    /// Joined under its current incarnation and serving.
+    Member,
+    /// Its incarnation was declared dead (it stalled past the failure bound, or was cut
+    /// off): the actors it hosted were stopped, and it is joining again under a new
+    /// incarnation. It serves nothing meanwhile.
+    Rejoining {
+        /// Why it was declared dead, as the leader said.
+        reason: String,
+    },
 }
 
 #[cfg(test)]
@@ -213,6 +286,42 @@ mod tests {
             fd.expired(t0 + Duration::from_millis(3600)),
             vec!["a".to_string()]
         );
+    }
+
+    #[test]
+    fn silence_is_measured_and_restarted() {
+        let t0 = Instant::now();
+        let mut fd = FailureDetector::new(Duration::from_secs(2));
+        fd.watch_only(["a", "b"], t0);
+        let t1 = t0 + Duration::from_secs(3);
+        assert_eq!(fd.silent_for("a", t1), Some(Duration::from_secs(3)));
+        assert!(!fd.hears("a", t1));
+        assert_eq!(fd.silent_for("zz", t1), None);
+        // This node stalled: its peers get a fresh bound instead of being declared dead.
+        fd.restart_all(t1);
+        assert!(fd.hears("a", t1) && fd.expired(t1).is_empty());
+        assert_eq!(
+            fd.expired(t1 + Duration::from_millis(2001)),
+            vec!["a".to_string(), "b".to_string()]
+        );
+    }
+
+    #[test]
+    fn pause_detector_reports_only_long_gaps() {
+        let t0 = Instant::now();
+        let mut p = PauseDetector::new(Duration::from_millis(800));
+        assert_eq!(p.tick(t0), None, "the first tick has nothing to compare");
+        assert_eq!(p.tick(t0 + Duration::from_millis(100)), None);
+        assert_eq!(
+            p.tick(t0 + Duration::from_millis(900)),
+            None,
+            "800 ms is not over"
+        );
+        assert_eq!(
+            p.tick(t0 + Duration::from_millis(3900)),
+            Some(Duration::from_secs(3))
+        );
+        assert_eq!(p.tick(t0 + Duration::from_millis(4000)), None);
     }
 
     #[test]

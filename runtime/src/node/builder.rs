@@ -1,11 +1,12 @@
 //! Building and starting a node: identity, listen address, seed, remote factories.
 
 use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use serde::de::DeserializeOwned;
 use tokio::sync::watch;
@@ -16,7 +17,8 @@ use super::state::{FactoryFn, Node, NodeInner};
 use crate::actor::Actor;
 use crate::addr::{next_incarnation, ActorName};
 use crate::directory::{Change, DirectoryHandle};
-use crate::membership::{local_inventory, FailureDetector, NodeInfo};
+use crate::leadership::{Lead, Succession};
+use crate::membership::{local_inventory, FailureDetector, Membership, NodeInfo, PauseDetector};
 use crate::message::Message;
 use crate::tls::{ClusterCa, NodeIdentity, TlsError};
 use crate::transport::Transport;
@@ -165,14 +167,27 @@ impl NodeBuilder {
             devices,
         };
         let (shutdown, _) = watch::channel(false);
+        // The founding seed leads term 1; a joining node learns the lead from the join.
+        let lead = Lead {
+            term: u64::from(config.seed.is_none()),
+            leader: self.name.clone(),
+        };
         let node = Node {
             inner: Arc::new(NodeInner {
-                info: info.clone(),
+                name: self.name.clone(),
+                addr,
+                info: RwLock::new(info.clone()),
                 transport: transport.clone(),
                 directory: DirectoryHandle::new(),
                 hosted: Mutex::new(HashMap::new()),
                 factories: self.factories,
-                leader: Mutex::new(self.name.clone()),
+                lead: Mutex::new(lead),
+                membership: watch::channel(Membership::Member).0,
+                succession: Mutex::new(Succession::default()),
+                electing: AtomicBool::new(false),
+                pending: Mutex::new(VecDeque::new()),
+                // A tick late by half a failure bound: this node stood still.
+                pause: Mutex::new(PauseDetector::new(config.failure_timeout / 2)),
                 detector: Mutex::new(FailureDetector::new(config.failure_timeout)),
                 next_replica: AtomicU32::new(0),
                 in_flight: AtomicU64::new(0),
@@ -189,9 +204,16 @@ impl NodeBuilder {
         tokio::spawn(transport.clone().serve());
         match node.inner.config.seed {
             None => {
+                node.inner.directory.begin_term(1);
                 node.inner.directory.apply(Change::NodeUp(info))?;
             }
-            Some(seed) => node.join(seed).await?,
+            Some(seed) => {
+                let deadline = tokio::time::Instant::now() + node.inner.config.system_timeout;
+                if let Err(e) = node.join_through(&[seed], deadline).await {
+                    node.inner.transport.close().await;
+                    return Err(e);
+                }
+            }
         }
         tokio::spawn(node.clone().heartbeat_loop());
         tracing::info!(node = %node.name(), addr = %node.addr(), leader = %node.leader(), "node started");

@@ -1,17 +1,35 @@
-//! Cluster membership from a node's side: joining, heartbeats, failure detection,
-//! following the leader's directory, leaving.
+//! Cluster membership from a node's side: joining (through any member, following
+//! redirects to the leader), heartbeats, failure detection, following the leader's
+//! directory, leaving. Fail-over and rejoining are in `failover.rs`.
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use super::config::NodeError;
 use super::protocol::{SysRequest, SysResponse};
 use super::state::{Hosted, Node};
-use crate::actor::ExitReason;
+use crate::actor::{CallError, ExitReason};
 use crate::addr::ActorName;
-use crate::directory::{Change, Directory, Update};
-use crate::membership::{FailureDetector, NodeInfo};
+use crate::directory::{Change, Directory, Liveness, Update};
+use crate::leadership::{describe, Beat, BeatReply, Lead};
+use crate::membership::{FailureDetector, Membership};
+
+/// Redirects a join follows before it gives up on a seed.
+const MAX_REDIRECTS: usize = 4;
+
+/// Why one attempt to join failed.
+enum JoinFailure {
+    /// Worth another try (a member unreachable, no leader yet).
+    Retry(NodeError),
+    /// The name belongs to a live member: another try helps only once that member has
+    /// been declared dead, so tries go on for one failure bound.
+    NameInUse(NodeError),
+    /// No retry helps (e.g. the certificate does not match the name).
+    Final(NodeError),
+}
 
 impl Node {
     pub(super) fn lock_detector(&self) -> std::sync::MutexGuard<'_, FailureDetector> {
@@ -22,13 +40,24 @@ impl Node {
     }
 
     /// Side effects of a directory change on this node: forget dead peers and release
-    /// the actors they owned.
+    /// the actors they owned; notice that its own incarnation or its leader is gone.
     pub(super) fn follow_update(&self, update: &Update) {
         if let Change::NodeDown { node, .. } = &update.change {
-            if node != self.name() {
-                self.inner.transport.forget(node);
-                self.release_owned_by(node);
-            }
+            self.node_gone(node);
+        }
+        self.check_own_entry();
+    }
+
+    /// `node` left or was declared dead (seen in an update or a snapshot).
+    pub(super) fn node_gone(&self, node: &str) {
+        if node == self.name() {
+            return;
+        }
+        self.inner.transport.forget(node);
+        self.release_owned_by(node);
+        if node == self.leader() && !self.is_leader() {
+            // The leader announced its own departure (graceful leave).
+            self.leader_lost(node, true);
         }
     }
 
@@ -52,12 +81,7 @@ impl Node {
     /// Leader: sends an update to every alive member, in order.
     pub(super) async fn broadcast(&self, update: Update) {
         self.follow_update(&update);
-        let members: Vec<String> = self.inner.directory.read(|d| {
-            d.alive_nodes()
-                .filter(|n| n.name != self.name())
-                .map(|n| n.name.clone())
-                .collect()
-        });
+        let members = self.alive_members();
         let sends = members.into_iter().map(|m| {
             let node = self.clone();
             let update = update.clone();
@@ -66,30 +90,178 @@ impl Node {
         futures::future::join_all(sends).await;
     }
 
-    pub(super) async fn join(&self, seed: SocketAddr) -> Result<(), NodeError> {
-        let join_err = |reason: String| NodeError::Join { seed, reason };
-        let leader = self
-            .inner
-            .transport
-            .connect_seed(seed)
-            .await
-            .map_err(|e| join_err(e.to_string()))?;
-        *self.inner.leader.lock().unwrap_or_else(|p| p.into_inner()) = leader.clone();
-        // The seed is the leader; it is reachable by name once we know its address.
-        self.inner.directory.reset(seed_directory(&leader, seed));
-        let reply = self
-            .system_call(&leader, SysRequest::Join(self.inner.info.clone()))
-            .await
-            .map_err(|e| join_err(e.to_string()))?;
-        match reply {
-            SysResponse::Directory(d) => {
-                self.inner.directory.reset(d);
-                self.lock_detector()
-                    .heard(&leader, tokio::time::Instant::now());
-                Ok(())
+    /// The alive members other than this node, in name order.
+    pub(super) fn alive_members(&self) -> Vec<String> {
+        self.inner.directory.read(|d| {
+            d.alive_nodes()
+                .filter(|n| n.name != self.name())
+                .map(|n| n.name.clone())
+                .collect()
+        })
+    }
+
+    /// Where `node` is, when the directory holds it alive.
+    pub(super) fn addr_of(&self, node: &str) -> Option<SocketAddr> {
+        self.inner.directory.read(|d| {
+            d.node(node)
+                .filter(|e| e.liveness == Liveness::Alive)
+                .map(|e| e.info.addr)
+        })
+    }
+
+    /// Joins through the first of `seeds` that answers, following redirects to the
+    /// leader; tries again until `deadline` (and, while the name belongs to a live member,
+    /// until that member would have been declared dead).
+    pub(super) async fn join_through(
+        &self,
+        seeds: &[SocketAddr],
+        deadline: Instant,
+    ) -> Result<(), NodeError> {
+        let pause = self.inner.config.heartbeat_interval;
+        let bound = self.inner.config.failure_timeout;
+        let mut deadline = deadline;
+        let mut name_deadline: Option<Instant> = None;
+        let mut last = NodeError::Join {
+            seed: self.addr(),
+            reason: "no member address to join through (give a seed)".into(),
+        };
+        loop {
+            for &seed in seeds {
+                match self.join_once(seed).await {
+                    Ok(()) => return Ok(()),
+                    Err(JoinFailure::Final(e)) => return Err(e),
+                    Err(JoinFailure::Retry(e)) => last = e,
+                    Err(JoinFailure::NameInUse(e)) => {
+                        // The holder may be a crashed life of this node that the leader
+                        // has not declared dead yet: wait out one bound, no longer (a
+                        // holder still heard from after that is a live duplicate).
+                        deadline = *name_deadline.get_or_insert(Instant::now() + bound + 2 * pause);
+                        last = e;
+                        break;
+                    }
+                }
             }
-            SysResponse::Error(e) => Err(join_err(e)),
-            other => Err(join_err(format!("unexpected answer {other:?}"))),
+            if Instant::now() + pause >= deadline {
+                return Err(last);
+            }
+            tokio::time::sleep(pause).await;
+        }
+    }
+
+    async fn join_once(&self, seed: SocketAddr) -> Result<(), JoinFailure> {
+        let fail = |reason: String| NodeError::Join { seed, reason };
+        let mut addr = seed;
+        for _ in 0..MAX_REDIRECTS {
+            let member = self
+                .inner
+                .transport
+                .connect_seed(addr)
+                .await
+                .map_err(|e| JoinFailure::Retry(fail(e.to_string())))?;
+            // Another process under this name goes on (it redirects, and the leader
+            // refuses the name); this very node cannot be its own seed.
+            if member == self.name() && addr == self.addr() {
+                return Err(JoinFailure::Final(fail(format!(
+                    "{addr} is this node ({member}) itself; give the address of another member"
+                ))));
+            }
+            let request = SysRequest::Join {
+                info: self.info(),
+                hosted: Vec::new(),
+            };
+            let reply = self
+                .system_call(&member, request)
+                .await
+                .map_err(|e| JoinFailure::Retry(fail(format!("{member} at {addr}: {e}"))))?;
+            match reply {
+                SysResponse::Joined { lead, directory } => {
+                    // The lead first: the directory may show the old leader gone.
+                    self.adopt_lead(lead);
+                    self.install_directory(directory, true);
+                    return Ok(());
+                }
+                SysResponse::Redirect {
+                    lead,
+                    addr: Some(next),
+                } => {
+                    tracing::info!(node = %self.name(), via = %member, leader = %lead.leader, term = lead.term, "joining through the leader");
+                    addr = next;
+                }
+                SysResponse::Redirect { lead, addr: None } => {
+                    return Err(JoinFailure::Retry(fail(format!(
+                        "{member} is not the leader and does not know where {} (term {}) is",
+                        lead.leader, lead.term
+                    ))))
+                }
+                SysResponse::NameInUse {
+                    incarnation,
+                    addr: holder,
+                    silent_for_ms,
+                    bound_ms,
+                } => {
+                    return Err(JoinFailure::NameInUse(NodeError::NameInUse {
+                        name: self.name().to_string(),
+                        incarnation,
+                        addr: holder,
+                        silent_for: Duration::from_millis(silent_for_ms),
+                        bound: Duration::from_millis(bound_ms),
+                    }))
+                }
+                SysResponse::Expelled { reason } => {
+                    return Err(JoinFailure::Retry(fail(format!(
+                        "{member} holds this incarnation dead: {reason}"
+                    ))))
+                }
+                SysResponse::Error(e) => return Err(JoinFailure::Final(fail(e))),
+                other => {
+                    return Err(JoinFailure::Final(fail(format!(
+                        "unexpected answer {other:?}"
+                    ))))
+                }
+            }
+        }
+        Err(JoinFailure::Retry(fail(format!(
+            "more than {MAX_REDIRECTS} redirects; the members disagree on the leader"
+        ))))
+    }
+
+    /// Follows `lead` as the result of a join: the leader is now the only peer watched.
+    fn adopt_lead(&self, lead: Lead) {
+        let leader = lead.leader.clone();
+        *self.lock_lead() = lead;
+        self.lock_succession().settle();
+        self.lock_detector()
+            .watch_only([leader.as_str()], Instant::now());
+    }
+
+    /// Installs a leader's directory (`force`: even when older than the replica, as after
+    /// a join), with the side effects of the nodes it shows gone.
+    pub(super) fn install_directory(&self, directory: Directory, force: bool) {
+        let departed = if force {
+            Some(self.inner.directory.replace(directory))
+        } else {
+            self.inner.directory.reset(directory)
+        };
+        for node in departed.unwrap_or_default() {
+            self.node_gone(&node);
+        }
+        self.check_own_entry();
+    }
+
+    /// Expels this node when the directory holds its incarnation dead.
+    pub(super) fn check_own_entry(&self) {
+        if self.is_stopping() || !self.is_member() {
+            return;
+        }
+        let incarnation = self.incarnation();
+        let dead = self.inner.directory.read(|d| {
+            d.node(self.name()).and_then(|e| match &e.liveness {
+                Liveness::Dead(r) if e.info.incarnation == incarnation => Some(describe(r)),
+                _ => None,
+            })
+        });
+        if let Some(reason) = dead {
+            self.expel(reason);
         }
     }
 
@@ -97,7 +269,7 @@ impl Node {
         let leader = self.leader();
         if let Ok(SysResponse::Directory(d)) = self.system_call(&leader, SysRequest::Snapshot).await
         {
-            self.inner.directory.reset(d);
+            self.install_directory(d, false);
         }
     }
 
@@ -107,46 +279,130 @@ impl Node {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Silence is checked more often than heartbeats are sent, so detection takes
         // at most failure_timeout plus this, not plus a whole heartbeat period.
-        let mut check = tokio::time::interval(
-            self.inner
-                .config
-                .heartbeat_interval
-                .min(Duration::from_millis(100)),
-        );
+        let mut check = tokio::time::interval(self.check_interval());
         check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
-                _ = tick.tick() => self.send_heartbeats(),
-                _ = check.tick() => self.declare_silent_peers_dead().await,
+                // Checked first: after a stall, this node's pause is noticed before its
+                // peers' apparent silence is judged.
+                biased;
                 _ = shutdown.changed() => return,
+                _ = check.tick() => self.check_peers().await,
+                _ = tick.tick() => self.send_heartbeats(),
             }
         }
     }
 
+    pub(super) fn check_interval(&self) -> Duration {
+        self.inner
+            .config
+            .heartbeat_interval
+            .min(Duration::from_millis(100))
+    }
+
     pub(super) fn send_heartbeats(&self) {
-        let me = SysRequest::Heartbeat {
+        if !self.is_member() {
+            return;
+        }
+        let lead = self.lead();
+        let beat = SysRequest::Heartbeat(Beat {
             node: self.name().to_string(),
-            incarnation: self.inner.info.incarnation,
-        };
-        let targets: Vec<String> = if self.is_leader() {
-            self.inner.directory.read(|d| {
-                d.alive_nodes()
-                    .filter(|n| n.name != self.name())
-                    .map(|n| n.name.clone())
-                    .collect()
-            })
+            incarnation: self.incarnation(),
+            lead: lead.clone(),
+        });
+        let targets: Vec<String> = if lead.leader == self.name() {
+            self.alive_members()
         } else {
-            vec![self.leader()]
+            let succession = self.lock_succession();
+            if succession.in_progress() {
+                // The leader is silent. The next in line answers with the new term once
+                // it leads (its replica may lack this node, so it might not call).
+                succession
+                    .awaiting()
+                    .map(String::from)
+                    .into_iter()
+                    .collect()
+            } else {
+                vec![lead.leader.clone()]
+            }
         };
+        let within = self.inner.config.failure_timeout;
         for t in targets {
-            let (node, me) = (self.clone(), me.clone());
-            tokio::spawn(async move { node.system_tell(&t, me).await });
+            let (node, beat, lead) = (self.clone(), beat.clone(), lead.clone());
+            tokio::spawn(async move {
+                let sent = Instant::now();
+                let mut reply = node.system_call_within(&t, beat.clone(), within).await;
+                // Lost with its connection (the peer closed it: it declared this node
+                // dead while it stood still): send it again at once, on a new one.
+                let lost = matches!(&reply, Err(NodeError::Call(CallError::Transport { .. })));
+                if lost && sent.elapsed() < node.inner.config.heartbeat_interval {
+                    reply = node.system_call_within(&t, beat, within).await;
+                }
+                if let Ok(SysResponse::Beat(reply)) = reply {
+                    node.on_beat_reply(&t, &lead, reply);
+                }
+            });
         }
     }
 
-    pub(super) async fn declare_silent_peers_dead(&self) {
-        let dead = self.lock_detector().expired(tokio::time::Instant::now());
-        for node in dead {
+    /// What `to` answered to the heartbeat this node sent while following `sent`.
+    fn on_beat_reply(&self, to: &str, sent: &Lead, reply: BeatReply) {
+        let lead = self.lead();
+        if lead != *sent || !self.is_member() {
+            return;
+        }
+        match reply {
+            BeatReply::Ok => {
+                let mut detector = self.lock_detector();
+                let now = Instant::now();
+                if detector.silent_for(to, now).is_some() {
+                    detector.heard(to, now);
+                }
+            }
+            BeatReply::Follow(newer) => self.follow(newer),
+            BeatReply::Dead { reason } if to == lead.leader => self.expel(reason),
+            BeatReply::Dead { .. } => {}
+        }
+    }
+
+    /// On the check timer: notice this node's own stall, then its peers' silence.
+    pub(super) async fn check_peers(&self) {
+        let now = Instant::now();
+        let stalled = self
+            .inner
+            .pause
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .tick(now);
+        if let Some(stall) = stalled {
+            tracing::warn!(node = %self.name(), ?stall, "this node stood still: its peers get a fresh failure bound instead of being judged by its own silence");
+            self.lock_detector().restart_all(now);
+            return;
+        }
+        if !self.is_member() || self.is_stopping() {
+            return;
+        }
+        let lead = self.lead();
+        let expired = self.lock_detector().expired(now);
+        if lead.leader == self.name() {
+            self.declare_dead(expired).await;
+        } else if expired.contains(&lead.leader) {
+            tracing::warn!(node = %self.name(), leader = %lead.leader, term = lead.term, timeout = ?self.inner.config.failure_timeout, "the directory's leader is silent");
+            self.leader_lost(&lead.leader, false);
+        } else {
+            let step = {
+                let dir = self.inner.directory.snapshot();
+                let patience = self.succession_patience();
+                self.lock_succession()
+                    .tick(&dir, self.name(), now, patience)
+            };
+            self.run_step(step);
+        }
+    }
+
+    /// Leader: declares silent members dead.
+    async fn declare_dead(&self, silent: Vec<String>) {
+        for node in silent {
             tracing::warn!(%node, timeout = ?self.inner.config.failure_timeout, "peer silent: declaring it dead");
             let change = Change::NodeDown {
                 node: node.clone(),
@@ -155,15 +411,8 @@ impl Node {
                     self.inner.config.failure_timeout
                 )),
             };
-            if self.is_leader() {
-                if let Ok(Some(update)) = self.inner.directory.apply(change) {
-                    self.broadcast(update).await;
-                }
-            } else {
-                // The leader itself went silent. There is no fail-over yet: mark it
-                // dead locally so callers fail fast instead of hanging.
-                let _ = self.inner.directory.apply(change);
-                self.inner.transport.forget(&node);
+            if let Ok(Some(update)) = self.inner.directory.apply(change) {
+                self.broadcast(update).await;
             }
         }
     }
@@ -189,35 +438,59 @@ impl Node {
             );
         }
         let _ = self.inner.shutdown.send(true);
-        if !self.is_leader() {
-            let leader = self.leader();
-            let _ = tokio::time::timeout(
-                self.inner.config.system_timeout,
-                self.system_call(
-                    &leader,
-                    SysRequest::Leave {
-                        node: self.name().to_string(),
-                    },
-                ),
-            )
-            .await;
-        } else if let Ok(Some(update)) = self.inner.directory.apply(Change::NodeDown {
-            node: self.name().to_string(),
-            reason: ExitReason::Normal,
-        }) {
-            self.broadcast(update).await;
+        if self.is_leader() {
+            // The members see their leader leave and the next in line takes over at
+            // once. Asked, not told: a told update still queued when the endpoint
+            // closes is lost, and the members would wait out the failure bound.
+            if let Ok(Some(update)) = self.inner.directory.apply(Change::NodeDown {
+                node: self.name().to_string(),
+                reason: ExitReason::Normal,
+            }) {
+                let within = self.inner.config.system_timeout;
+                let asks = self.alive_members().into_iter().map(|m| {
+                    let (node, update) = (self.clone(), update.clone());
+                    async move {
+                        node.system_call_within(&m, SysRequest::Update(update), within)
+                            .await
+                    }
+                });
+                futures::future::join_all(asks).await;
+            }
+        } else if self.is_member() {
+            self.leave().await;
         }
         self.inner.transport.close().await;
         tracing::info!(node = %self.name(), "left the cluster");
     }
-}
 
-/// A directory that knows only the seed, so the first call can reach it by name.
-fn seed_directory(leader: &str, addr: SocketAddr) -> Directory {
-    let mut d = Directory::default();
-    let mut info = NodeInfo::for_tests(leader, 0);
-    info.addr = addr;
-    info.host_id = String::new();
-    let _ = d.apply(Change::NodeUp(info));
-    d
+    /// Tells the leader this node leaves, following a redirect if the leader changed.
+    async fn leave(&self) {
+        let mut leader = self.leader();
+        let request = SysRequest::Leave {
+            node: self.name().to_string(),
+        };
+        for _ in 0..MAX_REDIRECTS {
+            let reply = tokio::time::timeout(
+                self.inner.config.system_timeout,
+                self.system_call(&leader, request.clone()),
+            )
+            .await;
+            match reply {
+                Ok(Ok(SysResponse::Redirect { lead, .. })) if lead.leader != leader => {
+                    leader = lead.leader;
+                }
+                Ok(Ok(_)) => return,
+                Ok(Err(e)) => {
+                    tracing::warn!(node = %self.name(), %leader, error = %e, "could not tell the leader this node leaves; it will be declared dead after the failure bound");
+                    return;
+                }
+                Err(_) => return,
+            }
+        }
+    }
+
+    /// Whether this node is a member under its current incarnation.
+    pub(super) fn is_member(&self) -> bool {
+        *self.inner.membership.borrow() == Membership::Member
+    }
 }

@@ -95,6 +95,40 @@ pub enum NodeError {
         /// What went wrong.
         reason: String,
     },
+    /// The cluster refused the join: a live member already has this node's name.
+    #[error("could not join: node name {name:?} belongs to a live member of the cluster (incarnation {incarnation} at {addr}, heard from {silent_for:?} ago); start this node under another name (--name), or stop the other {name} and start this one again once the cluster has declared it dead (after {bound:?} of silence)")]
+    NameInUse {
+        /// The name asked for.
+        name: String,
+        /// The live member's incarnation.
+        incarnation: u64,
+        /// Where the live member is.
+        addr: SocketAddr,
+        /// How long ago the leader last heard from it.
+        silent_for: Duration,
+        /// The failure bound.
+        bound: Duration,
+    },
+    /// A change went to a node that no longer leads the directory.
+    #[error("node {asked} does not lead the directory ({leader} leads term {term}); the change was not recorded, send it to {leader}")]
+    NotLeader {
+        /// The node asked.
+        asked: String,
+        /// The leader it named.
+        leader: String,
+        /// Its term.
+        term: u64,
+    },
+    /// A peer refused an operation.
+    #[error("node {node} refused {operation}: {reason}")]
+    Refused {
+        /// The node that refused.
+        node: String,
+        /// What was asked.
+        operation: String,
+        /// Its reason.
+        reason: String,
+    },
     /// A remote call failed.
     #[error(transparent)]
     Call(#[from] CallError),

@@ -14,7 +14,7 @@ use super::state::{Hosted, Node, TypedInbox, WeakNode};
 use crate::actor::{spawn_with_id, Actor, ActorRef, ExitReason};
 use crate::addr::{next_incarnation, ActorId, ActorName};
 use crate::directory::{Change, DirectoryHandle};
-use crate::membership::NodeInfo;
+use crate::membership::{Membership, NodeInfo};
 use crate::message::Message;
 use crate::supervisor::{supervise, RestartPolicy, Supervised};
 
@@ -37,17 +37,41 @@ impl Node {
 
     /// This node's name.
     pub fn name(&self) -> &str {
-        &self.inner.info.name
+        &self.inner.name
     }
 
-    /// What this node reported to the cluster.
-    pub fn info(&self) -> &NodeInfo {
-        &self.inner.info
+    /// What this node reports to the cluster (its incarnation changes when it rejoins
+    /// after being declared dead).
+    pub fn info(&self) -> NodeInfo {
+        self.inner
+            .info
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Which life of this node the cluster knows.
+    pub fn incarnation(&self) -> u64 {
+        self.inner
+            .info
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .incarnation
     }
 
     /// The address peers reach this node at.
     pub fn addr(&self) -> SocketAddr {
-        self.inner.info.addr
+        self.inner.addr
+    }
+
+    /// Member, or rejoining after having been declared dead.
+    pub fn membership(&self) -> Membership {
+        self.inner.membership.borrow().clone()
+    }
+
+    /// Every change of [`Node::membership`] from now on.
+    pub fn watch_membership(&self) -> tokio::sync::watch::Receiver<Membership> {
+        self.inner.membership.subscribe()
     }
 
     /// The directory replica.
@@ -57,11 +81,12 @@ impl Node {
 
     /// The node that leads the directory.
     pub fn leader(&self) -> String {
-        self.inner
-            .leader
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.lock_lead().leader.clone()
+    }
+
+    /// The directory leader's term: 1 for the founding seed, one more per fail-over.
+    pub fn term(&self) -> u64 {
+        self.lock_lead().term
     }
 
     /// Whether this node leads the directory.
@@ -245,12 +270,20 @@ impl Node {
         });
     }
 
-    /// Sends a directory change to the leader without waiting for it.
+    /// Sends a directory change to the leader without waiting for it; a change the
+    /// leader cannot take now (it died, or is being replaced) goes to the next one.
     pub(super) fn propose_detached(&self, change: Change) {
         let node = self.clone();
         tokio::spawn(async move {
-            if let Err(e) = node.propose(change).await {
-                tracing::warn!(error = %e, "directory change not recorded");
+            match node.propose(change.clone()).await {
+                Ok(()) => {}
+                Err(NodeError::Call(_) | NodeError::NotLeader { .. }) => {
+                    tracing::info!(node = %node.name(), "directory change kept for the next leader");
+                    node.keep_pending(change);
+                }
+                Err(e) => {
+                    tracing::warn!(node = %node.name(), error = %e, "directory change not recorded")
+                }
             }
         });
     }
@@ -269,9 +302,24 @@ impl Node {
             .await?
         {
             SysResponse::Ack => Ok(()),
-            other => Err(NodeError::Join {
-                seed: self.addr(),
-                reason: format!("leader answered {other:?}"),
+            SysResponse::Redirect { lead, .. } => {
+                let err = NodeError::NotLeader {
+                    asked: leader,
+                    leader: lead.leader.clone(),
+                    term: lead.term,
+                };
+                self.follow(lead);
+                Err(err)
+            }
+            SysResponse::Error(e) => Err(NodeError::Refused {
+                node: leader,
+                operation: "recording a directory change".into(),
+                reason: e,
+            }),
+            other => Err(NodeError::Refused {
+                node: leader,
+                operation: "recording a directory change".into(),
+                reason: format!("unexpected answer {other:?}"),
             }),
         }
     }

@@ -3,7 +3,12 @@
 //! A node owns the QUIC transport, a replica of the directory, the actors it hosts and
 //! the factories it can spawn remotely. The first node of a cluster (no seed) leads the
 //! directory: it orders every change and watches every member's heartbeats. Others join
-//! through a seed address, heartbeat the leader, and follow its directory updates.
+//! through any member's address (a member that does not lead redirects to the leader),
+//! heartbeat the leader, and follow its directory updates. When the leader falls
+//! silent, the member that joined first after it leads the next term
+//! (`crate::leadership`); a member that stalled past the failure bound learns it was
+//! declared dead from its leader's answer, stops what it hosted, and rejoins under a new
+//! incarnation (`failover.rs`).
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -40,6 +45,7 @@ mod builder;
 mod cluster;
 mod config;
 mod dispatch;
+mod failover;
 mod local;
 mod protocol;
 mod remote;

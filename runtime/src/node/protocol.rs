@@ -1,23 +1,32 @@
-//! The system messages nodes exchange: joins, heartbeats, directory changes, remote
-//! spawns.
+//! The system messages nodes exchange: joins, heartbeats, directory changes, fail-over,
+//! remote spawns.
+
+use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 
 use crate::addr::ActorId;
 use crate::directory::{Change, Directory, Update};
+use crate::leadership::{Beat, BeatReply, Lead};
 use crate::membership::NodeInfo;
 
 /// System requests between nodes.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) enum SysRequest {
-    Join(NodeInfo),
-    Heartbeat {
-        node: String,
-        incarnation: u64,
+    /// Join, or (same incarnation) report to a new leader what this node hosts.
+    Join {
+        info: NodeInfo,
+        /// The actors the node hosts (empty for a first join).
+        hosted: Vec<ActorId>,
     },
+    Heartbeat(Beat),
     Update(Update),
     Propose(Change),
     Snapshot,
+    /// A candidate asks whether the asked node still hears `leader`.
+    LeaderCheck {
+        leader: String,
+    },
     Spawn {
         role: String,
         replica: Option<u32>,
@@ -33,6 +42,35 @@ pub(super) enum SysRequest {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) enum SysResponse {
     Directory(Directory),
+    /// A join was accepted: the leader and its directory.
+    Joined {
+        lead: Lead,
+        directory: Directory,
+    },
+    /// Not the leader: ask this one (`addr: None` when its address is unknown here).
+    Redirect {
+        lead: Lead,
+        addr: Option<SocketAddr>,
+    },
+    /// The joining name belongs to a live member.
+    NameInUse {
+        incarnation: u64,
+        addr: SocketAddr,
+        silent_for_ms: u64,
+        bound_ms: u64,
+    },
+    /// The asking incarnation was declared dead.
+    Expelled {
+        reason: String,
+    },
+    Beat(BeatReply),
+    /// The answer to `LeaderCheck`: whom the asked node follows, whether it heard that
+    /// leader within the failure bound, and how new its replica is.
+    LeaderSeen {
+        lead: Lead,
+        hears: bool,
+        version: (u64, u64),
+    },
     Ack,
     Spawned(ActorId),
     Error(String),

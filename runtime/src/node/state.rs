@@ -2,9 +2,10 @@
 //! them.
 
 use std::any::Any;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -12,8 +13,9 @@ use tokio::sync::watch;
 use super::config::NodeConfig;
 use crate::actor::{ActorRef, BoxFuture, CallError};
 use crate::addr::{ActorId, ActorName};
-use crate::directory::DirectoryHandle;
-use crate::membership::{FailureDetector, NodeInfo};
+use crate::directory::{Change, DirectoryHandle};
+use crate::leadership::{Lead, Succession};
+use crate::membership::{FailureDetector, Membership, NodeInfo, PauseDetector};
 use crate::message::{Message, Wire};
 use crate::transport::Transport;
 
@@ -68,13 +70,30 @@ impl<Req: Message, Resp: Message> Inbox for TypedInbox<Req, Resp> {
 }
 
 pub(super) struct NodeInner {
-    pub(super) info: NodeInfo,
+    /// The node's name (fixed; also its certificate's).
+    pub(super) name: String,
+    /// Where peers reach it (fixed).
+    pub(super) addr: SocketAddr,
+    /// What it reports; the incarnation changes when it rejoins after being declared dead.
+    pub(super) info: RwLock<NodeInfo>,
     pub(super) config: NodeConfig,
     pub(super) transport: Arc<Transport>,
     pub(super) directory: DirectoryHandle,
     pub(super) hosted: Mutex<HashMap<ActorName, Hosted>>,
     pub(super) factories: HashMap<String, FactoryFn>,
-    pub(super) leader: Mutex<String>,
+    /// The leader this node follows, and its term.
+    pub(super) lead: Mutex<Lead>,
+    /// Member, or rejoining after being declared dead.
+    pub(super) membership: watch::Sender<Membership>,
+    /// A fail-over in progress, from this member's side.
+    pub(super) succession: Mutex<Succession>,
+    /// Set while this node checks whether it may take over (one check at a time).
+    pub(super) electing: AtomicBool,
+    /// Directory changes the leader did not take (it died or was being replaced); sent
+    /// again to the next leader.
+    pub(super) pending: Mutex<VecDeque<Change>>,
+    /// Notices this process's own stalls.
+    pub(super) pause: Mutex<PauseDetector>,
     pub(super) detector: Mutex<FailureDetector>,
     pub(super) next_replica: AtomicU32,
     pub(super) in_flight: AtomicU64,

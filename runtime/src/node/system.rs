@@ -1,13 +1,18 @@
 //! Serving and sending the system protocol between nodes.
 
 use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use super::config::NodeError;
 use super::protocol::{SysRequest, SysResponse};
 use super::state::Node;
 use crate::actor::{CallError, ExitReason};
-use crate::addr::ActorName;
+use crate::addr::{ActorId, ActorName};
 use crate::directory::{Change, DirectoryError, Liveness};
+use crate::leadership::{admit, judge_beat, Admission, Beat, BeatReply, Lead};
+use crate::membership::{Membership, NodeInfo};
 use crate::message::{Message, Wire};
 use crate::transport::Target;
 
@@ -17,13 +22,23 @@ impl Node {
         node: &str,
         req: SysRequest,
     ) -> Result<SysResponse, NodeError> {
+        self.system_call_within(node, req, self.inner.config.system_timeout)
+            .await
+    }
+
+    pub(super) async fn system_call_within(
+        &self,
+        node: &str,
+        req: SysRequest,
+        timeout: Duration,
+    ) -> Result<SysResponse, NodeError> {
         let wire = req
             .into_wire()
             .map_err(|e| CallError::Codec(e.to_string()))?;
         let reply = self
             .inner
             .transport
-            .ask(node, Target::System, wire, self.inner.config.system_timeout)
+            .ask(node, Target::System, wire, timeout)
             .await?;
         Ok(SysResponse::from_wire(reply).map_err(|e| CallError::Codec(e.to_string()))?)
     }
@@ -51,51 +66,38 @@ impl Node {
     pub(super) async fn handle_system(&self, from: &str, req: SysRequest) -> SysResponse {
         let dir = &self.inner.directory;
         match req {
-            SysRequest::Join(info) => {
-                if !self.is_leader() {
-                    return SysResponse::Error(format!(
-                        "not the leader; join through {}",
-                        self.leader()
-                    ));
-                }
-                if info.name != from {
-                    return SysResponse::Error(format!(
-                        "certificate says {from:?} but join says {:?}",
-                        info.name
-                    ));
-                }
-                self.lock_detector()
-                    .heard(&info.name, tokio::time::Instant::now());
-                match dir.apply(Change::NodeUp(info)) {
-                    Ok(Some(update)) => self.broadcast(update).await,
-                    Ok(None) => {}
-                    Err(e) => return SysResponse::Error(e.to_string()),
-                }
-                SysResponse::Directory(dir.snapshot())
-            }
-            SysRequest::Heartbeat { node, incarnation } => {
-                let known = dir.read(|d| {
-                    d.node(&node).is_some_and(|e| {
-                        e.liveness == Liveness::Alive && e.info.incarnation == incarnation
-                    })
-                });
-                if known || node == self.leader() {
-                    self.lock_detector()
-                        .heard(&node, tokio::time::Instant::now());
-                }
-                SysResponse::Ack
-            }
+            SysRequest::Join { info, hosted } => self.handle_join(from, info, hosted).await,
+            SysRequest::Heartbeat(beat) => self.handle_beat(beat),
             SysRequest::Update(update) => {
-                if let Err(DirectoryError::Gap { .. }) = dir.apply_update(&update) {
-                    let node = self.clone();
-                    tokio::spawn(async move { node.resync().await });
+                let lead = self.lead();
+                if update.term > lead.term {
+                    // The first word of a new term (or a deposed leader's replica is
+                    // behind): follow its leader, who sends its directory.
+                    self.follow(Lead {
+                        term: update.term,
+                        leader: from.to_string(),
+                    });
+                    return SysResponse::Ack;
                 }
-                self.follow_update(&update);
+                if update.term < lead.term || from != lead.leader {
+                    return SysResponse::Ack; // a deposed leader's; its heartbeat learns
+                }
+                match dir.apply_update(&update) {
+                    Ok(true) => self.follow_update(&update),
+                    Ok(false) => {}
+                    Err(DirectoryError::Gap { .. } | DirectoryError::Term { .. }) => {
+                        let node = self.clone();
+                        tokio::spawn(async move { node.resync().await });
+                    }
+                    Err(e) => {
+                        tracing::warn!(node = %self.name(), error = %e, "a directory update did not apply")
+                    }
+                }
                 SysResponse::Ack
             }
             SysRequest::Propose(change) => {
                 if !self.is_leader() {
-                    return SysResponse::Error("not the leader".into());
+                    return self.redirect();
                 }
                 match dir.apply(change) {
                     Ok(Some(update)) => {
@@ -107,6 +109,16 @@ impl Node {
                 }
             }
             SysRequest::Snapshot => SysResponse::Directory(dir.snapshot()),
+            SysRequest::LeaderCheck { leader } => {
+                let lead = self.lead();
+                let hears = leader == self.name()
+                    || (lead.leader == leader && self.recently_heard(&leader));
+                SysResponse::LeaderSeen {
+                    lead,
+                    hears,
+                    version: dir.read(|d| d.version()),
+                }
+            }
             SysRequest::Spawn {
                 role,
                 replica,
@@ -114,7 +126,13 @@ impl Node {
                 linked,
             } => {
                 if self.inner.stopping.load(Ordering::Acquire) {
-                    return SysResponse::Error("node is shutting down".into());
+                    return SysResponse::Error(format!("node {} is shutting down", self.name()));
+                }
+                if let Membership::Rejoining { reason } = self.membership() {
+                    return SysResponse::Error(format!(
+                        "node {} is rejoining the cluster (it was declared dead: {reason}); spawn on it again once it has rejoined",
+                        self.name()
+                    ));
                 }
                 let Some(factory) = self.inner.factories.get(&role).cloned() else {
                     return SysResponse::Error(format!(
@@ -147,19 +165,158 @@ impl Node {
                 }
             }
             SysRequest::Leave { node } => {
-                if self.is_leader() {
-                    self.lock_detector().forget(&node);
-                    let change = Change::NodeDown {
-                        node,
-                        reason: ExitReason::Normal,
-                    };
-                    if let Ok(Some(update)) = dir.apply(change) {
-                        self.broadcast(update).await;
-                    }
+                if !self.is_leader() {
+                    return self.redirect();
+                }
+                if node != from {
+                    return SysResponse::Error(format!(
+                        "{from} cannot announce that {node} leaves; only {node} can"
+                    ));
+                }
+                self.lock_detector().forget(&node);
+                let change = Change::NodeDown {
+                    node,
+                    reason: ExitReason::Normal,
+                };
+                if let Ok(Some(update)) = dir.apply(change) {
+                    self.broadcast(update).await;
                 }
                 SysResponse::Ack
             }
         }
+    }
+
+    /// Not the leader: where the leader is (the member expected to take over, while the
+    /// leader is silent).
+    pub(super) fn redirect(&self) -> SysResponse {
+        let mut lead = self.lead();
+        if let Some(next) = self.lock_succession().awaiting() {
+            lead = Lead {
+                term: lead.term + 1,
+                leader: next.to_string(),
+            };
+        }
+        let addr = self.addr_of(&lead.leader);
+        SysResponse::Redirect { lead, addr }
+    }
+
+    /// Whether `node` was heard from within half the failure bound: a member that died
+    /// with the candidate watching has been silent about a whole bound everywhere.
+    fn recently_heard(&self, node: &str) -> bool {
+        let half = self.inner.config.failure_timeout / 2;
+        self.lock_detector()
+            .silent_for(node, Instant::now())
+            .is_some_and(|s| s <= half)
+    }
+
+    /// Leader: a node joins, rejoins under a new incarnation, or (same incarnation)
+    /// reports what it hosts after a leader change.
+    async fn handle_join(&self, from: &str, info: NodeInfo, hosted: Vec<ActorId>) -> SysResponse {
+        if !self.is_leader() {
+            return self.redirect();
+        }
+        if info.name != from {
+            return SysResponse::Error(format!(
+                "certificate says {from:?} but join says {:?}",
+                info.name
+            ));
+        }
+        let dir = &self.inner.directory;
+        let bound = self.inner.config.failure_timeout;
+        let silent_for = if info.name == self.name() {
+            Some(Duration::ZERO) // the leader itself is alive
+        } else {
+            self.lock_detector().silent_for(&info.name, Instant::now())
+        };
+        let admission = dir.read(|d| admit(d, &info, silent_for, bound));
+        let changes: Vec<Change> = match admission {
+            Admission::Admit => {
+                tracing::info!(node = %info.name, incarnation = info.incarnation, "node joins");
+                // An old life still listed alive (silent past the bound, not yet declared
+                // dead) goes through the node-down path first: its linked actors are
+                // released everywhere.
+                let old_alive = dir.read(|d| {
+                    d.node(&info.name)
+                        .is_some_and(|e| e.liveness == Liveness::Alive)
+                });
+                let mut changes = Vec::new();
+                if old_alive {
+                    changes.push(Change::NodeDown {
+                        node: info.name.clone(),
+                        reason: ExitReason::NodeDown(format!(
+                            "replaced by incarnation {}",
+                            info.incarnation
+                        )),
+                    });
+                }
+                changes.push(Change::NodeUp(info.clone()));
+                changes
+            }
+            Admission::Known => hosted
+                .into_iter()
+                .filter(|id| id.name.node == info.name)
+                .map(Change::ActorUp)
+                .collect(),
+            Admission::Dead { reason } => {
+                return SysResponse::Expelled {
+                    reason: format!(
+                        "incarnation {} of {} was declared dead: {reason}",
+                        info.incarnation, info.name
+                    ),
+                }
+            }
+            Admission::NameInUse {
+                incarnation,
+                silent_for,
+            } => {
+                let addr = dir
+                    .read(|d| d.node(&info.name).map(|e| e.info.addr))
+                    .unwrap_or(info.addr);
+                tracing::warn!(node = %info.name, joining = info.incarnation, live = incarnation, "refused a join: the name belongs to a live member");
+                return SysResponse::NameInUse {
+                    incarnation,
+                    addr,
+                    silent_for_ms: silent_for.as_millis() as u64,
+                    bound_ms: bound.as_millis() as u64,
+                };
+            }
+        };
+        self.lock_detector().heard(&info.name, Instant::now());
+        for change in changes {
+            match dir.apply(change) {
+                Ok(Some(update)) => self.broadcast(update).await,
+                Ok(None) => {}
+                Err(e) => return SysResponse::Error(e.to_string()),
+            }
+        }
+        SysResponse::Joined {
+            lead: self.lead(),
+            directory: dir.snapshot(),
+        }
+    }
+
+    /// A heartbeat: judged by term and incarnation (see `crate::leadership::judge_beat`).
+    fn handle_beat(&self, beat: Beat) -> SysResponse {
+        if !self.is_member() {
+            return SysResponse::Beat(BeatReply::Ok);
+        }
+        let lead = self.lead();
+        let outcome = self
+            .inner
+            .directory
+            .read(|d| judge_beat(self.name(), &lead, d, &beat));
+        if let Some(newer) = outcome.follow.clone() {
+            self.follow(newer);
+        }
+        if outcome.heard {
+            self.lock_detector().heard(&beat.node, Instant::now());
+            let mut succession = self.lock_succession();
+            if beat.node == lead.leader && succession.in_progress() && outcome.follow.is_none() {
+                tracing::info!(node = %self.name(), leader = %lead.leader, "the leader is heard again");
+                succession.settle();
+            }
+        }
+        SysResponse::Beat(outcome.reply)
     }
 
     pub(super) fn next_free_replica(&self, role: &str) -> u32 {

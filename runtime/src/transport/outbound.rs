@@ -42,9 +42,15 @@ impl Transport {
         let work = async {
             let peer = self.peer(node).await?;
             let (bulk_ref, bulk) = self.place_bulk(node, wire.bulk).await;
+            // An actor's ask waits for the tells sent to it before; a system ask (a
+            // heartbeat, a join) must not wait behind a full mailbox.
+            let after_tells = match target {
+                Target::System => 0,
+                _ => peer.tells_sent.load(Ordering::Acquire),
+            };
             let head = RequestHead {
                 target: target.clone(),
-                after_tells: peer.tells_sent.load(Ordering::Acquire),
+                after_tells,
                 timeout_ms: timeout.as_millis() as u64,
                 body: wire.body,
                 bulk: bulk_ref,

@@ -34,9 +34,12 @@ pub struct TrainArgs {
     /// `[placement]` names (placement.mode = "disaggregated").
     #[arg(long, value_name = "SEED_ADDR")]
     cluster: Option<SocketAddr>,
-    /// With --cluster: this process's node name (its certificate's CN).
-    #[arg(long, default_value = "train", requires = "cluster")]
-    name: String,
+    /// With --cluster: this process's node name (its certificate's CN). Default: with
+    /// --dev, a name of its own per process (`train-<pid>-<random>`), so that
+    /// concurrent runs never share one; otherwise "train" (the certificate's name in
+    /// --certs). Two live members may not share a name: the second is refused.
+    #[arg(long, requires = "cluster")]
+    name: Option<String>,
     /// With --cluster: the certificate directory (ca.pem, NAME.pem, NAME.key; with
     /// --dev, the dev CA the nodes were started with).
     #[arg(long, default_value = "certs", requires = "cluster")]
@@ -98,17 +101,38 @@ async fn start_node(
         disaggregated,
         "--cluster runs roles on cluster nodes: set placement.mode = \"disaggregated\" and a node per role under [placement] (--set placement.mode=disaggregated ...)"
     );
-    let mut builder = Node::builder(&args.name).listen(args.listen).seed(seed);
+    let name = args
+        .name
+        .clone()
+        .unwrap_or_else(|| default_member_name(args.dev));
+    let mut builder = Node::builder(&name).listen(args.listen).seed(seed);
     builder = if args.dev {
         builder.dev_certs(&args.certs)
     } else {
-        builder.identity(NodeIdentity::load(&args.certs, &args.name)?)
+        builder.identity(NodeIdentity::load(&args.certs, &name)?)
     };
     let node = yatt::register_roles(builder)
         .start()
         .await
-        .with_context(|| format!("joining the cluster through {seed} as {}", args.name))?;
+        .with_context(|| format!("joining the cluster through {seed} as {name}"))?;
     Ok((node, None))
+}
+
+/// This run's node name when `--name` is not given. With dev certificates any name can
+/// be issued, so each process takes its own (`train-<pid>-<random>`): a second run
+/// started while the first runs joins beside it instead of colliding with it. Without
+/// them the name must be the one the certificate in `--certs` was issued for.
+fn default_member_name(dev: bool) -> String {
+    if !dev {
+        return "train".into();
+    }
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    // Mixed so that two runs started in the same microsecond still differ.
+    let random = (nanos ^ std::process::id().rotate_left(16)).wrapping_mul(0x9e37_79b9) >> 8;
+    format!("train-{}-{random:06x}", std::process::id())
 }
 
 /// A metric of the step, NaN when absent (printed as `NaN`/`-`, never a panic).
@@ -302,6 +326,17 @@ async fn run_job(job: JobConfig, resume: bool, args: TrainArgs) -> anyhow::Resul
 mod tests {
     use super::*;
     use yatt::trainer::StepMetrics;
+
+    #[test]
+    fn dev_runs_get_names_of_their_own() {
+        let a = default_member_name(true);
+        assert!(
+            a.starts_with(&format!("train-{}-", std::process::id())),
+            "{a}"
+        );
+        yatt::runtime::validate_node_name(&a).unwrap();
+        assert_eq!(default_member_name(false), "train");
+    }
 
     fn progress(metrics: &StepMetrics) -> Progress<'_> {
         Progress {
