@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use yatt_engine::tch::{Device, Kind};
 use yatt_engine::Trainer;
 
+use crate::config::modes::Schedule;
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::report::ControllerState;
@@ -192,7 +193,7 @@ pub(crate) fn check_same_run(job: &JobConfig, dir: &Path) -> Result<(), JobError
     let (run, this) = (flat(&theirs), flat(job));
     let keys: std::collections::BTreeSet<&String> = run.keys().chain(this.keys()).collect();
     let missing = || "(unset)".to_string();
-    let differ: Vec<String> = keys
+    let mut differ: Vec<String> = keys
         .into_iter()
         .filter(|k| run.get(*k) != this.get(*k))
         .map(|k| {
@@ -203,6 +204,20 @@ pub(crate) fn check_same_run(job: &JobConfig, dir: &Path) -> Result<(), JobError
             )
         })
         .collect();
+    // `job.steps` may change, unless something is scheduled over it.
+    let over_steps = if job.optim.schedule == Schedule::Cosine {
+        Some("optim.schedule = \"cosine\" decays over job.steps")
+    } else if job.data.length_end != 0 {
+        Some("data.length_end grows the target length over job.steps")
+    } else {
+        None
+    };
+    if let (Some(why), true) = (over_steps, theirs.job.steps != job.job.steps) {
+        differ.push(format!(
+            "job.steps (run: {}, this job: {}; {why})",
+            theirs.job.steps, job.job.steps
+        ));
+    }
     if differ.is_empty() {
         return Ok(());
     }

@@ -211,3 +211,20 @@ async fn a_call_past_its_configured_deadline_fails_the_step_and_names_the_checkp
     let err = common::load_demo(out.path(), &["timeouts.train_s=0".to_string()]).unwrap_err();
     assert!(err.to_string().contains("timeouts.train_s"), "{err}");
 }
+
+/// Regression: `job.steps` was always resumable, but a cosine schedule decays over it, so
+/// a resume with another total silently changed the learning rate of every later step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cosine_run_cannot_resume_with_another_step_total() {
+    let out = tempfile::tempdir().unwrap();
+    let cosine = ["optim.schedule=\"cosine\""];
+    let first = demo(out.path(), &[&["job.steps=1"][..], &cosine].concat());
+    common::train_job(&first, false).await.unwrap();
+    let longer = demo(out.path(), &[&["job.steps=2"][..], &cosine].concat());
+    let e = common::train_job(&longer, true).await.unwrap_err().to_string();
+    assert!(e.contains("job.steps (run: 1, this job: 2; optim.schedule"), "{e}");
+    // With a constant schedule the total may change.
+    let out = tempfile::tempdir().unwrap();
+    common::train_job(&demo(out.path(), &["job.steps=1"]), false).await.unwrap();
+    common::train_job(&demo(out.path(), &["job.steps=2"]), true).await.unwrap();
+}
