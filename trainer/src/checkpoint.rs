@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use yatt_engine::tch::{Device, Kind};
 use yatt_engine::Trainer;
 
-use crate::config::modes::Schedule;
+use crate::config::modes::{Schedule, Task};
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::report::ControllerState;
@@ -207,7 +207,7 @@ pub(crate) fn check_same_run(job: &JobConfig, dir: &Path) -> Result<(), JobError
     // `job.steps` may change, unless something is scheduled over it.
     let over_steps = if job.optim.schedule == Schedule::Cosine {
         Some("optim.schedule = \"cosine\" decays over job.steps")
-    } else if job.data.length_end != 0 {
+    } else if job.data.task == Task::Growing && job.data.length_end != 0 {
         Some("data.length_end grows the target length over job.steps")
     } else {
         None
