@@ -1,6 +1,7 @@
 fn main() {
     yatt_link_libtorch();
     onednn_shim();
+    cuda_graph_shim();
 }
 include!("../scripts/link_libtorch.rs");
 
@@ -60,4 +61,70 @@ fn onednn_shim() {
         None => println!("cargo:rustc-link-lib=dylib=gomp"),
     }
     println!("cargo:rustc-cfg=yatt_onednn");
+}
+
+/// Compiles `csrc/cuda_graph.cpp` (libtorch's CUDA graphs for the decode step) when the
+/// libtorch torch-sys links is a CUDA build and the CUDA runtime headers are there: the
+/// PyPI wheel brings them (`nvidia/cu13/include`, or `nvidia/cuda_runtime/include` for
+/// CUDA 12 wheels), so no CUDA toolkit is needed. `YATT_CUDA_INCLUDE` names another
+/// folder. Without them the engine builds without graphs and decodes eagerly.
+fn cuda_graph_shim() {
+    println!("cargo:rerun-if-changed=csrc/cuda_graph.cpp");
+    println!("cargo:rerun-if-env-changed=YATT_CUDA_INCLUDE");
+    let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
+        return;
+    };
+    let lib = std::path::PathBuf::from(lib);
+    if !lib.join("libtorch_cuda.so").exists() {
+        return;
+    }
+    let root = lib.parent().expect("libtorch lib dir has a parent").to_path_buf();
+    let site = root.parent().map(|p| p.to_path_buf()).unwrap_or_default();
+    let candidates = [
+        std::env::var("YATT_CUDA_INCLUDE").map(std::path::PathBuf::from).ok(),
+        Some(site.join("nvidia/cu13/include")),
+        Some(site.join("nvidia/cuda_runtime/include")),
+        Some(std::path::PathBuf::from("/usr/local/cuda/include")),
+    ];
+    let Some(cuda_inc) = candidates
+        .into_iter()
+        .flatten()
+        .find(|d| d.join("cuda_runtime_api.h").exists())
+    else {
+        println!(
+            "cargo:warning=libtorch has CUDA but no cuda_runtime_api.h was found (set YATT_CUDA_INCLUDE): building without CUDA graphs"
+        );
+        return;
+    };
+    let Some(cudart_dir) = yatt_cudart_dir(&lib) else {
+        println!(
+            "cargo:warning=libtorch has CUDA but no libcudart.so.* beside it (nvidia/cu13/lib): building without CUDA graphs"
+        );
+        return;
+    };
+    cc::Build::new()
+        .cpp(true)
+        .file("csrc/cuda_graph.cpp")
+        .include(root.join("include"))
+        .include(root.join("include/torch/csrc/api/include"))
+        .include(&cuda_inc)
+        .flag("-std=c++17")
+        .flag("-w")
+        .define("_GLIBCXX_USE_CXX11_ABI", "1")
+        .opt_level(2)
+        .compile("yatt_cuda_graph");
+    println!("cargo:rustc-link-search=native={}", lib.display());
+    println!("cargo:rustc-link-lib=dylib=torch_cuda");
+    println!("cargo:rustc-link-lib=dylib=c10_cuda");
+    // The CUDA runtime calls inlined from the headers (events, errors, synchronize).
+    let cudart = std::fs::read_dir(&cudart_dir)
+        .expect("listed above")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("libcudart.so."))
+        .min_by_key(|n| n.len())
+        .expect("listed above");
+    println!("cargo:rustc-link-search=native={}", cudart_dir.display());
+    println!("cargo:rustc-link-lib=dylib:+verbatim={cudart}");
+    println!("cargo:rustc-cfg=yatt_cuda_graphs");
 }

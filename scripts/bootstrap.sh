@@ -22,7 +22,7 @@ set -euo pipefail
 YATT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$YATT_ROOT/.venv"
 PY="${PYTHON:-python3}"
-stamp="$VENV/.yatt-bootstrap-v4"
+stamp="$VENV/.yatt-bootstrap-v5"
 
 if [ ! -f "$stamp" ]; then
   echo "bootstrap: creating $VENV (torch==2.11.0 is about 4.7 GB; one minute or a few)" >&2
@@ -37,6 +37,10 @@ if [ ! -f "$stamp" ]; then
   "$VENV/bin/pip" install -q --disable-pip-version-check pandas pyarrow datasets
   # Loads the LoRA adapters yatt writes (and writes some) in the engine's PEFT tests.
   "$VENV/bin/pip" install -q --disable-pip-version-check peft
+  # The CUDA runtime's compiler headers (crt/, 132 KB), which the torch wheel's CUDA
+  # headers include: the engine's CUDA-graph shim (engine/csrc/cuda_graph.cpp) compiles
+  # against them. No CUDA toolkit is needed.
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps nvidia-cuda-crt==13.0.88
   touch "$stamp"
 fi
 

@@ -101,7 +101,12 @@ run() {
     done
     local py=${PYTHON:-python3}
     TORCH_LIB=${TORCH_LIB:-$($py -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')}
-    export LD_LIBRARY_PATH=$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    # The CUDA runtime of the wheel (the engine's CUDA-graph shim links libcudart).
+    local cudart
+    for cudart in "$TORCH_LIB/../../nvidia/cu13/lib" "$TORCH_LIB/../../nvidia/cuda_runtime/lib" ""; do
+        [ -z "$cudart" ] || [ -d "$cudart" ] && break
+    done
+    export LD_LIBRARY_PATH=$TORCH_LIB${cudart:+:$cudart}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export YATT_REQUIRE_CUDA=1 RUST_BACKTRACE=1
     local venv
     venv=$(cd "$TORCH_LIB/../../../../.." && pwd)

@@ -13,7 +13,7 @@
 //! filtering — the quantity a policy-gradient loss recomputes at training time.
 
 use crate::error::{EngineError, Result};
-use crate::model::{Attn, KvCache, Llama};
+use crate::model::{Attn, DecodeGraphs, KvCache, Llama};
 use crate::tokenizer::Tokenizer;
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -511,6 +511,7 @@ pub struct Generator {
     config: GeneratorConfig,
     tokenizer: Option<Arc<Tokenizer>>,
     repack: bool,
+    graphs: DecodeGraphs,
 }
 
 impl Generator {
@@ -524,6 +525,7 @@ impl Generator {
             config,
             tokenizer: None,
             repack: false,
+            graphs: DecodeGraphs::default(),
         }
     }
 
@@ -542,7 +544,21 @@ impl Generator {
     /// next generation.
     pub fn model_mut(&mut self) -> &mut Llama {
         self.repack = true;
+        // The caller may move the weights: recorded graphs would read the old ones.
+        self.graphs.clear();
         &mut self.model
+    }
+
+    /// Turns CUDA graphs for the decode step on or off (on by default; they apply on
+    /// CUDA devices only, see [`DecodeGraphs`]).
+    pub fn set_cuda_graphs(&mut self, on: bool) {
+        self.graphs.set_enabled(on);
+    }
+
+    /// Decode-step graphs: `(recorded, replayed)` so far, and why they were turned off
+    /// if recording or a replay failed.
+    pub fn cuda_graph_stats(&self) -> (u64, u64, Option<&str>) {
+        (self.graphs.recorded, self.graphs.replays, self.graphs.failure())
     }
 
     /// The settings.
@@ -573,6 +589,8 @@ impl Generator {
     /// Takes over a snapshot of another model's weights without copying them (weight
     /// sync within a process; see [`Llama::adopt_weights`]). The KV cache is kept.
     pub fn adopt_weights(&mut self, snapshot: &[(String, Tensor)]) -> Result<usize> {
+        // Other tensors than those the graphs recorded.
+        self.graphs.clear();
         self.model.adopt_weights(snapshot)
     }
 
@@ -588,6 +606,7 @@ impl Generator {
                 && c.device() == self.model.device()
         });
         if !ok {
+            self.graphs.clear();
             self.cache = None; // free first
             self.cache = Some(KvCache::new(
                 &self.model,
@@ -599,6 +618,7 @@ impl Generator {
 
     /// Frees the KV cache (e.g. before offloading).
     pub fn free_cache(&mut self) {
+        self.graphs.clear();
         self.cache = None;
     }
 
@@ -723,18 +743,24 @@ impl Generator {
                 let shared = shared_prefixes(&slots);
                 crate::profile::mark(device, "decode: inputs");
                 let cache = self.cache.as_mut().expect("cache allocated");
-                let h = self.model.hidden(
-                    &ids,
-                    &post,
-                    Attn::Decode {
-                        cache,
-                        span,
-                        shared: shared.as_deref(),
-                    },
-                );
-                crate::profile::mark(device, "decode: layers");
-                let logits = self.model.logits(&h.squeeze_dim(1));
-                crate::profile::mark(device, "decode: lm head");
+                let logits = match self.graphs.decode(&self.model, cache, &both, n, span) {
+                    Some(logits) => logits,
+                    None => {
+                        let h = self.model.hidden(
+                            &ids,
+                            &post,
+                            Attn::Decode {
+                                cache,
+                                span,
+                                shared: shared.as_deref(),
+                            },
+                        );
+                        crate::profile::mark(device, "decode: layers");
+                        let logits = self.model.logits(&h.squeeze_dim(1));
+                        crate::profile::mark(device, "decode: lm head");
+                        logits
+                    }
+                };
                 for s in slots.iter_mut() {
                     s.len += 1;
                 }

@@ -118,6 +118,8 @@ pub struct RooflineReport {
     pub decode: Case,
     /// Decode at batch 1.
     pub decode_b1: Case,
+    /// Decode at `--batch` without CUDA graphs (CUDA only: the eager path, side by side).
+    pub decode_eager: Option<Case>,
     /// Training step.
     pub train: Case,
 }
@@ -325,8 +327,10 @@ fn decode_case(
             })
             .collect()
     };
-    g.generate(&reqs(4.min(opts.new_tokens)))?; // warm-up: cache, kernels
-                                                // Prefill alone, best of 3 (subtracted from the full run below).
+    // Warm-up at the timed length: the cache, kernels, the allocator's blocks for every
+    // span, and the CUDA graphs of every (rows, span) bucket the timed run meets.
+    g.generate(&reqs(opts.new_tokens))?;
+    // Prefill alone, best of 3 (subtracted from the full run below).
     let mut prefill_s = f64::INFINITY;
     for _ in 0..3 {
         sync(device);
@@ -354,7 +358,9 @@ fn decode_case(
         * b as f64
         * elt;
     let bytes = matmul_params as f64 * elt + kv;
+    let (recorded, replays, graph_failure) = g.cuda_graph_stats();
     let mut v = json!({
+        "cuda_graphs": {"recorded": recorded, "replays": replays, "failure": graph_failure},
         "batch": b,
         "prompt_len": opts.prompt_len,
         "new_tokens": opts.new_tokens,
@@ -504,6 +510,14 @@ pub fn run(opts: &RooflineOptions) -> Result<RooflineReport> {
     let decode_b1 = guarded("decode batch 1", device, || {
         decode_case(&mut g, opts, 1, c.matmul, gbps)
     });
+    let decode_eager = matches!(device, Device::Cuda(_)).then(|| {
+        g.set_cuda_graphs(false);
+        let r = guarded("decode without CUDA graphs", device, || {
+            decode_case(&mut g, opts, opts.batch, c.matmul, gbps)
+        });
+        g.set_cuda_graphs(true);
+        r
+    });
     drop(g);
     let train = guarded("train", device, || train_case(opts, c, tflops));
     Ok(RooflineReport {
@@ -512,6 +526,7 @@ pub fn run(opts: &RooflineOptions) -> Result<RooflineReport> {
         matmul,
         decode,
         decode_b1,
+        decode_eager,
         train,
     })
 }
@@ -530,6 +545,9 @@ impl RooflineReport {
         v["matmul"] = case(&self.matmul);
         v["decode"] = case(&self.decode);
         v["decode_b1"] = case(&self.decode_b1);
+        if let Some(c) = &self.decode_eager {
+            v["decode_eager"] = case(c);
+        }
         v["train"] = case(&self.train);
         v["copy_gbps"] = v["copy"]["copy_gbps"].clone();
         v["matmul_tflops"] = v["matmul"]["matmul_tflops"].clone();
@@ -541,6 +559,7 @@ impl RooflineReport {
             &self.train,
         ]
         .into_iter()
+        .chain(self.decode_eager.as_ref())
         .filter_map(|c| c.as_ref().err())
         .collect();
         v["failures"] = json!(failures);
@@ -581,10 +600,14 @@ impl RooflineReport {
         row("matmul", &self.matmul, "matmul_tflops", "TFLOP/s", &|v| {
             format!("{0}×{0}×{0}, best of 5", num(v, "matmul_n"))
         });
-        for (name, c) in [
+        let mut decodes = vec![
             ("decode", &self.decode),
             ("decode, batch 1", &self.decode_b1),
-        ] {
+        ];
+        if let Some(c) = &self.decode_eager {
+            decodes.push(("decode without CUDA graphs", c));
+        }
+        for (name, c) in decodes {
             let note = |v: &Value| {
                 format!(
                     "batch {}, prompt {}, {} new tokens, T=1 top-k 50; step {:.2} ms, prefill {:.3} s",

@@ -8,6 +8,7 @@
 //! This file only declares and re-exports; each concern is a leaf file.
 
 mod attention;
+mod cuda_graph;
 mod forward;
 mod heads;
 mod kv_cache;
@@ -20,6 +21,7 @@ mod rope;
 mod tests;
 
 pub use attention::Attn;
+pub use cuda_graph::{cuda_graphs_built, DecodeGraphs};
 pub use heads::ScalarHead;
 pub use kv_cache::{KvCache, KV_BLOCK};
 pub use llama::{DecoderLayer, Llama};

@@ -1,0 +1,375 @@
+//! CUDA graphs for the decode step. An eager decode step on a GPU is bound by launching
+//! its ~80 small operations per layer from the host (measured on an H200: 50–90 ms a
+//! step whatever the model's size), not by the GPU. A graph records one step's kernels
+//! once and replays them with one launch.
+//!
+//! A graph has fixed shapes and fixed addresses, so one is recorded per (rows, span)
+//! bucket: rows rounded up to a power of two (the extra rows decode token 0 at position
+//! 0 of free cache slots, which no request reads), the attended span rounded up to a
+//! multiple of [`SPAN_BUCKET`] (masked like any position past a row's own). Inputs are
+//! copied into the graph's own id and position tensors before each replay; the logits
+//! come out in the graph's own output tensor. Weights must be updated in place
+//! ([`Llama::copy_weights_from`]); anything that moves them or the cache must call
+//! [`DecodeGraphs::clear`].
+//!
+//! libtorch's `at::cuda::CUDAGraph` does the recording (`csrc/cuda_graph.cpp`, built when
+//! the linked libtorch has CUDA). Any failure turns graphs off for the generator, logs
+//! why once, and the step runs eagerly: results never depend on graphs being there.
+
+use std::collections::HashMap;
+
+use tch::{Device, Kind, Tensor};
+
+use super::attention::Attn;
+use super::kv_cache::KvCache;
+use super::llama::Llama;
+
+/// Granularity of the attended span of a recorded step.
+pub const SPAN_BUCKET: i64 = 64;
+
+/// Most graphs one generator keeps (each holds its output logits).
+const MAX_GRAPHS: usize = 64;
+
+/// The decode-step graphs of one generator.
+#[derive(Debug)]
+pub struct DecodeGraphs {
+    enabled: bool,
+    /// Why graphs were turned off after a failure (logged once).
+    failed: Option<String>,
+    graphs: HashMap<(i64, i64), Recorded>,
+    /// The memory pool every graph of this generator shares.
+    pool: (u64, u64),
+    /// Steps replayed and graphs recorded, for tests and benchmarks.
+    pub replays: u64,
+    pub recorded: u64,
+}
+
+#[derive(Debug)]
+struct Recorded {
+    // Fields drop in order: the tensors from the graph's pool before the graph.
+    ids: Tensor,
+    pos: Tensor,
+    logits: Tensor,
+    graph: ffi::Graph,
+}
+
+impl Default for DecodeGraphs {
+    fn default() -> Self {
+        DecodeGraphs {
+            enabled: true,
+            failed: None,
+            graphs: HashMap::new(),
+            pool: (0, 0),
+            replays: 0,
+            recorded: 0,
+        }
+    }
+}
+
+/// Whether this build can record CUDA graphs at all.
+pub fn cuda_graphs_built() -> bool {
+    cfg!(yatt_cuda_graphs)
+}
+
+impl DecodeGraphs {
+    /// Turns graphs on or off (on by default; they apply only on CUDA).
+    pub fn set_enabled(&mut self, on: bool) {
+        self.enabled = on;
+        if !on {
+            self.clear();
+        }
+    }
+
+    /// Whether the next decode step on `device` would use a graph.
+    pub fn active(&self, device: Device) -> bool {
+        self.enabled
+            && self.failed.is_none()
+            && cuda_graphs_built()
+            && matches!(device, Device::Cuda(_))
+            // Profiling waits for the device between phases, which a capture forbids.
+            && !crate::profile::enabled()
+    }
+
+    /// Drops every recorded graph (the weights or the cache moved).
+    pub fn clear(&mut self) {
+        self.graphs.clear();
+        self.pool = (0, 0);
+    }
+
+    /// Why graphs were turned off after a failure, if they were.
+    pub fn failure(&self) -> Option<&str> {
+        self.failed.as_deref()
+    }
+
+    /// The logits `[n, vocab]` of one decode step over slots `0..n`, from a recorded
+    /// graph; `ids_pos` `[2, n]` holds the last tokens and their positions on the device.
+    /// `None`: run the step eagerly (graphs inactive, or recording failed just now).
+    pub fn decode(
+        &mut self,
+        model: &Llama,
+        cache: &mut KvCache,
+        ids_pos: &Tensor,
+        n: i64,
+        span: i64,
+    ) -> Option<Tensor> {
+        let device = model.device();
+        if !self.active(device) || n > cache.slots {
+            return None;
+        }
+        let rows = bucket_rows(n, cache.slots);
+        let span = bucket_span(span, cache.max_len);
+        let key = (rows, span);
+        if !self.graphs.contains_key(&key) {
+            if self.graphs.len() >= MAX_GRAPHS {
+                return None;
+            }
+            match self.record(model, cache, rows, span) {
+                Ok(r) => {
+                    self.graphs.insert(key, r);
+                    self.recorded += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        "CUDA graphs are off for this generator: recording a decode step of {rows} rows over {span} positions failed: {e}; decoding eagerly"
+                    );
+                    self.failed = Some(e);
+                    self.clear();
+                    return None;
+                }
+            }
+        }
+        let r = self.graphs.get_mut(&key).expect("recorded above");
+        tch::no_grad(|| {
+            r.ids.narrow(0, 0, n).copy_(&ids_pos.get(0).view([n, 1]));
+            r.pos.narrow(0, 0, n).copy_(&ids_pos.get(1).view([n, 1]));
+            if rows > n {
+                let _ = r.ids.narrow(0, n, rows - n).zero_();
+                let _ = r.pos.narrow(0, n, rows - n).zero_();
+            }
+        });
+        if let Err(e) = r.graph.replay() {
+            tracing::warn!("CUDA graph replay failed: {e}; decoding eagerly from now on");
+            self.failed = Some(e);
+            self.clear();
+            return None;
+        }
+        self.replays += 1;
+        Some(r.logits.narrow(0, 0, n))
+    }
+
+    /// Records the step for `rows` slots over `span` positions: a warm-up run on the
+    /// capture stream (libraries allocate their workspaces outside the capture), then the
+    /// capture, then one replay so that a broken graph fails here.
+    fn record(
+        &mut self,
+        model: &Llama,
+        cache: &mut KvCache,
+        rows: i64,
+        span: i64,
+    ) -> Result<Recorded, String> {
+        let Device::Cuda(ordinal) = model.device() else {
+            return Err("not a CUDA device".into());
+        };
+        let graph = ffi::Graph::new(ordinal as i64)?;
+        let opts = (Kind::Int64, model.device());
+        let ids = Tensor::zeros([rows, 1], opts);
+        let pos = Tensor::zeros([rows, 1], opts);
+        let step = |cache: &mut KvCache| -> Tensor {
+            let h = model.hidden(
+                &ids,
+                &pos,
+                Attn::Decode {
+                    cache,
+                    span,
+                    shared: None,
+                },
+            );
+            model.logits(&h.squeeze_dim(1))
+        };
+        graph.enter_side_stream()?;
+        let pool = self.pool;
+        // tch panics on a libtorch error (e.g. an operation a capture forbids): caught
+        // here, so that the capture is ended and the stream restored.
+        let captured = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            tch::no_grad(|| -> Result<Tensor, String> {
+                let _ = step(cache);
+                graph.capture_begin(pool)?;
+                let logits = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(cache)));
+                graph.capture_end()?;
+                logits.map_err(|p| panic_message(&p))
+            })
+        }))
+        .unwrap_or_else(|p| Err(panic_message(&p)));
+        let logits = match captured {
+            Ok(l) => l,
+            Err(e) => {
+                graph.leave_side_stream();
+                return Err(e);
+            }
+        };
+        if self.pool == (0, 0) {
+            self.pool = graph.pool();
+        }
+        graph.replay()?;
+        Ok(Recorded {
+            ids,
+            pos,
+            logits,
+            graph,
+        })
+    }
+}
+
+fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "a panic in libtorch".into())
+}
+
+/// Rows of the graph that serves `n` active slots of a `slots`-slot cache.
+pub(crate) fn bucket_rows(n: i64, slots: i64) -> i64 {
+    (n.max(1) as u64).next_power_of_two().min(slots.max(1) as u64) as i64
+}
+
+/// Attended positions of the graph that serves a step attending `span` positions.
+pub(crate) fn bucket_span(span: i64, max_len: i64) -> i64 {
+    (((span.max(1) + SPAN_BUCKET - 1) / SPAN_BUCKET) * SPAN_BUCKET).min(max_len)
+}
+
+#[cfg(yatt_cuda_graphs)]
+mod ffi {
+    use std::ffi::CStr;
+    use std::os::raw::{c_char, c_void};
+
+    extern "C" {
+        fn yatt_graph_new(device: i64, err: *mut c_char, len: usize) -> *mut c_void;
+        fn yatt_graph_enter_side_stream(g: *mut c_void, err: *mut c_char, len: usize) -> i32;
+        fn yatt_graph_capture_begin(
+            g: *mut c_void,
+            pool_a: u64,
+            pool_b: u64,
+            err: *mut c_char,
+            len: usize,
+        ) -> i32;
+        fn yatt_graph_capture_end(g: *mut c_void, err: *mut c_char, len: usize) -> i32;
+        fn yatt_graph_leave_side_stream(g: *mut c_void);
+        fn yatt_graph_pool(g: *mut c_void, a: *mut u64, b: *mut u64);
+        fn yatt_graph_replay(g: *mut c_void, err: *mut c_char, len: usize) -> i32;
+        fn yatt_graph_free(g: *mut c_void);
+    }
+
+    /// An owned `at::cuda::CUDAGraph`.
+    #[derive(Debug)]
+    pub struct Graph(*mut c_void);
+
+    // The graph is only touched by the thread that owns its generator; moving the
+    // generator between threads moves it too.
+    unsafe impl Send for Graph {}
+
+    fn call(f: impl FnOnce(*mut c_char, usize) -> i32) -> Result<(), String> {
+        let mut buf = [0 as c_char; 512];
+        if f(buf.as_mut_ptr(), buf.len()) == 0 {
+            Ok(())
+        } else {
+            // SAFETY: the shim writes a NUL-terminated message into `buf`.
+            Err(unsafe { CStr::from_ptr(buf.as_ptr()) }
+                .to_string_lossy()
+                .into_owned())
+        }
+    }
+
+    impl Graph {
+        pub fn new(device: i64) -> Result<Graph, String> {
+            let mut p = std::ptr::null_mut();
+            // SAFETY: plain constructor; errors come back through the buffer.
+            call(|e, l| {
+                p = unsafe { yatt_graph_new(device, e, l) };
+                i32::from(p.is_null())
+            })?;
+            Ok(Graph(p))
+        }
+        pub fn enter_side_stream(&self) -> Result<(), String> {
+            // SAFETY: `self.0` is a live graph.
+            call(|e, l| unsafe { yatt_graph_enter_side_stream(self.0, e, l) })
+        }
+        pub fn capture_begin(&self, pool: (u64, u64)) -> Result<(), String> {
+            // SAFETY: as above.
+            call(|e, l| unsafe { yatt_graph_capture_begin(self.0, pool.0, pool.1, e, l) })
+        }
+        pub fn capture_end(&self) -> Result<(), String> {
+            // SAFETY: as above.
+            call(|e, l| unsafe { yatt_graph_capture_end(self.0, e, l) })
+        }
+        pub fn leave_side_stream(&self) {
+            // SAFETY: as above.
+            unsafe { yatt_graph_leave_side_stream(self.0) }
+        }
+        pub fn pool(&self) -> (u64, u64) {
+            let (mut a, mut b) = (0, 0);
+            // SAFETY: as above; the shim writes both outputs.
+            unsafe { yatt_graph_pool(self.0, &mut a, &mut b) };
+            (a, b)
+        }
+        pub fn replay(&self) -> Result<(), String> {
+            // SAFETY: as above.
+            call(|e, l| unsafe { yatt_graph_replay(self.0, e, l) })
+        }
+    }
+
+    impl Drop for Graph {
+        fn drop(&mut self) {
+            // SAFETY: `self.0` came from yatt_graph_new and is freed once.
+            unsafe { yatt_graph_free(self.0) }
+        }
+    }
+}
+
+#[cfg(not(yatt_cuda_graphs))]
+mod ffi {
+    /// Stands in where libtorch has no CUDA: every call fails, so graphs stay off.
+    #[derive(Debug)]
+    pub struct Graph;
+
+    const NOT_BUILT: &str = "this build has no CUDA graphs (libtorch without CUDA)";
+
+    impl Graph {
+        pub fn new(_device: i64) -> Result<Graph, String> {
+            Err(NOT_BUILT.into())
+        }
+        pub fn enter_side_stream(&self) -> Result<(), String> {
+            Err(NOT_BUILT.into())
+        }
+        pub fn capture_begin(&self, _pool: (u64, u64)) -> Result<(), String> {
+            Err(NOT_BUILT.into())
+        }
+        pub fn capture_end(&self) -> Result<(), String> {
+            Err(NOT_BUILT.into())
+        }
+        pub fn leave_side_stream(&self) {}
+        pub fn pool(&self) -> (u64, u64) {
+            (0, 0)
+        }
+        pub fn replay(&self) -> Result<(), String> {
+            Err(NOT_BUILT.into())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_round_up_within_the_cache() {
+        assert_eq!(bucket_rows(1, 64), 1);
+        assert_eq!(bucket_rows(3, 64), 4);
+        assert_eq!(bucket_rows(33, 64), 64);
+        assert_eq!(bucket_rows(40, 48), 48);
+        assert_eq!(bucket_rows(64, 64), 64);
+        assert_eq!(bucket_span(1, 1024), 64);
+        assert_eq!(bucket_span(64, 1024), 64);
+        assert_eq!(bucket_span(65, 1024), 128);
+        assert_eq!(bucket_span(1000, 1010), 1010);
+    }
+}
