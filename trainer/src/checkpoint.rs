@@ -145,7 +145,8 @@ pub(crate) async fn save(controllers: &[Controller], dir: &Path) -> Result<(), J
 
 /// Keys of a job that do not change a run's trajectory: a resumed run may change them.
 /// `job.output_dir` is where the run is, not what it does (`--resume DIR` sets it).
-const RESUMABLE_KEYS: [&str; 13] = [
+/// `rollout.cuda_graphs` changes how, not what, the rollout decodes (within rounding).
+const RESUMABLE_KEYS: [&str; 14] = [
     "timeouts.generate_s",
     "timeouts.score_s",
     "timeouts.train_s",
@@ -159,6 +160,7 @@ const RESUMABLE_KEYS: [&str; 13] = [
     "placement.reward",
     "placement.critic",
     "placement.nodes",
+    "rollout.cuda_graphs",
 ];
 
 /// Refuses to resume `job` in `dir` when the run there (its `job.toml`) differs from

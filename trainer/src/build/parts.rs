@@ -98,7 +98,9 @@ pub(crate) fn rollout_role_with_envs(
         max_seq_len: job.model.max_seq_len,
         ..Default::default()
     };
-    let role = RolloutRole::new(Generator::new(model, gen_config), codec);
+    let mut generator = Generator::new(model, gen_config);
+    generator.set_cuda_graphs(job.rollout.cuda_graphs);
+    let role = RolloutRole::new(generator, codec);
     match &job.rollout.env {
         Some(e) => {
             let mut settings = env_settings(job, e);
