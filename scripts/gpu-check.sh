@@ -157,14 +157,20 @@ for f in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     try: shutil.copy(f"{src}/{f}", f"{dst}/{f}")
     except FileNotFoundError: pass
 EOF
-    step grpo-bf16 300 "$bin/yatt" train config/smollm2-addition.toml \
-        --set "model.source=\"$model\"" --set 'model.dtype="bf16"' --set 'model.device="cuda"' \
-        --set job.steps="${GPU_JOB_STEPS:-10}" --set "job.output_dir=\"$OUT/grpo-bf16\"" \
-        --set data.prompts_per_step=8 --set optim.micro_batch=64 \
-        --set 'data.task="letters"' --set 'reward.kind="letters"' --set 'model.chat=false' \
-        --set 'algorithm.old_logprobs="recompute"'
-    cp "$OUT/grpo-bf16/metrics.jsonl" "$OUT/grpo-bf16-metrics.jsonl" 2>/dev/null
-    rm -rf "$OUT/grpo-bf16"
+    # Twice: decoding through CUDA graphs (the default) and eagerly, side by side.
+    local graphs
+    for graphs in true false; do
+        local name=grpo-bf16
+        [ "$graphs" = true ] || name=grpo-bf16-eager
+        step "$name" 300 "$bin/yatt" train config/smollm2-addition.toml \
+            --set "model.source=\"$model\"" --set 'model.dtype="bf16"' --set 'model.device="cuda"' \
+            --set job.steps="${GPU_JOB_STEPS:-10}" --set "job.output_dir=\"$OUT/$name\"" \
+            --set data.prompts_per_step=8 --set optim.micro_batch=64 \
+            --set 'data.task="letters"' --set 'reward.kind="letters"' --set 'model.chat=false' \
+            --set 'algorithm.old_logprobs="recompute"' --set "rollout.cuda_graphs=$graphs"
+        cp "$OUT/$name/metrics.jsonl" "$OUT/$name-metrics.jsonl" 2>/dev/null
+        rm -rf "${OUT:?}/$name"
+    done
 
     "$py" - "$OUT" "$gpu" "$commit" >"$OUT/gpu-figures.md" <<'EOF'
 import json, os, sys, datetime
@@ -177,16 +183,17 @@ for name in ["bench-smollm2", "bench-llama-1b", "bench-decode-short", "profile-d
     try: b = json.load(open(f"{out}/{name}.json"))
     except Exception as e: print(f"\n{name}: no figures ({e})"); continue
     print(f"\n`{name}`:\n\n```json\n{json.dumps(b, indent=1)}\n```")
-try:
-    rows = [json.loads(l) for l in open(f"{out}/grpo-bf16-metrics.jsonl")]
-    keys = ["timing_s/step", "timing_s/gen", "timing_s/update_actor", "timing_s/weight_sync",
-            "perf/gen_tokens_per_s", "rollout/logprob_diff_mean", "critic/rewards/mean"]
-    print("\nGRPO job (letters reward), random SmolLM2-135M in bf16 on cuda:0, 64 samples per step, per step (after the first):\n")
-    print("| step | " + " | ".join(keys) + " |\n|" + " --- |" * (len(keys) + 1))
-    for r in rows[1:]:
-        print(f"| {r.get('step')} | " + " | ".join(f"{r.get(k, float('nan')):.4g}" for k in keys) + " |")
-except Exception as e:
-    print(f"\nGRPO job: no metrics ({e})")
+for name, how in [("grpo-bf16", "decode through CUDA graphs"), ("grpo-bf16-eager", "eager decode")]:
+    try:
+        rows = [json.loads(l) for l in open(f"{out}/{name}-metrics.jsonl")]
+        keys = ["timing_s/step", "timing_s/gen", "timing_s/update_actor", "timing_s/weight_sync",
+                "perf/gen_tokens_per_s", "rollout/logprob_diff_mean", "critic/rewards/mean"]
+        print(f"\nGRPO job `{name}` ({how}; letters reward), random SmolLM2-135M in bf16 on cuda:0, 64 samples per step, per step (after the first):\n")
+        print("| step | " + " | ".join(keys) + " |\n|" + " --- |" * (len(keys) + 1))
+        for r in rows[1:]:
+            print(f"| {r.get('step')} | " + " | ".join(f"{r.get(k, float('nan')):.4g}" for k in keys) + " |")
+    except Exception as e:
+        print(f"\nGRPO job {name}: no metrics ({e})")
 EOF
     cat "$OUT/gpu-figures.md"
     if [ ${#FAILED[@]} -gt 0 ]; then
