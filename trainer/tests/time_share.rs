@@ -61,15 +61,17 @@ fn timing(name: &str) -> bool {
 ///
 /// On a GPU (`model.device = "auto"` puts the demo there) two runs differ in the last
 /// bits even without time sharing: libtorch's CUDA attention backward accumulates with
-/// atomics. The GPU check saw step 1's `actor/pg_loss` differ by about 1e-9 relative.
-/// There the first step is compared within 1e-6 relative, as later steps may sample
-/// other tokens from weights that differ in their last bits.
+/// atomics. The GPU checks saw step 1's `actor/pg_loss` differ by about 1e-9 relative
+/// and `actor/ppo_kl` (a mean of small differences of log-probs) by 4.5e-6 (H100).
+/// There the first step is compared within 1e-4 relative, as later steps may sample
+/// other tokens from weights that differ in their last bits. A weight or optimizer state
+/// lost in an offload moves these by far more.
 fn assert_same(off: &[StepMetrics], on: &[StepMetrics], what: &str) {
     assert_eq!(off.len(), on.len());
     if yatt_engine::cuda_device_count() > 0 {
         for ((k, x), (k2, y)) in off[0].values.iter().zip(&on[0].values) {
             assert_eq!(k, k2);
-            let close = x.to_bits() == y.to_bits() || (x - y).abs() <= 1e-6 * x.abs().max(y.abs());
+            let close = x.to_bits() == y.to_bits() || (x - y).abs() <= 1e-4 * x.abs().max(y.abs());
             assert!(
                 timing(k) || close,
                 "{what}: step 1's {k} differs: {x} vs {y}"

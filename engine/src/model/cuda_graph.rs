@@ -47,10 +47,38 @@ pub struct DecodeGraphs {
 #[derive(Debug)]
 struct Recorded {
     // Fields drop in order: the tensors from the graph's pool before the graph.
-    ids: Tensor,
-    pos: Tensor,
+    inputs: Inputs,
     logits: Tensor,
     graph: ffi::Graph,
+}
+
+impl Recorded {
+    fn load_inputs(&mut self, ids_pos: &Tensor, n: i64) {
+        self.inputs.load(ids_pos, n);
+    }
+}
+
+/// A graph's own input tensors `[rows, 1]`: last tokens and their positions.
+#[derive(Debug)]
+struct Inputs {
+    ids: Tensor,
+    pos: Tensor,
+}
+
+impl Inputs {
+    /// Copies the step's `[2, n]` ids and positions in; the rows past `n` decode token 0
+    /// at position 0 (of free slots).
+    fn load(&mut self, ids_pos: &Tensor, n: i64) {
+        let rows = self.ids.size()[0];
+        tch::no_grad(|| {
+            self.ids.narrow(0, 0, n).copy_(&ids_pos.get(0).view([n, 1]));
+            self.pos.narrow(0, 0, n).copy_(&ids_pos.get(1).view([n, 1]));
+            if rows > n {
+                let _ = self.ids.narrow(0, n, rows - n).zero_();
+                let _ = self.pos.narrow(0, n, rows - n).zero_();
+            }
+        });
+    }
 }
 
 impl Default for DecodeGraphs {
@@ -119,51 +147,51 @@ impl DecodeGraphs {
         let rows = bucket_rows(n, cache.slots);
         let span = bucket_span(span, cache.max_len);
         let key = (rows, span);
-        if !self.graphs.contains_key(&key) {
-            if self.graphs.len() >= MAX_GRAPHS {
+        if let Some(r) = self.graphs.get_mut(&key) {
+            r.load_inputs(ids_pos, n);
+            if let Err(e) = r.graph.replay() {
+                tracing::warn!("CUDA graph replay failed: {e}; decoding eagerly from now on");
+                self.failed = Some(e);
+                self.clear();
                 return None;
             }
-            match self.record(model, cache, rows, span) {
-                Ok(r) => {
-                    self.graphs.insert(key, r);
-                    self.recorded += 1;
-                }
-                Err(e) => {
-                    tracing::warn!(
-                        "CUDA graphs are off for this generator: recording a decode step of {rows} rows over {span} positions failed: {e}; decoding eagerly"
-                    );
-                    self.failed = Some(e);
-                    self.clear();
-                    return None;
-                }
-            }
+            self.replays += 1;
+            return Some(r.logits.narrow(0, 0, n));
         }
-        let r = self.graphs.get_mut(&key).expect("recorded above");
-        tch::no_grad(|| {
-            r.ids.narrow(0, 0, n).copy_(&ids_pos.get(0).view([n, 1]));
-            r.pos.narrow(0, 0, n).copy_(&ids_pos.get(1).view([n, 1]));
-            if rows > n {
-                let _ = r.ids.narrow(0, n, rows - n).zero_();
-                let _ = r.pos.narrow(0, n, rows - n).zero_();
-            }
-        });
-        if let Err(e) = r.graph.replay() {
-            tracing::warn!("CUDA graph replay failed: {e}; decoding eagerly from now on");
-            self.failed = Some(e);
-            self.clear();
+        if self.graphs.len() >= MAX_GRAPHS {
             return None;
         }
-        self.replays += 1;
-        Some(r.logits.narrow(0, 0, n))
+        match self.record(model, cache, ids_pos, n, rows, span) {
+            Ok(r) => {
+                // Recording ran this step once already: its logits are this step's.
+                let logits = r.logits.narrow(0, 0, n);
+                self.graphs.insert(key, r);
+                self.recorded += 1;
+                self.replays += 1;
+                Some(logits)
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "CUDA graphs are off for this generator: recording a decode step of {rows} rows over {span} positions failed: {e}; decoding eagerly"
+                );
+                self.failed = Some(e);
+                self.clear();
+                None
+            }
+        }
     }
 
-    /// Records the step for `rows` slots over `span` positions: a warm-up run on the
-    /// capture stream (libraries allocate their workspaces outside the capture), then the
-    /// capture, then one replay so that a broken graph fails here.
+    /// Records the step for `rows` slots over `span` positions, on this step's inputs
+    /// (every run writes this step's keys and values into the cache, so they must be the
+    /// real ones): a warm-up run on the capture stream (libraries allocate their
+    /// workspaces outside the capture), the capture, then one replay that computes this
+    /// step and makes a broken graph fail here.
     fn record(
         &mut self,
         model: &Llama,
         cache: &mut KvCache,
+        ids_pos: &Tensor,
+        n: i64,
         rows: i64,
         span: i64,
     ) -> Result<Recorded, String> {
@@ -172,12 +200,16 @@ impl DecodeGraphs {
         };
         let graph = ffi::Graph::new(ordinal as i64)?;
         let opts = (Kind::Int64, model.device());
-        let ids = Tensor::zeros([rows, 1], opts);
-        let pos = Tensor::zeros([rows, 1], opts);
+        let mut inputs = Inputs {
+            ids: Tensor::zeros([rows, 1], opts),
+            pos: Tensor::zeros([rows, 1], opts),
+        };
+        inputs.load(ids_pos, n);
+        let (ids, pos) = (&inputs.ids, &inputs.pos);
         let step = |cache: &mut KvCache| -> Tensor {
             let h = model.hidden(
-                &ids,
-                &pos,
+                ids,
+                pos,
                 Attn::Decode {
                     cache,
                     span,
@@ -212,8 +244,7 @@ impl DecodeGraphs {
         }
         graph.replay()?;
         Ok(Recorded {
-            ids,
-            pos,
+            inputs,
             logits,
             graph,
         })
