@@ -63,11 +63,14 @@ fn onednn_shim() {
     println!("cargo:rustc-cfg=yatt_onednn");
 }
 
-/// Compiles `csrc/cuda_graph.cpp` (libtorch's CUDA graphs for the decode step) when the
-/// libtorch torch-sys links is a CUDA build and the CUDA runtime headers are there: the
-/// PyPI wheel brings them (`nvidia/cu13/include`, or `nvidia/cuda_runtime/include` for
-/// CUDA 12 wheels), so no CUDA toolkit is needed. `YATT_CUDA_INCLUDE` names another
-/// folder. Without them the engine builds without graphs and decodes eagerly.
+/// Builds `csrc/cuda_graph.cpp` (libtorch's CUDA graphs for the decode step) into a
+/// shared object that the engine embeds and loads only when it records a graph
+/// (`model/cuda_graph.rs`): executables keep linking no CUDA library, so they still start
+/// where libtorch has no CUDA and do not map CUDA's libraries in every test process.
+/// Built when the libtorch torch-sys links is a CUDA build and the CUDA runtime headers
+/// are there: the PyPI wheel brings them (`nvidia/cu13/include` with the `nvidia-cuda-crt`
+/// package, or `nvidia/cuda_runtime/include` for CUDA 12 wheels), so no CUDA toolkit is
+/// needed; `YATT_CUDA_INCLUDE` names another folder. Otherwise the engine decodes eagerly.
 fn cuda_graph_shim() {
     println!("cargo:rerun-if-changed=csrc/cuda_graph.cpp");
     println!("cargo:rerun-if-env-changed=YATT_CUDA_INCLUDE");
@@ -89,42 +92,68 @@ fn cuda_graph_shim() {
     let Some(cuda_inc) = candidates
         .into_iter()
         .flatten()
-        .find(|d| d.join("cuda_runtime_api.h").exists())
+        .find(|d| d.join("cuda_runtime_api.h").exists() && d.join("crt/host_config.h").exists())
     else {
         println!(
-            "cargo:warning=libtorch has CUDA but no cuda_runtime_api.h was found (set YATT_CUDA_INCLUDE): building without CUDA graphs"
+            "cargo:warning=libtorch has CUDA but the CUDA runtime headers (cuda_runtime_api.h, crt/) were not found (pip install nvidia-cuda-crt, or set YATT_CUDA_INCLUDE): building without CUDA graphs"
         );
         return;
     };
-    let Some(cudart_dir) = yatt_cudart_dir(&lib) else {
+    let Some((cudart_dir, cudart)) = cudart(&site) else {
         println!(
             "cargo:warning=libtorch has CUDA but no libcudart.so.* beside it (nvidia/cu13/lib): building without CUDA graphs"
         );
         return;
     };
-    cc::Build::new()
-        .cpp(true)
-        .file("csrc/cuda_graph.cpp")
-        .include(root.join("include"))
-        .include(root.join("include/torch/csrc/api/include"))
-        .include(&cuda_inc)
-        .flag("-std=c++17")
-        .flag("-w")
-        .define("_GLIBCXX_USE_CXX11_ABI", "1")
-        .opt_level(2)
-        .compile("yatt_cuda_graph");
-    println!("cargo:rustc-link-search=native={}", lib.display());
-    println!("cargo:rustc-link-lib=dylib=torch_cuda");
-    println!("cargo:rustc-link-lib=dylib=c10_cuda");
-    // The CUDA runtime calls inlined from the headers (events, errors, synchronize).
-    let cudart = std::fs::read_dir(&cudart_dir)
-        .expect("listed above")
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("libcudart.so."))
-        .min_by_key(|n| n.len())
-        .expect("listed above");
-    println!("cargo:rustc-link-search=native={}", cudart_dir.display());
-    println!("cargo:rustc-link-lib=dylib:+verbatim={cudart}");
-    println!("cargo:rustc-cfg=yatt_cuda_graphs");
+    let out = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let so = out.join("libyatt_cuda_graph.so");
+    let compiler = cc::Build::new().cpp(true).get_compiler();
+    let status = compiler
+        .to_command()
+        .args(["-shared", "-fPIC", "-O2", "-std=c++17", "-w", "-D_GLIBCXX_USE_CXX11_ABI=1"])
+        .arg("-I")
+        .arg(root.join("include"))
+        .arg("-I")
+        .arg(root.join("include/torch/csrc/api/include"))
+        .arg("-I")
+        .arg(&cuda_inc)
+        .arg("csrc/cuda_graph.cpp")
+        .arg("-o")
+        .arg(&so)
+        .arg("-L")
+        .arg(&lib)
+        .args(["-ltorch_cuda", "-lc10_cuda", "-ltorch_cpu", "-lc10"])
+        .arg("-L")
+        .arg(&cudart_dir)
+        .arg(format!("-l:{cudart}"))
+        // Where these were at build time, should the process not have loaded them yet.
+        .arg(format!("-Wl,-rpath,{}:{}", lib.display(), cudart_dir.display()))
+        .status();
+    match status {
+        Ok(s) if s.success() => {
+            println!("cargo:rustc-env=YATT_CUDA_GRAPH_SO={}", so.display());
+            println!("cargo:rustc-cfg=yatt_cuda_graphs");
+        }
+        other => println!(
+            "cargo:warning=compiling csrc/cuda_graph.cpp failed ({other:?}): building without CUDA graphs"
+        ),
+    }
+}
+
+/// The CUDA runtime a CUDA build of the torch wheel brings beside it: its folder and
+/// file name (`nvidia/cu13/lib/libcudart.so.13`, or `nvidia/cuda_runtime/lib` for
+/// CUDA 12 wheels).
+fn cudart(site: &std::path::Path) -> Option<(std::path::PathBuf, String)> {
+    ["nvidia/cu13/lib", "nvidia/cuda_runtime/lib"]
+        .into_iter()
+        .map(|d| site.join(d))
+        .find_map(|d| {
+            let name = std::fs::read_dir(&d)
+                .ok()?
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("libcudart.so."))
+                .min_by_key(|n| n.len())?;
+            Some((d, name))
+        })
 }

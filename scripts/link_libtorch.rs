@@ -10,10 +10,6 @@ fn yatt_link_libtorch() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     if let Ok(dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
-        // A CUDA wheel's runtime (yatt-engine's CUDA-graph shim links libcudart).
-        if let Some(cudart) = yatt_cudart_dir(std::path::Path::new(&dir)) {
-            println!("cargo:rustc-link-arg=-Wl,-rpath,{}", cudart.display());
-        }
     }
     if std::env::var("CARGO_CFG_TARGET_ARCH").as_deref() == Ok("x86_64")
         && std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux")
@@ -21,21 +17,4 @@ fn yatt_link_libtorch() {
         println!("cargo:rustc-link-arg=-Wl,-u,mkl_serv_intel_cpu_true");
         println!("cargo:rustc-link-arg=-Wl,--export-dynamic-symbol=mkl_serv_intel_cpu_true");
     }
-}
-
-/// The folder of the CUDA runtime (`libcudart.so.*`) that a CUDA build of the torch wheel
-/// brings beside it, given libtorch's lib folder: `nvidia/cu13/lib` (CUDA 13 wheels) or
-/// `nvidia/cuda_runtime/lib` (CUDA 12 wheels).
-#[allow(dead_code)]
-fn yatt_cudart_dir(libtorch_lib: &std::path::Path) -> Option<std::path::PathBuf> {
-    let site = libtorch_lib.parent()?.parent()?;
-    ["nvidia/cu13/lib", "nvidia/cuda_runtime/lib"]
-        .into_iter()
-        .map(|d| site.join(d))
-        .find(|d| {
-            std::fs::read_dir(d).is_ok_and(|rd| {
-                rd.flatten()
-                    .any(|e| e.file_name().to_string_lossy().starts_with("libcudart.so."))
-            })
-        })
 }

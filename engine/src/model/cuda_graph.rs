@@ -99,6 +99,12 @@ pub fn cuda_graphs_built() -> bool {
     cfg!(yatt_cuda_graphs)
 }
 
+/// Loads the CUDA-graph shim (it is loaded on first use otherwise): an error says why
+/// graphs cannot be used in this process. Needs libtorch's CUDA backend, not a GPU.
+pub fn load_cuda_graph_shim() -> Result<(), String> {
+    ffi::load_shim()
+}
+
 impl DecodeGraphs {
     /// Turns graphs on or off (on by default; they apply only on CUDA).
     pub fn set_enabled(&mut self, on: bool) {
@@ -270,24 +276,84 @@ pub(crate) fn bucket_span(span: i64, max_len: i64) -> i64 {
 
 #[cfg(yatt_cuda_graphs)]
 mod ffi {
+    //! The shim is a shared object embedded in the engine and loaded on first use: from
+    //! memory (`memfd_create`), after libtorch's CUDA backend, whose libraries it needs.
     use std::ffi::CStr;
     use std::os::raw::{c_char, c_void};
+    use std::sync::OnceLock;
 
-    extern "C" {
-        fn yatt_graph_new(device: i64, err: *mut c_char, len: usize) -> *mut c_void;
-        fn yatt_graph_enter_side_stream(g: *mut c_void, err: *mut c_char, len: usize) -> i32;
-        fn yatt_graph_capture_begin(
-            g: *mut c_void,
-            pool_a: u64,
-            pool_b: u64,
-            err: *mut c_char,
-            len: usize,
-        ) -> i32;
-        fn yatt_graph_capture_end(g: *mut c_void, err: *mut c_char, len: usize) -> i32;
-        fn yatt_graph_leave_side_stream(g: *mut c_void);
-        fn yatt_graph_pool(g: *mut c_void, a: *mut u64, b: *mut u64);
-        fn yatt_graph_replay(g: *mut c_void, err: *mut c_char, len: usize) -> i32;
-        fn yatt_graph_free(g: *mut c_void);
+    static SHIM: &[u8] = include_bytes!(env!("YATT_CUDA_GRAPH_SO"));
+
+    type Err = *mut c_char;
+    struct Api {
+        new: unsafe extern "C" fn(i64, Err, usize) -> *mut c_void,
+        enter: unsafe extern "C" fn(*mut c_void, Err, usize) -> i32,
+        begin: unsafe extern "C" fn(*mut c_void, u64, u64, Err, usize) -> i32,
+        end: unsafe extern "C" fn(*mut c_void, Err, usize) -> i32,
+        leave: unsafe extern "C" fn(*mut c_void),
+        pool: unsafe extern "C" fn(*mut c_void, *mut u64, *mut u64),
+        replay: unsafe extern "C" fn(*mut c_void, Err, usize) -> i32,
+        free: unsafe extern "C" fn(*mut c_void),
+    }
+
+    fn dl_error() -> String {
+        // SAFETY: dlerror returns a thread-local C string or null.
+        unsafe {
+            let e = libc::dlerror();
+            if e.is_null() {
+                "unknown dlopen error".into()
+            } else {
+                CStr::from_ptr(e).to_string_lossy().into_owned()
+            }
+        }
+    }
+
+    fn load() -> Result<Api, String> {
+        if !crate::device::load_cuda_backend() {
+            return Err("libtorch's CUDA backend (libtorch_cuda.so) is not loaded".into());
+        }
+        // SAFETY: plain libc calls on a file descriptor this function owns; the bytes
+        // are a shared object built for this libtorch by build.rs.
+        unsafe {
+            let fd = libc::memfd_create(c"yatt-cuda-graph".as_ptr(), libc::MFD_CLOEXEC);
+            if fd < 0 {
+                return Err(format!("memfd_create: {}", std::io::Error::last_os_error()));
+            }
+            let written = libc::write(fd, SHIM.as_ptr().cast(), SHIM.len());
+            if written != SHIM.len() as isize {
+                libc::close(fd);
+                return Err("writing the CUDA-graph shim to memory failed".into());
+            }
+            let path = std::ffi::CString::new(format!("/proc/self/fd/{fd}")).expect("no NUL");
+            let handle = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
+            libc::close(fd);
+            if handle.is_null() {
+                return Err(format!("loading the CUDA-graph shim: {}", dl_error()));
+            }
+            let sym = |name: &CStr| -> Result<*mut c_void, String> {
+                let p = libc::dlsym(handle, name.as_ptr());
+                if p.is_null() {
+                    Err(format!("the CUDA-graph shim lacks {name:?}"))
+                } else {
+                    Ok(p)
+                }
+            };
+            Ok(Api {
+                new: std::mem::transmute(sym(c"yatt_graph_new")?),
+                enter: std::mem::transmute(sym(c"yatt_graph_enter_side_stream")?),
+                begin: std::mem::transmute(sym(c"yatt_graph_capture_begin")?),
+                end: std::mem::transmute(sym(c"yatt_graph_capture_end")?),
+                leave: std::mem::transmute(sym(c"yatt_graph_leave_side_stream")?),
+                pool: std::mem::transmute(sym(c"yatt_graph_pool")?),
+                replay: std::mem::transmute(sym(c"yatt_graph_replay")?),
+                free: std::mem::transmute(sym(c"yatt_graph_free")?),
+            })
+        }
+    }
+
+    fn api() -> Result<&'static Api, String> {
+        static API: OnceLock<Result<Api, String>> = OnceLock::new();
+        API.get_or_init(load).as_ref().map_err(|e| e.clone())
     }
 
     /// An owned `at::cuda::CUDAGraph`.
@@ -312,47 +378,57 @@ mod ffi {
 
     impl Graph {
         pub fn new(device: i64) -> Result<Graph, String> {
+            let api = api()?;
             let mut p = std::ptr::null_mut();
             // SAFETY: plain constructor; errors come back through the buffer.
             call(|e, l| {
-                p = unsafe { yatt_graph_new(device, e, l) };
+                p = unsafe { (api.new)(device, e, l) };
                 i32::from(p.is_null())
             })?;
             Ok(Graph(p))
         }
+        // Every method below: `self.0` is a live graph from `new`, so `api()` loaded.
+        fn api(&self) -> &'static Api {
+            api().expect("a graph exists, so the shim loaded")
+        }
         pub fn enter_side_stream(&self) -> Result<(), String> {
-            // SAFETY: `self.0` is a live graph.
-            call(|e, l| unsafe { yatt_graph_enter_side_stream(self.0, e, l) })
+            // SAFETY: see above.
+            call(|e, l| unsafe { (self.api().enter)(self.0, e, l) })
         }
         pub fn capture_begin(&self, pool: (u64, u64)) -> Result<(), String> {
-            // SAFETY: as above.
-            call(|e, l| unsafe { yatt_graph_capture_begin(self.0, pool.0, pool.1, e, l) })
+            // SAFETY: see above.
+            call(|e, l| unsafe { (self.api().begin)(self.0, pool.0, pool.1, e, l) })
         }
         pub fn capture_end(&self) -> Result<(), String> {
-            // SAFETY: as above.
-            call(|e, l| unsafe { yatt_graph_capture_end(self.0, e, l) })
+            // SAFETY: see above.
+            call(|e, l| unsafe { (self.api().end)(self.0, e, l) })
         }
         pub fn leave_side_stream(&self) {
-            // SAFETY: as above.
-            unsafe { yatt_graph_leave_side_stream(self.0) }
+            // SAFETY: see above.
+            unsafe { (self.api().leave)(self.0) }
         }
         pub fn pool(&self) -> (u64, u64) {
             let (mut a, mut b) = (0, 0);
-            // SAFETY: as above; the shim writes both outputs.
-            unsafe { yatt_graph_pool(self.0, &mut a, &mut b) };
+            // SAFETY: see above; the shim writes both outputs.
+            unsafe { (self.api().pool)(self.0, &mut a, &mut b) };
             (a, b)
         }
         pub fn replay(&self) -> Result<(), String> {
-            // SAFETY: as above.
-            call(|e, l| unsafe { yatt_graph_replay(self.0, e, l) })
+            // SAFETY: see above.
+            call(|e, l| unsafe { (self.api().replay)(self.0, e, l) })
         }
     }
 
     impl Drop for Graph {
         fn drop(&mut self) {
-            // SAFETY: `self.0` came from yatt_graph_new and is freed once.
-            unsafe { yatt_graph_free(self.0) }
+            // SAFETY: `self.0` came from the shim's constructor and is freed once.
+            unsafe { (self.api().free)(self.0) }
         }
+    }
+
+    /// Loads the shim (for a test that it loads where it was built).
+    pub fn load_shim() -> Result<(), String> {
+        api().map(|_| ())
     }
 }
 
@@ -384,6 +460,10 @@ mod ffi {
         pub fn replay(&self) -> Result<(), String> {
             Err(NOT_BUILT.into())
         }
+    }
+
+    pub fn load_shim() -> Result<(), String> {
+        Err(NOT_BUILT.into())
     }
 }
 

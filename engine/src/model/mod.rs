@@ -21,7 +21,7 @@ mod rope;
 mod tests;
 
 pub use attention::Attn;
-pub use cuda_graph::{cuda_graphs_built, DecodeGraphs};
+pub use cuda_graph::{cuda_graphs_built, load_cuda_graph_shim, DecodeGraphs};
 pub use heads::ScalarHead;
 pub use kv_cache::{KvCache, KV_BLOCK};
 pub use llama::{DecoderLayer, Llama};
