@@ -9,7 +9,6 @@
 // memory pool: they are replayed one at a time and only their outputs, which stay
 // allocated, outlive a replay.
 #include <ATen/cuda/CUDAGraph.h>
-#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -29,9 +28,19 @@ void set_err(char* err, size_t len, const char* msg) {
 
 struct Graph {
   at::cuda::CUDAGraph graph;
+  std::optional<c10::cuda::CUDAStream> side;
   std::optional<c10::cuda::CUDAStreamGuard> on_side_stream;
   c10::DeviceIndex device = 0;
 };
+
+// Waits for the side stream and makes the previous stream current again. Only streams
+// this thread uses are waited for, never the whole device: another thread (a second
+// rollout in the process) may be capturing, and a device-wide wait would invalidate its
+// capture.
+void leave(Graph* g) {
+  if (g->side) g->side->synchronize();
+  g->on_side_stream.reset();
+}
 
 }  // namespace
 
@@ -49,17 +58,15 @@ void* yatt_graph_new(int64_t device, char* err, size_t errlen) {
   }
 }
 
-// Makes a side stream of the graph's device current (waiting for the device first), so
-// that warm-up runs and the capture itself use the stream the capture will record.
+// Makes a side stream of the graph's device current (after the current stream's work,
+// e.g. the copies of the step's inputs, is done), so that warm-up runs and the capture
+// itself use the stream the capture will record.
 int yatt_graph_enter_side_stream(void* gp, char* err, size_t errlen) {
   try {
     auto* g = static_cast<Graph*>(gp);
-    {
-      c10::cuda::CUDAGuard on_device(g->device);
-      c10::cuda::device_synchronize();
-    }
-    auto side = c10::cuda::getStreamFromPool(false, g->device);
-    g->on_side_stream.emplace(side);
+    c10::cuda::getCurrentCUDAStream(g->device).synchronize();
+    g->side.emplace(c10::cuda::getStreamFromPool(false, g->device));
+    g->on_side_stream.emplace(*g->side);
     return 0;
   } catch (const std::exception& e) {
     set_err(err, errlen, e.what());
@@ -87,12 +94,14 @@ int yatt_graph_capture_end(void* gp, char* err, size_t errlen) {
   auto* g = static_cast<Graph*>(gp);
   try {
     g->graph.capture_end();
-    c10::cuda::CUDAGuard on_device(g->device);
-    c10::cuda::device_synchronize();
-    g->on_side_stream.reset();
+    leave(g);
     return 0;
   } catch (const std::exception& e) {
-    g->on_side_stream.reset();
+    try {
+      leave(g);
+    } catch (...) {
+      g->on_side_stream.reset();
+    }
     set_err(err, errlen, e.what());
     return 1;
   }
@@ -102,11 +111,10 @@ int yatt_graph_capture_end(void* gp, char* err, size_t errlen) {
 void yatt_graph_leave_side_stream(void* gp) {
   auto* g = static_cast<Graph*>(gp);
   try {
-    c10::cuda::CUDAGuard on_device(g->device);
-    c10::cuda::device_synchronize();
+    leave(g);
   } catch (...) {
+    g->on_side_stream.reset();
   }
-  g->on_side_stream.reset();
 }
 
 // The graph's memory pool id, to share with later captures.

@@ -69,9 +69,15 @@ fn timing(name: &str) -> bool {
 fn assert_same(off: &[StepMetrics], on: &[StepMetrics], what: &str) {
     assert_eq!(off.len(), on.len());
     if yatt_engine::cuda_device_count() > 0 {
-        for ((k, x), (k2, y)) in off[0].values.iter().zip(&on[0].values) {
-            assert_eq!(k, k2);
-            let close = x.to_bits() == y.to_bits() || (x - y).abs() <= 1e-4 * x.abs().max(y.abs());
+        for (k, x) in off[0].values.iter().filter(|(k, _)| !timing(k)) {
+            // Time sharing adds metrics (its switch costs); every other one is in both.
+            let y = on[0]
+                .values
+                .get(k)
+                .unwrap_or_else(|| panic!("{what}: step 1 lacks {k}"));
+            // An absolute floor for metrics near zero (the log-prob gap is ~1e-7 there).
+            let close = x.to_bits() == y.to_bits()
+                || (x - y).abs() <= 1e-4 * x.abs().max(y.abs()) + 1e-6;
             assert!(
                 timing(k) || close,
                 "{what}: step 1's {k} differs: {x} vs {y}"
