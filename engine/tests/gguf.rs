@@ -311,7 +311,7 @@ fn absurd_model_fields_are_errors_not_panics() {
         (
             "dims",
             huge_dims,
-            "token_embd.weight has dims [18446744073709551615, 2]",
+            "tensor `token_embd.weight` has dims [18446744073709551615, 2], whose product",
         ),
     ] {
         let p = write(&format!("huge-{name}"), &bytes);
@@ -648,4 +648,63 @@ fn qk_rows_must_be_heads_times_head_dim() {
             && e.contains("tensor `blk.0.attn_q.weight` has 4 rows, the metadata implies 1099511627776 heads × head_dim 2"),
         "{e}"
     );
+}
+
+/// Regression (found by the `gguf` fuzz target, `engine/fuzz`, in its 900 s run): a
+/// tensor with a zero dim has no elements, so its bytes fit any file, but the import's
+/// safetensors writer multiplies the shape in its own order and overflowed on the other
+/// dims (a panic with overflow checks, a wrapped size without). The parser now refuses
+/// dims whose product, zeros left out, does not fit in an i64, naming the tensor and the
+/// file.
+#[test]
+fn zero_size_tensors_with_overflowing_dims_are_errors_not_panics() {
+    let with_k = |dims: Vec<u64>| {
+        gguf_bytes(
+            tiny_llama_kvs,
+            &[
+                ("token_embd.weight", vec![4, 5], 0, f32s(&[0.5; 20])),
+                ("blk.0.attn_k.weight", dims, 0, Vec::new()),
+            ],
+        )
+    };
+    // The fuzzer's input: a Llama whose attn_k has dims [4, 0, ~2^61.5, ~2^62.7, ~2^58.7, 2^26].
+    let found = include_bytes!("data/fuzz-gguf-zero-dim-overflow.gguf").to_vec();
+    for (bytes, want) in [
+        (found, "tensor `blk.0.attn_k.weight` has dims [4, 0, 3314649325744685056"),
+        (
+            with_k(vec![4, 0, 1 << 61, 1 << 62]),
+            "tensor `blk.0.attn_k.weight` has dims [4, 0, 2305843009213693952, 4611686018427387904]",
+        ),
+        // 2^63 fits in a u64, not in libtorch's i64 sizes.
+        (
+            with_k(vec![2, 0, 1 << 62]),
+            "tensor `blk.0.attn_k.weight` has dims [2, 0, 4611686018427387904]",
+        ),
+    ] {
+        let e = GgufFile::from_bytes("zero-dim.gguf", bytes.clone())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("zero-dim.gguf")
+                && e.contains(want)
+                && e.contains("does not fit in 63 bits")
+                && e.contains("re-convert"),
+            "{e}"
+        );
+        let (e, path) = import_err("zero-dim", &bytes);
+        assert!(e.contains(&path) && e.contains(want), "{e}");
+    }
+    // At the bound (4 · 2^31 · 2^29 = 2^62, zeros left out) a zero-size tensor parses and
+    // imports (the model loader judges its shape).
+    let ok = with_k(vec![4, 0, 1 << 31, 1 << 29]);
+    let g = GgufFile::from_bytes("zero-dim.gguf", ok.clone()).unwrap();
+    assert_eq!(g.tensor("blk.0.attn_k.weight").unwrap().numel(), 0);
+    let p = write("zero-dim-ok", &ok);
+    let out =
+        std::env::temp_dir().join(format!("yatt-gguf-out-zero-dim-ok-{}", std::process::id()));
+    let report = import_gguf(&p, &out, &Default::default());
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_file(&p);
+    assert_eq!(report.unwrap().tensors, 2);
 }

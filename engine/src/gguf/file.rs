@@ -97,9 +97,8 @@ pub struct GgufTensorInfo {
 }
 
 impl GgufTensorInfo {
-    /// Number of elements.
     /// Number of elements (`u64::MAX` if the dims' product overflows, which
-    /// [`GgufFile::open`] rejects).
+    /// [`GgufFile::open`] and [`GgufFile::from_bytes`] reject).
     pub fn numel(&self) -> u64 {
         self.dims
             .iter()
@@ -316,6 +315,21 @@ impl GgufFile {
             let mut dims = Vec::with_capacity(nd as usize);
             for _ in 0..nd {
                 dims.push(r.u64()?);
+            }
+            // Libtorch and the safetensors writer multiply the dims in their own order (the
+            // latter in shape order, the dims reversed), so the product must fit whatever the
+            // order: without its zeros, in an i64. [4, 0, 2^61, 2^62] has no elements, but
+            // the import's safetensors writer overflowed on it (a panic with overflow
+            // checks, a wrapped size without).
+            let product = dims
+                .iter()
+                .filter(|&&d| d != 0)
+                .try_fold(1u64, |a, &d| a.checked_mul(d));
+            if product.is_none_or(|n| n > i64::MAX as u64) {
+                return Err(r.err(format!(
+                    "tensor `{name}` has dims {dims:?}, whose product (zeros left out) does not \
+                     fit in 63 bits: the file is corrupt; re-download or re-convert it"
+                )));
             }
             let ty = GgmlType(r.u32()?);
             let offset = r.u64()?;
