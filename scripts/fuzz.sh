@@ -140,7 +140,14 @@ for t in "${targets[@]}"; do
     found_any=1
     # A panic's place (a registry crate's without its registry path), else the
     # sanitizer's or libFuzzer's summary (allocation-size-too-big, timeout, ...).
-    kind="$(last_match 'panicked at [^ ]+' "$log" | sed -e 's|/.*/registry/src/[^/]*/||' -e "s|$ROOT/||" -e 's|:$||')"
+    panic_at="$(last_match 'panicked at [^ ]+' "$log")"
+    kind="$(echo "$panic_at" | sed -e 's|/.*/registry/src/[^/]*/||' -e "s|$ROOT/||" -e 's|:$||')"
+    # A panic in the standard library or a registry crate (an overflow in a `product()`):
+    # the first frame of yatt's own code under it too.
+    if [ -n "$panic_at" ] && [[ "$panic_at" != "panicked at $ROOT/"* ]]; then
+      ours="$({ grep -oE ' at /[^ ]+' "$log" | grep -F " at $ROOT/" | head -1 | sed "s|^ at $ROOT/||"; } || true)"
+      [ -z "$ours" ] || kind="$kind, from $ours"
+    fi
     [ -n "$kind" ] || kind="$(last_match 'SUMMARY: [A-Za-z]+: [a-z-]+' "$log" | sed 's/^SUMMARY: //')"
     result="FOUND (rc $rc${kind:+, $kind}${artifact:+, ${artifact#"$ROOT"/}})"
     if [ -z "$runs" ] && [ -z "$artifact" ]; then
