@@ -113,6 +113,13 @@ pub struct ModelConfig {
     pub raw: Value,
 }
 
+/// The most decoder layers, and the widest attention head, a config may ask for: far
+/// past any real decoder (Llama 3.1 405B has 126 layers; the widest heads, Gemma's, 256
+/// dims). A larger value is a corrupt file, and reading the config alone allocates per
+/// layer (the window table) and per head dim (the rotary frequencies).
+const MAX_LAYERS: i64 = 1 << 16;
+const MAX_HEAD_DIM: i64 = 1 << 16;
+
 fn ids(v: Option<&Value>) -> Vec<i64> {
     match v {
         Some(Value::Number(n)) => n.as_i64().into_iter().collect(),
@@ -383,8 +390,20 @@ impl ModelConfig {
                  fix `head_dim` (or hidden_size / num_attention_heads) in config.json"
             ));
         }
+        if head_dim > MAX_HEAD_DIM {
+            return Err(format!(
+                "head_dim = {head_dim}: expected at most {MAX_HEAD_DIM}; \
+                 fix `head_dim` (or hidden_size / num_attention_heads) in config.json"
+            ));
+        }
         let intermediate_size = pos("intermediate_size")?;
         let num_hidden_layers = pos("num_hidden_layers")?;
+        if num_hidden_layers > MAX_LAYERS {
+            return Err(format!(
+                "num_hidden_layers = {num_hidden_layers}: expected at most {MAX_LAYERS}; \
+                 fix `num_hidden_layers` in config.json"
+            ));
+        }
         let vocab_size = pos("vocab_size")?;
         let max_position_embeddings = match v.get("max_position_embeddings") {
             None | Some(Value::Null) => 4096,
@@ -537,6 +556,38 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.contains("positive divisor of num_attention_heads"), "{e}");
+    }
+
+    /// Regression (found by the `model_config` fuzz target, `engine/fuzz`): a huge
+    /// `num_hidden_layers` made the window table allocate one entry per layer (ASan:
+    /// allocation-size-too-big, an abort); a huge `head_dim` would have done the same in
+    /// `rope_inv_freq`, which the target calls next. Both are errors naming the key now.
+    #[test]
+    fn absurd_layer_counts_and_head_dims_are_errors_not_aborts() {
+        // The fuzzer's input as libFuzzer's crash minimisation (`cargo fuzz tmin`) left
+        // it: 2.3 GB of window flags.
+        let text = r#"{"hidden_size":4,"intermediate_size":8,"num_hidden_layers":2333333333,"num_attention_heads":2,"vocab_size":7}"#;
+        let v: Value = serde_json::from_str(text).unwrap();
+        let e = ModelConfig::from_json(&v).unwrap_err();
+        assert!(
+            e.contains("num_hidden_layers = 2333333333: expected at most 65536")
+                && e.contains("fix `num_hidden_layers`"),
+            "{e}"
+        );
+        let mut v = v;
+        v["num_hidden_layers"] = json!(MAX_LAYERS);
+        assert!(ModelConfig::from_json(&v).is_ok());
+        v["head_dim"] = json!(1i64 << 40);
+        let e = ModelConfig::from_json(&v).unwrap_err();
+        assert!(
+            e.contains("head_dim = 1099511627776: expected at most 65536"),
+            "{e}"
+        );
+        v["head_dim"] = json!(MAX_HEAD_DIM);
+        assert_eq!(
+            ModelConfig::from_json(&v).unwrap().rope_inv_freq().len(),
+            1 << 15
+        );
     }
 
     #[test]

@@ -20,6 +20,11 @@ impl W {
         self.0.extend(4u32.to_le_bytes());
         self.0.extend(v.to_le_bytes());
     }
+    fn kv_u64(&mut self, k: &str, v: u64) {
+        self.s(k);
+        self.0.extend(10u32.to_le_bytes());
+        self.0.extend(v.to_le_bytes());
+    }
     fn kv_f32(&mut self, k: &str, v: f32) {
         self.s(k);
         self.0.extend(6u32.to_le_bytes());
@@ -76,6 +81,19 @@ fn write(name: &str, bytes: &[u8]) -> std::path::PathBuf {
     let p = std::env::temp_dir().join(format!("yatt-gguf-{}-{name}.gguf", std::process::id()));
     std::fs::File::create(&p).unwrap().write_all(bytes).unwrap();
     p
+}
+
+/// Imports `bytes` (written as file `name`) and returns the error and the file's path;
+/// removes the file and the output directory.
+fn import_err(name: &str, bytes: &[u8]) -> (String, String) {
+    let p = write(name, bytes);
+    let out = std::env::temp_dir().join(format!("yatt-gguf-out-{name}-{}", std::process::id()));
+    let e = import_gguf(&p, &out, &Default::default())
+        .unwrap_err()
+        .to_string();
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_file(&p);
+    (e, p.display().to_string())
 }
 
 fn f32s(v: &[f32]) -> Vec<u8> {
@@ -293,7 +311,7 @@ fn absurd_model_fields_are_errors_not_panics() {
         (
             "dims",
             huge_dims,
-            "token_embd.weight has dims [18446744073709551615, 2]",
+            "tensor `token_embd.weight` has dims [18446744073709551615, 2], whose product",
         ),
     ] {
         let p = write(&format!("huge-{name}"), &bytes);
@@ -530,4 +548,163 @@ fn llama3_rope_freqs_import_as_rope_scaling() {
         "{e}"
     );
     let _ = std::fs::remove_file(p);
+}
+
+/// Regression (found by the `gguf` fuzz target, `engine/fuzz`): a file listing a tensor
+/// twice imported until the safetensors writer, which panicked (index out of bounds).
+/// The parser now refuses a tensor name or a metadata key given twice, and the import
+/// two GGUF names that map to one HF name (`blk.0.` and `blk.00.`), naming the file.
+#[test]
+fn repeated_tensor_names_and_keys_are_errors_not_panics() {
+    let norm = |name: &'static str| (name, vec![4], 0, f32s(&[1.0; 4]));
+    let embd = ("token_embd.weight", vec![4, 5], 0, f32s(&[0.5; 20]));
+    let twice_tensor = gguf_bytes(
+        tiny_llama_kvs,
+        &[
+            embd.clone(),
+            norm("blk.0.attn_norm.weight"),
+            norm("blk.0.attn_norm.weight"),
+        ],
+    );
+    let twice_key = gguf_bytes(
+        |w| {
+            w.kv_u32("llama.block_count", 1);
+            tiny_llama_kvs(w) + 1
+        },
+        &[embd.clone()],
+    );
+    // The fuzzer's input, minimised (`cargo fuzz tmin`): a Qwen2 file listing
+    // blk.0.attn_v.weight twice.
+    let found = include_bytes!("data/fuzz-gguf-tensor-twice.gguf").to_vec();
+    for (bytes, want) in [
+        (found, "tensor `blk.0.attn_v.weight` appears twice"),
+        (
+            twice_tensor,
+            "tensor `blk.0.attn_norm.weight` appears twice",
+        ),
+        (twice_key, "metadata key `llama.block_count` appears twice"),
+    ] {
+        let e = GgufFile::from_bytes("twice.gguf", bytes)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("twice.gguf") && e.contains(want) && e.contains("re-convert"),
+            "{e}"
+        );
+    }
+
+    let (e, path) = import_err(
+        "same-hf-name",
+        &gguf_bytes(
+            tiny_llama_kvs,
+            &[
+                embd,
+                norm("blk.0.attn_norm.weight"),
+                norm("blk.00.attn_norm.weight"),
+            ],
+        ),
+    );
+    assert!(
+        e.contains(&path)
+            && e.contains("`blk.0.attn_norm.weight` and `blk.00.attn_norm.weight`")
+            && e.contains("model.layers.0.input_layernorm.weight"),
+        "{e}"
+    );
+}
+
+/// llama.cpp's Q/K row permutation is undone per head of head_dim rows. With 2^40 heads
+/// of 2 dims and a 4-row attn_q, the import wrote a model the loader refuses, after
+/// looping over 2^40 heads of no rows (2^41 empty iterations: optimised builds drop the
+/// loop, debug builds run it for hours). Found reviewing the code for the `gguf` fuzz
+/// target; a Q/K tensor whose rows are not heads × head_dim is an error naming the tensor
+/// and the file now.
+#[test]
+fn qk_rows_must_be_heads_times_head_dim() {
+    let kvs = |w: &mut W| {
+        w.kv_str("general.architecture", "llama");
+        w.kv_u32("llama.embedding_length", 4);
+        w.kv_u32("llama.block_count", 1);
+        w.kv_u32("llama.feed_forward_length", 8);
+        w.kv_u64("llama.attention.head_count", 1 << 40);
+        w.kv_u32("llama.attention.key_length", 2);
+        w.kv_str("tokenizer.ggml.model", "gpt2");
+        w.kv_strs("tokenizer.ggml.tokens", &["a", "b", "ab", "c", "d"]);
+        w.kv_strs("tokenizer.ggml.merges", &["a b"]);
+        9
+    };
+    let (e, path) = import_err(
+        "qk-rows",
+        &gguf_bytes(
+            kvs,
+            &[
+                ("token_embd.weight", vec![4, 5], 0, f32s(&[0.5; 20])),
+                ("blk.0.attn_q.weight", vec![4, 4], 0, f32s(&[0.5; 16])),
+            ],
+        ),
+    );
+    assert!(
+        e.contains(&path)
+            && e.contains("tensor `blk.0.attn_q.weight` has 4 rows, the metadata implies 1099511627776 heads × head_dim 2"),
+        "{e}"
+    );
+}
+
+/// Regression (found by the `gguf` fuzz target, `engine/fuzz`, in its 900 s run): a
+/// tensor with a zero dim has no elements, so its bytes fit any file, but the import's
+/// safetensors writer multiplies the shape in its own order and overflowed on the other
+/// dims (a panic with overflow checks, a wrapped size without). The parser now refuses
+/// dims whose product, zeros left out, does not fit in an i64, naming the tensor and the
+/// file.
+#[test]
+fn zero_size_tensors_with_overflowing_dims_are_errors_not_panics() {
+    let with_k = |dims: Vec<u64>| {
+        gguf_bytes(
+            tiny_llama_kvs,
+            &[
+                ("token_embd.weight", vec![4, 5], 0, f32s(&[0.5; 20])),
+                ("blk.0.attn_k.weight", dims, 0, Vec::new()),
+            ],
+        )
+    };
+    // The fuzzer's input: a Llama whose attn_k has dims [4, 0, ~2^61.5, ~2^62.7, ~2^58.7, 2^26].
+    let found = include_bytes!("data/fuzz-gguf-zero-dim-overflow.gguf").to_vec();
+    for (bytes, want) in [
+        (found, "tensor `blk.0.attn_k.weight` has dims [4, 0, 3314649325744685056"),
+        (
+            with_k(vec![4, 0, 1 << 61, 1 << 62]),
+            "tensor `blk.0.attn_k.weight` has dims [4, 0, 2305843009213693952, 4611686018427387904]",
+        ),
+        // 2^63 fits in a u64, not in libtorch's i64 sizes.
+        (
+            with_k(vec![2, 0, 1 << 62]),
+            "tensor `blk.0.attn_k.weight` has dims [2, 0, 4611686018427387904]",
+        ),
+    ] {
+        let e = GgufFile::from_bytes("zero-dim.gguf", bytes.clone())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("zero-dim.gguf")
+                && e.contains(want)
+                && e.contains("does not fit in 63 bits")
+                && e.contains("re-convert"),
+            "{e}"
+        );
+        let (e, path) = import_err("zero-dim", &bytes);
+        assert!(e.contains(&path) && e.contains(want), "{e}");
+    }
+    // At the bound (4 · 2^31 · 2^29 = 2^62, zeros left out) a zero-size tensor parses and
+    // imports (the model loader judges its shape).
+    let ok = with_k(vec![4, 0, 1 << 31, 1 << 29]);
+    let g = GgufFile::from_bytes("zero-dim.gguf", ok.clone()).unwrap();
+    assert_eq!(g.tensor("blk.0.attn_k.weight").unwrap().numel(), 0);
+    let p = write("zero-dim-ok", &ok);
+    let out =
+        std::env::temp_dir().join(format!("yatt-gguf-out-zero-dim-ok-{}", std::process::id()));
+    let report = import_gguf(&p, &out, &Default::default());
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_file(&p);
+    assert_eq!(report.unwrap().tensors, 2);
 }

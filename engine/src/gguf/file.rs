@@ -97,9 +97,8 @@ pub struct GgufTensorInfo {
 }
 
 impl GgufTensorInfo {
-    /// Number of elements.
     /// Number of elements (`u64::MAX` if the dims' product overflows, which
-    /// [`GgufFile::open`] rejects).
+    /// [`GgufFile::open`] and [`GgufFile::from_bytes`] reject).
     pub fn numel(&self) -> u64 {
         self.dims
             .iter()
@@ -112,10 +111,27 @@ impl GgufTensorInfo {
     }
 }
 
-/// A memory-mapped GGUF file.
+/// The bytes of a GGUF file: memory-mapped ([`GgufFile::open`]) or held in memory
+/// ([`GgufFile::from_bytes`]).
+enum Bytes {
+    Mapped(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped(m) => m,
+            Bytes::Owned(v) => v,
+        }
+    }
+}
+
+/// A parsed GGUF file (the tensor data stays memory-mapped when read from disk).
 pub struct GgufFile {
     path: PathBuf,
-    map: memmap2::Mmap,
+    map: Bytes,
     /// Format version (2 or 3).
     pub version: u32,
     /// All metadata, by key.
@@ -237,10 +253,20 @@ impl GgufFile {
         // SAFETY: the file is opened read-only; yatt does not modify it while mapped.
         let map =
             unsafe { memmap2::Mmap::map(&f) }.map_err(|e| EngineError::io("mapping", path, e))?;
+        Self::parse(path.into(), Bytes::Mapped(map))
+    }
+
+    /// Parses a GGUF file held in memory; `path` names it in error messages (nothing is
+    /// read from it).
+    pub fn from_bytes(path: impl Into<PathBuf>, bytes: Vec<u8>) -> Result<Self> {
+        Self::parse(path.into(), Bytes::Owned(bytes))
+    }
+
+    fn parse(path: PathBuf, map: Bytes) -> Result<Self> {
         let mut r = Reader {
             buf: &map,
             pos: 0,
-            path,
+            path: &path,
         };
         let magic = r.arr::<4>()?;
         if &magic != b"GGUF" {
@@ -259,15 +285,29 @@ impl GgufFile {
         let n_tensors = r.count("header tensor_count", 24)?;
         let n_kv = r.count("header metadata_kv_count", 13)?;
         let mut metadata = BTreeMap::new();
+        // A key or tensor name given twice is refused (as llama.cpp does): one of the two
+        // would be dropped without a word, and two tensors of one name broke the import.
+        let twice = |r: &Reader, what: &str, name: &str| {
+            r.err(format!(
+                "{what} `{name}` appears twice: the file is corrupt; re-download or re-convert it"
+            ))
+        };
         for _ in 0..n_kv {
             let key = r.string()?;
             let ty = r.u32()?;
             let v = r.value(ty, 0)?;
+            if metadata.contains_key(&key) {
+                return Err(twice(&r, "metadata key", &key));
+            }
             metadata.insert(key, v);
         }
         let mut tensors = Vec::with_capacity(n_tensors as usize);
+        let mut names = std::collections::HashSet::new();
         for _ in 0..n_tensors {
             let name = r.string()?;
+            if !names.insert(name.clone()) {
+                return Err(twice(&r, "tensor", &name));
+            }
             let nd = r.u32()?;
             if nd > 8 {
                 return Err(r.err(format!("tensor {name} has {nd} dims")));
@@ -275,6 +315,21 @@ impl GgufFile {
             let mut dims = Vec::with_capacity(nd as usize);
             for _ in 0..nd {
                 dims.push(r.u64()?);
+            }
+            // Libtorch and the safetensors writer multiply the dims in their own order (the
+            // latter in shape order, the dims reversed), so the product must fit whatever the
+            // order: without its zeros, in an i64. [4, 0, 2^61, 2^62] has no elements, but
+            // the import's safetensors writer overflowed on it (a panic with overflow
+            // checks, a wrapped size without).
+            let product = dims
+                .iter()
+                .filter(|&&d| d != 0)
+                .try_fold(1u64, |a, &d| a.checked_mul(d));
+            if product.is_none_or(|n| n > i64::MAX as u64) {
+                return Err(r.err(format!(
+                    "tensor `{name}` has dims {dims:?}, whose product (zeros left out) does not \
+                     fit in 63 bits: the file is corrupt; re-download or re-convert it"
+                )));
             }
             let ty = GgmlType(r.u32()?);
             let offset = r.u64()?;
@@ -294,7 +349,7 @@ impl GgufFile {
         }
         let data_offset = r.pos.div_ceil(align) * align;
         let out = GgufFile {
-            path: path.into(),
+            path,
             map,
             version,
             metadata,

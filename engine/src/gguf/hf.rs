@@ -324,17 +324,43 @@ pub fn import_gguf(
         names.push((name, t));
     }
     names.sort_by(|a, b| a.0.cmp(&b.0));
+    // GGUF names are unique (the parser checks), but two can map to one HF name
+    // (`blk.1.` and `blk.01.`); safetensors cannot hold both.
+    if let Some(w) = names.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(EngineError::GgufFormat {
+            path: g.path().into(),
+            msg: format!(
+                "tensors `{}` and `{}` both map to the HF tensor `{}`: re-convert the model",
+                w[0].1.name, w[1].1.name, w[0].0
+            ),
+        });
+    }
     let mut blobs: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(names.len());
     let mut parameters = 0u64;
     for (name, t) in &names {
         let shape = t.shape();
         let mut data = g.dequantize(t)?;
-        if permute && shape.len() == 2 {
-            if t.name.ends_with("attn_q.weight") {
-                data = unpermute_rows(&data, n_heads as usize, shape[0], shape[1]);
-            } else if t.name.ends_with("attn_k.weight") {
-                data = unpermute_rows(&data, n_kv as usize, shape[0], shape[1]);
+        let permuted_heads = if t.name.ends_with("attn_q.weight") {
+            Some(n_heads)
+        } else if t.name.ends_with("attn_k.weight") {
+            Some(n_kv)
+        } else {
+            None
+        };
+        if let (true, &[rows, cols], Some(heads)) = (permute, shape.as_slice(), permuted_heads) {
+            // The permutation is per head of head_dim rows, so the rows must be exactly
+            // that (else the loader refuses the shape anyway, and 2^40 heads of no rows
+            // made 2^41 empty iterations).
+            if heads.checked_mul(head_dim) != Some(rows as u64) {
+                return Err(EngineError::GgufFormat {
+                    path: g.path().into(),
+                    msg: format!(
+                        "tensor `{}` has {rows} rows, the metadata implies {heads} heads × head_dim {head_dim}: re-convert the model",
+                        t.name
+                    ),
+                });
             }
+            data = unpermute_rows(&data, heads as usize, rows, cols);
         }
         parameters += data.len() as u64;
         let bytes: Vec<u8> = match opts.dtype {

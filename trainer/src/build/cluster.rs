@@ -293,7 +293,7 @@ pub(crate) async fn build_cluster_from(
     }
     let ppo = job.algorithm.name.needs_critic();
     let replicas = job.job.policy_replicas;
-    wait_for_nodes(node, &p.named_nodes(replicas, ppo)).await?;
+    wait_for_nodes(node, &p.named_nodes(ppo)).await?;
     let text = job_text(job)?;
     let rollouts = async {
         let mut v = Vec::with_capacity(job.job.controllers);

@@ -177,21 +177,23 @@ impl PlacementSection {
         }
     }
 
-    /// Every `(key, node)` the section names for a job with `replicas` policy replicas
-    /// (one by one) and, with `critic`, a critic.
-    pub(crate) fn named_nodes(&self, replicas: usize, critic: bool) -> Vec<(String, String)> {
+    /// Every `(key, node)` the section names: the policy's node once when every replica
+    /// runs there (not once per replica: `job.policy_replicas` may be anything until
+    /// validated), else each list entry; with `critic`, the critic's.
+    pub(crate) fn named_nodes(&self, critic: bool) -> Vec<(String, String)> {
         let mut v = Vec::new();
         if critic {
             v.push(("placement.critic".to_string(), self.critic.clone()));
         }
         for role in ROLES {
             if role == "policy" {
-                for (i, n) in self.policy_nodes(replicas).into_iter().enumerate() {
-                    let key = match self.policy {
-                        NodeNames::One(_) => "placement.policy".to_string(),
-                        NodeNames::Each(_) => format!("placement.policy[{i}]"),
-                    };
-                    v.push((key, n));
+                match &self.policy {
+                    NodeNames::One(n) => v.push(("placement.policy".to_string(), n.clone())),
+                    NodeNames::Each(ns) => v.extend(
+                        ns.iter()
+                            .enumerate()
+                            .map(|(i, n)| (format!("placement.policy[{i}]"), n.clone())),
+                    ),
                 }
             } else {
                 v.push((format!("placement.{role}"), self.node_of(role).to_string()));

@@ -134,9 +134,13 @@ impl JobConfig {
                 ),
                 &self.model.max_seq_len.to_string(),
                 &format!(
-                    "raise model.max_seq_len to the longest prompt in tokens + {} (e.g. {}), or lower rollout.max_new_tokens",
+                    "raise model.max_seq_len to the longest prompt in tokens + {}{}, or lower rollout.max_new_tokens",
                     self.rollout.max_new_tokens,
-                    (self.rollout.max_new_tokens + 64).next_power_of_two()
+                    self.rollout
+                        .max_new_tokens
+                        .checked_add(64)
+                        .and_then(usize::checked_next_power_of_two)
+                        .map_or(String::new(), |e| format!(" (e.g. {e})"))
                 ),
             ));
         }
@@ -253,7 +257,21 @@ impl JobConfig {
             o.mini_batches as f64,
             "mini_batches = 1 for one optimizer step per step",
         )?;
-        let batch = self.data.prompts_per_step * self.data.samples_per_prompt as usize;
+        let Some(batch) = self
+            .data
+            .prompts_per_step
+            .checked_mul(self.data.samples_per_prompt as usize)
+        else {
+            return Err(invalid(
+                "data.prompts_per_step",
+                "a batch (prompts_per_step × samples_per_prompt) that fits in 64 bits",
+                &format!(
+                    "{} × {}",
+                    self.data.prompts_per_step, self.data.samples_per_prompt
+                ),
+                "e.g. prompts_per_step = 8, samples_per_prompt = 8",
+            ));
+        };
         if batch % o.mini_batches != 0 {
             return Err(invalid(
                 "optim.mini_batches",
@@ -665,9 +683,13 @@ impl PlacementSection {
         }
         if let NodeNames::Each(ns) = &self.policy {
             if ns.len() != policy_replicas {
-                let example: Vec<String> = (0..policy_replicas.max(1))
+                // At most 4 names: policy_replicas is not yet checked against anything.
+                let mut example: Vec<String> = (0..policy_replicas.clamp(1, 4))
                     .map(|i| format!("\"node-{i}\""))
                     .collect();
+                if policy_replicas > 4 {
+                    example.push("...".into());
+                }
                 return Err(invalid(
                     "placement.policy",
                     &format!(
@@ -681,7 +703,7 @@ impl PlacementSection {
                 ));
             }
         }
-        for (key, node) in self.named_nodes(policy_replicas, critic) {
+        for (key, node) in self.named_nodes(critic) {
             if node.is_empty() {
                 let role = key.trim_start_matches("placement.");
                 let fix = if role.contains('[') {
@@ -859,6 +881,50 @@ mod tests {
             ],
         )
         .unwrap();
+    }
+
+    /// Regression: values near the top of the integer range aborted or panicked in
+    /// validation (ASan: allocation-size-too-big; debug builds: arithmetic overflow).
+    /// Found while writing the `job_toml` fuzz target (`trainer/fuzz`) and reproduced
+    /// with it; its 240 s run had not reached them.
+    #[test]
+    fn huge_counts_are_errors_not_aborts() {
+        let err = |sets: Vec<String>| JobConfig::parse(DEMO, "d", &sets).unwrap_err().to_string();
+        // One policy node for 4e12 replicas: validating the placement listed the node once
+        // per replica.
+        let mut sets = disaggregated();
+        sets.push("job.policy_replicas=4000000000000".into());
+        let e = err(sets);
+        assert!(
+            e.starts_with("job.policy_replicas:") && e.contains("found 4000000000000"),
+            "{e}"
+        );
+        // A list that does not fit them: the fix's example named every replica.
+        let e = err(two_replicas("[\"node-b\"]")
+            .into_iter()
+            .map(|s| s.replace("policy_replicas=2", "policy_replicas=4000000000000"))
+            .collect());
+        assert!(
+            e.contains("placement.policy")
+                && e.contains("policy = [\"node-0\", \"node-1\", \"node-2\", \"node-3\", ...]"),
+            "{e}"
+        );
+        // The fix's example max_seq_len overflowed (next_power_of_two).
+        let e = err(vec!["rollout.max_new_tokens=9223372036854775807".into()]);
+        assert!(
+            e.starts_with("model.max_seq_len:")
+                && e.contains("+ 9223372036854775807, or lower rollout.max_new_tokens"),
+            "{e}"
+        );
+        // prompts_per_step × samples_per_prompt overflowed.
+        let e = err(vec![
+            "data.prompts_per_step=9223372036854775807".into(),
+            "data.samples_per_prompt=4".into(),
+        ]);
+        assert!(
+            e.starts_with("data.prompts_per_step:") && e.contains("9223372036854775807 × 4"),
+            "{e}"
+        );
     }
 
     #[test]
