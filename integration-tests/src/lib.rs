@@ -414,7 +414,11 @@ impl Cluster {
     /// succeeded.
     pub fn yatt_train(&self, config: &str, sets: &[&str], out: &Path, timeout: Duration) -> String {
         let (ok, printed) = self.try_yatt_train(config, sets, out, timeout);
-        assert!(ok, "yatt train --cluster failed:\n{printed}\n{}", cluster_logs(self));
+        assert!(
+            ok,
+            "yatt train --cluster failed:\n{printed}\n{}",
+            cluster_logs(self)
+        );
         printed
     }
 
@@ -446,12 +450,25 @@ impl Cluster {
             cmd.args(["--set", s]);
         }
         let (ok, printed) = self.run_train(cmd, out, "resume", timeout);
-        assert!(ok, "yatt train --resume --cluster failed:\n{printed}\n{}", cluster_logs(self));
+        assert!(
+            ok,
+            "yatt train --resume --cluster failed:\n{printed}\n{}",
+            cluster_logs(self)
+        );
         printed
     }
 
-    fn run_train(&self, mut cmd: Command, out: &Path, log: &str, timeout: Duration) -> (bool, String) {
-        let (log, err) = (out.join(format!("{log}.log")), out.join(format!("{log}.err")));
+    fn run_train(
+        &self,
+        mut cmd: Command,
+        out: &Path,
+        log: &str,
+        timeout: Duration,
+    ) -> (bool, String) {
+        let (log, err) = (
+            out.join(format!("{log}.log")),
+            out.join(format!("{log}.err")),
+        );
         let mut child = cmd
             .arg("--cluster")
             .arg(self.nodes[0].addr.to_string())
@@ -467,7 +484,10 @@ impl Cluster {
         let status = wait_or_kill(&mut child, timeout);
         let printed = std::fs::read_to_string(&log).unwrap_or_default()
             + &std::fs::read_to_string(&err).unwrap_or_default();
-        (status.is_some_and(|s| s.success()), format!("{status:?}\n{printed}"))
+        (
+            status.is_some_and(|s| s.success()),
+            format!("{status:?}\n{printed}"),
+        )
     }
 }
 

@@ -110,7 +110,10 @@ pub(crate) async fn respawn_lost_roles(
         if is_lost(c.roles.reward.id()) {
             let target = pick(&mut load)?;
             let r = spawn(job, &text, node, "reward", &target, None).await?;
-            moved.push(format!("reward: {} -> {target}", c.roles.reward.id().name.node));
+            moved.push(format!(
+                "reward: {} -> {target}",
+                c.roles.reward.id().name.node
+            ));
             for c in controllers.iter_mut() {
                 c.roles.reward = r.clone();
             }
