@@ -338,6 +338,20 @@ impl<Req: Send + 'static, Resp: Send + 'static> ActorRef<Req, Resp> {
 
     /// Asks and waits for the answer, at most `timeout` (queueing included).
     pub async fn ask(&self, request: Req, timeout: Duration) -> Result<Resp, CallError> {
+        let started = tokio::time::Instant::now();
+        let result = self.ask_within(request, timeout).await;
+        // Tokio's timer fires on millisecond ticks, so a reply could beat a sub-millisecond
+        // deadline it actually missed; a reply after the deadline counts as none.
+        if result.is_ok() && started.elapsed() > timeout {
+            return Err(CallError::Timeout {
+                target: self.id.clone(),
+                after: timeout,
+            });
+        }
+        result
+    }
+
+    async fn ask_within(&self, request: Req, timeout: Duration) -> Result<Resp, CallError> {
         match &self.route {
             Route::Local(tx) => {
                 let target = &self.id;
@@ -548,6 +562,28 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, CallError::Timeout { .. }), "{err:?}");
+    }
+
+    /// Regression: tokio's timer fires on millisecond ticks, so an immediate reply beat
+    /// a 1 µs deadline now and then, and a deadline test failed at a later step.
+    #[tokio::test]
+    async fn a_reply_that_comes_after_the_deadline_is_a_timeout() {
+        let r = spawn(name(), Echo, 4);
+        for _ in 0..20 {
+            let err = r
+                .actor_ref
+                .ask("x".into(), Duration::from_nanos(1))
+                .await
+                .unwrap_err();
+            assert!(matches!(err, CallError::Timeout { .. }), "{err:?}");
+        }
+        assert_eq!(
+            r.actor_ref
+                .ask("x".into(), Duration::from_secs(5))
+                .await
+                .unwrap(),
+            "x"
+        );
     }
 
     #[tokio::test(start_paused = true)]
