@@ -229,6 +229,9 @@ pub fn table_header() -> String {
     "| fault | node | roles on it | time of fault, s | detected after, s | recovered after, s | recovered step (its wall time) | steps lost |\n|---|---|---|---|---|---|---|---|".into()
 }
 
+/// How long a fault waits to be seen declared dead before its node is brought back.
+const DETECT_BOUND: Duration = Duration::from_secs(20);
+
 /// A fault that struck, until its node is back and its loss recovered.
 struct Watch {
     record: usize,
@@ -240,6 +243,10 @@ struct Watch {
     revived: bool,
     /// Seen alive again after that.
     back: bool,
+    /// Processes started to bring it back.
+    starts: u32,
+    /// When the last of them was found exited (its join failed).
+    exited_at: Option<Instant>,
 }
 
 /// Runs `plan` against the run `train` writes to `out` on `cluster`; returns one
@@ -270,22 +277,22 @@ pub fn inflict(cluster: &mut Cluster, train: &mut TrainProc, out: &Path, t0: Ins
         }
         // The earlier loss is recovered: nothing else may fail inside its step.
         let settled = records.iter().all(|r| r.roles.is_empty() || r.recovered_s.is_some());
-        // The leader is killed while every node is up (else "the leader" may be one
-        // already down, or in the middle of its fail-over).
+        // The leader is killed once one that is up leads (not one already down, or in
+        // the middle of its fail-over).
+        let down: Vec<usize> = watches.iter().filter(|w| !w.back).map(|w| w.victim).collect();
         let settled = settled
             && (next >= plan.len()
                 || !matches!(plan[next].fault, Fault::KillLeader { .. })
-                || watches.iter().all(|w| w.back));
+                || leader(cluster, &down).is_some());
         if next < plan.len() && done >= plan[next].after_step && settled {
             let p = plan[next];
             let since = *armed.get_or_insert_with(Instant::now);
             if since.elapsed() >= Duration::from_millis(p.delay_ms) {
                 armed = None;
                 next += 1;
-                let down: Vec<usize> = watches.iter().filter(|w| !w.back).map(|w| w.victim).collect();
                 let (victim, what, restart_after) = match p.fault {
                     Fault::Kill { node, restart_after_ms } => (pick_victim(cluster, node, &down), "kill -9", Some(restart_after_ms)),
-                    Fault::KillLeader { restart_after_ms } => (leader(cluster), "kill -9 (leader)", Some(restart_after_ms)),
+                    Fault::KillLeader { restart_after_ms } => (leader(cluster, &down).expect("checked above"), "kill -9 (leader)", Some(restart_after_ms)),
                     Fault::Freeze { node } => (pick_victim(cluster, node, &down), "SIGSTOP/SIGCONT", None),
                 };
                 let roles = hosted_roles(cluster, victim);
@@ -301,6 +308,8 @@ pub fn inflict(cluster: &mut Cluster, train: &mut TrainProc, out: &Path, t0: Ins
                     restart_after: restart_after.map(Duration::from_millis),
                     revived: false,
                     back: false,
+                    starts: 0,
+                    exited_at: None,
                 });
                 records.push(FaultRecord {
                     what: what.into(),
@@ -315,23 +324,29 @@ pub fn inflict(cluster: &mut Cluster, train: &mut TrainProc, out: &Path, t0: Ins
                 });
             }
         }
+        let down: Vec<usize> = watches.iter().filter(|w| !w.back).map(|w| w.victim).collect();
         for w in watches.iter_mut() {
             let r = &mut records[w.record];
             if w.back && (r.roles.is_empty() || r.recovered_s.is_some()) {
                 continue;
             }
             let name = r.node.clone();
-            let watcher = (0..cluster.nodes.len())
-                .find(|&i| i != w.victim && cluster.nodes[i].health().is_some())
-                .unwrap_or_else(|| fail(cluster, train, "no live node left to watch from".into()));
-            if r.detected_s.is_none() {
-                if cluster.nodes[watcher].sees_alive(&name) == Some(false) {
-                    r.detected_s = Some(w.struck.elapsed().as_secs_f64());
-                } else if w.struck.elapsed() > Duration::from_secs(15) {
-                    fail(cluster, train, format!("{name} was never declared dead"));
-                }
+            // Never ask a frozen or dead node: its HTTP read would wait out its timeout.
+            let up: Vec<usize> = (0..cluster.nodes.len())
+                .filter(|i| !down.contains(i) && *i != w.victim)
+                .collect();
+            let Some(&watcher) = up.first() else {
+                fail(cluster, train, "no live node left to watch from".into());
+            };
+            // Declared dead: the leader's view reaches every member within a heartbeat
+            // or two; any member that lists the node dead has it from the leader.
+            if r.detected_s.is_none() && up.iter().any(|&i| cluster.nodes[i].sees_alive(&name) == Some(false)) {
+                r.detected_s = Some(w.struck.elapsed().as_secs_f64());
             }
-            if r.detected_s.is_some() && !w.revived {
+            // A node not seen declared dead within the bound (a view in the middle of a
+            // fail-over) is brought back anyway; the table shows "–".
+            let detected = r.detected_s.is_some() || w.struck.elapsed() > DETECT_BOUND;
+            if detected && !w.revived {
                 match w.restart_after {
                     None => {
                         // It learns it was declared dead and joins again as a new incarnation.
@@ -339,16 +354,34 @@ pub fn inflict(cluster: &mut Cluster, train: &mut TrainProc, out: &Path, t0: Ins
                         w.revived = true;
                     }
                     Some(due) if w.struck.elapsed() >= due => {
-                        cluster.restart_through(w.victim, watcher, &[]);
+                        cluster.begin_restart(w.victim, watcher);
+                        w.starts = 1;
                         w.revived = true;
                     }
                     Some(_) => {}
                 }
             }
-            if w.revived && !w.back {
+            let starting = w.revived && !w.back && w.restart_after.is_some() && !cluster.nodes[w.victim].ready();
+            if starting {
+                // A join can fail under load (its leader stood still): start it again.
+                if cluster.nodes[w.victim].exited() {
+                    // Its failed life may have been admitted: start again once the
+                    // cluster can have declared that one dead (after a bound of silence).
+                    let since = *w.exited_at.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= Duration::from_secs(3) {
+                        if w.starts == 5 {
+                            fail(cluster, train, format!("{name} could not join again in 5 tries:\n{}", cluster.nodes[w.victim].log()));
+                        }
+                        eprintln!("chaos: {name} did not join; starting it again");
+                        cluster.begin_restart(w.victim, watcher);
+                        w.starts += 1;
+                        w.exited_at = None;
+                    }
+                }
+            } else if w.revived && !w.back {
                 if cluster.nodes[watcher].sees_alive(&name) == Some(true) {
                     w.back = true;
-                } else if w.struck.elapsed() > Duration::from_secs(40) {
+                } else if w.struck.elapsed() > DETECT_BOUND + Duration::from_secs(40) {
                     fail(cluster, train, format!("{name} did not come back"));
                 }
             }
@@ -379,26 +412,27 @@ pub fn inflict(cluster: &mut Cluster, train: &mut TrainProc, out: &Path, t0: Ins
     }
 }
 
-/// The node the leader's `/health` names as leader (asked of any live node).
-fn leader(cluster: &Cluster) -> usize {
-    let name = cluster
-        .nodes
-        .iter()
-        .find_map(|n| n.lead())
-        .map(|(name, _)| name)
-        .expect("a live node names its leader");
+/// The node that leads the directory, as a node that is up names it, when that
+/// leader is not down itself.
+fn leader(cluster: &Cluster, down: &[usize]) -> Option<usize> {
+    let (name, _) = (0..cluster.nodes.len())
+        .filter(|i| !down.contains(i))
+        .find_map(|i| cluster.nodes[i].lead())?;
     cluster
         .nodes
         .iter()
         .position(|n| n.name == name)
-        .unwrap_or_else(|| panic!("the leader {name} is not one of the cluster's nodes"))
+        .filter(|i| !down.contains(i))
 }
 
 /// `node`, unless it is down or hosts every policy replica (the run cannot survive
 /// that, by design): then the next node that is neither.
 fn pick_victim(cluster: &Cluster, node: usize, down: &[usize]) -> usize {
     let n = cluster.nodes.len();
-    let replicas = |i: usize| hosted_roles(cluster, i).iter().filter(|r| *r == "policy").count();
+    let replicas = |i: usize| match down.contains(&i) {
+        true => 0,
+        false => hosted_roles(cluster, i).iter().filter(|r| *r == "policy").count(),
+    };
     let total: usize = (0..n).map(replicas).sum();
     (0..n)
         .map(|k| (node + k) % n)

@@ -79,9 +79,39 @@ pub struct NodeProc {
     pub pid: u32,
     child: Option<Child>,
     log: PathBuf,
+    ready: PathBuf,
 }
 
 impl NodeProc {
+    /// Whether the node has written its ready file (it listens and joined); reads its
+    /// addresses from it.
+    pub fn ready(&mut self) -> bool {
+        if self.http.port() != 0 {
+            return true;
+        }
+        let Some(info) = std::fs::read_to_string(&self.ready)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        else {
+            return false;
+        };
+        let addr = |k: &str| info[k].as_str().and_then(|a| a.parse::<SocketAddr>().ok());
+        match (addr("addr"), addr("http")) {
+            (Some(a), Some(h)) => {
+                (self.addr, self.http) = (a, h);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether the process has exited (a node whose join failed stops by itself).
+    pub fn exited(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_none_or(|c| c.try_wait().ok().flatten().is_some())
+    }
+
     /// Sends SIGKILL and reaps the process.
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -330,34 +360,40 @@ impl Cluster {
     }
 
     fn spawn(&self, name: &str, seed: Option<SocketAddr>, extra: &[&str]) -> NodeProc {
+        let mut proc = self.launch(name, seed, extra);
+        let ready = poll(Duration::from_secs(20), || proc.ready().then_some(()));
+        assert!(ready.is_some(), "{name} did not become ready; log:\n{}", proc.log());
+        proc
+    }
+
+    /// Starts the process of node `name` and returns at once; its addresses are
+    /// known once [`NodeProc::ready`].
+    fn launch(&self, name: &str, seed: Option<SocketAddr>, extra: &[&str]) -> NodeProc {
         let ready = self.dir.path().join(format!("{name}.ready"));
+        let _ = std::fs::remove_file(&ready);
         let log = self.dir.path().join(format!("{name}.log"));
         let child = self
             .command(name, seed, extra, &ready, &log)
             .spawn()
             .expect("start yatt-node");
-        let pid = child.id();
-        let mut proc = NodeProc {
+        NodeProc {
             name: name.to_string(),
             addr: "0.0.0.0:0".parse().expect("literal"),
             http: "0.0.0.0:0".parse().expect("literal"),
-            pid,
+            pid: child.id(),
             child: Some(child),
             log,
-        };
-        let info: serde_json::Value = poll(Duration::from_secs(20), || {
-            serde_json::from_str(&std::fs::read_to_string(&ready).ok()?).ok()
-        })
-        .unwrap_or_else(|| panic!("{name} did not become ready; log:\n{}", proc.log()));
-        proc.addr = info["addr"]
-            .as_str()
-            .and_then(|a| a.parse().ok())
-            .expect("addr");
-        proc.http = info["http"]
-            .as_str()
-            .and_then(|a| a.parse().ok())
-            .expect("http");
-        proc
+            ready,
+        }
+    }
+
+    /// [`Cluster::restart_through`] without the waiting: starts node `i` again (killing
+    /// the old process if it still runs) and returns; poll [`NodeProc::ready`] and
+    /// whether the others see it alive.
+    pub fn begin_restart(&mut self, i: usize, via: usize) {
+        self.nodes[i].kill9();
+        let name = self.nodes[i].name.clone();
+        self.nodes[i] = self.launch(&name, Some(self.nodes[via].addr), &[]);
     }
 }
 

@@ -49,7 +49,8 @@ pub(crate) fn actor_lost(d: &Directory, id: &ActorId) -> bool {
 /// the step cannot be recovered this way (the caller returns `failed` then).
 ///
 /// A recovery that meets a loss itself (a node that was to host a role dies too) is
-/// tried again, up to [`RECOVERY_TRIES`] times: each try finds what is lost anew.
+/// tried again once the membership has changed, up to [`RECOVERY_TRIES`] times: each
+/// try finds what is lost anew.
 pub(crate) async fn respawn_lost_roles(
     job: &JobConfig,
     node: &Node,
@@ -61,8 +62,16 @@ pub(crate) async fn respawn_lost_roles(
     loop {
         match respawn_once(job, node, controllers, before, failed).await {
             Err(e) if tries < RECOVERY_TRIES && met_a_loss(&e) => {
-                tracing::warn!(tries, error = %e, "recovering from a node loss failed; trying again");
+                tracing::warn!(tries, error = %e, "recovering from a node loss failed; trying again once the membership changes");
                 tries += 1;
+                // The node it met is dying, stalled or rejoining: let the directory
+                // say so (a node declared dead, back, or a new leader) before the next
+                // try, at most two failure bounds.
+                let epoch = node.directory().read(|d| d.version());
+                let settle = node.config().failure_timeout * 2;
+                node.directory()
+                    .wait_until(settle, |d| d.version() != epoch)
+                    .await;
             }
             done => return done,
         }
@@ -70,7 +79,7 @@ pub(crate) async fn respawn_lost_roles(
 }
 
 /// How often a recovery is tried.
-const RECOVERY_TRIES: usize = 3;
+const RECOVERY_TRIES: usize = 5;
 
 /// Whether a failed recovery met another loss (a call or a spawn that failed), rather
 /// than a refusal (no node can host, the state is gone).
