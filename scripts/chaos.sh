@@ -6,7 +6,8 @@
 # metrics and the final weights of an undisturbed run; the harness prints the table of
 # faults (node, roles on it, time of kill, detection, recovery, steps lost).
 #
-#   bash scripts/chaos.sh                      # CI size: 6 kills in 40 steps, new seed
+#   bash scripts/chaos.sh                      # CI size: 6 kills in 40 steps, CI's seed
+#   YATT_CHAOS_SEED=random bash scripts/chaos.sh   # a new schedule (its seed is printed)
 #   YATT_CHAOS_SEED=123 bash scripts/chaos.sh  # replay that seed's schedule
 #   YATT_CHAOS_KILLS=20 YATT_CHAOS_STEPS=120 bash scripts/chaos.sh   # longer
 #

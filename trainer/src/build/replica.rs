@@ -90,7 +90,7 @@ impl Hosting {
             .cloned()
             .ok_or_else(|| {
                 let gone: BTreeSet<&str> = lost.iter().map(|id| id.name.node.as_str()).collect();
-                JobError::Placement {
+                JobError::Recovery {
                     what: format!("no surviving node can host the roles lost with node(s) {gone:?}"),
                     fix: format!("start a yatt-node that joins the cluster, then {RESUME}"),
                 }
@@ -122,7 +122,7 @@ pub(crate) async fn replace_lost_replicas(
     }
     let Some(src) = (0..controllers.len()).find(|i| !heads.contains(i)) else {
         let gone: Vec<String> = controllers.iter().map(|c| c.roles.policy.id().to_string()).collect();
-        return Err(JobError::Placement {
+        return Err(JobError::Recovery {
             what: format!("every policy replica was lost ({}): no surviving replica holds the trainer state", gone.join(", ")),
             fix: RESUME.into(),
         });
@@ -132,7 +132,7 @@ pub(crate) async fn replace_lost_replicas(
     let state = export_state(&source, t).await?;
     let (at, want) = (state_step(&state)?, before[src].weights_version);
     if at != want {
-        return Err(JobError::Placement {
+        return Err(JobError::Recovery {
             what: format!(
                 "policy replica {} is at version {at}, but the failed step started at version {want}: it took the step's update before its peer was lost, so the step cannot run again",
                 source.id()
@@ -201,7 +201,7 @@ fn answered(p: &PolicyRef, asked: &str, got: &PolicyResponse) -> JobError {
 /// The optimizer steps a trainer state has taken (its `trainer_state.json`): the
 /// policy's version.
 fn state_step(state: &TrainerState) -> Result<u64, JobError> {
-    let bad = |why: String| JobError::Placement {
+    let bad = |why: String| JobError::Recovery {
         what: format!("a policy replica's exported state: {why}"),
         fix: "see the nodes' logs".into(),
     };
