@@ -52,12 +52,6 @@ struct Recorded {
     graph: ffi::Graph,
 }
 
-impl Recorded {
-    fn load_inputs(&mut self, ids_pos: &Tensor, n: i64) {
-        self.inputs.load(ids_pos, n);
-    }
-}
-
 /// A graph's own input tensors `[rows, 1]`: last tokens and their positions.
 #[derive(Debug)]
 struct Inputs {
@@ -154,7 +148,7 @@ impl DecodeGraphs {
         let span = bucket_span(span, cache.max_len);
         let key = (rows, span);
         if let Some(r) = self.graphs.get_mut(&key) {
-            r.load_inputs(ids_pos, n);
+            r.inputs.load(ids_pos, n);
             if let Err(e) = r.graph.replay() {
                 tracing::warn!("CUDA graph replay failed: {e}; decoding eagerly from now on");
                 self.failed = Some(e);
@@ -266,7 +260,9 @@ fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
 
 /// Rows of the graph that serves `n` active slots of a `slots`-slot cache.
 pub(crate) fn bucket_rows(n: i64, slots: i64) -> i64 {
-    (n.max(1) as u64).next_power_of_two().min(slots.max(1) as u64) as i64
+    (n.max(1) as u64)
+        .next_power_of_two()
+        .min(slots.max(1) as u64) as i64
 }
 
 /// Attended positions of the graph that serves a step attending `span` positions.

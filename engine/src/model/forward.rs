@@ -248,14 +248,6 @@ impl Llama {
                 Matrix::Qkv,
                 &hn,
             ));
-            let q = qkv
-                .narrow(-1, 0, nh * hd)
-                .view([b, t, nh, hd])
-                .transpose(1, 2);
-            let k = qkv
-                .narrow(-1, nh * hd, nkv * hd)
-                .view([b, t, nkv, hd])
-                .transpose(1, 2);
             let v = qkv
                 .narrow(-1, (nh + nkv) * hd, nkv * hd)
                 .view([b, t, nkv, hd])
@@ -263,6 +255,14 @@ impl Llama {
             crate::profile::mark(self.device, "layer: norm, qkv");
             let (q, k) = match &l.qk_norm {
                 Some((qn, kn)) => {
+                    let q = qkv
+                        .narrow(-1, 0, nh * hd)
+                        .view([b, t, nh, hd])
+                        .transpose(1, 2);
+                    let k = qkv
+                        .narrow(-1, nh * hd, nkv * hd)
+                        .view([b, t, nkv, hd])
+                        .transpose(1, 2);
                     let (q, k) = (self.rms_last(&q, qn, hd), self.rms_last(&k, kn, hd));
                     (self.rope(&q, &cos, &sin), self.rope(&k, &cos, &sin))
                 }
