@@ -81,10 +81,15 @@ fn cuda_graph_shim() {
     if !lib.join("libtorch_cuda.so").exists() {
         return;
     }
-    let root = lib.parent().expect("libtorch lib dir has a parent").to_path_buf();
+    let root = lib
+        .parent()
+        .expect("libtorch lib dir has a parent")
+        .to_path_buf();
     let site = root.parent().map(|p| p.to_path_buf()).unwrap_or_default();
     let candidates = [
-        std::env::var("YATT_CUDA_INCLUDE").map(std::path::PathBuf::from).ok(),
+        std::env::var("YATT_CUDA_INCLUDE")
+            .map(std::path::PathBuf::from)
+            .ok(),
         Some(site.join("nvidia/cu13/include")),
         Some(site.join("nvidia/cuda_runtime/include")),
         Some(std::path::PathBuf::from("/usr/local/cuda/include")),
@@ -110,7 +115,14 @@ fn cuda_graph_shim() {
     let compiler = cc::Build::new().cpp(true).get_compiler();
     let status = compiler
         .to_command()
-        .args(["-shared", "-fPIC", "-O2", "-std=c++17", "-w", "-D_GLIBCXX_USE_CXX11_ABI=1"])
+        .args([
+            "-shared",
+            "-fPIC",
+            "-O2",
+            "-std=c++17",
+            "-w",
+            "-D_GLIBCXX_USE_CXX11_ABI=1",
+        ])
         .arg("-I")
         .arg(root.join("include"))
         .arg("-I")
@@ -127,7 +139,11 @@ fn cuda_graph_shim() {
         .arg(&cudart_dir)
         .arg(format!("-l:{cudart}"))
         // Where these were at build time, should the process not have loaded them yet.
-        .arg(format!("-Wl,-rpath,{}:{}", lib.display(), cudart_dir.display()))
+        .arg(format!(
+            "-Wl,-rpath,{}:{}",
+            lib.display(),
+            cudart_dir.display()
+        ))
         .status();
     match status {
         Ok(s) if s.success() => {

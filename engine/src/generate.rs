@@ -558,7 +558,11 @@ impl Generator {
     /// Decode-step graphs: `(recorded, replayed)` so far, and why they were turned off
     /// if recording or a replay failed.
     pub fn cuda_graph_stats(&self) -> (u64, u64, Option<&str>) {
-        (self.graphs.recorded, self.graphs.replays, self.graphs.failure())
+        (
+            self.graphs.recorded,
+            self.graphs.replays,
+            self.graphs.failure(),
+        )
     }
 
     /// The settings.

@@ -65,8 +65,9 @@ pub use generate::{
     SamplingParams,
 };
 pub use model::{
-    cuda_graphs_built, load_cuda_graph_shim, positions_from_mask, read_safetensors_dir, AdapterDir, Adapters, Attn, DecoderLayer, KvCache,
-    Llama, LoraConfig, LoraPair, LoraTarget, ScalarHead, KV_BLOCK, LORA_SCALING_TENSOR,
+    cuda_graphs_built, load_cuda_graph_shim, positions_from_mask, read_safetensors_dir, AdapterDir,
+    Adapters, Attn, DecoderLayer, KvCache, Llama, LoraConfig, LoraPair, LoraTarget, ScalarHead,
+    KV_BLOCK, LORA_SCALING_TENSOR,
 };
 pub use score::{SeqBatch, TokenScores};
 pub use tch;

@@ -123,14 +123,23 @@ fn decode_through_cuda_graphs_matches_eager_decoding() {
                 .unwrap();
             let (second, _) = g.generate(&reqs).unwrap();
             let (recorded, replays, failure) = g.cuda_graph_stats();
-            (first, second, recorded, replays, failure.map(str::to_string))
+            (
+                first,
+                second,
+                recorded,
+                replays,
+                failure.map(str::to_string),
+            )
         };
         let (eager1, eager2, r, _, _) = run(false);
         assert_eq!(r, 0, "graphs recorded while turned off");
         let (graph1, graph2, recorded, replays, failure) = run(true);
         if dev.is_cuda() && cuda_graphs_built() {
             assert_eq!(failure, None, "recording failed on {dev:?}");
-            assert!(recorded > 0 && replays > 0, "{recorded} graphs, {replays} replays");
+            assert!(
+                recorded > 0 && replays > 0,
+                "{recorded} graphs, {replays} replays"
+            );
         } else {
             assert_eq!((recorded, replays), (0, 0), "no graphs on {dev:?}");
         }
@@ -147,6 +156,9 @@ fn decode_through_cuda_graphs_matches_eager_decoding() {
                 assert!(d < 1e-3, "request {}: log-probs differ by {d}", e.id);
             }
         }
-        assert_ne!(eager1[1].tokens, eager2[1].tokens, "the weight update changed nothing");
+        assert_ne!(
+            eager1[1].tokens, eager2[1].tokens,
+            "the weight update changed nothing"
+        );
     });
 }

@@ -49,8 +49,10 @@ impl ChaosConfig {
                 .map_or(1, |d| d.as_nanos() as u64),
             Some(v) => num("YATT_CHAOS_SEED", v.to_string()),
         };
-        let kills = var("YATT_CHAOS_KILLS").map_or(Self::DEFAULT_KILLS as u64, |v| num("YATT_CHAOS_KILLS", v));
-        let steps = var("YATT_CHAOS_STEPS").map_or(Self::DEFAULT_STEPS, |v| num("YATT_CHAOS_STEPS", v));
+        let kills = var("YATT_CHAOS_KILLS")
+            .map_or(Self::DEFAULT_KILLS as u64, |v| num("YATT_CHAOS_KILLS", v));
+        let steps =
+            var("YATT_CHAOS_STEPS").map_or(Self::DEFAULT_STEPS, |v| num("YATT_CHAOS_STEPS", v));
         let c = ChaosConfig {
             seed,
             kills: kills as usize,
@@ -151,7 +153,8 @@ pub fn schedule(config: &ChaosConfig, nodes: usize) -> Vec<Planned> {
     let freeze = (leader + 1 + rng.below(events as u64 - 1) as usize) % events;
     (0..events)
         .map(|i| {
-            let after_step = (lo + i as u64 * slot + rng.below(slot.saturating_sub(2).max(1))) as usize;
+            let after_step =
+                (lo + i as u64 * slot + rng.below(slot.saturating_sub(2).max(1))) as usize;
             let delay_ms = rng.below(120);
             let restart_after_ms = 200 + rng.below(1500);
             let fault = if i == leader {
@@ -259,7 +262,13 @@ struct Watch {
 /// when due, a frozen one woken once declared dead; detection and recovery are read
 /// as they happen. Panics (with the logs) when the run stops, ends before every fault
 /// struck, or a fault is not detected, recovered or undone within its bound.
-pub fn inflict(cluster: &mut Cluster, train: &mut TrainProc, out: &Path, t0: Instant, plan: &[Planned]) -> Vec<FaultRecord> {
+pub fn inflict(
+    cluster: &mut Cluster,
+    train: &mut TrainProc,
+    out: &Path,
+    t0: Instant,
+    plan: &[Planned],
+) -> Vec<FaultRecord> {
     let mut records: Vec<FaultRecord> = Vec::new();
     let mut watches: Vec<Watch> = Vec::new();
     let mut next = 0;
@@ -279,10 +288,16 @@ pub fn inflict(cluster: &mut Cluster, train: &mut TrainProc, out: &Path, t0: Ins
             }
         }
         // The earlier loss is recovered: nothing else may fail inside its step.
-        let settled = records.iter().all(|r| r.roles.is_empty() || r.recovered_s.is_some());
+        let settled = records
+            .iter()
+            .all(|r| r.roles.is_empty() || r.recovered_s.is_some());
         // The leader is killed once one that is up leads (not one already down, or in
         // the middle of its fail-over).
-        let down: Vec<usize> = watches.iter().filter(|w| !w.back).map(|w| w.victim).collect();
+        let down: Vec<usize> = watches
+            .iter()
+            .filter(|w| !w.back)
+            .map(|w| w.victim)
+            .collect();
         let settled = settled
             && (next >= plan.len()
                 || !matches!(plan[next].fault, Fault::KillLeader { .. })
@@ -294,9 +309,22 @@ pub fn inflict(cluster: &mut Cluster, train: &mut TrainProc, out: &Path, t0: Ins
                 armed = None;
                 next += 1;
                 let (victim, what, restart_after) = match p.fault {
-                    Fault::Kill { node, restart_after_ms } => (pick_victim(cluster, node, &down), "kill -9", Some(restart_after_ms)),
-                    Fault::KillLeader { restart_after_ms } => (leader(cluster, &down).expect("checked above"), "kill -9 (leader)", Some(restart_after_ms)),
-                    Fault::Freeze { node } => (pick_victim(cluster, node, &down), "SIGSTOP/SIGCONT", None),
+                    Fault::Kill {
+                        node,
+                        restart_after_ms,
+                    } => (
+                        pick_victim(cluster, node, &down),
+                        "kill -9",
+                        Some(restart_after_ms),
+                    ),
+                    Fault::KillLeader { restart_after_ms } => (
+                        leader(cluster, &down).expect("checked above"),
+                        "kill -9 (leader)",
+                        Some(restart_after_ms),
+                    ),
+                    Fault::Freeze { node } => {
+                        (pick_victim(cluster, node, &down), "SIGSTOP/SIGCONT", None)
+                    }
                 };
                 let roles = hosted_roles(cluster, victim);
                 let at_step = steps_done(out);
@@ -327,7 +355,11 @@ pub fn inflict(cluster: &mut Cluster, train: &mut TrainProc, out: &Path, t0: Ins
                 });
             }
         }
-        let down: Vec<usize> = watches.iter().filter(|w| !w.back).map(|w| w.victim).collect();
+        let down: Vec<usize> = watches
+            .iter()
+            .filter(|w| !w.back)
+            .map(|w| w.victim)
+            .collect();
         for w in watches.iter_mut() {
             let r = &mut records[w.record];
             if w.back && (r.roles.is_empty() || r.recovered_s.is_some()) {
@@ -343,7 +375,11 @@ pub fn inflict(cluster: &mut Cluster, train: &mut TrainProc, out: &Path, t0: Ins
             };
             // Declared dead: the leader's view reaches every member within a heartbeat
             // or two; any member that lists the node dead has it from the leader.
-            if r.detected_s.is_none() && up.iter().any(|&i| cluster.nodes[i].sees_alive(&name) == Some(false)) {
+            if r.detected_s.is_none()
+                && up
+                    .iter()
+                    .any(|&i| cluster.nodes[i].sees_alive(&name) == Some(false))
+            {
                 r.detected_s = Some(w.struck.elapsed().as_secs_f64());
             }
             // A node not seen declared dead within the bound (a view in the middle of a
@@ -364,7 +400,10 @@ pub fn inflict(cluster: &mut Cluster, train: &mut TrainProc, out: &Path, t0: Ins
                     Some(_) => {}
                 }
             }
-            let starting = w.revived && !w.back && w.restart_after.is_some() && !cluster.nodes[w.victim].ready();
+            let starting = w.revived
+                && !w.back
+                && w.restart_after.is_some()
+                && !cluster.nodes[w.victim].ready();
             if starting {
                 // A join can fail under load (its leader stood still): start it again.
                 if cluster.nodes[w.victim].exited() {
@@ -373,7 +412,14 @@ pub fn inflict(cluster: &mut Cluster, train: &mut TrainProc, out: &Path, t0: Ins
                     let since = *w.exited_at.get_or_insert_with(Instant::now);
                     if since.elapsed() >= Duration::from_secs(3) {
                         if w.starts == 5 {
-                            fail(cluster, train, format!("{name} could not join again in 5 tries:\n{}", cluster.nodes[w.victim].log()));
+                            fail(
+                                cluster,
+                                train,
+                                format!(
+                                    "{name} could not join again in 5 tries:\n{}",
+                                    cluster.nodes[w.victim].log()
+                                ),
+                            );
                         }
                         eprintln!("chaos: {name} did not join; starting it again");
                         cluster.begin_restart(w.victim, watcher);
@@ -403,11 +449,21 @@ pub fn inflict(cluster: &mut Cluster, train: &mut TrainProc, out: &Path, t0: Ins
                     r.steps_lost = 1;
                     eprintln!("chaos: {} of {name} ({}) at step {}: detected after {:.2?} s, recovered at step {step} after {:.2} s", r.what, r.roles.join(", "), r.at_step + 1, r.detected_s, w.struck.elapsed().as_secs_f64());
                 } else if let Ok(Some(status)) = train.child.try_wait() {
-                    fail(cluster, train, format!("the run ended ({status}) without recovering from {} of {name}", r.what));
+                    fail(
+                        cluster,
+                        train,
+                        format!(
+                            "the run ended ({status}) without recovering from {} of {name}",
+                            r.what
+                        ),
+                    );
                 }
             }
         }
-        let quiet = watches.iter().all(|w| w.back) && records.iter().all(|r| r.roles.is_empty() || r.recovered_s.is_some());
+        let quiet = watches.iter().all(|w| w.back)
+            && records
+                .iter()
+                .all(|r| r.roles.is_empty() || r.recovered_s.is_some());
         if next == plan.len() && quiet {
             return records;
         }
@@ -434,7 +490,10 @@ fn pick_victim(cluster: &Cluster, node: usize, down: &[usize]) -> usize {
     let n = cluster.nodes.len();
     let replicas = |i: usize| match down.contains(&i) {
         true => 0,
-        false => hosted_roles(cluster, i).iter().filter(|r| *r == "policy").count(),
+        false => hosted_roles(cluster, i)
+            .iter()
+            .filter(|r| *r == "policy")
+            .count(),
     };
     let total: usize = (0..n).map(replicas).sum();
     (0..n)
@@ -478,13 +537,32 @@ mod tests {
         assert_eq!(a, schedule(&c, 5));
         assert_ne!(a, schedule(&ChaosConfig { seed: 8, ..c }, 5));
         assert_eq!(a.len(), 8);
-        let kills = a.iter().filter(|p| matches!(p.fault, Fault::Kill { .. })).count();
+        let kills = a
+            .iter()
+            .filter(|p| matches!(p.fault, Fault::Kill { .. }))
+            .count();
         assert_eq!(kills, 6);
-        assert_eq!(a.iter().filter(|p| matches!(p.fault, Fault::KillLeader { .. })).count(), 1);
-        assert_eq!(a.iter().filter(|p| matches!(p.fault, Fault::Freeze { .. })).count(), 1);
+        assert_eq!(
+            a.iter()
+                .filter(|p| matches!(p.fault, Fault::KillLeader { .. }))
+                .count(),
+            1
+        );
+        assert_eq!(
+            a.iter()
+                .filter(|p| matches!(p.fault, Fault::Freeze { .. }))
+                .count(),
+            1
+        );
         // In order, inside the run, apart.
-        assert!(a.windows(2).all(|w| w[0].after_step < w[1].after_step), "{a:?}");
-        assert!(a.iter().all(|p| p.after_step >= 4 && p.after_step <= 36), "{a:?}");
+        assert!(
+            a.windows(2).all(|w| w[0].after_step < w[1].after_step),
+            "{a:?}"
+        );
+        assert!(
+            a.iter().all(|p| p.after_step >= 4 && p.after_step <= 36),
+            "{a:?}"
+        );
     }
 
     #[test]

@@ -2,11 +2,12 @@
 //! loopback, wait for conditions by polling with a deadline, and clean up (every child
 //! is killed when its [`Cluster`] drops, also when a test fails).
 
-pub mod insecure;
 mod chaos;
+pub mod insecure;
 
 pub use chaos::{
-    hosted_roles, inflict, schedule, table_header, ChaosConfig, ChaosRng, Fault, FaultRecord, Planned,
+    hosted_roles, inflict, schedule, table_header, ChaosConfig, ChaosRng, Fault, FaultRecord,
+    Planned,
 };
 
 use std::net::SocketAddr;
@@ -362,7 +363,11 @@ impl Cluster {
     fn spawn(&self, name: &str, seed: Option<SocketAddr>, extra: &[&str]) -> NodeProc {
         let mut proc = self.launch(name, seed, extra);
         let ready = poll(Duration::from_secs(20), || proc.ready().then_some(()));
-        assert!(ready.is_some(), "{name} did not become ready; log:\n{}", proc.log());
+        assert!(
+            ready.is_some(),
+            "{name} did not become ready; log:\n{}",
+            proc.log()
+        );
         proc
     }
 
@@ -455,7 +460,11 @@ impl Cluster {
     /// succeeded.
     pub fn yatt_train(&self, config: &str, sets: &[&str], out: &Path, timeout: Duration) -> String {
         let (ok, printed) = self.try_yatt_train(config, sets, out, timeout);
-        assert!(ok, "yatt train --cluster failed:\n{printed}\n{}", cluster_logs(self));
+        assert!(
+            ok,
+            "yatt train --cluster failed:\n{printed}\n{}",
+            cluster_logs(self)
+        );
         printed
     }
 
@@ -487,7 +496,11 @@ impl Cluster {
             cmd.args(["--set", s]);
         }
         let (ok, printed) = self.run_train(cmd, out, "resume", timeout);
-        assert!(ok, "yatt train --resume --cluster failed:\n{printed}\n{}", cluster_logs(self));
+        assert!(
+            ok,
+            "yatt train --resume --cluster failed:\n{printed}\n{}",
+            cluster_logs(self)
+        );
         printed
     }
 
@@ -495,13 +508,19 @@ impl Cluster {
         let mut child = self.start_train(cmd, out, log);
         let status = child.wait(timeout);
         let printed = child.printed();
-        (status.is_some_and(|s| s.success()), format!("{status:?}\n{printed}"))
+        (
+            status.is_some_and(|s| s.success()),
+            format!("{status:?}\n{printed}"),
+        )
     }
 
     /// Starts `cmd` (a `yatt train`) against this cluster, its output in
     /// `OUT/LOG.log` and `OUT/LOG.err`.
     fn start_train(&self, mut cmd: Command, out: &Path, log: &str) -> TrainProc {
-        let (stdout, stderr) = (out.join(format!("{log}.log")), out.join(format!("{log}.err")));
+        let (stdout, stderr) = (
+            out.join(format!("{log}.log")),
+            out.join(format!("{log}.err")),
+        );
         let child = cmd
             .arg("--cluster")
             .arg(self.nodes[0].addr.to_string())
@@ -557,7 +576,11 @@ pub fn checkpoint_digest(out: &Path) -> Vec<(String, String)> {
         })
         .map(|p| {
             let bytes = std::fs::read(&p).expect("a checkpoint file");
-            let name = p.file_name().expect("a name").to_string_lossy().into_owned();
+            let name = p
+                .file_name()
+                .expect("a name")
+                .to_string_lossy()
+                .into_owned();
             (name, format!("{:016x}", fnv1a(&bytes)))
         })
         .collect();
@@ -610,14 +633,21 @@ impl Cluster {
     /// Starts `yatt train CONFIG --set ... --cluster ...` (or, with `resume`, `yatt
     /// train --resume OUT`) in the background, output in `OUT/train.log` / `train.err`
     /// (`resume.log` / `resume.err`). The child is killed when the guard drops.
-    pub fn spawn_train(&self, config: &str, sets: &[String], out: &Path, resume: bool) -> TrainProc {
+    pub fn spawn_train(
+        &self,
+        config: &str,
+        sets: &[String],
+        out: &Path,
+        resume: bool,
+    ) -> TrainProc {
         let mut cmd = Command::new(yatt_bin());
         let log = if resume {
             cmd.arg("train").arg("--resume").arg(out);
             "resume"
         } else {
             cmd.arg("train").arg(config);
-            cmd.arg("--set").arg(format!("job.output_dir=\"{}\"", out.display()));
+            cmd.arg("--set")
+                .arg(format!("job.output_dir=\"{}\"", out.display()));
             "train"
         };
         for s in sets {

@@ -15,8 +15,9 @@
 use std::time::{Duration, Instant};
 
 use yatt_integration_tests::{
-    assert_roles_released, checkpoint_digest, cluster_logs, inflict, metric_of_steps, poll, run_trajectory, schedule,
-    steps_done, table_header, ChaosConfig, ChaosRng, Cluster, FaultRecord,
+    assert_roles_released, checkpoint_digest, cluster_logs, inflict, metric_of_steps, poll,
+    run_trajectory, schedule, steps_done, table_header, ChaosConfig, ChaosRng, Cluster,
+    FaultRecord,
 };
 
 const CONFIG: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
@@ -59,7 +60,11 @@ fn a_chaos_run_ends_with_the_weights_of_an_undisturbed_one() {
     let undisturbed = Cluster::start("ch", 5);
     let mut run = undisturbed.spawn_train(CONFIG, &sets, quiet.path(), false);
     let status = run.wait(limit);
-    assert!(status.is_some_and(|s| s.success()), "{status:?}\n{}", run.printed());
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{}",
+        run.printed()
+    );
     drop(undisturbed);
     let undisturbed_s = t.elapsed().as_secs_f64();
     let want = run_trajectory(quiet.path());
@@ -84,8 +89,18 @@ fn a_chaos_run_ends_with_the_weights_of_an_undisturbed_one() {
     let trained = metric_of_steps(out.path(), "ledger/samples_trained");
     assert_eq!(trained.len() as u64, config.steps, "{trained:?}");
     assert!(trained.iter().all(|(_, n)| *n == PER_STEP), "{trained:?}");
-    assert_eq!(run_trajectory(out.path()), want, "the chaos run's trajectory differs (seed {})", config.seed);
-    assert_eq!(checkpoint_digest(out.path()), want_weights, "the chaos run ends with other weights (seed {})", config.seed);
+    assert_eq!(
+        run_trajectory(out.path()),
+        want,
+        "the chaos run's trajectory differs (seed {})",
+        config.seed
+    );
+    assert_eq!(
+        checkpoint_digest(out.path()),
+        want_weights,
+        "the chaos run ends with other weights (seed {})",
+        config.seed
+    );
 
     assert_roles_released(&cluster);
     // Every node up and seen alive by every other (a woken or restarted node may still
@@ -98,7 +113,11 @@ fn a_chaos_run_ends_with_the_weights_of_an_undisturbed_one() {
             .all(|n| names.iter().all(|m| n.sees_alive(m) == Some(true)))
             .then_some(())
     });
-    assert!(settled.is_some(), "the cluster did not settle after the chaos:\n{}", cluster_logs(&cluster));
+    assert!(
+        settled.is_some(),
+        "the cluster did not settle after the chaos:\n{}",
+        cluster_logs(&cluster)
+    );
     // The trainer itself: killed at a random point, then resumed from its checkpoint.
     let mut rng = ChaosRng::new(config.seed ^ 0x7a11);
     let kill_at = (config.steps / 3 + rng.below(config.steps / 3)) as usize;
@@ -107,14 +126,20 @@ fn a_chaos_run_ends_with_the_weights_of_an_undisturbed_one() {
     let mut run = cluster.spawn_train(CONFIG, &sets, resumed.path(), false);
     let reached = poll(limit, || {
         if let Ok(Some(status)) = run.child.try_wait() {
-            panic!("the run to kill stopped by itself ({status}):\n{}\n{}", run.printed(), cluster_logs(&cluster));
+            panic!(
+                "the run to kill stopped by itself ({status}):\n{}\n{}",
+                run.printed(),
+                cluster_logs(&cluster)
+            );
         }
         (steps_done(resumed.path()) >= kill_at).then_some(())
     });
     assert!(reached.is_some(), "{}", run.printed());
     let delay = Instant::now();
     let ms = Duration::from_millis(rng.below(120));
-    poll(ms + Duration::from_secs(1), || (delay.elapsed() >= ms).then_some(()));
+    poll(ms + Duration::from_secs(1), || {
+        (delay.elapsed() >= ms).then_some(())
+    });
     let at_s = t0.elapsed().as_secs_f64();
     run.kill9();
     let struck = Instant::now();
@@ -125,7 +150,9 @@ fn a_chaos_run_ends_with_the_weights_of_an_undisturbed_one() {
     .unwrap();
     let saved = state["controllers"][0]["step"].as_u64().unwrap() as usize;
     let mut again = cluster.spawn_train(CONFIG, &[], resumed.path(), true);
-    let next = poll(limit, || (steps_done(resumed.path()) > at_step).then_some(()));
+    let next = poll(limit, || {
+        (steps_done(resumed.path()) > at_step).then_some(())
+    });
     let recovered_s = next.map(|()| struck.elapsed().as_secs_f64());
     let status = again.wait(limit);
     assert!(
@@ -134,8 +161,16 @@ fn a_chaos_run_ends_with_the_weights_of_an_undisturbed_one() {
         again.printed(),
         cluster_logs(&cluster)
     );
-    assert_eq!(run_trajectory(resumed.path()), want, "the resumed run's trajectory differs");
-    assert_eq!(checkpoint_digest(resumed.path()), want_weights, "the resumed run ends with other weights");
+    assert_eq!(
+        run_trajectory(resumed.path()),
+        want,
+        "the resumed run's trajectory differs"
+    );
+    assert_eq!(
+        checkpoint_digest(resumed.path()),
+        want_weights,
+        "the resumed run ends with other weights"
+    );
     let wall = metric_of_steps(resumed.path(), "timing_s/step")
         .into_iter()
         .find(|(s, _)| *s == at_step + 1)

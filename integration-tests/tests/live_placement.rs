@@ -649,7 +649,10 @@ async fn losing_the_only_rollout_node_mid_step_turns_a_policy_group_into_the_rol
             // Regression: the recovered step was recorded at the rerun's time alone
             // (0.27 s for a step of 2.25 s): it counts the detection and re-plan too.
             let (recorded, wall) = (m.get("timing_s/step"), m.get("timing_s/step_wall"));
-            assert!(recorded == wall && wall > Some(1.0), "{recorded:?} {wall:?}");
+            assert!(
+                recorded == wall && wall > Some(1.0),
+                "{recorded:?} {wall:?}"
+            );
             let replicas = r.live.replicas();
             let mut now = layout(&replicas);
             now.sort();

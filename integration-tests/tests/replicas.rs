@@ -37,7 +37,11 @@ fn losing_a_policy_replicas_node_hands_its_state_to_a_replacement_and_changes_no
     let quiet = tempfile::tempdir().unwrap();
     let mut run = cluster.spawn_train(CONFIG, &sets, quiet.path(), false);
     let status = run.wait(Duration::from_secs(120));
-    assert!(status.is_some_and(|s| s.success()), "{status:?}\n{}", run.printed());
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{}",
+        run.printed()
+    );
     let undisturbed = t0.elapsed();
 
     let out = tempfile::tempdir().unwrap();
@@ -69,7 +73,11 @@ fn losing_a_policy_replicas_node_hands_its_state_to_a_replacement_and_changes_no
         [1.0, 1.0],
         "one replica replaced after each kill: {recovered:?}\n{printed}"
     );
-    assert!(printed.contains("policy replica 1: pr-2 ->") && printed.contains("policy replica 0: pr-1 ->"), "{printed}");
+    assert!(
+        printed.contains("policy replica 1: pr-2 ->")
+            && printed.contains("policy replica 0: pr-1 ->"),
+        "{printed}"
+    );
     let (a, b) = (run_trajectory(quiet.path()), run_trajectory(out.path()));
     assert_eq!(a.len(), 24);
     assert_eq!(a, b, "the disturbed run's trajectory differs");
@@ -99,12 +107,17 @@ fn losing_every_policy_replica_stops_the_run_with_the_resume_hint() {
     sets.push("checkpoint.every=2".into());
     let out = tempfile::tempdir().unwrap();
     let mut run = cluster.spawn_train(CONFIG, &sets, out.path(), false);
-    let reached = poll(Duration::from_secs(90), || (steps_done(out.path()) >= 5).then_some(()));
+    let reached = poll(Duration::from_secs(90), || {
+        (steps_done(out.path()) >= 5).then_some(())
+    });
     assert!(reached.is_some(), "{}", run.printed());
     cluster.nodes[1].kill9();
     let status = run.wait(Duration::from_secs(60));
     let printed = run.printed();
-    assert!(status.is_some_and(|s| !s.success()), "{status:?}\n{printed}");
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "{status:?}\n{printed}"
+    );
     assert!(
         printed.contains("every policy replica was lost")
             && printed.contains("the last checkpoint is at step")

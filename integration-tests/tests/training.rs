@@ -222,10 +222,20 @@ fn a_disaggregated_run_resumes_on_other_nodes_with_the_uninterrupted_metrics() {
     };
     let full = tempfile::tempdir().unwrap();
     let first = with_steps(6, on("rz-0", "rz-1"));
-    cluster.yatt_train(config, &borrow(&first), full.path(), Duration::from_secs(90));
+    cluster.yatt_train(
+        config,
+        &borrow(&first),
+        full.path(),
+        Duration::from_secs(90),
+    );
     let part = tempfile::tempdir().unwrap();
     let interrupted = with_steps(3, on("rz-0", "rz-1"));
-    cluster.yatt_train(config, &borrow(&interrupted), part.path(), Duration::from_secs(90));
+    cluster.yatt_train(
+        config,
+        &borrow(&interrupted),
+        part.path(),
+        Duration::from_secs(90),
+    );
     // The same run, continued with its rollout, policy and reference on other nodes.
     let resumed = with_steps(6, on("rz-1", "rz-3"));
     let printed = cluster.yatt_resume(part.path(), &borrow(&resumed), Duration::from_secs(90));
@@ -239,7 +249,10 @@ fn a_disaggregated_run_resumes_on_other_nodes_with_the_uninterrupted_metrics() {
     };
     let (a, b) = (lines(full.path()), lines(part.path()));
     assert_eq!(a.len(), 6);
-    assert_eq!(a, b, "a resumed disaggregated run differs from the uninterrupted one");
+    assert_eq!(
+        a, b,
+        "a resumed disaggregated run differs from the uninterrupted one"
+    );
     assert_roles_released(&cluster);
 }
 
@@ -273,21 +286,39 @@ fn losing_the_leader_then_the_rollout_and_reward_nodes_mid_run_changes_nothing()
         let reached = yatt_integration_tests::poll(Duration::from_secs(60), || {
             (steps_done(out.path()) >= after).then_some(())
         });
-        assert!(reached.is_some(), "the run did not reach step {after}:\n{}", cluster_logs(&cluster));
+        assert!(
+            reached.is_some(),
+            "the run did not reach step {after}:\n{}",
+            cluster_logs(&cluster)
+        );
         cluster.nodes[victim].kill9();
     }
     let status = train.wait(Duration::from_secs(120));
     let printed = train.printed();
-    assert!(status.is_some_and(|s| s.success()), "{status:?}\n{printed}\n{}", cluster_logs(&cluster));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{printed}\n{}",
+        cluster_logs(&cluster)
+    );
     let text = std::fs::read_to_string(out.path().join("metrics.jsonl")).unwrap();
     let recovered: Vec<f64> = text
         .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["recovery/respawned_roles"].as_f64())
+        .filter_map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).ok()?["recovery/respawned_roles"].as_f64()
+        })
         .collect();
     // The leader held no role; then the rollout went to ls-2, and killing ls-2 took the
     // reward and that rollout, both respawned on ls-1.
-    assert_eq!(recovered, [1.0, 2.0], "roles respawned after each kill:\n{printed}");
-    assert_eq!(run_trajectory(quiet.path()), run_trajectory(out.path()), "the disturbed run's trajectory differs");
+    assert_eq!(
+        recovered,
+        [1.0, 2.0],
+        "roles respawned after each kill:\n{printed}"
+    );
+    assert_eq!(
+        run_trajectory(quiet.path()),
+        run_trajectory(out.path()),
+        "the disturbed run's trajectory differs"
+    );
     let step_s = |recovered: bool| -> Vec<f64> {
         text.lines()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
@@ -327,7 +358,9 @@ fn a_node_refuses_to_write_a_checkpoint_outside_its_data_directory() {
     let (ok, printed) = cluster.try_yatt_train(config, &sets, out.path(), Duration::from_secs(60));
     assert!(!ok, "{printed}");
     assert!(
-        printed.contains("outside") && printed.contains("data directory") && printed.contains("--data-dir"),
+        printed.contains("outside")
+            && printed.contains("data directory")
+            && printed.contains("--data-dir"),
         "{printed}"
     );
     assert!(!std::fs::read_dir(out.path().join("checkpoint"))

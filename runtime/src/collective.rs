@@ -335,7 +335,10 @@ impl RingMember {
                 dropped += 1;
             }
             if dropped > 0 {
-                tracing::debug!(dropped, "joining a ring: dropped chunks of an abandoned round");
+                tracing::debug!(
+                    dropped,
+                    "joining a ring: dropped chunks of an abandoned round"
+                );
             }
         }
         self.spec = Some(spec);

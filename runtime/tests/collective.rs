@@ -213,7 +213,11 @@ async fn a_rebuilt_ring_retries_the_same_round_without_the_lost_members_chunks()
     }
     let inputs = vec![vec![2.0f32; 8], vec![4.0; 8]];
     for got in all_reduce(&mut members, &inputs, 3).await {
-        assert_eq!(got, vec![3.0; 8], "the lost member's chunks were averaged in");
+        assert_eq!(
+            got,
+            vec![3.0; 8],
+            "the lost member's chunks were averaged in"
+        );
     }
     n.shutdown().await;
 }

@@ -163,7 +163,10 @@ async fn run(args: RunArgs, roles: Roles) -> Result<(), DaemonError> {
         "node.ready_file",
         args.ready_file.map(|p| p.display().to_string()),
     );
-    flag("node.data_dir", args.data_dir.map(|p| p.display().to_string()));
+    flag(
+        "node.data_dir",
+        args.data_dir.map(|p| p.display().to_string()),
+    );
     let cfg = crate::node_config::load(args.config.as_deref(), &flags)
         .map_err(|e| DaemonError::Refused(e.to_string()))?;
 

@@ -6,12 +6,12 @@ use yatt_metrics::{RunWriter, WriteError};
 use yatt_runtime::Node;
 
 use crate::build::embedded::{build_embedded_with, CustomRoles};
+use crate::build::respawn::respawn_lost_roles;
 use crate::checkpoint::{check_same_run, recover, save, RunState, JOB_FILE};
 use crate::config::modes::PlacementMode;
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::step_data_parallel;
-use crate::build::respawn::respawn_lost_roles;
 use crate::controller::report::{average_heads, ControllerState, StepMetrics};
 use crate::error::JobError;
 use crate::live::state::LivePlacement;
@@ -257,8 +257,10 @@ async fn step_surviving_node_loss(
             Ok(()) => {
                 let mut m = done.expect("one step reports its metrics");
                 if respawned > 0 {
-                    m.values.insert(names::STEP_S.into(), t.elapsed().as_secs_f64());
-                    m.values.insert(names::RECOVERY_RESPAWNED.into(), respawned as f64);
+                    m.values
+                        .insert(names::STEP_S.into(), t.elapsed().as_secs_f64());
+                    m.values
+                        .insert(names::RECOVERY_RESPAWNED.into(), respawned as f64);
                 }
                 return Ok(m);
             }

@@ -118,7 +118,6 @@ async fn the_demo_learns_at_staleness_1_and_2() {
     }
 }
 
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_steps_then_resume_then_four_equal_eight_at_staleness_1() {
     let whole = tempfile::tempdir().unwrap();
@@ -145,7 +144,12 @@ async fn four_steps_then_resume_then_four_equal_eight_at_staleness_1() {
     assert_eq!(a.len(), 8);
     assert_eq!(b.len(), 8);
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        assert_eq!(common::deterministic_metrics(x), common::deterministic_metrics(y), "step {}", i + 1);
+        assert_eq!(
+            common::deterministic_metrics(x),
+            common::deterministic_metrics(y),
+            "step {}",
+            i + 1
+        );
     }
 }
 

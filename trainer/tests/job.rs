@@ -192,7 +192,10 @@ async fn a_call_past_its_configured_deadline_fails_the_step_and_names_the_checkp
     let first = demo(out.path(), &["job.steps=2"]);
     common::train_job(&first, false).await.unwrap();
     let tight = demo(out.path(), &["job.steps=4", "timeouts.generate_s=1e-6"]);
-    let err = common::train_job(&tight, true).await.unwrap_err().to_string();
+    let err = common::train_job(&tight, true)
+        .await
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("step 3") && err.contains("rollout") && err.contains("no reply"),
         "{err}"
@@ -201,12 +204,22 @@ async fn a_call_past_its_configured_deadline_fails_the_step_and_names_the_checkp
         err.contains("last checkpoint is at step 2") && err.contains("--resume"),
         "{err}"
     );
-    assert_eq!(metrics_lines(out.path()), 2, "nothing after the failed step is recorded");
+    assert_eq!(
+        metrics_lines(out.path()),
+        2,
+        "nothing after the failed step is recorded"
+    );
     // A run that saved nothing says so, and how to make it save.
     let fresh = tempfile::tempdir().unwrap();
     let none = demo(fresh.path(), &["job.steps=2", "timeouts.generate_s=1e-6"]);
-    let err = common::train_job(&none, false).await.unwrap_err().to_string();
-    assert!(err.contains("no checkpoint was saved") && err.contains("checkpoint.every"), "{err}");
+    let err = common::train_job(&none, false)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("no checkpoint was saved") && err.contains("checkpoint.every"),
+        "{err}"
+    );
     // Deadlines must be positive.
     let err = common::load_demo(out.path(), &["timeouts.train_s=0".to_string()]).unwrap_err();
     assert!(err.to_string().contains("timeouts.train_s"), "{err}");
@@ -221,10 +234,20 @@ async fn a_cosine_run_cannot_resume_with_another_step_total() {
     let first = demo(out.path(), &[&["job.steps=1"][..], &cosine].concat());
     common::train_job(&first, false).await.unwrap();
     let longer = demo(out.path(), &[&["job.steps=2"][..], &cosine].concat());
-    let e = common::train_job(&longer, true).await.unwrap_err().to_string();
-    assert!(e.contains("job.steps (run: 1, this job: 2; optim.schedule"), "{e}");
+    let e = common::train_job(&longer, true)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("job.steps (run: 1, this job: 2; optim.schedule"),
+        "{e}"
+    );
     // With a constant schedule the total may change.
     let out = tempfile::tempdir().unwrap();
-    common::train_job(&demo(out.path(), &["job.steps=1"]), false).await.unwrap();
-    common::train_job(&demo(out.path(), &["job.steps=2"]), true).await.unwrap();
+    common::train_job(&demo(out.path(), &["job.steps=1"]), false)
+        .await
+        .unwrap();
+    common::train_job(&demo(out.path(), &["job.steps=2"]), true)
+        .await
+        .unwrap();
 }

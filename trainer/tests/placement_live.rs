@@ -298,7 +298,11 @@ async fn a_live_placement_run_resumes_as_if_it_had_not_stopped() {
         let job = JobConfig::load(config, &sets).unwrap();
         async move {
             let certs = tempfile::tempdir().unwrap();
-            let node = Node::builder("live-r").dev_certs(certs.path()).start().await.unwrap();
+            let node = Node::builder("live-r")
+                .dev_certs(certs.path())
+                .start()
+                .await
+                .unwrap();
             let options = TrainOptions {
                 resume,
                 ..Default::default()
@@ -327,5 +331,8 @@ async fn a_live_placement_run_resumes_as_if_it_had_not_stopped() {
     assert_eq!(resumed.steps, 6);
     let (a, b) = (metrics(full.path()), metrics(part.path()));
     assert_eq!(a.len(), 6);
-    assert_eq!(a, b, "a resumed live-placement run differs from the uninterrupted one");
+    assert_eq!(
+        a, b,
+        "a resumed live-placement run differs from the uninterrupted one"
+    );
 }

@@ -76,8 +76,8 @@ fn assert_same(off: &[StepMetrics], on: &[StepMetrics], what: &str) {
                 .get(k)
                 .unwrap_or_else(|| panic!("{what}: step 1 lacks {k}"));
             // An absolute floor for metrics near zero (the log-prob gap is ~1e-7 there).
-            let close = x.to_bits() == y.to_bits()
-                || (x - y).abs() <= 1e-4 * x.abs().max(y.abs()) + 1e-6;
+            let close =
+                x.to_bits() == y.to_bits() || (x - y).abs() <= 1e-4 * x.abs().max(y.abs()) + 1e-6;
             assert!(
                 timing(k) || close,
                 "{what}: step 1's {k} differs: {x} vs {y}"

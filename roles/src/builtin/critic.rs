@@ -257,7 +257,11 @@ impl Role for CriticRole {
             }
             CriticRequest::Train(samples) => self.train(samples).map(CriticResponse::Trained),
             CriticRequest::SaveCheckpoint(dir) => {
-                super::write_root::check_under(self.write_root.as_deref(), &dir, "the critic's checkpoint")?;
+                super::write_root::check_under(
+                    self.write_root.as_deref(),
+                    &dir,
+                    "the critic's checkpoint",
+                )?;
                 self.trainer.save_checkpoint(&dir, None).map_err(|e| {
                     RoleError::Failed(format!(
                         "saving the critic checkpoint to {}: {e}",

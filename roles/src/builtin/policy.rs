@@ -921,7 +921,11 @@ impl Role for PolicyRole {
                 self.import_state(state).map(|_| PolicyResponse::Imported)
             }
             PolicyRequest::SaveCheckpoint(dir) => {
-                super::write_root::check_under(self.write_root.as_deref(), &dir, "the policy's checkpoint")?;
+                super::write_root::check_under(
+                    self.write_root.as_deref(),
+                    &dir,
+                    "the policy's checkpoint",
+                )?;
                 let tokenizer = self.config.tokenizer_dir.as_deref();
                 self.trainer.save_checkpoint(&dir, tokenizer).map_err(|e| {
                     RoleError::Failed(format!("saving a checkpoint to {}: {e}", dir.display()))

@@ -150,9 +150,7 @@ impl NodeBuilder {
             host_id.clone(),
             config.transport.clone(),
         )?;
-        let mut addr = config
-            .advertise
-            .unwrap_or_else(|| transport.local_addr());
+        let mut addr = config.advertise.unwrap_or_else(|| transport.local_addr());
         if addr.ip().is_unspecified() {
             addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
         }

@@ -23,8 +23,8 @@ use crate::build::parts::{
     critic_role, env_settings, policy_ring, policy_role, policy_role_from, reference_role,
     rollout_role_with_envs,
 };
-use crate::checkpoint::{load_trainer, restore_controllers};
 use crate::build::reward::reward_role;
+use crate::checkpoint::{load_trainer, restore_controllers};
 use crate::config::checks::invalid;
 use crate::config::modes::{PlacementMode, Task};
 use crate::config::sections::JobConfig;
@@ -98,7 +98,8 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
                     let (model, _, pad_id) = model_here(job)?;
                     let role = match checkpoint {
                         Some(dir) => {
-                            let trainer = load_trainer(&dir, "policy", model.device(), model.kind())?;
+                            let trainer =
+                                load_trainer(&dir, "policy", model.device(), model.kind())?;
                             policy_role_from(job, trainer, pad_id)?
                         }
                         None => policy_role(job, model, pad_id)?,
@@ -325,7 +326,13 @@ pub(crate) async fn build_cluster_from(
     )?;
     // A resumed reference stays the initial model (it is rebuilt from model.source).
     let fresh_reference = checkpoint.is_none().then_some(&reference);
-    initial_weight_sync(&policies, &rollouts, fresh_reference, job_timeouts(job).sync).await?;
+    initial_weight_sync(
+        &policies,
+        &rollouts,
+        fresh_reference,
+        job_timeouts(job).sync,
+    )
+    .await?;
     let shared = RoleRefs {
         rollout: rollouts[0].clone(),
         extra_rollouts: Vec::new(),

@@ -38,7 +38,11 @@ pub(crate) struct Hosting {
 
 impl Hosting {
     /// `ids`: the job's role actors; `lost`: those gone.
-    pub(crate) fn new(node: &Node, ids: &[(ActorId, &'static str)], lost: &BTreeSet<ActorId>) -> Self {
+    pub(crate) fn new(
+        node: &Node,
+        ids: &[(ActorId, &'static str)],
+        lost: &BTreeSet<ActorId>,
+    ) -> Self {
         let mut load: BTreeMap<String, usize> = BTreeMap::new();
         let mut replicas_on = BTreeSet::new();
         for (id, role) in ids.iter().filter(|(id, _)| !lost.contains(id)) {
@@ -91,7 +95,9 @@ impl Hosting {
             .ok_or_else(|| {
                 let gone: BTreeSet<&str> = lost.iter().map(|id| id.name.node.as_str()).collect();
                 JobError::Recovery {
-                    what: format!("no surviving node can host the roles lost with node(s) {gone:?}"),
+                    what: format!(
+                        "no surviving node can host the roles lost with node(s) {gone:?}"
+                    ),
                     fix: format!("start a yatt-node that joins the cluster, then {RESUME}"),
                 }
             })?;
@@ -121,9 +127,15 @@ pub(crate) async fn replace_lost_replicas(
         return Ok(Vec::new());
     }
     let Some(src) = (0..controllers.len()).find(|i| !heads.contains(i)) else {
-        let gone: Vec<String> = controllers.iter().map(|c| c.roles.policy.id().to_string()).collect();
+        let gone: Vec<String> = controllers
+            .iter()
+            .map(|c| c.roles.policy.id().to_string())
+            .collect();
         return Err(JobError::Recovery {
-            what: format!("every policy replica was lost ({}): no surviving replica holds the trainer state", gone.join(", ")),
+            what: format!(
+                "every policy replica was lost ({}): no surviving replica holds the trainer state",
+                gone.join(", ")
+            ),
             fix: RESUME.into(),
         });
     };
@@ -173,7 +185,11 @@ pub(crate) async fn import_state(
     }
 }
 
-async fn ask(p: &PolicyRef, request: PolicyRequest, t: Duration) -> Result<PolicyResponse, JobError> {
+async fn ask(
+    p: &PolicyRef,
+    request: PolicyRequest,
+    t: Duration,
+) -> Result<PolicyResponse, JobError> {
     match p.ask(RoleRequest::Serve(request), t).await {
         Ok(RoleResponse::Served(r)) => Ok(r),
         Ok(other) => Err(JobError::Placement {
@@ -211,5 +227,7 @@ fn state_step(state: &TrainerState) -> Result<u64, JobError> {
         .find(|(n, _)| n == "trainer_state.json")
         .ok_or_else(|| bad("it has no trainer_state.json".into()))?;
     let v: serde_json::Value = serde_json::from_slice(json).map_err(|e| bad(e.to_string()))?;
-    v["step"].as_u64().ok_or_else(|| bad("trainer_state.json has no step".into()))
+    v["step"]
+        .as_u64()
+        .ok_or_else(|| bad("trainer_state.json has no step".into()))
 }

@@ -86,7 +86,10 @@ const RECOVERY_TRIES: usize = 5;
 fn met_a_loss(e: &JobError) -> bool {
     match e {
         JobError::Controller(c) => {
-            matches!(c.as_ref(), ControllerError::Call { .. } | ControllerError::Spawn { .. })
+            matches!(
+                c.as_ref(),
+                ControllerError::Call { .. } | ControllerError::Spawn { .. }
+            )
         }
         _ => false,
     }

@@ -71,7 +71,12 @@ impl JobConfig {
             ("timeouts.sync_s", t.sync_s),
         ] {
             if !(v.is_finite() && v > 0.0) {
-                return Err(invalid(key, "a positive number of seconds", &v.to_string(), "e.g. 600; a call past it fails the step instead of hanging"));
+                return Err(invalid(
+                    key,
+                    "a positive number of seconds",
+                    &v.to_string(),
+                    "e.g. 600; a call past it fails the step instead of hanging",
+                ));
             }
         }
         positive(

@@ -65,7 +65,10 @@ pub(crate) fn average_heads(reports: &[StepReport]) -> StepMetrics {
             .map(|(k, (s, n))| (k, s / n as f64))
             .collect(),
     };
-    let trained: usize = reports.iter().map(|r| r.ledger.samples - r.ledger.dropped).sum();
+    let trained: usize = reports
+        .iter()
+        .map(|r| r.ledger.samples - r.ledger.dropped)
+        .sum();
     m.set(yatt_metrics::names::LEDGER_TRAINED, trained as f64);
     m
 }

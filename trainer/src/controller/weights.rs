@@ -139,12 +139,17 @@ impl Controller {
             return own;
         }
         for peer in &self.peer_policies {
-            match self.serve(peer, request(peer.is_local()), stage, "policy", t).await {
+            match self
+                .serve(peer, request(peer.is_local()), stage, "policy", t)
+                .await
+            {
                 Ok(answer) => {
                     tracing::warn!(step = self.step, stage, replica = %self.roles.policy.id(), from = %peer.id(), "policy replica lost; a peer replica answered for it");
                     return Ok(answer);
                 }
-                Err(e) => tracing::warn!(peer = %peer.id(), error = %e, "peer replica did not answer either"),
+                Err(e) => {
+                    tracing::warn!(peer = %peer.id(), error = %e, "peer replica did not answer either")
+                }
             }
         }
         own

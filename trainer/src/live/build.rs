@@ -17,10 +17,10 @@ use yatt_runtime::Node;
 use yatt_runtime::NodeInfo;
 
 use crate::build::cluster::{job_text, wait_for_nodes};
-use crate::checkpoint::restore_controllers;
 use crate::build::devices::role_group;
 use crate::build::parts::base_model;
 use crate::build::reward::spawn_reward;
+use crate::checkpoint::restore_controllers;
 use crate::config::checks::invalid;
 use crate::config::modes::{KlMode, PlacementMode};
 use crate::config::sections::JobConfig;
@@ -179,9 +179,9 @@ impl LivePlacement {
             .truncate(checkpoint.is_none())
             .open(&log_path)
             .map_err(|source| JobError::Write {
-            path: log_path.clone(),
-            source,
-        })?;
+                path: log_path.clone(),
+                source,
+            })?;
         let mut live = LivePlacement {
             job: job.clone(),
             node: node.clone(),
@@ -366,12 +366,20 @@ pub(crate) async fn shared_roles(
             sent.job.policy_replicas = heads;
             let text = job_text(&sent)?;
             let shared = Shared {
-                reward: crate::build::cluster::spawn(job, &text, node, "reward", &p.reward, None).await?,
+                reward: crate::build::cluster::spawn(job, &text, node, "reward", &p.reward, None)
+                    .await?,
                 reference: match with_reference {
                     false => None,
                     true => Some(
-                        crate::build::cluster::spawn(job, &text, node, "reference", &p.reference, None)
-                            .await?,
+                        crate::build::cluster::spawn(
+                            job,
+                            &text,
+                            node,
+                            "reference",
+                            &p.reference,
+                            None,
+                        )
+                        .await?,
                     ),
                 },
             };

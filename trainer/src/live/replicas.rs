@@ -93,16 +93,23 @@ impl LivePlacement {
             Hosts::Embedded {
                 template, pad_id, ..
             } => {
-                let (dev, kind) = (self.device_group(g).torch_device(), self.job.model.dtype.kind());
+                let (dev, kind) = (
+                    self.device_group(g).torch_device(),
+                    self.job.model.dtype.kind(),
+                );
                 let trainer = match &checkpoint {
                     Some(dir) => load_trainer(dir, "policy", dev, kind)?,
-                    None => policy_trainer(&self.job, template.deep_copy(dev, kind).map_err(me(&self.job))?)?,
+                    None => policy_trainer(
+                        &self.job,
+                        template.deep_copy(dev, kind).map_err(me(&self.job))?,
+                    )?,
                 };
                 let role = policy_role_from(&self.job, trainer, *pad_id)?;
                 self.spawn_here(g, role).await?
             }
             Hosts::Cluster { text } => {
-                self.spawn_there(g, text, "policy", checkpoint.as_deref()).await?
+                self.spawn_there(g, text, "policy", checkpoint.as_deref())
+                    .await?
             }
         };
         if let Some(src) = from {
