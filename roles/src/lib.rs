@@ -64,6 +64,11 @@ pub use algo::{
     PolicyLossConfig, PolicyLossKind, PolicyLossStats, ReinforcePpConfig, ValueLossConfig,
     ValueLossStats,
 };
+// CAPO-style step credit.
+pub use algo::{
+    apply_step_credit, numbered_steps, step_spans, step_token_ends, vote_steps,
+    StepCreditConfig, StepCreditOutcome, StepVote,
+};
 
 // Rewards.
 pub use reward::{

@@ -102,10 +102,16 @@ pub struct Sample {
     pub returns: Option<Vec<f32>>,
     /// Per-step (process) rewards in `[0, 1]`, one per reasoning step the reward judged
     /// (reward stage, when the reward gives them: an LLM judge's `Step k: s` lines).
-    /// Kept for process-reward advantage estimators (CAPO-style); the controller
-    /// reports their mean as `reward/step_scores/mean`.
+    /// With `[algorithm.step_credit]` they lower the advantages of failed steps'
+    /// tokens (CAPO-style); the controller reports their mean as
+    /// `reward/step_scores/mean`.
     #[serde(default)]
     pub step_rewards: Option<Vec<f32>>,
+    /// Where each reasoning step of the response ends, in response tokens (exclusive),
+    /// set by the rollout when step credit is on ([`crate::step_token_ends`]): the
+    /// tokens a step verdict in `step_rewards` applies to.
+    #[serde(default)]
+    pub step_ends: Option<Vec<u32>>,
     /// Per response token: 1 for the model's own tokens, 0 for tokens an environment
     /// inserted (observations, tool results, the chat template around them). `None`:
     /// every token is the model's. Losses, advantages and statistics count only the 1s.
@@ -224,6 +230,7 @@ impl Sample {
             advantages: None,
             returns: None,
             step_rewards: None,
+            step_ends: None,
             loss_mask: None,
             episode: None,
         }

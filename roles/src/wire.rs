@@ -575,6 +575,7 @@ mod tests {
             advantages: None,
             returns: None,
             step_rewards: None,
+            step_ends: None,
             loss_mask: None,
             episode: None,
         }

@@ -51,6 +51,14 @@ pub enum AlgoError {
         /// The valid range / why it is rejected.
         reason: &'static str,
     },
+    /// A response's step ends are not increasing or run past its tokens.
+    #[error("step ends {ends:?} do not fit a response of {tokens} tokens; they must rise and end at most at its length")]
+    StepEnds {
+        /// The step ends passed.
+        ends: Vec<u32>,
+        /// The response's tokens.
+        tokens: usize,
+    },
     /// Two per-sample slices disagree in length.
     #[error("{what}: {a} vs {b} entries; both must have one entry per sample")]
     Length {

@@ -20,6 +20,7 @@
 //! | [`policy_loss`] | GSPO (sequence ratio), CISPO (clipped IS weight), and the match over [`PolicyLossKind`] |
 //! | [`off_policy`] | decoupled PPO and truncated IS weights for samples of older weights |
 //! | [`dapo`] | DAPO dynamic-sampling filter and overlong penalty |
+//! | [`step_credit`] | CAPO-style step credit: a judge's step verdicts as token credit |
 
 pub mod advantage;
 pub(crate) mod checks;
@@ -31,6 +32,7 @@ pub mod kl;
 pub mod loss;
 pub mod off_policy;
 pub mod policy_loss;
+pub mod step_credit;
 
 pub use advantage::{
     gae_advantage, grpo_advantage, reinforce_pp_advantage, rloo_advantage, token_level_rewards,
@@ -49,6 +51,10 @@ pub use off_policy::{
     behaviour_weights, off_policy_stats, BehaviourCorrection, OffPolicyConfig, OffPolicyStats,
 };
 pub use policy_loss::{cispo_policy_loss, gspo_policy_loss, policy_loss};
+pub use step_credit::{
+    apply_step_credit, numbered_steps, step_spans, step_token_ends, vote_steps,
+    StepCreditConfig, StepCreditOutcome, StepVote,
+};
 
 #[cfg(test)]
 mod tests;

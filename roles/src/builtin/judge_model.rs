@@ -23,7 +23,8 @@ use yatt_engine::{Generator, Request, SamplingParams};
 use super::reward_model::ModelScorer;
 use crate::builtin::rollout::TextCodec;
 use crate::builtin::scoring::model_bytes;
-use crate::reward::judge::{parse_judge_output, JudgeTemplate};
+use crate::algo::{numbered_steps, vote_steps, StepVote};
+use crate::reward::judge::{parse_judge_output, JudgeTemplate, JudgeVerdict};
 use crate::reward::reward_fn::{RewardInput, RewardOutput};
 use crate::role::RoleError;
 
@@ -62,6 +63,19 @@ pub struct JudgeConfig {
     pub out_of: f64,
     /// What the prefilled answer starts with in [`JudgeMode::DigitLogits`].
     pub score_prefix: String,
+    /// With step credit: what ends a step of the response. The judge then reads the
+    /// response as numbered `Step k: …` lines, the steps the rollout marked in tokens.
+    pub step_delimiter: Option<String>,
+    /// Critiques per response ([`JudgeMode::Generate`]): 1 is one greedy verdict; more
+    /// are sampled at `temperature`, their scores averaged and their step verdicts
+    /// combined by `vote`.
+    pub critiques: usize,
+    /// How the critiques' step verdicts are combined.
+    pub vote: StepVote,
+    /// A step scored below this fails (in the votes).
+    pub step_threshold: f32,
+    /// Sampling temperature of the critiques when there are several.
+    pub temperature: f32,
 }
 
 impl Default for JudgeConfig {
@@ -74,6 +88,11 @@ impl Default for JudgeConfig {
             on_unparsed: OnUnparsed::Error,
             out_of: 10.0,
             score_prefix: "Score: ".into(),
+            step_delimiter: None,
+            critiques: 1,
+            vote: StepVote::Majority,
+            step_threshold: 0.5,
+            temperature: 1.0,
         }
     }
 }
@@ -102,6 +121,22 @@ impl JudgeScorer {
             return Err(RoleError::BadRequest(
                 "judge max_tokens must be >= 1 to generate a verdict".into(),
             ));
+        }
+        if config.critiques == 0 {
+            return Err(RoleError::BadRequest(
+                "judge critiques must be >= 1 (1 = one greedy verdict)".into(),
+            ));
+        }
+        if config.critiques > 1 && config.mode == JudgeMode::DigitLogits {
+            return Err(RoleError::BadRequest(
+                "judge critiques > 1 need judge mode \"generate\": the digit mode reads one distribution and has no critique to vote on".into(),
+            ));
+        }
+        if config.critiques > 1 && !(config.temperature > 0.0 && config.temperature.is_finite()) {
+            return Err(RoleError::BadRequest(format!(
+                "judge temperature {} must be > 0 with {} critiques: greedy critiques would all agree",
+                config.temperature, config.critiques
+            )));
         }
         if let OnUnparsed::Fallback(f) = config.on_unparsed {
             if !(0.0..=1.0).contains(&f) {
@@ -140,10 +175,14 @@ impl JudgeScorer {
     /// The judge prompt's tokens for `input` (the prefilled score prefix included in
     /// [`JudgeMode::DigitLogits`]).
     pub fn prompt_tokens(&self, input: &RewardInput) -> Result<Vec<i64>, RoleError> {
+        let response = match &self.config.step_delimiter {
+            Some(d) => numbered_steps(&input.response, d),
+            None => input.response.clone(),
+        };
         let text = self
             .config
             .template
-            .render(&input.prompt, &input.response, &self.config.rubric);
+            .render(&input.prompt, &response, &self.config.rubric);
         let mut t = self.codec.encode_prompt(&text).map_err(|e| {
             RoleError::Failed(format!("judge: cannot encode the judge prompt: {e}"))
         })?;
@@ -159,15 +198,33 @@ impl JudgeScorer {
         Ok(t)
     }
 
-    /// The judge's written verdicts (greedy), one per input.
+    /// The judge's written verdicts, `critiques` per input (input-major): one greedy
+    /// verdict, or several sampled ones, each seeded by its prompt and its number, so the
+    /// same response gets the same critiques.
     pub fn verdict_texts(&mut self, inputs: &[RewardInput]) -> Result<Vec<String>, RoleError> {
-        let mut requests = Vec::with_capacity(inputs.len());
-        for (i, input) in inputs.iter().enumerate() {
-            requests.push(Request {
-                id: i as u64,
-                prompt: self.prompt_tokens(input)?,
-                params: SamplingParams::greedy(self.config.max_tokens),
+        let k = self.config.critiques;
+        let mut requests = Vec::with_capacity(inputs.len() * k);
+        for input in inputs {
+            let prompt = self.prompt_tokens(input)?;
+            let seed = prompt.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| {
+                (h ^ t as u64).wrapping_mul(0x0100_0000_01b3)
             });
+            for c in 0..k {
+                let params = match k {
+                    1 => SamplingParams::greedy(self.config.max_tokens),
+                    _ => SamplingParams {
+                        temperature: self.config.temperature,
+                        max_new_tokens: self.config.max_tokens,
+                        seed: seed.wrapping_add(c as u64),
+                        ..Default::default()
+                    },
+                };
+                requests.push(Request {
+                    id: requests.len() as u64,
+                    prompt: prompt.clone(),
+                    params,
+                });
+            }
         }
         let (done, _) = self
             .generator
@@ -180,6 +237,34 @@ impl JudgeScorer {
                     .map_err(|e| RoleError::Failed(format!("judge: cannot decode its output: {e}")))
             })
             .collect()
+    }
+
+    /// One reward from a response's critiques: the mean of the scores of those that
+    /// have one, and their step verdicts voted step by step. With none scored, the
+    /// first critique's error (or the fallback).
+    pub fn critiques_output(&self, texts: &[String]) -> Result<RewardOutput, RoleError> {
+        if let [one] = texts {
+            return self.verdict_output(one);
+        }
+        let parsed: Vec<JudgeVerdict> = texts
+            .iter()
+            .filter_map(|t| parse_judge_output(t, self.config.out_of).ok())
+            .collect();
+        if parsed.is_empty() {
+            return self.verdict_output(texts.first().map_or("", String::as_str));
+        }
+        let steps: Vec<Vec<f32>> = parsed.iter().map(|v| v.step_scores.clone()).collect();
+        let voted = vote_steps(&steps, self.config.vote, self.config.step_threshold);
+        let score = parsed.iter().map(|v| v.normalized).sum::<f64>() / parsed.len() as f64;
+        Ok(RewardOutput {
+            score,
+            step_scores: (!voted.is_empty()).then_some(voted),
+            explanation: format!(
+                "judge: {} of {} critiques scored, mean {score:.3}",
+                parsed.len(),
+                texts.len()
+            ),
+        })
     }
 
     /// Expected digit after the score prefix, `Σ p(d)·d / 9` in `[0, 1]`, per input.
@@ -259,10 +344,10 @@ impl ModelScorer for JudgeScorer {
             JudgeMode::Generate => {
                 let texts = self.verdict_texts(inputs)?;
                 texts
-                    .iter()
+                    .chunks(self.config.critiques)
                     .enumerate()
                     .map(|(i, t)| {
-                        self.verdict_output(t)
+                        self.critiques_output(t)
                             .map_err(|e| RoleError::Failed(format!("sample {i} of the batch: {e}")))
                     })
                     .collect()
@@ -323,6 +408,65 @@ mod tests {
             .err()
             .unwrap();
         assert!(e.to_string().contains("outside [0, 1]"), "{e}");
+    }
+
+    #[test]
+    fn several_critiques_are_averaged_and_their_steps_voted() {
+        let mut j = judge(JudgeMode::Generate, OnUnparsed::Error).unwrap();
+        j.config.critiques = 3;
+        let texts = [
+            "Step 1: 1\nStep 2: 0\nScore: 6/10",
+            "Step 1: 1\nStep 2: 0.2\nStep 3: 0\nScore: 8/10",
+            "no verdict at all",
+        ]
+        .map(String::from);
+        let out = j.critiques_output(&texts).unwrap();
+        assert!((out.score - 0.7).abs() < 1e-12, "{}", out.score);
+        // Step 2 failed by both critiques that scored; step 3 by the one that reached it.
+        assert_eq!(out.step_scores, Some(vec![1.0, 0.0, 0.0]));
+        j.config.vote = StepVote::Intersection;
+        let texts = [
+            "Step 1: 0\nScore: 1/10",
+            "Step 1: 1\nScore: 1/10",
+        ]
+        .map(String::from);
+        assert_eq!(j.critiques_output(&texts).unwrap().step_scores, Some(vec![1.0]));
+        let none = ["hmm", "no"].map(String::from);
+        let e = j.critiques_output(&none).unwrap_err().to_string();
+        assert!(e.contains("hmm"), "{e}");
+        // The judge generates every critique: sampled, seeded by the prompt.
+        j.config.temperature = 1.0;
+        let inputs = vec![RewardInput {
+            prompt: "q".into(),
+            response: "ab".into(),
+            ..Default::default()
+        }];
+        let a = j.verdict_texts(&inputs).unwrap();
+        assert_eq!(a.len(), 3);
+        assert_eq!(a, j.verdict_texts(&inputs).unwrap(), "the same response, the same critiques");
+    }
+
+    #[test]
+    fn with_steps_the_judge_reads_them_numbered() {
+        let mut j = judge(JudgeMode::Generate, OnUnparsed::Error).unwrap();
+        j.config.template = JudgeTemplate::new("{response}").unwrap();
+        j.config.step_delimiter = Some("\n".into());
+        let input = RewardInput {
+            response: "a\n\nb".into(),
+            ..Default::default()
+        };
+        let want = TINY_CODEC.encode_prompt("Step 1: a\nStep 2: b").unwrap();
+        assert_eq!(j.prompt_tokens(&input).unwrap(), want);
+        // Several critiques need something to vote on, and sampling.
+        let m = Llama::random(tiny_config(), Device::Cpu, Kind::Float, 2).unwrap();
+        let g = Generator::new(m, GeneratorConfig::default());
+        let config = JudgeConfig {
+            mode: JudgeMode::DigitLogits,
+            critiques: 2,
+            ..Default::default()
+        };
+        let e = JudgeScorer::new(g, Arc::new(TINY_CODEC), config, 0).err().unwrap();
+        assert!(e.to_string().contains("generate"), "{e}");
     }
 
     /// A rule-based stand-in for a judge's per-step verdicts, to follow step scores

@@ -20,6 +20,7 @@ use crate::builtin::scoring::{bucket_tensors, check_device, model_bytes, weights
 use crate::data::prompt::Prompt;
 use crate::env::EnvSettings;
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
+use crate::algo::step_token_ends;
 use crate::sample::{Finish, Sample, SampleId};
 
 /// Turns prompt text into token ids and response ids into text.
@@ -299,6 +300,9 @@ pub struct RolloutRole {
     deferred: Vec<WeightsUpdate>,
     /// With an environment, every sample is a multi-turn episode.
     env: Option<EnvSettings>,
+    /// With step credit on: what ends a reasoning step, so each sample says where its
+    /// steps end in tokens.
+    step_delimiter: Option<String>,
 }
 
 impl RolloutRole {
@@ -312,7 +316,16 @@ impl RolloutRole {
             offloaded_from: None,
             deferred: Vec::new(),
             env: None,
+            step_delimiter: None,
         }
+    }
+
+    /// Marks where each reasoning step of every response ends (`Sample::step_ends`), a
+    /// step ending after each `delimiter` (see [`crate::step_spans`]): step credit
+    /// needs the tokens each step verdict is about.
+    pub fn with_step_delimiter(mut self, delimiter: impl Into<String>) -> Self {
+        self.step_delimiter = Some(delimiter.into());
+        self
     }
 
     /// Makes every sample a multi-turn episode with an environment of `env` (see
@@ -324,6 +337,14 @@ impl RolloutRole {
         }
         self.env = Some(env);
         self
+    }
+
+    /// How this replica turns response tokens into text (and step ends).
+    pub(crate) fn text_of(&self) -> ResponseText<'_> {
+        ResponseText {
+            codec: &*self.codec,
+            step_delimiter: self.step_delimiter.as_deref(),
+        }
     }
 
     /// The engine requests of `req`, with each one's sample id and prompt index, and
@@ -392,7 +413,7 @@ impl RolloutRole {
         // `generate` answers in request order: (prompt, k).
         let samples = completions
             .into_iter()
-            .map(|c| sample_of(&*self.codec, self.version, &req, &plan, c, &mut stats))
+            .map(|c| sample_of(self.text_of(), self.version, &req, &plan, c, &mut stats))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(RolloutResponse::Generated { samples, stats })
     }
@@ -424,12 +445,17 @@ impl RolloutRole {
             ..Default::default()
         };
         let (mut sent, mut failed) = (0usize, None);
-        let (codec, version) = (self.codec.clone(), self.version);
+        let (codec, delimiter, version) =
+            (self.codec.clone(), self.step_delimiter.clone(), self.version);
+        let text_of = ResponseText {
+            codec: &*codec,
+            step_delimiter: delimiter.as_deref(),
+        };
         let r = self.generator.generate_with(&plan.requests, |c| {
             if failed.is_some() {
                 return;
             }
-            match sample_of(&*codec, version, &req, &plan, c, &mut stats) {
+            match sample_of(text_of, version, &req, &plan, c, &mut stats) {
                 // Blocks while the channel is full: the consumer sets the pace.
                 Ok(s) => match sink.0.blocking_send(s) {
                     Ok(()) => sent += 1,
@@ -506,9 +532,10 @@ impl RolloutRole {
             s.response_tokens.extend(c.tokens);
             s.rollout_logprobs.extend(c.logprobs);
             s.finish = Finish::from(c.finish);
-            s.response_text = self.codec.decode(&s.response_tokens).map_err(|e| {
-                RoleError::Failed(format!("{}: cannot decode the response: {e}", s.id))
-            })?;
+            (s.response_text, s.step_ends) =
+                self.text_of().of(&s.response_tokens).map_err(|e| {
+                    RoleError::Failed(format!("{}: cannot decode the response: {e}", s.id))
+                })?;
             if self.version != s.weights_version {
                 s.weights_version_last = Some(self.version);
             }
@@ -548,9 +575,35 @@ struct Planned {
     encoded: Vec<Vec<i64>>,
 }
 
+/// Turns response tokens into the response's text and, with a step delimiter, where
+/// each of its steps ends in tokens.
+#[derive(Clone, Copy)]
+pub(crate) struct ResponseText<'a> {
+    pub(crate) codec: &'a dyn TextCodec,
+    pub(crate) step_delimiter: Option<&'a str>,
+}
+
+impl ResponseText<'_> {
+    pub(crate) fn of(&self, tokens: &[i64]) -> Result<(String, Option<Vec<u32>>), String> {
+        let text = self.codec.decode(tokens)?;
+        let ends = match self.step_delimiter {
+            None => None,
+            Some(d) => {
+                // Each token's own text: where the steps end in tokens.
+                let pieces = tokens
+                    .iter()
+                    .map(|t| self.codec.decode(std::slice::from_ref(t)))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Some(step_token_ends(&pieces, d))
+            }
+        };
+        Ok((text, ends))
+    }
+}
+
 /// The sample of one completion (and its counters into `stats`).
 fn sample_of(
-    codec: &dyn TextCodec,
+    text_of: ResponseText,
     version: u64,
     req: &GenerateRequest,
     plan: &Planned,
@@ -561,8 +614,8 @@ fn sample_of(
         RoleError::Failed(format!("the generator answered unknown request {}", c.id))
     })?;
     let prompt = &req.prompts[pi];
-    let response_text = codec
-        .decode(&c.tokens)
+    let (response_text, step_ends) = text_of
+        .of(&c.tokens)
         .map_err(|e| RoleError::Failed(format!("{id}: cannot decode the response: {e}")))?;
     stats.prompt_tokens += plan.encoded[pi].len();
     stats.response_tokens += c.tokens.len();
@@ -573,6 +626,7 @@ fn sample_of(
         finish: Finish::from(c.finish),
         prompt_text: prompt.text.clone(),
         response_text,
+        step_ends,
         reference: prompt.reference.clone(),
         metadata: prompt.metadata.clone(),
         weights_version: version,

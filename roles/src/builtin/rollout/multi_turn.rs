@@ -251,9 +251,9 @@ impl RolloutRole {
     fn episode_sample(&self, req: &GenerateRequest, r: Running) -> Result<Sample, RoleError> {
         let prompt = &req.prompts[r.prompt];
         let (tokens, logprobs, mask, info) = r.episode.into_parts();
-        let response_text = self
-            .codec
-            .decode(&tokens)
+        let (response_text, step_ends) = self
+            .text_of()
+            .of(&tokens)
             .map_err(|e| RoleError::Failed(format!("{}: cannot decode the response: {e}", r.id)))?;
         Ok(Sample {
             prompt_tokens: r.prompt_tokens,
@@ -262,6 +262,7 @@ impl RolloutRole {
             finish: r.finish,
             prompt_text: prompt.text.clone(),
             response_text,
+            step_ends,
             reference: prompt.reference.clone(),
             metadata: prompt.metadata.clone(),
             weights_version: self.version,
