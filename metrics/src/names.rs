@@ -74,6 +74,17 @@ pub const VPRED_MEAN: &str = "critic/vpred_mean";
 pub const CRITIC_GRAD_NORM: &str = "critic/grad_norm";
 /// Mean per-step score of process rewards.
 pub const STEP_SCORES_MEAN: &str = "reward/step_scores/mean";
+/// Step credit: failed steps per judged response.
+pub const STEP_CREDIT_FAILED_STEPS: &str = "step_credit/failed_steps_mean";
+/// Step credit: steps per judged response.
+pub const STEP_CREDIT_STEPS: &str = "step_credit/steps_mean";
+/// Step credit: share of the step's response tokens whose advantage was lowered.
+pub const STEP_CREDIT_PENALISED_SHARE: &str = "step_credit/penalised_token_share";
+/// Step credit: responses whose verdicts numbered other steps than the response has
+/// (no credit applied to them).
+pub const STEP_CREDIT_MISMATCHED: &str = "step_credit/mismatched";
+/// Step credit: responses with steps but no step verdicts (the reward gave none).
+pub const STEP_CREDIT_UNJUDGED: &str = "step_credit/unjudged";
 
 /// KL to the reference, nats per token.
 pub const KL: &str = "actor/kl";

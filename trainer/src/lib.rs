@@ -45,9 +45,9 @@ pub use config::placement::{NodeNames, PlacementSection, ROLES};
 // The config's modes that are `yatt-roles`' own enums.
 pub use config::sections::{
     AlgorithmSection, CheckpointSection, DataSection, JobConfig, JobSection, ModelSection,
-    OptimSection, RewardKinds, RewardSection, RolloutSection,
+    OptimSection, RewardKinds, RewardSection, RolloutSection, StepCreditSection,
 };
-pub use yatt_roles::{Algorithm, KlEstimator, LossAgg, LossAggMode};
+pub use yatt_roles::{Algorithm, KlEstimator, LossAgg, LossAggMode, StepVote};
 
 // Building a job's roles and controllers.
 pub use build::cluster::{build_cluster, register, RoleArgs};

@@ -210,7 +210,9 @@ mod tests {
 
     #[test]
     fn token_ends_follow_the_first_byte_of_each_token() {
-        let toks = texts(&["12", "+", "30", "=", "42", "\n", "42", "+5", "=", "47\n", "A", ": 47"]);
+        let toks = texts(&[
+            "12", "+", "30", "=", "42", "\n", "42", "+5", "=", "47\n", "A", ": 47",
+        ]);
         assert_eq!(step_token_ends(&toks, "\n"), vec![6, 10, 12]);
         // A token that carries the delimiter and the next step's start stays in the
         // step its first byte is in.
@@ -228,7 +230,10 @@ mod tests {
             vec![1.0, 1.0, 1.0]
         );
         let avg = vote_steps(&c, StepVote::Average, 0.5);
-        assert!((avg[0] - 2.0 / 3.0).abs() < 1e-6 && avg[2] == 0.5, "{avg:?}");
+        assert!(
+            (avg[0] - 2.0 / 3.0).abs() < 1e-6 && avg[2] == 0.5,
+            "{avg:?}"
+        );
         assert!(vote_steps(&[], StepVote::Majority, 0.5).is_empty());
     }
 

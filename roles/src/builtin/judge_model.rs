@@ -21,9 +21,9 @@ use yatt_engine::score::{last_hidden, SeqBatch};
 use yatt_engine::{Generator, Request, SamplingParams};
 
 use super::reward_model::ModelScorer;
+use crate::algo::{numbered_steps, vote_steps, StepVote};
 use crate::builtin::rollout::TextCodec;
 use crate::builtin::scoring::model_bytes;
-use crate::algo::{numbered_steps, vote_steps, StepVote};
 use crate::reward::judge::{parse_judge_output, JudgeTemplate, JudgeVerdict};
 use crate::reward::reward_fn::{RewardInput, RewardOutput};
 use crate::role::RoleError;
@@ -425,12 +425,11 @@ mod tests {
         // Step 2 failed by both critiques that scored; step 3 by the one that reached it.
         assert_eq!(out.step_scores, Some(vec![1.0, 0.0, 0.0]));
         j.config.vote = StepVote::Intersection;
-        let texts = [
-            "Step 1: 0\nScore: 1/10",
-            "Step 1: 1\nScore: 1/10",
-        ]
-        .map(String::from);
-        assert_eq!(j.critiques_output(&texts).unwrap().step_scores, Some(vec![1.0]));
+        let texts = ["Step 1: 0\nScore: 1/10", "Step 1: 1\nScore: 1/10"].map(String::from);
+        assert_eq!(
+            j.critiques_output(&texts).unwrap().step_scores,
+            Some(vec![1.0])
+        );
         let none = ["hmm", "no"].map(String::from);
         let e = j.critiques_output(&none).unwrap_err().to_string();
         assert!(e.contains("hmm"), "{e}");
@@ -443,7 +442,11 @@ mod tests {
         }];
         let a = j.verdict_texts(&inputs).unwrap();
         assert_eq!(a.len(), 3);
-        assert_eq!(a, j.verdict_texts(&inputs).unwrap(), "the same response, the same critiques");
+        assert_eq!(
+            a,
+            j.verdict_texts(&inputs).unwrap(),
+            "the same response, the same critiques"
+        );
     }
 
     #[test]
@@ -465,7 +468,9 @@ mod tests {
             critiques: 2,
             ..Default::default()
         };
-        let e = JudgeScorer::new(g, Arc::new(TINY_CODEC), config, 0).err().unwrap();
+        let e = JudgeScorer::new(g, Arc::new(TINY_CODEC), config, 0)
+            .err()
+            .unwrap();
         assert!(e.to_string().contains("generate"), "{e}");
     }
 

@@ -16,11 +16,11 @@ use yatt_engine::{Generator, Request, SamplingParams, Tokenizer};
 
 mod multi_turn;
 
+use crate::algo::step_token_ends;
 use crate::builtin::scoring::{bucket_tensors, check_device, model_bytes, weights_error};
 use crate::data::prompt::Prompt;
 use crate::env::EnvSettings;
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
-use crate::algo::step_token_ends;
 use crate::sample::{Finish, Sample, SampleId};
 
 /// Turns prompt text into token ids and response ids into text.
@@ -445,8 +445,11 @@ impl RolloutRole {
             ..Default::default()
         };
         let (mut sent, mut failed) = (0usize, None);
-        let (codec, delimiter, version) =
-            (self.codec.clone(), self.step_delimiter.clone(), self.version);
+        let (codec, delimiter, version) = (
+            self.codec.clone(),
+            self.step_delimiter.clone(),
+            self.version,
+        );
         let text_of = ResponseText {
             codec: &*codec,
             step_delimiter: delimiter.as_deref(),

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use yatt_engine::SamplingParams;
-use yatt_roles::{Dataloader, GaeConfig, OffPolicyConfig, Prompt};
+use yatt_roles::{Dataloader, GaeConfig, OffPolicyConfig, Prompt, StepCreditConfig};
 
 use crate::build::data::prompts;
 use crate::build::parts::kl_term;
@@ -55,6 +55,10 @@ pub(crate) fn controller_config(job: &JobConfig) -> ControllerConfig {
             max_len: r.max_new_tokens,
             buffer: a.overlong_buffer,
             coef: a.overlong_coef,
+        }),
+        step_credit: a.step_credit.as_ref().map(|c| StepCreditConfig {
+            penalty: c.penalty as f32,
+            threshold: c.threshold as f32,
         }),
         stream: r.stream,
         staleness: r.staleness,

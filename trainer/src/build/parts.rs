@@ -100,7 +100,10 @@ pub(crate) fn rollout_role_with_envs(
     };
     let mut generator = Generator::new(model, gen_config);
     generator.set_cuda_graphs(job.rollout.cuda_graphs);
-    let role = RolloutRole::new(generator, codec);
+    let mut role = RolloutRole::new(generator, codec);
+    if let Some(c) = &job.algorithm.step_credit {
+        role = role.with_step_delimiter(c.delimiter.clone());
+    }
     match &job.rollout.env {
         Some(e) => {
             let mut settings = env_settings(job, e);

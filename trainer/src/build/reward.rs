@@ -156,6 +156,19 @@ pub(crate) fn judge(job: &JobConfig, device: Device) -> Result<JudgeScorer, JobE
             UnparsedVerdict::Fallback => OnUnparsed::Fallback(r.judge_fallback_score),
             UnparsedVerdict::Error => OnUnparsed::Error,
         },
+        step_delimiter: job
+            .algorithm
+            .step_credit
+            .as_ref()
+            .map(|c| c.delimiter.clone()),
+        critiques: r.judge_critiques,
+        vote: r.judge_vote,
+        step_threshold: job
+            .algorithm
+            .step_credit
+            .as_ref()
+            .map_or(0.5, |c| c.threshold as f32),
+        temperature: r.judge_temperature as f32,
         ..Default::default()
     };
     JudgeScorer::new(generator, codec, config, 0).map_err(|e| {

@@ -110,6 +110,7 @@ fn schema() -> JobConfig {
     a.off_policy = Some(a.off_policy(0));
     c.rollout.partial_rollout = Some(Default::default());
     c.model.lora = Some(Default::default());
+    c.algorithm.step_credit = Some(Default::default());
     c.rollout.env = Some(Default::default());
     c.data.format = Some(yatt_roles::DataFormat::Jsonl);
     c
@@ -127,31 +128,35 @@ pub(crate) fn apply_set(table: &mut toml::Table, arg: &str) -> Result<(), JobErr
         .ok_or_else(|| err("expected key=value, e.g. job.steps=10".into()))?;
     let key = key.trim();
     let parts: Vec<&str> = key.split('.').collect();
-    if parts.len() != 2 || parts.iter().any(|p| p.is_empty()) {
+    if parts.len() < 2 || parts.iter().any(|p| p.is_empty()) {
         return Err(err(format!(
-            "key `{key}`: expected section.key, e.g. job.steps"
+            "key `{key}`: expected section.key, e.g. job.steps (or section.table.key, e.g. algorithm.step_credit.penalty)"
         )));
     }
     let schema = toml::Value::try_from(schema()).map_err(|e| err(e.to_string()))?;
-    let section = schema
-        .get(parts[0])
-        .and_then(|s| s.as_table())
-        .ok_or_else(|| {
-            let names: Vec<&String> = schema
-                .as_table()
-                .map(|t| t.keys().collect())
-                .unwrap_or_default();
-            err(format!(
-                "unknown key `{key}`: there is no section [{}]; sections are {names:?}",
-                parts[0]
-            ))
-        })?;
-    if !section.contains_key(parts[1]) {
-        let names: Vec<&String> = section.keys().collect();
-        return Err(err(format!(
-            "unknown key `{key}`: [{}] has {names:?}",
-            parts[0]
-        )));
+    // Each part but the last names a table of the schema; the last, a key of it.
+    let mut level = schema
+        .as_table()
+        .ok_or_else(|| err("the schema is not a table".into()))?;
+    for (depth, part) in parts.iter().enumerate() {
+        let within = match depth {
+            0 => "the config".to_string(),
+            _ => format!("[{}]", parts[..depth].join(".")),
+        };
+        let names: Vec<&String> = level.keys().collect();
+        let Some(found) = level.get(*part) else {
+            return Err(err(format!(
+                "unknown key `{key}`: {within} has no `{part}`; it has {names:?}"
+            )));
+        };
+        if depth + 1 < parts.len() {
+            level = found.as_table().ok_or_else(|| {
+                err(format!(
+                    "key `{key}`: `{}` is a value, not a table",
+                    parts[..=depth].join(".")
+                ))
+            })?;
+        }
     }
     let raw = raw.trim();
     let value = match format!("v = {raw}").parse::<toml::Table>() {
@@ -160,13 +165,20 @@ pub(crate) fn apply_set(table: &mut toml::Table, arg: &str) -> Result<(), JobErr
             .unwrap_or_else(|| toml::Value::String(raw.into())),
         Err(_) => toml::Value::String(raw.into()),
     };
-    let entry = table
-        .entry(parts[0].to_string())
-        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-    let toml::Value::Table(sec) = entry else {
-        return Err(err(format!("`{}` in the config is not a table", parts[0])));
-    };
-    sec.insert(parts[1].to_string(), value);
+    let mut table = table;
+    for (depth, part) in parts[..parts.len() - 1].iter().enumerate() {
+        let entry = table
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        let toml::Value::Table(t) = entry else {
+            return Err(err(format!(
+                "`{}` in the config is not a table",
+                parts[..=depth].join(".")
+            )));
+        };
+        table = t;
+    }
+    table.insert(parts[parts.len() - 1].to_string(), value);
     Ok(())
 }
 
@@ -220,6 +232,30 @@ mod tests {
             e.contains("--set optim.learning_rate=1") && e.contains("unknown key"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_set_override_reaches_a_nested_table() {
+        let c =
+            JobConfig::parse(DEMO, "d", &["algorithm.step_credit.penalty=0.25".into()]).unwrap();
+        let credit = c.algorithm.step_credit.unwrap();
+        assert_eq!((credit.penalty, credit.delimiter.as_str()), (0.25, "\n"));
+        for (set, says) in [
+            (
+                "algorithm.step_credit.pnalty=1",
+                "[algorithm.step_credit] has no `pnalty`",
+            ),
+            (
+                "algorithm.kl_coef.x=1",
+                "`algorithm.kl_coef` is a value, not a table",
+            ),
+            ("algo.kl_coef=1", "the config has no `algo`"),
+        ] {
+            let e = JobConfig::parse(DEMO, "d", &[set.into()])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(says), "{set}: {e}");
+        }
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 use yatt_roles::{
     Algorithm, BehaviourCorrection, DataFields, DataFormat, EnvKind, JudgeConfig, KlEstimator,
-    LossAgg, LossAggMode, LETTERS,
+    LossAgg, LossAggMode, StepVote, LETTERS,
 };
 
 use crate::config::modes::{
@@ -449,6 +449,34 @@ pub struct AlgorithmSection {
     pub off_policy: Option<BehaviourCorrection>,
     /// The importance-weight cap of `off_policy` (> 1).
     pub behaviour_cap: f64,
+    /// `[algorithm.step_credit]`: CAPO-style step credit (off when absent).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step_credit: Option<StepCreditSection>,
+}
+
+/// `[algorithm.step_credit]`: the reward's per-step verdicts (an LLM judge's, or a
+/// Python reward's `step_scores`) become token-level credit: every token keeps the
+/// outcome advantage, and the tokens of a failed step lose `penalty` more.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StepCreditSection {
+    /// What ends a step of the response. Steps are the pieces after each delimiter;
+    /// a whitespace-only piece joins the step before it.
+    pub delimiter: String,
+    /// Advantage taken from every token of a failed step (> 0).
+    pub penalty: f64,
+    /// A step whose verdict is below this fails (in `[0, 1]`).
+    pub threshold: f64,
+}
+
+impl Default for StepCreditSection {
+    fn default() -> Self {
+        StepCreditSection {
+            delimiter: "\n".into(),
+            penalty: 0.5,
+            threshold: 0.5,
+        }
+    }
 }
 
 impl Default for AlgorithmSection {
@@ -472,6 +500,7 @@ impl Default for AlgorithmSection {
             old_logprobs: OldLogprobs::Recompute,
             off_policy: None,
             behaviour_cap: 2.0,
+            step_credit: None,
         }
     }
 }
@@ -576,6 +605,15 @@ pub struct RewardSection {
     pub judge_on_unparsed: UnparsedVerdict,
     /// The normalised score a verdict with no score gets with `fallback`.
     pub judge_fallback_score: f64,
+    /// Critiques per response in `generate` mode: 1 = one greedy verdict; more are
+    /// sampled at `judge_temperature`, their scores averaged and their step verdicts
+    /// voted (CAPO).
+    pub judge_critiques: usize,
+    /// How several critiques' step verdicts combine: `majority`, `intersection` (a step
+    /// fails only if every critique fails it) or `average`.
+    pub judge_vote: StepVote,
+    /// Sampling temperature of the critiques when `judge_critiques` > 1.
+    pub judge_temperature: f64,
     /// `kind = "python"`: `path/to/file.py:function` (verl's `compute_score` signature).
     pub function: String,
     /// `kind = "python"`: the interpreter; empty = `$VIRTUAL_ENV/bin/python`, else
@@ -612,6 +650,9 @@ impl Default for RewardSection {
             judge_max_seq_len: 1024,
             judge_on_unparsed: UnparsedVerdict::Error,
             judge_fallback_score: 0.0,
+            judge_critiques: 1,
+            judge_vote: StepVote::Majority,
+            judge_temperature: 1.0,
             function: String::new(),
             python: String::new(),
             python_workers: 2,

@@ -7,7 +7,7 @@ use yatt_roles::{Algorithm, JudgeTemplate};
 use crate::config::checks::non_negative;
 use crate::config::checks::{invalid, only_with_kind, positive};
 use crate::config::modes::{
-    Driver, KlMode, OldLogprobs, PlacementMode, RewardKind, Task, TimeShare,
+    Driver, KlMode, OldLogprobs, PlacementMode, RewardKind, Task, TimeShare, VerdictMode,
 };
 use crate::config::placement::{NodeNames, PlacementSection};
 use crate::config::sections::JobConfig;
@@ -200,6 +200,29 @@ impl JobConfig {
             ));
         }
         non_negative("algorithm.overlong_coef", a.overlong_coef)?;
+        if let Some(c) = &a.step_credit {
+            positive(
+                "algorithm.step_credit.penalty",
+                c.penalty,
+                "e.g. penalty = 0.5 (below a typical outcome advantage of 1)",
+            )?;
+            if !(0.0..=1.0).contains(&c.threshold) {
+                return Err(invalid(
+                    "algorithm.step_credit.threshold",
+                    "a number in [0, 1] (step verdicts are normalised)",
+                    &c.threshold.to_string(),
+                    "e.g. threshold = 0.5",
+                ));
+            }
+            if c.delimiter.is_empty() {
+                return Err(invalid(
+                    "algorithm.step_credit.delimiter",
+                    "the text that ends a step",
+                    "\"\"",
+                    "e.g. delimiter = \"\\n\" (one step per line)",
+                ));
+            }
+        }
         if a.old_logprobs == OldLogprobs::OnPolicy && self.optim.mini_batches != 1 {
             return Err(invalid(
                 "algorithm.old_logprobs",
@@ -587,6 +610,27 @@ impl JobConfig {
                 r.judge_max_seq_len as f64,
                 "e.g. judge_max_seq_len = 1024 (judge prompt + verdict)",
             )?;
+            positive(
+                "reward.judge_critiques",
+                r.judge_critiques as f64,
+                "e.g. judge_critiques = 1 (one greedy verdict) or 4 (voted)",
+            )?;
+            if r.judge_critiques > 1 && !(r.judge_temperature > 0.0) {
+                return Err(invalid(
+                    "reward.judge_temperature",
+                    "> 0 with judge_critiques > 1 (greedy critiques would all agree)",
+                    &r.judge_temperature.to_string(),
+                    "e.g. judge_temperature = 1.0",
+                ));
+            }
+            if r.judge_critiques > 1 && r.judge_mode == VerdictMode::Logits {
+                return Err(invalid(
+                    "reward.judge_critiques",
+                    "1 with judge_mode = \"logits\" (no critique is written to vote on)",
+                    &r.judge_critiques.to_string(),
+                    "set judge_mode = \"generate\", or judge_critiques = 1",
+                ));
+            }
             if !(0.0..=1.0).contains(&r.judge_fallback_score) {
                 return Err(invalid(
                     "reward.judge_fallback_score",

@@ -2,8 +2,8 @@
 
 use tch::{Device, Kind, Tensor};
 use yatt_roles::{
-    group_indices, kl_estimate, masked_mean, response_mask, split_rows, token_matrix,
-    AdvantageInputs, Sample, TokenField,
+    apply_step_credit, group_indices, kl_estimate, masked_mean, response_mask, split_rows,
+    token_matrix, AdvantageInputs, AlgoError, Sample, StepCreditConfig, TokenField,
 };
 
 use crate::controller::core::Controller;
@@ -84,8 +84,11 @@ impl Controller {
             );
             m.set(names::VALUES_MEAN, masked_mean(v, &mask).double_value(&[]));
         }
-        // Process rewards (an LLM judge's per-step scores): kept on the samples for a
-        // step-level estimator; their mean shows whether the judge gives any.
+        if let Some(credit) = self.config.step_credit {
+            step_credit(samples, credit, m).map_err(ae)?;
+        }
+        // Process rewards (an LLM judge's per-step scores): their mean shows whether
+        // the judge gives any.
         let steps: Vec<f32> = samples
             .iter()
             .filter_map(|s| s.step_rewards.as_deref())
@@ -114,6 +117,51 @@ impl Controller {
         );
         Ok(())
     }
+}
+
+/// CAPO-style step credit: the tokens of each step the verdicts failed lose
+/// `credit.penalty` of advantage, after the estimator gave every token its outcome
+/// advantage (so it composes with every estimator), and the step's metrics.
+fn step_credit(
+    samples: &mut [Sample],
+    credit: StepCreditConfig,
+    m: &mut StepMetrics,
+) -> Result<(), AlgoError> {
+    let (mut judged, mut mismatched, mut unjudged) = (0usize, 0usize, 0usize);
+    let (mut steps, mut failed, mut penalised, mut tokens) = (0usize, 0usize, 0usize, 0usize);
+    for s in samples.iter_mut() {
+        let (Some(ends), Some(adv)) = (s.step_ends.as_deref(), s.advantages.as_mut()) else {
+            continue;
+        };
+        let Some(verdicts) = s.step_rewards.as_deref() else {
+            unjudged += 1;
+            continue;
+        };
+        let out = apply_step_credit(adv, ends, verdicts, credit)?;
+        if out.mismatched {
+            mismatched += 1;
+            continue;
+        }
+        judged += 1;
+        steps += out.steps;
+        failed += out.failed_steps;
+        penalised += out.penalised_tokens;
+        tokens += adv.len();
+    }
+    if judged > 0 {
+        m.set(names::STEP_CREDIT_STEPS, steps as f64 / judged as f64);
+        m.set(
+            names::STEP_CREDIT_FAILED_STEPS,
+            failed as f64 / judged as f64,
+        );
+        m.set(
+            names::STEP_CREDIT_PENALISED_SHARE,
+            penalised as f64 / tokens.max(1) as f64,
+        );
+    }
+    m.set(names::STEP_CREDIT_MISMATCHED, mismatched as f64);
+    m.set(names::STEP_CREDIT_UNJUDGED, unjudged as f64);
+    Ok(())
 }
 
 /// The multi-turn metrics of a step's episodes (nothing for single-turn samples).

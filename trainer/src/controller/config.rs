@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use yatt_engine::SamplingParams;
-use yatt_roles::{GrpoConfig, KlEstimator, OffPolicyConfig};
+use yatt_roles::{GrpoConfig, KlEstimator, OffPolicyConfig, StepCreditConfig};
 
 use yatt_roles::AdvantageEstimator;
 
@@ -103,6 +103,9 @@ pub struct ControllerConfig {
     pub dynamic_sampling: Option<DynamicSamplingConfig>,
     /// DAPO overlong penalty (off when `None`).
     pub overlong: Option<OverlongConfig>,
+    /// CAPO-style step credit: the tokens of steps the reward's step verdicts failed
+    /// lose advantage (off when `None`).
+    pub step_credit: Option<StepCreditConfig>,
     /// Stream samples out of the rollouts as they finish and score their rewards
     /// while generation goes on (in-process rollouts only: the stream is a channel).
     pub stream: bool,
@@ -138,6 +141,7 @@ impl Default for ControllerConfig {
             kl_metric: KlEstimator::K3,
             dynamic_sampling: None,
             overlong: None,
+            step_credit: None,
             stream: false,
             staleness: 0,
             partial_rollout: None,
