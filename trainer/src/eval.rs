@@ -227,6 +227,7 @@ pub fn evaluate(job: &JobConfig, options: &EvalOptions) -> Result<EvalReport, Ev
         n: 1,
         params: SamplingParams {
             ignore_eos: r.ignore_eos,
+            stop_strings: r.stop.clone(),
             ..SamplingParams::greedy(r.max_new_tokens)
         },
         seed: job.job.seed,

@@ -36,6 +36,7 @@ pub(crate) fn controller_config(job: &JobConfig) -> ControllerConfig {
             top_k: r.top_k,
             max_new_tokens: r.max_new_tokens,
             ignore_eos: r.ignore_eos,
+            stop_strings: r.stop.clone(),
             ..Default::default()
         },
         seed: job.job.seed,

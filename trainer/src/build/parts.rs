@@ -100,6 +100,12 @@ pub(crate) fn rollout_role_with_envs(
     };
     let mut generator = Generator::new(model, gen_config);
     generator.set_cuda_graphs(job.rollout.cuda_graphs);
+    if !job.rollout.stop.is_empty() {
+        // The engine reads stop strings through the tokenizer.
+        if let Some(tok) = codec.tokenizer() {
+            generator = generator.with_tokenizer(tok);
+        }
+    }
     let mut role = RolloutRole::new(generator, codec);
     if let Some(c) = &job.algorithm.step_credit {
         role = role.with_step_delimiter(c.delimiter.clone());

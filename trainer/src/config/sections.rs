@@ -268,6 +268,10 @@ pub struct RolloutSection {
     pub top_k: usize,
     /// Keep generating past end-of-sequence (fixed-length responses).
     pub ignore_eos: bool,
+    /// Strings that end a response once it contains them (kept in the response), e.g.
+    /// `["\n\n"]` to stop a completion prompt after one answer. Needs a model with a
+    /// tokenizer.
+    pub stop: Vec<String>,
     /// Stream samples out of the rollout as they finish, and score their rewards while
     /// generation goes on (in-process rollouts only).
     pub stream: bool,
@@ -379,6 +383,7 @@ impl Default for RolloutSection {
             top_p: 1.0,
             top_k: 0,
             ignore_eos: false,
+            stop: Vec::new(),
             stream: false,
             max_batch: 0,
             staleness: 0,
