@@ -373,20 +373,32 @@ fn a_node_refuses_to_write_a_checkpoint_outside_its_data_directory() {
 /// version behind, and the rewards are those of the same job in one process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_trains_one_step_off_policy_on_three_nodes() {
-    let cluster = Cluster::start("as", 3);
+    trains_off_policy_on_three_nodes("as", 1).await;
+}
+
+/// The same with `rollout.staleness = 2`: two batches ahead, samples up to two versions
+/// behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_trains_two_steps_off_policy_on_three_nodes() {
+    trains_off_policy_on_three_nodes("as2", 2).await;
+}
+
+async fn trains_off_policy_on_three_nodes(prefix: &str, staleness: u64) {
+    let cluster = Cluster::start(prefix, 3);
     let logs = || cluster_logs(&cluster);
-    let node = join(&cluster, "as-controller").await;
+    let node = join(&cluster, &format!("{prefix}-controller")).await;
+    let [n0, n1, n2] = [0, 1, 2].map(|i| format!("{prefix}-{i}"));
     let out = tempfile::tempdir().unwrap();
     let placement = [
         ("mode", "disaggregated"),
-        ("rollout", "as-0"),
-        ("policy", "as-1"),
-        ("reference", "as-1"),
-        ("reward", "as-2"),
+        ("rollout", n0.as_str()),
+        ("policy", n1.as_str()),
+        ("reference", n1.as_str()),
+        ("reward", n2.as_str()),
     ];
-    let async_job = |placement: &[(&str, &str)]| {
-        letters_job_with(out.path(), placement, &["rollout.staleness=1"])
-    };
+    let stale = format!("rollout.staleness={staleness}");
+    let async_job =
+        |placement: &[(&str, &str)]| letters_job_with(out.path(), placement, &[stale.as_str()]);
     let mut controllers = build_cluster(&async_job(&placement), &node)
         .await
         .unwrap_or_else(|e| panic!("building on the cluster: {e}\n{}", logs()));
@@ -403,8 +415,11 @@ async fn a_job_trains_one_step_off_policy_on_three_nodes() {
             .iter()
             .all(|s| s.id.step == step && seen.insert(s.id)));
         let m = &report.metrics;
-        assert_eq!(m.get("async/staleness_max"), Some(step.min(1) as f64));
-        assert_eq!(m.get("async/pending_batches"), Some(1.0));
+        assert_eq!(
+            m.get("async/staleness_max"),
+            Some(step.min(staleness) as f64)
+        );
+        assert_eq!(m.get("async/pending_batches"), Some(staleness as f64));
         rewards.push(m.get("critic/rewards/mean").unwrap());
     }
     let (first, last) = (mean(&rewards[..3]), mean(&rewards[rewards.len() - 3..]));
@@ -413,7 +428,7 @@ async fn a_job_trains_one_step_off_policy_on_three_nodes() {
     node.shutdown().await;
     assert_roles_released(&cluster);
 
-    let embedded = Node::builder("as-embedded")
+    let embedded = Node::builder(&format!("{prefix}-embedded"))
         .dev_certs(out.path().join("ca"))
         .start()
         .await
