@@ -6,6 +6,9 @@
 #
 #   bash scripts/bench-step-credit.sh [STEPS] [SEEDS...]      # default 60 1 2
 #
+# ARMS="outcome step-credit" (the default) picks the arms; APPEND=1 adds rows to an
+# existing summary instead of starting it again (and skips the base evaluation).
+#
 # Writes runs/step-credit/summary.tsv (arm, seed, held-out accuracy, and over the last
 # 10 training steps: the mean outcome reward and the share of steps the verifier
 # passed; training seconds) and each run's metrics.jsonl.
@@ -27,10 +30,13 @@ EVAL=(--split train --set 'data.path="runs/step-credit-data/eval.jsonl"' --promp
 accuracy() { sed -n 's/.*accuracy \([0-9.]*\).*/\1/p' | head -1; }
 
 SUMMARY="$OUT/summary.tsv"
+read -r -a ARMS <<< "${ARMS:-outcome step-credit}"
+if [ "${APPEND:-0}" != 1 ]; then
 printf 'arm\tseed\taccuracy\tlast10_score\tlast10_steps_passed\ttrain_s\n' > "$SUMMARY"
 printf 'base\t-\t%s\t-\t-\t0\n' "$("$BIN" eval "$CONFIG" "${EVAL[@]}" | accuracy)" >> "$SUMMARY"
+fi
 for seed in "${SEEDS[@]}"; do
-  for arm in outcome step-credit; do
+  for arm in "${ARMS[@]}"; do
     DIR="$OUT/$arm-$seed"
     rm -rf "$DIR"
     SETS=(--set "job.steps=$STEPS" --set "job.seed=$seed" --set "job.output_dir=\"$DIR\"")

@@ -2,9 +2,10 @@
 LLM judge: on two CPU cores there is no judge model good enough to grade arithmetic).
 
 The score is 1 when the response's first `Answer: N` gives the sum, else 0. The steps are
-the response's non-blank lines, as yatt counts them with `delimiter = "\n"`; a step
-fails (0) when it writes a sum `x + y (+ ...) = z` that is wrong, or an `Answer:` that is
-not the sum. Any other line passes (1).
+the response's non-blank lines, as yatt counts them with `delimiter = "\n"`. A step
+passes (1) when it is a right sum `x + y (+ ...) = z` or the right `Answer: N`, and fails
+(0) otherwise: a wrong sum, a wrong answer, or a line that is neither (a verifier that
+let such lines pass would be escaped by writing prose instead of sums).
 """
 import re
 
@@ -13,11 +14,14 @@ ANSWER = re.compile(r"answer\s*:?\s*(-?\d+)", re.IGNORECASE)
 
 
 def step_verdict(line, total):
-    for terms, z in EQUATION.findall(line):
+    sums = EQUATION.findall(line)
+    answer = ANSWER.search(line)
+    if not sums and not answer:
+        return 0.0
+    for terms, z in sums:
         if sum(int(t) for t in terms.split("+")) != int(z):
             return 0.0
-    m = ANSWER.search(line)
-    if m and int(m.group(1)) != total:
+    if answer and int(answer.group(1)) != total:
         return 0.0
     return 1.0
 

@@ -66,8 +66,8 @@ pub use algo::{
 };
 // CAPO-style step credit.
 pub use algo::{
-    apply_step_credit, numbered_steps, step_spans, step_token_ends, vote_steps, StepCreditConfig,
-    StepCreditOutcome, StepVote,
+    apply_step_credit, centre_step_credit, numbered_steps, step_spans, step_token_ends, vote_steps,
+    StepCreditConfig, StepCreditOutcome, StepVote,
 };
 
 // Rewards.

@@ -2,7 +2,8 @@
 //! the tiny model's rollouts mark where each step (a space-separated word) ends in
 //! tokens, a real Python reward fails every word holding one of "klmnopqrstuvwxyz",
 //! and the advantages the policy trains on are `penalty` lower on exactly the tokens of
-//! those words, and unchanged elsewhere.
+//! those words, and unchanged elsewhere; centred, every judged token of a prompt group
+//! gets the group's mean penalty per token back.
 
 mod common;
 
@@ -47,6 +48,27 @@ fn sets(file: &Path) -> Vec<String> {
     ]
 }
 
+async fn first_steps(file: &Path, centre: bool, steps: usize) -> Vec<yatt_trainer::StepReport> {
+    let out = tempfile::tempdir().unwrap();
+    let mut sets = sets(file);
+    sets.push(format!("algorithm.step_credit.centre={centre}"));
+    let job = demo_config(out.path(), &sets);
+    let certs = tempfile::tempdir().unwrap();
+    let node = Node::builder("capo-0")
+        .dev_certs(certs.path())
+        .start()
+        .await
+        .unwrap();
+    let mut controllers = build_embedded(&job, &node).await.unwrap();
+    let mut reports = Vec::new();
+    for _ in 0..steps {
+        reports.push(controllers[0].step().await.unwrap());
+    }
+    drop(controllers);
+    node.shutdown().await;
+    reports
+}
+
 fn wrong(step: &str) -> bool {
     step.chars().any(|c| ('k'..='z').contains(&c))
 }
@@ -56,19 +78,10 @@ async fn failed_steps_lower_the_advantage_of_exactly_their_tokens() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("steps.py");
     std::fs::write(&file, STEPS_PY).unwrap();
-    let out = tempfile::tempdir().unwrap();
-    let job = demo_config(out.path(), &sets(&file));
-    let certs = tempfile::tempdir().unwrap();
-    let node = Node::builder("capo-0")
-        .dev_certs(certs.path())
-        .start()
-        .await
-        .unwrap();
     let codec = TINY_CODEC;
-    let mut controllers = build_embedded(&job, &node).await.unwrap();
+    let plain = first_steps(&file, false, 2).await;
     let (mut mixed, mut failed_tokens) = (0, 0);
-    for _ in 0..2 {
-        let rep = controllers[0].step().await.unwrap();
+    for rep in &plain {
         assert_eq!(rep.metrics.get(names::STEP_CREDIT_MISMATCHED), Some(0.0));
         assert_eq!(rep.metrics.get(names::STEP_CREDIT_UNJUDGED), Some(0.0));
         for s in &rep.samples {
@@ -116,7 +129,55 @@ async fn failed_steps_lower_the_advantage_of_exactly_their_tokens() {
         mixed >= 5 && failed_tokens >= 20,
         "too few responses with a failed and a passed step to show anything: {mixed} ({failed_tokens} tokens)"
     );
-    node.shutdown().await;
+    // Centred, the same first step (same weights, same samples): every token of a
+    // group gets back the group's penalty per token.
+    let centred = first_steps(&file, true, 1).await;
+    let (a, b) = (&plain[0].samples, &centred[0].samples);
+    assert_eq!(a.len(), b.len());
+    let mut back_seen = 0;
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!((x.id, &x.response_tokens), (y.id, &y.response_tokens));
+        let group: Vec<_> = a.iter().filter(|s| s.group == x.group).collect();
+        let tokens: usize = group.iter().map(|s| s.response_tokens.len()).sum();
+        let penalised: usize = group
+            .iter()
+            .map(|s| {
+                let mut start = 0;
+                let ends = s.step_ends.as_ref().unwrap();
+                let v = s.step_rewards.as_ref().unwrap();
+                ends.iter()
+                    .zip(v)
+                    .map(|(&e, &v)| {
+                        let n = e as usize - start;
+                        start = e as usize;
+                        if v < 0.5 {
+                            n
+                        } else {
+                            0
+                        }
+                    })
+                    .sum::<usize>()
+            })
+            .sum();
+        let back = PENALTY * penalised as f32 / tokens as f32;
+        if back > 0.0 {
+            back_seen += 1;
+        }
+        for (p, c) in x
+            .advantages
+            .as_ref()
+            .unwrap()
+            .iter()
+            .zip(y.advantages.as_ref().unwrap())
+        {
+            assert!(
+                (c - p - back).abs() < 1e-5,
+                "{} {p} -> {c}, back {back}",
+                x.id
+            );
+        }
+    }
+    assert!(back_seen > 0);
 }
 
 #[test]

@@ -52,8 +52,8 @@ pub use off_policy::{
 };
 pub use policy_loss::{cispo_policy_loss, gspo_policy_loss, policy_loss};
 pub use step_credit::{
-    apply_step_credit, numbered_steps, step_spans, step_token_ends, vote_steps, StepCreditConfig,
-    StepCreditOutcome, StepVote,
+    apply_step_credit, centre_step_credit, numbered_steps, step_spans, step_token_ends, vote_steps,
+    StepCreditConfig, StepCreditOutcome, StepVote,
 };
 
 #[cfg(test)]

@@ -40,6 +40,10 @@ pub struct StepCreditConfig {
     pub penalty: f32,
     /// A step whose score is below this fails.
     pub threshold: f32,
+    /// Centre the credit within each prompt group ([`centre_step_credit`]): the
+    /// penalties' group mean per token is given back to every token of the group, so
+    /// the credit only ranks steps against each other and never rewards writing less.
+    pub centre: bool,
 }
 
 /// What step credit did to one response.
@@ -183,6 +187,20 @@ pub fn apply_step_credit(
     Ok(outcome)
 }
 
+/// Gives every token of a prompt group the group's mean step penalty per token back:
+/// `penalised[i]` tokens of response `i` (of `lengths[i]`) lost `penalty` each, so
+/// `credit = penalty · Σ penalised / Σ lengths` is added to all of the group's tokens.
+/// Without it, a group whose outcomes are all equal (zero outcome advantage) trains on
+/// penalties alone, and a policy escapes them by writing fewer checkable steps; centred,
+/// a failed step's tokens lose `penalty − credit` and every other token gains `credit`.
+pub fn centre_step_credit(penalised: &[usize], lengths: &[usize], penalty: f32) -> f32 {
+    let tokens: usize = lengths.iter().sum();
+    match tokens {
+        0 => 0.0,
+        n => penalty * penalised.iter().sum::<usize>() as f32 / n as f32,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,6 +260,7 @@ mod tests {
         let cfg = StepCreditConfig {
             penalty: 0.5,
             threshold: 0.5,
+            centre: false,
         };
         let mut adv = vec![1.0f32; 7];
         let out = apply_step_credit(&mut adv, &[2, 5, 7], &[1.0, 0.2, 0.9], cfg).unwrap();
@@ -261,5 +280,16 @@ mod tests {
         assert!(out.mismatched && adv.iter().all(|&a| a == 1.0));
         assert!(apply_step_credit(&mut adv, &[5, 2], &[0.0, 0.0], cfg).is_err());
         assert!(apply_step_credit(&mut adv, &[9], &[0.0], cfg).is_err());
+    }
+
+    #[test]
+    fn centring_gives_the_group_its_mean_penalty_back() {
+        // 3 of 10 tokens penalised by 0.5: every token gets 0.15 back, so the group's
+        // credit sums to zero.
+        let credit = centre_step_credit(&[3, 0], &[6, 4], 0.5);
+        assert!((credit - 0.15).abs() < 1e-6);
+        let total = 3.0 * (credit - 0.5) + 7.0 * credit;
+        assert!(total.abs() < 1e-6);
+        assert_eq!(centre_step_credit(&[], &[], 0.5), 0.0);
     }
 }

@@ -60,6 +60,7 @@ pub(crate) fn controller_config(job: &JobConfig) -> ControllerConfig {
         step_credit: a.step_credit.as_ref().map(|c| StepCreditConfig {
             penalty: c.penalty as f32,
             threshold: c.threshold as f32,
+            centre: c.centre,
         }),
         stream: r.stream,
         staleness: r.staleness,

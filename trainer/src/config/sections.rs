@@ -472,6 +472,11 @@ pub struct StepCreditSection {
     pub penalty: f64,
     /// A step whose verdict is below this fails (in `[0, 1]`).
     pub threshold: f64,
+    /// Centre the credit within each prompt group: the group's mean penalty per token
+    /// goes back to all its tokens, so steps are ranked against each other and writing
+    /// fewer checkable steps gains nothing. Off: a plain penalty, which on a group of
+    /// equal outcomes is the only signal (and a policy can escape it by writing less).
+    pub centre: bool,
 }
 
 impl Default for StepCreditSection {
@@ -480,6 +485,7 @@ impl Default for StepCreditSection {
             delimiter: "\n".into(),
             penalty: 0.5,
             threshold: 0.5,
+            centre: true,
         }
     }
 }

@@ -1,9 +1,11 @@
 //! A step's advantages from its rewards, through the estimator registry in `yatt-roles`.
 
+use std::collections::BTreeMap;
+
 use tch::{Device, Kind, Tensor};
 use yatt_roles::{
-    apply_step_credit, group_indices, kl_estimate, masked_mean, response_mask, split_rows,
-    token_matrix, AdvantageInputs, AlgoError, Sample, StepCreditConfig, TokenField,
+    apply_step_credit, centre_step_credit, group_indices, kl_estimate, masked_mean, response_mask,
+    split_rows, token_matrix, AdvantageInputs, AlgoError, Sample, StepCreditConfig, TokenField,
 };
 
 use crate::controller::core::Controller;
@@ -129,7 +131,10 @@ fn step_credit(
 ) -> Result<(), AlgoError> {
     let (mut judged, mut mismatched, mut unjudged) = (0usize, 0usize, 0usize);
     let (mut steps, mut failed, mut penalised, mut tokens) = (0usize, 0usize, 0usize, 0usize);
-    for s in samples.iter_mut() {
+    // Per prompt group: (penalised tokens, tokens) of each judged response.
+    let mut groups: BTreeMap<u64, (Vec<usize>, Vec<usize>)> = BTreeMap::new();
+    let mut judged_at = Vec::new();
+    for (i, s) in samples.iter_mut().enumerate() {
         let (Some(ends), Some(adv)) = (s.step_ends.as_deref(), s.advantages.as_mut()) else {
             continue;
         };
@@ -147,6 +152,21 @@ fn step_credit(
         failed += out.failed_steps;
         penalised += out.penalised_tokens;
         tokens += adv.len();
+        let g = groups.entry(s.group).or_default();
+        g.0.push(out.penalised_tokens);
+        g.1.push(adv.len());
+        judged_at.push(i);
+    }
+    if credit.centre {
+        // Only the responses whose steps were judged share their group's credit.
+        for i in judged_at {
+            let s = &mut samples[i];
+            let (p, n) = &groups[&s.group];
+            let back = centre_step_credit(p, n, credit.penalty);
+            if let Some(adv) = s.advantages.as_mut() {
+                adv.iter_mut().for_each(|a| *a += back);
+            }
+        }
     }
     if judged > 0 {
         m.set(names::STEP_CREDIT_STEPS, steps as f64 / judged as f64);
