@@ -1,12 +1,13 @@
 //! Running a job: its steps, metrics and checkpoints.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use yatt_metrics::{RunWriter, WriteError};
-use yatt_runtime::Node;
+use yatt_runtime::{ActorId, Node};
 
-use crate::build::embedded::{build_embedded_with, CustomRoles};
+use crate::build::custom::CustomRoles;
+use crate::build::embedded::build_embedded_with;
 use crate::build::respawn::respawn_lost_roles;
 use crate::checkpoint::{check_same_run, recover, save, RunState, JOB_FILE};
 use crate::config::modes::PlacementMode;
@@ -163,18 +164,12 @@ pub async fn train_with(
     let mut controllers = if live.is_some() {
         Vec::new()
     } else if job.placement.mode == PlacementMode::Disaggregated {
-        if !options.roles.is_empty() {
-            return Err(JobError::NotImplemented {
-                key: "placement.mode".into(),
-                found: job.placement.mode.to_string(),
-                fix: "a disaggregated build spawns every role itself on the nodes [placement] names; custom roles (every slot) work with placement.mode = \"colocate\", where a custom role may still run on another node (spawn it there with Node::spawn_remote_linked, as examples/custom_role does)".into(),
-            });
-        }
         let checkpoint = resume.then_some(checkpoint_dir.as_path());
-        crate::build::cluster::build_cluster_from(job, node, checkpoint).await?
+        crate::build::cluster::build_cluster_from(job, node, checkpoint, &options.roles).await?
     } else {
         build_embedded_with(job, node, resume.then_some(out.as_path()), &options.roles).await?
     };
+    let custom = options.roles.actor_ids();
     let mut step = match &live {
         Some(l) => l.controllers().first().map_or(0, Controller::step_count),
         None => controllers.first().map_or(0, Controller::step_count),
@@ -212,7 +207,7 @@ pub async fn train_with(
                 Err(e) => Err(e),
             },
             None if job.placement.mode == PlacementMode::Disaggregated => {
-                match step_surviving_node_loss(job, node, &mut controllers).await {
+                match step_surviving_node_loss(job, node, &mut controllers, &custom).await {
                     Ok(m) => record(&m),
                     Err(e) => Err(e),
                 }
@@ -257,6 +252,7 @@ async fn step_surviving_node_loss(
     job: &JobConfig,
     node: &Node,
     controllers: &mut [Controller],
+    custom: &BTreeSet<ActorId>,
 ) -> Result<StepMetrics, JobError> {
     let t = Instant::now();
     let mut respawned = 0;
@@ -284,7 +280,7 @@ async fn step_surviving_node_loss(
         if attempt == STEP_RECOVERIES {
             return Err(failed);
         }
-        let moved = respawn_lost_roles(job, node, controllers, &before, &failed).await?;
+        let moved = respawn_lost_roles(job, node, controllers, &before, &failed, custom).await?;
         if moved.is_empty() {
             return Err(failed);
         }

@@ -17,6 +17,7 @@ use yatt_runtime::RING_CHUNK_BYTES;
 use yatt_runtime::{ActorRef, CallError};
 use yatt_runtime::{Node, NodeBuilder, NodeError};
 
+use crate::build::custom::CustomRoles;
 use crate::build::devices::{model_here, role_group};
 use crate::build::heads::{controllers, job_timeouts};
 use crate::build::parts::{
@@ -270,17 +271,20 @@ pub(crate) async fn spawn<Req: Message, Resp: Message>(
 /// the first replica's initial weights, joins the replicas' gradient all-reduce ring,
 /// and returns one controller per rollout, driving the roles over QUIC.
 pub async fn build_cluster(job: &JobConfig, node: &Node) -> Result<Vec<Controller>, JobError> {
-    build_cluster_from(job, node, None).await
+    build_cluster_from(job, node, None, &CustomRoles::default()).await
 }
 
 /// [`build_cluster`], resuming from `checkpoint` when given (a run's, absolute, readable
 /// by the policy's and critic's nodes): those roles load their trainer state from it,
 /// the controllers take their positions from it and the rollouts the restored weights;
-/// the reference stays the initial model.
+/// the reference stays the initial model. The slots `custom` takes are the user's roles
+/// (wherever the user spawned them) instead of built-in ones on the nodes [placement]
+/// names, and its stages join every head.
 pub(crate) async fn build_cluster_from(
     job: &JobConfig,
     node: &Node,
     checkpoint: Option<&Path>,
+    custom: &CustomRoles,
 ) -> Result<Vec<Controller>, JobError> {
     job.validate()?;
     let p = &job.placement;
@@ -292,38 +296,56 @@ pub(crate) async fn build_cluster_from(
             "set placement.mode = \"disaggregated\" and name a node per role, or run without --cluster",
         ));
     }
+    custom.check(job, checkpoint.is_some())?;
     let ppo = job.algorithm.name.needs_critic();
     let replicas = job.job.policy_replicas;
     wait_for_nodes(node, &p.named_nodes(ppo)).await?;
     let text = job_text(job)?;
     let rollouts = async {
-        let mut v = Vec::with_capacity(job.job.controllers);
-        for _ in 0..job.job.controllers {
+        let mut v = custom.rollouts.clone();
+        for _ in v.len()..job.job.controllers {
             v.push(spawn(job, &text, node, "rollout", &p.rollout, None).await?);
         }
         Ok::<Vec<RolloutRef>, ControllerError>(v)
     };
-    let policy_nodes = p.policy_nodes(replicas);
-    let policies = futures::future::try_join_all(
-        policy_nodes
-            .iter()
-            .map(|target| spawn(job, &text, node, "policy", target, checkpoint)),
-    );
+    let policy_nodes = match &custom.policy {
+        Some(_) => Vec::new(),
+        None => p.policy_nodes(replicas),
+    };
+    let policies = async {
+        let mut v: Vec<PolicyRef> = custom.policy.iter().cloned().collect();
+        let spawned = futures::future::try_join_all(
+            policy_nodes
+                .iter()
+                .map(|target| spawn(job, &text, node, "policy", target, checkpoint)),
+        )
+        .await?;
+        v.extend(spawned);
+        Ok::<_, ControllerError>(v)
+    };
     let critic = async {
-        match ppo {
-            true => Ok(Some(
+        match (&custom.critic, ppo) {
+            (Some(c), _) => Ok(Some(c.clone())),
+            (None, true) => Ok(Some(
                 spawn(job, &text, node, "critic", &p.critic, checkpoint).await?,
             )),
-            false => Ok::<_, ControllerError>(None),
+            (None, false) => Ok::<_, ControllerError>(None),
         }
     };
-    let (rollouts, reward, reference, policies, critic) = tokio::try_join!(
-        rollouts,
-        spawn(job, &text, node, "reward", &p.reward, None),
-        spawn(job, &text, node, "reference", &p.reference, None),
-        policies,
-        critic,
-    )?;
+    let reward = async {
+        match &custom.reward {
+            Some(r) => Ok(r.clone()),
+            None => spawn(job, &text, node, "reward", &p.reward, None).await,
+        }
+    };
+    let reference = async {
+        match &custom.reference {
+            Some(r) => Ok(r.clone()),
+            None => spawn(job, &text, node, "reference", &p.reference, None).await,
+        }
+    };
+    let (rollouts, reward, reference, policies, critic) =
+        tokio::try_join!(rollouts, reward, reference, policies, critic)?;
     // A resumed reference stays the initial model (it is rebuilt from model.source).
     let fresh_reference = checkpoint.is_none().then_some(&reference);
     initial_weight_sync(
@@ -342,7 +364,10 @@ pub(crate) async fn build_cluster_from(
         critic,
     };
     let per_head = if replicas > 1 { policies } else { Vec::new() };
-    let mut controllers = controllers(job, shared, rollouts, per_head)?;
+    let mut controllers: Vec<Controller> = controllers(job, shared, rollouts, per_head)?
+        .into_iter()
+        .map(|c| c.with_extra_stages(custom.stages.iter().cloned()))
+        .collect();
     if replicas > 1 {
         join_policy_ring(&mut controllers, RING_CHUNK_BYTES).await?;
     }

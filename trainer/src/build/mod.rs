@@ -1,6 +1,7 @@
 //! Building a job: its models and roles, where they run (this process or cluster
 //! nodes), and the controllers over them.
 pub(crate) mod cluster;
+pub(crate) mod custom;
 pub(crate) mod data;
 pub(crate) mod devices;
 pub(crate) mod embedded;

@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use yatt_runtime::Node;
+use yatt_runtime::{ActorId, Node};
 
 use crate::build::cluster::{job_text, spawn};
 use crate::config::sections::JobConfig;
@@ -38,6 +38,7 @@ pub(crate) async fn respawn_lost_roles(
     controllers: &mut [Controller],
     before: &[ControllerState],
     failed: &JobError,
+    custom: &BTreeSet<ActorId>,
 ) -> Result<Vec<String>, JobError> {
     let JobError::Controller(e) = failed else {
         return Ok(Vec::new());
@@ -65,6 +66,11 @@ pub(crate) async fn respawn_lost_roles(
     }
     let lost = node.directory().read(dead);
     if lost.is_empty() {
+        return Ok(Vec::new());
+    }
+    // A user's role went with it: the trainer cannot make another, and a built-in one
+    // in its place would silently change the run.
+    if custom.iter().any(|id| lost.contains(&id.name.node)) {
         return Ok(Vec::new());
     }
     // Trainer state went with a policy or critic: nothing here can bring it back.
