@@ -108,6 +108,50 @@ fn only_the_adapters_train_and_the_base_stays_frozen() {
     assert!(max_diff(&before, &trained) > 1e-3);
 }
 
+/// The "the base weights stay frozen and can stay in bf16": a bf16 model's
+/// adapters train (through the trainer's f32 master copies) while every base weight
+/// stays bf16 and unchanged.
+#[test]
+fn a_bf16_base_stays_bf16_and_frozen_while_its_adapters_train() {
+    let mut m = Llama::random(tiny_config(), Device::Cpu, Kind::BFloat16, 5).unwrap();
+    let base_before: Vec<(String, Tensor)> = m
+        .parameters()
+        .into_iter()
+        .map(|(n, t)| (n, t.copy()))
+        .collect();
+    m.add_lora(lora(4, &LoraTarget::ALL), 11).unwrap();
+    let mut tr = Trainer::new(
+        m,
+        TrainConfig {
+            lr: 2e-2,
+            ..Default::default()
+        },
+    );
+    let first = lm_loss(&tr.model, &ids()).double_value(&[]);
+    train_steps(&mut tr, 5);
+    let last = lm_loss(&tr.model, &ids()).double_value(&[]);
+    assert!(
+        last < first - 1e-2,
+        "the adapters did not learn: {first} -> {last}"
+    );
+    let after: HashMap<String, Tensor> = tr.model.parameters().into_iter().collect();
+    for (name, t) in &base_before {
+        let now = &after[name];
+        assert_eq!(now.kind(), Kind::BFloat16, "{name}");
+        assert_eq!(max_diff(t, now), 0.0, "base parameter {name} moved");
+    }
+    let adapters: Vec<_> = after
+        .iter()
+        .filter(|(n, _)| n.starts_with("lora."))
+        .collect();
+    assert!(!adapters.is_empty());
+    assert!(adapters.iter().all(|(_, t)| t.kind() == Kind::BFloat16));
+    assert!(adapters
+        .iter()
+        .filter(|(n, _)| n.ends_with(".b"))
+        .all(|(_, t)| t.abs().sum(Kind::Float).double_value(&[]) > 0.0));
+}
+
 #[test]
 fn folded_adapters_compute_what_the_adapted_model_computes() {
     // Attention and MLP targets partly adapted: the untargeted parts of the fused
