@@ -2,6 +2,7 @@
 //! and reference run on two daemons as [placement] names them, while the user's reward
 //! (a role of the user's own type) and an extra stage run in the trainer's process. The
 //! job trains; the user's roles serve every step, and the stage's metrics are recorded.
+//! With no KL term (`algorithm.kl_mode = "none"`) no reference is spawned, as embedded.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -78,7 +79,9 @@ async fn user_roles_join_a_disaggregated_job_on_stock_daemons() {
         "placement.rollout=\"cr-0\"".into(),
         "placement.policy=\"cr-1\"".into(),
         "placement.reference=\"cr-1\"".into(),
-        // Named, but the user's reward takes the slot: nothing is spawned there.
+        "algorithm.kl_mode=\"none\"".into(),
+        // Named, but the user's reward takes the slot (and there is no KL term for a
+        // reference): nothing is spawned for them.
         "placement.reward=\"cr-0\"".into(),
     ];
     let job = JobConfig::load(config, &sets).unwrap();
@@ -99,7 +102,8 @@ async fn user_roles_join_a_disaggregated_job_on_stock_daemons() {
         },
         ..Default::default()
     };
-    // While the job runs, the daemons host the built-in roles and no reward.
+    // While the job runs, the daemons host the built-in rollout and policy, and neither
+    // a reward (the user's took the slot) nor a reference (no KL term).
     let mut hosted = Vec::new();
     let summary = train_with(&job, &trainer, options, |p| {
         if p.step == 1 {
@@ -137,8 +141,9 @@ async fn user_roles_join_a_disaggregated_job_on_stock_daemons() {
     assert!(
         hosted[0].contains("cr-0/rollout/")
             && hosted[1].contains("cr-1/policy/")
-            && hosted[1].contains("cr-1/reference/")
-            && hosted.iter().all(|h| !h.contains("/reward/")),
+            && hosted
+                .iter()
+                .all(|h| !h.contains("/reward/") && !h.contains("/reference/")),
         "{hosted:?}"
     );
     trainer.shutdown().await;

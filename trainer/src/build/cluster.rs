@@ -27,7 +27,7 @@ use crate::build::parts::{
 use crate::build::reward::reward_role;
 use crate::checkpoint::{load_trainer, restore_controllers};
 use crate::config::checks::invalid;
-use crate::config::modes::{PlacementMode, Task};
+use crate::config::modes::{KlMode, PlacementMode, Task};
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::join_policy_ring;
@@ -338,16 +338,20 @@ pub(crate) async fn build_cluster_from(
             None => spawn(job, &text, node, "reward", &p.reward, None).await,
         }
     };
+    // With no KL term there is nothing for a reference to hold or run (as embedded).
     let reference = async {
-        match &custom.reference {
-            Some(r) => Ok(r.clone()),
-            None => spawn(job, &text, node, "reference", &p.reference, None).await,
+        match (&custom.reference, job.algorithm.kl_mode) {
+            (Some(r), _) => Ok(Some(r.clone())),
+            (None, KlMode::None) => Ok(None),
+            (None, _) => Ok(Some(
+                spawn(job, &text, node, "reference", &p.reference, None).await?,
+            )),
         }
     };
     let (rollouts, reward, reference, policies, critic) =
         tokio::try_join!(rollouts, reward, reference, policies, critic)?;
     // A resumed reference stays the initial model (it is rebuilt from model.source).
-    let fresh_reference = checkpoint.is_none().then_some(&reference);
+    let fresh_reference = reference.as_ref().filter(|_| checkpoint.is_none());
     initial_weight_sync(
         &policies,
         &rollouts,
@@ -359,7 +363,7 @@ pub(crate) async fn build_cluster_from(
         rollout: rollouts[0].clone(),
         extra_rollouts: Vec::new(),
         reward,
-        reference: Some(reference),
+        reference,
         policy: policies[0].clone(),
         critic,
     };
