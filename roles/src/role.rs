@@ -342,6 +342,36 @@ impl<R: Role> RoleActor<R> {
     }
 }
 
+/// How long a dropped role actor waits for its thread to finish the request in hand.
+const ROLE_EXIT_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+impl<R: Role> Drop for RoleActor<R> {
+    /// An actor dropped without [`Actor::stopped`] (its runtime shut down while it
+    /// served, e.g. a generation whose ask had timed out) still has its thread inside the
+    /// role. A process that ends under that thread crashes in libtorch's teardown
+    /// (SIGSEGV after a run that stopped on a deadline), so the queue is closed and the
+    /// thread given, bounded, the time to finish its request and stop the role.
+    fn drop(&mut self) {
+        self.jobs.take();
+        let Some(t) = self.thread.take() else {
+            return;
+        };
+        let deadline = std::time::Instant::now() + ROLE_EXIT_WAIT;
+        while !t.is_finished() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        match t.is_finished() {
+            true => {
+                let _ = t.join();
+            }
+            false => tracing::warn!(
+                thread = t.thread().name().unwrap_or("?"),
+                "a role thread still serves after {ROLE_EXIT_WAIT:?}; leaving it"
+            ),
+        }
+    }
+}
+
 impl<R: Role> Actor for RoleActor<R> {
     type Request = RoleRequest<R::Request>;
     type Response = RoleResponse<R::Response>;
@@ -432,6 +462,70 @@ mod tests {
         fn stop(&mut self) {
             self.log.lock().unwrap().push("stop".into());
         }
+    }
+
+    /// Serves by working for a second (a generation, say), and records its stop.
+    struct Busy {
+        stopped: Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    impl Role for Busy {
+        type Request = u32;
+        type Response = u32;
+        fn name(&self) -> &str {
+            "busy"
+        }
+        fn profile(&self) -> ResourceProfile {
+            ResourceProfile::cpu_only()
+        }
+        fn start(&mut self, _: &DeviceGroup) -> Result<(), RoleError> {
+            Ok(())
+        }
+        fn serve(&mut self, x: u32) -> Result<u32, RoleError> {
+            let (_keep, work) = std::sync::mpsc::channel::<()>();
+            let _ = work.recv_timeout(Duration::from_secs(1));
+            Ok(x)
+        }
+        fn stop(&mut self) {
+            self.stopped
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// Regression: a run that stopped on a deadline left a role thread inside its
+    /// request when the runtime shut down, and the process crashed in libtorch's
+    /// teardown (SIGSEGV in 10 of 30 runs of the deadline job test). A dropped actor now
+    /// waits for its thread to finish and stop the role.
+    #[test]
+    fn an_actor_dropped_mid_request_waits_for_its_thread_to_stop_the_role() {
+        let stopped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let role = Busy {
+            stopped: stopped.clone(),
+        };
+        let a = rt.block_on(async {
+            let actor = RoleActor::start(role, DeviceGroup::cpu("n0"), 4)
+                .await
+                .unwrap();
+            let a = spawn(ActorName::new("n0", "busy", 0).unwrap(), actor, 8).actor_ref;
+            let e = a
+                .ask(RoleRequest::Serve(1), Duration::from_millis(5))
+                .await
+                .unwrap_err();
+            assert!(matches!(e, CallError::Timeout { .. }), "{e:?}");
+            a
+        });
+        // The actor's task is cancelled with the runtime while its role still serves.
+        drop(rt);
+        assert!(
+            stopped.load(std::sync::atomic::Ordering::SeqCst),
+            "the runtime shut down and left the role thread serving"
+        );
+        drop(a);
     }
 
     #[tokio::test]
