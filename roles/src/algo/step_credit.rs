@@ -188,16 +188,15 @@ pub fn apply_step_credit(
 }
 
 /// Gives every token of a prompt group the group's mean step penalty per token back:
-/// `penalised[i]` tokens of response `i` (of `lengths[i]`) lost `penalty` each, so
-/// `credit = penalty · Σ penalised / Σ lengths` is added to all of the group's tokens.
+/// `penalised` of the group's `tokens` lost `penalty` each, so
+/// `credit = penalty · penalised / tokens` is added to all of the group's tokens.
 /// Without it, a group whose outcomes are all equal (zero outcome advantage) trains on
 /// penalties alone, and a policy escapes them by writing fewer checkable steps; centred,
 /// a failed step's tokens lose `penalty − credit` and every other token gains `credit`.
-pub fn centre_step_credit(penalised: &[usize], lengths: &[usize], penalty: f32) -> f32 {
-    let tokens: usize = lengths.iter().sum();
+pub fn centre_step_credit(penalised: usize, tokens: usize, penalty: f32) -> f32 {
     match tokens {
         0 => 0.0,
-        n => penalty * penalised.iter().sum::<usize>() as f32 / n as f32,
+        n => penalty * penalised as f32 / n as f32,
     }
 }
 
@@ -286,10 +285,10 @@ mod tests {
     fn centring_gives_the_group_its_mean_penalty_back() {
         // 3 of 10 tokens penalised by 0.5: every token gets 0.15 back, so the group's
         // credit sums to zero.
-        let credit = centre_step_credit(&[3, 0], &[6, 4], 0.5);
+        let credit = centre_step_credit(3, 6 + 4, 0.5);
         assert!((credit - 0.15).abs() < 1e-6);
         let total = 3.0 * (credit - 0.5) + 7.0 * credit;
         assert!(total.abs() < 1e-6);
-        assert_eq!(centre_step_credit(&[], &[], 0.5), 0.0);
+        assert_eq!(centre_step_credit(0, 0, 0.5), 0.0);
     }
 }

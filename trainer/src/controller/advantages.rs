@@ -131,8 +131,8 @@ fn step_credit(
 ) -> Result<(), AlgoError> {
     let (mut judged, mut mismatched, mut unjudged) = (0usize, 0usize, 0usize);
     let (mut steps, mut failed, mut penalised, mut tokens) = (0usize, 0usize, 0usize, 0usize);
-    // Per prompt group: (penalised tokens, tokens) of each judged response.
-    let mut groups: BTreeMap<u64, (Vec<usize>, Vec<usize>)> = BTreeMap::new();
+    // Per prompt group: penalised tokens and tokens of its judged responses.
+    let mut groups: BTreeMap<u64, (usize, usize)> = BTreeMap::new();
     let mut judged_at = Vec::new();
     for (i, s) in samples.iter_mut().enumerate() {
         let (Some(ends), Some(adv)) = (s.step_ends.as_deref(), s.advantages.as_mut()) else {
@@ -153,15 +153,15 @@ fn step_credit(
         penalised += out.penalised_tokens;
         tokens += adv.len();
         let g = groups.entry(s.group).or_default();
-        g.0.push(out.penalised_tokens);
-        g.1.push(adv.len());
+        g.0 += out.penalised_tokens;
+        g.1 += adv.len();
         judged_at.push(i);
     }
     if credit.centre {
         // Only the responses whose steps were judged share their group's credit.
         for i in judged_at {
             let s = &mut samples[i];
-            let (p, n) = &groups[&s.group];
+            let (p, n) = groups[&s.group];
             let back = centre_step_credit(p, n, credit.penalty);
             if let Some(adv) = s.advantages.as_mut() {
                 adv.iter_mut().for_each(|a| *a += back);
