@@ -2,7 +2,13 @@
 //! loopback, wait for conditions by polling with a deadline, and clean up (every child
 //! is killed when its [`Cluster`] drops, also when a test fails).
 
+mod chaos;
 pub mod insecure;
+
+pub use chaos::{
+    hosted_roles, inflict, schedule, table_header, ChaosConfig, ChaosRng, Fault, FaultRecord,
+    Planned,
+};
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -74,9 +80,39 @@ pub struct NodeProc {
     pub pid: u32,
     child: Option<Child>,
     log: PathBuf,
+    ready: PathBuf,
 }
 
 impl NodeProc {
+    /// Whether the node has written its ready file (it listens and joined); reads its
+    /// addresses from it.
+    pub fn ready(&mut self) -> bool {
+        if self.http.port() != 0 {
+            return true;
+        }
+        let Some(info) = std::fs::read_to_string(&self.ready)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        else {
+            return false;
+        };
+        let addr = |k: &str| info[k].as_str().and_then(|a| a.parse::<SocketAddr>().ok());
+        match (addr("addr"), addr("http")) {
+            (Some(a), Some(h)) => {
+                (self.addr, self.http) = (a, h);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether the process has exited (a node whose join failed stops by itself).
+    pub fn exited(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_none_or(|c| c.try_wait().ok().flatten().is_some())
+    }
+
     /// Sends SIGKILL and reaps the process.
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -325,34 +361,44 @@ impl Cluster {
     }
 
     fn spawn(&self, name: &str, seed: Option<SocketAddr>, extra: &[&str]) -> NodeProc {
+        let mut proc = self.launch(name, seed, extra);
+        let ready = poll(Duration::from_secs(20), || proc.ready().then_some(()));
+        assert!(
+            ready.is_some(),
+            "{name} did not become ready; log:\n{}",
+            proc.log()
+        );
+        proc
+    }
+
+    /// Starts the process of node `name` and returns at once; its addresses are
+    /// known once [`NodeProc::ready`].
+    fn launch(&self, name: &str, seed: Option<SocketAddr>, extra: &[&str]) -> NodeProc {
         let ready = self.dir.path().join(format!("{name}.ready"));
+        let _ = std::fs::remove_file(&ready);
         let log = self.dir.path().join(format!("{name}.log"));
         let child = self
             .command(name, seed, extra, &ready, &log)
             .spawn()
             .expect("start yatt-node");
-        let pid = child.id();
-        let mut proc = NodeProc {
+        NodeProc {
             name: name.to_string(),
             addr: "0.0.0.0:0".parse().expect("literal"),
             http: "0.0.0.0:0".parse().expect("literal"),
-            pid,
+            pid: child.id(),
             child: Some(child),
             log,
-        };
-        let info: serde_json::Value = poll(Duration::from_secs(20), || {
-            serde_json::from_str(&std::fs::read_to_string(&ready).ok()?).ok()
-        })
-        .unwrap_or_else(|| panic!("{name} did not become ready; log:\n{}", proc.log()));
-        proc.addr = info["addr"]
-            .as_str()
-            .and_then(|a| a.parse().ok())
-            .expect("addr");
-        proc.http = info["http"]
-            .as_str()
-            .and_then(|a| a.parse().ok())
-            .expect("http");
-        proc
+            ready,
+        }
+    }
+
+    /// [`Cluster::restart_through`] without the waiting: starts node `i` again (killing
+    /// the old process if it still runs) and returns; poll [`NodeProc::ready`] and
+    /// whether the others see it alive.
+    pub fn begin_restart(&mut self, i: usize, via: usize) {
+        self.nodes[i].kill9();
+        let name = self.nodes[i].name.clone();
+        self.nodes[i] = self.launch(&name, Some(self.nodes[via].addr), &[]);
     }
 }
 
@@ -458,18 +504,24 @@ impl Cluster {
         printed
     }
 
-    fn run_train(
-        &self,
-        mut cmd: Command,
-        out: &Path,
-        log: &str,
-        timeout: Duration,
-    ) -> (bool, String) {
-        let (log, err) = (
+    fn run_train(&self, cmd: Command, out: &Path, log: &str, timeout: Duration) -> (bool, String) {
+        let mut child = self.start_train(cmd, out, log);
+        let status = child.wait(timeout);
+        let printed = child.printed();
+        (
+            status.is_some_and(|s| s.success()),
+            format!("{status:?}\n{printed}"),
+        )
+    }
+
+    /// Starts `cmd` (a `yatt train`) against this cluster, its output in
+    /// `OUT/LOG.log` and `OUT/LOG.err`.
+    fn start_train(&self, mut cmd: Command, out: &Path, log: &str) -> TrainProc {
+        let (stdout, stderr) = (
             out.join(format!("{log}.log")),
             out.join(format!("{log}.err")),
         );
-        let mut child = cmd
+        let child = cmd
             .arg("--cluster")
             .arg(self.nodes[0].addr.to_string())
             .arg("--dev")
@@ -477,17 +529,15 @@ impl Cluster {
             .arg(self.ca_dir())
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
-            .stdout(std::fs::File::create(&log).expect("train log"))
-            .stderr(std::fs::File::create(&err).expect("train stderr"))
+            .stdout(std::fs::File::create(&stdout).expect("train log"))
+            .stderr(std::fs::File::create(&stderr).expect("train stderr"))
             .spawn()
             .expect("start yatt train");
-        let status = wait_or_kill(&mut child, timeout);
-        let printed = std::fs::read_to_string(&log).unwrap_or_default()
-            + &std::fs::read_to_string(&err).unwrap_or_default();
-        (
-            status.is_some_and(|s| s.success()),
-            format!("{status:?}\n{printed}"),
-        )
+        TrainProc {
+            child,
+            stdout,
+            stderr,
+        }
     }
 }
 
@@ -510,4 +560,132 @@ pub fn deterministic_metrics(line: &str) -> Vec<(String, String)> {
         .collect();
     out.sort();
     out
+}
+
+/// The files of a run's final checkpoint (`OUT/checkpoint`) that hold trainer state
+/// (weights, optimizer, step), each as `(name, FNV-1a 64 of its bytes)`, sorted: two
+/// runs end with the same model and optimizer exactly when these agree.
+pub fn checkpoint_digest(out: &Path) -> Vec<(String, String)> {
+    let dir = out.join("checkpoint");
+    let mut v: Vec<(String, String)> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.expect("a checkpoint entry").path())
+        .filter(|p| {
+            p.extension().is_some_and(|x| x == "safetensors")
+                || p.file_name().is_some_and(|n| n == "trainer_state.json")
+        })
+        .map(|p| {
+            let bytes = std::fs::read(&p).expect("a checkpoint file");
+            let name = p
+                .file_name()
+                .expect("a name")
+                .to_string_lossy()
+                .into_owned();
+            (name, format!("{:016x}", fnv1a(&bytes)))
+        })
+        .collect();
+    v.sort();
+    assert!(!v.is_empty(), "{} holds no weights", dir.display());
+    v
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// `OUT/metrics.jsonl`'s lines as [`deterministic_metrics`], without the `recovery/`
+/// counters (which only a disturbed run has).
+pub fn run_trajectory(out: &Path) -> Vec<Vec<(String, String)>> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            let mut m = deterministic_metrics(l);
+            m.retain(|(k, _)| !k.starts_with("recovery/"));
+            m
+        })
+        .collect()
+}
+
+/// Steps `OUT/metrics.jsonl` records so far.
+pub fn steps_done(out: &Path) -> usize {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .map(|t| t.lines().count())
+        .unwrap_or(0)
+}
+
+/// A metric of every step of `OUT/metrics.jsonl` that has it, with its 1-based step.
+pub fn metric_of_steps(out: &Path, key: &str) -> Vec<(usize, f64)> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .enumerate()
+        .filter_map(|(i, l)| {
+            let v: serde_json::Value = serde_json::from_str(l).ok()?;
+            Some((i + 1, v[key].as_f64()?))
+        })
+        .collect()
+}
+
+impl Cluster {
+    /// Starts `yatt train CONFIG --set ... --cluster ...` (or, with `resume`, `yatt
+    /// train --resume OUT`) in the background, output in `OUT/train.log` / `train.err`
+    /// (`resume.log` / `resume.err`). The child is killed when the guard drops.
+    pub fn spawn_train(
+        &self,
+        config: &str,
+        sets: &[String],
+        out: &Path,
+        resume: bool,
+    ) -> TrainProc {
+        let mut cmd = Command::new(yatt_bin());
+        let log = if resume {
+            cmd.arg("train").arg("--resume").arg(out);
+            "resume"
+        } else {
+            cmd.arg("train").arg(config);
+            cmd.arg("--set")
+                .arg(format!("job.output_dir=\"{}\"", out.display()));
+            "train"
+        };
+        for s in sets {
+            cmd.args(["--set", s]);
+        }
+        self.start_train(cmd, out, log)
+    }
+}
+
+/// A `yatt train` child process ([`Cluster::spawn_train`]).
+pub struct TrainProc {
+    /// The process.
+    pub child: Child,
+    stdout: PathBuf,
+    stderr: PathBuf,
+}
+
+impl TrainProc {
+    /// What it printed so far (stdout, then stderr).
+    pub fn printed(&self) -> String {
+        std::fs::read_to_string(&self.stdout).unwrap_or_default()
+            + &std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// Waits at most `timeout` for it to exit (killing it if it did not).
+    pub fn wait(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        wait_or_kill(&mut self.child, timeout)
+    }
+
+    /// Sends SIGKILL and reaps it.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for TrainProc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
 }

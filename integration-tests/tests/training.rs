@@ -10,7 +10,8 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use yatt_integration_tests::{
-    assert_roles_released, cluster_logs, deterministic_metrics, join, replica_weights, Cluster,
+    assert_roles_released, cluster_logs, deterministic_metrics, join, replica_weights,
+    run_trajectory, steps_done, Cluster,
 };
 use yatt_runtime::Node;
 use yatt_trainer::Stage;
@@ -278,33 +279,8 @@ fn losing_the_leader_then_the_rollout_and_reward_nodes_mid_run_changes_nothing()
     cluster.yatt_train(config, &sets, quiet.path(), Duration::from_secs(120));
 
     let out = tempfile::tempdir().unwrap();
-    let train = {
-        let mut cmd = std::process::Command::new(yatt_integration_tests::yatt_bin());
-        cmd.arg("train").arg(config);
-        for s in sets {
-            cmd.args(["--set", s]);
-        }
-        cmd.arg("--set")
-            .arg(format!("job.output_dir=\"{}\"", out.path().display()))
-            .args([
-                "--cluster",
-                &cluster.nodes[0].addr.to_string(),
-                "--dev",
-                "--certs",
-            ])
-            .arg(cluster.ca_dir())
-            .env("RUST_LOG", "warn")
-            .stdout(std::fs::File::create(out.path().join("train.log")).unwrap())
-            .stderr(std::fs::File::create(out.path().join("train.err")).unwrap())
-            .spawn()
-            .unwrap()
-    };
-    let mut train = ChildGuard(train);
-    let steps_done = |out: &Path| {
-        std::fs::read_to_string(out.join("metrics.jsonl"))
-            .map(|t| t.lines().count())
-            .unwrap_or(0)
-    };
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    let mut train = cluster.spawn_train(config, &sets, out.path(), false);
     let t0 = Instant::now();
     for (victim, after) in [(0, 3), (3, 10), (2, 22)] {
         let reached = yatt_integration_tests::poll(Duration::from_secs(60), || {
@@ -317,27 +293,13 @@ fn losing_the_leader_then_the_rollout_and_reward_nodes_mid_run_changes_nothing()
         );
         cluster.nodes[victim].kill9();
     }
-    let status = yatt_integration_tests::poll(Duration::from_secs(120), || {
-        train.0.try_wait().ok().flatten()
-    });
-    let printed = std::fs::read_to_string(out.path().join("train.log")).unwrap_or_default()
-        + &std::fs::read_to_string(out.path().join("train.err")).unwrap_or_default();
+    let status = train.wait(Duration::from_secs(120));
+    let printed = train.printed();
     assert!(
         status.is_some_and(|s| s.success()),
         "{status:?}\n{printed}\n{}",
         cluster_logs(&cluster)
     );
-    let lines = |dir: &Path| -> Vec<Vec<(String, String)>> {
-        std::fs::read_to_string(dir.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| {
-                let mut m = deterministic_metrics(l);
-                m.retain(|(k, _)| !k.starts_with("recovery/"));
-                m
-            })
-            .collect()
-    };
     let text = std::fs::read_to_string(out.path().join("metrics.jsonl")).unwrap();
     let recovered: Vec<f64> = text
         .lines()
@@ -353,8 +315,8 @@ fn losing_the_leader_then_the_rollout_and_reward_nodes_mid_run_changes_nothing()
         "roles respawned after each kill:\n{printed}"
     );
     assert_eq!(
-        lines(quiet.path()),
-        lines(out.path()),
+        run_trajectory(quiet.path()),
+        run_trajectory(out.path()),
         "the disturbed run's trajectory differs"
     );
     let step_s = |recovered: bool| -> Vec<f64> {
@@ -374,16 +336,6 @@ fn losing_the_leader_then_the_rollout_and_reward_nodes_mid_run_changes_nothing()
         all[all.len() / 2],
         t0.elapsed()
     );
-}
-
-/// Kills the child when the test ends, however it ends.
-struct ChildGuard(std::process::Child);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// A node writes only under its data directory: a trainer whose run directory lies

@@ -149,6 +149,9 @@ pub const PLACEMENT_REQUEUED: &str = "placement/requeued";
 /// Roles a disaggregated step spawned again on surviving nodes after losing theirs
 /// (present only on a step that recovered).
 pub const RECOVERY_RESPAWNED: &str = "recovery/respawned_roles";
+/// Samples the step's ledgers closed on as trained (every head's, summed): each was
+/// accounted for at every stage exactly once.
+pub const LEDGER_TRAINED: &str = "ledger/samples_trained";
 /// Groups generating.
 pub const PLACEMENT_ROLLOUT_GROUPS: &str = "placement/rollout_groups";
 /// Groups training the policy.

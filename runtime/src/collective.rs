@@ -327,6 +327,20 @@ impl RingMember {
         if spec.timeout.is_zero() {
             return Err(CollectiveError::BadSpec("the timeout must be > 0".into()));
         }
+        // A ring rebuilt after a member died retries the same round: chunks that an
+        // abandoned attempt left queued would be taken for the retry's.
+        if let Some(queue) = self.queue.as_mut() {
+            let mut dropped = 0;
+            while queue.try_recv().is_ok() {
+                dropped += 1;
+            }
+            if dropped > 0 {
+                tracing::debug!(
+                    dropped,
+                    "joining a ring: dropped chunks of an abandoned round"
+                );
+            }
+        }
         self.spec = Some(spec);
         Ok(())
     }

@@ -182,3 +182,42 @@ async fn a_missing_member_times_out_and_a_bad_spec_is_refused() {
     assert!(matches!(e, CollectiveError::NotJoined), "{e}");
     n.shutdown().await;
 }
+
+/// A ring rebuilt around a replacement member retries the same round (the round is the
+/// policy's version, which a failed step did not advance). What the lost member sent
+/// before it died must not be taken for the replacement's: joining drops it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebuilt_ring_retries_the_same_round_without_the_lost_members_chunks() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), "rb-a", None).await;
+    let mut members = ring(&[&n, &n], "ring", 4, Duration::from_millis(300));
+    // Member 1 sends its part of round 3 to member 0, which never joins that attempt:
+    // member 1 gives up (it is "lost"), its chunks still queued at member 0.
+    let mut lost = members.pop().unwrap();
+    let mut stale = vec![100.0f32; 8];
+    let e = lost.all_reduce_mean(&mut stale, 3).await.unwrap_err();
+    assert!(matches!(e, CollectiveError::Timeout { .. }), "{e}");
+    drop(lost);
+    // A replacement takes rank 1 and the ring is joined again; round 3 is retried.
+    let replacement = RingMember::start(&n, "ring", 7).unwrap();
+    members.push(replacement);
+    let ids: Vec<_> = members.iter().map(|m| m.inbox_id().clone()).collect();
+    for (rank, m) in members.iter_mut().enumerate() {
+        m.join(RingSpec {
+            rank: rank as u32,
+            members: ids.clone(),
+            timeout: T,
+            chunk_bytes: 4,
+        })
+        .unwrap();
+    }
+    let inputs = vec![vec![2.0f32; 8], vec![4.0; 8]];
+    for got in all_reduce(&mut members, &inputs, 3).await {
+        assert_eq!(
+            got,
+            vec![3.0; 8],
+            "the lost member's chunks were averaged in"
+        );
+    }
+    n.shutdown().await;
+}

@@ -64,6 +64,16 @@ pub enum JobError {
         /// How to fix it or where to look.
         fix: String,
     },
+    /// A disaggregated run could not recover from a lost node by itself (no node can
+    /// host the lost roles, every policy replica is gone, the survivors took the
+    /// failed step's update).
+    #[error("recovering from a lost node: {what}; fix: {fix}")]
+    Recovery {
+        /// What was lost and why the run cannot go on.
+        what: String,
+        /// How to continue.
+        fix: String,
+    },
     /// Loading a model or tokenizer failed.
     #[error("model {source_desc}: {reason}")]
     Model {

@@ -1,6 +1,6 @@
 //! Running a job: its steps, metrics and checkpoints.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use yatt_metrics::{RunWriter, WriteError};
@@ -14,7 +14,7 @@ use crate::config::modes::PlacementMode;
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::step_data_parallel;
-use crate::controller::report::{ControllerState, StepMetrics};
+use crate::controller::report::{average_heads, ControllerState, StepMetrics};
 use crate::error::JobError;
 use crate::live::state::LivePlacement;
 use yatt_metrics::names;
@@ -27,27 +27,12 @@ pub async fn run_steps(
     mut on_step: impl FnMut(&StepMetrics) -> Result<(), JobError>,
 ) -> Result<(), JobError> {
     for _ in 0..steps {
-        let metrics = if controllers.len() == 1 {
-            controllers[0].step().await?.metrics
+        let reports = if controllers.len() == 1 {
+            vec![controllers[0].step().await?]
         } else {
-            let reports = step_data_parallel(controllers).await?;
-            let mut sum: BTreeMap<String, (f64, usize)> = BTreeMap::new();
-            for r in &reports {
-                for (k, v) in &r.metrics.values {
-                    let e = sum.entry(k.clone()).or_insert((0.0, 0));
-                    e.0 += v;
-                    e.1 += 1;
-                }
-            }
-            let step = reports.first().map(|r| r.metrics.step).unwrap_or(0);
-            StepMetrics {
-                step,
-                values: sum
-                    .into_iter()
-                    .map(|(k, (s, n))| (k, s / n as f64))
-                    .collect(),
-            }
+            step_data_parallel(controllers).await?
         };
+        let metrics = average_heads(&reports);
         on_step(&metrics)?;
     }
     Ok(())
@@ -241,13 +226,13 @@ pub async fn train_with(
     })
 }
 
-/// How often one step may lose stateless roles and run again before the run stops.
+/// How often one step may lose roles and run again before the run stops.
 const STEP_RECOVERIES: usize = 3;
 
-/// One step of a disaggregated run. A step that fails because a node hosting only
-/// stateless roles died runs again with those roles on surviving nodes (see
-/// [`respawn_lost_roles`]); its metrics then count the whole wall time and the roles
-/// respawned (`recovery/respawned_roles`).
+/// One step of a disaggregated run. A step that fails because a node hosting
+/// stateless roles or a policy replica died runs again with those roles on surviving
+/// nodes (see [`respawn_lost_roles`]); its metrics then count the whole wall time and
+/// the roles respawned (`recovery/respawned_roles`).
 async fn step_surviving_node_loss(
     job: &JobConfig,
     node: &Node,
@@ -256,8 +241,9 @@ async fn step_surviving_node_loss(
 ) -> Result<StepMetrics, JobError> {
     let t = Instant::now();
     let mut respawned = 0;
+    // The heads as they were before the step: every recovery puts them back here.
+    let before: Vec<ControllerState> = controllers.iter().map(Controller::state).collect();
     for attempt in 0.. {
-        let before: Vec<ControllerState> = controllers.iter().map(Controller::state).collect();
         let mut done = None;
         let stepped = run_steps(controllers, 1, |m| {
             done = Some(m.clone());

@@ -7,5 +7,6 @@ pub(crate) mod devices;
 pub(crate) mod embedded;
 pub(crate) mod heads;
 pub(crate) mod parts;
+pub(crate) mod replica;
 pub(crate) mod respawn;
 pub(crate) mod reward;

@@ -1,18 +1,23 @@
-//! A disaggregated run that loses a node hosting only stateless roles (rollout,
-//! reward, reference) goes on: the lost roles are spawned again on a surviving node,
-//! the heads go back to before the failed step and the step runs again. Nothing was
-//! trained in it (these roles all serve before the update), and sampling is seeded per
-//! sample, so the run's trajectory is the one it would have had without the loss.
+//! A disaggregated run that loses a node goes on when nothing only that node held is
+//! needed: its stateless roles (rollout, reward, reference) are spawned again on a
+//! surviving node, and a lost policy replica is replaced by a new one that takes a
+//! surviving replica's whole trainer state (weights, AdamW moments, step; see
+//! [`crate::build::replica`]). The heads go back to before the failed step, the ring
+//! is rebuilt with every replica at its old rank, and the step runs again. Nothing was
+//! trained in the failed step, sampling is seeded per sample and the ring sums in rank
+//! order, so the run's trajectory is the one it would have had without the loss.
 //!
-//! A lost policy or critic holds trainer state no other node has: the run stops, and the
-//! error names the last checkpoint to `--resume` from.
+//! A lost critic, the last policy replica, or a policy that already took the failed
+//! step's update holds trainer state no other node has: the run stops, and the error
+//! names the last checkpoint to `--resume` from.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use yatt_runtime::{ActorId, Node};
+use yatt_runtime::{ActorId, Directory, Liveness, Node};
 
 use crate::build::cluster::{job_text, spawn};
+use crate::build::replica::{replace_lost_replicas, Hosting};
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::error::ControllerError;
@@ -26,13 +31,72 @@ const STATELESS: [&str; 3] = ["rollout", "reward", "reference"];
 /// ahead of the heads, so the step cannot simply run again.
 const AFTER_UPDATE: [&str; 1] = ["weight_sync"];
 
-/// If `failed` is a call to a stateless role whose node the cluster has declared dead
-/// (waiting at most twice the failure-detection bound for that), spawns every lost
-/// stateless role again on a surviving node, puts the heads back to `before` and gives
-/// the new rollouts the current weights. Returns what moved (`role: old node -> new
-/// node`), or an empty list when the step cannot be recovered this way (the caller
-/// returns `failed` then).
+/// Whether the actor `id` is gone: its entry is dead, or its name now belongs to a
+/// newer incarnation (its node restarted); with no entry, whether its node is gone.
+pub(crate) fn actor_lost(d: &Directory, id: &ActorId) -> bool {
+    match d.actor(&id.name) {
+        Some(e) => e.id != *id || e.liveness != Liveness::Alive,
+        None => !d.alive_nodes().any(|n| n.name == id.name.node),
+    }
+}
+
+/// If `failed` is a call that a lost role may explain (a stateless role before the
+/// update, or any call to a replicated policy) and the cluster declares one of the
+/// job's roles lost (waiting at most twice the failure-detection bound for that),
+/// spawns every lost stateless role again on a surviving node, replaces every lost
+/// policy replica, puts the heads back to `before` and gives the rollouts the current
+/// weights. Returns what moved (`role: old node -> new node`), or an empty list when
+/// the step cannot be recovered this way (the caller returns `failed` then).
+///
+/// A recovery that meets a loss itself (a node that was to host a role dies too) is
+/// tried again once the membership has changed, up to [`RECOVERY_TRIES`] times: each
+/// try finds what is lost anew.
 pub(crate) async fn respawn_lost_roles(
+    job: &JobConfig,
+    node: &Node,
+    controllers: &mut [Controller],
+    before: &[ControllerState],
+    failed: &JobError,
+    custom: &BTreeSet<ActorId>,
+) -> Result<Vec<String>, JobError> {
+    let mut tries = 1;
+    loop {
+        match respawn_once(job, node, controllers, before, failed, custom).await {
+            Err(e) if tries < RECOVERY_TRIES && met_a_loss(&e) => {
+                tracing::warn!(tries, error = %e, "recovering from a node loss failed; trying again once the membership changes");
+                tries += 1;
+                // The node it met is dying, stalled or rejoining: let the directory
+                // say so (a node declared dead, back, or a new leader) before the next
+                // try, at most two failure bounds.
+                let epoch = node.directory().read(|d| d.version());
+                let settle = node.config().failure_timeout * 2;
+                node.directory()
+                    .wait_until(settle, |d| d.version() != epoch)
+                    .await;
+            }
+            done => return done,
+        }
+    }
+}
+
+/// How often a recovery is tried.
+const RECOVERY_TRIES: usize = 5;
+
+/// Whether a failed recovery met another loss (a call or a spawn that failed), rather
+/// than a refusal (no node can host, the state is gone).
+fn met_a_loss(e: &JobError) -> bool {
+    match e {
+        JobError::Controller(c) => {
+            matches!(
+                c.as_ref(),
+                ControllerError::Call { .. } | ControllerError::Spawn { .. }
+            )
+        }
+        _ => false,
+    }
+}
+
+async fn respawn_once(
     job: &JobConfig,
     node: &Node,
     controllers: &mut [Controller],
@@ -46,83 +110,52 @@ pub(crate) async fn respawn_lost_roles(
     let ControllerError::Call { role, stage, .. } = e.as_ref() else {
         return Ok(Vec::new());
     };
-    if !STATELESS.contains(role) || AFTER_UPDATE.contains(stage) {
+    let replicated = controllers.len() > 1 && controllers.iter().all(|c| c.in_policy_ring);
+    let stateless = STATELESS.contains(role) && !AFTER_UPDATE.contains(stage);
+    if !stateless && !(*role == "policy" && replicated) {
         return Ok(Vec::new());
     }
-    let hosts = role_hosts(controllers);
+    let ids = role_ids(controllers);
     let bound = node.config().failure_timeout * 2 + Duration::from_secs(1);
-    let dead = |d: &yatt_runtime::Directory| -> BTreeSet<String> {
-        let alive: BTreeSet<&str> = d.alive_nodes().map(|n| n.name.as_str()).collect();
-        hosts
-            .keys()
-            .filter(|n| !alive.contains(n.as_str()))
-            .cloned()
-            .collect()
-    };
-    if node.directory().read(|d| dead(d).is_empty()) {
-        node.directory()
-            .wait_until(bound, |d| !dead(d).is_empty())
-            .await;
+    let any_lost = |d: &Directory| ids.iter().any(|(id, _)| actor_lost(d, id));
+    if !node.directory().read(any_lost) {
+        node.directory().wait_until(bound, any_lost).await;
     }
-    let lost = node.directory().read(dead);
+    let lost: BTreeSet<ActorId> = node.directory().read(|d| {
+        ids.iter()
+            .filter(|(id, _)| actor_lost(d, id))
+            .map(|(id, _)| id.clone())
+            .collect()
+    });
     if lost.is_empty() {
         return Ok(Vec::new());
     }
     // A user's role went with it: the trainer cannot make another, and a built-in one
     // in its place would silently change the run.
-    if custom.iter().any(|id| lost.contains(&id.name.node)) {
+    if node.directory().read(|d| custom.iter().any(|id| actor_lost(d, id))) {
         return Ok(Vec::new());
     }
-    // Trainer state went with a policy or critic: nothing here can bring it back.
-    if lost
-        .iter()
-        .any(|n| hosts[n].iter().any(|r| !STATELESS.contains(&r.as_str())))
-    {
+    // The critic's state went with it, and a policy without replicas has no copy.
+    let lost_state = |role: &str| ids.iter().any(|(id, r)| *r == role && lost.contains(id));
+    if lost_state("critic") || (lost_state("policy") && !replicated) {
         return Ok(Vec::new());
     }
-    let mut load: BTreeMap<String, usize> = hosts
-        .iter()
-        .filter(|(n, _)| !lost.contains(*n))
-        .map(|(n, roles)| (n.clone(), roles.len()))
-        .collect();
-    let candidates: Vec<String> = node.directory().read(|d| {
-        d.alive_nodes()
-            .map(|n| n.name.clone())
-            .filter(|n| n != node.name())
-            .collect()
-    });
-    for c in &candidates {
-        load.entry(c.clone()).or_insert(0);
-    }
+    let mut hosting = Hosting::new(node, &ids, &lost);
     let text = job_text(job)?;
     let mut moved = Vec::new();
-    // The least loaded surviving node (then the first by name) takes each lost role.
-    let pick = |load: &mut BTreeMap<String, usize>| -> Result<String, JobError> {
-        let target = load
-            .iter()
-            .filter(|(n, _)| candidates.contains(n))
-            .min_by_key(|(n, k)| (**k, (*n).clone()))
-            .map(|(n, _)| n.clone())
-            .ok_or_else(|| JobError::Placement {
-                what: format!("no surviving node can host the roles lost with {lost:?}"),
-                fix: "start a yatt-node that joins the cluster, then `yatt train --resume`".into(),
-            })?;
-        *load.entry(target.clone()).or_insert(0) += 1;
-        Ok(target)
-    };
-    let is_lost = |id: &yatt_runtime::ActorId| lost.contains(&id.name.node);
+    let is_lost = |id: &ActorId| lost.contains(id);
     // Shared roles: one new actor for every head.
-    if let Some(c) = controllers.first() {
-        if is_lost(c.roles.reward.id()) {
-            let target = pick(&mut load)?;
-            let r = spawn(job, &text, node, "reward", &target, None).await?;
-            moved.push(format!(
-                "reward: {} -> {target}",
-                c.roles.reward.id().name.node
-            ));
-            for c in controllers.iter_mut() {
-                c.roles.reward = r.clone();
-            }
+    if let Some(old) = controllers
+        .first()
+        .map(|c| c.roles.reward.id())
+        .filter(|id| is_lost(id))
+        .map(|id| id.name.node.clone())
+    {
+        let target = hosting.pick(&lost)?;
+        let r = spawn(job, &text, node, "reward", &target, None).await?;
+        moved.push(format!("reward: {old} -> {target}"));
+        for c in controllers.iter_mut() {
+            c.roles.reward = r.clone();
         }
     }
     if let Some(old) = controllers
@@ -131,7 +164,7 @@ pub(crate) async fn respawn_lost_roles(
         .filter(|r| is_lost(r.id()))
         .map(|r| r.id().name.node.clone())
     {
-        let target = pick(&mut load)?;
+        let target = hosting.pick(&lost)?;
         let r = spawn(job, &text, node, "reference", &target, None).await?;
         moved.push(format!("reference: {old} -> {target}"));
         for c in controllers.iter_mut() {
@@ -140,20 +173,26 @@ pub(crate) async fn respawn_lost_roles(
     }
     for c in controllers.iter_mut() {
         if is_lost(c.roles.rollout.id()) {
-            let target = pick(&mut load)?;
+            let target = hosting.pick(&lost)?;
             let old = c.roles.rollout.id().name.node.clone();
             c.roles.rollout = spawn(job, &text, node, "rollout", &target, None).await?;
             moved.push(format!("rollout: {old} -> {target}"));
         }
         for r in c.roles.extra_rollouts.iter_mut() {
             if is_lost(r.id()) {
-                let target = pick(&mut load)?;
+                let target = hosting.pick(&lost)?;
                 let old = r.id().name.node.clone();
                 *r = spawn(job, &text, node, "rollout", &target, None).await?;
                 moved.push(format!("rollout: {old} -> {target}"));
             }
         }
         c.lost_rollouts.clear();
+    }
+    if replicated {
+        let replaced =
+            replace_lost_replicas(job, &text, node, controllers, before, &lost, &mut hosting)
+                .await?;
+        moved.extend(replaced);
     }
     for (c, s) in controllers.iter_mut().zip(before) {
         c.restore(s.clone())?;
@@ -162,27 +201,23 @@ pub(crate) async fn respawn_lost_roles(
     Ok(moved)
 }
 
-/// Which of the job's roles each node hosts.
-fn role_hosts(controllers: &[Controller]) -> BTreeMap<String, Vec<String>> {
-    let mut hosts: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    let mut add = |id: &yatt_runtime::ActorId| {
-        hosts
-            .entry(id.name.node.clone())
-            .or_default()
-            .push(id.name.role.clone());
-    };
+/// The job's role actors and their roles (a shared role once per head).
+fn role_ids(controllers: &[Controller]) -> Vec<(ActorId, &'static str)> {
+    let mut ids: BTreeMap<ActorId, &'static str> = BTreeMap::new();
     for c in controllers {
         let r = &c.roles;
-        add(r.rollout.id());
-        r.extra_rollouts.iter().for_each(|x| add(x.id()));
-        add(r.reward.id());
-        if let Some(x) = &r.reference {
-            add(x.id());
+        ids.insert(r.rollout.id().clone(), "rollout");
+        for x in &r.extra_rollouts {
+            ids.insert(x.id().clone(), "rollout");
         }
-        add(r.policy.id());
+        ids.insert(r.reward.id().clone(), "reward");
+        if let Some(x) = &r.reference {
+            ids.insert(x.id().clone(), "reference");
+        }
+        ids.insert(r.policy.id().clone(), "policy");
         if let Some(x) = &r.critic {
-            add(x.id());
+            ids.insert(x.id().clone(), "critic");
         }
     }
-    hosts
+    ids.into_iter().collect()
 }

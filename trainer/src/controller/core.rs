@@ -11,7 +11,7 @@ use yatt_runtime::{ActorRef, CallError};
 use crate::controller::config::ControllerConfig;
 use crate::controller::error::ControllerError;
 use crate::controller::probe::GenProbe;
-use crate::controller::refs::{variant, RoleRefs, RolloutRef};
+use crate::controller::refs::{variant, PolicyRef, RoleRefs, RolloutRef};
 use crate::controller::report::{ControllerState, StepMetrics, StepReport};
 use crate::controller::residency::Residency;
 use crate::ledger::{LedgerError, SampleLedger, Stage};
@@ -32,6 +32,9 @@ pub struct Controller {
     /// Its policy replica averages gradients in a ring with the other heads' replicas
     /// ([`join_policy_ring`]).
     pub(crate) in_policy_ring: bool,
+    /// The other heads' policy replicas (in the ring, bit-identical to this head's):
+    /// a weight sync whose own replica died after the update exports from one of them.
+    pub(crate) peer_policies: Vec<PolicyRef>,
     /// Rollout replicas a generation request goes to when its own replica is lost.
     pub(crate) spare_rollouts: Vec<RolloutRef>,
     /// Rollout replicas a call found lost (dead node, deadline): skipped by weight sync
@@ -127,6 +130,7 @@ impl Controller {
             weights_version: 0,
             last_sync_bytes: 0,
             in_policy_ring: false,
+            peer_policies: Vec::new(),
             spare_rollouts: Vec::new(),
             lost_rollouts: Default::default(),
             probe: None,

@@ -308,8 +308,15 @@ pub async fn join_policy_ring(
         }
     });
     futures::future::try_join_all(joins).await?;
-    for c in controllers.iter_mut() {
+    let all: Vec<_> = controllers.iter().map(|c| c.roles.policy.clone()).collect();
+    for (i, c) in controllers.iter_mut().enumerate() {
         c.in_policy_ring = true;
+        c.peer_policies = all
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != i)
+            .map(|(_, p)| p.clone())
+            .collect();
     }
     Ok(())
 }

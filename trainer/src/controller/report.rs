@@ -47,6 +47,32 @@ pub struct StepReport {
     pub critic: Option<CriticReport>,
 }
 
+/// The heads' metrics of one step averaged, and the samples their ledgers closed on
+/// as trained, summed (`ledger/samples_trained`): what a run records for the step.
+pub(crate) fn average_heads(reports: &[StepReport]) -> StepMetrics {
+    let mut sum: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+    for r in reports {
+        for (k, v) in &r.metrics.values {
+            let e = sum.entry(k.clone()).or_insert((0.0, 0));
+            e.0 += v;
+            e.1 += 1;
+        }
+    }
+    let mut m = StepMetrics {
+        step: reports.first().map_or(0, |r| r.metrics.step),
+        values: sum
+            .into_iter()
+            .map(|(k, (s, n))| (k, s / n as f64))
+            .collect(),
+    };
+    let trained: usize = reports
+        .iter()
+        .map(|r| r.ledger.samples - r.ledger.dropped)
+        .sum();
+    m.set(yatt_metrics::names::LEDGER_TRAINED, trained as f64);
+    m
+}
+
 /// A controller's position, to checkpoint next to the policy's weights.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ControllerState {

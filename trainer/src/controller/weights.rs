@@ -38,17 +38,10 @@ impl Controller {
     /// the caller to record.
     pub(crate) async fn push_weights(&self) -> Result<Pushed, ControllerError> {
         let t = self.config.timeouts.sync;
-        // Within one process the rollouts take over a snapshot of the policy's tensors;
-        // across processes the weights travel as byte buckets.
         let in_process = self.roles.policy.is_local()
             && self.roles.rollout.is_local()
             && self.roles.extra_rollouts.iter().all(|r| r.is_local());
-        let export = if in_process {
-            PolicyRequest::ExportLocalWeights
-        } else {
-            PolicyRequest::ExportWeights
-        };
-        let update = match self.serve_policy(export, "weight_sync", t).await? {
+        let update = match self.export_from_a_replica(in_process, t).await? {
             PolicyResponse::Weights(u) => u,
             other => return Err(self.protocol("policy", "ExportWeights", format!("{other:?}"))),
         };
@@ -105,6 +98,63 @@ impl Controller {
         })
     }
 
+    /// The weight export of a sync: see [`Controller::serve_a_replica`].
+    async fn export_from_a_replica(
+        &self,
+        in_process: bool,
+        t: std::time::Duration,
+    ) -> Result<PolicyResponse, ControllerError> {
+        // Within one process the rollouts take over a snapshot of the policy's tensors;
+        // across processes the weights travel as byte buckets.
+        self.serve_a_replica(
+            |local| match in_process && local {
+                true => PolicyRequest::ExportLocalWeights,
+                false => PolicyRequest::ExportWeights,
+            },
+            "weight_sync",
+            t,
+        )
+        .await
+    }
+
+    /// Asks this head's policy replica, or, when it is gone (its node died after the
+    /// update, which the ring had completed), the first peer replica that answers: the
+    /// replicas hold bit-identical weights and optimizer state, so the step completes
+    /// (or the checkpoint is saved) as it would have been, and the next step finds the
+    /// replica lost. `request(local)` builds the request for a replica in this process
+    /// or not.
+    async fn serve_a_replica(
+        &self,
+        request: impl Fn(bool) -> PolicyRequest,
+        stage: &'static str,
+        t: std::time::Duration,
+    ) -> Result<PolicyResponse, ControllerError> {
+        let own = self
+            .serve_policy(request(self.roles.policy.is_local()), stage, t)
+            .await;
+        let Err(ControllerError::Call { source, .. }) = &own else {
+            return own;
+        };
+        if !replica_lost(source) || self.peer_policies.is_empty() {
+            return own;
+        }
+        for peer in &self.peer_policies {
+            match self
+                .serve(peer, request(peer.is_local()), stage, "policy", t)
+                .await
+            {
+                Ok(answer) => {
+                    tracing::warn!(step = self.step, stage, replica = %self.roles.policy.id(), from = %peer.id(), "policy replica lost; a peer replica answered for it");
+                    return Ok(answer);
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %peer.id(), error = %e, "peer replica did not answer either")
+                }
+            }
+        }
+        own
+    }
+
     /// Asks the critic (if any) to save a checkpoint to `dir`.
     pub async fn save_critic(&self, dir: std::path::PathBuf) -> Result<(), ControllerError> {
         let Some(c) = &self.roles.critic else {
@@ -128,8 +178,8 @@ impl Controller {
     /// Asks the policy to save a checkpoint to `dir`.
     pub async fn save_policy(&self, dir: std::path::PathBuf) -> Result<(), ControllerError> {
         match self
-            .serve_policy(
-                PolicyRequest::SaveCheckpoint(dir),
+            .serve_a_replica(
+                |_| PolicyRequest::SaveCheckpoint(dir.clone()),
                 "checkpoint",
                 self.config.timeouts.sync,
             )

@@ -9,11 +9,12 @@ use yatt_runtime::Message;
 use yatt_runtime::{ActorRef, ExitReason};
 
 use crate::build::parts::{policy_role_from, policy_trainer, rollout_role};
+use crate::build::replica::{export_state, import_state};
 use crate::checkpoint::load_trainer;
 use crate::controller::refs::{spawn_role, PolicyRef, RolloutRef};
 use crate::error::JobError;
 use crate::live::errors::me;
-use crate::live::errors::{placement_err, unexpected};
+use crate::live::errors::placement_err;
 use crate::live::state::Hosts;
 use crate::live::state::LivePlacement;
 use crate::live::state::Replica;
@@ -123,14 +124,8 @@ impl LivePlacement {
     /// Copies `src`'s trainer state to `dst` as bytes (over QUIC when either is remote).
     pub(crate) async fn hand_off(&self, src: &PolicyRef, dst: &PolicyRef) -> Result<(), JobError> {
         let t = self.deadline();
-        let state = match ask_policy(src, PolicyRequest::ExportState, t).await? {
-            PolicyResponse::State(s) => s,
-            other => return Err(unexpected("ExportState", &other)),
-        };
-        match ask_policy(dst, PolicyRequest::ImportState(state), t).await? {
-            PolicyResponse::Imported => Ok(()),
-            other => Err(unexpected("ImportState", &other)),
-        }
+        let state = export_state(src, t).await?;
+        import_state(dst, state, t).await
     }
 
     /// Drains, offloads and stops a replica (its thread ends and drops its tensors);

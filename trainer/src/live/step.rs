@@ -1,6 +1,5 @@
 //! One step under live placement.
 
-use std::collections::BTreeMap;
 use std::time::Instant;
 
 use yatt_placement::Event;
@@ -9,7 +8,7 @@ use yatt_placement::{finite, Record};
 
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::step_data_parallel;
-use crate::controller::report::{StepMetrics, StepReport};
+use crate::controller::report::{average_heads, StepMetrics};
 use crate::error::JobError;
 use crate::live::state::Hosts;
 use crate::live::state::LivePlacement;
@@ -78,7 +77,7 @@ impl LivePlacement {
             groups: obs.groups,
         })?;
         self.write_policy_log(step)?;
-        let mut m = average(&reports);
+        let mut m = average_heads(&reports);
         m.values.insert(names::STEP_WALL_S.into(), wall);
         // The heads report their own (last) attempt; a step that recovered from a lost
         // node took the whole wall time, detection and re-plan included.
@@ -150,24 +149,5 @@ impl LivePlacement {
             self.write(&Record::Search { step, line })?;
         }
         Ok(())
-    }
-}
-
-/// The heads' metrics averaged (as [`crate::run::run_steps`] reports them).
-pub(crate) fn average(reports: &[StepReport]) -> StepMetrics {
-    let mut sum: BTreeMap<String, (f64, usize)> = BTreeMap::new();
-    for r in reports {
-        for (k, v) in &r.metrics.values {
-            let e = sum.entry(k.clone()).or_insert((0.0, 0));
-            e.0 += v;
-            e.1 += 1;
-        }
-    }
-    StepMetrics {
-        step: reports.first().map_or(0, |r| r.metrics.step),
-        values: sum
-            .into_iter()
-            .map(|(k, (s, n))| (k, s / n as f64))
-            .collect(),
     }
 }

@@ -1,0 +1,127 @@
+//! A data-parallel policy (two replicas, one per head, averaging gradients in a ring)
+//! on real `yatt-node` processes: losing a replica's node (`kill -9`) mid-run hands a
+//! surviving replica's trainer state to a replacement on another node, the ring is
+//! rebuilt and the step runs again; the run ends with the metrics and the final
+//! weights of an undisturbed run. Losing every replica stops the run with the way to
+//! resume.
+
+use std::time::{Duration, Instant};
+
+use yatt_integration_tests::{
+    checkpoint_digest, cluster_logs, metric_of_steps, poll, run_trajectory, steps_done, Cluster,
+};
+
+const CONFIG: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
+
+/// GRPO on the letters task with two heads, each with its policy replica on its node.
+fn replicated(steps: u64, rollout: &str, policy: [&str; 2]) -> Vec<String> {
+    vec![
+        format!("job.steps={steps}"),
+        "job.controllers=2".into(),
+        "job.policy_replicas=2".into(),
+        "data.prompts_per_step=4".into(),
+        "placement.mode=disaggregated".into(),
+        format!("placement.rollout={rollout}"),
+        format!("placement.reward={rollout}"),
+        format!("placement.reference={rollout}"),
+        format!("placement.policy=[\"{}\", \"{}\"]", policy[0], policy[1]),
+    ]
+}
+
+#[test]
+fn losing_a_policy_replicas_node_hands_its_state_to_a_replacement_and_changes_nothing() {
+    let t0 = Instant::now();
+    // pr-0 leads the directory and hosts nothing at first, pr-4 is a spare.
+    let cluster = Cluster::start("pr", 5);
+    let sets = replicated(24, "pr-3", ["pr-1", "pr-2"]);
+    let quiet = tempfile::tempdir().unwrap();
+    let mut run = cluster.spawn_train(CONFIG, &sets, quiet.path(), false);
+    let status = run.wait(Duration::from_secs(120));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{}",
+        run.printed()
+    );
+    let undisturbed = t0.elapsed();
+
+    let out = tempfile::tempdir().unwrap();
+    let mut run = cluster.spawn_train(CONFIG, &sets, out.path(), false);
+    let mut cluster = cluster;
+    // Replica 1's node, then replica 0's.
+    for (victim, after) in [(2, 6), (1, 14)] {
+        let reached = poll(Duration::from_secs(90), || {
+            (steps_done(out.path()) >= after).then_some(())
+        });
+        assert!(
+            reached.is_some(),
+            "the run did not reach step {after}:\n{}\n{}",
+            run.printed(),
+            cluster_logs(&cluster)
+        );
+        cluster.nodes[victim].kill9();
+    }
+    let status = run.wait(Duration::from_secs(120));
+    let printed = run.printed();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{printed}\n{}",
+        cluster_logs(&cluster)
+    );
+    let recovered = metric_of_steps(out.path(), "recovery/respawned_roles");
+    assert_eq!(
+        recovered.iter().map(|(_, n)| *n).collect::<Vec<_>>(),
+        [1.0, 1.0],
+        "one replica replaced after each kill: {recovered:?}\n{printed}"
+    );
+    assert!(
+        printed.contains("policy replica 1: pr-2 ->")
+            && printed.contains("policy replica 0: pr-1 ->"),
+        "{printed}"
+    );
+    let (a, b) = (run_trajectory(quiet.path()), run_trajectory(out.path()));
+    assert_eq!(a.len(), 24);
+    assert_eq!(a, b, "the disturbed run's trajectory differs");
+    assert_eq!(
+        checkpoint_digest(quiet.path()),
+        checkpoint_digest(out.path()),
+        "the disturbed run ends with other weights or optimizer state"
+    );
+    let stalls: Vec<String> = metric_of_steps(out.path(), "timing_s/step")
+        .into_iter()
+        .filter(|(s, _)| recovered.iter().any(|(r, _)| r == s))
+        .map(|(s, t)| format!("step {s}: {t:.2} s"))
+        .collect();
+    eprintln!(
+        "2 replica nodes killed; recovered steps {stalls:?}; undisturbed run {undisturbed:.1?}, all {:.1?}",
+        t0.elapsed()
+    );
+    drop(cluster);
+}
+
+/// Both replicas on one node: when it dies no replica is left to copy from, and the
+/// run stops naming what was lost and the checkpoint to resume from.
+#[test]
+fn losing_every_policy_replica_stops_the_run_with_the_resume_hint() {
+    let mut cluster = Cluster::start("pl", 3);
+    let mut sets = replicated(200, "pl-2", ["pl-1", "pl-1"]);
+    sets.push("checkpoint.every=2".into());
+    let out = tempfile::tempdir().unwrap();
+    let mut run = cluster.spawn_train(CONFIG, &sets, out.path(), false);
+    let reached = poll(Duration::from_secs(90), || {
+        (steps_done(out.path()) >= 5).then_some(())
+    });
+    assert!(reached.is_some(), "{}", run.printed());
+    cluster.nodes[1].kill9();
+    let status = run.wait(Duration::from_secs(60));
+    let printed = run.printed();
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "{status:?}\n{printed}"
+    );
+    assert!(
+        printed.contains("every policy replica was lost")
+            && printed.contains("the last checkpoint is at step")
+            && printed.contains("--resume"),
+        "{printed}"
+    );
+}
