@@ -229,6 +229,8 @@ pub struct Cluster {
     pub dir: tempfile::TempDir,
     /// The nodes; the first is the seed and directory leader.
     pub nodes: Vec<NodeProc>,
+    /// Environment variables of one node's processes: (node name, key, value).
+    node_env: Vec<(String, String, String)>,
 }
 
 impl Cluster {
@@ -240,10 +242,20 @@ impl Cluster {
     /// Like [`Cluster::start`], one node per entry of `args`, each started with its
     /// extra `yatt-node run` arguments (e.g. `["--virtual-devices", "2"]`).
     pub fn start_with(prefix: &str, args: &[&[&str]]) -> Cluster {
+        Cluster::start_with_env(prefix, args, &[])
+    }
+
+    /// Like [`Cluster::start_with`], with environment variables for some nodes'
+    /// processes, restarts included: `(node index, key, value)` (a fault to inject).
+    pub fn start_with_env(prefix: &str, args: &[&[&str]], env: &[(usize, &str, &str)]) -> Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut cluster = Cluster {
             dir,
             nodes: Vec::new(),
+            node_env: env
+                .iter()
+                .map(|(i, k, v)| (format!("{prefix}-{i}"), k.to_string(), v.to_string()))
+                .collect(),
         };
         for (i, extra) in args.iter().enumerate() {
             let seed = cluster.nodes.first().map(|s| s.addr);
@@ -351,6 +363,9 @@ impl Cluster {
         .stderr(std::fs::File::create(log).expect("log file"));
         if let Some(seed) = seed {
             cmd.arg("--seed").arg(seed.to_string());
+        }
+        for (_, k, v) in self.node_env.iter().filter(|(n, _, _)| n == name) {
+            cmd.env(k, v);
         }
         if !extra.contains(&"--data-dir") {
             // Tests keep their runs in their own temporary directories.

@@ -89,12 +89,23 @@ fn a_chaos_run_ends_with_the_weights_of_an_undisturbed_one() {
     let trained = metric_of_steps(out.path(), "ledger/samples_trained");
     assert_eq!(trained.len() as u64, config.steps, "{trained:?}");
     assert!(trained.iter().all(|(_, n)| *n == PER_STEP), "{trained:?}");
-    assert_eq!(
-        run_trajectory(out.path()),
-        want,
-        "the chaos run's trajectory differs (seed {})",
-        config.seed
-    );
+    // A step whose update a surviving replica took before its peer died ran again on
+    // a batch generated anew (`recovery/update_committed`): every other step is the
+    // undisturbed run's.
+    let committed: Vec<usize> = metric_of_steps(out.path(), "recovery/update_committed")
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    let got = run_trajectory(out.path());
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            committed.contains(&(i + 1)) || g == w,
+            "the chaos run's step {} differs (seed {})",
+            i + 1,
+            config.seed
+        );
+    }
     assert_eq!(
         checkpoint_digest(out.path()),
         want_weights,

@@ -125,3 +125,72 @@ fn losing_every_policy_replica_stops_the_run_with_the_resume_hint() {
         "{printed}"
     );
 }
+
+/// Regression (the chaos run of seed 1795695693460619874 stopped here): a replica that
+/// dies after the ring gave its peer every gradient, so that the peer took the step's
+/// update, but before it answered. The survivor is one version past the step: the
+/// update is kept (the replacement takes the survivor's state), the step runs again
+/// for its ledger without a second update, and the run ends with the weights of an
+/// undisturbed one. `YATT_FAULT_EXIT_AFTER_UPDATE` puts the death in that window.
+#[test]
+fn a_replica_lost_after_its_peer_took_the_update_keeps_the_update_and_the_weights() {
+    const STEPS: u64 = 8;
+    const COMMITTED: usize = 4;
+    let sets = replicated(STEPS, "pc-3", ["pc-1", "pc-2"]);
+    let quiet = tempfile::tempdir().unwrap();
+    let undisturbed = Cluster::start("pc", 5);
+    let mut run = undisturbed.spawn_train(CONFIG, &sets, quiet.path(), false);
+    let status = run.wait(Duration::from_secs(120));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{}",
+        run.printed()
+    );
+    drop(undisturbed);
+
+    // Replica 1's node exits right after taking update 4 (step 4), before answering.
+    let version = COMMITTED.to_string();
+    let cluster = Cluster::start_with_env(
+        "pc",
+        &[&[][..]; 5],
+        &[(2, "YATT_FAULT_EXIT_AFTER_UPDATE", &version)],
+    );
+    let out = tempfile::tempdir().unwrap();
+    let mut run = cluster.spawn_train(CONFIG, &sets, out.path(), false);
+    let status = run.wait(Duration::from_secs(180));
+    let printed = run.printed();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{printed}\n{}",
+        cluster_logs(&cluster)
+    );
+    assert_eq!(
+        metric_of_steps(out.path(), "recovery/update_committed"),
+        [(COMMITTED, 1.0)],
+        "{printed}"
+    );
+    assert_eq!(
+        metric_of_steps(out.path(), "recovery/respawned_roles"),
+        [(COMMITTED, 1.0)],
+        "{printed}"
+    );
+    let trained = metric_of_steps(out.path(), "ledger/samples_trained");
+    assert_eq!(trained.len() as u64, STEPS, "{trained:?}");
+    assert!(trained.iter().all(|(_, n)| *n == 64.0), "{trained:?}");
+    // The step that ran again generated its batch anew on the updated weights; every
+    // other step is the undisturbed run's.
+    let (a, b) = (run_trajectory(quiet.path()), run_trajectory(out.path()));
+    assert_eq!(a.len(), b.len());
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        if i + 1 == COMMITTED {
+            assert!(y.iter().all(|(k, _)| !k.starts_with("actor/")), "{y:?}");
+        } else {
+            assert_eq!(x, y, "step {} differs", i + 1);
+        }
+    }
+    assert_eq!(
+        checkpoint_digest(quiet.path()),
+        checkpoint_digest(out.path()),
+        "the disturbed run ends with other weights or optimizer state"
+    );
+}

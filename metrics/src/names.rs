@@ -149,6 +149,10 @@ pub const PLACEMENT_REQUEUED: &str = "placement/requeued";
 /// Roles a disaggregated step spawned again on surviving nodes after losing theirs
 /// (present only on a step that recovered).
 pub const RECOVERY_RESPAWNED: &str = "recovery/respawned_roles";
+/// 1 on a step whose update a surviving policy replica had already taken when its peer
+/// was lost: the step ran again for its ledger without a second update, so its batch
+/// was generated anew on the updated weights and it has no `actor/*` loss statistics.
+pub const RECOVERY_UPDATE_COMMITTED: &str = "recovery/update_committed";
 /// Samples the step's ledgers closed on as trained (every head's, summed): each was
 /// accounted for at every stage exactly once.
 pub const LEDGER_TRAINED: &str = "ledger/samples_trained";

@@ -18,6 +18,7 @@
 //! | [`judge_model`] | generative reward model (LLM judge) on its own generator |
 
 pub mod critic;
+mod fault;
 pub mod growing_reward;
 pub mod judge_model;
 pub mod policy;

@@ -673,6 +673,7 @@ impl PolicyRole {
         let fail = |e: EngineError| RoleError::Failed(format!("averaging gradients: {e}"));
         self.trainer.set_flat_grads(&mean).map_err(fail)?;
         let step = self.trainer.apply_gradients().map_err(fail)?;
+        super::fault::after_update(self.trainer.step_count());
         report.optimizer_steps = 1;
         report.version = self.trainer.step_count();
         report.grad_norm = step.grad_norm;

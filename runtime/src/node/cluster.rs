@@ -81,6 +81,11 @@ impl Node {
     /// Leader: sends an update to every alive member, in order.
     pub(super) async fn broadcast(&self, update: Update) {
         self.follow_update(&update);
+        self.send_to_members(update).await;
+    }
+
+    /// Leader: sends an update it already follows to every alive member.
+    async fn send_to_members(&self, update: Update) {
         let members = self.alive_members();
         let sends = members.into_iter().map(|m| {
             let node = self.clone();
@@ -385,7 +390,7 @@ impl Node {
         let lead = self.lead();
         let expired = self.lock_detector().expired(now);
         if lead.leader == self.name() {
-            self.declare_dead(expired).await;
+            self.declare_dead(expired);
         } else if expired.contains(&lead.leader) {
             tracing::warn!(node = %self.name(), leader = %lead.leader, term = lead.term, timeout = ?self.inner.config.failure_timeout, "the directory's leader is silent");
             self.leader_lost(&lead.leader, false);
@@ -400,8 +405,13 @@ impl Node {
         }
     }
 
-    /// Leader: declares silent members dead.
-    async fn declare_dead(&self, silent: Vec<String>) {
+    /// Leader: declares silent members dead. The directory changes at once; the
+    /// updates go out from a task of their own, in order. Sent from here, they held up
+    /// the heartbeat loop: a member killed in the same moment has no connection, and
+    /// the handshake to it waits out its deadline, long enough for every member to find
+    /// the leader silent and elect another.
+    fn declare_dead(&self, silent: Vec<String>) {
+        let mut updates = Vec::new();
         for node in silent {
             tracing::warn!(%node, timeout = ?self.inner.config.failure_timeout, "peer silent: declaring it dead");
             let change = Change::NodeDown {
@@ -412,9 +422,19 @@ impl Node {
                 )),
             };
             if let Ok(Some(update)) = self.inner.directory.apply(change) {
-                self.broadcast(update).await;
+                self.follow_update(&update);
+                updates.push(update);
             }
         }
+        if updates.is_empty() {
+            return;
+        }
+        let leader = self.clone();
+        tokio::spawn(async move {
+            for update in updates {
+                leader.send_to_members(update).await;
+            }
+        });
     }
 
     /// Graceful shutdown: refuse new work, drain in-flight requests (bounded), leave

@@ -107,10 +107,16 @@ impl Hosting {
 }
 
 /// Replaces every lost policy replica of `controllers` (one per head) with a new one on
-/// a surviving node that takes the first surviving replica's trainer state, then
-/// rebuilds the ring. Refuses (with the way to resume) when every replica is lost, or
-/// when the survivor already took the failed step's update (it is past `before`, so the
-/// step cannot run again). Returns what moved.
+/// a surviving node that takes a surviving replica's trainer state, then rebuilds the
+/// ring. Refuses (with the way to resume) when every replica is lost.
+///
+/// A replica can die after its peers finished the ring with its gradients and took the
+/// step's update, before it answered: no exchange closes that window, since whichever
+/// message commits the update, a replica can die just after it. The survivors are then
+/// one version past `before`. That update is kept: every replica (replacements and any
+/// survivor still at `before`) takes the newest survivor's state, and each head is
+/// marked [`Controller::update_committed`] so that the step runs again for its ledger
+/// without a second update. Returns what moved.
 pub(crate) async fn replace_lost_replicas(
     job: &JobConfig,
     text: &str,
@@ -126,7 +132,10 @@ pub(crate) async fn replace_lost_replicas(
     if heads.is_empty() {
         return Ok(Vec::new());
     }
-    let Some(src) = (0..controllers.len()).find(|i| !heads.contains(i)) else {
+    let survivors: Vec<usize> = (0..controllers.len())
+        .filter(|i| !heads.contains(i))
+        .collect();
+    if survivors.is_empty() {
         let gone: Vec<String> = controllers
             .iter()
             .map(|c| c.roles.policy.id().to_string())
@@ -138,21 +147,44 @@ pub(crate) async fn replace_lost_replicas(
             ),
             fix: RESUME.into(),
         });
-    };
-    let t = job_timeouts(job).sync;
-    let source = controllers[src].roles.policy.clone();
-    let state = export_state(&source, t).await?;
-    let (at, want) = (state_step(&state)?, before[src].weights_version);
-    if at != want {
-        return Err(JobError::Recovery {
-            what: format!(
-                "policy replica {} is at version {at}, but the failed step started at version {want}: it took the step's update before its peer was lost, so the step cannot run again",
-                source.id()
-            ),
-            fix: RESUME.into(),
-        });
     }
+    let t = job_timeouts(job).sync;
+    let want = before[survivors[0]].weights_version;
+    // Every survivor's version (from its state): with more than two replicas, some may
+    // have taken the update and others not.
+    let mut states = Vec::with_capacity(survivors.len());
+    for &i in &survivors {
+        let source = controllers[i].roles.policy.clone();
+        let state = export_state(&source, t).await?;
+        let at = state_step(&state)?;
+        if at != want && at != want + 1 {
+            return Err(JobError::Recovery {
+                what: format!(
+                    "policy replica {} is at version {at}, but the failed step started at version {want}",
+                    source.id()
+                ),
+                fix: RESUME.into(),
+            });
+        }
+        states.push((i, at, state));
+    }
+    let newest = states.iter().map(|(_, at, _)| *at).max().unwrap_or(want);
+    let (_, _, state) = states
+        .iter()
+        .find(|(_, at, _)| *at == newest)
+        .expect("one survivor at least");
+    let state = state.clone();
     let mut moved = Vec::new();
+    for (i, at, _) in &states {
+        if *at != newest {
+            import_state(&controllers[*i].roles.policy, state.clone(), t).await?;
+            tracing::info!(
+                replica = i,
+                version = newest,
+                "a surviving policy replica caught up with its peers"
+            );
+        }
+    }
     for i in heads {
         let target = hosting.pick_replica(lost)?;
         let new: PolicyRef = spawn(job, text, node, "policy", &target, None).await?;
@@ -162,6 +194,15 @@ pub(crate) async fn replace_lost_replicas(
         controllers[i].roles.policy = new;
     }
     join_policy_ring(controllers, RING_CHUNK_BYTES).await?;
+    if newest == want + 1 {
+        tracing::warn!(
+            version = newest,
+            "the lost step's update was taken before the replica died: it is kept, and the step runs again without it"
+        );
+        for c in controllers.iter_mut() {
+            c.update_committed = Some(newest);
+        }
+    }
     Ok(moved)
 }
 

@@ -132,7 +132,10 @@ async fn respawn_once(
     }
     // A user's role went with it: the trainer cannot make another, and a built-in one
     // in its place would silently change the run.
-    if node.directory().read(|d| custom.iter().any(|id| actor_lost(d, id))) {
+    if node
+        .directory()
+        .read(|d| custom.iter().any(|id| actor_lost(d, id)))
+    {
         return Ok(Vec::new());
     }
     // The critic's state went with it, and a policy without replicas has no copy.

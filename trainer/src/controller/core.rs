@@ -35,6 +35,10 @@ pub struct Controller {
     /// The other heads' policy replicas (in the ring, bit-identical to this head's):
     /// a weight sync whose own replica died after the update exports from one of them.
     pub(crate) peer_policies: Vec<PolicyRef>,
+    /// Set by a recovery when a surviving replica had already taken the lost step's
+    /// update (to this version) before its peer died: the step runs again for its
+    /// ledger and metrics, but its update is not taken twice.
+    pub(crate) update_committed: Option<u64>,
     /// Rollout replicas a generation request goes to when its own replica is lost.
     pub(crate) spare_rollouts: Vec<RolloutRef>,
     /// Rollout replicas a call found lost (dead node, deadline): skipped by weight sync
@@ -131,6 +135,7 @@ impl Controller {
             last_sync_bytes: 0,
             in_policy_ring: false,
             peer_policies: Vec::new(),
+            update_committed: None,
             spare_rollouts: Vec::new(),
             lost_rollouts: Default::default(),
             probe: None,

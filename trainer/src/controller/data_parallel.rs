@@ -3,6 +3,7 @@
 
 use std::time::Instant;
 
+use yatt_metrics::names;
 use yatt_roles::{GradShard, PolicyRequest, PolicyResponse, SampleId, TrainReport};
 use yatt_runtime::RingSpec;
 
@@ -112,6 +113,7 @@ pub async fn step_data_parallel(
     // One per head when the heads synced beside generation; none otherwise.
     let mut synced = synced.into_iter();
     for (i, (c, p)) in controllers.iter_mut().zip(prepared).enumerate() {
+        let committed = c.update_committed.take();
         // Each ledger records the trained ids of its own samples only.
         let mine: std::collections::BTreeSet<SampleId> = p.samples.iter().map(|s| s.id).collect();
         let own = TrainReport {
@@ -125,6 +127,15 @@ pub async fn step_data_parallel(
         };
         let sync = synced.next().flatten();
         let mut report = c.finish(p, own, None, secs, sync).await?;
+        if committed.is_some() {
+            // The update ran before the loss, on the batch the step lost: no statistics
+            // of this batch describe it.
+            report
+                .metrics
+                .values
+                .retain(|k, _| !k.starts_with("actor/"));
+            report.metrics.set(names::RECOVERY_UPDATE_COMMITTED, 1.0);
+        }
         if let Some((carried, overlap)) = &ahead {
             c.report_pipeline(&mut report, carried[i], overlap[i]);
         }
@@ -140,6 +151,9 @@ async fn update(
     prepared: &[Prepared],
     replicated: bool,
 ) -> Result<TrainReport, ControllerError> {
+    if let Some(report) = committed_update(controllers, prepared)? {
+        return Ok(report);
+    }
     if replicated && controllers.iter().all(|c| c.in_policy_ring) {
         return all_reduce_update(controllers, prepared).await;
     }
@@ -154,6 +168,39 @@ async fn update(
     let trained = apply_shards(appliers, shards).await?;
     check_replicas_agree(&trained)?;
     Ok(trained.into_iter().next().expect("at least one controller"))
+}
+
+/// The report of an update the replicas already took before a lost peer failed the
+/// step (a recovery found a survivor past the step's version and gave every replica
+/// its state, see `Controller::update_committed`): every head's samples count as
+/// trained, with no loss statistics, and no optimizer step is taken again.
+fn committed_update(
+    controllers: &[Controller],
+    prepared: &[Prepared],
+) -> Result<Option<TrainReport>, ControllerError> {
+    let Some(version) = controllers.iter().find_map(|c| c.update_committed) else {
+        return Ok(None);
+    };
+    if let Some(c) = controllers
+        .iter()
+        .find(|c| c.update_committed != Some(version) || c.weights_version != version)
+    {
+        // Training again would take the update twice; going on without would leave
+        // some replica behind.
+        return Err(ControllerError::Config(format!(
+            "a recovered step's update was taken to version {version}, but a head holds weights {} (update taken: {:?}); resume from the last checkpoint",
+            c.weights_version, c.update_committed
+        )));
+    }
+    Ok(Some(TrainReport {
+        trained: prepared
+            .iter()
+            .flat_map(|p| p.samples.iter().map(|s| s.id))
+            .collect(),
+        optimizer_steps: 0,
+        version,
+        ..Default::default()
+    }))
 }
 
 /// Each head's gradients on its own samples (side by side when the policy is
