@@ -13,9 +13,10 @@
 //! filtering — the quantity a policy-gradient loss recomputes at training time.
 
 use crate::error::{EngineError, Result};
+use crate::kept::{KeptSequences, DEFAULT_KEPT_KV_BYTES};
 use crate::model::{Attn, DecodeGraphs, KvCache, Llama};
+use crate::schedule::{plan_prefill, PrefillPlan, Scheduler};
 use crate::tokenizer::Tokenizer;
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
@@ -157,86 +158,15 @@ pub struct GenerateStats {
     /// Prompt positions run through the model by prefill calls (padding excluded): with
     /// prefix sharing, fewer than the prompts' total length.
     pub prefill_positions: usize,
+    /// Prompt positions whose KV came back from a kept sequence instead of a prefill
+    /// ([`Generator::generate_continuing`]).
+    pub reused_positions: usize,
     /// Tokens generated.
     pub generated_tokens: usize,
     /// Sum over decode steps of the active batch size (utilisation = this / steps / max_batch).
     pub slot_steps: usize,
     /// Wall time in seconds.
     pub seconds: f64,
-}
-
-/// The deterministic slot bookkeeping of continuous batching.
-#[derive(Debug, Clone)]
-pub struct Scheduler {
-    mode: BatchingMode,
-    max_batch: usize,
-    waiting: VecDeque<usize>,
-    active: Vec<usize>,
-}
-
-impl Scheduler {
-    /// A scheduler for requests `0..n`.
-    pub fn new(n: usize, max_batch: usize, mode: BatchingMode) -> Self {
-        Scheduler {
-            mode,
-            max_batch: max_batch.max(1),
-            waiting: (0..n).collect(),
-            active: Vec::new(),
-        }
-    }
-    /// Moves waiting requests into free slots; returns them. They occupy slots
-    /// `active_len() - k .. active_len()`, in order.
-    pub fn admit(&mut self) -> Vec<usize> {
-        if self.mode == BatchingMode::Static && !self.active.is_empty() {
-            return vec![];
-        }
-        let mut out = Vec::new();
-        while self.active.len() < self.max_batch {
-            match self.waiting.pop_front() {
-                Some(r) => {
-                    self.active.push(r);
-                    out.push(r);
-                }
-                None => break,
-            }
-        }
-        out
-    }
-    /// Puts the requests in slots `start..start + order.len()` in the given order, which
-    /// must be a permutation of them (prefill places copies of a prompt after it).
-    pub fn reorder_slots(&mut self, start: usize, order: &[usize]) {
-        let range = start..start + order.len();
-        let mut a = self.active[range.clone()].to_vec();
-        let mut b = order.to_vec();
-        a.sort_unstable();
-        b.sort_unstable();
-        assert_eq!(
-            a, b,
-            "reorder_slots needs a permutation of the slots' requests"
-        );
-        self.active[range].copy_from_slice(order);
-    }
-    /// Finishes the sequence in `slot`. If another sequence was moved into that slot to
-    /// keep the active slots dense, returns the slot it came from.
-    /// Finish several slots of one step in descending slot order.
-    pub fn finish(&mut self, slot: usize) -> Option<usize> {
-        let last = self.active.len() - 1;
-        self.active.swap_remove(slot);
-        (slot != last).then_some(last)
-    }
-    /// Request in each active slot (the tests' view of the bookkeeping).
-    #[cfg(test)]
-    pub fn active(&self) -> &[usize] {
-        &self.active
-    }
-    /// Number of active slots.
-    pub fn active_len(&self) -> usize {
-        self.active.len()
-    }
-    /// Whether all requests have finished.
-    pub fn is_done(&self) -> bool {
-        self.active.is_empty() && self.waiting.is_empty()
-    }
 }
 
 /// A request's private random stream (SplitMix64), one uniform per sampled token.
@@ -397,76 +327,6 @@ fn sample_tch(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
     (toks, lps)
 }
 
-/// How an admitted chunk is prefilled.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PrefillPlan {
-    /// The chunk's requests in slot order: the first `leaders` have distinct prompts,
-    /// the rest repeat one of them.
-    pub order: Vec<usize>,
-    /// Number of distinct prompts.
-    pub leaders: usize,
-    /// For each entry of `order`, the position (in `order`) of the request whose prompt
-    /// it runs: itself for a leader.
-    pub source: Vec<usize>,
-    /// Leading tokens common to all distinct prompts, prefilled once (0 = none).
-    pub shared: usize,
-}
-
-/// Fewest common leading tokens worth a separate prefill call.
-const MIN_SHARED_PREFIX: usize = 4;
-
-/// Plans the prefill of `chunk` (request indices). With `share`, identical prompts are
-/// prefilled once and the prefix common to all distinct prompts once (each prompt keeps at
-/// least its last token, whose logits start sampling); without, every request is its own
-/// leader.
-pub fn plan_prefill(chunk: &[usize], requests: &[Request], share: bool) -> PrefillPlan {
-    if !share {
-        return PrefillPlan {
-            order: chunk.to_vec(),
-            leaders: chunk.len(),
-            source: (0..chunk.len()).collect(),
-            shared: 0,
-        };
-    }
-    let mut leaders: Vec<usize> = Vec::new();
-    let mut copies: Vec<(usize, usize)> = Vec::new(); // (request, leader position)
-    let mut seen: std::collections::HashMap<&[i64], usize> = Default::default();
-    for &r in chunk {
-        let p = requests[r].prompt.as_slice();
-        match seen.get(p) {
-            Some(&l) => copies.push((r, l)),
-            None => {
-                seen.insert(p, leaders.len());
-                leaders.push(r);
-            }
-        }
-    }
-    let mut shared = 0;
-    if leaders.len() >= 2 {
-        let first = &requests[leaders[0]].prompt;
-        shared = leaders[1..].iter().fold(first.len() - 1, |acc, &r| {
-            let p = &requests[r].prompt;
-            let common = first.iter().zip(p).take_while(|(a, b)| a == b).count();
-            acc.min(common).min(p.len() - 1)
-        });
-        if shared < MIN_SHARED_PREFIX {
-            shared = 0;
-        }
-    }
-    let mut order = leaders.clone();
-    let mut source: Vec<usize> = (0..leaders.len()).collect();
-    for (r, l) in copies {
-        order.push(r);
-        source.push(l);
-    }
-    PrefillPlan {
-        leaders: leaders.len(),
-        order,
-        source,
-        shared,
-    }
-}
-
 struct SlotState {
     req: usize,
     /// Unique within one `generate` call (slots move; this does not).
@@ -480,6 +340,26 @@ struct SlotState {
     len: i64,
     rng: RequestRng,
     stops: Vec<i64>,
+}
+
+impl SlotState {
+    /// A sequence of request `rq` (index `req`) entering a slot after its prefill.
+    fn new(rq: &Request, req: usize, uid: usize, eos: &[i64]) -> Self {
+        let mut stops = rq.params.stop_token_ids.clone();
+        if !rq.params.ignore_eos {
+            stops.extend(eos);
+        }
+        SlotState {
+            req,
+            uid,
+            shares: None,
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            len: rq.prompt.len() as i64,
+            rng: RequestRng::new(rq.params.seed),
+            stops,
+        }
+    }
 }
 
 /// Per active slot, `(slot, len)` of the sequence it shares its first `len` positions
@@ -512,6 +392,7 @@ pub struct Generator {
     tokenizer: Option<Arc<Tokenizer>>,
     repack: bool,
     graphs: DecodeGraphs,
+    kept: KeptSequences,
 }
 
 impl Generator {
@@ -526,6 +407,7 @@ impl Generator {
             tokenizer: None,
             repack: false,
             graphs: DecodeGraphs::default(),
+            kept: KeptSequences::new(DEFAULT_KEPT_KV_BYTES),
         }
     }
 
@@ -544,8 +426,10 @@ impl Generator {
     /// next generation.
     pub fn model_mut(&mut self) -> &mut Llama {
         self.repack = true;
-        // The caller may move the weights: recorded graphs would read the old ones.
+        // The caller may move the weights: recorded graphs would read the old ones. It
+        // may change them too: kept KV was computed with the old ones.
         self.graphs.clear();
+        self.kept.clear();
         &mut self.model
     }
 
@@ -587,6 +471,7 @@ impl Generator {
         &mut self,
         named: impl IntoIterator<Item = (&'a str, &'a Tensor)>,
     ) -> Result<usize> {
+        self.kept.clear();
         self.model.copy_weights_from(named)
     }
 
@@ -595,6 +480,7 @@ impl Generator {
     pub fn adopt_weights(&mut self, snapshot: &[(String, Tensor)]) -> Result<usize> {
         // Other tensors than those the graphs recorded.
         self.graphs.clear();
+        self.kept.clear();
         self.model.adopt_weights(snapshot)
     }
 
@@ -624,6 +510,24 @@ impl Generator {
     pub fn free_cache(&mut self) {
         self.graphs.clear();
         self.cache = None;
+        self.kept.clear();
+    }
+
+    /// Bounds the bytes of the pool of KV kept for sequences to be continued (1 GiB by
+    /// default; the oldest go first when it is full). Less than one slot keeps none.
+    pub fn set_kept_kv_bytes(&mut self, bytes: usize) {
+        self.kept.set_budget(bytes);
+    }
+
+    /// Drops every kept sequence (e.g. once the episodes that would continue them are
+    /// over).
+    pub fn forget_kept(&mut self) {
+        self.kept.clear();
+    }
+
+    /// Sequences kept for a later request to continue.
+    pub fn kept_len(&self) -> usize {
+        self.kept.len()
     }
 
     /// Generates for all `requests`, calling `on_done` with each sample as soon as it
@@ -631,9 +535,33 @@ impl Generator {
     pub fn generate_with(
         &mut self,
         requests: &[Request],
+        on_done: impl FnMut(Completion),
+    ) -> Result<GenerateStats> {
+        self.generate_continuing(requests, &[], false, on_done)
+    }
+
+    /// Like [`Generator::generate_with`], continuing kept sequences: a request `i` with
+    /// a key `keys[i]` continues the sequence kept under that key, if any (its KV goes
+    /// back into the cache for the leading tokens its prompt shares with it, and only
+    /// the rest is prefilled), and, with `keep`, is kept under that key when it finishes
+    /// (its prompt and the tokens fed back) for a later call to continue. `keys` is
+    /// empty or has one entry per request. The tokens are those of a full prefill up to
+    /// GEMM rounding (decode and prefill sum in another order).
+    pub fn generate_continuing(
+        &mut self,
+        requests: &[Request],
+        keys: &[Option<u64>],
+        keep: bool,
         mut on_done: impl FnMut(Completion),
     ) -> Result<GenerateStats> {
         let t0 = Instant::now();
+        if !keys.is_empty() && keys.len() != requests.len() {
+            return Err(EngineError::InvalidArgument(format!(
+                "{} keys for {} requests: give one per request, or none",
+                keys.len(),
+                requests.len()
+            )));
+        }
         let cap = self.config.max_seq_len;
         for r in requests {
             if r.prompt.is_empty() {
@@ -661,6 +589,8 @@ impl Generator {
                 )));
             }
         }
+        // The keys finished sequences are kept under (none without `keep`).
+        let keep_keys: &[Option<u64>] = if keep { keys } else { &[] };
         self.ensure_cache();
         if self.repack {
             self.model.pack_for_inference(self.config.max_batch as i64);
@@ -676,29 +606,37 @@ impl Generator {
             loop {
                 // 1. Admit and prefill.
                 let admitted = sched.admit();
-                for chunk in admitted.chunks(self.config.max_prefill_batch.max(1)) {
+                // Requests continuing a kept sequence take the last slots of the batch,
+                // each prefilled on its own from where its kept KV ends.
+                let mut continued = Vec::new();
+                let mut fresh = Vec::with_capacity(admitted.len());
+                for &r in &admitted {
+                    let key = keys.get(r).copied().flatten();
+                    match key.and_then(|k| self.kept.take(k, &requests[r].prompt)) {
+                        Some(c) => continued.push((r, c)),
+                        None => fresh.push(r),
+                    }
+                }
+                // Continued requests in order of their kept lengths, so that each chunk
+                // of them holds similar ones (see below).
+                continued.sort_by_key(|(_, c)| c.positions);
+                if !continued.is_empty() {
+                    let order: Vec<usize> = fresh
+                        .iter()
+                        .copied()
+                        .chain(continued.iter().map(|c| c.0))
+                        .collect();
+                    sched.reorder_slots(slots.len(), &order);
+                }
+                for chunk in fresh.chunks(self.config.max_prefill_batch.max(1)) {
                     let plan = plan_prefill(chunk, requests, self.config.share_prefixes);
                     // The chunk's requests sit in the scheduler's slots from slots.len().
                     sched.reorder_slots(slots.len(), &plan.order);
                     let start = slots.len() as i64;
-                    let logits = self.prefill(requests, &plan, start, &mut stats);
+                    let logits = self.prefill(requests, &plan, start, false, &mut stats);
                     for &r in &plan.order {
-                        let rq = &requests[r];
-                        let mut stops = rq.params.stop_token_ids.clone();
-                        if !rq.params.ignore_eos {
-                            stops.extend(&eos);
-                        }
                         next_uid += 1;
-                        slots.push(SlotState {
-                            req: r,
-                            uid: next_uid,
-                            shares: None,
-                            tokens: Vec::new(),
-                            logprobs: Vec::new(),
-                            len: rq.prompt.len() as i64,
-                            rng: RequestRng::new(rq.params.seed),
-                            stops,
-                        });
+                        slots.push(SlotState::new(&requests[r], r, next_uid, &eos));
                     }
                     // Who shares what with whom, for the decode steps (see SlotState).
                     let first = slots.len() - plan.order.len();
@@ -716,11 +654,56 @@ impl Generator {
                     let range = start as usize..slots.len();
                     self.sample_into(&logits, requests, &mut slots, range, &mut stats);
                 }
+                // Each chunk of continued requests is prefilled in one call from its
+                // shortest kept length (the others run their few extra kept positions
+                // again): one batched call instead of one per request.
+                for chunk in continued.chunks(self.config.max_prefill_batch.max(1)) {
+                    let start = slots.len() as i64;
+                    let offset = chunk[0].1.positions;
+                    let cache = self.cache.as_mut().expect("cache allocated");
+                    for (i, (_, c)) in chunk.iter().enumerate() {
+                        self.kept.restore(c, cache, start + i as i64, offset as i64);
+                    }
+                    // Whole key blocks of the prefix every prompt of the chunk shares (a
+                    // system prompt, a group's question) take the first one's KV, so that
+                    // decode reads them once for all, as after a shared prefill.
+                    let first = &requests[chunk[0].0].prompt[..offset];
+                    let common = chunk[1..].iter().fold(offset, |acc, (r, _)| {
+                        let p = &requests[*r].prompt;
+                        acc.min(first.iter().zip(p).take_while(|(a, b)| a == b).count())
+                    }) as i64
+                        / crate::model::KV_BLOCK
+                        * crate::model::KV_BLOCK;
+                    let share = chunk.len() > 1 && common > 0;
+                    if share {
+                        let others: Vec<i64> = (1..chunk.len() as i64).map(|i| start + i).collect();
+                        cache.copy_slots(&vec![start; others.len()], &others, common);
+                    }
+                    stats.reused_positions += offset * chunk.len();
+                    let plan = PrefillPlan {
+                        order: chunk.iter().map(|c| c.0).collect(),
+                        leaders: chunk.len(),
+                        source: (0..chunk.len()).collect(),
+                        shared: offset,
+                    };
+                    let logits = self.prefill(requests, &plan, start, true, &mut stats);
+                    let uid0 = next_uid + 1;
+                    for (i, &r) in plan.order.iter().enumerate() {
+                        next_uid += 1;
+                        let mut slot = SlotState::new(&requests[r], r, next_uid, &eos);
+                        if share && i > 0 {
+                            slot.shares = Some((uid0, common));
+                        }
+                        slots.push(slot);
+                    }
+                    let range = start as usize..slots.len();
+                    self.sample_into(&logits, requests, &mut slots, range, &mut stats);
+                }
                 // Retire only once every admitted request has a slot state: retiring moves
                 // the last active request into the freed slot, and that must be one whose
                 // state exists.
                 if !admitted.is_empty() {
-                    self.retire(requests, &mut slots, &mut sched, &mut on_done);
+                    self.retire(requests, keep_keys, &mut slots, &mut sched, &mut on_done);
                 }
                 if sched.is_done() {
                     break;
@@ -772,7 +755,7 @@ impl Generator {
                 stats.slot_steps += n as usize;
                 self.sample_into(&logits, requests, &mut slots, 0..n as usize, &mut stats);
                 crate::profile::mark(device, "decode: sample");
-                self.retire(requests, &mut slots, &mut sched, &mut on_done);
+                self.retire(requests, keep_keys, &mut slots, &mut sched, &mut on_done);
                 crate::profile::mark(device, "decode: retire");
             }
             Ok(())
@@ -784,19 +767,21 @@ impl Generator {
     /// Prefills the chunk laid out by `plan` into slots `start..`: the shared prefix once
     /// (copied into the other distinct prompts' slots), each distinct prompt's rest in one
     /// batch, then the KV of each copy from its prompt's slot. Returns the logits at every
-    /// slot's last prompt position, in slot order.
+    /// slot's last prompt position, in slot order. With `prefix_cached`, the shared
+    /// prefix is in the cache already (a kept sequence's KV) and is not run.
     fn prefill(
         &mut self,
         requests: &[Request],
         plan: &PrefillPlan,
         start: i64,
+        prefix_cached: bool,
         stats: &mut GenerateStats,
     ) -> Tensor {
         let device = self.model.device();
         let lead = &plan.order[..plan.leaders];
         let shared = plan.shared as i64;
         let cache = self.cache.as_mut().expect("cache allocated");
-        if shared > 0 {
+        if shared > 0 && !prefix_cached {
             let p = &requests[lead[0]].prompt[..plan.shared];
             let ids = Tensor::from_slice(p).view([1, shared]).to_device(device);
             let pos = Tensor::arange(shared, (Kind::Int64, device)).unsqueeze(0);
@@ -921,6 +906,7 @@ impl Generator {
     fn retire(
         &mut self,
         requests: &[Request],
+        keys: &[Option<u64>],
         slots: &mut Vec<SlotState>,
         sched: &mut Scheduler,
         on_done: &mut impl FnMut(Completion),
@@ -934,6 +920,15 @@ impl Generator {
         for (slot, finish) in done {
             let moved_from = sched.finish(slot);
             let s = slots.swap_remove(slot);
+            // Kept before another sequence moves into its slot.
+            if let Some(key) = keys.get(s.req).copied().flatten() {
+                let prompt = &requests[s.req].prompt;
+                let fed = (s.len as usize).saturating_sub(prompt.len());
+                let mut tokens = prompt.clone();
+                tokens.extend_from_slice(&s.tokens[..fed.min(s.tokens.len())]);
+                let cache = self.cache.as_ref().expect("cache");
+                self.kept.keep(key, tokens, cache, slot as i64, s.len);
+            }
             if let Some(from) = moved_from {
                 let len = slots[slot].len;
                 self.cache
@@ -994,84 +989,6 @@ impl Generator {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn scheduler_refills_at_once_in_continuous_mode() {
-        let mut s = Scheduler::new(5, 2, BatchingMode::Continuous);
-        assert_eq!(s.admit(), vec![0, 1]);
-        assert_eq!(s.admit(), Vec::<usize>::new());
-        assert_eq!(s.finish(0), Some(1)); // request 1 moves into slot 0
-        assert_eq!(s.active(), &[1]);
-        assert_eq!(s.admit(), vec![2]);
-        assert_eq!(s.active(), &[1, 2]);
-        // finishing both in descending order keeps indices valid
-        assert_eq!(s.finish(1), None);
-        assert_eq!(s.finish(0), None);
-        assert_eq!(s.admit(), vec![3, 4]);
-        s.finish(1);
-        s.finish(0);
-        assert!(s.is_done());
-    }
-
-    #[test]
-    fn scheduler_static_waits_for_whole_batch() {
-        let mut s = Scheduler::new(4, 2, BatchingMode::Static);
-        assert_eq!(s.admit(), vec![0, 1]);
-        s.finish(1);
-        assert_eq!(s.admit(), Vec::<usize>::new());
-        s.finish(0);
-        assert_eq!(s.admit(), vec![2, 3]);
-    }
-
-    fn req(id: u64, prompt: &[i64]) -> Request {
-        Request {
-            id,
-            prompt: prompt.to_vec(),
-            params: SamplingParams::default(),
-        }
-    }
-
-    #[test]
-    fn prefill_plan_shares_repeats_and_the_common_prefix() {
-        let sys = [1i64, 2, 3, 4, 5, 6];
-        let a = [&sys[..], &[10, 11]].concat();
-        let b = [&sys[..], &[20]].concat();
-        let reqs = vec![req(0, &a), req(1, &b), req(2, &a), req(3, &b), req(4, &a)];
-        let plan = plan_prefill(&[0, 1, 2, 3, 4], &reqs, true);
-        assert_eq!(plan.order, vec![0, 1, 2, 3, 4]);
-        assert_eq!(plan.leaders, 2);
-        assert_eq!(plan.source, vec![0, 1, 0, 1, 0]);
-        assert_eq!(plan.shared, 6);
-        // Requests 2 and 4 repeat request 0's prompt: they follow the leaders.
-        let plan = plan_prefill(&[2, 4, 1, 0], &reqs, true);
-        assert_eq!(plan.order, vec![2, 1, 4, 0]);
-        assert_eq!(plan.source, vec![0, 1, 0, 0]);
-        // One prompt being a prefix of another: each keeps its last token.
-        let reqs = vec![req(0, &sys), req(1, &a)];
-        assert_eq!(plan_prefill(&[0, 1], &reqs, true).shared, 5);
-        // Short common prefixes and a single distinct prompt are not split off.
-        let reqs = vec![
-            req(0, &[1, 2, 3, 9]),
-            req(1, &[1, 2, 3, 8]),
-            req(2, &[1, 2, 3, 8]),
-        ];
-        assert_eq!(plan_prefill(&[0, 1], &reqs, true).shared, 0);
-        let plan = plan_prefill(&[1, 2], &reqs, true);
-        assert_eq!((plan.leaders, plan.shared), (1, 0));
-        // Without sharing every request is its own leader.
-        let plan = plan_prefill(&[1, 2], &reqs, false);
-        assert_eq!((plan.order, plan.leaders, plan.shared), (vec![1, 2], 2, 0));
-    }
-
-    #[test]
-    fn scheduler_reorders_slots_within_a_permutation() {
-        let mut s = Scheduler::new(4, 4, BatchingMode::Continuous);
-        s.admit();
-        s.reorder_slots(1, &[3, 1, 2]);
-        assert_eq!(s.active(), &[0, 3, 1, 2]);
-        let r = std::panic::catch_unwind(move || s.reorder_slots(0, &[0, 0]));
-        assert!(r.is_err());
-    }
 
     #[test]
     fn rng_is_deterministic_and_in_range() {

@@ -343,3 +343,115 @@ fn weights_replaced_in_place_without_reallocating_cache() {
     let e = g.update_weights([("nope", &original)]).unwrap_err();
     assert!(e.to_string().contains("nope"));
 }
+
+/// Three conversations over three turns, two cache slots (so sequences move between
+/// slots as others finish): continuing each turn from the kept KV samples the tokens
+/// of a full prefill, and prefills little more than what the turn appended (the last
+/// sampled token and the observation).
+#[test]
+fn continuing_kept_sequences_prefills_little_more_than_each_turn_appends() {
+    let (model, tok) = setup();
+    let plain_model = model.deep_copy(Device::Cpu, Kind::Float).unwrap();
+    let config = GeneratorConfig {
+        max_batch: 2,
+        max_seq_len: 192,
+        ..Default::default()
+    };
+    let mut kept = Generator::new(model, config.clone());
+    let mut plain = Generator::new(plain_model, config);
+    let mut convs: Vec<Vec<i64>> = ["Name a fruit.", "Why is the sky blue?", "What is 2+2?"]
+        .iter()
+        .map(|q| chat(&tok, q))
+        .collect();
+    let observation = tok
+        .encode(
+            "<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n",
+            false,
+        )
+        .unwrap();
+    let keys: Vec<Option<u64>> = (0..3).map(|i| Some(100 + i)).collect();
+    for turn in 0..3u64 {
+        let reqs: Vec<Request> = convs
+            .iter()
+            .enumerate()
+            .map(|(i, c)| Request {
+                id: i as u64,
+                prompt: c.clone(),
+                params: SamplingParams {
+                    temperature: 1.0,
+                    top_k: 50,
+                    max_new_tokens: 8,
+                    ignore_eos: true,
+                    seed: 11 + i as u64 + 100 * turn,
+                    ..Default::default()
+                },
+            })
+            .collect();
+        let mut got = Vec::new();
+        let s = kept
+            .generate_continuing(&reqs, &keys, true, |c| got.push(c))
+            .unwrap();
+        got.sort_by_key(|c| c.id);
+        let (want, _) = plain.generate(&reqs).unwrap();
+        for (a, b) in got.iter().zip(&want) {
+            assert_eq!(a.tokens, b.tokens, "turn {turn}, conversation {}", a.id);
+            for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+                assert!((x - y).abs() < 1e-3, "turn {turn}: {x} vs {y}");
+            }
+        }
+        let appended = 1 + observation.len();
+        if turn == 0 {
+            assert_eq!(s.reused_positions, 0);
+        } else {
+            // Kept: each conversation but what the turn appended. Conversations 0 and 1
+            // are admitted together and prefilled in one call from the shorter's kept
+            // length; 2 comes alone once a slot frees.
+            let kept_len: Vec<usize> = convs.iter().map(|c| c.len() - appended).collect();
+            let reused = 2 * kept_len[0].min(kept_len[1]) + kept_len[2];
+            let total: usize = convs.iter().map(Vec::len).sum();
+            assert_eq!(s.reused_positions, reused, "turn {turn}: {s:?}");
+            assert_eq!(s.prefill_positions, total - reused, "turn {turn}: {s:?}");
+        }
+        assert_eq!(kept.kept_len(), 3);
+        for (c, done) in convs.iter_mut().zip(&got) {
+            c.extend_from_slice(&done.tokens);
+            c.extend_from_slice(&observation);
+        }
+    }
+    // A prompt that shares only a prefix with what was kept reuses that prefix.
+    let mut other = convs[0].clone();
+    let cut = other.len() - 20;
+    other.truncate(cut);
+    other.extend(tok.encode(" Something else entirely.", false).unwrap());
+    let req = Request {
+        id: 0,
+        prompt: other,
+        params: SamplingParams::greedy(4),
+    };
+    let s = kept
+        .generate_continuing(std::slice::from_ref(&req), &[Some(100)], true, |_| {})
+        .unwrap();
+    // What was kept: the conversation but its last sampled token and the observation.
+    let kept_tokens = &convs[0][..convs[0].len() - 1 - observation.len()];
+    let common = kept_tokens
+        .iter()
+        .zip(&req.prompt)
+        .take_while(|(a, b)| a == b)
+        .count();
+    assert!(common >= cut);
+    assert_eq!(s.reused_positions, common, "{s:?}");
+    assert_eq!(s.prefill_positions, req.prompt.len() - common, "{s:?}");
+    // New weights (any mutable access to the model) drop what was kept, and so does a
+    // budget of 0 bytes.
+    let _ = kept.model_mut();
+    assert_eq!(kept.kept_len(), 0);
+    kept.set_kept_kv_bytes(0);
+    kept.generate_continuing(std::slice::from_ref(&req), &[Some(7)], true, |_| {})
+        .unwrap();
+    assert_eq!(kept.kept_len(), 0);
+    // One key per request, or none.
+    let err = kept
+        .generate_continuing(std::slice::from_ref(&req), &[None, None], true, |_| {})
+        .unwrap_err();
+    assert!(err.to_string().contains("2 keys for 1 requests"), "{err}");
+}

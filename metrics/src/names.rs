@@ -53,6 +53,9 @@ pub const TOTAL_NUM_TOKENS: &str = "perf/total_num_tokens";
 pub const THROUGHPUT: &str = "perf/throughput";
 /// Generated tokens per second.
 pub const GEN_TOKENS_PER_S: &str = "perf/gen_tokens_per_s";
+/// Multi-turn rollouts: prompt positions whose KV the rollout kept from the episode's
+/// previous turn instead of prefilling them again (present when there were any).
+pub const PREFILL_REUSED_TOKENS: &str = "perf/prefill_reused_tokens";
 
 /// Mean reward per sample.
 pub const REWARDS_MEAN: &str = "critic/rewards/mean";

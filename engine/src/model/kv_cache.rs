@@ -116,6 +116,54 @@ impl KvCache {
         }
     }
 
+    /// A cache like this one (same layers, heads, device and type) with `slots` slots of
+    /// `max_len` positions, not zeroed: what it holds is only read after being written.
+    pub fn like(&self, slots: i64, max_len: i64) -> Self {
+        let blocks = (max_len + KV_BLOCK - 1) / KV_BLOCK;
+        let shaped = |t: &Tensor, dims: &[i64]| Tensor::empty(dims, (t.kind(), t.device()));
+        KvCache {
+            kb: self
+                .kb
+                .iter()
+                .map(|t| {
+                    let z = t.size();
+                    shaped(t, &[slots, z[1], blocks, z[3], KV_BLOCK])
+                })
+                .collect(),
+            v: self
+                .v
+                .iter()
+                .map(|t| {
+                    let z = t.size();
+                    shaped(t, &[slots, z[1], max_len, z[3]])
+                })
+                .collect(),
+            slots,
+            max_len,
+        }
+    }
+
+    /// Copies the first `len` positions of slot `from` into slot `to` of `other` (a cache
+    /// of the same layout, see [`KvCache::like`]). Whole key blocks are copied: positions
+    /// of the last block past `len` are copied too, and no one attends to a position
+    /// past a slot's length before writing it.
+    pub fn copy_slot_to(&self, from: i64, other: &mut KvCache, to: i64, len: i64) {
+        let len = len.min(self.max_len).min(other.max_len);
+        let blocks = (len + KV_BLOCK - 1) / KV_BLOCK;
+        tch::no_grad(|| {
+            for (src, dst) in self.kb.iter().zip(other.kb.iter_mut()) {
+                dst.narrow(0, to, 1)
+                    .narrow(2, 0, blocks)
+                    .copy_(&src.narrow(0, from, 1).narrow(2, 0, blocks));
+            }
+            for (src, dst) in self.v.iter().zip(other.v.iter_mut()) {
+                dst.narrow(0, to, 1)
+                    .narrow(2, 0, len)
+                    .copy_(&src.narrow(0, from, 1).narrow(2, 0, len));
+            }
+        });
+    }
+
     /// Copies the first `len` positions of slot `from` into slot `to`.
     pub fn move_slot(&mut self, from: i64, to: i64, len: i64) {
         if from == to || len == 0 {

@@ -264,6 +264,10 @@ pub struct RolloutStats {
     pub prompt_tokens: usize,
     /// Response tokens over all samples.
     pub response_tokens: usize,
+    /// Multi-turn rollouts: prompt positions whose KV was kept from the episode's
+    /// previous turn instead of prefilled again.
+    #[serde(default)]
+    pub prefill_reused_tokens: usize,
     /// Weights version the samples were generated with.
     pub weights_version: u64,
 }

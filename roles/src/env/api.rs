@@ -147,6 +147,9 @@ pub struct EnvSettings {
     pub limits: EpisodeLimits,
     /// Deadline of every `reset` and `step` call.
     pub timeout: Duration,
+    /// Keep each episode's KV cache from one turn to the next, so that a turn prefills
+    /// only what was appended since the last (see the rollout's `multi_turn`).
+    pub keep_kv: bool,
 }
 
 impl std::fmt::Debug for EnvSettings {
@@ -154,6 +157,7 @@ impl std::fmt::Debug for EnvSettings {
         f.debug_struct("EnvSettings")
             .field("limits", &self.limits)
             .field("timeout", &self.timeout)
+            .field("keep_kv", &self.keep_kv)
             .finish_non_exhaustive()
     }
 }

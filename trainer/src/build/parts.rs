@@ -144,6 +144,7 @@ pub(crate) fn env_settings(job: &JobConfig, e: &EnvSection) -> EnvSettings {
             budget: job.rollout.max_new_tokens,
         },
         timeout: secs(e.timeout_s),
+        keep_kv: e.keep_kv,
     }
 }
 

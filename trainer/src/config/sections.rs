@@ -335,6 +335,10 @@ pub struct EnvSection {
     pub call_prefix: bool,
     /// With `placement.env`: environment actors per rollout (episodes spread over them).
     pub pool: usize,
+    /// Keep each episode's KV cache across its turns: a turn prefills only what was
+    /// appended since the last (the observation), not the whole conversation again.
+    /// Off, every turn prefills everything (the samples are the same up to rounding).
+    pub keep_kv: bool,
 }
 
 impl Default for EnvSection {
@@ -351,6 +355,7 @@ impl Default for EnvSection {
             python_output_bytes: 4096,
             call_prefix: false,
             pool: 2,
+            keep_kv: true,
         }
     }
 }

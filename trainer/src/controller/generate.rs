@@ -106,6 +106,7 @@ impl Controller {
                 } => {
                     out.samples.extend(s);
                     out.stats.response_tokens += st.response_tokens;
+                    out.stats.prefill_reused_tokens += st.prefill_reused_tokens;
                     // Replicas run side by side: the round takes the slowest one's time.
                     out.stats.seconds = out.stats.seconds.max(st.seconds);
                 }
@@ -180,6 +181,7 @@ impl Controller {
                     stats: st,
                 } if more.len() == open.len() => {
                     stats.response_tokens += st.response_tokens;
+                    stats.prefill_reused_tokens += st.prefill_reused_tokens;
                     stats.seconds += st.seconds;
                     for (i, s) in open.into_iter().zip(more) {
                         samples[i] = s;
@@ -328,6 +330,7 @@ impl Controller {
                         match a {
                             RolloutResponse::Streamed { stats, .. } => {
                                 out.stats.response_tokens += stats.response_tokens;
+                                out.stats.prefill_reused_tokens += stats.prefill_reused_tokens;
                                 out.stats.seconds = out.stats.seconds.max(stats.seconds);
                             }
                             other => {

@@ -252,6 +252,7 @@ impl Controller {
             t.gen_s += r.gen_s;
             t.reward_s += r.reward_tail_s;
             t.gen.response_tokens += r.stats.response_tokens;
+            t.gen.prefill_reused_tokens += r.stats.prefill_reused_tokens;
             t.gen.seconds += r.stats.seconds;
             t.streamed_early += r.early;
             ledger
@@ -268,6 +269,7 @@ impl Controller {
         let samples = g.samples;
         t.gen_s += g.seconds;
         t.gen.response_tokens += g.stats.response_tokens;
+        t.gen.prefill_reused_tokens += g.stats.prefill_reused_tokens;
         t.gen.seconds += g.stats.seconds;
         self.stage_done(ledger, &samples, Stage::Generated)?;
         self.check_fresh(&samples)?;
@@ -478,6 +480,12 @@ impl Controller {
             names::GEN_TOKENS_PER_S,
             gen.response_tokens as f64 / gen.seconds.max(1e-9),
         );
+        if gen.prefill_reused_tokens > 0 {
+            m.set(
+                names::PREFILL_REUSED_TOKENS,
+                gen.prefill_reused_tokens as f64,
+            );
+        }
         m.set(names::ENTROPY, train.entropy);
         m.set(names::PG_CLIPFRAC, train.pg_clipfrac);
         m.set(names::GRAD_NORM, train.grad_norm);

@@ -2,10 +2,12 @@
 //! calls the environments (side by side, each under the deadline) and inserts their
 //! observations through the chat template.
 //!
-//! Every turn re-prefills each episode's prompt and response so far (the engine's
-//! prefix sharing still prefills a prompt shared by a group's samples once in the first
-//! turn); the KV cache is not kept across turns. The cost is counted in
-//! `RolloutStats::prompt_tokens` (every prefilled position, all turns).
+//! The KV cache is kept across turns: each episode's turn is kept by the generator when
+//! it finishes (under the episode's index) and the next turn continues it, so only what
+//! was appended since (the environment's observation, the turn prefix) is prefilled.
+//! The engine's prefix sharing prefills a prompt shared by a group's samples once in
+//! the first turn. `RolloutStats::prompt_tokens` counts the positions prefilled, all
+//! turns; `prefill_reused_tokens` those whose KV was kept instead.
 
 use std::time::Instant;
 
@@ -48,6 +50,7 @@ impl RolloutRole {
             ..Default::default()
         };
         let mut runs = self.start_episodes(req, env)?;
+        self.generator.forget_kept();
         let stop_at_tool_call = self.codec.tokenizer().is_some();
         for turn in 0..env.limits.max_turns {
             for r in runs.iter_mut().filter(|r| !r.episode.is_done()) {
@@ -66,11 +69,12 @@ impl RolloutRole {
             }
             // 1. The model's turn of every active episode, in one batch.
             let mut requests = Vec::with_capacity(active.len());
+            let mut keys = Vec::with_capacity(active.len());
             for &i in &active {
                 let r = &runs[i];
                 let mut prompt = r.prompt_tokens.clone();
                 prompt.extend_from_slice(r.episode.tokens());
-                stats.prompt_tokens += prompt.len();
+                keys.push(env.keep_kv.then_some(i as u64));
                 let mut params = SamplingParams {
                     seed: sample_seed(req.seed, &r.id) ^ u64::from(turn).rotate_left(40),
                     max_new_tokens: r.episode.turn_budget(),
@@ -85,9 +89,19 @@ impl RolloutRole {
                     params,
                 });
             }
-            let (completions, _) = self.generator.generate(&requests).map_err(|e| {
-                RoleError::Failed(format!("generation of step {} turn {turn}: {e}", req.step))
-            })?;
+            // The last turn has no next one to continue it.
+            let keep = env.keep_kv && turn + 1 < env.limits.max_turns;
+            let mut completions = Vec::with_capacity(requests.len());
+            let generated = self
+                .generator
+                .generate_continuing(&requests, &keys, keep, |c| completions.push(c))
+                .map_err(|e| {
+                    RoleError::Failed(format!("generation of step {} turn {turn}: {e}", req.step))
+                })?;
+            stats.prompt_tokens += generated.prefill_positions;
+            stats.prefill_reused_tokens += generated.reused_positions;
+            // In request order (ids are the episodes' indices, as `active` ascending).
+            completions.sort_by_key(|c| c.id);
             let mut actions = Vec::with_capacity(completions.len());
             for c in completions {
                 let r = &mut runs[c.id as usize];
@@ -136,6 +150,8 @@ impl RolloutRole {
                 }
             }
         }
+        // The keys are this call's episode indices: nothing kept outlives it.
+        self.generator.forget_kept();
         let samples = runs
             .into_iter()
             .map(|r| self.episode_sample(req, r))
@@ -321,6 +337,7 @@ mod tests {
                 budget: 120,
             },
             timeout: Duration::from_secs(10),
+            keep_kv: true,
         };
         RolloutRole::new(Generator::new(model, config), Arc::new(TINY_CODEC)).with_env(env)
     }
