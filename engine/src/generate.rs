@@ -15,7 +15,7 @@
 use crate::error::{EngineError, Result};
 use crate::kept::{KeptSequences, DEFAULT_KEPT_KV_BYTES};
 use crate::model::{Attn, DecodeGraphs, KvCache, Llama};
-use crate::schedule::{plan_prefill, PrefillPlan, Scheduler};
+use crate::schedule::{plan_prefill, BatchingMode, PrefillPlan, Scheduler};
 use crate::tokenizer::Tokenizer;
 use std::sync::Arc;
 use std::time::Instant;
@@ -107,15 +107,6 @@ pub struct Completion {
     pub logprobs: Vec<f32>,
     /// Why it stopped.
     pub finish: FinishReason,
-}
-
-/// Continuous or static batching.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BatchingMode {
-    /// Refill a slot as soon as its sequence finishes.
-    Continuous,
-    /// Admit a new batch only when every sequence of the previous one has finished.
-    Static,
 }
 
 /// Generator settings.
@@ -629,7 +620,8 @@ impl Generator {
                     sched.reorder_slots(slots.len(), &order);
                 }
                 for chunk in fresh.chunks(self.config.max_prefill_batch.max(1)) {
-                    let plan = plan_prefill(chunk, requests, self.config.share_prefixes);
+                    let plan =
+                        plan_prefill(chunk, |r| &requests[r].prompt, self.config.share_prefixes);
                     // The chunk's requests sit in the scheduler's slots from slots.len().
                     sched.reorder_slots(slots.len(), &plan.order);
                     let start = slots.len() as i64;

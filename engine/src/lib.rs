@@ -63,14 +63,14 @@ pub use device::{
 };
 pub use error::{EngineError, Result};
 pub use generate::{
-    BatchingMode, Completion, FinishReason, GenerateStats, Generator, GeneratorConfig, Request,
-    SamplingParams,
+    Completion, FinishReason, GenerateStats, Generator, GeneratorConfig, Request, SamplingParams,
 };
 pub use model::{
     cuda_graphs_built, load_cuda_graph_shim, positions_from_mask, read_safetensors_dir, AdapterDir,
     Adapters, Attn, DecoderLayer, KvCache, Llama, LoraConfig, LoraPair, LoraTarget, ScalarHead,
     KV_BLOCK, LORA_SCALING_TENSOR,
 };
+pub use schedule::BatchingMode;
 pub use score::{SeqBatch, TokenScores};
 pub use tch;
 pub use tokenizer::{render_chat_template, ChatMessage, Tokenizer};

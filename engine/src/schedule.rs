@@ -3,7 +3,14 @@
 
 use std::collections::VecDeque;
 
-use crate::generate::{BatchingMode, Request};
+/// Continuous or static batching.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchingMode {
+    /// Refill a slot as soon as its sequence finishes.
+    Continuous,
+    /// Admit a new batch only when every sequence of the previous one has finished.
+    Static,
+}
 
 /// The deterministic slot bookkeeping of continuous batching.
 #[derive(Debug, Clone)]
@@ -101,7 +108,11 @@ const MIN_SHARED_PREFIX: usize = 4;
 /// prefilled once and the prefix common to all distinct prompts once (each prompt keeps at
 /// least its last token, whose logits start sampling); without, every request is its own
 /// leader.
-pub fn plan_prefill(chunk: &[usize], requests: &[Request], share: bool) -> PrefillPlan {
+pub fn plan_prefill<'a>(
+    chunk: &[usize],
+    prompt: impl Fn(usize) -> &'a [i64],
+    share: bool,
+) -> PrefillPlan {
     if !share {
         return PrefillPlan {
             order: chunk.to_vec(),
@@ -114,7 +125,7 @@ pub fn plan_prefill(chunk: &[usize], requests: &[Request], share: bool) -> Prefi
     let mut copies: Vec<(usize, usize)> = Vec::new(); // (request, leader position)
     let mut seen: std::collections::HashMap<&[i64], usize> = Default::default();
     for &r in chunk {
-        let p = requests[r].prompt.as_slice();
+        let p = prompt(r);
         match seen.get(p) {
             Some(&l) => copies.push((r, l)),
             None => {
@@ -125,9 +136,9 @@ pub fn plan_prefill(chunk: &[usize], requests: &[Request], share: bool) -> Prefi
     }
     let mut shared = 0;
     if leaders.len() >= 2 {
-        let first = &requests[leaders[0]].prompt;
+        let first = prompt(leaders[0]);
         shared = leaders[1..].iter().fold(first.len() - 1, |acc, &r| {
-            let p = &requests[r].prompt;
+            let p = prompt(r);
             let common = first.iter().zip(p).take_while(|(a, b)| a == b).count();
             acc.min(common).min(p.len() - 1)
         });
@@ -152,7 +163,6 @@ pub fn plan_prefill(chunk: &[usize], requests: &[Request], share: bool) -> Prefi
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::generate::SamplingParams;
 
     #[test]
     fn scheduler_refills_at_once_in_continuous_mode() {
@@ -182,12 +192,8 @@ mod tests {
         assert_eq!(s.admit(), vec![2, 3]);
     }
 
-    fn req(id: u64, prompt: &[i64]) -> Request {
-        Request {
-            id,
-            prompt: prompt.to_vec(),
-            params: SamplingParams::default(),
-        }
+    fn req(_id: u64, prompt: &[i64]) -> Vec<i64> {
+        prompt.to_vec()
     }
 
     #[test]
@@ -196,29 +202,35 @@ mod tests {
         let a = [&sys[..], &[10, 11]].concat();
         let b = [&sys[..], &[20]].concat();
         let reqs = vec![req(0, &a), req(1, &b), req(2, &a), req(3, &b), req(4, &a)];
-        let plan = plan_prefill(&[0, 1, 2, 3, 4], &reqs, true);
+        let plan = plan_prefill(&[0, 1, 2, 3, 4], |r| reqs[r].as_slice(), true);
         assert_eq!(plan.order, vec![0, 1, 2, 3, 4]);
         assert_eq!(plan.leaders, 2);
         assert_eq!(plan.source, vec![0, 1, 0, 1, 0]);
         assert_eq!(plan.shared, 6);
         // Requests 2 and 4 repeat request 0's prompt: they follow the leaders.
-        let plan = plan_prefill(&[2, 4, 1, 0], &reqs, true);
+        let plan = plan_prefill(&[2, 4, 1, 0], |r| reqs[r].as_slice(), true);
         assert_eq!(plan.order, vec![2, 1, 4, 0]);
         assert_eq!(plan.source, vec![0, 1, 0, 0]);
         // One prompt being a prefix of another: each keeps its last token.
         let reqs = vec![req(0, &sys), req(1, &a)];
-        assert_eq!(plan_prefill(&[0, 1], &reqs, true).shared, 5);
+        assert_eq!(
+            plan_prefill(&[0, 1], |r| reqs[r].as_slice(), true).shared,
+            5
+        );
         // Short common prefixes and a single distinct prompt are not split off.
         let reqs = vec![
             req(0, &[1, 2, 3, 9]),
             req(1, &[1, 2, 3, 8]),
             req(2, &[1, 2, 3, 8]),
         ];
-        assert_eq!(plan_prefill(&[0, 1], &reqs, true).shared, 0);
-        let plan = plan_prefill(&[1, 2], &reqs, true);
+        assert_eq!(
+            plan_prefill(&[0, 1], |r| reqs[r].as_slice(), true).shared,
+            0
+        );
+        let plan = plan_prefill(&[1, 2], |r| reqs[r].as_slice(), true);
         assert_eq!((plan.leaders, plan.shared), (1, 0));
         // Without sharing every request is its own leader.
-        let plan = plan_prefill(&[1, 2], &reqs, false);
+        let plan = plan_prefill(&[1, 2], |r| reqs[r].as_slice(), false);
         assert_eq!((plan.order, plan.leaders, plan.shared), (vec![1, 2], 2, 0));
     }
 

@@ -4,8 +4,9 @@
 
 use crate::error::Result;
 use crate::fixtures::run_reference;
-use crate::generate::{BatchingMode, Generator, GeneratorConfig, Request, SamplingParams};
+use crate::generate::{Generator, GeneratorConfig, Request, SamplingParams};
 use crate::model::Llama;
+use crate::schedule::BatchingMode;
 use crate::score::{token_logprobs, SeqBatch};
 use crate::tokenizer::{ChatMessage, Tokenizer};
 use crate::train::{TrainConfig, Trainer};

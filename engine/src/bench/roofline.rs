@@ -13,10 +13,9 @@
 use super::compare::{mean_nll, random_train_batch, train_config};
 use crate::config::{tiny_config, ModelConfig};
 use crate::error::{EngineError, Result};
-use crate::generate::{
-    BatchingMode, Generator, GeneratorConfig, Request, RequestRng, SamplingParams,
-};
+use crate::generate::{Generator, GeneratorConfig, Request, RequestRng, SamplingParams};
 use crate::model::Llama;
+use crate::schedule::BatchingMode;
 use crate::train::Trainer;
 use serde_json::{json, Value};
 use std::time::Instant;
