@@ -17,8 +17,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/bootstrap.sh
 cargo build --release -p yatt --bins
-# A release build runs the 40 steps CI's debug-era default gives in about 3 s: the run
-# can end before every fault struck ("the run ended ... before fault N struck"), so ask
-# for 120 unless told otherwise.
+# In a release build the test's default 40 steps take about 3 s, and the run can end
+# before every fault has struck: ask for 120 unless told otherwise.
 export YATT_CHAOS_STEPS="${YATT_CHAOS_STEPS:-120}"
 cargo nextest run --release -p yatt-integration-tests --test chaos --no-capture
