@@ -190,6 +190,29 @@ async fn remote_spawn_ask_and_ordered_tells() {
     }
 }
 
+/// A caller that does not link a factory's argument type (a job config naming a user's
+/// role) sends them as JSON; the same factory decodes them, and refuses what does not fit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_spawn_takes_its_arguments_as_json() {
+    let (_dir, a, b, _c) = cluster("t5", true).await;
+    let summer = a
+        .spawn_remote_linked_json::<Req, Resp>(b.name(), "summer", "10", T)
+        .await
+        .unwrap();
+    assert_eq!(summer.ask(Req::Add(5), T).await.unwrap(), Resp::Sum(15));
+    // Its name is the factory's, as with typed arguments.
+    assert_eq!(summer.id().name.role, "summer");
+    let e = a
+        .spawn_remote_linked_json::<Req, Resp>(b.name(), "summer", "\"ten\"", T)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("summer") && e.contains("do not fit its type") && e.contains("\"ten\""),
+        "{e}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn async_factory_answers_once_built_and_reports_its_error() {
     let (_dir, a, b, _c) = cluster("t4", true).await;

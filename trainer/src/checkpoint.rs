@@ -189,7 +189,11 @@ pub(crate) fn check_same_run(job: &JobConfig, dir: &Path) -> Result<(), JobError
                 out.insert("<job>".to_string(), format!("does not serialize: {e}"));
             }
         }
-        out.retain(|k, _| !RESUMABLE_KEYS.contains(&k.as_str()));
+        // Where a user's role runs is placement too (`roles.reward.node`, a stage's).
+        out.retain(|k, _| {
+            !RESUMABLE_KEYS.contains(&k.as_str())
+                && !(k.starts_with("roles.") && k.ends_with(".node"))
+        });
         out
     };
     let (run, this) = (flat(&theirs), flat(job));
@@ -245,6 +249,12 @@ fn flatten(prefix: &str, v: &toml::Value, out: &mut std::collections::BTreeMap<S
                     format!("{prefix}.{k}")
                 };
                 flatten(&key, v, out);
+            }
+        }
+        // Arrays of tables (`[[roles.stages]]`) by entry, so their keys compare one by one.
+        toml::Value::Array(a) if !a.is_empty() && a.iter().all(toml::Value::is_table) => {
+            for (i, v) in a.iter().enumerate() {
+                flatten(&format!("{prefix}[{i}]"), v, out);
             }
         }
         leaf => {

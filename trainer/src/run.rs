@@ -9,6 +9,7 @@ use yatt_runtime::{ActorId, Node};
 use crate::build::custom::CustomRoles;
 use crate::build::embedded::build_embedded_with;
 use crate::build::respawn::respawn_lost_roles;
+use crate::build::user_roles::with_config_roles;
 use crate::checkpoint::{check_same_run, recover, save, RunState, JOB_FILE};
 use crate::config::modes::PlacementMode;
 use crate::config::sections::JobConfig;
@@ -129,20 +130,36 @@ pub async fn train_with(
         path: e.path,
         source: e.source,
     };
-    if job.placement.live && !options.roles.is_empty() {
-        return Err(JobError::NotImplemented {
-            key: "placement.live".into(),
-            found: "true".into(),
-            fix: format!(
-                "live placement builds and moves its own rollout and policy replicas, so it cannot take custom roles (slots {:?}); they work with placement.live = false",
-                options.roles.slots()
-            ),
-        });
+    job.validate()?;
+    if job.placement.live {
+        // Live placement builds and moves the rollout and policy replicas itself; roles
+        // outside the groups (reward, reference, stages) are the user's to bring.
+        let config_slots = job
+            .roles
+            .slots()
+            .map(|(k, _)| k.trim_start_matches("roles."));
+        let moved: Vec<&str> = options
+            .roles
+            .slots()
+            .into_iter()
+            .chain(config_slots)
+            .filter(|s| matches!(*s, "rollout" | "policy" | "critic"))
+            .collect();
+        if !moved.is_empty() {
+            return Err(JobError::NotImplemented {
+                key: "placement.live".into(),
+                found: "true".into(),
+                fix: format!(
+                    "live placement builds and moves its own rollout and policy replicas (and runs no critic), so it cannot take user roles in the slots {moved:?}; user rewards, references and stages work with it, and every slot works with placement.live = false"
+                ),
+            });
+        }
     }
+    let roles = with_config_roles(job, node, &options.roles).await?;
     // Live placement owns the heads and re-routes them between steps.
     let mut live = if job.placement.live {
         let checkpoint = resume.then_some(checkpoint_dir.as_path());
-        Some(LivePlacement::build_from(job, node, checkpoint).await?)
+        Some(LivePlacement::build_from(job, node, checkpoint, &roles).await?)
     } else {
         None
     };
@@ -150,11 +167,11 @@ pub async fn train_with(
         Vec::new()
     } else if job.placement.mode == PlacementMode::Disaggregated {
         let checkpoint = resume.then_some(checkpoint_dir.as_path());
-        crate::build::cluster::build_cluster_from(job, node, checkpoint, &options.roles).await?
+        crate::build::cluster::build_cluster_from(job, node, checkpoint, &roles).await?
     } else {
-        build_embedded_with(job, node, resume.then_some(out.as_path()), &options.roles).await?
+        build_embedded_with(job, node, resume.then_some(out.as_path()), &roles).await?
     };
-    let custom = options.roles.actor_ids();
+    let custom = roles.actor_ids();
     let mut step = match &live {
         Some(l) => l.controllers().first().map_or(0, Controller::step_count),
         None => controllers.first().map_or(0, Controller::step_count),

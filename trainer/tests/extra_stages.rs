@@ -12,7 +12,8 @@ use std::sync::{Arc, Mutex};
 use yatt_roles::{DeviceGroup, ResourceProfile, Role, RoleError, Sample, SampleId};
 use yatt_runtime::Node;
 use yatt_trainer::{
-    build_embedded_with, spawn_role, step_data_parallel, CustomRoles, ExtraStage, StageAt,
+    build_embedded_with, spawn_role, step_data_parallel, train_with, CustomRoles, ExtraStage,
+    StageAt, TrainOptions,
 };
 
 /// A user's stage: `f` over the samples.
@@ -149,5 +150,70 @@ async fn a_stage_that_gives_back_a_sample_it_was_not_given_fails_the_step() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("forger") && e.contains("not given"), "{e}");
+    node.shutdown().await;
+}
+
+/// Live placement builds and moves the rollout and policy replicas itself, but a user's
+/// reward and stages sit outside its groups: they join every head it routes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_roles_outside_the_groups_run_under_live_placement() {
+    let out = tempfile::tempdir().unwrap();
+    let certs = tempfile::tempdir().unwrap();
+    let job = common::demo_config(
+        out.path(),
+        &[
+            "job.steps=3".into(),
+            "job.controllers=2".into(),
+            "placement.live=true".into(),
+        ],
+    );
+    let node = Node::builder("stages-live")
+        .dev_certs(certs.path())
+        .start()
+        .await
+        .unwrap();
+    // The user's reward: 1 for every response, counting what it scores.
+    let scored = Arc::new(Mutex::new(0usize));
+    let count = scored.clone();
+    let reward = stage(
+        &node,
+        "all-ones",
+        StageAt::Reward,
+        move |mut s: Vec<Sample>| {
+            *count.lock().unwrap() += s.len();
+            for x in &mut s {
+                x.reward = Some(1.0);
+            }
+            Ok(s)
+        },
+    )
+    .await
+    .role;
+    let filter = stage(&node, "drop-second", StageAt::Reward, |s: Vec<Sample>| {
+        Ok(s.into_iter().filter(|x| x.id.k != 1).collect())
+    })
+    .await;
+    let options = TrainOptions {
+        roles: CustomRoles {
+            reward: Some(reward),
+            stages: vec![filter],
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let summary = train_with(&job, &node, options, |_| {}).await.unwrap();
+    assert_eq!(summary.steps, 3);
+    assert_eq!(summary.rewards, vec![1.0; 3]);
+    let per_step = 2 * job.data.prompts_per_step * job.data.samples_per_prompt as usize;
+    assert_eq!(*scored.lock().unwrap(), 3 * per_step);
+    let metrics = std::fs::read_to_string(out.path().join("metrics.jsonl")).unwrap();
+    for line in metrics.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert_eq!(
+            v["stage/drop-second/dropped"].as_f64(),
+            Some(job.data.prompts_per_step as f64),
+            "{line}"
+        );
+    }
     node.shutdown().await;
 }

@@ -128,3 +128,98 @@ async fn a_user_reward_on_main_with_daemons_trains_a_job() {
         );
     }
 }
+
+/// The stock `yatt train` runs `job.toml`, whose `[roles]` name the example's roles: it
+/// links none of their code, spawns them on the daemons that register them with the
+/// config's arguments, trains with them, and spawns them again on a resume (one moved to
+/// the other daemon); a role no daemon registers, or arguments that do not fit the
+/// role's type, are refused naming the key.
+#[test]
+fn the_stock_trainer_spawns_the_roles_a_job_config_names() {
+    std::env::set_var("YATT_NODE_BIN", env!("CARGO_BIN_EXE_custom-yatt-node"));
+    let cluster = Cluster::start("cfgroles", 2);
+    let (host_0, host_1) = (&cluster.nodes[0].name, &cluster.nodes[1].name);
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/job.toml");
+    let placed = [
+        format!("placement.rollout={host_0:?}"),
+        format!("placement.policy={host_1:?}"),
+        format!("placement.reference={host_1:?}"),
+        format!("placement.reward={host_0:?}"),
+    ];
+    let with = |extra: &[&str]| -> Vec<String> {
+        placed
+            .iter()
+            .cloned()
+            .chain(extra.iter().map(|s| s.to_string()))
+            .collect()
+    };
+    let refused = |extra: &[&str]| {
+        let out = tempfile::tempdir().unwrap();
+        let sets = with(extra);
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        let (ok, printed) =
+            cluster.try_yatt_train(config, &sets, out.path(), Duration::from_secs(60));
+        assert!(!ok, "{printed}");
+        eprintln!("refused as expected:\n{printed}");
+        printed
+    };
+    let e = refused(&[
+        "roles.reward.role=\"no-such-role\"",
+        &format!("roles.reward.node={host_1:?}"),
+    ]);
+    assert!(
+        e.contains("roles.reward.role") && e.contains(ROLE_NAME),
+        "{e}"
+    );
+    let e = refused(&["roles.reward.args.min_len=\"four\""]);
+    assert!(
+        e.contains("roles.reward.args") && e.contains("invalid type"),
+        "{e}"
+    );
+
+    let out = tempfile::tempdir().unwrap();
+    let sets = with(&["job.steps=20"]);
+    let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+    // While it trains, a daemon hosts the reward the config named.
+    let printed = std::thread::scope(|s| {
+        let run =
+            s.spawn(|| cluster.yatt_train(config, &sets, out.path(), Duration::from_secs(300)));
+        let hosted = poll(Duration::from_secs(120), || {
+            cluster.nodes.iter().find_map(|n| {
+                let h = n.health()?;
+                let all = h["hosted"].to_string();
+                (all.contains(ROLE_NAME) && all.contains(FILTER_NAME)).then_some(())
+            })
+        });
+        let printed = run.join().unwrap();
+        assert!(hosted.is_some(), "no daemon hosted both roles:\n{printed}");
+        printed
+    });
+    assert!(printed.contains("done: 20 steps"), "{printed}");
+    // Resumed to 30 steps with the reward on the other daemon: the roles are spawned
+    // again from the run's job.toml, and where they run may change.
+    let moved = format!("roles.reward.node={host_1:?}");
+    let printed = cluster.yatt_resume(
+        out.path(),
+        &["job.steps=30", &moved],
+        Duration::from_secs(300),
+    );
+    assert!(printed.contains("done: 30 steps"), "{printed}");
+    let metrics = std::fs::read_to_string(out.path().join("metrics.jsonl")).unwrap();
+    let rows: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let rewards: Vec<f64> = rows
+        .iter()
+        .map(|v| v["critic/rewards/mean"].as_f64().unwrap())
+        .collect();
+    let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len() as f64;
+    let (first, last) = (mean(&rewards[..5]), mean(&rewards[rewards.len() - 5..]));
+    assert!(last > first + 0.2, "reward {first:.3} → {last:.3}");
+    let dropped: f64 = rows
+        .iter()
+        .map(|v| v["stage/repeat-filter/dropped"].as_f64().unwrap())
+        .sum();
+    assert!(dropped > 0.0, "the filter dropped nothing");
+}

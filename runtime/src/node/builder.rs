@@ -13,6 +13,7 @@ use tokio::sync::watch;
 
 use super::config::{NodeConfig, NodeError};
 use super::dispatch::{NodeBook, NodeDispatch};
+use super::protocol::SpawnArgs;
 use super::state::{FactoryFn, Node, NodeInner};
 use crate::actor::Actor;
 use crate::addr::{next_incarnation, ActorName};
@@ -105,10 +106,15 @@ impl NodeBuilder {
         Fut: Future<Output = Result<A, String>> + Send + 'static,
     {
         let role_name = role.to_string();
-        let f: FactoryFn = Arc::new(move |node: &Node, name: ActorName, args: &[u8]| {
-            let made = postcard::from_bytes::<Args>(args)
-                .map_err(|e| format!("arguments for role {role_name:?} do not decode: {e}"))
-                .map(|a| make(node, &name, a));
+        let f: FactoryFn = Arc::new(move |node: &Node, name: ActorName, args: &SpawnArgs| {
+            let decoded = match args {
+                SpawnArgs::Postcard(bytes) => postcard::from_bytes::<Args>(bytes)
+                    .map_err(|e| format!("arguments for role {role_name:?} do not decode: {e}")),
+                SpawnArgs::Json(text) => serde_json::from_str::<Args>(text).map_err(|e| {
+                    format!("arguments for role {role_name:?} do not fit its type: {e} (in {text})")
+                }),
+            };
+            let made = decoded.map(|a| make(node, &name, a));
             let node = node.clone();
             Box::pin(async move {
                 let actor = made?.await?;

@@ -10,6 +10,14 @@ use crate::directory::{Change, Directory, Update};
 use crate::leadership::{Beat, BeatReply, Lead};
 use crate::membership::NodeInfo;
 
+/// A remote spawn's arguments: postcard of the factory's argument type (a program
+/// that links it), or a JSON document of it (a job config naming a role it cannot link).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) enum SpawnArgs {
+    Postcard(Vec<u8>),
+    Json(String),
+}
+
 /// System requests between nodes.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) enum SysRequest {
@@ -30,7 +38,7 @@ pub(super) enum SysRequest {
     Spawn {
         role: String,
         replica: Option<u32>,
-        args: Vec<u8>,
+        args: SpawnArgs,
         /// Release the actor when the asking node leaves or dies.
         linked: bool,
     },

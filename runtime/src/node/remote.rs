@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use super::config::NodeError;
 use super::dispatch::RemoteActor;
-use super::protocol::{SysRequest, SysResponse};
+use super::protocol::{SpawnArgs, SysRequest, SysResponse};
 use super::state::{Inbox, Node};
 use crate::actor::{ActorError, ActorRef, CallError, ExitReason};
 use crate::addr::{validate_segment, ActorId, ActorName};
@@ -139,6 +139,22 @@ impl Node {
         self.spawn_remote_as(node, role, args, timeout, true).await
     }
 
+    /// Like [`Node::spawn_remote_linked`], with the arguments as a JSON document of the
+    /// factory's argument type: for a caller that does not link the role's type (a job
+    /// config naming a user's role). Arguments that do not fit are refused by the hosting
+    /// node, which says what did not fit.
+    pub async fn spawn_remote_linked_json<Req: Message, Resp: Message>(
+        &self,
+        node: &str,
+        role: &str,
+        args_json: &str,
+        timeout: Duration,
+    ) -> Result<ActorRef<Req, Resp>, NodeError> {
+        let args = SpawnArgs::Json(args_json.to_string());
+        self.spawn_remote_with(node, role, args, timeout, true)
+            .await
+    }
+
     pub(super) async fn spawn_remote_as<Req: Message, Resp: Message, Args: Serialize>(
         &self,
         node: &str,
@@ -147,8 +163,20 @@ impl Node {
         timeout: Duration,
         linked: bool,
     ) -> Result<ActorRef<Req, Resp>, NodeError> {
-        validate_segment("role", role)?;
         let args = postcard::to_stdvec(args).map_err(|e| CallError::Codec(e.to_string()))?;
+        self.spawn_remote_with(node, role, SpawnArgs::Postcard(args), timeout, linked)
+            .await
+    }
+
+    async fn spawn_remote_with<Req: Message, Resp: Message>(
+        &self,
+        node: &str,
+        role: &str,
+        args: SpawnArgs,
+        timeout: Duration,
+        linked: bool,
+    ) -> Result<ActorRef<Req, Resp>, NodeError> {
+        validate_segment("role", role)?;
         let req = SysRequest::Spawn {
             role: role.to_string(),
             replica: None,

@@ -11,6 +11,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::config::NodeConfig;
+use super::protocol::SpawnArgs;
 use crate::actor::{ActorRef, BoxFuture, CallError};
 use crate::addr::{ActorId, ActorName};
 use crate::directory::{Change, DirectoryHandle};
@@ -21,7 +22,9 @@ use crate::transport::Transport;
 
 /// Turns spawn arguments into a running, registered actor on this node.
 pub(super) type FactoryFn = Arc<
-    dyn Fn(&Node, ActorName, &[u8]) -> BoxFuture<'static, Result<ActorId, String>> + Send + Sync,
+    dyn Fn(&Node, ActorName, &SpawnArgs) -> BoxFuture<'static, Result<ActorId, String>>
+        + Send
+        + Sync,
 >;
 
 /// What the node knows about each hosted actor.

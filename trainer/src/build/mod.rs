@@ -10,3 +10,4 @@ pub(crate) mod parts;
 pub(crate) mod replica;
 pub(crate) mod respawn;
 pub(crate) mod reward;
+pub(crate) mod user_roles;

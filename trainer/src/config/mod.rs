@@ -6,4 +6,5 @@ pub(crate) mod parse;
 pub(crate) mod placement;
 pub(crate) mod reward_code;
 pub(crate) mod sections;
+pub(crate) mod user_roles;
 pub(crate) mod validate;

@@ -133,12 +133,18 @@ pub(crate) fn apply_set(table: &mut toml::Table, arg: &str) -> Result<(), JobErr
             "key `{key}`: expected section.key, e.g. job.steps (or section.table.key, e.g. algorithm.step_credit.penalty)"
         )));
     }
-    let schema = toml::Value::try_from(schema()).map_err(|e| err(e.to_string()))?;
+    // `[roles]` holds the user's role names and their own arguments, which no schema
+    // knows: parsing the result checks what can be checked (unknown slot keys included).
+    let schema = match parts[0] {
+        "roles" => toml::Table::new().into(),
+        _ => toml::Value::try_from(schema()).map_err(|e| err(e.to_string()))?,
+    };
     // Each part but the last names a table of the schema; the last, a key of it.
     let mut level = schema
         .as_table()
         .ok_or_else(|| err("the schema is not a table".into()))?;
-    for (depth, part) in parts.iter().enumerate() {
+    let checked = if parts[0] == "roles" { 0 } else { parts.len() };
+    for (depth, part) in parts.iter().enumerate().take(checked) {
         let within = match depth {
             0 => "the config".to_string(),
             _ => format!("[{}]", parts[..depth].join(".")),
@@ -290,6 +296,82 @@ mod tests {
             .to_string();
         assert!(
             e.contains("job.placement") && e.contains("not implemented yet"),
+            "{e}"
+        );
+    }
+}
+
+/// `[roles]` (`config/user_roles.rs`) as a job config reads it.
+#[cfg(test)]
+mod roles_tests {
+    use crate::config::sections::JobConfig;
+    use crate::controller::extra_stages::StageAt;
+
+    const DEMO: &str = include_str!("../../../config/demo-letters.toml");
+
+    fn with(extra: &str, sets: &[&str]) -> Result<JobConfig, String> {
+        let text = format!("{DEMO}\n{extra}");
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        let job = JobConfig::parse(&text, "job.toml", &sets).map_err(|e| e.to_string())?;
+        job.validate().map_err(|e| e.to_string())?;
+        Ok(job)
+    }
+
+    const ROLES: &str = r#"
+[roles.reward]
+role = "my-reward"
+args = { min_len = 4, alphabet = "aeiou", nested = { a = [1, 2] } }
+
+[[roles.stages]]
+role = "filter"
+after = "old_logprobs"
+node = "host-1"
+"#;
+
+    #[test]
+    fn roles_parse_and_survive_the_written_job_config() {
+        let job = with(ROLES, &[]).unwrap();
+        let reward = job.roles.reward.as_ref().unwrap();
+        assert_eq!(reward.role, "my-reward");
+        assert_eq!(reward.args["min_len"].as_integer(), Some(4));
+        assert_eq!(job.roles.stages[0].after, StageAt::OldLogProbs);
+        assert_eq!(job.roles.stages[0].stage_name(), "filter");
+        assert_eq!(job.roles.stages[0].timeout_s, 300.0);
+        // The run directory's job.toml (and a resume) reads back the same.
+        let text = toml::to_string(&job).unwrap();
+        assert_eq!(JobConfig::parse(&text, "job.toml", &[]).unwrap(), job);
+        // A job without roles writes no [roles].
+        let plain = with("", &[]).unwrap();
+        assert!(!toml::to_string(&plain).unwrap().contains("roles"));
+    }
+
+    #[test]
+    fn roles_take_overrides_and_refuse_what_cannot_spawn() {
+        let job = with(
+            ROLES,
+            &["roles.reward.args.min_len=6", "roles.reward.node=h2"],
+        )
+        .unwrap();
+        let reward = job.roles.reward.unwrap();
+        assert_eq!(reward.args["min_len"].as_integer(), Some(6));
+        assert_eq!(reward.node, "h2");
+        let e = with(ROLES, &["roles.reward.rol=\"x\""]).unwrap_err();
+        assert!(e.contains("rol"), "{e}");
+        let e = with(ROLES, &["roles.reward.role=\"my/reward\""]).unwrap_err();
+        assert!(e.contains("roles.reward.role"), "{e}");
+        let e = with(
+            &format!("{ROLES}\n[[roles.stages]]\nrole = \"filter\"\nafter = \"reward\"\n"),
+            &[],
+        )
+        .unwrap_err();
+        assert!(e.contains("roles.stages[1].name"), "{e}");
+        let e = with(
+            ROLES,
+            &["roles.stages=[{ role = \"f\", after = \"advantages\" }]"],
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("advantages") && e.contains("old_logprobs"),
             "{e}"
         );
     }

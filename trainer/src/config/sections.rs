@@ -13,6 +13,7 @@ use crate::config::modes::{
     Schedule, Task, UnparsedVerdict, VerdictMode,
 };
 use crate::config::placement::PlacementSection;
+use crate::config::user_roles::RolesSection;
 use yatt_engine::{LoraConfig, LoraTarget};
 
 /// A training job, as read from TOML.
@@ -39,6 +40,10 @@ pub struct JobConfig {
     pub placement: PlacementSection,
     /// `[timeouts]`: the deadline of each remote call a step makes.
     pub timeouts: TimeoutsSection,
+    /// `[roles]`: user roles, by the names nodes register them under, in built-in slots
+    /// and as extra stages.
+    #[serde(skip_serializing_if = "RolesSection::is_empty")]
+    pub roles: RolesSection,
 }
 
 /// `[job]`: name, output, seed, length and layout.

@@ -26,6 +26,7 @@ impl JobConfig {
         self.placement
             .validate(j.policy_replicas, self.algorithm.name.needs_critic())?;
         self.validate_time_share()?;
+        self.roles.validate()?;
         if self.placement.live {
             self.validate_live()?;
         }

@@ -11,8 +11,10 @@ use std::time::Duration;
 use crate::controller::refs::SamplesRef;
 use crate::ledger::Stage;
 
-/// Where an extra stage runs: after which built-in stage.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Where an extra stage runs: after which built-in stage (in `[[roles.stages]]`:
+/// `after = "reward"`, `"reference"` or `"old_logprobs"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum StageAt {
     /// After the reward (each generation round, before DAPO's dynamic sampling and the
     /// overlong penalty): reward shaping, filters, classifiers.
@@ -20,6 +22,7 @@ pub enum StageAt {
     /// After the reference log-probs (or where they would be, without a reference).
     Reference,
     /// After the old log-probs, just before the advantages.
+    #[serde(rename = "old_logprobs", alias = "old_log_probs")]
     OldLogProbs,
 }
 

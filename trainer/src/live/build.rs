@@ -17,6 +17,7 @@ use yatt_runtime::Node;
 use yatt_runtime::NodeInfo;
 
 use crate::build::cluster::{job_text, wait_for_nodes};
+use crate::build::custom::CustomRoles;
 use crate::build::devices::role_group;
 use crate::build::parts::base_model;
 use crate::build::reward::spawn_reward;
@@ -140,17 +141,20 @@ impl LivePlacement {
     /// devices the nodes of `placement.nodes` advertise, one group each, and the roles
     /// start on those nodes through their factories.
     pub async fn build(job: &JobConfig, node: &Node) -> Result<Self, JobError> {
-        Self::build_from(job, node, None).await
+        Self::build_from(job, node, None, &CustomRoles::default()).await
     }
 
     /// [`LivePlacement::build`], resuming from the run's `checkpoint` when given: the
     /// first policy replica loads its trainer state (the others copy it), the controllers
     /// take their positions and the rollouts the restored weights; the reference stays
-    /// the initial model. The placement starts again from its first plan.
+    /// the initial model. The placement starts again from its first plan. `custom`'s
+    /// reward, reference and stages replace or join the built-in ones (its other slots
+    /// are refused before: the placement builds the replicas in the groups).
     pub(crate) async fn build_from(
         job: &JobConfig,
         node: &Node,
         checkpoint: Option<&std::path::Path>,
+        custom: &CustomRoles,
     ) -> Result<Self, JobError> {
         job.validate()?;
         let p = &job.placement;
@@ -164,7 +168,7 @@ impl LivePlacement {
             true => cluster_inventory(job, node).await?,
         };
         let (policy, plan) = placement_policy(job, &mut model, inventory)?;
-        let (hosts, shared) = shared_roles(job, node, model, codec, pad_id).await?;
+        let (hosts, shared) = shared_roles(job, node, model, codec, pad_id, custom).await?;
         let out = job.job.output_dir.clone();
         std::fs::create_dir_all(&out).map_err(|source| JobError::Write {
             path: out.clone(),
@@ -227,8 +231,12 @@ impl LivePlacement {
             Some(dir) => restore_controllers(&mut live.controllers, dir).await?,
             None => live.sync_all().await?,
         }
-        if let (Some(reference), Some(policy), Hosts::Cluster { .. }, None) =
-            (&live.shared.reference, &first, &live.hosts, checkpoint)
+        // A reference built here starts from the model; one elsewhere (a cluster's, or
+        // the user's) takes the initial policy's weights, as the other builds do.
+        let takes_weights =
+            matches!(live.hosts, Hosts::Cluster { .. }) || custom.reference.is_some();
+        if let (Some(reference), Some(policy), true, None) =
+            (&live.shared.reference, &first, takes_weights, checkpoint)
         {
             // The reference is the initial policy, whichever node built it.
             let t = live.deadline();
@@ -314,14 +322,16 @@ pub(crate) fn placement_policy(
     Ok((policy, plan))
 }
 
-/// The roles outside the groups (reward, and the reference with a KL term), and how the
-/// groups' replicas are hosted: threads of this process, or cluster nodes.
+/// The roles outside the groups (reward, and the reference with a KL term; the user's
+/// where `custom` has them, and its stages), and how the groups' replicas are hosted:
+/// threads of this process, or cluster nodes.
 pub(crate) async fn shared_roles(
     job: &JobConfig,
     node: &Node,
     model: Llama,
     codec: Arc<dyn TextCodec>,
     pad_id: i64,
+    custom: &CustomRoles,
 ) -> Result<(Hosts, Shared), JobError> {
     let p = &job.placement;
     let heads = job.job.controllers;
@@ -332,10 +342,14 @@ pub(crate) async fn shared_roles(
             let group = role_group(job, node.name())?;
             let (dev, kind) = (group.torch_device(), job.model.dtype.kind());
             let shared = Shared {
-                reward: spawn_reward(job, node, group.clone()).await?,
-                reference: match with_reference {
-                    false => None,
-                    true => Some(
+                reward: match &custom.reward {
+                    Some(r) => r.clone(),
+                    None => spawn_reward(job, node, group.clone()).await?,
+                },
+                reference: match (&custom.reference, with_reference) {
+                    (Some(r), _) => Some(r.clone()),
+                    (None, false) => None,
+                    (None, true) => Some(
                         spawn_role(
                             node,
                             crate::build::parts::reference_role(
@@ -349,6 +363,7 @@ pub(crate) async fn shared_roles(
                         .await?,
                     ),
                 },
+                stages: custom.stages.clone(),
             };
             let hosts = Hosts::Embedded {
                 codec,
@@ -366,11 +381,17 @@ pub(crate) async fn shared_roles(
             sent.job.policy_replicas = heads;
             let text = job_text(&sent)?;
             let shared = Shared {
-                reward: crate::build::cluster::spawn(job, &text, node, "reward", &p.reward, None)
-                    .await?,
-                reference: match with_reference {
-                    false => None,
-                    true => Some(
+                reward: match &custom.reward {
+                    Some(r) => r.clone(),
+                    None => {
+                        crate::build::cluster::spawn(job, &text, node, "reward", &p.reward, None)
+                            .await?
+                    }
+                },
+                reference: match (&custom.reference, with_reference) {
+                    (Some(r), _) => Some(r.clone()),
+                    (None, false) => None,
+                    (None, true) => Some(
                         crate::build::cluster::spawn(
                             job,
                             &text,
@@ -382,6 +403,7 @@ pub(crate) async fn shared_roles(
                         .await?,
                     ),
                 },
+                stages: custom.stages.clone(),
             };
             (Hosts::Cluster { text }, shared)
         }

@@ -81,7 +81,10 @@ impl LivePlacement {
             shared,
             r.into_iter().map(|x| x.1).collect(),
             p.into_iter().map(|x| x.1).collect(),
-        )?;
+        )?
+        .into_iter()
+        .map(|c| c.with_extra_stages(self.shared.stages.iter().cloned()))
+        .collect::<Vec<_>>();
         if let Some(states) = states {
             for (c, s) in heads.iter_mut().zip(states) {
                 c.restore(s)?;

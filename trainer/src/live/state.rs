@@ -38,6 +38,8 @@ pub(crate) type Routes = (Vec<(GroupId, RolloutRef)>, Vec<(GroupId, PolicyRef)>)
 pub(crate) struct Shared {
     pub(crate) reward: crate::controller::refs::SamplesRef,
     pub(crate) reference: Option<crate::controller::refs::SamplesRef>,
+    /// The user's stages, in every head.
+    pub(crate) stages: Vec<crate::controller::extra_stages::ExtraStage>,
 }
 
 /// Seconds one step's stages kept each group busy, and the policy's view of the step.

@@ -1,0 +1,160 @@
+//! Spawning the roles `[roles]` names: each by its registered name, on its node or on
+//! the first alive node that registers it, with its TOML arguments sent as JSON (the
+//! trainer does not link the user's types; the hosting node decodes them into its own).
+
+use std::time::Duration;
+
+use yatt_runtime::{ActorRef, Message, Node, NodeError};
+
+use crate::build::cluster::wait_for_nodes;
+use crate::build::custom::CustomRoles;
+use crate::config::checks::invalid;
+use crate::config::sections::JobConfig;
+use crate::config::user_roles::UserRole;
+use crate::controller::extra_stages::ExtraStage;
+use crate::error::JobError;
+
+/// How long a role with no `node` waits for a node that registers it to join.
+const JOIN_WAIT: Duration = Duration::from_secs(10);
+
+/// The roles `job.roles` names, spawned and linked to `node` (they stop when this
+/// trainer leaves), merged with the ones the program brought in `given`. A slot both
+/// name is refused.
+pub(crate) async fn with_config_roles(
+    job: &JobConfig,
+    node: &Node,
+    given: &CustomRoles,
+) -> Result<CustomRoles, JobError> {
+    let roles = &job.roles;
+    let mut out = given.clone();
+    if roles.is_empty() {
+        return Ok(out);
+    }
+    let timeout = Duration::from_secs(job.placement.spawn_timeout_s);
+    let taken = given.slots();
+    for (key, _) in roles.slots() {
+        let slot = key.trim_start_matches("roles.");
+        if taken.contains(&slot) {
+            return Err(invalid(
+                key,
+                "nothing when the program passes its own role for the slot (CustomRoles)",
+                slot,
+                &format!("remove [{key}], or leave CustomRoles::{slot} empty"),
+            ));
+        }
+    }
+    if let Some(r) = &roles.reward {
+        out.reward = Some(spawn_user(node, "roles.reward", r, 0, timeout).await?);
+    }
+    if let Some(r) = &roles.reference {
+        out.reference = Some(spawn_user(node, "roles.reference", r, 0, timeout).await?);
+    }
+    if let Some(r) = &roles.critic {
+        out.critic = Some(spawn_user(node, "roles.critic", r, 0, timeout).await?);
+    }
+    if let Some(r) = &roles.policy {
+        out.policy = Some(spawn_user(node, "roles.policy", r, 0, timeout).await?);
+    }
+    if let Some(r) = &roles.rollout {
+        for head in 0..job.job.controllers {
+            out.rollouts
+                .push(spawn_user(node, "roles.rollout", r, head, timeout).await?);
+        }
+    }
+    for (i, s) in roles.stages.iter().enumerate() {
+        let key = format!("roles.stages[{i}]");
+        let as_role = UserRole {
+            role: s.role.clone(),
+            node: s.node.clone(),
+            args: s.args.clone(),
+        };
+        let role = spawn_user(node, &key, &as_role, 0, timeout).await?;
+        out.stages.push(
+            ExtraStage::new(s.stage_name(), s.after, role)
+                .with_timeout(Duration::from_secs_f64(s.timeout_s)),
+        );
+    }
+    Ok(out)
+}
+
+/// Spawns `r` (the `nth` of its kind: replicas of a slot start their search on
+/// different nodes, so they spread) and gives back its typed reference.
+async fn spawn_user<Req: Message, Resp: Message>(
+    node: &Node,
+    key: &str,
+    r: &UserRole,
+    nth: usize,
+    timeout: Duration,
+) -> Result<ActorRef<Req, Resp>, JobError> {
+    let args = serde_json::to_string(&r.args).map_err(|e| {
+        invalid(
+            &format!("{key}.args"),
+            "a table of plain values",
+            &format!("{:?}", r.args),
+            &e.to_string(),
+        )
+    })?;
+    let refused = |host: &str, e: NodeError| {
+        invalid(
+            &format!("{key}.args"),
+            &format!("arguments role {:?} on {host} accepts", r.role),
+            &format!("[{key}] args"),
+            &e.to_string(),
+        )
+    };
+    if !r.node.is_empty() {
+        wait_for_nodes(node, &[(format!("{key}.node"), r.node.clone())]).await?;
+        return match node
+            .spawn_remote_linked_json(&r.node, &r.role, &args, timeout)
+            .await
+        {
+            Ok(a) => Ok(a),
+            Err(NodeError::NoFactory { known, .. }) => Err(invalid(
+                &format!("{key}.role"),
+                &format!("a role node {} registers: {}", r.node, known.join(", ")),
+                &format!("{:?}", r.role),
+                "register it in that node's daemon (yatt::node::main_with(|r| r.role::<MyRole>(NAME))), or name a node that does",
+            )),
+            Err(e) => Err(refused(&r.node, e)),
+        };
+    }
+    let mut tried: Vec<(String, Vec<String>)> = Vec::new();
+    for round in 0..2 {
+        let mut alive: Vec<String> = node
+            .directory()
+            .read(|d| d.alive_nodes().map(|n| n.name.clone()).collect());
+        alive.sort();
+        alive.retain(|n| !tried.iter().any(|(t, _)| t == n));
+        if !alive.is_empty() {
+            let turn = nth % alive.len();
+            alive.rotate_left(turn);
+        }
+        for host in alive {
+            match node
+                .spawn_remote_linked_json(&host, &r.role, &args, timeout)
+                .await
+            {
+                Ok(a) => return Ok(a),
+                Err(NodeError::NoFactory { known, .. }) => tried.push((host, known)),
+                Err(e) => return Err(refused(&host, e)),
+            }
+        }
+        if round == 0 {
+            // Daemons started just before the run may still be joining.
+            let seen = tried.len();
+            node.directory()
+                .wait_until(JOIN_WAIT, |d| d.alive_nodes().count() > seen)
+                .await;
+        }
+    }
+    let what: Vec<String> = tried
+        .iter()
+        .map(|(n, known)| format!("{n} ({})", known.join(", ")))
+        .collect();
+    Err(invalid(
+        &format!("{key}.role"),
+        &format!("a role some alive node registers; they register: {}", what.join("; ")),
+        &format!("{:?}", r.role),
+        "start a daemon that registers it (yatt::node::main_with(|r| r.role::<MyRole>(NAME))) and join it to this cluster, or fix the name",
+    ))
+}
