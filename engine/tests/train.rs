@@ -337,9 +337,18 @@ fn offload_reload_buckets_reference_and_heads() {
         let ids = Tensor::from_slice(&[0i64, 5, 6, 7])
             .unsqueeze(0)
             .to_device(dev);
+        // The weights arrive bit for bit; the forward passes agree to rounding (the
+        // generator's packed kernels sum in another order than the trainer's matmuls
+        // on some CPUs).
+        let theirs = gen.model().hf_named_tensors();
+        for (name, mine) in t.model.hf_named_tensors() {
+            let (_, got) = theirs.iter().find(|(n, _)| *n == name).unwrap();
+            assert!(mine.equal(got), "{name} differs after the weight sync");
+        }
         let a = tch::no_grad(|| t.model.forward(&ids, None));
         let b = tch::no_grad(|| gen.model().forward(&ids, None));
-        assert!(a.equal(&b));
+        let diff = (a - b).abs().max().double_value(&[]);
+        assert!(diff < 1e-5, "forward passes differ by {diff}");
         // Gradient buckets round trip.
         nll(&t.model, &batch_on(dev, &p)).unwrap().backward();
         let gb = t.grad_buckets(1 << 20).unwrap();

@@ -73,6 +73,9 @@ fn adopting_a_snapshot_shares_it_and_computes_like_the_source() {
         .unwrap()
         .1;
     assert_eq!(mine.data_ptr(), shared.data_ptr(), "`{name}` was copied");
+    // The first pass after an adopt may round differently in the last bit (on AVX2-only
+    // CPUs oneDNN's first call takes another path); the passes after it agree exactly.
+    let settled = tch::no_grad(|| rollout.forward(&ids, None));
     // The trainer's own tensors are not the snapshot: training on leaves it alone.
     tch::no_grad(|| {
         for (_, t) in trainer.parameters_mut() {
@@ -80,7 +83,7 @@ fn adopting_a_snapshot_shares_it_and_computes_like_the_source() {
         }
     });
     let after = tch::no_grad(|| rollout.forward(&ids, None));
-    assert!(max_diff(&got, &after) == 0.0);
+    assert!(max_diff(&settled, &after) == 0.0);
     // A snapshot missing a tensor, or with one of another shape, is refused whole.
     let before = rollout.parameters();
     let mut short = trainer.weights_snapshot();
