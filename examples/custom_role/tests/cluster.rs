@@ -145,6 +145,7 @@ fn the_stock_trainer_spawns_the_roles_a_job_config_names() {
         format!("placement.policy={host_1:?}"),
         format!("placement.reference={host_1:?}"),
         format!("placement.reward={host_0:?}"),
+        format!("roles.stages.0.node={host_0:?}"),
     ];
     let with = |extra: &[&str]| -> Vec<String> {
         placed

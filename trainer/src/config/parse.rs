@@ -171,11 +171,36 @@ pub(crate) fn apply_set(table: &mut toml::Table, arg: &str) -> Result<(), JobErr
             .unwrap_or_else(|| toml::Value::String(raw.into())),
         Err(_) => toml::Value::String(raw.into()),
     };
+    // Tables by name; an array of tables (`[[roles.stages]]`) by index: `roles.stages.0.node`.
     let mut table = table;
-    for (depth, part) in parts[..parts.len() - 1].iter().enumerate() {
+    let mut depth = 0;
+    while depth + 1 < parts.len() {
+        let here = parts[..=depth].join(".");
         let entry = table
-            .entry(part.to_string())
+            .entry(parts[depth].to_string())
             .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        let entry = match entry {
+            toml::Value::Array(entries) => {
+                let len = entries.len();
+                let index: usize = parts[depth + 1].parse().map_err(|_| {
+                    err(format!(
+                        "`{here}` is a list: give an entry's index, e.g. {here}.0.KEY"
+                    ))
+                })?;
+                let Some(chosen) = entries.get_mut(index) else {
+                    return Err(err(format!(
+                        "`{here}` has {len} entries (0..{len}); there is no entry {index}"
+                    )));
+                };
+                depth += 1;
+                if depth + 1 == parts.len() {
+                    *chosen = value;
+                    return Ok(());
+                }
+                chosen
+            }
+            other => other,
+        };
         let toml::Value::Table(t) = entry else {
             return Err(err(format!(
                 "`{}` in the config is not a table",
@@ -183,6 +208,7 @@ pub(crate) fn apply_set(table: &mut toml::Table, arg: &str) -> Result<(), JobErr
             )));
         };
         table = t;
+        depth += 1;
     }
     table.insert(parts[parts.len() - 1].to_string(), value);
     Ok(())
@@ -349,12 +375,27 @@ node = "host-1"
     fn roles_take_overrides_and_refuse_what_cannot_spawn() {
         let job = with(
             ROLES,
-            &["roles.reward.args.min_len=6", "roles.reward.node=h2"],
+            &[
+                "roles.reward.args.min_len=6",
+                "roles.reward.node=h2",
+                "roles.stages.0.node=h3",
+            ],
         )
         .unwrap();
+        assert_eq!(job.roles.stages[0].node, "h3");
         let reward = job.roles.reward.unwrap();
         assert_eq!(reward.args["min_len"].as_integer(), Some(6));
         assert_eq!(reward.node, "h2");
+        let e = with(ROLES, &["roles.stages.1.node=h3"]).unwrap_err();
+        assert!(
+            e.contains("has 1 entries") && e.contains("no entry 1"),
+            "{e}"
+        );
+        let e = with(ROLES, &["roles.stages.node=h3"]).unwrap_err();
+        assert!(
+            e.contains("is a list") && e.contains("roles.stages.0.KEY"),
+            "{e}"
+        );
         let e = with(ROLES, &["roles.reward.rol=\"x\""]).unwrap_err();
         assert!(e.contains("rol"), "{e}");
         let e = with(ROLES, &["roles.reward.role=\"my/reward\""]).unwrap_err();
