@@ -9,7 +9,7 @@ use yatt_runtime::{ActorId, Node};
 use crate::build::custom::CustomRoles;
 use crate::build::embedded::build_embedded_with;
 use crate::build::respawn::respawn_lost_roles;
-use crate::build::user_roles::with_config_roles;
+use crate::build::user_roles::{with_config_roles, NamedRoles};
 use crate::checkpoint::{check_same_run, recover, save, RunState, JOB_FILE};
 use crate::config::modes::PlacementMode;
 use crate::config::sections::JobConfig;
@@ -155,7 +155,7 @@ pub async fn train_with(
             });
         }
     }
-    let roles = with_config_roles(job, node, &options.roles).await?;
+    let (roles, mut named) = with_config_roles(job, node, &options.roles).await?;
     // Live placement owns the heads and re-routes them between steps.
     let mut live = if job.placement.live {
         let checkpoint = resume.then_some(checkpoint_dir.as_path());
@@ -171,7 +171,10 @@ pub async fn train_with(
     } else {
         build_embedded_with(job, node, resume.then_some(out.as_path()), &roles).await?
     };
-    let custom = roles.actor_ids();
+    // The roles a node loss cannot bring back: the program's own (a role `[roles]`
+    // names is spawned again by its name).
+    let mut custom = roles.actor_ids();
+    custom.retain(|id| !named.contains(id));
     let mut step = match &live {
         Some(l) => l.controllers().first().map_or(0, Controller::step_count),
         None => controllers.first().map_or(0, Controller::step_count),
@@ -209,7 +212,9 @@ pub async fn train_with(
                 Err(e) => Err(e),
             },
             None if job.placement.mode == PlacementMode::Disaggregated => {
-                match step_surviving_node_loss(job, node, &mut controllers, &custom).await {
+                match step_surviving_node_loss(job, node, &mut controllers, &custom, &mut named)
+                    .await
+                {
                     Ok(m) => record(&m),
                     Err(e) => Err(e),
                 }
@@ -255,6 +260,7 @@ async fn step_surviving_node_loss(
     node: &Node,
     controllers: &mut [Controller],
     custom: &BTreeSet<ActorId>,
+    named: &mut NamedRoles,
 ) -> Result<StepMetrics, JobError> {
     let t = Instant::now();
     let mut respawned = 0;
@@ -283,7 +289,8 @@ async fn step_surviving_node_loss(
         if attempt == STEP_RECOVERIES {
             return Err(failed);
         }
-        let moved = respawn_lost_roles(job, node, controllers, &before, &failed, custom).await?;
+        let moved =
+            respawn_lost_roles(job, node, controllers, &before, &failed, custom, named).await?;
         if moved.is_empty() {
             return Err(failed);
         }

@@ -224,3 +224,63 @@ fn the_stock_trainer_spawns_the_roles_a_job_config_names() {
         .sum();
     assert!(dropped > 0.0, "the filter dropped nothing");
 }
+
+/// A daemon dies (`kill -9`) mid-run with the reward and the stage that `[roles]` named
+/// on it: the stock trainer spawns both again, by name, on a daemon that registers
+/// them, the step runs again, and the run completes.
+#[test]
+fn roles_a_job_config_names_are_spawned_again_when_their_daemon_dies() {
+    std::env::set_var("YATT_NODE_BIN", env!("CARGO_BIN_EXE_custom-yatt-node"));
+    let cluster = Cluster::start("cfgloss", 3);
+    let names: Vec<String> = cluster.nodes.iter().map(|n| n.name.clone()).collect();
+    let victim = cluster.nodes[2].pid;
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/job.toml");
+    let sets = [
+        format!("placement.rollout={:?}", names[0]),
+        format!("placement.policy={:?}", names[1]),
+        format!("placement.reference={:?}", names[1]),
+        format!("placement.reward={:?}", names[0]),
+        format!("roles.reward.node={:?}", names[2]),
+        format!("roles.stages.0.node={:?}", names[2]),
+    ];
+    let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+    let out = tempfile::tempdir().unwrap();
+    let metrics = out.path().join("metrics.jsonl");
+    let printed = std::thread::scope(|s| {
+        let run =
+            s.spawn(|| cluster.yatt_train(config, &sets, out.path(), Duration::from_secs(300)));
+        let started = poll(Duration::from_secs(120), || {
+            if run.is_finished() {
+                return Some(false);
+            }
+            let text = std::fs::read_to_string(&metrics).ok()?;
+            (text.lines().count() >= 5).then_some(true)
+        });
+        if started != Some(true) {
+            let ended = run.join();
+            panic!("the run did not reach step 5: {ended:?}");
+        }
+        let killed = std::process::Command::new("kill")
+            .args(["-9", &victim.to_string()])
+            .status()
+            .unwrap();
+        assert!(killed.success());
+        run.join().unwrap()
+    });
+    assert!(printed.contains("done: 30 steps"), "{printed}");
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 30);
+    let respawned: f64 = rows
+        .iter()
+        .filter_map(|v| v["recovery/respawned_roles"].as_f64())
+        .sum();
+    assert_eq!(respawned, 2.0, "the reward and the stage, once each");
+    // The filter reported at every step, before and after its daemon died.
+    assert!(rows
+        .iter()
+        .all(|v| v["stage/repeat-filter/dropped"].as_f64().is_some()));
+}

@@ -14,13 +14,16 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use yatt_runtime::{ActorId, Directory, Liveness, Node};
+use yatt_roles::{RoleRequest, RoleResponse};
+use yatt_runtime::{ActorId, ActorRef, Directory, Liveness, Message, Node};
 
 use crate::build::cluster::{job_text, spawn};
 use crate::build::replica::{replace_lost_replicas, Hosting};
+use crate::build::user_roles::NamedRoles;
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::error::ControllerError;
+use crate::controller::refs::SamplesRef;
 use crate::controller::report::ControllerState;
 use crate::error::JobError;
 
@@ -58,10 +61,11 @@ pub(crate) async fn respawn_lost_roles(
     before: &[ControllerState],
     failed: &JobError,
     custom: &BTreeSet<ActorId>,
+    named: &mut NamedRoles,
 ) -> Result<Vec<String>, JobError> {
     let mut tries = 1;
     loop {
-        match respawn_once(job, node, controllers, before, failed, custom).await {
+        match respawn_once(job, node, controllers, before, failed, custom, named).await {
             Err(e) if tries < RECOVERY_TRIES && met_a_loss(&e) => {
                 tracing::warn!(tries, error = %e, "recovering from a node loss failed; trying again once the membership changes");
                 tries += 1;
@@ -103,6 +107,7 @@ async fn respawn_once(
     before: &[ControllerState],
     failed: &JobError,
     custom: &BTreeSet<ActorId>,
+    named: &mut NamedRoles,
 ) -> Result<Vec<String>, JobError> {
     let JobError::Controller(e) = failed else {
         return Ok(Vec::new());
@@ -111,7 +116,13 @@ async fn respawn_once(
         return Ok(Vec::new());
     };
     let replicated = controllers.len() > 1 && controllers.iter().all(|c| c.in_policy_ring);
-    let stateless = STATELESS.contains(role) && !AFTER_UPDATE.contains(stage);
+    // The user's stages that `[roles]` named are stateless too: spawned again by name.
+    let named_stage = controllers.first().is_some_and(|c| {
+        c.extra
+            .iter()
+            .any(|s| s.name == *role && named.contains(s.role.id()))
+    });
+    let stateless = (STATELESS.contains(role) || named_stage) && !AFTER_UPDATE.contains(stage);
     if !stateless && !(*role == "policy" && replicated) {
         return Ok(Vec::new());
     }
@@ -130,8 +141,9 @@ async fn respawn_once(
     if lost.is_empty() {
         return Ok(Vec::new());
     }
-    // A user's role went with it: the trainer cannot make another, and a built-in one
-    // in its place would silently change the run.
+    // A role the program brought went with it: the trainer cannot make another, and a
+    // built-in one in its place would silently change the run. (One `[roles]` names is
+    // spawned again by its name.)
     if node
         .directory()
         .read(|d| custom.iter().any(|id| actor_lost(d, id)))
@@ -145,6 +157,14 @@ async fn respawn_once(
     }
     let mut hosting = Hosting::new(node, &ids, &lost);
     let text = job_text(job)?;
+    let spawn_timeout = Duration::from_secs(job.placement.spawn_timeout_s);
+    let again = Again {
+        job,
+        text: &text,
+        node,
+        lost: &lost,
+        timeout: spawn_timeout,
+    };
     let mut moved = Vec::new();
     let is_lost = |id: &ActorId| lost.contains(id);
     // Shared roles: one new actor for every head.
@@ -154,9 +174,9 @@ async fn respawn_once(
         .filter(|id| is_lost(id))
         .map(|id| id.name.node.clone())
     {
-        let target = hosting.pick(&lost)?;
-        let r = spawn(job, &text, node, "reward", &target, None).await?;
-        moved.push(format!("reward: {old} -> {target}"));
+        let id = controllers[0].roles.reward.id().clone();
+        let r = again.spawn(named, &mut hosting, &id, "reward").await?;
+        moved.push(format!("reward: {old} -> {}", r.id().name.node));
         for c in controllers.iter_mut() {
             c.roles.reward = r.clone();
         }
@@ -167,19 +187,24 @@ async fn respawn_once(
         .filter(|r| is_lost(r.id()))
         .map(|r| r.id().name.node.clone())
     {
-        let target = hosting.pick(&lost)?;
-        let r = spawn(job, &text, node, "reference", &target, None).await?;
-        moved.push(format!("reference: {old} -> {target}"));
+        let id = controllers[0]
+            .roles
+            .reference
+            .as_ref()
+            .map(|r| r.id().clone())
+            .expect("a lost reference exists");
+        let r = again.spawn(named, &mut hosting, &id, "reference").await?;
+        moved.push(format!("reference: {old} -> {}", r.id().name.node));
         for c in controllers.iter_mut() {
             c.roles.reference = Some(r.clone());
         }
     }
     for c in controllers.iter_mut() {
         if is_lost(c.roles.rollout.id()) {
-            let target = hosting.pick(&lost)?;
-            let old = c.roles.rollout.id().name.node.clone();
-            c.roles.rollout = spawn(job, &text, node, "rollout", &target, None).await?;
-            moved.push(format!("rollout: {old} -> {target}"));
+            let id = c.roles.rollout.id().clone();
+            c.roles.rollout = again.spawn(named, &mut hosting, &id, "rollout").await?;
+            let new = &c.roles.rollout.id().name.node;
+            moved.push(format!("rollout: {} -> {new}", id.name.node));
         }
         for r in c.roles.extra_rollouts.iter_mut() {
             if is_lost(r.id()) {
@@ -190,6 +215,23 @@ async fn respawn_once(
             }
         }
         c.lost_rollouts.clear();
+    }
+    // The user's named stages: one new actor for every head, as the heads share them.
+    let lost_stages: Vec<(&'static str, ActorId)> = controllers.first().map_or(Vec::new(), |c| {
+        c.extra
+            .iter()
+            .filter(|s| is_lost(s.role.id()))
+            .map(|s| (s.name, s.role.id().clone()))
+            .collect()
+    });
+    for (name, old) in lost_stages {
+        let r: SamplesRef = named.respawn(node, &old, again.timeout).await?;
+        moved.push(format!("{name}: {} -> {}", old.name.node, r.id().name.node));
+        for c in controllers.iter_mut() {
+            for s in c.extra.iter_mut().filter(|s| *s.role.id() == old) {
+                s.role = r.clone();
+            }
+        }
     }
     if replicated {
         let replaced =
@@ -202,6 +244,32 @@ async fn respawn_once(
         c.sync_weights().await?;
     }
     Ok(moved)
+}
+
+/// What spawning a lost role again needs: a role `[roles]` named goes back by its name,
+/// a built-in one to the node [`Hosting`] picks.
+struct Again<'a> {
+    job: &'a JobConfig,
+    text: &'a str,
+    node: &'a Node,
+    lost: &'a BTreeSet<ActorId>,
+    timeout: Duration,
+}
+
+impl Again<'_> {
+    async fn spawn<Req: Message, Resp: Message>(
+        &self,
+        named: &mut NamedRoles,
+        hosting: &mut Hosting,
+        id: &ActorId,
+        role: &'static str,
+    ) -> Result<ActorRef<RoleRequest<Req>, RoleResponse<Resp>>, JobError> {
+        if named.contains(id) {
+            return named.respawn(self.node, id, self.timeout).await;
+        }
+        let target = hosting.pick(self.lost)?;
+        Ok(spawn(self.job, self.text, self.node, role, &target, None).await?)
+    }
 }
 
 /// The job's role actors and their roles (a shared role once per head).
@@ -218,6 +286,9 @@ fn role_ids(controllers: &[Controller]) -> Vec<(ActorId, &'static str)> {
             ids.insert(x.id().clone(), "reference");
         }
         ids.insert(r.policy.id().clone(), "policy");
+        for s in &c.extra {
+            ids.insert(s.role.id().clone(), s.name);
+        }
         if let Some(x) = &r.critic {
             ids.insert(x.id().clone(), "critic");
         }

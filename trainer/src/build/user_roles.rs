@@ -2,9 +2,10 @@
 //! the first alive node that registers it, with its TOML arguments sent as JSON (the
 //! trainer does not link the user's types; the hosting node decodes them into its own).
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
-use yatt_runtime::{ActorRef, Message, Node, NodeError};
+use yatt_runtime::{ActorId, ActorRef, Message, Node, NodeError};
 
 use crate::build::cluster::wait_for_nodes;
 use crate::build::custom::CustomRoles;
@@ -12,23 +13,83 @@ use crate::config::checks::invalid;
 use crate::config::sections::JobConfig;
 use crate::config::user_roles::UserRole;
 use crate::controller::extra_stages::ExtraStage;
+use crate::controller::refs::{RolloutRef, SamplesRef};
 use crate::error::JobError;
 
 /// How long a role with no `node` waits for a node that registers it to join.
 const JOIN_WAIT: Duration = Duration::from_secs(10);
 
+/// The stateless roles `[roles]` named (reward, reference, rollouts, stages), by the
+/// actor each is now: what a node-loss recovery needs to spawn one again elsewhere.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct NamedRoles {
+    by_actor: BTreeMap<ActorId, NamedRole>,
+}
+
+#[derive(Debug, Clone)]
+struct NamedRole {
+    key: String,
+    spec: UserRole,
+    nth: usize,
+}
+
+impl NamedRoles {
+    fn add(&mut self, id: &ActorId, key: &str, spec: &UserRole, nth: usize) {
+        let named = NamedRole {
+            key: key.to_string(),
+            spec: spec.clone(),
+            nth,
+        };
+        self.by_actor.insert(id.clone(), named);
+    }
+
+    /// Whether `id` is one of them.
+    pub(crate) fn contains(&self, id: &ActorId) -> bool {
+        self.by_actor.contains_key(id)
+    }
+
+    /// Spawns the role `old` was again, away from the nodes `lost` names (a role pinned
+    /// to a lost node goes to any node that registers it), and records the new actor in
+    /// its place.
+    pub(crate) async fn respawn<Req: Message, Resp: Message>(
+        &mut self,
+        node: &Node,
+        old: &ActorId,
+        timeout: Duration,
+    ) -> Result<ActorRef<Req, Resp>, JobError> {
+        let Some(mut named) = self.by_actor.remove(old) else {
+            return Err(invalid(
+                "[roles]",
+                "a role the job config names",
+                &old.to_string(),
+                "this is a bug: the recovery asked for a role it did not spawn",
+            ));
+        };
+        let pinned_alive = node
+            .directory()
+            .read(|d| d.alive_nodes().any(|n| n.name == named.spec.node));
+        if !pinned_alive {
+            named.spec.node.clear();
+        }
+        let r = spawn_user(node, &named.key, &named.spec, named.nth, timeout).await?;
+        self.by_actor.insert(r.id().clone(), named);
+        Ok(r)
+    }
+}
+
 /// The roles `job.roles` names, spawned and linked to `node` (they stop when this
-/// trainer leaves), merged with the ones the program brought in `given`. A slot both
-/// name is refused.
+/// trainer leaves), merged with the ones the program brought in `given`, and the
+/// stateless ones among them by actor. A slot both name is refused.
 pub(crate) async fn with_config_roles(
     job: &JobConfig,
     node: &Node,
     given: &CustomRoles,
-) -> Result<CustomRoles, JobError> {
+) -> Result<(CustomRoles, NamedRoles), JobError> {
     let roles = &job.roles;
     let mut out = given.clone();
+    let mut named = NamedRoles::default();
     if roles.is_empty() {
-        return Ok(out);
+        return Ok((out, named));
     }
     let timeout = Duration::from_secs(job.placement.spawn_timeout_s);
     let taken = given.slots();
@@ -44,10 +105,14 @@ pub(crate) async fn with_config_roles(
         }
     }
     if let Some(r) = &roles.reward {
-        out.reward = Some(spawn_user(node, "roles.reward", r, 0, timeout).await?);
+        let a: SamplesRef = spawn_user(node, "roles.reward", r, 0, timeout).await?;
+        named.add(a.id(), "roles.reward", r, 0);
+        out.reward = Some(a);
     }
     if let Some(r) = &roles.reference {
-        out.reference = Some(spawn_user(node, "roles.reference", r, 0, timeout).await?);
+        let a: SamplesRef = spawn_user(node, "roles.reference", r, 0, timeout).await?;
+        named.add(a.id(), "roles.reference", r, 0);
+        out.reference = Some(a);
     }
     if let Some(r) = &roles.critic {
         out.critic = Some(spawn_user(node, "roles.critic", r, 0, timeout).await?);
@@ -57,8 +122,9 @@ pub(crate) async fn with_config_roles(
     }
     if let Some(r) = &roles.rollout {
         for head in 0..job.job.controllers {
-            out.rollouts
-                .push(spawn_user(node, "roles.rollout", r, head, timeout).await?);
+            let a: RolloutRef = spawn_user(node, "roles.rollout", r, head, timeout).await?;
+            named.add(a.id(), "roles.rollout", r, head);
+            out.rollouts.push(a);
         }
     }
     for (i, s) in roles.stages.iter().enumerate() {
@@ -68,13 +134,14 @@ pub(crate) async fn with_config_roles(
             node: s.node.clone(),
             args: s.args.clone(),
         };
-        let role = spawn_user(node, &key, &as_role, 0, timeout).await?;
+        let role: SamplesRef = spawn_user(node, &key, &as_role, 0, timeout).await?;
+        named.add(role.id(), &key, &as_role, 0);
         out.stages.push(
             ExtraStage::new(s.stage_name(), s.after, role)
                 .with_timeout(Duration::from_secs_f64(s.timeout_s)),
         );
     }
-    Ok(out)
+    Ok((out, named))
 }
 
 /// Spawns `r` (the `nth` of its kind: replicas of a slot start their search on
