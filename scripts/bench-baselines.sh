@@ -7,7 +7,9 @@
 #   bash scripts/bench-baselines.sh [STEPS] [EVAL_EVERY] [ALGOS...]   # default 80 40, all
 #
 # EVAL_PROMPTS (default 200) sets the held-out prompts per evaluation (a quick check of
-# the script: EVAL_PROMPTS=8 bash scripts/bench-baselines.sh 2 1 grpo ppo).
+# the script: EVAL_PROMPTS=8 bash scripts/bench-baselines.sh 2 1 grpo ppo). YATT_BIN names
+# a yatt binary to use instead of building one: a copy keeps a long run on one build
+# while the tree changes.
 #
 # Each run's settings are its `--set`s below on top of the shipped config; the resolved
 # config is written to runs/baselines/NAME/job.toml. Writes runs/baselines/summary.tsv
@@ -21,8 +23,12 @@ STEPS="${1:-80}"
 EVERY="${2:-40}"
 EVAL_PROMPTS="${EVAL_PROMPTS:-200}"
 shift $(( $# > 2 ? 2 : $# ))
-cargo build --release --bin yatt -q
-BIN="${CARGO_TARGET_DIR:-target}/release/yatt"
+if [ -n "${YATT_BIN:-}" ]; then
+  BIN="$YATT_BIN"
+else
+  cargo build --release --bin yatt -q
+  BIN="${CARGO_TARGET_DIR:-target}/release/yatt"
+fi
 [ -d models/smollm2-135m ] || "$BIN" import-gguf "$YATT_SMOLLM2_GGUF" models/smollm2-135m
 CONFIG=config/smollm2-addition.toml
 OUT=runs/baselines

@@ -168,33 +168,29 @@ async fn respawn_once(
     let mut moved = Vec::new();
     let is_lost = |id: &ActorId| lost.contains(id);
     // Shared roles: one new actor for every head.
-    if let Some(old) = controllers
+    if let Some(id) = controllers
         .first()
-        .map(|c| c.roles.reward.id())
+        .map(|c| c.roles.reward.id().clone())
         .filter(|id| is_lost(id))
-        .map(|id| id.name.node.clone())
     {
-        let id = controllers[0].roles.reward.id().clone();
         let r = again.spawn(named, &mut hosting, &id, "reward").await?;
-        moved.push(format!("reward: {old} -> {}", r.id().name.node));
+        moved.push(format!("reward: {} -> {}", id.name.node, r.id().name.node));
         for c in controllers.iter_mut() {
             c.roles.reward = r.clone();
         }
     }
-    if let Some(old) = controllers
+    if let Some(id) = controllers
         .first()
         .and_then(|c| c.roles.reference.as_ref())
-        .filter(|r| is_lost(r.id()))
-        .map(|r| r.id().name.node.clone())
+        .map(|r| r.id().clone())
+        .filter(|id| is_lost(id))
     {
-        let id = controllers[0]
-            .roles
-            .reference
-            .as_ref()
-            .map(|r| r.id().clone())
-            .expect("a lost reference exists");
         let r = again.spawn(named, &mut hosting, &id, "reference").await?;
-        moved.push(format!("reference: {old} -> {}", r.id().name.node));
+        moved.push(format!(
+            "reference: {} -> {}",
+            id.name.node,
+            r.id().name.node
+        ));
         for c in controllers.iter_mut() {
             c.roles.reference = Some(r.clone());
         }
