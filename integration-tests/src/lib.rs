@@ -4,11 +4,13 @@
 
 mod chaos;
 pub mod insecure;
+mod relay;
 
 pub use chaos::{
     hosted_roles, inflict, schedule, table_header, ChaosConfig, ChaosRng, Fault, FaultRecord,
     Planned,
 };
+pub use relay::UdpRelay;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -72,8 +74,10 @@ fn wait_or_kill(child: &mut Child, timeout: Duration) -> Option<std::process::Ex
 pub struct NodeProc {
     /// The node's name.
     pub name: String,
-    /// Its QUIC address.
+    /// Its QUIC address (the one it advertises).
     pub addr: SocketAddr,
+    /// The address its QUIC endpoint is bound to.
+    pub listen: SocketAddr,
     /// Its HTTP address.
     pub http: SocketAddr,
     /// Its process id.
@@ -97,9 +101,9 @@ impl NodeProc {
             return false;
         };
         let addr = |k: &str| info[k].as_str().and_then(|a| a.parse::<SocketAddr>().ok());
-        match (addr("addr"), addr("http")) {
-            (Some(a), Some(h)) => {
-                (self.addr, self.http) = (a, h);
+        match (addr("addr"), addr("listen"), addr("http")) {
+            (Some(a), Some(l), Some(h)) => {
+                (self.addr, self.listen, self.http) = (a, l, h);
                 true
             }
             _ => false,
@@ -399,6 +403,7 @@ impl Cluster {
         NodeProc {
             name: name.to_string(),
             addr: "0.0.0.0:0".parse().expect("literal"),
+            listen: "0.0.0.0:0".parse().expect("literal"),
             http: "0.0.0.0:0".parse().expect("literal"),
             pid: child.id(),
             child: Some(child),
@@ -492,14 +497,13 @@ impl Cluster {
         out: &Path,
         timeout: Duration,
     ) -> (bool, String) {
-        let mut cmd = Command::new(yatt_bin());
-        cmd.arg("train").arg(config);
-        for s in sets {
-            cmd.args(["--set", s]);
-        }
-        cmd.arg("--set")
-            .arg(format!("job.output_dir=\"{}\"", out.display()));
-        self.run_train(cmd, out, "train", timeout)
+        self.run_train(
+            train_command(config, sets, out),
+            out,
+            "train",
+            timeout,
+            true,
+        )
     }
 
     /// `yatt train --resume OUT --set ... --cluster SEED ...` (stdout in
@@ -510,7 +514,7 @@ impl Cluster {
         for s in sets {
             cmd.args(["--set", s]);
         }
-        let (ok, printed) = self.run_train(cmd, out, "resume", timeout);
+        let (ok, printed) = self.run_train(cmd, out, "resume", timeout, true);
         assert!(
             ok,
             "yatt train --resume --cluster failed:\n{printed}\n{}",
@@ -519,8 +523,15 @@ impl Cluster {
         printed
     }
 
-    fn run_train(&self, cmd: Command, out: &Path, log: &str, timeout: Duration) -> (bool, String) {
-        let mut child = self.start_train(cmd, out, log);
+    fn run_train(
+        &self,
+        cmd: Command,
+        out: &Path,
+        log: &str,
+        timeout: Duration,
+        dev: bool,
+    ) -> (bool, String) {
+        let mut child = self.start_train_with(cmd, out, log, dev);
         let status = child.wait(timeout);
         let printed = child.printed();
         (
@@ -529,19 +540,37 @@ impl Cluster {
         )
     }
 
-    /// Starts `cmd` (a `yatt train`) against this cluster, its output in
-    /// `OUT/LOG.log` and `OUT/LOG.err`.
-    fn start_train(&self, mut cmd: Command, out: &Path, log: &str) -> TrainProc {
+    /// [`Cluster::try_yatt_train`] under a certificate issued beforehand (`yatt-node
+    /// cert`): `--certs DIR --name NAME`, without `--dev`.
+    pub fn try_yatt_train_as(
+        &self,
+        config: &str,
+        sets: &[&str],
+        out: &Path,
+        (certs, name): (&Path, &str),
+        timeout: Duration,
+    ) -> (bool, String) {
+        let mut cmd = train_command(config, sets, out);
+        cmd.arg("--certs").arg(certs).args(["--name", name]);
+        self.run_train(cmd, out, "train", timeout, false)
+    }
+
+    /// Starts `cmd` (a `yatt train`) against this cluster with dev certificates, its
+    /// output in `OUT/LOG.log` and `OUT/LOG.err`.
+    fn start_train(&self, cmd: Command, out: &Path, log: &str) -> TrainProc {
+        self.start_train_with(cmd, out, log, true)
+    }
+
+    fn start_train_with(&self, mut cmd: Command, out: &Path, log: &str, dev: bool) -> TrainProc {
         let (stdout, stderr) = (
             out.join(format!("{log}.log")),
             out.join(format!("{log}.err")),
         );
+        cmd.arg("--cluster").arg(self.nodes[0].addr.to_string());
+        if dev {
+            cmd.arg("--dev").arg("--certs").arg(self.ca_dir());
+        }
         let child = cmd
-            .arg("--cluster")
-            .arg(self.nodes[0].addr.to_string())
-            .arg("--dev")
-            .arg("--certs")
-            .arg(self.ca_dir())
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&stdout).expect("train log"))
@@ -554,6 +583,18 @@ impl Cluster {
             stderr,
         }
     }
+}
+
+/// `yatt train CONFIG --set ... --set job.output_dir=OUT`.
+fn train_command(config: &str, sets: &[&str], out: &Path) -> Command {
+    let mut cmd = Command::new(yatt_bin());
+    cmd.arg("train").arg(config);
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    cmd.arg("--set")
+        .arg(format!("job.output_dir=\"{}\"", out.display()));
+    cmd
 }
 
 /// A `metrics.jsonl` line without what depends on the machine's speed (timings,

@@ -6,12 +6,12 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use yatt_integration_tests::{cluster_logs, poll, Cluster};
 use yatt_runtime::BulkReceipt;
-use yatt_runtime::ClusterCa;
 use yatt_runtime::Liveness;
 use yatt_runtime::TransportConfig;
 use yatt_runtime::WithBulk;
 use yatt_runtime::{Bulk, DType};
 use yatt_runtime::{CallError, Node, NodeConfig};
+use yatt_runtime::{CertKind, ClusterCa, DirectoryChange, ExitReason};
 
 const T: Duration = Duration::from_secs(20);
 
@@ -189,7 +189,7 @@ async fn peers_without_a_cluster_certificate_are_refused() {
     );
     let other_ca = ClusterCa::generate("elsewhere")
         .unwrap()
-        .issue("intruder")
+        .issue("intruder", CertKind::Admin)
         .unwrap();
     assert!(
         handshake_fails(target, other_ca.client_config().unwrap()).await,
@@ -204,6 +204,89 @@ async fn peers_without_a_cluster_certificate_are_refused() {
     assert_eq!(echo.ask(vec![7], T).await.unwrap(), vec![7]);
 }
 
+/// What a certificate's kind lets its holder ask of `yatt-node` daemons: a node
+/// certificate may not spawn actors on other nodes and a trainer's may; no member
+/// records another node's actors or deaths; a trainer never leads the directory, even
+/// when it is the oldest live member.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_kind_bounds_what_its_holder_may_ask() {
+    let mut cluster = Cluster::start("ck", 2);
+    let ca = ClusterCa::load(&cluster.ca_dir()).unwrap();
+    let seed = cluster.nodes[0].addr;
+    let member = |name: &str, kind| {
+        Node::builder(name)
+            .identity(ca.issue(name, kind).unwrap())
+            .seed(seed)
+            .start()
+    };
+    let host = cluster.nodes[1].name.clone();
+
+    let node = member("ck-node", CertKind::Node).await.unwrap();
+    let e = node
+        .spawn_remote::<Vec<u8>, Vec<u8>, _>(&host, "echo", &(), T)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("node certificate") && e.contains("--kind trainer"),
+        "{e}"
+    );
+    node.shutdown().await;
+
+    let trainer = member("ck-trainer", CertKind::Trainer).await.unwrap();
+    let echo = trainer
+        .spawn_remote::<Vec<u8>, Vec<u8>, _>(&host, "echo", &(), T)
+        .await
+        .unwrap();
+    assert_eq!(echo.ask(vec![1], T).await.unwrap(), vec![1]);
+    // The leader recorded the kind from the certificate.
+    let kind = trainer
+        .directory()
+        .read(|d| d.node("ck-trainer").map(|n| n.info.kind));
+    assert_eq!(kind, Some(CertKind::Trainer));
+
+    // Another node's actor, or its death, is not the trainer's to record.
+    let e = trainer
+        .propose(DirectoryChange::ActorDown {
+            id: echo.id().clone(),
+            reason: ExitReason::Normal,
+        })
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("only its own actors"), "{e}");
+    let e = trainer
+        .propose(DirectoryChange::NodeDown {
+            node: host.clone(),
+            reason: ExitReason::Normal,
+        })
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("declares deaths"), "{e}");
+    assert_eq!(
+        echo.ask(vec![2], T).await.unwrap(),
+        vec![2],
+        "nothing changed"
+    );
+
+    // ck-1 rejoins under a new incarnation, so the trainer is now the oldest member
+    // after the seed; the seed dies, and ck-1 leads term 2 all the same.
+    cluster.restart_through(1, 0, &[]);
+    cluster.nodes[0].kill9();
+    let want = Some(("ck-1".to_string(), 2));
+    let led = poll(T, || (cluster.nodes[1].lead() == want).then_some(()));
+    assert!(led.is_some(), "{}", cluster_logs(&cluster));
+    let followed = poll(T, || (trainer.leader() == "ck-1").then_some(()));
+    assert!(
+        followed.is_some(),
+        "the trainer follows {}",
+        trainer.leader()
+    );
+    let echo = poll_spawn_echo(&trainer, "ck-1").await;
+    assert_eq!(echo.ask(vec![3], T).await.unwrap(), vec![3]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_and_oversized_frames_close_only_their_stream() {
     let cluster = Cluster::start("mf", 3);
@@ -216,7 +299,7 @@ async fn malformed_and_oversized_frames_close_only_their_stream() {
 
     // An authenticated peer (certificate from the cluster CA) misbehaves by hand.
     let ca = ClusterCa::load(&cluster.ca_dir()).unwrap();
-    let rogue = ca.issue("mf-rogue").unwrap();
+    let rogue = ca.issue("mf-rogue", CertKind::Admin).unwrap();
     let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
     ep.set_default_client_config(rogue.client_config().unwrap());
     let conn = ep

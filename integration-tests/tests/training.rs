@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use yatt_integration_tests::{
     assert_roles_released, cluster_logs, deterministic_metrics, join, replica_weights,
-    run_trajectory, steps_done, Cluster,
+    run_trajectory, steps_done, Cluster, UdpRelay,
 };
 use yatt_runtime::Node;
 use yatt_trainer::Stage;
@@ -196,6 +196,101 @@ fn yatt_train_cluster_runs_the_demo_on_three_nodes() {
         .is_some());
     assert_roles_released(&cluster);
     eprintln!("yatt train --cluster: 4 steps, {:.2?} in all", t0.elapsed());
+}
+
+/// A real cluster's certificates, issued with `yatt-node cert`: the trainer's
+/// (`--kind trainer`) places the roles; a node certificate under `yatt train` is
+/// refused at its first spawn, saying which kind it needs.
+#[test]
+fn a_trainer_needs_a_trainer_certificate_issued_by_the_cluster_ca() {
+    let cluster = Cluster::start("kc", 2);
+    let certs = tempfile::tempdir().unwrap();
+    let issue = |name: &str, kind: &str| {
+        let out = std::process::Command::new(yatt_integration_tests::yatt_node_bin())
+            .args(["cert", "--ca-dir"])
+            .arg(cluster.ca_dir())
+            .args(["--name", name, "--kind", kind, "--out"])
+            .arg(certs.path())
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success() && said.contains(kind), "{said}{out:?}");
+    };
+    issue("train", "trainer");
+    issue("ops", "node");
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
+    let sets = [
+        "job.steps=2",
+        "placement.mode=disaggregated",
+        "placement.rollout=kc-0",
+        "placement.policy=kc-1",
+        "placement.reference=kc-1",
+        "placement.reward=kc-0",
+    ];
+    let t = Duration::from_secs(120);
+    let out = tempfile::tempdir().unwrap();
+    let (ok, printed) =
+        cluster.try_yatt_train_as(config, &sets, out.path(), (certs.path(), "train"), t);
+    assert!(ok && printed.contains("done: 2 steps"), "{printed}");
+    let out = tempfile::tempdir().unwrap();
+    let (ok, printed) =
+        cluster.try_yatt_train_as(config, &sets, out.path(), (certs.path(), "ops"), t);
+    assert!(!ok, "{printed}");
+    assert!(
+        printed.contains("holds a node certificate") && printed.contains("--kind trainer"),
+        "{printed}"
+    );
+}
+
+/// A network partition between the trainer and a node: every datagram to the reward
+/// node's advertised address (a relay) is dropped mid-run, while that node still
+/// heartbeats the leader over the connection it dialled itself, so the cluster keeps
+/// it alive. The run ends within 30 s, with an error naming the node or by recovering;
+/// it never hangs.
+#[test]
+fn a_partition_between_the_trainer_and_a_node_ends_within_30_s_naming_it() {
+    let relay = UdpRelay::start();
+    let advertise = relay.addr.to_string();
+    let cluster = Cluster::start_with("pt", &[&[], &[], &["--advertise", &advertise]]);
+    relay.forward_to(cluster.nodes[2].listen);
+    assert_eq!(cluster.nodes[2].addr, relay.addr);
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
+    let sets: Vec<String> = [
+        "job.steps=400",
+        "placement.mode=disaggregated",
+        "placement.rollout=\"pt-0\"",
+        "placement.policy=\"pt-1\"",
+        "placement.reference=\"pt-1\"",
+        "placement.reward=\"pt-2\"",
+    ]
+    .map(String::from)
+    .to_vec();
+    let out = tempfile::tempdir().unwrap();
+    let mut train = cluster.spawn_train(config, &sets, out.path(), false);
+    let started = yatt_integration_tests::poll(Duration::from_secs(120), || {
+        (steps_done(out.path()) >= 3).then_some(())
+    });
+    assert!(started.is_some(), "{}", train.printed());
+    relay.cut();
+    let cut = Instant::now();
+    let status = train.wait(Duration::from_secs(60));
+    let took = cut.elapsed();
+    let printed = train.printed();
+    let status = status.unwrap_or_else(|| panic!("still running 60 s after the cut:\n{printed}"));
+    let said: Vec<&str> = printed.lines().rev().take(3).collect();
+    eprintln!(
+        "partition: the run ended {took:.2?} after the cut ({status}), at step {}: {said:?}",
+        steps_done(out.path())
+    );
+    assert!(took < Duration::from_secs(30), "{took:?}\n{printed}");
+    if !status.success() {
+        assert!(
+            printed.contains("pt-2"),
+            "the error names the node:\n{printed}"
+        );
+    }
+    // The node was cut off, not dead: the leader still hears it.
+    assert_eq!(cluster.nodes[0].sees_alive("pt-2"), Some(true));
 }
 
 /// `--resume` of a disaggregated run (it was refused): the policy's trainer state, the

@@ -41,10 +41,15 @@ impl Lead {
 }
 
 /// The member that leads after the nodes in `excluded` (the silent leader, and any
-/// successor that never took over): the live member that joined first, then by name.
+/// successor that never took over): the live member that joined first, then by name,
+/// among those whose certificate lets them lead.
 pub fn successor(dir: &Directory, excluded: &BTreeSet<String>) -> Option<String> {
     dir.nodes()
-        .filter(|n| n.liveness == Liveness::Alive && !excluded.contains(&n.info.name))
+        .filter(|n| {
+            n.liveness == Liveness::Alive
+                && n.info.kind.may_lead()
+                && !excluded.contains(&n.info.name)
+        })
         .min_by(|a, b| (a.joined, &a.info.name).cmp(&(b.joined, &b.info.name)))
         .map(|n| n.info.name.clone())
 }
@@ -348,6 +353,19 @@ mod tests {
         d.apply(Change::NodeUp(node("z", 2))).unwrap();
         out.remove("z");
         assert_eq!(successor(&d, &out).as_deref(), Some("client"));
+    }
+
+    #[test]
+    fn a_trainer_never_succeeds_even_when_it_joined_first() {
+        let mut d = joined(&["seed"]);
+        let mut trainer = node("train", 1);
+        trainer.kind = crate::cert_kind::CertKind::Trainer;
+        d.apply(Change::NodeUp(trainer)).unwrap();
+        d.apply(Change::NodeUp(node("b", 1))).unwrap();
+        let out = BTreeSet::from(["seed".to_string()]);
+        assert_eq!(successor(&d, &out).as_deref(), Some("b"));
+        down(&mut d, "b");
+        assert_eq!(successor(&d, &out), None, "only a trainer is left");
     }
 
     #[test]

@@ -27,11 +27,13 @@
 //! | `transport` | QUIC connections, streams, routing | [`TransportConfig`] |
 //! | `collective` | ring all-reduce of f32 buffers over actor messages | [`RingMember`] |
 //! | `tls` | cluster CA, node certificates, mutual TLS | [`ClusterCa`], [`NodeIdentity`] |
+//! | `cert_kind` | what a certificate's holder may do (lead, spawn) | [`CertKind`] |
 
 mod actor;
 mod addr;
 mod buffers;
 mod builtin;
+mod cert_kind;
 mod codec;
 mod collective;
 mod congestion;
@@ -60,6 +62,7 @@ pub use codec::{
 pub use collective::{ring_segments, CollectiveError, RingMember, RingSpec, RING_CHUNK_BYTES};
 // The directory's and supervisor's own short names (`Change`, `Update`, `Event`,
 // `Decision`) say too little at the crate root, so they are prefixed here.
+pub use cert_kind::CertKind;
 pub use directory::{
     ActorEntry, Change as DirectoryChange, Directory, DirectoryError, DirectoryHandle,
     Event as DirectoryEvent, Liveness, NodeEntry, Update as DirectoryUpdate,
@@ -78,9 +81,10 @@ pub use supervisor::{
     RestartTracker, Supervised,
 };
 pub use tls::{
-    peer_node_name, validate_node_name, ClusterCa, NodeIdentity, TlsError, TransportTuning, ALPN,
-    CA_CERT_FILE, CA_KEY_FILE, DEFAULT_CONN_WINDOW, DEFAULT_IDLE_TIMEOUT, DEFAULT_KEEP_ALIVE,
-    DEFAULT_SEND_WINDOW, DEFAULT_STREAM_WINDOW, MAX_UDP_PAYLOAD, MIN_UDP_PAYLOAD, SERVER_NAME,
+    peer_identity, validate_node_name, ClusterCa, NodeIdentity, PeerIdentity, TlsError,
+    TransportTuning, ALPN, CA_CERT_FILE, CA_KEY_FILE, DEFAULT_CONN_WINDOW, DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_KEEP_ALIVE, DEFAULT_SEND_WINDOW, DEFAULT_STREAM_WINDOW, MAX_UDP_PAYLOAD,
+    MIN_UDP_PAYLOAD, SERVER_NAME,
 };
 pub use transport::{TransportConfig, TransportError, TransportStats};
 

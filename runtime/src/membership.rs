@@ -11,6 +11,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
+use crate::cert_kind::CertKind;
+
 /// The kind of a device.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum DeviceKind {
@@ -53,6 +55,9 @@ pub struct NodeInfo {
     pub memory_bytes: u64,
     /// Its devices.
     pub devices: Vec<DeviceInfo>,
+    /// What its certificate lets it do (set by the leader from the certificate, not
+    /// from what the node says).
+    pub kind: CertKind,
 }
 
 impl NodeInfo {
@@ -67,6 +72,7 @@ impl NodeInfo {
             cpu_cores: 1,
             memory_bytes: 1 << 30,
             devices: Vec::new(),
+            kind: CertKind::Admin,
         }
     }
 }

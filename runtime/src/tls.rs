@@ -3,7 +3,7 @@
 //! Every cluster has one CA (created by `yatt-node init --dir DIR`). Each node holds a
 //! certificate issued by that CA whose subject CN is the node's name and whose only DNS
 //! SAN is [`SERVER_NAME`]. Clients always connect with server name [`SERVER_NAME`] and
-//! learn who they are talking to from the peer certificate's CN ([`peer_node_name`]), not
+//! learn who they are talking to from the peer certificate's CN ([`peer_identity`]), not
 //! from DNS. Both sides verify the other against the cluster CA: a peer without a
 //! certificate chained to it is refused at the handshake. ALPN is [`ALPN`].
 //!
@@ -25,6 +25,8 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::RootCertStore;
+
+use crate::cert_kind::CertKind;
 
 /// ALPN protocol identifier spoken between yatt nodes.
 pub const ALPN: &[u8] = b"yatt/1";
@@ -121,6 +123,13 @@ pub enum TlsError {
     /// The peer certificate could not be parsed or carries no usable CN.
     #[error("peer certificate: {0}")]
     BadPeerCertificate(String),
+}
+
+/// How a certificate issued before kinds existed is told to be replaced.
+fn reissue_hint(node: &str) -> String {
+    format!(
+        "issue it again with its kind: `yatt-node cert --ca-dir CA_DIR --name {node} --kind node|trainer|admin --out DIR`"
+    )
 }
 
 /// Transport tuning shared by the server and client configurations.
@@ -311,6 +320,23 @@ fn cert_common_name(der: &[u8]) -> Result<String, String> {
         .map_err(|e| format!("CN is not a string: {e}"))
 }
 
+/// The kind a certificate's subject names (its `O=yatt-<kind>` attribute).
+fn cert_kind(der: &[u8]) -> Result<CertKind, String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der).map_err(|e| e.to_string())?;
+    let mut kinds = cert
+        .subject()
+        .iter_organization()
+        .filter_map(|o| o.as_str().ok())
+        .filter_map(CertKind::from_organization);
+    match (kinds.next(), kinds.next()) {
+        (Some(k), None) => Ok(k),
+        (None, _) => Err(
+            "the certificate names no kind (no O=yatt-node, O=yatt-trainer or O=yatt-admin in its subject)".into(),
+        ),
+        (Some(_), Some(_)) => Err("the certificate names more than one kind".into()),
+    }
+}
+
 /// Raw (subject, issuer) DER names of a certificate.
 fn cert_names(der: &[u8]) -> Result<(Vec<u8>, Vec<u8>), String> {
     let (_, cert) = x509_parser::parse_x509_certificate(der).map_err(|e| e.to_string())?;
@@ -427,13 +453,14 @@ impl ClusterCa {
         &self.cert_der
     }
 
-    /// Issues a certificate for node `node` (CN = node, DNS SAN = [`SERVER_NAME`],
-    /// usable as TLS server and client).
-    pub fn issue(&self, node: &str) -> Result<NodeIdentity, TlsError> {
+    /// Issues a certificate for node `node` of kind `kind` (CN = node, O =
+    /// `yatt-<kind>`, DNS SAN = [`SERVER_NAME`], usable as TLS server and client).
+    pub fn issue(&self, node: &str, kind: CertKind) -> Result<NodeIdentity, TlsError> {
         validate_node_name(node)?;
         let key = KeyPair::generate().map_err(gen_err)?;
         let mut params = CertificateParams::default();
         let mut dn = DistinguishedName::new();
+        dn.push(DnType::OrganizationName, kind.organization());
         dn.push(DnType::CommonName, node);
         params.distinguished_name = dn;
         params.subject_alt_names = vec![SanType::DnsName(SERVER_NAME.try_into().map_err(gen_err)?)];
@@ -453,6 +480,7 @@ impl ClusterCa {
         let key_pem = key.serialize_pem();
         Ok(NodeIdentity {
             node: node.to_string(),
+            kind,
             cert_chain: vec![cert.der().clone()],
             key: PrivateKeyDer::Pkcs8(key.serialize_der().into()),
             key_pem,
@@ -465,6 +493,8 @@ impl ClusterCa {
 pub struct NodeIdentity {
     /// The node name (the CN of its certificate).
     pub node: String,
+    /// What the holder may do (the O of its certificate).
+    pub kind: CertKind,
     cert_chain: Vec<CertificateDer<'static>>,
     key: PrivateKeyDer<'static>,
     key_pem: String,
@@ -475,6 +505,7 @@ impl std::fmt::Debug for NodeIdentity {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NodeIdentity")
             .field("node", &self.node)
+            .field("kind", &self.kind)
             .finish_non_exhaustive()
     }
 }
@@ -483,6 +514,7 @@ impl Clone for NodeIdentity {
     fn clone(&self) -> Self {
         Self {
             node: self.node.clone(),
+            kind: self.kind,
             cert_chain: self.cert_chain.clone(),
             key: self.key.clone_key(),
             key_pem: self.key_pem.clone(),
@@ -518,9 +550,10 @@ fn pem_encode(tag: &str, der: &[u8]) -> String {
 }
 
 impl NodeIdentity {
-    /// Convenience for tests and single-host setups: issues `node`'s identity from `ca`.
+    /// Convenience for tests and single-host setups: issues `node`'s identity from `ca`,
+    /// of kind `admin` (it may lead and spawn).
     pub fn dev(node: &str, ca: &ClusterCa) -> Result<Self, TlsError> {
-        ca.issue(node)
+        ca.issue(node, CertKind::Admin)
     }
 
     /// The node's certificate chain (leaf first).
@@ -604,6 +637,8 @@ impl NodeIdentity {
                 format!("certificate is for node {cn:?}, not {node:?}"),
             ));
         }
+        let kind =
+            cert_kind(leaf).map_err(|e| bad(&cert_path, format!("{e}; {}", reissue_hint(node))))?;
         let (_, issuer) = cert_names(leaf).map_err(|e| bad(&cert_path, e))?;
         let (ca_subject, _) = cert_names(&ca_cert).map_err(|e| bad(&ca_path, e))?;
         if issuer != ca_subject {
@@ -625,6 +660,7 @@ impl NodeIdentity {
         }
         Ok(Self {
             node: node.to_string(),
+            kind,
             cert_chain,
             key: PrivateKeyDer::Pkcs8(key_pair.serialize_der().into()),
             key_pem: String::from_utf8_lossy(&key_pem_bytes).into_owned(),
@@ -707,8 +743,17 @@ fn client_from_rustls(
     Ok(cfg)
 }
 
-/// The peer's node name, read from the CN of its verified certificate.
-pub fn peer_node_name(conn: &quinn::Connection) -> Result<String, TlsError> {
+/// Who a verified peer is: its node name (the CN) and its kind (the O).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerIdentity {
+    /// The node name.
+    pub name: String,
+    /// What it may do.
+    pub kind: CertKind,
+}
+
+/// The peer's node name and kind, read from its verified certificate.
+pub fn peer_identity(conn: &quinn::Connection) -> Result<PeerIdentity, TlsError> {
     let identity = conn.peer_identity().ok_or(TlsError::NoPeerCertificate)?;
     let certs = identity
         .downcast::<Vec<CertificateDer<'static>>>()
@@ -717,7 +762,10 @@ pub fn peer_node_name(conn: &quinn::Connection) -> Result<String, TlsError> {
     let name = cert_common_name(leaf).map_err(TlsError::BadPeerCertificate)?;
     validate_node_name(&name)
         .map_err(|_| TlsError::BadPeerCertificate(format!("CN {name:?} is not a node name")))?;
-    Ok(name)
+    let kind = cert_kind(leaf).map_err(|e| {
+        TlsError::BadPeerCertificate(format!("{name}: {e}; {}", reissue_hint(&name)))
+    })?;
+    Ok(PeerIdentity { name, kind })
 }
 
 /// The intruder client of the tests: one file, shared with the integration tests.
@@ -752,8 +800,8 @@ pub(crate) mod test_support {
         (quinn::Endpoint, quinn::Endpoint),
     ) {
         let ca = ClusterCa::generate("test").expect("ca");
-        let a = ca.issue("node-a").expect("a");
-        let b = ca.issue("node-b").expect("b");
+        let a = ca.issue("node-a", CertKind::Node).expect("a");
+        let b = ca.issue("node-b", CertKind::Node).expect("b");
         let srv = server(&a);
         let addr = srv.local_addr().expect("addr");
         let cli = client(b.client_config().expect("client config"));
@@ -818,7 +866,7 @@ mod tests {
         }
         let ca = ClusterCa::generate("c").expect("ca");
         assert!(matches!(
-            ca.issue("Bad"),
+            ca.issue("Bad", CertKind::Node),
             Err(TlsError::InvalidNodeName { .. })
         ));
     }
@@ -849,7 +897,7 @@ mod tests {
         assert_eq!(loaded.cert_pem(), ca.cert_pem());
 
         // A node issued by the *loaded* CA still chains to the original certificate.
-        let n = loaded.issue("n1").expect("issue");
+        let n = loaded.issue("n1", CertKind::Node).expect("issue");
         n.save(&dir).expect("save node");
         #[cfg(unix)]
         {
@@ -877,9 +925,46 @@ mod tests {
         // A different CA's node cannot be saved next to this ca.pem.
         let other = ClusterCa::generate("c2")
             .expect("ca2")
-            .issue("n3")
+            .issue("n3", CertKind::Node)
             .expect("n3");
         assert!(matches!(other.save(&dir), Err(TlsError::CaMismatch { .. })));
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_certificate_carries_its_kind_and_one_without_a_kind_is_refused() {
+        let dir = tmpdir("kind");
+        let ca = ClusterCa::generate("c").expect("ca");
+        for kind in CertKind::ALL {
+            let name = format!("n-{kind}");
+            ca.issue(&name, kind)
+                .expect("issue")
+                .save(&dir)
+                .expect("save");
+            assert_eq!(NodeIdentity::load(&dir, &name).expect("load").kind, kind);
+        }
+        // A certificate issued before kinds existed (no O) is refused, saying how to
+        // issue one again.
+        let key = KeyPair::generate().expect("key");
+        let mut params = CertificateParams::default();
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, "old");
+        params.distinguished_name = dn;
+        let cert = params.signed_by(&key, &ca.issuer, &ca.key).expect("sign");
+        write_file(
+            &dir.join("old.pem"),
+            pem_encode("CERTIFICATE", cert.der()).as_bytes(),
+            false,
+        )
+        .expect("write");
+        write_file(&dir.join("old.key"), key.serialize_pem().as_bytes(), true).expect("write");
+        let e = NodeIdentity::load(&dir, "old")
+            .expect_err("no kind")
+            .to_string();
+        assert!(
+            e.contains("old.pem") && e.contains("names no kind") && e.contains("--kind"),
+            "{e}"
+        );
         let _ = fs::remove_dir_all(&dir);
     }
 
@@ -888,7 +973,7 @@ mod tests {
         tokio::spawn(async move {
             let inc = srv.accept().await.ok_or("endpoint closed")?;
             let conn = inc.await.map_err(|e| format!("handshake: {e}"))?;
-            let peer = peer_node_name(&conn).map_err(|e| e.to_string())?;
+            let peer = peer_identity(&conn).map_err(|e| e.to_string())?.name;
             let (mut send, mut recv) = conn.accept_bi().await.map_err(|e| e.to_string())?;
             let data = recv.read_to_end(1024).await.map_err(|e| e.to_string())?;
             send.write_all(&data).await.map_err(|e| e.to_string())?;
@@ -901,7 +986,7 @@ mod tests {
     #[tokio::test]
     async fn mtls_handshake_echo_and_peer_names() {
         let ca = ClusterCa::generate("test").expect("ca");
-        let a = ca.issue("node-a").expect("a");
+        let a = ca.issue("node-a", CertKind::Node).expect("a");
         let b = NodeIdentity::dev("node-b", &ca).expect("b");
         let srv = server(&a);
         let addr = srv.local_addr().expect("addr");
@@ -911,7 +996,13 @@ mod tests {
             .await
             .expect("timeout")
             .expect("handshake");
-        assert_eq!(peer_node_name(&conn).expect("peer"), "node-a");
+        assert_eq!(
+            peer_identity(&conn).expect("peer"),
+            PeerIdentity {
+                name: "node-a".into(),
+                kind: CertKind::Node
+            }
+        );
         assert_eq!(
             conn.handshake_data()
                 .and_then(|h| h.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
@@ -982,7 +1073,7 @@ mod tests {
     #[tokio::test]
     async fn self_signed_client_is_refused() {
         let ca = ClusterCa::generate("test").expect("ca");
-        let a = ca.issue("node-a").expect("a");
+        let a = ca.issue("node-a", CertKind::Node).expect("a");
         let (c, s) = attempt(
             &a,
             insecure::self_signed_client_config("node-b", SERVER_NAME, ALPN),
@@ -998,9 +1089,9 @@ mod tests {
     async fn client_from_other_ca_is_refused() {
         let ca = ClusterCa::generate("test").expect("ca");
         let other = ClusterCa::generate("test").expect("other ca");
-        let a = ca.issue("node-a").expect("a");
+        let a = ca.issue("node-a", CertKind::Node).expect("a");
         // The intruder trusts our CA (so it accepts our server) but its cert is foreign.
-        let intruder = other.issue("node-b").expect("b");
+        let intruder = other.issue("node-b", CertKind::Node).expect("b");
         let mut forged = intruder.clone();
         forged.ca_cert = ca.cert_der().clone();
         let (c, s) = attempt(&a, forged.client_config().expect("cfg")).await;
@@ -1013,8 +1104,8 @@ mod tests {
     async fn server_from_other_ca_is_refused() {
         let ca = ClusterCa::generate("test").expect("ca");
         let other = ClusterCa::generate("test").expect("other ca");
-        let rogue = other.issue("node-a").expect("a");
-        let b = ca.issue("node-b").expect("b");
+        let rogue = other.issue("node-a", CertKind::Node).expect("a");
+        let b = ca.issue("node-b", CertKind::Node).expect("b");
         let (c, _s) = attempt(&rogue, b.client_config().expect("cfg")).await;
         let msg = c.expect_err("client accepted a server from another CA");
         assert!(!msg.contains("timed out"), "{msg}");
@@ -1026,8 +1117,8 @@ mod tests {
         let ca = ClusterCa::generate("test").expect("ca");
         ca.save(&dir).expect("save");
         let reloaded = ClusterCa::load(&dir).expect("load");
-        let a = ca.issue("node-a").expect("a");
-        let b = reloaded.issue("node-b").expect("b");
+        let a = ca.issue("node-a", CertKind::Node).expect("a");
+        let b = reloaded.issue("node-b", CertKind::Node).expect("b");
         b.save(&dir).expect("save b");
         let b = NodeIdentity::load(&dir, "node-b").expect("load b");
         // The server side of `attempt` returns Ok only after a completed mTLS handshake.
@@ -1041,7 +1132,7 @@ mod tests {
     #[tokio::test]
     async fn connected_pair_works() {
         let (c, s, _eps) = connected_pair().await;
-        assert_eq!(peer_node_name(&c).expect("c"), "node-a");
-        assert_eq!(peer_node_name(&s).expect("s"), "node-b");
+        assert_eq!(peer_identity(&c).expect("c").name, "node-a");
+        assert_eq!(peer_identity(&s).expect("s").name, "node-b");
     }
 }

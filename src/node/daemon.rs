@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use yatt_runtime::Node;
-use yatt_runtime::{ClusterCa, NodeIdentity};
+use yatt_runtime::{CertKind, ClusterCa, NodeIdentity};
 
 use crate::node::error::DaemonError;
 use crate::node::roles::Roles;
@@ -58,6 +58,11 @@ enum Command {
         /// Where to write NAME.pem, NAME.key and ca.pem (default: the CA directory).
         #[arg(long)]
         out: Option<PathBuf>,
+        /// What the holder may do: `node` (a daemon: hosts roles, may lead the
+        /// directory), `trainer` (places roles on the nodes, never leads) or `admin`
+        /// (both, for one trusted program).
+        #[arg(long, default_value = "node")]
+        kind: CertKind,
     },
     /// Serve: join or lead a cluster and host actors.
     Run(RunArgs),
@@ -77,6 +82,10 @@ struct RunArgs {
     /// Join through this member (node.seed).
     #[arg(long)]
     seed: Option<String>,
+    /// The address peers dial, when it is not --listen: behind NAT, a proxy or a
+    /// load balancer (node.advertise).
+    #[arg(long)]
+    advertise: Option<String>,
     /// HTTP address for /health and /metrics; "" disables (http.listen).
     #[arg(long)]
     http: Option<String>,
@@ -89,7 +98,7 @@ struct RunArgs {
     /// Virtual devices when there is no GPU (node.virtual_devices).
     #[arg(long)]
     virtual_devices: Option<u32>,
-    /// Write {"name","addr","http","pid"} here once serving (node.ready_file).
+    /// Write {"name","addr","listen","http","pid"} here once serving (node.ready_file).
     #[arg(long)]
     ready_file: Option<PathBuf>,
     /// The only directory roles write into for peers, e.g. checkpoints (node.data_dir).
@@ -103,9 +112,12 @@ pub(crate) fn main_with_roles(roles: Roles) -> Result<(), DaemonError> {
     crate::logging::init(cli.log_json).map_err(failed("starting the logger".into()))?;
     match cli.command {
         Command::Init { dir, cluster } => init(&dir, &cluster),
-        Command::Cert { ca_dir, name, out } => {
-            cert(&ca_dir, &name, out.as_deref().unwrap_or(&ca_dir))
-        }
+        Command::Cert {
+            ca_dir,
+            name,
+            out,
+            kind,
+        } => cert(&ca_dir, &name, kind, out.as_deref().unwrap_or(&ca_dir)),
         Command::Run(args) => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()
@@ -129,16 +141,21 @@ fn init(dir: &std::path::Path, cluster: &str) -> Result<(), DaemonError> {
     Ok(())
 }
 
-fn cert(ca_dir: &std::path::Path, name: &str, out: &std::path::Path) -> Result<(), DaemonError> {
+fn cert(
+    ca_dir: &std::path::Path,
+    name: &str,
+    kind: CertKind,
+    out: &std::path::Path,
+) -> Result<(), DaemonError> {
     let ca = ClusterCa::load(ca_dir).map_err(failed(format!(
         "loading the cluster CA from {}",
         ca_dir.display()
     )))?;
     std::fs::create_dir_all(out).map_err(failed(format!("creating {}", out.display())))?;
-    ca.issue(name)
+    ca.issue(name, kind)
         .and_then(|id| id.save(out))
         .map_err(failed(format!("issuing a certificate for {name}")))?;
-    println!("certificate for {name} written to {}", out.display());
+    println!("{kind} certificate for {name} written to {}", out.display());
     Ok(())
 }
 
@@ -152,6 +169,7 @@ async fn run(args: RunArgs, roles: Roles) -> Result<(), DaemonError> {
     flag("node.name", args.name);
     flag("node.listen", args.listen);
     flag("node.seed", args.seed);
+    flag("node.advertise", args.advertise);
     flag("http.listen", args.http);
     flag("tls.dir", args.certs.map(|p| p.display().to_string()));
     flag("tls.dev", args.dev.then(|| "true".to_string()));
@@ -183,7 +201,7 @@ async fn run(args: RunArgs, roles: Roles) -> Result<(), DaemonError> {
         };
     let mut builder = Node::builder(&cfg.name).config(cfg.runtime.clone());
     builder = if cfg.tls.dev {
-        builder.dev_certs(&cfg.tls.dir)
+        builder.dev_certs(&cfg.tls.dir).dev_kind(CertKind::Node)
     } else {
         builder.identity(
             NodeIdentity::load(&cfg.tls.dir, &cfg.name).map_err(failed(format!(
@@ -216,6 +234,7 @@ async fn run(args: RunArgs, roles: Roles) -> Result<(), DaemonError> {
         let ready = serde_json::json!({
             "name": node.name(),
             "addr": node.addr().to_string(),
+            "listen": node.local_addr().to_string(),
             "http": http_addr.map(|a| a.to_string()),
             "pid": std::process::id(),
         });

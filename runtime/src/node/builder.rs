@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use tokio::sync::watch;
@@ -17,12 +18,17 @@ use super::protocol::SpawnArgs;
 use super::state::{FactoryFn, Node, NodeInner};
 use crate::actor::Actor;
 use crate::addr::{next_incarnation, ActorName};
+use crate::cert_kind::CertKind;
 use crate::directory::{Change, DirectoryHandle};
 use crate::leadership::{Lead, Succession};
 use crate::membership::{local_inventory, FailureDetector, Membership, NodeInfo, PauseDetector};
 use crate::message::Message;
 use crate::tls::{ClusterCa, NodeIdentity, TlsError};
-use crate::transport::Transport;
+use crate::transport::{LogThrottle, Transport};
+
+/// At most one log line per member per this window for requests its certificate does
+/// not allow.
+const REFUSAL_LOG_WINDOW: Duration = Duration::from_secs(10);
 
 /// Builds and starts a [`Node`].
 pub struct NodeBuilder {
@@ -30,6 +36,8 @@ pub struct NodeBuilder {
     pub(super) config: NodeConfig,
     pub(super) identity: Option<NodeIdentity>,
     pub(super) dev_ca_dir: Option<PathBuf>,
+    /// The kind a dev certificate is issued with.
+    pub(super) dev_kind: CertKind,
     pub(super) factories: HashMap<String, FactoryFn>,
 }
 
@@ -64,6 +72,12 @@ impl NodeBuilder {
     /// certificate at start. For local clusters only: anyone who can read `dir` can join.
     pub fn dev_certs(mut self, dir: impl Into<PathBuf>) -> Self {
         self.dev_ca_dir = Some(dir.into());
+        self
+    }
+    /// The kind of the certificate [`NodeBuilder::dev_certs`] issues (default: `admin`,
+    /// which may lead and spawn; a `yatt-node` daemon is a `node`, a trainer a `trainer`).
+    pub fn dev_kind(mut self, kind: CertKind) -> Self {
+        self.dev_kind = kind;
         self
     }
     /// Registers a factory: peers can spawn `role` here with serialized `Args`.
@@ -131,7 +145,7 @@ impl NodeBuilder {
     pub async fn start(self) -> Result<Node, NodeError> {
         let identity = match (self.identity, &self.dev_ca_dir) {
             (Some(id), _) => id,
-            (None, Some(dir)) => dev_identity(dir, &self.name)?,
+            (None, Some(dir)) => dev_identity(dir, &self.name, self.dev_kind)?,
             (None, None) => return Err(NodeError::NoIdentity),
         };
         if identity.node != self.name {
@@ -169,6 +183,7 @@ impl NodeBuilder {
             cpu_cores,
             memory_bytes,
             devices,
+            kind: identity.kind,
         };
         let (shutdown, _) = watch::channel(false);
         // The founding seed leads term 1; a joining node learns the lead from the join.
@@ -193,6 +208,7 @@ impl NodeBuilder {
                 // A tick late by half a failure bound: this node stood still.
                 pause: Mutex::new(PauseDetector::new(config.failure_timeout / 2)),
                 detector: Mutex::new(FailureDetector::new(config.failure_timeout)),
+                refusals: LogThrottle::new(REFUSAL_LOG_WINDOW),
                 next_replica: AtomicU32::new(0),
                 in_flight: AtomicU64::new(0),
                 stopping: AtomicBool::new(false),
@@ -225,7 +241,11 @@ impl NodeBuilder {
     }
 }
 
-pub(super) fn dev_identity(dir: &std::path::Path, name: &str) -> Result<NodeIdentity, NodeError> {
+pub(super) fn dev_identity(
+    dir: &std::path::Path,
+    name: &str,
+    kind: CertKind,
+) -> Result<NodeIdentity, NodeError> {
     let ca = match ClusterCa::load(dir) {
         Ok(ca) => ca,
         Err(_) => {
@@ -242,5 +262,5 @@ pub(super) fn dev_identity(dir: &std::path::Path, name: &str) -> Result<NodeIden
             ClusterCa::load(dir)?
         }
     };
-    Ok(ca.issue(name)?)
+    Ok(ca.issue(name, kind)?)
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 use super::state::{Node, NodeInner};
 use crate::actor::{ActorRef, BoxFuture, CallError, ExitReason, RemoteRoute, TellError};
 use crate::addr::ActorId;
+use crate::cert_kind::CertKind;
 use crate::directory::Liveness;
 use crate::message::{Message, Wire};
 use crate::supervisor::Lifecycle;
@@ -38,6 +39,7 @@ impl Dispatch for NodeDispatch {
     fn ask(
         &self,
         from: &str,
+        kind: CertKind,
         target: Target,
         wire: Wire,
         timeout: Duration,
@@ -61,7 +63,7 @@ impl Dispatch for NodeDispatch {
             }
             node.inner.in_flight.fetch_add(1, Ordering::AcqRel);
             let result = match target {
-                Target::System => node.system_ask(&from, wire).await,
+                Target::System => node.system_ask(&from, kind, wire).await,
                 Target::Actor(id) => match node.inbox(&id) {
                     Ok(inbox) => inbox.ask(wire, timeout).await,
                     Err(e) => Err(e),
@@ -76,7 +78,13 @@ impl Dispatch for NodeDispatch {
         })
     }
 
-    fn tell(&self, from: &str, target: Target, wire: Wire) -> BoxFuture<'static, ()> {
+    fn tell(
+        &self,
+        from: &str,
+        kind: CertKind,
+        target: Target,
+        wire: Wire,
+    ) -> BoxFuture<'static, ()> {
         let Some(inner) = self.0.upgrade() else {
             return Box::pin(async {});
         };
@@ -85,7 +93,7 @@ impl Dispatch for NodeDispatch {
         Box::pin(async move {
             match target {
                 Target::System => {
-                    let _ = node.system_ask(&from, wire).await;
+                    let _ = node.system_ask(&from, kind, wire).await;
                 }
                 Target::Actor(id) => match node.inbox(&id) {
                     Ok(inbox) => inbox.tell(wire).await,

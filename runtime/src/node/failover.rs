@@ -224,6 +224,14 @@ impl Node {
     /// Follows `lead` when it is newer than the one followed: watch the new leader only,
     /// and report to it what this node hosts.
     pub(super) fn follow(&self, lead: Lead) {
+        let may_lead = self
+            .inner
+            .directory
+            .read(|d| d.node(&lead.leader).is_none_or(|e| e.info.kind.may_lead()));
+        if !may_lead {
+            tracing::warn!(node = %self.name(), leader = %lead.leader, term = lead.term, "not following: its certificate does not let it lead the directory");
+            return;
+        }
         let was_leader = {
             let mut cur = self.lock_lead();
             if !lead.supersedes(&cur) {

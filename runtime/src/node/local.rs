@@ -13,6 +13,7 @@ use super::protocol::{SysRequest, SysResponse};
 use super::state::{Hosted, Node, TypedInbox, WeakNode};
 use crate::actor::{spawn_with_id, Actor, ActorRef, ExitReason};
 use crate::addr::{next_incarnation, ActorId, ActorName};
+use crate::cert_kind::CertKind;
 use crate::directory::{Change, DirectoryHandle};
 use crate::membership::{Membership, NodeInfo};
 use crate::message::Message;
@@ -26,6 +27,7 @@ impl Node {
             config: NodeConfig::default(),
             identity: None,
             dev_ca_dir: None,
+            dev_kind: CertKind::Admin,
             factories: HashMap::new(),
         }
     }
@@ -62,6 +64,12 @@ impl Node {
     /// The address peers reach this node at.
     pub fn addr(&self) -> SocketAddr {
         self.inner.addr
+    }
+
+    /// The address this node's endpoint is bound to: [`Node::addr`] unless it
+    /// advertises another (behind NAT or a proxy).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.inner.transport.local_addr()
     }
 
     /// Member, or rejoining after having been declared dead.

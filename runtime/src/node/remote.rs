@@ -184,7 +184,7 @@ impl Node {
             linked,
         };
         let id = if node == self.name() {
-            match self.handle_system(self.name(), req).await {
+            match self.handle_system(self.name(), self.info().kind, req).await {
                 SysResponse::Spawned(id) => id,
                 SysResponse::Error(e) => return Err(self.spawn_error(node, role, e)),
                 other => return Err(self.spawn_error(node, role, format!("{other:?}"))),

@@ -18,7 +18,7 @@ use crate::directory::{Change, DirectoryHandle};
 use crate::leadership::{Lead, Succession};
 use crate::membership::{FailureDetector, Membership, NodeInfo, PauseDetector};
 use crate::message::{Message, Wire};
-use crate::transport::Transport;
+use crate::transport::{LogThrottle, Transport};
 
 /// Turns spawn arguments into a running, registered actor on this node.
 pub(super) type FactoryFn = Arc<
@@ -98,6 +98,8 @@ pub(super) struct NodeInner {
     /// Notices this process's own stalls.
     pub(super) pause: Mutex<PauseDetector>,
     pub(super) detector: Mutex<FailureDetector>,
+    /// Throttles the log lines of requests refused by the sender's certificate kind.
+    pub(super) refusals: LogThrottle<String>,
     pub(super) next_replica: AtomicU32,
     pub(super) in_flight: AtomicU64,
     pub(super) stopping: AtomicBool,

@@ -10,6 +10,7 @@ use super::protocol::{SysRequest, SysResponse};
 use super::state::Node;
 use crate::actor::{CallError, ExitReason};
 use crate::addr::{ActorId, ActorName};
+use crate::cert_kind::CertKind;
 use crate::directory::{Change, DirectoryError, Liveness};
 use crate::leadership::{admit, judge_beat, Admission, Beat, BeatReply, Lead};
 use crate::membership::{Membership, NodeInfo};
@@ -55,21 +56,43 @@ impl Node {
         }
     }
 
-    pub(super) async fn system_ask(&self, from: &str, wire: Wire) -> Result<Wire, CallError> {
+    pub(super) async fn system_ask(
+        &self,
+        from: &str,
+        kind: CertKind,
+        wire: Wire,
+    ) -> Result<Wire, CallError> {
         let req = SysRequest::from_wire(wire).map_err(|e| CallError::Codec(e.to_string()))?;
-        self.handle_system(from, req)
+        self.handle_system(from, kind, req)
             .await
             .into_wire()
             .map_err(|e| CallError::Codec(e.to_string()))
     }
 
-    pub(super) async fn handle_system(&self, from: &str, req: SysRequest) -> SysResponse {
+    /// Serves a system request from `from`, whose certificate is of kind `kind` (this
+    /// node's own requests come with its own kind).
+    pub(super) async fn handle_system(
+        &self,
+        from: &str,
+        kind: CertKind,
+        req: SysRequest,
+    ) -> SysResponse {
         let dir = &self.inner.directory;
         match req {
-            SysRequest::Join { info, hosted } => self.handle_join(from, info, hosted).await,
+            SysRequest::Join { mut info, hosted } => {
+                // What the member may do is what its certificate says, not what it says.
+                info.kind = kind;
+                self.handle_join(from, info, hosted).await
+            }
             SysRequest::Heartbeat(beat) => self.handle_beat(beat),
             SysRequest::Update(update) => {
                 let lead = self.lead();
+                if update.term > lead.term && !kind.may_lead() {
+                    self.refused(from, kind, "to lead the directory");
+                    return SysResponse::Error(format!(
+                        "{from} holds a {kind} certificate, which may not lead the directory"
+                    ));
+                }
                 if update.term > lead.term {
                     // The first word of a new term (or a deposed leader's replica is
                     // behind): follow its leader, who sends its directory.
@@ -99,6 +122,10 @@ impl Node {
                 if !self.is_leader() {
                     return self.redirect();
                 }
+                if let Err(e) = own_change(from, &change) {
+                    self.refused(from, kind, "to change another node's directory entries");
+                    return SysResponse::Error(e);
+                }
                 match dir.apply(change) {
                     Ok(Some(update)) => {
                         self.broadcast(update).await;
@@ -125,6 +152,13 @@ impl Node {
                 args,
                 linked,
             } => {
+                if !kind.may_spawn() && from != self.name() {
+                    self.refused(from, kind, "to spawn actors on other nodes");
+                    return SysResponse::Error(format!(
+                        "node {} refuses to spawn {role} for {from}: {from} holds a {kind} certificate, which may not spawn actors on other nodes; a program that places roles needs a trainer (or admin) certificate (`yatt-node cert --kind trainer --name {from}`)",
+                        self.name()
+                    ));
+                }
                 if self.inner.stopping.load(Ordering::Acquire) {
                     return SysResponse::Error(format!("node {} is shutting down", self.name()));
                 }
@@ -183,6 +217,18 @@ impl Node {
                 }
                 SysResponse::Ack
             }
+        }
+    }
+
+    /// Logs a request its sender's certificate does not allow (throttled per sender:
+    /// a misbehaving member must not fill the log).
+    fn refused(&self, from: &str, kind: CertKind, what: &str) {
+        if let Some(suppressed) = self
+            .inner
+            .refusals
+            .admit(from.to_string(), std::time::Instant::now())
+        {
+            tracing::warn!(node = %self.name(), %from, %kind, suppressed, "refused a request: a {kind} certificate does not allow {what} (suppressed: refusals of this member not logged in the last 10 s)");
         }
     }
 
@@ -329,5 +375,24 @@ impl Node {
                 return r;
             }
         }
+    }
+}
+
+/// Whether `from` may propose `change`: a member records only its own actors; nodes
+/// join, leave and die through the leader's own paths.
+fn own_change(from: &str, change: &Change) -> Result<(), String> {
+    match change {
+        Change::ActorUp(id) | Change::ActorDown { id, .. } if id.name.node == from => Ok(()),
+        Change::ActorUp(id) | Change::ActorDown { id, .. } => Err(format!(
+            "{from} may not record a change to {id}, an actor of {}: a member records only its own actors",
+            id.name.node
+        )),
+        Change::NodeUp(info) => Err(format!(
+            "{from} may not propose that {} joins: a node joins by itself",
+            info.name
+        )),
+        Change::NodeDown { node, .. } => Err(format!(
+            "{from} may not propose that {node} is down: the leader declares deaths, and a node announces its own leave"
+        )),
     }
 }

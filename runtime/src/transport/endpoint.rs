@@ -19,7 +19,7 @@ use crate::actor::CallError;
 use crate::buffers::RecvBuffers;
 use crate::message::Wire;
 use crate::shm::{MappingCache, SegmentPool};
-use crate::tls::{self, NodeIdentity};
+use crate::tls::{self, NodeIdentity, PeerIdentity};
 
 /// One process's QUIC endpoint and its connections.
 pub struct Transport {
@@ -141,9 +141,9 @@ impl Transport {
             tokio::spawn(async move {
                 let remote = incoming.remote_address();
                 match tokio::time::timeout(this.config.connect_timeout, incoming).await {
-                    Ok(Ok(conn)) => match tls::peer_node_name(&conn) {
-                        Ok(name) => {
-                            this.adopt(name, conn);
+                    Ok(Ok(conn)) => match tls::peer_identity(&conn) {
+                        Ok(who) => {
+                            this.adopt(who, conn);
                         }
                         Err(e) => {
                             if let Some(suppressed) = this.admit_refusal(remote) {
@@ -197,11 +197,13 @@ impl Transport {
     }
 
     /// Registers a connection (dialled or accepted) and serves the streams the peer opens.
-    pub(super) fn adopt(self: &Arc<Self>, name: String, conn: quinn::Connection) -> Arc<Peer> {
+    pub(super) fn adopt(self: &Arc<Self>, who: PeerIdentity, conn: quinn::Connection) -> Arc<Peer> {
         self.stats.connections.fetch_add(1, Ordering::Relaxed);
         let (release_tx, release_rx) = mpsc::unbounded_channel();
+        let name = who.name;
         let peer = Arc::new(Peer {
             name: name.clone(),
+            kind: who.kind,
             conn: conn.clone(),
             tells_sent: AtomicU64::new(0),
             tells: tokio::sync::Mutex::new(None),
@@ -278,22 +280,22 @@ impl Transport {
                 return Ok(p.clone());
             }
         }
-        let (name, conn) = self.dial(addr).await?;
-        if name != node {
+        let (who, conn) = self.dial(addr).await?;
+        if who.name != node {
             conn.close(1u32.into(), b"unexpected node");
             return Err(CallError::Transport {
                 node: node.to_string(),
-                reason: format!("{addr} answered as node {name:?}"),
+                reason: format!("{addr} answered as node {:?}", who.name),
             });
         }
-        Ok(self.adopt(name, conn))
+        Ok(self.adopt(who, conn))
     }
 
-    /// Connects to an address and returns the peer's node name from its certificate.
+    /// Connects to an address and returns who the peer is, from its certificate.
     pub(crate) async fn dial(
         self: &Arc<Self>,
         addr: SocketAddr,
-    ) -> Result<(String, quinn::Connection), CallError> {
+    ) -> Result<(PeerIdentity, quinn::Connection), CallError> {
         let fail = |reason: String| CallError::Transport {
             node: addr.to_string(),
             reason,
@@ -311,8 +313,8 @@ impl Transport {
                 ))
             })?
             .map_err(|e| fail(e.to_string()))?;
-        let name = tls::peer_node_name(&conn).map_err(|e| fail(e.to_string()))?;
-        Ok((name, conn))
+        let who = tls::peer_identity(&conn).map_err(|e| fail(e.to_string()))?;
+        Ok((who, conn))
     }
 
     /// Dials a seed by address and keeps the connection as that peer's.
@@ -320,8 +322,9 @@ impl Transport {
         self: &Arc<Self>,
         addr: SocketAddr,
     ) -> Result<String, CallError> {
-        let (name, conn) = self.dial(addr).await?;
-        self.adopt(name.clone(), conn);
+        let (who, conn) = self.dial(addr).await?;
+        let name = who.name.clone();
+        self.adopt(who, conn);
         Ok(name)
     }
 

@@ -98,7 +98,10 @@ impl Transport {
                     })
                 } else {
                     match self.dispatch() {
-                        Ok(d) => d.ask(&peer.name, head.target, wire, timeout).await,
+                        Ok(d) => {
+                            d.ask(&peer.name, peer.kind, head.target, wire, timeout)
+                                .await
+                        }
                         Err(e) => Err(e),
                     }
                 }
@@ -179,7 +182,7 @@ impl Transport {
                             if let Ok(d) = self.dispatch() {
                                 // Awaiting here is the backpressure: the peer's writes
                                 // stall on flow control while the mailbox is full.
-                                d.tell(&peer.name, target, wire).await;
+                                d.tell(&peer.name, peer.kind, target, wire).await;
                             }
                         }
                     }
@@ -248,7 +251,7 @@ impl Transport {
                     .await?;
                 self.stats.received.fetch_add(1, Ordering::Relaxed);
                 if let Ok(d) = self.dispatch() {
-                    d.tell(&peer.name, head.target, wire).await;
+                    d.tell(&peer.name, peer.kind, head.target, wire).await;
                 }
                 Ok(())
             }

@@ -41,3 +41,4 @@ pub use endpoint::Transport;
 // Raw stream tags for the crate's `testing` namespace.
 pub use protocol::{ASK as TAG_ASK, ASKS as TAG_ASKS, TELLS as TAG_TELLS};
 pub(crate) use routing::{Dispatch, PeerBook, Target};
+pub(crate) use throttle::LogThrottle;

@@ -11,6 +11,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::protocol::WRITE_BATCH;
 use crate::actor::CallError;
+use crate::cert_kind::CertKind;
 use crate::message::Wire;
 use crate::shm::MappingCache;
 
@@ -89,6 +90,8 @@ pub(super) type PendingReply = oneshot::Sender<Result<Wire, CallError>>;
 /// One connection to a peer, and everything kept per connection.
 pub(super) struct Peer {
     pub(super) name: String,
+    /// What its certificate lets it do.
+    pub(super) kind: CertKind,
     pub(super) conn: quinn::Connection,
     /// Ordered tells written on this connection.
     pub(super) tells_sent: AtomicU64,

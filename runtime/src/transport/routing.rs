@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::actor::{BoxFuture, CallError};
 use crate::addr::ActorId;
+use crate::cert_kind::CertKind;
 use crate::message::Wire;
 
 /// What a request is addressed to.
@@ -21,18 +22,26 @@ pub(crate) enum Target {
     Transport,
 }
 
-/// What the node does with what arrives. The transport only moves bytes.
+/// What the node does with what arrives. The transport only moves bytes; it passes on
+/// who sent it (the name and kind from the peer's verified certificate).
 pub(crate) trait Dispatch: Send + Sync + 'static {
     /// A request that wants an answer.
     fn ask(
         &self,
         from: &str,
+        kind: CertKind,
         target: Target,
         wire: Wire,
         timeout: Duration,
     ) -> BoxFuture<'static, Result<Wire, CallError>>;
     /// A fire-and-forget message; resolves once it is queued (the mailbox had room).
-    fn tell(&self, from: &str, target: Target, wire: Wire) -> BoxFuture<'static, ()>;
+    fn tell(
+        &self,
+        from: &str,
+        kind: CertKind,
+        target: Target,
+        wire: Wire,
+    ) -> BoxFuture<'static, ()>;
 }
 
 /// How the transport finds a peer's address and host.

@@ -1,8 +1,9 @@
-//! At most one log line per peer address per window for repeated events (refused TLS
-//! handshakes): a scanner or a misconfigured node retrying every few milliseconds must
+//! At most one log line per peer (address, or member name) per window for repeated
+//! events (refused TLS handshakes, refused requests): a scanner or a misconfigured node retrying every few milliseconds must
 //! not flood the log, and the line that is logged says how many were suppressed.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::net::IpAddr;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -10,15 +11,15 @@ use std::time::{Duration, Instant};
 /// Entries kept before the ones idle for a whole window are dropped.
 const PRUNE_AT: usize = 1024;
 
-/// Per-address log throttle.
-pub(super) struct LogThrottle {
+/// Per-peer log throttle, keyed by address by default.
+pub(crate) struct LogThrottle<K = IpAddr> {
     window: Duration,
-    /// Per address: when its last line was logged, and the events suppressed since.
-    seen: Mutex<HashMap<IpAddr, (Instant, u64)>>,
+    /// Per peer: when its last line was logged, and the events suppressed since.
+    seen: Mutex<HashMap<K, (Instant, u64)>>,
 }
 
-impl LogThrottle {
-    pub(super) fn new(window: Duration) -> Self {
+impl<K: Hash + Eq> LogThrottle<K> {
+    pub(crate) fn new(window: Duration) -> Self {
         LogThrottle {
             window,
             seen: Mutex::new(HashMap::new()),
@@ -28,7 +29,7 @@ impl LogThrottle {
     /// Whether to log an event from `addr` at `now`: `Some(suppressed)` (the events
     /// from it not logged since its last line) when its last line is at least a window
     /// old, `None` when this one is suppressed too.
-    pub(super) fn admit(&self, addr: IpAddr, now: Instant) -> Option<u64> {
+    pub(crate) fn admit(&self, addr: K, now: Instant) -> Option<u64> {
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         if seen.len() >= PRUNE_AT {
             let window = self.window;

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use yatt::runtime::Node;
-use yatt::runtime::NodeIdentity;
+use yatt::runtime::{CertKind, NodeIdentity};
 use yatt::trainer::{train_with, JobConfig, Progress, TrainOptions, JOB_FILE};
 
 #[derive(clap::Args)]
@@ -107,7 +107,7 @@ async fn start_node(
         .unwrap_or_else(|| default_member_name(args.dev));
     let mut builder = Node::builder(&name).listen(args.listen).seed(seed);
     builder = if args.dev {
-        builder.dev_certs(&args.certs)
+        builder.dev_certs(&args.certs).dev_kind(CertKind::Trainer)
     } else {
         builder.identity(NodeIdentity::load(&args.certs, &name)?)
     };
