@@ -189,7 +189,7 @@ async fn peers_without_a_cluster_certificate_are_refused() {
     );
     let other_ca = ClusterCa::generate("elsewhere")
         .unwrap()
-        .issue("intruder", CertKind::Admin)
+        .issue("intruder", CertKind::Node)
         .unwrap();
     assert!(
         handshake_fails(target, other_ca.client_config().unwrap()).await,
@@ -204,7 +204,7 @@ async fn peers_without_a_cluster_certificate_are_refused() {
     assert_eq!(echo.ask(vec![7], T).await.unwrap(), vec![7]);
 }
 
-/// What a certificate's kind lets its holder ask of `yatt-node` daemons: a node
+/// What a certificate's kind lets its holder ask of `yatt-node` daemons: a client
 /// certificate may not spawn actors on other nodes and a trainer's may; no member
 /// records another node's actors or deaths; a trainer never leads the directory, even
 /// when it is the oldest live member.
@@ -221,17 +221,17 @@ async fn a_certificate_kind_bounds_what_its_holder_may_ask() {
     };
     let host = cluster.nodes[1].name.clone();
 
-    let node = member("ck-node", CertKind::Node).await.unwrap();
-    let e = node
+    let client = member("ck-client", CertKind::Client).await.unwrap();
+    let e = client
         .spawn_remote::<Vec<u8>, Vec<u8>, _>(&host, "echo", &(), T)
         .await
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("node certificate") && e.contains("--kind trainer"),
+        e.contains("client certificate") && e.contains("--kind trainer"),
         "{e}"
     );
-    node.shutdown().await;
+    client.shutdown().await;
 
     let trainer = member("ck-trainer", CertKind::Trainer).await.unwrap();
     let echo = trainer
@@ -299,7 +299,7 @@ async fn malformed_and_oversized_frames_close_only_their_stream() {
 
     // An authenticated peer (certificate from the cluster CA) misbehaves by hand.
     let ca = ClusterCa::load(&cluster.ca_dir()).unwrap();
-    let rogue = ca.issue("mf-rogue", CertKind::Admin).unwrap();
+    let rogue = ca.issue("mf-rogue", CertKind::Node).unwrap();
     let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
     ep.set_default_client_config(rogue.client_config().unwrap());
     let conn = ep

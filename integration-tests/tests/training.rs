@@ -199,7 +199,7 @@ fn yatt_train_cluster_runs_the_demo_on_three_nodes() {
 }
 
 /// A real cluster's certificates, issued with `yatt-node cert`: the trainer's
-/// (`--kind trainer`) places the roles; a node certificate under `yatt train` is
+/// (`--kind trainer`) places the roles; a client certificate under `yatt train` is
 /// refused at its first spawn, saying which kind it needs.
 #[test]
 fn a_trainer_needs_a_trainer_certificate_issued_by_the_cluster_ca() {
@@ -217,7 +217,7 @@ fn a_trainer_needs_a_trainer_certificate_issued_by_the_cluster_ca() {
         assert!(out.status.success() && said.contains(kind), "{said}{out:?}");
     };
     issue("train", "trainer");
-    issue("ops", "node");
+    issue("ops", "client");
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
     let sets = [
         "job.steps=2",
@@ -237,7 +237,7 @@ fn a_trainer_needs_a_trainer_certificate_issued_by_the_cluster_ca() {
         cluster.try_yatt_train_as(config, &sets, out.path(), (certs.path(), "ops"), t);
     assert!(!ok, "{printed}");
     assert!(
-        printed.contains("holds a node certificate") && printed.contains("--kind trainer"),
+        printed.contains("holds a client certificate") && printed.contains("--kind trainer"),
         "{printed}"
     );
 }

@@ -9,21 +9,21 @@ use serde::{Deserialize, Serialize};
 ///
 /// | kind | leads the directory | asks other nodes to spawn actors |
 /// |---|---|---|
-/// | `node` (a `yatt-node` daemon) | yes | no |
-/// | `trainer` (a `yatt train` or a user's service) | no | yes |
-/// | `admin` (one trusted program: tests, demos, a single-host setup) | yes | yes |
+/// | `node` (a `yatt-node` daemon; its roles place helpers, e.g. a rollout its environment actors) | yes | yes |
+/// | `trainer` (a `yatt train`, or a service that places roles) | no | yes |
+/// | `client` (a service that only calls actors) | no | no |
 ///
 /// Every kind may join, host actors, call actors and record its own actors in the
 /// directory; no kind may change another node's entries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CertKind {
-    /// A daemon that hosts roles and may lead the directory.
+    /// A daemon that hosts roles, may lead the directory and may spawn.
     Node,
     /// A program that places roles on the nodes (spawns them) and never leads.
     Trainer,
-    /// Both: for one trusted program.
-    Admin,
+    /// A program that only calls actors: it neither spawns nor leads.
+    Client,
 }
 
 /// The prefix of the Organization attribute that names the kind (`O=yatt-node`).
@@ -31,14 +31,14 @@ const ORGANIZATION_PREFIX: &str = "yatt-";
 
 impl CertKind {
     /// Every kind, in the order the CLI lists them.
-    pub const ALL: [CertKind; 3] = [CertKind::Node, CertKind::Trainer, CertKind::Admin];
+    pub const ALL: [CertKind; 3] = [CertKind::Node, CertKind::Trainer, CertKind::Client];
 
-    /// The kind's name (`node`, `trainer`, `admin`).
+    /// The kind's name (`node`, `trainer`, `client`).
     pub fn name(self) -> &'static str {
         match self {
             CertKind::Node => "node",
             CertKind::Trainer => "trainer",
-            CertKind::Admin => "admin",
+            CertKind::Client => "client",
         }
     }
 
@@ -55,12 +55,12 @@ impl CertKind {
 
     /// Whether a holder may become the directory's leader (and so order its changes).
     pub fn may_lead(self) -> bool {
-        matches!(self, CertKind::Node | CertKind::Admin)
+        matches!(self, CertKind::Node)
     }
 
     /// Whether a holder may ask another node to spawn an actor.
     pub fn may_spawn(self) -> bool {
-        matches!(self, CertKind::Trainer | CertKind::Admin)
+        matches!(self, CertKind::Node | CertKind::Trainer)
     }
 }
 
@@ -78,7 +78,7 @@ impl std::str::FromStr for CertKind {
             .into_iter()
             .find(|k| k.name() == s)
             .ok_or_else(|| {
-                format!("unknown certificate kind {s:?}: expected node, trainer or admin")
+                format!("unknown certificate kind {s:?}: expected node, trainer or client")
             })
     }
 }
@@ -98,17 +98,17 @@ mod tests {
         assert!("operator"
             .parse::<CertKind>()
             .unwrap_err()
-            .contains("node, trainer or admin"));
+            .contains("node, trainer or client"));
     }
 
     #[test]
-    fn only_nodes_and_admins_lead_and_only_trainers_and_admins_spawn() {
+    fn only_nodes_lead_and_clients_never_spawn() {
         let lead: Vec<_> = CertKind::ALL.into_iter().filter(|k| k.may_lead()).collect();
         let spawn: Vec<_> = CertKind::ALL
             .into_iter()
             .filter(|k| k.may_spawn())
             .collect();
-        assert_eq!(lead, [CertKind::Node, CertKind::Admin]);
-        assert_eq!(spawn, [CertKind::Trainer, CertKind::Admin]);
+        assert_eq!(lead, [CertKind::Node]);
+        assert_eq!(spawn, [CertKind::Node, CertKind::Trainer]);
     }
 }

@@ -72,7 +72,7 @@ impl NodeInfo {
             cpu_cores: 1,
             memory_bytes: 1 << 30,
             devices: Vec::new(),
-            kind: CertKind::Admin,
+            kind: CertKind::Node,
         }
     }
 }

@@ -128,7 +128,7 @@ pub enum TlsError {
 /// How a certificate issued before kinds existed is told to be replaced.
 fn reissue_hint(node: &str) -> String {
     format!(
-        "issue it again with its kind: `yatt-node cert --ca-dir CA_DIR --name {node} --kind node|trainer|admin --out DIR`"
+        "issue it again with its kind: `yatt-node cert --ca-dir CA_DIR --name {node} --kind node|trainer|client --out DIR`"
     )
 }
 
@@ -331,7 +331,7 @@ fn cert_kind(der: &[u8]) -> Result<CertKind, String> {
     match (kinds.next(), kinds.next()) {
         (Some(k), None) => Ok(k),
         (None, _) => Err(
-            "the certificate names no kind (no O=yatt-node, O=yatt-trainer or O=yatt-admin in its subject)".into(),
+            "the certificate names no kind (no O=yatt-node, O=yatt-trainer or O=yatt-client in its subject)".into(),
         ),
         (Some(_), Some(_)) => Err("the certificate names more than one kind".into()),
     }
@@ -551,9 +551,9 @@ fn pem_encode(tag: &str, der: &[u8]) -> String {
 
 impl NodeIdentity {
     /// Convenience for tests and single-host setups: issues `node`'s identity from `ca`,
-    /// of kind `admin` (it may lead and spawn).
+    /// of kind `node` (it may lead and spawn).
     pub fn dev(node: &str, ca: &ClusterCa) -> Result<Self, TlsError> {
-        ca.issue(node, CertKind::Admin)
+        ca.issue(node, CertKind::Node)
     }
 
     /// The node's certificate chain (leaf first).

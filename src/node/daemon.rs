@@ -59,8 +59,8 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
         /// What the holder may do: `node` (a daemon: hosts roles, may lead the
-        /// directory), `trainer` (places roles on the nodes, never leads) or `admin`
-        /// (both, for one trusted program).
+        /// directory and spawn), `trainer` (places roles on the nodes, never leads) or
+        /// `client` (only calls actors: neither spawns nor leads).
         #[arg(long, default_value = "node")]
         kind: CertKind,
     },

@@ -74,8 +74,8 @@ impl NodeBuilder {
         self.dev_ca_dir = Some(dir.into());
         self
     }
-    /// The kind of the certificate [`NodeBuilder::dev_certs`] issues (default: `admin`,
-    /// which may lead and spawn; a `yatt-node` daemon is a `node`, a trainer a `trainer`).
+    /// The kind of the certificate [`NodeBuilder::dev_certs`] issues (default: `node`,
+    /// which may lead and spawn; `yatt train` takes `trainer`).
     pub fn dev_kind(mut self, kind: CertKind) -> Self {
         self.dev_kind = kind;
         self

@@ -27,7 +27,7 @@ impl Node {
             config: NodeConfig::default(),
             identity: None,
             dev_ca_dir: None,
-            dev_kind: CertKind::Admin,
+            dev_kind: CertKind::Node,
             factories: HashMap::new(),
         }
     }

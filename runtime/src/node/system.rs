@@ -155,7 +155,7 @@ impl Node {
                 if !kind.may_spawn() && from != self.name() {
                     self.refused(from, kind, "to spawn actors on other nodes");
                     return SysResponse::Error(format!(
-                        "node {} refuses to spawn {role} for {from}: {from} holds a {kind} certificate, which may not spawn actors on other nodes; a program that places roles needs a trainer (or admin) certificate (`yatt-node cert --kind trainer --name {from}`)",
+                        "node {} refuses to spawn {role} for {from}: {from} holds a {kind} certificate, which may not spawn actors on other nodes; a program that places roles needs a trainer certificate (`yatt-node cert --kind trainer --name {from}`)",
                         self.name()
                     ));
                 }

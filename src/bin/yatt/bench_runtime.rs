@@ -604,7 +604,7 @@ async fn serve(args: BenchRuntimeArgs) -> Result<()> {
 /// A quinn endpoint with the cluster's TLS that echoes 8-byte messages on every
 /// bidirectional stream until the stream ends. Nothing else: no framing, no dispatch.
 fn quinn_echo_server(ca_dir: &Path) -> Result<SocketAddr> {
-    let id = ClusterCa::load(ca_dir)?.issue("bench-quinn-server", CertKind::Admin)?;
+    let id = ClusterCa::load(ca_dir)?.issue("bench-quinn-server", CertKind::Node)?;
     let ep = quinn::Endpoint::server(id.server_config()?, "127.0.0.1:0".parse()?)?;
     let addr = ep.local_addr()?;
     tokio::spawn(async move {
@@ -643,7 +643,7 @@ async fn quinn_client(
     ca_dir: &Path,
     server: SocketAddr,
 ) -> Result<(quinn::Endpoint, quinn::Connection)> {
-    let id = ClusterCa::load(ca_dir)?.issue("bench-quinn-client", CertKind::Admin)?;
+    let id = ClusterCa::load(ca_dir)?.issue("bench-quinn-client", CertKind::Node)?;
     let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse()?)?;
     ep.set_default_client_config(id.client_config()?);
     let conn = tokio::time::timeout(T, ep.connect(server, SERVER_NAME)?)
