@@ -16,6 +16,14 @@ It prints the seconds of every optimizer step (generation included) and the mean
 the steps after the first. TRL defaults to gradient checkpointing and bf16; this script
 turns both off (f32 like yatt, and checkpointing only costs time on a model this size):
 pass --gradient-checkpointing to time TRL's default.
+
+The accuracy row of the baselines table (docs/benchmarks.md) trains 80 steps, saves the
+model and scores it with yatt's evaluator (same 200 held-out prompts, same verifier):
+
+    .venv/bin/python scripts/trl_grpo_addition.py --steps 80 --save runs/trl-grpo-addition/model
+    sed 's#^source = .*#source = "runs/trl-grpo-addition/model"#' config/smollm2-addition.toml \
+        > runs/trl-grpo-addition/eval.toml
+    target/release/yatt eval runs/trl-grpo-addition/eval.toml --prompts 200
 """
 
 import argparse
@@ -47,6 +55,11 @@ def parse_args():
     )
     ap.add_argument("--output-dir", default="runs/trl-grpo-addition")
     ap.add_argument("--json", help="also write the per-step seconds to this file")
+    ap.add_argument(
+        "--save",
+        help="save the trained model and tokenizer here (HF format), for `yatt eval` to "
+        "score with the same held-out prompts and verifier as yatt's own runs",
+    )
     return ap.parse_args()
 
 
@@ -156,6 +169,10 @@ def main():
         f"{mean:.2f} s/step (mean of steps 2..{len(timer.seconds)}; "
         f"median {statistics.median(steady):.2f}, first step {timer.seconds[0]:.2f})"
     )
+    if args.save:
+        trainer.save_model(args.save)
+        tokenizer.save_pretrained(args.save)
+        print(f"saved the trained model to {args.save}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -87,13 +87,13 @@ impl Node {
             SysRequest::Heartbeat(beat) => self.handle_beat(beat),
             SysRequest::Update(update) => {
                 let lead = self.lead();
-                if update.term > lead.term && !kind.may_lead() {
-                    self.refused(from, kind, "to lead the directory");
-                    return SysResponse::Error(format!(
-                        "{from} holds a {kind} certificate, which may not lead the directory"
-                    ));
-                }
                 if update.term > lead.term {
+                    if !kind.may_lead() {
+                        self.refused(from, kind, "to lead the directory");
+                        return SysResponse::Error(format!(
+                            "{from} holds a {kind} certificate, which may not lead the directory"
+                        ));
+                    }
                     // The first word of a new term (or a deposed leader's replica is
                     // behind): follow its leader, who sends its directory.
                     self.follow(Lead {
