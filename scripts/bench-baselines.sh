@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Algorithm baselines on SmolLM2-135M addition (config/smollm2-addition.toml): every
-# algorithm at the same sample budget (STEPS x 2 prompts x 8 samples), each evaluated
+# Algorithm baselines on SmolLM2-135M addition: every algorithm's shipped config
+# (config/baselines/NAME.toml, each extending config/smollm2-addition.toml) at the same
+# sample budget (STEPS x 2 prompts x 8 samples), each evaluated
 # greedily on 200 held-out prompts every EVAL_EVERY steps (training resumes from the
 # checkpoint between evaluations; resume is exact, see trainer/tests/asynchronous.rs).
 #
@@ -9,10 +10,10 @@
 # EVAL_PROMPTS (default 200) sets the held-out prompts per evaluation (a quick check of
 # the script: EVAL_PROMPTS=8 bash scripts/bench-baselines.sh 2 1 grpo ppo). YATT_BIN names
 # a yatt binary to use instead of building one: a copy keeps a long run on one build
-# while the tree changes.
+# while the tree changes. KEEP_CHECKPOINTS=1 keeps each run's final checkpoint.
 #
-# Each run's settings are its `--set`s below on top of the shipped config; the resolved
-# config is written to runs/baselines/NAME/job.toml. Writes runs/baselines/summary.tsv
+# Each run's settings are its config file; the resolved config is written to
+# runs/baselines/NAME/job.toml. Writes runs/baselines/summary.tsv
 # (run, step, accuracy, cumulative training seconds, mean s/step) and each run's
 # metrics.jsonl and eval.jsonl, and runs/baselines/accuracy.png: every run's accuracy
 # curve on one chart (`yatt plot --compare`).
@@ -34,18 +35,8 @@ CONFIG=config/smollm2-addition.toml
 OUT=runs/baselines
 mkdir -p "$OUT"
 
-# name | settings on top of the shipped config (on-policy, one update per batch)
-RUNS=(
-  'grpo|algorithm.name="grpo"'
-  'dr-grpo|algorithm.name="dr-grpo"'
-  'gspo|algorithm.name="gspo"'
-  'cispo|algorithm.name="cispo"'
-  'rloo|algorithm.name="rloo"'
-  'reinforce++|algorithm.name="reinforce++"'
-  'dapo|algorithm.name="dapo" algorithm.overlong_buffer=4'
-  'grpo-kl|algorithm.name="grpo" algorithm.kl_mode="loss" algorithm.kl_coef=0.02'
-  'ppo|algorithm.name="ppo"'
-)
+# In the table's order; each is config/baselines/NAME.toml.
+RUNS=(grpo dr-grpo gspo cispo rloo reinforce++ dapo grpo-kl ppo)
 WANT=("$@")
 
 SUMMARY="$OUT/summary.tsv"
@@ -54,9 +45,7 @@ if ! grep -q '^base' "$SUMMARY"; then
   acc=$("$BIN" eval "$CONFIG" --prompts "$EVAL_PROMPTS" | sed -n 's/.*accuracy \([0-9.]*\).*/\1/p' | head -1)
   printf 'base\t0\t%s\t0\t0\n' "$acc" >> "$SUMMARY"
 fi
-for run in "${RUNS[@]}"; do
-  NAME="${run%%|*}"
-  read -r -a KV <<< "${run#*|}"
+for NAME in "${RUNS[@]}"; do
   if [ "${#WANT[@]}" -gt 0 ] && [[ ! " ${WANT[*]} " == *" $NAME "* ]]; then
     continue
   fi
@@ -66,10 +55,9 @@ for run in "${RUNS[@]}"; do
   for ((S = EVERY; S <= STEPS; S += EVERY)); do
     if [ "$S" -eq "$EVERY" ]; then
       SETS=(--set "job.steps=$S" --set "job.output_dir=\"$DIR\"")
-      for kv in "${KV[@]}"; do SETS+=(--set "$kv"); done
       mkdir -p "$DIR"
       printf '{"step": 0, "eval/accuracy": %s}\n' "$(awk -F'\t' '$1=="base"{print $3}' "$SUMMARY")" > "$DIR/eval.jsonl"
-      "$BIN" train "$CONFIG" "${SETS[@]}" > "$DIR.log" 2>&1 || { tail -5 "$DIR.log"; exit 1; }
+      "$BIN" train "config/baselines/$NAME.toml" "${SETS[@]}" > "$DIR.log" 2>&1 || { tail -5 "$DIR.log"; exit 1; }
     else
       "$BIN" train --resume "$DIR" --set "job.steps=$S" >> "$DIR.log" 2>&1 || { tail -5 "$DIR.log"; exit 1; }
     fi
@@ -82,12 +70,13 @@ print(round(sum(t), 1), round(sum(t) / len(t), 2))")"
     printf '{"step": %s, "eval/accuracy": %s}\n' "$S" "$acc" >> "$DIR/eval.jsonl"
     echo "$NAME step $S accuracy $acc train_s $secs s/step $per" >&2
   done
-  # Keep the metrics and the config; the 0.5-1.6 GB checkpoint goes.
-  rm -rf "$DIR/checkpoint"
+  # Keep the metrics and the config; the 0.5-1.6 GB checkpoint goes (KEEP_CHECKPOINTS=1
+  # keeps it, e.g. for scripts/addition_probe.py).
+  [ -n "${KEEP_CHECKPOINTS:-}" ] || rm -rf "$DIR/checkpoint"
 done
 DIRS=()
-for run in "${RUNS[@]}"; do
-  [ -f "$OUT/${run%%|*}/eval.jsonl" ] && DIRS+=("$OUT/${run%%|*}")
+for NAME in "${RUNS[@]}"; do
+  [ -f "$OUT/$NAME/eval.jsonl" ] && DIRS+=("$OUT/$NAME")
 done
 "$BIN" plot "${DIRS[0]}" --compare "${DIRS[@]:1}" --file eval.jsonl --metric eval/accuracy --out "$OUT/accuracy.png"
 cat "$SUMMARY"

@@ -8,7 +8,7 @@ use yatt_runtime::{ActorId, Node};
 
 use crate::build::custom::CustomRoles;
 use crate::build::embedded::build_embedded_with;
-use crate::build::respawn::respawn_lost_roles;
+use crate::build::respawn::{respawn_lost_roles, Recovered};
 use crate::build::user_roles::{with_config_roles, NamedRoles};
 use crate::checkpoint::{check_same_run, recover, save, RunState, JOB_FILE};
 use crate::config::modes::PlacementMode;
@@ -290,10 +290,13 @@ async fn step_surviving_node_loss(
             return Err(failed);
         }
         let moved =
-            respawn_lost_roles(job, node, controllers, &before, &failed, custom, named).await?;
-        if moved.is_empty() {
-            return Err(failed);
-        }
+            match respawn_lost_roles(job, node, controllers, &before, &failed, custom, named)
+                .await?
+            {
+                Recovered::Moved(moved) if !moved.is_empty() => moved,
+                Recovered::Moved(_) => return Err(failed),
+                Recovered::NotMoved(why) => return Err(why.unwrap_or(failed)),
+            };
         tracing::warn!(step = before.first().map_or(0, |s| s.step) + 1, error = %failed, moved = ?moved, "a node was lost; its roles run elsewhere and the step runs again");
         respawned += moved.len();
     }

@@ -187,3 +187,118 @@ fn dr_grpo_gspo_and_cispo_take_their_papers_defaults_unless_set() {
     assert!(e.contains("algorithm.clip_low"), "{e}");
     with(&["algorithm.name=\"cispo\"", "algorithm.clip_low=1.0"]).unwrap();
 }
+
+/// Every shipped baseline config (`config/baselines/*.toml`) extends the SmolLM2 addition
+/// config: the algorithm its file names, everything else the base's.
+#[test]
+fn each_baseline_config_is_the_addition_config_with_its_algorithm() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = format!("model.source=\"{}\"", dir.path().display());
+    let base = smollm2(&dir);
+    let configs = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/baselines");
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(configs).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_stem().unwrap().to_str().unwrap().to_string();
+        let c = JobConfig::load(&path, std::slice::from_ref(&source))
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let (algorithm, kl) = match name.as_str() {
+            "grpo" => (Algorithm::Grpo, KlMode::None),
+            "grpo-kl" => (Algorithm::Grpo, KlMode::Loss),
+            "dr-grpo" => (Algorithm::DrGrpo, KlMode::None),
+            "gspo" => (Algorithm::Gspo, KlMode::None),
+            "cispo" => (Algorithm::Cispo, KlMode::None),
+            "rloo" => (Algorithm::Rloo, KlMode::None),
+            "reinforce++" => (Algorithm::ReinforcePp, KlMode::None),
+            "dapo" => (Algorithm::Dapo, KlMode::None),
+            "ppo" => (Algorithm::Ppo, KlMode::None),
+            other => panic!("{}: no expectation for {other}", path.display()),
+        };
+        assert_eq!(
+            (c.algorithm.name, c.algorithm.kl_mode),
+            (algorithm, kl),
+            "{name}"
+        );
+        assert_eq!(
+            c.job.output_dir,
+            std::path::PathBuf::from(format!("runs/baselines/{name}"))
+        );
+        // The base's settings stand: the same sample budget and sampling for every row.
+        assert_eq!(c.job.steps, base.job.steps);
+        assert_eq!(
+            (c.data.prompts_per_step, c.data.samples_per_prompt),
+            (base.data.prompts_per_step, base.data.samples_per_prompt)
+        );
+        assert_eq!(c.rollout.temperature, base.rollout.temperature);
+        assert_eq!(c.optim.lr, base.optim.lr);
+        names.push(name);
+    }
+    names.sort();
+    assert_eq!(names.len(), 9, "{names:?}");
+}
+
+/// `extends`: tables merge key by key, a value of the extending file wins, the base's
+/// path is relative to the file that names it, and a chain may be longer than one.
+#[test]
+fn a_config_extends_its_base_key_by_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    std::fs::create_dir(dir.path().join("sub")).unwrap();
+    let base = dir.path().join("base.toml");
+    std::fs::write(
+        &base,
+        SMOLLM2.replace("models/smollm2-135m", &model.display().to_string()),
+    )
+    .unwrap();
+    let middle = dir.path().join("sub/middle.toml");
+    std::fs::write(&middle, "extends = \"../base.toml\"\n[optim]\nlr = 3e-5\n").unwrap();
+    let top = dir.path().join("top.toml");
+    std::fs::write(
+        &top,
+        "extends = \"sub/middle.toml\"\n[algorithm]\nname = \"rloo\"\n",
+    )
+    .unwrap();
+    let c = JobConfig::load(&top, &[]).unwrap();
+    assert_eq!(c.algorithm.name, Algorithm::Rloo);
+    assert_eq!(c.optim.lr, 3e-5);
+    // Untouched keys of the merged tables keep the base's values.
+    assert_eq!(c.optim.max_grad_norm, 1.0);
+    assert_eq!(c.algorithm.kl_mode, KlMode::None);
+    assert_eq!(c.data.samples_per_prompt, 8);
+    // --set still wins over every file.
+    let c = JobConfig::load(&top, &["optim.lr=2e-5".into()]).unwrap();
+    assert_eq!(c.optim.lr, 2e-5);
+    // A wrong type in the extending file names the key.
+    std::fs::write(
+        &top,
+        "extends = \"sub/middle.toml\"\n[optim]\nlr = \"fast\"\n",
+    )
+    .unwrap();
+    let e = JobConfig::load(&top, &[]).unwrap_err().to_string();
+    assert!(e.contains("optim.lr") && e.contains("top.toml"), "{e}");
+}
+
+#[test]
+fn a_missing_or_circular_base_is_refused_naming_the_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a.toml");
+    std::fs::write(&a, "extends = \"missing.toml\"\n").unwrap();
+    let e = JobConfig::load(&a, &[]).unwrap_err().to_string();
+    assert!(
+        e.contains("a.toml")
+            && e.contains("missing.toml")
+            && e.contains("relative to the directory"),
+        "{e}"
+    );
+    std::fs::write(&a, "extends = \"b.toml\"\n").unwrap();
+    std::fs::write(dir.path().join("b.toml"), "extends = \"a.toml\"\n").unwrap();
+    let e = JobConfig::load(&a, &[]).unwrap_err().to_string();
+    assert!(
+        e.contains("cycle") && e.contains("b.toml") && e.contains("a.toml"),
+        "{e}"
+    );
+    std::fs::write(&a, "extends = 3\n").unwrap();
+    let e = JobConfig::load(&a, &[]).unwrap_err().to_string();
+    assert!(e.contains("extends") && e.contains("a.toml"), "{e}");
+}

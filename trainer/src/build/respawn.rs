@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use yatt_roles::{RoleRequest, RoleResponse};
-use yatt_runtime::{ActorId, ActorRef, Directory, Liveness, Message, Node};
+use yatt_runtime::{ActorId, ActorRef, CallError, Directory, Liveness, Message, Node};
 
 use crate::build::cluster::{job_text, spawn};
 use crate::build::replica::{replace_lost_replicas, Hosting};
@@ -48,8 +48,8 @@ pub(crate) fn actor_lost(d: &Directory, id: &ActorId) -> bool {
 /// job's roles lost (waiting at most twice the failure-detection bound for that),
 /// spawns every lost stateless role again on a surviving node, replaces every lost
 /// policy replica, puts the heads back to `before` and gives the rollouts the current
-/// weights. Returns what moved (`role: old node -> new node`), or an empty list when
-/// the step cannot be recovered this way (the caller returns `failed` then).
+/// weights. Returns what moved (`role: old node -> new node`), or why the step cannot
+/// be recovered this way.
 ///
 /// A recovery that meets a loss itself (a node that was to host a role dies too) is
 /// tried again once the membership has changed, up to [`RECOVERY_TRIES`] times: each
@@ -62,7 +62,7 @@ pub(crate) async fn respawn_lost_roles(
     failed: &JobError,
     custom: &BTreeSet<ActorId>,
     named: &mut NamedRoles,
-) -> Result<Vec<String>, JobError> {
+) -> Result<Recovered, JobError> {
     let mut tries = 1;
     loop {
         match respawn_once(job, node, controllers, before, failed, custom, named).await {
@@ -80,6 +80,40 @@ pub(crate) async fn respawn_lost_roles(
             }
             done => return done,
         }
+    }
+}
+
+/// What a recovery did.
+pub(crate) enum Recovered {
+    /// The lost roles run elsewhere now: `role: old node -> new node` for each.
+    Moved(Vec<String>),
+    /// Nothing moved. `Some` is the error the run stops with instead of the failure
+    /// itself: the failure plus why it cannot be recovered in place (state that went
+    /// with the node, or a node the cluster still hears: a partition). `None`: the
+    /// failure was not a lost node's, and stands as it is.
+    NotMoved(Option<JobError>),
+}
+
+/// Why a failed step cannot be recovered in place: `failed`, what went wrong with the
+/// recovery, and what to do (the run's stop message adds how to resume).
+fn unrecoverable(failed: &JobError, why: String, fix: &str) -> Recovered {
+    Recovered::NotMoved(Some(JobError::Recovery {
+        what: format!("{failed}; {why}"),
+        fix: fix.into(),
+    }))
+}
+
+/// The node a call failed to reach, when the failure is one a lost node or a broken
+/// network gives (rather than the role's own error).
+fn unreached_node(e: &CallError) -> Option<&str> {
+    match e {
+        CallError::Transport { node, .. }
+        | CallError::NodeDown { node }
+        | CallError::Unavailable { node, .. } => Some(node),
+        CallError::Timeout { target, .. }
+        | CallError::Died { target }
+        | CallError::Closed { target } => Some(&target.name.node),
+        CallError::Stale { .. } | CallError::Handler { .. } | CallError::Codec(_) => None,
     }
 }
 
@@ -108,13 +142,21 @@ async fn respawn_once(
     failed: &JobError,
     custom: &BTreeSet<ActorId>,
     named: &mut NamedRoles,
-) -> Result<Vec<String>, JobError> {
+) -> Result<Recovered, JobError> {
+    let not_moved = Ok(Recovered::NotMoved(None));
     let JobError::Controller(e) = failed else {
-        return Ok(Vec::new());
+        return not_moved;
     };
-    let ControllerError::Call { role, stage, .. } = e.as_ref() else {
-        return Ok(Vec::new());
+    let ControllerError::Call {
+        role,
+        stage,
+        source,
+        ..
+    } = e.as_ref()
+    else {
+        return not_moved;
     };
+    let unreached = unreached_node(source);
     let replicated = controllers.len() > 1 && controllers.iter().all(|c| c.in_policy_ring);
     // The user's stages that `[roles]` named are stateless too: spawned again by name.
     let named_stage = controllers.first().is_some_and(|c| {
@@ -123,8 +165,10 @@ async fn respawn_once(
             .any(|s| s.name == *role && named.contains(s.role.id()))
     });
     let stateless = (STATELESS.contains(role) || named_stage) && !AFTER_UPDATE.contains(stage);
-    if !stateless && !(*role == "policy" && replicated) {
-        return Ok(Vec::new());
+    let recoverable = stateless || (*role == "policy" && replicated);
+    // A role's own error, to a role whose loss would not be survived anyway: as it is.
+    if !recoverable && unreached.is_none() {
+        return not_moved;
     }
     let ids = role_ids(controllers);
     let bound = node.config().failure_timeout * 2 + Duration::from_secs(1);
@@ -139,21 +183,59 @@ async fn respawn_once(
             .collect()
     });
     if lost.is_empty() {
-        return Ok(Vec::new());
+        return Ok(match unreached {
+            // The call could not reach a node the cluster still hears: this process's
+            // way to it is broken, which no respawn mends.
+            Some(n) => unrecoverable(
+                failed,
+                format!("but the cluster still hears {n} (its directory did not declare it dead within {bound:?}): this process cannot reach a live node, a network partition or a firewall between them"),
+                &format!("mend the network between this process and {n} (the other nodes reach it), then resume"),
+            ),
+            None => Recovered::NotMoved(None),
+        });
     }
+    let lost_on = |role: &str| -> Option<String> {
+        let nodes: BTreeSet<&str> = ids
+            .iter()
+            .filter(|(id, r)| *r == role && lost.contains(id))
+            .map(|(id, _)| id.name.node.as_str())
+            .collect();
+        (!nodes.is_empty()).then(|| nodes.into_iter().collect::<Vec<_>>().join(", "))
+    };
     // A role the program brought went with it: the trainer cannot make another, and a
     // built-in one in its place would silently change the run. (One `[roles]` names is
     // spawned again by its name.)
-    if node
+    let lost_custom = node
         .directory()
-        .read(|d| custom.iter().any(|id| actor_lost(d, id)))
-    {
-        return Ok(Vec::new());
+        .read(|d| custom.iter().find(|id| actor_lost(d, id)).cloned());
+    if let Some(id) = lost_custom {
+        return Ok(unrecoverable(
+            failed,
+            format!("{} was lost with {}, and it is a role the program brought, which the trainer cannot start again", id.name, id.name.node),
+            "name the role in [roles] so that the trainer can start it again, or start the program again",
+        ));
     }
     // The critic's state went with it, and a policy without replicas has no copy.
-    let lost_state = |role: &str| ids.iter().any(|(id, r)| *r == role && lost.contains(id));
-    if lost_state("critic") || (lost_state("policy") && !replicated) {
-        return Ok(Vec::new());
+    if let Some(n) = lost_on("critic") {
+        return Ok(unrecoverable(
+            failed,
+            format!("the critic was lost with {n}, and its weights and optimizer state went with it (the critic has no replica)"),
+            "resume from the last checkpoint",
+        ));
+    }
+    if let Some(n) = lost_on("policy").filter(|_| !replicated) {
+        return Ok(unrecoverable(
+            failed,
+            format!("the policy was lost with {n}, and its trainer state went with it"),
+            "resume from the last checkpoint; job.policy_replicas = job.controllers keeps a copy on every head, and the run survives the loss of all but one",
+        ));
+    }
+    if !recoverable {
+        return Ok(unrecoverable(
+            failed,
+            format!("{role} failed after this step's update began ({stage}), so the step cannot simply run again"),
+            "resume from the last checkpoint",
+        ));
     }
     let mut hosting = Hosting::new(node, &ids, &lost);
     let text = job_text(job)?;
@@ -239,7 +321,7 @@ async fn respawn_once(
         c.restore(s.clone())?;
         c.sync_weights().await?;
     }
-    Ok(moved)
+    Ok(Recovered::Moved(moved))
 }
 
 /// What spawning a lost role again needs: a role `[roles]` named goes back by its name,

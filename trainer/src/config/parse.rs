@@ -1,19 +1,28 @@
 //! Reading a job config: TOML text, `--set key=value` overrides, errors that name the key.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::config::checks::invalid;
 use crate::config::sections::JobConfig;
 use crate::error::JobError;
 
 impl JobConfig {
-    /// Parses TOML text, applies `--set key=value` overrides, then validates.
+    /// Parses TOML text, applies `--set key=value` overrides, then validates. A top-level
+    /// `extends = "PATH"` names a base config (relative to the current directory here;
+    /// to the file's directory with [`JobConfig::load`]) whose keys this text overrides.
     pub fn parse(text: &str, origin: &str, sets: &[String]) -> Result<Self, JobError> {
-        let mut table: toml::Table =
-            text.parse().map_err(|e: toml::de::Error| JobError::Parse {
-                origin: origin.into(),
-                message: e.to_string(),
-            })?;
+        let (table, based) = with_bases(text, origin, Path::new("."), &mut Vec::new())?;
+        Self::from_table(table, origin, based, sets)
+    }
+
+    /// `based`: the table merges a base config (`extends`), so, as with `--set`, its
+    /// line numbers are not the file's.
+    fn from_table(
+        mut table: toml::Table,
+        origin: &str,
+        based: bool,
+        sets: &[String],
+    ) -> Result<Self, JobError> {
         for arg in sets {
             apply_set(&mut table, arg)?;
         }
@@ -22,19 +31,21 @@ impl JobConfig {
             origin: origin.into(),
             message: e.to_string(),
         })?;
-        let origin = if sets.is_empty() {
-            origin.to_string()
-        } else {
-            format!("{origin} (with --set overrides)")
+        let origin = match (based, sets.is_empty()) {
+            (false, true) => origin.to_string(),
+            (true, true) => format!("{origin} (with its {EXTENDS} base)"),
+            (false, false) => format!("{origin} (with --set overrides)"),
+            (true, false) => format!("{origin} (with its {EXTENDS} base and --set overrides)"),
         };
+        let renumbered = based || !sets.is_empty();
         let cfg: JobConfig = toml::from_str(&merged).map_err(|e| {
             let key = e.span().and_then(|span| key_at(&merged, span.start));
             if let Some(invalid) = key.as_deref().and_then(|k| unknown_word(k, e.message())) {
                 return invalid;
             }
             let message = match key {
-                // With overrides the line numbers refer to the merged text: name the key.
-                Some(k) if !sets.is_empty() => format!("key `{k}`: {}", e.message()),
+                // Merged, the line numbers refer to the merged text: name the key.
+                Some(k) if renumbered => format!("key `{k}`: {}", e.message()),
                 Some(k) => format!("key `{k}`: {e}"),
                 None => e.to_string(),
             };
@@ -51,8 +62,87 @@ impl JobConfig {
             path: path.into(),
             source,
         })?;
-        Self::parse(&text, &path.display().to_string(), sets)
+        let origin = path.display().to_string();
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let (table, based) = with_bases(&text, &origin, dir, &mut vec![canonical(path)])?;
+        Self::from_table(table, &origin, based, sets)
     }
+}
+
+/// The key naming a config's base config.
+const EXTENDS: &str = "extends";
+
+/// Parses `text` and, when it names a base with `extends`, lays it over that base (read
+/// from `dir`; recursively): tables merge key by key, any other value of the text
+/// replaces the base's. `chain` holds the files already on the way, to refuse a cycle.
+/// Also says whether a base was merged.
+fn with_bases(
+    text: &str,
+    origin: &str,
+    dir: &Path,
+    chain: &mut Vec<PathBuf>,
+) -> Result<(toml::Table, bool), JobError> {
+    let parse_err = |message: String| JobError::Parse {
+        origin: origin.into(),
+        message,
+    };
+    let mut table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| parse_err(e.to_string()))?;
+    let Some(base) = table.remove(EXTENDS) else {
+        return Ok((table, false));
+    };
+    let toml::Value::String(name) = base else {
+        return Err(invalid(
+            &format!("{origin}: {EXTENDS}"),
+            "the path of a base config (TOML), relative to this file",
+            &base.to_string(),
+            &format!("{EXTENDS} = \"smollm2-addition.toml\""),
+        ));
+    };
+    let path = dir.join(&name);
+    let base_text = std::fs::read_to_string(&path).map_err(|e| {
+        parse_err(format!(
+            "{EXTENDS} = {name:?}: cannot read {}: {e}; the path is relative to the directory of the file that names it",
+            path.display()
+        ))
+    })?;
+    let key = canonical(&path);
+    if chain.contains(&key) {
+        let names: Vec<String> = chain
+            .iter()
+            .chain([&key])
+            .map(|p| p.display().to_string())
+            .collect();
+        return Err(parse_err(format!(
+            "{EXTENDS} = {name:?} makes a cycle ({}); one config of the chain must not name a base",
+            names.join(" -> ")
+        )));
+    }
+    chain.push(key);
+    let base_origin = format!("{} ({EXTENDS} of {origin})", path.display());
+    let base_dir = path.parent().unwrap_or(Path::new("."));
+    let (mut merged, _) = with_bases(&base_text, &base_origin, base_dir, chain)?;
+    chain.pop();
+    overlay(&mut merged, table);
+    Ok((merged, true))
+}
+
+/// `top` laid over `base`: tables merge key by key, any other value replaces.
+fn overlay(base: &mut toml::Table, top: toml::Table) {
+    for (k, v) in top {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(t)) => overlay(b, t),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
+/// A file's identity for cycle detection (its path as given when it cannot be resolved).
+fn canonical(path: &Path) -> PathBuf {
+    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
 }
 
 /// A mode's unknown word (serde's "unknown variant `x`, expected one of `a`, `b`") as
