@@ -58,11 +58,11 @@ pub use algo::{
     entropy_from_logits, entropy_loss, gae_advantage, group_ids_from_tensor, grpo_advantage,
     gspo_policy_loss, kl_estimate, kl_loss, masked_mean, off_policy_stats, overlong_penalty,
     overlong_penalty_tensor, policy_loss, ppo_policy_loss, reinforce_pp_advantage, rloo_advantage,
-    token_level_rewards, value_loss, AdvantageEstimator, AdvantageInputs, Advantages, AlgoError,
-    Algorithm, BehaviourCorrection, DynamicSampling, EntropyStats, GaeConfig, GrpoConfig,
-    KlEstimator, KlLossStats, LossAgg, LossAggMode, OffPolicyConfig, OffPolicyStats,
-    PolicyLossConfig, PolicyLossKind, PolicyLossStats, ReinforcePpConfig, ValueLossConfig,
-    ValueLossStats,
+    token_level_rewards, value_loss, AdvantageEstimator, AdvantageInputs, AdvantageNorm,
+    Advantages, AlgoError, Algorithm, BehaviourCorrection, DynamicSampling, EntropyStats,
+    GaeConfig, GrpoConfig, KlEstimator, KlLossStats, LossAgg, LossAggMode, OffPolicyConfig,
+    OffPolicyStats, PolicyLossConfig, PolicyLossKind, PolicyLossStats, ReinforcePpConfig,
+    ValueLossConfig, ValueLossStats,
 };
 // CAPO-style step credit.
 pub use algo::{

@@ -3,6 +3,7 @@
 //! [`token_level_rewards`], which places a sequence reward on the last response token
 //! and folds in a per-token KL penalty.
 
+use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
 use crate::algo::checks::{check_b, check_bt, check_same_bt, AlgoError, Groups};
@@ -141,6 +142,13 @@ pub(crate) fn masked_whiten(x: &Tensor, mask: &Tensor, eps: f64) -> Tensor {
     centered / (var.sqrt() + eps)
 }
 
+/// `x − mean` over valid tokens, zero on padding.
+fn masked_center(x: &Tensor, mask: &Tensor) -> Tensor {
+    let n = mask.sum(mask.kind());
+    let mean = (x * mask).sum(mask.kind()) / n.clamp_min(1.0);
+    (x - mean) * mask
+}
+
 /// REINFORCE++ options.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ReinforcePpConfig {
@@ -194,6 +202,23 @@ pub fn reinforce_pp_advantage(
     })
 }
 
+/// `algorithm.advantage_norm`: how GAE's advantages are normalised over the valid
+/// tokens of the batch (the returns, the critic's targets, stay raw).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AdvantageNorm {
+    /// `(A − mean) / (std + eps)`: unit scale whatever the batch holds, verl's and
+    /// OpenRLHF's default. A batch whose rewards are all equal holds nothing but the
+    /// critic's errors in `A`, and this blows them up to the size of a real signal.
+    #[default]
+    Whiten,
+    /// `A − mean`: the scale stays in reward units, so a batch without a reward signal
+    /// moves the policy only as far as its critic's small errors.
+    Center,
+    /// The raw GAE advantages.
+    None,
+}
+
 /// GAE options.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GaeConfig {
@@ -201,8 +226,8 @@ pub struct GaeConfig {
     pub gamma: f64,
     /// GAE λ.
     pub lam: f64,
-    /// Whiten the advantages over all valid tokens of the batch (returns stay raw).
-    pub whiten: bool,
+    /// How the advantages are normalised over the batch (returns stay raw).
+    pub norm: AdvantageNorm,
     /// Added to the std when whitening.
     pub eps: f64,
 }
@@ -212,7 +237,7 @@ impl Default for GaeConfig {
         Self {
             gamma: 1.0,
             lam: 0.95,
-            whiten: true,
+            norm: AdvantageNorm::Whiten,
             eps: 1e-8,
         }
     }
@@ -273,10 +298,10 @@ pub fn gae_advantage(
         Tensor::stack(&cols, 1)
     };
     let returns = (&adv + &v) * mask;
-    let advantages = if cfg.whiten {
-        masked_whiten(&adv, mask, cfg.eps)
-    } else {
-        adv
+    let advantages = match cfg.norm {
+        AdvantageNorm::Whiten => masked_whiten(&adv, mask, cfg.eps),
+        AdvantageNorm::Center => masked_center(&adv, mask),
+        AdvantageNorm::None => adv,
     };
     Ok(Advantages {
         advantages,

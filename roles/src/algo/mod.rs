@@ -36,7 +36,7 @@ pub mod step_credit;
 
 pub use advantage::{
     gae_advantage, grpo_advantage, reinforce_pp_advantage, rloo_advantage, token_level_rewards,
-    Advantages, GaeConfig, GrpoConfig, ReinforcePpConfig,
+    AdvantageNorm, Advantages, GaeConfig, GrpoConfig, ReinforcePpConfig,
 };
 pub use dapo::{
     dynamic_sampling_filter, overlong_penalty, overlong_penalty_tensor, DynamicSampling,

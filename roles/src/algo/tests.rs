@@ -215,7 +215,7 @@ fn gae_by_hand() {
     let cfg = GaeConfig {
         gamma: 1.0,
         lam: 0.5,
-        whiten: false,
+        norm: AdvantageNorm::None,
         eps: 1e-8,
     };
     let a = gae_advantage(&r, &v, &m, &cfg).unwrap();
@@ -232,7 +232,7 @@ fn gae_by_hand() {
     let cfg = GaeConfig {
         gamma: 0.9,
         lam: 1.0,
-        whiten: false,
+        norm: AdvantageNorm::None,
         eps: 1e-8,
     };
     let a = gae_advantage(&r, &v, &m, &cfg).unwrap();
@@ -245,7 +245,7 @@ fn gae_whitening_is_over_valid_tokens_only() {
     let cfg = GaeConfig {
         gamma: 1.0,
         lam: 0.5,
-        whiten: true,
+        norm: AdvantageNorm::Whiten,
         eps: 0.0,
     };
     let a = gae_advantage(&r, &v, &m, &cfg).unwrap();
@@ -258,6 +258,51 @@ fn gae_whitening_is_over_valid_tokens_only() {
     );
     // returns are not whitened
     close(&vals(&a.returns), &[0.725, 0.85, 1.0, 1.2, 2.0, 0.0]);
+    // centred: the same deviations, unscaled
+    let cfg = GaeConfig {
+        norm: AdvantageNorm::Center,
+        ..cfg
+    };
+    let a = gae_advantage(&r, &v, &m, &cfg).unwrap();
+    close(
+        &vals(&a.advantages),
+        &[-0.45, -0.425, -0.375, 0.325, 0.925, 0.0],
+    );
+    close(&vals(&a.returns), &[0.725, 0.85, 1.0, 1.2, 2.0, 0.0]);
+}
+
+/// The PPO baseline's collapse (docs/benchmarks.md): in a batch whose rewards are all
+/// 0, GAE's advantages are only the critic's errors (here ±0.01); whitening scales them
+/// to unit size, as large as a real signal, while centring keeps them at 0.01.
+#[test]
+fn whitening_blows_a_rewardless_batch_up_to_unit_scale_centring_does_not() {
+    let r = t2(&[&[0.0, 0.0, 0.0], &[0.0, 0.0, 0.0]]);
+    let v = t2(&[&[0.01, -0.01, 0.01], &[-0.01, 0.01, -0.01]]);
+    let m = t2(&[&[1.0, 1.0, 1.0], &[1.0, 1.0, 1.0]]);
+    let at = |norm| {
+        let cfg = GaeConfig {
+            gamma: 1.0,
+            lam: 1.0,
+            norm,
+            eps: 1e-8,
+        };
+        let a = gae_advantage(&r, &v, &m, &cfg).unwrap();
+        let a = vals(&a.advantages);
+        let mean = a.iter().sum::<f64>() / a.len() as f64;
+        let std = (a.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (a.len() - 1) as f64).sqrt();
+        (mean, std)
+    };
+    // λ = 1, γ = 1, no reward: A_t = −V_t; raw std 0.01095 over the 6 tokens.
+    let (mean, std) = at(AdvantageNorm::Whiten);
+    assert!(
+        mean.abs() < 1e-6 && (std - 1.0).abs() < 1e-4,
+        "{mean} {std}"
+    );
+    let (mean, std) = at(AdvantageNorm::Center);
+    assert!(
+        mean.abs() < 1e-9 && (std - 0.010954).abs() < 1e-5,
+        "{mean} {std}"
+    );
 }
 
 #[test]

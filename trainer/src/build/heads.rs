@@ -24,6 +24,7 @@ pub(crate) fn controller_config(job: &JobConfig) -> ControllerConfig {
     let advantage = a.name.estimator(GaeConfig {
         gamma: a.gamma,
         lam: a.lam,
+        norm: a.advantage_norm,
         ..Default::default()
     });
     let r = &job.rollout;

@@ -4,8 +4,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 use yatt_roles::{
-    Algorithm, BehaviourCorrection, DataFields, DataFormat, EnvKind, JudgeConfig, KlEstimator,
-    LossAgg, LossAggMode, StepVote, LETTERS,
+    AdvantageNorm, Algorithm, BehaviourCorrection, DataFields, DataFormat, EnvKind, JudgeConfig,
+    KlEstimator, LossAgg, LossAggMode, StepVote, LETTERS,
 };
 
 use crate::config::modes::{
@@ -438,6 +438,10 @@ pub struct AlgorithmSection {
     pub gamma: f64,
     /// PPO: GAE λ.
     pub lam: f64,
+    /// PPO: how GAE's advantages are normalised over the batch: `whiten` (the
+    /// default, as verl and OpenRLHF), `center` (mean removed, reward units kept: a
+    /// batch without reward signal no longer moves the policy at full scale) or `none`.
+    pub advantage_norm: AdvantageNorm,
     /// PPO: value clipping range of the critic's loss (0 = no clipping).
     pub value_clip: f64,
     /// Dynamic sampling (drop prompt groups whose rewards are all equal and generate
@@ -513,6 +517,7 @@ impl Default for AlgorithmSection {
             loss_agg: None,
             gamma: 1.0,
             lam: 0.95,
+            advantage_norm: AdvantageNorm::Whiten,
             value_clip: 0.5,
             dynamic_sampling: None,
             max_sampling_rounds: 4,

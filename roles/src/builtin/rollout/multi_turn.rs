@@ -310,7 +310,8 @@ mod tests {
 
     use super::*;
     use crate::algo::{
-        gae_advantage, kl_loss, policy_loss, GaeConfig, KlEstimator, LossAgg, PolicyLossConfig,
+        gae_advantage, kl_loss, policy_loss, AdvantageNorm, GaeConfig, KlEstimator, LossAgg,
+        PolicyLossConfig,
     };
     use crate::builtin::rollout::{RolloutRequest, RolloutResponse, TextCodec, TINY_CODEC};
     use crate::builtin::scoring::score_samples;
@@ -492,7 +493,7 @@ mod tests {
         let cfg = GaeConfig {
             gamma: 0.9,
             lam: 0.8,
-            whiten: false,
+            norm: AdvantageNorm::None,
             eps: 1e-8,
         };
         // Tokens: model, model, obs, obs, model, model, padding.
