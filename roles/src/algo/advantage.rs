@@ -135,10 +135,9 @@ pub fn token_level_rewards(
 
 /// `(x − mean) / (std + eps)` over valid tokens (unbiased std), zero on padding.
 pub(crate) fn masked_whiten(x: &Tensor, mask: &Tensor, eps: f64) -> Tensor {
+    let centered = masked_center(x, mask);
     let n = mask.sum(mask.kind());
-    let mean = (x * mask).sum(mask.kind()) / n.clamp_min(1.0);
-    let centered = (x - &mean) * mask;
-    let var = centered.square().sum(mask.kind()) / (&n - 1.0).clamp_min(1.0);
+    let var = centered.square().sum(mask.kind()) / (n - 1.0).clamp_min(1.0);
     centered / (var.sqrt() + eps)
 }
 
