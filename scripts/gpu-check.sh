@@ -6,7 +6,8 @@
 #   bash scripts/gpu-check.sh run [OUT]      # on the GPU machine, in a checkout holding .gpu/:
 #                                            # runs every check, writes OUT/gpu-figures.md,
 #                                            # OUT/*.json and the logs (OUT: runs/gpu-check)
-#                                            # (GPU_STEPS="name ...": only those steps)
+#                                            # (GPU_STEPS="name ...": only those steps;
+#                                            #  GPU_DEADLINE=S: finish within S seconds)
 #   bash scripts/gpu-check.sh record FIGURES # back here: puts FIGURES into docs/benchmarks.md
 #   GPU_HOST=user@host bash scripts/gpu-check.sh   # all three: pack, copy with rsync, run
 #                                            # over ssh, fetch the figures, record them
@@ -67,11 +68,22 @@ FAILED=()
 
 # step NAME SECONDS COMMAND...: runs one check with a deadline, logging to $OUT/NAME.log.
 # GPU_STEPS="a b ..." runs only the steps named (a short second visit to a GPU).
+# GPU_DEADLINE=S: the whole run ends within S seconds (a lease is short): each step's limit
+# is cut to what is left, and the steps that no longer fit are recorded as skipped.
 step() {
     local name=$1 limit=$2
     shift 2
     if [ -n "${GPU_STEPS:-}" ] && [[ " $GPU_STEPS " != *" $name "* ]]; then
         return 0
+    fi
+    if [ -n "${GPU_DEADLINE:-}" ]; then
+        local left=$((GPU_DEADLINE - SECONDS - 10))
+        if [ "$left" -lt 20 ]; then
+            echo "== $name: skipped ($left s left of GPU_DEADLINE=$GPU_DEADLINE)"
+            echo "| $name | skipped (deadline) | 0 s |" >>"$OUT/steps.md"
+            return 0
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
     fi
     echo "== $name"
     local t0=$SECONDS
@@ -116,30 +128,15 @@ run() {
     echo "GPU: $gpu; torch lib: $TORCH_LIB; bundle commit $commit"
     : >"$OUT/steps.md"
 
+    # In order of what a short lease must not miss: CUDA correctness, NCCL and its deadline,
+    # the roofline figures, a bf16 job; then the slower trainer tests and the extras.
     step engine-devices 120 "$bin/devices" --test-threads=1 --nocapture
-    # The device-generic bodies of engine/tests/train.rs (the others need the HF reference).
-    step engine-train 120 "$bin/train" --test-threads=1 scores_match_generation training_reduces_loss offload_reload_buckets
-    step trainer-precision 300 "$bin/precision" --test-threads=1 --nocapture
-    # model.device = auto puts the demo on cuda:0: offload moves the weights to the host.
-    step trainer-time-share 300 "$bin/time_share" --test-threads=1 --nocapture
-    for t in "$bin"/nccl "$bin"/yatt_collective; do
-        [ -x "$t" ] && step "collective-$(basename "$t")" 120 "$t" --test-threads=1
-    done
-    step nccl-check 120 sh -c "'$bin/nccl_check' >'$OUT/nccl_check.jsonl'"
+    step nccl-check 90 sh -c "'$bin/nccl_check' >'$OUT/nccl_check.jsonl'"
     local steps_gpu=${GPU_BENCH_STEPS:-3}
-    step bench-smollm2 300 "$bin/yatt" bench gpu --device cuda --dtype bf16 --preset smollm2-135m \
+    step bench-smollm2 240 "$bin/yatt" bench gpu --device cuda --dtype bf16 --preset smollm2-135m \
         --batch 64 --steps "$steps_gpu" --json "$OUT/bench-smollm2.json"
-    step bench-llama-1b 300 "$bin/yatt" bench gpu --device cuda --dtype bf16 --preset llama-1b \
+    step bench-llama-1b 240 "$bin/yatt" bench gpu --device cuda --dtype bf16 --preset llama-1b \
         --batch 64 --train-batch 8 --train-seq 2048 --steps "$steps_gpu" --json "$OUT/bench-llama-1b.json"
-
-    # The decode step time with fewer new tokens (does the per-step time depend on them?).
-    step bench-decode-short 120 "$bin/yatt" bench gpu --device cuda --dtype bf16 \
-        --preset smollm2-135m --batch 64 --new-tokens 32 --train-batch 1 --train-seq 64 --steps 1 \
-        --json "$OUT/bench-decode-short.json"
-    # Where a decode step's time goes (each phase waits for the GPU, so slower overall).
-    step profile-decode 180 env YATT_PROFILE=1 "$bin/yatt" bench gpu --device cuda --dtype bf16 \
-        --preset smollm2-135m --batch 64 --new-tokens 32 --train-batch 1 --train-seq 64 --steps 1 \
-        --json "$OUT/profile-decode.json"
 
     # A short GRPO job on a random SmolLM2-135M (the real weights cannot travel) in bf16.
     # The letters reward, because a random model never solves the addition task and
@@ -157,11 +154,9 @@ for f in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     try: shutil.copy(f"{src}/{f}", f"{dst}/{f}")
     except FileNotFoundError: pass
 EOF
-    # Twice: decoding through CUDA graphs (the default) and eagerly, side by side.
-    local graphs
-    for graphs in true false; do
-        local name=grpo-bf16
-        [ "$graphs" = true ] || name=grpo-bf16-eager
+    # Decoding through CUDA graphs (the default), then eagerly, side by side.
+    grpo() {
+        local name=$1 graphs=$2
         step "$name" 300 "$bin/yatt" train config/smollm2-addition.toml \
             --set "model.source=\"$model\"" --set 'model.dtype="bf16"' --set 'model.device="cuda"' \
             --set job.steps="${GPU_JOB_STEPS:-10}" --set "job.output_dir=\"$OUT/$name\"" \
@@ -170,7 +165,30 @@ EOF
             --set 'algorithm.old_logprobs="recompute"' --set "rollout.cuda_graphs=$graphs"
         cp "$OUT/$name/metrics.jsonl" "$OUT/$name-metrics.jsonl" 2>/dev/null
         rm -rf "${OUT:?}/$name"
+    }
+    grpo grpo-bf16 true
+    # Training MFU with twice the tokens per step (larger matmuls; decode kept short).
+    step bench-llama-1b-train16 180 "$bin/yatt" bench gpu --device cuda --dtype bf16 --preset llama-1b \
+        --batch 1 --new-tokens 8 --train-batch 16 --train-seq 2048 --steps "$steps_gpu" \
+        --json "$OUT/bench-llama-1b-train16.json"
+
+    # The device-generic bodies of engine/tests/train.rs (the others need the HF reference).
+    step engine-train 120 "$bin/train" --test-threads=1 scores_match_generation training_reduces_loss offload_reload_buckets
+    for t in "$bin"/nccl "$bin"/yatt_collective; do
+        [ -x "$t" ] && step "collective-$(basename "$t")" 90 "$t" --test-threads=1
     done
+    # model.device = auto puts the demo on cuda:0: offload moves the weights to the host.
+    step trainer-time-share 300 "$bin/time_share" --test-threads=1 --nocapture
+    step trainer-precision 300 "$bin/precision" --test-threads=1 --nocapture
+    grpo grpo-bf16-eager false
+    # The decode step time with fewer new tokens (does the per-step time depend on them?).
+    step bench-decode-short 120 "$bin/yatt" bench gpu --device cuda --dtype bf16 \
+        --preset smollm2-135m --batch 64 --new-tokens 32 --train-batch 1 --train-seq 64 --steps 1 \
+        --json "$OUT/bench-decode-short.json"
+    # Where a decode step's time goes (each phase waits for the GPU, so slower overall).
+    step profile-decode 180 env YATT_PROFILE=1 "$bin/yatt" bench gpu --device cuda --dtype bf16 \
+        --preset smollm2-135m --batch 64 --new-tokens 32 --train-batch 1 --train-seq 64 --steps 1 \
+        --json "$OUT/profile-decode.json"
 
     "$py" - "$OUT" "$gpu" "$commit" >"$OUT/gpu-figures.md" <<'EOF'
 import json, os, sys, datetime
@@ -179,7 +197,7 @@ print(f"### GPU check, {gpu}, bundle commit {commit}, {datetime.date.today()}\n"
 print("Command: `bash scripts/gpu-check.sh pack` here, then `bash scripts/gpu-check.sh run` there.\n")
 print("| step | result | time |\n| --- | --- | --- |")
 print(open(f"{out}/steps.md").read())
-for name in ["bench-smollm2", "bench-llama-1b", "bench-decode-short", "profile-decode"]:
+for name in ["bench-smollm2", "bench-llama-1b", "bench-llama-1b-train16", "bench-decode-short", "profile-decode"]:
     try: b = json.load(open(f"{out}/{name}.json"))
     except Exception as e: print(f"\n{name}: no figures ({e})"); continue
     print(f"\n`{name}`:\n\n```json\n{json.dumps(b, indent=1)}\n```")

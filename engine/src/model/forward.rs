@@ -1,8 +1,8 @@
 //! The forward pass: the decoder stack under each [`Attn`] mode, the fused CPU decode
 //! step, and the LM head.
 
-use super::attention::{attend, Attn};
-use super::kv_cache::{KvCache, ValueSlots};
+use super::attention::{attend, attend_decode, Attn};
+use super::kv_cache::{KvCache, ValueSlots, KV_BLOCK};
 use super::llama::Llama;
 use super::lora_types::Matrix;
 use super::rope::positions_from_mask;
@@ -66,7 +66,8 @@ impl Llama {
             .as_ref()
             .filter(|_| !self.embed.requires_grad())?;
         let (b, t) = ids.size2().ok()?;
-        if t != 1 || b > cache.slots {
+        // The fused kernel streams the CPU's blocked key layout.
+        if t != 1 || b > cache.slots || cache.block != KV_BLOCK {
             return None;
         }
         let c = &self.config;
@@ -329,11 +330,11 @@ impl Llama {
                     let pos = pos_flat.as_ref().expect("decode positions");
                     let index = key_index.get_or_insert_with(|| cache.key_index(&rows, positions));
                     cache.write(li, index, &k, &v, ValueSlots::Rows { rows: &rows, pos });
-                    attend(
+                    attend_decode(
                         &q,
                         &cache.keys(li, 0, b, *span),
                         &cache.values(li, 0, b, *span),
-                        mask,
+                        mask.expect("decode attention is masked"),
                     )
                 }
             };

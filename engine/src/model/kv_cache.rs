@@ -1,10 +1,10 @@
-//! The preallocated key/value cache of generation, in the blocked key layout the CPU
-//! decode kernel streams.
+//! The preallocated key/value cache of generation: on the CPU in the blocked key layout
+//! the CPU decode kernel streams, elsewhere dense like the values.
 
 use super::llama::Llama;
 use tch::{Device, Kind, Tensor};
 
-/// Positions per key block of the cache (see [`KvCache`]).
+/// Positions per key block of a cache on the CPU (see [`KvCache`]).
 pub const KV_BLOCK: i64 = 16;
 
 /// A preallocated key/value cache. Per layer, values are `[slots, kv_heads, max_len,
@@ -13,10 +13,17 @@ pub const KV_BLOCK: i64 = 16;
 /// kernel then streams both contiguously: 16 scores at a time from one block of keys
 /// (one vector per head dimension, no horizontal sums), and the weighted sum row by row
 /// over the values.
+///
+/// On other devices the block is one position: keys are `[.., max_len, head_dim, 1]`,
+/// dense like the values, so attention reads them in place. (With blocks of 16, every
+/// layer of every decode step copied all keys into the dense layout first; on an H100
+/// that copy and the repeated GQA heads were most of a 1B model's decode step.)
 #[derive(Debug)]
 pub struct KvCache {
     pub(super) kb: Vec<Tensor>,
     pub(super) v: Vec<Tensor>,
+    /// Positions per key block: [`KV_BLOCK`] on the CPU, 1 elsewhere.
+    pub(super) block: i64,
     /// Number of sequence slots.
     pub slots: i64,
     /// Positions per slot.
@@ -24,14 +31,24 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// Allocates a cache for `model`.
+    /// Allocates a cache for `model`, in the layout its device reads best.
     pub fn new(model: &Llama, slots: i64, max_len: i64) -> Self {
+        let block = if model.device() == Device::Cpu {
+            KV_BLOCK
+        } else {
+            1
+        };
+        Self::with_block(model, slots, max_len, block)
+    }
+
+    /// Allocates a cache for `model` with `block` positions per key block.
+    pub(super) fn with_block(model: &Llama, slots: i64, max_len: i64, block: i64) -> Self {
         let c = &model.config;
         let opts = (model.kind(), model.device());
         let (nkv, hd) = (c.num_key_value_heads, c.head_dim);
-        let blocks = (max_len + KV_BLOCK - 1) / KV_BLOCK;
+        let blocks = (max_len + block - 1) / block;
         let kb = (0..c.num_hidden_layers)
-            .map(|_| Tensor::zeros([slots, nkv, blocks, hd, KV_BLOCK], opts))
+            .map(|_| Tensor::zeros([slots, nkv, blocks, hd, block], opts))
             .collect();
         let v = (0..c.num_hidden_layers)
             .map(|_| Tensor::zeros([slots, nkv, max_len, hd], opts))
@@ -39,17 +56,19 @@ impl KvCache {
         KvCache {
             kb,
             v,
+            block,
             slots,
             max_len,
         }
     }
 
     /// Keys of slots `start..start+n`, positions `0..len`, as a dense
-    /// `[n, kv_heads, len, head_dim]` copy.
+    /// `[n, kv_heads, len, head_dim]` tensor: a copy with blocks of several positions, a
+    /// view with blocks of one.
     pub(super) fn keys(&self, layer: usize, start: i64, n: i64, len: i64) -> Tensor {
         let k = self.kb[layer]
             .narrow(0, start, n)
-            .narrow(2, 0, (len + KV_BLOCK - 1) / KV_BLOCK)
+            .narrow(2, 0, (len + self.block - 1) / self.block)
             .permute([0, 1, 2, 4, 3]);
         let (kv, hd) = (k.size()[1], k.size()[4]);
         k.reshape([n, kv, -1, hd]).narrow(2, 0, len)
@@ -62,7 +81,7 @@ impl KvCache {
     }
 
     /// Where the keys of `positions` `[n, t]` in `slots` `[n]` go: (row, lane) indices into
-    /// a layer's keys viewed as `[slots · kv_heads · blocks, head_dim, KV_BLOCK]`, ordered
+    /// a layer's keys viewed as `[slots · kv_heads · blocks, head_dim, block]`, ordered
     /// like `k.reshape([-1, head_dim])` for `k` `[n, kv_heads, t, head_dim]`.
     pub(super) fn key_index(&self, slots: &Tensor, positions: &Tensor) -> (Tensor, Tensor) {
         let size = self.kb[0].size();
@@ -72,9 +91,9 @@ impl KvCache {
         let heads = Tensor::arange(nkv, (Kind::Int64, dev)).reshape([1, nkv, 1]);
         let slot_rows = slots.reshape([n, 1, 1]) * nkv + heads; // [n, kv, 1]
         let pos = positions.reshape([n, 1, t]);
-        let row = (slot_rows * blocks + pos.floor_divide_scalar(KV_BLOCK)).reshape([-1]);
+        let row = (slot_rows * blocks + pos.floor_divide_scalar(self.block)).reshape([-1]);
         let lane = pos
-            .remainder(KV_BLOCK)
+            .remainder(self.block)
             .expand([n, nkv, t], false)
             .reshape([-1]);
         (row, lane)
@@ -92,7 +111,7 @@ impl KvCache {
     ) {
         let size = self.kb[layer].size();
         let hd = size[3];
-        let mut flat = self.kb[layer].view([-1, hd, KV_BLOCK]);
+        let mut flat = self.kb[layer].view([-1, hd, self.block]);
         let _ = flat.index_put_(
             &[Some(&index.0), None, Some(&index.1)],
             &k.reshape([-1, hd]),
@@ -119,7 +138,8 @@ impl KvCache {
     /// A cache like this one (same layers, heads, device and type) with `slots` slots of
     /// `max_len` positions, not zeroed: what it holds is only read after being written.
     pub fn like(&self, slots: i64, max_len: i64) -> Self {
-        let blocks = (max_len + KV_BLOCK - 1) / KV_BLOCK;
+        let block = self.block;
+        let blocks = (max_len + block - 1) / block;
         let shaped = |t: &Tensor, dims: &[i64]| Tensor::empty(dims, (t.kind(), t.device()));
         KvCache {
             kb: self
@@ -127,7 +147,7 @@ impl KvCache {
                 .iter()
                 .map(|t| {
                     let z = t.size();
-                    shaped(t, &[slots, z[1], blocks, z[3], KV_BLOCK])
+                    shaped(t, &[slots, z[1], blocks, z[3], block])
                 })
                 .collect(),
             v: self
@@ -138,6 +158,7 @@ impl KvCache {
                     shaped(t, &[slots, z[1], max_len, z[3]])
                 })
                 .collect(),
+            block,
             slots,
             max_len,
         }
@@ -149,7 +170,7 @@ impl KvCache {
     /// past a slot's length before writing it.
     pub fn copy_slot_to(&self, from: i64, other: &mut KvCache, to: i64, len: i64) {
         let len = len.min(self.max_len).min(other.max_len);
-        let blocks = (len + KV_BLOCK - 1) / KV_BLOCK;
+        let blocks = (len + self.block - 1) / self.block;
         tch::no_grad(|| {
             for (src, dst) in self.kb.iter().zip(other.kb.iter_mut()) {
                 dst.narrow(0, to, 1)
@@ -189,7 +210,7 @@ impl KvCache {
         let di = Tensor::from_slice(dst).to_device(dev);
         tch::no_grad(|| {
             for t in self.kb.iter_mut() {
-                let mut view = t.narrow(2, 0, (len + KV_BLOCK - 1) / KV_BLOCK);
+                let mut view = t.narrow(2, 0, (len + self.block - 1) / self.block);
                 let rows = view.index_select(0, &si);
                 let _ = view.index_copy_(0, &di, &rows);
             }

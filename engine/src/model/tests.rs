@@ -261,3 +261,104 @@ fn prefill_at_offset_after_a_shared_prefix_matches_a_plain_prefill() {
         }
     });
 }
+
+/// The dense key layout of CUDA caches (blocks of one position) gives what the CPU's
+/// blocked layout gives, through prefill, a prefix copy and decode steps that cross a
+/// 16-position block; and the decode attention of grouped queries equals attention over
+/// keys and values repeated for every query head (the GQA definition).
+#[test]
+fn dense_keys_and_grouped_decode_attention_match_the_blocked_layout_and_gqa() {
+    for wide in [false, true] {
+        let (model, _) = tiny(false, wide);
+        let prompts: Vec<Vec<i64>> = [14i64, 2, 17]
+            .iter()
+            .map(|&n| (0..n).map(|i| (i * 5 + n) % 90 + 2).collect())
+            .collect();
+        let (ids, pos, lens) = prompt_batch(&prompts);
+        tch::no_grad(|| {
+            let mut caches = [
+                KvCache::with_block(&model, 4, 40, KV_BLOCK),
+                KvCache::with_block(&model, 4, 40, 1),
+            ];
+            for c in caches.iter_mut() {
+                let _ = model.hidden(
+                    &ids,
+                    &pos,
+                    Attn::Prefill {
+                        cache: c,
+                        start: 0,
+                        offset: 0,
+                        lens: Some(&lens),
+                    },
+                );
+                // Row 3 continues row 2's prompt from a copy.
+                c.copy_slots(&[2], &[3], lens[2]);
+            }
+            let mut p: Vec<i64> = lens.iter().copied().chain([lens[2]]).collect();
+            for step in 0..4 {
+                let tok =
+                    Tensor::from_slice(&[20 + step, 30 + step, 40 + step, 50 + step]).view([4, 1]);
+                let pt = Tensor::from_slice(&p).view([4, 1]);
+                let span = p.iter().max().unwrap() + 1;
+                let [blocked, dense] = &mut caches;
+                let hb = model.hidden(
+                    &tok,
+                    &pt,
+                    Attn::Decode {
+                        cache: blocked,
+                        span,
+                        shared: None,
+                    },
+                );
+                let hd = model.hidden(
+                    &tok,
+                    &pt,
+                    Attn::Decode {
+                        cache: dense,
+                        span,
+                        shared: None,
+                    },
+                );
+                let d = max_diff(&hb, &hd);
+                assert!(d < 1e-5, "wide {wide}, step {step}: hidden differs by {d}");
+                p.iter_mut().for_each(|x| *x += 1);
+            }
+            for (i, &l) in p.iter().enumerate() {
+                let [blocked, dense] = &caches;
+                let i = i as i64;
+                let k = (blocked.keys(1, i, 1, l), dense.keys(1, i, 1, l));
+                assert!(max_diff(&k.0, &k.1) < 1e-6, "row {i}: keys differ");
+            }
+        });
+        // Grouped decode attention against the repeated heads.
+        let c = &model.config;
+        let (nh, nkv, hd, b, s) = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            3,
+            21,
+        );
+        let opts = (Kind::Float, Device::Cpu);
+        let q = Tensor::randn([b, nh, 1, hd], opts);
+        let k = Tensor::randn([b, nkv, s, hd], opts);
+        let v = Tensor::randn([b, nkv, s, hd], opts);
+        let lens = Tensor::from_slice(&[5i64, 21, 12]).reshape([b, 1, 1, 1]);
+        let mask = Tensor::arange(s, (Kind::Int64, Device::Cpu))
+            .reshape([1, 1, 1, s])
+            .lt_tensor(&lens);
+        let g = nh / nkv;
+        let want = super::attention::attend(
+            &q,
+            &k.repeat_interleave_self_int(g, 1, None),
+            &v.repeat_interleave_self_int(g, 1, None),
+            Some(&mask),
+        );
+        let got = super::attention::attend_decode(&q, &k, &v, &mask);
+        let d = max_diff(&want, &got);
+        assert!(
+            d < 1e-5,
+            "wide {wide}: grouped decode attention differs by {d}"
+        );
+    }
+}
