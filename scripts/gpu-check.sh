@@ -167,10 +167,10 @@ EOF
         rm -rf "${OUT:?}/$name"
     }
     grpo grpo-bf16 true
-    # Training MFU with twice the tokens per step (larger matmuls; decode kept short).
-    step bench-llama-1b-train16 180 "$bin/yatt" bench gpu --device cuda --dtype bf16 --preset llama-1b \
-        --batch 1 --new-tokens 8 --train-batch 16 --train-seq 2048 --steps "$steps_gpu" \
-        --json "$OUT/bench-llama-1b-train16.json"
+    # Where a 1B decode step (graphs on) and training step go, phase by phase.
+    step profile-steps 180 env YATT_PROFILE=steps "$bin/yatt" bench gpu --device cuda --dtype bf16 \
+        --preset llama-1b --batch 64 --new-tokens 32 --train-batch 8 --train-seq 2048 --steps 1 \
+        --json "$OUT/profile-steps.json"
 
     # The device-generic bodies of engine/tests/train.rs (the others need the HF reference).
     step engine-train 120 "$bin/train" --test-threads=1 scores_match_generation training_reduces_loss offload_reload_buckets
@@ -197,7 +197,7 @@ print(f"### GPU check, {gpu}, bundle commit {commit}, {datetime.date.today()}\n"
 print("Command: `bash scripts/gpu-check.sh pack` here, then `bash scripts/gpu-check.sh run` there.\n")
 print("| step | result | time |\n| --- | --- | --- |")
 print(open(f"{out}/steps.md").read())
-for name in ["bench-smollm2", "bench-llama-1b", "bench-llama-1b-train16", "bench-decode-short", "profile-decode"]:
+for name in ["bench-smollm2", "bench-llama-1b", "profile-steps", "bench-decode-short", "profile-decode"]:
     try: b = json.load(open(f"{out}/{name}.json"))
     except Exception as e: print(f"\n{name}: no figures ({e})"); continue
     print(f"\n`{name}`:\n\n```json\n{json.dumps(b, indent=1)}\n```")

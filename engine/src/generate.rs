@@ -723,7 +723,10 @@ impl Generator {
                 crate::profile::mark(device, "decode: inputs");
                 let cache = self.cache.as_mut().expect("cache allocated");
                 let logits = match self.graphs.decode(&self.model, cache, &both, n, span) {
-                    Some(logits) => logits,
+                    Some(logits) => {
+                        crate::profile::mark(device, "decode: graph (layers, lm head)");
+                        logits
+                    }
                     None => {
                         let h = self.model.hidden(
                             &ids,

@@ -1,7 +1,11 @@
-//! Opt-in phase timing (`YATT_PROFILE=1`) for machines where no profiler runs: each
-//! [`mark`] waits for the device and charges the time since the previous mark to a
-//! label. The waits slow the run, so the figures are for finding where time goes, not
-//! for reporting speed.
+//! Opt-in phase timing for machines where no profiler runs: each [`mark`] waits for the
+//! device and charges the time since the previous mark to a label. The waits slow the
+//! run, so the figures are for finding where time goes, not for reporting speed.
+//!
+//! `YATT_PROFILE=1` marks every phase, down to each layer's (decode graphs are off then:
+//! a capture cannot wait); `YATT_PROFILE=steps` marks only whole phases of a step
+//! (inputs, the decode graph's replay, sampling; a training step's forward, backward,
+//! clipping and optimizer), with decode graphs on.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -10,10 +14,37 @@ use std::time::Instant;
 
 use tch::Device;
 
-/// Whether `YATT_PROFILE=1` is set (read once).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Level {
+    Off,
+    Steps,
+    Layers,
+}
+
+fn level() -> Level {
+    static LEVEL: OnceLock<Level> = OnceLock::new();
+    *LEVEL.get_or_init(|| match std::env::var("YATT_PROFILE").as_deref() {
+        Ok("1") => Level::Layers,
+        Ok("steps") => Level::Steps,
+        _ => Level::Off,
+    })
+}
+
+/// Whether any profiling is on (`YATT_PROFILE=1` or `steps`, read once).
 pub fn enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("YATT_PROFILE").as_deref() == Ok("1"))
+    level() > Level::Off
+}
+
+/// Whether each layer's phases are marked (`YATT_PROFILE=1`).
+pub fn per_layer() -> bool {
+    level() == Level::Layers
+}
+
+/// [`mark`] for the phases inside a layer: only with `YATT_PROFILE=1`.
+pub fn mark_layer(device: Device, label: &'static str) {
+    if per_layer() {
+        mark(device, label);
+    }
 }
 
 thread_local! {

@@ -381,19 +381,24 @@ fn decode_case(
         // mark, so the timed figures above are slowed too): ms per step by phase.
         crate::profile::take();
         let (_, st) = g.generate(&reqs(opts.new_tokens))?;
-        let steps = st.decode_steps.max(1) as f64;
-        let phases: serde_json::Map<String, serde_json::Value> = crate::profile::take()
-            .into_iter()
-            .map(|(k, s, n)| {
-                (
-                    k.to_string(),
-                    json!({"ms_per_step": s * 1e3 / steps, "marks": n}),
-                )
-            })
-            .collect();
-        v["profile"] = serde_json::Value::Object(phases);
+        v["profile"] = profile_phases(st.decode_steps);
     }
     Ok(v)
+}
+
+/// The phases [`crate::profile`] recorded since the last call, in ms per step.
+fn profile_phases(steps: usize) -> Value {
+    let steps = steps.max(1) as f64;
+    let phases: serde_json::Map<String, Value> = crate::profile::take()
+        .into_iter()
+        .map(|(k, s, n)| {
+            (
+                k.to_string(),
+                json!({"ms_per_step": s * 1e3 / steps, "marks": n}),
+            )
+        })
+        .collect();
+    Value::Object(phases)
 }
 
 /// A training step (fwd + bwd + clip + AdamW; f32 master weights when `kind` is not f32)
@@ -432,7 +437,16 @@ fn train_case(opts: &RooflineOptions, c: Counts, matmul_tflops: Option<f64>) -> 
     // No datasheet figure on the CPU.
     let peak = peak.filter(|_| device.is_cuda());
     let mfu_datasheet = peak.map(|p| achieved / (p * 1e12));
+    // Where a step's time goes (one more step, waiting for the device at each phase).
+    let profile = crate::profile::enabled()
+        .then(|| -> Result<Value> {
+            crate::profile::take();
+            tr.step(std::slice::from_ref(&batch), mean_nll)?;
+            Ok(profile_phases(1))
+        })
+        .transpose()?;
     Ok(json!({
+        "profile": profile,
         "batch": bsz,
         "seq": t,
         "steps": steps,

@@ -114,8 +114,9 @@ impl DecodeGraphs {
             && self.failed.is_none()
             && cuda_graphs_built()
             && matches!(device, Device::Cuda(_))
-            // Profiling waits for the device between phases, which a capture forbids.
-            && !crate::profile::enabled()
+            // Per-layer profiling waits for the device inside the step, which a capture
+            // forbids.
+            && !crate::profile::per_layer()
     }
 
     /// Drops every recorded graph (the weights or the cache moved).

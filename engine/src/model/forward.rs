@@ -239,7 +239,7 @@ impl Llama {
         };
         // Cache indices of the new keys, the same for every layer.
         let mut key_index: Option<(Tensor, Tensor)> = None;
-        crate::profile::mark(self.device, "layers: embed, rope tables, masks");
+        crate::profile::mark_layer(self.device, "layers: embed, rope tables, masks");
         for (li, l) in self.layers.iter().enumerate() {
             let pl = packed.map(|p| &p.layers[li]);
             let hn = self.rms(&x, &l.ln1);
@@ -253,7 +253,7 @@ impl Llama {
                 .narrow(-1, (nh + nkv) * hd, nkv * hd)
                 .view([b, t, nkv, hd])
                 .transpose(1, 2);
-            crate::profile::mark(self.device, "layer: norm, qkv");
+            crate::profile::mark_layer(self.device, "layer: norm, qkv");
             let (q, k) = match &l.qk_norm {
                 Some((qn, kn)) => {
                     let q = qkv
@@ -280,7 +280,7 @@ impl Llama {
                     )
                 }
             };
-            crate::profile::mark(self.device, "layer: rope");
+            crate::profile::mark_layer(self.device, "layer: rope");
             // A windowed layer's mask; `None` is plain causal attention.
             let mask = match c.window(li) {
                 Some(_) => win_mask.as_ref(),
@@ -338,7 +338,7 @@ impl Llama {
                     )
                 }
             };
-            crate::profile::mark(self.device, "layer: kv write, attention");
+            crate::profile::mark_layer(self.device, "layer: kv write, attention");
             let mut o = o.transpose(1, 2).reshape([b, t, nh * hd]);
             if let Some(idx) = &real {
                 o = o.reshape([b * t, nh * hd]).index_select(0, idx);
@@ -349,7 +349,7 @@ impl Llama {
                 Matrix::O,
                 &o,
             );
-            crate::profile::mark(self.device, "layer: o proj");
+            crate::profile::mark_layer(self.device, "layer: o proj");
             let hn = self.rms(&x, &l.ln2);
             let gu = adapt(
                 self.mm(&hn, &l.w_gate_up, pl.map(|p| &p[2]), None),
@@ -365,7 +365,7 @@ impl Llama {
                 Matrix::Down,
                 &act,
             );
-            crate::profile::mark(self.device, "layer: mlp");
+            crate::profile::mark_layer(self.device, "layer: mlp");
         }
         pad(self.rms(&x, &self.norm))
     }
