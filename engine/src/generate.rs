@@ -284,10 +284,13 @@ fn sample_tch(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
             choice
         }
     } else {
-        let (vals, idx) = scaled.topk(kmax, 1, true, true);
-        let col = Tensor::arange(kmax, (Kind::Int64, dev)).unsqueeze(0);
-        let kb = param(2);
-        let mut vals = vals.masked_fill(&col.ge_tensor(&kb), f64::NEG_INFINITY);
+        let (mut vals, idx) = scaled.topk(kmax, 1, true, true);
+        // Rows with a smaller top-k drop their extra candidates (4 operations, each a
+        // kernel and a dispatch on a GPU: skipped when every row has the same k).
+        if ks.iter().any(|&k| k != kmax) {
+            let col = Tensor::arange(kmax, (Kind::Int64, dev)).unsqueeze(0);
+            vals = vals.masked_fill(&col.ge_tensor(&param(2)), f64::NEG_INFINITY);
+        }
         if any_top_p {
             let probs = vals.softmax(1, Kind::Float);
             let cum = probs.cumsum(1, Kind::Float);
@@ -310,9 +313,16 @@ fn sample_tch(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
         idx.gather(1, &choice, false)
     };
     let lp = scaled.gather(1, &tok, false) - lse;
-    let both = Tensor::cat(&[tok.to_kind(Kind::Double), lp.to_kind(Kind::Double)], 1)
-        .to_device(Device::Cpu);
-    let flat: Vec<f64> = Vec::<f64>::try_from(both.reshape([-1])).expect("cpu f64");
+    // Tokens and log-probs in one transfer, as f32 (token ids are exact below 2^24;
+    // f64 beyond, for a vocabulary that large).
+    let kind = if v < 1 << 24 {
+        Kind::Float
+    } else {
+        Kind::Double
+    };
+    let both = Tensor::cat(&[tok.to_kind(kind), lp.to_kind(kind)], 1).to_device(Device::Cpu);
+    let flat: Vec<f64> =
+        Vec::<f64>::try_from(both.reshape([-1]).to_kind(Kind::Double)).expect("cpu f64");
     let toks = (0..n as usize).map(|i| flat[2 * i] as i64).collect();
     let lps = (0..n as usize).map(|i| flat[2 * i + 1] as f32).collect();
     (toks, lps)

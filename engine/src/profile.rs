@@ -86,6 +86,7 @@ pub fn start(device: Device) {
 }
 
 /// The phases of this thread so far, `(label, seconds, count)`, and clears them.
+#[cfg_attr(not(feature = "bench"), allow(dead_code))]
 pub fn take() -> Vec<(&'static str, f64, u64)> {
     PHASES.with(|p| {
         let mut p = p.borrow_mut();

@@ -22,6 +22,25 @@ impl Llama {
         }
     }
 
+    /// `base + x @ w`: one matmul that adds `base` in its epilogue (BLAS's `beta = 1`)
+    /// instead of a matmul and an addition, or through the packed copy.
+    fn mm_residual(
+        &self,
+        base: &Tensor,
+        x: &Tensor,
+        w: &Tensor,
+        packed: Option<&Tensor>,
+    ) -> Tensor {
+        if packed.is_some() {
+            return base + self.mm(x, w, packed, None);
+        }
+        let (k, n) = (w.size()[0], w.size()[1]);
+        let rows = x.numel() as i64 / k;
+        base.reshape([rows, n])
+            .addmm(&x.reshape([rows, k]), w)
+            .reshape(base.size())
+    }
+
     fn rms(&self, x: &Tensor, w: &Tensor) -> Tensor {
         self.rms_last(x, w, self.config.hidden_size)
     }
@@ -42,12 +61,29 @@ impl Llama {
         }
     }
 
-    fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
-        // x [B, heads, T, hd]; cos/sin [B, 1, T, hd/2]
+    /// Rotary embedding of `x` (head dimension last) as `x·cos2 + roll(x, hd/2)·sin2`,
+    /// with `cos2 = [cos, cos]` and `sin2 = [-sin, sin]` (see [`Llama::rope_tables`]):
+    /// HF's `x·cos + rotate_half(x)·sin` in 3 kernels instead of 7 (a decode step on a
+    /// GPU is bound by its kernels' count).
+    fn rope(&self, x: &Tensor, cos2: &Tensor, sin2: &Tensor) -> Tensor {
         let half = self.config.head_dim / 2;
-        let x1 = x.narrow(-1, 0, half);
-        let x2 = x.narrow(-1, half, half);
-        Tensor::cat(&[&x1 * cos - &x2 * sin, &x2 * cos + &x1 * sin], -1)
+        (x * cos2).addcmul(&x.roll([half], [-1]), sin2)
+    }
+
+    /// The rotary tables of `positions` `[B, T]` over the full head dimension, `[B, 1, T,
+    /// hd]` in the model's type: `[cos, cos]` and `[-sin, sin]`.
+    fn rope_tables(&self, positions: &Tensor, b: i64, t: i64) -> (Tensor, Tensor) {
+        let half = self.config.head_dim / 2;
+        let at = |table: &Tensor| {
+            table
+                .index_select(0, &positions.reshape([-1]))
+                .reshape([b, 1, t, half])
+        };
+        let (cos, sin) = (at(&self.cos), at(&self.sin));
+        (
+            Tensor::cat(&[&cos, &cos], -1).to_kind(self.kind),
+            Tensor::cat(&[-&sin, sin], -1).to_kind(self.kind),
+        )
     }
 
     /// The fused CPU decode step (`csrc/decode_step.cpp`): one call for the whole decoder
@@ -123,8 +159,8 @@ impl Llama {
         }
     }
 
-    // `x = x + f(x)` on purpose: an in-place `+=` would modify a tensor autograd saved.
-    #[allow(clippy::assign_op_pattern)]
+    // The residual stream is rebuilt by each sum, never updated in place: an in-place
+    // `+=` would modify a tensor autograd saved.
     /// Embeds tokens and runs the decoder stack; returns the final-normed hidden states
     /// `[B, T, hidden]`. `positions` `[B, T]` are the rotary positions.
     pub fn hidden(&self, ids: &Tensor, positions: &Tensor, mut attn: Attn<'_>) -> Tensor {
@@ -165,16 +201,7 @@ impl Llama {
         if let Some(idx) = &real {
             x = x.reshape([b * t, -1]).index_select(0, idx);
         }
-        let cos = self
-            .cos
-            .index_select(0, &positions.reshape([-1]))
-            .reshape([b, 1, t, hd / 2])
-            .to_kind(self.kind);
-        let sin = self
-            .sin
-            .index_select(0, &positions.reshape([-1]))
-            .reshape([b, 1, t, hd / 2])
-            .to_kind(self.kind);
+        let (cos, sin) = self.rope_tables(positions, b, t);
         // The same tables for `[B, T, heads, hd]` (queries and keys rotated together).
         let (cos_bthd, sin_bthd) = (cos.transpose(1, 2), sin.transpose(1, 2));
         // Attention masks, built once for all layers.
@@ -216,6 +243,13 @@ impl Llama {
             _ => None,
         };
         let win_mask = self.window_mask(&attn, full_mask.as_ref(), positions, b, t);
+        // Additive masks in the model's type, made once: given a boolean mask, libtorch's
+        // attention converts it on every call, two kernels per layer.
+        let additive = |m: Tensor| {
+            Tensor::zeros(m.size(), (self.kind, self.device))
+                .masked_fill(&m.logical_not(), f64::NEG_INFINITY)
+        };
+        let (full_mask, win_mask) = (full_mask.map(additive), win_mask.map(additive));
         let rows = Tensor::arange(b, (Kind::Int64, self.device));
         let pos_flat = if matches!(attn, Attn::Decode { .. }) {
             Some(positions.reshape([b]))
@@ -328,8 +362,11 @@ impl Llama {
                 }
                 Attn::Decode { cache, span, .. } => {
                     let pos = pos_flat.as_ref().expect("decode positions");
-                    let index = key_index.get_or_insert_with(|| cache.key_index(&rows, positions));
-                    cache.write(li, index, &k, &v, ValueSlots::Rows { rows: &rows, pos });
+                    if !cache.write_rows_dense(li, &rows, pos, &k, &v) {
+                        let index =
+                            key_index.get_or_insert_with(|| cache.key_index(&rows, positions));
+                        cache.write(li, index, &k, &v, ValueSlots::Rows { rows: &rows, pos });
+                    }
                     attend_decode(
                         &q,
                         &cache.keys(li, 0, b, *span),
@@ -343,8 +380,8 @@ impl Llama {
             if let Some(idx) = &real {
                 o = o.reshape([b * t, nh * hd]).index_select(0, idx);
             }
-            x = x + adapt(
-                self.mm(&o, &l.wo, pl.map(|p| &p[1]), None),
+            x = adapt(
+                self.mm_residual(&x, &o, &l.wo, pl.map(|p| &p[1])),
                 li,
                 Matrix::O,
                 &o,
@@ -359,8 +396,8 @@ impl Llama {
             );
             let f = c.intermediate_size;
             let act = gu.narrow(-1, 0, f).silu() * gu.narrow(-1, f, f);
-            x = x + adapt(
-                self.mm(&act, &l.w_down, pl.map(|p| &p[3]), None),
+            x = adapt(
+                self.mm_residual(&x, &act, &l.w_down, pl.map(|p| &p[3])),
                 li,
                 Matrix::Down,
                 &act,

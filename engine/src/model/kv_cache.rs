@@ -135,6 +135,28 @@ impl KvCache {
         }
     }
 
+    /// Writes one token per row (keys and values `[n, kv_heads, 1, head_dim]`) at slot
+    /// `rows[i]`, position `pos[i]`, when keys are dense (blocks of one position): both
+    /// like the values, with no flat index and no copy of the keys first. `false`: the
+    /// keys are blocked, use [`KvCache::write`].
+    pub(super) fn write_rows_dense(
+        &mut self,
+        layer: usize,
+        rows: &Tensor,
+        pos: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> bool {
+        if self.block != 1 {
+            return false;
+        }
+        let index = [Some(rows), None, Some(pos)];
+        let mut keys = self.kb[layer].squeeze_dim(-1);
+        let _ = keys.index_put_(&index, &k.squeeze_dim(2), false);
+        let _ = self.v[layer].index_put_(&index, &v.squeeze_dim(2), false);
+        true
+    }
+
     /// A cache like this one (same layers, heads, device and type) with `slots` slots of
     /// `max_len` positions, not zeroed: what it holds is only read after being written.
     pub fn like(&self, slots: i64, max_len: i64) -> Self {
