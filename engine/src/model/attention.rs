@@ -67,9 +67,9 @@ pub(super) fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) 
 
 /// Attention of one new token per row `q` `[B, heads, 1, hd]` over `k`, `v` `[B, kv_heads,
 /// S, hd]` with a key mask `[B, 1, 1, S]`. A KV head's query heads go in as the query
-/// positions of one head (`[B, kv_heads, group, hd]`): the same scores, without GQA.
-/// libtorch's fused kernels take a mask only without GQA, so with GQA a masked call fell
-/// back to the unfused path, which repeats every key and value `group` times.
+/// positions of one head (`[B, kv_heads, group, hd]`): the same scores, without GQA, so
+/// that a fused kernel that takes a mask but not GQA heads (libtorch's memory-efficient
+/// one) can run it, and no path repeats every key and value `group` times.
 pub(super) fn attend_decode(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Tensor {
     let (b, heads, t, hd) = q.size4().expect("queries are [B, heads, 1, hd]");
     let kv_heads = k.size()[1];
