@@ -159,8 +159,6 @@ impl Llama {
         }
     }
 
-    // The residual stream is rebuilt by each sum, never updated in place: an in-place
-    // `+=` would modify a tensor autograd saved.
     /// Embeds tokens and runs the decoder stack; returns the final-normed hidden states
     /// `[B, T, hidden]`. `positions` `[B, T]` are the rotary positions.
     pub fn hidden(&self, ids: &Tensor, positions: &Tensor, mut attn: Attn<'_>) -> Tensor {
@@ -273,6 +271,8 @@ impl Llama {
         };
         // Cache indices of the new keys, the same for every layer.
         let mut key_index: Option<(Tensor, Tensor)> = None;
+        // The residual stream `x` is rebuilt by each sum, never updated in place: an
+        // in-place `+=` would modify a tensor autograd saved.
         crate::profile::mark_layer(self.device, "layers: embed, rope tables, masks");
         for (li, l) in self.layers.iter().enumerate() {
             let pl = packed.map(|p| &p.layers[li]);

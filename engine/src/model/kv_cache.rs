@@ -16,8 +16,9 @@ pub const KV_BLOCK: i64 = 16;
 ///
 /// On other devices the block is one position: keys are `[.., max_len, head_dim, 1]`,
 /// dense like the values, so attention reads them in place. (With blocks of 16, every
-/// layer of every decode step copied all keys into the dense layout first; on an H100
-/// that copy and the repeated GQA heads were most of a 1B model's decode step.)
+/// layer of every decode step copied all keys into the dense layout first. On an H100
+/// removing that copy did not shorten a step measurably: a graph-replayed step is bound
+/// by its kernels' count, see docs/benchmarks.md.)
 #[derive(Debug)]
 pub struct KvCache {
     pub(super) kb: Vec<Tensor>,
