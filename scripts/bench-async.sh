@@ -5,23 +5,36 @@
 # evaluations; resume is exact, see trainer/tests/asynchronous.rs).
 #
 #   bash scripts/bench-async.sh [STEPS] [EVAL_EVERY] [THREADS]    # default 80 10 1
+#   SEED=2 bash scripts/bench-async.sh 80 40 1     # another seed (job.seed), its own dir
+#   YATT_BIN=/tmp/yatt bash scripts/bench-async.sh  # a fixed binary (rebuilds elsewhere
+#                                                   # then do not change it mid-run)
 #
 # THREADS is model.threads: with 1, the rollout and the policy each have one core of
 # two, so generation can overlap the update; with 2 both want both cores.
 #
 # Writes runs/bench-async/summary.tsv: staleness, step, eval accuracy, cumulative
-# training seconds; and each run's metrics.jsonl under runs/bench-async/s{K}/.
+# training seconds; and each run's metrics.jsonl under runs/bench-async/s{K}/. With SEED
+# set, under runs/bench-async/seed{SEED}/ instead.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
 cd "$YATT_ROOT"
 STEPS="${1:-80}"
 EVERY="${2:-10}"
 THREADS="${3:-1}"
-cargo build --release --bin yatt -q
-BIN="${CARGO_TARGET_DIR:-target}/release/yatt"
+if [ -n "${YATT_BIN:-}" ]; then
+  BIN="$YATT_BIN"
+else
+  cargo build --release --bin yatt -q
+  BIN="${CARGO_TARGET_DIR:-target}/release/yatt"
+fi
 [ -d models/smollm2-135m ] || "$BIN" import-gguf "$YATT_SMOLLM2_GGUF" models/smollm2-135m
 CONFIG=config/smollm2-addition.toml
 OUT=runs/bench-async
+SEED_SET=()
+if [ -n "${SEED:-}" ]; then
+  OUT="$OUT/seed$SEED"
+  SEED_SET=(--set "job.seed=$SEED")
+fi
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.tsv"
 printf 'staleness\tstep\taccuracy\ttrain_s\n' > "$SUMMARY"
@@ -31,7 +44,7 @@ for K in 0 1 2; do
   DIR="$OUT/s$K"
   rm -rf "$DIR"
   for ((S = EVERY; S <= STEPS; S += EVERY)); do
-    SETS=(--set "job.steps=$S" --set "rollout.staleness=$K" --set "model.threads=$THREADS" --set 'algorithm.old_logprobs="recompute"' --set "job.output_dir=\"$DIR\"")
+    SETS=(--set "job.steps=$S" --set "rollout.staleness=$K" --set "model.threads=$THREADS" --set 'algorithm.old_logprobs="recompute"' --set "job.output_dir=\"$DIR\"" "${SEED_SET[@]}")
     if [ "$S" -eq "$EVERY" ]; then
       "$BIN" train "$CONFIG" "${SETS[@]}" > /dev/null
     else

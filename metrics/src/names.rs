@@ -172,6 +172,12 @@ pub const ENV_TURNS_MEAN: &str = "env/turns_mean";
 pub const ENV_TOOL_CALLS_MEAN: &str = "env/tool_calls_mean";
 /// Multi-turn episodes: share of episodes with at least one tool call.
 pub const ENV_TOOL_CALL_RATE: &str = "env/tool_call_rate";
+/// Multi-turn episodes: share of episodes whose first turn the environment opened with
+/// a tool call (`rollout.env.call_prefix`).
+pub const ENV_PREFIXED_SHARE: &str = "env/prefixed_share";
+/// Multi-turn episodes the environment did not open a call for: share that called a
+/// tool by themselves (with `call_prefix = "guide"`, the rate the guidance teaches).
+pub const ENV_OWN_TOOL_CALL_RATE: &str = "env/own_tool_call_rate";
 /// Multi-turn episodes: tool calls that failed (malformed, unknown tool, tool error), in all.
 pub const ENV_TOOL_ERRORS: &str = "env/tool_errors";
 /// Multi-turn episodes: episodes the environment failed (a crash, a missed deadline).

@@ -47,8 +47,8 @@ pub use sample::{
 pub use env::{
     builtin_env_factory, evaluate_expression, format_number, parse_tool_call, CalculatorTool, Env,
     EnvActorRef, EnvError, EnvFactory, EnvKind, EnvRequest, EnvResponse, EnvRole, EnvSettings,
-    EnvStep, Episode, EpisodeLimits, GuessNumberEnv, NetIsolation, ParsedTurn, PythonTool,
-    PythonToolConfig, RemoteEnvPool, SpawnEnvActor, Tool, ToolCall, ToolEnv, ToolError,
+    EnvStep, Episode, EpisodeLimits, GuessNumberEnv, NetIsolation, ParsedTurn, PrefixUse,
+    PythonTool, PythonToolConfig, RemoteEnvPool, SpawnEnvActor, Tool, ToolCall, ToolEnv, ToolError,
     TurnOutcome, MAX_EPISODES_PER_ACTOR, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
 };
 

@@ -138,6 +138,10 @@ pub struct EpisodeInfo {
     pub env_reward: f64,
     /// The environment failed (an error, a missed deadline): the episode stopped there.
     pub env_failed: Option<String>,
+    /// The environment opened the episode's first turn (`Env::turn_prefix`, e.g. a
+    /// tool call's opening): a call it made is not the model's own choice.
+    #[serde(default)]
+    pub prefixed: bool,
 }
 
 /// A per-token field of a [`Sample`].

@@ -25,6 +25,7 @@ use crate::build::data::prompts;
 use crate::build::devices::{on_device, role_group};
 use crate::build::parts::{base_model, rollout_role};
 use crate::build::reward::reward_role;
+use crate::config::modes::CallPrefix;
 use crate::config::sections::JobConfig;
 use crate::error::JobError;
 
@@ -213,6 +214,19 @@ pub(crate) fn answering_role(
 /// reward.
 pub fn evaluate(job: &JobConfig, options: &EvalOptions) -> Result<EvalReport, EvalError> {
     job.validate()?;
+    // Guidance is a training aid: the evaluation measures the model's own calls.
+    let unguided;
+    let job = match job.rollout.env.as_ref().map(|e| e.call_prefix) {
+        Some(CallPrefix::Guide) => {
+            let mut j = job.clone();
+            if let Some(e) = j.rollout.env.as_mut() {
+                e.call_prefix = CallPrefix::Off;
+            }
+            unguided = j;
+            &unguided
+        }
+        _ => job,
+    };
     let prompts = eval_prompts(job, options)?;
     let role = |stage: &'static str| move |source| EvalError::Role { stage, source };
     let group = role_group(job, "eval")?;

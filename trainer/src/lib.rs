@@ -38,8 +38,8 @@ pub use error::JobError;
 
 // The job config.
 pub use config::modes::{
-    DeviceSetting, Driver, Dtype, KlMode, ModelSource, OldLogprobs, PlacementMode, RewardKind,
-    Schedule, Task, TimeShare, UnparsedVerdict, VerdictMode,
+    CallPrefix, DeviceSetting, Driver, Dtype, KlMode, ModelSource, OldLogprobs, PlacementMode,
+    RewardKind, Schedule, Task, TimeShare, UnparsedVerdict, VerdictMode,
 };
 pub use config::placement::{NodeNames, PlacementSection, ROLES};
 pub use config::user_roles::{RolesSection, UserRole, UserStage};

@@ -1,7 +1,7 @@
 //! `[rollout.env]`: the shipped tool configs parse and validate, and a bad environment
 //! setting is refused with an error that names the key and the fix. No model is loaded.
 
-use yatt_trainer::{JobConfig, RewardKind, Task};
+use yatt_trainer::{CallPrefix, JobConfig, RewardKind, Task};
 
 const TOOLS: &str = include_str!("../../config/smollm2-multiply-tools.toml");
 const BASELINE: &str = include_str!("../../config/smollm2-multiply.toml");
@@ -21,7 +21,7 @@ fn the_tool_config_and_its_baseline_differ_only_by_the_environment() {
     let tools = parse(TOOLS, &[]).unwrap();
     let e = tools.rollout.env.as_ref().expect("an environment");
     assert_eq!(e.kind, yatt_roles::EnvKind::Calculator);
-    assert_eq!((e.max_turns, e.call_prefix), (2, true));
+    assert_eq!((e.max_turns, e.call_prefix), (2, CallPrefix::Always));
     assert_eq!(
         (tools.data.task, tools.data.length),
         (Task::Multiplication, 3)
@@ -34,6 +34,39 @@ fn the_tool_config_and_its_baseline_differ_only_by_the_environment() {
     base.job = tools.job.clone();
     base.model = tools.model.clone();
     assert_eq!(base, tools);
+}
+
+/// The guided job is the tool job with `call_prefix = "guide"` (by `extends`); the key
+/// still takes the booleans it took before its words.
+#[test]
+fn the_guided_config_is_the_tool_config_with_guidance() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = format!("model.source=\"{}\"", dir.path().display());
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../config/smollm2-multiply-tools-guided.toml"
+    );
+    let guided =
+        JobConfig::load(std::path::Path::new(path), std::slice::from_ref(&source)).unwrap();
+    guided.validate().unwrap();
+    let e = guided.rollout.env.as_ref().unwrap();
+    assert_eq!((e.call_prefix, e.guide_fraction), (CallPrefix::Guide, 0.5));
+    let mut tools = parse(TOOLS, &[]).unwrap();
+    tools.job = guided.job.clone();
+    tools.model.source = guided.model.source.clone();
+    tools.rollout.env.as_mut().unwrap().call_prefix = CallPrefix::Guide;
+    assert_eq!(tools, guided);
+    for (word, mode) in [
+        ("true", CallPrefix::Always),
+        ("false", CallPrefix::Off),
+        ("\"off\"", CallPrefix::Off),
+        ("\"always\"", CallPrefix::Always),
+        ("\"guide\"", CallPrefix::Guide),
+    ] {
+        let set = format!("rollout.env.call_prefix={word}");
+        let c = parse(TOOLS, &[set.as_str()]).unwrap();
+        assert_eq!(c.rollout.env.unwrap().call_prefix, mode, "{word}");
+    }
 }
 
 #[test]
@@ -68,6 +101,16 @@ fn bad_environment_settings_name_the_key_and_the_fix() {
             "rollout.env={ kind = \"guess-number\", call_prefix = true }",
             "rollout.env.call_prefix",
             "no tools",
+        ),
+        (
+            "rollout.env={ kind = \"calculator\", call_prefix = \"sometimes\" }",
+            "call_prefix",
+            "guide",
+        ),
+        (
+            "rollout.env={ kind = \"calculator\", call_prefix = \"guide\", guide_fraction = 1.0 }",
+            "rollout.env.guide_fraction",
+            "0.5",
         ),
         ("placement.env=\"n1\"", "placement.env", "disaggregated"),
         (

@@ -93,8 +93,9 @@ pub trait Env: Send {
     fn step(&mut self, action: &str) -> Result<EnvStep, EnvError>;
     /// Text the environment writes at the start of the model's next turn (after
     /// `reset` or `step`), e.g. the opening of a tool call for a model that never
-    /// writes one by itself. Its tokens are the environment's (masked out of the loss);
-    /// the model continues from them, and `step` sees them as part of the turn.
+    /// writes one by itself. The model continues from it, and `step` sees it as part of
+    /// the turn; the rollout's [`PrefixUse`] says whether its tokens are masked out of
+    /// the loss, trained, or left out.
     fn turn_prefix(&mut self) -> Option<String> {
         None
     }
@@ -138,6 +139,34 @@ impl EnvKind {
     }
 }
 
+/// What a rollout does with the turn prefix its environments offer.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum PrefixUse {
+    /// Every episode takes it, masked out of the loss (its log-probs are 0).
+    #[default]
+    Masked,
+    /// Samples `k < ceil(fraction * n)` of each prompt take it as trained tokens, with
+    /// the rollout model's log-probs of them; the others do without it. Fraction 0
+    /// drops it everywhere (what an evaluation of the model's own choice wants).
+    Guide {
+        /// Share of each prompt's samples that take the prefix, in [0, 1].
+        fraction: f64,
+    },
+}
+
+impl PrefixUse {
+    /// Whether sample `k` of `n` takes the prefix, and if so whether it is trained.
+    pub fn for_sample(self, k: u32, n: u32) -> Option<bool> {
+        match self {
+            PrefixUse::Masked => Some(false),
+            PrefixUse::Guide { fraction } => {
+                let guided = (fraction.clamp(0.0, 1.0) * f64::from(n)).ceil() as u32;
+                (k < guided).then_some(true)
+            }
+        }
+    }
+}
+
 /// How a rollout runs its episodes.
 #[derive(Clone)]
 pub struct EnvSettings {
@@ -150,6 +179,8 @@ pub struct EnvSettings {
     /// Keep each episode's KV cache from one turn to the next, so that a turn prefills
     /// only what was appended since the last (see the rollout's `multi_turn`).
     pub keep_kv: bool,
+    /// What to do with the environment's turn prefix, when it offers one.
+    pub prefix: PrefixUse,
 }
 
 impl std::fmt::Debug for EnvSettings {
@@ -158,6 +189,7 @@ impl std::fmt::Debug for EnvSettings {
             .field("limits", &self.limits)
             .field("timeout", &self.timeout)
             .field("keep_kv", &self.keep_kv)
+            .field("prefix", &self.prefix)
             .finish_non_exhaustive()
     }
 }

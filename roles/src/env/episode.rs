@@ -88,18 +88,30 @@ impl Episode {
     }
 
     /// Starts the model's next turn with the environment's `tokens` (see
-    /// `Env::turn_prefix`): masked out of the loss, but part of the turn the environment
-    /// reads. Returns false, ending the episode, when no token would be left for the model.
-    pub fn push_turn_prefix(&mut self, tokens: &[i64]) -> bool {
+    /// `Env::turn_prefix`), part of the turn the environment reads. Without `logprobs`
+    /// they are masked out of the loss; with them (the rollout model's log-probs of
+    /// these tokens) they are trained as the model's own (guidance). Returns false,
+    /// ending the episode, when no token would be left for the model.
+    pub fn push_turn_prefix(&mut self, tokens: &[i64], logprobs: Option<&[f32]>) -> bool {
         if tokens.len() >= self.remaining() {
             self.done = true;
             return false;
         }
         self.turn_start = self.tokens.len();
         self.prefixed = true;
+        self.info.prefixed = true;
         self.tokens.extend_from_slice(tokens);
-        self.logprobs.resize(self.tokens.len(), 0.0);
-        self.mask.resize(self.tokens.len(), 0);
+        match logprobs {
+            Some(lp) => {
+                debug_assert_eq!(lp.len(), tokens.len());
+                self.logprobs.extend_from_slice(lp);
+                self.mask.resize(self.tokens.len(), 1);
+            }
+            None => {
+                self.logprobs.resize(self.tokens.len(), 0.0);
+                self.mask.resize(self.tokens.len(), 0);
+            }
+        }
         true
     }
 
@@ -235,5 +247,33 @@ mod tests {
         e.push_model_turn(&[1], &[-1.0]);
         assert_eq!(e.apply_env_step(EnvStep::done(1.0), 0.0), TurnOutcome::Done);
         assert_eq!(e.info().env_reward, 1.0);
+    }
+
+    #[test]
+    fn a_turn_prefix_is_masked_or_trained_with_its_logprobs() {
+        // Masked: the environment's tokens, no loss; the turn is prefix and model tokens.
+        let mut e = Episode::new(limits(2, 20));
+        assert!(!e.info().prefixed);
+        assert!(e.push_turn_prefix(&[7, 8], None));
+        e.push_model_turn(&[1, 2], &[-0.1, -0.2]);
+        assert_eq!(e.last_turn(), &[7, 8, 1, 2]);
+        assert!(e.info().prefixed);
+        let (_, logprobs, mask, _) = e.into_parts();
+        assert_eq!(
+            (mask, logprobs),
+            (vec![0, 0, 1, 1], vec![0.0, 0.0, -0.1, -0.2])
+        );
+        // Trained (guidance): the prefix is in the loss with the given log-probs.
+        let mut e = Episode::new(limits(2, 20));
+        assert!(e.push_turn_prefix(&[7, 8], Some(&[-3.0, -0.5])));
+        e.push_model_turn(&[1], &[-0.1]);
+        assert_eq!(e.last_turn(), &[7, 8, 1]);
+        let (_, logprobs, mask, info) = e.into_parts();
+        assert_eq!((mask, logprobs), (vec![1, 1, 1], vec![-3.0, -0.5, -0.1]));
+        assert!(info.prefixed);
+        // A prefix that leaves the model no token ends the episode, whichever way.
+        let mut e = Episode::new(limits(2, 2));
+        assert!(!e.push_turn_prefix(&[7, 8], Some(&[-1.0, -1.0])));
+        assert!(e.is_done() && e.tokens().is_empty());
     }
 }

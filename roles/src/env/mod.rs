@@ -28,7 +28,8 @@ pub use actor::{
     MAX_EPISODES_PER_ACTOR,
 };
 pub use api::{
-    Env, EnvError, EnvFactory, EnvKind, EnvSettings, EnvStep, EpisodeLimits, Tool, ToolError,
+    Env, EnvError, EnvFactory, EnvKind, EnvSettings, EnvStep, EpisodeLimits, PrefixUse, Tool,
+    ToolError,
 };
 pub use calculator::{evaluate_expression, format_number, CalculatorTool};
 pub(crate) use deadline::{call_all, EnvSlot};

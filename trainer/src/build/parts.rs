@@ -16,13 +16,13 @@ use yatt_roles::{
 use yatt_runtime::Node;
 use yatt_runtime::RingMember;
 
-use crate::config::modes::{KlMode, LoraSyncMode, ModelSource, OldLogprobs, Schedule};
+use crate::config::modes::{CallPrefix, KlMode, LoraSyncMode, ModelSource, OldLogprobs, Schedule};
 use crate::config::sections::{EnvSection, JobConfig};
 use crate::controller::error::ControllerError;
 use crate::error::JobError;
 use yatt_roles::{
     builtin_env_factory, EnvFactory, EnvSettings, EpisodeLimits, LoraSync, OffPolicyConfig,
-    PythonToolConfig, TINY_CODEC,
+    PrefixUse, PythonToolConfig, TINY_CODEC,
 };
 
 /// The job's model (every role starts from a copy of it), the codec of its text and its
@@ -136,7 +136,7 @@ pub(crate) fn env_settings(job: &JobConfig, e: &EnvSection) -> EnvSettings {
         output_bytes: e.python_output_bytes,
     };
     EnvSettings {
-        factory: builtin_env_factory(e.kind, python, e.call_prefix),
+        factory: builtin_env_factory(e.kind, python, e.call_prefix != CallPrefix::Off),
         limits: EpisodeLimits {
             max_turns: e.max_turns,
             max_env_tokens: e.max_env_tokens,
@@ -145,6 +145,12 @@ pub(crate) fn env_settings(job: &JobConfig, e: &EnvSection) -> EnvSettings {
         },
         timeout: secs(e.timeout_s),
         keep_kv: e.keep_kv,
+        prefix: match e.call_prefix {
+            CallPrefix::Guide => PrefixUse::Guide {
+                fraction: e.guide_fraction,
+            },
+            CallPrefix::Off | CallPrefix::Always => PrefixUse::Masked,
+        },
     }
 }
 

@@ -35,6 +35,50 @@ macro_rules! config_mode {
 }
 
 config_mode! {
+    /// `rollout.env.call_prefix`: how a tool environment's opening of a call is used.
+    CallPrefix {
+        /// No opening: calling is the model's choice alone.
+        Off = "off",
+        /// Every episode's first turn opens with the call, masked out of the loss: a
+        /// scaffold the model never learns to do without.
+        Always = "always",
+        /// Guidance: `rollout.env.guide_fraction` of each prompt's episodes open with
+        /// the call, trained as if the model had written it; the others get none. Where
+        /// the guided episodes score better, the model learns to call by itself.
+        Guide = "guide",
+    }
+}
+
+impl CallPrefix {
+    /// Reads the word, or a boolean as the key took before the words (`true` is
+    /// `always`, `false` is `off`).
+    pub(crate) fn deserialize_word_or_bool<'de, D>(d: D) -> Result<Self, D::Error>
+    where
+        D: serde::Deserializer<'de>,
+    {
+        struct WordOrBool;
+        impl<'de> serde::de::Visitor<'de> for WordOrBool {
+            type Value = CallPrefix;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("\"off\", \"always\" or \"guide\" (or true / false)")
+            }
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<CallPrefix, E> {
+                Ok(if v {
+                    CallPrefix::Always
+                } else {
+                    CallPrefix::Off
+                })
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<CallPrefix, E> {
+                use serde::de::IntoDeserializer;
+                CallPrefix::deserialize(v.into_deserializer())
+            }
+        }
+        d.deserialize_any(WordOrBool)
+    }
+}
+
+config_mode! {
     /// `job.driver`: how the heads are driven.
     Driver {
         /// One controller per head, meeting at the update.

@@ -9,8 +9,8 @@ use yatt_roles::{
 };
 
 use crate::config::modes::{
-    DeviceSetting, Driver, Dtype, KlMode, LoraSyncMode, ModelSource, OldLogprobs, RewardKind,
-    Schedule, Task, UnparsedVerdict, VerdictMode,
+    CallPrefix, DeviceSetting, Driver, Dtype, KlMode, LoraSyncMode, ModelSource, OldLogprobs,
+    RewardKind, Schedule, Task, UnparsedVerdict, VerdictMode,
 };
 use crate::config::placement::PlacementSection;
 use crate::config::user_roles::RolesSection;
@@ -334,10 +334,17 @@ pub struct EnvSection {
     pub python_memory_mb: u64,
     /// `kind = "python"`: most bytes of output (stdout, stderr each).
     pub python_output_bytes: usize,
-    /// `calculator`/`python`: the environment writes the opening of a tool call at the
-    /// start of the first turn (masked out of the loss), for models too small to ever
-    /// write the format themselves; calling is then not the model's choice.
-    pub call_prefix: bool,
+    /// `calculator`/`python`: whether the environment writes the opening of a tool call
+    /// at the start of the first turn, for models too small to write the format
+    /// themselves. `off`; `always` (every episode, masked out of the loss: calling is
+    /// then not the model's choice); `guide` (`guide_fraction` of each prompt's
+    /// episodes, trained as the model's own tokens, so that it learns to call by
+    /// itself; evaluation never opens the call). `true`/`false` mean `always`/`off`.
+    #[serde(deserialize_with = "CallPrefix::deserialize_word_or_bool")]
+    pub call_prefix: CallPrefix,
+    /// With `call_prefix = "guide"`: the share of each prompt's samples that the
+    /// environment opens the call for, in (0, 1) (rounded up to whole samples).
+    pub guide_fraction: f64,
     /// With `placement.env`: environment actors per rollout (episodes spread over them).
     pub pool: usize,
     /// Keep each episode's KV cache across its turns: a turn prefills only what was
@@ -358,7 +365,8 @@ impl Default for EnvSection {
             python_timeout_s: 5.0,
             python_memory_mb: 512,
             python_output_bytes: 4096,
-            call_prefix: false,
+            call_prefix: CallPrefix::Off,
+            guide_fraction: 0.5,
             pool: 2,
             keep_kv: true,
         }

@@ -7,7 +7,8 @@ use yatt_roles::{Algorithm, JudgeTemplate};
 use crate::config::checks::non_negative;
 use crate::config::checks::{invalid, only_with_kind, positive};
 use crate::config::modes::{
-    Driver, KlMode, OldLogprobs, PlacementMode, RewardKind, Task, TimeShare, VerdictMode,
+    CallPrefix, Driver, KlMode, OldLogprobs, PlacementMode, RewardKind, Task, TimeShare,
+    VerdictMode,
 };
 use crate::config::placement::{NodeNames, PlacementSection};
 use crate::config::sections::JobConfig;
@@ -498,12 +499,21 @@ impl JobConfig {
                 ));
             }
         }
-        if e.call_prefix && e.kind == yatt_roles::EnvKind::GuessNumber {
+        if e.call_prefix != CallPrefix::Off && e.kind == yatt_roles::EnvKind::GuessNumber {
             return Err(invalid(
                 "rollout.env.call_prefix",
-                "false with kind = \"guess-number\"",
-                "true",
+                "\"off\" with kind = \"guess-number\"",
+                e.call_prefix.name(),
                 "the game has no tools to call: remove call_prefix, or use kind = \"calculator\" or \"python\"",
+            ));
+        }
+        if e.call_prefix == CallPrefix::Guide && !(e.guide_fraction > 0.0 && e.guide_fraction < 1.0)
+        {
+            return Err(invalid(
+                "rollout.env.guide_fraction",
+                "a share in (0, 1) with call_prefix = \"guide\"",
+                &e.guide_fraction.to_string(),
+                "guidance compares guided episodes with the model's own in each group: use e.g. 0.5 (0 is call_prefix = \"off\", 1 is \"always\")",
             ));
         }
         if self.rollout.partial_rollout.is_some() {

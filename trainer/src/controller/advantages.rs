@@ -202,6 +202,12 @@ fn episode_metrics(samples: &[Sample], m: &mut StepMetrics) {
         names::ENV_TOOL_CALL_RATE,
         sum(&|e| f64::from(e.tool_calls > 0)) / n,
     );
+    let prefixed = sum(&|e| f64::from(e.prefixed));
+    m.set(names::ENV_PREFIXED_SHARE, prefixed / n);
+    if prefixed < n {
+        let own = sum(&|e| f64::from(!e.prefixed && e.tool_calls > 0));
+        m.set(names::ENV_OWN_TOOL_CALL_RATE, own / (n - prefixed));
+    }
     m.set(names::ENV_TOOL_ERRORS, sum(&|e| e.tool_errors as f64));
     m.set(
         names::ENV_FAILED,

@@ -30,6 +30,9 @@ struct Running {
     finish: Finish,
     /// What the environment writes at the start of the model's next turn.
     prefix: Option<String>,
+    /// Whether this episode takes that prefix (`Some`), and if so whether its tokens are
+    /// trained (`Some(true)`, guidance) or masked (see [`crate::env::PrefixUse`]).
+    takes_prefix: Option<bool>,
 }
 
 impl RolloutRole {
@@ -53,14 +56,7 @@ impl RolloutRole {
         self.generator.forget_kept();
         let stop_at_tool_call = self.codec.tokenizer().is_some();
         for turn in 0..env.limits.max_turns {
-            for r in runs.iter_mut().filter(|r| !r.episode.is_done()) {
-                if let Some(p) = r.prefix.take() {
-                    let tokens = self.codec.encode_response(&p).map_err(|e| {
-                        RoleError::Failed(format!("{}: encoding the turn prefix: {e}", r.id))
-                    })?;
-                    r.episode.push_turn_prefix(&tokens);
-                }
-            }
+            self.push_turn_prefixes(&mut runs, req.params.temperature)?;
             let active: Vec<usize> = (0..runs.len())
                 .filter(|&i| !runs[i].episode.is_done())
                 .collect();
@@ -160,6 +156,46 @@ impl RolloutRole {
         Ok((samples, stats))
     }
 
+    /// Starts each active episode's turn with its environment's prefix, as the episode
+    /// takes it: masked, dropped, or trained with the rollout model's log-probs of the
+    /// prefix tokens under the sampling `temperature` (what the trainer recomputes).
+    fn push_turn_prefixes(&self, runs: &mut [Running], temperature: f32) -> Result<(), RoleError> {
+        let mut trained: Vec<(usize, Vec<i64>)> = Vec::new();
+        for (i, r) in runs.iter_mut().enumerate() {
+            let Some(p) = r.prefix.take() else { continue };
+            let (Some(train), false) = (r.takes_prefix, r.episode.is_done()) else {
+                continue;
+            };
+            let tokens = self.codec.encode_response(&p).map_err(|e| {
+                RoleError::Failed(format!("{}: encoding the turn prefix: {e}", r.id))
+            })?;
+            if train {
+                trained.push((i, tokens));
+            } else {
+                r.episode.push_turn_prefix(&tokens, None);
+            }
+        }
+        if trained.is_empty() {
+            return Ok(());
+        }
+        let contexts: Vec<Vec<i64>> = trained
+            .iter()
+            .map(|(i, _)| [&runs[*i].prompt_tokens[..], runs[*i].episode.tokens()].concat())
+            .collect();
+        let pairs: Vec<(&[i64], &[i64])> = contexts
+            .iter()
+            .zip(&trained)
+            .map(|(c, (_, t))| (c.as_slice(), t.as_slice()))
+            .collect();
+        let t = if temperature > 0.0 { temperature } else { 1.0 };
+        let logprobs = forced_logprobs(self.generator.model(), &pairs, f64::from(t))
+            .map_err(|e| RoleError::Failed(format!("scoring the turn prefixes: {e}")))?;
+        for ((i, tokens), lp) in trained.iter().zip(logprobs) {
+            runs[*i].episode.push_turn_prefix(tokens, Some(&lp));
+        }
+        Ok(())
+    }
+
     /// Every episode of `req` with its environment reset. A reset that fails is tried
     /// once more on a fresh environment; a second failure fails the request.
     fn start_episodes(
@@ -238,6 +274,7 @@ impl RolloutRole {
                     episode: Episode::new(env.limits),
                     finish: Finish::Length,
                     prefix,
+                    takes_prefix: env.prefix.for_sample(id.k, req.n),
                 })
             })
             .collect()
@@ -289,6 +326,44 @@ impl RolloutRole {
     }
 }
 
+/// The log-probs of each pair's tokens after its context, under `model` at `temperature`.
+/// Identical pairs (a group's guided episodes share prompt and prefix) are scored once.
+fn forced_logprobs(
+    model: &yatt_engine::Llama,
+    pairs: &[(&[i64], &[i64])],
+    temperature: f64,
+) -> yatt_engine::Result<Vec<Vec<f32>>> {
+    let mut distinct: Vec<(&[i64], &[i64])> = Vec::new();
+    let row_of: Vec<usize> = pairs
+        .iter()
+        .map(|p| {
+            distinct.iter().position(|d| d == p).unwrap_or_else(|| {
+                distinct.push(*p);
+                distinct.len() - 1
+            })
+        })
+        .collect();
+    let batch = yatt_engine::SeqBatch::from_pairs(&distinct, 0, model.device())?;
+    let scores =
+        tch::no_grad(|| yatt_engine::score::token_logprobs(model, &batch, temperature, false));
+    let rows: Vec<Vec<f32>> = distinct
+        .iter()
+        .enumerate()
+        .map(|(j, (context, tokens))| {
+            let row = scores
+                .logprobs
+                .get(j as i64)
+                .narrow(0, context.len() as i64, tokens.len() as i64)
+                .to_kind(tch::Kind::Float)
+                .to_device(tch::Device::Cpu);
+            Vec::<f32>::try_from(row).map_err(|e| {
+                yatt_engine::EngineError::InvalidArgument(format!("reading log-probs: {e}"))
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(row_of.into_iter().map(|j| rows[j].clone()).collect())
+}
+
 /// The prompt of an episode's first turn: the environment's first observation as the
 /// (last) user message.
 fn first_turn(p: &Prompt, first: String) -> Prompt {
@@ -315,7 +390,7 @@ mod tests {
     };
     use crate::builtin::rollout::{RolloutRequest, RolloutResponse, TextCodec, TINY_CODEC};
     use crate::builtin::scoring::score_samples;
-    use crate::env::{builtin_env_factory, EnvKind, EpisodeLimits, PythonToolConfig};
+    use crate::env::{builtin_env_factory, EnvKind, EpisodeLimits, PrefixUse, PythonToolConfig};
     use crate::role::Role;
     use crate::sample::response_mask;
 
@@ -323,27 +398,56 @@ mod tests {
         Llama::random(tiny_config(), Device::Cpu, Kind::Float, seed).unwrap()
     }
 
-    fn guessing_rollout(model: Llama) -> RolloutRole {
+    /// A rollout of `model` whose episodes play `kind` (its tools' calls opened when
+    /// `prefix` is given), with `max_turns` turns of at most 6 tokens.
+    fn env_rollout(
+        model: Llama,
+        kind: EnvKind,
+        prefix: Option<PrefixUse>,
+        max_turns: u32,
+        budget: usize,
+    ) -> RolloutRole {
         let config = GeneratorConfig {
             max_batch: 8,
-            max_seq_len: 256,
+            max_seq_len: model.config.max_position_embeddings as usize,
             ..Default::default()
         };
+        let factory = builtin_env_factory(kind, PythonToolConfig::default(), prefix.is_some());
         let env = EnvSettings {
-            factory: builtin_env_factory(EnvKind::GuessNumber, PythonToolConfig::default(), false),
+            factory,
             limits: EpisodeLimits {
-                max_turns: 3,
+                max_turns,
                 max_env_tokens: 40,
                 max_turn_tokens: 6,
-                budget: 120,
+                budget,
             },
             timeout: Duration::from_secs(10),
             keep_kv: true,
+            prefix: prefix.unwrap_or_default(),
         };
         RolloutRole::new(Generator::new(model, config), Arc::new(TINY_CODEC)).with_env(env)
     }
 
+    fn guessing_rollout(model: Llama) -> RolloutRole {
+        env_rollout(model, EnvKind::GuessNumber, None, 3, 120)
+    }
+
+    /// A tiny model with room for the calculator's instructions (~420 characters).
+    fn long_model(seed: i64) -> Llama {
+        let mut config = tiny_config();
+        config.max_position_embeddings = 1024;
+        Llama::random(config, Device::Cpu, Kind::Float, seed).unwrap()
+    }
+
+    fn calculator_rollout(model: Llama, prefix: PrefixUse) -> RolloutRole {
+        env_rollout(model, EnvKind::Calculator, Some(prefix), 2, 160)
+    }
+
     fn episodes(r: &mut RolloutRole) -> Vec<Sample> {
+        episodes_of(r, 2)
+    }
+
+    fn episodes_of(r: &mut RolloutRole, n: u32) -> Vec<Sample> {
         let prompts = (0..2)
             .map(|i| Prompt {
                 id: 0x40 + i,
@@ -356,7 +460,7 @@ mod tests {
         let req = GenerateRequest {
             step: 0,
             prompts,
-            n: 2,
+            n,
             params: SamplingParams {
                 max_new_tokens: 120,
                 ignore_eos: true,
@@ -424,6 +528,62 @@ mod tests {
             v
         };
         assert_eq!(untimed(episodes(&mut r)), untimed(samples));
+    }
+
+    /// Guidance (`call_prefix = "guide"`): the first `ceil(fraction * n)` samples of each
+    /// prompt open with the call, as trained tokens whose log-probs are the trainer's
+    /// own scoring of them; the other samples carry no prefix at all. A masked prefix
+    /// (`always`) opens every episode, out of the loss.
+    #[test]
+    fn a_guided_prefix_is_trained_on_a_share_of_each_group_and_absent_from_the_rest() {
+        let prefix = TINY_CODEC
+            .encode_response(r#"<tool_call>{"name": "calculator", "arguments": {"expression": ""#)
+            .unwrap();
+        let starts_with_prefix = |s: &Sample| s.response_tokens.starts_with(&prefix);
+        let (m, scorer) = (long_model(25), long_model(25));
+        let mut r = calculator_rollout(m, PrefixUse::Guide { fraction: 0.3 });
+        let samples = episodes_of(&mut r, 4);
+        assert_eq!(samples.len(), 8);
+        let scored = score_samples(&scorer, &samples, 1, 1.0, 8).unwrap();
+        for (s, lp) in samples.iter().zip(&scored) {
+            let info = s.episode.as_ref().unwrap();
+            // ceil(0.3 * 4) = 2 guided samples per prompt.
+            let guided = s.id.k < 2;
+            assert_eq!(info.prefixed, guided, "{}", s.id);
+            assert_eq!(
+                starts_with_prefix(s),
+                guided,
+                "{}: {:?}",
+                s.id,
+                s.response_text
+            );
+            if guided {
+                let mask = s.loss_mask.as_ref().unwrap();
+                assert!(mask[..prefix.len()].iter().all(|&b| b == 1));
+                for t in 0..prefix.len() {
+                    assert!(s.rollout_logprobs[t] < 0.0, "{t}");
+                    assert!(
+                        (lp[t] - s.rollout_logprobs[t]).abs() < 2e-3,
+                        "{t}: {} vs {}",
+                        lp[t],
+                        s.rollout_logprobs[t]
+                    );
+                }
+            }
+        }
+        // Fraction 0 (what evaluation of a guided job amounts to): no sample opens.
+        let mut r = calculator_rollout(long_model(25), PrefixUse::Guide { fraction: 0.0 });
+        assert!(episodes_of(&mut r, 2)
+            .iter()
+            .all(|s| !starts_with_prefix(s) && !s.episode.as_ref().unwrap().prefixed));
+        // Masked: every sample opens, the prefix out of the loss with log-prob 0.
+        let mut r = calculator_rollout(long_model(25), PrefixUse::Masked);
+        for s in episodes_of(&mut r, 2) {
+            assert!(starts_with_prefix(&s), "{}", s.id);
+            let mask = s.loss_mask.as_ref().unwrap();
+            assert!(mask[..prefix.len()].iter().all(|&b| b == 0));
+            assert!(s.rollout_logprobs[..prefix.len()].iter().all(|&l| l == 0.0));
+        }
     }
 
     /// Observation tokens get no gradient: the loss's gradient with respect to the
