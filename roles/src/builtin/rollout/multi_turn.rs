@@ -14,6 +14,7 @@ use std::time::Instant;
 use yatt_engine::{Request, SamplingParams};
 
 use super::{encode_prompt, sample_seed, GenerateRequest, RolloutRole, RolloutStats};
+use crate::builtin::scoring::score_samples;
 use crate::data::prompt::Prompt;
 use crate::env::{call_all, EnvSettings, EnvSlot, Episode, TurnOutcome, TOOL_CALL_CLOSE};
 use crate::role::RoleError;
@@ -178,18 +179,28 @@ impl RolloutRole {
         if trained.is_empty() {
             return Ok(());
         }
-        let contexts: Vec<Vec<i64>> = trained
+        // Scored as the trainer scores responses: each opening is the response of a
+        // sample whose prompt is the context so far (a group's shared context is
+        // prefilled once).
+        let forced: Vec<Sample> = trained
             .iter()
-            .map(|(i, _)| [&runs[*i].prompt_tokens[..], runs[*i].episode.tokens()].concat())
-            .collect();
-        let pairs: Vec<(&[i64], &[i64])> = contexts
-            .iter()
-            .zip(&trained)
-            .map(|(c, (_, t))| (c.as_slice(), t.as_slice()))
+            .map(|(i, tokens)| {
+                let r = &runs[*i];
+                Sample {
+                    prompt_tokens: [&r.prompt_tokens[..], r.episode.tokens()].concat(),
+                    response_tokens: tokens.clone(),
+                    ..Sample::new(r.id, r.id.prompt)
+                }
+            })
             .collect();
         let t = if temperature > 0.0 { temperature } else { 1.0 };
-        let logprobs = forced_logprobs(self.generator.model(), &pairs, f64::from(t))
-            .map_err(|e| RoleError::Failed(format!("scoring the turn prefixes: {e}")))?;
+        let logprobs = score_samples(
+            self.generator.model(),
+            &forced,
+            0,
+            f64::from(t),
+            forced.len(),
+        )?;
         for ((i, tokens), lp) in trained.iter().zip(logprobs) {
             runs[*i].episode.push_turn_prefix(tokens, Some(&lp));
         }
@@ -324,44 +335,6 @@ impl RolloutRole {
             ..Sample::new(r.id, prompt.id)
         })
     }
-}
-
-/// The log-probs of each pair's tokens after its context, under `model` at `temperature`.
-/// Identical pairs (a group's guided episodes share prompt and prefix) are scored once.
-fn forced_logprobs(
-    model: &yatt_engine::Llama,
-    pairs: &[(&[i64], &[i64])],
-    temperature: f64,
-) -> yatt_engine::Result<Vec<Vec<f32>>> {
-    let mut distinct: Vec<(&[i64], &[i64])> = Vec::new();
-    let row_of: Vec<usize> = pairs
-        .iter()
-        .map(|p| {
-            distinct.iter().position(|d| d == p).unwrap_or_else(|| {
-                distinct.push(*p);
-                distinct.len() - 1
-            })
-        })
-        .collect();
-    let batch = yatt_engine::SeqBatch::from_pairs(&distinct, 0, model.device())?;
-    let scores =
-        tch::no_grad(|| yatt_engine::score::token_logprobs(model, &batch, temperature, false));
-    let rows: Vec<Vec<f32>> = distinct
-        .iter()
-        .enumerate()
-        .map(|(j, (context, tokens))| {
-            let row = scores
-                .logprobs
-                .get(j as i64)
-                .narrow(0, context.len() as i64, tokens.len() as i64)
-                .to_kind(tch::Kind::Float)
-                .to_device(tch::Device::Cpu);
-            Vec::<f32>::try_from(row).map_err(|e| {
-                yatt_engine::EngineError::InvalidArgument(format!("reading log-probs: {e}"))
-            })
-        })
-        .collect::<Result<_, _>>()?;
-    Ok(row_of.into_iter().map(|j| rows[j].clone()).collect())
 }
 
 /// The prompt of an episode's first turn: the environment's first observation as the
