@@ -147,7 +147,7 @@ pub enum PrefixUse {
     Masked,
     /// Samples `k < ceil(fraction * n)` of each prompt take it as trained tokens, with
     /// the rollout model's log-probs of them; the others do without it. Fraction 0
-    /// drops it everywhere (what an evaluation of the model's own choice wants).
+    /// drops it everywhere.
     Guide {
         /// Share of each prompt's samples that take the prefix, in [0, 1].
         fraction: f64,
