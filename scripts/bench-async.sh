@@ -9,6 +9,10 @@
 #   YATT_BIN=/tmp/yatt bash scripts/bench-async.sh  # a fixed binary (rebuilds elsewhere
 #                                                   # then do not change it mid-run)
 #
+#   STALENESS="1" SUFFIX=-rollout EXTRA='--set algorithm.old_logprobs="rollout"' \
+#     SEED=3 bash scripts/bench-async.sh 80 20 1   # a variant: only staleness 1, with
+#                                                  # --set overrides, into s1-rollout/
+#
 # THREADS is model.threads: with 1, the rollout and the policy each have one core of
 # two, so generation can overlap the update; with 2 both want both cores.
 #
@@ -35,16 +39,18 @@ if [ -n "${SEED:-}" ]; then
   OUT="$OUT/seed$SEED"
   SEED_SET=(--set "job.seed=$SEED")
 fi
+SUFFIX="${SUFFIX:-}"
+read -r -a EXTRA_SETS <<< "${EXTRA:-}"
 mkdir -p "$OUT"
-SUMMARY="$OUT/summary.tsv"
+SUMMARY="$OUT/summary$SUFFIX.tsv"
 printf 'staleness\tstep\taccuracy\ttrain_s\n' > "$SUMMARY"
 acc=$("$BIN" eval "$CONFIG" --prompts 200 --set "model.threads=$THREADS" | sed -n 's/.*accuracy \([0-9.]*\).*/\1/p' | head -1)
 printf 'base\t0\t%s\t0\n' "$acc" >> "$SUMMARY"
-for K in 0 1 2; do
-  DIR="$OUT/s$K"
+for K in ${STALENESS:-0 1 2}; do
+  DIR="$OUT/s$K$SUFFIX"
   rm -rf "$DIR"
   for ((S = EVERY; S <= STEPS; S += EVERY)); do
-    SETS=(--set "job.steps=$S" --set "rollout.staleness=$K" --set "model.threads=$THREADS" --set 'algorithm.old_logprobs="recompute"' --set "job.output_dir=\"$DIR\"" "${SEED_SET[@]}")
+    SETS=(--set "job.steps=$S" --set "rollout.staleness=$K" --set "model.threads=$THREADS" --set 'algorithm.old_logprobs="recompute"' --set "job.output_dir=\"$DIR\"" "${SEED_SET[@]}" "${EXTRA_SETS[@]}")
     if [ "$S" -eq "$EVERY" ]; then
       "$BIN" train "$CONFIG" "${SETS[@]}" > /dev/null
     else

@@ -12,6 +12,10 @@
 # a yatt binary to use instead of building one: a copy keeps a long run on one build
 # while the tree changes. KEEP_CHECKPOINTS=1 keeps each run's final checkpoint.
 #
+# A variant of a run (the plateau experiments): SUFFIX names it and EXTRA adds --set
+# overrides, e.g. SUFFIX=-lr3e-5 EXTRA='--set optim.lr=3e-5' ... grpo trains
+# config/baselines/grpo.toml with lr 3e-5 into runs/baselines/grpo-lr3e-5.
+#
 # Each run's settings are its config file; the resolved config is written to
 # runs/baselines/NAME/job.toml. Writes runs/baselines/summary.tsv
 # (run, step, accuracy, cumulative training seconds, mean s/step) and each run's
@@ -23,6 +27,8 @@ cd "$YATT_ROOT"
 STEPS="${1:-80}"
 EVERY="${2:-40}"
 EVAL_PROMPTS="${EVAL_PROMPTS:-200}"
+SUFFIX="${SUFFIX:-}"
+read -r -a EXTRA_SETS <<< "${EXTRA:-}"
 shift $(( $# > 2 ? 2 : $# ))
 if [ -n "${YATT_BIN:-}" ]; then
   BIN="$YATT_BIN"
@@ -49,12 +55,13 @@ for NAME in "${RUNS[@]}"; do
   if [ "${#WANT[@]}" -gt 0 ] && [[ ! " ${WANT[*]} " == *" $NAME "* ]]; then
     continue
   fi
-  DIR="$OUT/$NAME"
+  RUN="$NAME$SUFFIX"
+  DIR="$OUT/$RUN"
   rm -rf "$DIR"
-  sed -i "/^$NAME\t/d" "$SUMMARY"
+  sed -i "/^$RUN\t/d" "$SUMMARY"
   for ((S = EVERY; S <= STEPS; S += EVERY)); do
     if [ "$S" -eq "$EVERY" ]; then
-      SETS=(--set "job.steps=$S" --set "job.output_dir=\"$DIR\"")
+      SETS=(--set "job.steps=$S" --set "job.output_dir=\"$DIR\"" "${EXTRA_SETS[@]}")
       mkdir -p "$DIR"
       printf '{"step": 0, "eval/accuracy": %s}\n' "$(awk -F'\t' '$1=="base"{print $3}' "$SUMMARY")" > "$DIR/eval.jsonl"
       "$BIN" train "config/baselines/$NAME.toml" "${SETS[@]}" > "$DIR.log" 2>&1 || { tail -5 "$DIR.log"; exit 1; }
@@ -66,9 +73,9 @@ for NAME in "${RUNS[@]}"; do
 import json
 t = [json.loads(l)['timing_s/step'] for l in open('$DIR/metrics.jsonl')]
 print(round(sum(t), 1), round(sum(t) / len(t), 2))")"
-    printf '%s\t%s\t%s\t%s\t%s\n' "$NAME" "$S" "$acc" "$secs" "$per" >> "$SUMMARY"
+    printf '%s\t%s\t%s\t%s\t%s\n' "$RUN" "$S" "$acc" "$secs" "$per" >> "$SUMMARY"
     printf '{"step": %s, "eval/accuracy": %s}\n' "$S" "$acc" >> "$DIR/eval.jsonl"
-    echo "$NAME step $S accuracy $acc train_s $secs s/step $per" >&2
+    echo "$RUN step $S accuracy $acc train_s $secs s/step $per" >&2
   done
   # Keep the metrics and the config; the 0.5-1.6 GB checkpoint goes (KEEP_CHECKPOINTS=1
   # keeps it, e.g. for scripts/addition_probe.py).
