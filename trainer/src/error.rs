@@ -108,6 +108,14 @@ pub enum JobError {
         /// that none was saved.
         recovery: String,
     },
+    /// An evaluation during training (`[eval]`) failed.
+    #[error("eval after step {step}: {reason}; fix: correct [eval] (or set eval.every = 0 to train without evaluating)")]
+    Eval {
+        /// The step whose checkpoint was evaluated.
+        step: u64,
+        /// What went wrong.
+        reason: String,
+    },
     /// Writing metrics or the checkpoint directory failed.
     #[error("{path}: {source}")]
     Write {

@@ -293,3 +293,57 @@ pub fn evaluate(job: &JobConfig, options: &EvalOptions) -> Result<EvalReport, Ev
         samples,
     })
 }
+
+/// The options of an evaluation during training: `job.eval.prompts` held-out prompts,
+/// answered by the weights in `checkpoint`.
+pub(crate) fn training_eval_options(job: &JobConfig, checkpoint: Option<&Path>) -> EvalOptions {
+    EvalOptions {
+        prompts: job.eval.prompts,
+        checkpoint: checkpoint.map(Path::to_path_buf),
+        ..Default::default()
+    }
+}
+
+/// Evaluates the policy checkpoint saved after `step` as `[eval]` asks and appends one
+/// line to `out/eval.jsonl`: `step`, `eval/accuracy`, `eval/mean_reward`,
+/// `eval/prompts`, `eval/seconds` (and `eval/tool_call_rate` with an environment), the
+/// format `yatt plot --compare ... --file eval.jsonl` reads. The evaluation
+/// loads its own copy of the weights on a blocking thread, so the roles' actors keep
+/// answering their heartbeats meanwhile.
+pub(crate) async fn evaluate_after_step(
+    job: &JobConfig,
+    checkpoint: &Path,
+    step: u64,
+    out: &Path,
+) -> Result<EvalReport, JobError> {
+    let fail = |reason: String| JobError::Eval { step, reason };
+    let options = training_eval_options(job, Some(checkpoint));
+    let owned = job.clone();
+    let report = tokio::task::spawn_blocking(move || evaluate(&owned, &options))
+        .await
+        .map_err(|e| fail(format!("the evaluation thread failed: {e}")))?
+        .map_err(|e| fail(e.to_string()))?;
+    let mut line = serde_json::json!({
+        "step": step,
+        "eval/accuracy": report.accuracy,
+        "eval/mean_reward": report.mean_reward,
+        "eval/prompts": report.prompts,
+        "eval/seconds": report.seconds,
+    });
+    if let Some(rate) = report.tool_call_rate {
+        line["eval/tool_call_rate"] = rate.into();
+    }
+    let path = out.join("eval.jsonl");
+    let write = |source| JobError::Write {
+        path: path.clone(),
+        source,
+    };
+    use std::io::Write as _;
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(write)?;
+    writeln!(file, "{line}").map_err(write)?;
+    Ok(report)
+}

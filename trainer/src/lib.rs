@@ -45,8 +45,8 @@ pub use config::placement::{NodeNames, PlacementSection, ROLES};
 pub use config::user_roles::{RolesSection, UserRole, UserStage};
 // The config's modes that are `yatt-roles`' own enums.
 pub use config::sections::{
-    AlgorithmSection, CheckpointSection, DataSection, JobConfig, JobSection, ModelSection,
-    OptimSection, RewardKinds, RewardSection, RolloutSection, StepCreditSection,
+    AlgorithmSection, CheckpointSection, DataSection, EvalSection, JobConfig, JobSection,
+    ModelSection, OptimSection, RewardKinds, RewardSection, RolloutSection, StepCreditSection,
 };
 pub use yatt_roles::{Algorithm, KlEstimator, LossAgg, LossAggMode, StepVote};
 

@@ -17,6 +17,7 @@ use crate::controller::core::Controller;
 use crate::controller::data_parallel::step_data_parallel;
 use crate::controller::report::{average_heads, ControllerState, StepMetrics};
 use crate::error::JobError;
+use crate::eval::{eval_prompts, evaluate_after_step, training_eval_options};
 use crate::live::state::LivePlacement;
 use yatt_metrics::names;
 
@@ -112,6 +113,15 @@ pub async fn train_with(
         source,
     })?;
     let checkpoint_dir = out.join("checkpoint");
+    if job.eval.every > 0 {
+        // An [eval] that cannot draw its prompts fails now, not after the first N steps.
+        eval_prompts(job, &training_eval_options(job, None)).map_err(|e| JobError::Invalid {
+            key: "eval".into(),
+            expected: format!("{} held-out prompts of the job's task", job.eval.prompts),
+            found: e.to_string(),
+            fix: "lower eval.prompts, or set eval.every = 0".into(),
+        })?;
+    }
     if resume {
         // Before job.toml is overwritten: it is the run's record of what it is.
         check_same_run(job, &out)?;
@@ -192,6 +202,7 @@ pub async fn train_with(
     let t0 = Instant::now();
     let first_step = step;
     let mut rewards = Vec::new();
+    let mut saved_at = None;
     for _ in step..total {
         let mut record = |m: &StepMetrics| {
             step += 1;
@@ -227,17 +238,37 @@ pub async fn train_with(
                 recovery: recovery_hint(&out, &checkpoint_dir, every),
             });
         }
-        if every > 0 && step % every == 0 && step < total {
+        let eval_now = job.eval.every > 0 && (step % job.eval.every == 0 || step == total);
+        if (every > 0 && step % every == 0 && step < total) || eval_now {
             match &live {
                 Some(l) => save(l.controllers(), &checkpoint_dir).await?,
                 None => save(&controllers, &checkpoint_dir).await?,
             }
+            saved_at = Some(step);
+        }
+        if eval_now {
+            let r = evaluate_after_step(job, &checkpoint_dir, step, &out)
+                .await
+                .map_err(|e| JobError::Stopped {
+                    source: Box::new(e),
+                    recovery: recovery_hint(&out, &checkpoint_dir, every),
+                })?;
+            tracing::info!(
+                step,
+                accuracy = r.accuracy,
+                prompts = r.prompts,
+                seconds = r.seconds,
+                "eval: greedy accuracy on held-out prompts"
+            );
         }
     }
     let seconds = t0.elapsed().as_secs_f64();
-    match &live {
-        Some(l) => save(l.controllers(), &checkpoint_dir).await?,
-        None => save(&controllers, &checkpoint_dir).await?,
+    // The last step's checkpoint is already there when it was evaluated.
+    if saved_at != Some(step) {
+        match &live {
+            Some(l) => save(l.controllers(), &checkpoint_dir).await?,
+            None => save(&controllers, &checkpoint_dir).await?,
+        }
     }
     Ok(TrainSummary {
         steps: step,

@@ -251,3 +251,86 @@ async fn a_cosine_run_cannot_resume_with_another_step_total() {
         .await
         .unwrap();
 }
+
+/// The demo's tiny model on one-digit addition, which has held-out prompts to evaluate.
+fn addition_demo(out: &Path, sets: &[&str]) -> JobConfig {
+    let mut all = vec![
+        "data.task=\"addition\"",
+        "data.length=1",
+        "model.max_seq_len=64",
+        "reward.kind=\"numeric\"",
+        "algorithm.kl_mode=\"none\"",
+    ];
+    all.extend_from_slice(sets);
+    demo(out, &all)
+}
+
+/// `[eval]` scores the policy's checkpoint every N steps and after the last one into
+/// `eval.jsonl`, as `yatt eval --checkpoint` would, and the training is the same as
+/// without it, step for step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eval_during_training_writes_eval_jsonl_and_changes_nothing_else() {
+    let plain = tempfile::tempdir().unwrap();
+    let evaluated = tempfile::tempdir().unwrap();
+    common::train_job(&addition_demo(plain.path(), &["job.steps=3"]), false)
+        .await
+        .unwrap();
+    let job = addition_demo(
+        evaluated.path(),
+        &["job.steps=3", "eval.every=2", "eval.prompts=8"],
+    );
+    common::train_job(&job, false).await.unwrap();
+    let read = |dir: &Path, file: &str| std::fs::read_to_string(dir.join(file)).unwrap();
+    let metrics = |dir: &Path| -> Vec<_> {
+        read(dir, "metrics.jsonl")
+            .lines()
+            .map(common::deterministic_metrics)
+            .collect()
+    };
+    assert_eq!(metrics(plain.path()), metrics(evaluated.path()));
+    assert!(!plain.path().join("eval.jsonl").exists());
+    let evals: Vec<serde_json::Value> = read(evaluated.path(), "eval.jsonl")
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // Step 2 (every 2) and step 3 (the last).
+    let steps: Vec<u64> = evals.iter().map(|v| v["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [2, 3], "{evals:?}");
+    // The same figure as `yatt eval --checkpoint` on the final weights.
+    let options = yatt_trainer::EvalOptions {
+        prompts: 8,
+        checkpoint: Some(evaluated.path().join("checkpoint")),
+        ..Default::default()
+    };
+    let direct = yatt_trainer::evaluate(&job, &options).unwrap();
+    assert_eq!(evals[1]["eval/accuracy"].as_f64(), Some(direct.accuracy));
+    assert_eq!(evals[1]["eval/prompts"].as_u64(), Some(8));
+    for v in &evals {
+        let a = v["eval/accuracy"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&a), "{v}");
+    }
+}
+
+/// An `[eval]` that cannot draw its prompts is refused before the first step, naming
+/// the key and what to change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eval_without_enough_held_out_prompts_is_refused_before_training() {
+    let out = tempfile::tempdir().unwrap();
+    // One-digit addition has 100 questions; 16 train, so 84 are held out.
+    let job = addition_demo(
+        out.path(),
+        &["job.steps=2", "eval.every=1", "eval.prompts=90"],
+    );
+    let e = common::train_job(&job, false)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("eval") && e.contains("held-out") && e.contains("eval.prompts"),
+        "{e}"
+    );
+    assert!(
+        !out.path().join("metrics.jsonl").exists(),
+        "it trained first"
+    );
+}

@@ -36,6 +36,8 @@ pub struct JobConfig {
     pub reward: RewardSection,
     /// `[checkpoint]`.
     pub checkpoint: CheckpointSection,
+    /// `[eval]`: greedy accuracy on held-out prompts while training.
+    pub eval: EvalSection,
     /// `[placement]`: which node runs each role.
     pub placement: PlacementSection,
     /// `[timeouts]`: the deadline of each remote call a step makes.
@@ -750,6 +752,29 @@ impl<'de> Deserialize<'de> for RewardKinds {
 pub struct CheckpointSection {
     /// Save the policy every N steps (0 = only at the end).
     pub every: u64,
+}
+
+/// `[eval]`: greedy accuracy on held-out prompts during training (verl's `test_freq`,
+/// TRL's `eval_steps`), as `yatt eval --checkpoint` measures it, written to
+/// `OUTPUT_DIR/eval.jsonl`. It reads the policy's checkpoint, so it does not change
+/// the training, and it works with a cosine schedule, which cannot be resumed with
+/// another `job.steps` to evaluate between segments.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvalSection {
+    /// Evaluate every N steps and after the last one (0 = never).
+    pub every: u64,
+    /// Held-out prompts per evaluation (one greedy answer each).
+    pub prompts: usize,
+}
+
+impl Default for EvalSection {
+    fn default() -> Self {
+        EvalSection {
+            every: 0,
+            prompts: 200,
+        }
+    }
 }
 
 /// `[timeouts]`: the deadline, in seconds, of each call a step makes to a role (and of
