@@ -302,3 +302,31 @@ fn a_missing_or_circular_base_is_refused_naming_the_files() {
     let e = JobConfig::load(&a, &[]).unwrap_err().to_string();
     assert!(e.contains("extends") && e.contains("a.toml"), "{e}");
 }
+
+/// `config/smollm2-addition-long.toml`: the addition config with the plateau run's
+/// changes (4 x 16 samples, a cosine rate over 240 steps, evaluation every 40 steps) and
+/// nothing else.
+#[test]
+fn the_long_addition_config_is_the_addition_config_with_the_plateau_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = format!("model.source=\"{}\"", dir.path().display());
+    let base = smollm2(&dir);
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../config/smollm2-addition-long.toml"
+    );
+    let c = JobConfig::load(path, std::slice::from_ref(&source)).unwrap();
+    assert_eq!(c.job.steps, 240);
+    assert_eq!(
+        (c.data.prompts_per_step, c.data.samples_per_prompt),
+        (4, 16)
+    );
+    assert_eq!(c.optim.schedule, yatt_trainer::Schedule::Cosine);
+    assert_eq!((c.eval.every, c.eval.prompts), (40, 200));
+    let mut same = c.clone();
+    same.job = base.job.clone();
+    same.data = base.data.clone();
+    same.optim.schedule = base.optim.schedule;
+    same.eval = base.eval.clone();
+    assert_eq!(same, base);
+}
