@@ -62,9 +62,9 @@ for NAME in "${RUNS[@]}"; do
   for ((S = EVERY; S <= STEPS; S += EVERY)); do
     if [ "$S" -eq "$EVERY" ]; then
       SETS=(--set "job.steps=$S" --set "job.output_dir=\"$DIR\"" "${EXTRA_SETS[@]}")
-      mkdir -p "$DIR"
-      printf '{"step": 0, "eval/accuracy": %s}\n' "$(awk -F'\t' '$1=="base"{print $3}' "$SUMMARY")" > "$DIR/eval.jsonl"
       "$BIN" train "config/baselines/$NAME.toml" "${SETS[@]}" > "$DIR.log" 2>&1 || { tail -5 "$DIR.log"; exit 1; }
+      # After the fresh run, which starts its eval.jsonl anew: the starting point.
+      printf '{"step": 0, "eval/accuracy": %s}\n' "$(awk -F'\t' '$1=="base"{print $3}' "$SUMMARY")" > "$DIR/eval.jsonl"
     else
       "$BIN" train --resume "$DIR" --set "job.steps=$S" >> "$DIR.log" 2>&1 || { tail -5 "$DIR.log"; exit 1; }
     fi

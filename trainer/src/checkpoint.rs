@@ -146,7 +146,7 @@ pub(crate) async fn save(controllers: &[Controller], dir: &Path) -> Result<(), J
 /// Keys of a job that do not change a run's trajectory: a resumed run may change them.
 /// `job.output_dir` is where the run is, not what it does (`--resume DIR` sets it).
 /// `rollout.cuda_graphs` changes how, not what, the rollout decodes (within rounding).
-const RESUMABLE_KEYS: [&str; 16] = [
+const RESUMABLE_KEYS: [&str; 17] = [
     "timeouts.generate_s",
     "timeouts.score_s",
     "timeouts.train_s",
@@ -156,6 +156,7 @@ const RESUMABLE_KEYS: [&str; 16] = [
     "checkpoint.every",
     "eval.every",
     "eval.prompts",
+    "eval.before_train",
     "placement.rollout",
     "placement.policy",
     "placement.reference",

@@ -294,6 +294,41 @@ pub fn evaluate(job: &JobConfig, options: &EvalOptions) -> Result<EvalReport, Ev
     })
 }
 
+/// The file in the run's directory that `[eval]` appends to.
+const EVAL_LOG: &str = "eval.jsonl";
+
+/// Prepares `out/eval.jsonl` for a run, as `metrics.jsonl` is prepared: a fresh run
+/// (`resumed_at = None`) removes a previous run's file, so two runs never share one
+/// curve; a run resumed from its checkpoint at step N keeps the lines of steps up to N
+/// and drops later ones, which the resumed run evaluates again. Lines that are not an
+/// evaluation (no numeric `step`) are kept.
+pub(crate) fn start_eval_log(out: &Path, resumed_at: Option<u64>) -> Result<(), JobError> {
+    let path = out.join(EVAL_LOG);
+    let write = |source| JobError::Write {
+        path: path.clone(),
+        source,
+    };
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(write(e)),
+    };
+    let Some(step) = resumed_at else {
+        return std::fs::remove_file(&path).map_err(write);
+    };
+    let kept: String = text
+        .lines()
+        .filter(|line| {
+            serde_json::from_str::<serde_json::Value>(line)
+                .ok()
+                .and_then(|v| v.get("step").and_then(serde_json::Value::as_u64))
+                .is_none_or(|s| s <= step)
+        })
+        .map(|line| format!("{line}\n"))
+        .collect();
+    std::fs::write(&path, kept).map_err(write)
+}
+
 /// The options of an evaluation during training: `job.eval.prompts` held-out prompts,
 /// answered by the weights in `checkpoint`.
 pub(crate) fn training_eval_options(job: &JobConfig, checkpoint: Option<&Path>) -> EvalOptions {
@@ -304,7 +339,8 @@ pub(crate) fn training_eval_options(job: &JobConfig, checkpoint: Option<&Path>) 
     }
 }
 
-/// Evaluates the policy checkpoint saved after `step` as `[eval]` asks and appends one
+/// Evaluates the policy checkpoint saved after `step` (or, with `None`, the job's
+/// starting weights) as `[eval]` asks and appends one
 /// line to `out/eval.jsonl`: `step`, `eval/accuracy`, `eval/mean_reward`,
 /// `eval/prompts`, `eval/seconds` (and `eval/tool_call_rate` with an environment), the
 /// format `yatt plot --compare ... --file eval.jsonl` reads. The evaluation
@@ -312,12 +348,12 @@ pub(crate) fn training_eval_options(job: &JobConfig, checkpoint: Option<&Path>) 
 /// answering their heartbeats meanwhile.
 pub(crate) async fn evaluate_after_step(
     job: &JobConfig,
-    checkpoint: &Path,
+    checkpoint: Option<&Path>,
     step: u64,
     out: &Path,
 ) -> Result<EvalReport, JobError> {
     let fail = |reason: String| JobError::Eval { step, reason };
-    let options = training_eval_options(job, Some(checkpoint));
+    let options = training_eval_options(job, checkpoint);
     let owned = job.clone();
     let report = tokio::task::spawn_blocking(move || evaluate(&owned, &options))
         .await
@@ -333,7 +369,7 @@ pub(crate) async fn evaluate_after_step(
     if let Some(rate) = report.tool_call_rate {
         line["eval/tool_call_rate"] = rate.into();
     }
-    let path = out.join("eval.jsonl");
+    let path = out.join(EVAL_LOG);
     let write = |source| JobError::Write {
         path: path.clone(),
         source,

@@ -17,7 +17,7 @@ use crate::controller::core::Controller;
 use crate::controller::data_parallel::step_data_parallel;
 use crate::controller::report::{average_heads, ControllerState, StepMetrics};
 use crate::error::JobError;
-use crate::eval::{eval_prompts, evaluate_after_step, training_eval_options};
+use crate::eval::{eval_prompts, evaluate_after_step, start_eval_log, training_eval_options};
 use crate::live::state::LivePlacement;
 use yatt_metrics::names;
 
@@ -113,7 +113,7 @@ pub async fn train_with(
         source,
     })?;
     let checkpoint_dir = out.join("checkpoint");
-    if job.eval.every > 0 {
+    if job.eval.every > 0 || job.eval.before_train {
         // An [eval] that cannot draw its prompts fails now, not after the first N steps.
         eval_prompts(job, &training_eval_options(job, None)).map_err(|e| JobError::Invalid {
             key: "eval".into(),
@@ -197,6 +197,18 @@ pub async fn train_with(
     }
     .map_err(metrics_err)?;
     let metrics_path = writer.metrics_path().to_path_buf();
+    start_eval_log(&out, resume.then_some(step))?;
+    if job.eval.before_train && !resume {
+        // Nothing is trained yet, so a failure here needs no recovery hint.
+        let r = evaluate_after_step(job, None, 0, &out).await?;
+        tracing::info!(
+            step = 0,
+            accuracy = r.accuracy,
+            prompts = r.prompts,
+            seconds = r.seconds,
+            "eval: greedy accuracy of the starting weights"
+        );
+    }
     let total = job.job.steps;
     let every = job.checkpoint.every;
     let t0 = Instant::now();
@@ -247,7 +259,7 @@ pub async fn train_with(
             saved_at = Some(step);
         }
         if eval_now {
-            let r = evaluate_after_step(job, &checkpoint_dir, step, &out)
+            let r = evaluate_after_step(job, Some(&checkpoint_dir), step, &out)
                 .await
                 .map_err(|e| JobError::Stopped {
                     source: Box::new(e),

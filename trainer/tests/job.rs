@@ -311,6 +311,63 @@ async fn eval_during_training_writes_eval_jsonl_and_changes_nothing_else() {
     }
 }
 
+/// Regression: a fresh run into a directory that held another run's `eval.jsonl`
+/// appended to it, so two runs' curves were drawn as one. A fresh run now replaces the
+/// file (as it does `metrics.jsonl`), `eval.before_train` writes the starting weights'
+/// accuracy as step 0, and a resumed run drops lines past its checkpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_run_replaces_eval_jsonl_and_a_resumed_one_keeps_it_to_its_checkpoint() {
+    let out = tempfile::tempdir().unwrap();
+    let log = out.path().join("eval.jsonl");
+    std::fs::write(&log, "{\"step\": 99, \"eval/accuracy\": 1.0}\n").unwrap();
+    let steps = |n: &str| {
+        addition_demo(
+            out.path(),
+            &[
+                n,
+                "eval.every=2",
+                "eval.prompts=8",
+                "eval.before_train=true",
+            ],
+        )
+    };
+    let job = steps("job.steps=2");
+    common::train_job(&job, false).await.unwrap();
+    let read = || -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let logged = |v: &[serde_json::Value]| -> Vec<u64> {
+        v.iter().map(|e| e["step"].as_u64().unwrap()).collect()
+    };
+    let first = read();
+    assert_eq!(logged(&first), [0, 2], "{first:?}");
+    // Step 0 is the starting weights: what `yatt eval` without a checkpoint measures.
+    let options = yatt_trainer::EvalOptions {
+        prompts: 8,
+        ..Default::default()
+    };
+    let start = yatt_trainer::evaluate(&job, &options).unwrap();
+    assert_eq!(first[0]["eval/accuracy"].as_f64(), Some(start.accuracy));
+    // A line past the checkpoint (step 2), as a run killed after evaluating leaves it.
+    let mut text = std::fs::read_to_string(&log).unwrap();
+    text.push_str("{\"step\": 3, \"eval/accuracy\": 0.0}\n");
+    std::fs::write(&log, text).unwrap();
+    common::train_job(&steps("job.steps=4"), true)
+        .await
+        .unwrap();
+    let resumed = read();
+    assert_eq!(logged(&resumed), [0, 2, 4], "{resumed:?}");
+    assert_eq!(
+        resumed[..2],
+        first[..],
+        "the resumed run rewrote earlier lines"
+    );
+}
+
 /// An `[eval]` that cannot draw its prompts is refused before the first step, naming
 /// the key and what to change.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

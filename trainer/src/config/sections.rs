@@ -766,6 +766,9 @@ pub struct EvalSection {
     pub every: u64,
     /// Held-out prompts per evaluation (one greedy answer each).
     pub prompts: usize,
+    /// Also evaluate the starting weights, as step 0, before a fresh run's first step
+    /// (verl's `val_before_train`), so the curve has its starting point.
+    pub before_train: bool,
 }
 
 impl Default for EvalSection {
@@ -773,6 +776,7 @@ impl Default for EvalSection {
         EvalSection {
             every: 0,
             prompts: 200,
+            before_train: false,
         }
     }
 }
