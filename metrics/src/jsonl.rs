@@ -12,6 +12,10 @@ use crate::MetricsError;
 /// The file name inside a run directory.
 pub const FILE_NAME: &str = "metrics.jsonl";
 
+/// The file of evaluations during training inside a run directory, in the same format
+/// (one line per evaluated step).
+pub const EVAL_FILE_NAME: &str = "eval.jsonl";
+
 /// One step's metrics, as read from a line.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepRecord {

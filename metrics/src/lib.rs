@@ -37,7 +37,9 @@ mod tfevents;
 mod writer;
 
 pub use error::{MetricsError, WriteError};
-pub use jsonl::{format_line, read_jsonl, StepRecord, FILE_NAME as METRICS_FILE};
+pub use jsonl::{
+    format_line, read_jsonl, StepRecord, EVAL_FILE_NAME as EVAL_FILE, FILE_NAME as METRICS_FILE,
+};
 #[cfg(feature = "plot")]
 pub use plot::{plot_compare, plot_run, PlotReport};
 pub use tfevents::{read_records as read_event_records, EventWriter};

@@ -189,3 +189,7 @@ pub const ENV_SECONDS: &str = "timing_s/env";
 pub const ENV_MODEL_TOKEN_SHARE: &str = "env/model_token_share";
 /// Multi-turn episodes: mean environment reward per episode.
 pub const ENV_REWARD_MEAN: &str = "env/reward_mean";
+/// Evaluation during training (`eval.jsonl`): greedy accuracy on held-out prompts.
+pub const EVAL_ACCURACY: &str = "eval/accuracy";
+/// Evaluation during training (`eval.jsonl`): mean reward of the greedy answers.
+pub const EVAL_MEAN_REWARD: &str = "eval/mean_reward";

@@ -13,7 +13,7 @@ use plotters::coord::types::{RangedCoordf64, RangedCoordu64};
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
-use crate::jsonl::{read_jsonl, StepRecord, FILE_NAME};
+use crate::jsonl::{read_jsonl, StepRecord, EVAL_FILE_NAME, FILE_NAME};
 use crate::{names, MetricsError, WriteError};
 
 const WIDTH: u32 = 1000;
@@ -90,7 +90,8 @@ fn register_fonts() {
 /// - `reward.png`: `critic/rewards/mean` and `critic/score/mean`;
 /// - `kl.png`: `actor/kl` and `actor/kl_loss`;
 /// - `timing.png`: the `timing_s/*` stage times stacked, with `timing_s/step` on top;
-/// - `throughput.png`: `perf/throughput`.
+/// - `throughput.png`: `perf/throughput`;
+/// - `eval.png`: `eval/accuracy` from `RUN_DIR/eval.jsonl`, when the run evaluated.
 ///
 /// A plot whose metrics are all absent (e.g. KL in a run without a reference) is
 /// skipped and listed in [`PlotReport::skipped`].
@@ -165,11 +166,44 @@ pub fn plot_run(run_dir: &Path, out_dir: &Path) -> Result<PlotReport, MetricsErr
         })?;
         report.written.push(out);
     }
-    // Pipeline order (reward, kl, timing, throughput) reads better than chart order.
+    let eval_path = run_dir.join(EVAL_FILE_NAME);
+    let evals = match read_jsonl(&eval_path) {
+        Ok(e) => Some(e),
+        Err(MetricsError::NoMetrics { .. }) => None,
+        Err(e) => return Err(e),
+    };
+    let out = out_dir.join("eval.png");
+    match evals
+        .as_deref()
+        .and_then(|e| series(e, names::EVAL_ACCURACY))
+    {
+        Some(accuracy) => {
+            let title = format!("{run}: greedy accuracy on held-out prompts");
+            render(&out, |root| {
+                line_chart(root, &title, names::EVAL_ACCURACY, &[accuracy])
+            })?;
+            report.written.push(out);
+        }
+        None => report.skipped.push((
+            "eval.png".into(),
+            format!(
+                "{} has no {} (a run evaluates with [eval] every = N)",
+                eval_path.display(),
+                names::EVAL_ACCURACY
+            ),
+        )),
+    }
+    // Pipeline order (reward, kl, timing, throughput, eval) reads better than chart order.
     report.written.sort_by_key(|p| {
-        ["reward.png", "kl.png", "timing.png", "throughput.png"]
-            .iter()
-            .position(|f| p.ends_with(f))
+        [
+            "reward.png",
+            "kl.png",
+            "timing.png",
+            "throughput.png",
+            "eval.png",
+        ]
+        .iter()
+        .position(|f| p.ends_with(f))
     });
     Ok(report)
 }

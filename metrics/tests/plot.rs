@@ -53,9 +53,20 @@ fn synthetic_run(dir: &Path, steps: u64, with_kl: bool) {
 }
 
 #[test]
-fn a_run_plots_to_four_readable_pngs() {
+fn a_run_plots_to_five_readable_pngs() {
     let run = tempfile::tempdir().unwrap();
     synthetic_run(run.path(), 12, true);
+    // What `[eval] every = 4` writes.
+    let evals: String = (1..=3)
+        .map(|i| {
+            format!(
+                "{{\"step\": {}, \"eval/accuracy\": {}}}\n",
+                4 * i,
+                0.2 * i as f64
+            )
+        })
+        .collect();
+    std::fs::write(run.path().join("eval.jsonl"), evals).unwrap();
     let out = run.path().join("plots");
     let report = plot_run(run.path(), &out).unwrap();
     let names: Vec<&str> = report
@@ -65,7 +76,13 @@ fn a_run_plots_to_four_readable_pngs() {
         .collect();
     assert_eq!(
         names,
-        ["reward.png", "kl.png", "timing.png", "throughput.png"]
+        [
+            "reward.png",
+            "kl.png",
+            "timing.png",
+            "throughput.png",
+            "eval.png"
+        ]
     );
     assert!(report.skipped.is_empty(), "{:?}", report.skipped);
     for path in &report.written {
@@ -93,10 +110,16 @@ fn a_plot_without_its_metrics_is_skipped_and_said() {
     synthetic_run(run.path(), 1, false);
     let report = plot_run(run.path(), run.path()).unwrap();
     assert_eq!(report.written.len(), 3, "{report:?}");
-    assert_eq!(report.skipped.len(), 1, "{report:?}");
+    assert_eq!(report.skipped.len(), 2, "{report:?}");
     assert_eq!(report.skipped[0].0, "kl.png");
     assert!(report.skipped[0].1.contains("metrics.jsonl"), "{report:?}");
     assert!(!run.path().join("kl.png").exists());
+    // A run that never evaluated: eval.png is skipped, naming the file and the key.
+    assert_eq!(report.skipped[1].0, "eval.png");
+    assert!(
+        report.skipped[1].1.contains("eval.jsonl") && report.skipped[1].1.contains("[eval]"),
+        "{report:?}"
+    );
 }
 
 #[test]

@@ -294,16 +294,13 @@ pub fn evaluate(job: &JobConfig, options: &EvalOptions) -> Result<EvalReport, Ev
     })
 }
 
-/// The file in the run's directory that `[eval]` appends to.
-const EVAL_LOG: &str = "eval.jsonl";
-
 /// Prepares `out/eval.jsonl` for a run, as `metrics.jsonl` is prepared: a fresh run
 /// (`resumed_at = None`) removes a previous run's file, so two runs never share one
 /// curve; a run resumed from its checkpoint at step N keeps the lines of steps up to N
 /// and drops later ones, which the resumed run evaluates again. Lines that are not an
 /// evaluation (no numeric `step`) are kept.
 pub(crate) fn start_eval_log(out: &Path, resumed_at: Option<u64>) -> Result<(), JobError> {
-    let path = out.join(EVAL_LOG);
+    let path = out.join(yatt_metrics::EVAL_FILE);
     let write = |source| JobError::Write {
         path: path.clone(),
         source,
@@ -361,15 +358,15 @@ pub(crate) async fn evaluate_after_step(
         .map_err(|e| fail(e.to_string()))?;
     let mut line = serde_json::json!({
         "step": step,
-        "eval/accuracy": report.accuracy,
-        "eval/mean_reward": report.mean_reward,
+        (yatt_metrics::names::EVAL_ACCURACY): report.accuracy,
+        (yatt_metrics::names::EVAL_MEAN_REWARD): report.mean_reward,
         "eval/prompts": report.prompts,
         "eval/seconds": report.seconds,
     });
     if let Some(rate) = report.tool_call_rate {
         line["eval/tool_call_rate"] = rate.into();
     }
-    let path = out.join(EVAL_LOG);
+    let path = out.join(yatt_metrics::EVAL_FILE);
     let write = |source| JobError::Write {
         path: path.clone(),
         source,
