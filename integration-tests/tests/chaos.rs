@@ -7,7 +7,7 @@
 //! final weights and optimizer state of an undisturbed run with the same seed, and every
 //! step's ledgers must have closed on every sample of the step.
 //!
-//! CI runs the short version (6 kills in 40 steps, one fixed schedule seed, printed).
+//! CI runs the short version (6 kills in 400 steps, one fixed schedule seed, printed).
 //! `YATT_CHAOS_SEED=N` replays a schedule, `YATT_CHAOS_SEED=random` draws one; `YATT_CHAOS_KILLS` and
 //! `YATT_CHAOS_STEPS` make a longer run (`scripts/chaos.sh`). A value that does not
 //! parse, or too few kills or steps, fails the test.
