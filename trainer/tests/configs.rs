@@ -318,11 +318,18 @@ fn the_long_addition_config_is_the_addition_config_with_the_plateau_changes() {
     let c = JobConfig::load(path, std::slice::from_ref(&source)).unwrap();
     assert_eq!(c.job.steps, 240);
     assert_eq!(
-        (c.data.prompts_per_step, c.data.samples_per_prompt),
-        (4, 16)
+        (
+            c.data.num_prompts,
+            c.data.prompts_per_step,
+            c.data.samples_per_prompt
+        ),
+        (4096, 4, 16)
     );
     assert_eq!(c.optim.schedule, yatt_trainer::Schedule::Cosine);
-    assert_eq!((c.eval.every, c.eval.prompts), (40, 200));
+    assert_eq!(
+        (c.eval.every, c.eval.prompts, c.eval.before_train),
+        (40, 200, true)
+    );
     let mut same = c.clone();
     same.job = base.job.clone();
     same.data = base.data.clone();
