@@ -32,7 +32,7 @@ impl ChaosConfig {
     /// Steps of the short run. A step of the test's tiny model takes about 0.08 s, and a
     /// fault waits for the node before it to be back (3-5 s, while a node that hosted no
     /// role does not stall the run), so 40 or 120 steps ended before the last fault
-    /// struck; 400 leave room (5 seeds, docs/benchmarks.md).
+    /// struck; 400 leave room (6 seeds, docs/benchmarks.md).
     pub const DEFAULT_STEPS: u64 = 400;
 
     /// From the environment, with the defaults above (`YATT_CHAOS_SEED=random`: a seed

@@ -366,6 +366,13 @@ pub(crate) async fn evaluate_after_step(
     if let Some(rate) = report.tool_call_rate {
         line["eval/tool_call_rate"] = rate.into();
     }
+    tracing::info!(
+        step,
+        accuracy = report.accuracy,
+        prompts = report.prompts,
+        seconds = report.seconds,
+        "eval: greedy accuracy on held-out prompts"
+    );
     let path = out.join(yatt_metrics::EVAL_FILE);
     let write = |source| JobError::Write {
         path: path.clone(),

@@ -200,14 +200,7 @@ pub async fn train_with(
     start_eval_log(&out, resume.then_some(step))?;
     if job.eval.before_train && !resume {
         // Nothing is trained yet, so a failure here needs no recovery hint.
-        let r = evaluate_after_step(job, None, 0, &out).await?;
-        tracing::info!(
-            step = 0,
-            accuracy = r.accuracy,
-            prompts = r.prompts,
-            seconds = r.seconds,
-            "eval: greedy accuracy of the starting weights"
-        );
+        evaluate_after_step(job, None, 0, &out).await?;
     }
     let total = job.job.steps;
     let every = job.checkpoint.every;
@@ -259,19 +252,12 @@ pub async fn train_with(
             saved_at = Some(step);
         }
         if eval_now {
-            let r = evaluate_after_step(job, Some(&checkpoint_dir), step, &out)
+            evaluate_after_step(job, Some(&checkpoint_dir), step, &out)
                 .await
                 .map_err(|e| JobError::Stopped {
                     source: Box::new(e),
                     recovery: recovery_hint(&out, &checkpoint_dir, every),
                 })?;
-            tracing::info!(
-                step,
-                accuracy = r.accuracy,
-                prompts = r.prompts,
-                seconds = r.seconds,
-                "eval: greedy accuracy on held-out prompts"
-            );
         }
     }
     let seconds = t0.elapsed().as_secs_f64();
