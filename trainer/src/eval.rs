@@ -348,7 +348,7 @@ pub(crate) async fn evaluate_after_step(
     checkpoint: Option<&Path>,
     step: u64,
     out: &Path,
-) -> Result<EvalReport, JobError> {
+) -> Result<(), JobError> {
     let fail = |reason: String| JobError::Eval { step, reason };
     let options = training_eval_options(job, checkpoint);
     let owned = job.clone();
@@ -385,5 +385,5 @@ pub(crate) async fn evaluate_after_step(
         .open(&path)
         .map_err(write)?;
     writeln!(file, "{line}").map_err(write)?;
-    Ok(report)
+    Ok(())
 }
