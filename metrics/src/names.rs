@@ -140,6 +140,9 @@ pub const DAPO_GEN_ROUNDS: &str = "dapo/gen_rounds";
 pub const DAPO_GROUPS_DROPPED: &str = "dapo/groups_dropped";
 /// Fraction of prompt groups dynamic sampling kept.
 pub const DAPO_KEEP_RATE: &str = "dapo/keep_rate";
+/// 1 on a step where no prompt group had differing rewards in any round, so it trained
+/// on flat groups (no policy-gradient signal); 0 otherwise.
+pub const DAPO_WITHOUT_SIGNAL: &str = "dapo/without_signal";
 /// Samples rewarded while generation was still running (streaming).
 pub const REWARDED_DURING_GEN: &str = "stream/rewarded_during_gen";
 

@@ -337,3 +337,27 @@ fn the_long_addition_config_is_the_addition_config_with_the_plateau_changes() {
     same.eval = base.eval.clone();
     assert_eq!(same, base);
 }
+
+/// `config/smollm2-addition-dynamic.toml`: the long config with dynamic sampling (the run
+/// that passed 90 %), its own name and output directory, and nothing else.
+#[test]
+fn the_dynamic_sampling_config_is_the_long_config_with_dynamic_sampling() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = format!("model.source=\"{}\"", dir.path().display());
+    smollm2(&dir);
+    let load = |name: &str| {
+        let path = format!("{}/../config/{name}", env!("CARGO_MANIFEST_DIR"));
+        JobConfig::load(&path, std::slice::from_ref(&source)).unwrap()
+    };
+    let long = load("smollm2-addition-long.toml");
+    let c = load("smollm2-addition-dynamic.toml");
+    assert_eq!(long.algorithm.dynamic_sampling, None);
+    assert_eq!(c.algorithm.dynamic_sampling, Some(true));
+    assert_eq!(c.job.name, "smollm2-addition-dynamic");
+    assert_ne!(c.job.output_dir, long.job.output_dir);
+    let mut same = c.clone();
+    same.algorithm.dynamic_sampling = long.algorithm.dynamic_sampling;
+    same.job.name = long.job.name.clone();
+    same.job.output_dir = long.job.output_dir.clone();
+    assert_eq!(same, long);
+}

@@ -185,3 +185,70 @@ fn an_http_reward_from_the_config_scores_through_the_endpoint() {
     assert_eq!(sent[1]["response"], "xyz");
     assert_eq!(sent[0]["prompt"], "q0:");
 }
+
+/// A saturated model under dynamic sampling: a step after the first whose groups are all
+/// flat (every reward equal in every round) trains on its last round's groups and says
+/// so in `dapo/without_signal`, as it would without dynamic sampling, instead of failing
+/// the run (a 240-step SmolLM2 run failed at step 238 that way). A first step without
+/// signal still fails, naming the step: nothing has varied yet, so the reward is suspect.
+/// The reward turns flat while the file `flat` exists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamic_sampling_without_signal_fails_the_first_step_and_trains_a_later_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let flat = dir.path().join("flat");
+    let file = dir.path().join("letters_or_flat.py");
+    std::fs::write(
+        &file,
+        format!(
+            "import os\n{LETTERS_PY}\nletters = compute_score\n\n\
+             def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    \
+                 if os.path.exists({flat:?}):\n        return {{'score': 1.0}}\n    \
+                 return letters(data_source, solution_str, ground_truth, extra_info)\n"
+        ),
+    )
+    .unwrap();
+    let mut sets = python_sets(&file);
+    sets.extend([
+        "algorithm.dynamic_sampling=true".to_string(),
+        "algorithm.max_sampling_rounds=2".to_string(),
+    ]);
+    let certs = tempfile::tempdir().unwrap();
+    let node = Node::builder("py-flat")
+        .dev_certs(certs.path())
+        .start()
+        .await
+        .unwrap();
+
+    let out = tempfile::tempdir().unwrap();
+    let job = demo_config(out.path(), &sets);
+    let mut controllers = build_embedded(&job, &node).await.unwrap();
+    let first = controllers[0].step().await.unwrap();
+    assert_eq!(first.metrics.get("dapo/without_signal"), Some(0.0));
+    std::fs::write(&flat, "").unwrap();
+    let rep = controllers[0].step().await.unwrap();
+    assert_eq!(rep.metrics.get("dapo/without_signal"), Some(1.0));
+    assert_eq!(rep.metrics.get("dapo/gen_rounds"), Some(2.0));
+    assert_eq!(rep.metrics.get("dapo/keep_rate"), Some(0.0));
+    assert_eq!(rep.samples.len(), first.samples.len());
+    assert!(rep.samples.iter().all(|s| s.reward == Some(1.0)));
+    assert_eq!(rep.ledger.samples - rep.ledger.dropped, rep.samples.len());
+    drop(controllers);
+    node.shutdown().await;
+
+    // A fresh run (its roles on a fresh node) whose first step is flat.
+    let node = Node::builder("py-flat-2")
+        .dev_certs(certs.path())
+        .start()
+        .await
+        .unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let job = demo_config(out.path(), &sets);
+    let mut controllers = build_embedded(&job, &node).await.unwrap();
+    let e = controllers[0].step().await.unwrap_err().to_string();
+    assert!(
+        e.contains("step 1:") && e.contains("no prompt group with differing rewards in 2"),
+        "{e}"
+    );
+    drop(controllers);
+    node.shutdown().await;
+}

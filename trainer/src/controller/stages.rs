@@ -39,6 +39,8 @@ pub(crate) struct RoundTotals {
     pub(crate) groups_seen: usize,
     pub(crate) groups_dropped: usize,
     pub(crate) kept_groups: usize,
+    /// No group had signal in any round, and the last round's flat groups were kept.
+    pub(crate) without_signal: bool,
 }
 
 impl Controller {
@@ -205,21 +207,37 @@ impl Controller {
                 kept = samples;
                 break;
             };
-            let Some(more) =
-                self.keep_groups_with_signal(samples, ds, target, ledger, &mut kept, &mut t)?
+            // The last round of a step after the first keeps flat groups rather than
+            // none: a model that answers every drawn prompt alike (saturated) then
+            // takes a step without signal, as without dynamic sampling, instead of
+            // ending a long run. At the first step nothing has varied yet, which points
+            // to the reward or the task, so that step stays an error.
+            let settle = step > 0 && t.rounds == rounds;
+            let Some(more) = self
+                .keep_groups_with_signal(samples, ds, target, settle, ledger, &mut kept, &mut t)?
             else {
                 break;
             };
             want = more;
         }
         if kept.is_empty() {
-            // Like verl's DAPO: a step with no signal at all is an error, not a silent
-            // no-op update.
+            // Like verl's DAPO: a first step with no signal at all is an error, not a
+            // silent no-op update.
             return Err(ControllerError::NoSignal {
-                step: self.step_no(),
+                step: step + 1,
                 rounds: t.rounds,
                 groups: t.groups_dropped,
             });
+        }
+        if t.without_signal {
+            tracing::warn!(
+                step = step + 1,
+                rounds = t.rounds,
+                groups_dropped = t.groups_dropped,
+                "dynamic sampling found no prompt group with differing rewards; this step \
+                 trains on flat groups (no policy-gradient signal), as without dynamic \
+                 sampling. Many such steps mean the model is saturated on the task"
+            );
         }
         m.set(names::GEN_S, t.gen_s);
         m.set(names::REWARD_S, t.reward_s);
@@ -232,6 +250,10 @@ impl Controller {
             m.set(
                 names::DAPO_KEEP_RATE,
                 t.kept_groups as f64 / t.groups_seen.max(1) as f64,
+            );
+            m.set(
+                names::DAPO_WITHOUT_SIGNAL,
+                f64::from(u8::from(t.without_signal)),
             );
         }
         Ok((kept, t.gen))
@@ -290,11 +312,14 @@ impl Controller {
     /// DAPO's dynamic sampling on one round's `samples`: keeps the groups with signal
     /// (at most those still needed) in `kept`, drops the rest through the ledger, and
     /// gives the number of prompts to ask for next, or `None` when the step is full.
+    /// With `settle`, a round that leaves the step with no group at all keeps up to
+    /// `target` flat groups instead (and ends the step).
     fn keep_groups_with_signal(
         &self,
         samples: Vec<Sample>,
         ds: DynamicSamplingConfig,
         target: usize,
+        settle: bool,
         ledger: &mut SampleLedger,
         kept: &mut Vec<Sample>,
         t: &mut RoundTotals,
@@ -311,13 +336,21 @@ impl Controller {
         t.groups_seen += f.keep_groups.len() + f.dropped_groups.len();
         // Keep at most the groups still needed; the surplus is dropped like the groups
         // without signal (DAPO trims to the batch size).
-        let keep: Vec<usize> = f
-            .keep_groups
+        let settling = settle && t.kept_groups == 0 && f.keep_groups.is_empty();
+        let candidates = if settling {
+            t.without_signal = true;
+            &f.dropped_groups
+        } else {
+            &f.keep_groups
+        };
+        let keep: Vec<usize> = candidates
             .iter()
             .copied()
             .take(target - t.kept_groups)
             .collect();
-        t.kept_groups += keep.len();
+        if !settling {
+            t.kept_groups += keep.len();
+        }
         let mut dropped = Vec::new();
         for (s, g) in samples.into_iter().zip(&groups) {
             if keep.contains(g) {
@@ -327,6 +360,9 @@ impl Controller {
             }
         }
         t.groups_dropped += f.dropped_groups.len() + f.keep_groups.len() - keep.len();
+        if settling {
+            return Ok(None);
+        }
         for s in &dropped {
             ledger
                 .drop_after(s.id, Stage::Rewarded)
