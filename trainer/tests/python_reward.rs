@@ -39,6 +39,11 @@ fn python_sets(file: &Path) -> Vec<String> {
     ]
 }
 
+/// A node on 127.0.0.1 with a dev certificate from `certs`.
+async fn dev_node(name: &str, certs: &Path) -> Node {
+    Node::builder(name).dev_certs(certs).start().await.unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_trains_three_steps_with_a_python_letters_reward() {
     let dir = tempfile::tempdir().unwrap();
@@ -47,11 +52,7 @@ async fn demo_trains_three_steps_with_a_python_letters_reward() {
     let out = tempfile::tempdir().unwrap();
     let job = demo_config(out.path(), &python_sets(&file));
     let certs = tempfile::tempdir().unwrap();
-    let node = Node::builder("py-0")
-        .dev_certs(certs.path())
-        .start()
-        .await
-        .unwrap();
+    let node = dev_node("py-0", certs.path()).await;
     let mut controllers = build_embedded(&job, &node).await.unwrap();
     for step in 1..=3 {
         let rep = controllers[0].step().await.unwrap();
@@ -213,14 +214,9 @@ async fn dynamic_sampling_without_signal_fails_the_first_step_and_trains_a_later
         "algorithm.max_sampling_rounds=2".to_string(),
     ]);
     let certs = tempfile::tempdir().unwrap();
-    let node = Node::builder("py-flat")
-        .dev_certs(certs.path())
-        .start()
-        .await
-        .unwrap();
-
     let out = tempfile::tempdir().unwrap();
     let job = demo_config(out.path(), &sets);
+    let node = dev_node("py-flat", certs.path()).await;
     let mut controllers = build_embedded(&job, &node).await.unwrap();
     let first = controllers[0].step().await.unwrap();
     assert_eq!(first.metrics.get("dapo/without_signal"), Some(0.0));
@@ -236,13 +232,9 @@ async fn dynamic_sampling_without_signal_fails_the_first_step_and_trains_a_later
     node.shutdown().await;
 
     // A fresh run (its roles on a fresh node) whose first step is flat.
-    let node = Node::builder("py-flat-2")
-        .dev_certs(certs.path())
-        .start()
-        .await
-        .unwrap();
     let out = tempfile::tempdir().unwrap();
     let job = demo_config(out.path(), &sets);
+    let node = dev_node("py-flat-2", certs.path()).await;
     let mut controllers = build_embedded(&job, &node).await.unwrap();
     let e = controllers[0].step().await.unwrap_err().to_string();
     assert!(
