@@ -212,6 +212,9 @@ async fn dynamic_sampling_without_signal_fails_the_first_step_and_trains_a_later
     sets.extend([
         "algorithm.dynamic_sampling=true".to_string(),
         "algorithm.max_sampling_rounds=2".to_string(),
+        // Enough prompts that the last round draws more groups than the step trains:
+        // the surplus must be dropped through the ledger (a regression: it was not).
+        "data.num_prompts=64".to_string(),
     ]);
     let certs = tempfile::tempdir().unwrap();
     let out = tempfile::tempdir().unwrap();
@@ -228,6 +231,7 @@ async fn dynamic_sampling_without_signal_fails_the_first_step_and_trains_a_later
     assert_eq!(rep.samples.len(), first.samples.len());
     assert!(rep.samples.iter().all(|s| s.reward == Some(1.0)));
     assert_eq!(rep.ledger.samples - rep.ledger.dropped, rep.samples.len());
+    assert!(rep.metrics.get("dapo/groups_dropped").unwrap() > 8.0);
     drop(controllers);
     node.shutdown().await;
 

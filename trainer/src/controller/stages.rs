@@ -360,15 +360,12 @@ impl Controller {
             }
         }
         t.groups_dropped += f.dropped_groups.len() + f.keep_groups.len() - keep.len();
-        if settling {
-            return Ok(None);
-        }
         for s in &dropped {
             ledger
                 .drop_after(s.id, Stage::Rewarded)
                 .map_err(self.ledger_err())?;
         }
-        if t.kept_groups >= target {
+        if settling || t.kept_groups >= target {
             return Ok(None);
         }
         Ok(Some(
