@@ -194,3 +194,69 @@ fn a_replica_lost_after_its_peer_took_the_update_keeps_the_update_and_the_weight
         "the disturbed run ends with other weights or optimizer state"
     );
 }
+
+/// Two nodes killed in the same instant: the directory leader, which holds the rollout,
+/// reward and reference, and replica 1's node. The members elect a new leader, the
+/// stateless roles and the replica are respawned on the two spares (the replica from
+/// replica 0's state), and the run ends with the undisturbed run's metrics and weights.
+#[test]
+fn two_nodes_killed_at_once_the_leader_and_a_replicas_node_are_both_replaced_and_change_nothing() {
+    const STEPS: u64 = 24;
+    let t0 = Instant::now();
+    let sets = replicated(STEPS, "pd-0", ["pd-1", "pd-2"]);
+    let quiet = tempfile::tempdir().unwrap();
+    let undisturbed = Cluster::start("pd", 5);
+    let mut run = undisturbed.spawn_train(CONFIG, &sets, quiet.path(), false);
+    let status = run.wait(Duration::from_secs(120));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{}",
+        run.printed()
+    );
+    drop(undisturbed);
+
+    let mut cluster = Cluster::start("pd", 5);
+    let out = tempfile::tempdir().unwrap();
+    let mut run = cluster.spawn_train(CONFIG, &sets, out.path(), false);
+    let reached = poll(Duration::from_secs(90), || {
+        (steps_done(out.path()) >= 6).then_some(())
+    });
+    assert!(reached.is_some(), "{}", run.printed());
+    cluster.nodes[0].kill9();
+    cluster.nodes[2].kill9();
+    let status = run.wait(Duration::from_secs(180));
+    let printed = run.printed();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{printed}\n{}",
+        cluster_logs(&cluster)
+    );
+    let recovered = metric_of_steps(out.path(), "recovery/respawned_roles");
+    let respawned: f64 = recovered.iter().map(|(_, n)| *n).sum();
+    assert!(
+        respawned >= 4.0,
+        "the rollout, reward, reference and replica 1 respawned: {recovered:?}\n{printed}"
+    );
+    let trained = metric_of_steps(out.path(), "ledger/samples_trained");
+    assert_eq!(trained.len() as u64, STEPS, "{trained:?}");
+    assert!(trained.iter().all(|(_, n)| *n == 64.0), "{trained:?}");
+    assert_eq!(
+        run_trajectory(quiet.path()),
+        run_trajectory(out.path()),
+        "the disturbed run's trajectory differs"
+    );
+    assert_eq!(
+        checkpoint_digest(quiet.path()),
+        checkpoint_digest(out.path()),
+        "the disturbed run ends with other weights or optimizer state"
+    );
+    let stalls: Vec<String> = metric_of_steps(out.path(), "timing_s/step")
+        .into_iter()
+        .filter(|(s, _)| recovered.iter().any(|(r, _)| r == s))
+        .map(|(s, t)| format!("step {s}: {t:.2} s"))
+        .collect();
+    eprintln!(
+        "leader and replica node killed at once; recovered {recovered:?}, steps {stalls:?}; all {:.1?}",
+        t0.elapsed()
+    );
+}

@@ -53,7 +53,8 @@ pub(crate) fn actor_lost(d: &Directory, id: &ActorId) -> bool {
 ///
 /// A recovery that meets a loss itself (a node that was to host a role dies too) is
 /// tried again once the membership has changed, up to [`RECOVERY_TRIES`] times: each
-/// try finds what is lost anew.
+/// try finds what is lost anew. What an earlier try moved stays moved and is reported
+/// with the rest.
 pub(crate) async fn respawn_lost_roles(
     job: &JobConfig,
     node: &Node,
@@ -64,8 +65,20 @@ pub(crate) async fn respawn_lost_roles(
     named: &mut NamedRoles,
 ) -> Result<Recovered, JobError> {
     let mut tries = 1;
+    let mut moved = Vec::new();
     loop {
-        match respawn_once(job, node, controllers, before, failed, custom, named).await {
+        let once = respawn_once(
+            job,
+            node,
+            controllers,
+            before,
+            failed,
+            custom,
+            named,
+            &mut moved,
+        )
+        .await;
+        match once {
             Err(e) if tries < RECOVERY_TRIES && met_a_loss(&e) => {
                 tracing::warn!(tries, error = %e, "recovering from a node loss failed; trying again once the membership changes");
                 tries += 1;
@@ -78,15 +91,23 @@ pub(crate) async fn respawn_lost_roles(
                     .wait_until(settle, |d| d.version() != epoch)
                     .await;
             }
-            done => return done,
+            Ok(Recovered::Moved(())) => return Ok(Recovered::Moved(moved)),
+            // A later try that finds nothing lost any more still reports what the
+            // earlier ones moved.
+            Ok(Recovered::NotMoved(None)) if !moved.is_empty() => {
+                return Ok(Recovered::Moved(moved))
+            }
+            Ok(Recovered::NotMoved(e)) => return Ok(Recovered::NotMoved(e)),
+            Err(e) => return Err(e),
         }
     }
 }
 
-/// What a recovery did.
-pub(crate) enum Recovered {
-    /// The lost roles run elsewhere now: `role: old node -> new node` for each.
-    Moved(Vec<String>),
+/// What a recovery did. `M` is what moved: `role: old node -> new node` for each (one
+/// try of [`respawn_once`] pushes its moves into the caller's list instead).
+pub(crate) enum Recovered<M = Vec<String>> {
+    /// The lost roles run elsewhere now.
+    Moved(M),
     /// Nothing moved. `Some` is the error the run stops with instead of the failure
     /// itself: the failure plus why it cannot be recovered in place (state that went
     /// with the node, or a node the cluster still hears: a partition). `None`: the
@@ -96,7 +117,7 @@ pub(crate) enum Recovered {
 
 /// Why a failed step cannot be recovered in place: `failed`, what went wrong with the
 /// recovery, and what to do (the run's stop message adds how to resume).
-fn unrecoverable(failed: &JobError, why: String, fix: &str) -> Recovered {
+fn unrecoverable<M>(failed: &JobError, why: String, fix: &str) -> Recovered<M> {
     Recovered::NotMoved(Some(JobError::Recovery {
         what: format!("{failed}; {why}"),
         fix: fix.into(),
@@ -142,7 +163,8 @@ async fn respawn_once(
     failed: &JobError,
     custom: &BTreeSet<ActorId>,
     named: &mut NamedRoles,
-) -> Result<Recovered, JobError> {
+    moved: &mut Vec<String>,
+) -> Result<Recovered<()>, JobError> {
     let not_moved = Ok(Recovered::NotMoved(None));
     let JobError::Controller(e) = failed else {
         return not_moved;
@@ -247,7 +269,6 @@ async fn respawn_once(
         lost: &lost,
         timeout: spawn_timeout,
     };
-    let mut moved = Vec::new();
     let is_lost = |id: &ActorId| lost.contains(id);
     // Shared roles: one new actor for every head.
     if let Some(id) = controllers
@@ -321,7 +342,7 @@ async fn respawn_once(
         c.restore(s.clone())?;
         c.sync_weights().await?;
     }
-    Ok(Recovered::Moved(moved))
+    Ok(Recovered::Moved(()))
 }
 
 /// What spawning a lost role again needs: a role `[roles]` named goes back by its name,
