@@ -695,3 +695,69 @@ async fn losing_the_only_rollout_node_mid_step_turns_a_policy_group_into_the_rol
         t0.elapsed()
     );
 }
+
+/// The reward and the reference run outside the groups, on `nr-0`. When `nr-0` dies
+/// (`kill -9`, stopped before the step so that the kill lands while step 1 generates),
+/// the step's reward or reference call fails, both start again on a live node from the
+/// job's config (the reference is the initial model), the heads go back to before the
+/// step and it runs again: every sample trained once, and training goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_the_reward_and_reference_node_mid_step_starts_them_again_and_training_goes_on() {
+    let t0 = Instant::now();
+    let sets = [
+        "placement.nodes=[\"nr-2\", \"nr-1\"]",
+        "placement.reference=\"nr-0\"",
+        "algorithm.kl_mode=\"loss\"",
+        "job.steps=5",
+    ];
+    let mut r = start("nr", &sets).await;
+    let victim = r.live.replicas()[0].3.clone();
+    let per_head = (r.job.data.prompts_per_step * r.job.data.samples_per_prompt as usize) as u64;
+    let probe = r.live.gen_probe();
+    let mut lost_step_s = 0.0;
+    for step in 0..r.job.job.steps {
+        let t = Instant::now();
+        let m = match step {
+            1 => step_killing(&mut r, 0, &victim, &probe).await.0,
+            _ => r.live.step().await,
+        };
+        let m = m.unwrap_or_else(|e| panic!("step {step}: {e}\n{}", cluster_logs(&r.cluster)));
+        for l in r.live.last_ledgers() {
+            assert_eq!(
+                (l.step, l.samples as u64, l.dropped),
+                (step, per_head, 0),
+                "step {step}"
+            );
+        }
+        let respawned = m.get("recovery/respawned_roles");
+        if step == 1 {
+            lost_step_s = t.elapsed().as_secs_f64();
+            assert_eq!(respawned, Some(2.0), "the reward and the reference");
+            for c in r.live.controllers() {
+                let roles = c.roles();
+                let reference = roles.reference.as_ref().expect("a reference");
+                for id in [roles.reward.id(), reference.id()] {
+                    assert_ne!(id.name.node, "nr-0", "{id}");
+                    assert!(alive(&r.node, &id.name.node), "{id}");
+                }
+            }
+        } else {
+            assert_eq!(respawned, None, "step {step}");
+        }
+    }
+    let said = records(&r.live).iter().any(|rec| {
+        matches!(rec, Record::Search { line, .. }
+            if line.contains("lost with its node, started again: reward: nr-0 -> ")
+                && line.contains("reference: nr-0 -> "))
+    });
+    assert!(said, "the restart is not in the placement log");
+    eprintln!(
+        "the reward and reference node lost mid-step: both started again, the step took {lost_step_s:.2} s; {} steps in {:.2?}",
+        r.job.job.steps,
+        t0.elapsed()
+    );
+    drop(r.live);
+    r.node.shutdown().await;
+    r.cluster.nodes.remove(0);
+    assert_roles_released(&r.cluster);
+}

@@ -20,7 +20,10 @@
 //!
 //! **Bounds.** Every send is an ask with the spec's deadline, every wait for a chunk
 //! has the same deadline and ends early when the directory marks the sender dead, and
-//! an inbox queues at most [`INBOX_QUEUE`] chunks before its sender waits.
+//! an inbox queues at most [`INBOX_QUEUE`] chunks before its sender waits. A member
+//! that gives up on a round tells every other member ([`RingMsg::Abandon`]), so that a
+//! member waiting on a live neighbour that gave up (in a ring of four or more, the
+//! member two places after a dead one) fails at once instead of at its deadline.
 
 use std::ops::Range;
 use std::time::Duration;
@@ -81,8 +84,32 @@ pub struct RingChunk {
 pub enum RingMsg {
     /// A chunk from the previous member.
     Chunk(RingChunk),
+    /// A member gave up on `round` of the ring `members`: whoever waits in that round
+    /// of that ring fails now. (A rebuilt ring has other members, so a late abandon of
+    /// the attempt before it does not fail its retry of the same round.)
+    Abandon(Abandon),
     /// The member is gone: stop the inbox.
     Close,
+}
+
+/// A member gave up on a round.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Abandon {
+    /// The all-reduce.
+    pub round: u64,
+    /// The ring, as [`RingSpec::members`] lists it.
+    pub members: Vec<ActorId>,
+    /// The member that gave up (its inbox).
+    pub by: ActorId,
+    /// Why.
+    pub reason: String,
+}
+
+/// What waits in a member's queue.
+#[derive(Debug)]
+enum Inbound {
+    Chunk(RingChunk),
+    Abandon(Abandon),
 }
 
 #[derive(Serialize, Deserialize)]
@@ -93,6 +120,7 @@ enum RingHead {
         offset: u64,
         total: u64,
     },
+    Abandon(Abandon),
     Close,
 }
 
@@ -101,6 +129,10 @@ impl Message for RingMsg {
         match self {
             RingMsg::Close => Ok(Wire {
                 body: encode_body(&RingHead::Close)?,
+                bulk: None,
+            }),
+            RingMsg::Abandon(a) => Ok(Wire {
+                body: encode_body(&RingHead::Abandon(a))?,
                 bulk: None,
             }),
             RingMsg::Chunk(c) => {
@@ -136,6 +168,7 @@ impl Message for RingMsg {
     fn from_wire(wire: Wire) -> Result<Self, WireError> {
         match decode_body::<RingHead>(&wire.body)? {
             RingHead::Close => Ok(RingMsg::Close),
+            RingHead::Abandon(a) => Ok(RingMsg::Abandon(a)),
             RingHead::Chunk {
                 round,
                 step,
@@ -221,6 +254,16 @@ pub enum CollectiveError {
         /// What arrived instead.
         reason: String,
     },
+    /// Another member gave up on this round (the first cause is in `reason`).
+    #[error("round {round}: member {by} gave up: {reason}")]
+    Abandoned {
+        /// The all-reduce.
+        round: u64,
+        /// The member that gave up.
+        by: ActorId,
+        /// Its error.
+        reason: String,
+    },
     /// The node or the runtime stopped under the all-reduce.
     #[error("the ring member's node or runtime stopped")]
     Stopped,
@@ -228,7 +271,7 @@ pub enum CollectiveError {
 
 /// The actor that receives a member's chunks and queues them for it.
 struct RingInbox {
-    queue: mpsc::Sender<RingChunk>,
+    queue: mpsc::Sender<Inbound>,
 }
 
 impl Actor for RingInbox {
@@ -237,16 +280,23 @@ impl Actor for RingInbox {
 
     async fn handle(&mut self, msg: RingMsg, ctx: &mut Context) -> Result<Ack, ActorError> {
         match msg {
-            RingMsg::Chunk(c) => match self.queue.send(c).await {
-                Ok(()) => Ok(Ack),
-                Err(_) => {
-                    ctx.stop();
-                    Err(ActorError::Unavailable("the ring member is gone".into()))
-                }
-            },
+            RingMsg::Chunk(c) => self.queue(Inbound::Chunk(c), ctx).await,
+            RingMsg::Abandon(a) => self.queue(Inbound::Abandon(a), ctx).await,
             RingMsg::Close => {
                 ctx.stop();
                 Ok(Ack)
+            }
+        }
+    }
+}
+
+impl RingInbox {
+    async fn queue(&mut self, item: Inbound, ctx: &mut Context) -> Result<Ack, ActorError> {
+        match self.queue.send(item).await {
+            Ok(()) => Ok(Ack),
+            Err(_) => {
+                ctx.stop();
+                Err(ActorError::Unavailable("the ring member is gone".into()))
             }
         }
     }
@@ -257,7 +307,7 @@ impl Actor for RingInbox {
 /// from a compute thread ([`RingMember::all_reduce_mean_blocking`]).
 pub struct RingMember {
     inbox: ActorRef<RingMsg, Ack>,
-    queue: Option<mpsc::Receiver<RingChunk>>,
+    queue: Option<mpsc::Receiver<Inbound>>,
     node: WeakNode,
     runtime: tokio::runtime::Handle,
     spec: Option<RingSpec>,
@@ -408,8 +458,50 @@ pub fn ring_segments(len: usize, n: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
+/// [`ring_exchange`], telling the other members when this one gives up.
 async fn ring_mean(
-    queue: &mut mpsc::Receiver<RingChunk>,
+    queue: &mut mpsc::Receiver<Inbound>,
+    spec: &RingSpec,
+    node: &Node,
+    buf: &mut [f32],
+    round: u64,
+) -> Result<(), CollectiveError> {
+    let result = ring_exchange(queue, spec, node, buf, round).await;
+    match &result {
+        // Whoever gave up first has told everyone.
+        Ok(()) | Err(CollectiveError::Abandoned { .. }) => {}
+        Err(e) => abandon(spec, node, round, e.to_string()),
+    }
+    result
+}
+
+/// Tells every other member of the ring that this one gave up on `round`: each send is
+/// an ask with the spec's deadline (at most 5 s), in a task of its own, so that giving
+/// up never waits on a member that is gone too.
+fn abandon(spec: &RingSpec, node: &Node, round: u64, reason: String) {
+    let me = &spec.members[spec.rank as usize];
+    let note = Abandon {
+        round,
+        members: spec.members.clone(),
+        by: me.clone(),
+        reason,
+    };
+    let timeout = spec.timeout.min(Duration::from_secs(5));
+    for to in spec.members.iter().filter(|m| *m != me) {
+        let Ok(peer) = node.actor_ref::<RingMsg, Ack>(to) else {
+            continue;
+        };
+        let note = note.clone();
+        tokio::spawn(async move {
+            if let Err(e) = peer.ask(RingMsg::Abandon(note), timeout).await {
+                tracing::debug!(to = %peer.id(), error = %e, "telling a ring member this one gave up");
+            }
+        });
+    }
+}
+
+async fn ring_exchange(
+    queue: &mut mpsc::Receiver<Inbound>,
     spec: &RingSpec,
     node: &Node,
     buf: &mut [f32],
@@ -433,6 +525,7 @@ async fn ring_mean(
             },
         })?;
     let link = Link {
+        members: &spec.members,
         next: &next,
         prev: &spec.members[(rank + n - 1) % n],
         node,
@@ -469,6 +562,7 @@ async fn ring_mean(
 
 /// One member's view of the ring during a round.
 struct Link<'a> {
+    members: &'a [ActorId],
     next: &'a ActorRef<RingMsg, Ack>,
     prev: &'a ActorId,
     node: &'a Node,
@@ -484,7 +578,7 @@ impl Link<'_> {
     /// together, so no member waits on a full inbox while its own fills up.
     async fn exchange(
         &self,
-        queue: &mut mpsc::Receiver<RingChunk>,
+        queue: &mut mpsc::Receiver<Inbound>,
         buf: &mut [f32],
         step: u32,
         send: Range<usize>,
@@ -532,7 +626,7 @@ impl Link<'_> {
 
     async fn receive(
         &self,
-        queue: &mut mpsc::Receiver<RingChunk>,
+        queue: &mut mpsc::Receiver<Inbound>,
         buf: &mut [f32],
         step: u32,
         range: Range<usize>,
@@ -556,6 +650,20 @@ impl Link<'_> {
                     after: self.timeout,
                 }),
             }?;
+            let c = match c {
+                Inbound::Chunk(c) => c,
+                Inbound::Abandon(a) if a.round == self.round && a.members == self.members => {
+                    return Err(CollectiveError::Abandoned {
+                        round: a.round,
+                        by: a.by,
+                        reason: a.reason,
+                    })
+                }
+                Inbound::Abandon(a) => {
+                    tracing::debug!(round = a.round, by = %a.by, "dropping the abandon of another round or ring");
+                    continue;
+                }
+            };
             if c.round < self.round {
                 tracing::debug!(round = c.round, "dropping a chunk of an abandoned round");
                 continue;

@@ -38,6 +38,21 @@ fn ring(hosts: &[&Node], role: &str, chunk_bytes: u64, timeout: Duration) -> Vec
     members
 }
 
+/// Joins `members` into one ring again, in their order (a ring rebuilt around a
+/// replacement).
+fn rejoin(members: &mut [RingMember]) {
+    let ids: Vec<_> = members.iter().map(|m| m.inbox_id().clone()).collect();
+    for (rank, m) in members.iter_mut().enumerate() {
+        m.join(RingSpec {
+            rank: rank as u32,
+            members: ids.clone(),
+            timeout: T,
+            chunk_bytes: 4,
+        })
+        .unwrap();
+    }
+}
+
 /// Runs one all-reduce on every member at once; returns each member's result.
 async fn all_reduce(members: &mut [RingMember], inputs: &[Vec<f32>], round: u64) -> Vec<Vec<f32>> {
     let runs = members.iter_mut().zip(inputs).map(|(m, x)| async move {
@@ -201,16 +216,7 @@ async fn a_rebuilt_ring_retries_the_same_round_without_the_lost_members_chunks()
     // A replacement takes rank 1 and the ring is joined again; round 3 is retried.
     let replacement = RingMember::start(&n, "ring", 7).unwrap();
     members.push(replacement);
-    let ids: Vec<_> = members.iter().map(|m| m.inbox_id().clone()).collect();
-    for (rank, m) in members.iter_mut().enumerate() {
-        m.join(RingSpec {
-            rank: rank as u32,
-            members: ids.clone(),
-            timeout: T,
-            chunk_bytes: 4,
-        })
-        .unwrap();
-    }
+    rejoin(&mut members);
     let inputs = vec![vec![2.0f32; 8], vec![4.0; 8]];
     for got in all_reduce(&mut members, &inputs, 3).await {
         assert_eq!(
@@ -219,5 +225,47 @@ async fn a_rebuilt_ring_retries_the_same_round_without_the_lost_members_chunks()
             "the lost member's chunks were averaged in"
         );
     }
+    n.shutdown().await;
+}
+
+/// Regression: in a ring of four, when member 1 is gone, member 2 (after it) fails at
+/// once and member 0 (before it) cannot send, but member 3 waits on member 2, which is
+/// alive and gave up: it used to wait out its whole deadline (the trainer's
+/// `timeouts.train_s`, 600 s by default). A member that gives up now tells the others,
+/// so every survivor fails within moments. The ring rebuilt around a replacement then
+/// retries the same round, and the late abandons of the attempt before do not fail it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_gives_up_tells_the_ring_so_no_survivor_waits_out_its_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), "ab-a", None).await;
+    let deadline = Duration::from_secs(30);
+    let mut members = ring(&[&n, &n, &n, &n], "ring", 4, deadline);
+    drop(members.remove(1));
+    let t0 = Instant::now();
+    let runs = members.iter_mut().map(|m| async move {
+        let mut buf = vec![1.0f32; 64];
+        let e = m.all_reduce_mean(&mut buf, 5).await.unwrap_err();
+        (e, t0.elapsed())
+    });
+    let failed = futures::future::join_all(runs).await;
+    for (e, after) in &failed {
+        assert!(after < &Duration::from_secs(10), "{e} after {after:?}");
+    }
+    let (last, _) = &failed[2];
+    assert!(
+        matches!(last, CollectiveError::Abandoned { round: 5, .. }),
+        "member 3 waited on member 2, which gave up: {last}"
+    );
+    // A replacement takes rank 1; round 5 is retried on the rebuilt ring.
+    members.insert(1, RingMember::start(&n, "ring", 9).unwrap());
+    rejoin(&mut members);
+    let inputs: Vec<Vec<f32>> = (0..4).map(|i| vec![i as f32; 64]).collect();
+    for got in all_reduce(&mut members, &inputs, 5).await {
+        assert_eq!(got, vec![1.5; 64]);
+    }
+    eprintln!(
+        "survivors failed after {:?}",
+        failed.iter().map(|(_, t)| *t).collect::<Vec<_>>()
+    );
     n.shutdown().await;
 }

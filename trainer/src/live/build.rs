@@ -36,6 +36,7 @@ use crate::live::state::node_desc;
 use crate::live::state::Hosts;
 use crate::live::state::LivePlacement;
 use crate::live::state::Replica;
+use crate::live::state::Restartable;
 use crate::live::state::Shared;
 use yatt_placement::NodeDesc;
 
@@ -364,6 +365,8 @@ pub(crate) async fn shared_roles(
                     ),
                 },
                 stages: custom.stages.clone(),
+                // Embedded, they live and die with this process.
+                restartable: Restartable::default(),
             };
             let hosts = Hosts::Embedded {
                 codec,
@@ -404,6 +407,10 @@ pub(crate) async fn shared_roles(
                     ),
                 },
                 stages: custom.stages.clone(),
+                restartable: Restartable {
+                    reward: custom.reward.is_none(),
+                    reference: custom.reference.is_none(),
+                },
             };
             (Hosts::Cluster { text }, shared)
         }

@@ -58,7 +58,7 @@ impl LivePlacement {
                     "node {node} left the cluster with the policy replica(s) of {}: the trainer state (weights, optimizer) there is lost",
                     policy_on.join(", ")
                 ),
-                fix: "live placement recovers from losing nodes that host only rollout replicas; resume the run on nodes that stay up (see below for its last checkpoint)".into()});
+                fix: "live placement recovers from losing nodes that host only rollout replicas, the reward or the reference; resume the run on nodes that stay up (see below for its last checkpoint)".into()});
         }
         self.known_nodes.remove(node);
         for g in &groups {

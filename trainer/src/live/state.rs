@@ -40,6 +40,16 @@ pub(crate) struct Shared {
     pub(crate) reference: Option<crate::controller::refs::SamplesRef>,
     /// The user's stages, in every head.
     pub(crate) stages: Vec<crate::controller::extra_stages::ExtraStage>,
+    /// Which of the reward and reference this trainer started (not the user's), and so
+    /// can start again when their node is lost.
+    pub(crate) restartable: Restartable,
+}
+
+/// Which shared roles the trainer started itself.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Restartable {
+    pub(crate) reward: bool,
+    pub(crate) reference: bool,
 }
 
 /// Seconds one step's stages kept each group busy, and the policy's view of the step.

@@ -8,6 +8,7 @@ use yatt_placement::{finite, Record};
 
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::step_data_parallel;
+use crate::controller::error::ControllerError;
 use crate::controller::report::{average_heads, StepMetrics};
 use crate::error::JobError;
 use crate::live::state::Hosts;
@@ -28,33 +29,50 @@ impl LivePlacement {
     pub async fn step(&mut self) -> Result<StepMetrics, JobError> {
         let t = Instant::now();
         let before: Vec<_> = self.controllers.iter().map(Controller::state).collect();
+        let mut respawned = 0;
         let reports = match step_data_parallel(&mut self.controllers).await {
             Ok(r) => r,
-            // Generation failed with no spare to take it over (a single rollout group)
-            // and a node is gone: nothing was trained yet, so the heads go back to
-            // before the step, the loss is carried out (a policy group may become the
-            // rollout), and the step runs again on the new plan.
-            Err(crate::controller::error::ControllerError::Call { stage: "gen", .. })
-                if matches!(self.hosts, Hosts::Cluster { .. }) && !self.dead_nodes().is_empty() =>
-            {
+            Err(e) => {
+                // Generation failed with no spare to take it over (a single rollout
+                // group) and a node is gone; or the reward or reference was lost with
+                // its node. Nothing was trained yet: the heads go back to before the
+                // step, the loss is carried out (a policy group may become the
+                // rollout; a lost shared role starts again elsewhere), and the step
+                // runs again on the new plan.
+                let lost_gen = matches!(e, ControllerError::Call { stage: "gen", .. })
+                    && matches!(self.hosts, Hosts::Cluster { .. })
+                    && !self.dead_nodes().is_empty();
+                let lost_shared = match lost_gen {
+                    true => Vec::new(),
+                    false => self.lost_shared(&e).await,
+                };
+                if !lost_gen && lost_shared.is_empty() {
+                    return Err(self.explain_failed_step(e.into()));
+                }
                 for (c, s) in self.controllers.iter_mut().zip(before) {
                     c.restore(s)?;
                 }
                 let step = self.controllers.first().map_or(0, Controller::step_count);
-                self.write(&Record::Search {
-                    step,
-                    line: format!(
-                        "step {}: generation lost its only rollout replica with node(s) {}; the step runs again after the re-plan",
-                        step + 1,
-                        self.dead_nodes().join(", ")
-                    )})?;
+                if lost_gen {
+                    self.write(&Record::Search {
+                        step,
+                        line: format!(
+                            "step {}: generation lost its only rollout replica with node(s) {}; the step runs again after the re-plan",
+                            step + 1,
+                            self.dead_nodes().join(", ")
+                        )})?;
+                }
                 self.follow_membership(step).await?;
+                if !lost_shared.is_empty() {
+                    let moved = self.respawn_shared(&lost_shared, step).await?;
+                    tracing::warn!(step = step + 1, error = %e, ?moved, "a node was lost; its roles run elsewhere and the step runs again");
+                    respawned = moved.len();
+                }
                 match step_data_parallel(&mut self.controllers).await {
                     Ok(r) => r,
                     Err(e) => return Err(self.explain_failed_step(e.into())),
                 }
             }
-            Err(e) => return Err(self.explain_failed_step(e.into())),
         };
         let wall = t.elapsed().as_secs_f64();
         self.last_ledgers = reports.iter().map(|r| r.ledger.clone()).collect();
@@ -90,6 +108,10 @@ impl LivePlacement {
         let requeued: u64 = self.last_ledgers.iter().map(|l| l.requeued).sum();
         m.values
             .insert(names::PLACEMENT_REQUEUED.into(), requeued as f64);
+        if respawned > 0 {
+            m.values
+                .insert(names::RECOVERY_RESPAWNED.into(), respawned as f64);
+        }
         self.apply(decisions, step).await?;
         let count = |r: PRole| self.plan.pool_of(r).map_or(0, |p| p.groups.len()) as f64;
         m.values.insert(
@@ -124,7 +146,7 @@ impl LivePlacement {
                 dead.join(", "),
                 hosted.join(", ")
             ),
-            fix: "live placement survives losing nodes that host only rollout replicas; a lost policy replica cannot be recovered: resume the run (see below for its last checkpoint)".into()}
+            fix: "live placement survives losing nodes that host only rollout replicas, the reward or the reference; a lost policy replica cannot be recovered: resume the run (see below for its last checkpoint)".into()}
     }
 
     /// Nodes whose groups are in the inventory but which the directory no longer lists
