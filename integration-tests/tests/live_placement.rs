@@ -58,7 +58,12 @@ struct Run {
 /// Starts the cluster (`prefix-0..2`), joins it and builds the live placement of the
 /// example config with `sets` on top; checks each replica runs on its group's node.
 async fn start(prefix: &str, sets: &[&str]) -> Run {
-    let cluster = Cluster::start_with(prefix, &[&[], &["--virtual-devices", "2"], &[]]);
+    start_on(prefix, &[&[], &["--virtual-devices", "2"], &[]], sets).await
+}
+
+/// [`start`] on nodes `prefix-0..` started with `nodes[i]`'s extra arguments.
+async fn start_on(prefix: &str, nodes: &[&[&str]], sets: &[&str]) -> Run {
+    let cluster = Cluster::start_with(prefix, nodes);
     let node = join(&cluster, &format!("{prefix}-train")).await;
     let out = tempfile::tempdir().unwrap();
     let config = concat!(
@@ -453,6 +458,36 @@ async fn step_killing(
     (m, detected, since_stop)
 }
 
+/// Runs every step of `r`, step 1 with node `i` killed (see [`step_killing`]) while
+/// `victim` generates. After each step, checks that every head's ledger closed on all
+/// of its samples, none dropped, and calls `each` with the step, the placement, the
+/// metrics and the step's seconds.
+async fn run_killing_in_step_1(
+    r: &mut Run,
+    i: usize,
+    victim: &ActorId,
+    mut each: impl FnMut(u64, &LivePlacement, &StepMetrics, f64),
+) {
+    let per_head = (r.job.data.prompts_per_step * r.job.data.samples_per_prompt as usize) as u64;
+    let probe = r.live.gen_probe();
+    for step in 0..r.job.job.steps {
+        let t = Instant::now();
+        let m = match step {
+            1 => step_killing(r, i, victim, &probe).await.0,
+            _ => r.live.step().await,
+        };
+        let m = m.unwrap_or_else(|e| panic!("step {step}: {e}\n{}", cluster_logs(&r.cluster)));
+        for l in r.live.last_ledgers() {
+            assert_eq!(
+                (l.step, l.samples as u64, l.dropped),
+                (step, per_head, 0),
+                "step {step}"
+            );
+        }
+        each(step, &r.live, &m, t.elapsed().as_secs_f64());
+    }
+}
+
 /// Node loss mid-step, then the node's return. `nl-2` (one device) hosts head 0's
 /// rollout replica, `nl-1` (two) head 1's rollout and the policy. During step 2, while
 /// head 0's generation request is in flight on `nl-2`, `nl-2` is killed (`kill -9`;
@@ -630,21 +665,7 @@ async fn losing_the_only_rollout_node_mid_step_turns_a_policy_group_into_the_rol
         [("n1-2", "rollout"), ("n1-1", "policy"), ("n1-1", "policy")]
     );
     let victim = before[0].3.clone();
-    let per_head = (r.job.data.prompts_per_step * r.job.data.samples_per_prompt as usize) as u64;
-    let probe = r.live.gen_probe();
-    for step in 0..r.job.job.steps {
-        let m = match step {
-            1 => step_killing(&mut r, 2, &victim, &probe).await.0,
-            _ => r.live.step().await,
-        };
-        let m = m.unwrap_or_else(|e| panic!("step {step}: {e}\n{}", cluster_logs(&r.cluster)));
-        for l in r.live.last_ledgers() {
-            assert_eq!(
-                (l.step, l.samples as u64, l.dropped),
-                (step, per_head, 0),
-                "step {step}"
-            );
-        }
+    run_killing_in_step_1(&mut r, 2, &victim, |step, live, m, _| {
         if step == 1 {
             // Regression: the recovered step was recorded at the rerun's time alone
             // (0.27 s for a step of 2.25 s): it counts the detection and re-plan too.
@@ -653,12 +674,13 @@ async fn losing_the_only_rollout_node_mid_step_turns_a_policy_group_into_the_rol
                 recorded == wall && wall > Some(1.0),
                 "{recorded:?} {wall:?}"
             );
-            let replicas = r.live.replicas();
+            let replicas = live.replicas();
             let mut now = layout(&replicas);
             now.sort();
             assert_eq!(now, [("n1-1", "policy"), ("n1-1", "rollout")]);
         }
-    }
+    })
+    .await;
     let records = records(&r.live);
     let moves = records
         .iter()
@@ -712,39 +734,26 @@ async fn losing_the_reward_and_reference_node_mid_step_starts_them_again_and_tra
     ];
     let mut r = start("nr", &sets).await;
     let victim = r.live.replicas()[0].3.clone();
-    let per_head = (r.job.data.prompts_per_step * r.job.data.samples_per_prompt as usize) as u64;
-    let probe = r.live.gen_probe();
     let mut lost_step_s = 0.0;
-    for step in 0..r.job.job.steps {
-        let t = Instant::now();
-        let m = match step {
-            1 => step_killing(&mut r, 0, &victim, &probe).await.0,
-            _ => r.live.step().await,
-        };
-        let m = m.unwrap_or_else(|e| panic!("step {step}: {e}\n{}", cluster_logs(&r.cluster)));
-        for l in r.live.last_ledgers() {
-            assert_eq!(
-                (l.step, l.samples as u64, l.dropped),
-                (step, per_head, 0),
-                "step {step}"
-            );
-        }
+    let node = r.node.clone();
+    run_killing_in_step_1(&mut r, 0, &victim, |step, live, m, secs| {
         let respawned = m.get("recovery/respawned_roles");
         if step == 1 {
-            lost_step_s = t.elapsed().as_secs_f64();
+            lost_step_s = secs;
             assert_eq!(respawned, Some(2.0), "the reward and the reference");
-            for c in r.live.controllers() {
+            for c in live.controllers() {
                 let roles = c.roles();
                 let reference = roles.reference.as_ref().expect("a reference");
                 for id in [roles.reward.id(), reference.id()] {
                     assert_ne!(id.name.node, "nr-0", "{id}");
-                    assert!(alive(&r.node, &id.name.node), "{id}");
+                    assert!(alive(&node, &id.name.node), "{id}");
                 }
             }
         } else {
             assert_eq!(respawned, None, "step {step}");
         }
-    }
+    })
+    .await;
     let said = records(&r.live).iter().any(|rec| {
         matches!(rec, Record::Search { line, .. }
             if line.contains("lost with its node, started again: reward: nr-0 -> ")
@@ -759,5 +768,88 @@ async fn losing_the_reward_and_reference_node_mid_step_starts_them_again_and_tra
     drop(r.live);
     r.node.shutdown().await;
     r.cluster.nodes.remove(0);
+    assert_roles_released(&r.cluster);
+}
+
+/// Two policy replicas on nodes of their own (`np-1`, `np-2`), the rollout on `np-3`.
+/// When a replica's node dies (`kill -9` while step 1 generates), the step fails at
+/// the policy, the survivor's version is checked, the policy's `NodeLost` re-plan runs
+/// the heads on the groups left, and the step runs again: every sample trained once,
+/// the global batch unchanged, and training goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_a_policy_replicas_node_runs_the_heads_on_the_survivor_and_training_goes_on() {
+    let t0 = Instant::now();
+    let sets = [
+        "placement.nodes=[\"np-1\", \"np-2\", \"np-3\"]",
+        "placement.rollout_groups=1",
+        "job.steps=5",
+    ];
+    let mut r = start_on("np", &[&[], &[], &[], &[]], &sets).await;
+    let before = r.live.replicas();
+    let policy_nodes: Vec<String> = before
+        .iter()
+        .filter(|(.., role, _)| *role == "policy")
+        .map(|(_, n, ..)| n.clone())
+        .collect();
+    assert_eq!(policy_nodes.len(), 2, "{:?}", layout(&before));
+    assert_ne!(policy_nodes[0], policy_nodes[1], "{:?}", layout(&before));
+    let victim_node = policy_nodes[1].clone();
+    let i = r
+        .cluster
+        .nodes
+        .iter()
+        .position(|n| n.name == victim_node)
+        .unwrap();
+    let rollout = before
+        .iter()
+        .find(|(.., role, _)| *role == "rollout")
+        .map(|(.., id)| id.clone())
+        .unwrap();
+    let mut lost_step_s = 0.0;
+    run_killing_in_step_1(&mut r, i, &rollout, |step, live, m, secs| {
+        assert!(
+            m.get("actor/pg_loss").is_some() || m.get("recovery/update_committed").is_some(),
+            "step {step}: {m:?}"
+        );
+        if step == 1 {
+            lost_step_s = secs;
+            let now = live.replicas();
+            assert!(
+                now.iter().all(|(_, n, ..)| *n != victim_node),
+                "{:?}",
+                layout(&now)
+            );
+            assert!(
+                now.iter().any(|(.., role, _)| *role == "policy"),
+                "{:?}",
+                layout(&now)
+            );
+        }
+    })
+    .await;
+    // One optimizer step per step: the failed attempt took none, the rerun one.
+    for c in r.live.controllers() {
+        assert_eq!(c.state().weights_version, r.job.job.steps);
+    }
+    let records = records(&r.live);
+    assert!(
+        records.iter().any(|rec| matches!(
+            rec,
+            Record::Decision {
+                reason: Reason::NodeLost,
+                ..
+            }
+        )),
+        "a NodeLost re-plan"
+    );
+    eprintln!(
+        "a policy replica's node lost mid-step: the heads went on with {:?}; the step took {lost_step_s:.2} s; {} steps in {:.2?}",
+        layout(&r.live.replicas()),
+        r.job.job.steps,
+        t0.elapsed()
+    );
+    drop(r.live);
+    r.node.shutdown().await;
+    r.cluster.nodes.remove(i);
     assert_roles_released(&r.cluster);
 }

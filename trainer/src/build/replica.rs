@@ -257,7 +257,7 @@ fn answered(p: &PolicyRef, asked: &str, got: &PolicyResponse) -> JobError {
 
 /// The optimizer steps a trainer state has taken (its `trainer_state.json`): the
 /// policy's version.
-fn state_step(state: &TrainerState) -> Result<u64, JobError> {
+pub(crate) fn state_step(state: &TrainerState) -> Result<u64, JobError> {
     let bad = |why: String| JobError::Recovery {
         what: format!("a policy replica's exported state: {why}"),
         fix: "see the nodes' logs".into(),

@@ -52,13 +52,18 @@ impl LivePlacement {
             .filter(|g| matches!(self.replicas.get(g), Some(Replica::Policy(_))))
             .map(|g| g.to_string())
             .collect();
-        if !policy_on.is_empty() {
+        // Another policy replica on a live node holds the same trainer state: the
+        // re-plan runs the heads on it.
+        let survives = self.replicas.iter().any(|(g, r)| {
+            matches!(r, Replica::Policy(_)) && self.node_of(*g).is_ok_and(|n| n != node)
+        });
+        if !policy_on.is_empty() && !survives {
             return Err(JobError::Placement {
                 what: format!(
-                    "node {node} left the cluster with the policy replica(s) of {}: the trainer state (weights, optimizer) there is lost",
+                    "node {node} left the cluster with the last policy replica(s), of {}: the trainer state (weights, optimizer) there is lost",
                     policy_on.join(", ")
                 ),
-                fix: "live placement recovers from losing nodes that host only rollout replicas, the reward or the reference; resume the run on nodes that stay up (see below for its last checkpoint)".into()});
+                fix: "live placement recovers from losing nodes that host rollout replicas, the reward, the reference, or policy replicas while another lives; resume the run on nodes that stay up (see below for its last checkpoint)".into()});
         }
         self.known_nodes.remove(node);
         for g in &groups {

@@ -3,6 +3,7 @@
 //! policy while the job runs, embedded or on a cluster.
 pub(crate) mod build;
 pub(crate) mod errors;
+pub(crate) mod lost_replica;
 pub(crate) mod lost_shared;
 pub(crate) mod membership;
 pub(crate) mod migrate;

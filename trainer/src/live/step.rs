@@ -30,6 +30,7 @@ impl LivePlacement {
         let t = Instant::now();
         let before: Vec<_> = self.controllers.iter().map(Controller::state).collect();
         let mut respawned = 0;
+        let mut committed = false;
         let reports = match step_data_parallel(&mut self.controllers).await {
             Ok(r) => r,
             Err(e) => {
@@ -46,7 +47,11 @@ impl LivePlacement {
                     true => Vec::new(),
                     false => self.lost_shared(&e).await,
                 };
-                if !lost_gen && lost_shared.is_empty() {
+                let lost_replica = match lost_gen || !lost_shared.is_empty() {
+                    true => None,
+                    false => self.lost_policy_replica(&e, &before).await?,
+                };
+                if !lost_gen && lost_shared.is_empty() && lost_replica.is_none() {
                     return Err(self.explain_failed_step(e.into()));
                 }
                 for (c, s) in self.controllers.iter_mut().zip(before) {
@@ -63,6 +68,15 @@ impl LivePlacement {
                         )})?;
                 }
                 self.follow_membership(step).await?;
+                if let Some(lost) = &lost_replica {
+                    tracing::warn!(step = step + 1, error = %e, plan = %self.plan.summary(), "a policy replica was lost with its node; the heads run on the replicas left and the step runs again");
+                    // The survivor took the step's update before its peer died: it is
+                    // kept, and the step runs again for its ledger without a second.
+                    for c in self.controllers.iter_mut() {
+                        c.update_committed = lost.committed;
+                    }
+                    committed = lost.committed.is_some();
+                }
                 if !lost_shared.is_empty() {
                     let moved = self.respawn_shared(&lost_shared, step).await?;
                     tracing::warn!(step = step + 1, error = %e, ?moved, "a node was lost; its roles run elsewhere and the step runs again");
@@ -112,6 +126,10 @@ impl LivePlacement {
             m.values
                 .insert(names::RECOVERY_RESPAWNED.into(), respawned as f64);
         }
+        if committed {
+            m.values
+                .insert(names::RECOVERY_UPDATE_COMMITTED.into(), 1.0);
+        }
         self.apply(decisions, step).await?;
         let count = |r: PRole| self.plan.pool_of(r).map_or(0, |p| p.groups.len()) as f64;
         m.values.insert(
@@ -146,7 +164,7 @@ impl LivePlacement {
                 dead.join(", "),
                 hosted.join(", ")
             ),
-            fix: "live placement survives losing nodes that host only rollout replicas, the reward or the reference; a lost policy replica cannot be recovered: resume the run (see below for its last checkpoint)".into()}
+            fix: "live placement survives losing nodes that host rollout replicas, the reward, the reference, or policy replicas while another policy replica lives; the last policy replica cannot be recovered: resume the run (see below for its last checkpoint)".into()}
     }
 
     /// Nodes whose groups are in the inventory but which the directory no longer lists
