@@ -13,6 +13,7 @@ use crate::controller::error::ControllerError;
 use crate::controller::report::ControllerState;
 use crate::error::JobError;
 use crate::live::state::{Hosts, LivePlacement, Replica};
+use crate::live::step::gone_nodes;
 
 /// What a lost policy replica's recovery found.
 pub(crate) struct LostReplica {
@@ -23,9 +24,10 @@ pub(crate) struct LostReplica {
 
 impl LivePlacement {
     /// Whether `failed`, a call to a policy replica, is explained by a policy replica
-    /// lost with its node while another one survives on a live node: waits up to twice the failure bound (plus a second) for the directory
-    /// to declare a node of the plan dead. Checks the survivor's version against the
-    /// step's (`before`): at it, or one past it when the survivor took the update.
+    /// lost with its node while another one survives on a live node: waits up to twice
+    /// the failure bound (plus a second) for the directory to declare a node of the plan
+    /// dead. Checks the survivor's version against the step's (`before`): at it, or one
+    /// past it when the survivor took the update.
     pub(crate) async fn lost_policy_replica(
         &self,
         failed: &ControllerError,
@@ -38,12 +40,7 @@ impl LivePlacement {
             return Ok(None);
         }
         let known = self.known_nodes.clone();
-        let gone = |d: &Directory| {
-            known.iter().any(|(name, inc)| {
-                !d.alive_nodes()
-                    .any(|n| n.name == *name && n.incarnation == *inc)
-            })
-        };
+        let gone = |d: &Directory| !gone_nodes(d, &known).is_empty();
         if !self.node.directory().read(gone) {
             let bound = self.node.config().failure_timeout * 2 + Duration::from_secs(1);
             self.node.directory().wait_until(bound, gone).await;

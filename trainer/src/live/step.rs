@@ -1,6 +1,9 @@
 //! One step under live placement.
 
+use std::collections::BTreeMap;
 use std::time::Instant;
+
+use yatt_runtime::Directory;
 
 use yatt_placement::Event;
 use yatt_placement::Role as PRole;
@@ -170,17 +173,9 @@ impl LivePlacement {
     /// Nodes whose groups are in the inventory but which the directory no longer lists
     /// alive in the incarnation the shell knows.
     pub(crate) fn dead_nodes(&self) -> Vec<String> {
-        let known = &self.known_nodes;
-        self.node.directory().read(|d| {
-            known
-                .iter()
-                .filter(|(name, inc)| {
-                    !d.alive_nodes()
-                        .any(|n| n.name == **name && n.incarnation == **inc)
-                })
-                .map(|(name, _)| name.clone())
-                .collect()
-        })
+        self.node
+            .directory()
+            .read(|d| gone_nodes(d, &self.known_nodes))
     }
 
     /// The policy's reasoning since the last call, as `Search` records.
@@ -190,4 +185,17 @@ impl LivePlacement {
         }
         Ok(())
     }
+}
+
+/// The nodes of `known` (name and incarnation) that `d` no longer lists alive in that
+/// incarnation.
+pub(crate) fn gone_nodes(d: &Directory, known: &BTreeMap<String, u64>) -> Vec<String> {
+    known
+        .iter()
+        .filter(|(name, inc)| {
+            !d.alive_nodes()
+                .any(|n| n.name == **name && n.incarnation == **inc)
+        })
+        .map(|(name, _)| name.clone())
+        .collect()
 }
