@@ -5,6 +5,7 @@
 //! weights of an undisturbed run. Losing every replica stops the run with the way to
 //! resume.
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use yatt_integration_tests::{
@@ -14,6 +15,30 @@ use yatt_integration_tests::{
 const CONFIG: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
 
 /// GRPO on the letters task with two heads, each with its policy replica on its node.
+/// The disturbed run in `out` has the undisturbed run's (`quiet`) metrics step for step
+/// and its final checkpoint bytes (weights and AdamW state).
+fn assert_same_run(quiet: &Path, out: &Path) {
+    assert_eq!(
+        run_trajectory(quiet),
+        run_trajectory(out),
+        "the disturbed run's trajectory differs"
+    );
+    assert_eq!(
+        checkpoint_digest(quiet),
+        checkpoint_digest(out),
+        "the disturbed run ends with other weights or optimizer state"
+    );
+}
+
+/// The wall time of each step in `recovered` (`(step, roles respawned)`).
+fn recovered_step_times(out: &Path, recovered: &[(usize, f64)]) -> Vec<String> {
+    metric_of_steps(out, "timing_s/step")
+        .into_iter()
+        .filter(|(s, _)| recovered.iter().any(|(r, _)| r == s))
+        .map(|(s, t)| format!("step {s}: {t:.2} s"))
+        .collect()
+}
+
 fn replicated(steps: u64, rollout: &str, policy: [&str; 2]) -> Vec<String> {
     vec![
         format!("job.steps={steps}"),
@@ -78,19 +103,9 @@ fn losing_a_policy_replicas_node_hands_its_state_to_a_replacement_and_changes_no
             && printed.contains("policy replica 0: pr-1 ->"),
         "{printed}"
     );
-    let (a, b) = (run_trajectory(quiet.path()), run_trajectory(out.path()));
-    assert_eq!(a.len(), 24);
-    assert_eq!(a, b, "the disturbed run's trajectory differs");
-    assert_eq!(
-        checkpoint_digest(quiet.path()),
-        checkpoint_digest(out.path()),
-        "the disturbed run ends with other weights or optimizer state"
-    );
-    let stalls: Vec<String> = metric_of_steps(out.path(), "timing_s/step")
-        .into_iter()
-        .filter(|(s, _)| recovered.iter().any(|(r, _)| r == s))
-        .map(|(s, t)| format!("step {s}: {t:.2} s"))
-        .collect();
+    assert_eq!(run_trajectory(quiet.path()).len(), 24);
+    assert_same_run(quiet.path(), out.path());
+    let stalls = recovered_step_times(out.path(), &recovered);
     eprintln!(
         "2 replica nodes killed; recovered steps {stalls:?}; undisturbed run {undisturbed:.1?}, all {:.1?}",
         t0.elapsed()
@@ -240,21 +255,8 @@ fn two_nodes_killed_at_once_the_leader_and_a_replicas_node_are_both_replaced_and
     let trained = metric_of_steps(out.path(), "ledger/samples_trained");
     assert_eq!(trained.len() as u64, STEPS, "{trained:?}");
     assert!(trained.iter().all(|(_, n)| *n == 64.0), "{trained:?}");
-    assert_eq!(
-        run_trajectory(quiet.path()),
-        run_trajectory(out.path()),
-        "the disturbed run's trajectory differs"
-    );
-    assert_eq!(
-        checkpoint_digest(quiet.path()),
-        checkpoint_digest(out.path()),
-        "the disturbed run ends with other weights or optimizer state"
-    );
-    let stalls: Vec<String> = metric_of_steps(out.path(), "timing_s/step")
-        .into_iter()
-        .filter(|(s, _)| recovered.iter().any(|(r, _)| r == s))
-        .map(|(s, t)| format!("step {s}: {t:.2} s"))
-        .collect();
+    assert_same_run(quiet.path(), out.path());
+    let stalls = recovered_step_times(out.path(), &recovered);
     eprintln!(
         "leader and replica node killed at once; recovered {recovered:?}, steps {stalls:?}; all {:.1?}",
         t0.elapsed()

@@ -156,16 +156,7 @@ pub(crate) async fn replace_lost_replicas(
     for &i in &survivors {
         let source = controllers[i].roles.policy.clone();
         let state = export_state(&source, t).await?;
-        let at = state_step(&state)?;
-        if at != want && at != want + 1 {
-            return Err(JobError::Recovery {
-                what: format!(
-                    "policy replica {} is at version {at}, but the failed step started at version {want}",
-                    source.id()
-                ),
-                fix: RESUME.into(),
-            });
-        }
+        let at = survivor_version(&source, &state, want)?;
         states.push((i, at, state));
     }
     let newest = states.iter().map(|(_, at, _)| *at).max().unwrap_or(want);
@@ -255,9 +246,30 @@ fn answered(p: &PolicyRef, asked: &str, got: &PolicyResponse) -> JobError {
     }
 }
 
+/// The version of a surviving replica `source`, whose exported state is `state`, after
+/// a step that started at version `want` failed: `want`, or `want + 1` when it took the
+/// step's update before a peer died. Anything else cannot be reconciled.
+pub(crate) fn survivor_version(
+    source: &PolicyRef,
+    state: &TrainerState,
+    want: u64,
+) -> Result<u64, JobError> {
+    let at = state_step(state)?;
+    if at != want && at != want + 1 {
+        return Err(JobError::Recovery {
+            what: format!(
+                "policy replica {} is at version {at}, but the failed step started at version {want}",
+                source.id()
+            ),
+            fix: RESUME.into(),
+        });
+    }
+    Ok(at)
+}
+
 /// The optimizer steps a trainer state has taken (its `trainer_state.json`): the
 /// policy's version.
-pub(crate) fn state_step(state: &TrainerState) -> Result<u64, JobError> {
+fn state_step(state: &TrainerState) -> Result<u64, JobError> {
     let bad = |why: String| JobError::Recovery {
         what: format!("a policy replica's exported state: {why}"),
         fix: "see the nodes' logs".into(),

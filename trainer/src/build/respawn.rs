@@ -43,6 +43,17 @@ pub(crate) fn actor_lost(d: &Directory, id: &ActorId) -> bool {
     }
 }
 
+/// Waits until `lost` holds of the directory, at most twice the failure-detection
+/// bound plus a second: a call can fail on a dead node before the directory declares
+/// it dead. Returns that wait's bound.
+pub(crate) async fn wait_for_loss(node: &Node, lost: impl Fn(&Directory) -> bool) -> Duration {
+    let bound = node.config().failure_timeout * 2 + Duration::from_secs(1);
+    if !node.directory().read(&lost) {
+        node.directory().wait_until(bound, lost).await;
+    }
+    bound
+}
+
 /// If `failed` is a call that a lost role may explain (a stateless role before the
 /// update, or any call to a replicated policy) and the cluster declares one of the
 /// job's roles lost (waiting at most twice the failure-detection bound for that),
@@ -193,11 +204,7 @@ async fn respawn_once(
         return not_moved;
     }
     let ids = role_ids(controllers);
-    let bound = node.config().failure_timeout * 2 + Duration::from_secs(1);
-    let any_lost = |d: &Directory| ids.iter().any(|(id, _)| actor_lost(d, id));
-    if !node.directory().read(any_lost) {
-        node.directory().wait_until(bound, any_lost).await;
-    }
+    let bound = wait_for_loss(node, |d| ids.iter().any(|(id, _)| actor_lost(d, id))).await;
     let lost: BTreeSet<ActorId> = node.directory().read(|d| {
         ids.iter()
             .filter(|(id, _)| actor_lost(d, id))

@@ -3,12 +3,9 @@
 //! left (every head may share the survivor, the global batch unchanged), and the
 //! step runs again.
 
-use std::time::Duration;
-
-use yatt_runtime::Directory;
-
 use crate::build::heads::job_timeouts;
-use crate::build::replica::{export_state, state_step};
+use crate::build::replica::{export_state, survivor_version};
+use crate::build::respawn::wait_for_loss;
 use crate::controller::error::ControllerError;
 use crate::controller::report::ControllerState;
 use crate::error::JobError;
@@ -39,12 +36,7 @@ impl LivePlacement {
         if !to_policy || !matches!(self.hosts, Hosts::Cluster { .. }) {
             return Ok(None);
         }
-        let known = self.known_nodes.clone();
-        let gone = |d: &Directory| !gone_nodes(d, &known).is_empty();
-        if !self.node.directory().read(gone) {
-            let bound = self.node.config().failure_timeout * 2 + Duration::from_secs(1);
-            self.node.directory().wait_until(bound, gone).await;
-        }
+        wait_for_loss(&self.node, |d| !gone_nodes(d, &self.known_nodes).is_empty()).await;
         let dead = self.dead_nodes();
         let mut lost = 0;
         let mut survivor = None;
@@ -60,16 +52,7 @@ impl LivePlacement {
         };
         let want = before.first().map_or(0, |s| s.weights_version);
         let t = job_timeouts(&self.job).sync;
-        let at = state_step(&export_state(&survivor, t).await?)?;
-        if at != want && at != want + 1 {
-            return Err(JobError::Recovery {
-                what: format!(
-                    "policy replica {} is at version {at}, but the failed step started at version {want}",
-                    survivor.id()
-                ),
-                fix: "resume from the last checkpoint".into(),
-            });
-        }
+        let at = survivor_version(&survivor, &export_state(&survivor, t).await?, want)?;
         Ok(Some(LostReplica {
             committed: (at == want + 1).then_some(at),
         }))

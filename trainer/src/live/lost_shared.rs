@@ -3,14 +3,13 @@
 //! live node and the step runs again, as without live placement.
 
 use std::collections::BTreeSet;
-use std::time::Duration;
 
 use yatt_placement::Record;
-use yatt_runtime::{ActorId, Directory};
+use yatt_runtime::ActorId;
 
 use crate::build::cluster::spawn;
 use crate::build::replica::Hosting;
-use crate::build::respawn::actor_lost;
+use crate::build::respawn::{actor_lost, wait_for_loss};
 use crate::controller::error::ControllerError;
 use crate::error::JobError;
 use crate::live::state::{Hosts, LivePlacement, Replica};
@@ -56,11 +55,7 @@ impl LivePlacement {
             return Vec::new();
         }
         let ids = self.restartable_shared();
-        let any_lost = |d: &Directory| ids.iter().any(|(id, _)| actor_lost(d, id));
-        if !self.node.directory().read(any_lost) {
-            let bound = self.node.config().failure_timeout * 2 + Duration::from_secs(1);
-            self.node.directory().wait_until(bound, any_lost).await;
-        }
+        wait_for_loss(&self.node, |d| ids.iter().any(|(id, _)| actor_lost(d, id))).await;
         self.node.directory().read(|d| {
             ids.iter()
                 .filter(|(id, _)| actor_lost(d, id))
