@@ -137,7 +137,7 @@ fn resolve(lib: libloading::Library, path: String) -> Result<Api, String> {
 
 /// Runs a cudarc driver call, turning its panics (a symbol the installed driver lacks)
 /// into errors.
-fn cuda<T>(
+pub(crate) fn cuda<T>(
     call: &str,
     f: impl FnOnce() -> Result<T, cudarc::driver::DriverError>,
 ) -> Result<T, Failure> {
@@ -159,7 +159,7 @@ fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// The CUDA driver is loadable and sees at least one GPU.
-fn driver() -> Result<(), Unavailable> {
+pub(crate) fn driver() -> Result<(), Unavailable> {
     static DRIVER: OnceLock<Result<(), Unavailable>> = OnceLock::new();
     DRIVER
         .get_or_init(|| {
