@@ -570,8 +570,12 @@ impl Cluster {
         if dev {
             cmd.arg("--dev").arg("--certs").arg(self.ca_dir());
         }
+        // Warnings, and which path weight sync took (an info line, once a job).
         let child = cmd
-            .env("RUST_LOG", "warn")
+            .env(
+                "RUST_LOG",
+                "warn,yatt_trainer::controller::weights_ipc=info",
+            )
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&stdout).expect("train log"))
             .stderr(std::fs::File::create(&stderr).expect("train stderr"))

@@ -129,6 +129,10 @@ pub struct WeightsUpdate {
     /// no one writes to, which models take over without copying
     /// (`Llama::adopt_weights`). Such an update cannot be sent to another process.
     pub local: Option<LocalWeights>,
+    /// Weight sync between processes of one host: the weights stay in a device buffer
+    /// of the policy's process, which the receiver maps through CUDA IPC. Empty
+    /// `buckets` when set.
+    pub device: Option<crate::builtin::DeviceWeights>,
 }
 
 impl WeightsUpdate {
@@ -142,7 +146,11 @@ impl WeightsUpdate {
                 .map(|(_, t)| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
                 .sum()
         });
-        buckets + local
+        let device: u64 = self
+            .device
+            .as_ref()
+            .map_or(0, |d| d.entries.iter().map(|e| e.len).sum());
+        buckets + local + device
     }
 
     /// An update carried as byte buckets.
@@ -151,6 +159,7 @@ impl WeightsUpdate {
             version,
             buckets,
             local: None,
+            device: None,
         }
     }
 }

@@ -23,6 +23,7 @@ use std::path::PathBuf;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
+use yatt_collective::IpcHandle;
 use yatt_engine::WeightBucket;
 use yatt_runtime::ActorId;
 use yatt_runtime::RingSpec;
@@ -54,10 +55,19 @@ enum RequestHead {
     Serve(Inner),
     Offload,
     Reload,
-    LoadWeights { version: u64, buckets: Vec<Vec<u8>> },
+    LoadWeights {
+        version: u64,
+        buckets: Vec<Vec<u8>>,
+    },
     Drain,
     Profile,
     Stop,
+    /// Weights in a device buffer of the policy's process ([`crate::DeviceWeights`]).
+    LoadDeviceWeights {
+        version: u64,
+        entries: Vec<u8>,
+        handle: IpcHandle,
+    },
 }
 
 #[derive(Serialize, Deserialize)]
@@ -85,6 +95,7 @@ enum PolicyRequestHead {
     ExportState,
     /// File names; the contents are bulk tensors `state.i`.
     ImportState(Vec<String>),
+    ExportDeviceWeights,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -105,6 +116,12 @@ enum PolicyResponseHead {
     /// File names; the contents are bulk tensors `state.i`.
     State(Vec<String>),
     Imported,
+    DeviceWeights {
+        version: u64,
+        entries: Vec<u8>,
+        handle: IpcHandle,
+    },
+    DeviceWeightsUnavailable(String),
 }
 
 fn encode_err<T>(reason: impl ToString) -> WireError {
@@ -276,6 +293,29 @@ fn remote_buckets<T>(u: WeightsUpdate) -> Result<Vec<yatt_engine::WeightBucket>,
     }
 }
 
+/// Device weights' table of tensors (a bucket header) and buffer handle.
+fn device_head(d: crate::DeviceWeights) -> (Vec<u8>, IpcHandle) {
+    let header = WeightBucket {
+        entries: d.entries,
+        data: Vec::new(),
+    }
+    .encode_header();
+    (header, d.handle)
+}
+
+/// Undoes [`device_head`].
+fn device_update<T>(
+    version: u64,
+    entries: &[u8],
+    handle: IpcHandle,
+) -> Result<WeightsUpdate, WireError> {
+    let entries = WeightBucket::decode_header(entries).map_err(decode_err::<T>)?;
+    Ok(WeightsUpdate {
+        device: Some(crate::DeviceWeights { entries, handle }),
+        ..WeightsUpdate::from_buckets(version, Vec::new())
+    })
+}
+
 /// A trainer state's file names (for the body) and its files as bulk tensors `state.i`.
 fn pack_state<T>(state: TrainerState) -> Result<(Vec<String>, Option<Bulk>), WireError> {
     let (names, data): (Vec<String>, Vec<Bytes>) = state.files.into_iter().unzip();
@@ -335,6 +375,19 @@ impl<Req: Message> Message for RoleRequest<Req> {
             RoleRequest::Drain => (RequestHead::Drain, Bytes::new(), None),
             RoleRequest::Profile => (RequestHead::Profile, Bytes::new(), None),
             RoleRequest::Stop => (RequestHead::Stop, Bytes::new(), None),
+            RoleRequest::LoadWeights(WeightsUpdate {
+                version,
+                device: Some(d),
+                ..
+            }) => {
+                let (entries, handle) = device_head(d);
+                let head = RequestHead::LoadDeviceWeights {
+                    version,
+                    entries,
+                    handle,
+                };
+                (head, Bytes::new(), None)
+            }
             RoleRequest::LoadWeights(u) => {
                 let version = u.version;
                 let (mut headers, bulk) = pack_buckets::<Self>(vec![remote_buckets::<Self>(u)?])?;
@@ -360,6 +413,16 @@ impl<Req: Message> Message for RoleRequest<Req> {
             RequestHead::Drain => simple(RoleRequest::Drain),
             RequestHead::Profile => simple(RoleRequest::Profile),
             RequestHead::Stop => simple(RoleRequest::Stop),
+            RequestHead::LoadDeviceWeights {
+                version,
+                entries,
+                handle,
+            } => {
+                no_bulk::<Self>(&wire.bulk)?;
+                Ok(RoleRequest::LoadWeights(device_update::<Self>(
+                    version, &entries, handle,
+                )?))
+            }
             RequestHead::LoadWeights { version, buckets } => {
                 let groups = unpack_buckets::<Self>(vec![buckets], wire.bulk.as_ref())?;
                 Ok(RoleRequest::LoadWeights(WeightsUpdate::from_buckets(
@@ -414,6 +477,7 @@ impl Message for PolicyRequest {
             PolicyRequest::JoinRing(spec) => (PolicyRequestHead::JoinRing(spec), None),
             PolicyRequest::TrainAllReduce(s) => (PolicyRequestHead::TrainAllReduce(s), None),
             PolicyRequest::ExportState => (PolicyRequestHead::ExportState, None),
+            PolicyRequest::ExportDeviceWeights => (PolicyRequestHead::ExportDeviceWeights, None),
             PolicyRequest::ImportState(state) => {
                 let (names, bulk) = pack_state::<Self>(state)?;
                 (PolicyRequestHead::ImportState(names), bulk)
@@ -446,6 +510,7 @@ impl Message for PolicyRequest {
             PolicyRequestHead::JoinRing(spec) => PolicyRequest::JoinRing(spec),
             PolicyRequestHead::TrainAllReduce(s) => PolicyRequest::TrainAllReduce(s),
             PolicyRequestHead::ExportState => PolicyRequest::ExportState,
+            PolicyRequestHead::ExportDeviceWeights => PolicyRequest::ExportDeviceWeights,
             PolicyRequestHead::ImportState(names) => {
                 PolicyRequest::ImportState(unpack_state::<Self>(names, wire.bulk.as_ref())?)
             }
@@ -479,6 +544,22 @@ impl Message for PolicyResponse {
             PolicyResponse::RingInbox(id) => (PolicyResponseHead::RingInbox(id), None),
             PolicyResponse::Joined => (PolicyResponseHead::Joined, None),
             PolicyResponse::Imported => (PolicyResponseHead::Imported, None),
+            PolicyResponse::DeviceWeightsUnavailable(why) => {
+                (PolicyResponseHead::DeviceWeightsUnavailable(why), None)
+            }
+            PolicyResponse::Weights(WeightsUpdate {
+                version,
+                device: Some(d),
+                ..
+            }) => {
+                let (entries, handle) = device_head(d);
+                let head = PolicyResponseHead::DeviceWeights {
+                    version,
+                    entries,
+                    handle,
+                };
+                (head, None)
+            }
             PolicyResponse::State(state) => {
                 let (names, bulk) = pack_state::<Self>(state)?;
                 (PolicyResponseHead::State(names), bulk)
@@ -524,6 +605,14 @@ impl Message for PolicyResponse {
             PolicyResponseHead::RingInbox(id) => PolicyResponse::RingInbox(id),
             PolicyResponseHead::Joined => PolicyResponse::Joined,
             PolicyResponseHead::Imported => PolicyResponse::Imported,
+            PolicyResponseHead::DeviceWeightsUnavailable(why) => {
+                PolicyResponse::DeviceWeightsUnavailable(why)
+            }
+            PolicyResponseHead::DeviceWeights {
+                version,
+                entries,
+                handle,
+            } => PolicyResponse::Weights(device_update::<Self>(version, &entries, handle)?),
             PolicyResponseHead::State(names) => {
                 PolicyResponse::State(unpack_state::<Self>(names, wire.bulk.as_ref())?)
             }
@@ -601,6 +690,46 @@ mod tests {
         (back, wire)
     }
 
+    /// Weights by CUDA IPC handle cross the wire as their table and handle (no bulk),
+    /// and the policy's request and refusal for them too.
+    #[test]
+    fn device_weights_cross_as_a_table_and_a_handle() {
+        let handle: IpcHandle = serde_json::from_value(serde_json::json!({
+            "handle": vec![9u8; 64], "offset": 512, "bytes": 4096,
+            "host": "boot", "pid": 77, "ptr": 0x7f00_0000u64,
+        }))
+        .unwrap();
+        let entries = buckets(1 << 20).remove(0).entries;
+        let update = WeightsUpdate {
+            device: Some(crate::DeviceWeights {
+                entries: entries.clone(),
+                handle: handle.clone(),
+            }),
+            ..WeightsUpdate::from_buckets(6, Vec::new())
+        };
+        let (back, wire) = round_trip(RoleRequest::<()>::LoadWeights(update.clone()));
+        assert!(wire.bulk.is_none());
+        let RoleRequest::LoadWeights(u) = back else {
+            panic!("{back:?}")
+        };
+        assert_eq!((u.version, u.buckets.len()), (6, 0));
+        assert_eq!(
+            u.device.as_ref().map(|d| (&d.entries, &d.handle)),
+            Some((&entries, &handle))
+        );
+        assert_eq!(u.bytes(), entries.iter().map(|e| e.len).sum::<u64>());
+
+        let (back, _) = round_trip(PolicyResponse::Weights(update));
+        assert!(
+            matches!(back, PolicyResponse::Weights(u) if u.device.as_ref().is_some_and(|d| d.handle == handle))
+        );
+        let (back, _) = round_trip(PolicyRequest::ExportDeviceWeights);
+        assert!(matches!(back, PolicyRequest::ExportDeviceWeights));
+        let why = "CUDA IPC unavailable: the policy's weights are on the CPU".to_string();
+        let (back, _) = round_trip(PolicyResponse::DeviceWeightsUnavailable(why.clone()));
+        assert!(matches!(back, PolicyResponse::DeviceWeightsUnavailable(w) if w == why));
+    }
+
     /// An in-process snapshot of tensors is refused at the wire with the fix, and a
     /// request for one reaches a policy in another process as a request for buckets.
     #[test]
@@ -610,6 +739,7 @@ mod tests {
             version: 4,
             buckets: vec![],
             local: Some(crate::role::LocalWeights::new(vec![("embed".into(), t)])),
+            device: None,
         };
         for e in [
             RoleRequest::<()>::LoadWeights(update.clone())

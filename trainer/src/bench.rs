@@ -191,6 +191,9 @@ impl Role for FakePolicy {
             PolicyRequest::ExportWeights | PolicyRequest::ExportLocalWeights => {
                 PolicyResponse::Weights(WeightsUpdate::from_buckets(self.version, Vec::new()))
             }
+            PolicyRequest::ExportDeviceWeights => PolicyResponse::DeviceWeightsUnavailable(
+                "a runtime bench's stand-in policy has no device".into(),
+            ),
             PolicyRequest::SaveCheckpoint(_) => PolicyResponse::Saved,
             PolicyRequest::RingInbox
             | PolicyRequest::JoinRing(_)

@@ -64,7 +64,7 @@ pub use controller::extra_stages::{ExtraStage, StageAt};
 // Controllers and the ledger.
 pub use controller::config::{
     ControllerConfig, DynamicSamplingConfig, KlPenalty, OverlongConfig, PartialRolloutConfig,
-    TimeShareConfig, Timeouts,
+    TimeShareConfig, Timeouts, WeightSync,
 };
 pub use controller::core::Controller;
 pub use controller::data_parallel::{join_policy_ring, step_data_parallel};

@@ -18,6 +18,7 @@
 //! | [`judge_model`] | generative reward model (LLM judge) on its own generator |
 
 pub mod critic;
+mod device_weights;
 mod fault;
 pub mod growing_reward;
 pub mod judge_model;
@@ -31,6 +32,7 @@ mod write_root;
 pub use growing_reward::GrowingLengthReward;
 
 pub use critic::{CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole};
+pub use device_weights::DeviceWeights;
 pub use judge_model::{JudgeConfig, JudgeMode, JudgeScorer, OnUnparsed};
 pub use policy::{
     GradShard, KlLossConfig, LoraSync, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole,

@@ -41,6 +41,7 @@ use crate::algo::kl::KlEstimator;
 use crate::algo::loss::{entropy_loss, kl_loss, masked_mean, LossAgg, PolicyLossConfig};
 use crate::algo::off_policy::{behaviour_weights, BehaviourCorrection, OffPolicyConfig};
 use crate::algo::policy_loss::policy_loss;
+use crate::builtin::device_weights::Staging;
 use crate::builtin::scoring::{check_device, response_scores, score_samples};
 use crate::role::{DeviceGroup, LocalWeights, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::{response_mask, token_matrix, Sample, SampleId, TokenField};
@@ -154,6 +155,10 @@ pub enum PolicyRequest {
     /// over without copying (one copy here instead of encoding to bytes and decoding).
     /// A policy in another process answers it as [`PolicyRequest::ExportWeights`].
     ExportLocalWeights,
+    /// Export the weights for roles in other processes of this host: one device buffer
+    /// they map through CUDA IPC. Answered with [`PolicyResponse::DeviceWeightsUnavailable`]
+    /// where that cannot be (weights on the CPU, no CUDA driver).
+    ExportDeviceWeights,
     /// Save a checkpoint to this directory.
     SaveCheckpoint(PathBuf),
     /// Data parallelism over replicas: this replica's ring inbox, for the ring's spec.
@@ -278,6 +283,9 @@ pub enum PolicyResponse {
     State(TrainerState),
     /// The trainer state was taken ([`PolicyRequest::ImportState`]).
     Imported,
+    /// [`PolicyRequest::ExportDeviceWeights`] cannot be served here, and why: send the
+    /// weights as buckets instead.
+    DeviceWeightsUnavailable(String),
 }
 
 /// One controller's gradients for a data-parallel step.
@@ -297,6 +305,8 @@ pub struct PolicyRole {
     ring: Option<RingMember>,
     /// Checkpoints go only under this directory (a node's data directory).
     write_root: Option<PathBuf>,
+    /// The device buffers exported for CUDA IPC weight sync.
+    staging: Staging,
 }
 
 struct Micro {
@@ -463,6 +473,7 @@ impl PolicyRole {
             config,
             ring: None,
             write_root: None,
+            staging: Staging::default(),
         })
     }
 
@@ -725,13 +736,30 @@ impl PolicyRole {
         })
     }
 
-    fn export(&mut self) -> Result<WeightsUpdate, RoleError> {
+    /// The tensors a weight sync sends (HF names; adapters only with `sync = adapters`).
+    fn sync_tensors(&self) -> Vec<(String, Tensor)> {
         let m = &self.trainer.model;
-        let named = match (m.lora().is_some(), self.config.lora_sync) {
+        match (m.lora().is_some(), self.config.lora_sync) {
             (false, _) => m.hf_named_tensors(),
             (true, LoraSync::Adapters) => m.adapter_sync_tensors(),
             (true, LoraSync::Merged) => m.merged_hf_named_tensors(),
-        };
+        }
+    }
+
+    fn export_device(&mut self) -> PolicyResponse {
+        let version = self.trainer.step_count();
+        let named = tch::no_grad(|| self.sync_tensors());
+        match self.staging.export(version, &named) {
+            Ok(w) => PolicyResponse::Weights(WeightsUpdate {
+                device: Some(w),
+                ..WeightsUpdate::from_buckets(version, Vec::new())
+            }),
+            Err(e) => PolicyResponse::DeviceWeightsUnavailable(e.to_string()),
+        }
+    }
+
+    fn export(&mut self) -> Result<WeightsUpdate, RoleError> {
+        let named = self.sync_tensors();
         let buckets = tch::no_grad(|| to_buckets(&named, self.config.bucket_bytes))
             .map_err(|e| RoleError::Failed(format!("exporting weights: {e}")))?;
         Ok(WeightsUpdate::from_buckets(
@@ -745,6 +773,7 @@ impl PolicyRole {
             version: self.trainer.step_count(),
             buckets: Vec::new(),
             local: Some(LocalWeights::new(self.trainer.model.weights_snapshot())),
+            device: None,
         }
     }
 }
@@ -904,6 +933,7 @@ impl Role for PolicyRole {
                 self.export().map(PolicyResponse::Weights)
             }
             PolicyRequest::ExportLocalWeights => Ok(PolicyResponse::Weights(self.export_local())),
+            PolicyRequest::ExportDeviceWeights => Ok(self.export_device()),
             PolicyRequest::TrainAllReduce(samples) => {
                 self.train_all_reduce(samples).map(PolicyResponse::Trained)
             }

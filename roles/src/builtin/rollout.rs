@@ -734,6 +734,14 @@ impl Role for RolloutRole {
 
     fn load_weights(&mut self, update: WeightsUpdate) -> Result<(), RoleError> {
         if self.offloaded_from.is_some() {
+            if update.device.is_some() {
+                // The policy frees its buffer after the next sync or two, and a reload
+                // may come later than that.
+                return Err(RoleError::BadRequest(format!(
+                    "weights v{} arrived through CUDA IPC while the rollout is offloaded; send them as buckets (ExportWeights)",
+                    update.version
+                )));
+            }
             // A whole in-process snapshot replaces every weight: the earlier deferred
             // updates are moot. Buckets may carry part of the weights (adapters): keep
             // them all, in order.
@@ -871,6 +879,38 @@ mod tests {
         assert!(e.to_string().contains("nothing to continue"), "{e}");
     }
 
+    /// Weights by CUDA IPC handle are refused while offloaded (the policy may free its
+    /// buffer before the reload) and on the CPU, each saying to send buckets; the
+    /// rollout keeps its weights and version.
+    #[test]
+    fn device_weights_are_refused_where_they_cannot_be_mapped() {
+        let handle = serde_json::from_value(serde_json::json!({
+            "handle": vec![0u8; 64], "offset": 0, "bytes": 64,
+            "host": yatt_collective::boot_id(), "pid": std::process::id() + 1, "ptr": 0,
+        }))
+        .unwrap();
+        let update = || WeightsUpdate {
+            device: Some(crate::DeviceWeights {
+                entries: Vec::new(),
+                handle: Clone::clone(&handle),
+            }),
+            ..WeightsUpdate::from_buckets(4, Vec::new())
+        };
+        let mut r = role();
+        let e = r.load_weights(update()).unwrap_err().to_string();
+        assert!(
+            e.contains("weights v4 through CUDA IPC")
+                && e.contains("on the CPU")
+                && e.contains("buckets"),
+            "{e}"
+        );
+        r.offload().unwrap();
+        let e = r.load_weights(update()).unwrap_err().to_string();
+        assert!(e.contains("offloaded") && e.contains("buckets"), "{e}");
+        r.reload().unwrap();
+        assert_eq!(r.weights_version(), 0);
+    }
+
     /// A weight sync into an offloaded rollout waits for the reload, then applies: the
     /// reloaded rollout generates what a rollout that took the weights at once does,
     /// and offloading frees the KV cache.
@@ -881,6 +921,7 @@ mod tests {
             version: 3,
             buckets: Vec::new(),
             local: Some(crate::role::LocalWeights::new(m.weights_snapshot())),
+            device: None,
         };
         let mut other = other;
         let request = || {

@@ -6,6 +6,7 @@ use yatt_engine::score::SeqBatch;
 use yatt_engine::Llama;
 use yatt_engine::{positions_from_mask, Attn};
 
+use crate::builtin::device_weights::device_tensors;
 use crate::role::{DeviceGroup, RoleError, WeightsUpdate};
 use crate::sample::Sample;
 
@@ -213,6 +214,14 @@ pub(crate) fn bucket_tensors(
             "weights v{} are an in-process snapshot (canonical names), not buckets: adopt them with Llama::adopt_weights",
             update.version
         )));
+    }
+    if let Some(w) = &update.device {
+        return device_tensors(w, device).map_err(|e| {
+            RoleError::Failed(format!(
+                "weights v{} through CUDA IPC: {e} (send them as buckets: ExportWeights)",
+                update.version
+            ))
+        });
     }
     let mut named = Vec::new();
     for b in &update.buckets {

@@ -73,6 +73,7 @@ pub(crate) fn controller_config(job: &JobConfig) -> ControllerConfig {
             cap: a.behaviour_cap,
         },
         logprob_diff_warn: r.logprob_diff_warn,
+        weight_sync: r.weight_sync,
         time_share: match job.placement.time_share {
             TimeShare::Off => None,
             TimeShare::Offload => Some(TimeShareConfig {

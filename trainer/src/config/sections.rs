@@ -14,6 +14,7 @@ use crate::config::modes::{
 };
 use crate::config::placement::PlacementSection;
 use crate::config::user_roles::RolesSection;
+use crate::controller::config::WeightSync;
 use yatt_engine::{LoraConfig, LoraTarget};
 
 /// A training job, as read from TOML.
@@ -299,6 +300,9 @@ pub struct RolloutSection {
     /// Decode through CUDA graphs on a GPU (one launch per step instead of ~80 per
     /// layer; no effect on the CPU). Off: every decode step runs eagerly.
     pub cuda_graphs: bool,
+    /// How weights reach rollouts in other processes: `auto` (CUDA IPC on one host
+    /// with a GPU, else byte buckets over QUIC, the reason logged), `quic`, `cuda_ipc`.
+    pub weight_sync: WeightSync,
     /// Partial rollouts (interruptible generation, with `staleness` ≥ 1): responses
     /// decode in chunks of `chunk_tokens`, and weights synced while a batch generates
     /// reach its later chunks. The simulator's words: `resume = "reprefill"` (the prompt
@@ -409,6 +413,7 @@ impl Default for RolloutSection {
             staleness: 0,
             logprob_diff_warn: 0.1,
             cuda_graphs: true,
+            weight_sync: WeightSync::Auto,
             partial_rollout: None,
             env: None,
         }

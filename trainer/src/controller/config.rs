@@ -29,6 +29,36 @@ pub struct OverlongConfig {
     pub coef: f64,
 }
 
+/// `rollout.weight_sync`: how weights reach rollouts in other processes (rollouts in
+/// the policy's process take a snapshot of its tensors whatever this says).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
+pub enum WeightSync {
+    /// CUDA IPC where the policy and the rollout share a host and a GPU driver; byte
+    /// buckets over QUIC otherwise, the reason logged once.
+    #[default]
+    #[serde(rename = "auto")]
+    Auto,
+    /// Always byte buckets over QUIC (the runtime's shared-memory path on one host).
+    #[serde(rename = "quic")]
+    Quic,
+    /// Always CUDA IPC: a sync that cannot use it fails, naming why.
+    #[serde(rename = "cuda_ipc")]
+    CudaIpc,
+}
+
+impl WeightSync {
+    /// The word the TOML uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightSync::Auto => "auto",
+            WeightSync::Quic => "quic",
+            WeightSync::CudaIpc => "cuda_ipc",
+        }
+    }
+}
+
 /// Partial rollouts (interruptible generation): responses decode in chunks, and a
 /// chunk after a weight sync continues on the new weights, its prompt and the tokens
 /// so far prefilled again (the simulator's `resume = "reprefill"`).
@@ -127,6 +157,8 @@ pub struct ControllerConfig {
     /// Offload and reload roles between the phases of a step (`None`: every role keeps
     /// its memory). Not with `staleness` ≥ 1: generation overlaps the update then.
     pub time_share: Option<TimeShareConfig>,
+    /// How weights reach rollouts in other processes.
+    pub weight_sync: WeightSync,
 }
 
 impl Default for ControllerConfig {
@@ -150,6 +182,7 @@ impl Default for ControllerConfig {
             devices: 1,
             timeouts: Timeouts::default(),
             time_share: None,
+            weight_sync: WeightSync::Auto,
         }
     }
 }

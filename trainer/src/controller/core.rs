@@ -29,6 +29,10 @@ pub struct Controller {
     pub(crate) weights_version: u64,
     /// Bytes the last weight sync exported.
     pub(crate) last_sync_bytes: u64,
+    /// Rollouts the last weight sync reached through CUDA IPC.
+    pub(crate) last_sync_ipc: usize,
+    /// What weight sync has learnt about CUDA IPC (`rollout.weight_sync`).
+    pub(crate) ipc: std::sync::Mutex<crate::controller::weights_ipc::IpcRoute>,
     /// Its policy replica averages gradients in a ring with the other heads' replicas
     /// ([`join_policy_ring`]).
     pub(crate) in_policy_ring: bool,
@@ -133,6 +137,8 @@ impl Controller {
             step: 0,
             weights_version: 0,
             last_sync_bytes: 0,
+            last_sync_ipc: 0,
+            ipc: Default::default(),
             in_policy_ring: false,
             peer_policies: Vec::new(),
             update_committed: None,

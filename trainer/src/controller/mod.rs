@@ -16,3 +16,4 @@ pub(crate) mod residency;
 pub(crate) mod stages;
 pub(crate) mod time_share;
 pub(crate) mod weights;
+pub(crate) mod weights_ipc;

@@ -55,6 +55,7 @@ impl Controller {
             version: pushed.version,
             lost: pushed.lost,
             bytes: pushed.bytes,
+            via_ipc: pushed.via_ipc,
             seconds: t.elapsed().as_secs_f64(),
         }))
     }

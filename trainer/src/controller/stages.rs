@@ -25,6 +25,7 @@ pub(crate) struct Synced {
     pub(crate) version: u64,
     pub(crate) lost: Vec<yatt_runtime::ActorId>,
     pub(crate) bytes: u64,
+    pub(crate) via_ipc: usize,
     pub(crate) seconds: f64,
 }
 
@@ -479,11 +480,13 @@ impl Controller {
                 version,
                 lost,
                 bytes,
+                via_ipc,
                 seconds,
             }) => {
                 self.lost_rollouts.extend(lost);
                 self.weights_version = version;
                 self.last_sync_bytes = bytes;
+                self.last_sync_ipc = via_ipc;
                 m.set(names::WEIGHT_SYNC_S, seconds);
                 version
             }
@@ -495,6 +498,7 @@ impl Controller {
             }
         };
         m.set(names::WEIGHT_SYNC_BYTES, self.last_sync_bytes as f64);
+        m.set(names::WEIGHT_SYNC_CUDA_IPC, self.last_sync_ipc as f64);
 
         let ledger = ledger.close().map_err(self.ledger_err())?;
         let wall = t_step.elapsed().as_secs_f64();

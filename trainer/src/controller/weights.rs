@@ -20,6 +20,16 @@ pub(crate) struct Pushed {
     pub(crate) lost: Vec<ActorId>,
     /// Bytes the policy exported.
     pub(crate) bytes: u64,
+    /// Rollouts that took the weights through CUDA IPC.
+    pub(crate) via_ipc: usize,
+}
+
+/// A rollout's failed load, sorted.
+pub(crate) enum Settled {
+    /// Gone with its node: recorded as lost, the sync goes on.
+    Lost,
+    /// Any other failure.
+    Failed(CallError),
 }
 
 impl Controller {
@@ -30,6 +40,7 @@ impl Controller {
         self.lost_rollouts.extend(pushed.lost);
         self.weights_version = pushed.version;
         self.last_sync_bytes = pushed.bytes;
+        self.last_sync_ipc = pushed.via_ipc;
         Ok(pushed.version)
     }
 
@@ -41,12 +52,6 @@ impl Controller {
         let in_process = self.roles.policy.is_local()
             && self.roles.rollout.is_local()
             && self.roles.extra_rollouts.iter().all(|r| r.is_local());
-        let update = match self.export_from_a_replica(in_process, t).await? {
-            PolicyResponse::Weights(u) => u,
-            other => return Err(self.protocol("policy", "ExportWeights", format!("{other:?}"))),
-        };
-        let version = update.version;
-        let bytes = update.bytes();
         // A replica found lost this step is skipped (another head's spare generated its
         // samples); one lost only now is marked so, when a spare can take its work.
         let live: Vec<RolloutRef> = self
@@ -57,11 +62,35 @@ impl Controller {
             .filter(|r| !self.lost_rollouts.contains(r.id()))
             .cloned()
             .collect();
+        let mut lost = Vec::new();
+        // Across processes, CUDA IPC first where it can be used; the rest get buckets.
+        let ipc = match in_process {
+            true => None,
+            false => self.push_through_ipc(&live, t, &mut lost).await?,
+        };
+        let (via_ipc, by_bytes) = match &ipc {
+            Some(p) => (p.loaded, p.left.clone()),
+            None => (0, live),
+        };
+        if let (Some(p), true) = (&ipc, by_bytes.is_empty()) {
+            return Ok(Pushed {
+                version: p.version,
+                lost,
+                bytes: p.bytes,
+                via_ipc,
+            });
+        }
+        let update = match self.export_from_a_replica(in_process, t).await? {
+            PolicyResponse::Weights(u) => u,
+            other => return Err(self.protocol("policy", "ExportWeights", format!("{other:?}"))),
+        };
+        let version = update.version;
+        let bytes = update.bytes();
         // Every replica but the last gets a copy; the last takes the buckets themselves.
         let mut update = Some(update);
         let mut loads = Vec::new();
-        for (i, r) in live.iter().enumerate() {
-            let u = match i + 1 == live.len() {
+        for (i, r) in by_bytes.iter().enumerate() {
+            let u = match i + 1 == by_bytes.len() {
                 true => update.take(),
                 false => update.clone(),
             };
@@ -69,33 +98,44 @@ impl Controller {
                 loads.push(r.ask(RoleRequest::LoadWeights(u), t));
             }
         }
-        let mut lost = Vec::new();
         for (answer, r) in futures::future::join_all(loads)
             .await
             .into_iter()
-            .zip(&live)
+            .zip(&by_bytes)
         {
             match answer {
                 Ok(RoleResponse::Done) => {}
                 Ok(other) => return Err(self.protocol("rollout", "LoadWeights", variant(&other))),
-                Err(e) if replica_lost(&e) && !self.spare_rollouts.is_empty() => {
-                    tracing::warn!(step = self.step, replica = %r.id(), error = %e, "rollout lost at weight sync; its work goes to a spare replica");
-                    lost.push(r.id().clone());
-                }
-                // Gone with its node after the update: the step is complete, and the
-                // next one finds the replica lost and (on a cluster) spawns it again.
-                Err(e) if replica_lost(&e) && !matches!(e, CallError::Timeout { .. }) => {
-                    tracing::warn!(step = self.step, replica = %r.id(), error = %e, "rollout lost at weight sync with no spare; the next step replaces it");
-                    lost.push(r.id().clone());
-                }
-                Err(e) => return Err(self.call("weight_sync", "rollout")(e)),
+                Err(e) => match self.settle_lost(e, r) {
+                    Settled::Lost => lost.push(r.id().clone()),
+                    Settled::Failed(e) => return Err(self.call("weight_sync", "rollout")(e)),
+                },
             }
         }
         Ok(Pushed {
             version,
             lost,
             bytes,
+            via_ipc,
         })
+    }
+
+    /// Whether a rollout's failed load means the rollout is lost (logged), or is an
+    /// error of its own.
+    pub(crate) fn settle_lost(&self, e: CallError, r: &RolloutRef) -> Settled {
+        match e {
+            e if replica_lost(&e) && !self.spare_rollouts.is_empty() => {
+                tracing::warn!(step = self.step, replica = %r.id(), error = %e, "rollout lost at weight sync; its work goes to a spare replica");
+                Settled::Lost
+            }
+            // Gone with its node after the update: the step is complete, and the
+            // next one finds the replica lost and (on a cluster) spawns it again.
+            e if replica_lost(&e) && !matches!(e, CallError::Timeout { .. }) => {
+                tracing::warn!(step = self.step, replica = %r.id(), error = %e, "rollout lost at weight sync with no spare; the next step replaces it");
+                Settled::Lost
+            }
+            e => Settled::Failed(e),
+        }
     }
 
     /// The weight export of a sync: see [`Controller::serve_a_replica`].
@@ -123,7 +163,7 @@ impl Controller {
     /// (or the checkpoint is saved) as it would have been, and the next step finds the
     /// replica lost. `request(local)` builds the request for a replica in this process
     /// or not.
-    async fn serve_a_replica(
+    pub(crate) async fn serve_a_replica(
         &self,
         request: impl Fn(bool) -> PolicyRequest,
         stage: &'static str,

@@ -1,0 +1,187 @@
+//! Weight sync between processes of one host through CUDA IPC: the policy packs the
+//! weights into one device buffer and sends its handle (a few hundred bytes) instead of
+//! the bytes; a rollout (or reference) on the same host maps the buffer and copies the
+//! weights out device to device. Nothing crosses host memory or the network.
+//!
+//! Where it cannot be used (weights on the CPU, no CUDA driver, a role on another host,
+//! a build without the `nccl` feature) the error says why, and the controller sends
+//! byte buckets instead and logs the reason.
+
+use std::collections::VecDeque;
+
+use tch::{Device, Kind, Tensor};
+use yatt_collective::{export_ipc, ipc_availability, IpcError, IpcHandle, IpcMapping};
+use yatt_engine::{BucketDtype, BucketEntry};
+
+/// Weights in a device buffer of the policy's process, by handle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceWeights {
+    /// The tensors: names, dtypes, shapes and byte ranges in the buffer.
+    pub entries: Vec<BucketEntry>,
+    /// The buffer.
+    pub handle: IpcHandle,
+}
+
+/// Every tensor starts on this boundary (as a `cudaMalloc` block does).
+const ALIGN: u64 = 256;
+
+/// Exported buffers kept alive: the newest for the readers of this version, and the one
+/// before for a reader still copying out the previous version.
+const KEEP: usize = 2;
+
+/// The policy's exported buffers, newest last.
+#[derive(Default)]
+pub(crate) struct Staging {
+    kept: VecDeque<(u64, DeviceWeights, Tensor)>,
+}
+
+impl Staging {
+    /// Packs `named` (the weights at `version`) into a fresh device buffer and exports
+    /// it; a version already exported is sent again as it is.
+    pub(crate) fn export(
+        &mut self,
+        version: u64,
+        named: &[(String, Tensor)],
+    ) -> Result<DeviceWeights, IpcError> {
+        if let Some((v, weights, _)) = self.kept.back() {
+            if *v == version {
+                return Ok(weights.clone());
+            }
+        }
+        let ordinal = match named.first().map(|(_, t)| t.device()) {
+            Some(Device::Cuda(i)) => i,
+            Some(_) => {
+                return Err(IpcError::Unavailable(
+                    "the policy's weights are on the CPU".into(),
+                ))
+            }
+            None => {
+                return Err(IpcError::Unavailable(
+                    "the policy has no weights to send".into(),
+                ))
+            }
+        };
+        ipc_availability()?;
+        let device = Device::Cuda(ordinal);
+        let mut entries = Vec::with_capacity(named.len());
+        let mut total = 0u64;
+        for (name, t) in named {
+            if t.device() != device {
+                return Err(IpcError::Unavailable(format!(
+                    "the policy's weights span devices ({name} is on {:?}, not {device:?})",
+                    t.device()
+                )));
+            }
+            let dtype = BucketDtype::from_kind(t.kind())
+                .map_err(|e| IpcError::Malformed(format!("{name}: {e}")))?;
+            let len = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+            entries.push(BucketEntry {
+                name: name.clone(),
+                dtype,
+                shape: t.size(),
+                offset: total,
+                len,
+            });
+            total += len.div_ceil(ALIGN) * ALIGN;
+        }
+        let cuda = |op: &'static str| {
+            move |e: tch::TchError| IpcError::Cuda {
+                op,
+                message: e.to_string(),
+            }
+        };
+        let buffer = Tensor::f_empty([total.max(1) as i64], (Kind::Uint8, device))
+            .map_err(cuda("allocating the staging buffer"))?;
+        let base = buffer.data_ptr() as u64;
+        tch::no_grad(|| -> Result<(), IpcError> {
+            for ((_, t), e) in named.iter().zip(&entries) {
+                // SAFETY: `e.offset..e.offset + e.len` lies inside `buffer`, which
+                // outlives this view.
+                let mut dst = unsafe {
+                    Tensor::f_from_blob(
+                        (base + e.offset) as *const u8,
+                        &e.shape,
+                        &[],
+                        t.kind(),
+                        device,
+                    )
+                }
+                .map_err(cuda("viewing the staging buffer"))?;
+                dst.f_copy_(t).map_err(cuda("packing the weights"))?;
+            }
+            Ok(())
+        })?;
+        // The reader's copies run on its own streams: the bytes must be there first.
+        tch::Cuda::synchronize(ordinal as i64);
+        // SAFETY: libtorch's caching allocator took the buffer from cudaMalloc, and it
+        // stays in `kept` while a reader may map it.
+        let handle = unsafe { export_ipc(base, total, ordinal) }?;
+        let weights = DeviceWeights { entries, handle };
+        self.kept.push_back((version, weights.clone(), buffer));
+        while self.kept.len() > KEEP {
+            self.kept.pop_front();
+        }
+        Ok(weights)
+    }
+}
+
+/// Copies the weights out of the policy's buffer onto `device` (a GPU of this host),
+/// then unmaps the buffer.
+pub(crate) fn device_tensors(
+    weights: &DeviceWeights,
+    device: Device,
+) -> Result<Vec<(String, Tensor)>, IpcError> {
+    let Device::Cuda(ordinal) = device else {
+        return Err(IpcError::Unavailable(
+            "this role's weights are on the CPU".into(),
+        ));
+    };
+    let mapping = IpcMapping::open(&weights.handle, ordinal)?;
+    let cuda = |op: &'static str| {
+        move |e: tch::TchError| IpcError::Cuda {
+            op,
+            message: e.to_string(),
+        }
+    };
+    let mut out = Vec::with_capacity(weights.entries.len());
+    for e in &weights.entries {
+        let numel: i64 = e.shape.iter().product();
+        let fits = e
+            .offset
+            .checked_add(e.len)
+            .is_some_and(|end| end <= mapping.bytes());
+        if !fits || numel as u64 * e.dtype.size() as u64 != e.len {
+            return Err(IpcError::Malformed(format!(
+                "entry `{}` ({:?} {:?}, bytes {}..+{}) does not fit a {}-byte buffer",
+                e.name,
+                e.dtype,
+                e.shape,
+                e.offset,
+                e.len,
+                mapping.bytes()
+            )));
+        }
+        // SAFETY: checked above to lie inside the mapped buffer, which outlives the view
+        // until the copies have finished (the synchronize below).
+        let view = unsafe {
+            Tensor::f_from_blob(
+                (mapping.ptr() + e.offset) as *const u8,
+                &e.shape,
+                &[],
+                e.dtype.kind(),
+                device,
+            )
+        }
+        .map_err(cuda("viewing the policy's buffer"))?;
+        let own = tch::no_grad(|| {
+            let mut own = view.f_empty_like()?;
+            own.f_copy_(&view)?;
+            Ok::<_, tch::TchError>(own)
+        })
+        .map_err(cuda("copying the weights out"))?;
+        out.push((e.name.clone(), own));
+    }
+    tch::Cuda::synchronize(ordinal as i64);
+    drop(mapping);
+    Ok(out)
+}

@@ -1,0 +1,130 @@
+//! Weight sync through CUDA IPC (`rollout.weight_sync`): the policy exports one device
+//! buffer and the rollouts of its host map it, instead of the weights crossing host
+//! memory as byte buckets. Where it cannot be used the sync falls back to buckets and
+//! logs why: once for the whole job when the policy cannot export (weights on the
+//! CPU, no CUDA driver, a build without the `nccl` feature), once per rollout that
+//! cannot map the buffer (another host, another kind of device).
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use yatt_roles::{PolicyRequest, PolicyResponse, RoleRequest, RoleResponse};
+use yatt_runtime::ActorId;
+
+use crate::controller::config::WeightSync;
+use crate::controller::core::Controller;
+use crate::controller::error::ControllerError;
+use crate::controller::refs::{variant, RolloutRef};
+use crate::controller::weights::Settled;
+
+const FALLBACK: &str =
+    "CUDA IPC unavailable, so the weights go to other processes as byte buckets over QUIC";
+
+/// What a controller has learnt about CUDA IPC so far.
+#[derive(Debug, Default)]
+pub(crate) struct IpcRoute {
+    /// The policy said it cannot export through IPC: buckets from now on.
+    pub(crate) off: bool,
+    /// Rollouts that could not map the policy's buffer: buckets for them.
+    pub(crate) refused: BTreeSet<ActorId>,
+}
+
+/// What a sync through IPC did.
+pub(crate) struct IpcPushed {
+    pub(crate) version: u64,
+    pub(crate) bytes: u64,
+    /// Rollouts that took the weights through IPC.
+    pub(crate) loaded: usize,
+    /// Rollouts still to be sent buckets (refused, or never tried).
+    pub(crate) left: Vec<RolloutRef>,
+}
+
+impl Controller {
+    fn ipc_route(&self) -> std::sync::MutexGuard<'_, IpcRoute> {
+        self.ipc.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sends the weights to `live`'s rollouts through CUDA IPC where it can; `None`
+    /// when IPC is off (by configuration, or known unavailable), so every rollout gets
+    /// buckets. Lost rollouts go to `lost`, as with buckets.
+    pub(crate) async fn push_through_ipc(
+        &self,
+        live: &[RolloutRef],
+        t: Duration,
+        lost: &mut Vec<ActorId>,
+    ) -> Result<Option<IpcPushed>, ControllerError> {
+        let mode = self.config.weight_sync;
+        let (off, refused) = {
+            let route = self.ipc_route();
+            (route.off, route.refused.clone())
+        };
+        if mode == WeightSync::Quic || off {
+            return Ok(None);
+        }
+        let (targets, mut left): (Vec<RolloutRef>, Vec<RolloutRef>) = live
+            .iter()
+            .cloned()
+            .partition(|r| !refused.contains(r.id()));
+        if targets.is_empty() {
+            return Ok(None);
+        }
+        let answer = self
+            .serve_a_replica(|_| PolicyRequest::ExportDeviceWeights, "weight_sync", t)
+            .await?;
+        let update = match answer {
+            PolicyResponse::Weights(u) if u.device.is_some() => u,
+            PolicyResponse::DeviceWeightsUnavailable(why) if mode == WeightSync::CudaIpc => {
+                return Err(ControllerError::Config(format!(
+                    "rollout.weight_sync = \"cuda_ipc\", but the policy cannot export its weights through CUDA IPC: {why}; set rollout.weight_sync = \"auto\" (falls back to QUIC) or \"quic\""
+                )))
+            }
+            PolicyResponse::DeviceWeightsUnavailable(why) => {
+                // Info, not a warning: it is what a CPU cluster always does (and info
+                // is shown by default).
+                tracing::info!(reason = %why, "weight sync: {FALLBACK}");
+                self.ipc_route().off = true;
+                return Ok(None);
+            }
+            other => {
+                return Err(self.protocol("policy", "ExportDeviceWeights", variant_of(&other)))
+            }
+        };
+        let (version, bytes) = (update.version, update.bytes());
+        let loads = targets
+            .iter()
+            .map(|r| r.ask(RoleRequest::LoadWeights(update.clone()), t));
+        let answers = futures::future::join_all(loads).await;
+        let mut loaded = 0;
+        for (answer, r) in answers.into_iter().zip(&targets) {
+            match answer {
+                Ok(RoleResponse::Done) => loaded += 1,
+                Ok(other) => return Err(self.protocol("rollout", "LoadWeights", variant(&other))),
+                Err(e) => match self.settle_lost(e, r) {
+                    Settled::Lost => lost.push(r.id().clone()),
+                    Settled::Failed(e) if mode == WeightSync::CudaIpc => {
+                        return Err(self.call("weight_sync", "rollout")(e))
+                    }
+                    Settled::Failed(e) => {
+                        tracing::warn!(replica = %r.id(), error = %e, "weight sync: this rollout cannot take the weights through CUDA IPC; it gets byte buckets over QUIC from now on");
+                        self.ipc_route().refused.insert(r.id().clone());
+                        left.push(r.clone());
+                    }
+                },
+            }
+        }
+        Ok(Some(IpcPushed {
+            version,
+            bytes,
+            loaded,
+            left,
+        }))
+    }
+}
+
+fn variant_of(r: &PolicyResponse) -> String {
+    let s = format!("{r:?}");
+    s.split(['(', ' ', '{'])
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
