@@ -28,13 +28,14 @@ pack() {
     source scripts/bootstrap.sh
     local target=${CARGO_TARGET_DIR:-$ROOT/target}
     rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/bin" "$BUNDLE/smollm2"
-    cargo build --release --bin yatt
+    cargo build --release --bin yatt --bin yatt-node
     # Test binaries: the JSON build messages name each executable.
     local tests
     tests=$( {
         cargo test --release --no-run -p yatt-engine --test devices --test train --message-format=json
         cargo test --release --no-run -p yatt-trainer --test precision --test time_share --message-format=json
         cargo test --release --no-run -p yatt-collective --features nccl --tests --message-format=json
+        cargo test --release --no-run -p yatt-integration-tests --test weight_sync --message-format=json
         cargo build --release -p yatt-collective --features nccl --example nccl_check --message-format=json
     } | python3 -c '
 import json, sys
@@ -44,7 +45,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable"):
         print(m["target"]["name"] + " " + m["executable"])
 ')
-    echo "yatt $target/release/yatt" >"$BUNDLE/bin.list"
+    { echo "yatt $target/release/yatt"; echo "yatt-node $target/release/yatt-node"; } >"$BUNDLE/bin.list"
     # `stub` tests the build without the nccl feature: nothing to run on a GPU.
     echo "$tests" | grep -v '^stub ' >>"$BUNDLE/bin.list"
     while read -r name exe; do
@@ -119,7 +120,7 @@ run() {
         [ -z "$cudart" ] || [ -d "$cudart" ] && break
     done
     export LD_LIBRARY_PATH=$TORCH_LIB${cudart:+:$cudart}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    export YATT_REQUIRE_CUDA=1 RUST_BACKTRACE=1
+    export YATT_REQUIRE_CUDA=1 RUST_BACKTRACE=1 YATT_BIN=$bin/yatt YATT_NODE_BIN=$bin/yatt-node
     local venv
     venv=$(cd "$TORCH_LIB/../../../../.." && pwd)
     export VIRTUAL_ENV=${VIRTUAL_ENV:-$venv}
@@ -167,6 +168,12 @@ EOF
         rm -rf "${OUT:?}/$name"
     }
     grpo grpo-bf16 true
+    # CUDA IPC between two processes on the one GPU: the driver-level test, the job's
+    # choice of path (two yatt-node processes), then weight-sync GB/s, IPC against QUIC.
+    step collective-ipc 60 "$bin/ipc" --test-threads=1 --nocapture
+    step weight-sync 240 "$bin/weight_sync" --test-threads=1 --nocapture
+    step bench-weight-sync 300 env BIN="$bin" MODEL="$model" DTYPE=bf16 DEVICE=cuda \
+        MODES="quic cuda_ipc" OUT="$OUT/weight-sync" bash scripts/bench-weight-sync.sh 6
     # Where a 1B decode step (graphs on) and training step go, phase by phase.
     step profile-steps 180 env YATT_PROFILE=steps "$bin/yatt" bench gpu --device cuda --dtype bf16 \
         --preset llama-1b --batch 64 --new-tokens 32 --train-batch 8 --train-seq 2048 --steps 1 \
@@ -201,6 +208,14 @@ for name in ["bench-smollm2", "bench-llama-1b", "profile-steps", "bench-decode-s
     try: b = json.load(open(f"{out}/{name}.json"))
     except Exception as e: print(f"\n{name}: no figures ({e})"); continue
     print(f"\n`{name}`:\n\n```json\n{json.dumps(b, indent=1)}\n```")
+try:
+    print("\nWeight sync between two yatt-node processes on one GPU (`scripts/bench-weight-sync.sh 6`, random SmolLM2-135M in bf16, steps 2-6):\n")
+    rows = [l.rstrip("\n").split("\t") for l in open(f"{out}/weight-sync/summary.tsv")]
+    print("| " + " | ".join(rows[0]) + " |\n|" + " --- |" * len(rows[0]))
+    for r in rows[1:]:
+        print("| " + " | ".join(r) + " |")
+except Exception as e:
+    print(f"\nweight-sync bench: no figures ({e})")
 for name, how in [("grpo-bf16", "decode through CUDA graphs"), ("grpo-bf16-eager", "eager decode")]:
     try:
         rows = [json.loads(l) for l in open(f"{out}/{name}-metrics.jsonl")]

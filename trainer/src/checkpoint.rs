@@ -145,8 +145,9 @@ pub(crate) async fn save(controllers: &[Controller], dir: &Path) -> Result<(), J
 
 /// Keys of a job that do not change a run's trajectory: a resumed run may change them.
 /// `job.output_dir` is where the run is, not what it does (`--resume DIR` sets it).
-/// `rollout.cuda_graphs` changes how, not what, the rollout decodes (within rounding).
-const RESUMABLE_KEYS: [&str; 17] = [
+/// `rollout.cuda_graphs` changes how, not what, the rollout decodes (within rounding);
+/// `rollout.weight_sync` how, not what, the weights travel.
+const RESUMABLE_KEYS: [&str; 18] = [
     "timeouts.generate_s",
     "timeouts.score_s",
     "timeouts.train_s",
@@ -164,6 +165,7 @@ const RESUMABLE_KEYS: [&str; 17] = [
     "placement.critic",
     "placement.nodes",
     "rollout.cuda_graphs",
+    "rollout.weight_sync",
 ];
 
 /// Refuses to resume `job` in `dir` when the run there (its `job.toml`) differs from

@@ -7,8 +7,6 @@
 //! a build without the `nccl` feature) the error says why, and the controller sends
 //! byte buckets instead and logs the reason.
 
-use std::collections::VecDeque;
-
 use tch::{Device, Kind, Tensor};
 use yatt_collective::{export_ipc, ipc_availability, IpcError, IpcHandle, IpcMapping};
 use yatt_engine::{BucketDtype, BucketEntry};
@@ -25,14 +23,12 @@ pub struct DeviceWeights {
 /// Every tensor starts on this boundary (as a `cudaMalloc` block does).
 const ALIGN: u64 = 256;
 
-/// Exported buffers kept alive: the newest for the readers of this version, and the one
-/// before for a reader still copying out the previous version.
-const KEEP: usize = 2;
-
-/// The policy's exported buffers, newest last.
+/// The policy's exported buffer: the latest version's only. A controller's sync waits
+/// for every rollout's load before the policy's next update, so when the next version
+/// is exported no one reads the previous one.
 #[derive(Default)]
 pub(crate) struct Staging {
-    kept: VecDeque<(u64, DeviceWeights, Tensor)>,
+    kept: Option<(u64, DeviceWeights, Tensor)>,
 }
 
 impl Staging {
@@ -43,11 +39,13 @@ impl Staging {
         version: u64,
         named: &[(String, Tensor)],
     ) -> Result<DeviceWeights, IpcError> {
-        if let Some((v, weights, _)) = self.kept.back() {
+        if let Some((v, weights, _)) = &self.kept {
             if *v == version {
                 return Ok(weights.clone());
             }
         }
+        // The old buffer goes first: at most one packed copy of the weights at a time.
+        self.kept = None;
         let ordinal = match named.first().map(|(_, t)| t.device()) {
             Some(Device::Cuda(i)) => i,
             Some(_) => {
@@ -117,10 +115,7 @@ impl Staging {
         // stays in `kept` while a reader may map it.
         let handle = unsafe { export_ipc(base, total, ordinal) }?;
         let weights = DeviceWeights { entries, handle };
-        self.kept.push_back((version, weights.clone(), buffer));
-        while self.kept.len() > KEEP {
-            self.kept.pop_front();
-        }
+        self.kept = Some((version, weights.clone(), buffer));
         Ok(weights)
     }
 }
