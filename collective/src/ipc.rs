@@ -99,6 +99,8 @@ pub unsafe fn export_ipc(ptr: u64, bytes: u64, device: usize) -> Result<IpcHandl
 pub struct IpcMapping {
     ptr: u64,
     bytes: u64,
+    /// The reader's GPU (whose context the copies run in).
+    device: usize,
     /// `Some` when the handle was opened (another process's buffer): what to close.
     opened: Option<backend::Opened>,
 }
@@ -128,6 +130,7 @@ impl IpcMapping {
             return Ok(IpcMapping {
                 ptr: handle.ptr,
                 bytes: handle.bytes,
+                device,
                 opened: None,
             });
         }
@@ -141,6 +144,7 @@ impl IpcMapping {
         Ok(IpcMapping {
             ptr: opened.base() + handle.offset,
             bytes: handle.bytes,
+            device,
             opened: Some(opened),
         })
     }
@@ -152,6 +156,30 @@ impl IpcMapping {
     /// The buffer's length in bytes.
     pub fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// Copies parts of the buffer out, device to device: each `(offset in the buffer,
+    /// destination address, bytes)`. Returns once every copy has landed. Raw driver
+    /// copies rather than tensors over the mapping: libtorch checks a tensor's device
+    /// against where its memory lives, which for another GPU's buffer is not ours.
+    ///
+    /// # Safety
+    /// Each destination must be device memory of this process with room for its
+    /// bytes, not in use by other work until this returns.
+    pub unsafe fn copy_out(&self, parts: &[(u64, u64, u64)]) -> Result<(), IpcError> {
+        for &(offset, _, len) in parts {
+            if offset.checked_add(len).is_none_or(|end| end > self.bytes) {
+                return Err(IpcError::Malformed(format!(
+                    "bytes {offset}..+{len} of a {}-byte buffer",
+                    self.bytes
+                )));
+            }
+        }
+        let parts: Vec<(u64, u64, u64)> = parts
+            .iter()
+            .map(|&(offset, dst, len)| (dst, self.ptr + offset, len))
+            .collect();
+        backend::ipc_copy(&parts, self.device)
     }
 }
 
@@ -179,6 +207,16 @@ mod tests {
             pid,
             ptr: 0x7000_0000,
         }
+    }
+
+    #[test]
+    fn a_copy_past_the_buffer_is_refused_before_the_driver() {
+        let m = IpcMapping::open(&handle(&boot_id(), std::process::id()), 0).unwrap();
+        let e = unsafe { m.copy_out(&[(0, 0x1000, 512), (768, 0x2000, 512)]) }.unwrap_err();
+        assert!(
+            matches!(e, IpcError::Malformed(ref s) if s.contains("768..+512 of a 1024-byte")),
+            "{e}"
+        );
     }
 
     #[test]

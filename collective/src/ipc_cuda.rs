@@ -84,6 +84,23 @@ pub(crate) fn ipc_open(handle: &[u8; IPC_HANDLE_BYTES], device: usize) -> Result
     Ok(Opened { base, ctx })
 }
 
+/// Copies `(dst, src, bytes)` device to device on the legacy default stream (which
+/// libtorch's default stream is), then waits for them.
+pub(crate) fn ipc_copy(parts: &[(u64, u64, u64)], device: usize) -> Result<(), IpcError> {
+    const OP: &str = "copy";
+    let _ctx = bind(device, OP)?;
+    for &(dst, src, len) in parts {
+        cuda("cuMemcpyDtoDAsync", || unsafe {
+            cu::cuMemcpyDtoDAsync_v2(dst, src, len as usize, std::ptr::null_mut()).result()
+        })
+        .map_err(failed(OP))?;
+    }
+    cuda("cuStreamSynchronize", || unsafe {
+        cu::cuStreamSynchronize(std::ptr::null_mut()).result()
+    })
+    .map_err(failed(OP))
+}
+
 pub(crate) fn ipc_close(opened: Opened) -> Result<(), IpcError> {
     const OP: &str = "close";
     cuda("cuCtxSetCurrent", || opened.ctx.bind_to_thread()).map_err(failed(OP))?;

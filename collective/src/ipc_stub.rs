@@ -30,6 +30,10 @@ pub(crate) fn ipc_open(_: &[u8; IPC_HANDLE_BYTES], _: usize) -> Result<Opened, I
     Err(IpcError::Unavailable(REASON.into()))
 }
 
+pub(crate) fn ipc_copy(_: &[(u64, u64, u64)], _: usize) -> Result<(), IpcError> {
+    Err(IpcError::Unavailable(REASON.into()))
+}
+
 pub(crate) fn ipc_close(opened: Opened) -> Result<(), IpcError> {
     match opened {}
 }

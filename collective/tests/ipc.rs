@@ -98,6 +98,15 @@ fn reader() {
         back == pattern(),
         "the mapped bytes differ from the exporter's"
     );
+    // copy_out: two parts, swapped, into memory of this process.
+    let half = (BYTES / 2) as u64;
+    let mut own: cu::CUdeviceptr = 0;
+    unsafe { cu::cuMemAlloc_v2(&mut own, BYTES).result() }.expect("cuMemAlloc");
+    unsafe { mapping.copy_out(&[(half, own, half), (0, own + half, half)]) }.expect("copy_out");
+    unsafe { cu::cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), own, BYTES).result() }.expect("dtoh");
+    let want = [&pattern()[BYTES / 2..], &pattern()[..BYTES / 2]].concat();
+    assert!(back == want, "copy_out put the wrong bytes");
+    unsafe { cu::cuMemFree_v2(own).result() }.unwrap();
     drop(mapping);
     println!("reader: every byte matches");
 }

@@ -139,44 +139,28 @@ pub(crate) fn device_tensors(
         }
     };
     let mut out = Vec::with_capacity(weights.entries.len());
+    let mut parts = Vec::with_capacity(weights.entries.len());
     for e in &weights.entries {
         let numel: i64 = e.shape.iter().product();
-        let fits = e
-            .offset
-            .checked_add(e.len)
-            .is_some_and(|end| end <= mapping.bytes());
-        if !fits || numel as u64 * e.dtype.size() as u64 != e.len {
+        if numel < 0 || numel as u64 * e.dtype.size() as u64 != e.len {
             return Err(IpcError::Malformed(format!(
-                "entry `{}` ({:?} {:?}, bytes {}..+{}) does not fit a {}-byte buffer",
+                "entry `{}`: shape {:?} of {:?} needs {} bytes, the table says {}",
                 e.name,
-                e.dtype,
                 e.shape,
-                e.offset,
-                e.len,
-                mapping.bytes()
+                e.dtype,
+                numel.max(0) as u64 * e.dtype.size() as u64,
+                e.len
             )));
         }
-        // SAFETY: checked above to lie inside the mapped buffer, which outlives the view
-        // until the copies have finished (the synchronize below).
-        let view = unsafe {
-            Tensor::f_from_blob(
-                (mapping.ptr() + e.offset) as *const u8,
-                &e.shape,
-                &[],
-                e.dtype.kind(),
-                device,
-            )
-        }
-        .map_err(cuda("viewing the policy's buffer"))?;
-        let own = tch::no_grad(|| {
-            let mut own = view.f_empty_like()?;
-            own.f_copy_(&view)?;
-            Ok::<_, tch::TchError>(own)
-        })
-        .map_err(cuda("copying the weights out"))?;
+        let own = Tensor::f_empty(e.shape.as_slice(), (e.dtype.kind(), device))
+            .map_err(cuda("allocating the weights"))?;
+        parts.push((e.offset, own.data_ptr() as u64, e.len));
         out.push((e.name.clone(), own));
     }
-    tch::Cuda::synchronize(ordinal as i64);
+    // SAFETY: each destination is a fresh tensor of exactly its entry's bytes, which
+    // no other work touches before the copies return; `copy_out` checks the sources
+    // lie inside the buffer.
+    unsafe { mapping.copy_out(&parts) }?;
     drop(mapping);
     Ok(out)
 }
