@@ -35,8 +35,8 @@ mod wire;
 
 // The SDK: what every role touches.
 pub use role::{
-    DeviceGroup, LocalWeights, ResourceProfile, Role, RoleActor, RoleError, RoleRequest,
-    RoleResponse, WeightsUpdate,
+    DeviceGroup, DeviceWeights, LocalWeights, ResourceProfile, Role, RoleActor, RoleError,
+    RoleRequest, RoleResponse, WeightsUpdate,
 };
 pub use sample::{
     group_indices, response_mask, split_rows, token_matrix, EpisodeInfo, Finish, Sample,
@@ -90,10 +90,10 @@ pub use yatt_engine::ChatMessage;
 // The built-in roles, their configs and their messages.
 pub use builtin::{
     load_reward_model, load_rm_jsonl, train_reward_model, AsciiCodec, ContinueRequest,
-    CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole, DeviceWeights,
-    GenerateRequest, GradShard, GrowingLengthReward, JudgeConfig, JudgeMode, JudgeScorer,
-    KlLossConfig, LoraSync, ModelScorer, OnUnparsed, PolicyConfig, PolicyRequest, PolicyResponse,
-    PolicyRole, ReferenceRole, RewardModelError, RewardRole, RmExample, RmTrainConfig,
-    RolloutRequest, RolloutResponse, RolloutRole, RolloutStats, SampleSink, ScalarRewardModel,
-    TextCodec, TokenizerCodec, TrainReport, TrainerState, TINY_CODEC,
+    CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole, GenerateRequest,
+    GradShard, GrowingLengthReward, JudgeConfig, JudgeMode, JudgeScorer, KlLossConfig, LoraSync,
+    ModelScorer, OnUnparsed, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole,
+    ReferenceRole, RewardModelError, RewardRole, RmExample, RmTrainConfig, RolloutRequest,
+    RolloutResponse, RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, TextCodec,
+    TokenizerCodec, TrainReport, TrainerState, TINY_CODEC,
 };

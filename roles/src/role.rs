@@ -132,7 +132,7 @@ pub struct WeightsUpdate {
     /// Weight sync between processes of one host: the weights stay in a device buffer
     /// of the policy's process, which the receiver maps through CUDA IPC. Empty
     /// `buckets` when set.
-    pub device: Option<crate::builtin::DeviceWeights>,
+    pub device: Option<DeviceWeights>,
 }
 
 impl WeightsUpdate {
@@ -162,6 +162,16 @@ impl WeightsUpdate {
             device: None,
         }
     }
+}
+
+/// Weights in a device buffer of the policy's process, by CUDA IPC handle (weight sync
+/// between processes of one host).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceWeights {
+    /// The tensors: names, dtypes, shapes and byte ranges in the buffer.
+    pub entries: Vec<yatt_engine::BucketEntry>,
+    /// The buffer.
+    pub handle: yatt_collective::IpcHandle,
 }
 
 /// A snapshot of a model's parameters (canonical names), shared by the roles of one

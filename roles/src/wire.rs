@@ -62,7 +62,7 @@ enum RequestHead {
     Drain,
     Profile,
     Stop,
-    /// Weights in a device buffer of the policy's process ([`crate::DeviceWeights`]).
+    /// Weights in a device buffer of the policy's process ([`crate::role::DeviceWeights`]).
     LoadDeviceWeights {
         version: u64,
         entries: Vec<u8>,
@@ -294,7 +294,7 @@ fn remote_buckets<T>(u: WeightsUpdate) -> Result<Vec<yatt_engine::WeightBucket>,
 }
 
 /// Device weights' table of tensors (a bucket header) and buffer handle.
-fn device_head(d: crate::DeviceWeights) -> (Vec<u8>, IpcHandle) {
+fn device_head(d: crate::role::DeviceWeights) -> (Vec<u8>, IpcHandle) {
     let header = WeightBucket {
         entries: d.entries,
         data: Vec::new(),
@@ -311,7 +311,7 @@ fn device_update<T>(
 ) -> Result<WeightsUpdate, WireError> {
     let entries = WeightBucket::decode_header(entries).map_err(decode_err::<T>)?;
     Ok(WeightsUpdate {
-        device: Some(crate::DeviceWeights { entries, handle }),
+        device: Some(crate::role::DeviceWeights { entries, handle }),
         ..WeightsUpdate::from_buckets(version, Vec::new())
     })
 }
@@ -701,7 +701,7 @@ mod tests {
         .unwrap();
         let entries = buckets(1 << 20).remove(0).entries;
         let update = WeightsUpdate {
-            device: Some(crate::DeviceWeights {
+            device: Some(crate::role::DeviceWeights {
                 entries: entries.clone(),
                 handle: handle.clone(),
             }),

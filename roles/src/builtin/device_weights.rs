@@ -8,17 +8,10 @@
 //! byte buckets instead and logs the reason.
 
 use tch::{Device, Kind, Tensor};
-use yatt_collective::{export_ipc, ipc_availability, IpcError, IpcHandle, IpcMapping};
+use yatt_collective::{export_ipc, ipc_availability, IpcError, IpcMapping};
 use yatt_engine::{BucketDtype, BucketEntry};
 
-/// Weights in a device buffer of the policy's process, by handle.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeviceWeights {
-    /// The tensors: names, dtypes, shapes and byte ranges in the buffer.
-    pub entries: Vec<BucketEntry>,
-    /// The buffer.
-    pub handle: IpcHandle,
-}
+use crate::role::DeviceWeights;
 
 /// Every tensor starts on this boundary (as a `cudaMalloc` block does).
 const ALIGN: u64 = 256;

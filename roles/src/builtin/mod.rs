@@ -32,7 +32,6 @@ mod write_root;
 pub use growing_reward::GrowingLengthReward;
 
 pub use critic::{CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole};
-pub use device_weights::DeviceWeights;
 pub use judge_model::{JudgeConfig, JudgeMode, JudgeScorer, OnUnparsed};
 pub use policy::{
     GradShard, KlLossConfig, LoraSync, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole,

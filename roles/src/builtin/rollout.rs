@@ -890,7 +890,7 @@ mod tests {
         }))
         .unwrap();
         let update = || WeightsUpdate {
-            device: Some(crate::DeviceWeights {
+            device: Some(crate::role::DeviceWeights {
                 entries: Vec::new(),
                 handle: Clone::clone(&handle),
             }),

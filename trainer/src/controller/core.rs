@@ -18,6 +18,15 @@ use crate::ledger::{LedgerError, SampleLedger, Stage};
 use yatt_metrics::names;
 use yatt_roles::AdvantageEstimator;
 
+/// What a controller has learnt about CUDA IPC weight sync so far (`weights_ipc.rs`).
+#[derive(Debug, Default)]
+pub(crate) struct IpcRoute {
+    /// The policy said it cannot export through IPC: buckets from now on.
+    pub(crate) off: bool,
+    /// Rollouts that could not map the policy's buffer: buckets for them.
+    pub(crate) refused: std::collections::BTreeSet<ActorId>,
+}
+
 /// One data-parallel head: its shard and the roles it drives.
 pub struct Controller {
     pub(crate) config: ControllerConfig,
@@ -32,7 +41,7 @@ pub struct Controller {
     /// Rollouts the last weight sync reached through CUDA IPC.
     pub(crate) last_sync_ipc: usize,
     /// What weight sync has learnt about CUDA IPC (`rollout.weight_sync`).
-    pub(crate) ipc: std::sync::Mutex<crate::controller::weights_ipc::IpcRoute>,
+    pub(crate) ipc: std::sync::Mutex<IpcRoute>,
     /// Its policy replica averages gradients in a ring with the other heads' replicas
     /// ([`join_policy_ring`]).
     pub(crate) in_policy_ring: bool,

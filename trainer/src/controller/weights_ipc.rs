@@ -5,29 +5,19 @@
 //! CPU, no CUDA driver, a build without the `nccl` feature), once per rollout that
 //! cannot map the buffer (another host, another kind of device).
 
-use std::collections::BTreeSet;
 use std::time::Duration;
 
 use yatt_roles::{PolicyRequest, PolicyResponse, RoleRequest, RoleResponse};
 use yatt_runtime::ActorId;
 
 use crate::controller::config::WeightSync;
-use crate::controller::core::Controller;
+use crate::controller::core::{Controller, IpcRoute};
 use crate::controller::error::ControllerError;
 use crate::controller::refs::{variant, RolloutRef};
 use crate::controller::weights::Settled;
 
 const FALLBACK: &str =
     "CUDA IPC unavailable, so the weights go to other processes as byte buckets over QUIC";
-
-/// What a controller has learnt about CUDA IPC so far.
-#[derive(Debug, Default)]
-pub(crate) struct IpcRoute {
-    /// The policy said it cannot export through IPC: buckets from now on.
-    pub(crate) off: bool,
-    /// Rollouts that could not map the policy's buffer: buckets for them.
-    pub(crate) refused: BTreeSet<ActorId>,
-}
 
 /// What a sync through IPC did.
 pub(crate) struct IpcPushed {

@@ -43,8 +43,10 @@ use crate::algo::off_policy::{behaviour_weights, BehaviourCorrection, OffPolicyC
 use crate::algo::policy_loss::policy_loss;
 use crate::builtin::device_weights::Staging;
 use crate::builtin::scoring::{check_device, response_scores, score_samples};
-use crate::role::{DeviceGroup, LocalWeights, ResourceProfile, Role, RoleError, WeightsUpdate};
+use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::{response_mask, token_matrix, Sample, SampleId, TokenField};
+
+mod export;
 
 /// KL loss against the reference policy (GRPO: k3, coefficient 0.001).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -734,47 +736,6 @@ impl PolicyRole {
             seconds: t0.elapsed().as_secs_f64() + reports.iter().map(|r| r.seconds).sum::<f64>(),
             ..TrainReport::merge_heads(&reports)
         })
-    }
-
-    /// The tensors a weight sync sends (HF names; adapters only with `sync = adapters`).
-    fn sync_tensors(&self) -> Vec<(String, Tensor)> {
-        let m = &self.trainer.model;
-        match (m.lora().is_some(), self.config.lora_sync) {
-            (false, _) => m.hf_named_tensors(),
-            (true, LoraSync::Adapters) => m.adapter_sync_tensors(),
-            (true, LoraSync::Merged) => m.merged_hf_named_tensors(),
-        }
-    }
-
-    fn export_device(&mut self) -> PolicyResponse {
-        let version = self.trainer.step_count();
-        let named = tch::no_grad(|| self.sync_tensors());
-        match self.staging.export(version, &named) {
-            Ok(w) => PolicyResponse::Weights(WeightsUpdate {
-                device: Some(w),
-                ..WeightsUpdate::from_buckets(version, Vec::new())
-            }),
-            Err(e) => PolicyResponse::DeviceWeightsUnavailable(e.to_string()),
-        }
-    }
-
-    fn export(&mut self) -> Result<WeightsUpdate, RoleError> {
-        let named = self.sync_tensors();
-        let buckets = tch::no_grad(|| to_buckets(&named, self.config.bucket_bytes))
-            .map_err(|e| RoleError::Failed(format!("exporting weights: {e}")))?;
-        Ok(WeightsUpdate::from_buckets(
-            self.trainer.step_count(),
-            buckets,
-        ))
-    }
-
-    fn export_local(&mut self) -> WeightsUpdate {
-        WeightsUpdate {
-            version: self.trainer.step_count(),
-            buckets: Vec::new(),
-            local: Some(LocalWeights::new(self.trainer.model.weights_snapshot())),
-            device: None,
-        }
     }
 }
 
