@@ -75,14 +75,8 @@ impl Staging {
             });
             total += len.div_ceil(ALIGN) * ALIGN;
         }
-        let cuda = |op: &'static str| {
-            move |e: tch::TchError| IpcError::Cuda {
-                op,
-                message: e.to_string(),
-            }
-        };
         let buffer = Tensor::f_empty([total.max(1) as i64], (Kind::Uint8, device))
-            .map_err(cuda("allocating the staging buffer"))?;
+            .map_err(tch_failed("allocating the staging buffer"))?;
         let base = buffer.data_ptr() as u64;
         tch::no_grad(|| -> Result<(), IpcError> {
             for ((_, t), e) in named.iter().zip(&entries) {
@@ -97,8 +91,8 @@ impl Staging {
                         device,
                     )
                 }
-                .map_err(cuda("viewing the staging buffer"))?;
-                dst.f_copy_(t).map_err(cuda("packing the weights"))?;
+                .map_err(tch_failed("viewing the staging buffer"))?;
+                dst.f_copy_(t).map_err(tch_failed("packing the weights"))?;
             }
             Ok(())
         })?;
@@ -125,12 +119,6 @@ pub(crate) fn device_tensors(
         ));
     };
     let mapping = IpcMapping::open(&weights.handle, ordinal)?;
-    let cuda = |op: &'static str| {
-        move |e: tch::TchError| IpcError::Cuda {
-            op,
-            message: e.to_string(),
-        }
-    };
     let mut out = Vec::with_capacity(weights.entries.len());
     let mut parts = Vec::with_capacity(weights.entries.len());
     for e in &weights.entries {
@@ -146,7 +134,7 @@ pub(crate) fn device_tensors(
             )));
         }
         let own = Tensor::f_empty(e.shape.as_slice(), (e.dtype.kind(), device))
-            .map_err(cuda("allocating the weights"))?;
+            .map_err(tch_failed("allocating the weights"))?;
         parts.push((e.offset, own.data_ptr() as u64, e.len));
         out.push((e.name.clone(), own));
     }
@@ -156,4 +144,12 @@ pub(crate) fn device_tensors(
     unsafe { mapping.copy_out(&parts) }?;
     drop(mapping);
     Ok(out)
+}
+
+/// A libtorch failure during `op`, as the IPC error the caller logs.
+fn tch_failed(op: &'static str) -> impl Fn(tch::TchError) -> IpcError {
+    move |e| IpcError::Cuda {
+        op,
+        message: e.to_string(),
+    }
 }
