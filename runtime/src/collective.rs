@@ -24,6 +24,8 @@
 //! that gives up on a round tells every other member ([`RingMsg::Abandon`]), so that a
 //! member waiting on a live neighbour that gave up (in a ring of four or more, the
 //! member two places after a dead one) fails at once instead of at its deadline.
+//! Chunks name their round and their ring, so that what an abandoned attempt left in
+//! flight is dropped by the rebuilt ring's retry of the same round.
 
 use std::ops::Range;
 use std::time::Duration;
@@ -66,6 +68,10 @@ pub struct RingSpec {
 /// One piece of a segment on its way to the next member.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RingChunk {
+    /// Which ring ([`ring_fingerprint`] of its members): a chunk that an abandoned
+    /// attempt left in flight reaches the rebuilt ring's retry of the same round, and
+    /// must be dropped, not taken for the retry's.
+    pub ring: u64,
     /// Which all-reduce (the caller's sequence number): chunks of an abandoned earlier
     /// round are recognised and dropped.
     pub round: u64,
@@ -115,6 +121,7 @@ enum Inbound {
 #[derive(Serialize, Deserialize)]
 enum RingHead {
     Chunk {
+        ring: u64,
         round: u64,
         step: u32,
         offset: u64,
@@ -152,6 +159,7 @@ impl Message for RingMsg {
                     reason: e.to_string(),
                 })?;
                 let head = RingHead::Chunk {
+                    ring: c.ring,
                     round: c.round,
                     step: c.step,
                     offset: c.offset,
@@ -170,6 +178,7 @@ impl Message for RingMsg {
             RingHead::Close => Ok(RingMsg::Close),
             RingHead::Abandon(a) => Ok(RingMsg::Abandon(a)),
             RingHead::Chunk {
+                ring,
                 round,
                 step,
                 offset,
@@ -185,6 +194,7 @@ impl Message for RingMsg {
                         reason: "a chunk needs its values as bulk tensor \"ring\"",
                     })?;
                 Ok(RingMsg::Chunk(RingChunk {
+                    ring,
                     round,
                     step,
                     offset,
@@ -458,6 +468,19 @@ pub fn ring_segments(len: usize, n: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
+/// A ring's identity on the wire: FNV-1a over its members' ids in ring order. Rings
+/// that differ in any member or in their order differ here (up to a 64-bit collision).
+fn ring_fingerprint(members: &[ActorId]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for id in members {
+        for b in id.to_string().bytes().chain([0u8]) {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
 /// [`ring_exchange`], telling the other members when this one gives up.
 async fn ring_mean(
     queue: &mut mpsc::Receiver<Inbound>,
@@ -526,6 +549,7 @@ async fn ring_exchange(
         })?;
     let link = Link {
         members: &spec.members,
+        ring: ring_fingerprint(&spec.members),
         next: &next,
         prev: &spec.members[(rank + n - 1) % n],
         node,
@@ -563,6 +587,8 @@ async fn ring_exchange(
 /// One member's view of the ring during a round.
 struct Link<'a> {
     members: &'a [ActorId],
+    /// [`ring_fingerprint`] of `members`.
+    ring: u64,
     next: &'a ActorRef<RingMsg, Ack>,
     prev: &'a ActorId,
     node: &'a Node,
@@ -614,6 +640,7 @@ impl Link<'_> {
                     data.extend_from_slice(&x.to_le_bytes());
                 }
                 RingChunk {
+                    ring: self.ring,
                     round: self.round,
                     step,
                     offset: (offset + i * self.chunk) as u64,
@@ -664,8 +691,14 @@ impl Link<'_> {
                     continue;
                 }
             };
-            if c.round < self.round {
-                tracing::debug!(round = c.round, "dropping a chunk of an abandoned round");
+            if c.round < self.round || c.ring != self.ring {
+                // An abandoned round's, or an earlier ring's that was still in flight
+                // when this member joined the rebuilt one.
+                tracing::debug!(
+                    round = c.round,
+                    ring = c.ring,
+                    "dropping a chunk of an abandoned round or ring"
+                );
                 continue;
             }
             let len = (range.end - at).min(self.chunk);
@@ -690,5 +723,62 @@ impl Link<'_> {
             at += len;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regression (CI on c8f847d): a chunk that the ring before a rebuild still had in
+    /// flight reached the rebuilt ring's retry of the same round and failed it as out
+    /// of step. Chunks now name their ring, and another ring's are dropped.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_chunk_of_an_earlier_ring_is_dropped_by_the_retry_of_its_round() {
+        let dir = tempfile::tempdir().unwrap();
+        let node = Node::builder("stale-a")
+            .dev_certs(dir.path())
+            .start()
+            .await
+            .unwrap();
+        let mut members: Vec<RingMember> = (0..2)
+            .map(|i| RingMember::start(&node, "ring", i).unwrap())
+            .collect();
+        let ids: Vec<ActorId> = members.iter().map(|m| m.inbox_id().clone()).collect();
+        for (rank, m) in members.iter_mut().enumerate() {
+            m.join(RingSpec {
+                rank: rank as u32,
+                members: ids.clone(),
+                timeout: Duration::from_secs(10),
+                chunk_bytes: 4,
+            })
+            .unwrap();
+        }
+        // Member 0 first expects value 2 of segment 1 (round 5, step 0). What arrives
+        // first is a chunk of the same round and step from a ring of other members.
+        let earlier = ring_fingerprint(&[ids[1].clone(), ids[0].clone()]);
+        let inbox = node.actor_ref::<RingMsg, Ack>(&ids[0]).unwrap();
+        let stale = RingChunk {
+            ring: earlier,
+            round: 5,
+            step: 0,
+            offset: 3,
+            total: 4,
+            data: Bytes::copy_from_slice(&100f32.to_le_bytes()),
+        };
+        inbox
+            .ask(RingMsg::Chunk(stale), Duration::from_secs(5))
+            .await
+            .unwrap();
+        let inputs = [vec![1.0f32, 2.0, 3.0, 4.0], vec![3.0, 4.0, 5.0, 6.0]];
+        let runs = members.iter_mut().zip(&inputs).map(|(m, x)| async move {
+            let mut buf = x.clone();
+            m.all_reduce_mean(&mut buf, 5).await.map(|()| buf)
+        });
+        for got in futures::future::try_join_all(runs).await.unwrap() {
+            assert_eq!(got, vec![2.0, 3.0, 4.0, 5.0]);
+        }
+        drop(members);
+        node.shutdown().await;
     }
 }
