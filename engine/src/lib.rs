@@ -75,4 +75,4 @@ pub use score::{SeqBatch, TokenScores};
 pub use tch;
 pub use tokenizer::{render_chat_template, ChatMessage, Tokenizer};
 pub use train::{LrSchedule, StepStats, TrainConfig, Trainer};
-pub use weights::{to_buckets, BucketDtype, BucketEntry, WeightBucket};
+pub use weights::{to_buckets, BucketDtype, BucketEntry, BucketViews, WeightBucket};

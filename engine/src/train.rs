@@ -354,15 +354,17 @@ impl Trainer {
     /// Replaces gradients with the (e.g. all-reduced) ones in `buckets`.
     pub fn set_grads(&mut self, buckets: &[WeightBucket]) -> Result<()> {
         self.check_resident()?;
-        let dev = self.model.device();
-        let mut incoming = std::collections::HashMap::new();
-        for b in buckets {
-            incoming.extend(b.tensors(dev)?);
-        }
+        // Views of the payloads: `copy_` below reads them once, onto any device.
+        let views = buckets
+            .iter()
+            .map(WeightBucket::views)
+            .collect::<Result<Vec<_>>>()?;
+        let mut incoming: std::collections::HashMap<&str, &Tensor> =
+            views.iter().flat_map(|v| v.iter()).collect();
         self.materialise_grads()?;
         tch::no_grad(|| -> Result<()> {
             for (n, p) in self.model.parameters_mut() {
-                if let Some(g) = incoming.remove(&n) {
+                if let Some(g) = incoming.remove(n.as_str()) {
                     if g.size() != p.size() {
                         return Err(EngineError::Bucket(format!(
                             "gradient `{n}` has shape {:?}, parameter has {:?}",

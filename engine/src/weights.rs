@@ -4,6 +4,9 @@
 //! back to back.
 
 use crate::error::{EngineError, Result};
+use std::marker::PhantomData;
+
+use bytes::Bytes;
 use tch::{Device, Kind, Tensor};
 
 /// Element type of a bucket entry.
@@ -78,45 +81,51 @@ pub struct BucketEntry {
     pub len: u64,
 }
 
-/// A bucket: header entries and the payload bytes.
+/// A bucket: header entries and the payload bytes. The payload is shared, not copied,
+/// when a bucket is cloned or taken off the wire.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct WeightBucket {
     /// The tensors in the payload.
     pub entries: Vec<BucketEntry>,
     /// Raw little-endian bytes.
-    pub data: Vec<u8>,
+    pub data: Bytes,
 }
 
-impl WeightBucket {
+/// A bucket's payload being filled ([`to_buckets`]).
+struct BucketBuilder {
+    entries: Vec<BucketEntry>,
+    data: Vec<u8>,
+}
+
+impl BucketBuilder {
     /// Appends a tensor (copied to host bytes, straight into the payload: no temporary
     /// buffer; [`to_buckets`] reserves each bucket's payload up front, so it does not
     /// grow and move either).
-    pub fn push(&mut self, name: &str, t: &Tensor) -> Result<()> {
+    fn push(&mut self, name: &str, t: &Tensor) -> Result<()> {
         let dtype = BucketDtype::from_kind(t.kind())?;
         let shape = t.size();
         let n = t.numel() * t.kind().elt_size_in_bytes();
         let offset = self.data.len();
-        self.data.resize(offset + n, 0);
+        self.data.reserve(n);
         if n > 0 {
-            // Row-major strides of `shape`: the payload holds the tensor contiguous.
-            let mut strides = vec![1i64; shape.len()];
-            for i in (0..shape.len().saturating_sub(1)).rev() {
-                strides[i] = strides[i + 1] * shape[i + 1];
-            }
             // One strided pass from the tensor (a transposed or fused-slice view, on any
-            // device) into the payload, instead of a contiguous copy and then bytes.
-            // SAFETY: `dst` views exactly `data[offset..offset + n]`, which stays
-            // allocated and untouched until `dst` is dropped at the end of this block.
+            // device) into the payload, instead of a contiguous copy and then bytes; the
+            // spare capacity is written once, not zeroed first.
+            // SAFETY: `dst` views the first `n` bytes of the spare capacity (reserved
+            // above), which stays allocated and untouched until `dst` is dropped at the
+            // end of this block.
             let dst = unsafe {
                 Tensor::f_from_blob(
-                    self.data[offset..].as_mut_ptr(),
+                    self.data.spare_capacity_mut().as_mut_ptr().cast::<u8>(),
                     &shape,
-                    &strides,
+                    &row_major_strides(&shape),
                     t.kind(),
                     Device::Cpu,
                 )?
             };
             tch::no_grad(|| dst.shallow_clone().f_copy_(t))?;
+            // SAFETY: the copy succeeded, so all `n` bytes after `offset` are written.
+            unsafe { self.data.set_len(offset + n) };
         }
         self.entries.push(BucketEntry {
             name: name.into(),
@@ -128,41 +137,112 @@ impl WeightBucket {
         Ok(())
     }
 
+    fn finish(self) -> WeightBucket {
+        WeightBucket {
+            entries: self.entries,
+            data: Bytes::from(self.data),
+        }
+    }
+}
+
+/// Strides of a contiguous row-major tensor of `shape`.
+fn row_major_strides(shape: &[i64]) -> Vec<i64> {
+    let mut strides = vec![1i64; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1];
+    }
+    strides
+}
+
+/// A bucket's tensors as views of its payload on the CPU: no copy. They are for
+/// reading (copying into a model, a gradient, another device) while the bucket lives;
+/// the borrow keeps the bucket alive, and nothing may write through them (the payload
+/// may be shared with other buckets and the wire).
+pub struct BucketViews<'a> {
+    tensors: Vec<(String, Tensor)>,
+    _payload: PhantomData<&'a [u8]>,
+}
+
+impl BucketViews<'_> {
+    /// The tensors by name, in the bucket's order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Tensor)> {
+        self.tensors.iter().map(|(n, t)| (n.as_str(), t))
+    }
+}
+
+impl WeightBucket {
+    /// The payload's bytes of entry `e`, checked against the payload and the shape.
+    fn entry_bytes(&self, e: &BucketEntry) -> Result<&[u8]> {
+        let end = e
+            .offset
+            .checked_add(e.len)
+            .filter(|&x| x <= self.data.len() as u64)
+            .ok_or_else(|| {
+                EngineError::Bucket(format!(
+                    "entry `{}` spans bytes {}..{} of a {}-byte payload",
+                    e.name,
+                    e.offset,
+                    e.offset.saturating_add(e.len),
+                    self.data.len()
+                ))
+            })?;
+        let numel = e.shape.iter().try_fold(
+            1i64,
+            |acc, &d| if d < 0 { None } else { acc.checked_mul(d) },
+        );
+        if numel.and_then(|n| (n as u64).checked_mul(e.dtype.size() as u64)) != Some(e.len) {
+            return Err(EngineError::Bucket(format!(
+                "entry `{}`: shape {:?} of {:?} does not fill the {} bytes the header gives it",
+                e.name, e.shape, e.dtype, e.len
+            )));
+        }
+        Ok(&self.data[e.offset as usize..end as usize])
+    }
+
+    /// The tensors as views of the payload (see [`BucketViews`]).
+    pub fn views(&self) -> Result<BucketViews<'_>> {
+        let mut tensors = Vec::with_capacity(self.entries.len());
+        for e in &self.entries {
+            let bytes = self.entry_bytes(e)?;
+            let t = if bytes.is_empty() {
+                Tensor::f_zeros(&e.shape, (e.dtype.kind(), Device::Cpu))?
+            } else if bytes.as_ptr() as usize % e.dtype.size() != 0 {
+                // Not aligned to its element (a payload cut at an odd offset): a copy.
+                Tensor::f_from_data_size(bytes, &e.shape, e.dtype.kind())?
+            } else {
+                // SAFETY: the view covers exactly `bytes`, which the returned
+                // `BucketViews` borrows, so the payload outlives it; the pointer is cast
+                // to `*mut` only because libtorch's signature asks for it, and the view is
+                // only read (see `BucketViews`).
+                unsafe {
+                    Tensor::f_from_blob(
+                        bytes.as_ptr() as *mut u8,
+                        &e.shape,
+                        &row_major_strides(&e.shape),
+                        e.dtype.kind(),
+                        Device::Cpu,
+                    )?
+                }
+            };
+            tensors.push((e.name.clone(), t));
+        }
+        Ok(BucketViews {
+            tensors,
+            _payload: PhantomData,
+        })
+    }
+
     /// The tensors, on `device` (each is a fresh copy).
     pub fn tensors(&self, device: Device) -> Result<Vec<(String, Tensor)>> {
-        self.entries
+        let views = self.views()?;
+        views
             .iter()
-            .map(|e| {
-                let end = e
-                    .offset
-                    .checked_add(e.len)
-                    .filter(|&x| x <= self.data.len() as u64)
-                    .ok_or_else(|| {
-                        EngineError::Bucket(format!(
-                            "entry `{}` spans bytes {}..{} of a {}-byte payload",
-                            e.name,
-                            e.offset,
-                            e.offset + e.len,
-                            self.data.len()
-                        ))
-                    })?;
-                let numel: i64 = e.shape.iter().product();
-                if numel as u64 * e.dtype.size() as u64 != e.len {
-                    return Err(EngineError::Bucket(format!(
-                        "entry `{}`: shape {:?} of {:?} needs {} bytes, header says {}",
-                        e.name,
-                        e.shape,
-                        e.dtype,
-                        numel as usize * e.dtype.size(),
-                        e.len
-                    )));
-                }
-                let t = Tensor::f_from_data_size(
-                    &self.data[e.offset as usize..end as usize],
-                    &e.shape,
-                    e.dtype.kind(),
-                )?;
-                Ok((e.name.clone(), t.to_device(device)))
+            .map(|(n, t)| {
+                let owned = match device {
+                    Device::Cpu => t.f_detach_copy()?,
+                    d => t.f_to_device(d)?,
+                };
+                Ok((n.to_string(), owned))
             })
             .collect()
     }
@@ -243,14 +323,14 @@ pub fn to_buckets(named: &[(String, Tensor)], max_bytes: usize) -> Result<Vec<We
     let mut start = 0;
     for end in cuts {
         let part = &named[start..end];
-        let mut cur = WeightBucket {
+        let mut cur = BucketBuilder {
             entries: Vec::with_capacity(part.len()),
             data: Vec::with_capacity(part.iter().map(|(_, t)| size(t)).sum()),
         };
         for (name, t) in part {
             cur.push(name, t)?;
         }
-        out.push(cur);
+        out.push(cur.finish());
         start = end;
     }
     Ok(out)
@@ -307,7 +387,14 @@ mod tests {
         assert_eq!(bs.len(), 1);
         let hdr = bs[0].encode_header();
         assert_eq!(WeightBucket::decode_header(&hdr).unwrap(), bs[0].entries);
+        // Views read the payload in place; `tensors` copies.
+        let views = bs[0].views().unwrap();
+        let (name, view) = views.iter().next().unwrap();
+        assert_eq!(name, "a");
+        assert_eq!(view.data_ptr() as usize, bs[0].data.as_ptr() as usize);
+        assert_eq!(view, &a);
         let ts = bs[0].tensors(Device::Cpu).unwrap();
+        assert_ne!(ts[0].1.data_ptr() as usize, bs[0].data.as_ptr() as usize);
         assert_eq!(ts[0].1, a);
         assert_eq!(ts[1].1.kind(), Kind::BFloat16);
         assert_eq!(
@@ -321,5 +408,12 @@ mod tests {
         let mut bad = bs[0].clone();
         bad.entries[0].len = 999;
         assert!(bad.tensors(Device::Cpu).is_err());
+        assert!(bad.views().is_err());
+        bad.entries[0].len = 16;
+        bad.entries[0].shape = vec![-1, -4];
+        assert!(
+            bad.views().is_err(),
+            "negative dims fill 16 bytes only by overflow"
+        );
     }
 }

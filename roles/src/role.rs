@@ -273,6 +273,21 @@ pub enum RoleRequest<Req> {
     Stop,
 }
 
+impl<Req> RoleRequest<Req> {
+    /// The variant's name, for logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RoleRequest::Serve(_) => "serve",
+            RoleRequest::Offload => "offload",
+            RoleRequest::Reload => "reload",
+            RoleRequest::LoadWeights(_) => "load_weights",
+            RoleRequest::Drain => "drain",
+            RoleRequest::Profile => "profile",
+            RoleRequest::Stop => "stop",
+        }
+    }
+}
+
 /// What a [`RoleActor`] answers.
 #[derive(Debug)]
 pub enum RoleResponse<Resp> {
@@ -317,6 +332,7 @@ impl<R: Role> RoleActor<R> {
         let (jobs, mut rx) = mpsc::channel::<Job<R>>(queue.max(1));
         let (started_tx, started_rx) = oneshot::channel();
         let name = name.to_string();
+        let role_name = name.clone();
         let thread = std::thread::Builder::new()
             .name(format!("yatt-role-{name}"))
             .spawn(move || {
@@ -334,6 +350,7 @@ impl<R: Role> RoleActor<R> {
                     return;
                 }
                 while let Some((req, reply)) = rx.blocking_recv() {
+                    let (kind, started) = (req.kind(), std::time::Instant::now());
                     let result = match req {
                         RoleRequest::Serve(r) => role.serve(r).map(RoleResponse::Served),
                         RoleRequest::Offload => role.offload().map(|_| RoleResponse::Done),
@@ -346,6 +363,9 @@ impl<R: Role> RoleActor<R> {
                         // Handled by the actor, which closes the queue instead.
                         RoleRequest::Stop => Ok(RoleResponse::Done),
                     };
+                    // Where a step's time goes, per role (e.g. a weight sync's load
+                    // against its transfer): RUST_LOG=yatt_roles::role=debug.
+                    tracing::debug!(role = %role_name, request = kind, seconds = started.elapsed().as_secs_f64(), ok = result.is_ok(), "role request done");
                     let _ = reply.send(result);
                 }
                 role.stop();

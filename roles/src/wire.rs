@@ -248,7 +248,7 @@ fn pack_buckets<T>(
         let mut hs = Vec::with_capacity(buckets.len());
         for (b, bucket) in buckets.into_iter().enumerate() {
             hs.push(bucket.encode_header());
-            items.push((format!("{g}.{b}"), Bytes::from(bucket.data)));
+            items.push((format!("{g}.{b}"), bucket.data));
         }
         headers.push(hs);
     }
@@ -274,7 +274,8 @@ fn unpack_buckets<T>(
                 reason: "weight buckets need a bulk payload and none arrived",
             })?;
             let entries = WeightBucket::decode_header(&h).map_err(decode_err::<T>)?;
-            let data = tensor_bytes::<T>(bulk, &format!("{g}.{b}"))?.to_vec();
+            // A slice of the received payload: no copy.
+            let data = tensor_bytes::<T>(bulk, &format!("{g}.{b}"))?;
             buckets.push(WeightBucket { entries, data });
         }
         groups.push(buckets);
@@ -297,7 +298,7 @@ fn remote_buckets<T>(u: WeightsUpdate) -> Result<Vec<yatt_engine::WeightBucket>,
 fn device_head(d: crate::role::DeviceWeights) -> (Vec<u8>, IpcHandle) {
     let header = WeightBucket {
         entries: d.entries,
-        data: Vec::new(),
+        data: Bytes::new(),
     }
     .encode_header();
     (header, d.handle)

@@ -774,7 +774,7 @@ impl RolloutRole {
         }
         let named = bucket_tensors(&update, self.generator.model().device())?;
         self.generator
-            .update_weights(named.iter().map(|(n, t)| (n.as_str(), t)))
+            .update_weights(named.iter())
             .map_err(|e| weights_error(&update, e))?;
         self.version = update.version;
         Ok(())

@@ -3,8 +3,8 @@
 
 use tch::{Device, Kind, Tensor};
 use yatt_engine::score::SeqBatch;
-use yatt_engine::Llama;
 use yatt_engine::{positions_from_mask, Attn};
+use yatt_engine::{BucketViews, Llama};
 
 use crate::builtin::device_weights::device_tensors;
 use crate::role::{DeviceGroup, RoleError, WeightsUpdate};
@@ -199,16 +199,35 @@ pub(crate) fn load_buckets(model: &mut Llama, update: &WeightsUpdate) -> Result<
     }
     let named = bucket_tensors(update, model.device())?;
     model
-        .copy_weights_from(named.iter().map(|(n, t)| (n.as_str(), t)))
+        .copy_weights_from(named.iter())
         .map_err(|e| weights_error(update, e))?;
     Ok(())
 }
 
-/// Every tensor of `update`'s buckets, on `device`.
+/// The tensors of a weight update, for copying into a model.
+pub(crate) enum UpdateTensors<'a> {
+    /// Views of the buckets' payloads on the CPU (no copy: the model's `copy_` reads
+    /// them once, onto its own device).
+    Buckets(Vec<BucketViews<'a>>),
+    /// Copied out of the policy's device buffer (CUDA IPC).
+    Device(Vec<(String, Tensor)>),
+}
+
+impl UpdateTensors<'_> {
+    /// The tensors by name.
+    pub(crate) fn iter(&self) -> Box<dyn Iterator<Item = (&str, &Tensor)> + '_> {
+        match self {
+            UpdateTensors::Buckets(views) => Box::new(views.iter().flat_map(|v| v.iter())),
+            UpdateTensors::Device(named) => Box::new(named.iter().map(|(n, t)| (n.as_str(), t))),
+        }
+    }
+}
+
+/// Every tensor of `update`'s buckets (or device buffer), for a model on `device`.
 pub(crate) fn bucket_tensors(
     update: &WeightsUpdate,
     device: Device,
-) -> Result<Vec<(String, Tensor)>, RoleError> {
+) -> Result<UpdateTensors<'_>, RoleError> {
     if update.local.is_some() {
         return Err(RoleError::BadRequest(format!(
             "weights v{} are an in-process snapshot (canonical names), not buckets: adopt them with Llama::adopt_weights",
@@ -216,18 +235,21 @@ pub(crate) fn bucket_tensors(
         )));
     }
     if let Some(w) = &update.device {
-        return device_tensors(w, device).map_err(|e| {
-            RoleError::Failed(format!(
-                "weights v{} through CUDA IPC: {e} (send them as buckets: ExportWeights)",
-                update.version
-            ))
-        });
+        return device_tensors(w, device)
+            .map(UpdateTensors::Device)
+            .map_err(|e| {
+                RoleError::Failed(format!(
+                    "weights v{} through CUDA IPC: {e} (send them as buckets: ExportWeights)",
+                    update.version
+                ))
+            });
     }
-    let mut named = Vec::new();
-    for b in &update.buckets {
-        named.extend(b.tensors(device).map_err(|e| weights_error(update, e))?);
-    }
-    Ok(named)
+    let views = update
+        .buckets
+        .iter()
+        .map(|b| b.views().map_err(|e| weights_error(update, e)))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(UpdateTensors::Buckets(views))
 }
 
 pub(crate) fn weights_error(update: &WeightsUpdate, e: yatt_engine::EngineError) -> RoleError {
