@@ -110,7 +110,14 @@ run() {
     local bin=/tmp/yatt-gpu-bin
     rm -rf "$bin" && mkdir -p "$bin"
     for z in "$BUNDLE"/bin/*.xz; do
-        xz -d -c "$z" >"$bin/$(basename "$z" .xz)" && chmod +x "$bin/$(basename "$z" .xz)"
+        local exe=$bin/$(basename "$z" .xz)
+        if command -v xz >/dev/null; then
+            xz -d -c "$z" >"$exe"
+        else
+            # An image without xz: Python's lzma reads the same format.
+            python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$z" "$exe"
+        fi
+        chmod +x "$exe"
     done
     local py=${PYTHON:-python3}
     TORCH_LIB=${TORCH_LIB:-$($py -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')}
@@ -120,6 +127,14 @@ run() {
         [ -z "$cudart" ] || [ -d "$cudart" ] && break
     done
     export LD_LIBRARY_PATH=$TORCH_LIB${cudart:+:$cudart}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    # A library the binaries link but the loader does not find (another wheel layout):
+    # add every nvidia/*/lib folder of the venv before giving up on the run.
+    if ldd "$bin/yatt" | grep -q 'not found'; then
+        local extra
+        extra=$(find "$TORCH_LIB/../../nvidia" -maxdepth 2 -name lib -type d 2>/dev/null | paste -sd:)
+        export LD_LIBRARY_PATH=$LD_LIBRARY_PATH${extra:+:$extra}
+    fi
+    ldd "$bin/yatt" | grep -E 'not found|torch|cuda|nccl' || true
     export YATT_REQUIRE_CUDA=1 RUST_BACKTRACE=1 YATT_BIN=$bin/yatt YATT_NODE_BIN=$bin/yatt-node
     local venv
     venv=$(cd "$TORCH_LIB/../../../../.." && pwd)
@@ -130,18 +145,16 @@ run() {
     : >"$OUT/steps.md"
 
     # In order of what a short lease must not miss: CUDA correctness, NCCL and its deadline,
-    # the roofline figures, a bf16 job; then the slower trainer tests and the extras.
+    # CUDA IPC (never measured yet), the roofline figures, a bf16 job; then the slower
+    # trainer tests and the extras.
     step engine-devices 120 "$bin/devices" --test-threads=1 --nocapture
     step nccl-check 90 sh -c "'$bin/nccl_check' >'$OUT/nccl_check.jsonl'"
-    local steps_gpu=${GPU_BENCH_STEPS:-3}
-    step bench-smollm2 240 "$bin/yatt" bench gpu --device cuda --dtype bf16 --preset smollm2-135m \
-        --batch 64 --steps "$steps_gpu" --json "$OUT/bench-smollm2.json"
-    step bench-llama-1b 240 "$bin/yatt" bench gpu --device cuda --dtype bf16 --preset llama-1b \
-        --batch 64 --train-batch 8 --train-seq 2048 --steps "$steps_gpu" --json "$OUT/bench-llama-1b.json"
-
-    # A short GRPO job on a random SmolLM2-135M (the real weights cannot travel) in bf16.
-    # The letters reward, because a random model never solves the addition task and
-    # GRPO would then skip every update (all advantages zero).
+    # CUDA IPC between two processes on the one GPU: the driver-level test, then (after the
+    # model is made) the job's choice of path and weight-sync GB/s, IPC against QUIC.
+    step collective-ipc 60 "$bin/ipc" --test-threads=1 --nocapture
+    # A random SmolLM2-135M in bf16 (the real weights cannot travel) for the jobs below.
+    # They use the letters reward, because a random model never solves the addition task
+    # and GRPO would then skip every update (all advantages zero).
     local model=/tmp/smollm2-random
     step make-model 120 "$py" - "$BUNDLE/smollm2" "$model" <<'EOF'
 import shutil, sys, torch, transformers
@@ -155,6 +168,10 @@ for f in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     try: shutil.copy(f"{src}/{f}", f"{dst}/{f}")
     except FileNotFoundError: pass
 EOF
+    # Two yatt-node processes: the job picks CUDA IPC, then the GB/s side by side.
+    step weight-sync 240 "$bin/weight_sync" --test-threads=1 --nocapture
+    step bench-weight-sync 300 env BIN="$bin" MODEL="$model" DTYPE=bf16 DEVICE=cuda \
+        MODES="quic cuda_ipc" OUT="$OUT/weight-sync" bash scripts/bench-weight-sync.sh 6
     # Decoding through CUDA graphs (the default), then eagerly, side by side.
     grpo() {
         local name=$1 graphs=$2
@@ -167,13 +184,12 @@ EOF
         cp "$OUT/$name/metrics.jsonl" "$OUT/$name-metrics.jsonl" 2>/dev/null
         rm -rf "${OUT:?}/$name"
     }
+    local steps_gpu=${GPU_BENCH_STEPS:-3}
+    step bench-smollm2 240 "$bin/yatt" bench gpu --device cuda --dtype bf16 --preset smollm2-135m \
+        --batch 64 --steps "$steps_gpu" --json "$OUT/bench-smollm2.json"
+    step bench-llama-1b 240 "$bin/yatt" bench gpu --device cuda --dtype bf16 --preset llama-1b \
+        --batch 64 --train-batch 8 --train-seq 2048 --steps "$steps_gpu" --json "$OUT/bench-llama-1b.json"
     grpo grpo-bf16 true
-    # CUDA IPC between two processes on the one GPU: the driver-level test, the job's
-    # choice of path (two yatt-node processes), then weight-sync GB/s, IPC against QUIC.
-    step collective-ipc 60 "$bin/ipc" --test-threads=1 --nocapture
-    step weight-sync 240 "$bin/weight_sync" --test-threads=1 --nocapture
-    step bench-weight-sync 300 env BIN="$bin" MODEL="$model" DTYPE=bf16 DEVICE=cuda \
-        MODES="quic cuda_ipc" OUT="$OUT/weight-sync" bash scripts/bench-weight-sync.sh 6
     # Where a 1B decode step (graphs on) and training step go, phase by phase.
     step profile-steps 180 env YATT_PROFILE=steps "$bin/yatt" bench gpu --device cuda --dtype bf16 \
         --preset llama-1b --batch 64 --new-tokens 32 --train-batch 8 --train-seq 2048 --steps 1 \
