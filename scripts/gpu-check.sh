@@ -8,7 +8,9 @@
 #                                            # OUT/*.json and the logs (OUT: runs/gpu-check)
 #                                            # (GPU_STEPS="name ...": only those steps;
 #                                            #  GPU_DEADLINE=S: finish within S seconds)
-#   bash scripts/gpu-check.sh record FIGURES # back here: puts FIGURES into docs/benchmarks.md
+#   bash scripts/gpu-check.sh record FIGURES # back here: FIGURES (OUT/gpu-figures.md, beside the
+#                                            # run's JSON) to docs/gpu-runs/, headlines to
+#                                            # docs/benchmarks.md
 #   GPU_HOST=user@host bash scripts/gpu-check.sh   # all three: pack, copy with rsync, run
 #                                            # over ssh, fetch the figures, record them
 #
@@ -53,10 +55,15 @@ for line in sys.stdin:
         # xz: the GPU image has no zstd.
         xz -9 -T0 -f "$BUNDLE/bin/$name"
     done <"$BUNDLE/bin.list"
+    # The random model is made there from this config and tokenizer. A fresh checkout has
+    # no models/ yet: without this the bundle went without them and the jobs failed there.
+    [ -f models/smollm2-135m/config.json ] ||
+        "$target/release/yatt" import-gguf "$YATT_SMOLLM2_GGUF" models/smollm2-135m
     for f in config.json tokenizer.json tokenizer_config.json special_tokens_map.json \
         generation_config.json chat_template.jinja; do
         [ -f "models/smollm2-135m/$f" ] && cp "models/smollm2-135m/$f" "$BUNDLE/smollm2/"
     done
+    [ -f "$BUNDLE/smollm2/config.json" ] || { echo "no SmolLM2 config in the bundle"; exit 1; }
     # Paths compiled into the test binaries (config files) point at this checkout.
     { echo "root=$ROOT"; echo "commit=$(git rev-parse --short HEAD)"; } >"$BUNDLE/manifest"
     du -sh "$BUNDLE"
@@ -252,19 +259,30 @@ EOF
 }
 
 record() {
+    # FIGURES: a run's gpu-figures.md (its folder holds the JSON the summary reads). The
+    # whole file goes to docs/gpu-runs/; docs/benchmarks.md gets the steps and headlines.
     local figures=$1 doc=docs/benchmarks.md
+    local run_dir raw
+    run_dir=$(dirname "$figures")
+    raw=docs/gpu-runs/$(date -u +%F)-$(sed -n '1s/^### GPU check, \([^,]*\),.*/\1/p' "$figures" |
+        tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-').md
+    mkdir -p docs/gpu-runs && cp "$figures" "$raw"
     local begin='<!-- gpu-check:begin -->' end='<!-- gpu-check:end -->'
     grep -q "$begin" "$doc" || printf '\n## GPU check (scripts/gpu-check.sh)\n\n%s\n%s\n' "$begin" "$end" >>"$doc"
-    python3 - "$doc" "$figures" "$begin" "$end" <<'EOF'
+    python3 - "$doc" "$figures" "$begin" "$end" "$raw" "$(python3 scripts/gpu-summary.py "$run_dir" 2>&1)" <<'EOF'
 import sys
-doc, figures, begin, end = sys.argv[1:5]
+doc, figures, begin, end, raw, summary = sys.argv[1:7]
+lines = open(figures).read().splitlines()
+steps = [l for l in lines if l.startswith("|")]
+steps = steps[: next((i for i, l in enumerate(steps[2:], 2) if l.count("|") != 4), len(steps))]
+new = "\n".join([lines[0], "", *steps, "", "Headlines (`python3 scripts/gpu-summary.py OUT`):", "",
+                 "```", summary.strip(), "```", "", f"Every figure of this run: `{raw}`."])
 text = open(doc).read()
-new = open(figures).read().strip()
 head, rest = text.split(begin, 1)
 old, tail = rest.split(end, 1)
 open(doc, "w").write(head + begin + "\n" + new + "\n\n" + old.strip() + "\n" + end + tail)
 EOF
-    echo "recorded $figures in $doc"
+    echo "recorded $figures in $doc and $raw"
 }
 
 case ${1:-} in

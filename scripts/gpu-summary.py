@@ -32,3 +32,9 @@ for name in ["grpo-bf16", "grpo-bf16-eager"]:
     print(name, "gen s:", col("timing_s/gen"))
     print(name, "logprob diff:", col("rollout/logprob_diff_mean"))
     print(name, "reward:", col("critic/rewards/mean"))
+try:
+    rows = [l.rstrip("\n").split("\t") for l in open(f"{out}/weight-sync/summary.tsv")]
+    for r in rows[1:]:
+        print("weight-sync", ", ".join(f"{k} {v}" for k, v in zip(rows[0], r)))
+except OSError:
+    print("weight-sync no summary")
