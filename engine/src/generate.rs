@@ -223,6 +223,23 @@ pub fn sample(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
     sample_tch(logits, p)
 }
 
+/// Copies a small host tensor to `device` without making the host wait. A copy from
+/// pageable memory to a GPU blocks the host until the stream is idle: after a decode
+/// step's graph launch, the sampling parameters' copy held the host for the whole replay,
+/// and only then could it queue sampling's ~15 operations, one after another, while the
+/// GPU waited. From pinned memory the copy is queued like a kernel (libtorch keeps the
+/// pinned block until the copy is done), so the host queues sampling during the replay.
+fn upload(host: Tensor, device: Device) -> Tensor {
+    if device.is_cuda() {
+        // `_pin_memory`: `pin_memory` warns on every call that its device argument is
+        // deprecated, and tch always passes one.
+        if let Ok(pinned) = host.f_internal_pin_memory(device) {
+            return pinned.to_device_(device, pinned.kind(), true, false);
+        }
+    }
+    host.to_device(device)
+}
+
 /// [`sample`] with tch operations (any device, dtype and top-k).
 fn sample_tch(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
     let (n, v) = logits.size2().expect("logits must be [n, vocab]");
@@ -253,8 +270,8 @@ fn sample_tch(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
         ]
         .concat(),
     )
-    .view([5, n])
-    .to_device(dev);
+    .view([5, n]);
+    let cols = upload(cols, dev);
     let param = |i: i64| cols.get(i).unsqueeze(1);
     let scaled = if all_temp_one {
         logits
@@ -724,9 +741,10 @@ impl Generator {
                 let span = pos.iter().copied().max().unwrap_or(0) + 1;
                 // Ids and positions in one host-to-device copy (one transfer per step
                 // on a GPU instead of two).
-                let both = Tensor::from_slice(&[last, pos.clone()].concat())
-                    .view([2, n])
-                    .to_device(device);
+                let both = upload(
+                    Tensor::from_slice(&[last, pos.clone()].concat()).view([2, n]),
+                    device,
+                );
                 let ids = both.get(0).view([n, 1]);
                 let post = both.get(1).view([n, 1]);
                 let shared = shared_prefixes(&slots);
