@@ -95,6 +95,17 @@ fn weights_go_through_cuda_ipc_on_a_gpu_host_and_as_bytes_otherwise_saying_why()
         assert!(ipc_counts(forced.path()).iter().all(|&n| n == 1.0));
     } else {
         assert!(!ok, "cuda_ipc ran without a GPU:\n{printed}");
+        // Refused before the first generation, not after a whole step.
+        assert!(
+            printed.contains("found by a sync before the first step"),
+            "{printed}"
+        );
+        let rows = std::fs::read_to_string(forced.path().join("metrics.jsonl")).unwrap_or_default();
+        assert_eq!(
+            rows.lines().count(),
+            0,
+            "a step ran before the refusal:\n{printed}"
+        );
         assert!(
             printed.contains("rollout.weight_sync = \"cuda_ipc\"")
                 && printed.contains("the policy's weights are on the CPU")

@@ -25,6 +25,8 @@ pub(crate) struct IpcRoute {
     pub(crate) off: bool,
     /// Rollouts that could not map the policy's buffer: buckets for them.
     pub(crate) refused: std::collections::BTreeSet<ActorId>,
+    /// A forced `cuda_ipc` was tried before the first generation.
+    pub(crate) checked: bool,
 }
 
 /// One data-parallel head: its shard and the roles it drives.

@@ -49,19 +49,7 @@ impl Controller {
     /// the caller to record.
     pub(crate) async fn push_weights(&self) -> Result<Pushed, ControllerError> {
         let t = self.config.timeouts.sync;
-        let in_process = self.roles.policy.is_local()
-            && self.roles.rollout.is_local()
-            && self.roles.extra_rollouts.iter().all(|r| r.is_local());
-        // A replica found lost this step is skipped (another head's spare generated its
-        // samples); one lost only now is marked so, when a spare can take its work.
-        let live: Vec<RolloutRef> = self
-            .roles
-            .extra_rollouts
-            .iter()
-            .chain(std::iter::once(&self.roles.rollout))
-            .filter(|r| !self.lost_rollouts.contains(r.id()))
-            .cloned()
-            .collect();
+        let (in_process, live) = self.sync_targets();
         let mut lost = Vec::new();
         // Across processes, CUDA IPC first where it can be used; the rest get buckets.
         let ipc = match in_process {
@@ -118,6 +106,25 @@ impl Controller {
             bytes,
             via_ipc,
         })
+    }
+
+    /// Whether the policy and every rollout share this process, and the rollouts a sync
+    /// goes to. A replica found lost this step is skipped (another head's spare
+    /// generated its samples); one lost only at the sync is marked so, when a spare can
+    /// take its work.
+    pub(crate) fn sync_targets(&self) -> (bool, Vec<RolloutRef>) {
+        let in_process = self.roles.policy.is_local()
+            && self.roles.rollout.is_local()
+            && self.roles.extra_rollouts.iter().all(|r| r.is_local());
+        let live = self
+            .roles
+            .extra_rollouts
+            .iter()
+            .chain(std::iter::once(&self.roles.rollout))
+            .filter(|r| !self.lost_rollouts.contains(r.id()))
+            .cloned()
+            .collect();
+        (in_process, live)
     }
 
     /// Whether a rollout's failed load means the rollout is lost (logged), or is an

@@ -34,6 +34,31 @@ impl Controller {
         self.ipc.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// With `rollout.weight_sync = "cuda_ipc"`, one sync through IPC before the first
+    /// generation, so that a job where IPC cannot work (weights on the CPU, a rollout on
+    /// another host) fails at once with the reason, not after a whole step. The
+    /// rollouts load the weights they already hold. Lost rollouts are left to the
+    /// step's own sync.
+    pub(crate) async fn check_forced_ipc(&self) -> Result<(), ControllerError> {
+        let (in_process, live) = self.sync_targets();
+        if self.config.weight_sync != WeightSync::CudaIpc || in_process {
+            return Ok(());
+        }
+        if std::mem::replace(&mut self.ipc_route().checked, true) {
+            return Ok(());
+        }
+        let mut lost = Vec::new();
+        match self
+            .push_through_ipc(&live, self.config.timeouts.sync, &mut lost)
+            .await
+        {
+            Err(ControllerError::Config(why)) => Err(ControllerError::Config(format!(
+                "{why} (found by a sync before the first step)"
+            ))),
+            other => other.map(drop),
+        }
+    }
+
     /// Sends the weights to `live`'s rollouts through CUDA IPC where it can; `None`
     /// when IPC is off (by configuration, or known unavailable), so every rollout gets
     /// buckets. Lost rollouts go to `lost`, as with buckets.
