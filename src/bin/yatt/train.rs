@@ -147,16 +147,33 @@ fn eta_s(p: &Progress<'_>) -> f64 {
     p.elapsed_s / done_here as f64 * p.total.saturating_sub(p.step) as f64
 }
 
+/// `x` with `decimals` decimals, or `-` when the step did not report it (a job without
+/// a KL term has no `actor/kl`: "kl NaN" read like a failed update).
+fn fixed(x: f64, decimals: usize) -> String {
+    match x.is_finite() {
+        true => format!("{x:.decimals$}"),
+        false => "-".into(),
+    }
+}
+
+/// Seconds with two decimals (`0.50s`), or `-`.
+fn secs(x: f64) -> String {
+    match x.is_finite() {
+        true => format!("{x:.2}s"),
+        false => "-".into(),
+    }
+}
+
 /// The per-step line printed when stdout is not a terminal.
 fn progress_line(p: &Progress<'_>) -> String {
     format!(
-        "step {:>w$}/{} reward {:.3} kl {:.4} gen {:.0} tok/s step {:.2}s elapsed {:.1}s eta {:.1}s",
+        "step {:>w$}/{} reward {} kl {} gen {} tok/s step {} elapsed {:.1}s eta {:.1}s",
         p.step,
         p.total,
-        metric(p, "critic/rewards/mean"),
-        metric(p, "actor/kl"),
-        metric(p, "perf/gen_tokens_per_s"),
-        metric(p, "timing_s/step"),
+        fixed(metric(p, "critic/rewards/mean"), 3),
+        fixed(metric(p, "actor/kl"), 4),
+        fixed(metric(p, "perf/gen_tokens_per_s"), 0),
+        secs(metric(p, "timing_s/step")),
         p.elapsed_s,
         eta_s(p),
         w = p.total.to_string().len(),
@@ -195,11 +212,11 @@ fn bar_message(p: &Progress<'_>) -> String {
         tok_s = metric(p, "perf/throughput");
     }
     format!(
-        "reward {:.3} kl {:.3} {} tok/s {:.2}s/step eta {}",
-        metric(p, "critic/rewards/mean"),
-        metric(p, "actor/kl"),
+        "reward {} kl {} {} tok/s {}/step eta {}",
+        fixed(metric(p, "critic/rewards/mean"), 3),
+        fixed(metric(p, "actor/kl"), 3),
         short(tok_s),
-        metric(p, "timing_s/step"),
+        secs(metric(p, "timing_s/step")),
         duration(eta_s(p)),
     )
 }
@@ -394,7 +411,13 @@ mod tests {
         };
         assert_eq!(
             bar_message(&progress(&m)),
-            "reward NaN kl NaN 1.5M tok/s NaNs/step eta 4.0s"
+            "reward - kl - 1.5M tok/s -/step eta 4.0s"
+        );
+        assert!(
+            progress_line(&progress(&m))
+                .starts_with("step  2/10 reward - kl - gen - tok/s step - elapsed"),
+            "{}",
+            progress_line(&progress(&m))
         );
     }
 
