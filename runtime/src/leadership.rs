@@ -38,6 +38,12 @@ impl Lead {
     pub fn supersedes(&self, other: &Lead) -> bool {
         self.term > other.term || (self.term == other.term && self.leader < other.leader)
     }
+
+    /// Whether `node` leads by this lead: the founding seed's or a won term. A joining
+    /// node names itself at term 0 only until the join tells it the leader.
+    pub fn held_by(&self, node: &str) -> bool {
+        self.term > 0 && self.leader == node
+    }
 }
 
 /// The member that leads after the nodes in `excluded` (the silent leader, and any
@@ -337,6 +343,17 @@ mod tests {
             term,
             leader: leader.into(),
         }
+    }
+
+    /// Regression: every node that joined a cluster logged "a newer term leads the
+    /// directory: stepping down" (a warning) when it learnt the leader, because it took
+    /// its placeholder for a lead it had held.
+    #[test]
+    fn a_joining_nodes_placeholder_is_not_a_lead_it_held() {
+        assert!(!lead(0, "joiner").held_by("joiner"));
+        assert!(lead(1, "seed").held_by("seed"));
+        assert!(!lead(1, "seed").held_by("joiner"));
+        assert!(lead(2, "joiner").held_by("joiner"));
     }
 
     #[test]

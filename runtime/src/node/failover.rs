@@ -237,7 +237,7 @@ impl Node {
             if !lead.supersedes(&cur) {
                 return;
             }
-            let was = cur.leader == self.name();
+            let was = cur.held_by(self.name());
             *cur = lead.clone();
             was
         };
