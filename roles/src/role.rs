@@ -350,7 +350,7 @@ impl<R: Role> RoleActor<R> {
                     return;
                 }
                 while let Some((req, reply)) = rx.blocking_recv() {
-                    let (kind, started) = (req.kind(), std::time::Instant::now());
+                    let (kind, t0) = (req.kind(), std::time::Instant::now());
                     let result = match req {
                         RoleRequest::Serve(r) => role.serve(r).map(RoleResponse::Served),
                         RoleRequest::Offload => role.offload().map(|_| RoleResponse::Done),
@@ -365,7 +365,7 @@ impl<R: Role> RoleActor<R> {
                     };
                     // Where a step's time goes, per role (e.g. a weight sync's load
                     // against its transfer): RUST_LOG=yatt_roles::role=debug.
-                    tracing::debug!(role = %role_name, request = kind, seconds = started.elapsed().as_secs_f64(), ok = result.is_ok(), "role request done");
+                    tracing::debug!(role = %role_name, request = kind, seconds = t0.elapsed().as_secs_f64(), ok = result.is_ok(), "role request done");
                     let _ = reply.send(result);
                 }
                 role.stop();

@@ -147,19 +147,11 @@ fn eta_s(p: &Progress<'_>) -> f64 {
     p.elapsed_s / done_here as f64 * p.total.saturating_sub(p.step) as f64
 }
 
-/// `x` with `decimals` decimals, or `-` when the step did not report it (a job without
-/// a KL term has no `actor/kl`: "kl NaN" read like a failed update).
-fn fixed(x: f64, decimals: usize) -> String {
+/// `x` with `decimals` decimals and `unit`, or `-` when the step did not report it (a
+/// job without a KL term has no `actor/kl`: "kl NaN" read like a failed update).
+fn fixed(x: f64, decimals: usize, unit: &str) -> String {
     match x.is_finite() {
-        true => format!("{x:.decimals$}"),
-        false => "-".into(),
-    }
-}
-
-/// Seconds with two decimals (`0.50s`), or `-`.
-fn secs(x: f64) -> String {
-    match x.is_finite() {
-        true => format!("{x:.2}s"),
+        true => format!("{x:.decimals$}{unit}"),
         false => "-".into(),
     }
 }
@@ -170,10 +162,10 @@ fn progress_line(p: &Progress<'_>) -> String {
         "step {:>w$}/{} reward {} kl {} gen {} tok/s step {} elapsed {:.1}s eta {:.1}s",
         p.step,
         p.total,
-        fixed(metric(p, "critic/rewards/mean"), 3),
-        fixed(metric(p, "actor/kl"), 4),
-        fixed(metric(p, "perf/gen_tokens_per_s"), 0),
-        secs(metric(p, "timing_s/step")),
+        fixed(metric(p, "critic/rewards/mean"), 3, ""),
+        fixed(metric(p, "actor/kl"), 4, ""),
+        fixed(metric(p, "perf/gen_tokens_per_s"), 0, ""),
+        fixed(metric(p, "timing_s/step"), 2, "s"),
         p.elapsed_s,
         eta_s(p),
         w = p.total.to_string().len(),
@@ -213,10 +205,10 @@ fn bar_message(p: &Progress<'_>) -> String {
     }
     format!(
         "reward {} kl {} {} tok/s {}/step eta {}",
-        fixed(metric(p, "critic/rewards/mean"), 3),
-        fixed(metric(p, "actor/kl"), 3),
+        fixed(metric(p, "critic/rewards/mean"), 3, ""),
+        fixed(metric(p, "actor/kl"), 3, ""),
         short(tok_s),
-        secs(metric(p, "timing_s/step")),
+        fixed(metric(p, "timing_s/step"), 2, "s"),
         duration(eta_s(p)),
     )
 }

@@ -64,11 +64,7 @@ impl Controller {
     /// ledger of their own (the batch may train in a later step than it generates in).
     pub(crate) async fn gen_batch(&self, step: u64) -> Result<GenBatch, ControllerError> {
         let cfg = &self.config;
-        // Time sharing moves the policy off the device during generation, so its first
-        // sync (after the update, weights on the device) is where IPC is tried.
-        if cfg.time_share.is_none() {
-            self.check_forced_ipc().await?;
-        }
+        self.check_forced_ipc().await?;
         let mut metrics = StepMetrics {
             step,
             values: BTreeMap::new(),

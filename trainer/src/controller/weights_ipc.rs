@@ -38,13 +38,17 @@ impl Controller {
     /// generation, so that a job where IPC cannot work (weights on the CPU, a rollout on
     /// another host) fails at once with the reason, not after a whole step. The
     /// rollouts load the weights they already hold. Lost rollouts are left to the
-    /// step's own sync.
+    /// step's own sync. Under time sharing the policy is off the device during
+    /// generation, so there the first sync (after the update) is where IPC is tried.
     pub(crate) async fn check_forced_ipc(&self) -> Result<(), ControllerError> {
-        let (in_process, live) = self.sync_targets();
-        if self.config.weight_sync != WeightSync::CudaIpc || in_process {
+        if self.config.weight_sync != WeightSync::CudaIpc
+            || self.config.time_share.is_some()
+            || std::mem::replace(&mut self.ipc_route().checked, true)
+        {
             return Ok(());
         }
-        if std::mem::replace(&mut self.ipc_route().checked, true) {
+        let (in_process, live) = self.sync_targets();
+        if in_process {
             return Ok(());
         }
         let mut lost = Vec::new();
