@@ -159,6 +159,11 @@ run() {
     # CUDA IPC between two processes on the one GPU: the driver-level test, then (after the
     # model is made) the job's choice of path and weight-sync GB/s, IPC against QUIC.
     step collective-ipc 60 "$bin/ipc" --test-threads=1 --nocapture
+    # NCCL between two processes on the one GPU (each claims a host of its own): the
+    # bucketed byte broadcast a weight sync makes, then the other NCCL tests.
+    for t in "$bin"/nccl "$bin"/yatt_collective; do
+        [ -x "$t" ] && step "collective-$(basename "$t")" 120 "$t" --test-threads=1 --nocapture
+    done
     # A random SmolLM2-135M in bf16 (the real weights cannot travel) for the jobs below.
     # They use the letters reward, because a random model never solves the addition task
     # and GRPO would then skip every update (all advantages zero).
@@ -175,10 +180,11 @@ for f in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     try: shutil.copy(f"{src}/{f}", f"{dst}/{f}")
     except FileNotFoundError: pass
 EOF
-    # Two yatt-node processes: the job picks CUDA IPC, then the GB/s side by side.
-    step weight-sync 240 "$bin/weight_sync" --test-threads=1 --nocapture
-    step bench-weight-sync 300 env BIN="$bin" MODEL="$model" DTYPE=bf16 DEVICE=cuda \
-        MODES="quic cuda_ipc" OUT="$OUT/weight-sync" bash scripts/bench-weight-sync.sh 6
+    # Two yatt-node processes: the job picks CUDA IPC, a forced `nccl` broadcasts every
+    # sync; then the GB/s side by side.
+    step weight-sync 300 "$bin/weight_sync" --test-threads=1 --nocapture
+    step bench-weight-sync 360 env BIN="$bin" MODEL="$model" DTYPE=bf16 DEVICE=cuda \
+        MODES="quic cuda_ipc nccl" OUT="$OUT/weight-sync" bash scripts/bench-weight-sync.sh 6
     # Decoding through CUDA graphs (the default), then eagerly, side by side.
     grpo() {
         local name=$1 graphs=$2
@@ -204,9 +210,6 @@ EOF
 
     # The device-generic bodies of engine/tests/train.rs (the others need the HF reference).
     step engine-train 120 "$bin/train" --test-threads=1 scores_match_generation training_reduces_loss offload_reload_buckets
-    for t in "$bin"/nccl "$bin"/yatt_collective; do
-        [ -x "$t" ] && step "collective-$(basename "$t")" 90 "$t" --test-threads=1
-    done
     # model.device = auto puts the demo on cuda:0: offload moves the weights to the host.
     step trainer-time-share 300 "$bin/time_share" --test-threads=1 --nocapture
     step trainer-precision 300 "$bin/precision" --test-threads=1 --nocapture

@@ -265,6 +265,7 @@ fn nccl_dtype(d: DType) -> c_int {
         DType::F32 => nc::ncclDataType_t::ncclFloat32,
         DType::BF16 => nc::ncclDataType_t::ncclBfloat16,
         DType::F16 => nc::ncclDataType_t::ncclFloat16,
+        DType::U8 => nc::ncclDataType_t::ncclUint8,
     }) as c_int
 }
 

@@ -10,6 +10,8 @@ pub enum DType {
     F32,
     BF16,
     F16,
+    /// Raw bytes: a broadcast of a packed buffer of mixed-type tensors.
+    U8,
 }
 
 impl DType {
@@ -17,6 +19,7 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::BF16 | DType::F16 => 2,
+            DType::U8 => 1,
         }
     }
 }

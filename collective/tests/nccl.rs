@@ -218,3 +218,124 @@ fn init_with_a_missing_peer_misses_its_deadline_and_does_not_hang() {
 // An all-reduce whose peer never posts needs two ranks that finish init; NCCL refuses
 // two ranks of one communicator on the same GPU ("Duplicate GPU"), so with one GPU it
 // cannot be built. The deadline loop it would exercise is the one init uses above.
+
+/// Environment of the two-process test's children: their rank, and where rank 0 writes
+/// the group's id (hex) for the parent to hand to rank 1.
+const CHILD_RANK: &str = "YATT_NCCL_TEST_RANK";
+const CHILD_ID: &str = "YATT_NCCL_TEST_ID";
+const CHILD_ID_FILE: &str = "YATT_NCCL_TEST_ID_FILE";
+/// Bytes broadcast, in buckets of a size that leaves a short last one.
+const TWO_PROC_BYTES: usize = (4 << 20) + 3;
+const TWO_PROC_BUCKET: usize = 1 << 20;
+
+fn hex(id: &UniqueId) -> String {
+    id.as_bytes().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> UniqueId {
+    let mut bytes = [0u8; yatt_collective::UNIQUE_ID_BYTES];
+    for (i, b) in bytes.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex id");
+    }
+    UniqueId::from_bytes(bytes)
+}
+
+fn pattern(i: usize) -> u8 {
+    (i % 251) as u8
+}
+
+/// Two processes on one GPU broadcast raw bytes in buckets, as a weight sync does. NCCL
+/// refuses two ranks on one GPU of one host, so each child claims a host of its own
+/// (`NCCL_HOSTID`) and the bytes go over NCCL's socket transport on loopback, as they
+/// would between two hosts.
+#[test]
+fn two_processes_broadcast_bytes_in_buckets_on_one_gpu() {
+    if !gpu() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("yatt-nccl-two-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let id_file = dir.join("id");
+    let _ = std::fs::remove_file(&id_file);
+    let child = |rank: usize, id: Option<&str>| {
+        let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+        cmd.args(["--ignored", "--exact", "nccl_child_process", "--nocapture"])
+            .env(CHILD_RANK, rank.to_string())
+            .env(CHILD_ID_FILE, &id_file)
+            .env("NCCL_HOSTID", format!("yatt-test-host-{rank}"))
+            .env("NCCL_SOCKET_IFNAME", "lo")
+            .env("NCCL_IB_DISABLE", "1");
+        if let Some(id) = id {
+            cmd.env(CHILD_ID, id);
+        }
+        cmd.spawn().expect("spawn a child")
+    };
+    let mut root = child(0, None);
+    let start = Instant::now();
+    let id = loop {
+        if let Ok(s) = std::fs::read_to_string(&id_file) {
+            if s.len() == 2 * yatt_collective::UNIQUE_ID_BYTES {
+                break s;
+            }
+        }
+        assert!(root.try_wait().unwrap().is_none(), "rank 0 exited early");
+        assert!(start.elapsed() < DEADLINE, "rank 0 wrote no id");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut peer = child(1, Some(&id));
+    let wait = |c: &mut std::process::Child, who: &str| loop {
+        if let Some(status) = c.try_wait().unwrap() {
+            assert!(status.success(), "{who} failed: {status}");
+            return;
+        }
+        if start.elapsed() > 3 * DEADLINE {
+            let _ = c.kill();
+            panic!("{who} still runs after {:?}", 3 * DEADLINE);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    wait(&mut root, "rank 0");
+    wait(&mut peer, "rank 1");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// One rank of the test above; run only as its child process.
+#[test]
+#[ignore = "a child process of two_processes_broadcast_bytes_in_buckets_on_one_gpu"]
+fn nccl_child_process() {
+    let rank: usize = std::env::var(CHILD_RANK)
+        .expect("run as a child of the two-process test")
+        .parse()
+        .unwrap();
+    let stream = stream0();
+    let id = match rank {
+        0 => {
+            let id = UniqueId::new().expect("unique id");
+            let file = std::env::var(CHILD_ID_FILE).unwrap();
+            let tmp = format!("{file}.tmp");
+            std::fs::write(&tmp, hex(&id)).unwrap();
+            std::fs::rename(&tmp, &file).unwrap();
+            id
+        }
+        _ => unhex(&std::env::var(CHILD_ID).unwrap()),
+    };
+    let mut comm = Communicator::init(rank, 2, &id, 0, DEADLINE).expect("two-rank init");
+    let host: Vec<u8> = match rank {
+        0 => (0..TWO_PROC_BYTES).map(pattern).collect(),
+        _ => vec![0; TWO_PROC_BYTES],
+    };
+    let (dev, whole) = upload(&stream, &host, DType::U8);
+    let t = Instant::now();
+    let mut start = 0;
+    while start < TWO_PROC_BYTES {
+        let len = TWO_PROC_BUCKET.min(TWO_PROC_BYTES - start);
+        let bucket = unsafe { DeviceBuffer::new(whole.ptr() + start as u64, len, DType::U8) };
+        comm.broadcast(&bucket, 0, DEADLINE)
+            .expect("bucket broadcast");
+        start += len;
+    }
+    eprintln!("rank {rank}: {TWO_PROC_BYTES} bytes in {:?}", t.elapsed());
+    let got = stream.clone_dtoh(&dev).unwrap();
+    let wrong = got.iter().enumerate().find(|(i, b)| **b != pattern(*i));
+    assert!(wrong.is_none(), "rank {rank}: first wrong byte {wrong:?}");
+}

@@ -574,7 +574,7 @@ impl Cluster {
         let child = cmd
             .env(
                 "RUST_LOG",
-                "warn,yatt_trainer::controller::weights_ipc=info",
+                "warn,yatt_trainer::controller::weights_ipc=info,yatt_trainer::controller::weights_nccl=info",
             )
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&stdout).expect("train log"))

@@ -1,9 +1,13 @@
 //! How weights reach a rollout in another process (`rollout.weight_sync`), with the
 //! policy and the rollout on two real `yatt-node` processes of this host: through CUDA
-//! IPC where the policy's weights are on a GPU, else as byte buckets over QUIC with the
-//! reason logged. One test body for every machine: on a CPU machine it checks the
-//! fallback and its reasons, on a GPU machine (the GPU check sets `YATT_REQUIRE_CUDA=1`)
-//! that every sync went through IPC.
+//! IPC where the policy's weights are on a GPU, by NCCL broadcast when asked, else as
+//! byte buckets over QUIC with the reason logged. One test body for every machine: on a
+//! CPU machine it checks the fallbacks and their reasons, on a GPU machine (the GPU
+//! check sets `YATT_REQUIRE_CUDA=1`) that every sync went the way asked.
+//!
+//! NCCL refuses two ranks on one GPU of one host, so each node claims a host of its
+//! own (`NCCL_HOSTID`) and the broadcast runs over NCCL's socket transport on loopback,
+//! as it would between two hosts.
 
 use std::path::Path;
 use std::time::Duration;
@@ -12,6 +16,19 @@ use yatt_integration_tests::Cluster;
 
 const STEPS: usize = 3;
 const FALLBACK: &str = "weight sync: CUDA IPC unavailable";
+const NCCL_FALLBACK: &str = "weight sync: NCCL unavailable";
+
+/// Each node's NCCL settings: a host of its own, loopback sockets, no InfiniBand.
+const NCCL_ENV: [(usize, &str, &str); 8] = [
+    (0, "NCCL_HOSTID", "yatt-ws-0"),
+    (1, "NCCL_HOSTID", "yatt-ws-1"),
+    (0, "NCCL_SOCKET_IFNAME", "lo"),
+    (1, "NCCL_SOCKET_IFNAME", "lo"),
+    (0, "NCCL_IB_DISABLE", "1"),
+    (1, "NCCL_IB_DISABLE", "1"),
+    (0, "NCCL_DEBUG", "WARN"),
+    (1, "NCCL_DEBUG", "WARN"),
+];
 
 fn on_gpu() -> bool {
     let gpu = yatt_engine::cuda_device_count() > 0;
@@ -43,36 +60,69 @@ fn train(cluster: &Cluster, out: &Path, mode: &str) -> (bool, String) {
     )
 }
 
-/// `perf/weight_sync_cuda_ipc` of every step: rollouts reached through IPC.
-fn ipc_counts(out: &Path) -> Vec<f64> {
+/// `metric` of every step (`perf/weight_sync_cuda_ipc`: rollouts reached through IPC;
+/// `perf/weight_sync_nccl`: by NCCL broadcast).
+fn counts_of(out: &Path, metric: &str) -> Vec<f64> {
     let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     text.lines()
         .map(|l| {
             let row: serde_json::Value = serde_json::from_str(l).unwrap();
-            row["perf/weight_sync_cuda_ipc"]
+            row[metric]
                 .as_f64()
-                .unwrap_or_else(|| panic!("no perf/weight_sync_cuda_ipc in {l}"))
+                .unwrap_or_else(|| panic!("no {metric} in {l}"))
         })
         .collect()
 }
 
-#[test]
-fn weights_go_through_cuda_ipc_on_a_gpu_host_and_as_bytes_otherwise_saying_why() {
-    let gpu = on_gpu();
-    let cluster = Cluster::start("ws", 2);
+fn ipc_counts(out: &Path) -> Vec<f64> {
+    counts_of(out, "perf/weight_sync_cuda_ipc")
+}
 
-    // auto: IPC on a GPU; otherwise bytes, and the log says why, once.
+fn nccl_counts(out: &Path) -> Vec<f64> {
+    counts_of(out, "perf/weight_sync_nccl")
+}
+
+/// A forced route on a CPU machine: refused before the first generation, naming the
+/// key, the reason and the fix.
+fn refused_before_the_first_step(out: &Path, printed: &str, key: &str) {
+    assert!(
+        printed.contains("found by a sync before the first step"),
+        "{printed}"
+    );
+    let rows = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap_or_default();
+    assert_eq!(
+        rows.lines().count(),
+        0,
+        "a step ran before the refusal:\n{printed}"
+    );
+    assert!(
+        printed.contains(key)
+            && printed.contains("the policy's weights are on the CPU")
+            && printed.contains("\"auto\""),
+        "{printed}"
+    );
+}
+
+#[test]
+fn weights_go_through_cuda_ipc_or_nccl_on_a_gpu_host_and_as_bytes_otherwise_saying_why() {
+    let gpu = on_gpu();
+    let cluster = Cluster::start_with_env("ws", &[&[], &[]], &NCCL_ENV);
+
+    // auto: IPC on a GPU (the rollout shares the policy's host, so NCCL is not needed);
+    // otherwise bytes, and the log says why, once for each route.
     let auto = tempfile::tempdir().unwrap();
     let (ok, printed) = train(&cluster, auto.path(), "auto");
     assert!(ok, "auto failed:\n{printed}");
     let counts = ipc_counts(auto.path());
     assert_eq!(counts.len(), STEPS, "{counts:?}");
+    assert!(nccl_counts(auto.path()).iter().all(|&n| n == 0.0));
     if gpu {
         assert!(counts.iter().all(|&n| n == 1.0), "{counts:?}\n{printed}");
         assert!(!printed.contains(FALLBACK), "{printed}");
     } else {
         assert!(counts.iter().all(|&n| n == 0.0), "{counts:?}");
         assert_eq!(printed.matches(FALLBACK).count(), 1, "{printed}");
+        assert_eq!(printed.matches(NCCL_FALLBACK).count(), 1, "{printed}");
         assert!(
             printed.contains("the policy's weights are on the CPU")
                 && printed.contains("byte buckets over QUIC"),
@@ -80,12 +130,14 @@ fn weights_go_through_cuda_ipc_on_a_gpu_host_and_as_bytes_otherwise_saying_why()
         );
     }
 
-    // quic: never tries IPC.
+    // quic: never tries IPC or NCCL.
     let quic = tempfile::tempdir().unwrap();
     let (ok, printed) = train(&cluster, quic.path(), "quic");
     assert!(ok, "quic failed:\n{printed}");
     assert!(ipc_counts(quic.path()).iter().all(|&n| n == 0.0));
+    assert!(nccl_counts(quic.path()).iter().all(|&n| n == 0.0));
     assert!(!printed.contains("CUDA IPC"), "{printed}");
+    assert!(!printed.contains("NCCL"), "{printed}");
 
     // cuda_ipc: IPC or a clear error naming the key and the reason.
     let forced = tempfile::tempdir().unwrap();
@@ -95,22 +147,25 @@ fn weights_go_through_cuda_ipc_on_a_gpu_host_and_as_bytes_otherwise_saying_why()
         assert!(ipc_counts(forced.path()).iter().all(|&n| n == 1.0));
     } else {
         assert!(!ok, "cuda_ipc ran without a GPU:\n{printed}");
-        // Refused before the first generation, not after a whole step.
-        assert!(
-            printed.contains("found by a sync before the first step"),
-            "{printed}"
+        refused_before_the_first_step(
+            forced.path(),
+            &printed,
+            "rollout.weight_sync = \"cuda_ipc\"",
         );
-        let rows = std::fs::read_to_string(forced.path().join("metrics.jsonl")).unwrap_or_default();
-        assert_eq!(
-            rows.lines().count(),
-            0,
-            "a step ran before the refusal:\n{printed}"
-        );
-        assert!(
-            printed.contains("rollout.weight_sync = \"cuda_ipc\"")
-                && printed.contains("the policy's weights are on the CPU")
-                && printed.contains("\"auto\""),
-            "{printed}"
-        );
+    }
+
+    // nccl: every sync an NCCL broadcast, or a clear error naming the key and the reason.
+    let nccl = tempfile::tempdir().unwrap();
+    let (ok, printed) = train(&cluster, nccl.path(), "nccl");
+    if gpu {
+        assert!(ok, "nccl failed on a GPU:\n{printed}");
+        let counts = nccl_counts(nccl.path());
+        assert_eq!(counts.len(), STEPS, "{counts:?}");
+        assert!(counts.iter().all(|&n| n == 1.0), "{counts:?}\n{printed}");
+        assert!(ipc_counts(nccl.path()).iter().all(|&n| n == 0.0));
+    } else {
+        assert!(!ok, "nccl ran without a GPU:\n{printed}");
+        refused_before_the_first_step(nccl.path(), &printed, "rollout.weight_sync = \"nccl\"");
+        assert!(printed.contains("NCCL unavailable"), "{printed}");
     }
 }

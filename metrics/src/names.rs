@@ -27,6 +27,8 @@ pub const WEIGHT_SYNC_S: &str = "timing_s/weight_sync";
 pub const WEIGHT_SYNC_BYTES: &str = "perf/weight_sync_bytes";
 /// Rollouts the step's weight sync reached through CUDA IPC (the others got bytes).
 pub const WEIGHT_SYNC_CUDA_IPC: &str = "perf/weight_sync_cuda_ipc";
+/// Rollouts the step's weight sync reached by NCCL broadcast.
+pub const WEIGHT_SYNC_NCCL: &str = "perf/weight_sync_nccl";
 /// Seconds the step spent offloading roles between phases (`placement.time_share =
 /// "offload"`: the policy, critic and reference before generation, the rollout after it).
 pub const OFFLOAD_S: &str = "timing_s/offload";

@@ -35,8 +35,8 @@ mod wire;
 
 // The SDK: what every role touches.
 pub use role::{
-    DeviceGroup, DeviceWeights, LocalWeights, ResourceProfile, Role, RoleActor, RoleError,
-    RoleRequest, RoleResponse, WeightsUpdate,
+    BroadcastGroup, DeviceGroup, DeviceRoute, DeviceWeights, LocalWeights, ResourceProfile, Role,
+    RoleActor, RoleError, RoleRequest, RoleResponse, WeightsUpdate,
 };
 pub use sample::{
     group_indices, response_mask, split_rows, token_matrix, EpisodeInfo, Finish, Sample,
@@ -84,6 +84,8 @@ pub use data::{
     GrowingLength, LengthSchedule, LoaderState, Prompt, SyntheticTask, SyntheticTaskKind,
     DEFAULT_GROUND_TRUTH_KEY, DEFAULT_PROMPT_KEY,
 };
+/// An NCCL group's id, as [`BroadcastGroup`] and [`PolicyRequest::StageBroadcast`] carry it.
+pub use yatt_collective::UniqueId;
 /// A chat message (`role`, `content`): a chat prompt's turns.
 pub use yatt_engine::ChatMessage;
 

@@ -164,14 +164,61 @@ impl WeightsUpdate {
     }
 }
 
-/// Weights in a device buffer of the policy's process, by CUDA IPC handle (weight sync
-/// between processes of one host).
+/// Weights packed into one device buffer of the policy's process, which the receiver
+/// maps (CUDA IPC, one host) or receives (NCCL broadcast, any host).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceWeights {
     /// The tensors: names, dtypes, shapes and byte ranges in the buffer.
     pub entries: Vec<yatt_engine::BucketEntry>,
-    /// The buffer.
-    pub handle: yatt_collective::IpcHandle,
+    /// How the buffer reaches the receiver.
+    pub route: DeviceRoute,
+}
+
+impl DeviceWeights {
+    /// Bytes of the packed buffer that hold weights: up to the end of the last tensor
+    /// (what a broadcast sends).
+    pub fn packed_bytes(&self) -> u64 {
+        packed_end(&self.entries)
+    }
+}
+
+/// Where the last of `entries`' tensors ends in their packed buffer.
+pub(crate) fn packed_end(entries: &[yatt_engine::BucketEntry]) -> u64 {
+    entries.iter().map(|e| e.offset + e.len).max().unwrap_or(0)
+}
+
+/// How a receiver gets the policy's packed device buffer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DeviceRoute {
+    /// It maps the buffer by its CUDA IPC handle (a process of the policy's host).
+    Ipc(yatt_collective::IpcHandle),
+    /// The policy broadcasts the buffer through NCCL (rank 0) to every rank of the
+    /// group, which receive it into a buffer of their own.
+    Broadcast(BroadcastGroup),
+}
+
+/// A weight-sync NCCL group: the policy is rank 0, the receivers the other ranks. A
+/// member keeps its communicator while the id stays the same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BroadcastGroup {
+    /// The group's NCCL unique id (made in the policy's process).
+    pub id: yatt_collective::UniqueId,
+    /// This member's rank (0: the policy).
+    pub rank: u32,
+    /// Members in all.
+    pub nranks: u32,
+    /// Deadline of the group's init and of each bucket's broadcast, milliseconds: on
+    /// expiry the communicator is aborted and the sync fails naming the operation.
+    pub deadline_ms: u64,
+    /// Bytes broadcast per NCCL call.
+    pub bucket_bytes: u64,
+}
+
+impl BroadcastGroup {
+    /// The group's deadline per operation.
+    pub fn deadline(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.deadline_ms)
+    }
 }
 
 /// A snapshot of a model's parameters (canonical names), shared by the roles of one

@@ -23,7 +23,7 @@ use std::path::PathBuf;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use yatt_collective::IpcHandle;
+use yatt_collective::UniqueId;
 use yatt_engine::WeightBucket;
 use yatt_runtime::ActorId;
 use yatt_runtime::RingSpec;
@@ -31,7 +31,9 @@ use yatt_runtime::{Bulk, BulkHeader, DType, TensorMeta};
 use yatt_runtime::{Message, Wire, WireError};
 
 use crate::builtin::policy::{GradShard, PolicyRequest, PolicyResponse, TrainReport, TrainerState};
-use crate::role::{ResourceProfile, RoleRequest, RoleResponse, WeightsUpdate};
+use crate::role::{
+    BroadcastGroup, DeviceRoute, ResourceProfile, RoleRequest, RoleResponse, WeightsUpdate,
+};
 use crate::sample::Sample;
 
 /// Bodies longer than this move into the bulk payload (well under the 8 MiB default
@@ -66,7 +68,7 @@ enum RequestHead {
     LoadDeviceWeights {
         version: u64,
         entries: Vec<u8>,
-        handle: IpcHandle,
+        route: DeviceRoute,
     },
 }
 
@@ -96,6 +98,11 @@ enum PolicyRequestHead {
     /// File names; the contents are bulk tensors `state.i`.
     ImportState(Vec<String>),
     ExportDeviceWeights,
+    StageBroadcast {
+        group: Option<UniqueId>,
+        fresh: bool,
+    },
+    Broadcast(BroadcastGroup),
 }
 
 #[derive(Serialize, Deserialize)]
@@ -119,9 +126,10 @@ enum PolicyResponseHead {
     DeviceWeights {
         version: u64,
         entries: Vec<u8>,
-        handle: IpcHandle,
+        route: DeviceRoute,
     },
     DeviceWeightsUnavailable(String),
+    Sent,
 }
 
 fn encode_err<T>(reason: impl ToString) -> WireError {
@@ -294,25 +302,25 @@ fn remote_buckets<T>(u: WeightsUpdate) -> Result<Vec<yatt_engine::WeightBucket>,
     }
 }
 
-/// Device weights' table of tensors (a bucket header) and buffer handle.
-fn device_head(d: crate::role::DeviceWeights) -> (Vec<u8>, IpcHandle) {
+/// Device weights' table of tensors (a bucket header) and route to the buffer.
+fn device_head(d: crate::role::DeviceWeights) -> (Vec<u8>, DeviceRoute) {
     let header = WeightBucket {
         entries: d.entries,
         data: Bytes::new(),
     }
     .encode_header();
-    (header, d.handle)
+    (header, d.route)
 }
 
 /// Undoes [`device_head`].
 fn device_update<T>(
     version: u64,
     entries: &[u8],
-    handle: IpcHandle,
+    route: DeviceRoute,
 ) -> Result<WeightsUpdate, WireError> {
     let entries = WeightBucket::decode_header(entries).map_err(decode_err::<T>)?;
     Ok(WeightsUpdate {
-        device: Some(crate::role::DeviceWeights { entries, handle }),
+        device: Some(crate::role::DeviceWeights { entries, route }),
         ..WeightsUpdate::from_buckets(version, Vec::new())
     })
 }
@@ -381,11 +389,11 @@ impl<Req: Message> Message for RoleRequest<Req> {
                 device: Some(d),
                 ..
             }) => {
-                let (entries, handle) = device_head(d);
+                let (entries, route) = device_head(d);
                 let head = RequestHead::LoadDeviceWeights {
                     version,
                     entries,
-                    handle,
+                    route,
                 };
                 (head, Bytes::new(), None)
             }
@@ -417,11 +425,11 @@ impl<Req: Message> Message for RoleRequest<Req> {
             RequestHead::LoadDeviceWeights {
                 version,
                 entries,
-                handle,
+                route,
             } => {
                 no_bulk::<Self>(&wire.bulk)?;
                 Ok(RoleRequest::LoadWeights(device_update::<Self>(
-                    version, &entries, handle,
+                    version, &entries, route,
                 )?))
             }
             RequestHead::LoadWeights { version, buckets } => {
@@ -479,6 +487,10 @@ impl Message for PolicyRequest {
             PolicyRequest::TrainAllReduce(s) => (PolicyRequestHead::TrainAllReduce(s), None),
             PolicyRequest::ExportState => (PolicyRequestHead::ExportState, None),
             PolicyRequest::ExportDeviceWeights => (PolicyRequestHead::ExportDeviceWeights, None),
+            PolicyRequest::StageBroadcast { group, fresh } => {
+                (PolicyRequestHead::StageBroadcast { group, fresh }, None)
+            }
+            PolicyRequest::Broadcast(g) => (PolicyRequestHead::Broadcast(g), None),
             PolicyRequest::ImportState(state) => {
                 let (names, bulk) = pack_state::<Self>(state)?;
                 (PolicyRequestHead::ImportState(names), bulk)
@@ -512,6 +524,10 @@ impl Message for PolicyRequest {
             PolicyRequestHead::TrainAllReduce(s) => PolicyRequest::TrainAllReduce(s),
             PolicyRequestHead::ExportState => PolicyRequest::ExportState,
             PolicyRequestHead::ExportDeviceWeights => PolicyRequest::ExportDeviceWeights,
+            PolicyRequestHead::StageBroadcast { group, fresh } => {
+                PolicyRequest::StageBroadcast { group, fresh }
+            }
+            PolicyRequestHead::Broadcast(g) => PolicyRequest::Broadcast(g),
             PolicyRequestHead::ImportState(names) => {
                 PolicyRequest::ImportState(unpack_state::<Self>(names, wire.bulk.as_ref())?)
             }
@@ -545,6 +561,7 @@ impl Message for PolicyResponse {
             PolicyResponse::RingInbox(id) => (PolicyResponseHead::RingInbox(id), None),
             PolicyResponse::Joined => (PolicyResponseHead::Joined, None),
             PolicyResponse::Imported => (PolicyResponseHead::Imported, None),
+            PolicyResponse::Sent => (PolicyResponseHead::Sent, None),
             PolicyResponse::DeviceWeightsUnavailable(why) => {
                 (PolicyResponseHead::DeviceWeightsUnavailable(why), None)
             }
@@ -553,11 +570,11 @@ impl Message for PolicyResponse {
                 device: Some(d),
                 ..
             }) => {
-                let (entries, handle) = device_head(d);
+                let (entries, route) = device_head(d);
                 let head = PolicyResponseHead::DeviceWeights {
                     version,
                     entries,
-                    handle,
+                    route,
                 };
                 (head, None)
             }
@@ -606,14 +623,15 @@ impl Message for PolicyResponse {
             PolicyResponseHead::RingInbox(id) => PolicyResponse::RingInbox(id),
             PolicyResponseHead::Joined => PolicyResponse::Joined,
             PolicyResponseHead::Imported => PolicyResponse::Imported,
+            PolicyResponseHead::Sent => PolicyResponse::Sent,
             PolicyResponseHead::DeviceWeightsUnavailable(why) => {
                 PolicyResponse::DeviceWeightsUnavailable(why)
             }
             PolicyResponseHead::DeviceWeights {
                 version,
                 entries,
-                handle,
-            } => PolicyResponse::Weights(device_update::<Self>(version, &entries, handle)?),
+                route,
+            } => PolicyResponse::Weights(device_update::<Self>(version, &entries, route)?),
             PolicyResponseHead::State(names) => {
                 PolicyResponse::State(unpack_state::<Self>(names, wire.bulk.as_ref())?)
             }
@@ -691,41 +709,66 @@ mod tests {
         (back, wire)
     }
 
-    /// Weights by CUDA IPC handle cross the wire as their table and handle (no bulk),
-    /// and the policy's request and refusal for them too.
+    /// Weights in the policy's device buffer cross the wire as their table and route
+    /// (a CUDA IPC handle, or an NCCL group), never as bulk; and the policy's requests
+    /// and answers for them too.
     #[test]
-    fn device_weights_cross_as_a_table_and_a_handle() {
-        let handle: IpcHandle = serde_json::from_value(serde_json::json!({
+    fn device_weights_cross_as_a_table_and_a_route() {
+        let handle: yatt_collective::IpcHandle = serde_json::from_value(serde_json::json!({
             "handle": vec![9u8; 64], "offset": 512, "bytes": 4096,
             "host": "boot", "pid": 77, "ptr": 0x7f00_0000u64,
         }))
         .unwrap();
+        let group = BroadcastGroup {
+            id: yatt_collective::UniqueId::from_bytes([3; yatt_collective::UNIQUE_ID_BYTES]),
+            rank: 2,
+            nranks: 3,
+            deadline_ms: 1500,
+            bucket_bytes: 1 << 26,
+        };
         let entries = buckets(1 << 20).remove(0).entries;
-        let update = WeightsUpdate {
-            device: Some(crate::role::DeviceWeights {
-                entries: entries.clone(),
-                handle: handle.clone(),
-            }),
-            ..WeightsUpdate::from_buckets(6, Vec::new())
-        };
-        let (back, wire) = round_trip(RoleRequest::<()>::LoadWeights(update.clone()));
-        assert!(wire.bulk.is_none());
-        let RoleRequest::LoadWeights(u) = back else {
-            panic!("{back:?}")
-        };
-        assert_eq!((u.version, u.buckets.len()), (6, 0));
-        assert_eq!(
-            u.device.as_ref().map(|d| (&d.entries, &d.handle)),
-            Some((&entries, &handle))
-        );
-        assert_eq!(u.bytes(), entries.iter().map(|e| e.len).sum::<u64>());
+        for route in [DeviceRoute::Ipc(handle), DeviceRoute::Broadcast(group)] {
+            let update = WeightsUpdate {
+                device: Some(crate::role::DeviceWeights {
+                    entries: entries.clone(),
+                    route: route.clone(),
+                }),
+                ..WeightsUpdate::from_buckets(6, Vec::new())
+            };
+            let (back, wire) = round_trip(RoleRequest::<()>::LoadWeights(update.clone()));
+            assert!(wire.bulk.is_none());
+            let RoleRequest::LoadWeights(u) = back else {
+                panic!("{back:?}")
+            };
+            assert_eq!((u.version, u.buckets.len()), (6, 0));
+            assert_eq!(
+                u.device.as_ref().map(|d| (&d.entries, &d.route)),
+                Some((&entries, &route))
+            );
+            assert_eq!(u.bytes(), entries.iter().map(|e| e.len).sum::<u64>());
 
-        let (back, _) = round_trip(PolicyResponse::Weights(update));
-        assert!(
-            matches!(back, PolicyResponse::Weights(u) if u.device.as_ref().is_some_and(|d| d.handle == handle))
-        );
+            let (back, _) = round_trip(PolicyResponse::Weights(update));
+            assert!(
+                matches!(&back, PolicyResponse::Weights(u) if u.device.as_ref().is_some_and(|d| d.route == route)),
+                "{back:?}"
+            );
+        }
         let (back, _) = round_trip(PolicyRequest::ExportDeviceWeights);
         assert!(matches!(back, PolicyRequest::ExportDeviceWeights));
+        for (g, fresh) in [
+            (None, true),
+            (Some(group.id), false),
+            (Some(group.id), true),
+        ] {
+            let (back, _) = round_trip(PolicyRequest::StageBroadcast { group: g, fresh });
+            assert!(
+                matches!(back, PolicyRequest::StageBroadcast { group: b, fresh: f } if (b, f) == (g, fresh))
+            );
+        }
+        let (back, _) = round_trip(PolicyRequest::Broadcast(group));
+        assert!(matches!(back, PolicyRequest::Broadcast(g) if g == group));
+        let (back, _) = round_trip(PolicyResponse::Sent);
+        assert!(matches!(back, PolicyResponse::Sent));
         let why = "CUDA IPC unavailable: the policy's weights are on the CPU".to_string();
         let (back, _) = round_trip(PolicyResponse::DeviceWeightsUnavailable(why.clone()));
         assert!(matches!(back, PolicyResponse::DeviceWeightsUnavailable(w) if w == why));

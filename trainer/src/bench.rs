@@ -191,9 +191,11 @@ impl Role for FakePolicy {
             PolicyRequest::ExportWeights | PolicyRequest::ExportLocalWeights => {
                 PolicyResponse::Weights(WeightsUpdate::from_buckets(self.version, Vec::new()))
             }
-            PolicyRequest::ExportDeviceWeights => PolicyResponse::DeviceWeightsUnavailable(
-                "a runtime bench's stand-in policy has no device".into(),
-            ),
+            PolicyRequest::ExportDeviceWeights | PolicyRequest::StageBroadcast { .. } => {
+                PolicyResponse::DeviceWeightsUnavailable(
+                    "a runtime bench's stand-in policy has no device".into(),
+                )
+            }
             PolicyRequest::SaveCheckpoint(_) => PolicyResponse::Saved,
             PolicyRequest::RingInbox
             | PolicyRequest::JoinRing(_)
@@ -203,6 +205,12 @@ impl Role for FakePolicy {
                 return Err(RoleError::Unsupported {
                     role: "policy".into(),
                     operation: "policy replicas",
+                })
+            }
+            PolicyRequest::Broadcast(_) => {
+                return Err(RoleError::Unsupported {
+                    role: "policy".into(),
+                    operation: "NCCL weight broadcast",
                 })
             }
         })

@@ -147,11 +147,12 @@ pub(crate) async fn save(controllers: &[Controller], dir: &Path) -> Result<(), J
 /// `job.output_dir` is where the run is, not what it does (`--resume DIR` sets it).
 /// `rollout.cuda_graphs` changes how, not what, the rollout decodes (within rounding);
 /// `rollout.weight_sync` how, not what, the weights travel.
-const RESUMABLE_KEYS: [&str; 18] = [
+const RESUMABLE_KEYS: [&str; 19] = [
     "timeouts.generate_s",
     "timeouts.score_s",
     "timeouts.train_s",
     "timeouts.sync_s",
+    "timeouts.collective_s",
     "job.steps",
     "job.output_dir",
     "checkpoint.every",

@@ -6,53 +6,84 @@
 //! Where it cannot be used (weights on the CPU, no CUDA driver, a role on another host,
 //! a build without the `nccl` feature) the error says why, and the controller sends
 //! byte buckets instead and logs the reason.
+//!
+//! The same packed buffer is what an NCCL broadcast sends to other hosts
+//! (`weight_broadcast.rs`).
 
 use tch::{Device, Kind, Tensor};
 use yatt_collective::{export_ipc, ipc_availability, IpcError, IpcMapping};
 use yatt_engine::{BucketDtype, BucketEntry};
 
-use crate::role::DeviceWeights;
+use crate::role::{DeviceRoute, DeviceWeights};
 
 /// Every tensor starts on this boundary (as a `cudaMalloc` block does).
 const ALIGN: u64 = 256;
 
-/// The policy's exported buffer: the latest version's only. A controller's sync waits
+/// The policy's packed buffer: the latest version's only. A controller's sync waits
 /// for every rollout's load before the policy's next update, so when the next version
-/// is exported no one reads the previous one.
+/// is packed no one reads the previous one.
 #[derive(Default)]
 pub(crate) struct Staging {
-    kept: Option<(u64, DeviceWeights, Tensor)>,
+    kept: Option<Staged>,
+}
+
+/// One version's weights packed into one device buffer.
+pub(crate) struct Staged {
+    pub(crate) version: u64,
+    pub(crate) entries: Vec<BucketEntry>,
+    pub(crate) buffer: Tensor,
+    /// Its CUDA IPC handle, once exported.
+    ipc: Option<yatt_collective::IpcHandle>,
 }
 
 impl Staging {
-    /// Packs `named` (the weights at `version`) into a fresh device buffer and exports
-    /// it; a version already exported is sent again as it is.
+    /// Packs `named` (the weights at `version`) and exports the buffer through CUDA
+    /// IPC; a version already exported is sent again as it is.
     pub(crate) fn export(
         &mut self,
         version: u64,
         named: &[(String, Tensor)],
     ) -> Result<DeviceWeights, IpcError> {
-        if let Some((v, weights, _)) = &self.kept {
-            if *v == version {
-                return Ok(weights.clone());
+        let ordinal = cuda_ordinal(named)?;
+        ipc_availability()?;
+        let staged = self.pack(version, named)?;
+        let handle = match &staged.ipc {
+            Some(h) => h.clone(),
+            None => {
+                // The reader's copies run on its own streams: the bytes must be there first.
+                tch::Cuda::synchronize(ordinal as i64);
+                let (base, total) = (staged.buffer.data_ptr() as u64, staged.buffer.numel());
+                // SAFETY: libtorch's caching allocator took the buffer from cudaMalloc, and
+                // it stays in `kept` while a reader may map it.
+                let h = unsafe { export_ipc(base, total as u64, ordinal) }?;
+                staged.ipc = Some(h.clone());
+                h
             }
+        };
+        Ok(DeviceWeights {
+            entries: staged.entries.clone(),
+            route: DeviceRoute::Ipc(handle),
+        })
+    }
+
+    /// The buffer packed for `version`, if it is the one kept.
+    pub(crate) fn staged(&self, version: u64) -> Option<&Staged> {
+        self.kept.as_ref().filter(|s| s.version == version)
+    }
+
+    /// Packs `named` (the weights at `version`, all on one GPU) into a fresh device
+    /// buffer, or returns the one packed for that version already.
+    pub(crate) fn pack(
+        &mut self,
+        version: u64,
+        named: &[(String, Tensor)],
+    ) -> Result<&mut Staged, IpcError> {
+        if self.kept.as_ref().is_some_and(|s| s.version == version) {
+            return Ok(self.kept.as_mut().expect("kept"));
         }
         // The old buffer goes first: at most one packed copy of the weights at a time.
         self.kept = None;
-        let ordinal = match named.first().map(|(_, t)| t.device()) {
-            Some(Device::Cuda(i)) => i,
-            Some(_) => {
-                return Err(IpcError::Unavailable(
-                    "the policy's weights are on the CPU".into(),
-                ))
-            }
-            None => {
-                return Err(IpcError::Unavailable(
-                    "the policy has no weights to send".into(),
-                ))
-            }
-        };
-        ipc_availability()?;
+        let ordinal = cuda_ordinal(named)?;
         let device = Device::Cuda(ordinal);
         let mut entries = Vec::with_capacity(named.len());
         let mut total = 0u64;
@@ -77,40 +108,95 @@ impl Staging {
         }
         let buffer = Tensor::f_empty([total.max(1) as i64], (Kind::Uint8, device))
             .map_err(tch_failed("allocating the staging buffer"))?;
-        let base = buffer.data_ptr() as u64;
+        let views = tensor_views(&buffer, &entries)?;
         tch::no_grad(|| -> Result<(), IpcError> {
-            for ((_, t), e) in named.iter().zip(&entries) {
-                // SAFETY: `e.offset..e.offset + e.len` lies inside `buffer`, which
-                // outlives this view.
-                let mut dst = unsafe {
-                    Tensor::f_from_blob(
-                        (base + e.offset) as *const u8,
-                        &e.shape,
-                        &[],
-                        t.kind(),
-                        device,
-                    )
-                }
-                .map_err(tch_failed("viewing the staging buffer"))?;
+            for ((_, t), (_, mut dst)) in named.iter().zip(views) {
                 dst.f_copy_(t).map_err(tch_failed("packing the weights"))?;
             }
             Ok(())
         })?;
-        // The reader's copies run on its own streams: the bytes must be there first.
-        tch::Cuda::synchronize(ordinal as i64);
-        // SAFETY: libtorch's caching allocator took the buffer from cudaMalloc, and it
-        // stays in `kept` while a reader may map it.
-        let handle = unsafe { export_ipc(base, total, ordinal) }?;
-        let weights = DeviceWeights { entries, handle };
-        self.kept = Some((version, weights.clone(), buffer));
-        Ok(weights)
+        Ok(self.kept.insert(Staged {
+            version,
+            entries,
+            buffer,
+            ipc: None,
+        }))
     }
 }
 
-/// Copies the weights out of the policy's buffer onto `device` (a GPU of this host),
-/// then unmaps the buffer.
+/// The CUDA ordinal the first weight is on: packing needs the weights on a GPU.
+fn cuda_ordinal(named: &[(String, Tensor)]) -> Result<usize, IpcError> {
+    match named.first().map(|(_, t)| t.device()) {
+        Some(Device::Cuda(i)) => Ok(i),
+        Some(_) => Err(IpcError::Unavailable(
+            "the policy's weights are on the CPU".into(),
+        )),
+        None => Err(IpcError::Unavailable(
+            "the policy has no weights to send".into(),
+        )),
+    }
+}
+
+/// Views of `buffer` (a `Uint8` device tensor) as the tensors `entries` describe, after
+/// checking each lies inside it and its shape matches its bytes. The views do not own
+/// their memory: they must not outlive `buffer`.
+pub(crate) fn tensor_views(
+    buffer: &Tensor,
+    entries: &[BucketEntry],
+) -> Result<Vec<(String, Tensor)>, IpcError> {
+    let (base, size, device) = (
+        buffer.data_ptr() as u64,
+        buffer.numel() as u64,
+        buffer.device(),
+    );
+    entries
+        .iter()
+        .map(|e| {
+            check_entry(e)?;
+            if e.offset.checked_add(e.len).is_none_or(|end| end > size) {
+                return Err(IpcError::Malformed(format!(
+                    "entry `{}`: bytes {}..+{} lie outside the {size}-byte buffer",
+                    e.name, e.offset, e.len
+                )));
+            }
+            // SAFETY: `e.offset..e.offset + e.len` lies inside `buffer` (checked above),
+            // and the caller keeps `buffer` alive while it uses the view.
+            let view = unsafe {
+                Tensor::f_from_blob(
+                    (base + e.offset) as *const u8,
+                    &e.shape,
+                    &[],
+                    e.dtype.kind(),
+                    device,
+                )
+            }
+            .map_err(tch_failed("viewing the packed buffer"))?;
+            Ok((e.name.clone(), view))
+        })
+        .collect()
+}
+
+/// Whether an entry's shape and dtype take exactly its bytes.
+fn check_entry(e: &BucketEntry) -> Result<(), IpcError> {
+    let numel: i64 = e.shape.iter().product();
+    if numel < 0 || numel as u64 * e.dtype.size() as u64 != e.len {
+        return Err(IpcError::Malformed(format!(
+            "entry `{}`: shape {:?} of {:?} needs {} bytes, the table says {}",
+            e.name,
+            e.shape,
+            e.dtype,
+            numel.max(0) as u64 * e.dtype.size() as u64,
+            e.len
+        )));
+    }
+    Ok(())
+}
+
+/// Copies the weights out of the policy's buffer (`handle`, with the tensors
+/// `entries`) onto `device` (a GPU of this host), then unmaps the buffer.
 pub(crate) fn device_tensors(
-    weights: &DeviceWeights,
+    entries: &[BucketEntry],
+    handle: &yatt_collective::IpcHandle,
     device: Device,
 ) -> Result<Vec<(String, Tensor)>, IpcError> {
     let Device::Cuda(ordinal) = device else {
@@ -118,21 +204,11 @@ pub(crate) fn device_tensors(
             "this role's weights are on the CPU".into(),
         ));
     };
-    let mapping = IpcMapping::open(&weights.handle, ordinal)?;
-    let mut out = Vec::with_capacity(weights.entries.len());
-    let mut parts = Vec::with_capacity(weights.entries.len());
-    for e in &weights.entries {
-        let numel: i64 = e.shape.iter().product();
-        if numel < 0 || numel as u64 * e.dtype.size() as u64 != e.len {
-            return Err(IpcError::Malformed(format!(
-                "entry `{}`: shape {:?} of {:?} needs {} bytes, the table says {}",
-                e.name,
-                e.shape,
-                e.dtype,
-                numel.max(0) as u64 * e.dtype.size() as u64,
-                e.len
-            )));
-        }
+    let mapping = IpcMapping::open(handle, ordinal)?;
+    let mut out = Vec::with_capacity(entries.len());
+    let mut parts = Vec::with_capacity(entries.len());
+    for e in entries {
+        check_entry(e)?;
         let own = Tensor::f_empty(e.shape.as_slice(), (e.dtype.kind(), device))
             .map_err(tch_failed("allocating the weights"))?;
         parts.push((e.offset, own.data_ptr() as u64, e.len));
@@ -147,7 +223,7 @@ pub(crate) fn device_tensors(
 }
 
 /// A libtorch failure during `op`, as the IPC error the caller logs.
-fn tch_failed(op: &'static str) -> impl Fn(tch::TchError) -> IpcError {
+pub(crate) fn tch_failed(op: &'static str) -> impl Fn(tch::TchError) -> IpcError {
     move |e| IpcError::Cuda {
         op,
         message: e.to_string(),

@@ -28,6 +28,7 @@ pub mod reward;
 pub mod reward_model;
 pub mod rollout;
 pub(crate) mod scoring;
+mod weight_broadcast;
 mod write_root;
 pub use growing_reward::GrowingLengthReward;
 

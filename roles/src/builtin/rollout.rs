@@ -18,9 +18,10 @@ mod multi_turn;
 
 use crate::algo::step_token_ends;
 use crate::builtin::scoring::{bucket_tensors, check_device, model_bytes, weights_error};
+use crate::builtin::weight_broadcast::BroadcastMember;
 use crate::data::prompt::Prompt;
 use crate::env::EnvSettings;
-use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
+use crate::role::{DeviceGroup, DeviceRoute, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::{Finish, Sample, SampleId};
 
 /// Turns prompt text into token ids and response ids into text.
@@ -307,6 +308,8 @@ pub struct RolloutRole {
     /// With step credit on: what ends a reasoning step, so each sample says where its
     /// steps end in tokens.
     step_delimiter: Option<String>,
+    /// Its place in the policy's NCCL weight-sync group, once joined.
+    broadcast: BroadcastMember,
 }
 
 impl RolloutRole {
@@ -321,6 +324,7 @@ impl RolloutRole {
             deferred: Vec::new(),
             env: None,
             step_delimiter: None,
+            broadcast: BroadcastMember::default(),
         }
     }
 
@@ -736,9 +740,9 @@ impl Role for RolloutRole {
         if self.offloaded_from.is_some() {
             if update.device.is_some() {
                 // The policy frees its buffer after the next sync or two, and a reload
-                // may come later than that.
+                // may come later than that; a broadcast needs the device now.
                 return Err(RoleError::BadRequest(format!(
-                    "weights v{} arrived through CUDA IPC while the rollout is offloaded; send them as buckets (ExportWeights)",
+                    "weights v{} arrived in the policy's device buffer (CUDA IPC or NCCL) while the rollout is offloaded; send them as buckets (ExportWeights)",
                     update.version
                 )));
             }
@@ -772,7 +776,19 @@ impl RolloutRole {
             self.version = update.version;
             return Ok(());
         }
-        let named = bucket_tensors(&update, self.generator.model().device())?;
+        let device = self.generator.model().device();
+        if let Some(w) = &update.device {
+            if let DeviceRoute::Broadcast(group) = &w.route {
+                let got = self.broadcast.receive(update.version, w, group, device)?;
+                let named = got.views.iter().map(|(n, t)| (n.as_str(), t));
+                self.generator
+                    .update_weights(named)
+                    .map_err(|e| weights_error(&update, e))?;
+                self.version = update.version;
+                return Ok(());
+            }
+        }
+        let named = bucket_tensors(&update, device)?;
         self.generator
             .update_weights(named.iter())
             .map_err(|e| weights_error(&update, e))?;
@@ -892,7 +908,7 @@ mod tests {
         let update = || WeightsUpdate {
             device: Some(crate::role::DeviceWeights {
                 entries: Vec::new(),
-                handle: Clone::clone(&handle),
+                route: DeviceRoute::Ipc(Clone::clone(&handle)),
             }),
             ..WeightsUpdate::from_buckets(4, Vec::new())
         };
@@ -908,6 +924,37 @@ mod tests {
         let e = r.load_weights(update()).unwrap_err().to_string();
         assert!(e.contains("offloaded") && e.contains("buckets"), "{e}");
         r.reload().unwrap();
+        assert_eq!(r.weights_version(), 0);
+    }
+
+    /// A broadcast to a rollout on the CPU is refused before any NCCL call (which would
+    /// wait for the group's deadline), naming the CPU and the setting to use.
+    #[test]
+    fn broadcast_weights_are_refused_on_the_cpu() {
+        let group = |rank| crate::role::BroadcastGroup {
+            id: yatt_collective::UniqueId::from_bytes([7; yatt_collective::UNIQUE_ID_BYTES]),
+            rank,
+            nranks: 2,
+            deadline_ms: 60_000,
+            bucket_bytes: 1 << 20,
+        };
+        let update = |rank| WeightsUpdate {
+            device: Some(crate::role::DeviceWeights {
+                entries: Vec::new(),
+                route: DeviceRoute::Broadcast(group(rank)),
+            }),
+            ..WeightsUpdate::from_buckets(3, Vec::new())
+        };
+        let mut r = role();
+        let t = std::time::Instant::now();
+        let e = r.load_weights(update(1)).unwrap_err().to_string();
+        assert!(
+            e.contains("weights v3 by NCCL broadcast")
+                && e.contains("on the CPU")
+                && e.contains("rollout.weight_sync"),
+            "{e}"
+        );
+        assert!(t.elapsed() < std::time::Duration::from_secs(5), "it waited");
         assert_eq!(r.weights_version(), 0);
     }
 

@@ -7,7 +7,7 @@ use yatt_engine::{positions_from_mask, Attn};
 use yatt_engine::{BucketViews, Llama};
 
 use crate::builtin::device_weights::device_tensors;
-use crate::role::{DeviceGroup, RoleError, WeightsUpdate};
+use crate::role::{DeviceGroup, DeviceRoute, RoleError, WeightsUpdate};
 use crate::sample::Sample;
 
 /// Response-token log-probs and entropies `[B, T]` (`T` = longest response, zero
@@ -234,15 +234,25 @@ pub(crate) fn bucket_tensors(
             update.version
         )));
     }
-    if let Some(w) = &update.device {
-        return device_tensors(w, device)
-            .map(UpdateTensors::Device)
-            .map_err(|e| {
-                RoleError::Failed(format!(
-                    "weights v{} through CUDA IPC: {e} (send them as buckets: ExportWeights)",
-                    update.version
-                ))
-            });
+    match update.device.as_ref().map(|w| (w, &w.route)) {
+        Some((w, DeviceRoute::Ipc(handle))) => {
+            return device_tensors(&w.entries, handle, device)
+                .map(UpdateTensors::Device)
+                .map_err(|e| {
+                    RoleError::Failed(format!(
+                        "weights v{} through CUDA IPC: {e} (send them as buckets: ExportWeights)",
+                        update.version
+                    ))
+                })
+        }
+        // Only the rollout joins a broadcast group (it receives before this is called).
+        Some((_, DeviceRoute::Broadcast(_))) => {
+            return Err(RoleError::BadRequest(format!(
+                "weights v{} come by NCCL broadcast, which only rollouts receive; send them as buckets (ExportWeights)",
+                update.version
+            )))
+        }
+        None => {}
     }
     let views = update
         .buckets

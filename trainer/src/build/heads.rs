@@ -93,6 +93,7 @@ pub(crate) fn job_timeouts(job: &JobConfig) -> Timeouts {
         score: Duration::from_secs_f64(t.score_s),
         train: Duration::from_secs_f64(t.train_s),
         sync: Duration::from_secs_f64(t.sync_s),
+        collective: Duration::from_secs_f64(t.collective_s),
     }
 }
 

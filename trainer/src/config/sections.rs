@@ -301,7 +301,8 @@ pub struct RolloutSection {
     /// layer; no effect on the CPU). Off: every decode step runs eagerly.
     pub cuda_graphs: bool,
     /// How weights reach rollouts in other processes: `auto` (CUDA IPC on one host
-    /// with a GPU, else byte buckets over QUIC, the reason logged), `quic`, `cuda_ipc`.
+    /// with a GPU, an NCCL broadcast to other hosts' GPUs, else byte buckets over QUIC,
+    /// the reason logged), `quic`, `cuda_ipc`, `nccl`.
     pub weight_sync: WeightSync,
     /// Partial rollouts (interruptible generation, with `staleness` ≥ 1): responses
     /// decode in chunks of `chunk_tokens`, and weights synced while a batch generates
@@ -800,6 +801,9 @@ pub struct TimeoutsSection {
     pub train_s: f64,
     /// Weight export and load, and each offload or reload of time sharing.
     pub sync_s: f64,
+    /// Each NCCL operation of a weight sync (joining the group, each bucket's
+    /// broadcast); at most `sync_s`.
+    pub collective_s: f64,
 }
 
 impl Default for TimeoutsSection {
@@ -809,6 +813,7 @@ impl Default for TimeoutsSection {
             score_s: 600.0,
             train_s: 600.0,
             sync_s: 600.0,
+            collective_s: 120.0,
         }
     }
 }

@@ -71,6 +71,7 @@ impl JobConfig {
             ("timeouts.score_s", t.score_s),
             ("timeouts.train_s", t.train_s),
             ("timeouts.sync_s", t.sync_s),
+            ("timeouts.collective_s", t.collective_s),
         ] {
             if !(v.is_finite() && v > 0.0) {
                 return Err(invalid(
@@ -80,6 +81,14 @@ impl JobConfig {
                     "e.g. 600; a call past it fails the step instead of hanging",
                 ));
             }
+        }
+        if t.collective_s > t.sync_s {
+            return Err(invalid(
+                "timeouts.collective_s",
+                "at most timeouts.sync_s (a weight sync's NCCL operations run inside its sync call)",
+                &t.collective_s.to_string(),
+                &format!("e.g. collective_s = {}", t.sync_s.min(120.0)),
+            ));
         }
         positive(
             "model.max_seq_len",

@@ -46,6 +46,10 @@ pub enum WeightSync {
     /// Always CUDA IPC: a sync that cannot use it fails, naming why.
     #[serde(rename = "cuda_ipc")]
     CudaIpc,
+    /// Always an NCCL broadcast from the policy (rank 0) to the rollouts (the other
+    /// ranks), on any host: a sync that cannot use it fails, naming why.
+    #[serde(rename = "nccl")]
+    Nccl,
 }
 
 impl WeightSync {
@@ -55,6 +59,7 @@ impl WeightSync {
             WeightSync::Auto => "auto",
             WeightSync::Quic => "quic",
             WeightSync::CudaIpc => "cuda_ipc",
+            WeightSync::Nccl => "nccl",
         }
     }
 }
@@ -88,6 +93,10 @@ pub struct Timeouts {
     pub train: Duration,
     /// Weight export and load, and each offload or reload of time sharing.
     pub sync: Duration,
+    /// Each NCCL operation of a weight sync (joining the group, each bucket's
+    /// broadcast): past it the communicator is aborted and the error names the
+    /// operation and the ranks.
+    pub collective: Duration,
 }
 
 impl Default for Timeouts {
@@ -98,6 +107,7 @@ impl Default for Timeouts {
             score: m,
             train: m,
             sync: m,
+            collective: Duration::from_secs(120),
         }
     }
 }

@@ -25,8 +25,18 @@ pub(crate) struct IpcRoute {
     pub(crate) off: bool,
     /// Rollouts that could not map the policy's buffer: buckets for them.
     pub(crate) refused: std::collections::BTreeSet<ActorId>,
-    /// A forced `cuda_ipc` was tried before the first generation.
+    /// A forced `cuda_ipc` or `nccl` was tried before the first generation.
     pub(crate) checked: bool,
+}
+
+/// What a controller has learnt about NCCL weight sync so far (`weights_nccl.rs`).
+#[derive(Debug, Default)]
+pub(crate) struct NcclRoute {
+    /// NCCL cannot be used (unavailable, or a broadcast failed): buckets from now on.
+    pub(crate) off: bool,
+    /// The group that last broadcast: its id and its receivers in rank order (none
+    /// once it failed). Other receivers need a new group.
+    pub(crate) group: Option<(yatt_roles::UniqueId, Vec<ActorId>)>,
 }
 
 /// One data-parallel head: its shard and the roles it drives.
@@ -42,8 +52,12 @@ pub struct Controller {
     pub(crate) last_sync_bytes: u64,
     /// Rollouts the last weight sync reached through CUDA IPC.
     pub(crate) last_sync_ipc: usize,
+    /// Rollouts the last weight sync reached by NCCL broadcast.
+    pub(crate) last_sync_nccl: usize,
     /// What weight sync has learnt about CUDA IPC (`rollout.weight_sync`).
     pub(crate) ipc: std::sync::Mutex<IpcRoute>,
+    /// What weight sync has learnt about NCCL.
+    pub(crate) nccl: std::sync::Mutex<NcclRoute>,
     /// Its policy replica averages gradients in a ring with the other heads' replicas
     /// ([`join_policy_ring`]).
     pub(crate) in_policy_ring: bool,
@@ -149,7 +163,9 @@ impl Controller {
             weights_version: 0,
             last_sync_bytes: 0,
             last_sync_ipc: 0,
+            last_sync_nccl: 0,
             ipc: Default::default(),
+            nccl: Default::default(),
             in_policy_ring: false,
             peer_policies: Vec::new(),
             update_committed: None,

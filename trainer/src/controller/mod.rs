@@ -17,3 +17,4 @@ pub(crate) mod stages;
 pub(crate) mod time_share;
 pub(crate) mod weights;
 pub(crate) mod weights_ipc;
+pub(crate) mod weights_nccl;

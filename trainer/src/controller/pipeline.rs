@@ -56,6 +56,7 @@ impl Controller {
             lost: pushed.lost,
             bytes: pushed.bytes,
             via_ipc: pushed.via_ipc,
+            via_nccl: pushed.via_nccl,
             seconds: t.elapsed().as_secs_f64(),
         }))
     }

@@ -26,6 +26,7 @@ pub(crate) struct Synced {
     pub(crate) lost: Vec<yatt_runtime::ActorId>,
     pub(crate) bytes: u64,
     pub(crate) via_ipc: usize,
+    pub(crate) via_nccl: usize,
     pub(crate) seconds: f64,
 }
 
@@ -64,7 +65,7 @@ impl Controller {
     /// ledger of their own (the batch may train in a later step than it generates in).
     pub(crate) async fn gen_batch(&self, step: u64) -> Result<GenBatch, ControllerError> {
         let cfg = &self.config;
-        self.check_forced_ipc().await?;
+        self.check_forced_route().await?;
         let mut metrics = StepMetrics {
             step,
             values: BTreeMap::new(),
@@ -482,12 +483,14 @@ impl Controller {
                 lost,
                 bytes,
                 via_ipc,
+                via_nccl,
                 seconds,
             }) => {
                 self.lost_rollouts.extend(lost);
                 self.weights_version = version;
                 self.last_sync_bytes = bytes;
                 self.last_sync_ipc = via_ipc;
+                self.last_sync_nccl = via_nccl;
                 m.set(names::WEIGHT_SYNC_S, seconds);
                 version
             }
@@ -500,6 +503,7 @@ impl Controller {
         };
         m.set(names::WEIGHT_SYNC_BYTES, self.last_sync_bytes as f64);
         m.set(names::WEIGHT_SYNC_CUDA_IPC, self.last_sync_ipc as f64);
+        m.set(names::WEIGHT_SYNC_NCCL, self.last_sync_nccl as f64);
 
         let ledger = ledger.close().map_err(self.ledger_err())?;
         let wall = t_step.elapsed().as_secs_f64();

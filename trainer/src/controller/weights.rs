@@ -22,6 +22,8 @@ pub(crate) struct Pushed {
     pub(crate) bytes: u64,
     /// Rollouts that took the weights through CUDA IPC.
     pub(crate) via_ipc: usize,
+    /// Rollouts that took them by NCCL broadcast.
+    pub(crate) via_nccl: usize,
 }
 
 /// A rollout's failed load, sorted.
@@ -41,6 +43,7 @@ impl Controller {
         self.weights_version = pushed.version;
         self.last_sync_bytes = pushed.bytes;
         self.last_sync_ipc = pushed.via_ipc;
+        self.last_sync_nccl = pushed.via_nccl;
         Ok(pushed.version)
     }
 
@@ -56,16 +59,27 @@ impl Controller {
             true => None,
             false => self.push_through_ipc(&live, t, &mut lost).await?,
         };
-        let (via_ipc, by_bytes) = match &ipc {
+        let (via_ipc, by_device) = match &ipc {
             Some(p) => (p.loaded, p.left.clone()),
             None => (0, live),
         };
-        if let (Some(p), true) = (&ipc, by_bytes.is_empty()) {
+        // Then an NCCL broadcast to the rest, where it can be used.
+        let nccl = match in_process {
+            true => None,
+            false => self.push_through_nccl(&by_device, t, &mut lost).await?,
+        };
+        let (via_nccl, by_bytes) = match &nccl {
+            Some(p) => (p.loaded, p.left.clone()),
+            None => (0, by_device),
+        };
+        let done = ipc.as_ref().or(nccl.as_ref());
+        if let (Some(p), true) = (done, by_bytes.is_empty()) {
             return Ok(Pushed {
                 version: p.version,
                 lost,
                 bytes: p.bytes,
                 via_ipc,
+                via_nccl,
             });
         }
         let update = match self.export_from_a_replica(in_process, t).await? {
@@ -105,6 +119,7 @@ impl Controller {
             lost,
             bytes,
             via_ipc,
+            via_nccl,
         })
     }
 

@@ -19,11 +19,11 @@ use crate::controller::weights::Settled;
 const FALLBACK: &str =
     "CUDA IPC unavailable, so the weights go to other processes as byte buckets over QUIC";
 
-/// What a sync through IPC did.
-pub(crate) struct IpcPushed {
+/// What a sync through IPC (or NCCL) did.
+pub(crate) struct DevicePushed {
     pub(crate) version: u64,
     pub(crate) bytes: u64,
-    /// Rollouts that took the weights through IPC.
+    /// Rollouts that took the weights by this route.
     pub(crate) loaded: usize,
     /// Rollouts still to be sent buckets (refused, or never tried).
     pub(crate) left: Vec<RolloutRef>,
@@ -34,14 +34,19 @@ impl Controller {
         self.ipc.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// With `rollout.weight_sync = "cuda_ipc"`, one sync through IPC before the first
-    /// generation, so that a job where IPC cannot work (weights on the CPU, a rollout on
-    /// another host) fails at once with the reason, not after a whole step. The
-    /// rollouts load the weights they already hold. Lost rollouts are left to the
-    /// step's own sync. Under time sharing the policy is off the device during
-    /// generation, so there the first sync (after the update) is where IPC is tried.
-    pub(crate) async fn check_forced_ipc(&self) -> Result<(), ControllerError> {
-        if self.config.weight_sync != WeightSync::CudaIpc
+    /// With `rollout.weight_sync = "cuda_ipc"` or `"nccl"`, one sync by that route
+    /// before the first generation, so that a job where it cannot work (weights on the
+    /// CPU, a rollout on another host, no NCCL) fails at once with the reason, not after
+    /// a whole step. The rollouts load the weights they already hold. Lost rollouts are
+    /// left to the step's own sync. Under time sharing the policy is off the device
+    /// during generation, so there the first sync (after the update) is where the route
+    /// is tried.
+    pub(crate) async fn check_forced_route(&self) -> Result<(), ControllerError> {
+        let forced = matches!(
+            self.config.weight_sync,
+            WeightSync::CudaIpc | WeightSync::Nccl
+        );
+        if !forced
             || self.config.time_share.is_some()
             || std::mem::replace(&mut self.ipc_route().checked, true)
         {
@@ -51,11 +56,12 @@ impl Controller {
         if in_process {
             return Ok(());
         }
-        let mut lost = Vec::new();
-        match self
-            .push_through_ipc(&live, self.config.timeouts.sync, &mut lost)
-            .await
-        {
+        let (t, mut lost) = (self.config.timeouts.sync, Vec::new());
+        let tried = match self.config.weight_sync {
+            WeightSync::Nccl => self.push_through_nccl(&live, t, &mut lost).await,
+            _ => self.push_through_ipc(&live, t, &mut lost).await,
+        };
+        match tried {
             Err(ControllerError::Config(why)) => Err(ControllerError::Config(format!(
                 "{why} (found by a sync before the first step)"
             ))),
@@ -71,13 +77,13 @@ impl Controller {
         live: &[RolloutRef],
         t: Duration,
         lost: &mut Vec<ActorId>,
-    ) -> Result<Option<IpcPushed>, ControllerError> {
+    ) -> Result<Option<DevicePushed>, ControllerError> {
         let mode = self.config.weight_sync;
         let (off, refused) = {
             let route = self.ipc_route();
             (route.off, route.refused.clone())
         };
-        if mode == WeightSync::Quic || off {
+        if matches!(mode, WeightSync::Quic | WeightSync::Nccl) || off {
             return Ok(None);
         }
         let (targets, mut left): (Vec<RolloutRef>, Vec<RolloutRef>) = live
@@ -131,7 +137,7 @@ impl Controller {
                 },
             }
         }
-        Ok(Some(IpcPushed {
+        Ok(Some(DevicePushed {
             version,
             bytes,
             loaded,
@@ -140,7 +146,7 @@ impl Controller {
     }
 }
 
-fn variant_of(r: &PolicyResponse) -> String {
+pub(crate) fn variant_of(r: &PolicyResponse) -> String {
     let s = format!("{r:?}");
     s.split(['(', ' ', '{'])
         .next()

@@ -47,6 +47,9 @@ use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::{response_mask, token_matrix, Sample, SampleId, TokenField};
 
 mod export;
+mod state;
+
+pub use state::TrainerState;
 
 /// KL loss against the reference policy (GRPO: k3, coefficient 0.001).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -161,6 +164,17 @@ pub enum PolicyRequest {
     /// they map through CUDA IPC. Answered with [`PolicyResponse::DeviceWeightsUnavailable`]
     /// where that cannot be (weights on the CPU, no CUDA driver).
     ExportDeviceWeights,
+    /// Pack the weights for an NCCL broadcast to other hosts' rollouts. `group`: the
+    /// group the asking controller broadcast to last, reused unless `fresh` (its
+    /// members changed: the policy drops it and makes another). Answered with the
+    /// packed table and the group (this policy rank 0), or
+    /// [`PolicyResponse::DeviceWeightsUnavailable`].
+    StageBroadcast {
+        group: Option<yatt_collective::UniqueId>,
+        fresh: bool,
+    },
+    /// Broadcast the staged weights as rank 0 of the group, while its members receive.
+    Broadcast(crate::role::BroadcastGroup),
     /// Save a checkpoint to this directory.
     SaveCheckpoint(PathBuf),
     /// Data parallelism over replicas: this replica's ring inbox, for the ring's spec.
@@ -175,44 +189,6 @@ pub enum PolicyRequest {
     ExportState,
     /// Replace the trainer with this state (another replica's [`PolicyRequest::ExportState`]).
     ImportState(TrainerState),
-}
-
-/// A policy replica's whole training state: the files of an exact-resume checkpoint
-/// (weights, AdamW moments and master weights, step and settings). Bytes rather than a
-/// path, because the replica that takes it may run on a node without the same disk.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TrainerState {
-    /// `(file name, contents)`, names without directories, sorted by name.
-    pub files: Vec<(String, bytes::Bytes)>,
-}
-
-impl TrainerState {
-    /// Bytes in all.
-    pub fn len_bytes(&self) -> u64 {
-        self.files.iter().map(|(_, b)| b.len() as u64).sum()
-    }
-
-    /// Checks the file names are plain names, each once (they become paths on import).
-    pub fn check(&self) -> Result<(), RoleError> {
-        let mut seen = std::collections::BTreeSet::new();
-        for (name, _) in &self.files {
-            let plain = !name.is_empty()
-                && name != "."
-                && name != ".."
-                && !name.contains(['/', '\\', '\0']);
-            if !plain || !seen.insert(name.as_str()) {
-                return Err(RoleError::BadRequest(format!(
-                    "a trainer state holds plain file names, each once; got {name:?} (send what ExportState answered)"
-                )));
-            }
-        }
-        if self.files.is_empty() {
-            return Err(RoleError::BadRequest(
-                "an empty trainer state (send what ExportState answered)".into(),
-            ));
-        }
-        Ok(())
-    }
 }
 
 /// What one train request did (means over micro-batches, sums where noted).
@@ -288,6 +264,8 @@ pub enum PolicyResponse {
     /// [`PolicyRequest::ExportDeviceWeights`] cannot be served here, and why: send the
     /// weights as buckets instead.
     DeviceWeightsUnavailable(String),
+    /// [`PolicyRequest::Broadcast`] reached every member.
+    Sent,
 }
 
 /// One controller's gradients for a data-parallel step.
@@ -307,8 +285,13 @@ pub struct PolicyRole {
     ring: Option<RingMember>,
     /// Checkpoints go only under this directory (a node's data directory).
     write_root: Option<PathBuf>,
-    /// The device buffers exported for CUDA IPC weight sync.
+    /// The weights packed for CUDA IPC or NCCL weight sync.
     staging: Staging,
+    /// Rank 0 of each NCCL weight-sync group it made (one per controller that syncs).
+    groups: std::collections::HashMap<
+        yatt_collective::UniqueId,
+        crate::builtin::weight_broadcast::BroadcastMember,
+    >,
 }
 
 struct Micro {
@@ -476,6 +459,7 @@ impl PolicyRole {
             ring: None,
             write_root: None,
             staging: Staging::default(),
+            groups: Default::default(),
         })
     }
 
@@ -739,80 +723,6 @@ impl PolicyRole {
     }
 }
 
-impl PolicyRole {
-    /// Writes a checkpoint to a scratch directory and reads it back as bytes: the
-    /// checkpoint format is already exact for resume, so the hand-off reuses it.
-    fn export_state(&mut self) -> Result<TrainerState, RoleError> {
-        let failed = state_error("exporting");
-        let dir = scratch_dir(&failed)?;
-        self.trainer
-            .save_checkpoint(dir.path(), None)
-            .map_err(|e| failed("the checkpoint", &e))?;
-        let mut files = Vec::new();
-        let entries = std::fs::read_dir(dir.path()).map_err(|e| failed("listing it", &e))?;
-        for entry in entries {
-            let entry = entry.map_err(|e| failed("listing it", &e))?;
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let path = entry.path();
-            if !path.is_file() {
-                return Err(failed(&name, &"not a plain file"));
-            }
-            let data = std::fs::read(&path).map_err(|e| failed(&name, &e))?;
-            files.push((name, bytes::Bytes::from(data)));
-        }
-        files.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(TrainerState { files })
-    }
-
-    /// Takes another replica's state: the weights, the optimizer and the step (the ring
-    /// membership and the role's settings stay this replica's).
-    fn import_state(&mut self, state: TrainerState) -> Result<(), RoleError> {
-        state.check()?;
-        let failed = state_error("importing");
-        let dir = scratch_dir(&failed)?;
-        for (name, data) in &state.files {
-            std::fs::write(dir.path().join(name), data).map_err(|e| failed(name, &e))?;
-        }
-        let device = self.trainer.model.device();
-        let mut trainer = Trainer::load_checkpoint(dir.path(), device, Kind::Float)
-            .map_err(|e| RoleError::BadRequest(format!("importing the trainer state: {e}")))?;
-        // The replicas of a job train one model: a state of another shape would only
-        // fail later, in the middle of a gradient all-reduce.
-        let shapes = |t: &mut Trainer| -> Vec<(String, Vec<i64>)> {
-            t.model
-                .parameters_mut()
-                .into_iter()
-                .map(|(n, p)| (n, p.size()))
-                .collect()
-        };
-        let (mine, theirs) = (shapes(&mut self.trainer), shapes(&mut trainer));
-        if mine != theirs {
-            return Err(RoleError::BadRequest(format!(
-                "importing the trainer state: it holds a model of {} parameter tensors, this replica's has {}; export it from a replica of the same job",
-                theirs.len(),
-                mine.len()
-            )));
-        }
-        self.trainer = trainer;
-        Ok(())
-    }
-}
-
-/// How the state hand-off reports a failed step of `doing` (exporting, importing).
-fn state_error(doing: &'static str) -> impl Fn(&str, &dyn std::fmt::Display) -> RoleError {
-    move |what, e| RoleError::Failed(format!("{doing} the trainer state: {what}: {e}"))
-}
-
-/// A scratch directory for a checkpoint in transit (removed when dropped).
-fn scratch_dir(
-    failed: &impl Fn(&str, &dyn std::fmt::Display) -> RoleError,
-) -> Result<tempfile::TempDir, RoleError> {
-    tempfile::Builder::new()
-        .prefix("yatt-policy-state-")
-        .tempdir()
-        .map_err(|e| failed("a scratch directory", &e))
-}
-
 fn no_ring() -> RoleError {
     RoleError::BadRequest(
         "this policy was started without a ring member: only replicas of a data-parallel policy (job.policy_replicas > 1) have one".into(),
@@ -895,6 +805,10 @@ impl Role for PolicyRole {
             }
             PolicyRequest::ExportLocalWeights => Ok(PolicyResponse::Weights(self.export_local())),
             PolicyRequest::ExportDeviceWeights => Ok(self.export_device()),
+            PolicyRequest::StageBroadcast { group, fresh } => {
+                Ok(self.stage_broadcast(group, fresh))
+            }
+            PolicyRequest::Broadcast(group) => self.send_broadcast(group),
             PolicyRequest::TrainAllReduce(samples) => {
                 self.train_all_reduce(samples).map(PolicyResponse::Trained)
             }
