@@ -287,6 +287,13 @@ impl Trainer {
     /// Every parameter's gradient as `f32`, one after the other in parameter order
     /// (zeros where a parameter has none): the buffer a ring all-reduce averages.
     pub fn flat_grads(&mut self) -> Result<Vec<f32>> {
+        let flat = self.flat_grads_on(Device::Cpu)?;
+        Ok(Vec::<f32>::try_from(&flat)?)
+    }
+
+    /// [`Trainer::flat_grads`] as one f32 tensor on `device` (a GPU all-reduce's
+    /// buffer: no trip through the host).
+    pub fn flat_grads_on(&mut self, device: Device) -> Result<Tensor> {
         self.check_resident()?;
         let parts: Vec<Tensor> = self
             .model
@@ -295,34 +302,40 @@ impl Trainer {
             .map(|(_, p)| {
                 let g = p.grad();
                 if g.defined() {
-                    g.to_kind(Kind::Float).to_device(Device::Cpu).flatten(0, -1)
+                    g.to_kind(Kind::Float).to_device(device).flatten(0, -1)
                 } else {
-                    Tensor::zeros([p.numel() as i64], (Kind::Float, Device::Cpu))
+                    Tensor::zeros([p.numel() as i64], (Kind::Float, device))
                 }
             })
             .collect();
-        let flat = Tensor::cat(&parts, 0);
-        Ok(Vec::<f32>::try_from(&flat)?)
+        Ok(Tensor::cat(&parts, 0))
     }
 
     /// Replaces every gradient with its part of `flat` (laid out as
     /// [`Trainer::flat_grads`] gives it).
     pub fn set_flat_grads(&mut self, flat: &[f32]) -> Result<()> {
+        self.set_flat_grads_from(&Tensor::from_slice(flat))
+    }
+
+    /// [`Trainer::set_flat_grads`] from a 1-D tensor on any device.
+    pub fn set_flat_grads_from(&mut self, flat: &Tensor) -> Result<()> {
         self.check_resident()?;
         self.materialise_grads()?;
         let params = self.model.parameters_mut();
         let want: usize = params.iter().map(|(_, p)| p.numel()).sum();
-        if flat.len() != want {
+        let got = flat.numel();
+        if flat.dim() != 1 || got != want {
             return Err(EngineError::InvalidArgument(format!(
-                "{} gradient values for {want} parameters",
-                flat.len()
+                "{got} gradient values for {want} parameters (shape {:?}; one flat tensor expected)",
+                flat.size()
             )));
         }
         let mut at = 0;
         tch::no_grad(|| {
             for (_, p) in params {
-                let n = p.numel();
-                let g = Tensor::from_slice(&flat[at..at + n])
+                let n = p.numel() as i64;
+                let g = flat
+                    .narrow(0, at, n)
                     .view(p.size().as_slice())
                     .to_device(p.device())
                     .to_kind(p.kind());
@@ -333,10 +346,6 @@ impl Trainer {
         Ok(())
     }
 
-    /// Gives every parameter that has no gradient tensor yet (no backward pass reached
-    /// it: say, every sample of this replica's shard had zero advantage) a zero one, so
-    /// all-reduced gradients can be copied in. A zero backward does it, and that needs
-    /// autograd: never call this inside `no_grad`.
     fn materialise_grads(&mut self) -> Result<()> {
         let missing: Vec<Tensor> = self
             .model

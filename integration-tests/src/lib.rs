@@ -570,11 +570,11 @@ impl Cluster {
         if dev {
             cmd.arg("--dev").arg("--certs").arg(self.ca_dir());
         }
-        // Warnings, and which path weight sync took (an info line, once a job).
+        // Warnings, and which path weight sync and gradients took (an info line each).
         let child = cmd
             .env(
                 "RUST_LOG",
-                "warn,yatt_trainer::controller::weights_ipc=info,yatt_trainer::controller::weights_nccl=info",
+                "warn,yatt_trainer::controller::weights_ipc=info,yatt_trainer::controller::weights_nccl=info,yatt_trainer::controller::data_parallel=info",
             )
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&stdout).expect("train log"))

@@ -5,9 +5,12 @@
 //! CPU machine it checks the fallbacks and their reasons, on a GPU machine (the GPU
 //! check sets `YATT_REQUIRE_CUDA=1`) that every sync went the way asked.
 //!
+//! The same for the gradients of two policy replicas on the two nodes
+//! (`job.gradient_sync`): an NCCL all-reduce on a GPU machine, the QUIC ring otherwise.
+//!
 //! NCCL refuses two ranks on one GPU of one host, so each node claims a host of its
-//! own (`NCCL_HOSTID`) and the broadcast runs over NCCL's socket transport on loopback,
-//! as it would between two hosts.
+//! own (`NCCL_HOSTID`) and NCCL runs over its socket transport on loopback, as it would
+//! between two hosts.
 
 use std::path::Path;
 use std::time::Duration;
@@ -167,5 +170,80 @@ fn weights_go_through_cuda_ipc_or_nccl_on_a_gpu_host_and_as_bytes_otherwise_sayi
         assert!(!ok, "nccl ran without a GPU:\n{printed}");
         refused_before_the_first_step(nccl.path(), &printed, "rollout.weight_sync = \"nccl\"");
         assert!(printed.contains("NCCL unavailable"), "{printed}");
+    }
+}
+
+fn train_replicated(cluster: &Cluster, out: &Path, mode: &str) -> (bool, String) {
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
+    let mode = format!("job.gradient_sync=\"{mode}\"");
+    let steps = format!("job.steps={STEPS}");
+    cluster.try_yatt_train(
+        config,
+        &[
+            &steps,
+            &mode,
+            "job.controllers=2",
+            "job.policy_replicas=2",
+            "data.prompts_per_step=4",
+            "placement.mode=disaggregated",
+            "placement.rollout=ws-0",
+            "placement.reward=ws-0",
+            "placement.reference=ws-0",
+            "placement.policy=[\"ws-0\", \"ws-1\"]",
+        ],
+        out,
+        Duration::from_secs(90),
+    )
+}
+
+#[test]
+fn replicas_average_gradients_through_nccl_on_a_gpu_and_over_the_ring_otherwise_saying_why() {
+    const RING_FALLBACK: &str = "gradient all-reduce: NCCL unavailable";
+    let gpu = on_gpu();
+    let cluster = Cluster::start_with_env("ws", &[&[], &[]], &NCCL_ENV);
+
+    let auto = tempfile::tempdir().unwrap();
+    let (ok, printed) = train_replicated(&cluster, auto.path(), "auto");
+    assert!(ok, "auto failed:\n{printed}");
+    let counts = counts_of(auto.path(), "perf/grad_allreduce_nccl");
+    assert_eq!(counts.len(), STEPS, "{counts:?}");
+    let want = if gpu { 1.0 } else { 0.0 };
+    assert!(counts.iter().all(|&n| n == want), "{counts:?}\n{printed}");
+    match gpu {
+        true => assert!(!printed.contains(RING_FALLBACK), "{printed}"),
+        false => {
+            assert_eq!(printed.matches(RING_FALLBACK).count(), 1, "{printed}");
+            assert!(
+                printed.contains("the policy's weights are on the CPU"),
+                "{printed}"
+            );
+        }
+    }
+
+    // quic: the ring, without a word about NCCL.
+    let quic = tempfile::tempdir().unwrap();
+    let (ok, printed) = train_replicated(&cluster, quic.path(), "quic");
+    assert!(ok, "quic failed:\n{printed}");
+    let counts = counts_of(quic.path(), "perf/grad_allreduce_nccl");
+    assert!(counts.iter().all(|&n| n == 0.0), "{counts:?}");
+    assert!(!printed.contains(RING_FALLBACK), "{printed}");
+
+    // nccl: NCCL every step, or refused before the first step naming the key and why.
+    let nccl = tempfile::tempdir().unwrap();
+    let (ok, printed) = train_replicated(&cluster, nccl.path(), "nccl");
+    if gpu {
+        assert!(ok, "nccl failed on a GPU:\n{printed}");
+        let counts = counts_of(nccl.path(), "perf/grad_allreduce_nccl");
+        assert!(counts.iter().all(|&n| n == 1.0), "{counts:?}\n{printed}");
+    } else {
+        assert!(!ok, "nccl ran without a GPU:\n{printed}");
+        let rows = std::fs::read_to_string(nccl.path().join("metrics.jsonl")).unwrap_or_default();
+        assert_eq!(rows.lines().count(), 0, "a step ran:\n{printed}");
+        assert!(
+            printed.contains("job.gradient_sync = \"nccl\"")
+                && printed.contains("the policy's weights are on the CPU")
+                && printed.contains("\"auto\""),
+            "{printed}"
+        );
     }
 }

@@ -35,7 +35,7 @@ mod wire;
 
 // The SDK: what every role touches.
 pub use role::{
-    BroadcastGroup, DeviceGroup, DeviceRoute, DeviceWeights, LocalWeights, ResourceProfile, Role,
+    DeviceGroup, DeviceRoute, DeviceWeights, LocalWeights, NcclGroup, ResourceProfile, Role,
     RoleActor, RoleError, RoleRequest, RoleResponse, WeightsUpdate,
 };
 pub use sample::{
@@ -84,7 +84,7 @@ pub use data::{
     GrowingLength, LengthSchedule, LoaderState, Prompt, SyntheticTask, SyntheticTaskKind,
     DEFAULT_GROUND_TRUTH_KEY, DEFAULT_PROMPT_KEY,
 };
-/// An NCCL group's id, as [`BroadcastGroup`] and [`PolicyRequest::StageBroadcast`] carry it.
+/// An NCCL group's id, as [`NcclGroup`] and [`PolicyRequest::StageBroadcast`] carry it.
 pub use yatt_collective::UniqueId;
 /// A chat message (`role`, `content`): a chat prompt's turns.
 pub use yatt_engine::ChatMessage;

@@ -194,27 +194,28 @@ pub enum DeviceRoute {
     Ipc(yatt_collective::IpcHandle),
     /// The policy broadcasts the buffer through NCCL (rank 0) to every rank of the
     /// group, which receive it into a buffer of their own.
-    Broadcast(BroadcastGroup),
+    Broadcast(NcclGroup),
 }
 
-/// A weight-sync NCCL group: the policy is rank 0, the receivers the other ranks. A
+/// An NCCL group as one member sees it: for weight sync the policy is rank 0 and the
+/// receivers the other ranks; for gradients, the policy replicas in ring order. A
 /// member keeps its communicator while the id stays the same.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BroadcastGroup {
-    /// The group's NCCL unique id (made in the policy's process).
+pub struct NcclGroup {
+    /// The group's NCCL unique id (made in rank 0's process).
     pub id: yatt_collective::UniqueId,
-    /// This member's rank (0: the policy).
+    /// This member's rank.
     pub rank: u32,
     /// Members in all.
     pub nranks: u32,
-    /// Deadline of the group's init and of each bucket's broadcast, milliseconds: on
-    /// expiry the communicator is aborted and the sync fails naming the operation.
+    /// Deadline of the group's init and of each operation, milliseconds: on expiry the
+    /// communicator is aborted and the call fails naming the operation.
     pub deadline_ms: u64,
-    /// Bytes broadcast per NCCL call.
+    /// Bytes broadcast per NCCL call (weight sync).
     pub bucket_bytes: u64,
 }
 
-impl BroadcastGroup {
+impl NcclGroup {
     /// The group's deadline per operation.
     pub fn deadline(&self) -> std::time::Duration {
         std::time::Duration::from_millis(self.deadline_ms)

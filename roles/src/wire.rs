@@ -32,7 +32,7 @@ use yatt_runtime::{Message, Wire, WireError};
 
 use crate::builtin::policy::{GradShard, PolicyRequest, PolicyResponse, TrainReport, TrainerState};
 use crate::role::{
-    BroadcastGroup, DeviceRoute, ResourceProfile, RoleRequest, RoleResponse, WeightsUpdate,
+    DeviceRoute, NcclGroup, ResourceProfile, RoleRequest, RoleResponse, WeightsUpdate,
 };
 use crate::sample::Sample;
 
@@ -102,7 +102,11 @@ enum PolicyRequestHead {
         group: Option<UniqueId>,
         fresh: bool,
     },
-    Broadcast(BroadcastGroup),
+    Broadcast(NcclGroup),
+    GradientGroup {
+        make_id: bool,
+    },
+    JoinGradientGroup(Option<NcclGroup>),
 }
 
 #[derive(Serialize, Deserialize)]
@@ -130,6 +134,8 @@ enum PolicyResponseHead {
     },
     DeviceWeightsUnavailable(String),
     Sent,
+    GradientGroup(Option<UniqueId>),
+    NcclUnavailable(String),
 }
 
 fn encode_err<T>(reason: impl ToString) -> WireError {
@@ -491,6 +497,10 @@ impl Message for PolicyRequest {
                 (PolicyRequestHead::StageBroadcast { group, fresh }, None)
             }
             PolicyRequest::Broadcast(g) => (PolicyRequestHead::Broadcast(g), None),
+            PolicyRequest::GradientGroup { make_id } => {
+                (PolicyRequestHead::GradientGroup { make_id }, None)
+            }
+            PolicyRequest::JoinGradientGroup(g) => (PolicyRequestHead::JoinGradientGroup(g), None),
             PolicyRequest::ImportState(state) => {
                 let (names, bulk) = pack_state::<Self>(state)?;
                 (PolicyRequestHead::ImportState(names), bulk)
@@ -528,6 +538,10 @@ impl Message for PolicyRequest {
                 PolicyRequest::StageBroadcast { group, fresh }
             }
             PolicyRequestHead::Broadcast(g) => PolicyRequest::Broadcast(g),
+            PolicyRequestHead::GradientGroup { make_id } => {
+                PolicyRequest::GradientGroup { make_id }
+            }
+            PolicyRequestHead::JoinGradientGroup(g) => PolicyRequest::JoinGradientGroup(g),
             PolicyRequestHead::ImportState(names) => {
                 PolicyRequest::ImportState(unpack_state::<Self>(names, wire.bulk.as_ref())?)
             }
@@ -562,6 +576,10 @@ impl Message for PolicyResponse {
             PolicyResponse::Joined => (PolicyResponseHead::Joined, None),
             PolicyResponse::Imported => (PolicyResponseHead::Imported, None),
             PolicyResponse::Sent => (PolicyResponseHead::Sent, None),
+            PolicyResponse::GradientGroup(id) => (PolicyResponseHead::GradientGroup(id), None),
+            PolicyResponse::NcclUnavailable(why) => {
+                (PolicyResponseHead::NcclUnavailable(why), None)
+            }
             PolicyResponse::DeviceWeightsUnavailable(why) => {
                 (PolicyResponseHead::DeviceWeightsUnavailable(why), None)
             }
@@ -624,6 +642,8 @@ impl Message for PolicyResponse {
             PolicyResponseHead::Joined => PolicyResponse::Joined,
             PolicyResponseHead::Imported => PolicyResponse::Imported,
             PolicyResponseHead::Sent => PolicyResponse::Sent,
+            PolicyResponseHead::GradientGroup(id) => PolicyResponse::GradientGroup(id),
+            PolicyResponseHead::NcclUnavailable(why) => PolicyResponse::NcclUnavailable(why),
             PolicyResponseHead::DeviceWeightsUnavailable(why) => {
                 PolicyResponse::DeviceWeightsUnavailable(why)
             }
@@ -719,7 +739,7 @@ mod tests {
             "host": "boot", "pid": 77, "ptr": 0x7f00_0000u64,
         }))
         .unwrap();
-        let group = BroadcastGroup {
+        let group = NcclGroup {
             id: yatt_collective::UniqueId::from_bytes([3; yatt_collective::UNIQUE_ID_BYTES]),
             rank: 2,
             nranks: 3,
@@ -769,6 +789,22 @@ mod tests {
         assert!(matches!(back, PolicyRequest::Broadcast(g) if g == group));
         let (back, _) = round_trip(PolicyResponse::Sent);
         assert!(matches!(back, PolicyResponse::Sent));
+        // The gradient group's set-up.
+        for make_id in [false, true] {
+            let (back, _) = round_trip(PolicyRequest::GradientGroup { make_id });
+            assert!(matches!(back, PolicyRequest::GradientGroup { make_id: m } if m == make_id));
+        }
+        for g in [None, Some(group)] {
+            let (back, _) = round_trip(PolicyRequest::JoinGradientGroup(g));
+            assert!(matches!(back, PolicyRequest::JoinGradientGroup(b) if b == g));
+        }
+        for id in [None, Some(group.id)] {
+            let (back, _) = round_trip(PolicyResponse::GradientGroup(id));
+            assert!(matches!(back, PolicyResponse::GradientGroup(b) if b == id));
+        }
+        let why = "NCCL unavailable: the policy's weights are on the CPU".to_string();
+        let (back, _) = round_trip(PolicyResponse::NcclUnavailable(why.clone()));
+        assert!(matches!(back, PolicyResponse::NcclUnavailable(w) if w == why));
         let why = "CUDA IPC unavailable: the policy's weights are on the CPU".to_string();
         let (back, _) = round_trip(PolicyResponse::DeviceWeightsUnavailable(why.clone()));
         assert!(matches!(back, PolicyResponse::DeviceWeightsUnavailable(w) if w == why));

@@ -201,7 +201,9 @@ impl Role for FakePolicy {
             | PolicyRequest::JoinRing(_)
             | PolicyRequest::TrainAllReduce(_)
             | PolicyRequest::ExportState
-            | PolicyRequest::ImportState(_) => {
+            | PolicyRequest::ImportState(_)
+            | PolicyRequest::GradientGroup { .. }
+            | PolicyRequest::JoinGradientGroup(_) => {
                 return Err(RoleError::Unsupported {
                     role: "policy".into(),
                     operation: "policy replicas",

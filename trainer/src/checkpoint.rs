@@ -146,8 +146,9 @@ pub(crate) async fn save(controllers: &[Controller], dir: &Path) -> Result<(), J
 /// Keys of a job that do not change a run's trajectory: a resumed run may change them.
 /// `job.output_dir` is where the run is, not what it does (`--resume DIR` sets it).
 /// `rollout.cuda_graphs` changes how, not what, the rollout decodes (within rounding);
-/// `rollout.weight_sync` how, not what, the weights travel.
-const RESUMABLE_KEYS: [&str; 19] = [
+/// `rollout.weight_sync` how, not what, the weights travel; `job.gradient_sync` how the
+/// replicas average gradients (within rounding).
+const RESUMABLE_KEYS: [&str; 20] = [
     "timeouts.generate_s",
     "timeouts.score_s",
     "timeouts.train_s",
@@ -167,6 +168,7 @@ const RESUMABLE_KEYS: [&str; 19] = [
     "placement.nodes",
     "rollout.cuda_graphs",
     "rollout.weight_sync",
+    "job.gradient_sync",
 ];
 
 /// Refuses to resume `job` in `dir` when the run there (its `job.toml`) differs from

@@ -63,8 +63,8 @@ pub use controller::extra_stages::{ExtraStage, StageAt};
 
 // Controllers and the ledger.
 pub use controller::config::{
-    ControllerConfig, DynamicSamplingConfig, KlPenalty, OverlongConfig, PartialRolloutConfig,
-    TimeShareConfig, Timeouts, WeightSync,
+    ControllerConfig, DynamicSamplingConfig, GradientSync, KlPenalty, OverlongConfig,
+    PartialRolloutConfig, TimeShareConfig, Timeouts, WeightSync,
 };
 pub use controller::core::Controller;
 pub use controller::data_parallel::{join_policy_ring, step_data_parallel};

@@ -8,7 +8,7 @@
 //! byte buckets instead and logs the reason.
 //!
 //! The same packed buffer is what an NCCL broadcast sends to other hosts
-//! (`weight_broadcast.rs`).
+//! (`nccl_member.rs`).
 
 use tch::{Device, Kind, Tensor};
 use yatt_collective::{export_ipc, ipc_availability, IpcError, IpcMapping};

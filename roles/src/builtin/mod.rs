@@ -22,13 +22,13 @@ mod device_weights;
 mod fault;
 pub mod growing_reward;
 pub mod judge_model;
+mod nccl_member;
 pub mod policy;
 pub mod reference;
 pub mod reward;
 pub mod reward_model;
 pub mod rollout;
 pub(crate) mod scoring;
-mod weight_broadcast;
 mod write_root;
 pub use growing_reward::GrowingLengthReward;
 

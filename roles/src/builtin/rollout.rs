@@ -17,8 +17,8 @@ use yatt_engine::{Generator, Request, SamplingParams, Tokenizer};
 mod multi_turn;
 
 use crate::algo::step_token_ends;
+use crate::builtin::nccl_member::GroupMember;
 use crate::builtin::scoring::{bucket_tensors, check_device, model_bytes, weights_error};
-use crate::builtin::weight_broadcast::BroadcastMember;
 use crate::data::prompt::Prompt;
 use crate::env::EnvSettings;
 use crate::role::{DeviceGroup, DeviceRoute, ResourceProfile, Role, RoleError, WeightsUpdate};
@@ -309,7 +309,7 @@ pub struct RolloutRole {
     /// steps end in tokens.
     step_delimiter: Option<String>,
     /// Its place in the policy's NCCL weight-sync group, once joined.
-    broadcast: BroadcastMember,
+    broadcast: GroupMember,
 }
 
 impl RolloutRole {
@@ -324,7 +324,7 @@ impl RolloutRole {
             deferred: Vec::new(),
             env: None,
             step_delimiter: None,
-            broadcast: BroadcastMember::default(),
+            broadcast: GroupMember::default(),
         }
     }
 
@@ -931,7 +931,7 @@ mod tests {
     /// wait for the group's deadline), naming the CPU and the setting to use.
     #[test]
     fn broadcast_weights_are_refused_on_the_cpu() {
-        let group = |rank| crate::role::BroadcastGroup {
+        let group = |rank| crate::role::NcclGroup {
             id: yatt_collective::UniqueId::from_bytes([7; yatt_collective::UNIQUE_ID_BYTES]),
             rank,
             nranks: 2,

@@ -74,6 +74,7 @@ pub(crate) fn controller_config(job: &JobConfig) -> ControllerConfig {
         },
         logprob_diff_warn: r.logprob_diff_warn,
         weight_sync: r.weight_sync,
+        gradient_sync: job.job.gradient_sync,
         time_share: match job.placement.time_share {
             TimeShare::Off => None,
             TimeShare::Offload => Some(TimeShareConfig {

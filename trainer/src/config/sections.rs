@@ -14,7 +14,7 @@ use crate::config::modes::{
 };
 use crate::config::placement::PlacementSection;
 use crate::config::user_roles::RolesSection;
-use crate::controller::config::WeightSync;
+use crate::controller::config::{GradientSync, WeightSync};
 use yatt_engine::{LoraConfig, LoraTarget};
 
 /// A training job, as read from TOML.
@@ -73,6 +73,9 @@ pub struct JobSection {
     /// Policy replicas: 1 (shared by every head) or `controllers` (one per head, their
     /// gradients all-reduced at each update).
     pub policy_replicas: usize,
+    /// How the replicas average gradients: `auto` (NCCL on GPUs, else the QUIC ring,
+    /// the reason logged), `quic`, `nccl`.
+    pub gradient_sync: GradientSync,
 }
 
 impl Default for JobSection {
@@ -86,6 +89,7 @@ impl Default for JobSection {
             driver: Driver::Parallel,
             placement: "colocate".into(),
             policy_replicas: 1,
+            gradient_sync: GradientSync::Auto,
         }
     }
 }

@@ -52,6 +52,25 @@ pub enum WeightSync {
     Nccl,
 }
 
+/// `job.gradient_sync`: how policy replicas average their gradients.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
+pub enum GradientSync {
+    /// An NCCL all-reduce where every replica's weights are on a GPU and NCCL loads;
+    /// the QUIC ring otherwise, the reason logged once. A failed all-reduce falls back
+    /// to the ring for the rest of the job, with a warning.
+    #[default]
+    #[serde(rename = "auto")]
+    Auto,
+    /// Always the QUIC ring.
+    #[serde(rename = "quic")]
+    Quic,
+    /// Always NCCL: a job where it cannot be used fails before the first step, naming why.
+    #[serde(rename = "nccl")]
+    Nccl,
+}
+
 impl WeightSync {
     /// The word the TOML uses.
     pub fn name(self) -> &'static str {
@@ -169,6 +188,8 @@ pub struct ControllerConfig {
     pub time_share: Option<TimeShareConfig>,
     /// How weights reach rollouts in other processes.
     pub weight_sync: WeightSync,
+    /// How policy replicas average their gradients.
+    pub gradient_sync: GradientSync,
 }
 
 impl Default for ControllerConfig {
@@ -193,6 +214,7 @@ impl Default for ControllerConfig {
             timeouts: Timeouts::default(),
             time_share: None,
             weight_sync: WeightSync::Auto,
+            gradient_sync: GradientSync::Auto,
         }
     }
 }

@@ -4,9 +4,10 @@
 use std::time::Instant;
 
 use yatt_metrics::names;
-use yatt_roles::{GradShard, PolicyRequest, PolicyResponse, SampleId, TrainReport};
+use yatt_roles::{GradShard, NcclGroup, PolicyRequest, PolicyResponse, SampleId, TrainReport};
 use yatt_runtime::RingSpec;
 
+use crate::controller::config::GradientSync;
 use crate::controller::core::Controller;
 use crate::controller::core::Prepared;
 use crate::controller::error::ControllerError;
@@ -310,6 +311,7 @@ pub(crate) async fn all_reduce_update(
         lr: first.lr,
         // The replicas work side by side: the update took as long as the slowest.
         seconds: trained.iter().map(|r| r.seconds).fold(0.0, f64::max),
+        nccl_all_reduce: trained.iter().all(|r| r.nccl_all_reduce),
         ..TrainReport::merge_heads(&reports)
     })
 }
@@ -355,6 +357,7 @@ pub async fn join_policy_ring(
         }
     });
     futures::future::try_join_all(joins).await?;
+    join_gradient_group(controllers).await?;
     let all: Vec<_> = controllers.iter().map(|c| c.roles.policy.clone()).collect();
     for (i, c) in controllers.iter_mut().enumerate() {
         c.in_policy_ring = true;
@@ -366,4 +369,65 @@ pub async fn join_policy_ring(
             .collect();
     }
     Ok(())
+}
+
+/// After the ring: the replicas' NCCL gradient group (`job.gradient_sync`), where every
+/// replica can use NCCL; otherwise they average over the ring, the reason logged. Asked
+/// again whenever the ring is rebuilt, so a replaced replica gets a new group.
+async fn join_gradient_group(controllers: &[Controller]) -> Result<(), ControllerError> {
+    const STAGE: &str = "join_policy_ring";
+    let Some(first) = controllers.first() else {
+        return Ok(());
+    };
+    let (mode, t) = (first.config.gradient_sync, first.config.timeouts.train);
+    let (mut id, mut unavailable) = (None, None);
+    if mode != GradientSync::Quic {
+        for (rank, c) in controllers.iter().enumerate() {
+            let ask = PolicyRequest::GradientGroup { make_id: rank == 0 };
+            match c.serve_policy(ask, STAGE, t).await? {
+                PolicyResponse::GradientGroup(made) if rank == 0 => id = made,
+                PolicyResponse::GradientGroup(_) => {}
+                PolicyResponse::NcclUnavailable(why) => {
+                    unavailable = Some(format!("replica {rank}: {why}"));
+                    break;
+                }
+                other => return Err(c.protocol("policy", "GradientGroup", format!("{other:?}"))),
+            }
+        }
+    }
+    let id = match (mode, id, unavailable) {
+        (GradientSync::Quic, ..) => None,
+        (_, Some(id), None) => Some(id),
+        (GradientSync::Nccl, _, why) => {
+            return Err(ControllerError::Config(format!(
+                "job.gradient_sync = \"nccl\", but the policy replicas cannot average gradients through NCCL: {}; set job.gradient_sync = \"auto\" (falls back to the QUIC ring) or \"quic\"",
+                why.unwrap_or_else(|| "replica 0 made no group id".into())
+            )))
+        }
+        (_, _, why) => {
+            let why = why.unwrap_or_else(|| "replica 0 made no group id".into());
+            tracing::info!(reason = %why, "gradient all-reduce: NCCL unavailable, so the policy replicas average gradients over the QUIC ring");
+            None
+        }
+    };
+    let nranks = controllers.len() as u32;
+    let joins = controllers.iter().enumerate().map(|(rank, c)| {
+        let group = id.map(|id| NcclGroup {
+            id,
+            rank: rank as u32,
+            nranks,
+            deadline_ms: c.config.timeouts.collective.as_millis() as u64,
+            bucket_bytes: 0,
+        });
+        async move {
+            match c
+                .serve_policy(PolicyRequest::JoinGradientGroup(group), STAGE, t)
+                .await?
+            {
+                PolicyResponse::Joined => Ok(()),
+                other => Err(c.protocol("policy", "JoinGradientGroup", format!("{other:?}"))),
+            }
+        }
+    });
+    futures::future::try_join_all(joins).await.map(drop)
 }

@@ -531,6 +531,12 @@ impl Controller {
         m.set(names::ENTROPY, train.entropy);
         m.set(names::PG_CLIPFRAC, train.pg_clipfrac);
         m.set(names::GRAD_NORM, train.grad_norm);
+        if self.in_policy_ring {
+            m.set(
+                names::GRAD_ALLREDUCE_NCCL,
+                train.nccl_all_reduce as u8 as f64,
+            );
+        }
         m.set(names::PG_LOSS, train.loss);
         m.set(names::PPO_KL, train.approx_kl);
         m.set(names::LR, train.lr);

@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use yatt_roles::{
-    BroadcastGroup, DeviceRoute, PolicyRequest, PolicyResponse, RoleRequest, RoleResponse,
+    DeviceRoute, NcclGroup, PolicyRequest, PolicyResponse, RoleRequest, RoleResponse,
 };
 use yatt_runtime::ActorId;
 
@@ -95,7 +95,7 @@ impl Controller {
             }
             other => return Err(self.protocol("policy", "StageBroadcast", variant_of(&other))),
         };
-        let group = BroadcastGroup {
+        let group = NcclGroup {
             nranks: targets.len() as u32 + 1,
             deadline_ms: self.config.timeouts.collective.as_millis() as u64,
             ..group
@@ -105,7 +105,7 @@ impl Controller {
         let loads = targets.iter().enumerate().map(|(i, r)| {
             let mut u = update.clone();
             if let Some(d) = u.device.as_mut() {
-                d.route = DeviceRoute::Broadcast(BroadcastGroup {
+                d.route = DeviceRoute::Broadcast(NcclGroup {
                     rank: i as u32 + 1,
                     ..group
                 });

@@ -8,9 +8,9 @@ use yatt_engine::{to_buckets, Trainer};
 
 use super::state::TrainerState;
 use super::{LoraSync, PolicyResponse, PolicyRole};
-use crate::builtin::weight_broadcast::BroadcastMember;
+use crate::builtin::nccl_member::GroupMember;
 use crate::role::{
-    packed_end, BroadcastGroup, DeviceRoute, DeviceWeights, LocalWeights, RoleError, WeightsUpdate,
+    packed_end, DeviceRoute, DeviceWeights, LocalWeights, NcclGroup, RoleError, WeightsUpdate,
 };
 
 impl PolicyRole {
@@ -87,13 +87,13 @@ impl PolicyRole {
             Some(id) if !fresh && self.groups.contains_key(&id) => id,
             _ => match UniqueId::new() {
                 Ok(id) => {
-                    self.groups.insert(id, BroadcastMember::default());
+                    self.groups.insert(id, GroupMember::default());
                     id
                 }
                 Err(e) => return unavailable(e.to_string()),
             },
         };
-        let group = BroadcastGroup {
+        let group = NcclGroup {
             id,
             rank: 0,
             nranks: 0,
@@ -110,10 +110,7 @@ impl PolicyRole {
     }
 
     /// Rank 0 of `group`: broadcasts the weights staged for the current version.
-    pub(super) fn send_broadcast(
-        &mut self,
-        group: BroadcastGroup,
-    ) -> Result<PolicyResponse, RoleError> {
+    pub(super) fn send_broadcast(&mut self, group: NcclGroup) -> Result<PolicyResponse, RoleError> {
         let version = self.trainer.step_count();
         let member = self.groups.get_mut(&group.id).ok_or_else(|| {
             RoleError::BadRequest(

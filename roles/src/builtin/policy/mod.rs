@@ -47,6 +47,7 @@ use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::{response_mask, token_matrix, Sample, SampleId, TokenField};
 
 mod export;
+mod grad_group;
 mod state;
 
 pub use state::TrainerState;
@@ -174,13 +175,21 @@ pub enum PolicyRequest {
         fresh: bool,
     },
     /// Broadcast the staged weights as rank 0 of the group, while its members receive.
-    Broadcast(crate::role::BroadcastGroup),
+    Broadcast(crate::role::NcclGroup),
     /// Save a checkpoint to this directory.
     SaveCheckpoint(PathBuf),
     /// Data parallelism over replicas: this replica's ring inbox, for the ring's spec.
     RingInbox,
     /// Data parallelism over replicas: join the ring of every replica's inbox.
     JoinRing(RingSpec),
+    /// Data parallelism over replicas with NCCL: whether this replica can average
+    /// gradients through NCCL (its weights on a GPU, libnccl loaded), and with
+    /// `make_id` (the first replica) the group's id. Answered with
+    /// [`PolicyResponse::GradientGroup`] or [`PolicyResponse::NcclUnavailable`].
+    GradientGroup { make_id: bool },
+    /// Data parallelism over replicas: average gradients in this NCCL group from now
+    /// on (the ring stays the fallback), or, with `None`, over the ring alone.
+    JoinGradientGroup(Option<crate::role::NcclGroup>),
     /// Data parallelism over replicas: the gradients of the loss on this head's samples,
     /// averaged with every other replica's in the ring, then one optimizer step. Every
     /// replica of the ring must be asked at the same time, at the same version.
@@ -216,6 +225,9 @@ pub struct TrainReport {
     pub lr: f64,
     /// Seconds spent.
     pub seconds: f64,
+    /// The replicas averaged this update's gradients through NCCL (not the QUIC ring).
+    #[serde(default)]
+    pub nccl_all_reduce: bool,
 }
 
 impl TrainReport {
@@ -266,6 +278,11 @@ pub enum PolicyResponse {
     DeviceWeightsUnavailable(String),
     /// [`PolicyRequest::Broadcast`] reached every member.
     Sent,
+    /// [`PolicyRequest::GradientGroup`]: NCCL can be used here (and the group's id, if
+    /// asked to make one).
+    GradientGroup(Option<yatt_collective::UniqueId>),
+    /// NCCL cannot be used here, and why.
+    NcclUnavailable(String),
 }
 
 /// One controller's gradients for a data-parallel step.
@@ -283,6 +300,11 @@ pub struct PolicyRole {
     config: PolicyConfig,
     /// This replica's place in the gradient all-reduce (replicated policies only).
     ring: Option<RingMember>,
+    /// With NCCL: the replicas' gradient group (tried before the ring).
+    grad_group: Option<(
+        crate::role::NcclGroup,
+        crate::builtin::nccl_member::GroupMember,
+    )>,
     /// Checkpoints go only under this directory (a node's data directory).
     write_root: Option<PathBuf>,
     /// The weights packed for CUDA IPC or NCCL weight sync.
@@ -290,7 +312,7 @@ pub struct PolicyRole {
     /// Rank 0 of each NCCL weight-sync group it made (one per controller that syncs).
     groups: std::collections::HashMap<
         yatt_collective::UniqueId,
-        crate::builtin::weight_broadcast::BroadcastMember,
+        crate::builtin::nccl_member::GroupMember,
     >,
 }
 
@@ -457,6 +479,7 @@ impl PolicyRole {
             trainer,
             config,
             ring: None,
+            grad_group: None,
             write_root: None,
             staging: Staging::default(),
             groups: Default::default(),
@@ -649,17 +672,10 @@ impl PolicyRole {
                 "this policy replica has not joined its ring yet (JoinRing)".into(),
             ));
         }
-        let reduced = self.backward(&samples).and_then(|report| {
-            let local = self.trainer.flat_grads().map_err(grad_fail)?;
-            // The version before the update numbers the round: the replicas are in step.
-            let round = self.trainer.step_count();
-            let ring = self.ring.as_mut().expect("checked above");
-            let mean = ring
-                .all_reduce_mean_blocking(local, round)
-                .map_err(|e| RoleError::Failed(format!("gradient all-reduce: {e}")))?;
-            Ok((report, mean))
-        });
-        let (mut report, mean) = match reduced {
+        let reduced = self
+            .backward(&samples)
+            .and_then(|report| Ok((report, self.average_gradients()?)));
+        let (mut report, (mean, through_nccl)) = match reduced {
             Ok(r) => r,
             Err(e) => {
                 // A retried step must not accumulate onto this one's gradients.
@@ -668,8 +684,9 @@ impl PolicyRole {
             }
         };
         let fail = |e: EngineError| RoleError::Failed(format!("averaging gradients: {e}"));
-        self.trainer.set_flat_grads(&mean).map_err(fail)?;
+        self.trainer.set_flat_grads_from(&mean).map_err(fail)?;
         let step = self.trainer.apply_gradients().map_err(fail)?;
+        report.nccl_all_reduce = through_nccl;
         super::fault::after_update(self.trainer.step_count());
         report.optimizer_steps = 1;
         report.version = self.trainer.step_count();
@@ -822,6 +839,8 @@ impl Role for PolicyRole {
                     .map_err(|e| RoleError::BadRequest(format!("joining the ring: {e}")))?;
                 Ok(PolicyResponse::Joined)
             }
+            PolicyRequest::GradientGroup { make_id } => Ok(self.gradient_group(make_id)),
+            PolicyRequest::JoinGradientGroup(group) => self.join_gradient_group(group),
             PolicyRequest::ExportState => self.export_state().map(PolicyResponse::State),
             PolicyRequest::ImportState(state) => {
                 self.import_state(state).map(|_| PolicyResponse::Imported)

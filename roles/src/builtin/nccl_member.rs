@@ -1,31 +1,34 @@
-//! Weight sync by NCCL broadcast: the policy (rank 0) sends its packed device buffer
-//! (`device_weights.rs`) in buckets of bytes, and every other member of the group
-//! receives it into a buffer of its own on its GPU, then copies the tensors into its
-//! model. It works between hosts, where CUDA IPC cannot.
+//! A role's place in an NCCL group, with the group's deadline on every call.
 //!
-//! Every NCCL call has the group's deadline: a member that never joins, or one lost
-//! mid-broadcast, aborts the communicator (`ncclCommAbort`) and the error names the
-//! operation and the ranks, so the controller falls back to byte buckets (or, with
-//! `rollout.weight_sync = "nccl"`, fails the step saying why) instead of hanging.
+//! - Weight sync by broadcast: the policy (rank 0) sends its packed device buffer
+//!   (`device_weights.rs`) in buckets of bytes, and every other member receives it into
+//!   a buffer of its own on its GPU, then copies the tensors into its model. It works
+//!   between hosts, where CUDA IPC cannot.
+//! - Gradients: policy replicas average their flat f32 gradients with one all-reduce.
+//!
+//! A member that never joins, or one lost mid-operation, makes the others' calls end
+//! at the deadline: the communicator is aborted (`ncclCommAbort`) and dropped, and the
+//! error names the operation and the ranks, so the caller falls back to QUIC (or, when
+//! NCCL was asked for, fails saying why) instead of hanging.
 
 use tch::{Device, Kind, Tensor};
 use yatt_collective::{CollectiveError, Communicator, DType, DeviceBuffer, UniqueId};
 
 use crate::builtin::device_weights::{tch_failed, tensor_views};
-use crate::role::{BroadcastGroup, DeviceWeights, RoleError};
+use crate::role::{DeviceWeights, NcclGroup, RoleError};
 
-/// A role's place in the weight-sync group: its communicator, kept while the group's
-/// id stays the same (a new id means the members changed; the old one is destroyed).
+/// A role's place in an NCCL group: its communicator, kept while the group's id stays
+/// the same (a new id means the members changed; the old one is destroyed).
 #[derive(Default)]
-pub(crate) struct BroadcastMember {
+pub(crate) struct GroupMember {
     comm: Option<(UniqueId, Communicator)>,
 }
 
-impl BroadcastMember {
+impl GroupMember {
     /// The communicator of `group` on GPU `ordinal`, joining it first if needed.
     fn joined(
         &mut self,
-        group: &BroadcastGroup,
+        group: &NcclGroup,
         ordinal: usize,
     ) -> Result<&mut Communicator, CollectiveError> {
         let same = |(id, c): &(UniqueId, Communicator)| {
@@ -50,7 +53,7 @@ impl BroadcastMember {
     /// `buffer` (a `Uint8` tensor on GPU `ordinal`), one bucket per NCCL call.
     fn broadcast(
         &mut self,
-        group: &BroadcastGroup,
+        group: &NcclGroup,
         buffer: &Tensor,
         bytes: u64,
     ) -> Result<(), CollectiveError> {
@@ -90,7 +93,7 @@ impl BroadcastMember {
     /// Rank 0: sends `buffer`, the policy's packed weights, to the group.
     pub(crate) fn send(
         &mut self,
-        group: &BroadcastGroup,
+        group: &NcclGroup,
         buffer: &Tensor,
         bytes: u64,
     ) -> Result<(), RoleError> {
@@ -110,7 +113,7 @@ impl BroadcastMember {
         &mut self,
         version: u64,
         weights: &DeviceWeights,
-        group: &BroadcastGroup,
+        group: &NcclGroup,
         device: Device,
     ) -> Result<Received, RoleError> {
         let Device::Cuda(_) = device else {
@@ -143,8 +146,40 @@ impl BroadcastMember {
         })
     }
 
+    /// Averages `flat` (a 1-D f32 tensor on this member's GPU) over the group, in place.
+    pub(crate) fn all_reduce_mean(
+        &mut self,
+        group: &NcclGroup,
+        flat: &Tensor,
+    ) -> Result<(), RoleError> {
+        let ordinal = match (flat.device(), flat.kind(), flat.dim()) {
+            (Device::Cuda(i), Kind::Float, 1) if flat.is_contiguous() => i,
+            (device, kind, _) => {
+                return Err(RoleError::BadRequest(format!(
+                    "an NCCL all-reduce needs one contiguous f32 vector on a GPU, not {kind:?} of shape {:?} on {device:?}",
+                    flat.size()
+                )))
+            }
+        };
+        let reduced = self.joined(group, ordinal).and_then(|comm| {
+            tch::Cuda::synchronize(ordinal as i64);
+            // SAFETY: `flat` is a contiguous f32 device tensor of `numel` elements on
+            // this communicator's GPU, which the caller keeps alive and leaves alone
+            // until the call returns.
+            let buf =
+                unsafe { DeviceBuffer::new(flat.data_ptr() as u64, flat.numel(), DType::F32) };
+            comm.all_reduce_mean(&buf, group.deadline())
+        });
+        reduced.map_err(|e| {
+            self.failed(format!(
+                "gradient all-reduce by NCCL (rank {} of {}): {e}",
+                group.rank, group.nranks
+            ))
+        })
+    }
+
     /// A failure: the communicator is dead (aborted) or its peers are out of step, so
-    /// it is dropped and the next sync joins afresh.
+    /// it is dropped and the next call joins afresh.
     fn failed(&mut self, message: String) -> RoleError {
         self.comm = None;
         RoleError::Failed(message)
