@@ -52,6 +52,8 @@ fn train(cluster: &Cluster, out: &Path, mode: &str) -> (bool, String) {
         &[
             &steps,
             &mode,
+            // A broken NCCL shows well inside the run's own deadline.
+            "timeouts.collective_s=20",
             "placement.mode=disaggregated",
             "placement.rollout=ws-0",
             "placement.reward=ws-0",
@@ -182,6 +184,7 @@ fn train_replicated(cluster: &Cluster, out: &Path, mode: &str) -> (bool, String)
         &[
             &steps,
             &mode,
+            "timeouts.collective_s=20",
             "job.controllers=2",
             "job.policy_replicas=2",
             "data.prompts_per_step=4",

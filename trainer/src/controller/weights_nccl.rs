@@ -20,7 +20,7 @@ use yatt_runtime::ActorId;
 
 use crate::controller::config::WeightSync;
 use crate::controller::core::{Controller, NcclRoute};
-use crate::controller::error::ControllerError;
+use crate::controller::error::{replica_lost, ControllerError};
 use crate::controller::refs::{variant, RolloutRef};
 use crate::controller::weights::Settled;
 use crate::controller::weights_ipc::{variant_of, DevicePushed};
@@ -67,13 +67,18 @@ impl Controller {
             Some((id, m)) => (Some(*id), *m != members),
             None => (None, true),
         };
-        let staged = self
+        let staged = match self
             .serve_policy(
                 PolicyRequest::StageBroadcast { group, fresh },
                 "weight_sync",
                 t,
             )
-            .await?;
+            .await
+        {
+            // Its replica is gone: the buckets come from a peer replica this time.
+            Err(e) if policy_lost(&e) => return Ok(None),
+            other => other?,
+        };
         let (update, group) = match staged {
             PolicyResponse::Weights(u) => match u.device.as_ref().map(|d| &d.route) {
                 Some(DeviceRoute::Broadcast(g)) => {
@@ -113,11 +118,14 @@ impl Controller {
             r.ask(RoleRequest::LoadWeights(u), t)
         });
         let (sent, answers) = futures::join!(send, futures::future::join_all(loads));
-        let mut failures = Vec::new();
+        let (mut failures, mut root_lost) = (Vec::new(), false);
         match sent {
             Ok(PolicyResponse::Sent) => {}
             Ok(other) => return Err(self.protocol("policy", "Broadcast", variant_of(&other))),
-            Err(e) => failures.push(format!("policy (rank 0): {e}")),
+            Err(e) => {
+                root_lost = policy_lost(&e);
+                failures.push(format!("policy (rank 0): {e}"));
+            }
         }
         let (mut loaded, mut left, lost_before) = (0, Vec::new(), lost.len());
         for (rank, (answer, r)) in answers.into_iter().zip(targets).enumerate() {
@@ -134,7 +142,8 @@ impl Controller {
             }
         }
         let mut route = self.nccl_route();
-        if failures.is_empty() && lost.len() == lost_before {
+        let someone_lost = root_lost || lost.len() > lost_before;
+        if failures.is_empty() && !someone_lost {
             route.group = Some((group.id, members));
             return Ok(Some(DevicePushed {
                 version,
@@ -152,12 +161,12 @@ impl Controller {
                 "rollout.weight_sync = \"nccl\", but the NCCL broadcast of weights v{version} failed: {failures}; {FIX}"
             )));
         }
-        // A lost rollout explains the others' deadlines; anything else will happen again.
-        if lost.len() == lost_before {
+        // A lost member explains the others' deadlines; anything else will happen again.
+        if !someone_lost {
             route.off = true;
             tracing::warn!(step = self.step, failures = %failures, "weight sync: the NCCL broadcast failed; the weights go as byte buckets over QUIC from now on");
         } else {
-            tracing::warn!(step = self.step, failures = %failures, "weight sync: a rollout was lost during the NCCL broadcast; the others get byte buckets this time and a new group next time");
+            tracing::warn!(step = self.step, failures = %failures, "weight sync: a member was lost during the NCCL broadcast; the others get byte buckets this time and a new group next time");
         }
         Ok(Some(DevicePushed {
             version,
@@ -166,4 +175,9 @@ impl Controller {
             left,
         }))
     }
+}
+
+/// Whether a call to the policy failed because its replica is gone with its node.
+fn policy_lost(e: &ControllerError) -> bool {
+    matches!(e, ControllerError::Call { source, .. } if replica_lost(source))
 }

@@ -12,7 +12,9 @@
 //!   [`kl_loss`] against the reference (k1/k2/k3) and minus an entropy bonus;
 //! - [`PolicyRequest::ExportWeights`]: the weights as buckets for weight sync;
 //!   [`PolicyRequest::ExportLocalWeights`]: a snapshot of the tensors, for roles in
-//!   this process;
+//!   this process; [`PolicyRequest::ExportDeviceWeights`]: one packed device buffer by
+//!   CUDA IPC handle; [`PolicyRequest::StageBroadcast`] then
+//!   [`PolicyRequest::Broadcast`]: the same buffer by NCCL broadcast;
 //! - [`PolicyRequest::SaveCheckpoint`]: an exact-resume checkpoint;
 //! - [`PolicyRequest::ExportState`] / [`PolicyRequest::ImportState`]: the whole trainer
 //!   state (weights, optimizer, step) as bytes, so a new replica in another process
@@ -23,7 +25,9 @@
 //!   replica computes its head's gradients and averages them with its peers' in a ring
 //!   all-reduce ([`yatt_runtime::RingMember`]) straight between the replicas, before
 //!   one optimizer step. The ring is set up with [`PolicyRequest::RingInbox`] and
-//!   [`PolicyRequest::JoinRing`].
+//!   [`PolicyRequest::JoinRing`]; with NCCL ([`PolicyRequest::GradientGroup`],
+//!   [`PolicyRequest::JoinGradientGroup`]) one all-reduce on the GPU averages them
+//!   instead, and the ring is the fallback.
 //!
 //! With micro-batching each micro-batch's loss is aggregated on its own and the
 //! micro-batch losses are averaged (as verl does), so `token-mean` is exact only when a
