@@ -83,38 +83,8 @@ impl Staging {
         }
         // The old buffer goes first: at most one packed copy of the weights at a time.
         self.kept = None;
-        let ordinal = cuda_ordinal(named)?;
-        let device = Device::Cuda(ordinal);
-        let mut entries = Vec::with_capacity(named.len());
-        let mut total = 0u64;
-        for (name, t) in named {
-            if t.device() != device {
-                return Err(IpcError::Unavailable(format!(
-                    "the policy's weights span devices ({name} is on {:?}, not {device:?})",
-                    t.device()
-                )));
-            }
-            let dtype = BucketDtype::from_kind(t.kind())
-                .map_err(|e| IpcError::Malformed(format!("{name}: {e}")))?;
-            let len = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
-            entries.push(BucketEntry {
-                name: name.clone(),
-                dtype,
-                shape: t.size(),
-                offset: total,
-                len,
-            });
-            total += len.div_ceil(ALIGN) * ALIGN;
-        }
-        let buffer = Tensor::f_empty([total.max(1) as i64], (Kind::Uint8, device))
-            .map_err(tch_failed("allocating the staging buffer"))?;
-        let views = tensor_views(&buffer, &entries)?;
-        tch::no_grad(|| -> Result<(), IpcError> {
-            for ((_, t), (_, mut dst)) in named.iter().zip(views) {
-                dst.f_copy_(t).map_err(tch_failed("packing the weights"))?;
-            }
-            Ok(())
-        })?;
+        let device = Device::Cuda(cuda_ordinal(named)?);
+        let (entries, buffer) = pack_into_new_buffer(named, device)?;
         Ok(self.kept.insert(Staged {
             version,
             entries,
@@ -122,6 +92,45 @@ impl Staging {
             ipc: None,
         }))
     }
+}
+
+/// `named` (all on `device`) packed into one fresh `Uint8` buffer there, each tensor on
+/// an [`ALIGN`] boundary, and the table of where each one is.
+fn pack_into_new_buffer(
+    named: &[(String, Tensor)],
+    device: Device,
+) -> Result<(Vec<BucketEntry>, Tensor), IpcError> {
+    let mut entries = Vec::with_capacity(named.len());
+    let mut total = 0u64;
+    for (name, t) in named {
+        if t.device() != device {
+            return Err(IpcError::Unavailable(format!(
+                "the policy's weights span devices ({name} is on {:?}, not {device:?})",
+                t.device()
+            )));
+        }
+        let dtype = BucketDtype::from_kind(t.kind())
+            .map_err(|e| IpcError::Malformed(format!("{name}: {e}")))?;
+        let len = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        entries.push(BucketEntry {
+            name: name.clone(),
+            dtype,
+            shape: t.size(),
+            offset: total,
+            len,
+        });
+        total += len.div_ceil(ALIGN) * ALIGN;
+    }
+    let buffer = Tensor::f_empty([total.max(1) as i64], (Kind::Uint8, device))
+        .map_err(tch_failed("allocating the staging buffer"))?;
+    let views = tensor_views(&buffer, &entries)?;
+    tch::no_grad(|| -> Result<(), IpcError> {
+        for ((_, t), (_, mut dst)) in named.iter().zip(views) {
+            dst.f_copy_(t).map_err(tch_failed("packing the weights"))?;
+        }
+        Ok(())
+    })?;
+    Ok((entries, buffer))
 }
 
 /// The CUDA ordinal the first weight is on: packing needs the weights on a GPU.
@@ -227,5 +236,68 @@ pub(crate) fn tch_failed(op: &'static str) -> impl Fn(tch::TchError) -> IpcError
     move |e| IpcError::Cuda {
         op,
         message: e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// CPU always, and the first GPU where libtorch sees one.
+    fn devices() -> Vec<Device> {
+        let mut d = vec![Device::Cpu];
+        if tch::Cuda::is_available() {
+            d.push(Device::Cuda(0));
+        }
+        d
+    }
+
+    /// What a broadcast receiver does with the packed bytes: views by the table give
+    /// back every tensor, bit for bit, whatever its dtype and alignment.
+    #[test]
+    fn packed_weights_come_back_through_views_of_the_buffer() {
+        for device in devices() {
+            let named: Vec<(String, Tensor)> = vec![
+                (
+                    "a".into(),
+                    Tensor::arange(7, (Kind::Float, device)).view([7]),
+                ),
+                (
+                    "b".into(),
+                    Tensor::arange(15, (Kind::Float, device))
+                        .to_kind(Kind::BFloat16)
+                        .view([3, 5]),
+                ),
+                ("c".into(), Tensor::ones([2, 2], (Kind::Half, device))),
+            ];
+            let (entries, buffer) = pack_into_new_buffer(&named, device).unwrap();
+            assert!(entries.iter().all(|e| e.offset % ALIGN == 0), "{entries:?}");
+            // A copy of the bytes, as a receiver holds them.
+            let received = buffer.copy();
+            let views = tensor_views(&received, &entries).unwrap();
+            for ((name, want), (got_name, got)) in named.iter().zip(&views) {
+                assert_eq!(name, got_name);
+                assert_eq!((got.kind(), got.size()), (want.kind(), want.size()));
+                assert!(got.equal(want), "{name} on {device:?}");
+            }
+        }
+    }
+
+    /// A table that does not fit the buffer, or whose shape does not fit its bytes, is
+    /// refused naming the entry, not read out of bounds.
+    #[test]
+    fn a_table_that_does_not_fit_the_buffer_is_refused() {
+        let named = vec![(
+            "w".to_string(),
+            Tensor::ones([4], (Kind::Float, Device::Cpu)),
+        )];
+        let (mut entries, buffer) = pack_into_new_buffer(&named, Device::Cpu).unwrap();
+        entries[0].offset = buffer.numel() as u64 - 8;
+        let e = tensor_views(&buffer, &entries).unwrap_err().to_string();
+        assert!(e.contains("`w`") && e.contains("outside"), "{e}");
+        entries[0].offset = 0;
+        entries[0].shape = vec![5];
+        let e = tensor_views(&buffer, &entries).unwrap_err().to_string();
+        assert!(e.contains("`w`") && e.contains("needs 20 bytes"), "{e}");
     }
 }
