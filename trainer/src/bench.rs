@@ -191,11 +191,12 @@ impl Role for FakePolicy {
             PolicyRequest::ExportWeights | PolicyRequest::ExportLocalWeights => {
                 PolicyResponse::Weights(WeightsUpdate::from_buckets(self.version, Vec::new()))
             }
-            PolicyRequest::ExportDeviceWeights | PolicyRequest::StageBroadcast { .. } => {
-                PolicyResponse::DeviceWeightsUnavailable(
-                    "a runtime bench's stand-in policy has no device".into(),
-                )
-            }
+            PolicyRequest::StageBroadcast { .. } => PolicyResponse::NcclUnavailable(
+                "a runtime bench's stand-in policy has no device".into(),
+            ),
+            PolicyRequest::ExportDeviceWeights => PolicyResponse::DeviceWeightsUnavailable(
+                "a runtime bench's stand-in policy has no device".into(),
+            ),
             PolicyRequest::SaveCheckpoint(_) => PolicyResponse::Saved,
             PolicyRequest::RingInbox
             | PolicyRequest::JoinRing(_)

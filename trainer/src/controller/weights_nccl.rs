@@ -87,12 +87,12 @@ impl Controller {
                 }
                 _ => return Err(self.protocol("policy", "StageBroadcast", "Weights".into())),
             },
-            PolicyResponse::DeviceWeightsUnavailable(why) if forced => {
+            PolicyResponse::NcclUnavailable(why) if forced => {
                 return Err(ControllerError::Config(format!(
                     "rollout.weight_sync = \"nccl\", but the policy cannot broadcast its weights: {why}; {FIX}"
                 )))
             }
-            PolicyResponse::DeviceWeightsUnavailable(why) => {
+            PolicyResponse::NcclUnavailable(why) => {
                 // Info, not a warning: it is what a CPU cluster always does.
                 tracing::info!(reason = %why, "weight sync: {FALLBACK}");
                 self.nccl_route().off = true;

@@ -66,7 +66,7 @@ impl PolicyRole {
     ) -> PolicyResponse {
         let version = self.trainer.step_count();
         let named = tch::no_grad(|| self.sync_tensors());
-        let unavailable = PolicyResponse::DeviceWeightsUnavailable;
+        let unavailable = PolicyResponse::NcclUnavailable;
         let entries = match self.staging.pack(version, &named) {
             Ok(staged) => staged.entries.clone(),
             Err(IpcError::Unavailable(why)) => {

@@ -173,7 +173,7 @@ pub enum PolicyRequest {
     /// group the asking controller broadcast to last, reused unless `fresh` (its
     /// members changed: the policy drops it and makes another). Answered with the
     /// packed table and the group (this policy rank 0), or
-    /// [`PolicyResponse::DeviceWeightsUnavailable`].
+    /// [`PolicyResponse::NcclUnavailable`].
     StageBroadcast {
         group: Option<yatt_collective::UniqueId>,
         fresh: bool,
@@ -285,7 +285,8 @@ pub enum PolicyResponse {
     /// [`PolicyRequest::GradientGroup`]: NCCL can be used here (and the group's id, if
     /// asked to make one).
     GradientGroup(Option<yatt_collective::UniqueId>),
-    /// NCCL cannot be used here, and why.
+    /// NCCL cannot be used here ([`PolicyRequest::StageBroadcast`],
+    /// [`PolicyRequest::GradientGroup`]), and why.
     NcclUnavailable(String),
 }
 
