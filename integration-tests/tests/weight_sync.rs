@@ -43,25 +43,33 @@ fn on_gpu() -> bool {
     gpu
 }
 
-fn train(cluster: &Cluster, out: &Path, mode: &str) -> (bool, String) {
+/// A short job on the two nodes, with `sets` (the route under test and the placement).
+fn train_with(cluster: &Cluster, out: &Path, sets: &[&str]) -> (bool, String) {
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
-    let mode = format!("rollout.weight_sync=\"{mode}\"");
     let steps = format!("job.steps={STEPS}");
-    cluster.try_yatt_train(
-        config,
+    let mut all = vec![
+        steps.as_str(),
+        // A broken NCCL shows well inside the run's own deadline.
+        "timeouts.collective_s=20",
+        "placement.mode=disaggregated",
+    ];
+    all.extend_from_slice(sets);
+    cluster.try_yatt_train(config, &all, out, Duration::from_secs(90))
+}
+
+/// The rollout and reward on ws-0, the policy and reference on ws-1.
+fn train(cluster: &Cluster, out: &Path, mode: &str) -> (bool, String) {
+    let mode = format!("rollout.weight_sync=\"{mode}\"");
+    train_with(
+        cluster,
+        out,
         &[
-            &steps,
             &mode,
-            // A broken NCCL shows well inside the run's own deadline.
-            "timeouts.collective_s=20",
-            "placement.mode=disaggregated",
             "placement.rollout=ws-0",
             "placement.reward=ws-0",
             "placement.policy=ws-1",
             "placement.reference=ws-1",
         ],
-        out,
-        Duration::from_secs(90),
     )
 }
 
@@ -175,27 +183,22 @@ fn weights_go_through_cuda_ipc_or_nccl_on_a_gpu_host_and_as_bytes_otherwise_sayi
     }
 }
 
+/// Two heads, each with its policy replica: one on ws-0, one on ws-1.
 fn train_replicated(cluster: &Cluster, out: &Path, mode: &str) -> (bool, String) {
-    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
     let mode = format!("job.gradient_sync=\"{mode}\"");
-    let steps = format!("job.steps={STEPS}");
-    cluster.try_yatt_train(
-        config,
+    train_with(
+        cluster,
+        out,
         &[
-            &steps,
             &mode,
-            "timeouts.collective_s=20",
             "job.controllers=2",
             "job.policy_replicas=2",
             "data.prompts_per_step=4",
-            "placement.mode=disaggregated",
             "placement.rollout=ws-0",
             "placement.reward=ws-0",
             "placement.reference=ws-0",
             "placement.policy=[\"ws-0\", \"ws-1\"]",
         ],
-        out,
-        Duration::from_secs(90),
     )
 }
 
