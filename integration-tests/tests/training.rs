@@ -543,6 +543,51 @@ async fn trains_off_policy_on_three_nodes(prefix: &str, staleness: u64) {
     embedded.shutdown().await;
 }
 
+/// Partial rollouts with the rollout on its own node: each response decodes in chunks
+/// of 2 tokens, the later chunks through `Continue` requests over QUIC. Regression:
+/// `Continue` failed to decode on the remote rollout (a serde-skipped variant before it
+/// shifted postcard's variant numbers), so no such job got past its first chunk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partial_rollouts_continue_on_a_remote_rollout() {
+    let cluster = Cluster::start("pr", 3);
+    let logs = || cluster_logs(&cluster);
+    let node = join(&cluster, "pr-controller").await;
+    let out = tempfile::tempdir().unwrap();
+    let placement = [
+        ("mode", "disaggregated"),
+        ("rollout", "pr-0"),
+        ("policy", "pr-1"),
+        ("reference", "pr-1"),
+        ("reward", "pr-2"),
+    ];
+    let extra = [
+        "rollout.staleness=1",
+        "rollout.partial_rollout={ chunk_tokens = 2, resume = \"reprefill\" }",
+    ];
+    let mut job = letters_job_with(out.path(), &placement, &extra);
+    job.job.steps = 4;
+    let budget = job.rollout.max_new_tokens;
+    assert!(budget > 2, "the responses must need more than one chunk");
+    let mut controllers = build_cluster(&job, &node)
+        .await
+        .unwrap_or_else(|e| panic!("building on the cluster: {e}\n{}", logs()));
+    for step in 0..job.job.steps {
+        let report = controllers[0]
+            .step()
+            .await
+            .unwrap_or_else(|e| panic!("step {step}: {e}\n{}", logs()));
+        // `ignore_eos`: only chunks continued on the remote rollout reach the budget.
+        assert!(!report.samples.is_empty());
+        for s in &report.samples {
+            assert_eq!(s.response_len(), budget, "step {step}: {:?}", s.id);
+        }
+        assert!(report.metrics.get("async/samples_interrupted").is_some());
+    }
+    drop(controllers);
+    node.shutdown().await;
+    assert_roles_released(&cluster);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn policy_replicas_on_two_nodes_all_reduce_to_identical_weights() {
     const DP_STEPS: u64 = 6;

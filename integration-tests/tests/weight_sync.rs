@@ -97,7 +97,7 @@ fn nccl_counts(out: &Path) -> Vec<f64> {
 
 /// A forced route on a CPU machine: refused before the first generation, naming the
 /// key, the reason and the fix.
-fn refused_before_the_first_step(out: &Path, printed: &str, key: &str) {
+fn refused_before_the_first_step(out: &Path, printed: &str, key: &str, why: &str) {
     assert!(
         printed.contains("found by a sync before the first step"),
         "{printed}"
@@ -109,9 +109,7 @@ fn refused_before_the_first_step(out: &Path, printed: &str, key: &str) {
         "a step ran before the refusal:\n{printed}"
     );
     assert!(
-        printed.contains(key)
-            && printed.contains("the policy's weights are on the CPU")
-            && printed.contains("\"auto\""),
+        printed.contains(key) && printed.contains(why) && printed.contains("\"auto\""),
         "{printed}"
     );
 }
@@ -164,6 +162,7 @@ fn weights_go_through_cuda_ipc_or_nccl_on_a_gpu_host_and_as_bytes_otherwise_sayi
             forced.path(),
             &printed,
             "rollout.weight_sync = \"cuda_ipc\"",
+            "the policy's weights are on the CPU",
         );
     }
 
@@ -178,8 +177,18 @@ fn weights_go_through_cuda_ipc_or_nccl_on_a_gpu_host_and_as_bytes_otherwise_sayi
         assert!(ipc_counts(nccl.path()).iter().all(|&n| n == 0.0));
     } else {
         assert!(!ok, "nccl ran without a GPU:\n{printed}");
-        refused_before_the_first_step(nccl.path(), &printed, "rollout.weight_sync = \"nccl\"");
-        assert!(printed.contains("NCCL unavailable"), "{printed}");
+        // The rollouts are asked first, so the policy never waits for one that cannot
+        // join: the error names the rollout.
+        refused_before_the_first_step(
+            nccl.path(),
+            &printed,
+            "rollout.weight_sync = \"nccl\"",
+            "ws-0/rollout/",
+        );
+        assert!(
+            printed.contains("NCCL unavailable: the rollout's weights are on the CPU"),
+            "{printed}"
+        );
     }
 }
 

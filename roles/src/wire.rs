@@ -672,7 +672,9 @@ impl Message for PolicyResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::builtin::rollout::{GenerateRequest, RolloutRequest, RolloutResponse, RolloutStats};
+    use crate::builtin::rollout::{
+        ContinueRequest, GenerateRequest, RolloutRequest, RolloutResponse, RolloutStats,
+    };
     use crate::data::prompt::Prompt;
     use crate::sample::{Finish, SampleId};
     use tch::{Device, Kind, Tensor};
@@ -997,6 +999,40 @@ mod tests {
             back,
             RoleResponse::Served(RolloutResponse::Generated { stats, .. }) if stats.weights_version == 4
         ));
+        let (back, _) = round_trip(RoleRequest::Serve(RolloutRequest::NextTokenLogits(vec![
+            5, 6,
+        ])));
+        assert!(
+            matches!(back, RoleRequest::Serve(RolloutRequest::NextTokenLogits(ref t)) if t == &[5, 6]),
+            "{back:?}"
+        );
+        // Regression: these two decoded as their neighbours' numbers while the skipped,
+        // in-process `GenerateStream` came before them.
+        let cont = RolloutRequest::Continue(ContinueRequest {
+            samples: samples.clone(),
+            params: SamplingParams::default(),
+            seed: 9,
+            budget: 12,
+        });
+        let (back, _) = round_trip(RoleRequest::Serve(cont));
+        assert!(
+            matches!(back, RoleRequest::Serve(RolloutRequest::Continue(ref c)) if c.budget == 12 && c.samples == samples),
+            "{back:?}"
+        );
+        let (back, _) = round_trip(RoleRequest::Serve(RolloutRequest::CanReceiveBroadcast));
+        assert!(matches!(
+            back,
+            RoleRequest::Serve(RolloutRequest::CanReceiveBroadcast)
+        ));
+        for ready in [Ok(()), Err("no libnccl".to_string())] {
+            let (back, _) = round_trip(RoleResponse::Served(RolloutResponse::BroadcastReadiness(
+                ready.clone(),
+            )));
+            assert!(matches!(
+                back,
+                RoleResponse::Served(RolloutResponse::BroadcastReadiness(r)) if r == ready
+            ));
+        }
         // JSON keeps metadata an object (the human-readable form is unchanged).
         let json = serde_json::to_value(&samples[0]).unwrap();
         assert_eq!(json["metadata"]["task"], "letters");

@@ -248,7 +248,7 @@ pub fn evaluate(job: &JobConfig, options: &EvalOptions) -> Result<EvalReport, Ev
     });
     let samples = match rollout.serve(request).map_err(role("generation"))? {
         RolloutResponse::Generated { samples, .. } => samples,
-        RolloutResponse::Logits(_) | RolloutResponse::Streamed { .. } => {
+        _ => {
             return Err(EvalError::Role {
                 stage: "generation",
                 source: RoleError::Failed("the rollout answered no samples to Generate".into()),

@@ -17,6 +17,15 @@ use yatt_collective::{CollectiveError, Communicator, DType, DeviceBuffer, Unique
 use crate::builtin::device_weights::{tch_failed, tensor_views};
 use crate::role::{DeviceWeights, NcclGroup, RoleError};
 
+/// Whether a role whose weights are on `device` can be a member of an NCCL group, else
+/// why not; `whose` names the weights in the reason ("the policy's").
+pub(crate) fn can_join(device: Device, whose: &str) -> Result<(), String> {
+    if !matches!(device, Device::Cuda(_)) {
+        return Err(format!("NCCL unavailable: {whose} weights are on the CPU"));
+    }
+    yatt_collective::availability().map_err(|e| e.to_string())
+}
+
 /// A role's place in an NCCL group: its communicator, kept while the group's id stays
 /// the same (a new id means the members changed; the old one is destroyed).
 #[derive(Default)]

@@ -17,7 +17,7 @@ use yatt_engine::{Generator, Request, SamplingParams, Tokenizer};
 mod multi_turn;
 
 use crate::algo::step_token_ends;
-use crate::builtin::nccl_member::GroupMember;
+use crate::builtin::nccl_member::{can_join, GroupMember};
 use crate::builtin::scoring::{bucket_tensors, check_device, model_bytes, weights_error};
 use crate::data::prompt::Prompt;
 use crate::env::EnvSettings;
@@ -245,15 +245,24 @@ pub struct SampleSink(pub tokio::sync::mpsc::Sender<Sample>);
 pub enum RolloutRequest {
     /// Generate samples.
     Generate(GenerateRequest),
-    /// Generate samples and send each to the sink the moment it finishes (finishing
-    /// order); the answer is [`RolloutResponse::Streamed`]. In-process only.
-    #[serde(skip)]
-    GenerateStream(GenerateRequest, SampleSink),
     /// The next-token logits after `tokens` (a probe: e.g. to check weight sync).
     NextTokenLogits(Vec<i64>),
     /// Continue unfinished samples of a partial rollout by one chunk; the answer is
     /// [`RolloutResponse::Generated`] with the samples in request order.
     Continue(ContinueRequest),
+    /// Whether it can receive weights by NCCL broadcast (its weights on a GPU, libnccl
+    /// loaded); the answer is [`RolloutResponse::BroadcastReadiness`]. Asked once per
+    /// replica before it joins a weight-sync group, so that one that cannot gets byte
+    /// buckets at once instead of leaving the others to wait out the NCCL deadline.
+    CanReceiveBroadcast,
+    /// Generate samples and send each to the sink the moment it finishes (finishing
+    /// order); the answer is [`RolloutResponse::Streamed`]. In-process only.
+    ///
+    /// Last, because postcard numbers variants by position and serde skips this one
+    /// only when decoding: a skipped variant before others shifted their numbers, and
+    /// `NextTokenLogits` and `Continue` sent to a remote rollout failed to decode.
+    #[serde(skip)]
+    GenerateStream(GenerateRequest, SampleSink),
 }
 
 /// Counters of one generation call.
@@ -292,6 +301,8 @@ pub enum RolloutResponse {
     },
     /// Next-token logits (f32, one per vocabulary entry).
     Logits(Vec<f32>),
+    /// `Ok` when it can receive weights by NCCL broadcast, else why not.
+    BroadcastReadiness(Result<(), String>),
 }
 
 /// A generation engine replica.
@@ -701,12 +712,17 @@ impl Role for RolloutRole {
     }
 
     fn serve(&mut self, request: RolloutRequest) -> Result<RolloutResponse, RoleError> {
-        if self.offloaded_from.is_some() {
-            return Err(RoleError::NotReady(
-                "rollout is offloaded; reload it first".into(),
-            ));
-        }
         match request {
+            // Offloaded or not: where its weights live when they are loaded.
+            RolloutRequest::CanReceiveBroadcast => {
+                let device =
+                    (self.offloaded_from).unwrap_or_else(|| self.generator.model().device());
+                let ready = can_join(device, "the rollout's");
+                Ok(RolloutResponse::BroadcastReadiness(ready))
+            }
+            _ if self.offloaded_from.is_some() => Err(RoleError::NotReady(
+                "rollout is offloaded; reload it first".into(),
+            )),
             RolloutRequest::Generate(r) => self.generate(r),
             RolloutRequest::GenerateStream(r, sink) => self.generate_stream(r, sink),
             RolloutRequest::NextTokenLogits(t) => self.logits(t),
@@ -928,7 +944,8 @@ mod tests {
     }
 
     /// A broadcast to a rollout on the CPU is refused before any NCCL call (which would
-    /// wait for the group's deadline), naming the CPU and the setting to use.
+    /// wait for the group's deadline), naming the CPU and the setting to use; asked
+    /// beforehand, offloaded or not, it says it cannot receive one and why.
     #[test]
     fn broadcast_weights_are_refused_on_the_cpu() {
         let group = |rank| crate::role::NcclGroup {
@@ -956,6 +973,18 @@ mod tests {
         );
         assert!(t.elapsed() < std::time::Duration::from_secs(5), "it waited");
         assert_eq!(r.weights_version(), 0);
+        let mut readiness =
+            |r: &mut RolloutRole| match r.serve(RolloutRequest::CanReceiveBroadcast).unwrap() {
+                RolloutResponse::BroadcastReadiness(ready) => ready,
+                other => panic!("{other:?}"),
+            };
+        let why = readiness(&mut r).unwrap_err();
+        assert_eq!(
+            why,
+            "NCCL unavailable: the rollout's weights are on the CPU"
+        );
+        r.offload().unwrap();
+        assert_eq!(readiness(&mut r), Err(why));
     }
 
     /// A weight sync into an offloaded rollout waits for the reload, then applies: the

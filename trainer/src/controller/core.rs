@@ -37,6 +37,10 @@ pub(crate) struct NcclRoute {
     /// The group that last broadcast: its id and its receivers in rank order (none
     /// once it failed). Other receivers need a new group.
     pub(crate) group: Option<(yatt_roles::UniqueId, Vec<ActorId>)>,
+    /// Rollouts that said they can receive by broadcast, and those that cannot (they
+    /// get buckets); each is asked once, before its first broadcast.
+    pub(crate) ready: std::collections::HashSet<ActorId>,
+    pub(crate) unable: std::collections::HashSet<ActorId>,
 }
 
 /// One data-parallel head: its shard and the roles it drives.

@@ -110,9 +110,7 @@ impl Controller {
                     // Replicas run side by side: the round takes the slowest one's time.
                     out.stats.seconds = out.stats.seconds.max(st.seconds);
                 }
-                RolloutResponse::Logits(_) | RolloutResponse::Streamed { .. } => {
-                    return Err(self.protocol("rollout", "Generate", "not Generated".into()))
-                }
+                _ => return Err(self.protocol("rollout", "Generate", "not Generated".into())),
             }
         }
         out.seconds = t.elapsed().as_secs_f64();

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use yatt_roles::{
     DeviceRoute, NcclGroup, PolicyRequest, PolicyResponse, RoleRequest, RoleResponse,
+    RolloutRequest, RolloutResponse,
 };
 use yatt_runtime::ActorId;
 
@@ -61,6 +62,11 @@ impl Controller {
                 ))),
                 false => Ok(None),
             };
+        }
+        let (targets, unable) = self.split_by_readiness(targets, t, lost).await?;
+        let targets = &targets[..];
+        if targets.is_empty() {
+            return Ok(None);
         }
         let members: Vec<ActorId> = targets.iter().map(|r| r.id().clone()).collect();
         let (group, fresh) = match &self.nccl_route().group {
@@ -127,7 +133,7 @@ impl Controller {
                 failures.push(format!("policy (rank 0): {e}"));
             }
         }
-        let (mut loaded, mut left, lost_before) = (0, Vec::new(), lost.len());
+        let (mut loaded, mut left, lost_before) = (0, unable, lost.len());
         for (rank, (answer, r)) in answers.into_iter().zip(targets).enumerate() {
             match answer {
                 Ok(RoleResponse::Done) => loaded += 1,
@@ -174,6 +180,72 @@ impl Controller {
             loaded,
             left,
         }))
+    }
+}
+
+impl Controller {
+    /// `targets` split into the rollouts that can receive by broadcast and those that
+    /// cannot, asking each once (a lost one goes to `lost`). The latter are logged once
+    /// (at info: a CPU cluster always says so) and get buckets; with a forced `nccl`
+    /// they are an error naming each and why.
+    async fn split_by_readiness(
+        &self,
+        targets: &[RolloutRef],
+        t: Duration,
+        lost: &mut Vec<ActorId>,
+    ) -> Result<(Vec<RolloutRef>, Vec<RolloutRef>), ControllerError> {
+        let unknown: Vec<&RolloutRef> = {
+            let route = self.nccl_route();
+            let known =
+                |r: &&RolloutRef| route.ready.contains(r.id()) || route.unable.contains(r.id());
+            targets.iter().filter(|r| !known(r)).collect()
+        };
+        let asks = unknown
+            .iter()
+            .map(|r| r.ask(RoleRequest::Serve(RolloutRequest::CanReceiveBroadcast), t));
+        let mut reasons = Vec::new();
+        for (answer, r) in futures::future::join_all(asks)
+            .await
+            .into_iter()
+            .zip(&unknown)
+        {
+            let ready = match answer {
+                Ok(RoleResponse::Served(RolloutResponse::BroadcastReadiness(ready))) => ready,
+                // A custom rollout may not know the question: it gets buckets.
+                Ok(other) => Err(format!("it answered {}", variant(&other))),
+                Err(e) => match self.settle_lost(e, r) {
+                    Settled::Lost => {
+                        lost.push(r.id().clone());
+                        continue;
+                    }
+                    Settled::Failed(e) => Err(format!("asking whether it can: {e}")),
+                },
+            };
+            let mut route = self.nccl_route();
+            match ready {
+                Ok(()) => route.ready.insert(r.id().clone()),
+                Err(why) => {
+                    reasons.push(format!("{}: {why}", r.id()));
+                    route.unable.insert(r.id().clone())
+                }
+            };
+        }
+        if !reasons.is_empty() {
+            let reasons = reasons.join("; ");
+            if self.config.weight_sync == WeightSync::Nccl {
+                return Err(ControllerError::Config(format!(
+                    "rollout.weight_sync = \"nccl\", but a rollout cannot receive weights by NCCL broadcast ({reasons}); {FIX}"
+                )));
+            }
+            tracing::info!(rollouts = %reasons, "weight sync: {FALLBACK}");
+        }
+        let route = self.nccl_route();
+        let (ready, unable) = targets
+            .iter()
+            .filter(|r| !lost.contains(r.id()))
+            .cloned()
+            .partition(|r| route.ready.contains(r.id()));
+        Ok((ready, unable))
     }
 }
 

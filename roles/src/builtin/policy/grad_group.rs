@@ -3,23 +3,16 @@
 //! stays joined as the fallback: a failed all-reduce (a deadline, a peer gone) drops the
 //! group with a warning, and this update and the later ones go over the ring.
 
-use tch::Device;
-
 use super::{PolicyResponse, PolicyRole};
-use crate::builtin::nccl_member::GroupMember;
+use crate::builtin::nccl_member::{can_join, GroupMember};
 use crate::role::{NcclGroup, RoleError};
 
 impl PolicyRole {
     /// Whether this replica can average gradients through NCCL; with `make_id` (the
     /// first replica, rank 0) the group's id too.
     pub(super) fn gradient_group(&mut self, make_id: bool) -> PolicyResponse {
-        if !matches!(self.trainer.model.device(), Device::Cuda(_)) {
-            return PolicyResponse::NcclUnavailable(
-                "NCCL unavailable: the policy's weights are on the CPU".into(),
-            );
-        }
-        if let Err(e) = yatt_collective::availability() {
-            return PolicyResponse::NcclUnavailable(e.to_string());
+        if let Err(why) = can_join(self.trainer.model.device(), "the policy's") {
+            return PolicyResponse::NcclUnavailable(why);
         }
         match make_id {
             false => PolicyResponse::GradientGroup(None),
