@@ -91,11 +91,11 @@ pub use yatt_engine::ChatMessage;
 
 // The built-in roles, their configs and their messages.
 pub use builtin::{
-    load_reward_model, load_rm_jsonl, train_reward_model, AsciiCodec, ContinueRequest,
-    CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole, GenerateRequest,
-    GradShard, GrowingLengthReward, JudgeConfig, JudgeMode, JudgeScorer, KlLossConfig, LoraSync,
-    ModelScorer, OnUnparsed, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole,
-    ReferenceRole, RewardModelError, RewardRole, RmExample, RmTrainConfig, RolloutRequest,
-    RolloutResponse, RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, TextCodec,
-    TokenizerCodec, TrainReport, TrainerState, TINY_CODEC,
+    encode_prompt, load_reward_model, load_rm_jsonl, train_reward_model, AsciiCodec,
+    ContinueRequest, CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole,
+    GenerateRequest, GradShard, GrowingLengthReward, JudgeConfig, JudgeMode, JudgeScorer,
+    KlLossConfig, LoraSync, ModelScorer, OnUnparsed, PolicyConfig, PolicyRequest, PolicyResponse,
+    PolicyRole, ReferenceRole, RewardModelError, RewardRole, RmExample, RmTrainConfig,
+    RolloutRequest, RolloutResponse, RolloutRole, RolloutStats, SampleSink, ScalarRewardModel,
+    TextCodec, TokenizerCodec, TrainReport, TrainerState, TINY_CODEC,
 };

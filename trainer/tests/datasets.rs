@@ -194,3 +194,61 @@ fn data_keys_are_checked() {
         Some(yatt_roles::DataFormat::Jsonl)
     );
 }
+
+/// A prompt that cannot fit `model.max_seq_len` with `rollout.max_new_tokens` after it
+/// is refused when the job is built, naming its row and the fixes, not at the step that
+/// draws it; with `data.filter_overlong_prompts` it is dropped and the job trains on the
+/// rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overlong_prompt_is_refused_before_the_first_step_or_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("prompts.jsonl");
+    let long = "q".repeat(40);
+    let rows: Vec<String> = (0..8)
+        .map(|i| match i {
+            5 => format!("{{\"prompt\": \"{long}\"}}"),
+            _ => format!("{{\"prompt\": \"q{i}:\"}}"),
+        })
+        .collect();
+    std::fs::write(&data, rows.join("\n")).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let sets = |filter: bool| {
+        vec![
+            format!("data.path={:?}", data.display().to_string()),
+            format!("data.filter_overlong_prompts={filter}"),
+            "data.prompts_per_step=7".into(),
+            // 26 tokens left for the prompt; the long one has over 40.
+            "model.max_seq_len=32".into(),
+            "rollout.max_new_tokens=6".into(),
+            "job.steps=1".into(),
+            "reward.kind=\"letters\"".into(),
+        ]
+    };
+    let certs = tempfile::tempdir().unwrap();
+    let node = Node::builder("data-3")
+        .dev_certs(certs.path())
+        .start()
+        .await
+        .unwrap();
+    let e = match build_embedded(&demo_config(out.path(), &sets(false)), &node).await {
+        Ok(_) => panic!("a prompt longer than model.max_seq_len was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("model.max_seq_len")
+            && e.contains("1 prompt(s) longer than the 26 tokens")
+            && e.contains("prompts.jsonl: row 5")
+            && e.contains("raise model.max_seq_len to at least")
+            && e.contains("data.filter_overlong_prompts = true"),
+        "{e}"
+    );
+    let mut controllers = build_embedded(&demo_config(out.path(), &sets(true)), &node)
+        .await
+        .unwrap();
+    let rep = controllers[0].step().await.unwrap();
+    // The 7 prompts left, every one drawn once.
+    assert_eq!(rep.samples.len(), 7 * 8);
+    assert!(rep.samples.iter().all(|s| !s.prompt_text.contains(&long)));
+    drop(controllers);
+    node.shutdown().await;
+}

@@ -85,7 +85,9 @@ fn python_and_http_keys_are_checked() {
         "reward.function=\"nowhere.py:compute_score\"",
     ]);
     assert!(
-        e.contains("reward.function") && e.contains("existing .py file"),
+        e.contains("reward.function")
+            && e.contains("existing .py file")
+            && e.contains("nowhere.py is not a file (looked in /"),
         "{e}"
     );
     let e = err(&["reward.kind=\"python\"", "reward.function=\"x.py\""]);

@@ -45,6 +45,6 @@ pub use reward_model::{
     RewardModelError, RmExample, RmTrainConfig, ScalarRewardModel,
 };
 pub use rollout::{
-    AsciiCodec, ContinueRequest, GenerateRequest, RolloutRequest, RolloutResponse, RolloutRole,
-    RolloutStats, SampleSink, TextCodec, TokenizerCodec, TINY_CODEC,
+    encode_prompt, AsciiCodec, ContinueRequest, GenerateRequest, RolloutRequest, RolloutResponse,
+    RolloutRole, RolloutStats, SampleSink, TextCodec, TokenizerCodec, TINY_CODEC,
 };

@@ -59,8 +59,9 @@ pub trait TextCodec: Send + Sync {
     }
 }
 
-/// Token ids of a prompt: its chat through the codec's chat template, else its text.
-pub(crate) fn encode_prompt(codec: &dyn TextCodec, p: &Prompt) -> Result<Vec<i64>, String> {
+/// Token ids of a prompt as the rollout encodes it: its chat through the codec's chat
+/// template, else its text.
+pub fn encode_prompt(codec: &dyn TextCodec, p: &Prompt) -> Result<Vec<i64>, String> {
     if p.messages.is_empty() {
         codec.encode_prompt(&p.text)
     } else {

@@ -18,6 +18,7 @@ use yatt_runtime::{ActorRef, CallError};
 use yatt_runtime::{Node, NodeBuilder, NodeError};
 
 use crate::build::custom::CustomRoles;
+use crate::build::data::training_prompts;
 use crate::build::devices::{model_here, role_group};
 use crate::build::heads::{controllers, job_timeouts};
 use crate::build::parts::{
@@ -297,6 +298,7 @@ pub(crate) async fn build_cluster_from(
         ));
     }
     custom.check(job, checkpoint.is_some())?;
+    let prompts = training_prompts(job)?;
     let ppo = job.algorithm.name.needs_critic();
     let replicas = job.job.policy_replicas;
     wait_for_nodes(node, &p.named_nodes(ppo)).await?;
@@ -368,7 +370,7 @@ pub(crate) async fn build_cluster_from(
         critic,
     };
     let per_head = if replicas > 1 { policies } else { Vec::new() };
-    let mut controllers: Vec<Controller> = controllers(job, shared, rollouts, per_head)?
+    let mut controllers: Vec<Controller> = controllers(job, prompts, shared, rollouts, per_head)?
         .into_iter()
         .map(|c| c.with_extra_stages(custom.stages.iter().cloned()))
         .collect();

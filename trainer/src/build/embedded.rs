@@ -6,6 +6,7 @@ use yatt_runtime::Node;
 use yatt_runtime::RING_CHUNK_BYTES;
 
 use crate::build::custom::CustomRoles;
+use crate::build::data::training_prompts;
 use crate::build::devices::role_group;
 use crate::build::heads::controllers;
 use crate::build::parts::{
@@ -50,6 +51,7 @@ pub async fn build_embedded_with(
         ));
     }
     custom.check(job, resume.is_some())?;
+    let prompts = training_prompts(job)?;
     let group = role_group(job, node.name())?;
     let (dev, kind) = (group.torch_device(), job.model.dtype.kind());
     let (model, codec, pad_id) = base_model(job)?;
@@ -133,7 +135,7 @@ pub async fn build_embedded_with(
         policy: policies[0].clone(),
         critic,
     };
-    let mut controllers: Vec<Controller> = controllers(job, shared, rollouts, policies)?
+    let mut controllers: Vec<Controller> = controllers(job, prompts, shared, rollouts, policies)?
         .into_iter()
         .map(|c| c.with_extra_stages(custom.stages.iter().cloned()))
         .collect();

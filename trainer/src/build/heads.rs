@@ -6,7 +6,6 @@ use std::time::Duration;
 use yatt_engine::SamplingParams;
 use yatt_roles::{Dataloader, GaeConfig, OffPolicyConfig, Prompt, StepCreditConfig};
 
-use crate::build::data::prompts;
 use crate::build::parts::kl_term;
 use crate::config::modes::{Driver, KlMode, TimeShare};
 use crate::config::sections::JobConfig;
@@ -98,19 +97,20 @@ pub(crate) fn job_timeouts(job: &JobConfig) -> Timeouts {
     }
 }
 
-/// The job's controllers over running roles: with `driver = "parallel"`, one per
+/// The job's controllers over running roles and `all` its prompts
+/// ([`crate::build::data::training_prompts`]): with `driver = "parallel"`, one per
 /// rollout (data-parallel head), each with its shard of the prompts, sharing the other
 /// roles of `shared` (each head gets its own policy from `policies` when there is one
 /// per head); with `driver = "single"`, one driver with the global batch over every
 /// rollout.
 pub(crate) fn controllers(
     job: &JobConfig,
+    all: Arc<[Prompt]>,
     shared: RoleRefs,
     mut rollouts: Vec<RolloutRef>,
     policies: Vec<PolicyRef>,
 ) -> Result<Vec<Controller>, JobError> {
     let config = controller_config(job);
-    let all: Arc<[Prompt]> = prompts(job)?.into();
     let heads = rollouts.len();
     let seed = job.job.seed.wrapping_add(3);
     if job.job.driver == Driver::Single {

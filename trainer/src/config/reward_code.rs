@@ -56,11 +56,17 @@ impl JobConfig {
             )
         })?;
         if !file.is_file() {
+            // Name the directory a relative path was taken from: a job started from
+            // elsewhere (a test, a service) finds nothing at the README's path.
+            let from = match std::env::current_dir() {
+                Ok(dir) if file.is_relative() => format!(" (looked in {})", dir.display()),
+                _ => String::new(),
+            };
             return Err(invalid(
                 "reward.function",
-                "an existing .py file (relative to the working directory)",
-                &format!("{:?}", r.function),
-                "point reward.function at your file, e.g. \"examples/python_reward/numeric_reward.py:compute_score\"",
+                "an existing .py file",
+                &format!("{:?}, and {} is not a file{from}", r.function, file.display()),
+                "point reward.function at your file by a path from the working directory or an absolute one, e.g. \"examples/python_reward/numeric_reward.py:compute_score\" from the repository root",
             ));
         }
         if r.python.contains('/') && !Path::new(&r.python).is_file() {

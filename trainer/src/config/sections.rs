@@ -216,6 +216,10 @@ pub struct DataSection {
     pub prompts_per_step: usize,
     /// Samples per prompt (the group size).
     pub samples_per_prompt: u32,
+    /// Drop the prompts whose tokens plus `rollout.max_new_tokens` do not fit
+    /// `model.max_seq_len` (with a warning saying how many), as verl's
+    /// `filter_overlong_prompts`; off: such a prompt is an error before the first step.
+    pub filter_overlong_prompts: bool,
 }
 
 impl Default for DataSection {
@@ -234,6 +238,7 @@ impl Default for DataSection {
             num_prompts: 256,
             prompts_per_step: 8,
             samples_per_prompt: 8,
+            filter_overlong_prompts: false,
         }
     }
 }

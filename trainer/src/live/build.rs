@@ -18,6 +18,7 @@ use yatt_runtime::NodeInfo;
 
 use crate::build::cluster::{job_text, wait_for_nodes};
 use crate::build::custom::CustomRoles;
+use crate::build::data::training_prompts;
 use crate::build::devices::role_group;
 use crate::build::parts::base_model;
 use crate::build::reward::spawn_reward;
@@ -158,9 +159,8 @@ impl LivePlacement {
         custom: &CustomRoles,
     ) -> Result<Self, JobError> {
         job.validate()?;
+        let prompts = training_prompts(job)?;
         let p = &job.placement;
-        let _heads = job.job.controllers;
-        let _with_reference = job.algorithm.kl_mode != KlMode::None;
         let cluster = p.mode == PlacementMode::Disaggregated;
         let (mut model, codec, pad_id) = base_model(job)?;
         tch::set_num_threads(1);
@@ -189,6 +189,7 @@ impl LivePlacement {
             })?;
         let mut live = LivePlacement {
             job: job.clone(),
+            prompts,
             node: node.clone(),
             hosts,
             policy,

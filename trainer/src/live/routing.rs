@@ -78,6 +78,7 @@ impl LivePlacement {
         };
         let mut heads = controllers(
             &self.job,
+            self.prompts.clone(),
             shared,
             r.into_iter().map(|x| x.1).collect(),
             p.into_iter().map(|x| x.1).collect(),

@@ -61,6 +61,8 @@ pub(crate) struct Observed {
 /// The live placement shell of one job, embedded or on a cluster.
 pub struct LivePlacement {
     pub(crate) job: JobConfig,
+    /// The job's prompts, taken once: every routing shards them over its heads.
+    pub(crate) prompts: std::sync::Arc<[yatt_roles::Prompt]>,
     pub(crate) node: Node,
     pub(crate) hosts: Hosts,
     pub(crate) policy: PlacementPolicy,
