@@ -42,18 +42,22 @@ impl Node {
     /// Side effects of a directory change on this node: forget dead peers and release
     /// the actors they owned; notice that its own incarnation or its leader is gone.
     pub(super) fn follow_update(&self, update: &Update) {
-        if let Change::NodeDown { node, .. } = &update.change {
-            self.node_gone(node);
+        if let Change::NodeDown { node, reason } = &update.change {
+            self.node_gone(node, *reason == ExitReason::Normal);
         }
         self.check_own_entry();
     }
 
-    /// `node` left or was declared dead (seen in an update or a snapshot).
-    pub(super) fn node_gone(&self, node: &str) {
+    /// `node` left (`left`: on its own, announced) or was declared dead (seen in an
+    /// update or a snapshot).
+    pub(super) fn node_gone(&self, node: &str, left: bool) {
         if node == self.name() {
             return;
         }
-        self.inner.transport.forget(node);
+        match left {
+            true => (self.inner.transport).forget_departed(node, self.inner.config.system_timeout),
+            false => self.inner.transport.forget(node),
+        }
         self.release_owned_by(node);
         if node == self.leader() && !self.is_leader() {
             // The leader announced its own departure (graceful leave).
@@ -248,7 +252,7 @@ impl Node {
             self.inner.directory.reset(directory)
         };
         for node in departed.unwrap_or_default() {
-            self.node_gone(&node);
+            self.node_gone(&node, false);
         }
         self.check_own_entry();
     }

@@ -192,6 +192,29 @@ impl Transport {
         }
     }
 
+    /// [`Endpoint::forget`] for a peer that left on its own: it may still be reading the
+    /// answer to its leave (closing at once discarded that answer, and the peer took its
+    /// leave for unannounced), so its connection is left for it to close, and closed
+    /// here after `grace` at the latest.
+    pub(crate) fn forget_departed(&self, node: &str, grace: std::time::Duration) {
+        let Some(p) = self.lock_peers().remove(node) else {
+            return;
+        };
+        p.fail_pending("peer left the cluster");
+        let conn = p.conn.clone();
+        let close = move || conn.close(2u32.into(), b"peer left");
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                let conn = p.conn.clone();
+                rt.spawn(async move {
+                    let _ = tokio::time::timeout(grace, conn.closed()).await;
+                    close();
+                });
+            }
+            Err(_) => close(),
+        }
+    }
+
     pub(super) fn lock_peers(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Peer>>> {
         self.peers.lock().unwrap_or_else(|p| p.into_inner())
     }
