@@ -716,8 +716,9 @@ impl Role for RolloutRole {
         match request {
             // Offloaded or not: where its weights live when they are loaded.
             RolloutRequest::CanReceiveBroadcast => {
-                let device =
-                    (self.offloaded_from).unwrap_or_else(|| self.generator.model().device());
+                let device = self
+                    .offloaded_from
+                    .unwrap_or_else(|| self.generator.model().device());
                 let ready = can_join(device, "the rollout's");
                 Ok(RolloutResponse::BroadcastReadiness(ready))
             }

@@ -192,7 +192,7 @@ impl Transport {
         }
     }
 
-    /// [`Endpoint::forget`] for a peer that left on its own: it may still be reading the
+    /// [`Transport::forget`] for a peer that left on its own: it may still be reading the
     /// answer to its leave (closing at once discarded that answer, and the peer took its
     /// leave for unannounced), so its connection is left for it to close, and closed
     /// here after `grace` at the latest.
@@ -202,17 +202,13 @@ impl Transport {
         };
         p.fail_pending("peer left the cluster");
         let conn = p.conn.clone();
-        let close = move || conn.close(2u32.into(), b"peer left");
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                let conn = p.conn.clone();
-                rt.spawn(async move {
-                    let _ = tokio::time::timeout(grace, conn.closed()).await;
-                    close();
-                });
-            }
-            Err(_) => close(),
-        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return conn.close(2u32.into(), b"peer left");
+        };
+        rt.spawn(async move {
+            let _ = tokio::time::timeout(grace, conn.closed()).await;
+            conn.close(2u32.into(), b"peer left");
+        });
     }
 
     pub(super) fn lock_peers(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Peer>>> {

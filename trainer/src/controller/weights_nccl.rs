@@ -181,9 +181,7 @@ impl Controller {
             left,
         }))
     }
-}
 
-impl Controller {
     /// `targets` split into the rollouts that can receive by broadcast and those that
     /// cannot, asking each once (a lost one goes to `lost`). The latter are logged once
     /// (at info: a CPU cluster always says so) and get buckets; with a forced `nccl`
