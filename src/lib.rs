@@ -30,6 +30,24 @@ pub use yatt_roles::{
     SampleId, WeightsUpdate,
 };
 
+/// The global allocator of `yatt` and `yatt-node`; a daemon of your own
+/// (`yatt::node::main_with`) should declare it too:
+///
+/// ```ignore
+/// #[global_allocator]
+/// static ALLOC: yatt::Allocator = yatt::Allocator;
+/// ```
+///
+/// Why not the system allocator: glibc's malloc serves the transport's large, short-lived
+/// buffers (quinn's ~640 KiB segmentation-offload batches, received stream chunks) from
+/// per-thread arenas that it trims and grows again on every transfer, and from fresh
+/// `mmap`s until its adaptive threshold settles. Every 64 MiB handoff over plain QUIC
+/// then paid for page faults, and the first tens of handoffs on a connection ran 1.5×
+/// slower than later ones. mimalloc keeps freed pages for reuse; side by side in one run
+/// it took plain-QUIC bulk from 55–63 % to 84–103 % of TCP loopback (docs/benchmarks.md).
+/// It governs Rust allocations only: libtorch's tensors keep their own allocator.
+pub use mimalloc::MiMalloc as Allocator;
+
 /// A binary's exit code for `result`; an error is printed with its chain of causes and
 /// no backtrace (errors are for people; `RUST_BACKTRACE` is for panics).
 pub fn exit_code<E: std::fmt::Display>(result: Result<(), E>) -> std::process::ExitCode {

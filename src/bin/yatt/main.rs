@@ -15,6 +15,9 @@ mod train;
 
 use clap::{Parser, Subcommand};
 
+#[global_allocator]
+static ALLOC: yatt::Allocator = yatt::Allocator;
+
 #[derive(Parser)]
 #[command(
     name = "yatt",

@@ -4,6 +4,10 @@
 
 use custom_role::{LengthFormatReward, RepeatFilter, FILTER_NAME, ROLE_NAME};
 
+// The allocator the stock daemon uses (why: `yatt::Allocator`'s docs).
+#[global_allocator]
+static ALLOC: yatt::Allocator = yatt::Allocator;
+
 fn main() -> std::process::ExitCode {
     yatt::node::main_with(|r| {
         r.role::<LengthFormatReward>(ROLE_NAME)
