@@ -21,7 +21,7 @@ use yatt_roles::{
     RolloutRole,
 };
 
-use crate::build::data::prompts;
+use crate::build::data::{fit_prompts, prompts, row_name};
 use crate::build::devices::{on_device, role_group};
 use crate::build::parts::{base_model, rollout_role};
 use crate::build::reward::reward_role;
@@ -146,8 +146,11 @@ pub fn eval_prompts(job: &JobConfig, options: &EvalOptions) -> Result<Vec<Prompt
     if n == 0 {
         return Err(EvalError::Options("--prompts must be at least 1".into()));
     }
+    // The answers get rollout.max_new_tokens, as in training: a prompt without room for
+    // them fails here, naming it, rather than in the middle of a run's evaluation.
     let train = prompts(job)?;
     if options.split == Split::Train {
+        let train = fit_prompts(job, train, |row| row_name(job, row))?;
         if train.len() < n {
             return Err(EvalError::Options(format!(
                 "{n} training prompts asked for, the job has {}; lower --prompts",
@@ -167,8 +170,13 @@ pub fn eval_prompts(job: &JobConfig, options: &EvalOptions) -> Result<Vec<Prompt
     // Collisions with the training set are rare for a large task space; a few times n
     // candidates is plenty, and a small task space is reported below, not looped on.
     other.data.num_prompts = n.saturating_mul(4).saturating_add(64);
+    let held_out = |i: usize| format!("held-out prompt {i} of data.task");
+    let mut candidates = prompts(&other)?;
+    if job.data.filter_overlong_prompts {
+        candidates = fit_prompts(job, candidates, held_out)?;
+    }
     let mut out = Vec::with_capacity(n);
-    for p in prompts(&other)? {
+    for p in candidates {
         if out.len() == n {
             break;
         }
@@ -184,7 +192,8 @@ pub fn eval_prompts(job: &JobConfig, options: &EvalOptions) -> Result<Vec<Prompt
             job.data.length
         )));
     }
-    Ok(out)
+    // Without the filter every prompt kept must fit (with it, all of them do).
+    Ok(fit_prompts(job, out, held_out)?)
 }
 
 /// The rollout role that answers: the job's base model exactly as training builds it,

@@ -17,7 +17,9 @@ use crate::controller::core::Controller;
 use crate::controller::data_parallel::step_data_parallel;
 use crate::controller::report::{average_heads, ControllerState, StepMetrics};
 use crate::error::JobError;
-use crate::eval::{eval_prompts, evaluate_after_step, start_eval_log, training_eval_options};
+use crate::eval::{
+    eval_prompts, evaluate_after_step, start_eval_log, training_eval_options, EvalError,
+};
 use crate::live::state::LivePlacement;
 use yatt_metrics::names;
 
@@ -115,11 +117,15 @@ pub async fn train_with(
     let checkpoint_dir = out.join("checkpoint");
     if job.eval.every > 0 || job.eval.before_train {
         // An [eval] that cannot draw its prompts fails now, not after the first N steps.
-        eval_prompts(job, &training_eval_options(job, None)).map_err(|e| JobError::Invalid {
-            key: "eval".into(),
-            expected: format!("{} held-out prompts of the job's task", job.eval.prompts),
-            found: e.to_string(),
-            fix: "lower eval.prompts, or set eval.every = 0".into(),
+        eval_prompts(job, &training_eval_options(job, None)).map_err(|e| match e {
+            // A prompt that does not fit says its own key and fix.
+            EvalError::Job(e) => e,
+            e => JobError::Invalid {
+                key: "eval".into(),
+                expected: format!("{} held-out prompts of the job's task", job.eval.prompts),
+                found: e.to_string(),
+                fix: "lower eval.prompts, or set eval.every = 0".into(),
+            },
         })?;
     }
     if resume {

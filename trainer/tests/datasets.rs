@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use common::{demo_config, letters_fraction, load_demo};
 use yatt_runtime::Node;
-use yatt_trainer::build_embedded;
+use yatt_trainer::{build_embedded, eval_prompts, EvalOptions, Split};
 
 fn python() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.venv/bin/python"))
@@ -251,4 +251,68 @@ async fn an_overlong_prompt_is_refused_before_the_first_step_or_dropped() {
     assert!(rep.samples.iter().all(|s| !s.prompt_text.contains(&long)));
     drop(controllers);
     node.shutdown().await;
+}
+
+/// Evaluation draws its own prompts (a held-out file, or the task with another seed), and
+/// they get the same `rollout.max_new_tokens`: one without room fails when the prompts are
+/// drawn, naming it, or is skipped with `data.filter_overlong_prompts`.
+#[test]
+fn an_overlong_eval_prompt_is_named_or_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("test.jsonl");
+    let long = "q".repeat(40);
+    let rows: Vec<String> = (0..6)
+        .map(|i| match i {
+            2 => format!("{{\"prompt\": \"{long}\"}}"),
+            _ => format!("{{\"prompt\": \"q{i}:\"}}"),
+        })
+        .collect();
+    std::fs::write(&data, rows.join("\n")).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let job = |filter: bool, extra: &[&str]| {
+        let mut sets = vec![
+            format!("data.path={:?}", data.display().to_string()),
+            format!("data.filter_overlong_prompts={filter}"),
+            "model.max_seq_len=32".into(),
+            "rollout.max_new_tokens=6".into(),
+            "reward.kind=\"letters\"".into(),
+        ];
+        sets.extend(extra.iter().map(|s| s.to_string()));
+        demo_config(out.path(), &sets)
+    };
+    let train_split = |n: usize| EvalOptions {
+        prompts: n,
+        split: Split::Train,
+        ..EvalOptions::default()
+    };
+    let e = eval_prompts(&job(false, &[]), &train_split(4))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("model.max_seq_len") && e.contains("test.jsonl: row 2"),
+        "{e}"
+    );
+    let kept = eval_prompts(&job(true, &[]), &train_split(5)).unwrap();
+    assert_eq!(kept.len(), 5);
+    assert!(kept.iter().all(|p| !p.text.contains(&long)));
+    assert!(eval_prompts(&job(true, &[]), &train_split(6)).is_err());
+
+    // The synthetic task's held-out prompts, in a window too small for any of them.
+    let task = |filter: bool| {
+        let mut j = job(filter, &["model.max_seq_len=8"]);
+        j.data.path = String::new();
+        j
+    };
+    let held_out = EvalOptions {
+        prompts: 4,
+        ..EvalOptions::default()
+    };
+    let e = eval_prompts(&task(false), &held_out)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("held-out prompt 0 of data.task"), "{e}");
+    let e = eval_prompts(&task(true), &held_out)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("every prompt dropped"), "{e}");
 }

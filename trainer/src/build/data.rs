@@ -62,46 +62,74 @@ pub fn growing_task(job: &JobConfig) -> yatt_roles::GrowingLength {
 /// The prompts a job trains on: [`prompts`] through [`fit_prompts`]. A build takes
 /// them before it starts any role, so a prompt that does not fit leaves nothing running.
 pub(crate) fn training_prompts(job: &JobConfig) -> Result<Arc<[Prompt]>, JobError> {
-    Ok(fit_prompts(job, prompts(job)?)?.into())
+    Ok(fit_prompts(job, prompts(job)?, |row| row_name(job, row))?.into())
+}
+
+/// How many tokens a prompt takes in the rollout's encoding (chat template included),
+/// and how many `model.max_seq_len` leaves it after `rollout.max_new_tokens`.
+struct PromptRoom {
+    codec: Arc<dyn TextCodec>,
+    /// Tokens left for the prompt.
+    room: usize,
+}
+
+impl PromptRoom {
+    /// `None` (said at info) when this process cannot load the tokenizer: a cluster's
+    /// launcher may not hold the model.
+    fn of(job: &JobConfig) -> Option<Self> {
+        let codec: Arc<dyn TextCodec> = match &job.model.source {
+            ModelSource::Tiny => Arc::new(TINY_CODEC),
+            ModelSource::Dir(dir) => match yatt_engine::Tokenizer::from_dir(dir) {
+                Ok(t) => Arc::new(TokenizerCodec {
+                    tokenizer: Arc::new(t),
+                    chat: job.model.chat,
+                }),
+                Err(e) => {
+                    tracing::info!(model = %dir.display(), error = %e, "prompt lengths not checked here: the tokenizer does not load in this process");
+                    return None;
+                }
+            },
+        };
+        let room = job
+            .model
+            .max_seq_len
+            .saturating_sub(job.rollout.max_new_tokens);
+        Some(PromptRoom { codec, room })
+    }
+
+    fn tokens(&self, p: &Prompt) -> Result<usize, String> {
+        encode_prompt(self.codec.as_ref(), p)
+            .map(|t| t.len())
+            .map_err(|e| e.to_string())
+    }
 }
 
 /// `prompts` that fit `model.max_seq_len` with `rollout.max_new_tokens` after them, in
 /// the rollout's encoding. A prompt that does not fit would fail the step that draws it,
-/// maybe hours in, so it is an error here, naming the longest, or, with
-/// `data.filter_overlong_prompts`, dropped with a warning. Unchecked (said at info) when
-/// this process cannot load the tokenizer: a cluster's launcher may not hold the model.
-fn fit_prompts(job: &JobConfig, prompts: Vec<Prompt>) -> Result<Vec<Prompt>, JobError> {
-    let codec: Arc<dyn TextCodec> = match &job.model.source {
-        ModelSource::Tiny => Arc::new(TINY_CODEC),
-        ModelSource::Dir(dir) => match yatt_engine::Tokenizer::from_dir(dir) {
-            Ok(t) => Arc::new(TokenizerCodec {
-                tokenizer: Arc::new(t),
-                chat: job.model.chat,
-            }),
-            Err(e) => {
-                tracing::info!(model = %dir.display(), error = %e, "prompt lengths not checked here: the tokenizer does not load in this process");
-                return Ok(prompts);
-            }
-        },
+/// maybe hours in, so it is an error here, naming the longest (`name` gives a prompt's
+/// place from its index), or, with `data.filter_overlong_prompts`, dropped with a
+/// warning. Unchecked when this process cannot load the tokenizer ([`PromptRoom::of`]).
+pub(crate) fn fit_prompts(
+    job: &JobConfig,
+    prompts: Vec<Prompt>,
+    name: impl Fn(usize) -> String,
+) -> Result<Vec<Prompt>, JobError> {
+    let Some(fit) = PromptRoom::of(job) else {
+        return Ok(prompts);
     };
-    let room = job
-        .model
-        .max_seq_len
-        .saturating_sub(job.rollout.max_new_tokens);
+    let room = fit.room;
     let mut longest: Option<(usize, usize)> = None;
     let mut over = 0;
     let mut kept = Vec::with_capacity(prompts.len());
     for (row, p) in prompts.into_iter().enumerate() {
-        let tokens = encode_prompt(codec.as_ref(), &p)
-            .map_err(|e| {
-                invalid(
-                    "data",
-                    "prompts the tokenizer encodes",
-                    &format!("{} (id {}): {e}", row_name(job, row), p.id),
-                    "fix or drop that row",
-                )
-            })?
-            .len();
+        let tokens = fit.tokens(&p).map_err(|e| {
+            invalid(
+                "data",
+                "prompts the tokenizer encodes",
+                &format!("{} (id {}): {e}", name(row), p.id),
+                "fix or drop that row",
+            )
+        })?;
         if tokens <= room {
             kept.push(p);
             continue;
@@ -117,7 +145,7 @@ fn fit_prompts(job: &JobConfig, prompts: Vec<Prompt>) -> Result<Vec<Prompt>, Job
     let what = format!(
         "{over} prompt(s) longer than the {room} tokens left after rollout.max_new_tokens ({}); the longest, {}, has {tokens}",
         job.rollout.max_new_tokens,
-        row_name(job, row)
+        name(row)
     );
     if !job.data.filter_overlong_prompts {
         return Err(invalid(
@@ -147,7 +175,7 @@ fn fit_prompts(job: &JobConfig, prompts: Vec<Prompt>) -> Result<Vec<Prompt>, Job
 }
 
 /// A prompt's place for a message: its dataset row, or its index in the task.
-fn row_name(job: &JobConfig, row: usize) -> String {
+pub(crate) fn row_name(job: &JobConfig, row: usize) -> String {
     match job.data.dataset() {
         Some(path) => format!("{path}: row {row}"),
         None => format!("prompt {row} of data.task"),
