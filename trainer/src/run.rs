@@ -8,6 +8,7 @@ use yatt_runtime::{ActorId, Node};
 
 use crate::build::custom::CustomRoles;
 use crate::build::embedded::build_embedded_with;
+use crate::build::heads::job_timeouts;
 use crate::build::respawn::{respawn_lost_roles, Recovered};
 use crate::build::user_roles::{with_config_roles, NamedRoles};
 use crate::checkpoint::{check_same_run, recover, save, RunState, JOB_FILE};
@@ -15,6 +16,7 @@ use crate::config::modes::PlacementMode;
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::step_data_parallel;
+use crate::controller::release::{StartedRoles, STOP_WAIT};
 use crate::controller::report::{average_heads, ControllerState, StepMetrics};
 use crate::error::JobError;
 use crate::eval::{
@@ -77,6 +79,10 @@ pub struct TrainSummary {
 /// `OUTPUT_DIR/metrics.jsonl` and the same metrics as TensorBoard scalars to
 /// `OUTPUT_DIR/events.out.tfevents.*` (see [`yatt_metrics::RunWriter`]), saves the policy to `OUTPUT_DIR/checkpoint` every
 /// `checkpoint.every` steps and at the end, and calls `on_step` after each step.
+///
+/// When the job ends, finished or failed, the roles it started stop (their models freed,
+/// their names free for the next job on these nodes); roles the caller brought
+/// ([`TrainOptions::roles`]) keep running.
 pub async fn train(
     job: &JobConfig,
     node: &Node,
@@ -172,115 +178,132 @@ pub async fn train_with(
         }
     }
     let (roles, mut named) = with_config_roles(job, node, &options.roles).await?;
-    // Live placement owns the heads and re-routes them between steps.
-    let mut live = if job.placement.live {
-        let checkpoint = resume.then_some(checkpoint_dir.as_path());
-        Some(LivePlacement::build_from(job, node, checkpoint, &roles).await?)
-    } else {
-        None
-    };
-    let mut controllers = if live.is_some() {
-        Vec::new()
-    } else if job.placement.mode == PlacementMode::Disaggregated {
-        let checkpoint = resume.then_some(checkpoint_dir.as_path());
-        crate::build::cluster::build_cluster_from(job, node, checkpoint, &roles).await?
-    } else {
-        build_embedded_with(job, node, resume.then_some(out.as_path()), &roles).await?
-    };
-    // The roles a node loss cannot bring back: the program's own (a role `[roles]`
-    // names is spawned again by its name).
+    // The program's own roles: a node loss cannot bring them back (a role `[roles]`
+    // names is spawned again by its name), and the job leaves them running at its end.
     let mut custom = roles.actor_ids();
     custom.retain(|id| !named.contains(id));
-    let mut step = match &live {
-        Some(l) => l.controllers().first().map_or(0, Controller::step_count),
-        None => controllers.first().map_or(0, Controller::step_count),
-    };
-    // metrics.jsonl and a TensorBoard event file, both flushed after every step.
-    let mut writer = if resume {
-        RunWriter::resume(&out, step)
-    } else {
-        RunWriter::create(&out)
-    }
-    .map_err(metrics_err)?;
-    let metrics_path = writer.metrics_path().to_path_buf();
-    start_eval_log(&out, resume.then_some(step))?;
-    if job.eval.before_train && !resume {
-        // Nothing is trained yet, so a failure here needs no recovery hint.
-        evaluate_after_step(job, None, 0, &out).await?;
-    }
-    let total = job.job.steps;
-    let every = job.checkpoint.every;
-    let t0 = Instant::now();
-    let first_step = step;
-    let mut rewards = Vec::new();
-    let mut saved_at = None;
-    for _ in step..total {
-        let mut record = |m: &StepMetrics| {
-            step += 1;
-            writer.write_step(step, &m.values).map_err(metrics_err)?;
-            rewards.push(m.get(names::REWARDS_MEAN).unwrap_or(f64::NAN));
-            on_step(&Progress {
-                step,
-                total,
-                elapsed_s: t0.elapsed().as_secs_f64(),
-                first_step,
-                metrics: m,
-            });
-            Ok::<(), JobError>(())
+    let mut live: Option<LivePlacement> = None;
+    let mut controllers: Vec<Controller> = Vec::new();
+    let ran: Result<TrainSummary, JobError> = async {
+        // Live placement owns the heads and re-routes them between steps.
+        if job.placement.live {
+            let checkpoint = resume.then_some(checkpoint_dir.as_path());
+            live = Some(LivePlacement::build_from(job, node, checkpoint, &roles).await?);
+        } else if job.placement.mode == PlacementMode::Disaggregated {
+            let checkpoint = resume.then_some(checkpoint_dir.as_path());
+            controllers =
+                crate::build::cluster::build_cluster_from(job, node, checkpoint, &roles).await?;
+        } else {
+            controllers =
+                build_embedded_with(job, node, resume.then_some(out.as_path()), &roles).await?;
+        }
+        let mut step = match &live {
+            Some(l) => l.controllers().first().map_or(0, Controller::step_count),
+            None => controllers.first().map_or(0, Controller::step_count),
         };
-        let stepped = match live.as_mut() {
-            Some(l) => match l.step().await {
-                Ok(m) => record(&m),
-                Err(e) => Err(e),
-            },
-            None if job.placement.mode == PlacementMode::Disaggregated => {
-                match step_surviving_node_loss(job, node, &mut controllers, &custom, &mut named)
-                    .await
-                {
+        // metrics.jsonl and a TensorBoard event file, both flushed after every step.
+        let mut writer = if resume {
+            RunWriter::resume(&out, step)
+        } else {
+            RunWriter::create(&out)
+        }
+        .map_err(metrics_err)?;
+        let metrics_path = writer.metrics_path().to_path_buf();
+        start_eval_log(&out, resume.then_some(step))?;
+        if job.eval.before_train && !resume {
+            // Nothing is trained yet, so a failure here needs no recovery hint.
+            evaluate_after_step(job, None, 0, &out).await?;
+        }
+        let total = job.job.steps;
+        let every = job.checkpoint.every;
+        let t0 = Instant::now();
+        let first_step = step;
+        let mut rewards = Vec::new();
+        let mut saved_at = None;
+        for _ in step..total {
+            let mut record = |m: &StepMetrics| {
+                step += 1;
+                writer.write_step(step, &m.values).map_err(metrics_err)?;
+                rewards.push(m.get(names::REWARDS_MEAN).unwrap_or(f64::NAN));
+                on_step(&Progress {
+                    step,
+                    total,
+                    elapsed_s: t0.elapsed().as_secs_f64(),
+                    first_step,
+                    metrics: m,
+                });
+                Ok::<(), JobError>(())
+            };
+            let stepped = match live.as_mut() {
+                Some(l) => match l.step().await {
                     Ok(m) => record(&m),
                     Err(e) => Err(e),
+                },
+                None if job.placement.mode == PlacementMode::Disaggregated => {
+                    match step_surviving_node_loss(job, node, &mut controllers, &custom, &mut named)
+                        .await
+                    {
+                        Ok(m) => record(&m),
+                        Err(e) => Err(e),
+                    }
                 }
+                None => run_steps(&mut controllers, 1, record).await,
+            };
+            if let Err(e) = stepped {
+                return Err(JobError::Stopped {
+                    source: Box::new(e),
+                    recovery: recovery_hint(&out, &checkpoint_dir, every),
+                });
             }
-            None => run_steps(&mut controllers, 1, record).await,
-        };
-        if let Err(e) = stepped {
-            return Err(JobError::Stopped {
-                source: Box::new(e),
-                recovery: recovery_hint(&out, &checkpoint_dir, every),
-            });
+            let eval_now = job.eval.every > 0 && (step % job.eval.every == 0 || step == total);
+            if (every > 0 && step % every == 0 && step < total) || eval_now {
+                match &live {
+                    Some(l) => save(l.controllers(), &checkpoint_dir).await?,
+                    None => save(&controllers, &checkpoint_dir).await?,
+                }
+                saved_at = Some(step);
+            }
+            if eval_now {
+                evaluate_after_step(job, Some(&checkpoint_dir), step, &out)
+                    .await
+                    .map_err(|e| JobError::Stopped {
+                        source: Box::new(e),
+                        recovery: recovery_hint(&out, &checkpoint_dir, every),
+                    })?;
+            }
         }
-        let eval_now = job.eval.every > 0 && (step % job.eval.every == 0 || step == total);
-        if (every > 0 && step % every == 0 && step < total) || eval_now {
+        let seconds = t0.elapsed().as_secs_f64();
+        // The last step's checkpoint is already there when it was evaluated.
+        if saved_at != Some(step) {
             match &live {
                 Some(l) => save(l.controllers(), &checkpoint_dir).await?,
                 None => save(&controllers, &checkpoint_dir).await?,
             }
-            saved_at = Some(step);
         }
-        if eval_now {
-            evaluate_after_step(job, Some(&checkpoint_dir), step, &out)
-                .await
-                .map_err(|e| JobError::Stopped {
-                    source: Box::new(e),
-                    recovery: recovery_hint(&out, &checkpoint_dir, every),
-                })?;
-        }
+        Ok(TrainSummary {
+            steps: step,
+            metrics_path,
+            checkpoint_dir,
+            seconds,
+            rewards,
+        })
     }
-    let seconds = t0.elapsed().as_secs_f64();
-    // The last step's checkpoint is already there when it was evaluated.
-    if saved_at != Some(step) {
-        match &live {
-            Some(l) => save(l.controllers(), &checkpoint_dir).await?,
-            None => save(&controllers, &checkpoint_dir).await?,
-        }
+    .await;
+    // The job is over, finished or not: its roles (built-in, and those `[roles]` named)
+    // stop, so their memory and names are free for the next job on these nodes.
+    let started = StartedRoles::default();
+    started.add_custom(&roles);
+    match &live {
+        Some(l) => l.add_roles_to(&started),
+        None => controllers.iter().for_each(|c| started.add_controller(c)),
     }
-    Ok(TrainSummary {
-        steps: step,
-        metrics_path,
-        checkpoint_dir,
-        seconds,
-        rewards,
-    })
+    started.forget(&custom);
+    let n = started.len();
+    let stopped = started
+        .stop_all(node, job_timeouts(job).sync.min(STOP_WAIT))
+        .await;
+    tracing::info!(stopped, of = n, "stopped the job's roles");
+    ran
 }
 
 /// How often one step may lose roles and run again before the run stops.

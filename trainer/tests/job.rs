@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use yatt_runtime::Node;
-use yatt_trainer::{train, JobConfig, JOB_FILE};
+use yatt_trainer::{build_embedded_with, train, CustomRoles, JobConfig, JOB_FILE};
 
 mod common;
 
@@ -390,4 +390,61 @@ async fn an_eval_without_enough_held_out_prompts_is_refused_before_training() {
         !out.path().join("metrics.jsonl").exists(),
         "it trained first"
     );
+}
+
+/// Regression: a job left its roles running on the node when it ended (and a build that
+/// failed part-way, those it had started), holding their models and names: a second job
+/// on the same node (a service that trains twice) failed with "rollout/0 is already
+/// running on this node". Now the job's roles stop when it ends, finished or failed,
+/// and a failed build stops what it started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_run_back_to_back_on_one_node_and_leave_nothing_running() {
+    let certs = tempfile::tempdir().unwrap();
+    let node = Node::builder("n0")
+        .dev_certs(certs.path())
+        .start()
+        .await
+        .unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let job = demo(out.path(), &["job.steps=1"]);
+    for run in 0..2 {
+        let summary = train(&job, &node, |_| {}).await;
+        assert_eq!(summary.unwrap().steps, 1, "run {run}");
+        assert_eq!(node.hosted(), Vec::new(), "run {run} left roles running");
+    }
+    // A step that fails ends the job too.
+    let other = tempfile::tempdir().unwrap();
+    let failing = demo(other.path(), &["job.steps=1", "timeouts.generate_s=1e-6"]);
+    assert!(train(&failing, &node, |_| {}).await.is_err());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !node.hosted().is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a failed job left {:?} running",
+            node.hosted()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    // A build that fails after its roles started (the checkpoint has one head, the job
+    // two) stops them before it answers.
+    let two_heads = demo(out.path(), &["job.steps=2", "job.controllers=2"]);
+    let e = build_embedded_with(&two_heads, &node, Some(out.path()), &CustomRoles::default())
+        .await
+        .err()
+        .expect("a resume with another number of heads was accepted")
+        .to_string();
+    assert!(e.contains("controller(s)"), "{e}");
+    assert_eq!(
+        node.hosted(),
+        Vec::new(),
+        "the failed build left roles running"
+    );
+    let resumed = demo(out.path(), &["job.steps=2"]);
+    let controllers =
+        build_embedded_with(&resumed, &node, Some(out.path()), &CustomRoles::default())
+            .await
+            .unwrap();
+    assert_eq!(controllers[0].step_count(), 1);
+    drop(controllers);
+    node.shutdown().await;
 }

@@ -339,3 +339,60 @@ async fn a_live_placement_run_resumes_as_if_it_had_not_stopped() {
         "a resumed live-placement run differs from the uninterrupted one"
     );
 }
+
+/// A live-placement build that fails after its groups' replicas started (here: a
+/// checkpoint whose run state lists one head for the job's two) stops them, and the
+/// reward it started, before it answers: nothing is left running on the node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_build_that_fails_after_starting_its_groups_leaves_nothing_running() {
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/live-placement.toml");
+    let out = tempfile::tempdir().unwrap();
+    let sets = [
+        format!("job.output_dir=\"{}\"", out.path().display()),
+        "job.steps=2".to_string(),
+        "data.task=\"letters\"".to_string(),
+        "rollout.max_new_tokens=6".to_string(),
+        "model.max_seq_len=32".to_string(),
+    ];
+    let job = JobConfig::load(config, &sets).unwrap();
+    let certs = tempfile::tempdir().unwrap();
+    let node = Node::builder("live-f")
+        .dev_certs(certs.path())
+        .start()
+        .await
+        .unwrap();
+    train_with(&job, &node, TrainOptions::default(), |_| {})
+        .await
+        .unwrap();
+    assert_eq!(
+        node.hosted(),
+        Vec::new(),
+        "the finished job left roles running"
+    );
+    let state = out.path().join("checkpoint/run_state.json");
+    let mut run: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
+    run["controllers"].as_array_mut().unwrap().truncate(1);
+    std::fs::write(&state, run.to_string()).unwrap();
+    let options = TrainOptions {
+        resume: true,
+        ..Default::default()
+    };
+    let more = JobConfig::load(
+        config,
+        &sets.map(|s| s.replace("job.steps=2", "job.steps=4")),
+    )
+    .unwrap();
+    let e = train_with(&more, &node, options, |_| {})
+        .await
+        .err()
+        .expect("a checkpoint with one head resumed a job with two")
+        .to_string();
+    assert!(e.contains("controller(s)"), "{e}");
+    assert_eq!(
+        node.hosted(),
+        Vec::new(),
+        "the failed build left roles running"
+    );
+    node.shutdown().await;
+}

@@ -34,6 +34,7 @@ use crate::controller::core::Controller;
 use crate::controller::data_parallel::join_policy_ring;
 use crate::controller::error::ControllerError;
 use crate::controller::refs::{variant, PolicyRef, RoleRefs, RolloutRef, SamplesRef};
+use crate::controller::release::{stop_if_failed, StartedRoles, STOP_WAIT};
 use crate::error::JobError;
 
 /// Requests a role's thread queues before its actor's mailbox takes the backpressure.
@@ -281,11 +282,27 @@ pub async fn build_cluster(job: &JobConfig, node: &Node) -> Result<Vec<Controlle
 /// the reference stays the initial model. The slots `custom` takes are the user's roles
 /// (wherever the user spawned them) instead of built-in ones on the nodes [placement]
 /// names, and its stages join every head.
+///
+/// A build that fails after it started roles stops them before it returns the error.
 pub(crate) async fn build_cluster_from(
     job: &JobConfig,
     node: &Node,
     checkpoint: Option<&Path>,
     custom: &CustomRoles,
+) -> Result<Vec<Controller>, JobError> {
+    let within = job_timeouts(job).sync.min(STOP_WAIT);
+    stop_if_failed(node, within, |started| {
+        build_cluster_in(job, node, checkpoint, custom, started)
+    })
+    .await
+}
+
+async fn build_cluster_in(
+    job: &JobConfig,
+    node: &Node,
+    checkpoint: Option<&Path>,
+    custom: &CustomRoles,
+    started: StartedRoles,
 ) -> Result<Vec<Controller>, JobError> {
     job.validate()?;
     let p = &job.placement;
@@ -306,7 +323,7 @@ pub(crate) async fn build_cluster_from(
     let rollouts = async {
         let mut v = custom.rollouts.clone();
         for _ in v.len()..job.job.controllers {
-            v.push(spawn(job, &text, node, "rollout", &p.rollout, None).await?);
+            v.push(started.keep(spawn(job, &text, node, "rollout", &p.rollout, None).await?));
         }
         Ok::<Vec<RolloutRef>, ControllerError>(v)
     };
@@ -316,11 +333,11 @@ pub(crate) async fn build_cluster_from(
     };
     let policies = async {
         let mut v: Vec<PolicyRef> = custom.policy.iter().cloned().collect();
-        let spawned = futures::future::try_join_all(
-            policy_nodes
-                .iter()
-                .map(|target| spawn(job, &text, node, "policy", target, checkpoint)),
-        )
+        let spawned = futures::future::try_join_all(policy_nodes.iter().map(|target| async {
+            Ok::<_, ControllerError>(
+                started.keep(spawn(job, &text, node, "policy", target, checkpoint).await?),
+            )
+        }))
         .await?;
         v.extend(spawned);
         Ok::<_, ControllerError>(v)
@@ -329,7 +346,7 @@ pub(crate) async fn build_cluster_from(
         match (&custom.critic, ppo) {
             (Some(c), _) => Ok(Some(c.clone())),
             (None, true) => Ok(Some(
-                spawn(job, &text, node, "critic", &p.critic, checkpoint).await?,
+                started.keep(spawn(job, &text, node, "critic", &p.critic, checkpoint).await?),
             )),
             (None, false) => Ok::<_, ControllerError>(None),
         }
@@ -337,7 +354,7 @@ pub(crate) async fn build_cluster_from(
     let reward = async {
         match &custom.reward {
             Some(r) => Ok(r.clone()),
-            None => spawn(job, &text, node, "reward", &p.reward, None).await,
+            None => Ok(started.keep(spawn(job, &text, node, "reward", &p.reward, None).await?)),
         }
     };
     // With no KL term there is nothing for a reference to hold or run (as embedded).
@@ -346,7 +363,7 @@ pub(crate) async fn build_cluster_from(
             (Some(r), _) => Ok(Some(r.clone())),
             (None, KlMode::None) => Ok(None),
             (None, _) => Ok(Some(
-                spawn(job, &text, node, "reference", &p.reference, None).await?,
+                started.keep(spawn(job, &text, node, "reference", &p.reference, None).await?),
             )),
         }
     };

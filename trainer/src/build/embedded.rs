@@ -8,7 +8,7 @@ use yatt_runtime::RING_CHUNK_BYTES;
 use crate::build::custom::CustomRoles;
 use crate::build::data::training_prompts;
 use crate::build::devices::role_group;
-use crate::build::heads::controllers;
+use crate::build::heads::{controllers, job_timeouts};
 use crate::build::parts::{
     base_model, critic_role, policy_ring, policy_role_from, policy_trainer, reference_role,
     rollout_role,
@@ -21,6 +21,7 @@ use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::join_policy_ring;
 use crate::controller::refs::{spawn_role, PolicyRef, RoleRefs};
+use crate::controller::release::{stop_if_failed, StartedRoles, STOP_WAIT};
 use crate::error::JobError;
 
 /// Builds the models, roles (on `node`, with `spawn_local`) and the controllers of an
@@ -35,11 +36,28 @@ pub async fn build_embedded(job: &JobConfig, node: &Node) -> Result<Vec<Controll
 /// controller's position come from `RESUME/checkpoint`, the rollouts start with the
 /// policy's weights, and the reference is rebuilt from `model.source` (it is the
 /// initial policy).
+///
+/// A build that fails after it started roles stops them before it returns the error,
+/// so nothing of it stays running on `node`.
 pub async fn build_embedded_with(
     job: &JobConfig,
     node: &Node,
     resume: Option<&Path>,
     custom: &CustomRoles,
+) -> Result<Vec<Controller>, JobError> {
+    let within = job_timeouts(job).sync.min(STOP_WAIT);
+    stop_if_failed(node, within, |started| {
+        build_embedded_in(job, node, resume, custom, started)
+    })
+    .await
+}
+
+async fn build_embedded_in(
+    job: &JobConfig,
+    node: &Node,
+    resume: Option<&Path>,
+    custom: &CustomRoles,
+    started: StartedRoles,
 ) -> Result<Vec<Controller>, JobError> {
     job.validate()?;
     if job.placement.mode != PlacementMode::Colocate {
@@ -95,14 +113,14 @@ pub async fn build_embedded_with(
             .map_or(&model, |t| &t.model);
         let m = from.deep_copy(dev, kind).map_err(me)?;
         let role = rollout_role(job, m, codec.clone());
-        rollouts.push(spawn_role(node, role, i as u32, g()).await?);
+        rollouts.push(started.keep(spawn_role(node, role, i as u32, g()).await?));
     }
     let critic = if let Some(c) = &custom.critic {
         Some(c.clone())
     } else if job.algorithm.name.needs_critic() {
         let m = model.deep_copy(dev, kind).map_err(me)?;
         let role = critic_role(job, m, load("critic")?, pad_id)?;
-        Some(spawn_role(node, role, 0, g()).await?)
+        Some(started.keep(spawn_role(node, role, 0, g()).await?))
     } else {
         None
     };
@@ -113,14 +131,14 @@ pub async fn build_embedded_with(
         if replicated {
             role = role.with_ring(policy_ring(node, i as u32)?);
         }
-        policies.push(spawn_role(node, role, i as u32, g()).await?);
+        policies.push(started.keep(spawn_role(node, role, i as u32, g()).await?));
     }
     let shared = RoleRefs {
         rollout: rollouts[0].clone(),
         extra_rollouts: Vec::new(),
         reward: match &custom.reward {
             Some(r) => r.clone(),
-            None => spawn_reward(job, node, g()).await?,
+            None => started.keep(spawn_reward(job, node, g()).await?),
         },
         // The reference is the initial policy, also when resuming; with no KL term
         // there is nothing to hold or run.
@@ -129,7 +147,7 @@ pub async fn build_embedded_with(
             KlMode::None => None,
             KlMode::Loss | KlMode::Reward => {
                 let m = model.deep_copy(dev, kind).map_err(me)?;
-                Some(spawn_role(node, reference_role(job, m, pad_id), 0, g()).await?)
+                Some(started.keep(spawn_role(node, reference_role(job, m, pad_id), 0, g()).await?))
             }
         },
         policy: policies[0].clone(),

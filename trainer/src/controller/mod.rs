@@ -11,6 +11,7 @@ pub(crate) mod generate;
 pub(crate) mod pipeline;
 pub(crate) mod probe;
 pub(crate) mod refs;
+pub(crate) mod release;
 pub(crate) mod report;
 pub(crate) mod residency;
 pub(crate) mod stages;

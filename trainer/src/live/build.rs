@@ -20,6 +20,7 @@ use crate::build::cluster::{job_text, wait_for_nodes};
 use crate::build::custom::CustomRoles;
 use crate::build::data::training_prompts;
 use crate::build::devices::role_group;
+use crate::build::heads::job_timeouts;
 use crate::build::parts::base_model;
 use crate::build::reward::spawn_reward;
 use crate::checkpoint::restore_controllers;
@@ -28,6 +29,7 @@ use crate::config::modes::{KlMode, PlacementMode};
 use crate::config::sections::JobConfig;
 use crate::controller::probe::GenProbe;
 use crate::controller::refs::{spawn_role, PolicyRef};
+use crate::controller::release::{StartedRoles, STOP_WAIT};
 use crate::error::JobError;
 use crate::live::errors::me;
 use crate::live::errors::placement_err;
@@ -169,7 +171,6 @@ impl LivePlacement {
             true => cluster_inventory(job, node).await?,
         };
         let (policy, plan) = placement_policy(job, &mut model, inventory)?;
-        let (hosts, shared) = shared_roles(job, node, model, codec, pad_id, custom).await?;
         let out = job.job.output_dir.clone();
         std::fs::create_dir_all(&out).map_err(|source| JobError::Write {
             path: out.clone(),
@@ -187,6 +188,8 @@ impl LivePlacement {
                 path: log_path.clone(),
                 source,
             })?;
+        // The last step before roles start: nothing above leaves any running.
+        let (hosts, shared) = shared_roles(job, node, model, codec, pad_id, custom).await?;
         let mut live = LivePlacement {
             job: job.clone(),
             prompts,
@@ -212,36 +215,57 @@ impl LivePlacement {
             rolled_back: false,
             resume_from: checkpoint.map(std::path::Path::to_path_buf),
         };
+        if let Err(e) = live.start_groups(checkpoint, custom).await {
+            // A build that fails part-way stops what it started; the caller's roles stay.
+            let started = StartedRoles::default();
+            live.add_roles_to(&started);
+            started.forget(&custom.actor_ids());
+            started
+                .stop_all(node, job_timeouts(job).sync.min(STOP_WAIT))
+                .await;
+            return Err(e);
+        }
+        Ok(live)
+    }
+
+    /// Starts every group's replica of the plan, routes the heads over them, and gives
+    /// them the first policy replica's weights (or the checkpoint's state).
+    async fn start_groups(
+        &mut self,
+        checkpoint: Option<&std::path::Path>,
+        custom: &CustomRoles,
+    ) -> Result<(), JobError> {
+        let plan = self.plan.clone();
         // Every policy replica starts from the first one's state (a fresh trainer):
         // across processes nothing else guarantees the same weights.
         let mut first: Option<PolicyRef> = None;
         for pool in &plan.pools {
             for g in &pool.groups {
                 let r = if pool.roles.contains(PRole::Rollout) {
-                    Replica::Rollout(live.start_rollout(*g).await?)
+                    Replica::Rollout(self.start_rollout(*g).await?)
                 } else {
-                    let r = live.start_policy(*g, first.as_ref()).await?;
+                    let r = self.start_policy(*g, first.as_ref()).await?;
                     first.get_or_insert_with(|| r.clone());
                     Replica::Policy(r)
                 };
-                live.replicas.insert(*g, r);
+                self.replicas.insert(*g, r);
             }
         }
-        live.route(None).await?;
-        live.resume_from = None;
+        self.route(None).await?;
+        self.resume_from = None;
         match checkpoint {
-            Some(dir) => restore_controllers(&mut live.controllers, dir).await?,
-            None => live.sync_all().await?,
+            Some(dir) => restore_controllers(&mut self.controllers, dir).await?,
+            None => self.sync_all().await?,
         }
         // A reference built here starts from the model; one elsewhere (a cluster's, or
         // the user's) takes the initial policy's weights, as the other builds do.
         let takes_weights =
-            matches!(live.hosts, Hosts::Cluster { .. }) || custom.reference.is_some();
+            matches!(self.hosts, Hosts::Cluster { .. }) || custom.reference.is_some();
         if let (Some(reference), Some(policy), true, None) =
-            (&live.shared.reference, &first, takes_weights, checkpoint)
+            (&self.shared.reference, &first, takes_weights, checkpoint)
         {
             // The reference is the initial policy, whichever node built it.
-            let t = live.deadline();
+            let t = self.deadline();
             let update = match ask_policy(policy, PolicyRequest::ExportWeights, t).await? {
                 PolicyResponse::Weights(u) => u,
                 other => return Err(unexpected("ExportWeights", &other)),
@@ -251,8 +275,8 @@ impl LivePlacement {
                 .await
                 .map_err(|e| placement_err(format!("the reference did not take weights: {e}")))?;
         }
-        live.publish(0)?;
-        Ok(live)
+        self.publish(0)?;
+        Ok(())
     }
 }
 

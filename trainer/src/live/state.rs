@@ -121,6 +121,21 @@ impl LivePlacement {
         &self.controllers
     }
 
+    /// Every role it runs: each group's replica, the shared roles and the heads'.
+    pub(crate) fn add_roles_to(&self, started: &crate::controller::release::StartedRoles) {
+        for r in self.replicas.values() {
+            match r {
+                Replica::Rollout(r) => started.add(r),
+                Replica::Policy(p) => started.add(p),
+            }
+        }
+        started.add(&self.shared.reward);
+        self.shared.reference.iter().for_each(|r| started.add(r));
+        self.controllers
+            .iter()
+            .for_each(|c| started.add_controller(c));
+    }
+
     /// The routing version the heads follow (1 at the start, +1 per migration).
     pub fn routing_version(&self) -> u64 {
         self.routing_version
