@@ -975,7 +975,7 @@ mod tests {
         );
         assert!(t.elapsed() < std::time::Duration::from_secs(5), "it waited");
         assert_eq!(r.weights_version(), 0);
-        let mut readiness =
+        let readiness =
             |r: &mut RolloutRole| match r.serve(RolloutRequest::CanReceiveBroadcast).unwrap() {
                 RolloutResponse::BroadcastReadiness(ready) => ready,
                 other => panic!("{other:?}"),
