@@ -39,12 +39,13 @@ pub use yatt_roles::{
 /// ```
 ///
 /// Why not the system allocator: glibc's malloc serves the transport's large, short-lived
-/// buffers (quinn's ~640 KiB segmentation-offload batches, received stream chunks) from
-/// per-thread arenas that it trims and grows again on every transfer, and from fresh
-/// `mmap`s until its adaptive threshold settles. Every 64 MiB handoff over plain QUIC
-/// then paid for page faults, and the first tens of handoffs on a connection ran 1.5×
-/// slower than later ones. mimalloc keeps freed pages for reuse; side by side in one run
-/// it took plain-QUIC bulk from 55–63 % to 84–103 % of TCP loopback (docs/benchmarks.md).
+/// buffers (the segmentation-offload batches quinn assembles, up to ten 64 KiB packets,
+/// and received stream chunks) from per-thread arenas that it trims and grows again
+/// around every transfer, and from fresh `mmap`s until its adaptive threshold settles.
+/// Handoffs over plain QUIC then paid for page faults, and the first tens of 64 MiB
+/// handoffs of a process ran 1.5× slower than later ones. mimalloc keeps freed pages
+/// for reuse; measured side by side in the same minutes, it took plain-QUIC bulk from
+/// 53–60 % to 95–104 % of TCP loopback (docs/benchmarks.md).
 /// It governs Rust allocations only: libtorch's tensors keep their own allocator.
 pub use mimalloc::MiMalloc as Allocator;
 
