@@ -146,5 +146,22 @@ async fn user_roles_join_a_disaggregated_job_on_stock_daemons() {
                 .all(|h| !h.contains("/reward/") && !h.contains("/reference/")),
         "{hosted:?}"
     );
+    // The job over, the trainer still in the cluster: the roles the job started on the
+    // daemons have stopped, and the user's own (on the trainer's node) still run.
+    let after: Vec<String> = cluster
+        .nodes
+        .iter()
+        .map(|n| match n.health() {
+            Some(h) => h["hosted"].to_string(),
+            None => panic!("a daemon's /health did not answer"),
+        })
+        .collect();
+    assert!(
+        after
+            .iter()
+            .all(|h| !h.contains("/rollout/") && !h.contains("/policy/")),
+        "the job left roles on the daemons: {after:?}"
+    );
+    assert_eq!(trainer.hosted().len(), 2, "{:?}", trainer.hosted());
     trainer.shutdown().await;
 }
