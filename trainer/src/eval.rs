@@ -171,10 +171,13 @@ pub fn eval_prompts(job: &JobConfig, options: &EvalOptions) -> Result<Vec<Prompt
     // candidates is plenty, and a small task space is reported below, not looped on.
     other.data.num_prompts = n.saturating_mul(4).saturating_add(64);
     let held_out = |i: usize| format!("held-out prompt {i} of data.task");
-    let mut candidates = prompts(&other)?;
-    if job.data.filter_overlong_prompts {
-        candidates = fit_prompts(job, candidates, held_out)?;
-    }
+    // With the filter, overlong candidates are dropped before the n are picked; without
+    // it, the n picked are checked at the end.
+    let filter = job.data.filter_overlong_prompts;
+    let candidates = match filter {
+        true => fit_prompts(job, prompts(&other)?, held_out)?,
+        false => prompts(&other)?,
+    };
     let mut out = Vec::with_capacity(n);
     for p in candidates {
         if out.len() == n {
@@ -192,8 +195,10 @@ pub fn eval_prompts(job: &JobConfig, options: &EvalOptions) -> Result<Vec<Prompt
             job.data.length
         )));
     }
-    // Without the filter every prompt kept must fit (with it, all of them do).
-    Ok(fit_prompts(job, out, held_out)?)
+    match filter {
+        true => Ok(out),
+        false => Ok(fit_prompts(job, out, held_out)?),
+    }
 }
 
 /// The rollout role that answers: the job's base model exactly as training builds it,

@@ -8,7 +8,6 @@ use yatt_runtime::{ActorId, Node};
 
 use crate::build::custom::CustomRoles;
 use crate::build::embedded::build_embedded_with;
-use crate::build::heads::job_timeouts;
 use crate::build::respawn::{respawn_lost_roles, Recovered};
 use crate::build::user_roles::{with_config_roles, NamedRoles};
 use crate::checkpoint::{check_same_run, recover, save, RunState, JOB_FILE};
@@ -16,7 +15,7 @@ use crate::config::modes::PlacementMode;
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::step_data_parallel;
-use crate::controller::release::{StartedRoles, STOP_WAIT};
+use crate::controller::release::StartedRoles;
 use crate::controller::report::{average_heads, ControllerState, StepMetrics};
 use crate::error::JobError;
 use crate::eval::{
@@ -299,9 +298,7 @@ pub async fn train_with(
     }
     started.forget(&custom);
     let n = started.len();
-    let stopped = started
-        .stop_all(node, job_timeouts(job).sync.min(STOP_WAIT))
-        .await;
+    let stopped = started.stop_all(node, job).await;
     tracing::info!(stopped, of = n, "stopped the job's roles");
     ran
 }

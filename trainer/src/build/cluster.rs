@@ -34,7 +34,7 @@ use crate::controller::core::Controller;
 use crate::controller::data_parallel::join_policy_ring;
 use crate::controller::error::ControllerError;
 use crate::controller::refs::{variant, PolicyRef, RoleRefs, RolloutRef, SamplesRef};
-use crate::controller::release::{stop_if_failed, StartedRoles, STOP_WAIT};
+use crate::controller::release::{stop_if_failed, StartedRoles};
 use crate::error::JobError;
 
 /// Requests a role's thread queues before its actor's mailbox takes the backpressure.
@@ -290,8 +290,7 @@ pub(crate) async fn build_cluster_from(
     checkpoint: Option<&Path>,
     custom: &CustomRoles,
 ) -> Result<Vec<Controller>, JobError> {
-    let within = job_timeouts(job).sync.min(STOP_WAIT);
-    stop_if_failed(node, within, |started| {
+    stop_if_failed(node, job, |started| {
         build_cluster_in(job, node, checkpoint, custom, started)
     })
     .await

@@ -65,71 +65,48 @@ pub(crate) fn training_prompts(job: &JobConfig) -> Result<Arc<[Prompt]>, JobErro
     Ok(fit_prompts(job, prompts(job)?, |row| row_name(job, row))?.into())
 }
 
-/// How many tokens a prompt takes in the rollout's encoding (chat template included),
-/// and how many `model.max_seq_len` leaves it after `rollout.max_new_tokens`.
-struct PromptRoom {
-    codec: Arc<dyn TextCodec>,
-    /// Tokens left for the prompt.
-    room: usize,
-}
-
-impl PromptRoom {
-    /// `None` (said at info) when this process cannot load the tokenizer: a cluster's
-    /// launcher may not hold the model.
-    fn of(job: &JobConfig) -> Option<Self> {
-        let codec: Arc<dyn TextCodec> = match &job.model.source {
-            ModelSource::Tiny => Arc::new(TINY_CODEC),
-            ModelSource::Dir(dir) => match yatt_engine::Tokenizer::from_dir(dir) {
-                Ok(t) => Arc::new(TokenizerCodec {
-                    tokenizer: Arc::new(t),
-                    chat: job.model.chat,
-                }),
-                Err(e) => {
-                    tracing::info!(model = %dir.display(), error = %e, "prompt lengths not checked here: the tokenizer does not load in this process");
-                    return None;
-                }
-            },
-        };
-        let room = job
-            .model
-            .max_seq_len
-            .saturating_sub(job.rollout.max_new_tokens);
-        Some(PromptRoom { codec, room })
-    }
-
-    fn tokens(&self, p: &Prompt) -> Result<usize, String> {
-        encode_prompt(self.codec.as_ref(), p)
-            .map(|t| t.len())
-            .map_err(|e| e.to_string())
-    }
-}
-
 /// `prompts` that fit `model.max_seq_len` with `rollout.max_new_tokens` after them, in
 /// the rollout's encoding. A prompt that does not fit would fail the step that draws it,
 /// maybe hours in, so it is an error here, naming the longest (`name` gives a prompt's
 /// place from its index), or, with `data.filter_overlong_prompts`, dropped with a
-/// warning. Unchecked when this process cannot load the tokenizer ([`PromptRoom::of`]).
+/// warning. Unchecked (said at info) when this process cannot load the tokenizer: a
+/// cluster's launcher may not hold the model.
 pub(crate) fn fit_prompts(
     job: &JobConfig,
     prompts: Vec<Prompt>,
     name: impl Fn(usize) -> String,
 ) -> Result<Vec<Prompt>, JobError> {
-    let Some(fit) = PromptRoom::of(job) else {
-        return Ok(prompts);
+    let codec: Arc<dyn TextCodec> = match &job.model.source {
+        ModelSource::Tiny => Arc::new(TINY_CODEC),
+        ModelSource::Dir(dir) => match yatt_engine::Tokenizer::from_dir(dir) {
+            Ok(t) => Arc::new(TokenizerCodec {
+                tokenizer: Arc::new(t),
+                chat: job.model.chat,
+            }),
+            Err(e) => {
+                tracing::info!(model = %dir.display(), error = %e, "prompt lengths not checked here: the tokenizer does not load in this process");
+                return Ok(prompts);
+            }
+        },
     };
-    let room = fit.room;
+    let room = job
+        .model
+        .max_seq_len
+        .saturating_sub(job.rollout.max_new_tokens);
     let mut longest: Option<(usize, usize)> = None;
     let mut over = 0;
     let mut kept = Vec::with_capacity(prompts.len());
     for (row, p) in prompts.into_iter().enumerate() {
-        let tokens = fit.tokens(&p).map_err(|e| {
-            invalid(
-                "data",
-                "prompts the tokenizer encodes",
-                &format!("{} (id {}): {e}", name(row), p.id),
-                "fix or drop that row",
-            )
-        })?;
+        let tokens = encode_prompt(codec.as_ref(), &p)
+            .map_err(|e| {
+                invalid(
+                    "data",
+                    "prompts the tokenizer encodes",
+                    &format!("{} (id {}): {e}", name(row), p.id),
+                    "fix or drop that row",
+                )
+            })?
+            .len();
         if tokens <= room {
             kept.push(p);
             continue;

@@ -8,7 +8,7 @@ use yatt_runtime::RING_CHUNK_BYTES;
 use crate::build::custom::CustomRoles;
 use crate::build::data::training_prompts;
 use crate::build::devices::role_group;
-use crate::build::heads::{controllers, job_timeouts};
+use crate::build::heads::controllers;
 use crate::build::parts::{
     base_model, critic_role, policy_ring, policy_role_from, policy_trainer, reference_role,
     rollout_role,
@@ -21,7 +21,7 @@ use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::join_policy_ring;
 use crate::controller::refs::{spawn_role, PolicyRef, RoleRefs};
-use crate::controller::release::{stop_if_failed, StartedRoles, STOP_WAIT};
+use crate::controller::release::{stop_if_failed, StartedRoles};
 use crate::error::JobError;
 
 /// Builds the models, roles (on `node`, with `spawn_local`) and the controllers of an
@@ -45,8 +45,7 @@ pub async fn build_embedded_with(
     resume: Option<&Path>,
     custom: &CustomRoles,
 ) -> Result<Vec<Controller>, JobError> {
-    let within = job_timeouts(job).sync.min(STOP_WAIT);
-    stop_if_failed(node, within, |started| {
+    stop_if_failed(node, job, |started| {
         build_embedded_in(job, node, resume, custom, started)
     })
     .await

@@ -10,6 +10,8 @@ use yatt_roles::{RoleRequest, RoleResponse};
 use yatt_runtime::{ActorId, ActorRef, CallError, Directory, Liveness, Node};
 
 use crate::build::custom::CustomRoles;
+use crate::build::heads::job_timeouts;
+use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::error::JobError;
 
@@ -30,7 +32,12 @@ impl<Req: Send + 'static, Resp: Send + 'static> StopRole
 /// How long the end of a job waits for each of its roles to stop. An idle role stops at
 /// once; one still serving the call that failed the job stops when that call ends, and
 /// the job's error should not wait for that.
-pub(crate) const STOP_WAIT: Duration = Duration::from_secs(30);
+const STOP_WAIT: Duration = Duration::from_secs(30);
+
+/// Each role's deadline to stop: the job's `timeouts.sync_s`, at most [`STOP_WAIT`].
+fn stop_within(job: &JobConfig) -> Duration {
+    job_timeouts(job).sync.min(STOP_WAIT)
+}
 
 /// The roles to stop, each once (by actor id). Shared by the concurrent spawns of a
 /// build, so the lock is never held across an await.
@@ -105,7 +112,8 @@ impl StartedRoles {
     /// to this node is released anyway when this node leaves. Then waits (within
     /// `within`) until the stopped roles' names are free, on this node and in the
     /// directory, so a job started next can take them. Returns how many stopped.
-    pub(crate) async fn stop_all(&self, node: &Node, within: Duration) -> usize {
+    pub(crate) async fn stop_all(&self, node: &Node, job: &JobConfig) -> usize {
+        let within = stop_within(job);
         let roles: Vec<(ActorId, Arc<dyn StopRole>)> =
             std::mem::take(&mut *self.roles()).into_iter().collect();
         let asks = roles.iter().map(|(id, r)| async move {
@@ -164,10 +172,10 @@ impl StartedRoles {
 }
 
 /// Runs `build` with the set its spawns record into; if it fails, stops what it had
-/// started (each within `within`) before answering, so nothing of it stays running.
+/// started before answering, so nothing of it stays running.
 pub(crate) async fn stop_if_failed<T, Fut>(
     node: &Node,
-    within: Duration,
+    job: &JobConfig,
     build: impl FnOnce(StartedRoles) -> Fut,
 ) -> Result<T, JobError>
 where
@@ -176,7 +184,7 @@ where
     let started = StartedRoles::default();
     let built = build(started.clone()).await;
     if built.is_err() {
-        started.stop_all(node, within).await;
+        started.stop_all(node, job).await;
     }
     built
 }

@@ -20,7 +20,6 @@ use crate::build::cluster::{job_text, wait_for_nodes};
 use crate::build::custom::CustomRoles;
 use crate::build::data::training_prompts;
 use crate::build::devices::role_group;
-use crate::build::heads::job_timeouts;
 use crate::build::parts::base_model;
 use crate::build::reward::spawn_reward;
 use crate::checkpoint::restore_controllers;
@@ -29,7 +28,7 @@ use crate::config::modes::{KlMode, PlacementMode};
 use crate::config::sections::JobConfig;
 use crate::controller::probe::GenProbe;
 use crate::controller::refs::{spawn_role, PolicyRef};
-use crate::controller::release::{StartedRoles, STOP_WAIT};
+use crate::controller::release::StartedRoles;
 use crate::error::JobError;
 use crate::live::errors::me;
 use crate::live::errors::placement_err;
@@ -220,9 +219,7 @@ impl LivePlacement {
             let started = StartedRoles::default();
             live.add_roles_to(&started);
             started.forget(&custom.actor_ids());
-            started
-                .stop_all(node, job_timeouts(job).sync.min(STOP_WAIT))
-                .await;
+            started.stop_all(node, job).await;
             return Err(e);
         }
         Ok(live)
