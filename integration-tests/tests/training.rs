@@ -465,6 +465,63 @@ fn a_node_refuses_to_write_a_checkpoint_outside_its_data_directory() {
         .unwrap_or(false));
 }
 
+/// Regression: a cluster build whose spawn failed (here the reward's, on the trainer's
+/// own node) cancelled its sibling spawns mid-flight, so a
+/// role a daemon was starting for one of them was recorded nowhere and ran until the
+/// trainer left. Now every spawn runs to its end and the build stops all that started
+/// before it answers, while the trainer stays in the cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_build_that_fails_while_its_other_roles_spawn_leaves_nothing_running() {
+    let cluster = Cluster::start("bf", 2);
+    // Refused the moment a role's registration on bf-1 reaches this node: its daemon
+    // has started it and is about to answer the spawn, which the failure then drops.
+    let refuse = |node: &Node, _: &yatt_runtime::ActorName, _: yatt_trainer::RoleArgs| {
+        let node = node.clone();
+        async move {
+            let seen = || {
+                node.directory().read(|d| {
+                    d.actors().any(|a| {
+                        a.id.name.node == "bf-1" && a.liveness == yatt_runtime::Liveness::Alive
+                    })
+                })
+            };
+            let t = std::time::Instant::now();
+            while !seen() && t.elapsed() < Duration::from_secs(30) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            Err::<yatt_roles::RoleActor<yatt_roles::RewardRole>, _>(
+                "refused by the test".to_string(),
+            )
+        }
+    };
+    let trainer = Node::builder("bf-trainer")
+        .dev_certs(cluster.ca_dir())
+        .seed(cluster.nodes[0].addr)
+        .factory_with_node("reward", refuse)
+        .start()
+        .await
+        .unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let job = letters_job(
+        out.path(),
+        &[
+            ("mode", "disaggregated"),
+            ("rollout", "bf-0"),
+            ("policy", "bf-1"),
+            ("reference", "bf-1"),
+            ("reward", "bf-trainer"),
+        ],
+    );
+    let e = build_cluster(&job, &trainer)
+        .await
+        .err()
+        .expect("a refused reward was spawned")
+        .to_string();
+    assert!(e.contains("refused by the test"), "{e}");
+    assert_roles_released(&cluster);
+    trainer.shutdown().await;
+}
+
 /// Asynchronous RL on the cluster: with `rollout.staleness = 1` the rollout node
 /// generates the next batch while the policy node trains; each sample trains once, one
 /// version behind, and the rewards are those of the same job in one process.

@@ -448,3 +448,60 @@ async fn jobs_run_back_to_back_on_one_node_and_leave_nothing_running() {
     drop(controllers);
     node.shutdown().await;
 }
+
+/// Regression: a job whose `[roles]` failed part-way through spawning (here its stage
+/// names a role no node registers) left the roles spawned before (its reward) running
+/// on the node, holding their names: the same job, mended, then failed with "already
+/// running". Now the spawns that succeeded are stopped before the error is returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_roles_section_that_fails_part_way_leaves_nothing_running() {
+    use yatt_roles::{DeviceGroup, RoleActor, RoleError};
+    use yatt_trainer::{reward_role, StageAt, UserRole, UserStage};
+
+    let out = tempfile::tempdir().unwrap();
+    let mut job = demo(out.path(), &["job.steps=1"]);
+    job.roles.reward = Some(UserRole {
+        role: "my-reward".into(),
+        node: String::new(),
+        args: Default::default(),
+    });
+    job.roles.stages = vec![UserStage {
+        role: "no-such-stage".into(),
+        name: String::new(),
+        after: StageAt::Reward,
+        node: String::new(),
+        args: Default::default(),
+        timeout_s: 30.0,
+    }];
+    let for_reward = job.clone();
+    let certs = tempfile::tempdir().unwrap();
+    let node = Node::builder("n0")
+        .dev_certs(certs.path())
+        .factory_async("my-reward", move |_: serde_json::Value| {
+            let job = for_reward.clone();
+            async move {
+                let make = move || reward_role(&job).map_err(|e| RoleError::Failed(e.to_string()));
+                RoleActor::build("my-reward", make, DeviceGroup::cpu("my-reward"), 4)
+                    .await
+                    .map_err(|e| e.to_string())
+            }
+        })
+        .start()
+        .await
+        .unwrap();
+    let e = train(&job, &node, |_| {})
+        .await
+        .err()
+        .expect("a stage no node registers was spawned")
+        .to_string();
+    assert!(e.contains("roles.stages[0].role"), "{e}");
+    assert_eq!(
+        node.hosted(),
+        Vec::new(),
+        "the failed [roles] left its reward running"
+    );
+    // Mended, the same job on the same node takes the reward's name again and trains.
+    job.roles.stages.clear();
+    assert_eq!(train(&job, &node, |_| {}).await.unwrap().steps, 1);
+    node.shutdown().await;
+}

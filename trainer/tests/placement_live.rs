@@ -396,3 +396,54 @@ async fn a_live_build_that_fails_after_starting_its_groups_leaves_nothing_runnin
     );
     node.shutdown().await;
 }
+
+/// A role that holds a name and serves nothing.
+struct NameHolder;
+
+impl yatt_roles::Role for NameHolder {
+    type Request = Vec<yatt_roles::Sample>;
+    type Response = Vec<yatt_roles::Sample>;
+
+    fn name(&self) -> &str {
+        "reference"
+    }
+
+    fn profile(&self) -> yatt_roles::ResourceProfile {
+        yatt_roles::ResourceProfile::cpu_only()
+    }
+
+    fn start(&mut self, _: &yatt_roles::DeviceGroup) -> Result<(), yatt_roles::RoleError> {
+        Ok(())
+    }
+
+    fn serve(
+        &mut self,
+        s: Vec<yatt_roles::Sample>,
+    ) -> Result<Vec<yatt_roles::Sample>, yatt_roles::RoleError> {
+        Ok(s)
+    }
+}
+
+/// Regression: a live build whose shared roles failed part-way (here the reference
+/// cannot take its name, which an actor of the user's holds) left the reward it had
+/// started running. Now it stops it before it answers; the user's actor stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_build_whose_shared_roles_fail_part_way_leaves_only_the_users_actors() {
+    let (mut job, node, _out, _certs) = embedded("live-s").await;
+    job.algorithm.kl_mode = yatt_trainer::KlMode::Loss;
+    let holder = yatt_trainer::spawn_role(&node, NameHolder, 0, yatt_roles::DeviceGroup::cpu("x"))
+        .await
+        .unwrap();
+    let e = train(&job, &node, |_| {})
+        .await
+        .err()
+        .expect("a reference whose name is taken was started")
+        .to_string();
+    assert!(e.contains("reference"), "{e}");
+    assert_eq!(
+        node.hosted(),
+        vec![holder.id().clone()],
+        "the failed build left a shared role running"
+    );
+    node.shutdown().await;
+}

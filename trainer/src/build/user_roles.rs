@@ -14,6 +14,7 @@ use crate::config::sections::JobConfig;
 use crate::config::user_roles::UserRole;
 use crate::controller::extra_stages::ExtraStage;
 use crate::controller::refs::{RolloutRef, SamplesRef};
+use crate::controller::release::{stop_if_failed, StartedRoles};
 use crate::error::JobError;
 
 /// How long a role with no `node` waits for a node that registers it to join.
@@ -86,8 +87,8 @@ pub(crate) async fn with_config_roles(
     given: &CustomRoles,
 ) -> Result<(CustomRoles, NamedRoles), JobError> {
     let roles = &job.roles;
-    let mut out = given.clone();
-    let mut named = NamedRoles::default();
+    let out = given.clone();
+    let named = NamedRoles::default();
     if roles.is_empty() {
         return Ok((out, named));
     }
@@ -104,25 +105,43 @@ pub(crate) async fn with_config_roles(
             ));
         }
     }
+    // One that fails part-way stops the roles it had spawned before it answers.
+    stop_if_failed(node, job, |started| {
+        spawn_config_roles(job, node, out, named, timeout, started)
+    })
+    .await
+}
+
+/// Spawns each role `job.roles` names into `out`'s slots, recording each in `started`.
+async fn spawn_config_roles(
+    job: &JobConfig,
+    node: &Node,
+    mut out: CustomRoles,
+    mut named: NamedRoles,
+    timeout: Duration,
+    started: StartedRoles,
+) -> Result<(CustomRoles, NamedRoles), JobError> {
+    let roles = &job.roles;
     if let Some(r) = &roles.reward {
-        let a: SamplesRef = spawn_user(node, "roles.reward", r, 0, timeout).await?;
+        let a: SamplesRef = started.keep(spawn_user(node, "roles.reward", r, 0, timeout).await?);
         named.add(a.id(), "roles.reward", r, 0);
         out.reward = Some(a);
     }
     if let Some(r) = &roles.reference {
-        let a: SamplesRef = spawn_user(node, "roles.reference", r, 0, timeout).await?;
+        let a: SamplesRef = started.keep(spawn_user(node, "roles.reference", r, 0, timeout).await?);
         named.add(a.id(), "roles.reference", r, 0);
         out.reference = Some(a);
     }
     if let Some(r) = &roles.critic {
-        out.critic = Some(spawn_user(node, "roles.critic", r, 0, timeout).await?);
+        out.critic = Some(started.keep(spawn_user(node, "roles.critic", r, 0, timeout).await?));
     }
     if let Some(r) = &roles.policy {
-        out.policy = Some(spawn_user(node, "roles.policy", r, 0, timeout).await?);
+        out.policy = Some(started.keep(spawn_user(node, "roles.policy", r, 0, timeout).await?));
     }
     if let Some(r) = &roles.rollout {
         for head in 0..job.job.controllers {
-            let a: RolloutRef = spawn_user(node, "roles.rollout", r, head, timeout).await?;
+            let a: RolloutRef =
+                started.keep(spawn_user(node, "roles.rollout", r, head, timeout).await?);
             named.add(a.id(), "roles.rollout", r, head);
             out.rollouts.push(a);
         }
@@ -134,7 +153,7 @@ pub(crate) async fn with_config_roles(
             node: s.node.clone(),
             args: s.args.clone(),
         };
-        let role: SamplesRef = spawn_user(node, &key, &as_role, 0, timeout).await?;
+        let role: SamplesRef = started.keep(spawn_user(node, &key, &as_role, 0, timeout).await?);
         named.add(role.id(), &key, &as_role, 0);
         out.stages.push(
             ExtraStage::new(s.stage_name(), s.after, role)

@@ -28,7 +28,7 @@ use crate::config::modes::{KlMode, PlacementMode};
 use crate::config::sections::JobConfig;
 use crate::controller::probe::GenProbe;
 use crate::controller::refs::{spawn_role, PolicyRef};
-use crate::controller::release::StartedRoles;
+use crate::controller::release::{stop_if_failed, StartedRoles};
 use crate::error::JobError;
 use crate::live::errors::me;
 use crate::live::errors::placement_err;
@@ -187,8 +187,12 @@ impl LivePlacement {
                 path: log_path.clone(),
                 source,
             })?;
-        // The last step before roles start: nothing above leaves any running.
-        let (hosts, shared) = shared_roles(job, node, model, codec, pad_id, custom).await?;
+        // The last step before roles start: nothing above leaves any running, and a
+        // failure in here stops the shared roles it had started.
+        let (hosts, shared) = stop_if_failed(node, job, |started| {
+            shared_roles(job, node, model, codec, pad_id, custom, started)
+        })
+        .await?;
         let mut live = LivePlacement {
             job: job.clone(),
             prompts,
@@ -355,6 +359,7 @@ pub(crate) async fn shared_roles(
     codec: Arc<dyn TextCodec>,
     pad_id: i64,
     custom: &CustomRoles,
+    started: StartedRoles,
 ) -> Result<(Hosts, Shared), JobError> {
     let p = &job.placement;
     let heads = job.job.controllers;
@@ -367,23 +372,25 @@ pub(crate) async fn shared_roles(
             let shared = Shared {
                 reward: match &custom.reward {
                     Some(r) => r.clone(),
-                    None => spawn_reward(job, node, group.clone()).await?,
+                    None => started.keep(spawn_reward(job, node, group.clone()).await?),
                 },
                 reference: match (&custom.reference, with_reference) {
                     (Some(r), _) => Some(r.clone()),
                     (None, false) => None,
                     (None, true) => Some(
-                        spawn_role(
-                            node,
-                            crate::build::parts::reference_role(
-                                job,
-                                model.deep_copy(dev, kind).map_err(me(job))?,
-                                pad_id,
-                            ),
-                            0,
-                            group.clone(),
-                        )
-                        .await?,
+                        started.keep(
+                            spawn_role(
+                                node,
+                                crate::build::parts::reference_role(
+                                    job,
+                                    model.deep_copy(dev, kind).map_err(me(job))?,
+                                    pad_id,
+                                ),
+                                0,
+                                group.clone(),
+                            )
+                            .await?,
+                        ),
                     ),
                 },
                 stages: custom.stages.clone(),
@@ -408,24 +415,26 @@ pub(crate) async fn shared_roles(
             let shared = Shared {
                 reward: match &custom.reward {
                     Some(r) => r.clone(),
-                    None => {
+                    None => started.keep(
                         crate::build::cluster::spawn(job, &text, node, "reward", &p.reward, None)
-                            .await?
-                    }
+                            .await?,
+                    ),
                 },
                 reference: match (&custom.reference, with_reference) {
                     (Some(r), _) => Some(r.clone()),
                     (None, false) => None,
                     (None, true) => Some(
-                        crate::build::cluster::spawn(
-                            job,
-                            &text,
-                            node,
-                            "reference",
-                            &p.reference,
-                            None,
-                        )
-                        .await?,
+                        started.keep(
+                            crate::build::cluster::spawn(
+                                job,
+                                &text,
+                                node,
+                                "reference",
+                                &p.reference,
+                                None,
+                            )
+                            .await?,
+                        ),
                     ),
                 },
                 stages: custom.stages.clone(),
