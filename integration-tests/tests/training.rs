@@ -466,10 +466,10 @@ fn a_node_refuses_to_write_a_checkpoint_outside_its_data_directory() {
 }
 
 /// Regression: a cluster build whose spawn failed (here the reward's, on the trainer's
-/// own node) cancelled its sibling spawns mid-flight, so a
-/// role a daemon was starting for one of them was recorded nowhere and ran until the
-/// trainer left. Now every spawn runs to its end and the build stops all that started
-/// before it answers, while the trainer stays in the cluster.
+/// own node) dropped its sibling spawns mid-flight, so a role a daemon was starting for
+/// one of them was recorded nowhere and ran until the trainer left. Now a dropped spawn
+/// is cancelled on its daemon, which releases the role once it has started; nothing is
+/// left while the trainer stays in the cluster.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_build_that_fails_while_its_other_roles_spawn_leaves_nothing_running() {
     let cluster = Cluster::start("bf", 2);

@@ -270,7 +270,20 @@ impl Directory {
                     entry.liveness = Liveness::Dead(reason.clone());
                     true
                 }
-                _ => false,
+                Some(entry) if entry.id.incarnation >= id.incarnation => false,
+                // Its exit overtook its registration (a node proposes each change on its
+                // own, so an actor that stops at once may): record it dead, so the
+                // late `ActorUp` of the same incarnation is absorbed.
+                _ => {
+                    self.actors.insert(
+                        id.name.clone(),
+                        ActorEntry {
+                            id: id.clone(),
+                            liveness: Liveness::Dead(reason.clone()),
+                        },
+                    );
+                    true
+                }
             },
         };
         if !changed {
@@ -503,6 +516,34 @@ mod tests {
         };
         assert_eq!(d.apply(stale).unwrap(), None);
         assert_eq!(d.group("rollout").len(), 1);
+    }
+
+    /// Regression: a node proposes each change on its own task, so an actor that stopped
+    /// at once (a spawn its caller cancelled) could have its exit reach the leader before
+    /// its registration, which then left it alive in the directory for ever.
+    #[test]
+    fn an_exit_that_overtakes_its_registration_stays_an_exit() {
+        let mut d = Directory::default();
+        d.apply(Change::NodeUp(node("a", 1))).unwrap();
+        d.apply(Change::ActorUp(id("a/slow/0#1"))).unwrap();
+        let down = Change::ActorDown {
+            id: id("a/slow/0#2"),
+            reason: ExitReason::Normal,
+        };
+        assert!(d.apply(down.clone()).unwrap().is_some());
+        assert_eq!(d.apply(Change::ActorUp(id("a/slow/0#2"))).unwrap(), None);
+        assert_eq!(d.apply(down).unwrap(), None, "a duplicate exit");
+        let entry = d.actor(&"a/slow/0".parse().unwrap()).unwrap();
+        assert_eq!(entry.id, id("a/slow/0#2"));
+        assert_eq!(entry.liveness, Liveness::Dead(ExitReason::Normal));
+        // A name never seen before.
+        let unseen = Change::ActorDown {
+            id: id("a/fast/0#3"),
+            reason: ExitReason::Normal,
+        };
+        assert!(d.apply(unseen).unwrap().is_some());
+        assert_eq!(d.apply(Change::ActorUp(id("a/fast/0#3"))).unwrap(), None);
+        assert!(d.group("fast").is_empty() && d.group("slow").is_empty());
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! Three nodes in one process, talking real QUIC with mutual TLS over loopback.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -257,6 +259,141 @@ async fn linked_actors_are_released_when_their_owner_leaves() {
     // An actor spawned without the link keeps serving.
     let free = a.actor_ref::<Req, Resp>(free.id()).unwrap();
     assert_eq!(free.ask(Req::Add(1), T).await.unwrap(), Resp::Sum(3));
+}
+
+/// How many `slow` actors a host has begun and finished building.
+#[derive(Default)]
+struct Builds {
+    begun: AtomicUsize,
+    done: AtomicUsize,
+}
+
+const SLOW: Duration = Duration::from_millis(1000);
+
+/// A member whose factory `slow` takes [`SLOW`] to build.
+async fn slow_host(dir: &std::path::Path, seed: &Node, name: &str, builds: Arc<Builds>) -> Node {
+    let node = Node::builder(name)
+        .dev_certs(dir)
+        .seed(seed.addr())
+        .factory_async("slow", move |start: u64| {
+            let builds = builds.clone();
+            async move {
+                builds.begun.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(SLOW).await;
+                builds.done.fetch_add(1, Ordering::SeqCst);
+                Ok(Summer {
+                    sum: start,
+                    log: vec![],
+                })
+            }
+        })
+        .start()
+        .await
+        .unwrap();
+    assert!(
+        seed.directory()
+            .wait_until(T, |d| d.node(name).is_some())
+            .await
+    );
+    node
+}
+
+fn slow_alive(d: &yatt_runtime::Directory) -> usize {
+    d.actors()
+        .filter(|e| e.id.name.role == "slow" && e.liveness == yatt_runtime::Liveness::Alive)
+        .count()
+}
+
+async fn wait_for(what: impl Fn() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + T;
+    while tokio::time::Instant::now() < deadline {
+        if what() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    false
+}
+
+/// Regression: a spawn whose caller gave up (its deadline passed, or its future was
+/// dropped, as a sibling's failure in `try_join!` drops it) went on to start the actor,
+/// which nobody held a reference to and which ran until the caller left the cluster
+/// (for ever, unlinked), holding its name and, for a role, its model. Now the caller
+/// cancels the spawn and the host releases what it started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spawn_its_caller_gave_up_on_leaves_nothing_running() {
+    let (dir, a, _b, _c) = cluster("t9", true).await;
+    let builds = Arc::new(Builds::default());
+    let host = slow_host(dir.path(), &a, "t9-slow", builds.clone()).await;
+    // A spawn nobody gives up on is kept (and the connection is up for the rest).
+    let kept = a
+        .spawn_remote::<Req, Resp, _>(host.name(), "slow", &5u64, T)
+        .await
+        .unwrap();
+    assert_eq!(kept.ask(Req::Add(1), T).await.unwrap(), Resp::Sum(6));
+    // Only `kept` runs once every build that began has ended.
+    let only_kept = || {
+        let (begun, done) = (&builds.begun, &builds.done);
+        begun.load(Ordering::SeqCst) == done.load(Ordering::SeqCst)
+            && host.hosted() == vec![kept.id().clone()]
+            && a.directory().read(slow_alive) == 1
+    };
+    let state = || {
+        format!(
+            "{:?} running (builds begun {:?}, done {:?}; alive in the directory: {})",
+            host.hosted(),
+            builds.begun,
+            builds.done,
+            a.directory().read(slow_alive)
+        )
+    };
+    // Past its deadline, linked or not.
+    for linked in [true, false] {
+        let short = Duration::from_millis(200);
+        let e = if linked {
+            a.spawn_remote_linked::<Req, Resp, _>(host.name(), "slow", &0u64, short)
+                .await
+        } else {
+            a.spawn_remote::<Req, Resp, _>(host.name(), "slow", &0u64, short)
+                .await
+        }
+        .err()
+        .expect("a 1 s build answered within 200 ms");
+        eprintln!("past its deadline (linked: {linked}): {e}");
+        assert!(
+            wait_for(only_kept).await,
+            "a spawn past its deadline left {}",
+            state()
+        );
+    }
+    // Dropped while the host builds it.
+    let before = builds.begun.load(Ordering::SeqCst);
+    let spawn = Box::pin(a.spawn_remote::<Req, Resp, _>(host.name(), "slow", &0u64, T));
+    let begun = wait_for(|| builds.begun.load(Ordering::SeqCst) > before);
+    tokio::select! {
+        biased;
+        b = begun => assert!(b),
+        r = spawn => panic!("a 1 s build answered: {:?}", r.map(|r| r.id().clone())),
+    }
+    assert!(
+        wait_for(only_kept).await,
+        "a spawn dropped mid-build left {}",
+        state()
+    );
+    // Dropped after the host started it, while its answer travels: this node (the
+    // leader) shows the actor in its directory before the host answers.
+    let mut spawn = Box::pin(a.spawn_remote::<Req, Resp, _>(host.name(), "slow", &0u64, T));
+    tokio::select! {
+        biased;
+        shown = a.directory().wait_until(T, |d| slow_alive(d) == 2) => assert!(shown),
+        r = &mut spawn => panic!("answered before the directory showed it: {:?}", r.map(|r| r.id().clone())),
+    }
+    drop(spawn);
+    assert!(
+        wait_for(only_kept).await,
+        "a spawn dropped after it started left {}",
+        state()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

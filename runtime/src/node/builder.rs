@@ -15,6 +15,7 @@ use tokio::sync::watch;
 use super::config::{NodeConfig, NodeError};
 use super::dispatch::{NodeBook, NodeDispatch};
 use super::protocol::SpawnArgs;
+use super::spawn_tickets::SpawnTickets;
 use super::state::{FactoryFn, Node, NodeInner};
 use crate::actor::Actor;
 use crate::addr::{next_incarnation, ActorName};
@@ -210,6 +211,7 @@ impl NodeBuilder {
                 detector: Mutex::new(FailureDetector::new(config.failure_timeout)),
                 refusals: LogThrottle::new(REFUSAL_LOG_WINDOW),
                 next_replica: AtomicU32::new(0),
+                spawn_tickets: Mutex::new(SpawnTickets::default()),
                 in_flight: AtomicU64::new(0),
                 stopping: AtomicBool::new(false),
                 shutdown,

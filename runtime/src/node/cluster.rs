@@ -12,7 +12,7 @@ use super::config::NodeError;
 use super::protocol::{SysRequest, SysResponse};
 use super::state::{Hosted, Node};
 use crate::actor::{CallError, ExitReason};
-use crate::addr::ActorName;
+use crate::addr::{ActorId, ActorName};
 use crate::directory::{Change, Directory, Liveness, Update};
 use crate::leadership::{describe, Beat, BeatReply, Lead};
 use crate::membership::{FailureDetector, Membership};
@@ -79,6 +79,21 @@ impl Node {
         };
         for h in released {
             tracing::info!(actor = %h.id, %owner, "its owner left the cluster: releasing it");
+        }
+    }
+
+    /// Drops this node's reference to `id`, whose spawn `caller` gave up on (see
+    /// `spawn_tickets.rs`); it stops when its last reference is gone.
+    pub(super) fn release_cancelled_spawn(&self, caller: &str, id: &ActorId) {
+        let released = {
+            let mut hosted = self.lock_hosted();
+            match hosted.get(&id.name) {
+                Some(h) if h.id == *id => hosted.remove(&id.name),
+                _ => None,
+            }
+        };
+        if released.is_some() {
+            tracing::info!(actor = %id, %caller, "its caller gave up on the spawn: releasing it");
         }
     }
 

@@ -10,6 +10,7 @@ use super::builder::NodeBuilder;
 use super::config::{NodeConfig, NodeError};
 use super::dispatch::NodeHooks;
 use super::protocol::{SysRequest, SysResponse};
+use super::spawn_tickets::SpawnTickets;
 use super::state::{Hosted, Node, TypedInbox, WeakNode};
 use crate::actor::{spawn_with_id, Actor, ActorRef, ExitReason};
 use crate::addr::{next_incarnation, ActorId, ActorName};
@@ -245,6 +246,13 @@ impl Node {
 
     pub(super) fn lock_hosted(&self) -> std::sync::MutexGuard<'_, HashMap<ActorName, Hosted>> {
         self.inner.hosted.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn lock_spawn_tickets(&self) -> std::sync::MutexGuard<'_, SpawnTickets> {
+        self.inner
+            .spawn_tickets
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     pub(super) fn register<Req: Message, Resp: Message>(

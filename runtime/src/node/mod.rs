@@ -49,6 +49,7 @@ mod failover;
 mod local;
 mod protocol;
 mod remote;
+mod spawn_tickets;
 mod state;
 mod system;
 

@@ -41,6 +41,13 @@ pub(super) enum SysRequest {
         args: SpawnArgs,
         /// Release the actor when the asking node leaves or dies.
         linked: bool,
+        /// The caller's number for this spawn, to cancel it by.
+        ticket: u64,
+    },
+    /// The caller gave up on its spawn `ticket` (timed out, or dropped the call): undo
+    /// it, now if it is done, else when it finishes.
+    CancelSpawn {
+        ticket: u64,
     },
     Leave {
         node: String,

@@ -11,7 +11,7 @@ use super::dispatch::RemoteActor;
 use super::protocol::{SpawnArgs, SysRequest, SysResponse};
 use super::state::{Inbox, Node};
 use crate::actor::{ActorError, ActorRef, CallError, ExitReason};
-use crate::addr::{validate_segment, ActorId, ActorName};
+use crate::addr::{next_incarnation, validate_segment, ActorId, ActorName};
 use crate::directory::{Directory, Liveness};
 use crate::message::Message;
 use crate::transport::Target;
@@ -114,7 +114,10 @@ impl Node {
     }
 
     /// Asks `node` to spawn `role` from its factory registry with `args`; returns a
-    /// typed reference once the actor runs and is in the directory.
+    /// typed reference once the actor runs and is in the directory. A spawn that does
+    /// not return the actor (its `timeout` passed, or this future was dropped) is
+    /// cancelled on `node`, which releases the actor if it started it: a caller that
+    /// gave up leaves nothing running.
     pub async fn spawn_remote<Req: Message, Resp: Message, Args: Serialize>(
         &self,
         node: &str,
@@ -177,18 +180,23 @@ impl Node {
         linked: bool,
     ) -> Result<ActorRef<Req, Resp>, NodeError> {
         validate_segment("role", role)?;
+        let ticket = next_incarnation();
         let req = SysRequest::Spawn {
             role: role.to_string(),
             replica: None,
             args,
             linked,
+            ticket,
         };
-        let id = if node == self.name() {
-            match self.handle_system(self.name(), self.info().kind, req).await {
-                SysResponse::Spawned(id) => id,
-                SysResponse::Error(e) => return Err(self.spawn_error(node, role, e)),
-                other => return Err(self.spawn_error(node, role, format!("{other:?}"))),
-            }
+        // Until this returns the actor, giving up (a timeout, or this future dropped)
+        // undoes the spawn on its node.
+        let mut undo = CancelOnDrop {
+            node: Some(self.clone()),
+            host: node.to_string(),
+            ticket,
+        };
+        let answer = if node == self.name() {
+            self.handle_system(self.name(), self.info().kind, req).await
         } else {
             let wire = req
                 .into_wire()
@@ -198,11 +206,16 @@ impl Node {
                 .transport
                 .ask(node, Target::System, wire, timeout)
                 .await?;
-            match SysResponse::from_wire(reply).map_err(|e| CallError::Codec(e.to_string()))? {
-                SysResponse::Spawned(id) => id,
-                SysResponse::Error(e) => return Err(self.spawn_error(node, role, e)),
-                other => return Err(self.spawn_error(node, role, format!("{other:?}"))),
+            SysResponse::from_wire(reply).map_err(|e| CallError::Codec(e.to_string()))?
+        };
+        let id = match answer {
+            SysResponse::Spawned(id) => id,
+            // Refused there: nothing to undo.
+            SysResponse::Error(e) => {
+                undo.node = None;
+                return Err(self.spawn_error(node, role, e));
             }
+            other => return Err(self.spawn_error(node, role, format!("{other:?}"))),
         };
         // Return once this node's directory replica shows it, so resolve() works at once.
         let want = id.clone();
@@ -210,7 +223,31 @@ impl Node {
             .directory
             .wait_until(timeout, |d| d.resolve(&want.name) == Some(&want))
             .await;
-        self.actor_ref(&id)
+        let actor = self.actor_ref(&id);
+        if actor.is_ok() {
+            undo.node = None;
+        }
+        actor
+    }
+
+    /// Undoes this node's spawn `ticket` on `host` (see `spawn_tickets.rs`).
+    fn cancel_spawn(&self, host: &str, ticket: u64) {
+        if host == self.name() {
+            let done = self.lock_spawn_tickets().cancel(self.name(), ticket);
+            if let Some(id) = done {
+                self.release_cancelled_spawn(self.name(), &id);
+            }
+            return;
+        }
+        // Dropped outside a runtime (the process is ending): the host releases a linked
+        // actor when this node leaves.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let (node, host) = (self.clone(), host.to_string());
+            rt.spawn(async move {
+                node.system_tell(&host, SysRequest::CancelSpawn { ticket })
+                    .await
+            });
+        }
     }
 
     pub(super) fn spawn_error(&self, node: &str, role: &str, e: String) -> NodeError {
@@ -253,6 +290,22 @@ impl Node {
                 target: id.clone(),
                 current: None,
             }),
+        }
+    }
+}
+
+/// A remote spawn in flight: dropped before it is disarmed (`node = None`), it cancels
+/// the spawn on its host.
+struct CancelOnDrop {
+    node: Option<Node>,
+    host: String,
+    ticket: u64,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(node) = self.node.take() {
+            node.cancel_spawn(&self.host, self.ticket);
         }
     }
 }

@@ -12,6 +12,7 @@ use tokio::sync::watch;
 
 use super::config::NodeConfig;
 use super::protocol::SpawnArgs;
+use super::spawn_tickets::SpawnTickets;
 use crate::actor::{ActorRef, BoxFuture, CallError};
 use crate::addr::{ActorId, ActorName};
 use crate::directory::{Change, DirectoryHandle};
@@ -101,6 +102,8 @@ pub(super) struct NodeInner {
     /// Throttles the log lines of requests refused by the sender's certificate kind.
     pub(super) refusals: LogThrottle<String>,
     pub(super) next_replica: AtomicU32,
+    /// Remote spawns by ticket, so one its caller gave up on is undone.
+    pub(super) spawn_tickets: Mutex<SpawnTickets>,
     pub(super) in_flight: AtomicU64,
     pub(super) stopping: AtomicBool,
     pub(super) shutdown: watch::Sender<bool>,

@@ -7,6 +7,7 @@ use tokio::time::Instant;
 
 use super::config::NodeError;
 use super::protocol::{SysRequest, SysResponse};
+use super::spawn_tickets::Finished;
 use super::state::Node;
 use crate::actor::{CallError, ExitReason};
 use crate::addr::{ActorId, ActorName};
@@ -151,6 +152,7 @@ impl Node {
                 replica,
                 args,
                 linked,
+                ticket,
             } => {
                 if !kind.may_spawn() && from != self.name() {
                     self.refused(from, kind, "to spawn actors on other nodes");
@@ -179,12 +181,23 @@ impl Node {
                     Ok(n) => n,
                     Err(e) => return SysResponse::Error(e.to_string()),
                 };
+                if !self.lock_spawn_tickets().begin(from, ticket) {
+                    return SysResponse::Error(format!(
+                        "{from} cancelled its spawn of {role} before it started"
+                    ));
+                }
                 match factory(self, name, &args).await {
                     Ok(id) => {
                         if linked && from != self.name() {
                             if let Some(h) = self.lock_hosted().get_mut(&id.name) {
                                 h.owner = Some(from.to_string());
                             }
+                        }
+                        if self.lock_spawn_tickets().finish(from, ticket, &id) == Finished::Undo {
+                            self.release_cancelled_spawn(from, &id);
+                            return SysResponse::Error(format!(
+                                "{from} cancelled its spawn of {id} while it started; it is released"
+                            ));
                         }
                         // Answer once the leader has the registration, so the caller
                         // can resolve it right away.
@@ -197,6 +210,13 @@ impl Node {
                     }
                     Err(e) => SysResponse::Error(e),
                 }
+            }
+            SysRequest::CancelSpawn { ticket } => {
+                let done = self.lock_spawn_tickets().cancel(from, ticket);
+                if let Some(id) = done {
+                    self.release_cancelled_spawn(from, &id);
+                }
+                SysResponse::Ack
             }
             SysRequest::Leave { node } => {
                 if !self.is_leader() {

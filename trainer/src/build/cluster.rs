@@ -332,17 +332,13 @@ async fn build_cluster_in(
     };
     let policies = async {
         let mut v: Vec<PolicyRef> = custom.policy.iter().cloned().collect();
-        // Every spawn runs to its end (each has its deadline), so a replica that started
-        // while a sibling failed is recorded and stopped, not cancelled mid-spawn.
-        let spawned = futures::future::join_all(policy_nodes.iter().map(|target| async {
+        let spawned = futures::future::try_join_all(policy_nodes.iter().map(|target| async {
             Ok::<_, ControllerError>(
                 started.keep(spawn(job, &text, node, "policy", target, checkpoint).await?),
             )
         }))
-        .await;
-        for s in spawned {
-            v.push(s?);
-        }
+        .await?;
+        v.extend(spawned);
         Ok::<_, ControllerError>(v)
     };
     let critic = async {
@@ -356,26 +352,24 @@ async fn build_cluster_in(
     };
     let reward = async {
         match &custom.reward {
-            Some(r) => Ok::<_, ControllerError>(r.clone()),
+            Some(r) => Ok(r.clone()),
             None => Ok(started.keep(spawn(job, &text, node, "reward", &p.reward, None).await?)),
         }
     };
     // With no KL term there is nothing for a reference to hold or run (as embedded).
     let reference = async {
         match (&custom.reference, job.algorithm.kl_mode) {
-            (Some(r), _) => Ok::<_, ControllerError>(Some(r.clone())),
+            (Some(r), _) => Ok(Some(r.clone())),
             (None, KlMode::None) => Ok(None),
             (None, _) => Ok(Some(
                 started.keep(spawn(job, &text, node, "reference", &p.reference, None).await?),
             )),
         }
     };
-    // `join!`, not `try_join!`: a failure must not cancel a sibling whose remote role
-    // may already be running, or nothing would record it to stop.
+    // A failure answers at once: the siblings' spawns it drops are cancelled on their
+    // nodes, which release a role once it has started (see `Node::spawn_remote`).
     let (rollouts, reward, reference, policies, critic) =
-        tokio::join!(rollouts, reward, reference, policies, critic);
-    let (rollouts, reward, reference, policies, critic) =
-        (rollouts?, reward?, reference?, policies?, critic?);
+        tokio::try_join!(rollouts, reward, reference, policies, critic)?;
     // A resumed reference stays the initial model (it is rebuilt from model.source).
     let fresh_reference = reference.as_ref().filter(|_| checkpoint.is_none());
     initial_weight_sync(
