@@ -30,8 +30,11 @@ use rustls::RootCertStore;
 
 use crate::cert_kind::CertKind;
 
-/// ALPN protocol identifier spoken between yatt nodes.
-pub const ALPN: &[u8] = b"yatt/1";
+/// ALPN protocol identifier spoken between yatt nodes: the wire protocol's version.
+/// Bumped whenever a message between nodes changes shape, so that a node of another
+/// build is refused at the handshake, saying so, rather than misreading messages
+/// (postcard is not self-describing). 2: remote spawns carry a ticket (`CancelSpawn`).
+pub const ALPN: &[u8] = b"yatt/2";
 
 /// Every node certificate carries this DNS SAN; clients always connect with this server name
 /// and learn the peer's node name from its certificate (CN), not from DNS.

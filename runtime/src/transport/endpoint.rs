@@ -10,6 +10,7 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 
 use super::config::{TransportConfig, TransportError, TransportStats};
+use super::handshake;
 use super::peer::{Peer, StreamWriter, TellProgress};
 use super::protocol::{Control, ASKS, CONTROL_PRIORITY, REPLIES};
 use super::routing::{Dispatch, PeerBook, Target};
@@ -154,7 +155,8 @@ impl Transport {
                     },
                     Ok(Err(e)) => {
                         if let Some(suppressed) = this.admit_refusal(remote) {
-                            tracing::warn!(%remote, error = %e, suppressed, "handshake refused (suppressed: same-address refusals not logged in the last 10 s)");
+                            let error = handshake::explain(&e);
+                            tracing::warn!(%remote, %error, suppressed, "handshake refused (suppressed: same-address refusals not logged in the last 10 s)");
                         }
                     }
                     Err(_) => {
@@ -331,7 +333,7 @@ impl Transport {
                     self.config.connect_timeout
                 ))
             })?
-            .map_err(|e| fail(e.to_string()))?;
+            .map_err(|e| fail(handshake::explain(&e)))?;
         let who = tls::peer_identity(&conn).map_err(|e| fail(e.to_string()))?;
         Ok((who, conn))
     }

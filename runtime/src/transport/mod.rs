@@ -28,6 +28,7 @@
 mod bulk;
 mod config;
 mod endpoint;
+mod handshake;
 mod inbound;
 mod outbound;
 mod peer;
