@@ -90,3 +90,133 @@ pub(super) enum SysResponse {
     Spawned(ActorId),
     Error(String),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::actor::ExitReason;
+    use crate::tls::ALPN;
+
+    /// One value of every system message, each variant by an exhaustive match so that a
+    /// new variant cannot be left out.
+    fn every_message() -> Vec<Vec<u8>> {
+        let info = NodeInfo::for_tests("n", 7);
+        let lead = Lead {
+            term: 2,
+            leader: "n".into(),
+        };
+        let id: ActorId = "n/role/0#5".parse().unwrap();
+        let change = Change::ActorDown {
+            id: id.clone(),
+            reason: ExitReason::StartFailed("x".into()),
+        };
+        let update = Update {
+            term: 2,
+            epoch: 3,
+            change: change.clone(),
+        };
+        let requests = vec![
+            SysRequest::Join {
+                info: info.clone(),
+                hosted: vec![id.clone()],
+            },
+            SysRequest::Heartbeat(Beat {
+                node: "n".into(),
+                incarnation: 7,
+                lead: lead.clone(),
+            }),
+            SysRequest::Update(update),
+            SysRequest::Propose(change),
+            SysRequest::Snapshot,
+            SysRequest::LeaderCheck { leader: "n".into() },
+            SysRequest::Spawn {
+                role: "r".into(),
+                replica: Some(1),
+                args: SpawnArgs::Json("{}".into()),
+                linked: true,
+                ticket: 9,
+            },
+            SysRequest::CancelSpawn { ticket: 9 },
+            SysRequest::Leave { node: "n".into() },
+        ];
+        let responses = vec![
+            SysResponse::Directory(Directory::default()),
+            SysResponse::Joined {
+                lead: lead.clone(),
+                directory: Directory::default(),
+            },
+            SysResponse::Redirect {
+                lead: lead.clone(),
+                addr: Some("127.0.0.1:1".parse().unwrap()),
+            },
+            SysResponse::NameInUse {
+                incarnation: 1,
+                addr: "127.0.0.1:1".parse().unwrap(),
+                silent_for_ms: 2,
+                bound_ms: 3,
+            },
+            SysResponse::Expelled { reason: "x".into() },
+            SysResponse::Beat(BeatReply::Follow(lead.clone())),
+            SysResponse::LeaderSeen {
+                lead,
+                hears: true,
+                version: (1, 2),
+            },
+            SysResponse::Ack,
+            SysResponse::Spawned(id),
+            SysResponse::Error("x".into()),
+        ];
+        for r in &requests {
+            match r {
+                SysRequest::Join { .. }
+                | SysRequest::Heartbeat(_)
+                | SysRequest::Update(_)
+                | SysRequest::Propose(_)
+                | SysRequest::Snapshot
+                | SysRequest::LeaderCheck { .. }
+                | SysRequest::Spawn { .. }
+                | SysRequest::CancelSpawn { .. }
+                | SysRequest::Leave { .. } => {}
+            }
+        }
+        for r in &responses {
+            match r {
+                SysResponse::Directory(_)
+                | SysResponse::Joined { .. }
+                | SysResponse::Redirect { .. }
+                | SysResponse::NameInUse { .. }
+                | SysResponse::Expelled { .. }
+                | SysResponse::Beat(_)
+                | SysResponse::LeaderSeen { .. }
+                | SysResponse::Ack
+                | SysResponse::Spawned(_)
+                | SysResponse::Error(_) => {}
+            }
+        }
+        let mut out: Vec<Vec<u8>> = requests
+            .iter()
+            .map(|r| postcard::to_stdvec(r).unwrap())
+            .collect();
+        out.extend(responses.iter().map(|r| postcard::to_stdvec(r).unwrap()));
+        out
+    }
+
+    /// The system messages' encoding, pinned to the ALPN that names it. A change that
+    /// alters how they encode (a field added, a variant moved) fails this test until the
+    /// ALPN in `tls.rs` is bumped, so a node of another build is refused at the handshake
+    /// instead of misreading these messages. Bump it, then put the new fingerprint here.
+    #[test]
+    fn the_system_messages_encoding_is_pinned_to_the_alpn() {
+        let mut crc = crc32fast::Hasher::new();
+        for bytes in every_message() {
+            crc.update(&(bytes.len() as u64).to_le_bytes());
+            crc.update(&bytes);
+        }
+        let fingerprint = crc.finalize();
+        assert_eq!(
+            (String::from_utf8_lossy(ALPN).into_owned(), fingerprint),
+            ("yatt/2".to_string(), 3_663_396_410),
+            "the system messages encode differently: bump ALPN in runtime/src/tls.rs and pin the new fingerprint here"
+        );
+    }
+}
