@@ -34,6 +34,9 @@ use crate::cert_kind::CertKind;
 /// Bumped whenever a message between nodes changes shape, so that a node of another
 /// build is refused at the handshake, saying so, rather than misreading messages
 /// (postcard is not self-describing). 2: remote spawns carry a ticket (`CancelSpawn`).
+/// Tests pin the encoding of the system messages and the frame heads to it
+/// (`node/protocol.rs`, `transport/protocol.rs`); the roles' messages are not pinned, so
+/// a change to one of them must bump it by hand.
 pub const ALPN: &[u8] = b"yatt/2";
 
 /// Every node certificate carries this DNS SAN; clients always connect with this server name

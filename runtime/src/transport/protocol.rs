@@ -115,3 +115,137 @@ pub(super) fn read_exact_err(e: quinn::ReadExactError) -> CodecError {
         quinn::ReadExactError::ReadError(e) => CodecError::ConnectionLost(e.to_string()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::actor::ActorError;
+    use crate::addr::ActorId;
+    use crate::codec::{DType, TensorMeta};
+    use crate::tls::ALPN;
+
+    /// One value of every frame head, each enum's variants by an exhaustive match.
+    fn every_frame() -> Vec<Vec<u8>> {
+        let id: ActorId = "n/role/0#5".parse().unwrap();
+        let header = BulkHeader {
+            tensors: vec![TensorMeta {
+                name: "w".into(),
+                dtype: DType::F32,
+                shape: vec![2, 3],
+                offset: 0,
+                len: 24,
+            }],
+            total_len: 24,
+        };
+        let bulks = vec![
+            BulkRef::None,
+            BulkRef::Inline,
+            BulkRef::Shm {
+                path: "/p".into(),
+                id: 1,
+                header,
+            },
+        ];
+        let targets = vec![Target::Actor(id.clone()), Target::System, Target::Transport];
+        let actor_errors = vec![
+            ActorError::BadRequest("x".into()),
+            ActorError::Failed("x".into()),
+            ActorError::Unavailable("x".into()),
+        ];
+        let mut errors = vec![
+            CallError::Timeout {
+                target: id.clone(),
+                after: Duration::from_millis(3),
+            },
+            CallError::Closed { target: id.clone() },
+            CallError::Died { target: id.clone() },
+            CallError::Stale {
+                target: id.clone(),
+                current: Some(6),
+            },
+            CallError::Unavailable {
+                node: "n".into(),
+                reason: "x".into(),
+            },
+            CallError::NodeDown { node: "n".into() },
+            CallError::Transport {
+                node: "n".into(),
+                reason: "x".into(),
+            },
+            CallError::Codec("x".into()),
+        ];
+        errors.extend(actor_errors.iter().map(|e| CallError::Handler {
+            target: id.clone(),
+            error: e.clone(),
+        }));
+        for b in &bulks {
+            match b {
+                BulkRef::None | BulkRef::Inline | BulkRef::Shm { .. } => {}
+            }
+        }
+        for t in &targets {
+            match t {
+                Target::Actor(_) | Target::System | Target::Transport => {}
+            }
+        }
+        for e in &actor_errors {
+            match e {
+                ActorError::BadRequest(_) | ActorError::Failed(_) | ActorError::Unavailable(_) => {}
+            }
+        }
+        for e in &errors {
+            match e {
+                CallError::Timeout { .. }
+                | CallError::Closed { .. }
+                | CallError::Died { .. }
+                | CallError::Stale { .. }
+                | CallError::Handler { .. }
+                | CallError::Unavailable { .. }
+                | CallError::NodeDown { .. }
+                | CallError::Transport { .. }
+                | CallError::Codec(_) => {}
+            }
+        }
+        let mut out = vec![postcard::to_stdvec(&Control::Release(vec![1, 2])).unwrap()];
+        for (i, target) in targets.into_iter().enumerate() {
+            let head = RequestHead {
+                target,
+                after_tells: 4,
+                timeout_ms: 5,
+                body: Bytes::from_static(b"body"),
+                bulk: bulks[i % bulks.len()].clone(),
+            };
+            out.push(postcard::to_stdvec(&AskFrame { id: 7, head }).unwrap());
+        }
+        for b in &bulks {
+            let head = ReplyHead {
+                result: Ok((Bytes::from_static(b"r"), b.clone())),
+            };
+            out.push(postcard::to_stdvec(&ReplyFrame { id: 8, head }).unwrap());
+        }
+        for e in errors {
+            let head = ReplyHead { result: Err(e) };
+            out.push(postcard::to_stdvec(&ReplyFrame { id: 9, head }).unwrap());
+        }
+        out
+    }
+
+    /// The frame heads' encoding, pinned to the ALPN that names it (as the system
+    /// messages' in `node/protocol.rs`): a change to how they encode fails this test
+    /// until the ALPN in `tls.rs` is bumped. Bump it, then put the new fingerprint here.
+    #[test]
+    fn the_frame_heads_encoding_is_pinned_to_the_alpn() {
+        let mut crc = crc32fast::Hasher::new();
+        for bytes in every_frame() {
+            crc.update(&(bytes.len() as u64).to_le_bytes());
+            crc.update(&bytes);
+        }
+        assert_eq!(
+            (String::from_utf8_lossy(ALPN).into_owned(), crc.finalize()),
+            ("yatt/2".to_string(), 1_259_496_916),
+            "the frame heads encode differently: bump ALPN in runtime/src/tls.rs and pin the new fingerprint here"
+        );
+    }
+}
