@@ -787,6 +787,22 @@ pub(crate) mod test_support {
     use super::*;
     use std::net::{Ipv4Addr, SocketAddr};
 
+    /// Fails unless `encoded` (one value of every message of a kind, `what`) still has
+    /// the `fingerprint` pinned with today's [`ALPN`]: a change to how the messages
+    /// encode must bump the ALPN, then pin the new fingerprint.
+    pub fn assert_pinned_to_alpn(what: &str, encoded: Vec<Vec<u8>>, fingerprint: u32) {
+        let mut crc = crc32fast::Hasher::new();
+        for bytes in encoded {
+            crc.update(&(bytes.len() as u64).to_le_bytes());
+            crc.update(&bytes);
+        }
+        assert_eq!(
+            (String::from_utf8_lossy(ALPN).into_owned(), crc.finalize()),
+            ("yatt/2".to_string(), fingerprint),
+            "the {what} encode differently: bump ALPN in runtime/src/tls.rs and pin the new fingerprint"
+        );
+    }
+
     /// A server endpoint on 127.0.0.1:0 for `id`.
     pub fn server(id: &NodeIdentity) -> quinn::Endpoint {
         let cfg = id.server_config().expect("server config");

@@ -95,7 +95,7 @@ pub(super) enum SysResponse {
 mod tests {
     use super::*;
     use crate::actor::ExitReason;
-    use crate::tls::ALPN;
+    use crate::tls::test_support::assert_pinned_to_alpn;
 
     /// One value of every system message, each variant by an exhaustive match so that a
     /// new variant cannot be left out.
@@ -207,16 +207,6 @@ mod tests {
     /// instead of misreading these messages. Bump it, then put the new fingerprint here.
     #[test]
     fn the_system_messages_encoding_is_pinned_to_the_alpn() {
-        let mut crc = crc32fast::Hasher::new();
-        for bytes in every_message() {
-            crc.update(&(bytes.len() as u64).to_le_bytes());
-            crc.update(&bytes);
-        }
-        let fingerprint = crc.finalize();
-        assert_eq!(
-            (String::from_utf8_lossy(ALPN).into_owned(), fingerprint),
-            ("yatt/2".to_string(), 3_663_396_410),
-            "the system messages encode differently: bump ALPN in runtime/src/tls.rs and pin the new fingerprint here"
-        );
+        assert_pinned_to_alpn("system messages", every_message(), 3_663_396_410);
     }
 }

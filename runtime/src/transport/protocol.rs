@@ -124,7 +124,7 @@ mod tests {
     use crate::actor::ActorError;
     use crate::addr::ActorId;
     use crate::codec::{DType, TensorMeta};
-    use crate::tls::ALPN;
+    use crate::tls::test_support::assert_pinned_to_alpn;
 
     /// One value of every frame head, each enum's variants by an exhaustive match.
     fn every_frame() -> Vec<Vec<u8>> {
@@ -237,15 +237,6 @@ mod tests {
     /// until the ALPN in `tls.rs` is bumped. Bump it, then put the new fingerprint here.
     #[test]
     fn the_frame_heads_encoding_is_pinned_to_the_alpn() {
-        let mut crc = crc32fast::Hasher::new();
-        for bytes in every_frame() {
-            crc.update(&(bytes.len() as u64).to_le_bytes());
-            crc.update(&bytes);
-        }
-        assert_eq!(
-            (String::from_utf8_lossy(ALPN).into_owned(), crc.finalize()),
-            ("yatt/2".to_string(), 1_259_496_916),
-            "the frame heads encode differently: bump ALPN in runtime/src/tls.rs and pin the new fingerprint here"
-        );
+        assert_pinned_to_alpn("frame heads", every_frame(), 1_259_496_916);
     }
 }
