@@ -304,17 +304,6 @@ fn slow_alive(d: &yatt_runtime::Directory) -> usize {
         .count()
 }
 
-async fn wait_for(what: impl Fn() -> bool) -> bool {
-    let deadline = tokio::time::Instant::now() + T;
-    while tokio::time::Instant::now() < deadline {
-        if what() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    false
-}
-
 /// Regression: a spawn whose caller gave up (its deadline passed, or its future was
 /// dropped, as a sibling's failure in `try_join!` drops it) went on to start the actor,
 /// which nobody held a reference to and which ran until the caller left the cluster
@@ -361,7 +350,7 @@ async fn a_spawn_its_caller_gave_up_on_leaves_nothing_running() {
         .expect("a 1 s build answered within 200 ms");
         eprintln!("past its deadline (linked: {linked}): {e}");
         assert!(
-            wait_for(only_kept).await,
+            wait(only_kept).await,
             "a spawn past its deadline left {}",
             state()
         );
@@ -369,14 +358,14 @@ async fn a_spawn_its_caller_gave_up_on_leaves_nothing_running() {
     // Dropped while the host builds it.
     let before = builds.begun.load(Ordering::SeqCst);
     let spawn = Box::pin(a.spawn_remote::<Req, Resp, _>(host.name(), "slow", &0u64, T));
-    let begun = wait_for(|| builds.begun.load(Ordering::SeqCst) > before);
+    let begun = wait(|| builds.begun.load(Ordering::SeqCst) > before);
     tokio::select! {
         biased;
         b = begun => assert!(b),
         r = spawn => panic!("a 1 s build answered: {:?}", r.map(|r| r.id().clone())),
     }
     assert!(
-        wait_for(only_kept).await,
+        wait(only_kept).await,
         "a spawn dropped mid-build left {}",
         state()
     );
@@ -390,7 +379,7 @@ async fn a_spawn_its_caller_gave_up_on_leaves_nothing_running() {
     }
     drop(spawn);
     assert!(
-        wait_for(only_kept).await,
+        wait(only_kept).await,
         "a spawn dropped after it started left {}",
         state()
     );

@@ -82,6 +82,15 @@ impl Node {
         }
     }
 
+    /// `caller` gave up on its spawn `ticket` here: releases the actor if the spawn is
+    /// done, else marks it to be undone when it finishes (see `spawn_tickets.rs`).
+    pub(super) fn cancel_spawn_of(&self, caller: &str, ticket: u64) {
+        let done = self.lock_spawn_tickets().cancel(caller, ticket);
+        if let Some(id) = done {
+            self.release_cancelled_spawn(caller, &id);
+        }
+    }
+
     /// Drops this node's reference to `id`, whose spawn `caller` gave up on (see
     /// `spawn_tickets.rs`); it stops when its last reference is gone.
     pub(super) fn release_cancelled_spawn(&self, caller: &str, id: &ActorId) {

@@ -233,11 +233,7 @@ impl Node {
     /// Undoes this node's spawn `ticket` on `host` (see `spawn_tickets.rs`).
     fn cancel_spawn(&self, host: &str, ticket: u64) {
         if host == self.name() {
-            let done = self.lock_spawn_tickets().cancel(self.name(), ticket);
-            if let Some(id) = done {
-                self.release_cancelled_spawn(self.name(), &id);
-            }
-            return;
+            return self.cancel_spawn_of(self.name(), ticket);
         }
         // Dropped outside a runtime (the process is ending): the host releases a linked
         // actor when this node leaves.

@@ -212,10 +212,7 @@ impl Node {
                 }
             }
             SysRequest::CancelSpawn { ticket } => {
-                let done = self.lock_spawn_tickets().cancel(from, ticket);
-                if let Some(id) = done {
-                    self.release_cancelled_spawn(from, &id);
-                }
+                self.cancel_spawn_of(from, ticket);
                 SysResponse::Ack
             }
             SysRequest::Leave { node } => {
