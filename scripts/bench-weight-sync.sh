@@ -3,7 +3,8 @@
 # yatt-node daemons (the rollout and reward on one, the policy and reference on the
 # other), once per `rollout.weight_sync` mode, side by side in one run. Prints each
 # mode's bytes per sync, mean sync seconds and GB/s over steps 2..STEPS (step 1 warms
-# up), and how many rollouts each sync reached through CUDA IPC and by NCCL broadcast.
+# up), and how many rollouts each sync reached through CUDA IPC, by NCCL broadcast and
+# from the policy's node in one hop.
 # Each node claims an NCCL host of its own (NCCL_HOSTID), so `nccl` runs on one GPU over
 # NCCL's socket transport on loopback, as between two hosts without InfiniBand.
 #
@@ -12,7 +13,10 @@
 # Environment: BIN (folder with yatt and yatt-node; default: build them here),
 # MODEL (an HF folder; default models/smollm2-135m), DTYPE (f32, bf16; default bf16),
 # DEVICE (model.device; default auto), MODES (default "quic cuda_ipc nccl" when
-# nvidia-smi sees a GPU, else "quic"), OUT (default runs/weight-sync), PORT (first port, 7531).
+# nvidia-smi sees a GPU, else "quic"; `relay` sends the buckets through the controller,
+# `quic` from the policy's node), OUT (default runs/weight-sync), PORT (first port,
+# 7531), SHM (0: every process sends bulk over QUIC, not through /dev/shm, as between
+# hosts; default 1).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS=${1:-6}
@@ -33,15 +37,17 @@ rm -rf "$OUT" && mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 CERTS="$OUT/certs"
 export NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1
+[ "${SHM:-1}" = 0 ] && export YATT_NODE__TRANSPORT__SHM_FAST_PATH=false
 NCCL_HOSTID=yatt-sync-a "$BIN/yatt-node" run --dev --certs "$CERTS" --name sync-a --listen "127.0.0.1:$PORT" --http "" \
     --data-dir "$OUT" >"$OUT/sync-a.log" 2>&1 &
 A=$!
-trap 'kill $A ${B:-} 2>/dev/null || true' EXIT
+# Waits for the daemons to leave, so that a run started right after finds the ports free.
+trap 'kill $A ${B:-} 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 for _ in $(seq 100); do [ -f "$CERTS/ca.pem" ] && break; sleep 0.1; done
 NCCL_HOSTID=yatt-sync-b "$BIN/yatt-node" run --dev --certs "$CERTS" --name sync-b --listen "127.0.0.1:$((PORT + 1))" --http "" --data-dir "$OUT" \
     --seed "127.0.0.1:$PORT" >"$OUT/sync-b.log" 2>&1 &
 B=$!
-printf 'mode\tbytes_per_sync\tsync_s_mean\tGB_per_s\tvia_cuda_ipc\tvia_nccl\tstep_s_mean\n' >"$OUT/summary.tsv"
+printf 'mode\tbytes_per_sync\tsync_s_mean\tGB_per_s\tvia_cuda_ipc\tvia_nccl\tvia_direct\tstep_s_mean\n' >"$OUT/summary.tsv"
 for mode in $MODES; do
     "$BIN/yatt" train config/smollm2-addition.toml \
         --set "model.source=\"$MODEL\"" --set "model.dtype=\"${DTYPE:-bf16}\"" \
@@ -59,7 +65,8 @@ mean = lambda k: sum(r[k] for r in rows) / len(rows)
 b, s = rows[0]["perf/weight_sync_bytes"], mean("timing_s/weight_sync")
 least = lambda k: min(r.get(k, 0) for r in rows)
 ipc, nccl = least("perf/weight_sync_cuda_ipc"), least("perf/weight_sync_nccl")
-print(f"{sys.argv[2]}\t{b:.0f}\t{s:.4f}\t{b / s / 1e9:.2f}\t{ipc:.0f}\t{nccl:.0f}\t{mean('timing_s/step'):.3f}")
+direct = least("perf/weight_sync_direct")
+print(f"{sys.argv[2]}\t{b:.0f}\t{s:.4f}\t{b / s / 1e9:.2f}\t{ipc:.0f}\t{nccl:.0f}\t{direct:.0f}\t{mean('timing_s/step'):.3f}")
 PY
 done
 cat "$OUT/summary.tsv"

@@ -1,7 +1,8 @@
 //! How weights reach a rollout in another process (`rollout.weight_sync`), with the
 //! policy and the rollout on two real `yatt-node` processes of this host: through CUDA
 //! IPC where the policy's weights are on a GPU, by NCCL broadcast when asked, else as
-//! byte buckets over QUIC with the reason logged. One test body for every machine: on a
+//! byte buckets over QUIC with the reason logged, sent by the policy's node itself
+//! (`relay`: through the controller). One test body for every machine: on a
 //! CPU machine it checks the fallbacks and their reasons, on a GPU machine (the GPU
 //! check sets `YATT_REQUIRE_CUDA=1`) that every sync went the way asked.
 //!
@@ -20,6 +21,7 @@ use yatt_integration_tests::Cluster;
 const STEPS: usize = 3;
 const FALLBACK: &str = "weight sync: CUDA IPC unavailable";
 const NCCL_FALLBACK: &str = "weight sync: NCCL unavailable";
+const DIRECT_FALLBACK: &str = "the policy cannot send its weights to the rollouts itself";
 
 /// Each node's NCCL settings: a host of its own, loopback sockets, no InfiniBand.
 const NCCL_ENV: [(usize, &str, &str); 8] = [
@@ -95,6 +97,11 @@ fn nccl_counts(out: &Path) -> Vec<f64> {
     counts_of(out, "perf/weight_sync_nccl")
 }
 
+/// Rollouts each sync reached from the policy's node in one hop.
+fn direct_counts(out: &Path) -> Vec<f64> {
+    counts_of(out, "perf/weight_sync_direct")
+}
+
 /// A forced route on a CPU machine: refused before the first generation, naming the
 /// key, the reason and the fix.
 fn refused_before_the_first_step(out: &Path, printed: &str, key: &str, why: &str) {
@@ -130,8 +137,13 @@ fn weights_go_through_cuda_ipc_or_nccl_on_a_gpu_host_and_as_bytes_otherwise_sayi
     if gpu {
         assert!(counts.iter().all(|&n| n == 1.0), "{counts:?}\n{printed}");
         assert!(!printed.contains(FALLBACK), "{printed}");
+        assert!(direct_counts(auto.path()).iter().all(|&n| n == 0.0));
     } else {
         assert!(counts.iter().all(|&n| n == 0.0), "{counts:?}");
+        // The bytes go from the policy's node to the rollout's, not through the
+        // controller.
+        let direct = direct_counts(auto.path());
+        assert!(direct.iter().all(|&n| n == 1.0), "{direct:?}\n{printed}");
         assert_eq!(printed.matches(FALLBACK).count(), 1, "{printed}");
         assert_eq!(printed.matches(NCCL_FALLBACK).count(), 1, "{printed}");
         assert!(
@@ -149,10 +161,26 @@ fn weights_go_through_cuda_ipc_or_nccl_on_a_gpu_host_and_as_bytes_otherwise_sayi
     assert!(nccl_counts(quic.path()).iter().all(|&n| n == 0.0));
     assert!(!printed.contains("CUDA IPC"), "{printed}");
     assert!(!printed.contains("NCCL"), "{printed}");
+    let direct = direct_counts(quic.path());
+    assert!(direct.iter().all(|&n| n == 1.0), "{direct:?}\n{printed}");
+    assert!(!printed.contains(DIRECT_FALLBACK), "{printed}");
+    // The rollout generated with the weights the policy trained: its log-probs match
+    // the trainer's recomputed ones after every sync.
+    let gaps = counts_of(quic.path(), "rollout/logprob_diff_max");
+    assert!(gaps.iter().all(|&g| g < 1e-3), "{gaps:?}\n{printed}");
     // Regression: the leader closed the connection of a node that announced its leave
     // before its answer went out, so every cluster run ended warning that the leave
     // went unheard.
     assert!(!printed.contains("could not tell the leader"), "{printed}");
+
+    // relay: the buckets go through the controller, without a word about why.
+    let relay = tempfile::tempdir().unwrap();
+    let (ok, printed) = train(&cluster, relay.path(), "relay");
+    assert!(ok, "relay failed:\n{printed}");
+    let direct = direct_counts(relay.path());
+    assert!(direct.iter().all(|&n| n == 0.0), "{direct:?}");
+    assert!(ipc_counts(relay.path()).iter().all(|&n| n == 0.0));
+    assert!(!printed.contains(DIRECT_FALLBACK), "{printed}");
 
     // cuda_ipc: IPC or a clear error naming the key and the reason.
     let forced = tempfile::tempdir().unwrap();

@@ -29,6 +29,9 @@ pub const WEIGHT_SYNC_BYTES: &str = "perf/weight_sync_bytes";
 pub const WEIGHT_SYNC_CUDA_IPC: &str = "perf/weight_sync_cuda_ipc";
 /// Rollouts the step's weight sync reached by NCCL broadcast.
 pub const WEIGHT_SYNC_NCCL: &str = "perf/weight_sync_nccl";
+/// Rollouts the step's weight sync reached from the policy's process in one hop (byte
+/// buckets the policy's actor sent itself, not through the controller).
+pub const WEIGHT_SYNC_DIRECT: &str = "perf/weight_sync_direct";
 /// 1 when the policy replicas averaged the step's gradients through NCCL, 0 over the
 /// QUIC ring (data-parallel replicas only).
 pub const GRAD_ALLREDUCE_NCCL: &str = "perf/grad_allreduce_nccl";

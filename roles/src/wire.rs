@@ -30,7 +30,9 @@ use yatt_runtime::RingSpec;
 use yatt_runtime::{Bulk, BulkHeader, DType, TensorMeta};
 use yatt_runtime::{Message, Wire, WireError};
 
-use crate::builtin::policy::{GradShard, PolicyRequest, PolicyResponse, TrainReport, TrainerState};
+use crate::builtin::policy::{
+    GradShard, PolicyRequest, PolicyResponse, PushReport, TrainReport, TrainerState,
+};
 use crate::role::{
     DeviceRoute, NcclGroup, ResourceProfile, RoleRequest, RoleResponse, WeightsUpdate,
 };
@@ -107,6 +109,10 @@ enum PolicyRequestHead {
         make_id: bool,
     },
     JoinGradientGroup(Option<NcclGroup>),
+    PushWeights {
+        to: Vec<ActorId>,
+        timeout_ms: u64,
+    },
 }
 
 #[derive(Serialize, Deserialize)]
@@ -136,6 +142,8 @@ enum PolicyResponseHead {
     Sent,
     GradientGroup(Option<UniqueId>),
     NcclUnavailable(String),
+    Pushed(PushReport),
+    PushUnavailable(String),
 }
 
 fn encode_err<T>(reason: impl ToString) -> WireError {
@@ -501,6 +509,10 @@ impl Message for PolicyRequest {
                 (PolicyRequestHead::GradientGroup { make_id }, None)
             }
             PolicyRequest::JoinGradientGroup(g) => (PolicyRequestHead::JoinGradientGroup(g), None),
+            PolicyRequest::PushWeights { to, timeout } => {
+                let timeout_ms = timeout.as_millis().try_into().unwrap_or(u64::MAX);
+                (PolicyRequestHead::PushWeights { to, timeout_ms }, None)
+            }
             PolicyRequest::ImportState(state) => {
                 let (names, bulk) = pack_state::<Self>(state)?;
                 (PolicyRequestHead::ImportState(names), bulk)
@@ -542,6 +554,10 @@ impl Message for PolicyRequest {
                 PolicyRequest::GradientGroup { make_id }
             }
             PolicyRequestHead::JoinGradientGroup(g) => PolicyRequest::JoinGradientGroup(g),
+            PolicyRequestHead::PushWeights { to, timeout_ms } => PolicyRequest::PushWeights {
+                to,
+                timeout: std::time::Duration::from_millis(timeout_ms),
+            },
             PolicyRequestHead::ImportState(names) => {
                 PolicyRequest::ImportState(unpack_state::<Self>(names, wire.bulk.as_ref())?)
             }
@@ -582,6 +598,10 @@ impl Message for PolicyResponse {
             }
             PolicyResponse::DeviceWeightsUnavailable(why) => {
                 (PolicyResponseHead::DeviceWeightsUnavailable(why), None)
+            }
+            PolicyResponse::Pushed(r) => (PolicyResponseHead::Pushed(r), None),
+            PolicyResponse::PushUnavailable(why) => {
+                (PolicyResponseHead::PushUnavailable(why), None)
             }
             PolicyResponse::Weights(WeightsUpdate {
                 version,
@@ -647,6 +667,8 @@ impl Message for PolicyResponse {
             PolicyResponseHead::DeviceWeightsUnavailable(why) => {
                 PolicyResponse::DeviceWeightsUnavailable(why)
             }
+            PolicyResponseHead::Pushed(r) => PolicyResponse::Pushed(r),
+            PolicyResponseHead::PushUnavailable(why) => PolicyResponse::PushUnavailable(why),
             PolicyResponseHead::DeviceWeights {
                 version,
                 entries,
@@ -670,6 +692,8 @@ impl Message for PolicyResponse {
 }
 
 #[cfg(test)]
+mod pin;
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::builtin::rollout::{
@@ -680,7 +704,7 @@ mod tests {
     use tch::{Device, Kind, Tensor};
     use yatt_engine::{to_buckets, SamplingParams};
 
-    fn sample(k: u32, tokens: usize) -> Sample {
+    pub(super) fn sample(k: u32, tokens: usize) -> Sample {
         Sample {
             id: SampleId {
                 step: 3,
@@ -711,7 +735,7 @@ mod tests {
         }
     }
 
-    fn buckets(max_bytes: usize) -> Vec<WeightBucket> {
+    pub(super) fn buckets(max_bytes: usize) -> Vec<WeightBucket> {
         let named = vec![
             (
                 "a".to_string(),
@@ -959,6 +983,46 @@ mod tests {
         assert!(matches!(back, RoleResponse::Served(PolicyResponse::RingInbox(i)) if i == id("b")));
         let (back, _) = round_trip(RoleResponse::Served(PolicyResponse::Joined));
         assert!(matches!(back, RoleResponse::Served(PolicyResponse::Joined)));
+    }
+
+    /// A direct push names its rollouts and deadline; its report names each rollout
+    /// that missed the weights and why, so the controller can settle it.
+    #[test]
+    fn push_messages_round_trip() {
+        use yatt_runtime::{ActorId, CallError};
+        let a: ActorId = "n0/rollout/0#3".parse().unwrap();
+        let b: ActorId = "n1/rollout/1#4".parse().unwrap();
+        let timeout = std::time::Duration::from_millis(2500);
+        let (back, wire) = round_trip(RoleRequest::Serve(PolicyRequest::PushWeights {
+            to: vec![a.clone(), b.clone()],
+            timeout,
+        }));
+        assert!(wire.bulk.is_none());
+        assert!(matches!(
+            back,
+            RoleRequest::Serve(PolicyRequest::PushWeights { to, timeout: t })
+                if to == vec![a.clone(), b.clone()] && t == timeout
+        ));
+        let report = PushReport {
+            version: 9,
+            bytes: 1 << 20,
+            failed: vec![(
+                b.clone(),
+                CallError::Timeout {
+                    target: b.clone(),
+                    after: timeout,
+                },
+            )],
+        };
+        let (back, _) = round_trip(RoleResponse::Served(PolicyResponse::Pushed(report.clone())));
+        assert!(matches!(back, RoleResponse::Served(PolicyResponse::Pushed(r)) if r == report));
+        let why = "not here".to_string();
+        let (back, _) = round_trip(RoleResponse::Served(PolicyResponse::PushUnavailable(
+            why.clone(),
+        )));
+        assert!(
+            matches!(back, RoleResponse::Served(PolicyResponse::PushUnavailable(w)) if w == why)
+        );
     }
 
     #[test]

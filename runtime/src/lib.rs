@@ -80,6 +80,7 @@ pub use supervisor::{
     supervise, ChildEvent, Decision as RestartDecision, Lifecycle, NoHooks, RestartPolicy,
     RestartTracker, Supervised,
 };
+pub use tls::wire_fingerprint;
 pub use tls::{
     peer_identity, validate_node_name, ClusterCa, NodeIdentity, PeerIdentity, TlsError,
     TransportTuning, ALPN, CA_CERT_FILE, CA_KEY_FILE, DEFAULT_CONN_WINDOW, DEFAULT_IDLE_TIMEOUT,

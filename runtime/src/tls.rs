@@ -34,10 +34,22 @@ use crate::cert_kind::CertKind;
 /// Bumped whenever a message between nodes changes shape, so that a node of another
 /// build is refused at the handshake, saying so, rather than misreading messages
 /// (postcard is not self-describing). 2: remote spawns carry a ticket (`CancelSpawn`).
+/// 3: the policy's `PushWeights` (weight sync in one hop).
 /// Tests pin the encoding of the system messages and the frame heads to it
-/// (`node/protocol.rs`, `transport/protocol.rs`); the roles' messages are not pinned, so
-/// a change to one of them must bump it by hand.
-pub const ALPN: &[u8] = b"yatt/2";
+/// (`node/protocol.rs`, `transport/protocol.rs`), and the roles' messages too
+/// (`yatt-roles`, `wire/pin.rs`).
+pub const ALPN: &[u8] = b"yatt/3";
+
+/// A fingerprint of encoded messages (each one's length, then its bytes), for tests
+/// that pin an encoding to [`ALPN`]: a change to how the messages encode changes it.
+pub fn wire_fingerprint(encoded: &[Vec<u8>]) -> u32 {
+    let mut crc = crc32fast::Hasher::new();
+    for bytes in encoded {
+        crc.update(&(bytes.len() as u64).to_le_bytes());
+        crc.update(bytes);
+    }
+    crc.finalize()
+}
 
 /// Every node certificate carries this DNS SAN; clients always connect with this server name
 /// and learn the peer's node name from its certificate (CN), not from DNS.
@@ -791,14 +803,12 @@ pub(crate) mod test_support {
     /// the `fingerprint` pinned with today's [`ALPN`]: a change to how the messages
     /// encode must bump the ALPN, then pin the new fingerprint.
     pub fn assert_pinned_to_alpn(what: &str, encoded: Vec<Vec<u8>>, fingerprint: u32) {
-        let mut crc = crc32fast::Hasher::new();
-        for bytes in encoded {
-            crc.update(&(bytes.len() as u64).to_le_bytes());
-            crc.update(&bytes);
-        }
         assert_eq!(
-            (String::from_utf8_lossy(ALPN).into_owned(), crc.finalize()),
-            ("yatt/2".to_string(), fingerprint),
+            (
+                String::from_utf8_lossy(ALPN).into_owned(),
+                wire_fingerprint(&encoded)
+            ),
+            ("yatt/3".to_string(), fingerprint),
             "the {what} encode differently: bump ALPN in runtime/src/tls.rs and pin the new fingerprint"
         );
     }

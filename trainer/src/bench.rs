@@ -197,6 +197,9 @@ impl Role for FakePolicy {
             PolicyRequest::ExportDeviceWeights => PolicyResponse::DeviceWeightsUnavailable(
                 "a runtime bench's stand-in policy has no device".into(),
             ),
+            PolicyRequest::PushWeights { .. } => PolicyResponse::PushUnavailable(
+                "a runtime bench's stand-in policy sends no weights itself".into(),
+            ),
             PolicyRequest::SaveCheckpoint(_) => PolicyResponse::Saved,
             PolicyRequest::RingInbox
             | PolicyRequest::JoinRing(_)

@@ -24,6 +24,7 @@ pub mod growing_reward;
 pub mod judge_model;
 mod nccl_member;
 pub mod policy;
+mod policy_push;
 pub mod reference;
 pub mod reward;
 pub mod reward_model;
@@ -36,8 +37,9 @@ pub use critic::{CriticConfig, CriticReport, CriticRequest, CriticResponse, Crit
 pub use judge_model::{JudgeConfig, JudgeMode, JudgeScorer, OnUnparsed};
 pub use policy::{
     GradShard, KlLossConfig, LoraSync, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole,
-    TrainReport, TrainerState,
+    PushReport, TrainReport, TrainerState,
 };
+pub use policy_push::PushingPolicy;
 pub use reference::ReferenceRole;
 pub use reward::RewardRole;
 pub use reward_model::{

@@ -70,7 +70,7 @@ mod tests {
         assert!(is_other_protocol(&e), "{e:?}");
         let said = explain(&e);
         assert!(
-            said.contains("wire protocol") && said.contains("yatt/2"),
+            said.contains("wire protocol") && said.contains(&*String::from_utf8_lossy(ALPN)),
             "{said}"
         );
         let e = accepted.await.unwrap().expect_err("the server accepted it");

@@ -52,6 +52,12 @@ pub struct TrainArgs {
     /// able to reach it.
     #[arg(long, default_value = "127.0.0.1:0", requires = "cluster")]
     listen: SocketAddr,
+    /// With --cluster: a `yatt-node` config file (config/node.toml) whose `[transport]`
+    /// and `[membership]` settings this process's node takes, as the daemons do; the
+    /// `YATT_NODE__SECTION__KEY` environment overrides apply with or without it. Its
+    /// name, listen address and seed come from the flags above.
+    #[arg(long, value_name = "FILE", requires = "cluster")]
+    node_config: Option<PathBuf>,
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
@@ -105,7 +111,10 @@ async fn start_node(
         .name
         .clone()
         .unwrap_or_else(|| default_member_name(args.dev));
-    let mut builder = Node::builder(&name).listen(args.listen).seed(seed);
+    let mut builder = Node::builder(&name)
+        .config(cluster_settings(args, &name, seed)?)
+        .listen(args.listen)
+        .seed(seed);
     builder = if args.dev {
         builder.dev_certs(&args.certs).dev_kind(CertKind::Trainer)
     } else {
@@ -116,6 +125,30 @@ async fn start_node(
         .await
         .with_context(|| format!("joining the cluster through {seed} as {name}"))?;
     Ok((node, None))
+}
+
+/// The transport and membership settings of this run's node on a cluster, from
+/// `--node-config` and the `YATT_NODE__` environment, as a daemon reads them.
+fn cluster_settings(
+    args: &TrainArgs,
+    name: &str,
+    seed: SocketAddr,
+) -> anyhow::Result<yatt::runtime::NodeConfig> {
+    let flags = [
+        ("node.name", name.to_string()),
+        ("node.listen", args.listen.to_string()),
+        ("node.seed", seed.to_string()),
+    ];
+    let file = args.node_config.as_deref();
+    let r = yatt::node_config::load(file, &flags)
+        .context("this process's node settings (--node-config, YATT_NODE__ variables)")?;
+    Ok(yatt::runtime::NodeConfig {
+        transport: r.runtime.transport,
+        heartbeat_interval: r.runtime.heartbeat_interval,
+        failure_timeout: r.runtime.failure_timeout,
+        drain_timeout: r.runtime.drain_timeout,
+        ..Default::default()
+    })
 }
 
 /// This run's node name when `--name` is not given. With dev certificates any name can

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use yatt_roles::{
-    DeviceGroup, EnvFactory, EnvRole, PolicyRequest, PolicyResponse, RemoteEnvPool, Role,
-    RoleActor, RoleError, RoleRequest, RoleResponse, Sample, SpawnEnvActor,
+    DeviceGroup, EnvFactory, EnvRole, PolicyRequest, PolicyResponse, PushingPolicy, RemoteEnvPool,
+    Role, RoleActor, RoleError, RoleRequest, RoleResponse, Sample, SpawnEnvActor,
 };
 use yatt_runtime::ActorName;
 use yatt_runtime::Directory;
@@ -89,6 +89,7 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
                 .is_ok_and(|job| job.job.policy_replicas > 1);
             let ring_on = replicated.then(|| (node.clone(), name.replica));
             let root = node.config().data_dir.clone();
+            let here = node.downgrade();
             async move {
                 let ring = match ring_on {
                     Some((node, replica)) => {
@@ -97,7 +98,7 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
                     None => None,
                 };
                 let checkpoint = a.checkpoint.clone();
-                start_role(a, "policy", move |job| {
+                let role = start_role(a, "policy", move |job| {
                     let (model, _, pad_id) = model_here(job)?;
                     let role = match checkpoint {
                         Some(dir) => {
@@ -113,7 +114,9 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
                         None => role,
                     })
                 })
-                .await
+                .await?;
+                // Its actor sends the weights to the rollouts itself (one hop).
+                Ok::<_, String>(PushingPolicy::new(role, here))
             }
         })
         .factory_async("reference", |a: RoleArgs| {

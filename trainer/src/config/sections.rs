@@ -311,7 +311,8 @@ pub struct RolloutSection {
     pub cuda_graphs: bool,
     /// How weights reach rollouts in other processes: `auto` (CUDA IPC on one host
     /// with a GPU, an NCCL broadcast to other hosts' GPUs, else byte buckets over QUIC,
-    /// the reason logged), `quic`, `cuda_ipc`, `nccl`.
+    /// the reason logged), `quic`, `relay` (buckets through the controller),
+    /// `cuda_ipc`, `nccl`.
     pub weight_sync: WeightSync,
     /// Partial rollouts (interruptible generation, with `staleness` ≥ 1): responses
     /// decode in chunks of `chunk_tokens`, and weights synced while a batch generates

@@ -40,9 +40,14 @@ pub enum WeightSync {
     #[default]
     #[serde(rename = "auto")]
     Auto,
-    /// Always byte buckets over QUIC (the runtime's shared-memory path on one host).
+    /// Always byte buckets over QUIC (the runtime's shared-memory path on one host),
+    /// sent by the policy's process to the rollouts where it can.
     #[serde(rename = "quic")]
     Quic,
+    /// Byte buckets over QUIC through the controller (two hops), never from the
+    /// policy's node: for clusters where that node cannot reach the rollouts' nodes.
+    #[serde(rename = "relay")]
+    Relay,
     /// Always CUDA IPC: a sync that cannot use it fails, naming why.
     #[serde(rename = "cuda_ipc")]
     CudaIpc,
@@ -77,6 +82,7 @@ impl WeightSync {
         match self {
             WeightSync::Auto => "auto",
             WeightSync::Quic => "quic",
+            WeightSync::Relay => "relay",
             WeightSync::CudaIpc => "cuda_ipc",
             WeightSync::Nccl => "nccl",
         }

@@ -43,6 +43,19 @@ pub(crate) struct NcclRoute {
     pub(crate) unable: std::collections::HashSet<ActorId>,
 }
 
+/// How many rollouts one weight sync reached by each route, and the bytes it exported.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct SyncRoutes {
+    /// Bytes the policy exported.
+    pub(crate) bytes: u64,
+    /// Rollouts that took the weights through CUDA IPC.
+    pub(crate) via_ipc: usize,
+    /// Rollouts that took them by NCCL broadcast.
+    pub(crate) via_nccl: usize,
+    /// Rollouts the policy's process sent byte buckets to itself (one hop).
+    pub(crate) via_direct: usize,
+}
+
 /// One data-parallel head: its shard and the roles it drives.
 pub struct Controller {
     pub(crate) config: ControllerConfig,
@@ -52,16 +65,15 @@ pub struct Controller {
     pub(crate) roles: RoleRefs,
     pub(crate) step: u64,
     pub(crate) weights_version: u64,
-    /// Bytes the last weight sync exported.
-    pub(crate) last_sync_bytes: u64,
-    /// Rollouts the last weight sync reached through CUDA IPC.
-    pub(crate) last_sync_ipc: usize,
-    /// Rollouts the last weight sync reached by NCCL broadcast.
-    pub(crate) last_sync_nccl: usize,
+    /// The bytes the last weight sync exported and the routes it took.
+    pub(crate) last_sync: SyncRoutes,
     /// What weight sync has learnt about CUDA IPC (`rollout.weight_sync`).
     pub(crate) ipc: std::sync::Mutex<IpcRoute>,
     /// What weight sync has learnt about NCCL.
     pub(crate) nccl: std::sync::Mutex<NcclRoute>,
+    /// The policy cannot send its weights to the rollouts itself: this controller
+    /// sends them (`weights_direct.rs`).
+    pub(crate) direct_push_off: std::sync::atomic::AtomicBool,
     /// Its policy replica averages gradients in a ring with the other heads' replicas
     /// ([`join_policy_ring`]).
     pub(crate) in_policy_ring: bool,
@@ -165,11 +177,10 @@ impl Controller {
             roles,
             step: 0,
             weights_version: 0,
-            last_sync_bytes: 0,
-            last_sync_ipc: 0,
-            last_sync_nccl: 0,
+            last_sync: SyncRoutes::default(),
             ipc: Default::default(),
             nccl: Default::default(),
+            direct_push_off: Default::default(),
             in_policy_ring: false,
             peer_policies: Vec::new(),
             update_committed: None,

@@ -17,5 +17,6 @@ pub(crate) mod residency;
 pub(crate) mod stages;
 pub(crate) mod time_share;
 pub(crate) mod weights;
+pub(crate) mod weights_direct;
 pub(crate) mod weights_ipc;
 pub(crate) mod weights_nccl;

@@ -52,11 +52,7 @@ impl Controller {
         let t = Instant::now();
         let pushed = self.push_weights().await?;
         Ok(Some(Synced {
-            version: pushed.version,
-            lost: pushed.lost,
-            bytes: pushed.bytes,
-            via_ipc: pushed.via_ipc,
-            via_nccl: pushed.via_nccl,
+            pushed,
             seconds: t.elapsed().as_secs_f64(),
         }))
     }

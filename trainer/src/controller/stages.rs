@@ -17,16 +17,13 @@ use crate::controller::extra_stages::StageAt;
 use crate::controller::refs::variant;
 use crate::controller::report::{StepMetrics, StepReport};
 use crate::controller::time_share::prepare_time_shared;
+use crate::controller::weights::Pushed;
 use crate::ledger::{SampleLedger, Stage};
 use yatt_metrics::names;
 
 /// A weight sync that already ran (beside generation, with partial rollouts).
 pub(crate) struct Synced {
-    pub(crate) version: u64,
-    pub(crate) lost: Vec<yatt_runtime::ActorId>,
-    pub(crate) bytes: u64,
-    pub(crate) via_ipc: usize,
-    pub(crate) via_nccl: usize,
+    pub(crate) pushed: Pushed,
     pub(crate) seconds: f64,
 }
 
@@ -478,21 +475,12 @@ impl Controller {
 
         // 7. Weight sync (done already when it ran beside generation).
         let version = match synced {
-            Some(Synced {
-                version,
-                lost,
-                bytes,
-                via_ipc,
-                via_nccl,
-                seconds,
-            }) => {
-                self.lost_rollouts.extend(lost);
-                self.weights_version = version;
-                self.last_sync_bytes = bytes;
-                self.last_sync_ipc = via_ipc;
-                self.last_sync_nccl = via_nccl;
+            Some(Synced { pushed, seconds }) => {
+                self.lost_rollouts.extend(pushed.lost);
+                self.weights_version = pushed.version;
+                self.last_sync = pushed.routes;
                 m.set(names::WEIGHT_SYNC_S, seconds);
-                version
+                pushed.version
             }
             None => {
                 let t = Instant::now();
@@ -501,9 +489,11 @@ impl Controller {
                 version
             }
         };
-        m.set(names::WEIGHT_SYNC_BYTES, self.last_sync_bytes as f64);
-        m.set(names::WEIGHT_SYNC_CUDA_IPC, self.last_sync_ipc as f64);
-        m.set(names::WEIGHT_SYNC_NCCL, self.last_sync_nccl as f64);
+        let routes = self.last_sync;
+        m.set(names::WEIGHT_SYNC_BYTES, routes.bytes as f64);
+        m.set(names::WEIGHT_SYNC_CUDA_IPC, routes.via_ipc as f64);
+        m.set(names::WEIGHT_SYNC_NCCL, routes.via_nccl as f64);
+        m.set(names::WEIGHT_SYNC_DIRECT, routes.via_direct as f64);
 
         let ledger = ledger.close().map_err(self.ledger_err())?;
         let wall = t_step.elapsed().as_secs_f64();

@@ -7,10 +7,19 @@ use yatt_roles::{
 use yatt_runtime::ActorId;
 use yatt_runtime::CallError;
 
-use crate::controller::core::Controller;
+use crate::controller::core::{Controller, SyncRoutes};
 use crate::controller::error::replica_lost;
 use crate::controller::error::ControllerError;
 use crate::controller::refs::{variant, RolloutRef};
+
+/// The routes a sync to other processes tries, in order, before this controller's
+/// buckets.
+#[derive(Clone, Copy)]
+enum Route {
+    Ipc,
+    Nccl,
+    Direct,
+}
 
 /// What one weight sync did.
 pub(crate) struct Pushed {
@@ -18,12 +27,7 @@ pub(crate) struct Pushed {
     pub(crate) version: u64,
     /// Replicas found lost on the way.
     pub(crate) lost: Vec<ActorId>,
-    /// Bytes the policy exported.
-    pub(crate) bytes: u64,
-    /// Rollouts that took the weights through CUDA IPC.
-    pub(crate) via_ipc: usize,
-    /// Rollouts that took them by NCCL broadcast.
-    pub(crate) via_nccl: usize,
+    pub(crate) routes: SyncRoutes,
 }
 
 /// A rollout's failed load, sorted.
@@ -41,45 +45,47 @@ impl Controller {
         let pushed = self.push_weights().await?;
         self.lost_rollouts.extend(pushed.lost);
         self.weights_version = pushed.version;
-        self.last_sync_bytes = pushed.bytes;
-        self.last_sync_ipc = pushed.via_ipc;
-        self.last_sync_nccl = pushed.via_nccl;
+        self.last_sync = pushed.routes;
         Ok(pushed.version)
     }
 
     /// Weight sync with a shared borrow (it may run while the next batch generates):
     /// the version the rollouts now hold and the replicas found lost on the way, for
     /// the caller to record.
+    ///
+    /// Across processes each rollout takes the first route that serves it: CUDA IPC
+    /// (the policy's host), an NCCL broadcast, byte buckets the policy's process sends
+    /// itself; the rest get buckets from this controller.
     pub(crate) async fn push_weights(&self) -> Result<Pushed, ControllerError> {
         let t = self.config.timeouts.sync;
-        let (in_process, live) = self.sync_targets();
+        let (in_process, mut left) = self.sync_targets();
         let mut lost = Vec::new();
-        // Across processes, CUDA IPC first where it can be used; the rest get buckets.
-        let ipc = match in_process {
-            true => None,
-            false => self.push_through_ipc(&live, t, &mut lost).await?,
-        };
-        let (via_ipc, by_device) = match &ipc {
-            Some(p) => (p.loaded, p.left.clone()),
-            None => (0, live),
-        };
-        // Then an NCCL broadcast to the rest, where it can be used.
-        let nccl = match in_process {
-            true => None,
-            false => self.push_through_nccl(&by_device, t, &mut lost).await?,
-        };
-        let (via_nccl, by_bytes) = match &nccl {
-            Some(p) => (p.loaded, p.left.clone()),
-            None => (0, by_device),
-        };
-        let done = ipc.as_ref().or(nccl.as_ref());
-        if let (Some(p), true) = (done, by_bytes.is_empty()) {
+        let mut routes = SyncRoutes::default();
+        let mut version = None;
+        if !in_process {
+            for route in [Route::Ipc, Route::Nccl, Route::Direct] {
+                let done = match route {
+                    Route::Ipc => self.push_through_ipc(&left, t, &mut lost).await?,
+                    Route::Nccl => self.push_through_nccl(&left, t, &mut lost).await?,
+                    Route::Direct => self.push_direct(&left, t, &mut lost).await?,
+                };
+                let Some(p) = done else { continue };
+                let reached = match route {
+                    Route::Ipc => &mut routes.via_ipc,
+                    Route::Nccl => &mut routes.via_nccl,
+                    Route::Direct => &mut routes.via_direct,
+                };
+                *reached = p.loaded;
+                routes.bytes = p.bytes;
+                version = Some(p.version);
+                left = p.left;
+            }
+        }
+        if let (Some(version), true) = (version, left.is_empty()) {
             return Ok(Pushed {
-                version: p.version,
+                version,
                 lost,
-                bytes: p.bytes,
-                via_ipc,
-                via_nccl,
+                routes,
             });
         }
         let update = match self.export_from_a_replica(in_process, t).await? {
@@ -87,12 +93,12 @@ impl Controller {
             other => return Err(self.protocol("policy", "ExportWeights", format!("{other:?}"))),
         };
         let version = update.version;
-        let bytes = update.bytes();
+        routes.bytes = update.bytes();
         // Every replica but the last gets a copy; the last takes the buckets themselves.
         let mut update = Some(update);
         let mut loads = Vec::new();
-        for (i, r) in by_bytes.iter().enumerate() {
-            let u = match i + 1 == by_bytes.len() {
+        for (i, r) in left.iter().enumerate() {
+            let u = match i + 1 == left.len() {
                 true => update.take(),
                 false => update.clone(),
             };
@@ -103,7 +109,7 @@ impl Controller {
         for (answer, r) in futures::future::join_all(loads)
             .await
             .into_iter()
-            .zip(&by_bytes)
+            .zip(&left)
         {
             match answer {
                 Ok(RoleResponse::Done) => {}
@@ -117,9 +123,7 @@ impl Controller {
         Ok(Pushed {
             version,
             lost,
-            bytes,
-            via_ipc,
-            via_nccl,
+            routes,
         })
     }
 

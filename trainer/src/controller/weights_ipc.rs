@@ -19,8 +19,8 @@ use crate::controller::weights::Settled;
 const FALLBACK: &str =
     "CUDA IPC unavailable, so the weights go to other processes as byte buckets over QUIC";
 
-/// What a sync through IPC (or NCCL) did.
-pub(crate) struct DevicePushed {
+/// What one route of a sync (CUDA IPC, NCCL, the policy's own push) did.
+pub(crate) struct RoutePushed {
     pub(crate) version: u64,
     pub(crate) bytes: u64,
     /// Rollouts that took the weights by this route.
@@ -77,13 +77,13 @@ impl Controller {
         live: &[RolloutRef],
         t: Duration,
         lost: &mut Vec<ActorId>,
-    ) -> Result<Option<DevicePushed>, ControllerError> {
+    ) -> Result<Option<RoutePushed>, ControllerError> {
         let mode = self.config.weight_sync;
         let (off, refused) = {
             let route = self.ipc_route();
             (route.off, route.refused.clone())
         };
-        if matches!(mode, WeightSync::Quic | WeightSync::Nccl) || off {
+        if !matches!(mode, WeightSync::Auto | WeightSync::CudaIpc) || off {
             return Ok(None);
         }
         let (targets, mut left): (Vec<RolloutRef>, Vec<RolloutRef>) = live
@@ -137,7 +137,7 @@ impl Controller {
                 },
             }
         }
-        Ok(Some(DevicePushed {
+        Ok(Some(RoutePushed {
             version,
             bytes,
             loaded,

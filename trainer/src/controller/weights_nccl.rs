@@ -24,7 +24,7 @@ use crate::controller::core::{Controller, NcclRoute};
 use crate::controller::error::{replica_lost, ControllerError};
 use crate::controller::refs::{variant, RolloutRef};
 use crate::controller::weights::Settled;
-use crate::controller::weights_ipc::{variant_of, DevicePushed};
+use crate::controller::weights_ipc::{variant_of, RoutePushed};
 
 const FALLBACK: &str =
     "NCCL unavailable, so the weights go to other processes as byte buckets over QUIC";
@@ -45,7 +45,7 @@ impl Controller {
         targets: &[RolloutRef],
         t: Duration,
         lost: &mut Vec<ActorId>,
-    ) -> Result<Option<DevicePushed>, ControllerError> {
+    ) -> Result<Option<RoutePushed>, ControllerError> {
         let mode = self.config.weight_sync;
         let forced = mode == WeightSync::Nccl;
         if !matches!(mode, WeightSync::Auto | WeightSync::Nccl)
@@ -151,7 +151,7 @@ impl Controller {
         let someone_lost = root_lost || lost.len() > lost_before;
         if failures.is_empty() && !someone_lost {
             route.group = Some((group.id, members));
-            return Ok(Some(DevicePushed {
+            return Ok(Some(RoutePushed {
                 version,
                 bytes,
                 loaded,
@@ -174,7 +174,7 @@ impl Controller {
         } else {
             tracing::warn!(step = self.step, failures = %failures, "weight sync: a member was lost during the NCCL broadcast; the others get byte buckets this time and a new group next time");
         }
-        Ok(Some(DevicePushed {
+        Ok(Some(RoutePushed {
             version,
             bytes,
             loaded,

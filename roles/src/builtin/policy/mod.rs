@@ -202,6 +202,15 @@ pub enum PolicyRequest {
     ExportState,
     /// Replace the trainer with this state (another replica's [`PolicyRequest::ExportState`]).
     ImportState(TrainerState),
+    /// Weight sync in one hop: export the weights as buckets and load them into these
+    /// rollouts straight from the policy's process, each load with `timeout`. Answered
+    /// by the actor that hosts the policy on a node ([`crate::PushingPolicy`]) with
+    /// [`PolicyResponse::Pushed`]; the role itself answers
+    /// [`PolicyResponse::PushUnavailable`], and the asker sends the buckets itself.
+    PushWeights {
+        to: Vec<ActorId>,
+        timeout: std::time::Duration,
+    },
 }
 
 /// What one train request did (means over micro-batches, sums where noted).
@@ -288,6 +297,22 @@ pub enum PolicyResponse {
     /// NCCL cannot be used here ([`PolicyRequest::StageBroadcast`],
     /// [`PolicyRequest::GradientGroup`]), and why.
     NcclUnavailable(String),
+    /// What [`PolicyRequest::PushWeights`] did.
+    Pushed(PushReport),
+    /// [`PolicyRequest::PushWeights`] cannot be served here, and why: export the weights
+    /// and send them instead.
+    PushUnavailable(String),
+}
+
+/// What one [`PolicyRequest::PushWeights`] did.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PushReport {
+    /// The version the rollouts that loaded now hold.
+    pub version: u64,
+    /// Bytes of weights sent to each rollout.
+    pub bytes: u64,
+    /// The rollouts that did not load them, and why; every other one did.
+    pub failed: Vec<(ActorId, yatt_runtime::CallError)>,
 }
 
 /// One controller's gradients for a data-parallel step.
@@ -850,6 +875,9 @@ impl Role for PolicyRole {
             PolicyRequest::ImportState(state) => {
                 self.import_state(state).map(|_| PolicyResponse::Imported)
             }
+            PolicyRequest::PushWeights { .. } => Ok(PolicyResponse::PushUnavailable(
+                "the policy role was asked directly, not through the actor that pushes weights on a node".into(),
+            )),
             PolicyRequest::SaveCheckpoint(dir) => {
                 super::write_root::check_under(
                     self.write_root.as_deref(),

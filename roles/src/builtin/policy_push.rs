@@ -1,0 +1,133 @@
+//! Weight sync in one hop: the actor that hosts a policy on a node exports its weights
+//! in process and loads them into the rollouts itself ([`PolicyRequest::PushWeights`]).
+//!
+//! Without it a controller in another process asks the policy for its buckets and sends
+//! them on: every byte crosses the wire twice (policy → controller → rollout), and the
+//! controller's process holds a copy. The role itself cannot send (it runs on its own
+//! thread and knows no node), so the actor around it does.
+
+use std::time::Duration;
+
+use yatt_runtime::{Actor, ActorError, ActorId, CallError, Context, WeakNode};
+
+use crate::builtin::policy::{PolicyRequest, PolicyResponse, PushReport};
+use crate::builtin::rollout::{RolloutRequest, RolloutResponse};
+use crate::role::{Role, RoleActor, RoleRequest, RoleResponse, WeightsUpdate};
+
+/// The actor around a policy role on a node: it serves every request as
+/// [`RoleActor`] does, and also [`PolicyRequest::PushWeights`].
+pub struct PushingPolicy<R: Role<Request = PolicyRequest, Response = PolicyResponse>> {
+    role: RoleActor<R>,
+    /// Weak: the node owns its actors, so a strong handle would keep it alive.
+    node: WeakNode,
+}
+
+impl<R: Role<Request = PolicyRequest, Response = PolicyResponse>> PushingPolicy<R> {
+    /// Wraps a started policy role; `node` is the node the actor is spawned on.
+    pub fn new(role: RoleActor<R>, node: WeakNode) -> Self {
+        PushingPolicy { role, node }
+    }
+
+    async fn push(
+        &mut self,
+        to: Vec<ActorId>,
+        timeout: Duration,
+        ctx: &mut Context,
+    ) -> Result<PushReport, ActorError> {
+        let export = self
+            .role
+            .handle(RoleRequest::Serve(PolicyRequest::ExportWeights), ctx);
+        let update = match tokio::time::timeout(timeout, export).await {
+            Err(_) => {
+                return Err(ActorError::Failed(format!(
+                    "exporting the weights took longer than the sync's {timeout:?}"
+                )))
+            }
+            Ok(Ok(RoleResponse::Served(PolicyResponse::Weights(u)))) => u,
+            Ok(Ok(_)) => {
+                return Err(ActorError::Failed(
+                    "the policy answered ExportWeights with something other than weights".into(),
+                ))
+            }
+            Ok(Err(e)) => return Err(e),
+        };
+        let node = self
+            .node
+            .upgrade()
+            .ok_or_else(|| ActorError::Unavailable("the policy's node has stopped".into()))?;
+        let (version, bytes) = (update.version, update.bytes());
+        let loads = to.into_iter().map(|id| {
+            let update = update.clone();
+            let node = node.clone();
+            async move {
+                let outcome = load(&node, &id, update, timeout).await;
+                outcome.err().map(|e| (id, e))
+            }
+        });
+        let failed = futures::future::join_all(loads)
+            .await
+            .into_iter()
+            .flatten()
+            .collect();
+        Ok(PushReport {
+            version,
+            bytes,
+            failed,
+        })
+    }
+}
+
+/// Loads `update` into the rollout `id`.
+async fn load(
+    node: &yatt_runtime::Node,
+    id: &ActorId,
+    update: WeightsUpdate,
+    timeout: Duration,
+) -> Result<(), CallError> {
+    let rollout = node
+        .actor_ref::<RoleRequest<RolloutRequest>, RoleResponse<RolloutResponse>>(id)
+        .map_err(|e| match e {
+            yatt_runtime::NodeError::Call(e) => e,
+            other => handler_error(id, other.to_string()),
+        })?;
+    match rollout
+        .ask(RoleRequest::LoadWeights(update), timeout)
+        .await?
+    {
+        RoleResponse::Done => Ok(()),
+        _ => Err(handler_error(
+            id,
+            "the rollout answered LoadWeights with something other than Done".into(),
+        )),
+    }
+}
+
+fn handler_error(id: &ActorId, why: String) -> CallError {
+    CallError::Handler {
+        target: id.clone(),
+        error: ActorError::Failed(why),
+    }
+}
+
+impl<R: Role<Request = PolicyRequest, Response = PolicyResponse>> Actor for PushingPolicy<R> {
+    type Request = RoleRequest<PolicyRequest>;
+    type Response = RoleResponse<PolicyResponse>;
+
+    async fn handle(
+        &mut self,
+        request: Self::Request,
+        ctx: &mut Context,
+    ) -> Result<Self::Response, ActorError> {
+        match request {
+            RoleRequest::Serve(PolicyRequest::PushWeights { to, timeout }) => self
+                .push(to, timeout, ctx)
+                .await
+                .map(|r| RoleResponse::Served(PolicyResponse::Pushed(r))),
+            other => self.role.handle(other, ctx).await,
+        }
+    }
+
+    async fn stopped(&mut self) {
+        self.role.stopped().await;
+    }
+}

@@ -1,0 +1,373 @@
+//! The roles' messages are pinned to the ALPN, as the runtime pins its own: one value
+//! of every message a controller and a role exchange across processes, each kind's
+//! variants by an exhaustive match, so that a new variant cannot be left out. A change
+//! to how one encodes (a field added, a variant moved) fails the test until the ALPN in
+//! `runtime/src/tls.rs` is bumped, so that a node of another build is refused at the
+//! handshake instead of misreading these messages.
+
+use yatt_engine::SamplingParams;
+use yatt_runtime::{wire_fingerprint, ActorId, CallError, RingSpec, ALPN};
+
+use super::tests::{buckets, sample};
+use super::*;
+use crate::builtin::rollout::{
+    ContinueRequest, GenerateRequest, RolloutRequest, RolloutResponse, RolloutStats,
+};
+use crate::builtin::{CriticReport, CriticRequest, CriticResponse};
+use crate::data::prompt::Prompt;
+use crate::env::{EnvRequest, EnvResponse, EnvStep};
+
+/// A message's body, then its bulk header and bytes.
+fn encoded<M: Message>(m: M) -> Vec<u8> {
+    let wire = m.into_wire().expect("encodes");
+    let mut out = wire.body.to_vec();
+    if let Some(b) = wire.bulk {
+        out.extend(postcard::to_stdvec(&b.header).expect("bulk header"));
+        out.extend_from_slice(&b.data);
+    }
+    out
+}
+
+fn id(text: &str) -> ActorId {
+    text.parse().expect("an actor id")
+}
+
+fn group() -> NcclGroup {
+    NcclGroup {
+        id: UniqueId::from_bytes([3; yatt_collective::UNIQUE_ID_BYTES]),
+        rank: 1,
+        nranks: 2,
+        deadline_ms: 1500,
+        bucket_bytes: 1 << 20,
+    }
+}
+
+fn prompt() -> Prompt {
+    Prompt {
+        id: 7,
+        text: "q".into(),
+        messages: Vec::new(),
+        reference: Some("a".into()),
+        metadata: serde_json::json!({"task": "t"}),
+    }
+}
+
+fn state() -> TrainerState {
+    TrainerState {
+        files: vec![("model.safetensors".into(), Bytes::from_static(b"w"))],
+    }
+}
+
+fn device_update() -> WeightsUpdate {
+    WeightsUpdate {
+        device: Some(crate::role::DeviceWeights {
+            entries: buckets(1 << 20).remove(0).entries,
+            route: DeviceRoute::Broadcast(group()),
+        }),
+        ..WeightsUpdate::from_buckets(6, Vec::new())
+    }
+}
+
+/// Every lifecycle request and answer, and one served request and answer of the
+/// reward's kind (samples): their heads are the same whatever a role serves.
+fn lifecycle() -> Vec<Vec<u8>> {
+    let requests = [
+        RoleRequest::Serve(vec![sample(0, 2)]),
+        RoleRequest::Offload,
+        RoleRequest::Reload,
+        RoleRequest::LoadWeights(WeightsUpdate::from_buckets(5, buckets(64))),
+        RoleRequest::LoadWeights(device_update()),
+        RoleRequest::Drain,
+        RoleRequest::Profile,
+        RoleRequest::Stop,
+    ];
+    let responses = [
+        RoleResponse::Served(vec![sample(0, 2)]),
+        RoleResponse::Done,
+        RoleResponse::Drained(vec![1, 2]),
+        RoleResponse::Profile(ResourceProfile::cpu_only()),
+    ];
+    for r in &requests {
+        match r {
+            RoleRequest::Serve(_)
+            | RoleRequest::Offload
+            | RoleRequest::Reload
+            | RoleRequest::LoadWeights(_)
+            | RoleRequest::Drain
+            | RoleRequest::Profile
+            | RoleRequest::Stop => {}
+        }
+    }
+    for r in &responses {
+        match r {
+            RoleResponse::Served(_)
+            | RoleResponse::Done
+            | RoleResponse::Drained(_)
+            | RoleResponse::Profile(_) => {}
+        }
+    }
+    let mut out: Vec<Vec<u8>> = requests.into_iter().map(encoded).collect();
+    out.extend(responses.into_iter().map(encoded));
+    out
+}
+
+/// Each request as a controller sends it, and each answer as it comes back.
+fn served<Req: Message, Resp: Message>(requests: Vec<Req>, responses: Vec<Resp>) -> Vec<Vec<u8>> {
+    let mut out: Vec<Vec<u8>> = requests
+        .into_iter()
+        .map(|r| encoded(RoleRequest::Serve(r)))
+        .collect();
+    out.extend(
+        responses
+            .into_iter()
+            .map(|r| encoded(RoleResponse::Served(r))),
+    );
+    out
+}
+
+fn policy_requests() -> Vec<PolicyRequest> {
+    let spec = RingSpec {
+        rank: 0,
+        members: vec![id("a/policy-ring/0#1")],
+        timeout: std::time::Duration::from_millis(10),
+        chunk_bytes: 64,
+    };
+    let shard = GradShard {
+        buckets: buckets(64),
+        report: TrainReport::default(),
+    };
+    let all = vec![
+        PolicyRequest::OldLogProbs(vec![sample(0, 2)]),
+        PolicyRequest::Train(vec![sample(1, 2)]),
+        PolicyRequest::Gradients(vec![sample(2, 2)]),
+        PolicyRequest::ApplyGradients(vec![shard]),
+        PolicyRequest::ExportWeights,
+        PolicyRequest::ExportLocalWeights,
+        PolicyRequest::ExportDeviceWeights,
+        PolicyRequest::StageBroadcast {
+            group: Some(group().id),
+            fresh: true,
+        },
+        PolicyRequest::Broadcast(group()),
+        PolicyRequest::SaveCheckpoint("/c".into()),
+        PolicyRequest::RingInbox,
+        PolicyRequest::JoinRing(spec),
+        PolicyRequest::GradientGroup { make_id: true },
+        PolicyRequest::JoinGradientGroup(Some(group())),
+        PolicyRequest::TrainAllReduce(vec![sample(3, 2)]),
+        PolicyRequest::ExportState,
+        PolicyRequest::ImportState(state()),
+        PolicyRequest::PushWeights {
+            to: vec![id("b/rollout/0#2")],
+            timeout: std::time::Duration::from_millis(20),
+        },
+    ];
+    for r in &all {
+        match r {
+            PolicyRequest::OldLogProbs(_)
+            | PolicyRequest::Train(_)
+            | PolicyRequest::Gradients(_)
+            | PolicyRequest::ApplyGradients(_)
+            | PolicyRequest::ExportWeights
+            | PolicyRequest::ExportLocalWeights
+            | PolicyRequest::ExportDeviceWeights
+            | PolicyRequest::StageBroadcast { .. }
+            | PolicyRequest::Broadcast(_)
+            | PolicyRequest::SaveCheckpoint(_)
+            | PolicyRequest::RingInbox
+            | PolicyRequest::JoinRing(_)
+            | PolicyRequest::GradientGroup { .. }
+            | PolicyRequest::JoinGradientGroup(_)
+            | PolicyRequest::TrainAllReduce(_)
+            | PolicyRequest::ExportState
+            | PolicyRequest::ImportState(_)
+            | PolicyRequest::PushWeights { .. } => {}
+        }
+    }
+    all
+}
+
+fn policy_responses() -> Vec<PolicyResponse> {
+    let shard = GradShard {
+        buckets: buckets(64),
+        report: TrainReport::default(),
+    };
+    let failed = CallError::Closed {
+        target: id("b/rollout/0#2"),
+    };
+    let all = vec![
+        PolicyResponse::Scored(vec![sample(0, 2)]),
+        PolicyResponse::Trained(TrainReport::default()),
+        PolicyResponse::Gradients(shard),
+        PolicyResponse::Weights(WeightsUpdate::from_buckets(4, buckets(64))),
+        PolicyResponse::Weights(device_update()),
+        PolicyResponse::Saved,
+        PolicyResponse::RingInbox(id("a/policy-ring/0#1")),
+        PolicyResponse::Joined,
+        PolicyResponse::State(state()),
+        PolicyResponse::Imported,
+        PolicyResponse::DeviceWeightsUnavailable("no".into()),
+        PolicyResponse::Sent,
+        PolicyResponse::GradientGroup(Some(group().id)),
+        PolicyResponse::NcclUnavailable("no".into()),
+        PolicyResponse::Pushed(PushReport {
+            version: 3,
+            bytes: 64,
+            failed: vec![(id("b/rollout/0#2"), failed)],
+        }),
+        PolicyResponse::PushUnavailable("no".into()),
+    ];
+    for r in &all {
+        match r {
+            PolicyResponse::Scored(_)
+            | PolicyResponse::Trained(_)
+            | PolicyResponse::Gradients(_)
+            | PolicyResponse::Weights(_)
+            | PolicyResponse::Saved
+            | PolicyResponse::RingInbox(_)
+            | PolicyResponse::Joined
+            | PolicyResponse::State(_)
+            | PolicyResponse::Imported
+            | PolicyResponse::DeviceWeightsUnavailable(_)
+            | PolicyResponse::Sent
+            | PolicyResponse::GradientGroup(_)
+            | PolicyResponse::NcclUnavailable(_)
+            | PolicyResponse::Pushed(_)
+            | PolicyResponse::PushUnavailable(_) => {}
+        }
+    }
+    all
+}
+
+fn rollout_messages() -> (Vec<RolloutRequest>, Vec<RolloutResponse>) {
+    let params = SamplingParams::greedy(4);
+    let requests = vec![
+        RolloutRequest::Generate(GenerateRequest {
+            step: 1,
+            prompts: vec![prompt()],
+            n: 2,
+            params: params.clone(),
+            seed: 9,
+        }),
+        RolloutRequest::NextTokenLogits(vec![1, 2]),
+        RolloutRequest::Continue(ContinueRequest {
+            samples: vec![sample(0, 2)],
+            params,
+            seed: 9,
+            budget: 8,
+        }),
+        RolloutRequest::CanReceiveBroadcast,
+    ];
+    for r in &requests {
+        match r {
+            RolloutRequest::Generate(_)
+            | RolloutRequest::NextTokenLogits(_)
+            | RolloutRequest::Continue(_)
+            | RolloutRequest::CanReceiveBroadcast => {}
+            // In-process only: it never crosses the wire.
+            RolloutRequest::GenerateStream(..) => unreachable!(),
+        }
+    }
+    let responses = vec![
+        RolloutResponse::Generated {
+            samples: vec![sample(0, 2)],
+            stats: RolloutStats::default(),
+        },
+        RolloutResponse::Streamed {
+            samples: 1,
+            stats: RolloutStats::default(),
+        },
+        RolloutResponse::Logits(vec![0.5]),
+        RolloutResponse::BroadcastReadiness(Err("no".into())),
+    ];
+    for r in &responses {
+        match r {
+            RolloutResponse::Generated { .. }
+            | RolloutResponse::Streamed { .. }
+            | RolloutResponse::Logits(_)
+            | RolloutResponse::BroadcastReadiness(_) => {}
+        }
+    }
+    (requests, responses)
+}
+
+fn critic_messages() -> (Vec<CriticRequest>, Vec<CriticResponse>) {
+    let requests = vec![
+        CriticRequest::Values(vec![sample(0, 2)]),
+        CriticRequest::Train(vec![sample(1, 2)]),
+        CriticRequest::SaveCheckpoint("/c".into()),
+    ];
+    for r in &requests {
+        match r {
+            CriticRequest::Values(_)
+            | CriticRequest::Train(_)
+            | CriticRequest::SaveCheckpoint(_) => {}
+        }
+    }
+    let responses = vec![
+        CriticResponse::Valued(vec![sample(0, 2)]),
+        CriticResponse::Trained(CriticReport::default()),
+        CriticResponse::Saved,
+    ];
+    for r in &responses {
+        match r {
+            CriticResponse::Valued(_) | CriticResponse::Trained(_) | CriticResponse::Saved => {}
+        }
+    }
+    (requests, responses)
+}
+
+fn env_messages() -> (Vec<EnvRequest>, Vec<EnvResponse>) {
+    let requests = vec![
+        EnvRequest::Reset {
+            episode: 1,
+            prompt: prompt(),
+        },
+        EnvRequest::Step {
+            episode: 1,
+            action: "x".into(),
+        },
+        EnvRequest::End { episode: 1 },
+    ];
+    for r in &requests {
+        match r {
+            EnvRequest::Reset { .. } | EnvRequest::Step { .. } | EnvRequest::End { .. } => {}
+        }
+    }
+    let responses = vec![
+        EnvResponse::Reset("o".into(), Some("p".into())),
+        EnvResponse::Stepped(EnvStep::done(1.0), None),
+        EnvResponse::Ended,
+    ];
+    for r in &responses {
+        match r {
+            EnvResponse::Reset(..) | EnvResponse::Stepped(..) | EnvResponse::Ended => {}
+        }
+    }
+    (requests, responses)
+}
+
+/// Every message, encoded as it crosses the wire.
+fn every_message() -> Vec<Vec<u8>> {
+    let mut out = lifecycle();
+    out.extend(served(policy_requests(), policy_responses()));
+    let (requests, responses) = rollout_messages();
+    out.extend(served(requests, responses));
+    let (requests, responses) = critic_messages();
+    out.extend(served(requests, responses));
+    let (requests, responses) = env_messages();
+    out.extend(served(requests, responses));
+    out
+}
+
+#[test]
+fn the_role_messages_encoding_is_pinned_to_the_alpn() {
+    assert_eq!(
+        (
+            String::from_utf8_lossy(ALPN).into_owned(),
+            wire_fingerprint(&every_message())
+        ),
+        ("yatt/3".to_string(), 3_402_467_814),
+        "the role messages encode differently: bump ALPN in runtime/src/tls.rs and pin the new fingerprint"
+    );
+}

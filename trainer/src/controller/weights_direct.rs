@@ -1,0 +1,94 @@
+//! Weight sync in one hop over QUIC: when the policy runs in another process, its
+//! actor exports the weights and loads them into the rollouts itself
+//! ([`PolicyRequest::PushWeights`]), so each byte crosses the wire once (policy →
+//! rollout) instead of twice (policy → controller → rollout). It follows CUDA IPC and
+//! NCCL, which move no bytes through any controller either, and comes before the two
+//! hops, which stay the fallback: for a policy in this process (its export crosses no
+//! wire), for a policy actor that cannot push (a user's), logged once, and with
+//! `rollout.weight_sync = "relay"` (the policy's node cannot reach the rollouts').
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use yatt_roles::{PolicyRequest, PolicyResponse};
+use yatt_runtime::{ActorId, CallError};
+
+use crate::controller::config::WeightSync;
+use crate::controller::core::Controller;
+use crate::controller::error::ControllerError;
+use crate::controller::refs::RolloutRef;
+use crate::controller::weights::Settled;
+use crate::controller::weights_ipc::{variant_of, RoutePushed};
+
+const FALLBACK: &str =
+    "the policy cannot send its weights to the rollouts itself, so they go through this controller (two hops over QUIC)";
+
+impl Controller {
+    /// Has the policy load its weights into the rollouts of `targets` in other
+    /// processes; `None` when it cannot (see the module), so every target gets buckets
+    /// from this controller, as those in this process do. Rollouts found lost go to
+    /// `lost`.
+    pub(crate) async fn push_direct(
+        &self,
+        targets: &[RolloutRef],
+        t: Duration,
+        lost: &mut Vec<ActorId>,
+    ) -> Result<Option<RoutePushed>, ControllerError> {
+        // A rollout in this process gains nothing (the second hop moves no bytes), and
+        // may be reachable from this process only (`Node::spawn_local`).
+        let (local, remote): (Vec<RolloutRef>, Vec<RolloutRef>) =
+            targets.iter().cloned().partition(|r| r.is_local());
+        if remote.is_empty()
+            || self.config.weight_sync == WeightSync::Relay
+            || self.roles.policy.is_local()
+            || self.direct_push_off.load(Ordering::Relaxed)
+        {
+            return Ok(None);
+        }
+        let to: Vec<ActorId> = remote.iter().map(|r| r.id().clone()).collect();
+        // The export and the loads each have the sync's deadline, as over two hops; the
+        // margin lets the policy's answer about a late rollout arrive before this one.
+        let whole = t * 2 + t / 4;
+        let request = |_| PolicyRequest::PushWeights {
+            to: to.clone(),
+            timeout: t,
+        };
+        let report = match self.serve_a_replica(request, "weight_sync", whole).await {
+            Ok(PolicyResponse::Pushed(r)) => r,
+            Ok(PolicyResponse::PushUnavailable(why)) => {
+                tracing::info!(reason = %why, "weight sync: {FALLBACK}");
+                self.direct_push_off.store(true, Ordering::Relaxed);
+                return Ok(None);
+            }
+            Ok(other) => return Err(self.protocol("policy", "PushWeights", variant_of(&other))),
+            // A policy that refuses the request (a user's role that does not know it):
+            // the two hops ask it for its weights instead, and report any real failure.
+            Err(ControllerError::Call {
+                source: CallError::Handler { error, .. },
+                ..
+            }) => {
+                tracing::warn!(error = %error, "weight sync: the policy refused PushWeights; {FALLBACK} from now on");
+                self.direct_push_off.store(true, Ordering::Relaxed);
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
+        let mut loaded = 0;
+        for r in &remote {
+            let Some((_, e)) = report.failed.iter().find(|(id, _)| id == r.id()) else {
+                loaded += 1;
+                continue;
+            };
+            match self.settle_lost(e.clone(), r) {
+                Settled::Lost => lost.push(r.id().clone()),
+                Settled::Failed(e) => return Err(self.call("weight_sync", "rollout")(e)),
+            }
+        }
+        Ok(Some(RoutePushed {
+            version: report.version,
+            bytes: report.bytes,
+            loaded,
+            left: local,
+        }))
+    }
+}

@@ -1,0 +1,197 @@
+//! Weight sync from a policy in another process than the controller's, on three
+//! in-process nodes joined over loopback QUIC (the trainer, the policy's, the
+//! rollout's):
+//! - a policy hosted by a `PushingPolicy` sends the buckets to the rollout itself, one
+//!   hop (`perf/weight_sync_direct`), and its role is never asked `PushWeights`;
+//! - a user's policy actor without it is asked once, answers that it cannot, and the
+//!   controller relays the buckets from then on;
+//! - a rollout only the controller's process can reach (`spawn_role`) gets them from
+//!   the controller, and the job trains.
+
+mod common;
+
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use common::demo_config;
+use tch::{Device, Kind};
+use yatt_roles::{
+    DeviceGroup, PolicyRequest, PolicyResponse, PolicyRole, PushingPolicy, ResourceProfile, Role,
+    RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse,
+    WeightsUpdate,
+};
+use yatt_runtime::Node;
+use yatt_trainer::{
+    base_model, policy_role, rollout_role, spawn_role, train_with, CustomRoles, JobConfig,
+    TrainOptions,
+};
+
+/// A user's policy: the built-in one, counting the `PushWeights` requests that reach it.
+struct Watched {
+    inner: PolicyRole,
+    pushes: Arc<AtomicUsize>,
+}
+
+impl Role for Watched {
+    type Request = PolicyRequest;
+    type Response = PolicyResponse;
+
+    fn name(&self) -> &str {
+        "my-policy"
+    }
+
+    fn profile(&self) -> ResourceProfile {
+        self.inner.profile()
+    }
+
+    fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
+        self.inner.start(group)
+    }
+
+    fn serve(&mut self, request: PolicyRequest) -> Result<PolicyResponse, RoleError> {
+        if matches!(request, PolicyRequest::PushWeights { .. }) {
+            self.pushes.fetch_add(1, Ordering::SeqCst);
+        }
+        self.inner.serve(request)
+    }
+
+    fn load_weights(&mut self, update: WeightsUpdate) -> Result<(), RoleError> {
+        self.inner.load_weights(update)
+    }
+
+    fn stop(&mut self) {
+        self.inner.stop()
+    }
+}
+
+struct Nodes {
+    trainer: Node,
+    policy: Node,
+    rollout: Node,
+    _certs: tempfile::TempDir,
+}
+
+async fn three_nodes() -> Nodes {
+    let certs = tempfile::tempdir().unwrap();
+    let start = |name: &'static str, seed: Option<std::net::SocketAddr>| {
+        let mut b = Node::builder(name).dev_certs(certs.path());
+        if let Some(s) = seed {
+            b = b.seed(s);
+        }
+        b.start()
+    };
+    let trainer = start("wp-trainer", None).await.unwrap();
+    let policy = start("wp-policy", Some(trainer.addr())).await.unwrap();
+    let rollout = start("wp-rollout", Some(trainer.addr())).await.unwrap();
+    Nodes {
+        trainer,
+        policy,
+        rollout,
+        _certs: certs,
+    }
+}
+
+/// How the policy's actor is hosted.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Host {
+    /// `PushingPolicy`, as a `yatt-node` hosts the built-in policy.
+    Pushing,
+    /// A plain `RoleActor`, as a user may spawn a policy of their own.
+    Plain,
+}
+
+/// Where the rollout runs.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum RolloutAt {
+    /// Its own node, reachable from the others.
+    OwnNode,
+    /// The trainer's process, reachable from it only.
+    TrainerOnly,
+}
+
+/// Trains `job` with the user's policy on the policy node and the rollout where `at`
+/// says; returns the `PushWeights` requests the policy role saw.
+async fn train(nodes: &Nodes, job: &JobConfig, host: Host, at: RolloutAt, case: u32) -> usize {
+    let (model, codec, pad_id) = base_model(job).unwrap();
+    let copy = |m: &yatt_engine::Llama| m.deep_copy(Device::Cpu, Kind::Float).unwrap();
+    let pushes = Arc::new(AtomicUsize::new(0));
+    let role = Watched {
+        inner: policy_role(job, copy(&model), pad_id).unwrap(),
+        pushes: pushes.clone(),
+    };
+    let group = DeviceGroup::cpu(nodes.policy.name());
+    let actor = RoleActor::start(role, group, 4).await.unwrap();
+    let policy = match host {
+        Host::Pushing => {
+            let actor = PushingPolicy::new(actor, nodes.policy.downgrade());
+            nodes.policy.spawn("my-policy", case, actor).unwrap()
+        }
+        Host::Plain => nodes.policy.spawn("my-policy", case, actor).unwrap(),
+    };
+    let policy = nodes.trainer.actor_ref(policy.id()).unwrap();
+    let rollout = rollout_role(job, model, codec);
+    let rollout = match at {
+        RolloutAt::OwnNode => {
+            let group = DeviceGroup::cpu(nodes.rollout.name());
+            let actor = RoleActor::start(rollout, group, 4).await.unwrap();
+            let r = nodes.rollout.spawn("my-rollout", case, actor).unwrap();
+            nodes
+                .trainer
+                .actor_ref::<RoleRequest<RolloutRequest>, RoleResponse<RolloutResponse>>(r.id())
+                .unwrap()
+        }
+        RolloutAt::TrainerOnly => {
+            let group = DeviceGroup::cpu(nodes.trainer.name());
+            spawn_role(&nodes.trainer, rollout, case, group)
+                .await
+                .unwrap()
+        }
+    };
+    let options = TrainOptions {
+        roles: CustomRoles {
+            rollouts: vec![rollout],
+            policy: Some(policy),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let summary = train_with(job, &nodes.trainer, options, |_| {})
+        .await
+        .unwrap_or_else(|e| panic!("{host:?} policy, rollout {at:?}: {e}"));
+    assert_eq!(summary.steps, 2);
+    pushes.load(Ordering::SeqCst)
+}
+
+/// `perf/weight_sync_direct` of every step.
+fn direct(out: &Path) -> Vec<f64> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|l| {
+            let row: serde_json::Value = serde_json::from_str(l).unwrap();
+            row["perf/weight_sync_direct"].as_f64().unwrap()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_in_another_process_sends_the_weights_to_the_rollouts_itself() {
+    let nodes = three_nodes().await;
+    let cases = [
+        (Host::Pushing, RolloutAt::OwnNode, [1.0, 1.0], 0),
+        // Asked once; the controller relays from then on.
+        (Host::Plain, RolloutAt::OwnNode, [0.0, 0.0], 1),
+        // Regression: the policy's node was sent to a rollout it cannot reach.
+        (Host::Pushing, RolloutAt::TrainerOnly, [0.0, 0.0], 0),
+    ];
+    for (case, (host, at, want, pushes)) in cases.into_iter().enumerate() {
+        let out = tempfile::tempdir().unwrap();
+        let job = demo_config(out.path(), &["job.steps=2".into()]);
+        let seen = train(&nodes, &job, host, at, case as u32).await;
+        assert_eq!(direct(out.path()), want, "{host:?} policy, rollout {at:?}");
+        assert_eq!(seen, pushes, "{host:?} policy, rollout {at:?}");
+    }
+    for n in [nodes.rollout, nodes.policy, nodes.trainer] {
+        n.shutdown().await;
+    }
+}
