@@ -6,7 +6,7 @@
 //! - a user's policy actor without it is asked once, answers that it cannot, and the
 //!   controller relays the buckets from then on;
 //! - a rollout only the controller's process can reach (`spawn_role`) gets them from
-//!   the controller, and the job trains.
+//!   the controller, and the job trains; so does one the policy's node failed to load.
 
 mod common;
 
@@ -18,9 +18,12 @@ use common::demo_config;
 use tch::{Device, Kind};
 use yatt_roles::{
     DeviceGroup, PolicyRequest, PolicyResponse, PolicyRole, PushingPolicy, ResourceProfile, Role,
-    RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse,
+    RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, RolloutRole,
     WeightsUpdate,
 };
+use yatt_runtime::ActorRef;
+
+type RolloutRef = ActorRef<RoleRequest<RolloutRequest>, RoleResponse<RolloutResponse>>;
 use yatt_runtime::Node;
 use yatt_trainer::{
     base_model, policy_role, rollout_role, spawn_role, train_with, CustomRoles, JobConfig,
@@ -106,8 +109,50 @@ enum Host {
 enum RolloutAt {
     /// Its own node, reachable from the others.
     OwnNode,
+    /// Its own node, refusing the first weights it is sent (as when the policy's node
+    /// cannot reach it).
+    OwnNodeRefusingOnce,
     /// The trainer's process, reachable from it only.
     TrainerOnly,
+}
+
+/// A user's rollout: the built-in one, refusing the first weights it is sent.
+struct RefusingOnce {
+    inner: RolloutRole,
+    refused: bool,
+}
+
+impl Role for RefusingOnce {
+    type Request = RolloutRequest;
+    type Response = RolloutResponse;
+
+    fn name(&self) -> &str {
+        "my-rollout"
+    }
+
+    fn profile(&self) -> ResourceProfile {
+        self.inner.profile()
+    }
+
+    fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
+        self.inner.start(group)
+    }
+
+    fn serve(&mut self, request: RolloutRequest) -> Result<RolloutResponse, RoleError> {
+        self.inner.serve(request)
+    }
+
+    fn load_weights(&mut self, update: WeightsUpdate) -> Result<(), RoleError> {
+        if !self.refused {
+            self.refused = true;
+            return Err(RoleError::Failed("refused once".into()));
+        }
+        self.inner.load_weights(update)
+    }
+
+    fn stop(&mut self) {
+        self.inner.stop()
+    }
 }
 
 /// Trains `job` with the user's policy on the policy node and the rollout where `at`
@@ -131,15 +176,20 @@ async fn train(nodes: &Nodes, job: &JobConfig, host: Host, at: RolloutAt, case: 
     };
     let policy = nodes.trainer.actor_ref(policy.id()).unwrap();
     let rollout = rollout_role(job, model, codec);
+    let group = DeviceGroup::cpu(nodes.rollout.name());
+    let remote = |r: &RolloutRef| -> RolloutRef { nodes.trainer.actor_ref(r.id()).unwrap() };
     let rollout = match at {
         RolloutAt::OwnNode => {
-            let group = DeviceGroup::cpu(nodes.rollout.name());
             let actor = RoleActor::start(rollout, group, 4).await.unwrap();
-            let r = nodes.rollout.spawn("my-rollout", case, actor).unwrap();
-            nodes
-                .trainer
-                .actor_ref::<RoleRequest<RolloutRequest>, RoleResponse<RolloutResponse>>(r.id())
-                .unwrap()
+            remote(&nodes.rollout.spawn("my-rollout", case, actor).unwrap())
+        }
+        RolloutAt::OwnNodeRefusingOnce => {
+            let role = RefusingOnce {
+                inner: rollout,
+                refused: false,
+            };
+            let actor = RoleActor::start(role, group, 4).await.unwrap();
+            remote(&nodes.rollout.spawn("my-rollout", case, actor).unwrap())
         }
         RolloutAt::TrainerOnly => {
             let group = DeviceGroup::cpu(nodes.trainer.name());
@@ -183,6 +233,9 @@ async fn a_policy_in_another_process_sends_the_weights_to_the_rollouts_itself() 
         (Host::Plain, RolloutAt::OwnNode, [0.0, 0.0], 1),
         // Regression: the policy's node was sent to a rollout it cannot reach.
         (Host::Pushing, RolloutAt::TrainerOnly, [0.0, 0.0], 0),
+        // A rollout the policy's node could not load gets the weights from the
+        // controller in the same sync.
+        (Host::Pushing, RolloutAt::OwnNodeRefusingOnce, [0.0, 1.0], 0),
     ];
     for (case, (host, at, want, pushes)) in cases.into_iter().enumerate() {
         let out = tempfile::tempdir().unwrap();

@@ -26,8 +26,8 @@ const FALLBACK: &str =
 impl Controller {
     /// Has the policy load its weights into the rollouts of `targets` in other
     /// processes; `None` when it cannot (see the module), so every target gets buckets
-    /// from this controller, as those in this process do. Rollouts found lost go to
-    /// `lost`.
+    /// from this controller, as those in this process do and those the policy's node
+    /// failed to load. Rollouts found lost go to `lost`.
     pub(crate) async fn push_direct(
         &self,
         targets: &[RolloutRef],
@@ -73,7 +73,7 @@ impl Controller {
             }
             Err(e) => return Err(e),
         };
-        let mut loaded = 0;
+        let (mut loaded, mut left) = (0, local);
         for r in &remote {
             let Some((_, e)) = report.failed.iter().find(|(id, _)| id == r.id()) else {
                 loaded += 1;
@@ -81,14 +81,20 @@ impl Controller {
             };
             match self.settle_lost(e.clone(), r) {
                 Settled::Lost => lost.push(r.id().clone()),
-                Settled::Failed(e) => return Err(self.call("weight_sync", "rollout")(e)),
+                // The policy's node may not reach it where this one does (a firewall
+                // between them): it gets the buckets from here, whose failure is the
+                // step's error.
+                Settled::Failed(e) => {
+                    tracing::warn!(step = self.step, rollout = %r.id(), error = %e, "weight sync: the policy's node could not load this rollout, so it gets the weights through this controller; set rollout.weight_sync = \"relay\" if the policy's node cannot reach the rollouts' nodes");
+                    left.push(r.clone());
+                }
             }
         }
         Ok(Some(RoutePushed {
             version: report.version,
             bytes: report.bytes,
             loaded,
-            left: local,
+            left,
         }))
     }
 }
