@@ -21,6 +21,16 @@ enum Route {
     Direct,
 }
 
+/// What one route of a sync (CUDA IPC, NCCL, the policy's own push) did.
+pub(crate) struct RoutePushed {
+    pub(crate) version: u64,
+    pub(crate) bytes: u64,
+    /// Rollouts that took the weights by this route.
+    pub(crate) loaded: usize,
+    /// Rollouts still to be sent buckets (refused, or never tried).
+    pub(crate) left: Vec<RolloutRef>,
+}
+
 /// What one weight sync did.
 pub(crate) struct Pushed {
     /// The version the rollouts now hold.

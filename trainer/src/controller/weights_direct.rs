@@ -17,8 +17,8 @@ use crate::controller::config::WeightSync;
 use crate::controller::core::Controller;
 use crate::controller::error::ControllerError;
 use crate::controller::refs::RolloutRef;
-use crate::controller::weights::Settled;
-use crate::controller::weights_ipc::{variant_of, RoutePushed};
+use crate::controller::weights::{RoutePushed, Settled};
+use crate::controller::weights_ipc::variant_of;
 
 const FALLBACK: &str =
     "the policy cannot send its weights to the rollouts itself, so they go through this controller (two hops over QUIC)";

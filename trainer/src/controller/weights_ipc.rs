@@ -14,20 +14,10 @@ use crate::controller::config::WeightSync;
 use crate::controller::core::{Controller, IpcRoute};
 use crate::controller::error::ControllerError;
 use crate::controller::refs::{variant, RolloutRef};
-use crate::controller::weights::Settled;
+use crate::controller::weights::{RoutePushed, Settled};
 
 const FALLBACK: &str =
     "CUDA IPC unavailable, so the weights go to other processes as byte buckets over QUIC";
-
-/// What one route of a sync (CUDA IPC, NCCL, the policy's own push) did.
-pub(crate) struct RoutePushed {
-    pub(crate) version: u64,
-    pub(crate) bytes: u64,
-    /// Rollouts that took the weights by this route.
-    pub(crate) loaded: usize,
-    /// Rollouts still to be sent buckets (refused, or never tried).
-    pub(crate) left: Vec<RolloutRef>,
-}
 
 impl Controller {
     fn ipc_route(&self) -> std::sync::MutexGuard<'_, IpcRoute> {

@@ -23,8 +23,8 @@ use crate::controller::config::WeightSync;
 use crate::controller::core::{Controller, NcclRoute};
 use crate::controller::error::{replica_lost, ControllerError};
 use crate::controller::refs::{variant, RolloutRef};
-use crate::controller::weights::Settled;
-use crate::controller::weights_ipc::{variant_of, RoutePushed};
+use crate::controller::weights::{RoutePushed, Settled};
+use crate::controller::weights_ipc::variant_of;
 
 const FALLBACK: &str =
     "NCCL unavailable, so the weights go to other processes as byte buckets over QUIC";
