@@ -27,7 +27,7 @@ use yatt_collective::UniqueId;
 use yatt_engine::WeightBucket;
 use yatt_runtime::ActorId;
 use yatt_runtime::RingSpec;
-use yatt_runtime::{Bulk, BulkHeader, DType, TensorMeta};
+use yatt_runtime::{Bulk, DType};
 use yatt_runtime::{Message, Wire, WireError};
 
 use crate::builtin::policy::{
@@ -177,24 +177,9 @@ fn unframe<T, H: serde::de::DeserializeOwned>(body: &Bytes) -> Result<(H, Bytes)
     Ok((head, body.slice(at..)))
 }
 
-/// A bulk payload of raw byte tensors. One tensor is wrapped as it is (no copy); more
-/// are copied into one buffer.
-fn bulk_of<T>(mut items: Vec<(String, Bytes)>) -> Result<Bulk, WireError> {
-    if items.len() == 1 {
-        let (name, data) = items.pop().expect("one item");
-        let len = data.len() as u64;
-        let header = BulkHeader {
-            tensors: vec![TensorMeta {
-                name,
-                dtype: DType::U8,
-                shape: vec![len],
-                offset: 0,
-                len,
-            }],
-            total_len: len,
-        };
-        return Bulk::new(header, data).map_err(encode_err::<T>);
-    }
+/// A bulk payload of raw byte tensors. Their bytes are not copied: each one is sent
+/// from where it is, however many peers it goes to.
+fn bulk_of<T>(items: Vec<(String, Bytes)>) -> Result<Bulk, WireError> {
     Bulk::from_tensors(
         items
             .into_iter()
@@ -222,7 +207,7 @@ fn put_inner<T>(inner: Wire) -> Result<(Inner, Bytes, Option<Bulk>), WireError> 
     }
     let mut items = vec![(BODY_TENSOR.to_string(), inner.body)];
     if let Some(b) = &inner.bulk {
-        for t in &b.header.tensors {
+        for t in &b.header().tensors {
             items.push((t.name.clone(), tensor_bytes::<T>(b, &t.name)?));
         }
     }
@@ -249,14 +234,8 @@ fn take_inner<T>(inner: Inner, rest: Bytes, bulk: Option<Bulk>) -> Result<Wire, 
         reason: "a spilled body needs a bulk payload and none arrived",
     })?;
     let body = tensor_bytes::<T>(&bulk, BODY_TENSOR)?;
-    let bulk = if inner.bulk {
-        // Dropping the body's entry leaves the other tensors where they are: no copy.
-        let mut header = bulk.header;
-        header.tensors.retain(|t| t.name != BODY_TENSOR);
-        Some(Bulk::new(header, bulk.data).map_err(decode_err::<T>)?)
-    } else {
-        None
-    };
+    // Dropping the body's entry leaves the other tensors where they are: no copy.
+    let bulk = inner.bulk.then(|| bulk.without(BODY_TENSOR));
     Ok(Wire { body, bulk })
 }
 
@@ -864,20 +843,25 @@ mod tests {
     }
 
     #[test]
-    fn weights_travel_as_bulk_and_one_bucket_is_not_copied() {
-        let bs = buckets(1 << 20);
-        assert_eq!(bs.len(), 1);
-        let update = WeightsUpdate::from_buckets(9, bs.clone());
-        let ptr = update.buckets[0].data.as_ptr();
-        let wire = RoleRequest::<()>::LoadWeights(update).into_wire().unwrap();
-        let bulk = wire.bulk.clone().expect("bulk payload");
-        assert_eq!(bulk.data.as_ptr(), ptr, "the bucket's bytes were copied");
-        assert!(wire.body.len() < 200, "{} body bytes", wire.body.len());
-        match RoleRequest::<()>::from_wire(wire).unwrap() {
-            RoleRequest::LoadWeights(u) => {
-                assert_eq!((u.version, u.buckets), (9, bs));
+    fn weights_travel_as_bulk_and_the_buckets_are_not_copied() {
+        for (max_bytes, count) in [(1 << 20, 1), (4, 2)] {
+            let bs = buckets(max_bytes);
+            assert_eq!(bs.len(), count);
+            let update = WeightsUpdate::from_buckets(9, bs.clone());
+            let ptrs: Vec<_> = update.buckets.iter().map(|b| b.data.as_ptr()).collect();
+            let wire = RoleRequest::<()>::LoadWeights(update).into_wire().unwrap();
+            let bulk = wire.bulk.clone().expect("bulk payload");
+            for (b, ptr) in ptrs.iter().enumerate() {
+                let (_, bytes) = bulk.tensor(&format!("0.{b}")).expect("bucket tensor");
+                assert_eq!(bytes.as_ptr(), *ptr, "bucket {b}'s bytes were copied");
             }
-            other => panic!("{other:?}"),
+            assert!(wire.body.len() < 200, "{} body bytes", wire.body.len());
+            match RoleRequest::<()>::from_wire(wire).unwrap() {
+                RoleRequest::LoadWeights(u) => {
+                    assert_eq!((u.version, u.buckets), (9, bs));
+                }
+                other => panic!("{other:?}"),
+            }
         }
         // Several buckets: one bulk payload, one tensor each.
         let bs = buckets(4);
@@ -885,7 +869,7 @@ mod tests {
         let (back, wire) = round_trip(RoleResponse::Served(PolicyResponse::Weights(
             WeightsUpdate::from_buckets(2, bs.clone()),
         )));
-        assert_eq!(wire.bulk.unwrap().header.tensors.len(), 2);
+        assert_eq!(wire.bulk.unwrap().header().tensors.len(), 2);
         match back {
             RoleResponse::Served(PolicyResponse::Weights(u)) => assert_eq!(u.buckets, bs),
             other => panic!("{other:?}"),
@@ -1109,7 +1093,7 @@ mod tests {
         let (back, wire) = round_trip(RoleRequest::Serve(PolicyRequest::Train(samples.clone())));
         assert!(wire.body.len() < 64, "{} body bytes", wire.body.len());
         let bulk = wire.bulk.expect("spilled");
-        assert!(bulk.data.len() > SPILL_BYTES);
+        assert!(bulk.len() > SPILL_BYTES as u64);
         assert!(matches!(back, RoleRequest::Serve(PolicyRequest::Train(s)) if s == samples));
         // With a bulk payload of its own as well.
         let shards = vec![GradShard {
@@ -1132,7 +1116,7 @@ mod tests {
             report: big.clone(),
         }];
         let (back, wire) = round_trip(RoleRequest::Serve(PolicyRequest::ApplyGradients(shards)));
-        assert_eq!(wire.bulk.unwrap().header.tensors.len(), 3);
+        assert_eq!(wire.bulk.unwrap().header().tensors.len(), 3);
         match back {
             RoleRequest::Serve(PolicyRequest::ApplyGradients(s)) => {
                 assert_eq!((&s[0].report, &s[0].buckets), (&big, &buckets(4)));

@@ -45,8 +45,8 @@ impl Actor for BulkSink {
         Ok(BulkReceipt {
             label: r.meta,
             crc32: r.bulk.checksum(),
-            bytes: r.bulk.data.len() as u64,
-            tensors: r.bulk.header.tensors.len(),
+            bytes: r.bulk.len(),
+            tensors: r.bulk.header().tensors.len(),
         })
     }
 }

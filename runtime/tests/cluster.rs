@@ -67,7 +67,7 @@ impl Actor for Sink {
         r: WithBulk<String>,
         _: &mut Context,
     ) -> Result<(String, u32, usize), ActorError> {
-        Ok((r.meta, r.bulk.checksum(), r.bulk.header.tensors.len()))
+        Ok((r.meta, r.bulk.checksum(), r.bulk.header().tensors.len()))
     }
 }
 

@@ -22,8 +22,8 @@ fn encoded<M: Message>(m: M) -> Vec<u8> {
     let wire = m.into_wire().expect("encodes");
     let mut out = wire.body.to_vec();
     if let Some(b) = wire.bulk {
-        out.extend(postcard::to_stdvec(&b.header).expect("bulk header"));
-        out.extend_from_slice(&b.data);
+        out.extend(postcard::to_stdvec(b.header()).expect("bulk header"));
+        out.extend_from_slice(&b.contiguous());
     }
     out
 }

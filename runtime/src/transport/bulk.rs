@@ -84,19 +84,20 @@ impl Transport {
         };
         self.stats
             .bulk_bytes_sent
-            .fetch_add(bulk.data.len() as u64, Ordering::Relaxed);
+            .fetch_add(bulk.len(), Ordering::Relaxed);
         let same_host = self
             .book
             .get()
             .and_then(|b| b.lookup(peer).ok())
             .is_some_and(|(_, host)| host == self.host_id);
-        if self.config.shm_fast_path && same_host && bulk.data.len() >= self.config.shm_threshold {
-            match self.segments.lease(bulk.data.len()) {
+        let len = usize::try_from(bulk.len()).unwrap_or(usize::MAX);
+        if self.config.shm_fast_path && same_host && len >= self.config.shm_threshold {
+            match self.segments.lease(len) {
                 Ok(Some(mut lease)) => {
-                    let data = bulk.data.clone();
+                    let data = bulk.clone();
                     // Copying megabytes is CPU work: keep it off the async workers.
                     let lease = tokio::task::spawn_blocking(move || {
-                        lease.as_mut().copy_from_slice(&data);
+                        data.copy_to(lease.as_mut());
                         lease
                     })
                     .await;
@@ -104,7 +105,7 @@ impl Transport {
                         let r = BulkRef::Shm {
                             path: lease.path.to_string_lossy().into_owned(),
                             id: lease.id,
-                            header: bulk.header,
+                            header: bulk.header().clone(),
                         };
                         lease.sent();
                         return (r, None);

@@ -174,7 +174,7 @@ impl Actor for Sink {
         r: WithBulk<u64>,
         _: &mut Context,
     ) -> Result<(u64, u64, u32), ActorError> {
-        Ok((r.meta, r.bulk.data.len() as u64, r.bulk.checksum()))
+        Ok((r.meta, r.bulk.len(), r.bulk.checksum()))
     }
 }
 
@@ -283,7 +283,7 @@ fn bulk_of(data: &Bulk, range: std::ops::Range<usize>) -> Result<Bulk> {
         }],
         total_len: n,
     };
-    Ok(Bulk::new(header, data.data.slice(range))?)
+    Ok(Bulk::new(header, data.contiguous().slice(range))?)
 }
 
 /// Pseudo-random bytes (xorshift), so no layer can shortcut on zero pages.
@@ -323,7 +323,7 @@ async fn measure_handoff(sink: &SinkRef, batch: &Bulk, want_crc: u32, reps: usiz
         let (tag, len, crc) = sink.ask(msg, T).await?;
         let dt = t0.elapsed();
         ensure!(
-            tag == i && len == batch.data.len() as u64 && crc == want_crc,
+            tag == i && len == batch.len() && crc == want_crc,
             "sink saw different bytes (len {len}, crc {crc:#x}, want {want_crc:#x})"
         );
         if i > 0 {
@@ -341,7 +341,7 @@ async fn measure_fanout(
     want: &[u32],
     rounds: usize,
 ) -> Result<Dist> {
-    let part = data.data.len() / workers.len();
+    let part = data.len() as usize / workers.len();
     let mut v = Vec::with_capacity(rounds);
     for round in 0..=rounds {
         let t0 = Instant::now();
@@ -968,11 +968,12 @@ fn gbs(bytes: usize, d: Duration) -> f64 {
 fn ceilings(plan: &Plan) -> Result<Ceilings> {
     // memcpy between two touched 64 MiB buffers.
     let src = test_data(HANDOFF_BYTES)?;
+    let bytes = src.contiguous();
     let mut dst = vec![1u8; HANDOFF_BYTES];
     let mut v = Vec::new();
     for _ in 0..plan.handoff_reps.max(5) {
         let t0 = Instant::now();
-        dst.copy_from_slice(&src.data);
+        dst.copy_from_slice(&bytes);
         std::hint::black_box(&mut dst);
         v.push(t0.elapsed());
     }
@@ -980,7 +981,7 @@ fn ceilings(plan: &Plan) -> Result<Ceilings> {
     let mut v = Vec::new();
     for _ in 0..plan.fanout_rounds.max(10) {
         let t0 = Instant::now();
-        dst[..FANOUT_BYTES].copy_from_slice(&src.data[..FANOUT_BYTES]);
+        dst[..FANOUT_BYTES].copy_from_slice(&bytes[..FANOUT_BYTES]);
         std::hint::black_box(&mut dst);
         v.push(t0.elapsed());
     }
@@ -1009,6 +1010,7 @@ fn ceilings(plan: &Plan) -> Result<Ceilings> {
 /// reads every byte into its buffer and acknowledges with one byte), then a 1-byte
 /// ping-pong.
 fn tcp_ceiling(src: &Bulk, plan: &Plan) -> Result<(f64, Dist)> {
+    let bytes = src.contiguous();
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let (reps, pings) = (plan.tcp_reps + 1, plan.rtt_warmup + plan.pingpong_iters);
@@ -1036,7 +1038,7 @@ fn tcp_ceiling(src: &Bulk, plan: &Plan) -> Result<(f64, Dist)> {
     let mut ack = [0u8; 1];
     for r in 0..reps {
         let t0 = Instant::now();
-        c.write_all(&src.data)?;
+        c.write_all(&bytes)?;
         c.read_exact(&mut ack)?;
         if r > 0 {
             v.push(t0.elapsed());
