@@ -4,7 +4,8 @@
 # other), once per `rollout.weight_sync` mode, side by side in one run. Prints each
 # mode's bytes per sync, mean sync seconds and GB/s over steps 2..STEPS (step 1 warms
 # up), and how many rollouts each sync reached through CUDA IPC, by NCCL broadcast and
-# from the policy's node in one hop.
+# from the policy's node in one hop, and each process's peak resident memory during that
+# mode's run (the controller, `yatt train`; the rollout's node; the policy's node).
 # Each node claims an NCCL host of its own (NCCL_HOSTID), so `nccl` runs on one GPU over
 # NCCL's socket transport on loopback, as between two hosts without InfiniBand.
 #
@@ -47,9 +48,16 @@ for _ in $(seq 100); do [ -f "$CERTS/ca.pem" ] && break; sleep 0.1; done
 NCCL_HOSTID=yatt-sync-b "$BIN/yatt-node" run --dev --certs "$CERTS" --name sync-b --listen "127.0.0.1:$((PORT + 1))" --http "" --data-dir "$OUT" \
     --seed "127.0.0.1:$PORT" >"$OUT/sync-b.log" 2>&1 &
 B=$!
-printf 'mode\tbytes_per_sync\tsync_s_mean\tGB_per_s\tvia_cuda_ipc\tvia_nccl\tvia_direct\tstep_s_mean\n' >"$OUT/summary.tsv"
+printf 'mode\tbytes_per_sync\tsync_s_mean\tGB_per_s\tvia_cuda_ipc\tvia_nccl\tvia_direct\tstep_s_mean\tpeak_MB_controller\tpeak_MB_rollout_node\tpeak_MB_policy_node\n' >"$OUT/summary.tsv"
+# Peak resident MB of a running process since its last reset (clear_refs 5 resets it).
+peak_mb() { awk '/^VmHWM/ {printf "%.0f", $2 / 1024}' "/proc/$1/status"; }
 for mode in $MODES; do
-    "$BIN/yatt" train config/smollm2-addition.toml \
+    for p in $A $B; do echo 5 >"/proc/$p/clear_refs"; done
+    # The controller's peak: ru_maxrss of the child, in KB.
+    python3 -c 'import resource, subprocess, sys
+rc = subprocess.call(sys.argv[2:])
+open(sys.argv[1], "w").write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))
+sys.exit(rc)' "$OUT/$mode.controller_kb" "$BIN/yatt" train config/smollm2-addition.toml \
         --set "model.source=\"$MODEL\"" --set "model.dtype=\"${DTYPE:-bf16}\"" \
         --set "model.device=\"${DEVICE:-auto}\"" --set "rollout.weight_sync=\"$mode\"" \
         --set 'data.task="letters"' --set 'reward.kind="letters"' --set 'model.chat=false' \
@@ -58,7 +66,8 @@ for mode in $MODES; do
         --set 'placement.reward="sync-a"' --set 'placement.policy="sync-b"' \
         --set 'placement.reference="sync-b"' --set "job.output_dir=\"$OUT/$mode\"" \
         --cluster "127.0.0.1:$PORT" --dev --certs "$CERTS" >"$OUT/$mode.log" 2>&1
-    python3 - "$OUT/$mode/metrics.jsonl" "$mode" >>"$OUT/summary.tsv" <<'PY'
+    printf -v peaks '%s\t%s\t%s' "$(($(cat "$OUT/$mode.controller_kb") / 1024))" "$(peak_mb $A)" "$(peak_mb $B)"
+    python3 - "$OUT/$mode/metrics.jsonl" "$mode" "$peaks" >>"$OUT/summary.tsv" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])][1:]
 mean = lambda k: sum(r[k] for r in rows) / len(rows)
@@ -66,7 +75,7 @@ b, s = rows[0]["perf/weight_sync_bytes"], mean("timing_s/weight_sync")
 least = lambda k: min(r.get(k, 0) for r in rows)
 ipc, nccl = least("perf/weight_sync_cuda_ipc"), least("perf/weight_sync_nccl")
 direct = least("perf/weight_sync_direct")
-print(f"{sys.argv[2]}\t{b:.0f}\t{s:.4f}\t{b / s / 1e9:.2f}\t{ipc:.0f}\t{nccl:.0f}\t{direct:.0f}\t{mean('timing_s/step'):.3f}")
+print(f"{sys.argv[2]}\t{b:.0f}\t{s:.4f}\t{b / s / 1e9:.2f}\t{ipc:.0f}\t{nccl:.0f}\t{direct:.0f}\t{mean('timing_s/step'):.3f}\t{sys.argv[3]}")
 PY
 done
 cat "$OUT/summary.tsv"
