@@ -50,9 +50,9 @@ NCCL_HOSTID=yatt-sync-b "$BIN/yatt-node" run --dev --certs "$CERTS" --name sync-
 B=$!
 printf 'mode\tbytes_per_sync\tsync_s_mean\tGB_per_s\tvia_cuda_ipc\tvia_nccl\tvia_direct\tstep_s_mean\tpeak_MB_controller\tpeak_MB_rollout_node\tpeak_MB_policy_node\n' >"$OUT/summary.tsv"
 # Peak resident MB of a running process since its last reset (clear_refs 5 resets it).
-peak_mb() { awk '/^VmHWM/ {printf "%.0f", $2 / 1024}' "/proc/$1/status"; }
+peak_mb() { [ -r "/proc/$1/status" ] && awk '/^VmHWM/ {printf "%.0f", $2 / 1024}' "/proc/$1/status"; }
 for mode in $MODES; do
-    for p in $A $B; do echo 5 >"/proc/$p/clear_refs"; done
+    for p in $A $B; do echo 5 >"/proc/$p/clear_refs" 2>/dev/null || true; done
     # The controller's peak: ru_maxrss of the child, in KB.
     python3 -c 'import resource, subprocess, sys
 rc = subprocess.call(sys.argv[2:])
