@@ -8,6 +8,11 @@
 //! An actor that computes (tch calls block) must not block this task: it hands the work
 //! to a dedicated OS thread and awaits the answer over a channel.
 //!
+//! A request whose answer waits on other actors (a fan-out to remote peers, say) need not
+//! hold the actor that long: [`Actor::handle_deferred`] may do the part that needs the
+//! actor and answer [`Handled::Later`] with a future for the rest, which runs on a task of
+//! its own while the actor takes its next requests.
+//!
 //! ```
 //! use std::time::Duration;
 //! use yatt_runtime::{spawn, Actor, ActorError, ActorName, Context};
@@ -205,9 +210,39 @@ pub trait Actor: Send + 'static {
         ctx: &mut Context,
     ) -> impl Future<Output = Result<Self::Response, ActorError>> + Send;
 
+    /// Handles one request, and may answer later: [`Handled::Later`]'s future runs on a
+    /// task of its own and its output is the reply, while the actor goes on to its next
+    /// requests. The default answers now, with [`Actor::handle`]. The future should hold
+    /// no more than it needs: the actor's state is not borrowed by it, and a panic in it
+    /// fails that request only, not the actor.
+    fn handle_deferred(
+        &mut self,
+        request: Self::Request,
+        ctx: &mut Context,
+    ) -> impl Future<Output = Handled<Self::Response>> + Send {
+        async move { Handled::Now(self.handle(request, ctx).await) }
+    }
+
     /// Runs once when the actor stops normally (not after a panic).
     fn stopped(&mut self) -> impl Future<Output = ()> + Send {
         async {}
+    }
+}
+
+/// What [`Actor::handle_deferred`] answers.
+pub enum Handled<R> {
+    /// The reply.
+    Now(Result<R, ActorError>),
+    /// A future whose output is the reply; it runs beside the actor's next requests.
+    Later(BoxFuture<'static, Result<R, ActorError>>),
+}
+
+impl<R> fmt::Debug for Handled<R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Handled::Now(r) => write!(f, "Now({})", if r.is_ok() { "Ok" } else { "Err" }),
+            Handled::Later(_) => write!(f, "Later"),
+        }
     }
 }
 
@@ -443,15 +478,31 @@ async fn run<A: Actor>(
         Err(panic) => return ExitReason::Panicked(panic_text(&panic)),
     }
     while let Some(Envelope { request, reply }) = rx.recv().await {
-        let outcome = std::panic::AssertUnwindSafe(actor.handle(request, &mut ctx))
+        let outcome = std::panic::AssertUnwindSafe(actor.handle_deferred(request, &mut ctx))
             .catch_unwind()
             .await;
         match outcome {
-            Ok(result) => {
+            Ok(Handled::Now(result)) => {
                 if let Some(reply) = reply {
                     // The asker may have given up (deadline); that is not our failure.
                     let _ = reply.send(result);
                 }
+            }
+            Ok(Handled::Later(answer)) => {
+                let id = ctx.id.clone();
+                tokio::spawn(async move {
+                    let result = match std::panic::AssertUnwindSafe(answer).catch_unwind().await {
+                        Ok(result) => result,
+                        Err(panic) => {
+                            let text = panic_text(&panic);
+                            tracing::error!(actor = %id, panic = %text, "deferred answer panicked");
+                            Err(ActorError::Failed(format!("the answer panicked: {text}")))
+                        }
+                    };
+                    if let Some(reply) = reply {
+                        let _ = reply.send(result);
+                    }
+                });
             }
             Err(panic) => {
                 let text = panic_text(&panic);
@@ -598,5 +649,58 @@ mod tests {
             Err(TellError::Full(m)) => assert_eq!(m, "two"),
             other => panic!("expected Full, got {other:?}"),
         }
+    }
+
+    /// Answers "wait" when `release` fires, without holding the actor meanwhile; "boom"
+    /// panics in its deferred part.
+    struct Deferring {
+        release: Option<oneshot::Receiver<()>>,
+    }
+    impl Actor for Deferring {
+        type Request = String;
+        type Response = String;
+        async fn handle(&mut self, r: String, _ctx: &mut Context) -> Result<String, ActorError> {
+            Ok(r)
+        }
+        async fn handle_deferred(&mut self, r: String, ctx: &mut Context) -> Handled<String> {
+            match r.as_str() {
+                "wait" => {
+                    let release = self.release.take().expect("one wait");
+                    Handled::Later(Box::pin(async move {
+                        release
+                            .await
+                            .map_err(|_| ActorError::Failed("dropped".into()))?;
+                        Ok("waited".to_string())
+                    }))
+                }
+                "boom" => Handled::Later(Box::pin(async { panic!("deferred boom") })),
+                _ => Handled::Now(self.handle(r, ctx).await),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_deferred_answer_does_not_hold_the_actor() {
+        let (release, rx) = oneshot::channel();
+        let a = spawn(name(), Deferring { release: Some(rx) }, 4).actor_ref;
+        let waiting = tokio::spawn({
+            let a = a.clone();
+            async move { a.ask("wait".into(), Duration::from_secs(30)).await }
+        });
+        // Served while "wait" is still unanswered (a held actor would time out here).
+        let t = Duration::from_secs(10);
+        assert_eq!(a.ask("hi".into(), t).await.unwrap(), "hi");
+        assert!(!waiting.is_finished());
+        // A panic in a deferred answer fails that request only.
+        match a.ask("boom".into(), t).await {
+            Err(CallError::Handler {
+                error: ActorError::Failed(why),
+                ..
+            }) => assert!(why.contains("deferred boom"), "{why}"),
+            other => panic!("expected the panic as an error, got {other:?}"),
+        }
+        assert_eq!(a.ask("still".into(), t).await.unwrap(), "still");
+        release.send(()).unwrap();
+        assert_eq!(waiting.await.unwrap().unwrap(), "waited");
     }
 }

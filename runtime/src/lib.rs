@@ -49,7 +49,7 @@ mod transport;
 
 pub use actor::{
     spawn, spawn_with_id, Actor, ActorError, ActorRef, Addr, BoxFuture, CallError, Context,
-    ExitReason, Running, TellError,
+    ExitReason, Handled, Running, TellError,
 };
 pub use addr::{next_incarnation, validate_segment, ActorId, ActorName, AddrError};
 pub use builtin::{register as register_builtins, BulkReceipt, BulkSink, Echo};

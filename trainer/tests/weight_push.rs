@@ -6,13 +6,15 @@
 //! - a user's policy actor without it is asked once, answers that it cannot, and the
 //!   controller relays the buckets from then on;
 //! - a rollout only the controller's process can reach (`spawn_role`) gets them from
-//!   the controller, and the job trains; so does one the policy's node failed to load.
+//!   the controller, and the job trains; so does one the policy's node failed to load;
+//! - the policy answers other requests while its push loads the rollouts.
 
 mod common;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use common::demo_config;
 use tch::{Device, Kind};
@@ -24,6 +26,7 @@ use yatt_roles::{
 use yatt_runtime::ActorRef;
 
 type RolloutRef = ActorRef<RoleRequest<RolloutRequest>, RoleResponse<RolloutResponse>>;
+type PolicyRef = ActorRef<RoleRequest<PolicyRequest>, RoleResponse<PolicyResponse>>;
 use yatt_runtime::Node;
 use yatt_trainer::{
     base_model, policy_role, rollout_role, spawn_role, train_with, CustomRoles, JobConfig,
@@ -243,6 +246,115 @@ async fn a_policy_in_another_process_sends_the_weights_to_the_rollouts_itself() 
         let seen = train(&nodes, &job, host, at, case as u32).await;
         assert_eq!(direct(out.path()), want, "{host:?} policy, rollout {at:?}");
         assert_eq!(seen, pushes, "{host:?} policy, rollout {at:?}");
+    }
+    for n in [nodes.rollout, nodes.policy, nodes.trainer] {
+        n.shutdown().await;
+    }
+}
+
+/// A rollout whose first load says so on `started` and then waits for `release`.
+struct Stalling {
+    inner: RolloutRole,
+    started: mpsc::Sender<()>,
+    release: Mutex<mpsc::Receiver<()>>,
+}
+
+impl Role for Stalling {
+    type Request = RolloutRequest;
+    type Response = RolloutResponse;
+
+    fn name(&self) -> &str {
+        "stalling-rollout"
+    }
+
+    fn profile(&self) -> ResourceProfile {
+        self.inner.profile()
+    }
+
+    fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
+        self.inner.start(group)
+    }
+
+    fn serve(&mut self, request: RolloutRequest) -> Result<RolloutResponse, RoleError> {
+        self.inner.serve(request)
+    }
+
+    fn load_weights(&mut self, update: WeightsUpdate) -> Result<(), RoleError> {
+        let _ = self.started.send(());
+        // The role runs on a thread of its own: blocking it holds only this rollout.
+        let released = self
+            .release
+            .lock()
+            .unwrap()
+            .recv_timeout(Duration::from_secs(60));
+        released.map_err(|e| RoleError::Failed(format!("never released: {e}")))?;
+        self.inner.load_weights(update)
+    }
+
+    fn stop(&mut self) {
+        self.inner.stop()
+    }
+}
+
+// Regression: the push held the policy's actor until every rollout had loaded, so every
+// other request to the policy (another controller's, say) waited out the slowest load.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_policy_answers_other_requests_while_its_push_loads_the_rollouts() {
+    let nodes = three_nodes().await;
+    let out = tempfile::tempdir().unwrap();
+    let job = demo_config(out.path(), &[]);
+    let (model, codec, pad_id) = base_model(&job).unwrap();
+    let copy = model.deep_copy(Device::Cpu, Kind::Float).unwrap();
+    let role = policy_role(&job, copy, pad_id).unwrap();
+    let actor = RoleActor::start(role, DeviceGroup::cpu(nodes.policy.name()), 4)
+        .await
+        .unwrap();
+    let actor = PushingPolicy::new(actor, nodes.policy.downgrade());
+    let policy = nodes.policy.spawn("policy", 0, actor).unwrap();
+    let policy: PolicyRef = nodes.trainer.actor_ref(policy.id()).unwrap();
+    let (started, started_rx) = mpsc::channel();
+    let (release, release_rx) = mpsc::channel();
+    let role = Stalling {
+        inner: rollout_role(&job, model, codec),
+        started,
+        release: Mutex::new(release_rx),
+    };
+    let actor = RoleActor::start(role, DeviceGroup::cpu(nodes.rollout.name()), 4)
+        .await
+        .unwrap();
+    let rollout = nodes.rollout.spawn("rollout", 0, actor).unwrap();
+    let to = vec![rollout.id().clone()];
+    let t = Duration::from_secs(60);
+    let push = tokio::spawn({
+        let policy = policy.clone();
+        let request = PolicyRequest::PushWeights { to, timeout: t };
+        async move { policy.ask(RoleRequest::Serve(request), t).await }
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while started_rx.try_recv().is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "the push never reached the rollout"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The rollout is loading and will not finish until released: a policy held by the
+    // push would not answer until then.
+    let answer = policy
+        .ask(RoleRequest::Profile, Duration::from_secs(20))
+        .await;
+    assert!(
+        matches!(answer, Ok(RoleResponse::Profile(_))),
+        "the policy did not answer while its push was loading: {answer:?}"
+    );
+    assert!(!push.is_finished());
+    release.send(()).unwrap();
+    match push.await.unwrap() {
+        Ok(RoleResponse::Served(PolicyResponse::Pushed(report))) => {
+            assert!(report.failed.is_empty(), "{:?}", report.failed);
+            assert!(report.bytes > 0);
+        }
+        other => panic!("expected the push's report, got {other:?}"),
     }
     for n in [nodes.rollout, nodes.policy, nodes.trainer] {
         n.shutdown().await;

@@ -5,10 +5,18 @@
 //! them on: every byte crosses the wire twice (policy → controller → rollout), and the
 //! controller's process holds a copy. The role itself cannot send (it runs on its own
 //! thread and knows no node), so the actor around it does.
+//!
+//! Only the export holds the actor. The loads run as a deferred answer
+//! ([`Handled::Later`]), so the policy serves other callers (another controller's
+//! requests, its own next step) while the rollouts load; one push's loads run at a time,
+//! since each holds an exported copy of the weights.
 
+use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
-use yatt_runtime::{Actor, ActorError, ActorId, CallError, Context, WeakNode};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use yatt_runtime::{Actor, ActorError, ActorId, CallError, Context, Handled, WeakNode};
 
 use crate::builtin::policy::{PolicyRequest, PolicyResponse, PushReport};
 use crate::builtin::rollout::{RolloutRequest, RolloutResponse};
@@ -20,20 +28,38 @@ pub struct PushingPolicy<R: Role<Request = PolicyRequest, Response = PolicyRespo
     role: RoleActor<R>,
     /// Weak: the node owns its actors, so a strong handle would keep it alive.
     node: WeakNode,
+    /// One permit: the push whose loads are in flight holds it.
+    loading: Arc<Semaphore>,
 }
 
 impl<R: Role<Request = PolicyRequest, Response = PolicyResponse>> PushingPolicy<R> {
     /// Wraps a started policy role; `node` is the node the actor is spawned on.
     pub fn new(role: RoleActor<R>, node: WeakNode) -> Self {
-        PushingPolicy { role, node }
+        PushingPolicy {
+            role,
+            node,
+            loading: Arc::new(Semaphore::new(1)),
+        }
     }
 
-    async fn push(
+    /// Exports the weights (the part that needs the role) and gives the loads into the
+    /// rollouts as a future that needs neither.
+    async fn start_push(
         &mut self,
         to: Vec<ActorId>,
         timeout: Duration,
         ctx: &mut Context,
-    ) -> Result<PushReport, ActorError> {
+    ) -> Result<impl Future<Output = PushReport> + Send + 'static, ActorError> {
+        let permit = tokio::time::timeout(timeout, self.loading.clone().acquire_owned());
+        let permit: OwnedSemaphorePermit = match permit.await {
+            Err(_) => {
+                return Err(ActorError::Failed(format!(
+                    "the previous push was still loading the rollouts after the sync's {timeout:?}"
+                )))
+            }
+            Ok(Err(closed)) => return Err(ActorError::Failed(format!("push: {closed}"))),
+            Ok(Ok(permit)) => permit,
+        };
         let export = self
             .role
             .handle(RoleRequest::Serve(PolicyRequest::ExportWeights), ctx);
@@ -56,7 +82,7 @@ impl<R: Role<Request = PolicyRequest, Response = PolicyResponse>> PushingPolicy<
             .upgrade()
             .ok_or_else(|| ActorError::Unavailable("the policy's node has stopped".into()))?;
         let (version, bytes) = (update.version, update.bytes());
-        let loads = to.into_iter().map(|id| {
+        let loads = to.into_iter().map(move |id| {
             let update = update.clone();
             let node = node.clone();
             async move {
@@ -64,15 +90,15 @@ impl<R: Role<Request = PolicyRequest, Response = PolicyResponse>> PushingPolicy<
                 outcome.err().map(|e| (id, e))
             }
         });
-        let failed = futures::future::join_all(loads)
-            .await
-            .into_iter()
-            .flatten()
-            .collect();
-        Ok(PushReport {
-            version,
-            bytes,
-            failed,
+        let loads = futures::future::join_all(loads);
+        Ok(async move {
+            let failed = loads.await.into_iter().flatten().collect();
+            drop(permit);
+            PushReport {
+                version,
+                bytes,
+                failed,
+            }
         })
     }
 }
@@ -119,11 +145,29 @@ impl<R: Role<Request = PolicyRequest, Response = PolicyResponse>> Actor for Push
         ctx: &mut Context,
     ) -> Result<Self::Response, ActorError> {
         match request {
-            RoleRequest::Serve(PolicyRequest::PushWeights { to, timeout }) => self
-                .push(to, timeout, ctx)
-                .await
-                .map(|r| RoleResponse::Served(PolicyResponse::Pushed(r))),
+            RoleRequest::Serve(PolicyRequest::PushWeights { to, timeout }) => {
+                let report = self.start_push(to, timeout, ctx).await?.await;
+                Ok(RoleResponse::Served(PolicyResponse::Pushed(report)))
+            }
             other => self.role.handle(other, ctx).await,
+        }
+    }
+
+    async fn handle_deferred(
+        &mut self,
+        request: Self::Request,
+        ctx: &mut Context,
+    ) -> Handled<Self::Response> {
+        match request {
+            RoleRequest::Serve(PolicyRequest::PushWeights { to, timeout }) => {
+                match self.start_push(to, timeout, ctx).await {
+                    Ok(loads) => Handled::Later(Box::pin(async move {
+                        Ok(RoleResponse::Served(PolicyResponse::Pushed(loads.await)))
+                    })),
+                    Err(e) => Handled::Now(Err(e)),
+                }
+            }
+            other => Handled::Now(self.role.handle(other, ctx).await),
         }
     }
 
