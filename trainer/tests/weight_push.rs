@@ -13,7 +13,7 @@ mod common;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use common::demo_config;
@@ -119,13 +119,14 @@ enum RolloutAt {
     TrainerOnly,
 }
 
-/// A user's rollout: the built-in one, refusing the first weights it is sent.
-struct RefusingOnce {
+/// A user's rollout: the built-in one, with `before_load` run before each load (an
+/// error refuses that load).
+struct HookedRollout {
     inner: RolloutRole,
-    refused: bool,
+    before_load: Box<dyn FnMut() -> Result<(), RoleError> + Send>,
 }
 
-impl Role for RefusingOnce {
+impl Role for HookedRollout {
     type Request = RolloutRequest;
     type Response = RolloutResponse;
 
@@ -146,10 +147,7 @@ impl Role for RefusingOnce {
     }
 
     fn load_weights(&mut self, update: WeightsUpdate) -> Result<(), RoleError> {
-        if !self.refused {
-            self.refused = true;
-            return Err(RoleError::Failed("refused once".into()));
-        }
+        (self.before_load)()?;
         self.inner.load_weights(update)
     }
 
@@ -187,9 +185,16 @@ async fn train(nodes: &Nodes, job: &JobConfig, host: Host, at: RolloutAt, case: 
             remote(&nodes.rollout.spawn("my-rollout", case, actor).unwrap())
         }
         RolloutAt::OwnNodeRefusingOnce => {
-            let role = RefusingOnce {
+            let mut refused = false;
+            let role = HookedRollout {
                 inner: rollout,
-                refused: false,
+                before_load: Box::new(move || {
+                    if refused {
+                        return Ok(());
+                    }
+                    refused = true;
+                    Err(RoleError::Failed("refused once".into()))
+                }),
             };
             let actor = RoleActor::start(role, group, 4).await.unwrap();
             remote(&nodes.rollout.spawn("my-rollout", case, actor).unwrap())
@@ -252,50 +257,6 @@ async fn a_policy_in_another_process_sends_the_weights_to_the_rollouts_itself() 
     }
 }
 
-/// A rollout whose first load says so on `started` and then waits for `release`.
-struct Stalling {
-    inner: RolloutRole,
-    started: mpsc::Sender<()>,
-    release: Mutex<mpsc::Receiver<()>>,
-}
-
-impl Role for Stalling {
-    type Request = RolloutRequest;
-    type Response = RolloutResponse;
-
-    fn name(&self) -> &str {
-        "stalling-rollout"
-    }
-
-    fn profile(&self) -> ResourceProfile {
-        self.inner.profile()
-    }
-
-    fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
-        self.inner.start(group)
-    }
-
-    fn serve(&mut self, request: RolloutRequest) -> Result<RolloutResponse, RoleError> {
-        self.inner.serve(request)
-    }
-
-    fn load_weights(&mut self, update: WeightsUpdate) -> Result<(), RoleError> {
-        let _ = self.started.send(());
-        // The role runs on a thread of its own: blocking it holds only this rollout.
-        let released = self
-            .release
-            .lock()
-            .unwrap()
-            .recv_timeout(Duration::from_secs(60));
-        released.map_err(|e| RoleError::Failed(format!("never released: {e}")))?;
-        self.inner.load_weights(update)
-    }
-
-    fn stop(&mut self) {
-        self.inner.stop()
-    }
-}
-
 // Regression: the push held the policy's actor until every rollout had loaded, so every
 // other request to the policy (another controller's, say) waited out the slowest load.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -314,10 +275,15 @@ async fn the_policy_answers_other_requests_while_its_push_loads_the_rollouts() {
     let policy: PolicyRef = nodes.trainer.actor_ref(policy.id()).unwrap();
     let (started, started_rx) = mpsc::channel();
     let (release, release_rx) = mpsc::channel();
-    let role = Stalling {
+    // A rollout whose load says so on `started` and then waits for `release`; the role
+    // runs on a thread of its own, so blocking it holds only this rollout.
+    let role = HookedRollout {
         inner: rollout_role(&job, model, codec),
-        started,
-        release: Mutex::new(release_rx),
+        before_load: Box::new(move || {
+            let _ = started.send(());
+            let released = release_rx.recv_timeout(Duration::from_secs(60));
+            released.map_err(|e| RoleError::Failed(format!("never released: {e}")))
+        }),
     };
     let actor = RoleActor::start(role, DeviceGroup::cpu(nodes.rollout.name()), 4)
         .await
