@@ -574,7 +574,15 @@ impl Cluster {
         let child = cmd
             .env(
                 "RUST_LOG",
-                "warn,yatt_trainer::controller::weights_ipc=info,yatt_trainer::controller::weights_nccl=info,yatt_trainer::controller::data_parallel=info",
+                [
+                    "warn",
+                    "yatt_trainer::controller::weights_ipc=info",
+                    "yatt_trainer::controller::weights_nccl=info",
+                    "yatt_trainer::controller::weights_direct=info",
+                    "yatt_trainer::controller::data_parallel=info",
+                    "yatt_trainer::build::first_sync=info",
+                ]
+                .join(","),
             )
             .stdin(Stdio::null())
             .stdout(std::fs::File::create(&stdout).expect("train log"))

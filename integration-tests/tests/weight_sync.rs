@@ -22,6 +22,13 @@ const STEPS: usize = 3;
 const FALLBACK: &str = "weight sync: CUDA IPC unavailable";
 const NCCL_FALLBACK: &str = "weight sync: NCCL unavailable";
 const DIRECT_FALLBACK: &str = "the policy cannot send its weights to the rollouts itself";
+const FIRST_SYNC_DIRECT: &str = "initial weight sync: the policy's node loaded";
+
+/// What the first sync logs when the policy's node loaded `loaded` of the `asked` roles
+/// in other processes than the controller's.
+fn first_sync_direct(loaded: usize, asked: usize) -> String {
+    format!("{FIRST_SYNC_DIRECT} {loaded} of {asked} roles")
+}
 
 /// Each node's NCCL settings: a host of its own, loopback sockets, no InfiniBand.
 const NCCL_ENV: [(usize, &str, &str); 8] = [
@@ -164,6 +171,9 @@ fn weights_go_through_cuda_ipc_or_nccl_on_a_gpu_host_and_as_bytes_otherwise_sayi
     let direct = direct_counts(quic.path());
     assert!(direct.iter().all(|&n| n == 1.0), "{direct:?}\n{printed}");
     assert!(!printed.contains(DIRECT_FALLBACK), "{printed}");
+    // The first sync as well: the policy's node loads the rollout (ws-0) and the
+    // reference (its own node, asked in the reference's own message types).
+    assert!(printed.contains(&first_sync_direct(2, 2)), "{printed}");
     // The rollout generated with the weights the policy trained: its log-probs match
     // the trainer's recomputed ones after every sync.
     let gaps = counts_of(quic.path(), "rollout/logprob_diff_max");
@@ -179,6 +189,7 @@ fn weights_go_through_cuda_ipc_or_nccl_on_a_gpu_host_and_as_bytes_otherwise_sayi
     assert!(ok, "relay failed:\n{printed}");
     let direct = direct_counts(relay.path());
     assert!(direct.iter().all(|&n| n == 0.0), "{direct:?}");
+    assert!(!printed.contains(FIRST_SYNC_DIRECT), "{printed}");
     assert!(ipc_counts(relay.path()).iter().all(|&n| n == 0.0));
     assert!(!printed.contains(DIRECT_FALLBACK), "{printed}");
 
@@ -274,6 +285,9 @@ fn replicas_average_gradients_through_nccl_on_a_gpu_and_over_the_ring_otherwise_
     let counts = counts_of(quic.path(), "perf/grad_allreduce_nccl");
     assert!(counts.iter().all(|&n| n == 0.0), "{counts:?}");
     assert!(!printed.contains(RING_FALLBACK), "{printed}");
+    // The first replica (ws-0) loads the two rollouts and the reference of its own node
+    // and the other replica (ws-1), so both replicas start from one model.
+    assert!(printed.contains(&first_sync_direct(4, 4)), "{printed}");
 
     // nccl: NCCL every step, or refused before the first step naming the key and why.
     let nccl = tempfile::tempdir().unwrap();

@@ -95,7 +95,8 @@ pub use builtin::{
     ContinueRequest, CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole,
     GenerateRequest, GradShard, GrowingLengthReward, JudgeConfig, JudgeMode, JudgeScorer,
     KlLossConfig, LoraSync, ModelScorer, OnUnparsed, PolicyConfig, PolicyRequest, PolicyResponse,
-    PolicyRole, PushReport, PushingPolicy, ReferenceRole, RewardModelError, RewardRole, RmExample,
-    RmTrainConfig, RolloutRequest, RolloutResponse, RolloutRole, RolloutStats, SampleSink,
-    ScalarRewardModel, TextCodec, TokenizerCodec, TrainReport, TrainerState, TINY_CODEC,
+    PolicyRole, PushReport, PushTarget, PushingPolicy, ReferenceRole, RewardModelError, RewardRole,
+    RmExample, RmTrainConfig, RolloutRequest, RolloutResponse, RolloutRole, RolloutStats,
+    SampleSink, ScalarRewardModel, TextCodec, TokenizerCodec, TrainReport, TrainerState,
+    TINY_CODEC,
 };

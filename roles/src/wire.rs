@@ -31,7 +31,7 @@ use yatt_runtime::{Bulk, DType};
 use yatt_runtime::{Message, Wire, WireError};
 
 use crate::builtin::policy::{
-    GradShard, PolicyRequest, PolicyResponse, PushReport, TrainReport, TrainerState,
+    GradShard, PolicyRequest, PolicyResponse, PushReport, PushTarget, TrainReport, TrainerState,
 };
 use crate::role::{
     DeviceRoute, NcclGroup, ResourceProfile, RoleRequest, RoleResponse, WeightsUpdate,
@@ -110,7 +110,7 @@ enum PolicyRequestHead {
     },
     JoinGradientGroup(Option<NcclGroup>),
     PushWeights {
-        to: Vec<ActorId>,
+        to: Vec<PushTarget>,
         timeout_ms: u64,
     },
 }
@@ -969,23 +969,30 @@ mod tests {
         assert!(matches!(back, RoleResponse::Served(PolicyResponse::Joined)));
     }
 
-    /// A direct push names its rollouts and deadline; its report names each rollout
-    /// that missed the weights and why, so the controller can settle it.
+    /// A direct push names its targets, each with its kind, and the deadline; its
+    /// report names each target that missed the weights and why, so the controller can
+    /// settle it.
     #[test]
     fn push_messages_round_trip() {
         use yatt_runtime::{ActorId, CallError};
         let a: ActorId = "n0/rollout/0#3".parse().unwrap();
         let b: ActorId = "n1/rollout/1#4".parse().unwrap();
+        let targets = vec![
+            PushTarget::Rollout(a.clone()),
+            PushTarget::Rollout(b.clone()),
+            PushTarget::Reference("n2/reference/0#1".parse().unwrap()),
+            PushTarget::Policy("n3/policy/1#1".parse().unwrap()),
+        ];
         let timeout = std::time::Duration::from_millis(2500);
         let (back, wire) = round_trip(RoleRequest::Serve(PolicyRequest::PushWeights {
-            to: vec![a.clone(), b.clone()],
+            to: targets.clone(),
             timeout,
         }));
         assert!(wire.bulk.is_none());
         assert!(matches!(
             back,
             RoleRequest::Serve(PolicyRequest::PushWeights { to, timeout: t })
-                if to == vec![a.clone(), b.clone()] && t == timeout
+                if to == targets && t == timeout
         ));
         let report = PushReport {
             version: 9,

@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 use common::demo_config;
 use tch::{Device, Kind};
 use yatt_roles::{
-    DeviceGroup, PolicyRequest, PolicyResponse, PolicyRole, PushingPolicy, ResourceProfile, Role,
-    RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest, RolloutResponse, RolloutRole,
-    WeightsUpdate,
+    DeviceGroup, PolicyRequest, PolicyResponse, PolicyRole, PushTarget, PushingPolicy,
+    ResourceProfile, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest,
+    RolloutResponse, RolloutRole, WeightsUpdate,
 };
 use yatt_runtime::ActorRef;
 
@@ -289,7 +289,7 @@ async fn the_policy_answers_other_requests_while_its_push_loads_the_rollouts() {
         .await
         .unwrap();
     let rollout = nodes.rollout.spawn("rollout", 0, actor).unwrap();
-    let to = vec![rollout.id().clone()];
+    let to = vec![PushTarget::Rollout(rollout.id().clone())];
     let t = Duration::from_secs(60);
     let push = tokio::spawn({
         let policy = policy.clone();

@@ -37,7 +37,7 @@ pub use critic::{CriticConfig, CriticReport, CriticRequest, CriticResponse, Crit
 pub use judge_model::{JudgeConfig, JudgeMode, JudgeScorer, OnUnparsed};
 pub use policy::{
     GradShard, KlLossConfig, LoraSync, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole,
-    PushReport, TrainReport, TrainerState,
+    PushReport, PushTarget, TrainReport, TrainerState,
 };
 pub use policy_push::PushingPolicy;
 pub use reference::ReferenceRole;

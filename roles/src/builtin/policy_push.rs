@@ -1,5 +1,6 @@
 //! Weight sync in one hop: the actor that hosts a policy on a node exports its weights
-//! in process and loads them into the rollouts itself ([`PolicyRequest::PushWeights`]).
+//! in process and loads them into the rollouts itself ([`PolicyRequest::PushWeights`]),
+//! and, for a job's first sync, into the reference and the other policy replicas.
 //!
 //! Without it a controller in another process asks the policy for its buckets and sends
 //! them on: every byte crosses the wire twice (policy → controller → rollout), and the
@@ -18,9 +19,11 @@ use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use yatt_runtime::{Actor, ActorError, ActorId, CallError, Context, Handled, WeakNode};
 
-use crate::builtin::policy::{PolicyRequest, PolicyResponse, PushReport};
+use crate::builtin::policy::{PolicyRequest, PolicyResponse, PushReport, PushTarget};
 use crate::builtin::rollout::{RolloutRequest, RolloutResponse};
 use crate::role::{Role, RoleActor, RoleRequest, RoleResponse, WeightsUpdate};
+use crate::sample::Sample;
+use yatt_runtime::Message;
 
 /// The actor around a policy role on a node: it serves every request as
 /// [`RoleActor`] does, and also [`PolicyRequest::PushWeights`].
@@ -46,7 +49,7 @@ impl<R: Role<Request = PolicyRequest, Response = PolicyResponse>> PushingPolicy<
     /// rollouts as a future that needs neither.
     async fn start_push(
         &mut self,
-        to: Vec<ActorId>,
+        to: Vec<PushTarget>,
         timeout: Duration,
         ctx: &mut Context,
     ) -> Result<impl Future<Output = PushReport> + Send + 'static, ActorError> {
@@ -82,12 +85,22 @@ impl<R: Role<Request = PolicyRequest, Response = PolicyResponse>> PushingPolicy<
             .upgrade()
             .ok_or_else(|| ActorError::Unavailable("the policy's node has stopped".into()))?;
         let (version, bytes) = (update.version, update.bytes());
-        let loads = to.into_iter().map(move |id| {
+        let loads = to.into_iter().map(move |target| {
             let update = update.clone();
             let node = node.clone();
             async move {
-                let outcome = load(&node, &id, update, timeout).await;
-                outcome.err().map(|e| (id, e))
+                let outcome = match &target {
+                    PushTarget::Rollout(id) => {
+                        load::<RolloutRequest, RolloutResponse>(&node, id, update, timeout).await
+                    }
+                    PushTarget::Reference(id) => {
+                        load::<Vec<Sample>, Vec<Sample>>(&node, id, update, timeout).await
+                    }
+                    PushTarget::Policy(id) => {
+                        load::<PolicyRequest, PolicyResponse>(&node, id, update, timeout).await
+                    }
+                };
+                outcome.err().map(|e| (target.id().clone(), e))
             }
         });
         let loads = futures::future::join_all(loads);
@@ -103,27 +116,28 @@ impl<R: Role<Request = PolicyRequest, Response = PolicyResponse>> PushingPolicy<
     }
 }
 
-/// Loads `update` into the rollout `id`.
-async fn load(
+/// Loads `update` into the role `id`, whose actor serves `RoleRequest<Req>`.
+async fn load<Req, Resp>(
     node: &yatt_runtime::Node,
     id: &ActorId,
     update: WeightsUpdate,
     timeout: Duration,
-) -> Result<(), CallError> {
-    let rollout = node
-        .actor_ref::<RoleRequest<RolloutRequest>, RoleResponse<RolloutResponse>>(id)
+) -> Result<(), CallError>
+where
+    RoleRequest<Req>: Message,
+    RoleResponse<Resp>: Message,
+{
+    let role = node
+        .actor_ref::<RoleRequest<Req>, RoleResponse<Resp>>(id)
         .map_err(|e| match e {
             yatt_runtime::NodeError::Call(e) => e,
             other => handler_error(id, other.to_string()),
         })?;
-    match rollout
-        .ask(RoleRequest::LoadWeights(update), timeout)
-        .await?
-    {
+    match role.ask(RoleRequest::LoadWeights(update), timeout).await? {
         RoleResponse::Done => Ok(()),
         _ => Err(handler_error(
             id,
-            "the rollout answered LoadWeights with something other than Done".into(),
+            "the role answered LoadWeights with something other than Done".into(),
         )),
     }
 }

@@ -158,7 +158,11 @@ fn policy_requests() -> Vec<PolicyRequest> {
         PolicyRequest::ExportState,
         PolicyRequest::ImportState(state()),
         PolicyRequest::PushWeights {
-            to: vec![id("b/rollout/0#2")],
+            to: vec![
+                PushTarget::Rollout(id("b/rollout/0#2")),
+                PushTarget::Reference(id("c/reference/0#1")),
+                PushTarget::Policy(id("d/policy/1#1")),
+            ],
             timeout: std::time::Duration::from_millis(20),
         },
     ];
@@ -367,7 +371,7 @@ fn the_role_messages_encoding_is_pinned_to_the_alpn() {
             String::from_utf8_lossy(ALPN).into_owned(),
             wire_fingerprint(&every_message())
         ),
-        ("yatt/3".to_string(), 3_402_467_814),
+        ("yatt/4".to_string(), 3_869_035_399),
         "the role messages encode differently: bump ALPN in runtime/src/tls.rs and pin the new fingerprint"
     );
 }

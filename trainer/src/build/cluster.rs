@@ -7,19 +7,20 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use yatt_roles::{
-    DeviceGroup, EnvFactory, EnvRole, PolicyRequest, PolicyResponse, PushingPolicy, RemoteEnvPool,
-    Role, RoleActor, RoleError, RoleRequest, RoleResponse, Sample, SpawnEnvActor,
+    DeviceGroup, EnvFactory, EnvRole, PushingPolicy, RemoteEnvPool, Role, RoleActor, RoleError,
+    RoleRequest, RoleResponse, Sample, SpawnEnvActor,
 };
 use yatt_runtime::ActorName;
+use yatt_runtime::ActorRef;
 use yatt_runtime::Directory;
 use yatt_runtime::Message;
 use yatt_runtime::RING_CHUNK_BYTES;
-use yatt_runtime::{ActorRef, CallError};
 use yatt_runtime::{Node, NodeBuilder, NodeError};
 
 use crate::build::custom::CustomRoles;
 use crate::build::data::training_prompts;
 use crate::build::devices::{model_here, role_group};
+use crate::build::first_sync::initial_weight_sync;
 use crate::build::heads::{controllers, job_timeouts};
 use crate::build::parts::{
     critic_role, env_settings, policy_ring, policy_role, policy_role_from, reference_role,
@@ -33,7 +34,7 @@ use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::join_policy_ring;
 use crate::controller::error::ControllerError;
-use crate::controller::refs::{variant, PolicyRef, RoleRefs, RolloutRef, SamplesRef};
+use crate::controller::refs::{PolicyRef, RoleRefs, RolloutRef};
 use crate::controller::release::{stop_if_failed, StartedRoles};
 use crate::error::JobError;
 
@@ -379,6 +380,7 @@ async fn build_cluster_in(
         &policies,
         &rollouts,
         fresh_reference,
+        job.rollout.weight_sync,
         job_timeouts(job).sync,
     )
     .await?;
@@ -444,73 +446,4 @@ pub(crate) fn job_text(job: &JobConfig) -> Result<String, JobError> {
         origin: "the job config".into(),
         message: format!("cannot encode it for the nodes: {e}"),
     })
-}
-
-/// Pushes the first policy replica's weights (version 0) to every rollout, to the
-/// reference and to the other replicas, so all of them start from the same model
-/// whichever node built it.
-pub(crate) async fn initial_weight_sync(
-    policies: &[PolicyRef],
-    rollouts: &[RolloutRef],
-    reference: Option<&SamplesRef>,
-    timeout: Duration,
-) -> Result<(), ControllerError> {
-    const STAGE: &str = "initial_weight_sync";
-    let call = |role: &'static str| {
-        move |source: CallError| ControllerError::Call {
-            step: 0,
-            stage: STAGE,
-            role,
-            source,
-        }
-    };
-    let update = match policies[0]
-        .ask(RoleRequest::Serve(PolicyRequest::ExportWeights), timeout)
-        .await
-        .map_err(call("policy"))?
-    {
-        RoleResponse::Served(PolicyResponse::Weights(u)) => u,
-        other => return Err(protocol("policy", "ExportWeights", variant(&other))),
-    };
-    for r in rollouts {
-        let answer = r
-            .ask(RoleRequest::LoadWeights(update.clone()), timeout)
-            .await
-            .map_err(call("rollout"))?;
-        loaded(answer, "rollout")?;
-    }
-    for p in &policies[1..] {
-        let answer = p
-            .ask(RoleRequest::LoadWeights(update.clone()), timeout)
-            .await
-            .map_err(call("policy"))?;
-        loaded(answer, "policy")?;
-    }
-    let Some(reference) = reference else {
-        return Ok(());
-    };
-    let answer = reference
-        .ask(RoleRequest::LoadWeights(update), timeout)
-        .await
-        .map_err(call("reference"))?;
-    loaded(answer, "reference")
-}
-
-pub(crate) fn protocol(role: &'static str, asked: &'static str, got: String) -> ControllerError {
-    ControllerError::Protocol {
-        step: 0,
-        role,
-        asked,
-        got,
-    }
-}
-
-pub(crate) fn loaded<T>(
-    answer: RoleResponse<T>,
-    role: &'static str,
-) -> Result<(), ControllerError> {
-    match answer {
-        RoleResponse::Done => Ok(()),
-        other => Err(protocol(role, "LoadWeights", variant(&other))),
-    }
 }

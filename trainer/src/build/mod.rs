@@ -5,6 +5,7 @@ pub(crate) mod custom;
 pub(crate) mod data;
 pub(crate) mod devices;
 pub(crate) mod embedded;
+pub(crate) mod first_sync;
 pub(crate) mod heads;
 pub(crate) mod parts;
 pub(crate) mod replica;

@@ -10,7 +10,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use yatt_roles::{PolicyRequest, PolicyResponse};
+use yatt_roles::{PolicyRequest, PolicyResponse, PushTarget};
 use yatt_runtime::{ActorId, CallError};
 
 use crate::controller::config::WeightSync;
@@ -45,7 +45,10 @@ impl Controller {
         {
             return Ok(None);
         }
-        let to: Vec<ActorId> = remote.iter().map(|r| r.id().clone()).collect();
+        let to: Vec<PushTarget> = remote
+            .iter()
+            .map(|r| PushTarget::Rollout(r.id().clone()))
+            .collect();
         // The export and the loads each have the sync's deadline, as over two hops; the
         // margin lets the policy's answer about a late rollout arrive before this one.
         let whole = t * 2 + t / 4;

@@ -203,14 +203,36 @@ pub enum PolicyRequest {
     /// Replace the trainer with this state (another replica's [`PolicyRequest::ExportState`]).
     ImportState(TrainerState),
     /// Weight sync in one hop: export the weights as buckets and load them into these
-    /// rollouts straight from the policy's process, each load with `timeout`. Answered
+    /// roles straight from the policy's process, each load with `timeout`. Answered
     /// by the actor that hosts the policy on a node ([`crate::PushingPolicy`]) with
     /// [`PolicyResponse::Pushed`]; the role itself answers
     /// [`PolicyResponse::PushUnavailable`], and the asker sends the buckets itself.
     PushWeights {
-        to: Vec<ActorId>,
+        to: Vec<PushTarget>,
         timeout: std::time::Duration,
     },
+}
+
+/// A role that [`PolicyRequest::PushWeights`] loads, with its kind: the kind names the
+/// actor's message types, which an actor on the policy's own node must be asked in.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum PushTarget {
+    /// A rollout (`RoleRequest<RolloutRequest>`).
+    Rollout(ActorId),
+    /// A reference, or another role that serves sample batches
+    /// (`RoleRequest<Vec<Sample>>`).
+    Reference(ActorId),
+    /// Another policy replica (`RoleRequest<PolicyRequest>`).
+    Policy(ActorId),
+}
+
+impl PushTarget {
+    /// The actor to load.
+    pub fn id(&self) -> &ActorId {
+        match self {
+            PushTarget::Rollout(id) | PushTarget::Reference(id) | PushTarget::Policy(id) => id,
+        }
+    }
 }
 
 /// What one train request did (means over micro-batches, sums where noted).
