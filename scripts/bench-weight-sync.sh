@@ -5,7 +5,8 @@
 # mode's bytes per sync, mean sync seconds and GB/s over steps 2..STEPS (step 1 warms
 # up), and how many rollouts each sync reached through CUDA IPC, by NCCL broadcast and
 # from the policy's node in one hop, and each process's peak resident memory during that
-# mode's run (the controller, `yatt train`; the rollout's node; the policy's node).
+# mode's run (the controller, `yatt train`; the rollout's node; the policy's node), and
+# what each node still holds a few seconds after the job has ended.
 # Each node claims an NCCL host of its own (NCCL_HOSTID), so `nccl` runs on one GPU over
 # NCCL's socket transport on loopback, as between two hosts without InfiniBand.
 #
@@ -48,9 +49,11 @@ for _ in $(seq 100); do [ -f "$CERTS/ca.pem" ] && break; sleep 0.1; done
 NCCL_HOSTID=yatt-sync-b "$BIN/yatt-node" run --dev --certs "$CERTS" --name sync-b --listen "127.0.0.1:$((PORT + 1))" --http "" --data-dir "$OUT" \
     --seed "127.0.0.1:$PORT" >"$OUT/sync-b.log" 2>&1 &
 B=$!
-printf 'mode\tbytes_per_sync\tsync_s_mean\tGB_per_s\tvia_cuda_ipc\tvia_nccl\tvia_direct\tstep_s_mean\tpeak_MB_controller\tpeak_MB_rollout_node\tpeak_MB_policy_node\n' >"$OUT/summary.tsv"
+printf 'mode\tbytes_per_sync\tsync_s_mean\tGB_per_s\tvia_cuda_ipc\tvia_nccl\tvia_direct\tstep_s_mean\tpeak_MB_controller\tpeak_MB_rollout_node\tpeak_MB_policy_node\theld_MB_rollout_node\theld_MB_policy_node\n' >"$OUT/summary.tsv"
 # Peak resident MB of a running process since its last reset (clear_refs 5 resets it).
 peak_mb() { [ -r "/proc/$1/status" ] && awk '/^VmHWM/ {printf "%.0f", $2 / 1024}' "/proc/$1/status"; }
+# Resident MB now.
+rss_mb() { [ -r "/proc/$1/status" ] && awk '/^VmRSS/ {printf "%.0f", $2 / 1024}' "/proc/$1/status"; }
 for mode in $MODES; do
     for p in $A $B; do echo 5 >"/proc/$p/clear_refs" 2>/dev/null || true; done
     # The controller's peak: ru_maxrss of the child, in KB.
@@ -67,6 +70,9 @@ sys.exit(rc)' "$OUT/$mode.controller_kb" "$BIN/yatt" train config/smollm2-additi
         --set 'placement.reference="sync-b"' --set "job.output_dir=\"$OUT/$mode\"" \
         --cluster "127.0.0.1:$PORT" --dev --certs "$CERTS" >"$OUT/$mode.log" 2>&1
     printf -v peaks '%s\t%s\t%s' "$(($(cat "$OUT/$mode.controller_kb") / 1024))" "$(peak_mb $A)" "$(peak_mb $B)"
+    # The nodes stop the job's roles as it ends; their threads exit within moments.
+    sleep 3
+    printf -v peaks '%s\t%s\t%s' "$peaks" "$(rss_mb $A)" "$(rss_mb $B)"
     python3 - "$OUT/$mode/metrics.jsonl" "$mode" "$peaks" >>"$OUT/summary.tsv" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])][1:]

@@ -156,3 +156,14 @@ pub fn tune_host_allocator() {
         }
     }
 }
+
+/// Returns the heap pages that [`tune_host_allocator`] keeps for reuse (freed weights,
+/// caches and activations) to the OS. Call it when a model is done with: a daemon whose
+/// job's roles have stopped would otherwise keep them resident until its next job.
+pub fn release_host_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free memory of the allocator's arenas.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}

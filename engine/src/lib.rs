@@ -59,7 +59,7 @@ pub use checkpoint::{save_pretrained, write_safetensors};
 pub use config::{tiny_config, Architecture, ModelConfig, RopeScaling, SlidingWindow};
 pub use device::{
     cuda_device_count, default_device, libtorch_dir, load_cuda_backend, parse_device, parse_kind,
-    set_threads, test_devices, tune_host_allocator,
+    release_host_memory, set_threads, test_devices, tune_host_allocator,
 };
 pub use error::{EngineError, Result};
 pub use generate::{

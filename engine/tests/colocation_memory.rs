@@ -32,14 +32,6 @@ fn rss() -> i64 {
     pages * unsafe { libc::sysconf(libc::_SC_PAGESIZE) }
 }
 
-/// Hands freed heap pages back to the OS (the engine keeps them for reuse otherwise).
-fn trim() {
-    // SAFETY: malloc_trim only releases free memory of the allocator's arenas.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
 fn mib(b: i64) -> f64 {
     b as f64 / (1 << 20) as f64
 }
@@ -96,7 +88,7 @@ fn full_colocation_frees_and_restores_memory_between_phases() {
         .collect();
     let mut rows: Vec<(String, i64, i64)> = Vec::new();
     let mut mark = |what: &str, t: &mut Trainer| {
-        trim();
+        yatt_engine::release_host_memory();
         rows.push((what.into(), rss(), t.resident_bytes() as i64));
     };
     mark("start (both models loaded)", &mut trainer);

@@ -417,6 +417,10 @@ impl<R: Role> RoleActor<R> {
                     let _ = reply.send(result);
                 }
                 role.stop();
+                drop(role);
+                // Its model and caches are freed now, but the host allocator keeps the
+                // pages for reuse: a daemon would hold them until its next job.
+                yatt_engine::release_host_memory();
             })
             .map_err(|e| RoleError::Failed(format!("cannot start the {name} thread: {e}")))?;
         started_rx

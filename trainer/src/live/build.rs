@@ -12,7 +12,7 @@ use yatt_placement::{
     RewardKind,
 };
 use yatt_placement::{Role as PRole, RoleSet};
-use yatt_roles::{PolicyRequest, PolicyResponse, RoleRequest, TextCodec};
+use yatt_roles::TextCodec;
 use yatt_runtime::Node;
 use yatt_runtime::NodeInfo;
 
@@ -20,6 +20,7 @@ use crate::build::cluster::{job_text, wait_for_nodes};
 use crate::build::custom::CustomRoles;
 use crate::build::data::training_prompts;
 use crate::build::devices::role_group;
+use crate::build::first_sync::initial_weight_sync;
 use crate::build::parts::base_model;
 use crate::build::reward::spawn_reward;
 use crate::checkpoint::restore_controllers;
@@ -31,9 +32,6 @@ use crate::controller::refs::{spawn_role, PolicyRef};
 use crate::controller::release::{stop_if_failed, StartedRoles};
 use crate::error::JobError;
 use crate::live::errors::me;
-use crate::live::errors::placement_err;
-use crate::live::errors::unexpected;
-use crate::live::replicas::ask_policy;
 use crate::live::state::node_desc;
 use crate::live::state::Hosts;
 use crate::live::state::LivePlacement;
@@ -265,16 +263,11 @@ impl LivePlacement {
         if let (Some(reference), Some(policy), true, None) =
             (&self.shared.reference, &first, takes_weights, checkpoint)
         {
-            // The reference is the initial policy, whichever node built it.
-            let t = self.deadline();
-            let update = match ask_policy(policy, PolicyRequest::ExportWeights, t).await? {
-                PolicyResponse::Weights(u) => u,
-                other => return Err(unexpected("ExportWeights", &other)),
-            };
-            reference
-                .ask(RoleRequest::LoadWeights(update), t)
-                .await
-                .map_err(|e| placement_err(format!("the reference did not take weights: {e}")))?;
+            // The reference is the initial policy, whichever node built it; loaded from
+            // the policy's node where it can, so this process holds no copy.
+            let (mode, t) = (self.job.rollout.weight_sync, self.deadline());
+            let policies = std::slice::from_ref(policy);
+            initial_weight_sync(policies, &[], Some(reference), mode, t).await?;
         }
         self.publish(0)?;
         Ok(())

@@ -1,8 +1,6 @@
 //! The live placement's error helpers: each names the group, node or replica and says
 //! where to look.
 
-use yatt_roles::PolicyResponse;
-
 use crate::config::sections::JobConfig;
 use crate::error::JobError;
 
@@ -11,12 +9,6 @@ pub(crate) fn me(job: &JobConfig) -> impl Fn(yatt_engine::EngineError) -> JobErr
         source_desc: job.model.source.to_string(),
         reason: e.to_string(),
     }
-}
-
-pub(crate) fn unexpected(asked: &str, got: &PolicyResponse) -> JobError {
-    let got = format!("{got:?}");
-    let got: String = got.chars().take(120).collect();
-    placement_err(format!("the policy answered {asked} with {got}"))
 }
 
 pub(crate) fn placement_err(what: String) -> JobError {

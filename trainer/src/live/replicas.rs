@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use yatt_placement::GroupId;
-use yatt_roles::{PolicyRequest, PolicyResponse, Role, RoleRequest, RoleResponse};
+use yatt_roles::{Role, RoleRequest, RoleResponse};
 use yatt_runtime::DirectoryChange as Change;
 use yatt_runtime::Message;
 use yatt_runtime::{ActorRef, ExitReason};
@@ -14,7 +14,6 @@ use crate::checkpoint::load_trainer;
 use crate::controller::refs::{spawn_role, PolicyRef, RolloutRef};
 use crate::error::JobError;
 use crate::live::errors::me;
-use crate::live::errors::placement_err;
 use crate::live::state::Hosts;
 use crate::live::state::LivePlacement;
 use crate::live::state::Replica;
@@ -163,21 +162,4 @@ pub(crate) async fn drain_and_stop<Req: Send + 'static, Resp: Send + 'static>(
     r.ask(RoleRequest::Offload, t).await.map_err(call)?;
     r.ask(RoleRequest::Stop, t).await.map_err(call)?;
     Ok(drained)
-}
-
-/// Asks a policy replica, with deadline `t`.
-pub(crate) async fn ask_policy(
-    p: &PolicyRef,
-    request: PolicyRequest,
-    t: Duration,
-) -> Result<PolicyResponse, JobError> {
-    match p.ask(RoleRequest::Serve(request), t).await {
-        Ok(RoleResponse::Served(r)) => Ok(r),
-        Ok(other) => Err(placement_err(format!(
-            "{} answered {}",
-            p.id(),
-            crate::controller::refs::variant(&other)
-        ))),
-        Err(e) => Err(placement_err(format!("{} did not answer: {e}", p.id()))),
-    }
 }
