@@ -6,7 +6,7 @@
 # up), and how many rollouts each sync reached through CUDA IPC, by NCCL broadcast and
 # from the policy's node in one hop, and each process's peak resident memory during that
 # mode's run (the controller, `yatt train`; the rollout's node; the policy's node), and
-# what each node still holds a few seconds after the job has ended.
+# what each node and their /dev/shm segments still hold HELD_AFTER seconds after the job.
 # Each node claims an NCCL host of its own (NCCL_HOSTID), so `nccl` runs on one GPU over
 # NCCL's socket transport on loopback, as between two hosts without InfiniBand.
 #
@@ -18,7 +18,8 @@
 # nvidia-smi sees a GPU, else "quic"; `relay` sends the buckets through the controller,
 # `quic` from the policy's node), OUT (default runs/weight-sync), PORT (first port,
 # 7531), SHM (0: every process sends bulk over QUIC, not through /dev/shm, as between
-# hosts; default 1).
+# hosts; default 1), HELD_AFTER (seconds after each job before the held memory is read;
+# default 3; past transport.pool_idle_ms, 30 s, the idle pools are freed).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS=${1:-6}
@@ -49,7 +50,7 @@ for _ in $(seq 100); do [ -f "$CERTS/ca.pem" ] && break; sleep 0.1; done
 NCCL_HOSTID=yatt-sync-b "$BIN/yatt-node" run --dev --certs "$CERTS" --name sync-b --listen "127.0.0.1:$((PORT + 1))" --http "" --data-dir "$OUT" \
     --seed "127.0.0.1:$PORT" >"$OUT/sync-b.log" 2>&1 &
 B=$!
-printf 'mode\tbytes_per_sync\tsync_s_mean\tGB_per_s\tvia_cuda_ipc\tvia_nccl\tvia_direct\tstep_s_mean\tpeak_MB_controller\tpeak_MB_rollout_node\tpeak_MB_policy_node\theld_MB_rollout_node\theld_MB_policy_node\n' >"$OUT/summary.tsv"
+printf 'mode\tbytes_per_sync\tsync_s_mean\tGB_per_s\tvia_cuda_ipc\tvia_nccl\tvia_direct\tstep_s_mean\tpeak_MB_controller\tpeak_MB_rollout_node\tpeak_MB_policy_node\theld_MB_rollout_node\theld_MB_policy_node\theld_MB_shm\n' >"$OUT/summary.tsv"
 # Peak resident MB of a running process since its last reset (clear_refs 5 resets it).
 peak_mb() { [ -r "/proc/$1/status" ] && awk '/^VmHWM/ {printf "%.0f", $2 / 1024}' "/proc/$1/status"; }
 # Resident MB now.
@@ -71,8 +72,9 @@ sys.exit(rc)' "$OUT/$mode.controller_kb" "$BIN/yatt" train config/smollm2-additi
         --cluster "127.0.0.1:$PORT" --dev --certs "$CERTS" >"$OUT/$mode.log" 2>&1
     printf -v peaks '%s\t%s\t%s' "$(($(cat "$OUT/$mode.controller_kb") / 1024))" "$(peak_mb $A)" "$(peak_mb $B)"
     # The nodes stop the job's roles as it ends; their threads exit within moments.
-    sleep 3
-    printf -v peaks '%s\t%s\t%s' "$peaks" "$(rss_mb $A)" "$(rss_mb $B)"
+    sleep "${HELD_AFTER:-3}"
+    shm_mb=$(du -cm /dev/shm/yatt-sync-[ab]-* 2>/dev/null | tail -1 | cut -f1 || true)
+    printf -v peaks '%s\t%s\t%s\t%s' "$peaks" "$(rss_mb $A)" "$(rss_mb $B)" "${shm_mb:-0}"
     python3 - "$OUT/$mode/metrics.jsonl" "$mode" "$peaks" >>"$OUT/summary.tsv" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])][1:]

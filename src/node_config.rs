@@ -150,6 +150,9 @@ pub struct TransportSection {
     pub initial_udp_payload: u16,
     /// Most memory kept in unused receive buffers for bulk payloads, in bytes.
     pub recv_pool_bytes: usize,
+    /// Milliseconds an unused receive buffer or shared-memory segment is kept before
+    /// it is freed (0: kept).
+    pub pool_idle_ms: u64,
     /// UDP socket send and receive buffer size requested, in bytes.
     pub socket_buffer_bytes: usize,
     /// Ceiling on each connection's congestion window, in bytes (0: none).
@@ -168,6 +171,7 @@ impl Default for TransportSection {
             max_udp_payload: t.max_udp_payload,
             initial_udp_payload: t.initial_udp_payload,
             recv_pool_bytes: t.recv_pool_bytes,
+            pool_idle_ms: t.pool_idle.as_millis() as u64,
             socket_buffer_bytes: t.socket_buffer,
             max_congestion_window: t.max_congestion_window,
         }
@@ -349,6 +353,7 @@ fn validate(f: NodeFile, origin: &dyn Fn(&str) -> String) -> Result<ResolvedNode
         max_udp_payload: f.transport.max_udp_payload,
         initial_udp_payload: f.transport.initial_udp_payload,
         recv_pool_bytes: f.transport.recv_pool_bytes,
+        pool_idle: Duration::from_millis(f.transport.pool_idle_ms),
         socket_buffer: f.transport.socket_buffer_bytes,
         max_congestion_window: f.transport.max_congestion_window,
         ..TransportConfig::default()

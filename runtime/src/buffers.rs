@@ -7,6 +7,7 @@
 //! is dropped, and the next payload of about the same size is read into it.
 
 use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
@@ -21,7 +22,8 @@ pub struct RecvBuffers {
 
 #[derive(Debug)]
 struct Pool {
-    free: Vec<Vec<u8>>,
+    /// Unused buffers, each with when it came back.
+    free: Vec<(Vec<u8>, Instant)>,
     free_bytes: usize,
     max_bytes: usize,
 }
@@ -59,10 +61,10 @@ impl RecvBuffers {
                     .free
                     .iter()
                     .enumerate()
-                    .filter(|(_, b)| b.len() >= len && b.len() / 2 <= len)
-                    .min_by_key(|(_, b)| b.len())
+                    .filter(|(_, (b, _))| b.len() >= len && b.len() / 2 <= len)
+                    .min_by_key(|(_, (b, _))| b.len())
                     .map(|(i, _)| i)?;
-                let buf = p.free.swap_remove(best);
+                let (buf, _) = p.free.swap_remove(best);
                 p.free_bytes -= buf.len();
                 Some(buf)
             })
@@ -72,6 +74,17 @@ impl RecvBuffers {
             len,
             pool: (len >= MIN_POOLED).then(|| Arc::downgrade(&self.pool)),
         }
+    }
+
+    /// Frees the buffers unused for `idle` or longer at `now`, so a process that has
+    /// stopped receiving does not keep them; answers the bytes freed.
+    pub fn release_idle(&self, idle: Duration, now: Instant) -> usize {
+        let mut p = self.lock();
+        let before = p.free_bytes;
+        p.free
+            .retain(|(_, back)| now.saturating_duration_since(*back) < idle);
+        p.free_bytes = p.free.iter().map(|(b, _)| b.len()).sum();
+        before - p.free_bytes
     }
 }
 
@@ -117,7 +130,7 @@ impl Drop for RecvBuf {
         let size = self.buf.len();
         if size > 0 && p.free_bytes + size <= p.max_bytes {
             p.free_bytes += size;
-            p.free.push(std::mem::take(&mut self.buf));
+            p.free.push((std::mem::take(&mut self.buf), Instant::now()));
         }
     }
 }
@@ -166,5 +179,25 @@ mod tests {
         let none = RecvBuffers::new(0);
         drop(none.take(4 << 20).freeze());
         assert_eq!(none.free_bytes(), 0);
+    }
+
+    #[test]
+    fn buffers_unused_for_the_idle_time_are_freed() {
+        let pool = RecvBuffers::new(16 << 20);
+        drop(pool.take(4 << 20).freeze());
+        let back = Instant::now();
+        let idle = Duration::from_secs(30);
+        // Used a moment ago: kept.
+        assert_eq!(pool.release_idle(idle, back + Duration::from_secs(29)), 0);
+        assert_eq!(pool.free_bytes(), 4 << 20);
+        // A buffer in use is not the pool's to free.
+        let held = pool.take(4 << 20);
+        assert_eq!(pool.release_idle(idle, back + Duration::from_secs(60)), 0);
+        drop(held);
+        assert_eq!(pool.free_bytes(), 4 << 20);
+        // Unused for the idle time: freed.
+        let later = Instant::now() + idle;
+        assert_eq!(pool.release_idle(idle, later), 4 << 20);
+        assert_eq!(pool.free_bytes(), 0);
     }
 }

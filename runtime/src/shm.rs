@@ -17,6 +17,7 @@ use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use memmap2::{Mmap, MmapMut, MmapOptions};
@@ -30,6 +31,8 @@ struct Segment {
     path: PathBuf,
     map: MmapMut,
     busy: bool,
+    /// When it was last released (or created).
+    idle_since: Instant,
 }
 
 /// A lease on a segment: write the payload through [`Lease::as_mut`], then send
@@ -149,6 +152,7 @@ impl SegmentPool {
                     path,
                     map,
                     busy: false,
+                    idle_since: Instant::now(),
                 });
                 st.segments.last_mut().expect("just pushed")
             }
@@ -168,7 +172,25 @@ impl SegmentPool {
     pub fn release(&self, id: u64) {
         if let Some(s) = self.lock().segments.iter_mut().find(|s| s.id == id) {
             s.busy = false;
+            s.idle_since = Instant::now();
         }
+    }
+
+    /// Removes the segments unused for `idle` or longer at `now` (their files and this
+    /// side's mappings), so a process that has stopped sending does not keep them;
+    /// answers the bytes removed.
+    pub fn release_idle(&self, idle: Duration, now: Instant) -> usize {
+        let mut st = self.lock();
+        let before = st.bytes;
+        st.segments.retain(|s| {
+            let keep = s.busy || now.saturating_duration_since(s.idle_since) < idle;
+            if !keep {
+                let _ = std::fs::remove_file(&s.path);
+            }
+            keep
+        });
+        st.bytes = st.segments.iter().map(|s| s.map.len()).sum();
+        before - st.bytes
     }
 
     /// Segments leased and not yet released.
@@ -237,9 +259,9 @@ impl Drop for Slice {
     }
 }
 
-/// The receiver's mappings of one peer's segments.
+/// The receiver's mappings of one peer's segments, each with when it was last used.
 pub(crate) struct MappingCache {
-    maps: Mutex<HashMap<PathBuf, Arc<Mmap>>>,
+    maps: Mutex<HashMap<PathBuf, (Arc<Mmap>, Instant)>>,
     release: mpsc::UnboundedSender<u64>,
 }
 
@@ -256,14 +278,17 @@ impl MappingCache {
     pub fn bytes(&self, path: &Path, id: u64, len: usize) -> std::io::Result<Bytes> {
         let map = {
             let mut maps = self.maps.lock().unwrap_or_else(|p| p.into_inner());
-            match maps.get(path) {
-                Some(m) if m.len() >= len => m.clone(),
+            match maps.get_mut(path) {
+                Some((m, used)) if m.len() >= len => {
+                    *used = Instant::now();
+                    m.clone()
+                }
                 _ => {
                     let file = std::fs::File::open(path)?;
                     // SAFETY: the sender writes a segment only while it holds no
                     // outstanding release for it, i.e. while no Bytes over it exist here.
                     let m = Arc::new(unsafe { MmapOptions::new().populate().map(&file)? });
-                    maps.insert(path.to_path_buf(), m.clone());
+                    maps.insert(path.to_path_buf(), (m.clone(), Instant::now()));
                     m
                 }
             }
@@ -285,6 +310,21 @@ impl MappingCache {
             id,
             release: self.release.clone(),
         }))
+    }
+
+    /// Unmaps the segments no payload uses that were last used `idle` or longer before
+    /// `now`: a sender's removed segment keeps its memory while a mapping holds it.
+    pub fn release_idle(&self, idle: Duration, now: Instant) {
+        let mut maps = self.maps.lock().unwrap_or_else(|p| p.into_inner());
+        maps.retain(|_, (m, used)| {
+            Arc::strong_count(m) > 1 || now.saturating_duration_since(*used) < idle
+        });
+    }
+
+    /// Segments mapped.
+    #[cfg(test)]
+    fn mapped(&self) -> usize {
+        self.maps.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 }
 
@@ -323,6 +363,43 @@ mod tests {
         assert_eq!(pool.busy(), 0);
         let again = pool.lease(100).unwrap().unwrap();
         assert!(again.id == id_a || again.id == id_a + 1);
+    }
+
+    #[test]
+    fn segments_unused_for_the_idle_time_are_removed_and_unmapped() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = SegmentPool::new(dir.path(), "yatt-idle".into(), 8 << 20);
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let cache = MappingCache::new(tx);
+        let idle = Duration::from_secs(30);
+        let a = pool.lease(100).unwrap().unwrap();
+        let (id, path) = (a.id, a.path.clone());
+        a.sent();
+        let got = cache.bytes(&path, id, 100).unwrap();
+        // In use on both sides: kept however long.
+        let late = Instant::now() + Duration::from_secs(3600);
+        assert_eq!(pool.release_idle(idle, late), 0);
+        cache.release_idle(idle, late);
+        assert_eq!(cache.mapped(), 1);
+        drop(got);
+        pool.release(id);
+        let released = Instant::now();
+        // Released a moment ago: kept for the next payload.
+        assert_eq!(
+            pool.release_idle(idle, released + Duration::from_secs(29)),
+            0
+        );
+        cache.release_idle(idle, released + Duration::from_secs(29));
+        assert_eq!(cache.mapped(), 1);
+        assert!(path.exists());
+        // Idle for the idle time: the file and both mappings go.
+        let later = Instant::now() + idle;
+        assert_eq!(pool.release_idle(idle, later), MIN_SEGMENT);
+        cache.release_idle(idle, later);
+        assert_eq!(cache.mapped(), 0);
+        assert!(!path.exists());
+        // The pool makes a new one when asked.
+        assert!(pool.lease(100).unwrap().is_some());
     }
 
     #[test]

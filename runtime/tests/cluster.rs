@@ -72,12 +72,20 @@ impl Actor for Sink {
 }
 
 async fn cluster(tag: &str, shm: bool) -> (tempfile::TempDir, Node, Node, Node) {
+    let transport = TransportConfig {
+        shm_fast_path: shm,
+        ..TransportConfig::default()
+    };
+    cluster_with(tag, transport).await
+}
+
+async fn cluster_with(
+    tag: &str,
+    transport: TransportConfig,
+) -> (tempfile::TempDir, Node, Node, Node) {
     let dir = tempfile::tempdir().unwrap();
     let config = || NodeConfig {
-        transport: TransportConfig {
-            shm_fast_path: shm,
-            ..TransportConfig::default()
-        },
+        transport: transport.clone(),
         ..NodeConfig::default()
     };
     let seed = Node::builder(&format!("{tag}-a"))
@@ -486,6 +494,74 @@ async fn bulk_64mib_intact_through_shared_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bulk_64mib_intact_inline_over_quic() {
     bulk_round_trip(false).await;
+}
+
+// Regression: a daemon kept its shared-memory segments (up to 1 GiB of /dev/shm, with
+// the receivers' mappings of them) and its receive buffers from one job to the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_shared_memory_segments_are_removed_and_unmapped() {
+    let tag = "idle";
+    let transport = TransportConfig {
+        shm_fast_path: true,
+        pool_idle: Duration::from_secs(3),
+        ..TransportConfig::default()
+    };
+    let (_dir, a, b, _c) = cluster_with(tag, transport).await;
+    let sink = a
+        .spawn_remote::<WithBulk<String>, (String, u32, usize), _>(b.name(), "sink", &(), T)
+        .await
+        .unwrap();
+    // Sends 4 MiB of `fill` (through shared memory) and checks what arrived.
+    let send = |fill: u8| {
+        let sink = sink.clone();
+        async move {
+            let data = Bytes::from(vec![fill; 4 << 20]);
+            let bulk = Bulk::from_tensors([("x", DType::U8, vec![4 << 20], data)]).unwrap();
+            let want = bulk.checksum();
+            let request = WithBulk {
+                meta: format!("{fill}"),
+                bulk,
+            };
+            let (_, got, _) = sink.ask(request, T).await.unwrap();
+            assert_eq!(got, want);
+        }
+    };
+    send(7).await;
+    let prefix = format!("yatt-{tag}-a-");
+    let files = || {
+        std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+            .count()
+    };
+    // Both ends are in this process: the sender's mapping and the receiver's.
+    let mappings = || {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        maps.lines().filter(|l| l.contains(&prefix)).count()
+    };
+    assert_eq!(files(), 1, "the payload went through shared memory");
+    assert!(mappings() >= 1);
+    // Within the idle time and a sweep period (a quarter of it), with room for a busy
+    // machine.
+    let mut freed = false;
+    for _ in 0..500 {
+        freed = files() == 0 && mappings() == 0;
+        if freed {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        freed,
+        "{} segment files and {} mappings left",
+        files(),
+        mappings()
+    );
+    // The next payload makes a segment again.
+    send(9).await;
+    assert_eq!(files(), 1);
+    a.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

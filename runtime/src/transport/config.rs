@@ -30,6 +30,10 @@ pub struct TransportConfig {
     /// Most memory kept in unused receive buffers for inline bulk payloads, in bytes:
     /// a payload's buffer is reused for the next one of about its size once dropped.
     pub recv_pool_bytes: usize,
+    /// How long an unused receive buffer or shared-memory segment is kept for the next
+    /// payload before it is freed (zero: kept until the pools need the room), so a
+    /// daemon whose job has ended gives the memory back.
+    pub pool_idle: Duration,
     /// UDP socket send and receive buffer size, in bytes (the kernel may cap it).
     pub socket_buffer: usize,
     /// UDP payload size of the first packets, before path MTU discovery confirms a
@@ -70,6 +74,7 @@ impl Default for TransportConfig {
             shm_pool_bytes: 1 << 30,
             shm_dir: "/dev/shm".into(),
             recv_pool_bytes: 256 << 20,
+            pool_idle: Duration::from_secs(30),
             socket_buffer: 4 << 20,
             initial_udp_payload: tls::MIN_UDP_PAYLOAD,
             max_udp_payload: tls::MAX_UDP_PAYLOAD,

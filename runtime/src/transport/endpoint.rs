@@ -44,6 +44,24 @@ pub struct Transport {
 /// At most one log line per peer address in this window for refused handshakes.
 const REFUSAL_LOG_WINDOW: Duration = Duration::from_secs(10);
 
+/// Sweeps the transport's pools for idle buffers until the transport is dropped, a few
+/// times per idle period (so a buffer goes at most a quarter of it late).
+async fn release_idle_pools(transport: std::sync::Weak<Transport>) {
+    let period = match transport.upgrade() {
+        Some(t) => (t.config.pool_idle / 4).max(Duration::from_millis(10)),
+        None => return,
+    };
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        match transport.upgrade() {
+            Some(t) => t.release_idle(),
+            None => return,
+        }
+    }
+}
+
 pub(super) fn bind_socket(
     listen: SocketAddr,
     buffer: usize,
@@ -107,7 +125,7 @@ impl Transport {
             config.shm_pool_bytes,
         );
         let recv_buffers = RecvBuffers::new(config.recv_pool_bytes);
-        Ok(Arc::new(Transport {
+        let transport = Arc::new(Transport {
             name: identity.node.clone(),
             host_id,
             endpoint,
@@ -120,7 +138,26 @@ impl Transport {
             recv_buffers,
             refusals: LogThrottle::new(REFUSAL_LOG_WINDOW),
             stats: TransportStats::default(),
-        }))
+        });
+        if !transport.config.pool_idle.is_zero() {
+            tokio::spawn(release_idle_pools(Arc::downgrade(&transport)));
+        }
+        Ok(transport)
+    }
+
+    /// Frees the receive buffers and shared-memory segments (sent and mapped) unused
+    /// for [`TransportConfig::pool_idle`].
+    fn release_idle(&self) {
+        let (idle, now) = (self.config.pool_idle, std::time::Instant::now());
+        let buffers = self.recv_buffers.release_idle(idle, now);
+        let segments = self.segments.release_idle(idle, now);
+        let peers: Vec<Arc<Peer>> = self.lock_peers().values().cloned().collect();
+        for p in peers {
+            p.segments.release_idle(idle, now);
+        }
+        if buffers + segments > 0 {
+            tracing::debug!(buffers, segments, "freed idle transport buffers");
+        }
     }
 
     /// The bound address.
