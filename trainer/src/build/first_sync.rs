@@ -10,27 +10,52 @@
 
 use std::time::Duration;
 
-use yatt_roles::{PolicyRequest, PolicyResponse, PushTarget, RoleRequest, RoleResponse};
+use yatt_roles::{
+    PolicyRequest, PolicyResponse, PushTarget, RoleRequest, RoleResponse, WeightsUpdate,
+};
 use yatt_runtime::{ActorRef, CallError, Message};
 
 use crate::controller::config::WeightSync;
 use crate::controller::error::ControllerError;
 use crate::controller::refs::{variant, PolicyRef, RolloutRef, SamplesRef};
+use crate::controller::weights_direct::push_deadline;
 use crate::controller::weights_ipc::variant_of;
 
 const STAGE: &str = "initial_weight_sync";
 
-/// The roles that still need the weights.
-#[derive(Default)]
-struct Left<'a> {
-    rollouts: Vec<&'a RolloutRef>,
-    policies: Vec<&'a PolicyRef>,
-    reference: Option<&'a SamplesRef>,
+/// A role that takes the first weights.
+#[derive(Clone, Copy)]
+enum Target<'a> {
+    Rollout(&'a RolloutRef),
+    Policy(&'a PolicyRef),
+    Reference(&'a SamplesRef),
 }
 
-impl Left<'_> {
-    fn is_empty(&self) -> bool {
-        self.rollouts.is_empty() && self.policies.is_empty() && self.reference.is_none()
+impl Target<'_> {
+    fn is_local(&self) -> bool {
+        match self {
+            Target::Rollout(r) => r.is_local(),
+            Target::Policy(p) => p.is_local(),
+            Target::Reference(r) => r.is_local(),
+        }
+    }
+
+    /// How the policy's actor is asked to load it.
+    fn push_target(&self) -> PushTarget {
+        match self {
+            Target::Rollout(r) => PushTarget::Rollout(r.id().clone()),
+            Target::Policy(p) => PushTarget::Policy(p.id().clone()),
+            Target::Reference(r) => PushTarget::Reference(r.id().clone()),
+        }
+    }
+
+    /// Loads `update` from this process.
+    async fn load(&self, update: WeightsUpdate, timeout: Duration) -> Result<(), ControllerError> {
+        match self {
+            Target::Rollout(r) => load(*r, update, "rollout", timeout).await,
+            Target::Policy(p) => load(*p, update, "policy", timeout).await,
+            Target::Reference(r) => load(*r, update, "reference", timeout).await,
+        }
     }
 }
 
@@ -43,68 +68,50 @@ pub(crate) async fn initial_weight_sync(
     mode: WeightSync,
     timeout: Duration,
 ) -> Result<(), ControllerError> {
-    let all = Left {
-        rollouts: rollouts.iter().collect(),
-        policies: policies[1..].iter().collect(),
-        reference,
-    };
+    let all: Vec<Target> = (rollouts.iter().map(Target::Rollout))
+        .chain(policies[1..].iter().map(Target::Policy))
+        .chain(reference.map(Target::Reference))
+        .collect();
     let left = if policies[0].is_local() || mode == WeightSync::Relay {
         all
     } else {
         push_from_policy(&policies[0], all, timeout).await?
     };
-    relay(&policies[0], left, timeout).await
+    relay(&policies[0], &left, timeout).await
 }
 
 /// Has the policy's actor load the roles of `all` in other processes; answers the
 /// roles it did not load.
 async fn push_from_policy<'a>(
     policy: &PolicyRef,
-    all: Left<'a>,
+    all: Vec<Target<'a>>,
     timeout: Duration,
-) -> Result<Left<'a>, ControllerError> {
+) -> Result<Vec<Target<'a>>, ControllerError> {
     // A role in this process may be reachable from this process only
     // (`Node::spawn_local`), and its load moves no bytes over the wire anyway.
-    let mut left = Left::default();
-    let mut to = Vec::new();
-    for r in all.rollouts {
-        match r.is_local() {
-            true => left.rollouts.push(r),
-            false => to.push((PushTarget::Rollout(r.id().clone()), Pending::Rollout(r))),
-        }
-    }
-    for p in all.policies {
-        match p.is_local() {
-            true => left.policies.push(p),
-            false => to.push((PushTarget::Policy(p.id().clone()), Pending::Policy(p))),
-        }
-    }
-    if let Some(r) = all.reference {
-        match r.is_local() {
-            true => left.reference = Some(r),
-            false => to.push((PushTarget::Reference(r.id().clone()), Pending::Reference(r))),
-        }
-    }
+    let (mut left, to): (Vec<Target>, Vec<Target>) = all.into_iter().partition(Target::is_local);
     if to.is_empty() {
         return Ok(left);
     }
     let request = PolicyRequest::PushWeights {
-        to: to.iter().map(|(t, _)| t.clone()).collect(),
+        to: to.iter().map(Target::push_target).collect(),
         timeout,
     };
-    // The export and the loads each have the sync's deadline, as over two hops; the
-    // margin lets the policy's answer about a late role arrive before this one.
-    let whole = timeout * 2 + timeout / 4;
-    let report = match policy.ask(RoleRequest::Serve(request), whole).await {
+    let answer = policy
+        .ask(RoleRequest::Serve(request), push_deadline(timeout))
+        .await;
+    let report = match answer {
         Ok(RoleResponse::Served(PolicyResponse::Pushed(report))) => report,
         Ok(RoleResponse::Served(PolicyResponse::PushUnavailable(why))) => {
             tracing::info!(reason = %why, "initial weight sync: the policy cannot send its weights itself, so they go through this process");
-            return Ok(everything(left, to));
+            left.extend(to);
+            return Ok(left);
         }
         // A user's policy actor that does not know the request: the two hops.
         Err(CallError::Handler { error, .. }) => {
             tracing::warn!(error = %error, "initial weight sync: the policy refused PushWeights, so the weights go through this process");
-            return Ok(everything(left, to));
+            left.extend(to);
+            return Ok(left);
         }
         Ok(RoleResponse::Served(other)) => {
             return Err(protocol("policy", "PushWeights", variant_of(&other)))
@@ -118,46 +125,23 @@ async fn push_from_policy<'a>(
         bytes = report.bytes,
         "initial weight sync: the policy's node loaded {loaded} of {asked} roles in other processes itself (one hop)"
     );
-    for (target, pending) in to {
-        let Some((_, e)) = report.failed.iter().find(|(id, _)| id == target.id()) else {
+    for target in to {
+        let id = target.push_target();
+        let Some((_, e)) = report.failed.iter().find(|(failed, _)| failed == id.id()) else {
             continue;
         };
         // The policy's node may not reach a role this one does: it gets the weights from
         // here, and that load's failure is the job's error.
-        tracing::warn!(role = %target.id(), error = %e, "initial weight sync: the policy's node could not load this role, so it gets the weights through this process; set rollout.weight_sync = \"relay\" if the policy's node cannot reach the other nodes");
-        left.add(pending);
+        tracing::warn!(role = %id.id(), error = %e, "initial weight sync: the policy's node could not load this role, so it gets the weights through this process; set rollout.weight_sync = \"relay\" if the policy's node cannot reach the other nodes");
+        left.push(target);
     }
     Ok(left)
-}
-
-/// A role the policy was asked to load.
-enum Pending<'a> {
-    Rollout(&'a RolloutRef),
-    Policy(&'a PolicyRef),
-    Reference(&'a SamplesRef),
-}
-
-impl<'a> Left<'a> {
-    fn add(&mut self, pending: Pending<'a>) {
-        match pending {
-            Pending::Rollout(r) => self.rollouts.push(r),
-            Pending::Policy(p) => self.policies.push(p),
-            Pending::Reference(r) => self.reference = Some(r),
-        }
-    }
-}
-
-fn everything<'a>(mut left: Left<'a>, to: Vec<(PushTarget, Pending<'a>)>) -> Left<'a> {
-    for (_, pending) in to {
-        left.add(pending);
-    }
-    left
 }
 
 /// Exports the policy's weights here and loads them into every role of `left`.
 async fn relay(
     policy: &PolicyRef,
-    left: Left<'_>,
+    left: &[Target<'_>],
     timeout: Duration,
 ) -> Result<(), ControllerError> {
     if left.is_empty() {
@@ -171,21 +155,15 @@ async fn relay(
         RoleResponse::Served(PolicyResponse::Weights(u)) => u,
         other => return Err(protocol("policy", "ExportWeights", variant(&other))),
     };
-    for r in left.rollouts {
-        load(r, update.clone(), "rollout", timeout).await?;
-    }
-    for p in left.policies {
-        load(p, update.clone(), "policy", timeout).await?;
-    }
-    if let Some(r) = left.reference {
-        load(r, update, "reference", timeout).await?;
+    for target in left {
+        target.load(update.clone(), timeout).await?;
     }
     Ok(())
 }
 
 async fn load<Req, Resp>(
     role: &ActorRef<RoleRequest<Req>, RoleResponse<Resp>>,
-    update: yatt_roles::WeightsUpdate,
+    update: WeightsUpdate,
     name: &'static str,
     timeout: Duration,
 ) -> Result<(), ControllerError>

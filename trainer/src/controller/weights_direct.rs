@@ -23,6 +23,13 @@ use crate::controller::weights_ipc::variant_of;
 const FALLBACK: &str =
     "the policy cannot send its weights to the rollouts itself, so they go through this controller (two hops over QUIC)";
 
+/// The deadline of a push whose export and loads each have the sync's deadline `t`, as
+/// over two hops; the margin lets the policy's answer about a late role arrive before
+/// this one.
+pub(crate) fn push_deadline(t: Duration) -> Duration {
+    t * 2 + t / 4
+}
+
 impl Controller {
     /// Has the policy load its weights into the rollouts of `targets` in other
     /// processes; `None` when it cannot (see the module), so every target gets buckets
@@ -49,14 +56,14 @@ impl Controller {
             .iter()
             .map(|r| PushTarget::Rollout(r.id().clone()))
             .collect();
-        // The export and the loads each have the sync's deadline, as over two hops; the
-        // margin lets the policy's answer about a late rollout arrive before this one.
-        let whole = t * 2 + t / 4;
         let request = |_| PolicyRequest::PushWeights {
             to: to.clone(),
             timeout: t,
         };
-        let report = match self.serve_a_replica(request, "weight_sync", whole).await {
+        let report = match self
+            .serve_a_replica(request, "weight_sync", push_deadline(t))
+            .await
+        {
             Ok(PolicyResponse::Pushed(r)) => r,
             Ok(PolicyResponse::PushUnavailable(why)) => {
                 tracing::info!(reason = %why, "weight sync: {FALLBACK}");
