@@ -496,36 +496,53 @@ async fn bulk_64mib_intact_inline_over_quic() {
     bulk_round_trip(false).await;
 }
 
+type SinkRef = yatt_runtime::ActorRef<WithBulk<String>, (String, u32, usize)>;
+
+/// A cluster whose transports use shared memory and free idle pools after
+/// `pool_idle`, with a sink on `b` that `a` sends to.
+async fn shm_sink(
+    tag: &str,
+    pool_idle: Duration,
+) -> (tempfile::TempDir, Node, Node, Node, SinkRef) {
+    let transport = TransportConfig {
+        shm_fast_path: true,
+        pool_idle,
+        ..TransportConfig::default()
+    };
+    let (dir, a, b, c) = cluster_with(tag, transport).await;
+    let sink = a
+        .spawn_remote::<WithBulk<String>, (String, u32, usize), _>(b.name(), "sink", &(), T)
+        .await
+        .unwrap();
+    (dir, a, b, c, sink)
+}
+
+/// Sends 4 MiB of `fill` (through shared memory) to `sink` and checks what arrived.
+async fn send_4mib(sink: &SinkRef, fill: u8) {
+    let data = Bytes::from(vec![fill; 4 << 20]);
+    let bulk = Bulk::from_tensors([("x", DType::U8, vec![4 << 20], data)]).unwrap();
+    let want = bulk.checksum();
+    let request = WithBulk {
+        meta: format!("{fill}"),
+        bulk,
+    };
+    let (_, got, _) = sink.ask(request, T).await.unwrap();
+    assert_eq!(got, want);
+}
+
+/// This process's mappings of files whose name contains `prefix`.
+fn mappings_of(prefix: &str) -> usize {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    maps.lines().filter(|l| l.contains(prefix)).count()
+}
+
 // Regression: a daemon kept its shared-memory segments (up to 1 GiB of /dev/shm, with
 // the receivers' mappings of them) and its receive buffers from one job to the next.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_shared_memory_segments_are_removed_and_unmapped() {
     let tag = "idle";
-    let transport = TransportConfig {
-        shm_fast_path: true,
-        pool_idle: Duration::from_secs(3),
-        ..TransportConfig::default()
-    };
-    let (_dir, a, b, _c) = cluster_with(tag, transport).await;
-    let sink = a
-        .spawn_remote::<WithBulk<String>, (String, u32, usize), _>(b.name(), "sink", &(), T)
-        .await
-        .unwrap();
-    // Sends 4 MiB of `fill` (through shared memory) and checks what arrived.
-    let send = |fill: u8| {
-        let sink = sink.clone();
-        async move {
-            let data = Bytes::from(vec![fill; 4 << 20]);
-            let bulk = Bulk::from_tensors([("x", DType::U8, vec![4 << 20], data)]).unwrap();
-            let want = bulk.checksum();
-            let request = WithBulk {
-                meta: format!("{fill}"),
-                bulk,
-            };
-            let (_, got, _) = sink.ask(request, T).await.unwrap();
-            assert_eq!(got, want);
-        }
-    };
+    let (_dir, a, _b, _c, sink) = shm_sink(tag, Duration::from_secs(3)).await;
+    let send = |fill: u8| send_4mib(&sink, fill);
     send(7).await;
     let prefix = format!("yatt-{tag}-a-");
     let files = || {
@@ -536,10 +553,7 @@ async fn idle_shared_memory_segments_are_removed_and_unmapped() {
             .count()
     };
     // Both ends are in this process: the sender's mapping and the receiver's.
-    let mappings = || {
-        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-        maps.lines().filter(|l| l.contains(&prefix)).count()
-    };
+    let mappings = || mappings_of(&prefix);
     assert_eq!(files(), 1, "the payload went through shared memory");
     assert!(mappings() >= 1);
     // Within the idle time and a sweep period (a quarter of it), with room for a busy
@@ -562,6 +576,31 @@ async fn idle_shared_memory_segments_are_removed_and_unmapped() {
     send(9).await;
     assert_eq!(files(), 1);
     a.shutdown().await;
+}
+
+// Regression: each connection's task that sends segment releases held the connection's
+// peer, whose mappings hold the sender that task waits on: no connection's peer was
+// ever freed, so a receiver kept the mappings of a peer that had left (its removed
+// segments' memory with them) until it stopped itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_leaves_has_its_segments_unmapped_at_once() {
+    let tag = "gone";
+    // No idle sweep within the test: only the connection's end may unmap.
+    let (_dir, a, b, _c, sink) = shm_sink(tag, Duration::from_secs(3600)).await;
+    send_4mib(&sink, 5).await;
+    let prefix = format!("yatt-{tag}-a-");
+    let mappings = || mappings_of(&prefix);
+    assert!(mappings() >= 1, "the payload went through shared memory");
+    drop(sink);
+    a.shutdown().await;
+    drop(a);
+    assert!(
+        wait(|| mappings() == 0).await,
+        "{} mappings of the departed peer's segments left in {}",
+        mappings(),
+        b.name()
+    );
+    b.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

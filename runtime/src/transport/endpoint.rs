@@ -29,6 +29,10 @@ pub struct Transport {
     pub(super) endpoint: quinn::Endpoint,
     pub(super) config: TransportConfig,
     pub(super) peers: Mutex<HashMap<String, Arc<Peer>>>,
+    /// Every connection's peer while it lives, for the idle sweep: `peers` holds one
+    /// connection per node, and a second one (both sides dialled at once) also maps
+    /// segments.
+    pub(super) connections: Mutex<Vec<std::sync::Weak<Peer>>>,
     pub(super) dial_lock: tokio::sync::Mutex<()>,
     pub(super) dispatch: OnceLock<Arc<dyn Dispatch>>,
     pub(super) book: OnceLock<Arc<dyn PeerBook>>,
@@ -131,6 +135,7 @@ impl Transport {
             endpoint,
             config,
             peers: Mutex::new(HashMap::new()),
+            connections: Mutex::new(Vec::new()),
             dial_lock: tokio::sync::Mutex::new(()),
             dispatch: OnceLock::new(),
             book: OnceLock::new(),
@@ -151,7 +156,11 @@ impl Transport {
         let (idle, now) = (self.config.pool_idle, std::time::Instant::now());
         let buffers = self.recv_buffers.release_idle(idle, now);
         let segments = self.segments.release_idle(idle, now);
-        let peers: Vec<Arc<Peer>> = self.lock_peers().values().cloned().collect();
+        let peers: Vec<Arc<Peer>> = {
+            let mut connections = self.connections.lock().unwrap_or_else(|p| p.into_inner());
+            connections.retain(|p| p.strong_count() > 0);
+            connections.iter().filter_map(|p| p.upgrade()).collect()
+        };
         for p in peers {
             p.segments.release_idle(idle, now);
         }
@@ -273,6 +282,12 @@ impl Transport {
             progress: TellProgress::default(),
             segments: MappingCache::new(release_tx),
         });
+        {
+            // Pruned here too: with the sweep off (`pool_idle` zero) nothing else would.
+            let mut connections = self.connections.lock().unwrap_or_else(|p| p.into_inner());
+            connections.retain(|p| p.strong_count() > 0);
+            connections.push(Arc::downgrade(&peer));
+        }
         let chosen = {
             let mut peers = self.lock_peers();
             match peers.get(&name) {
@@ -297,7 +312,15 @@ impl Transport {
         peer: Arc<Peer>,
         mut rx: mpsc::UnboundedReceiver<u64>,
     ) {
-        while let Some(id) = rx.recv().await {
+        // Ends with the connection: this task holds the peer, and the peer's mappings
+        // hold the sender, so waiting for `rx` to close alone never ends and keeps the
+        // peer and its mappings for good.
+        loop {
+            let id = tokio::select! {
+                id = rx.recv() => id,
+                _ = peer.conn.closed() => None,
+            };
+            let Some(id) = id else { return };
             let mut ids = vec![id];
             while let Ok(id) = rx.try_recv() {
                 ids.push(id);
