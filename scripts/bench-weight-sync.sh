@@ -19,7 +19,9 @@
 # `quic` from the policy's node), OUT (default runs/weight-sync), PORT (first port,
 # 7531), SHM (0: every process sends bulk over QUIC, not through /dev/shm, as between
 # hosts; default 1), HELD_AFTER (seconds after each job before the held memory is read;
-# default 3; past transport.pool_idle_ms, 30 s, the idle pools are freed).
+# default 3; past transport.pool_idle_ms, 30 s, the idle pools are freed), HEADS
+# (job.controllers: heads, each with a rollout of its own, sharing the one policy, which
+# each head's sync asks to push; default 1).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS=${1:-6}
@@ -65,7 +67,7 @@ sys.exit(rc)' "$OUT/$mode.controller_kb" "$BIN/yatt" train config/smollm2-additi
         --set "model.source=\"$MODEL\"" --set "model.dtype=\"${DTYPE:-bf16}\"" \
         --set "model.device=\"${DEVICE:-auto}\"" --set "rollout.weight_sync=\"$mode\"" \
         --set 'data.task="letters"' --set 'reward.kind="letters"' --set 'model.chat=false' \
-        --set data.prompts_per_step=8 --set "job.steps=$STEPS" \
+        --set data.prompts_per_step=8 --set "job.steps=$STEPS" --set "job.controllers=${HEADS:-1}" \
         --set 'placement.mode="disaggregated"' --set 'placement.rollout="sync-a"' \
         --set 'placement.reward="sync-a"' --set 'placement.policy="sync-b"' \
         --set 'placement.reference="sync-b"' --set "job.output_dir=\"$OUT/$mode\"" \

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use common::demo_config;
 use tch::{Device, Kind};
 use yatt_roles::{
-    DeviceGroup, PolicyRequest, PolicyResponse, PolicyRole, PushTarget, PushingPolicy,
+    DeviceGroup, PolicyRequest, PolicyResponse, PolicyRole, PushReport, PushTarget, PushingPolicy,
     ResourceProfile, Role, RoleActor, RoleError, RoleRequest, RoleResponse, RolloutRequest,
     RolloutResponse, RolloutRole, WeightsUpdate,
 };
@@ -33,10 +33,12 @@ use yatt_trainer::{
     TrainOptions,
 };
 
-/// A user's policy: the built-in one, counting the `PushWeights` requests that reach it.
+/// A user's policy: the built-in one, counting the `PushWeights` and `ExportWeights`
+/// requests that reach it.
 struct Watched {
     inner: PolicyRole,
     pushes: Arc<AtomicUsize>,
+    exports: Arc<AtomicUsize>,
 }
 
 impl Role for Watched {
@@ -58,6 +60,9 @@ impl Role for Watched {
     fn serve(&mut self, request: PolicyRequest) -> Result<PolicyResponse, RoleError> {
         if matches!(request, PolicyRequest::PushWeights { .. }) {
             self.pushes.fetch_add(1, Ordering::SeqCst);
+        }
+        if matches!(request, PolicyRequest::ExportWeights) {
+            self.exports.fetch_add(1, Ordering::SeqCst);
         }
         self.inner.serve(request)
     }
@@ -165,6 +170,7 @@ async fn train(nodes: &Nodes, job: &JobConfig, host: Host, at: RolloutAt, case: 
     let role = Watched {
         inner: policy_role(job, copy(&model), pad_id).unwrap(),
         pushes: pushes.clone(),
+        exports: Arc::default(),
     };
     let group = DeviceGroup::cpu(nodes.policy.name());
     let actor = RoleActor::start(role, group, 4).await.unwrap();
@@ -267,43 +273,17 @@ async fn the_policy_answers_other_requests_while_its_push_loads_the_rollouts() {
     let (model, codec, pad_id) = base_model(&job).unwrap();
     let copy = model.deep_copy(Device::Cpu, Kind::Float).unwrap();
     let role = policy_role(&job, copy, pad_id).unwrap();
-    let actor = RoleActor::start(role, DeviceGroup::cpu(nodes.policy.name()), 4)
-        .await
-        .unwrap();
-    let actor = PushingPolicy::new(actor, nodes.policy.downgrade());
-    let policy = nodes.policy.spawn("policy", 0, actor).unwrap();
-    let policy: PolicyRef = nodes.trainer.actor_ref(policy.id()).unwrap();
-    let (started, started_rx) = mpsc::channel();
-    let (release, release_rx) = mpsc::channel();
-    // A rollout whose load says so on `started` and then waits for `release`; the role
-    // runs on a thread of its own, so blocking it holds only this rollout.
-    let role = HookedRollout {
-        inner: rollout_role(&job, model, codec),
-        before_load: Box::new(move || {
-            let _ = started.send(());
-            let released = release_rx.recv_timeout(Duration::from_secs(60));
-            released.map_err(|e| RoleError::Failed(format!("never released: {e}")))
-        }),
-    };
-    let actor = RoleActor::start(role, DeviceGroup::cpu(nodes.rollout.name()), 4)
-        .await
-        .unwrap();
-    let rollout = nodes.rollout.spawn("rollout", 0, actor).unwrap();
-    let to = vec![PushTarget::Rollout(rollout.id().clone())];
+    let policy = pushing_policy(&nodes, role).await;
+    let held = held_rollout(&nodes, &job, model, codec, 0).await;
+    let rollout = &held.id;
+    let to = vec![PushTarget::Rollout(rollout.clone())];
     let t = Duration::from_secs(60);
     let push = tokio::spawn({
         let policy = policy.clone();
         let request = PolicyRequest::PushWeights { to, timeout: t };
         async move { policy.ask(RoleRequest::Serve(request), t).await }
     });
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while started_rx.try_recv().is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "the push never reached the rollout"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    held.wait_started().await;
     // The rollout is loading and will not finish until released: a policy held by the
     // push would not answer until then.
     let answer = policy
@@ -314,14 +294,166 @@ async fn the_policy_answers_other_requests_while_its_push_loads_the_rollouts() {
         "the policy did not answer while its push was loading: {answer:?}"
     );
     assert!(!push.is_finished());
-    release.send(()).unwrap();
-    match push.await.unwrap() {
+    held.release.send(()).unwrap();
+    pushed(push.await.unwrap());
+    for n in [nodes.rollout, nodes.policy, nodes.trainer] {
+        n.shutdown().await;
+    }
+}
+
+/// A rollout on the rollout node whose loads say so on `started` and then wait for
+/// `release`; the role runs on a thread of its own, so blocking it holds only this
+/// rollout.
+struct HeldRollout {
+    id: yatt_runtime::ActorId,
+    started: mpsc::Receiver<()>,
+    release: mpsc::Sender<()>,
+}
+
+impl HeldRollout {
+    /// Waits until a load has reached the rollout.
+    async fn wait_started(&self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.started.try_recv().is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "the push never reached the rollout"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+async fn held_rollout(
+    nodes: &Nodes,
+    job: &JobConfig,
+    model: yatt_engine::Llama,
+    codec: Arc<dyn yatt_roles::TextCodec>,
+    replica: u32,
+) -> HeldRollout {
+    let (started, started_rx) = mpsc::channel();
+    let (release, release_rx) = mpsc::channel();
+    let role = HookedRollout {
+        inner: rollout_role(job, model, codec),
+        before_load: Box::new(move || {
+            let _ = started.send(());
+            let released = release_rx.recv_timeout(Duration::from_secs(60));
+            released.map_err(|e| RoleError::Failed(format!("never released: {e}")))
+        }),
+    };
+    let actor = RoleActor::start(role, DeviceGroup::cpu(nodes.rollout.name()), 4)
+        .await
+        .unwrap();
+    let id = nodes.rollout.spawn("rollout", replica, actor).unwrap();
+    HeldRollout {
+        id: id.id().clone(),
+        started: started_rx,
+        release,
+    }
+}
+
+/// `role` on the policy node, hosted as a `yatt-node` hosts the built-in policy, as the
+/// trainer node reaches it.
+async fn pushing_policy<R>(nodes: &Nodes, role: R) -> PolicyRef
+where
+    R: Role<Request = PolicyRequest, Response = PolicyResponse>,
+{
+    let actor = RoleActor::start(role, DeviceGroup::cpu(nodes.policy.name()), 4)
+        .await
+        .unwrap();
+    let actor = PushingPolicy::new(actor, nodes.policy.downgrade());
+    let policy = nodes.policy.spawn("policy", 0, actor).unwrap();
+    nodes.trainer.actor_ref(policy.id()).unwrap()
+}
+
+/// The report of a push that reached every role.
+fn pushed(answer: Result<RoleResponse<PolicyResponse>, yatt_runtime::CallError>) -> PushReport {
+    match answer {
         Ok(RoleResponse::Served(PolicyResponse::Pushed(report))) => {
             assert!(report.failed.is_empty(), "{:?}", report.failed);
             assert!(report.bytes > 0);
+            report
         }
-        other => panic!("expected the push's report, got {other:?}"),
+        other => panic!("expected a push's report, got {other:?}"),
     }
+}
+
+// Regression: with several heads on one policy every head pushes after the one shared
+// update, and each push waited for the previous push's loads to end and then exported
+// the same weights again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushes_of_unchanged_weights_share_one_export_without_waiting_for_each_other() {
+    let nodes = three_nodes().await;
+    let out = tempfile::tempdir().unwrap();
+    let job = demo_config(out.path(), &[]);
+    let (model, codec, pad_id) = base_model(&job).unwrap();
+    let copy = |m: &yatt_engine::Llama| m.deep_copy(Device::Cpu, Kind::Float).unwrap();
+    let exports = Arc::new(AtomicUsize::new(0));
+    let role = Watched {
+        inner: policy_role(&job, copy(&model), pad_id).unwrap(),
+        pushes: Arc::default(),
+        exports: exports.clone(),
+    };
+    let policy = pushing_policy(&nodes, role).await;
+    let held = held_rollout(&nodes, &job, copy(&model), codec.clone(), 0).await;
+    let actor = RoleActor::start(
+        rollout_role(&job, model, codec),
+        DeviceGroup::cpu(nodes.rollout.name()),
+        4,
+    )
+    .await
+    .unwrap();
+    let free = nodes
+        .rollout
+        .spawn("rollout", 1, actor)
+        .unwrap()
+        .id()
+        .clone();
+    let t = Duration::from_secs(60);
+    let push = |to: &yatt_runtime::ActorId| {
+        let (policy, to) = (policy.clone(), vec![PushTarget::Rollout(to.clone())]);
+        let request = PolicyRequest::PushWeights { to, timeout: t };
+        tokio::spawn(async move { policy.ask(RoleRequest::Serve(request), t).await })
+    };
+    let first = push(&held.id);
+    held.wait_started().await;
+    // The first push's loads are held; the second loads its export into the other
+    // rollout at once.
+    let second = tokio::time::timeout(Duration::from_secs(30), push(&free)).await;
+    let second = pushed(
+        second
+            .expect("the second push waited for the first")
+            .unwrap(),
+    );
+    assert_eq!(
+        exports.load(Ordering::SeqCst),
+        1,
+        "the second push exported again"
+    );
+
+    // Weights loaded into the policy (as a request that may change them) end the
+    // sharing: the next push exports anew once the held export's loads end.
+    let update = match policy
+        .ask(RoleRequest::Serve(PolicyRequest::ExportWeights), t)
+        .await
+    {
+        Ok(RoleResponse::Served(PolicyResponse::Weights(u))) => u,
+        other => panic!("expected the weights, got {other:?}"),
+    };
+    let loaded = policy.ask(RoleRequest::LoadWeights(update), t).await;
+    assert!(matches!(loaded, Ok(RoleResponse::Done)), "{loaded:?}");
+    let third = push(&free);
+    held.release.send(()).unwrap();
+    let first = pushed(first.await.unwrap());
+    let third = pushed(third.await.unwrap());
+    assert_eq!(first.version, second.version);
+    assert_eq!(first.bytes, second.bytes);
+    assert_eq!(third.bytes, first.bytes);
+    assert_eq!(
+        exports.load(Ordering::SeqCst),
+        3,
+        "the push after LoadWeights shared the export of weights it replaced"
+    );
     for n in [nodes.rollout, nodes.policy, nodes.trainer] {
         n.shutdown().await;
     }

@@ -9,11 +9,14 @@
 //!
 //! Only the export holds the actor. The loads run as a deferred answer
 //! ([`Handled::Later`]), so the policy serves other callers (another controller's
-//! requests, its own next step) while the rollouts load; one push's loads run at a time,
-//! since each holds an exported copy of the weights.
+//! requests, its own next step) while the rollouts load; one export is held at a time.
+//! A push that comes while another's loads are in flight, with no request since that
+//! may have changed the weights (every head pushing after the one shared update), loads
+//! the same export at once; a push of changed weights waits for the held export's loads
+//! to end before it exports its own.
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -31,8 +34,42 @@ pub struct PushingPolicy<R: Role<Request = PolicyRequest, Response = PolicyRespo
     role: RoleActor<R>,
     /// Weak: the node owns its actors, so a strong handle would keep it alive.
     node: WeakNode,
-    /// One permit: the push whose loads are in flight holds it.
+    /// One permit: the export whose loads are in flight holds it.
     loading: Arc<Semaphore>,
+    /// Counts the requests that may have changed the weights ([`changes_weights`]).
+    generation: u64,
+    /// The export whose loads are in flight, and the generation it was made at: a push
+    /// at the same generation loads it too. Weak, so the export's bytes are freed as its
+    /// last push's loads end, not when the next request comes.
+    in_flight: Option<(u64, Weak<HeldExport>)>,
+}
+
+/// An export the loads of one or more pushes share. Dropped with the last of them,
+/// which frees the bytes and lets the next export start.
+struct HeldExport {
+    update: WeightsUpdate,
+    _permit: OwnedSemaphorePermit,
+}
+
+/// Whether `request` may change the policy's weights, which ends the sharing of an
+/// export in flight. Unknown to be harmless means it may: a user's role behind
+/// `PushingPolicy` may give any request any effect, so only the protocol's reads pass.
+fn changes_weights(request: &RoleRequest<PolicyRequest>) -> bool {
+    !matches!(
+        request,
+        RoleRequest::Profile
+            | RoleRequest::Drain
+            | RoleRequest::Serve(
+                PolicyRequest::PushWeights { .. }
+                    | PolicyRequest::OldLogProbs(_)
+                    | PolicyRequest::ExportWeights
+                    | PolicyRequest::ExportLocalWeights
+                    | PolicyRequest::ExportDeviceWeights
+                    | PolicyRequest::ExportState
+                    | PolicyRequest::SaveCheckpoint(_)
+                    | PolicyRequest::RingInbox
+            )
+    )
 }
 
 impl<R: Role<Request = PolicyRequest, Response = PolicyResponse>> PushingPolicy<R> {
@@ -42,17 +79,25 @@ impl<R: Role<Request = PolicyRequest, Response = PolicyResponse>> PushingPolicy<
             role,
             node,
             loading: Arc::new(Semaphore::new(1)),
+            generation: 0,
+            in_flight: None,
         }
     }
 
-    /// Exports the weights (the part that needs the role) and gives the loads into the
-    /// rollouts as a future that needs neither.
-    async fn start_push(
+    /// The export in flight, if the weights have not changed since it was made.
+    fn shared_export(&self) -> Option<Arc<HeldExport>> {
+        match &self.in_flight {
+            Some((generation, held)) if *generation == self.generation => held.upgrade(),
+            _ => None,
+        }
+    }
+
+    /// Exports the weights once the previous export's loads have ended.
+    async fn export(
         &mut self,
-        to: Vec<PushTarget>,
         timeout: Duration,
         ctx: &mut Context,
-    ) -> Result<impl Future<Output = PushReport> + Send + 'static, ActorError> {
+    ) -> Result<Arc<HeldExport>, ActorError> {
         let permit = tokio::time::timeout(timeout, self.loading.clone().acquire_owned());
         let permit: OwnedSemaphorePermit = match permit.await {
             Err(_) => {
@@ -80,11 +125,32 @@ impl<R: Role<Request = PolicyRequest, Response = PolicyResponse>> PushingPolicy<
             }
             Ok(Err(e)) => return Err(e),
         };
+        let held = Arc::new(HeldExport {
+            update,
+            _permit: permit,
+        });
+        self.in_flight = Some((self.generation, Arc::downgrade(&held)));
+        Ok(held)
+    }
+
+    /// Exports the weights (the part that needs the role) and gives the loads into the
+    /// rollouts as a future that needs neither.
+    async fn start_push(
+        &mut self,
+        to: Vec<PushTarget>,
+        timeout: Duration,
+        ctx: &mut Context,
+    ) -> Result<impl Future<Output = PushReport> + Send + 'static, ActorError> {
+        let held = match self.shared_export() {
+            Some(held) => held,
+            None => self.export(timeout, ctx).await?,
+        };
         let node = self
             .node
             .upgrade()
             .ok_or_else(|| ActorError::Unavailable("the policy's node has stopped".into()))?;
-        let (version, bytes) = (update.version, update.bytes());
+        let (version, bytes) = (held.update.version, held.update.bytes());
+        let update = held.update.clone();
         let loads = to.into_iter().map(move |target| {
             let update = update.clone();
             let node = node.clone();
@@ -106,7 +172,7 @@ impl<R: Role<Request = PolicyRequest, Response = PolicyResponse>> PushingPolicy<
         let loads = futures::future::join_all(loads);
         Ok(async move {
             let failed = loads.await.into_iter().flatten().collect();
-            drop(permit);
+            drop(held);
             PushReport {
                 version,
                 bytes,
@@ -158,6 +224,7 @@ impl<R: Role<Request = PolicyRequest, Response = PolicyResponse>> Actor for Push
         request: Self::Request,
         ctx: &mut Context,
     ) -> Result<Self::Response, ActorError> {
+        self.generation += u64::from(changes_weights(&request));
         match request {
             RoleRequest::Serve(PolicyRequest::PushWeights { to, timeout }) => {
                 let report = self.start_push(to, timeout, ctx).await?.await;
@@ -172,6 +239,7 @@ impl<R: Role<Request = PolicyRequest, Response = PolicyResponse>> Actor for Push
         request: Self::Request,
         ctx: &mut Context,
     ) -> Handled<Self::Response> {
+        self.generation += u64::from(changes_weights(&request));
         match request {
             RoleRequest::Serve(PolicyRequest::PushWeights { to, timeout }) => {
                 match self.start_push(to, timeout, ctx).await {
