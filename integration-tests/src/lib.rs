@@ -630,28 +630,31 @@ pub fn deterministic_metrics(line: &str) -> Vec<(String, String)> {
     out
 }
 
-/// The files of a run's final checkpoint (`OUT/checkpoint`) that hold trainer state
-/// (weights, optimizer, step), each as `(name, FNV-1a 64 of its bytes)`, sorted: two
-/// runs end with the same model and optimizer exactly when these agree.
+/// The files of a run's final checkpoint (`OUT/checkpoint`, and its `critic/` when
+/// there is one) that hold trainer state (weights, optimizer, step), each as `(name,
+/// FNV-1a 64 of its bytes)`, sorted: two runs end with the same models and optimizers
+/// exactly when these agree.
 pub fn checkpoint_digest(out: &Path) -> Vec<(String, String)> {
     let dir = out.join("checkpoint");
-    let mut v: Vec<(String, String)> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|e| e.expect("a checkpoint entry").path())
-        .filter(|p| {
-            p.extension().is_some_and(|x| x == "safetensors")
-                || p.file_name().is_some_and(|n| n == "trainer_state.json")
-        })
-        .map(|p| {
-            let bytes = std::fs::read(&p).expect("a checkpoint file");
-            let name = p
-                .file_name()
-                .expect("a name")
-                .to_string_lossy()
-                .into_owned();
-            (name, format!("{:016x}", fnv1a(&bytes)))
-        })
-        .collect();
+    let files = |dir: &Path, prefix: &str| -> Vec<(String, String)> {
+        std::fs::read_dir(dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .map(|e| e.expect("a checkpoint entry").path())
+            .filter(|p| {
+                p.extension().is_some_and(|x| x == "safetensors")
+                    || p.file_name().is_some_and(|n| n == "trainer_state.json")
+            })
+            .map(|p| {
+                let bytes = std::fs::read(&p).expect("a checkpoint file");
+                let name = p.file_name().expect("a name").to_string_lossy();
+                (format!("{prefix}{name}"), format!("{:016x}", fnv1a(&bytes)))
+            })
+            .collect()
+    };
+    let mut v = files(&dir, "");
+    if dir.join("critic").is_dir() {
+        v.extend(files(&dir.join("critic"), "critic/"));
+    }
     v.sort();
     assert!(!v.is_empty(), "{} holds no weights", dir.display());
     v
@@ -743,6 +746,19 @@ impl TrainProc {
     /// Waits at most `timeout` for it to exit (killing it if it did not).
     pub fn wait(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
         wait_or_kill(&mut self.child, timeout)
+    }
+
+    /// Waits at most `timeout` for it to exit and checks that it succeeded (failing
+    /// with what it printed and the cluster's logs); returns what it printed.
+    pub fn wait_success(&mut self, timeout: Duration, cluster: &Cluster) -> String {
+        let status = self.wait(timeout);
+        let printed = self.printed();
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "{status:?}\n{printed}\n{}",
+            cluster_logs(cluster)
+        );
+        printed
     }
 
     /// Sends SIGKILL and reaps it.

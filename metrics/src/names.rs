@@ -169,6 +169,9 @@ pub const RECOVERY_RESPAWNED: &str = "recovery/respawned_roles";
 /// was lost: the step ran again for its ledger without a second update, so its batch
 /// was generated anew on the updated weights and it has no `actor/*` loss statistics.
 pub const RECOVERY_UPDATE_COMMITTED: &str = "recovery/update_committed";
+/// Critic updates given again to a critic that replaced a lost one (its updates since
+/// the last checkpoint; present only on a step that replaced the critic).
+pub const RECOVERY_CRITIC_REPLAYED: &str = "recovery/critic_replayed";
 /// Samples the step's ledgers closed on as trained (every head's, summed): each was
 /// accounted for at every stage exactly once.
 pub const LEDGER_TRAINED: &str = "ledger/samples_trained";

@@ -134,6 +134,12 @@ pub(crate) async fn save(controllers: &[Controller], dir: &Path) -> Result<(), J
     if let Some(parent) = dir.parent() {
         sync_dir(parent)?;
     }
+    // The critic's state is saved: a critic that replaces it starts here.
+    for c in controllers {
+        if let Some(r) = &c.critic_recovery {
+            r.lock_log().checkpointed(dir);
+        }
+    }
     if had_old {
         // The new checkpoint is in place: a leftover old one is only wasted space.
         if let Err(e) = remove_dir(&old) {

@@ -51,13 +51,14 @@ pub use config::sections::{
 pub use yatt_roles::{Algorithm, KlEstimator, LossAgg, LossAggMode, StepVote};
 
 // Building a job's roles and controllers.
-pub use build::cluster::{build_cluster, register, RoleArgs};
+pub use build::cluster::{build_cluster, register};
 pub use build::custom::CustomRoles;
 pub use build::embedded::{build, build_embedded, build_embedded_with};
 pub use build::parts::{
     base_model, critic_role, policy_role, policy_role_from, reference_role, rollout_role,
     POLICY_RING,
 };
+pub use build::remote::RoleArgs;
 pub use build::reward::reward_role;
 pub use controller::extra_stages::{ExtraStage, StageAt};
 

@@ -255,7 +255,10 @@ impl Role for CriticRole {
                 }
                 Ok(CriticResponse::Valued(samples))
             }
-            CriticRequest::Train(samples) => self.train(samples).map(CriticResponse::Trained),
+            CriticRequest::Train(samples) => {
+                super::fault::in_critic_update();
+                self.train(samples).map(CriticResponse::Trained)
+            }
             CriticRequest::SaveCheckpoint(dir) => {
                 super::write_root::check_under(
                     self.write_root.as_deref(),

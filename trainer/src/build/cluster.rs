@@ -1,22 +1,19 @@
 //! A job whose roles run on other `yatt-node`s (`placement.mode = "disaggregated"`):
 //! the role factories a node registers, and the build that spawns roles there.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use yatt_roles::{
     DeviceGroup, EnvFactory, EnvRole, PushingPolicy, RemoteEnvPool, Role, RoleActor, RoleError,
-    RoleRequest, RoleResponse, Sample, SpawnEnvActor,
+    Sample, SpawnEnvActor,
 };
 use yatt_runtime::ActorName;
-use yatt_runtime::ActorRef;
-use yatt_runtime::Directory;
-use yatt_runtime::Message;
 use yatt_runtime::RING_CHUNK_BYTES;
-use yatt_runtime::{Node, NodeBuilder, NodeError};
+use yatt_runtime::{Node, NodeBuilder};
 
+use crate::build::critic::ClusterCritic;
 use crate::build::custom::CustomRoles;
 use crate::build::data::training_prompts;
 use crate::build::devices::{model_here, role_group};
@@ -26,12 +23,14 @@ use crate::build::parts::{
     critic_role, env_settings, policy_ring, policy_role, policy_role_from, reference_role,
     rollout_role_with_envs,
 };
+use crate::build::remote::{job_text, spawn, wait_for_nodes, RoleArgs};
 use crate::build::reward::reward_role;
 use crate::checkpoint::{load_trainer, restore_controllers};
 use crate::config::checks::invalid;
 use crate::config::modes::{KlMode, PlacementMode, Task};
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
+use crate::controller::critic_log::{CriticLog, CriticRecovery};
 use crate::controller::data_parallel::join_policy_ring;
 use crate::controller::error::ControllerError;
 use crate::controller::refs::{PolicyRef, RoleRefs, RolloutRef};
@@ -40,21 +39,6 @@ use crate::error::JobError;
 
 /// Requests a role's thread queues before its actor's mailbox takes the backpressure.
 const ROLE_QUEUE: usize = 4;
-
-/// How long a cluster build waits for the nodes its placement names to join.
-const NODES_WAIT: Duration = Duration::from_secs(10);
-
-/// What a node needs to build one of a job's roles.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct RoleArgs {
-    /// The job config as TOML (postcard cannot carry its untagged values).
-    pub job: String,
-    /// The node the role runs on.
-    pub node: String,
-    /// A resumed run's checkpoint (absolute): the policy and the critic load their
-    /// trainer state (weights, AdamW moments, step) from it instead of starting fresh.
-    pub checkpoint: Option<PathBuf>,
-}
 
 /// Registers the built-in roles (rollout, policy, reference, reward, critic) as factories that
 /// take [`RoleArgs`]. A policy spawned for a job with several replicas also starts its
@@ -241,35 +225,6 @@ pub(crate) async fn start_role<R: Role>(
         .map_err(|e| e.to_string())
 }
 
-/// Spawns `role` of the job (`text`: its config as TOML) on the node `target`, linked
-/// to `node`, with the `placement.spawn_timeout_s` deadline.
-pub(crate) async fn spawn<Req: Message, Resp: Message>(
-    job: &JobConfig,
-    text: &str,
-    node: &Node,
-    role: &'static str,
-    target: &str,
-    checkpoint: Option<&Path>,
-) -> Result<ActorRef<RoleRequest<Req>, RoleResponse<Resp>>, ControllerError> {
-    let args = RoleArgs {
-        job: text.to_string(),
-        node: target.to_string(),
-        checkpoint: checkpoint.map(Path::to_path_buf),
-    };
-    let timeout = Duration::from_secs(job.placement.spawn_timeout_s);
-    node.spawn_remote_linked(target, role, &args, timeout)
-        .await
-        .map_err(|e| ControllerError::Spawn {
-            role: format!("{role} on node {target}"),
-            reason: match e {
-                NodeError::NoFactory { known, .. } => format!(
-                    "that node cannot spawn it (it registers {known:?}); run a yatt-node of this yatt build there"
-                ),
-                other => other.to_string(),
-            },
-        })
-}
-
 /// Builds a `disaggregated` job on the cluster `node` has joined: spawns each role on
 /// the node `[placement]` names (one rollout replica per controller; with
 /// `job.policy_replicas > 1` one policy replica per controller, each on its node of
@@ -400,50 +355,21 @@ async fn build_cluster_in(
     if replicas > 1 {
         join_policy_ring(&mut controllers, RING_CHUNK_BYTES).await?;
     }
+    // The built-in critic survives its node: the controller logs its updates (PPO has
+    // one controller).
+    if let Some(c) = controllers.first_mut().filter(|c| c.roles.critic.is_some()) {
+        if custom.critic.is_none() {
+            let respawn = ClusterCritic {
+                job: job.clone(),
+                text: text.clone(),
+                node: node.downgrade(),
+            };
+            let log = CriticLog::new(checkpoint.map(Path::to_path_buf));
+            c.critic_recovery = Some(CriticRecovery::new(log, Arc::new(respawn)));
+        }
+    }
     if let Some(dir) = checkpoint {
         restore_controllers(&mut controllers, dir).await?;
     }
     Ok(controllers)
-}
-
-/// Waits (briefly: nodes started just before the run may still be joining) until every
-/// `(key, node)` of `named` is alive in the cluster `node` belongs to; otherwise names
-/// the key, the missing node and the nodes there are.
-pub(crate) async fn wait_for_nodes(
-    node: &Node,
-    named: &[(String, String)],
-) -> Result<(), JobError> {
-    let all_alive = |d: &Directory| {
-        named
-            .iter()
-            .all(|(_, want)| d.alive_nodes().any(|n| n.name == *want))
-    };
-    if !node.directory().read(all_alive) {
-        tracing::info!(wait = ?NODES_WAIT, "waiting for the placement's nodes to join");
-        node.directory().wait_until(NODES_WAIT, all_alive).await;
-    }
-    let mut alive: Vec<String> = node
-        .directory()
-        .read(|d| d.alive_nodes().map(|n| n.name.clone()).collect());
-    alive.sort();
-    for (key, want) in named {
-        if !alive.iter().any(|n| n == want) {
-            return Err(invalid(
-                key,
-                &format!("a node of the cluster: {}", alive.join(", ")),
-                &format!("{want:?}"),
-                &format!("start it (`yatt-node run --name {want} --seed ...`) or name one of the nodes above"),
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// The job config as the nodes' factories take it: postcard cannot carry the config's
-/// untagged values; TOML can, and the node validates what it gets.
-pub(crate) fn job_text(job: &JobConfig) -> Result<String, JobError> {
-    toml::to_string(job).map_err(|e| JobError::Parse {
-        origin: "the job config".into(),
-        message: format!("cannot encode it for the nodes: {e}"),
-    })
 }

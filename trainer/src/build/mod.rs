@@ -1,6 +1,7 @@
 //! Building a job: its models and roles, where they run (this process or cluster
 //! nodes), and the controllers over them.
 pub(crate) mod cluster;
+pub(crate) mod critic;
 pub(crate) mod custom;
 pub(crate) mod data;
 pub(crate) mod devices;
@@ -8,6 +9,7 @@ pub(crate) mod embedded;
 pub(crate) mod first_sync;
 pub(crate) mod heads;
 pub(crate) mod parts;
+pub(crate) mod remote;
 pub(crate) mod replica;
 pub(crate) mod respawn;
 pub(crate) mod reward;

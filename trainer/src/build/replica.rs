@@ -14,8 +14,8 @@ use std::time::Duration;
 use yatt_roles::{PolicyRequest, PolicyResponse, RoleRequest, RoleResponse, TrainerState};
 use yatt_runtime::{ActorId, Node, RING_CHUNK_BYTES};
 
-use crate::build::cluster::spawn;
 use crate::build::heads::job_timeouts;
+use crate::build::remote::spawn;
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::data_parallel::join_policy_ring;

@@ -7,9 +7,11 @@
 //! trained in the failed step, sampling is seeded per sample and the ring sums in rank
 //! order, so the run's trajectory is the one it would have had without the loss.
 //!
-//! A lost critic, the last policy replica, or a policy that already took the failed
-//! step's update holds trainer state no other node has: the run stops, and the error
-//! names the last checkpoint to `--resume` from.
+//! A lost built-in critic is started again from its last saved state and given the
+//! updates since (`controller/critic_log.rs`). The last policy replica, a policy that
+//! already took the failed step's update, or a critic lost during the update that a
+//! replacement could not take over, hold trainer state no other node has: the run
+//! stops, and the error names the last checkpoint to `--resume` from.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -17,7 +19,7 @@ use std::time::Duration;
 use yatt_roles::{RoleRequest, RoleResponse};
 use yatt_runtime::{ActorId, ActorRef, CallError, Directory, Liveness, Message, Node};
 
-use crate::build::cluster::{job_text, spawn};
+use crate::build::remote::{job_text, spawn};
 use crate::build::replica::{replace_lost_replicas, Hosting};
 use crate::build::user_roles::NamedRoles;
 use crate::config::sections::JobConfig;
@@ -33,6 +35,10 @@ const STATELESS: [&str; 3] = ["rollout", "reward", "reference"];
 /// The stages that run after the update: a failure there leaves the policy a version
 /// ahead of the heads, so the step cannot simply run again.
 const AFTER_UPDATE: [&str; 1] = ["weight_sync"];
+
+/// The update's stages: the policy and the critic train side by side, so a failure in
+/// either may come after the other took the step's update.
+const UPDATE: [&str; 2] = ["update_actor", "update_critic"];
 
 /// Whether the actor `id` is gone: its entry is dead, or its name now belongs to a
 /// newer incarnation (its node restarted); with no entry, whether its node is gone.
@@ -198,7 +204,16 @@ async fn respawn_once(
             .any(|s| s.name == *role && named.contains(s.role.id()))
     });
     let stateless = (STATELESS.contains(role) || named_stage) && !AFTER_UPDATE.contains(stage);
-    let recoverable = stateless || (*role == "policy" && replicated);
+    // A critic the controller can replace (a built-in one) is, before the update.
+    let critic = *role == "critic"
+        && controllers.iter().any(|c| c.critic_recovery.is_some())
+        && !UPDATE.contains(stage)
+        && !AFTER_UPDATE.contains(stage);
+    let recoverable = stateless || critic || (*role == "policy" && replicated);
+    // A critic a call replaced during the failed step is the one to check.
+    for c in controllers.iter_mut() {
+        c.adopt_replaced_critic();
+    }
     // A role's own error, to a role whose loss would not be survived anyway: as it is.
     if !recoverable && unreached.is_none() {
         return not_moved;
@@ -244,13 +259,17 @@ async fn respawn_once(
             "name the role in [roles] so that the trainer can start it again, or start the program again",
         ));
     }
-    // The critic's state went with it, and a policy without replicas has no copy.
+    // A critic the program brought went above; the built-in one is started again from
+    // its log below, unless the step's update had begun (the policy may have taken it).
     if let Some(n) = lost_on("critic") {
-        return Ok(unrecoverable(
-            failed,
-            format!("the critic was lost with {n}, and its weights and optimizer state went with it (the critic has no replica)"),
-            "resume from the last checkpoint",
-        ));
+        let replaceable = controllers.iter().any(|c| c.critic_recovery.is_some());
+        if !replaceable || UPDATE.contains(stage) || AFTER_UPDATE.contains(stage) {
+            return Ok(unrecoverable(
+                failed,
+                format!("the critic was lost with {n} after this step's update began ({stage}), and its weights and optimizer state went with it"),
+                "resume from the last checkpoint",
+            ));
+        }
     }
     if let Some(n) = lost_on("policy").filter(|_| !replicated) {
         return Ok(unrecoverable(
@@ -345,6 +364,32 @@ async fn respawn_once(
                 .await?;
         moved.extend(replaced);
     }
+    if let Some((c, old)) = controllers.first().zip(controllers[0].roles.critic.clone()) {
+        if is_lost(old.id()) {
+            // The step runs again from `before`: an update it made is undone first.
+            if let (Some(r), Some(s)) = (&c.critic_recovery, before.first()) {
+                r.lock_log().rewind(s.step);
+            }
+            let new = c
+                .recover_critic(&old)
+                .await?
+                .ok_or_else(|| JobError::Recovery {
+                    what: format!(
+                        "{failed}; the critic on {} could not be replaced",
+                        old.id().name.node
+                    ),
+                    fix: "resume from the last checkpoint".into(),
+                })?;
+            moved.push(format!(
+                "critic: {} -> {}",
+                old.id().name.node,
+                new.id().name.node
+            ));
+            for c in controllers.iter_mut() {
+                c.adopt_replaced_critic();
+            }
+        }
+    }
     for (c, s) in controllers.iter_mut().zip(before) {
         c.restore(s.clone())?;
         c.sync_weights().await?;
@@ -379,25 +424,8 @@ impl Again<'_> {
 }
 
 /// The job's role actors and their roles (a shared role once per head).
-fn role_ids(controllers: &[Controller]) -> Vec<(ActorId, &'static str)> {
-    let mut ids: BTreeMap<ActorId, &'static str> = BTreeMap::new();
-    for c in controllers {
-        let r = &c.roles;
-        ids.insert(r.rollout.id().clone(), "rollout");
-        for x in &r.extra_rollouts {
-            ids.insert(x.id().clone(), "rollout");
-        }
-        ids.insert(r.reward.id().clone(), "reward");
-        if let Some(x) = &r.reference {
-            ids.insert(x.id().clone(), "reference");
-        }
-        ids.insert(r.policy.id().clone(), "policy");
-        for s in &c.extra {
-            ids.insert(s.role.id().clone(), s.name);
-        }
-        if let Some(x) = &r.critic {
-            ids.insert(x.id().clone(), "critic");
-        }
-    }
+pub(crate) fn role_ids(controllers: &[Controller]) -> Vec<(ActorId, &'static str)> {
+    let ids: BTreeMap<ActorId, &'static str> =
+        controllers.iter().flat_map(Controller::role_ids).collect();
     ids.into_iter().collect()
 }

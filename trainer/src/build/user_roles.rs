@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use yatt_runtime::{ActorId, ActorRef, Message, Node, NodeError};
 
-use crate::build::cluster::wait_for_nodes;
 use crate::build::custom::CustomRoles;
+use crate::build::remote::wait_for_nodes;
 use crate::config::checks::invalid;
 use crate::config::sections::JobConfig;
 use crate::config::user_roles::UserRole;

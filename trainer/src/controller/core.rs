@@ -100,6 +100,8 @@ pub struct Controller {
     pub(crate) extra: Vec<crate::controller::extra_stages::ExtraStage>,
     /// Device bytes its roles hold, for time sharing's budget check.
     pub(crate) residency: Residency,
+    /// A built-in critic on a cluster: what replaces it when its node is lost.
+    pub(crate) critic_recovery: Option<crate::controller::critic_log::CriticRecovery>,
 }
 
 /// A batch generated and rewarded, waiting for the step that trains it.
@@ -191,6 +193,7 @@ impl Controller {
             extra: Vec::new(),
             warned_mismatch: Default::default(),
             residency: Residency::default(),
+            critic_recovery: None,
         })
     }
 
@@ -263,12 +266,38 @@ impl Controller {
             .map_err(ControllerError::Restore)?;
         self.step = state.step;
         self.weights_version = state.weights_version;
+        self.adopt_replaced_critic();
+        if let Some(r) = &self.critic_recovery {
+            r.lock_log().rewind(state.step);
+        }
         self.pending = state
             .pending
             .into_iter()
             .map(|p| self.from_pending(p))
             .collect::<Result<_, _>>()?;
         Ok(())
+    }
+
+    /// Its role actors and their roles.
+    pub(crate) fn role_ids(&self) -> Vec<(ActorId, &'static str)> {
+        let mut ids = Vec::new();
+        let r = &self.roles;
+        ids.push((r.rollout.id().clone(), "rollout"));
+        for x in &r.extra_rollouts {
+            ids.push((x.id().clone(), "rollout"));
+        }
+        ids.push((r.reward.id().clone(), "reward"));
+        if let Some(x) = &r.reference {
+            ids.push((x.id().clone(), "reference"));
+        }
+        ids.push((r.policy.id().clone(), "policy"));
+        for s in &self.extra {
+            ids.push((s.role.id().clone(), s.name));
+        }
+        if let Some(x) = &r.critic {
+            ids.push((x.id().clone(), "critic"));
+        }
+        ids
     }
 
     pub(crate) fn protocol(
@@ -376,21 +405,23 @@ impl Controller {
         // The critic's update runs alongside the policy's (different roles, no shared
         // state), as in verl.
         let critic = async {
-            let Some(c) = &self.roles.critic else {
+            let Some(c) = self.critic() else {
                 return Ok(None);
             };
             let t = Instant::now();
             let r = self
-                .serve(
-                    c,
+                .serve_critic(
+                    &c,
                     CriticRequest::Train(p.samples.clone()),
                     "update_critic",
-                    "critic",
                     self.config.timeouts.train,
                 )
                 .await?;
             match r {
-                CriticResponse::Trained(r) => Ok(Some((r, t.elapsed().as_secs_f64()))),
+                CriticResponse::Trained(r) => {
+                    self.log_critic_update(&p.samples);
+                    Ok(Some((r, t.elapsed().as_secs_f64())))
+                }
                 other => Err(self.protocol("critic", "Train", format!("{other:?}"))),
             }
         };

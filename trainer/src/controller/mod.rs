@@ -4,6 +4,8 @@
 pub(crate) mod advantages;
 pub(crate) mod config;
 pub(crate) mod core;
+pub(crate) mod critic_log;
+pub(crate) mod critic_recovery;
 pub(crate) mod data_parallel;
 pub(crate) mod error;
 pub(crate) mod extra_stages;

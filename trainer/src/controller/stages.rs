@@ -383,13 +383,13 @@ impl Controller {
         ledger: &mut SampleLedger,
         m: &mut StepMetrics,
     ) -> Result<Vec<Sample>, ControllerError> {
-        let Some(c) = &self.roles.critic else {
+        let Some(c) = self.critic() else {
             return Ok(samples);
         };
         let t = Instant::now();
         let request = CriticRequest::Values(samples);
         let s = match self
-            .serve(c, request, "values", "critic", cfg.timeouts.score)
+            .serve_critic(&c, request, "values", cfg.timeouts.score)
             .await?
         {
             CriticResponse::Valued(s) => s,
@@ -534,6 +534,14 @@ impl Controller {
             m.set(names::KL_LOSS, train.kl_loss);
         }
         m.set(names::WEIGHTS_VERSION, version as f64);
+        self.adopt_replaced_critic();
+        let replayed = self
+            .critic_recovery
+            .as_ref()
+            .map_or(0, |r| r.take_replayed());
+        if replayed > 0 {
+            m.set(names::RECOVERY_CRITIC_REPLAYED, replayed as f64);
+        }
         self.step += 1;
         m.set(names::DROPPED_SAMPLES, ledger.dropped as f64);
         Ok(StepReport {

@@ -233,15 +233,14 @@ impl Controller {
 
     /// Asks the critic (if any) to save a checkpoint to `dir`.
     pub async fn save_critic(&self, dir: std::path::PathBuf) -> Result<(), ControllerError> {
-        let Some(c) = &self.roles.critic else {
+        let Some(c) = self.critic() else {
             return Ok(());
         };
         match self
-            .serve(
-                c,
+            .serve_critic(
+                &c,
                 CriticRequest::SaveCheckpoint(dir),
                 "checkpoint",
-                "critic",
                 self.config.timeouts.sync,
             )
             .await?

@@ -16,12 +16,12 @@ use yatt_roles::TextCodec;
 use yatt_runtime::Node;
 use yatt_runtime::NodeInfo;
 
-use crate::build::cluster::{job_text, wait_for_nodes};
 use crate::build::custom::CustomRoles;
 use crate::build::data::training_prompts;
 use crate::build::devices::role_group;
 use crate::build::first_sync::initial_weight_sync;
 use crate::build::parts::base_model;
+use crate::build::remote::{job_text, wait_for_nodes};
 use crate::build::reward::spawn_reward;
 use crate::checkpoint::restore_controllers;
 use crate::config::checks::invalid;
@@ -409,7 +409,7 @@ pub(crate) async fn shared_roles(
                 reward: match &custom.reward {
                     Some(r) => r.clone(),
                     None => started.keep(
-                        crate::build::cluster::spawn(job, &text, node, "reward", &p.reward, None)
+                        crate::build::remote::spawn(job, &text, node, "reward", &p.reward, None)
                             .await?,
                     ),
                 },
@@ -418,7 +418,7 @@ pub(crate) async fn shared_roles(
                     (None, false) => None,
                     (None, true) => Some(
                         started.keep(
-                            crate::build::cluster::spawn(
+                            crate::build::remote::spawn(
                                 job,
                                 &text,
                                 node,

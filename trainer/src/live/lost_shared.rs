@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 use yatt_placement::Record;
 use yatt_runtime::ActorId;
 
-use crate::build::cluster::spawn;
+use crate::build::remote::spawn;
 use crate::build::replica::Hosting;
 use crate::build::respawn::{actor_lost, wait_for_loss};
 use crate::controller::error::ControllerError;

@@ -62,7 +62,7 @@ impl LivePlacement {
     ) -> Result<ActorRef<RoleRequest<Req>, RoleResponse<Resp>>, JobError> {
         let target = self.node_of(g)?;
         let spawned =
-            crate::build::cluster::spawn(&self.job, text, &self.node, role, target, checkpoint);
+            crate::build::remote::spawn(&self.job, text, &self.node, role, target, checkpoint);
         Ok(spawned.await?)
     }
 

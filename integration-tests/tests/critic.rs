@@ -1,0 +1,109 @@
+//! PPO on real `yatt-node` processes whose critic's node is lost twice: the critic,
+//! which has no replica, is started again on a surviving node from the last
+//! checkpoint and given the updates since, and the run ends with the metrics and the
+//! final checkpoint (the critic's included) of an undisturbed run.
+
+use std::time::{Duration, Instant};
+
+use yatt_integration_tests::{
+    checkpoint_digest, cluster_logs, metric_of_steps, poll, run_trajectory, steps_done, Cluster,
+};
+
+const CONFIG: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
+const STEPS: u64 = 10;
+
+/// The PPO job: rollout and reward on node 0, policy and reference on node 1, the
+/// critic on node 2, a checkpoint every 3 steps.
+fn ppo(prefix: &str) -> Vec<String> {
+    vec![
+        format!("job.steps={STEPS}"),
+        "algorithm.name=\"ppo\"".into(),
+        "checkpoint.every=3".into(),
+        "placement.mode=\"disaggregated\"".into(),
+        format!("placement.rollout=\"{prefix}-0\""),
+        format!("placement.reward=\"{prefix}-0\""),
+        format!("placement.policy=\"{prefix}-1\""),
+        format!("placement.reference=\"{prefix}-1\""),
+        format!("placement.critic=\"{prefix}-2\""),
+    ]
+}
+
+/// The index of the node that hosts the critic now.
+fn critic_node(cluster: &Cluster) -> Option<usize> {
+    cluster.nodes.iter().position(|n| {
+        n.health().is_some_and(|h| {
+            h["hosted"].as_array().is_some_and(|a| {
+                a.iter()
+                    .any(|x| x.as_str().is_some_and(|x| x.contains("/critic/")))
+            })
+        })
+    })
+}
+
+/// First the critic's process exits as it is asked for update 5, while the policy
+/// takes the same step's update (`YATT_FAULT_EXIT_IN_CRITIC_UPDATE`): the call is
+/// answered by a new critic built from the step-3 checkpoint plus update 4. Then the
+/// new critic's node is killed (`kill -9`) after step 7, at whatever point of a step
+/// that lands: a new critic again, from the step-6 checkpoint plus what followed.
+#[test]
+fn losing_the_critics_node_in_its_update_and_again_later_changes_nothing() {
+    let t0 = Instant::now();
+    let quiet = tempfile::tempdir().unwrap();
+    let undisturbed = Cluster::start("cq", 5);
+    let mut run = undisturbed.spawn_train(CONFIG, &ppo("cq"), quiet.path(), false);
+    run.wait_success(Duration::from_secs(120), &undisturbed);
+    drop(undisturbed);
+
+    let mut cluster = Cluster::start_with_env(
+        "cr",
+        &[&[][..]; 5],
+        &[(2, "YATT_FAULT_EXIT_IN_CRITIC_UPDATE", "5")],
+    );
+    let out = tempfile::tempdir().unwrap();
+    let mut run = cluster.spawn_train(CONFIG, &ppo("cr"), out.path(), false);
+    let reached = poll(Duration::from_secs(90), || {
+        (steps_done(out.path()) >= 7).then_some(())
+    });
+    assert!(
+        reached.is_some(),
+        "{}\n{}",
+        run.printed(),
+        cluster_logs(&cluster)
+    );
+    let host = critic_node(&cluster).expect("a node hosts the critic");
+    assert!(
+        host != 2,
+        "the critic is still on its first node:\n{}",
+        run.printed()
+    );
+    cluster.nodes[host].kill9();
+    let printed = run.wait_success(Duration::from_secs(120), &cluster);
+    let replayed = metric_of_steps(out.path(), "recovery/critic_replayed");
+    assert_eq!(replayed.len(), 2, "{replayed:?}\n{printed}");
+    // Step 5's critic started from the step-3 checkpoint and took update 4 again.
+    assert_eq!(replayed[0], (5, 1.0), "{printed}");
+    // The second started from the step-6 checkpoint and took 7, and 8 if it had begun.
+    let (step, n) = replayed[1];
+    assert!(step >= 8 && (1.0..=2.0).contains(&n), "{replayed:?}");
+    assert_eq!(
+        run_trajectory(quiet.path()),
+        run_trajectory(out.path()),
+        "the disturbed run's metrics differ"
+    );
+    assert_eq!(
+        checkpoint_digest(quiet.path()),
+        checkpoint_digest(out.path()),
+        "the disturbed run ends with other weights or optimizer state"
+    );
+    let mut steps_s: Vec<f64> = metric_of_steps(out.path(), "timing_s/step")
+        .into_iter()
+        .map(|(_, s)| s)
+        .collect();
+    let stalls: Vec<f64> = replayed.iter().map(|(i, _)| steps_s[i - 1]).collect();
+    steps_s.sort_by(f64::total_cmp);
+    eprintln!(
+        "the critic's node lost twice; replayed {replayed:?}; those steps took {stalls:.2?} s (median step {:.3} s); both runs in {:.2?}",
+        steps_s[steps_s.len() / 2],
+        t0.elapsed()
+    );
+}
