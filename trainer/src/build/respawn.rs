@@ -204,12 +204,13 @@ async fn respawn_once(
             .any(|s| s.name == *role && named.contains(s.role.id()))
     });
     let stateless = (STATELESS.contains(role) || named_stage) && !AFTER_UPDATE.contains(stage);
-    // A critic the controller can replace (a built-in one) is, before the update.
-    let critic = *role == "critic"
-        && controllers.iter().any(|c| c.critic_recovery.is_some())
+    // A critic the controller can replace (a built-in one) is, before the update: once
+    // it has begun, the policy may have taken the step's update.
+    let critic_replaceable = controllers.iter().any(|c| c.critic_recovery.is_some())
         && !UPDATE.contains(stage)
         && !AFTER_UPDATE.contains(stage);
-    let recoverable = stateless || critic || (*role == "policy" && replicated);
+    let recoverable =
+        stateless || (*role == "critic" && critic_replaceable) || (*role == "policy" && replicated);
     // A critic a call replaced during the failed step is the one to check.
     for c in controllers.iter_mut() {
         c.adopt_replaced_critic();
@@ -260,10 +261,9 @@ async fn respawn_once(
         ));
     }
     // A critic the program brought went above; the built-in one is started again from
-    // its log below, unless the step's update had begun (the policy may have taken it).
+    // its log below.
     if let Some(n) = lost_on("critic") {
-        let replaceable = controllers.iter().any(|c| c.critic_recovery.is_some());
-        if !replaceable || UPDATE.contains(stage) || AFTER_UPDATE.contains(stage) {
+        if !critic_replaceable {
             return Ok(unrecoverable(
                 failed,
                 format!("the critic was lost with {n} after this step's update began ({stage}), and its weights and optimizer state went with it"),

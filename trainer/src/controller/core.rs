@@ -412,7 +412,7 @@ impl Controller {
             let r = self
                 .serve_critic(
                     &c,
-                    CriticRequest::Train(p.samples.clone()),
+                    || CriticRequest::Train(p.samples.clone()),
                     "update_critic",
                     self.config.timeouts.train,
                 )

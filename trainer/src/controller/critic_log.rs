@@ -6,11 +6,11 @@
 //! those updates again is the lost one, bit for bit on nodes that compute alike.
 //!
 //! A call the critic's loss fails (`Controller::serve_critic`, `critic_recovery.rs`)
-//! starts the new critic
-//! through the job's [`CriticRespawn`], replays the log into it and asks it again, so
-//! the step goes on where it was: also during the update, which by then the policy may
-//! have taken. A step that fails on another role first, with the critic's node lost
-//! too, recovers it the same way before the step runs again (`build/respawn.rs`).
+//! starts the new critic through the job's [`CriticRespawn`], replays the log into it
+//! and asks it again, so the step goes on where it was: also during the update, which
+//! by then the policy may have taken. A step that fails on another role first, with the
+//! critic's node lost too, recovers it the same way before the step runs again
+//! (`build/respawn.rs`).
 //!
 //! The log costs the controller the critic's fields of every sample trained since the
 //! last checkpoint (tokens, values, returns, loss mask): `checkpoint.every` bounds it.

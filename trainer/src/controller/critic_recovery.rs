@@ -49,28 +49,26 @@ impl Controller {
         }
     }
 
-    /// Asks the critic; when the call fails because the critic's node is lost, starts a
-    /// new critic, gives it the logged updates, and asks it instead.
+    /// Asks the critic the request `make` builds; when the call fails because the
+    /// critic's node is lost, starts a new critic, gives it the logged updates, and asks
+    /// it a second request from `make` (built only then: no copy of the batch waits for
+    /// a retry).
     pub(crate) async fn serve_critic(
         &self,
         critic: &CriticRef,
-        request: CriticRequest,
+        make: impl Fn() -> CriticRequest,
         stage: &'static str,
         timeout: Duration,
     ) -> Result<CriticResponse, ControllerError> {
-        if self.critic_recovery.is_none() {
-            return self.serve(critic, request, stage, "critic", timeout).await;
-        }
-        let again = request.clone();
-        let failed = match self.serve(critic, request, stage, "critic", timeout).await {
-            Err(e) if node_unreached(&e) => e,
+        let failed = match self.serve(critic, make(), stage, "critic", timeout).await {
+            Err(e) if node_unreached(&e) && self.critic_recovery.is_some() => e,
             done => return done,
         };
         let Some(new) = self.recover_critic(critic).await? else {
             return Err(failed);
         };
         tracing::warn!(step = self.step_no(), stage, error = %failed, critic = %new.id(), "the critic's node was lost; a new critic took its state and the call runs again");
-        self.serve(&new, again, stage, "critic", timeout).await
+        self.serve(&new, make(), stage, "critic", timeout).await
     }
 
     /// Replaces `lost` (see the module): the new critic, or `None` when `lost` is not

@@ -387,7 +387,7 @@ impl Controller {
             return Ok(samples);
         };
         let t = Instant::now();
-        let request = CriticRequest::Values(samples);
+        let request = || CriticRequest::Values(samples.clone());
         let s = match self
             .serve_critic(&c, request, "values", cfg.timeouts.score)
             .await?

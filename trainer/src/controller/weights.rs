@@ -239,7 +239,7 @@ impl Controller {
         match self
             .serve_critic(
                 &c,
-                CriticRequest::SaveCheckpoint(dir),
+                || CriticRequest::SaveCheckpoint(dir.clone()),
                 "checkpoint",
                 self.config.timeouts.sync,
             )
