@@ -30,7 +30,7 @@ use crate::config::checks::invalid;
 use crate::config::modes::{KlMode, PlacementMode, Task};
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
-use crate::controller::critic_log::{CriticLog, CriticRecovery};
+use crate::controller::critic_log::{CriticLog, CriticRecovery, CRITIC_LOG_FILE};
 use crate::controller::data_parallel::join_policy_ring;
 use crate::controller::error::ControllerError;
 use crate::controller::refs::{PolicyRef, RoleRefs, RolloutRef};
@@ -364,7 +364,10 @@ async fn build_cluster_in(
                 text: text.clone(),
                 node: node.downgrade(),
             };
-            let log = CriticLog::new(checkpoint.map(Path::to_path_buf));
+            let log = CriticLog::new(
+                checkpoint.map(Path::to_path_buf),
+                job.job.output_dir.join(CRITIC_LOG_FILE),
+            );
             c.critic_recovery = Some(CriticRecovery::new(log, Arc::new(respawn)));
         }
     }

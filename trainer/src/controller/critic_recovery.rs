@@ -80,6 +80,14 @@ impl Controller {
         let Some(r) = &self.critic_recovery else {
             return Ok(None);
         };
+        // No critic to start when it could not be given the updates since the checkpoint.
+        let unreplayable = |why: String| {
+            ControllerError::Spawn {
+            role: "critic".into(),
+            reason: format!("the critic did not answer (its node may be lost), and a new critic cannot take its state: {why}"),
+        }
+        };
+        r.lock_log().replayable().map_err(unreplayable)?;
         let base = r.lock_log().base().map(Path::to_path_buf);
         let Some(new) = r
             .respawn
@@ -88,8 +96,10 @@ impl Controller {
         else {
             return Ok(None);
         };
-        let batches: Vec<Vec<Sample>> = r.lock_log().batches().map(<[Sample]>::to_vec).collect();
-        for batch in batches {
+        // One batch at a time: the log is on disk so that it is not all in memory.
+        let updates = r.lock_log().len();
+        for i in 0..updates {
+            let batch = r.lock_log().batch(i).map_err(unreplayable)?;
             let request = CriticRequest::Train(batch);
             match self
                 .serve(
