@@ -70,6 +70,10 @@ fn losing_the_critics_node_in_its_update_and_again_later_changes_nothing() {
         run.printed(),
         cluster_logs(&cluster)
     );
+    assert!(
+        out.path().join("critic-updates.bin").exists(),
+        "the critic's updates since the step-6 checkpoint are not on disk"
+    );
     let host = critic_node(&cluster).expect("a node hosts the critic");
     assert!(
         host != 2,
@@ -105,5 +109,55 @@ fn losing_the_critics_node_in_its_update_and_again_later_changes_nothing() {
         "the critic's node lost twice; replayed {replayed:?}; those steps took {stalls:.2?} s (median step {:.3} s); both runs in {:.2?}",
         steps_s[steps_s.len() / 2],
         t0.elapsed()
+    );
+}
+
+/// The critic's process exits as it is asked for update 5, and so does the process of
+/// the first new critic as it takes the logged update 4 (the spare node 3, the least
+/// loaded, where it lands): a second new critic, on a node that already hosts roles,
+/// takes the log and answers update 5, and the run ends as an undisturbed one.
+#[test]
+fn a_new_critic_lost_while_it_takes_the_log_is_replaced_again_and_changes_nothing() {
+    let quiet = tempfile::tempdir().unwrap();
+    let undisturbed = Cluster::start("cu", 4);
+    let mut run = undisturbed.spawn_train(CONFIG, &ppo("cu"), quiet.path(), false);
+    run.wait_success(Duration::from_secs(120), &undisturbed);
+    drop(undisturbed);
+
+    let mut cluster = Cluster::start_with_env(
+        "cs",
+        &[&[][..]; 4],
+        &[
+            (2, "YATT_FAULT_EXIT_IN_CRITIC_UPDATE", "5"),
+            (3, "YATT_FAULT_EXIT_IN_CRITIC_UPDATE", "1"),
+        ],
+    );
+    let out = tempfile::tempdir().unwrap();
+    let mut run = cluster.spawn_train(CONFIG, &ppo("cs"), out.path(), false);
+    let printed = run.wait_success(Duration::from_secs(120), &cluster);
+    assert!(
+        cluster.nodes[2].exited() && cluster.nodes[3].exited(),
+        "the first critic's node and the spare should both have exited in a critic update:\n{printed}"
+    );
+    assert!(
+        printed.contains("the new critic's node was lost while it took the logged updates"),
+        "{printed}"
+    );
+    // Only the new critic that took the whole log counts.
+    let replayed = metric_of_steps(out.path(), "recovery/critic_replayed");
+    assert_eq!(replayed, [(5, 1.0)], "{printed}");
+    assert_eq!(
+        run_trajectory(quiet.path()),
+        run_trajectory(out.path()),
+        "the disturbed run's metrics differ"
+    );
+    assert_eq!(
+        checkpoint_digest(quiet.path()),
+        checkpoint_digest(out.path()),
+        "the disturbed run ends with other weights or optimizer state"
+    );
+    assert!(
+        !out.path().join("critic-updates.bin").exists(),
+        "the critic's log outlived the job"
     );
 }

@@ -264,9 +264,9 @@ impl CriticRecovery {
         self.replayed.swap(0, Ordering::Relaxed)
     }
 
-    /// One more update replayed.
-    pub(crate) fn count_replayed(&self) {
-        self.replayed.fetch_add(1, Ordering::Relaxed);
+    /// A new critic took `updates` logged updates.
+    pub(crate) fn count_replayed(&self, updates: u64) {
+        self.replayed.fetch_add(updates, Ordering::Relaxed);
     }
 }
 

@@ -6,11 +6,17 @@ use std::path::Path;
 use std::time::Duration;
 
 use yatt_roles::{CriticRequest, CriticResponse, Sample};
-use yatt_runtime::CallError;
+use yatt_runtime::{ActorId, CallError};
 
 use crate::controller::core::Controller;
+use crate::controller::critic_log::CriticRecovery;
 use crate::controller::error::ControllerError;
 use crate::controller::refs::CriticRef;
+
+/// How many new critics one call, or one recovery, starts at most before it gives up:
+/// each lost one took a node with it, so more means the cluster is failing faster than
+/// a critic can be rebuilt.
+pub(crate) const CRITIC_RESPAWNS: u32 = 3;
 
 /// Whether `e` is a call that a lost node explains (rather than the critic's own error).
 fn node_unreached(e: &ControllerError) -> bool {
@@ -51,8 +57,9 @@ impl Controller {
 
     /// Asks the critic the request `make` builds; when the call fails because the
     /// critic's node is lost, starts a new critic, gives it the logged updates, and asks
-    /// it a second request from `make` (built only then: no copy of the batch waits for
-    /// a retry).
+    /// it a new request from `make` (built only then: no copy of the batch waits for a
+    /// retry). A new critic lost in turn is replaced the same way, up to
+    /// [`CRITIC_RESPAWNS`] in all.
     pub(crate) async fn serve_critic(
         &self,
         critic: &CriticRef,
@@ -60,19 +67,27 @@ impl Controller {
         stage: &'static str,
         timeout: Duration,
     ) -> Result<CriticResponse, ControllerError> {
-        let failed = match self.serve(critic, make(), stage, "critic", timeout).await {
+        let mut failed = match self.serve(critic, make(), stage, "critic", timeout).await {
             Err(e) if node_unreached(&e) && self.critic_recovery.is_some() => e,
             done => return done,
         };
-        let Some(new) = self.recover_critic(critic).await? else {
-            return Err(failed);
-        };
-        tracing::warn!(step = self.step_no(), stage, error = %failed, critic = %new.id(), "the critic's node was lost; a new critic took its state and the call runs again");
-        self.serve(&new, make(), stage, "critic", timeout).await
+        let mut lost = critic.clone();
+        for _ in 0..CRITIC_RESPAWNS {
+            let Some(new) = self.recover_critic(&lost).await? else {
+                return Err(failed);
+            };
+            tracing::warn!(step = self.step_no(), stage, error = %failed, critic = %new.id(), "the critic's node was lost; a new critic took its state and the call runs again");
+            match self.serve(&new, make(), stage, "critic", timeout).await {
+                Err(e) if node_unreached(&e) => (failed, lost) = (e, new),
+                done => return done,
+            }
+        }
+        Err(failed)
     }
 
     /// Replaces `lost` (see the module): the new critic, or `None` when `lost` is not
-    /// lost or the controller cannot replace it.
+    /// lost or the controller cannot replace it. A new critic whose node is lost while
+    /// it takes the updates is replaced in turn, up to [`CRITIC_RESPAWNS`] in all.
     pub(crate) async fn recover_critic(
         &self,
         lost: &CriticRef,
@@ -80,44 +95,67 @@ impl Controller {
         let Some(r) = &self.critic_recovery else {
             return Ok(None);
         };
-        // No critic to start when it could not be given the updates since the checkpoint.
-        let unreplayable = |why: String| {
-            ControllerError::Spawn {
-            role: "critic".into(),
-            reason: format!("the critic did not answer (its node may be lost), and a new critic cannot take its state: {why}"),
+        let mut lost = lost.clone();
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            // No critic to start when it could not be given the updates since the
+            // checkpoint.
+            r.lock_log().replayable().map_err(unreplayable)?;
+            let base = r.lock_log().base().map(Path::to_path_buf);
+            let Some(new) = r
+                .respawn
+                .respawn(self.role_ids_with(&lost), lost.id(), base.as_deref())
+                .await?
+            else {
+                return Ok(None);
+            };
+            match self.replay_critic_log(r, &new).await {
+                Ok(updates) => {
+                    r.count_replayed(updates);
+                    *r.lock_replaced() = Some(new.clone());
+                    return Ok(Some(new));
+                }
+                Err(e) if node_unreached(&e) && tries < CRITIC_RESPAWNS => {
+                    tracing::warn!(step = self.step_no(), error = %e, critic = %new.id(), "the new critic's node was lost while it took the logged updates; starting another");
+                    lost = new;
+                }
+                Err(e) => return Err(e),
+            }
         }
-        };
-        r.lock_log().replayable().map_err(unreplayable)?;
-        let base = r.lock_log().base().map(Path::to_path_buf);
-        let Some(new) = r
-            .respawn
-            .respawn(self.role_ids(), lost.id(), base.as_deref())
-            .await?
-        else {
-            return Ok(None);
-        };
-        // One batch at a time: the log is on disk so that it is not all in memory.
+    }
+
+    /// Trains `new` on the logged updates, oldest first, one batch at a time (the log
+    /// is on disk so that it is not all in memory); how many.
+    async fn replay_critic_log(
+        &self,
+        r: &CriticRecovery,
+        new: &CriticRef,
+    ) -> Result<u64, ControllerError> {
         let updates = r.lock_log().len();
         for i in 0..updates {
             let batch = r.lock_log().batch(i).map_err(unreplayable)?;
             let request = CriticRequest::Train(batch);
+            let timeout = self.config.timeouts.train;
             match self
-                .serve(
-                    &new,
-                    request,
-                    "critic_replay",
-                    "critic",
-                    self.config.timeouts.train,
-                )
+                .serve(new, request, "critic_replay", "critic", timeout)
                 .await?
             {
                 CriticResponse::Trained(_) => {}
                 other => return Err(self.protocol("critic", "Train", format!("{other:?}"))),
             }
-            r.count_replayed();
         }
-        *r.lock_replaced() = Some(new.clone());
-        Ok(Some(new))
+        Ok(updates as u64)
+    }
+
+    /// The job's roles, with `critic` among them (one started during this step is not
+    /// in the roles yet): a new critic's node is picked by their load.
+    fn role_ids_with(&self, critic: &CriticRef) -> Vec<(ActorId, &'static str)> {
+        let mut ids = self.role_ids();
+        if !ids.iter().any(|(id, _)| id == critic.id()) {
+            ids.push((critic.id().clone(), "critic"));
+        }
+        ids
     }
 
     /// The critic trained on `samples` in the step under way.
@@ -125,5 +163,13 @@ impl Controller {
         if let Some(r) = &self.critic_recovery {
             r.lock_log().record(self.step + 1, samples);
         }
+    }
+}
+
+/// The log could not be given to a new critic: why.
+fn unreplayable(why: String) -> ControllerError {
+    ControllerError::Spawn {
+        role: "critic".into(),
+        reason: format!("the critic did not answer (its node may be lost), and a new critic cannot take its state: {why}"),
     }
 }
