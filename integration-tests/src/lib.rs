@@ -773,3 +773,73 @@ impl Drop for TrainProc {
         self.kill9();
     }
 }
+
+/// Runs `yatt train CONFIG` with `sets` to its end on a fresh cluster of `n` nodes
+/// named `PREFIX-i`, output in `out`: the undisturbed run a disturbed one is compared
+/// with ([`assert_same_run`]).
+pub fn undisturbed_run(prefix: &str, n: usize, config: &str, sets: &[String], out: &Path) {
+    let cluster = Cluster::start(prefix, n);
+    let mut run = cluster.spawn_train(config, sets, out, false);
+    run.wait_success(Duration::from_secs(120), &cluster);
+}
+
+/// Asserts that the run in `out` ended with the metrics, step for step, and the final
+/// checkpoint bytes of the undisturbed run in `quiet` (`printed`: the disturbed run's
+/// output, shown on a failure).
+pub fn assert_same_run(quiet: &Path, out: &Path, printed: &str) {
+    assert_eq!(
+        run_trajectory(quiet),
+        run_trajectory(out),
+        "the disturbed run's metrics differ\n{printed}"
+    );
+    assert_eq!(
+        checkpoint_digest(quiet),
+        checkpoint_digest(out),
+        "the disturbed run ends with other weights or optimizer state\n{printed}"
+    );
+}
+
+impl Cluster {
+    /// The index of the node that hosts a `role` actor now (its health lists it).
+    pub fn node_hosting(&self, role: &str) -> Option<usize> {
+        let path = format!("/{role}/");
+        self.nodes.iter().position(|n| {
+            n.health().is_some_and(|h| {
+                h["hosted"].as_array().is_some_and(|a| {
+                    a.iter()
+                        .any(|x| x.as_str().is_some_and(|x| x.contains(&path)))
+                })
+            })
+        })
+    }
+}
+
+/// Waits at most 90 s until the run `run` writing to `out` has done `steps` steps;
+/// otherwise fails with what it printed and the cluster's logs.
+pub fn wait_for_steps(out: &Path, steps: usize, run: &TrainProc, cluster: &Cluster) {
+    let reached = poll(Duration::from_secs(90), || {
+        (steps_done(out) >= steps).then_some(())
+    });
+    assert!(
+        reached.is_some(),
+        "{}\n{}",
+        run.printed(),
+        cluster_logs(cluster)
+    );
+}
+
+/// `--set`s that place a disaggregated run's roles (`(role, node index)`) on the nodes
+/// `PREFIX-i`, for `steps` steps with a checkpoint every 3.
+pub fn placed(prefix: &str, steps: u64, roles: &[(&str, usize)]) -> Vec<String> {
+    let mut sets = vec![
+        format!("job.steps={steps}"),
+        "checkpoint.every=3".into(),
+        "placement.mode=\"disaggregated\"".into(),
+    ];
+    sets.extend(
+        roles
+            .iter()
+            .map(|(role, i)| format!("placement.{role}=\"{prefix}-{i}\"")),
+    );
+    sets
+}

@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use yatt_integration_tests::{
-    checkpoint_digest, cluster_logs, metric_of_steps, poll, run_trajectory, steps_done, Cluster,
+    assert_same_run, metric_of_steps, placed, undisturbed_run, wait_for_steps, Cluster,
 };
 
 const CONFIG: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
@@ -15,29 +15,16 @@ const STEPS: u64 = 10;
 /// The PPO job: rollout and reward on node 0, policy and reference on node 1, the
 /// critic on node 2, a checkpoint every 3 steps.
 fn ppo(prefix: &str) -> Vec<String> {
-    vec![
-        format!("job.steps={STEPS}"),
-        "algorithm.name=\"ppo\"".into(),
-        "checkpoint.every=3".into(),
-        "placement.mode=\"disaggregated\"".into(),
-        format!("placement.rollout=\"{prefix}-0\""),
-        format!("placement.reward=\"{prefix}-0\""),
-        format!("placement.policy=\"{prefix}-1\""),
-        format!("placement.reference=\"{prefix}-1\""),
-        format!("placement.critic=\"{prefix}-2\""),
-    ]
-}
-
-/// The index of the node that hosts the critic now.
-fn critic_node(cluster: &Cluster) -> Option<usize> {
-    cluster.nodes.iter().position(|n| {
-        n.health().is_some_and(|h| {
-            h["hosted"].as_array().is_some_and(|a| {
-                a.iter()
-                    .any(|x| x.as_str().is_some_and(|x| x.contains("/critic/")))
-            })
-        })
-    })
+    let roles = [
+        ("rollout", 0),
+        ("reward", 0),
+        ("policy", 1),
+        ("reference", 1),
+        ("critic", 2),
+    ];
+    let mut sets = placed(prefix, STEPS, &roles);
+    sets.push("algorithm.name=\"ppo\"".into());
+    sets
 }
 
 /// First the critic's process exits as it is asked for update 5, while the policy
@@ -49,10 +36,7 @@ fn critic_node(cluster: &Cluster) -> Option<usize> {
 fn losing_the_critics_node_in_its_update_and_again_later_changes_nothing() {
     let t0 = Instant::now();
     let quiet = tempfile::tempdir().unwrap();
-    let undisturbed = Cluster::start("cq", 5);
-    let mut run = undisturbed.spawn_train(CONFIG, &ppo("cq"), quiet.path(), false);
-    run.wait_success(Duration::from_secs(120), &undisturbed);
-    drop(undisturbed);
+    undisturbed_run("cq", 5, CONFIG, &ppo("cq"), quiet.path());
 
     let mut cluster = Cluster::start_with_env(
         "cr",
@@ -61,20 +45,14 @@ fn losing_the_critics_node_in_its_update_and_again_later_changes_nothing() {
     );
     let out = tempfile::tempdir().unwrap();
     let mut run = cluster.spawn_train(CONFIG, &ppo("cr"), out.path(), false);
-    let reached = poll(Duration::from_secs(90), || {
-        (steps_done(out.path()) >= 7).then_some(())
-    });
-    assert!(
-        reached.is_some(),
-        "{}\n{}",
-        run.printed(),
-        cluster_logs(&cluster)
-    );
+    wait_for_steps(out.path(), 7, &run, &cluster);
     assert!(
         out.path().join("critic-updates.bin").exists(),
         "the critic's updates since the step-6 checkpoint are not on disk"
     );
-    let host = critic_node(&cluster).expect("a node hosts the critic");
+    let host = cluster
+        .node_hosting("critic")
+        .expect("a node hosts the critic");
     assert!(
         host != 2,
         "the critic is still on its first node:\n{}",
@@ -89,16 +67,7 @@ fn losing_the_critics_node_in_its_update_and_again_later_changes_nothing() {
     // The second started from the step-6 checkpoint and took 7, and 8 if it had begun.
     let (step, n) = replayed[1];
     assert!(step >= 8 && (1.0..=2.0).contains(&n), "{replayed:?}");
-    assert_eq!(
-        run_trajectory(quiet.path()),
-        run_trajectory(out.path()),
-        "the disturbed run's metrics differ"
-    );
-    assert_eq!(
-        checkpoint_digest(quiet.path()),
-        checkpoint_digest(out.path()),
-        "the disturbed run ends with other weights or optimizer state"
-    );
+    assert_same_run(quiet.path(), out.path(), &printed);
     let mut steps_s: Vec<f64> = metric_of_steps(out.path(), "timing_s/step")
         .into_iter()
         .map(|(_, s)| s)
@@ -119,10 +88,7 @@ fn losing_the_critics_node_in_its_update_and_again_later_changes_nothing() {
 #[test]
 fn a_new_critic_lost_while_it_takes_the_log_is_replaced_again_and_changes_nothing() {
     let quiet = tempfile::tempdir().unwrap();
-    let undisturbed = Cluster::start("cu", 4);
-    let mut run = undisturbed.spawn_train(CONFIG, &ppo("cu"), quiet.path(), false);
-    run.wait_success(Duration::from_secs(120), &undisturbed);
-    drop(undisturbed);
+    undisturbed_run("cu", 4, CONFIG, &ppo("cu"), quiet.path());
 
     let mut cluster = Cluster::start_with_env(
         "cs",
@@ -146,16 +112,7 @@ fn a_new_critic_lost_while_it_takes_the_log_is_replaced_again_and_changes_nothin
     // Only the new critic that took the whole log counts.
     let replayed = metric_of_steps(out.path(), "recovery/critic_replayed");
     assert_eq!(replayed, [(5, 1.0)], "{printed}");
-    assert_eq!(
-        run_trajectory(quiet.path()),
-        run_trajectory(out.path()),
-        "the disturbed run's metrics differ"
-    );
-    assert_eq!(
-        checkpoint_digest(quiet.path()),
-        checkpoint_digest(out.path()),
-        "the disturbed run ends with other weights or optimizer state"
-    );
+    assert_same_run(quiet.path(), out.path(), &printed);
     assert!(
         !out.path().join("critic-updates.bin").exists(),
         "the critic's log outlived the job"

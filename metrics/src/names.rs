@@ -172,6 +172,9 @@ pub const RECOVERY_UPDATE_COMMITTED: &str = "recovery/update_committed";
 /// Critic updates given again to a critic that replaced a lost one (its updates since
 /// the last checkpoint; present only on a step that replaced the critic).
 pub const RECOVERY_CRITIC_REPLAYED: &str = "recovery/critic_replayed";
+/// Policy updates given again to a policy that replaced a lost one (its updates since
+/// the last checkpoint; present only on the step that ran again after the loss).
+pub const RECOVERY_POLICY_REPLAYED: &str = "recovery/policy_replayed";
 /// Samples the step's ledgers closed on as trained (every head's, summed): each was
 /// accounted for at every stage exactly once.
 pub const LEDGER_TRAINED: &str = "ledger/samples_trained";

@@ -134,10 +134,14 @@ pub(crate) async fn save(controllers: &[Controller], dir: &Path) -> Result<(), J
     if let Some(parent) = dir.parent() {
         sync_dir(parent)?;
     }
-    // The critic's state is saved: a critic that replaces it starts here.
+    // The policy's and the critic's states are saved: one that replaces either starts
+    // here.
     for c in controllers {
         if let Some(r) = &c.critic_recovery {
             r.lock_log().checkpointed(dir);
+        }
+        if let Some(r) = &c.policy_recovery {
+            r.lock().checkpointed(dir);
         }
     }
     if had_old {

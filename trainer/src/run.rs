@@ -256,10 +256,17 @@ pub async fn train_with(
             }
             let eval_now = job.eval.every > 0 && (step % job.eval.every == 0 || step == total);
             if (every > 0 && step % every == 0 && step < total) || eval_now {
-                match &live {
-                    Some(l) => save(l.controllers(), &checkpoint_dir).await?,
-                    None => save(&controllers, &checkpoint_dir).await?,
-                }
+                let live = live.as_ref();
+                save_checkpoint(
+                    job,
+                    node,
+                    live,
+                    &mut controllers,
+                    &custom,
+                    &mut named,
+                    &checkpoint_dir,
+                )
+                .await?;
                 saved_at = Some(step);
             }
             if eval_now {
@@ -274,10 +281,17 @@ pub async fn train_with(
         let seconds = t0.elapsed().as_secs_f64();
         // The last step's checkpoint is already there when it was evaluated.
         if saved_at != Some(step) {
-            match &live {
-                Some(l) => save(l.controllers(), &checkpoint_dir).await?,
-                None => save(&controllers, &checkpoint_dir).await?,
-            }
+            let live = live.as_ref();
+            save_checkpoint(
+                job,
+                node,
+                live,
+                &mut controllers,
+                &custom,
+                &mut named,
+                &checkpoint_dir,
+            )
+            .await?;
         }
         Ok(TrainSummary {
             steps: step,
@@ -354,6 +368,46 @@ async fn step_surviving_node_loss(
             };
         tracing::warn!(step = before.first().map_or(0, |s| s.step) + 1, error = %failed, moved = ?moved, "a node was lost; its roles run elsewhere and the step runs again");
         respawned += moved.len();
+    }
+    unreachable!("the loop returns")
+}
+
+/// Saves the run's checkpoint `dir` (the live placement's controllers when there is
+/// one). A disaggregated run's save that fails because a node was lost (a policy
+/// without replicas, rebuilt from its log; see [`respawn_lost_roles`]) replaces what
+/// the node held and saves again.
+async fn save_checkpoint(
+    job: &JobConfig,
+    node: &Node,
+    live: Option<&LivePlacement>,
+    controllers: &mut [Controller],
+    custom: &BTreeSet<ActorId>,
+    named: &mut NamedRoles,
+    dir: &Path,
+) -> Result<(), JobError> {
+    if let Some(l) = live {
+        return save(l.controllers(), dir).await;
+    }
+    if job.placement.mode != PlacementMode::Disaggregated {
+        return save(controllers, dir).await;
+    }
+    // The heads stay where they are: a recovery only puts the lost roles back.
+    let now: Vec<ControllerState> = controllers.iter().map(Controller::state).collect();
+    for attempt in 0.. {
+        let failed = match save(controllers, dir).await {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        if attempt == STEP_RECOVERIES {
+            return Err(failed);
+        }
+        match respawn_lost_roles(job, node, controllers, &now, &failed, custom, named).await? {
+            Recovered::Moved(moved) if !moved.is_empty() => {
+                tracing::warn!(error = %failed, moved = ?moved, "a node was lost during the checkpoint; its roles run elsewhere and the checkpoint is saved again");
+            }
+            Recovered::Moved(_) => return Err(failed),
+            Recovered::NotMoved(why) => return Err(why.unwrap_or(failed)),
+        }
     }
     unreachable!("the loop returns")
 }

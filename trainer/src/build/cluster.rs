@@ -23,6 +23,7 @@ use crate::build::parts::{
     critic_role, env_settings, policy_ring, policy_role, policy_role_from, reference_role,
     rollout_role_with_envs,
 };
+use crate::build::policy_rebuild::policy_log;
 use crate::build::remote::{job_text, spawn, wait_for_nodes, RoleArgs};
 use crate::build::reward::reward_role;
 use crate::checkpoint::{load_trainer, restore_controllers};
@@ -30,11 +31,12 @@ use crate::config::checks::invalid;
 use crate::config::modes::{KlMode, PlacementMode, Task};
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
-use crate::controller::critic_log::{CriticLog, CriticRecovery, CRITIC_LOG_FILE};
+use crate::controller::critic_log::{critic_log, CriticRecovery};
 use crate::controller::data_parallel::join_policy_ring;
 use crate::controller::error::ControllerError;
 use crate::controller::refs::{PolicyRef, RoleRefs, RolloutRef};
 use crate::controller::release::{stop_if_failed, StartedRoles};
+use crate::controller::update_log::LoggedUpdates;
 use crate::error::JobError;
 
 /// Requests a role's thread queues before its actor's mailbox takes the backpressure.
@@ -364,11 +366,15 @@ async fn build_cluster_in(
                 text: text.clone(),
                 node: node.downgrade(),
             };
-            let log = CriticLog::new(
-                checkpoint.map(Path::to_path_buf),
-                job.job.output_dir.join(CRITIC_LOG_FILE),
-            );
+            let log = critic_log(checkpoint.map(Path::to_path_buf), &job.job.output_dir);
             c.critic_recovery = Some(CriticRecovery::new(log, Arc::new(respawn)));
+        }
+    }
+    // One policy driven by one head survives its node the same way.
+    if let [c] = controllers.as_mut_slice() {
+        if replicas == 1 && custom.policy.is_none() {
+            let log = policy_log(checkpoint.map(Path::to_path_buf), &job.job.output_dir);
+            c.policy_recovery = Some(LoggedUpdates::new(log));
         }
     }
     if let Some(dir) = checkpoint {

@@ -9,6 +9,7 @@ pub(crate) mod embedded;
 pub(crate) mod first_sync;
 pub(crate) mod heads;
 pub(crate) mod parts;
+pub(crate) mod policy_rebuild;
 pub(crate) mod remote;
 pub(crate) mod replica;
 pub(crate) mod respawn;

@@ -8,10 +8,12 @@
 //! order, so the run's trajectory is the one it would have had without the loss.
 //!
 //! A lost built-in critic is started again from its last saved state and given the
-//! updates since (`controller/critic_log.rs`). The last policy replica, a policy that
-//! already took the failed step's update, or a critic lost during the update that a
-//! replacement could not take over, hold trainer state no other node has: the run
-//! stops, and the error names the last checkpoint to `--resume` from.
+//! updates since (`controller/critic_log.rs`), and so is a lost policy that has no
+//! replica, with one head (`build/policy_rebuild.rs`). The last of several policy
+//! replicas, a policy that already took the failed step's update, or a critic lost
+//! during the update that a replacement could not take over, hold trainer state no
+//! other node has: the run stops, and the error names the last checkpoint to
+//! `--resume` from.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -19,6 +21,7 @@ use std::time::Duration;
 use yatt_roles::{RoleRequest, RoleResponse};
 use yatt_runtime::{ActorId, ActorRef, CallError, Directory, Liveness, Message, Node};
 
+use crate::build::policy_rebuild::{rebuild_lost_policy, why_not_rebuilt};
 use crate::build::remote::{job_text, spawn};
 use crate::build::replica::{replace_lost_replicas, Hosting};
 use crate::build::user_roles::NamedRoles;
@@ -34,11 +37,11 @@ const STATELESS: [&str; 3] = ["rollout", "reward", "reference"];
 
 /// The stages that run after the update: a failure there leaves the policy a version
 /// ahead of the heads, so the step cannot simply run again.
-const AFTER_UPDATE: [&str; 1] = ["weight_sync"];
+pub(crate) const AFTER_UPDATE: [&str; 1] = ["weight_sync"];
 
 /// The update's stages: the policy and the critic train side by side, so a failure in
 /// either may come after the other took the step's update.
-const UPDATE: [&str; 2] = ["update_actor", "update_critic"];
+pub(crate) const UPDATE: [&str; 2] = ["update_actor", "update_critic"];
 
 /// Whether the actor `id` is gone: its entry is dead, or its name now belongs to a
 /// newer incarnation (its node restarted); with no entry, whether its node is gone.
@@ -209,8 +212,11 @@ async fn respawn_once(
     let critic_replaceable = controllers.iter().any(|c| c.critic_recovery.is_some())
         && !UPDATE.contains(stage)
         && !AFTER_UPDATE.contains(stage);
-    let recoverable =
-        stateless || (*role == "critic" && critic_replaceable) || (*role == "policy" && replicated);
+    // A single policy is rebuilt from its log, and the whole step runs again.
+    let policy_rebuildable = !replicated && why_not_rebuilt(controllers, stage).is_none();
+    let recoverable = stateless
+        || (*role == "critic" && critic_replaceable)
+        || (*role == "policy" && (replicated || policy_rebuildable));
     // A critic a call replaced during the failed step is the one to check.
     for c in controllers.iter_mut() {
         c.adopt_replaced_critic();
@@ -271,14 +277,18 @@ async fn respawn_once(
             ));
         }
     }
-    if let Some(n) = lost_on("policy").filter(|_| !replicated) {
+    let policy_lost = lost_on("policy").filter(|_| !replicated);
+    if let Some((n, why)) = policy_lost
+        .as_ref()
+        .zip(why_not_rebuilt(controllers, stage))
+    {
         return Ok(unrecoverable(
             failed,
-            format!("the policy was lost with {n}, and its trainer state went with it"),
+            format!("the policy was lost with {n}, and its trainer state went with it ({why})"),
             "resume from the last checkpoint; job.policy_replicas = job.controllers keeps a copy on every head, and the run survives the loss of all but one",
         ));
     }
-    if !recoverable {
+    if !recoverable && policy_lost.is_none() {
         return Ok(unrecoverable(
             failed,
             format!("{role} failed after this step's update began ({stage}), so the step cannot simply run again"),
@@ -357,6 +367,15 @@ async fn respawn_once(
                 s.role = r.clone();
             }
         }
+    }
+    if let Some(c) = controllers
+        .first_mut()
+        .filter(|c| policy_lost.is_some() && is_lost(c.roles.policy.id()))
+    {
+        let completed = before.first().map_or(c.step, |s| s.step);
+        let rebuilt =
+            rebuild_lost_policy(job, &text, node, c, completed, &mut hosting, &lost).await?;
+        moved.push(rebuilt);
     }
     if replicated {
         let replaced =

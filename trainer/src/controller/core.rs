@@ -102,6 +102,9 @@ pub struct Controller {
     pub(crate) residency: Residency,
     /// A built-in critic on a cluster: what replaces it when its node is lost.
     pub(crate) critic_recovery: Option<crate::controller::critic_log::CriticRecovery>,
+    /// The policy's updates since its last checkpoint, when a lost policy is rebuilt
+    /// from them (one policy, one head: `build/policy_rebuild.rs`).
+    pub(crate) policy_recovery: Option<crate::controller::update_log::LoggedUpdates>,
 }
 
 /// A batch generated and rewarded, waiting for the step that trains it.
@@ -194,6 +197,7 @@ impl Controller {
             warned_mismatch: Default::default(),
             residency: Residency::default(),
             critic_recovery: None,
+            policy_recovery: None,
         })
     }
 
@@ -269,6 +273,9 @@ impl Controller {
         self.adopt_replaced_critic();
         if let Some(r) = &self.critic_recovery {
             r.lock_log().rewind(state.step);
+        }
+        if let Some(r) = &self.policy_recovery {
+            r.lock().rewind(state.step);
         }
         self.pending = state
             .pending
@@ -430,6 +437,9 @@ impl Controller {
             PolicyResponse::Trained(r) => r,
             other => return Err(self.protocol("policy", "Train", format!("{other:?}"))),
         };
+        if let Some(r) = &self.policy_recovery {
+            r.lock().record(self.step + 1, &p.samples);
+        }
         let critic = match critic? {
             Some((r, secs)) => {
                 p.metrics.set(names::UPDATE_CRITIC_S, secs);

@@ -1,9 +1,10 @@
 //! Surviving the loss of the critic's node. The critic holds trainer state (weights,
 //! AdamW moments, step) that no other node has, and it has no replica. Instead, the
 //! controller keeps the batches it trained the critic on since the critic's state was
-//! last saved ([`CriticLog`]): a new critic started from that state (the run's last
-//! checkpoint, or the job's base model with its zero-initialised value head) and given
-//! those updates again is the lost one, bit for bit on nodes that compute alike.
+//! last saved (an [`UpdateLog`], on the trainer's disk): a new critic started from that
+//! state (the run's last checkpoint, or the job's base model with its zero-initialised
+//! value head) and given those updates again is the lost one, bit for bit on nodes that
+//! compute alike.
 //!
 //! A call the critic's loss fails (`Controller::serve_critic`, `critic_recovery.rs`)
 //! starts the new critic through the job's [`CriticRespawn`], replays the log into it
@@ -11,20 +12,10 @@
 //! by then the policy may have taken. A step that fails on another role first, with the
 //! critic's node lost too, recovers it the same way before the step runs again
 //! (`build/respawn.rs`).
-//!
-//! The log holds the critic's fields of every sample trained since the last checkpoint
-//! (tokens, values, returns, loss mask). It lives in a file on the trainer's disk, not
-//! in its memory: a run that checkpoints only at its end (`checkpoint.every = 0`, the
-//! default) would otherwise hold gigabytes by its thousandth step. Memory keeps one
-//! offset per update; a replay reads one batch at a time.
 
-use std::fs::{File, OpenOptions};
 use std::future::Future;
-use std::io;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use yatt_roles::Sample;
@@ -32,164 +23,13 @@ use yatt_runtime::ActorId;
 
 use crate::controller::error::ControllerError;
 use crate::controller::refs::CriticRef;
+use crate::controller::update_log::{LoggedUpdates, UpdateLog};
 
-/// The log's file in the run's output directory.
-pub(crate) const CRITIC_LOG_FILE: &str = "critic-updates.bin";
-
-/// The critic's updates since its state was last saved, oldest first, each a postcard
-/// batch in `path`.
-#[derive(Debug)]
-pub(crate) struct CriticLog {
-    /// The checkpoint whose `critic/` holds the state before the updates; `None`: the
-    /// job's fresh critic.
-    base: Option<PathBuf>,
-    /// Where the updates are written: created at the first, removed with the log.
-    path: PathBuf,
-    file: Option<File>,
-    /// Each update: the step (1-based) that made it, and where its batch starts in the
-    /// file (it ends where the next starts, the last at `end`).
-    updates: Vec<(u64, u64)>,
-    end: u64,
-    /// Why the updates cannot be given again (a write failed), until the next
-    /// checkpoint starts the log afresh.
-    broken: Option<String>,
-}
-
-impl CriticLog {
-    /// A log whose critic started from `base` (a resumed run's checkpoint) or fresh,
-    /// writing its updates to `path` (truncated at the first).
-    pub(crate) fn new(base: Option<PathBuf>, path: PathBuf) -> Self {
-        CriticLog {
-            base,
-            path,
-            file: None,
-            updates: Vec::new(),
-            end: 0,
-            broken: None,
-        }
-    }
-
-    /// Step `step` trained the critic on `samples`. A write that fails does not stop
-    /// the run: the log says why at the next recovery, which cannot happen then.
-    pub(crate) fn record(&mut self, step: u64, samples: &[Sample]) {
-        if self.broken.is_some() {
-            return;
-        }
-        let batch: Vec<Sample> = samples.iter().map(critic_fields).collect();
-        match self.append(&batch) {
-            Ok(at) => self.updates.push((step, at)),
-            Err(e) => {
-                let why = format!(
-                    "writing the critic's update of step {step} to {}: {e}",
-                    self.path.display()
-                );
-                tracing::warn!("{why}; until the next checkpoint, losing the critic's node stops the run (free the disk, or set checkpoint.every)");
-                self.broken = Some(why);
-            }
-        }
-    }
-
-    /// Writes `batch` at the end of the file; where it starts.
-    fn append(&mut self, batch: &[Sample]) -> io::Result<u64> {
-        let bytes = postcard::to_allocvec(batch).map_err(io::Error::other)?;
-        let file = match &self.file {
-            Some(f) => f,
-            None => {
-                if let Some(dir) = self.path.parent() {
-                    std::fs::create_dir_all(dir)?;
-                }
-                let f = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create(true)
-                    .truncate(true)
-                    .open(&self.path)?;
-                self.file.insert(f)
-            }
-        };
-        file.write_all_at(&bytes, self.end)?;
-        let at = self.end;
-        self.end += bytes.len() as u64;
-        Ok(at)
-    }
-
-    /// The critic's state was saved in checkpoint `dir`: the log starts again there.
-    pub(crate) fn checkpointed(&mut self, dir: &Path) {
-        self.base = Some(dir.to_path_buf());
-        self.updates.clear();
-        self.broken = None;
-        self.cut(0);
-    }
-
-    /// The run goes back to after step `completed`: later updates are undone with it.
-    pub(crate) fn rewind(&mut self, completed: u64) {
-        if let Some(i) = self.updates.iter().position(|(step, _)| *step > completed) {
-            let at = self.updates[i].1;
-            self.updates.truncate(i);
-            self.cut(at);
-        }
-    }
-
-    /// Ends the file at `at`; a failure leaves bytes past `end` that nothing reads.
-    fn cut(&mut self, at: u64) {
-        self.end = at;
-        if let Some(f) = &self.file {
-            if let Err(e) = f.set_len(at) {
-                tracing::debug!(path = %self.path.display(), error = %e, "could not shorten the critic's log");
-            }
-        }
-    }
-
-    /// Where a new critic starts (see [`CriticLog::base`]).
-    pub(crate) fn base(&self) -> Option<&Path> {
-        self.base.as_deref()
-    }
-
-    /// How many updates a new critic is to be given.
-    pub(crate) fn len(&self) -> usize {
-        self.updates.len()
-    }
-
-    /// Whether every update can be given again; `Err`: why not.
-    pub(crate) fn replayable(&self) -> Result<(), String> {
-        match &self.broken {
-            Some(why) => Err(why.clone()),
-            None => Ok(()),
-        }
-    }
-
-    /// The `i`th update's samples (0: the oldest).
-    pub(crate) fn batch(&self, i: usize) -> Result<Vec<Sample>, String> {
-        self.replayable()?;
-        let (step, at) = *self
-            .updates
-            .get(i)
-            .ok_or_else(|| format!("the critic's log has {} updates, not {}", self.len(), i + 1))?;
-        let end = self.updates.get(i + 1).map_or(self.end, |u| u.1);
-        let read = || -> io::Result<Vec<Sample>> {
-            let file = self
-                .file
-                .as_ref()
-                .ok_or_else(|| io::Error::other("the file was never written"))?;
-            let mut bytes = vec![0; (end - at) as usize];
-            file.read_exact_at(&mut bytes, at)?;
-            postcard::from_bytes(&bytes).map_err(io::Error::other)
-        };
-        read().map_err(|e| {
-            format!(
-                "reading the critic's update of step {step} back from {}: {e}",
-                self.path.display()
-            )
-        })
-    }
-}
-
-impl Drop for CriticLog {
-    fn drop(&mut self) {
-        if self.file.take().is_some() {
-            let _ = std::fs::remove_file(&self.path);
-        }
-    }
+/// The critic's update log, in the run's output directory `output_dir`, starting from
+/// the checkpoint `base` (or the job's fresh critic).
+pub(crate) fn critic_log(base: Option<PathBuf>, output_dir: &Path) -> UpdateLog {
+    let path = output_dir.join("critic-updates.bin");
+    UpdateLog::new("critic", critic_fields, base, path)
 }
 
 /// A sample with only what the critic's update reads; the texts, log-probs and
@@ -232,41 +72,28 @@ pub(crate) trait CriticRespawn: Send + Sync {
 
 /// What a controller needs to replace its critic.
 pub(crate) struct CriticRecovery {
-    log: Mutex<CriticLog>,
+    pub(crate) updates: LoggedUpdates,
     pub(crate) respawn: Arc<dyn CriticRespawn>,
     /// A critic started during a step that borrowed the controller shared; adopted
     /// into the roles at the next exclusive borrow.
     replaced: Mutex<Option<CriticRef>>,
-    /// Updates replayed since the step's metrics last took the count.
-    replayed: AtomicU64,
 }
 
 impl CriticRecovery {
-    pub(crate) fn new(log: CriticLog, respawn: Arc<dyn CriticRespawn>) -> Self {
+    pub(crate) fn new(log: UpdateLog, respawn: Arc<dyn CriticRespawn>) -> Self {
         CriticRecovery {
-            log: Mutex::new(log),
+            updates: LoggedUpdates::new(log),
             respawn,
             replaced: Mutex::new(None),
-            replayed: AtomicU64::new(0),
         }
     }
 
-    pub(crate) fn lock_log(&self) -> MutexGuard<'_, CriticLog> {
-        self.log.lock().unwrap_or_else(|p| p.into_inner())
+    pub(crate) fn lock_log(&self) -> MutexGuard<'_, UpdateLog> {
+        self.updates.lock()
     }
 
     pub(crate) fn lock_replaced(&self) -> MutexGuard<'_, Option<CriticRef>> {
         self.replaced.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Updates replayed since the last call.
-    pub(crate) fn take_replayed(&self) -> u64 {
-        self.replayed.swap(0, Ordering::Relaxed)
-    }
-
-    /// A new critic took `updates` logged updates.
-    pub(crate) fn count_replayed(&self, updates: u64) {
-        self.replayed.fetch_add(updates, Ordering::Relaxed);
     }
 }
 
@@ -275,83 +102,31 @@ mod tests {
     use super::*;
     use yatt_roles::SampleId;
 
-    fn sample(id: u64) -> Sample {
+    #[test]
+    fn the_critics_log_keeps_only_what_its_update_reads() {
         let id = SampleId {
             step: 0,
-            prompt: id,
+            prompt: 1,
             k: 0,
         };
         let mut s = Sample::new(id, id.prompt);
         s.prompt_tokens = vec![1, 2];
         s.response_tokens = vec![3, 4, 5];
         s.prompt_text = "a long prompt".into();
+        s.rollout_logprobs = vec![-0.5; 3];
         s.values = Some(vec![0.5; 3]);
         s.returns = Some(vec![1.0; 3]);
-        s
-    }
-
-    fn ids(log: &CriticLog) -> Vec<Vec<SampleId>> {
-        (0..log.len())
-            .map(|i| log.batch(i).unwrap().iter().map(|s| s.id).collect())
-            .collect()
-    }
-
-    fn size(path: &Path) -> u64 {
-        std::fs::metadata(path).unwrap().len()
-    }
-
-    #[test]
-    fn the_log_keeps_on_disk_what_the_critic_trains_on_since_the_last_checkpoint() {
+        s.loss_mask = Some(vec![1, 0, 1]);
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("out").join("critic-updates.bin");
-        let mut log = CriticLog::new(None, path.clone());
-        log.record(1, &[sample(1), sample(2)]);
-        log.record(2, &[sample(3)]);
-        assert_eq!(
-            ids(&log),
-            [vec![sample(1).id, sample(2).id], vec![sample(3).id]]
-        );
-        let first = log.batch(0).unwrap();
-        assert!(first[0].prompt_text.is_empty(), "texts are not kept");
-        assert_eq!(first[0].returns, Some(vec![1.0; 3]));
-        assert_eq!(first[0].values, Some(vec![0.5; 3]));
-        assert_eq!(first[0].response_tokens, sample(1).response_tokens);
-        assert!(size(&path) > 0);
-
-        log.checkpointed(Path::new("/run/checkpoint"));
-        assert_eq!(log.base(), Some(Path::new("/run/checkpoint")));
-        assert_eq!(log.len(), 0);
-        assert_eq!(size(&path), 0, "a checkpoint empties the file");
-        log.record(3, &[sample(4)]);
-        let one = size(&path);
-        log.record(4, &[sample(5)]);
-        // Step 4 runs again from after step 3: its update is undone, in the file too.
-        log.rewind(3);
-        assert_eq!(ids(&log), [vec![sample(4).id]]);
-        assert_eq!(size(&path), one);
-        log.record(4, &[sample(6)]);
-        assert_eq!(ids(&log), [vec![sample(4).id], vec![sample(6).id]]);
-        assert!(log.batch(2).is_err());
-
-        drop(log);
-        assert!(!path.exists(), "the log's file goes with it");
-    }
-
-    #[test]
-    fn a_log_that_cannot_be_written_says_so_until_the_next_checkpoint() {
-        let dir = tempfile::tempdir().unwrap();
-        // Its directory would be a file.
-        let blocker = dir.path().join("output");
-        std::fs::write(&blocker, "not a directory").unwrap();
-        let path = blocker.join("critic-updates.bin");
-        let mut log = CriticLog::new(None, path.clone());
-        log.record(7, &[sample(1)]);
-        let why = log.replayable().unwrap_err();
-        assert!(why.contains("step 7"), "{why}");
-        assert!(why.contains(&path.display().to_string()), "{why}");
-        assert_eq!(log.len(), 0);
-        assert_eq!(log.batch(0).unwrap_err(), why);
-        log.checkpointed(Path::new("/run/checkpoint"));
-        assert_eq!(log.replayable(), Ok(()));
+        let mut log = critic_log(None, dir.path());
+        log.record(1, std::slice::from_ref(&s));
+        let kept = &log.batch(0).unwrap()[0];
+        assert!(kept.prompt_text.is_empty(), "texts are not kept");
+        assert!(kept.rollout_logprobs.is_empty(), "log-probs are not kept");
+        assert_eq!(kept.values, s.values);
+        assert_eq!(kept.returns, s.returns);
+        assert_eq!(kept.loss_mask, s.loss_mask);
+        assert_eq!(kept.response_tokens, s.response_tokens);
+        assert_eq!(kept.prompt_tokens, s.prompt_tokens);
     }
 }

@@ -112,7 +112,7 @@ impl Controller {
             };
             match self.replay_critic_log(r, &new).await {
                 Ok(updates) => {
-                    r.count_replayed(updates);
+                    r.updates.count_replayed(updates);
                     *r.lock_replaced() = Some(new.clone());
                     return Ok(Some(new));
                 }

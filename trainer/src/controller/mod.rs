@@ -18,6 +18,7 @@ pub(crate) mod report;
 pub(crate) mod residency;
 pub(crate) mod stages;
 pub(crate) mod time_share;
+pub(crate) mod update_log;
 pub(crate) mod weights;
 pub(crate) mod weights_direct;
 pub(crate) mod weights_ipc;

@@ -17,6 +17,7 @@ use crate::controller::extra_stages::StageAt;
 use crate::controller::refs::variant;
 use crate::controller::report::{StepMetrics, StepReport};
 use crate::controller::time_share::prepare_time_shared;
+use crate::controller::update_log::LoggedUpdates;
 use crate::controller::weights::Pushed;
 use crate::ledger::{SampleLedger, Stage};
 use yatt_metrics::names;
@@ -535,12 +536,14 @@ impl Controller {
         }
         m.set(names::WEIGHTS_VERSION, version as f64);
         self.adopt_replaced_critic();
-        let replayed = self
-            .critic_recovery
-            .as_ref()
-            .map_or(0, |r| r.take_replayed());
-        if replayed > 0 {
-            m.set(names::RECOVERY_CRITIC_REPLAYED, replayed as f64);
+        let replayed = |u: Option<&LoggedUpdates>| u.map_or(0, LoggedUpdates::take_replayed);
+        let critic_updates = replayed(self.critic_recovery.as_ref().map(|r| &r.updates));
+        if critic_updates > 0 {
+            m.set(names::RECOVERY_CRITIC_REPLAYED, critic_updates as f64);
+        }
+        let policy_updates = replayed(self.policy_recovery.as_ref());
+        if policy_updates > 0 {
+            m.set(names::RECOVERY_POLICY_REPLAYED, policy_updates as f64);
         }
         self.step += 1;
         m.set(names::DROPPED_SAMPLES, ledger.dropped as f64);

@@ -592,6 +592,7 @@ impl PolicyRole {
         report.loss = loss / steps;
         stats.report_into(&mut report);
         report.version = self.trainer.step_count();
+        super::fault::after_update(report.version);
         report.seconds = t0.elapsed().as_secs_f64();
         Ok(report)
     }
@@ -901,6 +902,7 @@ impl Role for PolicyRole {
                 "the policy role was asked directly, not through the actor that pushes weights on a node".into(),
             )),
             PolicyRequest::SaveCheckpoint(dir) => {
+                super::fault::in_policy_save();
                 super::write_root::check_under(
                     self.write_root.as_deref(),
                     &dir,
