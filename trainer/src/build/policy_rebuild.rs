@@ -19,7 +19,6 @@ use yatt_runtime::{ActorId, Node};
 
 use crate::build::remote::spawn;
 use crate::build::replica::Hosting;
-use crate::build::respawn::{AFTER_UPDATE, UPDATE};
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::refs::PolicyRef;
@@ -34,8 +33,12 @@ pub(crate) fn policy_log(base: Option<PathBuf>, output_dir: &Path) -> UpdateLog 
     UpdateLog::new("policy", Sample::clone, base, path)
 }
 
-/// Why a lost policy cannot be rebuilt after failing in `stage`; `None`: it can.
-pub(crate) fn why_not_rebuilt(controllers: &[Controller], stage: &str) -> Option<&'static str> {
+/// Why a lost policy cannot be rebuilt after a step that failed where a critic may
+/// have taken its update already (`past_update`); `None`: it can.
+pub(crate) fn why_not_rebuilt(
+    controllers: &[Controller],
+    past_update: bool,
+) -> Option<&'static str> {
     let [c] = controllers else {
         return Some("several heads share it");
     };
@@ -43,8 +46,7 @@ pub(crate) fn why_not_rebuilt(controllers: &[Controller], stage: &str) -> Option
         return Some("the program brought it");
     }
     // A critic that took this step's update cannot take it again when the step reruns.
-    let critic_updated = UPDATE.contains(&stage) || AFTER_UPDATE.contains(&stage);
-    if c.roles.critic.is_some() && critic_updated {
+    if c.roles.critic.is_some() && past_update {
         return Some("the critic may have taken this step's update already");
     }
     None

@@ -37,11 +37,11 @@ const STATELESS: [&str; 3] = ["rollout", "reward", "reference"];
 
 /// The stages that run after the update: a failure there leaves the policy a version
 /// ahead of the heads, so the step cannot simply run again.
-pub(crate) const AFTER_UPDATE: [&str; 1] = ["weight_sync"];
+const AFTER_UPDATE: [&str; 1] = ["weight_sync"];
 
 /// The update's stages: the policy and the critic train side by side, so a failure in
 /// either may come after the other took the step's update.
-pub(crate) const UPDATE: [&str; 2] = ["update_actor", "update_critic"];
+const UPDATE: [&str; 2] = ["update_actor", "update_critic"];
 
 /// Whether the actor `id` is gone: its entry is dead, or its name now belongs to a
 /// newer incarnation (its node restarted); with no entry, whether its node is gone.
@@ -207,13 +207,13 @@ async fn respawn_once(
             .any(|s| s.name == *role && named.contains(s.role.id()))
     });
     let stateless = (STATELESS.contains(role) || named_stage) && !AFTER_UPDATE.contains(stage);
+    let past_update = UPDATE.contains(stage) || AFTER_UPDATE.contains(stage);
     // A critic the controller can replace (a built-in one) is, before the update: once
     // it has begun, the policy may have taken the step's update.
-    let critic_replaceable = controllers.iter().any(|c| c.critic_recovery.is_some())
-        && !UPDATE.contains(stage)
-        && !AFTER_UPDATE.contains(stage);
+    let critic_replaceable =
+        controllers.iter().any(|c| c.critic_recovery.is_some()) && !past_update;
     // A single policy is rebuilt from its log, and the whole step runs again.
-    let policy_rebuildable = !replicated && why_not_rebuilt(controllers, stage).is_none();
+    let policy_rebuildable = !replicated && why_not_rebuilt(controllers, past_update).is_none();
     let recoverable = stateless
         || (*role == "critic" && critic_replaceable)
         || (*role == "policy" && (replicated || policy_rebuildable));
@@ -280,7 +280,7 @@ async fn respawn_once(
     let policy_lost = lost_on("policy").filter(|_| !replicated);
     if let Some((n, why)) = policy_lost
         .as_ref()
-        .zip(why_not_rebuilt(controllers, stage))
+        .zip(why_not_rebuilt(controllers, past_update))
     {
         return Ok(unrecoverable(
             failed,
