@@ -22,6 +22,7 @@ use crate::build::replica::Hosting;
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
 use crate::controller::refs::PolicyRef;
+use crate::controller::release::stop_if_failed;
 use crate::controller::update_log::UpdateLog;
 use crate::error::JobError;
 
@@ -81,19 +82,30 @@ pub(crate) async fn rebuild_lost_policy(
         (log.base().map(Path::to_path_buf), log.len())
     };
     let target = hosting.pick(lost)?;
-    let new: PolicyRef = spawn(job, text, node, "policy", &target, base.as_deref()).await?;
     let timeout = c.config.timeouts.train;
-    for i in 0..updates {
-        let batch = r.lock().batch(i).map_err(unreplayable)?;
-        let request = PolicyRequest::Train(batch);
-        match c
-            .serve(&new, request, "policy_replay", "policy", timeout)
-            .await?
-        {
-            PolicyResponse::Trained(_) => {}
-            other => return Err(c.protocol("policy", "Train", format!("{other:?}")).into()),
+    let replaying: &Controller = c;
+    let (at, from) = (target.as_str(), base.as_deref());
+    // A new policy that cannot take the log is stopped, not left holding its model
+    // while the recovery tries again.
+    let new = stop_if_failed(node, job, |started| async move {
+        let new: PolicyRef = started.keep(spawn(job, text, node, "policy", at, from).await?);
+        for i in 0..updates {
+            let batch = r.lock().batch(i).map_err(unreplayable)?;
+            let request = PolicyRequest::Train(batch);
+            match replaying
+                .serve(&new, request, "policy_replay", "policy", timeout)
+                .await?
+            {
+                PolicyResponse::Trained(_) => {}
+                other => {
+                    let e = replaying.protocol("policy", "Train", format!("{other:?}"));
+                    return Err(e.into());
+                }
+            }
         }
-    }
+        Ok(new)
+    })
+    .await?;
     r.count_replayed(updates as u64);
     let old = std::mem::replace(&mut c.roles.policy, new);
     // The NCCL group's rank 0 went with the old policy.

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use yatt_roles::{CriticRequest, CriticResponse, Sample};
+use yatt_roles::{CriticRequest, CriticResponse, RoleRequest, Sample};
 use yatt_runtime::{ActorId, CallError};
 
 use crate::controller::core::Controller;
@@ -17,6 +17,10 @@ use crate::controller::refs::CriticRef;
 /// each lost one took a node with it, so more means the cluster is failing faster than
 /// a critic can be rebuilt.
 pub(crate) const CRITIC_RESPAWNS: u32 = 3;
+
+/// How long stopping a new critic the recovery gave up on may take: a busy one takes
+/// the stop when its current call ends.
+const STOP_ABANDONED: Duration = Duration::from_secs(5);
 
 /// Whether `e` is a call that a lost node explains (rather than the critic's own error).
 fn node_unreached(e: &ControllerError) -> bool {
@@ -96,33 +100,50 @@ impl Controller {
             return Ok(None);
         };
         let mut lost = lost.clone();
+        // A critic this recovery started and gave up on: stopped unless another took
+        // over, as it may only be slow, not lost, and would hold its model until the
+        // trainer leaves.
+        let mut abandoned = None;
         let mut tries = 0;
-        loop {
+        let recovered = loop {
             tries += 1;
             // No critic to start when it could not be given the updates since the
             // checkpoint.
-            r.lock_log().replayable().map_err(unreplayable)?;
+            if let Err(why) = r.lock_log().replayable() {
+                break Err(unreplayable(why));
+            }
             let base = r.lock_log().base().map(Path::to_path_buf);
-            let Some(new) = r
+            let respawned = r
                 .respawn
                 .respawn(self.role_ids_with(&lost), lost.id(), base.as_deref())
-                .await?
-            else {
-                return Ok(None);
+                .await;
+            let new = match respawned {
+                Ok(Some(new)) => new,
+                other => break other,
             };
             match self.replay_critic_log(r, &new).await {
                 Ok(updates) => {
                     r.updates.count_replayed(updates);
                     *r.lock_replaced() = Some(new.clone());
-                    return Ok(Some(new));
+                    break Ok(Some(new));
                 }
                 Err(e) if node_unreached(&e) && tries < CRITIC_RESPAWNS => {
                     tracing::warn!(step = self.step_no(), error = %e, critic = %new.id(), "the new critic's node was lost while it took the logged updates; starting another");
+                    abandoned = Some(new.clone());
                     lost = new;
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    abandoned = Some(new);
+                    break Err(e);
+                }
+            }
+        };
+        if let (Some(a), false) = (abandoned, matches!(recovered, Ok(Some(_)))) {
+            if let Err(e) = a.ask(RoleRequest::Stop, STOP_ABANDONED).await {
+                tracing::debug!(critic = %a.id(), error = %e, "could not stop an abandoned critic");
             }
         }
+        recovered
     }
 
     /// Trains `new` on the logged updates, oldest first, one batch at a time (the log
