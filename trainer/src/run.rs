@@ -219,6 +219,12 @@ pub async fn train_with(
         let first_step = step;
         let mut rewards = Vec::new();
         let mut saved_at = None;
+        let mut losses = NodeLoss {
+            job,
+            node,
+            custom: &custom,
+            named: &mut named,
+        };
         for _ in step..total {
             let mut record = |m: &StepMetrics| {
                 step += 1;
@@ -239,9 +245,7 @@ pub async fn train_with(
                     Err(e) => Err(e),
                 },
                 None if job.placement.mode == PlacementMode::Disaggregated => {
-                    match step_surviving_node_loss(job, node, &mut controllers, &custom, &mut named)
-                        .await
-                    {
+                    match losses.step(&mut controllers).await {
                         Ok(m) => record(&m),
                         Err(e) => Err(e),
                     }
@@ -256,14 +260,10 @@ pub async fn train_with(
             }
             let eval_now = job.eval.every > 0 && (step % job.eval.every == 0 || step == total);
             if (every > 0 && step % every == 0 && step < total) || eval_now {
-                let live = live.as_ref();
                 save_checkpoint(
-                    job,
-                    node,
-                    live,
+                    live.as_ref(),
+                    &mut losses,
                     &mut controllers,
-                    &custom,
-                    &mut named,
                     &checkpoint_dir,
                 )
                 .await?;
@@ -281,14 +281,10 @@ pub async fn train_with(
         let seconds = t0.elapsed().as_secs_f64();
         // The last step's checkpoint is already there when it was evaluated.
         if saved_at != Some(step) {
-            let live = live.as_ref();
             save_checkpoint(
-                job,
-                node,
-                live,
+                live.as_ref(),
+                &mut losses,
                 &mut controllers,
-                &custom,
-                &mut named,
                 &checkpoint_dir,
             )
             .await?;
@@ -320,96 +316,118 @@ pub async fn train_with(
 /// How often one step may lose roles and run again before the run stops.
 const STEP_RECOVERIES: usize = 3;
 
-/// One step of a disaggregated run. A step that fails because a node hosting
-/// stateless roles or a policy replica died runs again with those roles on surviving
-/// nodes (see [`respawn_lost_roles`]); its metrics then count the whole wall time and
-/// the roles respawned (`recovery/respawned_roles`).
-async fn step_surviving_node_loss(
-    job: &JobConfig,
-    node: &Node,
-    controllers: &mut [Controller],
-    custom: &BTreeSet<ActorId>,
-    named: &mut NamedRoles,
-) -> Result<StepMetrics, JobError> {
-    let t = Instant::now();
-    let mut respawned = 0;
-    // The heads as they were before the step: every recovery puts them back here.
-    let before: Vec<ControllerState> = controllers.iter().map(Controller::state).collect();
-    for attempt in 0.. {
-        let mut done = None;
-        let stepped = run_steps(controllers, 1, |m| {
-            done = Some(m.clone());
-            Ok(())
-        })
-        .await;
-        let failed = match stepped {
-            Ok(()) => {
-                let mut m = done.expect("one step reports its metrics");
-                if respawned > 0 {
-                    m.values
-                        .insert(names::STEP_S.into(), t.elapsed().as_secs_f64());
-                    m.values
-                        .insert(names::RECOVERY_RESPAWNED.into(), respawned as f64);
-                }
-                return Ok(m);
-            }
-            Err(e) => e,
-        };
-        if attempt == STEP_RECOVERIES {
-            return Err(failed);
-        }
-        let moved =
-            match respawn_lost_roles(job, node, controllers, &before, &failed, custom, named)
-                .await?
-            {
-                Recovered::Moved(moved) if !moved.is_empty() => moved,
-                Recovered::Moved(_) => return Err(failed),
-                Recovered::NotMoved(why) => return Err(why.unwrap_or(failed)),
-            };
-        tracing::warn!(step = before.first().map_or(0, |s| s.step) + 1, error = %failed, moved = ?moved, "a node was lost; its roles run elsewhere and the step runs again");
-        respawned += moved.len();
-    }
-    unreachable!("the loop returns")
+/// What a disaggregated run needs to put back the roles of a node it lost (see
+/// [`respawn_lost_roles`]) and go on.
+struct NodeLoss<'a> {
+    job: &'a JobConfig,
+    node: &'a Node,
+    /// The program's own roles, which a loss cannot bring back.
+    custom: &'a BTreeSet<ActorId>,
+    named: &'a mut NamedRoles,
 }
 
-/// Saves the run's checkpoint `dir` (the live placement's controllers when there is
-/// one). A disaggregated run's save that fails because a node was lost (a policy
-/// without replicas, rebuilt from its log; see [`respawn_lost_roles`]) replaces what
-/// the node held and saves again.
-async fn save_checkpoint(
-    job: &JobConfig,
-    node: &Node,
-    live: Option<&LivePlacement>,
-    controllers: &mut [Controller],
-    custom: &BTreeSet<ActorId>,
-    named: &mut NamedRoles,
-    dir: &Path,
-) -> Result<(), JobError> {
-    if let Some(l) = live {
-        return save(l.controllers(), dir).await;
+impl NodeLoss<'_> {
+    /// One step of a disaggregated run. A step that fails because a node hosting
+    /// stateless roles or a policy replica died runs again with those roles on
+    /// surviving nodes; its metrics then count the whole wall time and the roles
+    /// respawned (`recovery/respawned_roles`).
+    async fn step(&mut self, controllers: &mut [Controller]) -> Result<StepMetrics, JobError> {
+        let t = Instant::now();
+        let mut respawned = 0;
+        // The heads as they were before the step: every recovery puts them back here.
+        let before: Vec<ControllerState> = controllers.iter().map(Controller::state).collect();
+        for attempt in 0.. {
+            let mut done = None;
+            let stepped = run_steps(controllers, 1, |m| {
+                done = Some(m.clone());
+                Ok(())
+            })
+            .await;
+            let failed = match stepped {
+                Ok(()) => {
+                    let mut m = done.expect("one step reports its metrics");
+                    if respawned > 0 {
+                        m.values
+                            .insert(names::STEP_S.into(), t.elapsed().as_secs_f64());
+                        m.values
+                            .insert(names::RECOVERY_RESPAWNED.into(), respawned as f64);
+                    }
+                    return Ok(m);
+                }
+                Err(e) => e,
+            };
+            let step = before.first().map_or(0, |s| s.step) + 1;
+            let error = failed.to_string();
+            let moved = self.put_back(controllers, &before, failed, attempt).await?;
+            tracing::warn!(step, error, moved = ?moved, "a node was lost; its roles run elsewhere and the step runs again");
+            respawned += moved.len();
+        }
+        unreachable!("the loop returns")
     }
-    if job.placement.mode != PlacementMode::Disaggregated {
-        return save(controllers, dir).await;
+
+    /// Saves the checkpoint `dir`. A save that fails because a node was lost (a policy
+    /// without replicas, rebuilt from its log) puts back what the node held and saves
+    /// again.
+    async fn save(&mut self, controllers: &mut [Controller], dir: &Path) -> Result<(), JobError> {
+        // The heads stay where they are: a recovery only puts the lost roles back.
+        let now: Vec<ControllerState> = controllers.iter().map(Controller::state).collect();
+        for attempt in 0.. {
+            let failed = match save(controllers, dir).await {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            };
+            let error = failed.to_string();
+            let moved = self.put_back(controllers, &now, failed, attempt).await?;
+            tracing::warn!(error, moved = ?moved, "a node was lost during the checkpoint; its roles run elsewhere and the checkpoint is saved again");
+        }
+        unreachable!("the loop returns")
     }
-    // The heads stay where they are: a recovery only puts the lost roles back.
-    let now: Vec<ControllerState> = controllers.iter().map(Controller::state).collect();
-    for attempt in 0.. {
-        let failed = match save(controllers, dir).await {
-            Ok(()) => return Ok(()),
-            Err(e) => e,
-        };
+
+    /// After `failed`, the `attempt`th failure of one step or save, puts the lost
+    /// roles back with the heads at `before`: what moved, or the error to stop with.
+    async fn put_back(
+        &mut self,
+        controllers: &mut [Controller],
+        before: &[ControllerState],
+        failed: JobError,
+        attempt: usize,
+    ) -> Result<Vec<String>, JobError> {
         if attempt == STEP_RECOVERIES {
             return Err(failed);
         }
-        match respawn_lost_roles(job, node, controllers, &now, &failed, custom, named).await? {
-            Recovered::Moved(moved) if !moved.is_empty() => {
-                tracing::warn!(error = %failed, moved = ?moved, "a node was lost during the checkpoint; its roles run elsewhere and the checkpoint is saved again");
-            }
-            Recovered::Moved(_) => return Err(failed),
-            Recovered::NotMoved(why) => return Err(why.unwrap_or(failed)),
+        let (job, node) = (self.job, self.node);
+        let recovered = respawn_lost_roles(
+            job,
+            node,
+            controllers,
+            before,
+            &failed,
+            self.custom,
+            self.named,
+        );
+        match recovered.await? {
+            Recovered::Moved(moved) if !moved.is_empty() => Ok(moved),
+            Recovered::Moved(_) => Err(failed),
+            Recovered::NotMoved(why) => Err(why.unwrap_or(failed)),
         }
     }
-    unreachable!("the loop returns")
+}
+
+/// Saves the run's checkpoint `dir`: the live placement's controllers when there is
+/// one, a disaggregated run's surviving a node's loss.
+async fn save_checkpoint(
+    live: Option<&LivePlacement>,
+    losses: &mut NodeLoss<'_>,
+    controllers: &mut [Controller],
+    dir: &Path,
+) -> Result<(), JobError> {
+    match live {
+        Some(l) => save(l.controllers(), dir).await,
+        None if losses.job.placement.mode == PlacementMode::Disaggregated => {
+            losses.save(controllers, dir).await
+        }
+        None => save(controllers, dir).await,
+    }
 }
 
 /// What a run that just failed can be resumed from: its last checkpoint and the command,

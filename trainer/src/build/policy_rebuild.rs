@@ -14,7 +14,7 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use yatt_roles::{PolicyRequest, PolicyResponse, Sample};
+use yatt_roles::{PolicyRequest, PolicyResponse};
 use yatt_runtime::{ActorId, Node};
 
 use crate::build::remote::spawn;
@@ -31,7 +31,7 @@ use crate::error::JobError;
 /// policy's loss reads most of their fields.
 pub(crate) fn policy_log(base: Option<PathBuf>, output_dir: &Path) -> UpdateLog {
     let path = output_dir.join("policy-updates.bin");
-    UpdateLog::new("policy", Sample::clone, base, path)
+    UpdateLog::new("policy", None, base, path)
 }
 
 /// Why a lost policy cannot be rebuilt after a step that failed where a critic may

@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use yatt_roles::{RoleRequest, RoleResponse};
-use yatt_runtime::{ActorId, ActorRef, CallError, Directory, Liveness, Message, Node};
+use yatt_runtime::{ActorId, ActorRef, Directory, Liveness, Message, Node};
 
 use crate::build::policy_rebuild::{rebuild_lost_policy, why_not_rebuilt};
 use crate::build::remote::{job_text, spawn};
@@ -27,7 +27,7 @@ use crate::build::replica::{replace_lost_replicas, Hosting};
 use crate::build::user_roles::NamedRoles;
 use crate::config::sections::JobConfig;
 use crate::controller::core::Controller;
-use crate::controller::error::ControllerError;
+use crate::controller::error::{unreached_node, ControllerError};
 use crate::controller::refs::SamplesRef;
 use crate::controller::report::ControllerState;
 use crate::error::JobError;
@@ -142,20 +142,6 @@ fn unrecoverable<M>(failed: &JobError, why: String, fix: &str) -> Recovered<M> {
         what: format!("{failed}; {why}"),
         fix: fix.into(),
     }))
-}
-
-/// The node a call failed to reach, when the failure is one a lost node or a broken
-/// network gives (rather than the role's own error).
-fn unreached_node(e: &CallError) -> Option<&str> {
-    match e {
-        CallError::Transport { node, .. }
-        | CallError::NodeDown { node }
-        | CallError::Unavailable { node, .. } => Some(node),
-        CallError::Timeout { target, .. }
-        | CallError::Died { target }
-        | CallError::Closed { target } => Some(&target.name.node),
-        CallError::Stale { .. } | CallError::Handler { .. } | CallError::Codec(_) => None,
-    }
 }
 
 /// How often a recovery is tried.

@@ -29,7 +29,7 @@ use crate::controller::update_log::{LoggedUpdates, UpdateLog};
 /// the checkpoint `base` (or the job's fresh critic).
 pub(crate) fn critic_log(base: Option<PathBuf>, output_dir: &Path) -> UpdateLog {
     let path = output_dir.join("critic-updates.bin");
-    UpdateLog::new("critic", critic_fields, base, path)
+    UpdateLog::new("critic", Some(critic_fields), base, path)
 }
 
 /// A sample with only what the critic's update reads; the texts, log-probs and

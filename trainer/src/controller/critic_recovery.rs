@@ -6,11 +6,11 @@ use std::path::Path;
 use std::time::Duration;
 
 use yatt_roles::{CriticRequest, CriticResponse, RoleRequest, Sample};
-use yatt_runtime::{ActorId, CallError};
+use yatt_runtime::ActorId;
 
 use crate::controller::core::Controller;
 use crate::controller::critic_log::CriticRecovery;
-use crate::controller::error::ControllerError;
+use crate::controller::error::{unreached_node, ControllerError};
 use crate::controller::refs::CriticRef;
 
 /// How many new critics one call, or one recovery, starts at most before it gives up:
@@ -24,18 +24,7 @@ const STOP_ABANDONED: Duration = Duration::from_secs(5);
 
 /// Whether `e` is a call that a lost node explains (rather than the critic's own error).
 fn node_unreached(e: &ControllerError) -> bool {
-    matches!(
-        e,
-        ControllerError::Call {
-            source: CallError::Transport { .. }
-                | CallError::NodeDown { .. }
-                | CallError::Unavailable { .. }
-                | CallError::Timeout { .. }
-                | CallError::Died { .. }
-                | CallError::Closed { .. },
-            ..
-        }
-    )
+    matches!(e, ControllerError::Call { source, .. } if unreached_node(source).is_some())
 }
 
 impl Controller {

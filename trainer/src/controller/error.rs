@@ -133,3 +133,17 @@ pub enum ControllerError {
 pub(crate) fn replica_lost(e: &CallError) -> bool {
     !matches!(e, CallError::Handler { .. })
 }
+
+/// The node a call failed to reach, when the failure is one a lost node or a broken
+/// network gives (rather than the role's own error).
+pub(crate) fn unreached_node(e: &CallError) -> Option<&str> {
+    match e {
+        CallError::Transport { node, .. }
+        | CallError::NodeDown { node }
+        | CallError::Unavailable { node, .. } => Some(node),
+        CallError::Timeout { target, .. }
+        | CallError::Died { target }
+        | CallError::Closed { target } => Some(&target.name.node),
+        CallError::Stale { .. } | CallError::Handler { .. } | CallError::Codec(_) => None,
+    }
+}

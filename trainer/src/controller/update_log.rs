@@ -23,8 +23,9 @@ use yatt_roles::Sample;
 pub(crate) struct UpdateLog {
     /// The role, as errors name it.
     role: &'static str,
-    /// What of each sample the role's update reads (the rest is not written).
-    keep: fn(&Sample) -> Sample,
+    /// What of each sample the role's update reads (the rest is not written); `None`:
+    /// whole samples, written as they are.
+    keep: Option<fn(&Sample) -> Sample>,
     /// The checkpoint that holds the role's state before the updates; `None`: the job's
     /// fresh role.
     base: Option<PathBuf>,
@@ -42,11 +43,11 @@ pub(crate) struct UpdateLog {
 
 impl UpdateLog {
     /// A log of `role`, which started from `base` (a resumed run's checkpoint) or
-    /// fresh, writing what `keep` keeps of its updates to `path` (truncated at the
-    /// first).
+    /// fresh, writing what `keep` keeps of its updates (all, with `None`) to `path`
+    /// (truncated at the first).
     pub(crate) fn new(
         role: &'static str,
-        keep: fn(&Sample) -> Sample,
+        keep: Option<fn(&Sample) -> Sample>,
         base: Option<PathBuf>,
         path: PathBuf,
     ) -> Self {
@@ -68,8 +69,14 @@ impl UpdateLog {
         if self.broken.is_some() {
             return;
         }
-        let batch: Vec<Sample> = samples.iter().map(self.keep).collect();
-        match self.append(&batch) {
+        let encoded = match self.keep {
+            Some(keep) => postcard::to_allocvec(&samples.iter().map(keep).collect::<Vec<_>>()),
+            None => postcard::to_allocvec(samples),
+        };
+        let written = encoded
+            .map_err(io::Error::other)
+            .and_then(|bytes| self.append(&bytes));
+        match written {
             Ok(at) => self.updates.push((step, at)),
             Err(e) => {
                 let why = format!(
@@ -83,9 +90,8 @@ impl UpdateLog {
         }
     }
 
-    /// Writes `batch` at the end of the file; where it starts.
-    fn append(&mut self, batch: &[Sample]) -> io::Result<u64> {
-        let bytes = postcard::to_allocvec(batch).map_err(io::Error::other)?;
+    /// Writes `bytes` at the end of the file; where they start.
+    fn append(&mut self, bytes: &[u8]) -> io::Result<u64> {
         let file = match &self.file {
             Some(f) => f,
             None => {
@@ -101,7 +107,7 @@ impl UpdateLog {
                 self.file.insert(f)
             }
         };
-        file.write_all_at(&bytes, self.end)?;
+        file.write_all_at(bytes, self.end)?;
         let at = self.end;
         self.end += bytes.len() as u64;
         Ok(at)
@@ -257,7 +263,7 @@ mod tests {
     fn the_log_keeps_on_disk_what_the_role_trained_on_since_the_last_checkpoint() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("out").join("critic-updates.bin");
-        let mut log = UpdateLog::new("critic", Sample::clone, None, path.clone());
+        let mut log = UpdateLog::new("critic", None, None, path.clone());
         log.record(1, &[sample(1), sample(2)]);
         log.record(2, &[sample(3)]);
         assert_eq!(
@@ -293,7 +299,7 @@ mod tests {
         let blocker = dir.path().join("output");
         std::fs::write(&blocker, "not a directory").unwrap();
         let path = blocker.join("critic-updates.bin");
-        let mut log = UpdateLog::new("critic", Sample::clone, None, path.clone());
+        let mut log = UpdateLog::new("critic", None, None, path.clone());
         log.record(7, &[sample(1)]);
         let why = log.replayable().unwrap_err();
         assert!(why.contains("step 7"), "{why}");
