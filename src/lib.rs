@@ -65,6 +65,8 @@ pub mod http;
 pub mod logging;
 pub mod node;
 pub mod node_config;
+mod reference;
+pub use reference::{cli_reference_page, config_reference_page};
 
 /// Registers every role this build of yatt can spawn on request: the runtime's
 /// diagnostic actors (echo, bulk-sink) and the built-in RLHF roles (rollout, policy,

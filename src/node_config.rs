@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use yatt_runtime::NodeConfig;
 use yatt_runtime::TransportConfig;
 use yatt_runtime::{BulkLimits, FrameLimits};
@@ -40,7 +40,7 @@ pub enum ConfigError {
 }
 
 /// `[node]`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct NodeSection {
     /// The node's name; must match its certificate.
@@ -77,7 +77,7 @@ impl Default for NodeSection {
 }
 
 /// `[tls]`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct TlsSection {
     /// Directory with `ca.pem`, `<name>.pem` and `<name>.key`.
@@ -96,7 +96,7 @@ impl Default for TlsSection {
 }
 
 /// `[http]`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct HttpSection {
     /// Address of `/health` and `/metrics`; empty disables the HTTP server.
@@ -112,7 +112,7 @@ impl Default for HttpSection {
 }
 
 /// `[membership]`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct MembershipSection {
     /// Heartbeat period in milliseconds.
@@ -131,7 +131,7 @@ impl Default for MembershipSection {
 }
 
 /// `[transport]`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct TransportSection {
     /// Largest control frame in bytes.
@@ -179,7 +179,7 @@ impl Default for TransportSection {
 }
 
 /// The whole file.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct NodeFile {
     /// `[node]`

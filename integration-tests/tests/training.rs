@@ -158,7 +158,6 @@ async fn a_job_trains_with_its_roles_on_three_nodes() {
         "roles built in {built:.2?}, {STEPS} steps in {trained:.2?}, total {:.2?}; rewards {rewards:.3?}",
         t0.elapsed()
     );
-    assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
 }
 
 #[test]
@@ -786,7 +785,6 @@ async fn policy_replicas_on_two_nodes_all_reduce_to_identical_weights() {
         "{DP_STEPS} data-parallel steps on two replica nodes in {trained:.2?} (total {:.2?}); rewards {rewards:.3?}",
         t0.elapsed()
     );
-    assert!(t0.elapsed() < Duration::from_secs(90), "{:?}", t0.elapsed());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -858,7 +856,6 @@ async fn a_ppo_job_trains_with_its_critic_on_a_node() {
         "{PPO_STEPS} PPO steps with the critic on a node: {:.2?}",
         t0.elapsed()
     );
-    assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
 }
 
 fn borrow(v: &[String]) -> Vec<&str> {

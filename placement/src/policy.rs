@@ -45,7 +45,7 @@ use crate::search::{assign, search_top_in, search_top_lanes, Found, LaneSearch, 
 use crate::workload::ForecastParams;
 
 /// The policy's knobs.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct PolicyConfig {
     /// Steps between searches.

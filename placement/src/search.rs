@@ -54,7 +54,7 @@ pub struct Found {
 }
 
 /// Straggler lanes the search may propose (see [`Lanes`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LaneSearch {
     /// Most responses one lane decodes at once; the search tries this batch and a

@@ -23,6 +23,9 @@
 //!
 //! Every module is private; this page is the whole public API.
 
+// The SDK a user writes against: every public item is documented.
+#![deny(missing_docs)]
+
 mod algo;
 mod builtin;
 mod data;

@@ -29,6 +29,9 @@
 //! | `tls` | cluster CA, node certificates, mutual TLS | [`ClusterCa`], [`NodeIdentity`] |
 //! | `cert_kind` | what a certificate's holder may do (lead, spawn) | [`CertKind`] |
 
+// The SDK a user writes against: every public item is documented.
+#![deny(missing_docs)]
+
 mod actor;
 mod addr;
 mod buffers;

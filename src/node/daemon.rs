@@ -106,6 +106,11 @@ struct RunArgs {
     data_dir: Option<PathBuf>,
 }
 
+/// `yatt-node`'s command line, for the generated CLI reference.
+pub fn cli_command() -> clap::Command {
+    <Cli as clap::CommandFactory>::command()
+}
+
 /// Parses the command line and runs it, with the roles `roles` registers.
 pub(crate) fn main_with_roles(roles: Roles) -> Result<(), DaemonError> {
     let cli = Cli::parse();

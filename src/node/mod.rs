@@ -27,6 +27,7 @@ mod error;
 mod roles;
 
 pub use error::DaemonError;
+pub use daemon::cli_command;
 pub use roles::Roles;
 
 /// The stock `yatt-node`: the built-in roles only.

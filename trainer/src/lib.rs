@@ -42,6 +42,7 @@ pub use config::modes::{
     RewardKind, Schedule, Task, TimeShare, UnparsedVerdict, VerdictMode,
 };
 pub use config::placement::{NodeNames, PlacementSection, ROLES};
+pub use config::reference::config_reference;
 pub use config::user_roles::{RolesSection, UserRole, UserStage};
 // The config's modes that are `yatt-roles`' own enums.
 pub use config::sections::{

@@ -10,7 +10,7 @@ use serde_json::Value;
 use yatt_runtime::Node;
 use yatt_trainer::JobConfig;
 
-mod common;
+use crate::common;
 
 fn demo_config(out: &Path, sets: &[&str]) -> JobConfig {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../config/demo-letters.toml");

@@ -9,7 +9,7 @@ use yatt_roles::SampleId;
 use yatt_runtime::Node;
 use yatt_trainer::{build, step_data_parallel, JobConfig, StepMetrics};
 
-mod common;
+use crate::common;
 
 /// Per step: the ids trained and the metrics, for the demo job with `sets`.
 async fn run(sets: &[&str], steps: u64) -> Vec<(Vec<SampleId>, StepMetrics)> {

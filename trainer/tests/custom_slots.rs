@@ -3,7 +3,7 @@
 //! counts its requests around a built-in role), take their slots and are driven by the
 //! controllers; slots the job cannot use are refused with the reason.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -4,7 +4,7 @@
 //! `data.format = "hf-disk"`; and the `[data]` keys' checks. Without the `.venv`'s
 //! pandas and datasets these tests fail (`scripts/bootstrap.sh` installs them).
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -5,7 +5,7 @@
 //! the observation tokens stay out of the loss (the model's share of the response tokens
 //! is below 1).
 
-mod common;
+use crate::common;
 
 use common::{demo_config, train_job};
 

@@ -4,7 +4,7 @@
 //! filter kept, each reports its time and drops, and a stage that gives back a
 //! sample it was not given fails the step naming itself.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};

@@ -7,7 +7,7 @@ use std::path::Path;
 use yatt_runtime::Node;
 use yatt_trainer::{build_embedded_with, train, CustomRoles, JobConfig, JOB_FILE};
 
-mod common;
+use crate::common;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_letters_writes_one_metrics_line_per_step() {

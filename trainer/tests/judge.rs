@@ -5,7 +5,7 @@
 //! output fails loudly or takes the configured fallback, and a GRPO job with the judge
 //! in the loop runs with a clean ledger and learns the property the judge grades.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -7,7 +7,7 @@
 
 use yatt_metrics::names;
 
-mod common;
+use crate::common;
 
 const LORA: &str = "model.lora={rank=8, alpha=16}";
 

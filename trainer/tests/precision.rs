@@ -7,7 +7,7 @@ use yatt_metrics::names;
 use yatt_runtime::Node;
 use yatt_trainer::{build, step_data_parallel, JobError};
 
-mod common;
+use crate::common;
 
 /// Rewards and the mean rollout/trainer log-prob difference per step of the demo job.
 async fn run(sets: &[String], steps: u64) -> (Vec<f64>, Vec<f64>) {

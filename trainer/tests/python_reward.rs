@@ -4,7 +4,7 @@
 //! against a one-shot HTTP server on 127.0.0.1; and the config checks of both kinds'
 //! keys.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

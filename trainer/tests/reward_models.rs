@@ -3,7 +3,7 @@
 //! errors name the key and the fix, and a reward model trained on the letters property
 //! steers a GRPO job (its score and the true property both rise).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -5,7 +5,7 @@
 //! those words, and unchanged elsewhere; centred, every judged token of a prompt group
 //! gets the group's mean penalty per token back.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -9,7 +9,7 @@ use yatt_metrics::names;
 use yatt_runtime::Node;
 use yatt_trainer::{build, step_data_parallel, ControllerError, StepMetrics};
 
-mod common;
+use crate::common;
 
 /// The metrics of each step of the demo job with `sets`, or the first step's error.
 async fn run(sets: &[&str], steps: u64) -> Result<Vec<StepMetrics>, ControllerError> {

@@ -9,7 +9,7 @@
 //!   the controller, and the job trains; so does one the policy's node failed to load;
 //! - the policy answers other requests while its push loads the rollouts.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};

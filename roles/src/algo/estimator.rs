@@ -13,7 +13,7 @@ use crate::algo::checks::AlgoError;
 use crate::algo::loss::{LossAggMode, PolicyLossKind};
 
 /// `algorithm.name`: the RL algorithm of a job.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum Algorithm {
     /// Group-normalised outcome advantages (DeepSeekMath).

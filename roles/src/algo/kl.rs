@@ -8,7 +8,7 @@ use tch::Tensor;
 use crate::algo::checks::{check_bt, check_same_bt, AlgoError};
 
 /// Which estimator of `KL(π ‖ π_ref)` to use per token.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum KlEstimator {
     /// `logp − logp_ref`: unbiased, high variance, can be negative.

@@ -10,7 +10,7 @@ use crate::algo::checks::{check_bt, check_same_bt, scalar, AlgoError};
 use crate::algo::kl::{kl_estimate, KlEstimator};
 
 /// How a `[B, T]` per-token loss becomes a scalar.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum LossAgg {
     /// Sum over all valid tokens ÷ number of valid tokens (DAPO token-level loss:
@@ -29,7 +29,7 @@ pub enum LossAgg {
 
 /// `algorithm.loss_agg`: an aggregation mode by name, before its parameters are known
 /// ([`LossAggMode::with_max_len`] gives the [`LossAgg`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum LossAggMode {
     /// [`LossAgg::TokenMean`].

@@ -25,7 +25,7 @@ use yatt_engine::ChatMessage;
 use crate::data::prompt::{fnv1a, transcript, Prompt};
 
 /// A dataset file's format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 pub enum DataFormat {
     /// One JSON object per line.
     #[serde(rename = "jsonl")]

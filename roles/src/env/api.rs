@@ -117,7 +117,7 @@ where
 }
 
 /// The built-in environments.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum EnvKind {
     /// A [`ToolEnv`] with the [`CalculatorTool`].

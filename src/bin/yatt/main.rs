@@ -3,6 +3,7 @@
 
 mod bench_controller;
 mod bench_runtime;
+mod config_cmd;
 mod demo;
 mod engine_cmds;
 mod eval;
@@ -24,7 +25,7 @@ static ALLOC: yatt::Allocator = yatt::Allocator;
     version,
     about = "RLHF training with addressable actors over QUIC"
 )]
-struct Cli {
+pub(crate) struct Cli {
     /// Log as JSON lines instead of human-readable text.
     #[arg(long, global = true, env = "YATT_LOG_JSON")]
     log_json: bool,
@@ -57,6 +58,10 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Import a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1) as an HF model directory.
     ImportGguf(engine_cmds::ImportGgufArgs),
+    /// The generated references: every config key (`yatt config reference`) and every
+    /// command's help (`yatt config cli-reference`), as Markdown.
+    #[command(subcommand)]
+    Config(config_cmd::ConfigCommand),
     /// Benchmarks; figures go to stdout as a markdown table.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -93,6 +98,7 @@ fn real_main() -> anyhow::Result<()> {
         Command::Placement(cmd) => placement::run(cmd),
         Command::Generate(args) => generate::run(args),
         Command::ImportGguf(args) => engine_cmds::import_gguf(args),
+        Command::Config(cmd) => config_cmd::run(cmd),
         Command::Bench(BenchCommand::Engine(args)) => engine_cmds::bench_engine(args),
         Command::Bench(BenchCommand::Gpu(args)) => engine_cmds::bench_gpu(args),
         Command::Bench(BenchCommand::Runtime(args)) => bench_runtime::run(args),

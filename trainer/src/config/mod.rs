@@ -8,3 +8,4 @@ pub(crate) mod reward_code;
 pub(crate) mod sections;
 pub(crate) mod user_roles;
 pub(crate) mod validate;
+pub(crate) mod reference;

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 macro_rules! config_mode {
     ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident = $word:literal,)+ }) => {
         $(#[$meta])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
         pub enum $name {
             $($(#[$vmeta])* #[serde(rename = $word)] $variant,)+
         }
@@ -232,7 +232,7 @@ config_mode! {
 
 /// `model.source`: `tiny` (a random tiny Llama with a character codec) or an HF model
 /// directory. In TOML it is one string.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(from = "String", into = "String")]
 pub enum ModelSource {
     /// The tiny random Llama.
@@ -278,7 +278,7 @@ impl std::fmt::Display for ModelSource {
 
 /// `model.device`: where the job's models, KV caches and optimizer state live. In TOML
 /// it is one string: `auto`, `cpu`, `cuda` or `cuda:N`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(try_from = "String", into = "String")]
 pub enum DeviceSetting {
     /// The role's device group from placement: CUDA 0 of the node when libtorch sees a

@@ -8,7 +8,7 @@ use crate::config::modes::{PlacementMode, TimeShare};
 pub const ROLES: [&str; 4] = ["rollout", "policy", "reference", "reward"];
 
 /// `[placement]`: where a job's roles run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct PlacementSection {
     /// `colocate`: every role in the training process (the nodes below are not used).
@@ -115,6 +115,20 @@ impl std::fmt::Display for NodeNames {
             NodeNames::One(n) => f.write_str(n),
             NodeNames::Each(ns) => write!(f, "[{}]", ns.join(", ")),
         }
+    }
+}
+
+impl schemars::JsonSchema for NodeNames {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "NodeNames".into()
+    }
+    fn inline_schema() -> bool {
+        true
+    }
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "anyOf": [{ "type": "string" }, { "type": "array", "items": { "type": "string" } }]
+        })
     }
 }
 

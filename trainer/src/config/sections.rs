@@ -18,7 +18,7 @@ use crate::controller::config::{GradientSync, WeightSync};
 use yatt_engine::{LoraConfig, LoraTarget};
 
 /// A training job, as read from TOML.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct JobConfig {
     /// `[job]`.
@@ -50,7 +50,7 @@ pub struct JobConfig {
 }
 
 /// `[job]`: name, output, seed, length and layout.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct JobSection {
     /// Name of the run.
@@ -95,7 +95,7 @@ impl Default for JobSection {
 }
 
 /// `[model]`: which model, in which dtype, on how many threads.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelSection {
     /// `tiny` (a random tiny Llama with a character codec) or an HF model directory
@@ -122,7 +122,7 @@ pub struct ModelSection {
 }
 
 /// `[model.lora]`: LoRA adapters on the policy (PEFT's settings and names).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct LoraSection {
     /// Rank `r` of every adapter.
@@ -178,7 +178,7 @@ impl Default for ModelSection {
 }
 
 /// `[data]`: prompts.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataSection {
     /// `addition`, `sorting`, `reversal` or `letters`; ignored when `path` (or `jsonl`)
@@ -272,7 +272,7 @@ impl DataSection {
 }
 
 /// `[rollout]`: sampling.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct RolloutSection {
     /// Longest response, tokens.
@@ -327,7 +327,7 @@ pub struct RolloutSection {
 }
 
 /// `rollout.env = { kind = "calculator", max_turns = 3, max_env_tokens = 64, timeout_s = 10 }`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct EnvSection {
     /// `calculator` (a tool environment with the calculator), `python` (with the
@@ -391,7 +391,7 @@ impl Default for EnvSection {
 }
 
 /// `rollout.partial_rollout = { chunk_tokens = 8, resume = "reprefill" }`.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct PartialRolloutSection {
     /// Tokens a response decodes before newer weights may take over.
@@ -432,7 +432,7 @@ impl Default for RolloutSection {
 }
 
 /// `[algorithm]`: advantage estimator, clipping, KL and entropy.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct AlgorithmSection {
     /// `grpo`, `rloo`, `reinforce++`, `ppo` (GAE with a critic), `dapo` (GRPO
@@ -502,7 +502,7 @@ pub struct AlgorithmSection {
 /// `[algorithm.step_credit]`: the reward's per-step verdicts (an LLM judge's, or a
 /// Python reward's `step_scores`) become token-level credit: every token keeps the
 /// outcome advantage, and the tokens of a failed step lose `penalty` more.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct StepCreditSection {
     /// What ends a step of the response. Steps are the pieces after each delimiter;
@@ -587,7 +587,7 @@ impl AlgorithmSection {
 }
 
 /// `[optim]`: optimizer and batching of the update.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimSection {
     /// Learning rate.
@@ -628,7 +628,7 @@ impl Default for OptimSection {
 }
 
 /// `[reward]`: reward functions and reward models, and their weights.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct RewardSection {
     /// `numeric`, `exact`, `letters`, `model`, `judge`, `python`, `http`, or a list of
@@ -722,6 +722,21 @@ impl Default for RewardSection {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RewardKinds(pub Vec<RewardKind>);
 
+impl schemars::JsonSchema for RewardKinds {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "RewardKinds".into()
+    }
+    fn inline_schema() -> bool {
+        true
+    }
+    fn json_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        let kind = generator.subschema_for::<RewardKind>();
+        schemars::json_schema!({
+            "anyOf": [kind, { "type": "array", "items": kind }]
+        })
+    }
+}
+
 impl Serialize for RewardKinds {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         match self.0.as_slice() {
@@ -763,7 +778,7 @@ impl<'de> Deserialize<'de> for RewardKinds {
 }
 
 /// `[checkpoint]`.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct CheckpointSection {
     /// Save the policy every N steps (0 = only at the end).
@@ -775,7 +790,7 @@ pub struct CheckpointSection {
 /// `OUTPUT_DIR/eval.jsonl`. It reads the policy's checkpoint, so it does not change
 /// the training, and it works with a cosine schedule, which cannot be resumed with
 /// another `job.steps` to evaluate between segments.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct EvalSection {
     /// Evaluate every N steps and after the last one (0 = never).
@@ -800,7 +815,7 @@ impl Default for EvalSection {
 /// `[timeouts]`: the deadline, in seconds, of each call a step makes to a role (and of
 /// each wait inside it, such as a ring all-reduce chunk). A call past its deadline fails
 /// the step with an error naming the stage, the role and the deadline, instead of hanging.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct TimeoutsSection {
     /// Generation (a whole batch on a rollout replica).

@@ -11,7 +11,7 @@ use crate::controller::extra_stages::StageAt;
 use crate::error::JobError;
 
 /// `[roles]`: user roles in the built-in slots and extra stages of the step.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct RolesSection {
     /// `[roles.reward]`: takes the step's samples, gives them back with `reward` set.
@@ -36,7 +36,7 @@ pub struct RolesSection {
 }
 
 /// A user's role in a built-in slot.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct UserRole {
     /// The name the role is registered under on its node.
@@ -47,11 +47,12 @@ pub struct UserRole {
     /// Its spawn arguments: the fields of the role's type (or of its `role_with`
     /// argument type), as a TOML table.
     #[serde(default)]
+    #[schemars(with = "serde_json::Map<String, serde_json::Value>")]
     pub args: toml::Table,
 }
 
 /// A user's stage: a role taking and giving back samples, after a built-in stage.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct UserStage {
     /// The name the role is registered under on its node.
@@ -66,6 +67,7 @@ pub struct UserStage {
     pub node: String,
     /// Its spawn arguments, as a TOML table.
     #[serde(default)]
+    #[schemars(with = "serde_json::Map<String, serde_json::Value>")]
     pub args: toml::Table,
     /// Deadline of one call, seconds.
     #[serde(default = "default_stage_timeout_s")]

@@ -175,7 +175,9 @@ pub enum PolicyRequest {
     /// packed table and the group (this policy rank 0), or
     /// [`PolicyResponse::NcclUnavailable`].
     StageBroadcast {
+        /// The group the asking controller broadcast to last, if any.
         group: Option<yatt_collective::UniqueId>,
+        /// The group's members changed: make a new one.
         fresh: bool,
     },
     /// Broadcast the staged weights as rank 0 of the group, while its members receive.
@@ -190,7 +192,10 @@ pub enum PolicyRequest {
     /// gradients through NCCL (its weights on a GPU, libnccl loaded), and with
     /// `make_id` (the first replica) the group's id. Answered with
     /// [`PolicyResponse::GradientGroup`] or [`PolicyResponse::NcclUnavailable`].
-    GradientGroup { make_id: bool },
+    GradientGroup {
+        /// This is the first replica: make the group's id.
+        make_id: bool,
+    },
     /// Data parallelism over replicas: average gradients in this NCCL group from now
     /// on (the ring stays the fallback), or, with `None`, over the ring alone.
     JoinGradientGroup(Option<crate::role::NcclGroup>),
@@ -208,7 +213,9 @@ pub enum PolicyRequest {
     /// [`PolicyResponse::Pushed`]; the role itself answers
     /// [`PolicyResponse::PushUnavailable`], and the asker sends the buckets itself.
     PushWeights {
+        /// The roles to load the weights into.
         to: Vec<PushTarget>,
+        /// The deadline of each load.
         timeout: std::time::Duration,
     },
 }

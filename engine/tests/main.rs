@@ -1,0 +1,13 @@
+//! The crate's integration tests, one binary: each file under `tests/` is a module
+//! of it, so the tests link against libtorch once rather than once per file.
+//! Run one file's tests with its name as a filter, e.g. `cargo nextest run
+//! --release -p yatt-engine architectures::`.
+
+mod architectures;
+mod colocation_memory;
+mod devices;
+mod generate;
+mod gguf;
+mod lora;
+mod parity;
+mod train;

@@ -1,0 +1,8 @@
+//! The crate's integration tests, one binary: each file under `tests/` is a module
+//! of it, so the tests link against libtorch once rather than once per file.
+//! Run one file's tests with its name as a filter, e.g. `cargo nextest run
+//! --release -p yatt-runtime cluster::`.
+
+mod cluster;
+mod collective;
+mod membership;
