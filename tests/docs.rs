@@ -407,8 +407,9 @@ fn path_tokens(code: &str) -> Vec<String> {
     let chars: Vec<(usize, char)> = code.char_indices().collect();
     for (k, &(at, _)) in chars.iter().enumerate() {
         let rest = &code[at..];
-        let Some(prefix) = PATH_ROOTS.iter().find(|p| rest.starts_with(*p)) else { continue };
-        let _ = prefix;
+        if !PATH_ROOTS.iter().any(|p| rest.starts_with(p)) {
+            continue;
+        }
         // A token starts here: at the start, after a character that is not part of a
         // path, or after `./` that follows such a character.
         let before = |n: usize| if k >= n { Some(chars[k - n].1) } else { None };
