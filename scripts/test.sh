@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The test command: bootstraps what it needs, then runs every test in the workspace.
+# Each crate's integration tests are one binary (tests/main.rs), and the binaries and the
+# tests share one build: the release profile, with the same features (see Cargo.toml).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
 cd "$YATT_ROOT"
 cargo build --workspace --bins --release
-# yatt-collective's NCCL backend builds without CUDA: its CPU tests load the venv's
-# libnccl and report the missing driver; the GPU tests skip without a GPU.
-# yatt-collective alone, both ways: the workspace build turns `nccl` on (the binaries'
-# default), so the stub backend is tested only here.
+# yatt-collective alone, without NCCL: the workspace turns `nccl` on (the binaries'
+# default), so the stub backend is tested only here. The NCCL backend's CPU tests (they
+# load the venv's libnccl and report the missing driver) run in the workspace run below;
+# its GPU tests skip without a GPU.
 cargo nextest run -p yatt-collective --release
-cargo nextest run -p yatt-collective --release --features nccl
 cargo nextest run --workspace --release --no-fail-fast "$@"
 cargo test --workspace --release --doc

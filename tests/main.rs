@@ -5,6 +5,7 @@
 
 mod bench_gpu;
 mod bootstrap;
+mod docs;
 mod generate_cli;
 mod kill_resume;
 mod layout;

@@ -88,3 +88,90 @@ fn config_reference_covers_every_section() {
     assert!(page.contains("| `steps` | integer | `30` |"), "{page}");
     assert!(page.contains("| `heartbeat_ms` | integer | `500` |"), "{page}");
 }
+
+/// The keys of a config-notes table row's first cell: `section.key` tokens, and bare
+/// `key` tokens after one of them (`optim.lr`, `weight_decay`), which share its section.
+fn keys_of_cell(cell: &str) -> Vec<(String, String)> {
+    let mut keys = Vec::new();
+    let mut section: Option<String> = None;
+    for (i, token) in cell.split('`').enumerate() {
+        // Odd pieces are inside backticks.
+        if i % 2 == 0 || token.contains(' ') || token.contains('=') {
+            continue;
+        }
+        if !token
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '.')
+        {
+            continue;
+        }
+        match token.rsplit_once('.') {
+            Some((s, k)) => {
+                section = Some(s.to_string());
+                keys.push((s.to_string(), k.to_string()));
+            }
+            None => {
+                if let Some(s) = &section {
+                    keys.push((s.clone(), token.to_string()));
+                }
+            }
+        }
+    }
+    keys
+}
+
+/// Every key the hand-written configuration notes name is a key of the generated
+/// reference: the notes cannot drift from the code by a renamed or removed key.
+#[test]
+fn config_notes_name_only_real_keys() {
+    let page = yatt::config_reference_page();
+    let notes = std::fs::read_to_string(root().join("docs/reference/config-notes.md")).unwrap();
+    // The keys of each table of the reference, by section.
+    let mut tables: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    let mut current = String::new();
+    for line in page.lines() {
+        if let Some(h) = line.strip_prefix("### `[") {
+            current = h.trim_matches(|c| c == '[' || c == ']' || c == '`').to_string();
+        } else if let Some(row) = line.strip_prefix("| `") {
+            if let Some((key, _)) = row.split_once('`') {
+                tables.entry(current.clone()).or_default().push(key.to_string());
+            }
+        }
+    }
+    let mut unknown = Vec::new();
+    let mut checked = 0;
+    for (n, line) in notes.lines().enumerate() {
+        let Some(first) = line.strip_prefix('|').and_then(|r| r.split('|').next()) else {
+            continue;
+        };
+        for (section, key) in keys_of_cell(first) {
+            // Only tokens whose section is a table of the reference are config keys.
+            let Some(keys) = tables.get(&section) else {
+                continue;
+            };
+            checked += 1;
+            if !keys.contains(&key) {
+                unknown.push(format!(
+                    "docs/reference/config-notes.md:{}: `{section}.{key}` is not a key of [{section}]",
+                    n + 1
+                ));
+            }
+        }
+    }
+    assert!(checked > 50, "only {checked} keys found in the notes");
+    assert!(unknown.is_empty(), "{}", unknown.join("\n"));
+}
+
+#[test]
+fn keys_of_a_cell() {
+    assert_eq!(
+        keys_of_cell("`optim.lr`, `weight_decay`, `schedule`"),
+        [("optim", "lr"), ("optim", "weight_decay"), ("optim", "schedule")]
+            .map(|(s, k)| (s.to_string(), k.to_string()))
+    );
+    assert_eq!(
+        keys_of_cell("`rollout.env.keep_kv`"),
+        vec![("rollout.env".to_string(), "keep_kv".to_string())]
+    );
+    assert!(keys_of_cell("`algorithm.name = \"gspo\"`").is_empty());
+}

@@ -56,9 +56,10 @@ pub struct BenchRuntimeArgs {
     workers: Option<usize>,
     /// Profiling aid: set up the two-process cluster, then only loop one figure for
     /// --profile-secs: rtt, pipe, handoff, handoff-inline, fanout, quinn-rtt, quinn-pipe.
-    #[arg(long, hide = true)]
+    #[arg(long)]
     profile: Option<String>,
-    #[arg(long, hide = true, default_value_t = 15)]
+    /// How long --profile loops its figure, in seconds.
+    #[arg(long, default_value_t = 15)]
     profile_secs: u64,
     /// Internal: run as the child process that hosts the actors.
     #[arg(long, hide = true)]

@@ -67,6 +67,12 @@ impl<'a> Page<'a> {
     /// one.
     fn strip_null(&self, v: &'a Value) -> (&'a Value, bool) {
         let v = self.resolve(v);
+        // `Option<f64>` is `"type": ["number", "null"]`; `Option<Table>` an `anyOf`.
+        if let Some(types) = v.get("type").and_then(Value::as_array) {
+            if types.iter().any(|t| t == "null") {
+                return (v, true);
+            }
+        }
         if let Some(alts) = v.get("anyOf").and_then(Value::as_array) {
             let non_null: Vec<&Value> = alts
                 .iter()
