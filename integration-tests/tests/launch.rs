@@ -51,13 +51,22 @@ fn plan_resolves_a_slurm_node_from_its_environment() {
             ("YATT_PORT", "7600"),
         ]
     };
-    let head = plan_json(&["--launcher", "slurm", "--certs", "/shared/certs"], &slurm("0"));
+    let head = plan_json(
+        &["--launcher", "slurm", "--certs", "/shared/certs"],
+        &slurm("0"),
+    );
     assert_eq!(head["launcher"], "slurm");
     assert_eq!(head["name"], "gpu01");
     assert_eq!(head["leader"], true);
     assert_eq!(head["seed"], serde_json::Value::Null);
-    assert_eq!(head["hosts"], serde_json::json!(["gpu01", "gpu02", "gpu03", "gpu07"]));
-    let node = plan_json(&["--launcher", "slurm", "--certs", "/shared/certs"], &slurm("3"));
+    assert_eq!(
+        head["hosts"],
+        serde_json::json!(["gpu01", "gpu02", "gpu03", "gpu07"])
+    );
+    let node = plan_json(
+        &["--launcher", "slurm", "--certs", "/shared/certs"],
+        &slurm("3"),
+    );
     let want = serde_json::json!({
         "launcher": "slurm", "index": 3, "name": "gpu07", "leader": false,
         "seed": "gpu01:7600", "listen": "0.0.0.0:7600", "advertise": "gpu07:7600",
@@ -72,8 +81,14 @@ fn plan_resolves_a_slurm_node_from_its_environment() {
     // A flag wins over the launcher.
     let mut env = slurm("1");
     env.push(("SLURM_GPUS_ON_NODE", "2"));
-    let flagged = plan_json(&["--launcher", "slurm", "--name", "other", "--http", ""], &env);
-    assert_eq!((flagged["name"].as_str(), flagged["http"].as_str()), (Some("other"), None));
+    let flagged = plan_json(
+        &["--launcher", "slurm", "--name", "other", "--http", ""],
+        &env,
+    );
+    assert_eq!(
+        (flagged["name"].as_str(), flagged["http"].as_str()),
+        (Some("other"), None)
+    );
     assert_eq!(flagged["seed"], "gpu01:7600");
 }
 
@@ -88,9 +103,18 @@ fn plan_resolves_a_statefulset_pod_from_its_environment() {
             ("YATT_GPUS_PER_NODE", "4"),
         ]
     };
-    let zero = plan_json(&["--launcher", "k8s", "--certs", "/etc/yatt/certs"], &pod("yatt-node-0"));
-    assert_eq!((zero["name"].as_str(), zero["leader"].as_bool()), (Some("yatt-node-0"), Some(true)));
-    let two = plan_json(&["--launcher", "k8s", "--certs", "/etc/yatt/certs"], &pod("yatt-node-2"));
+    let zero = plan_json(
+        &["--launcher", "k8s", "--certs", "/etc/yatt/certs"],
+        &pod("yatt-node-0"),
+    );
+    assert_eq!(
+        (zero["name"].as_str(), zero["leader"].as_bool()),
+        (Some("yatt-node-0"), Some(true))
+    );
+    let two = plan_json(
+        &["--launcher", "k8s", "--certs", "/etc/yatt/certs"],
+        &pod("yatt-node-2"),
+    );
     let want = serde_json::json!({
         "launcher": "k8s", "index": 2, "name": "yatt-node-2", "leader": false,
         "seed": "yatt-node-0.yatt.rl:7400", "listen": "0.0.0.0:7400",
@@ -106,13 +130,25 @@ fn plan_resolves_a_statefulset_pod_from_its_environment() {
 #[test]
 fn a_bad_launcher_environment_stops_the_node_naming_the_variable_and_the_fix() {
     let cases: &[(&str, &[(&str, &str)], &[&str])] = &[
-        ("slurm", &[("SLURM_NODEID", "0"), ("SLURM_GPUS_ON_NODE", "1")], &["SLURM_JOB_NODELIST is not set", "srun"]),
         (
             "slurm",
-            &[("SLURM_JOB_NODELIST", "gpu[01-03"), ("SLURM_NODEID", "0"), ("SLURM_GPUS_ON_NODE", "1")],
+            &[("SLURM_NODEID", "0"), ("SLURM_GPUS_ON_NODE", "1")],
+            &["SLURM_JOB_NODELIST is not set", "srun"],
+        ),
+        (
+            "slurm",
+            &[
+                ("SLURM_JOB_NODELIST", "gpu[01-03"),
+                ("SLURM_NODEID", "0"),
+                ("SLURM_GPUS_ON_NODE", "1"),
+            ],
             &["SLURM_JOB_NODELIST=\"gpu[01-03\"", "bracket"],
         ),
-        ("k8s", &[("POD_NAME", "yatt-node-1")], &["YATT_K8S_SERVICE is not set", "headless Service"]),
+        (
+            "k8s",
+            &[("POD_NAME", "yatt-node-1")],
+            &["YATT_K8S_SERVICE is not set", "headless Service"],
+        ),
     ];
     for (launcher, env, want) in cases {
         for cmd in ["plan", "run"] {
@@ -126,7 +162,10 @@ fn a_bad_launcher_environment_stops_the_node_naming_the_variable_and_the_fix() {
             let err = String::from_utf8_lossy(&out.stderr);
             assert!(!out.status.success(), "{cmd} {launcher} {env:?} succeeded");
             for w in *want {
-                assert!(err.contains(w), "{cmd} {launcher} {env:?}: {err:?} lacks {w:?}");
+                assert!(
+                    err.contains(w),
+                    "{cmd} {launcher} {env:?}: {err:?} lacks {w:?}"
+                );
             }
         }
     }
@@ -136,9 +175,17 @@ fn a_bad_launcher_environment_stops_the_node_naming_the_variable_and_the_fix() {
 fn free_port(udp: bool) -> u16 {
     for _ in 0..50 {
         let port = if udp {
-            UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+            UdpSocket::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port()
         } else {
-            TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+            TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port()
         };
         let all = HOSTS.iter().all(|h| {
             let a: SocketAddr = format!("{h}:{port}").parse().unwrap();
@@ -250,11 +297,19 @@ fn logs_of(dir: &Path) -> String {
 #[test]
 fn the_sbatch_script_starts_three_daemons_that_join_through_the_head_and_trains() {
     let dir = tempfile::tempdir().unwrap();
-    let (bin, logs, out) = (dir.path().join("bin"), dir.path().join("logs"), dir.path().join("run"));
+    let (bin, logs, out) = (
+        dir.path().join("bin"),
+        dir.path().join("logs"),
+        dir.path().join("run"),
+    );
     std::fs::create_dir_all(&logs).unwrap();
     write_fakes(&bin, &logs);
     let (port, http_port) = (free_port(true), free_port(false));
-    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
     let sets = [
         "job.steps=2",
         "placement.mode=\"disaggregated\"",
@@ -269,7 +324,8 @@ fn the_sbatch_script_starts_three_daemons_that_join_through_the_head_and_trains(
     for s in sets {
         cmd.args(["--set", s]);
     }
-    cmd.arg("--set").arg(format!("job.output_dir=\"{}\"", out.display()));
+    cmd.arg("--set")
+        .arg(format!("job.output_dir=\"{}\"", out.display()));
     let t0 = Instant::now();
     let child = cmd
         .env("PATH", path)
@@ -290,7 +346,9 @@ fn the_sbatch_script_starts_three_daemons_that_join_through_the_head_and_trains(
         .spawn()
         .expect("running bash deploy/slurm/yatt.sbatch");
     let mut group = Group(child);
-    let status = poll(Duration::from_secs(180), || group.0.try_wait().ok().flatten());
+    let status = poll(Duration::from_secs(180), || {
+        group.0.try_wait().ok().flatten()
+    });
     let printed = std::fs::read_to_string(dir.path().join("sbatch.out")).unwrap_or_default()
         + &std::fs::read_to_string(dir.path().join("sbatch.err")).unwrap_or_default();
     assert!(
@@ -302,8 +360,18 @@ fn the_sbatch_script_starts_three_daemons_that_join_through_the_head_and_trains(
     let node_logs = logs_of(&logs);
     // The script made the CA, one certificate per host of the node list, the trainer's.
     let certs = dir.path().join("yatt-certs-4242");
-    for f in ["ca.pem", "127.0.0.1.pem", "127.0.0.2.key", "127.0.0.3.pem", "train.pem"] {
-        assert!(certs.join(f).is_file(), "{f} missing in {}", certs.display());
+    for f in [
+        "ca.pem",
+        "127.0.0.1.pem",
+        "127.0.0.2.key",
+        "127.0.0.3.pem",
+        "train.pem",
+    ] {
+        assert!(
+            certs.join(f).is_file(),
+            "{f} missing in {}",
+            certs.display()
+        );
     }
     assert!(printed.contains("all 3 nodes joined"), "{printed}");
     let seed = format!("127.0.0.1:{port}");
@@ -320,10 +388,16 @@ fn the_sbatch_script_starts_three_daemons_that_join_through_the_head_and_trains(
     };
     assert!(launch_line(0).contains("seed=None"), "{node_logs}");
     for i in 1..3 {
-        assert!(launch_line(i).contains(&format!("seed=Some(\"{seed}\")")), "{node_logs}");
+        assert!(
+            launch_line(i).contains(&format!("seed=Some(\"{seed}\")")),
+            "{node_logs}"
+        );
     }
     assert_eq!(steps_done(&out), 2);
-    eprintln!("sbatch: 3 nodes joined and 2 steps trained in {:.1?}", t0.elapsed());
+    eprintln!(
+        "sbatch: 3 nodes joined and 2 steps trained in {:.1?}",
+        t0.elapsed()
+    );
 }
 
 /// Three daemons started as `yatt-node run --launcher slurm` under the environment srun
@@ -341,14 +415,20 @@ impl Launched {
         let certs = dir.path().join("certs");
         let node = |args: &[&str]| {
             let ok = Command::new(yatt_node_bin()).args(args).output().unwrap();
-            assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+            assert!(
+                ok.status.success(),
+                "{}",
+                String::from_utf8_lossy(&ok.stderr)
+            );
         };
         let c = certs.to_str().unwrap();
         node(&["init", "--dir", c]);
         for h in HOSTS {
             node(&["cert", "--ca-dir", c, "--name", h]);
         }
-        node(&["cert", "--ca-dir", c, "--name", "train", "--kind", "trainer"]);
+        node(&[
+            "cert", "--ca-dir", c, "--name", "train", "--kind", "trainer",
+        ]);
         let mut l = Launched {
             dir,
             port: free_port(true),
@@ -360,14 +440,18 @@ impl Launched {
             l.nodes.push(Some(child));
         }
         let all = poll(Duration::from_secs(30), || {
-            HOSTS.iter().all(|h| l.alive_incarnation(h).is_some()).then_some(())
+            HOSTS
+                .iter()
+                .all(|h| l.alive_incarnation(h).is_some())
+                .then_some(())
         });
         assert!(all.is_some(), "the nodes did not all join:\n{}", l.logs());
         l
     }
 
     fn spawn(&self, i: usize, life: usize) -> Child {
-        let log = std::fs::File::create(self.dir.path().join(format!("node-{i}.{life}.log"))).unwrap();
+        let log =
+            std::fs::File::create(self.dir.path().join(format!("node-{i}.{life}.log"))).unwrap();
         Command::new(yatt_node_bin())
             .args(["run", "--launcher", "slurm", "--certs"])
             .arg(self.dir.path().join("certs"))
@@ -391,7 +475,8 @@ impl Launched {
         let addr: SocketAddr = format!("127.0.0.1:{}", self.http_port).parse().unwrap();
         let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
         s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-        s.write_all(b"GET /health HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
+        s.write_all(b"GET /health HTTP/1.0\r\nHost: x\r\n\r\n")
+            .ok()?;
         let mut text = String::new();
         s.read_to_string(&mut text).ok()?;
         serde_json::from_str(text.split("\r\n\r\n").nth(1)?).ok()
@@ -416,7 +501,13 @@ impl Launched {
         names.sort();
         names
             .iter()
-            .map(|p| format!("--- {}:\n{}", p.display(), std::fs::read_to_string(p).unwrap_or_default()))
+            .map(|p| {
+                format!(
+                    "--- {}:\n{}",
+                    p.display(),
+                    std::fs::read_to_string(p).unwrap_or_default()
+                )
+            })
             .collect::<Vec<_>>()
             .join("\n")
     }
@@ -469,9 +560,18 @@ fn a_node_killed_and_restarted_under_its_name_mid_run_is_survived() {
         std::fs::read_to_string(dir.join("train.log")).unwrap_or_default()
             + &std::fs::read_to_string(dir.join("train.err")).unwrap_or_default()
     };
-    let reached = poll(Duration::from_secs(120), || (steps_done(&out) >= 3).then_some(()));
-    assert!(reached.is_some(), "{}\n{}", printed(cluster.dir.path()), cluster.logs());
-    let before = cluster.alive_incarnation("127.0.0.3").expect("127.0.0.3 alive");
+    let reached = poll(Duration::from_secs(120), || {
+        (steps_done(&out) >= 3).then_some(())
+    });
+    assert!(
+        reached.is_some(),
+        "{}\n{}",
+        printed(cluster.dir.path()),
+        cluster.logs()
+    );
+    let before = cluster
+        .alive_incarnation("127.0.0.3")
+        .expect("127.0.0.3 alive");
     let mut victim = cluster.nodes[2].take().unwrap();
     victim.kill().unwrap();
     victim.wait().unwrap();
@@ -479,16 +579,26 @@ fn a_node_killed_and_restarted_under_its_name_mid_run_is_survived() {
     let t_kill = Instant::now();
     cluster.nodes[2] = Some(cluster.spawn(2, 1));
     let back = poll(Duration::from_secs(30), || {
-        cluster.alive_incarnation("127.0.0.3").filter(|&i| i != before)
+        cluster
+            .alive_incarnation("127.0.0.3")
+            .filter(|&i| i != before)
     });
     let rejoined_s = t_kill.elapsed().as_secs_f64();
-    assert!(back.is_some(), "127.0.0.3 did not rejoin:\n{}", cluster.logs());
+    assert!(
+        back.is_some(),
+        "127.0.0.3 did not rejoin:\n{}",
+        cluster.logs()
+    );
     let status = poll(Duration::from_secs(180), || run.try_wait().ok().flatten());
     if status.is_none() {
         let _ = run.kill();
     }
     let text = printed(cluster.dir.path());
-    assert!(status.is_some_and(|s| s.success()), "{status:?}\n{text}\n{}", cluster.logs());
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{text}\n{}",
+        cluster.logs()
+    );
     let trained = metric_of_steps(&out, "ledger/samples_trained");
     assert_eq!(trained.len(), steps, "{trained:?}");
     // demo-letters: 8 prompts × 8 samples a step, each trained once.

@@ -84,7 +84,14 @@ mod tests {
         assert_eq!(split_host_port("gpu01:7400"), Some(("gpu01", 7400)));
         assert_eq!(split_host_port("a-0.svc.ns:1"), Some(("a-0.svc.ns", 1)));
         assert_eq!(split_host_port("[::1]:7400"), Some(("::1", 7400)));
-        for bad in ["gpu01", "gpu01:", ":7400", "gpu01:99999", "a b:1", "gpu01:x"] {
+        for bad in [
+            "gpu01",
+            "gpu01:",
+            ":7400",
+            "gpu01:99999",
+            "a b:1",
+            "gpu01:x",
+        ] {
             assert_eq!(split_host_port(bad), None, "{bad}");
         }
     }
@@ -97,7 +104,10 @@ mod tests {
             "127.0.0.2:7400".parse().unwrap()
         );
         assert_eq!(lookup("seed", "localhost:9", w).await.unwrap().port(), 9);
-        let e = lookup("the seed", "no port", w).await.unwrap_err().to_string();
+        let e = lookup("the seed", "no port", w)
+            .await
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("the seed") && e.contains("HOST:PORT"), "{e}");
     }
 }

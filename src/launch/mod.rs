@@ -122,7 +122,10 @@ pub fn resolve(launcher: Launcher, env: &Env) -> Result<Plan, LaunchError> {
     };
     // The addresses bound must be literals; a host name is caught here, naming the
     // variable, rather than later as a bad `node.listen`.
-    for (var, addr) in [("YATT_LISTEN_HOST", &plan.listen), ("YATT_HTTP_HOST", &plan.http)] {
+    for (var, addr) in [
+        ("YATT_LISTEN_HOST", &plan.listen),
+        ("YATT_HTTP_HOST", &plan.http),
+    ] {
         if addr.parse::<std::net::SocketAddr>().is_err() {
             let value = get(env, var).unwrap_or_default();
             return Err(invalid(
@@ -234,8 +237,7 @@ fn ports(env: &Env, http_host_default: &str) -> Result<Ports, LaunchError> {
     })
 }
 
-const SLURM_FIX: &str =
-    "run yatt-node under srun (deploy/slurm/yatt.sbatch), which sets it";
+const SLURM_FIX: &str = "run yatt-node under srun (deploy/slurm/yatt.sbatch), which sets it";
 
 fn slurm(env: &Env) -> Result<Plan, LaunchError> {
     let list_var = "SLURM_JOB_NODELIST";
@@ -270,7 +272,11 @@ fn slurm(env: &Env) -> Result<Plan, LaunchError> {
             "set it to this node's 0-based index in SLURM_JOB_NODELIST",
         )
     })?;
-    let gpu_vars = ["YATT_GPUS_PER_NODE", "SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"];
+    let gpu_vars = [
+        "YATT_GPUS_PER_NODE",
+        "SLURM_GPUS_ON_NODE",
+        "SLURM_GPUS_PER_NODE",
+    ];
     let (devices, devices_from) = devices(env, &gpu_vars)?.ok_or_else(|| LaunchError::Missing {
         var: "SLURM_GPUS_ON_NODE".into(),
         fix: "neither is SLURM_GPUS_PER_NODE or YATT_GPUS_PER_NODE; submit with --gpus-per-node=N, or set YATT_GPUS_PER_NODE to this node's GPU count".into(),
@@ -391,7 +397,10 @@ mod tests {
         let mut e = slurm_env("2");
         e.insert("SLURM_JOB_NODELIST".into(), "r[1-2]-n[01-02]".into());
         let p = resolve(Launcher::Slurm, &e).unwrap();
-        assert_eq!((p.name.as_str(), p.seed.as_deref()), ("r2-n01", Some("r1-n01:7400")));
+        assert_eq!(
+            (p.name.as_str(), p.seed.as_deref()),
+            ("r2-n01", Some("r1-n01:7400"))
+        );
     }
 
     #[test]
@@ -411,7 +420,10 @@ mod tests {
             (p.listen.as_str(), p.advertise.as_str(), p.http.as_str()),
             ("10.0.0.2:9000", "10.0.0.2:9000", "0.0.0.0:9080")
         );
-        assert_eq!((p.devices, p.devices_from.as_deref()), (Some(2), Some("YATT_GPUS_PER_NODE")));
+        assert_eq!(
+            (p.devices, p.devices_from.as_deref()),
+            (Some(2), Some("YATT_GPUS_PER_NODE"))
+        );
         let mut e = slurm_env("0");
         e.remove("SLURM_GPUS_ON_NODE");
         e.insert("SLURM_GPUS_PER_NODE".into(), "a100:4".into());
@@ -423,25 +435,61 @@ mod tests {
     #[test]
     fn slurm_errors_name_the_variable_its_value_and_the_fix() {
         let cases: &[(&[&str], &[(&str, &str)], &[&str])] = &[
-            (&["SLURM_JOB_NODELIST"], &[], &["SLURM_JOB_NODELIST is not set", "srun"]),
+            (
+                &["SLURM_JOB_NODELIST"],
+                &[],
+                &["SLURM_JOB_NODELIST is not set", "srun"],
+            ),
             (&["SLURM_NODEID"], &[], &["SLURM_NODEID is not set", "srun"]),
             (
                 &[],
                 &[("SLURM_JOB_NODELIST", "gpu[01-03")],
                 &["SLURM_JOB_NODELIST=\"gpu[01-03\"", "bracket", "gpu[01-04]"],
             ),
-            (&[], &[("SLURM_NODEID", "x")], &["SLURM_NODEID=\"x\"", "index"]),
-            (&[], &[("SLURM_NODEID", "4")], &["SLURM_NODEID=\"4\"", "4 hosts"]),
+            (
+                &[],
+                &[("SLURM_NODEID", "x")],
+                &["SLURM_NODEID=\"x\"", "index"],
+            ),
+            (
+                &[],
+                &[("SLURM_NODEID", "4")],
+                &["SLURM_NODEID=\"4\"", "4 hosts"],
+            ),
             (
                 &["SLURM_GPUS_ON_NODE"],
                 &[],
-                &["SLURM_GPUS_ON_NODE is not set", "YATT_GPUS_PER_NODE", "--gpus-per-node"],
+                &[
+                    "SLURM_GPUS_ON_NODE is not set",
+                    "YATT_GPUS_PER_NODE",
+                    "--gpus-per-node",
+                ],
             ),
-            (&[], &[("SLURM_GPUS_ON_NODE", "many")], &["SLURM_GPUS_ON_NODE=\"many\"", "YATT_GPUS_PER_NODE"]),
-            (&[], &[("YATT_PORT", "74000")], &["YATT_PORT=\"74000\"", "0 to 65535"]),
-            (&[], &[("YATT_HTTP_PORT", "http")], &["YATT_HTTP_PORT=\"http\""]),
-            (&[], &[("YATT_LISTEN_HOST", "gpu01")], &["YATT_LISTEN_HOST=\"gpu01\"", "IP address"]),
-            (&[], &[("SLURM_JOB_NODELIST", "GPU[1-2]")], &["SLURM_JOB_NODELIST=\"GPU[1-2]\"", "\"GPU1\"", "--name"]),
+            (
+                &[],
+                &[("SLURM_GPUS_ON_NODE", "many")],
+                &["SLURM_GPUS_ON_NODE=\"many\"", "YATT_GPUS_PER_NODE"],
+            ),
+            (
+                &[],
+                &[("YATT_PORT", "74000")],
+                &["YATT_PORT=\"74000\"", "0 to 65535"],
+            ),
+            (
+                &[],
+                &[("YATT_HTTP_PORT", "http")],
+                &["YATT_HTTP_PORT=\"http\""],
+            ),
+            (
+                &[],
+                &[("YATT_LISTEN_HOST", "gpu01")],
+                &["YATT_LISTEN_HOST=\"gpu01\"", "IP address"],
+            ),
+            (
+                &[],
+                &[("SLURM_JOB_NODELIST", "GPU[1-2]")],
+                &["SLURM_JOB_NODELIST=\"GPU[1-2]\"", "\"GPU1\"", "--name"],
+            ),
         ];
         for (remove, set, want) in cases {
             let mut e = slurm_env("0");
@@ -481,19 +529,41 @@ mod tests {
         assert_eq!(p.seed.as_deref(), Some("yatt-node-0.yatt.rl:7600"));
         assert_eq!(p.advertise, "yatt-node-1.yatt.rl:7600");
         // HOSTNAME when POD_NAME is absent (a pod's hostname is its name).
-        let e = env(&[("HOSTNAME", "w-3"), ("YATT_K8S_SERVICE", "s"), ("YATT_GPUS_PER_NODE", "4")]);
+        let e = env(&[
+            ("HOSTNAME", "w-3"),
+            ("YATT_K8S_SERVICE", "s"),
+            ("YATT_GPUS_PER_NODE", "4"),
+        ]);
         let p = resolve(Launcher::K8s, &e).unwrap();
-        assert_eq!((p.seed.as_deref(), p.devices), (Some("w-0.s:7400"), Some(4)));
+        assert_eq!(
+            (p.seed.as_deref(), p.devices),
+            (Some("w-0.s:7400"), Some(4))
+        );
     }
 
     #[test]
     fn k8s_errors_name_the_variable_its_value_and_the_fix() {
         let cases: &[(&[(&str, &str)], &[&str])] = &[
-            (&[("YATT_K8S_SERVICE", "s")], &["POD_NAME is not set", "HOSTNAME", "downward API"]),
-            (&[("POD_NAME", "yatt"), ("YATT_K8S_SERVICE", "s")], &["POD_NAME=\"yatt\"", "NAME-K"]),
-            (&[("HOSTNAME", "gpu-box"), ("YATT_K8S_SERVICE", "s")], &["HOSTNAME=\"gpu-box\"", "StatefulSet"]),
-            (&[("POD_NAME", "-1"), ("YATT_K8S_SERVICE", "s")], &["POD_NAME=\"-1\""]),
-            (&[("POD_NAME", "y-0")], &["YATT_K8S_SERVICE is not set", "headless Service"]),
+            (
+                &[("YATT_K8S_SERVICE", "s")],
+                &["POD_NAME is not set", "HOSTNAME", "downward API"],
+            ),
+            (
+                &[("POD_NAME", "yatt"), ("YATT_K8S_SERVICE", "s")],
+                &["POD_NAME=\"yatt\"", "NAME-K"],
+            ),
+            (
+                &[("HOSTNAME", "gpu-box"), ("YATT_K8S_SERVICE", "s")],
+                &["HOSTNAME=\"gpu-box\"", "StatefulSet"],
+            ),
+            (
+                &[("POD_NAME", "-1"), ("YATT_K8S_SERVICE", "s")],
+                &["POD_NAME=\"-1\""],
+            ),
+            (
+                &[("POD_NAME", "y-0")],
+                &["YATT_K8S_SERVICE is not set", "headless Service"],
+            ),
         ];
         for (set, want) in cases {
             let msg = resolve(Launcher::K8s, &env(set)).unwrap_err().to_string();

@@ -172,7 +172,10 @@ mod tests {
             ("n[5]", &["n5"]),
             ("[1-2]x", &["1x", "2x"]),
             ("127.0.0.[1-3]", &["127.0.0.1", "127.0.0.2", "127.0.0.3"]),
-            ("gpu[1-2],cpu[07-08],login", &["gpu1", "gpu2", "cpu07", "cpu08", "login"]),
+            (
+                "gpu[1-2],cpu[07-08],login",
+                &["gpu1", "gpu2", "cpu07", "cpu08", "login"],
+            ),
             ("  a[1-2]\n", &["a1", "a2"]),
             ("r[1,3]-n[9-10]", &["r1-n9", "r1-n10", "r3-n9", "r3-n10"]),
         ];
@@ -193,10 +196,25 @@ mod tests {
             ("gpu01-03]", NodeListError::Bracket { at: 8 }),
             ("gpu[[1-2]]", NodeListError::Bracket { at: 3 }),
             ("gpu[]", NodeListError::Range { range: "".into() }),
-            ("gpu[a-b]", NodeListError::Range { range: "a-b".into() }),
+            (
+                "gpu[a-b]",
+                NodeListError::Range {
+                    range: "a-b".into(),
+                },
+            ),
             ("gpu[1-]", NodeListError::Range { range: "1-".into() }),
-            ("gpu[1-2-3]", NodeListError::Range { range: "1-2-3".into() }),
-            ("gpu[1,,2]", NodeListError::Range { range: "1,,2".into() }),
+            (
+                "gpu[1-2-3]",
+                NodeListError::Range {
+                    range: "1-2-3".into(),
+                },
+            ),
+            (
+                "gpu[1,,2]",
+                NodeListError::Range {
+                    range: "1,,2".into(),
+                },
+            ),
             (
                 "gpu[5-3]",
                 NodeListError::Backwards {

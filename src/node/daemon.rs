@@ -11,8 +11,8 @@ use yatt_runtime::{CertKind, ClusterCa, NodeIdentity};
 
 use crate::launch::{Launcher, Plan};
 use crate::node::error::DaemonError;
-use crate::node_config::{Endpoint, ResolvedNode};
 use crate::node::roles::Roles;
+use crate::node_config::{Endpoint, ResolvedNode};
 
 /// `DaemonError::Failed` with `context`.
 fn failed<E: std::error::Error + Send + Sync + 'static>(
@@ -273,9 +273,13 @@ async fn run(args: RunArgs, roles: Roles) -> Result<(), DaemonError> {
         cfg.runtime.seed = Some(addr);
     }
     if let Some(Endpoint::Name(host)) = &cfg.advertise {
-        let addr = crate::launch::dns::lookup("the advertised address (node.advertise)", host, LOOKUP_WAIT)
-            .await
-            .map_err(|e| DaemonError::Refused(e.to_string()))?;
+        let addr = crate::launch::dns::lookup(
+            "the advertised address (node.advertise)",
+            host,
+            LOOKUP_WAIT,
+        )
+        .await
+        .map_err(|e| DaemonError::Refused(e.to_string()))?;
         // A host whose name maps to 127.0.1.1 (Debian's /etc/hosts) would tell its
         // peers to dial themselves.
         if addr.ip().is_loopback() && cfg.runtime.listen.ip().is_unspecified() {
