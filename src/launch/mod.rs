@@ -172,7 +172,7 @@ fn invalid(var: &str, value: &str, problem: impl Into<String>, fix: &str) -> Lau
     }
 }
 
-fn port(env: &Env, var: &str, default: u16) -> Result<u16, LaunchError> {
+fn parse_port(env: &Env, var: &str, default: u16) -> Result<u16, LaunchError> {
     match get(env, var) {
         None => Ok(default),
         Some(v) => v.parse().map_err(|_| {
@@ -226,8 +226,8 @@ struct Ports {
 }
 
 fn ports(env: &Env, http_host_default: &str) -> Result<Ports, LaunchError> {
-    let port = port(env, "YATT_PORT", DEFAULT_PORT)?;
-    let http_port = port(env, "YATT_HTTP_PORT", DEFAULT_HTTP_PORT)?;
+    let port = parse_port(env, "YATT_PORT", DEFAULT_PORT)?;
+    let http_port = parse_port(env, "YATT_HTTP_PORT", DEFAULT_HTTP_PORT)?;
     let listen_host = get(env, "YATT_LISTEN_HOST").unwrap_or("0.0.0.0");
     let http_host = get(env, "YATT_HTTP_HOST").unwrap_or(http_host_default);
     Ok(Ports {
