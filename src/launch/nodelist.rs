@@ -180,7 +180,7 @@ mod tests {
             ("r[1,3]-n[9-10]", &["r1-n9", "r1-n10", "r3-n9", "r3-n10"]),
         ];
         for (list, want) in cases {
-            assert_eq!(expand(list).as_deref(), Ok(*want), "{list}");
+            assert_eq!(expand(list).unwrap(), *want, "{list}");
         }
     }
 
