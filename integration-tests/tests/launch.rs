@@ -455,6 +455,8 @@ impl Launched {
         Command::new(yatt_node_bin())
             .args(["run", "--launcher", "slurm", "--certs"])
             .arg(self.dir.path().join("certs"))
+            .arg("--data-dir")
+            .arg(self.dir.path())
             .env_clear()
             .env("SLURM_JOB_NODELIST", "127.0.0.[1-3]")
             .env("SLURM_NODEID", i.to_string())
