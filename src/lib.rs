@@ -62,6 +62,7 @@ pub fn exit_code<E: std::fmt::Display>(result: Result<(), E>) -> std::process::E
 }
 
 pub mod http;
+pub mod launch;
 pub mod logging;
 pub mod node;
 pub mod node_config;

@@ -194,13 +194,47 @@ pub struct NodeFile {
     pub transport: TransportSection,
 }
 
+/// An address as configured: a socket address, or a `host:port` looked up at start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    /// An address literal.
+    Addr(SocketAddr),
+    /// `host:port`, to look up.
+    Name(String),
+}
+
+impl Endpoint {
+    /// The address, when it is a literal.
+    pub fn addr(&self) -> Option<SocketAddr> {
+        match self {
+            Endpoint::Addr(a) => Some(*a),
+            Endpoint::Name(_) => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Endpoint::Addr(a) => write!(f, "{a}"),
+            Endpoint::Name(n) => f.write_str(n),
+        }
+    }
+}
+
 /// A validated configuration, ready to start a node.
 #[derive(Debug, Clone)]
 pub struct ResolvedNode {
     /// The node's name.
     pub name: String,
-    /// Runtime settings.
+    /// Runtime settings. `seed` and `advertise` are set here only when configured as
+    /// address literals; a host name is in [`ResolvedNode::seed`] and
+    /// [`ResolvedNode::advertise`] until the daemon looks it up.
     pub runtime: NodeConfig,
+    /// `node.seed` as configured.
+    pub seed: Option<Endpoint>,
+    /// `node.advertise` as configured.
+    pub advertise: Option<Endpoint>,
     /// TLS settings.
     pub tls: TlsSection,
     /// HTTP address, if enabled.
@@ -283,18 +317,35 @@ fn validate(f: NodeFile, origin: &dyn Fn(&str) -> String) -> Result<ResolvedNode
         )
     })?;
     let listen = addr("node.listen", &f.node.listen)?;
+    // The seed and the advertised address may name a host (`gpu01:7400`,
+    // `yatt-0.yatt:7400`): a launcher knows names, not addresses. The daemon looks
+    // them up at start.
+    let endpoint = |key: &str, v: &str| -> Result<Endpoint, ConfigError> {
+        match v.parse::<SocketAddr>() {
+            Ok(a) => Ok(Endpoint::Addr(a)),
+            Err(_) if crate::launch::dns::split_host_port(v).is_some() => {
+                Ok(Endpoint::Name(v.to_string()))
+            }
+            Err(_) => Err(invalid(
+                key,
+                "HOST:PORT or a socket address, e.g. gpu01:7400 or 10.0.0.1:7400",
+                v.into(),
+            )),
+        }
+    };
     let advertise = f
         .node
         .advertise
         .as_deref()
-        .map(|v| addr("node.advertise", v))
+        .filter(|s| !s.is_empty())
+        .map(|v| endpoint("node.advertise", v))
         .transpose()?;
     let seed = f
         .node
         .seed
         .as_deref()
         .filter(|s| !s.is_empty())
-        .map(|v| addr("node.seed", v))
+        .map(|v| endpoint("node.seed", v))
         .transpose()?;
     let http = (!f.http.listen.is_empty())
         .then(|| addr("http.listen", &f.http.listen))
@@ -365,8 +416,8 @@ fn validate(f: NodeFile, origin: &dyn Fn(&str) -> String) -> Result<ResolvedNode
     };
     let runtime = NodeConfig {
         listen,
-        advertise,
-        seed,
+        advertise: advertise.as_ref().and_then(Endpoint::addr),
+        seed: seed.as_ref().and_then(Endpoint::addr),
         heartbeat_interval: Duration::from_millis(f.membership.heartbeat_ms),
         failure_timeout: Duration::from_millis(f.membership.failure_timeout_ms),
         virtual_devices: f.node.virtual_devices,
@@ -379,6 +430,8 @@ fn validate(f: NodeFile, origin: &dyn Fn(&str) -> String) -> Result<ResolvedNode
     Ok(ResolvedNode {
         name: f.node.name,
         runtime,
+        seed,
+        advertise,
         tls: f.tls,
         http,
         ready_file: f.node.ready_file,

@@ -8,6 +8,8 @@ mod chaos;
 mod cluster;
 mod critic;
 mod custom_roles;
+mod deploy;
+mod launch;
 mod live_placement;
 mod policy;
 mod replicas;

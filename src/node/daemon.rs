@@ -9,8 +9,10 @@ use clap::{Parser, Subcommand};
 use yatt_runtime::Node;
 use yatt_runtime::{CertKind, ClusterCa, NodeIdentity};
 
+use crate::launch::{Launcher, Plan};
 use crate::node::error::DaemonError;
 use crate::node::roles::Roles;
+use crate::node_config::{Endpoint, ResolvedNode};
 
 /// `DaemonError::Failed` with `context`.
 fn failed<E: std::error::Error + Send + Sync + 'static>(
@@ -66,10 +68,19 @@ enum Command {
     },
     /// Serve: join or lead a cluster and host actors.
     Run(RunArgs),
+    /// Print what `run` with the same arguments would start as, as JSON (name, seed,
+    /// listen, advertised and HTTP addresses, devices, certificate paths), and start
+    /// nothing: to debug a launch.
+    Plan(RunArgs),
 }
 
 #[derive(clap::Args)]
 struct RunArgs {
+    /// Take the name, seed, addresses and devices from the launcher's environment:
+    /// `slurm` (under srun) or `k8s` (a StatefulSet pod); flags given here win. See
+    /// docs/launch.md for the variables.
+    #[arg(long, value_enum)]
+    launcher: Option<Launcher>,
     /// TOML configuration (see config/node.toml).
     #[arg(long, short)]
     config: Option<PathBuf>,
@@ -79,7 +90,7 @@ struct RunArgs {
     /// QUIC listen address (node.listen).
     #[arg(long)]
     listen: Option<String>,
-    /// Join through this member (node.seed).
+    /// Join through this member: an address or HOST:PORT (node.seed).
     #[arg(long)]
     seed: Option<String>,
     /// The address peers dial, when it is not --listen: behind NAT, a proxy or a
@@ -123,6 +134,7 @@ pub(crate) fn main_with_roles(roles: Roles) -> Result<(), DaemonError> {
             out,
             kind,
         } => cert(&ca_dir, &name, kind, out.as_deref().unwrap_or(&ca_dir)),
+        Command::Plan(args) => plan(args),
         Command::Run(args) => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()
@@ -164,10 +176,29 @@ fn cert(
     Ok(())
 }
 
-async fn run(args: RunArgs, roles: Roles) -> Result<(), DaemonError> {
+/// The configuration `run` would start with: the config file, the environment, the
+/// launcher's values, then the flags (later ones win), validated.
+fn settings(args: RunArgs) -> Result<(Option<Plan>, ResolvedNode), DaemonError> {
+    let launched = args
+        .launcher
+        .map(|l| crate::launch::resolve(l, &crate::launch::process_env()))
+        .transpose()
+        .map_err(|e| DaemonError::Refused(format!("--launcher: {e}")))?;
     let mut flags: Vec<(&str, String)> = Vec::new();
+    if let Some(p) = &launched {
+        flags.push(("node.name", p.name.clone()));
+        flags.push(("node.listen", p.listen.clone()));
+        flags.push(("node.advertise", p.advertise.clone()));
+        // The leader's seed is cleared, not left to a config file's: pod 0 leads.
+        flags.push(("node.seed", p.seed.clone().unwrap_or_default()));
+        flags.push(("http.listen", p.http.clone()));
+        if let Some(n) = p.devices {
+            flags.push(("node.virtual_devices", n.to_string()));
+        }
+    }
     let mut flag = |k, v: Option<String>| {
         if let Some(v) = v {
+            flags.retain(|(key, _)| *key != k);
             flags.push((k, v));
         }
     };
@@ -192,6 +223,70 @@ async fn run(args: RunArgs, roles: Roles) -> Result<(), DaemonError> {
     );
     let cfg = crate::node_config::load(args.config.as_deref(), &flags)
         .map_err(|e| DaemonError::Refused(e.to_string()))?;
+    Ok((launched, cfg))
+}
+
+/// `yatt-node plan`: the resolved settings as JSON on stdout.
+fn plan(args: RunArgs) -> Result<(), DaemonError> {
+    let (launched, cfg) = settings(args)?;
+    let dir = &cfg.tls.dir;
+    let text = |e: &Option<Endpoint>| e.as_ref().map(Endpoint::to_string);
+    let out = serde_json::json!({
+        "launcher": launched.as_ref().map(|p| p.launcher),
+        "index": launched.as_ref().map(|p| p.index),
+        "hosts": launched.as_ref().and_then(|p| p.hosts.clone()),
+        "name": cfg.name,
+        "leader": cfg.seed.is_none(),
+        "seed": text(&cfg.seed),
+        "listen": cfg.runtime.listen.to_string(),
+        "advertise": text(&cfg.advertise).unwrap_or_else(|| cfg.runtime.listen.to_string()),
+        "http": cfg.http.map(|a| a.to_string()),
+        "devices": launched.as_ref().and_then(|p| p.devices),
+        "devices_from": launched.as_ref().and_then(|p| p.devices_from.clone()),
+        "virtual_devices": cfg.runtime.virtual_devices,
+        "certs": {
+            "dir": dir.display().to_string(),
+            "dev": cfg.tls.dev,
+            "ca": dir.join(yatt_runtime::CA_CERT_FILE).display().to_string(),
+            "cert": dir.join(format!("{}.pem", cfg.name)).display().to_string(),
+            "key": dir.join(format!("{}.key", cfg.name)).display().to_string(),
+        },
+    });
+    let pretty = serde_json::to_string_pretty(&out).map_err(failed("printing the plan".into()))?;
+    println!("{pretty}");
+    Ok(())
+}
+
+/// How long a host name in the seed or the advertised address may take to resolve: a
+/// StatefulSet pod's DNS name appears a few seconds after the pod starts.
+const LOOKUP_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+async fn run(args: RunArgs, roles: Roles) -> Result<(), DaemonError> {
+    let (launched, mut cfg) = settings(args)?;
+    if let Some(p) = &launched {
+        tracing::info!(launcher = %p.launcher, name = %cfg.name, index = p.index, seed = ?p.seed, devices = ?p.devices, "launch");
+    }
+    if let Some(Endpoint::Name(host)) = &cfg.seed {
+        let addr = crate::launch::dns::lookup("the seed (node.seed)", host, LOOKUP_WAIT)
+            .await
+            .map_err(|e| DaemonError::Refused(e.to_string()))?;
+        cfg.runtime.seed = Some(addr);
+    }
+    if let Some(Endpoint::Name(host)) = &cfg.advertise {
+        let addr = crate::launch::dns::lookup(
+            "the advertised address (node.advertise)",
+            host,
+            LOOKUP_WAIT,
+        )
+        .await
+        .map_err(|e| DaemonError::Refused(e.to_string()))?;
+        // A host whose name maps to 127.0.1.1 (Debian's /etc/hosts) would tell its
+        // peers to dial themselves.
+        if addr.ip().is_loopback() && cfg.runtime.listen.ip().is_unspecified() {
+            tracing::warn!(%host, %addr, "the advertised name resolves to a loopback address while the node listens on all interfaces: peers on other hosts cannot reach it; set YATT_ADVERTISE_HOST (or --advertise) to an address they can reach");
+        }
+        cfg.runtime.advertise = Some(addr);
+    }
 
     if let Some(addr) = cfg.http.filter(|a| !a.ip().is_loopback()) {
         tracing::warn!(%addr, "/health and /metrics are served without authentication on a non-loopback address: anyone who reaches it reads the node's state; bind http.listen to 127.0.0.1, or firewall the port");

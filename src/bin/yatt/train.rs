@@ -31,9 +31,10 @@ pub struct TrainArgs {
     #[arg(long = "set", value_name = "KEY=VALUE")]
     sets: Vec<String>,
     /// Join the cluster through this member and run each role on the node that
-    /// `[placement]` names (placement.mode = "disaggregated").
+    /// `[placement]` names (placement.mode = "disaggregated"). An address or
+    /// HOST:PORT (e.g. yatt-node-0.yatt:7400), looked up for up to 2 minutes.
     #[arg(long, value_name = "SEED_ADDR")]
-    cluster: Option<SocketAddr>,
+    cluster: Option<String>,
     /// With --cluster: this process's node name (its certificate's CN). Default: with
     /// --dev, a name of its own per process (`train-<pid>-<random>`), so that
     /// concurrent runs never share one; otherwise "train" (the certificate's name in
@@ -48,10 +49,10 @@ pub struct TrainArgs {
     /// `yatt-node run --dev` does).
     #[arg(long, requires = "cluster")]
     dev: bool,
-    /// With --cluster: QUIC listen address of this process's node; the nodes must be
-    /// able to reach it.
+    /// With --cluster: QUIC listen address of this process's node (an address, or
+    /// HOST:PORT of this machine); the nodes must be able to reach it.
     #[arg(long, default_value = "127.0.0.1:0", requires = "cluster")]
-    listen: SocketAddr,
+    listen: String,
     /// With --cluster: a `yatt-node` config file (config/node.toml) whose `[transport]`
     /// and `[membership]` settings this process's node takes, as the daemons do; the
     /// `YATT_NODE__SECTION__KEY` environment overrides apply with or without it. Its
@@ -90,7 +91,7 @@ async fn start_node(
     args: &TrainArgs,
 ) -> anyhow::Result<(Node, Option<tempfile::TempDir>)> {
     let disaggregated = job.placement.mode == yatt::trainer::PlacementMode::Disaggregated;
-    let Some(seed) = args.cluster else {
+    let Some(seed_text) = args.cluster.as_deref() else {
         anyhow::ensure!(
             !disaggregated,
             "placement.mode = \"disaggregated\" puts roles on cluster nodes; add --cluster SEED_ADDR (and --dev --certs DIR for a dev cluster)"
@@ -111,9 +112,13 @@ async fn start_node(
         .name
         .clone()
         .unwrap_or_else(|| default_member_name(args.dev));
+    // A launcher knows host names (the StatefulSet's pod 0, the Slurm head).
+    let wait = Duration::from_secs(120);
+    let seed = yatt::launch::dns::lookup("--cluster", seed_text, wait).await?;
+    let listen = yatt::launch::dns::lookup("--listen", &args.listen, wait).await?;
     let mut builder = Node::builder(&name)
-        .config(cluster_settings(args, &name, seed)?)
-        .listen(args.listen)
+        .config(cluster_settings(args, &name, seed, listen)?)
+        .listen(listen)
         .seed(seed);
     builder = if args.dev {
         builder.dev_certs(&args.certs).dev_kind(CertKind::Trainer)
@@ -133,10 +138,11 @@ fn cluster_settings(
     args: &TrainArgs,
     name: &str,
     seed: SocketAddr,
+    listen: SocketAddr,
 ) -> anyhow::Result<yatt::runtime::NodeConfig> {
     let flags = [
         ("node.name", name.to_string()),
-        ("node.listen", args.listen.to_string()),
+        ("node.listen", listen.to_string()),
         ("node.seed", seed.to_string()),
     ];
     let file = args.node_config.as_deref();
@@ -312,7 +318,7 @@ async fn run_job(job: JobConfig, resume: bool, args: TrainArgs) -> anyhow::Resul
         let joined = format!(
             "cluster: joined as {} through {}",
             node.name(),
-            args.cluster.map(|a| a.to_string()).unwrap_or_default()
+            args.cluster.clone().unwrap_or_default()
         );
         if p.live {
             let reference = match job.algorithm.kl_mode {
