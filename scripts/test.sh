@@ -5,6 +5,10 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
 cd "$YATT_ROOT"
+# libtorch's OpenMP threads spin while they wait for work. With tests and their child
+# processes sharing a few cores, the spinning threads take the cores the working ones
+# need: one SmolLM2 test took 131 s spinning and 27 s passive on 2 loaded cores.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 cargo build --workspace --bins --release
 # yatt-collective alone, without NCCL: the workspace turns `nccl` on (the binaries'
 # default), so the stub backend is tested only here. The NCCL backend's CPU tests (they
