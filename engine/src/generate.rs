@@ -452,7 +452,7 @@ impl Generator {
     }
 
     /// Turns CUDA graphs for the decode step on or off (on by default; they apply on
-    /// CUDA devices only, see [`DecodeGraphs`]).
+    /// CUDA devices only, see `DecodeGraphs`).
     pub fn set_cuda_graphs(&mut self, on: bool) {
         self.graphs.set_enabled(on);
     }

@@ -64,7 +64,7 @@ impl std::fmt::Display for LossAggMode {
     }
 }
 
-/// Which policy-gradient loss [`super::policy_loss`] computes.
+/// Which policy-gradient loss `policy_loss` computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum PolicyLossKind {

@@ -7,7 +7,7 @@
 //! produced. [`ScalarRewardModel`] is a [`ModelScorer`] the reward role runs next to
 //! its rule-based functions; [`train_reward_model`] makes one from a small set of
 //! scored samples or preference pairs (save it with
-//! [`yatt_engine::checkpoint::save_pretrained`]).
+//! `yatt_engine::checkpoint::save_pretrained`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -442,7 +442,7 @@ pub fn reward_model_loss(
 
 /// Trains `model` as a reward model on `examples` (attaching a zero `score` head when it
 /// has none; backbone and head both train) and returns it with each step's loss.
-/// Save it with [`yatt_engine::checkpoint::save_pretrained`] and point
+/// Save it with `yatt_engine::checkpoint::save_pretrained` and point
 /// `reward.model` at the directory.
 pub fn train_reward_model(
     mut model: Llama,

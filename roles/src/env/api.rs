@@ -120,11 +120,11 @@ where
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum EnvKind {
-    /// A [`ToolEnv`] with the [`CalculatorTool`].
+    /// A `ToolEnv` with the `CalculatorTool`.
     Calculator,
-    /// A [`ToolEnv`] with the sandboxed [`PythonTool`].
+    /// A `ToolEnv` with the sandboxed `PythonTool`.
     Python,
-    /// The [`GuessNumberEnv`] game.
+    /// The `GuessNumberEnv` game.
     GuessNumber,
 }
 

@@ -30,7 +30,7 @@ pub struct RewardOutput {
 /// A reward function. Implementations are cheap, pure and thread-safe; the reward role
 /// calls them from a blocking pool.
 pub trait RewardFn: Send + Sync {
-    /// A short name for logs and for [`CombinedReward`] explanations.
+    /// A short name for logs and for `CombinedReward` explanations.
     fn name(&self) -> &str;
     /// Scores one sample. An `Err` means the reward could not be computed (misconfigured
     /// verifier, missing reference) — never a wrong answer, which is a low score.
@@ -68,7 +68,7 @@ pub enum RewardError {
     /// A reward function's configuration is invalid.
     #[error("invalid reward config: {0}")]
     Config(String),
-    /// One component of a [`CombinedReward`] failed.
+    /// One component of a `CombinedReward` failed.
     #[error("component {name:?} of the combined reward: {source}")]
     Component {
         /// The component's name.

@@ -728,7 +728,7 @@ impl JobConfig {
 impl PlacementSection {
     /// Checks the section on its own, for a job with `policy_replicas` policy replicas
     /// and, with `critic` (PPO), a critic (which nodes exist is checked against the
-    /// cluster by [`build_cluster`]).
+    /// cluster by `build_cluster`).
     pub fn validate(&self, policy_replicas: usize, critic: bool) -> Result<(), JobError> {
         positive(
             "placement.spawn_timeout_s",

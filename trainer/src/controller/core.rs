@@ -382,7 +382,7 @@ impl Controller {
     /// Runs one step. On error the step's prompts are consumed; restore a
     /// [`ControllerState`] taken before the step to retry it. With
     /// `staleness` ≥ 1 the next batches generate while this one trains
-    /// ([`Controller::step_pipelined`]).
+    /// (`Controller::step_pipelined`).
     pub async fn step(&mut self) -> Result<StepReport, ControllerError> {
         if self.config.staleness > 0 {
             return self.step_pipelined().await;

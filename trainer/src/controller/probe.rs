@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use yatt_runtime::ActorId;
 
 /// The rollout replicas that generation calls are in flight to, shared by the heads
-/// that report to it ([`Controller::set_probe`]): a step's progress seen from outside,
+/// that report to it (`Controller::set_probe`): a step's progress seen from outside,
 /// e.g. by a test that must act while a step generates on a given replica.
 #[derive(Clone, Default, Debug)]
 pub struct GenProbe(std::sync::Arc<std::sync::Mutex<BTreeMap<ActorId, usize>>>);

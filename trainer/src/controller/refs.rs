@@ -43,7 +43,7 @@ pub struct RoleRefs {
 /// Starts `role` on its own thread on `group` and spawns its actor on `node` as
 /// `node/name/replica`, reachable from this process only (its messages are moved, never
 /// encoded). Roles on other nodes are spawned through their factories
-/// ([`crate::remote`]).
+/// (`crate::remote`).
 pub async fn spawn_role<R: Role>(
     node: &Node,
     role: R,
