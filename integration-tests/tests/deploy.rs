@@ -11,7 +11,7 @@
 //!   one of yatt's three kinds.
 //!
 //! A missing tool fails the test with how to install it: `source scripts/bootstrap.sh`
-//! puts shellcheck and kubernetes-validate into .venv (and kubectl, when absent).
+//! puts shellcheck and kubernetes-validate into .venv (kubectl comes from the machine).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
