@@ -65,6 +65,7 @@ pub mod http;
 pub mod logging;
 pub mod node;
 pub mod node_config;
+pub mod view;
 mod reference;
 pub use reference::{cli_reference_page, config_reference_page};
 
