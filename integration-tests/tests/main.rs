@@ -9,6 +9,7 @@ mod cluster;
 mod critic;
 mod custom_roles;
 mod live_placement;
+mod live_view;
 mod policy;
 mod replicas;
 mod training;

@@ -86,7 +86,8 @@ struct RunArgs {
     /// load balancer (node.advertise).
     #[arg(long)]
     advertise: Option<String>,
-    /// HTTP address for /health and /metrics; "" disables (http.listen).
+    /// HTTP address for /health, /metrics and the live view at / (the cluster as this
+    /// node sees it); "" disables (http.listen).
     #[arg(long)]
     http: Option<String>,
     /// Certificate directory (tls.dir).
