@@ -184,6 +184,7 @@ function renderChart(def) {
     line.dataset.points = p.length;
     svg.append(line);
   });
+  cap.append(el("span", { class: "muted range" }, `steps ${x0}–${x1} · ${num(y0, 3)} to ${num(y1, 3)}${st.thinned ? " · older steps thinned" : ""}`));
   const t = document.createElementNS("http://www.w3.org/2000/svg", "title");
   t.textContent = `${def.title}: steps ${x0}–${x1}, ${num(y0, 3)} to ${num(y1, 3)}`;
   svg.append(t);
