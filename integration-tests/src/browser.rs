@@ -70,13 +70,13 @@ pub fn dump_dom(url: &str, budget_ms: u64) -> String {
     dom
 }
 
-/// Saves a 1400×1000 screenshot of `url` to `path`.
+/// Saves a 1400×1700 screenshot of `url` to `path`.
 pub fn screenshot(url: &str, budget_ms: u64, path: &Path) {
     run_chromium(
         url,
         budget_ms,
         &[
-            "--window-size=1400,1000".into(),
+            "--window-size=1400,1700".into(),
             "--hide-scrollbars".into(),
             format!("--screenshot={}", path.display()),
         ],

@@ -149,6 +149,8 @@ struct State {
     plan: Option<serde_json::Value>,
     /// The last placement step record: each group's busy seconds.
     groups: serde_json::Value,
+    /// The last placement step record's measured seconds.
+    last_step_s: Option<f64>,
     /// Placement predictions by 1-based step, until the step's metrics row takes them.
     predicted: BTreeMap<u64, (Option<f64>, Option<f64>)>,
     bad_lines: u64,
@@ -177,6 +179,7 @@ impl RunSource {
                 plan: None,
                 groups: serde_json::Value::Null,
                 predicted: BTreeMap::new(),
+                last_step_s: None,
                 bad_lines: 0,
             }),
         }
@@ -406,6 +409,7 @@ impl State {
             }
             Record::Step {
                 step,
+                step_s,
                 predicted_s,
                 no_move_s,
                 groups,
@@ -415,6 +419,7 @@ impl State {
                     .iter()
                     .map(|g| serde_json::json!({"group": g.group.to_string(), "roles": g.roles.to_string(), "busy_s": g.busy_s}))
                     .collect::<Vec<_>>());
+                self.last_step_s = Some(step_s);
                 if self.predicted.len() < 1024 {
                     self.predicted.insert(step + 1, (predicted_s, no_move_s));
                 }
@@ -435,11 +440,7 @@ impl State {
                     .iter()
                     .map(|m| format!("{} {} -> {}", m.group, m.from, m.to))
                     .collect();
-                let measured = self
-                    .steps
-                    .back()
-                    .and_then(|r| r.get(names::STEP_S))
-                    .copied();
+                let measured = self.last_step_s;
                 self.event(
                     step + 1,
                     RunEventKind::Move,
