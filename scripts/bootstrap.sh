@@ -67,6 +67,22 @@ if ! command -v kubectl >/dev/null 2>&1; then
     "(integration-tests/tests/deploy.rs) need it for 'kubectl kustomize': install kubectl" >&2
 fi
 
+# The live-view tests (integration-tests/tests/live_view.rs) load the page in the
+# distribution's headless Chromium; install it once (Debian/Ubuntu, as root or with sudo).
+if [ ! -x /usr/bin/chromium ] && [ -z "${YATT_CHROMIUM:-}" ]; then
+  echo "bootstrap: installing chromium and chromium-driver for the live-view tests" >&2
+  _yatt_sudo=""
+  [ "$(id -u)" -eq 0 ] || _yatt_sudo="sudo"
+  if command -v apt-get >/dev/null 2>&1; then
+    $_yatt_sudo apt-get update -q >/dev/null \
+      && $_yatt_sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null \
+      || echo "bootstrap: warning: installing chromium failed; the live-view tests will fail until it is installed (apt-get install -y chromium chromium-driver, or set YATT_CHROMIUM)" >&2
+  else
+    echo "bootstrap: warning: no apt-get; install Chromium and set YATT_CHROMIUM to it for the live-view tests" >&2
+  fi
+  unset _yatt_sudo
+fi
+
 if ! command -v cargo-nextest >/dev/null 2>&1 && ! cargo nextest --version >/dev/null 2>&1; then
   echo "bootstrap: installing cargo-nextest" >&2
   cargo install --locked cargo-nextest

@@ -1,4 +1,5 @@
-//! The node's HTTP side: `/health` (JSON) and `/metrics` (Prometheus text).
+//! The node's HTTP side: `/health` (JSON) and `/metrics` (Prometheus text), and with
+//! [`with_view`] the live web view beside them (`crate::view`).
 
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
@@ -18,6 +19,14 @@ pub fn router(node: Node) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .with_state(node)
+}
+
+/// [`router`] and the live view's routes, every one of them behind the view's query
+/// limit ([`crate::view::limit_query`]).
+pub fn with_view(node: &Node, view: crate::view::View) -> Router {
+    router(node.clone())
+        .merge(view.router())
+        .layer(axum::middleware::from_fn(crate::view::limit_query))
 }
 
 async fn health(State(node): State<Node>) -> impl IntoResponse {

@@ -66,6 +66,7 @@ pub mod launch;
 pub mod logging;
 pub mod node;
 pub mod node_config;
+pub mod view;
 mod reference;
 pub use reference::{cli_reference_page, config_reference_page};
 

@@ -2,6 +2,7 @@
 //! loopback, wait for conditions by polling with a deadline, and clean up (every child
 //! is killed when its [`Cluster`] drops, also when a test fails).
 
+pub mod browser;
 mod chaos;
 pub mod insecure;
 mod relay;
@@ -711,6 +712,18 @@ impl Cluster {
         out: &Path,
         resume: bool,
     ) -> TrainProc {
+        self.spawn_train_with(config, sets, out, resume, &[])
+    }
+
+    /// [`Cluster::spawn_train`] with more `yatt train` arguments (e.g. `--http 0`).
+    pub fn spawn_train_with(
+        &self,
+        config: &str,
+        sets: &[String],
+        out: &Path,
+        resume: bool,
+        extra: &[&str],
+    ) -> TrainProc {
         let mut cmd = Command::new(yatt_bin());
         let log = if resume {
             cmd.arg("train").arg("--resume").arg(out);
@@ -724,6 +737,7 @@ impl Cluster {
         for s in sets {
             cmd.args(["--set", s]);
         }
+        cmd.args(extra);
         self.start_train(cmd, out, log)
     }
 }
@@ -737,6 +751,11 @@ pub struct TrainProc {
 }
 
 impl TrainProc {
+    /// The file its stdout goes to.
+    pub fn stdout_path(&self) -> &Path {
+        &self.stdout
+    }
+
     /// What it printed so far (stdout, then stderr).
     pub fn printed(&self) -> String {
         std::fs::read_to_string(&self.stdout).unwrap_or_default()

@@ -11,6 +11,7 @@ mod custom_roles;
 mod deploy;
 mod launch;
 mod live_placement;
+mod live_view;
 mod policy;
 mod replicas;
 mod training;

@@ -38,7 +38,8 @@ mod writer;
 
 pub use error::{MetricsError, WriteError};
 pub use jsonl::{
-    format_line, read_jsonl, StepRecord, EVAL_FILE_NAME as EVAL_FILE, FILE_NAME as METRICS_FILE,
+    format_line, parse_line, read_jsonl, StepRecord, EVAL_FILE_NAME as EVAL_FILE,
+    FILE_NAME as METRICS_FILE,
 };
 #[cfg(feature = "plot")]
 pub use plot::{plot_compare, plot_run, PlotReport};

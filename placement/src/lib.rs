@@ -45,7 +45,8 @@ pub use profile::{
     JobShape, ModelSpec, RewardKind, Role, RoleSet,
 };
 pub use record::{
-    after_move, finite, parse_records, render_records, GroupUse, Record, RecordError, RECORD_FILE,
+    after_move, finite, parse_records, render_records, GroupPlace, GroupUse, Record, RecordError,
+    RECORD_FILE,
 };
 pub use search::{assign, search, search_top, search_top_lanes, Found, LaneSearch, Space};
 pub use staleness::{lag, within_bound};

@@ -26,6 +26,17 @@ pub struct GroupUse {
     pub busy_s: f64,
 }
 
+/// Where a group's devices are.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupPlace {
+    /// The group.
+    pub group: GroupId,
+    /// The node hosting its devices.
+    pub node: String,
+    /// Device indices on that node.
+    pub devices: Vec<u32>,
+}
+
 /// One line of `placement.jsonl`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -40,6 +51,10 @@ pub enum Record {
         directory_epoch: u64,
         /// The plan.
         plan: Plan,
+        /// Where each group of the inventory is (node and device indices), for the live
+        /// view's "which group holds this device"; empty in logs written before it.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        places: Vec<GroupPlace>,
     },
     /// A finished step: its time, the model's prediction for the plan in force, and
     /// each group's busy time.
@@ -172,6 +187,7 @@ pub fn render_records(
                 routing_version,
                 directory_epoch,
                 plan,
+                ..
             } => Some((*step, *routing_version, *directory_epoch, plan)),
             _ => None,
         })
@@ -353,6 +369,7 @@ mod tests {
                 routing_version: 1,
                 directory_epoch: 3,
                 plan: plan(&[0], &[1, 2]),
+                places: Vec::new(),
             },
             Record::Step {
                 step: 0,
@@ -391,6 +408,7 @@ mod tests {
                 routing_version: 2,
                 directory_epoch: 4,
                 plan: plan(&[0, 1], &[2]),
+                places: Vec::new(),
             },
             Record::Step {
                 step: 1,

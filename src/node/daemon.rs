@@ -97,7 +97,8 @@ struct RunArgs {
     /// load balancer (node.advertise).
     #[arg(long)]
     advertise: Option<String>,
-    /// HTTP address for /health and /metrics; "" disables (http.listen).
+    /// HTTP address for /health, /metrics and the live view at / (the cluster as this
+    /// node sees it); "" disables (http.listen).
     #[arg(long)]
     http: Option<String>,
     /// Certificate directory (tls.dir).
@@ -288,8 +289,8 @@ async fn run(args: RunArgs, roles: Roles) -> Result<(), DaemonError> {
         cfg.runtime.advertise = Some(addr);
     }
 
-    if let Some(addr) = cfg.http.filter(|a| !a.ip().is_loopback()) {
-        tracing::warn!(%addr, "/health and /metrics are served without authentication on a non-loopback address: anyone who reaches it reads the node's state; bind http.listen to 127.0.0.1, or firewall the port");
+    if let Some(addr) = cfg.http {
+        crate::view::warn_if_exposed(addr);
     }
     // Bind HTTP first: a port in use should fail before we join the cluster.
     let http =
@@ -321,13 +322,12 @@ async fn run(args: RunArgs, roles: Roles) -> Result<(), DaemonError> {
     let http_addr = http.as_ref().and_then(|l| l.local_addr().ok());
     let (stop_http, http_stopped) = tokio::sync::oneshot::channel::<()>();
     let http_task = http.map(|listener| {
-        let app = crate::http::router(node.clone());
+        let app = crate::http::with_view(&node, crate::view::View::new().cluster(&node));
         tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(async {
-                    let _ = http_stopped.await;
-                })
-                .await;
+            let _ = crate::view::serve(listener, app, async {
+                let _ = http_stopped.await;
+            })
+            .await;
         })
     });
     if let Some(path) = &cfg.ready_file {

@@ -13,6 +13,7 @@ mod plot;
 mod reward_model;
 mod sim;
 mod train;
+mod view;
 
 use clap::{Parser, Subcommand};
 
@@ -39,6 +40,9 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Train: run a job config (TOML) on an in-process node (embedded mode).
     Train(train::TrainArgs),
+    /// Serve a run directory's live view (curves, stage timeline, placement decisions,
+    /// recoveries) on loopback and print its URL.
+    View(view::ViewArgs),
     /// Plot a run's metrics.jsonl as PNGs: reward, KL, stage timing, throughput.
     Plot(plot::PlotArgs),
     /// Train a scalar reward model (backbone + `score` head) on scored responses or
@@ -92,6 +96,7 @@ fn real_main() -> anyhow::Result<()> {
         Command::Demo(args) => demo::run(args),
         Command::Train(args) => train::run(args),
         Command::Plot(args) => plot::run(args),
+        Command::View(args) => view::run(args),
         Command::Eval(args) => eval::run(args),
         Command::RewardModel(args) => reward_model::run(args),
         Command::Sim(args) => sim::run(args),

@@ -59,6 +59,11 @@ pub struct TrainArgs {
     /// name, listen address and seed come from the flags above.
     #[arg(long, value_name = "FILE", requires = "cluster")]
     node_config: Option<PathBuf>,
+    /// Serve the live view of this run and its cluster (a page at `/`, with `/health`
+    /// and `/metrics`) on this address: HOST:PORT, or a port on loopback (port 0: any
+    /// free one). Read-only; the URL is printed. Off by default.
+    #[arg(long, value_name = "ADDR")]
+    http: Option<String>,
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
@@ -295,6 +300,35 @@ impl Reporter {
     }
 }
 
+/// Serves the live view of the run in `job.job.output_dir` and of `node`'s cluster on
+/// `addr` (see `yatt::view`); prints its URL. Returns what stops it.
+async fn serve_view(
+    job: &JobConfig,
+    node: &Node,
+    addr: &str,
+) -> anyhow::Result<(tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>)> {
+    use yatt::view::{RunSource, View};
+    let addr = yatt::view::parse_http_addr(addr).map_err(anyhow::Error::msg)?;
+    yatt::view::warn_if_exposed(addr);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen for HTTP on {addr} (--http; is the port in use?)"))?;
+    let bound = listener.local_addr()?;
+    let view = View::new()
+        .cluster(node)
+        .run(RunSource::new(&job.job.output_dir, Some(job.job.steps)));
+    let app = yatt::http::with_view(node, view);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let _ = yatt::view::serve(listener, app, async {
+            let _ = stopped.await;
+        })
+        .await;
+    });
+    println!("view: http://{bound}/");
+    Ok((stop, task))
+}
+
 async fn run_job(job: JobConfig, resume: bool, args: TrainArgs) -> anyhow::Result<()> {
     let t0 = Instant::now();
     let (node, _certs) = start_node(&job, &args).await?;
@@ -339,6 +373,10 @@ async fn run_job(job: JobConfig, resume: bool, args: TrainArgs) -> anyhow::Resul
             );
         }
     }
+    let view = match &args.http {
+        Some(addr) => Some(serve_view(&job, &node, addr).await?),
+        None => None,
+    };
     let reporter = Reporter::new(job.job.steps);
     let options = TrainOptions {
         resume,
@@ -348,6 +386,10 @@ async fn run_job(job: JobConfig, resume: bool, args: TrainArgs) -> anyhow::Resul
     reporter.finish();
     // Leaving the cluster releases the roles this run spawned, on success or failure.
     node.shutdown().await;
+    if let Some((stop, task)) = view {
+        let _ = stop.send(());
+        let _ = task.await;
+    }
     let summary = result?;
     let r = &summary.rewards;
     let k = r.len().min(5);

@@ -131,6 +131,16 @@ impl LivePlacement {
             routing_version: self.routing_version,
             directory_epoch: self.node.directory().epoch(),
             plan: self.plan.clone(),
+            places: self
+                .policy
+                .inventory()
+                .groups()
+                .map(|g| yatt_placement::GroupPlace {
+                    group: g.id,
+                    node: g.node.clone(),
+                    devices: g.devices.clone(),
+                })
+                .collect(),
         };
         self.write(&r)
     }

@@ -1,0 +1,317 @@
+//! The cluster half of the live view: what this node's directory replica says about
+//! the nodes, their devices and actors, the leader and its term, and a bounded ring of
+//! the recent membership events (joins, deaths, rejoins, fail-overs, actors started and
+//! lost) that [`ClusterEvents`] records from the directory's change feed.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Serialize;
+use yatt_runtime::{
+    Directory, DirectoryChange, DirectoryEvent, ExitReason, Liveness, Membership, Node, WeakNode,
+};
+
+/// Events the ring keeps; the oldest go first.
+pub const EVENT_CAPACITY: usize = 256;
+
+/// What happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    /// A node joined for the first time (as this node saw it).
+    Join,
+    /// A node came back as a new incarnation.
+    Rejoin,
+    /// A node died (missed heartbeats) or left.
+    Death,
+    /// The directory's leadership moved: a new term.
+    FailOver,
+    /// An actor incarnation started.
+    ActorUp,
+    /// An actor incarnation exited or was lost with its node.
+    ActorDown,
+}
+
+/// One membership event.
+#[derive(Debug, Clone, Serialize)]
+pub struct ClusterEvent {
+    /// Its number in this node's ring (1, 2, ...): a viewer asks for those after the
+    /// last it has.
+    pub seq: u64,
+    /// Wall clock, milliseconds since the Unix epoch, when this node saw it.
+    pub unix_ms: u64,
+    /// What happened.
+    pub kind: EventKind,
+    /// The node it concerns.
+    pub node: String,
+    /// In words.
+    pub text: String,
+}
+
+#[derive(Default)]
+struct Ring {
+    next: u64,
+    events: VecDeque<ClusterEvent>,
+    /// Each node's last incarnation and whether it was alive, to tell a join from a
+    /// rejoin and to diff a snapshot.
+    nodes: BTreeMap<String, (u64, bool)>,
+    term: u64,
+}
+
+impl Ring {
+    fn push(&mut self, kind: EventKind, node: &str, text: String) {
+        self.next += 1;
+        if self.events.len() == EVENT_CAPACITY {
+            self.events.pop_front();
+        }
+        self.events.push_back(ClusterEvent {
+            seq: self.next,
+            unix_ms: unix_ms(),
+            kind,
+            node: node.to_string(),
+            text,
+        });
+    }
+
+    fn node_up(&mut self, name: &str, incarnation: u64) {
+        match self.nodes.insert(name.to_string(), (incarnation, true)) {
+            None => self.push(
+                EventKind::Join,
+                name,
+                format!("{name} joined (incarnation {incarnation})"),
+            ),
+            Some((old, alive)) if old != incarnation || !alive => self.push(
+                EventKind::Rejoin,
+                name,
+                format!("{name} rejoined as incarnation {incarnation} (was {old})"),
+            ),
+            Some(_) => {}
+        }
+    }
+
+    fn node_down(&mut self, name: &str, why: &str) {
+        let inc = self.nodes.get(name).map_or(0, |n| n.0);
+        if self.nodes.insert(name.to_string(), (inc, false)) != Some((inc, false)) {
+            self.push(EventKind::Death, name, format!("{name} is dead: {why}"));
+        }
+    }
+
+    fn term(&mut self, term: u64, leader: &str) {
+        if term > self.term {
+            if self.term != 0 {
+                self.push(
+                    EventKind::FailOver,
+                    leader,
+                    format!("fail-over: {leader} leads term {term} (was term {})", self.term),
+                );
+            }
+            self.term = term;
+        }
+    }
+
+    /// Records what differs between the ring's idea of the nodes and `dir` (the first
+    /// snapshot, a reset, or after lagging behind the feed).
+    fn diff(&mut self, dir: &Directory) {
+        for n in dir.nodes() {
+            match &n.liveness {
+                Liveness::Alive => self.node_up(&n.info.name, n.info.incarnation),
+                Liveness::Dead(r) => {
+                    if !self.nodes.contains_key(&n.info.name) {
+                        self.nodes
+                            .insert(n.info.name.clone(), (n.info.incarnation, true));
+                    }
+                    self.node_down(&n.info.name, &describe(r));
+                }
+            }
+        }
+    }
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Why something is dead, in words.
+fn describe(reason: &ExitReason) -> String {
+    match reason {
+        ExitReason::Normal => "it left or stopped".into(),
+        ExitReason::NodeDown(why) => why.clone(),
+        ExitReason::StartFailed(e) => format!("its start failed: {e}"),
+        ExitReason::Panicked(e) => format!("it panicked: {e}"),
+    }
+}
+
+/// The recent membership events of one node, recorded by a task that follows its
+/// directory until the node stops. Cloning shares the ring.
+#[derive(Clone)]
+pub struct ClusterEvents {
+    ring: Arc<Mutex<Ring>>,
+}
+
+impl ClusterEvents {
+    /// Starts recording `node`'s membership events (the nodes it knows now count as
+    /// joins). Needs a Tokio runtime.
+    pub fn start(node: &Node) -> Self {
+        let ring = Arc::new(Mutex::new(Ring::default()));
+        let (snapshot, rx) = node.directory().subscribe();
+        {
+            let mut r = lock(&ring);
+            r.term(snapshot.term(), &node.leader());
+            r.diff(&snapshot);
+        }
+        tokio::spawn(follow(node.downgrade(), rx, ring.clone()));
+        ClusterEvents { ring }
+    }
+
+    /// The events after `seq`, oldest first, at most `max`.
+    pub fn since(&self, seq: u64, max: usize) -> Vec<ClusterEvent> {
+        lock(&self.ring)
+            .events
+            .iter()
+            .filter(|e| e.seq > seq)
+            .take(max)
+            .cloned()
+            .collect()
+    }
+}
+
+fn lock(ring: &Mutex<Ring>) -> std::sync::MutexGuard<'_, Ring> {
+    ring.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+async fn follow(
+    node: WeakNode,
+    mut rx: tokio::sync::broadcast::Receiver<DirectoryEvent>,
+    ring: Arc<Mutex<Ring>>,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        let event = tokio::select! {
+            e = rx.recv() => e,
+            _ = tick.tick() => {
+                match node.upgrade() {
+                    Some(n) if !n.is_stopping() => continue,
+                    _ => return,
+                }
+            }
+        };
+        let Some(n) = node.upgrade() else { return };
+        let mut r = lock(&ring);
+        match event {
+            Ok(DirectoryEvent::Update(u)) => {
+                r.term(u.term, &n.leader());
+                match &u.change {
+                    DirectoryChange::NodeUp(info) => r.node_up(&info.name, info.incarnation),
+                    DirectoryChange::NodeDown { node, reason } => {
+                        r.node_down(node, &describe(reason))
+                    }
+                    DirectoryChange::ActorUp(id) => {
+                        r.push(EventKind::ActorUp, &id.name.node, format!("{id} started"))
+                    }
+                    DirectoryChange::ActorDown { id, reason } => r.push(
+                        EventKind::ActorDown,
+                        &id.name.node,
+                        format!("{id} stopped: {}", describe(reason)),
+                    ),
+                }
+            }
+            Ok(DirectoryEvent::Reset(_)) | Err(RecvError::Lagged(_)) => {
+                let dir = n.directory().snapshot();
+                r.term(dir.term(), &n.leader());
+                r.diff(&dir);
+            }
+            Err(RecvError::Closed) => return,
+        }
+    }
+}
+
+/// `/api/cluster?events_since=SEQ`: the nodes with liveness, incarnation, kind, devices
+/// and actors; the leader and term; the events after `events_since`.
+pub fn cluster_json(node: &Node, events: &ClusterEvents, events_since: u64) -> serde_json::Value {
+    let dir = node.directory().snapshot();
+    let nodes: Vec<serde_json::Value> = dir
+        .nodes()
+        .map(|n| {
+            let actors: Vec<serde_json::Value> = dir
+                .actors()
+                .filter(|a| a.id.name.node == n.info.name)
+                .map(|a| {
+                    serde_json::json!({
+                        "id": a.id.to_string(),
+                        "role": a.id.name.role,
+                        "alive": a.liveness == Liveness::Alive,
+                    })
+                })
+                .collect();
+            let devices: Vec<serde_json::Value> = n
+                .info
+                .devices
+                .iter()
+                .map(|d| {
+                    serde_json::json!({
+                        "index": d.index,
+                        "kind": format!("{:?}", d.kind).to_lowercase(),
+                        "name": d.name,
+                        "memory_bytes": d.memory_bytes,
+                    })
+                })
+                .collect();
+            serde_json::json!({
+                "name": n.info.name,
+                "incarnation": n.info.incarnation,
+                "kind": n.info.kind.to_string(),
+                "addr": n.info.addr.to_string(),
+                "hostname": n.info.hostname,
+                "cpu_cores": n.info.cpu_cores,
+                "alive": n.liveness == Liveness::Alive,
+                "dead_because": match &n.liveness {
+                    Liveness::Alive => None,
+                    Liveness::Dead(r) => Some(describe(r)),
+                },
+                "devices": devices,
+                "actors": actors,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "node": node.name(),
+        "incarnation": node.incarnation(),
+        "member": node.membership() == Membership::Member && !node.is_stopping(),
+        "leader": node.leader(),
+        "term": node.term(),
+        "epoch": dir.epoch(),
+        "nodes": nodes,
+        "events": events.since(events_since, EVENT_CAPACITY),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn joins_deaths_rejoins_and_fail_overs_are_told_apart_and_the_ring_is_bounded() {
+        let mut r = Ring::default();
+        r.term(1, "a");
+        r.node_up("a", 1);
+        r.node_up("b", 5);
+        r.node_up("b", 5);
+        r.node_down("b", "missed heartbeats");
+        r.node_down("b", "missed heartbeats");
+        r.node_up("b", 9);
+        r.term(2, "c");
+        let kinds: Vec<EventKind> = r.events.iter().map(|e| e.kind).collect();
+        use EventKind::*;
+        assert_eq!(kinds, [Join, Join, Death, Rejoin, FailOver]);
+        assert!(r.events[3].text.contains("incarnation 9 (was 5)"));
+        for i in 0..1000 {
+            r.push(ActorUp, "a", format!("{i}"));
+        }
+        assert_eq!(r.events.len(), EVENT_CAPACITY);
+        assert_eq!(r.events.back().map(|e| e.seq), Some(1005));
+    }
+}
