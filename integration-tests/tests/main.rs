@@ -12,6 +12,7 @@ mod deploy;
 mod launch;
 mod live_placement;
 mod policy;
+mod preflight;
 mod replicas;
 mod training;
 mod weight_sync;

@@ -12,6 +12,7 @@
 //! | memory estimate within the device or `placement.device_memory_gb` | per node, from membership |
 //! | trainer certificate valid for the run | the trainer |
 
+pub(crate) mod dry_run;
 pub(crate) mod local;
 pub(crate) mod probe;
 
@@ -41,6 +42,29 @@ pub struct Certificate {
     pub name: String,
     /// When it expires.
     pub not_after: SystemTime,
+}
+
+/// The trainer's certificate before it joins: an error naming it and the fix when it
+/// has expired (the nodes would refuse it with a TLS error naming neither); a warning
+/// (logged) when it expires within a day.
+pub fn check_certificate(c: &Certificate) -> Result<(), JobError> {
+    match local::certificate(c, SystemTime::now(), None) {
+        Outcome::Fail(text) => Err(JobError::Preflight {
+            checks: 1,
+            failed: vec![CheckLine {
+                node: c.name.clone(),
+                check: "certificate".into(),
+                key: "--certs".into(),
+                outcome: Outcome::Fail(text),
+            }
+            .to_string()],
+        }),
+        Outcome::Warn(text) => {
+            tracing::warn!("preflight: {text}");
+            Ok(())
+        }
+        Outcome::Pass(_) => Ok(()),
+    }
 }
 
 /// One check's result on one node.
@@ -278,9 +302,8 @@ fn plan(
         need_bytes: need,
     };
     let model = match &job.model.source {
-        ModelSource::Dir(d) => Some(ProbeCheck::Model {
-            source: std::path::absolute(d).unwrap_or_else(|_| d.clone()),
-        }),
+        // As given: a relative path is each node's own, as its roles load it.
+        ModelSource::Dir(d) => Some(ProbeCheck::Model { source: d.clone() }),
         ModelSource::Tiny => None,
     };
     let python_or_http = job
