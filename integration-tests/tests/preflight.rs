@@ -38,7 +38,21 @@ fn refs(v: &[String]) -> Vec<&str> {
 /// `yatt train CONFIG --dry-run` against `cluster` (None: embedded), output in `out`:
 /// whether it exited 0, and what it printed.
 fn dry_run(cluster: Option<&Cluster>, config: &str, sets: &[String], out: &Path) -> (bool, String) {
+    dry_run_in(cluster, config, sets, out, None)
+}
+
+/// [`dry_run`] with the trainer in the working directory `cwd`.
+fn dry_run_in(
+    cluster: Option<&Cluster>,
+    config: &str,
+    sets: &[String],
+    out: &Path,
+    cwd: Option<&Path>,
+) -> (bool, String) {
     let mut cmd = Command::new(yatt_bin());
+    if let Some(d) = cwd {
+        cmd.current_dir(d);
+    }
     cmd.arg("train").arg(config).arg("--dry-run");
     for s in sets {
         cmd.args(["--set", s]);
@@ -82,6 +96,7 @@ fn an_output_dir_outside_the_nodes_data_directories_fails_before_step_1() {
     let args: Vec<&[&str]> = args.iter().map(Vec::as_slice).collect();
     let cluster = Cluster::start_with("pfa", &args);
     let out = base.path().join("elsewhere/run");
+    std::fs::create_dir_all(&out).unwrap();
     let sets = demo_placed("pfa", 300);
     let t = Instant::now();
     let (ok, printed) = cluster.try_yatt_train(DEMO, &refs(&sets), &out, Duration::from_secs(60));
@@ -126,7 +141,8 @@ fn a_model_differing_by_one_byte_between_nodes_fails() {
     let out = tempfile::tempdir().unwrap();
     let mut sets = demo_placed("pfm", 5);
     sets.push("model.source=\"model\"".into());
-    let (ok, printed) = cluster.try_yatt_train(DEMO, &refs(&sets), out.path(), Duration::from_secs(60));
+    // The trainer (which validates the path) sees node 1's copy.
+    let (ok, printed) = dry_run_in(Some(&cluster), DEMO, &sets, &out.path().join("run"), Some(&cwd[1].1));
     assert!(!ok, "{printed}");
     for want in ["model.source", "differs between the nodes", "pfm-0", "pfm-1", "rsync"] {
         assert!(printed.contains(want), "missing {want:?}:\n{printed}");
@@ -295,6 +311,7 @@ fn a_refused_end_of_run_save_keeps_the_weights() {
     // Under the daemons' data directory (the system temporary directory)...
     let base = tempfile::tempdir().unwrap();
     let out = base.path().join("run");
+    std::fs::create_dir_all(&out).unwrap();
     // ... and a place outside it.
     let outside = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let run = cluster.spawn_train(DEMO, &demo_placed("pfs", 60), &out, false);
