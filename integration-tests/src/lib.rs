@@ -236,6 +236,8 @@ pub struct Cluster {
     pub nodes: Vec<NodeProc>,
     /// Environment variables of one node's processes: (node name, key, value).
     node_env: Vec<(String, String, String)>,
+    /// Working directories of some nodes' processes: (node name, directory).
+    node_cwd: Vec<(String, PathBuf)>,
 }
 
 impl Cluster {
@@ -253,6 +255,17 @@ impl Cluster {
     /// Like [`Cluster::start_with`], with environment variables for some nodes'
     /// processes, restarts included: `(node index, key, value)` (a fault to inject).
     pub fn start_with_env(prefix: &str, args: &[&[&str]], env: &[(usize, &str, &str)]) -> Cluster {
+        Cluster::start_in(prefix, args, env, &[])
+    }
+
+    /// Like [`Cluster::start_with_env`], with some nodes started in a working directory
+    /// of their own: `(node index, directory)` (a relative path is each node's own).
+    pub fn start_in(
+        prefix: &str,
+        args: &[&[&str]],
+        env: &[(usize, &str, &str)],
+        cwd: &[(usize, PathBuf)],
+    ) -> Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut cluster = Cluster {
             dir,
@@ -260,6 +273,10 @@ impl Cluster {
             node_env: env
                 .iter()
                 .map(|(i, k, v)| (format!("{prefix}-{i}"), k.to_string(), v.to_string()))
+                .collect(),
+            node_cwd: cwd
+                .iter()
+                .map(|(i, d)| (format!("{prefix}-{i}"), d.clone()))
                 .collect(),
         };
         for (i, extra) in args.iter().enumerate() {
@@ -371,6 +388,9 @@ impl Cluster {
         }
         for (_, k, v) in self.node_env.iter().filter(|(n, _, _)| n == name) {
             cmd.env(k, v);
+        }
+        for (_, d) in self.node_cwd.iter().filter(|(n, _)| n == name) {
+            cmd.current_dir(d);
         }
         if !extra.contains(&"--data-dir") {
             // Tests keep their runs in their own temporary directories.

@@ -13,6 +13,7 @@ mod launch;
 mod live_placement;
 mod live_view;
 mod policy;
+mod preflight;
 mod replicas;
 mod training;
 mod weight_sync;

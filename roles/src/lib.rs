@@ -94,7 +94,7 @@ pub use yatt_engine::ChatMessage;
 
 // The built-in roles, their configs and their messages.
 pub use builtin::{
-    encode_prompt, load_reward_model, load_rm_jsonl, train_reward_model, AsciiCodec,
+    check_write_root, encode_prompt, load_reward_model, load_rm_jsonl, train_reward_model, AsciiCodec,
     ContinueRequest, CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole,
     GenerateRequest, GradShard, GrowingLengthReward, JudgeConfig, JudgeMode, JudgeScorer,
     KlLossConfig, LoraSync, ModelScorer, OnUnparsed, PolicyConfig, PolicyRequest, PolicyResponse,

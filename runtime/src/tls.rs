@@ -477,6 +477,18 @@ impl ClusterCa {
     /// Issues a certificate for node `node` of kind `kind` (CN = node, O =
     /// `yatt-<kind>`, DNS SAN = [`SERVER_NAME`], usable as TLS server and client).
     pub fn issue(&self, node: &str, kind: CertKind) -> Result<NodeIdentity, TlsError> {
+        self.issue_until(node, kind, None)
+    }
+
+    /// [`ClusterCa::issue`] valid until `until` (year, month, day; UTC midnight)
+    /// instead of [`NODE_CERT_YEARS`] years: a short-lived certificate, or, with a past
+    /// date, one already expired (to check that it is refused).
+    pub fn issue_until(
+        &self,
+        node: &str,
+        kind: CertKind,
+        until: Option<(i32, u8, u8)>,
+    ) -> Result<NodeIdentity, TlsError> {
         validate_node_name(node)?;
         let key = KeyPair::generate().map_err(gen_err)?;
         let mut params = CertificateParams::default();
@@ -493,8 +505,12 @@ impl ClusterCa {
         ];
         params.use_authority_key_identifier_extension = true;
         let year = current_year();
-        params.not_before = rcgen::date_time_ymd(year - 1, 1, 1);
-        params.not_after = rcgen::date_time_ymd(year + NODE_CERT_YEARS, 1, 1);
+        let (before, after) = match until {
+            Some((y, m, d)) => (y.min(year) - 1, (y, m, d)),
+            None => (year - 1, (year + NODE_CERT_YEARS, 1, 1)),
+        };
+        params.not_before = rcgen::date_time_ymd(before, 1, 1);
+        params.not_after = rcgen::date_time_ymd(after.0, after.1, after.2);
         let cert = params
             .signed_by(&key, &self.issuer, &self.key)
             .map_err(gen_err)?;
@@ -580,6 +596,15 @@ impl NodeIdentity {
     /// The node's certificate chain (leaf first).
     pub fn cert_chain(&self) -> &[CertificateDer<'static>] {
         &self.cert_chain
+    }
+
+    /// When the certificate expires (its notAfter), if it parses.
+    pub fn not_after(&self) -> Option<SystemTime> {
+        let leaf = self.cert_chain.first()?;
+        let (_, parsed) = x509_parser::parse_x509_certificate(leaf).ok()?;
+        let secs = parsed.validity().not_after.timestamp();
+        let secs = u64::try_from(secs).ok()?;
+        Some(UNIX_EPOCH + Duration::from_secs(secs))
     }
 
     /// The cluster CA certificate this identity trusts.

@@ -65,6 +65,10 @@ enum Command {
         /// `client` (only calls actors: neither spawns nor leads).
         #[arg(long, default_value = "node")]
         kind: CertKind,
+        /// Valid until this date (YYYY-MM-DD, UTC) instead of the default years: a
+        /// short-lived certificate (a date in the past issues one already expired).
+        #[arg(long, value_name = "YYYY-MM-DD")]
+        valid_until: Option<String>,
     },
     /// Serve: join or lead a cluster and host actors.
     Run(RunArgs),
@@ -134,7 +138,14 @@ pub(crate) fn main_with_roles(roles: Roles) -> Result<(), DaemonError> {
             name,
             out,
             kind,
-        } => cert(&ca_dir, &name, kind, out.as_deref().unwrap_or(&ca_dir)),
+            valid_until,
+        } => cert(
+            &ca_dir,
+            &name,
+            kind,
+            valid_until.as_deref(),
+            out.as_deref().unwrap_or(&ca_dir),
+        ),
         Command::Plan(args) => plan(args),
         Command::Run(args) => tokio::runtime::Builder::new_multi_thread()
             .enable_all()
@@ -163,18 +174,43 @@ fn cert(
     ca_dir: &std::path::Path,
     name: &str,
     kind: CertKind,
+    valid_until: Option<&str>,
     out: &std::path::Path,
 ) -> Result<(), DaemonError> {
+    let until = valid_until.map(parse_date).transpose()?;
     let ca = ClusterCa::load(ca_dir).map_err(failed(format!(
         "loading the cluster CA from {}",
         ca_dir.display()
     )))?;
     std::fs::create_dir_all(out).map_err(failed(format!("creating {}", out.display())))?;
-    ca.issue(name, kind)
+    ca.issue_until(name, kind, until)
         .and_then(|id| id.save(out))
         .map_err(failed(format!("issuing a certificate for {name}")))?;
     println!("{kind} certificate for {name} written to {}", out.display());
     Ok(())
+}
+
+/// `YYYY-MM-DD` as (year, month, day).
+fn parse_date(text: &str) -> Result<(i32, u8, u8), DaemonError> {
+    let bad = || {
+        DaemonError::Refused(format!(
+            "--valid-until {text:?}: expected a date YYYY-MM-DD, e.g. 2027-06-30"
+        ))
+    };
+    let mut parts = text.split('-');
+    let (Some(y), Some(m), Some(d), None) = (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(bad());
+    };
+    let (y, m, d) = (
+        y.parse::<i32>().map_err(|_| bad())?,
+        m.parse::<u8>().map_err(|_| bad())?,
+        d.parse::<u8>().map_err(|_| bad())?,
+    );
+    if !(1..=12).contains(&m) || !(1..=31).contains(&d) || !(1970..=9999).contains(&y) {
+        return Err(bad());
+    }
+    Ok((y, m, d))
 }
 
 /// The configuration `run` would start with: the config file, the environment, the

@@ -116,6 +116,25 @@ pub enum JobError {
         /// What went wrong.
         reason: String,
     },
+    /// A preflight check failed before the first step (see `yatt train --dry-run`).
+    #[error("preflight: {} of {checks} check(s) failed before step 1:\n{}", failed.len(), failed.join("\n"))]
+    Preflight {
+        /// How many checks ran.
+        checks: usize,
+        /// Each failed check: node, check, key, what is wrong and the fix.
+        failed: Vec<String>,
+    },
+    /// A checkpoint save failed (`at`: the end-of-run save or a periodic one, after
+    /// which step); `rescued` says where the weights were saved instead, or why not.
+    #[error("{at}: {source}\n{rescued}")]
+    Checkpoint {
+        /// E.g. "the end-of-run save (after step 300 of 300)".
+        at: String,
+        /// Why the save failed.
+        source: Box<JobError>,
+        /// Where the weights are now, and how to continue from them.
+        rescued: String,
+    },
     /// Writing metrics or the checkpoint directory failed.
     #[error("{path}: {source}")]
     Write {

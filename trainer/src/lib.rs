@@ -32,6 +32,7 @@ mod error;
 mod eval;
 mod ledger;
 mod live;
+mod preflight;
 mod run;
 
 pub use error::JobError;
@@ -78,6 +79,11 @@ pub use ledger::{LedgerError, LedgerReport, SampleLedger, Stage};
 
 // Live placement.
 pub use live::state::LivePlacement;
+
+// Preflight: the checks made before the first step, and `yatt train --dry-run`.
+pub use preflight::probe::{Outcome, FREE_BYTES_TEST_HOOK};
+pub use preflight::dry_run::{dry_run, DryRun};
+pub use preflight::{check_certificate, Certificate, CheckLine, PreflightReport};
 
 // Running, checkpoints, evaluation, benchmarks.
 pub use bench::{markdown_table, run_controller_bench, ControllerBenchOptions, ControllerBenchRow};

@@ -1,6 +1,6 @@
 //! Running a job: its steps, metrics and checkpoints.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use yatt_metrics::{RunWriter, WriteError};
@@ -18,9 +18,8 @@ use crate::controller::data_parallel::step_data_parallel;
 use crate::controller::release::StartedRoles;
 use crate::controller::report::{average_heads, ControllerState, StepMetrics};
 use crate::error::JobError;
-use crate::eval::{
-    eval_prompts, evaluate_after_step, start_eval_log, training_eval_options, EvalError,
-};
+use crate::eval::{evaluate_after_step, start_eval_log};
+use crate::preflight::{preflight, Certificate};
 use crate::live::state::LivePlacement;
 use yatt_metrics::names;
 
@@ -98,6 +97,9 @@ pub struct TrainOptions {
     pub resume: bool,
     /// Roles the caller brings in place of the built-in ones.
     pub roles: CustomRoles,
+    /// The certificate this process joined the cluster with: its preflight checks that
+    /// it outlives the run.
+    pub certificate: Option<Certificate>,
 }
 
 /// [`train`] with options: resuming, custom roles.
@@ -108,6 +110,15 @@ pub async fn train_with(
     mut on_step: impl FnMut(&Progress<'_>),
 ) -> Result<TrainSummary, JobError> {
     let resume = options.resume;
+    job.validate()?;
+    check_live_roles(job, &options.roles)?;
+    // Everything that could fail later is checked now, on the nodes where it matters.
+    let checked = preflight(job, node, &options.roles, options.certificate.as_ref())
+        .await
+        .into_result()?;
+    for w in checked.warnings() {
+        tracing::warn!("preflight: {w}");
+    }
     let out = job.job.output_dir.clone();
     std::fs::create_dir_all(&out).map_err(|source| JobError::Write {
         path: out.clone(),
@@ -120,19 +131,6 @@ pub async fn train_with(
         source,
     })?;
     let checkpoint_dir = out.join("checkpoint");
-    if job.eval.every > 0 || job.eval.before_train {
-        // An [eval] that cannot draw its prompts fails now, not after the first N steps.
-        eval_prompts(job, &training_eval_options(job, None)).map_err(|e| match e {
-            // A prompt that does not fit says its own key and fix.
-            EvalError::Job(e) => e,
-            e => JobError::Invalid {
-                key: "eval".into(),
-                expected: format!("{} held-out prompts of the job's task", job.eval.prompts),
-                found: e.to_string(),
-                fix: "lower eval.prompts, or set eval.every = 0".into(),
-            },
-        })?;
-    }
     if resume {
         // Before job.toml is overwritten: it is the run's record of what it is.
         check_same_run(job, &out)?;
@@ -151,31 +149,6 @@ pub async fn train_with(
         path: e.path,
         source: e.source,
     };
-    job.validate()?;
-    if job.placement.live {
-        // Live placement builds and moves the rollout and policy replicas itself; roles
-        // outside the groups (reward, reference, stages) are the user's to bring.
-        let config_slots = job
-            .roles
-            .slots()
-            .map(|(k, _)| k.trim_start_matches("roles."));
-        let moved: Vec<&str> = options
-            .roles
-            .slots()
-            .into_iter()
-            .chain(config_slots)
-            .filter(|s| matches!(*s, "rollout" | "policy" | "critic"))
-            .collect();
-        if !moved.is_empty() {
-            return Err(JobError::NotImplemented {
-                key: "placement.live".into(),
-                found: "true".into(),
-                fix: format!(
-                    "live placement builds and moves its own rollout and policy replicas (and runs no critic), so it cannot take user roles in the slots {moved:?}; user rewards, references and stages work with it, and every slot works with placement.live = false"
-                ),
-            });
-        }
-    }
     let (roles, mut named) = with_config_roles(job, node, &options.roles).await?;
     // The program's own roles: a node loss cannot bring them back (a role `[roles]`
     // names is spawned again by its name), and the job leaves them running at its end.
@@ -260,13 +233,9 @@ pub async fn train_with(
             }
             let eval_now = job.eval.every > 0 && (step % job.eval.every == 0 || step == total);
             if (every > 0 && step % every == 0 && step < total) || eval_now {
-                save_checkpoint(
-                    live.as_ref(),
-                    &mut losses,
-                    &mut controllers,
-                    &checkpoint_dir,
-                )
-                .await?;
+                let at = save_point(step, total);
+                save_or_rescue(live.as_ref(), &mut losses, &mut controllers, &checkpoint_dir, at, &checked.data_dirs)
+                    .await?;
                 saved_at = Some(step);
             }
             if eval_now {
@@ -281,13 +250,9 @@ pub async fn train_with(
         let seconds = t0.elapsed().as_secs_f64();
         // The last step's checkpoint is already there when it was evaluated.
         if saved_at != Some(step) {
-            save_checkpoint(
-                live.as_ref(),
-                &mut losses,
-                &mut controllers,
-                &checkpoint_dir,
-            )
-            .await?;
+            let at = save_point(step, total);
+            save_or_rescue(live.as_ref(), &mut losses, &mut controllers, &checkpoint_dir, at, &checked.data_dirs)
+                .await?;
         }
         Ok(TrainSummary {
             steps: step,
@@ -444,4 +409,133 @@ fn recovery_hint(out: &Path, checkpoint: &Path, every: u64) -> String {
             "no checkpoint was saved yet (checkpoint.every = {every}), so this run cannot be resumed; start it again"
         ),
     }
+}
+
+/// Live placement builds and moves the rollout and policy replicas itself; roles
+/// outside the groups (reward, reference, stages) are the user's to bring.
+pub(crate) fn check_live_roles(job: &JobConfig, custom: &CustomRoles) -> Result<(), JobError> {
+    if job.placement.live {
+        let config_slots = job
+            .roles
+            .slots()
+            .map(|(k, _)| k.trim_start_matches("roles."));
+        let moved: Vec<&str> = custom
+            .slots()
+            .into_iter()
+            .chain(config_slots)
+            .filter(|s| matches!(*s, "rollout" | "policy" | "critic"))
+            .collect();
+        if !moved.is_empty() {
+            return Err(JobError::NotImplemented {
+                key: "placement.live".into(),
+                found: "true".into(),
+                fix: format!(
+                    "live placement builds and moves its own rollout and policy replicas (and runs no critic), so it cannot take user roles in the slots {moved:?}; user rewards, references and stages work with it, and every slot works with placement.live = false"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A checkpoint's place in the run, for its errors: the end-of-run save is not "step
+/// N+1".
+fn save_point(step: u64, total: u64) -> String {
+    match step >= total {
+        true => format!("the end-of-run save (after step {step} of {total})"),
+        false => format!("the checkpoint after step {step} of {total}"),
+    }
+}
+
+/// Saves the checkpoint `dir`; when that fails, before the job's roles stop (they hold
+/// the only copy of the trained weights), reports it and saves the weights where a
+/// node can write them ([`rescue`]), then fails naming both.
+async fn save_or_rescue(
+    live: Option<&LivePlacement>,
+    losses: &mut NodeLoss<'_>,
+    controllers: &mut [Controller],
+    dir: &Path,
+    at: String,
+    data_dirs: &BTreeMap<String, PathBuf>,
+) -> Result<(), JobError> {
+    let failed = match save_checkpoint(live, losses, controllers, dir).await {
+        Ok(()) => return Ok(()),
+        Err(e) => e,
+    };
+    tracing::error!(error = %failed, "{at} failed; saving the weights elsewhere before the job's roles stop");
+    let heads = match live {
+        Some(l) => l.controllers(),
+        None => controllers,
+    };
+    let rescued = rescue(losses.job, heads, data_dirs).await;
+    Err(JobError::Checkpoint {
+        at,
+        source: Box::new(failed),
+        rescued,
+    })
+}
+
+/// Saves the policy (and the critic) of `controllers` into `yatt-rescue/NAME` under the
+/// data directory of a node that writes it (the policy's first, as the preflight found
+/// them), or, embedded, under this process's temporary directory; writes the run's
+/// state beside them when this process can. Says where they went, or that nothing
+/// could be saved.
+async fn rescue(
+    job: &JobConfig,
+    controllers: &[Controller],
+    data_dirs: &BTreeMap<String, PathBuf>,
+) -> String {
+    let Some(c) = controllers.first() else {
+        return "no controller held the weights; nothing could be saved".into();
+    };
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let name = format!("{}-step{}-{stamp}", job.job.name, c.step_count());
+    let p = &job.placement;
+    let mut roots: Vec<(String, PathBuf)> = Vec::new();
+    if p.mode == PlacementMode::Disaggregated {
+        let mut first: Vec<String> = if p.live { p.nodes.clone() } else { p.policy_nodes(1) };
+        first.dedup();
+        for n in first.iter().chain(data_dirs.keys()) {
+            if let Some(d) = data_dirs.get(n) {
+                if !roots.iter().any(|(m, _)| m == n) {
+                    roots.push((n.clone(), d.join("yatt-rescue").join(&name)));
+                }
+            }
+        }
+    } else {
+        roots.push(("this process".into(), std::env::temp_dir().join("yatt-rescue").join(&name)));
+    }
+    let mut tried = Vec::new();
+    for (node, dir) in roots {
+        match c.save_policy(dir.clone()).await {
+            Ok(()) => {
+                let critic = match c.save_critic(dir.join("critic")).await {
+                    Ok(()) => String::new(),
+                    Err(e) => format!(" (the critic could not be saved there: {e})"),
+                };
+                let state = RunState {
+                    format: "yatt-run-v1".into(),
+                    controllers: controllers.iter().map(Controller::state).collect(),
+                };
+                let text = serde_json::to_string_pretty(&state).unwrap_or_default();
+                let state_note = match std::fs::write(dir.join("run_state.json"), text) {
+                    Ok(()) => format!(
+                        "; to continue the run, move it to OUTPUT_DIR/checkpoint and run `yatt train --resume OUTPUT_DIR` with a job.output_dir every writing node accepts"
+                    ),
+                    Err(_) => "; the run's state (run_state.json) could not be written beside it from this process".into(),
+                };
+                return format!(
+                    "the weights were saved instead on {node} at {}{critic}{state_note}",
+                    dir.display()
+                );
+            }
+            Err(e) => tried.push(format!("{node} ({}): {e}", dir.display())),
+        }
+    }
+    format!(
+        "the weights could not be saved anywhere else either: {}",
+        if tried.is_empty() { "no node reported a data directory".into() } else { tried.join("; ") }
+    )
 }

@@ -31,6 +31,7 @@ pub mod reward_model;
 pub mod rollout;
 pub(crate) mod scoring;
 mod write_root;
+pub use write_root::check_write_root;
 pub use growing_reward::GrowingLengthReward;
 
 pub use critic::{CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole};

@@ -6,6 +6,14 @@ use std::path::{Component, Path, PathBuf};
 
 use crate::role::RoleError;
 
+/// Whether a node whose data directory is `root` accepts writing `what` to `dir`: the
+/// rule the policy and the critic apply to every checkpoint a peer asks for, for a
+/// check made before the run (a job's preflight). The error names the path, the data
+/// directory and both fixes.
+pub fn check_write_root(root: &Path, dir: &Path, what: &str) -> Result<(), RoleError> {
+    check_under(Some(root), dir, what)
+}
+
 /// Refuses `dir` unless it lies under `root` (no root: anything goes, as for a role
 /// built in the trainer's own process).
 pub(crate) fn check_under(root: Option<&Path>, dir: &Path, what: &str) -> Result<(), RoleError> {

@@ -16,7 +16,9 @@ use anyhow::Context as _;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use yatt::runtime::Node;
 use yatt::runtime::{CertKind, NodeIdentity};
-use yatt::trainer::{train_with, JobConfig, Progress, TrainOptions, JOB_FILE};
+use yatt::trainer::{
+    dry_run, train_with, Certificate, JobConfig, Progress, TrainOptions, JOB_FILE,
+};
 
 #[derive(clap::Args)]
 pub struct TrainArgs {
@@ -64,6 +66,12 @@ pub struct TrainArgs {
     /// free one). Read-only; the URL is printed. Off by default.
     #[arg(long, value_name = "ADDR")]
     http: Option<String>,
+    /// Check the job without training it: build it, run every preflight check, spawn
+    /// every role, do one weight sync and one step through every stage, stop
+    /// everything, and print what would run where and each check's result. Exits 0
+    /// only if every check passed.
+    #[arg(long)]
+    dry_run: bool,
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
@@ -94,7 +102,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
 async fn start_node(
     job: &JobConfig,
     args: &TrainArgs,
-) -> anyhow::Result<(Node, Option<tempfile::TempDir>)> {
+) -> anyhow::Result<(Node, Option<tempfile::TempDir>, Option<Certificate>)> {
     let disaggregated = job.placement.mode == yatt::trainer::PlacementMode::Disaggregated;
     let Some(seed_text) = args.cluster.as_deref() else {
         anyhow::ensure!(
@@ -107,7 +115,7 @@ async fn start_node(
             .start()
             .await
             .context("starting the in-process node")?;
-        return Ok((node, Some(certs)));
+        return Ok((node, Some(certs), None));
     };
     anyhow::ensure!(
         disaggregated,
@@ -125,16 +133,31 @@ async fn start_node(
         .config(cluster_settings(args, &name, seed, listen)?)
         .listen(listen)
         .seed(seed);
+    let mut certificate = None;
     builder = if args.dev {
         builder.dev_certs(&args.certs).dev_kind(CertKind::Trainer)
     } else {
-        builder.identity(NodeIdentity::load(&args.certs, &name)?)
+        let identity = NodeIdentity::load(&args.certs, &name)?;
+        if let Some(not_after) = identity.not_after() {
+            let c = Certificate {
+                path: args.certs.join(format!("{name}.pem")).display().to_string(),
+                name: name.clone(),
+                not_after,
+            };
+            // An expired one would be refused by every node with a TLS error that
+            // names neither the certificate nor the fix: say it first.
+            if let Err(e) = yatt::trainer::check_certificate(&c) {
+                anyhow::bail!("{e}");
+            }
+            certificate = Some(c);
+        }
+        builder.identity(identity)
     };
     let node = yatt::register_roles(builder)
         .start()
         .await
         .with_context(|| format!("joining the cluster through {seed} as {name}"))?;
-    Ok((node, None))
+    Ok((node, None, certificate))
 }
 
 /// The transport and membership settings of this run's node on a cluster, from
@@ -331,7 +354,21 @@ async fn serve_view(
 
 async fn run_job(job: JobConfig, resume: bool, args: TrainArgs) -> anyhow::Result<()> {
     let t0 = Instant::now();
-    let (node, _certs) = start_node(&job, &args).await?;
+    let (node, _certs, certificate) = start_node(&job, &args).await?;
+    if args.dry_run {
+        let options = TrainOptions {
+            resume,
+            certificate,
+            ..Default::default()
+        };
+        let result = dry_run(&job, &node, options).await;
+        // Leaving the cluster releases anything of this run still on the nodes.
+        node.shutdown().await;
+        let dry = result?;
+        println!("{dry}");
+        anyhow::ensure!(dry.passed(), "the dry run found failures (FAIL lines above)");
+        return Ok(());
+    }
     println!(
         "job {}: {} steps, model {}, task {}, {} x {} samples per step, {} controller(s), output {}",
         job.job.name,
@@ -380,6 +417,7 @@ async fn run_job(job: JobConfig, resume: bool, args: TrainArgs) -> anyhow::Resul
     let reporter = Reporter::new(job.job.steps);
     let options = TrainOptions {
         resume,
+        certificate,
         ..Default::default()
     };
     let result = train_with(&job, &node, options, |p| reporter.step(p)).await;

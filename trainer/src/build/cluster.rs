@@ -47,6 +47,8 @@ const ROLE_QUEUE: usize = 4;
 /// ring inbox on the node, as `node/policy-ring/REPLICA` (see [`crate::build::parts::POLICY_RING`]).
 pub fn register(builder: NodeBuilder) -> NodeBuilder {
     builder
+        // A job's preflight checks on this node (paths, model, reward): one request.
+        .factory_with_node("preflight", crate::preflight::probe::ProbeActor::new)
         .factory_with_node("rollout", |node: &Node, _: &ActorName, a: RoleArgs| {
             let node = node.clone();
             async move {

@@ -9,7 +9,7 @@ use crate::ledger::LedgerError;
 #[derive(Debug, thiserror::Error)]
 pub enum ControllerError {
     /// A role did not answer, or answered with an error.
-    #[error("step {step}, {stage}: asking {role}: {source}")]
+    #[error("{}, {stage}: asking {role}: {source}", when(*step, stage))]
     Call {
         /// The failing step, 1-based as the progress line numbers it (0: before the first).
         step: u64,
@@ -125,6 +125,16 @@ pub enum ControllerError {
         /// Why.
         reason: String,
     },
+}
+
+/// When a call failed, for its message: the step it belonged to, or, for a checkpoint
+/// (saved between steps, numbered as the next step's call), the step it follows: the
+/// end-of-run save of a 300-step run is "after step 300", never "step 301".
+fn when(step: u64, stage: &str) -> String {
+    match stage {
+        "checkpoint" => format!("after step {}", step.saturating_sub(1)),
+        _ => format!("step {step}"),
+    }
 }
 
 /// Whether a failed call means the replica is gone (its node died or left, its actor
