@@ -174,7 +174,9 @@ fn the_live_view_shows_a_lost_node_and_its_roles_respawned_in_a_browser() {
     let t0 = Instant::now();
     let mut cluster = Cluster::start("vk", 3);
     let out = tempfile::tempdir().unwrap();
-    let steps = 40;
+    // The demo's steps are short: enough of them that the run is still going when the
+    // page is read after the recovery.
+    let steps = 200;
     let sets = placed(
         "vk",
         steps,
@@ -274,7 +276,8 @@ fn fuzzed_queries(n: usize) -> Vec<String> {
 #[test]
 fn hostile_queries_and_200_connections_leave_the_run_and_health_unaffected() {
     let out = tempfile::tempdir().unwrap();
-    let steps = 30;
+    // Enough steps that the run is still going through all of the below.
+    let steps = 300;
     let log = out.path().join("train.log");
     let mut child = Command::new(yatt_bin())
         .args(["train", DEMO, "--http", "0"])
