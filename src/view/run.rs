@@ -75,6 +75,9 @@ pub struct RunEvent {
     pub seq: u64,
     /// The step it belongs to (1-based, as in metrics.jsonl).
     pub step: u64,
+    /// When this server read it, milliseconds since the Unix epoch (for a live run, a
+    /// second or less after it happened).
+    pub unix_ms: u64,
     /// What.
     pub kind: RunEventKind,
     /// In words.
@@ -259,6 +262,9 @@ impl State {
         self.events.push_back(RunEvent {
             seq: self.next_event,
             step,
+            unix_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
             kind,
             text,
             data,
