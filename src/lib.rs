@@ -65,8 +65,8 @@ pub mod http;
 pub mod logging;
 pub mod node;
 pub mod node_config;
-pub mod view;
 mod reference;
+pub mod view;
 pub use reference::{cli_reference_page, config_reference_page};
 
 /// Registers every role this build of yatt can spawn on request: the runtime's

@@ -86,5 +86,8 @@ fn config_reference_covers_every_section() {
         );
     }
     assert!(page.contains("| `steps` | integer | `30` |"), "{page}");
-    assert!(page.contains("| `heartbeat_ms` | integer | `500` |"), "{page}");
+    assert!(
+        page.contains("| `heartbeat_ms` | integer | `500` |"),
+        "{page}"
+    );
 }
