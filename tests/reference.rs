@@ -86,8 +86,5 @@ fn config_reference_covers_every_section() {
         );
     }
     assert!(page.contains("| `steps` | integer | `30` |"), "{page}");
-    assert!(
-        page.contains("| `heartbeat_ms` | integer | `500` |"),
-        "{page}"
-    );
+    assert!(page.contains("| `heartbeat_ms` | integer | `500` |"), "{page}");
 }
