@@ -66,8 +66,8 @@ pub mod launch;
 pub mod logging;
 pub mod node;
 pub mod node_config;
-pub mod view;
 mod reference;
+pub mod view;
 pub use reference::{cli_reference_page, config_reference_page};
 
 /// Registers every role this build of yatt can spawn on request: the runtime's

@@ -81,7 +81,11 @@ pub fn screenshot(url: &str, budget_ms: u64, path: &Path) {
             format!("--screenshot={}", path.display()),
         ],
     );
-    assert!(path.is_file(), "no screenshot of {url} at {}", path.display());
+    assert!(
+        path.is_file(),
+        "no screenshot of {url} at {}",
+        path.display()
+    );
 }
 
 /// The opening tags in `dom` that contain `needle` (e.g. `class="event"`).
@@ -111,8 +115,12 @@ pub fn events(dom: &str) -> Vec<(String, String)> {
     let mut out = Vec::new();
     for (i, _) in dom.match_indices("<li class=\"event\"") {
         let tag_end = dom[i..].find('>').map_or(i, |j| i + j + 1);
-        let kind = attr(&dom[i..tag_end], "data-kind").unwrap_or("").to_string();
-        let end = dom[tag_end..].find("</li>").map_or(dom.len(), |j| tag_end + j);
+        let kind = attr(&dom[i..tag_end], "data-kind")
+            .unwrap_or("")
+            .to_string();
+        let end = dom[tag_end..]
+            .find("</li>")
+            .map_or(dom.len(), |j| tag_end + j);
         let text = strip_tags(&dom[tag_end..end]);
         out.push((kind, text));
     }
@@ -130,7 +138,9 @@ fn strip_tags(s: &str) -> String {
             _ => {}
         }
     }
-    out.replace("&gt;", ">").replace("&lt;", "<").replace("&amp;", "&")
+    out.replace("&gt;", ">")
+        .replace("&lt;", "<")
+        .replace("&amp;", "&")
 }
 
 /// One raw HTTP/1.1 request (`request` is the whole head, e.g. "GET / HTTP/1.1\r\n...")
@@ -144,7 +154,9 @@ pub fn http_raw(addr: SocketAddr, request: &str) -> Option<(u16, String)> {
     let _ = s.take(4 << 20).read_to_end(&mut buf);
     let text = String::from_utf8_lossy(&buf).to_string();
     let code = text.split(' ').nth(1)?.parse().ok()?;
-    let body = text.split_once("\r\n\r\n").map_or(String::new(), |(_, b)| b.to_string());
+    let body = text
+        .split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, b)| b.to_string());
     Some((code, body))
 }
 

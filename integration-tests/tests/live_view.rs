@@ -99,14 +99,20 @@ fn assert_finished_view(out: &Path, steps: u64, kind: &str, text: &str, shot: &s
     let (_view, url) = yatt_view(out);
     let dom = dump_dom(&url, BUDGET_MS);
     assert_eq!(points_and_step(&dom, "chart-reward"), (steps, steps));
-    assert_eq!(attr_of(&dom, "chart-step-time", "data-points"), Some(steps.to_string().as_str()));
+    assert_eq!(
+        attr_of(&dom, "chart-step-time", "data-points"),
+        Some(steps.to_string().as_str())
+    );
     let ev = events(&dom);
     assert!(
         ev.iter().any(|(k, t)| k == kind && t.contains(text)),
         "no {kind} event with {text:?} in yatt view's page: {ev:?}"
     );
     // No cluster here: that half of the page stays hidden.
-    assert!(attr_of(&dom, "cluster-view", "hidden").is_some(), "a finished run shows no cluster");
+    assert!(
+        attr_of(&dom, "cluster-view", "hidden").is_some(),
+        "a finished run shows no cluster"
+    );
     maybe_screenshot(&url, shot);
 }
 
@@ -137,16 +143,24 @@ fn the_live_view_shows_a_placement_move_and_the_nodes_roles_in_a_browser() {
     let before = steps_done(out.path()) as u64;
     let dom = dump_dom(&url, BUDGET_MS);
     let after = steps_done(out.path()) as u64;
-    assert_nodes_and_roles(&dom, &["vm-0", "vm-1", "vm-2"], &["rollout", "policy", "reward"]);
+    assert_nodes_and_roles(
+        &dom,
+        &["vm-0", "vm-1", "vm-2"],
+        &["rollout", "policy", "reward"],
+    );
     let (points, step) = points_and_step(&dom, "chart-reward");
-    assert_eq!(points, step, "the reward curve has a point per finished step");
+    assert_eq!(
+        points, step,
+        "the reward curve has a point per finished step"
+    );
     assert!(
         (before..=after).contains(&points),
         "{points} points; {before} to {after} steps were done while the page loaded"
     );
     let ev = events(&dom);
     assert!(
-        ev.iter().any(|(k, t)| k == "move" && t.contains("policy -> rollout")),
+        ev.iter()
+            .any(|(k, t)| k == "move" && t.contains("policy -> rollout")),
         "no move in the event list: {ev:?}"
     );
     assert!(ev.iter().any(|(k, _)| k == "migrated"), "{ev:?}");
@@ -162,7 +176,13 @@ fn the_live_view_shows_a_placement_move_and_the_nodes_roles_in_a_browser() {
     );
     maybe_screenshot(&url, "live-view-placement.png");
     run.wait_success(Duration::from_secs(240), &cluster);
-    assert_finished_view(out.path(), steps, "move", "policy -> rollout", "live-view-finished.png");
+    assert_finished_view(
+        out.path(),
+        steps,
+        "move",
+        "policy -> rollout",
+        "live-view-finished.png",
+    );
     eprintln!(
         "live view of a live-placement run on 3 nodes ({steps} steps; page read at step {points}): {:.2?} in all",
         t0.elapsed()
@@ -174,11 +194,18 @@ fn the_live_view_shows_a_lost_node_and_its_roles_respawned_in_a_browser() {
     let t0 = Instant::now();
     let mut cluster = Cluster::start("vk", 3);
     let out = tempfile::tempdir().unwrap();
-    let steps = 40;
+    // The demo's steps are short: enough of them that the run is still going when the
+    // page is read after the recovery.
+    let steps = 200;
     let sets = placed(
         "vk",
         steps,
-        &[("rollout", 0), ("policy", 1), ("reference", 1), ("reward", 2)],
+        &[
+            ("rollout", 0),
+            ("policy", 1),
+            ("reference", 1),
+            ("reward", 2),
+        ],
     );
     let mut run = cluster.spawn_train_with(DEMO, &sets, out.path(), false, &["--http", "0"]);
     let (url, _) = printed_url(run.stdout_path(), Duration::from_secs(60))
@@ -195,7 +222,11 @@ fn the_live_view_shows_a_lost_node_and_its_roles_respawned_in_a_browser() {
     let before = steps_done(out.path()) as u64;
     let dom = dump_dom(&url, BUDGET_MS);
     let after = steps_done(out.path()) as u64;
-    assert_nodes_and_roles(&dom, &["vk-0", "vk-1", "vk-2"], &["rollout", "policy", "reward"]);
+    assert_nodes_and_roles(
+        &dom,
+        &["vk-0", "vk-1", "vk-2"],
+        &["rollout", "policy", "reward"],
+    );
     let dead = tags_with(&dom, "data-node=\"vk-2\"");
     assert!(
         dead.iter().any(|t| attr(t, "data-alive") == Some("false")),
@@ -203,10 +234,14 @@ fn the_live_view_shows_a_lost_node_and_its_roles_respawned_in_a_browser() {
     );
     let (points, step) = points_and_step(&dom, "chart-reward");
     assert_eq!(points, step);
-    assert!((before..=after).contains(&points), "{points} not in {before}..={after}");
+    assert!(
+        (before..=after).contains(&points),
+        "{points} not in {before}..={after}"
+    );
     let ev = events(&dom);
     assert!(
-        ev.iter().any(|(k, t)| k == "recovery" && t.contains(&format!("step {recovered_at}"))),
+        ev.iter()
+            .any(|(k, t)| k == "recovery" && t.contains(&format!("step {recovered_at}"))),
         "no recovery of step {recovered_at} in the event list: {ev:?}"
     );
     assert!(
@@ -214,23 +249,39 @@ fn the_live_view_shows_a_lost_node_and_its_roles_respawned_in_a_browser() {
         "no death of vk-2: {ev:?}"
     );
     assert!(
-        ev.iter().any(|(k, t)| k == "actor_up" && t.contains("/reward/") && !t.starts_with("vk-2")),
+        ev.iter()
+            .any(|(k, t)| k == "actor_up" && t.contains("/reward/") && !t.starts_with("vk-2")),
         "the reward's respawn is not listed: {ev:?}"
     );
     maybe_screenshot(&url, "live-view-recovery.png");
     // A daemon's own page: the cluster view alone.
     let node_url = format!("http://{}/", cluster.nodes[0].http);
     let node_dom = dump_dom(&node_url, BUDGET_MS);
-    assert_nodes_and_roles(&node_dom, &["vk-0", "vk-1", "vk-2"], &["rollout", "policy", "reward"]);
-    assert!(attr_of(&node_dom, "run-view", "hidden").is_some(), "a node has no run");
+    assert_nodes_and_roles(
+        &node_dom,
+        &["vk-0", "vk-1", "vk-2"],
+        &["rollout", "policy", "reward"],
+    );
+    assert!(
+        attr_of(&node_dom, "run-view", "hidden").is_some(),
+        "a node has no run"
+    );
     let node_events = events(&node_dom);
     assert!(
-        node_events.iter().any(|(k, t)| k == "death" && t.contains("vk-2")),
+        node_events
+            .iter()
+            .any(|(k, t)| k == "death" && t.contains("vk-2")),
         "{node_events:?}"
     );
     maybe_screenshot(&node_url, "live-view-node.png");
     run.wait_success(Duration::from_secs(240), &cluster);
-    assert_finished_view(out.path(), steps, "recovery", &format!("step {recovered_at}"), "live-view-recovery-finished.png");
+    assert_finished_view(
+        out.path(),
+        steps,
+        "recovery",
+        &format!("step {recovered_at}"),
+        "live-view-recovery-finished.png",
+    );
     eprintln!(
         "live view of a 3-node run losing vk-2 (recovered in step {recovered_at}; page read at step {points}): {:.2?} in all",
         t0.elapsed()
@@ -274,7 +325,8 @@ fn fuzzed_queries(n: usize) -> Vec<String> {
 #[test]
 fn hostile_queries_and_200_connections_leave_the_run_and_health_unaffected() {
     let out = tempfile::tempdir().unwrap();
-    let steps = 30;
+    // Enough steps that the run is still going through all of the below.
+    let steps = 300;
     let log = out.path().join("train.log");
     let mut child = Command::new(yatt_bin())
         .args(["train", DEMO, "--http", "0"])
@@ -291,7 +343,9 @@ fn hostile_queries_and_200_connections_leave_the_run_and_health_unaffected() {
     let (_, addr) = printed_url(&log, Duration::from_secs(60))
         .unwrap_or_else(|| panic!("no URL:\n{}", printed()));
     assert!(
-        poll(Duration::from_secs(60), || (steps_done(out.path()) >= 1).then_some(())).is_some(),
+        poll(Duration::from_secs(60), || (steps_done(out.path()) >= 1)
+            .then_some(()))
+        .is_some(),
         "{}",
         printed()
     );
@@ -300,10 +354,26 @@ fn hostile_queries_and_200_connections_leave_the_run_and_health_unaffected() {
         assert_eq!(got, code, "{path:.80}: {body}");
         assert!(body.contains(says), "{path:.80}: {body}");
     };
-    expect("/api/run?since=-1", 400, "since=\"-1\": expected a whole number");
-    expect("/api/run?since=99999999999999999999", 400, "18446744073709551615");
-    expect(&format!("/api/run?since={}", "9".repeat(10_000)), 400, "at most 256");
-    expect(&format!("/health?{}", "a".repeat(10_000)), 400, "at most 256");
+    expect(
+        "/api/run?since=-1",
+        400,
+        "since=\"-1\": expected a whole number",
+    );
+    expect(
+        "/api/run?since=99999999999999999999",
+        400,
+        "18446744073709551615",
+    );
+    expect(
+        &format!("/api/run?since={}", "9".repeat(10_000)),
+        400,
+        "at most 256",
+    );
+    expect(
+        &format!("/health?{}", "a".repeat(10_000)),
+        400,
+        "at most 256",
+    );
     expect("/api/cluster?events_since=x", 400, "events_since=\"x\"");
     expect("/api/run?since=0&unknown=1", 200, "\"steps\"");
     expect("/no-such-page", 404, "");
@@ -344,7 +414,10 @@ fn hostile_queries_and_200_connections_leave_the_run_and_health_unaffected() {
     let health = poll(Duration::from_secs(10), || {
         http_get(addr, "/health").filter(|(c, _)| *c == 200)
     });
-    assert!(health.is_some(), "/health did not answer with 200 connections open");
+    assert!(
+        health.is_some(),
+        "/health did not answer with 200 connections open"
+    );
     let health_s = t.elapsed();
     let rss_during = rss(child.id());
     drop(held);
@@ -371,4 +444,3 @@ fn hostile_queries_and_200_connections_leave_the_run_and_health_unaffected() {
         rss_during >> 20
     );
 }
-

@@ -103,7 +103,10 @@ impl Ring {
                 self.push(
                     EventKind::FailOver,
                     leader,
-                    format!("fail-over: {leader} leads term {term} (was term {})", self.term),
+                    format!(
+                        "fail-over: {leader} leads term {term} (was term {})",
+                        self.term
+                    ),
                 );
             }
             self.term = term;

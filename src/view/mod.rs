@@ -131,8 +131,15 @@ pub fn parse_since(query: Option<&str>) -> Result<Since, String> {
         };
         *slot = value.parse::<u64>().map_err(|_| {
             let shown: String = value.chars().take(32).collect();
-            let more = if value.chars().count() > 32 { "..." } else { "" };
-            format!("{key}={shown:?}{more}: expected a whole number from 0 to {}", u64::MAX)
+            let more = if value.chars().count() > 32 {
+                "..."
+            } else {
+                ""
+            };
+            format!(
+                "{key}={shown:?}{more}: expected a whole number from 0 to {}",
+                u64::MAX
+            )
         })?;
     }
     Ok(out)
@@ -156,7 +163,10 @@ async fn js() -> impl IntoResponse {
 }
 
 async fn css() -> impl IntoResponse {
-    ([(header::CONTENT_TYPE, "text/css; charset=utf-8")], VIEW_CSS)
+    (
+        [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
+        VIEW_CSS,
+    )
 }
 
 fn busy() -> Response {
@@ -178,7 +188,11 @@ async fn api_cluster(State(view): State<View>, RawQuery(q): RawQuery) -> Respons
         Err(e) => return bad(e),
     };
     let Some((node, events)) = &view.cluster else {
-        return (StatusCode::NOT_FOUND, "no cluster view here: this serves a finished run's files\n").into_response();
+        return (
+            StatusCode::NOT_FOUND,
+            "no cluster view here: this serves a finished run's files\n",
+        )
+            .into_response();
     };
     let Ok(_permit) = view.in_flight.try_acquire() else {
         return busy();
@@ -204,7 +218,11 @@ async fn api_run(State(view): State<View>, RawQuery(q): RawQuery) -> Response {
     .await;
     match answer {
         Ok(v) => no_cache(v),
-        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("reading the run failed: {e}\n")).into_response(),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("reading the run failed: {e}\n"),
+        )
+            .into_response(),
     }
 }
 
@@ -239,7 +257,10 @@ mod tests {
             Ok(Since { step: 5, events: 7 })
         );
         let e = parse_since(Some("since=-1")).unwrap_err();
-        assert!(e.starts_with("since=\"-1\": expected a whole number"), "{e}");
+        assert!(
+            e.starts_with("since=\"-1\": expected a whole number"),
+            "{e}"
+        );
         let e = parse_since(Some("since=99999999999999999999")).unwrap_err();
         assert!(e.contains("18446744073709551615"), "{e}");
         let long = "9".repeat(10_000);
@@ -250,7 +271,10 @@ mod tests {
 
     #[test]
     fn http_addresses_default_to_loopback() {
-        assert_eq!(parse_http_addr("8080").unwrap().to_string(), "127.0.0.1:8080");
+        assert_eq!(
+            parse_http_addr("8080").unwrap().to_string(),
+            "127.0.0.1:8080"
+        );
         assert_eq!(parse_http_addr(":0").unwrap().to_string(), "127.0.0.1:0");
         assert_eq!(parse_http_addr("[::1]:9").unwrap().to_string(), "[::1]:9");
         assert!(parse_http_addr("localhost").is_err());

@@ -75,6 +75,9 @@ pub struct RunEvent {
     pub seq: u64,
     /// The step it belongs to (1-based, as in metrics.jsonl).
     pub step: u64,
+    /// When this server read it, milliseconds since the Unix epoch (for a live run, a
+    /// second or less after it happened).
+    pub unix_ms: u64,
     /// What.
     pub kind: RunEventKind,
     /// In words.
@@ -191,7 +194,11 @@ impl RunSource {
     pub fn answer(&self, since: u64, events_since: u64) -> serde_json::Value {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         s.refresh();
-        let done = s.steps.back().and_then(|r| r.get("step")).map_or(0, |x| *x as u64);
+        let done = s
+            .steps
+            .back()
+            .and_then(|r| r.get("step"))
+            .map_or(0, |x| *x as u64);
         let recent: Vec<f64> = s
             .steps
             .iter()
@@ -200,7 +207,8 @@ impl RunSource {
             .filter_map(|r| r.get(names::STEP_S).copied())
             .filter(|x| x.is_finite())
             .collect();
-        let mean_step = (!recent.is_empty()).then(|| recent.iter().sum::<f64>() / recent.len() as f64);
+        let mean_step =
+            (!recent.is_empty()).then(|| recent.iter().sum::<f64>() / recent.len() as f64);
         let eta = match (self.total, mean_step) {
             (Some(t), Some(m)) => Some(t.saturating_sub(done) as f64 * m),
             _ => None,
@@ -239,7 +247,8 @@ fn row_json(r: &BTreeMap<String, f64>) -> serde_json::Value {
     serde_json::Value::Object(
         r.iter()
             .map(|(k, v)| {
-                let v = serde_json::Number::from_f64(*v).map_or(serde_json::Value::Null, Into::into);
+                let v =
+                    serde_json::Number::from_f64(*v).map_or(serde_json::Value::Null, Into::into);
                 (k.clone(), v)
             })
             .collect(),
@@ -259,6 +268,9 @@ impl State {
         self.events.push_back(RunEvent {
             seq: self.next_event,
             step,
+            unix_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
             kind,
             text,
             data,
@@ -308,11 +320,8 @@ impl State {
     }
 
     fn step_row(&mut self, rec: yatt_metrics::StepRecord) {
-        let mut row: BTreeMap<String, f64> = rec
-            .values
-            .into_iter()
-            .filter(|(k, _)| kept(k))
-            .collect();
+        let mut row: BTreeMap<String, f64> =
+            rec.values.into_iter().filter(|(k, _)| kept(k)).collect();
         row.insert("step".into(), rec.step as f64);
         if let Some((p, n)) = self.predicted.remove(&rec.step) {
             p.map(|p| row.insert(names::PLACEMENT_PREDICTED_S.into(), p));
@@ -353,11 +362,18 @@ impl State {
                 serde_json::json!({"respawned": r, "step_s": step_s, "median_s": median, "stall_s": stall}),
             );
         }
-        if let Some(n) = row.get(names::PLACEMENT_REQUEUED).copied().filter(|n| *n > 0.0) {
+        if let Some(n) = row
+            .get(names::PLACEMENT_REQUEUED)
+            .copied()
+            .filter(|n| *n > 0.0)
+        {
             self.event(
                 rec.step,
                 RunEventKind::Requeue,
-                format!("step {}: {n} sample(s) requeued onto another group", rec.step),
+                format!(
+                    "step {}: {n} sample(s) requeued onto another group",
+                    rec.step
+                ),
                 serde_json::json!({"requeued": n}),
             );
         }
@@ -388,7 +404,17 @@ impl State {
                     .collect();
                 let summary = pools
                     .iter()
-                    .map(|p| format!("{}: {}", p["roles"].as_str().unwrap_or("?"), p["groups"].as_array().map_or(String::new(), |g| g.iter().filter_map(|x| x.as_str()).collect::<Vec<_>>().join(" "))))
+                    .map(|p| {
+                        format!(
+                            "{}: {}",
+                            p["roles"].as_str().unwrap_or("?"),
+                            p["groups"].as_array().map_or(String::new(), |g| g
+                                .iter()
+                                .filter_map(|x| x.as_str())
+                                .collect::<Vec<_>>()
+                                .join(" "))
+                        )
+                    })
                     .collect::<Vec<_>>()
                     .join("; ");
                 self.event(
@@ -465,7 +491,11 @@ impl State {
                 seconds,
                 detail,
             } => {
-                let step = self.steps.back().and_then(|r| r.get("step")).map_or(0, |s| *s as u64);
+                let step = self
+                    .steps
+                    .back()
+                    .and_then(|r| r.get("step"))
+                    .map_or(0, |s| *s as u64);
                 let outcome = if ok { "done" } else { "FAILED, rolled back" };
                 self.event(
                     step,
@@ -490,12 +520,19 @@ mod tests {
         let mut f = std::fs::File::create(&path).unwrap();
         let src = RunSource::new(dir.path(), Some(4));
         assert_eq!(src.answer(0, 0)["done"], 0);
-        writeln!(f, r#"{{"step":1,"critic/rewards/mean":0.5,"timing_s/step":1.0,"actor/pg_loss":3}}"#).unwrap();
+        writeln!(
+            f,
+            r#"{{"step":1,"critic/rewards/mean":0.5,"timing_s/step":1.0,"actor/pg_loss":3}}"#
+        )
+        .unwrap();
         write!(f, r#"{{"step":2,"critic/rewards/mean":0.6,"#).unwrap();
         let a = src.answer(0, 0);
         assert_eq!(a["done"], 1);
         assert_eq!(a["steps"].as_array().unwrap().len(), 1);
-        assert!(a["steps"][0].get("actor/pg_loss").is_none(), "only the kept metrics");
+        assert!(
+            a["steps"][0].get("actor/pg_loss").is_none(),
+            "only the kept metrics"
+        );
         assert_eq!(a["eta_s"], 3.0);
         writeln!(f, r#""timing_s/step":3.0,"recovery/respawned_roles":1}}"#).unwrap();
         let a = src.answer(1, 0);

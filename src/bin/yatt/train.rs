@@ -329,13 +329,16 @@ async fn serve_view(
     job: &JobConfig,
     node: &Node,
     addr: &str,
-) -> anyhow::Result<(tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>)> {
+) -> anyhow::Result<(
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+)> {
     use yatt::view::{RunSource, View};
     let addr = yatt::view::parse_http_addr(addr).map_err(anyhow::Error::msg)?;
     yatt::view::warn_if_exposed(addr);
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("cannot listen for HTTP on {addr} (--http; is the port in use?)"))?;
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
+        format!("cannot listen for HTTP on {addr} (--http; is the port in use?)")
+    })?;
     let bound = listener.local_addr()?;
     let view = View::new()
         .cluster(node)

@@ -38,15 +38,18 @@ pub fn run(args: ViewArgs) -> anyhow::Result<()> {
         .build()?
         .block_on(async move {
             yatt::view::warn_if_exposed(addr);
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen for HTTP on {addr} (--http; is the port in use?)"))?;
+            let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
+                format!("cannot listen for HTTP on {addr} (--http; is the port in use?)")
+            })?;
             let bound = listener.local_addr()?;
             let app = View::new()
                 .run(RunSource::new(&args.run_dir, total))
                 .router()
                 .layer(axum::middleware::from_fn(yatt::view::limit_query));
-            println!("view: http://{bound}/ (run {}; Ctrl-C stops)", args.run_dir.display());
+            println!(
+                "view: http://{bound}/ (run {}; Ctrl-C stops)",
+                args.run_dir.display()
+            );
             let mut term =
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
             yatt::view::serve(listener, app, async move {

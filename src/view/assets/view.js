@@ -303,7 +303,7 @@ function renderCluster() {
 }
 
 function renderEvents() {
-  const all = st.events.run.concat(st.events.cluster).sort((a, b) => b.order - a.order);
+  const all = st.events.run.concat(st.events.cluster).sort((a, b) => (b.unix_ms - a.unix_ms) || (b.order - a.order));
   const ol = $("events");
   ol.dataset.count = all.length;
   ol.replaceChildren();
