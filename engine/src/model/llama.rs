@@ -76,6 +76,28 @@ pub struct Llama {
     pub(super) cos: Tensor,
     pub(super) sin: Tensor,
     pub(super) packed: Option<Packed>,
+    /// How training and scoring trade compute for memory.
+    pub memory: MemoryOptions,
+}
+
+/// How training and scoring trade compute for memory on long sequences.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryOptions {
+    /// Tokens per chunk of the LM head in scoring and training (log-probs and entropy):
+    /// the `[tokens, vocab]` logits never exist whole.
+    pub logprob_chunk_tokens: usize,
+    /// Layer recompute in training: keep each decoder layer's input alone and run the
+    /// layer again in backward.
+    pub activation_checkpointing: bool,
+}
+
+impl Default for MemoryOptions {
+    fn default() -> Self {
+        MemoryOptions {
+            logprob_chunk_tokens: crate::score::DEFAULT_CHUNK_TOKENS,
+            activation_checkpointing: false,
+        }
+    }
 }
 
 /// oneDNN-prepacked copies of the matrices, for inference on CPU.

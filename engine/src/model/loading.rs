@@ -233,6 +233,7 @@ impl Llama {
             packed: None,
             lora: None,
             merge_base: None,
+            memory: Default::default(),
         })
     }
 
