@@ -129,7 +129,7 @@ fn packed_rows_score_like_padded_ones() {
             let pos = positions_from_mask(&b.ids, Some(&b.attention_mask));
             let padded = m.hidden(&b.ids, &pos, Attn::Full { mask: None });
             let t = b.ids.size()[1];
-            let (mut ids, mut pos, mut at) = (vec![], vec![], vec![]);
+            let (mut ids, mut pos, mut at) = (Vec::<i64>::new(), Vec::<i64>::new(), Vec::<i64>::new());
             for (i, &l) in b.lens.iter().enumerate() {
                 let row: Vec<i64> = Vec::try_from(b.ids.get(i as i64)).unwrap();
                 ids.extend(&row[..l]);

@@ -89,6 +89,20 @@ pub struct MemoryOptions {
     /// Layer recompute in training: keep each decoder layer's input alone and run the
     /// layer again in backward.
     pub activation_checkpointing: bool,
+    /// How a micro-batch's sequences are laid out for scoring and training.
+    pub layout: RowLayout,
+}
+
+/// How a micro-batch's sequences are laid out for scoring and training.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RowLayout {
+    /// One row per sequence, right-padded to the longest; a prompt shared by several
+    /// samples (a GRPO group) runs once.
+    #[default]
+    Padded,
+    /// Every sequence back to back in one row, attention confined to each: no padding
+    /// (long-tail lengths waste no compute), no prompt sharing.
+    Packed,
 }
 
 impl Default for MemoryOptions {
@@ -96,6 +110,7 @@ impl Default for MemoryOptions {
         MemoryOptions {
             logprob_chunk_tokens: crate::score::DEFAULT_CHUNK_TOKENS,
             activation_checkpointing: false,
+            layout: RowLayout::Padded,
         }
     }
 }

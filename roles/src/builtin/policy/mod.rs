@@ -29,9 +29,9 @@
 //!   [`PolicyRequest::JoinGradientGroup`]) one all-reduce on the GPU averages them
 //!   instead, and the ring is the fallback.
 //!
-//! With micro-batching each micro-batch's loss is aggregated on its own and the
-//! micro-batch losses are averaged (as verl does), so `token-mean` is exact only when a
-//! mini-batch is one micro-batch.
+//! With micro-batching each micro-batch's loss is aggregated on its own and weighted by
+//! its share of the step's normaliser (tokens for `token-mean`, sequences for the
+//! sequence means), so a step's gradient does not depend on how it is split.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -46,7 +46,7 @@ use crate::algo::loss::{entropy_loss, kl_loss, masked_mean, LossAgg, PolicyLossC
 use crate::algo::off_policy::{behaviour_weights, BehaviourCorrection, OffPolicyConfig};
 use crate::algo::policy_loss::policy_loss;
 use crate::builtin::device_weights::Staging;
-use crate::builtin::scoring::{check_device, response_scores, score_samples};
+use crate::builtin::scoring::{check_device, response_backward, score_samples};
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::{response_mask, token_matrix, Sample, SampleId, TokenField};
 
@@ -382,6 +382,10 @@ struct Micro {
     /// Scales the loss over `rows` to the loss over the whole range: the aggregation's
     /// normaliser counts the samples left out (their loss terms are exactly zero).
     keep_scale: f64,
+    /// This micro-batch's share of the step's loss: its aggregation's normaliser (tokens
+    /// or sequences) over the step's, so that the gradient does not depend on how the
+    /// step is split into micro-batches.
+    weight: f64,
     old: Tensor,
     adv: Tensor,
     reference: Option<Tensor>,
@@ -398,15 +402,18 @@ struct MicroStats {
     entropy: f64,
 }
 
-/// The loss of one micro-batch (policy loss + KL loss − entropy bonus), with gradients;
-/// `None` when none of its samples carries a gradient.
-fn micro_loss(
+/// One micro-batch's forward and backward pass of its loss (policy loss + KL loss −
+/// entropy bonus, times its [`Micro::weight`]); returns the weighted loss, or `None` when
+/// none of its samples carries a gradient. The LM head runs in chunks and, with layer
+/// recompute on, the decoder keeps only each layer's input
+/// ([`response_backward`]).
+fn micro_backward(
     model: &yatt_engine::Llama,
     samples: &[Sample],
     mb: &Micro,
     cfg: &PolicyConfig,
     stats: &mut MicroStats,
-) -> yatt_engine::Result<Option<Tensor>> {
+) -> yatt_engine::Result<Option<f64>> {
     if mb.rows.is_empty() {
         return Ok(None);
     }
@@ -419,35 +426,60 @@ fn micro_loss(
         picked = mb.rows.iter().map(|&i| samples[i].clone()).collect();
         &picked
     };
-    let (lp, ent) = response_scores(model, chunk, cfg.pad_id, cfg.temperature, true)?;
+    let scale = mb.keep_scale * mb.weight;
+    let (v, _, _) = response_backward(model, chunk, cfg.pad_id, cfg.temperature, |lp, ent| {
+        micro_loss(lp, ent, mb, cfg, stats).map(|l| l * scale)
+    })?;
+    stats.ran += 1;
+    Ok(Some(v))
+}
+
+/// The loss of one micro-batch from its response log-probs and entropies `[B, T]`
+/// (policy loss + KL loss − entropy bonus), before its weight.
+fn micro_loss(
+    lp: &Tensor,
+    ent: &Tensor,
+    mb: &Micro,
+    cfg: &PolicyConfig,
+    stats: &mut MicroStats,
+) -> yatt_engine::Result<Tensor> {
     let old = if cfg.on_policy {
         lp.detach()
     } else {
         mb.old.shallow_clone()
     };
-    let (mut total, pg) = policy_loss(&lp, &old, &mb.adv, &mb.mask, &cfg.loss).map_err(algo)?;
+    let (mut total, pg) = policy_loss(lp, &old, &mb.adv, &mb.mask, &cfg.loss).map_err(algo)?;
     stats.clip += pg.clip_frac;
     stats.approx_kl += pg.approx_kl;
     if let (Some(kc), Some(r)) = (cfg.kl_loss, mb.reference.as_ref()) {
         let (kl, ks) =
-            kl_loss(&lp, r, &mb.mask, kc.estimator, kc.coef, cfg.loss.agg).map_err(algo)?;
+            kl_loss(lp, r, &mb.mask, kc.estimator, kc.coef, cfg.loss.agg).map_err(algo)?;
         total = total + kl;
         stats.kl += ks.kl_mean;
     }
     if cfg.entropy_coef != 0.0 {
         let (el, es) =
-            entropy_loss(&ent, &mb.mask, cfg.entropy_coef, cfg.loss.agg).map_err(algo)?;
+            entropy_loss(ent, &mb.mask, cfg.entropy_coef, cfg.loss.agg).map_err(algo)?;
         total = total + el;
         stats.entropy += es.entropy_mean;
     } else {
         stats.entropy += masked_mean(&ent.detach(), &mb.mask).double_value(&[]);
     }
-    stats.ran += 1;
-    Ok(Some(if mb.keep_scale == 1.0 {
-        total
-    } else {
-        total * mb.keep_scale
-    }))
+    Ok(total)
+}
+
+/// The normaliser of `agg` over a micro-batch's response `mask` `[B, T]`: its tokens
+/// (token-mean), its sequences with tokens (seq-mean-token-mean), its sequences
+/// (seq-mean-token-sum-norm). A step's loss is the micro-batches' losses weighted by
+/// their normaliser over the step's.
+fn normaliser(mask: &Tensor, agg: LossAgg) -> f64 {
+    let tokens: Vec<f64> =
+        Vec::try_from(mask.sum_dim_intlist(1, false, Kind::Double)).unwrap_or_default();
+    match agg {
+        LossAgg::TokenMean => tokens.iter().sum(),
+        LossAgg::SeqMeanTokenMean => tokens.iter().filter(|&&t| t > 0.0).count() as f64,
+        LossAgg::SeqMeanTokenSumNorm { .. } => tokens.len() as f64,
+    }
 }
 
 /// The rows of a micro-batch whose loss terms can be non-zero, and the factor that
@@ -585,8 +617,8 @@ impl PolicyRole {
         for mini_start in (0..samples.len()).step_by(per_mini) {
             let mini_end = (mini_start + per_mini).min(samples.len());
             let micros = self.micros(&samples, mini_start..mini_end)?;
-            let step = self.trainer.step_sparse(&micros, |model, mb| {
-                micro_loss(model, &samples, mb, &cfg, &mut stats)
+            let step = self.trainer.step_manual(&micros, |model, mb| {
+                micro_backward(model, &samples, mb, &cfg, &mut stats)
             });
             let step = step.map_err(|e| RoleError::Failed(format!("policy update: {e}")))?;
             grad_norm += step.grad_norm;
@@ -615,6 +647,7 @@ impl PolicyRole {
         // A KL loss or an entropy bonus does not vanish with the advantage.
         let skip = cfg.skip_zero_advantage && cfg.kl_loss.is_none() && cfg.entropy_coef == 0.0;
         let mut micros = Vec::new();
+        let mut denominators = Vec::new();
         for start in range.clone().step_by(cfg.micro_batch_size) {
             let r = start..(start + cfg.micro_batch_size).min(range.end);
             let chunk = &samples[r.clone()];
@@ -630,6 +663,7 @@ impl PolicyRole {
                 mask: response_mask(chunk, dev).map_err(bad)?,
                 rows: r.clone().collect(),
                 keep_scale: 1.0,
+                weight: 1.0,
             };
             if cfg.off_policy.correction != BehaviourCorrection::None {
                 let behaviour =
@@ -639,6 +673,7 @@ impl PolicyRole {
                 mb.adv = &mb.adv * w;
                 mb.mask = keep;
             }
+            denominators.push(normaliser(&mb.mask, cfg.loss.agg));
             if skip {
                 let (kept, keep_scale) = rows_with_gradient(&mb.mask, &mb.adv, cfg.loss.agg);
                 if kept.len() < chunk.len() {
@@ -658,6 +693,11 @@ impl PolicyRole {
             }
             micros.push(mb);
         }
+        let total: f64 = denominators.iter().sum();
+        for (mb, d) in micros.iter_mut().zip(&denominators) {
+            // A step with nothing to normalise by (no response tokens) weighs evenly.
+            mb.weight = if total > 0.0 { d / total } else { 1.0 / denominators.len() as f64 };
+        }
         Ok(micros)
     }
 
@@ -673,15 +713,12 @@ impl PolicyRole {
         let cfg = self.config.clone();
         let micros = self.micros(samples, 0..samples.len())?;
         let mut stats = MicroStats::default();
-        let scale = 1.0 / micros.len() as f64;
         let mut loss = 0.0;
         for mb in &micros {
             // A micro-batch with no gradient adds a zero loss.
-            if let Some(l) =
-                micro_loss(&self.trainer.model, samples, mb, &cfg, &mut stats).map_err(grad_fail)?
-            {
-                loss += self.trainer.backward_micro(l, scale).map_err(grad_fail)? * scale;
-            }
+            loss += micro_backward(&self.trainer.model, samples, mb, &cfg, &mut stats)
+                .map_err(grad_fail)?
+                .unwrap_or(0.0);
         }
         let mut report = TrainReport {
             trained: samples.iter().map(|s| s.id).collect(),
