@@ -67,7 +67,7 @@ pub use generate::{
 };
 pub use model::{
     cuda_graphs_built, load_cuda_graph_shim, positions_from_mask, read_safetensors_dir, AdapterDir,
-    Adapters, Attn, DecoderLayer, KvCache, Llama, LoraConfig, LoraPair, LoraTarget, ScalarHead,
+    Adapters, Attn, DecoderLayer, KvCache, Llama, LoraConfig, MemoryOptions, RowLayout, Tape, recompute_backward, backward_with, LoraPair, LoraTarget, ScalarHead,
     KV_BLOCK, LORA_SCALING_TENSOR,
 };
 pub use schedule::BatchingMode;

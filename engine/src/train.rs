@@ -262,6 +262,34 @@ impl Trainer {
         self.apply_gradients()
     }
 
+    /// [`Trainer::step_sparse`] for losses that run their own backward pass (the
+    /// chunked LM head, layer recompute, per-micro-batch weights): `backward_fn` runs
+    /// micro-batch `mb`'s forward and backward passes, accumulating gradients already
+    /// scaled as it wants them, and returns the loss it added (`None`: nothing ran). The
+    /// step's loss is the sum of those returned.
+    pub fn step_manual<M>(
+        &mut self,
+        micro_batches: &[M],
+        mut backward_fn: impl FnMut(&Llama, &M) -> Result<Option<f64>>,
+    ) -> Result<StepStats> {
+        self.check_resident()?;
+        if micro_batches.is_empty() {
+            return Err(EngineError::InvalidArgument(
+                "step needs at least one micro-batch".into(),
+            ));
+        }
+        tch::manual_seed(self.config.seed.wrapping_add(self.step) as i64);
+        let device = self.model.device();
+        crate::profile::start(device);
+        let mut total = 0.0;
+        for mb in micro_batches {
+            total += backward_fn(&self.model, mb)?.unwrap_or(0.0);
+            crate::profile::mark(device, "train: forward, loss and backward");
+        }
+        self.pending_losses.push(total);
+        self.apply_gradients()
+    }
+
     /// Gradients as buckets (canonical names, f32), for all-reduce.
     pub fn grad_buckets(&mut self, max_bytes: usize) -> Result<Vec<WeightBucket>> {
         self.check_resident()?;

@@ -8,6 +8,8 @@ mod colocation_memory;
 mod devices;
 mod generate;
 mod gguf;
+mod long_bench;
+mod long_sequences;
 mod lora;
 mod parity;
 mod train;

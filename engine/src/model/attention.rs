@@ -45,6 +45,14 @@ pub enum Attn<'a> {
         /// The real length of each row's prefix `[B]` (int64); the rest is padding.
         lens: &'a Tensor,
     },
+    /// Padding-free packing: one row `[1, N]` holding several sequences back to back,
+    /// of lengths `lens` (summing to `N`). Each attends, causally, to itself alone; the
+    /// forward's positions restart at 0 for each, so RoPE, q/k norms and sliding
+    /// windows see it as a lone sequence.
+    Packed {
+        /// The sequences' lengths, in order.
+        lens: &'a [i64],
+    },
     /// One new token per slot `0..B`, at the per-slot positions given to the forward.
     Decode {
         /// The cache.

@@ -3,7 +3,7 @@
 
 use super::attention::{attend, attend_decode, Attn};
 use super::kv_cache::{KvCache, ValueSlots, KV_BLOCK};
-use super::llama::Llama;
+use super::llama::{Llama, Packed};
 use super::lora_types::Matrix;
 use super::rope::positions_from_mask;
 use tch::{Kind, Tensor};
@@ -167,12 +167,33 @@ impl Llama {
                 return h;
             }
         }
-        let c = &self.config;
+        let ctx = self.prepare(ids, positions, &attn);
+        let mut x = self.embed_rows(ids, &ctx);
+        crate::profile::mark_layer(self.device, "layers: embed, rope tables, masks");
+        let mut key_index: Option<(Tensor, Tensor)> = None;
+        for li in 0..self.layers.len() {
+            x = self.layer(li, &x, &ctx, &mut attn, &mut key_index);
+        }
+        ctx.pad(self.rms(&x, &self.norm))
+    }
+
+    /// The token embeddings of `ids`, as the residual stream's rows (real tokens only
+    /// where `ctx` drops padding).
+    pub(super) fn embed_rows(&self, ids: &Tensor, ctx: &Ctx<'_>) -> Tensor {
+        let x = Tensor::embedding(&self.embed.tr(), ids, -1, false, false);
+        match &ctx.real {
+            Some(idx) => x.reshape([ctx.b * ctx.t, -1]).index_select(0, idx),
+            None => x,
+        }
+    }
+
+    /// What every layer of one forward call shares: rotary tables, masks, which rows are
+    /// real. Built once per call.
+    pub(super) fn prepare(&self, ids: &Tensor, positions: &Tensor, attn: &Attn<'_>) -> Ctx<'_> {
         let (b, t) = ids.size2().expect("ids must be [B, T]");
-        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         // Ragged prefill: real tokens only, as rows of [n, hidden]; `pad` restores the
         // [b, t, ..] layout (zeros in the padding) where attention needs it.
-        let real = match &attn {
+        let real = match attn {
             Attn::Prefill {
                 lens: Some(lens), ..
             } if lens.iter().any(|&l| l < t) => {
@@ -184,26 +205,11 @@ impl Llama {
             }
             _ => None,
         };
-        let pad = |z: Tensor| -> Tensor {
-            match &real {
-                Some(idx) => {
-                    let w = *z.size().last().expect("rows have a width");
-                    z.new_zeros([b * t, w], (z.kind(), z.device()))
-                        .index_copy(0, idx, &z)
-                        .view([b, t, w])
-                }
-                None => z,
-            }
-        };
-        let mut x = Tensor::embedding(&self.embed.tr(), ids, -1, false, false);
-        if let Some(idx) = &real {
-            x = x.reshape([b * t, -1]).index_select(0, idx);
-        }
         let (cos, sin) = self.rope_tables(positions, b, t);
         // The same tables for `[B, T, heads, hd]` (queries and keys rotated together).
         let (cos_bthd, sin_bthd) = (cos.transpose(1, 2), sin.transpose(1, 2));
         // Attention masks, built once for all layers.
-        let full_mask = match &attn {
+        let full_mask = match attn {
             Attn::Full { mask: Some(m) } => {
                 let causal = Tensor::ones([t, t], (Kind::Bool, self.device)).tril(0);
                 let keys = m.to_kind(Kind::Bool).reshape([b, 1, 1, t]);
@@ -240,7 +246,7 @@ impl Llama {
             }
             _ => None,
         };
-        let win_mask = self.window_mask(&attn, full_mask.as_ref(), positions, b, t);
+        let win_mask = self.window_mask(attn, full_mask.as_ref(), positions, b, t);
         // Additive masks in the model's type, made once: given a boolean mask, libtorch's
         // attention converts it on every call, two kernels per layer.
         let additive = |m: Tensor| {
@@ -248,11 +254,28 @@ impl Llama {
                 .masked_fill(&m.logical_not(), f64::NEG_INFINITY)
         };
         let (full_mask, win_mask) = (full_mask.map(additive), win_mask.map(additive));
-        let rows = Tensor::arange(b, (Kind::Int64, self.device));
-        let pos_flat = if matches!(attn, Attn::Decode { .. }) {
-            Some(positions.reshape([b]))
-        } else {
-            None
+        // Packed rows: each sequence's span of the one row, and for windowed layers its
+        // own causal window mask (only `len × len` per sequence, never the row's square).
+        let segments = match attn {
+            Attn::Packed { lens } => {
+                let mut at = 0;
+                let w = self.config.sliding_window.as_ref().map(|s| s.size);
+                Some(
+                    lens.iter()
+                        .map(|&l| {
+                            let span = (at, l);
+                            at += l;
+                            let win = w.map(|w| {
+                                let ar = Tensor::arange(l, (Kind::Int64, self.device));
+                                let (q, k) = (ar.reshape([l, 1]), ar.reshape([1, l]));
+                                additive(k.le_tensor(&q).logical_and(&k.gt_tensor(&(q - w))))
+                            });
+                            (span, win)
+                        })
+                        .collect(),
+                )
+            }
+            _ => None,
         };
         // Packed weights only serve inference: with autograd on, use the parameters.
         let packed = if self.packed.is_some() && !self.embed.requires_grad() {
@@ -260,151 +283,216 @@ impl Llama {
         } else {
             None
         };
-        // LoRA dropout only while the adapters train.
-        let lora_train = self.lora_training();
-        // `y + x·A·B·s` where layer `li`'s adapters touch matrix `m`.
-        let adapt = |y: Tensor, li: usize, m: Matrix, x: &Tensor| match self
-            .lora_forward(li, m, x, lora_train)
-        {
+        Ctx {
+            b,
+            t,
+            real,
+            cos,
+            sin,
+            cos_bthd,
+            sin_bthd,
+            full_mask,
+            win_mask,
+            segments,
+            rows: Tensor::arange(b, (Kind::Int64, self.device)),
+            pos_flat: matches!(attn, Attn::Decode { .. }).then(|| positions.reshape([b])),
+            positions: positions.shallow_clone(),
+            packed,
+            // LoRA dropout only while the adapters train.
+            lora_train: self.lora_training(),
+        }
+    }
+
+    /// `y + x·A·B·s` where layer `li`'s adapters touch matrix `m`.
+    fn adapt(&self, y: Tensor, li: usize, m: Matrix, x: &Tensor, train: bool) -> Tensor {
+        match self.lora_forward(li, m, x, train) {
             Some(d) => y + d,
             None => y,
-        };
-        // Cache indices of the new keys, the same for every layer.
-        let mut key_index: Option<(Tensor, Tensor)> = None;
-        // The residual stream `x` is rebuilt by each sum, never updated in place: an
-        // in-place `+=` would modify a tensor autograd saved.
-        crate::profile::mark_layer(self.device, "layers: embed, rope tables, masks");
-        for (li, l) in self.layers.iter().enumerate() {
-            let pl = packed.map(|p| &p.layers[li]);
-            let hn = self.rms(&x, &l.ln1);
-            let qkv = pad(adapt(
-                self.mm(&hn, &l.wqkv, pl.map(|p| &p[0]), l.bqkv.as_ref()),
-                li,
-                Matrix::Qkv,
-                &hn,
-            ));
-            let v = qkv
-                .narrow(-1, (nh + nkv) * hd, nkv * hd)
-                .view([b, t, nkv, hd])
-                .transpose(1, 2);
-            crate::profile::mark_layer(self.device, "layer: norm, qkv");
-            let (q, k) = match &l.qk_norm {
-                Some((qn, kn)) => {
-                    let q = qkv
-                        .narrow(-1, 0, nh * hd)
-                        .view([b, t, nh, hd])
-                        .transpose(1, 2);
-                    let k = qkv
-                        .narrow(-1, nh * hd, nkv * hd)
-                        .view([b, t, nkv, hd])
-                        .transpose(1, 2);
-                    let (q, k) = (self.rms_last(&q, qn, hd), self.rms_last(&k, kn, hd));
-                    (self.rope(&q, &cos, &sin), self.rope(&k, &cos, &sin))
-                }
-                // Queries and keys rotated together: the same arithmetic in half the
-                // operations (each one a kernel launch on a GPU).
-                None => {
-                    let qk = qkv
-                        .narrow(-1, 0, (nh + nkv) * hd)
-                        .view([b, t, nh + nkv, hd]);
-                    let qk = self.rope(&qk, &cos_bthd, &sin_bthd);
-                    (
-                        qk.narrow(2, 0, nh).transpose(1, 2),
-                        qk.narrow(2, nh, nkv).transpose(1, 2),
-                    )
-                }
-            };
-            crate::profile::mark_layer(self.device, "layer: rope");
-            // A windowed layer's mask; `None` is plain causal attention.
-            let mask = match c.window(li) {
-                Some(_) => win_mask.as_ref(),
-                None => full_mask.as_ref(),
-            };
-            let o = match &mut attn {
-                Attn::Capture { kv } => {
-                    kv.push((k.shallow_clone(), v.shallow_clone()));
-                    attend(&q, &k, &v, mask)
-                }
-                Attn::Continue { kv, rows, .. } => {
-                    let (pk, pv) = &kv[li];
-                    let keys = Tensor::cat(&[pk.index_select(0, rows), k], 2);
-                    let values = Tensor::cat(&[pv.index_select(0, rows), v], 2);
-                    attend(&q, &keys, &values, mask)
-                }
-                Attn::Full { .. } => attend(&q, &k, &v, mask),
-                Attn::Prefill {
-                    cache,
-                    start,
-                    offset,
-                    ..
-                } => {
-                    let index = key_index.get_or_insert_with(|| {
-                        let slots =
-                            Tensor::arange_start(*start, *start + b, (Kind::Int64, self.device));
-                        cache.key_index(&slots, positions)
-                    });
-                    let at = ValueSlots::Range {
-                        start: *start,
-                        offset: *offset,
-                    };
-                    cache.write(li, index, &k, &v, at);
-                    if *offset == 0 {
-                        attend(&q, &k, &v, mask)
-                    } else {
-                        let len = *offset + t;
-                        attend(
-                            &q,
-                            &cache.keys(li, *start, b, len),
-                            &cache.values(li, *start, b, len),
-                            mask,
-                        )
-                    }
-                }
-                Attn::Decode { cache, span, .. } => {
-                    let pos = pos_flat.as_ref().expect("decode positions");
-                    if !cache.write_rows_dense(li, &rows, pos, &k, &v) {
-                        let index =
-                            key_index.get_or_insert_with(|| cache.key_index(&rows, positions));
-                        cache.write(li, index, &k, &v, ValueSlots::Rows { rows: &rows, pos });
-                    }
-                    attend_decode(
-                        &q,
-                        &cache.keys(li, 0, b, *span),
-                        &cache.values(li, 0, b, *span),
-                        mask.expect("decode attention is masked"),
-                    )
-                }
-            };
-            crate::profile::mark_layer(self.device, "layer: kv write, attention");
-            let mut o = o.transpose(1, 2).reshape([b, t, nh * hd]);
-            if let Some(idx) = &real {
-                o = o.reshape([b * t, nh * hd]).index_select(0, idx);
-            }
-            x = adapt(
-                self.mm_residual(&x, &o, &l.wo, pl.map(|p| &p[1])),
-                li,
-                Matrix::O,
-                &o,
-            );
-            crate::profile::mark_layer(self.device, "layer: o proj");
-            let hn = self.rms(&x, &l.ln2);
-            let gu = adapt(
-                self.mm(&hn, &l.w_gate_up, pl.map(|p| &p[2]), None),
-                li,
-                Matrix::GateUp,
-                &hn,
-            );
-            let f = c.intermediate_size;
-            let act = gu.narrow(-1, 0, f).silu() * gu.narrow(-1, f, f);
-            x = adapt(
-                self.mm_residual(&x, &act, &l.w_down, pl.map(|p| &p[3])),
-                li,
-                Matrix::Down,
-                &act,
-            );
-            crate::profile::mark_layer(self.device, "layer: mlp");
         }
-        pad(self.rms(&x, &self.norm))
+    }
+
+    /// Decoder layer `li` on the residual stream `x`: one unit of the stack, which layer
+    /// recompute runs again from its saved input. `key_index`: the cache indices of the
+    /// new keys, the same for every layer (computed by the first).
+    pub(super) fn layer(
+        &self,
+        li: usize,
+        x: &Tensor,
+        ctx: &Ctx<'_>,
+        attn: &mut Attn<'_>,
+        key_index: &mut Option<(Tensor, Tensor)>,
+    ) -> Tensor {
+        let c = &self.config;
+        let (b, t) = (ctx.b, ctx.t);
+        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let (cos, sin) = (&ctx.cos, &ctx.sin);
+        let l = &self.layers[li];
+        let pl = ctx.packed.map(|p| &p.layers[li]);
+        let lt = ctx.lora_train;
+        let hn = self.rms(x, &l.ln1);
+        let qkv = ctx.pad(self.adapt(
+            self.mm(&hn, &l.wqkv, pl.map(|p| &p[0]), l.bqkv.as_ref()),
+            li,
+            Matrix::Qkv,
+            &hn,
+            lt,
+        ));
+        let v = qkv
+            .narrow(-1, (nh + nkv) * hd, nkv * hd)
+            .view([b, t, nkv, hd])
+            .transpose(1, 2);
+        crate::profile::mark_layer(self.device, "layer: norm, qkv");
+        let (q, k) = match &l.qk_norm {
+            Some((qn, kn)) => {
+                let q = qkv
+                    .narrow(-1, 0, nh * hd)
+                    .view([b, t, nh, hd])
+                    .transpose(1, 2);
+                let k = qkv
+                    .narrow(-1, nh * hd, nkv * hd)
+                    .view([b, t, nkv, hd])
+                    .transpose(1, 2);
+                let (q, k) = (self.rms_last(&q, qn, hd), self.rms_last(&k, kn, hd));
+                (self.rope(&q, cos, sin), self.rope(&k, cos, sin))
+            }
+            // Queries and keys rotated together: the same arithmetic in half the
+            // operations (each one a kernel launch on a GPU).
+            None => {
+                let qk = qkv
+                    .narrow(-1, 0, (nh + nkv) * hd)
+                    .view([b, t, nh + nkv, hd]);
+                let qk = self.rope(&qk, &ctx.cos_bthd, &ctx.sin_bthd);
+                (
+                    qk.narrow(2, 0, nh).transpose(1, 2),
+                    qk.narrow(2, nh, nkv).transpose(1, 2),
+                )
+            }
+        };
+        crate::profile::mark_layer(self.device, "layer: rope");
+        // A windowed layer's mask; `None` is plain causal attention.
+        let windowed = c.window(li).is_some();
+        let mask = if windowed {
+            ctx.win_mask.as_ref()
+        } else {
+            ctx.full_mask.as_ref()
+        };
+        let o = match attn {
+            Attn::Capture { kv } => {
+                kv.push((k.shallow_clone(), v.shallow_clone()));
+                attend(&q, &k, &v, mask)
+            }
+            Attn::Continue { kv, rows, .. } => {
+                let (pk, pv) = &kv[li];
+                let keys = Tensor::cat(&[pk.index_select(0, rows), k], 2);
+                let values = Tensor::cat(&[pv.index_select(0, rows), v], 2);
+                attend(&q, &keys, &values, mask)
+            }
+            Attn::Full { .. } => attend(&q, &k, &v, mask),
+            // Each sequence attends to itself alone: per-segment causal attention, no
+            // mask over the whole row.
+            Attn::Packed { .. } => {
+                let segs = ctx.segments.as_ref().expect("packed segments");
+                let outs: Vec<Tensor> = segs
+                    .iter()
+                    .map(|&((at, len), ref win)| {
+                        let cut = |z: &Tensor| z.narrow(2, at, len);
+                        let m = if windowed { win.as_ref() } else { None };
+                        attend(&cut(&q), &cut(&k), &cut(&v), m)
+                    })
+                    .collect();
+                Tensor::cat(&outs, 2)
+            }
+            Attn::Prefill {
+                cache,
+                start,
+                offset,
+                ..
+            } => {
+                let index = key_index.get_or_insert_with(|| {
+                    let slots =
+                        Tensor::arange_start(*start, *start + b, (Kind::Int64, self.device));
+                    cache.key_index(&slots, &ctx.positions)
+                });
+                let at = ValueSlots::Range {
+                    start: *start,
+                    offset: *offset,
+                };
+                cache.write(li, index, &k, &v, at);
+                if *offset == 0 {
+                    attend(&q, &k, &v, mask)
+                } else {
+                    let len = *offset + t;
+                    attend(
+                        &q,
+                        &cache.keys(li, *start, b, len),
+                        &cache.values(li, *start, b, len),
+                        mask,
+                    )
+                }
+            }
+            Attn::Decode { cache, span, .. } => {
+                let pos = ctx.pos_flat.as_ref().expect("decode positions");
+                if !cache.write_rows_dense(li, &ctx.rows, pos, &k, &v) {
+                    let index =
+                        key_index.get_or_insert_with(|| cache.key_index(&ctx.rows, &ctx.positions));
+                    cache.write(
+                        li,
+                        index,
+                        &k,
+                        &v,
+                        ValueSlots::Rows {
+                            rows: &ctx.rows,
+                            pos,
+                        },
+                    );
+                }
+                attend_decode(
+                    &q,
+                    &cache.keys(li, 0, b, *span),
+                    &cache.values(li, 0, b, *span),
+                    mask.expect("decode attention is masked"),
+                )
+            }
+        };
+        crate::profile::mark_layer(self.device, "layer: kv write, attention");
+        let mut o = o.transpose(1, 2).reshape([b, t, nh * hd]);
+        if let Some(idx) = &ctx.real {
+            o = o.reshape([b * t, nh * hd]).index_select(0, idx);
+        }
+        // The residual stream is rebuilt by each sum, never updated in place: an
+        // in-place `+=` would modify a tensor autograd saved.
+        let x = self.adapt(
+            self.mm_residual(x, &o, &l.wo, pl.map(|p| &p[1])),
+            li,
+            Matrix::O,
+            &o,
+            lt,
+        );
+        crate::profile::mark_layer(self.device, "layer: o proj");
+        let hn = self.rms(&x, &l.ln2);
+        let gu = self.adapt(
+            self.mm(&hn, &l.w_gate_up, pl.map(|p| &p[2]), None),
+            li,
+            Matrix::GateUp,
+            &hn,
+            lt,
+        );
+        let f = c.intermediate_size;
+        let act = gu.narrow(-1, 0, f).silu() * gu.narrow(-1, f, f);
+        let x = self.adapt(
+            self.mm_residual(&x, &act, &l.w_down, pl.map(|p| &p[3])),
+            li,
+            Matrix::Down,
+            &act,
+            lt,
+        );
+        crate::profile::mark_layer(self.device, "layer: mlp");
+        x
+    }
+
+    /// The final RMSNorm, restoring the padded layout where `ctx` dropped padding.
+    pub(super) fn final_norm(&self, x: &Tensor, ctx: &Ctx<'_>) -> Tensor {
+        ctx.pad(self.rms(x, &self.norm))
     }
 
     /// The mask of the layers with a sliding window (`None` when no layer has one): the
@@ -424,6 +512,8 @@ impl Llama {
         let ar = |n: i64| Tensor::arange(n, dev);
         let causal = || Tensor::ones([t, t], (Kind::Bool, self.device)).tril(0);
         let (q, k, base) = match attn {
+            // Packed rows mask each sequence on its own (`Ctx::segments`).
+            Attn::Packed { .. } => return None,
             Attn::Full { .. } | Attn::Capture { .. } | Attn::Prefill { offset: 0, .. } => (
                 ar(t).reshape([1, 1, t, 1]),
                 ar(t).reshape([1, 1, 1, t]),
@@ -478,5 +568,41 @@ impl Llama {
         let positions = positions_from_mask(ids, mask);
         let h = self.hidden(ids, &positions, Attn::Full { mask });
         self.logits(&h)
+    }
+}
+
+/// What every layer of one forward call shares (see [`Llama::prepare`]).
+pub(super) struct Ctx<'m> {
+    b: i64,
+    t: i64,
+    /// Ragged prefill: the flat indices of the real tokens (the stream holds them alone).
+    real: Option<Tensor>,
+    cos: Tensor,
+    sin: Tensor,
+    cos_bthd: Tensor,
+    sin_bthd: Tensor,
+    full_mask: Option<Tensor>,
+    win_mask: Option<Tensor>,
+    /// Packed rows: each sequence's `(start, len)` and, with a sliding window, its mask.
+    segments: Option<Vec<((i64, i64), Option<Tensor>)>>,
+    rows: Tensor,
+    pos_flat: Option<Tensor>,
+    positions: Tensor,
+    packed: Option<&'m Packed>,
+    lora_train: bool,
+}
+
+impl Ctx<'_> {
+    /// Restores the `[b, t, ..]` layout (zeros in the padding) of rows of real tokens.
+    fn pad(&self, z: Tensor) -> Tensor {
+        match &self.real {
+            Some(idx) => {
+                let w = *z.size().last().expect("rows have a width");
+                z.new_zeros([self.b * self.t, w], (z.kind(), z.device()))
+                    .index_copy(0, idx, &z)
+                    .view([self.b, self.t, w])
+            }
+            None => z,
+        }
     }
 }

@@ -76,6 +76,43 @@ pub struct Llama {
     pub(super) cos: Tensor,
     pub(super) sin: Tensor,
     pub(super) packed: Option<Packed>,
+    /// How training and scoring trade compute for memory.
+    pub memory: MemoryOptions,
+}
+
+/// How training and scoring trade compute for memory on long sequences.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryOptions {
+    /// Tokens per chunk of the LM head in scoring and training (log-probs and entropy):
+    /// the `[tokens, vocab]` logits never exist whole.
+    pub logprob_chunk_tokens: usize,
+    /// Layer recompute in training: keep each decoder layer's input alone and run the
+    /// layer again in backward.
+    pub activation_checkpointing: bool,
+    /// How a micro-batch's sequences are laid out for scoring and training.
+    pub layout: RowLayout,
+}
+
+/// How a micro-batch's sequences are laid out for scoring and training.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RowLayout {
+    /// One row per sequence, right-padded to the longest; a prompt shared by several
+    /// samples (a GRPO group) runs once.
+    #[default]
+    Padded,
+    /// Every sequence back to back in one row, attention confined to each: no padding
+    /// (long-tail lengths waste no compute), no prompt sharing.
+    Packed,
+}
+
+impl Default for MemoryOptions {
+    fn default() -> Self {
+        MemoryOptions {
+            logprob_chunk_tokens: crate::score::DEFAULT_CHUNK_TOKENS,
+            activation_checkpointing: false,
+            layout: RowLayout::Padded,
+        }
+    }
 }
 
 /// oneDNN-prepacked copies of the matrices, for inference on CPU.

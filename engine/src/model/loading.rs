@@ -233,6 +233,7 @@ impl Llama {
             packed: None,
             lora: None,
             merge_base: None,
+            memory: Default::default(),
         })
     }
 
@@ -300,6 +301,7 @@ impl Llama {
         });
         let mut m = Llama::from_tensors(self.config.clone(), tensors, device, kind)?;
         m.set_requires_grad(false);
+        m.memory = self.memory;
         Ok(m)
     }
 }

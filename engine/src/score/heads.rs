@@ -2,6 +2,7 @@
 //! a value head, scores from a reward head. Works with and without gradients (training
 //! losses call the same functions).
 
+use super::chunked::{chunked_backward, head_scores, HeadInput};
 use super::seq_batch::SeqBatch;
 use crate::error::{EngineError, Result};
 use crate::model::{positions_from_mask, Attn, Llama, ScalarHead};
@@ -18,37 +19,82 @@ pub struct TokenScores {
 }
 
 /// Log-probs (and entropy, when `with_entropy`) of every token of `batch` given its
-/// prefix. Differentiable when called with gradients enabled.
+/// prefix, the LM head in chunks of `model.memory.logprob_chunk_tokens` tokens.
+/// Differentiable when called with gradients enabled (every chunk's graph is then kept:
+/// [`token_logprobs_backward`] trains in bounded memory).
 pub fn token_logprobs(
     model: &Llama,
     batch: &SeqBatch,
     temperature: f64,
     with_entropy: bool,
 ) -> TokenScores {
-    let ids = &batch.ids;
-    let mask = &batch.attention_mask;
-    let (b, t) = ids.size2().expect("[B, T]");
-    let positions = positions_from_mask(ids, Some(mask));
-    let h = model.hidden(ids, &positions, Attn::Full { mask: None });
-    // Predict tokens 1..T from hidden 0..T-1.
-    let h = h.narrow(1, 0, t - 1);
-    let mut logits = model.logits(&h).to_kind(Kind::Float);
-    if temperature != 1.0 {
-        logits = &logits / temperature;
+    let (b, t) = batch.ids.size2().expect("[B, T]");
+    let positions = positions_from_mask(&batch.ids, Some(&batch.attention_mask));
+    let h = model.hidden(&batch.ids, &positions, Attn::Full { mask: None });
+    let (rows, targets) = predicting_rows(&h, batch);
+    let chunk = model.memory.logprob_chunk_tokens;
+    let (lp, ent) = head_scores(model, &rows, &targets, temperature, chunk, with_entropy);
+    TokenScores {
+        logprobs: token_layout(&lp, batch, b, t),
+        entropy: if with_entropy {
+            token_layout(&ent, batch, b, t)
+        } else {
+            Tensor::zeros([b, t], (Kind::Float, batch.ids.device()))
+        },
     }
-    let logp = logits.log_softmax(-1, Kind::Float);
-    let target = ids.narrow(1, 1, t - 1).unsqueeze(-1);
-    let lp = logp.gather(-1, &target, false).squeeze_dim(-1);
-    let m = mask.narrow(1, 1, t - 1).to_kind(Kind::Float);
-    let zeros = Tensor::zeros([b, 1], (Kind::Float, ids.device()));
-    let logprobs = Tensor::cat(&[&zeros, &(lp * &m)], 1);
-    let entropy = if with_entropy {
-        let ent = -(logp.exp() * &logp).sum_dim_intlist(-1, false, Kind::Float);
-        Tensor::cat(&[&zeros, &(ent * &m)], 1)
+}
+
+/// The hidden rows that predict tokens `1..T` of each row (from positions `0..T-1`),
+/// flat `[B·(T−1), hidden]`, with their targets.
+fn predicting_rows(h: &Tensor, batch: &SeqBatch) -> (Tensor, Tensor) {
+    let t = batch.ids.size()[1];
+    let hidden = h.size()[2];
+    let rows = h.narrow(1, 0, t - 1).reshape([-1, hidden]);
+    let targets = batch.ids.narrow(1, 1, t - 1).reshape([-1]);
+    (rows, targets)
+}
+
+/// Flat per-row scores `[B·(T−1)]` as `[B, T]`: 0 at `t = 0` and at padding.
+fn token_layout(x: &Tensor, batch: &SeqBatch, b: i64, t: i64) -> Tensor {
+    let m = batch.attention_mask.narrow(1, 1, t - 1).to_kind(Kind::Float);
+    let zeros = Tensor::zeros([b, 1], (Kind::Float, batch.ids.device()));
+    Tensor::cat(&[&zeros, &(x.view([b, t - 1]) * m)], 1)
+}
+
+/// A training micro-batch's forward and backward pass over `batch` in bounded memory:
+/// `loss` gets the [`TokenScores`] (log-probs and entropies `[B, T]`, as
+/// [`token_logprobs`] gives them) and its gradient reaches every parameter through the
+/// chunked LM head ([`chunked_backward`]) and, with
+/// `model.memory.activation_checkpointing`, layer recompute. Returns the loss's value.
+pub fn token_logprobs_backward(
+    model: &Llama,
+    batch: &SeqBatch,
+    temperature: f64,
+    loss: impl FnOnce(&TokenScores) -> Result<Tensor>,
+) -> Result<f64> {
+    let (b, t) = batch.ids.size2().expect("[B, T]");
+    let positions = positions_from_mask(&batch.ids, Some(&batch.attention_mask));
+    let attn = Attn::Full { mask: None };
+    let (h, tapes) = if model.memory.activation_checkpointing {
+        let (h, tape) = model.hidden_recompute(&batch.ids, &positions, attn);
+        (h, vec![tape])
     } else {
-        Tensor::zeros([b, t], (Kind::Float, ids.device()))
+        (model.hidden(&batch.ids, &positions, attn), vec![])
     };
-    TokenScores { logprobs, entropy }
+    let (rows, targets) = predicting_rows(&h, batch);
+    let input = HeadInput {
+        rows,
+        targets,
+        tapes,
+    };
+    let chunk = model.memory.logprob_chunk_tokens;
+    let (v, _, _) = chunked_backward(model, input, temperature, chunk, |lp, ent| {
+        loss(&TokenScores {
+            logprobs: token_layout(lp, batch, b, t),
+            entropy: token_layout(ent, batch, b, t),
+        })
+    })?;
+    Ok(v)
 }
 
 fn head<'a>(model: &'a Llama, what: &str) -> Result<&'a ScalarHead> {

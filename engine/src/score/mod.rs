@@ -5,8 +5,12 @@
 //! scoring: `score::values`, `score::rewards` read well; a bare `values` at the crate root
 //! would not. This file only re-exports.
 
+mod chunked;
 mod heads;
 mod seq_batch;
 
-pub use heads::{last_hidden, rewards, token_logprobs, values, TokenScores};
+pub use chunked::{chunked_backward, head_scores, HeadInput, DEFAULT_CHUNK_TOKENS};
+pub use heads::{
+    last_hidden, rewards, token_logprobs, token_logprobs_backward, values, TokenScores,
+};
 pub use seq_batch::SeqBatch;

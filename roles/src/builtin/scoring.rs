@@ -1,9 +1,9 @@
 //! What several built-in roles share: response log-probs and entropies of samples,
 //! device checks, and loading weight buckets into a model.
 
-use tch::{Device, Kind, Tensor};
-use yatt_engine::score::SeqBatch;
-use yatt_engine::{positions_from_mask, Attn};
+use tch::{Device, Tensor};
+use yatt_engine::score::{chunked_backward, head_scores, HeadInput, SeqBatch};
+use yatt_engine::{positions_from_mask, Attn, RowLayout};
 use yatt_engine::{BucketViews, Llama};
 
 use crate::builtin::device_weights::device_tensors;
@@ -11,9 +11,10 @@ use crate::role::{DeviceGroup, DeviceRoute, RoleError, WeightsUpdate};
 use crate::sample::Sample;
 
 /// Response-token log-probs and entropies `[B, T]` (`T` = longest response, zero
-/// padded) of `samples` under `model` at `temperature`. Differentiable when called with
-/// gradients enabled (the policy's loss uses it; the other callers wrap it in
-/// `no_grad`).
+/// padded) of `samples` under `model` at `temperature`, the LM head in chunks of
+/// `model.memory.logprob_chunk_tokens` (the `[tokens, vocab]` logits never exist
+/// whole). Differentiable when called with gradients enabled (every chunk's graph is
+/// then kept; training uses [`response_backward`] instead).
 ///
 /// Two savings, both exact:
 /// - Only the hidden states that predict response tokens go through the LM head and the
@@ -42,7 +43,61 @@ pub(crate) fn response_scores_with(
     with_entropy: bool,
     share_prompts: bool,
 ) -> yatt_engine::Result<(Tensor, Tensor)> {
+    let r = response_rows(model, samples, pad_id, share_prompts, false)?;
+    let chunk = model.memory.logprob_chunk_tokens;
+    let (lp, ent) = head_scores(
+        model,
+        &r.input.rows,
+        &r.input.targets,
+        temperature,
+        chunk,
+        with_entropy,
+    );
+    Ok((lp.view(r.shape) * &r.mask, ent.view(r.shape) * &r.mask))
+}
+
+/// One training micro-batch's forward and backward pass over `samples`: `loss` gets
+/// the response log-probs and entropies `[B, T]` (as [`response_scores`] gives them)
+/// and its gradient reaches every parameter through the chunked LM head and, with
+/// `model.memory.activation_checkpointing`, layer recompute. Returns the loss's value
+/// and the detached log-probs and entropies `[B, T]`.
+pub(crate) fn response_backward(
+    model: &Llama,
+    samples: &[Sample],
+    pad_id: i64,
+    temperature: f64,
+    loss: impl FnOnce(&Tensor, &Tensor) -> yatt_engine::Result<Tensor>,
+) -> yatt_engine::Result<(f64, Tensor, Tensor)> {
+    let r = response_rows(model, samples, pad_id, true, true)?;
+    let chunk = model.memory.logprob_chunk_tokens;
+    let (shape, mask) = (r.shape, &r.mask);
+    let (v, lp, ent) = chunked_backward(model, r.input, temperature, chunk, |lp, ent| {
+        loss(&(lp.view(shape) * mask), &(ent.view(shape) * mask))
+    })?;
+    Ok((v, lp.view(shape) * mask, ent.view(shape) * mask))
+}
+
+/// The hidden rows that predict each response token (`[B·T, hidden]`, padding columns
+/// pointing at a real row), their targets, the response mask `[B, T]`.
+struct ResponseRows<'m> {
+    input: HeadInput<'m>,
+    mask: Tensor,
+    shape: [i64; 2],
+}
+
+/// Runs the decoder over `samples` in the model's [`RowLayout`] and picks the rows that
+/// predict response tokens. `train`: with layer recompute on, through a [`Tape`]
+/// (prompt sharing is then off: a response's layer would need its prompt's).
+fn response_rows<'m>(
+    model: &'m Llama,
+    samples: &[Sample],
+    pad_id: i64,
+    share_prompts: bool,
+    train: bool,
+) -> yatt_engine::Result<ResponseRows<'m>> {
     let device = model.device();
+    let recompute = train && model.memory.activation_checkpointing;
+    let packed = model.memory.layout == RowLayout::Packed;
     let t = samples.iter().map(Sample::response_len).max().unwrap_or(0);
     // Distinct prompts in order of first appearance, and each row's.
     let mut distinct: Vec<&[i64]> = Vec::new();
@@ -56,6 +111,8 @@ pub(crate) fn response_scores_with(
         prompt_of.push(i);
     }
     let shared = share_prompts
+        && !recompute
+        && !packed
         && t > 0
         && distinct.len() < samples.len()
         && distinct.iter().all(|p| !p.is_empty());
@@ -63,7 +120,47 @@ pub(crate) fn response_scores_with(
     // of sample i (padding columns point at a real row and are masked out).
     let (b, n) = (samples.len(), samples.len() * t);
     let mut at = vec![0i64; n];
-    let h = if shared {
+    let mut tapes = Vec::new();
+    // The decoder over `ids`/`positions`, through a tape with layer recompute.
+    let mut run = |ids: &Tensor, pos: &Tensor, attn: Attn<'_>| {
+        if recompute {
+            let (h, tape) = model.hidden_recompute(ids, pos, attn);
+            tapes.push(tape);
+            h
+        } else {
+            model.hidden(ids, pos, attn)
+        }
+    };
+    let h = if packed {
+        // One row, every sequence back to back, positions restarting at each.
+        let total: usize = samples.iter().map(|s| s.prompt_tokens.len() + s.response_len()).sum();
+        let (mut ids, mut pos, mut lens) = (Vec::with_capacity(total), Vec::with_capacity(total), Vec::new());
+        for (i, s) in samples.iter().enumerate() {
+            let start = ids.len() as i64;
+            let plen = s.prompt_tokens.len();
+            ids.extend(s.prompt_tokens.iter().chain(&s.response_tokens));
+            let len = (plen + s.response_len()) as i64;
+            pos.extend(0..len);
+            lens.push(len);
+            for j in 0..t {
+                let p = (plen + j) as i64 - 1;
+                at[i * t + j] = start + p.clamp(0, (len - 1).max(0));
+            }
+        }
+        // An all-empty micro-batch still needs one row to run.
+        if ids.is_empty() {
+            ids.push(pad_id);
+            pos.push(0);
+            lens.push(1);
+        }
+        let shape = [1, ids.len() as i64];
+        let ids = Tensor::from_slice(&ids).view(shape).to_device(device);
+        let pos = Tensor::from_slice(&pos).view(shape).to_device(device);
+        let lens: Vec<i64> = lens.into_iter().filter(|&l| l > 0).collect();
+        let h = run(&ids, &pos, Attn::Packed { lens: &lens });
+        let hidden = h.size()[2];
+        h.view([-1, hidden])
+    } else if shared {
         let prompts: Vec<(&[i64], &[i64])> = distinct.iter().map(|p| (*p, &[][..])).collect();
         let pb = SeqBatch::from_pairs(&prompts, pad_id, device)?;
         let lp = pb.ids.size()[1];
@@ -112,7 +209,7 @@ pub(crate) fn response_scores_with(
         let full = batch.ids.size()[1];
         let positions = positions_from_mask(&batch.ids, Some(&batch.attention_mask));
         // Right padding: causal attention alone keeps real tokens off the padding.
-        let h = model.hidden(&batch.ids, &positions, Attn::Full { mask: None });
+        let h = run(&batch.ids, &positions, Attn::Full { mask: None });
         for (i, s) in samples.iter().enumerate() {
             for j in 0..t {
                 let pos = (s.prompt_tokens.len() + j) as i64 - 1;
@@ -132,24 +229,18 @@ pub(crate) fn response_scores_with(
     }
     let shape = [b as i64, t as i64];
     let at = Tensor::from_slice(&at).to_device(device);
-    let target = Tensor::from_slice(&target).view([-1, 1]).to_device(device);
+    let targets = Tensor::from_slice(&target).to_device(device);
     let mask = Tensor::from_slice(&mask).view(shape).to_device(device);
-    let h = h.index_select(0, &at);
-    let mut logits = model.logits(&h).to_kind(Kind::Float);
-    if temperature != 1.0 {
-        logits = logits / temperature;
-    }
-    let logp = logits.log_softmax(-1, Kind::Float);
-    let lp = logp.gather(1, &target, false).view(shape) * &mask;
-    let ent = if with_entropy {
-        -(logp.exp() * &logp)
-            .sum_dim_intlist(-1, false, Kind::Float)
-            .view(shape)
-            * &mask
-    } else {
-        Tensor::zeros(shape, (Kind::Float, device))
-    };
-    Ok((lp, ent))
+    let rows = h.index_select(0, &at);
+    Ok(ResponseRows {
+        input: HeadInput {
+            rows,
+            targets,
+            tapes,
+        },
+        mask,
+        shape,
+    })
 }
 
 /// Response log-probs of `samples` (no gradients), in micro-batches of `micro`, as one
@@ -279,6 +370,7 @@ pub(crate) fn model_bytes(model: &Llama) -> u64 {
 mod tests {
     use super::*;
     use crate::sample::tests::sample;
+    use tch::Kind;
     use yatt_engine::score::token_logprobs;
     use yatt_engine::tiny_config;
 

@@ -17,7 +17,7 @@ use yatt_runtime::Node;
 use yatt_runtime::RingMember;
 
 use crate::config::modes::{CallPrefix, KlMode, LoraSyncMode, ModelSource, OldLogprobs, Schedule};
-use crate::config::sections::{EnvSection, JobConfig};
+use crate::config::sections::{EnvSection, JobConfig, Packing};
 use crate::controller::error::ControllerError;
 use crate::error::JobError;
 use yatt_roles::{
@@ -37,7 +37,8 @@ pub fn base_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, i64), J
         source_desc: dir.display().to_string(),
         reason: e.to_string(),
     };
-    let m = Llama::load(dir, Device::Cpu, Kind::Float).map_err(me)?;
+    let mut m = Llama::load(dir, Device::Cpu, Kind::Float).map_err(me)?;
+    m.memory = memory_options(job);
     let tok = Tokenizer::from_dir(dir).map_err(me)?;
     Ok((
         m,
@@ -67,13 +68,26 @@ pub(crate) fn tiny_model(job: &JobConfig) -> Result<(Llama, Arc<dyn TextCodec>, 
             reason: e,
         })?;
     }
-    let m = Llama::random(config, Device::Cpu, Kind::Float, seed as i64).map_err(|e| {
+    let mut m = Llama::random(config, Device::Cpu, Kind::Float, seed as i64).map_err(|e| {
         JobError::Model {
             source_desc: "tiny".into(),
             reason: e.to_string(),
         }
     })?;
+    m.memory = memory_options(job);
     Ok((m, Arc::new(TINY_CODEC), 1))
+}
+
+/// `[model]`'s memory settings for long sequences, as the engine takes them.
+pub(crate) fn memory_options(job: &JobConfig) -> yatt_engine::MemoryOptions {
+    yatt_engine::MemoryOptions {
+        logprob_chunk_tokens: job.model.logprob_chunk_tokens.max(1),
+        activation_checkpointing: job.model.activation_checkpointing,
+        layout: match job.model.packing {
+            Packing::Padded => yatt_engine::RowLayout::Padded,
+            Packing::Packed => yatt_engine::RowLayout::Packed,
+        },
+    }
 }
 
 /// A rollout replica of the job over `model`.
@@ -236,6 +250,7 @@ pub fn policy_role_from(
             .map(|(estimator, coef)| KlLossConfig { estimator, coef }),
         entropy_coef: a.entropy_coef,
         micro_batch_size: o.micro_batch,
+        max_tokens_per_micro_batch: o.max_tokens_per_micro_batch,
         mini_batches: o.mini_batches,
         temperature: job.rollout.temperature,
         pad_id,

@@ -119,6 +119,29 @@ pub struct ModelSection {
     /// `[model.lora]`: train LoRA adapters on the policy instead of every weight
     /// (unset: full fine-tuning).
     pub lora: Option<LoraSection>,
+    /// Tokens per chunk of the LM head when scoring and training: log-probs and entropy
+    /// are computed chunk by chunk (recomputed in backward), so the `[tokens, vocab]`
+    /// logits never exist whole.
+    pub logprob_chunk_tokens: usize,
+    /// Layer recompute in the policy's update: keep only each decoder layer's input and
+    /// run the layer again in backward (about a third more compute; activation memory
+    /// of one layer instead of all).
+    pub activation_checkpointing: bool,
+    /// How a micro-batch's sequences are laid out for scoring and training: `padded`
+    /// (one row each, a GRPO group's prompt run once) or `packed` (back to back in one
+    /// row, attention confined to each: no padding on long-tail lengths).
+    pub packing: Packing,
+}
+
+/// `model.packing`: how a micro-batch's sequences are laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum Packing {
+    /// One right-padded row per sequence.
+    #[default]
+    Padded,
+    /// Every sequence back to back in one row.
+    Packed,
 }
 
 /// `[model.lora]`: LoRA adapters on the policy (PEFT's settings and names).
@@ -173,6 +196,9 @@ impl Default for ModelSection {
             chat: false,
             tiny_layers: 0,
             lora: None,
+            logprob_chunk_tokens: yatt_engine::score::DEFAULT_CHUNK_TOKENS,
+            activation_checkpointing: false,
+            packing: Packing::Padded,
         }
     }
 }
@@ -602,6 +628,11 @@ pub struct OptimSection {
     pub max_grad_norm: f64,
     /// Samples per forward/backward pass.
     pub micro_batch: usize,
+    /// Cap on a policy micro-batch's tokens (prompt + response) instead of its samples
+    /// (0 = off: `micro_batch` samples each). Samples are balanced across as few
+    /// micro-batches as the cap allows (longest first, into the lightest); a sample
+    /// longer than the cap runs alone.
+    pub max_tokens_per_micro_batch: usize,
     /// Optimizer steps per training step.
     pub mini_batches: usize,
     /// The critic's learning rate (PPO).
@@ -620,6 +651,7 @@ impl Default for OptimSection {
             schedule: Schedule::Constant,
             max_grad_norm: 1.0,
             micro_batch: 8,
+            max_tokens_per_micro_batch: 0,
             mini_batches: 1,
             critic_lr: 1e-5,
             skip_zero_advantage: true,

@@ -29,32 +29,36 @@
 //!   [`PolicyRequest::JoinGradientGroup`]) one all-reduce on the GPU averages them
 //!   instead, and the ring is the fallback.
 //!
-//! With micro-batching each micro-batch's loss is aggregated on its own and the
-//! micro-batch losses are averaged (as verl does), so `token-mean` is exact only when a
-//! mini-batch is one micro-batch.
+//! With micro-batching each micro-batch's loss is aggregated on its own and weighted by
+//! its share of the step's normaliser (tokens for `token-mean`, sequences for the
+//! sequence means), so a step's gradient does not depend on how it is split.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
-use tch::{Kind, Tensor};
+use tch::Tensor;
 use yatt_engine::{to_buckets, EngineError, Trainer};
 use yatt_runtime::ActorId;
 use yatt_runtime::{RingMember, RingSpec};
 
 use crate::algo::kl::KlEstimator;
-use crate::algo::loss::{entropy_loss, kl_loss, masked_mean, LossAgg, PolicyLossConfig};
+use crate::algo::loss::PolicyLossConfig;
 use crate::algo::off_policy::{behaviour_weights, BehaviourCorrection, OffPolicyConfig};
-use crate::algo::policy_loss::policy_loss;
 use crate::builtin::device_weights::Staging;
-use crate::builtin::scoring::{check_device, response_scores, score_samples};
+use crate::builtin::scoring::{check_device, score_samples};
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::{response_mask, token_matrix, Sample, SampleId, TokenField};
 
 mod export;
+mod micro;
+#[cfg(test)]
+mod split_tests;
 mod grad_group;
 mod state;
 
 pub use state::TrainerState;
+
+use micro::{micro_backward, normaliser, rows_with_gradient, token_groups, Micro, MicroStats};
 
 /// KL loss against the reference policy (GRPO: k3, coefficient 0.001).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -77,6 +81,12 @@ pub struct PolicyConfig {
     pub entropy_coef: f64,
     /// Samples per forward/backward pass.
     pub micro_batch_size: usize,
+    /// Cap on a micro-batch's tokens (prompt + response) instead of its samples (0 =
+    /// off): see [`token_groups`]. Gradients are the same however a step is split, as
+    /// micro-batch losses are weighted by their share of the step's normaliser; with
+    /// replicas stepping together the all-reduce is once per step, so replicas need not
+    /// agree on their micro-batch counts.
+    pub max_tokens_per_micro_batch: usize,
     /// Optimizer steps per train request (the batch is split evenly).
     pub mini_batches: usize,
     /// Sampling temperature of the rollout (log-probs are taken at it).
@@ -133,6 +143,7 @@ impl Default for PolicyConfig {
             kl_loss: None,
             entropy_coef: 0.0,
             micro_batch_size: 8,
+            max_tokens_per_micro_batch: 0,
             mini_batches: 1,
             temperature: 1.0,
             pad_id: 0,
@@ -375,139 +386,8 @@ pub struct PolicyRole {
     >,
 }
 
-struct Micro {
-    /// The samples this micro-batch runs (indices into the batch): all of its range, or
-    /// with [`PolicyConfig::skip_zero_advantage`] those with a non-zero advantage.
-    rows: Vec<usize>,
-    /// Scales the loss over `rows` to the loss over the whole range: the aggregation's
-    /// normaliser counts the samples left out (their loss terms are exactly zero).
-    keep_scale: f64,
-    old: Tensor,
-    adv: Tensor,
-    reference: Option<Tensor>,
-    mask: Tensor,
-}
-
-#[derive(Default)]
-struct MicroStats {
-    /// Micro-batches that ran a forward pass (the means below are over them).
-    ran: usize,
-    clip: f64,
-    approx_kl: f64,
-    kl: f64,
-    entropy: f64,
-}
-
-/// The loss of one micro-batch (policy loss + KL loss − entropy bonus), with gradients;
-/// `None` when none of its samples carries a gradient.
-fn micro_loss(
-    model: &yatt_engine::Llama,
-    samples: &[Sample],
-    mb: &Micro,
-    cfg: &PolicyConfig,
-    stats: &mut MicroStats,
-) -> yatt_engine::Result<Option<Tensor>> {
-    if mb.rows.is_empty() {
-        return Ok(None);
-    }
-    // The whole range borrows the batch; only a thinned micro-batch copies its samples.
-    let contiguous = mb.rows.windows(2).all(|w| w[1] == w[0] + 1);
-    let picked: Vec<Sample>;
-    let chunk: &[Sample] = if contiguous {
-        &samples[mb.rows[0]..=mb.rows[mb.rows.len() - 1]]
-    } else {
-        picked = mb.rows.iter().map(|&i| samples[i].clone()).collect();
-        &picked
-    };
-    let (lp, ent) = response_scores(model, chunk, cfg.pad_id, cfg.temperature, true)?;
-    let old = if cfg.on_policy {
-        lp.detach()
-    } else {
-        mb.old.shallow_clone()
-    };
-    let (mut total, pg) = policy_loss(&lp, &old, &mb.adv, &mb.mask, &cfg.loss).map_err(algo)?;
-    stats.clip += pg.clip_frac;
-    stats.approx_kl += pg.approx_kl;
-    if let (Some(kc), Some(r)) = (cfg.kl_loss, mb.reference.as_ref()) {
-        let (kl, ks) =
-            kl_loss(&lp, r, &mb.mask, kc.estimator, kc.coef, cfg.loss.agg).map_err(algo)?;
-        total = total + kl;
-        stats.kl += ks.kl_mean;
-    }
-    if cfg.entropy_coef != 0.0 {
-        let (el, es) =
-            entropy_loss(&ent, &mb.mask, cfg.entropy_coef, cfg.loss.agg).map_err(algo)?;
-        total = total + el;
-        stats.entropy += es.entropy_mean;
-    } else {
-        stats.entropy += masked_mean(&ent.detach(), &mb.mask).double_value(&[]);
-    }
-    stats.ran += 1;
-    Ok(Some(if mb.keep_scale == 1.0 {
-        total
-    } else {
-        total * mb.keep_scale
-    }))
-}
-
-/// The rows of a micro-batch whose loss terms can be non-zero, and the factor that
-/// scales their aggregated loss to the whole micro-batch's (`mask` and `adv`: `[B, T]`).
-/// A sample whose every advantage is zero has a zero policy-loss term at every token
-/// (PPO's clipped surrogate and dual clip, GSPO's and CISPO's terms are all multiples
-/// of the advantage; GSPO's sequence advantage is the mean of the row's), so
-/// leaving it out changes only the aggregation's normaliser, corrected here.
-fn rows_with_gradient(mask: &Tensor, adv: &Tensor, agg: LossAgg) -> (Vec<usize>, f64) {
-    let k = mask.kind();
-    let tokens: Vec<f64> =
-        Vec::try_from(mask.sum_dim_intlist(1, false, Kind::Double)).unwrap_or_default();
-    let signal: Vec<bool> = Vec::try_from(
-        (adv.to_kind(k) * mask)
-            .abs()
-            .sum_dim_intlist(1, false, k)
-            .gt(0.0),
-    )
-    .unwrap_or_default();
-    let rows: Vec<usize> = (0..signal.len()).filter(|&i| signal[i]).collect();
-    let share = |counts: &dyn Fn(usize) -> f64| {
-        let all: f64 = (0..tokens.len()).map(counts).sum();
-        let kept: f64 = rows.iter().map(|&i| counts(i)).sum();
-        if all > 0.0 {
-            kept / all
-        } else {
-            1.0
-        }
-    };
-    let keep_scale = match agg {
-        LossAgg::TokenMean => share(&|i| tokens[i]),
-        LossAgg::SeqMeanTokenMean => share(&|i| f64::from(u8::from(tokens[i] > 0.0))),
-        LossAgg::SeqMeanTokenSumNorm { .. } => share(&|_| 1.0),
-    };
-    (rows, keep_scale)
-}
-
-impl MicroStats {
-    /// Fills the report's loss metrics: means over the micro-batches that ran; with
-    /// none (every advantage zero) the clip and KL fractions are 0 and the entropy is
-    /// unknown (NaN).
-    fn report_into(&self, report: &mut TrainReport) {
-        let n = self.ran.max(1) as f64;
-        report.pg_clipfrac = self.clip / n;
-        report.approx_kl = self.approx_kl / n;
-        report.kl_loss = self.kl / n;
-        report.entropy = if self.ran == 0 {
-            f64::NAN
-        } else {
-            self.entropy / n
-        };
-    }
-}
-
 fn grad_fail(e: EngineError) -> RoleError {
     RoleError::Failed(format!("policy gradients: {e}"))
-}
-
-fn algo(e: crate::algo::checks::AlgoError) -> EngineError {
-    EngineError::InvalidArgument(e.to_string())
 }
 
 impl PolicyRole {
@@ -585,8 +465,8 @@ impl PolicyRole {
         for mini_start in (0..samples.len()).step_by(per_mini) {
             let mini_end = (mini_start + per_mini).min(samples.len());
             let micros = self.micros(&samples, mini_start..mini_end)?;
-            let step = self.trainer.step_sparse(&micros, |model, mb| {
-                micro_loss(model, &samples, mb, &cfg, &mut stats)
+            let step = self.trainer.step_manual(&micros, |model, mb| {
+                micro_backward(model, &samples, mb, &cfg, &mut stats)
             });
             let step = step.map_err(|e| RoleError::Failed(format!("policy update: {e}")))?;
             grad_norm += step.grad_norm;
@@ -615,9 +495,32 @@ impl PolicyRole {
         // A KL loss or an entropy bonus does not vanish with the advantage.
         let skip = cfg.skip_zero_advantage && cfg.kl_loss.is_none() && cfg.entropy_coef == 0.0;
         let mut micros = Vec::new();
-        for start in range.clone().step_by(cfg.micro_batch_size) {
-            let r = start..(start + cfg.micro_batch_size).min(range.end);
-            let chunk = &samples[r.clone()];
+        let mut denominators = Vec::new();
+        let groups: Vec<Vec<usize>> = if cfg.max_tokens_per_micro_batch > 0 {
+            let lens: Vec<usize> = samples[range.clone()]
+                .iter()
+                .map(|s| s.prompt_tokens.len() + s.response_len())
+                .collect();
+            token_groups(&lens, cfg.max_tokens_per_micro_batch)
+                .into_iter()
+                .map(|g| g.into_iter().map(|i| range.start + i).collect())
+                .collect()
+        } else {
+            range
+                .clone()
+                .step_by(cfg.micro_batch_size)
+                .map(|s| (s..(s + cfg.micro_batch_size).min(range.end)).collect())
+                .collect()
+        };
+        for group in groups {
+            // A balanced micro-batch's samples are not contiguous: copied out.
+            let owned: Vec<Sample>;
+            let chunk: &[Sample] = if group.windows(2).all(|w| w[1] == w[0] + 1) {
+                &samples[group[0]..=group[group.len() - 1]]
+            } else {
+                owned = group.iter().map(|&i| samples[i].clone()).collect();
+                &owned
+            };
             let mut mb = Micro {
                 old: token_matrix(chunk, TokenField::OldLogprobs, dev).map_err(bad)?,
                 adv: token_matrix(chunk, TokenField::Advantages, dev).map_err(bad)?,
@@ -628,8 +531,9 @@ impl PolicyRole {
                     None => None,
                 },
                 mask: response_mask(chunk, dev).map_err(bad)?,
-                rows: r.clone().collect(),
+                rows: group.clone(),
                 keep_scale: 1.0,
+                weight: 1.0,
             };
             if cfg.off_policy.correction != BehaviourCorrection::None {
                 let behaviour =
@@ -639,6 +543,7 @@ impl PolicyRole {
                 mb.adv = &mb.adv * w;
                 mb.mask = keep;
             }
+            denominators.push(normaliser(&mb.mask, cfg.loss.agg));
             if skip {
                 let (kept, keep_scale) = rows_with_gradient(&mb.mask, &mb.adv, cfg.loss.agg);
                 if kept.len() < chunk.len() {
@@ -652,11 +557,16 @@ impl PolicyRole {
                     mb.adv = pick(&mb.adv);
                     mb.mask = pick(&mb.mask);
                     mb.reference = mb.reference.as_ref().map(pick);
-                    mb.rows = kept.into_iter().map(|i| start + i).collect();
+                    mb.rows = kept.into_iter().map(|i| group[i]).collect();
                     mb.keep_scale = keep_scale;
                 }
             }
             micros.push(mb);
+        }
+        let total: f64 = denominators.iter().sum();
+        for (mb, d) in micros.iter_mut().zip(&denominators) {
+            // A step with nothing to normalise by (no response tokens) weighs evenly.
+            mb.weight = if total > 0.0 { d / total } else { 1.0 / denominators.len() as f64 };
         }
         Ok(micros)
     }
@@ -673,15 +583,12 @@ impl PolicyRole {
         let cfg = self.config.clone();
         let micros = self.micros(samples, 0..samples.len())?;
         let mut stats = MicroStats::default();
-        let scale = 1.0 / micros.len() as f64;
         let mut loss = 0.0;
         for mb in &micros {
             // A micro-batch with no gradient adds a zero loss.
-            if let Some(l) =
-                micro_loss(&self.trainer.model, samples, mb, &cfg, &mut stats).map_err(grad_fail)?
-            {
-                loss += self.trainer.backward_micro(l, scale).map_err(grad_fail)? * scale;
-            }
+            loss += micro_backward(&self.trainer.model, samples, mb, &cfg, &mut stats)
+                .map_err(grad_fail)?
+                .unwrap_or(0.0);
         }
         let mut report = TrainReport {
             trained: samples.iter().map(|s| s.id).collect(),
@@ -953,6 +860,7 @@ impl Role for PolicyRole {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::algo::loss::LossAgg;
     use crate::sample::tests::sample;
     use tch::{Device, Kind};
     use yatt_engine::tiny_config;

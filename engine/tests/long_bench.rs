@@ -1,0 +1,112 @@
+//! Measurements for issue 49 on SmolLM2-135M (ignored: they need the imported model at
+//! `models/smollm2-135m` and take minutes):
+//!   OMP_WAIT_POLICY=PASSIVE cargo nextest run --release -p yatt-engine long_bench \
+//!     --run-ignored only --no-capture
+//! - packed against padded rows, tokens/s of a training forward+backward on a long-tail
+//!   mix of lengths;
+//! - the chunked LM head against the whole logits on a short batch.
+
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+use yatt_engine::score::{chunked_backward, token_logprobs, token_logprobs_backward, HeadInput, SeqBatch};
+use yatt_engine::{Attn, Llama};
+
+fn smollm2() -> Option<Llama> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/smollm2-135m");
+    let mut m = Llama::load(&dir, Device::Cpu, Kind::Float).ok()?;
+    m.set_requires_grad(true);
+    Some(m)
+}
+
+fn seqs(lens: &[usize]) -> Vec<Vec<i64>> {
+    lens.iter()
+        .enumerate()
+        .map(|(i, &l)| (0..l).map(|t| 100 + ((t * 31 + i * 7) % 20000) as i64).collect())
+        .collect()
+}
+
+fn zero(m: &mut Llama) {
+    for (_, p) in m.parameters_mut() {
+        p.zero_grad();
+    }
+}
+
+/// A long-tail mix (most short, a few long, capped at 2,048), in micro-batches of 8.
+#[test]
+#[ignore]
+fn packed_against_padded_on_a_long_tail() {
+    let Some(mut m) = smollm2() else { return };
+    m.memory.activation_checkpointing = true;
+    // Deterministic long tail: lengths ~ 2^(6 + 5u^3), u uniform; capped at 2,048.
+    let lens: Vec<usize> = (0..16)
+        .map(|i| {
+            let u = ((i * 37 + 11) % 16) as f64 / 15.0;
+            (2f64.powf(6.0 + 5.0 * u.powi(3)) as usize).min(2048)
+        })
+        .collect();
+    let real: usize = lens.iter().sum();
+    let all = seqs(&lens);
+    let (mut padded_s, mut packed_s) = (0.0, 0.0);
+    for mb in all.chunks(8) {
+        let pairs: Vec<(&[i64], &[i64])> = mb.iter().map(|s| (&s[..1], &s[1..])).collect();
+        let b = SeqBatch::from_pairs(&pairs, 0, Device::Cpu).unwrap();
+        let t0 = Instant::now();
+        token_logprobs_backward(&m, &b, 1.0, |s| Ok(s.logprobs.sum(Kind::Float))).unwrap();
+        padded_s += t0.elapsed().as_secs_f64();
+        zero(&mut m);
+        let t0 = Instant::now();
+        let ids: Vec<i64> = mb.iter().flatten().copied().collect();
+        let pos: Vec<i64> = mb.iter().flat_map(|s| 0..s.len() as i64).collect();
+        let seg: Vec<i64> = mb.iter().map(|s| s.len() as i64).collect();
+        let n = ids.len() as i64;
+        let ids_t = Tensor::from_slice(&ids).view([1, n]);
+        let (h, tape) =
+            m.hidden_recompute(&ids_t, &Tensor::from_slice(&pos).view([1, n]), Attn::Packed { lens: &seg });
+        // Row i predicts token i+1 within its sequence.
+        let mut at = Vec::new();
+        let mut start = 0i64;
+        for &l in &seg {
+            at.extend(start..start + l - 1);
+            start += l;
+        }
+        let at = Tensor::from_slice(&at);
+        let rows = h.view([n, -1]).index_select(0, &at);
+        let targets = ids_t.view([n]).index_select(0, &(&at + 1));
+        let input = HeadInput { rows, targets, tapes: vec![tape] };
+        chunked_backward(&m, input, 1.0, 1024, |lp, _| Ok(lp.sum(Kind::Float))).unwrap();
+        packed_s += t0.elapsed().as_secs_f64();
+        zero(&mut m);
+    }
+    let padded_tokens: usize = all.chunks(8).map(|mb| mb.len() * mb.iter().map(Vec::len).max().unwrap()).sum();
+    println!(
+        "long tail {lens:?}: {real} real tokens ({padded_tokens} padded); padded {:.0} tok/s ({padded_s:.1} s), packed {:.0} tok/s ({packed_s:.1} s), {:.2}x",
+        real as f64 / padded_s,
+        real as f64 / packed_s,
+        padded_s / packed_s
+    );
+}
+
+/// A short job's batch (16 × 60 tokens): the chunked head's training pass against the
+/// whole logits'.
+#[test]
+#[ignore]
+fn chunked_head_on_a_short_batch() {
+    let Some(mut m) = smollm2() else { return };
+    let all = seqs(&[60; 16]);
+    let pairs: Vec<(&[i64], &[i64])> = all.iter().map(|s| (&s[..45], &s[45..])).collect();
+    let b = SeqBatch::from_pairs(&pairs, 0, Device::Cpu).unwrap();
+    let (mut whole, mut chunked) = (f64::MAX, f64::MAX);
+    for _ in 0..3 {
+        m.memory.logprob_chunk_tokens = usize::MAX >> 1;
+        let t0 = Instant::now();
+        token_logprobs(&m, &b, 0.7, true).logprobs.sum(Kind::Float).backward();
+        whole = whole.min(t0.elapsed().as_secs_f64());
+        zero(&mut m);
+        m.memory.logprob_chunk_tokens = 1024;
+        let t0 = Instant::now();
+        token_logprobs_backward(&m, &b, 0.7, |s| Ok(s.logprobs.sum(Kind::Float))).unwrap();
+        chunked = chunked.min(t0.elapsed().as_secs_f64());
+        zero(&mut m);
+    }
+    println!("short batch 16x60: whole logits {whole:.3} s, chunked head {chunked:.3} s, ratio {:.3}", chunked / whole);
+}
