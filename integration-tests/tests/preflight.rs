@@ -9,8 +9,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use yatt_integration_tests::{
-    assert_roles_released, cluster_logs, placed, poll, steps_done, yatt_bin, yatt_node_bin,
-    Cluster,
+    assert_roles_released, cluster_logs, placed, poll, steps_done, yatt_bin, yatt_node_bin, Cluster,
 };
 
 const DEMO: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
@@ -25,7 +24,12 @@ fn demo_placed(prefix: &str, steps: u64) -> Vec<String> {
     let mut sets = placed(
         prefix,
         steps,
-        &[("rollout", 0), ("policy", 1), ("reference", 1), ("reward", 2)],
+        &[
+            ("rollout", 0),
+            ("policy", 1),
+            ("reference", 1),
+            ("reward", 2),
+        ],
     );
     sets.retain(|s| !s.starts_with("checkpoint.every"));
     sets
@@ -87,7 +91,9 @@ fn dry_run_in(
 #[test]
 fn an_output_dir_outside_the_nodes_data_directories_fails_before_step_1() {
     let base = tempfile::tempdir().unwrap();
-    let data: Vec<PathBuf> = (0..3).map(|i| base.path().join(format!("data-{i}"))).collect();
+    let data: Vec<PathBuf> = (0..3)
+        .map(|i| base.path().join(format!("data-{i}")))
+        .collect();
     let args: Vec<Vec<String>> = data
         .iter()
         .map(|d| vec!["--data-dir".to_string(), d.display().to_string()])
@@ -142,9 +148,21 @@ fn a_model_differing_by_one_byte_between_nodes_fails() {
     let mut sets = demo_placed("pfm", 5);
     sets.push("model.source=\"model\"".into());
     // The trainer (which validates the path) sees node 1's copy.
-    let (ok, printed) = dry_run_in(Some(&cluster), DEMO, &sets, &out.path().join("run"), Some(&cwd[1].1));
+    let (ok, printed) = dry_run_in(
+        Some(&cluster),
+        DEMO,
+        &sets,
+        &out.path().join("run"),
+        Some(&cwd[1].1),
+    );
     assert!(!ok, "{printed}");
-    for want in ["model.source", "differs between the nodes", "pfm-0", "pfm-1", "rsync"] {
+    for want in [
+        "model.source",
+        "differs between the nodes",
+        "pfm-0",
+        "pfm-1",
+        "rsync",
+    ] {
         assert!(printed.contains(want), "missing {want:?}:\n{printed}");
     }
     assert_roles_released(&cluster);
@@ -164,7 +182,8 @@ fn a_python_reward_that_raises_on_import_fails_on_its_node() {
     let mut sets = demo_placed("pfp", 5);
     sets.push("reward.kind=\"python\"".into());
     sets.push(format!("reward.function=\"{}:score\"", reward.display()));
-    let (ok, printed) = cluster.try_yatt_train(DEMO, &refs(&sets), out.path(), Duration::from_secs(90));
+    let (ok, printed) =
+        cluster.try_yatt_train(DEMO, &refs(&sets), out.path(), Duration::from_secs(90));
     assert!(!ok, "{printed}");
     for want in ["pfp-2", "reward.function", "rewardlib"] {
         assert!(printed.contains(want), "missing {want:?}:\n{printed}");
@@ -212,7 +231,10 @@ fn a_disk_too_small_for_the_checkpoints_warns() {
         .lines()
         .find(|l| l.contains("warn pfd-1: free space (job.output_dir)"))
         .unwrap_or_else(|| panic!("no free-space warning:\n{printed}"));
-    assert!(warn.contains("0.0 MiB free") && warn.contains("larger disk"), "{warn}");
+    assert!(
+        warn.contains("0.0 MiB free") && warn.contains("larger disk"),
+        "{warn}"
+    );
     assert_roles_released(&cluster);
 }
 
@@ -226,7 +248,14 @@ fn an_expired_trainer_certificate_is_refused_with_the_fix() {
         .arg("cert")
         .arg("--ca-dir")
         .arg(cluster.ca_dir())
-        .args(["--name", "train", "--kind", "trainer", "--valid-until", "2020-01-01"])
+        .args([
+            "--name",
+            "train",
+            "--kind",
+            "trainer",
+            "--valid-until",
+            "2020-01-01",
+        ])
         .arg("--out")
         .arg(certs.path())
         .output()
@@ -256,7 +285,12 @@ fn dry_run_of_the_demo_embedded_passes_and_leaves_nothing() {
     let out = dir.path().join("run");
     let (ok, printed) = dry_run(None, DEMO, &[], &out);
     assert!(ok, "{printed}");
-    for want in ["would run:", "ok   ", "one step through every stage", "dry run passed"] {
+    for want in [
+        "would run:",
+        "ok   ",
+        "one step through every stage",
+        "dry run passed",
+    ] {
         assert!(printed.contains(want), "missing {want:?}:\n{printed}");
     }
     assert!(!printed.contains("FAIL"), "{printed}");
@@ -298,7 +332,10 @@ fn dry_run_of_the_live_placement_cluster_config_passes_and_leaves_no_actor() {
     ];
     let (ok, printed) = dry_run(Some(&cluster), LIVE_CLUSTER, &sets, &dir.path().join("run"));
     assert!(ok, "{printed}\n{}", cluster_logs(&cluster));
-    assert!(printed.contains("live placement over the devices of pfl-1, pfl-2"), "{printed}");
+    assert!(
+        printed.contains("live placement over the devices of pfl-1, pfl-2"),
+        "{printed}"
+    );
     assert_roles_released(&cluster);
 }
 
@@ -315,8 +352,15 @@ fn a_refused_end_of_run_save_keeps_the_weights() {
     // ... and a place outside it.
     let outside = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let run = cluster.spawn_train(DEMO, &demo_placed("pfs", 60), &out, false);
-    let stepped = poll(Duration::from_secs(60), || (steps_done(&out) >= 1).then_some(()));
-    assert!(stepped.is_some(), "{}\n{}", run.printed(), cluster_logs(&cluster));
+    let stepped = poll(Duration::from_secs(60), || {
+        (steps_done(&out) >= 1).then_some(())
+    });
+    assert!(
+        stepped.is_some(),
+        "{}\n{}",
+        run.printed(),
+        cluster_logs(&cluster)
+    );
     std::fs::rename(&out, base.path().join("moved")).unwrap();
     std::os::unix::fs::symlink(outside.path(), &out).unwrap();
     let mut run = run;
@@ -324,8 +368,14 @@ fn a_refused_end_of_run_save_keeps_the_weights() {
     // The log files moved with the directory.
     let printed = std::fs::read_to_string(base.path().join("moved/train.log")).unwrap_or_default()
         + &std::fs::read_to_string(base.path().join("moved/train.err")).unwrap_or_default();
-    assert!(status.is_some_and(|s| !s.success()), "{status:?}\n{printed}");
-    assert!(printed.contains("the end-of-run save (after step 60 of 60)"), "{printed}");
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "{status:?}\n{printed}"
+    );
+    assert!(
+        printed.contains("the end-of-run save (after step 60 of 60)"),
+        "{printed}"
+    );
     assert!(!printed.contains("step 61"), "{printed}");
     let line = printed
         .lines()
@@ -342,7 +392,8 @@ fn a_refused_end_of_run_save_keeps_the_weights() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     assert!(
-        files.iter().any(|f| f.ends_with(".safetensors")) && files.contains(&"run_state.json".to_string()),
+        files.iter().any(|f| f.ends_with(".safetensors"))
+            && files.contains(&"run_state.json".to_string()),
         "{files:?}"
     );
     let _ = std::fs::remove_dir_all(&at);

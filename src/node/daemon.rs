@@ -198,7 +198,8 @@ fn parse_date(text: &str) -> Result<(i32, u8, u8), DaemonError> {
         ))
     };
     let mut parts = text.split('-');
-    let (Some(y), Some(m), Some(d), None) = (parts.next(), parts.next(), parts.next(), parts.next())
+    let (Some(y), Some(m), Some(d), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
     else {
         return Err(bad());
     };

@@ -13,13 +13,14 @@ const ROLE_QUEUE: usize = 4;
 
 /// The names the stock node registers: the built-in RLHF roles and the runtime's
 /// diagnostic actors. A user role may not take one.
-const BUILTIN_NAMES: [&str; 8] = [
+const BUILTIN_NAMES: [&str; 9] = [
     "rollout",
     "policy",
     "reference",
     "reward",
     "critic",
     "policy-ring",
+    "preflight",
     "echo",
     "bulk-sink",
 ];

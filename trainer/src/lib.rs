@@ -81,8 +81,8 @@ pub use ledger::{LedgerError, LedgerReport, SampleLedger, Stage};
 pub use live::state::LivePlacement;
 
 // Preflight: the checks made before the first step, and `yatt train --dry-run`.
-pub use preflight::probe::{Outcome, FREE_BYTES_TEST_HOOK};
 pub use preflight::dry_run::{dry_run, DryRun};
+pub use preflight::probe::{Outcome, FREE_BYTES_TEST_HOOK};
 pub use preflight::{check_certificate, Certificate, CheckLine, PreflightReport};
 
 // Running, checkpoints, evaluation, benchmarks.

@@ -19,8 +19,8 @@ use crate::controller::release::StartedRoles;
 use crate::controller::report::{average_heads, ControllerState, StepMetrics};
 use crate::error::JobError;
 use crate::eval::{evaluate_after_step, start_eval_log};
-use crate::preflight::{preflight, Certificate};
 use crate::live::state::LivePlacement;
+use crate::preflight::{preflight, Certificate};
 use yatt_metrics::names;
 
 /// Runs `steps` steps of `controllers` (together with [`step_data_parallel`] when there
@@ -234,8 +234,15 @@ pub async fn train_with(
             let eval_now = job.eval.every > 0 && (step % job.eval.every == 0 || step == total);
             if (every > 0 && step % every == 0 && step < total) || eval_now {
                 let at = save_point(step, total);
-                save_or_rescue(live.as_ref(), &mut losses, &mut controllers, &checkpoint_dir, at, &checked.data_dirs)
-                    .await?;
+                save_or_rescue(
+                    live.as_ref(),
+                    &mut losses,
+                    &mut controllers,
+                    &checkpoint_dir,
+                    at,
+                    &checked.data_dirs,
+                )
+                .await?;
                 saved_at = Some(step);
             }
             if eval_now {
@@ -251,8 +258,15 @@ pub async fn train_with(
         // The last step's checkpoint is already there when it was evaluated.
         if saved_at != Some(step) {
             let at = save_point(step, total);
-            save_or_rescue(live.as_ref(), &mut losses, &mut controllers, &checkpoint_dir, at, &checked.data_dirs)
-                .await?;
+            save_or_rescue(
+                live.as_ref(),
+                &mut losses,
+                &mut controllers,
+                &checkpoint_dir,
+                at,
+                &checked.data_dirs,
+            )
+            .await?;
         }
         Ok(TrainSummary {
             steps: step,
@@ -495,7 +509,11 @@ async fn rescue(
     let p = &job.placement;
     let mut roots: Vec<(String, PathBuf)> = Vec::new();
     if p.mode == PlacementMode::Disaggregated {
-        let mut first: Vec<String> = if p.live { p.nodes.clone() } else { p.policy_nodes(1) };
+        let mut first: Vec<String> = if p.live {
+            p.nodes.clone()
+        } else {
+            p.policy_nodes(1)
+        };
         first.dedup();
         for n in first.iter().chain(data_dirs.keys()) {
             if let Some(d) = data_dirs.get(n) {
@@ -505,7 +523,10 @@ async fn rescue(
             }
         }
     } else {
-        roots.push(("this process".into(), std::env::temp_dir().join("yatt-rescue").join(&name)));
+        roots.push((
+            "this process".into(),
+            std::env::temp_dir().join("yatt-rescue").join(&name),
+        ));
     }
     let mut tried = Vec::new();
     for (node, dir) in roots {
@@ -536,6 +557,10 @@ async fn rescue(
     }
     format!(
         "the weights could not be saved anywhere else either: {}",
-        if tried.is_empty() { "no node reported a data directory".into() } else { tried.join("; ") }
+        if tried.is_empty() {
+            "no node reported a data directory".into()
+        } else {
+            tried.join("; ")
+        }
     )
 }

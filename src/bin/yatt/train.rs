@@ -369,7 +369,10 @@ async fn run_job(job: JobConfig, resume: bool, args: TrainArgs) -> anyhow::Resul
         node.shutdown().await;
         let dry = result?;
         println!("{dry}");
-        anyhow::ensure!(dry.passed(), "the dry run found failures (FAIL lines above)");
+        anyhow::ensure!(
+            dry.passed(),
+            "the dry run found failures (FAIL lines above)"
+        );
         return Ok(());
     }
     println!(

@@ -93,7 +93,8 @@ pub async fn dry_run(
         if job.placement.live {
             live = Some(LivePlacement::build_from(&job, node, None, &roles).await?);
         } else if job.placement.mode == PlacementMode::Disaggregated {
-            controllers = crate::build::cluster::build_cluster_from(&job, node, None, &roles).await?;
+            controllers =
+                crate::build::cluster::build_cluster_from(&job, node, None, &roles).await?;
         } else {
             controllers = build_embedded_with(&job, node, None, &roles).await?;
         }
@@ -209,10 +210,21 @@ fn placement_lines(job: &JobConfig, node: &Node, custom: &CustomRoles) -> Vec<St
         slot("critic", p.critic.clone(), ppo);
     }
     for (i, s) in job.roles.stages.iter().enumerate() {
-        let on = if s.node.is_empty() { "the first node that registers it" } else { &s.node };
-        v.push(format!("stage {i} (after {:?}): role {:?} on {on}", s.after, s.role));
+        let on = if s.node.is_empty() {
+            "the first node that registers it"
+        } else {
+            &s.node
+        };
+        v.push(format!(
+            "stage {i} (after {:?}): role {:?} on {on}",
+            s.after, s.role
+        ));
     }
-    v.push(format!("controllers: {} in this process (node {})", job.job.controllers, node.name()));
+    v.push(format!(
+        "controllers: {} in this process (node {})",
+        job.job.controllers,
+        node.name()
+    ));
     v
 }
 
@@ -234,7 +246,11 @@ impl std::fmt::Display for DryRun {
                 self.report.lines.len(),
                 self.report.warnings().len()
             ),
-            n => write!(f, "dry run FAILED: {n} of {} check(s) failed", self.report.lines.len()),
+            n => write!(
+                f,
+                "dry run FAILED: {n} of {} check(s) failed",
+                self.report.lines.len()
+            ),
         }
     }
 }

@@ -67,7 +67,11 @@ fn safetensors_params(path: &Path) -> Option<f64> {
 /// moments), twice: a save writes the new checkpoint beside the current one before it
 /// replaces it (`checkpoint.every` does not change how many are kept).
 pub(crate) fn checkpoint_bytes(job: &JobConfig, params: Option<f64>) -> u64 {
-    let models = if job.algorithm.name.needs_critic() { 2.0 } else { 1.0 };
+    let models = if job.algorithm.name.needs_critic() {
+        2.0
+    } else {
+        1.0
+    };
     (params.unwrap_or(0.0) * 12.0 * models * 2.0) as u64
 }
 
@@ -130,14 +134,23 @@ pub(crate) fn user_roles(
                     .iter()
                     .map(|(n, f)| format!("{n} ({})", f.join(", ")))
                     .collect();
-                let where_ = if node.is_empty() { "any alive node".to_string() } else { format!("node {node}") };
+                let where_ = if node.is_empty() {
+                    "any alive node".to_string()
+                } else {
+                    format!("node {node}")
+                };
                 Outcome::Fail(format!(
                     "role {role:?} is not registered on {where_}; the nodes register: {}; fix: start a daemon that registers it (yatt::node::main_with(|r| r.role::<MyRole>(NAME))) and join it to this cluster, or fix {key}.role",
                     seen.join("; ")
                 ))
             }
         };
-        report.line("cluster", "role registered", &format!("{key}.role"), outcome);
+        report.line(
+            "cluster",
+            "role registered",
+            &format!("{key}.role"),
+            outcome,
+        );
     }
 }
 
@@ -145,7 +158,12 @@ pub(crate) fn user_roles(
 /// and the reference, 16 bytes a parameter of training state for the policy and the
 /// critic) against its GPU memory or `placement.device_memory_gb`. Unchecked where
 /// neither is known (CPU nodes without a budget).
-pub(crate) fn memory(job: &JobConfig, node: &Node, params: Option<f64>, report: &mut PreflightReport) {
+pub(crate) fn memory(
+    job: &JobConfig,
+    node: &Node,
+    params: Option<f64>,
+    report: &mut PreflightReport,
+) {
     let Some(params) = params else {
         return;
     };
@@ -164,7 +182,13 @@ pub(crate) fn memory(job: &JobConfig, node: &Node, params: Option<f64>, report: 
     let mut placed: Vec<(String, &str, f64)> = Vec::new();
     let me = node.name().to_string();
     if p.mode != PlacementMode::Disaggregated || p.live {
-        let on = |n: &str| if p.mode == PlacementMode::Disaggregated { n.to_string() } else { me.clone() };
+        let on = |n: &str| {
+            if p.mode == PlacementMode::Disaggregated {
+                n.to_string()
+            } else {
+                me.clone()
+            }
+        };
         placed.push((on(&me), "rollout", serve));
         placed.push((on(&me), "policy", train));
         if kl {
@@ -204,7 +228,11 @@ pub(crate) fn memory(job: &JobConfig, node: &Node, params: Option<f64>, report: 
     for (n, roles) in by_node {
         let gpu = infos
             .get(&n)
-            .and_then(|ds| ds.iter().filter(|d| d.kind == DeviceKind::Cuda).min_by_key(|d| d.memory_bytes))
+            .and_then(|ds| {
+                ds.iter()
+                    .filter(|d| d.kind == DeviceKind::Cuda)
+                    .min_by_key(|d| d.memory_bytes)
+            })
             .map(|d| (d.memory_bytes as f64, format!("{} of {}", d.name, n)));
         let Some((have, what)) = budget.clone().or(gpu) else {
             continue;
@@ -215,9 +243,16 @@ pub(crate) fn memory(job: &JobConfig, node: &Node, params: Option<f64>, report: 
         } else {
             roles.iter().map(|r| r.1).sum()
         };
-        let list: Vec<String> = roles.iter().map(|(r, b)| format!("{r} {}", gib(*b as u64))).collect();
+        let list: Vec<String> = roles
+            .iter()
+            .map(|(r, b)| format!("{r} {}", gib(*b as u64)))
+            .collect();
         let outcome = if need <= have {
-            Outcome::Pass(format!("{} within {} ({what})", list.join(" + "), gib(have as u64)))
+            Outcome::Pass(format!(
+                "{} within {} ({what})",
+                list.join(" + "),
+                gib(have as u64)
+            ))
         } else {
             Outcome::Fail(format!(
                 "the roles on {n} need about {} resident ({}), beyond the {} of {what}; fix: put the roles on more nodes ([placement]), use a smaller model, set placement.time_share = \"offload\", or raise placement.device_memory_gb if the budget is wrong",
@@ -281,10 +316,24 @@ mod tests {
             not_after: at,
         };
         let o = certificate(&c(now - Duration::from_secs(7200)), now, None);
-        assert!(matches!(&o, Outcome::Fail(t) if t.contains("expired 2h00m ago") && t.contains("yatt-node cert")), "{o:?}");
-        let o = certificate(&c(now + Duration::from_secs(3600)), now, Some(Duration::from_secs(7200)));
-        assert!(matches!(&o, Outcome::Warn(t) if t.contains("expires in 1h00m")), "{o:?}");
-        let o = certificate(&c(now + Duration::from_secs(86400 * 30)), now, Some(Duration::from_secs(7200)));
+        assert!(
+            matches!(&o, Outcome::Fail(t) if t.contains("expired 2h00m ago") && t.contains("yatt-node cert")),
+            "{o:?}"
+        );
+        let o = certificate(
+            &c(now + Duration::from_secs(3600)),
+            now,
+            Some(Duration::from_secs(7200)),
+        );
+        assert!(
+            matches!(&o, Outcome::Warn(t) if t.contains("expires in 1h00m")),
+            "{o:?}"
+        );
+        let o = certificate(
+            &c(now + Duration::from_secs(86400 * 30)),
+            now,
+            Some(Duration::from_secs(7200)),
+        );
         assert!(matches!(o, Outcome::Pass(_)), "{o:?}");
     }
 }

@@ -87,7 +87,11 @@ impl std::fmt::Display for CheckLine {
             Outcome::Warn(t) => ("warn", t),
             Outcome::Fail(t) => ("FAIL", t),
         };
-        write!(f, "{tag} {}: {} ({}): {text}", self.node, self.check, self.key)
+        write!(
+            f,
+            "{tag} {}: {} ({}): {text}",
+            self.node, self.check, self.key
+        )
     }
 }
 
@@ -189,7 +193,12 @@ pub(crate) async fn preflight(
                 report.push(&me, r);
             }
         }
-        Err(e) => report.line(&me, "checks", "-", Outcome::Fail(format!("the checks panicked: {e}"))),
+        Err(e) => report.line(
+            &me,
+            "checks",
+            "-",
+            Outcome::Fail(format!("the checks panicked: {e}")),
+        ),
     }
     for (target, answer) in answers {
         match answer {
@@ -271,9 +280,18 @@ enum Unanswered {
 }
 
 /// Spawns the `preflight` actor on `target` and asks it `checks`, each with a deadline.
-async fn ask(node: &Node, target: &str, checks: Vec<ProbeCheck>) -> Result<ProbeAnswer, Unanswered> {
+async fn ask(
+    node: &Node,
+    target: &str,
+    checks: Vec<ProbeCheck>,
+) -> Result<ProbeAnswer, Unanswered> {
     let actor = node
-        .spawn_remote_linked::<ProbeRequest, ProbeAnswer, _>(target, "preflight", &(), SPAWN_DEADLINE)
+        .spawn_remote_linked::<ProbeRequest, ProbeAnswer, _>(
+            target,
+            "preflight",
+            &(),
+            SPAWN_DEADLINE,
+        )
         .await
         .map_err(|e| match e {
             NodeError::NoFactory { known, .. } => Unanswered::NoPreflight(known),
@@ -380,7 +398,9 @@ fn plan(
 /// The reward check with the job's first prompt as the input (an empty response).
 fn reward_check(job: &JobConfig) -> Option<ProbeCheck> {
     let text = crate::build::remote::job_text(job).ok()?;
-    let first = crate::build::data::prompts(job).ok().and_then(|p| p.into_iter().next());
+    let first = crate::build::data::prompts(job)
+        .ok()
+        .and_then(|p| p.into_iter().next());
     Some(ProbeCheck::Reward {
         job: text,
         prompt: first.as_ref().map_or_else(String::new, |p| p.text.clone()),

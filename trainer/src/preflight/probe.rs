@@ -98,7 +98,11 @@ pub(crate) struct ProbeActor {
 }
 
 impl ProbeActor {
-    pub(crate) fn new(node: &Node, _: &ActorName, _: ()) -> impl std::future::Future<Output = Result<Self, String>> {
+    pub(crate) fn new(
+        node: &Node,
+        _: &ActorName,
+        _: (),
+    ) -> impl std::future::Future<Output = Result<Self, String>> {
         let made = ProbeActor {
             root: node.config().data_dir.clone(),
             factories: node.factory_roles(),
@@ -180,18 +184,15 @@ fn run_check(root: Option<&Path>, check: &ProbeCheck) -> Vec<ProbeResult> {
 }
 
 /// The writable check of `dir`: the rule, a probe file, the free space.
-fn writable(
-    root: Option<&Path>,
-    key: &str,
-    what: &str,
-    dir: &Path,
-    need: u64,
-) -> Vec<ProbeResult> {
+fn writable(root: Option<&Path>, key: &str, what: &str, dir: &Path, need: u64) -> Vec<ProbeResult> {
     let check = "checkpoint path";
     if let Some(root) = root {
         if let Err(e) = yatt_roles::check_write_root(root, dir, what) {
             let text = e.to_string();
-            let text = text.strip_prefix("bad request: ").unwrap_or(&text).to_string();
+            let text = text
+                .strip_prefix("bad request: ")
+                .unwrap_or(&text)
+                .to_string();
             return vec![result(check, key, Outcome::Fail(text))];
         }
     }
@@ -291,8 +292,7 @@ fn free_bytes(dir: &Path) -> Result<u64, String> {
     }
     let mut d = dir.to_path_buf();
     while !d.exists() && d.pop() {}
-    let c = std::ffi::CString::new(d.as_os_str().as_encoded_bytes())
-        .map_err(|e| e.to_string())?;
+    let c = std::ffi::CString::new(d.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
     // SAFETY: a valid NUL-terminated path and a zeroed out-parameter.
     let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
     let rc = unsafe { libc::statvfs(c.as_ptr(), &mut s) };
@@ -484,14 +484,29 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let root = tmp.path().canonicalize().unwrap();
         let dir = root.join("a/b");
-        let r = writable(Some(&root), "job.output_dir", "the policy's checkpoint", &dir, 0);
+        let r = writable(
+            Some(&root),
+            "job.output_dir",
+            "the policy's checkpoint",
+            &dir,
+            0,
+        );
         assert!(matches!(r[0].outcome, Outcome::Pass(_)), "{r:?}");
         assert!(!root.join("a").exists());
         let other = tempfile::tempdir().unwrap();
-        let r = writable(Some(&root), "job.output_dir", "the policy's checkpoint", other.path(), 0);
+        let r = writable(
+            Some(&root),
+            "job.output_dir",
+            "the policy's checkpoint",
+            other.path(),
+            0,
+        );
         let Outcome::Fail(text) = &r[0].outcome else {
             panic!("{r:?}")
         };
-        assert!(text.contains("outside") && text.contains(&root.display().to_string()), "{text}");
+        assert!(
+            text.contains("outside") && text.contains(&root.display().to_string()),
+            "{text}"
+        );
     }
 }
