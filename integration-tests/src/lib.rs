@@ -527,6 +527,20 @@ impl Cluster {
         )
     }
 
+    /// `yatt train CONFIG --dry-run --set ... --cluster SEED ...` (stdout in
+    /// `out/dry-run.log`): whether it exited 0, and what it printed.
+    pub fn try_yatt_dry_run(
+        &self,
+        config: &str,
+        sets: &[&str],
+        out: &Path,
+        timeout: Duration,
+    ) -> (bool, String) {
+        let mut cmd = train_command(config, sets, out);
+        cmd.arg("--dry-run");
+        self.run_train(cmd, out, "dry-run", timeout, true)
+    }
+
     /// `yatt train --resume OUT --set ... --cluster SEED ...` (stdout in
     /// `out/resume.log`): like [`Cluster::yatt_train`], for a run directory.
     pub fn yatt_resume(&self, out: &Path, sets: &[&str], timeout: Duration) -> String {

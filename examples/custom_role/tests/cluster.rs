@@ -225,6 +225,31 @@ fn the_stock_trainer_spawns_the_roles_a_job_config_names() {
     assert!(dropped > 0.0, "the filter dropped nothing");
 }
 
+/// `yatt train job.toml --dry-run` on the example's daemons: every preflight check
+/// passes (the roles `[roles]` names are registered on the daemons it places them on),
+/// one step runs through them, and no actor is left on either daemon.
+#[test]
+fn a_dry_run_of_the_job_config_passes_and_leaves_no_actor() {
+    std::env::set_var("YATT_NODE_BIN", env!("CARGO_BIN_EXE_custom-yatt-node"));
+    let cluster = Cluster::start("cfgdry", 2);
+    let (host_0, host_1) = (&cluster.nodes[0].name, &cluster.nodes[1].name);
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/job.toml");
+    let sets = [
+        format!("placement.rollout={host_0:?}"),
+        format!("placement.policy={host_1:?}"),
+        format!("placement.reference={host_1:?}"),
+        format!("placement.reward={host_0:?}"),
+        format!("roles.stages.0.node={host_0:?}"),
+    ];
+    let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+    let out = tempfile::tempdir().unwrap();
+    let run = out.path().join("run");
+    let (ok, printed) = cluster.try_yatt_dry_run(config, &sets, &run, Duration::from_secs(180));
+    assert!(ok, "{printed}\n{}", cluster_logs(&cluster));
+    assert!(printed.contains("dry run passed"), "{printed}");
+    yatt_integration_tests::assert_roles_released(&cluster);
+}
+
 /// A daemon dies (`kill -9`) mid-run with the reward and the stage that `[roles]` named
 /// on it: the stock trainer spawns both again, by name, on a daemon that registers
 /// them, the step runs again, and the run completes.
