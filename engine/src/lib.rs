@@ -66,9 +66,10 @@ pub use generate::{
     Completion, FinishReason, GenerateStats, Generator, GeneratorConfig, Request, SamplingParams,
 };
 pub use model::{
-    cuda_graphs_built, load_cuda_graph_shim, positions_from_mask, read_safetensors_dir, AdapterDir,
-    Adapters, Attn, DecoderLayer, KvCache, Llama, LoraConfig, MemoryOptions, RowLayout, Tape, recompute_backward, backward_with, LoraPair, LoraTarget, ScalarHead,
-    KV_BLOCK, LORA_SCALING_TENSOR,
+    backward_with, cuda_graphs_built, load_cuda_graph_shim, positions_from_mask,
+    read_safetensors_dir, recompute_backward, AdapterDir, Adapters, Attn, DecoderLayer, KvCache,
+    Llama, LoraConfig, LoraPair, LoraTarget, MemoryOptions, RowLayout, ScalarHead, Tape, KV_BLOCK,
+    LORA_SCALING_TENSOR,
 };
 pub use schedule::BatchingMode;
 pub use score::{SeqBatch, TokenScores};

@@ -8,7 +8,9 @@
 
 use std::time::Instant;
 use tch::{Device, Kind, Tensor};
-use yatt_engine::score::{chunked_backward, token_logprobs, token_logprobs_backward, HeadInput, SeqBatch};
+use yatt_engine::score::{
+    chunked_backward, token_logprobs, token_logprobs_backward, HeadInput, SeqBatch,
+};
 use yatt_engine::{Attn, Llama};
 
 fn smollm2() -> Option<Llama> {
@@ -21,7 +23,11 @@ fn smollm2() -> Option<Llama> {
 fn seqs(lens: &[usize]) -> Vec<Vec<i64>> {
     lens.iter()
         .enumerate()
-        .map(|(i, &l)| (0..l).map(|t| 100 + ((t * 31 + i * 7) % 20000) as i64).collect())
+        .map(|(i, &l)| {
+            (0..l)
+                .map(|t| 100 + ((t * 31 + i * 7) % 20000) as i64)
+                .collect()
+        })
         .collect()
 }
 
@@ -37,11 +43,19 @@ fn zero(m: &mut Llama) {
 fn packed_against_padded_on_a_long_tail() {
     let Some(mut m) = smollm2() else { return };
     m.memory.activation_checkpointing = true;
-    // Deterministic long tail: lengths ~ 2^(6 + 5u^3), u uniform; capped at 2,048.
-    let lens: Vec<usize> = (0..16)
+    // Deterministic long tail: lengths ~ 2^(6 + 5u^3), u uniform, capped at
+    // YATT_LONG_TAIL_CAP (2,048); YATT_LONG_TAIL_N sequences (16).
+    let env = |k: &str, d: usize| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let (n, cap) = (env("YATT_LONG_TAIL_N", 16), env("YATT_LONG_TAIL_CAP", 2048));
+    let lens: Vec<usize> = (0..n)
         .map(|i| {
-            let u = ((i * 37 + 11) % 16) as f64 / 15.0;
-            (2f64.powf(6.0 + 5.0 * u.powi(3)) as usize).min(2048)
+            let u = ((i * 37 + 11) % n) as f64 / (n - 1).max(1) as f64;
+            (2f64.powf(6.0 + 5.0 * u.powi(3)) as usize).min(cap)
         })
         .collect();
     let real: usize = lens.iter().sum();
@@ -60,8 +74,11 @@ fn packed_against_padded_on_a_long_tail() {
         let seg: Vec<i64> = mb.iter().map(|s| s.len() as i64).collect();
         let n = ids.len() as i64;
         let ids_t = Tensor::from_slice(&ids).view([1, n]);
-        let (h, tape) =
-            m.hidden_recompute(&ids_t, &Tensor::from_slice(&pos).view([1, n]), Attn::Packed { lens: &seg });
+        let (h, tape) = m.hidden_recompute(
+            &ids_t,
+            &Tensor::from_slice(&pos).view([1, n]),
+            Attn::Packed { lens: &seg },
+        );
         // Row i predicts token i+1 within its sequence.
         let mut at = Vec::new();
         let mut start = 0i64;
@@ -72,12 +89,19 @@ fn packed_against_padded_on_a_long_tail() {
         let at = Tensor::from_slice(&at);
         let rows = h.view([n, -1]).index_select(0, &at);
         let targets = ids_t.view([n]).index_select(0, &(&at + 1));
-        let input = HeadInput { rows, targets, tapes: vec![tape] };
+        let input = HeadInput {
+            rows,
+            targets,
+            tapes: vec![tape],
+        };
         chunked_backward(&m, input, 1.0, 1024, |lp, _| Ok(lp.sum(Kind::Float))).unwrap();
         packed_s += t0.elapsed().as_secs_f64();
         zero(&mut m);
     }
-    let padded_tokens: usize = all.chunks(8).map(|mb| mb.len() * mb.iter().map(Vec::len).max().unwrap()).sum();
+    let padded_tokens: usize = all
+        .chunks(8)
+        .map(|mb| mb.len() * mb.iter().map(Vec::len).max().unwrap())
+        .sum();
     println!(
         "long tail {lens:?}: {real} real tokens ({padded_tokens} padded); padded {:.0} tok/s ({padded_s:.1} s), packed {:.0} tok/s ({packed_s:.1} s), {:.2}x",
         real as f64 / padded_s,
@@ -99,7 +123,10 @@ fn chunked_head_on_a_short_batch() {
     for _ in 0..3 {
         m.memory.logprob_chunk_tokens = usize::MAX >> 1;
         let t0 = Instant::now();
-        token_logprobs(&m, &b, 0.7, true).logprobs.sum(Kind::Float).backward();
+        token_logprobs(&m, &b, 0.7, true)
+            .logprobs
+            .sum(Kind::Float)
+            .backward();
         whole = whole.min(t0.elapsed().as_secs_f64());
         zero(&mut m);
         m.memory.logprob_chunk_tokens = 1024;
@@ -108,5 +135,8 @@ fn chunked_head_on_a_short_batch() {
         chunked = chunked.min(t0.elapsed().as_secs_f64());
         zero(&mut m);
     }
-    println!("short batch 16x60: whole logits {whole:.3} s, chunked head {chunked:.3} s, ratio {:.3}", chunked / whole);
+    println!(
+        "short batch 16x60: whole logits {whole:.3} s, chunked head {chunked:.3} s, ratio {:.3}",
+        chunked / whole
+    );
 }

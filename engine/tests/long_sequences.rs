@@ -9,7 +9,11 @@ fn batch() -> SeqBatch {
     let seqs: Vec<Vec<i64>> = [(7usize, 11usize), (3, 2), (5, 9), (1, 4)]
         .iter()
         .enumerate()
-        .map(|(i, &(p, r))| (0..p + r).map(|t| 2 + ((t * 13 + 7 * i) % 90) as i64).collect())
+        .map(|(i, &(p, r))| {
+            (0..p + r)
+                .map(|t| 2 + ((t * 13 + 7 * i) % 90) as i64)
+                .collect()
+        })
         .collect();
     let pairs: Vec<(&[i64], &[i64])> = seqs
         .iter()
@@ -75,7 +79,10 @@ fn chunked_head_matches_the_whole_logits() {
         let part = tch::no_grad(|| token_logprobs(&m, &b, t, true));
         assert!(max_diff(&part.logprobs, &whole.logprobs) < 1e-5);
         assert!(max_diff(&part.entropy, &whole.entropy) < 1e-5);
-        assert!(part.logprobs.max().double_value(&[]) <= 0.0, "a log-prob above 0");
+        assert!(
+            part.logprobs.max().double_value(&[]) <= 0.0,
+            "a log-prob above 0"
+        );
         let v = token_logprobs_backward(&m, &b, t, |s| Ok(loss(s))).unwrap();
         assert!((v - loss(&whole).double_value(&[])).abs() < 1e-4);
         same_grads(&grads(&mut m), &g_whole, 1e-5);
@@ -129,7 +136,8 @@ fn packed_rows_score_like_padded_ones() {
             let pos = positions_from_mask(&b.ids, Some(&b.attention_mask));
             let padded = m.hidden(&b.ids, &pos, Attn::Full { mask: None });
             let t = b.ids.size()[1];
-            let (mut ids, mut pos, mut at) = (Vec::<i64>::new(), Vec::<i64>::new(), Vec::<i64>::new());
+            let (mut ids, mut pos, mut at) =
+                (Vec::<i64>::new(), Vec::<i64>::new(), Vec::<i64>::new());
             for (i, &l) in b.lens.iter().enumerate() {
                 let row: Vec<i64> = Vec::try_from(b.ids.get(i as i64)).unwrap();
                 ids.extend(&row[..l]);
@@ -167,13 +175,21 @@ fn packed_recompute_gradients_match() {
     let pos = Tensor::from_slice(&pos).view([1, 17]);
     let w = Tensor::arange(17, (Kind::Float, Device::Cpu)) / 5.0 - 1.0;
     let (h, tape) = m.hidden_recompute(&ids, &pos, Attn::Packed { lens: &lens });
-    (m.logits(&h).log_softmax(-1, Kind::Float).select(2, 3).reshape([-1]) * &w)
+    (m.logits(&h)
+        .log_softmax(-1, Kind::Float)
+        .select(2, 3)
+        .reshape([-1])
+        * &w)
         .sum(Kind::Float)
         .backward();
     tape.backward();
     let a = grads(&mut m);
     let h = m.hidden(&ids, &pos, Attn::Packed { lens: &lens });
-    (m.logits(&h).log_softmax(-1, Kind::Float).select(2, 3).reshape([-1]) * &w)
+    (m.logits(&h)
+        .log_softmax(-1, Kind::Float)
+        .select(2, 3)
+        .reshape([-1])
+        * &w)
         .sum(Kind::Float)
         .backward();
     same_grads(&a, &grads(&mut m), 1e-6);

@@ -87,7 +87,9 @@ pub struct MemoryOptions {
     /// the `[tokens, vocab]` logits never exist whole.
     pub logprob_chunk_tokens: usize,
     /// Layer recompute in training: keep each decoder layer's input alone and run the
-    /// layer again in backward.
+    /// layer again in backward. With LoRA dropout the recompute draws fresh dropout
+    /// masks (the RNG is not replayed), so gradients then differ from keeping the
+    /// activations by that noise.
     pub activation_checkpointing: bool,
     /// How a micro-batch's sequences are laid out for scoring and training.
     pub layout: RowLayout,

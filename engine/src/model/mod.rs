@@ -14,9 +14,9 @@ mod heads;
 mod kv_cache;
 mod llama;
 mod loading;
-mod recompute;
 mod lora;
 mod lora_types;
+mod recompute;
 mod rope;
 #[cfg(test)]
 mod tests;

@@ -43,7 +43,9 @@ fn chunk_scores(
         logits = logits / temperature;
     }
     let logp = logits.log_softmax(-1, Kind::Float);
-    let lp = logp.gather(-1, &targets.unsqueeze(-1), false).squeeze_dim(-1);
+    let lp = logp
+        .gather(-1, &targets.unsqueeze(-1), false)
+        .squeeze_dim(-1);
     let ent = with_entropy.then(|| -(logp.exp() * &logp).sum_dim_intlist(-1, false, Kind::Float));
     (lp, ent)
 }

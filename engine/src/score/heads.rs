@@ -56,7 +56,10 @@ fn predicting_rows(h: &Tensor, batch: &SeqBatch) -> (Tensor, Tensor) {
 
 /// Flat per-row scores `[B·(T−1)]` as `[B, T]`: 0 at `t = 0` and at padding.
 fn token_layout(x: &Tensor, batch: &SeqBatch, b: i64, t: i64) -> Tensor {
-    let m = batch.attention_mask.narrow(1, 1, t - 1).to_kind(Kind::Float);
+    let m = batch
+        .attention_mask
+        .narrow(1, 1, t - 1)
+        .to_kind(Kind::Float);
     let zeros = Tensor::zeros([b, 1], (Kind::Float, batch.ids.device()));
     Tensor::cat(&[&zeros, &(x.view([b, t - 1]) * m)], 1)
 }

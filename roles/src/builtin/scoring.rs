@@ -133,8 +133,15 @@ fn response_rows<'m>(
     };
     let h = if packed {
         // One row, every sequence back to back, positions restarting at each.
-        let total: usize = samples.iter().map(|s| s.prompt_tokens.len() + s.response_len()).sum();
-        let (mut ids, mut pos, mut lens) = (Vec::with_capacity(total), Vec::with_capacity(total), Vec::new());
+        let total: usize = samples
+            .iter()
+            .map(|s| s.prompt_tokens.len() + s.response_len())
+            .sum();
+        let (mut ids, mut pos, mut lens) = (
+            Vec::with_capacity(total),
+            Vec::with_capacity(total),
+            Vec::new(),
+        );
         for (i, s) in samples.iter().enumerate() {
             let start = ids.len() as i64;
             let plen = s.prompt_tokens.len();

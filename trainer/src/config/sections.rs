@@ -134,7 +134,9 @@ pub struct ModelSection {
 }
 
 /// `model.packing`: how a micro-batch's sequences are laid out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum Packing {
     /// One right-padded row per sequence.

@@ -94,8 +94,7 @@ fn micro_loss(
         stats.kl += ks.kl_mean;
     }
     if cfg.entropy_coef != 0.0 {
-        let (el, es) =
-            entropy_loss(ent, &mb.mask, cfg.entropy_coef, cfg.loss.agg).map_err(algo)?;
+        let (el, es) = entropy_loss(ent, &mb.mask, cfg.entropy_coef, cfg.loss.agg).map_err(algo)?;
         total = total + el;
         stats.entropy += es.entropy_mean;
     } else {
@@ -203,8 +202,6 @@ impl MicroStats {
     }
 }
 
-
 fn algo(e: crate::algo::checks::AlgoError) -> EngineError {
     EngineError::InvalidArgument(e.to_string())
 }
-

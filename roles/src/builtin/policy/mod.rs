@@ -50,10 +50,10 @@ use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::{response_mask, token_matrix, Sample, SampleId, TokenField};
 
 mod export;
+mod grad_group;
 mod micro;
 #[cfg(test)]
 mod split_tests;
-mod grad_group;
 mod state;
 
 pub use state::TrainerState;
@@ -566,7 +566,11 @@ impl PolicyRole {
         let total: f64 = denominators.iter().sum();
         for (mb, d) in micros.iter_mut().zip(&denominators) {
             // A step with nothing to normalise by (no response tokens) weighs evenly.
-            mb.weight = if total > 0.0 { d / total } else { 1.0 / denominators.len() as f64 };
+            mb.weight = if total > 0.0 {
+                d / total
+            } else {
+                1.0 / denominators.len() as f64
+            };
         }
         Ok(micros)
     }

@@ -14,8 +14,12 @@ fn samples(model: &Llama) -> Vec<Sample> {
         .map(|i| {
             let r = [1usize, 9, 3, 17, 2, 5, 4, 12, 1, 6, 2, 8, 3, 25][i as usize];
             let mut s = sample(i / 4, (i % 4) as u32, r);
-            s.prompt_tokens = (0..3 + (i / 4) as i64 * 2).map(|t| 3 + (t * 7 + i as i64) % 80).collect();
-            s.response_tokens = (0..r as i64).map(|t| 2 + (t * 11 + i as i64 * 5) % 90).collect();
+            s.prompt_tokens = (0..3 + (i / 4) as i64 * 2)
+                .map(|t| 3 + (t * 7 + i as i64) % 80)
+                .collect();
+            s.response_tokens = (0..r as i64)
+                .map(|t| 2 + (t * 11 + i as i64 * 5) % 90)
+                .collect();
             let a = [1.0, -0.5, 0.0, 0.7][i as usize % 4];
             s.advantages = Some(vec![a; r]);
             s
@@ -30,7 +34,12 @@ fn samples(model: &Llama) -> Vec<Sample> {
     out
 }
 
-fn grads(base: &Llama, cfg: PolicyConfig, memory: yatt_engine::MemoryOptions, batch: &[Sample]) -> Tensor {
+fn grads(
+    base: &Llama,
+    cfg: PolicyConfig,
+    memory: yatt_engine::MemoryOptions,
+    batch: &[Sample],
+) -> Tensor {
     let mut m = base.deep_copy(Device::Cpu, Kind::Float).unwrap();
     m.memory = memory;
     let mut p = PolicyRole::new(Trainer::new(m, TrainConfig::default()), cfg).unwrap();
