@@ -399,3 +399,44 @@ fn a_refused_end_of_run_save_keeps_the_weights() {
     let _ = std::fs::remove_dir_all(&at);
     assert_roles_released(&cluster);
 }
+
+/// Roles whose resident estimate exceeds the configured device budget fail the
+/// preflight, naming the check, the key and the numbers.
+#[test]
+fn roles_beyond_the_memory_budget_fail_naming_the_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let sets = vec!["placement.device_memory_gb=0.000001".to_string()];
+    let (ok, printed) = dry_run(None, DEMO, &sets, &out);
+    assert!(!ok, "{printed}");
+    for want in ["memory", "placement.device_memory_gb", "resident", "FAIL"] {
+        assert!(printed.contains(want), "missing {want:?}:\n{printed}");
+    }
+    assert!(!out.exists(), "the dry run left {}", out.display());
+}
+
+/// An HTTP reward that does not answer fails the preflight before step 1, naming
+/// `reward.url`.
+#[test]
+fn an_http_reward_that_does_not_answer_fails_naming_its_url() {
+    // A port nothing listens on: bound, then closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let sets = vec![
+        "reward.kind=\"http\"".to_string(),
+        format!("reward.url=\"http://127.0.0.1:{port}/score\""),
+        "reward.timeout_s=2".into(),
+        "reward.max_retries=0".into(),
+    ];
+    let (ok, printed) = dry_run(None, DEMO, &sets, &out);
+    assert!(!ok, "{printed}");
+    for want in ["reward.url", "FAIL"] {
+        assert!(printed.contains(want), "missing {want:?}:\n{printed}");
+    }
+    assert!(!out.exists(), "the dry run left {}", out.display());
+}

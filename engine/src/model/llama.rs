@@ -80,6 +80,10 @@ pub struct Llama {
     pub memory: MemoryOptions,
 }
 
+/// The default number of tokens per chunk of the LM head: 1,024 tokens of a 150k
+/// vocabulary are 600 MB of f32 logits, small beside a long sequence's activations.
+pub const DEFAULT_CHUNK_TOKENS: usize = 1024;
+
 /// How training and scoring trade compute for memory on long sequences.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryOptions {
@@ -110,7 +114,7 @@ pub enum RowLayout {
 impl Default for MemoryOptions {
     fn default() -> Self {
         MemoryOptions {
-            logprob_chunk_tokens: crate::score::DEFAULT_CHUNK_TOKENS,
+            logprob_chunk_tokens: DEFAULT_CHUNK_TOKENS,
             activation_checkpointing: false,
             layout: RowLayout::Padded,
         }

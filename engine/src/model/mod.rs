@@ -25,7 +25,7 @@ pub use attention::Attn;
 pub use cuda_graph::{cuda_graphs_built, load_cuda_graph_shim, DecodeGraphs};
 pub use heads::ScalarHead;
 pub use kv_cache::{KvCache, KV_BLOCK};
-pub use llama::{DecoderLayer, Llama, MemoryOptions, RowLayout};
+pub use llama::{DecoderLayer, Llama, MemoryOptions, RowLayout, DEFAULT_CHUNK_TOKENS};
 pub use loading::read_safetensors_dir;
 pub use lora_types::{AdapterDir, Adapters, LoraConfig, LoraPair, LoraTarget, LORA_SCALING_TENSOR};
 pub use recompute::{backward_with, recompute_backward, Tape};

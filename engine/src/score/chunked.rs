@@ -14,9 +14,7 @@ use crate::error::{EngineError, Result};
 use crate::model::{backward_with, Llama, Tape};
 use tch::{Kind, Tensor};
 
-/// The default number of tokens per chunk of the LM head: 1,024 tokens of a 150k
-/// vocabulary are 600 MB of f32 logits, small beside a long sequence's activations.
-pub const DEFAULT_CHUNK_TOKENS: usize = 1024;
+pub use crate::model::DEFAULT_CHUNK_TOKENS;
 
 /// What the LM head scores: hidden rows and the token each predicts.
 pub struct HeadInput<'m> {

@@ -243,8 +243,8 @@ fn a_dry_run_of_the_job_config_passes_and_leaves_no_actor() {
     ];
     let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
     let out = tempfile::tempdir().unwrap();
-    let run = out.path().join("run");
-    let (ok, printed) = cluster.try_yatt_dry_run(config, &sets, &run, Duration::from_secs(180));
+    let (ok, printed) =
+        cluster.try_yatt_dry_run(config, &sets, out.path(), Duration::from_secs(180));
     assert!(ok, "{printed}\n{}", cluster_logs(&cluster));
     assert!(printed.contains("dry run passed"), "{printed}");
     yatt_integration_tests::assert_roles_released(&cluster);

@@ -10,7 +10,7 @@ use yatt_placement::ModelSpec;
 use yatt_runtime::{DeviceKind, Node};
 
 use super::probe::{gib, Outcome};
-use super::{Certificate, PreflightReport};
+use super::report::{Certificate, PreflightReport};
 use crate::config::modes::{KlMode, ModelSource, PlacementMode, TimeShare};
 use crate::config::sections::JobConfig;
 use crate::eval::{eval_prompts, training_eval_options, EvalError};

@@ -15,6 +15,9 @@
 pub(crate) mod dry_run;
 pub(crate) mod local;
 pub(crate) mod probe;
+pub(crate) mod report;
+
+pub use report::{Certificate, CheckLine, PreflightReport};
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -26,23 +29,12 @@ use crate::build::custom::CustomRoles;
 use crate::config::modes::{KlMode, ModelSource, PlacementMode, RewardKind};
 use crate::config::sections::JobConfig;
 use crate::error::JobError;
-use probe::{Outcome, ProbeAnswer, ProbeCheck, ProbeRequest, ProbeResult};
+use probe::{Outcome, ProbeAnswer, ProbeCheck, ProbeRequest};
 
 /// How long a node has to start its `preflight` actor, and then to answer (a Python
 /// reward's workers import within `max(reward.timeout_s, 60)` seconds).
 const SPAWN_DEADLINE: Duration = Duration::from_secs(30);
 const ASK_DEADLINE: Duration = Duration::from_secs(150);
-
-/// The trainer's certificate, for the check that it outlives the run.
-#[derive(Debug, Clone)]
-pub struct Certificate {
-    /// Where it is (for messages), e.g. `certs/train.pem`.
-    pub path: String,
-    /// The node name it was issued for.
-    pub name: String,
-    /// When it expires.
-    pub not_after: SystemTime,
-}
 
 /// The trainer's certificate before it joins: an error naming it and the fix when it
 /// has expired (the nodes would refuse it with a TLS error naming neither); a warning
@@ -64,91 +56,6 @@ pub fn check_certificate(c: &Certificate) -> Result<(), JobError> {
             Ok(())
         }
         Outcome::Pass(_) => Ok(()),
-    }
-}
-
-/// One check's result on one node.
-#[derive(Debug, Clone)]
-pub struct CheckLine {
-    /// The node it ran on (the trainer's own name for its checks).
-    pub node: String,
-    /// The check, e.g. `checkpoint path`.
-    pub check: String,
-    /// The config key it is about.
-    pub key: String,
-    /// Pass, warning or failure, with what was seen and the fix.
-    pub outcome: Outcome,
-}
-
-impl std::fmt::Display for CheckLine {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let (tag, text) = match &self.outcome {
-            Outcome::Pass(t) => ("ok  ", t),
-            Outcome::Warn(t) => ("warn", t),
-            Outcome::Fail(t) => ("FAIL", t),
-        };
-        write!(
-            f,
-            "{tag} {}: {} ({}): {text}",
-            self.node, self.check, self.key
-        )
-    }
-}
-
-/// Every check's result.
-#[derive(Debug, Clone, Default)]
-pub struct PreflightReport {
-    /// One line per check per node.
-    pub lines: Vec<CheckLine>,
-    /// The data directory of each node that answered (where it writes for peers).
-    pub data_dirs: BTreeMap<String, PathBuf>,
-}
-
-impl PreflightReport {
-    /// The failed checks.
-    pub fn failures(&self) -> Vec<&CheckLine> {
-        self.lines
-            .iter()
-            .filter(|l| matches!(l.outcome, Outcome::Fail(_)))
-            .collect()
-    }
-
-    /// The warnings.
-    pub fn warnings(&self) -> Vec<&CheckLine> {
-        self.lines
-            .iter()
-            .filter(|l| matches!(l.outcome, Outcome::Warn(_)))
-            .collect()
-    }
-
-    /// The report as the error a run stops with, when a check failed.
-    pub fn into_result(self) -> Result<Self, JobError> {
-        let failed: Vec<String> = self.failures().iter().map(|l| l.to_string()).collect();
-        if failed.is_empty() {
-            return Ok(self);
-        }
-        Err(JobError::Preflight {
-            checks: self.lines.len(),
-            failed,
-        })
-    }
-
-    fn push(&mut self, node: &str, r: ProbeResult) {
-        self.lines.push(CheckLine {
-            node: node.into(),
-            check: r.check,
-            key: r.key,
-            outcome: r.outcome,
-        });
-    }
-
-    fn line(&mut self, node: &str, check: &str, key: &str, outcome: Outcome) {
-        self.lines.push(CheckLine {
-            node: node.into(),
-            check: check.into(),
-            key: key.into(),
-            outcome,
-        });
     }
 }
 

@@ -5,7 +5,8 @@
 use tch::{Kind, Tensor};
 use yatt_engine::EngineError;
 
-use super::{PolicyConfig, TrainReport};
+use super::config::PolicyConfig;
+use super::report::TrainReport;
 use crate::algo::loss::{entropy_loss, kl_loss, masked_mean, LossAgg};
 use crate::algo::policy_loss::policy_loss;
 use crate::builtin::scoring::response_backward;

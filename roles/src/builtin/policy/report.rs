@@ -1,0 +1,56 @@
+//! What a train request did: a leaf of `policy`, so its parts can share it without
+//! importing each other.
+
+use crate::sample::SampleId;
+
+/// What one train request did (means over micro-batches, sums where noted).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TrainReport {
+    /// The samples trained on (for the ledger).
+    pub trained: Vec<SampleId>,
+    /// Optimizer steps taken by this request.
+    pub optimizer_steps: u64,
+    /// Optimizer steps taken so far: the weights version after the update.
+    pub version: u64,
+    /// Mean total loss.
+    pub loss: f64,
+    /// Mean gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Fraction of tokens where the clipped surrogate was active.
+    pub pg_clipfrac: f64,
+    /// k1 estimate of KL(old ‖ new).
+    pub approx_kl: f64,
+    /// Mean KL-loss estimate against the reference (0 without a KL loss).
+    pub kl_loss: f64,
+    /// Mean per-token entropy.
+    pub entropy: f64,
+    /// Learning rate of the last optimizer step.
+    pub lr: f64,
+    /// Seconds spent.
+    pub seconds: f64,
+    /// The replicas averaged this update's gradients through NCCL (not the QUIC ring).
+    #[serde(default)]
+    pub nccl_all_reduce: bool,
+}
+
+impl TrainReport {
+    /// The heads' reports of one data-parallel update as one: every head's trained
+    /// samples and the loss statistics averaged, both in head order (so the result is
+    /// the same every run); the optimizer fields and `seconds` are left to the caller.
+    pub fn merge_heads(reports: &[&TrainReport]) -> TrainReport {
+        let k = reports.len().max(1) as f64;
+        let mean = |f: fn(&TrainReport) -> f64| reports.iter().map(|r| f(r)).sum::<f64>() / k;
+        TrainReport {
+            trained: reports
+                .iter()
+                .flat_map(|r| r.trained.iter().copied())
+                .collect(),
+            loss: mean(|r| r.loss),
+            pg_clipfrac: mean(|r| r.pg_clipfrac),
+            approx_kl: mean(|r| r.approx_kl),
+            kl_loss: mean(|r| r.kl_loss),
+            entropy: mean(|r| r.entropy),
+            ..Default::default()
+        }
+    }
+}
