@@ -481,7 +481,7 @@ impl ClusterCa {
     }
 
     /// [`ClusterCa::issue`] valid until `until` (year, month, day; UTC midnight)
-    /// instead of [`NODE_CERT_YEARS`] years: a short-lived certificate, or, with a past
+    /// instead of `NODE_CERT_YEARS` years: a short-lived certificate, or, with a past
     /// date, one already expired (to check that it is refused).
     pub fn issue_until(
         &self,

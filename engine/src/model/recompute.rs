@@ -49,7 +49,7 @@ pub fn backward_with(y: &Tensor, grad: &Tensor) {
 }
 
 /// A decoder forward pass that kept only each layer's input: its output
-/// ([`Tape::output`]) is a leaf, and [`Tape::backward`] finishes the backward pass from
+/// (`Tape::output`) is a leaf, and [`Tape::backward`] finishes the backward pass from
 /// that leaf's gradient by layer recompute.
 pub struct Tape<'m> {
     model: &'m Llama,

@@ -29,7 +29,7 @@ pub struct PolicyConfig {
     /// Samples per forward/backward pass.
     pub micro_batch_size: usize,
     /// Cap on a micro-batch's tokens (prompt + response) instead of its samples (0 =
-    /// off): see [`token_groups`]. Gradients are the same however a step is split, as
+    /// off): see `token_groups`. Gradients are the same however a step is split, as
     /// micro-batch losses are weighted by their share of the step's normaliser; with
     /// replicas stepping together the all-reduce is once per step, so replicas need not
     /// agree on their micro-batch counts.
@@ -45,13 +45,13 @@ pub struct PolicyConfig {
     /// One update per batch, on the weights that generated it (needs `mini_batches =
     /// 1`). The PPO ratio is then 1 by construction, so the loss takes the update's own
     /// detached log-probs as the old ones (as TRL does with `num_iterations = 1`), and
-    /// [`PolicyRequest::OldLogProbs`] copies the rollout's log-probs (same weights, same
+    /// [`PolicyRequest::OldLogProbs`](super::PolicyRequest::OldLogProbs) copies the rollout's log-probs (same weights, same
     /// temperature) for the KL metrics instead of running a second forward pass.
     pub on_policy: bool,
     /// The rollout's log-probs are the PPO ratio's "old" (the behaviour policy), with
     /// no forward pass: asynchronous RL's cheap option, where the clip bounds the
     /// update against the weights that generated (possibly several versions back).
-    /// [`PolicyRequest::OldLogProbs`] copies them; unlike `on_policy` the loss uses
+    /// [`PolicyRequest::OldLogProbs`](super::PolicyRequest::OldLogProbs) copies them; unlike `on_policy` the loss uses
     /// them, so the ratio is not 1 on stale samples.
     pub rollout_as_old: bool,
     /// Where the tokenizer files are (the base model's directory): checkpoints get a
