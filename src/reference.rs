@@ -59,7 +59,10 @@ fn help_of(page: &mut String, cmd: &clap::Command, level: usize) {
         .unwrap_or_else(|| cmd.get_name().to_string());
     let mut cmd = cmd.clone().mut_args(|a| a.hide_env_values(true));
     let help = cmd.render_long_help().to_string();
-    page.push_str(&format!("{} `{name}`\n\n```text\n", "#".repeat(level.min(4))));
+    page.push_str(&format!(
+        "{} `{name}`\n\n```text\n",
+        "#".repeat(level.min(4))
+    ));
     for line in help.trim_end().lines() {
         page.push_str(line.trim_end());
         page.push('\n');

@@ -39,7 +39,10 @@ fn markdown_files(root: &Path) -> Vec<PathBuf> {
 }
 
 fn display(root: &Path, path: &Path) -> String {
-    path.strip_prefix(root).unwrap_or(path).display().to_string()
+    path.strip_prefix(root)
+        .unwrap_or(path)
+        .display()
+        .to_string()
 }
 
 /// GitHub's anchor for a heading's text: markup dropped, lowercase, every character
@@ -139,7 +142,9 @@ fn parse_doc(text: &str) -> Doc {
     let mut rest = prose.as_str();
     while let Some(start) = rest.find("<!--") {
         out.push_str(&rest[..start]);
-        let end = rest[start..].find("-->").map_or(rest.len(), |e| start + e + 3);
+        let end = rest[start..]
+            .find("-->")
+            .map_or(rest.len(), |e| start + e + 3);
         out.extend(rest[start..end].chars().filter(|&c| c == '\n'));
         rest = &rest[end..];
     }
@@ -187,7 +192,11 @@ fn code_spans(prose: &str) -> (Vec<(usize, String)>, String) {
                 let content = prose[open_end..j].replace('\n', " ");
                 spans.push((line_of(prose, i), content.trim().to_string()));
                 blanked.push_str(&prose[copied..i]);
-                blanked.extend(prose[i..j + run].chars().map(|c| if c == '\n' { '\n' } else { ' ' }));
+                blanked.extend(
+                    prose[i..j + run]
+                        .chars()
+                        .map(|c| if c == '\n' { '\n' } else { ' ' }),
+                );
                 i = j + run;
                 copied = i;
             }
@@ -209,11 +218,16 @@ fn anchors(text: &str) -> HashSet<String> {
         let t = line.trim_start_matches(' ');
         let hashes = t.chars().take_while(|&c| c == '#').count();
         let after = &t[hashes..];
-        if indent <= 3 && (1..=6).contains(&hashes) && (after.is_empty() || after.starts_with(' ')) {
+        if indent <= 3 && (1..=6).contains(&hashes) && (after.is_empty() || after.starts_with(' '))
+        {
             let title = after.trim().trim_end_matches('#').trim_end();
             let base = slug(title);
             let n = seen.entry(base.clone()).or_insert(0);
-            let s = if *n == 0 { base.clone() } else { format!("{base}-{n}") };
+            let s = if *n == 0 {
+                base.clone()
+            } else {
+                format!("{base}-{n}")
+            };
             *n += 1;
             out.insert(s);
         }
@@ -320,7 +334,11 @@ fn normalize(path: &Path) -> PathBuf {
 }
 
 /// Every problem with the relative links of one file.
-fn check_links(root: &Path, file: &Path, cache: &mut HashMap<PathBuf, HashSet<String>>) -> Vec<String> {
+fn check_links(
+    root: &Path,
+    file: &Path,
+    cache: &mut HashMap<PathBuf, HashSet<String>>,
+) -> Vec<String> {
     let text = std::fs::read_to_string(file).expect("a readable Markdown file");
     let doc = parse_doc(&text);
     let (_, prose) = code_spans(&doc.prose);
@@ -379,7 +397,11 @@ fn check_links(root: &Path, file: &Path, cache: &mut HashMap<PathBuf, HashSet<St
             problems.push(format!(
                 "{name}:{line}: link `{target}`: {} has no heading whose anchor is `#{anchor}`{}",
                 display(root, &dest),
-                if near.is_empty() { String::new() } else { format!(" (close: {near:?})") }
+                if near.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (close: {near:?})")
+                }
             ));
         }
     }
@@ -462,7 +484,9 @@ fn expand_braces(token: &str) -> Vec<String> {
 fn is_placeholder(component: &str) -> bool {
     let stem = component.split('.').next().unwrap_or("");
     !stem.is_empty()
-        && stem.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+        && stem
+            .chars()
+            .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
         && stem.chars().any(|c| c.is_ascii_uppercase())
 }
 
@@ -502,7 +526,11 @@ fn path_exists(root: &Path, token: &str) -> Result<(), String> {
         };
     }
     if is_placeholder(last) {
-        return if folder.is_dir() { Ok(()) } else { Err(format!("{dir}/ does not exist")) };
+        return if folder.is_dir() {
+            Ok(())
+        } else {
+            Err(format!("{dir}/ does not exist"))
+        };
     }
     Err("no such file or folder".into())
 }
@@ -613,14 +641,23 @@ fn yatt_commands(code: &str) -> Vec<(usize, YattCommand)> {
         while k < words.len() {
             // A command position: skip assignments and prefixes.
             let mut j = k;
-            while j < words.len() && (is_assignment(&words[j]) || matches!(words[j].as_str(), "time" | "exec" | "sudo" | "nohup" | "then" | "do" | "!")) {
-                if is_assignment(&words[j]) && (j + 1 == words.len() || is_operator(&words[j + 1])) {
+            while j < words.len()
+                && (is_assignment(&words[j])
+                    || matches!(
+                        words[j].as_str(),
+                        "time" | "exec" | "sudo" | "nohup" | "then" | "do" | "!"
+                    ))
+            {
+                if is_assignment(&words[j]) && (j + 1 == words.len() || is_operator(&words[j + 1]))
+                {
                     let (name, value) = words[j].split_once('=').expect("an assignment");
                     vars.insert(name.to_string(), value.to_string());
                 }
                 j += 1;
             }
-            let end = (j..words.len()).find(|&m| is_operator(&words[m])).unwrap_or(words.len());
+            let end = (j..words.len())
+                .find(|&m| is_operator(&words[m]))
+                .unwrap_or(words.len());
             if j < end {
                 let mut cmd = words[j].clone();
                 if let Some(name) = cmd.strip_prefix('$') {
@@ -636,7 +673,13 @@ fn yatt_commands(code: &str) -> Vec<(usize, YattCommand)> {
                     _ => None,
                 };
                 if let Some(bin) = bin {
-                    out.push((i, YattCommand { bin, args: words[j + 1..end].to_vec() }));
+                    out.push((
+                        i,
+                        YattCommand {
+                            bin,
+                            args: words[j + 1..end].to_vec(),
+                        },
+                    ));
                 }
             }
             k = end + 1;
@@ -651,7 +694,11 @@ fn binary(name: &str) -> Result<PathBuf, String> {
         "yatt" => option_env!("CARGO_BIN_EXE_yatt"),
         _ => option_env!("CARGO_BIN_EXE_yatt-node"),
     };
-    let var = if name == "yatt" { "YATT_BIN" } else { "YATT_NODE_BIN" };
+    let var = if name == "yatt" {
+        "YATT_BIN"
+    } else {
+        "YATT_NODE_BIN"
+    };
     let path = built
         .map(PathBuf::from)
         .or_else(|| std::env::var_os(var).map(PathBuf::from))
@@ -661,16 +708,28 @@ fn binary(name: &str) -> Result<PathBuf, String> {
     if path.is_file() {
         Ok(path)
     } else {
-        Err(format!("`{name}` binary {} does not exist ({var} or CARGO_BIN_EXE_{name})", path.display()))
+        Err(format!(
+            "`{name}` binary {} does not exist ({var} or CARGO_BIN_EXE_{name})",
+            path.display()
+        ))
     }
 }
 
 /// `BIN WORDS... --help`: its output when it succeeds.
-fn help(bins: &HashMap<&str, PathBuf>, cache: &mut HashMap<(String, Vec<String>), Option<String>>, bin: &str, words: &[String]) -> Option<String> {
+fn help(
+    bins: &HashMap<&str, PathBuf>,
+    cache: &mut HashMap<(String, Vec<String>), Option<String>>,
+    bin: &str,
+    words: &[String],
+) -> Option<String> {
     cache
         .entry((bin.to_string(), words.to_vec()))
         .or_insert_with(|| {
-            let out = Command::new(&bins[bin]).args(words).arg("--help").output().ok()?;
+            let out = Command::new(&bins[bin])
+                .args(words)
+                .arg("--help")
+                .output()
+                .ok()?;
             out.status.success().then(|| {
                 let mut s = String::from_utf8_lossy(&out.stdout).into_owned();
                 s.push_str(&String::from_utf8_lossy(&out.stderr));
@@ -691,19 +750,44 @@ fn lists_flag(help: &str, flag: &str) -> bool {
 
 #[test]
 fn slug_follows_github_rules() {
-    assert_eq!(slug("Reliability: what survives what"), "reliability-what-survives-what");
+    assert_eq!(
+        slug("Reliability: what survives what"),
+        "reliability-what-survives-what"
+    );
     assert_eq!(slug("`yatt generate`"), "yatt-generate");
-    assert_eq!(slug("Configuration reference (`yatt-node run`)"), "configuration-reference-yatt-node-run");
-    assert_eq!(slug("The ~70 % plateau: what limits it"), "the-70--plateau-what-limits-it");
-    assert_eq!(slug("Asynchronous RL (`rollout.staleness`)"), "asynchronous-rl-rolloutstaleness");
-    assert_eq!(slug("GPU check on an H200, 2026-11-28: CUDA IPC"), "gpu-check-on-an-h200-2026-11-28-cuda-ipc");
-    assert_eq!(slug("Writing your own actor or `Role`"), "writing-your-own-actor-or-role");
-    assert_eq!(slug("snake_case and [a link](x.md)"), "snake_case-and-a-link");
-    let set = anchors("# A\n\n## Step\n\n```\n# Step\n```\n\n## Step\n\n### Step\n<a id=\"here\"></a>\n");
+    assert_eq!(
+        slug("Configuration reference (`yatt-node run`)"),
+        "configuration-reference-yatt-node-run"
+    );
+    assert_eq!(
+        slug("The ~70 % plateau: what limits it"),
+        "the-70--plateau-what-limits-it"
+    );
+    assert_eq!(
+        slug("Asynchronous RL (`rollout.staleness`)"),
+        "asynchronous-rl-rolloutstaleness"
+    );
+    assert_eq!(
+        slug("GPU check on an H200, 2026-11-28: CUDA IPC"),
+        "gpu-check-on-an-h200-2026-11-28-cuda-ipc"
+    );
+    assert_eq!(
+        slug("Writing your own actor or `Role`"),
+        "writing-your-own-actor-or-role"
+    );
+    assert_eq!(
+        slug("snake_case and [a link](x.md)"),
+        "snake_case-and-a-link"
+    );
+    let set =
+        anchors("# A\n\n## Step\n\n```\n# Step\n```\n\n## Step\n\n### Step\n<a id=\"here\"></a>\n");
     for a in ["a", "step", "step-1", "step-2", "here"] {
         assert!(set.contains(a), "{a} missing from {set:?}");
     }
-    assert!(!set.contains("step-3"), "a heading inside a code block counted: {set:?}");
+    assert!(
+        !set.contains("step-3"),
+        "a heading inside a code block counted: {set:?}"
+    );
 }
 
 #[test]
@@ -712,11 +796,20 @@ fn relative_links_and_anchors_resolve() {
     let mut cache = HashMap::new();
     let mut problems = Vec::new();
     let files = markdown_files(&root);
-    assert!(files.len() > 5, "found only {files:?} under {}", root.display());
+    assert!(
+        files.len() > 5,
+        "found only {files:?} under {}",
+        root.display()
+    );
     for file in &files {
         problems.extend(check_links(&root, file, &mut cache));
     }
-    assert!(problems.is_empty(), "{} broken link(s) in the docs:\n{}", problems.len(), problems.join("\n"));
+    assert!(
+        problems.is_empty(),
+        "{} broken link(s) in the docs:\n{}",
+        problems.len(),
+        problems.join("\n")
+    );
 }
 
 #[test]
@@ -736,7 +829,12 @@ fn quoted_paths_exist() {
             }
         }
     }
-    assert!(problems.is_empty(), "{} quoted path(s) that do not exist:\n{}", problems.len(), problems.join("\n"));
+    assert!(
+        problems.is_empty(),
+        "{} quoted path(s) that do not exist:\n{}",
+        problems.len(),
+        problems.join("\n")
+    );
 }
 
 #[test]
@@ -768,7 +866,8 @@ fn quoted_yatt_commands_use_real_flags() {
                     .iter()
                     .take_while(|w| {
                         w.starts_with(|c: char| c.is_ascii_lowercase())
-                            && w.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+                            && w.chars()
+                                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
                     })
                     .cloned()
                     .collect();
@@ -786,7 +885,10 @@ fn quoted_yatt_commands_use_real_flags() {
                     problems.push(format!("{name}:{at}: `{shown}`: `{} {}` is not a subcommand (`{} {} --help` fails)", cmd.bin, words[0], cmd.bin, words[0]));
                     continue;
                 }
-                let sub = std::iter::once(cmd.bin.to_string()).chain(words[..depth].iter().cloned()).collect::<Vec<_>>().join(" ");
+                let sub = std::iter::once(cmd.bin.to_string())
+                    .chain(words[..depth].iter().cloned())
+                    .collect::<Vec<_>>()
+                    .join(" ");
                 for arg in &cmd.args {
                     if arg == "--" {
                         break;
@@ -796,12 +898,22 @@ fn quoted_yatt_commands_use_real_flags() {
                     }
                     let flag = arg.split('=').next().expect("a flag");
                     if !lists_flag(&text, flag) {
-                        problems.push(format!("{name}:{at}: `{shown}`: `{sub} --help` does not list {flag}"));
+                        problems.push(format!(
+                            "{name}:{at}: `{shown}`: `{sub} --help` does not list {flag}"
+                        ));
                     }
                 }
             }
         }
     }
-    assert!(checked > 10, "found only {checked} yatt command(s) in the docs");
-    assert!(problems.is_empty(), "{} quoted command(s) with an unknown subcommand or flag:\n{}", problems.len(), problems.join("\n"));
+    assert!(
+        checked > 10,
+        "found only {checked} yatt command(s) in the docs"
+    );
+    assert!(
+        problems.is_empty(),
+        "{} quoted command(s) with an unknown subcommand or flag:\n{}",
+        problems.len(),
+        problems.join("\n")
+    );
 }

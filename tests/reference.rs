@@ -86,7 +86,10 @@ fn config_reference_covers_every_section() {
         );
     }
     assert!(page.contains("| `steps` | integer | `30` |"), "{page}");
-    assert!(page.contains("| `heartbeat_ms` | integer | `500` |"), "{page}");
+    assert!(
+        page.contains("| `heartbeat_ms` | integer | `500` |"),
+        "{page}"
+    );
 }
 
 /// The keys of a config-notes table row's first cell: `section.key` tokens, and bare
@@ -131,10 +134,15 @@ fn config_notes_name_only_real_keys() {
     let mut current = String::new();
     for line in page.lines() {
         if let Some(h) = line.strip_prefix("### `[") {
-            current = h.trim_matches(|c| c == '[' || c == ']' || c == '`').to_string();
+            current = h
+                .trim_matches(|c| c == '[' || c == ']' || c == '`')
+                .to_string();
         } else if let Some(row) = line.strip_prefix("| `") {
             if let Some((key, _)) = row.split_once('`') {
-                tables.entry(current.clone()).or_default().push(key.to_string());
+                tables
+                    .entry(current.clone())
+                    .or_default()
+                    .push(key.to_string());
             }
         }
     }
@@ -166,8 +174,12 @@ fn config_notes_name_only_real_keys() {
 fn keys_of_a_cell() {
     assert_eq!(
         keys_of_cell("`optim.lr`, `weight_decay`, `schedule`"),
-        [("optim", "lr"), ("optim", "weight_decay"), ("optim", "schedule")]
-            .map(|(s, k)| (s.to_string(), k.to_string()))
+        [
+            ("optim", "lr"),
+            ("optim", "weight_decay"),
+            ("optim", "schedule")
+        ]
+        .map(|(s, k)| (s.to_string(), k.to_string()))
     );
     assert_eq!(
         keys_of_cell("`rollout.env.keep_kv`"),

@@ -143,7 +143,9 @@ pub struct DynamicSampling {
 }
 
 /// How a paused response continues when it is carried into a later step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Resume {
     /// Its KV cache is kept: in a decoding pool of its own it never stops; on groups

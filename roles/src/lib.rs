@@ -94,12 +94,12 @@ pub use yatt_engine::ChatMessage;
 
 // The built-in roles, their configs and their messages.
 pub use builtin::{
-    check_write_root, encode_prompt, load_reward_model, load_rm_jsonl, train_reward_model, AsciiCodec,
-    ContinueRequest, CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole,
-    GenerateRequest, GradShard, GrowingLengthReward, JudgeConfig, JudgeMode, JudgeScorer,
-    KlLossConfig, LoraSync, ModelScorer, OnUnparsed, PolicyConfig, PolicyRequest, PolicyResponse,
-    PolicyRole, PushReport, PushTarget, PushingPolicy, ReferenceRole, RewardModelError, RewardRole,
-    RmExample, RmTrainConfig, RolloutRequest, RolloutResponse, RolloutRole, RolloutStats,
-    SampleSink, ScalarRewardModel, TextCodec, TokenizerCodec, TrainReport, TrainerState,
-    TINY_CODEC,
+    check_write_root, encode_prompt, load_reward_model, load_rm_jsonl, train_reward_model,
+    AsciiCodec, ContinueRequest, CriticConfig, CriticReport, CriticRequest, CriticResponse,
+    CriticRole, GenerateRequest, GradShard, GrowingLengthReward, JudgeConfig, JudgeMode,
+    JudgeScorer, KlLossConfig, LoraSync, ModelScorer, OnUnparsed, PolicyConfig, PolicyRequest,
+    PolicyResponse, PolicyRole, PushReport, PushTarget, PushingPolicy, ReferenceRole,
+    RewardModelError, RewardRole, RmExample, RmTrainConfig, RolloutRequest, RolloutResponse,
+    RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, TextCodec, TokenizerCodec,
+    TrainReport, TrainerState, TINY_CODEC,
 };

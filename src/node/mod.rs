@@ -26,8 +26,8 @@ mod daemon;
 mod error;
 mod roles;
 
-pub use error::DaemonError;
 pub use daemon::cli_command;
+pub use error::DaemonError;
 pub use roles::Roles;
 
 /// The stock `yatt-node`: the built-in roles only.

@@ -3,9 +3,9 @@
 //! Run one file's tests with its name as a filter, e.g. `cargo nextest run
 //! --release -p yatt-trainer algorithms::`.
 
-mod common;
 mod algorithms;
 mod asynchronous;
+mod common;
 mod configs;
 mod custom_slots;
 mod datasets;

@@ -23,7 +23,19 @@ use std::path::{Path, PathBuf};
 use tch::{Device, Kind, Tensor};
 
 /// A linear layer LoRA can adapt (PEFT's `target_modules` names).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    Deserialize,
+    schemars::JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum LoraTarget {
     /// `self_attn.q_proj`.

@@ -203,7 +203,9 @@ pub fn reinforce_pp_advantage(
 
 /// `algorithm.advantage_norm`: how GAE's advantages are normalised over the valid
 /// tokens of the batch (the returns, the critic's targets, stay raw).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum AdvantageNorm {
     /// `(A − mean) / (std + eps)`: unit scale whatever the batch holds, verl's and

@@ -22,7 +22,9 @@ use tch::{Kind, Tensor};
 use crate::algo::checks::AlgoError;
 
 /// How the loss corrects for the gap between the behaviour and the proximal policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum BehaviourCorrection {
     /// No correction: the ratio is taken against the recomputed old log-probs only

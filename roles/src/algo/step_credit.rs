@@ -20,7 +20,9 @@ use serde::{Deserialize, Serialize};
 use super::checks::AlgoError;
 
 /// How several critiques of one response are combined, step by step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum StepVote {
     /// A step fails when more than half of the critiques that judged it failed it.

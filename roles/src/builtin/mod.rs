@@ -31,8 +31,8 @@ pub mod reward_model;
 pub mod rollout;
 pub(crate) mod scoring;
 mod write_root;
-pub use write_root::check_write_root;
 pub use growing_reward::GrowingLengthReward;
+pub use write_root::check_write_root;
 
 pub use critic::{CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole};
 pub use judge_model::{JudgeConfig, JudgeMode, JudgeScorer, OnUnparsed};

@@ -298,16 +298,18 @@ fn cell(s: &str) -> String {
 }
 
 fn type_word(v: &Value) -> String {
-    let word = |t: &str| match t {
-        "integer" => "integer",
-        "number" => "number",
-        "boolean" => "boolean",
-        "string" => "string",
-        "object" => "table",
-        "array" => "list",
-        other => other,
-    }
-    .to_string();
+    let word = |t: &str| {
+        match t {
+            "integer" => "integer",
+            "number" => "number",
+            "boolean" => "boolean",
+            "string" => "string",
+            "object" => "table",
+            "array" => "list",
+            other => other,
+        }
+        .to_string()
+    };
     match v.get("type") {
         Some(Value::String(t)) => word(t),
         Some(Value::Array(ts)) => ts
@@ -428,7 +430,9 @@ mod tests {
             "{page}"
         );
         assert!(
-            page.contains("| `mode` | word | `\"fast\"` | The mode. Words: `fast`: Quick; `slow`: Careful. |"),
+            page.contains(
+                "| `mode` | word | `\"fast\"` | The mode. Words: `fast`: Quick; `slow`: Careful. |"
+            ),
             "{page}"
         );
         assert!(

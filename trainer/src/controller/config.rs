@@ -32,7 +32,16 @@ pub struct OverlongConfig {
 /// `rollout.weight_sync`: how weights reach rollouts in other processes (rollouts in
 /// the policy's process take a snapshot of its tensors whatever this says).
 #[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    schemars::JsonSchema,
 )]
 pub enum WeightSync {
     /// CUDA IPC where the policy and the rollout share a host and a GPU driver; byte
@@ -59,7 +68,16 @@ pub enum WeightSync {
 
 /// `job.gradient_sync`: how policy replicas average their gradients.
 #[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    schemars::JsonSchema,
 )]
 pub enum GradientSync {
     /// An NCCL all-reduce where every replica's weights are on a GPU and NCCL loads;

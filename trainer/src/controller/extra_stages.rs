@@ -13,7 +13,9 @@ use crate::ledger::Stage;
 
 /// Where an extra stage runs: after which built-in stage (in `[[roles.stages]]`:
 /// `after = "reward"`, `"reference"` or `"old_logprobs"`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum StageAt {
     /// After the reward (each generation round, before DAPO's dynamic sampling and the

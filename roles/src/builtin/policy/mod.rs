@@ -62,7 +62,6 @@ pub use state::TrainerState;
 
 use micro::{micro_backward, normaliser, rows_with_gradient, token_groups, Micro, MicroStats};
 
-
 /// What the policy role is asked.
 #[derive(Debug)]
 pub enum PolicyRequest {
@@ -157,7 +156,6 @@ impl PushTarget {
         }
     }
 }
-
 
 /// What the policy role answers.
 #[derive(Debug)]
