@@ -229,6 +229,19 @@ impl Trainer {
         self.step_sparse(micro_batches, |model, mb| loss_fn(model, mb).map(Some))
     }
 
+    /// What every step does first: the state must be resident, there must be a
+    /// micro-batch, and libtorch's RNG is seeded for this step (runs and resumes repeat).
+    fn begin_step(&mut self, micro_batches: usize) -> Result<()> {
+        self.check_resident()?;
+        if micro_batches == 0 {
+            return Err(EngineError::InvalidArgument(
+                "step needs at least one micro-batch".into(),
+            ));
+        }
+        tch::manual_seed(self.config.seed.wrapping_add(self.step) as i64);
+        Ok(())
+    }
+
     /// [`Trainer::step`] where a micro-batch may be known to contribute nothing:
     /// `loss_fn` returns `None` when its loss is exactly zero with zero gradient (say,
     /// every sample's advantage is zero). That micro-batch runs no forward or backward
@@ -239,13 +252,7 @@ impl Trainer {
         micro_batches: &[M],
         mut loss_fn: impl FnMut(&Llama, &M) -> Result<Option<Tensor>>,
     ) -> Result<StepStats> {
-        self.check_resident()?;
-        if micro_batches.is_empty() {
-            return Err(EngineError::InvalidArgument(
-                "step needs at least one micro-batch".into(),
-            ));
-        }
-        tch::manual_seed(self.config.seed.wrapping_add(self.step) as i64);
+        self.begin_step(micro_batches.len())?;
         let scale = 1.0 / micro_batches.len() as f64;
         let device = self.model.device();
         crate::profile::start(device);
@@ -272,13 +279,7 @@ impl Trainer {
         micro_batches: &[M],
         mut backward_fn: impl FnMut(&Llama, &M) -> Result<Option<f64>>,
     ) -> Result<StepStats> {
-        self.check_resident()?;
-        if micro_batches.is_empty() {
-            return Err(EngineError::InvalidArgument(
-                "step needs at least one micro-batch".into(),
-            ));
-        }
-        tch::manual_seed(self.config.seed.wrapping_add(self.step) as i64);
+        self.begin_step(micro_batches.len())?;
         let device = self.model.device();
         crate::profile::start(device);
         let mut total = 0.0;
