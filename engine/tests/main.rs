@@ -12,4 +12,5 @@ mod long_bench;
 mod long_sequences;
 mod lora;
 mod parity;
+mod sharded;
 mod train;

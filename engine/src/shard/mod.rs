@@ -1,0 +1,11 @@
+//! Sharded training (ZeRO-3 / FSDP): the units' flat layout and resharding, the
+//! collectives between a replica's ranks, the trainer that holds only its shard, and
+//! its checkpoints. This file only declares and re-exports.
+
+mod group;
+mod layout;
+mod trainer;
+
+pub use group::{LocalGroup, ReduceOp, ShardGroup};
+pub use layout::{model_layout, reshard, shard_len, shard_of, ParamSlot, UnitLayout};
+pub use trainer::{CommStats, ShardedStepStats, ShardedTrainer};

@@ -1,0 +1,305 @@
+//! Sharded training (ZeRO-3): ranks that each hold a shard of the training state and
+//! each train on their part of the global batch take the steps the unsharded trainer
+//! takes on the whole batch, at 1, 2 and 4 ranks (threads of this process, exchanging
+//! through shared memory); the state each holds is 16Ψ/N plus a few units; what moves
+//! is 3·(N−1)/N·Ψ·b per micro-batch; a rank that fails fails the others at once.
+
+use std::thread;
+use std::time::{Duration, Instant};
+use tch::{Device, Kind, Tensor};
+use yatt_engine::score::{token_logprobs_backward, SeqBatch, TokenScores};
+use yatt_engine::{
+    model_layout, test_devices, tiny_config, Llama, LocalGroup, ModelConfig, ShardedStepStats,
+    ShardedTrainer, StepStats, TrainConfig, Trainer,
+};
+
+/// Tied embeddings (as SmolLM2), and an untied Qwen3-like model with q/k norms.
+fn configs() -> Vec<(&'static str, ModelConfig)> {
+    let mut tied = tiny_config().raw.clone();
+    tied["tie_word_embeddings"] = true.into();
+    let mut qwen3 = tiny_config().raw.clone();
+    qwen3["model_type"] = "qwen3".into();
+    qwen3["architectures"] = serde_json::json!(["Qwen3ForCausalLM"]);
+    qwen3["head_dim"] = 16.into();
+    vec![
+        ("tied", ModelConfig::from_json(&tied).unwrap()),
+        ("qwen3", ModelConfig::from_json(&qwen3).unwrap()),
+    ]
+}
+
+/// Micro-batch `i` of a step: rows of different lengths, and each row's advantage.
+fn micro_batch(step: usize, i: usize, device: Device) -> (SeqBatch, Tensor) {
+    let lens = [(3usize, 9usize), (5, 2), (2, 6)];
+    let seqs: Vec<Vec<i64>> = lens
+        .iter()
+        .enumerate()
+        .map(|(r, &(p, n))| {
+            (0..p + n)
+                .map(|t| 2 + ((t * 17 + 5 * r + 11 * i + 3 * step) % 90) as i64)
+                .collect()
+        })
+        .collect();
+    let pairs: Vec<(&[i64], &[i64])> = seqs
+        .iter()
+        .zip(lens)
+        .map(|(s, (p, _))| (&s[..p], &s[p..]))
+        .collect();
+    let adv: Vec<f32> = (0..lens.len())
+        .map(|r| ((r + i + step) % 3) as f32 - 1.0)
+        .collect();
+    (
+        SeqBatch::from_pairs(&pairs, 0, device).unwrap(),
+        Tensor::from_slice(&adv).to_device(device).unsqueeze(1),
+    )
+}
+
+/// A policy-gradient-like loss over the step's global token count, so that the sum
+/// over micro-batches and ranks does not depend on how they were split.
+fn loss(s: &TokenScores, b: &SeqBatch, adv: &Tensor, global_tokens: f64) -> Tensor {
+    let m = b.response_mask.to_kind(Kind::Float);
+    let pg = -(&s.logprobs * adv * &m).sum(Kind::Float);
+    let ent = (&s.entropy * &m).sum(Kind::Float) * 0.01;
+    (pg - ent) / global_tokens
+}
+
+fn global_tokens(step: usize, n: usize) -> f64 {
+    (0..n)
+        .map(|i| {
+            micro_batch(step, i, Device::Cpu)
+                .0
+                .response_mask
+                .sum(Kind::Float)
+                .double_value(&[])
+        })
+        .sum()
+}
+
+fn train_config() -> TrainConfig {
+    TrainConfig {
+        lr: 3e-3,
+        max_grad_norm: Some(0.5),
+        ..TrainConfig::default()
+    }
+}
+
+fn model(config: &ModelConfig, device: Device) -> Llama {
+    Llama::random(config.clone(), device, Kind::Float, 5).unwrap()
+}
+
+/// The unsharded trainer on all `n` micro-batches per step.
+fn unsharded(
+    config: &ModelConfig,
+    device: Device,
+    steps: usize,
+    n: usize,
+) -> (Vec<StepStats>, Vec<(String, Tensor)>) {
+    let mut m = model(config, device);
+    m.memory.activation_checkpointing = true;
+    let mut tr = Trainer::new(m, train_config());
+    let mut stats = Vec::new();
+    for step in 0..steps {
+        let mbs: Vec<(SeqBatch, Tensor)> = (0..n).map(|i| micro_batch(step, i, device)).collect();
+        let g = global_tokens(step, n);
+        let s = tr
+            .step_manual(&mbs, |model, (b, adv)| {
+                token_logprobs_backward(model, b, 1.0, |s| Ok(loss(s, b, adv, g))).map(Some)
+            })
+            .unwrap();
+        stats.push(s);
+    }
+    (stats, tr.model.parameters())
+}
+
+/// `world` ranks, rank r training on micro-batches r, r+world, ...; returns rank 0's
+/// statistics and the gathered weights, and every rank's statistics.
+fn sharded(
+    config: &ModelConfig,
+    device: Device,
+    world: usize,
+    steps: usize,
+    n: usize,
+) -> (Vec<Vec<ShardedStepStats>>, Vec<(String, Tensor)>) {
+    // All made before any rank starts: `Llama::random` and every step seed libtorch's
+    // global RNG.
+    let models: Vec<Llama> = (0..world).map(|_| model(config, device)).collect();
+    let handles: Vec<_> = LocalGroup::new(world, Duration::from_secs(120))
+        .into_iter()
+        .zip(models)
+        .enumerate()
+        .map(|(rank, (group, m))| {
+            thread::spawn(move || {
+                let mut tr = ShardedTrainer::new(m, train_config(), Box::new(group)).unwrap();
+                let mut stats = Vec::new();
+                for step in 0..steps {
+                    let (batches, advs): (Vec<SeqBatch>, Vec<Tensor>) = (rank..n)
+                        .step_by(world)
+                        .map(|i| micro_batch(step, i, device))
+                        .unzip();
+                    let g = global_tokens(step, n);
+                    let s = tr
+                        .step_tokens(&batches, 1.0, |i, s| Ok(loss(s, &batches[i], &advs[i], g)))
+                        .unwrap();
+                    stats.push(s);
+                }
+                (stats, tr.full_weights().unwrap())
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    let mut weights = Vec::new();
+    for (rank, h) in handles.into_iter().enumerate() {
+        let (s, w) = h.join().unwrap();
+        all.push(s);
+        if rank == 0 {
+            weights = w;
+        }
+    }
+    (all, weights)
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-12)
+}
+
+/// Parity: per-step loss and gradient norm within 1e-4 relative of the unsharded
+/// trainer at 1, 2 and 4 ranks, weights after the steps within 1e-4 max relative;
+/// with 3 micro-batches over 4 ranks one rank has none and still takes part.
+#[test]
+fn sharded_steps_match_the_unsharded_trainer() {
+    for device in test_devices() {
+        for (name, config) in configs() {
+            for (world, n) in [(3usize, 3usize), (2, 3), (1, 4), (2, 4), (4, 4), (4, 3)] {
+                let steps = 4;
+                let (want, want_w) = unsharded(&config, device, steps, n);
+                let (got, got_w) = sharded(&config, device, world, steps, n);
+                for (step, w) in want.iter().enumerate() {
+                    for rank_stats in &got {
+                        let g = &rank_stats[step].step;
+                        assert_eq!(g.step, w.step);
+                        assert!(
+                            rel(g.loss, w.loss) < 1e-4,
+                            "{name} {device:?} N={world} n={n} step {step}: loss {} vs {}",
+                            g.loss,
+                            w.loss
+                        );
+                        assert!(
+                            rel(g.grad_norm, w.grad_norm) < 1e-4,
+                            "{name} {device:?} N={world} n={n} step {step}: grad norm {} vs {}",
+                            g.grad_norm,
+                            w.grad_norm
+                        );
+                    }
+                }
+                assert_eq!(got_w.len(), want_w.len());
+                for ((na, a), (nb, b)) in got_w.iter().zip(&want_w) {
+                    assert_eq!(na, nb);
+                    let d = (a.to_device(Device::Cpu) - b.to_device(Device::Cpu))
+                        .abs()
+                        .max()
+                        .double_value(&[]);
+                    let scale = b.abs().max().double_value(&[]).max(1e-6);
+                    assert!(
+                        d / scale < 1e-4,
+                        "{name} {device:?} N={world}: `{na}` differs by {d:e} (scale {scale:e})"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Each rank holds 16Ψ/N of state (plus padding) and at most three of the largest unit
+/// gathered at once; it moves 3·(N−1)/N·Ψ·b per micro-batch (±5%).
+#[test]
+fn a_rank_holds_its_shard_and_moves_three_gathers_worth() {
+    let (_, config) = configs().remove(0);
+    let layout = model_layout(&config);
+    let psi: i64 = layout.iter().map(|u| u.numel).sum();
+    let largest = layout.iter().map(|u| u.numel).max().unwrap() as u64 * 4;
+    for world in [1usize, 2, 4] {
+        let n = 4;
+        let (stats, _) = sharded(&config, Device::Cpu, world, 1, n);
+        for s in stats.iter().map(|r| &r[0]) {
+            let shard: u64 = layout.iter().map(|u| 16 * u.shard_len(world) as u64).sum();
+            assert!(shard as f64 <= 16.0 * psi as f64 / world as f64 + 16.0 * layout.len() as f64);
+            assert!(s.train_state_bytes >= shard);
+            assert!(
+                s.train_state_bytes <= shard + 3 * largest,
+                "N={world}: {} bytes held, bound {}",
+                s.train_state_bytes,
+                shard + 3 * largest
+            );
+            let per_micro =
+                (s.comm.gathered_bytes + s.comm.reduced_bytes) as f64 / s.micro_batches as f64;
+            let want = 3.0 * (world as f64 - 1.0) / world as f64 * psi as f64 * 4.0;
+            if world == 1 {
+                assert_eq!(per_micro, 0.0);
+            } else {
+                assert!(
+                    (per_micro / want - 1.0).abs() < 0.05,
+                    "N={world}: {per_micro} bytes per micro-batch, want {want}"
+                );
+            }
+        }
+    }
+}
+
+/// A rank whose step fails leaves its group: the others' steps fail at once, naming
+/// it, instead of waiting for the deadline.
+#[test]
+fn a_failing_rank_fails_the_others_within_the_deadline() {
+    let (_, config) = configs().remove(0);
+    let t0 = Instant::now();
+    let models: Vec<Llama> = (0..3).map(|_| model(&config, Device::Cpu)).collect();
+    let handles: Vec<_> = LocalGroup::new(3, Duration::from_secs(60))
+        .into_iter()
+        .zip(models)
+        .enumerate()
+        .map(|(rank, (group, m))| {
+            thread::spawn(move || {
+                let mut tr = ShardedTrainer::new(m, train_config(), Box::new(group)).unwrap();
+                let (b, _) = micro_batch(0, rank, Device::Cpu);
+                tr.step_tokens(&[b], 1.0, |_, s| {
+                    if rank == 1 {
+                        Err(yatt_engine::EngineError::InvalidArgument(
+                            "rank 1's loss failed".into(),
+                        ))
+                    } else {
+                        Ok(s.logprobs.sum(Kind::Float))
+                    }
+                })
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    let out: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(out[1]
+        .as_ref()
+        .unwrap_err()
+        .contains("rank 1's loss failed"));
+    for r in [0, 2] {
+        let e = out[r].as_ref().unwrap_err();
+        assert!(e.contains("rank 1 left the group"), "rank {r}: {e}");
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(50),
+        "a rank waited for the deadline"
+    );
+}
+
+/// More shards than the smallest unit has parameters is refused, naming the unit.
+#[test]
+fn too_many_shards_are_refused_by_unit() {
+    let (_, config) = configs().remove(0);
+    let world = 65; // the final norm has 64 parameters
+    let group = LocalGroup::new(world, Duration::from_secs(5)).remove(0);
+    let e = ShardedTrainer::new(model(&config, Device::Cpu), train_config(), Box::new(group))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("65 shards cannot split unit `head` of 64 parameters"),
+        "{e}"
+    );
+}
