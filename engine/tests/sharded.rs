@@ -7,10 +7,11 @@
 use std::thread;
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
+use yatt_engine::fixtures::run_reference;
 use yatt_engine::score::{token_logprobs_backward, SeqBatch, TokenScores};
 use yatt_engine::{
-    model_layout, test_devices, tiny_config, Llama, LocalGroup, ModelConfig, ShardedStepStats,
-    ShardedTrainer, StepStats, TrainConfig, Trainer,
+    merge_sharded_checkpoint, model_layout, test_devices, tiny_config, Llama, LocalGroup,
+    ModelConfig, ShardedStepStats, ShardedTrainer, StepStats, TrainConfig, Trainer,
 };
 
 /// Tied embeddings (as SmolLM2), and an untied Qwen3-like model with q/k norms.
@@ -110,27 +111,32 @@ fn unsharded(
     (stats, tr.model.parameters())
 }
 
-/// `world` ranks, rank r training on micro-batches r, r+world, ...; returns rank 0's
-/// statistics and the gathered weights, and every rank's statistics.
-fn sharded(
-    config: &ModelConfig,
-    device: Device,
+/// `world` ranks, rank r training on micro-batches r, r+world, ... of steps `steps`;
+/// every rank's statistics, and the gathered weights. Each rank's trainer comes from
+/// `start` (a fresh model, or a checkpoint); with `save`, the ranks save at the end.
+fn run_ranks(
     world: usize,
-    steps: usize,
+    device: Device,
+    steps: std::ops::Range<usize>,
     n: usize,
+    start: impl Fn(LocalGroup) -> ShardedTrainer,
+    save: Option<&std::path::Path>,
 ) -> (Vec<Vec<ShardedStepStats>>, Vec<(String, Tensor)>) {
     // All made before any rank starts: `Llama::random` and every step seed libtorch's
     // global RNG.
-    let models: Vec<Llama> = (0..world).map(|_| model(config, device)).collect();
-    let handles: Vec<_> = LocalGroup::new(world, Duration::from_secs(120))
+    let trainers: Vec<ShardedTrainer> = LocalGroup::new(world, Duration::from_secs(120))
         .into_iter()
-        .zip(models)
+        .map(start)
+        .collect();
+    let handles: Vec<_> = trainers
+        .into_iter()
         .enumerate()
-        .map(|(rank, (group, m))| {
+        .map(|(rank, mut tr)| {
+            let steps = steps.clone();
+            let save = save.map(|p| p.to_path_buf());
             thread::spawn(move || {
-                let mut tr = ShardedTrainer::new(m, train_config(), Box::new(group)).unwrap();
                 let mut stats = Vec::new();
-                for step in 0..steps {
+                for step in steps {
                     let (batches, advs): (Vec<SeqBatch>, Vec<Tensor>) = (rank..n)
                         .step_by(world)
                         .map(|i| micro_batch(step, i, device))
@@ -140,6 +146,9 @@ fn sharded(
                         .step_tokens(&batches, 1.0, |i, s| Ok(loss(s, &batches[i], &advs[i], g)))
                         .unwrap();
                     stats.push(s);
+                }
+                if let Some(dir) = save {
+                    tr.save_sharded(&dir, None).unwrap();
                 }
                 (stats, tr.full_weights().unwrap())
             })
@@ -155,6 +164,20 @@ fn sharded(
         }
     }
     (all, weights)
+}
+
+/// [`run_ranks`] from fresh copies of the test model.
+fn sharded(
+    config: &ModelConfig,
+    device: Device,
+    world: usize,
+    steps: usize,
+    n: usize,
+) -> (Vec<Vec<ShardedStepStats>>, Vec<(String, Tensor)>) {
+    let fresh = |g: LocalGroup| {
+        ShardedTrainer::new(model(config, device), train_config(), Box::new(g)).unwrap()
+    };
+    run_ranks(world, device, 0..steps, n, fresh, None)
 }
 
 fn rel(a: f64, b: f64) -> f64 {
@@ -302,4 +325,120 @@ fn too_many_shards_are_refused_by_unit() {
         e.contains("65 shards cannot split unit `head` of 64 parameters"),
         "{e}"
     );
+}
+
+fn max_rel(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|((na, x), (nb, y))| {
+            assert_eq!(na, nb);
+            let d = (x - y).abs().max().double_value(&[]);
+            d / y.abs().max().double_value(&[]).max(1e-6)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// A checkpoint written by 4 ranks resumes on 2, and one by 2 on 4: the next step's
+/// loss is within 1e-5 of the uninterrupted run's, and so are the weights.
+#[test]
+fn sharded_checkpoints_resume_on_another_rank_count() {
+    let (_, config) = configs().remove(0);
+    let dev = Device::Cpu;
+    let n = 4;
+    let tmp = tempfile::tempdir().unwrap();
+    for (from, to) in [(4usize, 2usize), (2, 4)] {
+        let (whole, whole_w) = sharded(&config, dev, from, 3, n);
+        let dir = tmp.path().join(format!("ckpt-{from}-{to}"));
+        let fresh = |g: LocalGroup| {
+            ShardedTrainer::new(model(&config, dev), train_config(), Box::new(g)).unwrap()
+        };
+        run_ranks(from, dev, 0..2, n, fresh, Some(&dir));
+        let resumed = |g: LocalGroup| {
+            ShardedTrainer::load_sharded(&dir, dev, Kind::Float, Box::new(g)).unwrap()
+        };
+        let (next, next_w) = run_ranks(to, dev, 2..3, n, resumed, None);
+        let (want, got) = (&whole[0][2].step, &next[0][0].step);
+        assert_eq!(got.step, 3);
+        assert!(
+            rel(got.loss, want.loss) < 1e-5,
+            "{from}->{to}: next-step loss {} vs {}",
+            got.loss,
+            want.loss
+        );
+        assert!(rel(got.grad_norm, want.grad_norm) < 1e-5);
+        let d = max_rel(&next_w, &whole_w);
+        assert!(d < 1e-5, "{from}->{to}: weights differ by {d:e} relative");
+    }
+}
+
+/// `merge_sharded_checkpoint` writes an HF directory that transformers loads, with
+/// logits within 1e-4 of the sharded trainer's weights.
+#[test]
+fn a_merged_checkpoint_loads_in_transformers_with_the_same_logits() {
+    let (_, config) = configs().remove(0);
+    let dev = Device::Cpu;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("sharded");
+    let fresh = |g: LocalGroup| {
+        ShardedTrainer::new(model(&config, dev), train_config(), Box::new(g)).unwrap()
+    };
+    let (_, weights) = run_ranks(2, dev, 0..2, 4, fresh, Some(&dir));
+    let out = tmp.path().join("merged");
+    merge_sharded_checkpoint(&dir, &out).unwrap();
+    // The trained weights, installed in a model of their own: what the logits should be.
+    let mut want_model = model(&config, dev);
+    {
+        let mut params = want_model.all_parameters_mut();
+        for ((name, p), (wn, w)) in params.iter_mut().zip(&weights) {
+            assert_eq!(name, wn);
+            tch::no_grad(|| p.copy_(w));
+        }
+    }
+    let merged = Llama::load(&out, dev, Kind::Float).unwrap();
+    let prompt: Vec<i64> = (0..12).map(|t| 2 + (t * 7 % 90)).collect();
+    let ids = Tensor::from_slice(&prompt).unsqueeze(0);
+    let want = tch::no_grad(|| want_model.forward(&ids, None));
+    let ours = tch::no_grad(|| merged.forward(&ids, None));
+    let scale = want.abs().max().double_value(&[]);
+    assert!((&ours - &want).abs().max().double_value(&[]) / scale < 1e-5);
+    let logits_file = tmp.path().join("hf-logits.safetensors");
+    run_reference(
+        "logits",
+        &serde_json::json!({"model": out, "prompts": [prompt], "out": logits_file}),
+        Some(2),
+    )
+    .unwrap();
+    let hf: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&logits_file)
+        .unwrap()
+        .into_iter()
+        .collect();
+    let d = (&hf["logits_0"] - want.squeeze_dim(0))
+        .abs()
+        .max()
+        .double_value(&[]);
+    assert!(
+        d / scale < 1e-4,
+        "transformers' logits differ by {d:e} (scale {scale:e})"
+    );
+}
+
+/// A checkpoint missing a rank's shard file is refused, naming the file.
+#[test]
+fn a_sharded_checkpoint_missing_a_shard_names_the_file() {
+    let (_, config) = configs().remove(0);
+    let dev = Device::Cpu;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    let fresh = |g: LocalGroup| {
+        ShardedTrainer::new(model(&config, dev), train_config(), Box::new(g)).unwrap()
+    };
+    run_ranks(2, dev, 0..1, 2, fresh, Some(&dir));
+    std::fs::remove_file(dir.join("shard-00001-of-00002.safetensors")).unwrap();
+    let g = LocalGroup::new(1, Duration::from_secs(5)).remove(0);
+    let e = ShardedTrainer::load_sharded(&dir, dev, Kind::Float, Box::new(g))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("shard-00001-of-00002.safetensors"), "{e}");
 }

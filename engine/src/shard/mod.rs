@@ -4,8 +4,10 @@
 
 mod group;
 mod layout;
+mod persist;
 mod trainer;
 
 pub use group::{LocalGroup, ReduceOp, ShardGroup};
 pub use layout::{model_layout, reshard, shard_len, shard_of, ParamSlot, UnitLayout};
+pub use persist::{is_sharded_checkpoint, merge_sharded_checkpoint};
 pub use trainer::{CommStats, ShardedStepStats, ShardedTrainer};
