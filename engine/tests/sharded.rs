@@ -8,108 +8,13 @@ use std::thread;
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 use yatt_engine::fixtures::run_reference;
-use yatt_engine::score::{token_logprobs_backward, SeqBatch, TokenScores};
-use yatt_engine::{
-    merge_sharded_checkpoint, model_layout, test_devices, tiny_config, Llama, LocalGroup,
-    ModelConfig, ShardedStepStats, ShardedTrainer, StepStats, TrainConfig, Trainer,
+use yatt_engine::fixtures::sharded::{
+    configs, max_rel, micro_batch, model, train_config, train_rank, unsharded,
 };
-
-/// Tied embeddings (as SmolLM2), and an untied Qwen3-like model with q/k norms.
-fn configs() -> Vec<(&'static str, ModelConfig)> {
-    let mut tied = tiny_config().raw.clone();
-    tied["tie_word_embeddings"] = true.into();
-    let mut qwen3 = tiny_config().raw.clone();
-    qwen3["model_type"] = "qwen3".into();
-    qwen3["architectures"] = serde_json::json!(["Qwen3ForCausalLM"]);
-    qwen3["head_dim"] = 16.into();
-    vec![
-        ("tied", ModelConfig::from_json(&tied).unwrap()),
-        ("qwen3", ModelConfig::from_json(&qwen3).unwrap()),
-    ]
-}
-
-/// Micro-batch `i` of a step: rows of different lengths, and each row's advantage.
-fn micro_batch(step: usize, i: usize, device: Device) -> (SeqBatch, Tensor) {
-    let lens = [(3usize, 9usize), (5, 2), (2, 6)];
-    let seqs: Vec<Vec<i64>> = lens
-        .iter()
-        .enumerate()
-        .map(|(r, &(p, n))| {
-            (0..p + n)
-                .map(|t| 2 + ((t * 17 + 5 * r + 11 * i + 3 * step) % 90) as i64)
-                .collect()
-        })
-        .collect();
-    let pairs: Vec<(&[i64], &[i64])> = seqs
-        .iter()
-        .zip(lens)
-        .map(|(s, (p, _))| (&s[..p], &s[p..]))
-        .collect();
-    let adv: Vec<f32> = (0..lens.len())
-        .map(|r| ((r + i + step) % 3) as f32 - 1.0)
-        .collect();
-    (
-        SeqBatch::from_pairs(&pairs, 0, device).unwrap(),
-        Tensor::from_slice(&adv).to_device(device).unsqueeze(1),
-    )
-}
-
-/// A policy-gradient-like loss over the step's global token count, so that the sum
-/// over micro-batches and ranks does not depend on how they were split.
-fn loss(s: &TokenScores, b: &SeqBatch, adv: &Tensor, global_tokens: f64) -> Tensor {
-    let m = b.response_mask.to_kind(Kind::Float);
-    let pg = -(&s.logprobs * adv * &m).sum(Kind::Float);
-    let ent = (&s.entropy * &m).sum(Kind::Float) * 0.01;
-    (pg - ent) / global_tokens
-}
-
-fn global_tokens(step: usize, n: usize) -> f64 {
-    (0..n)
-        .map(|i| {
-            micro_batch(step, i, Device::Cpu)
-                .0
-                .response_mask
-                .sum(Kind::Float)
-                .double_value(&[])
-        })
-        .sum()
-}
-
-fn train_config() -> TrainConfig {
-    TrainConfig {
-        lr: 3e-3,
-        max_grad_norm: Some(0.5),
-        ..TrainConfig::default()
-    }
-}
-
-fn model(config: &ModelConfig, device: Device) -> Llama {
-    Llama::random(config.clone(), device, Kind::Float, 5).unwrap()
-}
-
-/// The unsharded trainer on all `n` micro-batches per step.
-fn unsharded(
-    config: &ModelConfig,
-    device: Device,
-    steps: usize,
-    n: usize,
-) -> (Vec<StepStats>, Vec<(String, Tensor)>) {
-    let mut m = model(config, device);
-    m.memory.activation_checkpointing = true;
-    let mut tr = Trainer::new(m, train_config());
-    let mut stats = Vec::new();
-    for step in 0..steps {
-        let mbs: Vec<(SeqBatch, Tensor)> = (0..n).map(|i| micro_batch(step, i, device)).collect();
-        let g = global_tokens(step, n);
-        let s = tr
-            .step_manual(&mbs, |model, (b, adv)| {
-                token_logprobs_backward(model, b, 1.0, |s| Ok(loss(s, b, adv, g))).map(Some)
-            })
-            .unwrap();
-        stats.push(s);
-    }
-    (stats, tr.model.parameters())
-}
+use yatt_engine::{
+    merge_sharded_checkpoint, model_layout, test_devices, Llama, LocalGroup, ModelConfig,
+    ShardedStepStats, ShardedTrainer,
+};
 
 /// `world` ranks, rank r training on micro-batches r, r+world, ... of steps `steps`;
 /// every rank's statistics, and the gathered weights. Each rank's trainer comes from
@@ -135,18 +40,7 @@ fn run_ranks(
             let steps = steps.clone();
             let save = save.map(|p| p.to_path_buf());
             thread::spawn(move || {
-                let mut stats = Vec::new();
-                for step in steps {
-                    let (batches, advs): (Vec<SeqBatch>, Vec<Tensor>) = (rank..n)
-                        .step_by(world)
-                        .map(|i| micro_batch(step, i, device))
-                        .unzip();
-                    let g = global_tokens(step, n);
-                    let s = tr
-                        .step_tokens(&batches, 1.0, |i, s| Ok(loss(s, &batches[i], &advs[i], g)))
-                        .unwrap();
-                    stats.push(s);
-                }
+                let stats = train_rank(&mut tr, rank, world, steps, n, device);
                 if let Some(dir) = save {
                     tr.save_sharded(&dir, None).unwrap();
                 }
@@ -213,19 +107,11 @@ fn sharded_steps_match_the_unsharded_trainer() {
                         );
                     }
                 }
-                assert_eq!(got_w.len(), want_w.len());
-                for ((na, a), (nb, b)) in got_w.iter().zip(&want_w) {
-                    assert_eq!(na, nb);
-                    let d = (a.to_device(Device::Cpu) - b.to_device(Device::Cpu))
-                        .abs()
-                        .max()
-                        .double_value(&[]);
-                    let scale = b.abs().max().double_value(&[]).max(1e-6);
-                    assert!(
-                        d / scale < 1e-4,
-                        "{name} {device:?} N={world}: `{na}` differs by {d:e} (scale {scale:e})"
-                    );
-                }
+                let d = max_rel(&got_w, &want_w);
+                assert!(
+                    d < 1e-4,
+                    "{name} {device:?} N={world}: weights differ by {d:e}"
+                );
             }
         }
     }
@@ -325,18 +211,6 @@ fn too_many_shards_are_refused_by_unit() {
         e.contains("65 shards cannot split unit `head` of 64 parameters"),
         "{e}"
     );
-}
-
-fn max_rel(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|((na, x), (nb, y))| {
-            assert_eq!(na, nb);
-            let d = (x - y).abs().max().double_value(&[]);
-            d / y.abs().max().double_value(&[]).max(1e-6)
-        })
-        .fold(0.0, f64::max)
 }
 
 /// A checkpoint written by 4 ranks resumes on 2, and one by 2 on 4: the next step's
