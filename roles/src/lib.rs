@@ -99,7 +99,7 @@ pub use builtin::{
     CriticRole, GenerateRequest, GradShard, GrowingLengthReward, JudgeConfig, JudgeMode,
     JudgeScorer, KlLossConfig, LoraSync, ModelScorer, OnUnparsed, PolicyConfig, PolicyRequest,
     PolicyResponse, PolicyRole, PushReport, PushTarget, PushingPolicy, ReferenceRole,
-    RewardModelError, RewardRole, RmExample, RmTrainConfig, RolloutRequest, RolloutResponse,
-    RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, TextCodec, TokenizerCodec,
-    TrainReport, TrainerState, TINY_CODEC,
+    RewardModelError, RewardRole, RingShardGroup, RmExample, RmTrainConfig, RolloutRequest,
+    RolloutResponse, RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, TextCodec,
+    TokenizerCodec, TrainReport, TrainerState, TINY_CODEC,
 };

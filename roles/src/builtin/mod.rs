@@ -30,6 +30,7 @@ pub mod reward;
 pub mod reward_model;
 pub mod rollout;
 pub(crate) mod scoring;
+mod shard_ring;
 mod write_root;
 pub use growing_reward::GrowingLengthReward;
 pub use write_root::check_write_root;
@@ -51,3 +52,4 @@ pub use rollout::{
     encode_prompt, AsciiCodec, ContinueRequest, GenerateRequest, RolloutRequest, RolloutResponse,
     RolloutRole, RolloutStats, SampleSink, TextCodec, TokenizerCodec, TINY_CODEC,
 };
+pub use shard_ring::RingShardGroup;
