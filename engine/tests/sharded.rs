@@ -316,3 +316,35 @@ fn a_sharded_checkpoint_missing_a_shard_names_the_file() {
         .to_string();
     assert!(e.contains("shard-00001-of-00002.safetensors"), "{e}");
 }
+
+/// Random weights drawn unit by unit are the same model at every rank count, and the
+/// whole model `random_model_by_units` builds.
+#[test]
+fn unit_by_unit_random_weights_do_not_depend_on_the_rank_count() {
+    let (_, config) = configs().remove(1);
+    let mut whole = yatt_engine::random_model_by_units(config.clone(), Device::Cpu, Kind::Float, 3);
+    let want = whole.parameters();
+    for world in [1usize, 3] {
+        let trainers: Vec<ShardedTrainer> = LocalGroup::new(world, Duration::from_secs(30))
+            .into_iter()
+            .map(|g| {
+                ShardedTrainer::random(
+                    config.clone(),
+                    Device::Cpu,
+                    Kind::Float,
+                    3,
+                    train_config(),
+                    Box::new(g),
+                )
+                .unwrap()
+            })
+            .collect();
+        let handles: Vec<_> = trainers
+            .into_iter()
+            .map(|mut tr| thread::spawn(move || tr.full_weights().unwrap()))
+            .collect();
+        for h in handles {
+            assert_eq!(max_rel(&h.join().unwrap(), &want), 0.0, "N={world}");
+        }
+    }
+}

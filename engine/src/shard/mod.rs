@@ -3,11 +3,13 @@
 //! its checkpoints. This file only declares and re-exports.
 
 mod group;
+mod init;
 mod layout;
 mod persist;
 mod trainer;
 
 pub use group::{LocalGroup, ReduceOp, ShardGroup};
+pub use init::{random_model_by_units, random_unit};
 pub use layout::{model_layout, reshard, shard_len, shard_of, ParamSlot, UnitLayout};
 pub use persist::{is_sharded_checkpoint, merge_sharded_checkpoint};
 pub use trainer::{CommStats, ShardedStepStats, ShardedTrainer};
