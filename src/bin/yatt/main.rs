@@ -3,6 +3,7 @@
 
 mod bench_controller;
 mod bench_runtime;
+mod bench_sharded;
 mod config_cmd;
 mod demo;
 mod engine_cmds;
@@ -83,6 +84,9 @@ enum BenchCommand {
     /// Per-step controller overhead, parallel controllers vs a single driver, as the
     /// rollout replicas grow (fake compute).
     Controller(bench_controller::BenchControllerArgs),
+    /// Sharded training (ZeRO-3) against the replicated trainer: each rank a process
+    /// over the QUIC ring; step time, memory per rank, bytes moved, memory caps.
+    Sharded(bench_sharded::BenchShardedArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -108,5 +112,6 @@ fn real_main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Gpu(args)) => engine_cmds::bench_gpu(args),
         Command::Bench(BenchCommand::Runtime(args)) => bench_runtime::run(args),
         Command::Bench(BenchCommand::Controller(args)) => bench_controller::run(args),
+        Command::Bench(BenchCommand::Sharded(args)) => bench_sharded::run(args),
     }
 }
