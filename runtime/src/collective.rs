@@ -435,7 +435,12 @@ impl RingMember {
         self.run(buf, round, RingOp::AllGather).await
     }
 
-    async fn run(&mut self, buf: &mut [f32], round: u64, op: RingOp) -> Result<(), CollectiveError> {
+    async fn run(
+        &mut self,
+        buf: &mut [f32],
+        round: u64,
+        op: RingOp,
+    ) -> Result<(), CollectiveError> {
         let spec = self.spec.clone().ok_or(CollectiveError::NotJoined)?;
         let node = self.node.upgrade().ok_or(CollectiveError::Stopped)?;
         let queue = self.queue.as_mut().ok_or(CollectiveError::Stopped)?;
@@ -453,37 +458,40 @@ impl RingMember {
         self.run_blocking(buf, round, RingOp::AllReduceMean)
     }
 
-    /// [`RingMember::reduce_scatter_sum`] for a thread outside the runtime.
-    pub fn reduce_scatter_sum_blocking(
+    /// [`RingMember::reduce_scatter_sum`] for a thread outside the runtime. `buf` is
+    /// any owned `f32` storage (a `Vec`, or a wrapper over a tensor's memory, so that
+    /// nothing is copied in or out); it comes back with the result.
+    pub fn reduce_scatter_sum_blocking<B: AsMut<[f32]> + Send + 'static>(
         &mut self,
-        buf: Vec<f32>,
+        buf: B,
         round: u64,
-    ) -> Result<Vec<f32>, CollectiveError> {
+    ) -> Result<B, CollectiveError> {
         self.run_blocking(buf, round, RingOp::ReduceScatterSum)
     }
 
-    /// [`RingMember::all_gather`] for a thread outside the runtime.
-    pub fn all_gather_blocking(
+    /// [`RingMember::all_gather`] for a thread outside the runtime (`buf` as in
+    /// [`RingMember::reduce_scatter_sum_blocking`]).
+    pub fn all_gather_blocking<B: AsMut<[f32]> + Send + 'static>(
         &mut self,
-        buf: Vec<f32>,
+        buf: B,
         round: u64,
-    ) -> Result<Vec<f32>, CollectiveError> {
+    ) -> Result<B, CollectiveError> {
         self.run_blocking(buf, round, RingOp::AllGather)
     }
 
-    fn run_blocking(
+    fn run_blocking<B: AsMut<[f32]> + Send + 'static>(
         &mut self,
-        buf: Vec<f32>,
+        buf: B,
         round: u64,
         op: RingOp,
-    ) -> Result<Vec<f32>, CollectiveError> {
+    ) -> Result<B, CollectiveError> {
         let spec = self.spec.clone().ok_or(CollectiveError::NotJoined)?;
         let node = self.node.upgrade().ok_or(CollectiveError::Stopped)?;
         let mut queue = self.queue.take().ok_or(CollectiveError::Stopped)?;
         let (tx, rx) = oneshot::channel();
         self.runtime.spawn(async move {
             let mut buf = buf;
-            let result = ring_round(&mut queue, &spec, &node, &mut buf, round, op).await;
+            let result = ring_round(&mut queue, &spec, &node, buf.as_mut(), round, op).await;
             let _ = tx.send((queue, buf, result));
         });
         // Every wait inside the task has a deadline, so this returns; it fails only

@@ -50,19 +50,32 @@ impl RingShardGroup {
     }
 }
 
-fn to_vec(t: &Tensor) -> Result<Vec<f32>, EngineError> {
-    let t = t
-        .detach()
-        .to_device(Device::Cpu)
-        .to_kind(Kind::Float)
-        .contiguous();
-    Ok(Vec::<f32>::try_from(&t.view([-1]))?)
+/// A contiguous f32 tensor on the CPU, lent to the ring as its buffer: the ring reads
+/// and writes the tensor's own memory, with no copy in or out.
+struct TensorBuf(Tensor);
+
+impl TensorBuf {
+    /// `t` as a fresh f32 CPU tensor of its own (never sharing the caller's memory,
+    /// which the ring would overwrite).
+    fn copy_of(t: &Tensor) -> Self {
+        TensorBuf(
+            t.detach()
+                .to_device(Device::Cpu)
+                .to_kind(Kind::Float)
+                .reshape([-1])
+                .copy(),
+        )
+    }
 }
 
-fn like(values: &[f32], t: &Tensor) -> Tensor {
-    Tensor::from_slice(values)
-        .to_kind(t.kind())
-        .to_device(t.device())
+impl AsMut<[f32]> for TensorBuf {
+    fn as_mut(&mut self) -> &mut [f32] {
+        let n = self.0.numel();
+        // SAFETY: the tensor is f32, contiguous and on the CPU (see `copy_of` and
+        // `all_gather`), and owned by this buffer alone: nothing else reads or writes
+        // its memory while the slice lives.
+        unsafe { std::slice::from_raw_parts_mut(self.0.data_ptr() as *mut f32, n) }
+    }
 }
 
 impl ShardGroup for RingShardGroup {
@@ -75,40 +88,51 @@ impl ShardGroup for RingShardGroup {
     }
 
     fn all_gather(&mut self, shard: &Tensor) -> Result<Tensor, EngineError> {
-        let own = to_vec(shard)?;
-        let s = own.len();
-        let mut buf = vec![0f32; s * self.world];
-        buf[self.rank * s..(self.rank + 1) * s].copy_from_slice(&own);
+        if self.world == 1 {
+            return Ok(shard.copy());
+        }
+        let s = shard.numel() as i64;
+        let full = Tensor::empty([s * self.world as i64], (Kind::Float, Device::Cpu));
+        full.narrow(0, self.rank as i64 * s, s)
+            .copy_(&shard.detach().reshape([-1]));
         let round = self.next_round();
-        let buf = self
+        let full = self
             .member
-            .all_gather_blocking(buf, round)
-            .map_err(|e| self.fail("all-gather", e))?;
-        Ok(like(&buf, shard))
+            .all_gather_blocking(TensorBuf(full), round)
+            .map_err(|e| self.fail("all-gather", e))?
+            .0;
+        Ok(full.to_kind(shard.kind()).to_device(shard.device()))
     }
 
     fn reduce_scatter(&mut self, full: &Tensor) -> Result<Tensor, EngineError> {
-        let buf = to_vec(full)?;
-        if buf.len() % self.world != 0 {
+        let n = full.numel();
+        if n % self.world != 0 {
             return Err(self.fail(
                 "reduce-scatter",
-                format!(
-                    "{} elements do not split over {} ranks",
-                    buf.len(),
-                    self.world
-                ),
+                format!("{n} elements do not split over {} ranks", self.world),
             ));
         }
-        let s = buf.len() / self.world;
+        if self.world == 1 {
+            return Ok(full.copy());
+        }
+        let s = (n / self.world) as i64;
         let round = self.next_round();
         let buf = self
             .member
-            .reduce_scatter_sum_blocking(buf, round)
-            .map_err(|e| self.fail("reduce-scatter", e))?;
-        Ok(like(&buf[self.rank * s..(self.rank + 1) * s], full))
+            .reduce_scatter_sum_blocking(TensorBuf::copy_of(full), round)
+            .map_err(|e| self.fail("reduce-scatter", e))?
+            .0;
+        Ok(buf
+            .narrow(0, self.rank as i64 * s, s)
+            .copy()
+            .to_kind(full.kind())
+            .to_device(full.device()))
     }
 
     fn all_reduce(&mut self, values: &mut [f64], op: ReduceOp) -> Result<(), EngineError> {
+        if self.world == 1 {
+            return Ok(());
+        }
         // Exact: each rank's f64 bits travel as two f32 bit patterns through an
         // all-gather (copies, never arithmetic), and every rank reduces them in rank
         // order, so all get the same bits.

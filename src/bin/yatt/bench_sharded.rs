@@ -23,7 +23,7 @@ use yatt_engine::{
     Trainer,
 };
 use yatt_roles::RingShardGroup;
-use yatt_runtime::{Node, RingMember, RingSpec, RING_CHUNK_BYTES};
+use yatt_runtime::{Node, NodeConfig, RingMember, RingSpec, RING_CHUNK_BYTES};
 
 /// How the ranks hold the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
@@ -97,6 +97,8 @@ struct RankResult {
     gather_s: Vec<f64>,
     train_state_bytes: u64,
     peak_rss_bytes: u64,
+    /// Peak resident memory once the trainer was built, before the first step.
+    built_rss_bytes: u64,
 }
 
 const SEED: i64 = 7;
@@ -118,15 +120,15 @@ pub fn run(args: BenchShardedArgs) -> Result<()> {
             .map(|m| format!(", each rank capped at {m} MiB"))
             .unwrap_or_default()
     );
-    println!("| layout | ranks | step (s) | state / rank (GB) | peak RSS / rank (GB) | moved / rank / step (MB) | 3(N−1)/N·Ψ·b (MB) | gather (s/step) | loss, step 1 |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| layout | ranks | step (s) | state / rank (GB) | peak RSS / rank (GB) | RSS built (GB) | moved / rank / step (MB) | 3(N−1)/N·Ψ·b (MB) | gather (s/step) | loss, step 1 |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let runs = (args.shards.iter().map(|&n| (Layout::Sharded, n)))
         .chain(args.replicated.iter().map(|&n| (Layout::Replicated, n)));
     for (layout, world) in runs {
         match run_ranks(&args, layout, world) {
             Ok(results) => print_row(layout, world, psi, &results),
             Err(e) => println!(
-                "| {layout:?} | {world} | failed: {} | | | | | | |",
+                "| {layout:?} | {world} | failed: {} | | | | | | | |",
                 format!("{e:#}").replace('|', "/").replace('\n', " ")
             ),
         }
@@ -148,9 +150,10 @@ fn print_row(layout: Layout, world: usize, psi: i64, rs: &[RankResult]) {
         Layout::Replicated => 2.0 * (world as f64 - 1.0) / world as f64 * psi as f64 * 4.0,
     };
     println!(
-        "| {layout:?} | {world} | {step:.2} | {:.3} | {:.3} | {:.1} | {:.1}{} | {:.3} | {:.6} |",
+        "| {layout:?} | {world} | {step:.2} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1}{} | {:.3} | {:.6} |",
         mean(&|r| r.train_state_bytes as f64) / 1e9,
         rs.iter().map(|r| r.peak_rss_bytes).max().unwrap_or(0) as f64 / 1e9,
+        rs.iter().map(|r| r.built_rss_bytes).max().unwrap_or(0) as f64 / 1e9,
         moved / 1e6,
         formula / 1e6,
         if layout == Layout::Replicated {
@@ -206,7 +209,12 @@ fn run_ranks(args: &BenchShardedArgs, layout: Layout, world: usize) -> Result<Ve
         .worker_threads(1)
         .enable_all()
         .build()?;
-    let lead = rt.block_on(Node::builder("shard-lead").dev_certs(dir.path()).start())?;
+    let lead = rt.block_on(
+        Node::builder("shard-lead")
+            .config(node_config())
+            .dev_certs(dir.path())
+            .start(),
+    )?;
     let exe = std::env::current_exe().context("locating the yatt binary")?;
     let (tx, rx) = std::sync::mpsc::channel::<(usize, Option<String>)>();
     let mut ranks = Vec::with_capacity(world);
@@ -306,6 +314,7 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
         .build()?;
     let node = rt.block_on(
         Node::builder(&format!("rank{rank}"))
+            .config(node_config())
             .dev_certs(&ca)
             .seed(lead)
             .start(),
@@ -341,6 +350,7 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
         gather_s: vec![],
         train_state_bytes: 0,
         peak_rss_bytes: 0,
+        built_rss_bytes: 0,
     };
     let global_tokens = (args.global_batch * (args.seq_len - 8)) as f64;
     let loss = |s: &TokenScores, b: &SeqBatch| {
@@ -374,6 +384,7 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
             let mut model = random_model_by_units(config, Device::Cpu, Kind::Float, SEED);
             model.memory.activation_checkpointing = true;
             let mut tr = Trainer::new(model, train);
+            result.built_rss_bytes = cap::peak_rss_bytes();
             result.train_state_bytes = tr.resident_bytes() as u64;
             let psi: usize = tr.model.parameters().iter().map(|(_, p)| p.numel()).sum();
             for step in 0..args.steps {
@@ -404,6 +415,15 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
     std::io::stdout().flush()?;
     rt.block_on(node.shutdown());
     Ok(())
+}
+
+/// Loopback nodes with a generous failure bound: ranks computing on every core must
+/// not be declared dead because their runtime thread waited for one.
+fn node_config() -> NodeConfig {
+    NodeConfig {
+        failure_timeout: Duration::from_secs(60),
+        ..NodeConfig::default()
+    }
 }
 
 /// This rank's share of step `step`'s global batch: sequences `rank`, `rank + world`,
