@@ -65,6 +65,10 @@ pub struct BenchShardedArgs {
     /// Deadline of each collective, seconds.
     #[arg(long, default_value_t = 300)]
     pub collective_s: u64,
+    /// glibc's mmap threshold in the ranks, KiB (fixed, so that freed tensors above it
+    /// go back to the OS); unset: glibc's dynamic default.
+    #[arg(long)]
+    pub mmap_threshold_kb: Option<i32>,
     /// Deadline of a whole run, seconds.
     #[arg(long, default_value_t = 3600)]
     pub run_s: u64,
@@ -226,6 +230,11 @@ fn run_ranks(args: &BenchShardedArgs, layout: Layout, world: usize) -> Result<Ve
             .args(["--seq-len", &args.seq_len.to_string()])
             .args(["--threads", &args.threads.to_string()])
             .args(["--collective-s", &args.collective_s.to_string()])
+            .args(
+                args.mmap_threshold_kb
+                    .map(|k| vec!["--mmap-threshold-kb".to_string(), k.to_string()])
+                    .unwrap_or_default(),
+            )
             .args(["--rank", &r.to_string(), "--world", &world.to_string()])
             .args(["--layout", &format!("{layout:?}").to_lowercase()])
             .args(["--lead", &lead.addr().to_string()])
@@ -306,6 +315,11 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
     let lead = ra.lead.context("--lead")?;
     let ca = ra.ca_dir.clone().context("--ca-dir")?;
     set_threads(args.threads);
+    if let Some(kb) = args.mmap_threshold_kb {
+        const M_MMAP_THRESHOLD: i32 = -3;
+        // SAFETY: mallopt only adjusts allocator tunables.
+        unsafe { libc::mallopt(M_MMAP_THRESHOLD, kb.saturating_mul(1024)) };
+    }
     let config = model_config(&args.model)?;
     let vocab = config.vocab_size;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -367,6 +381,7 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
                 train,
                 Box::new(group),
             )?;
+            result.built_rss_bytes = cap::peak_rss_bytes();
             for step in 0..args.steps {
                 let batches = rank_batch(args, vocab, step, rank, world)?;
                 let t0 = Instant::now();
