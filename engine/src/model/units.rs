@@ -54,25 +54,7 @@ impl Llama {
         self.packed = None;
         match unit {
             Unit::Embed => vec![("embed".into(), &mut self.embed)],
-            Unit::Layer(i) => {
-                let l = &mut self.layers[i];
-                let mut v: Vec<(String, &mut Tensor)> = vec![
-                    (format!("layers.{i}.ln1"), &mut l.ln1),
-                    (format!("layers.{i}.wqkv"), &mut l.wqkv),
-                ];
-                if let Some(b) = l.bqkv.as_mut() {
-                    v.push((format!("layers.{i}.bqkv"), b));
-                }
-                if let Some((qn, kn)) = l.qk_norm.as_mut() {
-                    v.push((format!("layers.{i}.q_norm"), qn));
-                    v.push((format!("layers.{i}.k_norm"), kn));
-                }
-                v.push((format!("layers.{i}.wo"), &mut l.wo));
-                v.push((format!("layers.{i}.ln2"), &mut l.ln2));
-                v.push((format!("layers.{i}.w_gate_up"), &mut l.w_gate_up));
-                v.push((format!("layers.{i}.w_down"), &mut l.w_down));
-                v
-            }
+            Unit::Layer(i) => self.layers[i].parameters_mut(i),
             Unit::Head => {
                 let mut v: Vec<(String, &mut Tensor)> = vec![("norm".into(), &mut self.norm)];
                 if let Some(w) = self.lm_head.as_mut() {

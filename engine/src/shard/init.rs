@@ -69,17 +69,10 @@ pub fn random_model_by_units(config: ModelConfig, device: Device, kind: Kind, se
     let layout = model_layout(&config);
     let mut model = Llama::skeleton(config, device, kind);
     for (i, ul) in layout.iter().enumerate() {
-        let flat = random_unit(ul, seed, i).to_device(device).to_kind(kind);
-        for ((_, p), s) in model
-            .unit_parameters_mut(ul.unit)
-            .into_iter()
-            .zip(&ul.slots)
-        {
-            *p = flat
-                .narrow(0, s.offset, s.numel)
-                .view(s.shape.as_slice())
-                .copy();
-        }
+        ul.install(
+            &mut model,
+            &random_unit(ul, seed, i).to_device(device).to_kind(kind),
+        );
     }
     model
 }

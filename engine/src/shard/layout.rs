@@ -5,7 +5,7 @@
 //! merge` and live placement all use it.
 
 use crate::config::ModelConfig;
-use crate::model::{unit_shapes, Unit};
+use crate::model::{unit_shapes, Llama, Unit};
 use tch::Tensor;
 
 /// One parameter's place in its unit's flat buffer.
@@ -60,6 +60,18 @@ impl UnitLayout {
     /// Elements per rank's shard over `world` ranks (the last rank's tail is padding).
     pub fn shard_len(&self, world: usize) -> i64 {
         shard_len(self.numel, world)
+    }
+
+    /// Makes `model`'s parameters of this unit views of `flat` (the unit's flat buffer,
+    /// padding allowed at its end): they keep `flat`'s memory alive, and write through.
+    pub fn install(&self, model: &mut Llama, flat: &Tensor) {
+        for ((_, p), s) in model
+            .unit_parameters_mut(self.unit)
+            .into_iter()
+            .zip(&self.slots)
+        {
+            *p = flat.narrow(0, s.offset, s.numel).view(s.shape.as_slice());
+        }
     }
 
     /// The flat `[start, end)` this rank's shard covers, padding included.

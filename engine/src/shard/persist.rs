@@ -157,17 +157,7 @@ pub fn merge_sharded_checkpoint(dir: &Path, out: &Path) -> Result<()> {
         let parts = (0..saved.world)
             .map(|r| files.read(r, &name))
             .collect::<Result<Vec<_>>>()?;
-        let flat = Tensor::cat(&parts, 0);
-        for ((_, p), slot) in model
-            .unit_parameters_mut(ul.unit)
-            .into_iter()
-            .zip(&ul.slots)
-        {
-            *p = flat
-                .narrow(0, slot.offset, slot.numel)
-                .view(slot.shape.as_slice())
-                .copy();
-        }
+        ul.install(&mut model, &Tensor::cat(&parts, 0));
     }
     save_pretrained(&model, out, Some(dir))
 }
