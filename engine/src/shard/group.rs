@@ -28,8 +28,8 @@ pub trait ShardGroup: Send {
     /// Every rank's `shard` (1-D, the same length on all), concatenated in rank order.
     fn all_gather(&mut self, shard: &Tensor) -> Result<Tensor>;
     /// The sum over ranks of `full` (1-D, `world × s` long), and of that sum this
-    /// rank's `s`-long slice.
-    fn reduce_scatter(&mut self, full: &Tensor) -> Result<Tensor>;
+    /// rank's `s`-long slice. `full` is consumed: the group may use its memory.
+    fn reduce_scatter(&mut self, full: Tensor) -> Result<Tensor>;
     /// Combines small vectors (norms, counts) element-wise over the ranks, in place.
     fn all_reduce(&mut self, values: &mut [f64], op: ReduceOp) -> Result<()>;
 }
@@ -222,14 +222,15 @@ impl ShardGroup for LocalGroup {
         Ok(Tensor::cat(&parts, 0))
     }
 
-    fn reduce_scatter(&mut self, full: &Tensor) -> Result<Tensor> {
+    fn reduce_scatter(&mut self, full: Tensor) -> Result<Tensor> {
         const OP: &str = "reduce-scatter";
         let n = full.size()[0];
         let world = self.shared.world as i64;
         if n % world != 0 {
             return Err(self.fail(OP, format!("{n} elements do not split over {world} ranks")));
         }
-        let round = self.exchange(OP, Deposit::Tensor(full.detach()))?;
+        let kind = full.kind();
+        let round = self.exchange(OP, Deposit::Tensor(full))?;
         let parts = tensors(&round, n, OP).map_err(|m| self.fail(OP, m))?;
         let s = n / world;
         let at = self.rank as i64 * s;
@@ -238,7 +239,7 @@ impl ShardGroup for LocalGroup {
         for p in &parts[1..] {
             acc += p.narrow(0, at, s);
         }
-        Ok(acc.to_kind(full.kind()))
+        Ok(acc.to_kind(kind))
     }
 
     fn all_reduce(&mut self, values: &mut [f64], op: ReduceOp) -> Result<()> {
@@ -315,7 +316,7 @@ mod tests {
             let shard = Tensor::full([2], r, (Kind::Float, Device::Cpu));
             let all = g.all_gather(&shard).unwrap();
             let full = Tensor::arange(6, (Kind::Float, Device::Cpu)) * (r + 1.0);
-            let mine = g.reduce_scatter(&full).unwrap();
+            let mine = g.reduce_scatter(full).unwrap();
             let mut v = [r, 10.0 - r];
             g.all_reduce(&mut v, ReduceOp::Max).unwrap();
             (
@@ -372,7 +373,7 @@ mod tests {
             let t = Tensor::zeros([2], (Kind::Float, Device::Cpu));
             let r = match g.rank() {
                 0 => g.all_gather(&t).map(|_| ()),
-                _ => g.reduce_scatter(&t).map(|_| ()),
+                _ => g.reduce_scatter(t).map(|_| ()),
             };
             r.unwrap_err().to_string()
         });

@@ -21,6 +21,14 @@ use crate::train::{StepStats, TrainConfig};
 use std::time::Instant;
 use tch::{Kind, Tensor};
 
+/// A unit's gathered weights: the flat buffer, and with gradients one leaf per
+/// parameter (views of the buffer's memory).
+struct Gathered {
+    unit: usize,
+    flat: Tensor,
+    leaves: Vec<Tensor>,
+}
+
 /// One rank's part of one unit's training state, all f32 `[shard_len]`.
 pub(crate) struct UnitState {
     pub(crate) master: Tensor,
@@ -226,42 +234,81 @@ impl ShardedTrainer {
         })
     }
 
-    /// Gathers unit `u`'s weights in the model's dtype and installs them; with `grad`
-    /// the flat buffer is a leaf that collects the unit's gradient. Returns the buffer.
-    fn gather(&mut self, u: usize, grad: bool) -> Result<Tensor> {
+    /// Gathers unit `u`'s weights in the model's dtype and installs them as views of
+    /// the gathered buffer; with `grad` each parameter is a leaf of its own (a view of
+    /// the buffer's memory) that collects its gradient in its own shape, so that no
+    /// backward pass builds a zero-filled buffer-sized gradient per parameter.
+    fn gather(&mut self, u: usize, grad: bool) -> Result<Gathered> {
         let kind = self.model.kind();
         let shard = self.state[u].master.to_kind(kind);
         let t0 = Instant::now();
-        let full = self.group.all_gather(&shard)?;
+        let flat = self.group.all_gather(&shard)?;
         let world = self.group.world() as u64;
-        let bytes = full.numel() as u64 * kind.elt_size_in_bytes() as u64;
+        let bytes = flat.numel() as u64 * kind.elt_size_in_bytes() as u64;
         self.comm.gather_s += t0.elapsed().as_secs_f64();
         self.comm.gathered_bytes += bytes / world * (world - 1);
         self.comm.gathers += 1;
-        let flat = if grad {
-            full.set_requires_grad(true)
-        } else {
-            full
-        };
         let ul = &self.layout[u];
-        let params = self.model.unit_parameters_mut(ul.unit);
-        for ((_, p), slot) in params.into_iter().zip(&ul.slots) {
-            *p = flat
+        let mut leaves = Vec::new();
+        for ((_, p), slot) in self
+            .model
+            .unit_parameters_mut(ul.unit)
+            .into_iter()
+            .zip(&ul.slots)
+        {
+            let view = flat
                 .narrow(0, slot.offset, slot.numel)
                 .view(slot.shape.as_slice());
+            *p = match grad {
+                true => {
+                    let leaf = view.detach().set_requires_grad(true);
+                    leaves.push(leaf.shallow_clone());
+                    leaf
+                }
+                false => view,
+            };
         }
         self.hold(bytes as i64);
-        Ok(flat)
+        Ok(Gathered {
+            unit: u,
+            flat,
+            leaves,
+        })
     }
 
-    /// Frees what unit `u` holds (the buffer itself goes when the caller drops it).
-    fn release(&mut self, u: usize, flat: Tensor) {
+    /// Frees what a gathered unit holds (its gradients live on in whoever took them).
+    fn release(&mut self, g: Gathered) {
         let (kind, device) = (self.model.kind(), self.model.device());
-        let unit = self.layout[u].unit;
-        for (_, p) in self.model.unit_parameters_mut(unit) {
+        for (_, p) in self.model.unit_parameters_mut(self.layout[g.unit].unit) {
             *p = Tensor::empty([0], (kind, device));
         }
-        self.hold(-((flat.numel() * kind.elt_size_in_bytes()) as i64));
+        self.hold(-((g.flat.numel() * kind.elt_size_in_bytes()) as i64));
+    }
+
+    /// A gathered unit's flat gradient, padding zero, counted as held until reduced.
+    fn flat_grad(&mut self, g: &Gathered) -> Tensor {
+        let ul = &self.layout[g.unit];
+        let padded = g.flat.numel() as i64;
+        let grad = |l: &Tensor| {
+            let gr = l.grad();
+            match gr.defined() {
+                true => gr.reshape([-1]),
+                false => l.detach().zeros_like().reshape([-1]),
+            }
+        };
+        let out = if g.leaves.len() == 1 && ul.numel == padded {
+            // One parameter and no padding: its gradient is the flat gradient.
+            grad(&g.leaves[0])
+        } else {
+            let mut parts: Vec<Tensor> = g.leaves.iter().map(grad).collect();
+            if padded > ul.numel {
+                let kind = self.model.kind();
+                parts.push(Tensor::zeros([padded - ul.numel], (kind, g.flat.device())));
+            }
+            Tensor::cat(&parts, 0)
+        };
+        self.hold((out.numel() * out.kind().elt_size_in_bytes()) as i64);
+        out
     }
 
     fn hold(&mut self, bytes: i64) {
@@ -269,14 +316,16 @@ impl ShardedTrainer {
         self.peak_held = self.peak_held.max(self.held);
     }
 
-    /// Reduce-scatters a unit's full gradient into this rank's gradient shard.
-    fn reduce_into(&mut self, u: usize, g: &Tensor) -> Result<()> {
+    /// Reduce-scatters a unit's flat gradient (from [`ShardedTrainer::flat_grad`];
+    /// consumed: the group may use its memory) into this rank's gradient shard.
+    fn reduce_into(&mut self, u: usize, g: Tensor) -> Result<()> {
         let t0 = Instant::now();
-        let mine = self.group.reduce_scatter(&g.detach())?;
         let world = self.group.world() as u64;
         let bytes = g.numel() as u64 * g.kind().elt_size_in_bytes() as u64;
+        let mine = self.group.reduce_scatter(g.detach())?;
         self.comm.reduce_s += t0.elapsed().as_secs_f64();
         self.comm.reduced_bytes += bytes / world * (world - 1);
+        self.hold(-(bytes as i64));
         self.state[u].grad += mine.to_kind(Kind::Float);
         Ok(())
     }
@@ -297,28 +346,28 @@ impl ShardedTrainer {
                 .unit_pass(&b.ids, &positions, Attn::Full { mask: None })
         });
         // Forward, keeping each layer's input.
-        let embed_flat = self.gather(0, tied)?;
+        let embed = self.gather(0, tied)?;
         let mut x = pass
             .as_ref()
             .map(|p| tch::no_grad(|| self.model.run_embed(p)));
-        let embed_flat = match tied {
-            true => Some(embed_flat),
+        let embed = match tied {
+            true => Some(embed),
             false => {
-                self.release(0, embed_flat);
+                self.release(embed);
                 None
             }
         };
         let mut inputs = Vec::with_capacity(head - 1);
         for u in 1..head {
-            let flat = self.gather(u, false)?;
+            let unit = self.gather(u, false)?;
             if let (Some(p), Some(xi)) = (&pass, x.as_ref()) {
                 let y = tch::no_grad(|| self.model.run_layer(p, u - 1, xi));
                 inputs.push(std::mem::replace(&mut x, Some(y)));
             }
-            self.release(u, flat);
+            self.release(unit);
         }
         // The head, forward and backward at once.
-        let head_flat = self.gather(head, true)?;
+        let head_unit = self.gather(head, true)?;
         let mut value = 0.0;
         let mut g = None;
         if let (Some(b), Some(p), Some(xl)) = (batch, &pass, x) {
@@ -341,19 +390,19 @@ impl ShardedTrainer {
             value = v;
             g = Some(grad_or_zeros(&last));
         }
-        self.reduce_into(head, &grad_or_zeros(&head_flat))?;
-        self.release(head, head_flat);
+        let head_grad = self.flat_grad(&head_unit);
+        self.release(head_unit);
+        self.reduce_into(head, head_grad)?;
         // With tied embeddings the head's part of the embedding gradient waits for the
         // embedding's own: one reduce-scatter of the sum.
-        let pending = embed_flat.map(|f| {
-            let g = grad_or_zeros(&f);
-            self.release(0, f);
-            self.hold((g.numel() * g.kind().elt_size_in_bytes()) as i64);
+        let pending = embed.map(|e| {
+            let g = self.flat_grad(&e);
+            self.release(e);
             g
         });
         // Backward through the layers, last first, each recomputed from its input.
         for u in (1..head).rev() {
-            let flat = self.gather(u, true)?;
+            let unit = self.gather(u, true)?;
             if let (Some(p), Some(gy)) = (&pass, g.as_ref()) {
                 let xin = inputs.pop().flatten().expect("one input per layer");
                 let xg = xin.detach().set_requires_grad(true);
@@ -361,21 +410,22 @@ impl ShardedTrainer {
                 backward_with(&y, gy);
                 g = Some(grad_or_zeros(&xg));
             }
-            self.reduce_into(u, &grad_or_zeros(&flat))?;
-            self.release(u, flat);
+            let unit_grad = self.flat_grad(&unit);
+            self.release(unit);
+            self.reduce_into(u, unit_grad)?;
         }
-        let flat = self.gather(0, true)?;
+        let unit = self.gather(0, true)?;
         if let (Some(p), Some(gy)) = (&pass, g.as_ref()) {
             let x0 = self.model.run_embed(p);
             backward_with(&x0, gy);
         }
-        let mut eg = grad_or_zeros(&flat);
+        let mut eg = self.flat_grad(&unit);
+        self.release(unit);
         if let Some(pend) = pending {
             eg += &pend;
             self.hold(-((pend.numel() * pend.kind().elt_size_in_bytes()) as i64));
         }
-        self.reduce_into(0, &eg)?;
-        self.release(0, flat);
+        self.reduce_into(0, eg)?;
         Ok(value)
     }
 

@@ -55,15 +55,18 @@ impl RingShardGroup {
 struct TensorBuf(Tensor);
 
 impl TensorBuf {
-    /// `t` as a fresh f32 CPU tensor of its own (never sharing the caller's memory,
-    /// which the ring would overwrite).
-    fn copy_of(t: &Tensor) -> Self {
+    /// `t` (handed over by the caller, its memory the ring's to overwrite) as a flat
+    /// f32 CPU tensor: itself when it is one already, else converted.
+    fn own(t: Tensor) -> Self {
+        let t = t.detach();
+        if t.kind() == Kind::Float && t.device() == Device::Cpu && t.is_contiguous() {
+            return TensorBuf(t.reshape([-1]));
+        }
         TensorBuf(
-            t.detach()
-                .to_device(Device::Cpu)
+            t.to_device(Device::Cpu)
                 .to_kind(Kind::Float)
-                .reshape([-1])
-                .copy(),
+                .contiguous()
+                .reshape([-1]),
         )
     }
 }
@@ -71,7 +74,7 @@ impl TensorBuf {
 impl AsMut<[f32]> for TensorBuf {
     fn as_mut(&mut self) -> &mut [f32] {
         let n = self.0.numel();
-        // SAFETY: the tensor is f32, contiguous and on the CPU (see `copy_of` and
+        // SAFETY: the tensor is f32, contiguous and on the CPU (see `own` and
         // `all_gather`), and owned by this buffer alone: nothing else reads or writes
         // its memory while the slice lives.
         unsafe { std::slice::from_raw_parts_mut(self.0.data_ptr() as *mut f32, n) }
@@ -104,7 +107,7 @@ impl ShardGroup for RingShardGroup {
         Ok(full.to_kind(shard.kind()).to_device(shard.device()))
     }
 
-    fn reduce_scatter(&mut self, full: &Tensor) -> Result<Tensor, EngineError> {
+    fn reduce_scatter(&mut self, full: Tensor) -> Result<Tensor, EngineError> {
         let n = full.numel();
         if n % self.world != 0 {
             return Err(self.fail(
@@ -113,20 +116,21 @@ impl ShardGroup for RingShardGroup {
             ));
         }
         if self.world == 1 {
-            return Ok(full.copy());
+            return Ok(full);
         }
         let s = (n / self.world) as i64;
+        let (kind, device) = (full.kind(), full.device());
         let round = self.next_round();
         let buf = self
             .member
-            .reduce_scatter_sum_blocking(TensorBuf::copy_of(full), round)
+            .reduce_scatter_sum_blocking(TensorBuf::own(full), round)
             .map_err(|e| self.fail("reduce-scatter", e))?
             .0;
         Ok(buf
             .narrow(0, self.rank as i64 * s, s)
             .copy()
-            .to_kind(full.kind())
-            .to_device(full.device()))
+            .to_kind(kind)
+            .to_device(device))
     }
 
     fn all_reduce(&mut self, values: &mut [f64], op: ReduceOp) -> Result<(), EngineError> {
