@@ -10,4 +10,4 @@ mod trainer;
 pub use group::{LocalGroup, ReduceOp, ShardGroup};
 pub use layout::{model_layout, reshard, shard_len, shard_of, ParamSlot, UnitLayout};
 pub use persist::{is_sharded_checkpoint, merge_sharded_checkpoint};
-pub use trainer::{CommStats, ShardedStepStats, ShardedTrainer};
+pub use trainer::{check_shards, CommStats, ShardedStepStats, ShardedTrainer};

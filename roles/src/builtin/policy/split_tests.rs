@@ -1,6 +1,7 @@
 //! A step's gradients do not depend on how it is split into micro-batches (by samples
 //! or by a token budget), nor on the chunked head, layer recompute or packed rows.
 
+use super::micro::token_groups;
 use super::*;
 use crate::algo::loss::LossAgg;
 use crate::sample::tests::sample;
