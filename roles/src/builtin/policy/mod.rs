@@ -54,6 +54,8 @@ mod ranks;
 mod report;
 mod sharded;
 #[cfg(test)]
+mod sharded_tests;
+#[cfg(test)]
 mod split_tests;
 mod state;
 
