@@ -140,7 +140,7 @@ impl ShardedPolicyRole {
         })
     }
 
-    /// Saves checkpoints only under `root` (see [`super::PolicyRole::with_write_root`]).
+    /// Saves checkpoints only under `root` (see [`crate::PolicyRole::with_write_root`]).
     pub fn with_write_root(mut self, root: PathBuf) -> Self {
         self.write_root = Some(root);
         self
