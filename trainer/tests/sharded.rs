@@ -21,6 +21,7 @@ fn same_steps(what: &str, want: &[serde_json::Value], got: &[serde_json::Value])
     assert_eq!(want.len(), got.len(), "{what}: steps");
     for name in [names::PG_LOSS, names::GRAD_NORM, names::REWARDS_MEAN] {
         let (a, b) = (column(want, name), column(got, name));
+        eprintln!("{what}: {name} {a:?} vs {b:?}");
         for (step, (x, y)) in a.iter().zip(&b).enumerate() {
             assert!(
                 rel(*x, *y) <= 1e-4,

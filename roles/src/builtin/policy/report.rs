@@ -31,8 +31,10 @@ pub struct TrainReport {
     /// The replicas averaged this update's gradients through NCCL (not the QUIC ring).
     #[serde(default)]
     pub nccl_all_reduce: bool,
-    /// A sharded policy's memory and traffic in this update (`None` unsharded).
-    #[serde(default)]
+    /// A sharded policy's memory and traffic in this update (`None` unsharded). Not
+    /// sent across processes: a sharded policy runs in its controller's process so far,
+    /// and a new field on the wire needs the ALPN bumped (`roles/src/wire/pin.rs`).
+    #[serde(skip)]
     pub sharded: Option<ShardReport>,
 }
 
