@@ -100,6 +100,7 @@ pub use builtin::{
     JudgeScorer, KlLossConfig, LoraSync, ModelScorer, OnUnparsed, PolicyConfig, PolicyRequest,
     PolicyResponse, PolicyRole, PushReport, PushTarget, PushingPolicy, ReferenceRole,
     RewardModelError, RewardRole, RingShardGroup, RmExample, RmTrainConfig, RolloutRequest,
-    RolloutResponse, RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, TextCodec,
-    TokenizerCodec, TrainReport, TrainerState, TINY_CODEC,
+    RolloutResponse, RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, ShardReport,
+    ShardedPolicyRole, ShardedStart, TextCodec, TokenizerCodec, TrainReport, TrainerState,
+    TINY_CODEC,
 };

@@ -11,5 +11,5 @@ mod trainer;
 pub use group::{LocalGroup, ReduceOp, ShardGroup};
 pub use init::{random_model_by_units, random_unit};
 pub use layout::{model_layout, reshard, shard_len, shard_of, ParamSlot, UnitLayout};
-pub use persist::{is_sharded_checkpoint, merge_sharded_checkpoint};
-pub use trainer::{CommStats, ShardedStepStats, ShardedTrainer};
+pub use persist::{is_sharded_checkpoint, load_sharded_weights, merge_sharded_checkpoint};
+pub use trainer::{check_shards, CommStats, ShardedStepStats, ShardedTrainer};

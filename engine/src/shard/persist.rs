@@ -149,17 +149,28 @@ impl ShardedTrainer {
 /// directory `out` (config, `model.safetensors`, tokenizer files), loadable by
 /// transformers. Holds the whole model in f32.
 pub fn merge_sharded_checkpoint(dir: &Path, out: &Path) -> Result<()> {
+    let model = load_sharded_weights(dir, Device::Cpu, Kind::Float)?;
+    save_pretrained(&model, out, Some(dir))
+}
+
+/// The model of the sharded checkpoint `dir`, whole, on `device` in `kind` (its master
+/// weights, without the optimizer state): for evaluating or serving a checkpoint
+/// without merging it to disk first.
+pub fn load_sharded_weights(dir: &Path, device: Device, kind: Kind) -> Result<Llama> {
     let saved = SavedState::read(dir)?;
     let mut files = ShardFiles::open(dir, saved.world)?;
-    let mut model = Llama::skeleton(saved.model, Device::Cpu, Kind::Float);
+    let mut model = Llama::skeleton(saved.model, device, kind);
     for ul in &saved.layout {
         let name = format!("master.{}", ul.unit);
         let parts = (0..saved.world)
             .map(|r| files.read(r, &name))
             .collect::<Result<Vec<_>>>()?;
-        ul.install(&mut model, &Tensor::cat(&parts, 0));
+        ul.install(
+            &mut model,
+            &Tensor::cat(&parts, 0).to_device(device).to_kind(kind),
+        );
     }
-    save_pretrained(&model, out, Some(dir))
+    Ok(model)
 }
 
 fn write_json(path: &Path, v: &Value) -> Result<()> {

@@ -12,6 +12,7 @@
 
 use super::group::{ReduceOp, ShardGroup};
 use super::layout::{model_layout, shard_of, UnitLayout};
+use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::model::{backward_with, positions_from_mask, Attn, Llama, UnitPass};
 use crate::score::{
@@ -187,7 +188,8 @@ impl ShardedTrainer {
     /// rank short of micro-batches takes part in the collectives with none) each run
     /// forward and backward, `loss` mapping its token scores to a loss already scaled as
     /// the caller wants it (say, divided by the global token count). The step's loss is
-    /// the sum of those over micro-batches and ranks.
+    /// the sum of those over micro-batches and ranks. With no micro-batch on any rank
+    /// the step is taken with zero gradients.
     pub fn step_tokens(
         &mut self,
         micro_batches: &[SeqBatch],
@@ -199,12 +201,10 @@ impl ShardedTrainer {
         self.peak_held = self.held;
         let mut count = [micro_batches.len() as f64];
         self.group.all_reduce(&mut count, ReduceOp::Max)?;
+        // With no micro-batch on any rank (none of the step's samples carries a
+        // gradient) the step still counts, with zero gradients, as the unsharded
+        // trainer's does: the step count and the LR schedule stay in line.
         let n = count[0] as usize;
-        if n == 0 {
-            return Err(EngineError::InvalidArgument(
-                "step needs at least one micro-batch on some rank".into(),
-            ));
-        }
         let mut total = 0.0;
         for i in 0..n {
             let mb = micro_batches.get(i);
@@ -482,6 +482,20 @@ impl ShardedTrainer {
         Ok((norm, lr))
     }
 
+    /// The whole model with the current weights in the compute dtype, without
+    /// gradients: a collective (every rank must call it, and every rank gets the model).
+    /// For weight sync and scoring by a caller that can hold the whole model.
+    pub fn gathered_model(&mut self) -> Result<Llama> {
+        let (kind, device) = (self.model.kind(), self.model.device());
+        let mut model = Llama::skeleton(self.model.config.clone(), device, kind);
+        model.memory = self.model.memory;
+        for u in 0..self.layout.len() {
+            let full = self.group.all_gather(&self.state[u].master.to_kind(kind))?;
+            self.layout[u].install(&mut model, &full);
+        }
+        Ok(model)
+    }
+
     /// Every unit's full f32 weights under their canonical names: a collective (every
     /// rank must call it), for checks, exports and merges. Holds the whole model.
     pub fn full_weights(&mut self) -> Result<Vec<(String, Tensor)>> {
@@ -538,6 +552,12 @@ pub(crate) fn decay_ranges(
         }
     }
     out
+}
+
+/// Refuses a rank count the units of a model with `config` cannot be split over, with
+/// the largest count that can: a check to run before any model is built.
+pub fn check_shards(config: &ModelConfig, world: usize) -> Result<()> {
+    check_world(&model_layout(config), world)
 }
 
 /// Refuses a rank count some unit cannot be split over: a rank whose shard of a unit

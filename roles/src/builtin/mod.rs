@@ -39,7 +39,8 @@ pub use critic::{CriticConfig, CriticReport, CriticRequest, CriticResponse, Crit
 pub use judge_model::{JudgeConfig, JudgeMode, JudgeScorer, OnUnparsed};
 pub use policy::{
     GradShard, KlLossConfig, LoraSync, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole,
-    PushReport, PushTarget, TrainReport, TrainerState,
+    PushReport, PushTarget, ShardReport, ShardedPolicyRole, ShardedStart, TrainReport,
+    TrainerState,
 };
 pub use policy_push::PushingPolicy;
 pub use reference::ReferenceRole;
