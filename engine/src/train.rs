@@ -98,6 +98,38 @@ impl Default for TrainConfig {
     }
 }
 
+/// One AdamW step's moment hyper-parameters (bias corrections `bc1`, `bc2` of this
+/// step), shared by the whole and the sharded trainer.
+pub(crate) struct Moments {
+    pub(crate) b1: f64,
+    pub(crate) b2: f64,
+    pub(crate) bc1: f64,
+    pub(crate) bc2: f64,
+    pub(crate) eps: f64,
+    pub(crate) lr: f64,
+}
+
+impl Moments {
+    /// Updates the moments `m`, `v` with the f32 gradient `g` and returns the step to
+    /// add to the weights (before weight decay): `−lr/bc1 · m / (√(v/bc2) + eps)`.
+    pub(crate) fn update(&self, m: &mut Tensor, v: &mut Tensor, g: &Tensor) -> Tensor {
+        // Few passes over memory: m ← lerp(m, g, 1-β1); v ← β2·v + (1-β2)·g².
+        let _ = m.lerp_(g, 1.0 - self.b1);
+        let gs = g * (1.0 - self.b2).sqrt();
+        let _ = v.g_mul_scalar_(self.b2);
+        let _ = v.addcmul_(&gs, &gs);
+        drop(gs);
+        // Built in one temporary.
+        let mut upd = v.sqrt();
+        let _ = upd.g_mul_scalar_(1.0 / self.bc2.sqrt());
+        let _ = upd.g_add_scalar_(self.eps);
+        let _ = upd.reciprocal_();
+        let _ = upd.g_mul_(m);
+        let _ = upd.g_mul_scalar_(-self.lr / self.bc1);
+        upd
+    }
+}
+
 /// What one optimizer step did.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepStats {
@@ -525,20 +557,15 @@ impl Trainer {
                     if !g.defined() {
                         continue;
                     }
-                    let gf = g.to_kind(Kind::Float);
-                    // Few passes over memory: m ← lerp(m, g, 1-β1); v ← β2·v + (1-β2)·g².
-                    let _ = s.m.lerp_(&gf, 1.0 - b1);
-                    let gs = &gf * (1.0 - b2).sqrt();
-                    let _ = s.v.g_mul_scalar_(b2);
-                    let _ = s.v.addcmul_(&gs, &gs);
-                    drop(gs);
-                    // upd = -lr/bc1 · m / (sqrt(v)/sqrt(bc2) + eps), built in one temporary.
-                    let mut upd = s.v.sqrt();
-                    let _ = upd.g_mul_scalar_(1.0 / bc2.sqrt());
-                    let _ = upd.g_add_scalar_(c.eps);
-                    let _ = upd.reciprocal_();
-                    let _ = upd.g_mul_(&s.m);
-                    let _ = upd.g_mul_scalar_(-lr / bc1);
+                    let moments = Moments {
+                        b1,
+                        b2,
+                        bc1,
+                        bc2,
+                        eps: c.eps,
+                        lr,
+                    };
+                    let upd = moments.update(&mut s.m, &mut s.v, &g.to_kind(Kind::Float));
                     match s.master.as_mut() {
                         Some(w) => {
                             if s.decay && c.weight_decay > 0.0 {

@@ -18,7 +18,7 @@ use crate::model::{backward_with, positions_from_mask, Attn, Llama, UnitPass};
 use crate::score::{
     chunked_backward, predicting_rows, token_layout, HeadInput, SeqBatch, TokenScores,
 };
-use crate::train::{StepStats, TrainConfig};
+use crate::train::{Moments, StepStats, TrainConfig};
 use std::time::Instant;
 use tch::{Kind, Tensor};
 
@@ -449,23 +449,21 @@ impl ShardedTrainer {
             Some(maxn) if maxn / (norm + 1e-6) < 1.0 => maxn / (norm + 1e-6),
             _ => 1.0,
         };
+        let moments = Moments {
+            b1,
+            b2,
+            bc1,
+            bc2,
+            eps: c.eps,
+            lr,
+        };
         tch::no_grad(|| {
             for s in &mut self.state {
                 if coef != 1.0 {
                     let _ = s.grad.g_mul_scalar_(coef);
                 }
                 // The trainer's unsharded update, element for element.
-                let _ = s.m.lerp_(&s.grad, 1.0 - b1);
-                let gs = &s.grad * (1.0 - b2).sqrt();
-                let _ = s.v.g_mul_scalar_(b2);
-                let _ = s.v.addcmul_(&gs, &gs);
-                drop(gs);
-                let mut upd = s.v.sqrt();
-                let _ = upd.g_mul_scalar_(1.0 / bc2.sqrt());
-                let _ = upd.g_add_scalar_(c.eps);
-                let _ = upd.reciprocal_();
-                let _ = upd.g_mul_(&s.m);
-                let _ = upd.g_mul_scalar_(-lr / bc1);
+                let upd = moments.update(&mut s.m, &mut s.v, &s.grad);
                 if c.weight_decay > 0.0 {
                     for &(at, len) in &s.decay {
                         let _ = s
