@@ -76,8 +76,9 @@ pub use schedule::BatchingMode;
 pub use score::{SeqBatch, TokenScores};
 pub use shard::{
     check_shards, is_sharded_checkpoint, load_sharded_weights, merge_sharded_checkpoint,
-    model_layout, random_model_by_units, random_unit, reshard, shard_len, shard_of, CommStats,
-    LocalGroup, ParamSlot, ReduceOp, ShardGroup, ShardedStepStats, ShardedTrainer, UnitLayout,
+    model_layout, moved_bytes_per_micro_batch, random_model_by_units, random_unit, reshard,
+    shard_len, shard_of, CommStats, LocalGroup, ParamSlot, ReduceOp, ShardGroup, ShardedStepStats,
+    ShardedTrainer, UnitLayout,
 };
 pub use tch;
 pub use tokenizer::{render_chat_template, ChatMessage, Tokenizer};

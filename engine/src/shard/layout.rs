@@ -89,6 +89,25 @@ pub fn model_layout(config: &ModelConfig) -> Vec<UnitLayout> {
     units.iter().map(|&u| UnitLayout::of(config, u)).collect()
 }
 
+/// Bytes one rank moves per micro-batch of sharded training (the trainer's schedule):
+/// the embeddings and the head are gathered once, each layer twice (forward, and again
+/// for its recompute), and every unit's gradient is reduce-scattered once; a ring moves
+/// (N−1)/N of each padded buffer per rank. The embeddings' second gather is saved
+/// because the lookup's gradient needs no weights; the head's, because it runs forward
+/// and backward at once. So this is 3·(N−1)/N·Ψ·b less one gather of the two.
+pub fn moved_bytes_per_micro_batch(layout: &[UnitLayout], world: usize, elt_bytes: usize) -> f64 {
+    let n = world as f64;
+    let last = layout.len().saturating_sub(1);
+    layout
+        .iter()
+        .enumerate()
+        .map(|(i, u)| {
+            let moves = if i == 0 || i == last { 2.0 } else { 3.0 };
+            moves * (u.shard_len(world) as f64 * n) * elt_bytes as f64 * (n - 1.0) / n
+        })
+        .sum()
+}
+
 /// Elements per shard of `numel` over `world` ranks.
 pub fn shard_len(numel: i64, world: usize) -> i64 {
     let w = world.max(1) as i64;

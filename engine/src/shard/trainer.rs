@@ -7,8 +7,11 @@
 //! backward at once (the chunked LM head), and in reverse each layer is gathered again,
 //! recomputed from its input with gradients, backpropagated, and its gradient
 //! reduce-scattered into the ranks' gradient shards. With tied embeddings the embedding
-//! weights gathered first stay until the head has used them, so every unit moves twice
-//! as weights and once as gradients: 3·(N−1)/N·Ψ·b per rank per micro-batch.
+//! weights gathered first stay until the head has used them; the embedding lookup's
+//! gradient needs no weights, and the head runs forward and backward at once, so the
+//! embeddings and the head are gathered once and every layer twice, and each unit's
+//! gradient is reduce-scattered once ([`moved_bytes_per_micro_batch`]): a little under
+//! 3·(N−1)/N·Ψ·b per rank per micro-batch.
 
 use super::group::{ReduceOp, ShardGroup};
 use super::layout::{model_layout, shard_of, UnitLayout};
@@ -414,16 +417,27 @@ impl ShardedTrainer {
             self.release(unit);
             self.reduce_into(u, unit_grad)?;
         }
-        let unit = self.gather(0, true)?;
-        if let (Some(p), Some(gy)) = (&pass, g.as_ref()) {
-            let x0 = self.model.run_embed(p);
-            backward_with(&x0, gy);
-        }
-        let mut eg = self.flat_grad(&unit);
-        self.release(unit);
-        if let Some(pend) = pending {
-            eg += &pend;
-            self.hold(-((pend.numel() * pend.kind().elt_size_in_bytes()) as i64));
+        // The embedding lookup's gradient needs no weights: each token's upstream row
+        // is added to its id's column (the table is stored `[hidden, vocab]`). So the
+        // embeddings are not gathered again, and no dense `[vocab, hidden]` gradient is
+        // built and re-laid: the rows go straight into the head's part (tied) or zeros.
+        let eg = match pending {
+            Some(p) => p,
+            None => {
+                let padded =
+                    self.layout[0].shard_len(self.group.world()) * self.group.world() as i64;
+                let (kind, device) = (self.model.kind(), self.model.device());
+                let z = Tensor::zeros([padded], (kind, device));
+                self.hold((z.numel() * kind.elt_size_in_bytes()) as i64);
+                z
+            }
+        };
+        if let (Some(b), Some(gy)) = (batch, g.as_ref()) {
+            let c = &self.model.config;
+            let (hidden, vocab) = (c.hidden_size, c.vocab_size);
+            let mut table = eg.narrow(0, 0, hidden * vocab).view([hidden, vocab]);
+            let rows = gy.reshape([-1, hidden]).to_kind(table.kind());
+            let _ = tch::no_grad(|| table.index_add_(1, &b.ids.reshape([-1]), &rows.tr()));
         }
         self.reduce_into(0, eg)?;
         Ok(value)

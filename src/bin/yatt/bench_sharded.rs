@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use yatt_engine::score::{token_logprobs_backward, SeqBatch, TokenScores};
 use yatt_engine::tch::{Device, Kind};
 use yatt_engine::{
-    model_layout, random_model_by_units, set_threads, ModelConfig, ShardedTrainer, TrainConfig,
-    Trainer,
+    model_layout, moved_bytes_per_micro_batch, random_model_by_units, set_threads, ModelConfig,
+    ShardedTrainer, TrainConfig, Trainer,
 };
 use yatt_roles::RingShardGroup;
 use yatt_runtime::{Node, NodeConfig, RingMember, RingSpec, RING_CHUNK_BYTES};
@@ -124,15 +124,15 @@ pub fn run(args: BenchShardedArgs) -> Result<()> {
             .map(|m| format!(", each rank capped at {m} MiB"))
             .unwrap_or_default()
     );
-    println!("| layout | ranks | step (s) | state / rank (GB) | peak RSS / rank (GB) | RSS built (GB) | moved / rank / step (MB) | 3(N−1)/N·Ψ·b (MB) | gather (s/step) | loss, step 1 |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("| layout | ranks | step (s) | state / rank (GB) | peak RSS / rank (GB) | RSS built (GB) | moved / rank / step (MB) | schedule (MB) | 3(N−1)/N·Ψ·b (MB) | gather (s/step) | loss, step 1 |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let runs = (args.shards.iter().map(|&n| (Layout::Sharded, n)))
         .chain(args.replicated.iter().map(|&n| (Layout::Replicated, n)));
     for (layout, world) in runs {
         match run_ranks(&args, layout, world) {
-            Ok(results) => print_row(layout, world, psi, &results),
+            Ok(results) => print_row(layout, world, &config, &results),
             Err(e) => println!(
-                "| {layout:?} | {world} | failed: {} | | | | | | | |",
+                "| {layout:?} | {world} | failed: {} | | | | | | | | |",
                 format!("{e:#}").replace('|', "/").replace('\n', " ")
             ),
         }
@@ -140,7 +140,9 @@ pub fn run(args: BenchShardedArgs) -> Result<()> {
     Ok(())
 }
 
-fn print_row(layout: Layout, world: usize, psi: i64, rs: &[RankResult]) {
+fn print_row(layout: Layout, world: usize, config: &ModelConfig, rs: &[RankResult]) {
+    let units = model_layout(config);
+    let psi: i64 = units.iter().map(|u| u.numel).sum();
     let mean = |f: &dyn Fn(&RankResult) -> f64| rs.iter().map(f).sum::<f64>() / rs.len() as f64;
     // Steps after the first: warm caches and allocator.
     let timed = |v: &[f64]| {
@@ -149,16 +151,23 @@ fn print_row(layout: Layout, world: usize, psi: i64, rs: &[RankResult]) {
     };
     let step = rs.iter().map(|r| timed(&r.step_s)).fold(0.0, f64::max);
     let moved = mean(&|r| timed(&r.moved_bytes.iter().map(|&b| b as f64).collect::<Vec<_>>()));
-    let formula = match layout {
-        Layout::Sharded => 3.0 * (world as f64 - 1.0) / world as f64 * psi as f64 * 4.0,
-        Layout::Replicated => 2.0 * (world as f64 - 1.0) / world as f64 * psi as f64 * 4.0,
+    let (schedule, formula) = match layout {
+        Layout::Sharded => (
+            moved_bytes_per_micro_batch(&units, world, 4),
+            3.0 * (world as f64 - 1.0) / world as f64 * psi as f64 * 4.0,
+        ),
+        Layout::Replicated => {
+            let ring = 2.0 * (world as f64 - 1.0) / world as f64 * psi as f64 * 4.0;
+            (ring, ring)
+        }
     };
     println!(
-        "| {layout:?} | {world} | {step:.2} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1}{} | {:.3} | {:.6} |",
+        "| {layout:?} | {world} | {step:.2} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.1}{} | {:.3} | {:.6} |",
         mean(&|r| r.train_state_bytes as f64) / 1e9,
         rs.iter().map(|r| r.peak_rss_bytes).max().unwrap_or(0) as f64 / 1e9,
         rs.iter().map(|r| r.built_rss_bytes).max().unwrap_or(0) as f64 / 1e9,
         moved / 1e6,
+        schedule / 1e6,
         formula / 1e6,
         if layout == Layout::Replicated {
             " (2(N−1)/N)"
