@@ -151,7 +151,7 @@ fn greedy_tch(model: &Llama, ps: &[Vec<i64>]) -> Vec<Vec<i64>> {
             Attn::Decode {
                 cache: &mut cache,
                 span,
-                shared: None,
+                table: None,
             },
         );
         next = model.logits(&h).squeeze_dim(1).argmax(-1, false);

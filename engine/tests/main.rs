@@ -11,5 +11,6 @@ mod gguf;
 mod long_bench;
 mod long_sequences;
 mod lora;
+mod paged;
 mod parity;
 mod train;

@@ -287,6 +287,7 @@ pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
             mode: BatchingMode::Continuous,
             max_prefill_batch: 64,
             share_prefixes: opts.prefix_sharing,
+            kv_cache_bytes: None,
         },
     );
     let sets = [PromptSet::Distinct, PromptSet::Grouped];
