@@ -3,7 +3,8 @@
 //! that biases, q/k norms and norm weights matter, `save_pretrained`): nothing is
 //! downloaded. Each model is checked through every attention path: the plain forward,
 //! a left-padded batch, scoring, `Attn::Capture`/`Continue`, generation (fused CPU
-//! decode with prefix sharing) and the tch prefill/decode path, and a trained
+//! decode with prefix sharing, and under a KV budget that preempts) and the tch
+//! prefill/decode path through the paged cache, and a trained
 //! checkpoint that yatt writes is read back by transformers.
 //!
 //! These tests need `.venv` (scripts/bootstrap.sh): without it they fail, never skip.
@@ -298,6 +299,36 @@ fn check_arch(name: &str, model_type: &str, extra: Value) {
                 g.model().is_packed()
             );
         }
+    }
+    // A KV budget of 5 blocks (one request needs up to 3) preempts sequences and
+    // recomputes their prefix: the same greedy ids.
+    let budget = 5 * KvCache::block_bytes(&model);
+    let mut small = Generator::new(
+        model.deep_copy(Device::Cpu, Kind::Float).unwrap(),
+        GeneratorConfig {
+            max_batch: 8,
+            max_seq_len: 64,
+            kv_cache_bytes: Some(budget),
+            ..Default::default()
+        },
+    );
+    let set = [0usize, 1, 2, 3, 0];
+    let reqs: Vec<Request> = set
+        .iter()
+        .enumerate()
+        .map(|(j, &i)| Request {
+            id: j as u64,
+            prompt: ps[i].clone(),
+            params: SamplingParams::greedy(NEW_TOKENS),
+        })
+        .collect();
+    let (done, st) = small.generate(&reqs).unwrap();
+    assert!(st.kv_preemptions > 0, "{name}: {st:?}");
+    for (c, &i) in done.iter().zip(&set) {
+        assert_eq!(
+            c.tokens, reference[i],
+            "{name}: greedy ids of prompt {i} (preempted)"
+        );
     }
     drop(_guard);
 
