@@ -1,5 +1,6 @@
 //! `yatt bench engine`: generation throughput side by side with HF transformers
-//! `generate`, continuous vs static batching on a long-tail workload, and training-step
+//! `generate`, continuous vs static batching on a long-tail workload, the paged KV cache
+//! on long-tail rollouts at a fixed memory budget, and training-step
 //! throughput against PyTorch eager — all in one run, same weights, same thread count.
 
 use crate::error::Result;
@@ -415,6 +416,15 @@ pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
         });
     }
     drop(g);
+    if opts.long_tail {
+        let model = Llama::load(&opts.model_dir, device, Kind::Float)?;
+        rows.push(super::paged::long_tail_row(
+            model,
+            &ps,
+            opts.long_tail_requests.max(2),
+            top_k,
+        )?);
+    }
 
     // 3. Training step.
     if opts.train {

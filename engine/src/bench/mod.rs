@@ -6,6 +6,7 @@
 //! anything a trainer calls. This file only re-exports.
 
 mod compare;
+mod paged;
 mod roofline;
 
 pub use compare::{markdown_table, run, BenchOptions, BenchRow};
