@@ -133,8 +133,9 @@ pub struct GeneratorConfig {
     pub max_prefill_batch: usize,
     /// Prefill each distinct prompt of an admitted group once (GRPO samples every prompt
     /// several times) and the prefix common to all of them (e.g. a chat template's system
-    /// prompt) once, then copy their KV into the other slots. The tokens are the same as
-    /// without it, up to GEMM rounding.
+    /// prompt) once; the other slots share their KV blocks (held once, the last partial
+    /// block copied at the first write). The tokens are the same as without it, up to
+    /// GEMM rounding.
     pub share_prefixes: bool,
     /// The KV cache's memory budget in bytes (`rollout.kv_cache_bytes` in a job):
     /// requests are admitted while its blocks hold their prompts, and the newest
@@ -742,7 +743,6 @@ impl Generator {
             sched.resume(s.req);
             back.push(s);
         }
-        let device = self.model.device();
         let chunk = self.config.max_prefill_batch.max(1);
         let mut back = back.into_iter().peekable();
         while back.peek().is_some() {
@@ -756,28 +756,8 @@ impl Generator {
                     [&prompt[..], &s.tokens[..fed]].concat()
                 })
                 .collect();
-            let t = seqs.iter().map(Vec::len).max().unwrap_or(1);
-            let mut ids = vec![0i64; part.len() * t];
-            for (i, q) in seqs.iter().enumerate() {
-                ids[i * t..i * t + q.len()].copy_from_slice(q);
-            }
-            let lens: Vec<i64> = seqs.iter().map(|q| q.len() as i64).collect();
-            let (b, t) = (part.len() as i64, t as i64);
-            let ids = Tensor::from_slice(&ids).view([b, t]).to_device(device);
-            let pos = Tensor::arange(t, (Kind::Int64, device))
-                .unsqueeze(0)
-                .expand([b, t], true);
-            let cache = self.cache.as_mut().expect("cache allocated");
-            let _ = self.model.hidden(
-                &ids,
-                &pos,
-                Attn::Prefill {
-                    cache,
-                    start,
-                    offset: 0,
-                    lens: Some(&lens),
-                },
-            );
+            let rows: Vec<&[i64]> = seqs.iter().map(Vec::as_slice).collect();
+            let (_, lens) = self.prefill_rows(&rows, start, 0);
             let recomputed = lens.iter().sum::<i64>() as usize;
             stats.prefill_calls += 1;
             stats.prefill_positions += recomputed;
@@ -825,15 +805,18 @@ impl Generator {
             stats.kv_preemptions += 1;
         }
         for (i, s) in slots.iter().enumerate() {
-            let ok = cache.reserve(i as i64, s.len, s.len + 1);
-            debug_assert!(ok, "counted above");
+            if !cache.reserve(i as i64, s.len, s.len + 1) {
+                return Err(EngineError::InvalidArgument(
+                    "the KV cache had fewer free blocks than counted for a decode step; this is a bug".into(),
+                ));
+            }
         }
         Ok(())
     }
 
     /// Prefills the chunk laid out by `plan` into slots `start..`: the shared prefix once
-    /// (copied into the other distinct prompts' slots), each distinct prompt's rest in one
-    /// batch, then the KV of each copy from its prompt's slot. Returns the logits at every
+    /// (its blocks shared by the other distinct prompts' slots), each distinct prompt's
+    /// rest in one batch, then each copy shares its prompt's blocks. Returns the logits at every
     /// slot's last prompt position, in slot order. With `prefix_cached`, the shared
     /// prefix is in the cache already (a kept sequence's KV) and is not run.
     fn prefill(
@@ -868,32 +851,11 @@ impl Generator {
             cache.copy_slots(&vec![start; others.len()], &others, shared);
         }
         let n = lead.len() as i64;
-        let rest = lead
+        let rows: Vec<&[i64]> = lead
             .iter()
-            .map(|&r| requests[r].prompt.len() - plan.shared)
-            .max()
-            .unwrap_or(1) as i64;
-        let mut ids = vec![0i64; (n * rest) as usize];
-        let mut lens = Vec::with_capacity(lead.len());
-        for (i, &r) in lead.iter().enumerate() {
-            let p = &requests[r].prompt[plan.shared..];
-            ids[i * rest as usize..i * rest as usize + p.len()].copy_from_slice(p);
-            lens.push(p.len() as i64);
-        }
-        let ids = Tensor::from_slice(&ids).view([n, rest]).to_device(device);
-        let pos = (Tensor::arange(rest, (Kind::Int64, device)) + shared)
-            .unsqueeze(0)
-            .expand([n, rest], true);
-        let h = self.model.hidden(
-            &ids,
-            &pos,
-            Attn::Prefill {
-                cache,
-                start,
-                offset: shared,
-                lens: Some(&lens),
-            },
-        );
+            .map(|&r| &requests[r].prompt[plan.shared..])
+            .collect();
+        let (h, lens) = self.prefill_rows(&rows, start, shared);
         stats.prefill_calls += 1;
         stats.prefill_positions += lens.iter().sum::<i64>() as usize;
         let last: Vec<i64> = lens.iter().map(|l| l - 1).collect();
@@ -903,8 +865,8 @@ impl Generator {
         if plan.order.len() == plan.leaders {
             return logits;
         }
-        // Copies: KV from their prompt's slot (up to the longest copied prompt; positions
-        // past a slot's own length are never attended to), logits by row.
+        // Copies: their prompt's blocks, shared (up to the longest copied prompt;
+        // positions past a slot's own length are never attended to), logits by row.
         let copies = &plan.order[plan.leaders..];
         let len = copies
             .iter()
@@ -918,9 +880,42 @@ impl Generator {
         let dst: Vec<i64> = (plan.leaders..plan.order.len())
             .map(|i| start + i as i64)
             .collect();
-        cache.copy_slots(&src, &dst, len);
+        self.cache
+            .as_mut()
+            .expect("cache allocated")
+            .copy_slots(&src, &dst, len);
         let rows: Vec<i64> = plan.source.iter().map(|&i| i as i64).collect();
         logits.index_select(0, &Tensor::from_slice(&rows).to_device(device))
+    }
+
+    /// Prefills `rows` (right-padded into one batch, each from cache position `offset`)
+    /// into slots `start..`; returns the hidden states `[rows, longest, hidden]` and the
+    /// rows' lengths.
+    fn prefill_rows(&mut self, rows: &[&[i64]], start: i64, offset: i64) -> (Tensor, Vec<i64>) {
+        let device = self.model.device();
+        let t = rows.iter().map(|r| r.len()).max().unwrap_or(1);
+        let mut ids = vec![0i64; rows.len() * t];
+        for (i, r) in rows.iter().enumerate() {
+            ids[i * t..i * t + r.len()].copy_from_slice(r);
+        }
+        let lens: Vec<i64> = rows.iter().map(|r| r.len() as i64).collect();
+        let (b, t) = (rows.len() as i64, t as i64);
+        let ids = Tensor::from_slice(&ids).view([b, t]).to_device(device);
+        let pos = (Tensor::arange(t, (Kind::Int64, device)) + offset)
+            .unsqueeze(0)
+            .expand([b, t], true);
+        let cache = self.cache.as_mut().expect("cache allocated");
+        let h = self.model.hidden(
+            &ids,
+            &pos,
+            Attn::Prefill {
+                cache,
+                start,
+                offset,
+                lens: Some(&lens),
+            },
+        );
+        (h, lens)
     }
 
     fn sample_into(

@@ -279,17 +279,18 @@ fn check_arch(name: &str, model_type: &str, extra: Value) {
             ..Default::default()
         },
     );
-    for set in [vec![0usize, 1, 2, 3, 0], vec![0, 3, 0]] {
-        let reqs: Vec<Request> = set
-            .iter()
+    let greedy = |set: &[usize]| -> Vec<Request> {
+        set.iter()
             .enumerate()
             .map(|(j, &i)| Request {
                 id: j as u64,
                 prompt: ps[i].clone(),
                 params: SamplingParams::greedy(NEW_TOKENS),
             })
-            .collect();
-        let (mut done, _) = g.generate(&reqs).unwrap();
+            .collect()
+    };
+    for set in [vec![0usize, 1, 2, 3, 0], vec![0, 3, 0]] {
+        let (mut done, _) = g.generate(&greedy(&set)).unwrap();
         done.sort_by_key(|c| c.id);
         for (c, &i) in done.iter().zip(&set) {
             assert_eq!(
@@ -313,16 +314,7 @@ fn check_arch(name: &str, model_type: &str, extra: Value) {
         },
     );
     let set = [0usize, 1, 2, 3, 0];
-    let reqs: Vec<Request> = set
-        .iter()
-        .enumerate()
-        .map(|(j, &i)| Request {
-            id: j as u64,
-            prompt: ps[i].clone(),
-            params: SamplingParams::greedy(NEW_TOKENS),
-        })
-        .collect();
-    let (done, st) = small.generate(&reqs).unwrap();
+    let (done, st) = small.generate(&greedy(&set)).unwrap();
     assert!(st.kv_preemptions > 0, "{name}: {st:?}");
     for (c, &i) in done.iter().zip(&set) {
         assert_eq!(

@@ -2,24 +2,9 @@
 //! instead of `slots × max_len`, preemption when blocks run out, and a GRPO group
 //! holding its prompt once.
 
-use std::sync::Arc;
-use yatt_engine::fixtures::smollm2_hf_dir;
-use yatt_engine::tch::{self, Device, Kind};
+use super::generate::{chat, setup};
+use yatt_engine::tch::{Device, Kind};
 use yatt_engine::*;
-
-fn setup() -> (Llama, Arc<Tokenizer>) {
-    tch::set_num_threads(2);
-    let dir = smollm2_hf_dir().unwrap();
-    (
-        Llama::load(&dir, Device::Cpu, Kind::Float).unwrap(),
-        Arc::new(Tokenizer::from_dir(&dir).unwrap()),
-    )
-}
-
-fn chat(tok: &Tokenizer, q: &str) -> Vec<i64> {
-    tok.encode_chat(&[ChatMessage::new("user", q)], true)
-        .unwrap()
-}
 
 /// Greedy requests that finish at very different lengths (1 to 72 new tokens).
 fn uneven(tok: &Tokenizer) -> Vec<Request> {

@@ -238,26 +238,13 @@ impl KvCache {
     /// Keys of the slots whose tables are `table` `[n, nb]`, positions `0..len`, as a
     /// dense `[n, kv_heads, len, head_dim]` copy.
     pub(super) fn gather_keys(&self, layer: usize, table: &Tensor, len: i64) -> Tensor {
-        let (n, nb) = table.size2().expect("tables are [n, nb]");
-        let k = &self.kb[layer];
-        let (nkv, hd) = (k.size()[1], k.size()[2]);
-        k.index_select(0, &table.reshape([-1]))
-            .view([n, nb, nkv, hd, KV_BLOCK])
-            .permute([0, 2, 1, 4, 3])
-            .reshape([n, nkv, nb * KV_BLOCK, hd])
-            .narrow(2, 0, len)
+        // A block's keys are `[kv, hd, 16]`: positions go before the head dimension.
+        gather(&self.kb[layer], table, len, [0, 2, 1, 4, 3])
     }
 
     /// Values like [`KvCache::gather_keys`].
     pub(super) fn gather_values(&self, layer: usize, table: &Tensor, len: i64) -> Tensor {
-        let (n, nb) = table.size2().expect("tables are [n, nb]");
-        let v = &self.v[layer];
-        let (nkv, hd) = (v.size()[1], v.size()[3]);
-        v.index_select(0, &table.reshape([-1]))
-            .view([n, nb, nkv, KV_BLOCK, hd])
-            .permute([0, 2, 1, 3, 4])
-            .reshape([n, nkv, nb * KV_BLOCK, hd])
-            .narrow(2, 0, len)
+        gather(&self.v[layer], table, len, [0, 2, 1, 3, 4])
     }
 
     /// Keys of slots `start..start+n`, positions `0..len`: `[n, kv_heads, len, head_dim]`.
@@ -360,4 +347,19 @@ impl KvCache {
             .map(|t| t.numel() * t.kind().elt_size_in_bytes())
             .sum()
     }
+}
+
+/// The blocks `table` `[n, nb]` names of one layer's keys or values, as `[n, kv_heads,
+/// len, head_dim]`: `perm` orders the gathered `[n, nb, kv, a, b]` as `[n, kv, nb,
+/// position, head_dim]`.
+fn gather(blocks: &Tensor, table: &Tensor, len: i64, perm: [i64; 5]) -> Tensor {
+    let (n, nb) = table.size2().expect("tables are [n, nb]");
+    let z = blocks.size();
+    let (nkv, hd) = (z[1], z[1..].iter().product::<i64>() / z[1] / KV_BLOCK);
+    blocks
+        .index_select(0, &table.reshape([-1]))
+        .view([n, nb, z[1], z[2], z[3]])
+        .permute(perm)
+        .reshape([n, nkv, nb * KV_BLOCK, hd])
+        .narrow(2, 0, len)
 }
