@@ -718,6 +718,8 @@ impl Role for RolloutRole {
             * c.num_key_value_heads
             * c.head_dim;
         let kv = kv.max(0) as u64 * m.kind().elt_size_in_bytes() as u64;
+        // A paged cache with a budget allocates the budget instead.
+        let kv = cfg.kv_cache_bytes.map_or(kv, |b| b as u64);
         // What it holds now on its device: the weights unless offloaded to the host
         // (on a CPU device they stay where they are), and the KV cache once allocated.
         let weights = match self.offloaded_from {
