@@ -4,6 +4,7 @@
 //! --release -p yatt bench_gpu::`.
 
 mod bench_gpu;
+mod bench_sharded;
 mod bootstrap;
 mod docs;
 mod generate_cli;

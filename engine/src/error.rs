@@ -97,6 +97,17 @@ pub enum EngineError {
         /// What is wrong.
         msg: String,
     },
+    /// A collective between the ranks of a sharded replica failed: a rank left, the
+    /// deadline passed, or the ranks disagreed on what they were doing.
+    #[error("collective {op} on rank {rank}: {msg}")]
+    Collective {
+        /// The operation ("all-gather", "reduce-scatter", "all-reduce").
+        op: &'static str,
+        /// The rank that saw the failure.
+        rank: usize,
+        /// What went wrong, and how to fix it where that is known.
+        msg: String,
+    },
     /// An external process (e.g. the reference Python) failed.
     #[error("external command `{cmd}` failed: {msg}")]
     External {

@@ -45,6 +45,7 @@ mod profile;
 mod resume;
 mod sampling;
 mod schedule;
+mod shard;
 mod tokenizer;
 mod train;
 mod weights;
@@ -68,12 +69,17 @@ pub use generate::{
 };
 pub use model::{
     backward_with, blocks_for, cuda_graphs_built, load_cuda_graph_shim, positions_from_mask,
-    read_safetensors_dir, recompute_backward, AdapterDir, Adapters, Attn, DecoderLayer, KvCache,
-    Llama, LoraConfig, LoraPair, LoraTarget, MemoryOptions, RowLayout, ScalarHead, Tape, KV_BLOCK,
-    LORA_SCALING_TENSOR,
+    read_safetensors_dir, recompute_backward, unit_shapes, AdapterDir, Adapters, Attn,
+    DecoderLayer, KvCache, Llama, LoraConfig, LoraPair, LoraTarget, MemoryOptions, RowLayout,
+    ScalarHead, Tape, Unit, UnitPass, KV_BLOCK, LORA_SCALING_TENSOR,
 };
 pub use schedule::BatchingMode;
 pub use score::{SeqBatch, TokenScores};
+pub use shard::{
+    check_shards, is_sharded_checkpoint, load_sharded_weights, merge_sharded_checkpoint,
+    model_layout, random_model_by_units, random_unit, reshard, shard_len, shard_of, CommStats,
+    LocalGroup, ParamSlot, ReduceOp, ShardGroup, ShardedStepStats, ShardedTrainer, UnitLayout,
+};
 pub use tch;
 pub use tokenizer::{render_chat_template, ChatMessage, Tokenizer};
 pub use train::{LrSchedule, StepStats, TrainConfig, Trainer};

@@ -13,4 +13,5 @@ mod long_sequences;
 mod lora;
 mod paged;
 mod parity;
+mod sharded;
 mod train;

@@ -35,6 +35,18 @@ pub const WEIGHT_SYNC_DIRECT: &str = "perf/weight_sync_direct";
 /// 1 when the policy replicas averaged the step's gradients through NCCL, 0 over the
 /// QUIC ring (data-parallel replicas only).
 pub const GRAD_ALLREDUCE_NCCL: &str = "perf/grad_allreduce_nccl";
+/// A sharded policy (`job.policy_shards > 1`): the most training state one rank held
+/// in the step, bytes: its shards of the f32 master weights, gradients and both AdamW
+/// moments (16Ψ/N) plus the most gathered weights and gradients held at once.
+pub const TRAIN_STATE_BYTES: &str = "memory/train_state_bytes";
+/// A sharded policy: bytes one rank received in the step's all-gathers of weights
+/// (each unit twice per micro-batch: forward and recompute), (N−1)/N of each.
+pub const SHARD_GATHERED_BYTES: &str = "perf/shard_gathered_bytes";
+/// A sharded policy: bytes one rank sent in the step's reduce-scatters of gradients.
+pub const SHARD_REDUCED_BYTES: &str = "perf/shard_reduced_bytes";
+/// A sharded policy: seconds the slowest rank waited in the step's all-gathers (none of
+/// it hidden behind compute: no prefetch yet).
+pub const SHARD_GATHER_S: &str = "perf/shard_gather_s";
 /// Seconds the step spent offloading roles between phases (`placement.time_share =
 /// "offload"`: the policy, critic and reference before generation, the rollout after it).
 pub const OFFLOAD_S: &str = "timing_s/offload";

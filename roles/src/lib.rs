@@ -99,7 +99,8 @@ pub use builtin::{
     CriticRole, GenerateRequest, GradShard, GrowingLengthReward, JudgeConfig, JudgeMode,
     JudgeScorer, KlLossConfig, LoraSync, ModelScorer, OnUnparsed, PolicyConfig, PolicyRequest,
     PolicyResponse, PolicyRole, PushReport, PushTarget, PushingPolicy, ReferenceRole,
-    RewardModelError, RewardRole, RmExample, RmTrainConfig, RolloutRequest, RolloutResponse,
-    RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, TextCodec, TokenizerCodec,
-    TrainReport, TrainerState, TINY_CODEC,
+    RewardModelError, RewardRole, RingShardGroup, RmExample, RmTrainConfig, RolloutRequest,
+    RolloutResponse, RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, ShardReport,
+    ShardedPolicyRole, ShardedStart, TextCodec, TokenizerCodec, TrainReport, TrainerState,
+    TINY_CODEC,
 };

@@ -7,3 +7,4 @@ mod datasets;
 mod reward_http;
 mod reward_python;
 mod role_memory;
+mod sharded_ring;

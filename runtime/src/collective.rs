@@ -1,4 +1,6 @@
-//! Collectives over actor messages: a ring all-reduce (mean) of `f32` buffers.
+//! Collectives over actor messages: a ring all-reduce (mean) of `f32` buffers, and its
+//! two halves on their own (a reduce-scatter that sums, an all-gather), which sharded
+//! training runs per unit of the model.
 //!
 //! What belongs here: [`RingMember`], one member of a group that averages equal-length
 //! buffers, its inbox actor and message ([`RingMsg`]), and the group's description
@@ -412,10 +414,37 @@ impl RingMember {
         buf: &mut [f32],
         round: u64,
     ) -> Result<(), CollectiveError> {
+        self.run(buf, round, RingOp::AllReduceMean).await
+    }
+
+    /// Sums every member's `buf` segment by segment, leaving in this member's own
+    /// segment (`ring_segments(buf.len(), n)[rank]`) the sum over the ring; the rest
+    /// of `buf` is scratch. Sharded training's gradient step.
+    pub async fn reduce_scatter_sum(
+        &mut self,
+        buf: &mut [f32],
+        round: u64,
+    ) -> Result<(), CollectiveError> {
+        self.run(buf, round, RingOp::ReduceScatterSum).await
+    }
+
+    /// Fills `buf` with every member's own segment (`ring_segments(buf.len(),
+    /// n)[rank]`, which each member fills before the call). Sharded training's
+    /// weight gather.
+    pub async fn all_gather(&mut self, buf: &mut [f32], round: u64) -> Result<(), CollectiveError> {
+        self.run(buf, round, RingOp::AllGather).await
+    }
+
+    async fn run(
+        &mut self,
+        buf: &mut [f32],
+        round: u64,
+        op: RingOp,
+    ) -> Result<(), CollectiveError> {
         let spec = self.spec.clone().ok_or(CollectiveError::NotJoined)?;
         let node = self.node.upgrade().ok_or(CollectiveError::Stopped)?;
         let queue = self.queue.as_mut().ok_or(CollectiveError::Stopped)?;
-        ring_mean(queue, &spec, &node, buf, round).await
+        ring_round(queue, &spec, &node, buf, round, op).await
     }
 
     /// [`RingMember::all_reduce_mean`] for a thread outside the runtime (a role's
@@ -426,13 +455,43 @@ impl RingMember {
         buf: Vec<f32>,
         round: u64,
     ) -> Result<Vec<f32>, CollectiveError> {
+        self.run_blocking(buf, round, RingOp::AllReduceMean)
+    }
+
+    /// [`RingMember::reduce_scatter_sum`] for a thread outside the runtime. `buf` is
+    /// any owned `f32` storage (a `Vec`, or a wrapper over a tensor's memory, so that
+    /// nothing is copied in or out); it comes back with the result.
+    pub fn reduce_scatter_sum_blocking<B: AsMut<[f32]> + Send + 'static>(
+        &mut self,
+        buf: B,
+        round: u64,
+    ) -> Result<B, CollectiveError> {
+        self.run_blocking(buf, round, RingOp::ReduceScatterSum)
+    }
+
+    /// [`RingMember::all_gather`] for a thread outside the runtime (`buf` as in
+    /// [`RingMember::reduce_scatter_sum_blocking`]).
+    pub fn all_gather_blocking<B: AsMut<[f32]> + Send + 'static>(
+        &mut self,
+        buf: B,
+        round: u64,
+    ) -> Result<B, CollectiveError> {
+        self.run_blocking(buf, round, RingOp::AllGather)
+    }
+
+    fn run_blocking<B: AsMut<[f32]> + Send + 'static>(
+        &mut self,
+        buf: B,
+        round: u64,
+        op: RingOp,
+    ) -> Result<B, CollectiveError> {
         let spec = self.spec.clone().ok_or(CollectiveError::NotJoined)?;
         let node = self.node.upgrade().ok_or(CollectiveError::Stopped)?;
         let mut queue = self.queue.take().ok_or(CollectiveError::Stopped)?;
         let (tx, rx) = oneshot::channel();
         self.runtime.spawn(async move {
             let mut buf = buf;
-            let result = ring_mean(&mut queue, &spec, &node, &mut buf, round).await;
+            let result = ring_round(&mut queue, &spec, &node, buf.as_mut(), round, op).await;
             let _ = tx.send((queue, buf, result));
         });
         // Every wait inside the task has a deadline, so this returns; it fails only
@@ -441,6 +500,17 @@ impl RingMember {
         self.queue = Some(queue);
         result.map(|()| buf)
     }
+}
+
+/// What a round of the ring computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RingOp {
+    /// Reduce-scatter, divide, all-gather: every member gets the mean.
+    AllReduceMean,
+    /// Reduce-scatter alone: member `rank` gets the sum of segment `rank`.
+    ReduceScatterSum,
+    /// All-gather alone: every member gets every member's own segment.
+    AllGather,
 }
 
 impl Drop for RingMember {
@@ -482,14 +552,15 @@ fn ring_fingerprint(members: &[ActorId]) -> u64 {
 }
 
 /// [`ring_exchange`], telling the other members when this one gives up.
-async fn ring_mean(
+async fn ring_round(
     queue: &mut mpsc::Receiver<Inbound>,
     spec: &RingSpec,
     node: &Node,
     buf: &mut [f32],
     round: u64,
+    op: RingOp,
 ) -> Result<(), CollectiveError> {
-    let result = ring_exchange(queue, spec, node, buf, round).await;
+    let result = ring_exchange(queue, spec, node, buf, round, op).await;
     match &result {
         // Whoever gave up first has told everyone.
         Ok(()) | Err(CollectiveError::Abandoned { .. }) => {}
@@ -529,6 +600,7 @@ async fn ring_exchange(
     node: &Node,
     buf: &mut [f32],
     round: u64,
+    op: RingOp,
 ) -> Result<(), CollectiveError> {
     let n = spec.members.len();
     if n <= 1 {
@@ -560,26 +632,36 @@ async fn ring_exchange(
     };
     let segs = ring_segments(buf.len(), n);
     let seg = |k: usize| segs[k % n].clone();
-    // Reduce-scatter: at step s, send segment rank - s, add the one for rank - s - 1.
-    for s in 0..n - 1 {
-        let send = seg(rank + n - s);
-        let recv = seg(rank + 2 * n - s - 1);
-        link.exchange(queue, buf, s as u32, send, recv, |acc, x| *acc = x + *acc)
-            .await?;
+    // The mean's reduce-scatter leaves member `rank` the sum of segment `rank + 1`
+    // (the classic ring); the sharded reduce-scatter and all-gather use segment `rank`
+    // (a rank owns its own shard). `own` is that offset.
+    let own = usize::from(op == RingOp::AllReduceMean);
+    if op != RingOp::AllGather {
+        // At step s, send segment rank + own - 1 - s and add the one before it.
+        for s in 0..n - 1 {
+            let send = seg(rank + own + 2 * n - 1 - s);
+            let recv = seg(rank + own + 2 * n - 2 - s);
+            link.exchange(queue, buf, s as u32, send, recv, |acc, x| *acc = x + *acc)
+                .await?;
+        }
     }
-    // This member holds the full sum of segment rank + 1: it alone divides, so every
-    // member gets the same bits.
-    let scale = n as f32;
-    for x in &mut buf[seg(rank + 1)] {
-        *x /= scale;
+    if op == RingOp::AllReduceMean {
+        // This member holds the full sum of segment rank + 1: it alone divides, so
+        // every member gets the same bits.
+        let scale = n as f32;
+        for x in &mut buf[seg(rank + 1)] {
+            *x /= scale;
+        }
     }
-    // All-gather: pass each averaged segment on round the ring.
-    for s in 0..n - 1 {
-        let send = seg(rank + 1 + n - s);
-        let recv = seg(rank + n - s);
-        let step = (n - 1 + s) as u32;
-        link.exchange(queue, buf, step, send, recv, |acc, x| *acc = x)
-            .await?;
+    if op != RingOp::ReduceScatterSum {
+        // All-gather: pass each owned segment on round the ring.
+        for s in 0..n - 1 {
+            let send = seg(rank + own + n - s);
+            let recv = seg(rank + own + 2 * n - 1 - s);
+            let step = (n - 1 + s) as u32;
+            link.exchange(queue, buf, step, send, recv, |acc, x| *acc = x)
+                .await?;
+        }
     }
     Ok(())
 }

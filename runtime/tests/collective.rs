@@ -269,3 +269,60 @@ async fn a_member_that_gives_up_tells_the_ring_so_no_survivor_waits_out_its_dead
     );
     n.shutdown().await;
 }
+
+/// Sharded training's halves of the ring: a reduce-scatter leaves member r the sum of
+/// segment r (summed in a fixed order, the same bits on every run), and an all-gather
+/// hands every member every member's own segment, over QUIC between two nodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reduce_scatter_and_all_gather_give_each_member_its_segment_over_quic() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = node(dir.path(), "rs-a", None).await;
+    let b = node(dir.path(), "rs-b", Some(&a)).await;
+    assert!(
+        a.directory()
+            .wait_until(T, |d| d.alive_nodes().count() == 2)
+            .await
+    );
+    for n in [2usize, 3, 4] {
+        let hosts: Vec<&Node> = (0..n).map(|i| if i % 2 == 0 { &a } else { &b }).collect();
+        let mut members = ring(&hosts, &format!("shard{n}"), 4096, T);
+        let shard = 2_503;
+        let len = shard * n;
+        let inputs: Vec<Vec<f32>> = (0..n)
+            .map(|r| {
+                (0..len)
+                    .map(|i| ((i * 7 + r * 13) % 101) as f32 * 0.25 - 12.0)
+                    .collect()
+            })
+            .collect();
+        let runs = members.iter_mut().zip(&inputs).map(|(m, x)| async move {
+            let mut buf = x.clone();
+            m.reduce_scatter_sum(&mut buf, 0).await.map(|()| buf)
+        });
+        let summed = futures::future::try_join_all(runs).await.unwrap();
+        let segs = ring_segments(len, n);
+        for (r, got) in summed.iter().enumerate() {
+            for i in segs[r].clone() {
+                let naive: f32 = inputs.iter().map(|x| x[i]).sum();
+                assert!((got[i] - naive).abs() < 1e-4, "n={n} member {r} value {i}");
+            }
+        }
+        // The all-gather: each member's own segment is its rank in every value.
+        let runs = members.iter_mut().enumerate().map(|(r, m)| {
+            let segs = segs.clone();
+            async move {
+                let mut buf = vec![f32::NAN; len];
+                buf[segs[r].clone()].fill(r as f32);
+                m.all_gather(&mut buf, 1).await.map(|()| buf)
+            }
+        });
+        let gathered = futures::future::try_join_all(runs).await.unwrap();
+        let want: Vec<f32> = (0..len).map(|i| (i / shard) as f32).collect();
+        for got in &gathered {
+            assert_eq!(bits(got), bits(&want), "n={n}");
+        }
+        drop(members);
+    }
+    b.shutdown().await;
+    a.shutdown().await;
+}

@@ -157,8 +157,10 @@ pub(crate) async fn save(controllers: &[Controller], dir: &Path) -> Result<(), J
 /// `job.output_dir` is where the run is, not what it does (`--resume DIR` sets it).
 /// `rollout.cuda_graphs` changes how, not what, the rollout decodes (within rounding);
 /// `rollout.weight_sync` how, not what, the weights travel; `job.gradient_sync` how the
-/// replicas average gradients (within rounding).
-const RESUMABLE_KEYS: [&str; 20] = [
+/// replicas average gradients (within rounding); `job.policy_shards` how many ranks the
+/// policy's state is split over (a sharded checkpoint reshards to any count).
+const RESUMABLE_KEYS: [&str; 21] = [
+    "job.policy_shards",
     "timeouts.generate_s",
     "timeouts.score_s",
     "timeouts.train_s",

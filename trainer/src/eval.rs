@@ -214,7 +214,13 @@ pub(crate) fn answering_role(
         None => on_device(job, base, dev)?,
         Some(dir) => {
             drop(base);
-            Llama::load(dir, dev, job.model.dtype.kind()).map_err(|e| JobError::Model {
+            let kind = job.model.dtype.kind();
+            // A sharded policy's checkpoint is read whole, as `yatt checkpoint merge` would.
+            let loaded = match yatt_engine::is_sharded_checkpoint(dir) {
+                true => yatt_engine::load_sharded_weights(dir, dev, kind),
+                false => Llama::load(dir, dev, kind),
+            };
+            loaded.map_err(|e| JobError::Model {
                 source_desc: dir.display().to_string(),
                 reason: e.to_string(),
             })?

@@ -11,23 +11,7 @@ use crate::common;
 
 const LORA: &str = "model.lora={rank=8, alpha=16}";
 
-fn metrics(dir: &std::path::Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
-fn column(ms: &[serde_json::Value], name: &str) -> Vec<f64> {
-    ms.iter()
-        .map(|m| {
-            m[name]
-                .as_f64()
-                .unwrap_or_else(|| panic!("{name} missing: {m}"))
-        })
-        .collect()
-}
+use common::{column, metrics};
 
 /// Runs the demo for 4 steps with `sets`; its metrics, and whether its checkpoint is a
 /// PEFT adapter directory.

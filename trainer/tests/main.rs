@@ -20,6 +20,7 @@ mod placement_live;
 mod precision;
 mod python_reward;
 mod reward_models;
+mod sharded;
 mod step_credit;
 mod streaming;
 mod time_share;

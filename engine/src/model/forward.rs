@@ -576,6 +576,26 @@ pub(super) struct Ctx<'m> {
 }
 
 impl Ctx<'_> {
+    /// The same tables without the packed inference weights, so that the context no
+    /// longer borrows the model (a unit-by-unit caller changes the weights under it).
+    pub(super) fn without_packed(self) -> Ctx<'static> {
+        Ctx {
+            b: self.b,
+            t: self.t,
+            real: self.real,
+            cos: self.cos,
+            sin: self.sin,
+            cos_bthd: self.cos_bthd,
+            sin_bthd: self.sin_bthd,
+            full_mask: self.full_mask,
+            win_mask: self.win_mask,
+            segments: self.segments,
+            positions: self.positions,
+            packed: None,
+            lora_train: self.lora_train,
+        }
+    }
+
     /// Restores the `[b, t, ..]` layout (zeros in the padding) of rows of real tokens.
     fn pad(&self, z: Tensor) -> Tensor {
         match &self.real {

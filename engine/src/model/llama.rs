@@ -31,6 +31,27 @@ pub struct DecoderLayer {
 }
 
 impl DecoderLayer {
+    /// Decoder layer `i`'s parameters in their fixed order, with canonical names.
+    pub(super) fn parameters_mut(&mut self, i: usize) -> Vec<(String, &mut Tensor)> {
+        let l = self;
+        let mut v: Vec<(String, &mut Tensor)> = vec![
+            (format!("layers.{i}.ln1"), &mut l.ln1),
+            (format!("layers.{i}.wqkv"), &mut l.wqkv),
+        ];
+        if let Some(b) = l.bqkv.as_mut() {
+            v.push((format!("layers.{i}.bqkv"), b));
+        }
+        if let Some((qn, kn)) = l.qk_norm.as_mut() {
+            v.push((format!("layers.{i}.q_norm"), qn));
+            v.push((format!("layers.{i}.k_norm"), kn));
+        }
+        v.push((format!("layers.{i}.wo"), &mut l.wo));
+        v.push((format!("layers.{i}.ln2"), &mut l.ln2));
+        v.push((format!("layers.{i}.w_gate_up"), &mut l.w_gate_up));
+        v.push((format!("layers.{i}.w_down"), &mut l.w_down));
+        v
+    }
+
     /// One of the four stored matrices (LoRA folds into them by this index).
     pub(super) fn matrix(&self, m: Matrix) -> &Tensor {
         match m {
@@ -180,19 +201,7 @@ impl Llama {
         self.packed = None;
         let mut v: Vec<(String, &mut Tensor)> = vec![("embed".into(), &mut self.embed)];
         for (i, l) in self.layers.iter_mut().enumerate() {
-            v.push((format!("layers.{i}.ln1"), &mut l.ln1));
-            v.push((format!("layers.{i}.wqkv"), &mut l.wqkv));
-            if let Some(b) = l.bqkv.as_mut() {
-                v.push((format!("layers.{i}.bqkv"), b));
-            }
-            if let Some((qn, kn)) = l.qk_norm.as_mut() {
-                v.push((format!("layers.{i}.q_norm"), qn));
-                v.push((format!("layers.{i}.k_norm"), kn));
-            }
-            v.push((format!("layers.{i}.wo"), &mut l.wo));
-            v.push((format!("layers.{i}.ln2"), &mut l.ln2));
-            v.push((format!("layers.{i}.w_gate_up"), &mut l.w_gate_up));
-            v.push((format!("layers.{i}.w_down"), &mut l.w_down));
+            v.append(&mut l.parameters_mut(i));
         }
         v.push(("norm".into(), &mut self.norm));
         if let Some(w) = self.lm_head.as_mut() {

@@ -21,6 +21,7 @@ mod recompute;
 mod rope;
 #[cfg(test)]
 mod tests;
+mod units;
 
 pub use attention::Attn;
 pub use blocks::{blocks_for, KV_BLOCK};
@@ -32,3 +33,4 @@ pub use loading::read_safetensors_dir;
 pub use lora_types::{AdapterDir, Adapters, LoraConfig, LoraPair, LoraTarget, LORA_SCALING_TENSOR};
 pub use recompute::{backward_with, recompute_backward, Tape};
 pub use rope::positions_from_mask;
+pub use units::{unit_shapes, Unit, UnitPass};

@@ -46,7 +46,7 @@ pub fn token_logprobs(
 
 /// The hidden rows that predict tokens `1..T` of each row (from positions `0..T-1`),
 /// flat `[B·(T−1), hidden]`, with their targets.
-fn predicting_rows(h: &Tensor, batch: &SeqBatch) -> (Tensor, Tensor) {
+pub(crate) fn predicting_rows(h: &Tensor, batch: &SeqBatch) -> (Tensor, Tensor) {
     let t = batch.ids.size()[1];
     let hidden = h.size()[2];
     let rows = h.narrow(1, 0, t - 1).reshape([-1, hidden]);
@@ -55,7 +55,7 @@ fn predicting_rows(h: &Tensor, batch: &SeqBatch) -> (Tensor, Tensor) {
 }
 
 /// Flat per-row scores `[B·(T−1)]` as `[B, T]`: 0 at `t = 0` and at padding.
-fn token_layout(x: &Tensor, batch: &SeqBatch, b: i64, t: i64) -> Tensor {
+pub(crate) fn token_layout(x: &Tensor, batch: &SeqBatch, b: i64, t: i64) -> Tensor {
     let m = batch
         .attention_mask
         .narrow(1, 1, t - 1)

@@ -13,4 +13,5 @@ pub use chunked::{chunked_backward, head_scores, HeadInput, DEFAULT_CHUNK_TOKENS
 pub use heads::{
     last_hidden, rewards, token_logprobs, token_logprobs_backward, values, TokenScores,
 };
+pub(crate) use heads::{predicting_rows, token_layout};
 pub use seq_batch::SeqBatch;

@@ -30,6 +30,7 @@ pub mod reward;
 pub mod reward_model;
 pub mod rollout;
 pub(crate) mod scoring;
+mod shard_ring;
 mod write_root;
 pub use growing_reward::GrowingLengthReward;
 pub use write_root::check_write_root;
@@ -38,7 +39,8 @@ pub use critic::{CriticConfig, CriticReport, CriticRequest, CriticResponse, Crit
 pub use judge_model::{JudgeConfig, JudgeMode, JudgeScorer, OnUnparsed};
 pub use policy::{
     GradShard, KlLossConfig, LoraSync, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole,
-    PushReport, PushTarget, TrainReport, TrainerState,
+    PushReport, PushTarget, ShardReport, ShardedPolicyRole, ShardedStart, TrainReport,
+    TrainerState,
 };
 pub use policy_push::PushingPolicy;
 pub use reference::ReferenceRole;
@@ -51,3 +53,4 @@ pub use rollout::{
     encode_prompt, AsciiCodec, ContinueRequest, GenerateRequest, RolloutRequest, RolloutResponse,
     RolloutRole, RolloutStats, SampleSink, TextCodec, TokenizerCodec, TINY_CODEC,
 };
+pub use shard_ring::RingShardGroup;

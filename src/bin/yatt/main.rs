@@ -3,6 +3,8 @@
 
 mod bench_controller;
 mod bench_runtime;
+mod bench_sharded;
+mod checkpoint;
 mod config_cmd;
 mod demo;
 mod engine_cmds;
@@ -60,6 +62,10 @@ enum Command {
     /// Generate from a model directory or .gguf file: prompts from --prompt or stdin,
     /// greedy or sampled, as text or JSON lines.
     Generate(generate::GenerateArgs),
+    /// Sharded checkpoints: `yatt checkpoint merge SOURCE OUT` writes one HF model
+    /// directory.
+    #[command(subcommand)]
+    Checkpoint(checkpoint::CheckpointCommand),
     /// Import a GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1) as an HF model directory.
     ImportGguf(engine_cmds::ImportGgufArgs),
     /// The generated references: every config key (`yatt config reference`) and every
@@ -83,6 +89,9 @@ enum BenchCommand {
     /// Per-step controller overhead, parallel controllers vs a single driver, as the
     /// rollout replicas grow (fake compute).
     Controller(bench_controller::BenchControllerArgs),
+    /// Sharded training (ZeRO-3) against the replicated trainer: each rank a process
+    /// over the QUIC ring; step time, memory per rank, bytes moved, memory caps.
+    Sharded(bench_sharded::BenchShardedArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -103,10 +112,12 @@ fn real_main() -> anyhow::Result<()> {
         Command::Placement(cmd) => placement::run(cmd),
         Command::Generate(args) => generate::run(args),
         Command::ImportGguf(args) => engine_cmds::import_gguf(args),
+        Command::Checkpoint(cmd) => checkpoint::run(cmd),
         Command::Config(cmd) => config_cmd::run(cmd),
         Command::Bench(BenchCommand::Engine(args)) => engine_cmds::bench_engine(args),
         Command::Bench(BenchCommand::Gpu(args)) => engine_cmds::bench_gpu(args),
         Command::Bench(BenchCommand::Runtime(args)) => bench_runtime::run(args),
         Command::Bench(BenchCommand::Controller(args)) => bench_controller::run(args),
+        Command::Bench(BenchCommand::Sharded(args)) => bench_sharded::run(args),
     }
 }

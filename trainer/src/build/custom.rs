@@ -112,6 +112,13 @@ impl CustomRoles {
                 "a custom policy runs as the one policy: the replicas' gradient all-reduce ring is the built-in policy's; set job.policy_replicas = 1",
             ));
         }
+        if self.policy.is_some() && job.job.policy_shards > 1 {
+            return Err(refuse(
+                "job.policy_shards",
+                job.job.policy_shards.to_string(),
+                "a custom policy runs as it is: sharding is the built-in policy's; set job.policy_shards = 1",
+            ));
+        }
         if resume && (self.policy.is_some() || self.critic.is_some()) {
             return Err(refuse(
                 "resume",

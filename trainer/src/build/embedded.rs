@@ -1,7 +1,7 @@
 //! A job whose roles all run in this process (`placement.mode = "colocate"`).
 
 use std::path::Path;
-use yatt_engine::Trainer;
+use yatt_engine::{is_sharded_checkpoint, Trainer};
 use yatt_runtime::Node;
 use yatt_runtime::RING_CHUNK_BYTES;
 
@@ -11,7 +11,7 @@ use crate::build::devices::role_group;
 use crate::build::heads::controllers;
 use crate::build::parts::{
     base_model, critic_role, policy_ring, policy_role_from, policy_trainer, reference_role,
-    rollout_role,
+    rollout_role, sharded_policy_role,
 };
 use crate::build::reward::spawn_reward;
 use crate::checkpoint::{load_trainer, restore_controllers};
@@ -86,9 +86,33 @@ async fn build_embedded_in(
             None => Ok(None),
         }
     };
+    // A sharded policy (`job.policy_shards`, or any resume of a sharded checkpoint)
+    // runs its ranks here; its rollouts start from its gathered weights.
+    let sharded_ckpt = ckpt.as_deref().filter(|d| is_sharded_checkpoint(d));
+    let mut sharded = None;
+    let mut resumed_weights = None;
+    if custom.policy.is_none() && (job.job.policy_shards > 1 || sharded_ckpt.is_some()) {
+        if let (Some(dir), None) = (&ckpt, sharded_ckpt) {
+            return Err(JobError::Resume {
+                dir: dir.clone(),
+                reason: format!(
+                    "the checkpoint holds a whole (unsharded) policy, and job.policy_shards = {}: resume it with job.policy_shards = 1",
+                    job.job.policy_shards
+                ),
+            });
+        }
+        let mut role = sharded_policy_role(job, &model, sharded_ckpt, pad_id, (dev, kind))?;
+        if sharded_ckpt.is_some() {
+            resumed_weights = Some(role.gathered_model().map_err(|e| JobError::Resume {
+                dir: ckpt.clone().unwrap_or_default(),
+                reason: format!("gathering the sharded policy's weights: {e}"),
+            })?);
+        }
+        sharded = Some(role);
+    }
     // Every policy replica starts from the same trainer (fresh or resumed); a custom
-    // policy brings its own.
-    let builtin_policies = if custom.policy.is_some() {
+    // or sharded policy brings its own.
+    let builtin_policies = if custom.policy.is_some() || sharded.is_some() {
         0
     } else {
         job.job.policy_replicas
@@ -109,7 +133,9 @@ async fn build_embedded_in(
         let from = trainers
             .first()
             .filter(|t| t.model.lora().is_none())
-            .map_or(&model, |t| &t.model);
+            .map(|t| &t.model)
+            .or(resumed_weights.as_ref())
+            .unwrap_or(&model);
         let m = from.deep_copy(dev, kind).map_err(me)?;
         let role = rollout_role(job, m, codec.clone());
         rollouts.push(started.keep(spawn_role(node, role, i as u32, g()).await?));
@@ -125,6 +151,10 @@ async fn build_embedded_in(
     };
     let replicated = trainers.len() > 1;
     let mut policies: Vec<PolicyRef> = custom.policy.iter().cloned().collect();
+    drop(resumed_weights);
+    if let Some(role) = sharded {
+        policies.push(started.keep(spawn_role(node, role, 0, g()).await?));
+    }
     for (i, t) in trainers.into_iter().enumerate() {
         let mut role = policy_role_from(job, t, pad_id)?;
         if replicated {

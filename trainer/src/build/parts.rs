@@ -1,6 +1,6 @@
 //! The models and roles of a job: the base model, and each role built from the config.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,7 +11,8 @@ use yatt_engine::{
 };
 use yatt_roles::{
     CriticConfig, CriticRole, KlEstimator, KlLossConfig, PolicyConfig, PolicyLossConfig,
-    PolicyRole, ReferenceRole, RolloutRole, TextCodec, TokenizerCodec, ValueLossConfig,
+    PolicyRole, ReferenceRole, RolloutRole, ShardedPolicyRole, ShardedStart, TextCodec,
+    TokenizerCodec, ValueLossConfig,
 };
 use yatt_runtime::Node;
 use yatt_runtime::RingMember;
@@ -237,9 +238,55 @@ pub fn policy_role_from(
     trainer: Trainer,
     pad_id: i64,
 ) -> Result<PolicyRole, JobError> {
+    PolicyRole::new(trainer, policy_config(job, pad_id)).map_err(|e| JobError::Model {
+        source_desc: job.model.source.to_string(),
+        reason: format!("policy role: {e}"),
+    })
+}
+
+/// The job's policy sharded over `job.policy_shards` ranks in this process, on `device`
+/// in `kind`: fresh over a copy of `model`, or from the sharded checkpoint `from` (written at any rank count). Refuses a
+/// shard count the model's units cannot be split over before it builds anything.
+pub(crate) fn sharded_policy_role(
+    job: &JobConfig,
+    model: &Llama,
+    from: Option<&Path>,
+    pad_id: i64,
+    (device, kind): (Device, Kind),
+) -> Result<ShardedPolicyRole, JobError> {
+    job.check_policy_shards_fit(&model.config)?;
+    let t = &job.timeouts;
+    let secs = |s: f64| Duration::from_secs_f64(s.max(0.001));
+    let start = ShardedStart {
+        shards: job.job.policy_shards,
+        collective: secs(t.collective_s),
+        // A request runs on every rank at once: an update, a sync's gather, a save.
+        deadline: secs(t.train_s.max(t.sync_s)),
+    };
+    let config = policy_config(job, pad_id);
+    let built = match from {
+        Some(dir) => {
+            ShardedPolicyRole::load(dir, device, kind, memory_options(job), config, &start)
+        }
+        None => {
+            let m = model.deep_copy(device, kind).map_err(|e| JobError::Model {
+                source_desc: job.model.source.to_string(),
+                reason: e.to_string(),
+            })?;
+            ShardedPolicyRole::new(m, train_config(job), config, &start)
+        }
+    };
+    built.map_err(|e| JobError::Model {
+        source_desc: job.model.source.to_string(),
+        reason: format!("sharded policy role: {e}"),
+    })
+}
+
+/// The policy's loss, micro-batching and sync settings from `job`.
+fn policy_config(job: &JobConfig, pad_id: i64) -> PolicyConfig {
     let a = &job.algorithm;
     let o = &job.optim;
-    let policy_config = PolicyConfig {
+    PolicyConfig {
         loss: PolicyLossConfig {
             kind: a.name.policy_loss(),
             clip_low: a.clip().0,
@@ -269,11 +316,7 @@ pub fn policy_role_from(
             Some(LoraSyncMode::Adapters) | None => LoraSync::Adapters,
         },
         ..Default::default()
-    };
-    PolicyRole::new(trainer, policy_config).map_err(|e| JobError::Model {
-        source_desc: job.model.source.to_string(),
-        reason: format!("policy role: {e}"),
-    })
+    }
 }
 
 /// The job's critic (PPO) over `trainer`; `None` gives a fresh one over `model`.

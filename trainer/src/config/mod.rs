@@ -7,5 +7,6 @@ pub(crate) mod placement;
 pub(crate) mod reference;
 pub(crate) mod reward_code;
 pub(crate) mod sections;
+pub(crate) mod shards;
 pub(crate) mod user_roles;
 pub(crate) mod validate;

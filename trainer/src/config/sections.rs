@@ -73,6 +73,12 @@ pub struct JobSection {
     /// Policy replicas: 1 (shared by every head) or `controllers` (one per head, their
     /// gradients all-reduced at each update).
     pub policy_replicas: usize,
+    /// Ranks one policy replica is sharded over (ZeRO-3): each keeps 1/N of the f32
+    /// master weights, gradients and AdamW moments, gathers a layer's weights just
+    /// before it runs and reduce-scatters its gradients. 1 = the whole model in one
+    /// trainer. Embedded mode only so far: the ranks are threads of this process
+    /// (parity, not memory); see docs/training/sharded.md.
+    pub policy_shards: usize,
     /// How the replicas average gradients: `auto` (NCCL on GPUs, else the QUIC ring,
     /// the reason logged), `quic`, `nccl`.
     pub gradient_sync: GradientSync,
@@ -89,6 +95,7 @@ impl Default for JobSection {
             driver: Driver::Parallel,
             placement: "colocate".into(),
             policy_replicas: 1,
+            policy_shards: 1,
             gradient_sync: GradientSync::Auto,
         }
     }

@@ -60,6 +60,7 @@ impl JobConfig {
                 "use one policy replica per controller, or a shared one",
             ));
         }
+        self.validate_shards()?;
         positive(
             "model.threads",
             self.model.threads as f64,

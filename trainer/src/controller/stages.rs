@@ -530,6 +530,12 @@ impl Controller {
                 train.nccl_all_reduce as u8 as f64,
             );
         }
+        if let Some(s) = &train.sharded {
+            m.set(names::TRAIN_STATE_BYTES, s.train_state_bytes as f64);
+            m.set(names::SHARD_GATHERED_BYTES, s.gathered_bytes as f64);
+            m.set(names::SHARD_REDUCED_BYTES, s.reduced_bytes as f64);
+            m.set(names::SHARD_GATHER_S, s.gather_s);
+        }
         m.set(names::PG_LOSS, train.loss);
         m.set(names::PPO_KL, train.approx_kl);
         m.set(names::LR, train.lr);

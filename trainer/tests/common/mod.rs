@@ -117,3 +117,23 @@ pub fn deterministic_metrics(line: &str) -> Vec<(String, String)> {
     out.sort();
     out
 }
+
+/// Every line of `metrics.jsonl` in the run directory `dir`.
+pub fn metrics(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// One metric over the steps of `ms`; every step must have it.
+pub fn column(ms: &[serde_json::Value], name: &str) -> Vec<f64> {
+    ms.iter()
+        .map(|m| {
+            m[name]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{name} missing: {m}"))
+        })
+        .collect()
+}

@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use crate::algo::kl::KlEstimator;
 use crate::algo::loss::PolicyLossConfig;
 use crate::algo::off_policy::OffPolicyConfig;
+use crate::role::RoleError;
+use crate::sample::Sample;
 
 /// KL loss against the reference policy (GRPO: k3, coefficient 0.001).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -102,5 +104,44 @@ impl Default for PolicyConfig {
             off_policy: OffPolicyConfig::default(),
             lora_sync: LoraSync::default(),
         }
+    }
+}
+
+impl PolicyConfig {
+    /// Refuses settings no policy can train with.
+    pub(super) fn check(&self) -> Result<(), RoleError> {
+        if self.micro_batch_size == 0 || self.mini_batches == 0 {
+            return Err(RoleError::BadRequest(
+                "micro_batch_size and mini_batches must be >= 1".into(),
+            ));
+        }
+        if self.on_policy && self.mini_batches != 1 {
+            return Err(RoleError::BadRequest(format!(
+                "on_policy needs one optimizer step per batch (mini_batches = 1), not {}: later mini-batches train on weights other than the ones that generated",
+                self.mini_batches
+            )));
+        }
+        self.off_policy
+            .check()
+            .map_err(|e| RoleError::BadRequest(e.to_string()))?;
+        if !(self.temperature > 0.0) {
+            return Err(RoleError::BadRequest(format!(
+                "temperature {} must be > 0 (greedy rollouts cannot be trained on)",
+                self.temperature
+            )));
+        }
+        Ok(())
+    }
+
+    /// With `on_policy` or `rollout_as_old`, takes the rollout's log-probs as the old
+    /// ones (no forward pass) and returns true; else leaves `samples` as they are.
+    pub(super) fn old_from_rollout(&self, samples: &mut [Sample]) -> bool {
+        if !(self.on_policy || self.rollout_as_old) {
+            return false;
+        }
+        for s in samples.iter_mut() {
+            s.old_logprobs = Some(s.rollout_logprobs.clone());
+        }
+        true
     }
 }

@@ -2,15 +2,21 @@
 //! budget), each micro-batch's share of the step's loss, and its forward and backward
 //! pass.
 
-use tch::{Kind, Tensor};
+use std::borrow::Cow;
+use std::ops::Range;
+
+use tch::{Device, Kind, Tensor};
+use yatt_engine::score::{SeqBatch, TokenScores};
 use yatt_engine::EngineError;
 
 use super::config::PolicyConfig;
 use super::report::TrainReport;
 use crate::algo::loss::{entropy_loss, kl_loss, masked_mean, LossAgg};
+use crate::algo::off_policy::{behaviour_weights, BehaviourCorrection};
 use crate::algo::policy_loss::policy_loss;
 use crate::builtin::scoring::response_backward;
-use crate::sample::Sample;
+use crate::role::RoleError;
+use crate::sample::{response_mask, token_matrix, Sample, SampleError, TokenField};
 
 pub(super) struct Micro {
     /// The samples this micro-batch runs (indices into the batch): all of its range, or
@@ -29,7 +35,7 @@ pub(super) struct Micro {
     pub(super) mask: Tensor,
 }
 
-#[derive(Default)]
+#[derive(Default, Clone, Copy)]
 pub(super) struct MicroStats {
     /// Micro-batches that ran a forward pass (the means below are over them).
     ran: usize,
@@ -54,17 +60,9 @@ pub(super) fn micro_backward(
     if mb.rows.is_empty() {
         return Ok(None);
     }
-    // The whole range borrows the batch; only a thinned micro-batch copies its samples.
-    let contiguous = mb.rows.windows(2).all(|w| w[1] == w[0] + 1);
-    let picked: Vec<Sample>;
-    let chunk: &[Sample] = if contiguous {
-        &samples[mb.rows[0]..=mb.rows[mb.rows.len() - 1]]
-    } else {
-        picked = mb.rows.iter().map(|&i| samples[i].clone()).collect();
-        &picked
-    };
+    let chunk = rows_of(samples, &mb.rows);
     let scale = mb.keep_scale * mb.weight;
-    let (v, _, _) = response_backward(model, chunk, cfg.pad_id, cfg.temperature, |lp, ent| {
+    let (v, _, _) = response_backward(model, &chunk, cfg.pad_id, cfg.temperature, |lp, ent| {
         micro_loss(lp, ent, mb, cfg, stats).map(|l| l * scale)
     })?;
     stats.ran += 1;
@@ -102,6 +100,189 @@ fn micro_loss(
         stats.entropy += masked_mean(&ent.detach(), &mb.mask).double_value(&[]);
     }
     Ok(total)
+}
+
+/// The samples of `rows`: the batch's own slice when they are contiguous (the whole
+/// range borrows it), else copies (a thinned or balanced micro-batch).
+fn rows_of<'a>(samples: &'a [Sample], rows: &[usize]) -> Cow<'a, [Sample]> {
+    if rows.windows(2).all(|w| w[1] == w[0] + 1) {
+        Cow::Borrowed(&samples[rows[0]..=rows[rows.len() - 1]])
+    } else {
+        Cow::Owned(rows.iter().map(|&i| samples[i].clone()).collect())
+    }
+}
+
+/// Refuses samples a train request cannot use: each needs its old log-probs and
+/// advantages, and with a KL loss its reference log-probs.
+pub(super) fn check_samples(cfg: &PolicyConfig, samples: &[Sample]) -> Result<(), RoleError> {
+    let bad = |e: SampleError| RoleError::BadRequest(e.to_string());
+    for s in samples {
+        s.token_field(TokenField::OldLogprobs).map_err(bad)?;
+        s.token_field(TokenField::Advantages).map_err(bad)?;
+        if cfg.kl_loss.is_some() {
+            s.token_field(TokenField::RefLogprobs).map_err(bad)?;
+        }
+    }
+    Ok(())
+}
+
+/// The micro-batches of the samples in `range` (indices into the batch): runs of
+/// `micro_batch_size`, or token-budget groups.
+pub(super) fn groups(
+    cfg: &PolicyConfig,
+    samples: &[Sample],
+    range: Range<usize>,
+) -> Vec<Vec<usize>> {
+    if cfg.max_tokens_per_micro_batch > 0 {
+        let lens: Vec<usize> = samples[range.clone()]
+            .iter()
+            .map(|s| s.prompt_tokens.len() + s.response_len())
+            .collect();
+        token_groups(&lens, cfg.max_tokens_per_micro_batch)
+            .into_iter()
+            .map(|g| g.into_iter().map(|i| range.start + i).collect())
+            .collect()
+    } else {
+        range
+            .clone()
+            .step_by(cfg.micro_batch_size)
+            .map(|s| (s..(s + cfg.micro_batch_size).min(range.end)).collect())
+            .collect()
+    }
+}
+
+/// One optimizer step's micro-batches over `groups` (each a list of sample indices),
+/// each weighted by its share of the step's normaliser over all of `groups`, so the
+/// step's gradient does not depend on how they are split (or over which ranks).
+pub(super) fn step_micros(
+    cfg: &PolicyConfig,
+    dev: Device,
+    samples: &[Sample],
+    groups: Vec<Vec<usize>>,
+) -> Result<Vec<Micro>, RoleError> {
+    let bad = |e: SampleError| RoleError::BadRequest(e.to_string());
+    // A KL loss or an entropy bonus does not vanish with the advantage.
+    let skip = cfg.skip_zero_advantage && cfg.kl_loss.is_none() && cfg.entropy_coef == 0.0;
+    let mut micros = Vec::new();
+    let mut denominators = Vec::new();
+    for group in groups {
+        let chunk = rows_of(samples, &group);
+        let chunk: &[Sample] = &chunk;
+        let mut mb = Micro {
+            old: token_matrix(chunk, TokenField::OldLogprobs, dev).map_err(bad)?,
+            adv: token_matrix(chunk, TokenField::Advantages, dev).map_err(bad)?,
+            reference: match cfg.kl_loss {
+                Some(_) => Some(token_matrix(chunk, TokenField::RefLogprobs, dev).map_err(bad)?),
+                None => None,
+            },
+            mask: response_mask(chunk, dev).map_err(bad)?,
+            rows: group.clone(),
+            keep_scale: 1.0,
+            weight: 1.0,
+        };
+        if cfg.off_policy.correction != BehaviourCorrection::None {
+            let behaviour = token_matrix(chunk, TokenField::RolloutLogprobs, dev).map_err(bad)?;
+            let (w, keep) = behaviour_weights(&mb.old, &behaviour, &mb.mask, &cfg.off_policy)
+                .map_err(|e| RoleError::BadRequest(e.to_string()))?;
+            mb.adv = &mb.adv * w;
+            mb.mask = keep;
+        }
+        denominators.push(normaliser(&mb.mask, cfg.loss.agg));
+        if skip {
+            let (kept, keep_scale) = rows_with_gradient(&mb.mask, &mb.adv, cfg.loss.agg);
+            if kept.len() < chunk.len() {
+                let index: Vec<i64> = kept.iter().map(|&i| i as i64).collect();
+                let index = Tensor::from_slice(&index).to_device(dev);
+                // Token matrices are as wide as their longest response.
+                let width = kept.iter().map(|&i| chunk[i].response_len()).max();
+                let width = width.unwrap_or(0) as i64;
+                let pick = |t: &Tensor| t.index_select(0, &index).narrow(1, 0, width);
+                mb.old = pick(&mb.old);
+                mb.adv = pick(&mb.adv);
+                mb.mask = pick(&mb.mask);
+                mb.reference = mb.reference.as_ref().map(pick);
+                mb.rows = kept.into_iter().map(|i| group[i]).collect();
+                mb.keep_scale = keep_scale;
+            }
+        }
+        micros.push(mb);
+    }
+    let total: f64 = denominators.iter().sum();
+    for (mb, d) in micros.iter_mut().zip(&denominators) {
+        // A step with nothing to normalise by (no response tokens) weighs evenly.
+        mb.weight = if total > 0.0 {
+            d / total
+        } else {
+            1.0 / denominators.len() as f64
+        };
+    }
+    Ok(micros)
+}
+
+/// A micro-batch for a trainer that scores whole sequences (the sharded one): where
+/// each response token sits in its samples' [`SeqBatch`].
+pub(super) struct SeqMicro {
+    /// `[B, w]`: the position in `batch` of response token `j` of each row (clamped
+    /// where the row's response is shorter than the longest).
+    at: Tensor,
+    /// `[B, w]`: 1 where a row has response token `j`.
+    present: Tensor,
+    micro: Micro,
+}
+
+impl SeqMicro {
+    /// `mb`'s samples as one right-padded batch, and `mb` over it; `None` when none of
+    /// them carries a gradient.
+    pub(super) fn new(
+        samples: &[Sample],
+        mb: Micro,
+        pad_id: i64,
+        dev: Device,
+    ) -> yatt_engine::Result<Option<(SeqBatch, Self)>> {
+        if mb.rows.is_empty() {
+            return Ok(None);
+        }
+        let chunk = rows_of(samples, &mb.rows);
+        let pairs: Vec<(&[i64], &[i64])> = chunk
+            .iter()
+            .map(|s| (s.prompt_tokens.as_slice(), s.response_tokens.as_slice()))
+            .collect();
+        let batch = SeqBatch::from_pairs(&pairs, pad_id, dev)?;
+        let full = batch.ids.size()[1];
+        let w = chunk.iter().map(Sample::response_len).max().unwrap_or(0);
+        let (mut at, mut present) = (vec![0i64; chunk.len() * w], vec![0f32; chunk.len() * w]);
+        for (i, s) in chunk.iter().enumerate() {
+            for j in 0..w {
+                at[i * w + j] = ((s.prompt_tokens.len() + j) as i64).min(full - 1);
+                present[i * w + j] = f32::from(u8::from(j < s.response_len()));
+            }
+        }
+        let shape = [chunk.len() as i64, w as i64];
+        Ok(Some((
+            batch,
+            SeqMicro {
+                at: Tensor::from_slice(&at).view(shape).to_device(dev),
+                present: Tensor::from_slice(&present).view(shape).to_device(dev),
+                micro: mb,
+            },
+        )))
+    }
+
+    /// The micro-batch's weighted loss from the scores of its whole sequences: the
+    /// response positions picked out as [`response_backward`] gives them, then the
+    /// same loss as the unsharded policy's.
+    pub(super) fn loss(
+        &self,
+        scores: &TokenScores,
+        cfg: &PolicyConfig,
+        stats: &mut MicroStats,
+    ) -> yatt_engine::Result<Tensor> {
+        let pick = |x: &Tensor| x.gather(1, &self.at, false) * &self.present;
+        let (lp, ent) = (pick(&scores.logprobs), pick(&scores.entropy));
+        let scale = self.micro.keep_scale * self.micro.weight;
+        stats.ran += 1;
+        micro_loss(&lp, &ent, &self.micro, cfg, stats).map(|l| l * scale)
+    }
 }
 
 /// The normaliser of `agg` over a micro-batch's response `mask` `[B, T]`: its tokens
@@ -187,6 +368,15 @@ pub(super) fn rows_with_gradient(mask: &Tensor, adv: &Tensor, agg: LossAgg) -> (
 }
 
 impl MicroStats {
+    /// Adds another rank's statistics of the same step.
+    pub(super) fn add(&mut self, o: &MicroStats) {
+        self.ran += o.ran;
+        self.clip += o.clip;
+        self.approx_kl += o.approx_kl;
+        self.kl += o.kl;
+        self.entropy += o.entropy;
+    }
+
     /// Fills the report's loss metrics: means over the micro-batches that ran; with
     /// none (every advantage zero) the clip and KL fractions are 0 and the entropy is
     /// unknown (NaN).

@@ -38,183 +38,34 @@ use std::time::Instant;
 
 use tch::Tensor;
 use yatt_engine::{to_buckets, EngineError, Trainer};
-use yatt_runtime::ActorId;
-use yatt_runtime::{RingMember, RingSpec};
+use yatt_runtime::RingMember;
 
-use crate::algo::off_policy::{behaviour_weights, BehaviourCorrection};
 use crate::builtin::device_weights::Staging;
 use crate::builtin::scoring::{check_device, score_samples};
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
-use crate::sample::{response_mask, token_matrix, Sample, TokenField};
+use crate::sample::Sample;
 
 mod config;
 mod export;
 mod grad_group;
 mod micro;
+mod protocol;
+mod ranks;
 mod report;
+mod sharded;
+#[cfg(test)]
+mod sharded_tests;
 #[cfg(test)]
 mod split_tests;
 mod state;
 
 pub use config::{KlLossConfig, LoraSync, PolicyConfig};
-pub use report::TrainReport;
+pub use protocol::{GradShard, PolicyRequest, PolicyResponse, PushReport, PushTarget};
+pub use report::{ShardReport, TrainReport};
+pub use sharded::{ShardedPolicyRole, ShardedStart};
 pub use state::TrainerState;
 
-use micro::{micro_backward, normaliser, rows_with_gradient, token_groups, Micro, MicroStats};
-
-/// What the policy role is asked.
-#[derive(Debug)]
-pub enum PolicyRequest {
-    /// Fill in `old_logprobs`.
-    OldLogProbs(Vec<Sample>),
-    /// Train on the samples.
-    Train(Vec<Sample>),
-    /// Data parallelism: the gradients of the loss on this controller's samples (one
-    /// optimizer step's worth), without updating; the role's gradients are zeroed after.
-    Gradients(Vec<Sample>),
-    /// Data parallelism: average the controllers' gradients and take one optimizer step.
-    ApplyGradients(Vec<GradShard>),
-    /// Export the weights for weight sync, as byte buckets.
-    ExportWeights,
-    /// Export the weights for roles in this process: a snapshot of the tensors they take
-    /// over without copying (one copy here instead of encoding to bytes and decoding).
-    /// A policy in another process answers it as [`PolicyRequest::ExportWeights`].
-    ExportLocalWeights,
-    /// Export the weights for roles in other processes of this host: one device buffer
-    /// they map through CUDA IPC. Answered with [`PolicyResponse::DeviceWeightsUnavailable`]
-    /// where that cannot be (weights on the CPU, no CUDA driver).
-    ExportDeviceWeights,
-    /// Pack the weights for an NCCL broadcast to other hosts' rollouts. `group`: the
-    /// group the asking controller broadcast to last, reused unless `fresh` (its
-    /// members changed: the policy drops it and makes another). Answered with the
-    /// packed table and the group (this policy rank 0), or
-    /// [`PolicyResponse::NcclUnavailable`].
-    StageBroadcast {
-        /// The group the asking controller broadcast to last, if any.
-        group: Option<yatt_collective::UniqueId>,
-        /// The group's members changed: make a new one.
-        fresh: bool,
-    },
-    /// Broadcast the staged weights as rank 0 of the group, while its members receive.
-    Broadcast(crate::role::NcclGroup),
-    /// Save a checkpoint to this directory.
-    SaveCheckpoint(PathBuf),
-    /// Data parallelism over replicas: this replica's ring inbox, for the ring's spec.
-    RingInbox,
-    /// Data parallelism over replicas: join the ring of every replica's inbox.
-    JoinRing(RingSpec),
-    /// Data parallelism over replicas with NCCL: whether this replica can average
-    /// gradients through NCCL (its weights on a GPU, libnccl loaded), and with
-    /// `make_id` (the first replica) the group's id. Answered with
-    /// [`PolicyResponse::GradientGroup`] or [`PolicyResponse::NcclUnavailable`].
-    GradientGroup {
-        /// This is the first replica: make the group's id.
-        make_id: bool,
-    },
-    /// Data parallelism over replicas: average gradients in this NCCL group from now
-    /// on (the ring stays the fallback), or, with `None`, over the ring alone.
-    JoinGradientGroup(Option<crate::role::NcclGroup>),
-    /// Data parallelism over replicas: the gradients of the loss on this head's samples,
-    /// averaged with every other replica's in the ring, then one optimizer step. Every
-    /// replica of the ring must be asked at the same time, at the same version.
-    TrainAllReduce(Vec<Sample>),
-    /// The whole trainer state (weights, optimizer moments, step), as bytes.
-    ExportState,
-    /// Replace the trainer with this state (another replica's [`PolicyRequest::ExportState`]).
-    ImportState(TrainerState),
-    /// Weight sync in one hop: export the weights as buckets and load them into these
-    /// roles straight from the policy's process, each load with `timeout`. Answered
-    /// by the actor that hosts the policy on a node ([`crate::PushingPolicy`]) with
-    /// [`PolicyResponse::Pushed`]; the role itself answers
-    /// [`PolicyResponse::PushUnavailable`], and the asker sends the buckets itself.
-    PushWeights {
-        /// The roles to load the weights into.
-        to: Vec<PushTarget>,
-        /// The deadline of each load.
-        timeout: std::time::Duration,
-    },
-}
-
-/// A role that [`PolicyRequest::PushWeights`] loads, with its kind: the kind names the
-/// actor's message types, which an actor on the policy's own node must be asked in.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum PushTarget {
-    /// A rollout (`RoleRequest<RolloutRequest>`).
-    Rollout(ActorId),
-    /// A reference, or another role that serves sample batches
-    /// (`RoleRequest<Vec<Sample>>`).
-    Reference(ActorId),
-    /// Another policy replica (`RoleRequest<PolicyRequest>`).
-    Policy(ActorId),
-}
-
-impl PushTarget {
-    /// The actor to load.
-    pub fn id(&self) -> &ActorId {
-        match self {
-            PushTarget::Rollout(id) | PushTarget::Reference(id) | PushTarget::Policy(id) => id,
-        }
-    }
-}
-
-/// What the policy role answers.
-#[derive(Debug)]
-pub enum PolicyResponse {
-    /// Samples with `old_logprobs` set.
-    Scored(Vec<Sample>),
-    /// The update's report.
-    Trained(TrainReport),
-    /// One controller's gradients.
-    Gradients(GradShard),
-    /// The weights.
-    Weights(WeightsUpdate),
-    /// The checkpoint was written.
-    Saved,
-    /// This replica's ring inbox.
-    RingInbox(ActorId),
-    /// The replica joined the ring.
-    Joined,
-    /// The trainer state ([`PolicyRequest::ExportState`]).
-    State(TrainerState),
-    /// The trainer state was taken ([`PolicyRequest::ImportState`]).
-    Imported,
-    /// [`PolicyRequest::ExportDeviceWeights`] cannot be served here, and why: send the
-    /// weights as buckets instead.
-    DeviceWeightsUnavailable(String),
-    /// [`PolicyRequest::Broadcast`] reached every member.
-    Sent,
-    /// [`PolicyRequest::GradientGroup`]: NCCL can be used here (and the group's id, if
-    /// asked to make one).
-    GradientGroup(Option<yatt_collective::UniqueId>),
-    /// NCCL cannot be used here ([`PolicyRequest::StageBroadcast`],
-    /// [`PolicyRequest::GradientGroup`]), and why.
-    NcclUnavailable(String),
-    /// What [`PolicyRequest::PushWeights`] did.
-    Pushed(PushReport),
-    /// [`PolicyRequest::PushWeights`] cannot be served here, and why: export the weights
-    /// and send them instead.
-    PushUnavailable(String),
-}
-
-/// What one [`PolicyRequest::PushWeights`] did.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct PushReport {
-    /// The version the rollouts that loaded now hold.
-    pub version: u64,
-    /// Bytes of weights sent to each rollout.
-    pub bytes: u64,
-    /// The rollouts that did not load them, and why; every other one did.
-    pub failed: Vec<(ActorId, yatt_runtime::CallError)>,
-}
-
-/// One controller's gradients for a data-parallel step.
-#[derive(Debug, Clone)]
-pub struct GradShard {
-    /// Gradients (canonical parameter names, f32).
-    pub buckets: Vec<yatt_engine::WeightBucket>,
-    /// Loss statistics of the shard (no optimizer fields yet).
-    pub report: TrainReport,
-}
+use micro::{check_samples, micro_backward, step_micros, Micro, MicroStats};
 
 /// The trainer role.
 pub struct PolicyRole {
@@ -245,27 +96,7 @@ fn grad_fail(e: EngineError) -> RoleError {
 impl PolicyRole {
     /// A policy over `trainer`. Fails on an unusable config.
     pub fn new(trainer: Trainer, config: PolicyConfig) -> Result<Self, RoleError> {
-        if config.micro_batch_size == 0 || config.mini_batches == 0 {
-            return Err(RoleError::BadRequest(
-                "micro_batch_size and mini_batches must be >= 1".into(),
-            ));
-        }
-        if config.on_policy && config.mini_batches != 1 {
-            return Err(RoleError::BadRequest(format!(
-                "on_policy needs one optimizer step per batch (mini_batches = 1), not {}: later mini-batches train on weights other than the ones that generated",
-                config.mini_batches
-            )));
-        }
-        config
-            .off_policy
-            .check()
-            .map_err(|e| RoleError::BadRequest(e.to_string()))?;
-        if !(config.temperature > 0.0) {
-            return Err(RoleError::BadRequest(format!(
-                "temperature {} must be > 0 (greedy rollouts cannot be trained on)",
-                config.temperature
-            )));
-        }
+        config.check()?;
         Ok(PolicyRole {
             trainer,
             config,
@@ -299,14 +130,7 @@ impl PolicyRole {
             ));
         }
         let cfg = self.config.clone();
-        let bad = |e: crate::sample::SampleError| RoleError::BadRequest(e.to_string());
-        for s in &samples {
-            s.token_field(TokenField::OldLogprobs).map_err(bad)?;
-            s.token_field(TokenField::Advantages).map_err(bad)?;
-            if cfg.kl_loss.is_some() {
-                s.token_field(TokenField::RefLogprobs).map_err(bad)?;
-            }
-        }
+        check_samples(&cfg, &samples)?;
         let per_mini = samples.len().div_ceil(cfg.mini_batches);
         let mut report = TrainReport {
             trained: samples.iter().map(|s| s.id).collect(),
@@ -341,90 +165,8 @@ impl PolicyRole {
         samples: &[Sample],
         range: std::ops::Range<usize>,
     ) -> Result<Vec<Micro>, RoleError> {
-        let cfg = &self.config;
-        let dev = self.trainer.model.device();
-        let bad = |e: crate::sample::SampleError| RoleError::BadRequest(e.to_string());
-        // A KL loss or an entropy bonus does not vanish with the advantage.
-        let skip = cfg.skip_zero_advantage && cfg.kl_loss.is_none() && cfg.entropy_coef == 0.0;
-        let mut micros = Vec::new();
-        let mut denominators = Vec::new();
-        let groups: Vec<Vec<usize>> = if cfg.max_tokens_per_micro_batch > 0 {
-            let lens: Vec<usize> = samples[range.clone()]
-                .iter()
-                .map(|s| s.prompt_tokens.len() + s.response_len())
-                .collect();
-            token_groups(&lens, cfg.max_tokens_per_micro_batch)
-                .into_iter()
-                .map(|g| g.into_iter().map(|i| range.start + i).collect())
-                .collect()
-        } else {
-            range
-                .clone()
-                .step_by(cfg.micro_batch_size)
-                .map(|s| (s..(s + cfg.micro_batch_size).min(range.end)).collect())
-                .collect()
-        };
-        for group in groups {
-            // A balanced micro-batch's samples are not contiguous: copied out.
-            let owned: Vec<Sample>;
-            let chunk: &[Sample] = if group.windows(2).all(|w| w[1] == w[0] + 1) {
-                &samples[group[0]..=group[group.len() - 1]]
-            } else {
-                owned = group.iter().map(|&i| samples[i].clone()).collect();
-                &owned
-            };
-            let mut mb = Micro {
-                old: token_matrix(chunk, TokenField::OldLogprobs, dev).map_err(bad)?,
-                adv: token_matrix(chunk, TokenField::Advantages, dev).map_err(bad)?,
-                reference: match cfg.kl_loss {
-                    Some(_) => {
-                        Some(token_matrix(chunk, TokenField::RefLogprobs, dev).map_err(bad)?)
-                    }
-                    None => None,
-                },
-                mask: response_mask(chunk, dev).map_err(bad)?,
-                rows: group.clone(),
-                keep_scale: 1.0,
-                weight: 1.0,
-            };
-            if cfg.off_policy.correction != BehaviourCorrection::None {
-                let behaviour =
-                    token_matrix(chunk, TokenField::RolloutLogprobs, dev).map_err(bad)?;
-                let (w, keep) = behaviour_weights(&mb.old, &behaviour, &mb.mask, &cfg.off_policy)
-                    .map_err(|e| RoleError::BadRequest(e.to_string()))?;
-                mb.adv = &mb.adv * w;
-                mb.mask = keep;
-            }
-            denominators.push(normaliser(&mb.mask, cfg.loss.agg));
-            if skip {
-                let (kept, keep_scale) = rows_with_gradient(&mb.mask, &mb.adv, cfg.loss.agg);
-                if kept.len() < chunk.len() {
-                    let index: Vec<i64> = kept.iter().map(|&i| i as i64).collect();
-                    let index = Tensor::from_slice(&index).to_device(dev);
-                    // Token matrices are as wide as their longest response.
-                    let width = kept.iter().map(|&i| chunk[i].response_len()).max();
-                    let width = width.unwrap_or(0) as i64;
-                    let pick = |t: &Tensor| t.index_select(0, &index).narrow(1, 0, width);
-                    mb.old = pick(&mb.old);
-                    mb.adv = pick(&mb.adv);
-                    mb.mask = pick(&mb.mask);
-                    mb.reference = mb.reference.as_ref().map(pick);
-                    mb.rows = kept.into_iter().map(|i| group[i]).collect();
-                    mb.keep_scale = keep_scale;
-                }
-            }
-            micros.push(mb);
-        }
-        let total: f64 = denominators.iter().sum();
-        for (mb, d) in micros.iter_mut().zip(&denominators) {
-            // A step with nothing to normalise by (no response tokens) weighs evenly.
-            mb.weight = if total > 0.0 {
-                d / total
-            } else {
-                1.0 / denominators.len() as f64
-            };
-        }
-        Ok(micros)
+        let groups = micro::groups(&self.config, samples, range);
+        step_micros(&self.config, self.trainer.model.device(), samples, groups)
     }
 
     /// Accumulates the gradients of the loss on `samples` (one optimizer step's worth)
@@ -610,10 +352,7 @@ impl Role for PolicyRole {
                     return Ok(PolicyResponse::Scored(samples));
                 }
                 let c = &self.config;
-                if c.on_policy || c.rollout_as_old {
-                    for s in samples.iter_mut() {
-                        s.old_logprobs = Some(s.rollout_logprobs.clone());
-                    }
+                if c.old_from_rollout(&mut samples) {
                     return Ok(PolicyResponse::Scored(samples));
                 }
                 let rows = score_samples(

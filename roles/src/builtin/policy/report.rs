@@ -31,6 +31,27 @@ pub struct TrainReport {
     /// The replicas averaged this update's gradients through NCCL (not the QUIC ring).
     #[serde(default)]
     pub nccl_all_reduce: bool,
+    /// A sharded policy's memory and traffic in this update (`None` unsharded). Not
+    /// sent across processes: a sharded policy runs in its controller's process so far,
+    /// and a new field on the wire needs the ALPN bumped (`roles/src/wire/pin.rs`).
+    #[serde(skip)]
+    pub sharded: Option<ShardReport>,
+}
+
+/// What the ranks of a sharded policy held and moved in one update.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ShardReport {
+    /// Ranks of the replica.
+    pub shards: usize,
+    /// The most training state one rank held: its shards of the f32 master weights,
+    /// gradients and both moments, plus the most gathered at once.
+    pub train_state_bytes: u64,
+    /// Bytes one rank received in all-gathers (the mean over ranks).
+    pub gathered_bytes: u64,
+    /// Bytes one rank sent in reduce-scatters (the mean over ranks).
+    pub reduced_bytes: u64,
+    /// Seconds the slowest rank waited in all-gathers.
+    pub gather_s: f64,
 }
 
 impl TrainReport {

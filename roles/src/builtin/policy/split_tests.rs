@@ -1,6 +1,7 @@
 //! A step's gradients do not depend on how it is split into micro-batches (by samples
 //! or by a token budget), nor on the chunked head, layer recompute or packed rows.
 
+use super::micro::token_groups;
 use super::*;
 use crate::algo::loss::LossAgg;
 use crate::sample::tests::sample;
@@ -9,7 +10,7 @@ use yatt_engine::{tiny_config, Llama, RowLayout, TrainConfig};
 
 /// 14 samples of 4 prompts (GRPO groups), long-tail response lengths, advantages of
 /// both signs and some all zero.
-fn samples(model: &Llama) -> Vec<Sample> {
+pub(super) fn samples(model: &Llama) -> Vec<Sample> {
     let mut out: Vec<Sample> = (0..14u64)
         .map(|i| {
             let r = [1usize, 9, 3, 17, 2, 5, 4, 12, 1, 6, 2, 8, 3, 25][i as usize];

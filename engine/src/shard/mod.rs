@@ -1,0 +1,15 @@
+//! Sharded training (ZeRO-3 / FSDP): the units' flat layout and resharding, the
+//! collectives between a replica's ranks, the trainer that holds only its shard, and
+//! its checkpoints. This file only declares and re-exports.
+
+mod group;
+mod init;
+mod layout;
+mod persist;
+mod trainer;
+
+pub use group::{LocalGroup, ReduceOp, ShardGroup};
+pub use init::{random_model_by_units, random_unit};
+pub use layout::{model_layout, reshard, shard_len, shard_of, ParamSlot, UnitLayout};
+pub use persist::{is_sharded_checkpoint, load_sharded_weights, merge_sharded_checkpoint};
+pub use trainer::{check_shards, CommStats, ShardedStepStats, ShardedTrainer};

@@ -1,0 +1,580 @@
+//! The sharded trainer (ZeRO-3 / FSDP): each rank of a replica holds only its shard of
+//! every unit's f32 master weights, gradients and AdamW moments, and gathers a unit's
+//! weights just before it runs and frees them after.
+//!
+//! Per micro-batch, forward: gather each unit, run it without gradients, keep only the
+//! layers' inputs (activation checkpoints), free it. Then the head runs forward and
+//! backward at once (the chunked LM head), and in reverse each layer is gathered again,
+//! recomputed from its input with gradients, backpropagated, and its gradient
+//! reduce-scattered into the ranks' gradient shards. With tied embeddings the embedding
+//! weights gathered first stay until the head has used them, so every unit moves twice
+//! as weights and once as gradients: 3·(N−1)/N·Ψ·b per rank per micro-batch.
+
+use super::group::{ReduceOp, ShardGroup};
+use super::layout::{model_layout, shard_of, UnitLayout};
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::model::{backward_with, positions_from_mask, Attn, Llama, UnitPass};
+use crate::score::{
+    chunked_backward, predicting_rows, token_layout, HeadInput, SeqBatch, TokenScores,
+};
+use crate::train::{StepStats, TrainConfig};
+use std::time::Instant;
+use tch::{Kind, Tensor};
+
+/// A unit's gathered weights: the flat buffer, and with gradients one leaf per
+/// parameter (views of the buffer's memory).
+struct Gathered {
+    unit: usize,
+    flat: Tensor,
+    leaves: Vec<Tensor>,
+}
+
+/// One rank's part of one unit's training state, all f32 `[shard_len]`.
+pub(crate) struct UnitState {
+    pub(crate) master: Tensor,
+    pub(crate) m: Tensor,
+    pub(crate) v: Tensor,
+    pub(crate) grad: Tensor,
+    /// The ranges of this shard (start, len) whose parameters take weight decay.
+    pub(crate) decay: Vec<(i64, i64)>,
+}
+
+/// What crossed the wire for one rank, summed over a step (or the trainer's life).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CommStats {
+    /// Bytes this rank received in all-gathers: (N−1)/N of each gathered unit.
+    pub gathered_bytes: u64,
+    /// Bytes this rank sent in reduce-scatters: (N−1)/N of each unit's gradient.
+    pub reduced_bytes: u64,
+    /// Seconds spent waiting in all-gathers (none of it hidden: no prefetch yet).
+    pub gather_s: f64,
+    /// Seconds spent in reduce-scatters.
+    pub reduce_s: f64,
+    /// All-gathers run.
+    pub gathers: u64,
+}
+
+/// What one sharded step did: the step's statistics (the same for every rank) and this
+/// rank's memory and traffic.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShardedStepStats {
+    /// Loss (summed over the ranks), gradient norm (over all shards), LR.
+    pub step: StepStats,
+    /// This rank's traffic during the step.
+    pub comm: CommStats,
+    /// Bytes of this rank's training state: its shards of the master weights, gradients
+    /// and both moments (16Ψ/N in f32), plus the most gathered weights and gradients
+    /// held at once during the step.
+    pub train_state_bytes: u64,
+    /// The most gathered weights and unit gradients held at once during the step.
+    pub peak_gathered_bytes: u64,
+    /// Micro-batches every rank ran (the most any rank had).
+    pub micro_batches: usize,
+}
+
+/// A model whose training state is sharded over the ranks of a [`ShardGroup`].
+pub struct ShardedTrainer {
+    /// The model: a skeleton whose units hold weights only while they run.
+    pub model: Llama,
+    /// Optimizer settings.
+    pub config: TrainConfig,
+    pub(crate) layout: Vec<UnitLayout>,
+    pub(crate) state: Vec<UnitState>,
+    pub(crate) group: Box<dyn ShardGroup>,
+    pub(crate) step: u64,
+    comm: CommStats,
+    held: u64,
+    peak_held: u64,
+}
+
+fn f32_zeros(n: i64, device: tch::Device) -> Tensor {
+    Tensor::zeros([n], (Kind::Float, device))
+}
+
+fn grad_or_zeros(flat: &Tensor) -> Tensor {
+    let g = flat.grad();
+    if g.defined() {
+        g
+    } else {
+        flat.detach().zeros_like()
+    }
+}
+
+impl ShardedTrainer {
+    /// Shards `model` (the same weights on every rank) over `group`: this rank keeps its
+    /// shard of each unit and frees the model's weights unit by unit, so the peak is the
+    /// model in its dtype, never the unsharded training state.
+    pub fn new(mut model: Llama, config: TrainConfig, group: Box<dyn ShardGroup>) -> Result<Self> {
+        model.check_unit_trainable()?;
+        let layout = model_layout(&model.config);
+        check_world(&layout, group.world())?;
+        let (rank, world) = (group.rank(), group.world());
+        let device = model.device();
+        let kind = model.kind();
+        let mut state = Vec::with_capacity(layout.len());
+        for ul in &layout {
+            let params = model.unit_parameters_mut(ul.unit);
+            let mut parts = Vec::with_capacity(params.len());
+            for ((name, p), slot) in params.into_iter().zip(&ul.slots) {
+                if *name != slot.name || p.size() != slot.shape {
+                    return Err(EngineError::InvalidArgument(format!(
+                        "parameter `{name}` has shape {:?}, the model's config says `{}` {:?}",
+                        p.size(),
+                        slot.name,
+                        slot.shape
+                    )));
+                }
+                parts.push(p.detach().to_kind(Kind::Float).reshape([-1]));
+                *p = Tensor::empty([0], (kind, device));
+            }
+            let flat = Tensor::cat(&parts, 0);
+            drop(parts);
+            let master = shard_of(&flat, ul.numel, rank, world);
+            drop(flat);
+            state.push(UnitState::new(
+                master,
+                decay_ranges(ul, &config, rank, world),
+            ));
+        }
+        Ok(Self::assemble(model, config, layout, state, group))
+    }
+
+    pub(crate) fn assemble(
+        model: Llama,
+        config: TrainConfig,
+        layout: Vec<UnitLayout>,
+        state: Vec<UnitState>,
+        group: Box<dyn ShardGroup>,
+    ) -> Self {
+        ShardedTrainer {
+            model,
+            config,
+            layout,
+            state,
+            group,
+            step: 0,
+            comm: CommStats::default(),
+            held: 0,
+            peak_held: 0,
+        }
+    }
+
+    /// This rank and the replica's rank count.
+    pub fn rank(&self) -> (usize, usize) {
+        (self.group.rank(), self.group.world())
+    }
+
+    /// Optimizer steps taken.
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// Bytes of this rank's sharded state (master weights, gradients, moments).
+    pub fn shard_state_bytes(&self) -> u64 {
+        self.state
+            .iter()
+            .map(|s| 16 * s.master.numel() as u64)
+            .sum()
+    }
+
+    /// Traffic since the trainer was made.
+    pub fn comm_stats(&self) -> &CommStats {
+        &self.comm
+    }
+
+    /// One optimizer step. This rank's `micro_batches` (each rank brings its own part of
+    /// the global batch; the counts may differ: the ranks agree on the largest and a
+    /// rank short of micro-batches takes part in the collectives with none) each run
+    /// forward and backward, `loss` mapping its token scores to a loss already scaled as
+    /// the caller wants it (say, divided by the global token count). The step's loss is
+    /// the sum of those over micro-batches and ranks. With no micro-batch on any rank
+    /// the step is taken with zero gradients.
+    pub fn step_tokens(
+        &mut self,
+        micro_batches: &[SeqBatch],
+        temperature: f64,
+        mut loss: impl FnMut(usize, &TokenScores) -> Result<Tensor>,
+    ) -> Result<ShardedStepStats> {
+        tch::manual_seed(self.config.seed.wrapping_add(self.step) as i64);
+        let before = self.comm.clone();
+        self.peak_held = self.held;
+        let mut count = [micro_batches.len() as f64];
+        self.group.all_reduce(&mut count, ReduceOp::Max)?;
+        // With no micro-batch on any rank (none of the step's samples carries a
+        // gradient) the step still counts, with zero gradients, as the unsharded
+        // trainer's does: the step count and the LR schedule stay in line.
+        let n = count[0] as usize;
+        let mut total = 0.0;
+        for i in 0..n {
+            let mb = micro_batches.get(i);
+            total += self.micro(mb, temperature, &mut |s| loss(i, s))?;
+        }
+        let mut sum = [total];
+        self.group.all_reduce(&mut sum, ReduceOp::Sum)?;
+        let (grad_norm, lr) = self.apply()?;
+        let comm = CommStats {
+            gathered_bytes: self.comm.gathered_bytes - before.gathered_bytes,
+            reduced_bytes: self.comm.reduced_bytes - before.reduced_bytes,
+            gather_s: self.comm.gather_s - before.gather_s,
+            reduce_s: self.comm.reduce_s - before.reduce_s,
+            gathers: self.comm.gathers - before.gathers,
+        };
+        Ok(ShardedStepStats {
+            step: StepStats {
+                step: self.step,
+                loss: sum[0],
+                grad_norm,
+                lr,
+            },
+            comm,
+            train_state_bytes: self.shard_state_bytes() + self.peak_held,
+            peak_gathered_bytes: self.peak_held,
+            micro_batches: n,
+        })
+    }
+
+    /// Gathers unit `u`'s weights in the model's dtype and installs them as views of
+    /// the gathered buffer; with `grad` each parameter is a leaf of its own (a view of
+    /// the buffer's memory) that collects its gradient in its own shape, so that no
+    /// backward pass builds a zero-filled buffer-sized gradient per parameter.
+    fn gather(&mut self, u: usize, grad: bool) -> Result<Gathered> {
+        let kind = self.model.kind();
+        let shard = self.state[u].master.to_kind(kind);
+        let t0 = Instant::now();
+        let flat = self.group.all_gather(&shard)?;
+        let world = self.group.world() as u64;
+        let bytes = flat.numel() as u64 * kind.elt_size_in_bytes() as u64;
+        self.comm.gather_s += t0.elapsed().as_secs_f64();
+        self.comm.gathered_bytes += bytes / world * (world - 1);
+        self.comm.gathers += 1;
+        let ul = &self.layout[u];
+        let mut leaves = Vec::new();
+        for ((_, p), slot) in self
+            .model
+            .unit_parameters_mut(ul.unit)
+            .into_iter()
+            .zip(&ul.slots)
+        {
+            let view = flat
+                .narrow(0, slot.offset, slot.numel)
+                .view(slot.shape.as_slice());
+            *p = match grad {
+                true => {
+                    let leaf = view.detach().set_requires_grad(true);
+                    leaves.push(leaf.shallow_clone());
+                    leaf
+                }
+                false => view,
+            };
+        }
+        self.hold(bytes as i64);
+        Ok(Gathered {
+            unit: u,
+            flat,
+            leaves,
+        })
+    }
+
+    /// Frees what a gathered unit holds (its gradients live on in whoever took them).
+    fn release(&mut self, g: Gathered) {
+        let (kind, device) = (self.model.kind(), self.model.device());
+        for (_, p) in self.model.unit_parameters_mut(self.layout[g.unit].unit) {
+            *p = Tensor::empty([0], (kind, device));
+        }
+        self.hold(-((g.flat.numel() * kind.elt_size_in_bytes()) as i64));
+    }
+
+    /// A gathered unit's flat gradient, padding zero, counted as held until reduced.
+    fn flat_grad(&mut self, g: &Gathered) -> Tensor {
+        let ul = &self.layout[g.unit];
+        let padded = g.flat.numel() as i64;
+        let grad = |l: &Tensor| {
+            let gr = l.grad();
+            match gr.defined() {
+                true => gr.reshape([-1]),
+                false => l.detach().zeros_like().reshape([-1]),
+            }
+        };
+        let out = if g.leaves.len() == 1 && ul.numel == padded {
+            // One parameter and no padding: its gradient is the flat gradient.
+            grad(&g.leaves[0])
+        } else {
+            let mut parts: Vec<Tensor> = g.leaves.iter().map(grad).collect();
+            if padded > ul.numel {
+                let kind = self.model.kind();
+                parts.push(Tensor::zeros([padded - ul.numel], (kind, g.flat.device())));
+            }
+            Tensor::cat(&parts, 0)
+        };
+        self.hold((out.numel() * out.kind().elt_size_in_bytes()) as i64);
+        out
+    }
+
+    fn hold(&mut self, bytes: i64) {
+        self.held = (self.held as i64 + bytes).max(0) as u64;
+        self.peak_held = self.peak_held.max(self.held);
+    }
+
+    /// Reduce-scatters a unit's flat gradient (from [`ShardedTrainer::flat_grad`];
+    /// consumed: the group may use its memory) into this rank's gradient shard.
+    fn reduce_into(&mut self, u: usize, g: Tensor) -> Result<()> {
+        let t0 = Instant::now();
+        let world = self.group.world() as u64;
+        let bytes = g.numel() as u64 * g.kind().elt_size_in_bytes() as u64;
+        let mine = self.group.reduce_scatter(g.detach())?;
+        self.comm.reduce_s += t0.elapsed().as_secs_f64();
+        self.comm.reduced_bytes += bytes / world * (world - 1);
+        self.hold(-(bytes as i64));
+        self.state[u].grad += mine.to_kind(Kind::Float);
+        Ok(())
+    }
+
+    /// One micro-batch (or, with `None`, this rank's part in the collectives of a
+    /// micro-batch it does not have). Returns the loss added.
+    fn micro(
+        &mut self,
+        batch: Option<&SeqBatch>,
+        temperature: f64,
+        loss: &mut dyn FnMut(&TokenScores) -> Result<Tensor>,
+    ) -> Result<f64> {
+        let head = self.layout.len() - 1;
+        let tied = self.model.tied_embeddings();
+        let pass: Option<UnitPass> = batch.map(|b| {
+            let positions = positions_from_mask(&b.ids, Some(&b.attention_mask));
+            self.model
+                .unit_pass(&b.ids, &positions, Attn::Full { mask: None })
+        });
+        // Forward, keeping each layer's input.
+        let embed = self.gather(0, tied)?;
+        let mut x = pass
+            .as_ref()
+            .map(|p| tch::no_grad(|| self.model.run_embed(p)));
+        let embed = match tied {
+            true => Some(embed),
+            false => {
+                self.release(embed);
+                None
+            }
+        };
+        let mut inputs = Vec::with_capacity(head - 1);
+        for u in 1..head {
+            let unit = self.gather(u, false)?;
+            if let (Some(p), Some(xi)) = (&pass, x.as_ref()) {
+                let y = tch::no_grad(|| self.model.run_layer(p, u - 1, xi));
+                inputs.push(std::mem::replace(&mut x, Some(y)));
+            }
+            self.release(unit);
+        }
+        // The head, forward and backward at once.
+        let head_unit = self.gather(head, true)?;
+        let mut value = 0.0;
+        let mut g = None;
+        if let (Some(b), Some(p), Some(xl)) = (batch, &pass, x) {
+            let last = xl.set_requires_grad(true);
+            let h = self.model.run_final_norm(p, &last);
+            let (rows, targets) = predicting_rows(&h, b);
+            let input = HeadInput {
+                rows,
+                targets,
+                tapes: vec![],
+            };
+            let chunk = self.model.memory.logprob_chunk_tokens;
+            let (bt, tt) = b.ids.size2().expect("[B, T]");
+            let (v, _, _) = chunked_backward(&self.model, input, temperature, chunk, |lp, ent| {
+                loss(&TokenScores {
+                    logprobs: token_layout(lp, b, bt, tt),
+                    entropy: token_layout(ent, b, bt, tt),
+                })
+            })?;
+            value = v;
+            g = Some(grad_or_zeros(&last));
+        }
+        let head_grad = self.flat_grad(&head_unit);
+        self.release(head_unit);
+        self.reduce_into(head, head_grad)?;
+        // With tied embeddings the head's part of the embedding gradient waits for the
+        // embedding's own: one reduce-scatter of the sum.
+        let pending = embed.map(|e| {
+            let g = self.flat_grad(&e);
+            self.release(e);
+            g
+        });
+        // Backward through the layers, last first, each recomputed from its input.
+        for u in (1..head).rev() {
+            let unit = self.gather(u, true)?;
+            if let (Some(p), Some(gy)) = (&pass, g.as_ref()) {
+                let xin = inputs.pop().flatten().expect("one input per layer");
+                let xg = xin.detach().set_requires_grad(true);
+                let y = self.model.run_layer(p, u - 1, &xg);
+                backward_with(&y, gy);
+                g = Some(grad_or_zeros(&xg));
+            }
+            let unit_grad = self.flat_grad(&unit);
+            self.release(unit);
+            self.reduce_into(u, unit_grad)?;
+        }
+        let unit = self.gather(0, true)?;
+        if let (Some(p), Some(gy)) = (&pass, g.as_ref()) {
+            let x0 = self.model.run_embed(p);
+            backward_with(&x0, gy);
+        }
+        let mut eg = self.flat_grad(&unit);
+        self.release(unit);
+        if let Some(pend) = pending {
+            eg += &pend;
+            self.hold(-((pend.numel() * pend.kind().elt_size_in_bytes()) as i64));
+        }
+        self.reduce_into(0, eg)?;
+        Ok(value)
+    }
+
+    /// Clips the gradient over all shards and steps AdamW on this rank's shards.
+    /// Returns the norm before clipping and the LR.
+    fn apply(&mut self) -> Result<(f64, f64)> {
+        let c = self.config.clone();
+        let mut sq = [tch::no_grad(|| {
+            self.state
+                .iter()
+                .map(|s| s.grad.square().sum(Kind::Double).double_value(&[]))
+                .sum::<f64>()
+        })];
+        self.group.all_reduce(&mut sq, ReduceOp::Sum)?;
+        let norm = sq[0].sqrt();
+        let lr = c.lr * c.schedule.factor(self.step);
+        let t = (self.step + 1) as f64;
+        let (b1, b2) = c.betas;
+        let (bc1, bc2) = (1.0 - b1.powf(t), 1.0 - b2.powf(t));
+        let coef = match c.max_grad_norm {
+            Some(maxn) if maxn / (norm + 1e-6) < 1.0 => maxn / (norm + 1e-6),
+            _ => 1.0,
+        };
+        tch::no_grad(|| {
+            for s in &mut self.state {
+                if coef != 1.0 {
+                    let _ = s.grad.g_mul_scalar_(coef);
+                }
+                // The trainer's unsharded update, element for element.
+                let _ = s.m.lerp_(&s.grad, 1.0 - b1);
+                let gs = &s.grad * (1.0 - b2).sqrt();
+                let _ = s.v.g_mul_scalar_(b2);
+                let _ = s.v.addcmul_(&gs, &gs);
+                drop(gs);
+                let mut upd = s.v.sqrt();
+                let _ = upd.g_mul_scalar_(1.0 / bc2.sqrt());
+                let _ = upd.g_add_scalar_(c.eps);
+                let _ = upd.reciprocal_();
+                let _ = upd.g_mul_(&s.m);
+                let _ = upd.g_mul_scalar_(-lr / bc1);
+                if c.weight_decay > 0.0 {
+                    for &(at, len) in &s.decay {
+                        let _ = s
+                            .master
+                            .narrow(0, at, len)
+                            .g_mul_scalar_(1.0 - lr * c.weight_decay);
+                    }
+                }
+                let _ = s.master.g_add_(&upd);
+                let _ = s.grad.zero_();
+            }
+        });
+        self.step += 1;
+        Ok((norm, lr))
+    }
+
+    /// The whole model with the current weights in the compute dtype, without
+    /// gradients: a collective (every rank must call it, and every rank gets the model).
+    /// For weight sync and scoring by a caller that can hold the whole model.
+    pub fn gathered_model(&mut self) -> Result<Llama> {
+        let (kind, device) = (self.model.kind(), self.model.device());
+        let mut model = Llama::skeleton(self.model.config.clone(), device, kind);
+        model.memory = self.model.memory;
+        for u in 0..self.layout.len() {
+            let full = self.group.all_gather(&self.state[u].master.to_kind(kind))?;
+            self.layout[u].install(&mut model, &full);
+        }
+        Ok(model)
+    }
+
+    /// Every unit's full f32 weights under their canonical names: a collective (every
+    /// rank must call it), for checks, exports and merges. Holds the whole model.
+    pub fn full_weights(&mut self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        for u in 0..self.layout.len() {
+            let full = self.group.all_gather(&self.state[u].master)?;
+            for slot in &self.layout[u].slots {
+                out.push((
+                    slot.name.clone(),
+                    full.narrow(0, slot.offset, slot.numel)
+                        .view(slot.shape.as_slice())
+                        .copy(),
+                ));
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl UnitState {
+    pub(crate) fn new(master: Tensor, decay: Vec<(i64, i64)>) -> Self {
+        let (n, dev) = (master.numel() as i64, master.device());
+        UnitState {
+            m: f32_zeros(n, dev),
+            v: f32_zeros(n, dev),
+            grad: f32_zeros(n, dev),
+            master,
+            decay,
+        }
+    }
+}
+
+/// The parts of rank `rank`'s shard of `ul` (start, len within the shard) whose
+/// parameters take weight decay (their names contain none of `no_decay`).
+pub(crate) fn decay_ranges(
+    ul: &UnitLayout,
+    config: &TrainConfig,
+    rank: usize,
+    world: usize,
+) -> Vec<(i64, i64)> {
+    let (a, b) = ul.shard_range(rank, world);
+    let mut out: Vec<(i64, i64)> = Vec::new();
+    for s in &ul.slots {
+        if config.no_decay.iter().any(|n| s.name.contains(n.as_str())) {
+            continue;
+        }
+        let (lo, hi) = (s.offset.max(a), (s.offset + s.numel).min(b));
+        if lo >= hi {
+            continue;
+        }
+        match out.last_mut() {
+            Some(last) if last.0 + last.1 == lo - a => last.1 += hi - lo,
+            _ => out.push((lo - a, hi - lo)),
+        }
+    }
+    out
+}
+
+/// Refuses a rank count the units of a model with `config` cannot be split over, with
+/// the largest count that can: a check to run before any model is built.
+pub fn check_shards(config: &ModelConfig, world: usize) -> Result<()> {
+    check_world(&model_layout(config), world)
+}
+
+/// Refuses a rank count some unit cannot be split over: a rank whose shard of a unit
+/// would be padding alone.
+pub(crate) fn check_world(layout: &[UnitLayout], world: usize) -> Result<()> {
+    if world == 0 {
+        return Err(EngineError::InvalidArgument(
+            "shards must be at least 1".into(),
+        ));
+    }
+    if let Some(small) = layout.iter().min_by_key(|u| u.numel) {
+        if (world as i64) > small.numel {
+            return Err(EngineError::InvalidArgument(format!(
+                "{world} shards cannot split unit `{}` of {} parameters: use at most {} shards",
+                small.unit, small.numel, small.numel
+            )));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,350 @@
+//! Sharded training (ZeRO-3): ranks that each hold a shard of the training state and
+//! each train on their part of the global batch take the steps the unsharded trainer
+//! takes on the whole batch, at 1, 2 and 4 ranks (threads of this process, exchanging
+//! through shared memory); the state each holds is 16Ψ/N plus a few units; what moves
+//! is 3·(N−1)/N·Ψ·b per micro-batch; a rank that fails fails the others at once.
+
+use std::thread;
+use std::time::{Duration, Instant};
+use tch::{Device, Kind, Tensor};
+use yatt_engine::fixtures::run_reference;
+use yatt_engine::fixtures::sharded::{
+    configs, max_rel, micro_batch, model, train_config, train_rank, unsharded,
+};
+use yatt_engine::{
+    merge_sharded_checkpoint, model_layout, test_devices, Llama, LocalGroup, ModelConfig,
+    ShardedStepStats, ShardedTrainer,
+};
+
+/// `world` ranks, rank r training on micro-batches r, r+world, ... of steps `steps`;
+/// every rank's statistics, and the gathered weights. Each rank's trainer comes from
+/// `start` (a fresh model, or a checkpoint); with `save`, the ranks save at the end.
+fn run_ranks(
+    world: usize,
+    device: Device,
+    steps: std::ops::Range<usize>,
+    n: usize,
+    start: impl Fn(LocalGroup) -> ShardedTrainer,
+    save: Option<&std::path::Path>,
+) -> (Vec<Vec<ShardedStepStats>>, Vec<(String, Tensor)>) {
+    // All made before any rank starts: `Llama::random` and every step seed libtorch's
+    // global RNG.
+    let trainers: Vec<ShardedTrainer> = LocalGroup::new(world, Duration::from_secs(120))
+        .into_iter()
+        .map(start)
+        .collect();
+    let handles: Vec<_> = trainers
+        .into_iter()
+        .enumerate()
+        .map(|(rank, mut tr)| {
+            let steps = steps.clone();
+            let save = save.map(|p| p.to_path_buf());
+            thread::spawn(move || {
+                let stats = train_rank(&mut tr, rank, world, steps, n, device);
+                if let Some(dir) = save {
+                    tr.save_sharded(&dir, None).unwrap();
+                }
+                (stats, tr.full_weights().unwrap())
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    let mut weights = Vec::new();
+    for (rank, h) in handles.into_iter().enumerate() {
+        let (s, w) = h.join().unwrap();
+        all.push(s);
+        if rank == 0 {
+            weights = w;
+        }
+    }
+    (all, weights)
+}
+
+/// [`run_ranks`] from fresh copies of the test model.
+fn sharded(
+    config: &ModelConfig,
+    device: Device,
+    world: usize,
+    steps: usize,
+    n: usize,
+) -> (Vec<Vec<ShardedStepStats>>, Vec<(String, Tensor)>) {
+    let fresh = |g: LocalGroup| {
+        ShardedTrainer::new(model(config, device), train_config(), Box::new(g)).unwrap()
+    };
+    run_ranks(world, device, 0..steps, n, fresh, None)
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-12)
+}
+
+/// Parity: per-step loss and gradient norm within 1e-4 relative of the unsharded
+/// trainer at 1, 2 and 4 ranks, weights after the steps within 1e-4 max relative;
+/// with 3 micro-batches over 4 ranks one rank has none and still takes part.
+#[test]
+fn sharded_steps_match_the_unsharded_trainer() {
+    for device in test_devices() {
+        for (name, config) in configs() {
+            for (world, n) in [(3usize, 3usize), (2, 3), (1, 4), (2, 4), (4, 4), (4, 3)] {
+                let steps = 4;
+                let (want, want_w) = unsharded(&config, device, steps, n);
+                let (got, got_w) = sharded(&config, device, world, steps, n);
+                for (step, w) in want.iter().enumerate() {
+                    for rank_stats in &got {
+                        let g = &rank_stats[step].step;
+                        assert_eq!(g.step, w.step);
+                        assert!(
+                            rel(g.loss, w.loss) < 1e-4,
+                            "{name} {device:?} N={world} n={n} step {step}: loss {} vs {}",
+                            g.loss,
+                            w.loss
+                        );
+                        assert!(
+                            rel(g.grad_norm, w.grad_norm) < 1e-4,
+                            "{name} {device:?} N={world} n={n} step {step}: grad norm {} vs {}",
+                            g.grad_norm,
+                            w.grad_norm
+                        );
+                    }
+                }
+                let d = max_rel(&got_w, &want_w);
+                assert!(
+                    d < 1e-4,
+                    "{name} {device:?} N={world}: weights differ by {d:e}"
+                );
+            }
+        }
+    }
+}
+
+/// Each rank holds 16Ψ/N of state (plus padding) and at most three of the largest unit
+/// gathered at once; it moves 3·(N−1)/N·Ψ·b per micro-batch (±5%).
+#[test]
+fn a_rank_holds_its_shard_and_moves_three_gathers_worth() {
+    let (_, config) = configs().remove(0);
+    let layout = model_layout(&config);
+    let psi: i64 = layout.iter().map(|u| u.numel).sum();
+    let largest = layout.iter().map(|u| u.numel).max().unwrap() as u64 * 4;
+    for world in [1usize, 2, 4] {
+        let n = 4;
+        let (stats, _) = sharded(&config, Device::Cpu, world, 1, n);
+        for s in stats.iter().map(|r| &r[0]) {
+            let shard: u64 = layout.iter().map(|u| 16 * u.shard_len(world) as u64).sum();
+            assert!(shard as f64 <= 16.0 * psi as f64 / world as f64 + 16.0 * layout.len() as f64);
+            assert!(s.train_state_bytes >= shard);
+            assert!(
+                s.train_state_bytes <= shard + 3 * largest,
+                "N={world}: {} bytes held, bound {}",
+                s.train_state_bytes,
+                shard + 3 * largest
+            );
+            let per_micro =
+                (s.comm.gathered_bytes + s.comm.reduced_bytes) as f64 / s.micro_batches as f64;
+            let want = 3.0 * (world as f64 - 1.0) / world as f64 * psi as f64 * 4.0;
+            if world == 1 {
+                assert_eq!(per_micro, 0.0);
+            } else {
+                assert!(
+                    (per_micro / want - 1.0).abs() < 0.05,
+                    "N={world}: {per_micro} bytes per micro-batch, want {want}"
+                );
+            }
+        }
+    }
+}
+
+/// A rank whose step fails leaves its group: the others' steps fail at once, naming
+/// it, instead of waiting for the deadline.
+#[test]
+fn a_failing_rank_fails_the_others_within_the_deadline() {
+    let (_, config) = configs().remove(0);
+    let t0 = Instant::now();
+    let models: Vec<Llama> = (0..3).map(|_| model(&config, Device::Cpu)).collect();
+    let handles: Vec<_> = LocalGroup::new(3, Duration::from_secs(60))
+        .into_iter()
+        .zip(models)
+        .enumerate()
+        .map(|(rank, (group, m))| {
+            thread::spawn(move || {
+                let mut tr = ShardedTrainer::new(m, train_config(), Box::new(group)).unwrap();
+                let (b, _) = micro_batch(0, rank, Device::Cpu);
+                tr.step_tokens(&[b], 1.0, |_, s| {
+                    if rank == 1 {
+                        Err(yatt_engine::EngineError::InvalidArgument(
+                            "rank 1's loss failed".into(),
+                        ))
+                    } else {
+                        Ok(s.logprobs.sum(Kind::Float))
+                    }
+                })
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    let out: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(out[1]
+        .as_ref()
+        .unwrap_err()
+        .contains("rank 1's loss failed"));
+    for r in [0, 2] {
+        let e = out[r].as_ref().unwrap_err();
+        assert!(e.contains("rank 1 left the group"), "rank {r}: {e}");
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(50),
+        "a rank waited for the deadline"
+    );
+}
+
+/// More shards than the smallest unit has parameters is refused, naming the unit.
+#[test]
+fn too_many_shards_are_refused_by_unit() {
+    let (_, config) = configs().remove(0);
+    let world = 65; // the final norm has 64 parameters
+    let group = LocalGroup::new(world, Duration::from_secs(5)).remove(0);
+    let e = ShardedTrainer::new(model(&config, Device::Cpu), train_config(), Box::new(group))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("65 shards cannot split unit `head` of 64 parameters"),
+        "{e}"
+    );
+}
+
+/// A checkpoint written by 4 ranks resumes on 2, and one by 2 on 4: the next step's
+/// loss is within 1e-5 of the uninterrupted run's, and so are the weights.
+#[test]
+fn sharded_checkpoints_resume_on_another_rank_count() {
+    let (_, config) = configs().remove(0);
+    let dev = Device::Cpu;
+    let n = 4;
+    let tmp = tempfile::tempdir().unwrap();
+    for (from, to) in [(4usize, 2usize), (2, 4)] {
+        let (whole, whole_w) = sharded(&config, dev, from, 3, n);
+        let dir = tmp.path().join(format!("ckpt-{from}-{to}"));
+        let fresh = |g: LocalGroup| {
+            ShardedTrainer::new(model(&config, dev), train_config(), Box::new(g)).unwrap()
+        };
+        run_ranks(from, dev, 0..2, n, fresh, Some(&dir));
+        let resumed = |g: LocalGroup| {
+            ShardedTrainer::load_sharded(&dir, dev, Kind::Float, Box::new(g)).unwrap()
+        };
+        let (next, next_w) = run_ranks(to, dev, 2..3, n, resumed, None);
+        let (want, got) = (&whole[0][2].step, &next[0][0].step);
+        assert_eq!(got.step, 3);
+        assert!(
+            rel(got.loss, want.loss) < 1e-5,
+            "{from}->{to}: next-step loss {} vs {}",
+            got.loss,
+            want.loss
+        );
+        assert!(rel(got.grad_norm, want.grad_norm) < 1e-5);
+        let d = max_rel(&next_w, &whole_w);
+        assert!(d < 1e-5, "{from}->{to}: weights differ by {d:e} relative");
+    }
+}
+
+/// `merge_sharded_checkpoint` writes an HF directory that transformers loads, with
+/// logits within 1e-4 of the sharded trainer's weights.
+#[test]
+fn a_merged_checkpoint_loads_in_transformers_with_the_same_logits() {
+    let (_, config) = configs().remove(0);
+    let dev = Device::Cpu;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("sharded");
+    let fresh = |g: LocalGroup| {
+        ShardedTrainer::new(model(&config, dev), train_config(), Box::new(g)).unwrap()
+    };
+    let (_, weights) = run_ranks(2, dev, 0..2, 4, fresh, Some(&dir));
+    let out = tmp.path().join("merged");
+    merge_sharded_checkpoint(&dir, &out).unwrap();
+    // The trained weights, installed in a model of their own: what the logits should be.
+    let mut want_model = model(&config, dev);
+    {
+        let mut params = want_model.all_parameters_mut();
+        for ((name, p), (wn, w)) in params.iter_mut().zip(&weights) {
+            assert_eq!(name, wn);
+            tch::no_grad(|| p.copy_(w));
+        }
+    }
+    let merged = Llama::load(&out, dev, Kind::Float).unwrap();
+    let prompt: Vec<i64> = (0..12).map(|t| 2 + (t * 7 % 90)).collect();
+    let ids = Tensor::from_slice(&prompt).unsqueeze(0);
+    let want = tch::no_grad(|| want_model.forward(&ids, None));
+    let ours = tch::no_grad(|| merged.forward(&ids, None));
+    let scale = want.abs().max().double_value(&[]);
+    assert!((&ours - &want).abs().max().double_value(&[]) / scale < 1e-5);
+    let logits_file = tmp.path().join("hf-logits.safetensors");
+    run_reference(
+        "logits",
+        &serde_json::json!({"model": out, "prompts": [prompt], "out": logits_file}),
+        Some(2),
+    )
+    .unwrap();
+    let hf: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&logits_file)
+        .unwrap()
+        .into_iter()
+        .collect();
+    let d = (&hf["logits_0"] - want.squeeze_dim(0))
+        .abs()
+        .max()
+        .double_value(&[]);
+    assert!(
+        d / scale < 1e-4,
+        "transformers' logits differ by {d:e} (scale {scale:e})"
+    );
+}
+
+/// A checkpoint missing a rank's shard file is refused, naming the file.
+#[test]
+fn a_sharded_checkpoint_missing_a_shard_names_the_file() {
+    let (_, config) = configs().remove(0);
+    let dev = Device::Cpu;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    let fresh = |g: LocalGroup| {
+        ShardedTrainer::new(model(&config, dev), train_config(), Box::new(g)).unwrap()
+    };
+    run_ranks(2, dev, 0..1, 2, fresh, Some(&dir));
+    std::fs::remove_file(dir.join("shard-00001-of-00002.safetensors")).unwrap();
+    let g = LocalGroup::new(1, Duration::from_secs(5)).remove(0);
+    let e = ShardedTrainer::load_sharded(&dir, dev, Kind::Float, Box::new(g))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("shard-00001-of-00002.safetensors"), "{e}");
+}
+
+/// Random weights drawn unit by unit are the same model at every rank count, and the
+/// whole model `random_model_by_units` builds.
+#[test]
+fn unit_by_unit_random_weights_do_not_depend_on_the_rank_count() {
+    let (_, config) = configs().remove(1);
+    let mut whole = yatt_engine::random_model_by_units(config.clone(), Device::Cpu, Kind::Float, 3);
+    let want = whole.parameters();
+    for world in [1usize, 3] {
+        let trainers: Vec<ShardedTrainer> = LocalGroup::new(world, Duration::from_secs(30))
+            .into_iter()
+            .map(|g| {
+                ShardedTrainer::random(
+                    config.clone(),
+                    Device::Cpu,
+                    Kind::Float,
+                    3,
+                    train_config(),
+                    Box::new(g),
+                )
+                .unwrap()
+            })
+            .collect();
+        let handles: Vec<_> = trainers
+            .into_iter()
+            .map(|mut tr| thread::spawn(move || tr.full_weights().unwrap()))
+            .collect();
+        for h in handles {
+            assert_eq!(max_rel(&h.join().unwrap(), &want), 0.0, "N={world}");
+        }
+    }
+}

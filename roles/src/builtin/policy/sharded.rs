@@ -1,0 +1,417 @@
+//! The policy as one replica sharded over N ranks (ZeRO-3, `job.policy_shards`): each
+//! rank a thread of this process holding a [`ShardedTrainer`], so in one process the
+//! shards give parity with the whole policy, not memory.
+//!
+//! A train request splits each optimizer step's samples into N contiguous parts, one
+//! per rank; each rank cuts its part into micro-batches as the whole policy would, and
+//! every micro-batch's loss is weighted by its share of the step's normaliser over all
+//! ranks, so the step's gradient is the whole policy's. The loss is the whole policy's
+//! (`micro_loss`), on the response positions of the ranks' token scores.
+//!
+//! What is simpler than the sharding design: a weight sync and an old-log-prob pass
+//! gather the whole model into this process (the ranks do not send their own slices);
+//! device (CUDA IPC, NCCL) syncs answer "unavailable", so the bytes path serves them.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use tch::{Device, Kind};
+use yatt_engine::score::SeqBatch;
+use yatt_engine::{
+    check_shards, model_layout, to_buckets, Llama, MemoryOptions, ShardedStepStats, ShardedTrainer,
+    TrainConfig,
+};
+
+use super::config::PolicyConfig;
+use super::micro::{check_samples, groups, step_micros, MicroStats, SeqMicro};
+use super::protocol::{PolicyRequest, PolicyResponse};
+use super::ranks::{self, Ranks};
+use super::report::{ShardReport, TrainReport};
+use crate::builtin::scoring::{check_device, score_samples};
+use crate::role::{DeviceGroup, LocalWeights, ResourceProfile, Role, RoleError, WeightsUpdate};
+use crate::sample::Sample;
+
+/// How a sharded policy replica starts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShardedStart {
+    /// Ranks of the replica.
+    pub shards: usize,
+    /// The deadline of each collective between the ranks.
+    pub collective: Duration,
+    /// The deadline of a whole request on every rank (an update, a save).
+    pub deadline: Duration,
+}
+
+/// The policy role over one replica sharded over [`ShardedStart::shards`] ranks.
+pub struct ShardedPolicyRole {
+    ranks: Ranks,
+    config: PolicyConfig,
+    device: Device,
+    kind: Kind,
+    /// Optimizer steps taken: the weights' version.
+    version: u64,
+    /// Parameters of the model.
+    params: u64,
+    write_root: Option<PathBuf>,
+}
+
+fn engine(doing: &str) -> impl Fn(yatt_engine::EngineError) -> RoleError + '_ {
+    move |e| RoleError::Failed(format!("{doing}: {e}"))
+}
+
+impl ShardedPolicyRole {
+    /// A fresh replica of `model` over `start.shards` ranks (each shards a copy of it:
+    /// every rank starts from the same weights). Fails on an unusable config or a shard
+    /// count the model's units cannot be split over.
+    pub fn new(
+        model: Llama,
+        train: TrainConfig,
+        config: PolicyConfig,
+        start: &ShardedStart,
+    ) -> Result<Self, RoleError> {
+        config.check()?;
+        check_shards(&model.config, start.shards).map_err(bad_shards)?;
+        let (device, kind, params) = (model.device(), model.kind(), param_count(&model));
+        let mut trainers = Vec::with_capacity(start.shards);
+        let mut whole = Some(model);
+        for (rank, group) in ranks::groups(start.shards, start.collective)
+            .into_iter()
+            .enumerate()
+        {
+            // The last rank shards the model itself; the others a copy each, made here,
+            // before any rank thread runs.
+            let m = match rank + 1 == start.shards {
+                true => whole.take().expect("the model until the last rank"),
+                false => whole
+                    .as_ref()
+                    .expect("the model until the last rank")
+                    .deep_copy(device, kind)
+                    .map_err(engine("copying the policy for a shard"))?,
+            };
+            let t = ShardedTrainer::new(m, train.clone(), Box::new(group))
+                .map_err(engine("sharding the policy"))?;
+            trainers.push(t);
+        }
+        Self::assemble(trainers, config, start, (device, kind, params))
+    }
+
+    /// A replica over `start.shards` ranks from the sharded checkpoint `dir`, whatever
+    /// rank count wrote it (each unit is resharded on the way in).
+    pub fn load(
+        dir: &Path,
+        device: Device,
+        kind: Kind,
+        memory: MemoryOptions,
+        config: PolicyConfig,
+        start: &ShardedStart,
+    ) -> Result<Self, RoleError> {
+        config.check()?;
+        let mut trainers = Vec::with_capacity(start.shards);
+        for group in ranks::groups(start.shards, start.collective) {
+            let mut t =
+                ShardedTrainer::load_sharded(dir, device, kind, Box::new(group)).map_err(|e| {
+                    RoleError::BadRequest(format!(
+                        "loading the sharded policy from {}: {e}",
+                        dir.display()
+                    ))
+                })?;
+            t.model.memory = memory;
+            trainers.push(t);
+        }
+        let params = param_count(&trainers[0].model);
+        Self::assemble(trainers, config, start, (device, kind, params))
+    }
+
+    fn assemble(
+        trainers: Vec<ShardedTrainer>,
+        config: PolicyConfig,
+        start: &ShardedStart,
+        (device, kind, params): (Device, Kind, u64),
+    ) -> Result<Self, RoleError> {
+        let version = trainers[0].step_count();
+        Ok(ShardedPolicyRole {
+            ranks: Ranks::start(trainers, start.deadline)?,
+            config,
+            device,
+            kind,
+            version,
+            params,
+            write_root: None,
+        })
+    }
+
+    /// Saves checkpoints only under `root` (see [`crate::PolicyRole::with_write_root`]).
+    pub fn with_write_root(mut self, root: PathBuf) -> Self {
+        self.write_root = Some(root);
+        self
+    }
+
+    /// Ranks of the replica.
+    pub fn shards(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Optimizer steps taken.
+    pub fn step_count(&self) -> u64 {
+        self.version
+    }
+
+    /// The whole model with the current weights, gathered from the ranks (it holds the
+    /// whole model in the compute dtype).
+    pub fn gathered_model(&mut self) -> Result<Llama, RoleError> {
+        let jobs = (0..self.ranks.len())
+            .map(|rank| {
+                move |tr: &mut ShardedTrainer| {
+                    let m = tr.gathered_model().map_err(|e| e.to_string())?;
+                    Ok::<_, String>((rank == 0).then_some(m))
+                }
+            })
+            .collect();
+        let answers = self.ranks.run("gathering the weights", jobs)?;
+        let mut model = None;
+        for a in answers {
+            let m = a.map_err(|e| RoleError::Failed(format!("gathering the weights: {e}")))?;
+            model = model.or(m);
+        }
+        Ok(model.expect("rank 0 answers with the model"))
+    }
+
+    fn train(&mut self, samples: Vec<Sample>) -> Result<TrainReport, RoleError> {
+        let t0 = Instant::now();
+        if samples.is_empty() {
+            return Err(RoleError::BadRequest(
+                "train needs at least one sample".into(),
+            ));
+        }
+        let cfg = self.config.clone();
+        check_samples(&cfg, &samples)?;
+        let n = self.ranks.len();
+        let per_mini = samples.len().div_ceil(cfg.mini_batches);
+        let mut report = TrainReport {
+            trained: samples.iter().map(|s| s.id).collect(),
+            ..Default::default()
+        };
+        let mut shard = ShardReport {
+            shards: n,
+            ..Default::default()
+        };
+        let (mut grad_norm, mut loss) = (0.0, 0.0);
+        let mut stats = MicroStats::default();
+        for mini_start in (0..samples.len()).step_by(per_mini) {
+            let mini_end = (mini_start + per_mini).min(samples.len());
+            let (step, rank_stats) = self.step(&samples, mini_start..mini_end)?;
+            let s = &step[0].step;
+            grad_norm += s.grad_norm;
+            loss += s.loss;
+            report.lr = s.lr;
+            report.optimizer_steps += 1;
+            self.version = s.step;
+            for st in &rank_stats {
+                stats.add(st);
+            }
+            let k = n as u64;
+            shard.train_state_bytes = step
+                .iter()
+                .map(|s| s.train_state_bytes)
+                .fold(shard.train_state_bytes, u64::max);
+            shard.gathered_bytes += step.iter().map(|s| s.comm.gathered_bytes).sum::<u64>() / k;
+            shard.reduced_bytes += step.iter().map(|s| s.comm.reduced_bytes).sum::<u64>() / k;
+            shard.gather_s += step.iter().map(|s| s.comm.gather_s).fold(0.0, f64::max);
+        }
+        let steps = report.optimizer_steps.max(1) as f64;
+        report.grad_norm = grad_norm / steps;
+        report.loss = loss / steps;
+        stats.report_into(&mut report);
+        report.version = self.version;
+        report.sharded = Some(shard);
+        crate::builtin::fault::after_update(report.version);
+        report.seconds = t0.elapsed().as_secs_f64();
+        Ok(report)
+    }
+
+    /// One optimizer step over `samples[range]` on every rank: rank `r` gets the `r`-th
+    /// of N contiguous parts. Returns every rank's step and loss statistics.
+    fn step(
+        &mut self,
+        samples: &[Sample],
+        range: std::ops::Range<usize>,
+    ) -> Result<(Vec<ShardedStepStats>, Vec<MicroStats>), RoleError> {
+        let cfg = &self.config;
+        let n = self.ranks.len();
+        let (mut all, mut owner) = (Vec::new(), Vec::new());
+        let len = range.len();
+        for r in 0..n {
+            let part = range.start + len * r / n..range.start + len * (r + 1) / n;
+            for g in groups(cfg, samples, part) {
+                all.push(g);
+                owner.push(r);
+            }
+        }
+        let micros = step_micros(cfg, self.device, samples, all)?;
+        let mut parts: Vec<Vec<(SeqBatch, SeqMicro)>> = (0..n).map(|_| Vec::new()).collect();
+        for (mb, r) in micros.into_iter().zip(owner) {
+            let m = SeqMicro::new(samples, mb, cfg.pad_id, self.device)
+                .map_err(|e| RoleError::BadRequest(format!("policy update: {e}")))?;
+            parts[r].extend(m);
+        }
+        let jobs = parts
+            .into_iter()
+            .map(|part| {
+                let cfg = cfg.clone();
+                move |tr: &mut ShardedTrainer| {
+                    let (batches, micros): (Vec<SeqBatch>, Vec<SeqMicro>) =
+                        part.into_iter().unzip();
+                    let mut stats = MicroStats::default();
+                    let step = tr.step_tokens(&batches, cfg.temperature, |i, scores| {
+                        micros[i].loss(scores, &cfg, &mut stats)
+                    });
+                    step.map(|s| (s, stats)).map_err(|e| e.to_string())
+                }
+            })
+            .collect();
+        let answers = self.ranks.run("a policy update", jobs)?;
+        let mut out = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for a in answers {
+            match a {
+                Ok((s, st)) => {
+                    out.0.push(s);
+                    out.1.push(st);
+                }
+                // The ranks may have stopped at different points of the step.
+                Err(e) => return Err(self.ranks.break_with(format!("policy update: {e}"))),
+            }
+        }
+        Ok(out)
+    }
+
+    fn export(&mut self, local: bool) -> Result<WeightsUpdate, RoleError> {
+        let mut model = self.gathered_model()?;
+        if local {
+            // A fresh copy: the roles that take it over share it with no one.
+            return Ok(WeightsUpdate {
+                version: self.version,
+                buckets: Vec::new(),
+                local: Some(LocalWeights::new(model.weights_snapshot())),
+                device: None,
+            });
+        }
+        let named = model.hf_named_tensors();
+        let buckets = tch::no_grad(|| to_buckets(&named, self.config.bucket_bytes))
+            .map_err(engine("exporting weights"))?;
+        Ok(WeightsUpdate::from_buckets(self.version, buckets))
+    }
+
+    fn old_logprobs(&mut self, mut samples: Vec<Sample>) -> Result<Vec<Sample>, RoleError> {
+        if samples.is_empty() || self.config.old_from_rollout(&mut samples) {
+            return Ok(samples);
+        }
+        let model = self.gathered_model()?;
+        let c = &self.config;
+        let rows = score_samples(
+            &model,
+            &samples,
+            c.pad_id,
+            c.temperature,
+            c.micro_batch_size,
+        )?;
+        for (s, r) in samples.iter_mut().zip(rows) {
+            s.old_logprobs = Some(r);
+        }
+        Ok(samples)
+    }
+
+    fn save(&mut self, dir: PathBuf) -> Result<(), RoleError> {
+        crate::builtin::fault::in_policy_save();
+        crate::builtin::write_root::check_under(
+            self.write_root.as_deref(),
+            &dir,
+            "the policy's checkpoint",
+        )?;
+        let tokenizer = self.config.tokenizer_dir.clone();
+        let jobs = (0..self.ranks.len())
+            .map(|_| {
+                let (dir, tokenizer) = (dir.clone(), tokenizer.clone());
+                move |tr: &mut ShardedTrainer| {
+                    tr.save_sharded(&dir, tokenizer.as_deref())
+                        .map_err(|e| e.to_string())
+                }
+            })
+            .collect();
+        for a in self.ranks.run("saving a checkpoint", jobs)? {
+            a.map_err(|e| {
+                RoleError::Failed(format!("saving a checkpoint to {}: {e}", dir.display()))
+            })?;
+        }
+        Ok(())
+    }
+}
+
+fn param_count(model: &Llama) -> u64 {
+    model_layout(&model.config)
+        .iter()
+        .map(|u| u.numel as u64)
+        .sum()
+}
+
+fn bad_shards(e: yatt_engine::EngineError) -> RoleError {
+    RoleError::BadRequest(format!("job.policy_shards: {e}"))
+}
+
+/// What a sharded policy does not do yet, for the requests that need it.
+fn not_sharded(what: &str) -> RoleError {
+    RoleError::BadRequest(format!(
+        "{what} is not built for a sharded policy (job.policy_shards > 1): set job.policy_shards = 1"
+    ))
+}
+
+impl Role for ShardedPolicyRole {
+    type Request = PolicyRequest;
+    type Response = PolicyResponse;
+
+    fn name(&self) -> &str {
+        "policy"
+    }
+
+    fn profile(&self) -> ResourceProfile {
+        // Every rank is in this process: 16 bytes per parameter of sharded f32 state
+        // over all of them, plus a gathered copy of the model in its dtype at a sync.
+        let w = self.params * self.kind.elt_size_in_bytes() as u64;
+        ResourceProfile {
+            resident_bytes: 16 * self.params,
+            peak_extra_bytes: w,
+            offloadable: false,
+            needs_gpu: false,
+        }
+    }
+
+    fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
+        check_device("policy", self.device, group)
+    }
+
+    fn serve(&mut self, request: PolicyRequest) -> Result<PolicyResponse, RoleError> {
+        use PolicyRequest as Q;
+        use PolicyResponse as A;
+        let why_not = "a sharded policy (job.policy_shards > 1) gathers its weights and sends them as byte buckets";
+        match request {
+            Q::OldLogProbs(samples) => self.old_logprobs(samples).map(A::Scored),
+            Q::Train(samples) => self.train(samples).map(A::Trained),
+            Q::ExportWeights => self.export(false).map(A::Weights),
+            Q::ExportLocalWeights => self.export(true).map(A::Weights),
+            Q::ExportDeviceWeights => Ok(A::DeviceWeightsUnavailable(why_not.into())),
+            Q::StageBroadcast { .. } => Ok(A::NcclUnavailable(why_not.into())),
+            Q::PushWeights { .. } => Ok(A::PushUnavailable(why_not.into())),
+            Q::SaveCheckpoint(dir) => self.save(dir).map(|_| A::Saved),
+            Q::Broadcast(_) => Err(not_sharded("an NCCL weight broadcast")),
+            Q::Gradients(_)
+            | Q::ApplyGradients(_)
+            | Q::RingInbox
+            | Q::JoinRing(_)
+            | Q::GradientGroup { .. }
+            | Q::JoinGradientGroup(_)
+            | Q::TrainAllReduce(_) => Err(not_sharded("data parallelism over policy replicas")),
+            Q::ExportState | Q::ImportState(_) => {
+                Err(not_sharded("handing the trainer state to another replica"))
+            }
+        }
+    }
+}

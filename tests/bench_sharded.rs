@@ -1,0 +1,56 @@
+//! `yatt bench sharded` as real processes: ranks on their own nodes over the QUIC ring
+//! train the tiny model sharded and replicated; the sharded rows move exactly
+//! 3·(N−1)/N·Ψ·b a step, and every layout reports the same first loss.
+
+use std::process::Command;
+
+#[test]
+fn sharded_and_replicated_ranks_train_as_processes() {
+    let out = Command::new(env!("CARGO_BIN_EXE_yatt"))
+        .args([
+            "bench",
+            "sharded",
+            "--model",
+            "tiny",
+            "--shards",
+            "1,2",
+            "--replicated",
+            "2",
+        ])
+        .args([
+            "--steps",
+            "2",
+            "--global-batch",
+            "4",
+            "--seq-len",
+            "24",
+            "--run-s",
+            "300",
+        ])
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "yatt bench sharded failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .filter(|l| l.starts_with("| Sharded") || l.starts_with("| Replicated"))
+        .map(|l| l.split('|').map(str::trim).collect())
+        .collect();
+    assert_eq!(rows.len(), 3, "{stdout}");
+    // Columns: layout, ranks, step, state, peak RSS, RSS built, moved, formula, gather, loss.
+    let losses: Vec<f64> = rows.iter().map(|r| r[10].parse().unwrap()).collect();
+    for l in &losses {
+        assert!((l - losses[0]).abs() < 1e-5 * losses[0].abs(), "{stdout}");
+    }
+    for r in rows.iter().filter(|r| r[1] == "Sharded") {
+        let moved: f64 = r[7].parse().unwrap();
+        let formula: f64 = r[8].parse().unwrap();
+        assert!((moved - formula).abs() <= 0.1, "{stdout}");
+        assert!(r[3].parse::<f64>().unwrap() > 0.0, "{stdout}");
+    }
+}

@@ -1,0 +1,92 @@
+//! The checks of a sharded policy (`job.policy_shards`): what is built so far, and
+//! whether the model's units can be split over the ranks.
+
+use crate::config::checks::{invalid, positive};
+use crate::config::modes::{PlacementMode, TimeShare};
+use crate::config::sections::JobConfig;
+use crate::error::JobError;
+
+/// What a sharded policy cannot be combined with yet: `(key, why, fix)` for `job`.
+fn unbuilt(job: &JobConfig) -> Option<(&'static str, &'static str, &'static str)> {
+    let p = &job.placement;
+    if job.job.policy_replicas > 1 {
+        return Some((
+            "job.policy_replicas",
+            "replicas of a sharded policy (HSDP: shard within a replica, all-reduce across replicas) are not built yet",
+            "set job.policy_replicas = 1, or job.policy_shards = 1",
+        ));
+    }
+    if job.model.lora.is_some() {
+        return Some((
+            "model.lora",
+            "LoRA on a sharded frozen base is not built yet",
+            "remove [model.lora], or set job.policy_shards = 1",
+        ));
+    }
+    if p.mode != PlacementMode::Colocate {
+        return Some((
+            "placement.mode",
+            "a sharded policy's ranks run in one process so far (ranks on yatt-node daemons are not built yet)",
+            "set placement.mode = \"colocate\", or job.policy_shards = 1",
+        ));
+    }
+    if p.live {
+        return Some((
+            "placement.live",
+            "the live placement does not move a sharded policy's ranks yet",
+            "set placement.live = false, or job.policy_shards = 1",
+        ));
+    }
+    if p.time_share != TimeShare::Off {
+        return Some((
+            "placement.time_share",
+            "a sharded policy is not offloaded between phases yet",
+            "set placement.time_share = \"off\", or job.policy_shards = 1",
+        ));
+    }
+    None
+}
+
+impl JobConfig {
+    /// Checks `job.policy_shards` against the rest of the job (the model's units are
+    /// checked when the model is known: [`JobConfig::check_policy_shards_fit`]).
+    pub(crate) fn validate_shards(&self) -> Result<(), JobError> {
+        let n = self.job.policy_shards;
+        positive(
+            "job.policy_shards",
+            n as f64,
+            "policy_shards = 1 for the whole model in one trainer",
+        )?;
+        if n == 1 {
+            return Ok(());
+        }
+        match unbuilt(self) {
+            Some((key, why, fix)) => Err(JobError::NotImplemented {
+                key: "job.policy_shards".into(),
+                found: n.to_string(),
+                fix: format!("{why} (see {key}): {fix}"),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Refuses a shard count the units of `model` (its config) cannot be split over,
+    /// naming the largest that can.
+    pub(crate) fn check_policy_shards_fit(
+        &self,
+        model: &yatt_engine::ModelConfig,
+    ) -> Result<(), JobError> {
+        let n = self.job.policy_shards;
+        if n <= 1 {
+            return Ok(());
+        }
+        yatt_engine::check_shards(model, n).map_err(|e| {
+            invalid(
+                "job.policy_shards",
+                "a shard count every unit of the model (a decoder layer, the embeddings, the head) can be split over",
+                &n.to_string(),
+                &e.to_string(),
+            )
+        })
+    }
+}
