@@ -34,18 +34,23 @@ pack() {
     # Test binaries: the JSON build messages name each executable.
     local tests
     tests=$( {
-        cargo test --release --no-run -p yatt-engine --test devices --test train --message-format=json
-        cargo test --release --no-run -p yatt-trainer --test precision --test time_share --message-format=json
+        cargo test --release --no-run -p yatt-engine --test integration --message-format=json
+        cargo test --release --no-run -p yatt-trainer --test integration --message-format=json
         cargo test --release --no-run -p yatt-collective --features nccl --tests --message-format=json
-        cargo test --release --no-run -p yatt-integration-tests --test weight_sync --message-format=json
+        cargo test --release --no-run -p yatt-integration-tests --test integration --message-format=json
         cargo build --release -p yatt-collective --features nccl --example nccl_check --message-format=json
     } | python3 -c '
-import json, sys
+import json, os, sys
 for line in sys.stdin:
     try: m = json.loads(line)
     except ValueError: continue
     if m.get("reason") == "compiler-artifact" and m.get("executable"):
-        print(m["target"]["name"] + " " + m["executable"])
+        # Each crate has one integration-test binary (its files are modules of it), all
+        # named "integration": the crate folder tells them apart, e.g. engine-tests.
+        name = m["target"]["name"]
+        if name == "integration":
+            name = os.path.basename(os.path.dirname(m["manifest_path"])) + "-tests"
+        print(name + " " + m["executable"])
 ')
     { echo "yatt $target/release/yatt"; echo "yatt-node $target/release/yatt-node"; } >"$BUNDLE/bin.list"
     # `stub` tests the build without the nccl feature: nothing to run on a GPU.
@@ -154,16 +159,18 @@ run() {
     # In order of what a short lease must not miss: CUDA correctness, NCCL and its deadline,
     # CUDA IPC (never measured yet), the roofline figures, a bf16 job; then the slower
     # trainer tests and the extras.
-    step engine-devices 120 "$bin/devices" --test-threads=1 --nocapture
+    # Also the paged KV cache under a budget that preempts, decoding through CUDA graphs
+    # (devices::a_paged_cache_under_a_small_budget_decodes_like_a_large_one).
+    step engine-devices 120 "$bin/engine-tests" devices:: --test-threads=1 --nocapture
     step nccl-check 90 sh -c "'$bin/nccl_check' >'$OUT/nccl_check.jsonl'"
     # CUDA IPC between two processes on the one GPU: the driver-level test, then (after the
     # model is made) the job's choice of path and weight-sync GB/s, IPC against QUIC.
-    step collective-ipc 60 "$bin/ipc" --test-threads=1 --nocapture
+    step collective-ipc 60 "$bin/collective-tests" ipc:: --test-threads=1 --nocapture
     # NCCL between two processes on the one GPU (each claims a host of its own): the
     # bucketed byte broadcast a weight sync makes, then the other NCCL tests.
-    for t in "$bin"/nccl "$bin"/yatt_collective; do
-        [ -x "$t" ] && step "collective-$(basename "$t")" 120 "$t" --test-threads=1 --nocapture
-    done
+    step collective-nccl 120 "$bin/collective-tests" nccl:: --test-threads=1 --nocapture
+    [ -x "$bin/yatt_collective" ] &&
+        step collective-yatt_collective 120 "$bin/yatt_collective" --test-threads=1 --nocapture
     # A random SmolLM2-135M in bf16 (the real weights cannot travel) for the jobs below.
     # They use the letters reward, because a random model never solves the addition task
     # and GRPO would then skip every update (all advantages zero).
@@ -182,7 +189,7 @@ for f in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
 EOF
     # Two yatt-node processes: the job picks CUDA IPC, a forced `nccl` broadcasts every
     # sync; then the GB/s side by side.
-    step weight-sync 300 "$bin/weight_sync" --test-threads=1 --nocapture
+    step weight-sync 300 "$bin/integration-tests-tests" weight_sync:: --test-threads=1 --nocapture
     step bench-weight-sync 360 env BIN="$bin" MODEL="$model" DTYPE=bf16 DEVICE=cuda \
         MODES="quic cuda_ipc nccl" OUT="$OUT/weight-sync" bash scripts/bench-weight-sync.sh 6
     # Decoding through CUDA graphs (the default), then eagerly, side by side.
@@ -209,10 +216,11 @@ EOF
         --json "$OUT/profile-steps.json"
 
     # The device-generic bodies of engine/tests/train.rs (the others need the HF reference).
-    step engine-train 120 "$bin/train" --test-threads=1 scores_match_generation training_reduces_loss offload_reload_buckets
+    step engine-train 120 "$bin/engine-tests" --test-threads=1 train::scores_match_generation \
+        train::training_reduces_loss train::offload_reload_buckets
     # model.device = auto puts the demo on cuda:0: offload moves the weights to the host.
-    step trainer-time-share 300 "$bin/time_share" --test-threads=1 --nocapture
-    step trainer-precision 300 "$bin/precision" --test-threads=1 --nocapture
+    step trainer-time-share 300 "$bin/trainer-tests" time_share:: --test-threads=1 --nocapture
+    step trainer-precision 300 "$bin/trainer-tests" precision:: --test-threads=1 --nocapture
     grpo grpo-bf16-eager false
     # The decode step time with fewer new tokens (does the per-step time depend on them?).
     step bench-decode-short 120 "$bin/yatt" bench gpu --device cuda --dtype bf16 \

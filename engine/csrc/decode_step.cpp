@@ -78,18 +78,19 @@ YATT_CLONES void add_rms_rows(float* x, const float* y, const float* w, float* o
   }
 }
 
-// Keys are cached in blocks of KB positions, transposed within a block:
-// [slot, kv, block, hd, KB] (see KvCache in model.rs).
+// The cache is paged: blocks of KB positions, keys transposed within a block
+// [block, kv, hd, KB], values [block, kv, KB, hd]; row r's position p lives in block
+// table[r * tb + p / KB] (see KvCache in kv_cache.rs).
 constexpr int64_t KB = 16;
 
 // RoPE on the q and k heads of each row of the fused qkv output (in place), and the new
 // k (rotated) and v written into the caches at the row's position. With qn/kn (Qwen3),
 // each q and k head is first RMS-normed over its hd values.
 YATT_CLONES void rope_store_rows(float* qkv, int64_t stride, const int64_t* pos,
-                                 const float* cos_t, const float* sin_t, float* kb,
-                                 float* vc, int64_t r0, int64_t r1, int64_t nh, int64_t nkv,
-                                 int64_t hd, int64_t blocks, int64_t cap, const float* qn,
-                                 const float* kn, float eps) {
+                                 const int64_t* table, int64_t tb, const float* cos_t,
+                                 const float* sin_t, float* kb, float* vc, int64_t r0,
+                                 int64_t r1, int64_t nh, int64_t nkv, int64_t hd,
+                                 const float* qn, const float* kn, float eps) {
   const int64_t half = hd / 2;
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t p = pos[r];
@@ -114,12 +115,13 @@ YATT_CLONES void rope_store_rows(float* qkv, int64_t stride, const int64_t* pos,
         x[i + half] = x2 * c[i] + x1 * s[i];
       }
     }
+    const int64_t blk = table[r * tb + p / KB];
     for (int64_t g = 0; g < nkv; ++g) {
       const float* k = row + (nh + g) * hd;
       const float* v = row + (nh + nkv + g) * hd;
-      float* kcol = kb + (((r * nkv + g) * blocks + p / KB) * hd) * KB + p % KB;
+      float* kcol = kb + ((blk * nkv + g) * hd) * KB + p % KB;
       for (int64_t d = 0; d < hd; ++d) kcol[d * KB] = k[d];
-      std::memcpy(vc + ((r * nkv + g) * cap + p) * hd, v, hd * sizeof(float));
+      std::memcpy(vc + ((blk * nkv + g) * KB + p % KB) * hd, v, hd * sizeof(float));
     }
   }
 }
@@ -139,22 +141,22 @@ inline __attribute__((always_inline)) float softmax_unnormalized(float* s, int64
   return 1.0f / sum;
 }
 
-// Attention of the `REP` query heads q [REP, HD] sharing one kv head over positions
-// 0..n: keys K (blocked, see KB), values V [n, HD]. Positions below `nsh` (a multiple of
-// KB) are read from Ks/Vs instead: another slot holding the same prefix, so that rows
-// sharing a prompt read one copy of it (it stays in cache between them). With the sizes
-// known at compile time the accumulators stay in registers and each key block and value
-// row is read once for all REP heads. `sc` holds REP × span floats.
+// Attention of the `REP` query heads q [REP, HD] sharing kv head g over positions 0..n,
+// read through the row's block table `tr`: key block b at kb + (tr[b]·nkv + g)·HD·KB
+// (transposed, see KB), its values at vc + (tr[b]·nkv + g)·KB·HD. Rows sharing a prompt
+// hold the same blocks, so they read one copy of it (it stays in cache between them).
+// With the sizes known at compile time the accumulators stay in registers and each key
+// block and value row is read once for all REP heads. `sc` holds REP × span floats.
 // Positions below `lo` are outside a sliding window: never scored nor summed.
 template <int REP, int HD>
-inline __attribute__((always_inline)) void attend_group(const float* q, const float* K,
-                                                         const float* V, const float* Ks,
-                                                         const float* Vs, int64_t lo,
-                                                         int64_t n, int64_t nsh, float scale,
-                                                         float* sc, int64_t span, float* out) {
+inline __attribute__((always_inline)) void attend_group(const float* q, const float* kb,
+                                                         const float* vc, const int64_t* tr,
+                                                         int64_t nkv, int64_t g, int64_t lo,
+                                                         int64_t n, float scale, float* sc,
+                                                         int64_t span, float* out) {
   const int64_t nb = (n + KB - 1) / KB;
   for (int64_t b = lo / KB; b < nb; ++b) {
-    const float* Kb = (b * KB < nsh ? Ks : K) + b * HD * KB;
+    const float* Kb = kb + (tr[b] * nkv + g) * HD * KB;
     float acc[REP][KB] = {};
     for (int d = 0; d < HD; ++d) {
       for (int h = 0; h < REP; ++h) {
@@ -172,7 +174,7 @@ inline __attribute__((always_inline)) void attend_group(const float* q, const fl
   for (int h = 0; h < REP; ++h) inv[h] = softmax_unnormalized(sc + h * span + lo, n - lo);
   float o[REP][HD] = {};
   for (int64_t j = lo; j < n; ++j) {
-    const float* vj = (j < nsh ? Vs : V) + j * HD;
+    const float* vj = vc + ((tr[j / KB] * nkv + g) * KB + j % KB) * HD;
     for (int h = 0; h < REP; ++h) {
       const float pj = sc[h * span + j];
 #pragma omp simd
@@ -186,15 +188,16 @@ inline __attribute__((always_inline)) void attend_group(const float* q, const fl
 }
 
 // The same for any head layout, accumulating in memory.
-inline void attend_group_any(const float* q, const float* K, const float* V, const float* Ks,
-                             const float* Vs, int64_t lo, int64_t n, int64_t nsh, int64_t rep,
-                             int64_t hd, float scale, float* sc, int64_t span, float* out) {
+inline void attend_group_any(const float* q, const float* kb, const float* vc,
+                             const int64_t* tr, int64_t nkv, int64_t g, int64_t lo, int64_t n,
+                             int64_t rep, int64_t hd, float scale, float* sc, int64_t span,
+                             float* out) {
   const int64_t nb = (n + KB - 1) / KB;
   for (int64_t h = 0; h < rep; ++h) {
     const float* qv = q + h * hd;
     float* s = sc + h * span;
     for (int64_t b = lo / KB; b < nb; ++b) {
-      const float* Kb = (b * KB < nsh ? Ks : K) + b * hd * KB;
+      const float* Kb = kb + (tr[b] * nkv + g) * hd * KB;
       float acc[KB] = {};
       for (int64_t d = 0; d < hd; ++d) {
         const float qd = qv[d];
@@ -210,7 +213,7 @@ inline void attend_group_any(const float* q, const float* K, const float* V, con
     for (int64_t d = 0; d < hd; ++d) o[d] = 0.f;
     for (int64_t j = lo; j < n; ++j) {
       const float pj = s[j] * inv;
-      const float* vj = (j < nsh ? Vs : V) + j * hd;
+      const float* vj = vc + ((tr[j / KB] * nkv + g) * KB + j % KB) * hd;
 #pragma omp simd
       for (int64_t d = 0; d < hd; ++d) o[d] += pj * vj[d];
     }
@@ -218,42 +221,34 @@ inline void attend_group_any(const float* q, const float* K, const float* V, con
 }
 
 // Attention of one new token per row over cache positions 0..=pos[row] (the last
-// `window` of them when window > 0). Task t is
-// (row t / nkv, kv head t % nkv) with its `rep` query heads. Row r reads its first
-// src_len[r] positions (rounded down to whole key blocks) from slot src[r] when given.
-// `sc` holds rep × (blocks·KB) floats.
+// `window` of them when window > 0), through the rows' block tables [B, tb]. Task t is
+// (row t / nkv, kv head t % nkv) with its `rep` query heads. `sc` holds rep × (tb·KB)
+// floats.
 YATT_CLONES void attend_tasks(const float* qkv, int64_t stride, const int64_t* pos,
-                              const int64_t* src, const int64_t* src_len, const float* kb,
+                              const int64_t* table, int64_t tb, const float* kb,
                               const float* vc, float* out, int64_t t0, int64_t t1, int64_t nh,
-                              int64_t nkv, int64_t hd, int64_t blocks, int64_t cap,
-                              int64_t window, float* sc) {
+                              int64_t nkv, int64_t hd, int64_t window, float* sc) {
   const int64_t rep = nh / nkv;
-  const int64_t span = blocks * KB;
+  const int64_t span = tb * KB;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t r = t / nkv, g = t % nkv;
     const int64_t n = pos[r] + 1;
     const int64_t lo = window > 0 && n > window ? n - window : 0;
-    const int64_t sr = src ? src[r] : r;
-    int64_t nsh = src ? (src_len[r] / KB) * KB : 0;
-    nsh = nsh < n ? nsh : 0;
-    const float* K = kb + ((r * nkv + g) * blocks) * hd * KB;
-    const float* V = vc + ((r * nkv + g) * cap) * hd;
-    const float* Ks = kb + ((sr * nkv + g) * blocks) * hd * KB;
-    const float* Vs = vc + ((sr * nkv + g) * cap) * hd;
+    const int64_t* tr = table + r * tb;
     const float* q = qkv + r * stride + g * rep * hd;
     float* o = out + r * nh * hd + g * rep * hd;
-#define YATT_GROUP(R, H)                                                \
-  if (rep == R && hd == H) {                                            \
-    attend_group<R, H>(q, K, V, Ks, Vs, lo, n, nsh, scale, sc, span, o); \
-    continue;                                                           \
+#define YATT_GROUP(R, H)                                                     \
+  if (rep == R && hd == H) {                                                 \
+    attend_group<R, H>(q, kb, vc, tr, nkv, g, lo, n, scale, sc, span, o);   \
+    continue;                                                                \
   }
     YATT_GROUP(1, 64) YATT_GROUP(2, 64) YATT_GROUP(3, 64) YATT_GROUP(4, 64)
     YATT_GROUP(6, 64) YATT_GROUP(7, 64) YATT_GROUP(8, 64)
     YATT_GROUP(1, 128) YATT_GROUP(2, 128) YATT_GROUP(3, 128) YATT_GROUP(4, 128)
     YATT_GROUP(6, 128) YATT_GROUP(7, 128) YATT_GROUP(8, 128)
 #undef YATT_GROUP
-    attend_group_any(q, K, V, Ks, Vs, lo, n, nsh, rep, hd, scale, sc, span, o);
+    attend_group_any(q, kb, vc, tr, nkv, g, lo, n, rep, hd, scale, sc, span, o);
   }
 }
 
@@ -367,19 +362,18 @@ void check_f32(const at::Tensor& t, const char* what) {
 
 extern "C" {
 
-// Runs the decoder layers for one new token per cache slot 0..B.
+// Runs the decoder layers for one new token per row 0..B.
 //   x      [B, hidden] embeddings (read, not modified)
-//   pos    [B] int64 positions (the cache index the new token is written to)
-//   src, src_len  [B] int64 or null: row r's cache positions below src_len[r] hold the
-//     same keys and values as slot src[r]'s, and are read there (one shared copy)
+//   pos    [B] int64 positions (the position the new token is written to)
+//   table  [B, tb] int64 block tables: row r's position p lives in block
+//     table[r][p / KB]; the block of the written position must be the row's own
 //   cos/sin [max_pos, hd/2] RoPE tables
 //   per layer i: ln1[i], wqkv[i] (packed), bqkv[i] (may be null), wo[i] (packed),
-//     ln2[i], wgu[i] (packed), wdown[i] (packed), kb[i] [slots, kv, blocks, hd, 16]
-//     (keys, blocked), vc[i] [slots, kv, cap, hd], qn[i]/kn[i] [hd] per-head q/k RMSNorm
+//     ln2[i], wgu[i] (packed), wdown[i] (packed), kb[i] [blocks, kv, hd, 16]
+//     (keys, transposed), vc[i] [blocks, kv, 16, hd], qn[i]/kn[i] [hd] per-head q/k RMSNorm
 //     weights (both null: none), window[i] the sliding window (0: none)
 // Returns the residual stream after the last layer, [B, hidden] (before the final norm).
-void* yatt_decode_layers(void* x_in, void* pos_in, void* src_in, void* src_len_in,
-                         void* cos_in, void* sin_in, int64_t n_layers,
+void* yatt_decode_layers(void* x_in, void* pos_in, void* table_in, void* cos_in, void* sin_in, int64_t n_layers,
                          void** ln1, void** wqkv, void** bqkv, void** wo, void** ln2,
                          void** wgu, void** wdown, void** kb, void** vc, void** qn,
                          void** kn, const int64_t* window, int64_t nh,
@@ -400,21 +394,16 @@ void* yatt_decode_layers(void* x_in, void* pos_in, void* src_in, void* src_len_i
     const int64_t B = x0.size(0), H = x0.size(1);
     const int64_t qkv_w = (nh + 2 * nkv) * hd;
     const int64_t* p = pos.data_ptr<int64_t>();
-    const int64_t* src = nullptr;
-    const int64_t* src_len = nullptr;
-    if (src_in) {
-      const at::Tensor& st = T(src_in);
-      const at::Tensor& sl = T(src_len_in);
-      for (const at::Tensor* t : {&st, &sl}) {
-        TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == B,
-                    "src and src_len must be B contiguous int64");
-      }
-      src = st.data_ptr<int64_t>();
-      src_len = sl.data_ptr<int64_t>();
-    }
+    const at::Tensor& tab = T(table_in);
+    TORCH_CHECK(tab.scalar_type() == at::kLong && tab.is_contiguous() && tab.dim() == 2 &&
+                    tab.size(0) == B && tab.device().is_cpu(),
+                "table must be [B, blocks] contiguous int64 on the CPU");
+    const int64_t tb = tab.size(1);
+    const int64_t* table = tab.data_ptr<int64_t>();
     const int64_t max_pos = cos_t.size(0);
     for (int64_t r = 0; r < B; ++r) {
       TORCH_CHECK(p[r] >= 0 && p[r] < max_pos, "position ", p[r], " outside the RoPE table");
+      TORCH_CHECK(p[r] / KB < tb, "position ", p[r], " beyond row ", r, "'s block table");
     }
     at::Tensor x = x0.clone();
     at::Tensor hn = at::empty({B, H}, x0.options());
@@ -436,17 +425,19 @@ void* yatt_decode_layers(void* x_in, void* pos_in, void* src_in, void* src_len_i
       const at::Tensor& vci = T(vc[li]);
       check_f32(kbi, "K cache");
       check_f32(vci, "V cache");
-      TORCH_CHECK(kbi.dim() == 5 && kbi.size(0) >= B && kbi.size(1) == nkv &&
-                      kbi.size(3) == hd && kbi.size(4) == KB && vci.dim() == 4 &&
-                      vci.size(0) >= B && vci.size(1) == nkv && vci.size(3) == hd &&
-                      kbi.size(2) * KB >= vci.size(2),
+      TORCH_CHECK(kbi.dim() == 4 && kbi.size(1) == nkv && kbi.size(2) == hd &&
+                      kbi.size(3) == KB && vci.dim() == 4 && vci.size(0) == kbi.size(0) &&
+                      vci.size(1) == nkv && vci.size(2) == KB && vci.size(3) == hd,
                   "cache shapes do not match the model");
-      const int64_t blocks = kbi.size(2);
-      const int64_t cap = vci.size(2);
-      for (int64_t r = 0; r < B; ++r) {
-        TORCH_CHECK(p[r] < cap, "position ", p[r], " beyond the cache (", cap, ")");
-        TORCH_CHECK(!src || (src[r] >= 0 && src[r] < kbi.size(0) && src_len[r] <= cap),
-                    "shared-prefix source of row ", r, " is outside the cache");
+      if (li == 0) {
+        const int64_t blocks = kbi.size(0);
+        for (int64_t r = 0; r < B; ++r) {
+          for (int64_t b = 0; b <= p[r] / KB; ++b) {
+            const int64_t id = table[r * tb + b];
+            TORCH_CHECK(id >= 0 && id < blocks, "block ", id, " of row ", r,
+                        " is outside the cache (", blocks, " blocks)");
+          }
+        }
       }
       norm(T(ln1[li]), pending ? last.data_ptr<float>() : nullptr);
       at::Tensor qkv = yatt::packed_linear(hn, T(wqkv[li]), bqkv[li] ? &T(bqkv[li]) : nullptr);
@@ -466,14 +457,14 @@ void* yatt_decode_layers(void* x_in, void* pos_in, void* src_in, void* src_len_i
         knp = T(kn[li]).data_ptr<float>();
       }
       at::parallel_for(0, B, kSerialRows, [&](int64_t a, int64_t b) {
-        rope_store_rows(qp, qkv_w, p, cp, sp, kbp, vcp, a, b, nh, nkv, hd, blocks, cap, qnp,
-                        knp, eps_f);
+        rope_store_rows(qp, qkv_w, p, table, tb, cp, sp, kbp, vcp, a, b, nh, nkv, hd, qnp, knp,
+                        eps_f);
       });
       float* ap = att.data_ptr<float>();
       at::parallel_for(0, B * nkv, 1, [&](int64_t a, int64_t b) {
-        std::vector<float> sc((nh / nkv) * blocks * KB);
-        attend_tasks(qp, qkv_w, p, src, src_len, kbp, vcp, ap, a, b, nh, nkv, hd, blocks, cap,
-                     window[li], sc.data());
+        std::vector<float> sc((nh / nkv) * tb * KB);
+        attend_tasks(qp, qkv_w, p, table, tb, kbp, vcp, ap, a, b, nh, nkv, hd, window[li],
+                     sc.data());
       });
       at::Tensor o = yatt::packed_linear(att, T(wo[li]), nullptr);
       norm(T(ln2[li]), o.data_ptr<float>());

@@ -48,7 +48,7 @@ fn main() {
             let attn = Attn::Decode {
                 cache: &mut cache,
                 span,
-                shared: None,
+                table: None,
             };
             let _ = model.logits(&model.hidden(&ids, &pos, attn).squeeze_dim(1));
         };

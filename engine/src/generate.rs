@@ -1,12 +1,20 @@
 //! Batched generation: sampling (temperature, top-k, top-p, greedy), stop conditions,
-//! per-request seeds, per-token log-probs, and continuous batching over a preallocated
-//! KV cache.
+//! per-request seeds, per-token log-probs, and continuous batching over a paged KV
+//! cache.
 //!
 //! The slot bookkeeping is a deterministic core ([`Scheduler`]) with no model in it.
 //! Active sequences always occupy cache slots `0..n`: when one finishes its slot is
 //! refilled from the waiting queue at once (continuous batching) or, when the queue is
-//! empty, the last active sequence is moved into it, so every decode step runs on a
-//! dense prefix of the cache.
+//! empty, the last active sequence's block table is moved into it, so every decode step
+//! runs on a dense prefix of the slots.
+//!
+//! Memory follows the tokens: a sequence takes a block of [`KV_BLOCK`] positions as it
+//! reaches it, the samples of one prompt share its blocks, and a budget
+//! ([`GeneratorConfig::kv_cache_bytes`]) bounds the blocks. Requests are admitted while
+//! blocks remain for their prompts; when a decode step finds too few blocks, the newest
+//! sequences are preempted (their blocks freed) and resume later by recomputing their
+//! prefix, with their tokens and random stream, so a full cache slows a batch down but
+//! never fails it.
 //!
 //! Reported log-probs are those of the sampled token under the temperature-scaled
 //! distribution `log_softmax(logits / T)` (T = 1 for greedy), before top-k/top-p
@@ -14,12 +22,14 @@
 
 use crate::error::{EngineError, Result};
 use crate::kept::{KeptSequences, DEFAULT_KEPT_KV_BYTES};
-use crate::model::{Attn, DecodeGraphs, KvCache, Llama};
+use crate::model::{blocks_for, Attn, DecodeGraphs, KvCache, Llama, KV_BLOCK};
+use crate::sampling::upload;
+pub use crate::sampling::{sample, RowParams};
 use crate::schedule::{plan_prefill, BatchingMode, PrefillPlan, Scheduler};
 use crate::tokenizer::Tokenizer;
 use std::sync::Arc;
 use std::time::Instant;
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 /// How one request is sampled and when it stops (serde: it travels to remote rollouts).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -112,7 +122,8 @@ pub struct Completion {
 /// Generator settings.
 #[derive(Debug, Clone)]
 pub struct GeneratorConfig {
-    /// Sequences decoded together (cache slots).
+    /// Most sequences decoded together (cache slots): a bound on compute; memory is
+    /// bounded by `kv_cache_bytes`.
     pub max_batch: usize,
     /// Cache positions per slot (prompt + response).
     pub max_seq_len: usize,
@@ -122,9 +133,15 @@ pub struct GeneratorConfig {
     pub max_prefill_batch: usize,
     /// Prefill each distinct prompt of an admitted group once (GRPO samples every prompt
     /// several times) and the prefix common to all of them (e.g. a chat template's system
-    /// prompt) once, then copy their KV into the other slots. The tokens are the same as
-    /// without it, up to GEMM rounding.
+    /// prompt) once; the other slots share their KV blocks (held once, the last partial
+    /// block copied at the first write). The tokens are the same as without it, up to
+    /// GEMM rounding.
     pub share_prefixes: bool,
+    /// The KV cache's memory budget in bytes (`rollout.kv_cache_bytes` in a job):
+    /// requests are admitted while its blocks hold their prompts, and the newest
+    /// sequences are preempted when decoding runs out of blocks. `None`: blocks for
+    /// `max_batch × max_seq_len` positions, which never preempts.
+    pub kv_cache_bytes: Option<usize>,
 }
 
 impl Default for GeneratorConfig {
@@ -135,6 +152,7 @@ impl Default for GeneratorConfig {
             mode: BatchingMode::Continuous,
             max_prefill_batch: 16,
             share_prefixes: true,
+            kv_cache_bytes: None,
         }
     }
 }
@@ -156,6 +174,18 @@ pub struct GenerateStats {
     pub generated_tokens: usize,
     /// Sum over decode steps of the active batch size (utilisation = this / steps / max_batch).
     pub slot_steps: usize,
+    /// Sequences preempted because the KV cache ran out of blocks (each resumed later by
+    /// recomputing its prefix).
+    pub kv_preemptions: usize,
+    /// Positions recomputed to resume preempted sequences.
+    pub recomputed_positions: usize,
+    /// Most sequences decoded together in one step.
+    pub max_in_flight: usize,
+    /// Most bytes of KV blocks held at once by live sequences (a shared block counts
+    /// once).
+    pub kv_bytes_held_peak: usize,
+    /// Bytes of the KV cache's blocks (its budget, rounded down to blocks).
+    pub kv_cache_bytes: usize,
     /// Wall time in seconds.
     pub seconds: f64,
 }
@@ -183,175 +213,11 @@ impl RequestRng {
     }
 }
 
-/// Per-row sampling settings for [`sample`].
-#[derive(Debug, Clone, Default)]
-pub struct RowParams {
-    /// Temperatures (0 = greedy).
-    pub temperature: Vec<f32>,
-    /// top-k (0 = off).
-    pub top_k: Vec<usize>,
-    /// top-p (1 = off).
-    pub top_p: Vec<f32>,
-    /// One uniform in `[0, 1)` per row.
-    pub uniform: Vec<f32>,
-}
-
-/// Largest top-k the one-pass CPU sampler handles (it keeps the k best in a heap).
-const FAST_TOP_K: usize = 1024;
-
-/// Samples one token per row of `logits` `[n, vocab]`. Returns the tokens and their
-/// log-probs under `log_softmax(logits / T)`. For f32 logits on the CPU with every row
-/// greedy or top-k limited, one pass per row in the C++ shim; otherwise tch operations
-/// and one host transfer of `2n` numbers.
-pub fn sample(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
-    let fast = crate::onednn::available()
-        && logits.device() == Device::Cpu
-        && logits.kind() == Kind::Float
-        && p.temperature
-            .iter()
-            .zip(&p.top_k)
-            .all(|(&t, &k)| t <= 0.0 || (1..=FAST_TOP_K).contains(&k));
-    if fast {
-        let v = logits.size().last().copied().unwrap_or(1);
-        let ks: Vec<i64> = p.top_k.iter().map(|&k| (k as i64).clamp(1, v)).collect();
-        if let Ok(out) =
-            crate::onednn::sample_topk(logits, &p.temperature, &ks, &p.top_p, &p.uniform)
-        {
-            return out;
-        }
-    }
-    sample_tch(logits, p)
-}
-
-/// Copies a small host tensor to `device` without making the host wait. A copy from
-/// pageable memory to a GPU blocks the host until the stream is idle: after a decode
-/// step's graph launch, the sampling parameters' copy held the host for the whole replay,
-/// and only then could it queue sampling's ~15 operations, one after another, while the
-/// GPU waited. From pinned memory the copy is queued like a kernel (libtorch keeps the
-/// pinned block until the copy is done), so the host queues sampling during the replay.
-fn upload(host: Tensor, device: Device) -> Tensor {
-    if device.is_cuda() {
-        // `_pin_memory`: `pin_memory` warns on every call that its device argument is
-        // deprecated, and tch always passes one.
-        if let Ok(pinned) = host.f_internal_pin_memory(device) {
-            return pinned.to_device_(device, pinned.kind(), true, false);
-        }
-    }
-    host.to_device(device)
-}
-
-/// [`sample`] with tch operations (any device, dtype and top-k).
-fn sample_tch(logits: &Tensor, p: &RowParams) -> (Vec<i64>, Vec<f32>) {
-    let (n, v) = logits.size2().expect("logits must be [n, vocab]");
-    let dev = logits.device();
-    let logits = logits.to_kind(Kind::Float);
-    let greedy: Vec<bool> = p.temperature.iter().map(|&t| t <= 0.0).collect();
-    let temps: Vec<f32> = p
-        .temperature
-        .iter()
-        .map(|&t| if t <= 0.0 { 1.0 } else { t })
-        .collect();
-    let all_temp_one = temps.iter().all(|&t| t == 1.0);
-    let ks: Vec<i64> = p
-        .top_k
-        .iter()
-        .map(|&k| if k == 0 || k as i64 >= v { v } else { k as i64 })
-        .collect();
-    // Every per-row parameter in one host-to-device copy (one transfer per step on a GPU
-    // instead of up to five), as `[n, 1]` columns: temperature, uniform, top-k (exact in
-    // f32 below 2^24), greedy (0/1), top-p.
-    let cols = Tensor::from_slice(
-        &[
-            temps,
-            p.uniform.clone(),
-            ks.iter().map(|&k| k as f32).collect(),
-            greedy.iter().map(|&g| f32::from(u8::from(g))).collect(),
-            p.top_p.clone(),
-        ]
-        .concat(),
-    )
-    .view([5, n]);
-    let cols = upload(cols, dev);
-    let param = |i: i64| cols.get(i).unsqueeze(1);
-    let scaled = if all_temp_one {
-        logits
-    } else {
-        logits / param(0)
-    };
-    let lse = scaled.logsumexp([1], true);
-    let any_top_p = p.top_p.iter().any(|&x| x < 1.0);
-    let all_greedy = greedy.iter().all(|&g| g);
-    let kmax = ks.iter().copied().max().unwrap_or(v);
-    let tok = if all_greedy {
-        scaled.argmax(1, true)
-    } else if kmax == v && !any_top_p {
-        // Plain sampling over the whole vocabulary: inverse CDF, no sort.
-        let probs = (&scaled - &lse).exp();
-        let cum = probs.cumsum(1, Kind::Float);
-        let u = param(1);
-        let total = cum.narrow(1, v - 1, 1);
-        let choice = cum
-            .lt_tensor(&(u * total))
-            .sum_dim_intlist(1, true, Kind::Int64)
-            .clamp_max(v - 1);
-        if greedy.iter().any(|&g| g) {
-            let g = param(3).gt(0.5);
-            scaled.argmax(1, true).where_self(&g, &choice)
-        } else {
-            choice
-        }
-    } else {
-        let (mut vals, idx) = scaled.topk(kmax, 1, true, true);
-        // Rows with a smaller top-k drop their extra candidates (4 operations, each a
-        // kernel and a dispatch on a GPU: skipped when every row has the same k).
-        if ks.iter().any(|&k| k != kmax) {
-            let col = Tensor::arange(kmax, (Kind::Int64, dev)).unsqueeze(0);
-            vals = vals.masked_fill(&col.ge_tensor(&param(2)), f64::NEG_INFINITY);
-        }
-        if any_top_p {
-            let probs = vals.softmax(1, Kind::Float);
-            let cum = probs.cumsum(1, Kind::Float);
-            let tp = param(4);
-            let remove = (cum - &probs).gt_tensor(&tp);
-            vals = vals.masked_fill(&remove, f64::NEG_INFINITY);
-        }
-        let probs = vals.softmax(1, Kind::Float);
-        let cum = probs.cumsum(1, Kind::Float);
-        let u = param(1);
-        let total = cum.narrow(1, kmax - 1, 1);
-        let mut choice = cum
-            .lt_tensor(&(u * total))
-            .sum_dim_intlist(1, true, Kind::Int64)
-            .clamp_max(kmax - 1);
-        if greedy.iter().any(|&g| g) {
-            let g = param(3).gt(0.5);
-            choice = choice.zeros_like().where_self(&g, &choice);
-        }
-        idx.gather(1, &choice, false)
-    };
-    let lp = scaled.gather(1, &tok, false) - lse;
-    // Tokens and log-probs in one transfer, as f32 (token ids are exact below 2^24;
-    // f64 beyond, for a vocabulary that large).
-    let kind = if v < 1 << 24 {
-        Kind::Float
-    } else {
-        Kind::Double
-    };
-    let both = Tensor::cat(&[tok.to_kind(kind), lp.to_kind(kind)], 1).to_device(Device::Cpu);
-    let flat: Vec<f64> =
-        Vec::<f64>::try_from(both.reshape([-1]).to_kind(Kind::Double)).expect("cpu f64");
-    let toks = (0..n as usize).map(|i| flat[2 * i] as i64).collect();
-    let lps = (0..n as usize).map(|i| flat[2 * i + 1] as f32).collect();
-    (toks, lps)
-}
-
 struct SlotState {
     req: usize,
-    /// Unique within one `generate` call (slots move; this does not).
+    /// Unique within one `generate` call, in admission order: the newest sequence has
+    /// the largest (preemption takes it first).
     uid: usize,
-    /// `(uid, len)`: another active sequence whose first `len` cache positions equal this
-    /// one's (a shared prompt or prefix); decode reads them there.
-    shares: Option<(usize, i64)>,
     tokens: Vec<i64>,
     logprobs: Vec<f32>,
     /// Positions written to the cache (prompt + tokens fed back so far).
@@ -370,7 +236,6 @@ impl SlotState {
         SlotState {
             req,
             uid,
-            shares: None,
             tokens: Vec::new(),
             logprobs: Vec::new(),
             len: rq.prompt.len() as i64,
@@ -378,28 +243,6 @@ impl SlotState {
             stops,
         }
     }
-}
-
-/// Per active slot, `(slot, len)` of the sequence it shares its first `len` positions
-/// with, if that one is still active (`None` when no slot shares anything).
-fn shared_prefixes(slots: &[SlotState]) -> Option<Vec<(i64, i64)>> {
-    if slots.iter().all(|s| s.shares.is_none()) {
-        return None;
-    }
-    let at: std::collections::HashMap<usize, usize> =
-        slots.iter().enumerate().map(|(i, s)| (s.uid, i)).collect();
-    Some(
-        slots
-            .iter()
-            .enumerate()
-            .map(
-                |(i, s)| match s.shares.and_then(|(u, l)| Some((*at.get(&u)?, l))) {
-                    Some((j, l)) => (j as i64, l),
-                    None => (i as i64, 0),
-                },
-            )
-            .collect(),
-    )
 }
 
 /// The generation engine: a model, its KV cache and the batching loop.
@@ -472,8 +315,8 @@ impl Generator {
         &self.config
     }
 
-    /// The settings, mutably. Changing `max_batch` or `max_seq_len` reallocates the cache
-    /// on the next call; the other fields take effect at once.
+    /// The settings, mutably. Changing `max_batch`, `max_seq_len` or `kv_cache_bytes`
+    /// reallocates the cache on the next call; the other fields take effect at once.
     pub fn config_mut(&mut self) -> &mut GeneratorConfig {
         &mut self.config
     }
@@ -507,21 +350,40 @@ impl Generator {
         self.cache.as_ref().map(|c| c.k_ptr())
     }
 
+    /// Blocks of the cache the settings ask for (the scratch block included).
+    fn cache_blocks(&self) -> usize {
+        match self.config.kv_cache_bytes {
+            Some(bytes) => bytes / KvCache::block_bytes(&self.model).max(1),
+            None => {
+                let per_slot = blocks_for(self.config.max_seq_len as i64) as usize;
+                self.config.max_batch.max(1) * per_slot + 1
+            }
+        }
+    }
+
     fn ensure_cache(&mut self) {
+        let total = self.cache_blocks().max(2);
         let ok = self.cache.as_ref().is_some_and(|c| {
             c.slots == self.config.max_batch as i64
                 && c.max_len == self.config.max_seq_len as i64
+                && c.usable_blocks() + 1 == total
                 && c.device() == self.model.device()
         });
         if !ok {
             self.graphs.clear();
             self.cache = None; // free first
-            self.cache = Some(KvCache::new(
+            self.cache = Some(KvCache::with_blocks(
                 &self.model,
                 self.config.max_batch as i64,
                 self.config.max_seq_len as i64,
+                total,
             ));
         }
+    }
+
+    /// Bytes of the KV blocks live sequences hold now (0 without a cache).
+    pub fn kv_bytes_held(&self) -> usize {
+        self.cache.as_ref().map_or(0, |c| c.held_bytes())
     }
 
     /// Frees the KV cache (e.g. before offloading).
@@ -607,6 +469,23 @@ impl Generator {
                 )));
             }
         }
+        // Each request alone must fit the cache's blocks: with every other sequence
+        // preempted, it then always finishes.
+        let block_bytes = KvCache::block_bytes(&self.model);
+        let usable = self.cache_blocks().max(2) - 1;
+        for r in requests {
+            let need = blocks_for((r.prompt.len() + r.params.max_new_tokens) as i64) as usize;
+            if need > usable {
+                return Err(EngineError::InvalidArgument(format!(
+                    "request {}: prompt ({}) + max_new_tokens ({}) need {need} KV blocks of {KV_BLOCK} positions ({} bytes), but the KV cache budget holds {usable} ({} bytes); raise rollout.kv_cache_bytes (GeneratorConfig::kv_cache_bytes) or lower max_new_tokens",
+                    r.id,
+                    r.prompt.len(),
+                    r.params.max_new_tokens,
+                    need * block_bytes,
+                    usable * block_bytes
+                )));
+            }
+        }
         // The keys finished sequences are kept under (none without `keep`).
         let keep_keys: &[Option<u64>] = if keep { keys } else { &[] };
         self.ensure_cache();
@@ -614,16 +493,27 @@ impl Generator {
             self.model.pack_for_inference(self.config.max_batch as i64);
             self.repack = false;
         }
-        let mut stats = GenerateStats::default();
+        let mut stats = GenerateStats {
+            kv_cache_bytes: usable * block_bytes,
+            ..Default::default()
+        };
         let mut sched = Scheduler::new(requests.len(), self.config.max_batch, self.config.mode);
         let mut slots: Vec<SlotState> = Vec::new();
+        // Preempted sequences, the oldest last (resumed first).
+        let mut preempted: Vec<SlotState> = Vec::new();
         let mut next_uid = 0usize;
         let eos = self.model.config.eos_token_ids.clone();
         let device = self.model.device();
         tch::no_grad(|| -> Result<()> {
             loop {
-                // 1. Admit and prefill.
-                let admitted = sched.admit();
+                // 1. Resume preempted sequences (older than any waiting request), then
+                // admit and prefill new ones while blocks remain.
+                self.resume(requests, &mut preempted, &mut slots, &mut sched, &mut stats)?;
+                let admitted = if preempted.is_empty() {
+                    self.admit(requests, keys, slots.len(), &mut sched)
+                } else {
+                    Vec::new()
+                };
                 // Requests continuing a kept sequence take the last slots of the batch,
                 // each prefilled on its own from where its kept KV ends.
                 let mut continued = Vec::new();
@@ -657,19 +547,6 @@ impl Generator {
                         next_uid += 1;
                         slots.push(SlotState::new(&requests[r], r, next_uid, &eos));
                     }
-                    // Who shares what with whom, for the decode steps (see SlotState).
-                    let first = slots.len() - plan.order.len();
-                    let uid0 = slots[first].uid;
-                    for (i, s) in slots[first..].iter_mut().enumerate() {
-                        let leader = plan.source[i];
-                        s.shares = if leader != i {
-                            Some((uid0 + leader, s.len))
-                        } else if i > 0 && plan.shared as i64 >= crate::model::KV_BLOCK {
-                            Some((uid0, plan.shared as i64))
-                        } else {
-                            None
-                        };
-                    }
                     let range = start as usize..slots.len();
                     self.sample_into(&logits, requests, &mut slots, range, &mut stats);
                 }
@@ -681,20 +558,22 @@ impl Generator {
                     let offset = chunk[0].1.positions;
                     let cache = self.cache.as_mut().expect("cache allocated");
                     for (i, (_, c)) in chunk.iter().enumerate() {
-                        self.kept.restore(c, cache, start + i as i64, offset as i64);
+                        if !self.kept.restore(c, cache, start + i as i64, offset as i64) {
+                            return Err(EngineError::InvalidArgument(
+                                "the KV cache had no blocks left for a kept sequence its admission counted; this is a bug".into(),
+                            ));
+                        }
                     }
-                    // Whole key blocks of the prefix every prompt of the chunk shares (a
-                    // system prompt, a group's question) take the first one's KV, so that
-                    // decode reads them once for all, as after a shared prefill.
+                    // Whole blocks of the prefix every prompt of the chunk shares (a
+                    // system prompt, a group's question) are held once, the first one's.
                     let first = &requests[chunk[0].0].prompt[..offset];
                     let common = chunk[1..].iter().fold(offset, |acc, (r, _)| {
                         let p = &requests[*r].prompt;
                         acc.min(first.iter().zip(p).take_while(|(a, b)| a == b).count())
                     }) as i64
-                        / crate::model::KV_BLOCK
-                        * crate::model::KV_BLOCK;
-                    let share = chunk.len() > 1 && common > 0;
-                    if share {
+                        / KV_BLOCK
+                        * KV_BLOCK;
+                    if chunk.len() > 1 && common > 0 {
                         let others: Vec<i64> = (1..chunk.len() as i64).map(|i| start + i).collect();
                         cache.copy_slots(&vec![start; others.len()], &others, common);
                     }
@@ -706,14 +585,9 @@ impl Generator {
                         shared: offset,
                     };
                     let logits = self.prefill(requests, &plan, start, true, &mut stats);
-                    let uid0 = next_uid + 1;
-                    for (i, &r) in plan.order.iter().enumerate() {
+                    for &r in &plan.order {
                         next_uid += 1;
-                        let mut slot = SlotState::new(&requests[r], r, next_uid, &eos);
-                        if share && i > 0 {
-                            slot.shares = Some((uid0, common));
-                        }
-                        slots.push(slot);
+                        slots.push(SlotState::new(&requests[r], r, next_uid, &eos));
                     }
                     let range = start as usize..slots.len();
                     self.sample_into(&logits, requests, &mut slots, range, &mut stats);
@@ -724,14 +598,16 @@ impl Generator {
                 if !admitted.is_empty() {
                     self.retire(requests, keep_keys, &mut slots, &mut sched, &mut on_done);
                 }
-                if sched.is_done() {
+                if sched.is_done() && preempted.is_empty() {
                     break;
                 }
                 if sched.active_len() == 0 {
                     continue;
                 }
-                // 2. One decode step over the dense active prefix.
+                // 2. One decode step over the dense active prefix, its positions'
+                // blocks taken first (preempting the newest sequences while too few).
                 crate::profile::start(device);
+                self.make_room(&mut slots, &mut preempted, &mut sched, &mut stats)?;
                 let n = slots.len() as i64;
                 let last: Vec<i64> = slots
                     .iter()
@@ -739,18 +615,25 @@ impl Generator {
                     .collect();
                 let pos: Vec<i64> = slots.iter().map(|s| s.len).collect();
                 let span = pos.iter().copied().max().unwrap_or(0) + 1;
-                // Ids and positions in one host-to-device copy (one transfer per step
-                // on a GPU instead of two).
-                let both = upload(
-                    Tensor::from_slice(&[last, pos.clone()].concat()).view([2, n]),
+                let cache = self.cache.as_mut().expect("cache allocated");
+                let nb = blocks_for(span);
+                let tables = Vec::<i64>::try_from(cache.tables(0, n, nb).reshape([-1]))
+                    .expect("int64 tables");
+                // Ids, positions and block tables in one host-to-device copy (one
+                // transfer per step on a GPU instead of three).
+                let inputs = upload(
+                    Tensor::from_slice(&[last, pos.clone(), tables].concat()),
                     device,
                 );
+                let both = inputs.narrow(0, 0, 2 * n).view([2, n]);
+                let table = inputs.narrow(0, 2 * n, n * nb).view([n, nb]);
                 let ids = both.get(0).view([n, 1]);
                 let post = both.get(1).view([n, 1]);
-                let shared = shared_prefixes(&slots);
                 crate::profile::mark(device, "decode: inputs");
-                let cache = self.cache.as_mut().expect("cache allocated");
-                let logits = match self.graphs.decode(&self.model, cache, &both, n, span) {
+                let logits = match self
+                    .graphs
+                    .decode(&self.model, cache, &both, &table, n, span)
+                {
                     Some(logits) => {
                         crate::profile::mark(device, "decode: graph (layers, lm head)");
                         logits
@@ -762,7 +645,7 @@ impl Generator {
                             Attn::Decode {
                                 cache,
                                 span,
-                                shared: shared.as_deref(),
+                                table: Some(&table),
                             },
                         );
                         crate::profile::mark(device, "decode: layers");
@@ -776,6 +659,8 @@ impl Generator {
                 }
                 stats.decode_steps += 1;
                 stats.slot_steps += n as usize;
+                stats.max_in_flight = stats.max_in_flight.max(n as usize);
+                stats.kv_bytes_held_peak = stats.kv_bytes_held_peak.max(self.kv_bytes_held());
                 self.sample_into(&logits, requests, &mut slots, 0..n as usize, &mut stats);
                 crate::profile::mark(device, "decode: sample");
                 self.retire(requests, keep_keys, &mut slots, &mut sched, &mut on_done);
@@ -787,9 +672,151 @@ impl Generator {
         Ok(stats)
     }
 
+    /// Blocks kept free beyond an admission's own while sequences run, so that they can
+    /// grow a while before the first preemption.
+    fn watermark(&self, running: usize) -> usize {
+        let usable = self.cache.as_ref().map_or(0, |c| c.usable_blocks());
+        if running == 0 {
+            0
+        } else {
+            (usable / 100).max(1)
+        }
+    }
+
+    /// Admits waiting requests while the cache's free blocks hold their prompts and
+    /// first new token. A request whose prompt an earlier one of the same prefill chunk
+    /// has (a GRPO group) shares its blocks and takes one (its copy of the last, partial
+    /// block); requests that may continue kept sequences are counted whole.
+    fn admit(
+        &self,
+        requests: &[Request],
+        keys: &[Option<u64>],
+        running: usize,
+        sched: &mut Scheduler,
+    ) -> Vec<usize> {
+        let cache = self.cache.as_ref().expect("cache allocated");
+        let mut free = cache.free_blocks() as i64 - self.watermark(running) as i64;
+        let chunk = self.config.max_prefill_batch.max(1);
+        let share = self.config.share_prefixes && keys.is_empty();
+        let mut seen: std::collections::HashMap<&[i64], usize> = Default::default();
+        let mut n = 0usize;
+        sched.admit_while(|r| {
+            let p = requests[r].prompt.as_slice();
+            let cost = if share && seen.get(p) == Some(&(n / chunk)) {
+                1
+            } else {
+                blocks_for(p.len() as i64 + 1)
+            };
+            // With nothing running, the first always fits (checked up front).
+            if cost > free && (running > 0 || n > 0) {
+                return false;
+            }
+            free -= cost;
+            seen.insert(p, n / chunk);
+            n += 1;
+            true
+        })
+    }
+
+    /// Resumes preempted sequences, the oldest first, while slots and blocks allow: each
+    /// recomputes its prompt and the tokens it had fed back (one ragged prefill per
+    /// chunk) and goes on from its last sampled token with its random stream.
+    fn resume(
+        &mut self,
+        requests: &[Request],
+        preempted: &mut Vec<SlotState>,
+        slots: &mut Vec<SlotState>,
+        sched: &mut Scheduler,
+        stats: &mut GenerateStats,
+    ) -> Result<()> {
+        let cache = self.cache.as_ref().expect("cache allocated");
+        let mut free = cache.free_blocks() as i64 - self.watermark(slots.len()) as i64;
+        let mut back = Vec::new();
+        while let Some(s) = preempted.last() {
+            let cost = blocks_for(s.len + 1);
+            let alone = slots.is_empty() && back.is_empty();
+            if sched.room() == 0 || (cost > free && !alone) {
+                break;
+            }
+            free -= cost;
+            let s = preempted.pop().expect("looked at");
+            sched.resume(s.req);
+            back.push(s);
+        }
+        let chunk = self.config.max_prefill_batch.max(1);
+        let mut back = back.into_iter().peekable();
+        while back.peek().is_some() {
+            let part: Vec<SlotState> = back.by_ref().take(chunk).collect();
+            let start = slots.len() as i64;
+            let seqs: Vec<Vec<i64>> = part
+                .iter()
+                .map(|s| {
+                    let prompt = &requests[s.req].prompt;
+                    let fed = s.len as usize - prompt.len();
+                    [&prompt[..], &s.tokens[..fed]].concat()
+                })
+                .collect();
+            let rows: Vec<&[i64]> = seqs.iter().map(Vec::as_slice).collect();
+            let (_, lens) = self.prefill_rows(&rows, start, 0);
+            let recomputed = lens.iter().sum::<i64>() as usize;
+            stats.prefill_calls += 1;
+            stats.prefill_positions += recomputed;
+            stats.recomputed_positions += recomputed;
+            slots.extend(part);
+        }
+        Ok(())
+    }
+
+    /// Takes the blocks this decode step writes into (a new block, or a copy of a shared
+    /// one), preempting the newest sequences while too few are free: their blocks go
+    /// back, and they wait in `preempted` to resume.
+    fn make_room(
+        &mut self,
+        slots: &mut Vec<SlotState>,
+        preempted: &mut Vec<SlotState>,
+        sched: &mut Scheduler,
+        stats: &mut GenerateStats,
+    ) -> Result<()> {
+        let cache = self.cache.as_mut().expect("cache allocated");
+        loop {
+            let need: usize = (0..slots.len())
+                .map(|i| cache.needed(i as i64, slots[i].len, slots[i].len + 1))
+                .sum();
+            if need <= cache.free_blocks() {
+                break;
+            }
+            if slots.len() <= 1 {
+                return Err(EngineError::InvalidArgument(
+                    "one sequence alone does not fit the KV cache its admission checked; this is a bug".into(),
+                ));
+            }
+            let newest = (0..slots.len())
+                .max_by_key(|&i| slots[i].uid)
+                .expect("slots");
+            cache.release(newest as i64);
+            let moved_from = sched.finish(newest);
+            let s = slots.swap_remove(newest);
+            if let Some(from) = moved_from {
+                cache.move_slot(from as i64, newest as i64);
+            }
+            // The oldest last: it resumes first.
+            let at = preempted.partition_point(|p| p.uid > s.uid);
+            preempted.insert(at, s);
+            stats.kv_preemptions += 1;
+        }
+        for (i, s) in slots.iter().enumerate() {
+            if !cache.reserve(i as i64, s.len, s.len + 1) {
+                return Err(EngineError::InvalidArgument(
+                    "the KV cache had fewer free blocks than counted for a decode step; this is a bug".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Prefills the chunk laid out by `plan` into slots `start..`: the shared prefix once
-    /// (copied into the other distinct prompts' slots), each distinct prompt's rest in one
-    /// batch, then the KV of each copy from its prompt's slot. Returns the logits at every
+    /// (its blocks shared by the other distinct prompts' slots), each distinct prompt's
+    /// rest in one batch, then each copy shares its prompt's blocks. Returns the logits at every
     /// slot's last prompt position, in slot order. With `prefix_cached`, the shared
     /// prefix is in the cache already (a kept sequence's KV) and is not run.
     fn prefill(
@@ -824,32 +851,11 @@ impl Generator {
             cache.copy_slots(&vec![start; others.len()], &others, shared);
         }
         let n = lead.len() as i64;
-        let rest = lead
+        let rows: Vec<&[i64]> = lead
             .iter()
-            .map(|&r| requests[r].prompt.len() - plan.shared)
-            .max()
-            .unwrap_or(1) as i64;
-        let mut ids = vec![0i64; (n * rest) as usize];
-        let mut lens = Vec::with_capacity(lead.len());
-        for (i, &r) in lead.iter().enumerate() {
-            let p = &requests[r].prompt[plan.shared..];
-            ids[i * rest as usize..i * rest as usize + p.len()].copy_from_slice(p);
-            lens.push(p.len() as i64);
-        }
-        let ids = Tensor::from_slice(&ids).view([n, rest]).to_device(device);
-        let pos = (Tensor::arange(rest, (Kind::Int64, device)) + shared)
-            .unsqueeze(0)
-            .expand([n, rest], true);
-        let h = self.model.hidden(
-            &ids,
-            &pos,
-            Attn::Prefill {
-                cache,
-                start,
-                offset: shared,
-                lens: Some(&lens),
-            },
-        );
+            .map(|&r| &requests[r].prompt[plan.shared..])
+            .collect();
+        let (h, lens) = self.prefill_rows(&rows, start, shared);
         stats.prefill_calls += 1;
         stats.prefill_positions += lens.iter().sum::<i64>() as usize;
         let last: Vec<i64> = lens.iter().map(|l| l - 1).collect();
@@ -859,8 +865,8 @@ impl Generator {
         if plan.order.len() == plan.leaders {
             return logits;
         }
-        // Copies: KV from their prompt's slot (up to the longest copied prompt; positions
-        // past a slot's own length are never attended to), logits by row.
+        // Copies: their prompt's blocks, shared (up to the longest copied prompt;
+        // positions past a slot's own length are never attended to), logits by row.
         let copies = &plan.order[plan.leaders..];
         let len = copies
             .iter()
@@ -874,9 +880,42 @@ impl Generator {
         let dst: Vec<i64> = (plan.leaders..plan.order.len())
             .map(|i| start + i as i64)
             .collect();
-        cache.copy_slots(&src, &dst, len);
+        self.cache
+            .as_mut()
+            .expect("cache allocated")
+            .copy_slots(&src, &dst, len);
         let rows: Vec<i64> = plan.source.iter().map(|&i| i as i64).collect();
         logits.index_select(0, &Tensor::from_slice(&rows).to_device(device))
+    }
+
+    /// Prefills `rows` (right-padded into one batch, each from cache position `offset`)
+    /// into slots `start..`; returns the hidden states `[rows, longest, hidden]` and the
+    /// rows' lengths.
+    fn prefill_rows(&mut self, rows: &[&[i64]], start: i64, offset: i64) -> (Tensor, Vec<i64>) {
+        let device = self.model.device();
+        let t = rows.iter().map(|r| r.len()).max().unwrap_or(1);
+        let mut ids = vec![0i64; rows.len() * t];
+        for (i, r) in rows.iter().enumerate() {
+            ids[i * t..i * t + r.len()].copy_from_slice(r);
+        }
+        let lens: Vec<i64> = rows.iter().map(|r| r.len() as i64).collect();
+        let (b, t) = (rows.len() as i64, t as i64);
+        let ids = Tensor::from_slice(&ids).view([b, t]).to_device(device);
+        let pos = (Tensor::arange(t, (Kind::Int64, device)) + offset)
+            .unsqueeze(0)
+            .expand([b, t], true);
+        let cache = self.cache.as_mut().expect("cache allocated");
+        let h = self.model.hidden(
+            &ids,
+            &pos,
+            Attn::Prefill {
+                cache,
+                start,
+                offset,
+                lens: Some(&lens),
+            },
+        );
+        (h, lens)
     }
 
     fn sample_into(
@@ -952,12 +991,10 @@ impl Generator {
                 let cache = self.cache.as_ref().expect("cache");
                 self.kept.keep(key, tokens, cache, slot as i64, s.len);
             }
+            let cache = self.cache.as_mut().expect("cache");
+            cache.release(slot as i64);
             if let Some(from) = moved_from {
-                let len = slots[slot].len;
-                self.cache
-                    .as_mut()
-                    .expect("cache")
-                    .move_slot(from as i64, slot as i64, len);
+                cache.move_slot(from as i64, slot as i64);
             }
             let rq = &requests[s.req];
             on_done(Completion {
@@ -1025,105 +1062,5 @@ mod tests {
         assert!(xs.iter().all(|&x| (0.0..1.0).contains(&x)));
         let mean = xs.iter().sum::<f32>() / 1000.0;
         assert!((mean - 0.5).abs() < 0.05);
-    }
-
-    fn params(n: usize, t: f32, k: usize, p: f32, u: f32) -> RowParams {
-        RowParams {
-            temperature: vec![t; n],
-            top_k: vec![k; n],
-            top_p: vec![p; n],
-            uniform: vec![u; n],
-        }
-    }
-
-    #[test]
-    fn sampler_greedy_topk_topp() {
-        // probs ∝ [0.5, 0.25, 0.15, 0.1]
-        let probs = [0.5f64, 0.25, 0.15, 0.1];
-        let logits = Tensor::from_slice(&probs.map(|p| p.ln() as f32)).unsqueeze(0);
-        // greedy
-        let (t, lp) = sample(&logits, &params(1, 0.0, 0, 1.0, 0.99));
-        assert_eq!(t, vec![0]);
-        assert!((lp[0] - 0.5f32.ln()).abs() < 1e-5);
-        // full sampling: inverse CDF picks by uniform
-        assert_eq!(sample(&logits, &params(1, 1.0, 0, 1.0, 0.1)).0, vec![0]);
-        assert_eq!(sample(&logits, &params(1, 1.0, 0, 1.0, 0.6)).0, vec![1]);
-        assert_eq!(sample(&logits, &params(1, 1.0, 0, 1.0, 0.95)).0, vec![3]);
-        // top-k 2: renormalised over {0, 1}: u = 0.95 → token 1
-        assert_eq!(sample(&logits, &params(1, 1.0, 2, 1.0, 0.95)).0, vec![1]);
-        // top-k 1 is greedy
-        assert_eq!(sample(&logits, &params(1, 1.0, 1, 1.0, 0.99)).0, vec![0]);
-        // top-p 0.7: nucleus {0, 1} (0.5 < 0.7, 0.75 ≥ 0.7)
-        let (t, lp) = sample(&logits, &params(1, 1.0, 0, 0.7, 0.99));
-        assert_eq!(t, vec![1]);
-        assert!(
-            (lp[0] - 0.25f32.ln()).abs() < 1e-5,
-            "log-prob is before filtering"
-        );
-        // top-p 0.4 keeps only the top token
-        assert_eq!(sample(&logits, &params(1, 1.0, 0, 0.4, 0.99)).0, vec![0]);
-        // temperature: log-prob under logits / T
-        let (_, lp) = sample(&logits, &params(1, 2.0, 0, 1.0, 0.0));
-        let z: f64 = probs.iter().map(|p| p.sqrt()).sum();
-        assert!((lp[0] as f64 - (0.5f64.sqrt() / z).ln()).abs() < 1e-5);
-    }
-
-    /// The one-pass CPU sampler and the tch sampler pick the same tokens with the same
-    /// log-probs, across temperatures, top-k and top-p.
-    #[test]
-    fn fast_sampler_matches_tch_sampler() {
-        if !crate::onednn::available() {
-            return;
-        }
-        tch::manual_seed(5);
-        let n = 48;
-        let logits = Tensor::randn([n, 3000], (Kind::Float, Device::Cpu)) * 3.0;
-        let mut rng = RequestRng::new(3);
-        let rp = RowParams {
-            temperature: (0..n)
-                .map(|i| [0.0, 0.7, 1.0, 1.3][i as usize % 4])
-                .collect(),
-            top_k: (0..n)
-                .map(|i| [1, 5, 50, 1000][i as usize / 4 % 4])
-                .collect(),
-            top_p: (0..n)
-                .map(|i| [1.0, 0.9, 0.5][i as usize / 16 % 3])
-                .collect(),
-            uniform: (0..n).map(|_| rng.uniform()).collect(),
-        };
-        let (fast_t, fast_lp) = sample(&logits, &rp);
-        let (ref_t, ref_lp) = sample_tch(&logits, &rp);
-        assert_eq!(fast_t, ref_t);
-        for (a, b) in fast_lp.iter().zip(&ref_lp) {
-            assert!((a - b).abs() < 1e-4, "{a} vs {b}");
-        }
-    }
-
-    #[test]
-    fn sampler_mixed_rows() {
-        let logits = Tensor::from_slice(&[0.0f32, 1.0, 2.0, 3.0, 3.0, 2.0, 1.0, 0.0]).view([2, 4]);
-        let rp = RowParams {
-            temperature: vec![0.0, 1.0],
-            top_k: vec![0, 1],
-            top_p: vec![1.0, 1.0],
-            uniform: vec![0.5, 0.5],
-        };
-        assert_eq!(sample(&logits, &rp).0, vec![3, 0]);
-    }
-
-    #[test]
-    fn sampler_frequencies_follow_probabilities() {
-        let probs = [0.6f64, 0.3, 0.1];
-        let logits = Tensor::from_slice(&probs.map(|p| p.ln() as f32))
-            .unsqueeze(0)
-            .repeat([2000, 1]);
-        let mut rng = RequestRng::new(1);
-        let mut rp = params(2000, 1.0, 0, 1.0, 0.0);
-        rp.uniform = (0..2000).map(|_| rng.uniform()).collect();
-        let (t, _) = sample(&logits, &rp);
-        let f0 = t.iter().filter(|&&x| x == 0).count() as f64 / 2000.0;
-        let f2 = t.iter().filter(|&&x| x == 2).count() as f64 / 2000.0;
-        assert!((f0 - 0.6).abs() < 0.04, "{f0}");
-        assert!((f2 - 0.1).abs() < 0.03, "{f2}");
     }
 }

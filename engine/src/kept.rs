@@ -2,7 +2,8 @@
 //! multi-turn episode's next turn starts with the whole conversation so far, and only
 //! what was appended since (the environment's observation) has to be prefilled.
 //!
-//! Kept KV lives in a pool shaped like the generator's cache, allocated once and grown
+//! Kept KV lives in a paged pool laid out like the generator's cache (each entry a slot
+//! whose blocks are copied in and out through its block table), allocated once and grown
 //! by doubling (a copy per kept sequence allocated anew cost more than the prefill it
 //! saved: page faults on every fresh buffer). An entry is a pool slot and the tokens it
 //! holds; a request that names its key takes it back (an entry is used once) and keeps
@@ -12,7 +13,7 @@
 
 use std::collections::VecDeque;
 
-use crate::model::KvCache;
+use crate::model::{blocks_for, KvCache};
 
 /// An entry given back to a request continuing it.
 pub(crate) struct Continued {
@@ -72,8 +73,12 @@ impl KeptSequences {
             return;
         };
         let pool = self.pool.as_mut().expect("a free slot means a pool");
-        cache.copy_slot_to(from, pool, slot, len);
-        self.entries.push_back(Entry { key, tokens, slot });
+        // The pool holds `max_len` positions for every slot: the copy always fits.
+        if cache.copy_slot_to(from, pool, slot, len) {
+            self.entries.push_back(Entry { key, tokens, slot });
+        } else {
+            self.free.push(slot);
+        }
     }
 
     /// A free pool slot: one never used, a new one (the pool doubled within the
@@ -82,7 +87,7 @@ impl KeptSequences {
         if let Some(s) = self.free.pop() {
             return Some(s);
         }
-        let per_slot = (cache.bytes() / cache.slots.max(1) as usize).max(1);
+        let per_slot = (blocks_for(cache.max_len) as usize * cache.bytes_per_block()).max(1);
         let most = (self.budget / per_slot) as i64;
         let have = self.pool.as_ref().map_or(0, |p| p.slots);
         if have < most {
@@ -119,11 +124,13 @@ impl KeptSequences {
         })
     }
 
-    /// Copies the first `len` positions of a taken entry's pool slot into `cache`'s
-    /// slot `to`. Call before keeping anything else: the slot is free again.
-    pub(crate) fn restore(&self, c: &Continued, cache: &mut KvCache, to: i64, len: i64) {
-        if let Some(pool) = &self.pool {
-            pool.copy_slot_to(c.slot, cache, to, len);
+    /// Copies the first `len` positions of a taken entry's pool slot into fresh blocks
+    /// of `cache`'s slot `to`; `false` when `cache` has too few free blocks. Call before
+    /// keeping anything else: the slot is free again.
+    pub(crate) fn restore(&self, c: &Continued, cache: &mut KvCache, to: i64, len: i64) -> bool {
+        match &self.pool {
+            Some(pool) => pool.copy_slot_to(c.slot, cache, to, len),
+            None => false,
         }
     }
 

@@ -43,6 +43,7 @@ mod model;
 mod onednn;
 mod profile;
 mod resume;
+mod sampling;
 mod schedule;
 mod shard;
 mod tokenizer;
@@ -67,7 +68,7 @@ pub use generate::{
     Completion, FinishReason, GenerateStats, Generator, GeneratorConfig, Request, SamplingParams,
 };
 pub use model::{
-    backward_with, cuda_graphs_built, load_cuda_graph_shim, positions_from_mask,
+    backward_with, blocks_for, cuda_graphs_built, load_cuda_graph_shim, positions_from_mask,
     read_safetensors_dir, recompute_backward, unit_shapes, AdapterDir, Adapters, Attn,
     DecoderLayer, KvCache, Llama, LoraConfig, LoraPair, LoraTarget, MemoryOptions, RowLayout,
     ScalarHead, Tape, Unit, UnitPass, KV_BLOCK, LORA_SCALING_TENSOR,

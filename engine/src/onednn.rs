@@ -30,8 +30,7 @@ mod ffi {
         pub fn yatt_decode_layers(
             x: *mut C_tensor,
             pos: *mut C_tensor,
-            src: *mut C_tensor,
-            src_len: *mut C_tensor,
+            table: *mut C_tensor,
             cos: *mut C_tensor,
             sin: *mut C_tensor,
             n_layers: i64,
@@ -256,9 +255,9 @@ pub struct DecodeLayer<'a> {
     pub wgu: &'a Tensor,
     /// Packed down projection.
     pub wdown: &'a Tensor,
-    /// Key cache, blocked: `[slots, kv_heads, max_len / 16, head_dim, 16]`.
+    /// Key blocks of the paged cache: `[blocks, kv_heads, head_dim, 16]`.
     pub kb: &'a Tensor,
-    /// Value cache: `[slots, kv_heads, max_len, head_dim]`.
+    /// Value blocks of the paged cache: `[blocks, kv_heads, 16, head_dim]`.
     pub v: &'a Tensor,
     /// Per-head q and k RMSNorm weights `[head_dim]` (Qwen3), if any.
     pub qk_norm: Option<(&'a Tensor, &'a Tensor)>,
@@ -266,18 +265,19 @@ pub struct DecodeLayer<'a> {
     pub window: Option<i64>,
 }
 
-/// The decoder stack for one new token in each of the cache slots `0..B`: `x` `[B,
-/// hidden]` are the embeddings, `pos` `[B]` (int64) the positions the tokens take (their
-/// k/v are written there; attention covers `0..=pos`), `shared` optional `(slots, lens)`
-/// `[B]` (int64): row i's positions below `lens[i]` are read from slot `slots[i]`, which
-/// holds the same keys and values there; `cos`/`sin` `[max_pos, hd/2]` the RoPE tables.
+/// The decoder stack for one new token in each of `B` rows: `x` `[B, hidden]` are the
+/// embeddings, `pos` `[B]` (int64) the positions the tokens take (their k/v are written
+/// there; attention covers `0..=pos`), `table` `[B, nb]` (int64) each row's block table
+/// (position `p` lives in block `table[row][p / 16]`, which must be the row's own for
+/// the written position; rows sharing a prompt read its blocks once, where they sit);
+/// `cos`/`sin` `[max_pos, hd/2]` the RoPE tables.
 /// Returns the residual stream after the last layer (before the final norm). f32 on CPU
 /// only.
 #[allow(clippy::too_many_arguments)]
 pub fn decode_layers(
     x: &Tensor,
     pos: &Tensor,
-    shared: Option<(&Tensor, &Tensor)>,
+    table: &Tensor,
     cos: &Tensor,
     sin: &Tensor,
     layers: &[DecodeLayer<'_>],
@@ -312,8 +312,7 @@ pub fn decode_layers(
             ffi::yatt_decode_layers(
                 ptr(x),
                 ptr(pos),
-                shared.map(|(s, _)| ptr(s)).unwrap_or(std::ptr::null_mut()),
-                shared.map(|(_, l)| ptr(l)).unwrap_or(std::ptr::null_mut()),
+                ptr(table),
                 ptr(cos),
                 ptr(sin),
                 layers.len() as i64,
@@ -341,7 +340,7 @@ pub fn decode_layers(
     }
     #[cfg(not(yatt_onednn))]
     {
-        let _ = (x, pos, shared, cos, sin, layers, heads, eps);
+        let _ = (x, pos, table, cos, sin, layers, heads, eps);
         Err("built without the oneDNN shim".into())
     }
 }

@@ -33,21 +33,41 @@ impl Scheduler {
     }
     /// Moves waiting requests into free slots; returns them. They occupy slots
     /// `active_len() - k .. active_len()`, in order.
+    #[cfg(test)]
     pub fn admit(&mut self) -> Vec<usize> {
-        if self.mode == BatchingMode::Static && !self.active.is_empty() {
-            return vec![];
-        }
+        self.admit_while(|_| true)
+    }
+
+    /// Like [`Scheduler::admit`], in queue order while `fits` says the next request
+    /// fits (the KV cache's free blocks): the first that does not stops admission.
+    pub fn admit_while(&mut self, mut fits: impl FnMut(usize) -> bool) -> Vec<usize> {
         let mut out = Vec::new();
-        while self.active.len() < self.max_batch {
-            match self.waiting.pop_front() {
-                Some(r) => {
+        for _ in 0..self.room() {
+            match self.waiting.front() {
+                Some(&r) if fits(r) => {
+                    self.waiting.pop_front();
                     self.active.push(r);
                     out.push(r);
                 }
-                None => break,
+                _ => break,
             }
         }
         out
+    }
+
+    /// Slots a new or resumed sequence may take now (none in static mode while a batch
+    /// runs).
+    pub fn room(&self) -> usize {
+        if self.mode == BatchingMode::Static && !self.active.is_empty() {
+            return 0;
+        }
+        self.max_batch - self.active.len().min(self.max_batch)
+    }
+
+    /// Puts a preempted request back into the next slot (after its sequence left it
+    /// through [`Scheduler::finish`]); the caller checked [`Scheduler::room`].
+    pub fn resume(&mut self, r: usize) {
+        self.active.push(r);
     }
     /// Puts the requests in slots `start..start + order.len()` in the given order, which
     /// must be a permutation of them (prefill places copies of a prompt after it).
@@ -80,7 +100,7 @@ impl Scheduler {
     pub fn active_len(&self) -> usize {
         self.active.len()
     }
-    /// Whether all requests have finished.
+    /// Whether no request is active or waiting (preempted sequences are the caller's).
     pub fn is_done(&self) -> bool {
         self.active.is_empty() && self.waiting.is_empty()
     }
@@ -180,6 +200,29 @@ mod tests {
         s.finish(1);
         s.finish(0);
         assert!(s.is_done());
+    }
+
+    #[test]
+    fn admission_stops_at_the_first_request_that_does_not_fit() {
+        let mut s = Scheduler::new(5, 4, BatchingMode::Continuous);
+        let mut free = 5;
+        let cost = [2, 2, 3, 1, 1];
+        let got = s.admit_while(|r| {
+            let ok = cost[r] <= free;
+            free -= if ok { cost[r] } else { 0 };
+            ok
+        });
+        assert_eq!(got, vec![0, 1]);
+        assert_eq!(s.room(), 2);
+        // A preempted sequence leaves, and comes back at the end.
+        assert_eq!(s.finish(0), Some(1));
+        s.resume(0);
+        assert_eq!(s.active(), &[1, 0]);
+        assert_eq!(s.admit(), vec![2, 3]);
+        assert_eq!(s.room(), 0);
+        let mut st = Scheduler::new(2, 2, BatchingMode::Static);
+        st.admit_while(|r| r == 0);
+        assert_eq!(st.room(), 0);
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! that biases, q/k norms and norm weights matter, `save_pretrained`): nothing is
 //! downloaded. Each model is checked through every attention path: the plain forward,
 //! a left-padded batch, scoring, `Attn::Capture`/`Continue`, generation (fused CPU
-//! decode with prefix sharing) and the tch prefill/decode path, and a trained
+//! decode with prefix sharing, and under a KV budget that preempts) and the tch
+//! prefill/decode path through the paged cache, and a trained
 //! checkpoint that yatt writes is read back by transformers.
 //!
 //! These tests need `.venv` (scripts/bootstrap.sh): without it they fail, never skip.
@@ -151,7 +152,7 @@ fn greedy_tch(model: &Llama, ps: &[Vec<i64>]) -> Vec<Vec<i64>> {
             Attn::Decode {
                 cache: &mut cache,
                 span,
-                shared: None,
+                table: None,
             },
         );
         next = model.logits(&h).squeeze_dim(1).argmax(-1, false);
@@ -278,17 +279,18 @@ fn check_arch(name: &str, model_type: &str, extra: Value) {
             ..Default::default()
         },
     );
-    for set in [vec![0usize, 1, 2, 3, 0], vec![0, 3, 0]] {
-        let reqs: Vec<Request> = set
-            .iter()
+    let greedy = |set: &[usize]| -> Vec<Request> {
+        set.iter()
             .enumerate()
             .map(|(j, &i)| Request {
                 id: j as u64,
                 prompt: ps[i].clone(),
                 params: SamplingParams::greedy(NEW_TOKENS),
             })
-            .collect();
-        let (mut done, _) = g.generate(&reqs).unwrap();
+            .collect()
+    };
+    for set in [vec![0usize, 1, 2, 3, 0], vec![0, 3, 0]] {
+        let (mut done, _) = g.generate(&greedy(&set)).unwrap();
         done.sort_by_key(|c| c.id);
         for (c, &i) in done.iter().zip(&set) {
             assert_eq!(
@@ -298,6 +300,27 @@ fn check_arch(name: &str, model_type: &str, extra: Value) {
                 g.model().is_packed()
             );
         }
+    }
+    // A KV budget of 5 blocks (one request needs up to 3) preempts sequences and
+    // recomputes their prefix: the same greedy ids.
+    let budget = 5 * KvCache::block_bytes(&model);
+    let mut small = Generator::new(
+        model.deep_copy(Device::Cpu, Kind::Float).unwrap(),
+        GeneratorConfig {
+            max_batch: 8,
+            max_seq_len: 64,
+            kv_cache_bytes: Some(budget),
+            ..Default::default()
+        },
+    );
+    let set = [0usize, 1, 2, 3, 0];
+    let (done, st) = small.generate(&greedy(&set)).unwrap();
+    assert!(st.kv_preemptions > 0, "{name}: {st:?}");
+    for (c, &i) in done.iter().zip(&set) {
+        assert_eq!(
+            c.tokens, reference[i],
+            "{name}: greedy ids of prompt {i} (preempted)"
+        );
     }
     drop(_guard);
 

@@ -162,3 +162,68 @@ fn decode_through_cuda_graphs_matches_eager_decoding() {
         );
     });
 }
+
+/// The paged KV cache on every device, CUDA graphs on: a budget too small for the batch
+/// preempts sequences and recomputes their prefix, and every sequence ends with the
+/// tokens of a cache that holds them all, eager and without preemption (the block
+/// tables change between steps while the graphs replay). A group's samples share their
+/// prompt's blocks in both.
+#[test]
+fn a_paged_cache_under_a_small_budget_decodes_like_a_large_one() {
+    tch::set_num_threads(2);
+    yatt_engine::test_device!(|dev| {
+        let reference = Llama::random(tiny_config(), dev, Kind::Float, 14).unwrap();
+        let prompt: Vec<i64> = (0..20).map(|t| 2 + t * 3 % 90).collect();
+        let reqs: Vec<Request> = (0..6u64)
+            .map(|i| Request {
+                id: i,
+                prompt: if i < 4 {
+                    prompt.clone()
+                } else {
+                    prompt[..7].to_vec()
+                },
+                params: SamplingParams {
+                    temperature: if i % 3 == 0 { 0.0 } else { 1.0 },
+                    max_new_tokens: [40, 3, 25, 60, 9, 33][i as usize],
+                    seed: i,
+                    ignore_eos: true,
+                    ..Default::default()
+                },
+            })
+            .collect();
+        let block = KvCache::block_bytes(&reference);
+        let run = |budget: Option<usize>, graphs: bool| {
+            let mut g = Generator::new(
+                reference.deep_copy(dev, Kind::Float).unwrap(),
+                GeneratorConfig {
+                    max_batch: 6,
+                    max_seq_len: 96,
+                    kv_cache_bytes: budget,
+                    ..Default::default()
+                },
+            );
+            g.set_cuda_graphs(graphs);
+            let (done, st) = g.generate(&reqs).unwrap();
+            (done, st, g.cuda_graph_stats().1)
+        };
+        let (want, big, _) = run(None, false);
+        assert_eq!(big.kv_preemptions, 0);
+        // The longest request needs 5 blocks alone.
+        let (got, small, replays) = run(Some(8 * block), true);
+        assert!(small.kv_preemptions > 0, "{dev:?}: {small:?}");
+        assert!(small.kv_bytes_held_peak <= 8 * block);
+        if dev.is_cuda() && cuda_graphs_built() {
+            assert!(replays > 0, "{dev:?}: no step replayed a graph");
+        }
+        for (a, b) in got.iter().zip(&want) {
+            assert_eq!(a.tokens, b.tokens, "{dev:?}: request {}", a.id);
+            for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+                assert!(
+                    (x - y).abs() < 1e-3,
+                    "{dev:?}: request {}: {x} vs {y}",
+                    a.id
+                );
+            }
+        }
+    });
+}

@@ -5,7 +5,7 @@ use yatt_engine::fixtures::smollm2_hf_dir;
 use yatt_engine::tch::{self, Device, Kind, Tensor};
 use yatt_engine::*;
 
-fn setup() -> (Llama, Arc<Tokenizer>) {
+pub(crate) fn setup() -> (Llama, Arc<Tokenizer>) {
     tch::set_num_threads(2);
     let dir = smollm2_hf_dir().unwrap();
     (
@@ -14,7 +14,7 @@ fn setup() -> (Llama, Arc<Tokenizer>) {
     )
 }
 
-fn chat(tok: &Tokenizer, q: &str) -> Vec<i64> {
+pub(crate) fn chat(tok: &Tokenizer, q: &str) -> Vec<i64> {
     tok.encode_chat(&[ChatMessage::new("user", q)], true)
         .unwrap()
 }

@@ -11,6 +11,7 @@ mod gguf;
 mod long_bench;
 mod long_sequences;
 mod lora;
+mod paged;
 mod parity;
 mod sharded;
 mod train;

@@ -415,6 +415,28 @@ fn roles_beyond_the_memory_budget_fail_naming_the_budget() {
     assert!(!out.exists(), "the dry run left {}", out.display());
 }
 
+/// A rollout's KV cache budget counts in its resident estimate: one that does not fit
+/// the device budget fails the preflight, naming the key to lower.
+#[test]
+fn a_kv_cache_budget_beyond_the_device_fails_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let sets = vec![
+        "placement.device_memory_gb=1".to_string(),
+        "rollout.kv_cache_bytes=4000000000".to_string(),
+    ];
+    let (ok, printed) = dry_run(None, DEMO, &sets, &out);
+    assert!(!ok, "{printed}");
+    for want in [
+        "memory",
+        "rollout.kv_cache_bytes",
+        "rollout 3.7 GiB",
+        "FAIL",
+    ] {
+        assert!(printed.contains(want), "missing {want:?}:\n{printed}");
+    }
+}
+
 /// An HTTP reward that does not answer fails the preflight before step 1, naming
 /// `reward.url`.
 #[test]

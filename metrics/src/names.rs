@@ -156,6 +156,12 @@ pub const IS_CAPPED_FRAC: &str = "off_policy/is_capped_frac";
 pub const LOGPROB_DIFF_MEAN: &str = "rollout/logprob_diff_mean";
 /// Largest |old − rollout| log-prob difference.
 pub const LOGPROB_DIFF_MAX: &str = "rollout/logprob_diff_max";
+/// Sequences the rollouts' paged KV cache preempted when its blocks ran out (each
+/// resumed later by recomputing its prefix): a budget too small for the batch.
+pub const KV_PREEMPTIONS: &str = "rollout/kv_preemptions";
+/// Most bytes of KV blocks a rollout's live sequences held at once: the live tokens
+/// rounded up to 16-position blocks, a group's shared prompt counted once.
+pub const KV_BYTES_HELD: &str = "rollout/kv_bytes_held";
 /// Generation rounds dynamic sampling needed to fill the batch.
 pub const DAPO_GEN_ROUNDS: &str = "dapo/gen_rounds";
 /// Prompt groups dynamic sampling dropped.

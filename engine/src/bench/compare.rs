@@ -1,7 +1,9 @@
 //! `yatt bench engine`: generation throughput side by side with HF transformers
-//! `generate`, continuous vs static batching on a long-tail workload, and training-step
+//! `generate`, continuous vs static batching on a long-tail workload, the paged KV cache
+//! on long-tail rollouts at a fixed memory budget, and training-step
 //! throughput against PyTorch eager — all in one run, same weights, same thread count.
 
+use super::row::{sampled_requests, BenchRow};
 use crate::error::Result;
 use crate::fixtures::run_reference;
 use crate::generate::{Generator, GeneratorConfig, Request, SamplingParams};
@@ -46,28 +48,6 @@ pub struct BenchOptions {
     /// Let yatt prefill repeated prompts and the common prefix once
     /// ([`GeneratorConfig::share_prefixes`]); off for an ablation.
     pub prefix_sharing: bool,
-}
-
-/// One measured figure.
-#[derive(Debug, Clone)]
-pub struct BenchRow {
-    /// What was measured.
-    pub case: String,
-    /// yatt's figure.
-    pub yatt: f64,
-    /// The reference figure, when there is one.
-    pub reference: Option<f64>,
-    /// Unit of both figures.
-    pub unit: String,
-    /// Notes.
-    pub note: String,
-}
-
-impl BenchRow {
-    /// yatt / reference.
-    pub fn ratio(&self) -> Option<f64> {
-        self.reference.map(|r| self.yatt / r)
-    }
 }
 
 /// The benchmark's questions, each wrapped in the chat template (35–42 tokens; the
@@ -287,6 +267,7 @@ pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
             mode: BatchingMode::Continuous,
             max_prefill_batch: 64,
             share_prefixes: opts.prefix_sharing,
+            kv_cache_bytes: None,
         },
     );
     let sets = [PromptSet::Distinct, PromptSet::Grouped];
@@ -360,22 +341,7 @@ pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
                 ((16.0 / u.powf(0.8)) as usize).clamp(8, 256)
             })
             .collect();
-        let reqs: Vec<Request> = lens
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| Request {
-                id: i as u64,
-                prompt: ps[i % ps.len()].clone(),
-                params: SamplingParams {
-                    temperature: 1.0,
-                    top_k,
-                    max_new_tokens: l,
-                    ignore_eos: true,
-                    seed: i as u64,
-                    ..Default::default()
-                },
-            })
-            .collect();
+        let reqs = sampled_requests(&ps, &lens, top_k);
         let b = 16.min(maxb);
         g.config_mut().max_batch = b;
         let total: usize = lens.iter().sum();
@@ -414,6 +380,15 @@ pub fn run(opts: &BenchOptions) -> Result<Vec<BenchRow>> {
         });
     }
     drop(g);
+    if opts.long_tail {
+        let model = Llama::load(&opts.model_dir, device, Kind::Float)?;
+        rows.push(super::paged::long_tail_row(
+            model,
+            &ps,
+            opts.long_tail_requests.max(2),
+            top_k,
+        )?);
+    }
 
     // 3. Training step.
     if opts.train {

@@ -6,12 +6,15 @@
 //! anything a trainer calls. This file only re-exports.
 
 mod compare;
+mod paged;
 mod roofline;
+mod row;
 
-pub use compare::{markdown_table, run, BenchOptions, BenchRow};
+pub use compare::{markdown_table, run, BenchOptions};
 pub use roofline::{
     device_name, kind_name, run as run_roofline, Case, Preset, RooflineOptions, RooflineReport,
 };
+pub use row::BenchRow;
 
 /// The pieces of a decode step, exposed only so `examples/probe.rs` can time each alone.
 pub mod kernels {

@@ -515,6 +515,7 @@ pub fn run(opts: &RooflineOptions) -> Result<RooflineReport> {
             mode: BatchingMode::Continuous,
             max_prefill_batch: opts.batch,
             share_prefixes: false,
+            kv_cache_bytes: None,
         },
     );
     let decode = guarded("decode", device, || {

@@ -59,11 +59,11 @@ pub enum Attn<'a> {
         cache: &'a mut KvCache,
         /// Number of cache positions to attend over (max position + 1).
         span: i64,
-        /// Per row, `(slot, len)`: its positions below `len` hold the same keys and
-        /// values as `slot`'s (len 0: none), e.g. samples of one prompt. A hint: the CPU
-        /// decode kernel then reads one copy for all rows sharing it (it stays in cache);
-        /// results are the same without it.
-        shared: Option<&'a [(i64, i64)]>,
+        /// The slots' block tables `[B, nb]` (int64, on the cache's device, `nb` blocks
+        /// covering `span`; 0 past a slot's blocks), with the written positions already
+        /// reserved ([`KvCache::reserve`]): a CUDA graph replays a step on its own table
+        /// tensor. `None`: the forward reserves the positions and builds the tables.
+        table: Option<&'a Tensor>,
     },
 }
 

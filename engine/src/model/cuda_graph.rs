@@ -5,9 +5,11 @@
 //!
 //! A graph has fixed shapes and fixed addresses, so one is recorded per (rows, span)
 //! bucket: rows rounded up to a power of two (the extra rows decode token 0 at position
-//! 0 of free cache slots, which no request reads), the attended span rounded up to a
+//! 0 of the scratch block, which no request reads), the attended span rounded up to a
 //! multiple of [`SPAN_BUCKET`] (masked like any position past a row's own). Inputs are
-//! copied into the graph's own id and position tensors before each replay; the logits
+//! copied into the graph's own id, position and block-table tensors before each replay
+//! (the paged cache's tables are graph inputs, so blocks taken or moved between steps
+//! need no new recording); the logits
 //! come out in the graph's own output tensor. Weights must be updated in place
 //! ([`Llama::copy_weights_from`]); anything that moves them or the cache must call
 //! [`DecodeGraphs::clear`].
@@ -21,6 +23,7 @@ use std::collections::HashMap;
 use tch::{Device, Kind, Tensor};
 
 use super::attention::Attn;
+use super::blocks::blocks_for;
 use super::kv_cache::KvCache;
 use super::llama::Llama;
 
@@ -52,21 +55,30 @@ struct Recorded {
     graph: ffi::Graph,
 }
 
-/// A graph's own input tensors `[rows, 1]`: last tokens and their positions.
+/// A graph's own input tensors: last tokens and their positions `[rows, 1]`, and the
+/// rows' block tables `[rows, blocks of the span bucket]`.
 #[derive(Debug)]
 struct Inputs {
     ids: Tensor,
     pos: Tensor,
+    table: Tensor,
 }
 
 impl Inputs {
-    /// Copies the step's `[2, n]` ids and positions in; the rows past `n` decode token 0
-    /// at position 0 (of free slots).
-    fn load(&mut self, ids_pos: &Tensor, n: i64) {
+    /// Copies the step's `[2, n]` ids and positions and its `[n, nb]` block tables in;
+    /// the rows past `n` decode token 0 at position 0 of the scratch block (table 0),
+    /// and the tables are padded with it.
+    fn load(&mut self, ids_pos: &Tensor, table: &Tensor, n: i64) {
         let rows = self.ids.size()[0];
+        let nb = table.size()[1].min(self.table.size()[1]);
         tch::no_grad(|| {
             self.ids.narrow(0, 0, n).copy_(&ids_pos.get(0).view([n, 1]));
             self.pos.narrow(0, 0, n).copy_(&ids_pos.get(1).view([n, 1]));
+            let _ = self.table.zero_();
+            self.table
+                .narrow(0, 0, n)
+                .narrow(1, 0, nb)
+                .copy_(&table.narrow(1, 0, nb));
             if rows > n {
                 let _ = self.ids.narrow(0, n, rows - n).zero_();
                 let _ = self.pos.narrow(0, n, rows - n).zero_();
@@ -131,13 +143,15 @@ impl DecodeGraphs {
     }
 
     /// The logits `[n, vocab]` of one decode step over slots `0..n`, from a recorded
-    /// graph; `ids_pos` `[2, n]` holds the last tokens and their positions on the device.
-    /// `None`: run the step eagerly (graphs inactive, or recording failed just now).
+    /// graph; `ids_pos` `[2, n]` holds the last tokens and their positions on the device,
+    /// `table` `[n, nb]` the slots' block tables (positions reserved). `None`: run the
+    /// step eagerly (graphs inactive, or recording failed just now).
     pub fn decode(
         &mut self,
         model: &Llama,
         cache: &mut KvCache,
         ids_pos: &Tensor,
+        table: &Tensor,
         n: i64,
         span: i64,
     ) -> Option<Tensor> {
@@ -149,7 +163,7 @@ impl DecodeGraphs {
         let span = bucket_span(span, cache.max_len);
         let key = (rows, span);
         if let Some(r) = self.graphs.get_mut(&key) {
-            r.inputs.load(ids_pos, n);
+            r.inputs.load(ids_pos, table, n);
             if let Err(e) = r.graph.replay() {
                 tracing::warn!("CUDA graph replay failed: {e}; decoding eagerly from now on");
                 self.failed = Some(e);
@@ -162,7 +176,7 @@ impl DecodeGraphs {
         if self.graphs.len() >= MAX_GRAPHS {
             return None;
         }
-        match self.record(model, cache, ids_pos, n, rows, span) {
+        match self.record(model, cache, (ids_pos, table), n, rows, span) {
             Ok(r) => {
                 // Recording ran this step once already: its logits are this step's.
                 let logits = r.logits.narrow(0, 0, n);
@@ -191,7 +205,7 @@ impl DecodeGraphs {
         &mut self,
         model: &Llama,
         cache: &mut KvCache,
-        ids_pos: &Tensor,
+        (ids_pos, table): (&Tensor, &Tensor),
         n: i64,
         rows: i64,
         span: i64,
@@ -204,9 +218,10 @@ impl DecodeGraphs {
         let mut inputs = Inputs {
             ids: Tensor::zeros([rows, 1], opts),
             pos: Tensor::zeros([rows, 1], opts),
+            table: Tensor::zeros([rows, blocks_for(span)], opts),
         };
-        inputs.load(ids_pos, n);
-        let (ids, pos) = (&inputs.ids, &inputs.pos);
+        inputs.load(ids_pos, table, n);
+        let (ids, pos, table) = (&inputs.ids, &inputs.pos, &inputs.table);
         let step = |cache: &mut KvCache| -> Tensor {
             let h = model.hidden(
                 ids,
@@ -214,7 +229,7 @@ impl DecodeGraphs {
                 Attn::Decode {
                     cache,
                     span,
-                    shared: None,
+                    table: Some(table),
                 },
             );
             model.logits(&h.squeeze_dim(1))

@@ -2,7 +2,8 @@
 //! step, and the LM head.
 
 use super::attention::{attend, attend_decode, Attn};
-use super::kv_cache::{KvCache, ValueSlots, KV_BLOCK};
+use super::blocks::blocks_for;
+use super::kv_cache::{CacheIndex, KvCache};
 use super::llama::{Llama, Packed};
 use super::lora_types::Matrix;
 use super::rope::positions_from_mask;
@@ -89,33 +90,29 @@ impl Llama {
     /// The fused CPU decode step (`csrc/decode_step.cpp`): one call for the whole decoder
     /// stack instead of ~70 tch operations per layer. `None` when it does not apply
     /// (weights not packed, autograd on, more than one token per row) or fails, in which
-    /// case the caller takes the tch path.
+    /// case the caller takes the tch path. It reads and writes the cache through the
+    /// slots' block tables (`table`, or reserved and built here).
     fn decode_fused(
         &self,
         ids: &Tensor,
         positions: &Tensor,
-        cache: &KvCache,
-        shared: Option<&[(i64, i64)]>,
+        cache: &mut KvCache,
+        table: Option<&Tensor>,
     ) -> Option<Tensor> {
         let packed = self
             .packed
             .as_ref()
             .filter(|_| !self.embed.requires_grad())?;
         let (b, t) = ids.size2().ok()?;
-        // The fused kernel streams the CPU's blocked key layout.
-        if t != 1 || b > cache.slots || cache.block != KV_BLOCK {
+        if t != 1 || b > cache.slots || cache.device() != tch::Device::Cpu {
             return None;
         }
         let c = &self.config;
         let x = Tensor::embedding(&self.embed.tr(), &ids.reshape([b]), -1, false, false);
         let pos = positions.reshape([b]).to_kind(Kind::Int64).contiguous();
-        let shared = match shared {
-            Some(sh) if sh.len() == b as usize && sh.iter().any(|&(_, l)| l > 0) => {
-                let slots: Vec<i64> = sh.iter().map(|&(s, _)| s).collect();
-                let lens: Vec<i64> = sh.iter().map(|&(_, l)| l).collect();
-                Some((Tensor::from_slice(&slots), Tensor::from_slice(&lens)))
-            }
-            _ => None,
+        let table = match table {
+            Some(t) => t.to_kind(Kind::Int64).contiguous(),
+            None => cache.decode_tables(positions),
         };
         let layers: Vec<crate::onednn::DecodeLayer<'_>> = self
             .layers
@@ -139,7 +136,7 @@ impl Llama {
         match crate::onednn::decode_layers(
             &x,
             &pos,
-            shared.as_ref().map(|(s, l)| (s, l)),
+            &table,
             &self.cos,
             &self.sin,
             &layers,
@@ -162,15 +159,15 @@ impl Llama {
     /// Embeds tokens and runs the decoder stack; returns the final-normed hidden states
     /// `[B, T, hidden]`. `positions` `[B, T]` are the rotary positions.
     pub fn hidden(&self, ids: &Tensor, positions: &Tensor, mut attn: Attn<'_>) -> Tensor {
-        if let Attn::Decode { cache, shared, .. } = &attn {
-            if let Some(h) = self.decode_fused(ids, positions, cache, *shared) {
+        if let Attn::Decode { cache, table, .. } = &mut attn {
+            if let Some(h) = self.decode_fused(ids, positions, cache, *table) {
                 return h;
             }
         }
         let ctx = self.prepare(ids, positions, &attn);
         let mut x = self.embed_rows(ids, &ctx);
         crate::profile::mark_layer(self.device, "layers: embed, rope tables, masks");
-        let mut key_index: Option<(Tensor, Tensor)> = None;
+        let mut key_index: Option<CacheIndex> = None;
         for li in 0..self.layers.len() {
             x = self.layer(li, &x, &ctx, &mut attn, &mut key_index);
         }
@@ -294,8 +291,6 @@ impl Llama {
             full_mask,
             win_mask,
             segments,
-            rows: Tensor::arange(b, (Kind::Int64, self.device)),
-            pos_flat: matches!(attn, Attn::Decode { .. }).then(|| positions.reshape([b])),
             positions: positions.shallow_clone(),
             packed,
             // LoRA dropout only while the adapters train.
@@ -312,15 +307,15 @@ impl Llama {
     }
 
     /// Decoder layer `li` on the residual stream `x`: one unit of the stack, which layer
-    /// recompute runs again from its saved input. `key_index`: the cache indices of the
-    /// new keys, the same for every layer (computed by the first).
+    /// recompute runs again from its saved input. `key_index`: where the new keys and
+    /// values go in the cache, the same for every layer (computed by the first).
     pub(super) fn layer(
         &self,
         li: usize,
         x: &Tensor,
         ctx: &Ctx<'_>,
         attn: &mut Attn<'_>,
-        key_index: &mut Option<(Tensor, Tensor)>,
+        key_index: &mut Option<CacheIndex>,
     ) -> Tensor {
         let c = &self.config;
         let (b, t) = (ctx.b, ctx.t);
@@ -406,50 +401,40 @@ impl Llama {
                 cache,
                 start,
                 offset,
-                ..
+                lens,
             } => {
                 let index = key_index.get_or_insert_with(|| {
-                    let slots =
-                        Tensor::arange_start(*start, *start + b, (Kind::Int64, self.device));
-                    cache.key_index(&slots, &ctx.positions)
+                    cache.prefill_index(*start, *offset, &ctx.positions, *lens)
                 });
-                let at = ValueSlots::Range {
-                    start: *start,
-                    offset: *offset,
-                };
-                cache.write(li, index, &k, &v, at);
+                cache.write(li, index, &k, &v);
                 if *offset == 0 {
                     attend(&q, &k, &v, mask)
                 } else {
                     let len = *offset + t;
                     attend(
                         &q,
-                        &cache.keys(li, *start, b, len),
-                        &cache.values(li, *start, b, len),
+                        &cache.gather_keys(li, &index.table, len),
+                        &cache.gather_values(li, &index.table, len),
                         mask,
                     )
                 }
             }
-            Attn::Decode { cache, span, .. } => {
-                let pos = ctx.pos_flat.as_ref().expect("decode positions");
-                if !cache.write_rows_dense(li, &ctx.rows, pos, &k, &v) {
-                    let index =
-                        key_index.get_or_insert_with(|| cache.key_index(&ctx.rows, &ctx.positions));
-                    cache.write(
-                        li,
-                        index,
-                        &k,
-                        &v,
-                        ValueSlots::Rows {
-                            rows: &ctx.rows,
-                            pos,
-                        },
-                    );
-                }
+            Attn::Decode { cache, span, table } => {
+                let index = key_index.get_or_insert_with(|| {
+                    let table = match table {
+                        Some(t) => t.shallow_clone(),
+                        None => cache.decode_tables(&ctx.positions),
+                    };
+                    cache.index(table, &ctx.positions)
+                });
+                cache.write(li, index, &k, &v);
+                // A graph's table may cover a longer bucketed span than this one.
+                let nb = blocks_for(*span).min(index.table.size()[1]);
+                let table = index.table.narrow(1, 0, nb);
                 attend_decode(
                     &q,
-                    &cache.keys(li, 0, b, *span),
-                    &cache.values(li, 0, b, *span),
+                    &cache.gather_keys(li, &table, *span),
+                    &cache.gather_values(li, &table, *span),
                     mask.expect("decode attention is masked"),
                 )
             }
@@ -585,8 +570,6 @@ pub(super) struct Ctx<'m> {
     win_mask: Option<Tensor>,
     /// Packed rows: each sequence's `(start, len)` and, with a sliding window, its mask.
     segments: Option<Vec<((i64, i64), Option<Tensor>)>>,
-    rows: Tensor,
-    pos_flat: Option<Tensor>,
     positions: Tensor,
     packed: Option<&'m Packed>,
     lora_train: bool,
@@ -607,8 +590,6 @@ impl Ctx<'_> {
             full_mask: self.full_mask,
             win_mask: self.win_mask,
             segments: self.segments,
-            rows: self.rows,
-            pos_flat: self.pos_flat,
             positions: self.positions,
             packed: None,
             lora_train: self.lora_train,

@@ -1,248 +1,332 @@
-//! The preallocated key/value cache of generation: on the CPU in the blocked key layout
-//! the CPU decode kernel streams, elsewhere dense like the values.
+//! The paged key/value cache of generation: fixed blocks of [`KV_BLOCK`] positions, a
+//! block table per sequence slot, blocks taken as positions are written and returned
+//! when a slot is released (the bookkeeping is [`Blocks`]). Memory follows the tokens
+//! that exist, not `slots × max_len`.
 
+use super::blocks::{blocks_for, Blocks, Cow, KV_BLOCK};
 use super::llama::Llama;
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
-/// Positions per key block of a cache on the CPU (see [`KvCache`]).
-pub const KV_BLOCK: i64 = 16;
-
-/// A preallocated key/value cache. Per layer, values are `[slots, kv_heads, max_len,
-/// head_dim]` and keys are stored in blocks of [`KV_BLOCK`] positions, transposed within
-/// each block: `[slots, kv_heads, max_len / KV_BLOCK, head_dim, KV_BLOCK]`. The CPU decode
-/// kernel then streams both contiguously: 16 scores at a time from one block of keys
-/// (one vector per head dimension, no horizontal sums), and the weighted sum row by row
-/// over the values.
+/// A paged key/value cache. Per layer, keys are `[blocks, kv_heads, head_dim,
+/// KV_BLOCK]` (transposed within a block) and values `[blocks, kv_heads, KV_BLOCK,
+/// head_dim]`. The CPU decode kernel streams both through a slot's block table: 16
+/// scores at a time from one block of keys (one vector per head dimension, no
+/// horizontal sums), and the weighted sum row by row over a block of values. Other paths
+/// gather a slot's blocks into the dense `[n, kv_heads, len, head_dim]` layout.
 ///
-/// On other devices the block is one position: keys are `[.., max_len, head_dim, 1]`,
-/// dense like the values, so attention reads them in place. (With blocks of 16, every
-/// layer of every decode step copied all keys into the dense layout first. On an H100
-/// removing that copy did not shorten a step measurably: a graph-replayed step is bound
-/// by its kernels' count, see docs/benchmarks.md.)
+/// Slots are the rows of a batch; each has a block table. Positions are written only
+/// after [`KvCache::reserve`] (the forward reserves what a call writes when the caller
+/// did not); several slots may share blocks (a GRPO group's prompt), a shared block
+/// being copied at the first write into it.
 #[derive(Debug)]
 pub struct KvCache {
     pub(super) kb: Vec<Tensor>,
     pub(super) v: Vec<Tensor>,
-    /// Positions per key block: [`KV_BLOCK`] on the CPU, 1 elsewhere.
-    pub(super) block: i64,
-    /// Number of sequence slots.
+    blocks: Blocks,
+    /// Number of sequence slots (block tables).
     pub slots: i64,
-    /// Positions per slot.
+    /// Most positions a slot may hold.
     pub max_len: i64,
 }
 
+/// Where one forward call's new keys and values go, computed once for all layers.
+#[derive(Debug)]
+pub(super) struct CacheIndex {
+    /// The rows' block tables `[B, nb]` on the cache's device (0: the scratch block).
+    pub(super) table: Tensor,
+    /// Block and lane of each new position, ordered `[B, t]` row-major.
+    blk: Tensor,
+    lane: Tensor,
+}
+
 impl KvCache {
-    /// Allocates a cache for `model`, in the layout its device reads best.
+    /// A cache for `model` with blocks enough for `slots` slots of `max_len` positions
+    /// each (what a contiguous cache would hold).
     pub fn new(model: &Llama, slots: i64, max_len: i64) -> Self {
-        let block = if model.device() == Device::Cpu {
-            KV_BLOCK
-        } else {
-            1
-        };
-        Self::with_block(model, slots, max_len, block)
+        let total = slots.max(1) * blocks_for(max_len) + 1;
+        Self::with_blocks(model, slots, max_len, total as usize)
     }
 
-    /// Allocates a cache for `model` with `block` positions per key block.
-    pub(super) fn with_block(model: &Llama, slots: i64, max_len: i64, block: i64) -> Self {
+    /// A cache for `model` with `slots` slots and `total` blocks (one of them the scratch
+    /// block padding writes into).
+    pub fn with_blocks(model: &Llama, slots: i64, max_len: i64, total: usize) -> Self {
         let c = &model.config;
         let opts = (model.kind(), model.device());
-        let (nkv, hd) = (c.num_key_value_heads, c.head_dim);
-        let blocks = (max_len + block - 1) / block;
+        let (nkv, hd, n) = (c.num_key_value_heads, c.head_dim, total.max(2) as i64);
+        // Zeroed: a padded table reads blocks that were never written, under a mask; a
+        // NaN there would survive the mask.
         let kb = (0..c.num_hidden_layers)
-            .map(|_| Tensor::zeros([slots, nkv, blocks, hd, block], opts))
+            .map(|_| Tensor::zeros([n, nkv, hd, KV_BLOCK], opts))
             .collect();
         let v = (0..c.num_hidden_layers)
-            .map(|_| Tensor::zeros([slots, nkv, max_len, hd], opts))
+            .map(|_| Tensor::zeros([n, nkv, KV_BLOCK, hd], opts))
             .collect();
         KvCache {
             kb,
             v,
-            block,
-            slots,
+            blocks: Blocks::new(n as usize, slots.max(1) as usize),
+            slots: slots.max(1),
             max_len,
         }
     }
 
-    /// Keys of slots `start..start+n`, positions `0..len`, as a dense
-    /// `[n, kv_heads, len, head_dim]` tensor: a copy with blocks of several positions, a
-    /// view with blocks of one.
-    pub(super) fn keys(&self, layer: usize, start: i64, n: i64, len: i64) -> Tensor {
-        let k = self.kb[layer]
-            .narrow(0, start, n)
-            .narrow(2, 0, (len + self.block - 1) / self.block)
-            .permute([0, 1, 2, 4, 3]);
-        let (kv, hd) = (k.size()[1], k.size()[4]);
-        k.reshape([n, kv, -1, hd]).narrow(2, 0, len)
+    /// Bytes of one block (keys and values of every layer) for `model`.
+    pub fn block_bytes(model: &Llama) -> usize {
+        let c = &model.config;
+        let per = c.num_key_value_heads * c.head_dim * KV_BLOCK;
+        2 * c.num_hidden_layers as usize * per as usize * model.kind().elt_size_in_bytes()
     }
 
-    /// Values of slots `start..start+n`, positions `0..len`: a view
-    /// `[n, kv_heads, len, head_dim]`.
-    pub(super) fn values(&self, layer: usize, start: i64, n: i64, len: i64) -> Tensor {
-        self.v[layer].narrow(0, start, n).narrow(2, 0, len)
+    /// Bytes of one of this cache's blocks.
+    pub fn bytes_per_block(&self) -> usize {
+        self.kb
+            .iter()
+            .chain(self.v.iter())
+            .map(|t| t.numel() / t.size()[0] as usize * t.kind().elt_size_in_bytes())
+            .sum()
     }
 
-    /// Where the keys of `positions` `[n, t]` in `slots` `[n]` go: (row, lane) indices into
-    /// a layer's keys viewed as `[slots · kv_heads · blocks, head_dim, block]`, ordered
-    /// like `k.reshape([-1, head_dim])` for `k` `[n, kv_heads, t, head_dim]`.
-    pub(super) fn key_index(&self, slots: &Tensor, positions: &Tensor) -> (Tensor, Tensor) {
-        let size = self.kb[0].size();
-        let (nkv, blocks) = (size[1], size[2]);
+    /// Blocks that can hold positions (all but the scratch block).
+    pub fn usable_blocks(&self) -> usize {
+        self.blocks.usable()
+    }
+
+    /// Free blocks.
+    pub fn free_blocks(&self) -> usize {
+        self.blocks.free()
+    }
+
+    /// Blocks held by live slots (a block shared by several counts once).
+    pub fn held_blocks(&self) -> usize {
+        self.blocks.held()
+    }
+
+    /// Bytes of the blocks held by live slots.
+    pub fn held_bytes(&self) -> usize {
+        self.held_blocks() * self.bytes_per_block()
+    }
+
+    /// Slot `slot`'s block table.
+    pub fn table(&self, slot: i64) -> &[i64] {
+        self.blocks.table(slot as usize)
+    }
+
+    /// Blocks [`KvCache::reserve`] would take to make positions `from..to` of `slot`
+    /// writable.
+    pub fn needed(&self, slot: i64, from: i64, to: i64) -> usize {
+        self.blocks.needed(slot as usize, from, to)
+    }
+
+    /// Makes positions `from..to` of `slot` writable (blocks added, shared ones copied);
+    /// `false`, with nothing changed, when too few blocks are free.
+    pub fn reserve(&mut self, slot: i64, from: i64, to: i64) -> bool {
+        match self.blocks.reserve(slot as usize, from, to) {
+            Some(cows) => {
+                self.copy_blocks(&cows);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Copies the data of copied-on-write blocks.
+    fn copy_blocks(&mut self, cows: &[Cow]) {
+        if cows.is_empty() {
+            return;
+        }
         let dev = self.device();
-        let (n, t) = positions.size2().expect("positions must be [n, t]");
-        let heads = Tensor::arange(nkv, (Kind::Int64, dev)).reshape([1, nkv, 1]);
-        let slot_rows = slots.reshape([n, 1, 1]) * nkv + heads; // [n, kv, 1]
-        let pos = positions.reshape([n, 1, t]);
-        let row = (slot_rows * blocks + pos.floor_divide_scalar(self.block)).reshape([-1]);
-        let lane = pos
-            .remainder(self.block)
-            .expand([n, nkv, t], false)
-            .reshape([-1]);
-        (row, lane)
-    }
-
-    /// Writes keys and values `[n, kv_heads, t, head_dim]` of one layer: the keys where
-    /// `index` (from [`KvCache::key_index`]) says, the values where `at` says.
-    pub(super) fn write(
-        &mut self,
-        layer: usize,
-        index: &(Tensor, Tensor),
-        k: &Tensor,
-        v: &Tensor,
-        at: ValueSlots<'_>,
-    ) {
-        let size = self.kb[layer].size();
-        let hd = size[3];
-        let mut flat = self.kb[layer].view([-1, hd, self.block]);
-        let _ = flat.index_put_(
-            &[Some(&index.0), None, Some(&index.1)],
-            &k.reshape([-1, hd]),
-            false,
+        let from: Vec<i64> = cows.iter().map(|c| c.from).collect();
+        let to: Vec<i64> = cows.iter().map(|c| c.to).collect();
+        let (from, to) = (
+            Tensor::from_slice(&from).to_device(dev),
+            Tensor::from_slice(&to).to_device(dev),
         );
-        match at {
-            ValueSlots::Range { start, offset } => {
-                let (n, t) = (v.size()[0], v.size()[2]);
-                self.v[layer]
-                    .narrow(0, start, n)
-                    .narrow(2, offset, t)
-                    .copy_(v);
+        tch::no_grad(|| {
+            for t in self.kb.iter_mut().chain(self.v.iter_mut()) {
+                let rows = t.index_select(0, &from);
+                let _ = t.index_copy_(0, &to, &rows);
             }
-            ValueSlots::Rows { rows, pos } => {
-                let _ = self.v[layer].index_put_(
-                    &[Some(rows), None, Some(pos)],
-                    &v.squeeze_dim(2),
-                    false,
-                );
-            }
-        }
+        });
     }
 
-    /// Writes one token per row (keys and values `[n, kv_heads, 1, head_dim]`) at slot
-    /// `rows[i]`, position `pos[i]`, when keys are dense (blocks of one position): both
-    /// like the values, with no flat index and no copy of the keys first. `false`: the
-    /// keys are blocked, use [`KvCache::write`].
-    pub(super) fn write_rows_dense(
+    /// Returns `slot`'s blocks (a shared block stays while another slot holds it).
+    pub fn release(&mut self, slot: i64) {
+        self.blocks.release(slot as usize);
+    }
+
+    /// The block tables of slots `start..start + n`, padded with the scratch block to
+    /// `nb` entries: `[n, nb]` int64 on the CPU.
+    pub fn tables(&self, start: i64, n: i64, nb: i64) -> Tensor {
+        let t = self
+            .blocks
+            .padded(start as usize, n as usize, nb.max(1) as usize);
+        Tensor::from_slice(&t).view([n, nb.max(1)])
+    }
+
+    /// Reserves the positions one prefill call writes into slots `start..start + b`
+    /// from `offset` (row `i`'s first `lens[i]` tokens, all `t` without lengths) and
+    /// says where its keys and values go. A fresh prompt (`offset` 0) releases the
+    /// slots' old blocks first.
+    ///
+    /// # Panics
+    /// When too few blocks are free: a caller with a bounded cache (the generator)
+    /// reserves first; [`KvCache::new`] holds every slot's `max_len` positions.
+    pub(super) fn prefill_index(
         &mut self,
-        layer: usize,
-        rows: &Tensor,
-        pos: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> bool {
-        if self.block != 1 {
-            return false;
+        start: i64,
+        offset: i64,
+        positions: &Tensor,
+        lens: Option<&[i64]>,
+    ) -> CacheIndex {
+        let (b, t) = positions.size2().expect("positions must be [B, T]");
+        for i in 0..b {
+            let slot = start + i;
+            if offset == 0 {
+                self.release(slot);
+            }
+            let len = lens.map_or(t, |l| l[i as usize].min(t));
+            assert!(
+                self.reserve(slot, offset, offset + len),
+                "KV cache out of blocks in a prefill: reserve before the forward"
+            );
         }
-        let index = [Some(rows), None, Some(pos)];
-        let mut keys = self.kb[layer].squeeze_dim(-1);
-        let _ = keys.index_put_(&index, &k.squeeze_dim(2), false);
-        let _ = self.v[layer].index_put_(&index, &v.squeeze_dim(2), false);
-        true
+        let table = self
+            .tables(start, b, blocks_for(offset + t))
+            .to_device(self.device());
+        self.index(table, positions)
     }
 
-    /// A cache like this one (same layers, heads, device and type) with `slots` slots of
-    /// `max_len` positions, not zeroed: what it holds is only read after being written.
+    /// The block tables `[B, nb]` of slots `0..B` for one decode step writing position
+    /// `positions[i]` of slot `i` (reserved here).
+    ///
+    /// # Panics
+    /// When too few blocks are free (see [`KvCache::prefill_index`]).
+    pub(super) fn decode_tables(&mut self, positions: &Tensor) -> Tensor {
+        let pos = Vec::<i64>::try_from(positions.reshape([-1]).to_device(Device::Cpu))
+            .expect("int64 positions");
+        for (i, &p) in pos.iter().enumerate() {
+            assert!(
+                self.reserve(i as i64, p, p + 1),
+                "KV cache out of blocks in a decode step: reserve before the forward"
+            );
+        }
+        let span = pos.iter().copied().max().unwrap_or(0) + 1;
+        self.tables(0, pos.len() as i64, blocks_for(span))
+            .to_device(self.device())
+    }
+
+    /// Where the keys and values of `positions` `[B, t]` go, through `table` `[B, nb]`.
+    pub(super) fn index(&self, table: Tensor, positions: &Tensor) -> CacheIndex {
+        let blk = table
+            .gather(1, &positions.floor_divide_scalar(KV_BLOCK), false)
+            .reshape([-1]);
+        let lane = positions.remainder(KV_BLOCK).reshape([-1]);
+        CacheIndex { table, blk, lane }
+    }
+
+    /// Writes keys and values `[B, kv_heads, t, head_dim]` of one layer where `index`
+    /// says.
+    pub(super) fn write(&mut self, layer: usize, index: &CacheIndex, k: &Tensor, v: &Tensor) {
+        let (nkv, hd) = (k.size()[1], k.size()[3]);
+        let rows = |x: &Tensor| x.transpose(1, 2).reshape([-1, nkv, hd]);
+        let at = [Some(&index.blk), None, None, Some(&index.lane)];
+        let _ = self.kb[layer].index_put_(&at, &rows(k), false);
+        let at = [Some(&index.blk), None, Some(&index.lane)];
+        let _ = self.v[layer].index_put_(&at, &rows(v), false);
+    }
+
+    /// Keys of the slots whose tables are `table` `[n, nb]`, positions `0..len`, as a
+    /// dense `[n, kv_heads, len, head_dim]` copy.
+    pub(super) fn gather_keys(&self, layer: usize, table: &Tensor, len: i64) -> Tensor {
+        // A block's keys are `[kv, hd, 16]`: positions go before the head dimension.
+        gather(&self.kb[layer], table, len, [0, 2, 1, 4, 3])
+    }
+
+    /// Values like [`KvCache::gather_keys`].
+    pub(super) fn gather_values(&self, layer: usize, table: &Tensor, len: i64) -> Tensor {
+        gather(&self.v[layer], table, len, [0, 2, 1, 3, 4])
+    }
+
+    /// Keys of slots `start..start+n`, positions `0..len`: `[n, kv_heads, len, head_dim]`.
+    #[cfg(test)]
+    pub(super) fn keys(&self, layer: usize, start: i64, n: i64, len: i64) -> Tensor {
+        let t = self
+            .tables(start, n, blocks_for(len))
+            .to_device(self.device());
+        self.gather_keys(layer, &t, len)
+    }
+
+    /// Values of slots `start..start+n`, positions `0..len`.
+    #[cfg(test)]
+    pub(super) fn values(&self, layer: usize, start: i64, n: i64, len: i64) -> Tensor {
+        let t = self
+            .tables(start, n, blocks_for(len))
+            .to_device(self.device());
+        self.gather_values(layer, &t, len)
+    }
+
+    /// A cache like this one (same layers, heads, device and type) with `slots` slots and
+    /// blocks for `max_len` positions in each.
     pub fn like(&self, slots: i64, max_len: i64) -> Self {
-        let block = self.block;
-        let blocks = (max_len + block - 1) / block;
-        let shaped = |t: &Tensor, dims: &[i64]| Tensor::empty(dims, (t.kind(), t.device()));
+        let total = (slots.max(1) * blocks_for(max_len) + 1) as usize;
+        let shaped = |t: &Tensor| {
+            let mut z = t.size();
+            z[0] = total as i64;
+            Tensor::zeros(z, (t.kind(), t.device()))
+        };
         KvCache {
-            kb: self
-                .kb
-                .iter()
-                .map(|t| {
-                    let z = t.size();
-                    shaped(t, &[slots, z[1], blocks, z[3], block])
-                })
-                .collect(),
-            v: self
-                .v
-                .iter()
-                .map(|t| {
-                    let z = t.size();
-                    shaped(t, &[slots, z[1], max_len, z[3]])
-                })
-                .collect(),
-            block,
-            slots,
+            kb: self.kb.iter().map(shaped).collect(),
+            v: self.v.iter().map(shaped).collect(),
+            blocks: Blocks::new(total, slots.max(1) as usize),
+            slots: slots.max(1),
             max_len,
         }
     }
 
     /// Copies the first `len` positions of slot `from` into slot `to` of `other` (a cache
-    /// of the same layout, see [`KvCache::like`]). Whole key blocks are copied: positions
-    /// of the last block past `len` are copied too, and no one attends to a position
-    /// past a slot's length before writing it.
-    pub fn copy_slot_to(&self, from: i64, other: &mut KvCache, to: i64, len: i64) {
+    /// of the same layout, see [`KvCache::like`]), which gets fresh blocks for them
+    /// (whole blocks are copied). `false`, with `to` left empty, when `other` has too
+    /// few free blocks.
+    pub fn copy_slot_to(&self, from: i64, other: &mut KvCache, to: i64, len: i64) -> bool {
         let len = len.min(self.max_len).min(other.max_len);
-        let blocks = (len + self.block - 1) / self.block;
+        let src = self.blocks.table(from as usize);
+        let n = (blocks_for(len) as usize).min(src.len());
+        let dev = other.device();
+        let Some(dst) = other.blocks.fresh(to as usize, n) else {
+            return false;
+        };
+        if n == 0 {
+            return true;
+        }
+        let si = Tensor::from_slice(&src[..n]).to_device(self.device());
+        let di = Tensor::from_slice(dst).to_device(dev);
         tch::no_grad(|| {
-            for (src, dst) in self.kb.iter().zip(other.kb.iter_mut()) {
-                dst.narrow(0, to, 1)
-                    .narrow(2, 0, blocks)
-                    .copy_(&src.narrow(0, from, 1).narrow(2, 0, blocks));
-            }
-            for (src, dst) in self.v.iter().zip(other.v.iter_mut()) {
-                dst.narrow(0, to, 1)
-                    .narrow(2, 0, len)
-                    .copy_(&src.narrow(0, from, 1).narrow(2, 0, len));
+            let pairs = self.kb.iter().zip(other.kb.iter_mut());
+            for (s, d) in pairs.chain(self.v.iter().zip(other.v.iter_mut())) {
+                let rows = s.index_select(0, &si).to_device(dev);
+                let _ = d.index_copy_(0, &di, &rows);
             }
         });
+        true
     }
 
-    /// Copies the first `len` positions of slot `from` into slot `to`.
-    pub fn move_slot(&mut self, from: i64, to: i64, len: i64) {
-        if from == to || len == 0 {
-            return;
-        }
-        self.copy_slots(&[from], &[to], len);
+    /// Moves slot `from`'s blocks to slot `to` (no data is copied: its table moves).
+    pub fn move_slot(&mut self, from: i64, to: i64) {
+        self.blocks.move_slot(from as usize, to as usize);
     }
 
-    /// Copies the first `len` positions of slot `src[i]` into slot `dst[i]`, for every
-    /// `i` (prefix sharing: prompts prefilled once are copied into the other slots). No
-    /// slot may be both a source and a destination.
+    /// Slots `dst[i]` share the blocks of the first `len` positions of `src[i]`, for
+    /// every `i` (prefix sharing: a prompt prefilled once serves every sample of it). A
+    /// shared block is copied only when a slot writes into it.
     pub fn copy_slots(&mut self, src: &[i64], dst: &[i64], len: i64) {
         assert_eq!(
             src.len(),
             dst.len(),
             "copy_slots: one source per destination"
         );
-        if src.is_empty() || len == 0 {
-            return;
+        for (&s, &d) in src.iter().zip(dst) {
+            self.blocks.share(s as usize, d as usize, len);
         }
-        let dev = self.device();
-        let si = Tensor::from_slice(src).to_device(dev);
-        let di = Tensor::from_slice(dst).to_device(dev);
-        tch::no_grad(|| {
-            for t in self.kb.iter_mut() {
-                let mut view = t.narrow(2, 0, (len + self.block - 1) / self.block);
-                let rows = view.index_select(0, &si);
-                let _ = view.index_copy_(0, &di, &rows);
-            }
-            for t in self.v.iter_mut() {
-                let mut view = t.narrow(2, 0, len);
-                let rows = view.index_select(0, &si);
-                let _ = view.index_copy_(0, &di, &rows);
-            }
-        });
     }
 
     /// Data pointer of the first layer's key tensor (identity check for reuse).
@@ -255,7 +339,7 @@ impl KvCache {
         self.kb.first().map(|t| t.device()).unwrap_or(Device::Cpu)
     }
 
-    /// Bytes held by the cache.
+    /// Bytes allocated for the cache (every block, held or free).
     pub fn bytes(&self) -> usize {
         self.kb
             .iter()
@@ -265,10 +349,17 @@ impl KvCache {
     }
 }
 
-/// Where [`KvCache::write`] puts values.
-pub(super) enum ValueSlots<'a> {
-    /// Slots `start..start+n`, positions `offset..offset+t`.
-    Range { start: i64, offset: i64 },
-    /// One token per row: slot `rows[i]`, position `pos[i]`.
-    Rows { rows: &'a Tensor, pos: &'a Tensor },
+/// The blocks `table` `[n, nb]` names of one layer's keys or values, as `[n, kv_heads,
+/// len, head_dim]`: `perm` orders the gathered `[n, nb, kv, a, b]` as `[n, kv, nb,
+/// position, head_dim]`.
+fn gather(blocks: &Tensor, table: &Tensor, len: i64, perm: [i64; 5]) -> Tensor {
+    let (n, nb) = table.size2().expect("tables are [n, nb]");
+    let z = blocks.size();
+    let (nkv, hd) = (z[1], z[1..].iter().product::<i64>() / z[1] / KV_BLOCK);
+    blocks
+        .index_select(0, &table.reshape([-1]))
+        .view([n, nb, z[1], z[2], z[3]])
+        .permute(perm)
+        .reshape([n, nkv, nb * KV_BLOCK, hd])
+        .narrow(2, 0, len)
 }

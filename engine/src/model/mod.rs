@@ -8,6 +8,7 @@
 //! This file only declares and re-exports; each concern is a leaf file.
 
 mod attention;
+mod blocks;
 mod cuda_graph;
 mod forward;
 mod heads;
@@ -23,9 +24,10 @@ mod tests;
 mod units;
 
 pub use attention::Attn;
+pub use blocks::{blocks_for, KV_BLOCK};
 pub use cuda_graph::{cuda_graphs_built, load_cuda_graph_shim, DecodeGraphs};
 pub use heads::ScalarHead;
-pub use kv_cache::{KvCache, KV_BLOCK};
+pub use kv_cache::KvCache;
 pub use llama::{DecoderLayer, Llama, MemoryOptions, RowLayout, DEFAULT_CHUNK_TOKENS};
 pub use loading::read_safetensors_dir;
 pub use lora_types::{AdapterDir, Adapters, LoraConfig, LoraPair, LoraTarget, LORA_SCALING_TENSOR};

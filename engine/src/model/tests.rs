@@ -2,7 +2,7 @@
 //! prefix-shared prefill against a plain one, adopted weights against their source.
 
 use super::attention::Attn;
-use super::kv_cache::{KvCache, KV_BLOCK};
+use super::kv_cache::KvCache;
 use super::llama::Llama;
 use tch::{Device, Kind, Tensor};
 
@@ -109,8 +109,10 @@ fn adopting_a_snapshot_shares_it_and_computes_like_the_source() {
 
 /// The fused CPU decode step (packed weights) and the tch path agree on hidden states
 /// and on what they write into the cache, with rows at different positions. Row 3
-/// repeats row 2's prompt and reads its first key block from row 2's slot: its own
-/// copy is zeroed in the fused cache, so a wrong read would show.
+/// repeats row 2's prompt and, in the fused cache, holds row 2's blocks instead of its
+/// own (a shared prompt): the full block is read where row 2 has it, the partial one is
+/// copied when either writes into it, so a wrong read or a write into the shared block
+/// would show.
 #[test]
 fn fused_decode_matches_tch_ops() {
     if !crate::onednn::available() {
@@ -142,11 +144,13 @@ fn fused_decode_matches_tch_ops() {
                     },
                 );
             }
-            for layer in 0..ca.kb.len() {
-                let _ = ca.kb[layer].get(3).narrow(1, 0, 1).zero_();
-                let _ = ca.v[layer].get(3).narrow(1, 0, KV_BLOCK).zero_();
-            }
-            let shared = [(0, 0), (1, 0), (2, 0), (2, 17)];
+            let before = ca.held_blocks();
+            ca.copy_slots(&[2], &[3], lens[2]);
+            assert_eq!(
+                ca.held_blocks(),
+                before - 2,
+                "row 3's two blocks are shared"
+            );
             let mut p = lens.clone();
             for step in 0..4 {
                 let tok =
@@ -159,7 +163,7 @@ fn fused_decode_matches_tch_ops() {
                     Attn::Decode {
                         cache: &mut ca,
                         span,
-                        shared: Some(&shared),
+                        table: None,
                     },
                 );
                 let hb = plain.hidden(
@@ -168,7 +172,7 @@ fn fused_decode_matches_tch_ops() {
                     Attn::Decode {
                         cache: &mut cb,
                         span,
-                        shared: None,
+                        table: None,
                     },
                 );
                 assert_eq!(ha.size(), vec![4, 1, hidden]);
@@ -181,8 +185,7 @@ fn fused_decode_matches_tch_ops() {
             }
             for (i, &l) in p.iter().enumerate() {
                 let i = i as i64;
-                // Row 3's zeroed copy of the first block is not compared.
-                let from = if i == 3 { KV_BLOCK } else { 0 };
+                let from = 0;
                 for layer in 0..2 {
                     let (ka, kb) = (ca.keys(layer, i, 1, l), cb.keys(layer, i, 1, l));
                     let (va, vb) = (ca.values(layer, i, 1, l), cb.values(layer, i, 1, l));
@@ -262,12 +265,13 @@ fn prefill_at_offset_after_a_shared_prefix_matches_a_plain_prefill() {
     });
 }
 
-/// The dense key layout of CUDA caches (blocks of one position) gives what the CPU's
-/// blocked layout gives, through prefill, a prefix copy and decode steps that cross a
-/// 16-position block; and the decode attention of grouped queries equals attention over
-/// keys and values repeated for every query head (the GQA definition).
+/// Attention reads through the block tables: a cache that hands out its blocks in
+/// reverse order gives what one handing them out in order gives, through prefill, a
+/// shared prompt and decode steps that cross a 16-position block (the tch path); and the
+/// decode attention of grouped queries equals attention over keys and values repeated
+/// for every query head (the GQA definition).
 #[test]
-fn dense_keys_and_grouped_decode_attention_match_the_blocked_layout_and_gqa() {
+fn paged_reads_follow_the_tables_and_grouped_decode_attention_is_gqa() {
     for wide in [false, true] {
         let (model, _) = tiny(false, wide);
         let prompts: Vec<Vec<i64>> = [14i64, 2, 17]
@@ -276,10 +280,11 @@ fn dense_keys_and_grouped_decode_attention_match_the_blocked_layout_and_gqa() {
             .collect();
         let (ids, pos, lens) = prompt_batch(&prompts);
         tch::no_grad(|| {
-            let mut caches = [
-                KvCache::with_block(&model, 4, 40, KV_BLOCK),
-                KvCache::with_block(&model, 4, 40, 1),
-            ];
+            let mut caches = [KvCache::new(&model, 4, 40), KvCache::new(&model, 4, 40)];
+            // Every block taken and returned in table order: the free list now hands
+            // them out from the highest down.
+            assert!(caches[1].reserve(0, 0, 4 * 48));
+            caches[1].release(0);
             for c in caches.iter_mut() {
                 let _ = model.hidden(
                     &ids,
@@ -307,7 +312,7 @@ fn dense_keys_and_grouped_decode_attention_match_the_blocked_layout_and_gqa() {
                     Attn::Decode {
                         cache: blocked,
                         span,
-                        shared: None,
+                        table: None,
                     },
                 );
                 let hd = model.hidden(
@@ -316,7 +321,7 @@ fn dense_keys_and_grouped_decode_attention_match_the_blocked_layout_and_gqa() {
                     Attn::Decode {
                         cache: dense,
                         span,
-                        shared: None,
+                        table: None,
                     },
                 );
                 let d = max_diff(&hb, &hd);

@@ -279,8 +279,33 @@ pub struct RolloutStats {
     /// previous turn instead of prefilled again.
     #[serde(default)]
     pub prefill_reused_tokens: usize,
+    /// Sequences the KV cache preempted when its blocks ran out (each resumed later by
+    /// recomputing its prefix).
+    #[serde(default)]
+    pub kv_preemptions: usize,
+    /// Most bytes of KV blocks the live sequences held at once (a replica's peak; the
+    /// largest over replicas when merged).
+    #[serde(default)]
+    pub kv_bytes_held_peak: usize,
     /// Weights version the samples were generated with.
     pub weights_version: u64,
+}
+
+impl RolloutStats {
+    /// Adds the engine's KV counters of one generation call.
+    pub fn add_engine(&mut self, g: &yatt_engine::GenerateStats) {
+        self.kv_preemptions += g.kv_preemptions;
+        self.kv_bytes_held_peak = self.kv_bytes_held_peak.max(g.kv_bytes_held_peak);
+    }
+
+    /// Adds another call's or replica's token and KV counters (seconds and the weights
+    /// version are the caller's to merge).
+    pub fn absorb(&mut self, o: &RolloutStats) {
+        self.response_tokens += o.response_tokens;
+        self.prefill_reused_tokens += o.prefill_reused_tokens;
+        self.kv_preemptions += o.kv_preemptions;
+        self.kv_bytes_held_peak = self.kv_bytes_held_peak.max(o.kv_bytes_held_peak);
+    }
 }
 
 /// What a rollout role answers.
@@ -421,7 +446,7 @@ impl RolloutRole {
         }
         let plan = self.requests(&req)?;
         let t0 = Instant::now();
-        let (completions, _) = self
+        let (completions, engine) = self
             .generator
             .generate(&plan.requests)
             .map_err(|e| RoleError::Failed(format!("generation of step {}: {e}", req.step)))?;
@@ -430,6 +455,7 @@ impl RolloutRole {
             weights_version: self.version,
             ..Default::default()
         };
+        stats.add_engine(&engine);
         // `generate` answers in request order: (prompt, k).
         let samples = completions
             .into_iter()
@@ -492,7 +518,9 @@ impl RolloutRole {
                 Err(e) => failed = Some(e),
             }
         });
-        r.map_err(|e| RoleError::Failed(format!("generation of step {}: {e}", req.step)))?;
+        let engine =
+            r.map_err(|e| RoleError::Failed(format!("generation of step {}: {e}", req.step)))?;
+        stats.add_engine(&engine);
         if let Some(e) = failed {
             return Err(e);
         }
@@ -538,13 +566,14 @@ impl RolloutRole {
                 params,
             });
         }
-        let (completions, _) = self.generator.generate(&requests).map_err(|e| {
+        let (completions, engine) = self.generator.generate(&requests).map_err(|e| {
             RoleError::Failed(format!("continuing {} samples: {e}", req.samples.len()))
         })?;
         let mut stats = RolloutStats {
             weights_version: self.version,
             ..Default::default()
         };
+        stats.add_engine(&engine);
         let mut samples = req.samples;
         for c in completions {
             let s = samples.get_mut(c.id as usize).ok_or_else(|| {
@@ -689,6 +718,8 @@ impl Role for RolloutRole {
             * c.num_key_value_heads
             * c.head_dim;
         let kv = kv.max(0) as u64 * m.kind().elt_size_in_bytes() as u64;
+        // A paged cache with a budget allocates the budget instead.
+        let kv = cfg.kv_cache_bytes.map_or(kv, |b| b as u64);
         // What it holds now on its device: the weights unless offloaded to the host
         // (on a CPU device they stay where they are), and the KV cache once allocated.
         let weights = match self.offloaded_from {

@@ -111,6 +111,8 @@ pub(crate) fn rollout_role_with_envs(
     let gen_config = GeneratorConfig {
         max_batch: batch.max(1),
         max_seq_len: job.model.max_seq_len,
+        kv_cache_bytes: (job.rollout.kv_cache_bytes > 0)
+            .then_some(job.rollout.kv_cache_bytes as usize),
         ..Default::default()
     };
     let mut generator = Generator::new(model, gen_config);

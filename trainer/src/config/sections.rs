@@ -327,10 +327,18 @@ pub struct RolloutSection {
     /// Stream samples out of the rollout as they finish, and score their rewards while
     /// generation goes on (in-process rollouts only).
     pub stream: bool,
-    /// Most sequences a rollout replica decodes at once (its engine's batch slots);
-    /// 0 = all of a head's samples. A small cap models an engine whose KV cache holds
-    /// few sequences: decoding becomes the bottleneck, as on GPUs.
+    /// Most sequences a rollout replica decodes at once (its engine's batch slots, a
+    /// cap on compute); 0 = all of a head's samples. A small cap models an engine that
+    /// decodes few sequences together: decoding becomes the bottleneck, as on GPUs.
     pub max_batch: usize,
+    /// Bytes of a rollout replica's paged KV cache (blocks of 16 positions): sequences
+    /// are admitted while its blocks hold their prompts, hold memory as their tokens
+    /// grow, and the newest are preempted (and later resume by recomputing their
+    /// prefix) when the blocks run out, counted in `rollout/kv_preemptions`. 0 = blocks
+    /// for `max_batch × model.max_seq_len` positions, which never preempts. It must hold
+    /// one sequence of `model.max_seq_len` positions, e.g. `kv_cache_bytes =
+    /// 4_000_000_000`.
+    pub kv_cache_bytes: u64,
     /// Asynchronous RL: how many policy versions a sample may lag behind the weights
     /// it trains (counted from the version its generation started with, as in the
     /// simulator). 0 = on-policy, generation and training take turns. With k ≥ 1 the
@@ -456,6 +464,7 @@ impl Default for RolloutSection {
             stop: Vec::new(),
             stream: false,
             max_batch: 0,
+            kv_cache_bytes: 0,
             staleness: 0,
             logprob_diff_warn: 0.1,
             cuda_graphs: true,

@@ -105,8 +105,7 @@ impl Controller {
                     stats: st,
                 } => {
                     out.samples.extend(s);
-                    out.stats.response_tokens += st.response_tokens;
-                    out.stats.prefill_reused_tokens += st.prefill_reused_tokens;
+                    out.stats.absorb(&st);
                     // Replicas run side by side: the round takes the slowest one's time.
                     out.stats.seconds = out.stats.seconds.max(st.seconds);
                 }
@@ -178,8 +177,7 @@ impl Controller {
                     samples: more,
                     stats: st,
                 } if more.len() == open.len() => {
-                    stats.response_tokens += st.response_tokens;
-                    stats.prefill_reused_tokens += st.prefill_reused_tokens;
+                    stats.absorb(&st);
                     stats.seconds += st.seconds;
                     for (i, s) in open.into_iter().zip(more) {
                         samples[i] = s;
@@ -327,8 +325,7 @@ impl Controller {
                     for a in answers? {
                         match a {
                             RolloutResponse::Streamed { stats, .. } => {
-                                out.stats.response_tokens += stats.response_tokens;
-                                out.stats.prefill_reused_tokens += stats.prefill_reused_tokens;
+                                out.stats.absorb(&stats);
                                 out.stats.seconds = out.stats.seconds.max(stats.seconds);
                             }
                             other => {

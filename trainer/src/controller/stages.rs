@@ -274,8 +274,7 @@ impl Controller {
             let r = self.generate_streamed(step, prompts, cfg, ledger).await?;
             t.gen_s += r.gen_s;
             t.reward_s += r.reward_tail_s;
-            t.gen.response_tokens += r.stats.response_tokens;
-            t.gen.prefill_reused_tokens += r.stats.prefill_reused_tokens;
+            t.gen.absorb(&r.stats);
             t.gen.seconds += r.stats.seconds;
             t.streamed_early += r.early;
             ledger
@@ -291,8 +290,7 @@ impl Controller {
         lost.extend(g.lost);
         let samples = g.samples;
         t.gen_s += g.seconds;
-        t.gen.response_tokens += g.stats.response_tokens;
-        t.gen.prefill_reused_tokens += g.stats.prefill_reused_tokens;
+        t.gen.absorb(&g.stats);
         t.gen.seconds += g.stats.seconds;
         self.stage_done(ledger, &samples, Stage::Generated)?;
         self.check_fresh(&samples)?;
@@ -513,6 +511,10 @@ impl Controller {
             names::GEN_TOKENS_PER_S,
             gen.response_tokens as f64 / gen.seconds.max(1e-9),
         );
+        m.set(names::KV_PREEMPTIONS, gen.kv_preemptions as f64);
+        if gen.kv_bytes_held_peak > 0 {
+            m.set(names::KV_BYTES_HELD, gen.kv_bytes_held_peak as f64);
+        }
         if gen.prefill_reused_tokens > 0 {
             m.set(
                 names::PREFILL_REUSED_TOKENS,

@@ -154,10 +154,11 @@ pub(crate) fn user_roles(
     }
 }
 
-/// Each node's roles' resident estimate (the placement's: bf16 weights for the rollout
-/// and the reference, 16 bytes a parameter of training state for the policy and the
-/// critic) against its GPU memory or `placement.device_memory_gb`. Unchecked where
-/// neither is known (CPU nodes without a budget).
+/// Each node's roles' resident estimate (the placement's: bf16 weights for the rollout,
+/// with its `rollout.kv_cache_bytes`, and the reference, 16 bytes a parameter of
+/// training state for the policy and the critic) against its GPU memory or
+/// `placement.device_memory_gb`. Unchecked where neither is known (CPU nodes without a
+/// budget).
 pub(crate) fn memory(
     job: &JobConfig,
     node: &Node,
@@ -175,6 +176,8 @@ pub(crate) fn memory(
         head_dim: 0,
     };
     let (serve, train) = (spec.weight_bytes(), spec.train_state_bytes());
+    // A rollout holds its paged KV cache's budget besides its weights, when one is set.
+    let rollout = serve + job.rollout.kv_cache_bytes as f64;
     let p = &job.placement;
     let ppo = job.algorithm.name.needs_critic();
     let kl = job.algorithm.kl_mode != KlMode::None;
@@ -189,7 +192,7 @@ pub(crate) fn memory(
                 me.clone()
             }
         };
-        placed.push((on(&me), "rollout", serve));
+        placed.push((on(&me), "rollout", rollout));
         placed.push((on(&me), "policy", train));
         if kl {
             placed.push((on(&p.reference), "reference", serve));
@@ -198,7 +201,7 @@ pub(crate) fn memory(
             placed.push((on(&me), "critic", train));
         }
     } else {
-        placed.push((p.rollout.clone(), "rollout", serve));
+        placed.push((p.rollout.clone(), "rollout", rollout));
         for n in p.policy_nodes(job.job.policy_replicas) {
             placed.push((n, "policy", train));
         }
@@ -254,8 +257,13 @@ pub(crate) fn memory(
                 gib(have as u64)
             ))
         } else {
+            let kv = if job.rollout.kv_cache_bytes > 0 {
+                ", lower rollout.kv_cache_bytes (the rollout's KV cache)"
+            } else {
+                ""
+            };
             Outcome::Fail(format!(
-                "the roles on {n} need about {} resident ({}), beyond the {} of {what}; fix: put the roles on more nodes ([placement]), use a smaller model, set placement.time_share = \"offload\", or raise placement.device_memory_gb if the budget is wrong",
+                "the roles on {n} need about {} resident ({}), beyond the {} of {what}; fix: put the roles on more nodes ([placement]), use a smaller model{kv}, set placement.time_share = \"offload\", or raise placement.device_memory_gb if the budget is wrong",
                 gib(need as u64),
                 list.join(" + "),
                 gib(have as u64)

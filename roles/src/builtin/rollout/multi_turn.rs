@@ -97,6 +97,7 @@ impl RolloutRole {
                 })?;
             stats.prompt_tokens += generated.prefill_positions;
             stats.prefill_reused_tokens += generated.reused_positions;
+            stats.add_engine(&generated);
             // In request order (ids are the episodes' indices, as `active` ascending).
             completions.sort_by_key(|c| c.id);
             let mut actions = Vec::with_capacity(completions.len());
