@@ -110,6 +110,21 @@ pub(crate) struct Moments {
 }
 
 impl Moments {
+    /// Step `step`'s settings (0-based: the step about to be taken): the scheduled LR
+    /// and both bias corrections.
+    pub(crate) fn for_step(c: &TrainConfig, step: u64) -> Self {
+        let t = (step + 1) as f64;
+        let (b1, b2) = c.betas;
+        Moments {
+            b1,
+            b2,
+            bc1: 1.0 - b1.powf(t),
+            bc2: 1.0 - b2.powf(t),
+            eps: c.eps,
+            lr: c.lr * c.schedule.factor(step),
+        }
+    }
+
     /// Updates the moments `m`, `v` with the f32 gradient `g` and returns the step to
     /// add to the weights (before weight decay): `−lr/bc1 · m / (√(v/bc2) + eps)`.
     pub(crate) fn update(&self, m: &mut Tensor, v: &mut Tensor, g: &Tensor) -> Tensor {
@@ -467,11 +482,8 @@ impl Trainer {
     fn apply_gradients_with(&mut self, fused: bool) -> Result<StepStats> {
         self.check_resident()?;
         let c = self.config.clone();
-        let lr = c.lr * c.schedule.factor(self.step);
-        let t = (self.step + 1) as f64;
-        let (b1, b2) = c.betas;
-        let bc1 = 1.0 - b1.powf(t);
-        let bc2 = 1.0 - b2.powf(t);
+        let moments = Moments::for_step(&c, self.step);
+        let lr = moments.lr;
         let device = self.model.device();
         let params = self.model.parameters_mut();
         let grad_norm = tch::no_grad(|| {
@@ -557,14 +569,6 @@ impl Trainer {
                     if !g.defined() {
                         continue;
                     }
-                    let moments = Moments {
-                        b1,
-                        b2,
-                        bc1,
-                        bc2,
-                        eps: c.eps,
-                        lr,
-                    };
                     let upd = moments.update(&mut s.m, &mut s.v, &g.to_kind(Kind::Float));
                     match s.master.as_mut() {
                         Some(w) => {

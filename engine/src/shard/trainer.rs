@@ -455,21 +455,11 @@ impl ShardedTrainer {
         })];
         self.group.all_reduce(&mut sq, ReduceOp::Sum)?;
         let norm = sq[0].sqrt();
-        let lr = c.lr * c.schedule.factor(self.step);
-        let t = (self.step + 1) as f64;
-        let (b1, b2) = c.betas;
-        let (bc1, bc2) = (1.0 - b1.powf(t), 1.0 - b2.powf(t));
+        let moments = Moments::for_step(&c, self.step);
+        let lr = moments.lr;
         let coef = match c.max_grad_norm {
             Some(maxn) if maxn / (norm + 1e-6) < 1.0 => maxn / (norm + 1e-6),
             _ => 1.0,
-        };
-        let moments = Moments {
-            b1,
-            b2,
-            bc1,
-            bc2,
-            eps: c.eps,
-            lr,
         };
         tch::no_grad(|| {
             for s in &mut self.state {

@@ -112,9 +112,29 @@ fn rows_of<'a>(samples: &'a [Sample], rows: &[usize]) -> Cow<'a, [Sample]> {
     }
 }
 
+/// What every policy update starts with, whole or sharded: a non-empty batch whose
+/// samples carry what the loss reads; returns the mini-batch size and the report that
+/// names the samples trained.
+pub(super) fn begin_update(
+    cfg: &PolicyConfig,
+    samples: &[Sample],
+) -> Result<(usize, TrainReport), RoleError> {
+    if samples.is_empty() {
+        return Err(RoleError::BadRequest(
+            "train needs at least one sample".into(),
+        ));
+    }
+    check_samples(cfg, samples)?;
+    let report = TrainReport {
+        trained: samples.iter().map(|s| s.id).collect(),
+        ..Default::default()
+    };
+    Ok((samples.len().div_ceil(cfg.mini_batches), report))
+}
+
 /// Refuses samples a train request cannot use: each needs its old log-probs and
 /// advantages, and with a KL loss its reference log-probs.
-pub(super) fn check_samples(cfg: &PolicyConfig, samples: &[Sample]) -> Result<(), RoleError> {
+fn check_samples(cfg: &PolicyConfig, samples: &[Sample]) -> Result<(), RoleError> {
     let bad = |e: SampleError| RoleError::BadRequest(e.to_string());
     for s in samples {
         s.token_field(TokenField::OldLogprobs).map_err(bad)?;

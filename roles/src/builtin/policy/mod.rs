@@ -65,7 +65,7 @@ pub use report::{ShardReport, TrainReport};
 pub use sharded::{ShardedPolicyRole, ShardedStart};
 pub use state::TrainerState;
 
-use micro::{check_samples, micro_backward, step_micros, Micro, MicroStats};
+use micro::{begin_update, micro_backward, step_micros, Micro, MicroStats};
 
 /// The trainer role.
 pub struct PolicyRole {
@@ -124,18 +124,8 @@ impl PolicyRole {
 
     fn train(&mut self, samples: Vec<Sample>) -> Result<TrainReport, RoleError> {
         let t0 = Instant::now();
-        if samples.is_empty() {
-            return Err(RoleError::BadRequest(
-                "train needs at least one sample".into(),
-            ));
-        }
         let cfg = self.config.clone();
-        check_samples(&cfg, &samples)?;
-        let per_mini = samples.len().div_ceil(cfg.mini_batches);
-        let mut report = TrainReport {
-            trained: samples.iter().map(|s| s.id).collect(),
-            ..Default::default()
-        };
+        let (per_mini, mut report) = begin_update(&cfg, &samples)?;
         let (mut grad_norm, mut loss) = (0.0, 0.0);
         let mut stats = MicroStats::default();
         for mini_start in (0..samples.len()).step_by(per_mini) {

@@ -23,7 +23,7 @@ use yatt_engine::{
 };
 
 use super::config::PolicyConfig;
-use super::micro::{check_samples, groups, step_micros, MicroStats, SeqMicro};
+use super::micro::{begin_update, groups, step_micros, MicroStats, SeqMicro};
 use super::protocol::{PolicyRequest, PolicyResponse};
 use super::ranks::{self, Ranks};
 use super::report::{ShardReport, TrainReport};
@@ -178,19 +178,9 @@ impl ShardedPolicyRole {
 
     fn train(&mut self, samples: Vec<Sample>) -> Result<TrainReport, RoleError> {
         let t0 = Instant::now();
-        if samples.is_empty() {
-            return Err(RoleError::BadRequest(
-                "train needs at least one sample".into(),
-            ));
-        }
         let cfg = self.config.clone();
-        check_samples(&cfg, &samples)?;
         let n = self.ranks.len();
-        let per_mini = samples.len().div_ceil(cfg.mini_batches);
-        let mut report = TrainReport {
-            trained: samples.iter().map(|s| s.id).collect(),
-            ..Default::default()
-        };
+        let (per_mini, mut report) = begin_update(&cfg, &samples)?;
         let mut shard = ShardReport {
             shards: n,
             ..Default::default()
