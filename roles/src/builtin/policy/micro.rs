@@ -14,7 +14,7 @@ use super::report::TrainReport;
 use crate::algo::loss::{entropy_loss, kl_loss, masked_mean, LossAgg};
 use crate::algo::off_policy::{behaviour_weights, BehaviourCorrection};
 use crate::algo::policy_loss::policy_loss;
-use crate::builtin::scoring::response_backward;
+use crate::builtin::scoring::{response_backward, score_samples};
 use crate::role::RoleError;
 use crate::sample::{response_mask, token_matrix, Sample, SampleError, TokenField};
 
@@ -110,6 +110,29 @@ fn rows_of<'a>(samples: &'a [Sample], rows: &[usize]) -> Cow<'a, [Sample]> {
     } else {
         Cow::Owned(rows.iter().map(|&i| samples[i].clone()).collect())
     }
+}
+
+/// The samples with their old log-probs: the rollout's where the config takes those,
+/// else scored by `model` (the policy's weights, whole or gathered).
+pub(super) fn with_old_logprobs(
+    model: &yatt_engine::Llama,
+    cfg: &PolicyConfig,
+    mut samples: Vec<Sample>,
+) -> Result<Vec<Sample>, RoleError> {
+    if samples.is_empty() || cfg.old_from_rollout(&mut samples) {
+        return Ok(samples);
+    }
+    let rows = score_samples(
+        model,
+        &samples,
+        cfg.pad_id,
+        cfg.temperature,
+        cfg.micro_batch_size,
+    )?;
+    for (s, r) in samples.iter_mut().zip(rows) {
+        s.old_logprobs = Some(r);
+    }
+    Ok(samples)
 }
 
 /// What every policy update starts with, whole or sharded: a non-empty batch whose

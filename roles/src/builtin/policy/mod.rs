@@ -41,7 +41,7 @@ use yatt_engine::{to_buckets, EngineError, Trainer};
 use yatt_runtime::RingMember;
 
 use crate::builtin::device_weights::Staging;
-use crate::builtin::scoring::{check_device, score_samples};
+use crate::builtin::scoring::check_device;
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::Sample;
 
@@ -65,7 +65,7 @@ pub use report::{ShardReport, TrainReport};
 pub use sharded::{ShardedPolicyRole, ShardedStart};
 pub use state::TrainerState;
 
-use micro::{begin_update, micro_backward, step_micros, Micro, MicroStats};
+use micro::{begin_update, micro_backward, step_micros, with_old_logprobs, Micro, MicroStats};
 
 /// The trainer role.
 pub struct PolicyRole {
@@ -337,25 +337,9 @@ impl Role for PolicyRole {
             ));
         }
         match request {
-            PolicyRequest::OldLogProbs(mut samples) => {
-                if samples.is_empty() {
-                    return Ok(PolicyResponse::Scored(samples));
-                }
-                let c = &self.config;
-                if c.old_from_rollout(&mut samples) {
-                    return Ok(PolicyResponse::Scored(samples));
-                }
-                let rows = score_samples(
-                    &self.trainer.model,
-                    &samples,
-                    c.pad_id,
-                    c.temperature,
-                    c.micro_batch_size,
-                )?;
-                for (s, r) in samples.iter_mut().zip(rows) {
-                    s.old_logprobs = Some(r);
-                }
-                Ok(PolicyResponse::Scored(samples))
+            PolicyRequest::OldLogProbs(samples) => {
+                with_old_logprobs(&self.trainer.model, &self.config, samples)
+                    .map(PolicyResponse::Scored)
             }
             PolicyRequest::Train(samples) => self.train(samples).map(PolicyResponse::Trained),
             PolicyRequest::Gradients(samples) => {
@@ -446,6 +430,7 @@ impl Role for PolicyRole {
 mod tests {
     use super::*;
     use crate::algo::loss::LossAgg;
+    use crate::builtin::scoring::score_samples;
     use crate::sample::tests::sample;
     use tch::{Device, Kind};
     use yatt_engine::tiny_config;

@@ -23,11 +23,11 @@ use yatt_engine::{
 };
 
 use super::config::PolicyConfig;
-use super::micro::{begin_update, groups, step_micros, MicroStats, SeqMicro};
+use super::micro::{begin_update, groups, step_micros, with_old_logprobs, MicroStats, SeqMicro};
 use super::protocol::{PolicyRequest, PolicyResponse};
 use super::ranks::{self, Ranks};
 use super::report::{ShardReport, TrainReport};
-use crate::builtin::scoring::{check_device, score_samples};
+use crate::builtin::scoring::check_device;
 use crate::role::{DeviceGroup, LocalWeights, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::Sample;
 
@@ -291,23 +291,12 @@ impl ShardedPolicyRole {
         Ok(WeightsUpdate::from_buckets(self.version, buckets))
     }
 
-    fn old_logprobs(&mut self, mut samples: Vec<Sample>) -> Result<Vec<Sample>, RoleError> {
-        if samples.is_empty() || self.config.old_from_rollout(&mut samples) {
+    fn old_logprobs(&mut self, samples: Vec<Sample>) -> Result<Vec<Sample>, RoleError> {
+        if samples.is_empty() {
             return Ok(samples);
         }
         let model = self.gathered_model()?;
-        let c = &self.config;
-        let rows = score_samples(
-            &model,
-            &samples,
-            c.pad_id,
-            c.temperature,
-            c.micro_batch_size,
-        )?;
-        for (s, r) in samples.iter_mut().zip(rows) {
-            s.old_logprobs = Some(r);
-        }
-        Ok(samples)
+        with_old_logprobs(&model, &self.config, samples)
     }
 
     fn save(&mut self, dir: PathBuf) -> Result<(), RoleError> {
