@@ -746,6 +746,9 @@ impl Link<'_> {
         let mut at = range.start;
         while at < range.end {
             let c = tokio::select! {
+                // Chunks already queued first: a member that sent its last chunk and left
+                // (its part of the round done) has not failed this one.
+                biased;
                 c = queue.recv() => c.ok_or(CollectiveError::Stopped),
                 reason = &mut gone => return Err(CollectiveError::PeerDown {
                     round: self.round,

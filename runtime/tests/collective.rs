@@ -326,3 +326,39 @@ async fn reduce_scatter_and_all_gather_give_each_member_its_segment_over_quic() 
     b.shutdown().await;
     a.shutdown().await;
 }
+
+/// Regression (seen once in `roles/tests/sharded_ring.rs`): a member that received its
+/// last segment and left at once failed its successor, which still had that member's
+/// last chunks queued: the wait for a chunk picked "the previous member is gone" over
+/// the queued chunks at random. Queued chunks now come first. Each round here ends with
+/// every member leaving the moment its all-gather returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_that_leave_the_moment_they_are_done_fail_no_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = node(dir.path(), "leave-a", None).await;
+    let b = node(dir.path(), "leave-b", Some(&a)).await;
+    assert!(
+        a.directory()
+            .wait_until(T, |d| d.alive_nodes().count() == 2)
+            .await
+    );
+    for round in 0..200 {
+        let members = ring(&[&a, &b, &a], &format!("leave{round}"), 4, T);
+        let len = 3 * 16;
+        let runs = members
+            .into_iter()
+            .enumerate()
+            .map(|(r, mut m)| async move {
+                let mut buf = vec![r as f32; len];
+                let out = m.all_gather(&mut buf, 1).await;
+                drop(m); // leaves at once
+                out
+            });
+        let results = futures::future::join_all(runs).await;
+        for (r, res) in results.iter().enumerate() {
+            assert!(res.is_ok(), "round {round}, member {r}: {res:?}");
+        }
+    }
+    b.shutdown().await;
+    a.shutdown().await;
+}

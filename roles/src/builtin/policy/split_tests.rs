@@ -4,6 +4,7 @@
 use super::micro::token_groups;
 use super::*;
 use crate::algo::loss::LossAgg;
+use crate::builtin::scoring::score_samples;
 use crate::sample::tests::sample;
 use tch::{Device, Kind};
 use yatt_engine::{tiny_config, Llama, RowLayout, TrainConfig};
