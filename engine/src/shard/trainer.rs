@@ -488,7 +488,13 @@ impl ShardedTrainer {
     /// gradients: a collective (every rank must call it, and every rank gets the model).
     /// For weight sync and scoring by a caller that can hold the whole model.
     pub fn gathered_model(&mut self) -> Result<Llama> {
-        let (kind, device) = (self.model.kind(), self.model.device());
+        self.gather_model(self.model.kind())
+    }
+
+    /// Every unit gathered into a whole model in `kind`, its parameters views of the
+    /// gathered buffers.
+    fn gather_model(&mut self, kind: Kind) -> Result<Llama> {
+        let device = self.model.device();
         let mut model = Llama::skeleton(self.model.config.clone(), device, kind);
         model.memory = self.model.memory;
         for u in 0..self.layout.len() {
@@ -501,19 +507,7 @@ impl ShardedTrainer {
     /// Every unit's full f32 weights under their canonical names: a collective (every
     /// rank must call it), for checks, exports and merges. Holds the whole model.
     pub fn full_weights(&mut self) -> Result<Vec<(String, Tensor)>> {
-        let mut out = Vec::new();
-        for u in 0..self.layout.len() {
-            let full = self.group.all_gather(&self.state[u].master)?;
-            for slot in &self.layout[u].slots {
-                out.push((
-                    slot.name.clone(),
-                    full.narrow(0, slot.offset, slot.numel)
-                        .view(slot.shape.as_slice())
-                        .copy(),
-                ));
-            }
-        }
-        Ok(out)
+        Ok(self.gather_model(Kind::Float)?.parameters())
     }
 }
 

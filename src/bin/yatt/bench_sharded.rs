@@ -423,8 +423,7 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
                 // The losses are over the global token count: the gradient is the sum.
                 let sum: Vec<f32> = mean.iter().map(|g| g * world as f32).collect();
                 tr.set_flat_grads(&sum)?;
-                let s = tr.apply_gradients()?;
-                let _ = s;
+                tr.apply_gradients()?;
                 result.step_s.push(t0.elapsed().as_secs_f64());
                 result.loss.push(total);
                 let moved = 2 * (world - 1) * psi * 4 / world;
