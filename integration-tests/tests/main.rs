@@ -15,5 +15,6 @@ mod live_view;
 mod policy;
 mod preflight;
 mod replicas;
+mod sharded;
 mod training;
 mod weight_sync;

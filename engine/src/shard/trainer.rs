@@ -491,6 +491,22 @@ impl ShardedTrainer {
         self.gather_model(self.model.kind())
     }
 
+    /// Ranks the state is sharded over.
+    pub fn world(&self) -> usize {
+        self.group.world()
+    }
+
+    /// Takes part in a [`ShardedTrainer::gathered_model`] another rank keeps: the same
+    /// collectives, each gathered unit dropped at once, so this rank never holds more
+    /// than one unit of the model.
+    pub fn gather_for_peer(&mut self) -> Result<()> {
+        let kind = self.model.kind();
+        for u in 0..self.layout.len() {
+            drop(self.group.all_gather(&self.state[u].master.to_kind(kind))?);
+        }
+        Ok(())
+    }
+
     /// Every unit gathered into a whole model in `kind`, its parameters views of the
     /// gathered buffers.
     fn gather_model(&mut self, kind: Kind) -> Result<Llama> {

@@ -38,9 +38,9 @@ pub use write_root::check_write_root;
 pub use critic::{CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole};
 pub use judge_model::{JudgeConfig, JudgeMode, JudgeScorer, OnUnparsed};
 pub use policy::{
-    GradShard, KlLossConfig, LoraSync, PolicyConfig, PolicyRequest, PolicyResponse, PolicyRole,
-    PushReport, PushTarget, ShardReport, ShardedPolicyRole, ShardedStart, TrainReport,
-    TrainerState,
+    GradShard, KlLossConfig, LoraSync, PolicyConfig, PolicyRankRole, PolicyRequest, PolicyResponse,
+    PolicyRole, PushReport, PushTarget, RankRef, RankRequest, RankResponse, RankSource, RankStep,
+    RemoteRanks, ShardReport, ShardedPolicyRole, ShardedStart, TrainReport, TrainerState,
 };
 pub use policy_push::PushingPolicy;
 pub use reference::ReferenceRole;

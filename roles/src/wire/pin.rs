@@ -13,7 +13,9 @@ use super::*;
 use crate::builtin::rollout::{
     ContinueRequest, GenerateRequest, RolloutRequest, RolloutResponse, RolloutStats,
 };
-use crate::builtin::{CriticReport, CriticRequest, CriticResponse};
+use crate::builtin::{
+    CriticReport, CriticRequest, CriticResponse, RankRequest, RankResponse, RankStep,
+};
 use crate::data::prompt::Prompt;
 use crate::env::{EnvRequest, EnvResponse, EnvStep};
 
@@ -201,7 +203,16 @@ fn policy_responses() -> Vec<PolicyResponse> {
     };
     let all = vec![
         PolicyResponse::Scored(vec![sample(0, 2)]),
-        PolicyResponse::Trained(TrainReport::default()),
+        PolicyResponse::Trained(TrainReport {
+            sharded: Some(crate::builtin::ShardReport {
+                shards: 4,
+                train_state_bytes: 5,
+                gathered_bytes: 6,
+                reduced_bytes: 7,
+                gather_s: 0.5,
+            }),
+            ..Default::default()
+        }),
         PolicyResponse::Gradients(shard),
         PolicyResponse::Weights(WeightsUpdate::from_buckets(4, buckets(64))),
         PolicyResponse::Weights(device_update()),
@@ -351,6 +362,59 @@ fn env_messages() -> (Vec<EnvRequest>, Vec<EnvResponse>) {
     (requests, responses)
 }
 
+fn rank_messages() -> (Vec<RankRequest>, Vec<RankResponse>) {
+    let spec = RingSpec {
+        rank: 1,
+        members: vec![id("a/policy-shard/0#1"), id("b/policy-shard/1#1")],
+        timeout: std::time::Duration::from_millis(1500),
+        chunk_bytes: 1 << 20,
+    };
+    let requests = vec![
+        RankRequest::RingInbox,
+        RankRequest::JoinRing(spec),
+        RankRequest::Step {
+            samples: vec![sample(0, 2)],
+            rank: 1,
+            shards: 2,
+        },
+        RankRequest::Gather,
+        RankRequest::Save {
+            dir: "/c".into(),
+            tokenizer: Some("/t".into()),
+        },
+    ];
+    for r in &requests {
+        match r {
+            RankRequest::RingInbox
+            | RankRequest::JoinRing(_)
+            | RankRequest::Step { .. }
+            | RankRequest::Gather
+            | RankRequest::Save { .. } => {}
+        }
+    }
+    let step: RankStep = serde_json::from_value(serde_json::json!({
+        "version": 3, "loss": 0.5, "grad_norm": 1.5, "lr": 0.1, "train_state_bytes": 9,
+        "gathered_bytes": 8, "reduced_bytes": 7, "gather_s": 0.25,
+        "stats": {"ran": 2, "clip": 0.1, "approx_kl": 0.2, "kl": 0.3, "entropy": 0.4}
+    }))
+    .expect("a rank step");
+    let responses = vec![
+        RankResponse::RingInbox(id("b/policy-shard/1#1")),
+        RankResponse::Joined,
+        RankResponse::Stepped(step),
+        RankResponse::Done,
+    ];
+    for r in &responses {
+        match r {
+            RankResponse::RingInbox(_)
+            | RankResponse::Joined
+            | RankResponse::Stepped(_)
+            | RankResponse::Done => {}
+        }
+    }
+    (requests, responses)
+}
+
 /// Every message, encoded as it crosses the wire.
 fn every_message() -> Vec<Vec<u8>> {
     let mut out = lifecycle();
@@ -360,6 +424,8 @@ fn every_message() -> Vec<Vec<u8>> {
     let (requests, responses) = critic_messages();
     out.extend(served(requests, responses));
     let (requests, responses) = env_messages();
+    out.extend(served(requests, responses));
+    let (requests, responses) = rank_messages();
     out.extend(served(requests, responses));
     out
 }
@@ -371,7 +437,7 @@ fn the_role_messages_encoding_is_pinned_to_the_alpn() {
             String::from_utf8_lossy(ALPN).into_owned(),
             wire_fingerprint(&every_message())
         ),
-        ("yatt/5".to_string(), 2_338_066_893),
+        ("yatt/6".to_string(), 1_341_803_387),
         "the role messages encode differently: bump ALPN in runtime/src/tls.rs and pin the new fingerprint"
     );
 }

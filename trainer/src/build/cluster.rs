@@ -26,6 +26,7 @@ use crate::build::parts::{
 use crate::build::policy_rebuild::policy_log;
 use crate::build::remote::{job_text, spawn, wait_for_nodes, RoleArgs};
 use crate::build::reward::reward_role;
+use crate::build::sharded_cluster::{start_rank, start_sharded_policy, RankArgs};
 use crate::checkpoint::{load_trainer, restore_controllers};
 use crate::config::checks::invalid;
 use crate::config::modes::{KlMode, PlacementMode, Task};
@@ -107,6 +108,24 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
                 // Its actor sends the weights to the rollouts itself (one hop).
                 Ok::<_, String>(PushingPolicy::new(role, here))
             }
+        })
+        // A sharded policy replica: rank 0 (the policy the controller drives) and the
+        // ranks it spawns (`job.policy_shards > 1`).
+        .factory_with_node(
+            "policy-sharded",
+            |node: &Node, _: &ActorName, a: RoleArgs| {
+                let node = node.clone();
+                async move {
+                    let job =
+                        JobConfig::parse(&a.job, "the job config sent by the controller", &[])
+                            .map_err(|e| e.to_string())?;
+                    start_sharded_policy(&node, a, &job).await
+                }
+            },
+        )
+        .factory_with_node("policy-rank", |node: &Node, _: &ActorName, a: RankArgs| {
+            let node = node.clone();
+            async move { start_rank(&node, a).await }
         })
         .factory_async("reference", |a: RoleArgs| {
             start_role(a, "reference", |job| {
@@ -289,15 +308,19 @@ async fn build_cluster_in(
         }
         Ok::<Vec<RolloutRef>, ControllerError>(v)
     };
-    let policy_nodes = match &custom.policy {
-        Some(_) => Vec::new(),
-        None => p.policy_nodes(replicas),
+    // A sharded replica is one policy actor on its rank 0's node, which starts the
+    // other ranks itself.
+    let sharded = job.job.policy_shards > 1;
+    let (policy_nodes, policy_factory) = match (&custom.policy, sharded) {
+        (Some(_), _) => (Vec::new(), "policy"),
+        (None, true) => (p.policy_nodes(1)[..1].to_vec(), "policy-sharded"),
+        (None, false) => (p.policy_nodes(replicas), "policy"),
     };
     let policies = async {
         let mut v: Vec<PolicyRef> = custom.policy.iter().cloned().collect();
         let spawned = futures::future::try_join_all(policy_nodes.iter().map(|target| async {
             Ok::<_, ControllerError>(
-                started.keep(spawn(job, &text, node, "policy", target, checkpoint).await?),
+                started.keep(spawn(job, &text, node, policy_factory, target, checkpoint).await?),
             )
         }))
         .await?;
@@ -374,7 +397,8 @@ async fn build_cluster_in(
     }
     // One policy driven by one head survives its node the same way.
     if let [c] = controllers.as_mut_slice() {
-        if replicas == 1 && custom.policy.is_none() {
+        // A sharded replica is not rebuilt: a lost rank stops the run with the resume hint.
+        if replicas == 1 && custom.policy.is_none() && !sharded {
             let log = policy_log(checkpoint.map(Path::to_path_buf), &job.job.output_dir);
             c.policy_recovery = Some(LoggedUpdates::new(log));
         }

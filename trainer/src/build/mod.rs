@@ -14,4 +14,5 @@ pub(crate) mod remote;
 pub(crate) mod replica;
 pub(crate) mod respawn;
 pub(crate) mod reward;
+pub(crate) mod sharded_cluster;
 pub(crate) mod user_roles;

@@ -255,14 +255,7 @@ pub(crate) fn sharded_policy_role(
     (device, kind): (Device, Kind),
 ) -> Result<ShardedPolicyRole, JobError> {
     job.check_policy_shards_fit(&model.config)?;
-    let t = &job.timeouts;
-    let secs = |s: f64| Duration::from_secs_f64(s.max(0.001));
-    let start = ShardedStart {
-        shards: job.job.policy_shards,
-        collective: secs(t.collective_s),
-        // A request runs on every rank at once: an update, a sync's gather, a save.
-        deadline: secs(t.train_s.max(t.sync_s)),
-    };
+    let start = sharded_start(job);
     let config = policy_config(job, pad_id);
     let built = match from {
         Some(dir) => {
@@ -282,8 +275,20 @@ pub(crate) fn sharded_policy_role(
     })
 }
 
+/// How the job's sharded policy replica starts: its ranks and deadlines.
+pub(crate) fn sharded_start(job: &JobConfig) -> ShardedStart {
+    let t = &job.timeouts;
+    let secs = |s: f64| Duration::from_secs_f64(s.max(0.001));
+    ShardedStart {
+        shards: job.job.policy_shards,
+        collective: secs(t.collective_s),
+        // A request runs on every rank at once: an update, a sync's gather, a save.
+        deadline: secs(t.train_s.max(t.sync_s)),
+    }
+}
+
 /// The policy's loss, micro-batching and sync settings from `job`.
-fn policy_config(job: &JobConfig, pad_id: i64) -> PolicyConfig {
+pub(crate) fn policy_config(job: &JobConfig, pad_id: i64) -> PolicyConfig {
     let a = &job.algorithm;
     let o = &job.optim;
     PolicyConfig {

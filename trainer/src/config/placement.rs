@@ -18,7 +18,8 @@ pub struct PlacementSection {
     /// Node of the rollout replicas (one per controller).
     pub rollout: String,
     /// Node of the policy (the trainer): one name for every replica, or a list with
-    /// one node per replica (`job.policy_replicas`), replica `i` on entry `i`.
+    /// one node per replica (`job.policy_replicas`), replica `i` on entry `i`; for a
+    /// sharded policy one per rank (`job.policy_shards`), rank `i` on entry `i`.
     pub policy: NodeNames,
     /// Node of the reference policy.
     pub reference: String,

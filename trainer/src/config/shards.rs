@@ -2,7 +2,7 @@
 //! whether the model's units can be split over the ranks.
 
 use crate::config::checks::{invalid, positive};
-use crate::config::modes::{PlacementMode, TimeShare};
+use crate::config::modes::TimeShare;
 use crate::config::sections::JobConfig;
 use crate::error::JobError;
 
@@ -21,13 +21,6 @@ fn unbuilt(job: &JobConfig) -> Option<(&'static str, &'static str, &'static str)
             "model.lora",
             "LoRA on a sharded frozen base is not built yet",
             "remove [model.lora], or set job.policy_shards = 1",
-        ));
-    }
-    if p.mode != PlacementMode::Colocate {
-        return Some((
-            "placement.mode",
-            "a sharded policy's ranks run in one process so far (ranks on yatt-node daemons are not built yet)",
-            "set placement.mode = \"colocate\", or job.policy_shards = 1",
         ));
     }
     if p.live {

@@ -24,8 +24,10 @@ impl JobConfig {
                 found: j.placement.clone(),
                 fix: "set job.placement = \"colocate\"; to put roles on other nodes, set [placement] mode = \"disaggregated\" with a node per role and run `yatt train CONFIG --cluster SEED_ADDR`".into()});
         }
-        self.placement
-            .validate(j.policy_replicas, self.algorithm.name.needs_critic())?;
+        self.placement.validate(
+            j.policy_replicas * j.policy_shards,
+            self.algorithm.name.needs_critic(),
+        )?;
         self.validate_time_share()?;
         self.roles.validate()?;
         if self.placement.live {
@@ -727,8 +729,8 @@ impl JobConfig {
 }
 
 impl PlacementSection {
-    /// Checks the section on its own, for a job with `policy_replicas` policy replicas
-    /// and, with `critic` (PPO), a critic (which nodes exist is checked against the
+    /// Checks the section on its own, for a job with `policy_replicas` policy processes
+    /// (replicas, or the ranks of a sharded replica) and, with `critic` (PPO), a critic (which nodes exist is checked against the
     /// cluster by `build_cluster`).
     pub fn validate(&self, policy_replicas: usize, critic: bool) -> Result<(), JobError> {
         positive(
@@ -763,7 +765,7 @@ impl PlacementSection {
                 return Err(invalid(
                     "placement.policy",
                     &format!(
-                        "one node per policy replica: {policy_replicas} name(s), as job.policy_replicas = {policy_replicas}"
+                        "one node per policy replica, or per rank of a sharded one: {policy_replicas} name(s), as job.policy_replicas × job.policy_shards = {policy_replicas}"
                     ),
                     &format!("{} name(s): {}", ns.len(), self.policy),
                     &format!(

@@ -35,7 +35,7 @@ pub(super) struct Micro {
     pub(super) mask: Tensor,
 }
 
-#[derive(Default, Clone, Copy)]
+#[derive(Debug, Default, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub(super) struct MicroStats {
     /// Micro-batches that ran a forward pass (the means below are over them).
     ran: usize,

@@ -50,6 +50,7 @@ mod export;
 mod grad_group;
 mod micro;
 mod protocol;
+mod rank;
 mod ranks;
 mod report;
 mod sharded;
@@ -61,6 +62,8 @@ mod state;
 
 pub use config::{KlLossConfig, LoraSync, PolicyConfig};
 pub use protocol::{GradShard, PolicyRequest, PolicyResponse, PushReport, PushTarget};
+pub use rank::{PolicyRankRole, RankRequest, RankResponse, RankSource, RankStep};
+pub use ranks::{RankRef, RemoteRanks};
 pub use report::{ShardReport, TrainReport};
 pub use sharded::{ShardedPolicyRole, ShardedStart};
 pub use state::TrainerState;

@@ -1,22 +1,52 @@
-//! The ranks of a sharded policy replica in one process: each a thread that owns a
-//! [`ShardedTrainer`] over its [`LocalGroup`] handle and runs the jobs it is sent, in
-//! order, from a bounded channel. Every job is sent to every rank at once (they are
-//! collectives) and answered within a deadline; a rank that misses it, or whose thread
-//! ends, breaks the replica: every later job fails at once with why, and the run stops
+//! The ranks of a sharded policy replica: the local ones, each a thread of this process
+//! that owns a [`ShardedTrainer`] and runs the jobs it is sent, in order, from a
+//! bounded channel; and, in a cluster, the remote ones, actors on other `yatt-node`s
+//! asked over QUIC ([`RemoteRanks`]). Every job goes to every rank at once (they are
+//! collectives) and is answered within a deadline; a rank that misses it, fails, or is
+//! lost breaks the replica: every later job fails at once with why, and the run stops
 //! with its resume hint rather than hanging.
 
 use std::sync::mpsc::{sync_channel, RecvTimeoutError, SyncSender};
 use std::time::{Duration, Instant};
 
 use yatt_engine::{LocalGroup, ShardedTrainer};
+use yatt_runtime::ActorRef;
 
-use crate::role::RoleError;
+use super::rank::{RankRequest, RankResponse};
+use crate::role::{RoleError, RoleRequest, RoleResponse};
+
+/// A rank actor on another node.
+pub type RankRef = ActorRef<RoleRequest<RankRequest>, RoleResponse<RankResponse>>;
+
+/// The ranks of a replica after the local ones, on other nodes: `refs[i]` is rank
+/// `first + i`.
+pub struct RemoteRanks {
+    refs: Vec<RankRef>,
+    first: usize,
+    /// The node's runtime, which carries the asks (the role's thread blocks on them).
+    runtime: tokio::runtime::Handle,
+}
+
+impl RemoteRanks {
+    /// `refs[i]` is rank `first + i`; `runtime` is the node's (asked from the role's
+    /// own thread, never from within it).
+    pub fn new(refs: Vec<RankRef>, first: usize, runtime: tokio::runtime::Handle) -> Self {
+        RemoteRanks {
+            refs,
+            first,
+            runtime,
+        }
+    }
+}
+
+type Asked = tokio::task::JoinHandle<Result<RankResponse, String>>;
 
 type Job = Box<dyn FnOnce(&mut ShardedTrainer) + Send>;
 
 /// A sharded replica's rank threads.
 pub(super) struct Ranks {
     senders: Vec<SyncSender<Job>>,
+    remote: Option<RemoteRanks>,
     /// How long a job may take on every rank.
     deadline: Duration,
     /// Set when a rank failed to answer: the replica's state is then unknown.
@@ -52,14 +82,101 @@ impl Ranks {
         }
         Ok(Ranks {
             senders,
+            remote: None,
             deadline,
             broken: None,
         })
     }
 
+    /// Adds the ranks on other nodes (after the local ones).
+    pub(super) fn with_remote(mut self, remote: RemoteRanks) -> Self {
+        assert_eq!(
+            remote.first,
+            self.senders.len(),
+            "remote ranks follow the local"
+        );
+        self.remote = Some(remote);
+        self
+    }
+
     /// Ranks of the replica.
     pub(super) fn len(&self) -> usize {
+        self.senders.len() + self.remote.as_ref().map_or(0, |r| r.refs.len())
+    }
+
+    /// Ranks in this process (the first ones).
+    pub(super) fn local(&self) -> usize {
         self.senders.len()
+    }
+
+    /// Runs `jobs[r]` on local rank `r` and `remote(r)` on each remote rank `r`, all at
+    /// once; returns the local answers in rank order, then the remote ones.
+    pub(super) fn run_all<T, F>(
+        &mut self,
+        what: &str,
+        jobs: Vec<F>,
+        remote: impl Fn(usize) -> RankRequest,
+    ) -> Result<(Vec<T>, Vec<RankResponse>), RoleError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut ShardedTrainer) -> T + Send + 'static,
+    {
+        if let Some(why) = &self.broken {
+            return Err(RoleError::Failed(why.clone()));
+        }
+        let asked = self.ask_remote(&remote);
+        let local = self.run(what, jobs);
+        let answers = self.wait_remote(what, asked);
+        let local = local?;
+        Ok((local, answers?))
+    }
+
+    fn ask_remote(&self, request: &impl Fn(usize) -> RankRequest) -> Vec<Asked> {
+        let Some(r) = &self.remote else {
+            return Vec::new();
+        };
+        let deadline = self.deadline;
+        r.refs
+            .iter()
+            .enumerate()
+            .map(|(i, rank)| {
+                let (rank, ask) = (rank.clone(), request(r.first + i));
+                r.runtime.spawn(async move {
+                    match rank.ask(RoleRequest::Serve(ask), deadline).await {
+                        Ok(RoleResponse::Served(a)) => Ok(a),
+                        Ok(_) => Err(format!("{} answered something else", rank.id())),
+                        Err(e) => Err(e.to_string()),
+                    }
+                })
+            })
+            .collect()
+    }
+
+    fn wait_remote(
+        &mut self,
+        what: &str,
+        asked: Vec<Asked>,
+    ) -> Result<Vec<RankResponse>, RoleError> {
+        let Some(r) = &self.remote else {
+            return Ok(Vec::new());
+        };
+        let (first, runtime) = (r.first, r.runtime.clone());
+        let mut out = Vec::with_capacity(asked.len());
+        let mut failed = Vec::new();
+        for (i, a) in asked.into_iter().enumerate() {
+            match runtime.block_on(a) {
+                Ok(Ok(answer)) => out.push(answer),
+                Ok(Err(e)) => failed.push(format!("rank {}: {e}", first + i)),
+                Err(e) => failed.push(format!("rank {}: {e}", first + i)),
+            }
+        }
+        if failed.is_empty() {
+            return Ok(out);
+        }
+        Err(self.break_with(format!(
+            "policy shard(s) on other nodes failed in {what}: {}",
+            failed.join("; ")
+        )))
     }
 
     /// Runs `jobs[r]` on rank `r`, all at once, and returns their answers in rank order.
@@ -72,7 +189,7 @@ impl Ranks {
             return Err(RoleError::Failed(why.clone()));
         }
         let n = self.senders.len();
-        assert_eq!(jobs.len(), n, "one job per rank");
+        assert_eq!(jobs.len(), n, "one job per local rank");
         let (tx, rx) = sync_channel::<(usize, T)>(n);
         for (rank, (job, s)) in jobs.into_iter().zip(&self.senders).enumerate() {
             let tx = tx.clone();
@@ -104,6 +221,18 @@ impl Ranks {
             }
         }
         Ok(out.into_iter().flatten().collect())
+    }
+
+    /// Stops the ranks on other nodes (best effort, briefly: a lost one is gone).
+    pub(super) fn stop_remote(&mut self) {
+        let Some(r) = self.remote.take() else {
+            return;
+        };
+        let stops = r
+            .refs
+            .iter()
+            .map(|rank| rank.ask(RoleRequest::Stop, Duration::from_secs(10)));
+        r.runtime.block_on(futures::future::join_all(stops));
     }
 
     /// Marks the replica broken (its ranks' states may differ) and says why.

@@ -31,10 +31,7 @@ pub struct TrainReport {
     /// The replicas averaged this update's gradients through NCCL (not the QUIC ring).
     #[serde(default)]
     pub nccl_all_reduce: bool,
-    /// A sharded policy's memory and traffic in this update (`None` unsharded). Not
-    /// sent across processes: a sharded policy runs in its controller's process so far,
-    /// and a new field on the wire needs the ALPN bumped (`roles/src/wire/pin.rs`).
-    #[serde(skip)]
+    /// A sharded policy's memory and traffic in this update (`None` unsharded).
     pub sharded: Option<ShardReport>,
 }
 

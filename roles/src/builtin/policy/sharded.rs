@@ -1,31 +1,33 @@
-//! The policy as one replica sharded over N ranks (ZeRO-3, `job.policy_shards`): each
-//! rank a thread of this process holding a [`ShardedTrainer`], so in one process the
-//! shards give parity with the whole policy, not memory.
+//! The policy as one replica sharded over N ranks (ZeRO-3, `job.policy_shards`): in an
+//! embedded run each rank is a thread of this process holding a [`ShardedTrainer`], so
+//! the shards give parity with the whole policy, not memory; in a cluster this actor
+//! holds rank 0 and asks the other ranks, actors on their own `yatt-node`s
+//! ([`super::rank::PolicyRankRole`]), over QUIC.
 //!
 //! A train request splits each optimizer step's samples into N contiguous parts, one
 //! per rank; each rank cuts its part into micro-batches as the whole policy would, and
 //! every micro-batch's loss is weighted by its share of the step's normaliser over all
-//! ranks, so the step's gradient is the whole policy's. The loss is the whole policy's
-//! (`micro_loss`), on the response positions of the ranks' token scores.
+//! ranks, so the step's gradient is the whole policy's ([`super::rank::rank_step`],
+//! the same on a thread and on a node).
 //!
 //! What is simpler than the sharding design: a weight sync and an old-log-prob pass
-//! gather the whole model into this process (the ranks do not send their own slices);
+//! gather the whole model into rank 0's process (the other ranks take part in the
+//! gathers and keep nothing; they do not send their own slices to the rollouts);
 //! device (CUDA IPC, NCCL) syncs answer "unavailable", so the bytes path serves them.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tch::{Device, Kind};
-use yatt_engine::score::SeqBatch;
 use yatt_engine::{
-    check_shards, model_layout, to_buckets, Llama, MemoryOptions, ShardedStepStats, ShardedTrainer,
-    TrainConfig,
+    check_shards, model_layout, to_buckets, Llama, MemoryOptions, ShardedTrainer, TrainConfig,
 };
 
 use super::config::PolicyConfig;
-use super::micro::{begin_update, groups, step_micros, with_old_logprobs, MicroStats, SeqMicro};
+use super::micro::{begin_update, with_old_logprobs, MicroStats};
 use super::protocol::{PolicyRequest, PolicyResponse};
-use super::ranks::{self, Ranks};
+use super::rank::{rank_step, RankRequest, RankResponse, RankStep};
+use super::ranks::{self, Ranks, RemoteRanks};
 use super::report::{ShardReport, TrainReport};
 use crate::builtin::scoring::check_device;
 use crate::role::{DeviceGroup, LocalWeights, ResourceProfile, Role, RoleError, WeightsUpdate};
@@ -122,6 +124,29 @@ impl ShardedPolicyRole {
         Self::assemble(trainers, config, start, (device, kind, params))
     }
 
+    /// Rank 0 of a replica whose other ranks are actors on other nodes (`remote`:
+    /// ranks 1..N, joined to the ring `rank0`'s group is in).
+    pub fn with_remote_ranks(
+        rank0: ShardedTrainer,
+        remote: RemoteRanks,
+        config: PolicyConfig,
+        deadline: std::time::Duration,
+    ) -> Result<Self, RoleError> {
+        config.check()?;
+        let (device, kind) = (rank0.model.device(), rank0.model.kind());
+        let params = param_count(&rank0.model);
+        let version = rank0.step_count();
+        Ok(ShardedPolicyRole {
+            ranks: Ranks::start(vec![rank0], deadline)?.with_remote(remote),
+            config,
+            device,
+            kind,
+            version,
+            params,
+            write_root: None,
+        })
+    }
+
     fn assemble(
         trainers: Vec<ShardedTrainer>,
         config: PolicyConfig,
@@ -156,18 +181,23 @@ impl ShardedPolicyRole {
         self.version
     }
 
-    /// The whole model with the current weights, gathered from the ranks (it holds the
-    /// whole model in the compute dtype).
+    /// The whole model with the current weights, gathered from the ranks into rank 0
+    /// (it holds the whole model in the compute dtype; the other ranks keep nothing).
     pub fn gathered_model(&mut self) -> Result<Llama, RoleError> {
-        let jobs = (0..self.ranks.len())
+        let jobs = (0..self.ranks.local())
             .map(|rank| {
-                move |tr: &mut ShardedTrainer| {
-                    let m = tr.gathered_model().map_err(|e| e.to_string())?;
-                    Ok::<_, String>((rank == 0).then_some(m))
+                move |tr: &mut ShardedTrainer| match rank {
+                    0 => tr.gathered_model().map(Some).map_err(|e| e.to_string()),
+                    _ => tr
+                        .gather_for_peer()
+                        .map(|_| None)
+                        .map_err(|e| e.to_string()),
                 }
             })
             .collect();
-        let answers = self.ranks.run("gathering the weights", jobs)?;
+        let (answers, _) = self
+            .ranks
+            .run_all("gathering the weights", jobs, |_| RankRequest::Gather)?;
         let mut model = None;
         for a in answers {
             let m = a.map_err(|e| RoleError::Failed(format!("gathering the weights: {e}")))?;
@@ -189,24 +219,24 @@ impl ShardedPolicyRole {
         let mut stats = MicroStats::default();
         for mini_start in (0..samples.len()).step_by(per_mini) {
             let mini_end = (mini_start + per_mini).min(samples.len());
-            let (step, rank_stats) = self.step(&samples, mini_start..mini_end)?;
-            let s = &step[0].step;
+            let step = self.step(&samples, mini_start..mini_end)?;
+            let s = &step[0];
             grad_norm += s.grad_norm;
             loss += s.loss;
             report.lr = s.lr;
             report.optimizer_steps += 1;
-            self.version = s.step;
-            for st in &rank_stats {
-                stats.add(st);
+            self.version = s.version;
+            for st in &step {
+                stats.add(&st.stats);
             }
             let k = n as u64;
             shard.train_state_bytes = step
                 .iter()
                 .map(|s| s.train_state_bytes)
                 .fold(shard.train_state_bytes, u64::max);
-            shard.gathered_bytes += step.iter().map(|s| s.comm.gathered_bytes).sum::<u64>() / k;
-            shard.reduced_bytes += step.iter().map(|s| s.comm.reduced_bytes).sum::<u64>() / k;
-            shard.gather_s += step.iter().map(|s| s.comm.gather_s).fold(0.0, f64::max);
+            shard.gathered_bytes += step.iter().map(|s| s.gathered_bytes).sum::<u64>() / k;
+            shard.reduced_bytes += step.iter().map(|s| s.reduced_bytes).sum::<u64>() / k;
+            shard.gather_s += step.iter().map(|s| s.gather_s).fold(0.0, f64::max);
         }
         let steps = report.optimizer_steps.max(1) as f64;
         report.grad_norm = grad_norm / steps;
@@ -219,56 +249,44 @@ impl ShardedPolicyRole {
         Ok(report)
     }
 
-    /// One optimizer step over `samples[range]` on every rank: rank `r` gets the `r`-th
-    /// of N contiguous parts. Returns every rank's step and loss statistics.
+    /// One optimizer step over `samples[range]` on every rank: rank `r` runs the
+    /// `r`-th of N contiguous parts ([`rank_step`]). Returns every rank's part.
     fn step(
         &mut self,
         samples: &[Sample],
         range: std::ops::Range<usize>,
-    ) -> Result<(Vec<ShardedStepStats>, Vec<MicroStats>), RoleError> {
-        let cfg = &self.config;
+    ) -> Result<Vec<RankStep>, RoleError> {
         let n = self.ranks.len();
-        let (mut all, mut owner) = (Vec::new(), Vec::new());
-        let len = range.len();
-        for r in 0..n {
-            let part = range.start + len * r / n..range.start + len * (r + 1) / n;
-            for g in groups(cfg, samples, part) {
-                all.push(g);
-                owner.push(r);
-            }
-        }
-        let micros = step_micros(cfg, self.device, samples, all)?;
-        let mut parts: Vec<Vec<(SeqBatch, SeqMicro)>> = (0..n).map(|_| Vec::new()).collect();
-        for (mb, r) in micros.into_iter().zip(owner) {
-            let m = SeqMicro::new(samples, mb, cfg.pad_id, self.device)
-                .map_err(|e| RoleError::BadRequest(format!("policy update: {e}")))?;
-            parts[r].extend(m);
-        }
-        let jobs = parts
-            .into_iter()
-            .map(|part| {
-                let cfg = cfg.clone();
-                move |tr: &mut ShardedTrainer| {
-                    let (batches, micros): (Vec<SeqBatch>, Vec<SeqMicro>) =
-                        part.into_iter().unzip();
-                    let mut stats = MicroStats::default();
-                    let step = tr.step_tokens(&batches, cfg.temperature, |i, scores| {
-                        micros[i].loss(scores, &cfg, &mut stats)
-                    });
-                    step.map(|s| (s, stats)).map_err(|e| e.to_string())
-                }
+        let mini = std::sync::Arc::new(samples[range].to_vec());
+        let jobs = (0..self.ranks.local())
+            .map(|rank| {
+                let (cfg, mini) = (self.config.clone(), mini.clone());
+                move |tr: &mut ShardedTrainer| rank_step(tr, &cfg, &mini, rank, n)
             })
             .collect();
-        let answers = self.ranks.run("a policy update", jobs)?;
-        let mut out = (Vec::with_capacity(n), Vec::with_capacity(n));
-        for a in answers {
+        let (local, remote) =
+            self.ranks
+                .run_all("a policy update", jobs, |rank| RankRequest::Step {
+                    samples: mini.to_vec(),
+                    rank,
+                    shards: n,
+                })?;
+        let mut out = Vec::with_capacity(n);
+        for a in local {
             match a {
-                Ok((s, st)) => {
-                    out.0.push(s);
-                    out.1.push(st);
-                }
+                Ok(s) => out.push(s),
                 // The ranks may have stopped at different points of the step.
                 Err(e) => return Err(self.ranks.break_with(format!("policy update: {e}"))),
+            }
+        }
+        for a in remote {
+            match a {
+                RankResponse::Stepped(s) => out.push(s),
+                other => {
+                    return Err(self
+                        .ranks
+                        .break_with(format!("policy update: a rank answered {other:?}")))
+                }
             }
         }
         Ok(out)
@@ -307,7 +325,7 @@ impl ShardedPolicyRole {
             "the policy's checkpoint",
         )?;
         let tokenizer = self.config.tokenizer_dir.clone();
-        let jobs = (0..self.ranks.len())
+        let jobs = (0..self.ranks.local())
             .map(|_| {
                 let (dir, tokenizer) = (dir.clone(), tokenizer.clone());
                 move |tr: &mut ShardedTrainer| {
@@ -316,7 +334,13 @@ impl ShardedPolicyRole {
                 }
             })
             .collect();
-        for a in self.ranks.run("saving a checkpoint", jobs)? {
+        let save = |_| RankRequest::Save {
+            dir: dir.clone(),
+            tokenizer: tokenizer.clone(),
+        };
+        // A remote rank's failure fails the call; its answers say nothing more.
+        let (local, _) = self.ranks.run_all("saving a checkpoint", jobs, save)?;
+        for a in local {
             a.map_err(|e| {
                 RoleError::Failed(format!("saving a checkpoint to {}: {e}", dir.display()))
             })?;
@@ -365,6 +389,10 @@ impl Role for ShardedPolicyRole {
 
     fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
         check_device("policy", self.device, group)
+    }
+
+    fn stop(&mut self) {
+        self.ranks.stop_remote();
     }
 
     fn serve(&mut self, request: PolicyRequest) -> Result<PolicyResponse, RoleError> {

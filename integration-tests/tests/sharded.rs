@@ -1,0 +1,120 @@
+//! A sharded policy (`job.policy_shards`) on real `yatt-node` processes: rank `r` on
+//! the node `placement.policy[r]` names, the ranks talking over QUIC. Four ranks on
+//! four nodes take the steps of the whole policy on one; a rank's node killed mid-step
+//! stops the run within its deadline with the checkpoint to resume from, and never
+//! hangs it.
+
+use std::time::{Duration, Instant};
+
+use yatt_integration_tests::{metric_of_steps, placed, poll, Cluster};
+
+const CONFIG: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
+
+/// The job on nodes `PREFIX-0..`: rollout, reward and reference on node 0, the policy's
+/// ranks on nodes 1..=shards (the whole policy on node 1 at one shard).
+fn sharded(prefix: &str, steps: u64, shards: usize) -> Vec<String> {
+    let mut sets = placed(
+        prefix,
+        steps,
+        &[("rollout", 0), ("reward", 0), ("reference", 0)],
+    );
+    let nodes: Vec<String> = (1..=shards).map(|i| format!("\"{prefix}-{i}\"")).collect();
+    sets.push(format!("placement.policy=[{}]", nodes.join(", ")));
+    sets.push(format!("job.policy_shards={shards}"));
+    sets
+}
+
+/// Relative difference against a floor for values near zero.
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / a.abs().max(b.abs()).max(1e-3)
+}
+
+#[test]
+fn four_ranks_on_four_nodes_take_the_steps_of_the_whole_policy() {
+    const STEPS: u64 = 4;
+    let mut runs = Vec::new();
+    for shards in [1, 4] {
+        let prefix = format!("sh{shards}");
+        let cluster = Cluster::start(&prefix, shards + 1);
+        let out = tempfile::tempdir().unwrap();
+        let mut run =
+            cluster.spawn_train(CONFIG, &sharded(&prefix, STEPS, shards), out.path(), false);
+        if shards > 1 {
+            // Every rank lives on its own node while the run trains.
+            let hosted = poll(Duration::from_secs(60), || {
+                (1..=shards)
+                    .all(|i| {
+                        let here = cluster.node_hosting("policy-rank") == Some(i)
+                            || cluster.nodes[i].health().is_some_and(|h| {
+                                h["hosted"].to_string().contains("/policy-rank/")
+                                    || h["hosted"].to_string().contains("/policy-sharded/")
+                            });
+                        here
+                    })
+                    .then_some(())
+            });
+            assert!(
+                hosted.is_some(),
+                "the ranks are not on their nodes\n{}",
+                run.printed()
+            );
+        }
+        run.wait_success(Duration::from_secs(240), &cluster);
+        runs.push(out);
+    }
+    for key in ["actor/pg_loss", "actor/grad_norm", "critic/rewards/mean"] {
+        let (want, got) = (
+            metric_of_steps(runs[0].path(), key),
+            metric_of_steps(runs[1].path(), key),
+        );
+        eprintln!("{key}: {want:?} vs {got:?}");
+        assert_eq!(want.len(), STEPS as usize, "{key}");
+        assert_eq!(want.len(), got.len(), "{key}");
+        for ((step, a), (_, b)) in want.iter().zip(&got) {
+            assert!(rel(*a, *b) <= 1e-4, "{key} at step {step}: {a} vs {b}");
+        }
+    }
+    let state = metric_of_steps(runs[1].path(), "memory/train_state_bytes");
+    assert_eq!(state.len(), STEPS as usize, "{state:?}");
+}
+
+#[test]
+fn a_ranks_node_killed_mid_step_stops_the_run_within_its_deadline_naming_the_checkpoint() {
+    let cluster_prefix = "shk";
+    let mut cluster = Cluster::start(cluster_prefix, 5);
+    let out = tempfile::tempdir().unwrap();
+    let mut sets = sharded(cluster_prefix, 40, 4);
+    sets.push("timeouts.collective_s=15".into());
+    sets.push("timeouts.train_s=30".into());
+    let mut run = cluster.spawn_train(CONFIG, &sets, out.path(), false);
+    // After the step-3 checkpoint, at whatever point of a step the kill lands.
+    let ready = poll(Duration::from_secs(120), || {
+        (out.path().join("checkpoint").exists()
+            && metric_of_steps(out.path(), "actor/pg_loss").len() >= 4)
+            .then_some(())
+    });
+    assert!(
+        ready.is_some(),
+        "the run did not reach step 4\n{}",
+        run.printed()
+    );
+    cluster.nodes[3].kill9();
+    let killed = Instant::now();
+    let status = run.wait(Duration::from_secs(120));
+    let printed = run.printed();
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "the run did not stop with an error: {status:?}\n{printed}"
+    );
+    let took = killed.elapsed();
+    assert!(
+        took < Duration::from_secs(90),
+        "the stop took {took:?}\n{printed}"
+    );
+    assert!(printed.contains("--resume"), "no resume hint:\n{printed}");
+    assert!(
+        printed.contains("checkpoint"),
+        "no checkpoint named:\n{printed}"
+    );
+    eprintln!("stopped {took:?} after the kill:\n{printed}");
+}

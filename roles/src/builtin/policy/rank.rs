@@ -1,0 +1,292 @@
+//! One rank of a sharded policy replica: what it is asked ([`RankRequest`]) and how it
+//! runs its share of a step. A rank thread of an embedded replica and a rank actor on
+//! a `yatt-node` ([`PolicyRankRole`]) run the same [`rank_step`], so a replica takes
+//! the same steps wherever its ranks live.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind};
+use yatt_engine::score::SeqBatch;
+use yatt_engine::{Llama, MemoryOptions, ShardedStepStats, ShardedTrainer, TrainConfig};
+use yatt_runtime::{ActorId, RingMember, RingSpec};
+
+use super::config::PolicyConfig;
+use super::micro::{groups, step_micros, MicroStats, SeqMicro};
+use crate::builtin::shard_ring::RingShardGroup;
+use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError};
+use crate::sample::Sample;
+
+/// What a rank of a sharded policy replica on another node is asked by the replica's
+/// rank 0 (the policy actor the controller drives).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum RankRequest {
+    /// This rank's ring inbox, for the ring's spec.
+    RingInbox,
+    /// Join the replica's ring and shard the model (or load this rank's part of the
+    /// checkpoint) over it.
+    JoinRing(RingSpec),
+    /// Run this rank's part of one optimizer step over `samples` (the step's samples,
+    /// every rank's: the loss is weighted by the normaliser over all of them).
+    Step {
+        /// The optimizer step's samples.
+        samples: Vec<Sample>,
+        /// This rank.
+        rank: usize,
+        /// Ranks of the replica.
+        shards: usize,
+    },
+    /// Take part in gathering the model rank 0 keeps (a weight sync, an old-log-prob
+    /// pass); this rank drops each unit once gathered.
+    Gather,
+    /// Write this rank's shard of a sharded checkpoint into `dir`.
+    Save {
+        /// The checkpoint's directory.
+        dir: PathBuf,
+        /// Where the tokenizer files are copied from, if any.
+        tokenizer: Option<PathBuf>,
+    },
+}
+
+/// What a rank answers.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum RankResponse {
+    /// Its ring inbox.
+    RingInbox(ActorId),
+    /// It joined the ring and holds its shards.
+    Joined,
+    /// Its part of the step.
+    Stepped(RankStep),
+    /// A gather or a save is done.
+    Done,
+}
+
+/// One rank's part of an optimizer step.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RankStep {
+    /// Optimizer steps taken (after this one).
+    pub version: u64,
+    /// The step's loss (summed over the ranks: the same on every rank).
+    pub loss: f64,
+    /// The gradient norm over all shards, before clipping.
+    pub grad_norm: f64,
+    /// The LR used.
+    pub lr: f64,
+    /// This rank's training state and the most it gathered at once.
+    pub train_state_bytes: u64,
+    /// Bytes this rank received in all-gathers.
+    pub gathered_bytes: u64,
+    /// Bytes this rank sent in reduce-scatters.
+    pub reduced_bytes: u64,
+    /// Seconds this rank waited in all-gathers.
+    pub gather_s: f64,
+    pub(super) stats: MicroStats,
+}
+
+impl RankStep {
+    fn new(s: &ShardedStepStats, stats: MicroStats) -> Self {
+        RankStep {
+            version: s.step.step,
+            loss: s.step.loss,
+            grad_norm: s.step.grad_norm,
+            lr: s.step.lr,
+            train_state_bytes: s.train_state_bytes,
+            gathered_bytes: s.comm.gathered_bytes,
+            reduced_bytes: s.comm.reduced_bytes,
+            gather_s: s.comm.gather_s,
+            stats,
+        }
+    }
+}
+
+/// Rank `rank`'s part of one optimizer step over `samples`: the step's samples cut
+/// into `shards` contiguous parts, this rank's part into micro-batches as the whole
+/// policy would, each micro-batch's loss weighted by its share of the normaliser over
+/// every rank's (so the step's gradient is the whole policy's).
+pub(super) fn rank_step(
+    trainer: &mut ShardedTrainer,
+    cfg: &PolicyConfig,
+    samples: &[Sample],
+    rank: usize,
+    shards: usize,
+) -> Result<RankStep, String> {
+    let device = trainer.model.device();
+    let len = samples.len();
+    let (mut all, mut owner) = (Vec::new(), Vec::new());
+    for r in 0..shards {
+        for g in groups(cfg, samples, len * r / shards..len * (r + 1) / shards) {
+            all.push(g);
+            owner.push(r);
+        }
+    }
+    let micros = step_micros(cfg, device, samples, all).map_err(|e| e.to_string())?;
+    let mut mine = Vec::new();
+    for (mb, _) in micros.into_iter().zip(owner).filter(|(_, r)| *r == rank) {
+        let m = SeqMicro::new(samples, mb, cfg.pad_id, device)
+            .map_err(|e| format!("policy update: {e}"))?;
+        mine.extend(m);
+    }
+    let (batches, micros): (Vec<SeqBatch>, Vec<SeqMicro>) = mine.into_iter().unzip();
+    let mut stats = MicroStats::default();
+    let step = trainer
+        .step_tokens(&batches, cfg.temperature, |i, scores| {
+            micros[i].loss(scores, cfg, &mut stats)
+        })
+        .map_err(|e| e.to_string())?;
+    Ok(RankStep::new(&step, stats))
+}
+
+/// Where a rank's shards come from once it knows the ring.
+pub enum RankSource {
+    /// Shard this model (every rank loaded the same one).
+    Model(Box<Llama>, TrainConfig),
+    /// Load this rank's part of a sharded checkpoint (written at any rank count).
+    Checkpoint {
+        /// The checkpoint's directory.
+        dir: PathBuf,
+        /// Where the trainer runs.
+        device: Device,
+        /// The compute dtype.
+        kind: Kind,
+        /// Recompute and chunking settings.
+        memory: MemoryOptions,
+    },
+}
+
+impl RankSource {
+    /// This rank's trainer over the ring `member` has joined.
+    pub fn shard(self, member: RingMember) -> Result<ShardedTrainer, String> {
+        let group = Box::new(RingShardGroup::new(member).map_err(|e| e.to_string())?);
+        match self {
+            RankSource::Model(model, train) => {
+                ShardedTrainer::new(*model, train, group).map_err(|e| e.to_string())
+            }
+            RankSource::Checkpoint {
+                dir,
+                device,
+                kind,
+                memory,
+            } => {
+                let mut t = ShardedTrainer::load_sharded(&dir, device, kind, group)
+                    .map_err(|e| format!("loading {}: {e}", dir.display()))?;
+                t.model.memory = memory;
+                Ok(t)
+            }
+        }
+    }
+}
+
+/// A rank (other than rank 0) of a sharded policy replica whose ranks are actors on
+/// `yatt-node`s: it holds only its shards, and runs what rank 0 asks, in the order
+/// asked. Rank 0 is the policy actor ([`crate::ShardedPolicyRole::with_remote_ranks`]).
+pub struct PolicyRankRole {
+    config: PolicyConfig,
+    inbox: ActorId,
+    pending: Option<(RingMember, RankSource)>,
+    trainer: Option<ShardedTrainer>,
+    params: u64,
+    write_root: Option<PathBuf>,
+}
+
+impl PolicyRankRole {
+    /// A rank that will shard `source` over the ring `member` joins
+    /// ([`RankRequest::JoinRing`]). `params`: the model's parameter count.
+    pub fn new(
+        config: PolicyConfig,
+        member: RingMember,
+        source: RankSource,
+        params: u64,
+    ) -> Result<Self, RoleError> {
+        config.check()?;
+        Ok(PolicyRankRole {
+            config,
+            inbox: member.inbox_id().clone(),
+            pending: Some((member, source)),
+            trainer: None,
+            params,
+            write_root: None,
+        })
+    }
+
+    /// Saves checkpoints only under `root` (see [`crate::PolicyRole::with_write_root`]).
+    pub fn with_write_root(mut self, root: PathBuf) -> Self {
+        self.write_root = Some(root);
+        self
+    }
+
+    fn trainer(&mut self) -> Result<&mut ShardedTrainer, RoleError> {
+        self.trainer.as_mut().ok_or_else(|| {
+            RoleError::BadRequest("this policy rank has not joined its ring (JoinRing)".into())
+        })
+    }
+}
+
+impl Role for PolicyRankRole {
+    type Request = RankRequest;
+    type Response = RankResponse;
+
+    fn name(&self) -> &str {
+        "policy-rank"
+    }
+
+    fn profile(&self) -> ResourceProfile {
+        let world = self.trainer.as_ref().map_or(1, |t| t.world()) as u64;
+        ResourceProfile {
+            resident_bytes: 16 * self.params / world,
+            peak_extra_bytes: 0,
+            offloadable: false,
+            needs_gpu: false,
+        }
+    }
+
+    fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
+        let device = match &self.pending {
+            Some((_, RankSource::Model(m, _))) => m.device(),
+            Some((_, RankSource::Checkpoint { device, .. })) => *device,
+            None => Device::Cpu,
+        };
+        crate::builtin::scoring::check_device("policy-rank", device, group)
+    }
+
+    fn serve(&mut self, request: RankRequest) -> Result<RankResponse, RoleError> {
+        let failed = RoleError::Failed;
+        match request {
+            RankRequest::RingInbox => Ok(RankResponse::RingInbox(self.inbox.clone())),
+            RankRequest::JoinRing(spec) => {
+                let (mut member, source) = self.pending.take().ok_or_else(|| {
+                    RoleError::BadRequest("this policy rank has joined its ring already".into())
+                })?;
+                member
+                    .join(spec)
+                    .map_err(|e| RoleError::BadRequest(format!("joining the ring: {e}")))?;
+                self.trainer = Some(source.shard(member).map_err(failed)?);
+                Ok(RankResponse::Joined)
+            }
+            RankRequest::Step {
+                samples,
+                rank,
+                shards,
+            } => {
+                let cfg = self.config.clone();
+                let step = rank_step(self.trainer()?, &cfg, &samples, rank, shards);
+                step.map(RankResponse::Stepped).map_err(failed)
+            }
+            RankRequest::Gather => {
+                let t = self.trainer()?;
+                t.gather_for_peer().map_err(|e| failed(e.to_string()))?;
+                Ok(RankResponse::Done)
+            }
+            RankRequest::Save { dir, tokenizer } => {
+                crate::builtin::write_root::check_under(
+                    self.write_root.as_deref(),
+                    &dir,
+                    "the policy's checkpoint",
+                )?;
+                let t = self.trainer()?;
+                t.save_sharded(&dir, tokenizer.as_deref())
+                    .map_err(|e| failed(format!("saving to {}: {e}", dir.display())))?;
+                Ok(RankResponse::Done)
+            }
+        }
+    }
+}

@@ -1,0 +1,235 @@
+//! A sharded policy replica on cluster nodes (`job.policy_shards = N` with
+//! `placement.mode = "disaggregated"`): rank `r` on the node `placement.policy[r]`
+//! names (or every rank on the one node named). The policy actor the controller drives
+//! is rank 0; it spawns ranks 1..N as `policy-rank` actors on their nodes, joins them
+//! in a ring (QUIC between nodes, the mailbox within one) and asks them for their part
+//! of every request. Each rank shards the model it loaded (or loads its part of a
+//! sharded checkpoint), so no process holds more than its shards while training.
+//!
+//! A rank that is lost fails the request within its deadline and breaks the replica:
+//! the run stops with the resume hint (a sharded policy is not rebuilt in place).
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use yatt_engine::{is_sharded_checkpoint, model_layout};
+use yatt_roles::{
+    PolicyRankRole, PushingPolicy, RankRef, RankRequest, RankResponse, RankSource, RemoteRanks,
+    RoleRequest, RoleResponse, ShardedPolicyRole,
+};
+use yatt_runtime::{Node, RingMember, RingSpec, RING_CHUNK_BYTES};
+
+use crate::build::cluster::start_role;
+use crate::build::devices::model_here;
+use crate::build::parts::{memory_options, policy_config, sharded_start, train_config};
+use crate::build::remote::RoleArgs;
+use crate::config::placement::NodeNames;
+use crate::config::sections::JobConfig;
+use crate::error::JobError;
+
+/// The ring members of a sharded replica's ranks: `node/policy-shard/RANK`.
+pub const SHARD_RING: &str = "policy-shard";
+
+/// What a node needs to start one rank (1..N) of a sharded policy replica.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RankArgs {
+    /// The job, and the run's checkpoint when it resumes.
+    pub role: RoleArgs,
+    /// The rank.
+    pub rank: u32,
+}
+
+/// The node of each of the job's `job.policy_shards` ranks, in rank order.
+pub(crate) fn rank_nodes(job: &JobConfig) -> Vec<String> {
+    match &job.placement.policy {
+        NodeNames::One(n) => vec![n.clone(); job.job.policy_shards],
+        NodeNames::Each(ns) => ns.clone(),
+    }
+}
+
+/// Where a rank's shards come from: its part of the run's checkpoint, or the model it
+/// loads from `model.source`.
+fn rank_source(
+    job: &JobConfig,
+    checkpoint: Option<&std::path::Path>,
+) -> Result<RankSource, JobError> {
+    let (device, kind) = (
+        crate::build::devices::job_device(job, "this node")?,
+        job.model.dtype.kind(),
+    );
+    match checkpoint {
+        Some(dir) if is_sharded_checkpoint(dir) => Ok(RankSource::Checkpoint {
+            dir: dir.to_path_buf(),
+            device,
+            kind,
+            memory: memory_options(job),
+        }),
+        Some(dir) => Err(JobError::Resume {
+            dir: dir.to_path_buf(),
+            reason: format!(
+                "the checkpoint holds a whole (unsharded) policy, and job.policy_shards = {}: resume it with job.policy_shards = 1",
+                job.job.policy_shards
+            ),
+        }),
+        None => {
+            let (model, _, _) = model_here(job)?;
+            job.check_policy_shards_fit(&model.config)?;
+            Ok(RankSource::Model(Box::new(model), train_config(job)))
+        }
+    }
+}
+
+fn pad_and_params(job: &JobConfig) -> Result<(i64, u64), JobError> {
+    let (model, _, pad_id) = crate::build::parts::base_model(job)?;
+    let params = model_layout(&model.config)
+        .iter()
+        .map(|u| u.numel as u64)
+        .sum();
+    Ok((pad_id, params))
+}
+
+/// The factory of a rank 1..N: its ring member on this node, then the role, which
+/// loads the model (or waits for the ring to load its part of the checkpoint).
+pub(crate) async fn start_rank(
+    node: &Node,
+    a: RankArgs,
+) -> Result<yatt_roles::RoleActor<PolicyRankRole>, String> {
+    let member = RingMember::start(node, SHARD_RING, a.rank).map_err(|e| e.to_string())?;
+    let root = node.config().data_dir.clone();
+    let checkpoint = a.role.checkpoint.clone();
+    start_role(a.role, "policy-rank", move |job| {
+        let (pad_id, params) = pad_and_params(job)?;
+        let source = rank_source(job, checkpoint.as_deref())?;
+        let role = PolicyRankRole::new(policy_config(job, pad_id), member, source, params)
+            .map_err(|e| JobError::Model {
+                source_desc: job.model.source.to_string(),
+                reason: format!("a policy rank: {e}"),
+            })?;
+        Ok(role.with_write_root(root))
+    })
+    .await
+}
+
+/// The factory of rank 0, the policy actor: spawns ranks 1..N, joins every rank in
+/// one ring, then shards its own part. A failure stops the ranks it started.
+pub(crate) async fn start_sharded_policy(
+    node: &Node,
+    a: RoleArgs,
+    job: &JobConfig,
+) -> Result<PushingPolicy<ShardedPolicyRole>, String> {
+    let nodes = rank_nodes(job);
+    let spawn_timeout = Duration::from_secs(job.placement.spawn_timeout_s);
+    let start = sharded_start(job);
+    let mut member = RingMember::start(node, SHARD_RING, 0).map_err(|e| e.to_string())?;
+    let spawned = futures::future::join_all(nodes.iter().enumerate().skip(1).map(|(r, target)| {
+        let args = RankArgs {
+            role: a.clone(),
+            rank: r as u32,
+        };
+        async move {
+            node.spawn_remote_linked::<RoleRequest<RankRequest>, RoleResponse<RankResponse>, _>(
+                target,
+                "policy-rank",
+                &args,
+                spawn_timeout,
+            )
+            .await
+            .map_err(|e| format!("spawning policy rank {r} on node {target}: {e}"))
+        }
+    }))
+    .await;
+    let (ranks, failed): (Vec<_>, Vec<_>) = spawned.into_iter().partition(Result::is_ok);
+    let ranks: Vec<RankRef> = ranks.into_iter().map(Result::unwrap).collect();
+    if let Some(Err(e)) = failed.into_iter().next() {
+        stop_ranks(&ranks).await;
+        return Err(e);
+    }
+    let joined = join_ring(&mut member, &ranks, start.collective, start.deadline).await;
+    if let Err(e) = joined {
+        stop_ranks(&ranks).await;
+        return Err(e);
+    }
+    let remote = RemoteRanks::new(ranks.clone(), 1, tokio::runtime::Handle::current());
+    let root = node.config().data_dir.clone();
+    let checkpoint = a.checkpoint.clone();
+    let deadline = start.deadline;
+    let role = start_role(a, "policy", move |job| {
+        let (pad_id, _) = pad_and_params(job)?;
+        let failed = |e: String| JobError::Model {
+            source_desc: job.model.source.to_string(),
+            reason: format!("sharded policy rank 0: {e}"),
+        };
+        let rank0 = rank_source(job, checkpoint.as_deref())?
+            .shard(member)
+            .map_err(failed)?;
+        let role = ShardedPolicyRole::with_remote_ranks(
+            rank0,
+            remote,
+            policy_config(job, pad_id),
+            deadline,
+        )
+        .map_err(|e| failed(e.to_string()))?;
+        Ok(role.with_write_root(root))
+    })
+    .await;
+    match role {
+        Ok(role) => Ok(PushingPolicy::new(role, node.downgrade())),
+        Err(e) => {
+            stop_ranks(&ranks).await;
+            Err(e)
+        }
+    }
+}
+
+/// Every rank's ring inbox into one spec; each remote rank joins (and shards its
+/// model) at once, then rank 0's member.
+async fn join_ring(
+    member: &mut RingMember,
+    ranks: &[RankRef],
+    collective: Duration,
+    deadline: Duration,
+) -> Result<(), String> {
+    let mut members = vec![member.inbox_id().clone()];
+    for r in ranks {
+        match r
+            .ask(RoleRequest::Serve(RankRequest::RingInbox), deadline)
+            .await
+        {
+            Ok(RoleResponse::Served(RankResponse::RingInbox(id))) => members.push(id),
+            Ok(other) => return Err(format!("{} answered RingInbox with {other:?}", r.id())),
+            Err(e) => return Err(format!("asking {} for its ring inbox: {e}", r.id())),
+        }
+    }
+    let spec = |rank: usize| RingSpec {
+        rank: rank as u32,
+        members: members.clone(),
+        timeout: collective,
+        chunk_bytes: RING_CHUNK_BYTES,
+    };
+    let joins = ranks.iter().enumerate().map(|(i, r)| {
+        let spec = spec(i + 1);
+        async move {
+            match r
+                .ask(RoleRequest::Serve(RankRequest::JoinRing(spec)), deadline)
+                .await
+            {
+                Ok(RoleResponse::Served(RankResponse::Joined)) => Ok(()),
+                Ok(other) => Err(format!("{} answered JoinRing with {other:?}", r.id())),
+                Err(e) => Err(format!(
+                    "policy rank {} could not join the ring: {e}",
+                    i + 1
+                )),
+            }
+        }
+    });
+    futures::future::try_join_all(joins).await?;
+    member.join(spec(0)).map_err(|e| e.to_string())
+}
+
+/// Stops the ranks a failed start spawned (best effort: a lost one is gone already).
+pub(crate) async fn stop_ranks(ranks: &[RankRef]) {
+    let stops = ranks
+        .iter()
+        .map(|r| r.ask(RoleRequest::Stop, Duration::from_secs(10)));
+    futures::future::join_all(stops).await;
+}
