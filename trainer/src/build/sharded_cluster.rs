@@ -47,45 +47,37 @@ pub(crate) fn rank_nodes(job: &JobConfig) -> Vec<String> {
     }
 }
 
-/// Where a rank's shards come from: its part of the run's checkpoint, or the model it
-/// loads from `model.source`.
+/// Where a rank's shards come from (its part of the run's checkpoint, or the model it
+/// loads from `model.source`), the padding id and the model's parameter count.
 fn rank_source(
     job: &JobConfig,
     checkpoint: Option<&std::path::Path>,
-) -> Result<RankSource, JobError> {
-    let (device, kind) = (
-        crate::build::devices::job_device(job, "this node")?,
-        job.model.dtype.kind(),
-    );
-    match checkpoint {
-        Some(dir) if is_sharded_checkpoint(dir) => Ok(RankSource::Checkpoint {
-            dir: dir.to_path_buf(),
-            device,
-            kind,
-            memory: memory_options(job),
-        }),
-        Some(dir) => Err(JobError::Resume {
-            dir: dir.to_path_buf(),
-            reason: format!(
-                "the checkpoint holds a whole (unsharded) policy, and job.policy_shards = {}: resume it with job.policy_shards = 1",
-                job.job.policy_shards
-            ),
-        }),
-        None => {
-            let (model, _, _) = model_here(job)?;
-            job.check_policy_shards_fit(&model.config)?;
-            Ok(RankSource::Model(Box::new(model), train_config(job)))
-        }
-    }
-}
-
-fn pad_and_params(job: &JobConfig) -> Result<(i64, u64), JobError> {
-    let (model, _, pad_id) = crate::build::parts::base_model(job)?;
+) -> Result<(RankSource, i64, u64), JobError> {
+    let (model, _, pad_id) = model_here(job)?;
+    job.check_policy_shards_fit(&model.config)?;
     let params = model_layout(&model.config)
         .iter()
         .map(|u| u.numel as u64)
         .sum();
-    Ok((pad_id, params))
+    let source = match checkpoint {
+        Some(dir) if is_sharded_checkpoint(dir) => RankSource::Checkpoint {
+            dir: dir.to_path_buf(),
+            device: model.device(),
+            kind: model.kind(),
+            memory: memory_options(job),
+        },
+        Some(dir) => {
+            return Err(JobError::Resume {
+                dir: dir.to_path_buf(),
+                reason: format!(
+                    "the checkpoint holds a whole (unsharded) policy, and job.policy_shards = {}: resume it with job.policy_shards = 1",
+                    job.job.policy_shards
+                ),
+            })
+        }
+        None => RankSource::Model(Box::new(model), train_config(job)),
+    };
+    Ok((source, pad_id, params))
 }
 
 /// The factory of a rank 1..N: its ring member on this node, then the role, which
@@ -98,8 +90,7 @@ pub(crate) async fn start_rank(
     let root = node.config().data_dir.clone();
     let checkpoint = a.role.checkpoint.clone();
     start_role(a.role, "policy-rank", move |job| {
-        let (pad_id, params) = pad_and_params(job)?;
-        let source = rank_source(job, checkpoint.as_deref())?;
+        let (source, pad_id, params) = rank_source(job, checkpoint.as_deref())?;
         let role = PolicyRankRole::new(policy_config(job, pad_id), member, source, params)
             .map_err(|e| JobError::Model {
                 source_desc: job.model.source.to_string(),
@@ -154,14 +145,12 @@ pub(crate) async fn start_sharded_policy(
     let checkpoint = a.checkpoint.clone();
     let deadline = start.deadline;
     let role = start_role(a, "policy", move |job| {
-        let (pad_id, _) = pad_and_params(job)?;
         let failed = |e: String| JobError::Model {
             source_desc: job.model.source.to_string(),
             reason: format!("sharded policy rank 0: {e}"),
         };
-        let rank0 = rank_source(job, checkpoint.as_deref())?
-            .shard(member)
-            .map_err(failed)?;
+        let (source, pad_id, _) = rank_source(job, checkpoint.as_deref())?;
+        let rank0 = source.shard(member).map_err(failed)?;
         let role = ShardedPolicyRole::with_remote_ranks(
             rank0,
             remote,

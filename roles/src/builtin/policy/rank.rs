@@ -249,6 +249,16 @@ impl Role for PolicyRankRole {
     }
 
     fn serve(&mut self, request: RankRequest) -> Result<RankResponse, RoleError> {
+        let answer = self.answer(request);
+        // The node keeps freed blocks for the rollouts' decoding; a rank's are a whole
+        // model's worth at its start and gathered units after each request.
+        yatt_engine::release_host_memory();
+        answer
+    }
+}
+
+impl PolicyRankRole {
+    fn answer(&mut self, request: RankRequest) -> Result<RankResponse, RoleError> {
         let failed = RoleError::Failed;
         match request {
             RankRequest::RingInbox => Ok(RankResponse::RingInbox(self.inbox.clone())),

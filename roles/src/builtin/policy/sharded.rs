@@ -399,7 +399,7 @@ impl Role for ShardedPolicyRole {
         use PolicyRequest as Q;
         use PolicyResponse as A;
         let why_not = "a sharded policy (job.policy_shards > 1) gathers its weights and sends them as byte buckets";
-        match request {
+        let answer = match request {
             Q::OldLogProbs(samples) => self.old_logprobs(samples).map(A::Scored),
             Q::Train(samples) => self.train(samples).map(A::Trained),
             Q::ExportWeights => self.export(false).map(A::Weights),
@@ -419,6 +419,10 @@ impl Role for ShardedPolicyRole {
             Q::ExportState | Q::ImportState(_) => {
                 Err(not_sharded("handing the trainer state to another replica"))
             }
-        }
+        };
+        // What a request gathered (a whole model at a sync) goes back to the OS rather
+        // than staying resident in the allocator until the next one.
+        yatt_engine::release_host_memory();
+        answer
     }
 }
