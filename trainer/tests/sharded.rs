@@ -151,8 +151,8 @@ fn what_a_sharded_policy_cannot_do_yet_is_refused_by_key() {
             &["job.policy_shards", "job.policy_replicas", "HSDP"],
         ),
         (
-            &["job.policy_shards=2", "placement.mode=\"disaggregated\""],
-            &["job.policy_shards", "placement.mode"],
+            &["job.policy_shards=2", "placement.live=true"],
+            &["job.policy_shards", "placement.live"],
         ),
         (
             &["job.policy_shards=2", "placement.time_share=\"offload\""],
