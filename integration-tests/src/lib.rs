@@ -300,6 +300,16 @@ impl Cluster {
         cluster
     }
 
+    /// Starts one more node, `PREFIX-N` (N: the nodes so far), joining through node 0,
+    /// and waits until it is ready (not until the others see it: a run started before
+    /// it joins must wait for it).
+    pub fn add_node(&mut self) {
+        let prefix = self.nodes[0].name.trim_end_matches("-0").to_string();
+        let name = format!("{prefix}-{}", self.nodes.len());
+        let node = self.spawn(&name, Some(self.nodes[0].addr), &[]);
+        self.nodes.push(node);
+    }
+
     /// The dev CA directory, for in-test client nodes.
     pub fn ca_dir(&self) -> PathBuf {
         self.dir.path().join("ca")

@@ -462,3 +462,25 @@ fn an_http_reward_that_does_not_answer_fails_naming_its_url() {
     }
     assert!(!out.exists(), "the dry run left {}", out.display());
 }
+
+/// Regression: a run started while a node its placement names was still joining waited
+/// for it in the build, but the preflight before it asked the node at once and failed
+/// with "unknown node (not in the directory)".
+#[test]
+fn a_run_started_before_its_policys_node_joins_waits_for_it() {
+    let mut cluster = Cluster::start("late", 1);
+    let out = tempfile::tempdir().unwrap();
+    let roles = [
+        ("rollout", 0),
+        ("reward", 0),
+        ("reference", 0),
+        ("policy", 1),
+    ];
+    let mut run = cluster.spawn_train(DEMO, &placed("late", 2, &roles), out.path(), false);
+    let joined = poll(Duration::from_secs(60), || {
+        run.printed().contains("cluster: joined as").then_some(())
+    });
+    assert!(joined.is_some(), "the run did not join:\n{}", run.printed());
+    cluster.add_node();
+    run.wait_success(Duration::from_secs(120), &cluster);
+}

@@ -83,6 +83,13 @@ pub(crate) async fn preflight(
     let params = local::model_params(job);
     let need = local::checkpoint_bytes(job, params);
     let (remote, local_checks) = plan(job, node, custom, &out, need);
+    // Nodes started just before the run may still be joining: wait for them as the
+    // build does, briefly. One that stays away fails its line below, by name.
+    let named: Vec<(String, String)> = remote
+        .iter()
+        .map(|(target, _)| ("placement".to_string(), target.clone()))
+        .collect();
+    let _ = crate::build::remote::wait_for_nodes(node, &named).await;
     // The nodes' checks, all at once; the trainer's meanwhile.
     let asks = remote.iter().map(|(target, checks)| async move {
         (target.clone(), ask(node, target, checks.clone()).await)
