@@ -2,14 +2,18 @@
 //! rank its own process with its own node, the ranks talking over the runtime's ring
 //! (QUIC on loopback). Per rank count: the step time, each rank's training state and
 //! peak resident memory, the bytes each rank moved against 3·(N−1)/N·Ψ·b, and the time
-//! spent gathering. With `--mem-cap-mb` every rank runs under a memory cap (a cgroup,
-//! else RLIMIT_AS): a model whose state does not fit one rank fails at N = 1, by name,
-//! and trains when sharded.
+//! spent gathering; and the step the cost model (`yatt_placement::ShardedStep`)
+//! predicts from the first sharded row's compute and a probe of the ring's bandwidth,
+//! against the measured one. With `--mem-cap-mb` every rank runs under a memory cap (a
+//! cgroup, else RLIMIT_AS): a model whose state does not fit one rank fails at N = 1,
+//! by name, and trains when sharded.
 
 mod cap;
+mod predict;
 
 use anyhow::{anyhow, bail, Context, Result};
 use cap::MemoryCap;
+use predict::{Calibration, Probe, RankTimes};
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
@@ -19,8 +23,8 @@ use std::time::{Duration, Instant};
 use yatt_engine::score::{token_logprobs_backward, SeqBatch, TokenScores};
 use yatt_engine::tch::{Device, Kind};
 use yatt_engine::{
-    model_layout, moved_bytes_per_micro_batch, random_model_by_units, set_threads, ModelConfig,
-    ShardedTrainer, TrainConfig, Trainer,
+    model_layout, random_model_by_units, set_threads, ModelConfig, ShardedTrainer, TrainConfig,
+    Trainer,
 };
 use yatt_roles::RingShardGroup;
 use yatt_runtime::{Node, NodeConfig, RingMember, RingSpec, RING_CHUNK_BYTES};
@@ -99,6 +103,11 @@ struct RankResult {
     loss: Vec<f64>,
     moved_bytes: Vec<u64>,
     gather_s: Vec<f64>,
+    reduce_s: Vec<f64>,
+    /// Tokens this rank trains on per step.
+    tokens: usize,
+    /// The ring probe before the steps (sharded, more than one rank).
+    probe: Option<Probe>,
     train_state_bytes: u64,
     peak_rss_bytes: u64,
     /// Peak resident memory once the trainer was built, before the first step.
@@ -114,46 +123,84 @@ pub fn run(args: BenchShardedArgs) -> Result<()> {
     let config = model_config(&args.model)?;
     let psi: i64 = model_layout(&config).iter().map(|u| u.numel).sum();
     println!(
-        "sharded training, {} shapes ({:.1} M parameters, random weights), global batch {} × {} tokens, {} thread(s) per rank{}\n",
+        "sharded training, {} shapes ({:.1} M parameters, random weights), global batch {} × {} tokens, {} thread(s) per rank, {} core(s){}\n",
         args.model,
         psi as f64 / 1e6,
         args.global_batch,
         args.seq_len,
         args.threads,
+        predict::cores(),
         args.mem_cap_mb
             .map(|m| format!(", each rank capped at {m} MiB"))
             .unwrap_or_default()
     );
-    println!("| layout | ranks | step (s) | state / rank (GB) | peak RSS / rank (GB) | RSS built (GB) | moved / rank / step (MB) | schedule (MB) | 3(N−1)/N·Ψ·b (MB) | gather (s/step) | loss, step 1 |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| {} |", COLUMNS.join(" | "));
+    println!("|{}", "---|".repeat(COLUMNS.len()));
     let runs = (args.shards.iter().map(|&n| (Layout::Sharded, n)))
         .chain(args.replicated.iter().map(|&n| (Layout::Replicated, n)));
+    let mut calib = None;
     for (layout, world) in runs {
         match run_ranks(&args, layout, world) {
-            Ok(results) => print_row(layout, world, &config, &results),
+            Ok(results) => print_row(layout, world, &config, &results, args.threads, &mut calib),
             Err(e) => println!(
-                "| {layout:?} | {world} | failed: {} | | | | | | | | |",
-                format!("{e:#}").replace('|', "/").replace('\n', " ")
+                "| {layout:?} | {world} | failed: {} |{}",
+                format!("{e:#}").replace('|', "/").replace('\n', " "),
+                " |".repeat(COLUMNS.len() - 3)
             ),
         }
+    }
+    if let Some(c) = calib {
+        println!(
+            "\npredicted: one rank's compute from the Sharded {} row ({:.1} µs per token on a core of its own), times each rank's tokens and its share of the {} core(s), plus the schedule's bytes over the probed ring bandwidth, none of it hidden (no prefetch)",
+            c.ranks,
+            c.s_per_token * 1e6,
+            predict::cores()
+        );
     }
     Ok(())
 }
 
-fn print_row(layout: Layout, world: usize, config: &ModelConfig, rs: &[RankResult]) {
+/// The table's columns.
+const COLUMNS: [&str; 15] = [
+    "layout",
+    "ranks",
+    "step (s)",
+    "state / rank (GB)",
+    "peak RSS / rank (GB)",
+    "RSS built (GB)",
+    "moved / rank / step (MB)",
+    "schedule (MB)",
+    "3(N−1)/N·Ψ·b (MB)",
+    "gather (s/step)",
+    "loss, step 1",
+    "ring probe (MB/s)",
+    "predicted (s): compute + comm",
+    "measured (s): compute + collectives",
+    "measured / predicted",
+];
+
+/// The mean over the steps after the first (warm caches and allocator).
+fn timed(v: &[f64]) -> f64 {
+    let t = if v.len() > 1 { &v[1..] } else { v };
+    t.iter().sum::<f64>() / t.len().max(1) as f64
+}
+
+fn print_row(
+    layout: Layout,
+    world: usize,
+    config: &ModelConfig,
+    rs: &[RankResult],
+    threads: usize,
+    calib: &mut Option<Calibration>,
+) {
     let units = model_layout(config);
     let psi: i64 = units.iter().map(|u| u.numel).sum();
     let mean = |f: &dyn Fn(&RankResult) -> f64| rs.iter().map(f).sum::<f64>() / rs.len() as f64;
-    // Steps after the first: warm caches and allocator.
-    let timed = |v: &[f64]| {
-        let t = if v.len() > 1 { &v[1..] } else { v };
-        t.iter().sum::<f64>() / t.len().max(1) as f64
-    };
     let step = rs.iter().map(|r| timed(&r.step_s)).fold(0.0, f64::max);
     let moved = mean(&|r| timed(&r.moved_bytes.iter().map(|&b| b as f64).collect::<Vec<_>>()));
     let (schedule, formula) = match layout {
         Layout::Sharded => (
-            moved_bytes_per_micro_batch(&units, world, 4),
+            predict::schedule_bytes(&units, world),
             3.0 * (world as f64 - 1.0) / world as f64 * psi as f64 * 4.0,
         ),
         Layout::Replicated => {
@@ -161,8 +208,38 @@ fn print_row(layout: Layout, world: usize, config: &ModelConfig, rs: &[RankResul
             (ring, ring)
         }
     };
+    let model = match layout {
+        Layout::Sharded => {
+            let times: Vec<RankTimes> = rs
+                .iter()
+                .map(|r| RankTimes {
+                    step_s: timed(&r.step_s),
+                    collectives_s: timed(&r.gather_s) + timed(&r.reduce_s),
+                    tokens: r.tokens as f64,
+                    probe: r.probe,
+                })
+                .collect();
+            let f = predict::fit(&units, world, threads, &times, calib);
+            let p = &f.predicted;
+            format!(
+                "{} | {:.2} + {:.2} = {:.2} | {:.2} + {:.2} = {:.2} | {:.2}",
+                match f.link_bytes_per_s.is_finite() {
+                    true => format!("{:.0}", f.link_bytes_per_s / 1e6),
+                    false => "–".into(),
+                },
+                p.compute_s,
+                p.exposed_comm_s,
+                p.step_s,
+                f.compute_s,
+                f.collectives_s,
+                f.step_s,
+                f.step_s / p.step_s,
+            )
+        }
+        Layout::Replicated => "– | – | – | –".into(),
+    };
     println!(
-        "| {layout:?} | {world} | {step:.2} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.1}{} | {:.3} | {:.6} |",
+        "| {layout:?} | {world} | {step:.2} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.1}{} | {:.3} | {:.6} | {model} |",
         mean(&|r| r.train_state_bytes as f64) / 1e9,
         rs.iter().map(|r| r.peak_rss_bytes).max().unwrap_or(0) as f64 / 1e9,
         rs.iter().map(|r| r.built_rss_bytes).max().unwrap_or(0) as f64 / 1e9,
@@ -371,6 +448,9 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
         loss: vec![],
         moved_bytes: vec![],
         gather_s: vec![],
+        reduce_s: vec![],
+        tokens: 0,
+        probe: None,
         train_state_bytes: 0,
         peak_rss_bytes: 0,
         built_rss_bytes: 0,
@@ -381,7 +461,10 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
     };
     match layout {
         Layout::Sharded => {
-            let group = RingShardGroup::new(member)?;
+            let mut group = RingShardGroup::new(member)?;
+            if world > 1 {
+                result.probe = Some(predict::probe(&mut group, &model_layout(&config))?);
+            }
             let mut tr = ShardedTrainer::random(
                 config,
                 Device::Cpu,
@@ -393,6 +476,7 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
             result.built_rss_bytes = cap::peak_rss_bytes();
             for step in 0..args.steps {
                 let batches = rank_batch(args, vocab, step, rank, world)?;
+                result.tokens = tokens_of(&batches);
                 let t0 = Instant::now();
                 let s = tr.step_tokens(&batches, 1.0, |i, sc| Ok(loss(sc, &batches[i])))?;
                 result.step_s.push(t0.elapsed().as_secs_f64());
@@ -401,6 +485,7 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
                     .moved_bytes
                     .push(s.comm.gathered_bytes + s.comm.reduced_bytes);
                 result.gather_s.push(s.comm.gather_s);
+                result.reduce_s.push(s.comm.reduce_s);
                 result.train_state_bytes = result.train_state_bytes.max(s.train_state_bytes);
             }
         }
@@ -413,6 +498,7 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
             let psi: usize = tr.model.parameters().iter().map(|(_, p)| p.numel()).sum();
             for step in 0..args.steps {
                 let batches = rank_batch(args, vocab, step, rank, world)?;
+                result.tokens = tokens_of(&batches);
                 let t0 = Instant::now();
                 let mut total = 0.0;
                 for b in &batches {
@@ -429,6 +515,7 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
                 let moved = 2 * (world - 1) * psi * 4 / world;
                 result.moved_bytes.push(moved as u64);
                 result.gather_s.push(0.0);
+                result.reduce_s.push(0.0);
                 result.train_state_bytes = result.train_state_bytes.max(tr.resident_bytes() as u64);
             }
         }
@@ -447,6 +534,11 @@ fn node_config() -> NodeConfig {
         failure_timeout: Duration::from_secs(60),
         ..NodeConfig::default()
     }
+}
+
+/// Tokens (padding included) in a rank's micro-batches.
+fn tokens_of(batches: &[SeqBatch]) -> usize {
+    batches.iter().map(|b| b.ids.numel()).sum()
 }
 
 /// This rank's share of step `step`'s global batch: sequences `rank`, `rank + world`,
