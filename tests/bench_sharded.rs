@@ -44,9 +44,9 @@ fn sharded_and_replicated_ranks_train_as_processes() {
         .collect();
     assert_eq!(rows.len(), 3, "{stdout}");
     // Columns: layout, ranks, step, state, peak RSS, RSS built, moved, schedule (the
-    // cost model's), the formula, gather, loss, ring probe, predicted step,
-    // measured step, their ratio.
-    assert!(rows.iter().all(|r| r.len() == 17), "{stdout}");
+    // cost model's), the formula, gather, loss, ring probe, core share,
+    // predicted step, measured step, their ratio, the ratio at the probed share.
+    assert!(rows.iter().all(|r| r.len() == 19), "{stdout}");
     let losses: Vec<f64> = rows.iter().map(|r| r[11].parse().unwrap()).collect();
     for l in &losses {
         assert!((l - losses[0]).abs() < 1e-5 * losses[0].abs(), "{stdout}");
@@ -61,8 +61,9 @@ fn sharded_and_replicated_ranks_train_as_processes() {
         assert!(r[4].parse::<f64>().unwrap() > 0.0, "{stdout}");
         // A prediction and its ratio to the step (the tiny model's step is latency, so
         // no bound on the ratio here), and a probed ring where there is one.
-        assert!(r[13].contains(" = "), "{stdout}");
-        assert!(r[15].parse::<f64>().unwrap() > 0.0, "{stdout}");
+        assert!(r[14].contains(" = "), "{stdout}");
+        assert!(r[16].parse::<f64>().unwrap() > 0.0, "{stdout}");
+        assert!(r[17].parse::<f64>().unwrap() > 0.0, "{stdout}");
         if r[2] != "1" {
             assert!(r[12].parse::<f64>().unwrap() > 0.0, "{stdout}");
         }

@@ -38,8 +38,9 @@ pub struct ShardedStep {
     pub overlap: Overlap,
 }
 
-/// What a rank does in one optimizer step.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// What a rank does in one optimizer step. Its compute is
+/// `tokens · s_per_token + micro_batches · s_per_micro_batch + update_s`.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct RankWork {
     /// Tokens this rank trains on (its share of the step's batch, epochs included).
     pub tokens: f64,
@@ -48,6 +49,12 @@ pub struct RankWork {
     /// Seconds per token of forward and backward with layer recompute on this rank,
     /// collectives excluded (measured, or a roofline).
     pub s_per_token: f64,
+    /// Seconds per micro-batch whatever its tokens and N: every rank materialises the
+    /// whole model's weights and gradients, unit by unit (memory-bound; it shows on a
+    /// CPU with small batches, next to nothing on a GPU).
+    pub s_per_micro_batch: f64,
+    /// Seconds of the optimizer step on this rank's shard (1/N of the model's).
+    pub update_s: f64,
 }
 
 /// One rank's predicted step, in parts.
@@ -105,7 +112,9 @@ impl ShardedStep {
 
     /// One rank's step for `work`.
     pub fn predict(&self, work: RankWork) -> StepCost {
-        let compute_s = work.tokens * work.s_per_token;
+        let compute_s = work.tokens * work.s_per_token
+            + work.micro_batches * work.s_per_micro_batch
+            + work.update_s;
         let moved_bytes = self.moved_bytes_per_micro_batch() * work.micro_batches.max(1.0);
         let comm_s = match moved_bytes > 0.0 {
             true => moved_bytes / self.link_bytes_per_s,
@@ -180,9 +189,11 @@ mod tests {
             tokens: 64.0,
             micro_batches: 2.0,
             s_per_token: 0.01,
+            s_per_micro_batch: 0.1,
+            update_s: 0.05,
         };
         let c = s.predict(w);
-        assert!((c.compute_s - 0.64).abs() < 1e-12);
+        assert!((c.compute_s - (0.64 + 0.2 + 0.05)).abs() < 1e-12);
         let moved = 2.0 * s.moved_bytes_per_micro_batch();
         assert!((c.moved_bytes - moved).abs() < 1e-6);
         assert!((c.comm_s - moved / 500e6).abs() < 1e-12);
@@ -198,6 +209,7 @@ mod tests {
             tokens: 100.0,
             micro_batches: 1.0,
             s_per_token,
+            ..RankWork::default()
         };
         let slow = s.predict(w(1.0));
         assert_eq!(slow.exposed_comm_s, 0.0);
@@ -212,6 +224,7 @@ mod tests {
             tokens: 10.0,
             micro_batches: 1.0,
             s_per_token: 0.5,
+            ..RankWork::default()
         });
         assert_eq!(c.comm_s, 0.0);
         assert_eq!(c.step_s, 5.0);

@@ -246,6 +246,8 @@ impl<'w> Sim<'w> {
                     tokens: tokens / f64::from(devices),
                     micro_batches: f64::from(self.w.job.train_epochs.max(1)),
                     s_per_token: self.s_per_token[&stage],
+                    // FLOP-bound on a GPU: the stage's rate is all of it.
+                    ..RankWork::default()
                 })
                 .step_s;
             if std::mem::take(&mut self.pools[p].reshard) {

@@ -3,8 +3,8 @@
 //! (QUIC on loopback). Per rank count: the step time, each rank's training state and
 //! peak resident memory, the bytes each rank moved against 3·(N−1)/N·Ψ·b, and the time
 //! spent gathering; and the step the cost model (`yatt_placement::ShardedStep`)
-//! predicts from the first sharded row's compute and a probe of the ring's bandwidth,
-//! against the measured one. With `--mem-cap-mb` every rank runs under a memory cap (a
+//! predicts from the first sharded row's compute and probes of the ring's bandwidth and
+//! of the share of a core each rank gets, against the measured one. With `--mem-cap-mb` every rank runs under a memory cap (a
 //! cgroup, else RLIMIT_AS): a model whose state does not fit one rank fails at N = 1,
 //! by name, and trains when sharded.
 
@@ -13,7 +13,7 @@ mod predict;
 
 use anyhow::{anyhow, bail, Context, Result};
 use cap::MemoryCap;
-use predict::{Calibration, Probe, RankTimes};
+use predict::{Calibration, Probe, RankTimes, StepTimes};
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
@@ -93,6 +93,9 @@ pub struct RankArgs {
     pub lead: Option<SocketAddr>,
     #[arg(long, hide = true)]
     pub ca_dir: Option<PathBuf>,
+    /// Also time a step of one sequence per rank (the cost model's calibration row).
+    #[arg(long, hide = true)]
+    pub calibrate: bool,
 }
 
 /// What a rank reports.
@@ -104,10 +107,18 @@ struct RankResult {
     moved_bytes: Vec<u64>,
     gather_s: Vec<f64>,
     reduce_s: Vec<f64>,
+    update_s: Vec<f64>,
+    /// CPU seconds of the compute thread per step.
+    cpu_s: Vec<f64>,
     /// Tokens this rank trains on per step.
     tokens: usize,
     /// The ring probe before the steps (sharded, more than one rank).
     probe: Option<Probe>,
+    /// The share of a core the rank got while every rank spun, before and after the
+    /// steps (sharded).
+    core_share: Option<f64>,
+    /// A step of one sequence per rank (with `--calibrate`).
+    small: Option<StepTimes>,
     train_state_bytes: u64,
     peak_rss_bytes: u64,
     /// Peak resident memory once the trainer was built, before the first step.
@@ -140,8 +151,9 @@ pub fn run(args: BenchShardedArgs) -> Result<()> {
         .chain(args.replicated.iter().map(|&n| (Layout::Replicated, n)));
     let mut calib = None;
     for (layout, world) in runs {
-        match run_ranks(&args, layout, world) {
-            Ok(results) => print_row(layout, world, &config, &results, args.threads, &mut calib),
+        let calibrate = layout == Layout::Sharded && calib.is_none();
+        match run_ranks(&args, layout, world, calibrate) {
+            Ok(results) => print_row(layout, world, &config, &results, &mut calib),
             Err(e) => println!(
                 "| {layout:?} | {world} | failed: {} |{}",
                 format!("{e:#}").replace('|', "/").replace('\n', " "),
@@ -151,17 +163,18 @@ pub fn run(args: BenchShardedArgs) -> Result<()> {
     }
     if let Some(c) = calib {
         println!(
-            "\npredicted: one rank's compute from the Sharded {} row ({:.1} µs per token on a core of its own), times each rank's tokens and its share of the {} core(s), plus the schedule's bytes over the probed ring bandwidth, none of it hidden (no prefetch)",
+            "\npredicted: a rank's compute from the Sharded {} row, on a core of its own: {:.0} µs per token, {:.2} s per micro-batch whatever its tokens, {:.2} s of optimizer over the whole model (1/N of it per rank), at the share of a core the row's compute got (or the probe found), plus the schedule's bytes over the probed ring bandwidth, none of it hidden (no prefetch)",
             c.ranks,
             c.s_per_token * 1e6,
-            predict::cores()
+            c.s_per_micro_batch,
+            c.update_s,
         );
     }
     Ok(())
 }
 
 /// The table's columns.
-const COLUMNS: [&str; 15] = [
+const COLUMNS: [&str; 17] = [
     "layout",
     "ranks",
     "step (s)",
@@ -174,9 +187,11 @@ const COLUMNS: [&str; 15] = [
     "gather (s/step)",
     "loss, step 1",
     "ring probe (MB/s)",
+    "core share: probe / steps",
     "predicted (s): compute + comm",
     "measured (s): compute + collectives",
     "measured / predicted",
+    "measured / predicted at the probed share",
 ];
 
 /// The mean over the steps after the first (warm caches and allocator).
@@ -190,7 +205,6 @@ fn print_row(
     world: usize,
     config: &ModelConfig,
     rs: &[RankResult],
-    threads: usize,
     calib: &mut Option<Calibration>,
 ) {
     let units = model_layout(config);
@@ -213,20 +227,28 @@ fn print_row(
             let times: Vec<RankTimes> = rs
                 .iter()
                 .map(|r| RankTimes {
-                    step_s: timed(&r.step_s),
-                    collectives_s: timed(&r.gather_s) + timed(&r.reduce_s),
-                    tokens: r.tokens as f64,
+                    steps: StepTimes {
+                        step_s: timed(&r.step_s),
+                        collectives_s: timed(&r.gather_s) + timed(&r.reduce_s),
+                        update_s: timed(&r.update_s),
+                        cpu_s: timed(&r.cpu_s),
+                        tokens: r.tokens as f64,
+                    },
+                    small: r.small,
                     probe: r.probe,
+                    core_share: r.core_share.unwrap_or(1.0),
                 })
                 .collect();
-            let f = predict::fit(&units, world, threads, &times, calib);
+            let f = predict::fit(&units, world, &times, calib);
             let p = &f.predicted;
             format!(
-                "{} | {:.2} + {:.2} = {:.2} | {:.2} + {:.2} = {:.2} | {:.2}",
+                "{} | {:.2} / {:.2} | {:.2} + {:.2} = {:.2} | {:.2} + {:.2} = {:.2} | {:.2} | {:.2}",
                 match f.link_bytes_per_s.is_finite() {
                     true => format!("{:.0}", f.link_bytes_per_s / 1e6),
                     false => "–".into(),
                 },
+                f.share_probe,
+                f.share_steps,
                 p.compute_s,
                 p.exposed_comm_s,
                 p.step_s,
@@ -234,9 +256,10 @@ fn print_row(
                 f.collectives_s,
                 f.step_s,
                 f.step_s / p.step_s,
+                f.step_s / f.predicted_probe.step_s,
             )
         }
-        Layout::Replicated => "– | – | – | –".into(),
+        Layout::Replicated => "– | – | – | – | – | –".into(),
     };
     println!(
         "| {layout:?} | {world} | {step:.2} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.1}{} | {:.3} | {:.6} | {model} |",
@@ -293,7 +316,12 @@ fn model_config(name: &str) -> Result<ModelConfig> {
 
 /// Starts `world` rank processes around a lead node, hands them the ring, and collects
 /// their results.
-fn run_ranks(args: &BenchShardedArgs, layout: Layout, world: usize) -> Result<Vec<RankResult>> {
+fn run_ranks(
+    args: &BenchShardedArgs,
+    layout: Layout,
+    world: usize,
+    calibrate: bool,
+) -> Result<Vec<RankResult>> {
     let dir = tempfile::tempdir()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -323,6 +351,7 @@ fn run_ranks(args: &BenchShardedArgs, layout: Layout, world: usize) -> Result<Ve
             )
             .args(["--rank", &r.to_string(), "--world", &world.to_string()])
             .args(["--layout", &format!("{layout:?}").to_lowercase()])
+            .args(calibrate.then_some("--calibrate"))
             .args(["--lead", &lead.addr().to_string()])
             .arg("--ca-dir")
             .arg(dir.path())
@@ -449,8 +478,12 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
         moved_bytes: vec![],
         gather_s: vec![],
         reduce_s: vec![],
+        update_s: vec![],
+        cpu_s: vec![],
         tokens: 0,
         probe: None,
+        core_share: None,
+        small: None,
         train_state_bytes: 0,
         peak_rss_bytes: 0,
         built_rss_bytes: 0,
@@ -463,8 +496,11 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
         Layout::Sharded => {
             let mut group = RingShardGroup::new(member)?;
             if world > 1 {
-                result.probe = Some(predict::probe(&mut group, &model_layout(&config))?);
+                result.probe = Some(predict::probe(&mut group, &model_layout(&config), 2)?);
             }
+            // Right after the probe's last collective, and again after the last step's:
+            // the ranks spin together, before and after the steps they bracket.
+            let share_before = predict::core_share(0.5);
             let mut tr = ShardedTrainer::random(
                 config,
                 Device::Cpu,
@@ -474,12 +510,25 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
                 Box::new(group),
             )?;
             result.built_rss_bytes = cap::peak_rss_bytes();
+            let mut timed_step = |batches: &[SeqBatch]| {
+                let (t0, c0) = (Instant::now(), predict::thread_cpu_s());
+                let s = tr.step_tokens(batches, 1.0, |i, sc| Ok(loss(sc, &batches[i])))?;
+                let times = StepTimes {
+                    step_s: t0.elapsed().as_secs_f64(),
+                    collectives_s: s.comm.gather_s + s.comm.reduce_s,
+                    update_s: s.update_s,
+                    cpu_s: predict::thread_cpu_s() - c0,
+                    tokens: tokens_of(batches) as f64,
+                };
+                anyhow::Ok((s, times))
+            };
             for step in 0..args.steps {
                 let batches = rank_batch(args, vocab, step, rank, world)?;
-                result.tokens = tokens_of(&batches);
-                let t0 = Instant::now();
-                let s = tr.step_tokens(&batches, 1.0, |i, sc| Ok(loss(sc, &batches[i])))?;
-                result.step_s.push(t0.elapsed().as_secs_f64());
+                let (s, t) = timed_step(&batches)?;
+                result.tokens = t.tokens as usize;
+                result.step_s.push(t.step_s);
+                result.update_s.push(t.update_s);
+                result.cpu_s.push(t.cpu_s);
                 result.loss.push(s.step.loss);
                 result
                     .moved_bytes
@@ -488,6 +537,15 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
                 result.reduce_s.push(s.comm.reduce_s);
                 result.train_state_bytes = result.train_state_bytes.max(s.train_state_bytes);
             }
+            if ra.calibrate {
+                let one = BenchShardedArgs {
+                    global_batch: world,
+                    ..args.clone()
+                };
+                let batches = rank_batch(&one, vocab, args.steps, rank, world)?;
+                result.small = Some(timed_step(&batches)?.1);
+            }
+            result.core_share = Some((share_before + predict::core_share(0.5)) / 2.0);
         }
         Layout::Replicated => {
             let mut model = random_model_by_units(config, Device::Cpu, Kind::Float, SEED);
@@ -499,7 +557,7 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
             for step in 0..args.steps {
                 let batches = rank_batch(args, vocab, step, rank, world)?;
                 result.tokens = tokens_of(&batches);
-                let t0 = Instant::now();
+                let (t0, c0) = (Instant::now(), predict::thread_cpu_s());
                 let mut total = 0.0;
                 for b in &batches {
                     total += token_logprobs_backward(&tr.model, b, 1.0, |s| Ok(loss(s, b)))?;
@@ -516,6 +574,8 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
                 result.moved_bytes.push(moved as u64);
                 result.gather_s.push(0.0);
                 result.reduce_s.push(0.0);
+                result.update_s.push(0.0);
+                result.cpu_s.push(predict::thread_cpu_s() - c0);
                 result.train_state_bytes = result.train_state_bytes.max(tr.resident_bytes() as u64);
             }
         }
