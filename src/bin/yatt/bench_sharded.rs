@@ -4,9 +4,9 @@
 //! peak resident memory, the bytes each rank moved against 3·(N−1)/N·Ψ·b, and the time
 //! spent gathering; and the step the cost model (`yatt_placement::ShardedStep`)
 //! predicts from the first sharded row's compute and probes of the ring's bandwidth and
-//! of the share of a core each rank gets, against the measured one. With `--mem-cap-mb` every rank runs under a memory cap (a
-//! cgroup, else RLIMIT_AS): a model whose state does not fit one rank fails at N = 1,
-//! by name, and trains when sharded.
+//! of the share of a core each rank gets, against the measured one. With `--mem-cap-mb`
+//! every rank runs under a memory cap (a cgroup, else RLIMIT_AS): a model whose state
+//! does not fit one rank fails at N = 1, by name, and trains when sharded.
 
 mod cap;
 mod predict;
