@@ -4,6 +4,8 @@
 //! - the cluster as placement sees it: [`NodeDesc`]s cut into groups ([`Inventory`]);
 //! - placement plans ([`Plan`]: full colocation, partial colocation, disaggregated)
 //!   and the rooflines and cost model that predict them ([`CostModel`]);
+//! - one rank's step of ZeRO-3 sharded training, as the live trainer runs it
+//!   ([`ShardedStep`]), which the simulator charges and `yatt bench sharded` checks;
 //! - the workload model ([`WorkloadSpec`], [`ForecastParams`]) and the plan search
 //!   ([`search`], [`assign`]);
 //! - what a placer is told and decides ([`Event`], [`Decision`], [`Placer`]) and the
@@ -30,6 +32,7 @@ mod policy;
 mod profile;
 mod record;
 mod search;
+mod sharded;
 mod staleness;
 mod workload;
 
@@ -49,6 +52,7 @@ pub use record::{
     RECORD_FILE,
 };
 pub use search::{assign, search, search_top, search_top_lanes, Found, LaneSearch, Space};
+pub use sharded::{Overlap, RankWork, ShardedStep, StepCost};
 pub use staleness::{lag, within_bound};
 pub use workload::{
     BeyondBound, DynamicSampling, Forecast, ForecastParams, LengthDist, PartialRollout, Resume,

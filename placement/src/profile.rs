@@ -454,7 +454,9 @@ impl JobShape {
 pub enum Sharding {
     /// Split over the devices of one group (tensor parallel); every group holds a copy.
     Group,
-    /// Split over every device of the pool (ZeRO-3 / FSDP data parallel).
+    /// Split over every device of the pool (ZeRO-3 / FSDP data parallel). Training
+    /// then moves about 3·(N−1)/N of the weights through each device's link per
+    /// micro-batch ([`crate::ShardedStep`]).
     Pool,
 }
 

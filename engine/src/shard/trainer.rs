@@ -74,6 +74,9 @@ pub struct ShardedStepStats {
     pub peak_gathered_bytes: u64,
     /// Micro-batches every rank ran (the most any rank had).
     pub micro_batches: usize,
+    /// Seconds of the optimizer step on this rank's shards (the gradient norm's
+    /// all-reduce included): it shrinks with N, unlike the forward and backward.
+    pub update_s: f64,
 }
 
 /// A model whose training state is sharded over the ranks of a [`ShardGroup`].
@@ -215,7 +218,9 @@ impl ShardedTrainer {
         }
         let mut sum = [total];
         self.group.all_reduce(&mut sum, ReduceOp::Sum)?;
+        let t0 = Instant::now();
         let (grad_norm, lr) = self.apply()?;
+        let update_s = t0.elapsed().as_secs_f64();
         let comm = CommStats {
             gathered_bytes: self.comm.gathered_bytes - before.gathered_bytes,
             reduced_bytes: self.comm.reduced_bytes - before.reduced_bytes,
@@ -234,6 +239,7 @@ impl ShardedTrainer {
             train_state_bytes: self.shard_state_bytes() + self.peak_held,
             peak_gathered_bytes: self.peak_held,
             micro_batches: n,
+            update_s,
         })
     }
 

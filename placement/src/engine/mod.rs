@@ -20,6 +20,7 @@ use crate::profile::{
     decode_slots, forward_s_per_token, train_s_per_token, DecodeCoeffs, RewardKind, Role, RoleSet,
     Sharding,
 };
+use crate::sharded::{RankWork, ShardedStep};
 use crate::workload::{BeyondBound, PartialRollout, Resume};
 
 mod decode;

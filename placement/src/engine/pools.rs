@@ -232,13 +232,24 @@ impl<'w> Sim<'w> {
         let devices = self.pools[p].members.len() as u32 * self.w.group_devices;
         let mut secs = tokens * self.s_per_token[&stage] / f64::from(devices);
         if matches!(stage, Stage::TrainActor | Stage::TrainCritic) {
-            // Gradient reduce-scatter and parameter all-gather of ZeRO-3, partly hidden.
+            // ZeRO-3 over the pool, as the live trainer runs it (exposed: no prefetch).
+            // Each micro-batch gathers the weights twice and reduce-scatters the
+            // gradient; the simulator has no micro-batch size, so it charges the fewest
+            // the trainer can run, one per rank per epoch.
             let model = self
                 .w
                 .job
                 .model(stage.role())
                 .expect("trained role has a model");
-            secs += 1.5 * model.weight_bytes() / f64::from(devices) / self.w.gpu.net_bytes_per_s;
+            secs = ShardedStep::of_model(model, devices, self.w.gpu.net_bytes_per_s)
+                .predict(RankWork {
+                    tokens: tokens / f64::from(devices),
+                    micro_batches: f64::from(self.w.job.train_epochs.max(1)),
+                    s_per_token: self.s_per_token[&stage],
+                    // FLOP-bound on a GPU: the stage's rate is all of it.
+                    ..RankWork::default()
+                })
+                .step_s;
             if std::mem::take(&mut self.pools[p].reshard) {
                 let state = self.w.job.memory(stage.role()).expect("memory profile");
                 secs += state.resident_per_device(self.w.group_devices, devices)

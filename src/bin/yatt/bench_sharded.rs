@@ -2,14 +2,18 @@
 //! rank its own process with its own node, the ranks talking over the runtime's ring
 //! (QUIC on loopback). Per rank count: the step time, each rank's training state and
 //! peak resident memory, the bytes each rank moved against 3·(N−1)/N·Ψ·b, and the time
-//! spent gathering. With `--mem-cap-mb` every rank runs under a memory cap (a cgroup,
-//! else RLIMIT_AS): a model whose state does not fit one rank fails at N = 1, by name,
-//! and trains when sharded.
+//! spent gathering; and the step the cost model (`yatt_placement::ShardedStep`)
+//! predicts from the first sharded row's compute and probes of the ring's bandwidth and
+//! of the share of a core each rank gets, against the measured one. With `--mem-cap-mb`
+//! every rank runs under a memory cap (a cgroup, else RLIMIT_AS): a model whose state
+//! does not fit one rank fails at N = 1, by name, and trains when sharded.
 
 mod cap;
+mod predict;
 
 use anyhow::{anyhow, bail, Context, Result};
 use cap::MemoryCap;
+use predict::{Calibration, Probe, RankTimes, StepTimes};
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
@@ -19,8 +23,8 @@ use std::time::{Duration, Instant};
 use yatt_engine::score::{token_logprobs_backward, SeqBatch, TokenScores};
 use yatt_engine::tch::{Device, Kind};
 use yatt_engine::{
-    model_layout, moved_bytes_per_micro_batch, random_model_by_units, set_threads, ModelConfig,
-    ShardedTrainer, TrainConfig, Trainer,
+    model_layout, random_model_by_units, set_threads, ModelConfig, ShardedTrainer, TrainConfig,
+    Trainer,
 };
 use yatt_roles::RingShardGroup;
 use yatt_runtime::{Node, NodeConfig, RingMember, RingSpec, RING_CHUNK_BYTES};
@@ -89,6 +93,9 @@ pub struct RankArgs {
     pub lead: Option<SocketAddr>,
     #[arg(long, hide = true)]
     pub ca_dir: Option<PathBuf>,
+    /// Also time a step of one sequence per rank (the cost model's calibration row).
+    #[arg(long, hide = true)]
+    pub calibrate: bool,
 }
 
 /// What a rank reports.
@@ -99,6 +106,19 @@ struct RankResult {
     loss: Vec<f64>,
     moved_bytes: Vec<u64>,
     gather_s: Vec<f64>,
+    reduce_s: Vec<f64>,
+    update_s: Vec<f64>,
+    /// CPU seconds of the compute thread per step.
+    cpu_s: Vec<f64>,
+    /// Tokens this rank trains on per step.
+    tokens: usize,
+    /// The ring probe before the steps (sharded, more than one rank).
+    probe: Option<Probe>,
+    /// The share of a core the rank got while every rank spun, before and after the
+    /// steps (sharded).
+    core_share: Option<f64>,
+    /// A step of one sequence per rank (with `--calibrate`).
+    small: Option<StepTimes>,
     train_state_bytes: u64,
     peak_rss_bytes: u64,
     /// Peak resident memory once the trainer was built, before the first step.
@@ -114,46 +134,87 @@ pub fn run(args: BenchShardedArgs) -> Result<()> {
     let config = model_config(&args.model)?;
     let psi: i64 = model_layout(&config).iter().map(|u| u.numel).sum();
     println!(
-        "sharded training, {} shapes ({:.1} M parameters, random weights), global batch {} × {} tokens, {} thread(s) per rank{}\n",
+        "sharded training, {} shapes ({:.1} M parameters, random weights), global batch {} × {} tokens, {} thread(s) per rank, {} core(s){}\n",
         args.model,
         psi as f64 / 1e6,
         args.global_batch,
         args.seq_len,
         args.threads,
+        predict::cores(),
         args.mem_cap_mb
             .map(|m| format!(", each rank capped at {m} MiB"))
             .unwrap_or_default()
     );
-    println!("| layout | ranks | step (s) | state / rank (GB) | peak RSS / rank (GB) | RSS built (GB) | moved / rank / step (MB) | schedule (MB) | 3(N−1)/N·Ψ·b (MB) | gather (s/step) | loss, step 1 |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| {} |", COLUMNS.join(" | "));
+    println!("|{}", "---|".repeat(COLUMNS.len()));
     let runs = (args.shards.iter().map(|&n| (Layout::Sharded, n)))
         .chain(args.replicated.iter().map(|&n| (Layout::Replicated, n)));
+    let mut calib = None;
     for (layout, world) in runs {
-        match run_ranks(&args, layout, world) {
-            Ok(results) => print_row(layout, world, &config, &results),
+        let calibrate = layout == Layout::Sharded && calib.is_none();
+        match run_ranks(&args, layout, world, calibrate) {
+            Ok(results) => print_row(layout, world, &config, &results, &mut calib),
             Err(e) => println!(
-                "| {layout:?} | {world} | failed: {} | | | | | | | | |",
-                format!("{e:#}").replace('|', "/").replace('\n', " ")
+                "| {layout:?} | {world} | failed: {} |{}",
+                format!("{e:#}").replace('|', "/").replace('\n', " "),
+                " |".repeat(COLUMNS.len() - 3)
             ),
         }
+    }
+    if let Some(c) = calib {
+        println!(
+            "\npredicted: a rank's compute from the Sharded {} row, on a core of its own: {:.0} µs per token, {:.2} s per micro-batch whatever its tokens, {:.2} s of optimizer over the whole model (1/N of it per rank), at the share of a core the row's compute got (or the probe found), plus the schedule's bytes over the probed ring bandwidth, none of it hidden (no prefetch)",
+            c.ranks,
+            c.s_per_token * 1e6,
+            c.s_per_micro_batch,
+            c.update_s,
+        );
     }
     Ok(())
 }
 
-fn print_row(layout: Layout, world: usize, config: &ModelConfig, rs: &[RankResult]) {
+/// The table's columns.
+const COLUMNS: [&str; 17] = [
+    "layout",
+    "ranks",
+    "step (s)",
+    "state / rank (GB)",
+    "peak RSS / rank (GB)",
+    "RSS built (GB)",
+    "moved / rank / step (MB)",
+    "schedule (MB)",
+    "3(N−1)/N·Ψ·b (MB)",
+    "gather (s/step)",
+    "loss, step 1",
+    "ring probe (MB/s)",
+    "core share: probe / steps",
+    "predicted (s): compute + comm",
+    "measured (s): compute + collectives",
+    "measured / predicted",
+    "measured / predicted at the probed share",
+];
+
+/// The mean over the steps after the first (warm caches and allocator).
+fn timed(v: &[f64]) -> f64 {
+    let t = if v.len() > 1 { &v[1..] } else { v };
+    t.iter().sum::<f64>() / t.len().max(1) as f64
+}
+
+fn print_row(
+    layout: Layout,
+    world: usize,
+    config: &ModelConfig,
+    rs: &[RankResult],
+    calib: &mut Option<Calibration>,
+) {
     let units = model_layout(config);
     let psi: i64 = units.iter().map(|u| u.numel).sum();
     let mean = |f: &dyn Fn(&RankResult) -> f64| rs.iter().map(f).sum::<f64>() / rs.len() as f64;
-    // Steps after the first: warm caches and allocator.
-    let timed = |v: &[f64]| {
-        let t = if v.len() > 1 { &v[1..] } else { v };
-        t.iter().sum::<f64>() / t.len().max(1) as f64
-    };
     let step = rs.iter().map(|r| timed(&r.step_s)).fold(0.0, f64::max);
     let moved = mean(&|r| timed(&r.moved_bytes.iter().map(|&b| b as f64).collect::<Vec<_>>()));
     let (schedule, formula) = match layout {
         Layout::Sharded => (
-            moved_bytes_per_micro_batch(&units, world, 4),
+            predict::schedule_bytes(&units, world),
             3.0 * (world as f64 - 1.0) / world as f64 * psi as f64 * 4.0,
         ),
         Layout::Replicated => {
@@ -161,8 +222,47 @@ fn print_row(layout: Layout, world: usize, config: &ModelConfig, rs: &[RankResul
             (ring, ring)
         }
     };
+    let model = match layout {
+        Layout::Sharded => {
+            let times: Vec<RankTimes> = rs
+                .iter()
+                .map(|r| RankTimes {
+                    steps: StepTimes {
+                        step_s: timed(&r.step_s),
+                        collectives_s: timed(&r.gather_s) + timed(&r.reduce_s),
+                        update_s: timed(&r.update_s),
+                        cpu_s: timed(&r.cpu_s),
+                        tokens: r.tokens as f64,
+                    },
+                    small: r.small,
+                    probe: r.probe,
+                    core_share: r.core_share.unwrap_or(1.0),
+                })
+                .collect();
+            let f = predict::fit(&units, world, &times, calib);
+            let p = &f.predicted;
+            format!(
+                "{} | {:.2} / {:.2} | {:.2} + {:.2} = {:.2} | {:.2} + {:.2} = {:.2} | {:.2} | {:.2}",
+                match f.link_bytes_per_s.is_finite() {
+                    true => format!("{:.0}", f.link_bytes_per_s / 1e6),
+                    false => "–".into(),
+                },
+                f.share_probe,
+                f.share_steps,
+                p.compute_s,
+                p.exposed_comm_s,
+                p.step_s,
+                f.compute_s,
+                f.collectives_s,
+                f.step_s,
+                f.step_s / p.step_s,
+                f.step_s / f.predicted_probe.step_s,
+            )
+        }
+        Layout::Replicated => "– | – | – | – | – | –".into(),
+    };
     println!(
-        "| {layout:?} | {world} | {step:.2} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.1}{} | {:.3} | {:.6} |",
+        "| {layout:?} | {world} | {step:.2} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.1}{} | {:.3} | {:.6} | {model} |",
         mean(&|r| r.train_state_bytes as f64) / 1e9,
         rs.iter().map(|r| r.peak_rss_bytes).max().unwrap_or(0) as f64 / 1e9,
         rs.iter().map(|r| r.built_rss_bytes).max().unwrap_or(0) as f64 / 1e9,
@@ -216,7 +316,12 @@ fn model_config(name: &str) -> Result<ModelConfig> {
 
 /// Starts `world` rank processes around a lead node, hands them the ring, and collects
 /// their results.
-fn run_ranks(args: &BenchShardedArgs, layout: Layout, world: usize) -> Result<Vec<RankResult>> {
+fn run_ranks(
+    args: &BenchShardedArgs,
+    layout: Layout,
+    world: usize,
+    calibrate: bool,
+) -> Result<Vec<RankResult>> {
     let dir = tempfile::tempdir()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -246,6 +351,7 @@ fn run_ranks(args: &BenchShardedArgs, layout: Layout, world: usize) -> Result<Ve
             )
             .args(["--rank", &r.to_string(), "--world", &world.to_string()])
             .args(["--layout", &format!("{layout:?}").to_lowercase()])
+            .args(calibrate.then_some("--calibrate"))
             .args(["--lead", &lead.addr().to_string()])
             .arg("--ca-dir")
             .arg(dir.path())
@@ -371,6 +477,13 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
         loss: vec![],
         moved_bytes: vec![],
         gather_s: vec![],
+        reduce_s: vec![],
+        update_s: vec![],
+        cpu_s: vec![],
+        tokens: 0,
+        probe: None,
+        core_share: None,
+        small: None,
         train_state_bytes: 0,
         peak_rss_bytes: 0,
         built_rss_bytes: 0,
@@ -381,7 +494,13 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
     };
     match layout {
         Layout::Sharded => {
-            let group = RingShardGroup::new(member)?;
+            let mut group = RingShardGroup::new(member)?;
+            if world > 1 {
+                result.probe = Some(predict::probe(&mut group, &model_layout(&config), 2)?);
+            }
+            // Right after the probe's last collective, and again after the last step's:
+            // the ranks spin together, before and after the steps they bracket.
+            let share_before = predict::core_share(0.5);
             let mut tr = ShardedTrainer::random(
                 config,
                 Device::Cpu,
@@ -391,18 +510,42 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
                 Box::new(group),
             )?;
             result.built_rss_bytes = cap::peak_rss_bytes();
+            let mut timed_step = |batches: &[SeqBatch]| {
+                let (t0, c0) = (Instant::now(), predict::thread_cpu_s());
+                let s = tr.step_tokens(batches, 1.0, |i, sc| Ok(loss(sc, &batches[i])))?;
+                let times = StepTimes {
+                    step_s: t0.elapsed().as_secs_f64(),
+                    collectives_s: s.comm.gather_s + s.comm.reduce_s,
+                    update_s: s.update_s,
+                    cpu_s: predict::thread_cpu_s() - c0,
+                    tokens: tokens_of(batches) as f64,
+                };
+                anyhow::Ok((s, times))
+            };
             for step in 0..args.steps {
                 let batches = rank_batch(args, vocab, step, rank, world)?;
-                let t0 = Instant::now();
-                let s = tr.step_tokens(&batches, 1.0, |i, sc| Ok(loss(sc, &batches[i])))?;
-                result.step_s.push(t0.elapsed().as_secs_f64());
+                let (s, t) = timed_step(&batches)?;
+                result.tokens = t.tokens as usize;
+                result.step_s.push(t.step_s);
+                result.update_s.push(t.update_s);
+                result.cpu_s.push(t.cpu_s);
                 result.loss.push(s.step.loss);
                 result
                     .moved_bytes
                     .push(s.comm.gathered_bytes + s.comm.reduced_bytes);
                 result.gather_s.push(s.comm.gather_s);
+                result.reduce_s.push(s.comm.reduce_s);
                 result.train_state_bytes = result.train_state_bytes.max(s.train_state_bytes);
             }
+            if ra.calibrate {
+                let one = BenchShardedArgs {
+                    global_batch: world,
+                    ..args.clone()
+                };
+                let batches = rank_batch(&one, vocab, args.steps, rank, world)?;
+                result.small = Some(timed_step(&batches)?.1);
+            }
+            result.core_share = Some((share_before + predict::core_share(0.5)) / 2.0);
         }
         Layout::Replicated => {
             let mut model = random_model_by_units(config, Device::Cpu, Kind::Float, SEED);
@@ -413,7 +556,8 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
             let psi: usize = tr.model.parameters().iter().map(|(_, p)| p.numel()).sum();
             for step in 0..args.steps {
                 let batches = rank_batch(args, vocab, step, rank, world)?;
-                let t0 = Instant::now();
+                result.tokens = tokens_of(&batches);
+                let (t0, c0) = (Instant::now(), predict::thread_cpu_s());
                 let mut total = 0.0;
                 for b in &batches {
                     total += token_logprobs_backward(&tr.model, b, 1.0, |s| Ok(loss(s, b)))?;
@@ -429,6 +573,9 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
                 let moved = 2 * (world - 1) * psi * 4 / world;
                 result.moved_bytes.push(moved as u64);
                 result.gather_s.push(0.0);
+                result.reduce_s.push(0.0);
+                result.update_s.push(0.0);
+                result.cpu_s.push(predict::thread_cpu_s() - c0);
                 result.train_state_bytes = result.train_state_bytes.max(tr.resident_bytes() as u64);
             }
         }
@@ -447,6 +594,11 @@ fn node_config() -> NodeConfig {
         failure_timeout: Duration::from_secs(60),
         ..NodeConfig::default()
     }
+}
+
+/// Tokens (padding included) in a rank's micro-batches.
+fn tokens_of(batches: &[SeqBatch]) -> usize {
+    batches.iter().map(|b| b.ids.numel()).sum()
 }
 
 /// This rank's share of step `step`'s global batch: sequences `rank`, `rank + world`,
