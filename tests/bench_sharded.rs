@@ -1,7 +1,7 @@
 //! `yatt bench sharded` as real processes: ranks on their own nodes over the QUIC ring
 //! train the tiny model sharded and replicated; the sharded rows move what the
-//! trainer's schedule says (under 3·(N−1)/N·Ψ·b), and every layout reports the same
-//! first loss.
+//! trainer's schedule says (under 3·(N−1)/N·Ψ·b), leave exposed at most the gather
+//! time they spent, and every layout reports the same first loss.
 
 use std::process::Command;
 
@@ -44,8 +44,8 @@ fn sharded_and_replicated_ranks_train_as_processes() {
         .collect();
     assert_eq!(rows.len(), 3, "{stdout}");
     // Columns: layout, ranks, step, state, peak RSS, RSS built, moved, schedule,
-    // the formula, gather, loss.
-    let losses: Vec<f64> = rows.iter().map(|r| r[11].parse().unwrap()).collect();
+    // the formula, gather, exposed gather, loss.
+    let losses: Vec<f64> = rows.iter().map(|r| r[12].parse().unwrap()).collect();
     for l in &losses {
         assert!((l - losses[0]).abs() < 1e-5 * losses[0].abs(), "{stdout}");
     }
@@ -55,6 +55,9 @@ fn sharded_and_replicated_ranks_train_as_processes() {
         let formula: f64 = r[9].parse().unwrap();
         assert!((moved - schedule).abs() <= 0.1, "{stdout}");
         assert!(moved <= formula + 0.1, "{stdout}");
+        let gather: f64 = r[10].parse().unwrap();
+        let exposed: f64 = r[11].parse().unwrap();
+        assert!(exposed <= gather + 0.001, "{stdout}");
         // The state each rank holds (GB, three decimals: the tiny model shows as 0.00x).
         assert!(r[4].parse::<f64>().unwrap() > 0.0, "{stdout}");
     }

@@ -1,8 +1,8 @@
 //! `yatt bench sharded`: sharded training (ZeRO-3) against the replicated trainer, each
 //! rank its own process with its own node, the ranks talking over the runtime's ring
 //! (QUIC on loopback). Per rank count: the step time, each rank's training state and
-//! peak resident memory, the bytes each rank moved against 3·(N−1)/N·Ψ·b, and the time
-//! spent gathering. With `--mem-cap-mb` every rank runs under a memory cap (a cgroup,
+//! peak resident memory, the bytes each rank moved against 3·(N−1)/N·Ψ·b, the time
+//! spent gathering and the part of it prefetch left exposed. With `--mem-cap-mb` every rank runs under a memory cap (a cgroup,
 //! else RLIMIT_AS): a model whose state does not fit one rank fails at N = 1, by name,
 //! and trains when sharded.
 
@@ -72,6 +72,10 @@ pub struct BenchShardedArgs {
     /// Deadline of a whole run, seconds.
     #[arg(long, default_value_t = 3600)]
     pub run_s: u64,
+    /// Sharded ranks wait on each collective as they submit it: no gather prefetched,
+    /// no reduce-scatter behind compute (the baseline prefetch is measured against).
+    #[arg(long)]
+    pub no_prefetch: bool,
     #[command(flatten)]
     pub rank: RankArgs,
 }
@@ -99,6 +103,8 @@ struct RankResult {
     loss: Vec<f64>,
     moved_bytes: Vec<u64>,
     gather_s: Vec<f64>,
+    /// The part of `gather_s` the rank's compute waited for.
+    gather_exposed_s: Vec<f64>,
     train_state_bytes: u64,
     peak_rss_bytes: u64,
     /// Peak resident memory once the trainer was built, before the first step.
@@ -114,7 +120,7 @@ pub fn run(args: BenchShardedArgs) -> Result<()> {
     let config = model_config(&args.model)?;
     let psi: i64 = model_layout(&config).iter().map(|u| u.numel).sum();
     println!(
-        "sharded training, {} shapes ({:.1} M parameters, random weights), global batch {} × {} tokens, {} thread(s) per rank{}\n",
+        "sharded training, {} shapes ({:.1} M parameters, random weights), global batch {} × {} tokens, {} thread(s) per rank{}, prefetch {}\n",
         args.model,
         psi as f64 / 1e6,
         args.global_batch,
@@ -122,17 +128,18 @@ pub fn run(args: BenchShardedArgs) -> Result<()> {
         args.threads,
         args.mem_cap_mb
             .map(|m| format!(", each rank capped at {m} MiB"))
-            .unwrap_or_default()
+            .unwrap_or_default(),
+        if args.no_prefetch { "off" } else { "on" },
     );
-    println!("| layout | ranks | step (s) | state / rank (GB) | peak RSS / rank (GB) | RSS built (GB) | moved / rank / step (MB) | schedule (MB) | 3(N−1)/N·Ψ·b (MB) | gather (s/step) | loss, step 1 |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| layout | ranks | step (s) | state / rank (GB) | peak RSS / rank (GB) | RSS built (GB) | moved / rank / step (MB) | schedule (MB) | 3(N−1)/N·Ψ·b (MB) | gather (s/step) | exposed (s/step) | loss, step 1 |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     let runs = (args.shards.iter().map(|&n| (Layout::Sharded, n)))
         .chain(args.replicated.iter().map(|&n| (Layout::Replicated, n)));
     for (layout, world) in runs {
         match run_ranks(&args, layout, world) {
             Ok(results) => print_row(layout, world, &config, &results),
             Err(e) => println!(
-                "| {layout:?} | {world} | failed: {} | | | | | | | | |",
+                "| {layout:?} | {world} | failed: {} | | | | | | | | | |",
                 format!("{e:#}").replace('|', "/").replace('\n', " ")
             ),
         }
@@ -162,7 +169,7 @@ fn print_row(layout: Layout, world: usize, config: &ModelConfig, rs: &[RankResul
         }
     };
     println!(
-        "| {layout:?} | {world} | {step:.2} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.1}{} | {:.3} | {:.6} |",
+        "| {layout:?} | {world} | {step:.2} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.1}{} | {:.3} | {:.3} | {:.6} |",
         mean(&|r| r.train_state_bytes as f64) / 1e9,
         rs.iter().map(|r| r.peak_rss_bytes).max().unwrap_or(0) as f64 / 1e9,
         rs.iter().map(|r| r.built_rss_bytes).max().unwrap_or(0) as f64 / 1e9,
@@ -175,6 +182,7 @@ fn print_row(layout: Layout, world: usize, config: &ModelConfig, rs: &[RankResul
             ""
         },
         mean(&|r| timed(&r.gather_s)),
+        mean(&|r| timed(&r.gather_exposed_s)),
         // A replicated rank reports its own part of the loss; a sharded step's is
         // already summed over the ranks.
         match layout {
@@ -239,6 +247,7 @@ fn run_ranks(args: &BenchShardedArgs, layout: Layout, world: usize) -> Result<Ve
             .args(["--seq-len", &args.seq_len.to_string()])
             .args(["--threads", &args.threads.to_string()])
             .args(["--collective-s", &args.collective_s.to_string()])
+            .args(args.no_prefetch.then_some("--no-prefetch"))
             .args(
                 args.mmap_threshold_kb
                     .map(|k| vec!["--mmap-threshold-kb".to_string(), k.to_string()])
@@ -371,6 +380,7 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
         loss: vec![],
         moved_bytes: vec![],
         gather_s: vec![],
+        gather_exposed_s: vec![],
         train_state_bytes: 0,
         peak_rss_bytes: 0,
         built_rss_bytes: 0,
@@ -390,6 +400,7 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
                 train,
                 Box::new(group),
             )?;
+            tr.prefetch = !args.no_prefetch;
             result.built_rss_bytes = cap::peak_rss_bytes();
             for step in 0..args.steps {
                 let batches = rank_batch(args, vocab, step, rank, world)?;
@@ -401,6 +412,7 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
                     .moved_bytes
                     .push(s.comm.gathered_bytes + s.comm.reduced_bytes);
                 result.gather_s.push(s.comm.gather_s);
+                result.gather_exposed_s.push(s.comm.gather_exposed_s);
                 result.train_state_bytes = result.train_state_bytes.max(s.train_state_bytes);
             }
         }
@@ -429,6 +441,7 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
                 let moved = 2 * (world - 1) * psi * 4 / world;
                 result.moved_bytes.push(moved as u64);
                 result.gather_s.push(0.0);
+                result.gather_exposed_s.push(0.0);
                 result.train_state_bytes = result.train_state_bytes.max(tr.resident_bytes() as u64);
             }
         }
