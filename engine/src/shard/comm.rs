@@ -63,6 +63,17 @@ pub(crate) struct Pending {
     op: &'static str,
     rank: usize,
     reply: Receiver<Done>,
+    submitted: Instant,
+}
+
+/// Since when the compute thread has had nothing to do but wait for a collective.
+pub(crate) enum WaitingSince {
+    /// Its submission: it was submitted to be waited on at once. Counting from the
+    /// wait's own start instead would miss the time the thread lost to the
+    /// communication thread it had just woken (on a busy machine, the whole call).
+    Submission,
+    /// Now: the compute thread did other work since submitting it.
+    Now,
 }
 
 /// A finished tensor collective: its result, the seconds the communication thread
@@ -113,6 +124,7 @@ impl CommThread {
                 op: name,
                 rank: self.rank,
                 reply: answer,
+                submitted: Instant::now(),
             }),
             _ => Err(thread_gone(name, self.rank)),
         }
@@ -130,13 +142,14 @@ impl CommThread {
 
     /// [`ShardGroup::all_gather`], waited on at once.
     pub(crate) fn all_gather(&self, shard: &Tensor) -> Result<Tensor> {
-        Ok(self.submit_gather(shard.shallow_clone())?.wait()?.tensor)
+        let pending = self.submit_gather(shard.shallow_clone())?;
+        Ok(pending.wait(WaitingSince::Submission)?.tensor)
     }
 
     /// [`ShardGroup::all_reduce`], waited on at once.
     pub(crate) fn all_reduce(&self, values: &mut [f64], op: ReduceOp) -> Result<()> {
         let pending = self.submit(Op::AllReduce(values.to_vec(), op))?;
-        match pending.receive()?.0 {
+        match pending.receive(WaitingSince::Submission)?.0 {
             Output::Values(v) => {
                 values.copy_from_slice(&v);
                 Ok(())
@@ -156,10 +169,13 @@ impl Drop for CommThread {
 }
 
 impl Pending {
-    /// Blocks until the collective is done: its output and the part of its run this
-    /// wait overlapped.
-    fn receive(self) -> Result<(Output, f64, f64)> {
-        let waited_from = Instant::now();
+    /// Blocks until the collective is done: its output, its run's seconds and the
+    /// part of those the compute thread spent waiting.
+    fn receive(self, since: WaitingSince) -> Result<(Output, f64, f64)> {
+        let waited_from = match since {
+            WaitingSince::Submission => self.submitted,
+            WaitingSince::Now => Instant::now(),
+        };
         let done = self
             .reply
             .recv()
@@ -173,8 +189,8 @@ impl Pending {
     }
 
     /// Blocks until the tensor collective is done.
-    pub(crate) fn wait(self) -> Result<Finished> {
-        let (output, busy_s, exposed_s) = self.receive()?;
+    pub(crate) fn wait(self, since: WaitingSince) -> Result<Finished> {
+        let (output, busy_s, exposed_s) = self.receive(since)?;
         match output {
             Output::Tensor(tensor) => Ok(Finished {
                 tensor,
@@ -237,4 +253,74 @@ fn run(group: &mut dyn ShardGroup, op: Op) -> Result<Output> {
             Output::Values(values)
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use tch::{Device, Kind};
+
+    /// A group whose gathers panic and whose reduce-scatters fail.
+    struct Faulty;
+
+    impl ShardGroup for Faulty {
+        fn rank(&self) -> usize {
+            0
+        }
+        fn world(&self) -> usize {
+            2
+        }
+        fn all_gather(&mut self, _: &Tensor) -> Result<Tensor> {
+            panic!("a bug in the transport");
+        }
+        fn reduce_scatter(&mut self, _: Tensor) -> Result<Tensor> {
+            std::thread::sleep(Duration::from_millis(800));
+            Err(EngineError::Collective {
+                op: "reduce-scatter",
+                rank: 0,
+                msg: "the peer is gone".into(),
+            })
+        }
+        fn all_reduce(&mut self, _: &mut [f64], _: ReduceOp) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    fn zeros() -> Tensor {
+        Tensor::zeros([4], (Kind::Float, Device::Cpu))
+    }
+
+    #[test]
+    fn a_failed_collective_fails_those_queued_behind_it_at_once() {
+        let comm = CommThread::start(Box::new(Faulty)).unwrap();
+        let first = comm.submit_reduce_scatter(zeros()).unwrap();
+        let second = comm.submit_reduce_scatter(zeros()).unwrap();
+        let e = first
+            .wait(WaitingSince::Submission)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("the peer is gone"), "{e}");
+        let t0 = Instant::now();
+        let e = second.wait(WaitingSince::Now).err().unwrap().to_string();
+        assert!(e.contains("an earlier collective failed"), "{e}");
+        assert!(e.contains("the peer is gone"), "{e}");
+        assert!(
+            t0.elapsed() < Duration::from_millis(600),
+            "it ran the call again"
+        );
+    }
+
+    #[test]
+    fn a_wait_on_a_dead_communication_thread_fails_at_once() {
+        let comm = CommThread::start(Box::new(Faulty)).unwrap();
+        let gather = comm.submit_gather(zeros()).unwrap();
+        let e = gather.wait(WaitingSince::Now).err().unwrap().to_string();
+        assert!(e.contains("communication thread ended"), "{e}");
+        // The thread is gone: later calls fail too, instead of waiting for it.
+        let mut v = [1.0];
+        let later = comm.all_reduce(&mut v, ReduceOp::Sum);
+        assert!(later.is_err());
+    }
 }

@@ -19,7 +19,7 @@
 //! gradient reduce-scatter runs while the next unit backpropagates. The collectives
 //! keep one order on every rank, so the results are the same bits either way.
 
-use super::comm::{CommThread, Pending};
+use super::comm::{CommThread, Pending, WaitingSince};
 use super::group::{ReduceOp, ShardGroup};
 use super::layout::{model_layout, shard_of, UnitLayout};
 use crate::config::ModelConfig;
@@ -62,10 +62,12 @@ pub struct CommStats {
     pub gathered_bytes: u64,
     /// Bytes this rank sent in reduce-scatters: (N−1)/N of each unit's gradient.
     pub reduced_bytes: u64,
-    /// Seconds the rank's communication thread spent in all-gathers.
+    /// Seconds the rank's communication thread spent in all-gathers, waiting for the
+    /// other ranks to come included (with prefetch they are submitted a unit early, so
+    /// this grows by the time the peers take to reach the same point).
     pub gather_s: f64,
-    /// The part of `gather_s` the compute thread spent waiting: what prefetch left
-    /// exposed (all of it without prefetch).
+    /// The part of `gather_s` the compute thread spent waiting: the gather time
+    /// prefetch left exposed (all of it without prefetch).
     pub gather_exposed_s: f64,
     /// Seconds the rank's communication thread spent in reduce-scatters.
     pub reduce_s: f64,
@@ -316,16 +318,20 @@ impl ShardedTrainer {
     /// its own shape, so that no backward pass builds a zero-filled buffer-sized
     /// gradient per parameter. With prefetch the units after it are submitted first.
     fn gather(&mut self, u: usize, grad: bool) -> Result<Gathered> {
-        if self.ahead.is_empty() {
-            self.submit_next_gather()?;
-        }
+        let since = match self.ahead.is_empty() {
+            true => {
+                self.submit_next_gather()?;
+                WaitingSince::Submission
+            }
+            false => WaitingSince::Now,
+        };
         let next = self.ahead.pop_front().expect("a gather was submitted");
         debug_assert_eq!(next.unit, u, "units gathered out of order");
         let depth = if self.prefetch { PREFETCH_DEPTH } else { 0 };
         while self.ahead.len() < depth && self.submitted < self.gather_order.len() {
             self.submit_next_gather()?;
         }
-        let done = next.pending.wait()?;
+        let done = next.pending.wait(since)?;
         let flat = done.tensor;
         let kind = self.model.kind();
         let world = self.group.world() as u64;
@@ -374,7 +380,7 @@ impl ShardedTrainer {
     /// The reduce-scatter in flight is finished first: at most one unit's gradient is
     /// held beside the one being made.
     fn flat_grad(&mut self, g: &Gathered) -> Result<Tensor> {
-        self.settle_reduce()?;
+        self.settle_reduce(WaitingSince::Now)?;
         let ul = &self.layout[g.unit];
         let padded = g.flat.numel() as i64;
         let grad = |l: &Tensor| {
@@ -408,7 +414,7 @@ impl ShardedTrainer {
     /// consumed: the group may use its memory) into this rank's gradient shard. With
     /// prefetch it stays in flight until [`ShardedTrainer::settle_reduce`].
     fn reduce_into(&mut self, u: usize, g: Tensor) -> Result<()> {
-        self.settle_reduce()?;
+        self.settle_reduce(WaitingSince::Now)?;
         let bytes = g.numel() as u64 * g.kind().elt_size_in_bytes() as u64;
         let pending = self.group.submit_reduce_scatter(g.detach())?;
         self.reducing = Some(ReduceInFlight {
@@ -417,18 +423,18 @@ impl ShardedTrainer {
             bytes,
         });
         if !self.prefetch {
-            self.settle_reduce()?;
+            self.settle_reduce(WaitingSince::Submission)?;
         }
         Ok(())
     }
 
     /// Waits for the reduce-scatter in flight, if any, and adds this rank's part to
     /// its gradient shard.
-    fn settle_reduce(&mut self) -> Result<()> {
+    fn settle_reduce(&mut self, since: WaitingSince) -> Result<()> {
         let Some(r) = self.reducing.take() else {
             return Ok(());
         };
-        let done = r.pending.wait()?;
+        let done = r.pending.wait(since)?;
         let world = self.group.world() as u64;
         self.comm.reduce_s += done.busy_s;
         self.comm.reduce_exposed_s += done.exposed_s;
@@ -556,7 +562,7 @@ impl ShardedTrainer {
         }
         self.reduce_into(0, eg)?;
         // The embedding gradient is the largest: not held into the next micro-batch.
-        self.settle_reduce()?;
+        self.settle_reduce(WaitingSince::Now)?;
         Ok(value)
     }
 
