@@ -118,13 +118,15 @@ impl CommThread {
     fn submit(&self, op: Op) -> Result<Pending> {
         let name = op.name();
         let (reply, answer) = channel();
+        // Taken before the send: the thread it wakes may start the call at once.
+        let submitted = Instant::now();
         let sent = self.jobs.as_ref().map(|j| j.send(Job { op, reply }));
         match sent {
             Some(Ok(())) => Ok(Pending {
                 op: name,
                 rank: self.rank,
                 reply: answer,
-                submitted: Instant::now(),
+                submitted,
             }),
             _ => Err(thread_gone(name, self.rank)),
         }
