@@ -1,7 +1,8 @@
 //! `yatt bench sharded` as real processes: ranks on their own nodes over the QUIC ring
 //! train the tiny model sharded and replicated; the sharded rows move what the
-//! trainer's schedule says (under 3·(N−1)/N·Ψ·b), and every layout reports the same
-//! first loss; the sharded rows carry the cost model's predicted step.
+//! trainer's schedule says (under 3·(N−1)/N·Ψ·b), leave exposed at most the gather
+//! time they spent, and every layout reports the same first loss; the sharded rows
+//! carry the cost model's predicted step.
 
 use std::process::Command;
 
@@ -44,10 +45,11 @@ fn sharded_and_replicated_ranks_train_as_processes() {
         .collect();
     assert_eq!(rows.len(), 3, "{stdout}");
     // Columns: layout, ranks, step, state, peak RSS, RSS built, moved, schedule (the
-    // cost model's), the formula, gather, loss, ring probe, core share,
-    // predicted step, measured step, their ratio, the ratio at the probed share.
-    assert!(rows.iter().all(|r| r.len() == 19), "{stdout}");
-    let losses: Vec<f64> = rows.iter().map(|r| r[11].parse().unwrap()).collect();
+    // cost model's), the formula, gather, exposed gather, loss, ring probe,
+    // core share, predicted step, measured step, their ratio, the ratio at the probed
+    // share.
+    assert!(rows.iter().all(|r| r.len() == 20), "{stdout}");
+    let losses: Vec<f64> = rows.iter().map(|r| r[12].parse().unwrap()).collect();
     for l in &losses {
         assert!((l - losses[0]).abs() < 1e-5 * losses[0].abs(), "{stdout}");
     }
@@ -57,15 +59,18 @@ fn sharded_and_replicated_ranks_train_as_processes() {
         let formula: f64 = r[9].parse().unwrap();
         assert!((moved - schedule).abs() <= 0.1, "{stdout}");
         assert!(moved <= formula + 0.1, "{stdout}");
+        let gather: f64 = r[10].parse().unwrap();
+        let exposed: f64 = r[11].parse().unwrap();
+        assert!(exposed <= gather + 0.001, "{stdout}");
         // The state each rank holds (GB, three decimals: the tiny model shows as 0.00x).
         assert!(r[4].parse::<f64>().unwrap() > 0.0, "{stdout}");
         // A prediction and its ratio to the step (the tiny model's step is latency, so
         // no bound on the ratio here), and a probed ring where there is one.
-        assert!(r[14].contains(" = "), "{stdout}");
-        assert!(r[16].parse::<f64>().unwrap() > 0.0, "{stdout}");
+        assert!(r[15].contains(" = "), "{stdout}");
         assert!(r[17].parse::<f64>().unwrap() > 0.0, "{stdout}");
+        assert!(r[18].parse::<f64>().unwrap() > 0.0, "{stdout}");
         if r[2] != "1" {
-            assert!(r[12].parse::<f64>().unwrap() > 0.0, "{stdout}");
+            assert!(r[13].parse::<f64>().unwrap() > 0.0, "{stdout}");
         }
     }
 }

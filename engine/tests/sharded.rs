@@ -13,7 +13,7 @@ use yatt_engine::fixtures::sharded::{
 };
 use yatt_engine::{
     merge_sharded_checkpoint, model_layout, moved_bytes_per_micro_batch, test_devices, Llama,
-    LocalGroup, ModelConfig, ShardedStepStats, ShardedTrainer,
+    LocalGroup, ModelConfig, ShardedStepStats, ShardedTrainer, PREFETCH_DEPTH,
 };
 
 /// `world` ranks, rank r training on micro-batches r, r+world, ... of steps `steps`;
@@ -118,7 +118,7 @@ fn sharded_steps_match_the_unsharded_trainer() {
 }
 
 /// Each rank holds 16Ψ/N of state (plus padding) and at most three of the largest unit
-/// gathered at once; it moves what the schedule says, a little under 3·(N−1)/N·Ψ·b
+/// gathered at once, plus the prefetched ones; it moves what the schedule says, a little under 3·(N−1)/N·Ψ·b
 /// per micro-batch.
 #[test]
 fn a_rank_holds_its_shard_and_moves_three_gathers_worth() {
@@ -133,11 +133,11 @@ fn a_rank_holds_its_shard_and_moves_three_gathers_worth() {
             let shard: u64 = layout.iter().map(|u| 16 * u.shard_len(world) as u64).sum();
             assert!(shard as f64 <= 16.0 * psi as f64 / world as f64 + 16.0 * layout.len() as f64);
             assert!(s.train_state_bytes >= shard);
+            let bound = shard + (3 + PREFETCH_DEPTH as u64) * largest;
             assert!(
-                s.train_state_bytes <= shard + 3 * largest,
-                "N={world}: {} bytes held, bound {}",
+                s.train_state_bytes <= bound,
+                "N={world}: {} bytes held, bound {bound}",
                 s.train_state_bytes,
-                shard + 3 * largest
             );
             let per_micro =
                 (s.comm.gathered_bytes + s.comm.reduced_bytes) as f64 / s.micro_batches as f64;
@@ -153,6 +153,48 @@ fn a_rank_holds_its_shard_and_moves_three_gathers_worth() {
                 per_micro <= issue && per_micro >= 0.9 * issue,
                 "N={world}: {per_micro} vs {issue}"
             );
+        }
+    }
+}
+
+/// Prefetch changes when the collectives run, not what they compute: with it on and
+/// off the ranks take bit-identical steps, and the gather time left exposed is part of
+/// the gather time.
+#[test]
+fn sharded_prefetch_on_and_off_give_the_same_bits() {
+    for (name, config) in configs() {
+        for (world, n) in [(2usize, 5usize), (3, 4)] {
+            let run = |prefetch: bool| {
+                let start = |g: LocalGroup| {
+                    let mut tr = ShardedTrainer::new(
+                        model(&config, Device::Cpu),
+                        train_config(),
+                        Box::new(g),
+                    )
+                    .unwrap();
+                    tr.prefetch = prefetch;
+                    tr
+                };
+                run_ranks(world, Device::Cpu, 0..3, n, start, None)
+            };
+            let (on, on_w) = run(true);
+            let (off, off_w) = run(false);
+            for (rank, (a, b)) in on.iter().zip(&off).enumerate() {
+                for (sa, sb) in a.iter().zip(b) {
+                    let what = format!("{name} N={world} rank {rank} step {}", sa.step.step);
+                    assert_eq!(sa.step, sb.step, "{what}");
+                    assert_eq!(sa.comm.gathered_bytes, sb.comm.gathered_bytes, "{what}");
+                    assert_eq!(sa.comm.reduced_bytes, sb.comm.reduced_bytes, "{what}");
+                    for c in [&sa.comm, &sb.comm] {
+                        assert!(c.gather_exposed_s <= c.gather_s, "{what}: {c:?}");
+                        assert!(c.reduce_exposed_s <= c.reduce_s, "{what}: {c:?}");
+                    }
+                }
+            }
+            for ((n_on, w_on), (n_off, w_off)) in on_w.iter().zip(&off_w) {
+                assert_eq!(n_on, n_off);
+                assert!(w_on.equal(w_off), "{name} N={world}: `{n_on}` differs");
+            }
         }
     }
 }

@@ -44,9 +44,12 @@ pub const TRAIN_STATE_BYTES: &str = "memory/train_state_bytes";
 pub const SHARD_GATHERED_BYTES: &str = "perf/shard_gathered_bytes";
 /// A sharded policy: bytes one rank sent in the step's reduce-scatters of gradients.
 pub const SHARD_REDUCED_BYTES: &str = "perf/shard_reduced_bytes";
-/// A sharded policy: seconds the slowest rank waited in the step's all-gathers (none of
-/// it hidden behind compute: no prefetch yet).
+/// A sharded policy: seconds the slowest rank spent in the step's all-gathers (on its
+/// communication thread, much of it behind compute with prefetch).
 pub const SHARD_GATHER_S: &str = "perf/shard_gather_s";
+/// A sharded policy: seconds of those the slowest rank's compute waited for, the gather
+/// time prefetch left exposed.
+pub const SHARD_GATHER_EXPOSED_S: &str = "perf/shard_gather_exposed_s";
 /// Seconds the step spent offloading roles between phases (`placement.time_share =
 /// "offload"`: the policy, critic and reference before generation, the rollout after it).
 pub const OFFLOAD_S: &str = "timing_s/offload";

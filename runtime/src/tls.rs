@@ -40,7 +40,7 @@ use crate::cert_kind::CertKind;
 /// Tests pin the encoding of the system messages and the frame heads to it
 /// (`node/protocol.rs`, `transport/protocol.rs`), and the roles' messages too
 /// (`yatt-roles`, `wire/pin.rs`).
-pub const ALPN: &[u8] = b"yatt/6";
+pub const ALPN: &[u8] = b"yatt/7";
 
 /// A fingerprint of encoded messages (each one's length, then its bytes), for tests
 /// that pin an encoding to [`ALPN`]: a change to how the messages encode changes it.
@@ -835,7 +835,7 @@ pub(crate) mod test_support {
                 String::from_utf8_lossy(ALPN).into_owned(),
                 wire_fingerprint(&encoded)
             ),
-            ("yatt/6".to_string(), fingerprint),
+            ("yatt/7".to_string(), fingerprint),
             "the {what} encode differently: bump ALPN in runtime/src/tls.rs and pin the new fingerprint"
         );
     }

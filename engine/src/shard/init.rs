@@ -59,7 +59,7 @@ impl ShardedTrainer {
             })
             .collect();
         let model = Llama::skeleton(config, device, kind);
-        Ok(ShardedTrainer::assemble(model, train, layout, state, group))
+        ShardedTrainer::assemble(model, train, layout, state, group)
     }
 }
 

@@ -2,6 +2,7 @@
 //! collectives between a replica's ranks, the trainer that holds only its shard, and
 //! its checkpoints. This file only declares and re-exports.
 
+mod comm;
 mod group;
 mod init;
 mod layout;
@@ -14,4 +15,4 @@ pub use layout::{
     model_layout, moved_bytes_per_micro_batch, reshard, shard_len, shard_of, ParamSlot, UnitLayout,
 };
 pub use persist::{is_sharded_checkpoint, load_sharded_weights, merge_sharded_checkpoint};
-pub use trainer::{check_shards, CommStats, ShardedStepStats, ShardedTrainer};
+pub use trainer::{check_shards, CommStats, ShardedStepStats, ShardedTrainer, PREFETCH_DEPTH};

@@ -139,7 +139,7 @@ impl ShardedTrainer {
             state.push(s);
         }
         let model = Llama::skeleton(saved.model, device, kind);
-        let mut tr = ShardedTrainer::assemble(model, saved.config, saved.layout, state, group);
+        let mut tr = ShardedTrainer::assemble(model, saved.config, saved.layout, state, group)?;
         tr.step = saved.step;
         Ok(tr)
     }

@@ -12,7 +12,14 @@
 //! embeddings and the head are gathered once and every layer twice, and each unit's
 //! gradient is reduce-scattered once ([`moved_bytes_per_micro_batch`]): a little under
 //! 3·(N−1)/N·Ψ·b per rank per micro-batch.
+//!
+//! With [`ShardedTrainer::prefetch`] the collectives run on the rank's communication
+//! thread ([`CommThread`]) while it computes: the next unit's gather is submitted
+//! before the current unit runs ([`PREFETCH_DEPTH`] units ahead), and a unit's
+//! gradient reduce-scatter runs while the next unit backpropagates. The collectives
+//! keep one order on every rank, so the results are the same bits either way.
 
+use super::comm::{CommThread, Pending, WaitingSince};
 use super::group::{ReduceOp, ShardGroup};
 use super::layout::{model_layout, shard_of, UnitLayout};
 use crate::config::ModelConfig;
@@ -22,8 +29,15 @@ use crate::score::{
     chunked_backward, predicting_rows, token_layout, HeadInput, SeqBatch, TokenScores,
 };
 use crate::train::{Moments, StepStats, TrainConfig};
+use std::collections::VecDeque;
 use std::time::Instant;
+
 use tch::{Kind, Tensor};
+
+/// Units whose gathers are in flight ahead of the one running, with
+/// [`ShardedTrainer::prefetch`]: each is one more unit's weights held at once, so one
+/// (the next unit) is enough to hide a gather no longer than a unit's compute.
+pub const PREFETCH_DEPTH: usize = 1;
 
 /// A unit's gathered weights: the flat buffer, and with gradients one leaf per
 /// parameter (views of the buffer's memory).
@@ -50,12 +64,47 @@ pub struct CommStats {
     pub gathered_bytes: u64,
     /// Bytes this rank sent in reduce-scatters: (N−1)/N of each unit's gradient.
     pub reduced_bytes: u64,
-    /// Seconds spent waiting in all-gathers (none of it hidden: no prefetch yet).
+    /// Seconds the rank's communication thread spent in all-gathers, waiting for the
+    /// other ranks to come included (with prefetch they are submitted a unit early, so
+    /// this grows by the time the peers take to reach the same point).
     pub gather_s: f64,
-    /// Seconds spent in reduce-scatters.
+    /// The part of `gather_s` the compute thread spent waiting: the gather time
+    /// prefetch left exposed (all of it without prefetch).
+    pub gather_exposed_s: f64,
+    /// Seconds the rank's communication thread spent in reduce-scatters.
     pub reduce_s: f64,
+    /// The part of `reduce_s` the compute thread spent waiting.
+    pub reduce_exposed_s: f64,
     /// All-gathers run.
     pub gathers: u64,
+}
+
+impl CommStats {
+    /// What was added since `before`.
+    fn since(&self, before: &CommStats) -> CommStats {
+        CommStats {
+            gathered_bytes: self.gathered_bytes - before.gathered_bytes,
+            reduced_bytes: self.reduced_bytes - before.reduced_bytes,
+            gather_s: self.gather_s - before.gather_s,
+            gather_exposed_s: self.gather_exposed_s - before.gather_exposed_s,
+            reduce_s: self.reduce_s - before.reduce_s,
+            reduce_exposed_s: self.reduce_exposed_s - before.reduce_exposed_s,
+            gathers: self.gathers - before.gathers,
+        }
+    }
+}
+
+/// A unit's gather in flight.
+struct GatherAhead {
+    unit: usize,
+    pending: Pending,
+}
+
+/// A unit's gradient reduce-scatter in flight, and the bytes it holds until done.
+struct ReduceInFlight {
+    unit: usize,
+    pending: Pending,
+    bytes: u64,
 }
 
 /// What one sharded step did: the step's statistics (the same for every rank) and this
@@ -70,7 +119,8 @@ pub struct ShardedStepStats {
     /// and both moments (16Ψ/N in f32), plus the most gathered weights and gradients
     /// held at once during the step.
     pub train_state_bytes: u64,
-    /// The most gathered weights and unit gradients held at once during the step.
+    /// The most gathered weights and unit gradients held at once during the step, a
+    /// prefetched unit and a gradient being reduce-scattered included.
     pub peak_gathered_bytes: u64,
     /// Micro-batches every rank ran (the most any rank had).
     pub micro_batches: usize,
@@ -85,13 +135,24 @@ pub struct ShardedTrainer {
     pub model: Llama,
     /// Optimizer settings.
     pub config: TrainConfig,
+    /// Overlap the collectives with compute ([`PREFETCH_DEPTH`] units gathered ahead,
+    /// one reduce-scatter in flight); on by default. Off, every collective is waited on
+    /// as it is submitted. Every rank of a replica must use the same setting (the
+    /// collectives run in another order).
+    pub prefetch: bool,
     pub(crate) layout: Vec<UnitLayout>,
     pub(crate) state: Vec<UnitState>,
-    pub(crate) group: Box<dyn ShardGroup>,
+    /// The rank's group, on its communication thread.
+    pub(crate) group: CommThread,
     pub(crate) step: u64,
     comm: CommStats,
     held: u64,
     peak_held: u64,
+    /// The units this micro-batch gathers, in order, and how many are submitted.
+    gather_order: Vec<usize>,
+    submitted: usize,
+    ahead: VecDeque<GatherAhead>,
+    reducing: Option<ReduceInFlight>,
 }
 
 fn f32_zeros(n: i64, device: tch::Device) -> Tensor {
@@ -143,7 +204,7 @@ impl ShardedTrainer {
                 decay_ranges(ul, &config, rank, world),
             ));
         }
-        Ok(Self::assemble(model, config, layout, state, group))
+        Self::assemble(model, config, layout, state, group)
     }
 
     pub(crate) fn assemble(
@@ -152,18 +213,23 @@ impl ShardedTrainer {
         layout: Vec<UnitLayout>,
         state: Vec<UnitState>,
         group: Box<dyn ShardGroup>,
-    ) -> Self {
-        ShardedTrainer {
+    ) -> Result<Self> {
+        Ok(ShardedTrainer {
             model,
             config,
+            prefetch: true,
             layout,
             state,
-            group,
+            group: CommThread::start(group)?,
             step: 0,
             comm: CommStats::default(),
             held: 0,
             peak_held: 0,
-        }
+            gather_order: Vec::new(),
+            submitted: 0,
+            ahead: VecDeque::new(),
+            reducing: None,
+        })
     }
 
     /// This rank and the replica's rank count.
@@ -204,6 +270,9 @@ impl ShardedTrainer {
     ) -> Result<ShardedStepStats> {
         tch::manual_seed(self.config.seed.wrapping_add(self.step) as i64);
         let before = self.comm.clone();
+        // Whatever a failed step left in flight is not this step's.
+        self.ahead.clear();
+        self.reducing = None;
         self.peak_held = self.held;
         let mut count = [micro_batches.len() as f64];
         self.group.all_reduce(&mut count, ReduceOp::Max)?;
@@ -221,13 +290,7 @@ impl ShardedTrainer {
         let t0 = Instant::now();
         let (grad_norm, lr) = self.apply()?;
         let update_s = t0.elapsed().as_secs_f64();
-        let comm = CommStats {
-            gathered_bytes: self.comm.gathered_bytes - before.gathered_bytes,
-            reduced_bytes: self.comm.reduced_bytes - before.reduced_bytes,
-            gather_s: self.comm.gather_s - before.gather_s,
-            reduce_s: self.comm.reduce_s - before.reduce_s,
-            gathers: self.comm.gathers - before.gathers,
-        };
+        let comm = self.comm.since(&before);
         Ok(ShardedStepStats {
             step: StepStats {
                 step: self.step,
@@ -243,18 +306,46 @@ impl ShardedTrainer {
         })
     }
 
-    /// Gathers unit `u`'s weights in the model's dtype and installs them as views of
-    /// the gathered buffer; with `grad` each parameter is a leaf of its own (a view of
-    /// the buffer's memory) that collects its gradient in its own shape, so that no
-    /// backward pass builds a zero-filled buffer-sized gradient per parameter.
-    fn gather(&mut self, u: usize, grad: bool) -> Result<Gathered> {
+    /// Submits the gather of the micro-batch's next unit in order, counting its
+    /// weights as held from now on.
+    fn submit_next_gather(&mut self) -> Result<()> {
+        let unit = self.gather_order[self.submitted];
+        self.submitted += 1;
         let kind = self.model.kind();
-        let shard = self.state[u].master.to_kind(kind);
-        let t0 = Instant::now();
-        let flat = self.group.all_gather(&shard)?;
+        let shard = self.state[unit].master.to_kind(kind);
+        let bytes = shard.numel() * self.group.world() * kind.elt_size_in_bytes();
+        self.hold(bytes as i64);
+        let pending = self.group.submit_gather(shard)?;
+        self.ahead.push_back(GatherAhead { unit, pending });
+        Ok(())
+    }
+
+    /// Unit `u`'s weights (the next in the micro-batch's gather order) in the model's
+    /// dtype, installed as views of the gathered buffer; with `grad` each parameter is
+    /// a leaf of its own (a view of the buffer's memory) that collects its gradient in
+    /// its own shape, so that no backward pass builds a zero-filled buffer-sized
+    /// gradient per parameter. With prefetch the units after it are submitted first.
+    fn gather(&mut self, u: usize, grad: bool) -> Result<Gathered> {
+        let since = match self.ahead.is_empty() {
+            true => {
+                self.submit_next_gather()?;
+                WaitingSince::Submission
+            }
+            false => WaitingSince::Now,
+        };
+        let next = self.ahead.pop_front().expect("a gather was submitted");
+        debug_assert_eq!(next.unit, u, "units gathered out of order");
+        let depth = if self.prefetch { PREFETCH_DEPTH } else { 0 };
+        while self.ahead.len() < depth && self.submitted < self.gather_order.len() {
+            self.submit_next_gather()?;
+        }
+        let done = next.pending.wait(since)?;
+        let flat = done.tensor;
+        let kind = self.model.kind();
         let world = self.group.world() as u64;
         let bytes = flat.numel() as u64 * kind.elt_size_in_bytes() as u64;
-        self.comm.gather_s += t0.elapsed().as_secs_f64();
+        self.comm.gather_s += done.busy_s;
+        self.comm.gather_exposed_s += done.exposed_s;
         self.comm.gathered_bytes += bytes / world * (world - 1);
         self.comm.gathers += 1;
         let ul = &self.layout[u];
@@ -277,7 +368,6 @@ impl ShardedTrainer {
                 false => view,
             };
         }
-        self.hold(bytes as i64);
         Ok(Gathered {
             unit: u,
             flat,
@@ -295,7 +385,10 @@ impl ShardedTrainer {
     }
 
     /// A gathered unit's flat gradient, padding zero, counted as held until reduced.
-    fn flat_grad(&mut self, g: &Gathered) -> Tensor {
+    /// The reduce-scatter in flight is finished first: at most one unit's gradient is
+    /// held beside the one being made.
+    fn flat_grad(&mut self, g: &Gathered) -> Result<Tensor> {
+        self.settle_reduce(WaitingSince::Now)?;
         let ul = &self.layout[g.unit];
         let padded = g.flat.numel() as i64;
         let grad = |l: &Tensor| {
@@ -317,7 +410,7 @@ impl ShardedTrainer {
             Tensor::cat(&parts, 0)
         };
         self.hold((out.numel() * out.kind().elt_size_in_bytes()) as i64);
-        out
+        Ok(out)
     }
 
     fn hold(&mut self, bytes: i64) {
@@ -326,16 +419,36 @@ impl ShardedTrainer {
     }
 
     /// Reduce-scatters a unit's flat gradient (from [`ShardedTrainer::flat_grad`];
-    /// consumed: the group may use its memory) into this rank's gradient shard.
+    /// consumed: the group may use its memory) into this rank's gradient shard. With
+    /// prefetch it stays in flight until [`ShardedTrainer::settle_reduce`].
     fn reduce_into(&mut self, u: usize, g: Tensor) -> Result<()> {
-        let t0 = Instant::now();
-        let world = self.group.world() as u64;
+        self.settle_reduce(WaitingSince::Now)?;
         let bytes = g.numel() as u64 * g.kind().elt_size_in_bytes() as u64;
-        let mine = self.group.reduce_scatter(g.detach())?;
-        self.comm.reduce_s += t0.elapsed().as_secs_f64();
-        self.comm.reduced_bytes += bytes / world * (world - 1);
-        self.hold(-(bytes as i64));
-        self.state[u].grad += mine.to_kind(Kind::Float);
+        let pending = self.group.submit_reduce_scatter(g.detach())?;
+        self.reducing = Some(ReduceInFlight {
+            unit: u,
+            pending,
+            bytes,
+        });
+        if !self.prefetch {
+            self.settle_reduce(WaitingSince::Submission)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the reduce-scatter in flight, if any, and adds this rank's part to
+    /// its gradient shard.
+    fn settle_reduce(&mut self, since: WaitingSince) -> Result<()> {
+        let Some(r) = self.reducing.take() else {
+            return Ok(());
+        };
+        let done = r.pending.wait(since)?;
+        let world = self.group.world() as u64;
+        self.comm.reduce_s += done.busy_s;
+        self.comm.reduce_exposed_s += done.exposed_s;
+        self.comm.reduced_bytes += r.bytes / world * (world - 1);
+        self.hold(-(r.bytes as i64));
+        self.state[r.unit].grad += done.tensor.to_kind(Kind::Float);
         Ok(())
     }
 
@@ -349,6 +462,13 @@ impl ShardedTrainer {
     ) -> Result<f64> {
         let head = self.layout.len() - 1;
         let tied = self.model.tied_embeddings();
+        // Every unit forward, then the layers again in reverse; not the next
+        // micro-batch's embeddings: gathering them early would hold a second
+        // embedding-sized buffer beside the embedding gradient.
+        self.gather_order = (0..=head).chain((1..head).rev()).collect();
+        self.submitted = 0;
+        // The embeddings' gather runs while the positions are made.
+        self.submit_next_gather()?;
         let pass: Option<UnitPass> = batch.map(|b| {
             let positions = positions_from_mask(&b.ids, Some(&b.attention_mask));
             self.model
@@ -371,7 +491,7 @@ impl ShardedTrainer {
             let unit = self.gather(u, false)?;
             if let (Some(p), Some(xi)) = (&pass, x.as_ref()) {
                 let y = tch::no_grad(|| self.model.run_layer(p, u - 1, xi));
-                inputs.push(std::mem::replace(&mut x, Some(y)));
+                inputs.push(x.replace(y));
             }
             self.release(unit);
         }
@@ -399,16 +519,19 @@ impl ShardedTrainer {
             value = v;
             g = Some(grad_or_zeros(&last));
         }
-        let head_grad = self.flat_grad(&head_unit);
+        let head_grad = self.flat_grad(&head_unit)?;
         self.release(head_unit);
         self.reduce_into(head, head_grad)?;
         // With tied embeddings the head's part of the embedding gradient waits for the
         // embedding's own: one reduce-scatter of the sum.
-        let pending = embed.map(|e| {
-            let g = self.flat_grad(&e);
-            self.release(e);
-            g
-        });
+        let pending = match embed {
+            Some(e) => {
+                let g = self.flat_grad(&e)?;
+                self.release(e);
+                Some(g)
+            }
+            None => None,
+        };
         // Backward through the layers, last first, each recomputed from its input.
         for u in (1..head).rev() {
             let unit = self.gather(u, true)?;
@@ -419,7 +542,7 @@ impl ShardedTrainer {
                 backward_with(&y, gy);
                 g = Some(grad_or_zeros(&xg));
             }
-            let unit_grad = self.flat_grad(&unit);
+            let unit_grad = self.flat_grad(&unit)?;
             self.release(unit);
             self.reduce_into(u, unit_grad)?;
         }
@@ -446,6 +569,8 @@ impl ShardedTrainer {
             let _ = tch::no_grad(|| table.index_add_(1, &b.ids.reshape([-1]), &rows.tr()));
         }
         self.reduce_into(0, eg)?;
+        // The embedding gradient is the largest: not held into the next micro-batch.
+        self.settle_reduce(WaitingSince::Now)?;
         Ok(value)
     }
 

@@ -210,6 +210,7 @@ fn policy_responses() -> Vec<PolicyResponse> {
                 gathered_bytes: 6,
                 reduced_bytes: 7,
                 gather_s: 0.5,
+                gather_exposed_s: 0.125,
             }),
             ..Default::default()
         }),
@@ -394,7 +395,7 @@ fn rank_messages() -> (Vec<RankRequest>, Vec<RankResponse>) {
     }
     let step: RankStep = serde_json::from_value(serde_json::json!({
         "version": 3, "loss": 0.5, "grad_norm": 1.5, "lr": 0.1, "train_state_bytes": 9,
-        "gathered_bytes": 8, "reduced_bytes": 7, "gather_s": 0.25,
+        "gathered_bytes": 8, "reduced_bytes": 7, "gather_s": 0.25, "gather_exposed_s": 0.0625,
         "stats": {"ran": 2, "clip": 0.1, "approx_kl": 0.2, "kl": 0.3, "entropy": 0.4}
     }))
     .expect("a rank step");
@@ -437,7 +438,7 @@ fn the_role_messages_encoding_is_pinned_to_the_alpn() {
             String::from_utf8_lossy(ALPN).into_owned(),
             wire_fingerprint(&every_message())
         ),
-        ("yatt/6".to_string(), 1_341_803_387),
+        ("yatt/7".to_string(), 2_672_809_638),
         "the role messages encode differently: bump ALPN in runtime/src/tls.rs and pin the new fingerprint"
     );
 }

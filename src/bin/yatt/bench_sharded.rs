@@ -1,12 +1,13 @@
 //! `yatt bench sharded`: sharded training (ZeRO-3) against the replicated trainer, each
 //! rank its own process with its own node, the ranks talking over the runtime's ring
 //! (QUIC on loopback). Per rank count: the step time, each rank's training state and
-//! peak resident memory, the bytes each rank moved against 3·(N−1)/N·Ψ·b, and the time
-//! spent gathering; and the step the cost model (`yatt_placement::ShardedStep`)
-//! predicts from the first sharded row's compute and probes of the ring's bandwidth and
-//! of the share of a core each rank gets, against the measured one. With `--mem-cap-mb`
-//! every rank runs under a memory cap (a cgroup, else RLIMIT_AS): a model whose state
-//! does not fit one rank fails at N = 1, by name, and trains when sharded.
+//! peak resident memory, the bytes each rank moved against 3·(N−1)/N·Ψ·b, the time
+//! spent gathering and the part of it prefetch left exposed; and the step the cost
+//! model (`yatt_placement::ShardedStep`) predicts from the first sharded row's compute
+//! and probes of the ring's bandwidth and of the share of a core each rank gets, against
+//! the measured one. With `--mem-cap-mb` every rank runs under a memory cap (a cgroup,
+//! else RLIMIT_AS): a model whose state does not fit one rank fails at N = 1, by name,
+//! and trains when sharded.
 
 mod cap;
 mod predict;
@@ -76,6 +77,10 @@ pub struct BenchShardedArgs {
     /// Deadline of a whole run, seconds.
     #[arg(long, default_value_t = 3600)]
     pub run_s: u64,
+    /// Sharded ranks wait on each collective as they submit it: no gather prefetched,
+    /// no reduce-scatter behind compute (the baseline prefetch is measured against).
+    #[arg(long)]
+    pub no_prefetch: bool,
     #[command(flatten)]
     pub rank: RankArgs,
 }
@@ -119,6 +124,8 @@ struct RankResult {
     core_share: Option<f64>,
     /// A step of one sequence per rank (with `--calibrate`).
     small: Option<StepTimes>,
+    /// The part of `gather_s` the rank's compute waited for.
+    gather_exposed_s: Vec<f64>,
     train_state_bytes: u64,
     peak_rss_bytes: u64,
     /// Peak resident memory once the trainer was built, before the first step.
@@ -134,7 +141,7 @@ pub fn run(args: BenchShardedArgs) -> Result<()> {
     let config = model_config(&args.model)?;
     let psi: i64 = model_layout(&config).iter().map(|u| u.numel).sum();
     println!(
-        "sharded training, {} shapes ({:.1} M parameters, random weights), global batch {} × {} tokens, {} thread(s) per rank, {} core(s){}\n",
+        "sharded training, {} shapes ({:.1} M parameters, random weights), global batch {} × {} tokens, {} thread(s) per rank, {} core(s){}, prefetch {}\n",
         args.model,
         psi as f64 / 1e6,
         args.global_batch,
@@ -143,7 +150,8 @@ pub fn run(args: BenchShardedArgs) -> Result<()> {
         predict::cores(),
         args.mem_cap_mb
             .map(|m| format!(", each rank capped at {m} MiB"))
-            .unwrap_or_default()
+            .unwrap_or_default(),
+        if args.no_prefetch { "off" } else { "on" },
     );
     println!("| {} |", COLUMNS.join(" | "));
     println!("|{}", "---|".repeat(COLUMNS.len()));
@@ -174,7 +182,7 @@ pub fn run(args: BenchShardedArgs) -> Result<()> {
 }
 
 /// The table's columns.
-const COLUMNS: [&str; 17] = [
+const COLUMNS: [&str; 18] = [
     "layout",
     "ranks",
     "step (s)",
@@ -185,6 +193,7 @@ const COLUMNS: [&str; 17] = [
     "schedule (MB)",
     "3(N−1)/N·Ψ·b (MB)",
     "gather (s/step)",
+    "exposed (s/step)",
     "loss, step 1",
     "ring probe (MB/s)",
     "core share: probe / steps",
@@ -262,7 +271,7 @@ fn print_row(
         Layout::Replicated => "– | – | – | – | – | –".into(),
     };
     println!(
-        "| {layout:?} | {world} | {step:.2} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.1}{} | {:.3} | {:.6} | {model} |",
+        "| {layout:?} | {world} | {step:.2} | {:.3} | {:.3} | {:.3} | {:.1} | {:.1} | {:.1}{} | {:.3} | {:.3} | {:.6} | {model} |",
         mean(&|r| r.train_state_bytes as f64) / 1e9,
         rs.iter().map(|r| r.peak_rss_bytes).max().unwrap_or(0) as f64 / 1e9,
         rs.iter().map(|r| r.built_rss_bytes).max().unwrap_or(0) as f64 / 1e9,
@@ -275,6 +284,7 @@ fn print_row(
             ""
         },
         mean(&|r| timed(&r.gather_s)),
+        mean(&|r| timed(&r.gather_exposed_s)),
         // A replicated rank reports its own part of the loss; a sharded step's is
         // already summed over the ranks.
         match layout {
@@ -344,6 +354,7 @@ fn run_ranks(
             .args(["--seq-len", &args.seq_len.to_string()])
             .args(["--threads", &args.threads.to_string()])
             .args(["--collective-s", &args.collective_s.to_string()])
+            .args(args.no_prefetch.then_some("--no-prefetch"))
             .args(
                 args.mmap_threshold_kb
                     .map(|k| vec!["--mmap-threshold-kb".to_string(), k.to_string()])
@@ -484,6 +495,7 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
         probe: None,
         core_share: None,
         small: None,
+        gather_exposed_s: vec![],
         train_state_bytes: 0,
         peak_rss_bytes: 0,
         built_rss_bytes: 0,
@@ -509,6 +521,7 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
                 train,
                 Box::new(group),
             )?;
+            tr.prefetch = !args.no_prefetch;
             result.built_rss_bytes = cap::peak_rss_bytes();
             let mut timed_step = |batches: &[SeqBatch]| {
                 let (t0, c0) = (Instant::now(), predict::thread_cpu_s());
@@ -535,6 +548,7 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
                     .push(s.comm.gathered_bytes + s.comm.reduced_bytes);
                 result.gather_s.push(s.comm.gather_s);
                 result.reduce_s.push(s.comm.reduce_s);
+                result.gather_exposed_s.push(s.comm.gather_exposed_s);
                 result.train_state_bytes = result.train_state_bytes.max(s.train_state_bytes);
             }
             if ra.calibrate {

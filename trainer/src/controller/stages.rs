@@ -535,6 +535,7 @@ impl Controller {
             m.set(names::SHARD_GATHERED_BYTES, s.gathered_bytes as f64);
             m.set(names::SHARD_REDUCED_BYTES, s.reduced_bytes as f64);
             m.set(names::SHARD_GATHER_S, s.gather_s);
+            m.set(names::SHARD_GATHER_EXPOSED_S, s.gather_exposed_s);
         }
         m.set(names::PG_LOSS, train.loss);
         m.set(names::PPO_KL, train.approx_kl);

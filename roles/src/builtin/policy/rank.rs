@@ -78,8 +78,10 @@ pub struct RankStep {
     pub gathered_bytes: u64,
     /// Bytes this rank sent in reduce-scatters.
     pub reduced_bytes: u64,
-    /// Seconds this rank waited in all-gathers.
+    /// Seconds this rank's communication thread spent in all-gathers.
     pub gather_s: f64,
+    /// The part of `gather_s` this rank's compute waited for (not hidden by prefetch).
+    pub gather_exposed_s: f64,
     pub(super) stats: MicroStats,
 }
 
@@ -94,6 +96,7 @@ impl RankStep {
             gathered_bytes: s.comm.gathered_bytes,
             reduced_bytes: s.comm.reduced_bytes,
             gather_s: s.comm.gather_s,
+            gather_exposed_s: s.comm.gather_exposed_s,
             stats,
         }
     }

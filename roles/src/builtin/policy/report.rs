@@ -47,8 +47,10 @@ pub struct ShardReport {
     pub gathered_bytes: u64,
     /// Bytes one rank sent in reduce-scatters (the mean over ranks).
     pub reduced_bytes: u64,
-    /// Seconds the slowest rank waited in all-gathers.
+    /// Seconds the slowest rank spent in all-gathers.
     pub gather_s: f64,
+    /// Seconds of those the slowest rank's compute waited for (not hidden by prefetch).
+    pub gather_exposed_s: f64,
 }
 
 impl TrainReport {

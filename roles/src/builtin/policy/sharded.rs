@@ -237,6 +237,7 @@ impl ShardedPolicyRole {
             shard.gathered_bytes += step.iter().map(|s| s.gathered_bytes).sum::<u64>() / k;
             shard.reduced_bytes += step.iter().map(|s| s.reduced_bytes).sum::<u64>() / k;
             shard.gather_s += step.iter().map(|s| s.gather_s).fold(0.0, f64::max);
+            shard.gather_exposed_s += step.iter().map(|s| s.gather_exposed_s).fold(0.0, f64::max);
         }
         let steps = report.optimizer_steps.max(1) as f64;
         report.grad_norm = grad_norm / steps;
