@@ -270,10 +270,12 @@ impl ShardedTrainer {
     ) -> Result<ShardedStepStats> {
         tch::manual_seed(self.config.seed.wrapping_add(self.step) as i64);
         let before = self.comm.clone();
-        // Whatever a failed step left in flight is not this step's.
+        // Whatever a failed step left in flight is not this step's: between steps
+        // nothing is held.
         self.ahead.clear();
         self.reducing = None;
-        self.peak_held = self.held;
+        self.held = 0;
+        self.peak_held = 0;
         let mut count = [micro_batches.len() as f64];
         self.group.all_reduce(&mut count, ReduceOp::Max)?;
         // With no micro-batch on any rank (none of the step's samples carries a
@@ -334,7 +336,7 @@ impl ShardedTrainer {
             false => WaitingSince::Now,
         };
         let next = self.ahead.pop_front().expect("a gather was submitted");
-        debug_assert_eq!(next.unit, u, "units gathered out of order");
+        assert_eq!(next.unit, u, "units gathered out of their order");
         let depth = if self.prefetch { PREFETCH_DEPTH } else { 0 };
         while self.ahead.len() < depth && self.submitted < self.gather_order.len() {
             self.submit_next_gather()?;
@@ -467,8 +469,10 @@ impl ShardedTrainer {
         // embedding-sized buffer beside the embedding gradient.
         self.gather_order = (0..=head).chain((1..head).rev()).collect();
         self.submitted = 0;
-        // The embeddings' gather runs while the positions are made.
-        self.submit_next_gather()?;
+        if self.prefetch {
+            // The embeddings' gather runs while the positions are made.
+            self.submit_next_gather()?;
+        }
         let pass: Option<UnitPass> = batch.map(|b| {
             let positions = positions_from_mask(&b.ids, Some(&b.attention_mask));
             self.model
