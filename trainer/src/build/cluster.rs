@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use yatt_roles::{
-    DeviceGroup, EnvFactory, EnvRole, PushingPolicy, RemoteEnvPool, Role, RoleActor, RoleError,
-    Sample, SpawnEnvActor,
+    DeviceGroup, EnvFactory, EnvRole, PushingPolicy, RemoteEnvPool, Role, RoleError, Sample,
+    SpawnEnvActor,
 };
 use yatt_runtime::ActorName;
 use yatt_runtime::RING_CHUNK_BYTES;
@@ -16,7 +16,7 @@ use yatt_runtime::{Node, NodeBuilder};
 use crate::build::critic::ClusterCritic;
 use crate::build::custom::CustomRoles;
 use crate::build::data::training_prompts;
-use crate::build::devices::{model_here, role_group};
+use crate::build::devices::model_here;
 use crate::build::first_sync::initial_weight_sync;
 use crate::build::heads::{controllers, job_timeouts};
 use crate::build::parts::{
@@ -24,7 +24,7 @@ use crate::build::parts::{
     rollout_role_with_envs,
 };
 use crate::build::policy_rebuild::policy_log;
-use crate::build::remote::{job_text, spawn, wait_for_nodes, RoleArgs};
+use crate::build::remote::{job_text, spawn, start_role, wait_for_nodes, RoleArgs};
 use crate::build::reward::reward_role;
 use crate::build::sharded_cluster::{start_rank, start_sharded_policy, RankArgs};
 use crate::checkpoint::{load_trainer, restore_controllers};
@@ -39,9 +39,6 @@ use crate::controller::refs::{PolicyRef, RoleRefs, RolloutRef};
 use crate::controller::release::{stop_if_failed, StartedRoles};
 use crate::controller::update_log::LoggedUpdates;
 use crate::error::JobError;
-
-/// Requests a role's thread queues before its actor's mailbox takes the backpressure.
-const ROLE_QUEUE: usize = 4;
 
 /// Registers the built-in roles (rollout, policy, reference, reward, critic) as factories that
 /// take [`RoleArgs`]. A policy spawned for a job with several replicas also starts its
@@ -231,21 +228,6 @@ impl Role for JobReward {
     fn stop(&mut self) {
         self.role().stop()
     }
-}
-
-/// Builds a role from the job in `args` on the role's own thread and starts it there.
-pub(crate) async fn start_role<R: Role>(
-    args: RoleArgs,
-    name: &'static str,
-    make: impl FnOnce(&JobConfig) -> Result<R, JobError> + Send + 'static,
-) -> Result<RoleActor<R>, String> {
-    let job = JobConfig::parse(&args.job, "the job config sent by the controller", &[])
-        .map_err(|e| e.to_string())?;
-    let group = role_group(&job, &args.node).map_err(|e| e.to_string())?;
-    let build = move || make(&job).map_err(|e| RoleError::Failed(e.to_string()));
-    RoleActor::build(name, build, group, ROLE_QUEUE)
-        .await
-        .map_err(|e| e.to_string())
 }
 
 /// Builds a `disaggregated` job on the cluster `node` has joined: spawns each role on

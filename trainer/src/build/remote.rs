@@ -5,13 +5,17 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use yatt_roles::{RoleRequest, RoleResponse};
+use yatt_roles::{Role, RoleActor, RoleError, RoleRequest, RoleResponse};
 use yatt_runtime::{ActorRef, Directory, Message, Node, NodeError};
 
+use crate::build::devices::role_group;
 use crate::config::checks::invalid;
 use crate::config::sections::JobConfig;
 use crate::controller::error::ControllerError;
 use crate::error::JobError;
+
+/// Requests a role's thread queues before its actor's mailbox takes the backpressure.
+const ROLE_QUEUE: usize = 4;
 
 /// How long a cluster build waits for the nodes its placement names to join.
 const NODES_WAIT: Duration = Duration::from_secs(10);
@@ -97,4 +101,19 @@ pub(crate) fn job_text(job: &JobConfig) -> Result<String, JobError> {
         origin: "the job config".into(),
         message: format!("cannot encode it for the nodes: {e}"),
     })
+}
+
+/// Builds a role from the job in `args` on the role's own thread and starts it there.
+pub(crate) async fn start_role<R: Role>(
+    args: RoleArgs,
+    name: &'static str,
+    make: impl FnOnce(&JobConfig) -> Result<R, JobError> + Send + 'static,
+) -> Result<RoleActor<R>, String> {
+    let job = JobConfig::parse(&args.job, "the job config sent by the controller", &[])
+        .map_err(|e| e.to_string())?;
+    let group = role_group(&job, &args.node).map_err(|e| e.to_string())?;
+    let build = move || make(&job).map_err(|e| RoleError::Failed(e.to_string()));
+    RoleActor::build(name, build, group, ROLE_QUEUE)
+        .await
+        .map_err(|e| e.to_string())
 }

@@ -19,10 +19,9 @@ use yatt_roles::{
 };
 use yatt_runtime::{Node, RingMember, RingSpec, RING_CHUNK_BYTES};
 
-use crate::build::cluster::start_role;
 use crate::build::devices::model_here;
 use crate::build::parts::{memory_options, policy_config, sharded_start, train_config};
-use crate::build::remote::RoleArgs;
+use crate::build::remote::{start_role, RoleArgs};
 use crate::config::placement::NodeNames;
 use crate::config::sections::JobConfig;
 use crate::error::JobError;
