@@ -136,7 +136,7 @@ fn refused(sets: &[&str]) -> String {
 
 #[test]
 fn what_a_sharded_policy_cannot_do_yet_is_refused_by_key() {
-    let cases: [(&[&str], &[&str]); 6] = [
+    let cases: [(&[&str], &[&str]); 5] = [
         (&["job.policy_shards=0"], &["job.policy_shards"]),
         (
             &["job.policy_shards=2", "model.lora={rank=8, alpha=16}"],
@@ -149,10 +149,6 @@ fn what_a_sharded_policy_cannot_do_yet_is_refused_by_key() {
                 "job.policy_replicas=2",
             ],
             &["job.policy_shards", "job.policy_replicas", "HSDP"],
-        ),
-        (
-            &["job.policy_shards=2", "placement.live=true"],
-            &["job.policy_shards", "placement.live"],
         ),
         (
             &["job.policy_shards=2", "placement.time_share=\"offload\""],

@@ -892,7 +892,7 @@ mod tests {
             .to_string();
         assert!(
             e.contains("placement.policy")
-                && e.contains("job.policy_replicas = 2")
+                && e.contains("job.policy_replicas × job.policy_shards = 2")
                 && e.contains("1 name(s): [node-b]")
                 && e.contains("policy = [\"node-0\", \"node-1\"]"),
             "{e}"
