@@ -22,7 +22,6 @@ use yatt_runtime::{Node, RingMember, RingSpec, RING_CHUNK_BYTES};
 use crate::build::devices::model_here;
 use crate::build::parts::{memory_options, policy_config, sharded_start, train_config};
 use crate::build::remote::{start_role, RoleArgs};
-use crate::config::placement::NodeNames;
 use crate::config::sections::JobConfig;
 use crate::error::JobError;
 
@@ -36,14 +35,6 @@ pub struct RankArgs {
     pub role: RoleArgs,
     /// The rank.
     pub rank: u32,
-}
-
-/// The node of each of the job's `job.policy_shards` ranks, in rank order.
-pub(crate) fn rank_nodes(job: &JobConfig) -> Vec<String> {
-    match &job.placement.policy {
-        NodeNames::One(n) => vec![n.clone(); job.job.policy_shards],
-        NodeNames::Each(ns) => ns.clone(),
-    }
 }
 
 /// Where a rank's shards come from (its part of the run's checkpoint, or the model it
@@ -107,7 +98,8 @@ pub(crate) async fn start_sharded_policy(
     a: RoleArgs,
     job: &JobConfig,
 ) -> Result<PushingPolicy<ShardedPolicyRole>, String> {
-    let nodes = rank_nodes(job);
+    // One node per rank, in rank order (one name: every rank there).
+    let nodes = job.placement.policy_nodes(job.job.policy_shards);
     let spawn_timeout = Duration::from_secs(job.placement.spawn_timeout_s);
     let start = sharded_start(job);
     let mut member = RingMember::start(node, SHARD_RING, 0).map_err(|e| e.to_string())?;

@@ -73,7 +73,7 @@ impl ShardedPolicyRole {
     ) -> Result<Self, RoleError> {
         config.check()?;
         check_shards(&model.config, start.shards).map_err(bad_shards)?;
-        let (device, kind, params) = (model.device(), model.kind(), param_count(&model));
+        let (device, kind) = (model.device(), model.kind());
         let mut trainers = Vec::with_capacity(start.shards);
         let mut whole = Some(model);
         for (rank, group) in ranks::groups(start.shards, start.collective)
@@ -94,7 +94,7 @@ impl ShardedPolicyRole {
                 .map_err(engine("sharding the policy"))?;
             trainers.push(t);
         }
-        Self::assemble(trainers, config, start, (device, kind, params))
+        Self::assemble(trainers, None, config, start.deadline)
     }
 
     /// A replica over `start.shards` ranks from the sharded checkpoint `dir`, whatever
@@ -120,8 +120,7 @@ impl ShardedPolicyRole {
             t.model.memory = memory;
             trainers.push(t);
         }
-        let params = param_count(&trainers[0].model);
-        Self::assemble(trainers, config, start, (device, kind, params))
+        Self::assemble(trainers, None, config, start.deadline)
     }
 
     /// Rank 0 of a replica whose other ranks are actors on other nodes (`remote`:
@@ -133,29 +132,26 @@ impl ShardedPolicyRole {
         deadline: std::time::Duration,
     ) -> Result<Self, RoleError> {
         config.check()?;
-        let (device, kind) = (rank0.model.device(), rank0.model.kind());
-        let params = param_count(&rank0.model);
-        let version = rank0.step_count();
-        Ok(ShardedPolicyRole {
-            ranks: Ranks::start(vec![rank0], deadline)?.with_remote(remote),
-            config,
-            device,
-            kind,
-            version,
-            params,
-            write_root: None,
-        })
+        Self::assemble(vec![rank0], Some(remote), config, deadline)
     }
 
+    /// The role over `trainers` (the local ranks, rank order) and any `remote` ranks
+    /// after them, each request bounded by `deadline`.
     fn assemble(
         trainers: Vec<ShardedTrainer>,
+        remote: Option<RemoteRanks>,
         config: PolicyConfig,
-        start: &ShardedStart,
-        (device, kind, params): (Device, Kind, u64),
+        deadline: std::time::Duration,
     ) -> Result<Self, RoleError> {
+        let first = &trainers[0].model;
+        let (device, kind, params) = (first.device(), first.kind(), param_count(first));
         let version = trainers[0].step_count();
+        let mut ranks = Ranks::start(trainers, deadline)?;
+        if let Some(r) = remote {
+            ranks = ranks.with_remote(r);
+        }
         Ok(ShardedPolicyRole {
-            ranks: Ranks::start(trainers, start.deadline)?,
+            ranks,
             config,
             device,
             kind,
@@ -421,9 +417,12 @@ impl Role for ShardedPolicyRole {
                 Err(not_sharded("handing the trainer state to another replica"))
             }
         };
-        // What a request gathered (a whole model at a sync) goes back to the OS rather
-        // than staying resident in the allocator until the next one.
-        yatt_engine::release_host_memory();
+        // On a node, what a request gathered (a whole model at a sync) goes back to the
+        // OS rather than staying resident until the next one. Embedded, the process's
+        // rollouts keep freed blocks for decoding on purpose.
+        if self.ranks.local() < self.ranks.len() {
+            yatt_engine::release_host_memory();
+        }
         answer
     }
 }
