@@ -472,6 +472,17 @@ fn rank_main(args: &BenchShardedArgs) -> Result<()> {
         .split(',')
         .map(|s| s.parse().map_err(|e| anyhow!("member id {s}: {e}")))
         .collect::<Result<Vec<_>>>()?;
+    // Every rank's node must be in this node's directory before the first send (the
+    // ring probe comes at once): they joined through the lead, and news of each other
+    // may still be on its way.
+    let peers: Vec<String> = members
+        .iter()
+        .map(|m: &yatt_runtime::ActorId| m.name.node.clone())
+        .collect();
+    rt.block_on(node.directory().wait_until(
+        Duration::from_secs(args.collective_s),
+        |d: &yatt_runtime::Directory| peers.iter().all(|p| d.alive_nodes().any(|n| n.name == *p)),
+    ));
     member.join(RingSpec {
         rank: rank as u32,
         members,
