@@ -336,6 +336,17 @@ impl Generator {
         self.model.copy_weights_from(named)
     }
 
+    /// Writes every rank's slices of a sharded policy's weights in place (weight sync
+    /// from a sharded replica; see [`crate::write_unit_slices`]). The KV cache is kept.
+    pub fn write_unit_slices<'a>(
+        &mut self,
+        world: usize,
+        slices: impl IntoIterator<Item = (usize, &'a str, &'a Tensor)>,
+    ) -> Result<usize> {
+        self.kept.clear();
+        crate::shard::write_unit_slices(&mut self.model, world, slices)
+    }
+
     /// Takes over a snapshot of another model's weights without copying them (weight
     /// sync within a process; see [`Llama::adopt_weights`]). The KV cache is kept.
     pub fn adopt_weights(&mut self, snapshot: &[(String, Tensor)]) -> Result<usize> {

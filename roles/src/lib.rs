@@ -39,7 +39,7 @@ mod wire;
 // The SDK: what every role touches.
 pub use role::{
     DeviceGroup, DeviceRoute, DeviceWeights, LocalWeights, NcclGroup, ResourceProfile, Role,
-    RoleActor, RoleError, RoleRequest, RoleResponse, WeightsUpdate,
+    RoleActor, RoleError, RoleRequest, RoleResponse, WeightSlice, WeightsUpdate,
 };
 pub use sample::{
     group_indices, response_mask, split_rows, token_matrix, EpisodeInfo, Finish, Sample,
@@ -102,5 +102,5 @@ pub use builtin::{
     RankRequest, RankResponse, RankSource, RankStep, ReferenceRole, RemoteRanks, RewardModelError,
     RewardRole, RingShardGroup, RmExample, RmTrainConfig, RolloutRequest, RolloutResponse,
     RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, ShardReport, ShardedPolicyRole,
-    ShardedStart, TextCodec, TokenizerCodec, TrainReport, TrainerState, TINY_CODEC,
+    ShardedStart, SlicePusher, TextCodec, TokenizerCodec, TrainReport, TrainerState, TINY_CODEC,
 };

@@ -133,6 +133,19 @@ pub struct WeightsUpdate {
     /// of the policy's process, which the receiver maps through CUDA IPC. Empty
     /// `buckets` when set.
     pub device: Option<DeviceWeights>,
+    /// Set when the buckets hold one rank's slice of a sharded policy's weights (each
+    /// unit's shard, named `yatt.unit.I`) rather than named parameters: the receiver
+    /// writes the weights once every rank's slice of the version has come.
+    pub slice: Option<WeightSlice>,
+}
+
+/// Which rank's slice of a sharded policy's weights a [`WeightsUpdate`] carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct WeightSlice {
+    /// The rank that sent it.
+    pub rank: u32,
+    /// Ranks of the replica: the slices of a version.
+    pub world: u32,
 }
 
 impl WeightsUpdate {
@@ -160,6 +173,7 @@ impl WeightsUpdate {
             buckets,
             local: None,
             device: None,
+            slice: None,
         }
     }
 }

@@ -72,6 +72,12 @@ enum RequestHead {
         entries: Vec<u8>,
         route: DeviceRoute,
     },
+    /// One rank's slice of a sharded policy's weights ([`crate::role::WeightSlice`]).
+    LoadWeightSlice {
+        version: u64,
+        slice: crate::role::WeightSlice,
+        buckets: Vec<Vec<u8>>,
+    },
 }
 
 #[derive(Serialize, Deserialize)]
@@ -391,11 +397,16 @@ impl<Req: Message> Message for RoleRequest<Req> {
                 (head, Bytes::new(), None)
             }
             RoleRequest::LoadWeights(u) => {
-                let version = u.version;
+                let (version, slice) = (u.version, u.slice);
                 let (mut headers, bulk) = pack_buckets::<Self>(vec![remote_buckets::<Self>(u)?])?;
-                let head = RequestHead::LoadWeights {
-                    version,
-                    buckets: headers.pop().unwrap_or_default(),
+                let buckets = headers.pop().unwrap_or_default();
+                let head = match slice {
+                    Some(slice) => RequestHead::LoadWeightSlice {
+                        version,
+                        slice,
+                        buckets,
+                    },
+                    None => RequestHead::LoadWeights { version, buckets },
                 };
                 (head, Bytes::new(), bulk)
             }
@@ -431,6 +442,17 @@ impl<Req: Message> Message for RoleRequest<Req> {
                     version,
                     one_group::<Self>(groups)?,
                 )))
+            }
+            RequestHead::LoadWeightSlice {
+                version,
+                slice,
+                buckets,
+            } => {
+                let groups = unpack_buckets::<Self>(vec![buckets], wire.bulk.as_ref())?;
+                Ok(RoleRequest::LoadWeights(WeightsUpdate {
+                    slice: Some(slice),
+                    ..WeightsUpdate::from_buckets(version, one_group::<Self>(groups)?)
+                }))
             }
         }
     }
@@ -825,6 +847,7 @@ mod tests {
             buckets: vec![],
             local: Some(crate::role::LocalWeights::new(vec![("embed".into(), t)])),
             device: None,
+            slice: None,
         };
         for e in [
             RoleRequest::<()>::LoadWeights(update.clone())

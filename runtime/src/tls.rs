@@ -37,10 +37,12 @@ use crate::cert_kind::CertKind;
 /// 3: the policy's `PushWeights` (weight sync in one hop). 4: `PushWeights` names each
 /// target's kind (the first sync loads the reference and the other replicas too).
 /// 5: a rollout's counters carry its KV cache's preemptions and peak bytes held.
+/// 6 and 7: a sharded policy's rank messages. 8: weight sync by slices (each rank of a
+/// sharded policy sends its own; `LoadWeightSlice`, `PushSlice`).
 /// Tests pin the encoding of the system messages and the frame heads to it
 /// (`node/protocol.rs`, `transport/protocol.rs`), and the roles' messages too
 /// (`yatt-roles`, `wire/pin.rs`).
-pub const ALPN: &[u8] = b"yatt/7";
+pub const ALPN: &[u8] = b"yatt/8";
 
 /// A fingerprint of encoded messages (each one's length, then its bytes), for tests
 /// that pin an encoding to [`ALPN`]: a change to how the messages encode changes it.
@@ -835,7 +837,7 @@ pub(crate) mod test_support {
                 String::from_utf8_lossy(ALPN).into_owned(),
                 wire_fingerprint(&encoded)
             ),
-            ("yatt/7".to_string(), fingerprint),
+            ("yatt/8".to_string(), fingerprint),
             "the {what} encode differently: bump ALPN in runtime/src/tls.rs and pin the new fingerprint"
         );
     }

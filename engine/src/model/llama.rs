@@ -438,6 +438,12 @@ impl Llama {
         self.device = device;
     }
 
+    /// The row-count hint the model is packed for inference with, if it is packed
+    /// ([`Llama::pack_for_inference`]): what to repack with after writing weights.
+    pub fn inference_pack_batch(&self) -> Option<i64> {
+        self.packed.as_ref().map(|p| p.batch)
+    }
+
     /// Prepacks the matrices with oneDNN for calls of about `batch` rows (f32 on CPU
     /// only; a no-op elsewhere). Inference calls then use the packed copies (extra memory
     /// the size of the weights); any mutable access to the parameters drops them, and

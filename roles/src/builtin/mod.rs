@@ -31,6 +31,7 @@ pub mod reward_model;
 pub mod rollout;
 pub(crate) mod scoring;
 mod shard_ring;
+mod slices;
 mod write_root;
 pub use growing_reward::GrowingLengthReward;
 pub use write_root::check_write_root;
@@ -42,7 +43,7 @@ pub use policy::{
     PolicyRole, PushReport, PushTarget, RankRef, RankRequest, RankResponse, RankSource, RankStep,
     RemoteRanks, ShardReport, ShardedPolicyRole, ShardedStart, TrainReport, TrainerState,
 };
-pub use policy_push::PushingPolicy;
+pub use policy_push::{PushingPolicy, SlicePusher};
 pub use reference::ReferenceRole;
 pub use reward::RewardRole;
 pub use reward_model::{

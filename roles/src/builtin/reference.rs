@@ -9,6 +9,7 @@
 use yatt_engine::Llama;
 
 use crate::builtin::scoring::{check_device, load_buckets, model_bytes, score_samples};
+use crate::builtin::slices::{write_slices, SliceAssembly};
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::Sample;
 
@@ -19,6 +20,8 @@ pub struct ReferenceRole {
     temperature: f64,
     micro_batch_size: usize,
     offloaded_from: Option<tch::Device>,
+    /// A sharded policy's slices of the version being synced, until the last comes.
+    slices: SliceAssembly,
 }
 
 impl ReferenceRole {
@@ -32,6 +35,7 @@ impl ReferenceRole {
             temperature,
             micro_batch_size: micro_batch_size.max(1),
             offloaded_from: None,
+            slices: SliceAssembly::default(),
         }
     }
 }
@@ -100,6 +104,16 @@ impl Role for ReferenceRole {
     }
 
     fn load_weights(&mut self, update: WeightsUpdate) -> Result<(), RoleError> {
+        if let Some(slice) = update.slice {
+            let Some(all) = self.slices.offer(update, slice)? else {
+                return Ok(());
+            };
+            let device = self.model.device();
+            let model = &mut self.model;
+            return write_slices(&all, device, |world, named| {
+                yatt_engine::write_unit_slices(model, world, named)
+            });
+        }
         load_buckets(&mut self.model, &update)
     }
 }

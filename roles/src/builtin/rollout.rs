@@ -19,6 +19,7 @@ mod multi_turn;
 use crate::algo::step_token_ends;
 use crate::builtin::nccl_member::{can_join, GroupMember};
 use crate::builtin::scoring::{bucket_tensors, check_device, model_bytes, weights_error};
+use crate::builtin::slices::{write_slices, SliceAssembly};
 use crate::data::prompt::Prompt;
 use crate::env::EnvSettings;
 use crate::role::{DeviceGroup, DeviceRoute, ResourceProfile, Role, RoleError, WeightsUpdate};
@@ -347,6 +348,8 @@ pub struct RolloutRole {
     step_delimiter: Option<String>,
     /// Its place in the policy's NCCL weight-sync group, once joined.
     broadcast: GroupMember,
+    /// A sharded policy's slices of the version being synced, until the last comes.
+    slices: SliceAssembly,
 }
 
 impl RolloutRole {
@@ -362,6 +365,7 @@ impl RolloutRole {
             env: None,
             step_delimiter: None,
             broadcast: GroupMember::default(),
+            slices: SliceAssembly::default(),
         }
     }
 
@@ -826,6 +830,17 @@ impl RolloutRole {
             return Ok(());
         }
         let device = self.generator.model().device();
+        if let Some(slice) = update.slice {
+            let Some(all) = self.slices.offer(update, slice)? else {
+                return Ok(());
+            };
+            let generator = &mut self.generator;
+            write_slices(&all, device, |world, named| {
+                generator.write_unit_slices(world, named)
+            })?;
+            self.version = all[0].version;
+            return Ok(());
+        }
         if let Some(w) = &update.device {
             if let DeviceRoute::Broadcast(group) = &w.route {
                 let got = self.broadcast.receive(update.version, w, group, device)?;
@@ -1031,6 +1046,7 @@ mod tests {
             buckets: Vec::new(),
             local: Some(crate::role::LocalWeights::new(m.weights_snapshot())),
             device: None,
+            slice: None,
         };
         let mut other = other;
         let request = || {

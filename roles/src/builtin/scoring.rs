@@ -289,6 +289,12 @@ pub(crate) fn check_device(
 /// adopted without copying, buckets are copied in place in one `copy_weights_from`
 /// (each call repacks every inference matrix of a packed model).
 pub(crate) fn load_buckets(model: &mut Llama, update: &WeightsUpdate) -> Result<(), RoleError> {
+    if let Some(s) = update.slice {
+        return Err(RoleError::BadRequest(format!(
+            "weights v{} are rank {} of {}'s slice of a sharded policy, which only rollouts and the reference assemble",
+            update.version, s.rank, s.world
+        )));
+    }
     if let Some(local) = &update.local {
         model
             .adopt_weights(&local.tensors())

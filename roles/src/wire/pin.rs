@@ -79,6 +79,10 @@ fn lifecycle() -> Vec<Vec<u8>> {
         RoleRequest::Reload,
         RoleRequest::LoadWeights(WeightsUpdate::from_buckets(5, buckets(64))),
         RoleRequest::LoadWeights(device_update()),
+        RoleRequest::LoadWeights(WeightsUpdate {
+            slice: Some(crate::role::WeightSlice { rank: 1, world: 4 }),
+            ..WeightsUpdate::from_buckets(5, buckets(64))
+        }),
         RoleRequest::Drain,
         RoleRequest::Profile,
         RoleRequest::Stop,
@@ -383,6 +387,10 @@ fn rank_messages() -> (Vec<RankRequest>, Vec<RankResponse>) {
             dir: "/c".into(),
             tokenizer: Some("/t".into()),
         },
+        RankRequest::PushSlice {
+            to: vec![crate::builtin::PushTarget::Rollout(id("c/rollout/0#1"))],
+            timeout: std::time::Duration::from_millis(2500),
+        },
     ];
     for r in &requests {
         match r {
@@ -390,7 +398,8 @@ fn rank_messages() -> (Vec<RankRequest>, Vec<RankResponse>) {
             | RankRequest::JoinRing(_)
             | RankRequest::Step { .. }
             | RankRequest::Gather
-            | RankRequest::Save { .. } => {}
+            | RankRequest::Save { .. }
+            | RankRequest::PushSlice { .. } => {}
         }
     }
     let step: RankStep = serde_json::from_value(serde_json::json!({
@@ -404,13 +413,25 @@ fn rank_messages() -> (Vec<RankRequest>, Vec<RankResponse>) {
         RankResponse::Joined,
         RankResponse::Stepped(step),
         RankResponse::Done,
+        RankResponse::Pushed(crate::builtin::PushReport {
+            version: 3,
+            bytes: 64,
+            failed: vec![(
+                id("c/rollout/1#1"),
+                CallError::Timeout {
+                    target: id("c/rollout/1#1"),
+                    after: std::time::Duration::from_millis(2500),
+                },
+            )],
+        }),
     ];
     for r in &responses {
         match r {
             RankResponse::RingInbox(_)
             | RankResponse::Joined
             | RankResponse::Stepped(_)
-            | RankResponse::Done => {}
+            | RankResponse::Done
+            | RankResponse::Pushed(_) => {}
         }
     }
     (requests, responses)
@@ -438,7 +459,7 @@ fn the_role_messages_encoding_is_pinned_to_the_alpn() {
             String::from_utf8_lossy(ALPN).into_owned(),
             wire_fingerprint(&every_message())
         ),
-        ("yatt/7".to_string(), 2_672_809_638),
+        ("yatt/8".to_string(), 2_913_960_092),
         "the role messages encode differently: bump ALPN in runtime/src/tls.rs and pin the new fingerprint"
     );
 }

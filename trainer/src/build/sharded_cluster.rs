@@ -14,8 +14,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use yatt_engine::{is_sharded_checkpoint, model_layout};
 use yatt_roles::{
-    PolicyRankRole, PushingPolicy, RankRef, RankRequest, RankResponse, RankSource, RemoteRanks,
-    RoleRequest, RoleResponse, ShardedPolicyRole,
+    PolicyRankRole, RankRef, RankRequest, RankResponse, RankSource, RemoteRanks, RoleActor,
+    RoleRequest, RoleResponse, ShardedPolicyRole, SlicePusher,
 };
 use yatt_runtime::{Node, RingMember, RingSpec, RING_CHUNK_BYTES};
 
@@ -79,6 +79,7 @@ pub(crate) async fn start_rank(
     let member = RingMember::start(node, SHARD_RING, a.rank).map_err(|e| e.to_string())?;
     let root = node.config().data_dir.clone();
     let checkpoint = a.role.checkpoint.clone();
+    let pusher = SlicePusher::new(node.downgrade(), tokio::runtime::Handle::current());
     start_role(a.role, "policy-rank", move |job| {
         let (source, pad_id, params) = rank_source(job, checkpoint.as_deref())?;
         let role = PolicyRankRole::new(policy_config(job, pad_id), member, source, params)
@@ -86,7 +87,7 @@ pub(crate) async fn start_rank(
                 source_desc: job.model.source.to_string(),
                 reason: format!("a policy rank: {e}"),
             })?;
-        Ok(role.with_write_root(root))
+        Ok(role.with_write_root(root).with_pusher(pusher))
     })
     .await
 }
@@ -97,7 +98,7 @@ pub(crate) async fn start_sharded_policy(
     node: &Node,
     a: RoleArgs,
     job: &JobConfig,
-) -> Result<PushingPolicy<ShardedPolicyRole>, String> {
+) -> Result<RoleActor<ShardedPolicyRole>, String> {
     // One node per rank, in rank order (one name: every rank there).
     let nodes = job.placement.policy_nodes(job.job.policy_shards);
     let spawn_timeout = Duration::from_secs(job.placement.spawn_timeout_s);
@@ -135,6 +136,7 @@ pub(crate) async fn start_sharded_policy(
     let root = node.config().data_dir.clone();
     let checkpoint = a.checkpoint.clone();
     let deadline = start.deadline;
+    let pusher = SlicePusher::new(node.downgrade(), tokio::runtime::Handle::current());
     let role = start_role(a, "policy", move |job| {
         let failed = |e: String| JobError::Model {
             source_desc: job.model.source.to_string(),
@@ -149,11 +151,13 @@ pub(crate) async fn start_sharded_policy(
             deadline,
         )
         .map_err(|e| failed(e.to_string()))?;
-        Ok(role.with_write_root(root))
+        Ok(role.with_write_root(root).with_pusher(pusher))
     })
     .await;
     match role {
-        Ok(role) => Ok(PushingPolicy::new(role, node.downgrade())),
+        // Weight sync goes by slices, each rank sending its own: the role itself
+        // pushes (through its pusher), so its actor needs no `PushingPolicy`.
+        Ok(role) => Ok(role),
         Err(e) => {
             stop_ranks(&ranks).await;
             Err(e)

@@ -52,6 +52,7 @@ impl PolicyRole {
             buckets: Vec::new(),
             local: Some(LocalWeights::new(self.trainer.model.weights_snapshot())),
             device: None,
+            slice: None,
         }
     }
 

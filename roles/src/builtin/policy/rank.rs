@@ -8,13 +8,17 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind};
 use yatt_engine::score::SeqBatch;
-use yatt_engine::{Llama, MemoryOptions, ShardedStepStats, ShardedTrainer, TrainConfig};
+use yatt_engine::{
+    to_buckets, Llama, MemoryOptions, ShardedStepStats, ShardedTrainer, TrainConfig,
+};
 use yatt_runtime::{ActorId, RingMember, RingSpec};
 
 use super::config::PolicyConfig;
 use super::micro::{groups, step_micros, MicroStats, SeqMicro};
+use super::protocol::{PushReport, PushTarget};
+use crate::builtin::policy_push::SlicePusher;
 use crate::builtin::shard_ring::RingShardGroup;
-use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError};
+use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightSlice, WeightsUpdate};
 use crate::sample::Sample;
 
 /// What a rank of a sharded policy replica on another node is asked by the replica's
@@ -46,6 +50,14 @@ pub enum RankRequest {
         /// Where the tokenizer files are copied from, if any.
         tokenizer: Option<PathBuf>,
     },
+    /// Send this rank's slice of the weights to these roles (weight sync without a
+    /// gather: each rank sends its own), each load with `timeout`.
+    PushSlice {
+        /// The roles to load the slice into.
+        to: Vec<PushTarget>,
+        /// The deadline of each load.
+        timeout: std::time::Duration,
+    },
 }
 
 /// What a rank answers.
@@ -59,6 +71,8 @@ pub enum RankResponse {
     Stepped(RankStep),
     /// A gather or a save is done.
     Done,
+    /// What [`RankRequest::PushSlice`] did.
+    Pushed(PushReport),
 }
 
 /// One rank's part of an optimizer step.
@@ -139,6 +153,29 @@ pub(super) fn rank_step(
     Ok(RankStep::new(&step, stats))
 }
 
+/// Sends this rank's slice of the current weights to `to` through `pusher` (a weight
+/// sync without a gather: every rank does this at once, and each receiver writes the
+/// weights when the last rank's slice has come).
+pub(super) fn push_slice(
+    trainer: &ShardedTrainer,
+    pusher: &SlicePusher,
+    to: &[PushTarget],
+    timeout: std::time::Duration,
+    bucket_bytes: usize,
+) -> Result<PushReport, String> {
+    let (rank, world) = trainer.rank();
+    let buckets = tch::no_grad(|| to_buckets(&trainer.weight_slice(), bucket_bytes))
+        .map_err(|e| format!("exporting this rank's slice of the weights: {e}"))?;
+    let update = WeightsUpdate {
+        slice: Some(WeightSlice {
+            rank: rank as u32,
+            world: world as u32,
+        }),
+        ..WeightsUpdate::from_buckets(trainer.step_count(), buckets)
+    };
+    Ok(pusher.push(update, to, timeout))
+}
+
 /// Where a rank's shards come from once it knows the ring.
 pub enum RankSource {
     /// Shard this model (every rank loaded the same one).
@@ -189,6 +226,7 @@ pub struct PolicyRankRole {
     trainer: Option<ShardedTrainer>,
     params: u64,
     write_root: Option<PathBuf>,
+    pusher: Option<SlicePusher>,
 }
 
 impl PolicyRankRole {
@@ -208,7 +246,15 @@ impl PolicyRankRole {
             trainer: None,
             params,
             write_root: None,
+            pusher: None,
         })
+    }
+
+    /// Sends its slice of the weights through `pusher` when asked
+    /// ([`RankRequest::PushSlice`]).
+    pub fn with_pusher(mut self, pusher: SlicePusher) -> Self {
+        self.pusher = Some(pusher);
+        self
     }
 
     /// Saves checkpoints only under `root` (see [`crate::PolicyRole::with_write_root`]).
@@ -299,6 +345,18 @@ impl PolicyRankRole {
                 t.save_sharded(&dir, tokenizer.as_deref())
                     .map_err(|e| failed(format!("saving to {}: {e}", dir.display())))?;
                 Ok(RankResponse::Done)
+            }
+            RankRequest::PushSlice { to, timeout } => {
+                let pusher = self.pusher.clone().ok_or_else(|| {
+                    RoleError::BadRequest(
+                        "this policy rank was started without a node to send its slice from".into(),
+                    )
+                })?;
+                let bucket_bytes = self.config.bucket_bytes;
+                let t = self.trainer()?;
+                push_slice(t, &pusher, &to, timeout, bucket_bytes)
+                    .map(RankResponse::Pushed)
+                    .map_err(failed)
             }
         }
     }

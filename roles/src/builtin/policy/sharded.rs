@@ -25,10 +25,11 @@ use yatt_engine::{
 
 use super::config::PolicyConfig;
 use super::micro::{begin_update, with_old_logprobs, MicroStats};
-use super::protocol::{PolicyRequest, PolicyResponse};
-use super::rank::{rank_step, RankRequest, RankResponse, RankStep};
+use super::protocol::{PolicyRequest, PolicyResponse, PushReport, PushTarget};
+use super::rank::{push_slice, rank_step, RankRequest, RankResponse, RankStep};
 use super::ranks::{self, Ranks, RemoteRanks};
 use super::report::{ShardReport, TrainReport};
+use crate::builtin::policy_push::SlicePusher;
 use crate::builtin::scoring::check_device;
 use crate::role::{DeviceGroup, LocalWeights, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::Sample;
@@ -55,6 +56,8 @@ pub struct ShardedPolicyRole {
     /// Parameters of the model.
     params: u64,
     write_root: Option<PathBuf>,
+    /// With ranks on nodes: each rank sends its own slice to the rollouts.
+    pusher: Option<SlicePusher>,
 }
 
 fn engine(doing: &str) -> impl Fn(yatt_engine::EngineError) -> RoleError + '_ {
@@ -158,7 +161,16 @@ impl ShardedPolicyRole {
             version,
             params,
             write_root: None,
+            pusher: None,
         })
+    }
+
+    /// Syncs weights by slices ([`PolicyRequest::PushWeights`]): rank 0 sends its own
+    /// through `pusher` and asks every other rank to send its own, so no process
+    /// gathers the model. Without it the weights are gathered into rank 0 and exported.
+    pub fn with_pusher(mut self, pusher: SlicePusher) -> Self {
+        self.pusher = Some(pusher);
+        self
     }
 
     /// Saves checkpoints only under `root` (see [`crate::PolicyRole::with_write_root`]).
@@ -298,12 +310,63 @@ impl ShardedPolicyRole {
                 buckets: Vec::new(),
                 local: Some(LocalWeights::new(model.weights_snapshot())),
                 device: None,
+                slice: None,
             });
         }
         let named = model.hf_named_tensors();
         let buckets = tch::no_grad(|| to_buckets(&named, self.config.bucket_bytes))
             .map_err(engine("exporting weights"))?;
         Ok(WeightsUpdate::from_buckets(self.version, buckets))
+    }
+
+    /// Every rank sends its own slice of the weights to `to` at once; one report of
+    /// the sync, a target failed where any rank's load into it failed.
+    fn push_slices(
+        &mut self,
+        pusher: SlicePusher,
+        to: Vec<PushTarget>,
+        timeout: Duration,
+    ) -> Result<PushReport, RoleError> {
+        let bucket_bytes = self.config.bucket_bytes;
+        let jobs = (0..self.ranks.local())
+            .map(|_| {
+                let (pusher, to) = (pusher.clone(), to.clone());
+                move |tr: &mut ShardedTrainer| push_slice(tr, &pusher, &to, timeout, bucket_bytes)
+            })
+            .collect();
+        let push = |_| RankRequest::PushSlice {
+            to: to.clone(),
+            timeout,
+        };
+        let (local, remote) = self.ranks.run_all("a weight sync", jobs, push)?;
+        let mut report = PushReport {
+            version: self.version,
+            bytes: 0,
+            failed: Vec::new(),
+        };
+        let mut reports = Vec::with_capacity(local.len() + remote.len());
+        for a in local {
+            reports.push(a.map_err(|e| RoleError::Failed(format!("a weight sync: {e}")))?);
+        }
+        for a in remote {
+            match a {
+                RankResponse::Pushed(r) => reports.push(r),
+                other => {
+                    return Err(RoleError::Failed(format!(
+                        "a weight sync: a rank answered {other:?}"
+                    )))
+                }
+            }
+        }
+        for r in reports {
+            report.bytes += r.bytes;
+            for (id, e) in r.failed {
+                if !report.failed.iter().any(|(known, _)| *known == id) {
+                    report.failed.push((id, e));
+                }
+            }
+        }
+        Ok(report)
     }
 
     fn old_logprobs(&mut self, samples: Vec<Sample>) -> Result<Vec<Sample>, RoleError> {
@@ -403,7 +466,12 @@ impl Role for ShardedPolicyRole {
             Q::ExportLocalWeights => self.export(true).map(A::Weights),
             Q::ExportDeviceWeights => Ok(A::DeviceWeightsUnavailable(why_not.into())),
             Q::StageBroadcast { .. } => Ok(A::NcclUnavailable(why_not.into())),
-            Q::PushWeights { .. } => Ok(A::PushUnavailable(why_not.into())),
+            Q::PushWeights { to, timeout } => match self.pusher.clone() {
+                Some(pusher) => self.push_slices(pusher, to, timeout).map(A::Pushed),
+                None => Ok(A::PushUnavailable(
+                    "an embedded sharded policy exports its gathered weights".into(),
+                )),
+            },
             Q::SaveCheckpoint(dir) => self.save(dir).map(|_| A::Saved),
             Q::Broadcast(_) => Err(not_sharded("an NCCL weight broadcast")),
             Q::Gradients(_)
