@@ -74,6 +74,11 @@ fn four_ranks_on_four_nodes_take_the_steps_of_the_whole_policy() {
     }
     let state = metric_of_steps(runs[1].path(), "memory/train_state_bytes");
     assert_eq!(state.len(), STEPS as usize, "{state:?}");
+    // Every step's sync reached the rollout from the ranks themselves (each sends its
+    // slice), not through the controller.
+    let direct = metric_of_steps(runs[1].path(), "perf/weight_sync_direct");
+    assert_eq!(direct.len(), STEPS as usize, "{direct:?}");
+    assert!(direct.iter().all(|(_, v)| *v == 1.0), "{direct:?}");
 }
 
 /// A rank's node killed mid-step (`kill -9`, after step 4, at whatever point of a step

@@ -7,6 +7,7 @@ mod group;
 mod init;
 mod layout;
 mod persist;
+mod score;
 mod slices;
 mod trainer;
 

@@ -41,7 +41,7 @@ pub const PREFETCH_DEPTH: usize = 1;
 
 /// A unit's gathered weights: the flat buffer, and with gradients one leaf per
 /// parameter (views of the buffer's memory).
-struct Gathered {
+pub(super) struct Gathered {
     unit: usize,
     flat: Tensor,
     leaves: Vec<Tensor>,
@@ -149,8 +149,8 @@ pub struct ShardedTrainer {
     held: u64,
     peak_held: u64,
     /// The units this micro-batch gathers, in order, and how many are submitted.
-    gather_order: Vec<usize>,
-    submitted: usize,
+    pub(super) gather_order: Vec<usize>,
+    pub(super) submitted: usize,
     ahead: VecDeque<GatherAhead>,
     reducing: Option<ReduceInFlight>,
 }
@@ -270,12 +270,7 @@ impl ShardedTrainer {
     ) -> Result<ShardedStepStats> {
         tch::manual_seed(self.config.seed.wrapping_add(self.step) as i64);
         let before = self.comm.clone();
-        // Whatever a failed step left in flight is not this step's: between steps
-        // nothing is held.
-        self.ahead.clear();
-        self.reducing = None;
-        self.held = 0;
-        self.peak_held = 0;
+        self.reset_in_flight();
         let mut count = [micro_batches.len() as f64];
         self.group.all_reduce(&mut count, ReduceOp::Max)?;
         // With no micro-batch on any rank (none of the step's samples carries a
@@ -308,9 +303,18 @@ impl ShardedTrainer {
         })
     }
 
+    /// Drops whatever a failed collective pass left in flight: between passes nothing
+    /// is held.
+    pub(super) fn reset_in_flight(&mut self) {
+        self.ahead.clear();
+        self.reducing = None;
+        self.held = 0;
+        self.peak_held = 0;
+    }
+
     /// Submits the gather of the micro-batch's next unit in order, counting its
     /// weights as held from now on.
-    fn submit_next_gather(&mut self) -> Result<()> {
+    pub(super) fn submit_next_gather(&mut self) -> Result<()> {
         let unit = self.gather_order[self.submitted];
         self.submitted += 1;
         let kind = self.model.kind();
@@ -327,7 +331,7 @@ impl ShardedTrainer {
     /// a leaf of its own (a view of the buffer's memory) that collects its gradient in
     /// its own shape, so that no backward pass builds a zero-filled buffer-sized
     /// gradient per parameter. With prefetch the units after it are submitted first.
-    fn gather(&mut self, u: usize, grad: bool) -> Result<Gathered> {
+    pub(super) fn gather(&mut self, u: usize, grad: bool) -> Result<Gathered> {
         let since = match self.ahead.is_empty() {
             true => {
                 self.submit_next_gather()?;
@@ -378,7 +382,7 @@ impl ShardedTrainer {
     }
 
     /// Frees what a gathered unit holds (its gradients live on in whoever took them).
-    fn release(&mut self, g: Gathered) {
+    pub(super) fn release(&mut self, g: Gathered) {
         let (kind, device) = (self.model.kind(), self.model.device());
         for (_, p) in self.model.unit_parameters_mut(self.layout[g.unit].unit) {
             *p = Tensor::empty([0], (kind, device));

@@ -40,9 +40,18 @@ pub enum RankRequest {
         /// Ranks of the replica.
         shards: usize,
     },
-    /// Take part in gathering the model rank 0 keeps (a weight sync, an old-log-prob
-    /// pass); this rank drops each unit once gathered.
+    /// Take part in gathering the model rank 0 keeps (a weight sync into rollouts of
+    /// rank 0's own process); this rank drops each unit once gathered.
     Gather,
+    /// Score this rank's part of `samples` (the old log-probs), unit by unit.
+    Score {
+        /// Every rank's samples: rank `r` scores the `r`-th of `shards` parts.
+        samples: Vec<Sample>,
+        /// This rank.
+        rank: usize,
+        /// Ranks of the replica.
+        shards: usize,
+    },
     /// Write this rank's shard of a sharded checkpoint into `dir`.
     Save {
         /// The checkpoint's directory.
@@ -73,6 +82,8 @@ pub enum RankResponse {
     Done,
     /// What [`RankRequest::PushSlice`] did.
     Pushed(PushReport),
+    /// The response-token log-probs of this rank's part of the samples, in order.
+    Scored(Vec<Vec<f32>>),
 }
 
 /// One rank's part of an optimizer step.
@@ -151,6 +162,49 @@ pub(super) fn rank_step(
         })
         .map_err(|e| e.to_string())?;
     Ok(RankStep::new(&step, stats))
+}
+
+/// Rank `rank`'s part of an old-log-prob pass over `samples`: the `rank`-th of
+/// `shards` contiguous parts, scored in micro-batches as the policy trains them, unit
+/// by unit (a collective: every rank calls it at once). Answers each sample's response
+/// log-probs, in order.
+pub(super) fn rank_score(
+    trainer: &mut ShardedTrainer,
+    cfg: &PolicyConfig,
+    samples: &[Sample],
+    rank: usize,
+    shards: usize,
+) -> Result<Vec<Vec<f32>>, String> {
+    let device = trainer.model.device();
+    let len = samples.len();
+    let part = len * rank / shards..len * (rank + 1) / shards;
+    let mut batches = Vec::new();
+    let mut rows = Vec::new();
+    for group in groups(cfg, samples, part) {
+        let chunk: Vec<&Sample> = group.iter().map(|&i| &samples[i]).collect();
+        let pairs: Vec<(&[i64], &[i64])> = chunk
+            .iter()
+            .map(|s| (s.prompt_tokens.as_slice(), s.response_tokens.as_slice()))
+            .collect();
+        batches.push(
+            SeqBatch::from_pairs(&pairs, cfg.pad_id, device)
+                .map_err(|e| format!("old log-probs: {e}"))?,
+        );
+        rows.push(chunk);
+    }
+    let scored = trainer
+        .score_tokens(&batches, cfg.temperature)
+        .map_err(|e| format!("old log-probs: {e}"))?;
+    let mut out = Vec::with_capacity(len / shards + 1);
+    for (lp, chunk) in scored.iter().zip(rows) {
+        let lp = lp.to_device(tch::Device::Cpu).to_kind(Kind::Float);
+        for (i, s) in chunk.iter().enumerate() {
+            let (at, n) = (s.prompt_tokens.len() as i64, s.response_len() as i64);
+            let row = lp.get(i as i64).narrow(0, at, n);
+            out.push(Vec::<f32>::try_from(&row).map_err(|e| format!("old log-probs: {e}"))?);
+        }
+    }
+    Ok(out)
 }
 
 /// Sends this rank's slice of the current weights to `to` through `pusher` (a weight
@@ -329,6 +383,15 @@ impl PolicyRankRole {
                 let cfg = self.config.clone();
                 let step = rank_step(self.trainer()?, &cfg, &samples, rank, shards);
                 step.map(RankResponse::Stepped).map_err(failed)
+            }
+            RankRequest::Score {
+                samples,
+                rank,
+                shards,
+            } => {
+                let cfg = self.config.clone();
+                let scored = rank_score(self.trainer()?, &cfg, &samples, rank, shards);
+                scored.map(RankResponse::Scored).map_err(failed)
             }
             RankRequest::Gather => {
                 let t = self.trainer()?;

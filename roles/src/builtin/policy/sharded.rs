@@ -10,10 +10,12 @@
 //! ranks, so the step's gradient is the whole policy's ([`super::rank::rank_step`],
 //! the same on a thread and on a node).
 //!
-//! What is simpler than the sharding design: a weight sync and an old-log-prob pass
-//! gather the whole model into rank 0's process (the other ranks take part in the
-//! gathers and keep nothing; they do not send their own slices to the rollouts);
-//! device (CUDA IPC, NCCL) syncs answer "unavailable", so the bytes path serves them.
+//! Old log-probs are scored the same way: each rank its part, unit by unit. With ranks
+//! on nodes a weight sync goes by slices: every rank sends its own shard of each unit
+//! to the rollouts and the reference, which write the weights once the last rank's
+//! slice has come; no process gathers the model. Embedded, the rollouts in this
+//! process take the gathered model (an in-process snapshot: parity, not memory);
+//! device (CUDA IPC, NCCL) syncs answer "unavailable", so a byte path serves them.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -24,9 +26,9 @@ use yatt_engine::{
 };
 
 use super::config::PolicyConfig;
-use super::micro::{begin_update, with_old_logprobs, MicroStats};
+use super::micro::{begin_update, MicroStats};
 use super::protocol::{PolicyRequest, PolicyResponse, PushReport, PushTarget};
-use super::rank::{push_slice, rank_step, RankRequest, RankResponse, RankStep};
+use super::rank::{push_slice, rank_score, rank_step, RankRequest, RankResponse, RankStep};
 use super::ranks::{self, Ranks, RemoteRanks};
 use super::report::{ShardReport, TrainReport};
 use crate::builtin::policy_push::SlicePusher;
@@ -369,12 +371,55 @@ impl ShardedPolicyRole {
         Ok(report)
     }
 
-    fn old_logprobs(&mut self, samples: Vec<Sample>) -> Result<Vec<Sample>, RoleError> {
-        if samples.is_empty() {
+    /// The old log-probs, each rank scoring its part unit by unit: no process holds
+    /// the whole model.
+    fn old_logprobs(&mut self, mut samples: Vec<Sample>) -> Result<Vec<Sample>, RoleError> {
+        if samples.is_empty() || self.config.old_from_rollout(&mut samples) {
             return Ok(samples);
         }
-        let model = self.gathered_model()?;
-        with_old_logprobs(&model, &self.config, samples)
+        let n = self.ranks.len();
+        let all = std::sync::Arc::new(samples);
+        let jobs = (0..self.ranks.local())
+            .map(|rank| {
+                let (cfg, all) = (self.config.clone(), all.clone());
+                move |tr: &mut ShardedTrainer| rank_score(tr, &cfg, &all, rank, n)
+            })
+            .collect();
+        let score = |rank| RankRequest::Score {
+            samples: all.to_vec(),
+            rank,
+            shards: n,
+        };
+        let (local, remote) = self.ranks.run_all("old log-probs", jobs, score)?;
+        let mut rows = Vec::with_capacity(all.len());
+        for a in local {
+            match a {
+                Ok(r) => rows.extend(r),
+                Err(e) => return Err(self.ranks.break_with(format!("old log-probs: {e}"))),
+            }
+        }
+        for a in remote {
+            match a {
+                RankResponse::Scored(r) => rows.extend(r),
+                other => {
+                    return Err(self
+                        .ranks
+                        .break_with(format!("old log-probs: a rank answered {other:?}")))
+                }
+            }
+        }
+        let mut samples = std::sync::Arc::try_unwrap(all).unwrap_or_else(|a| a.to_vec());
+        if rows.len() != samples.len() {
+            return Err(self.ranks.break_with(format!(
+                "old log-probs: the ranks scored {} of {} samples",
+                rows.len(),
+                samples.len()
+            )));
+        }
+        for (s, r) in samples.iter_mut().zip(rows) {
+            s.old_logprobs = Some(r);
+        }
+        Ok(samples)
     }
 
     fn save(&mut self, dir: PathBuf) -> Result<(), RoleError> {
@@ -436,12 +481,18 @@ impl Role for ShardedPolicyRole {
     }
 
     fn profile(&self) -> ResourceProfile {
-        // Every rank is in this process: 16 bytes per parameter of sharded f32 state
-        // over all of them, plus a gathered copy of the model in its dtype at a sync.
+        // The ranks in this process: 16 bytes per parameter of sharded f32 state each,
+        // plus, embedded, a gathered copy of the model in its dtype at a sync (with
+        // ranks on nodes a sync sends this rank's slice: 1/N of it).
+        let n = self.ranks.len() as u64;
         let w = self.params * self.kind.elt_size_in_bytes() as u64;
+        let local = self.ranks.local() as u64;
         ResourceProfile {
-            resident_bytes: 16 * self.params,
-            peak_extra_bytes: w,
+            resident_bytes: 16 * self.params * local / n,
+            peak_extra_bytes: match self.pusher {
+                Some(_) => w / n,
+                None => w,
+            },
             offloadable: false,
             needs_gpu: false,
         }

@@ -179,3 +179,36 @@ fn a_lost_rank_fails_the_request_at_once_with_the_resume_hint() {
     let e2 = r.run("again", again).err().unwrap().to_string();
     assert!(e2.contains("--resume"), "{e2}");
 }
+
+fn scored<R: Role<Request = PolicyRequest, Response = PolicyResponse>>(
+    p: &mut R,
+    batch: &[Sample],
+) -> Vec<Vec<f32>> {
+    match p.serve(PolicyRequest::OldLogProbs(batch.to_vec())).unwrap() {
+        PolicyResponse::Scored(s) => s.into_iter().map(|s| s.old_logprobs.unwrap()).collect(),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The ranks score their own parts of the samples, unit by unit, and together give
+/// the whole policy's old log-probs (no rank gathers the model for them).
+#[test]
+fn the_ranks_old_logprobs_are_the_whole_policys() {
+    let base = Llama::random(tiny_config(), Device::Cpu, Kind::Float, 33).unwrap();
+    let batch = samples(&base);
+    let copy = || base.deep_copy(Device::Cpu, Kind::Float).unwrap();
+    let mut whole = PolicyRole::new(Trainer::new(copy(), train_config()), policy_config()).unwrap();
+    let want = scored(&mut whole, &batch);
+    for n in [2, 3] {
+        let mut p =
+            ShardedPolicyRole::new(copy(), train_config(), policy_config(), &start(n)).unwrap();
+        let got = scored(&mut p, &batch);
+        assert_eq!(got.len(), want.len());
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.len(), w.len(), "sample {i} at {n} shards");
+            for (a, b) in g.iter().zip(w) {
+                assert!((a - b).abs() < 1e-5, "sample {i} at {n} shards: {a} vs {b}");
+            }
+        }
+    }
+}
