@@ -6,7 +6,8 @@
 //!   no schema there; their meaning is checked below);
 //! - the rendered manifests mean what docs/launch.md says: the seed is
 //!   `<statefulset>-0.<service>` (asked of `yatt-node plan` under the pod's
-//!   environment), probes hit /health on the HTTP port, GPU limits, a memory-backed
+//!   environment), pod 0's peers are the other pods of `spec.replicas`, probes
+//!   hit /health on the HTTP port, GPU limits, a memory-backed
 //!   /dev/shm, Secrets mounted read-only at --certs, and each certificate's organization
 //!   one of yatt's three kinds.
 //!
@@ -206,6 +207,29 @@ fn check_meaning(dir: &str, docs: &[Value]) {
         "{dir}: {plan:#}"
     );
     assert_eq!(plan["name"], format!("{set}-1"));
+    // Pod 0's peers: every other pod of the StatefulSet's size, which YATT_REPLICAS
+    // sets; a restarted pod 0 asks them for the live cluster before it leads.
+    let replicas = sts["spec"]["replicas"].as_u64().expect("spec.replicas");
+    assert_eq!(
+        var("YATT_REPLICAS"),
+        Some(replicas.to_string()),
+        "{dir}: YATT_REPLICAS must be the StatefulSet's size"
+    );
+    let mut zero_env = env.clone();
+    zero_env.push(("POD_NAME".into(), format!("{set}-0")));
+    let zero = run(Command::new(yatt_node_bin())
+        .args(["plan", "--launcher", "k8s", "--certs", certs_flag])
+        .env_clear()
+        .envs(zero_env.iter().map(|(k, v)| (k.as_str(), v.as_str()))));
+    let zero: Value = serde_json::from_str(&zero).unwrap();
+    let peers: Vec<String> = (1..replicas)
+        .map(|k| format!("{set}-{k}.{service}:{port}"))
+        .collect();
+    assert_eq!(
+        (zero["leader"].as_bool(), &zero["peers"]),
+        (Some(true), &serde_json::json!(peers)),
+        "{dir}: {zero:#}"
+    );
     let job_args: Vec<&str> = job["spec"]["template"]["spec"]["containers"][0]["args"]
         .as_array()
         .unwrap()

@@ -400,17 +400,29 @@ fn the_sbatch_script_starts_three_daemons_that_join_through_the_head_and_trains(
     );
 }
 
-/// Three daemons started as `yatt-node run --launcher slurm` under the environment srun
-/// gives each node, with certificates made as the sbatch script makes them.
+/// How the three test daemons are launched.
+#[derive(Clone, Copy, PartialEq)]
+enum As {
+    /// `--launcher slurm` under the environment srun gives each node: names 127.0.0.1-3.
+    Slurm,
+    /// `--launcher k8s` as a StatefulSet of 3 behind the headless Service `yatt`: pods
+    /// `yatt-node-0..2`, whose DNS names (`yatt-node-K.yatt`) a hosts file maps to
+    /// 127.0.0.1-3 (YATT_HOSTS_FILE).
+    K8s,
+}
+
+/// Three daemons started as `yatt-node run --launcher slurm|k8s`, with certificates
+/// made as the sbatch script makes them.
 struct Launched {
     dir: tempfile::TempDir,
+    launcher: As,
     port: u16,
     http_port: u16,
     nodes: Vec<Option<Child>>,
 }
 
 impl Launched {
-    fn start() -> Launched {
+    fn start(launcher: As) -> Launched {
         let dir = tempfile::tempdir().unwrap();
         let certs = dir.path().join("certs");
         let node = |args: &[&str]| {
@@ -423,44 +435,71 @@ impl Launched {
         };
         let c = certs.to_str().unwrap();
         node(&["init", "--dir", c]);
-        for h in HOSTS {
-            node(&["cert", "--ca-dir", c, "--name", h]);
-        }
-        node(&[
-            "cert", "--ca-dir", c, "--name", "train", "--kind", "trainer",
-        ]);
         let mut l = Launched {
             dir,
+            launcher,
             port: free_port(true),
             http_port: free_port(false),
             nodes: Vec::new(),
         };
         for i in 0..HOSTS.len() {
+            node(&["cert", "--ca-dir", c, "--name", &l.name(i)]);
+        }
+        node(&[
+            "cert", "--ca-dir", c, "--name", "train", "--kind", "trainer",
+        ]);
+        let hosts: String = (0..HOSTS.len())
+            .map(|i| format!("{} {}.yatt\n", HOSTS[i], l.name(i)))
+            .collect();
+        std::fs::write(l.dir.path().join("hosts"), hosts).unwrap();
+        // All at once, as srun starts its tasks and a StatefulSet with Parallel pod
+        // management its pods.
+        for i in 0..HOSTS.len() {
             let child = l.spawn(i, 0);
             l.nodes.push(Some(child));
         }
         let all = poll(Duration::from_secs(30), || {
-            HOSTS
-                .iter()
-                .all(|h| l.alive_incarnation(h).is_some())
+            (0..HOSTS.len())
+                .all(|i| l.alive_incarnation(&l.name(i)).is_some())
                 .then_some(())
         });
         assert!(all.is_some(), "the nodes did not all join:\n{}", l.logs());
         l
     }
 
+    /// Node `i`'s name: its host's, or its pod's.
+    fn name(&self, i: usize) -> String {
+        match self.launcher {
+            As::Slurm => HOSTS[i].to_string(),
+            As::K8s => format!("yatt-node-{i}"),
+        }
+    }
+
     fn spawn(&self, i: usize, life: usize) -> Child {
         let log =
             std::fs::File::create(self.dir.path().join(format!("node-{i}.{life}.log"))).unwrap();
-        Command::new(yatt_node_bin())
-            .args(["run", "--launcher", "slurm", "--certs"])
+        let mut cmd = Command::new(yatt_node_bin());
+        match self.launcher {
+            As::Slurm => cmd
+                .args(["run", "--launcher", "slurm"])
+                .env_clear()
+                .env("SLURM_JOB_NODELIST", "127.0.0.[1-3]")
+                .env("SLURM_NODEID", i.to_string())
+                .env("SLURM_GPUS_ON_NODE", "1"),
+            As::K8s => cmd
+                .args(["run", "--launcher", "k8s"])
+                .env_clear()
+                .env("POD_NAME", self.name(i))
+                .env("POD_IP", HOSTS[i])
+                .env("YATT_K8S_SERVICE", "yatt")
+                .env("YATT_REPLICAS", HOSTS.len().to_string())
+                .env("YATT_GPUS_PER_NODE", "1")
+                .env("YATT_HOSTS_FILE", self.dir.path().join("hosts")),
+        };
+        cmd.arg("--certs")
             .arg(self.dir.path().join("certs"))
             .arg("--data-dir")
             .arg(self.dir.path())
-            .env_clear()
-            .env("SLURM_JOB_NODELIST", "127.0.0.[1-3]")
-            .env("SLURM_NODEID", i.to_string())
-            .env("SLURM_GPUS_ON_NODE", "1")
             .env("YATT_PORT", self.port.to_string())
             .env("YATT_HTTP_PORT", self.http_port.to_string())
             .env("YATT_LISTEN_HOST", HOSTS[i])
@@ -471,10 +510,10 @@ impl Launched {
             .unwrap()
     }
 
-    /// `/health` of the head (127.0.0.1).
-    fn health(&self) -> Option<serde_json::Value> {
+    /// `/health` of node `i`.
+    fn health_of(&self, i: usize) -> Option<serde_json::Value> {
         use std::io::{Read as _, Write as _};
-        let addr: SocketAddr = format!("127.0.0.1:{}", self.http_port).parse().unwrap();
+        let addr: SocketAddr = format!("{}:{}", HOSTS[i], self.http_port).parse().unwrap();
         let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
         s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
         s.write_all(b"GET /health HTTP/1.0\r\nHost: x\r\n\r\n")
@@ -486,12 +525,28 @@ impl Launched {
 
     /// The incarnation under which the head sees `name` alive.
     fn alive_incarnation(&self, name: &str) -> Option<u64> {
-        let h = self.health()?;
+        self.alive_incarnation_at(0, name)
+    }
+
+    /// The incarnation under which node `i` sees `name` alive.
+    fn alive_incarnation_at(&self, i: usize, name: &str) -> Option<u64> {
+        let h = self.health_of(i)?;
         h["nodes"]
             .as_array()?
             .iter()
             .find(|n| n["name"] == name && n["alive"] == true)?["incarnation"]
             .as_u64()
+    }
+
+    /// The (leader, term) node `i` follows, by its `/health`.
+    fn lead_at(&self, i: usize) -> Option<(String, u64)> {
+        let h = self.health_of(i)?;
+        Some((h["leader"].as_str()?.to_string(), h["term"].as_u64()?))
+    }
+
+    fn log_of(&self, i: usize, life: usize) -> String {
+        let t = std::fs::read_to_string(self.dir.path().join(format!("node-{i}.{life}.log")));
+        strip_ansi(&t.unwrap_or_default())
     }
 
     fn logs(&self) -> String {
@@ -524,78 +579,73 @@ impl Drop for Launched {
     }
 }
 
-/// As a StatefulSet restarts a pod: the rollout's and reward's node is killed with
-/// `kill -9` mid-run and started again at once under its name, with the same launcher
-/// environment. It rejoins as a new incarnation; the trainer treats what it held as
-/// lost and respawns those roles; every step trains every one of its samples once, and
-/// the run ends.
-#[test]
-fn a_node_killed_and_restarted_under_its_name_mid_run_is_survived() {
-    let mut cluster = Launched::start();
+/// `yatt train` of demo-letters for `steps` steps, joined through node `via`: rollout
+/// and reward on node `victim`, policy and reference on node `other`.
+fn start_training(
+    cluster: &Launched,
+    steps: usize,
+    via: usize,
+    victim: usize,
+    other: usize,
+) -> Child {
     let out = cluster.dir.path().join("run");
     let config = format!("{ROOT}/config/demo-letters.toml");
-    let steps = 40;
     let mut train = Command::new(yatt_bin());
     train.args(["train", &config]);
+    let (v, o) = (cluster.name(victim), cluster.name(other));
     for s in [
         format!("job.steps={steps}"),
         "placement.mode=\"disaggregated\"".into(),
-        "placement.rollout=\"127.0.0.3\"".into(),
-        "placement.reward=\"127.0.0.3\"".into(),
-        "placement.policy=\"127.0.0.2\"".into(),
-        "placement.reference=\"127.0.0.2\"".into(),
+        format!("placement.rollout=\"{v}\""),
+        format!("placement.reward=\"{v}\""),
+        format!("placement.policy=\"{o}\""),
+        format!("placement.reference=\"{o}\""),
         format!("job.output_dir=\"{}\"", out.display()),
     ] {
         train.arg("--set").arg(s);
     }
-    let train_log = cluster.dir.path().join("train.log");
-    let mut run = train
-        .args(["--cluster", &format!("127.0.0.1:{}", cluster.port)])
+    train
+        .args(["--cluster", &format!("{}:{}", HOSTS[via], cluster.port)])
         .arg("--certs")
         .arg(cluster.dir.path().join("certs"))
         .args(["--name", "train", "--listen", "127.0.0.1:0"])
-        .stdout(std::fs::File::create(&train_log).unwrap())
+        .stdout(std::fs::File::create(cluster.dir.path().join("train.log")).unwrap())
         .stderr(std::fs::File::create(cluster.dir.path().join("train.err")).unwrap())
         .spawn()
-        .unwrap();
-    let printed = |dir: &Path| {
-        std::fs::read_to_string(dir.join("train.log")).unwrap_or_default()
-            + &std::fs::read_to_string(dir.join("train.err")).unwrap_or_default()
-    };
+        .unwrap()
+}
+
+/// What `yatt train` printed.
+fn printed(cluster: &Launched) -> String {
+    let dir = cluster.dir.path();
+    std::fs::read_to_string(dir.join("train.log")).unwrap_or_default()
+        + &std::fs::read_to_string(dir.join("train.err")).unwrap_or_default()
+}
+
+/// Waits (bounded) for `step` steps done; returns the steps done.
+fn await_step(cluster: &Launched, step: usize) -> usize {
+    let out = cluster.dir.path().join("run");
     let reached = poll(Duration::from_secs(120), || {
-        (steps_done(&out) >= 3).then_some(())
+        (steps_done(&out) >= step).then_some(())
     });
     assert!(
         reached.is_some(),
         "{}\n{}",
-        printed(cluster.dir.path()),
+        printed(cluster),
         cluster.logs()
     );
-    let before = cluster
-        .alive_incarnation("127.0.0.3")
-        .expect("127.0.0.3 alive");
-    let mut victim = cluster.nodes[2].take().unwrap();
-    victim.kill().unwrap();
-    victim.wait().unwrap();
-    let at_step = steps_done(&out);
-    let t_kill = Instant::now();
-    cluster.nodes[2] = Some(cluster.spawn(2, 1));
-    let back = poll(Duration::from_secs(30), || {
-        cluster
-            .alive_incarnation("127.0.0.3")
-            .filter(|&i| i != before)
-    });
-    let rejoined_s = t_kill.elapsed().as_secs_f64();
-    assert!(
-        back.is_some(),
-        "127.0.0.3 did not rejoin:\n{}",
-        cluster.logs()
-    );
+    steps_done(&out)
+}
+
+/// Waits (bounded) for the run to end and checks it: successful, every step trained
+/// every one of its samples once, and roles respawned. Returns the respawn steps.
+fn finish_training(cluster: &Launched, run: &mut Child, steps: usize) -> Vec<(usize, f64)> {
+    let out = cluster.dir.path().join("run");
     let status = poll(Duration::from_secs(180), || run.try_wait().ok().flatten());
     if status.is_none() {
         let _ = run.kill();
     }
-    let text = printed(cluster.dir.path());
+    let text = printed(cluster);
     assert!(
         status.is_some_and(|s| s.success()),
         "{status:?}\n{text}\n{}",
@@ -607,8 +657,122 @@ fn a_node_killed_and_restarted_under_its_name_mid_run_is_survived() {
     assert!(trained.iter().all(|(_, n)| *n == 64.0), "{trained:?}");
     let respawned = metric_of_steps(&out, "recovery/respawned_roles");
     assert!(!respawned.is_empty(), "no roles were respawned:\n{text}");
+    respawned
+}
+
+/// Kills node `i` (`kill -9`) and starts it again at once under its name with the same
+/// launcher environment, as a StatefulSet restarts a pod.
+fn kill_and_restart(cluster: &mut Launched, i: usize) -> Instant {
+    let mut victim = cluster.nodes[i].take().unwrap();
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    let t_kill = Instant::now();
+    cluster.nodes[i] = Some(cluster.spawn(i, 1));
+    t_kill
+}
+
+/// As a StatefulSet restarts a pod: the rollout's and reward's node is killed with
+/// `kill -9` mid-run and started again at once under its name, with the same launcher
+/// environment. It rejoins as a new incarnation; the trainer treats what it held as
+/// lost and respawns those roles; every step trains every one of its samples once, and
+/// the run ends.
+#[test]
+fn a_node_killed_and_restarted_under_its_name_mid_run_is_survived() {
+    let mut cluster = Launched::start(As::Slurm);
+    let steps = 40;
+    let mut run = start_training(&cluster, steps, 0, 2, 1);
+    let at_step = await_step(&cluster, 3);
+    let before = cluster
+        .alive_incarnation("127.0.0.3")
+        .expect("127.0.0.3 alive");
+    let t_kill = kill_and_restart(&mut cluster, 2);
+    let back = poll(Duration::from_secs(30), || {
+        cluster
+            .alive_incarnation("127.0.0.3")
+            .filter(|&i| i != before)
+    });
+    let rejoined_s = t_kill.elapsed().as_secs_f64();
+    assert!(
+        back.is_some(),
+        "127.0.0.3 did not rejoin:\n{}",
+        cluster.logs()
+    );
+    let respawned = finish_training(&cluster, &mut run, steps);
     eprintln!(
         "killed 127.0.0.3 at step {at_step}; it rejoined as incarnation {} (was {before}) after {rejoined_s:.2} s; roles respawned at steps {respawned:?}; {steps} steps, every sample trained once",
         back.unwrap()
+    );
+}
+
+/// The seed itself restarted: StatefulSet pod `yatt-node-0`, which the others joined
+/// through and which led, is killed with `kill -9` mid-run and started again at once
+/// under its name and arguments. It has no seed, but its peers (the other pods, from
+/// YATT_REPLICAS) answer that a live cluster exists, so it waits for them to elect
+/// another leader and rejoins that same cluster as a new incarnation, instead of
+/// leading one of its own: every node lists it alive under the new incarnation, all
+/// three follow one leader and term, and the run ends with every sample trained once.
+#[test]
+fn a_restarted_seed_pod_rejoins_the_live_cluster_instead_of_leading_its_own() {
+    let mut cluster = Launched::start(As::K8s);
+    // A fresh start: pod 0 asked its peers, found them joining, and led term 1.
+    assert_eq!(cluster.lead_at(1), Some(("yatt-node-0".into(), 1)));
+    let fresh = cluster.log_of(0, 0);
+    let founded = fresh
+        .lines()
+        .find(|l| l.contains("no peer belongs to a cluster"))
+        .unwrap_or_else(|| panic!("pod 0 did not ask its peers before leading:\n{fresh}"))
+        .to_string();
+    let steps = 40;
+    // Through pod 1: pod 0 is the one killed.
+    let mut run = start_training(&cluster, steps, 1, 0, 2);
+    let at_step = await_step(&cluster, 3);
+    let before = cluster
+        .alive_incarnation_at(1, "yatt-node-0")
+        .expect("yatt-node-0 alive");
+    let t_kill = kill_and_restart(&mut cluster, 0);
+    // Back in the same cluster: the other pods list it under a new incarnation, and
+    // everyone, the restarted pod too, follows one leader in one term.
+    let back = poll(Duration::from_secs(60), || {
+        let seen: Vec<Option<u64>> = (0..3)
+            .map(|i| cluster.alive_incarnation_at(i, "yatt-node-0"))
+            .collect();
+        let leads: Vec<Option<(String, u64)>> = (0..3).map(|i| cluster.lead_at(i)).collect();
+        let new = seen[1].filter(|&n| n != before);
+        let agreed = new.is_some()
+            && seen.iter().all(|s| *s == new)
+            && leads[0].is_some()
+            && leads.iter().all(|l| *l == leads[0]);
+        agreed.then(|| (new.unwrap(), leads[0].clone().unwrap()))
+    });
+    let rejoined_s = t_kill.elapsed().as_secs_f64();
+    let Some((incarnation, (leader, term))) = back else {
+        panic!(
+            "yatt-node-0 did not rejoin the cluster (incarnations seen {:?}, leads {:?}):\n{}",
+            (0..3)
+                .map(|i| cluster.alive_incarnation_at(i, "yatt-node-0"))
+                .collect::<Vec<_>>(),
+            (0..3).map(|i| cluster.lead_at(i)).collect::<Vec<_>>(),
+            cluster.logs()
+        )
+    };
+    // One cluster, led by a surviving pod in a later term; not a second one of pod 0.
+    assert_ne!(leader, "yatt-node-0", "{}", cluster.logs());
+    assert!(term >= 2, "term {term}");
+    let restarted = cluster.log_of(0, 1);
+    assert!(
+        restarted.contains("a live cluster answers: rejoining it"),
+        "{restarted}"
+    );
+    assert!(!restarted.contains("leading a new one"), "{restarted}");
+    let respawned = finish_training(&cluster, &mut run, steps);
+    // The restarted pod still belongs to the cluster at the end, under the same life.
+    assert_eq!(
+        cluster.alive_incarnation_at(1, "yatt-node-0"),
+        Some(incarnation),
+        "{}",
+        cluster.logs()
+    );
+    eprintln!(
+        "fresh start: {founded}\nkilled yatt-node-0 (the seed, leader of term 1) at step {at_step}; it rejoined as incarnation {incarnation} (was {before}) after {rejoined_s:.2} s, {leader} leading term {term}; roles respawned at steps {respawned:?}; {steps} steps, every sample trained once"
     );
 }

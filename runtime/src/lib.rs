@@ -21,6 +21,7 @@
 //! | `node` | a process's runtime: spawn, resolve, remote factories | [`Node::builder`] |
 //! | `directory` | who is alive, under an epoch | [`Directory`], [`DirectoryHandle`] |
 //! | `membership` | node inventory, failure and pause detection | [`NodeInfo`], [`FailureDetector`] |
+//! | `founding` | a seedless node: found a cluster or rejoin a live one (pure) | `NodeConfig::peers` |
 //! | `leadership` | who leads the directory, join admission, heartbeat verdicts (pure) | [`Lead`], [`successor`] |
 //! | `message` | what crosses the wire | [`Message`], [`WithBulk`] |
 //! | `codec` | frames and bulk payloads (sans-IO core) | [`FrameDecoder`], [`Bulk`] |
@@ -41,6 +42,7 @@ mod codec;
 mod collective;
 mod congestion;
 mod directory;
+mod founding;
 mod leadership;
 mod membership;
 mod message;

@@ -430,3 +430,50 @@ async fn a_leader_frozen_past_the_bound_steps_down_and_rejoins() {
     let s = spawn_summer(&c, "lf-a").await;
     assert_eq!(ask(&c, &s, 6).await.unwrap(), 6);
 }
+
+/// A founder (no seed) given its peers' addresses, as a launcher gives pod 0 the other
+/// pods: on a fresh start, with no peer in a cluster, it leads after one round of
+/// asking; killed and started again at once, it finds its peers still following its
+/// earlier life, waits for them to elect another leader, and rejoins that cluster as a
+/// new incarnation instead of leading a second one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_founder_restarted_with_peers_rejoins_the_live_cluster() {
+    let (dir, a, b, c) = three("fr").await;
+    // Fresh start: a peer that never answers (a bound UDP socket that speaks no QUIC).
+    let mute = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let t0 = Instant::now();
+    let solo = Host::start(builder(&dir, "fr-solo", None).peers([mute.local_addr().unwrap()]))
+        .await
+        .unwrap();
+    let asked = t0.elapsed();
+    assert_eq!(
+        (solo.node.leader().as_str(), solo.node.term()),
+        ("fr-solo", 1)
+    );
+    assert!(asked < BOUND * 2, "the fresh start took {asked:?}");
+    assert!(sees_alive(&solo.node, "fr-solo", solo.node.incarnation()));
+
+    let before = a.node.incarnation();
+    let peers = [b.node.addr(), c.node.addr()];
+    a.kill();
+    let killed = Instant::now();
+    let a2 = Host::start(builder(&dir, "fr-a", None).peers(peers))
+        .await
+        .unwrap();
+    let rejoined = killed.elapsed();
+    assert_eq!((a2.node.leader().as_str(), a2.node.term()), ("fr-b", 2));
+    assert!(!a2.node.is_leader());
+    assert_ne!(a2.node.incarnation(), before);
+    for h in [&b, &c] {
+        assert!(
+            until(T, || sees_alive(&h.node, "fr-a", a2.node.incarnation())).await,
+            "{} does not see the restarted fr-a",
+            h.node.name()
+        );
+        assert_eq!((h.node.leader().as_str(), h.node.term()), ("fr-b", 2));
+    }
+    // It is a member like any other: actors spawn on it.
+    let s = spawn_summer(&b, "fr-a").await;
+    assert_eq!(ask(&b, &s, 5).await.unwrap(), 5);
+    eprintln!("fresh start with a mute peer: led after {asked:?}; restarted founder rejoined fr-b's term 2 after {rejoined:?}");
+}

@@ -1,6 +1,39 @@
 //! `host:port` to a socket address, waiting for DNS: a StatefulSet pod's name appears
 //! in the cluster DNS a few seconds after the pod starts, so a lookup that fails is
 //! tried again until a deadline instead of stopping the node at once.
+//!
+//! `YATT_HOSTS_FILE` names a file in `/etc/hosts` form consulted before the system's
+//! resolver: for nodes whose names no DNS serves (a cluster network without one, or a
+//! test playing pods on loopback addresses).
+
+/// The variable naming a hosts file read before DNS.
+pub const HOSTS_FILE_VAR: &str = "YATT_HOSTS_FILE";
+
+/// The address `host` has in `text`, a file in `/etc/hosts` form (`ADDRESS NAME...` a
+/// line, `#` comments), names compared without case.
+pub fn from_hosts_file(text: &str, host: &str) -> Option<std::net::IpAddr> {
+    text.lines()
+        .map(|l| l.split('#').next().unwrap_or(""))
+        .find_map(|line| {
+            let mut words = line.split_whitespace();
+            let addr = words.next()?.parse().ok()?;
+            words.any(|w| w.eq_ignore_ascii_case(host)).then_some(addr)
+        })
+}
+
+/// `host` in the file `YATT_HOSTS_FILE` names, when it is set.
+fn hosts_file_entry(host: &str) -> Result<Option<std::net::IpAddr>, String> {
+    let Some(path) = std::env::var_os(HOSTS_FILE_VAR) else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        format!(
+            "{HOSTS_FILE_VAR}={:?} cannot be read ({e}); unset it or point it at a hosts file",
+            path
+        )
+    })?;
+    Ok(from_hosts_file(&text, host))
+}
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -43,10 +76,13 @@ pub async fn lookup(what: &str, text: &str, wait: Duration) -> Result<SocketAddr
     if let Ok(addr) = text.parse::<SocketAddr>() {
         return Ok(addr);
     }
-    if split_host_port(text).is_none() {
+    let Some((host, port)) = split_host_port(text) else {
         return Err(fail(
             "expected HOST:PORT, e.g. gpu01:7400 or yatt-0.yatt:7400".into(),
         ));
+    };
+    if let Some(ip) = hosts_file_entry(host).map_err(fail)? {
+        return Ok(SocketAddr::new(ip, port));
     }
     let deadline = tokio::time::Instant::now() + wait;
     let mut logged = false;
@@ -94,6 +130,17 @@ mod tests {
         ] {
             assert_eq!(split_host_port(bad), None, "{bad}");
         }
+    }
+
+    #[test]
+    fn a_hosts_file_names_addresses() {
+        let text = "# pods\n127.0.0.2 yatt-node-1.yatt yatt-node-1 # pod 1\n\n::1 six\nbad line\n";
+        let ip = |h| from_hosts_file(text, h).map(|a| a.to_string());
+        assert_eq!(ip("yatt-node-1.yatt").as_deref(), Some("127.0.0.2"));
+        assert_eq!(ip("YATT-NODE-1").as_deref(), Some("127.0.0.2"));
+        assert_eq!(ip("six").as_deref(), Some("::1"));
+        assert_eq!(ip("pods"), None);
+        assert_eq!(ip("line"), None);
     }
 
     #[tokio::test]

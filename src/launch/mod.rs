@@ -14,6 +14,8 @@
 //! | `YATT_GPUS_PER_NODE` | both | Slurm: `SLURM_GPUS_ON_NODE`, `SLURM_GPUS_PER_NODE` | devices this node offers |
 //! | `YATT_K8S_SERVICE` | k8s | (required) | the headless Service |
 //! | `YATT_K8S_NAMESPACE` | k8s | (the pod's) | appended to the seed's DNS name |
+//! | `YATT_REPLICAS` | k8s | (none: no peers) | the StatefulSet's size: pods 0..N are each other's peers |
+//! | `YATT_HOSTS_FILE` | both | (none) | names looked up before DNS ([`dns`]) |
 
 pub mod dns;
 pub mod nodelist;
@@ -89,8 +91,12 @@ pub struct Plan {
     /// Every host of the allocation, in order (Slurm only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hosts: Option<Vec<String>>,
-    /// The member to join through; `None`: this node leads a new cluster.
+    /// The member to join through; `None`: this node leads a new cluster, unless one
+    /// of its peers belongs to a live one (a restarted head rejoins it).
     pub seed: Option<String>,
+    /// The other nodes' stable addresses (neither this node nor the seed): asked for a
+    /// live cluster before a seedless node leads, tried after the seed otherwise.
+    pub peers: Vec<String>,
     /// The QUIC listen address.
     pub listen: String,
     /// The address peers dial.
@@ -283,9 +289,14 @@ fn slurm(env: &Env) -> Result<Plan, LaunchError> {
     })?;
     let p = ports(env, "127.0.0.1")?;
     let advertise_host = get(env, "YATT_ADVERTISE_HOST").unwrap_or(&name);
+    let peers = (1..hosts.len())
+        .filter(|&i| i != index)
+        .map(|i| host_port(&hosts[i], p.port))
+        .collect();
     Ok(Plan {
         launcher: Launcher::Slurm,
         seed: (index != 0).then(|| host_port(&hosts[0], p.port)),
+        peers,
         advertise: host_port(advertise_host, p.port),
         name,
         index,
@@ -304,6 +315,40 @@ fn split_ordinal(pod: &str) -> Option<(&str, usize)> {
     (!set.is_empty() && valid_digits)
         .then(|| ordinal.parse().ok().map(|k| (set, k)))
         .flatten()
+}
+
+/// The most pods `YATT_REPLICAS` may name: each is a peer pod 0 asks at start.
+const MAX_REPLICAS: usize = 4096;
+
+/// `YATT_REPLICAS`: the StatefulSet's size, which must hold this pod's ordinal; 0 when
+/// unset (no peers: a restarted pod 0 leads a cluster of its own).
+fn replicas(env: &Env, pod_var: &str, pod: &str, index: usize) -> Result<usize, LaunchError> {
+    let var = "YATT_REPLICAS";
+    let Some(text) = get(env, var) else {
+        return Ok(0);
+    };
+    let fix =
+        "set it to the StatefulSet's spec.replicas (the yatt-launch ConfigMap of deploy/k8s does)";
+    let n: usize = text
+        .parse()
+        .map_err(|_| invalid(var, text, "not a count of pods", fix))?;
+    if n == 0 || n > MAX_REPLICAS {
+        return Err(invalid(
+            var,
+            text,
+            format!("not from 1 to {MAX_REPLICAS}"),
+            fix,
+        ));
+    }
+    if index >= n {
+        return Err(invalid(
+            var,
+            text,
+            format!("{pod_var}={pod:?} is pod {index}, which a StatefulSet of {n} does not have"),
+            fix,
+        ));
+    }
+    Ok(n)
 }
 
 fn k8s(env: &Env) -> Result<Plan, LaunchError> {
@@ -338,7 +383,12 @@ fn k8s(env: &Env) -> Result<Plan, LaunchError> {
         Some((n, var)) => (Some(n), Some(var)),
         None => (None, None),
     };
+    let replicas = replicas(env, pod_var, pod, index)?;
     let p = ports(env, "0.0.0.0")?;
+    let peers = (1..replicas)
+        .filter(|&k| k != index)
+        .map(|k| host_port(&format!("{set}-{k}.{domain}"), p.port))
+        .collect();
     let own_dns = format!("{pod}.{domain}");
     let advertise_host = get(env, "YATT_ADVERTISE_HOST")
         .or(get(env, "POD_IP"))
@@ -349,6 +399,7 @@ fn k8s(env: &Env) -> Result<Plan, LaunchError> {
         index,
         hosts: None,
         seed: (index != 0).then(|| host_port(&format!("{set}-0.{domain}"), p.port)),
+        peers,
         advertise: host_port(advertise_host, p.port),
         listen: p.listen,
         http: p.http,
@@ -542,6 +593,33 @@ mod tests {
     }
 
     #[test]
+    fn the_other_nodes_are_peers_so_a_restarted_head_rejoins() {
+        let peers = |e: &Env, l| resolve(l, e).unwrap().peers;
+        assert_eq!(
+            peers(&slurm_env("0"), Launcher::Slurm),
+            ["gpu02:7400", "gpu03:7400", "gpu07:7400"]
+        );
+        // Neither itself nor the seed, which it already joins through.
+        assert_eq!(
+            peers(&slurm_env("2"), Launcher::Slurm),
+            ["gpu02:7400", "gpu07:7400"]
+        );
+        let mut e = pod_env("yatt-node-0");
+        e.extend(env(&[("YATT_REPLICAS", "3"), ("YATT_K8S_NAMESPACE", "rl")]));
+        assert_eq!(
+            peers(&e, Launcher::K8s),
+            ["yatt-node-1.yatt.rl:7400", "yatt-node-2.yatt.rl:7400"]
+        );
+        e.insert("POD_NAME".into(), "yatt-node-2".into());
+        assert_eq!(peers(&e, Launcher::K8s), ["yatt-node-1.yatt.rl:7400"]);
+        e.insert("YATT_REPLICAS".into(), "1".into());
+        e.insert("POD_NAME".into(), "yatt-node-0".into());
+        assert!(peers(&e, Launcher::K8s).is_empty());
+        // Unset: no peers (a restarted pod 0 leads on its own, as before).
+        assert!(peers(&pod_env("yatt-node-0"), Launcher::K8s).is_empty());
+    }
+
+    #[test]
     fn k8s_errors_name_the_variable_its_value_and_the_fix() {
         let cases: &[(&[(&str, &str)], &[&str])] = &[
             (
@@ -563,6 +641,34 @@ mod tests {
             (
                 &[("POD_NAME", "y-0")],
                 &["YATT_K8S_SERVICE is not set", "headless Service"],
+            ),
+            (
+                &[
+                    ("POD_NAME", "y-0"),
+                    ("YATT_K8S_SERVICE", "s"),
+                    ("YATT_REPLICAS", "three"),
+                ],
+                &["YATT_REPLICAS=\"three\"", "count of pods", "spec.replicas"],
+            ),
+            (
+                &[
+                    ("POD_NAME", "y-0"),
+                    ("YATT_K8S_SERVICE", "s"),
+                    ("YATT_REPLICAS", "0"),
+                ],
+                &["YATT_REPLICAS=\"0\"", "from 1 to 4096", "spec.replicas"],
+            ),
+            (
+                &[
+                    ("POD_NAME", "y-3"),
+                    ("YATT_K8S_SERVICE", "s"),
+                    ("YATT_REPLICAS", "3"),
+                ],
+                &[
+                    "YATT_REPLICAS=\"3\"",
+                    "POD_NAME=\"y-3\" is pod 3",
+                    "spec.replicas",
+                ],
             ),
         ];
         for (set, want) in cases {

@@ -276,6 +276,7 @@ fn plan(args: RunArgs) -> Result<(), DaemonError> {
         "name": cfg.name,
         "leader": cfg.seed.is_none(),
         "seed": text(&cfg.seed),
+        "peers": launched.as_ref().map(|p| p.peers.clone()).unwrap_or_default(),
         "listen": cfg.runtime.listen.to_string(),
         "advertise": text(&cfg.advertise).unwrap_or_else(|| cfg.runtime.listen.to_string()),
         "http": cfg.http.map(|a| a.to_string()),
@@ -299,10 +300,40 @@ fn plan(args: RunArgs) -> Result<(), DaemonError> {
 /// StatefulSet pod's DNS name appears a few seconds after the pod starts.
 const LOOKUP_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
 
+/// How long a peer's name may take to resolve. Short: on a fresh start a pod not yet
+/// scheduled has no name, and pod 0 must not wait on it; a peer left out is only not
+/// asked (the others, or the seed, still are).
+const PEER_LOOKUP_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// The launcher's peers that resolve within [`PEER_LOOKUP_WAIT`], all looked up at once.
+async fn resolve_peers(peers: &[String]) -> Vec<std::net::SocketAddr> {
+    let lookups: Vec<_> = peers
+        .iter()
+        .map(|p| {
+            let p = p.clone();
+            tokio::spawn(
+                async move { crate::launch::dns::lookup("a peer", &p, PEER_LOOKUP_WAIT).await },
+            )
+        })
+        .collect();
+    let mut found = Vec::new();
+    for (peer, lookup) in peers.iter().zip(lookups) {
+        match lookup.await {
+            Ok(Ok(addr)) => found.push(addr),
+            Ok(Err(e)) => {
+                tracing::info!(%peer, error = %e, "a peer does not resolve: not asking it")
+            }
+            Err(e) => tracing::warn!(%peer, error = %e, "looking up a peer failed"),
+        }
+    }
+    found
+}
+
 async fn run(args: RunArgs, roles: Roles) -> Result<(), DaemonError> {
     let (launched, mut cfg) = settings(args)?;
     if let Some(p) = &launched {
-        tracing::info!(launcher = %p.launcher, name = %cfg.name, index = p.index, seed = ?p.seed, devices = ?p.devices, "launch");
+        tracing::info!(launcher = %p.launcher, name = %cfg.name, index = p.index, seed = ?p.seed, peers = ?p.peers, devices = ?p.devices, "launch");
+        cfg.runtime.peers = resolve_peers(&p.peers).await;
     }
     if let Some(Endpoint::Name(host)) = &cfg.seed {
         let addr = crate::launch::dns::lookup("the seed (node.seed)", host, LOOKUP_WAIT)

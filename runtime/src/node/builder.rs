@@ -20,7 +20,7 @@ use super::state::{FactoryFn, Node, NodeInner};
 use crate::actor::Actor;
 use crate::addr::{next_incarnation, ActorName};
 use crate::cert_kind::CertKind;
-use crate::directory::{Change, DirectoryHandle};
+use crate::directory::DirectoryHandle;
 use crate::leadership::{Lead, Succession};
 use crate::membership::{local_inventory, FailureDetector, Membership, NodeInfo, PauseDetector};
 use crate::message::Message;
@@ -62,6 +62,12 @@ impl NodeBuilder {
     /// Joins the cluster through this member.
     pub fn seed(mut self, addr: SocketAddr) -> Self {
         self.config.seed = Some(addr);
+        self
+    }
+    /// Other nodes' stable addresses: asked for a live cluster before a seedless node
+    /// leads, tried after the seed otherwise (see [`NodeConfig::peers`]).
+    pub fn peers(mut self, addrs: impl IntoIterator<Item = SocketAddr>) -> Self {
+        self.config.peers = addrs.into_iter().collect();
         self
     }
     /// Uses this certificate and key (issued by the cluster CA).
@@ -187,16 +193,18 @@ impl NodeBuilder {
             kind: identity.kind,
         };
         let (shutdown, _) = watch::channel(false);
-        // The founding seed leads term 1; a joining node learns the lead from the join.
+        // The founding seed leads term 1; a joining node learns the lead from the join,
+        // and a seedless node with peers leads only once none of them belongs to a
+        // cluster (term 0 until then: it accepts no joins meanwhile).
         let lead = Lead {
-            term: u64::from(config.seed.is_none()),
+            term: u64::from(config.seed.is_none() && config.peers.is_empty()),
             leader: self.name.clone(),
         };
         let node = Node {
             inner: Arc::new(NodeInner {
                 name: self.name.clone(),
                 addr,
-                info: RwLock::new(info.clone()),
+                info: RwLock::new(info),
                 transport: transport.clone(),
                 directory: DirectoryHandle::new(),
                 hosted: Mutex::new(HashMap::new()),
@@ -224,18 +232,21 @@ impl NodeBuilder {
             Arc::new(NodeBook(weak)),
         );
         tokio::spawn(transport.clone().serve());
-        match node.inner.config.seed {
-            None => {
-                node.inner.directory.begin_term(1);
-                node.inner.directory.apply(Change::NodeUp(info))?;
-            }
+        let config = &node.inner.config;
+        let joined = match config.seed {
+            None if config.peers.is_empty() => node.found(),
+            None => node.found_or_rejoin(&config.peers).await,
             Some(seed) => {
-                let deadline = tokio::time::Instant::now() + node.inner.config.system_timeout;
-                if let Err(e) = node.join_through(&[seed], deadline).await {
-                    node.inner.transport.close().await;
-                    return Err(e);
-                }
+                let deadline = tokio::time::Instant::now() + config.system_timeout;
+                let seeds: Vec<SocketAddr> = std::iter::once(seed)
+                    .chain(config.peers.iter().copied().filter(|p| *p != seed))
+                    .collect();
+                node.join_through(&seeds, deadline).await
             }
+        };
+        if let Err(e) = joined {
+            node.inner.transport.close().await;
+            return Err(e);
         }
         tokio::spawn(node.clone().heartbeat_loop());
         tracing::info!(node = %node.name(), addr = %node.addr(), leader = %node.leader(), "node started");

@@ -19,6 +19,11 @@ pub struct NodeConfig {
     pub advertise: Option<SocketAddr>,
     /// A member's address to join through; none makes this node the directory leader.
     pub seed: Option<SocketAddr>,
+    /// Other nodes' stable addresses (a launcher's other hosts or pods). With no seed,
+    /// each is asked whom it follows before this node leads: a live cluster is rejoined,
+    /// so a founder started again does not lead a second one. With a seed, they are
+    /// tried after it.
+    pub peers: Vec<SocketAddr>,
     /// How often heartbeats are sent.
     pub heartbeat_interval: Duration,
     /// Silence after which a peer is declared dead.
@@ -44,6 +49,7 @@ impl Default for NodeConfig {
             listen: "127.0.0.1:0".parse().expect("literal"),
             advertise: None,
             seed: None,
+            peers: Vec::new(),
             heartbeat_interval: Duration::from_millis(500),
             failure_timeout: Duration::from_secs(2),
             virtual_devices: 1,
@@ -94,6 +100,19 @@ pub enum NodeError {
         seed: SocketAddr,
         /// What went wrong.
         reason: String,
+    },
+    /// A seedless node's peers still follow its name as their leader (an earlier life
+    /// not yet found dead, or another process under the name) past the wait.
+    #[error("not leading a cluster beside a live one: {members:?} still follow {name} as the leader of term {term} after {waited:?} (an earlier life of {name} not yet found dead, or another process under this name); stop the other {name}, or start this one again once the cluster has elected another leader")]
+    StillFollowed {
+        /// This node's name.
+        name: String,
+        /// The term they follow.
+        term: u64,
+        /// The peers that answered, by address.
+        members: Vec<SocketAddr>,
+        /// How long this node waited.
+        waited: Duration,
     },
     /// The cluster refused the join: a live member already has this node's name.
     #[error("could not join: node name {name:?} belongs to a live member of the cluster (incarnation {incarnation} at {addr}, heard from {silent_for:?} ago); start this node under another name (--name), or stop the other {name} and start this one again once the cluster has declared it dead (after {bound:?} of silence)")]

@@ -98,9 +98,11 @@ impl Node {
         self.lock_lead().term
     }
 
-    /// Whether this node leads the directory.
+    /// Whether this node leads the directory. Not while it is still joining (term 0):
+    /// a joining node names itself until it learns the leader, and must not take a
+    /// join meanwhile (two nodes joining through each other would each admit the other).
     pub fn is_leader(&self) -> bool {
-        self.leader() == self.name()
+        self.lock_lead().held_by(self.name())
     }
 
     /// Transport counters.

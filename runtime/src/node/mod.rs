@@ -8,7 +8,8 @@
 //! silent, the member that joined first after it leads the next term
 //! (`crate::leadership`); a member that stalled past the failure bound learns it was
 //! declared dead from its leader's answer, stops what it hosted, and rejoins under a new
-//! incarnation (`failover.rs`).
+//! incarnation (`failover.rs`). A seedless node given its launcher's other nodes as
+//! peers rejoins a live cluster instead of founding a second one (`founding.rs`).
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -46,6 +47,7 @@ mod cluster;
 mod config;
 mod dispatch;
 mod failover;
+mod founding;
 mod local;
 mod protocol;
 mod remote;

@@ -364,6 +364,13 @@ impl Node {
             return SysResponse::Beat(BeatReply::Ok);
         }
         let lead = self.lead();
+        if lead.term == 0 {
+            // Not joined yet: a restarted node under a member's name gets the beats
+            // meant for its dead earlier life. Following them would make it lead that
+            // life's term, and an Ok would tell the sender the dead life is heard. A
+            // term-0 lead answers neither: the sender neither follows nor counts it.
+            return SysResponse::Beat(BeatReply::Follow(lead));
+        }
         let outcome = self
             .inner
             .directory
