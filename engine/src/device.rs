@@ -146,13 +146,38 @@ macro_rules! test_device {
 /// this every one of them is a fresh mmap with page faults. Process-wide; idempotent.
 pub fn tune_host_allocator() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
+    if !SHARDS_TUNED.load(std::sync::atomic::Ordering::Relaxed) {
         const M_TRIM_THRESHOLD: i32 = -1;
         const M_MMAP_THRESHOLD: i32 = -3;
         // SAFETY: mallopt only adjusts allocator tunables.
         unsafe {
             libc::mallopt(M_MMAP_THRESHOLD, 1 << 30);
             libc::mallopt(M_TRIM_THRESHOLD, 1 << 30);
+        }
+    }
+}
+
+/// Set once a process holds a rank of a sharded model: a generator made later (a
+/// rollout on the same node) keeps the rank's allocator settings.
+static SHARDS_TUNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Undoes [`tune_host_allocator`] for a process that trains a sharded model, for good: blocks of
+/// 256 KiB and more get their own mappings, which go back to the OS the moment they are
+/// freed. A rank's step allocates and frees unit-sized buffers (gathered weights, their
+/// gradients, ring chunks) on several threads; kept in the heap, freed ones fragment
+/// each thread's arena and stay resident, which measured about a fifth of a rank's peak
+/// (`yatt bench sharded --mmap-threshold-kb`). Process-wide; rollouts in the same
+/// process then pay page faults on their large activations.
+pub fn tune_host_allocator_for_shards() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        SHARDS_TUNED.store(true, std::sync::atomic::Ordering::Relaxed);
+        const M_TRIM_THRESHOLD: i32 = -1;
+        const M_MMAP_THRESHOLD: i32 = -3;
+        // SAFETY: mallopt only adjusts allocator tunables.
+        unsafe {
+            libc::mallopt(M_MMAP_THRESHOLD, 256 << 10);
+            libc::mallopt(M_TRIM_THRESHOLD, 1 << 20);
         }
     }
 }

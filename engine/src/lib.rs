@@ -62,6 +62,7 @@ pub use config::{tiny_config, Architecture, ModelConfig, RopeScaling, SlidingWin
 pub use device::{
     cuda_device_count, default_device, libtorch_dir, load_cuda_backend, parse_device, parse_kind,
     release_host_memory, set_threads, test_devices, tune_host_allocator,
+    tune_host_allocator_for_shards,
 };
 pub use error::{EngineError, Result};
 pub use generate::{

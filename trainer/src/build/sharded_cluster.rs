@@ -77,6 +77,7 @@ pub(crate) async fn start_rank(
     a: RankArgs,
 ) -> Result<yatt_roles::RoleActor<PolicyRankRole>, String> {
     let member = RingMember::start(node, SHARD_RING, a.rank).map_err(|e| e.to_string())?;
+    hold_no_freed_blocks(a.rank);
     let root = node.config().data_dir.clone();
     let checkpoint = a.role.checkpoint.clone();
     let pusher = SlicePusher::new(node.downgrade(), tokio::runtime::Handle::current());
@@ -104,6 +105,7 @@ pub(crate) async fn start_sharded_policy(
     let spawn_timeout = Duration::from_secs(job.placement.spawn_timeout_s);
     let start = sharded_start(job);
     let mut member = RingMember::start(node, SHARD_RING, 0).map_err(|e| e.to_string())?;
+    hold_no_freed_blocks(0);
     let spawned = futures::future::join_all(nodes.iter().enumerate().skip(1).map(|(r, target)| {
         let args = RankArgs {
             role: a.clone(),
@@ -163,6 +165,18 @@ pub(crate) async fn start_sharded_policy(
             Err(e)
         }
     }
+}
+
+/// A node that holds a rank returns large freed blocks to the OS at once, so that its
+/// resident memory is what the rank holds, not what its step once allocated (see
+/// [`yatt_engine::tune_host_allocator_for_shards`]; rollouts on the node then decode
+/// with page faults on their large activations).
+fn hold_no_freed_blocks(rank: u32) {
+    yatt_engine::tune_host_allocator_for_shards();
+    tracing::info!(
+        rank,
+        "this node holds a policy rank: large freed blocks go back to the OS at once"
+    );
 }
 
 /// Every rank's ring inbox into one spec; each remote rank joins (and shards its
