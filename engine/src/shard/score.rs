@@ -89,11 +89,11 @@ impl ShardedTrainer {
 
 #[cfg(test)]
 mod tests {
+    use super::super::group::LocalGroup;
     use super::*;
     use crate::config::tiny_config;
     use crate::model::Llama;
     use crate::score::token_logprobs;
-    use crate::shard::LocalGroup;
     use crate::train::TrainConfig;
     use tch::{Device, Kind};
 

@@ -109,9 +109,9 @@ pub fn write_unit_slices<'a>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::group::LocalGroup;
     use super::*;
     use crate::config::tiny_config;
-    use crate::shard::LocalGroup;
     use crate::train::TrainConfig;
     use tch::{Device, Kind};
 

@@ -32,6 +32,8 @@ pub mod rollout;
 pub(crate) mod scoring;
 mod shard_ring;
 mod slices;
+#[cfg(test)]
+mod slices_tests;
 mod write_root;
 pub use growing_reward::GrowingLengthReward;
 pub use write_root::check_write_root;
@@ -41,9 +43,10 @@ pub use judge_model::{JudgeConfig, JudgeMode, JudgeScorer, OnUnparsed};
 pub use policy::{
     GradShard, KlLossConfig, LoraSync, PolicyConfig, PolicyRankRole, PolicyRequest, PolicyResponse,
     PolicyRole, PushReport, PushTarget, RankRef, RankRequest, RankResponse, RankSource, RankStep,
-    RemoteRanks, ShardReport, ShardedPolicyRole, ShardedStart, TrainReport, TrainerState,
+    RemoteRanks, ShardReport, ShardedPolicyRole, ShardedStart, SlicePusher, TrainReport,
+    TrainerState,
 };
-pub use policy_push::{PushingPolicy, SlicePusher};
+pub use policy_push::PushingPolicy;
 pub use reference::ReferenceRole;
 pub use reward::RewardRole;
 pub use reward_model::{

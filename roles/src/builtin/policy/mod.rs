@@ -56,6 +56,7 @@ mod report;
 mod sharded;
 #[cfg(test)]
 mod sharded_tests;
+mod slice_push;
 #[cfg(test)]
 mod split_tests;
 mod state;
@@ -66,6 +67,8 @@ pub use rank::{PolicyRankRole, RankRequest, RankResponse, RankSource, RankStep};
 pub use ranks::{RankRef, RemoteRanks};
 pub use report::{ShardReport, TrainReport};
 pub use sharded::{ShardedPolicyRole, ShardedStart};
+pub(crate) use slice_push::load_into;
+pub use slice_push::SlicePusher;
 pub use state::TrainerState;
 
 use micro::{begin_update, micro_backward, step_micros, with_old_logprobs, Micro, MicroStats};

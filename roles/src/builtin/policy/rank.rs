@@ -16,7 +16,7 @@ use yatt_runtime::{ActorId, RingMember, RingSpec};
 use super::config::PolicyConfig;
 use super::micro::{groups, step_micros, MicroStats, SeqMicro};
 use super::protocol::{PushReport, PushTarget};
-use crate::builtin::policy_push::SlicePusher;
+use super::slice_push::SlicePusher;
 use crate::builtin::shard_ring::RingShardGroup;
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightSlice, WeightsUpdate};
 use crate::sample::Sample;

@@ -31,7 +31,7 @@ use super::protocol::{PolicyRequest, PolicyResponse, PushReport, PushTarget};
 use super::rank::{push_slice, rank_score, rank_step, RankRequest, RankResponse, RankStep};
 use super::ranks::{self, Ranks, RemoteRanks};
 use super::report::{ShardReport, TrainReport};
-use crate::builtin::policy_push::SlicePusher;
+use super::slice_push::SlicePusher;
 use crate::builtin::scoring::check_device;
 use crate::role::{DeviceGroup, LocalWeights, ResourceProfile, Role, RoleError, WeightsUpdate};
 use crate::sample::Sample;
