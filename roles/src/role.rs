@@ -393,6 +393,9 @@ impl<R: Role> RoleActor<R> {
                 };
                 let started = role.start(&group);
                 let ok = started.is_ok();
+                // Listed as holding its group from before its start is answered until
+                // this thread ends, its memory freed.
+                let _held = ok.then(|| crate::holders::hold(&role_name, &group));
                 let _ = started_tx.send(started);
                 if !ok {
                     return;
