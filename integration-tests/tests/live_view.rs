@@ -611,7 +611,7 @@ fn slow_drip_connections_past_the_limit_cannot_lock_a_real_viewer_out() {
     let clients = limit + 44;
     let stop = Arc::new(AtomicBool::new(false));
     let reconnects = Arc::new(AtomicUsize::new(0));
-    let open = || -> Option<TcpStream> {
+    let open = move || -> Option<TcpStream> {
         let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
         s.write_all(b"GET /api/run?since=0 HTTP/1.1\r\nHost: x\r\nX-Drip: ")
             .ok()?;

@@ -264,9 +264,9 @@ function renderTimeline() {
   }
   const legend = $("legend");
   if (!legend.childElementCount) {
-    for (const [, label, color] of STAGES.concat([["gen_ahead", "generation of later batches (staleness)", "#2f6fdf"]])) {
+    for (const [k, label, color] of STAGES.concat([["gen_ahead", "generation of later batches (staleness)", "#2f6fdf"]])) {
       const s = el("span");
-      s.append(el("span", { class: "key" + (label.startsWith("generation of later") ? " ahead" : ""), style: `background:${color};height:8px` }), label);
+      s.append(el("span", { class: "key" + (k === "gen_ahead" ? " ahead" : ""), style: `background:${color};height:8px` }), label);
       legend.append(s);
     }
   }
