@@ -6,15 +6,18 @@
 
 use std::sync::Mutex;
 
-use crate::role::DeviceGroup;
-
-/// A role holding a device group, as [`device_holders`] lists it.
+/// A role holding a device group (a [`crate::DeviceGroup`]'s fields), as
+/// [`device_holders`] lists it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceHolder {
     /// The role's name (`policy`, `rollout`, ...).
     pub role: String,
-    /// Where it runs.
-    pub group: DeviceGroup,
+    /// The node hosting the devices.
+    pub node: String,
+    /// Device indices on that node (CUDA ordinals, or virtual device numbers).
+    pub devices: Vec<u32>,
+    /// Whether the devices are CUDA GPUs (false: the CPU, with virtual devices).
+    pub cuda: bool,
 }
 
 static HOLDERS: Mutex<Vec<(u64, DeviceHolder)>> = Mutex::new(Vec::new());
@@ -33,16 +36,10 @@ impl Drop for Holding {
     }
 }
 
-/// Registers `role` on `group` for as long as the returned guard lives.
-pub(crate) fn hold(role: &str, group: &DeviceGroup) -> Holding {
+/// Registers `holder` for as long as the returned guard lives.
+pub(crate) fn hold(holder: DeviceHolder) -> Holding {
     let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    lock().push((
-        id,
-        DeviceHolder {
-            role: role.to_string(),
-            group: group.clone(),
-        },
-    ));
+    lock().push((id, holder));
     Holding(id)
 }
 
@@ -51,7 +48,7 @@ pub(crate) fn hold(role: &str, group: &DeviceGroup) -> Holding {
 pub fn device_holders(node: &str) -> Vec<DeviceHolder> {
     lock()
         .iter()
-        .filter(|(_, h)| h.group.node == node)
+        .filter(|(_, h)| h.node == node)
         .map(|(_, h)| h.clone())
         .collect()
 }
@@ -60,26 +57,30 @@ pub fn device_holders(node: &str) -> Vec<DeviceHolder> {
 mod tests {
     use super::*;
 
+    fn holder(role: &str, devices: &[u32], cuda: bool) -> DeviceHolder {
+        DeviceHolder {
+            role: role.into(),
+            node: "holders-test-node".into(),
+            devices: devices.to_vec(),
+            cuda,
+        }
+    }
+
     #[test]
     fn a_holder_is_listed_while_its_guard_lives() {
-        let g = DeviceGroup {
-            node: "holders-test-node".into(),
-            devices: vec![1],
-            cuda: true,
-        };
-        let a = hold("policy", &g);
-        let b = hold("rollout", &DeviceGroup::cpu("holders-test-node"));
+        let a = hold(holder("policy", &[1], true));
+        let b = hold(holder("rollout", &[0], false));
         let listed = device_holders("holders-test-node");
-        assert_eq!(listed.len(), 2);
         assert_eq!(
-            (listed[0].role.as_str(), listed[0].group.devices.as_slice()),
-            ("policy", &[1][..])
+            listed,
+            [holder("policy", &[1], true), holder("rollout", &[0], false)]
         );
         assert!(device_holders("another-node").is_empty());
         drop(a);
-        let listed = device_holders("holders-test-node");
-        assert_eq!(listed.len(), 1);
-        assert_eq!(listed[0].role, "rollout");
+        assert_eq!(
+            device_holders("holders-test-node"),
+            [holder("rollout", &[0], false)]
+        );
         drop(b);
         assert!(device_holders("holders-test-node").is_empty());
     }

@@ -395,7 +395,14 @@ impl<R: Role> RoleActor<R> {
                 let ok = started.is_ok();
                 // Listed as holding its group from before its start is answered until
                 // this thread ends, its memory freed.
-                let _held = ok.then(|| crate::holders::hold(&role_name, &group));
+                let _held = ok.then(|| {
+                    crate::holders::hold(crate::DeviceHolder {
+                        role: role_name.clone(),
+                        node: group.node.clone(),
+                        devices: group.devices.clone(),
+                        cuda: group.cuda,
+                    })
+                });
                 let _ = started_tx.send(started);
                 if !ok {
                     return;

@@ -240,7 +240,7 @@ async fn follow(
 fn devices_json(info: &NodeInfo) -> Vec<serde_json::Value> {
     let held = yatt_roles::device_holders(&info.name);
     let on = |d: &DeviceInfo, h: &DeviceHolder| {
-        h.group.cuda == (d.kind == DeviceKind::Cuda) && h.group.devices.contains(&d.index)
+        h.cuda == (d.kind == DeviceKind::Cuda) && h.devices.contains(&d.index)
     };
     let mut out: Vec<serde_json::Value> = info
         .devices
@@ -262,7 +262,7 @@ fn devices_json(info: &NodeInfo) -> Vec<serde_json::Value> {
         .collect();
     let on_cpu: Vec<&str> = held
         .iter()
-        .filter(|h| !h.group.cuda && !info.devices.iter().any(|d| on(d, h)))
+        .filter(|h| !h.cuda && !info.devices.iter().any(|d| on(d, h)))
         .map(|h| h.role.as_str())
         .collect();
     if !on_cpu.is_empty() {

@@ -228,8 +228,8 @@ function lanes(r, h) {
 function renderTimeline() {
   const box = $("timeline");
   const heads = st.rows.length ? headsOf(st.rows[st.rows.length - 1]) : [null];
-  // Up to 30 steps; fewer with many heads, so the timeline stays a screen high.
-  const rows = st.rows.slice(-Math.max(5, Math.min(30, Math.floor(60 / heads.length))));
+  // About 30 rows: 30 steps of one head, fewer steps of several (at least 5).
+  const rows = st.rows.slice(-Math.max(5, Math.floor(30 / heads.length)));
   box.dataset.steps = rows.length;
   box.dataset.heads = heads[0] === null ? 0 : heads.length;
   box.replaceChildren();
