@@ -288,6 +288,56 @@ fn the_live_view_shows_a_lost_node_and_its_roles_respawned_in_a_browser() {
     );
 }
 
+/// `yatt train` of the demo into `out` with `--http 0`, `job.steps = steps` and `sets`,
+/// printing to OUT/train.log and OUT/train.err.
+fn train_demo(out: &Path, steps: u64, sets: &[&str]) -> std::process::Child {
+    let mut cmd = Command::new(yatt_bin());
+    cmd.args(["train", DEMO, "--http", "0"])
+        .args(["--set", &format!("job.steps={steps}")])
+        .arg("--set")
+        .arg(format!("job.output_dir=\"{}\"", out.display()));
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    cmd.env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(out.join("train.log")).unwrap())
+        .stderr(std::fs::File::create(out.join("train.err")).unwrap())
+        .spawn()
+        .expect("start yatt train")
+}
+
+/// The URL and address a [`train_demo`] run serves on, once it has done `steps` steps.
+fn serving(out: &Path, steps: usize) -> (String, std::net::SocketAddr) {
+    let at = printed_url(&out.join("train.log"), Duration::from_secs(60))
+        .unwrap_or_else(|| panic!("no URL:\n{}", printed(out)));
+    let done = poll(Duration::from_secs(120), || {
+        (steps_done(out) >= steps).then_some(())
+    });
+    assert!(done.is_some(), "not {steps} steps:\n{}", printed(out));
+    at
+}
+
+/// What a [`train_demo`] run printed.
+fn printed(out: &Path) -> String {
+    let read = |f: &str| std::fs::read_to_string(out.join(f)).unwrap_or_default();
+    read("train.log") + &read("train.err")
+}
+
+/// Waits (240 s at most) for a [`train_demo`] run to end, and asserts it succeeded.
+fn assert_finishes(child: &mut std::process::Child, out: &Path) {
+    let status = poll(Duration::from_secs(240), || child.try_wait().ok().flatten());
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}\n{}",
+        printed(out)
+    );
+}
+
 /// Resident memory of process `pid`, bytes.
 fn rss(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
@@ -297,6 +347,12 @@ fn rss(pid: u32) -> u64 {
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|kb| kb.parse::<u64>().ok())
         .map_or(0, |kb| kb * 1024)
+}
+
+/// Asserts that resident memory grew by less than 64 MiB from `before` to `during`.
+fn assert_grew_little(before: u64, during: u64, what: &str) {
+    let grew = during.saturating_sub(before);
+    assert!(grew < 64 << 20, "{what} by {} MiB", grew >> 20);
 }
 
 /// Queries from a fixed-seed generator: printable bytes, some percent-escapes, lengths
@@ -327,28 +383,9 @@ fn hostile_queries_and_200_connections_leave_the_run_and_health_unaffected() {
     let out = tempfile::tempdir().unwrap();
     // Enough steps that the run is still going through all of the below.
     let steps = 300;
-    let log = out.path().join("train.log");
-    let mut child = Command::new(yatt_bin())
-        .args(["train", DEMO, "--http", "0"])
-        .args(["--set", &format!("job.steps={steps}")])
-        .arg("--set")
-        .arg(format!("job.output_dir=\"{}\"", out.path().display()))
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&log).unwrap())
-        .stderr(std::fs::File::create(out.path().join("train.err")).unwrap())
-        .spawn()
-        .expect("start yatt train");
-    let printed = || std::fs::read_to_string(&log).unwrap_or_default();
-    let (_, addr) = printed_url(&log, Duration::from_secs(60))
-        .unwrap_or_else(|| panic!("no URL:\n{}", printed()));
-    assert!(
-        poll(Duration::from_secs(60), || (steps_done(out.path()) >= 1)
-            .then_some(()))
-        .is_some(),
-        "{}",
-        printed()
-    );
+    let mut child = train_demo(out.path(), steps, &[]);
+    let printed = || printed(out.path());
+    let (_, addr) = serving(out.path(), 1);
     let expect = |path: &str, code: u16, says: &str| {
         let (got, body) = http_get(addr, path).unwrap_or_else(|| panic!("no answer to {path:.80}"));
         assert_eq!(got, code, "{path:.80}: {body}");
@@ -421,25 +458,241 @@ fn hostile_queries_and_200_connections_leave_the_run_and_health_unaffected() {
     let health_s = t.elapsed();
     let rss_during = rss(child.id());
     drop(held);
-    let status = poll(Duration::from_secs(240), || child.try_wait().ok().flatten());
-    if status.is_none() {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "{status:?}\n{}",
-        printed()
-    );
+    assert_finishes(&mut child, out.path());
     assert_eq!(steps_done(out.path()), steps as usize, "{}", printed());
-    let grew = rss_during.saturating_sub(rss_before);
-    assert!(
-        grew < 64 << 20,
-        "200 connections grew the trainer by {} MiB",
-        grew >> 20
-    );
+    assert_grew_little(rss_before, rss_during, "200 connections grew the trainer");
     eprintln!(
         "hostile input: fuzzed answers {codes:?}; /health answered in {health_s:.2?} beside 200 open connections; RSS {} -> {} MiB",
+        rss_before >> 20,
+        rss_during >> 20
+    );
+}
+
+/// The markup of the timeline row of `step` and `head` ("" for a row of means), up to
+/// the next row.
+fn timeline_row<'a>(dom: &'a str, step: u64, head: &str) -> Option<&'a str> {
+    let open = format!("<div class=\"tl-row\" data-step=\"{step}\" data-head=\"{head}\">");
+    let at = dom.find(&open)?;
+    let rest = &dom[at + open.len()..];
+    Some(&rest[..rest.find("class=\"tl-row\"").unwrap_or(rest.len())])
+}
+
+/// A metric of `step` in `out`'s metrics.jsonl.
+fn metric_at(out: &Path, step: u64, key: &str) -> Option<f64> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).ok()?;
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["step"].as_u64() == Some(step))?[key]
+        .as_f64()
+}
+
+#[test]
+fn an_embedded_run_shows_each_heads_timeline_with_its_overlap_and_who_holds_its_device() {
+    let t0 = Instant::now();
+    let out = tempfile::tempdir().unwrap();
+    // Two heads generating a step ahead; the demo's steps take tens of milliseconds, so
+    // enough of them that the page is read mid-run.
+    let steps = 600;
+    let mut child = train_demo(
+        out.path(),
+        steps,
+        &["job.controllers=2", "rollout.staleness=1"],
+    );
+    let (url, _) = serving(out.path(), 3);
+    let dom = dump_dom(&url, BUDGET_MS);
+
+    // The trainer's node: its device held by every role of the run, both rollouts.
+    let devices = tags_with(&dom, "class=\"device\"");
+    let holder = devices
+        .iter()
+        .filter_map(|t| attr(t, "data-holder"))
+        .find(|h| !h.is_empty())
+        .unwrap_or_else(|| panic!("no device shows a holder: {devices:?}"));
+    for role in ["policy", "rollout ×2", "reward"] {
+        assert!(holder.contains(role), "{role} not in {holder:?}");
+    }
+
+    // One timeline row per head, each with the generation of later batches beside its
+    // training and their overlap, as that head's own figures in metrics.jsonl say.
+    assert_eq!(attr_of(&dom, "timeline", "data-heads"), Some("2"));
+    let shown: u64 = attr_of(&dom, "run-summary", "data-step")
+        .and_then(|s| s.parse().ok())
+        .expect("the page's step");
+    assert!(shown >= 3, "{shown}");
+    for head in ["0", "1"] {
+        let row = timeline_row(&dom, shown, head)
+            .unwrap_or_else(|| panic!("no row for step {shown}, head {head}"));
+        let ahead = tags_with(row, "data-stage=\"gen_ahead\"");
+        let secs = ahead
+            .first()
+            .and_then(|t| attr(t, "data-seconds"))
+            .and_then(|s| s.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("head {head}: no generation of later batches in {row}"));
+        let want = metric_at(out.path(), shown, &format!("head/{head}/async/gen_ahead_s"))
+            .expect("the head's own generation time");
+        assert!(
+            (secs - want).abs() < 1e-3,
+            "head {head}: {secs} drawn, {want} written"
+        );
+        assert!(
+            !tags_with(row, "data-stage=\"update_actor\"").is_empty(),
+            "head {head}: no training in {row}"
+        );
+        let overlap = tags_with(row, "class=\"overlap\"");
+        assert!(
+            overlap
+                .first()
+                .and_then(|t| attr(t, "data-overlap-s"))
+                .and_then(|s| s.parse::<f64>().ok())
+                .is_some_and(|s| s > 0.0),
+            "head {head}: no overlap drawn: {row}"
+        );
+    }
+    maybe_screenshot(&url, "live-view-heads.png");
+    assert_finishes(&mut child, out.path());
+
+    // A run directory written before the heads' own values were: a row per step, from
+    // the means, and nothing else amiss.
+    let old = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(out.path().join("metrics.jsonl")).unwrap();
+    let mut lines = String::new();
+    for l in text.lines() {
+        let mut v: serde_json::Map<String, serde_json::Value> = serde_json::from_str(l).unwrap();
+        v.retain(|k, _| !k.starts_with("head/") && k != "async/gen_ahead_s");
+        lines += &(serde_json::Value::Object(v).to_string() + "\n");
+    }
+    std::fs::write(old.path().join("metrics.jsonl"), lines).unwrap();
+    let (_view, old_url) = yatt_view(old.path());
+    let dom = dump_dom(&old_url, BUDGET_MS);
+    assert_eq!(points_and_step(&dom, "chart-reward"), (steps, steps));
+    assert_eq!(attr_of(&dom, "timeline", "data-heads"), Some("0"));
+    let row = timeline_row(&dom, steps, "").expect("a row of means for the last step");
+    assert!(
+        !tags_with(row, "data-stage=\"update_actor\"").is_empty(),
+        "{row}"
+    );
+    eprintln!(
+        "embedded run with 2 heads at staleness 1 ({steps} steps; page read at step {shown}): {:.2?} in all",
+        t0.elapsed()
+    );
+}
+
+/// Open file descriptors of process `pid`.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
+#[test]
+fn slow_drip_connections_past_the_limit_cannot_lock_a_real_viewer_out() {
+    use std::io::{Read as _, Write as _};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let out = tempfile::tempdir().unwrap();
+    let mut metrics = String::new();
+    for step in 1..=20 {
+        metrics += &format!(
+            "{{\"step\":{step},\"critic/rewards/mean\":0.5,\"timing_s/step\":1.0,\"timing_s/gen\":0.6}}\n"
+        );
+    }
+    std::fs::write(out.path().join("metrics.jsonl"), metrics).unwrap();
+    let (view, url) = yatt_view(out.path());
+    let addr: std::net::SocketAddr = url
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .parse()
+        .unwrap();
+    let pid = view.0.id();
+    let limit = 256; // yatt::view::MAX_CONNECTIONS
+    let (rss_before, fds_before) = (rss(pid), open_fds(pid));
+
+    // 300 clients, each starting a request and then sending one more byte of an
+    // endless header every second: each keeps its connection busy, never idle. A client
+    // the server closes connects again at once.
+    let clients = limit + 44;
+    let stop = Arc::new(AtomicBool::new(false));
+    let reconnects = Arc::new(AtomicUsize::new(0));
+    let open = move || -> Option<TcpStream> {
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+        s.write_all(b"GET /api/run?since=0 HTTP/1.1\r\nHost: x\r\nX-Drip: ")
+            .ok()?;
+        s.set_nonblocking(true).ok()?;
+        Some(s)
+    };
+    let mut conns: Vec<Option<TcpStream>> = (0..clients).map(|_| open()).collect();
+    assert!(
+        conns.iter().filter(|c| c.is_some()).count() > limit,
+        "could not open {clients} connections"
+    );
+    let drip = {
+        let (stop, reconnects) = (stop.clone(), reconnects.clone());
+        std::thread::spawn(move || {
+            let mut next = Instant::now();
+            while !stop.load(Ordering::Relaxed) {
+                for c in conns.iter_mut() {
+                    let mut buf = [0u8; 512];
+                    let alive = c.as_mut().is_some_and(|s| {
+                        let open = match s.read(&mut buf) {
+                            Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
+                            Ok(_) => false, // an answer or the close: start over
+                        };
+                        open && s.write_all(b"a").is_ok()
+                    });
+                    if !alive {
+                        reconnects.fetch_add(1, Ordering::Relaxed);
+                        *c = open();
+                    }
+                }
+                next += Duration::from_secs(1);
+                while Instant::now() < next && !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        })
+    };
+
+    // A viewer's requests, spread over longer than every deadline of the server, each
+    // answered at once.
+    let mut worst = Duration::ZERO;
+    let mut peak_fds = 0;
+    let t_all = Instant::now();
+    for i in 0..8 {
+        let t = Instant::now();
+        let got = http_get(addr, "/api/run?since=0");
+        let took = t.elapsed();
+        assert!(
+            got.as_ref()
+                .is_some_and(|(c, b)| *c == 200 && b.contains("\"steps\"")),
+            "request {i} beside {clients} dripping connections: {got:?} after {took:.2?}"
+        );
+        assert!(
+            took < Duration::from_secs(3),
+            "request {i} took {took:.2?} beside {clients} dripping connections"
+        );
+        worst = worst.max(took);
+        peak_fds = peak_fds.max(open_fds(pid));
+        std::thread::sleep(Duration::from_millis(1500));
+    }
+    let rss_during = rss(pid);
+    stop.store(true, Ordering::Relaxed);
+    drip.join().unwrap();
+    assert_grew_little(
+        rss_before,
+        rss_during,
+        &format!("{clients} dripping connections grew the server"),
+    );
+    // The server holds at most its limit of connections (and a few in passing).
+    assert!(
+        peak_fds <= fds_before + limit + 8,
+        "{peak_fds} descriptors open (from {fds_before}) with a limit of {limit} connections"
+    );
+    assert!(
+        reconnects.load(Ordering::Relaxed) >= clients - limit,
+        "the server never closed a dripping connection"
+    );
+    eprintln!(
+        "slow drip: {clients} dripping clients, {} reconnects in {:.1?}; a viewer's request answered in at most {worst:.2?}; server RSS {} -> {} MiB, {peak_fds} descriptors at most",
+        reconnects.load(Ordering::Relaxed),
+        t_all.elapsed(),
         rss_before >> 20,
         rss_during >> 20
     );

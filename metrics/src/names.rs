@@ -65,6 +65,29 @@ pub const RESIDENT_BYTES_PREFIX: &str = "perf/resident_bytes/";
 pub const RESIDENT_BYTES_LOADED_PREFIX: &str = "perf/resident_bytes_loaded/";
 /// Wall seconds of the whole step.
 pub const STEP_S: &str = "timing_s/step";
+/// Prefix of one head's own values in a step of several data-parallel heads, where the
+/// unprefixed metric is the mean over the heads: `head/1/timing_s/gen` is head 1's
+/// generation time. Kept for the stage times ([`TIMING_PREFIX`]) and the pipeline's
+/// [`OVERLAP_S`], [`GEN_AHEAD_S`] and [`SAMPLES_CARRIED`], which the live view draws
+/// one timeline row per head from.
+pub const HEAD_PREFIX: &str = "head/";
+
+/// The metric a name stands for with any [`HEAD_PREFIX`] taken off
+/// (`head/1/timing_s/gen` → `timing_s/gen`); other names are their own.
+pub fn without_head(name: &str) -> &str {
+    name.strip_prefix(HEAD_PREFIX)
+        .and_then(|rest| rest.split_once('/'))
+        .filter(|(i, _)| !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit()))
+        .map_or(name, |(_, metric)| metric)
+}
+
+/// Whether a head's own value of `name` goes into the step's record.
+pub fn kept_per_head(name: &str) -> bool {
+    name.starts_with(TIMING_PREFIX)
+        || name == OVERLAP_S
+        || name == GEN_AHEAD_S
+        || name == SAMPLES_CARRIED
+}
 /// Wall seconds of the step as the live placement measures it (including migrations).
 pub const STEP_WALL_S: &str = "timing_s/step_wall";
 
@@ -149,6 +172,9 @@ pub const SAMPLES_INTERRUPTED: &str = "async/samples_interrupted";
 pub const PENDING_BATCHES: &str = "async/pending_batches";
 /// Seconds generation of later batches ran alongside this step's training.
 pub const OVERLAP_S: &str = "async/overlap_s";
+/// Seconds this step spent generating and rewarding the batches of later steps, beside
+/// its training (from when the training of its own batch began).
+pub const GEN_AHEAD_S: &str = "async/gen_ahead_s";
 /// Mean importance weight π_old/π_rollout per token (before the cap).
 pub const IS_WEIGHT_MEAN: &str = "off_policy/is_weight_mean";
 /// Largest importance weight π_old/π_rollout.
@@ -233,3 +259,19 @@ pub const ENV_REWARD_MEAN: &str = "env/reward_mean";
 pub const EVAL_ACCURACY: &str = "eval/accuracy";
 /// Evaluation during training (`eval.jsonl`): mean reward of the greedy answers.
 pub const EVAL_MEAN_REWARD: &str = "eval/mean_reward";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_heads_value_names_its_metric() {
+        assert_eq!(without_head("head/1/timing_s/gen"), GEN_S);
+        assert_eq!(without_head("head/12/async/overlap_s"), OVERLAP_S);
+        assert_eq!(without_head(GEN_S), GEN_S);
+        assert_eq!(without_head("head/x/timing_s/gen"), "head/x/timing_s/gen");
+        assert_eq!(without_head("head//timing_s/gen"), "head//timing_s/gen");
+        assert!(kept_per_head(GEN_S) && kept_per_head(GEN_AHEAD_S));
+        assert!(!kept_per_head(REWARDS_MEAN));
+    }
+}

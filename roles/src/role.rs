@@ -407,6 +407,16 @@ impl<R: Role> RoleActor<R> {
                 };
                 let started = role.start(&group);
                 let ok = started.is_ok();
+                // Listed as holding its group from before its start is answered until
+                // this thread ends, its memory freed.
+                let _held = ok.then(|| {
+                    crate::holders::hold(crate::DeviceHolder {
+                        role: role_name.clone(),
+                        node: group.node.clone(),
+                        devices: group.devices.clone(),
+                        cuda: group.cuda,
+                    })
+                });
                 let _ = started_tx.send(started);
                 if !ok {
                     return;

@@ -8,8 +8,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::Serialize;
+use yatt_roles::DeviceHolder;
 use yatt_runtime::{
-    Directory, DirectoryChange, DirectoryEvent, ExitReason, Liveness, Membership, Node, WeakNode,
+    DeviceInfo, DeviceKind, Directory, DirectoryChange, DirectoryEvent, ExitReason, Liveness,
+    Membership, Node, NodeInfo, WeakNode,
 };
 
 /// Events the ring keeps; the oldest go first.
@@ -232,8 +234,51 @@ async fn follow(
     }
 }
 
+/// A node's devices, each with the roles of this process that hold it now
+/// (`held_by`). Roles on the host CPU of a node whose devices do not include it (its
+/// devices are GPUs, or it offers none) are listed on a device of kind `cpu`.
+fn devices_json(info: &NodeInfo) -> Vec<serde_json::Value> {
+    let held = yatt_roles::device_holders(&info.name);
+    let on = |d: &DeviceInfo, h: &DeviceHolder| {
+        h.cuda == (d.kind == DeviceKind::Cuda) && h.devices.contains(&d.index)
+    };
+    let mut out: Vec<serde_json::Value> = info
+        .devices
+        .iter()
+        .map(|d| {
+            let by: Vec<&str> = held
+                .iter()
+                .filter(|h| on(d, h))
+                .map(|h| h.role.as_str())
+                .collect();
+            serde_json::json!({
+                "index": d.index,
+                "kind": format!("{:?}", d.kind).to_lowercase(),
+                "name": d.name,
+                "memory_bytes": d.memory_bytes,
+                "held_by": by,
+            })
+        })
+        .collect();
+    let on_cpu: Vec<&str> = held
+        .iter()
+        .filter(|h| !h.cuda && !info.devices.iter().any(|d| on(d, h)))
+        .map(|h| h.role.as_str())
+        .collect();
+    if !on_cpu.is_empty() {
+        out.push(serde_json::json!({
+            "index": 0,
+            "kind": "cpu",
+            "name": "host CPU",
+            "memory_bytes": info.memory_bytes,
+            "held_by": on_cpu,
+        }));
+    }
+    out
+}
+
 /// `/api/cluster?events_since=SEQ`: the nodes with liveness, incarnation, kind, devices
-/// and actors; the leader and term; the events after `events_since`.
+/// (and the roles of this process holding them) and actors; the leader and term; the events after `events_since`.
 pub fn cluster_json(node: &Node, events: &ClusterEvents, events_since: u64) -> serde_json::Value {
     let dir = node.directory().snapshot();
     let nodes: Vec<serde_json::Value> = dir
@@ -250,19 +295,7 @@ pub fn cluster_json(node: &Node, events: &ClusterEvents, events_since: u64) -> s
                     })
                 })
                 .collect();
-            let devices: Vec<serde_json::Value> = n
-                .info
-                .devices
-                .iter()
-                .map(|d| {
-                    serde_json::json!({
-                        "index": d.index,
-                        "kind": format!("{:?}", d.kind).to_lowercase(),
-                        "name": d.name,
-                        "memory_bytes": d.memory_bytes,
-                    })
-                })
-                .collect();
+            let devices = devices_json(&n.info);
             serde_json::json!({
                 "name": n.info.name,
                 "incarnation": n.info.incarnation,
@@ -295,6 +328,67 @@ pub fn cluster_json(node: &Node, events: &ClusterEvents, events_since: u64) -> s
 #[cfg(test)]
 mod tests {
     use super::*;
+    use yatt_roles::{DeviceGroup, ResourceProfile, Role, RoleActor, RoleError};
+
+    struct Holds(&'static str);
+
+    impl Role for Holds {
+        type Request = ();
+        type Response = ();
+        fn name(&self) -> &str {
+            self.0
+        }
+        fn profile(&self) -> ResourceProfile {
+            ResourceProfile::cpu_only()
+        }
+        fn start(&mut self, _: &DeviceGroup) -> Result<(), RoleError> {
+            Ok(())
+        }
+        fn serve(&mut self, _: ()) -> Result<(), RoleError> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn each_device_lists_the_roles_of_this_process_that_hold_it_while_they_run() {
+        let mut info = NodeInfo::for_tests("holders-node", 1);
+        info.devices = (0..2)
+            .map(|index| DeviceInfo {
+                index,
+                kind: DeviceKind::Cuda,
+                name: format!("gpu{index}"),
+                memory_bytes: 1,
+            })
+            .collect();
+        let gpu1 = DeviceGroup {
+            node: "holders-node".into(),
+            devices: vec![1],
+            cuda: true,
+        };
+        let policy = RoleActor::start(Holds("policy"), gpu1.clone(), 1)
+            .await
+            .unwrap();
+        let rollout = RoleActor::start(Holds("rollout"), gpu1, 1).await.unwrap();
+        let reward = RoleActor::start(Holds("reward"), DeviceGroup::cpu("holders-node"), 1)
+            .await
+            .unwrap();
+        let held = |d: &serde_json::Value| d["held_by"].clone();
+        let devices = devices_json(&info);
+        assert_eq!(devices.len(), 3, "{devices:?}");
+        assert_eq!(held(&devices[0]), serde_json::json!([]));
+        assert_eq!(held(&devices[1]), serde_json::json!(["policy", "rollout"]));
+        assert_eq!(devices[2]["kind"], "cpu");
+        assert_eq!(held(&devices[2]), serde_json::json!(["reward"]));
+        drop((policy, reward));
+        let devices = devices_json(&info);
+        assert_eq!(
+            devices.len(),
+            2,
+            "the CPU's only holder stopped: {devices:?}"
+        );
+        assert_eq!(held(&devices[1]), serde_json::json!(["rollout"]));
+        drop(rollout);
+    }
 
     #[test]
     fn joins_deaths_rejoins_and_fail_overs_are_told_apart_and_the_ring_is_bounded() {

@@ -1,23 +1,48 @@
-//! Serving with bounds: at most [`MAX_CONNECTIONS`] connections at once and none idle
-//! for longer than [`IDLE_TIMEOUT`], so viewers that pile up or hang cannot hold the
-//! process's memory or sockets.
+//! Serving with bounds, so that viewers that pile up, hang or drip bytes cannot hold
+//! the process's memory or sockets, nor lock real viewers out:
+//!
+//! - at most [`MAX_CONNECTIONS`] connections are served at once. A connection past
+//!   that is accepted at once (not left waiting in the kernel's backlog) and makes room
+//!   by shedding the connection that has waited longest without being answered (idle,
+//!   or still sending its request); when every connection is being answered, it gets a
+//!   `503` with `Retry-After: 1` and is closed;
+//! - a request must arrive whole within [`REQUEST_TIMEOUT`] of its first byte, however
+//!   steadily its bytes drip in;
+//! - a connection with no request for [`IDLE_TIMEOUT`] is closed;
+//! - an answer whose writing makes no progress for [`WRITE_TIMEOUT`] (a viewer that
+//!   stopped reading) is abandoned.
+//!
+//! The deadlines watch bytes, not HTTP: a request "arrives" when the server starts
+//! writing its answer, which for these routes (all `GET`, answered from memory or a
+//! short file read) follows the request's last byte within milliseconds.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio::time::Sleep;
+use tokio::time::{Instant, Sleep};
 
-/// Connections served at once; more wait in the listen backlog.
+/// Connections served at once; one more sheds the longest-waiting of them.
 pub const MAX_CONNECTIONS: usize = 256;
-/// A connection that sends nothing for this long is closed (a page polls every second).
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// From a request's first byte to the start of its answer. A browser sends a request
+/// head in one packet; a few seconds leave room for a slow link, and a client that
+/// drips a byte now and then is closed this long after it began.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// A connection with no request for this long is closed. The page polls every second
+/// (and, after errors, backs off to at most every 10 s), so 10 s keeps a polling
+/// page's connection alive between polls while an abandoned one goes soon; closing
+/// one costs a browser only a reconnect.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// An answer that cannot be written for this long (the viewer stopped reading) is
+/// abandoned and its connection closed.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Serves `app` on `listener` under the bounds above until `shutdown` completes.
 pub async fn serve(
@@ -27,17 +52,79 @@ pub async fn serve(
 ) -> io::Result<()> {
     let bounded = Bounded {
         inner: listener,
-        permits: Arc::new(Semaphore::new(MAX_CONNECTIONS)),
+        table: Arc::new(Table::default()),
+        epoch: Instant::now(),
     };
     axum::serve(bounded, app)
         .with_graceful_shutdown(shutdown)
         .await
 }
 
+/// What the server knows of one connection, shared between it and the accept loop.
+struct Slot {
+    /// Milliseconds (since the listener's epoch) when it began waiting: for its next
+    /// request (idle), or for its request's answer.
+    waiting_since: AtomicU64,
+    /// Its answer's writing is under way (not sheddable).
+    writing: AtomicBool,
+    /// Told to close: the server needed its place.
+    shed: AtomicBool,
+    /// Wakes its reader when it is shed.
+    waker: Mutex<Option<Waker>>,
+}
+
+/// The connections being served.
+#[derive(Default)]
+struct Table {
+    slots: Mutex<(u64, HashMap<u64, Arc<Slot>>)>,
+}
+
+impl Table {
+    fn lock(&self) -> std::sync::MutexGuard<'_, (u64, HashMap<u64, Arc<Slot>>)> {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A place for a new connection, shedding the longest-waiting connection when the
+    /// table is full; `None` when it is full of connections being answered.
+    fn admit(&self, now_ms: u64) -> Option<(u64, Arc<Slot>)> {
+        let mut t = self.lock();
+        if t.1.len() >= MAX_CONNECTIONS {
+            let oldest =
+                t.1.iter()
+                    .filter(|(_, s)| !s.writing.load(Ordering::Relaxed))
+                    .min_by_key(|(_, s)| s.waiting_since.load(Ordering::Relaxed))
+                    .map(|(id, _)| *id)?;
+            if let Some(s) = t.1.remove(&oldest) {
+                s.shed.store(true, Ordering::Relaxed);
+                let waker = s.waker.lock().unwrap_or_else(|p| p.into_inner()).take();
+                waker.map(Waker::wake);
+            }
+        }
+        t.0 += 1;
+        let id = t.0;
+        let slot = Arc::new(Slot {
+            waiting_since: AtomicU64::new(now_ms),
+            writing: AtomicBool::new(false),
+            shed: AtomicBool::new(false),
+            waker: Mutex::new(None),
+        });
+        t.1.insert(id, slot.clone());
+        Some((id, slot))
+    }
+
+    fn remove(&self, id: u64) {
+        self.lock().1.remove(&id);
+    }
+}
+
 struct Bounded {
     inner: TcpListener,
-    permits: Arc<Semaphore>,
+    table: Arc<Table>,
+    epoch: Instant,
 }
+
+/// The answer to a connection past [`MAX_CONNECTIONS`] when none can be shed.
+const FULL: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: text/plain\r\nContent-Length: 72\r\nConnection: close\r\n\r\nevery connection of this view is being answered; try again in a second\n";
 
 impl axum::serve::Listener for Bounded {
     type Io = Conn;
@@ -45,27 +132,35 @@ impl axum::serve::Listener for Bounded {
 
     async fn accept(&mut self) -> (Conn, std::net::SocketAddr) {
         loop {
-            let Ok(permit) = self.permits.clone().acquire_owned().await else {
-                // The semaphore is never closed; wait as if it were full.
-                std::future::pending::<()>().await;
-                continue;
-            };
-            match self.inner.accept().await {
-                Ok((stream, addr)) => {
-                    let _ = stream.set_nodelay(true);
-                    let conn = Conn {
-                        stream,
-                        _permit: permit,
-                        idle: Box::pin(tokio::time::sleep(IDLE_TIMEOUT)),
-                    };
-                    return (conn, addr);
-                }
+            let (stream, addr) = match self.inner.accept().await {
+                Ok(s) => s,
                 Err(e) => {
                     // Out of file descriptors and the like: back off, as axum does.
                     tracing::debug!(error = %e, "HTTP accept failed");
                     tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
                 }
-            }
+            };
+            let now_ms = self.epoch.elapsed().as_millis() as u64;
+            let Some((id, slot)) = self.table.admit(now_ms) else {
+                // A fresh socket's send buffer takes these few bytes at once; whatever
+                // does not fit is not worth waiting for.
+                let _ = stream.try_write(FULL);
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            let now = Instant::now();
+            let conn = Conn {
+                stream,
+                id,
+                slot,
+                table: self.table.clone(),
+                epoch: self.epoch,
+                receiving: false,
+                read_deadline: Box::pin(tokio::time::sleep_until(now + IDLE_TIMEOUT)),
+                write_deadline: Box::pin(tokio::time::sleep_until(now + WRITE_TIMEOUT)),
+            };
+            return (conn, addr);
         }
     }
 
@@ -74,12 +169,35 @@ impl axum::serve::Listener for Bounded {
     }
 }
 
-/// A connection holding one of the listener's permits, closed after [`IDLE_TIMEOUT`]
-/// without a byte read.
+/// A served connection under the deadlines above; it leaves the table when dropped.
 struct Conn {
     stream: TcpStream,
-    _permit: OwnedSemaphorePermit,
-    idle: Pin<Box<Sleep>>,
+    id: u64,
+    slot: Arc<Slot>,
+    table: Arc<Table>,
+    epoch: Instant,
+    /// Bytes of a request came in and no answer has been written since.
+    receiving: bool,
+    /// [`REQUEST_TIMEOUT`] while receiving, [`IDLE_TIMEOUT`] otherwise.
+    read_deadline: Pin<Box<Sleep>>,
+    /// [`WRITE_TIMEOUT`] from the last write that made progress.
+    write_deadline: Pin<Box<Sleep>>,
+}
+
+impl Conn {
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.table.remove(self.id);
+    }
+}
+
+fn closed(kind: io::ErrorKind, why: &'static str) -> Poll<io::Result<()>> {
+    Poll::Ready(Err(io::Error::new(kind, why)))
 }
 
 impl AsyncRead for Conn {
@@ -88,23 +206,104 @@ impl AsyncRead for Conn {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        if self.slot.shed.load(Ordering::Relaxed) {
+            return closed(
+                io::ErrorKind::ConnectionAborted,
+                "HTTP connection shed: the view was full",
+            );
+        }
         let before = buf.filled().len();
         match Pin::new(&mut self.stream).poll_read(cx, buf) {
             Poll::Ready(r) => {
-                if buf.filled().len() > before {
-                    let at = tokio::time::Instant::now() + IDLE_TIMEOUT;
-                    self.idle.as_mut().reset(at);
+                if buf.filled().len() > before && !self.receiving {
+                    // A request begins: it has REQUEST_TIMEOUT to arrive whole, however
+                    // its bytes come.
+                    self.receiving = true;
+                    let now = self.now_ms();
+                    self.slot.waiting_since.store(now, Ordering::Relaxed);
+                    let at = Instant::now() + REQUEST_TIMEOUT;
+                    self.read_deadline.as_mut().reset(at);
                 }
                 Poll::Ready(r)
             }
-            Poll::Pending => match self.idle.as_mut().poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "HTTP connection idle",
-                ))),
-                Poll::Pending => Poll::Pending,
-            },
+            Poll::Pending => {
+                {
+                    let mut w = self.slot.waker.lock().unwrap_or_else(|p| p.into_inner());
+                    if !w.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                        *w = Some(cx.waker().clone());
+                    }
+                }
+                // Shed between the check above and the waker's registration.
+                if self.slot.shed.load(Ordering::Relaxed) {
+                    return closed(
+                        io::ErrorKind::ConnectionAborted,
+                        "HTTP connection shed: the view was full",
+                    );
+                }
+                match self.read_deadline.as_mut().poll(cx) {
+                    Poll::Ready(()) if self.receiving => closed(
+                        io::ErrorKind::TimedOut,
+                        "HTTP request not received whole in time",
+                    ),
+                    Poll::Ready(()) => closed(io::ErrorKind::TimedOut, "HTTP connection idle"),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
         }
+    }
+}
+
+impl Conn {
+    /// Bookkeeping after a write: progress ends the request (the connection waits for
+    /// the next one, idle); no progress starts or runs the write deadline.
+    fn wrote<T>(&mut self, cx: &mut Context<'_>, r: Poll<io::Result<T>>) -> Poll<io::Result<T>>
+    where
+        T: Progress,
+    {
+        match r {
+            Poll::Ready(Ok(n)) => {
+                self.slot.writing.store(false, Ordering::Relaxed);
+                if n.progressed() {
+                    self.receiving = false;
+                    let now = self.now_ms();
+                    self.slot.waiting_since.store(now, Ordering::Relaxed);
+                    let at = Instant::now() + IDLE_TIMEOUT;
+                    self.read_deadline.as_mut().reset(at);
+                }
+                Poll::Ready(Ok(n))
+            }
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            Poll::Pending => {
+                if !self.slot.writing.swap(true, Ordering::Relaxed) {
+                    let at = Instant::now() + WRITE_TIMEOUT;
+                    self.write_deadline.as_mut().reset(at);
+                }
+                match self.write_deadline.as_mut().poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "HTTP answer not read by the viewer in time",
+                    ))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+}
+
+/// A write's result that says whether bytes went out.
+trait Progress {
+    fn progressed(&self) -> bool;
+}
+
+impl Progress for usize {
+    fn progressed(&self) -> bool {
+        *self > 0
+    }
+}
+
+impl Progress for () {
+    fn progressed(&self) -> bool {
+        false
     }
 }
 
@@ -114,11 +313,13 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write(cx, buf)
+        let r = Pin::new(&mut self.stream).poll_write(cx, buf);
+        self.wrote(cx, r)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_flush(cx)
+        let r = Pin::new(&mut self.stream).poll_flush(cx);
+        self.wrote(cx, r)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -130,10 +331,38 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+        let r = Pin::new(&mut self.stream).poll_write_vectored(cx, bufs);
+        self.wrote(cx, r)
     }
 
     fn is_write_vectored(&self) -> bool {
         self.stream.is_write_vectored()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_table_sheds_the_longest_waiting_connection_that_is_not_being_answered() {
+        let t = Table::default();
+        let mut slots = Vec::new();
+        for i in 0..MAX_CONNECTIONS as u64 {
+            slots.push(t.admit(1000 + i).expect("room"));
+        }
+        // The oldest is mid-answer: the next oldest goes.
+        slots[0].1.writing.store(true, Ordering::Relaxed);
+        let (_, new) = t.admit(5000).expect("room made");
+        assert!(!slots[0].1.shed.load(Ordering::Relaxed));
+        assert!(slots[1].1.shed.load(Ordering::Relaxed));
+        assert!(!new.shed.load(Ordering::Relaxed));
+        assert_eq!(t.lock().1.len(), MAX_CONNECTIONS);
+        // Every connection being answered: no room, the newcomer is refused.
+        for (_, s) in t.lock().1.iter() {
+            s.writing.store(true, Ordering::Relaxed);
+        }
+        assert!(t.admit(6000).is_none());
+        assert_eq!(t.lock().1.len(), MAX_CONNECTIONS);
     }
 }

@@ -9,9 +9,12 @@
 //! `/api/cluster` and `/api/run` once a second and asks only for what is new
 //! (`?since=STEP&events_since=SEQ`).
 //!
-//! Cost bounds: [`serve`] accepts at most [`MAX_CONNECTIONS`] connections at once (more
-//! wait in the kernel's backlog), closes one idle for [`IDLE_TIMEOUT`], and the API
-//! answers at most [`MAX_API_IN_FLIGHT`] requests at a time (503 beyond: try again).
+//! Cost bounds: [`serve`] serves at most [`MAX_CONNECTIONS`] connections at once (one
+//! more sheds the longest-waiting of them, or gets a 503 when all are being answered),
+//! closes one whose request does not arrive whole within [`REQUEST_TIMEOUT`], one idle
+//! for [`IDLE_TIMEOUT`] and one that does not read its answer for [`WRITE_TIMEOUT`];
+//! the API answers at most [`MAX_API_IN_FLIGHT`] requests at a time (503 beyond: try
+//! again).
 //! A query string over [`MAX_QUERY`] bytes or a malformed number is a 400 saying why.
 
 mod cluster;
@@ -30,7 +33,7 @@ use tokio::sync::Semaphore;
 use yatt_runtime::Node;
 
 pub use cluster::{cluster_json, ClusterEvent, ClusterEvents, EventKind, EVENT_CAPACITY};
-pub use listener::{serve, IDLE_TIMEOUT, MAX_CONNECTIONS};
+pub use listener::{serve, IDLE_TIMEOUT, MAX_CONNECTIONS, REQUEST_TIMEOUT, WRITE_TIMEOUT};
 pub use run::{RunEvent, RunEventKind, RunSource, MAX_EVENTS, MAX_STEPS};
 
 /// Longest query string accepted.

@@ -24,6 +24,9 @@ pub const MAX_EVENTS: usize = 512;
 pub const MAX_STEPS_PER_ANSWER: usize = 2_000;
 /// Bytes one refresh reads from a file at most, and the longest line kept whole.
 const READ_CHUNK: usize = 4 << 20;
+/// The last steps whose heads' own values (`head/I/...`) are kept: the timeline draws
+/// at most 30 steps, and a run of many heads would multiply every step's row.
+pub const HEAD_ROWS: usize = 60;
 
 /// The metrics a step row keeps (names, or prefixes ending in '/').
 const KEPT: &[&str] = &[
@@ -46,6 +49,11 @@ const KEPT: &[&str] = &[
 ];
 
 fn kept(name: &str) -> bool {
+    // A head's own values: those its timeline is drawn from.
+    let metric = names::without_head(name);
+    if metric != name {
+        return names::kept_per_head(metric);
+    }
     KEPT.iter().any(|k| match k.ends_with('/') {
         true => name.starts_with(k),
         false => name == *k,
@@ -381,6 +389,9 @@ impl State {
             self.steps.pop_front();
         }
         self.steps.push_back(row);
+        if let Some(old) = self.steps.len().checked_sub(HEAD_ROWS + 1) {
+            self.steps[old].retain(|k, _| !k.starts_with(names::HEAD_PREFIX));
+        }
     }
 
     fn placement_record(&mut self, r: Record) {
@@ -541,5 +552,43 @@ mod tests {
         assert_eq!(a["events"][0]["kind"], "recovery");
         assert_eq!(a["events"][0]["data"]["stall_s"], 2.0);
         assert!(src.answer(2, 1)["events"].as_array().unwrap().is_empty());
+    }
+
+    #[test]
+    fn each_heads_stage_times_are_served_for_the_last_steps_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut f = std::fs::File::create(dir.path().join("metrics.jsonl")).unwrap();
+        let steps = HEAD_ROWS as u64 + 10;
+        for step in 1..=steps {
+            writeln!(
+                f,
+                r#"{{"step":{step},"timing_s/gen":2.0,"head/0/timing_s/gen":1.0,"head/1/timing_s/gen":3.0,"head/1/async/gen_ahead_s":0.5,"head/1/actor/pg_loss":1}}"#
+            )
+            .unwrap();
+        }
+        let a = RunSource::new(dir.path(), None).answer(0, 0);
+        let rows = a["steps"].as_array().unwrap();
+        assert_eq!(rows.len() as u64, steps);
+        let last = &rows[rows.len() - 1];
+        assert_eq!(last["head/1/timing_s/gen"], 3.0);
+        assert_eq!(last["head/1/async/gen_ahead_s"], 0.5);
+        assert!(
+            last.get("head/1/actor/pg_loss").is_none(),
+            "a head's stage figures only"
+        );
+        let heads = |r: &serde_json::Value| {
+            r.as_object()
+                .unwrap()
+                .keys()
+                .filter(|k| k.starts_with("head/"))
+                .count()
+        };
+        assert_eq!(heads(&rows[rows.len() - HEAD_ROWS]), 3);
+        assert_eq!(
+            heads(&rows[rows.len() - HEAD_ROWS - 1]),
+            0,
+            "older rows keep the means"
+        );
+        assert_eq!(rows[0]["timing_s/gen"], 2.0);
     }
 }

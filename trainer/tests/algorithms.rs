@@ -124,7 +124,10 @@ async fn dapo_drops_flat_groups_and_samples_more() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resuming_repeats_an_uninterrupted_run() {
     // Everything but wall-clock figures must be equal.
-    let timing = |k: &str| k.starts_with("timing_s/") || k.starts_with("perf/");
+    let timing = |k: &str| {
+        let k = yatt_metrics::names::without_head(k);
+        k.starts_with("timing_s/") || k.starts_with("perf/")
+    };
     for algo in ["grpo", "ppo"] {
         let whole = tempfile::tempdir().unwrap();
         let name = format!("algorithm.name={algo:?}");
@@ -205,7 +208,10 @@ async fn the_controller_benchmark_runs_both_modes() {
 async fn policy_replicas_all_reduce_to_the_shared_policy_result() {
     // Two heads with one policy replica each must train exactly like two heads
     // sharing one policy: every replica applies the average of both heads' gradients.
-    let timing = |k: &str| k.starts_with("timing_s/") || k.starts_with("perf/");
+    let timing = |k: &str| {
+        let k = yatt_metrics::names::without_head(k);
+        k.starts_with("timing_s/") || k.starts_with("perf/")
+    };
     let base = [
         "job.controllers=2",
         "data.prompts_per_step=4",

@@ -51,6 +51,7 @@ const ON: &str = "placement.time_share=\"offload\"";
 
 /// The metrics that depend on the clock or on time sharing itself.
 fn timing(name: &str) -> bool {
+    let name = names::without_head(name);
     name.starts_with(names::TIMING_PREFIX)
         || name.starts_with("perf/resident_bytes")
         || name == names::THROUGHPUT

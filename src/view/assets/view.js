@@ -190,39 +190,83 @@ function renderChart(def) {
   svg.append(t);
 }
 
+// The heads a step row has values of (`head/I/timing_s/...`); [null] for a row with the
+// means only (one head, or a run written before heads were recorded apart).
+function headsOf(r) {
+  const heads = new Set();
+  for (const k of Object.keys(r)) {
+    const m = /^head\/(\d+)\/timing_s\//.exec(k);
+    if (m) heads.add(Number(m[1]));
+  }
+  return heads.size ? [...heads].sort((a, b) => a - b) : [null];
+}
+
+// One head's lanes in a step, in seconds from the step's start: the training path (the
+// stages of the batch it trains, in order) and, under staleness, the generation of
+// later batches that ran beside it. The batch trained was generated in an earlier
+// step unless none was carried (the first step), so its generation is in the
+// training path only then.
+function lanes(r, h) {
+  const v = (k) => { const x = h === null ? r[k] : r[`head/${h}/${k}`]; return (x === null || x === undefined || !isFinite(x)) ? 0 : x; };
+  const ahead = h === null ? r["async/gen_ahead_s"] : r[`head/${h}/async/gen_ahead_s`];
+  const piped = ahead !== null && ahead !== undefined;
+  const generatedNow = !piped || !v("async/samples_carried");
+  const train = [];
+  let x = 0;
+  for (const [k, label, color] of STAGES) {
+    const d = v("timing_s/" + k);
+    if (!d || (!generatedNow && (k === "gen" || k === "env" || k === "reward"))) continue;
+    train.push({ k, label, color, x, d });
+    x += d;
+  }
+  const start = generatedNow ? v("timing_s/gen") + v("timing_s/env") + v("timing_s/reward") : 0;
+  const gen = piped ? { x: piped && generatedNow ? start : 0, d: v("async/gen_ahead_s") } : null;
+  const earlier = piped && !generatedNow ? v("timing_s/gen") + v("timing_s/env") + v("timing_s/reward") : 0;
+  return { train, gen, end: x, overlap: v("async/overlap_s"), step: v("timing_s/step"), earlier };
+}
+
 function renderTimeline() {
   const box = $("timeline");
-  const rows = st.rows.slice(-30);
+  const heads = st.rows.length ? headsOf(st.rows[st.rows.length - 1]) : [null];
+  // About 30 rows: 30 steps of one head, fewer steps of several (at least 5).
+  const rows = st.rows.slice(-Math.max(5, Math.floor(30 / heads.length)));
   box.dataset.steps = rows.length;
+  box.dataset.heads = heads[0] === null ? 0 : heads.length;
   box.replaceChildren();
+  const drawn = rows.map((r) => headsOf(r).map((h) => [h, lanes(r, h)]));
   let scale = 0;
-  for (const r of rows) {
-    let sum = 0;
-    for (const [k] of STAGES) sum += r["timing_s/" + k] || 0;
-    scale = Math.max(scale, sum, r["timing_s/step"] || 0);
+  for (const [i, r] of rows.entries()) {
+    for (const [, l] of drawn[i]) scale = Math.max(scale, l.end, l.gen ? l.gen.x + l.gen.d : 0, l.step);
+    scale = Math.max(scale, r["timing_s/step"] || 0);
   }
   if (!scale) return;
-  for (const r of rows) {
-    const row = el("div", { class: "tl-row", "data-step": r.step });
-    row.append(el("span", { class: "lab" }, "step " + r.step));
-    const bar = el("div", { class: "tl-bar" });
-    let x = 0;
-    for (const [k, label, color] of STAGES) {
-      const v = r["timing_s/" + k];
-      if (!v) continue;
-      const seg = el("span", { style: `left:${x / scale * 100}%;width:${v / scale * 100}%;background:${color}`, title: `${label} ${num(v, 3)} s`, "data-stage": k });
-      bar.append(seg);
-      x += v;
+  const pct = (s) => `${s / scale * 100}%`;
+  for (const [i, r] of rows.entries()) {
+    for (const [h, l] of drawn[i]) {
+      const row = el("div", { class: "tl-row", "data-step": r.step, "data-head": h === null ? "" : h });
+      const label = h === null ? `step ${r.step}` : `${r.step} · head ${h}`;
+      row.append(el("span", { class: "lab", title: h === null ? "the mean over the run's heads" : `step ${r.step}, head ${h}` }, label));
+      const bar = el("div", { class: "tl-bar" + (l.gen ? " two" : "") });
+      for (const s of l.train) {
+        bar.append(el("span", { style: `left:${pct(s.x)};width:${pct(s.d)};background:${s.color}`, title: `${s.label} ${num(s.d, 3)} s`, "data-stage": s.k }));
+      }
+      if (l.gen) {
+        const title = `generation of later batches ${num(l.gen.d, 3)} s, beside training for ${num(l.overlap, 3)} s` + (l.earlier ? `; this step's batch was generated in an earlier step (${num(l.earlier, 3)} s)` : "");
+        bar.append(el("span", { class: "ahead", style: `left:${pct(l.gen.x)};width:${pct(l.gen.d)}`, title, "data-stage": "gen_ahead", "data-seconds": num(l.gen.d, 4) }));
+        if (l.overlap > 0) {
+          bar.append(el("b", { class: "overlap", style: `left:${pct(l.gen.x)};width:${pct(l.overlap)}`, title: `generation and training overlapped for ${num(l.overlap, 3)} s`, "data-overlap-s": num(l.overlap, 4) }));
+        }
+      }
+      if (l.step) bar.append(el("i", { style: `left:${pct(l.step)}`, title: `step ${num(l.step, 3)} s wall; overlap ${num(l.overlap, 3)} s` }));
+      row.append(bar);
+      box.append(row);
     }
-    if (r["timing_s/step"]) bar.append(el("i", { style: `left:${r["timing_s/step"] / scale * 100}%`, title: `step ${num(r["timing_s/step"], 3)} s wall; overlap ${num(r["async/overlap_s"], 3)} s` }));
-    row.append(bar);
-    box.append(row);
   }
   const legend = $("legend");
   if (!legend.childElementCount) {
-    for (const [, label, color] of STAGES) {
+    for (const [k, label, color] of STAGES.concat([["gen_ahead", "generation of later batches (staleness)", "#2f6fdf"]])) {
       const s = el("span");
-      s.append(el("span", { class: "key", style: `background:${color};height:8px` }), label);
+      s.append(el("span", { class: "key" + (k === "gen_ahead" ? " ahead" : ""), style: `background:${color};height:8px` }), label);
       legend.append(s);
     }
   }
@@ -253,6 +297,13 @@ function renderPlan() {
       g.append(row);
     }
   }
+}
+
+// The roles of a device's process that hold it ("rollout ×2, policy").
+function heldBy(d) {
+  const n = {};
+  for (const r of d.held_by || []) n[r] = (n[r] || 0) + 1;
+  return Object.entries(n).map(([r, k]) => k > 1 ? `${r} ×${k}` : r).join(", ");
 }
 
 // Which plan group holds each device, when the run's plan says where its groups are.
@@ -290,8 +341,10 @@ function renderCluster() {
     const dev = el("td");
     if (!n.devices.length) dev.append(el("span", { class: "muted" }, "none"));
     for (const d of n.devices) {
-      const h = held[`${n.name}/${d.index}`];
-      dev.append(el("span", { class: "device", "data-index": d.index, "data-holder": h || "" }, `${d.kind}:${d.index}${h ? " (" + h + ")" : ""}`));
+      // The plan's group where a live placement placed one; else the roles running on it.
+      const h = (d.kind !== "cpu" && held[`${n.name}/${d.index}`]) || heldBy(d);
+      const name = d.kind === "cpu" ? "cpu" : `${d.kind}:${d.index}`;
+      dev.append(el("span", { class: "device", "data-index": d.index, "data-kind": d.kind, "data-holder": h || "" }, `${name}${h ? " (" + h + ")" : ""}`));
     }
     tr.append(dev);
     const act = el("td");

@@ -88,7 +88,7 @@ pub async fn step_data_parallel(
         let (trained, generated) = tokio::join!(train, generate);
         let (prepared, train, secs, synced) = trained?;
         let generated = generated?;
-        let overlap: Vec<f64> = controllers
+        let overlap: Vec<(f64, f64)> = controllers
             .iter_mut()
             .zip(generated)
             .map(|(c, g)| c.keep_ahead(g, t_overlap))

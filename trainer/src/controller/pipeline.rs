@@ -37,9 +37,9 @@ impl Controller {
         };
         let (trained, generated) = tokio::join!(train, self.generate_ahead());
         let (p, train, critic, secs, synced) = trained?;
-        let overlap = self.keep_ahead(generated?, t_overlap);
+        let ahead = self.keep_ahead(generated?, t_overlap);
         let mut report = self.finish(p, train, critic, secs, synced).await?;
-        self.report_pipeline(&mut report, carried, overlap);
+        self.report_pipeline(&mut report, carried, ahead);
         Ok(report)
     }
 
@@ -97,18 +97,27 @@ impl Controller {
     }
 
     /// Queues the batches generated ahead; gives the seconds generation overlapped the
-    /// update (which started at `since`).
-    pub(crate) fn keep_ahead(&mut self, generated: (Vec<GenBatch>, f64), since: Instant) -> f64 {
+    /// update (which started at `since`), and the seconds it took.
+    pub(crate) fn keep_ahead(
+        &mut self,
+        generated: (Vec<GenBatch>, f64),
+        since: Instant,
+    ) -> (f64, f64) {
         let (batches, gen_s) = generated;
         for mut b in batches {
             self.lost_rollouts.extend(b.lost.drain(..));
             self.pending.push_back(b);
         }
-        gen_s.min(since.elapsed().as_secs_f64())
+        (gen_s.min(since.elapsed().as_secs_f64()), gen_s)
     }
 
-    /// The pipeline's metrics of a step.
-    pub(crate) fn report_pipeline(&self, report: &mut StepReport, carried: usize, overlap: f64) {
+    /// The pipeline's metrics of a step; `ahead` is what [`Controller::keep_ahead`] gave.
+    pub(crate) fn report_pipeline(
+        &self,
+        report: &mut StepReport,
+        carried: usize,
+        (overlap, gen_ahead): (f64, f64),
+    ) {
         let m = &mut report.metrics;
         if self.config.partial_rollout.is_some() {
             let interrupted = report.samples.iter();
@@ -118,6 +127,7 @@ impl Controller {
         m.set(names::SAMPLES_CARRIED, carried as f64);
         m.set(names::PENDING_BATCHES, self.pending.len() as f64);
         m.set(names::OVERLAP_S, overlap);
+        m.set(names::GEN_AHEAD_S, gen_ahead);
     }
 
     /// Refuses a batch that would train beyond the staleness bound, and reports the

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use yatt_roles::{CriticReport, LoaderState, RolloutStats, Sample, TrainReport};
 
 use crate::ledger::LedgerReport;
+use yatt_metrics::names;
 
 /// One step's metrics, by verl-style name (`timing_s/gen`, `critic/rewards/mean`, ...).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -49,6 +50,9 @@ pub struct StepReport {
 
 /// The heads' metrics of one step averaged, and the samples their ledgers closed on
 /// as trained, summed (`ledger/samples_trained`): what a run records for the step.
+/// With several heads, each head's stage times and pipeline figures are kept beside
+/// the means (`head/I/timing_s/gen`, see [`names::HEAD_PREFIX`]), so that its own
+/// timeline can be drawn.
 pub(crate) fn average_heads(reports: &[StepReport]) -> StepMetrics {
     let mut sum: BTreeMap<String, (f64, usize)> = BTreeMap::new();
     for r in reports {
@@ -69,7 +73,19 @@ pub(crate) fn average_heads(reports: &[StepReport]) -> StepMetrics {
         .iter()
         .map(|r| r.ledger.samples - r.ledger.dropped)
         .sum();
-    m.set(yatt_metrics::names::LEDGER_TRAINED, trained as f64);
+    m.set(names::LEDGER_TRAINED, trained as f64);
+    if reports.len() > 1 {
+        for (i, r) in reports.iter().enumerate() {
+            for (k, v) in r
+                .metrics
+                .values
+                .iter()
+                .filter(|(k, _)| names::kept_per_head(k))
+            {
+                m.set(&format!("{}{i}/{k}", names::HEAD_PREFIX), *v);
+            }
+        }
+    }
     m
 }
 
@@ -102,4 +118,53 @@ pub struct PendingBatch {
     pub gen: RolloutStats,
     /// Its generation's metrics.
     pub metrics: StepMetrics,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(gen_s: f64, overlap_s: f64) -> StepReport {
+        StepReport {
+            metrics: StepMetrics {
+                step: 3,
+                values: BTreeMap::from([
+                    (names::GEN_S.to_string(), gen_s),
+                    (names::OVERLAP_S.to_string(), overlap_s),
+                    (names::REWARDS_MEAN.to_string(), gen_s),
+                ]),
+            },
+            ledger: LedgerReport {
+                step: 3,
+                samples: 4,
+                requeued: 0,
+                dropped: 0,
+                stages: Vec::new(),
+            },
+            samples: Vec::new(),
+            train: TrainReport::default(),
+            critic: None,
+        }
+    }
+
+    #[test]
+    fn several_heads_keep_their_own_stage_times_beside_the_means() {
+        let m = average_heads(&[report(1.0, 0.5), report(3.0, 2.0)]);
+        assert_eq!(m.get(names::GEN_S), Some(2.0));
+        assert_eq!(m.get("head/0/timing_s/gen"), Some(1.0));
+        assert_eq!(m.get("head/1/timing_s/gen"), Some(3.0));
+        assert_eq!(m.get("head/1/async/overlap_s"), Some(2.0));
+        assert_eq!(
+            m.get("head/0/critic/rewards/mean"),
+            None,
+            "stage figures only"
+        );
+        assert_eq!(m.get(names::LEDGER_TRAINED), Some(8.0));
+        // One head: its values are the step's, with nothing repeated.
+        let one = average_heads(&[report(1.0, 0.5)]);
+        assert!(one
+            .values
+            .keys()
+            .all(|k| !k.starts_with(names::HEAD_PREFIX)));
+    }
 }

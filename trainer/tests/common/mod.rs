@@ -107,10 +107,14 @@ pub fn deterministic_metrics(line: &str) -> Vec<(String, String)> {
         .unwrap()
         .iter()
         .filter(|(k, _)| {
-            !k.starts_with("timing_s/")
+            use yatt_metrics::names;
+            // A head's own value (`head/1/timing_s/gen`) is timed as its mean is.
+            let k = names::without_head(k);
+            !k.starts_with(names::TIMING_PREFIX)
                 && !k.starts_with("perf/")
-                && k.as_str() != yatt_metrics::names::OVERLAP_S
-                && k.as_str() != "time"
+                && k != names::OVERLAP_S
+                && k != names::GEN_AHEAD_S
+                && k != "time"
         })
         .map(|(k, v)| (k.clone(), v.to_string()))
         .collect();
