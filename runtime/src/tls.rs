@@ -36,10 +36,8 @@ use crate::cert_kind::CertKind;
 /// (postcard is not self-describing). 2: remote spawns carry a ticket (`CancelSpawn`).
 /// 3: the policy's `PushWeights` (weight sync in one hop). 4: `PushWeights` names each
 /// target's kind (the first sync loads the reference and the other replicas too).
-/// 5: a rollout's counters carry its KV cache's preemptions and peak bytes held.
-/// 6 and 7: a sharded policy's rank messages. 8: weight sync by slices and old
-/// log-probs scored by the ranks, each rank of a sharded policy sending or scoring its
-/// own part (`LoadWeightSlice`, `PushSlice`, `Score`).
+/// 5: a rollout's counters carry its KV cache's preemptions and peak bytes held. 6, 7:
+/// a sharded policy's rank messages. 8: slices (`LoadWeightSlice`, `PushSlice`, `Score`).
 /// Tests pin the encoding of the system messages and the frame heads to it
 /// (`node/protocol.rs`, `transport/protocol.rs`), and the roles' messages too
 /// (`yatt-roles`, `wire/pin.rs`).
