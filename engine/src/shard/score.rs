@@ -4,9 +4,8 @@
 //! agree on the count, and a rank short of them takes part in the gathers with none.
 
 use super::group::ReduceOp;
-use super::trainer::ShardedTrainer;
+use super::trainer::{LayersOut, ShardedTrainer};
 use crate::error::Result;
-use crate::model::{positions_from_mask, Attn};
 use crate::score::{head_scores, predicting_rows, token_layout, SeqBatch};
 use tch::Tensor;
 
@@ -39,34 +38,8 @@ impl ShardedTrainer {
         temperature: f64,
     ) -> Result<Option<Tensor>> {
         let head = self.layout.len() - 1;
-        let tied = self.model.tied_embeddings();
-        self.gather_order = (0..=head).collect();
-        self.submitted = 0;
-        if self.prefetch {
-            self.submit_next_gather()?;
-        }
-        let pass = batch.map(|b| {
-            let positions = positions_from_mask(&b.ids, Some(&b.attention_mask));
-            self.model
-                .unit_pass(&b.ids, &positions, Attn::Full { mask: None })
-        });
-        let embed = self.gather(0, false)?;
-        let mut x = pass.as_ref().map(|p| self.model.run_embed(p));
-        // Tied, the embeddings are the head's matrix too: held until it has run.
-        let embed = match tied {
-            true => Some(embed),
-            false => {
-                self.release(embed);
-                None
-            }
-        };
-        for u in 1..head {
-            let unit = self.gather(u, false)?;
-            if let (Some(p), Some(xi)) = (&pass, x.as_ref()) {
-                x = Some(self.model.run_layer(p, u - 1, xi));
-            }
-            self.release(unit);
-        }
+        let LayersOut { pass, x, embed, .. } =
+            self.forward_layers(batch, (0..=head).collect(), false)?;
         let head_unit = self.gather(head, false)?;
         let scored = match (batch, &pass, x) {
             (Some(b), Some(p), Some(xl)) => {

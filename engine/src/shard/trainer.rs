@@ -129,6 +129,18 @@ pub struct ShardedStepStats {
     pub update_s: f64,
 }
 
+/// What [`ShardedTrainer::forward_layers`] leaves for the head.
+pub(super) struct LayersOut {
+    /// The micro-batch's positions and masks, unless this rank has none.
+    pub(super) pass: Option<UnitPass>,
+    /// The last layer's output.
+    pub(super) x: Option<Tensor>,
+    /// The tied embeddings, held until the head has run.
+    pub(super) embed: Option<Gathered>,
+    /// Each layer's input, when kept for the recompute.
+    pub(super) inputs: Vec<Option<Tensor>>,
+}
+
 /// A model whose training state is sharded over the ranks of a [`ShardGroup`].
 pub struct ShardedTrainer {
     /// The model: a skeleton whose units hold weights only while they run.
@@ -458,20 +470,20 @@ impl ShardedTrainer {
         Ok(())
     }
 
-    /// One micro-batch (or, with `None`, this rank's part in the collectives of a
-    /// micro-batch it does not have). Returns the loss added.
-    fn micro(
+    /// Starts a micro-batch whose units are gathered in `order`, and runs it (or, with
+    /// `None`, this rank's part in the gathers of one it does not have) through the
+    /// embeddings and every layer, unit by unit, each without gradients. `train`: the
+    /// tied embeddings are gathered as a leaf that collects the head's gradient, and
+    /// each layer's input is kept for its recompute.
+    pub(super) fn forward_layers(
         &mut self,
         batch: Option<&SeqBatch>,
-        temperature: f64,
-        loss: &mut dyn FnMut(&TokenScores) -> Result<Tensor>,
-    ) -> Result<f64> {
+        order: Vec<usize>,
+        train: bool,
+    ) -> Result<LayersOut> {
         let head = self.layout.len() - 1;
         let tied = self.model.tied_embeddings();
-        // Every unit forward, then the layers again in reverse; not the next
-        // micro-batch's embeddings: gathering them early would hold a second
-        // embedding-sized buffer beside the embedding gradient.
-        self.gather_order = (0..=head).chain((1..head).rev()).collect();
+        self.gather_order = order;
         self.submitted = 0;
         if self.prefetch {
             // The embeddings' gather runs while the positions are made.
@@ -482,11 +494,11 @@ impl ShardedTrainer {
             self.model
                 .unit_pass(&b.ids, &positions, Attn::Full { mask: None })
         });
-        // Forward, keeping each layer's input.
-        let embed = self.gather(0, tied)?;
+        let embed = self.gather(0, tied && train)?;
         let mut x = pass
             .as_ref()
             .map(|p| tch::no_grad(|| self.model.run_embed(p)));
+        // Tied, the embeddings are the head's matrix too: held until it has run.
         let embed = match tied {
             true => Some(embed),
             false => {
@@ -494,15 +506,45 @@ impl ShardedTrainer {
                 None
             }
         };
-        let mut inputs = Vec::with_capacity(head - 1);
+        let mut inputs = Vec::with_capacity(if train { head - 1 } else { 0 });
         for u in 1..head {
             let unit = self.gather(u, false)?;
             if let (Some(p), Some(xi)) = (&pass, x.as_ref()) {
                 let y = tch::no_grad(|| self.model.run_layer(p, u - 1, xi));
-                inputs.push(x.replace(y));
+                let input = x.replace(y);
+                if train {
+                    inputs.push(input);
+                }
             }
             self.release(unit);
         }
+        Ok(LayersOut {
+            pass,
+            x,
+            embed,
+            inputs,
+        })
+    }
+
+    /// One micro-batch (or, with `None`, this rank's part in the collectives of a
+    /// micro-batch it does not have). Returns the loss added.
+    fn micro(
+        &mut self,
+        batch: Option<&SeqBatch>,
+        temperature: f64,
+        loss: &mut dyn FnMut(&TokenScores) -> Result<Tensor>,
+    ) -> Result<f64> {
+        let head = self.layout.len() - 1;
+        // Every unit forward, then the layers again in reverse; not the next
+        // micro-batch's embeddings: gathering them early would hold a second
+        // embedding-sized buffer beside the embedding gradient.
+        let order = (0..=head).chain((1..head).rev()).collect();
+        let LayersOut {
+            pass,
+            x,
+            embed,
+            mut inputs,
+        } = self.forward_layers(batch, order, true)?;
         // The head, forward and backward at once.
         let head_unit = self.gather(head, true)?;
         let mut value = 0.0;

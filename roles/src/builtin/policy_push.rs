@@ -22,7 +22,7 @@ use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use yatt_runtime::{Actor, ActorError, Context, Handled, WeakNode};
 
-use crate::builtin::policy::{load_into, PolicyRequest, PolicyResponse, PushReport, PushTarget};
+use crate::builtin::policy::{load_all, PolicyRequest, PolicyResponse, PushReport, PushTarget};
 use crate::role::{Role, RoleActor, RoleRequest, RoleResponse, WeightsUpdate};
 
 /// The actor around a policy role on a node: it serves every request as
@@ -147,18 +147,9 @@ impl<R: Role<Request = PolicyRequest, Response = PolicyResponse>> PushingPolicy<
             .upgrade()
             .ok_or_else(|| ActorError::Unavailable("the policy's node has stopped".into()))?;
         let (version, bytes) = (held.update.version, held.update.bytes());
-        let update = held.update.clone();
-        let loads = to.into_iter().map(move |target| {
-            let update = update.clone();
-            let node = node.clone();
-            async move {
-                let outcome = load_into(&node, &target, update, timeout).await;
-                outcome.err().map(|e| (target.id().clone(), e))
-            }
-        });
-        let loads = futures::future::join_all(loads);
+        let loads = load_all(node, held.update.clone(), to, timeout);
         Ok(async move {
-            let failed = loads.await.into_iter().flatten().collect();
+            let failed = loads.await;
             drop(held);
             PushReport {
                 version,

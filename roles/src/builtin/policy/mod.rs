@@ -67,7 +67,7 @@ pub use rank::{PolicyRankRole, RankRequest, RankResponse, RankSource, RankStep};
 pub use ranks::{RankRef, RemoteRanks};
 pub use report::{ShardReport, TrainReport};
 pub use sharded::{ShardedPolicyRole, ShardedStart};
-pub(crate) use slice_push::load_into;
+pub(crate) use slice_push::load_all;
 pub use slice_push::SlicePusher;
 pub use state::TrainerState;
 

@@ -223,6 +223,35 @@ impl Ranks {
         Ok(out.into_iter().flatten().collect())
     }
 
+    /// Every rank's part of a collective request, in rank order: the local ranks'
+    /// results, then the remote ranks' answers of the kind `pick` takes. A failed
+    /// rank or an answer of another kind breaks the replica (the ranks may have stopped
+    /// at different points of the request).
+    pub(super) fn parts<T>(
+        &mut self,
+        what: &str,
+        local: Vec<Result<T, String>>,
+        remote: Vec<RankResponse>,
+        pick: impl Fn(RankResponse) -> Result<T, RankResponse>,
+    ) -> Result<Vec<T>, RoleError> {
+        let mut out = Vec::with_capacity(local.len() + remote.len());
+        for a in local {
+            match a {
+                Ok(part) => out.push(part),
+                Err(e) => return Err(self.break_with(format!("{what}: {e}"))),
+            }
+        }
+        for a in remote {
+            match pick(a) {
+                Ok(part) => out.push(part),
+                Err(other) => {
+                    return Err(self.break_with(format!("{what}: a rank answered {other:?}")))
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Stops the ranks on other nodes (best effort, briefly: a lost one is gone).
     pub(super) fn stop_remote(&mut self) {
         let Some(r) = self.remote.take() else {

@@ -282,25 +282,11 @@ impl ShardedPolicyRole {
                     rank,
                     shards: n,
                 })?;
-        let mut out = Vec::with_capacity(n);
-        for a in local {
-            match a {
-                Ok(s) => out.push(s),
-                // The ranks may have stopped at different points of the step.
-                Err(e) => return Err(self.ranks.break_with(format!("policy update: {e}"))),
-            }
-        }
-        for a in remote {
-            match a {
-                RankResponse::Stepped(s) => out.push(s),
-                other => {
-                    return Err(self
-                        .ranks
-                        .break_with(format!("policy update: a rank answered {other:?}")))
-                }
-            }
-        }
-        Ok(out)
+        self.ranks
+            .parts("policy update", local, remote, |a| match a {
+                RankResponse::Stepped(s) => Ok(s),
+                other => Err(other),
+            })
     }
 
     fn export(&mut self, local: bool) -> Result<WeightsUpdate, RoleError> {
@@ -391,23 +377,13 @@ impl ShardedPolicyRole {
             shards: n,
         };
         let (local, remote) = self.ranks.run_all("old log-probs", jobs, score)?;
-        let mut rows = Vec::with_capacity(all.len());
-        for a in local {
-            match a {
-                Ok(r) => rows.extend(r),
-                Err(e) => return Err(self.ranks.break_with(format!("old log-probs: {e}"))),
-            }
-        }
-        for a in remote {
-            match a {
-                RankResponse::Scored(r) => rows.extend(r),
-                other => {
-                    return Err(self
-                        .ranks
-                        .break_with(format!("old log-probs: a rank answered {other:?}")))
-                }
-            }
-        }
+        let parts = self
+            .ranks
+            .parts("old log-probs", local, remote, |a| match a {
+                RankResponse::Scored(r) => Ok(r),
+                other => Err(other),
+            })?;
+        let rows: Vec<Vec<f32>> = parts.into_iter().flatten().collect();
         let mut samples = std::sync::Arc::try_unwrap(all).unwrap_or_else(|a| a.to_vec());
         if rows.len() != samples.len() {
             return Err(self.ranks.break_with(format!(

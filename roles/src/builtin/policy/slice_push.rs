@@ -47,21 +47,9 @@ impl SlicePusher {
                 failed: to.iter().map(gone).collect(),
             };
         };
-        let loads = to.iter().cloned().map(|target| {
-            let (node, update) = (node.clone(), update.clone());
-            async move {
-                load_into(&node, &target, update, timeout)
-                    .await
-                    .err()
-                    .map(|e| (target.id().clone(), e))
-            }
-        });
         let failed = self
             .runtime
-            .block_on(futures::future::join_all(loads))
-            .into_iter()
-            .flatten()
-            .collect();
+            .block_on(load_all(node, update, to.to_vec(), timeout));
         PushReport {
             version,
             bytes,
@@ -70,8 +58,29 @@ impl SlicePusher {
     }
 }
 
+/// Loads `update` into every role of `to` at once, each within `timeout`: the roles
+/// that did not load it, and why.
+pub(crate) async fn load_all(
+    node: yatt_runtime::Node,
+    update: WeightsUpdate,
+    to: Vec<PushTarget>,
+    timeout: Duration,
+) -> Vec<(ActorId, CallError)> {
+    let loads = to.into_iter().map(|target| {
+        let (node, update) = (&node, update.clone());
+        async move {
+            load_into(node, &target, update, timeout)
+                .await
+                .err()
+                .map(|e| (target.id().clone(), e))
+        }
+    });
+    let failed = futures::future::join_all(loads).await;
+    failed.into_iter().flatten().collect()
+}
+
 /// Loads `update` into `target`, by the message types of its kind.
-pub(crate) async fn load_into(
+async fn load_into(
     node: &yatt_runtime::Node,
     target: &PushTarget,
     update: WeightsUpdate,
