@@ -77,6 +77,11 @@ pub struct CommStats {
     pub reduce_exposed_s: f64,
     /// All-gathers run.
     pub gathers: u64,
+    /// Bytes this rank sent averaging its gradient shards with the other replicas'
+    /// (HSDP): 2·(R−1)/R of its shards for R replicas, 0 with one.
+    pub replica_bytes: u64,
+    /// Seconds spent averaging gradient shards with the other replicas.
+    pub replica_s: f64,
 }
 
 impl CommStats {
@@ -90,6 +95,8 @@ impl CommStats {
             reduce_s: self.reduce_s - before.reduce_s,
             reduce_exposed_s: self.reduce_exposed_s - before.reduce_exposed_s,
             gathers: self.gathers - before.gathers,
+            replica_bytes: self.replica_bytes - before.replica_bytes,
+            replica_s: self.replica_s - before.replica_s,
         }
     }
 }
@@ -156,6 +163,10 @@ pub struct ShardedTrainer {
     pub(crate) state: Vec<UnitState>,
     /// The rank's group, on its communication thread.
     pub(crate) group: CommThread,
+    /// With replicas of the sharded model (HSDP): this rank and the ranks holding the
+    /// same shards in the other replicas, which average their gradient shards before
+    /// every optimizer step.
+    replicas: Option<CommThread>,
     pub(crate) step: u64,
     comm: CommStats,
     held: u64,
@@ -233,6 +244,7 @@ impl ShardedTrainer {
             layout,
             state,
             group: CommThread::start(group)?,
+            replicas: None,
             step: 0,
             comm: CommStats::default(),
             held: 0,
@@ -265,6 +277,26 @@ impl ShardedTrainer {
     /// Traffic since the trainer was made.
     pub fn comm_stats(&self) -> &CommStats {
         &self.comm
+    }
+
+    /// Makes this rank one of `replicas.world()` replicas of the sharded model (HSDP:
+    /// shard within a replica, replicate across): `replicas` holds this rank and the
+    /// rank of the same shards in every other replica. Before each optimizer step the
+    /// members average their gradient shards, so every replica takes the same step
+    /// (the same bits: the sum runs in one order for all). Each replica still runs
+    /// its own micro-batches and normalises its own loss, as replicas of the whole
+    /// policy do. Every member must call it before its next step.
+    pub fn join_replicas(&mut self, replicas: Box<dyn ShardGroup>) -> Result<()> {
+        self.replicas = match replicas.world() {
+            1 => None,
+            _ => Some(CommThread::start(replicas)?),
+        };
+        Ok(())
+    }
+
+    /// Replicas of the sharded model this rank averages its gradients with (1: none).
+    pub fn replicas(&self) -> usize {
+        self.replicas.as_ref().map_or(1, CommThread::world)
     }
 
     /// One optimizer step. This rank's `micro_batches` (each rank brings its own part of
@@ -627,6 +659,7 @@ impl ShardedTrainer {
     /// Clips the gradient over all shards and steps AdamW on this rank's shards.
     /// Returns the norm before clipping and the LR.
     fn apply(&mut self) -> Result<(f64, f64)> {
+        self.average_over_replicas()?;
         let c = self.config.clone();
         let mut sq = [tch::no_grad(|| {
             self.state
@@ -663,6 +696,33 @@ impl ShardedTrainer {
         });
         self.step += 1;
         Ok((norm, lr))
+    }
+
+    /// With replicas: every unit's gradient shard becomes the mean of the replicas'
+    /// (a reduce-scatter and an all-gather among them, the shard padded to split evenly).
+    fn average_over_replicas(&mut self) -> Result<()> {
+        let Some(replicas) = &self.replicas else {
+            return Ok(());
+        };
+        let t0 = Instant::now();
+        let r = replicas.world() as i64;
+        for s in &mut self.state {
+            let n = s.grad.numel() as i64;
+            let per = (n + r - 1) / r;
+            let full = match per * r - n {
+                0 => s.grad.copy(),
+                pad => Tensor::cat(&[&s.grad, &f32_zeros(pad, s.grad.device())], 0),
+            };
+            let mine = replicas
+                .submit_reduce_scatter(full)?
+                .wait(WaitingSince::Submission)?
+                .tensor;
+            let sum = replicas.all_gather(&mine)?;
+            s.grad = tch::no_grad(|| sum.narrow(0, 0, n).to_kind(Kind::Float) / r as f64);
+            self.comm.replica_bytes += 2 * (per * (r - 1)) as u64 * 4;
+        }
+        self.comm.replica_s += t0.elapsed().as_secs_f64();
+        Ok(())
     }
 
     /// The whole model with the current weights in the compute dtype, without
