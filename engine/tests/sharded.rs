@@ -9,8 +9,7 @@ use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 use yatt_engine::fixtures::run_reference;
 use yatt_engine::fixtures::sharded::{
-    configs, global_tokens, loss, max_rel, micro_batch, model, train_config, train_rank,
-    unsharded,
+    configs, global_tokens, loss, max_rel, micro_batch, model, train_config, train_rank, unsharded,
 };
 use yatt_engine::{
     merge_sharded_checkpoint, model_layout, moved_bytes_per_micro_batch, test_devices, Llama,
@@ -215,7 +214,10 @@ fn replicas_of_a_sharded_model_take_the_whole_batchs_steps() {
                 assert_eq!(max_rel(w, &got_w[0]), 0.0, "replicas differ");
             }
             let d = max_rel(&got_w[0], &want_w);
-            assert!(d < 1e-4, "{name} R={replicas} N={shards}: weights differ by {d:e}");
+            assert!(
+                d < 1e-4,
+                "{name} R={replicas} N={shards}: weights differ by {d:e}"
+            );
         }
     }
 }

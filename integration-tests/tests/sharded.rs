@@ -81,6 +81,70 @@ fn four_ranks_on_four_nodes_take_the_steps_of_the_whole_policy() {
     assert!(direct.iter().all(|(_, v)| *v == 1.0), "{direct:?}");
 }
 
+/// HSDP on daemons: two heads, each with a replica of the policy sharded over two
+/// ranks on nodes of their own (four policy nodes), take the steps of two heads with a
+/// replica of the whole policy each (two policy nodes); rank `r` of each replica
+/// averages its gradient shards with rank `r` of the other over QUIC.
+#[test]
+fn two_replicas_of_two_ranks_take_the_steps_of_two_whole_replicas() {
+    const STEPS: u64 = 4;
+    let mut runs = Vec::new();
+    for shards in [1, 2] {
+        let prefix = format!("hsdp{shards}");
+        let nodes = 2 * shards;
+        let cluster = Cluster::start(&prefix, nodes + 1);
+        let out = tempfile::tempdir().unwrap();
+        let mut sets = placed(
+            &prefix,
+            STEPS,
+            &[("rollout", 0), ("reward", 0), ("reference", 0)],
+        );
+        let names: Vec<String> = (1..=nodes).map(|i| format!("\"{prefix}-{i}\"")).collect();
+        sets.push(format!("placement.policy=[{}]", names.join(", ")));
+        sets.push(format!("job.policy_shards={shards}"));
+        sets.extend([
+            "job.controllers=2".to_string(),
+            "job.policy_replicas=2".into(),
+            "data.prompts_per_step=4".into(),
+        ]);
+        let mut run = cluster.spawn_train(CONFIG, &sets, out.path(), false);
+        let hosted = poll(Duration::from_secs(60), || {
+            (1..=nodes)
+                .all(|i| {
+                    cluster.nodes[i].health().is_some_and(|h| {
+                        let hosted = h["hosted"].to_string();
+                        ["/policy/", "/policy-rank/", "/policy-sharded/"]
+                            .iter()
+                            .any(|r| hosted.contains(r))
+                    })
+                })
+                .then_some(())
+        });
+        assert!(
+            hosted.is_some(),
+            "the ranks are not on their nodes\n{}",
+            run.printed()
+        );
+        run.wait_success(Duration::from_secs(300), &cluster);
+        runs.push(out);
+    }
+    for key in ["actor/pg_loss", "actor/grad_norm", "critic/rewards/mean"] {
+        let (want, got) = (
+            metric_of_steps(runs[0].path(), key),
+            metric_of_steps(runs[1].path(), key),
+        );
+        eprintln!("{key}: {want:?} vs {got:?}");
+        assert_eq!(want.len(), STEPS as usize, "{key}");
+        assert_eq!(want.len(), got.len(), "{key}");
+        for ((step, a), (_, b)) in want.iter().zip(&got) {
+            assert!(rel(*a, *b) <= 1e-4, "{key} at step {step}: {a} vs {b}");
+        }
+    }
+    let sent = metric_of_steps(runs[1].path(), "perf/shard_replica_bytes");
+    assert_eq!(sent.len(), STEPS as usize, "{sent:?}");
+    assert!(sent.iter().all(|(_, v)| *v > 0.0), "{sent:?}");
+}
+
 /// A rank's node killed mid-step (`kill -9`, after step 4, at whatever point of a step
 /// that lands) stops the run within its deadline, naming the checkpoint and how to
 /// resume; resumed on the three nodes left, at 3 shards, the run ends as an

@@ -44,6 +44,9 @@ pub const TRAIN_STATE_BYTES: &str = "memory/train_state_bytes";
 pub const SHARD_GATHERED_BYTES: &str = "perf/shard_gathered_bytes";
 /// A sharded policy: bytes one rank sent in the step's reduce-scatters of gradients.
 pub const SHARD_REDUCED_BYTES: &str = "perf/shard_reduced_bytes";
+/// Bytes one rank of a sharded policy sent averaging its gradient shards with its
+/// peers in the other replicas (HSDP, `job.policy_replicas > 1`).
+pub const SHARD_REPLICA_BYTES: &str = "perf/shard_replica_bytes";
 /// A sharded policy: seconds the slowest rank spent in the step's all-gathers (on its
 /// communication thread, much of it behind compute with prefetch).
 pub const SHARD_GATHER_S: &str = "perf/shard_gather_s";

@@ -104,5 +104,6 @@ pub use builtin::{
     RankRequest, RankResponse, RankSource, RankStep, ReferenceRole, RemoteRanks, RewardModelError,
     RewardRole, RingShardGroup, RmExample, RmTrainConfig, RolloutRequest, RolloutResponse,
     RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, ShardReport, ShardedPolicyRole,
-    ShardedStart, SlicePusher, TextCodec, TokenizerCodec, TrainReport, TrainerState, TINY_CODEC,
+    ShardedReferenceRole, ShardedStart, SlicePusher, TextCodec, TokenizerCodec, TrainReport,
+    TrainerState, TINY_CODEC,
 };

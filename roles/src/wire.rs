@@ -119,6 +119,7 @@ enum PolicyRequestHead {
         to: Vec<PushTarget>,
         timeout_ms: u64,
     },
+    JoinShardRings(Vec<RingSpec>),
 }
 
 #[derive(Serialize, Deserialize)]
@@ -150,6 +151,7 @@ enum PolicyResponseHead {
     NcclUnavailable(String),
     Pushed(PushReport),
     PushUnavailable(String),
+    ShardRingInboxes(Vec<ActorId>),
 }
 
 fn encode_err<T>(reason: impl ToString) -> WireError {
@@ -499,6 +501,9 @@ impl Message for PolicyRequest {
             PolicyRequest::SaveCheckpoint(p) => (PolicyRequestHead::SaveCheckpoint(p), None),
             PolicyRequest::RingInbox => (PolicyRequestHead::RingInbox, None),
             PolicyRequest::JoinRing(spec) => (PolicyRequestHead::JoinRing(spec), None),
+            PolicyRequest::JoinShardRings(specs) => {
+                (PolicyRequestHead::JoinShardRings(specs), None)
+            }
             PolicyRequest::TrainAllReduce(s) => (PolicyRequestHead::TrainAllReduce(s), None),
             PolicyRequest::ExportState => (PolicyRequestHead::ExportState, None),
             PolicyRequest::ExportDeviceWeights => (PolicyRequestHead::ExportDeviceWeights, None),
@@ -544,6 +549,7 @@ impl Message for PolicyRequest {
             PolicyRequestHead::SaveCheckpoint(p) => PolicyRequest::SaveCheckpoint(p),
             PolicyRequestHead::RingInbox => PolicyRequest::RingInbox,
             PolicyRequestHead::JoinRing(spec) => PolicyRequest::JoinRing(spec),
+            PolicyRequestHead::JoinShardRings(specs) => PolicyRequest::JoinShardRings(specs),
             PolicyRequestHead::TrainAllReduce(s) => PolicyRequest::TrainAllReduce(s),
             PolicyRequestHead::ExportState => PolicyRequest::ExportState,
             PolicyRequestHead::ExportDeviceWeights => PolicyRequest::ExportDeviceWeights,
@@ -590,6 +596,9 @@ impl Message for PolicyResponse {
             PolicyResponse::Trained(r) => (PolicyResponseHead::Trained(r), None),
             PolicyResponse::Saved => (PolicyResponseHead::Saved, None),
             PolicyResponse::RingInbox(id) => (PolicyResponseHead::RingInbox(id), None),
+            PolicyResponse::ShardRingInboxes(ids) => {
+                (PolicyResponseHead::ShardRingInboxes(ids), None)
+            }
             PolicyResponse::Joined => (PolicyResponseHead::Joined, None),
             PolicyResponse::Imported => (PolicyResponseHead::Imported, None),
             PolicyResponse::Sent => (PolicyResponseHead::Sent, None),
@@ -660,6 +669,7 @@ impl Message for PolicyResponse {
             PolicyResponseHead::Trained(r) => PolicyResponse::Trained(r),
             PolicyResponseHead::Saved => PolicyResponse::Saved,
             PolicyResponseHead::RingInbox(id) => PolicyResponse::RingInbox(id),
+            PolicyResponseHead::ShardRingInboxes(ids) => PolicyResponse::ShardRingInboxes(ids),
             PolicyResponseHead::Joined => PolicyResponse::Joined,
             PolicyResponseHead::Imported => PolicyResponse::Imported,
             PolicyResponseHead::Sent => PolicyResponse::Sent,
@@ -979,6 +989,23 @@ mod tests {
         };
         let (back, _) = round_trip(RoleRequest::Serve(PolicyRequest::JoinRing(spec.clone())));
         assert!(matches!(back, RoleRequest::Serve(PolicyRequest::JoinRing(s)) if s == spec));
+        let specs = vec![
+            spec.clone(),
+            RingSpec {
+                rank: 0,
+                ..spec.clone()
+            },
+        ];
+        let (back, _) = round_trip(RoleRequest::Serve(PolicyRequest::JoinShardRings(
+            specs.clone(),
+        )));
+        assert!(matches!(back, RoleRequest::Serve(PolicyRequest::JoinShardRings(s)) if s == specs));
+        let (back, _) = round_trip(RoleResponse::Served(PolicyResponse::ShardRingInboxes(
+            vec![id("a"), id("c")],
+        )));
+        assert!(
+            matches!(back, RoleResponse::Served(PolicyResponse::ShardRingInboxes(i)) if i == vec![id("a"), id("c")])
+        );
         let samples = vec![sample(0, 4)];
         let (back, _) = round_trip(RoleRequest::Serve(PolicyRequest::TrainAllReduce(
             samples.clone(),

@@ -203,6 +203,7 @@ impl Role for FakePolicy {
             PolicyRequest::SaveCheckpoint(_) => PolicyResponse::Saved,
             PolicyRequest::RingInbox
             | PolicyRequest::JoinRing(_)
+            | PolicyRequest::JoinShardRings(_)
             | PolicyRequest::TrainAllReduce(_)
             | PolicyRequest::ExportState
             | PolicyRequest::ImportState(_)

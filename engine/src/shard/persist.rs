@@ -41,6 +41,11 @@ impl ShardedTrainer {
     /// it) the whole checkpoint, to `dir`. `tokenizer_from`: where rank 0 copies the
     /// tokenizer files from.
     pub fn save_sharded(&mut self, dir: &Path, tokenizer_from: Option<&Path>) -> Result<()> {
+        if self.is_frozen() {
+            return Err(EngineError::InvalidArgument(
+                "a frozen sharded model (a reference) writes no training checkpoint".into(),
+            ));
+        }
         let (rank, _) = self.rank();
         let tmp = partial(dir);
         if rank == 0 {

@@ -71,7 +71,8 @@ mod tests {
     use tch::{Device, Kind};
 
     /// Ranks scoring their own batches (one rank none at all) give what the whole
-    /// model gives, at 1 to 3 ranks.
+    /// model gives, at 1 to 3 ranks, training ranks and frozen ones (a reference's:
+    /// 4 bytes per parameter over the ranks, and no step) alike.
     #[test]
     fn sharded_scores_are_the_whole_models() {
         let mut model = Llama::random(tiny_config(), Device::Cpu, Kind::Float, 5).unwrap();
@@ -88,7 +89,7 @@ mod tests {
             .iter()
             .map(|b| tch::no_grad(|| token_logprobs(&model, b, 0.7, false).logprobs))
             .collect();
-        for world in 1..=3usize {
+        for (world, frozen) in (1..=3usize).flat_map(|w| [(w, false), (w, true)]) {
             let handles: Vec<_> = LocalGroup::new(world, std::time::Duration::from_secs(30))
                 .into_iter()
                 .enumerate()
@@ -99,10 +100,23 @@ mod tests {
                         .map(batch)
                         .collect();
                     std::thread::spawn(move || {
-                        let mut t =
-                            ShardedTrainer::new(m, TrainConfig::default(), Box::new(g)).unwrap();
+                        let mut t = match frozen {
+                            true => ShardedTrainer::frozen(m, Box::new(g)).unwrap(),
+                            false => {
+                                ShardedTrainer::new(m, TrainConfig::default(), Box::new(g)).unwrap()
+                            }
+                        };
+                        assert_eq!(t.is_frozen(), frozen);
                         t.model.memory.logprob_chunk_tokens = 3;
-                        t.score_tokens(&mine, 0.7).unwrap()
+                        let scored = t.score_tokens(&mine, 0.7).unwrap();
+                        let shards: u64 = t.state.iter().map(|s| s.master.numel() as u64).sum();
+                        let per_param = if frozen { 4 } else { 16 };
+                        assert_eq!(t.shard_state_bytes(), per_param * shards);
+                        if frozen {
+                            let e = t.step_tokens(&[], 1.0, |_, _| unreachable!());
+                            assert!(e.unwrap_err().to_string().contains("does not train"));
+                        }
+                        scored
                     })
                 })
                 .collect();

@@ -195,7 +195,24 @@ impl ShardedTrainer {
     /// Shards `model` (the same weights on every rank) over `group`: this rank keeps its
     /// shard of each unit and frees the model's weights unit by unit, so the peak is the
     /// model in its dtype, never the unsharded training state.
-    pub fn new(mut model: Llama, config: TrainConfig, group: Box<dyn ShardGroup>) -> Result<Self> {
+    pub fn new(model: Llama, config: TrainConfig, group: Box<dyn ShardGroup>) -> Result<Self> {
+        Self::shard(model, config, group, false)
+    }
+
+    /// Shards `model` over `group` to score with, never to train (a reference model):
+    /// each rank keeps only its shard of the f32 weights, 4Ψ/N, with no gradients or
+    /// moments. [`ShardedTrainer::score_tokens`] and the gathers serve it; a step or a
+    /// save is refused.
+    pub fn frozen(model: Llama, group: Box<dyn ShardGroup>) -> Result<Self> {
+        Self::shard(model, TrainConfig::default(), group, true)
+    }
+
+    fn shard(
+        mut model: Llama,
+        config: TrainConfig,
+        group: Box<dyn ShardGroup>,
+        frozen: bool,
+    ) -> Result<Self> {
         model.check_unit_trainable()?;
         let layout = model_layout(&model.config);
         check_world(&layout, group.world())?;
@@ -222,12 +239,28 @@ impl ShardedTrainer {
             drop(parts);
             let master = shard_of(&flat, ul.numel, rank, world);
             drop(flat);
-            state.push(UnitState::new(
-                master,
-                decay_ranges(ul, &config, rank, world),
-            ));
+            state.push(match frozen {
+                true => UnitState::frozen(master),
+                false => UnitState::new(master, decay_ranges(ul, &config, rank, world)),
+            });
         }
         Self::assemble(model, config, layout, state, group)
+    }
+
+    /// Whether this rank only scores ([`ShardedTrainer::frozen`]).
+    pub fn is_frozen(&self) -> bool {
+        self.state
+            .first()
+            .is_some_and(|s| s.grad.numel() == 0 && s.master.numel() > 0)
+    }
+
+    fn refuse_if_frozen(&self, what: &str) -> Result<()> {
+        match self.is_frozen() {
+            true => Err(EngineError::InvalidArgument(format!(
+                "a frozen sharded model (a reference) does not {what}"
+            ))),
+            false => Ok(()),
+        }
     }
 
     pub(crate) fn assemble(
@@ -270,7 +303,7 @@ impl ShardedTrainer {
     pub fn shard_state_bytes(&self) -> u64 {
         self.state
             .iter()
-            .map(|s| 16 * s.master.numel() as u64)
+            .map(|s| 4 * (s.master.numel() + s.grad.numel() + s.m.numel() + s.v.numel()) as u64)
             .sum()
     }
 
@@ -312,6 +345,7 @@ impl ShardedTrainer {
         temperature: f64,
         mut loss: impl FnMut(usize, &TokenScores) -> Result<Tensor>,
     ) -> Result<ShardedStepStats> {
+        self.refuse_if_frozen("train")?;
         tch::manual_seed(self.config.seed.wrapping_add(self.step) as i64);
         let before = self.comm.clone();
         self.reset_in_flight();
@@ -777,6 +811,18 @@ impl UnitState {
             grad: f32_zeros(n, dev),
             master,
             decay,
+        }
+    }
+
+    /// A shard that only scores: no gradient and no moments.
+    pub(crate) fn frozen(master: Tensor) -> Self {
+        let dev = master.device();
+        UnitState {
+            m: f32_zeros(0, dev),
+            v: f32_zeros(0, dev),
+            grad: f32_zeros(0, dev),
+            master,
+            decay: Vec::new(),
         }
     }
 }

@@ -43,8 +43,8 @@ pub use judge_model::{JudgeConfig, JudgeMode, JudgeScorer, OnUnparsed};
 pub use policy::{
     GradShard, KlLossConfig, LoraSync, PolicyConfig, PolicyRankRole, PolicyRequest, PolicyResponse,
     PolicyRole, PushReport, PushTarget, RankRef, RankRequest, RankResponse, RankSource, RankStep,
-    RemoteRanks, ShardReport, ShardedPolicyRole, ShardedStart, SlicePusher, TrainReport,
-    TrainerState,
+    RemoteRanks, ShardReport, ShardedPolicyRole, ShardedReferenceRole, ShardedStart, SlicePusher,
+    TrainReport, TrainerState,
 };
 pub use policy_push::PushingPolicy;
 pub use reference::ReferenceRole;

@@ -24,9 +24,9 @@ use crate::build::parts::{
     rollout_role_with_envs,
 };
 use crate::build::policy_rebuild::policy_log;
-use crate::build::remote::{job_text, spawn, start_role, wait_for_nodes, RoleArgs};
+use crate::build::remote::{job_text, spawn, spawn_with, start_role, wait_for_nodes, RoleArgs};
 use crate::build::reward::reward_role;
-use crate::build::sharded_cluster::{start_rank, start_sharded_policy, RankArgs};
+use crate::build::sharded_cluster::{start_rank, start_sharded_policy, RankArgs, ShardedArgs};
 use crate::checkpoint::{load_trainer, restore_controllers};
 use crate::config::checks::invalid;
 use crate::config::modes::{KlMode, PlacementMode, Task};
@@ -110,20 +110,23 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
         // ranks it spawns (`job.policy_shards > 1`).
         .factory_with_node(
             "policy-sharded",
-            |node: &Node, _: &ActorName, a: RoleArgs| {
-                let node = node.clone();
+            |node: &Node, name: &ActorName, a: ShardedArgs| {
+                let (node, name) = (node.clone(), name.clone());
                 async move {
                     let job =
-                        JobConfig::parse(&a.job, "the job config sent by the controller", &[])
+                        JobConfig::parse(&a.role.job, "the job config sent by the controller", &[])
                             .map_err(|e| e.to_string())?;
-                    start_sharded_policy(&node, a, &job).await
+                    start_sharded_policy(&node, &name, a, &job).await
                 }
             },
         )
-        .factory_with_node("policy-rank", |node: &Node, _: &ActorName, a: RankArgs| {
-            let node = node.clone();
-            async move { start_rank(&node, a).await }
-        })
+        .factory_with_node(
+            "policy-rank",
+            |node: &Node, name: &ActorName, a: RankArgs| {
+                let (node, name) = (node.clone(), name.clone());
+                async move { start_rank(&node, &name, a).await }
+            },
+        )
         .factory_async("reference", |a: RoleArgs| {
             start_role(a, "reference", |job| {
                 let (model, _, pad_id) = model_here(job)?;
@@ -292,19 +295,40 @@ async fn build_cluster_in(
     };
     // A sharded replica is one policy actor on its rank 0's node, which starts the
     // other ranks itself.
-    let sharded = job.job.policy_shards > 1;
-    let (policy_nodes, policy_factory) = match (&custom.policy, sharded) {
-        (Some(_), _) => (Vec::new(), "policy"),
-        (None, true) => (p.policy_nodes(1)[..1].to_vec(), "policy-sharded"),
-        (None, false) => (p.policy_nodes(replicas), "policy"),
+    // With replicas (HSDP), one per replica, on the node of its rank 0.
+    let shards = job.job.policy_shards;
+    let sharded = shards > 1;
+    let policy_nodes = match (&custom.policy, sharded) {
+        (Some(_), _) => Vec::new(),
+        (None, true) => p
+            .policy_nodes(replicas * shards)
+            .into_iter()
+            .step_by(shards)
+            .collect(),
+        (None, false) => p.policy_nodes(replicas),
     };
     let policies = async {
         let mut v: Vec<PolicyRef> = custom.policy.iter().cloned().collect();
-        let spawned = futures::future::try_join_all(policy_nodes.iter().map(|target| async {
-            Ok::<_, ControllerError>(
-                started.keep(spawn(job, &text, node, policy_factory, target, checkpoint).await?),
-            )
-        }))
+        let (text, started) = (&text, &started);
+        let spawned = futures::future::try_join_all(policy_nodes.iter().enumerate().map(
+            |(replica, target)| async move {
+                let policy = match sharded {
+                    false => spawn(job, text, node, "policy", target, checkpoint).await?,
+                    true => {
+                        let args = ShardedArgs {
+                            role: RoleArgs {
+                                job: text.clone(),
+                                node: target.clone(),
+                                checkpoint: checkpoint.map(Path::to_path_buf),
+                            },
+                            replica: replica as u32,
+                        };
+                        spawn_with(job, node, "policy-sharded", target, &args).await?
+                    }
+                };
+                Ok::<_, ControllerError>(started.keep(policy))
+            },
+        ))
         .await?;
         v.extend(spawned);
         Ok::<_, ControllerError>(v)
@@ -340,8 +364,15 @@ async fn build_cluster_in(
         tokio::try_join!(rollouts, reward, reference, policies, critic)?;
     // A resumed reference stays the initial model (it is rebuilt from model.source).
     let fresh_reference = reference.as_ref().filter(|_| checkpoint.is_none());
+    // Every replica of a sharded policy builds the same weights from model.source (or
+    // its checkpoint), and is not loaded from another: only the first one sends.
+    let sources = if sharded {
+        &policies[..1]
+    } else {
+        &policies[..]
+    };
     initial_weight_sync(
-        &policies,
+        sources,
         &rollouts,
         fresh_reference,
         job.rollout.weight_sync,

@@ -11,7 +11,7 @@ use crate::build::devices::role_group;
 use crate::build::heads::controllers;
 use crate::build::parts::{
     base_model, critic_role, policy_ring, policy_role_from, policy_trainer, reference_role,
-    rollout_role, sharded_policy_role,
+    replica_rings, rollout_role, sharded_policy_role,
 };
 use crate::build::reward::spawn_reward;
 use crate::checkpoint::{load_trainer, restore_controllers};
@@ -89,7 +89,7 @@ async fn build_embedded_in(
     // A sharded policy (`job.policy_shards`, or any resume of a sharded checkpoint)
     // runs its ranks here; its rollouts start from its gathered weights.
     let sharded_ckpt = ckpt.as_deref().filter(|d| is_sharded_checkpoint(d));
-    let mut sharded = None;
+    let mut sharded = Vec::new();
     let mut resumed_weights = None;
     if custom.policy.is_none() && (job.job.policy_shards > 1 || sharded_ckpt.is_some()) {
         if let (Some(dir), None) = (&ckpt, sharded_ckpt) {
@@ -101,18 +101,27 @@ async fn build_embedded_in(
                 ),
             });
         }
-        let mut role = sharded_policy_role(job, &model, sharded_ckpt, pad_id, (dev, kind))?;
-        if sharded_ckpt.is_some() {
-            resumed_weights = Some(role.gathered_model().map_err(|e| JobError::Resume {
-                dir: ckpt.clone().unwrap_or_default(),
-                reason: format!("gathering the sharded policy's weights: {e}"),
-            })?);
+        // One sharded replica per head with job.policy_replicas > 1 (HSDP), each rank
+        // with its member of the ring of the same rank in every replica.
+        let replicas = job.job.policy_replicas;
+        for replica in 0..replicas {
+            let mut role = sharded_policy_role(job, &model, sharded_ckpt, pad_id, (dev, kind))?;
+            if replicas > 1 {
+                let members = replica_rings(node, replica, role.shards())?;
+                role = role.with_replica_members(members);
+            }
+            if sharded_ckpt.is_some() && replica == 0 {
+                resumed_weights = Some(role.gathered_model().map_err(|e| JobError::Resume {
+                    dir: ckpt.clone().unwrap_or_default(),
+                    reason: format!("gathering the sharded policy's weights: {e}"),
+                })?);
+            }
+            sharded.push(role);
         }
-        sharded = Some(role);
     }
     // Every policy replica starts from the same trainer (fresh or resumed); a custom
     // or sharded policy brings its own.
-    let builtin_policies = if custom.policy.is_some() || sharded.is_some() {
+    let builtin_policies = if custom.policy.is_some() || !sharded.is_empty() {
         0
     } else {
         job.job.policy_replicas
@@ -149,11 +158,11 @@ async fn build_embedded_in(
     } else {
         None
     };
-    let replicated = trainers.len() > 1;
+    let replicated = trainers.len() > 1 || sharded.len() > 1;
     let mut policies: Vec<PolicyRef> = custom.policy.iter().cloned().collect();
     drop(resumed_weights);
-    if let Some(role) = sharded {
-        policies.push(started.keep(spawn_role(node, role, 0, g()).await?));
+    for (i, role) in sharded.into_iter().enumerate() {
+        policies.push(started.keep(spawn_role(node, role, i as u32, g()).await?));
     }
     for (i, t) in trainers.into_iter().enumerate() {
         let mut role = policy_role_from(job, t, pad_id)?;

@@ -367,6 +367,34 @@ pub(crate) fn kl_term(job: &JobConfig) -> Option<(KlEstimator, f64)> {
 pub const POLICY_RING: &str = "policy-ring";
 
 /// A policy replica's ring member: its inbox on `node`, as `node/policy-ring/replica`.
+/// The ring members of the ranks of a sharded policy's replicas (HSDP), one ring per
+/// rank index across the replicas: `node/policy-hsdp/INDEX`.
+pub const HSDP_RING: &str = "policy-hsdp";
+
+/// Replica `replica`'s members, one per rank of its `shards`, of the rings with the
+/// other replicas' ranks (each named by its global rank `replica·shards + rank`, so
+/// every replica's fit on one node).
+pub(crate) fn replica_rings(
+    node: &Node,
+    replica: usize,
+    shards: usize,
+) -> Result<Vec<RingMember>, JobError> {
+    (0..shards)
+        .map(|r| hsdp_ring(node, (replica * shards + r) as u32))
+        .collect()
+}
+
+/// One rank's member of the ring with the other replicas' ranks, named by `index`
+/// (unique on its node).
+pub(crate) fn hsdp_ring(node: &Node, index: u32) -> Result<RingMember, JobError> {
+    RingMember::start(node, HSDP_RING, index).map_err(|e| {
+        JobError::Controller(Box::new(ControllerError::Spawn {
+            role: format!("{HSDP_RING} {index}"),
+            reason: e.to_string(),
+        }))
+    })
+}
+
 pub(crate) fn policy_ring(node: &Node, replica: u32) -> Result<RingMember, JobError> {
     RingMember::start(node, POLICY_RING, replica).map_err(|e| {
         JobError::Controller(Box::new(ControllerError::Spawn {

@@ -47,8 +47,19 @@ pub(crate) async fn spawn<Req: Message, Resp: Message>(
         node: target.to_string(),
         checkpoint: checkpoint.map(Path::to_path_buf),
     };
+    spawn_with(job, node, role, target, &args).await
+}
+
+/// [`spawn`] with a factory's own arguments `args`.
+pub(crate) async fn spawn_with<Req: Message, Resp: Message, A: Serialize>(
+    job: &JobConfig,
+    node: &Node,
+    role: &'static str,
+    target: &str,
+    args: &A,
+) -> Result<ActorRef<RoleRequest<Req>, RoleResponse<Resp>>, ControllerError> {
     let timeout = Duration::from_secs(job.placement.spawn_timeout_s);
-    node.spawn_remote_linked(target, role, &args, timeout)
+    node.spawn_remote_linked(target, role, args, timeout)
         .await
         .map_err(|e| ControllerError::Spawn {
             role: format!("{role} on node {target}"),

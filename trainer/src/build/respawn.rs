@@ -185,7 +185,10 @@ async fn respawn_once(
         return not_moved;
     };
     let unreached = unreached_node(source);
-    let replicated = controllers.len() > 1 && controllers.iter().all(|c| c.in_policy_ring);
+    // Replicas of a sharded policy (HSDP) hand no trainer state to a new replica.
+    let sharded = job.job.policy_shards > 1;
+    let replicated =
+        !sharded && controllers.len() > 1 && controllers.iter().all(|c| c.in_policy_ring);
     // The user's stages that `[roles]` named are stateless too: spawned again by name.
     let named_stage = controllers.first().is_some_and(|c| {
         c.extra
@@ -264,6 +267,13 @@ async fn respawn_once(
         }
     }
     let policy_lost = lost_on("policy").filter(|_| !replicated);
+    if let (Some(n), true) = (&policy_lost, sharded) {
+        return Ok(unrecoverable(
+            failed,
+            format!("a rank of the sharded policy was lost with {n}, and a sharded policy is not rebuilt in place"),
+            "resume from the last checkpoint, at any job.policy_shards, on the nodes that are left",
+        ));
+    }
     if let Some((n, why)) = policy_lost
         .as_ref()
         .zip(why_not_rebuilt(controllers, past_update))

@@ -17,16 +17,26 @@ use yatt_roles::{
     PolicyRankRole, RankRef, RankRequest, RankResponse, RankSource, RemoteRanks, RoleActor,
     RoleRequest, RoleResponse, ShardedPolicyRole, SlicePusher,
 };
-use yatt_runtime::{Node, RingMember, RingSpec, RING_CHUNK_BYTES};
+use yatt_runtime::{ActorName, Node, RingMember, RingSpec, RING_CHUNK_BYTES};
 
 use crate::build::devices::model_here;
-use crate::build::parts::{memory_options, policy_config, sharded_start, train_config};
+use crate::build::parts::{memory_options, policy_config, sharded_start, train_config, HSDP_RING};
 use crate::build::remote::{start_role, RoleArgs};
 use crate::config::sections::JobConfig;
 use crate::error::JobError;
 
 /// The ring members of a sharded replica's ranks: `node/policy-shard/RANK`.
 pub const SHARD_RING: &str = "policy-shard";
+
+/// What a node needs to start rank 0 of a sharded policy replica (the policy actor).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ShardedArgs {
+    /// The job, and the run's checkpoint when it resumes.
+    pub role: RoleArgs,
+    /// Which of the `job.policy_replicas` replicas: its ranks go on the nodes
+    /// `placement.policy[replica·N .. (replica+1)·N]` names.
+    pub replica: u32,
+}
 
 /// What a node needs to start one rank (1..N) of a sharded policy replica.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -35,6 +45,15 @@ pub struct RankArgs {
     pub role: RoleArgs,
     /// The rank.
     pub rank: u32,
+    /// Replicas of the sharded policy (HSDP): with more than one, the rank also joins
+    /// the ring of its peers in the other replicas.
+    pub replicas: u32,
+}
+
+/// A ring member on `node` named by `name`'s replica number, unique on the node (so
+/// the ranks of several replicas fit on one node).
+fn ring_member(node: &Node, ring: &str, name: &ActorName) -> Result<RingMember, String> {
+    RingMember::start(node, ring, name.replica).map_err(|e| e.to_string())
 }
 
 /// Where a rank's shards come from (its part of the run's checkpoint, or the model it
@@ -74,9 +93,14 @@ fn rank_source(
 /// loads the model (or waits for the ring to load its part of the checkpoint).
 pub(crate) async fn start_rank(
     node: &Node,
+    name: &ActorName,
     a: RankArgs,
 ) -> Result<yatt_roles::RoleActor<PolicyRankRole>, String> {
-    let member = RingMember::start(node, SHARD_RING, a.rank).map_err(|e| e.to_string())?;
+    let member = ring_member(node, SHARD_RING, name)?;
+    let replica_member = match a.replicas > 1 {
+        true => Some(ring_member(node, HSDP_RING, name)?),
+        false => None,
+    };
     hold_no_freed_blocks(a.rank);
     let root = node.config().data_dir.clone();
     let checkpoint = a.role.checkpoint.clone();
@@ -88,7 +112,11 @@ pub(crate) async fn start_rank(
                 source_desc: job.model.source.to_string(),
                 reason: format!("a policy rank: {e}"),
             })?;
-        Ok(role.with_write_root(root).with_pusher(pusher))
+        let role = role.with_write_root(root).with_pusher(pusher);
+        Ok(match replica_member {
+            Some(m) => role.with_replica_member(m),
+            None => role,
+        })
     })
     .await
 }
@@ -97,19 +125,35 @@ pub(crate) async fn start_rank(
 /// one ring, then shards its own part. A failure stops the ranks it started.
 pub(crate) async fn start_sharded_policy(
     node: &Node,
-    a: RoleArgs,
+    name: &ActorName,
+    args: ShardedArgs,
     job: &JobConfig,
 ) -> Result<RoleActor<ShardedPolicyRole>, String> {
-    // One node per rank, in rank order (one name: every rank there).
-    let nodes = job.placement.policy_nodes(job.job.policy_shards);
+    // One node per rank, in rank order (one name: every rank there), replica by replica.
+    let (n, replicas) = (job.job.policy_shards, job.job.policy_replicas);
+    let first = args.replica as usize * n;
+    let nodes = job.placement.policy_nodes(n * replicas);
+    let nodes = nodes.get(first..first + n).ok_or_else(|| {
+        format!(
+            "policy replica {} of {replicas}: placement.policy names {} node(s)",
+            args.replica,
+            nodes.len()
+        )
+    })?;
+    let a = args.role;
     let spawn_timeout = Duration::from_secs(job.placement.spawn_timeout_s);
     let start = sharded_start(job);
-    let mut member = RingMember::start(node, SHARD_RING, 0).map_err(|e| e.to_string())?;
+    let mut member = ring_member(node, SHARD_RING, name)?;
+    let replica_member = match replicas > 1 {
+        true => Some(ring_member(node, HSDP_RING, name)?),
+        false => None,
+    };
     hold_no_freed_blocks(0);
     let spawned = futures::future::join_all(nodes.iter().enumerate().skip(1).map(|(r, target)| {
         let args = RankArgs {
             role: a.clone(),
             rank: r as u32,
+            replicas: replicas as u32,
         };
         async move {
             node.spawn_remote_linked::<RoleRequest<RankRequest>, RoleResponse<RankResponse>, _>(
@@ -153,7 +197,11 @@ pub(crate) async fn start_sharded_policy(
             deadline,
         )
         .map_err(|e| failed(e.to_string()))?;
-        Ok(role.with_write_root(root).with_pusher(pusher))
+        let role = role.with_write_root(root).with_pusher(pusher);
+        Ok(match replica_member {
+            Some(m) => role.with_replica_members(vec![m]),
+            None => role,
+        })
     })
     .await;
     match role {

@@ -71,13 +71,16 @@ pub struct JobSection {
     /// Kept for older configs: must be `colocate`. Where roles run is `[placement]`.
     pub placement: String,
     /// Policy replicas: 1 (shared by every head) or `controllers` (one per head, their
-    /// gradients all-reduced at each update).
+    /// gradients all-reduced at each update). With `policy_shards > 1` each replica is
+    /// sharded (HSDP): rank r of every replica averages its gradient shards with the
+    /// other replicas' rank r.
     pub policy_replicas: usize,
     /// Ranks one policy replica is sharded over (ZeRO-3): each keeps 1/N of the f32
     /// master weights, gradients and AdamW moments, gathers a layer's weights just
     /// before it runs and reduce-scatters its gradients. 1 = the whole model in one
-    /// trainer. Embedded mode only so far: the ranks are threads of this process
-    /// (parity, not memory); see docs/training/sharded.md.
+    /// trainer. Embedded, the ranks are threads of this process (parity, not memory);
+    /// on a cluster each rank runs on the node `placement.policy` names for it. See
+    /// docs/training/sharded.md.
     pub policy_shards: usize,
     /// How the replicas average gradients: `auto` (NCCL on GPUs, else the QUIC ring,
     /// the reason logged), `quic`, `nccl`.

@@ -9,13 +9,6 @@ use crate::error::JobError;
 /// What a sharded policy cannot be combined with yet: `(key, why, fix)` for `job`.
 fn unbuilt(job: &JobConfig) -> Option<(&'static str, &'static str, &'static str)> {
     let p = &job.placement;
-    if job.job.policy_replicas > 1 {
-        return Some((
-            "job.policy_replicas",
-            "replicas of a sharded policy (HSDP: shard within a replica, all-reduce across replicas) are not built yet",
-            "set job.policy_replicas = 1, or job.policy_shards = 1",
-        ));
-    }
     if job.model.lora.is_some() {
         return Some((
             "model.lora",

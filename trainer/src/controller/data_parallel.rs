@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use yatt_metrics::names;
 use yatt_roles::{GradShard, NcclGroup, PolicyRequest, PolicyResponse, SampleId, TrainReport};
-use yatt_runtime::RingSpec;
+use yatt_runtime::{ActorId, RingSpec};
 
 use crate::controller::config::GradientSync;
 use crate::controller::core::Controller;
@@ -312,6 +312,8 @@ pub(crate) async fn all_reduce_update(
         // The replicas work side by side: the update took as long as the slowest.
         seconds: trained.iter().map(|r| r.seconds).fold(0.0, f64::max),
         nccl_all_reduce: trained.iter().all(|r| r.nccl_all_reduce),
+        // HSDP: the ranks of every replica hold and move the same amounts.
+        sharded: first.sharded.clone(),
         ..TrainReport::merge_heads(&reports)
     })
 }
@@ -326,15 +328,43 @@ pub async fn join_policy_ring(
 ) -> Result<(), ControllerError> {
     const STAGE: &str = "join_policy_ring";
     let mut members = Vec::with_capacity(controllers.len());
+    let mut sharded = Vec::new();
     for c in controllers.iter() {
         match c
             .serve_policy(PolicyRequest::RingInbox, STAGE, c.config.timeouts.train)
             .await?
         {
             PolicyResponse::RingInbox(id) => members.push(id),
+            PolicyResponse::ShardRingInboxes(ids) => sharded.push(ids),
             other => return Err(c.protocol("policy", "RingInbox", format!("{other:?}"))),
         }
     }
+    if !sharded.is_empty() {
+        join_shard_rings(controllers, sharded, chunk_bytes).await?;
+    } else {
+        join_whole_ring(controllers, members, chunk_bytes).await?;
+        join_gradient_group(controllers).await?;
+    }
+    let all: Vec<_> = controllers.iter().map(|c| c.roles.policy.clone()).collect();
+    for (i, c) in controllers.iter_mut().enumerate() {
+        c.in_policy_ring = true;
+        c.peer_policies = all
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != i)
+            .map(|(_, p)| p.clone())
+            .collect();
+    }
+    Ok(())
+}
+
+/// Replicas of the whole policy: every replica joins the ring of all of them.
+async fn join_whole_ring(
+    controllers: &[Controller],
+    members: Vec<ActorId>,
+    chunk_bytes: u64,
+) -> Result<(), ControllerError> {
+    const STAGE: &str = "join_policy_ring";
     let joins = controllers.iter().enumerate().map(|(rank, c)| {
         let spec = RingSpec {
             rank: rank as u32,
@@ -357,17 +387,49 @@ pub async fn join_policy_ring(
         }
     });
     futures::future::try_join_all(joins).await?;
-    join_gradient_group(controllers).await?;
-    let all: Vec<_> = controllers.iter().map(|c| c.roles.policy.clone()).collect();
-    for (i, c) in controllers.iter_mut().enumerate() {
-        c.in_policy_ring = true;
-        c.peer_policies = all
-            .iter()
-            .enumerate()
-            .filter(|(j, _)| *j != i)
-            .map(|(_, p)| p.clone())
-            .collect();
+    Ok(())
+}
+
+/// Replicas of a sharded policy (HSDP): `inboxes[i][r]` is rank `r` of replica `i`;
+/// rank `r` of every replica joins the ring of rank `r` of all of them.
+async fn join_shard_rings(
+    controllers: &[Controller],
+    inboxes: Vec<Vec<ActorId>>,
+    chunk_bytes: u64,
+) -> Result<(), ControllerError> {
+    const STAGE: &str = "join_policy_ring";
+    let shards = inboxes[0].len();
+    if inboxes.len() != controllers.len() || inboxes.iter().any(|r| r.len() != shards) {
+        let counts: Vec<usize> = inboxes.iter().map(Vec::len).collect();
+        return Err(ControllerError::Config(format!(
+            "every policy replica must be sharded over the same rank count to average gradients rank by rank: {} head(s), replicas with {counts:?} rank(s)",
+            controllers.len()
+        )));
     }
+    let joins = controllers.iter().enumerate().map(|(i, c)| {
+        let specs: Vec<RingSpec> = (0..shards)
+            .map(|r| RingSpec {
+                rank: i as u32,
+                members: inboxes.iter().map(|replica| replica[r].clone()).collect(),
+                timeout: c.config.timeouts.collective,
+                chunk_bytes,
+            })
+            .collect();
+        async move {
+            match c
+                .serve_policy(
+                    PolicyRequest::JoinShardRings(specs),
+                    STAGE,
+                    c.config.timeouts.train,
+                )
+                .await?
+            {
+                PolicyResponse::Joined => Ok(()),
+                other => Err(c.protocol("policy", "JoinShardRings", format!("{other:?}"))),
+            }
+        }
+    });
+    futures::future::try_join_all(joins).await?;
     Ok(())
 }
 

@@ -534,6 +534,9 @@ impl Controller {
             m.set(names::TRAIN_STATE_BYTES, s.train_state_bytes as f64);
             m.set(names::SHARD_GATHERED_BYTES, s.gathered_bytes as f64);
             m.set(names::SHARD_REDUCED_BYTES, s.reduced_bytes as f64);
+            if s.replica_bytes > 0 {
+                m.set(names::SHARD_REPLICA_BYTES, s.replica_bytes as f64);
+            }
             m.set(names::SHARD_GATHER_S, s.gather_s);
             m.set(names::SHARD_GATHER_EXPOSED_S, s.gather_exposed_s);
         }

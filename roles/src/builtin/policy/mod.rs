@@ -48,10 +48,12 @@ use crate::sample::Sample;
 mod config;
 mod export;
 mod grad_group;
+mod hsdp;
 mod micro;
 mod protocol;
 mod rank;
 mod ranks;
+mod reference_sharded;
 mod report;
 mod sharded;
 #[cfg(test)]
@@ -65,6 +67,7 @@ pub use config::{KlLossConfig, LoraSync, PolicyConfig};
 pub use protocol::{GradShard, PolicyRequest, PolicyResponse, PushReport, PushTarget};
 pub use rank::{PolicyRankRole, RankRequest, RankResponse, RankSource, RankStep};
 pub use ranks::{RankRef, RemoteRanks};
+pub use reference_sharded::ShardedReferenceRole;
 pub use report::{ShardReport, TrainReport};
 pub use sharded::{ShardedPolicyRole, ShardedStart};
 pub(crate) use slice_push::load_all;
@@ -381,6 +384,9 @@ impl Role for PolicyRole {
                     .map_err(|e| RoleError::BadRequest(format!("joining the ring: {e}")))?;
                 Ok(PolicyResponse::Joined)
             }
+            PolicyRequest::JoinShardRings(_) => Err(RoleError::BadRequest(
+                "a replica of the whole policy joins one ring (JoinRing); JoinShardRings is for a sharded one".into(),
+            )),
             PolicyRequest::GradientGroup { make_id } => Ok(self.gradient_group(make_id)),
             PolicyRequest::JoinGradientGroup(group) => self.join_gradient_group(group),
             PolicyRequest::ExportState => self.export_state().map(PolicyResponse::State),

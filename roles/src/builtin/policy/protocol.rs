@@ -52,6 +52,11 @@ pub enum PolicyRequest {
     RingInbox,
     /// Data parallelism over replicas: join the ring of every replica's inbox.
     JoinRing(RingSpec),
+    /// Data parallelism over replicas of a sharded policy (HSDP): rank `r` of this
+    /// replica joins `specs[r]`, the ring of rank `r` of every replica (the inboxes a
+    /// sharded replica answers [`PolicyRequest::RingInbox`] with, in
+    /// [`PolicyResponse::ShardRingInboxes`]).
+    JoinShardRings(Vec<RingSpec>),
     /// Data parallelism over replicas with NCCL: whether this replica can average
     /// gradients through NCCL (its weights on a GPU, libnccl loaded), and with
     /// `make_id` (the first replica) the group's id. Answered with
@@ -121,6 +126,10 @@ pub enum PolicyResponse {
     Saved,
     /// This replica's ring inbox.
     RingInbox(ActorId),
+    /// A sharded replica's ring inboxes, one per rank, in rank order
+    /// ([`PolicyRequest::RingInbox`]): its ranks each join their own ring
+    /// ([`PolicyRequest::JoinShardRings`]).
+    ShardRingInboxes(Vec<ActorId>),
     /// The replica joined the ring.
     Joined,
     /// The trainer state ([`PolicyRequest::ExportState`]).

@@ -52,6 +52,12 @@ pub enum RankRequest {
         /// Ranks of the replica.
         shards: usize,
     },
+    /// HSDP (replicas of a sharded policy): this rank's inbox in the ring of the ranks
+    /// that hold the same shards in every replica.
+    ReplicaRingInbox,
+    /// HSDP: join the ring of this rank's peers in the other replicas, and average the
+    /// gradient shards with them before every optimizer step from now on.
+    JoinReplicaRing(RingSpec),
     /// Write this rank's shard of a sharded checkpoint into `dir`.
     Save {
         /// The checkpoint's directory.
@@ -107,6 +113,9 @@ pub struct RankStep {
     pub gather_s: f64,
     /// The part of `gather_s` this rank's compute waited for (not hidden by prefetch).
     pub gather_exposed_s: f64,
+    /// Bytes this rank sent averaging its gradient shards with the other replicas'
+    /// (HSDP; 0 without replicas).
+    pub replica_bytes: u64,
     pub(super) stats: MicroStats,
 }
 
@@ -122,6 +131,7 @@ impl RankStep {
             reduced_bytes: s.comm.reduced_bytes,
             gather_s: s.comm.gather_s,
             gather_exposed_s: s.comm.gather_exposed_s,
+            replica_bytes: s.comm.replica_bytes,
             stats,
         }
     }
@@ -162,6 +172,22 @@ pub(super) fn rank_step(
         })
         .map_err(|e| e.to_string())?;
     Ok(RankStep::new(&step, stats))
+}
+
+/// Joins `member` to the ring `spec` of this rank's peers in the other replicas
+/// (HSDP), and has `trainer` average its gradient shards over it from now on.
+pub(super) fn join_replica_ring(
+    trainer: &mut ShardedTrainer,
+    mut member: RingMember,
+    spec: RingSpec,
+) -> Result<(), String> {
+    member
+        .join(spec)
+        .map_err(|e| format!("joining the replicas' ring: {e}"))?;
+    let group = RingShardGroup::new(member).map_err(|e| e.to_string())?;
+    trainer
+        .join_replicas(Box::new(group))
+        .map_err(|e| e.to_string())
 }
 
 /// Rank `rank`'s part of an old-log-prob pass over `samples`: the `rank`-th of
@@ -234,6 +260,8 @@ pub(super) fn push_slice(
 pub enum RankSource {
     /// Shard this model (every rank loaded the same one).
     Model(Box<Llama>, TrainConfig),
+    /// Shard this model to score with, never to train (a sharded reference's rank).
+    Frozen(Box<Llama>),
     /// Load this rank's part of a sharded checkpoint (written at any rank count).
     Checkpoint {
         /// The checkpoint's directory.
@@ -254,6 +282,9 @@ impl RankSource {
         match self {
             RankSource::Model(model, train) => {
                 ShardedTrainer::new(*model, train, group).map_err(|e| e.to_string())
+            }
+            RankSource::Frozen(model) => {
+                ShardedTrainer::frozen(*model, group).map_err(|e| e.to_string())
             }
             RankSource::Checkpoint {
                 dir,
@@ -277,6 +308,8 @@ pub struct PolicyRankRole {
     config: PolicyConfig,
     inbox: ActorId,
     pending: Option<(RingMember, RankSource)>,
+    /// HSDP: this rank's member of its peers' ring in the other replicas, until joined.
+    replica_member: Option<RingMember>,
     trainer: Option<ShardedTrainer>,
     params: u64,
     write_root: Option<PathBuf>,
@@ -297,6 +330,7 @@ impl PolicyRankRole {
             config,
             inbox: member.inbox_id().clone(),
             pending: Some((member, source)),
+            replica_member: None,
             trainer: None,
             params,
             write_root: None,
@@ -314,6 +348,14 @@ impl PolicyRankRole {
     /// Saves checkpoints only under `root` (see [`crate::PolicyRole::with_write_root`]).
     pub fn with_write_root(mut self, root: PathBuf) -> Self {
         self.write_root = Some(root);
+        self
+    }
+
+    /// A rank of one of several replicas of the sharded policy (HSDP): `member` joins
+    /// the ring of the ranks holding the same shards in the other replicas
+    /// ([`RankRequest::JoinReplicaRing`]).
+    pub fn with_replica_member(mut self, member: RingMember) -> Self {
+        self.replica_member = Some(member);
         self
     }
 
@@ -344,7 +386,7 @@ impl Role for PolicyRankRole {
 
     fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
         let device = match &self.pending {
-            Some((_, RankSource::Model(m, _))) => m.device(),
+            Some((_, RankSource::Model(m, _) | RankSource::Frozen(m))) => m.device(),
             Some((_, RankSource::Checkpoint { device, .. })) => *device,
             None => Device::Cpu,
         };
@@ -373,6 +415,15 @@ impl PolicyRankRole {
                     .join(spec)
                     .map_err(|e| RoleError::BadRequest(format!("joining the ring: {e}")))?;
                 self.trainer = Some(source.shard(member).map_err(failed)?);
+                Ok(RankResponse::Joined)
+            }
+            RankRequest::ReplicaRingInbox => match &self.replica_member {
+                Some(m) => Ok(RankResponse::RingInbox(m.inbox_id().clone())),
+                None => Err(no_replicas()),
+            },
+            RankRequest::JoinReplicaRing(spec) => {
+                let member = self.replica_member.take().ok_or_else(no_replicas)?;
+                join_replica_ring(self.trainer()?, member, spec).map_err(failed)?;
                 Ok(RankResponse::Joined)
             }
             RankRequest::Step {
@@ -423,4 +474,11 @@ impl PolicyRankRole {
             }
         }
     }
+}
+
+/// A replica ring asked of a rank started without a member for one (or joined).
+fn no_replicas() -> RoleError {
+    RoleError::BadRequest(
+        "this policy rank has no replicas' ring to join: it was started with job.policy_replicas = 1, or has joined it already".into(),
+    )
 }

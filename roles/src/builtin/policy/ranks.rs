@@ -12,8 +12,10 @@ use std::time::{Duration, Instant};
 use yatt_engine::{LocalGroup, ShardedTrainer};
 use yatt_runtime::ActorRef;
 
-use super::rank::{RankRequest, RankResponse};
+use super::config::PolicyConfig;
+use super::rank::{rank_score, RankRequest, RankResponse};
 use crate::role::{RoleError, RoleRequest, RoleResponse};
+use crate::sample::Sample;
 
 /// A rank actor on another node.
 pub type RankRef = ActorRef<RoleRequest<RankRequest>, RoleResponse<RankResponse>>;
@@ -250,6 +252,45 @@ impl Ranks {
             }
         }
         Ok(out)
+    }
+
+    /// Every rank scores its part of `samples` (the response tokens' log-probs, unit by
+    /// unit, without gradients: no process holds the whole model). Returns the samples
+    /// and their rows, in order.
+    pub(super) fn score_all(
+        &mut self,
+        cfg: &PolicyConfig,
+        samples: Vec<Sample>,
+        what: &str,
+    ) -> Result<(Vec<Sample>, Vec<Vec<f32>>), RoleError> {
+        let n = self.len();
+        let all = std::sync::Arc::new(samples);
+        let jobs = (0..self.local())
+            .map(|rank| {
+                let (cfg, all) = (cfg.clone(), all.clone());
+                move |tr: &mut ShardedTrainer| rank_score(tr, &cfg, &all, rank, n)
+            })
+            .collect();
+        let score = |rank| RankRequest::Score {
+            samples: all.to_vec(),
+            rank,
+            shards: n,
+        };
+        let (local, remote) = self.run_all(what, jobs, score)?;
+        let parts = self.parts(what, local, remote, |a| match a {
+            RankResponse::Scored(r) => Ok(r),
+            other => Err(other),
+        })?;
+        let rows: Vec<Vec<f32>> = parts.into_iter().flatten().collect();
+        let samples = std::sync::Arc::try_unwrap(all).unwrap_or_else(|a| a.to_vec());
+        if rows.len() != samples.len() {
+            return Err(self.break_with(format!(
+                "{what}: the ranks scored {} of {} samples",
+                rows.len(),
+                samples.len()
+            )));
+        }
+        Ok((samples, rows))
     }
 
     /// Stops the ranks on other nodes (best effort, briefly: a lost one is gone).

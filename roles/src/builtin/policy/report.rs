@@ -51,6 +51,9 @@ pub struct ShardReport {
     pub gather_s: f64,
     /// Seconds of those the slowest rank's compute waited for (not hidden by prefetch).
     pub gather_exposed_s: f64,
+    /// Bytes one rank sent averaging its gradient shards with its peers in the other
+    /// replicas (HSDP; the mean over ranks, 0 without replicas).
+    pub replica_bytes: u64,
 }
 
 impl TrainReport {

@@ -28,7 +28,7 @@ use yatt_engine::{
 use super::config::PolicyConfig;
 use super::micro::{begin_update, MicroStats};
 use super::protocol::{PolicyRequest, PolicyResponse, PushReport, PushTarget};
-use super::rank::{push_slice, rank_score, rank_step, RankRequest, RankResponse, RankStep};
+use super::rank::{push_slice, rank_step, RankRequest, RankResponse, RankStep};
 use super::ranks::{self, Ranks, RemoteRanks};
 use super::report::{ShardReport, TrainReport};
 use super::slice_push::SlicePusher;
@@ -49,7 +49,12 @@ pub struct ShardedStart {
 
 /// The policy role over one replica sharded over [`ShardedStart::shards`] ranks.
 pub struct ShardedPolicyRole {
-    ranks: Ranks,
+    pub(super) ranks: Ranks,
+    /// HSDP: the local ranks' members of their rings with the other replicas' ranks,
+    /// in rank order, until joined ([`super::hsdp`]).
+    pub(super) replica_members: Vec<yatt_runtime::RingMember>,
+    /// HSDP: every rank has joined its ring with the other replicas.
+    pub(super) replicas_joined: bool,
     config: PolicyConfig,
     device: Device,
     kind: Kind,
@@ -164,6 +169,8 @@ impl ShardedPolicyRole {
             params,
             write_root: None,
             pusher: None,
+            replica_members: Vec::new(),
+            replicas_joined: false,
         })
     }
 
@@ -217,10 +224,23 @@ impl ShardedPolicyRole {
     }
 
     fn train(&mut self, samples: Vec<Sample>) -> Result<TrainReport, RoleError> {
+        self.train_in(samples, false)
+    }
+
+    /// An update: one optimizer step per mini-batch (`optim.mini_batches`), or with
+    /// `one_step` one over all `samples` (as replicas of a data-parallel policy take).
+    pub(super) fn train_in(
+        &mut self,
+        samples: Vec<Sample>,
+        one_step: bool,
+    ) -> Result<TrainReport, RoleError> {
         let t0 = Instant::now();
         let cfg = self.config.clone();
         let n = self.ranks.len();
-        let (per_mini, mut report) = begin_update(&cfg, &samples)?;
+        let (mut per_mini, mut report) = begin_update(&cfg, &samples)?;
+        if one_step {
+            per_mini = samples.len();
+        }
         let mut shard = ShardReport {
             shards: n,
             ..Default::default()
@@ -248,6 +268,7 @@ impl ShardedPolicyRole {
             shard.reduced_bytes += step.iter().map(|s| s.reduced_bytes).sum::<u64>() / k;
             shard.gather_s += step.iter().map(|s| s.gather_s).fold(0.0, f64::max);
             shard.gather_exposed_s += step.iter().map(|s| s.gather_exposed_s).fold(0.0, f64::max);
+            shard.replica_bytes += step.iter().map(|s| s.replica_bytes).sum::<u64>() / k;
         }
         let steps = report.optimizer_steps.max(1) as f64;
         report.grad_norm = grad_norm / steps;
@@ -363,35 +384,9 @@ impl ShardedPolicyRole {
         if samples.is_empty() || self.config.old_from_rollout(&mut samples) {
             return Ok(samples);
         }
-        let n = self.ranks.len();
-        let all = std::sync::Arc::new(samples);
-        let jobs = (0..self.ranks.local())
-            .map(|rank| {
-                let (cfg, all) = (self.config.clone(), all.clone());
-                move |tr: &mut ShardedTrainer| rank_score(tr, &cfg, &all, rank, n)
-            })
-            .collect();
-        let score = |rank| RankRequest::Score {
-            samples: all.to_vec(),
-            rank,
-            shards: n,
-        };
-        let (local, remote) = self.ranks.run_all("old log-probs", jobs, score)?;
-        let parts = self
+        let (mut samples, rows) = self
             .ranks
-            .parts("old log-probs", local, remote, |a| match a {
-                RankResponse::Scored(r) => Ok(r),
-                other => Err(other),
-            })?;
-        let rows: Vec<Vec<f32>> = parts.into_iter().flatten().collect();
-        let mut samples = std::sync::Arc::try_unwrap(all).unwrap_or_else(|a| a.to_vec());
-        if rows.len() != samples.len() {
-            return Err(self.ranks.break_with(format!(
-                "old log-probs: the ranks scored {} of {} samples",
-                rows.len(),
-                samples.len()
-            )));
-        }
+            .score_all(&self.config, samples, "old log-probs")?;
         for (s, r) in samples.iter_mut().zip(rows) {
             s.old_logprobs = Some(r);
         }
@@ -501,13 +496,22 @@ impl Role for ShardedPolicyRole {
             },
             Q::SaveCheckpoint(dir) => self.save(dir).map(|_| A::Saved),
             Q::Broadcast(_) => Err(not_sharded("an NCCL weight broadcast")),
-            Q::Gradients(_)
-            | Q::ApplyGradients(_)
-            | Q::RingInbox
-            | Q::JoinRing(_)
-            | Q::GradientGroup { .. }
-            | Q::JoinGradientGroup(_)
-            | Q::TrainAllReduce(_) => Err(not_sharded("data parallelism over policy replicas")),
+            // Replicas of a sharded policy (HSDP): each rank has its own ring with the
+            // other replicas' ranks of the same shards.
+            Q::RingInbox => self.shard_ring_inboxes().map(A::ShardRingInboxes),
+            Q::JoinShardRings(specs) => self.join_shard_rings(specs).map(|_| A::Joined),
+            Q::TrainAllReduce(samples) => self.train_with_replicas(samples).map(A::Trained),
+            Q::GradientGroup { .. } => Ok(A::NcclUnavailable(
+                "a sharded policy's replicas average their gradient shards over the ranks' rings"
+                    .into(),
+            )),
+            Q::JoinGradientGroup(None) => Ok(A::Joined),
+            Q::JoinRing(_) => Err(RoleError::BadRequest(
+                "a sharded policy replica joins one ring per rank (JoinShardRings), not one".into(),
+            )),
+            Q::Gradients(_) | Q::ApplyGradients(_) | Q::JoinGradientGroup(Some(_)) => Err(
+                not_sharded("averaging gradients through the controllers or over NCCL"),
+            ),
             Q::ExportState | Q::ImportState(_) => {
                 Err(not_sharded("handing the trainer state to another replica"))
             }
