@@ -26,7 +26,9 @@ use crate::build::parts::{
 use crate::build::policy_rebuild::policy_log;
 use crate::build::remote::{job_text, spawn, spawn_with, start_role, wait_for_nodes, RoleArgs};
 use crate::build::reward::reward_role;
-use crate::build::sharded_cluster::{start_rank, start_sharded_policy, RankArgs, ShardedArgs};
+use crate::build::sharded_cluster::{
+    start_rank, start_sharded_policy, start_sharded_reference, RankArgs, ShardedArgs,
+};
 use crate::checkpoint::{load_trainer, restore_controllers};
 use crate::config::checks::invalid;
 use crate::config::modes::{KlMode, PlacementMode, Task};
@@ -117,6 +119,23 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
                         JobConfig::parse(&a.role.job, "the job config sent by the controller", &[])
                             .map_err(|e| e.to_string())?;
                     start_sharded_policy(&node, &name, a, &job).await
+                }
+            },
+        )
+        // A sharded reference's rank 0 (`job.reference_shards > 1`); its other ranks
+        // are `policy-rank`s started frozen.
+        .factory_with_node(
+            "reference-sharded",
+            |node: &Node, name: &ActorName, a: ShardedArgs| {
+                let (node, name) = (node.clone(), name.clone());
+                async move {
+                    let job = JobConfig::parse(
+                        &a.role.job,
+                        "the job config sent by the controller",
+                        &[],
+                    )
+                    .map_err(|e| e.to_string())?;
+                    start_sharded_reference(&node, &name, a, &job).await
                 }
             },
         )
@@ -353,6 +372,20 @@ async fn build_cluster_in(
         match (&custom.reference, job.algorithm.kl_mode) {
             (Some(r), _) => Ok(Some(r.clone())),
             (None, KlMode::None) => Ok(None),
+            // Sharded, its rank r runs beside the policy's, on placement.policy[r].
+            (None, _) if job.job.reference_shards > 1 => {
+                let target = p.policy_nodes(1)[0].clone();
+                let args = ShardedArgs {
+                    role: RoleArgs {
+                        job: text.clone(),
+                        node: target.clone(),
+                        checkpoint: None,
+                    },
+                    replica: 0,
+                };
+                let r = spawn_with(job, node, "reference-sharded", &target, &args).await?;
+                Ok(Some(started.keep(r)))
+            }
             (None, _) => Ok(Some(
                 started.keep(spawn(job, &text, node, "reference", &p.reference, None).await?),
             )),
@@ -363,7 +396,10 @@ async fn build_cluster_in(
     let (rollouts, reward, reference, policies, critic) =
         tokio::try_join!(rollouts, reward, reference, policies, critic)?;
     // A resumed reference stays the initial model (it is rebuilt from model.source).
-    let fresh_reference = reference.as_ref().filter(|_| checkpoint.is_none());
+    // A sharded one builds the initial model itself and takes no sync.
+    let fresh_reference = reference
+        .as_ref()
+        .filter(|_| checkpoint.is_none() && job.job.reference_shards == 1);
     // Every replica of a sharded policy builds the same weights from model.source (or
     // its checkpoint), and is not loaded from another: only the first one sends.
     let sources = if sharded {

@@ -119,6 +119,13 @@ impl CustomRoles {
                 "a custom policy runs as it is: sharding is the built-in policy's; set job.policy_shards = 1",
             ));
         }
+        if self.reference.is_some() && job.job.reference_shards > 1 {
+            return Err(refuse(
+                "job.reference_shards",
+                job.job.reference_shards.to_string(),
+                "a custom reference runs as it is: sharding is the built-in reference's; set job.reference_shards = 1",
+            ));
+        }
         if resume && (self.policy.is_some() || self.critic.is_some()) {
             return Err(refuse(
                 "resume",

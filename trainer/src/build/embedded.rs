@@ -11,7 +11,7 @@ use crate::build::devices::role_group;
 use crate::build::heads::controllers;
 use crate::build::parts::{
     base_model, critic_role, policy_ring, policy_role_from, policy_trainer, reference_role,
-    replica_rings, rollout_role, sharded_policy_role,
+    replica_rings, rollout_role, sharded_policy_role, sharded_reference_role,
 };
 use crate::build::reward::spawn_reward;
 use crate::checkpoint::{load_trainer, restore_controllers};
@@ -185,7 +185,10 @@ async fn build_embedded_in(
             KlMode::None => None,
             KlMode::Loss | KlMode::Reward => {
                 let m = model.deep_copy(dev, kind).map_err(me)?;
-                Some(started.keep(spawn_role(node, reference_role(job, m, pad_id), 0, g()).await?))
+                Some(started.keep(match job.job.reference_shards {
+                    1 => spawn_role(node, reference_role(job, m, pad_id), 0, g()).await?,
+                    _ => spawn_role(node, sharded_reference_role(job, m, pad_id)?, 0, g()).await?,
+                }))
             }
         },
         policy: policies[0].clone(),

@@ -11,7 +11,7 @@ use yatt_engine::{
 };
 use yatt_roles::{
     CriticConfig, CriticRole, KlEstimator, KlLossConfig, PolicyConfig, PolicyLossConfig,
-    PolicyRole, ReferenceRole, RolloutRole, ShardedPolicyRole, ShardedStart, TextCodec,
+    PolicyRole, ReferenceRole, RolloutRole, ShardedPolicyRole, ShardedReferenceRole, ShardedStart, TextCodec,
     TokenizerCodec, ValueLossConfig,
 };
 use yatt_runtime::Node;
@@ -179,6 +179,26 @@ pub fn reference_role(job: &JobConfig, model: Llama, pad_id: i64) -> ReferenceRo
         job.rollout.temperature,
         job.optim.micro_batch,
     )
+}
+
+/// The reference over `model` sharded over `job.reference_shards` rank threads of
+/// this process, scoring as the policy does (its micro-batching and temperature).
+pub(crate) fn sharded_reference_role(
+    job: &JobConfig,
+    mut model: Llama,
+    pad_id: i64,
+) -> Result<ShardedReferenceRole, JobError> {
+    model.memory = memory_options(job);
+    let start = ShardedStart {
+        shards: job.job.reference_shards,
+        ..sharded_start(job)
+    };
+    ShardedReferenceRole::new(model, policy_config(job, pad_id), &start).map_err(|e| {
+        JobError::Model {
+            source_desc: job.model.source.to_string(),
+            reason: format!("sharded reference: {e}"),
+        }
+    })
 }
 
 /// The policy's optimizer settings.

@@ -15,7 +15,8 @@ use serde::{Deserialize, Serialize};
 use yatt_engine::{is_sharded_checkpoint, model_layout};
 use yatt_roles::{
     PolicyRankRole, RankRef, RankRequest, RankResponse, RankSource, RemoteRanks, RoleActor,
-    RoleRequest, RoleResponse, ShardedPolicyRole, SlicePusher,
+    RoleRequest, RoleResponse, ShardedPolicyRole, ShardedReferenceRole, ShardedStart,
+    SlicePusher,
 };
 use yatt_runtime::{ActorName, Node, RingMember, RingSpec, RING_CHUNK_BYTES};
 
@@ -48,6 +49,8 @@ pub struct RankArgs {
     /// Replicas of the sharded policy (HSDP): with more than one, the rank also joins
     /// the ring of its peers in the other replicas.
     pub replicas: u32,
+    /// A rank of a sharded reference: it loads the model to score with, never to train.
+    pub frozen: bool,
 }
 
 /// A ring member on `node` named by `name`'s replica number, unique on the node (so
@@ -61,13 +64,19 @@ fn ring_member(node: &Node, ring: &str, name: &ActorName) -> Result<RingMember, 
 fn rank_source(
     job: &JobConfig,
     checkpoint: Option<&std::path::Path>,
+    frozen: bool,
 ) -> Result<(RankSource, i64, u64), JobError> {
-    let (model, _, pad_id) = model_here(job)?;
-    job.check_policy_shards_fit(&model.config)?;
+    let (mut model, _, pad_id) = model_here(job)?;
     let params = model_layout(&model.config)
         .iter()
         .map(|u| u.numel as u64)
         .sum();
+    if frozen {
+        // A reference is the run's initial model, also when the run resumes.
+        model.memory = memory_options(job);
+        return Ok((RankSource::Frozen(Box::new(model)), pad_id, params));
+    }
+    job.check_policy_shards_fit(&model.config)?;
     let source = match checkpoint {
         Some(dir) if is_sharded_checkpoint(dir) => RankSource::Checkpoint {
             dir: dir.to_path_buf(),
@@ -105,8 +114,9 @@ pub(crate) async fn start_rank(
     let root = node.config().data_dir.clone();
     let checkpoint = a.role.checkpoint.clone();
     let pusher = SlicePusher::new(node.downgrade(), tokio::runtime::Handle::current());
+    let frozen = a.frozen;
     start_role(a.role, "policy-rank", move |job| {
-        let (source, pad_id, params) = rank_source(job, checkpoint.as_deref())?;
+        let (source, pad_id, params) = rank_source(job, checkpoint.as_deref(), frozen)?;
         let role = PolicyRankRole::new(policy_config(job, pad_id), member, source, params)
             .map_err(|e| JobError::Model {
                 source_desc: job.model.source.to_string(),
@@ -141,43 +151,18 @@ pub(crate) async fn start_sharded_policy(
         )
     })?;
     let a = args.role;
-    let spawn_timeout = Duration::from_secs(job.placement.spawn_timeout_s);
     let start = sharded_start(job);
-    let mut member = ring_member(node, SHARD_RING, name)?;
     let replica_member = match replicas > 1 {
         true => Some(ring_member(node, HSDP_RING, name)?),
         false => None,
     };
-    hold_no_freed_blocks(0);
-    let spawned = futures::future::join_all(nodes.iter().enumerate().skip(1).map(|(r, target)| {
-        let args = RankArgs {
-            role: a.clone(),
-            rank: r as u32,
-            replicas: replicas as u32,
-        };
-        async move {
-            node.spawn_remote_linked::<RoleRequest<RankRequest>, RoleResponse<RankResponse>, _>(
-                target,
-                "policy-rank",
-                &args,
-                spawn_timeout,
-            )
-            .await
-            .map_err(|e| format!("spawning policy rank {r} on node {target}: {e}"))
-        }
-    }))
-    .await;
-    let (ranks, failed): (Vec<_>, Vec<_>) = spawned.into_iter().partition(Result::is_ok);
-    let ranks: Vec<RankRef> = ranks.into_iter().map(Result::unwrap).collect();
-    if let Some(Err(e)) = failed.into_iter().next() {
-        stop_ranks(&ranks).await;
-        return Err(e);
-    }
-    let joined = join_ring(&mut member, &ranks, start.collective, start.deadline).await;
-    if let Err(e) = joined {
-        stop_ranks(&ranks).await;
-        return Err(e);
-    }
+    let rank_args = |r: usize| RankArgs {
+        role: a.clone(),
+        rank: r as u32,
+        replicas: replicas as u32,
+        frozen: false,
+    };
+    let (member, ranks) = spawn_ranks(node, name, job, nodes, &start, rank_args).await?;
     let remote = RemoteRanks::new(ranks.clone(), 1, tokio::runtime::Handle::current());
     let root = node.config().data_dir.clone();
     let checkpoint = a.checkpoint.clone();
@@ -188,7 +173,7 @@ pub(crate) async fn start_sharded_policy(
             source_desc: job.model.source.to_string(),
             reason: format!("sharded policy rank 0: {e}"),
         };
-        let (source, pad_id, _) = rank_source(job, checkpoint.as_deref())?;
+        let (source, pad_id, _) = rank_source(job, checkpoint.as_deref(), false)?;
         let rank0 = source.shard(member).map_err(failed)?;
         let role = ShardedPolicyRole::with_remote_ranks(
             rank0,
@@ -213,6 +198,95 @@ pub(crate) async fn start_sharded_policy(
             Err(e)
         }
     }
+}
+
+/// The factory of a sharded reference's rank 0 (`job.reference_shards`): spawns ranks
+/// 1..N frozen, rank r on the node `placement.policy[r]` names (beside the policy's
+/// ranks), joins them in one ring, then shards its own part of the run's initial
+/// model. A failure stops the ranks it started.
+pub(crate) async fn start_sharded_reference(
+    node: &Node,
+    name: &ActorName,
+    args: ShardedArgs,
+    job: &JobConfig,
+) -> Result<RoleActor<ShardedReferenceRole>, String> {
+    let n = job.job.reference_shards;
+    let nodes = job.placement.policy_nodes(n);
+    let nodes = nodes.get(..n).ok_or_else(|| {
+        format!(
+            "a reference over {n} ranks: placement.policy names {} node(s)",
+            nodes.len()
+        )
+    })?;
+    let a = args.role;
+    let start = ShardedStart {
+        shards: n,
+        ..sharded_start(job)
+    };
+    let rank_args = |r: usize| RankArgs {
+        role: a.clone(),
+        rank: r as u32,
+        replicas: 1,
+        frozen: true,
+    };
+    let (member, ranks) = spawn_ranks(node, name, job, nodes, &start, rank_args).await?;
+    let remote = RemoteRanks::new(ranks.clone(), 1, tokio::runtime::Handle::current());
+    let role = start_role(a, "reference", move |job| {
+        let failed = |e: String| JobError::Model {
+            source_desc: job.model.source.to_string(),
+            reason: format!("sharded reference rank 0: {e}"),
+        };
+        let (source, pad_id, _) = rank_source(job, None, true)?;
+        let rank0 = source.shard(member).map_err(failed)?;
+        ShardedReferenceRole::with_remote_ranks(rank0, remote, policy_config(job, pad_id), &start)
+            .map_err(|e| failed(e.to_string()))
+    })
+    .await;
+    if role.is_err() {
+        stop_ranks(&ranks).await;
+    }
+    role
+}
+
+/// Rank 0's ring member on this node, and ranks 1..N spawned (`args(r)` each) on
+/// `nodes[1..]` and joined with it in one ring. A failure stops the ranks it started.
+async fn spawn_ranks(
+    node: &Node,
+    name: &ActorName,
+    job: &JobConfig,
+    nodes: &[String],
+    start: &ShardedStart,
+    args: impl Fn(usize) -> RankArgs,
+) -> Result<(RingMember, Vec<RankRef>), String> {
+    let spawn_timeout = Duration::from_secs(job.placement.spawn_timeout_s);
+    let mut member = ring_member(node, SHARD_RING, name)?;
+    hold_no_freed_blocks(0);
+    let spawned = futures::future::join_all(nodes.iter().enumerate().skip(1).map(|(r, target)| {
+        let args = args(r);
+        async move {
+            node.spawn_remote_linked::<RoleRequest<RankRequest>, RoleResponse<RankResponse>, _>(
+                target,
+                "policy-rank",
+                &args,
+                spawn_timeout,
+            )
+            .await
+            .map_err(|e| format!("spawning rank {r} on node {target}: {e}"))
+        }
+    }))
+    .await;
+    let (ranks, failed): (Vec<_>, Vec<_>) = spawned.into_iter().partition(Result::is_ok);
+    let ranks: Vec<RankRef> = ranks.into_iter().map(Result::unwrap).collect();
+    if let Some(Err(e)) = failed.into_iter().next() {
+        stop_ranks(&ranks).await;
+        return Err(e);
+    }
+    let joined = join_ring(&mut member, &ranks, start.collective, start.deadline).await;
+    if let Err(e) = joined {
+        stop_ranks(&ranks).await;
+        return Err(e);
+    }
+    Ok((member, ranks))
 }
 
 /// A node that holds a rank returns large freed blocks to the OS at once, so that its

@@ -82,6 +82,13 @@ pub struct JobSection {
     /// on a cluster each rank runs on the node `placement.policy` names for it. See
     /// docs/training/sharded.md.
     pub policy_shards: usize,
+    /// Ranks the reference model (the KL term's) is sharded over: each keeps 1/N of its
+    /// f32 weights and scores its part of the samples, gathering a layer's weights just
+    /// before it runs. 1 = the whole model in one process. Embedded, the ranks are
+    /// threads of this process; on a cluster, rank r runs beside the policy's, on the
+    /// node `placement.policy[r]` names (`placement.reference` is not used). See
+    /// docs/training/sharded.md.
+    pub reference_shards: usize,
     /// How the replicas average gradients: `auto` (NCCL on GPUs, else the QUIC ring,
     /// the reason logged), `quic`, `nccl`.
     pub gradient_sync: GradientSync,
@@ -99,6 +106,7 @@ impl Default for JobSection {
             placement: "colocate".into(),
             policy_replicas: 1,
             policy_shards: 1,
+            reference_shards: 1,
             gradient_sync: GradientSync::Auto,
         }
     }

@@ -56,6 +56,52 @@ impl JobConfig {
         }
     }
 
+    /// Checks `job.reference_shards` against the rest of the job.
+    pub(crate) fn validate_reference_shards(&self) -> Result<(), JobError> {
+        let n = self.job.reference_shards;
+        positive(
+            "job.reference_shards",
+            n as f64,
+            "reference_shards = 1 for the whole reference in one process",
+        )?;
+        if n == 1 {
+            return Ok(());
+        }
+        let p = &self.placement;
+        let refuse = |key: &str, why: &str, fix: &str| {
+            Err(JobError::NotImplemented {
+                key: "job.reference_shards".into(),
+                found: n.to_string(),
+                fix: format!("{why} (see {key}): {fix}"),
+            })
+        };
+        if p.live {
+            return refuse(
+                "placement.live",
+                "the live placement does not start a sharded reference",
+                "set placement.live = false, or job.reference_shards = 1",
+            );
+        }
+        if p.time_share != TimeShare::Off {
+            return refuse(
+                "placement.time_share",
+                "a sharded reference is not offloaded between phases",
+                "set placement.time_share = \"off\", or job.reference_shards = 1",
+            );
+        }
+        // On a cluster, rank r runs on placement.policy[r].
+        let named = p.policy_nodes(1).len();
+        if p.mode == crate::config::modes::PlacementMode::Disaggregated && named > 1 && named < n {
+            return Err(invalid(
+                "job.reference_shards",
+                &format!("at most the {named} node(s) placement.policy names: the reference's rank r runs on placement.policy[r]"),
+                &n.to_string(),
+                "name more nodes in placement.policy, or lower job.reference_shards",
+            ));
+        }
+        Ok(())
+    }
+
     /// Refuses a shard count the units of `model` (its config) cannot be split over,
     /// naming the largest that can.
     pub(crate) fn check_policy_shards_fit(

@@ -63,6 +63,7 @@ impl JobConfig {
             ));
         }
         self.validate_shards()?;
+        self.validate_reference_shards()?;
         positive(
             "model.threads",
             self.model.threads as f64,
