@@ -15,7 +15,10 @@
 # (an HF folder; default models/smollm2-135m), OUT (default runs/sharded-cluster), PORT
 # (first port, 7561), THREADS (model.threads per daemon; default 1), SHM (0: bulk
 # between the daemons goes over QUIC, not through /dev/shm segments, as between hosts;
-# the segments count in both processes' VmRSS; default 1).
+# the segments count in both processes' VmRSS; default 1), REPLICAS (policy replicas,
+# one head each: with shards, HSDP; the ranks of replica i on daemons i*N+1..(i+1)*N;
+# default 1), SETS (more `--set` arguments, space-separated, e.g.
+# "job.reference_shards=2").
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 STEPS=${1:-5}
@@ -32,6 +35,9 @@ MODEL=$(cd "$MODEL" && pwd)
 OUT=${OUT:-runs/sharded-cluster}
 PORT=${PORT:-7561}
 THREADS=${THREADS:-1}
+REPLICAS=${REPLICAS:-1}
+EXTRA=()
+for s in ${SETS:-}; do EXTRA+=(--set "$s"); done
 rm -rf "$OUT" && mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 CERTS="$OUT/certs"
@@ -55,14 +61,15 @@ for n in $SHARDS; do
     PIDS+=($!)
     for _ in $(seq 100); do [ -f "$CERTS/ca.pem" ] && break; sleep 0.1; done
     nodes=()
-    for r in $(seq 1 "$n"); do
+    daemons=$((n * REPLICAS))
+    for r in $(seq 1 "$daemons"); do
         "$BIN/yatt-node" run --dev --certs "$CERTS" --name "shc-$r" --listen "127.0.0.1:$((PORT + r))" \
             --http "" --data-dir "$run" --seed "127.0.0.1:$PORT" --ready-file "$run/shc-$r.ready" \
             >"$run/shc-$r.log" 2>&1 &
         PIDS+=($!)
         nodes+=("\"shc-$r\"")
     done
-    for r in $(seq 0 "$n"); do
+    for r in $(seq 0 "$daemons"); do
         for _ in $(seq 200); do [ -f "$run/shc-$r.ready" ] && break; sleep 0.1; done
     done
     policy=$(IFS=,; echo "${nodes[*]}")
@@ -71,13 +78,14 @@ for n in $SHARDS; do
         --set "model.threads=$THREADS" --set 'placement.mode="disaggregated"' \
         --set 'placement.rollout="shc-0"' --set 'placement.reward="shc-0"' \
         --set 'placement.reference="shc-0"' --set "placement.policy=[$policy]" \
-        --set "job.policy_shards=$n" >"$run/train.log" 2>&1 &
+        --set "job.policy_shards=$n" --set "job.policy_replicas=$REPLICAS" \
+        --set "job.controllers=$REPLICAS" "${EXTRA[@]}" >"$run/train.log" 2>&1 &
     train=$!
     # The most each policy daemon holds once the first step is done.
     declare -A most=() anon=()
     while kill -0 "$train" 2>/dev/null; do
         if [ -s "$run/out/metrics.jsonl" ]; then
-            for r in $(seq 1 "$n"); do
+            for r in $(seq 1 "$daemons"); do
                 kb=$(rss_kb "${PIDS[$r]}")
                 [ "$kb" -gt "${most[$r]:-0}" ] && most[$r]=$kb
                 kb=$(anon_kb "${PIDS[$r]}")
@@ -87,7 +95,7 @@ for n in $SHARDS; do
         sleep 0.2
     done
     wait "$train" || { echo "shards $n: the run failed, see $run/train.log"; tail -5 "$run/train.log"; exit 1; }
-    for r in $(seq 1 "$n"); do
+    for r in $(seq 1 "$daemons"); do
         printf '%s\tshc-%s\t%s\t%s\t%s\n' "$n" "$r" "$(( $(hwm_kb "${PIDS[$r]}") / 1024 ))" \
             "$(( ${most[$r]:-0} / 1024 ))" "$(( ${anon[$r]:-0} / 1024 ))" >>"$OUT/memory.tsv"
     done

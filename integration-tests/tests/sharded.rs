@@ -145,6 +145,69 @@ fn two_replicas_of_two_ranks_take_the_steps_of_two_whole_replicas() {
     assert!(sent.iter().all(|(_, v)| *v > 0.0), "{sent:?}");
 }
 
+/// A reference sharded over two ranks, beside the policy's two ranks on nodes 1 and 2,
+/// scores as a whole reference on node 0 does: the same steps, the KL included.
+#[test]
+fn a_reference_sharded_beside_the_policys_ranks_scores_as_a_whole_one() {
+    const STEPS: u64 = 3;
+    let mut runs = Vec::new();
+    for reference_shards in [1, 2] {
+        let prefix = format!("ref{reference_shards}");
+        let cluster = Cluster::start(&prefix, 3);
+        let out = tempfile::tempdir().unwrap();
+        let mut sets = sharded(&prefix, STEPS, 2);
+        sets.extend([
+            "algorithm.kl_coef=0.5".to_string(),
+            "algorithm.kl_mode=\"loss\"".into(),
+            format!("job.reference_shards={reference_shards}"),
+        ]);
+        let mut run = cluster.spawn_train(CONFIG, &sets, out.path(), false);
+        if reference_shards > 1 {
+            // Rank 0 on the policy's first node, rank 1 beside the policy's rank 1.
+            let hosted = poll(Duration::from_secs(60), || {
+                let on = |i: usize| {
+                    cluster.nodes[i]
+                        .health()
+                        .map(|h| h["hosted"].to_string())
+                        .unwrap_or_default()
+                };
+                (on(1).contains("/reference-sharded/") && on(2).matches("/policy-rank/").count() == 2)
+                    .then_some(())
+            });
+            assert!(
+                hosted.is_some(),
+                "the reference's ranks are not beside the policy's\n{}",
+                run.printed()
+            );
+        }
+        run.wait_success(Duration::from_secs(240), &cluster);
+        runs.push(out);
+    }
+    for key in [
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "critic/rewards/mean",
+        "actor/kl_loss",
+    ] {
+        // A KL of exactly 0 (the first step's) is left out of a step's metrics.
+        let of = |run: &tempfile::TempDir| -> std::collections::BTreeMap<usize, f64> {
+            metric_of_steps(run.path(), key).into_iter().collect()
+        };
+        let (want, got) = (of(&runs[0]), of(&runs[1]));
+        eprintln!("{key}: {want:?} vs {got:?}");
+        for step in 1..=STEPS as usize {
+            let (a, b) = (
+                want.get(&step).copied().unwrap_or(0.0),
+                got.get(&step).copied().unwrap_or(0.0),
+            );
+            assert!(rel(a, b) <= 1e-4, "{key} at step {step}: {a} vs {b}");
+        }
+        if key == "actor/kl_loss" {
+            assert!(want.values().any(|&k| k > 0.0), "no KL to compare: {want:?}");
+        }
+    }
+}
+
 /// A rank's node killed mid-step (`kill -9`, after step 4, at whatever point of a step
 /// that lands) stops the run within its deadline, naming the checkpoint and how to
 /// resume; resumed on the three nodes left, at 3 shards, the run ends as an

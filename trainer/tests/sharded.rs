@@ -156,6 +156,38 @@ async fn replicas_of_a_sharded_policy_take_the_replicated_policys_steps() {
     assert!(sent[0] < state[0], "{sent:?} vs {state:?}");
 }
 
+/// A reference sharded over 2 and 3 ranks scores as the whole one: with a KL loss,
+/// the steps (KL included) match those of a run with the whole reference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sharded_reference_scores_as_the_whole_one() {
+    let run = |shards: usize| async move {
+        let out = tempfile::tempdir().unwrap();
+        let n = format!("job.reference_shards={shards}");
+        let sets = ["algorithm.kl_coef=0.5", "algorithm.kl_mode=\"loss\"", n.as_str()];
+        common::train_job(&demo(out.path(), 3, &sets), false)
+            .await
+            .unwrap();
+        metrics(out.path())
+    };
+    // The KL is left out of a step's metrics where it is exactly 0 (the first step's,
+    // while the policy is still the reference).
+    let kl_of = |rows: &[serde_json::Value]| -> Vec<f64> {
+        rows.iter()
+            .map(|m| m[names::KL_LOSS].as_f64().unwrap_or(0.0))
+            .collect()
+    };
+    let whole = run(1).await;
+    let kl = kl_of(&whole);
+    assert!(kl.iter().any(|&k| k > 0.0), "no KL to compare: {kl:?}");
+    for shards in [2, 3] {
+        let got = run(shards).await;
+        same_steps(&format!("reference over {shards} ranks"), &whole, &got);
+        for (step, (a, b)) in kl.iter().zip(kl_of(&got)).enumerate() {
+            assert!(rel(*a, b) <= 1e-4, "kl at step {step}: {a} vs {b}");
+        }
+    }
+}
+
 fn refused(sets: &[&str]) -> String {
     let out = tempfile::tempdir().unwrap();
     let mut all: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
@@ -178,8 +210,13 @@ fn refused(sets: &[&str]) -> String {
 
 #[test]
 fn what_a_sharded_policy_cannot_do_yet_is_refused_by_key() {
-    let cases: [(&[&str], &[&str]); 4] = [
+    let cases: [(&[&str], &[&str]); 6] = [
         (&["job.policy_shards=0"], &["job.policy_shards"]),
+        (&["job.reference_shards=0"], &["job.reference_shards"]),
+        (
+            &["job.reference_shards=2", "placement.time_share=\"offload\""],
+            &["job.reference_shards", "placement.time_share"],
+        ),
         (
             &["job.policy_shards=2", "model.lora={rank=8, alpha=16}"],
             &["job.policy_shards", "model.lora"],
