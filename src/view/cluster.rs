@@ -417,7 +417,8 @@ mod tests {
             .flatten()
             .filter_map(|d| {
                 let by: Vec<String> = serde_json::from_value(d["held_by"].clone()).ok()?;
-                (!by.is_empty()).then(|| (format!("{}:{}", d["kind"].as_str()?, d["index"]), by))
+                let device = format!("{}:{}", d["kind"].as_str()?, d["index"]);
+                (!by.is_empty()).then_some((device, by))
             })
             .collect()
     }
