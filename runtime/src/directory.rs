@@ -569,9 +569,7 @@ mod tests {
             None,
             "duplicate join"
         );
-        d.apply(up("a/rollout/0#5"))
-            .unwrap()
-            .unwrap();
+        d.apply(up("a/rollout/0#5")).unwrap().unwrap();
         assert_eq!(
             d.apply(up("a/rollout/0#4")).unwrap(),
             None,
@@ -643,9 +641,7 @@ mod tests {
         ));
         // The node comes back with a new incarnation.
         d.apply(Change::NodeUp(node("a", 2))).unwrap().unwrap();
-        d.apply(up("a/policy/1#3"))
-            .unwrap()
-            .unwrap();
+        d.apply(up("a/policy/1#3")).unwrap().unwrap();
         assert_eq!(d.group("policy").len(), 2);
     }
 
@@ -654,14 +650,8 @@ mod tests {
         let mut leader = Directory::default();
         let mut replica = Directory::default();
         let u1 = leader.apply(Change::NodeUp(node("a", 1))).unwrap().unwrap();
-        let u2 = leader
-            .apply(up("a/r/0#1"))
-            .unwrap()
-            .unwrap();
-        let u3 = leader
-            .apply(up("a/r/1#2"))
-            .unwrap()
-            .unwrap();
+        let u2 = leader.apply(up("a/r/0#1")).unwrap().unwrap();
+        let u3 = leader.apply(up("a/r/1#2")).unwrap().unwrap();
         assert!(replica.apply_update(&u1).unwrap());
         assert!(!replica.apply_update(&u1).unwrap(), "duplicate ignored");
         assert_eq!(

@@ -250,7 +250,10 @@ fn device_claims(node: &Node, dir: &Directory) -> BTreeMap<ActorId, DeviceClaim>
 /// `claims`' actors on that node). Roles on the host CPU of a node whose devices do not
 /// include it (its devices are GPUs, or it offers none) are listed on a device of kind
 /// `cpu`.
-fn devices_json(info: &NodeInfo, claims: &BTreeMap<ActorId, DeviceClaim>) -> Vec<serde_json::Value> {
+fn devices_json(
+    info: &NodeInfo,
+    claims: &BTreeMap<ActorId, DeviceClaim>,
+) -> Vec<serde_json::Value> {
     let held: Vec<(&str, &DeviceClaim)> = claims
         .iter()
         .filter(|(id, _)| id.name.node == info.name)
