@@ -282,6 +282,11 @@ fn the_live_view_shows_a_lost_node_and_its_roles_respawned_in_a_browser() {
     // Who holds the devices, from the directory: roles of the daemons' processes.
     assert_held_on(&dom, "vk-1", "policy", "the trainer's page");
     assert_held_on(&dom, "vk-0", "rollout", "the trainer's page");
+    assert!(
+        holders_on(&dom, "vk-2").iter().all(|h| h.is_empty()),
+        "the dead vk-2 holds nothing: {:?}",
+        holders_on(&dom, "vk-2")
+    );
     maybe_screenshot(&url, "live-view-recovery.png");
     // A daemon's own page: the cluster view alone.
     let node_url = format!("http://{}/", cluster.nodes[0].http);
