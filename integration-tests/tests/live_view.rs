@@ -67,6 +67,32 @@ fn assert_nodes_and_roles(dom: &str, nodes: &[&str], roles: &[&str]) {
     }
 }
 
+/// The holders the cluster table shows on `node`'s devices (each device's
+/// `data-holder`, empty when none holds it).
+fn holders_on<'a>(dom: &'a str, node: &str) -> Vec<&'a str> {
+    let row_of = |at: usize| {
+        let tag = &dom[at..at + dom[at..].find('>').unwrap_or(0)];
+        attr(tag, "class") == Some("node") && attr(tag, "data-node") == Some(node)
+    };
+    let Some((at, _)) = dom.match_indices("<tr ").find(|(at, _)| row_of(*at)) else {
+        return Vec::new();
+    };
+    let row = &dom[at..at + dom[at..].find("</tr>").unwrap_or(dom.len() - at)];
+    tags_with(row, "class=\"device\"")
+        .into_iter()
+        .filter_map(|t| attr(t, "data-holder"))
+        .collect()
+}
+
+/// Asserts that the page lists `role` as a holder of a device of `node`.
+fn assert_held_on(dom: &str, node: &str, role: &str, page: &str) {
+    let holders = holders_on(dom, node);
+    assert!(
+        holders.iter().any(|h| h.contains(role)),
+        "{page} does not show {role} holding a device of {node}: {holders:?}"
+    );
+}
+
 /// `yatt view OUT --http 0`, started; its URL, and the child (killed on drop).
 struct ViewProc(std::process::Child);
 
@@ -253,6 +279,14 @@ fn the_live_view_shows_a_lost_node_and_its_roles_respawned_in_a_browser() {
             .any(|(k, t)| k == "actor_up" && t.contains("/reward/") && !t.starts_with("vk-2")),
         "the reward's respawn is not listed: {ev:?}"
     );
+    // Who holds the devices, from the directory: roles of the daemons' processes.
+    assert_held_on(&dom, "vk-1", "policy", "the trainer's page");
+    assert_held_on(&dom, "vk-0", "rollout", "the trainer's page");
+    assert!(
+        holders_on(&dom, "vk-2").iter().all(|h| h.is_empty()),
+        "the dead vk-2 holds nothing: {:?}",
+        holders_on(&dom, "vk-2")
+    );
     maybe_screenshot(&url, "live-view-recovery.png");
     // A daemon's own page: the cluster view alone.
     let node_url = format!("http://{}/", cluster.nodes[0].http);
@@ -265,6 +299,14 @@ fn the_live_view_shows_a_lost_node_and_its_roles_respawned_in_a_browser() {
     assert!(
         attr_of(&node_dom, "run-view", "hidden").is_some(),
         "a node has no run"
+    );
+    // Its own role, and roles another daemon's process holds.
+    assert_held_on(&node_dom, "vk-0", "rollout", "vk-0's page");
+    assert_held_on(&node_dom, "vk-1", "policy", "vk-0's page");
+    assert!(
+        holders_on(&node_dom, "vk-2").iter().all(|h| h.is_empty()),
+        "the dead vk-2 holds nothing: {:?}",
+        holders_on(&node_dom, "vk-2")
     );
     let node_events = events(&node_dom);
     assert!(

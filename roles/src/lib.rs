@@ -30,7 +30,6 @@ mod algo;
 mod builtin;
 mod data;
 mod env;
-mod holders;
 mod json_value;
 mod reward;
 mod role;
@@ -38,7 +37,6 @@ mod sample;
 mod wire;
 
 // The SDK: what every role touches.
-pub use holders::{device_holders, DeviceHolder};
 pub use role::{
     DeviceGroup, DeviceRoute, DeviceWeights, LocalWeights, NcclGroup, ResourceProfile, Role,
     RoleActor, RoleError, RoleRequest, RoleResponse, WeightSlice, WeightsUpdate,

@@ -26,7 +26,7 @@
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
-use yatt_runtime::{Actor, ActorError, Context};
+use yatt_runtime::{Actor, ActorError, Context, DeviceClaim};
 
 /// Why a role could not do something.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
@@ -78,6 +78,15 @@ impl DeviceGroup {
             node: node.to_string(),
             devices: vec![0],
             cuda: false,
+        }
+    }
+
+    /// The group's devices as a node records them with the actor that holds them
+    /// (without the node: the actor's own).
+    pub fn claim(&self) -> DeviceClaim {
+        DeviceClaim {
+            devices: self.devices.clone(),
+            cuda: self.cuda,
         }
     }
 
@@ -368,10 +377,14 @@ type Job<R> = (
     oneshot::Sender<Result<RoleResponse<<R as Role>::Response>, RoleError>>,
 );
 
-/// The actor around a role: it owns the role's OS thread.
+/// The actor around a role: it owns the role's OS thread. It claims its device group
+/// ([`Actor::device_claim`]): the node that spawns it records the group with it in the
+/// cluster's directory, so every node's live view shows the role as the devices' holder
+/// until it stops.
 pub struct RoleActor<R: Role> {
     jobs: Option<mpsc::Sender<Job<R>>>,
     thread: Option<std::thread::JoinHandle<()>>,
+    claim: DeviceClaim,
 }
 
 impl<R: Role> RoleActor<R> {
@@ -392,6 +405,7 @@ impl<R: Role> RoleActor<R> {
         queue: usize,
     ) -> Result<Self, RoleError> {
         let (jobs, mut rx) = mpsc::channel::<Job<R>>(queue.max(1));
+        let claim = group.claim();
         let (started_tx, started_rx) = oneshot::channel();
         let name = name.to_string();
         let role_name = name.clone();
@@ -407,16 +421,6 @@ impl<R: Role> RoleActor<R> {
                 };
                 let started = role.start(&group);
                 let ok = started.is_ok();
-                // Listed as holding its group from before its start is answered until
-                // this thread ends, its memory freed.
-                let _held = ok.then(|| {
-                    crate::holders::hold(crate::DeviceHolder {
-                        role: role_name.clone(),
-                        node: group.node.clone(),
-                        devices: group.devices.clone(),
-                        cuda: group.cuda,
-                    })
-                });
                 let _ = started_tx.send(started);
                 if !ok {
                     return;
@@ -453,6 +457,7 @@ impl<R: Role> RoleActor<R> {
         Ok(RoleActor {
             jobs: Some(jobs),
             thread: Some(thread),
+            claim,
         })
     }
 }
@@ -525,6 +530,12 @@ impl<R: Role> Actor for RoleActor<R> {
         if let Some(t) = self.thread.take() {
             let _ = tokio::task::spawn_blocking(move || t.join()).await;
         }
+    }
+
+    /// Its device group, held from its start until its thread has ended (its memory
+    /// freed: the actor exits only after [`Actor::stopped`] joined the thread).
+    fn device_claim(&self) -> Option<DeviceClaim> {
+        Some(self.claim.clone())
     }
 }
 

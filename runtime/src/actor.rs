@@ -47,6 +47,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::addr::{next_incarnation, ActorId, ActorName};
+use crate::membership::DeviceClaim;
 
 /// A boxed, sendable future.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -226,6 +227,13 @@ pub trait Actor: Send + 'static {
     /// Runs once when the actor stops normally (not after a panic).
     fn stopped(&mut self) -> impl Future<Output = ()> + Send {
         async {}
+    }
+
+    /// The devices of its node the actor holds while it runs, if any. A node that
+    /// spawns it records them in the directory with the actor, so every node's replica
+    /// says which actor holds which device. None by default.
+    fn device_claim(&self) -> Option<DeviceClaim> {
+        None
     }
 }
 

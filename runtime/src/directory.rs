@@ -19,7 +19,7 @@ use tokio::sync::broadcast;
 
 use crate::actor::ExitReason;
 use crate::addr::{ActorId, ActorName};
-use crate::membership::NodeInfo;
+use crate::membership::{DeviceClaim, NodeInfo};
 
 /// Whether a node or actor is alive.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -49,6 +49,8 @@ pub struct ActorEntry {
     pub id: ActorId,
     /// Alive or dead.
     pub liveness: Liveness,
+    /// The devices of its node it holds, as it reported when it registered.
+    pub claim: Option<DeviceClaim>,
 }
 
 /// One change to the directory.
@@ -64,7 +66,12 @@ pub enum Change {
         reason: ExitReason,
     },
     /// An actor incarnation started.
-    ActorUp(ActorId),
+    ActorUp {
+        /// Which incarnation.
+        id: ActorId,
+        /// The devices of its node it holds (see [`crate::Actor::device_claim`]).
+        claim: Option<DeviceClaim>,
+    },
     /// An actor incarnation exited.
     ActorDown {
         /// Which incarnation.
@@ -196,6 +203,14 @@ impl Directory {
             .map(|e| &e.id)
     }
 
+    /// The alive actors that hold devices, with what they hold, in name order.
+    pub fn claims(&self) -> impl Iterator<Item = (&ActorId, &DeviceClaim)> {
+        self.actors
+            .values()
+            .filter(|e| e.liveness == Liveness::Alive)
+            .filter_map(|e| Some((&e.id, e.claim.as_ref()?)))
+    }
+
     /// The alive actors of a role, in name order.
     pub fn group(&self, role: &str) -> Vec<ActorId> {
         self.actors
@@ -240,7 +255,7 @@ impl Directory {
                 }
                 _ => false,
             },
-            Change::ActorUp(id) => {
+            Change::ActorUp { id, claim } => {
                 let node_alive = self
                     .nodes
                     .get(&id.name.node)
@@ -259,6 +274,7 @@ impl Directory {
                             ActorEntry {
                                 id: id.clone(),
                                 liveness: Liveness::Alive,
+                                claim: claim.clone(),
                             },
                         );
                         true
@@ -280,6 +296,7 @@ impl Directory {
                         ActorEntry {
                             id: id.clone(),
                             liveness: Liveness::Dead(reason.clone()),
+                            claim: None,
                         },
                     );
                     true
@@ -481,6 +498,62 @@ mod tests {
         s.parse().unwrap()
     }
 
+    fn up(s: &str) -> Change {
+        Change::ActorUp {
+            id: id(s),
+            claim: None,
+        }
+    }
+
+    #[test]
+    fn an_actors_device_claim_replicates_and_goes_with_the_actor() {
+        let gpu1 = DeviceClaim {
+            devices: vec![1],
+            cuda: true,
+        };
+        let mut leader = Directory::default();
+        let mut replica = Directory::default();
+        let changes = vec![
+            Change::NodeUp(node("a", 1)),
+            Change::ActorUp {
+                id: id("a/policy/0#1"),
+                claim: Some(gpu1.clone()),
+            },
+            up("a/env/0#2"),
+            Change::ActorUp {
+                id: id("a/rollout/0#3"),
+                claim: Some(gpu1),
+            },
+        ];
+        for c in changes {
+            let u = leader.apply(c).unwrap().unwrap();
+            assert!(replica.apply_update(&u).unwrap());
+        }
+        let held = |d: &Directory| -> Vec<String> {
+            d.claims()
+                .map(|(id, c)| format!("{}:{:?}", id.name.role, c.devices))
+                .collect()
+        };
+        assert_eq!(held(&replica), ["policy:[1]", "rollout:[1]"]);
+        let down = Change::ActorDown {
+            id: id("a/policy/0#1"),
+            reason: ExitReason::Normal,
+        };
+        let u = leader.apply(down).unwrap().unwrap();
+        replica.apply_update(&u).unwrap();
+        assert_eq!(held(&replica), ["rollout:[1]"]);
+        let u = leader
+            .apply(Change::NodeDown {
+                node: "a".into(),
+                reason: ExitReason::NodeDown("silent".into()),
+            })
+            .unwrap()
+            .unwrap();
+        replica.apply_update(&u).unwrap();
+        assert!(held(&replica).is_empty(), "the node's actors hold nothing");
+        assert_eq!(replica, leader);
+    }
+
     #[test]
     fn epochs_count_effective_changes_only() {
         let mut d = Directory::default();
@@ -496,11 +569,9 @@ mod tests {
             None,
             "duplicate join"
         );
-        d.apply(Change::ActorUp(id("a/rollout/0#5")))
-            .unwrap()
-            .unwrap();
+        d.apply(up("a/rollout/0#5")).unwrap().unwrap();
         assert_eq!(
-            d.apply(Change::ActorUp(id("a/rollout/0#4"))).unwrap(),
+            d.apply(up("a/rollout/0#4")).unwrap(),
             None,
             "older incarnation"
         );
@@ -525,13 +596,13 @@ mod tests {
     fn an_exit_that_overtakes_its_registration_stays_an_exit() {
         let mut d = Directory::default();
         d.apply(Change::NodeUp(node("a", 1))).unwrap();
-        d.apply(Change::ActorUp(id("a/slow/0#1"))).unwrap();
+        d.apply(up("a/slow/0#1")).unwrap();
         let down = Change::ActorDown {
             id: id("a/slow/0#2"),
             reason: ExitReason::Normal,
         };
         assert!(d.apply(down.clone()).unwrap().is_some());
-        assert_eq!(d.apply(Change::ActorUp(id("a/slow/0#2"))).unwrap(), None);
+        assert_eq!(d.apply(up("a/slow/0#2")).unwrap(), None);
         assert_eq!(d.apply(down).unwrap(), None, "a duplicate exit");
         let entry = d.actor(&"a/slow/0".parse().unwrap()).unwrap();
         assert_eq!(entry.id, id("a/slow/0#2"));
@@ -542,7 +613,7 @@ mod tests {
             reason: ExitReason::Normal,
         };
         assert!(d.apply(unseen).unwrap().is_some());
-        assert_eq!(d.apply(Change::ActorUp(id("a/fast/0#3"))).unwrap(), None);
+        assert_eq!(d.apply(up("a/fast/0#3")).unwrap(), None);
         assert!(d.group("fast").is_empty() && d.group("slow").is_empty());
     }
 
@@ -551,8 +622,8 @@ mod tests {
         let mut d = Directory::default();
         d.apply(Change::NodeUp(node("a", 1))).unwrap();
         d.apply(Change::NodeUp(node("b", 1))).unwrap();
-        d.apply(Change::ActorUp(id("a/policy/0#1"))).unwrap();
-        d.apply(Change::ActorUp(id("b/policy/0#1"))).unwrap();
+        d.apply(up("a/policy/0#1")).unwrap();
+        d.apply(up("b/policy/0#1")).unwrap();
         d.apply(Change::NodeDown {
             node: "a".into(),
             reason: ExitReason::NodeDown("missed heartbeats".into()),
@@ -565,14 +636,12 @@ mod tests {
             Liveness::Dead(ExitReason::NodeDown(_))
         ));
         assert!(matches!(
-            d.apply(Change::ActorUp(id("a/policy/1#2"))),
+            d.apply(up("a/policy/1#2")),
             Err(DirectoryError::UnknownNode { .. })
         ));
         // The node comes back with a new incarnation.
         d.apply(Change::NodeUp(node("a", 2))).unwrap().unwrap();
-        d.apply(Change::ActorUp(id("a/policy/1#3")))
-            .unwrap()
-            .unwrap();
+        d.apply(up("a/policy/1#3")).unwrap().unwrap();
         assert_eq!(d.group("policy").len(), 2);
     }
 
@@ -581,14 +650,8 @@ mod tests {
         let mut leader = Directory::default();
         let mut replica = Directory::default();
         let u1 = leader.apply(Change::NodeUp(node("a", 1))).unwrap().unwrap();
-        let u2 = leader
-            .apply(Change::ActorUp(id("a/r/0#1")))
-            .unwrap()
-            .unwrap();
-        let u3 = leader
-            .apply(Change::ActorUp(id("a/r/1#2")))
-            .unwrap()
-            .unwrap();
+        let u2 = leader.apply(up("a/r/0#1")).unwrap().unwrap();
+        let u3 = leader.apply(up("a/r/1#2")).unwrap().unwrap();
         assert!(replica.apply_update(&u1).unwrap());
         assert!(!replica.apply_update(&u1).unwrap(), "duplicate ignored");
         assert_eq!(
@@ -627,7 +690,7 @@ mod tests {
             "a newer term needs a snapshot"
         );
         // The deposed leader's late update is ignored once the replica follows term 2.
-        let late = old.apply(Change::ActorUp(id("a/r/0#9"))).unwrap().unwrap();
+        let late = old.apply(up("a/r/0#9")).unwrap().unwrap();
         let h = DirectoryHandle::new();
         h.reset(replica.clone()).unwrap();
         assert_eq!(h.reset(new.clone()), Some(vec!["a".to_string()]));
@@ -636,7 +699,7 @@ mod tests {
         assert_eq!(replica, new);
         // An older snapshot is refused even with a higher epoch.
         let mut busy_old = old.clone();
-        busy_old.apply(Change::ActorUp(id("b/r/0#3"))).unwrap();
+        busy_old.apply(up("b/r/0#3")).unwrap();
         assert!(busy_old.epoch() > new.epoch());
         assert_eq!(h.reset(busy_old), None);
         assert_eq!(h.snapshot(), new);
@@ -681,7 +744,7 @@ mod tests {
                 .await
         });
         h.apply(Change::NodeUp(node("a", 1))).unwrap();
-        h.apply(Change::ActorUp(id("a/r/0#1"))).unwrap();
+        h.apply(up("a/r/0#1")).unwrap();
         assert!(matches!(
             rx.recv().await.unwrap(),
             Event::Update(Update { epoch: 1, .. })

@@ -77,7 +77,8 @@ pub use leadership::{
     Step as SuccessionStep, Succession,
 };
 pub use membership::{
-    local_inventory, DeviceInfo, DeviceKind, FailureDetector, Membership, NodeInfo, PauseDetector,
+    local_inventory, DeviceClaim, DeviceInfo, DeviceKind, FailureDetector, Membership, NodeInfo,
+    PauseDetector,
 };
 pub use message::{decode_body, encode_body, Ack, Message, Wire, WireError, WithBulk};
 pub use node::{Node, NodeBuilder, NodeConfig, NodeError, WeakNode};

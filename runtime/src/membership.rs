@@ -35,6 +35,24 @@ pub struct DeviceInfo {
     pub memory_bytes: u64,
 }
 
+/// The devices of its node an actor holds while it runs (an accelerator's model and
+/// caches), as it reports them when it registers: the directory records them with the
+/// actor, so every node sees which actor holds which device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceClaim {
+    /// Device indices on the actor's node (CUDA ordinals, or virtual device numbers).
+    pub devices: Vec<u32>,
+    /// Whether the devices are CUDA GPUs (false: the host CPU, or virtual devices).
+    pub cuda: bool,
+}
+
+impl DeviceClaim {
+    /// Whether the claim covers `device`: the same kind (CUDA or not) and a claimed index.
+    pub fn covers(&self, device: &DeviceInfo) -> bool {
+        self.cuda == (device.kind == DeviceKind::Cuda) && self.devices.contains(&device.index)
+    }
+}
+
 /// What a node reports when it joins.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeInfo {

@@ -12,6 +12,7 @@ use tokio::time::Instant;
 
 use crate::actor::{spawn_with_id, Actor, ActorRef, ExitReason};
 use crate::addr::{next_incarnation, ActorId, ActorName};
+use crate::membership::DeviceClaim;
 
 /// When a supervisor restarts a child.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -153,8 +154,8 @@ impl<Req: Send + 'static, Resp: Send + 'static> Supervised<Req, Resp> {
 
 /// Hooks a supervisor calls around each incarnation, e.g. to register it with a node.
 pub trait Lifecycle<Req, Resp>: Send + Sync + 'static {
-    /// An incarnation started.
-    fn started(&self, _actor: &ActorRef<Req, Resp>) {}
+    /// An incarnation started, holding `claim` ([`crate::Actor::device_claim`]).
+    fn started(&self, _actor: &ActorRef<Req, Resp>, _claim: Option<&DeviceClaim>) {}
     /// An incarnation exited.
     fn exited(&self, _id: &ActorId, _reason: &ExitReason) {}
 }
@@ -187,8 +188,10 @@ where
                 name: name.clone(),
                 incarnation: next_incarnation(),
             };
-            let running = spawn_with_id(id.clone(), make(), capacity);
-            hooks.started(&running.actor_ref);
+            let actor = make();
+            let claim = actor.device_claim();
+            let running = spawn_with_id(id.clone(), actor, capacity);
+            hooks.started(&running.actor_ref, claim.as_ref());
             let _ = current_tx.send(Some(running.actor_ref));
             let _ = events_tx.send(ChildEvent::Started(id.clone()));
             let reason = running

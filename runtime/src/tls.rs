@@ -38,10 +38,10 @@ use crate::cert_kind::CertKind;
 /// target's kind (the first sync loads the reference and the other replicas too).
 /// 5: a rollout's counters carry its KV cache's preemptions and peak bytes held. 6, 7:
 /// a sharded policy's rank messages. 8: slices (`LoadWeightSlice`, `PushSlice`, `Score`).
-/// Tests pin the encoding of the system messages and the frame heads to it
-/// (`node/protocol.rs`, `transport/protocol.rs`), and the roles' messages too
-/// (`yatt-roles`, `wire/pin.rs`).
-pub const ALPN: &[u8] = b"yatt/8";
+/// 9: an actor's directory record carries its device claim. Tests pin the encoding of
+/// the system messages and frame heads (`node/protocol.rs`, `transport/protocol.rs`)
+/// and the roles' messages (`yatt-roles`, `wire/pin.rs`) to it.
+pub const ALPN: &[u8] = b"yatt/9";
 
 /// A fingerprint of encoded messages (each one's length, then its bytes), for tests
 /// that pin an encoding to [`ALPN`]: a change to how the messages encode changes it.
@@ -836,7 +836,7 @@ pub(crate) mod test_support {
                 String::from_utf8_lossy(ALPN).into_owned(),
                 wire_fingerprint(&encoded)
             ),
-            ("yatt/8".to_string(), fingerprint),
+            ("yatt/9".to_string(), fingerprint),
             "the {what} encode differently: bump ALPN in runtime/src/tls.rs and pin the new fingerprint"
         );
     }

@@ -10,15 +10,16 @@ use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 use yatt_runtime::{
-    Actor, ActorError, ActorName, ActorRef, CallError, Context, Liveness, Membership, Node,
-    NodeBuilder, NodeError,
+    Actor, ActorError, ActorName, ActorRef, CallError, Context, DeviceClaim, Liveness, Membership,
+    Node, NodeBuilder, NodeError,
 };
 
 const T: Duration = Duration::from_secs(20);
 /// The default failure bound (`NodeConfig::failure_timeout`).
 const BOUND: Duration = Duration::from_secs(2);
 
-/// Adds what it is sent and answers the sum.
+/// Adds what it is sent and answers the sum. It claims its node's device 0, so the
+/// directory records a claim with it.
 struct Summer(u64);
 
 impl Actor for Summer {
@@ -27,6 +28,12 @@ impl Actor for Summer {
     async fn handle(&mut self, x: u64, _: &mut Context) -> Result<u64, ActorError> {
         self.0 += x;
         Ok(self.0)
+    }
+    fn device_claim(&self) -> Option<DeviceClaim> {
+        Some(DeviceClaim {
+            devices: vec![0],
+            cuda: false,
+        })
     }
 }
 
@@ -361,6 +368,21 @@ async fn killing_the_leader_fails_over_to_the_oldest_member() {
     // The actors on the others are still registered and serve.
     assert!(resolves(&c.node, &linked.id().name));
     assert_eq!(ask(&driver, &linked, 1).await.unwrap(), 3);
+    // The new leader's directory still says which device each holds; the dead
+    // leader's actors hold none.
+    for h in [&b, &c, &driver] {
+        let claims: Vec<String> = h.node.directory().read(|d| {
+            d.claims()
+                .map(|(id, c)| format!("{id}:{:?}", c.devices))
+                .collect()
+        });
+        assert_eq!(
+            claims,
+            [format!("{}:[0]", linked.id())],
+            "{}",
+            h.node.name()
+        );
+    }
 
     // The driver leaves through the new leader: its linked actor on c is released.
     driver.run(|n| async move { n.shutdown().await }).await;

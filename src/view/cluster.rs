@@ -1,16 +1,16 @@
 //! The cluster half of the live view: what this node's directory replica says about
-//! the nodes, their devices and actors, the leader and its term, and a bounded ring of
-//! the recent membership events (joins, deaths, rejoins, fail-overs, actors started and
-//! lost) that [`ClusterEvents`] records from the directory's change feed.
+//! the nodes, their devices (and which actors hold them, in any process), actors, the
+//! leader and its term, and a bounded ring of the recent membership events (joins,
+//! deaths, rejoins, fail-overs, actors started and lost) that [`ClusterEvents`] records
+//! from the directory's change feed.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::Serialize;
-use yatt_roles::DeviceHolder;
 use yatt_runtime::{
-    DeviceInfo, DeviceKind, Directory, DirectoryChange, DirectoryEvent, ExitReason, Liveness,
+    ActorId, DeviceClaim, Directory, DirectoryChange, DirectoryEvent, ExitReason, Liveness,
     Membership, Node, NodeInfo, WeakNode,
 };
 
@@ -214,7 +214,7 @@ async fn follow(
                     DirectoryChange::NodeDown { node, reason } => {
                         r.node_down(node, &describe(reason))
                     }
-                    DirectoryChange::ActorUp(id) => {
+                    DirectoryChange::ActorUp { id, .. } => {
                         r.push(EventKind::ActorUp, &id.name.node, format!("{id} started"))
                     }
                     DirectoryChange::ActorDown { id, reason } => r.push(
@@ -234,22 +234,39 @@ async fn follow(
     }
 }
 
-/// A node's devices, each with the roles of this process that hold it now
-/// (`held_by`). Roles on the host CPU of a node whose devices do not include it (its
-/// devices are GPUs, or it offers none) are listed on a device of kind `cpu`.
-fn devices_json(info: &NodeInfo) -> Vec<serde_json::Value> {
-    let held = yatt_roles::device_holders(&info.name);
-    let on = |d: &DeviceInfo, h: &DeviceHolder| {
-        h.cuda == (d.kind == DeviceKind::Cuda) && h.devices.contains(&d.index)
-    };
+/// Which actors hold devices now, in name order: every actor the directory lists alive
+/// with a device claim (the roles of every process in the cluster, replicated with
+/// their records), and the actors of `node` that only this process reaches (spawned
+/// local, so not in the directory), each once.
+fn device_claims(node: &Node, dir: &Directory) -> BTreeMap<ActorId, DeviceClaim> {
+    let mut all: BTreeMap<ActorId, DeviceClaim> = node.hosted_claims().into_iter().collect();
+    for (id, claim) in dir.claims() {
+        all.entry(id.clone()).or_insert_with(|| claim.clone());
+    }
+    all
+}
+
+/// A node's devices, each with the roles that hold it now (`held_by`: the role names of
+/// `claims`' actors on that node). Roles on the host CPU of a node whose devices do not
+/// include it (its devices are GPUs, or it offers none) are listed on a device of kind
+/// `cpu`.
+fn devices_json(
+    info: &NodeInfo,
+    claims: &BTreeMap<ActorId, DeviceClaim>,
+) -> Vec<serde_json::Value> {
+    let held: Vec<(&str, &DeviceClaim)> = claims
+        .iter()
+        .filter(|(id, _)| id.name.node == info.name)
+        .map(|(id, claim)| (id.name.role.as_str(), claim))
+        .collect();
     let mut out: Vec<serde_json::Value> = info
         .devices
         .iter()
         .map(|d| {
             let by: Vec<&str> = held
                 .iter()
-                .filter(|h| on(d, h))
-                .map(|h| h.role.as_str())
+                .filter(|(_, c)| c.covers(d))
+                .map(|(role, _)| *role)
                 .collect();
             serde_json::json!({
                 "index": d.index,
@@ -262,8 +279,8 @@ fn devices_json(info: &NodeInfo) -> Vec<serde_json::Value> {
         .collect();
     let on_cpu: Vec<&str> = held
         .iter()
-        .filter(|h| !h.cuda && !info.devices.iter().any(|d| on(d, h)))
-        .map(|h| h.role.as_str())
+        .filter(|(_, c)| !c.cuda && !info.devices.iter().any(|d| c.covers(d)))
+        .map(|(role, _)| *role)
         .collect();
     if !on_cpu.is_empty() {
         out.push(serde_json::json!({
@@ -278,9 +295,11 @@ fn devices_json(info: &NodeInfo) -> Vec<serde_json::Value> {
 }
 
 /// `/api/cluster?events_since=SEQ`: the nodes with liveness, incarnation, kind, devices
-/// (and the roles of this process holding them) and actors; the leader and term; the events after `events_since`.
+/// (and the roles holding them, in whichever process they run) and actors; the leader
+/// and term; the events after `events_since`.
 pub fn cluster_json(node: &Node, events: &ClusterEvents, events_since: u64) -> serde_json::Value {
     let dir = node.directory().snapshot();
+    let claims = device_claims(node, &dir);
     let nodes: Vec<serde_json::Value> = dir
         .nodes()
         .map(|n| {
@@ -295,7 +314,7 @@ pub fn cluster_json(node: &Node, events: &ClusterEvents, events_since: u64) -> s
                     })
                 })
                 .collect();
-            let devices = devices_json(&n.info);
+            let devices = devices_json(&n.info, &claims);
             serde_json::json!({
                 "name": n.info.name,
                 "incarnation": n.info.incarnation,
@@ -328,7 +347,8 @@ pub fn cluster_json(node: &Node, events: &ClusterEvents, events_since: u64) -> s
 #[cfg(test)]
 mod tests {
     use super::*;
-    use yatt_roles::{DeviceGroup, ResourceProfile, Role, RoleActor, RoleError};
+    use yatt_roles::{DeviceGroup, ResourceProfile, Role, RoleActor, RoleError, RoleRequest};
+    use yatt_runtime::{DeviceInfo, DeviceKind, NodeConfig};
 
     struct Holds(&'static str);
 
@@ -349,9 +369,16 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn each_device_lists_the_roles_of_this_process_that_hold_it_while_they_run() {
-        let mut info = NodeInfo::for_tests("holders-node", 1);
+    fn claim(devices: &[u32], cuda: bool) -> DeviceClaim {
+        DeviceClaim {
+            devices: devices.to_vec(),
+            cuda,
+        }
+    }
+
+    #[test]
+    fn each_device_lists_the_actors_of_its_node_that_claim_it() {
+        let mut info = NodeInfo::for_tests("gpus", 1);
         info.devices = (0..2)
             .map(|index| DeviceInfo {
                 index,
@@ -360,34 +387,119 @@ mod tests {
                 memory_bytes: 1,
             })
             .collect();
-        let gpu1 = DeviceGroup {
-            node: "holders-node".into(),
-            devices: vec![1],
-            cuda: true,
-        };
-        let policy = RoleActor::start(Holds("policy"), gpu1.clone(), 1)
-            .await
-            .unwrap();
-        let rollout = RoleActor::start(Holds("rollout"), gpu1, 1).await.unwrap();
-        let reward = RoleActor::start(Holds("reward"), DeviceGroup::cpu("holders-node"), 1)
-            .await
-            .unwrap();
+        let claims: BTreeMap<ActorId, DeviceClaim> = [
+            ("gpus/policy/0#1", claim(&[1], true)),
+            ("gpus/rollout/0#2", claim(&[1], true)),
+            ("gpus/reward/0#3", claim(&[0], false)),
+            ("other/rollout/0#4", claim(&[0], true)),
+        ]
+        .into_iter()
+        .map(|(id, c)| (id.parse().unwrap(), c))
+        .collect();
         let held = |d: &serde_json::Value| d["held_by"].clone();
-        let devices = devices_json(&info);
+        let devices = devices_json(&info, &claims);
         assert_eq!(devices.len(), 3, "{devices:?}");
         assert_eq!(held(&devices[0]), serde_json::json!([]));
         assert_eq!(held(&devices[1]), serde_json::json!(["policy", "rollout"]));
         assert_eq!(devices[2]["kind"], "cpu");
         assert_eq!(held(&devices[2]), serde_json::json!(["reward"]));
-        drop((policy, reward));
-        let devices = devices_json(&info);
-        assert_eq!(
-            devices.len(),
-            2,
-            "the CPU's only holder stopped: {devices:?}"
+        let devices = devices_json(&info, &BTreeMap::new());
+        assert_eq!(devices.len(), 2, "no holders, no host CPU: {devices:?}");
+    }
+
+    /// The devices of `node` in a `/api/cluster` answer that some role holds:
+    /// `kind:index` and the roles.
+    fn held_on(json: &serde_json::Value, node: &str) -> Vec<(String, Vec<String>)> {
+        let nodes = json["nodes"].as_array().cloned().unwrap_or_default();
+        let Some(n) = nodes.iter().find(|n| n["name"] == node) else {
+            return Vec::new();
+        };
+        n["devices"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|d| {
+                let by: Vec<String> = serde_json::from_value(d["held_by"].clone()).ok()?;
+                let device = format!("{}:{}", d["kind"].as_str()?, d["index"]);
+                (!by.is_empty()).then_some((device, by))
+            })
+            .collect()
+    }
+
+    /// `node`'s `/api/cluster` once `ok` holds of it, re-read at each change of its
+    /// directory (or every 200 ms) for at most 10 s.
+    async fn view_when(
+        node: &Node,
+        events: &ClusterEvents,
+        ok: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let epoch = node.directory().epoch();
+            let json = cluster_json(node, events, 0);
+            if ok(&json) {
+                return json;
+            }
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            assert!(!left.is_zero(), "the view never got there: {json:#}");
+            let step = left.min(Duration::from_millis(200));
+            node.directory()
+                .wait_until(step, |d| d.epoch() != epoch)
+                .await;
+        }
+    }
+
+    /// Two real nodes over QUIC on loopback: a role that node b spawned (reachable,
+    /// so in the directory) shows on a's page as the holder of b's device, and goes
+    /// when it stops; a role only a's process reaches shows on a's own device.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_nodes_view_shows_the_roles_another_node_runs_on_its_devices() {
+        let ca = tempfile::tempdir().unwrap();
+        let config = NodeConfig {
+            virtual_devices: 2,
+            ..NodeConfig::default()
+        };
+        let a = Node::builder("view-a")
+            .dev_certs(ca.path())
+            .config(config.clone())
+            .start()
+            .await
+            .unwrap();
+        let b = Node::builder("view-b")
+            .dev_certs(ca.path())
+            .config(config)
+            .seed(a.addr())
+            .start()
+            .await
+            .unwrap();
+        let events = ClusterEvents::start(&a);
+        // b's last device, whatever its kind (CUDA where the machine has GPUs).
+        let last = b.info().devices.last().cloned().expect("b has devices");
+        let on_b = DeviceGroup {
+            node: b.name().into(),
+            devices: vec![last.index],
+            cuda: last.kind == DeviceKind::Cuda,
+        };
+        let kind = format!("{:?}", last.kind).to_lowercase();
+        let policy = RoleActor::start(Holds("policy"), on_b, 1).await.unwrap();
+        let policy = b.spawn("policy", 0, policy).unwrap();
+        let reward = RoleActor::start(Holds("reward"), DeviceGroup::cpu(a.name()), 1)
+            .await
+            .unwrap();
+        let reward = a.spawn_local("reward", 0, reward).unwrap();
+        let b_device = (format!("{kind}:{}", last.index), vec!["policy".to_string()]);
+        let json = view_when(&a, &events, |j| held_on(j, "view-b") == [b_device.clone()]).await;
+        let on_a = held_on(&json, "view-a");
+        assert!(
+            on_a.len() == 1 && on_a[0].1 == ["reward"],
+            "a's own local role on its device: {on_a:?}"
         );
-        assert_eq!(held(&devices[1]), serde_json::json!(["rollout"]));
-        drop(rollout);
+        let t = Duration::from_secs(10);
+        policy.ask(RoleRequest::Stop, t).await.unwrap();
+        let json = view_when(&a, &events, |j| held_on(j, "view-b").is_empty()).await;
+        assert_eq!(held_on(&json, "view-a").len(), 1, "a's role still runs");
+        reward.ask(RoleRequest::Stop, t).await.unwrap();
+        view_when(&a, &events, |j| held_on(j, "view-a").is_empty()).await;
     }
 
     #[test]

@@ -20,7 +20,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use yatt_runtime::{Actor, ActorError, Context, Handled, WeakNode};
+use yatt_runtime::{Actor, ActorError, Context, DeviceClaim, Handled, WeakNode};
 
 use crate::builtin::policy::{load_all, PolicyRequest, PolicyResponse, PushReport, PushTarget};
 use crate::role::{Role, RoleActor, RoleRequest, RoleResponse, WeightsUpdate};
@@ -200,5 +200,9 @@ impl<R: Role<Request = PolicyRequest, Response = PolicyResponse>> Actor for Push
 
     async fn stopped(&mut self) {
         self.role.stopped().await;
+    }
+
+    fn device_claim(&self) -> Option<DeviceClaim> {
+        self.role.device_claim()
     }
 }

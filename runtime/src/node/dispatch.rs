@@ -11,6 +11,7 @@ use crate::actor::{ActorRef, BoxFuture, CallError, ExitReason, RemoteRoute, Tell
 use crate::addr::ActorId;
 use crate::cert_kind::CertKind;
 use crate::directory::Liveness;
+use crate::membership::DeviceClaim;
 use crate::message::{Message, Wire};
 use crate::supervisor::Lifecycle;
 use crate::transport::{Dispatch, PeerBook, Target};
@@ -147,8 +148,8 @@ impl<Req: Message, Resp: Message> RemoteRoute<Req, Resp> for RemoteActor<Req, Re
 pub(super) struct NodeHooks(pub(super) Node);
 
 impl<Req: Message, Resp: Message> Lifecycle<Req, Resp> for NodeHooks {
-    fn started(&self, actor: &ActorRef<Req, Resp>) {
-        if let Err(e) = self.0.register(actor.clone()) {
+    fn started(&self, actor: &ActorRef<Req, Resp>, claim: Option<&DeviceClaim>) {
+        if let Err(e) = self.0.register(actor.clone(), claim.cloned()) {
             tracing::error!(actor = %actor.id(), error = %e, "could not register a restarted actor");
         }
     }

@@ -17,7 +17,7 @@ use crate::actor::ExitReason;
 use crate::addr::{next_incarnation, ActorId};
 use crate::directory::Change;
 use crate::leadership::{Lead, Step, Succession};
-use crate::membership::Membership;
+use crate::membership::{DeviceClaim, Membership};
 
 /// Changes kept for the next leader at most; older ones are dropped first.
 const MAX_PENDING: usize = 4096;
@@ -284,15 +284,16 @@ impl Node {
         }
     }
 
-    /// The hosted actors peers can reach (those registered in the directory).
-    fn reachable_actors(&self) -> Vec<ActorId> {
-        let mut v: Vec<ActorId> = self
+    /// The hosted actors peers can reach (those registered in the directory), with
+    /// the devices each holds.
+    fn reachable_actors(&self) -> Vec<(ActorId, Option<DeviceClaim>)> {
+        let mut v: Vec<(ActorId, Option<DeviceClaim>)> = self
             .lock_hosted()
             .values()
             .filter(|h| h.inbox.is_some())
-            .map(|h| h.id.clone())
+            .map(|h| (h.id.clone(), h.claim.clone()))
             .collect();
-        v.sort();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
         v
     }
 

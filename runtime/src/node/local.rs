@@ -16,7 +16,7 @@ use crate::actor::{spawn_with_id, Actor, ActorRef, ExitReason};
 use crate::addr::{next_incarnation, ActorId, ActorName};
 use crate::cert_kind::CertKind;
 use crate::directory::{Change, DirectoryHandle};
-use crate::membership::{Membership, NodeInfo};
+use crate::membership::{DeviceClaim, Membership, NodeInfo};
 use crate::message::Message;
 use crate::supervisor::{supervise, RestartPolicy, Supervised};
 
@@ -124,6 +124,19 @@ impl Node {
         v
     }
 
+    /// The actors this node hosts now that hold devices, with what each holds, in name
+    /// order: those only this process reaches ([`Node::spawn_local`]) too, which the
+    /// directory does not list.
+    pub fn hosted_claims(&self) -> Vec<(ActorId, DeviceClaim)> {
+        let mut v: Vec<(ActorId, DeviceClaim)> = self
+            .lock_hosted()
+            .values()
+            .filter_map(|h| Some((h.id.clone(), h.claim.clone()?)))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
     /// Whether shutdown has begun.
     pub fn is_stopping(&self) -> bool {
         self.inner.stopping.load(Ordering::Acquire)
@@ -169,8 +182,9 @@ impl Node {
             name,
             incarnation: next_incarnation(),
         };
+        let claim = actor.device_claim();
         let running = spawn_with_id(id, actor, self.inner.config.mailbox_capacity);
-        self.register(running.actor_ref.clone())?;
+        self.register(running.actor_ref.clone(), claim)?;
         let (node, id) = (self.clone(), running.actor_ref.id().clone());
         let exit = running.exit;
         tokio::spawn(async move {
@@ -192,6 +206,7 @@ impl Node {
     ) -> Result<ActorRef<A::Request, A::Response>, NodeError> {
         let name = ActorName::new(self.name(), role, replica)?;
         self.check_free(&name)?;
+        let claim = actor.device_claim();
         let running = crate::actor::spawn(name.clone(), actor, self.inner.config.mailbox_capacity);
         let r = running.actor_ref.clone();
         self.lock_hosted().insert(
@@ -201,6 +216,7 @@ impl Node {
                 typed: Box::new(r.clone()),
                 inbox: None,
                 owner: None,
+                claim,
             },
         );
         let (node, id, exit) = (self.clone(), r.id().clone(), running.exit);
@@ -260,6 +276,7 @@ impl Node {
     pub(super) fn register<Req: Message, Resp: Message>(
         &self,
         r: ActorRef<Req, Resp>,
+        claim: Option<DeviceClaim>,
     ) -> Result<(), NodeError> {
         let id = r.id().clone();
         self.lock_hosted().insert(
@@ -269,9 +286,10 @@ impl Node {
                 typed: Box::new(r.clone()),
                 inbox: Some(Arc::new(TypedInbox(r))),
                 owner: None,
+                claim: claim.clone(),
             },
         );
-        self.propose_detached(Change::ActorUp(id));
+        self.propose_detached(Change::ActorUp { id, claim });
         Ok(())
     }
 

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::addr::ActorId;
 use crate::directory::{Change, Directory, Update};
 use crate::leadership::{Beat, BeatReply, Lead};
-use crate::membership::NodeInfo;
+use crate::membership::{DeviceClaim, NodeInfo};
 
 /// A remote spawn's arguments: postcard of the factory's argument type (a program
 /// that links it), or a JSON document of it (a job config naming a role it cannot link).
@@ -24,8 +24,9 @@ pub(super) enum SysRequest {
     /// Join, or (same incarnation) report to a new leader what this node hosts.
     Join {
         info: NodeInfo,
-        /// The actors the node hosts (empty for a first join).
-        hosted: Vec<ActorId>,
+        /// The actors the node hosts, with the devices each holds (empty for a first
+        /// join).
+        hosted: Vec<(ActorId, Option<DeviceClaim>)>,
     },
     Heartbeat(Beat),
     Update(Update),
@@ -106,6 +107,10 @@ mod tests {
             leader: "n".into(),
         };
         let id: ActorId = "n/role/0#5".parse().unwrap();
+        let claim = DeviceClaim {
+            devices: vec![0, 3],
+            cuda: true,
+        };
         let change = Change::ActorDown {
             id: id.clone(),
             reason: ExitReason::StartFailed("x".into()),
@@ -118,7 +123,7 @@ mod tests {
         let requests = vec![
             SysRequest::Join {
                 info: info.clone(),
-                hosted: vec![id.clone()],
+                hosted: vec![(id.clone(), Some(claim.clone())), (id.clone(), None)],
             },
             SysRequest::Heartbeat(Beat {
                 node: "n".into(),
@@ -127,6 +132,10 @@ mod tests {
             }),
             SysRequest::Update(update),
             SysRequest::Propose(change),
+            SysRequest::Propose(Change::ActorUp {
+                id: id.clone(),
+                claim: Some(claim.clone()),
+            }),
             SysRequest::Snapshot,
             SysRequest::LeaderCheck { leader: "n".into() },
             SysRequest::Spawn {
@@ -139,8 +148,17 @@ mod tests {
             SysRequest::CancelSpawn { ticket: 9 },
             SysRequest::Leave { node: "n".into() },
         ];
+        // A directory with a node and an actor's record (its device claim too).
+        let mut directory = Directory::default();
+        directory.apply(Change::NodeUp(info.clone())).unwrap();
+        directory
+            .apply(Change::ActorUp {
+                id: id.clone(),
+                claim: Some(claim.clone()),
+            })
+            .unwrap();
         let responses = vec![
-            SysResponse::Directory(Directory::default()),
+            SysResponse::Directory(directory),
             SysResponse::Joined {
                 lead: lead.clone(),
                 directory: Directory::default(),
@@ -207,6 +225,6 @@ mod tests {
     /// instead of misreading these messages. Bump it, then put the new fingerprint here.
     #[test]
     fn the_system_messages_encoding_is_pinned_to_the_alpn() {
-        assert_pinned_to_alpn("system messages", every_message(), 3_663_396_410);
+        assert_pinned_to_alpn("system messages", every_message(), 799_265_135);
     }
 }

@@ -17,7 +17,7 @@ use crate::actor::{ActorRef, BoxFuture, CallError};
 use crate::addr::{ActorId, ActorName};
 use crate::directory::{Change, DirectoryHandle};
 use crate::leadership::{Lead, Succession};
-use crate::membership::{FailureDetector, Membership, NodeInfo, PauseDetector};
+use crate::membership::{DeviceClaim, FailureDetector, Membership, NodeInfo, PauseDetector};
 use crate::message::{Message, Wire};
 use crate::transport::{LogThrottle, Transport};
 
@@ -37,6 +37,8 @@ pub(super) struct Hosted {
     pub(super) inbox: Option<Arc<dyn Inbox>>,
     /// The node whose departure releases this actor (see `spawn_remote_linked`).
     pub(super) owner: Option<String>,
+    /// The devices of this node it holds ([`crate::Actor::device_claim`]).
+    pub(super) claim: Option<DeviceClaim>,
 }
 
 pub(super) trait Inbox: Send + Sync {

@@ -14,7 +14,7 @@ use crate::addr::{ActorId, ActorName};
 use crate::cert_kind::CertKind;
 use crate::directory::{Change, DirectoryError, Liveness};
 use crate::leadership::{admit, judge_beat, Admission, Beat, BeatReply, Lead};
-use crate::membership::{Membership, NodeInfo};
+use crate::membership::{DeviceClaim, Membership, NodeInfo};
 use crate::message::{Message, Wire};
 use crate::transport::Target;
 
@@ -274,7 +274,12 @@ impl Node {
 
     /// Leader: a node joins, rejoins under a new incarnation, or (same incarnation)
     /// reports what it hosts after a leader change.
-    async fn handle_join(&self, from: &str, info: NodeInfo, hosted: Vec<ActorId>) -> SysResponse {
+    async fn handle_join(
+        &self,
+        from: &str,
+        info: NodeInfo,
+        hosted: Vec<(ActorId, Option<DeviceClaim>)>,
+    ) -> SysResponse {
         if !self.is_leader() {
             return self.redirect();
         }
@@ -317,8 +322,8 @@ impl Node {
             }
             Admission::Known => hosted
                 .into_iter()
-                .filter(|id| id.name.node == info.name)
-                .map(Change::ActorUp)
+                .filter(|(id, _)| id.name.node == info.name)
+                .map(|(id, claim)| Change::ActorUp { id, claim })
                 .collect(),
             Admission::Dead { reason } => {
                 return SysResponse::Expelled {
@@ -406,8 +411,8 @@ impl Node {
 /// join, leave and die through the leader's own paths.
 fn own_change(from: &str, change: &Change) -> Result<(), String> {
     match change {
-        Change::ActorUp(id) | Change::ActorDown { id, .. } if id.name.node == from => Ok(()),
-        Change::ActorUp(id) | Change::ActorDown { id, .. } => Err(format!(
+        Change::ActorUp { id, .. } | Change::ActorDown { id, .. } if id.name.node == from => Ok(()),
+        Change::ActorUp { id, .. } | Change::ActorDown { id, .. } => Err(format!(
             "{from} may not record a change to {id}, an actor of {}: a member records only its own actors",
             id.name.node
         )),

@@ -299,7 +299,7 @@ function renderPlan() {
   }
 }
 
-// The roles of a device's process that hold it ("rollout ×2, policy").
+// The roles that hold a device, in whichever process they run ("rollout ×2, policy").
 function heldBy(d) {
   const n = {};
   for (const r of d.held_by || []) n[r] = (n[r] || 0) + 1;

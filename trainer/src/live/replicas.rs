@@ -46,8 +46,14 @@ impl LivePlacement {
         role: R,
     ) -> Result<ActorRef<RoleRequest<R::Request>, RoleResponse<R::Response>>, JobError> {
         self.next_replica += 1;
-        let r = spawn_role(&self.node, role, self.next_replica, self.device_group(g)).await?;
-        self.announce(Change::ActorUp(r.id().clone())).await?;
+        let group = self.device_group(g);
+        let claim = Some(group.claim());
+        let r = spawn_role(&self.node, role, self.next_replica, group).await?;
+        self.announce(Change::ActorUp {
+            id: r.id().clone(),
+            claim,
+        })
+        .await?;
         Ok(r)
     }
 
