@@ -171,7 +171,8 @@ fn a_reference_sharded_beside_the_policys_ranks_scores_as_a_whole_one() {
                         .map(|h| h["hosted"].to_string())
                         .unwrap_or_default()
                 };
-                (on(1).contains("/reference-sharded/") && on(2).matches("/policy-rank/").count() == 2)
+                (on(1).contains("/reference-sharded/")
+                    && on(2).matches("/policy-rank/").count() == 2)
                     .then_some(())
             });
             assert!(
@@ -203,7 +204,10 @@ fn a_reference_sharded_beside_the_policys_ranks_scores_as_a_whole_one() {
             assert!(rel(a, b) <= 1e-4, "{key} at step {step}: {a} vs {b}");
         }
         if key == "actor/kl_loss" {
-            assert!(want.values().any(|&k| k > 0.0), "no KL to compare: {want:?}");
+            assert!(
+                want.values().any(|&k| k > 0.0),
+                "no KL to compare: {want:?}"
+            );
         }
     }
 }

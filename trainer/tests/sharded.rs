@@ -163,7 +163,11 @@ async fn a_sharded_reference_scores_as_the_whole_one() {
     let run = |shards: usize| async move {
         let out = tempfile::tempdir().unwrap();
         let n = format!("job.reference_shards={shards}");
-        let sets = ["algorithm.kl_coef=0.5", "algorithm.kl_mode=\"loss\"", n.as_str()];
+        let sets = [
+            "algorithm.kl_coef=0.5",
+            "algorithm.kl_mode=\"loss\"",
+            n.as_str(),
+        ];
         common::train_job(&demo(out.path(), 3, &sets), false)
             .await
             .unwrap();

@@ -129,12 +129,9 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
             |node: &Node, name: &ActorName, a: ShardedArgs| {
                 let (node, name) = (node.clone(), name.clone());
                 async move {
-                    let job = JobConfig::parse(
-                        &a.role.job,
-                        "the job config sent by the controller",
-                        &[],
-                    )
-                    .map_err(|e| e.to_string())?;
+                    let job =
+                        JobConfig::parse(&a.role.job, "the job config sent by the controller", &[])
+                            .map_err(|e| e.to_string())?;
                     start_sharded_reference(&node, &name, a, &job).await
                 }
             },

@@ -11,8 +11,8 @@ use yatt_engine::{
 };
 use yatt_roles::{
     CriticConfig, CriticRole, KlEstimator, KlLossConfig, PolicyConfig, PolicyLossConfig,
-    PolicyRole, ReferenceRole, RolloutRole, ShardedPolicyRole, ShardedReferenceRole, ShardedStart, TextCodec,
-    TokenizerCodec, ValueLossConfig,
+    PolicyRole, ReferenceRole, RolloutRole, ShardedPolicyRole, ShardedReferenceRole, ShardedStart,
+    TextCodec, TokenizerCodec, ValueLossConfig,
 };
 use yatt_runtime::Node;
 use yatt_runtime::RingMember;

@@ -15,8 +15,7 @@ use serde::{Deserialize, Serialize};
 use yatt_engine::{is_sharded_checkpoint, model_layout};
 use yatt_roles::{
     PolicyRankRole, RankRef, RankRequest, RankResponse, RankSource, RemoteRanks, RoleActor,
-    RoleRequest, RoleResponse, ShardedPolicyRole, ShardedReferenceRole, ShardedStart,
-    SlicePusher,
+    RoleRequest, RoleResponse, ShardedPolicyRole, ShardedReferenceRole, ShardedStart, SlicePusher,
 };
 use yatt_runtime::{ActorName, Node, RingMember, RingSpec, RING_CHUNK_BYTES};
 
