@@ -7,7 +7,7 @@
 //! trainer can gather a unit's weights inside it), [`Tape`] applies it to the decoder.
 
 use super::attention::Attn;
-use super::forward::Ctx;
+use super::forward::{Ctx, Part};
 use super::llama::Llama;
 use tch::Tensor;
 
@@ -84,10 +84,10 @@ impl Llama {
         let x0 = self.embed_rows(ids, &ctx);
         let mut inputs = Vec::with_capacity(self.layers.len());
         let mut x = x0.detach();
+        let parts = ctx.parts(self.memory.recompute_chunk_tokens);
         tch::no_grad(|| {
-            let mut attn = tape_attn(&lens);
             for li in 0..self.layers.len() {
-                let y = self.layer(li, &x, &ctx, &mut attn, &mut None);
+                let y = self.layer_in_parts(li, &x, &ctx, &parts, &lens);
                 inputs.push(std::mem::replace(&mut x, y));
             }
         });
@@ -105,19 +105,107 @@ impl Llama {
     }
 }
 
-fn tape_attn(lens: &Option<Vec<i64>>) -> Attn<'_> {
+/// The attention mode of a part of a recompute pass: its own packed sequences, or
+/// right-padded rows.
+fn part_attn<'a>(lens: &'a Option<Vec<i64>>, part: &Part) -> Attn<'a> {
     match lens {
-        Some(l) => Attn::Packed { lens: l },
+        Some(l) => Attn::Packed {
+            lens: &l[part.segments()],
+        },
         None => Attn::Full { mask: None },
+    }
+}
+
+/// The chunks `(start, len)` of `n` rows, `chunk` at a time.
+fn chunks(n: i64, chunk: usize) -> impl Iterator<Item = (i64, i64)> {
+    let c = chunk.max(1) as i64;
+    (0..n).step_by(c as usize).map(move |s| (s, c.min(n - s)))
+}
+
+impl Llama {
+    /// Decoder layer `li` on `x` `[b, t, hidden]` without autograd, one part at a time
+    /// and the MLP in chunks of tokens: what is live besides `x` and the output is one
+    /// part's attention and one chunk's MLP, however many tokens `x` holds. `lens`:
+    /// the packed sequences' lengths (`None`: right-padded rows).
+    fn layer_in_parts(
+        &self,
+        li: usize,
+        x: &Tensor,
+        ctx: &Ctx<'_>,
+        parts: &[Part],
+        lens: &Option<Vec<i64>>,
+    ) -> Tensor {
+        let h = self.config.hidden_size;
+        let y = x.empty_like();
+        for part in parts {
+            let pc = ctx.part(part);
+            let mut attn = part_attn(lens, part);
+            let x1 = self.attention_block(li, &part.cut(x), &pc, &mut attn, &mut None);
+            let x1 = x1.reshape([-1, h]);
+            let out = part.rows(&y, h);
+            for (s, n) in chunks(x1.size()[0], self.memory.recompute_chunk_tokens) {
+                out.narrow(0, s, n)
+                    .copy_(&self.mlp_block(li, &x1.narrow(0, s, n), &pc));
+            }
+        }
+        y
+    }
+
+    /// The backward pass of decoder layer `li` recomputed from its input `x`: `grad`
+    /// (the loss's gradient w.r.t. the layer's output) is backpropagated into the
+    /// layer's parameters, and the gradient w.r.t. `x` returned. One part at a time
+    /// ([`Ctx::parts`]): the part's attention half with autograd, then its MLP half
+    /// recomputed and backpropagated in chunks of tokens (it is position-wise), then
+    /// the attention half's backward from the MLP half's input gradient. Live at once:
+    /// one part's attention graph and one chunk's MLP graph.
+    fn layer_backward_in_parts(
+        &self,
+        li: usize,
+        x: &Tensor,
+        grad: &Tensor,
+        ctx: &Ctx<'_>,
+        parts: &[Part],
+        lens: &Option<Vec<i64>>,
+    ) -> Tensor {
+        let h = self.config.hidden_size;
+        let grad_x = x.zeros_like();
+        for part in parts {
+            let pc = ctx.part(part);
+            let xl = part.cut(x).detach().set_requires_grad(true);
+            let mut attn = part_attn(lens, part);
+            let x1 = self.attention_block(li, &xl, &pc, &mut attn, &mut None);
+            // The gradient w.r.t. the MLP half's input, chunk by chunk.
+            let g1 = x1.zeros_like();
+            {
+                let x1 = x1.detach().reshape([-1, h]);
+                let g2 = part.cut(grad).reshape([-1, h]);
+                let g1 = g1.view([-1, h]);
+                for (s, n) in chunks(x1.size()[0], self.memory.recompute_chunk_tokens) {
+                    let xc = x1.narrow(0, s, n).detach().set_requires_grad(true);
+                    backward_with(&self.mlp_block(li, &xc, &pc), &g2.narrow(0, s, n));
+                    let gc = xc.grad();
+                    if gc.defined() {
+                        g1.narrow(0, s, n).copy_(&gc);
+                    }
+                }
+            }
+            backward_with(&x1, &g1);
+            let gx = xl.grad();
+            if gx.defined() {
+                part.cut(&grad_x).copy_(&gx);
+            }
+        }
+        grad_x
     }
 }
 
 impl Tape<'_> {
     /// Finishes the backward pass once the gradient of the loss has reached the output
     /// (the hidden states `hidden_recompute` returned have been backpropagated): layer
-    /// by layer in reverse, then into the embeddings.
+    /// by layer in reverse ([`Llama::layer_backward_in_parts`]), each layer's input
+    /// freed once used, then into the embeddings.
     pub fn backward(self) {
-        let g = self.last.grad();
+        let mut g = self.last.grad();
         if !g.defined() {
             return;
         }
@@ -125,14 +213,15 @@ impl Tape<'_> {
             model,
             ctx,
             x0,
-            inputs,
+            mut inputs,
             lens,
             ..
         } = self;
-        let mut attn = tape_attn(&lens);
-        let g0 = recompute_backward(&inputs, g, |li, x| {
-            model.layer(li, x, &ctx, &mut attn, &mut None)
-        });
-        backward_with(&x0, &g0);
+        let parts = ctx.parts(model.memory.recompute_chunk_tokens);
+        while let Some(x) = inputs.pop() {
+            let li = inputs.len();
+            g = model.layer_backward_in_parts(li, &x, &g, &ctx, &parts, &lens);
+        }
+        backward_with(&x0, &g);
     }
 }

@@ -153,6 +153,9 @@ pub fn chunked_backward(
     if g.defined() {
         backward_with(&rows, &g);
     }
+    // The rows and their gradient are a hidden state's size each: gone before the
+    // layers' backward, which holds a hidden state per layer already.
+    drop((g, leaf, rows));
     for tape in tapes {
         tape.backward();
     }
