@@ -9,7 +9,7 @@
 use super::attention::Attn;
 use super::forward::{Ctx, Part};
 use super::llama::Llama;
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 /// Backward through a chain of units `y_i = unit(i, x_i)`, `x_{i+1} = y_i`, of which only
 /// the inputs `inputs[i]` were kept: for `i` from last to first, recompute `unit(i, x_i)`
@@ -45,7 +45,14 @@ pub fn backward_with(y: &Tensor, grad: &Tensor) {
         return;
     }
     // `sum(y · g)` has gradient `g` w.r.t. `y`; g is detached so nothing flows into it.
-    (y * grad.detach()).sum(y.kind()).backward();
+    // As a dot product of the flattened tensors where the kernel takes the type: no
+    // temporary of y's size (a hidden state per token, on a long micro-batch).
+    let g = grad.detach();
+    let dot = matches!(y.kind(), Kind::Float | Kind::Double) && y.size() == g.size();
+    match dot {
+        true => y.reshape([-1]).dot(&g.reshape([-1])).backward(),
+        false => (y * g).sum(y.kind()).backward(),
+    }
 }
 
 /// A decoder forward pass that kept only each layer's input: its output
@@ -54,9 +61,10 @@ pub fn backward_with(y: &Tensor, grad: &Tensor) {
 pub struct Tape<'m> {
     model: &'m Llama,
     ctx: Ctx<'m>,
-    /// The embeddings, in the graph of the embedding matrix.
-    x0: Tensor,
-    /// Each layer's input, without a graph.
+    /// The token ids: the first layer's input is their embeddings, looked up again in
+    /// backward rather than kept.
+    ids: Tensor,
+    /// The input of each layer but the first, without a graph.
     inputs: Vec<Tensor>,
     /// The last layer's output, a leaf that collects the gradient from above.
     last: Tensor,
@@ -81,22 +89,26 @@ impl Llama {
             _ => panic!("layer recompute takes Attn::Full without a mask or Attn::Packed"),
         };
         let ctx = self.prepare(ids, positions, &attn);
-        let x0 = self.embed_rows(ids, &ctx);
         let mut inputs = Vec::with_capacity(self.layers.len());
-        let mut x = x0.detach();
         let parts = ctx.parts(self.memory.recompute_chunk_tokens);
-        tch::no_grad(|| {
+        let mut x = tch::no_grad(|| {
+            let mut x = self.embed_rows(ids, &ctx);
             for li in 0..self.layers.len() {
                 let y = self.layer_in_parts(li, &x, &ctx, &parts, &lens);
-                inputs.push(std::mem::replace(&mut x, y));
+                let input = std::mem::replace(&mut x, y);
+                if li > 0 {
+                    inputs.push(input);
+                }
             }
+            x
         });
-        let last = x.set_requires_grad(true);
+        x = x.set_requires_grad(true);
+        let last = x;
         let h = self.final_norm(&last, &ctx);
         let tape = Tape {
             model: self,
             ctx,
-            x0,
+            ids: ids.shallow_clone(),
             inputs,
             last,
             lens,
@@ -203,7 +215,8 @@ impl Tape<'_> {
     /// Finishes the backward pass once the gradient of the loss has reached the output
     /// (the hidden states `hidden_recompute` returned have been backpropagated): layer
     /// by layer in reverse ([`Llama::layer_backward_in_parts`]), each layer's input
-    /// freed once used, then into the embeddings.
+    /// freed once used, then into the embeddings (looked up again: cheaper than
+    /// keeping them).
     pub fn backward(self) {
         let mut g = self.last.grad();
         if !g.defined() {
@@ -212,16 +225,20 @@ impl Tape<'_> {
         let Tape {
             model,
             ctx,
-            x0,
+            ids,
             mut inputs,
             lens,
             ..
         } = self;
         let parts = ctx.parts(model.memory.recompute_chunk_tokens);
         while let Some(x) = inputs.pop() {
-            let li = inputs.len();
+            let li = inputs.len() + 1;
             g = model.layer_backward_in_parts(li, &x, &g, &ctx, &parts, &lens);
         }
-        backward_with(&x0, &g);
+        if !model.layers.is_empty() {
+            let x = tch::no_grad(|| model.embed_rows(&ids, &ctx));
+            g = model.layer_backward_in_parts(0, &x, &g, &ctx, &parts, &lens);
+        }
+        backward_with(&model.embed_rows(&ids, &ctx), &g);
     }
 }
