@@ -39,8 +39,9 @@ fn zero(m: &mut Llama) {
 
 /// One training forward + backward of `mb` packed into one row: layer recompute (when
 /// the model has it on) and the chunked LM head (1,024 rows a chunk), the loss the sum
-/// of the log-probs of every token after the first of each sequence.
-fn packed_step(m: &Llama, mb: &[Vec<i64>]) {
+/// of the log-probs of every token after the first of each sequence. Returns the peak
+/// resident memory (`VmHWM`, kB) when the decoder's forward pass was done.
+fn packed_step(m: &Llama, mb: &[Vec<i64>]) -> u64 {
     let ids: Vec<i64> = mb.iter().flatten().copied().collect();
     let pos: Vec<i64> = mb.iter().flat_map(|s| 0..s.len() as i64).collect();
     let seg: Vec<i64> = mb.iter().map(|s| s.len() as i64).collect();
@@ -64,12 +65,14 @@ fn packed_step(m: &Llama, mb: &[Vec<i64>]) {
         let h = m.hidden(&ids_t, &pos_t, attn);
         (h.view([n, -1]).index_select(0, &at), vec![])
     };
+    let forward_peak = status_kb("VmHWM");
     let input = HeadInput {
         rows,
         targets,
         tapes,
     };
     let _ = chunked_backward(m, input, 1.0, 1024, |lp, _| Ok(lp.sum(Kind::Float))).unwrap();
+    forward_peak
 }
 
 /// A long-tail mix (most short, a few long, capped at 2,048), in micro-batches of 8.
@@ -104,7 +107,7 @@ fn packed_against_padded_on_a_long_tail() {
         padded_s += t0.elapsed().as_secs_f64();
         zero(&mut m);
         let t0 = Instant::now();
-        packed_step(&m, mb);
+        let _ = packed_step(&m, mb);
         packed_s += t0.elapsed().as_secs_f64();
         zero(&mut m);
     }
@@ -190,18 +193,20 @@ fn peak_memory_per_trained_token() {
         .filter_map(|v| v.trim().parse().ok())
         .collect();
     let per_mb = env_or("YATT_STEP_SEQS", 8usize);
+    // Returns the peak at the end of the decoder's forward pass (packed rows only).
     let step = |m: &Llama, mb: &[Vec<i64>]| {
         if padded {
             let pairs: Vec<(&[i64], &[i64])> = mb.iter().map(|s| (&s[..1], &s[1..])).collect();
             let b = SeqBatch::from_pairs(&pairs, 0, Device::Cpu).unwrap();
             token_logprobs_backward(m, &b, 1.0, |s| Ok(s.logprobs.sum(Kind::Float))).unwrap();
+            0
         } else {
-            packed_step(m, mb);
+            packed_step(m, mb)
         }
     };
     // A short step first, so that the gradients (the model's size, allocated by the
     // first backward) are in the baseline.
-    step(&m, &seqs(&[16; 2]));
+    let _ = step(&m, &seqs(&[16; 2]));
     zero(&mut m);
     println!(
         "step-memory layout={} recompute={} seqs={per_mb} baseline_rss_kb={}",
@@ -215,11 +220,12 @@ fn peak_memory_per_trained_token() {
         let before = status_kb("VmRSS");
         reset_peak();
         let t0 = Instant::now();
-        step(&m, &mb);
+        let forward_peak = step(&m, &mb);
         let secs = t0.elapsed().as_secs_f64();
         let peak = status_kb("VmHWM");
         zero(&mut m);
         let (t1, p1) = *first.get_or_insert((tokens, peak));
+        // /proc's kB are KiB; the growth is in KB (1,000 bytes), the issue's unit.
         let per_token = match tokens > t1 {
             true => format!(
                 "{:.1}",
@@ -228,8 +234,8 @@ fn peak_memory_per_trained_token() {
             false => "-".into(),
         };
         println!(
-            "step-memory tokens={tokens} rss_before_kb={before} peak_kb={peak} \
-             growth_from_first_kb_per_token={per_token} secs={secs:.1}"
+            "step-memory tokens={tokens} rss_before_kb={before} forward_peak_kb={forward_peak} \
+             peak_kb={peak} growth_from_first_kb_per_token={per_token} secs={secs:.1}"
         );
     }
 }
