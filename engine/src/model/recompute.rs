@@ -93,8 +93,19 @@ impl Llama {
         let parts = ctx.parts(self.memory.recompute_chunk_tokens);
         let mut x = tch::no_grad(|| {
             let mut x = self.embed_rows(ids, &ctx);
-            for li in 0..self.layers.len() {
-                let y = self.layer_in_parts(li, &x, &ctx, &parts, &lens);
+            // The kept inputs in one allocation, apart from the heap where the step's
+            // short-lived tensors come and go: interleaved with them, they would pin
+            // freed holes resident (glibc returns a large block only when it stands alone).
+            let layers = self.layers.len() as i64;
+            let mut shape = vec![(layers - 1).max(0)];
+            shape.extend(x.size());
+            let kept = Tensor::empty(shape.as_slice(), (x.kind(), x.device()));
+            for li in 0..layers {
+                let y = match li + 1 < layers {
+                    true => kept.get(li),
+                    false => x.empty_like(),
+                };
+                self.layer_in_parts(li as usize, &x, &ctx, &parts, &lens, &y);
                 let input = std::mem::replace(&mut x, y);
                 if li > 0 {
                     inputs.push(input);
@@ -135,10 +146,11 @@ fn chunks(n: i64, chunk: usize) -> impl Iterator<Item = (i64, i64)> {
 }
 
 impl Llama {
-    /// Decoder layer `li` on `x` `[b, t, hidden]` without autograd, one part at a time
-    /// and the MLP in chunks of tokens: what is live besides `x` and the output is one
-    /// part's attention and one chunk's MLP, however many tokens `x` holds. `lens`:
-    /// the packed sequences' lengths (`None`: right-padded rows).
+    /// Decoder layer `li` on `x` `[b, t, hidden]` without autograd, into `y` (the same
+    /// shape, contiguous), one part at a time and the MLP in chunks of tokens: what is
+    /// live besides `x` and `y` is one part's attention and one chunk's MLP, however
+    /// many tokens `x` holds. `lens`: the packed sequences' lengths (`None`:
+    /// right-padded rows).
     fn layer_in_parts(
         &self,
         li: usize,
@@ -146,21 +158,20 @@ impl Llama {
         ctx: &Ctx<'_>,
         parts: &[Part],
         lens: &Option<Vec<i64>>,
-    ) -> Tensor {
+        y: &Tensor,
+    ) {
         let h = self.config.hidden_size;
-        let y = x.empty_like();
         for part in parts {
             let pc = ctx.part(part);
             let mut attn = part_attn(lens, part);
             let x1 = self.attention_block(li, &part.cut(x), &pc, &mut attn, &mut None);
             let x1 = x1.reshape([-1, h]);
-            let out = part.rows(&y, h);
+            let out = part.rows(y, h);
             for (s, n) in chunks(x1.size()[0], self.memory.recompute_chunk_tokens) {
                 out.narrow(0, s, n)
                     .copy_(&self.mlp_block(li, &x1.narrow(0, s, n), &pc));
             }
         }
-        y
     }
 
     /// The backward pass of decoder layer `li` recomputed from its input `x`: `grad`
