@@ -4,7 +4,9 @@
 //!
 //! tch has no custom autograd function, so the backward is driven by hand:
 //! [`recompute_backward`] is the generic loop (a unit is any closure, so a sharded
-//! trainer can gather a unit's weights inside it), [`Tape`] applies it to the decoder.
+//! trainer can gather a unit's weights inside it); [`Tape`] runs the decoder's layers
+//! the same way, each in parts of whole sequences and its MLP in chunks of tokens, so
+//! that what a layer holds at once is bounded however long the micro-batch.
 
 use super::attention::Attn;
 use super::forward::{Ctx, Part};
@@ -91,7 +93,7 @@ impl Llama {
         let ctx = self.prepare(ids, positions, &attn);
         let mut inputs = Vec::with_capacity(self.layers.len());
         let parts = ctx.parts(self.memory.recompute_chunk_tokens);
-        let mut x = tch::no_grad(|| {
+        let x = tch::no_grad(|| {
             let mut x = self.embed_rows(ids, &ctx);
             // The kept inputs in one allocation, apart from the heap where the step's
             // short-lived tensors come and go: interleaved with them, they would pin
@@ -113,8 +115,7 @@ impl Llama {
             }
             x
         });
-        x = x.set_requires_grad(true);
-        let last = x;
+        let last = x.set_requires_grad(true);
         let h = self.final_norm(&last, &ctx);
         let tape = Tape {
             model: self,
@@ -225,9 +226,8 @@ impl Llama {
 impl Tape<'_> {
     /// Finishes the backward pass once the gradient of the loss has reached the output
     /// (the hidden states `hidden_recompute` returned have been backpropagated): layer
-    /// by layer in reverse ([`Llama::layer_backward_in_parts`]), each layer's input
-    /// freed once used, then into the embeddings (looked up again: cheaper than
-    /// keeping them).
+    /// by layer in reverse ([`Llama::layer_backward_in_parts`]), then into the
+    /// embeddings (looked up again: cheaper than keeping them).
     pub fn backward(self) {
         let mut g = self.last.grad();
         if !g.defined() {
