@@ -349,7 +349,7 @@ impl Llama {
     }
 
     /// The second half of decoder layer `li`: `x + mlp(norm(x))`, position-wise (each
-    /// token's row alone), so any split of the rows gives the same rows.
+    /// token's row alone), so it can run on any split of the rows.
     pub(super) fn mlp_block(&self, li: usize, x: &Tensor, ctx: &Ctx<'_>) -> Tensor {
         let l = &self.layers[li];
         let pl = ctx.packed.map(|p| &p.layers[li]);
