@@ -194,3 +194,88 @@ fn packed_recompute_gradients_match() {
         .backward();
     same_grads(&a, &grads(&mut m), 1e-6);
 }
+
+/// The packed step of `packed_recompute_gradients_match` on `m`, through a tape when
+/// the model has layer recompute on; returns every parameter's gradient.
+fn packed_grads(m: &mut Llama, lens: &[i64]) -> Vec<(String, Tensor)> {
+    let n: i64 = lens.iter().sum();
+    let ids: Vec<i64> = (0..n).map(|t| 2 + (t * 17 % 90)).collect();
+    let pos: Vec<i64> = lens.iter().flat_map(|&l| 0..l).collect();
+    let ids = Tensor::from_slice(&ids).view([1, n]);
+    let pos = Tensor::from_slice(&pos).view([1, n]);
+    let w = Tensor::arange(n, (Kind::Float, Device::Cpu)) / 5.0 - 1.0;
+    let loss = |h: &Tensor| {
+        (m.logits(h)
+            .log_softmax(-1, Kind::Float)
+            .select(2, 3)
+            .reshape([-1])
+            * &w)
+            .sum(Kind::Float)
+    };
+    if m.memory.activation_checkpointing {
+        let (h, tape) = m.hidden_recompute(&ids, &pos, Attn::Packed { lens });
+        loss(&h).backward();
+        tape.backward();
+    } else {
+        loss(&m.hidden(&ids, &pos, Attn::Packed { lens })).backward();
+    }
+    grads(m)
+}
+
+/// Gradients equal to within f32 rounding of another summation order: 1e-6 of each
+/// gradient's largest entry (the chunks' matmuls round their sums in another order, about
+/// 1e-7 relative; the largest gradients here are ~40).
+fn same_grads_to_scale(a: &[(String, Tensor)], b: &[(String, Tensor)], what: &str) {
+    for ((n, x), (_, y)) in a.iter().zip(b) {
+        let scale = y.abs().max().double_value(&[]).max(1.0);
+        let d = max_diff(x, y);
+        assert!(
+            d < 1e-6 * scale,
+            "{what}: {n} differs by {d:e} (scale {scale:.1})"
+        );
+    }
+}
+
+/// A recomputed layer runs part by part (runs of whole sequences or rows of at most
+/// `recompute_chunk_tokens` tokens, a longer sequence alone) and its MLP in chunks of as
+/// many tokens: gradients equal keeping every activation, packed on the four
+/// architectures (windows and q/k norms cut per part) and padded, whatever the chunk;
+/// bit for bit when the micro-batch fits in one part.
+#[test]
+fn recompute_in_parts_and_chunks_matches_kept_activations() {
+    let lens = [5i64, 9, 3, 1, 6];
+    for a in [
+        Architecture::Llama,
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+        Architecture::Mistral,
+    ] {
+        let mut m = arch(a);
+        m.set_requires_grad(true);
+        let kept = packed_grads(&mut m, &lens);
+        m.memory.activation_checkpointing = true;
+        for chunk in [1usize, 4, 8, 15, 1024] {
+            m.memory.recompute_chunk_tokens = chunk;
+            let parts = packed_grads(&mut m, &lens);
+            same_grads_to_scale(&parts, &kept, &format!("{a:?}, chunk {chunk}"));
+            if chunk >= 24 {
+                same_grads(&parts, &kept, 1e-12);
+            }
+        }
+    }
+    let mut m = model(15);
+    let b = batch();
+    m.memory.logprob_chunk_tokens = 5;
+    token_logprobs_backward(&m, &b, 1.0, |s| Ok(loss(s))).unwrap();
+    let kept = grads(&mut m);
+    m.memory.activation_checkpointing = true;
+    for chunk in [1usize, 7, 18, 40, 1024] {
+        m.memory.recompute_chunk_tokens = chunk;
+        token_logprobs_backward(&m, &b, 1.0, |s| Ok(loss(s))).unwrap();
+        let g = grads(&mut m);
+        same_grads_to_scale(&g, &kept, &format!("padded, chunk {chunk}"));
+        if chunk >= 72 {
+            same_grads(&g, &kept, 1e-12);
+        }
+    }
+}

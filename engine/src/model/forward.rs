@@ -317,21 +317,92 @@ impl Llama {
         attn: &mut Attn<'_>,
         key_index: &mut Option<CacheIndex>,
     ) -> Tensor {
+        // Two calls, so that the attention's intermediates are freed before the MLP's
+        // (without autograd nothing else holds them).
+        let x = self.attention_block(li, x, ctx, attn, key_index);
+        self.mlp_block(li, &x, ctx)
+    }
+
+    /// The first half of decoder layer `li`: `x + o_proj(attention(norm(x)))`.
+    pub(super) fn attention_block(
+        &self,
+        li: usize,
+        x: &Tensor,
+        ctx: &Ctx<'_>,
+        attn: &mut Attn<'_>,
+        key_index: &mut Option<CacheIndex>,
+    ) -> Tensor {
+        let o = self.attention(li, x, ctx, attn, key_index);
+        let l = &self.layers[li];
+        let pl = ctx.packed.map(|p| &p.layers[li]);
+        // The residual stream is rebuilt by each sum, never updated in place: an
+        // in-place `+=` would modify a tensor autograd saved.
+        let x = self.adapt(
+            self.mm_residual(x, &o, &l.wo, pl.map(|p| &p[1])),
+            li,
+            Matrix::O,
+            &o,
+            ctx.lora_train,
+        );
+        crate::profile::mark_layer(self.device, "layer: o proj");
+        x
+    }
+
+    /// The second half of decoder layer `li`: `x + mlp(norm(x))`, position-wise (each
+    /// token's row alone), so it can run on any split of the rows.
+    pub(super) fn mlp_block(&self, li: usize, x: &Tensor, ctx: &Ctx<'_>) -> Tensor {
+        let l = &self.layers[li];
+        let pl = ctx.packed.map(|p| &p.layers[li]);
+        let lt = ctx.lora_train;
+        let act = {
+            let hn = self.rms(x, &l.ln2);
+            let gu = self.adapt(
+                self.mm(&hn, &l.w_gate_up, pl.map(|p| &p[2]), None),
+                li,
+                Matrix::GateUp,
+                &hn,
+                lt,
+            );
+            let f = self.config.intermediate_size;
+            gu.narrow(-1, 0, f).silu() * gu.narrow(-1, f, f)
+        };
+        let x = self.adapt(
+            self.mm_residual(x, &act, &l.w_down, pl.map(|p| &p[3])),
+            li,
+            Matrix::Down,
+            &act,
+            lt,
+        );
+        crate::profile::mark_layer(self.device, "layer: mlp");
+        x
+    }
+
+    /// Layer `li`'s attention output `[rows, heads · head_dim]` (before the output
+    /// projection) for the residual stream `x`.
+    fn attention(
+        &self,
+        li: usize,
+        x: &Tensor,
+        ctx: &Ctx<'_>,
+        attn: &mut Attn<'_>,
+        key_index: &mut Option<CacheIndex>,
+    ) -> Tensor {
         let c = &self.config;
         let (b, t) = (ctx.b, ctx.t);
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let (cos, sin) = (&ctx.cos, &ctx.sin);
         let l = &self.layers[li];
         let pl = ctx.packed.map(|p| &p.layers[li]);
-        let lt = ctx.lora_train;
-        let hn = self.rms(x, &l.ln1);
-        let qkv = ctx.pad(self.adapt(
-            self.mm(&hn, &l.wqkv, pl.map(|p| &p[0]), l.bqkv.as_ref()),
-            li,
-            Matrix::Qkv,
-            &hn,
-            lt,
-        ));
+        let qkv = {
+            let hn = self.rms(x, &l.ln1);
+            ctx.pad(self.adapt(
+                self.mm(&hn, &l.wqkv, pl.map(|p| &p[0]), l.bqkv.as_ref()),
+                li,
+                Matrix::Qkv,
+                &hn,
+                ctx.lora_train,
+            ))
+        };
         let v = qkv
             .narrow(-1, (nh + nkv) * hd, nkv * hd)
             .view([b, t, nkv, hd])
@@ -440,39 +511,11 @@ impl Llama {
             }
         };
         crate::profile::mark_layer(self.device, "layer: kv write, attention");
-        let mut o = o.transpose(1, 2).reshape([b, t, nh * hd]);
-        if let Some(idx) = &ctx.real {
-            o = o.reshape([b * t, nh * hd]).index_select(0, idx);
+        let o = o.transpose(1, 2).reshape([b, t, nh * hd]);
+        match &ctx.real {
+            Some(idx) => o.reshape([b * t, nh * hd]).index_select(0, idx),
+            None => o,
         }
-        // The residual stream is rebuilt by each sum, never updated in place: an
-        // in-place `+=` would modify a tensor autograd saved.
-        let x = self.adapt(
-            self.mm_residual(x, &o, &l.wo, pl.map(|p| &p[1])),
-            li,
-            Matrix::O,
-            &o,
-            lt,
-        );
-        crate::profile::mark_layer(self.device, "layer: o proj");
-        let hn = self.rms(&x, &l.ln2);
-        let gu = self.adapt(
-            self.mm(&hn, &l.w_gate_up, pl.map(|p| &p[2]), None),
-            li,
-            Matrix::GateUp,
-            &hn,
-            lt,
-        );
-        let f = c.intermediate_size;
-        let act = gu.narrow(-1, 0, f).silu() * gu.narrow(-1, f, f);
-        let x = self.adapt(
-            self.mm_residual(&x, &act, &l.w_down, pl.map(|p| &p[3])),
-            li,
-            Matrix::Down,
-            &act,
-            lt,
-        );
-        crate::profile::mark_layer(self.device, "layer: mlp");
-        x
     }
 
     /// The final RMSNorm, restoring the padded layout where `ctx` dropped padding.
@@ -575,7 +618,7 @@ pub(super) struct Ctx<'m> {
     lora_train: bool,
 }
 
-impl Ctx<'_> {
+impl<'m> Ctx<'m> {
     /// The same tables without the packed inference weights, so that the context no
     /// longer borrows the model (a unit-by-unit caller changes the weights under it).
     pub(super) fn without_packed(self) -> Ctx<'static> {
@@ -596,6 +639,89 @@ impl Ctx<'_> {
         }
     }
 
+    /// Splits this call's tokens into parts a layer can run on one at a time, each of
+    /// whole sequences (attention never crosses a part): runs of consecutive packed
+    /// sequences, or of rows, of at most `tokens` tokens unless one sequence alone is
+    /// longer. For the cache-free modes of layer recompute: `Packed`, and `Full` without
+    /// a mask (rows right-padded, each causal on its own); anything else is one part.
+    pub(super) fn parts(&self, tokens: usize) -> Vec<Part> {
+        let tokens = tokens.max(1) as i64;
+        let whole = || Part {
+            dim: 1,
+            start: 0,
+            len: self.t,
+            segments: 0..self.segments.as_ref().map_or(0, Vec::len),
+        };
+        // Runs of consecutive items (`spans`: each one's start and length along `dim`)
+        // of at most `tokens` tokens (items of `per` tokens each unit of length).
+        let group = |spans: &mut dyn Iterator<Item = (i64, i64)>, dim: i64, per: i64| {
+            let mut parts: Vec<Part> = Vec::new();
+            for (i, (start, len)) in spans.enumerate() {
+                match parts.last_mut() {
+                    Some(p) if (p.len + len) * per <= tokens => {
+                        p.len += len;
+                        p.segments.end = i + 1;
+                    }
+                    _ => parts.push(Part {
+                        dim,
+                        start,
+                        len,
+                        segments: i..i + 1,
+                    }),
+                }
+            }
+            parts
+        };
+        match &self.segments {
+            Some(segs) => group(&mut segs.iter().map(|s| s.0), 1, 1),
+            None if self.full_mask.is_none() && self.real.is_none() && self.b > 1 => {
+                let mut rows = (0..self.b).map(|r| (r, 1));
+                let mut parts = group(&mut rows, 0, self.t);
+                for p in &mut parts {
+                    p.segments = 0..0;
+                }
+                parts
+            }
+            None => vec![whole()],
+        }
+    }
+
+    /// The tables of `part` alone, for running a layer on [`Part::cut`] of its input.
+    pub(super) fn part(&self, part: &Part) -> Ctx<'m> {
+        let (d, s, n) = (part.dim, part.start, part.len);
+        // The rotary tables are `[b, 1, t, hd]`, and `[b, t, 1, hd]` transposed.
+        let rot = |z: &Tensor, dim_t: i64| match d {
+            0 => z.narrow(0, s, n),
+            _ => z.narrow(dim_t, s, n),
+        };
+        let (b, t) = match d {
+            0 => (n, self.t),
+            _ => (self.b, n),
+        };
+        Ctx {
+            b,
+            t,
+            real: None,
+            cos: rot(&self.cos, 2),
+            sin: rot(&self.sin, 2),
+            cos_bthd: rot(&self.cos_bthd, 1),
+            sin_bthd: rot(&self.sin_bthd, 1),
+            full_mask: self.full_mask.as_ref().map(Tensor::shallow_clone),
+            win_mask: self.win_mask.as_ref().map(Tensor::shallow_clone),
+            segments: self.segments.as_ref().map(|segs| {
+                segs[part.segments.clone()]
+                    .iter()
+                    .map(|((at, len), win)| {
+                        ((at - s, *len), win.as_ref().map(Tensor::shallow_clone))
+                    })
+                    .collect()
+            }),
+            positions: rot(&self.positions, 1),
+            packed: self.packed,
+            lora_train: self.lora_train,
+        }
+    }
+
     /// Restores the `[b, t, ..]` layout (zeros in the padding) of rows of real tokens.
     fn pad(&self, z: Tensor) -> Tensor {
         match &self.real {
@@ -607,5 +733,33 @@ impl Ctx<'_> {
             }
             None => z,
         }
+    }
+}
+
+/// Tokens of one forward call that a layer can run on alone ([`Ctx::parts`]): `len`
+/// rows from `start` (`dim` 0) or, in a packed row, `len` positions from `start` (`dim`
+/// 1) holding packed sequences `segments`.
+pub(super) struct Part {
+    dim: i64,
+    start: i64,
+    len: i64,
+    segments: std::ops::Range<usize>,
+}
+
+impl Part {
+    /// The part's tokens of `z` `[b, t, ..]`.
+    pub(super) fn cut(&self, z: &Tensor) -> Tensor {
+        z.narrow(self.dim, self.start, self.len)
+    }
+
+    /// [`Part::cut`]'s tokens of `z` `[b, t, width]` as rows `[tokens, width]`, a view
+    /// (writes reach `z`): a part is contiguous in memory when `z` is.
+    pub(super) fn rows(&self, z: &Tensor, width: i64) -> Tensor {
+        self.cut(z).view([-1, width])
+    }
+
+    /// The packed sequences the part holds (indices into the call's sequences).
+    pub(super) fn segments(&self) -> std::ops::Range<usize> {
+        self.segments.clone()
     }
 }

@@ -118,6 +118,12 @@ pub struct MemoryOptions {
     pub activation_checkpointing: bool,
     /// How a micro-batch's sequences are laid out for scoring and training.
     pub layout: RowLayout,
+    /// With layer recompute, tokens per part of a layer's forward and backward: runs of
+    /// whole sequences (a longer one alone), the MLP in chunks of as many tokens, so
+    /// that a layer's activations are bounded however many tokens a micro-batch holds.
+    /// Exact, but a micro-batch split in several parts rounds its f32 sums in another
+    /// order (about 1e-7 of the gradients' scale); one that fits is unchanged.
+    pub recompute_chunk_tokens: usize,
 }
 
 /// How a micro-batch's sequences are laid out for scoring and training.
@@ -138,6 +144,7 @@ impl Default for MemoryOptions {
             logprob_chunk_tokens: DEFAULT_CHUNK_TOKENS,
             activation_checkpointing: false,
             layout: RowLayout::Padded,
+            recompute_chunk_tokens: DEFAULT_CHUNK_TOKENS,
         }
     }
 }

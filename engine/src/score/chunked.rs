@@ -4,11 +4,12 @@
 //!
 //! tch has no custom autograd function, so [`chunked_backward`] runs the steps itself:
 //! 1. the caller's hidden rows `h` (in the decoder's graph, or a [`Tape`]'s);
-//! 2. log-probs and entropies per chunk without gradients, from a detached leaf `h'`;
+//! 2. log-probs and entropies per chunk without gradients, from `h'`, `h` detached;
 //! 3. the caller's loss on leaf copies of them, backpropagated to `dL/dlp`, `dL/dent`;
-//! 4. per chunk, its logits again with gradients from `h'[chunk]`, backpropagating
-//!    `sum(lp·dL/dlp + ent·dL/dent)` into the head's weights and `h'.grad`;
-//! 5. `h'.grad` through `h`'s graph, then each tape's layer recompute.
+//! 4. per chunk, its logits again with gradients from a leaf `h'[chunk]`,
+//!    backpropagating `sum(lp·dL/dlp + ent·dL/dent)` into the head's weights and that
+//!    chunk of `dL/dh`;
+//! 5. `dL/dh` through `h`'s graph, then each tape's layer recompute.
 
 use crate::error::{EngineError, Result};
 use crate::model::{backward_with, Llama, Tape};
@@ -107,7 +108,7 @@ pub fn chunked_backward(
         targets,
         tapes,
     } = input;
-    let leaf = rows.detach().set_requires_grad(true);
+    let leaf = rows.detach();
     let (lp, ent) = tch::no_grad(|| head_scores(model, &leaf, &targets, temperature, chunk, true));
     let lp_leaf = lp.detach().set_requires_grad(true);
     let ent_leaf = ent.detach().set_requires_grad(true);
@@ -130,10 +131,15 @@ pub fn chunked_backward(
     l.f_backward()?;
     let (g_lp, g_ent) = (lp_leaf.grad(), ent_leaf.grad());
     let n = rows.size()[0];
+    // dL/drows, filled chunk by chunk: each chunk's rows are a leaf of their own, so a
+    // chunk's backward makes no gradient of all the rows' size.
+    let g = leaf.zeros_like();
+    let mut reached = false;
     for (s, len) in chunks(n, chunk) {
+        let hc = leaf.narrow(0, s, len).detach().set_requires_grad(true);
         let (lpc, entc) = chunk_scores(
             model,
-            &leaf.narrow(0, s, len),
+            &hc,
             &targets.narrow(0, s, len),
             temperature,
             g_ent.defined(),
@@ -148,11 +154,18 @@ pub fn chunked_backward(
         if surrogate.requires_grad() {
             surrogate.f_backward()?;
         }
+        let gc = hc.grad();
+        if gc.defined() {
+            g.narrow(0, s, len).copy_(&gc);
+            reached = true;
+        }
     }
-    let g = leaf.grad();
-    if g.defined() {
+    if reached {
         backward_with(&rows, &g);
     }
+    // The rows and their gradient are a hidden state's size each: gone before the
+    // layers' backward, which holds a hidden state per layer already.
+    drop((g, leaf, rows));
     for tape in tapes {
         tape.backward();
     }

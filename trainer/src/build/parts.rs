@@ -88,6 +88,7 @@ pub(crate) fn memory_options(job: &JobConfig) -> yatt_engine::MemoryOptions {
             Packing::Padded => yatt_engine::RowLayout::Padded,
             Packing::Packed => yatt_engine::RowLayout::Packed,
         },
+        ..Default::default()
     }
 }
 

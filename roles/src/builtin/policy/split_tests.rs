@@ -76,6 +76,7 @@ fn gradients_do_not_depend_on_the_split() {
             logprob_chunk_tokens: 7,
             activation_checkpointing: true,
             layout: RowLayout::Packed,
+            ..Default::default()
         };
         for (what, cfg, memory) in [
             ("2 micro-batches", cfg(7, 0), plain),
