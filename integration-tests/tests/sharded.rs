@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use yatt_integration_tests::{metric_of_steps, placed, poll, Cluster};
+use yatt_integration_tests::{metric_of_steps, placed, poll, Cluster, TrainProc};
 
 const CONFIG: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letters.toml");
 
@@ -29,6 +29,53 @@ fn rel(a: f64, b: f64) -> f64 {
     (a - b).abs() / a.abs().max(b.abs()).max(1e-3)
 }
 
+/// Every step's `keys` of run `got` within 1e-4 relative of run `want`'s, in each of
+/// `steps` steps (a metric left out of a step's line counts as 0).
+fn same_steps(want: &std::path::Path, got: &std::path::Path, keys: &[&str], steps: u64) {
+    for key in keys {
+        let of = |run| -> std::collections::BTreeMap<usize, f64> {
+            metric_of_steps(run, key).into_iter().collect()
+        };
+        let (want, got) = (of(want), of(got));
+        eprintln!("{key}: {want:?} vs {got:?}");
+        for step in 1..=steps as usize {
+            let (a, b) = (
+                want.get(&step).copied().unwrap_or(0.0),
+                got.get(&step).copied().unwrap_or(0.0),
+            );
+            assert!(rel(a, b) <= 1e-4, "{key} at step {step}: {a} vs {b}");
+        }
+    }
+}
+
+/// Waits until every node of `nodes` hosts an actor whose id contains one of `roles`
+/// (its `/health`'s `hosted` list); fails with the run's output otherwise.
+fn wait_hosted(
+    cluster: &Cluster,
+    run: &TrainProc,
+    nodes: std::ops::RangeInclusive<usize>,
+    roles: &[&str],
+) {
+    let hosted = poll(Duration::from_secs(60), || {
+        nodes
+            .clone()
+            .all(|i| {
+                cluster.nodes[i].health().is_some_and(|h| {
+                    let hosted = h["hosted"].to_string();
+                    roles.iter().any(|r| hosted.contains(r))
+                })
+            })
+            .then_some(())
+    });
+    assert!(
+        hosted.is_some(),
+        "the ranks are not on their nodes\n{}",
+        run.printed()
+    );
+}
+
+const STEP_KEYS: [&str; 3] = ["actor/pg_loss", "actor/grad_norm", "critic/rewards/mean"];
+
 #[test]
 fn four_ranks_on_four_nodes_take_the_steps_of_the_whole_policy() {
     const STEPS: u64 = 4;
@@ -41,37 +88,23 @@ fn four_ranks_on_four_nodes_take_the_steps_of_the_whole_policy() {
             cluster.spawn_train(CONFIG, &sharded(&prefix, STEPS, shards), out.path(), false);
         if shards > 1 {
             // Every rank lives on its own node while the run trains.
-            let hosted = poll(Duration::from_secs(60), || {
-                (1..=shards)
-                    .all(|i| {
-                        cluster.nodes[i].health().is_some_and(|h| {
-                            let hosted = h["hosted"].to_string();
-                            hosted.contains("/policy-rank/") || hosted.contains("/policy-sharded/")
-                        })
-                    })
-                    .then_some(())
-            });
-            assert!(
-                hosted.is_some(),
-                "the ranks are not on their nodes\n{}",
-                run.printed()
+            wait_hosted(
+                &cluster,
+                &run,
+                1..=shards,
+                &["/policy-rank/", "/policy-sharded/"],
             );
         }
         run.wait_success(Duration::from_secs(240), &cluster);
         runs.push(out);
     }
-    for key in ["actor/pg_loss", "actor/grad_norm", "critic/rewards/mean"] {
-        let (want, got) = (
-            metric_of_steps(runs[0].path(), key),
-            metric_of_steps(runs[1].path(), key),
+    for run in &runs {
+        assert_eq!(
+            metric_of_steps(run.path(), STEP_KEYS[0]).len(),
+            STEPS as usize
         );
-        eprintln!("{key}: {want:?} vs {got:?}");
-        assert_eq!(want.len(), STEPS as usize, "{key}");
-        assert_eq!(want.len(), got.len(), "{key}");
-        for ((step, a), (_, b)) in want.iter().zip(&got) {
-            assert!(rel(*a, *b) <= 1e-4, "{key} at step {step}: {a} vs {b}");
-        }
     }
+    same_steps(runs[0].path(), runs[1].path(), &STEP_KEYS, STEPS);
     let state = metric_of_steps(runs[1].path(), "memory/train_state_bytes");
     assert_eq!(state.len(), STEPS as usize, "{state:?}");
     // Every step's sync reached the rollout from the ranks themselves (each sends its
@@ -108,38 +141,22 @@ fn two_replicas_of_two_ranks_take_the_steps_of_two_whole_replicas() {
             "data.prompts_per_step=4".into(),
         ]);
         let mut run = cluster.spawn_train(CONFIG, &sets, out.path(), false);
-        let hosted = poll(Duration::from_secs(60), || {
-            (1..=nodes)
-                .all(|i| {
-                    cluster.nodes[i].health().is_some_and(|h| {
-                        let hosted = h["hosted"].to_string();
-                        ["/policy/", "/policy-rank/", "/policy-sharded/"]
-                            .iter()
-                            .any(|r| hosted.contains(r))
-                    })
-                })
-                .then_some(())
-        });
-        assert!(
-            hosted.is_some(),
-            "the ranks are not on their nodes\n{}",
-            run.printed()
+        wait_hosted(
+            &cluster,
+            &run,
+            1..=nodes,
+            &["/policy/", "/policy-rank/", "/policy-sharded/"],
         );
         run.wait_success(Duration::from_secs(300), &cluster);
         runs.push(out);
     }
-    for key in ["actor/pg_loss", "actor/grad_norm", "critic/rewards/mean"] {
-        let (want, got) = (
-            metric_of_steps(runs[0].path(), key),
-            metric_of_steps(runs[1].path(), key),
+    for run in &runs {
+        assert_eq!(
+            metric_of_steps(run.path(), STEP_KEYS[0]).len(),
+            STEPS as usize
         );
-        eprintln!("{key}: {want:?} vs {got:?}");
-        assert_eq!(want.len(), STEPS as usize, "{key}");
-        assert_eq!(want.len(), got.len(), "{key}");
-        for ((step, a), (_, b)) in want.iter().zip(&got) {
-            assert!(rel(*a, *b) <= 1e-4, "{key} at step {step}: {a} vs {b}");
-        }
     }
+    same_steps(runs[0].path(), runs[1].path(), &STEP_KEYS, STEPS);
     let sent = metric_of_steps(runs[1].path(), "perf/shard_replica_bytes");
     assert_eq!(sent.len(), STEPS as usize, "{sent:?}");
     assert!(sent.iter().all(|(_, v)| *v > 0.0), "{sent:?}");
@@ -184,32 +201,11 @@ fn a_reference_sharded_beside_the_policys_ranks_scores_as_a_whole_one() {
         run.wait_success(Duration::from_secs(240), &cluster);
         runs.push(out);
     }
-    for key in [
-        "actor/pg_loss",
-        "actor/grad_norm",
-        "critic/rewards/mean",
-        "actor/kl_loss",
-    ] {
-        // A KL of exactly 0 (the first step's) is left out of a step's metrics.
-        let of = |run: &tempfile::TempDir| -> std::collections::BTreeMap<usize, f64> {
-            metric_of_steps(run.path(), key).into_iter().collect()
-        };
-        let (want, got) = (of(&runs[0]), of(&runs[1]));
-        eprintln!("{key}: {want:?} vs {got:?}");
-        for step in 1..=STEPS as usize {
-            let (a, b) = (
-                want.get(&step).copied().unwrap_or(0.0),
-                got.get(&step).copied().unwrap_or(0.0),
-            );
-            assert!(rel(a, b) <= 1e-4, "{key} at step {step}: {a} vs {b}");
-        }
-        if key == "actor/kl_loss" {
-            assert!(
-                want.values().any(|&k| k > 0.0),
-                "no KL to compare: {want:?}"
-            );
-        }
-    }
+    let mut keys = STEP_KEYS.to_vec();
+    keys.push("actor/kl_loss");
+    same_steps(runs[0].path(), runs[1].path(), &keys, STEPS);
+    let kl = metric_of_steps(runs[0].path(), "actor/kl_loss");
+    assert!(kl.iter().any(|(_, k)| *k > 0.0), "no KL to compare: {kl:?}");
 }
 
 /// A rank's node killed mid-step (`kill -9`, after step 4, at whatever point of a step
@@ -274,15 +270,11 @@ fn a_ranks_node_killed_mid_step_stops_the_run_and_it_resumes_on_three_ranks() {
     sets.extend(deadlines.iter().cloned());
     let mut resumed = cluster.spawn_train(CONFIG, &sets, out.path(), true);
     resumed.wait_success(Duration::from_secs(240), &cluster);
-    for key in ["actor/pg_loss", "actor/grad_norm", "critic/rewards/mean"] {
-        let (want, got) = (
-            metric_of_steps(quiet.path(), key),
-            metric_of_steps(out.path(), key),
+    for run in [&quiet, &out] {
+        assert_eq!(
+            metric_of_steps(run.path(), STEP_KEYS[0]).len(),
+            STEPS as usize
         );
-        assert_eq!(want.len(), STEPS as usize, "{key}");
-        assert_eq!(want.len(), got.len(), "{key}: {got:?}");
-        for ((step, a), (_, b)) in want.iter().zip(&got) {
-            assert!(rel(*a, *b) <= 1e-4, "{key} at step {step}: {a} vs {b}");
-        }
     }
+    same_steps(quiet.path(), out.path(), &STEP_KEYS, STEPS);
 }

@@ -114,12 +114,7 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
             "policy-sharded",
             |node: &Node, name: &ActorName, a: ShardedArgs| {
                 let (node, name) = (node.clone(), name.clone());
-                async move {
-                    let job =
-                        JobConfig::parse(&a.role.job, "the job config sent by the controller", &[])
-                            .map_err(|e| e.to_string())?;
-                    start_sharded_policy(&node, &name, a, &job).await
-                }
+                async move { start_sharded_policy(&node, &name, a).await }
             },
         )
         // A sharded reference's rank 0 (`job.reference_shards > 1`); its other ranks
@@ -128,12 +123,7 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
             "reference-sharded",
             |node: &Node, name: &ActorName, a: ShardedArgs| {
                 let (node, name) = (node.clone(), name.clone());
-                async move {
-                    let job =
-                        JobConfig::parse(&a.role.job, "the job config sent by the controller", &[])
-                            .map_err(|e| e.to_string())?;
-                    start_sharded_reference(&node, &name, a, &job).await
-                }
+                async move { start_sharded_reference(&node, &name, a).await }
             },
         )
         .factory_with_node(

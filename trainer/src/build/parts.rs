@@ -84,6 +84,7 @@ pub(crate) fn memory_options(job: &JobConfig) -> yatt_engine::MemoryOptions {
     yatt_engine::MemoryOptions {
         logprob_chunk_tokens: job.model.logprob_chunk_tokens.max(1),
         activation_checkpointing: job.model.activation_checkpointing,
+        recompute_chunk_tokens: job.model.recompute_chunk_tokens.max(1),
         layout: match job.model.packing {
             Packing::Padded => yatt_engine::RowLayout::Padded,
             Packing::Packed => yatt_engine::RowLayout::Packed,

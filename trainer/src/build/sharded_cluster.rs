@@ -38,6 +38,14 @@ pub struct ShardedArgs {
     pub replica: u32,
 }
 
+impl ShardedArgs {
+    /// The job these arguments carry.
+    fn job(&self) -> Result<JobConfig, String> {
+        JobConfig::parse(&self.role.job, "the job config sent by the controller", &[])
+            .map_err(|e| e.to_string())
+    }
+}
+
 /// What a node needs to start one rank (1..N) of a sharded policy replica.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RankArgs {
@@ -136,8 +144,8 @@ pub(crate) async fn start_sharded_policy(
     node: &Node,
     name: &ActorName,
     args: ShardedArgs,
-    job: &JobConfig,
 ) -> Result<RoleActor<ShardedPolicyRole>, String> {
+    let job = &args.job()?;
     // One node per rank, in rank order (one name: every rank there), replica by replica.
     let (n, replicas) = (job.job.policy_shards, job.job.policy_replicas);
     let first = args.replica as usize * n;
@@ -207,8 +215,8 @@ pub(crate) async fn start_sharded_reference(
     node: &Node,
     name: &ActorName,
     args: ShardedArgs,
-    job: &JobConfig,
 ) -> Result<RoleActor<ShardedReferenceRole>, String> {
+    let job = &args.job()?;
     let n = job.job.reference_shards;
     let nodes = job.placement.policy_nodes(n);
     let nodes = nodes.get(..n).ok_or_else(|| {

@@ -142,9 +142,15 @@ pub struct ModelSection {
     /// logits never exist whole.
     pub logprob_chunk_tokens: usize,
     /// Layer recompute in the policy's update: keep only each decoder layer's input and
-    /// run the layer again in backward (about a third more compute; activation memory
-    /// of one layer instead of all).
+    /// run the layer again in backward (about a third more compute). The recomputed
+    /// layer runs a few whole sequences at a time (up to `recompute_chunk_tokens`, or
+    /// one longer sequence) and its MLP in chunks of that many tokens, so its
+    /// activations stay bounded however long the micro-batch.
     pub activation_checkpointing: bool,
+    /// Tokens per part of a recomputed layer, and per chunk of its MLP (with
+    /// `activation_checkpointing`). Smaller holds less at once; a micro-batch that fits
+    /// in one part gives bit-identical gradients, a split one differs by float rounding.
+    pub recompute_chunk_tokens: usize,
     /// How a micro-batch's sequences are laid out for scoring and training: `padded`
     /// (one row each, a GRPO group's prompt run once) or `packed` (back to back in one
     /// row, attention confined to each: no padding on long-tail lengths).
@@ -218,6 +224,7 @@ impl Default for ModelSection {
             lora: None,
             logprob_chunk_tokens: yatt_engine::score::DEFAULT_CHUNK_TOKENS,
             activation_checkpointing: false,
+            recompute_chunk_tokens: yatt_engine::score::DEFAULT_CHUNK_TOKENS,
             packing: Packing::Padded,
         }
     }

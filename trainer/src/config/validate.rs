@@ -69,6 +69,22 @@ impl JobConfig {
             self.model.threads as f64,
             "threads = 1 or more",
         )?;
+        for (key, v) in [
+            (
+                "model.logprob_chunk_tokens",
+                self.model.logprob_chunk_tokens,
+            ),
+            (
+                "model.recompute_chunk_tokens",
+                self.model.recompute_chunk_tokens,
+            ),
+        ] {
+            positive(
+                key,
+                v as f64,
+                "tokens per chunk, 1 or more (1024 by default)",
+            )?;
+        }
         let t = &self.timeouts;
         for (key, v) in [
             ("timeouts.generate_s", t.generate_s),

@@ -9,7 +9,7 @@
 use std::sync::mpsc::{sync_channel, RecvTimeoutError, SyncSender};
 use std::time::{Duration, Instant};
 
-use yatt_engine::{LocalGroup, ShardedTrainer};
+use yatt_engine::{EngineError, Llama, LocalGroup, ShardedTrainer};
 use yatt_runtime::ActorRef;
 
 use super::config::PolicyConfig;
@@ -58,6 +58,33 @@ pub(super) struct Ranks {
 /// How a replica's ranks meet: the deadline of each collective between them.
 pub(super) fn groups(shards: usize, collective: Duration) -> Vec<LocalGroup> {
     LocalGroup::new(shards, collective)
+}
+
+/// `model` sharded over `shards` rank threads' groups (each collective bounded by
+/// `collective`) by `shard`: the last rank
+/// shards the model itself, the others a copy each, all made here before any rank
+/// thread runs (so every rank starts from the same weights).
+pub(super) fn shard_copies(
+    model: Llama,
+    (shards, collective): (usize, Duration),
+    what: &str,
+    shard: impl Fn(Llama, LocalGroup) -> Result<ShardedTrainer, EngineError>,
+) -> Result<Vec<ShardedTrainer>, RoleError> {
+    let (device, kind) = (model.device(), model.kind());
+    let failed = |doing: &str, e: EngineError| RoleError::Failed(format!("{doing} {what}: {e}"));
+    let mut trainers = Vec::with_capacity(shards);
+    let mut whole = Some(model);
+    for (rank, group) in groups(shards, collective).into_iter().enumerate() {
+        let last = whole.as_ref().expect("the model until the last rank");
+        let m = match rank + 1 == shards {
+            true => whole.take().expect("the model until the last rank"),
+            false => last
+                .deep_copy(device, kind)
+                .map_err(|e| failed("copying for a shard", e))?,
+        };
+        trainers.push(shard(m, group).map_err(|e| failed("sharding", e))?);
+    }
+    Ok(trainers)
 }
 
 impl Ranks {

@@ -9,7 +9,7 @@
 //! started frozen. It keeps the weights it was built with (the run's initial model):
 //! the first weight sync does not load it.
 
-use tch::{Device, Kind};
+use tch::Device;
 use yatt_engine::{check_shards, model_layout, Llama, ShardedTrainer};
 
 use super::config::PolicyConfig;
@@ -38,27 +38,12 @@ impl ShardedReferenceRole {
     ) -> Result<Self, RoleError> {
         check_shards(&model.config, start.shards)
             .map_err(|e| RoleError::BadRequest(format!("job.reference_shards: {e}")))?;
-        let (device, kind) = (model.device(), model.kind());
-        let mut trainers = Vec::with_capacity(start.shards);
-        let mut whole = Some(model);
-        for (rank, group) in ranks::groups(start.shards, start.collective)
-            .into_iter()
-            .enumerate()
-        {
-            // The last rank shards the model itself, the others a copy each.
-            let m = match rank + 1 == start.shards {
-                true => whole.take().expect("the model until the last rank"),
-                false => copy(
-                    whole.as_ref().expect("the model until the last rank"),
-                    device,
-                    kind,
-                )?,
-            };
-            trainers.push(
-                ShardedTrainer::frozen(m, Box::new(group))
-                    .map_err(|e| RoleError::Failed(format!("sharding the reference: {e}")))?,
-            );
-        }
+        let trainers = ranks::shard_copies(
+            model,
+            (start.shards, start.collective),
+            "the reference",
+            |m, group| ShardedTrainer::frozen(m, Box::new(group)),
+        )?;
         Self::assemble(trainers, None, config, start)
     }
 
@@ -107,12 +92,6 @@ impl ShardedReferenceRole {
     pub fn shards(&self) -> usize {
         self.ranks.len()
     }
-}
-
-fn copy(model: &Llama, device: Device, kind: Kind) -> Result<Llama, RoleError> {
-    model
-        .deep_copy(device, kind)
-        .map_err(|e| RoleError::Failed(format!("copying the reference for a shard: {e}")))
 }
 
 impl Role for ShardedReferenceRole {

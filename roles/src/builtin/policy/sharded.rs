@@ -83,27 +83,12 @@ impl ShardedPolicyRole {
     ) -> Result<Self, RoleError> {
         config.check()?;
         check_shards(&model.config, start.shards).map_err(bad_shards)?;
-        let (device, kind) = (model.device(), model.kind());
-        let mut trainers = Vec::with_capacity(start.shards);
-        let mut whole = Some(model);
-        for (rank, group) in ranks::groups(start.shards, start.collective)
-            .into_iter()
-            .enumerate()
-        {
-            // The last rank shards the model itself; the others a copy each, made here,
-            // before any rank thread runs.
-            let m = match rank + 1 == start.shards {
-                true => whole.take().expect("the model until the last rank"),
-                false => whole
-                    .as_ref()
-                    .expect("the model until the last rank")
-                    .deep_copy(device, kind)
-                    .map_err(engine("copying the policy for a shard"))?,
-            };
-            let t = ShardedTrainer::new(m, train.clone(), Box::new(group))
-                .map_err(engine("sharding the policy"))?;
-            trainers.push(t);
-        }
+        let trainers = ranks::shard_copies(
+            model,
+            (start.shards, start.collective),
+            "the policy",
+            |m, group| ShardedTrainer::new(m, train.clone(), Box::new(group)),
+        )?;
         Self::assemble(trainers, None, config, start.deadline)
     }
 
