@@ -226,7 +226,7 @@ impl Llama {
 impl Tape<'_> {
     /// Finishes the backward pass once the gradient of the loss has reached the output
     /// (the hidden states `hidden_recompute` returned have been backpropagated): layer
-    /// by layer in reverse ([`Llama::layer_backward_in_parts`]), then into the
+    /// by layer in reverse (`Llama::layer_backward_in_parts`), then into the
     /// embeddings (looked up again: cheaper than keeping them).
     pub fn backward(self) {
         let mut g = self.last.grad();
