@@ -13,12 +13,18 @@ const CONFIG: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/demo-letter
 /// The job on nodes `PREFIX-0..`: rollout, reward and reference on node 0, the policy's
 /// ranks on nodes 1..=shards (the whole policy on node 1 at one shard).
 fn sharded(prefix: &str, steps: u64, shards: usize) -> Vec<String> {
+    policy_on(prefix, steps, shards, shards)
+}
+
+/// [`sharded`] with the policy's ranks (of every replica) on nodes 1..=nodes, each
+/// replica over `shards` of them.
+fn policy_on(prefix: &str, steps: u64, nodes: usize, shards: usize) -> Vec<String> {
     let mut sets = placed(
         prefix,
         steps,
         &[("rollout", 0), ("reward", 0), ("reference", 0)],
     );
-    let nodes: Vec<String> = (1..=shards).map(|i| format!("\"{prefix}-{i}\"")).collect();
+    let nodes: Vec<String> = (1..=nodes).map(|i| format!("\"{prefix}-{i}\"")).collect();
     sets.push(format!("placement.policy=[{}]", nodes.join(", ")));
     sets.push(format!("job.policy_shards={shards}"));
     sets
@@ -46,6 +52,14 @@ fn same_steps(want: &std::path::Path, got: &std::path::Path, keys: &[&str], step
             assert!(rel(a, b) <= 1e-4, "{key} at step {step}: {a} vs {b}");
         }
     }
+}
+
+/// [`same_steps`] for two runs that each logged every one of `steps` steps.
+fn same_runs(want: &std::path::Path, got: &std::path::Path, steps: u64) {
+    for run in [want, got] {
+        assert_eq!(metric_of_steps(run, STEP_KEYS[0]).len(), steps as usize);
+    }
+    same_steps(want, got, &STEP_KEYS, steps);
 }
 
 /// Waits until every node of `nodes` hosts an actor whose id contains one of `roles`
@@ -98,13 +112,7 @@ fn four_ranks_on_four_nodes_take_the_steps_of_the_whole_policy() {
         run.wait_success(Duration::from_secs(240), &cluster);
         runs.push(out);
     }
-    for run in &runs {
-        assert_eq!(
-            metric_of_steps(run.path(), STEP_KEYS[0]).len(),
-            STEPS as usize
-        );
-    }
-    same_steps(runs[0].path(), runs[1].path(), &STEP_KEYS, STEPS);
+    same_runs(runs[0].path(), runs[1].path(), STEPS);
     let state = metric_of_steps(runs[1].path(), "memory/train_state_bytes");
     assert_eq!(state.len(), STEPS as usize, "{state:?}");
     // Every step's sync reached the rollout from the ranks themselves (each sends its
@@ -127,14 +135,7 @@ fn two_replicas_of_two_ranks_take_the_steps_of_two_whole_replicas() {
         let nodes = 2 * shards;
         let cluster = Cluster::start(&prefix, nodes + 1);
         let out = tempfile::tempdir().unwrap();
-        let mut sets = placed(
-            &prefix,
-            STEPS,
-            &[("rollout", 0), ("reward", 0), ("reference", 0)],
-        );
-        let names: Vec<String> = (1..=nodes).map(|i| format!("\"{prefix}-{i}\"")).collect();
-        sets.push(format!("placement.policy=[{}]", names.join(", ")));
-        sets.push(format!("job.policy_shards={shards}"));
+        let mut sets = policy_on(&prefix, STEPS, nodes, shards);
         sets.extend([
             "job.controllers=2".to_string(),
             "job.policy_replicas=2".into(),
@@ -150,13 +151,7 @@ fn two_replicas_of_two_ranks_take_the_steps_of_two_whole_replicas() {
         run.wait_success(Duration::from_secs(300), &cluster);
         runs.push(out);
     }
-    for run in &runs {
-        assert_eq!(
-            metric_of_steps(run.path(), STEP_KEYS[0]).len(),
-            STEPS as usize
-        );
-    }
-    same_steps(runs[0].path(), runs[1].path(), &STEP_KEYS, STEPS);
+    same_runs(runs[0].path(), runs[1].path(), STEPS);
     let sent = metric_of_steps(runs[1].path(), "perf/shard_replica_bytes");
     assert_eq!(sent.len(), STEPS as usize, "{sent:?}");
     assert!(sent.iter().all(|(_, v)| *v > 0.0), "{sent:?}");
@@ -270,11 +265,5 @@ fn a_ranks_node_killed_mid_step_stops_the_run_and_it_resumes_on_three_ranks() {
     sets.extend(deadlines.iter().cloned());
     let mut resumed = cluster.spawn_train(CONFIG, &sets, out.path(), true);
     resumed.wait_success(Duration::from_secs(240), &cluster);
-    for run in [&quiet, &out] {
-        assert_eq!(
-            metric_of_steps(run.path(), STEP_KEYS[0]).len(),
-            STEPS as usize
-        );
-    }
-    same_steps(quiet.path(), out.path(), &STEP_KEYS, STEPS);
+    same_runs(quiet.path(), out.path(), STEPS);
 }

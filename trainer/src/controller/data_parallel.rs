@@ -364,30 +364,15 @@ async fn join_whole_ring(
     members: Vec<ActorId>,
     chunk_bytes: u64,
 ) -> Result<(), ControllerError> {
-    const STAGE: &str = "join_policy_ring";
-    let joins = controllers.iter().enumerate().map(|(rank, c)| {
-        let spec = RingSpec {
+    ask_to_join(controllers, "JoinRing", |rank, c| {
+        PolicyRequest::JoinRing(RingSpec {
             rank: rank as u32,
             members: members.clone(),
             timeout: c.config.timeouts.train,
             chunk_bytes,
-        };
-        async move {
-            match c
-                .serve_policy(
-                    PolicyRequest::JoinRing(spec),
-                    STAGE,
-                    c.config.timeouts.train,
-                )
-                .await?
-            {
-                PolicyResponse::Joined => Ok(()),
-                other => Err(c.protocol("policy", "JoinRing", format!("{other:?}"))),
-            }
-        }
-    });
-    futures::future::try_join_all(joins).await?;
-    Ok(())
+        })
+    })
+    .await
 }
 
 /// Replicas of a sharded policy (HSDP): `inboxes[i][r]` is rank `r` of replica `i`;
@@ -397,7 +382,6 @@ async fn join_shard_rings(
     inboxes: Vec<Vec<ActorId>>,
     chunk_bytes: u64,
 ) -> Result<(), ControllerError> {
-    const STAGE: &str = "join_policy_ring";
     let shards = inboxes[0].len();
     if inboxes.len() != controllers.len() || inboxes.iter().any(|r| r.len() != shards) {
         let counts: Vec<usize> = inboxes.iter().map(Vec::len).collect();
@@ -406,26 +390,38 @@ async fn join_shard_rings(
             controllers.len()
         )));
     }
+    ask_to_join(controllers, "JoinShardRings", |i, c| {
+        PolicyRequest::JoinShardRings(
+            (0..shards)
+                .map(|r| RingSpec {
+                    rank: i as u32,
+                    members: inboxes.iter().map(|replica| replica[r].clone()).collect(),
+                    timeout: c.config.timeouts.collective,
+                    chunk_bytes,
+                })
+                .collect(),
+        )
+    })
+    .await
+}
+
+/// Asks every head's replica at once to join what `join(head, controller)` asks
+/// (`asked` names it); each must answer `Joined` within the train deadline.
+async fn ask_to_join(
+    controllers: &[Controller],
+    asked: &'static str,
+    join: impl Fn(usize, &Controller) -> PolicyRequest,
+) -> Result<(), ControllerError> {
+    const STAGE: &str = "join_policy_ring";
     let joins = controllers.iter().enumerate().map(|(i, c)| {
-        let specs: Vec<RingSpec> = (0..shards)
-            .map(|r| RingSpec {
-                rank: i as u32,
-                members: inboxes.iter().map(|replica| replica[r].clone()).collect(),
-                timeout: c.config.timeouts.collective,
-                chunk_bytes,
-            })
-            .collect();
+        let request = join(i, c);
         async move {
             match c
-                .serve_policy(
-                    PolicyRequest::JoinShardRings(specs),
-                    STAGE,
-                    c.config.timeouts.train,
-                )
+                .serve_policy(request, STAGE, c.config.timeouts.train)
                 .await?
             {
                 PolicyResponse::Joined => Ok(()),
-                other => Err(c.protocol("policy", "JoinShardRings", format!("{other:?}"))),
+                other => Err(c.protocol("policy", asked, format!("{other:?}"))),
             }
         }
     });
