@@ -5,7 +5,10 @@
 //!   that is accepted at once (not left waiting in the kernel's backlog) and makes room
 //!   by shedding the connection that has waited longest without being answered (idle,
 //!   or still sending its request); when every connection is being answered, it gets a
-//!   `503` with `Retry-After: 1` and is closed;
+//!   `503` with `Retry-After: 1` and is closed. A shed connection keeps its socket
+//!   until its task runs, so at most [`SHED_CLOSING`] may be closing at once: past
+//!   that, the newcomer waits (up to [`SHED_WAIT`]) for one of them to close. Sockets
+//!   stay under `MAX_CONNECTIONS + SHED_CLOSING + 1` however slowly tasks run;
 //! - a request must arrive whole within [`REQUEST_TIMEOUT`] of its first byte, however
 //!   steadily its bytes drip in;
 //! - a connection with no request for [`IDLE_TIMEOUT`] is closed;
@@ -31,6 +34,10 @@ use tokio::time::{Instant, Sleep};
 
 /// Connections served at once; one more sheds the longest-waiting of them.
 pub const MAX_CONNECTIONS: usize = 256;
+/// Shed connections whose sockets may still be open at once.
+pub const SHED_CLOSING: usize = 4;
+/// How long a newcomer waits for a shed connection to close before its `503`.
+pub const SHED_WAIT: Duration = Duration::from_secs(1);
 /// From a request's first byte to the start of its answer. A browser sends a request
 /// head in one packet; a few seconds leave room for a slow link, and a client that
 /// drips a byte now and then is closed this long after it began.
@@ -76,44 +83,97 @@ struct Slot {
 /// The connections being served.
 #[derive(Default)]
 struct Table {
-    slots: Mutex<(u64, HashMap<u64, Arc<Slot>>)>,
+    slots: Mutex<Slots>,
+    /// Told each time a shed connection's socket closes.
+    shed_closed: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct Slots {
+    last_id: u64,
+    open: HashMap<u64, Arc<Slot>>,
+    /// Shed, out of `open`, and not yet dropped: each still holds its socket.
+    shed_closing: usize,
+}
+
+/// What [`Table::admit`] makes of a new connection.
+enum Admission {
+    Admitted(u64, Arc<Slot>),
+    /// Every connection is being answered: nothing can be shed.
+    Full,
+    /// [`SHED_CLOSING`] shed connections have yet to close their sockets.
+    WaitForShed,
 }
 
 impl Table {
-    fn lock(&self) -> std::sync::MutexGuard<'_, (u64, HashMap<u64, Arc<Slot>>)> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Slots> {
         self.slots.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// A place for a new connection, shedding the longest-waiting connection when the
-    /// table is full; `None` when it is full of connections being answered.
-    fn admit(&self, now_ms: u64) -> Option<(u64, Arc<Slot>)> {
+    /// table is full.
+    fn admit(&self, now_ms: u64) -> Admission {
         let mut t = self.lock();
-        if t.1.len() >= MAX_CONNECTIONS {
-            let oldest =
-                t.1.iter()
-                    .filter(|(_, s)| !s.writing.load(Ordering::Relaxed))
-                    .min_by_key(|(_, s)| s.waiting_since.load(Ordering::Relaxed))
-                    .map(|(id, _)| *id)?;
-            if let Some(s) = t.1.remove(&oldest) {
+        if t.open.len() >= MAX_CONNECTIONS {
+            if t.shed_closing >= SHED_CLOSING {
+                return Admission::WaitForShed;
+            }
+            let Some(oldest) = t
+                .open
+                .iter()
+                .filter(|(_, s)| !s.writing.load(Ordering::Relaxed))
+                .min_by_key(|(_, s)| s.waiting_since.load(Ordering::Relaxed))
+                .map(|(id, _)| *id)
+            else {
+                return Admission::Full;
+            };
+            if let Some(s) = t.open.remove(&oldest) {
+                t.shed_closing += 1;
                 s.shed.store(true, Ordering::Relaxed);
                 let waker = s.waker.lock().unwrap_or_else(|p| p.into_inner()).take();
                 waker.map(Waker::wake);
             }
         }
-        t.0 += 1;
-        let id = t.0;
+        t.last_id += 1;
+        let id = t.last_id;
         let slot = Arc::new(Slot {
             waiting_since: AtomicU64::new(now_ms),
             writing: AtomicBool::new(false),
             shed: AtomicBool::new(false),
             waker: Mutex::new(None),
         });
-        t.1.insert(id, slot.clone());
-        Some((id, slot))
+        t.open.insert(id, slot.clone());
+        Admission::Admitted(id, slot)
     }
 
+    /// A connection's socket closed.
     fn remove(&self, id: u64) {
-        self.lock().1.remove(&id);
+        let mut t = self.lock();
+        if t.open.remove(&id).is_none() {
+            // Only shedding takes a connection out before its drop.
+            t.shed_closing -= 1;
+            drop(t);
+            self.shed_closed.notify_one();
+        }
+    }
+
+    /// Admits a new connection, waiting up to [`SHED_WAIT`] for shed sockets to close;
+    /// `None` when there is no room.
+    async fn admit_waiting(&self, epoch: Instant) -> Option<(u64, Arc<Slot>)> {
+        let give_up = Instant::now() + SHED_WAIT;
+        loop {
+            match self.admit(epoch.elapsed().as_millis() as u64) {
+                Admission::Admitted(id, slot) => return Some((id, slot)),
+                Admission::Full => return None,
+                // `notify_one` keeps a permit when no one waits, so a close between
+                // `admit` and here is not missed.
+                Admission::WaitForShed => {
+                    tokio::time::timeout_at(give_up, self.shed_closed.notified())
+                        .await
+                        .ok()?;
+                }
+            }
+        }
     }
 }
 
@@ -141,8 +201,7 @@ impl axum::serve::Listener for Bounded {
                     continue;
                 }
             };
-            let now_ms = self.epoch.elapsed().as_millis() as u64;
-            let Some((id, slot)) = self.table.admit(now_ms) else {
+            let Some((id, slot)) = self.table.admit_waiting(self.epoch).await else {
                 // A fresh socket's send buffer takes these few bytes at once; whatever
                 // does not fit is not worth waiting for.
                 let _ = stream.try_write(FULL);
@@ -344,25 +403,76 @@ impl AsyncWrite for Conn {
 mod tests {
     use super::*;
 
+    fn admitted(a: Admission) -> (u64, Arc<Slot>) {
+        match a {
+            Admission::Admitted(id, slot) => (id, slot),
+            Admission::Full => panic!("refused: full"),
+            Admission::WaitForShed => panic!("refused: waiting for shed connections"),
+        }
+    }
+
+    fn full_table() -> (Table, Vec<(u64, Arc<Slot>)>) {
+        let t = Table::default();
+        let slots = (0..MAX_CONNECTIONS as u64)
+            .map(|i| admitted(t.admit(1000 + i)))
+            .collect();
+        (t, slots)
+    }
+
     #[test]
     fn a_full_table_sheds_the_longest_waiting_connection_that_is_not_being_answered() {
-        let t = Table::default();
-        let mut slots = Vec::new();
-        for i in 0..MAX_CONNECTIONS as u64 {
-            slots.push(t.admit(1000 + i).expect("room"));
-        }
+        let (t, slots) = full_table();
         // The oldest is mid-answer: the next oldest goes.
         slots[0].1.writing.store(true, Ordering::Relaxed);
-        let (_, new) = t.admit(5000).expect("room made");
+        let (_, new) = admitted(t.admit(5000));
         assert!(!slots[0].1.shed.load(Ordering::Relaxed));
         assert!(slots[1].1.shed.load(Ordering::Relaxed));
         assert!(!new.shed.load(Ordering::Relaxed));
-        assert_eq!(t.lock().1.len(), MAX_CONNECTIONS);
+        assert_eq!(t.lock().open.len(), MAX_CONNECTIONS);
         // Every connection being answered: no room, the newcomer is refused.
-        for (_, s) in t.lock().1.iter() {
+        for s in t.lock().open.values() {
             s.writing.store(true, Ordering::Relaxed);
         }
-        assert!(t.admit(6000).is_none());
-        assert_eq!(t.lock().1.len(), MAX_CONNECTIONS);
+        assert!(matches!(t.admit(6000), Admission::Full));
+        assert_eq!(t.lock().open.len(), MAX_CONNECTIONS);
+    }
+
+    // Regression: CI saw 274 sockets open with a limit of 256, when shed connections'
+    // tasks ran late on a loaded machine and newcomers kept shedding more.
+    #[test]
+    fn newcomers_wait_while_too_many_shed_connections_still_hold_their_sockets() {
+        let (t, slots) = full_table();
+        for i in 0..SHED_CLOSING as u64 {
+            admitted(t.admit(5000 + i));
+        }
+        assert!(matches!(t.admit(6000), Admission::WaitForShed));
+        // One shed connection's task runs and drops it: one newcomer gets in.
+        t.remove(slots[0].0);
+        admitted(t.admit(6001));
+        assert!(matches!(t.admit(6002), Admission::WaitForShed));
+        assert_eq!(t.lock().open.len(), MAX_CONNECTIONS);
+        assert_eq!(t.lock().shed_closing, SHED_CLOSING);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_newcomer_past_the_shed_connections_gets_in_when_one_closes_or_gives_up() {
+        let (t, slots) = full_table();
+        for i in 0..SHED_CLOSING as u64 {
+            admitted(t.admit(5000 + i));
+        }
+        let t = Arc::new(t);
+        let epoch = Instant::now();
+        // Nothing closes: refused after SHED_WAIT.
+        let started = Instant::now();
+        assert!(t.admit_waiting(epoch).await.is_none());
+        assert_eq!(started.elapsed(), SHED_WAIT);
+        // A shed socket closes while the newcomer waits: it gets in.
+        let waiting = tokio::spawn({
+            let t = t.clone();
+            async move { t.admit_waiting(epoch).await.map(|(id, _)| id) }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        t.remove(slots[1].0);
+        assert!(waiting.await.unwrap().is_some());
     }
 }

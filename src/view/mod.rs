@@ -33,7 +33,9 @@ use tokio::sync::Semaphore;
 use yatt_runtime::Node;
 
 pub use cluster::{cluster_json, ClusterEvent, ClusterEvents, EventKind, EVENT_CAPACITY};
-pub use listener::{serve, IDLE_TIMEOUT, MAX_CONNECTIONS, REQUEST_TIMEOUT, WRITE_TIMEOUT};
+pub use listener::{
+    serve, IDLE_TIMEOUT, MAX_CONNECTIONS, REQUEST_TIMEOUT, SHED_CLOSING, SHED_WAIT, WRITE_TIMEOUT,
+};
 pub use run::{RunEvent, RunEventKind, RunSource, MAX_EVENTS, MAX_STEPS};
 
 /// Longest query string accepted.
