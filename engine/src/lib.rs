@@ -80,7 +80,7 @@ pub use shard::{
     check_shards, is_sharded_checkpoint, load_sharded_weights, merge_sharded_checkpoint,
     model_layout, moved_bytes_per_micro_batch, random_model_by_units, random_unit, reshard,
     shard_len, shard_of, unit_slice_name, write_unit_slices, CommStats, LocalGroup, ParamSlot,
-    ReduceOp, ShardGroup, ShardedStepStats, ShardedTrainer, UnitLayout, PREFETCH_DEPTH,
+    RankState, ReduceOp, ShardGroup, ShardedStepStats, ShardedTrainer, UnitLayout, PREFETCH_DEPTH,
 };
 pub use tch;
 pub use tokenizer::{render_chat_template, ChatMessage, Tokenizer};

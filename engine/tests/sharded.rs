@@ -13,7 +13,7 @@ use yatt_engine::fixtures::sharded::{
 };
 use yatt_engine::{
     merge_sharded_checkpoint, model_layout, moved_bytes_per_micro_batch, test_devices, Llama,
-    LocalGroup, ModelConfig, ShardedStepStats, ShardedTrainer, PREFETCH_DEPTH,
+    LocalGroup, ModelConfig, RankState, ShardedStepStats, ShardedTrainer, PREFETCH_DEPTH,
 };
 
 /// `world` ranks, rank r training on micro-batches r, r+world, ... of steps `steps`;
@@ -395,6 +395,109 @@ fn sharded_checkpoints_resume_on_another_rank_count() {
         let d = max_rel(&next_w, &whole_w);
         assert!(d < 1e-5, "{from}->{to}: weights differ by {d:e} relative");
     }
+}
+
+/// `world` ranks built by `start` train steps `steps`, then hand their states over.
+fn run_and_hand_over(
+    world: usize,
+    device: Device,
+    steps: std::ops::Range<usize>,
+    n: usize,
+    start: impl Fn(LocalGroup) -> ShardedTrainer,
+) -> (Vec<Vec<ShardedStepStats>>, Vec<RankState>) {
+    let trainers: Vec<ShardedTrainer> = LocalGroup::new(world, Duration::from_secs(120))
+        .into_iter()
+        .map(start)
+        .collect();
+    let handles: Vec<_> = trainers
+        .into_iter()
+        .enumerate()
+        .map(|(rank, mut tr)| {
+            let steps = steps.clone();
+            thread::spawn(move || {
+                let stats = train_rank(&mut tr, rank, world, steps, n, device);
+                (stats, tr.into_rank_state().unwrap())
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).unzip()
+}
+
+fn resharded(old: &[RankState], g: LocalGroup) -> ShardedTrainer {
+    ShardedTrainer::from_rank_states(old, Box::new(g)).unwrap()
+}
+
+/// The live placement's reshard: a replica of 4 ranks hands its states over to 3 new
+/// ranks in memory after 2 steps, and those to 4 again after the third; each next
+/// step's loss and the final weights are the uninterrupted 4-rank run's within 1e-5,
+/// and the step count carries over.
+#[test]
+fn a_running_replica_reshards_in_memory_and_takes_the_same_steps() {
+    let (_, config) = configs().remove(0);
+    let dev = Device::Cpu;
+    let n = 4;
+    let (whole, whole_w) = sharded(&config, dev, 4, 4, n);
+    let fresh = |g: LocalGroup| {
+        ShardedTrainer::new(model(&config, dev), train_config(), Box::new(g)).unwrap()
+    };
+    let (_, four) = run_and_hand_over(4, dev, 0..2, n, fresh);
+    assert!(four.iter().all(|s| s.step_count() == 2));
+    let (three_stats, three) = run_and_hand_over(3, dev, 2..3, n, |g| resharded(&four, g));
+    let (four_stats, four_again) = run_and_hand_over(4, dev, 3..4, n, |g| resharded(&three, g));
+    for (got, want) in [
+        (&three_stats[0][0].step, &whole[0][2].step),
+        (&four_stats[0][0].step, &whole[0][3].step),
+    ] {
+        assert!(
+            rel(got.loss, want.loss) < 1e-5 && rel(got.grad_norm, want.grad_norm) < 1e-5,
+            "step {}: loss {} vs {}, grad norm {} vs {}",
+            got.step,
+            got.loss,
+            want.loss,
+            got.grad_norm,
+            want.grad_norm
+        );
+    }
+    assert_eq!(four_stats[0][0].step.step, 4);
+    // The resharded run's weights, gathered by a last replica of 2 ranks.
+    let last: Vec<ShardedTrainer> = LocalGroup::new(2, Duration::from_secs(60))
+        .into_iter()
+        .map(|g| ShardedTrainer::from_rank_states(&four_again, Box::new(g)).unwrap())
+        .collect();
+    let gathering: Vec<_> = last
+        .into_iter()
+        .map(|mut tr| thread::spawn(move || tr.full_weights().unwrap()))
+        .collect();
+    let weights: Vec<_> = gathering.into_iter().map(|h| h.join().unwrap()).collect();
+    let d = max_rel(&weights[0], &whole_w);
+    assert!(d < 1e-5, "resharded weights differ by {d:e} relative");
+}
+
+/// Handing over refuses what cannot be resharded, naming it: no states, a rank
+/// missing, and ranks at different steps.
+#[test]
+fn resharding_refuses_missing_and_mismatched_rank_states() {
+    let (_, config) = configs().remove(0);
+    let dev = Device::Cpu;
+    let fresh = |g: LocalGroup| {
+        ShardedTrainer::new(model(&config, dev), train_config(), Box::new(g)).unwrap()
+    };
+    let (_, mut one_step) = run_and_hand_over(2, dev, 0..1, 2, fresh);
+    let (_, mut two_steps) = run_and_hand_over(2, dev, 0..2, 2, fresh);
+    let refused = |old: &[RankState]| {
+        let g = LocalGroup::new(1, Duration::from_secs(10)).remove(0);
+        match ShardedTrainer::from_rank_states(old, Box::new(g)) {
+            Ok(_) => panic!("resharded what it should refuse"),
+            Err(e) => e.to_string(),
+        }
+    };
+    let e = refused(&[]);
+    assert!(e.contains("old ranks' states"), "{e}");
+    let e = refused(&one_step[..1]);
+    assert!(e.contains("all 2 old ranks"), "{e}");
+    let mixed = [one_step.remove(0), two_steps.remove(1)];
+    let e = refused(&mixed);
+    assert!(e.contains("at one step"), "{e}");
 }
 
 /// `merge_sharded_checkpoint` writes an HF directory that transformers loads, with

@@ -7,6 +7,7 @@ mod group;
 mod init;
 mod layout;
 mod persist;
+mod regroup;
 mod score;
 mod slices;
 mod trainer;
@@ -17,5 +18,6 @@ pub use layout::{
     model_layout, moved_bytes_per_micro_batch, reshard, shard_len, shard_of, ParamSlot, UnitLayout,
 };
 pub use persist::{is_sharded_checkpoint, load_sharded_weights, merge_sharded_checkpoint};
+pub use regroup::RankState;
 pub use slices::{unit_slice_name, write_unit_slices};
 pub use trainer::{check_shards, CommStats, ShardedStepStats, ShardedTrainer, PREFETCH_DEPTH};
