@@ -208,7 +208,8 @@ impl Role for FakePolicy {
             | PolicyRequest::ExportState
             | PolicyRequest::ImportState(_)
             | PolicyRequest::GradientGroup { .. }
-            | PolicyRequest::JoinGradientGroup(_) => {
+            | PolicyRequest::JoinGradientGroup(_)
+            | PolicyRequest::Reshard { .. } => {
                 return Err(RoleError::Unsupported {
                     role: "policy".into(),
                     operation: "policy replicas",

@@ -172,6 +172,7 @@ fn policy_requests() -> Vec<PolicyRequest> {
             ],
             timeout: std::time::Duration::from_millis(20),
         },
+        PolicyRequest::Reshard { shards: 3 },
     ];
     for r in &all {
         match r {
@@ -193,7 +194,8 @@ fn policy_requests() -> Vec<PolicyRequest> {
             | PolicyRequest::TrainAllReduce(_)
             | PolicyRequest::ExportState
             | PolicyRequest::ImportState(_)
-            | PolicyRequest::PushWeights { .. } => {}
+            | PolicyRequest::PushWeights { .. }
+            | PolicyRequest::Reshard { .. } => {}
         }
     }
     all
@@ -240,6 +242,7 @@ fn policy_responses() -> Vec<PolicyResponse> {
             failed: vec![(id("b/rollout/0#2"), failed)],
         }),
         PolicyResponse::PushUnavailable("no".into()),
+        PolicyResponse::Resharded { from: 4, to: 3 },
     ];
     for r in &all {
         match r {
@@ -258,7 +261,8 @@ fn policy_responses() -> Vec<PolicyResponse> {
             | PolicyResponse::GradientGroup(_)
             | PolicyResponse::NcclUnavailable(_)
             | PolicyResponse::Pushed(_)
-            | PolicyResponse::PushUnavailable(_) => {}
+            | PolicyResponse::PushUnavailable(_)
+            | PolicyResponse::Resharded { .. } => {}
         }
     }
     all
@@ -482,7 +486,7 @@ fn the_role_messages_encoding_is_pinned_to_the_alpn() {
             String::from_utf8_lossy(ALPN).into_owned(),
             wire_fingerprint(&every_message())
         ),
-        ("yatt/9".to_string(), 275_278_040),
+        ("yatt/10".to_string(), 1_730_897_346),
         "the role messages encode differently: bump ALPN in runtime/src/tls.rs and pin the new fingerprint"
     );
 }

@@ -393,6 +393,9 @@ impl Role for PolicyRole {
             PolicyRequest::ImportState(state) => {
                 self.import_state(state).map(|_| PolicyResponse::Imported)
             }
+            PolicyRequest::Reshard { .. } => Err(RoleError::BadRequest(
+                "the whole policy (job.policy_shards = 1) has no ranks to reshard".into(),
+            )),
             PolicyRequest::PushWeights { .. } => Ok(PolicyResponse::PushUnavailable(
                 "the policy role was asked directly, not through the actor that pushes weights on a node".into(),
             )),

@@ -87,6 +87,14 @@ pub enum PolicyRequest {
         /// The deadline of each load.
         timeout: std::time::Duration,
     },
+    /// A sharded policy: reshard this replica in place over `shards` ranks, between two
+    /// steps, keeping its weights, moments and step (the live placement's move of a
+    /// rank's device). Answered with [`PolicyResponse::Resharded`]; refused by a whole
+    /// policy and by a replica with ranks on other nodes.
+    Reshard {
+        /// Ranks of the replica from now on.
+        shards: u32,
+    },
 }
 
 /// A role that [`PolicyRequest::PushWeights`] loads, with its kind: the kind names the
@@ -152,6 +160,13 @@ pub enum PolicyResponse {
     /// [`PolicyRequest::PushWeights`] cannot be served here, and why: export the weights
     /// and send them instead.
     PushUnavailable(String),
+    /// [`PolicyRequest::Reshard`]: the replica's ranks before and now.
+    Resharded {
+        /// Ranks before.
+        from: u32,
+        /// Ranks now.
+        to: u32,
+    },
 }
 
 /// What one [`PolicyRequest::PushWeights`] did.

@@ -9,7 +9,7 @@
 use std::sync::mpsc::{sync_channel, RecvTimeoutError, SyncSender};
 use std::time::{Duration, Instant};
 
-use yatt_engine::{EngineError, Llama, LocalGroup, ShardedTrainer};
+use yatt_engine::{EngineError, Llama, LocalGroup, RankState, ShardedTrainer};
 use yatt_runtime::ActorRef;
 
 use super::config::PolicyConfig;
@@ -45,9 +45,16 @@ type Asked = tokio::task::JoinHandle<Result<RankResponse, String>>;
 
 type Job = Box<dyn FnOnce(&mut ShardedTrainer) + Send>;
 
+/// What a rank thread is sent: a job on its trainer, or the end of the thread with its
+/// trainer's state handed back (to be resharded).
+enum Work {
+    Job(Job),
+    HandOver(SyncSender<Result<RankState, String>>),
+}
+
 /// A sharded replica's rank threads.
 pub(super) struct Ranks {
-    senders: Vec<SyncSender<Job>>,
+    senders: Vec<SyncSender<Work>>,
     remote: Option<RemoteRanks>,
     /// How long a job may take on every rank.
     deadline: Duration,
@@ -96,14 +103,21 @@ impl Ranks {
         let mut senders = Vec::with_capacity(trainers.len());
         for (rank, mut trainer) in trainers.into_iter().enumerate() {
             // One job queued at most: the role sends one per request and waits for it.
-            let (tx, rx) = sync_channel::<Job>(1);
+            let (tx, rx) = sync_channel::<Work>(1);
             std::thread::Builder::new()
                 .name(format!("policy-shard-{rank}"))
                 .spawn(move || {
                     // A panic ends the thread and drops its group: the other ranks'
                     // collectives fail at once instead of at their deadline.
-                    for job in rx {
-                        job(&mut trainer);
+                    for work in rx {
+                        match work {
+                            Work::Job(job) => job(&mut trainer),
+                            Work::HandOver(back) => {
+                                let _ =
+                                    back.send(trainer.into_rank_state().map_err(|e| e.to_string()));
+                                break;
+                            }
+                        }
                     }
                 })
                 .map_err(|e| RoleError::Failed(format!("starting policy shard {rank}: {e}")))?;
@@ -225,7 +239,7 @@ impl Ranks {
             let job: Job = Box::new(move |tr: &mut ShardedTrainer| {
                 let _ = tx.send((rank, job(tr)));
             });
-            if s.send(job).is_err() {
+            if s.send(Work::Job(job)).is_err() {
                 return Err(self.break_with(format!("policy shard {rank} has stopped")));
             }
         }
@@ -318,6 +332,45 @@ impl Ranks {
             )));
         }
         Ok((samples, rows))
+    }
+
+    /// Ends every local rank's thread and returns their training states, in rank order,
+    /// for a new replica of another rank count. Only for replicas wholly in this
+    /// process, between requests.
+    pub(super) fn hand_over(&mut self) -> Result<Vec<RankState>, RoleError> {
+        if let Some(why) = &self.broken {
+            return Err(RoleError::Failed(why.clone()));
+        }
+        if self.remote.is_some() {
+            return Err(RoleError::BadRequest(
+                "a sharded policy with ranks on other nodes is not resharded in place: resume it with another job.policy_shards".into(),
+            ));
+        }
+        let mut answers = Vec::with_capacity(self.senders.len());
+        for (rank, s) in std::mem::take(&mut self.senders).into_iter().enumerate() {
+            let (tx, rx) = sync_channel(1);
+            if s.send(Work::HandOver(tx)).is_err() {
+                return Err(self.break_with(format!("policy shard {rank} has stopped")));
+            }
+            answers.push(rx);
+        }
+        let until = Instant::now() + self.deadline;
+        let mut states = Vec::with_capacity(answers.len());
+        for (rank, rx) in answers.into_iter().enumerate() {
+            match rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
+                Ok(Ok(state)) => states.push(state),
+                Ok(Err(e)) => {
+                    return Err(self.break_with(format!("policy shard {rank} kept its state: {e}")))
+                }
+                Err(_) => {
+                    return Err(self.break_with(format!(
+                        "policy shard {rank} did not hand its state over within {:?}",
+                        self.deadline
+                    )))
+                }
+            }
+        }
+        Ok(states)
     }
 
     /// Stops the ranks on other nodes (best effort, briefly: a lost one is gone).

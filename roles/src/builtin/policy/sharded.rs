@@ -65,6 +65,9 @@ pub struct ShardedPolicyRole {
     write_root: Option<PathBuf>,
     /// With ranks on nodes: each rank sends its own slice to the rollouts.
     pusher: Option<SlicePusher>,
+    /// With every rank in this process: the deadlines of a collective and of a request,
+    /// for the ranks of a reshard ([`PolicyRequest::Reshard`]).
+    local_deadlines: Option<(Duration, Duration)>,
 }
 
 fn engine(doing: &str) -> impl Fn(yatt_engine::EngineError) -> RoleError + '_ {
@@ -89,7 +92,9 @@ impl ShardedPolicyRole {
             "the policy",
             |m, group| ShardedTrainer::new(m, train.clone(), Box::new(group)),
         )?;
-        Self::assemble(trainers, None, config, start.deadline)
+        let mut role = Self::assemble(trainers, None, config, start.deadline)?;
+        role.local_deadlines = Some((start.collective, start.deadline));
+        Ok(role)
     }
 
     /// A replica over `start.shards` ranks from the sharded checkpoint `dir`, whatever
@@ -115,7 +120,9 @@ impl ShardedPolicyRole {
             t.model.memory = memory;
             trainers.push(t);
         }
-        Self::assemble(trainers, None, config, start.deadline)
+        let mut role = Self::assemble(trainers, None, config, start.deadline)?;
+        role.local_deadlines = Some((start.collective, start.deadline));
+        Ok(role)
     }
 
     /// Rank 0 of a replica whose other ranks are actors on other nodes (`remote`:
@@ -154,6 +161,7 @@ impl ShardedPolicyRole {
             params,
             write_root: None,
             pusher: None,
+            local_deadlines: None,
             replica_members: Vec::new(),
             replicas_joined: false,
         })
@@ -410,6 +418,59 @@ impl ShardedPolicyRole {
     }
 }
 
+impl ShardedPolicyRole {
+    /// Reshards the replica in place, between two requests, over `shards` ranks: the
+    /// ranks hand their states over and the new ranks take the parts they overlap (in
+    /// memory; for a moment both are held). The weights, moments and step carry over,
+    /// so the next update is the one the old ranks would have taken. Only a replica
+    /// wholly in this process, outside replicas (HSDP), is resharded; a shard count the
+    /// model's units cannot be split over leaves the old ranks as they were.
+    fn reshard(&mut self, shards: usize) -> Result<(usize, usize), RoleError> {
+        let Some((collective, deadline)) = self.local_deadlines else {
+            return Err(RoleError::BadRequest(
+                "a sharded policy with ranks on other nodes is not resharded in place: resume it with another job.policy_shards".into(),
+            ));
+        };
+        if self.replicas_joined || !self.replica_members.is_empty() {
+            return Err(RoleError::BadRequest(
+                "a replica of a sharded policy (HSDP, job.policy_replicas > 1) is not resharded in place: its replicas' ranks would no longer match".into(),
+            ));
+        }
+        let from = self.ranks.len();
+        if shards == 0 {
+            return Err(RoleError::BadRequest("resharding to 0 ranks".into()));
+        }
+        if shards == from {
+            return Ok((from, from));
+        }
+        let states = self.ranks.hand_over()?;
+        let build = |n: usize| -> Result<Vec<ShardedTrainer>, String> {
+            ranks::groups(n, collective)
+                .into_iter()
+                .map(|g| {
+                    ShardedTrainer::from_rank_states(&states, Box::new(g))
+                        .map_err(|e| e.to_string())
+                })
+                .collect()
+        };
+        let (trainers, refused) = match build(shards) {
+            Ok(t) => (t, None),
+            Err(e) => (build(from).map_err(|again| {
+                self.ranks.break_with(format!(
+                    "resharding {from} -> {shards} ranks failed ({e}), and so did restoring the {from} ranks ({again})"
+                ))
+            })?, Some(e)),
+        };
+        self.ranks = Ranks::start(trainers, deadline)?;
+        match refused {
+            None => Ok((from, shards)),
+            Some(e) => Err(RoleError::BadRequest(format!(
+                "resharding {from} -> {shards} ranks: {e}; the {from} ranks are kept"
+            ))),
+        }
+    }
+}
+
 fn param_count(model: &Llama) -> u64 {
     model_layout(&model.config)
         .iter()
@@ -497,6 +558,12 @@ impl Role for ShardedPolicyRole {
             Q::Gradients(_) | Q::ApplyGradients(_) | Q::JoinGradientGroup(Some(_)) => Err(
                 not_sharded("averaging gradients through the controllers or over NCCL"),
             ),
+            Q::Reshard { shards } => self
+                .reshard(shards as usize)
+                .map(|(from, to)| A::Resharded {
+                    from: from as u32,
+                    to: to as u32,
+                }),
             Q::ExportState | Q::ImportState(_) => {
                 Err(not_sharded("handing the trainer state to another replica"))
             }

@@ -212,3 +212,76 @@ fn the_ranks_old_logprobs_are_the_whole_policys() {
         }
     }
 }
+
+fn reshard(p: &mut ShardedPolicyRole, shards: u32) -> Result<PolicyResponse, RoleError> {
+    p.serve(PolicyRequest::Reshard { shards })
+}
+
+/// The live placement's move: a replica of 3 ranks resharded in place to 2 after one
+/// update, and back to 3 after the next, takes the unresharded replica's steps (the
+/// same loss, version and weights) and keeps answering.
+#[test]
+fn a_replica_resharded_in_place_takes_the_same_steps() {
+    let base = Llama::random(tiny_config(), Device::Cpu, Kind::Float, 41).unwrap();
+    let batch = samples(&base);
+    let copy = || base.deep_copy(Device::Cpu, Kind::Float).unwrap();
+    let mut kept =
+        ShardedPolicyRole::new(copy(), train_config(), policy_config(), &start(3)).unwrap();
+    let mut moved =
+        ShardedPolicyRole::new(copy(), train_config(), policy_config(), &start(3)).unwrap();
+    ask(&mut kept, &batch);
+    ask(&mut moved, &batch);
+    for (round, to) in [2u32, 3].into_iter().enumerate() {
+        let from = moved.shards() as u32;
+        assert!(matches!(
+            reshard(&mut moved, to).unwrap(),
+            PolicyResponse::Resharded { from: f, to: t } if (f, t) == (from, to)
+        ));
+        assert_eq!(moved.shards(), to as usize);
+        let (want, got) = (ask(&mut kept, &batch), ask(&mut moved, &batch));
+        close(&format!("round {round}: loss"), want.loss, got.loss);
+        close(
+            &format!("round {round}: grad_norm"),
+            want.grad_norm,
+            got.grad_norm,
+        );
+        assert_eq!(got.version, want.version);
+        assert_eq!(got.sharded.as_ref().map(|s| s.shards), Some(to as usize));
+    }
+    let d = max_diff(
+        &kept.gathered_model().unwrap().hf_named_tensors(),
+        &moved.gathered_model().unwrap().hf_named_tensors(),
+    );
+    assert!(d < 1e-5, "weights differ by {d}");
+}
+
+/// A reshard the units cannot be split over is refused naming why, and the replica
+/// goes on at its old rank count with its state; the whole policy has nothing to
+/// reshard.
+#[test]
+fn a_refused_reshard_keeps_the_ranks_and_their_state() {
+    let base = Llama::random(tiny_config(), Device::Cpu, Kind::Float, 43).unwrap();
+    let batch = samples(&base);
+    let copy = || base.deep_copy(Device::Cpu, Kind::Float).unwrap();
+    let mut kept =
+        ShardedPolicyRole::new(copy(), train_config(), policy_config(), &start(2)).unwrap();
+    let mut p = ShardedPolicyRole::new(copy(), train_config(), policy_config(), &start(2)).unwrap();
+    ask(&mut kept, &batch);
+    ask(&mut p, &batch);
+    let e = reshard(&mut p, 1 << 20).err().unwrap().to_string();
+    assert!(
+        e.contains("at most") && e.contains("the 2 ranks are kept"),
+        "{e}"
+    );
+    assert!(reshard(&mut p, 0).is_err());
+    assert_eq!(p.shards(), 2);
+    let (want, got) = (ask(&mut kept, &batch), ask(&mut p, &batch));
+    close("loss after a refused reshard", want.loss, got.loss);
+    let mut whole = PolicyRole::new(Trainer::new(copy(), train_config()), policy_config()).unwrap();
+    let e = whole
+        .serve(PolicyRequest::Reshard { shards: 2 })
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("no ranks to reshard"), "{e}");
+}
