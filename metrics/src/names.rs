@@ -39,6 +39,9 @@ pub const GRAD_ALLREDUCE_NCCL: &str = "perf/grad_allreduce_nccl";
 /// in the step, bytes: its shards of the f32 master weights, gradients and both AdamW
 /// moments (16Ψ/N) plus the most gathered weights and gradients held at once.
 pub const TRAIN_STATE_BYTES: &str = "memory/train_state_bytes";
+/// A sharded policy: its ranks in the step (under the live placement's sharded pool,
+/// the policy groups, which change as groups move).
+pub const POLICY_SHARDS: &str = "perf/policy_shards";
 /// A sharded policy: bytes one rank received in the step's all-gathers of weights
 /// (each unit twice per micro-batch: forward and recompute), (N−1)/N of each.
 pub const SHARD_GATHERED_BYTES: &str = "perf/shard_gathered_bytes";

@@ -40,7 +40,7 @@ pub use error::JobError;
 // The job config.
 pub use config::modes::{
     CallPrefix, DeviceSetting, Driver, Dtype, KlMode, ModelSource, OldLogprobs, PlacementMode,
-    RewardKind, Schedule, Task, TimeShare, UnparsedVerdict, VerdictMode,
+    PolicyPool, RewardKind, Schedule, Task, TimeShare, UnparsedVerdict, VerdictMode,
 };
 pub use config::placement::{NodeNames, PlacementSection, ROLES};
 pub use config::reference::config_reference;

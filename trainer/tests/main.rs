@@ -17,6 +17,7 @@ mod judge;
 mod lora;
 mod pipeline;
 mod placement_live;
+mod placement_sharded;
 mod precision;
 mod python_reward;
 mod reward_models;

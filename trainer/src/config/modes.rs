@@ -218,6 +218,19 @@ config_mode! {
 }
 
 config_mode! {
+    /// `placement.policy_pool`: what the live placement's policy groups hold.
+    PolicyPool {
+        /// A whole replica of the policy each (1 or `job.controllers` of them, their
+        /// gradients averaged); a group that moves takes or hands over a whole replica.
+        Replicas = "replicas",
+        /// The ranks of one policy sharded over them (ZeRO-3): a group that moves to
+        /// or from the rollout reshards the policy in place, N → N−1 or N+1 ranks,
+        /// between two steps.
+        Sharded = "sharded",
+    }
+}
+
+config_mode! {
     /// `placement.time_share`: whether colocated roles take turns with the device's
     /// memory between the phases of a step (verl's and OpenRLHF's "sleep / wake").
     TimeShare {

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::modes::{PlacementMode, TimeShare};
+use crate::config::modes::{PlacementMode, PolicyPool, TimeShare};
 
 /// The roles of a job, by the key that places them.
 pub const ROLES: [&str; 4] = ["rollout", "policy", "reference", "reward"];
@@ -46,6 +46,10 @@ pub struct PlacementSection {
     pub nodes: Vec<String>,
     /// Groups the rollout starts with (1 or `job.controllers`); the policy gets the rest.
     pub rollout_groups: usize,
+    /// Live placement: `replicas` (each policy group holds a whole replica) or
+    /// `sharded` (the policy groups are the ranks of one sharded policy, resharded in
+    /// place as groups move; embedded only).
+    pub policy_pool: PolicyPool,
     /// `off` | `offload`: with `mode = "colocate"` (every role on one device), offload
     /// the roles a phase does not use and reload them for the next (the policy's
     /// optimizer state during generation, the rollout's KV cache and weights during
@@ -77,6 +81,7 @@ impl Default for PlacementSection {
             groups: 3,
             nodes: Vec::new(),
             rollout_groups: 1,
+            policy_pool: PolicyPool::Replicas,
             time_share: TimeShare::Off,
             device_memory_gb: 0.0,
             replan: yatt_placement::PolicyConfig {

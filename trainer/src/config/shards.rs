@@ -2,7 +2,7 @@
 //! whether the model's units can be split over the ranks.
 
 use crate::config::checks::{invalid, positive};
-use crate::config::modes::TimeShare;
+use crate::config::modes::{PlacementMode, PolicyPool, TimeShare};
 use crate::config::sections::JobConfig;
 use crate::error::JobError;
 
@@ -19,8 +19,8 @@ fn unbuilt(job: &JobConfig) -> Option<(&'static str, &'static str, &'static str)
     if p.live {
         return Some((
             "placement.live",
-            "the live placement does not move a sharded policy's ranks yet",
-            "set placement.live = false, or job.policy_shards = 1",
+            "under the live placement the policy groups set the rank count",
+            "set job.policy_shards = 1 and placement.policy_pool = \"sharded\"",
         ));
     }
     if p.time_share != TimeShare::Off {
@@ -54,6 +54,44 @@ impl JobConfig {
             }),
             None => Ok(()),
         }
+    }
+
+    /// Checks `placement.policy_pool`: a sharded pool is the live placement's, embedded.
+    pub(crate) fn validate_policy_pool(&self) -> Result<(), JobError> {
+        let p = &self.placement;
+        if p.policy_pool != PolicyPool::Sharded {
+            return Ok(());
+        }
+        let refuse = |key: &str, why: &str, fix: &str| {
+            Err(JobError::NotImplemented {
+                key: "placement.policy_pool".into(),
+                found: "\"sharded\"".into(),
+                fix: format!("{why} (see {key}): {fix}"),
+            })
+        };
+        if !p.live {
+            return Err(invalid(
+                "placement.policy_pool",
+                "\"replicas\" without placement.live (a fixed placement shards the policy by job.policy_shards)",
+                "\"sharded\"",
+                "set job.policy_shards = N and placement.policy_pool = \"replicas\", or placement.live = true",
+            ));
+        }
+        if p.mode == PlacementMode::Disaggregated {
+            return refuse(
+                "placement.mode",
+                "the live placement reshards a policy whose ranks are threads of the training process; ranks on yatt-node daemons are resharded by a resume",
+                "set placement.mode = \"colocate\", or placement.policy_pool = \"replicas\"",
+            );
+        }
+        if self.model.lora.is_some() {
+            return refuse(
+                "model.lora",
+                "LoRA on a sharded frozen base is not built yet",
+                "remove [model.lora], or set placement.policy_pool = \"replicas\"",
+            );
+        }
+        Ok(())
     }
 
     /// Checks `job.reference_shards` against the rest of the job.

@@ -64,6 +64,7 @@ impl JobConfig {
         }
         self.validate_shards()?;
         self.validate_reference_shards()?;
+        self.validate_policy_pool()?;
         positive(
             "model.threads",
             self.model.threads as f64,

@@ -77,6 +77,9 @@ pub struct Controller {
     /// Its policy replica averages gradients in a ring with the other heads' replicas
     /// ([`join_policy_ring`]).
     pub(crate) in_policy_ring: bool,
+    /// The heads share one sharded policy: it takes every head's samples in one
+    /// optimizer step (it computes no gradients for the heads to average).
+    pub(crate) policy_sharded: bool,
     /// The other heads' policy replicas (in the ring, bit-identical to this head's):
     /// a weight sync whose own replica died after the update exports from one of them.
     pub(crate) peer_policies: Vec<PolicyRef>,
@@ -187,6 +190,7 @@ impl Controller {
             nccl: Default::default(),
             direct_push_off: Default::default(),
             in_policy_ring: false,
+            policy_sharded: false,
             peer_policies: Vec::new(),
             update_committed: None,
             spare_rollouts: Vec::new(),
@@ -209,6 +213,12 @@ impl Controller {
     /// spares a lost replica fails the step, as before. Non-streamed generation only.
     pub fn set_spare_rollouts(&mut self, spares: Vec<RolloutRef>) {
         self.spare_rollouts = spares;
+    }
+
+    /// Marks this head's policy as one sharded replica that every head shares: a
+    /// data-parallel update sends it every head's samples at once.
+    pub(crate) fn set_policy_sharded(&mut self, sharded: bool) {
+        self.policy_sharded = sharded;
     }
 
     /// Reports every generation call this head makes to `probe` while it is in flight.

@@ -158,6 +158,9 @@ async fn update(
     if replicated && controllers.iter().all(|c| c.in_policy_ring) {
         return all_reduce_update(controllers, prepared).await;
     }
+    if !replicated && controllers[0].policy_sharded {
+        return sharded_update(&controllers[0], prepared).await;
+    }
     // Replicas outside a ring (the live placement's) get every head's gradients
     // through the controllers and apply the same average.
     let shards = gather_shards(controllers, prepared).await?;
@@ -169,6 +172,29 @@ async fn update(
     let trained = apply_shards(appliers, shards).await?;
     check_replicas_agree(&trained)?;
     Ok(trained.into_iter().next().expect("at least one controller"))
+}
+
+/// One optimizer step of the heads' shared sharded policy on every head's samples, in
+/// head order (a ring of one replica: [`PolicyRequest::TrainAllReduce`]).
+async fn sharded_update(
+    first: &Controller,
+    prepared: &[Prepared],
+) -> Result<TrainReport, ControllerError> {
+    let all: Vec<_> = prepared
+        .iter()
+        .flat_map(|p| p.samples.iter().cloned())
+        .collect();
+    match first
+        .serve_policy(
+            PolicyRequest::TrainAllReduce(all),
+            "update_actor",
+            first.config.timeouts.train,
+        )
+        .await?
+    {
+        PolicyResponse::Trained(r) => Ok(r),
+        other => Err(first.protocol("policy", "TrainAllReduce", format!("{other:?}"))),
+    }
 }
 
 /// The report of an update the replicas already took before a lost peer failed the

@@ -531,6 +531,7 @@ impl Controller {
             );
         }
         if let Some(s) = &train.sharded {
+            m.set(names::POLICY_SHARDS, s.shards as f64);
             m.set(names::TRAIN_STATE_BYTES, s.train_state_bytes as f64);
             m.set(names::SHARD_GATHERED_BYTES, s.gathered_bytes as f64);
             m.set(names::SHARD_REDUCED_BYTES, s.reduced_bytes as f64);

@@ -239,6 +239,10 @@ impl LivePlacement {
         // across processes nothing else guarantees the same weights.
         let mut first: Option<PolicyRef> = None;
         for pool in &plan.pools {
+            if self.sharded_pool() && pool.roles.contains(PRole::Policy) {
+                first = Some(self.start_sharded_policy(&pool.groups).await?);
+                continue;
+            }
             for g in &pool.groups {
                 let r = if pool.roles.contains(PRole::Rollout) {
                     Replica::Rollout(self.start_rollout(*g).await?)

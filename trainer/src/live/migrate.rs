@@ -122,6 +122,9 @@ impl LivePlacement {
         mig: &yatt_placement::Migration,
         states: Vec<crate::controller::report::ControllerState>,
     ) -> Result<String, JobError> {
+        if self.sharded_pool() {
+            return self.migrate_sharded(mig, states).await;
+        }
         let mut done = Vec::new();
         for mv in &mig.moves {
             // 1. Out of routing: the plan without this group serves until the new one
@@ -202,6 +205,9 @@ impl LivePlacement {
         old: &Plan,
         states: Vec<crate::controller::report::ControllerState>,
     ) -> Result<String, JobError> {
+        if self.sharded_pool() {
+            return self.roll_back_sharded(old, states).await;
+        }
         let want = old.roles_by_group();
         let mut restored = Vec::new();
         // Groups the migration gave a role outside the old plan.

@@ -10,5 +10,6 @@ pub(crate) mod migrate;
 pub(crate) mod observe;
 pub(crate) mod replicas;
 pub(crate) mod routing;
+pub(crate) mod sharded_pool;
 pub(crate) mod state;
 pub(crate) mod step;

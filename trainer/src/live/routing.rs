@@ -28,7 +28,7 @@ impl LivePlacement {
                 Replica::Policy(_) => None,
             })
             .collect();
-        let policies: Vec<(GroupId, PolicyRef)> = self
+        let mut policies: Vec<(GroupId, PolicyRef)> = self
             .of_role(PRole::Policy)
             .into_iter()
             .filter_map(|(g, r)| match r {
@@ -36,6 +36,9 @@ impl LivePlacement {
                 Replica::Rollout(_) => None,
             })
             .collect();
+        // A sharded policy is one replica over all its groups.
+        let mut seen = std::collections::BTreeSet::new();
+        policies.retain(|(_, p)| seen.insert(p.id().clone()));
         if rollouts.is_empty() || !(policies.len() == 1 || policies.len() == heads) {
             return Err(JobError::NotImplemented {
                 key: "placement".into(),
@@ -93,7 +96,9 @@ impl LivePlacement {
         }
         // Replicas built in this process have no ring inbox: the heads average their
         // gradients through the controllers instead.
-        let replicated = self.of_role(PRole::Policy).len() == heads.len() && heads.len() > 1;
+        let replicated = !self.sharded_pool()
+            && self.of_role(PRole::Policy).len() == heads.len()
+            && heads.len() > 1;
         if replicated && matches!(self.hosts, Hosts::Cluster { .. }) {
             join_policy_ring(&mut heads, RING_CHUNK_BYTES).await?;
         }
@@ -102,6 +107,7 @@ impl LivePlacement {
             let spares = rollouts.iter().filter(|x| *x.id() != own).cloned();
             c.set_spare_rollouts(spares.collect());
             c.set_probe(self.probe.clone());
+            c.set_policy_sharded(self.sharded_pool());
         }
         self.controllers = heads;
         self.routing_version += 1;

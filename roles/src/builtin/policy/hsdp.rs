@@ -108,7 +108,10 @@ impl ShardedPolicyRole {
         &mut self,
         samples: Vec<Sample>,
     ) -> Result<TrainReport, RoleError> {
-        if !self.replicas_joined {
+        // A replica started alone (no replicas to join): a ring of one, one optimizer
+        // step on these samples (heads sharing one sharded policy send theirs together).
+        let alone = !self.replicas_joined && self.replica_members.is_empty();
+        if !self.replicas_joined && !alone {
             return Err(RoleError::BadRequest(
                 "this sharded policy replica has not joined its replicas' rings yet (JoinShardRings)"
                     .into(),
