@@ -33,6 +33,9 @@ pub enum Event {
         /// What went wrong.
         reason: String,
     },
+    /// A plan asked for from outside the policy (an operator, the embedding program):
+    /// migrate to it now, unless a migration is in flight or it does not fit.
+    PlanRequested(Plan),
 }
 
 /// Why a migration was decided.
@@ -42,6 +45,8 @@ pub enum Reason {
     Rebalance,
     /// Groups of the current plan were lost with their node.
     NodeLost,
+    /// Asked for ([`Event::PlanRequested`]).
+    Requested,
 }
 
 /// A decided migration: the actor carries it out group by group (out of routing, drain

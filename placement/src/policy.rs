@@ -294,6 +294,7 @@ impl PlacementPolicy {
                     Vec::new()
                 }
             }
+            Event::PlanRequested(target) => self.requested(target),
             Event::NodeJoined(info) => {
                 match self.inventory.add_node(&info) {
                     Ok(_) => {
@@ -378,6 +379,39 @@ impl PlacementPolicy {
             return Vec::new();
         }
         vec![self.start(Reason::Rebalance, target, moves, (current, best), cost)]
+    }
+
+    /// A requested plan: migrated to at once, bypassing the search and its hysteresis
+    /// (a cooldown follows as after any move); refused, with the reason logged, while a
+    /// migration is in flight or when it does not fit the inventory.
+    fn requested(&mut self, target: Plan) -> Vec<Decision> {
+        if let Phase::Migrating { id, .. } = &self.phase {
+            self.log.push(format!(
+                "requested plan {} refused: migration {id} is in flight",
+                target.summary()
+            ));
+            return Vec::new();
+        }
+        if let Err(e) = target.validate(&self.inventory, &self.cost.setup().job) {
+            self.log
+                .push(format!("requested plan {} refused: {e}", target.summary()));
+            return Vec::new();
+        }
+        let moves = self.plan.moves_to(&target);
+        if moves.is_empty() && target.rollout_batch_cap == self.plan.rollout_batch_cap {
+            self.log.push(format!(
+                "requested plan {} is the plan in force",
+                target.summary()
+            ));
+            return Vec::new();
+        }
+        let ahead = self.config.lookahead_steps;
+        let predicted = (
+            self.predict_plan(&self.plan, ahead).step_s,
+            self.predict_plan(&target, ahead).step_s,
+        );
+        let cost = self.cost.migration_cost(&moves, &Shape::of(&target));
+        vec![self.start(Reason::Requested, target, moves, predicted, cost)]
     }
 
     fn forced_replan(&mut self, reason: Reason) -> Vec<Decision> {
@@ -645,6 +679,53 @@ mod tests {
             migrations.len() <= 1,
             "migrations on a steady load: {migrations:?}"
         );
+    }
+
+    #[test]
+    fn a_requested_plan_migrates_at_once_unless_one_is_in_flight() {
+        let (inv, setup, f) = setup();
+        let mut p = PlacementPolicy::new(PolicyConfig::default(), inv, setup.clone(), f).unwrap();
+        let d = p.on_event(Event::NodeLeft {
+            node: "node-1".into(),
+        });
+        let Some(Decision::Migrate(lost)) = d.into_iter().next() else {
+            panic!("no decision")
+        };
+        // In flight: a request is refused, and says why.
+        let back = p.plan().clone();
+        assert!(p.on_event(Event::PlanRequested(back.clone())).is_empty());
+        assert!(
+            p.take_log().iter().any(|l| l.contains("in flight")),
+            "{:?}",
+            p.take_log()
+        );
+        p.on_event(Event::MigrationDone { id: lost.id });
+        // The plan in force asks for nothing.
+        assert!(p
+            .on_event(Event::PlanRequested(lost.target.clone()))
+            .is_empty());
+        // A plan on a lost node's groups does not fit the inventory.
+        assert!(p.on_event(Event::PlanRequested(back)).is_empty());
+        assert!(p.take_log().iter().any(|l| l.contains("refused")));
+        // Another plan of the groups left: migrated to at once, whatever the cooldown.
+        let mut other = lost.target.clone();
+        let (a, b) = (other.pools[0].groups.remove(0), other.pools.len() - 1);
+        other.pools[b].groups.push(a);
+        other.validate(p.inventory(), &setup.job).unwrap();
+        let Some(Decision::Migrate(m)) = p
+            .on_event(Event::PlanRequested(other.clone()))
+            .into_iter()
+            .next()
+        else {
+            panic!(
+                "a requested plan that fits was not migrated to: {:?}",
+                p.take_log()
+            )
+        };
+        assert_eq!((m.reason, &m.target), (Reason::Requested, &other));
+        assert!(!m.moves.is_empty() && p.migrating());
+        p.on_event(Event::MigrationDone { id: m.id });
+        assert_eq!(p.plan(), &other);
     }
 
     #[test]

@@ -292,6 +292,7 @@ pub fn render_records(
         let why = match reason {
             Reason::Rebalance => "rebalance: another plan is predicted faster",
             Reason::NodeLost => "node lost: groups of the plan are gone",
+            Reason::Requested => "requested",
         };
         let _ = writeln!(
             out,

@@ -24,6 +24,8 @@ impl JobConfig {
                 found: j.placement.clone(),
                 fix: "set job.placement = \"colocate\"; to put roles on other nodes, set [placement] mode = \"disaggregated\" with a node per role and run `yatt train CONFIG --cluster SEED_ADDR`".into()});
         }
+        // Before the placement's own checks: a pool refused here needs none of them.
+        self.validate_policy_pool()?;
         self.placement.validate(
             j.policy_replicas * j.policy_shards,
             self.algorithm.name.needs_critic(),
@@ -64,7 +66,6 @@ impl JobConfig {
         }
         self.validate_shards()?;
         self.validate_reference_shards()?;
-        self.validate_policy_pool()?;
         positive(
             "model.threads",
             self.model.threads as f64,

@@ -78,6 +78,43 @@ impl LivePlacement {
         Ok(())
     }
 
+    /// Migrates to `target` now, between two steps: a move asked for by an operator or
+    /// the embedding program rather than decided by the policy, carried out, recorded
+    /// and rolled back on failure as the policy's own are (a cooldown follows). Refused,
+    /// with nothing moved, while a migration is in flight, when `target` does not fit
+    /// the groups, or when it is the plan in force.
+    pub async fn move_to(&mut self, target: Plan) -> Result<(), JobError> {
+        let step = self
+            .controllers
+            .first()
+            .map_or(0, |c| c.step_count().saturating_sub(1));
+        let decisions = self.policy.on_event(Event::PlanRequested(target.clone()));
+        let said = self.policy.take_log();
+        for line in &said {
+            self.write(&Record::Search {
+                step,
+                line: line.clone(),
+            })?;
+        }
+        if decisions.is_empty() {
+            return Err(placement_err(format!(
+                "the requested plan {} was not migrated to: {}",
+                target.summary(),
+                said.join("; ")
+            )));
+        }
+        self.apply(decisions, step).await?;
+        if self.plan != target {
+            return Err(placement_err(format!(
+                "the move to {} failed and was rolled back to {}: see {}",
+                target.summary(),
+                self.plan.summary(),
+                self.log_path.display()
+            )));
+        }
+        Ok(())
+    }
+
     /// Carries out one migration at a step boundary. If a step of it fails (a drain,
     /// a gaining role that does not start, the new routing), it is undone: the groups
     /// get back the roles of the plan in force (stopping what the migration started,
