@@ -295,7 +295,7 @@ fn print_row(
 }
 
 /// The shapes `name` stands for.
-fn model_config(name: &str) -> Result<ModelConfig> {
+pub(crate) fn model_config(name: &str) -> Result<ModelConfig> {
     let preset = |h: i64, f: i64, l: i64, heads: i64, kv: i64| {
         serde_json::json!({
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,

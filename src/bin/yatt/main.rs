@@ -2,6 +2,7 @@
 //! crate; the logic lives there.
 
 mod bench_controller;
+mod bench_reshard;
 mod bench_runtime;
 mod bench_sharded;
 mod checkpoint;
@@ -92,6 +93,9 @@ enum BenchCommand {
     /// Sharded training (ZeRO-3) against the replicated trainer: each rank a process
     /// over the QUIC ring; step time, memory per rank, bytes moved, memory caps.
     Sharded(bench_sharded::BenchShardedArgs),
+    /// Resharding a sharded replica N → M: in memory (the live placement's move of a
+    /// rank) against through a checkpoint on disk (a resume at another rank count).
+    Reshard(bench_reshard::BenchReshardArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -119,5 +123,6 @@ fn real_main() -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Runtime(args)) => bench_runtime::run(args),
         Command::Bench(BenchCommand::Controller(args)) => bench_controller::run(args),
         Command::Bench(BenchCommand::Sharded(args)) => bench_sharded::run(args),
+        Command::Bench(BenchCommand::Reshard(args)) => bench_reshard::run(args),
     }
 }
