@@ -72,6 +72,14 @@ pub enum Change {
         /// The devices of its node it holds (see [`crate::Actor::device_claim`]).
         claim: Option<DeviceClaim>,
     },
+    /// An alive actor incarnation now holds other devices of its node (a policy
+    /// resharded over another set of device groups).
+    ActorClaim {
+        /// Which incarnation.
+        id: ActorId,
+        /// The devices it holds from now on.
+        claim: Option<DeviceClaim>,
+    },
     /// An actor incarnation exited.
     ActorDown {
         /// Which incarnation.
@@ -281,6 +289,18 @@ impl Directory {
                     }
                 }
             }
+            Change::ActorClaim { id, claim } => match self.actors.get_mut(&id.name) {
+                Some(entry)
+                    if entry.id == *id
+                        && entry.liveness == Liveness::Alive
+                        && entry.claim != *claim =>
+                {
+                    entry.claim = claim.clone();
+                    true
+                }
+                // Another incarnation, a dead one, or nothing new: no change.
+                _ => false,
+            },
             Change::ActorDown { id, reason } => match self.actors.get_mut(&id.name) {
                 Some(entry) if entry.id == *id && entry.liveness == Liveness::Alive => {
                     entry.liveness = Liveness::Dead(reason.clone());
@@ -535,6 +555,21 @@ mod tests {
                 .collect()
         };
         assert_eq!(held(&replica), ["policy:[1]", "rollout:[1]"]);
+        // The policy resharded over devices 1 and 2: its claim follows, replicated;
+        // the same claim again, or one for another incarnation, changes nothing.
+        let wider = DeviceClaim {
+            devices: vec![1, 2],
+            cuda: true,
+        };
+        let claim = |who: &str| Change::ActorClaim {
+            id: id(who),
+            claim: Some(wider.clone()),
+        };
+        let u = leader.apply(claim("a/policy/0#1")).unwrap().unwrap();
+        assert!(replica.apply_update(&u).unwrap());
+        assert_eq!(held(&replica), ["policy:[1, 2]", "rollout:[1]"]);
+        assert_eq!(leader.apply(claim("a/policy/0#1")).unwrap(), None);
+        assert_eq!(leader.apply(claim("a/policy/0#9")).unwrap(), None);
         let down = Change::ActorDown {
             id: id("a/policy/0#1"),
             reason: ExitReason::Normal,

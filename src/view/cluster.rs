@@ -217,6 +217,17 @@ async fn follow(
                     DirectoryChange::ActorUp { id, .. } => {
                         r.push(EventKind::ActorUp, &id.name.node, format!("{id} started"))
                     }
+                    DirectoryChange::ActorClaim { id, claim } => r.push(
+                        EventKind::ActorUp,
+                        &id.name.node,
+                        format!(
+                            "{id} now holds device(s) {:?}",
+                            claim
+                                .as_ref()
+                                .map(|c| c.devices.clone())
+                                .unwrap_or_default()
+                        ),
+                    ),
                     DirectoryChange::ActorDown { id, reason } => r.push(
                         EventKind::ActorDown,
                         &id.name.node,

@@ -288,15 +288,27 @@ async fn a_migration_whose_new_role_does_not_start_is_rolled_back() {
 /// so the resumed metrics equal the uninterrupted run's step for step.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_placement_run_resumes_as_if_it_had_not_stopped() {
+    resumes_as_if_it_had_not_stopped(&[]).await;
+}
+
+/// The same with a sharded policy pool: the policy's ranks save a sharded checkpoint,
+/// and the resumed run's policy loads it over the plan's policy groups.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_placement_run_over_a_sharded_policy_resumes_as_if_it_had_not_stopped() {
+    resumes_as_if_it_had_not_stopped(&["placement.policy_pool=\"sharded\""]).await;
+}
+
+async fn resumes_as_if_it_had_not_stopped(extra: &[&str]) {
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../config/live-placement.toml");
     let run = |out: &std::path::Path, steps: u64, resume: bool| {
-        let sets = [
+        let mut sets = vec![
             format!("job.output_dir=\"{}\"", out.display()),
             format!("job.steps={steps}"),
             "data.task=\"letters\"".to_string(),
             "rollout.max_new_tokens=6".to_string(),
             "model.max_seq_len=32".to_string(),
         ];
+        sets.extend(extra.iter().map(|s| s.to_string()));
         let job = JobConfig::load(config, &sets).unwrap();
         async move {
             let certs = tempfile::tempdir().unwrap();

@@ -155,6 +155,27 @@ fn one_rank_less(plan: &Plan) -> Plan {
     p
 }
 
+/// The (virtual) devices the directory says the policy holds.
+fn policy_holds(live: &LivePlacement, node: &Node) -> Vec<u32> {
+    let policy = live.controllers()[0].roles().policy.id().clone();
+    node.directory().read(|d| {
+        d.claims()
+            .find(|(id, _)| **id == policy)
+            .map(|(_, c)| c.devices.clone())
+            .unwrap_or_default()
+    })
+}
+
+/// The policy's groups in `plan`, as virtual device numbers.
+fn policy_groups(plan: &Plan) -> Vec<u32> {
+    let pool = plan
+        .pools
+        .iter()
+        .find(|p| p.roles.contains(Role::Policy))
+        .unwrap();
+    pool.groups.iter().map(|g| g.0).collect()
+}
+
 /// Steps `steps` of `live`: each step's policy ranks, policy loss and gradient norm;
 /// every step trains every sample it generated.
 async fn steps(live: &mut LivePlacement, steps: usize, per_head: u64) -> Vec<(u64, f64, f64)> {
@@ -202,13 +223,16 @@ async fn a_rank_moved_to_the_rollout_and_back_changes_no_step() {
         let mut live = LivePlacement::build(&job, &node).await.unwrap();
         let start = live.plan().clone();
         let mut run = steps(&mut live, 1, per_head).await;
+        assert_eq!(policy_holds(&live, &node), policy_groups(&start));
         if moved {
             live.move_to(one_rank_less(&start)).await.unwrap();
+            assert_eq!(policy_holds(&live, &node), policy_groups(live.plan()));
         }
         run.extend(steps(&mut live, 3, per_head).await);
         if moved {
             live.move_to(start.clone()).await.unwrap();
             assert_eq!(live.plan(), &start);
+            assert_eq!(policy_holds(&live, &node), policy_groups(&start));
         }
         run.extend(steps(&mut live, 3, per_head).await);
         if moved {

@@ -411,8 +411,12 @@ impl Node {
 /// join, leave and die through the leader's own paths.
 fn own_change(from: &str, change: &Change) -> Result<(), String> {
     match change {
-        Change::ActorUp { id, .. } | Change::ActorDown { id, .. } if id.name.node == from => Ok(()),
-        Change::ActorUp { id, .. } | Change::ActorDown { id, .. } => Err(format!(
+        Change::ActorUp { id, .. } | Change::ActorClaim { id, .. } | Change::ActorDown { id, .. }
+            if id.name.node == from =>
+        {
+            Ok(())
+        }
+        Change::ActorUp { id, .. } | Change::ActorClaim { id, .. } | Change::ActorDown { id, .. } => Err(format!(
             "{from} may not record a change to {id}, an actor of {}: a member records only its own actors",
             id.name.node
         )),

@@ -8,12 +8,14 @@
 //! no checkpoint is written.
 //!
 //! Embedded only: the ranks are threads of this process, so this gives the move's
-//! mechanics and the same training, not memory per device.
+//! mechanics and the same training, not memory per device. The policy's device claim
+//! in the directory follows its groups.
 
 use yatt_placement::GroupId;
 use yatt_placement::Plan;
 use yatt_placement::Role as PRole;
 use yatt_roles::{PolicyRequest, PolicyResponse, RoleRequest, RoleResponse};
+use yatt_runtime::DirectoryChange as Change;
 
 use crate::build::parts::sharded_policy_role;
 use crate::config::modes::PolicyPool;
@@ -69,7 +71,22 @@ impl LivePlacement {
         for g in groups {
             self.replicas.insert(*g, Replica::Policy(p.clone()));
         }
+        self.claim_groups(&p, groups).await?;
         Ok(p)
+    }
+
+    /// Records in the directory that the policy holds the devices of `groups` (its
+    /// ranks'), so that whoever reads the holders sees them follow a reshard.
+    async fn claim_groups(&self, p: &PolicyRef, groups: &[GroupId]) -> Result<(), JobError> {
+        let mut claim = self.device_group(groups[0]).claim();
+        for g in &groups[1..] {
+            claim.devices.extend(self.device_group(*g).claim().devices);
+        }
+        self.announce(Change::ActorClaim {
+            id: p.id().clone(),
+            claim: Some(claim),
+        })
+        .await
     }
 
     /// Has the sharded policy reshard itself over `shards` ranks, in place.
@@ -138,6 +155,7 @@ impl LivePlacement {
         for g in &groups {
             self.replicas.insert(*g, Replica::Policy(policy.clone()));
         }
+        self.claim_groups(&policy, &groups).await?;
         // 3. Rollouts on the groups that joined the rollout.
         let joining: Vec<GroupId> = want
             .iter()
