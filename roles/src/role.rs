@@ -55,6 +55,9 @@ impl From<RoleError> for ActorError {
         match e {
             RoleError::BadRequest(s) => ActorError::BadRequest(s),
             RoleError::NotReady(s) => ActorError::Unavailable(s),
+            // A request the role does not take is refused, not failed: the asker can
+            // tell it from a failure and stop asking (weight sync's direct push).
+            e @ RoleError::Unsupported { .. } => ActorError::BadRequest(e.to_string()),
             other => ActorError::Failed(other.to_string()),
         }
     }
@@ -702,6 +705,19 @@ mod tests {
         assert!(
             err.to_string().contains("does not support load_weights"),
             "{err}"
+        );
+        // Refused, not failed: an asker tells a request the role does not take from a
+        // failure of one it does (the controller stops asking for direct pushes only
+        // then; it used to stop after any failure).
+        assert!(
+            matches!(
+                err,
+                yatt_runtime::CallError::Handler {
+                    error: ActorError::BadRequest(_),
+                    ..
+                }
+            ),
+            "{err:?}"
         );
         drop(a);
         running.exit.await.unwrap();

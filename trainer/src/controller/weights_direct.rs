@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use yatt_roles::{PolicyRequest, PolicyResponse, PushTarget};
-use yatt_runtime::{ActorId, CallError};
+use yatt_runtime::{ActorError, ActorId, CallError};
 
 use crate::controller::config::WeightSync;
 use crate::controller::core::Controller;
@@ -72,13 +72,23 @@ impl Controller {
             }
             Ok(other) => return Err(self.protocol("policy", "PushWeights", variant_of(&other))),
             // A policy that refuses the request (a user's role that does not know it):
-            // the two hops ask it for its weights instead, and report any real failure.
+            // the two hops ask it for its weights from now on. One that failed this push
+            // (an export that timed out, say) is asked again at the next sync; this one
+            // goes through the two hops, which report any real failure.
             Err(ControllerError::Call {
                 source: CallError::Handler { error, .. },
                 ..
             }) => {
-                tracing::warn!(error = %error, "weight sync: the policy refused PushWeights; {FALLBACK} from now on");
-                self.direct_push_off.store(true, Ordering::Relaxed);
+                let refused = matches!(error, ActorError::BadRequest(_));
+                let when = if refused {
+                    "from now on"
+                } else {
+                    "for this sync"
+                };
+                tracing::warn!(error = %error, "weight sync: the policy did not push the weights itself; {FALLBACK} {when}");
+                if refused {
+                    self.direct_push_off.store(true, Ordering::Relaxed);
+                }
                 return Ok(None);
             }
             Err(e) => return Err(e),
