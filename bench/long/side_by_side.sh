@@ -10,6 +10,8 @@
 # long_bench::); run from engine/ so that it finds ../models/smollm2-135m.
 # TOKENS (1024,2048,4096), SEQS (8). The HF model: models/smollm2-135m next to engine/.
 # The TRL variant needs trl importable (see hf_step.py); skipped when it is not.
+# RUNS picks the runs (default "yatt:packed:1 hf:default hf:ckpt hf:trl yatt:padded:0");
+# the environment (e.g. MALLOC_MMAP_THRESHOLD_) is passed on and noted in the output.
 set -u
 BIN=$(readlink -f "$1")
 OUT=$(readlink -f "$2")
@@ -20,7 +22,8 @@ ENGINE=$(cd "$(dirname "$BIN")/../../../engine" && pwd)
 MODEL="$ENGINE/../models/smollm2-135m"
 export OMP_WAIT_POLICY=PASSIVE
 
-note() { echo "# $(date -u +%FT%TZ) load: $(cut -d' ' -f1-3 /proc/loadavg) $*" | tee -a "$OUT"; }
+MALLOC_ENV=$(env | grep '^MALLOC_' | tr '\n' ' ')
+note() { echo "# $(date -u +%FT%TZ) load: $(cut -d' ' -f1-3 /proc/loadavg) $*${MALLOC_ENV:+ env: $MALLOC_ENV}" | tee -a "$OUT"; }
 
 yatt() { # layout recompute
     note "yatt layout=$1 recompute=$2 tokens=$TOKENS seqs=$SEQS binary=$BIN"
@@ -43,8 +46,10 @@ hf() { # variant
     python -c 'import trl; print("# trl", trl.__version__)' 2>/dev/null || echo "# trl: not importable"
 } | tee -a "$OUT"
 
-yatt packed 1
-hf default
-hf ckpt
-if python -c 'import trl' 2>/dev/null; then hf trl; fi
-yatt padded 0
+for run in ${RUNS:-yatt:packed:1 hf:default hf:ckpt hf:trl yatt:padded:0}; do
+    IFS=: read -r what a b <<<"$run"
+    case $what in
+        yatt) yatt "$a" "$b" ;;
+        hf) if [ "$a" != trl ] || python -c 'import trl' 2>/dev/null; then hf "$a"; fi ;;
+    esac
+done
