@@ -27,8 +27,28 @@ fn run_ranks(
     start: impl Fn(LocalGroup) -> ShardedTrainer,
     save: Option<&std::path::Path>,
 ) -> (Vec<Vec<ShardedStepStats>>, Vec<(String, Tensor)>) {
-    // All made before any rank starts: `Llama::random` and every step seed libtorch's
-    // global RNG.
+    let save = save.map(|p| p.to_path_buf());
+    let (stats, mut weights) = run_ranks_then(world, device, steps, n, start, move |mut tr| {
+        if let Some(dir) = &save {
+            tr.save_sharded(dir, None).unwrap();
+        }
+        tr.full_weights().unwrap()
+    });
+    (stats, weights.swap_remove(0))
+}
+
+/// `world` ranks built by `start` (all made before any rank starts: `Llama::random`
+/// and every step seed libtorch's global RNG) train steps `steps` on their threads,
+/// then each ends with `finish`; every rank's statistics and what `finish` gave, in
+/// rank order.
+fn run_ranks_then<T: Send + 'static>(
+    world: usize,
+    device: Device,
+    steps: std::ops::Range<usize>,
+    n: usize,
+    start: impl Fn(LocalGroup) -> ShardedTrainer,
+    finish: impl Fn(ShardedTrainer) -> T + Clone + Send + 'static,
+) -> (Vec<Vec<ShardedStepStats>>, Vec<T>) {
     let trainers: Vec<ShardedTrainer> = LocalGroup::new(world, Duration::from_secs(120))
         .into_iter()
         .map(start)
@@ -37,27 +57,14 @@ fn run_ranks(
         .into_iter()
         .enumerate()
         .map(|(rank, mut tr)| {
-            let steps = steps.clone();
-            let save = save.map(|p| p.to_path_buf());
+            let (steps, finish) = (steps.clone(), finish.clone());
             thread::spawn(move || {
                 let stats = train_rank(&mut tr, rank, world, steps, n, device);
-                if let Some(dir) = save {
-                    tr.save_sharded(&dir, None).unwrap();
-                }
-                (stats, tr.full_weights().unwrap())
+                (stats, finish(tr))
             })
         })
         .collect();
-    let mut all = Vec::new();
-    let mut weights = Vec::new();
-    for (rank, h) in handles.into_iter().enumerate() {
-        let (s, w) = h.join().unwrap();
-        all.push(s);
-        if rank == 0 {
-            weights = w;
-        }
-    }
-    (all, weights)
+    handles.into_iter().map(|h| h.join().unwrap()).unzip()
 }
 
 /// [`run_ranks`] from fresh copies of the test model.
@@ -405,22 +412,9 @@ fn run_and_hand_over(
     n: usize,
     start: impl Fn(LocalGroup) -> ShardedTrainer,
 ) -> (Vec<Vec<ShardedStepStats>>, Vec<RankState>) {
-    let trainers: Vec<ShardedTrainer> = LocalGroup::new(world, Duration::from_secs(120))
-        .into_iter()
-        .map(start)
-        .collect();
-    let handles: Vec<_> = trainers
-        .into_iter()
-        .enumerate()
-        .map(|(rank, mut tr)| {
-            let steps = steps.clone();
-            thread::spawn(move || {
-                let stats = train_rank(&mut tr, rank, world, steps, n, device);
-                (stats, tr.into_rank_state().unwrap())
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).unzip()
+    run_ranks_then(world, device, steps, n, start, |tr| {
+        tr.into_rank_state().unwrap()
+    })
 }
 
 fn resharded(old: &[RankState], g: LocalGroup) -> ShardedTrainer {

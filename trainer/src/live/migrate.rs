@@ -210,15 +210,25 @@ impl LivePlacement {
             };
             done.push(format!("{}: {} -> {to}", mv.group, mv.from));
         }
-        let old = std::mem::replace(&mut self.plan, mig.target.clone());
+        // 5. The heads on the new plan, and a weight sync to every head's rollout (new
+        // replicas included). 6. Publication is the caller's (it writes the plan record).
+        self.route_to(&mig.target, states).await?;
+        Ok(done.join("; "))
+    }
+
+    /// Routes the heads by `target` from `states` (the plan in force stays if routing
+    /// fails), then syncs every head's rollout.
+    pub(crate) async fn route_to(
+        &mut self,
+        target: &Plan,
+        states: Vec<crate::controller::report::ControllerState>,
+    ) -> Result<(), JobError> {
+        let old = std::mem::replace(&mut self.plan, target.clone());
         if let Err(e) = self.route(Some(states)).await {
             self.plan = old;
             return Err(e);
         }
-        // 5. Weight sync to every head's rollout (new replicas included).
-        self.sync_all().await?;
-        // 6. Publication is the caller's (it writes the plan record).
-        Ok(done.join("; "))
+        self.sync_all().await
     }
 
     /// Whether group `g` left the inventory with its node.

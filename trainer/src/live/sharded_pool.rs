@@ -177,12 +177,7 @@ impl LivePlacement {
         states: Vec<crate::controller::report::ControllerState>,
     ) -> Result<String, JobError> {
         let done = self.regroup_sharded(&mig.target).await?;
-        let old = std::mem::replace(&mut self.plan, mig.target.clone());
-        if let Err(e) = self.route(Some(states)).await {
-            self.plan = old;
-            return Err(e);
-        }
-        self.sync_all().await?;
+        self.route_to(&mig.target, states).await?;
         Ok(done.join("; "))
     }
 
@@ -194,9 +189,7 @@ impl LivePlacement {
         states: Vec<crate::controller::report::ControllerState>,
     ) -> Result<String, JobError> {
         let done = self.regroup_sharded(old).await?;
-        self.plan = old.clone();
-        self.route(Some(states)).await?;
-        self.sync_all().await?;
+        self.route_to(old, states).await?;
         Ok(done.join("; "))
     }
 }
