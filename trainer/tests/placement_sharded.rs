@@ -102,9 +102,10 @@ async fn growing_responses_move_a_rank_of_the_sharded_policy_to_the_rollout() {
     let shards = shards_by_step(&metrics);
     let seen: BTreeSet<u64> = shards.iter().map(|s| s.1).collect();
     assert_eq!(seen, BTreeSet::from([1, 2]), "{shards:?}");
-    // 2 ranks up to the move, 1 after it (the records count steps from 0, the
-    // metrics from 1).
-    for (s, n) in &shards {
+    // 2 ranks up to the move, 1 the step after it (the records count steps from 0,
+    // the metrics from 1); later steps are not checked: on a loaded machine a later
+    // move may change the count again.
+    for (s, n) in shards.iter().filter(|(s, _)| *s <= step + 2) {
         assert_eq!(
             *n,
             if *s <= step + 1 { 2 } else { 1 },
@@ -127,7 +128,9 @@ async fn shrinking_responses_give_a_rollout_group_to_the_sharded_policy_as_a_ran
     let (step, detail) = the_move(&records, Role::Rollout, Role::Policy);
     assert!(detail.contains("policy resharded 1 -> 2 ranks"), "{detail}");
     let shards = shards_by_step(&metrics);
-    for (s, n) in &shards {
+    // Up to the move and the step after it (on a loaded machine a later move may
+    // change the count again).
+    for (s, n) in shards.iter().filter(|(s, _)| *s <= step + 2) {
         assert_eq!(
             *n,
             if *s <= step + 1 { 1 } else { 2 },
