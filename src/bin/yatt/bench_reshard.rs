@@ -64,12 +64,10 @@ fn state_bytes(trainers: &[ShardedTrainer]) -> u64 {
 
 pub fn run(args: BenchReshardArgs) -> Result<()> {
     let config = model_config(&args.model)?;
-    let Some(&first) = args.ranks.first() else {
-        bail!("--ranks: give at least two rank counts, e.g. 4,3,4");
-    };
     if args.ranks.len() < 2 {
         bail!("--ranks: give at least two rank counts, e.g. 4,3,4");
     }
+    let first = args.ranks[0];
     set_threads(1);
     let t = Instant::now();
     let mut ranks = trainers_of(first, |g| {

@@ -32,14 +32,6 @@ impl LivePlacement {
         self.job.placement.policy_pool == PolicyPool::Sharded
     }
 
-    /// The sharded policy every policy group is a rank of.
-    fn sharded_policy(&self) -> Option<PolicyRef> {
-        self.replicas.values().find_map(|r| match r {
-            Replica::Policy(p) => Some(p.clone()),
-            Replica::Rollout(_) => None,
-        })
-    }
-
     /// Starts the policy sharded over `groups`, one rank each (a fresh one, or a
     /// resumed run's checkpoint at whatever rank count wrote it), and makes it every
     /// one of those groups' replica.
@@ -111,7 +103,8 @@ impl LivePlacement {
     /// rollout stop, the policy reshards over the plan's policy groups, rollouts start
     /// on groups that join it. Returns what changed.
     async fn regroup_sharded(&mut self, plan: &Plan) -> Result<Vec<String>, JobError> {
-        let Some(policy) = self.sharded_policy() else {
+        // The sharded policy every policy group is a rank of.
+        let Some(policy) = self.survivor() else {
             return Err(placement_err("no sharded policy is running".into()));
         };
         let want = plan.roles_by_group();
