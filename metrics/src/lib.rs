@@ -5,6 +5,7 @@
 //!   line, [`METRICS_FILE`]) and to a TensorBoard event file
 //!   `RUN_DIR/events.out.tfevents.<secs>.<host>` ([`EventWriter`]);
 //! - [`read_jsonl`] reads `metrics.jsonl` back as [`StepRecord`]s;
+//! - [`process_memory`] reads the job process's resident memory and its peak per step;
 //! - [`names`] are the metric names `yatt train` writes, for writers and readers alike;
 //! - `plot_run` (feature `plot`) draws a run's reward, KL, stage timing and throughput as PNGs.
 //!
@@ -33,6 +34,7 @@ mod jsonl;
 pub mod names;
 #[cfg(feature = "plot")]
 mod plot;
+mod process;
 mod tfevents;
 mod writer;
 
@@ -43,5 +45,6 @@ pub use jsonl::{
 };
 #[cfg(feature = "plot")]
 pub use plot::{plot_compare, plot_run, PlotReport};
+pub use process::{process_memory, ProcessMemory};
 pub use tfevents::{read_records as read_event_records, EventWriter};
 pub use writer::RunWriter;

@@ -201,6 +201,7 @@ pub async fn train_with(
         for _ in step..total {
             let mut record = |m: &StepMetrics| {
                 step += 1;
+                let m = &with_process_memory(m);
                 writer.write_step(step, &m.values).map_err(metrics_err)?;
                 rewards.push(m.get(names::REWARDS_MEAN).unwrap_or(f64::NAN));
                 on_step(&Progress {
@@ -454,6 +455,20 @@ pub(crate) fn check_live_roles(job: &JobConfig, custom: &CustomRoles) -> Result<
 
 /// A checkpoint's place in the run, for its errors: the end-of-run save is not "step
 /// N+1".
+/// The step's metrics plus the job process's resident memory and its peak over the step
+/// (what a user watches for a run whose memory creeps up, step after step).
+fn with_process_memory(m: &StepMetrics) -> StepMetrics {
+    let mut m = m.clone();
+    if let Some(memory) = yatt_metrics::process_memory() {
+        m.set(names::PROCESS_RSS_BYTES, memory.resident_bytes as f64);
+        m.set(
+            names::PROCESS_PEAK_RSS_BYTES,
+            memory.peak_resident_bytes as f64,
+        );
+    }
+    m
+}
+
 fn save_point(step: u64, total: u64) -> String {
     match step >= total {
         true => format!("the end-of-run save (after step {step} of {total})"),
