@@ -71,16 +71,17 @@ pub use generate::{
 pub use model::{
     backward_with, blocks_for, cuda_graphs_built, load_cuda_graph_shim, positions_from_mask,
     read_safetensors_dir, recompute_backward, unit_shapes, AdapterDir, Adapters, Attn,
-    DecoderLayer, KvCache, Llama, LoraConfig, LoraPair, LoraTarget, MemoryOptions, RowLayout,
-    ScalarHead, Tape, Unit, UnitPass, KV_BLOCK, LORA_SCALING_TENSOR,
+    DecoderLayer, HeadShape, KvCache, Llama, LoraConfig, LoraPair, LoraTarget, MemoryOptions,
+    RowLayout, ScalarHead, Tape, Unit, UnitPass, KV_BLOCK, LORA_SCALING_TENSOR,
 };
 pub use schedule::BatchingMode;
 pub use score::{SeqBatch, TokenScores};
 pub use shard::{
-    check_shards, is_sharded_checkpoint, load_sharded_weights, merge_sharded_checkpoint,
-    model_layout, moved_bytes_per_micro_batch, random_model_by_units, random_unit, reshard,
-    shard_len, shard_of, unit_slice_name, write_unit_slices, CommStats, LocalGroup, ParamSlot,
-    RankState, ReduceOp, ShardGroup, ShardedStepStats, ShardedTrainer, UnitLayout, PREFETCH_DEPTH,
+    check_shards, is_sharded_checkpoint, layout_of, load_sharded_weights, merge_sharded_checkpoint,
+    model_layout, model_layout_with_head, moved_bytes_per_micro_batch, random_model_by_units,
+    random_unit, reshard, shard_len, shard_of, unit_slice_name, write_unit_slices, CommStats,
+    LocalGroup, ParamSlot, RankState, ReduceOp, ShardGroup, ShardedStepStats, ShardedTrainer,
+    UnitLayout, PREFETCH_DEPTH,
 };
 pub use tch;
 pub use tokenizer::{render_chat_template, ChatMessage, Tokenizer};

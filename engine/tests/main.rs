@@ -14,4 +14,5 @@ mod lora;
 mod paged;
 mod parity;
 mod sharded;
+mod sharded_critic;
 mod train;

@@ -26,7 +26,7 @@ mod units;
 pub use attention::Attn;
 pub use blocks::{blocks_for, KV_BLOCK};
 pub use cuda_graph::{cuda_graphs_built, load_cuda_graph_shim, DecodeGraphs};
-pub use heads::ScalarHead;
+pub use heads::{HeadShape, ScalarHead};
 pub use kv_cache::KvCache;
 pub use llama::{DecoderLayer, Llama, MemoryOptions, RowLayout, DEFAULT_CHUNK_TOKENS};
 pub use loading::read_safetensors_dir;

@@ -6,6 +6,7 @@
 
 use super::attention::Attn;
 use super::forward::Ctx;
+use super::heads::{HeadShape, ScalarHead};
 use super::llama::{DecoderLayer, Llama};
 use super::rope::rope_tables;
 use crate::config::ModelConfig;
@@ -19,7 +20,8 @@ pub enum Unit {
     Embed,
     /// Decoder layer `i`.
     Layer(usize),
-    /// The final norm and, when untied, the LM head.
+    /// The final norm and, when untied, the LM head; with a scalar head (a critic's
+    /// value head), that head too.
     Head,
 }
 
@@ -60,25 +62,29 @@ impl Llama {
                 if let Some(w) = self.lm_head.as_mut() {
                     v.push(("lm_head".into(), w));
                 }
+                if let Some(hd) = self.head.as_mut() {
+                    v.push((format!("{}.weight", hd.prefix), &mut hd.weight));
+                    if let Some(b) = hd.bias.as_mut() {
+                        v.push((format!("{}.bias", hd.prefix), b));
+                    }
+                }
                 v
             }
         }
     }
 
-    /// Whether sharded training can run this model: no LoRA adapters and no scalar
-    /// head yet (their parameters belong to no unit).
+    /// The scalar head's shape, if the model has one (a critic, a reward model).
+    pub fn head_shape(&self) -> Option<HeadShape> {
+        self.head.as_ref().map(ScalarHead::shape)
+    }
+
+    /// Whether sharded training can run this model: no LoRA adapters (theirs are not
+    /// parameters of any unit).
     pub fn check_unit_trainable(&self) -> Result<()> {
         if self.lora.is_some() {
             return Err(EngineError::InvalidArgument(
                 "sharded training of LoRA adapters is not built yet: set the role's shards \
                  to 1 for a LoRA run"
-                    .into(),
-            ));
-        }
-        if self.head.is_some() {
-            return Err(EngineError::InvalidArgument(
-                "sharded training of a model with a scalar head (critic, reward model) is \
-                 not built yet: set the critic's shards to 1"
                     .into(),
             ));
         }
@@ -130,11 +136,15 @@ pub struct UnitPass {
     ids: Tensor,
 }
 
-/// The canonical parameters of `unit` of a model with `config`: names (as
-/// [`Llama::unit_parameters_mut`] gives them, in the same order) and shapes. The
-/// layout of a sharded unit is derived from this alone, so a skeleton without weights
-/// and a loaded model agree.
-pub fn unit_shapes(config: &ModelConfig, unit: Unit) -> Vec<(String, Vec<i64>)> {
+/// The canonical parameters of `unit` of a model with `config` and, if any, a scalar
+/// head of `head`: names (as [`Llama::unit_parameters_mut`] gives them, in the same
+/// order) and shapes. The layout of a sharded unit is derived from this alone, so a
+/// skeleton without weights and a loaded model agree.
+pub fn unit_shapes(
+    config: &ModelConfig,
+    unit: Unit,
+    head: Option<&HeadShape>,
+) -> Vec<(String, Vec<i64>)> {
     let c = config;
     let (h, hd, f) = (c.hidden_size, c.head_dim, c.intermediate_size);
     let qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * hd;
@@ -164,6 +174,12 @@ pub fn unit_shapes(config: &ModelConfig, unit: Unit) -> Vec<(String, Vec<i64>)> 
             if !c.tie_word_embeddings {
                 v.push(("lm_head".into(), vec![h, c.vocab_size]));
             }
+            if let Some(hd) = head {
+                v.push((format!("{}.weight", hd.prefix), vec![1, h]));
+                if hd.bias {
+                    v.push((format!("{}.bias", hd.prefix), vec![1]));
+                }
+            }
             v
         }
     }
@@ -174,6 +190,16 @@ impl Llama {
     /// sharded rank holds between unit runs, and what it installs gathered weights
     /// into. Nothing the size of the model is allocated.
     pub fn skeleton(config: ModelConfig, device: Device, kind: Kind) -> Self {
+        Self::skeleton_with_head(config, None, device, kind)
+    }
+
+    /// [`Llama::skeleton`] with an empty scalar head of `head`, if given.
+    pub fn skeleton_with_head(
+        config: ModelConfig,
+        head: Option<&HeadShape>,
+        device: Device,
+        kind: Kind,
+    ) -> Self {
         let empty = || Tensor::empty([0], (kind, device));
         let layers = (0..config.num_hidden_layers)
             .map(|_| DecoderLayer {
@@ -193,7 +219,7 @@ impl Llama {
             layers,
             norm: empty(),
             lm_head: (!config.tie_word_embeddings).then(empty),
-            head: None,
+            head: head.map(|h| ScalarHead::empty(h, device, kind)),
             device,
             kind,
             cos,

@@ -5,7 +5,7 @@
 //! merge` and live placement all use it.
 
 use crate::config::ModelConfig;
-use crate::model::{unit_shapes, Llama, Unit};
+use crate::model::{unit_shapes, HeadShape, Llama, Unit};
 use tch::Tensor;
 
 /// One parameter's place in its unit's flat buffer.
@@ -33,10 +33,11 @@ pub struct UnitLayout {
 }
 
 impl UnitLayout {
-    /// The layout of `unit` of a model with `config`.
-    pub fn of(config: &ModelConfig, unit: Unit) -> Self {
+    /// The layout of `unit` of a model with `config` and, if any, a scalar head of
+    /// `head` (part of [`Unit::Head`]).
+    pub fn of(config: &ModelConfig, unit: Unit, head: Option<&HeadShape>) -> Self {
         let mut offset = 0;
-        let slots = unit_shapes(config, unit)
+        let slots = unit_shapes(config, unit, head)
             .into_iter()
             .map(|(name, shape)| {
                 let numel = shape.iter().product();
@@ -81,12 +82,26 @@ impl UnitLayout {
     }
 }
 
-/// The layouts of every unit of a model with `config`, in forward order.
+/// The layouts of every unit of a language model with `config`, in forward order.
 pub fn model_layout(config: &ModelConfig) -> Vec<UnitLayout> {
+    model_layout_with_head(config, None)
+}
+
+/// The layouts of every unit of a model with `config` and, if any, a scalar head of
+/// `head` (a critic's value head, in the last unit), in forward order.
+pub fn model_layout_with_head(config: &ModelConfig, head: Option<&HeadShape>) -> Vec<UnitLayout> {
     let mut units = vec![Unit::Embed];
     units.extend((0..config.num_hidden_layers as usize).map(Unit::Layer));
     units.push(Unit::Head);
-    units.iter().map(|&u| UnitLayout::of(config, u)).collect()
+    units
+        .iter()
+        .map(|&u| UnitLayout::of(config, u, head))
+        .collect()
+}
+
+/// The layouts of `model`'s units, its scalar head included.
+pub fn layout_of(model: &Llama) -> Vec<UnitLayout> {
+    model_layout_with_head(&model.config, model.head_shape().as_ref())
 }
 
 /// Bytes one rank moves per micro-batch of sharded training (the trainer's schedule):

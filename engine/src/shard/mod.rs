@@ -15,7 +15,8 @@ mod trainer;
 pub use group::{LocalGroup, ReduceOp, ShardGroup};
 pub use init::{random_model_by_units, random_unit};
 pub use layout::{
-    model_layout, moved_bytes_per_micro_batch, reshard, shard_len, shard_of, ParamSlot, UnitLayout,
+    layout_of, model_layout, model_layout_with_head, moved_bytes_per_micro_batch, reshard,
+    shard_len, shard_of, ParamSlot, UnitLayout,
 };
 pub use persist::{is_sharded_checkpoint, load_sharded_weights, merge_sharded_checkpoint};
 pub use regroup::RankState;

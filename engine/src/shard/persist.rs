@@ -9,12 +9,12 @@
 //! `shard-RRRRR-of-NNNNN.safetensors` per rank with `master.UNIT`, `m.UNIT`, `v.UNIT`.
 
 use super::group::{ReduceOp, ShardGroup};
-use super::layout::{model_layout, reshard, UnitLayout};
+use super::layout::{model_layout_with_head, reshard, UnitLayout};
 use super::trainer::{check_world, decay_ranges, ShardedTrainer, UnitState};
 use crate::checkpoint::{copy_tokenizer_files, save_pretrained, write_safetensors};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::model::Llama;
+use crate::model::{HeadShape, Llama};
 use crate::train::TrainConfig;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -105,6 +105,7 @@ impl ShardedTrainer {
             "world": world,
             "config": self.config,
             "kind": format!("{:?}", self.model.kind()),
+            "scalar_head": self.model.head_shape(),
             "units": self.layout.iter().map(|u| json!({"unit": u.unit.to_string(), "numel": u.numel})).collect::<Vec<_>>(),
         });
         write_json(&tmp.join(STATE), &state)?;
@@ -143,7 +144,7 @@ impl ShardedTrainer {
             s.v = part("v")?;
             state.push(s);
         }
-        let model = Llama::skeleton(saved.model, device, kind);
+        let model = Llama::skeleton_with_head(saved.model, saved.head.as_ref(), device, kind);
         let mut tr = ShardedTrainer::assemble(model, saved.config, saved.layout, state, group)?;
         tr.step = saved.step;
         Ok(tr)
@@ -164,7 +165,7 @@ pub fn merge_sharded_checkpoint(dir: &Path, out: &Path) -> Result<()> {
 pub fn load_sharded_weights(dir: &Path, device: Device, kind: Kind) -> Result<Llama> {
     let saved = SavedState::read(dir)?;
     let mut files = ShardFiles::open(dir, saved.world)?;
-    let mut model = Llama::skeleton(saved.model, device, kind);
+    let mut model = Llama::skeleton_with_head(saved.model, saved.head.as_ref(), device, kind);
     for ul in &saved.layout {
         let name = format!("master.{}", ul.unit);
         let parts = (0..saved.world)
@@ -189,6 +190,8 @@ struct SavedState {
     world: usize,
     config: TrainConfig,
     model: ModelConfig,
+    /// The scalar head (a critic's), if the model has one.
+    head: Option<HeadShape>,
     layout: Vec<UnitLayout>,
 }
 
@@ -215,7 +218,13 @@ impl SavedState {
             )));
         }
         let model = ModelConfig::from_dir(dir)?;
-        let layout = model_layout(&model);
+        // Absent in checkpoints of language models written before critics were sharded.
+        let head: Option<HeadShape> =
+            serde_json::from_value(v["scalar_head"].clone()).map_err(|e| EngineError::Json {
+                path: p.clone(),
+                source: e,
+            })?;
+        let layout = model_layout_with_head(&model, head.as_ref());
         let units = v["units"].as_array().cloned().unwrap_or_default();
         let agree = units.len() == layout.len()
             && units
@@ -243,6 +252,7 @@ impl SavedState {
                 as usize,
             config,
             model,
+            head,
             layout,
         })
     }

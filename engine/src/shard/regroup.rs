@@ -9,7 +9,7 @@ use super::layout::{reshard, UnitLayout};
 use super::trainer::{check_world, decay_ranges, ShardedTrainer, UnitState};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::model::{Llama, MemoryOptions};
+use crate::model::{HeadShape, Llama, MemoryOptions};
 use crate::train::TrainConfig;
 use tch::{Device, Kind, Tensor};
 
@@ -21,6 +21,7 @@ pub struct RankState {
     step: u64,
     config: TrainConfig,
     model: ModelConfig,
+    head: Option<HeadShape>,
     memory: MemoryOptions,
     device: Device,
     kind: Kind,
@@ -63,6 +64,7 @@ impl ShardedTrainer {
             step: self.step,
             config: self.config.clone(),
             model: self.model.config.clone(),
+            head: self.model.head_shape(),
             memory: self.model.memory,
             device: self.model.device(),
             kind: self.model.kind(),
@@ -129,7 +131,12 @@ impl ShardedTrainer {
             s.v = part(2)?;
             state.push(s);
         }
-        let mut model = Llama::skeleton(first.model.clone(), first.device, first.kind);
+        let mut model = Llama::skeleton_with_head(
+            first.model.clone(),
+            first.head.as_ref(),
+            first.device,
+            first.kind,
+        );
         model.memory = first.memory;
         let mut tr = ShardedTrainer::assemble(
             model,

@@ -9,18 +9,39 @@ use crate::error::Result;
 use crate::score::{head_scores, predicting_rows, token_layout, SeqBatch};
 use tch::Tensor;
 
+/// Which head a sharded scoring pass runs.
+#[derive(Clone, Copy)]
+enum ScoreHead {
+    /// The LM head's log-probs at a temperature.
+    Tokens(f64),
+    /// The scalar head's values.
+    Values,
+}
+
 impl ShardedTrainer {
     /// Log-probs `[B, T]` of every token of each of `batches` given its prefix (0 at
     /// `t = 0` and at padding), at `temperature`, without gradients: a collective,
     /// which every rank calls with its own batches (any count, none included).
     pub fn score_tokens(&mut self, batches: &[SeqBatch], temperature: f64) -> Result<Vec<Tensor>> {
+        self.score_with(batches, ScoreHead::Tokens(temperature))
+    }
+
+    /// The scalar head's values `[B, T]` at every position of each of `batches`
+    /// (padding zeroed), without gradients: a collective like
+    /// [`ShardedTrainer::score_tokens`], for a model with a scalar head (a critic).
+    pub fn score_values(&mut self, batches: &[SeqBatch]) -> Result<Vec<Tensor>> {
+        self.scalar_head("score values")?;
+        self.score_with(batches, ScoreHead::Values)
+    }
+
+    fn score_with(&mut self, batches: &[SeqBatch], head: ScoreHead) -> Result<Vec<Tensor>> {
         self.reset_in_flight();
         let mut count = [batches.len() as f64];
         self.group.all_reduce(&mut count, ReduceOp::Max)?;
         let mut out = Vec::with_capacity(batches.len());
         tch::no_grad(|| -> Result<()> {
             for i in 0..count[0] as usize {
-                let scored = self.score_micro(batches.get(i), temperature);
+                let scored = self.score_micro(batches.get(i), head);
                 if let Some(lp) = scored? {
                     out.push(lp);
                 }
@@ -32,23 +53,25 @@ impl ShardedTrainer {
 
     /// One micro-batch's forward pass, unit by unit (or, with `None`, this rank's part
     /// in the gathers of one it does not have).
-    fn score_micro(
-        &mut self,
-        batch: Option<&SeqBatch>,
-        temperature: f64,
-    ) -> Result<Option<Tensor>> {
-        let head = self.layout.len() - 1;
+    fn score_micro(&mut self, batch: Option<&SeqBatch>, head: ScoreHead) -> Result<Option<Tensor>> {
+        let last = self.layout.len() - 1;
         let LayersOut { pass, x, embed, .. } =
-            self.forward_layers(batch, (0..=head).collect(), false)?;
-        let head_unit = self.gather(head, false)?;
+            self.forward_layers(batch, (0..=last).collect(), false)?;
+        let head_unit = self.gather(last, false)?;
         let scored = match (batch, &pass, x) {
             (Some(b), Some(p), Some(xl)) => {
                 let h = self.model.run_final_norm(p, &xl);
-                let (rows, targets) = predicting_rows(&h, b);
-                let chunk = self.model.memory.logprob_chunk_tokens;
-                let (lp, _) = head_scores(&self.model, &rows, &targets, temperature, chunk, false);
-                let (bt, tt) = b.ids.size2().expect("[B, T]");
-                Some(token_layout(&lp, b, bt, tt))
+                Some(match head {
+                    ScoreHead::Tokens(temperature) => {
+                        let (rows, targets) = predicting_rows(&h, b);
+                        let chunk = self.model.memory.logprob_chunk_tokens;
+                        let (lp, _) =
+                            head_scores(&self.model, &rows, &targets, temperature, chunk, false);
+                        let (bt, tt) = b.ids.size2().expect("[B, T]");
+                        token_layout(&lp, b, bt, tt)
+                    }
+                    ScoreHead::Values => self.head_values(&h, b)?,
+                })
             }
             _ => None,
         };

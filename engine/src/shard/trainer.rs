@@ -21,7 +21,7 @@
 
 use super::comm::{CommThread, Pending, WaitingSince};
 use super::group::{ReduceOp, ShardGroup};
-use super::layout::{model_layout, shard_of, UnitLayout};
+use super::layout::{layout_of, model_layout, shard_of, UnitLayout};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::model::{backward_with, positions_from_mask, Attn, Llama, UnitPass};
@@ -148,6 +148,18 @@ pub(super) struct LayersOut {
     pub(super) inputs: Vec<Option<Tensor>>,
 }
 
+/// A sharded step's head and the loss of its output: each micro-batch's (by index)
+/// loss, scaled as the caller wants it.
+pub(super) enum HeadLoss<'a> {
+    /// The LM head's log-probs and entropies (chunked), at `temperature`.
+    Tokens {
+        temperature: f64,
+        loss: &'a mut dyn FnMut(usize, &TokenScores) -> Result<Tensor>,
+    },
+    /// The scalar head's values `[B, T]`.
+    Values(&'a mut dyn FnMut(usize, &Tensor) -> Result<Tensor>),
+}
+
 /// A model whose training state is sharded over the ranks of a [`ShardGroup`].
 pub struct ShardedTrainer {
     /// The model: a skeleton whose units hold weights only while they run.
@@ -214,7 +226,7 @@ impl ShardedTrainer {
         frozen: bool,
     ) -> Result<Self> {
         model.check_unit_trainable()?;
-        let layout = model_layout(&model.config);
+        let layout = layout_of(&model);
         check_world(&layout, group.world())?;
         let (rank, world) = (group.rank(), group.world());
         let device = model.device();
@@ -345,6 +357,42 @@ impl ShardedTrainer {
         temperature: f64,
         mut loss: impl FnMut(usize, &TokenScores) -> Result<Tensor>,
     ) -> Result<ShardedStepStats> {
+        self.step_with(
+            micro_batches,
+            HeadLoss::Tokens {
+                temperature,
+                loss: &mut loss,
+            },
+        )
+    }
+
+    /// [`ShardedTrainer::step_tokens`] for a model with a scalar head (a critic):
+    /// `loss` maps micro-batch `i`'s values `[B, T]` (the head at every position,
+    /// padding zeroed, as [`crate::score::values`] gives them) to its scaled loss.
+    pub fn step_values(
+        &mut self,
+        micro_batches: &[SeqBatch],
+        mut loss: impl FnMut(usize, &Tensor) -> Result<Tensor>,
+    ) -> Result<ShardedStepStats> {
+        self.scalar_head("train on values")?;
+        self.step_with(micro_batches, HeadLoss::Values(&mut loss))
+    }
+
+    /// Refuses what needs a scalar head on a model without one.
+    pub(super) fn scalar_head(&self, what: &str) -> Result<()> {
+        match self.model.head {
+            Some(_) => Ok(()),
+            None => Err(EngineError::InvalidArgument(format!(
+                "a sharded language model has no scalar head to {what}: attach one (Llama::attach_head) before sharding"
+            ))),
+        }
+    }
+
+    fn step_with(
+        &mut self,
+        micro_batches: &[SeqBatch],
+        mut head: HeadLoss<'_>,
+    ) -> Result<ShardedStepStats> {
         self.refuse_if_frozen("train")?;
         tch::manual_seed(self.config.seed.wrapping_add(self.step) as i64);
         let before = self.comm.clone();
@@ -358,7 +406,7 @@ impl ShardedTrainer {
         let mut total = 0.0;
         for i in 0..n {
             let mb = micro_batches.get(i);
-            total += self.micro(mb, temperature, &mut |s| loss(i, s))?;
+            total += self.micro(mb, i, &mut head)?;
         }
         let mut sum = [total];
         self.group.all_reduce(&mut sum, ReduceOp::Sum)?;
@@ -548,7 +596,9 @@ impl ShardedTrainer {
         train: bool,
     ) -> Result<LayersOut> {
         let head = self.layout.len() - 1;
-        let tied = self.model.tied_embeddings();
+        // Tied, the embeddings are the LM head's matrix too; a scalar head (a critic's)
+        // does not read them.
+        let tied = self.model.tied_embeddings() && self.model.head.is_none();
         self.gather_order = order;
         self.submitted = 0;
         if self.prefetch {
@@ -597,8 +647,8 @@ impl ShardedTrainer {
     fn micro(
         &mut self,
         batch: Option<&SeqBatch>,
-        temperature: f64,
-        loss: &mut dyn FnMut(&TokenScores) -> Result<Tensor>,
+        index: usize,
+        head_loss: &mut HeadLoss<'_>,
     ) -> Result<f64> {
         let head = self.layout.len() - 1;
         // Every unit forward, then the layers again in reverse; not the next
@@ -618,21 +668,32 @@ impl ShardedTrainer {
         if let (Some(b), Some(p), Some(xl)) = (batch, &pass, x) {
             let last = xl.set_requires_grad(true);
             let h = self.model.run_final_norm(p, &last);
-            let (rows, targets) = predicting_rows(&h, b);
-            let input = HeadInput {
-                rows,
-                targets,
-                tapes: vec![],
+            value = match head_loss {
+                HeadLoss::Tokens { temperature, loss } => {
+                    let (rows, targets) = predicting_rows(&h, b);
+                    let input = HeadInput {
+                        rows,
+                        targets,
+                        tapes: vec![],
+                    };
+                    let chunk = self.model.memory.logprob_chunk_tokens;
+                    let (bt, tt) = b.ids.size2().expect("[B, T]");
+                    let scored = |lp: &Tensor, ent: &Tensor| {
+                        let scores = TokenScores {
+                            logprobs: token_layout(lp, b, bt, tt),
+                            entropy: token_layout(ent, b, bt, tt),
+                        };
+                        loss(index, &scores)
+                    };
+                    chunked_backward(&self.model, input, *temperature, chunk, scored)?.0
+                }
+                HeadLoss::Values(loss) => {
+                    let l = loss(index, &self.head_values(&h, b)?)?;
+                    let v = l.double_value(&[]);
+                    l.backward();
+                    v
+                }
             };
-            let chunk = self.model.memory.logprob_chunk_tokens;
-            let (bt, tt) = b.ids.size2().expect("[B, T]");
-            let (v, _, _) = chunked_backward(&self.model, input, temperature, chunk, |lp, ent| {
-                loss(&TokenScores {
-                    logprobs: token_layout(lp, b, bt, tt),
-                    entropy: token_layout(ent, b, bt, tt),
-                })
-            })?;
-            value = v;
             g = Some(grad_or_zeros(&last));
         }
         let head_grad = self.flat_grad(&head_unit)?;
@@ -688,6 +749,15 @@ impl ShardedTrainer {
         // The embedding gradient is the largest: not held into the next micro-batch.
         self.settle_reduce(WaitingSince::Now)?;
         Ok(value)
+    }
+
+    /// The scalar head on the final hidden states `h` of `b`: `[B, T]` in f32, padding
+    /// zeroed (what [`crate::score::values`] gives for the whole model).
+    pub(super) fn head_values(&self, h: &Tensor, b: &SeqBatch) -> Result<Tensor> {
+        let hd = self.model.head.as_ref().ok_or_else(|| {
+            EngineError::InvalidArgument("values need a scalar head on the sharded model".into())
+        })?;
+        Ok(hd.forward(h).to_kind(Kind::Float) * b.attention_mask.to_kind(Kind::Float))
     }
 
     /// Clips the gradient over all shards and steps AdamW on this rank's shards.
@@ -786,7 +856,9 @@ impl ShardedTrainer {
     /// gathered buffers.
     fn gather_model(&mut self, kind: Kind) -> Result<Llama> {
         let device = self.model.device();
-        let mut model = Llama::skeleton(self.model.config.clone(), device, kind);
+        let head = self.model.head_shape();
+        let mut model =
+            Llama::skeleton_with_head(self.model.config.clone(), head.as_ref(), device, kind);
         model.memory = self.model.memory;
         for u in 0..self.layout.len() {
             let full = self.group.all_gather(&self.state[u].master.to_kind(kind))?;
