@@ -101,7 +101,7 @@ pub use builtin::{
     PolicyRequest, PolicyResponse, PolicyRole, PushReport, PushTarget, PushingPolicy, RankRef,
     RankRequest, RankResponse, RankSource, RankStep, ReferenceRole, RemoteRanks, RewardModelError,
     RewardRole, RingShardGroup, RmExample, RmTrainConfig, RolloutRequest, RolloutResponse,
-    RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, ShardReport, ShardedPolicyRole,
-    ShardedReferenceRole, ShardedStart, SlicePusher, TextCodec, TokenizerCodec, TrainReport,
-    TrainerState, TINY_CODEC,
+    RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, ShardReport, ShardedCriticRole,
+    ShardedPolicyRole, ShardedReferenceRole, ShardedStart, SlicePusher, TextCodec, TokenizerCodec,
+    TrainReport, TrainerState, TINY_CODEC,
 };

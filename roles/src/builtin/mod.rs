@@ -38,7 +38,9 @@ mod write_root;
 pub use growing_reward::GrowingLengthReward;
 pub use write_root::check_write_root;
 
-pub use critic::{CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole};
+pub use critic::{
+    CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole, ShardedCriticRole,
+};
 pub use judge_model::{JudgeConfig, JudgeMode, JudgeScorer, OnUnparsed};
 pub use policy::{
     GradShard, KlLossConfig, LoraSync, PolicyConfig, PolicyRankRole, PolicyRequest, PolicyResponse,

@@ -332,7 +332,7 @@ impl SeqMicro {
 /// (token-mean), its sequences with tokens (seq-mean-token-mean), its sequences
 /// (seq-mean-token-sum-norm). A step's loss is the micro-batches' losses weighted by
 /// their normaliser over the step's.
-pub(super) fn normaliser(mask: &Tensor, agg: LossAgg) -> f64 {
+pub(crate) fn normaliser(mask: &Tensor, agg: LossAgg) -> f64 {
     let tokens: Vec<f64> =
         Vec::try_from(mask.sum_dim_intlist(1, false, Kind::Double)).unwrap_or_default();
     match agg {

@@ -1,4 +1,4 @@
-//! The ranks of a sharded policy replica: the local ones, each a thread of this process
+//! The ranks of a sharded replica (a policy's, and a reference's or a critic's): the local ones, each a thread of this process
 //! that owns a [`ShardedTrainer`] and runs the jobs it is sent, in order, from a
 //! bounded channel; and, in a cluster, the remote ones, actors on other `yatt-node`s
 //! asked over QUIC ([`RemoteRanks`]). Every job goes to every rank at once (they are
@@ -53,7 +53,9 @@ enum Work {
 }
 
 /// A sharded replica's rank threads.
-pub(super) struct Ranks {
+pub(crate) struct Ranks {
+    /// The role the ranks are of (`policy`, `reference`, `critic`), for messages.
+    role: &'static str,
     senders: Vec<SyncSender<Work>>,
     remote: Option<RemoteRanks>,
     /// How long a job may take on every rank.
@@ -63,7 +65,7 @@ pub(super) struct Ranks {
 }
 
 /// How a replica's ranks meet: the deadline of each collective between them.
-pub(super) fn groups(shards: usize, collective: Duration) -> Vec<LocalGroup> {
+pub(crate) fn groups(shards: usize, collective: Duration) -> Vec<LocalGroup> {
     LocalGroup::new(shards, collective)
 }
 
@@ -71,7 +73,7 @@ pub(super) fn groups(shards: usize, collective: Duration) -> Vec<LocalGroup> {
 /// `collective`) by `shard`: the last rank
 /// shards the model itself, the others a copy each, all made here before any rank
 /// thread runs (so every rank starts from the same weights).
-pub(super) fn shard_copies(
+pub(crate) fn shard_copies(
     model: Llama,
     (shards, collective): (usize, Duration),
     what: &str,
@@ -96,7 +98,8 @@ pub(super) fn shard_copies(
 
 impl Ranks {
     /// Starts one thread per trainer (rank order), each job bounded by `deadline`.
-    pub(super) fn start(
+    pub(crate) fn start(
+        role: &'static str,
         trainers: Vec<ShardedTrainer>,
         deadline: Duration,
     ) -> Result<Self, RoleError> {
@@ -105,7 +108,7 @@ impl Ranks {
             // One job queued at most: the role sends one per request and waits for it.
             let (tx, rx) = sync_channel::<Work>(1);
             std::thread::Builder::new()
-                .name(format!("policy-shard-{rank}"))
+                .name(format!("{role}-shard-{rank}"))
                 .spawn(move || {
                     // A panic ends the thread and drops its group: the other ranks'
                     // collectives fail at once instead of at their deadline.
@@ -120,10 +123,11 @@ impl Ranks {
                         }
                     }
                 })
-                .map_err(|e| RoleError::Failed(format!("starting policy shard {rank}: {e}")))?;
+                .map_err(|e| RoleError::Failed(format!("starting {role} shard {rank}: {e}")))?;
             senders.push(tx);
         }
         Ok(Ranks {
+            role,
             senders,
             remote: None,
             deadline,
@@ -143,12 +147,12 @@ impl Ranks {
     }
 
     /// Ranks of the replica.
-    pub(super) fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.senders.len() + self.remote.as_ref().map_or(0, |r| r.refs.len())
     }
 
     /// Ranks in this process (the first ones).
-    pub(super) fn local(&self) -> usize {
+    pub(crate) fn local(&self) -> usize {
         self.senders.len()
     }
 
@@ -217,13 +221,14 @@ impl Ranks {
             return Ok(out);
         }
         Err(self.break_with(format!(
-            "policy shard(s) on other nodes failed in {what}: {}",
+            "{} shard(s) on other nodes failed in {what}: {}",
+            self.role,
             failed.join("; ")
         )))
     }
 
     /// Runs `jobs[r]` on rank `r`, all at once, and returns their answers in rank order.
-    pub(super) fn run<T, F>(&mut self, what: &str, jobs: Vec<F>) -> Result<Vec<T>, RoleError>
+    pub(crate) fn run<T, F>(&mut self, what: &str, jobs: Vec<F>) -> Result<Vec<T>, RoleError>
     where
         T: Send + 'static,
         F: FnOnce(&mut ShardedTrainer) -> T + Send + 'static,
@@ -240,7 +245,7 @@ impl Ranks {
                 let _ = tx.send((rank, job(tr)));
             });
             if s.send(Work::Job(job)).is_err() {
-                return Err(self.break_with(format!("policy shard {rank} has stopped")));
+                return Err(self.break_with(format!("{} shard {rank} has stopped", self.role)));
             }
         }
         drop(tx);
@@ -257,9 +262,10 @@ impl Ranks {
                         }
                         RecvTimeoutError::Disconnected => "stopped (panicked)".into(),
                     };
-                    return Err(
-                        self.break_with(format!("policy shard(s) {missing:?} {how} in {what}"))
-                    );
+                    return Err(self.break_with(format!(
+                        "{} shard(s) {missing:?} {how} in {what}",
+                        self.role
+                    )));
                 }
             }
         }
@@ -270,7 +276,7 @@ impl Ranks {
     /// results, then the remote ranks' answers of the kind `pick` takes. A failed
     /// rank or an answer of another kind breaks the replica (the ranks may have stopped
     /// at different points of the request).
-    pub(super) fn parts<T>(
+    pub(crate) fn parts<T>(
         &mut self,
         what: &str,
         local: Vec<Result<T, String>>,
@@ -350,7 +356,7 @@ impl Ranks {
         for (rank, s) in std::mem::take(&mut self.senders).into_iter().enumerate() {
             let (tx, rx) = sync_channel(1);
             if s.send(Work::HandOver(tx)).is_err() {
-                return Err(self.break_with(format!("policy shard {rank} has stopped")));
+                return Err(self.break_with(format!("{} shard {rank} has stopped", self.role)));
             }
             answers.push(rx);
         }
@@ -360,12 +366,14 @@ impl Ranks {
             match rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
                 Ok(Ok(state)) => states.push(state),
                 Ok(Err(e)) => {
-                    return Err(self.break_with(format!("policy shard {rank} kept its state: {e}")))
+                    return Err(
+                        self.break_with(format!("{} shard {rank} kept its state: {e}", self.role))
+                    )
                 }
                 Err(_) => {
                     return Err(self.break_with(format!(
-                        "policy shard {rank} did not hand its state over within {:?}",
-                        self.deadline
+                        "{} shard {rank} did not hand its state over within {:?}",
+                        self.role, self.deadline
                     )))
                 }
             }
@@ -386,9 +394,10 @@ impl Ranks {
     }
 
     /// Marks the replica broken (its ranks' states may differ) and says why.
-    pub(super) fn break_with(&mut self, why: String) -> RoleError {
+    pub(crate) fn break_with(&mut self, why: String) -> RoleError {
         let why = format!(
-            "{why}; the sharded policy's state is no longer known: resume from the last checkpoint (`yatt train CONFIG --resume RUN_DIR`)"
+            "{why}; the sharded {}'s state is no longer known: resume from the last checkpoint (`yatt train CONFIG --resume RUN_DIR`)",
+            self.role
         );
         self.broken = Some(why.clone());
         RoleError::Failed(why)

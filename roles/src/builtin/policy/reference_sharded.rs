@@ -76,7 +76,7 @@ impl ShardedReferenceRole {
             .iter()
             .map(|u| u.numel as u64)
             .sum();
-        let mut ranks = Ranks::start(trainers, start.deadline)?;
+        let mut ranks = Ranks::start("reference", trainers, start.deadline)?;
         if let Some(r) = remote {
             ranks = ranks.with_remote(r);
         }

@@ -148,7 +148,7 @@ impl ShardedPolicyRole {
         let first = &trainers[0].model;
         let (device, kind, params) = (first.device(), first.kind(), param_count(first));
         let version = trainers[0].step_count();
-        let mut ranks = Ranks::start(trainers, deadline)?;
+        let mut ranks = Ranks::start("policy", trainers, deadline)?;
         if let Some(r) = remote {
             ranks = ranks.with_remote(r);
         }
@@ -461,7 +461,7 @@ impl ShardedPolicyRole {
                 ))
             })?, Some(e)),
         };
-        self.ranks = Ranks::start(trainers, deadline)?;
+        self.ranks = Ranks::start("policy", trainers, deadline)?;
         match refused {
             None => Ok((from, shards)),
             Some(e) => Err(RoleError::BadRequest(format!(

@@ -165,7 +165,7 @@ fn a_lost_rank_fails_the_request_at_once_with_the_resume_hint() {
             ShardedTrainer::new(m, train_config(), Box::new(g)).unwrap()
         })
         .collect();
-    let mut r = ranks::Ranks::start(trainers, Duration::from_secs(60)).unwrap();
+    let mut r = ranks::Ranks::start("policy", trainers, Duration::from_secs(60)).unwrap();
     let t0 = Instant::now();
     let jobs: Vec<Box<dyn FnOnce(&mut ShardedTrainer) -> bool + Send>> = vec![
         Box::new(|_| panic!("rank 0 lost (this panic is the test's)")),

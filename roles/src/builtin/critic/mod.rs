@@ -3,7 +3,13 @@
 //! It fills in each sample's per-token `values` before the advantages, and after the
 //! advantages it trains on the `returns` (GAE targets) with the clipped value loss. The
 //! value of response token `j` is read at the position before it (the state the token
-//! was sampled from), like the log-probs.
+//! was sampled from), like the log-probs. Each micro-batch's loss is weighted by its
+//! share of the step's normaliser, so a step's gradient does not depend on how it is
+//! split. [`ShardedCriticRole`] shards the same critic over ranks (`job.critic_shards`).
+
+mod sharded;
+
+pub use sharded::ShardedCriticRole;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -14,6 +20,7 @@ use yatt_engine::score::{values, SeqBatch};
 use yatt_engine::{EngineError, Llama, Trainer};
 
 use crate::algo::loss::{value_loss, ValueLossConfig};
+use crate::builtin::policy::micro::normaliser;
 use crate::builtin::scoring::{check_device, model_bytes};
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError};
 use crate::sample::{response_mask, token_matrix, Sample, SampleId, TokenField};
@@ -139,8 +146,12 @@ impl CriticRole {
         };
         let mut steps = 0usize;
         for mini in samples.chunks(per_mini) {
-            let micros: Vec<&[Sample]> = mini.chunks(cfg.micro_batch_size).collect();
-            let step = self.trainer.step(&micros, |model, chunk| {
+            let micros: Vec<(usize, &[Sample])> =
+                mini.chunks(cfg.micro_batch_size).enumerate().collect();
+            let weights = micro_weights(micros.iter().map(|(_, c)| *c), &cfg, dev)?;
+            // The trainer scales each micro-batch's loss by 1/n; the weights replace that.
+            let n = micros.len() as f64;
+            let step = self.trainer.step(&micros, |model, &(i, chunk)| {
                 let v = response_values(model, chunk, cfg.pad_id)?;
                 let field = |f| token_matrix(chunk, f, dev).map_err(sample_err);
                 let mask = response_mask(chunk, dev).map_err(sample_err)?;
@@ -155,7 +166,7 @@ impl CriticRole {
                 clip += st.clip_frac;
                 vpred += st.value_mean;
                 n_micro += 1;
-                Ok(loss)
+                Ok(loss * (weights[i] * n))
             });
             let step = step.map_err(|e| RoleError::Failed(format!("critic update: {e}")))?;
             report.vf_loss += step.loss;
@@ -172,8 +183,32 @@ impl CriticRole {
     }
 }
 
-fn sample_err(e: crate::sample::SampleError) -> EngineError {
+pub(crate) fn sample_err(e: crate::sample::SampleError) -> EngineError {
     EngineError::InvalidArgument(e.to_string())
+}
+
+/// Each micro-batch's share of an optimizer step's value loss: its aggregation's
+/// normaliser (response tokens, or sequences) over the step's, so that the step's
+/// gradient does not depend on how it is split into micro-batches (or over ranks).
+pub(crate) fn micro_weights<'a>(
+    micros: impl Iterator<Item = &'a [Sample]>,
+    cfg: &CriticConfig,
+    dev: tch::Device,
+) -> Result<Vec<f64>, RoleError> {
+    let bad = |e: crate::sample::SampleError| RoleError::BadRequest(e.to_string());
+    let mut d = Vec::new();
+    for chunk in micros {
+        d.push(normaliser(
+            &response_mask(chunk, dev).map_err(bad)?,
+            cfg.loss.agg,
+        ));
+    }
+    let total: f64 = d.iter().sum();
+    let n = d.len().max(1) as f64;
+    // A step with nothing to normalise by (no response tokens) weighs evenly.
+    Ok(d.iter()
+        .map(|x| if total > 0.0 { x / total } else { 1.0 / n })
+        .collect())
 }
 
 /// Values `[B, T]` of the response tokens (zero on padding): row `i`, column `j` is the
@@ -185,12 +220,28 @@ pub(crate) fn response_values(
     pad_id: i64,
 ) -> yatt_engine::Result<Tensor> {
     let device = model.device();
+    let batch = seq_batch(samples, pad_id, device)?;
+    response_columns(&values(model, &batch)?, samples)
+}
+
+/// `samples` as one right-padded batch.
+pub(crate) fn seq_batch(
+    samples: &[Sample],
+    pad_id: i64,
+    device: tch::Device,
+) -> yatt_engine::Result<SeqBatch> {
     let pairs: Vec<(&[i64], &[i64])> = samples
         .iter()
         .map(|s| (s.prompt_tokens.as_slice(), s.response_tokens.as_slice()))
         .collect();
-    let batch = SeqBatch::from_pairs(&pairs, pad_id, device)?;
-    let all = values(model, &batch)?;
+    SeqBatch::from_pairs(&pairs, pad_id, device)
+}
+
+/// The response columns `[B, T]` of values at every position `all` `[B, full]` of
+/// `samples`' batch: column `j` of row `i` is position `prompt_len + j − 1`, zero past
+/// the row's response.
+pub(crate) fn response_columns(all: &Tensor, samples: &[Sample]) -> yatt_engine::Result<Tensor> {
+    let device = all.device();
     let full = all.size().get(1).copied().unwrap_or(0);
     let t = samples.iter().map(Sample::response_len).max().unwrap_or(0);
     let mut idx = vec![0i64; samples.len() * t];
@@ -288,3 +339,6 @@ impl Role for CriticRole {
             .map_err(|e| RoleError::Failed(format!("reloading the critic: {e}")))
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,398 @@
+//! The critic sharded over N ranks (`job.critic_shards`, ZeRO-3 / FSDP as the
+//! policy's): each rank keeps only its shard of the f32 master weights, gradients and
+//! AdamW moments of the backbone and the value head, gathers each unit's weights just
+//! before it runs, and recomputes each layer in backward.
+//!
+//! Every request is a collective. The samples are cut into N contiguous parts, one per
+//! rank, and each rank cuts its part into micro-batches as the whole critic would.
+//! Each micro-batch's value loss is weighted by its share of the normaliser over every
+//! rank's, so a step is the whole critic's whatever N is. The ranks are threads of
+//! this process (embedded runs): parity and the mechanics, not memory per device.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use tch::{Device, Kind, Tensor};
+use yatt_engine::{check_shards, layout_of, EngineError, Llama, ShardedTrainer, TrainConfig};
+
+use super::{
+    micro_weights, response_columns, sample_err, seq_batch, CriticConfig, CriticReport,
+    CriticRequest, CriticResponse,
+};
+use crate::algo::loss::value_loss;
+use crate::builtin::policy::ranks::{self, Ranks};
+use crate::builtin::policy::ShardedStart;
+use crate::builtin::scoring::check_device;
+use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError};
+use crate::sample::{response_mask, token_matrix, Sample, TokenField};
+
+/// The critic role over one value model sharded over [`ShardedStart::shards`] ranks.
+pub struct ShardedCriticRole {
+    ranks: Ranks,
+    config: CriticConfig,
+    device: Device,
+    /// Parameters of the whole model, value head included.
+    params: u64,
+    /// Checkpoints go only under this directory (a node's data directory).
+    write_root: Option<PathBuf>,
+}
+
+/// One rank's part of a critic step.
+struct RankValueStep {
+    loss: f64,
+    grad_norm: f64,
+    clip: f64,
+    vpred: f64,
+    micro_batches: usize,
+}
+
+impl ShardedCriticRole {
+    /// `model` (a value head is attached, zero, if it has no scalar head) sharded over
+    /// `start.shards` rank threads of this process, trained with `train`. Fails on a
+    /// shard count the model's units cannot be split over.
+    pub fn new(
+        mut model: Llama,
+        train: TrainConfig,
+        config: CriticConfig,
+        start: &ShardedStart,
+    ) -> Result<Self, RoleError> {
+        check_config(&config)?;
+        check_shards(&model.config, start.shards)
+            .map_err(|e| RoleError::BadRequest(format!("job.critic_shards: {e}")))?;
+        if model.head.is_none() {
+            model.attach_head("v_head");
+        }
+        let trainers = ranks::shard_copies(
+            model,
+            (start.shards, start.collective),
+            "the critic",
+            |m, group| ShardedTrainer::new(m, train.clone(), Box::new(group)),
+        )?;
+        Self::assemble(trainers, config, start)
+    }
+
+    /// The critic of the sharded checkpoint `dir` (written by this role at any rank
+    /// count), resharded over `start.shards` ranks, computing in `kind` on `device`.
+    pub fn load(
+        dir: &Path,
+        device: Device,
+        kind: Kind,
+        config: CriticConfig,
+        start: &ShardedStart,
+    ) -> Result<Self, RoleError> {
+        check_config(&config)?;
+        let mut trainers = Vec::with_capacity(start.shards);
+        for group in ranks::groups(start.shards, start.collective) {
+            let tr =
+                ShardedTrainer::load_sharded(dir, device, kind, Box::new(group)).map_err(|e| {
+                    RoleError::Failed(format!("loading the critic from {}: {e}", dir.display()))
+                })?;
+            if tr.model.head.is_none() {
+                return Err(RoleError::BadRequest(format!(
+                    "{} holds a sharded language model, not a critic (no value head)",
+                    dir.display()
+                )));
+            }
+            trainers.push(tr);
+        }
+        Self::assemble(trainers, config, start)
+    }
+
+    fn assemble(
+        trainers: Vec<ShardedTrainer>,
+        config: CriticConfig,
+        start: &ShardedStart,
+    ) -> Result<Self, RoleError> {
+        let first = &trainers[0].model;
+        let device = first.device();
+        let params = layout_of(first).iter().map(|u| u.numel as u64).sum();
+        Ok(ShardedCriticRole {
+            ranks: Ranks::start("critic", trainers, start.deadline)?,
+            config,
+            device,
+            params,
+            write_root: None,
+        })
+    }
+
+    /// Saves checkpoints only under `root` (see [`crate::PolicyRole::with_write_root`]).
+    pub fn with_write_root(mut self, root: PathBuf) -> Self {
+        self.write_root = Some(root);
+        self
+    }
+
+    /// Ranks of the critic.
+    pub fn shards(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Every rank runs `job` on the shared samples; their answers in rank order.
+    fn on_every_rank<T: Send + 'static>(
+        &mut self,
+        what: &str,
+        samples: Arc<Vec<Sample>>,
+        job: impl Fn(&mut ShardedTrainer, &[Sample], usize, usize) -> Result<T, String>
+            + Clone
+            + Send
+            + 'static,
+    ) -> Result<Vec<T>, RoleError> {
+        let n = self.ranks.len();
+        let jobs = (0..n)
+            .map(|rank| {
+                let (samples, job) = (samples.clone(), job.clone());
+                move |tr: &mut ShardedTrainer| job(tr, &samples, rank, n)
+            })
+            .collect();
+        let answers = self.ranks.run(what, jobs)?;
+        self.ranks
+            .parts(what, answers, Vec::new(), |_| unreachable!())
+    }
+
+    fn values(&mut self, samples: Vec<Sample>) -> Result<Vec<Sample>, RoleError> {
+        let cfg = self.config.clone();
+        let all = Arc::new(samples);
+        let parts = self.on_every_rank("critic values", all.clone(), move |tr, s, r, n| {
+            rank_values(tr, &cfg, s, r, n)
+        })?;
+        let rows: Vec<Vec<f32>> = parts.into_iter().flatten().collect();
+        let mut samples = Arc::try_unwrap(all).unwrap_or_else(|a| a.to_vec());
+        if rows.len() != samples.len() {
+            return Err(self.ranks.break_with(format!(
+                "critic values: the ranks valued {} of {} samples",
+                rows.len(),
+                samples.len()
+            )));
+        }
+        for (s, r) in samples.iter_mut().zip(rows) {
+            s.values = Some(r);
+        }
+        Ok(samples)
+    }
+
+    fn train(&mut self, samples: Vec<Sample>) -> Result<CriticReport, RoleError> {
+        let t0 = Instant::now();
+        if samples.is_empty() {
+            return Err(RoleError::BadRequest(
+                "critic train needs at least one sample".into(),
+            ));
+        }
+        let bad = |e: crate::sample::SampleError| RoleError::BadRequest(e.to_string());
+        for s in &samples {
+            s.token_field(TokenField::Values).map_err(bad)?;
+            s.token_field(TokenField::Returns).map_err(bad)?;
+        }
+        let mut report = CriticReport {
+            trained: samples.iter().map(|s| s.id).collect(),
+            ..Default::default()
+        };
+        let per_mini = samples.len().div_ceil(self.config.mini_batches);
+        let (mut steps, mut clip, mut vpred, mut micros) = (0usize, 0.0, 0.0, 0usize);
+        for mini in samples.chunks(per_mini) {
+            let cfg = self.config.clone();
+            let mini = Arc::new(mini.to_vec());
+            let parts = self.on_every_rank("critic update", mini, move |tr, s, r, n| {
+                rank_value_step(tr, &cfg, s, r, n)
+            })?;
+            report.vf_loss += parts[0].loss;
+            report.grad_norm += parts[0].grad_norm;
+            for p in &parts {
+                clip += p.clip;
+                vpred += p.vpred;
+                micros += p.micro_batches;
+            }
+            steps += 1;
+        }
+        let (s, m) = (steps.max(1) as f64, micros.max(1) as f64);
+        report.vf_loss /= s;
+        report.grad_norm /= s;
+        report.vf_clipfrac = clip / m;
+        report.vpred_mean = vpred / m;
+        report.seconds = t0.elapsed().as_secs_f64();
+        Ok(report)
+    }
+
+    fn save(&mut self, dir: PathBuf) -> Result<(), RoleError> {
+        crate::builtin::write_root::check_under(
+            self.write_root.as_deref(),
+            &dir,
+            "the critic's checkpoint",
+        )?;
+        let jobs = (0..self.ranks.local())
+            .map(|_| {
+                let dir = dir.clone();
+                move |tr: &mut ShardedTrainer| {
+                    tr.save_sharded(&dir, None).map_err(|e| e.to_string())
+                }
+            })
+            .collect();
+        let answers = self.ranks.run("saving the critic", jobs)?;
+        self.ranks
+            .parts("saving the critic", answers, Vec::new(), |_| unreachable!())
+            .map(drop)
+            .map_err(|e| {
+                RoleError::Failed(format!(
+                    "saving the critic checkpoint to {}: {e}",
+                    dir.display()
+                ))
+            })
+    }
+}
+
+fn check_config(config: &CriticConfig) -> Result<(), RoleError> {
+    if config.micro_batch_size == 0 || config.mini_batches == 0 {
+        return Err(RoleError::BadRequest(
+            "critic micro_batch_size and mini_batches must be >= 1".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The sample indices of rank `rank`'s part of `len` samples over `shards` ranks, in
+/// micro-batches of `size`.
+fn rank_micros(len: usize, rank: usize, shards: usize, size: usize) -> Vec<Vec<usize>> {
+    let part = len * rank / shards..len * (rank + 1) / shards;
+    part.clone()
+        .step_by(size)
+        .map(|s| (s..(s + size).min(part.end)).collect())
+        .collect()
+}
+
+fn picked(samples: &[Sample], rows: &[usize]) -> Vec<Sample> {
+    rows.iter().map(|&i| samples[i].clone()).collect()
+}
+
+/// Rank `rank`'s part of a values pass: its part of `samples`, valued in micro-batches
+/// unit by unit (a collective). Each sample's response values, in order.
+fn rank_values(
+    tr: &mut ShardedTrainer,
+    cfg: &CriticConfig,
+    samples: &[Sample],
+    rank: usize,
+    shards: usize,
+) -> Result<Vec<Vec<f32>>, String> {
+    let device = tr.model.device();
+    let fail = |e: EngineError| format!("critic values: {e}");
+    let mut batches = Vec::new();
+    let mut chunks = Vec::new();
+    for rows in rank_micros(samples.len(), rank, shards, cfg.micro_batch_size) {
+        let chunk = picked(samples, &rows);
+        batches.push(seq_batch(&chunk, cfg.pad_id, device).map_err(fail)?);
+        chunks.push(chunk);
+    }
+    let scored = tr.score_values(&batches).map_err(fail)?;
+    let mut out = Vec::new();
+    for (all, chunk) in scored.iter().zip(&chunks) {
+        let v = response_columns(all, chunk).map_err(fail)?;
+        out.extend(crate::sample::split_rows(&v, chunk));
+    }
+    Ok(out)
+}
+
+/// What a rank's micro-batch of a critic step needs beside its batch.
+struct ValueMicro {
+    samples: Vec<Sample>,
+    old: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    weight: f64,
+}
+
+/// Rank `rank`'s part of one critic optimizer step over `samples` (every rank's): its
+/// micro-batches' value losses, each weighted by its share of the normaliser over
+/// every rank's micro-batches.
+fn rank_value_step(
+    tr: &mut ShardedTrainer,
+    cfg: &CriticConfig,
+    samples: &[Sample],
+    rank: usize,
+    shards: usize,
+) -> Result<RankValueStep, String> {
+    let device = tr.model.device();
+    let fail = |e: EngineError| format!("critic update: {e}");
+    let every: Vec<(usize, Vec<usize>)> = (0..shards)
+        .flat_map(|r| {
+            rank_micros(samples.len(), r, shards, cfg.micro_batch_size)
+                .into_iter()
+                .map(move |m| (r, m))
+        })
+        .collect();
+    let chunks: Vec<Vec<Sample>> = every.iter().map(|(_, m)| picked(samples, m)).collect();
+    let weights =
+        micro_weights(chunks.iter().map(Vec::as_slice), cfg, device).map_err(|e| e.to_string())?;
+    let mut batches = Vec::new();
+    let mut micros = Vec::new();
+    for ((owner, _), (chunk, weight)) in every.iter().zip(chunks.into_iter().zip(weights)) {
+        if *owner != rank {
+            continue;
+        }
+        let field = |f| token_matrix(&chunk, f, device).map_err(sample_err);
+        let (old, returns) = (field(TokenField::Values), field(TokenField::Returns));
+        let mask = response_mask(&chunk, device).map_err(|e| e.to_string())?;
+        batches.push(seq_batch(&chunk, cfg.pad_id, device).map_err(fail)?);
+        micros.push(ValueMicro {
+            old: old.map_err(fail)?,
+            returns: returns.map_err(fail)?,
+            mask,
+            weight,
+            samples: chunk,
+        });
+    }
+    let (mut clip, mut vpred) = (0.0, 0.0);
+    let step = tr
+        .step_values(&batches, |i, all: &Tensor| {
+            let mb = &micros[i];
+            let v = response_columns(all, &mb.samples)?;
+            let (loss, st) = value_loss(&v, &mb.old, &mb.returns, &mb.mask, &cfg.loss)
+                .map_err(|e| EngineError::InvalidArgument(e.to_string()))?;
+            clip += st.clip_frac;
+            vpred += st.value_mean;
+            Ok(loss * mb.weight)
+        })
+        .map_err(fail)?;
+    Ok(RankValueStep {
+        loss: step.step.loss,
+        grad_norm: step.step.grad_norm,
+        clip,
+        vpred,
+        micro_batches: batches.len(),
+    })
+}
+
+impl Role for ShardedCriticRole {
+    type Request = CriticRequest;
+    type Response = CriticResponse;
+
+    fn name(&self) -> &str {
+        "critic"
+    }
+
+    fn profile(&self) -> ResourceProfile {
+        // The ranks in this process: their shards of the f32 training state.
+        let (n, local) = (self.ranks.len() as u64, self.ranks.local() as u64);
+        ResourceProfile {
+            resident_bytes: 16 * self.params * local / n,
+            peak_extra_bytes: 0,
+            offloadable: false,
+            needs_gpu: false,
+        }
+    }
+
+    fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
+        check_device("critic", self.device, group)
+    }
+
+    fn serve(&mut self, request: CriticRequest) -> Result<CriticResponse, RoleError> {
+        match request {
+            CriticRequest::Values(samples) if samples.is_empty() => {
+                Ok(CriticResponse::Valued(samples))
+            }
+            CriticRequest::Values(samples) => self.values(samples).map(CriticResponse::Valued),
+            CriticRequest::Train(samples) => {
+                crate::builtin::fault::in_critic_update();
+                self.train(samples).map(CriticResponse::Trained)
+            }
+            CriticRequest::SaveCheckpoint(dir) => self.save(dir).map(|()| CriticResponse::Saved),
+        }
+    }
+}
