@@ -158,9 +158,11 @@ pub(crate) async fn save(controllers: &[Controller], dir: &Path) -> Result<(), J
 /// `rollout.cuda_graphs` changes how, not what, the rollout decodes (within rounding);
 /// `rollout.weight_sync` how, not what, the weights travel; `job.gradient_sync` how the
 /// replicas average gradients (within rounding); `job.policy_shards` how many ranks the
-/// policy's state is split over (a sharded checkpoint reshards to any count).
-const RESUMABLE_KEYS: [&str; 21] = [
+/// policy's state is split over (a sharded checkpoint reshards to any count), and
+/// `job.critic_shards` the critic's.
+const RESUMABLE_KEYS: [&str; 22] = [
     "job.policy_shards",
+    "job.critic_shards",
     "timeouts.generate_s",
     "timeouts.score_s",
     "timeouts.train_s",

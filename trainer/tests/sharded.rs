@@ -1,8 +1,9 @@
 //! A sharded policy (`job.policy_shards`) in real runs, embedded: its ranks are threads
 //! of this process. SmolLM2-135M addition at 1, 2 and 4 shards takes the same steps
 //! (loss, gradient norm and reward within 1e-4 relative); the tiny demo resumes a
-//! sharded checkpoint at another shard count as if it had not stopped; combinations
-//! that are not built are refused by key.
+//! sharded checkpoint at another shard count as if it had not stopped; PPO's critic
+//! sharded (`job.critic_shards`) takes the whole critic's steps and resumes at another
+//! count; combinations that are not built are refused by key.
 
 use std::path::PathBuf;
 
@@ -192,6 +193,92 @@ async fn a_sharded_reference_scores_as_the_whole_one() {
     }
 }
 
+/// PPO's critic sharded over 2 and 3 ranks takes the whole critic's steps: its value
+/// loss, gradient norm and values, and so the advantages and the policy's steps, match
+/// within 1e-4 relative.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sharded_critic_takes_the_whole_critics_steps() {
+    let run = |shards: usize| async move {
+        let out = tempfile::tempdir().unwrap();
+        let n = format!("job.critic_shards={shards}");
+        let sets = ["algorithm.name=\"ppo\"", "optim.micro_batch=3", n.as_str()];
+        common::train_job(&demo(out.path(), 3, &sets), false)
+            .await
+            .unwrap();
+        metrics(out.path())
+    };
+    let whole = run(1).await;
+    let vf = column(&whole, names::VF_LOSS);
+    assert!(
+        vf.iter().all(|&v| v > 0.0),
+        "no value loss to compare: {vf:?}"
+    );
+    for shards in [2, 3] {
+        let got = run(shards).await;
+        same_steps(&format!("critic over {shards} ranks"), &whole, &got);
+        for name in [names::VF_LOSS, names::CRITIC_GRAD_NORM, names::VALUES_MEAN] {
+            let (a, b) = (column(&whole, name), column(&got, name));
+            for (step, (x, y)) in a.iter().zip(&b).enumerate() {
+                assert!(
+                    rel(*x, *y) <= 1e-4,
+                    "{shards} ranks: {name} at step {step}: {x} vs {y}"
+                );
+            }
+        }
+    }
+}
+
+/// A run with a sharded critic stopped after 2 steps and resumed with another rank
+/// count (2 → 3, and 2 → 1) continues as the uninterrupted run; a whole critic's
+/// checkpoint is not resumed sharded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sharded_critic_resumes_at_another_rank_count() {
+    let ppo = "algorithm.name=\"ppo\"";
+    let whole = tempfile::tempdir().unwrap();
+    common::train_job(&demo(whole.path(), 4, &[ppo, "job.critic_shards=2"]), false)
+        .await
+        .unwrap();
+    let want = metrics(whole.path());
+    for then in [3, 1] {
+        let parts = tempfile::tempdir().unwrap();
+        let at = |n: usize, steps| {
+            demo(
+                parts.path(),
+                steps,
+                &[ppo, &format!("job.critic_shards={n}")],
+            )
+        };
+        common::train_job(&at(2, 2), false).await.unwrap();
+        assert!(yatt_engine::is_sharded_checkpoint(
+            &parts.path().join("checkpoint/critic")
+        ));
+        common::train_job(&at(then, 4), true).await.unwrap();
+        let got = metrics(parts.path());
+        same_steps(&format!("critic 2 -> {then} ranks"), &want, &got);
+        let (a, b) = (column(&want, names::VF_LOSS), column(&got, names::VF_LOSS));
+        for (step, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!(
+                rel(*x, *y) <= 1e-4,
+                "2 -> {then}: vf_loss at step {step}: {x} vs {y}"
+            );
+        }
+    }
+    let unsharded = tempfile::tempdir().unwrap();
+    let at = |n: usize, steps| {
+        demo(
+            unsharded.path(),
+            steps,
+            &[ppo, &format!("job.critic_shards={n}")],
+        )
+    };
+    common::train_job(&at(1, 2), false).await.unwrap();
+    let e = common::train_job(&at(2, 4), true)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("job.critic_shards"), "{e}");
+}
+
 fn refused(sets: &[&str]) -> String {
     let out = tempfile::tempdir().unwrap();
     let mut all: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
@@ -214,8 +301,25 @@ fn refused(sets: &[&str]) -> String {
 
 #[test]
 fn what_a_sharded_policy_cannot_do_yet_is_refused_by_key() {
-    let cases: [(&[&str], &[&str]); 6] = [
+    let cases: [(&[&str], &[&str]); 10] = [
         (&["job.policy_shards=0"], &["job.policy_shards"]),
+        (&["job.critic_shards=0"], &["job.critic_shards"]),
+        (
+            &["job.critic_shards=2"],
+            &["job.critic_shards", "no critic"],
+        ),
+        (
+            &[
+                "algorithm.name=\"ppo\"",
+                "job.critic_shards=2",
+                "placement.time_share=\"offload\"",
+            ],
+            &["job.critic_shards", "placement.time_share"],
+        ),
+        (
+            &["algorithm.name=\"ppo\"", "job.critic_shards=100000"],
+            &["job.critic_shards", "at most"],
+        ),
         (&["job.reference_shards=0"], &["job.reference_shards"]),
         (
             &["job.reference_shards=2", "placement.time_share=\"offload\""],

@@ -126,6 +126,13 @@ impl CustomRoles {
                 "a custom reference runs as it is: sharding is the built-in reference's; set job.reference_shards = 1",
             ));
         }
+        if self.critic.is_some() && job.job.critic_shards > 1 {
+            return Err(refuse(
+                "job.critic_shards",
+                job.job.critic_shards.to_string(),
+                "a custom critic runs as it is: sharding is the built-in critic's; set job.critic_shards = 1",
+            ));
+        }
         if resume && (self.policy.is_some() || self.critic.is_some()) {
             return Err(refuse(
                 "resume",

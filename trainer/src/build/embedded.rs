@@ -11,7 +11,7 @@ use crate::build::devices::role_group;
 use crate::build::heads::controllers;
 use crate::build::parts::{
     base_model, critic_role, policy_ring, policy_role_from, policy_trainer, reference_role,
-    replica_rings, rollout_role, sharded_policy_role, sharded_reference_role,
+    replica_rings, rollout_role, sharded_critic_role, sharded_policy_role, sharded_reference_role,
 };
 use crate::build::reward::spawn_reward;
 use crate::checkpoint::{load_trainer, restore_controllers};
@@ -153,8 +153,26 @@ async fn build_embedded_in(
         Some(c.clone())
     } else if job.algorithm.name.needs_critic() {
         let m = model.deep_copy(dev, kind).map_err(me)?;
-        let role = critic_role(job, m, load("critic")?, pad_id)?;
-        Some(started.keep(spawn_role(node, role, 0, g()).await?))
+        // A sharded critic (`job.critic_shards`, or any resume of a sharded critic's
+        // checkpoint) runs its ranks here.
+        let critic_dir = ckpt.as_ref().map(|d| d.join("critic"));
+        let sharded_dir = critic_dir.as_deref().filter(|d| is_sharded_checkpoint(d));
+        if job.job.critic_shards > 1 || sharded_dir.is_some() {
+            if let (Some(dir), None) = (&critic_dir, sharded_dir) {
+                return Err(JobError::Resume {
+                    dir: dir.clone(),
+                    reason: format!(
+                        "the checkpoint holds a whole (unsharded) critic, and job.critic_shards = {}: resume it with job.critic_shards = 1",
+                        job.job.critic_shards
+                    ),
+                });
+            }
+            let role = sharded_critic_role(job, m, sharded_dir, pad_id)?;
+            Some(started.keep(spawn_role(node, role, 0, g()).await?))
+        } else {
+            let role = critic_role(job, m, load("critic")?, pad_id)?;
+            Some(started.keep(spawn_role(node, role, 0, g()).await?))
+        }
     } else {
         None
     };

@@ -11,12 +11,13 @@ use yatt_engine::{
 };
 use yatt_roles::{
     CriticConfig, CriticRole, KlEstimator, KlLossConfig, PolicyConfig, PolicyLossConfig,
-    PolicyRole, ReferenceRole, RolloutRole, ShardedPolicyRole, ShardedReferenceRole, ShardedStart,
-    TextCodec, TokenizerCodec, ValueLossConfig,
+    PolicyRole, ReferenceRole, RolloutRole, ShardedCriticRole, ShardedPolicyRole,
+    ShardedReferenceRole, ShardedStart, TextCodec, TokenizerCodec, ValueLossConfig,
 };
 use yatt_runtime::Node;
 use yatt_runtime::RingMember;
 
+use crate::config::checks::invalid;
 use crate::config::modes::{CallPrefix, KlMode, LoraSyncMode, ModelSource, OldLogprobs, Schedule};
 use crate::config::sections::{EnvSection, JobConfig, Packing};
 use crate::controller::error::ControllerError;
@@ -353,18 +354,61 @@ pub fn critic_role(
     trainer: Option<Trainer>,
     pad_id: i64,
 ) -> Result<CriticRole, JobError> {
+    let trainer = trainer.unwrap_or_else(|| Trainer::new(model, critic_train_config(job)));
+    CriticRole::new(trainer, critic_config(job, pad_id)).map_err(|e| JobError::Model {
+        source_desc: job.model.source.to_string(),
+        reason: format!("critic role: {e}"),
+    })
+}
+
+/// The job's critic sharded over `job.critic_shards` ranks: fresh over `model`, or
+/// from the sharded critic checkpoint `checkpoint` (written at any rank count).
+pub(crate) fn sharded_critic_role(
+    job: &JobConfig,
+    mut model: Llama,
+    checkpoint: Option<&Path>,
+    pad_id: i64,
+) -> Result<ShardedCriticRole, JobError> {
+    let n = job.job.critic_shards;
+    yatt_engine::check_shards(&model.config, n).map_err(|e| {
+        invalid(
+            "job.critic_shards",
+            "a shard count every unit of the model (a decoder layer, the embeddings, the head) can be split over",
+            &n.to_string(),
+            &e.to_string(),
+        )
+    })?;
+    let start = ShardedStart {
+        shards: n,
+        ..sharded_start(job)
+    };
+    let config = critic_config(job, pad_id);
+    let role = match checkpoint {
+        Some(dir) => ShardedCriticRole::load(dir, model.device(), model.kind(), config, &start),
+        None => {
+            model.memory = memory_options(job);
+            ShardedCriticRole::new(model, critic_train_config(job), config, &start)
+        }
+    };
+    role.map_err(|e| JobError::Model {
+        source_desc: job.model.source.to_string(),
+        reason: format!("sharded critic: {e}"),
+    })
+}
+
+/// The critic's optimizer settings: the policy's with `optim.critic_lr`.
+fn critic_train_config(job: &JobConfig) -> TrainConfig {
+    TrainConfig {
+        lr: job.optim.critic_lr,
+        ..train_config(job)
+    }
+}
+
+/// The critic's value loss and micro-batching.
+fn critic_config(job: &JobConfig, pad_id: i64) -> CriticConfig {
     let a = &job.algorithm;
     let o = &job.optim;
-    let trainer = trainer.unwrap_or_else(|| {
-        Trainer::new(
-            model,
-            TrainConfig {
-                lr: o.critic_lr,
-                ..train_config(job)
-            },
-        )
-    });
-    let config = CriticConfig {
+    CriticConfig {
         loss: ValueLossConfig {
             clip: (a.value_clip > 0.0).then_some(a.value_clip),
             agg: a.loss_agg(job.rollout.max_new_tokens),
@@ -372,11 +416,7 @@ pub fn critic_role(
         micro_batch_size: o.micro_batch,
         mini_batches: o.mini_batches,
         pad_id,
-    };
-    CriticRole::new(trainer, config).map_err(|e| JobError::Model {
-        source_desc: job.model.source.to_string(),
-        reason: format!("critic role: {e}"),
-    })
+    }
 }
 
 /// The KL term's estimator and coefficient, when the job has one.

@@ -89,6 +89,13 @@ pub struct JobSection {
     /// node `placement.policy[r]` names (`placement.reference` is not used). See
     /// docs/training/sharded.md.
     pub reference_shards: usize,
+    /// Ranks the critic (PPO's value model) is sharded over, as the policy is: each
+    /// keeps 1/N of the f32 master weights, gradients and AdamW moments of the backbone
+    /// and the value head, and gathers a layer's weights just before it runs. 1 = the
+    /// whole critic in one trainer. Embedded runs only; the ranks are threads of this
+    /// process (parity, not memory). A sharded critic's checkpoint resumes at any
+    /// count. See docs/training/sharded.md.
+    pub critic_shards: usize,
     /// How the replicas average gradients: `auto` (NCCL on GPUs, else the QUIC ring,
     /// the reason logged), `quic`, `nccl`.
     pub gradient_sync: GradientSync,
@@ -107,6 +114,7 @@ impl Default for JobSection {
             policy_replicas: 1,
             policy_shards: 1,
             reference_shards: 1,
+            critic_shards: 1,
             gradient_sync: GradientSync::Auto,
         }
     }

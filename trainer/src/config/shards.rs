@@ -140,6 +140,58 @@ impl JobConfig {
         Ok(())
     }
 
+    /// Checks `job.critic_shards` against the rest of the job (the model's units are
+    /// checked when the critic is built).
+    pub(crate) fn validate_critic_shards(&self) -> Result<(), JobError> {
+        let n = self.job.critic_shards;
+        positive(
+            "job.critic_shards",
+            n as f64,
+            "critic_shards = 1 for the whole critic in one trainer",
+        )?;
+        if n == 1 {
+            return Ok(());
+        }
+        if !self.algorithm.name.needs_critic() {
+            return Err(invalid(
+                "job.critic_shards",
+                "1: the algorithm has no critic to shard",
+                &n.to_string(),
+                "set job.critic_shards = 1, or algorithm.name = \"ppo\"",
+            ));
+        }
+        let p = &self.placement;
+        let refuse = |key: &str, why: &str, fix: &str| {
+            Err(JobError::NotImplemented {
+                key: "job.critic_shards".into(),
+                found: n.to_string(),
+                fix: format!("{why} (see {key}): {fix}"),
+            })
+        };
+        if p.mode == crate::config::modes::PlacementMode::Disaggregated {
+            return refuse(
+                "placement.mode",
+                "a sharded critic runs its ranks in the trainer's process; on a cluster it is not built yet",
+                "set placement.mode = \"colocate\", or job.critic_shards = 1",
+            );
+        }
+        if p.live {
+            return refuse(
+                "placement.live",
+                "the live placement does not start a sharded critic",
+                "set placement.live = false, or job.critic_shards = 1",
+            );
+        }
+        if p.time_share != TimeShare::Off {
+            return refuse(
+                "placement.time_share",
+                "a sharded critic is not offloaded between phases",
+                "set placement.time_share = \"off\", or job.critic_shards = 1",
+            );
+        }
+        Ok(())
+    }
+
     /// Refuses a shard count the units of `model` (its config) cannot be split over,
     /// naming the largest that can.
     pub(crate) fn check_policy_shards_fit(

@@ -66,6 +66,7 @@ impl JobConfig {
         }
         self.validate_shards()?;
         self.validate_reference_shards()?;
+        self.validate_critic_shards()?;
         positive(
             "model.threads",
             self.model.threads as f64,
