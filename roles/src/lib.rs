@@ -95,13 +95,13 @@ pub use yatt_engine::ChatMessage;
 // The built-in roles, their configs and their messages.
 pub use builtin::{
     check_write_root, encode_prompt, load_reward_model, load_rm_jsonl, train_reward_model,
-    AsciiCodec, ContinueRequest, CriticConfig, CriticReport, CriticRequest, CriticResponse,
-    CriticRole, GenerateRequest, GradShard, GrowingLengthReward, JudgeConfig, JudgeMode,
-    JudgeScorer, KlLossConfig, LoraSync, ModelScorer, OnUnparsed, PolicyConfig, PolicyRankRole,
-    PolicyRequest, PolicyResponse, PolicyRole, PushReport, PushTarget, PushingPolicy, RankRef,
-    RankRequest, RankResponse, RankSource, RankStep, ReferenceRole, RemoteRanks, RewardModelError,
-    RewardRole, RingShardGroup, RmExample, RmTrainConfig, RolloutRequest, RolloutResponse,
-    RolloutRole, RolloutStats, SampleSink, ScalarRewardModel, ShardReport, ShardedCriticRole,
-    ShardedPolicyRole, ShardedReferenceRole, ShardedStart, SlicePusher, TextCodec, TokenizerCodec,
-    TrainReport, TrainerState, TINY_CODEC,
+    AsciiCodec, ContinueRequest, CriticConfig, CriticRankStep, CriticReport, CriticRequest,
+    CriticResponse, CriticRole, GenerateRequest, GradShard, GrowingLengthReward, JudgeConfig,
+    JudgeMode, JudgeScorer, KlLossConfig, LoraSync, ModelScorer, OnUnparsed, PolicyConfig,
+    PolicyRankRole, PolicyRequest, PolicyResponse, PolicyRole, PushReport, PushTarget,
+    PushingPolicy, RankRef, RankRequest, RankResponse, RankSource, RankStep, ReferenceRole,
+    RemoteRanks, RewardModelError, RewardRole, RingShardGroup, RmExample, RmTrainConfig,
+    RolloutRequest, RolloutResponse, RolloutRole, RolloutStats, SampleSink, ScalarRewardModel,
+    ShardReport, ShardedCriticRole, ShardedPolicyRole, ShardedReferenceRole, ShardedStart,
+    SlicePusher, TextCodec, TokenizerCodec, TrainReport, TrainerState, TINY_CODEC,
 };

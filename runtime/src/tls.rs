@@ -41,7 +41,7 @@ use crate::cert_kind::CertKind;
 /// 9: an actor's directory record carries its device claim; HSDP's ring messages.
 /// Tests pin the encoding of the system messages and frame heads (`node/protocol.rs`,
 /// `transport/protocol.rs`) and the roles' messages (`yatt-roles`, `wire/pin.rs`).
-pub const ALPN: &[u8] = b"yatt/10";
+pub const ALPN: &[u8] = b"yatt/11";
 
 /// A fingerprint of encoded messages (each one's length, then its bytes), for tests
 /// that pin an encoding to [`ALPN`]: a change to how the messages encode changes it.
@@ -836,7 +836,7 @@ pub(crate) mod test_support {
                 String::from_utf8_lossy(ALPN).into_owned(),
                 wire_fingerprint(&encoded)
             ),
-            ("yatt/10".to_string(), fingerprint),
+            ("yatt/11".to_string(), fingerprint),
             "the {what} encode differently: bump ALPN in runtime/src/tls.rs and pin the new fingerprint"
         );
     }

@@ -39,7 +39,8 @@ pub use growing_reward::GrowingLengthReward;
 pub use write_root::check_write_root;
 
 pub use critic::{
-    CriticConfig, CriticReport, CriticRequest, CriticResponse, CriticRole, ShardedCriticRole,
+    CriticConfig, CriticRankStep, CriticReport, CriticRequest, CriticResponse, CriticRole,
+    ShardedCriticRole,
 };
 pub use judge_model::{JudgeConfig, JudgeMode, JudgeScorer, OnUnparsed};
 pub use policy::{

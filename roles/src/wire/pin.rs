@@ -408,6 +408,16 @@ fn rank_messages() -> (Vec<RankRequest>, Vec<RankResponse>) {
             dir: "/c".into(),
             tokenizer: Some("/t".into()),
         },
+        RankRequest::Values {
+            samples: vec![sample(0, 2)],
+            rank: 1,
+            shards: 3,
+        },
+        RankRequest::ValueStep {
+            samples: vec![sample(1, 2)],
+            rank: 2,
+            shards: 3,
+        },
         RankRequest::PushSlice {
             to: vec![crate::builtin::PushTarget::Rollout(id("c/rollout/0#1"))],
             timeout: std::time::Duration::from_millis(2500),
@@ -423,6 +433,8 @@ fn rank_messages() -> (Vec<RankRequest>, Vec<RankResponse>) {
             | RankRequest::JoinReplicaRing(_)
             | RankRequest::Score { .. }
             | RankRequest::Save { .. }
+            | RankRequest::Values { .. }
+            | RankRequest::ValueStep { .. }
             | RankRequest::PushSlice { .. } => {}
         }
     }
@@ -439,6 +451,14 @@ fn rank_messages() -> (Vec<RankRequest>, Vec<RankResponse>) {
         RankResponse::Stepped(step),
         RankResponse::Done,
         RankResponse::Scored(vec![vec![-0.5, -1.25], vec![]]),
+        RankResponse::Valued(vec![vec![0.5, 1.25], vec![]]),
+        RankResponse::ValueStepped(crate::builtin::CriticRankStep {
+            loss: 0.5,
+            grad_norm: 1.5,
+            clip: 0.25,
+            vpred: -0.75,
+            micro_batches: 2,
+        }),
         RankResponse::Pushed(crate::builtin::PushReport {
             version: 3,
             bytes: 64,
@@ -458,7 +478,9 @@ fn rank_messages() -> (Vec<RankRequest>, Vec<RankResponse>) {
             | RankResponse::Stepped(_)
             | RankResponse::Done
             | RankResponse::Pushed(_)
-            | RankResponse::Scored(_) => {}
+            | RankResponse::Scored(_)
+            | RankResponse::Valued(_)
+            | RankResponse::ValueStepped(_) => {}
         }
     }
     (requests, responses)
@@ -486,7 +508,7 @@ fn the_role_messages_encoding_is_pinned_to_the_alpn() {
             String::from_utf8_lossy(ALPN).into_owned(),
             wire_fingerprint(&every_message())
         ),
-        ("yatt/10".to_string(), 1_730_897_346),
+        ("yatt/11".to_string(), 2_760_840_647),
         "the role messages encode differently: bump ALPN in runtime/src/tls.rs and pin the new fingerprint"
     );
 }

@@ -9,7 +9,8 @@
 
 mod sharded;
 
-pub use sharded::ShardedCriticRole;
+pub(crate) use sharded::{rank_value_step, rank_values};
+pub use sharded::{CriticRankStep, ShardedCriticRole};
 
 use std::path::PathBuf;
 use std::time::Instant;

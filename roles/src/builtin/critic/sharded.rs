@@ -6,8 +6,11 @@
 //! Every request is a collective. The samples are cut into N contiguous parts, one per
 //! rank, and each rank cuts its part into micro-batches as the whole critic would.
 //! Each micro-batch's value loss is weighted by its share of the normaliser over every
-//! rank's, so a step is the whole critic's whatever N is. The ranks are threads of
-//! this process (embedded runs): parity and the mechanics, not memory per device.
+//! rank's, so a step is the whole critic's whatever N is. Embedded, the ranks are
+//! threads of this process (parity, not memory); on a cluster this actor is rank 0 and
+//! the other ranks are `policy-rank` actors on their nodes, started as critic ranks
+//! ([`crate::PolicyRankRole::with_critic`]), which run the same [`rank_values`] and
+//! [`rank_value_step`].
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -22,7 +25,7 @@ use super::{
 };
 use crate::algo::loss::value_loss;
 use crate::builtin::policy::ranks::{self, Ranks};
-use crate::builtin::policy::ShardedStart;
+use crate::builtin::policy::{RankRequest, RankResponse, RemoteRanks, ShardedStart};
 use crate::builtin::scoring::check_device;
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError};
 use crate::sample::{response_mask, token_matrix, Sample, TokenField};
@@ -38,13 +41,19 @@ pub struct ShardedCriticRole {
     write_root: Option<PathBuf>,
 }
 
-/// One rank's part of a critic step.
-struct RankValueStep {
-    loss: f64,
-    grad_norm: f64,
-    clip: f64,
-    vpred: f64,
-    micro_batches: usize,
+/// One rank's part of a critic optimizer step.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct CriticRankStep {
+    /// The step's value loss (summed over the ranks: the same on every rank).
+    pub loss: f64,
+    /// The gradient norm over all shards, before clipping.
+    pub grad_norm: f64,
+    /// Sum of this rank's micro-batches' clipped fractions.
+    pub clip: f64,
+    /// Sum of this rank's micro-batches' mean predicted values.
+    pub vpred: f64,
+    /// Micro-batches this rank ran.
+    pub micro_batches: usize,
 }
 
 impl ShardedCriticRole {
@@ -69,7 +78,7 @@ impl ShardedCriticRole {
             "the critic",
             |m, group| ShardedTrainer::new(m, train.clone(), Box::new(group)),
         )?;
-        Self::assemble(trainers, config, start)
+        Self::assemble(trainers, None, config, start)
     }
 
     /// The critic of the sharded checkpoint `dir` (written by this role at any rank
@@ -96,19 +105,42 @@ impl ShardedCriticRole {
             }
             trainers.push(tr);
         }
-        Self::assemble(trainers, config, start)
+        Self::assemble(trainers, None, config, start)
+    }
+
+    /// Rank 0 of a critic whose other ranks are `policy-rank` actors on other nodes,
+    /// started as critic ranks (`remote`: ranks 1..N, joined to the ring `rank0`'s
+    /// group is in).
+    pub fn with_remote_ranks(
+        rank0: ShardedTrainer,
+        remote: RemoteRanks,
+        config: CriticConfig,
+        start: &ShardedStart,
+    ) -> Result<Self, RoleError> {
+        check_config(&config)?;
+        Self::assemble(vec![rank0], Some(remote), config, start)
     }
 
     fn assemble(
         trainers: Vec<ShardedTrainer>,
+        remote: Option<RemoteRanks>,
         config: CriticConfig,
         start: &ShardedStart,
     ) -> Result<Self, RoleError> {
         let first = &trainers[0].model;
+        if first.head.is_none() {
+            return Err(RoleError::BadRequest(
+                "a sharded critic's ranks need a value head on their model".into(),
+            ));
+        }
         let device = first.device();
         let params = layout_of(first).iter().map(|u| u.numel as u64).sum();
+        let mut ranks = Ranks::start("critic", trainers, start.deadline)?;
+        if let Some(r) = remote {
+            ranks = ranks.with_remote(r);
+        }
         Ok(ShardedCriticRole {
-            ranks: Ranks::start("critic", trainers, start.deadline)?,
+            ranks,
             config,
             device,
             params,
@@ -127,7 +159,8 @@ impl ShardedCriticRole {
         self.ranks.len()
     }
 
-    /// Every rank runs `job` on the shared samples; their answers in rank order.
+    /// Every rank runs `job` on the shared samples (a remote rank is sent `remote`'s
+    /// request and answers what `pick` takes); their answers in rank order.
     fn on_every_rank<T: Send + 'static>(
         &mut self,
         what: &str,
@@ -136,25 +169,38 @@ impl ShardedCriticRole {
             + Clone
             + Send
             + 'static,
+        remote: impl Fn(Vec<Sample>, usize, usize) -> RankRequest,
+        pick: impl Fn(RankResponse) -> Result<T, RankResponse>,
     ) -> Result<Vec<T>, RoleError> {
         let n = self.ranks.len();
-        let jobs = (0..n)
+        let jobs = (0..self.ranks.local())
             .map(|rank| {
                 let (samples, job) = (samples.clone(), job.clone());
                 move |tr: &mut ShardedTrainer| job(tr, &samples, rank, n)
             })
             .collect();
-        let answers = self.ranks.run(what, jobs)?;
-        self.ranks
-            .parts(what, answers, Vec::new(), |_| unreachable!())
+        let ask = |rank| remote(samples.to_vec(), rank, n);
+        let (local, answers) = self.ranks.run_all(what, jobs, ask)?;
+        self.ranks.parts(what, local, answers, pick)
     }
 
     fn values(&mut self, samples: Vec<Sample>) -> Result<Vec<Sample>, RoleError> {
         let cfg = self.config.clone();
         let all = Arc::new(samples);
-        let parts = self.on_every_rank("critic values", all.clone(), move |tr, s, r, n| {
-            rank_values(tr, &cfg, s, r, n)
-        })?;
+        let parts = self.on_every_rank(
+            "critic values",
+            all.clone(),
+            move |tr, s, r, n| rank_values(tr, &cfg, s, r, n),
+            |samples, rank, shards| RankRequest::Values {
+                samples,
+                rank,
+                shards,
+            },
+            |a| match a {
+                RankResponse::Valued(rows) => Ok(rows),
+                other => Err(other),
+            },
+        )?;
         let rows: Vec<Vec<f32>> = parts.into_iter().flatten().collect();
         let mut samples = Arc::try_unwrap(all).unwrap_or_else(|a| a.to_vec());
         if rows.len() != samples.len() {
@@ -191,9 +237,20 @@ impl ShardedCriticRole {
         for mini in samples.chunks(per_mini) {
             let cfg = self.config.clone();
             let mini = Arc::new(mini.to_vec());
-            let parts = self.on_every_rank("critic update", mini, move |tr, s, r, n| {
-                rank_value_step(tr, &cfg, s, r, n)
-            })?;
+            let parts = self.on_every_rank(
+                "critic update",
+                mini,
+                move |tr, s, r, n| rank_value_step(tr, &cfg, s, r, n),
+                |samples, rank, shards| RankRequest::ValueStep {
+                    samples,
+                    rank,
+                    shards,
+                },
+                |a| match a {
+                    RankResponse::ValueStepped(step) => Ok(step),
+                    other => Err(other),
+                },
+            )?;
             report.vf_loss += parts[0].loss;
             report.grad_norm += parts[0].grad_norm;
             for p in &parts {
@@ -226,16 +283,26 @@ impl ShardedCriticRole {
                 }
             })
             .collect();
-        let answers = self.ranks.run("saving the critic", jobs)?;
-        self.ranks
-            .parts("saving the critic", answers, Vec::new(), |_| unreachable!())
-            .map(drop)
-            .map_err(|e| {
-                RoleError::Failed(format!(
-                    "saving the critic checkpoint to {}: {e}",
-                    dir.display()
-                ))
-            })
+        let remote = |_| RankRequest::Save {
+            dir: dir.clone(),
+            tokenizer: None,
+        };
+        let done = self
+            .ranks
+            .run_all("saving the critic", jobs, remote)
+            .and_then(|(local, answers)| {
+                self.ranks
+                    .parts("saving the critic", local, answers, |a| match a {
+                        RankResponse::Done => Ok(()),
+                        other => Err(other),
+                    })
+            });
+        done.map(drop).map_err(|e| {
+            RoleError::Failed(format!(
+                "saving the critic checkpoint to {}: {e}",
+                dir.display()
+            ))
+        })
     }
 }
 
@@ -264,7 +331,7 @@ fn picked(samples: &[Sample], rows: &[usize]) -> Vec<Sample> {
 
 /// Rank `rank`'s part of a values pass: its part of `samples`, valued in micro-batches
 /// unit by unit (a collective). Each sample's response values, in order.
-fn rank_values(
+pub(crate) fn rank_values(
     tr: &mut ShardedTrainer,
     cfg: &CriticConfig,
     samples: &[Sample],
@@ -301,13 +368,13 @@ struct ValueMicro {
 /// Rank `rank`'s part of one critic optimizer step over `samples` (every rank's): its
 /// micro-batches' value losses, each weighted by its share of the normaliser over
 /// every rank's micro-batches.
-fn rank_value_step(
+pub(crate) fn rank_value_step(
     tr: &mut ShardedTrainer,
     cfg: &CriticConfig,
     samples: &[Sample],
     rank: usize,
     shards: usize,
-) -> Result<RankValueStep, String> {
+) -> Result<CriticRankStep, String> {
     let device = tr.model.device();
     let fail = |e: EngineError| format!("critic update: {e}");
     let every: Vec<(usize, Vec<usize>)> = (0..shards)
@@ -350,7 +417,7 @@ fn rank_value_step(
             Ok(loss * mb.weight)
         })
         .map_err(fail)?;
-    Ok(RankValueStep {
+    Ok(CriticRankStep {
         loss: step.step.loss,
         grad_norm: step.step.grad_norm,
         clip,
@@ -380,6 +447,10 @@ impl Role for ShardedCriticRole {
 
     fn start(&mut self, group: &DeviceGroup) -> Result<(), RoleError> {
         check_device("critic", self.device, group)
+    }
+
+    fn stop(&mut self) {
+        self.ranks.stop_remote();
     }
 
     fn serve(&mut self, request: CriticRequest) -> Result<CriticResponse, RoleError> {

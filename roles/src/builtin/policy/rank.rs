@@ -17,6 +17,7 @@ use super::config::PolicyConfig;
 use super::micro::{groups, step_micros, MicroStats, SeqMicro};
 use super::protocol::{PushReport, PushTarget};
 use super::slice_push::SlicePusher;
+use crate::builtin::critic::{rank_value_step, rank_values, CriticConfig, CriticRankStep};
 use crate::builtin::shard_ring::RingShardGroup;
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError, WeightSlice, WeightsUpdate};
 use crate::sample::Sample;
@@ -58,6 +59,25 @@ pub enum RankRequest {
     /// HSDP: join the ring of this rank's peers in the other replicas, and average the
     /// gradient shards with them before every optimizer step from now on.
     JoinReplicaRing(RingSpec),
+    /// A critic's rank: value this rank's part of `samples`, unit by unit.
+    Values {
+        /// Every rank's samples: rank `r` values the `r`-th of `shards` parts.
+        samples: Vec<Sample>,
+        /// This rank.
+        rank: usize,
+        /// Ranks of the critic.
+        shards: usize,
+    },
+    /// A critic's rank: run this rank's part of one critic optimizer step over
+    /// `samples` (every rank's: the loss is weighted by the normaliser over all).
+    ValueStep {
+        /// The optimizer step's samples.
+        samples: Vec<Sample>,
+        /// This rank.
+        rank: usize,
+        /// Ranks of the critic.
+        shards: usize,
+    },
     /// Write this rank's shard of a sharded checkpoint into `dir`.
     Save {
         /// The checkpoint's directory.
@@ -90,6 +110,10 @@ pub enum RankResponse {
     Pushed(PushReport),
     /// The response-token log-probs of this rank's part of the samples, in order.
     Scored(Vec<Vec<f32>>),
+    /// A critic's rank: the response-token values of its part of the samples, in order.
+    Valued(Vec<Vec<f32>>),
+    /// A critic's rank: its part of the critic step.
+    ValueStepped(CriticRankStep),
 }
 
 /// One rank's part of an optimizer step.
@@ -306,6 +330,8 @@ impl RankSource {
 /// asked. Rank 0 is the policy actor ([`crate::ShardedPolicyRole::with_remote_ranks`]).
 pub struct PolicyRankRole {
     config: PolicyConfig,
+    /// A critic's rank: its value loss and micro-batching.
+    critic: Option<CriticConfig>,
     inbox: ActorId,
     pending: Option<(RingMember, RankSource)>,
     /// HSDP: this rank's member of its peers' ring in the other replicas, until joined.
@@ -328,6 +354,7 @@ impl PolicyRankRole {
         config.check()?;
         Ok(PolicyRankRole {
             config,
+            critic: None,
             inbox: member.inbox_id().clone(),
             pending: Some((member, source)),
             replica_member: None,
@@ -343,6 +370,19 @@ impl PolicyRankRole {
     pub fn with_pusher(mut self, pusher: SlicePusher) -> Self {
         self.pusher = Some(pusher);
         self
+    }
+
+    /// A rank of a sharded critic ([`crate::ShardedCriticRole`]): its model has a value
+    /// head, and it answers [`RankRequest::Values`] and [`RankRequest::ValueStep`].
+    pub fn with_critic(mut self, config: CriticConfig) -> Self {
+        self.critic = Some(config);
+        self
+    }
+
+    fn critic_config(&self) -> Result<CriticConfig, RoleError> {
+        self.critic.clone().ok_or_else(|| {
+            RoleError::BadRequest("this rank was not started as a critic's rank".into())
+        })
     }
 
     /// Saves checkpoints only under `root` (see [`crate::PolicyRole::with_write_root`]).
@@ -443,6 +483,24 @@ impl PolicyRankRole {
                 let cfg = self.config.clone();
                 let scored = rank_score(self.trainer()?, &cfg, &samples, rank, shards);
                 scored.map(RankResponse::Scored).map_err(failed)
+            }
+            RankRequest::Values {
+                samples,
+                rank,
+                shards,
+            } => {
+                let cfg = self.critic_config()?;
+                let valued = rank_values(self.trainer()?, &cfg, &samples, rank, shards);
+                valued.map(RankResponse::Valued).map_err(failed)
+            }
+            RankRequest::ValueStep {
+                samples,
+                rank,
+                shards,
+            } => {
+                let cfg = self.critic_config()?;
+                let step = rank_value_step(self.trainer()?, &cfg, &samples, rank, shards);
+                step.map(RankResponse::ValueStepped).map_err(failed)
             }
             RankRequest::Gather => {
                 let t = self.trainer()?;

@@ -136,7 +136,7 @@ impl Ranks {
     }
 
     /// Adds the ranks on other nodes (after the local ones).
-    pub(super) fn with_remote(mut self, remote: RemoteRanks) -> Self {
+    pub(crate) fn with_remote(mut self, remote: RemoteRanks) -> Self {
         assert_eq!(
             remote.first,
             self.senders.len(),
@@ -158,7 +158,7 @@ impl Ranks {
 
     /// Runs `jobs[r]` on local rank `r` and `remote(r)` on each remote rank `r`, all at
     /// once; returns the local answers in rank order, then the remote ones.
-    pub(super) fn run_all<T, F>(
+    pub(crate) fn run_all<T, F>(
         &mut self,
         what: &str,
         jobs: Vec<F>,
@@ -382,7 +382,7 @@ impl Ranks {
     }
 
     /// Stops the ranks on other nodes (best effort, briefly: a lost one is gone).
-    pub(super) fn stop_remote(&mut self) {
+    pub(crate) fn stop_remote(&mut self) {
         let Some(r) = self.remote.take() else {
             return;
         };
