@@ -1,6 +1,7 @@
 //! A sharded policy (`job.policy_shards`) on real `yatt-node` processes: rank `r` on
 //! the node `placement.policy[r]` names, the ranks talking over QUIC. Four ranks on
-//! four nodes take the steps of the whole policy on one; a rank's node killed mid-step
+//! four nodes take the steps of the whole policy on one; a critic sharded beside the
+//! policy's ranks takes the whole critic's steps; a rank's node killed mid-step
 //! stops the run within its deadline with the checkpoint to resume from, and never
 //! hangs it.
 
@@ -201,6 +202,53 @@ fn a_reference_sharded_beside_the_policys_ranks_scores_as_a_whole_one() {
     same_steps(runs[0].path(), runs[1].path(), &keys, STEPS);
     let kl = metric_of_steps(runs[0].path(), "actor/kl_loss");
     assert!(kl.iter().any(|(_, k)| *k > 0.0), "no KL to compare: {kl:?}");
+}
+
+/// PPO's critic sharded over 2 ranks beside the policy's 2 (rank r on the node
+/// `placement.policy[r]` names) takes the steps of the whole critic on one node: the
+/// value loss, the critic's gradient norm and the policy's steps within 1e-4.
+#[test]
+fn a_critic_sharded_beside_the_policys_ranks_takes_the_whole_critics_steps() {
+    const STEPS: u64 = 3;
+    let mut runs = Vec::new();
+    for critic_shards in [1, 2] {
+        let prefix = format!("crit{critic_shards}");
+        let cluster = Cluster::start(&prefix, 3);
+        let out = tempfile::tempdir().unwrap();
+        let mut sets = sharded(&prefix, STEPS, 2);
+        sets.extend([
+            "algorithm.name=\"ppo\"".to_string(),
+            format!("placement.critic=\"{prefix}-0\""),
+            format!("job.critic_shards={critic_shards}"),
+        ]);
+        let mut run = cluster.spawn_train(CONFIG, &sets, out.path(), false);
+        if critic_shards > 1 {
+            // Rank 0 on the policy's first node, rank 1 beside the policy's rank 1.
+            let hosted = poll(Duration::from_secs(60), || {
+                let on = |i: usize| {
+                    cluster.nodes[i]
+                        .health()
+                        .map(|h| h["hosted"].to_string())
+                        .unwrap_or_default()
+                };
+                (on(1).contains("/critic-sharded/")
+                    && on(2).matches("/policy-rank/").count() == 2)
+                    .then_some(())
+            });
+            assert!(
+                hosted.is_some(),
+                "the critic's ranks are not beside the policy's\n{}",
+                run.printed()
+            );
+        }
+        run.wait_success(Duration::from_secs(240), &cluster);
+        runs.push(out);
+    }
+    let mut keys = STEP_KEYS.to_vec();
+    keys.extend(["critic/vf_loss", "critic/grad_norm", "critic/values/mean"]);
+    same_steps(runs[0].path(), runs[1].path(), &keys, STEPS);
+    let vf = metric_of_steps(runs[0].path(), "critic/vf_loss");
+    assert!(vf.iter().all(|(_, v)| *v > 0.0), "no value loss to compare: {vf:?}");
 }
 
 /// A rank's node killed mid-step (`kill -9`, after step 4, at whatever point of a step

@@ -27,7 +27,8 @@ use crate::build::policy_rebuild::policy_log;
 use crate::build::remote::{job_text, spawn, spawn_with, start_role, wait_for_nodes, RoleArgs};
 use crate::build::reward::reward_role;
 use crate::build::sharded_cluster::{
-    start_rank, start_sharded_policy, start_sharded_reference, RankArgs, ShardedArgs,
+    start_rank, start_sharded_critic, start_sharded_policy, start_sharded_reference, RankArgs,
+    ShardedArgs,
 };
 use crate::checkpoint::{load_trainer, restore_controllers};
 use crate::config::checks::invalid;
@@ -124,6 +125,15 @@ pub fn register(builder: NodeBuilder) -> NodeBuilder {
             |node: &Node, name: &ActorName, a: ShardedArgs| {
                 let (node, name) = (node.clone(), name.clone());
                 async move { start_sharded_reference(&node, &name, a).await }
+            },
+        )
+        // A sharded critic's rank 0 (`job.critic_shards > 1`); its other ranks are
+        // `policy-rank`s started as critic ranks.
+        .factory_with_node(
+            "critic-sharded",
+            |node: &Node, name: &ActorName, a: ShardedArgs| {
+                let (node, name) = (node.clone(), name.clone());
+                async move { start_sharded_critic(&node, &name, a).await }
             },
         )
         .factory_with_node(
@@ -342,6 +352,20 @@ async fn build_cluster_in(
     let critic = async {
         match (&custom.critic, ppo) {
             (Some(c), _) => Ok(Some(c.clone())),
+            // Sharded, its rank r runs beside the policy's, on placement.policy[r].
+            (None, true) if job.job.critic_shards > 1 => {
+                let target = p.policy_nodes(1)[0].clone();
+                let args = ShardedArgs {
+                    role: RoleArgs {
+                        job: text.clone(),
+                        node: target.clone(),
+                        checkpoint: checkpoint.map(Path::to_path_buf),
+                    },
+                    replica: 0,
+                };
+                let c = spawn_with(job, node, "critic-sharded", &target, &args).await?;
+                Ok(Some(started.keep(c)))
+            }
             (None, true) => Ok(Some(
                 started.keep(spawn(job, &text, node, "critic", &p.critic, checkpoint).await?),
             )),
@@ -419,9 +443,10 @@ async fn build_cluster_in(
         join_policy_ring(&mut controllers, RING_CHUNK_BYTES).await?;
     }
     // The built-in critic survives its node: the controller logs its updates (PPO has
-    // one controller).
+    // one controller). A sharded one is not rebuilt: a lost rank stops the run with the
+    // resume hint, as the sharded policy's does.
     if let Some(c) = controllers.first_mut().filter(|c| c.roles.critic.is_some()) {
-        if custom.critic.is_none() {
+        if custom.critic.is_none() && job.job.critic_shards == 1 {
             let respawn = ClusterCritic {
                 job: job.clone(),
                 text: text.clone(),

@@ -397,7 +397,7 @@ pub(crate) fn sharded_critic_role(
 }
 
 /// The critic's optimizer settings: the policy's with `optim.critic_lr`.
-fn critic_train_config(job: &JobConfig) -> TrainConfig {
+pub(crate) fn critic_train_config(job: &JobConfig) -> TrainConfig {
     TrainConfig {
         lr: job.optim.critic_lr,
         ..train_config(job)
@@ -405,7 +405,7 @@ fn critic_train_config(job: &JobConfig) -> TrainConfig {
 }
 
 /// The critic's value loss and micro-batching.
-fn critic_config(job: &JobConfig, pad_id: i64) -> CriticConfig {
+pub(crate) fn critic_config(job: &JobConfig, pad_id: i64) -> CriticConfig {
     let a = &job.algorithm;
     let o = &job.optim;
     CriticConfig {

@@ -12,15 +12,19 @@
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use yatt_engine::{is_sharded_checkpoint, model_layout};
+use yatt_engine::{is_sharded_checkpoint, layout_of};
 use yatt_roles::{
     PolicyRankRole, RankRef, RankRequest, RankResponse, RankSource, RemoteRanks, RoleActor,
-    RoleRequest, RoleResponse, ShardedPolicyRole, ShardedReferenceRole, ShardedStart, SlicePusher,
+    RoleRequest, RoleResponse, ShardedCriticRole, ShardedPolicyRole, ShardedReferenceRole,
+    ShardedStart, SlicePusher,
 };
 use yatt_runtime::{ActorName, Node, RingMember, RingSpec, RING_CHUNK_BYTES};
 
 use crate::build::devices::model_here;
-use crate::build::parts::{memory_options, policy_config, sharded_start, train_config, HSDP_RING};
+use crate::build::parts::{
+    critic_config, critic_train_config, memory_options, policy_config, sharded_start, train_config,
+    HSDP_RING,
+};
 use crate::build::remote::{start_role, RoleArgs};
 use crate::config::sections::JobConfig;
 use crate::error::JobError;
@@ -56,8 +60,20 @@ pub struct RankArgs {
     /// Replicas of the sharded policy (HSDP): with more than one, the rank also joins
     /// the ring of its peers in the other replicas.
     pub replicas: u32,
-    /// A rank of a sharded reference: it loads the model to score with, never to train.
-    pub frozen: bool,
+    /// Which sharded role the rank belongs to.
+    pub of: RankOf,
+}
+
+/// The sharded role a rank belongs to: what it loads and what it answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RankOf {
+    /// The policy: trains (its shards of the run's checkpoint on a resume).
+    Policy,
+    /// The reference: loads the run's initial model to score with, never to train.
+    Reference,
+    /// PPO's critic: the model with a value head, trained on the value loss (its shards
+    /// of the checkpoint's `critic` on a resume).
+    Critic,
 }
 
 /// A ring member on `node` named by `name`'s replica number, unique on the node (so
@@ -71,34 +87,55 @@ fn ring_member(node: &Node, ring: &str, name: &ActorName) -> Result<RingMember, 
 fn rank_source(
     job: &JobConfig,
     checkpoint: Option<&std::path::Path>,
-    frozen: bool,
+    of: RankOf,
 ) -> Result<(RankSource, i64, u64), JobError> {
     let (mut model, _, pad_id) = model_here(job)?;
-    let params = model_layout(&model.config)
-        .iter()
-        .map(|u| u.numel as u64)
-        .sum();
-    if frozen {
+    if of == RankOf::Critic {
+        model.attach_head("v_head");
+    }
+    let params = layout_of(&model).iter().map(|u| u.numel as u64).sum();
+    if of == RankOf::Reference {
         // A reference is the run's initial model, also when the run resumes.
         model.memory = memory_options(job);
         return Ok((RankSource::Frozen(Box::new(model)), pad_id, params));
     }
-    job.check_policy_shards_fit(&model.config)?;
-    let source = match checkpoint {
-        Some(dir) if is_sharded_checkpoint(dir) => RankSource::Checkpoint {
-            dir: dir.to_path_buf(),
+    let (key, shards, dir) = match of {
+        RankOf::Critic => (
+            "job.critic_shards",
+            job.job.critic_shards,
+            checkpoint.map(|d| d.join("critic")),
+        ),
+        _ => {
+            job.check_policy_shards_fit(&model.config)?;
+            (
+                "job.policy_shards",
+                job.job.policy_shards,
+                checkpoint.map(std::path::Path::to_path_buf),
+            )
+        }
+    };
+    let source = match dir {
+        Some(dir) if is_sharded_checkpoint(&dir) => RankSource::Checkpoint {
+            dir,
             device: model.device(),
             kind: model.kind(),
             memory: memory_options(job),
         },
         Some(dir) => {
             return Err(JobError::Resume {
-                dir: dir.to_path_buf(),
+                dir,
                 reason: format!(
-                    "the checkpoint holds a whole (unsharded) policy, and job.policy_shards = {}: resume it with job.policy_shards = 1",
-                    job.job.policy_shards
+                    "the checkpoint holds a whole (unsharded) {}, and {key} = {shards}: resume it with {key} = 1",
+                    match of {
+                        RankOf::Critic => "critic",
+                        _ => "policy",
+                    }
                 ),
             })
+        }
+        None if of == RankOf::Critic => {
+            model.memory = memory_options(job);
+            RankSource::Model(Box::new(model), critic_train_config(job))
         }
         None => RankSource::Model(Box::new(model), train_config(job)),
     };
@@ -121,14 +158,17 @@ pub(crate) async fn start_rank(
     let root = node.config().data_dir.clone();
     let checkpoint = a.role.checkpoint.clone();
     let pusher = SlicePusher::new(node.downgrade(), tokio::runtime::Handle::current());
-    let frozen = a.frozen;
+    let of = a.of;
     start_role(a.role, "policy-rank", move |job| {
-        let (source, pad_id, params) = rank_source(job, checkpoint.as_deref(), frozen)?;
-        let role = PolicyRankRole::new(policy_config(job, pad_id), member, source, params)
+        let (source, pad_id, params) = rank_source(job, checkpoint.as_deref(), of)?;
+        let mut role = PolicyRankRole::new(policy_config(job, pad_id), member, source, params)
             .map_err(|e| JobError::Model {
                 source_desc: job.model.source.to_string(),
                 reason: format!("a policy rank: {e}"),
             })?;
+        if of == RankOf::Critic {
+            role = role.with_critic(critic_config(job, pad_id));
+        }
         let role = role.with_write_root(root).with_pusher(pusher);
         Ok(match replica_member {
             Some(m) => role.with_replica_member(m),
@@ -167,7 +207,7 @@ pub(crate) async fn start_sharded_policy(
         role: a.clone(),
         rank: r as u32,
         replicas: replicas as u32,
-        frozen: false,
+        of: RankOf::Policy,
     };
     let (member, ranks) = spawn_ranks(node, name, job, nodes, &start, rank_args).await?;
     let remote = RemoteRanks::new(ranks.clone(), 1, tokio::runtime::Handle::current());
@@ -180,7 +220,7 @@ pub(crate) async fn start_sharded_policy(
             source_desc: job.model.source.to_string(),
             reason: format!("sharded policy rank 0: {e}"),
         };
-        let (source, pad_id, _) = rank_source(job, checkpoint.as_deref(), false)?;
+        let (source, pad_id, _) = rank_source(job, checkpoint.as_deref(), RankOf::Policy)?;
         let rank0 = source.shard(member).map_err(failed)?;
         let role = ShardedPolicyRole::with_remote_ranks(
             rank0,
@@ -234,7 +274,7 @@ pub(crate) async fn start_sharded_reference(
         role: a.clone(),
         rank: r as u32,
         replicas: 1,
-        frozen: true,
+        of: RankOf::Reference,
     };
     let (member, ranks) = spawn_ranks(node, name, job, nodes, &start, rank_args).await?;
     let remote = RemoteRanks::new(ranks.clone(), 1, tokio::runtime::Handle::current());
@@ -243,10 +283,62 @@ pub(crate) async fn start_sharded_reference(
             source_desc: job.model.source.to_string(),
             reason: format!("sharded reference rank 0: {e}"),
         };
-        let (source, pad_id, _) = rank_source(job, None, true)?;
+        let (source, pad_id, _) = rank_source(job, None, RankOf::Reference)?;
         let rank0 = source.shard(member).map_err(failed)?;
         ShardedReferenceRole::with_remote_ranks(rank0, remote, policy_config(job, pad_id), &start)
             .map_err(|e| failed(e.to_string()))
+    })
+    .await;
+    if role.is_err() {
+        stop_ranks(&ranks).await;
+    }
+    role
+}
+
+/// The factory of a sharded critic's rank 0 (`job.critic_shards > 1`): spawns ranks
+/// 1..N as critic ranks, rank r on the node `placement.policy[r]` names (beside the
+/// policy's ranks), joins them in one ring, then shards its own part of a fresh critic
+/// (or loads it from the run's checkpoint). A failure stops the ranks it started.
+pub(crate) async fn start_sharded_critic(
+    node: &Node,
+    name: &ActorName,
+    args: ShardedArgs,
+) -> Result<RoleActor<ShardedCriticRole>, String> {
+    let job = &args.job()?;
+    let n = job.job.critic_shards;
+    let nodes = job.placement.policy_nodes(n);
+    let nodes = nodes.get(..n).ok_or_else(|| {
+        format!(
+            "a critic over {n} ranks: placement.policy names {} node(s)",
+            nodes.len()
+        )
+    })?;
+    let a = args.role;
+    let start = ShardedStart {
+        shards: n,
+        ..sharded_start(job)
+    };
+    let rank_args = |r: usize| RankArgs {
+        role: a.clone(),
+        rank: r as u32,
+        replicas: 1,
+        of: RankOf::Critic,
+    };
+    let (member, ranks) = spawn_ranks(node, name, job, nodes, &start, rank_args).await?;
+    let remote = RemoteRanks::new(ranks.clone(), 1, tokio::runtime::Handle::current());
+    let root = node.config().data_dir.clone();
+    let checkpoint = a.checkpoint.clone();
+    let role = start_role(a, "critic", move |job| {
+        let failed = |e: String| JobError::Model {
+            source_desc: job.model.source.to_string(),
+            reason: format!("sharded critic rank 0: {e}"),
+        };
+        let (source, pad_id, _) = rank_source(job, checkpoint.as_deref(), RankOf::Critic)?;
+        let rank0 = source.shard(member).map_err(failed)?;
+        let config = critic_config(job, pad_id);
+        let role = ShardedCriticRole::with_remote_ranks(rank0, remote, config, &start)
+            .map_err(|e| failed(e.to_string()))?;
+        Ok(role.with_write_root(root))
     })
     .await;
     if role.is_err() {

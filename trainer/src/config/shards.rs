@@ -168,12 +168,15 @@ impl JobConfig {
                 fix: format!("{why} (see {key}): {fix}"),
             })
         };
-        if p.mode == crate::config::modes::PlacementMode::Disaggregated {
-            return refuse(
-                "placement.mode",
-                "a sharded critic runs its ranks in the trainer's process; on a cluster it is not built yet",
-                "set placement.mode = \"colocate\", or job.critic_shards = 1",
-            );
+        // On a cluster, rank r runs on placement.policy[r].
+        let named = p.policy_nodes(1).len();
+        if p.mode == PlacementMode::Disaggregated && named > 1 && named < n {
+            return Err(invalid(
+                "job.critic_shards",
+                &format!("at most the {named} node(s) placement.policy names: the critic's rank r runs on placement.policy[r]"),
+                &n.to_string(),
+                "name more nodes in placement.policy, or lower job.critic_shards",
+            ));
         }
         if p.live {
             return refuse(
