@@ -231,8 +231,7 @@ fn a_critic_sharded_beside_the_policys_ranks_takes_the_whole_critics_steps() {
                         .map(|h| h["hosted"].to_string())
                         .unwrap_or_default()
                 };
-                (on(1).contains("/critic-sharded/")
-                    && on(2).matches("/policy-rank/").count() == 2)
+                (on(1).contains("/critic-sharded/") && on(2).matches("/policy-rank/").count() == 2)
                     .then_some(())
             });
             assert!(
@@ -248,7 +247,10 @@ fn a_critic_sharded_beside_the_policys_ranks_takes_the_whole_critics_steps() {
     keys.extend(["critic/vf_loss", "critic/grad_norm", "critic/values/mean"]);
     same_steps(runs[0].path(), runs[1].path(), &keys, STEPS);
     let vf = metric_of_steps(runs[0].path(), "critic/vf_loss");
-    assert!(vf.iter().all(|(_, v)| *v > 0.0), "no value loss to compare: {vf:?}");
+    assert!(
+        vf.iter().all(|(_, v)| *v > 0.0),
+        "no value loss to compare: {vf:?}"
+    );
 }
 
 /// A rank's node killed mid-step (`kill -9`, after step 4, at whatever point of a step

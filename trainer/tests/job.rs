@@ -43,16 +43,16 @@ async fn demo_letters_writes_one_metrics_line_per_step() {
             "perf/gen_tokens_per_s",
             "timing_s/step",
             "response_length/mean",
-            "memory/process_rss_bytes",
-            "memory/process_peak_rss_bytes",
+            "perf/process_rss_bytes",
+            "perf/process_peak_rss_bytes",
         ] {
             assert!(
                 v[key].as_f64().is_some_and(f64::is_finite),
                 "{key} missing or not finite in {line}"
             );
         }
-        let rss = v["memory/process_rss_bytes"].as_f64().unwrap();
-        let peak = v["memory/process_peak_rss_bytes"].as_f64().unwrap();
+        let rss = v["perf/process_rss_bytes"].as_f64().unwrap();
+        let peak = v["perf/process_peak_rss_bytes"].as_f64().unwrap();
         assert!(
             rss > 1e6 && peak >= rss,
             "resident {rss}, peak {peak}: {line}"

@@ -313,6 +313,20 @@ pub fn value_loss(
     ))
 }
 
+/// The normaliser of `agg` over a micro-batch's response `mask` `[B, T]`: its tokens
+/// (token-mean), its sequences with tokens (seq-mean-token-mean), its sequences
+/// (seq-mean-token-sum-norm). A step's loss is the micro-batches' losses weighted by
+/// their normaliser over the step's.
+pub(crate) fn normaliser(mask: &Tensor, agg: LossAgg) -> f64 {
+    let tokens: Vec<f64> =
+        Vec::try_from(mask.sum_dim_intlist(1, false, tch::Kind::Double)).unwrap_or_default();
+    match agg {
+        LossAgg::TokenMean => tokens.iter().sum(),
+        LossAgg::SeqMeanTokenMean => tokens.iter().filter(|&&t| t > 0.0).count() as f64,
+        LossAgg::SeqMeanTokenSumNorm { .. } => tokens.len() as f64,
+    }
+}
+
 /// Per-token entropy of the categorical distribution given by `logits` `[B, T, V]`:
 /// `logsumexp(z) − Σ softmax(z)·z`, shape `[B, T]`.
 pub fn entropy_from_logits(logits: &Tensor) -> Result<Tensor, AlgoError> {

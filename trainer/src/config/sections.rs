@@ -92,9 +92,10 @@ pub struct JobSection {
     /// Ranks the critic (PPO's value model) is sharded over, as the policy is: each
     /// keeps 1/N of the f32 master weights, gradients and AdamW moments of the backbone
     /// and the value head, and gathers a layer's weights just before it runs. 1 = the
-    /// whole critic in one trainer. Embedded runs only; the ranks are threads of this
-    /// process (parity, not memory). A sharded critic's checkpoint resumes at any
-    /// count. See docs/training/sharded.md.
+    /// whole critic in one trainer. Embedded, the ranks are threads of this process
+    /// (parity, not memory); on a cluster, rank r runs beside the policy's, on the node
+    /// `placement.policy[r]` names. A sharded critic's checkpoint resumes at any count.
+    /// See docs/training/sharded.md.
     pub critic_shards: usize,
     /// How the replicas average gradients: `auto` (NCCL on GPUs, else the QUIC ring,
     /// the reason logged), `quic`, `nccl`.

@@ -7,87 +7,25 @@
 //! share of the step's normaliser, so a step's gradient does not depend on how it is
 //! split. [`ShardedCriticRole`] shards the same critic over ranks (`job.critic_shards`).
 
+pub(crate) mod protocol;
+pub(crate) mod rank;
 mod sharded;
+mod values;
 
-pub(crate) use sharded::{rank_value_step, rank_values};
-pub use sharded::{CriticRankStep, ShardedCriticRole};
+pub use protocol::{CriticConfig, CriticReport, CriticRequest, CriticResponse};
+pub use rank::CriticRankStep;
+pub use sharded::ShardedCriticRole;
 
 use std::path::PathBuf;
 use std::time::Instant;
 
-use serde::{Deserialize, Serialize};
-use tch::Tensor;
-use yatt_engine::score::{values, SeqBatch};
-use yatt_engine::{EngineError, Llama, Trainer};
+use yatt_engine::{EngineError, Trainer};
 
-use crate::algo::loss::{value_loss, ValueLossConfig};
-use crate::builtin::policy::micro::normaliser;
+use crate::algo::loss::value_loss;
 use crate::builtin::scoring::{check_device, model_bytes};
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError};
-use crate::sample::{response_mask, token_matrix, Sample, SampleId, TokenField};
-
-/// What the critic is asked.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub enum CriticRequest {
-    /// Fill in `values`.
-    Values(Vec<Sample>),
-    /// Train on the samples' `returns` (needs `values` from before the update too).
-    Train(Vec<Sample>),
-    /// Save a checkpoint (HF safetensors with the `v_head`, plus optimizer state).
-    SaveCheckpoint(PathBuf),
-}
-
-/// What the critic answers.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub enum CriticResponse {
-    /// Samples with `values` set.
-    Valued(Vec<Sample>),
-    /// The update's report.
-    Trained(CriticReport),
-    /// The checkpoint was written.
-    Saved,
-}
-
-/// What one critic update did (means over optimizer steps / micro-batches).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct CriticReport {
-    /// The samples trained on (for the ledger).
-    pub trained: Vec<SampleId>,
-    /// Mean value loss (`critic/vf_loss`).
-    pub vf_loss: f64,
-    /// Fraction of tokens where the clipped value error was larger (`critic/vf_clipfrac`).
-    pub vf_clipfrac: f64,
-    /// Mean predicted value (`critic/vpred_mean`).
-    pub vpred_mean: f64,
-    /// Mean gradient norm before clipping.
-    pub grad_norm: f64,
-    /// Seconds spent.
-    pub seconds: f64,
-}
-
-/// How the critic trains.
-#[derive(Debug, Clone, PartialEq)]
-pub struct CriticConfig {
-    /// Value clipping and aggregation.
-    pub loss: ValueLossConfig,
-    /// Samples per forward/backward pass.
-    pub micro_batch_size: usize,
-    /// Optimizer steps per update.
-    pub mini_batches: usize,
-    /// Token id used to pad batches.
-    pub pad_id: i64,
-}
-
-impl Default for CriticConfig {
-    fn default() -> Self {
-        CriticConfig {
-            loss: ValueLossConfig::default(),
-            micro_batch_size: 8,
-            mini_batches: 1,
-            pad_id: 0,
-        }
-    }
-}
+use crate::sample::{response_mask, token_matrix, Sample, TokenField};
+use values::{micro_weights, response_values, sample_err};
 
 /// The value model.
 pub struct CriticRole {
@@ -107,11 +45,7 @@ impl CriticRole {
     /// A critic over `trainer`, whose model gets a zero-initialised `v_head` if it has
     /// no scalar head yet (a zero head makes the first advantages plain returns).
     pub fn new(mut trainer: Trainer, config: CriticConfig) -> Result<Self, RoleError> {
-        if config.micro_batch_size == 0 || config.mini_batches == 0 {
-            return Err(RoleError::BadRequest(
-                "critic micro_batch_size and mini_batches must be >= 1".into(),
-            ));
-        }
+        config.check()?;
         if trainer.model.head.is_none() {
             // The trainer's optimizer state must cover the head: rebuild it.
             let mut model = trainer.model;
@@ -182,79 +116,6 @@ impl CriticRole {
         report.seconds = t0.elapsed().as_secs_f64();
         Ok(report)
     }
-}
-
-pub(crate) fn sample_err(e: crate::sample::SampleError) -> EngineError {
-    EngineError::InvalidArgument(e.to_string())
-}
-
-/// Each micro-batch's share of an optimizer step's value loss: its aggregation's
-/// normaliser (response tokens, or sequences) over the step's, so that the step's
-/// gradient does not depend on how it is split into micro-batches (or over ranks).
-pub(crate) fn micro_weights<'a>(
-    micros: impl Iterator<Item = &'a [Sample]>,
-    cfg: &CriticConfig,
-    dev: tch::Device,
-) -> Result<Vec<f64>, RoleError> {
-    let bad = |e: crate::sample::SampleError| RoleError::BadRequest(e.to_string());
-    let mut d = Vec::new();
-    for chunk in micros {
-        d.push(normaliser(
-            &response_mask(chunk, dev).map_err(bad)?,
-            cfg.loss.agg,
-        ));
-    }
-    let total: f64 = d.iter().sum();
-    let n = d.len().max(1) as f64;
-    // A step with nothing to normalise by (no response tokens) weighs evenly.
-    Ok(d.iter()
-        .map(|x| if total > 0.0 { x / total } else { 1.0 / n })
-        .collect())
-}
-
-/// Values `[B, T]` of the response tokens (zero on padding): row `i`, column `j` is the
-/// value head at position `prompt_len + j − 1`, the state response token `j` was
-/// sampled from. Differentiable when gradients are on.
-pub(crate) fn response_values(
-    model: &Llama,
-    samples: &[Sample],
-    pad_id: i64,
-) -> yatt_engine::Result<Tensor> {
-    let device = model.device();
-    let batch = seq_batch(samples, pad_id, device)?;
-    response_columns(&values(model, &batch)?, samples)
-}
-
-/// `samples` as one right-padded batch.
-pub(crate) fn seq_batch(
-    samples: &[Sample],
-    pad_id: i64,
-    device: tch::Device,
-) -> yatt_engine::Result<SeqBatch> {
-    let pairs: Vec<(&[i64], &[i64])> = samples
-        .iter()
-        .map(|s| (s.prompt_tokens.as_slice(), s.response_tokens.as_slice()))
-        .collect();
-    SeqBatch::from_pairs(&pairs, pad_id, device)
-}
-
-/// The response columns `[B, T]` of values at every position `all` `[B, full]` of
-/// `samples`' batch: column `j` of row `i` is position `prompt_len + j − 1`, zero past
-/// the row's response.
-pub(crate) fn response_columns(all: &Tensor, samples: &[Sample]) -> yatt_engine::Result<Tensor> {
-    let device = all.device();
-    let full = all.size().get(1).copied().unwrap_or(0);
-    let t = samples.iter().map(Sample::response_len).max().unwrap_or(0);
-    let mut idx = vec![0i64; samples.len() * t];
-    for (i, s) in samples.iter().enumerate() {
-        for j in 0..t {
-            idx[i * t + j] = ((s.prompt_tokens.len() + j) as i64 - 1).clamp(0, full - 1);
-        }
-    }
-    let shape = [samples.len() as i64, t as i64];
-    let idx = Tensor::from_slice(&idx).view(shape).to_device(device);
-    let mask = response_mask(samples, device).map_err(sample_err)?;
-    Ok(all.gather(1, &idx, false) * mask)
 }
 
 impl Role for CriticRole {

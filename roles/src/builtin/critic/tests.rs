@@ -6,10 +6,10 @@
 use std::time::Duration;
 
 use super::*;
-use crate::algo::loss::LossAgg;
+use crate::algo::loss::{LossAgg, ValueLossConfig};
 use crate::builtin::policy::ShardedStart;
 use crate::sample::tests::sample;
-use tch::{Device, Kind};
+use tch::{Device, Kind, Tensor};
 use yatt_engine::{tiny_config, Llama, TrainConfig};
 
 fn train_config() -> TrainConfig {

@@ -11,7 +11,7 @@ use yatt_engine::EngineError;
 
 use super::config::PolicyConfig;
 use super::report::TrainReport;
-use crate::algo::loss::{entropy_loss, kl_loss, masked_mean, LossAgg};
+use crate::algo::loss::{entropy_loss, kl_loss, masked_mean, normaliser, LossAgg};
 use crate::algo::off_policy::{behaviour_weights, BehaviourCorrection};
 use crate::algo::policy_loss::policy_loss;
 use crate::builtin::scoring::{response_backward, score_samples};
@@ -325,20 +325,6 @@ impl SeqMicro {
         let scale = self.micro.keep_scale * self.micro.weight;
         stats.ran += 1;
         micro_loss(&lp, &ent, &self.micro, cfg, stats).map(|l| l * scale)
-    }
-}
-
-/// The normaliser of `agg` over a micro-batch's response `mask` `[B, T]`: its tokens
-/// (token-mean), its sequences with tokens (seq-mean-token-mean), its sequences
-/// (seq-mean-token-sum-norm). A step's loss is the micro-batches' losses weighted by
-/// their normaliser over the step's.
-pub(crate) fn normaliser(mask: &Tensor, agg: LossAgg) -> f64 {
-    let tokens: Vec<f64> =
-        Vec::try_from(mask.sum_dim_intlist(1, false, Kind::Double)).unwrap_or_default();
-    match agg {
-        LossAgg::TokenMean => tokens.iter().sum(),
-        LossAgg::SeqMeanTokenMean => tokens.iter().filter(|&&t| t > 0.0).count() as f64,
-        LossAgg::SeqMeanTokenSumNorm { .. } => tokens.len() as f64,
     }
 }
 
