@@ -49,22 +49,67 @@ fn run_ranks_then<T: Send + 'static>(
     start: impl Fn(LocalGroup) -> ShardedTrainer,
     finish: impl Fn(ShardedTrainer) -> T + Clone + Send + 'static,
 ) -> (Vec<Vec<ShardedStepStats>>, Vec<T>) {
-    let trainers: Vec<ShardedTrainer> = LocalGroup::new(world, Duration::from_secs(120))
-        .into_iter()
-        .map(start)
-        .collect();
-    let handles: Vec<_> = trainers
-        .into_iter()
-        .enumerate()
-        .map(|(rank, mut tr)| {
-            let (steps, finish) = (steps.clone(), finish.clone());
-            thread::spawn(move || {
-                let stats = train_rank(&mut tr, rank, world, steps, n, device);
-                (stats, finish(tr))
+    let job = RankJob {
+        world,
+        device,
+        steps,
+        n,
+    };
+    job.run(train_rank, start, finish)
+}
+
+/// What every rank of a test replica runs: steps `steps` of `n` micro-batches each.
+pub(crate) struct RankJob {
+    pub(crate) world: usize,
+    pub(crate) device: Device,
+    pub(crate) steps: std::ops::Range<usize>,
+    pub(crate) n: usize,
+}
+
+/// How a rank trains its part of `steps` (the fixtures' `train_rank` and
+/// `train_critic_rank`).
+pub(crate) type TrainRank = fn(
+    &mut ShardedTrainer,
+    usize,
+    usize,
+    std::ops::Range<usize>,
+    usize,
+    Device,
+) -> Vec<ShardedStepStats>;
+
+impl RankJob {
+    /// The ranks built by `start` (all before any runs) each `train` on their thread,
+    /// then end with `finish`; every rank's statistics and what `finish` gave, in
+    /// rank order.
+    pub(crate) fn run<T: Send + 'static>(
+        self,
+        train: TrainRank,
+        start: impl Fn(LocalGroup) -> ShardedTrainer,
+        finish: impl Fn(ShardedTrainer) -> T + Clone + Send + 'static,
+    ) -> (Vec<Vec<ShardedStepStats>>, Vec<T>) {
+        let RankJob {
+            world,
+            device,
+            steps,
+            n,
+        } = self;
+        let trainers: Vec<ShardedTrainer> = LocalGroup::new(world, Duration::from_secs(120))
+            .into_iter()
+            .map(start)
+            .collect();
+        let handles: Vec<_> = trainers
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut tr)| {
+                let (steps, finish) = (steps.clone(), finish.clone());
+                thread::spawn(move || {
+                    let stats = train(&mut tr, rank, world, steps, n, device);
+                    (stats, finish(tr))
+                })
             })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).unzip()
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).unzip()
+    }
 }
 
 /// [`run_ranks`] from fresh copies of the test model.

@@ -3,7 +3,7 @@
 //! the unsharded trainer's steps; their values are the whole model's; the head goes
 //! through a sharded checkpoint and an in-memory reshard.
 
-use std::thread;
+use crate::sharded::RankJob;
 use std::time::Duration;
 use tch::{Device, Tensor};
 use yatt_engine::fixtures::sharded::{
@@ -26,22 +26,13 @@ fn critic_ranks<T: Send + 'static>(
     start: impl Fn(LocalGroup) -> ShardedTrainer,
     finish: impl Fn(ShardedTrainer) -> T + Clone + Send + 'static,
 ) -> (Vec<Vec<ShardedStepStats>>, Vec<T>) {
-    let trainers: Vec<ShardedTrainer> = LocalGroup::new(world, Duration::from_secs(120))
-        .into_iter()
-        .map(start)
-        .collect();
-    let handles: Vec<_> = trainers
-        .into_iter()
-        .enumerate()
-        .map(|(rank, mut tr)| {
-            let (steps, finish) = (steps.clone(), finish.clone());
-            thread::spawn(move || {
-                let stats = train_critic_rank(&mut tr, rank, world, steps, n, device);
-                (stats, finish(tr))
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).unzip()
+    let job = RankJob {
+        world,
+        device,
+        steps,
+        n,
+    };
+    job.run(train_critic_rank, start, finish)
 }
 
 /// Parity: per-step value loss and gradient norm within 1e-4 relative of the unsharded

@@ -350,6 +350,8 @@ pub struct RolloutRole {
     broadcast: GroupMember,
     /// A sharded policy's slices of the version being synced, until the last comes.
     slices: SliceAssembly,
+    /// Free the KV cache after each generation request.
+    free_kv: bool,
 }
 
 impl RolloutRole {
@@ -366,7 +368,17 @@ impl RolloutRole {
             step_delimiter: None,
             broadcast: GroupMember::default(),
             slices: SliceAssembly::default(),
+            free_kv: false,
         }
+    }
+
+    /// Frees the KV cache (and the KV kept for continuing sequences) after each
+    /// generation request, and hands freed host memory back to the OS: what a rollout
+    /// sharing its process or device with a trainer gives back for the update (verl's
+    /// `free_cache_engine`). The next request allocates the cache again.
+    pub fn freeing_kv_after_each_request(mut self) -> Self {
+        self.free_kv = true;
+        self
     }
 
     /// Marks where each reasoning step of every response ends (`Sample::step_ends`), a
@@ -441,6 +453,14 @@ impl RolloutRole {
             ids,
             encoded,
         })
+    }
+
+    /// With [`RolloutRole::freeing_kv_after_each_request`], frees the KV cache.
+    fn after_generation(&mut self) {
+        if self.free_kv {
+            self.generator.free_cache();
+            yatt_engine::release_host_memory();
+        }
     }
 
     fn generate(&mut self, req: GenerateRequest) -> Result<RolloutResponse, RoleError> {
@@ -760,10 +780,22 @@ impl Role for RolloutRole {
             _ if self.offloaded_from.is_some() => Err(RoleError::NotReady(
                 "rollout is offloaded; reload it first".into(),
             )),
-            RolloutRequest::Generate(r) => self.generate(r),
-            RolloutRequest::GenerateStream(r, sink) => self.generate_stream(r, sink),
             RolloutRequest::NextTokenLogits(t) => self.logits(t),
-            RolloutRequest::Continue(r) => self.continue_samples(r),
+            RolloutRequest::Generate(r) => {
+                let out = self.generate(r);
+                self.after_generation();
+                out
+            }
+            RolloutRequest::GenerateStream(r, sink) => {
+                let out = self.generate_stream(r, sink);
+                self.after_generation();
+                out
+            }
+            RolloutRequest::Continue(r) => {
+                let out = self.continue_samples(r);
+                self.after_generation();
+                out
+            }
         }
     }
 
@@ -957,6 +989,43 @@ mod tests {
             }))
             .unwrap_err();
         assert!(e.to_string().contains("nothing to continue"), "{e}");
+    }
+
+    /// With the KV cache freed after each request, a rollout holds no cache between
+    /// requests and draws the same tokens as one that keeps it.
+    #[test]
+    fn a_rollout_freeing_its_kv_cache_holds_none_between_requests() {
+        let ask = |r: &mut RolloutRole| {
+            let prompt = Prompt {
+                id: 0x20,
+                text: "abcd".into(),
+                reference: None,
+                metadata: serde_json::Value::Null,
+                messages: Vec::new(),
+            };
+            generated(
+                r.serve(RolloutRequest::Generate(GenerateRequest {
+                    step: 0,
+                    prompts: vec![prompt],
+                    n: 3,
+                    params: SamplingParams {
+                        max_new_tokens: 6,
+                        ignore_eos: true,
+                        ..Default::default()
+                    },
+                    seed: 9,
+                }))
+                .unwrap(),
+            )
+        };
+        let mut keeping = role();
+        let kept = ask(&mut keeping);
+        assert!(keeping.generator.cache_ptr().is_some());
+        let mut freeing = role().freeing_kv_after_each_request();
+        for _ in 0..2 {
+            assert_eq!(ask(&mut freeing), kept);
+            assert!(freeing.generator.cache_ptr().is_none());
+        }
     }
 
     /// Weights by CUDA IPC handle are refused while offloaded (the policy may free its

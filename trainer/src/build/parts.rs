@@ -127,6 +127,9 @@ pub(crate) fn rollout_role_with_envs(
         }
     }
     let mut role = RolloutRole::new(generator, codec);
+    if job.rollout.free_kv_cache {
+        role = role.freeing_kv_after_each_request();
+    }
     if let Some(c) = &job.algorithm.step_credit {
         role = role.with_step_delimiter(c.delimiter.clone());
     }

@@ -12,11 +12,12 @@
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use yatt_engine::ShardedTrainer;
 use yatt_engine::{is_sharded_checkpoint, layout_of};
 use yatt_roles::{
-    PolicyRankRole, RankRef, RankRequest, RankResponse, RankSource, RemoteRanks, RoleActor,
-    RoleRequest, RoleResponse, ShardedCriticRole, ShardedPolicyRole, ShardedReferenceRole,
-    ShardedStart, SlicePusher,
+    PolicyRankRole, RankRef, RankRequest, RankResponse, RankSource, RemoteRanks, Role, RoleActor,
+    RoleError, RoleRequest, RoleResponse, ShardedCriticRole, ShardedPolicyRole,
+    ShardedReferenceRole, ShardedStart, SlicePusher,
 };
 use yatt_runtime::{ActorName, Node, RingMember, RingSpec, RING_CHUNK_BYTES};
 
@@ -256,43 +257,21 @@ pub(crate) async fn start_sharded_reference(
     name: &ActorName,
     args: ShardedArgs,
 ) -> Result<RoleActor<ShardedReferenceRole>, String> {
-    let job = &args.job()?;
-    let n = job.job.reference_shards;
-    let nodes = job.placement.policy_nodes(n);
-    let nodes = nodes.get(..n).ok_or_else(|| {
-        format!(
-            "a reference over {n} ranks: placement.policy names {} node(s)",
-            nodes.len()
-        )
-    })?;
-    let a = args.role;
-    let start = ShardedStart {
-        shards: n,
-        ..sharded_start(job)
-    };
-    let rank_args = |r: usize| RankArgs {
-        role: a.clone(),
-        rank: r as u32,
-        replicas: 1,
-        of: RankOf::Reference,
-    };
-    let (member, ranks) = spawn_ranks(node, name, job, nodes, &start, rank_args).await?;
-    let remote = RemoteRanks::new(ranks.clone(), 1, tokio::runtime::Handle::current());
-    let role = start_role(a, "reference", move |job| {
-        let failed = |e: String| JobError::Model {
-            source_desc: job.model.source.to_string(),
-            reason: format!("sharded reference rank 0: {e}"),
-        };
-        let (source, pad_id, _) = rank_source(job, None, RankOf::Reference)?;
-        let rank0 = source.shard(member).map_err(failed)?;
-        ShardedReferenceRole::with_remote_ranks(rank0, remote, policy_config(job, pad_id), &start)
-            .map_err(|e| failed(e.to_string()))
-    })
-    .await;
-    if role.is_err() {
-        stop_ranks(&ranks).await;
-    }
-    role
+    start_beside_policy(
+        node,
+        name,
+        args,
+        RankOf::Reference,
+        |job, rank0, remote, start, pad_id| {
+            ShardedReferenceRole::with_remote_ranks(
+                rank0,
+                remote,
+                policy_config(job, pad_id),
+                start,
+            )
+        },
+    )
+    .await
 }
 
 /// The factory of a sharded critic's rank 0 (`job.critic_shards > 1`): spawns ranks
@@ -304,12 +283,47 @@ pub(crate) async fn start_sharded_critic(
     name: &ActorName,
     args: ShardedArgs,
 ) -> Result<RoleActor<ShardedCriticRole>, String> {
+    let root = node.config().data_dir.clone();
+    start_beside_policy(
+        node,
+        name,
+        args,
+        RankOf::Critic,
+        |job, rank0, remote, start, pad_id| {
+            let role = ShardedCriticRole::with_remote_ranks(
+                rank0,
+                remote,
+                critic_config(job, pad_id),
+                start,
+            )?;
+            Ok(role.with_write_root(root))
+        },
+    )
+    .await
+}
+
+/// Rank 0 of a sharded reference or critic (`of`), built by `build` from its own
+/// trainer and the ranks 1..N it spawned beside the policy's (rank r on the node
+/// `placement.policy[r]` names) and joined in one ring. A failure stops the ranks it
+/// started.
+async fn start_beside_policy<R: Role>(
+    node: &Node,
+    name: &ActorName,
+    args: ShardedArgs,
+    of: RankOf,
+    build: impl FnOnce(&JobConfig, ShardedTrainer, RemoteRanks, &ShardedStart, i64) -> Result<R, RoleError>
+        + Send
+        + 'static,
+) -> Result<RoleActor<R>, String> {
     let job = &args.job()?;
-    let n = job.job.critic_shards;
+    let (what, n) = match of {
+        RankOf::Critic => ("critic", job.job.critic_shards),
+        _ => ("reference", job.job.reference_shards),
+    };
     let nodes = job.placement.policy_nodes(n);
     let nodes = nodes.get(..n).ok_or_else(|| {
         format!(
-            "a critic over {n} ranks: placement.policy names {} node(s)",
+            "a {what} over {n} ranks: placement.policy names {} node(s)",
             nodes.len()
         )
     })?;
@@ -322,23 +336,20 @@ pub(crate) async fn start_sharded_critic(
         role: a.clone(),
         rank: r as u32,
         replicas: 1,
-        of: RankOf::Critic,
+        of,
     };
     let (member, ranks) = spawn_ranks(node, name, job, nodes, &start, rank_args).await?;
     let remote = RemoteRanks::new(ranks.clone(), 1, tokio::runtime::Handle::current());
-    let root = node.config().data_dir.clone();
-    let checkpoint = a.checkpoint.clone();
-    let role = start_role(a, "critic", move |job| {
+    // A reference is the run's initial model, also when the run resumes.
+    let checkpoint = a.checkpoint.clone().filter(|_| of == RankOf::Critic);
+    let role = start_role(a, what, move |job| {
         let failed = |e: String| JobError::Model {
             source_desc: job.model.source.to_string(),
-            reason: format!("sharded critic rank 0: {e}"),
+            reason: format!("sharded {what} rank 0: {e}"),
         };
-        let (source, pad_id, _) = rank_source(job, checkpoint.as_deref(), RankOf::Critic)?;
+        let (source, pad_id, _) = rank_source(job, checkpoint.as_deref(), of)?;
         let rank0 = source.shard(member).map_err(failed)?;
-        let config = critic_config(job, pad_id);
-        let role = ShardedCriticRole::with_remote_ranks(rank0, remote, config, &start)
-            .map_err(|e| failed(e.to_string()))?;
-        Ok(role.with_write_root(root))
+        build(job, rank0, remote, &start, pad_id).map_err(|e| failed(e.to_string()))
     })
     .await;
     if role.is_err() {

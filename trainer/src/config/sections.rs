@@ -366,6 +366,12 @@ pub struct RolloutSection {
     /// one sequence of `model.max_seq_len` positions, e.g. `kv_cache_bytes =
     /// 4_000_000_000`.
     pub kv_cache_bytes: u64,
+    /// Free the KV cache after each generation request, as verl's
+    /// `free_cache_engine` does: in a colocated run its memory goes back for the
+    /// update, at the cost of allocating it again at the next step's generation (and
+    /// of the KV kept for continuing sequences, whose prefixes are then prefilled
+    /// again).
+    pub free_kv_cache: bool,
     /// Asynchronous RL: how many policy versions a sample may lag behind the weights
     /// it trains (counted from the version its generation started with, as in the
     /// simulator). 0 = on-policy, generation and training take turns. With k ≥ 1 the
@@ -492,6 +498,7 @@ impl Default for RolloutSection {
             stream: false,
             max_batch: 0,
             kv_cache_bytes: 0,
+            free_kv_cache: false,
             staleness: 0,
             logprob_diff_warn: 0.1,
             cuda_graphs: true,

@@ -25,7 +25,7 @@ use crate::algo::loss::value_loss;
 use crate::builtin::scoring::{check_device, model_bytes};
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError};
 use crate::sample::{response_mask, token_matrix, Sample, TokenField};
-use values::{micro_weights, response_values, sample_err};
+use values::{check_train_samples, micro_weights, response_values, sample_err};
 
 /// The value model.
 pub struct CriticRole {
@@ -61,22 +61,13 @@ impl CriticRole {
 
     fn train(&mut self, samples: Vec<Sample>) -> Result<CriticReport, RoleError> {
         let t0 = Instant::now();
-        if samples.is_empty() {
-            return Err(RoleError::BadRequest(
-                "critic train needs at least one sample".into(),
-            ));
-        }
-        let bad = |e: crate::sample::SampleError| RoleError::BadRequest(e.to_string());
-        for s in &samples {
-            s.token_field(TokenField::Values).map_err(bad)?;
-            s.token_field(TokenField::Returns).map_err(bad)?;
-        }
+        let trained = check_train_samples(&samples)?;
         let cfg = self.config.clone();
         let dev = self.trainer.model.device();
         let per_mini = samples.len().div_ceil(cfg.mini_batches);
         let (mut clip, mut vpred, mut n_micro) = (0.0, 0.0, 0usize);
         let mut report = CriticReport {
-            trained: samples.iter().map(|s| s.id).collect(),
+            trained,
             ..Default::default()
         };
         let mut steps = 0usize;

@@ -21,11 +21,12 @@ use yatt_engine::{check_shards, layout_of, Llama, ShardedTrainer, TrainConfig};
 
 use super::protocol::{CriticConfig, CriticReport, CriticRequest, CriticResponse};
 use super::rank::{rank_value_step, rank_values};
+use super::values::check_train_samples;
 use crate::builtin::policy::ranks::{self, Ranks};
 use crate::builtin::policy::{RankRequest, RankResponse, RemoteRanks, ShardedStart};
 use crate::builtin::scoring::check_device;
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError};
-use crate::sample::{Sample, TokenField};
+use crate::sample::Sample;
 
 /// The critic role over one value model sharded over [`ShardedStart::shards`] ranks.
 pub struct ShardedCriticRole {
@@ -200,18 +201,9 @@ impl ShardedCriticRole {
 
     fn train(&mut self, samples: Vec<Sample>) -> Result<CriticReport, RoleError> {
         let t0 = Instant::now();
-        if samples.is_empty() {
-            return Err(RoleError::BadRequest(
-                "critic train needs at least one sample".into(),
-            ));
-        }
-        let bad = |e: crate::sample::SampleError| RoleError::BadRequest(e.to_string());
-        for s in &samples {
-            s.token_field(TokenField::Values).map_err(bad)?;
-            s.token_field(TokenField::Returns).map_err(bad)?;
-        }
+        let trained = check_train_samples(&samples)?;
         let mut report = CriticReport {
-            trained: samples.iter().map(|s| s.id).collect(),
+            trained,
             ..Default::default()
         };
         let per_mini = samples.len().div_ceil(self.config.mini_batches);

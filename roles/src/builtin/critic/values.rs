@@ -8,7 +8,7 @@ use yatt_engine::{EngineError, Llama};
 use super::protocol::CriticConfig;
 use crate::algo::loss::normaliser;
 use crate::role::RoleError;
-use crate::sample::{response_mask, Sample};
+use crate::sample::{response_mask, Sample, SampleId, TokenField};
 
 pub(crate) fn sample_err(e: crate::sample::SampleError) -> EngineError {
     EngineError::InvalidArgument(e.to_string())
@@ -81,4 +81,21 @@ pub(crate) fn response_columns(all: &Tensor, samples: &[Sample]) -> yatt_engine:
     let idx = Tensor::from_slice(&idx).view(shape).to_device(device);
     let mask = response_mask(samples, device).map_err(sample_err)?;
     Ok(all.gather(1, &idx, false) * mask)
+}
+
+/// Refuses a critic update that cannot run: no samples, or one without the values
+/// from before the update or the returns (naming the sample and the field). Returns
+/// the ids of the samples to be trained, for the report.
+pub(crate) fn check_train_samples(samples: &[Sample]) -> Result<Vec<SampleId>, RoleError> {
+    if samples.is_empty() {
+        return Err(RoleError::BadRequest(
+            "critic train needs at least one sample".into(),
+        ));
+    }
+    let bad = |e: crate::sample::SampleError| RoleError::BadRequest(e.to_string());
+    for s in samples {
+        s.token_field(TokenField::Values).map_err(bad)?;
+        s.token_field(TokenField::Returns).map_err(bad)?;
+    }
+    Ok(samples.iter().map(|s| s.id).collect())
 }
