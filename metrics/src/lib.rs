@@ -5,7 +5,7 @@
 //!   line, [`METRICS_FILE`]) and to a TensorBoard event file
 //!   `RUN_DIR/events.out.tfevents.<secs>.<host>` ([`EventWriter`]);
 //! - [`read_jsonl`] reads `metrics.jsonl` back as [`StepRecord`]s;
-//! - [`process_memory`] reads the job process's resident memory and its peak per step;
+//! - [`process_memory`] reads the job process's resident memory and its peak;
 //! - [`names`] are the metric names `yatt train` writes, for writers and readers alike;
 //! - `plot_run` (feature `plot`) draws a run's reward, KL, stage timing and throughput as PNGs.
 //!

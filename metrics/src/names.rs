@@ -42,8 +42,8 @@ pub const TRAIN_STATE_BYTES: &str = "memory/train_state_bytes";
 /// The job process's resident memory at the end of the step, bytes (`VmRSS`). In an
 /// embedded run this process holds every role; on a cluster, the controllers only.
 pub const PROCESS_RSS_BYTES: &str = "perf/process_rss_bytes";
-/// The most the job process held resident during the step, bytes (`VmHWM`, reset after
-/// each step; where the kernel refuses the reset, the peak since the process started).
+/// The most the job process has held resident since it started, bytes (`VmHWM`; not
+/// reset per step, as that would also reset what `time -v` reports).
 pub const PROCESS_PEAK_RSS_BYTES: &str = "perf/process_peak_rss_bytes";
 /// A sharded policy: its ranks in the step (under the live placement's sharded pool,
 /// the policy groups, which change as groups move).

@@ -5,25 +5,19 @@
 pub struct ProcessMemory {
     /// Resident now (`VmRSS`).
     pub resident_bytes: u64,
-    /// The most that was resident since the previous [`process_memory`] call, or since
-    /// the process started where the kernel does not let it reset the mark (`VmHWM`).
+    /// The most that was resident since the process started (`VmHWM`).
     pub peak_resident_bytes: u64,
 }
 
-/// Reads this process's resident memory and starts a new peak, so that consecutive
-/// calls give each interval's own peak (one per training step). `None` where
-/// `/proc/self/status` cannot be read (not Linux).
+/// Reads this process's resident memory now and its peak since it started. `None`
+/// where `/proc/self/status` cannot be read (not Linux).
 ///
-/// The peak is per process: with several controllers in one process, each step's peak
-/// covers whatever ran since any of them last called this.
+/// The peak is not reset between steps: writing to `/proc/self/clear_refs` would
+/// start a new one, but it also resets what `time -v` and other tools report as the
+/// process's peak (`ru_maxrss`).
 pub fn process_memory() -> Option<ProcessMemory> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let memory = parse_status(&status)?;
-    // Writing 5 to clear_refs sets VmHWM back to VmRSS (Linux 4.0 and later). A kernel
-    // or sandbox that refuses it leaves the peak since the process started: still a
-    // true upper bound, so the refusal is not an error.
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
-    Some(memory)
+    parse_status(&status)
 }
 
 /// `VmRSS` and `VmHWM` out of a `/proc/PID/status` text, in bytes.
@@ -58,12 +52,12 @@ mod tests {
     }
 
     #[test]
-    fn a_step_peak_covers_what_was_touched_since_the_last_call() {
+    fn the_peak_covers_what_was_touched_and_freed() {
         let Some(before) = process_memory() else {
             return; // not Linux: nothing to read
         };
         assert!(before.peak_resident_bytes >= before.resident_bytes);
-        // Touch 64 MiB, then free it: the next call's peak must include it.
+        // Touch 64 MiB, then free it: the peak must include it from then on.
         let touched = vec![1u8; 64 << 20];
         std::hint::black_box(&touched);
         drop(touched);
@@ -72,5 +66,8 @@ mod tests {
             after.peak_resident_bytes >= before.resident_bytes + (60 << 20),
             "{before:?} then {after:?}"
         );
+        // Reading does not reset it (what `time -v` reports stays whole).
+        let again = process_memory().expect("reads again");
+        assert!(again.peak_resident_bytes >= after.peak_resident_bytes);
     }
 }

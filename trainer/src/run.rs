@@ -455,8 +455,8 @@ pub(crate) fn check_live_roles(job: &JobConfig, custom: &CustomRoles) -> Result<
 
 /// A checkpoint's place in the run, for its errors: the end-of-run save is not "step
 /// N+1".
-/// The step's metrics plus the job process's resident memory and its peak over the step
-/// (what a user watches for a run whose memory creeps up, step after step).
+/// The step's metrics plus the job process's resident memory at the step's end and its
+/// peak so far (what a user watches for a run whose memory creeps up, step after step).
 fn with_process_memory(m: &StepMetrics) -> StepMetrics {
     let mut m = m.clone();
     if let Some(memory) = yatt_metrics::process_memory() {
