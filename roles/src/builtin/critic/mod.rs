@@ -25,6 +25,7 @@ use crate::algo::loss::value_loss;
 use crate::builtin::scoring::{check_device, model_bytes};
 use crate::role::{DeviceGroup, ResourceProfile, Role, RoleError};
 use crate::sample::{response_mask, token_matrix, Sample, TokenField};
+use rank::update_report;
 use values::{check_train_samples, micro_weights, response_values, sample_err};
 
 /// The value model.
@@ -65,18 +66,14 @@ impl CriticRole {
         let cfg = self.config.clone();
         let dev = self.trainer.model.device();
         let per_mini = samples.len().div_ceil(cfg.mini_batches);
-        let (mut clip, mut vpred, mut n_micro) = (0.0, 0.0, 0usize);
-        let mut report = CriticReport {
-            trained,
-            ..Default::default()
-        };
-        let mut steps = 0usize;
+        let mut steps = Vec::new();
         for mini in samples.chunks(per_mini) {
             let micros: Vec<(usize, &[Sample])> =
                 mini.chunks(cfg.micro_batch_size).enumerate().collect();
             let weights = micro_weights(micros.iter().map(|(_, c)| *c), &cfg, dev)?;
             // The trainer scales each micro-batch's loss by 1/n; the weights replace that.
             let n = micros.len() as f64;
+            let (mut clip, mut vpred) = (0.0, 0.0);
             let step = self.trainer.step(&micros, |model, &(i, chunk)| {
                 let v = response_values(model, chunk, cfg.pad_id)?;
                 let field = |f| token_matrix(chunk, f, dev).map_err(sample_err);
@@ -91,21 +88,18 @@ impl CriticRole {
                 .map_err(|e| EngineError::InvalidArgument(e.to_string()))?;
                 clip += st.clip_frac;
                 vpred += st.value_mean;
-                n_micro += 1;
                 Ok(loss * (weights[i] * n))
             });
             let step = step.map_err(|e| RoleError::Failed(format!("critic update: {e}")))?;
-            report.vf_loss += step.loss;
-            report.grad_norm += step.grad_norm;
-            steps += 1;
+            steps.push(vec![CriticRankStep {
+                loss: step.loss,
+                grad_norm: step.grad_norm,
+                clip,
+                vpred,
+                micro_batches: micros.len(),
+            }]);
         }
-        let (s, n) = (steps.max(1) as f64, n_micro.max(1) as f64);
-        report.vf_loss /= s;
-        report.grad_norm /= s;
-        report.vf_clipfrac = clip / n;
-        report.vpred_mean = vpred / n;
-        report.seconds = t0.elapsed().as_secs_f64();
-        Ok(report)
+        Ok(update_report(trained, &steps, t0.elapsed().as_secs_f64()))
     }
 }
 

@@ -6,10 +6,10 @@
 use tch::Tensor;
 use yatt_engine::{EngineError, ShardedTrainer};
 
-use super::protocol::CriticConfig;
+use super::protocol::{CriticConfig, CriticReport};
 use super::values::{micro_weights, response_columns, sample_err, seq_batch};
 use crate::algo::loss::value_loss;
-use crate::sample::{response_mask, token_matrix, Sample, TokenField};
+use crate::sample::{response_mask, token_matrix, Sample, SampleId, TokenField};
 
 /// One rank's part of a critic optimizer step.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -135,4 +135,35 @@ pub(crate) fn rank_value_step(
         vpred,
         micro_batches: batches.len(),
     })
+}
+
+/// A critic update's report from its optimizer steps, each given as every rank's part
+/// (one part for the whole critic): loss and gradient norm are means over the steps,
+/// the clipped fraction and predicted value means over every micro-batch.
+pub(crate) fn update_report(
+    trained: Vec<SampleId>,
+    steps: &[Vec<CriticRankStep>],
+    seconds: f64,
+) -> CriticReport {
+    let parts = || steps.iter().flatten();
+    let s = steps.len().max(1) as f64;
+    let m = parts().map(|p| p.micro_batches).sum::<usize>().max(1) as f64;
+    CriticReport {
+        trained,
+        vf_loss: steps
+            .iter()
+            .filter_map(|p| p.first())
+            .map(|p| p.loss)
+            .sum::<f64>()
+            / s,
+        grad_norm: steps
+            .iter()
+            .filter_map(|p| p.first())
+            .map(|p| p.grad_norm)
+            .sum::<f64>()
+            / s,
+        vf_clipfrac: parts().map(|p| p.clip).sum::<f64>() / m,
+        vpred_mean: parts().map(|p| p.vpred).sum::<f64>() / m,
+        seconds,
+    }
 }

@@ -20,7 +20,7 @@ use tch::{Device, Kind};
 use yatt_engine::{check_shards, layout_of, Llama, ShardedTrainer, TrainConfig};
 
 use super::protocol::{CriticConfig, CriticReport, CriticRequest, CriticResponse};
-use super::rank::{rank_value_step, rank_values};
+use super::rank::{rank_value_step, rank_values, update_report};
 use super::values::check_train_samples;
 use crate::builtin::policy::ranks::{self, Ranks};
 use crate::builtin::policy::{RankRequest, RankResponse, RemoteRanks, ShardedStart};
@@ -202,16 +202,12 @@ impl ShardedCriticRole {
     fn train(&mut self, samples: Vec<Sample>) -> Result<CriticReport, RoleError> {
         let t0 = Instant::now();
         let trained = check_train_samples(&samples)?;
-        let mut report = CriticReport {
-            trained,
-            ..Default::default()
-        };
         let per_mini = samples.len().div_ceil(self.config.mini_batches);
-        let (mut steps, mut clip, mut vpred, mut micros) = (0usize, 0.0, 0.0, 0usize);
+        let mut steps = Vec::new();
         for mini in samples.chunks(per_mini) {
             let cfg = self.config.clone();
             let mini = Arc::new(mini.to_vec());
-            let parts = self.on_every_rank(
+            steps.push(self.on_every_rank(
                 "critic update",
                 mini,
                 move |tr, s, r, n| rank_value_step(tr, &cfg, s, r, n),
@@ -224,23 +220,9 @@ impl ShardedCriticRole {
                     RankResponse::ValueStepped(step) => Ok(step),
                     other => Err(other),
                 },
-            )?;
-            report.vf_loss += parts[0].loss;
-            report.grad_norm += parts[0].grad_norm;
-            for p in &parts {
-                clip += p.clip;
-                vpred += p.vpred;
-                micros += p.micro_batches;
-            }
-            steps += 1;
+            )?);
         }
-        let (s, m) = (steps.max(1) as f64, micros.max(1) as f64);
-        report.vf_loss /= s;
-        report.grad_norm /= s;
-        report.vf_clipfrac = clip / m;
-        report.vpred_mean = vpred / m;
-        report.seconds = t0.elapsed().as_secs_f64();
-        Ok(report)
+        Ok(update_report(trained, &steps, t0.elapsed().as_secs_f64()))
     }
 
     fn save(&mut self, dir: PathBuf) -> Result<(), RoleError> {
