@@ -12,6 +12,7 @@ use crate::build::heads::controllers;
 use crate::build::parts::{
     base_model, critic_role, policy_ring, policy_role_from, policy_trainer, reference_role,
     replica_rings, rollout_role, sharded_critic_role, sharded_policy_role, sharded_reference_role,
+    whole_checkpoint_refused,
 };
 use crate::build::reward::spawn_reward;
 use crate::checkpoint::{load_trainer, restore_controllers};
@@ -93,13 +94,13 @@ async fn build_embedded_in(
     let mut resumed_weights = None;
     if custom.policy.is_none() && (job.job.policy_shards > 1 || sharded_ckpt.is_some()) {
         if let (Some(dir), None) = (&ckpt, sharded_ckpt) {
-            return Err(JobError::Resume {
-                dir: dir.clone(),
-                reason: format!(
-                    "the checkpoint holds a whole (unsharded) policy, and job.policy_shards = {}: resume it with job.policy_shards = 1",
-                    job.job.policy_shards
-                ),
-            });
+            let n = job.job.policy_shards;
+            return Err(whole_checkpoint_refused(
+                dir,
+                "policy",
+                "job.policy_shards",
+                n,
+            ));
         }
         // One sharded replica per head with job.policy_replicas > 1 (HSDP), each rank
         // with its member of the ring of the same rank in every replica.
@@ -159,13 +160,13 @@ async fn build_embedded_in(
         let sharded_dir = critic_dir.as_deref().filter(|d| is_sharded_checkpoint(d));
         if job.job.critic_shards > 1 || sharded_dir.is_some() {
             if let (Some(dir), None) = (&critic_dir, sharded_dir) {
-                return Err(JobError::Resume {
-                    dir: dir.clone(),
-                    reason: format!(
-                        "the checkpoint holds a whole (unsharded) critic, and job.critic_shards = {}: resume it with job.critic_shards = 1",
-                        job.job.critic_shards
-                    ),
-                });
+                let n = job.job.critic_shards;
+                return Err(whole_checkpoint_refused(
+                    dir,
+                    "critic",
+                    "job.critic_shards",
+                    n,
+                ));
             }
             let role = sharded_critic_role(job, m, sharded_dir, pad_id)?;
             Some(started.keep(spawn_role(node, role, 0, g()).await?))

@@ -399,6 +399,22 @@ pub(crate) fn sharded_critic_role(
     })
 }
 
+/// The refusal to resume a whole (unsharded) `role`'s checkpoint in `dir` with `key`
+/// (its shard count) at `shards`.
+pub(crate) fn whole_checkpoint_refused(
+    dir: &Path,
+    role: &str,
+    key: &str,
+    shards: usize,
+) -> JobError {
+    JobError::Resume {
+        dir: dir.to_path_buf(),
+        reason: format!(
+            "the checkpoint holds a whole (unsharded) {role}, and {key} = {shards}: resume it with {key} = 1"
+        ),
+    }
+}
+
 /// The critic's optimizer settings: the policy's with `optim.critic_lr`.
 pub(crate) fn critic_train_config(job: &JobConfig) -> TrainConfig {
     TrainConfig {

@@ -24,7 +24,7 @@ use yatt_runtime::{ActorName, Node, RingMember, RingSpec, RING_CHUNK_BYTES};
 use crate::build::devices::model_here;
 use crate::build::parts::{
     critic_config, critic_train_config, memory_options, policy_config, sharded_start, train_config,
-    HSDP_RING,
+    whole_checkpoint_refused, HSDP_RING,
 };
 use crate::build::remote::{start_role, RoleArgs};
 use crate::config::sections::JobConfig;
@@ -123,16 +123,11 @@ fn rank_source(
             memory: memory_options(job),
         },
         Some(dir) => {
-            return Err(JobError::Resume {
-                dir,
-                reason: format!(
-                    "the checkpoint holds a whole (unsharded) {}, and {key} = {shards}: resume it with {key} = 1",
-                    match of {
-                        RankOf::Critic => "critic",
-                        _ => "policy",
-                    }
-                ),
-            })
+            let role = match of {
+                RankOf::Critic => "critic",
+                _ => "policy",
+            };
+            return Err(whole_checkpoint_refused(&dir, role, key, shards));
         }
         None if of == RankOf::Critic => {
             model.memory = memory_options(job);
